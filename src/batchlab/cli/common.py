@@ -1,0 +1,123 @@
+"""Options shared by every command that takes a config, and the one place they become a RunConfig."""
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import sys
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from batchlab.config import (ConfigError, RunConfig, derive_accum, model_from_hf_config, parse_bytes,
+                             preset)
+
+AC_HELP = ("Activation checkpointing: none, full, every:K, selective. Recomputes activations during backward "
+           "to save memory inside one step (trades compute for memory). NOT the training checkpoint saved to disk.")
+
+# name -> (annotation, default, help).  Flags are the names with dashes (--micro-batch); --change/--vary
+# use the same names with underscores.
+CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
+    "model": (str, "tiny", "Preset (tiny, small, gpt2, llama-2-7b, ...), hf:NAME_OR_CONFIG.json, or package.module:factory."),
+    "hf_config": (Optional[str], None, "Read the model shape from a Hugging Face config.json on disk."),
+    "layers": (Optional[int], None, "Override: number of transformer layers."),
+    "hidden": (Optional[int], None, "Override: hidden size h."),
+    "heads": (Optional[int], None, "Override: attention heads a."),
+    "kv_heads": (Optional[int], None, "Override: key/value heads (GQA)."),
+    "ffn": (Optional[int], None, "Override: MLP inner size."),
+    "vocab": (Optional[int], None, "Override: vocabulary size V."),
+    "mlp": (Optional[str], None, "Override: gelu or swiglu."),
+    "norm": (Optional[str], None, "Override: layernorm or rmsnorm."),
+    "dropout": (Optional[float], None, "Override: dropout probability (0 = off)."),
+    "attention": (Optional[str], None, "Override: eager (s x s scores kept) or sdpa (fused, no s^2 term)."),
+    "seq": (int, 128, "Sequence length s (tokens per sample)."),
+    "micro_batch": (Optional[int], None, "Micro-batch b: sequences per forward/backward on one rank [default 8]."),
+    "accum": (Optional[int], None, "Gradient-accumulation steps per optimizer update [default 1]."),
+    "global_batch": (Optional[int], None, "Global batch (sequences per update); accum is derived from it."),
+    "dp": (int, 1, "Data-parallel world size."),
+    "precision": (str, "fp32", "fp32, bf16-mixed, fp16-mixed or bf16."),
+    "optimizer": (str, "adamw", "adamw, sgd or sgd-momentum."),
+    "optimizer_bytes": (Optional[float], None, "Optimizer state bytes per parameter (overrides --optimizer's)."),
+    "ac": (str, "none", AC_HELP),
+    "zero": (int, 0, "ZeRO stage 0-3 over the DP ranks (3 ~ FSDP full sharding)."),
+    "device": (str, "cpu", "Device: cpu, h100-sxm, h200, a100-40gb, a100-80gb, l40s, mi300x, or custom:mem=80GB,tflops=400,..."),
+    "memory_budget": (Optional[str], None, "Memory per rank, e.g. 2GiB (replaces the device's; on CPU a tracked-bytes budget)."),
+    "data": (str, "fixed", "fixed (full-length sequences) or padded (variable lengths, padding not counted as useful)."),
+    "seed": (int, 0, "Seed for weights and synthetic data."),
+    "achievable_fraction": (float, 0.4, "Assumed fraction of peak FLOP/s that kernels reach."),
+    "comm_overlap": (float, 0.0, "Assumed fraction of the gradient all-reduce hidden behind backward."),
+}
+MODEL_OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp", "norm", "dropout", "attention")
+
+
+def build_config(**o: Any) -> RunConfig:
+    """Turn the shared options into a validated RunConfig (raises ConfigError naming the field)."""
+    overrides = {k: o.get(k) for k in MODEL_OVERRIDES}
+    model_arg = o.get("model") or "tiny"
+    source = "builtin"
+    if o.get("hf_config"):
+        spec = model_from_hf_config(o["hf_config"], **overrides)
+    elif model_arg.startswith("hf:"):
+        source = model_arg
+        target = model_arg[3:]
+        spec = (model_from_hf_config(target, **overrides) if target.endswith(".json")
+                else preset(target, **overrides))
+    elif ":" in model_arg:
+        source = model_arg  # package.module:factory — the calculator cannot see inside it
+        spec = preset("tiny", **overrides)
+    else:
+        spec = preset(model_arg, **overrides)
+    mb, accum, gb, dp = o.get("micro_batch"), o.get("accum"), o.get("global_batch"), o.get("dp") or 1
+    if gb is not None:
+        mb = mb or 1
+        derived = derive_accum(gb, mb, dp)
+        if accum is not None and accum != derived:
+            raise ConfigError("accum", f"--accum {accum} contradicts --global-batch {gb} = {mb} x accum x {dp}")
+        accum = derived
+    assumptions = {"achievable_fraction": o.get("achievable_fraction", 0.4),
+                   "comm_overlap": o.get("comm_overlap", 0.0),
+                   "optimizer_bytes_per_param": o.get("optimizer_bytes")}
+    from batchlab.config import Assumptions
+    budget = o.get("memory_budget")
+    return RunConfig(model=spec, model_source=source, seq=o.get("seq") or 128, micro_batch=mb or 8,
+                     accum=accum or 1, dp=dp, precision=o.get("precision") or "fp32",
+                     optimizer=o.get("optimizer") or "adamw", ac=o.get("ac") or "none", zero=o.get("zero") or 0,
+                     device=o.get("device") or "cpu",
+                     memory_budget=parse_bytes("memory_budget", budget) if budget else None,
+                     data=o.get("data") or "fixed", seed=o.get("seed") or 0,
+                     assumptions=Assumptions(**assumptions))
+
+
+def with_config(fn: Callable) -> Callable:
+    """Give a typer command every shared config option; it receives ``cfg: RunConfig`` instead.
+
+    The command's own parameters keep their place; ``--json`` is added too and passed as ``as_json``.
+    """
+    own = [p for p in inspect.signature(fn).parameters.values() if p.name not in ("cfg", "as_json")]
+    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                annotation=Annotated[ann, typer.Option(help=help_, rich_help_panel="Configuration")])
+              for name, (ann, default, help_) in CONFIG_OPTIONS.items()]
+    json_param = inspect.Parameter("as_json", inspect.Parameter.KEYWORD_ONLY, default=False,
+                                   annotation=Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")])
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs):
+        config_kwargs = {k: kwargs.pop(k) for k in CONFIG_OPTIONS}
+        cfg = build_config(**config_kwargs)
+        return fn(cfg=cfg, as_json=kwargs.pop("as_json"), **kwargs)
+
+    wrapper.__signature__ = inspect.Signature(own + shared + [json_param])
+    return wrapper
+
+
+def print_json(obj: Any) -> None:
+    from batchlab.config import to_jsonable
+
+    json.dump(to_jsonable(obj), sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def fail(message: str, code: int = 2) -> None:
+    """One line on stderr and the exit code; no traceback."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)

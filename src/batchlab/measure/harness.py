@@ -1,0 +1,164 @@
+"""One optimizer update, exactly as a careful training loop does it, with probe points between phases.
+
+Semantics (each pinned by a test): the loss of every micro-batch is summed over tokens and divided by the
+useful-token count of the whole update (so accumulated gradients equal the whole batch's gradient, padded
+or not); under DDP all but the last micro-batch run in ``no_sync()`` (one all-reduce per update);
+gradients are unscaled (fp16) and clipped after accumulation; optimizer, GradScaler and LR scheduler step
+once per update.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+
+from batchlab.config import OptimizerKind, Precision, RunConfig
+from batchlab.models import Workload, build_workload
+from batchlab.models.ac import apply_ac
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+class Probe(Protocol):
+    def mark(self, phase: str) -> None:
+        """Called when a phase starts; ``"end"`` when the update is over."""
+
+
+class _NoProbe:
+    def mark(self, phase: str) -> None:
+        pass
+
+
+def torch_device(cfg: RunConfig, requested: str | None = None) -> torch.device:
+    """The local torch device for a config: its backend, or ``requested`` (cpu / cuda / cuda:1 / mps)."""
+    name = requested or cfg.device_spec.backend.value
+    return torch.device(name)
+
+
+def _autocast_dtype(precision: Precision) -> torch.dtype | None:
+    return {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}.get(precision)
+
+
+def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
+    params = list(params)
+    # foreach=False: the per-parameter loop keeps temporaries to one parameter at a time (what the
+    # calculator assumes); the fused/foreach paths hold a temporary per parameter group.
+    if cfg.optimizer is OptimizerKind.ADAMW:
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=False)
+    if cfg.optimizer is OptimizerKind.SGD_MOMENTUM:
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=False)
+    return torch.optim.SGD(params, lr=1e-3, foreach=False)
+
+
+@dataclass
+class UpdateResult:
+    loss: float  # mean token loss of the update (useful tokens only)
+    useful_tokens: int  # non-padding tokens this rank processed
+    grad_norm: float
+
+
+class Trainer:
+    """Holds model, optimizer, scheduler and scaler for one config; ``update()`` runs one optimizer update."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device | str | None = None, *, workload: Workload | None = None,
+                 rank: int = 0, world: int = 1, wrap=None, clip_norm: float | None = 1.0):
+        self.cfg = cfg
+        self.device = torch.device(device) if device is not None else torch_device(cfg)
+        self.rank, self.world = rank, world
+        torch.manual_seed(cfg.seed)
+        self.workload = workload or build_workload(cfg)
+        model = self.workload.model
+        if self.workload.blocks is not None:
+            self.wrapped_layers = apply_ac(self.workload.blocks, cfg.ac)
+        else:
+            self.wrapped_layers = []
+        if cfg.precision is Precision.BF16:
+            model = model.to(torch.bfloat16)
+        model = model.to(self.device)
+        model.train()
+        self.raw_model = model
+        # wrap: e.g. DDP; receives the model, returns the module to call
+        self.model = wrap(model) if wrap is not None else model
+        self.optimizer = make_optimizer(cfg, model.parameters())
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / 100))
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision is Precision.FP16_MIXED)
+        self.clip_norm = clip_norm
+        self.updates_done = 0
+        # one generator per rank: each rank sees distinct data, reproducibly
+        self.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + rank)
+
+    # -- pieces, usable on their own (tests, trace)
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.workload.make_batch(self.generator, self.cfg.micro_batch, self.cfg.seq, self.device)
+                for _ in range(self.cfg.accum)]
+
+    def _no_sync(self, last: bool):
+        if last or not hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def _autocast(self):
+        dtype = _autocast_dtype(self.cfg.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _global_useful(self, local: int) -> int:
+        if self.world == 1:
+            return local
+        import torch.distributed as dist
+
+        t = torch.tensor([local], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t)
+        return int(t.item())
+
+    def update(self, probe: Probe | None = None) -> UpdateResult:
+        probe = probe or _NoProbe()
+        probe.mark("data")
+        batches = self.batches()
+        local_useful = sum(int((t != -100).sum()) for _, t in batches)
+        # DDP averages gradients over ranks, so each rank divides by the per-rank share of the global count.
+        norm = self._global_useful(local_useful) / self.world
+        total = 0.0
+        for i, (tokens, targets) in enumerate(batches):
+            last = i == len(batches) - 1
+            with self._no_sync(last):
+                probe.mark("forward")
+                with self._autocast():
+                    loss = self.workload.loss_sum(self.model, tokens, targets) / norm
+                probe.mark("backward")
+                self.scaler.scale(loss).backward()
+            total += float(loss.detach()) * norm
+            del loss
+        probe.mark("optimizer")
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = float("nan")
+        if self.clip_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.clip_norm))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates_done += 1
+        probe.mark("end")
+        return UpdateResult(loss=total / max(local_useful, 1), useful_tokens=local_useful, grad_norm=grad_norm)
+
+    def gradients(self, batches=None) -> dict[str, torch.Tensor]:
+        """Accumulated gradients of one update's batches, without stepping (for equivalence tests)."""
+        batches = batches if batches is not None else self.batches()
+        useful = sum(int((t != -100).sum()) for _, t in batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        for i, (tokens, targets) in enumerate(batches):
+            with self._no_sync(i == len(batches) - 1), self._autocast():
+                loss = self.workload.loss_sum(self.model, tokens, targets) / useful
+            loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in self.raw_model.named_parameters() if p.grad is not None}
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads
+
+
+def parameters_of(module: nn.Module) -> list[torch.Tensor]:
+    return list(module.parameters())

@@ -1,0 +1,155 @@
+"""Live tensor-storage tracking: the peak tensor bytes of an update, its phase and breakdown.
+
+Works with real tensors (CPU, where there is no caching allocator to ask) and under FakeTensorMode (the
+trace), with identical numbers.  Every storage an op creates is counted until its finalizer runs;
+storages that exist before tracking starts (parameters, optimizer state) are registered explicitly, since
+an op returning a view of a parameter would otherwise look like a new storage.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "data")
+_CREATED_AS = {"data": "data", "forward": "activations", "backward": "temporaries", "optimizer": "temporaries"}
+
+
+@dataclass
+class MemorySnapshot:
+    peak_bytes: int
+    peak_phase: str
+    breakdown: dict[str, int]  # category -> bytes live at the peak; sums to peak_bytes
+    activations_bytes: int  # bytes created by the last forward and still held when backward starts
+    baseline_bytes: int  # live at start (parameters + optimizer state)
+    phase_peaks: dict[str, int] = field(default_factory=dict)  # highest live bytes seen in each phase
+
+
+class StorageTracker(TorchDispatchMode):
+    """Use as ``with tracker:`` around one or more updates; call ``mark(phase)`` between phases."""
+
+    def __init__(self):
+        super().__init__()
+        self._live: dict[int, tuple[int, str]] = {}  # id(storage) -> (bytes, created-as category)
+        self._current = 0
+        self.phase = "data"
+        self._peak = -1
+        self._peak_phase = "data"
+        self._peak_keys: dict[int, tuple[int, str]] = {}
+        self._phase_peaks: dict[str, int] = {}
+        self._param_keys: set[int] = set()
+        self._hooks: list = []
+        self._forward_start_keys: set[int] = set()
+        self._activation_bytes = 0
+        self._baseline = 0
+
+    # -- registration of what exists before tracking
+    def register(self, tensors, category: str) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._add(t.untyped_storage(), category)
+                if category == "parameters":
+                    self._param_keys.add(id(t.untyped_storage()))
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        for state in optimizer.state.values():
+            self.register([v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0], "optimizer")
+
+    def watch_gradients(self, params) -> None:
+        """Gradients are created by backward ops as ordinary storages; note which ones end up in .grad."""
+        for p in params:
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        key = id(p.grad.untyped_storage()) if p.grad is not None else None
+        if key in self._live:
+            self._live[key] = (self._live[key][0], "gradients")
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # -- bookkeeping
+    def _add(self, st, category: str) -> None:
+        key = id(st)
+        if key in self._live:
+            return
+        n = st.nbytes()
+        self._live[key] = (n, category)
+        self._current += n
+        weakref.finalize(st, self._free, key)
+        if self._current > self._phase_peaks.get(self.phase, -1):
+            self._phase_peaks[self.phase] = self._current
+        if self._current > self._peak:
+            self._peak = self._current
+            self._peak_phase = self.phase
+            self._peak_keys = dict(self._live)
+
+    def _free(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._current -= entry[0]
+
+    def mark(self, phase: str) -> None:
+        if phase == "forward" and self.phase != "forward":
+            self._forward_start_keys = set(self._live)
+        if phase == "backward":
+            self._activation_bytes = sum(n for k, (n, _) in self._live.items() if k not in self._forward_start_keys)
+        self.phase = phase
+
+    def reset(self) -> None:
+        """Start a new measurement window (what is live now becomes the baseline)."""
+        self._peak = self._current
+        self._peak_phase = self.phase
+        self._peak_keys = dict(self._live)
+        self._phase_peaks = {}
+        self._baseline = self._current
+
+    @property
+    def current_bytes(self) -> int:
+        return self._current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        category = _CREATED_AS.get(self.phase, "temporaries")
+        if (func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
+                and id(args[0].untyped_storage()) in self._param_keys):
+            category = "parameters"  # autocast's low-precision working copy of a weight
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t.untyped_storage(), category)
+        return out
+
+    def snapshot(self) -> MemorySnapshot:
+        breakdown = dict.fromkeys(CATEGORIES, 0)
+        for n, category in self._peak_keys.values():
+            breakdown[category] += n
+        assert sum(breakdown.values()) == max(self._peak, 0)
+        return MemorySnapshot(peak_bytes=max(self._peak, 0), peak_phase=self._peak_phase, breakdown=breakdown,
+                              activations_bytes=self._activation_bytes, baseline_bytes=self._baseline,
+                              phase_peaks=dict(self._phase_peaks))
+
+
+def track_update(trainer, steady: bool = True) -> MemorySnapshot:
+    """Peak tensor memory of one update of ``trainer`` (after one untracked update when ``steady``:
+    AdamW creates its state lazily, so the first update lacks it)."""
+    if steady and trainer.updates_done == 0:
+        trainer.update()
+    tracker = StorageTracker()
+    params = list(trainer.raw_model.parameters())
+    tracker.register(params, "parameters")
+    tracker.register([b for b in trainer.raw_model.buffers()], "parameters")
+    tracker.register_optimizer(trainer.optimizer)
+    tracker.watch_gradients(params)
+    tracker.reset()
+    try:
+        with tracker:
+            trainer.update(probe=tracker)
+    finally:
+        tracker.close()
+    return tracker.snapshot()
