@@ -1,0 +1,85 @@
+"""The calculator: memory, FLOPs and time of one optimizer update from the config alone (no torch).
+
+Every figure it returns has provenance "formula".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchlab.config import RunConfig
+from batchlab.formula.flops import FlopsEstimate, flops
+from batchlab.formula.memory import MemoryEstimate, memory, model_states, optimizer_bytes_per_param
+from batchlab.formula.params import ParamCount, count
+from batchlab.formula.timing import TimeEstimate, timing
+
+
+@dataclass(frozen=True)
+class Estimate:
+    config: RunConfig
+    params: ParamCount
+    memory: MemoryEstimate
+    flops: FlopsEstimate
+    time: TimeEstimate
+    training_checkpoint_bytes: int  # the file saved to disk for recovery (weights + optimizer state), all ranks
+    assumptions: tuple[str, ...] = field(default_factory=tuple)
+    provenance: str = "formula"
+
+    @property
+    def global_batch(self) -> int:
+        return self.config.global_batch
+
+    def to_dict(self) -> dict[str, Any]:
+        from batchlab.config import to_jsonable
+
+        mem = to_jsonable(self.memory)
+        mem.update(fits=self.memory.fits, headroom_bytes=self.memory.headroom_bytes)
+        return {"provenance": self.provenance, "config": self.config.to_dict(),
+                "global_batch": self.global_batch, "tokens_per_update": self.config.tokens_per_update,
+                "parameters": self.params.total, "memory": mem, "flops": to_jsonable(self.flops),
+                "time": to_jsonable(self.time), "training_checkpoint_bytes": self.training_checkpoint_bytes,
+                "assumptions": list(self.assumptions)}
+
+
+def training_checkpoint_bytes(cfg: RunConfig) -> int:
+    """Weights (fp32 master under mixed precision) + optimizer state, summed over ranks."""
+    n = count(cfg.model).total
+    weights = 2 if cfg.precision.value == "bf16" else 4
+    return int(n * (weights + optimizer_bytes_per_param(cfg)))
+
+
+def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
+    a = cfg.assumptions
+    dev = cfg.device_spec
+    return (
+        f"device {dev.name}: {dev.memory_bytes / 2**30:.1f} GiB, peak {dev.peak_flops(cfg.precision) / 1e12:.1f} "
+        f"TFLOP/s ({cfg.precision}), source: {dev.source}"
+        + (f"; memory budget {cfg.memory_budget / 2**30:.2f} GiB replaces the device's" if cfg.memory_budget else ""),
+        f"compute ceiling {t.flops_ceiling / 1e12:.3g} TFLOP/s ({t.ceiling_source}"
+        + (f", x achievable fraction {a.achievable_fraction:g})" if t.ceiling_source != "calibrated" else ")"),
+        f"all-reduce: ring over {t.bandwidth_bytes_per_s / 1e9:.0f} GB/s, {a.comm_overlap:.0%} hidden behind backward",
+        f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes",
+        "activations counted from the tensors batchlab's built-in GPT keeps (other code: use --trace)",
+    )
+
+
+def estimate(cfg: RunConfig) -> Estimate:
+    mem = memory(cfg)
+    fl = flops(cfg)
+    t = timing(cfg, fl, mem, ceiling=_calibrated_ceiling(cfg))
+    return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t))
+
+
+def _calibrated_ceiling(cfg: RunConfig):
+    """Measured FLOP/s and bandwidth for the local CPU, when `batchlab calibrate` has cached them."""
+    if cfg.device != "cpu":
+        return None
+    try:
+        from batchlab.calibrate import load_cached
+    except ImportError:
+        return None
+    return load_cached(cfg)
+
+
+__all__ = ["Estimate", "estimate", "memory", "flops", "timing", "count", "model_states", "MemoryEstimate",
+           "FlopsEstimate", "TimeEstimate"]

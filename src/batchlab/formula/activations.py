@@ -1,0 +1,128 @@
+"""Bytes a transformer layer keeps for backward, counted from the tensors batchlab's GPT really saves.
+
+Reference point: Korthikanti et al. 2022 (arXiv 2205.05198) Table 2, ``sbh(34 + 5as/h)`` bytes per layer for
+Megatron's 16-bit layer.  A plain PyTorch layer keeps more (contiguous q/k/v copies before the matmuls, the
+LayerNorm output and the projection input as separate tensors, dropout masks in the activation dtype on
+CPU), so each term below names the tensor it is; ``korthikanti_layer_bytes`` gives the paper's count.
+
+Symbols: s sequence, b micro-batch, h hidden, a heads, kv key/value width, f MLP inner size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from batchlab.config import AttentionImpl, Backend, MLPKind, ModelSpec, NormKind, Precision, PositionKind
+
+F32 = 4
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Element sizes in bytes for one config."""
+
+    e: int  # matmul outputs (activation dtype)
+    res: int  # residual stream (fp32 under autocast: embeddings and adds stay fp32)
+    mask: int  # dropout mask: bool on CUDA (native_dropout), activation dtype elsewhere
+    softmax: int  # autocast runs softmax in fp32
+
+    @classmethod
+    def of(cls, precision: Precision, backend: Backend) -> "Widths":
+        e = precision.compute_bytes
+        res = 2 if precision is Precision.BF16 else 4
+        return cls(e=e, res=res, mask=1 if backend is Backend.CUDA else e,
+                   softmax=F32 if precision.mixed else e)
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """One layer's saved tensors with no recompute (bytes); the parts add up to ``total``."""
+
+    norms: int  # both norms' inputs, statistics and outputs
+    qkv: int  # what attention keeps of q, k, v (views, copies or rotated tensors)
+    scores: int  # s x s terms: softmax output, dropout mask and dropped scores (0 with fused SDPA)
+    attn_out: int  # SDPA output + log-sum-exp, and the projection's input
+    mlp: int  # MLP intermediates
+    masks: int  # residual dropout masks
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+def materialises_scores(m: ModelSpec, backend: Backend) -> bool:
+    """Eager attention keeps s x s tensors; so does SDPA with dropout on CPU (it falls back to the math path)."""
+    return m.attention is AttentionImpl.EAGER or (m.dropout > 0 and backend is not Backend.CUDA)
+
+
+def _norm_bytes(m: ModelSpec, s: int, b: int, w: Widths) -> int:
+    """One norm: its input and statistics, plus the output the next matmul saves."""
+    sbh = s * b * m.hidden
+    cast_out = sbh * w.e  # the following linear's input (a low-precision copy under autocast)
+    if m.norm is NormKind.RMSNORM:  # composite: input, x * rstd, rstd
+        return sbh * w.res + sbh * w.res + s * b * F32 + cast_out
+    return sbh * w.res + 2 * s * b * F32 + cast_out  # layer_norm: input, mean, rstd
+
+
+def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend) -> LayerActivations:
+    w = Widths.of(precision, backend)
+    h, a, kv, f = m.hidden, m.heads, m.kv_hidden, m.ffn
+    sbh = s * b * h
+    gqa = m.kv_heads != m.heads
+    rope = m.position is PositionKind.ROPE
+    scores = materialises_scores(m, backend)
+    # q, k, v as attention receives them
+    if rope:  # rotated q and k are new tensors; v stays a view of the qkv output
+        qkv = sbh * w.e + s * b * kv * w.e + s * b * (h + 2 * kv) * w.e
+    elif scores:  # matmul on transposed views makes contiguous copies of q, k and v
+        qkv = 3 * sbh * w.e
+    else:  # SDPA takes the views: the whole qkv output stays alive
+        qkv = s * b * (h + 2 * kv) * w.e
+    if gqa:  # repeat_interleave materialises k and v at full width
+        qkv += 2 * sbh * w.e
+    ass = a * s * s * b
+    if scores:
+        sc = ass * w.softmax + s * s  # softmax output, causal mask (bool)
+        if precision.mixed:
+            sc += ass * w.e  # low-precision copy of the probabilities for the AV matmul
+        if m.dropout > 0:
+            sc += ass * w.mask + ass * w.e  # dropout mask, dropped probabilities
+        attn_out = sbh * w.e  # projection input
+    else:
+        sc = 0
+        attn_out = sbh * w.e + a * s * b * F32 + sbh * w.e  # SDPA output, log-sum-exp, projection input
+    if m.mlp is MLPKind.SWIGLU:
+        mlp = 4 * s * b * f * w.e  # gate, silu(gate), up, product
+    else:
+        mlp = 2 * s * b * f * w.e  # fc output, gelu output
+    masks = 2 * sbh * w.mask if m.dropout > 0 else 0
+    return LayerActivations(norms=2 * _norm_bytes(m, s, b, w), qkv=qkv, scores=sc, attn_out=attn_out,
+                            mlp=mlp, masks=masks)
+
+
+def selective_layer_bytes(m: ModelSpec, s: int, b: int, precision: Precision) -> int:
+    """Selective recompute keeps the block input and the linear layers' outputs (models/ac.py policy)."""
+    w = Widths.of(precision, Backend.CPU)
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn
+    sbh = s * b * h
+    mlp = (2 if m.mlp is MLPKind.SWIGLU else 1) * s * b * f
+    return sbh * w.res + (s * b * (h + 2 * kv) + sbh + mlp + sbh) * w.e
+
+
+def checkpointed_layer_bytes(m: ModelSpec, s: int, b: int, precision: Precision) -> int:
+    """Full recompute keeps only the block's input (Korthikanti et al. 2022, sec. 4: 2sbh in 16-bit)."""
+    return s * b * m.hidden * Widths.of(precision, Backend.CPU).res
+
+
+def embedding_mask_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend) -> int:
+    return s * b * m.hidden * Widths.of(precision, backend).mask if m.dropout > 0 else 0
+
+
+def outside_layers_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend) -> int:
+    """Embedding dropout mask, final norm, and the fp32 log-softmax output the loss keeps."""
+    w = Widths.of(precision, backend)
+    return embedding_mask_bytes(m, s, b, precision, backend) + _norm_bytes(m, s, b, w) + s * b * m.vocab * F32
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int) -> int:
+    # Korthikanti et al. 2022, Table 2, no parallelism: sbh(34 + 5as/h) bytes (16-bit, 1-byte masks)
+    return s * b * h * 34 + 5 * a * s * s * b

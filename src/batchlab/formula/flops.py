@@ -1,0 +1,41 @@
+"""FLOPs per optimizer update: model FLOPs (MFU) and hardware FLOPs with recompute (HFU)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchlab.config import RunConfig
+from batchlab.formula.params import count
+
+
+@dataclass(frozen=True)
+class FlopsEstimate:
+    model_flops_per_token: float  # 6N + 12·L·h·s: what MFU counts
+    recompute_flops_per_token: float  # extra forward work of activation checkpointing
+    model_flops_per_update: float  # all ranks
+    hardware_flops_per_update: float  # model + recompute, all ranks: what HFU counts
+    flops_per_micro_batch: float  # hardware FLOPs of one micro-batch on one rank
+    provenance: str = "formula"
+
+
+def compute_params(cfg: RunConfig) -> int:
+    """N in 6N: non-embedding weights plus the LM head's matmul (a lookup table costs no FLOPs)."""
+    c = count(cfg.model)
+    return c.non_embedding + cfg.model.vocab * cfg.model.hidden
+
+
+def flops(cfg: RunConfig) -> FlopsEstimate:
+    m, s = cfg.model, cfg.seq
+    n = compute_params(cfg)
+    # PaLM (Chowdhery et al. 2022) appendix B: 6N + 12·L·h·s per token, no causal halving.
+    per_token = 6 * n + 12 * m.layers * m.hidden * s
+    # Recompute re-runs forward: a wrapped layer 2·N_layer + 4·h·s per token (Korthikanti et al. 2022
+    # sec. 5 give 8N + 16Lhs for full recompute); selective re-runs only the attention core, 4·h·s.
+    per_layer_forward = 2 * count(m).per_layer + 4 * m.hidden * s
+    wrapped = len(cfg.ac.wrapped_layers(m.layers))
+    selective = len(cfg.ac.selective_layers(m.layers))
+    recompute = wrapped * per_layer_forward + selective * 4 * m.hidden * s
+    tokens = cfg.tokens_per_update
+    return FlopsEstimate(
+        model_flops_per_token=per_token, recompute_flops_per_token=recompute,
+        model_flops_per_update=per_token * tokens, hardware_flops_per_update=(per_token + recompute) * tokens,
+        flops_per_micro_batch=(per_token + recompute) * cfg.micro_batch * s)

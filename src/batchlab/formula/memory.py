@@ -1,0 +1,187 @@
+"""Per-rank memory of one optimizer update: model states, activations, and the peak with its phase."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchlab.config import ACMode, OptimizerKind, Precision, RunConfig
+from batchlab.formula import activations as act
+from batchlab.formula.params import count
+
+F32 = 4
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per rank for weights, gradients and optimizer state (Rajbhandari et al. 2019, ZeRO, sec. 3)."""
+
+    parameters: int  # weights as the forward uses them (bf16 working copies under autocast)
+    master: int  # fp32 weights the optimizer updates (mixed precision only; else 0)
+    gradients: int
+    optimizer: int
+
+    @property
+    def persistent(self) -> int:
+        """What stays between updates (the working copies under autocast are rebuilt each forward)."""
+        return self.master + self.optimizer + (0 if self.master else self.parameters)
+
+
+def optimizer_bytes_per_param(cfg: RunConfig) -> float:
+    if cfg.assumptions.optimizer_bytes_per_param is not None:
+        return cfg.assumptions.optimizer_bytes_per_param
+    state_bytes = 2 if cfg.precision is Precision.BF16 else F32  # state lives in the weights' dtype
+    per_state = {OptimizerKind.ADAMW: 2, OptimizerKind.SGD_MOMENTUM: 1, OptimizerKind.SGD: 0}[cfg.optimizer]
+    return per_state * state_bytes  # AdamW: m and v (Loshchilov & Hutter 2019)
+
+
+def model_states(cfg: RunConfig) -> ModelStates:
+    n = count(cfg.model).total
+    dp, z = cfg.dp, cfg.zero
+    weight_bytes = 2 if cfg.precision is Precision.BF16 else F32
+    shard = lambda stage: dp if z >= stage else 1  # noqa: E731 — ZeRO stage k shards this state over DP
+    opt = int(n * optimizer_bytes_per_param(cfg)) // shard(1)
+    grads = n * weight_bytes // shard(2)
+    if cfg.precision.mixed:  # autocast keeps fp32 weights and makes 16-bit working copies per forward
+        return ModelStates(parameters=2 * n // shard(3), master=F32 * n // shard(3), gradients=grads, optimizer=opt)
+    return ModelStates(parameters=weight_bytes * n // shard(3), master=0, gradients=grads, optimizer=opt)
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    per_layer_full: int  # a layer with nothing recomputed
+    per_layer_kept: tuple[int, ...]  # what each layer keeps under the policy
+    outside_layers: int  # embedding dropout mask, final norm, log-softmax output
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer_kept) + self.outside_layers
+
+
+def activation_plan(cfg: RunConfig) -> ActivationPlan:
+    m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
+    backend = cfg.device_spec.backend
+    full = act.layer_activations(m, s, b, p, backend).total
+    wrapped = set(cfg.ac.wrapped_layers(m.layers))
+    kept = []
+    for i in range(m.layers):
+        if i in wrapped:
+            kept.append(act.checkpointed_layer_bytes(m, s, b, p))
+        elif cfg.ac.mode is ACMode.SELECTIVE:
+            kept.append(act.selective_layer_bytes(m, s, b, p))
+        else:
+            kept.append(full)
+    return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    parameters_bytes: int
+    master_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int  # kept for backward at the end of one micro-batch's forward
+    activations_per_layer_bytes: tuple[int, ...]
+    recompute_working_bytes: int  # one layer's activations rebuilt during its backward (0 without recompute)
+    logits_bytes: int  # log-softmax output kept by the loss (part of activations) + its gradient
+    temporaries_bytes: int  # transient at the peak beyond the above (gradients of activations, buffers)
+    data_bytes: int
+    peak_tensor_bytes: int  # sum of tensor bytes live at the peak
+    margin_bytes: int  # allocator slack (assumption), on top of tensor bytes
+    peak_bytes: int  # peak_tensor_bytes + margin_bytes
+    peak_phase: str
+    phase_peaks: dict[str, int] = field(default_factory=dict)  # tensor bytes at each phase's high point
+    capacity_bytes: int = 0
+    provenance: str = "formula"
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.capacity_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.peak_bytes
+
+
+def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, base: int, grads_before: int,
+                   loss_grads: int) -> tuple[int, int, int]:
+    """Walk backward layer by layer (last first): kept activations shrink while parameter gradients grow.
+
+    Returns (peak tensor bytes, recompute working set at the peak, temporaries at the peak).
+    """
+    m, s, b = cfg.model, cfg.seq, cfg.micro_batch
+    w = act.Widths.of(cfg.precision, cfg.device_spec.backend)
+    n = max(count(m).total, 1)
+    layer_grad = count(m).per_layer * states.gradients // n
+    new_grads = cfg.accum == 1  # with accumulation the .grad tensors exist already (in grads_before)
+    sbh = s * b * m.hidden
+    # Inside a layer's backward each node frees what it saved as it creates its input's gradient, so the
+    # net transient is about one gradient of the widest intermediate (MLP inner, or the s x s scores),
+    # plus the incoming and outgoing residual gradients and the first weight gradient (the MLP's output
+    # projection, h x f).
+    scores = m.heads * s * s * b * w.softmax if act.materialises_scores(m, cfg.device_spec.backend) else 0
+    transient = (max(s * b * m.ffn * w.e, scores) + 2 * sbh * w.res
+                 + m.hidden * m.ffn * states.gradients // n)
+    # the LM head's weight gradient exists from the start of the layers' backward (tied: in autograd's
+    # input buffer until the embedding's backward adds its part)
+    head_grad = m.vocab * m.hidden * states.gradients // n
+    below_layers = plan.outside_layers - act.outside_layers_bytes(m, s, b, cfg.precision, cfg.device_spec.backend) \
+        + act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend)
+    start = base + grads_before + plan.total + loss_grads
+    best = (start, 0, loss_grads)
+    kept_below = sum(plan.per_layer_kept)
+    grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
+    for i in reversed(range(m.layers)):
+        kept_i = plan.per_layer_kept[i]
+        rebuilt = plan.per_layer_full - kept_i  # recompute restores the rest of the layer
+        live = base + grads_before + below_layers + kept_below + rebuilt + transient + grads_done
+        if live > best[0]:
+            best = (live, rebuilt, transient)
+        kept_below -= kept_i
+        grads_done += layer_grad if new_grads else 0
+    return best
+
+
+def _largest_param(cfg: RunConfig) -> int:
+    m = cfg.model
+    return max(m.vocab * m.hidden, m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden))
+
+
+def memory(cfg: RunConfig) -> MemoryEstimate:
+    m, s, b = cfg.model, cfg.seq, cfg.micro_batch
+    w = act.Widths.of(cfg.precision, cfg.device_spec.backend)
+    states = model_states(cfg)
+    plan = activation_plan(cfg)
+    n_recomputed = len(cfg.ac.wrapped_layers(m.layers)) + len(cfg.ac.selective_layers(m.layers))
+    # autocast's 16-bit weight copies are saved by each matmul, except in recomputed layers (rebuilt there)
+    copies = 0
+    if cfg.precision.mixed:
+        n, per_layer = count(m).total, count(m).per_layer
+        copies = 2 * (n - per_layer * n_recomputed) // (cfg.dp if cfg.zero >= 3 else 1)
+    data = cfg.accum * 2 * s * b * 8  # int64 inputs and targets, all micro-batches made up front
+    base = states.persistent + data
+    grads_before = states.gradients if cfg.accum > 1 else 0
+    sbv = s * b * m.vocab
+    logits_fwd = sbv * w.e + (sbv * F32 if w.e != F32 else 0)  # logits (+ fp32 copy for the loss)
+    loss_grads = 2 * sbv * F32 + (sbv * w.e if w.e != F32 else 0)
+    forward = base + copies + grads_before + plan.total + logits_fwd
+    backward, rebuilt, transient = _backward_peak(cfg, plan, states, base + copies, grads_before, loss_grads)
+    # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
+    opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
+    optimizer = base + states.gradients + opt_tmp
+    phases = {"forward": forward, "backward": backward, "optimizer": optimizer}
+    peak_phase = max(phases, key=phases.get)
+    peak_tensor = phases[peak_phase]
+    margin = int(peak_tensor * cfg.assumptions.allocator_margin)
+    if peak_phase == "optimizer":
+        act_at_peak, temp = 0, opt_tmp
+    elif peak_phase == "forward":
+        act_at_peak, temp = plan.total, logits_fwd
+    else:
+        act_at_peak = peak_tensor - (base + copies + grads_before) - transient
+        temp = transient
+    return MemoryEstimate(
+        parameters_bytes=states.parameters, master_bytes=states.master, gradients_bytes=states.gradients,
+        optimizer_bytes=states.optimizer, activations_bytes=plan.total,
+        activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=rebuilt,
+        logits_bytes=sbv * F32, temporaries_bytes=temp, data_bytes=data, peak_tensor_bytes=peak_tensor,
+        margin_bytes=margin, peak_bytes=peak_tensor + margin, peak_phase=peak_phase, phase_peaks=phases,
+        capacity_bytes=cfg.memory_capacity)

@@ -1,0 +1,41 @@
+"""Parameter counts of a decoder-only transformer, term by term (no torch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchlab.config import MLPKind, ModelSpec, NormKind, PositionKind
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    embedding: int  # token (+ learned position) tables
+    per_layer: int
+    layers: int
+    final_norm: int
+    head: int  # 0 when tied to the embedding
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.per_layer * self.layers + self.final_norm + self.head
+
+    @property
+    def non_embedding(self) -> int:
+        """N in the 6N rule (Kaplan et al. 2020 count non-embedding parameters)."""
+        return self.per_layer * self.layers + self.final_norm
+
+
+def norm_params(m: ModelSpec) -> int:
+    h = m.hidden
+    return h if (m.norm is NormKind.RMSNORM or not m.bias) else 2 * h
+
+
+def count(m: ModelSpec) -> ParamCount:
+    h, kv, f, V = m.hidden, m.kv_hidden, m.ffn, m.vocab
+    bias = 1 if m.bias else 0
+    attn = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h + bias * h
+    n_mats = 3 if m.mlp is MLPKind.SWIGLU else 2
+    mlp = n_mats * h * f + bias * ((n_mats - 1) * f + h)
+    per_layer = attn + mlp + 2 * norm_params(m)
+    embedding = V * h + (m.max_positions * h if m.position is PositionKind.LEARNED else 0)
+    head = 0 if m.tied_embeddings else V * h
+    return ParamCount(embedding, per_layer, m.layers, norm_params(m), head)
