@@ -497,8 +497,12 @@ class RunConfig:
             a, b = getattr(self.model, name), getattr(other.model, name)
             if a != b:
                 out[name] = (a, b)
+        for name in ASSUMPTION_FIELDS:
+            a, b = getattr(self.assumptions, name), getattr(other.assumptions, name)
+            if a != b:
+                out[name] = (a, b)
         for f in fields(self):
-            if f.name in ("model",):
+            if f.name in ("model", "assumptions"):
                 continue
             a, b = getattr(self, f.name), getattr(other, f.name)
             if a != b:
@@ -563,3 +567,44 @@ def config_from_dict(d: dict[str, Any]) -> RunConfig:
     if assumptions is not None:
         kw["assumptions"] = assumptions
     return RunConfig(**kw)
+
+
+def parse_field_value(name: str, text: str) -> Any:
+    """A --change/--vary value typed for its field (``micro_batch`` '4' -> 4, ``ac`` 'every:2' -> ACPolicy)."""
+    if name not in CHANGEABLE_FIELDS:
+        raise ConfigError(name, f"unknown field; known: {', '.join(CHANGEABLE_FIELDS)}")
+    owner = ModelSpec if name in MODEL_FIELDS else (Assumptions if name in ASSUMPTION_FIELDS else RunConfig)
+    kind = {f.name: f.type for f in fields(owner)}[name]
+    text = str(text).strip()
+    try:
+        if kind in ("int", "int | None"):
+            return parse_bytes(name, text) if name == "memory_budget" else int(text)
+        if kind in ("float", "float | None"):
+            return float(text)
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes")
+    except ValueError:
+        raise ConfigError(name, f"{text!r} is not a valid {kind.split(' ')[0]}") from None
+    if name == "memory_budget":
+        return parse_bytes(name, text)
+    return text
+
+
+class Keep(_Choice):
+    """What a one-variable change holds fixed besides everything else."""
+
+    GLOBAL_BATCH = "global-batch"  # accum re-derived when micro_batch or dp changes
+    ACCUM = "accum"  # accum fixed: the global batch (and so the training run) changes
+
+
+def apply_change(cfg: RunConfig, name: str, value: Any, keep: Keep = Keep.GLOBAL_BATCH) -> RunConfig:
+    """cfg with one field changed; with Keep.GLOBAL_BATCH a micro_batch/dp change re-derives accum."""
+    keep = Keep.parse("keep", keep)
+    if isinstance(value, str):
+        value = parse_field_value(name, value)
+    if keep is Keep.GLOBAL_BATCH and name in ("micro_batch", "dp"):
+        new = cfg.replace(**{name: value, "accum": 1})
+        return new.replace(accum=derive_accum(cfg.global_batch, new.micro_batch, new.dp))
+    return cfg.replace(**{name: value})

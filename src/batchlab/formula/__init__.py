@@ -55,8 +55,8 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"device {dev.name}: {dev.memory_bytes / 2**30:.1f} GiB, peak {dev.peak_flops(cfg.precision) / 1e12:.1f} "
         f"TFLOP/s ({cfg.precision}), source: {dev.source}"
         + (f"; memory budget {cfg.memory_budget / 2**30:.2f} GiB replaces the device's" if cfg.memory_budget else ""),
-        f"compute ceiling {t.flops_ceiling / 1e12:.3g} TFLOP/s ({t.ceiling_source}"
-        + (f", x achievable fraction {a.achievable_fraction:g})" if t.ceiling_source != "calibrated" else ")"),
+        f"compute rate {t.flops_ceiling / 1e12:.3g} TFLOP/s = peak ({t.ceiling_source}) x achievable fraction "
+        f"{a.achievable_fraction:g}",
         f"all-reduce: ring over {t.bandwidth_bytes_per_s / 1e9:.0f} GB/s, {a.comm_overlap:.0%} hidden behind backward",
         f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes",
         "activations counted from the tensors batchlab's built-in GPT keeps (other code: use --trace)",
@@ -78,7 +78,10 @@ def _calibrated_ceiling(cfg: RunConfig):
         from batchlab.calibrate import load_cached
     except ImportError:
         return None
-    return load_cached(cfg)
+    cal = load_cached(cfg.device)
+    if cal is None:
+        return None
+    return cal.matmul_flops(cfg.precision), cal.memory_bytes_per_s, cal.source
 
 
 __all__ = ["Estimate", "estimate", "memory", "flops", "timing", "count", "model_states", "MemoryEstimate",

@@ -123,6 +123,18 @@ def outside_layers_bytes(m: ModelSpec, s: int, b: int, precision: Precision, bac
     return embedding_mask_bytes(m, s, b, precision, backend) + _norm_bytes(m, s, b, w) + s * b * m.vocab * F32
 
 
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int) -> int:
-    # Korthikanti et al. 2022, Table 2, no parallelism: sbh(34 + 5as/h) bytes (16-bit, 1-byte masks)
-    return s * b * h * 34 + 5 * a * s * s * b
+def korthikanti_terms(s: int, b: int, h: int, a: int) -> dict[str, int]:
+    """Megatron's layer as the paper counts it (sec. 4.1), 16-bit activations, 1-byte dropout masks."""
+    sbh, as2b = s * b * h, a * s * s * b
+    return {
+        "attention: QKV input, Q and K, V, projection input": 2 * sbh + 4 * sbh + 2 * sbh + 2 * sbh,
+        "attention: softmax output, dropout mask, dropout output": 2 * as2b + as2b + 2 * as2b,
+        "attention: residual dropout mask": sbh,
+        "MLP: input, GELU input, GELU output, dropout mask": 2 * sbh + 8 * sbh + 8 * sbh + sbh,
+        "two LayerNorm inputs": 4 * sbh,
+    }
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, selective: bool = False) -> int:
+    # Korthikanti et al. 2022, Table 2, no parallelism: sbh(34 + 5as/h); selective recompute: 34sbh
+    return s * b * h * 34 + (0 if selective else 5 * a * s * s * b)

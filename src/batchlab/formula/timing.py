@@ -44,13 +44,14 @@ def useful_fraction(cfg: RunConfig) -> float:
 
 def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, ceiling: tuple[float, float, str] | None = None
            ) -> TimeEstimate:
-    """``ceiling``: (FLOP/s, bytes/s, source) measured by ``batchlab calibrate``; else the device datasheet."""
+    """``ceiling``: (FLOP/s, bytes/s, source) measured by ``batchlab calibrate``; else the device datasheet.
+    Either way real training reaches only ``achievable_fraction`` of the matmul ceiling."""
     dev = cfg.device_spec
     if ceiling is None:
         peak, hbm, source = dev.peak_flops(cfg.precision), dev.hbm_bytes_per_s, dev.source
     else:
         peak, hbm, source = ceiling
-    rate = peak * cfg.assumptions.achievable_fraction if ceiling is None else peak
+    rate = peak * cfg.assumptions.achievable_fraction
     micro = fl.flops_per_micro_batch / rate
     compute = micro * cfg.accum
     bw = dev.intra_node_bytes_per_s if cfg.dp <= dev.gpus_per_node else dev.inter_node_bytes_per_s

@@ -1,0 +1,162 @@
+"""`batchlab estimate` (the calculator, and --vary tables) and `batchlab explain`."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from batchlab.cli import app
+from batchlab.cli.common import print_json, with_config
+from batchlab.config import ConfigError, Keep, RunConfig
+from batchlab.formula import Estimate, estimate as formula_estimate
+from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
+
+ARROW = {"up": "↑", "down": "↓", "same": "≈"}
+AC_NOTE = ("Activation checkpointing (--ac) recomputes activations in backward: less memory, more compute, "
+           "inside one step. It is not the training checkpoint (the file saved to disk for recovery).")
+
+
+def _memory_table(e: Estimate) -> Table:
+    m = e.memory
+    t = Table(title="Memory per rank  [formula]", show_header=True, header_style="bold")
+    t.add_column("part")
+    t.add_column("bytes", justify="right")
+    t.add_column("note")
+    layers = m.activations_per_layer_bytes
+    rows = [
+        ("parameters", m.parameters_bytes, "16-bit working copies (autocast)" if m.master_bytes else "weights"),
+        ("master weights", m.master_bytes, "fp32, updated by the optimizer" if m.master_bytes else "none (not mixed)"),
+        ("gradients", m.gradients_bytes, ""),
+        ("optimizer state", m.optimizer_bytes, str(e.config.optimizer)),
+        ("activations", m.activations_bytes,
+         f"{len(layers)} layers, {fmt_bytes(max(layers))} max per layer, ac={e.config.ac}"),
+        ("  of which logits/loss", m.logits_bytes, "fp32 log-softmax kept by the loss"),
+        ("recompute working set", m.recompute_working_bytes, "one layer rebuilt during its backward"),
+        ("temporaries at peak", m.temporaries_bytes, "gradients of activations, buffers"),
+        ("data", m.data_bytes, "token ids of one update"),
+        ("allocator margin", m.margin_bytes, f"{e.config.assumptions.allocator_margin:.0%} assumed"),
+    ]
+    for name, n, note in rows:
+        t.add_row(name, fmt_bytes(n), note)
+    verdict = "fits" if m.fits else "OUT OF MEMORY"
+    t.add_row("[bold]peak[/bold]", f"[bold]{fmt_bytes(m.peak_bytes)}[/bold]",
+              f"in {m.peak_phase}; capacity {fmt_bytes(m.capacity_bytes)} → [bold]{verdict}[/bold] "
+              f"(headroom {fmt_bytes(m.headroom_bytes)})")
+    return t
+
+
+def _time_table(e: Estimate, tokens: float | None, price: float | None) -> Table:
+    t, f, cfg = e.time, e.flops, e.config
+    tab = Table(title="Compute and time  [formula]", header_style="bold")
+    tab.add_column("figure")
+    tab.add_column("value", justify="right")
+    tab.add_row("model FLOPs / update (MFU counts these)", fmt_count(f.model_flops_per_update, "FLOP"))
+    tab.add_row("hardware FLOPs / update (HFU, + recompute)", fmt_count(f.hardware_flops_per_update, "FLOP"))
+    tab.add_row("compute per micro-batch", fmt_seconds(t.compute_seconds_per_micro_batch))
+    tab.add_row(f"compute per update (× {cfg.accum} micro-batches)", fmt_seconds(t.compute_seconds))
+    tab.add_row(f"gradient all-reduce, once per update ({fmt_bytes(t.allreduce_bytes)})", fmt_seconds(t.allreduce_seconds))
+    tab.add_row("  exposed (not overlapped)", fmt_seconds(t.exposed_comm_seconds))
+    tab.add_row("optimizer step", fmt_seconds(t.optimizer_seconds))
+    tab.add_row("[bold]update time[/bold]", f"[bold]{fmt_seconds(t.update_seconds)}[/bold]")
+    tab.add_row("[bold]useful tokens/s[/bold] (all ranks)", f"[bold]{t.tokens_per_second:,.0f}[/bold]")
+    if tokens:
+        secs = t.time_to_tokens(tokens)
+        tab.add_row(f"time to {fmt_count(tokens, 'tokens')}", fmt_seconds(secs))
+        if price is not None:
+            tab.add_row(f"cost at {price:g}/device-hour × {cfg.dp} devices", f"{price * cfg.dp * secs / 3600:,.2f}")
+    return tab
+
+
+def render(e: Estimate, console: Console, tokens: float | None = None, price: float | None = None) -> None:
+    cfg = e.config
+    console.print(f"[bold]{cfg.model.name}[/bold] ({e.params.total / 1e6:,.1f} M parameters), seq {cfg.seq}, "
+                  f"{cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
+    console.print(cfg.global_batch_text())
+    console.print(_memory_table(e))
+    console.print(_time_table(e, tokens, price))
+    console.print(f"Training checkpoint file on disk (weights + optimizer state, all ranks; not activation "
+                  f"checkpointing): {fmt_bytes(e.training_checkpoint_bytes)}  [formula]")
+    console.print("[dim]Assumptions: " + "; ".join(e.assumptions) + "[/dim]")
+    if cfg.dp > 1:
+        console.print("[dim]Scope: the all-reduce time is a ring-bandwidth model, not a measurement of your "
+                      "cluster.[/dim]")
+
+
+def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
+    from batchlab.formula.vary import OUTPUTS
+
+    tab = Table(title=f"--vary {name}  [formula]  (arrows versus the first value)", header_style="bold")
+    for col in (name, "micro × accum × DP = global", *[label for label, _ in OUTPUTS], "fits"):
+        tab.add_column(col, justify="right")
+    fmts = (fmt_bytes, fmt_bytes, fmt_seconds, lambda x: f"{x:,.0f}", lambda x: fmt_count(x))
+    for r in rows:
+        c = r.config
+        cells = [f"{fmt(get(r.estimate))} {ARROW[r.directions[label]]}"
+                 for (label, get), fmt in zip(OUTPUTS, fmts)]
+        tab.add_row(str(r.value), f"{c.micro_batch} × {c.accum} × {c.dp} = {c.global_batch}", *cells,
+                    "yes" if r.estimate.memory.fits else "[red]no[/red]")
+    console.print(tab)
+    if keep is Keep.ACCUM and len({r.config.global_batch for r in rows}) > 1:
+        console.print("[yellow]warning: the global batch changes across rows (--keep accum): learning rate, "
+                      "warmup and schedule length may need to change too.[/yellow]")
+
+
+@app.command(help="Predict memory, FLOPs, update time and tokens/s for one configuration (formula, no torch). "
+                  + AC_NOTE)
+@with_config
+def estimate(
+    cfg: RunConfig,
+    vary: Annotated[Optional[str], typer.Option(help="FIELD=v1,v2,...: a one-variable table, e.g. micro_batch=1,2,4,8.")] = None,
+    keep: Annotated[Keep, typer.Option(help="global-batch: accum re-derived as micro-batch/DP change; accum: global batch changes.")] = Keep.GLOBAL_BATCH,
+    tokens: Annotated[Optional[float], typer.Option(help="Token budget for time-to-budget (and cost).")] = None,
+    price: Annotated[Optional[float], typer.Option(help="Price per device-hour, for the cost to the token budget.")] = None,
+    trace: Annotated[bool, typer.Option("--trace", help="Also run one steady-state update of the model's own code on fake tensors (nothing allocated): peak, activations and FLOPs of the real graph, beside the formula's with its error.")] = False,
+    tree: Annotated[bool, typer.Option("--tree", help="With --trace: bytes each module keeps for backward, as a tree (implies --trace).")] = False,
+    as_json: bool = False,
+) -> None:
+    console = Console()
+    if trace or tree:
+        if vary:
+            raise ConfigError("trace", "--trace traces one configuration; drop --vary")
+        from batchlab.trace.render import show
+
+        show(cfg, tree=tree, as_json=as_json, console=console)
+        return
+    if vary:
+        from batchlab.formula.vary import vary as vary_rows
+
+        name, sep, values = vary.partition("=")
+        if not sep or not values:
+            raise ConfigError("vary", "expected FIELD=v1,v2,... e.g. micro_batch=1,2,4")
+        rows = vary_rows(cfg, name.strip().replace("-", "_"), values.split(","), keep)
+        if as_json:
+            print_json([{"value": r.value, "directions": r.directions, **r.estimate.to_dict()} for r in rows])
+        else:
+            _render_vary(rows, name, keep, console)
+        return
+    e = formula_estimate(cfg)
+    if as_json:
+        d = e.to_dict()
+        if tokens:
+            d["time"]["time_to_tokens_seconds"] = e.time.time_to_tokens(tokens)
+            if price is not None:
+                d["time"]["cost_to_tokens"] = price * cfg.dp * e.time.time_to_tokens(tokens) / 3600
+        print_json(d)
+    else:
+        render(e, console, tokens, price)
+
+
+@app.command(help="Explain, with your numbers, what each knob moves and why.")
+@with_config
+def explain(cfg: RunConfig, as_json: bool = False) -> None:
+    from batchlab.formula.explain import explain_lines
+
+    lines = explain_lines(cfg)
+    if as_json:
+        print_json({"provenance": "formula", "config": cfg.to_dict(), "lines": lines})
+        return
+    console = Console()
+    for line in lines:
+        console.print(line)

@@ -1,0 +1,141 @@
+"""The calculator against independent references: hand counts, the paper, published parameter counts,
+FlopCounterMode, and the live tensors of a real training step."""
+import subprocess
+import sys
+
+import pytest
+
+from batchlab.config import Backend, Precision, RunConfig, preset
+from batchlab.formula import estimate
+from batchlab.formula import activations as act
+from batchlab.formula.params import count
+from batchlab.formula.timing import ring_allreduce_seconds
+
+
+def test_importing_the_calculator_does_not_import_torch():
+    code = ("import sys, batchlab, batchlab.formula, batchlab.formula.vary, batchlab.formula.explain;"
+            "from batchlab.formula import estimate; from batchlab.config import RunConfig; estimate(RunConfig());"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name, published", [
+    ("gpt2", 124_439_808),  # Hugging Face gpt2 num_parameters()
+    ("llama-2-7b", 6_738_415_616),  # Hugging Face meta-llama/Llama-2-7b-hf
+    ("llama-3-8b", 8_030_261_248),  # Hugging Face meta-llama/Meta-Llama-3-8B
+])
+def test_parameter_counts_match_published(name, published):
+    assert count(preset(name)).total == published
+
+
+def test_megatron_layer_reproduces_korthikanti():
+    s, b, h, a = 2048, 1, 12288, 96
+    terms = act.korthikanti_terms(s, b, h, a)
+    assert sum(terms.values()) == s * b * h * (34 + 5 * a * s / h)
+    # our 16-bit eager layer with 1-byte masks keeps exactly the paper's tensors, plus LayerNorm's
+    # statistics (2 x 2 fp32 per token) and the causal mask (s x s bool)
+    m = preset("tiny", layers=1, hidden=h, heads=a, vocab=8, dropout=0.1, attention="eager", max_positions=s)
+    ours = act.layer_activations(m, s, b, Precision.BF16, Backend.CUDA)
+    assert ours.total == act.korthikanti_layer_bytes(s, b, h, a) + 4 * s * b * 4 + s * s
+    # selective recompute of the attention core leaves 34sbh (+ the same statistics)
+    assert ours.total - ours.scores == act.korthikanti_layer_bytes(s, b, h, a, selective=True) + 16 * s * b
+
+
+def test_sdpa_removes_the_s_squared_term():
+    m = preset("gpt2")
+    assert act.layer_activations(m, 1024, 1, Precision.BF16_MIXED, Backend.CUDA).scores == 0
+    eager = act.layer_activations(preset("gpt2", attention="eager"), 1024, 1, Precision.BF16_MIXED, Backend.CUDA)
+    assert eager.scores > 0
+
+
+def test_six_n_rule_and_recompute_flops():
+    cfg = RunConfig(model=preset("llama-2-7b"), seq=4096, micro_batch=1, device="h100-sxm", precision="bf16-mixed")
+    e = estimate(cfg)
+    n = count(cfg.model).non_embedding + cfg.model.vocab * cfg.model.hidden
+    m = cfg.model
+    assert e.flops.model_flops_per_token == 6 * n + 12 * m.layers * m.hidden * cfg.seq
+    full = estimate(cfg.replace(ac="full")).flops
+    # Korthikanti et al.: full recompute = one more forward of every layer (8N + 16Lhs vs 6N + 12Lhs for
+    # the layers' share), less the MLP output matmul that early-stopping recompute never re-runs
+    per_layer_fwd = 2 * count(m).per_layer + 4 * m.hidden * cfg.seq - 2 * m.hidden * m.ffn
+    assert full.recompute_flops_per_token == m.layers * per_layer_fwd
+    assert full.hardware_flops_per_update > e.flops.hardware_flops_per_update == e.flops.model_flops_per_update
+
+
+def test_ring_allreduce():
+    assert ring_allreduce_seconds(1e9, 1, 1e9) == 0
+    assert ring_allreduce_seconds(1e9, 8, 100e9) == pytest.approx(2 * 7 / 8 * 1e9 / 100e9)
+
+
+def test_memory_breakdown_adds_up_and_zero_shards():
+    cfg = RunConfig(model=preset("llama-2-7b"), seq=4096, micro_batch=1, dp=8, device="h100-sxm",
+                    precision="bf16-mixed")
+    m0 = estimate(cfg).memory
+    n = count(cfg.model).total
+    assert (m0.parameters_bytes, m0.master_bytes, m0.gradients_bytes, m0.optimizer_bytes) == (2 * n, 4 * n, 4 * n, 8 * n)
+    m1 = estimate(cfg.replace(zero=1)).memory
+    assert m1.optimizer_bytes == 8 * n // 8 and m1.gradients_bytes == 4 * n
+    m3 = estimate(cfg.replace(zero=3)).memory
+    assert m3.master_bytes == 4 * n // 8 and m3.gradients_bytes == 4 * n // 8
+    assert m0.peak_bytes == m0.peak_tensor_bytes + m0.margin_bytes
+    assert sum(m0.activations_per_layer_bytes) < m0.activations_bytes
+    assert not m0.fits and m1.peak_bytes < m0.peak_bytes
+
+
+def test_accumulation_keeps_activations_and_changes_time():
+    a = estimate(RunConfig(micro_batch=4, accum=1))
+    b = estimate(RunConfig(micro_batch=4, accum=4))
+    assert a.memory.activations_bytes == b.memory.activations_bytes
+    assert b.time.compute_seconds == pytest.approx(4 * a.time.compute_seconds)
+
+
+def test_vary_thousand_values_is_cheap():
+    from batchlab.formula.vary import vary
+
+    rows = vary(RunConfig(micro_batch=1, accum=1), "seq", [str(v) for v in range(8, 256)])
+    assert [r.directions["activations"] for r in rows[1:3]] == ["up", "up"]
+    assert rows[0].directions["peak memory"] == "same"
+
+
+# -- the formula against the live tensors of a real step (torch from here on)
+GRID = [(seq, mb, ac) for seq in (64, 128) for mb in (1, 4, 8) for ac in ("none", "full", "every:2", "selective")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny", "small"])
+def test_formula_matches_a_real_step_within_3_percent(model):
+    from batchlab.measure.harness import Trainer
+    from batchlab.measure.memory import track_update
+
+    grid = GRID if model == "tiny" else [(128, mb, ac) for mb in (1, 2) for ac in ("none", "full", "selective")]
+    worst = []
+    for seq, mb, ac in grid:
+        cfg = RunConfig(model=preset(model), seq=seq, micro_batch=mb, ac=ac, accum=2 if mb == 4 else 1)
+        measured = track_update(Trainer(cfg))
+        f = estimate(cfg).memory
+        act_err = f.activations_bytes / measured.activations_bytes - 1
+        peak_err = f.peak_tensor_bytes / measured.peak_bytes - 1
+        worst.append((abs(act_err), abs(peak_err), seq, mb, ac))
+        assert abs(act_err) <= 0.03, (seq, mb, ac, act_err)
+        assert abs(peak_err) <= 0.03, (seq, mb, ac, peak_err)
+    assert max(w[0] for w in worst) < 0.01  # activations are counted tensor by tensor
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_flops_match_flop_counter_on_the_built_in_model(ac):
+    """FlopCounterMode counts matmuls of one real update; the formula's 6N + 12Lhs (+ recompute) must agree
+    up to what it leaves out on purpose (biases, norms, element-wise ops: < 2% here)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from batchlab.measure.harness import Trainer
+
+    cfg = RunConfig(model=preset("tiny", dropout=0.0), seq=128, micro_batch=2, ac=ac)
+    trainer = Trainer(cfg)
+    batches = trainer.batches()
+    with FlopCounterMode(display=False) as counter:
+        trainer.gradients(batches)
+    counted = counter.get_total_flops()
+    predicted = estimate(cfg).flops.hardware_flops_per_update
+    assert counted == pytest.approx(predicted, rel=0.02)
