@@ -5,4 +5,13 @@ Importing batchlab (and batchlab.config / batchlab.formula) does not import torc
 from batchlab.config import ACPolicy, ConfigError, ModelSpec, RunConfig, preset
 
 __version__ = "0.1.0"
-__all__ = ["ACPolicy", "ConfigError", "ModelSpec", "RunConfig", "preset", "__version__"]
+__all__ = ["ACPolicy", "ConfigError", "ModelSpec", "RunConfig", "observe", "preset", "__version__"]
+
+
+def __getattr__(name: str):
+    # torch-side helpers load on first use, so `import batchlab` stays torch-free
+    if name == "observe":
+        from batchlab.measure.observe import observe
+
+        return observe
+    raise AttributeError(f"module 'batchlab' has no attribute {name!r}")

@@ -319,7 +319,8 @@ DEVICES: dict[str, DeviceSpec] = {
     "mi300x": DeviceSpec("mi300x", Backend.CUDA, 192 * GB, 1307 * T, 163.4 * T, 5.3e12, 448 * GB, 50 * GB),
     # A generic CPU: memory is a nominal 16 GiB unless a budget is given; rates are rough (a 2-core
     # server VM) — run `batchlab calibrate` for measured ones.
-    "cpu": DeviceSpec("cpu", Backend.CPU, 16 * GiB, 50e9, 50e9, 10e9, 10e9, 1e9, gpus_per_node=1,
+    # DP ranks on one CPU host all-reduce over loopback gloo (~0.5 GB/s bus bandwidth seen here, loaded).
+    "cpu": DeviceSpec("cpu", Backend.CPU, 16 * GiB, 50e9, 50e9, 10e9, 0.5e9, 0.5e9, gpus_per_node=64,
                       source="nominal (run batchlab calibrate)"),
 }
 DEVICE_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "local": "cpu"}

@@ -29,8 +29,10 @@ def flops(cfg: RunConfig) -> FlopsEstimate:
     # PaLM (Chowdhery et al. 2022) appendix B: 6N + 12·L·h·s per token, no causal halving.
     per_token = 6 * n + 12 * m.layers * m.hidden * s
     # Recompute re-runs forward: a wrapped layer 2·N_layer + 4·h·s per token (Korthikanti et al. 2022
-    # sec. 5 give 8N + 16Lhs for full recompute); selective re-runs only the attention core, 4·h·s.
-    per_layer_forward = 2 * count(m).per_layer + 4 * m.hidden * s
+    # sec. 5 give 8N + 16Lhs for full recompute), less the MLP's output projection (2·h·f): PyTorch's
+    # non-reentrant checkpoint stops recomputing once every saved tensor is rebuilt (early stop), and that
+    # last matmul's output is saved by nothing.  Selective re-runs only the attention core, 4·h·s.
+    per_layer_forward = 2 * count(m).per_layer - 2 * m.hidden * m.ffn + 4 * m.hidden * s
     wrapped = len(cfg.ac.wrapped_layers(m.layers))
     selective = len(cfg.ac.selective_layers(m.layers))
     recompute = wrapped * per_layer_forward + selective * 4 * m.hidden * s

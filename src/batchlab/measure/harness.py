@@ -64,7 +64,8 @@ class Trainer:
     """Holds model, optimizer, scheduler and scaler for one config; ``update()`` runs one optimizer update."""
 
     def __init__(self, cfg: RunConfig, device: torch.device | str | None = None, *, workload: Workload | None = None,
-                 rank: int = 0, world: int = 1, wrap=None, clip_norm: float | None = 1.0):
+                 rank: int = 0, world: int = 1, wrap=None, clip_norm: float | None = 1.0,
+                 grads_to_none: bool = True):
         self.cfg = cfg
         self.device = torch.device(device) if device is not None else torch_device(cfg)
         self.rank, self.world = rank, world
@@ -86,6 +87,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / 100))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision is Precision.FP16_MIXED)
         self.clip_norm = clip_norm
+        # False under DDP(gradient_as_bucket_view=True): zeroing in place keeps .grad a view of the bucket;
+        # set to None, the no_sync micro-batches accumulate into fresh tensors (a second gradient copy)
+        self.grads_to_none = grads_to_none
         self.updates_done = 0
         # one generator per rank: each rank sees distinct data, reproducibly
         self.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + rank)
@@ -115,11 +119,15 @@ class Trainer:
         dist.all_reduce(t)
         return int(t.item())
 
+    def _number(self, t: torch.Tensor) -> float:
+        """A scalar tensor's value; the trace overrides this, since fake tensors hold no values."""
+        return float(t)
+
     def update(self, probe: Probe | None = None) -> UpdateResult:
         probe = probe or _NoProbe()
         probe.mark("data")
         batches = self.batches()
-        local_useful = sum(int((t != -100).sum()) for _, t in batches)
+        local_useful = sum(int(self._number((t != -100).sum())) for _, t in batches)
         # DDP averages gradients over ranks, so each rank divides by the per-rank share of the global count.
         norm = self._global_useful(local_useful) / self.world
         total = 0.0
@@ -131,17 +139,17 @@ class Trainer:
                     loss = self.workload.loss_sum(self.model, tokens, targets) / norm
                 probe.mark("backward")
                 self.scaler.scale(loss).backward()
-            total += float(loss.detach()) * norm
+            total += self._number(loss.detach()) * norm
             del loss
         probe.mark("optimizer")
         self.scaler.unscale_(self.optimizer)
         grad_norm = float("nan")
         if self.clip_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.clip_norm))
+            grad_norm = self._number(torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.clip_norm))
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.grads_to_none)
         self.updates_done += 1
         probe.mark("end")
         return UpdateResult(loss=total / max(local_useful, 1), useful_tokens=local_useful, grad_norm=grad_norm)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,13 +27,33 @@ class MemorySnapshot:
     activations_bytes: int  # bytes created by the last forward and still held when backward starts
     baseline_bytes: int  # live at start (parameters + optimizer state)
     phase_peaks: dict[str, int] = field(default_factory=dict)  # highest live bytes seen in each phase
+    # activations_bytes by the label ``owner()`` gave when each storage was created (trackers given an owner)
+    activations_by_owner: dict[str, int] = field(default_factory=dict)
+
+
+class BudgetExceeded(MemoryError):
+    """Tracked tensor bytes went over the memory budget (CPU stand-in for a device with less memory).
+
+    Raised right after the op whose output crossed the budget, so at most that op's output is allocated
+    past it; a MemoryError so that code handling real out-of-memory handles this too.
+    """
+
+    def __init__(self, live_bytes: int, budget: int, phase: str):
+        self.live_bytes, self.budget, self.phase = live_bytes, budget, phase
+        super().__init__(f"tracked tensor bytes {live_bytes:,} exceed the memory budget {budget:,}")
 
 
 class StorageTracker(TorchDispatchMode):
     """Use as ``with tracker:`` around one or more updates; call ``mark(phase)`` between phases."""
 
-    def __init__(self):
+    def __init__(self, budget: int | None = None, owner: Callable[[], str] | None = None):
         super().__init__()
+        # owner() labels each new storage (the trace passes the module running now: "what keeps what")
+        self._owner = owner
+        self._owners: dict[int, str] = {}
+        self._activations_by_owner: dict[str, int] = {}
+        self.budget = budget  # bytes; an op whose output takes live bytes past it raises BudgetExceeded
+        self.exceeded: BudgetExceeded | None = None
         self._live: dict[int, tuple[int, str]] = {}  # id(storage) -> (bytes, created-as category)
         self._current = 0
         self.phase = "data"
@@ -83,6 +104,8 @@ class StorageTracker(TorchDispatchMode):
         self._live[key] = (n, category)
         self._current += n
         weakref.finalize(st, self._free, key)
+        if self._owner is not None:
+            self._owners[key] = self._owner()
         if self._current > self._phase_peaks.get(self.phase, -1):
             self._phase_peaks[self.phase] = self._current
         if self._current > self._peak:
@@ -92,6 +115,7 @@ class StorageTracker(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
+        self._owners.pop(key, None)
         if entry is not None:
             self._current -= entry[0]
 
@@ -100,6 +124,12 @@ class StorageTracker(TorchDispatchMode):
             self._forward_start_keys = set(self._live)
         if phase == "backward":
             self._activation_bytes = sum(n for k, (n, _) in self._live.items() if k not in self._forward_start_keys)
+            if self._owner is not None:
+                by_owner: dict[str, int] = {}
+                for k, (n, _) in self._live.items():
+                    if k not in self._forward_start_keys:
+                        by_owner[self._owners[k]] = by_owner.get(self._owners[k], 0) + n
+                self._activations_by_owner = by_owner
         self.phase = phase
 
     def reset(self) -> None:
@@ -123,6 +153,10 @@ class StorageTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t.untyped_storage(), category)
+        if self.budget is not None and self._current > self.budget:
+            # every allocation that leaves live bytes over the budget is refused, like a real allocator
+            self.exceeded = BudgetExceeded(self._current, self.budget, self.phase)
+            raise self.exceeded
         return out
 
     def snapshot(self) -> MemorySnapshot:
@@ -132,21 +166,30 @@ class StorageTracker(TorchDispatchMode):
         assert sum(breakdown.values()) == max(self._peak, 0)
         return MemorySnapshot(peak_bytes=max(self._peak, 0), peak_phase=self._peak_phase, breakdown=breakdown,
                               activations_bytes=self._activation_bytes, baseline_bytes=self._baseline,
-                              phase_peaks=dict(self._phase_peaks))
+                              phase_peaks=dict(self._phase_peaks),
+                              activations_by_owner=dict(self._activations_by_owner))
 
 
-def track_update(trainer, steady: bool = True) -> MemorySnapshot:
-    """Peak tensor memory of one update of ``trainer`` (after one untracked update when ``steady``:
-    AdamW creates its state lazily, so the first update lacks it)."""
-    if steady and trainer.updates_done == 0:
-        trainer.update()
-    tracker = StorageTracker()
+def tracker_for(trainer, budget: int | None = None, owner: Callable[[], str] | None = None) -> StorageTracker:
+    """A tracker for ``trainer``'s next update: parameters, buffers and optimizer state registered (they
+    exist before tracking starts), gradients watched, baseline set.  Call ``close()`` when done."""
+    tracker = StorageTracker(budget=budget, owner=owner)
     params = list(trainer.raw_model.parameters())
     tracker.register(params, "parameters")
     tracker.register([b for b in trainer.raw_model.buffers()], "parameters")
     tracker.register_optimizer(trainer.optimizer)
     tracker.watch_gradients(params)
     tracker.reset()
+    return tracker
+
+
+def track_update(trainer, steady: bool = True, budget: int | None = None) -> MemorySnapshot:
+    """Peak tensor memory of one update of ``trainer`` (after one untracked update when ``steady``:
+    AdamW creates its state lazily, so the first update lacks it).  With ``budget`` (bytes), raises
+    BudgetExceeded as soon as live tensor bytes go over it (the steadying update is tracked too)."""
+    if steady and trainer.updates_done == 0:
+        track_update(trainer, steady=False, budget=budget) if budget is not None else trainer.update()
+    tracker = tracker_for(trainer, budget)
     try:
         with tracker:
             trainer.update(probe=tracker)

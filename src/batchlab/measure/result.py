@@ -5,8 +5,9 @@ peak_phase, tokens_per_second), so reports line them up without a mapping table.
 """
 from __future__ import annotations
 
+import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from batchlab.config import _Choice
@@ -27,8 +28,15 @@ class MeasuredMemory:
     breakdown: dict[str, int] = field(default_factory=dict)  # category -> bytes at the peak
     reserved_bytes: int | None = None  # CUDA caching allocator's reserved peak
     alloc_retries: int | None = None
+    oom_count: int | None = None  # CUDA allocator OOMs during the update (caught and retried ones included)
     provenance: str = "allocator"  # CUDA allocator stats, or the live tensor-storage tracker on CPU
     method: str = ""  # "cuda max_memory_allocated" | "live storage tracker"
+    per_rank_peak_bytes: list[int] = field(default_factory=list)  # DP > 1: every rank's peak, rank order
+
+    @property
+    def rank_spread_bytes(self) -> int:
+        """Highest minus lowest rank peak (0 for one rank)."""
+        return max(self.per_rank_peak_bytes) - min(self.per_rank_peak_bytes) if self.per_rank_peak_bytes else 0
 
 
 @dataclass
@@ -36,6 +44,7 @@ class MeasuredTime:
     samples: list[float]  # seconds per measured update (warmup excluded)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # median per phase
     cpu_seconds: list[float] = field(default_factory=list)  # process CPU time per update (CPU runs)
+    phase_samples: dict[str, list[float]] = field(default_factory=dict)  # phase -> seconds per update
     warmup: int = 0
     provenance: str = "wall-clock"
 
@@ -51,10 +60,46 @@ class MeasuredTime:
         return q[2] - q[0]
 
     @property
+    def update_seconds_min(self) -> float:
+        return min(self.samples)
+
+    @property
+    def update_seconds_max(self) -> float:
+        return max(self.samples)
+
+    @property
     def spread(self) -> float:
         """IQR / median: above 0.10 the timing is noisy (a warning is printed)."""
         med = self.update_seconds_median
         return self.update_seconds_iqr / med if med > 0 else 0.0
+
+
+@dataclass
+class MeasuredComm:
+    """DP > 1: the gradient all-reduce per optimizer update, seen by a DDP communication hook."""
+
+    world_size: int
+    backend: str  # gloo | nccl
+    calls_per_update: int  # hook calls = DDP buckets all-reduced
+    rounds_per_update: int  # backward passes that all-reduced: 1 with no_sync() on all but the last
+    bytes_per_update: int  # bucket bytes all-reduced
+    seconds: list[float]  # per timed update: wall time with an all-reduce in flight (approximate)
+    compute_seconds: list[float]  # per timed update: update time minus all-reduce time
+    predicted_seconds: float | None = None  # formula (ring all-reduce), for the config's device
+    predicted_bytes: int | None = None  # formula: gradient bytes all-reduced per update
+    predicted_bandwidth_bytes_per_s: float | None = None  # formula: the link it assumed
+    predicted_provenance: str = "formula"
+    gradient_as_bucket_view: bool = True
+    provenance: str = "wall-clock (comm hook)"
+    scope: str = ""
+
+    @property
+    def seconds_median(self) -> float:
+        return statistics.median(self.seconds) if self.seconds else 0.0
+
+    @property
+    def compute_seconds_median(self) -> float:
+        return statistics.median(self.compute_seconds) if self.compute_seconds else 0.0
 
 
 @dataclass
@@ -70,7 +115,74 @@ class Measurement:
     useful_tokens_per_update: int | None = None
     environment: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    comm: MeasuredComm | None = None  # DP > 1 only
 
     @property
     def ok(self) -> bool:
         return self.outcome is Outcome.OK
+
+
+def format_bytes(n: float) -> str:
+    """Display only (internally everything is bytes): binary units, 3 significant figures."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+# ------------------------------------------------------------------------------------------ JSON
+# The one serialised form of a Measurement: the dataclass fields (raw samples included), plus the derived
+# figures scripts read (time.update_seconds_median, ...) and a provenance label for every figure.  The
+# derived keys are ignored when loading, so the dataclass stays the single source of truth.
+
+FIGURE_PROVENANCE = {"global_batch": "config", "useful_tokens_per_update": "config",
+                     "tokens_per_second": "wall-clock"}
+
+
+def measurement_to_dict(m: Measurement) -> dict[str, Any]:
+    from batchlab.config import to_jsonable
+
+    out = to_jsonable(m)
+    if m.time is not None and m.time.samples:
+        t = out["time"]
+        t["update_seconds_median"] = m.time.update_seconds_median
+        t["update_seconds_iqr"] = m.time.update_seconds_iqr
+        t["update_seconds_min"] = m.time.update_seconds_min
+        t["update_seconds_max"] = m.time.update_seconds_max
+        t["spread"] = m.time.spread
+        if m.time.cpu_seconds:
+            t["cpu_seconds_median"] = statistics.median(m.time.cpu_seconds)
+    provenance = dict(FIGURE_PROVENANCE)
+    if m.memory is not None:
+        provenance["memory"] = m.memory.provenance
+    if m.time is not None:
+        provenance["time"] = m.time.provenance
+    out["provenance"] = provenance
+    return out
+
+
+def _only_fields(cls, d: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+def measurement_from_dict(d: dict[str, Any]) -> Measurement:
+    """Inverse of measurement_to_dict (derived keys such as update_seconds_median are recomputed)."""
+    d = _only_fields(Measurement, d)
+    d["outcome"] = Outcome(d["outcome"])
+    if d.get("memory") is not None:
+        d["memory"] = MeasuredMemory(**_only_fields(MeasuredMemory, d["memory"]))
+    if d.get("time") is not None:
+        d["time"] = MeasuredTime(**_only_fields(MeasuredTime, d["time"]))
+    if d.get("comm") is not None:
+        d["comm"] = MeasuredComm(**_only_fields(MeasuredComm, d["comm"]))
+    return Measurement(**d)
+
+
+def measurement_to_json(m: Measurement, indent: int | None = 2) -> str:
+    return json.dumps(measurement_to_dict(m), indent=indent)
+
+
+def load_measurement(source: str | dict[str, Any]) -> Measurement:
+    """A Measurement from its JSON text (or the parsed dict), as printed by ``batchlab measure --json``."""
+    return measurement_from_dict(json.loads(source) if isinstance(source, str) else source)

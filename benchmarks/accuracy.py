@@ -1,0 +1,187 @@
+"""How close batchlab's predictions come to measured runs on this machine.
+
+Memory: over a grid (built-in tiny and small; Hugging Face GPT-2 and Llama configs at tiny sizes) x
+micro-batch x sequence x activation-checkpointing policy, the error of the formula and of the trace against
+the measured peak tensor bytes and activation bytes (CPU: live storage tracker, provenance allocator).
+error = (predicted - measured) / measured.
+
+Time: paired ratios.  For each pair A -> B the two configs are measured alternately (A B, B A, ...) in
+one process; the measured ratio t(B)/t(A) per round is set beside the formula's predicted ratio and the
+trace's hardware-FLOPs ratio (what a purely compute-bound update would give).  Absolute milliseconds are
+too noisy on shared machines to be worth a table.
+
+    .venv/bin/python benchmarks/accuracy.py            # full grid, a few minutes on 2 cores
+    .venv/bin/python benchmarks/accuracy.py --quick    # smoke run
+Prints Markdown on stdout (progress on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from batchlab.config import RunConfig, preset
+from batchlab.measure import MeasureOptions, run
+from batchlab.measure.versus import formula_estimate
+from batchlab.trace import estimate as trace_estimate
+
+MODELS = {
+    "tiny": lambda: (preset("tiny"), "builtin"),
+    "small": lambda: (preset("small"), "builtin"),
+    "hf gpt2": lambda: (preset("gpt2", layers=2, hidden=128, heads=4, vocab=1024, max_positions=256), "hf:gpt2"),
+    "hf llama": lambda: (preset("llama-2-7b", layers=2, hidden=128, heads=4, kv_heads=2, ffn=352, vocab=1024,
+                                max_positions=256), "hf:llama-2-7b"),
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _get(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part, None) if obj is not None else None
+    return obj
+
+
+def formula_peak_tensor_bytes(est):
+    """The formula's tensor bytes at the peak (its peak_bytes adds an allocator margin, a CPU run has none)."""
+    value = _get(est, "memory.peak_tensor_bytes")
+    return value if value is not None else _get(est, "memory.peak_bytes")
+
+
+def error(predicted, measured) -> float | None:
+    return None if predicted is None or not measured else (predicted - measured) / measured
+
+
+def pct(e: float | None) -> str:
+    return "-" if e is None else f"{e:+.1%}"
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def memory_rows(models, micro_batches, seqs, policies):
+    rows = []
+    for name in models:
+        spec, source = MODELS[name]()
+        for mb in micro_batches:
+            for seq in seqs:
+                for ac in policies:
+                    cfg = RunConfig(model=spec, model_source=source, micro_batch=mb, seq=seq, ac=ac)
+                    log(f"memory: {name} mb={mb} seq={seq} ac={ac}")
+                    m = run(cfg, MeasureOptions(warmup=1, steps=1, memory=True, timing=False))
+                    if not m.ok:
+                        log(f"  measurement {m.outcome.value}: {m.outcome_detail}")
+                        continue
+                    tr = trace_estimate(cfg)
+                    est, _ = formula_estimate(cfg)
+                    peak, act = m.memory.peak_bytes, m.memory.activations_bytes
+                    rows.append(dict(model=name, mb=mb, seq=seq, ac=ac, peak=peak, act=act,
+                                     f_peak=error(formula_peak_tensor_bytes(est), peak),
+                                     t_peak=error(tr.memory.peak_bytes, peak),
+                                     f_act=error(_get(est, "memory.activations_bytes"), act),
+                                     t_act=error(tr.memory.activations_bytes, act)))
+    return rows
+
+
+def print_memory(rows) -> None:
+    print("| model | micro-batch | seq | AC | measured peak MiB | formula | trace | measured activations MiB "
+          "| formula | trace |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['mb']} | {r['seq']} | {r['ac']} | {mib(r['peak'])} | {pct(r['f_peak'])} | "
+              f"{pct(r['t_peak'])} | {mib(r['act'])} | {pct(r['f_act'])} | {pct(r['t_act'])} |")
+    print()
+    for key, what in (("f_peak", "formula peak"), ("t_peak", "trace peak"), ("f_act", "formula activations"),
+                      ("t_act", "trace activations")):
+        errs = [abs(r[key]) for r in rows if r[key] is not None]
+        if errs:
+            print(f"- {what}: median |error| {statistics.median(errs):.1%}, max {max(errs):.1%} "
+                  f"over {len(errs)} configs")
+        else:
+            print(f"- {what}: not available")
+    print()
+
+
+PAIRS = [
+    ("tiny, AC none -> full", dict(ac="none"), dict(ac="full")),
+    ("tiny, micro-batch 8 x accum 1 -> 1 x 8", dict(micro_batch=8, accum=1), dict(micro_batch=1, accum=8)),
+    ("small, AC none -> selective", dict(model=preset("small"), ac="none"), dict(model=preset("small"), ac="selective")),
+]
+
+
+def median_update_seconds(cfg: RunConfig, steps: int) -> float:
+    m = run(cfg, MeasureOptions(warmup=1, steps=steps, memory=False, timing=True))
+    if not m.ok:
+        raise RuntimeError(f"{m.outcome.value}: {m.outcome_detail}")
+    return m.time.update_seconds_median
+
+
+def time_rows(rounds: int, steps: int):
+    base = RunConfig(model=preset("tiny"), seq=128, micro_batch=8)
+    rows = []
+    for label, a_changes, b_changes in PAIRS:
+        a, b = base.replace(**a_changes), base.replace(**b_changes)
+        ratios = []
+        for i in range(rounds):
+            log(f"time: {label} round {i + 1}/{rounds}")
+            if i % 2 == 0:  # alternate the order so drift over time does not favour one side
+                ta = median_update_seconds(a, steps)
+                tb = median_update_seconds(b, steps)
+            else:
+                tb = median_update_seconds(b, steps)
+                ta = median_update_seconds(a, steps)
+            ratios.append(tb / ta)
+        fa, fb = formula_estimate(a)[0], formula_estimate(b)[0]
+        fa_t, fb_t = _get(fa, "time.update_seconds"), _get(fb, "time.update_seconds")
+        flops_ratio = trace_estimate(b).flops.hardware_flops_per_update / trace_estimate(a).flops.hardware_flops_per_update
+        rows.append(dict(label=label, ratios=ratios, formula=(fb_t / fa_t) if fa_t and fb_t else None,
+                         flops=flops_ratio))
+    return rows
+
+
+def print_time(rows, rounds: int, steps: int) -> None:
+    print(f"Paired update-time ratios t(B)/t(A): {rounds} rounds, each the median of {steps} timed updates "
+          "after 1 warm-up (wall-clock).")
+    print()
+    print("| pair A -> B | measured ratio (median) | measured range | formula predicted | trace FLOPs ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        lo, hi = min(r["ratios"]), max(r["ratios"])
+        formula = "-" if r["formula"] is None else f"{r['formula']:.2f}"
+        print(f"| {r['label']} | {statistics.median(r['ratios']):.2f} | {lo:.2f}-{hi:.2f} | {formula} | "
+              f"{r['flops']:.2f} |")
+    print()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny grid, one round: a smoke run")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    if args.quick:
+        grid = (["tiny", "hf llama"], [2], [64], ["none", "full"])
+        rounds = 1
+    else:
+        grid = (list(MODELS), [1, 4], [64, 128], ["none", "full", "selective"])
+        rounds = args.rounds
+    print(f"Accuracy on {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads), "
+          f"torch {torch.__version__}, {datetime.date.today().isoformat()}; fp32, AdamW, accum 1. "
+          "error = (predicted - measured) / measured; measured = live tensor-storage tracker (allocator).")
+    print()
+    print_memory(memory_rows(*grid))
+    print_time(time_rows(rounds, args.steps), rounds, args.steps)
+    log(f"done in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

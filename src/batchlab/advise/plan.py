@@ -1,0 +1,203 @@
+"""Plan by formula: micro-batch x activation checkpointing (x ZeRO stage) for a fixed global batch.
+
+Every candidate keeps the global batch: accum = global / (micro x DP), never the other way round.
+Torch-free (the plan must answer in well under a second).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchlab.config import ACMode, ACPolicy, ConfigError, RunConfig
+from batchlab.formula import estimate
+from batchlab.formula.memory import model_states
+
+DEFAULT_MARGIN = 0.10  # of the device memory (or --memory-budget), kept free on top of the formula's peak
+DEFAULT_TOKENS = 10**9  # token budget the time ranking uses when none is given
+EVERY_K = (2, 4, 8)  # every:K policies tried (K < layers)
+# A micro-batch of at least this many tokens keeps matmuls reasonably large; below it, per-micro-batch
+# overheads and small kernels cost time that the formula (FLOP-bound) does not see.
+MIN_MICRO_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What to plan for: ``base`` gives model, seq, precision, optimizer, DP, ZeRO stage, device, budget;
+    its global batch (micro x accum x DP) is the target and never changes."""
+
+    base: RunConfig
+    tokens: float = DEFAULT_TOKENS
+    margin: float = DEFAULT_MARGIN
+    allow_zero: bool = False  # also try ZeRO stages 0-3 over the DP ranks (DP > 1)
+    min_micro_tokens: int = MIN_MICRO_TOKENS
+
+    def __post_init__(self):
+        if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 1.0):
+            raise ConfigError("margin", f"must be a fraction in [0, 1), got {self.margin!r}")
+        if not (isinstance(self.tokens, (int, float)) and self.tokens > 0):
+            raise ConfigError("tokens", f"must be > 0, got {self.tokens!r}")
+        if self.min_micro_tokens < 1:
+            raise ConfigError("min_micro_tokens", f"must be >= 1, got {self.min_micro_tokens}")
+
+    @property
+    def global_batch(self) -> int:
+        return self.base.global_batch
+
+    @property
+    def per_rank(self) -> int:
+        """Sequences per rank per update: the largest possible micro-batch."""
+        return self.global_batch // self.base.dp
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.base.memory_capacity
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.capacity_bytes * (1 - self.margin))
+
+    def reasonable(self, micro_batch: int) -> bool:
+        return micro_batch * self.base.seq >= self.min_micro_tokens or micro_batch == self.per_rank
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration and its formula figures (provenance ``formula``)."""
+
+    config: RunConfig
+    peak_bytes: int
+    peak_phase: str
+    update_seconds: float
+    tokens_per_second: float
+    time_to_tokens_seconds: float
+    hardware_flops_per_update: float
+    provenance: str = "formula"
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return str(self.config.ac), self.config.zero
+
+
+def candidate(cfg: RunConfig, tokens: float) -> Candidate:
+    est = estimate(cfg)
+    return Candidate(cfg, est.memory.peak_bytes, est.memory.peak_phase, est.time.update_seconds,
+                     est.time.tokens_per_second, est.time.time_to_tokens(tokens),
+                     est.flops.hardware_flops_per_update)
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def policies(layers: int) -> list[ACPolicy]:
+    """Cheapest recompute first: none, every:K (largest K first), selective, full."""
+    every = [ACPolicy(ACMode.EVERY, k) for k in sorted(EVERY_K, reverse=True) if k < layers]
+    return [ACPolicy()] + every + [ACPolicy(ACMode.SELECTIVE), ACPolicy(ACMode.FULL)]
+
+
+def zero_stages(goal: Goal) -> tuple[int, ...]:
+    if goal.allow_zero and goal.base.dp > 1:
+        return tuple(range(goal.base.zero, 4))
+    return (goal.base.zero,)
+
+
+def shaped(goal: Goal, micro_batch: int, ac: ACPolicy, zero: int) -> RunConfig:
+    return goal.base.replace(micro_batch=micro_batch, accum=goal.per_rank // micro_batch, ac=ac, zero=zero)
+
+
+def enumerate_candidates(goal: Goal) -> list[Candidate]:
+    return [candidate(shaped(goal, mb, ac, z), goal.tokens)
+            for z in zero_stages(goal) for ac in policies(goal.base.model.layers) for mb in divisors(goal.per_rank)]
+
+
+def best_per_option(cands: list[Candidate], limit_bytes: int) -> list[Candidate]:
+    """For each (policy, ZeRO stage): the largest micro-batch whose predicted peak is within ``limit_bytes``."""
+    best: dict[tuple[str, int], Candidate] = {}
+    for c in cands:
+        if c.peak_bytes <= limit_bytes and (c.key not in best or c.config.micro_batch > best[c.key].config.micro_batch):
+            best[c.key] = c
+    return list(best.values())
+
+
+def rank(options: list[Candidate]) -> list[Candidate]:
+    """Fastest to the token budget first; ties (the formula's time does not depend on micro-batch, and
+    ZeRO-1/2 move the same bytes as DDP) go to the lower ZeRO stage, less recompute, larger micro-batch."""
+    return sorted(options, key=lambda c: (float(f"{c.time_to_tokens_seconds:.9g}"), c.config.zero,
+                                          c.hardware_flops_per_update, -c.config.micro_batch))
+
+
+def recommend(ranked: list[Candidate], goal: Goal) -> tuple[Candidate | None, str]:
+    """No activation checkpointing if a reasonable micro-batch fits, else the cheapest policy that reaches one;
+    if none does, the cheapest option that fits (the formula's time: least recompute)."""
+    if not ranked:
+        return None, "nothing fits within the margin"
+    good = [c for c in ranked if goal.reasonable(c.config.micro_batch)]
+    if good:
+        return good[0], ("fastest predicted time to the token budget among options with a reasonable micro-batch "
+                         f"(>= {goal.min_micro_tokens} tokens or the whole per-rank batch)")
+    return ranked[0], (f"no option reaches a micro-batch of {goal.min_micro_tokens} tokens or the whole per-rank "
+                       "batch; the fastest predicted option that fits")
+
+
+def unfit_options(cands: tuple[Candidate, ...], ranked: tuple[Candidate, ...]) -> list[Candidate]:
+    """For each (policy, ZeRO stage) with no micro-batch within the margin: its smallest micro-batch."""
+    have = {c.key for c in ranked}
+    out: dict[tuple[str, int], Candidate] = {}
+    for c in cands:
+        if c.key not in have and (c.key not in out or c.config.micro_batch < out[c.key].config.micro_batch):
+            out[c.key] = c
+    return sorted(out.values(), key=lambda c: c.peak_bytes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    goal: Goal
+    candidates: tuple[Candidate, ...]  # every configuration evaluated
+    ranked: tuple[Candidate, ...]  # best micro-batch per (policy, ZeRO stage) within the margin, best first
+    recommended: Candidate | None
+    reason: str
+    assumptions: tuple[str, ...] = field(default_factory=tuple)
+
+    def predicted_limit(self, ac: ACPolicy, zero: int) -> int | None:
+        """Largest micro-batch the formula says fits the full capacity (no safety margin)."""
+        fits = [c.config.micro_batch for c in self.candidates
+                if str(c.config.ac) == str(ac) and c.config.zero == zero and c.peak_bytes <= self.goal.capacity_bytes]
+        return max(fits) if fits else None
+
+
+def parameter_bytes_per_rank(goal: Goal) -> int:
+    """Stored weights alone (fp32 master under mixed precision), sharded only where ZeRO-3 may be used."""
+    cfg = goal.base.replace(zero=max(zero_stages(goal)))
+    states = model_states(cfg)
+    return states.master or states.parameters
+
+
+def check_capacity(goal: Goal) -> None:
+    need = parameter_bytes_per_rank(goal)
+    if need > goal.capacity_bytes:
+        name = "memory_budget" if goal.base.memory_budget is not None else "device"
+        raise ConfigError(name, f"{goal.capacity_bytes / 2**30:.3g} GiB per rank cannot hold the parameters alone "
+                                f"({need / 2**30:.3g} GiB, formula); give more memory, more ranks with ZeRO-3 "
+                                "(--dp, --allow-zero) or a smaller model")
+
+
+def assumptions(goal: Goal, est_assumptions: tuple[str, ...]) -> tuple[str, ...]:
+    src = goal.base.model_source
+    factory = (f"model {src} is a factory the formula cannot see inside: the plan uses the shape of "
+               f"{goal.base.model.name}; confirm with --verify / --search",) if ":" in src and not src.startswith("hf:") else ()
+    return est_assumptions + factory + (
+        f"safety margin {goal.margin:.0%} of {goal.capacity_bytes / 2**30:.3g} GiB per rank: a candidate fits if its "
+        f"predicted peak is <= {goal.usable_bytes / 2**30:.3g} GiB",
+        f"ranked by predicted time to {goal.tokens:.3g} tokens; the formula's time is FLOP-bound, so it does not "
+        "depend on the micro-batch (ties go to the larger micro-batch)",
+        f"reasonable micro-batch: >= {goal.min_micro_tokens} tokens (micro-batch x seq) or the whole per-rank batch",
+    )
+
+
+def plan(goal: Goal) -> Plan:
+    check_capacity(goal)
+    cands = enumerate_candidates(goal)
+    ranked = rank(best_per_option(cands, goal.usable_bytes))
+    rec, why = recommend(ranked, goal)
+    est_assumptions = estimate(goal.base).assumptions
+    return Plan(goal, tuple(cands), tuple(ranked), rec, why, assumptions(goal, est_assumptions))

@@ -1,0 +1,179 @@
+"""Text output of ``batchlab fit`` (rich).  Every figure names how it was obtained: formula or allocator."""
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from batchlab.advise.fit import FitReport
+from batchlab.advise.oom import Advice, Remedy
+from batchlab.advise.plan import Candidate, Goal, unfit_options
+from batchlab.advise.search import Trial
+from batchlab.advise.snippets import all_snippets
+from batchlab.config import RunConfig
+from batchlab.units import fmt_bytes, fmt_seconds
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.0%}"
+
+
+def header(out: Console, goal: Goal) -> None:
+    b = goal.base
+    out.print(f"[bold]batchlab fit[/]  {b.model.name} ({b.model_source}), seq {b.seq}, {b.precision}, {b.optimizer}, "
+              f"{b.dp} x {b.device}")
+    out.print(f"target: global batch {goal.global_batch} sequences ({b.tokens_per_update:,} tokens per update) "
+              f"over DP {b.dp}: {goal.per_rank} sequences per rank per update")
+    out.print(f"memory per rank: {fmt_bytes(goal.capacity_bytes)}"
+              + (" (--memory-budget)" if b.memory_budget is not None else f" ({b.device})")
+              + f", safety margin {goal.margin:.0%}: plan within {fmt_bytes(goal.usable_bytes)}")
+
+
+def candidate_line(c: Candidate, goal: Goal) -> str:
+    cfg = c.config
+    return (f"{cfg.global_batch_text()}\n  activation checkpointing {cfg.ac}, ZeRO-{cfg.zero}; predicted peak "
+            f"{fmt_bytes(c.peak_bytes)} in {c.peak_phase} \\[formula], headroom {fmt_bytes(goal.capacity_bytes - c.peak_bytes)}; "
+            f"update {fmt_seconds(c.update_seconds)}, {c.tokens_per_second:,.0f} tokens/s, "
+            f"{fmt_seconds(c.time_to_tokens_seconds)} to {goal.tokens:.3g} tokens \\[formula]")
+
+
+def alternatives(report: FitReport, top: int) -> Table:
+    p, goal = report.plan, report.plan.goal
+    rec = p.recommended
+    t = Table(title=f"Largest micro-batch per policy within the margin, fastest first; then policies that do not fit "
+                    f"\\[formula] ({len(p.candidates)} configurations evaluated)", header_style="bold")
+    for col in ("", "micro x accum x DP", "act. checkpointing", "ZeRO", "peak", "headroom", "update",
+                f"to {goal.tokens:.3g} tokens", "vs chosen"):
+        t.add_column(col, justify="left" if col in ("", "act. checkpointing") else "right")
+    for c in p.ranked[:top]:
+        cfg = c.config
+        mark = "->" if c is rec else ""
+        t.add_row(mark, f"{cfg.micro_batch} x {cfg.accum} x {cfg.dp}", str(cfg.ac), str(cfg.zero),
+                  fmt_bytes(c.peak_bytes), fmt_bytes(goal.capacity_bytes - c.peak_bytes), fmt_seconds(c.update_seconds),
+                  fmt_seconds(c.time_to_tokens_seconds),
+                  _pct(c.time_to_tokens_seconds / rec.time_to_tokens_seconds - 1) if rec else "-")
+    for c in unfit_options(p.candidates, p.ranked)[:top]:
+        cfg = c.config
+        t.add_row("", f"{cfg.micro_batch} x {cfg.accum} x {cfg.dp}", str(cfg.ac), str(cfg.zero),
+                  fmt_bytes(c.peak_bytes), fmt_bytes(goal.capacity_bytes - c.peak_bytes), "", "",
+                  "over margin", style="dim")
+    return t
+
+
+def trial_line(t: Trial, n: int, budget: int | None = None) -> str:
+    peak = f", peak {fmt_bytes(t.peak_bytes)} [{t.provenance}]" if t.peak_bytes is not None else ""
+    cap = f"/{budget}" if budget else ""
+    detail = f" - {t.detail}" if t.detail and not t.fits else ""
+    return f"trial {n}{cap}: micro-batch {t.micro_batch} x accum {t.accum} -> {t.outcome}{peak}{detail}"
+
+
+def trials_table(report: FitReport) -> Table:
+    trials = report.search.trials if report.search else [report.verification]
+    t = Table(title="Measured (isolated subprocess each)", header_style="bold")
+    for col in ("#", "micro x accum", "outcome", "peak \\[allocator]", "peak \\[formula]", "formula error"):
+        t.add_column(col, justify="left" if col == "outcome" else "right")
+    rec = report.plan.recommended.config
+    for i, tr in enumerate(trials, 1):
+        pred = report.predicted_peak(rec.with_global_batch(rec.global_batch, tr.micro_batch))
+        err = (pred - tr.peak_bytes) / tr.peak_bytes if pred and tr.peak_bytes else None
+        t.add_row(str(i), f"{tr.micro_batch} x {tr.accum}", tr.outcome, fmt_bytes(tr.peak_bytes), fmt_bytes(pred),
+                  _pct(err) if err is None or abs(err) >= 0.005 else f"{err:+.1%}")
+    return t
+
+
+def limits_line(report: FitReport) -> str | None:
+    lim = report.limits()
+    if lim is None:
+        return None
+    text = (f"largest micro-batch that fits {fmt_bytes(report.plan.goal.capacity_bytes)} with {lim['policy']}: "
+            f"formula {lim['predicted_limit']}, measured {lim['measured_limit']} "
+            f"({lim['trials']} trials, budget {lim['trial_budget']})")
+    if lim.get("peak_error") is not None:
+        text += (f"; at micro-batch {lim['measured_limit']} formula {fmt_bytes(lim['predicted_peak_bytes'])} vs "
+                 f"allocator {fmt_bytes(lim['measured_peak_bytes'])} ({lim['peak_error']:+.1%})")
+    return text
+
+
+def advice_table(items: list[Advice], goal: Goal) -> Table:
+    t = Table(title="If it runs out of memory: changes in order \\[formula]", header_style="bold", show_lines=True)
+    for col in ("#", "change", "peak", "fits", "compute", "update time", "stays the same / changes"):
+        t.add_column(col, justify="right" if col in ("#", "peak", "compute", "update time") else "left")
+    for i, a in enumerate(items, 1):
+        peak = fmt_bytes(a.figures.peak_bytes) if a.figures else "-"
+        fits = "-" if a.config is None else ("yes" if a.fits else "no")
+        both = (f"same: {a.stays}\n" if a.stays else "") + f"changes: {a.changes}"
+        t.add_row(str(i), a.change, peak, fits, _pct(a.compute_change), _pct(a.time_change), both)
+    return t
+
+
+def remedies(out: Console, items: list[Remedy], goal: Goal) -> None:
+    out.print("[bold red]nothing fits[/] within the margin with any micro-batch and activation checkpointing policy.")
+    if not items:
+        out.print("no single change found that fits (ZeRO stage, more devices, shorter sequences): use a smaller "
+                  "model or more memory per device")
+    for r in items:
+        c = r.figures
+        out.print(f"- would fit: {r.change}: micro-batch {c.config.micro_batch} x accum {c.config.accum} x DP "
+                  f"{c.config.dp}, {c.config.ac}, ZeRO-{c.config.zero}, predicted peak {fmt_bytes(c.peak_bytes)} "
+                  f"\\[formula]; {r.changes}")
+
+
+def snippets(out: Console, cfg: RunConfig) -> None:
+    s = all_snippets(cfg)
+    out.print("[bold]As a batchlab config[/] (batchlab measure/compare; load with batchlab.advise.load_config_toml):")
+    out.print(s["batchlab_toml"], markup=False, highlight=False)
+    out.print("[bold]Plain PyTorch loop[/]:")
+    out.print(s["pytorch"], markup=False, highlight=False)
+    for name, key in (("Hugging Face", "huggingface"), ("Lightning", "lightning"), ("DeepSpeed config", "deepspeed")):
+        out.print(f"[bold]{name}[/]:")
+        out.print(json.dumps(s[key]), markup=False, highlight=False)
+
+
+def fit_report(out: Console, report: FitReport, top: int) -> None:
+    p, goal = report.plan, report.plan.goal
+    header(out, goal)
+    if p.recommended is None:
+        remedies(out, report.remedies, goal)
+        _assumptions(out, p.assumptions)
+        return
+    out.print(f"[bold]recommended by the formula:[/] {candidate_line(p.recommended, goal)}")
+    out.print(f"  why: {p.reason}")
+    out.print(alternatives(report, top))
+    if report.verification is not None:
+        out.print(trials_table(report))
+        line = limits_line(report)
+        if line:
+            out.print(line)
+    for n in report.notes:
+        out.print(f"[yellow]note:[/] {escape(n)}")
+    if report.advice:
+        out.print(advice_table(report.advice, goal))
+    if report.final is not None:
+        out.print(f"[bold green]chosen[/] ({report.source}): {report.final.global_batch_text()}, activation "
+                  f"checkpointing {report.final.ac}, ZeRO-{report.final.zero}")
+        snippets(out, report.final)
+    else:
+        out.print(f"[bold red]no configuration chosen[/] ({report.source})")
+    _assumptions(out, p.assumptions)
+
+
+def _assumptions(out: Console, items: tuple[str, ...]) -> None:
+    out.print("[bold]assumptions[/]")
+    for a in items:
+        out.print(f"- {a}", markup=False, highlight=False)
+
+
+def after_oom(out: Console, goal: Goal, now: Candidate, items: list[Advice]) -> None:
+    header(out, goal)
+    cfg = now.config
+    out.print(f"the run that ran out of memory: {cfg.global_batch_text()}, activation checkpointing {cfg.ac}, "
+              f"ZeRO-{cfg.zero}")
+    verdict = "fits" if now.peak_bytes <= goal.capacity_bytes else "does not fit"
+    out.print(f"formula: peak {fmt_bytes(now.peak_bytes)} in {now.peak_phase} -> {verdict} in "
+              f"{fmt_bytes(goal.capacity_bytes)}")
+    if now.peak_bytes <= goal.capacity_bytes:
+        out.print("[yellow]the formula says it fits:[/] the OOM comes from what it does not count (allocator "
+                  "fragmentation, other processes, custom model code); measure with `batchlab measure --isolate`")
+    out.print(advice_table(items, goal))

@@ -1,0 +1,134 @@
+"""``batchlab compare``: one variable changed, the direction predicted first, both sides measured
+interleaved, the prediction judged, deviations explained, the whole record kept in the lab notebook."""
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any, List, Optional
+
+import typer
+from rich.console import Console
+
+from batchlab.cli import app
+from batchlab.cli.common import fail, print_json, with_config
+from batchlab.cli.render_experiment import render
+from batchlab.config import ConfigError, RunConfig
+from batchlab.experiment.change import KeepMode, parse_change
+from batchlab.experiment.compare import DEFAULT_CHANGE, DEFAULT_TOKEN_BUDGET, make_plan, run
+from batchlab.experiment.notebook import Notebook
+from batchlab.experiment.predict import Direction, Metric, parse_direction, parse_predictions
+
+EXP = "Experiment"
+PROMPTED = (Metric.PEAK_MEMORY, Metric.UPDATE_TIME)
+
+
+@app.command("compare")
+@with_config
+def compare(
+    cfg: RunConfig,
+    as_json: bool,
+    change: Annotated[Optional[List[str]], typer.Option("--change", help="FIELD=A:B, e.g. micro_batch=1:2, ac=none:full, accum=4:8, seq=512:1024, precision=fp32:bf16-mixed, dp=1:2. Field names as in the config (underscores). Default: micro_batch=1:2.", rich_help_panel=EXP)] = None,
+    experiment: Annotated[Optional[Path], typer.Option("--experiment", "-e", help="An experiment TOML file (config and change tables, keep, predict, rounds ...); its values win over config flags.", rich_help_panel=EXP)] = None,
+    keep: Annotated[Optional[str], typer.Option(help="global-batch (default): a micro-batch or DP change re-derives accum, an accum change re-derives the micro-batch; accum: the global batch changes.", rich_help_panel=EXP)] = None,
+    allow_confounded: Annotated[bool, typer.Option("--allow-confounded", help="Allow more than one independent change (the record says it is confounded).", rich_help_panel=EXP)] = False,
+    predict: Annotated[Optional[str], typer.Option(help="Your prediction before anything runs: memory=up,time=down (metrics: memory, time, tokens_per_second, time_to_budget, oom; up/down/same). Asked on a terminal when absent; 'none' skips.", rich_help_panel=EXP)] = None,
+    rounds: Annotated[Optional[int], typer.Option(help="Interleaved rounds A B A B ... (>= 3) (default 3).", rich_help_panel=EXP)] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Timed updates per process (default 5).", rich_help_panel=EXP)] = None,
+    warmup: Annotated[Optional[int], typer.Option(help="Untimed updates per process before timing (>= 1) (default 2).", rich_help_panel=EXP)] = None,
+    threads: Annotated[Optional[int], typer.Option(help="Intra-op threads of the measured processes (OMP_NUM_THREADS); default: torch's. 1 is steadier on a shared machine.", rich_help_panel=EXP)] = None,
+    token_budget: Annotated[Optional[int], typer.Option(help=f"Tokens for 'time to token budget' (default {DEFAULT_TOKEN_BUDGET:,}).", rich_help_panel=EXP)] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="Seconds before one measurement process is killed and recorded as failed.", rich_help_panel=EXP)] = None,
+    torch_device: Annotated[Optional[str], typer.Option(help="Local torch device (cpu, cuda, cuda:1, mps); default: the backend of --device.", rich_help_panel=EXP)] = None,
+    formula_only: Annotated[bool, typer.Option("--formula-only", help="Measure nothing: the formula's derivation for both sides, labelled as such, saved to the notebook.", rich_help_panel=EXP)] = False,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run the gradient-equivalence check (accumulation split, activation checkpointing) at a small size.", rich_help_panel=EXP)] = True,
+    notebook: Annotated[Optional[Path], typer.Option(help="Lab notebook (SQLite) (default: batchlab/notebook.sqlite in the user data directory).", rich_help_panel=EXP)] = None,
+    note: Annotated[Optional[str], typer.Option(help="Free text kept with the experiment (what else was going on).", rich_help_panel=EXP)] = None,
+    report: Annotated[Optional[Path], typer.Option(help="Write a Markdown and a self-contained HTML report with plots into this directory.", rich_help_panel=EXP)] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar over the rounds on stderr (only on a terminal).")] = True,
+):
+    """Change one thing, predict its effect, then measure both sides interleaved (A B A B ..., fresh
+    processes, warmup excluded) and get a verdict per metric with a noise band, a diagnosis where a
+    prediction failed, the training semantics touched, and what the result cannot say.  Saved to the lab
+    notebook.  Exit 0 with a verdict, 1 when a side failed to run, 2 for bad input (nothing written)."""
+    try:
+        plan = _plan(cfg, change, experiment, keep, allow_confounded, predict, rounds, steps, warmup, threads,
+                     token_budget, timeout, torch_device, formula_only, note)
+        book = Notebook(notebook)
+        record = _run(plan, book, verify, progress and not as_json)
+    except ConfigError as e:
+        fail(str(e))
+    paths = []
+    if report is not None:
+        from batchlab.report import write_report
+
+        paths = write_report(record, report)
+    if as_json:
+        print_json(record)
+    else:
+        render(Console(), record, notebook_path=book.path, report_paths=paths)
+    if any(m is not None and m.get("outcome") == "failed" for r in record.get("rounds", []) for m in (r["a"], r["b"])):
+        raise typer.Exit(1)
+
+
+def _plan(cfg, change, experiment, keep, allow_confounded, predict, rounds, steps, warmup, threads, token_budget,
+          timeout, torch_device, formula_only, note):
+    file = None
+    if experiment is not None:
+        if change:
+            raise ConfigError("change", "give --change or --experiment, not both")
+        from batchlab.experiment.spec import load
+
+        file = load(experiment, cfg)
+        cfg = file.base
+    opts = file.options if file else {}
+    changes = file.changes if file else [parse_change(c, cfg) for c in (change or [DEFAULT_CHANGE])]
+    predictions, source = _predictions(predict, file.predictions if file else None)
+    pick = lambda flag, key, default: flag if flag is not None else opts.get(key, default)  # noqa: E731
+    return make_plan(cfg, changes, keep=pick(keep, "keep", None) or (file.keep if file and file.keep else KeepMode.GLOBAL_BATCH),
+                     allow_confounded=allow_confounded or bool(opts.get("allow_confounded", False)),
+                     predictions=predictions, prediction_source=source, rounds=pick(rounds, "rounds", 3),
+                     warmup=pick(warmup, "warmup", 2), steps=pick(steps, "steps", 5), timeout_s=timeout,
+                     token_budget=pick(token_budget, "token_budget", DEFAULT_TOKEN_BUDGET), formula_only=formula_only,
+                     note=pick(note, "note", ""), torch_device=torch_device, threads=threads)
+
+
+def _predictions(flag: Optional[str], from_file) -> tuple[dict[Metric, Direction], str]:
+    if flag is not None:
+        p = parse_predictions(flag)
+        return p, "flag" if p else "none"
+    if from_file is not None:
+        return from_file, "file"
+    if sys.stdin.isatty():  # never prompt when input is piped or scripted
+        return _ask(), "prompt"
+    return {}, "none"
+
+
+def _ask() -> dict[Metric, Direction]:
+    out = {}
+    typer.echo("Predict before anything runs (up / down / same; Enter to skip):", err=True)
+    for metric in PROMPTED:
+        while True:
+            answer = typer.prompt(f"  {metric.label}", default="", show_default=False, err=True).strip()
+            if not answer:
+                break
+            try:
+                out[metric] = parse_direction(answer, metric.value)
+                break
+            except ConfigError as e:
+                typer.echo(f"  {e}", err=True)
+    return out
+
+
+def _run(plan, book: Notebook, verify: bool, show: bool) -> dict[str, Any]:
+    console = Console(stderr=True)
+    if not (show and console.is_terminal) or plan.formula_only:
+        return run(plan, book, verify=verify)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]compare[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("formula, then side A", total=2 * plan.rounds)
+
+        def update(done: int, total: int, label: str) -> None:
+            bar.update(task, completed=done, total=total, description=label)
+
+        return run(plan, book, progress=update, verify=verify)

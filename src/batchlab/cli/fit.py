@@ -1,0 +1,96 @@
+"""``batchlab fit``: micro-batch, accumulation and activation checkpointing for a fixed global batch."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from batchlab.cli import app
+from batchlab.cli.common import fail, print_json, with_config
+from batchlab.config import Backend, ConfigError, RunConfig
+
+PANEL = "Fit"
+
+
+@app.command("fit")
+@with_config
+def fit_command(
+    cfg: RunConfig,
+    as_json: bool,
+    global_tokens: Annotated[Optional[int], typer.Option(help="Target global batch in tokens (instead of --global-batch in sequences); must be a multiple of --seq.", rich_help_panel=PANEL)] = None,
+    tokens: Annotated[float, typer.Option(help="Token budget of the training run: options are ranked by predicted time to it.", rich_help_panel=PANEL)] = 1e9,
+    margin: Annotated[float, typer.Option(help="Safety margin: fraction of the device memory (or --memory-budget) kept free.", rich_help_panel=PANEL)] = 0.10,
+    allow_zero: Annotated[bool, typer.Option("--allow-zero", help="Also try ZeRO stages (up to 3) over the DP ranks (DP > 1).", rich_help_panel=PANEL)] = False,
+    min_micro_tokens: Annotated[int, typer.Option(help="A 'reasonable' micro-batch has at least this many tokens (or is the whole per-rank batch); below it activation checkpointing that allows a larger one is preferred.", rich_help_panel=PANEL)] = 4096,
+    verify: Annotated[Optional[bool], typer.Option("--verify/--no-verify", help="Measure the recommendation in a fresh subprocess [default: on when the device is local, i.e. cpu].", rich_help_panel=PANEL)] = None,
+    search: Annotated[bool, typer.Option("--search", help="Find the largest micro-batch that fits by measurement (seeded by the formula, at most ceil(log2(max)) + 2 isolated trials).", rich_help_panel=PANEL)] = False,
+    after_oom: Annotated[bool, typer.Option("--after-oom", help="The config given (--micro-batch, --accum, --ac, ...) ran out of memory: print the ordered changes with formula figures.", rich_help_panel=PANEL)] = False,
+    top: Annotated[int, typer.Option(min=1, help="Rows in the alternatives table.", rich_help_panel=PANEL)] = 8,
+    timeout: Annotated[Optional[float], typer.Option(help="Seconds before one measurement trial is killed (recorded as failed).", rich_help_panel=PANEL)] = None,
+):
+    """Pick micro-batch, gradient accumulation and activation checkpointing for a target global batch: predict
+    by formula, confirm by measurement, search in few trials only when needed.  The global batch never changes:
+    accum = global / (micro-batch x DP).  Exit 0 with a choice, 1 when nothing fits (with what would),
+    2 for bad input."""
+    from batchlab.advise import Goal
+
+    try:
+        base = _target(cfg, global_tokens)
+        goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens)
+        if after_oom:
+            _after_oom(goal, as_json)
+            return
+        report = _fit(goal, verify, search, timeout, as_json)
+    except ConfigError as e:
+        fail(str(e))
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        from batchlab.advise.render import fit_report
+
+        fit_report(Console(), report, top)
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)
+
+
+def _target(cfg: RunConfig, global_tokens: int | None) -> RunConfig:
+    if global_tokens is None:
+        return cfg
+    if global_tokens <= 0 or global_tokens % cfg.seq:
+        raise ConfigError("global_tokens", f"{global_tokens} is not a positive multiple of seq ({cfg.seq})")
+    return cfg.with_global_batch(global_tokens // cfg.seq, 1)
+
+
+def _fit(goal, verify: bool | None, search: bool, timeout: float | None, as_json: bool):
+    from batchlab.advise import fit, isolated_measure
+    from batchlab.advise.render import trial_line
+
+    if verify is None:
+        verify = goal.base.device_spec.backend is Backend.CPU
+    err = Console(stderr=True)
+    count = [0]
+
+    def show(t) -> None:
+        count[0] += 1
+        err.print(trial_line(t, count[0]), markup=False, highlight=False)
+
+    measure = isolated_measure(goal.capacity_bytes, timeout) if (verify or search) else None
+    return fit(goal, verify=verify, search=search, measure=measure, on_trial=show)
+
+
+def _after_oom(goal, as_json: bool) -> None:
+    from batchlab.advise import oom_advice
+    from batchlab.advise.plan import candidate
+    from batchlab.config import to_jsonable
+
+    now = candidate(goal.base, goal.tokens)
+    items = oom_advice(goal)
+    if as_json:
+        print_json({"config": goal.base.to_dict(), "global_batch": goal.global_batch, "formula": to_jsonable(now),
+                    "capacity_bytes": goal.capacity_bytes, "usable_bytes": goal.usable_bytes,
+                    "advice": to_jsonable(items)})
+        return
+    from batchlab.advise.render import after_oom
+
+    after_oom(Console(), goal, now, items)

@@ -1,0 +1,163 @@
+"""``batchlab measure``: train the model under a config for real and report what the run did.
+
+No ``from __future__ import annotations`` here: with_config rebuilds the signature from these parameters,
+and typer needs the Annotated objects (help, min=) themselves, not their strings.
+"""
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from batchlab.cli import app
+from batchlab.cli.common import fail, print_json, with_config
+from batchlab.config import ConfigError, RunConfig
+from batchlab.measure.options import MeasureOptions
+from batchlab.measure.result import Measurement, Outcome, format_bytes, measurement_to_dict
+from batchlab.measure.versus import FigureRow, formula_estimate, rows
+
+
+@app.command("measure")
+@with_config
+def measure(
+    cfg: RunConfig,
+    as_json: bool,
+    warmup: Annotated[int, typer.Option(min=1, help="Untimed updates first (>= 1: the first update is never timed).")] = 2,
+    steps: Annotated[int, typer.Option(min=1, help="Timed updates (median, IQR, min/max over them).")] = 5,
+    isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help="Run in a fresh subprocess, so a kernel OOM-kill or a crash becomes a recorded failure.")] = False,
+    timeout: Annotated[Optional[float], typer.Option(help="With --isolate: seconds before the run is killed and recorded as failed.")] = None,
+    torch_device: Annotated[Optional[str], typer.Option(help="Local torch device (cpu, cuda, cuda:1, mps); default: the backend of --device.")] = None,
+    memory: Annotated[bool, typer.Option("--memory/--no-memory", help="Take the memory probe update.")] = True,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr (only on a terminal).")] = True,
+    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this node, launched with torchrun + DDP (gloo on CPU, nccl on CUDA); --nproc x --nnodes must equal --dp. Default with --dp > 1: --dp.", rich_help_panel="Data parallel (torchrun)")] = None,
+    nnodes: Annotated[Optional[int], typer.Option(help="torchrun --nnodes (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
+    node_rank: Annotated[Optional[int], typer.Option(help="torchrun --node-rank.", rich_help_panel="Data parallel (torchrun)")] = None,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="torchrun --rdzv-endpoint host:port (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
+):
+    """Train the model under the config for real: peak memory (allocator), update time (wall-clock), useful
+    tokens/s, or the out-of-memory phase; each figure beside the formula estimate.  Exit 0 when a result
+    (ok or oom) was recorded, 1 when the run failed, 2 for a bad config."""
+    from batchlab.measure.session import run
+
+    try:
+        opts = MeasureOptions(warmup=warmup, steps=steps, isolate=isolate, memory=memory, timeout_s=timeout,
+                              torch_device=torch_device)
+        if nproc is not None or nnodes is not None:
+            from batchlab.distributed import launch
+            from batchlab.distributed.launcher import torchrun_args
+
+            m = launch(cfg, opts, nproc, torchrun_args(nnodes, node_rank, rdzv_endpoint))
+        else:
+            m = _run_with_progress(run, cfg, opts, progress)
+    except ConfigError as e:
+        fail(str(e))
+    from batchlab.distributed import is_primary
+
+    if not is_primary():  # `torchrun -m batchlab measure`: rank 0 prints for all
+        return
+    est, note = formula_estimate(cfg)
+    figures = rows(m, est)
+    if as_json:
+        payload = measurement_to_dict(m)
+        payload["comparison"] = [r.to_dict() for r in figures]
+        payload["formula_note"] = note
+        print_json(payload)
+    else:
+        _render(cfg, m, figures, note)
+    if m.outcome is Outcome.FAILED:
+        raise typer.Exit(1)
+
+
+def _run_with_progress(run, cfg: RunConfig, opts: MeasureOptions, show: bool) -> Measurement:
+    from batchlab.distributed import is_primary
+
+    console = Console(stderr=True)
+    if not (show and console.is_terminal and is_primary()):
+        return run(cfg, opts)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]measure[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def update(done: int, total: int, label: str) -> None:
+            bar.update(task, completed=done, total=total, description=label)
+
+        return run(cfg, opts, progress=update)
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
+
+
+def _value(row: FigureRow, value) -> str:
+    if value is None:
+        return "-"
+    if row.unit == "bytes":
+        return format_bytes(value)
+    if row.unit == "seconds":
+        return _seconds(value)
+    if row.unit == "tokens/s":
+        return f"{value:,.0f}"
+    return str(value)
+
+
+def _difference(row: FigureRow) -> str:
+    rel = row.relative_difference
+    if rel is not None:
+        return f"{rel:+.1%}"
+    if row.unit == "phase" and row.formula is not None:
+        return "same" if row.measured == row.formula else "differs"
+    return ""
+
+
+def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str | None) -> None:
+    out = Console()
+    env = m.environment
+    where = f"{env.get('torch_device', '?')} ({env.get('device_name', '?')}, {env.get('threads', '?')} threads)"
+    out.print(f"[bold]batchlab measure[/]  {env.get('model', cfg.model_source)} on {where}, torch {env.get('torch', '?')}"
+              + ("  [isolated]" if env.get("isolated") else ""))
+    out.print(cfg.global_batch_text())
+    out.print(f"activation checkpointing: {cfg.ac}   precision: {cfg.precision}   data: {cfg.data}")
+    style = {"ok": "green", "failed": "red"}.get(m.outcome.value, "yellow")
+    out.print(f"outcome: [{style}]{m.outcome.value}[/]" + (f" - {m.outcome_detail}" if m.outcome_detail else ""))
+    if figures:
+        table = Table(show_header=True, header_style="bold")
+        for col in ("figure", "measured", "how", "formula", "difference"):
+            table.add_column(col, justify="left" if col in ("figure", "how") else "right")
+        for r in figures:
+            table.add_row(r.figure, _value(r, r.measured), r.measured_provenance,
+                          _value(r, r.formula) if r.formula is not None else "-", _difference(r))
+        out.print(table)
+    _render_details(out, m)
+    if note:
+        out.print(f"[dim]{note}[/]")
+    for w in m.warnings:
+        out.print(f"[yellow]warning:[/] {w}")
+
+
+def _render_details(out: Console, m: Measurement) -> None:
+    t = m.time
+    if t is not None and t.samples:
+        split = "  ".join(f"{k} {_seconds(v)}" for k, v in t.phase_seconds.items())
+        out.print(f"update time over {len(t.samples)} timed updates after {t.warmup} warmup (wall-clock): "
+                  f"min {_seconds(t.update_seconds_min)}, max {_seconds(t.update_seconds_max)}, "
+                  f"IQR/median {t.spread:.1%}")
+        if split:
+            out.print(f"per phase (median, wall-clock): {split}")
+        if t.cpu_seconds:
+            med = sorted(t.cpu_seconds)[len(t.cpu_seconds) // 2]
+            out.print(f"process CPU time per update (median, all threads): {_seconds(med)}")
+    if m.memory is not None and m.memory.breakdown:
+        parts = "  ".join(f"{k} {format_bytes(v)}" for k, v in m.memory.breakdown.items() if v)
+        out.print(f"memory at the peak ({m.memory.provenance}: {m.memory.method}): {parts}")
+    from batchlab.distributed.report import lines as dp_lines
+
+    for line in dp_lines(m):
+        out.print(line)
+
+
+def main() -> None:  # pragma: no cover - convenience for `python -m batchlab.cli.measure`
+    sys.exit(app())

@@ -1,0 +1,83 @@
+"""``batchlab notebook list | show ID | export --format json|csv|md``: the lab notebook of past experiments."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from batchlab.cli import app
+from batchlab.cli.common import fail, print_json
+from batchlab.cli.render_experiment import render
+from batchlab.config import ConfigError
+from batchlab.experiment.notebook import ExportFormat, Notebook
+
+notebook_app = typer.Typer(help="The lab notebook: every `batchlab compare` experiment, kept in SQLite.",
+                           no_args_is_help=True)
+app.add_typer(notebook_app, name="notebook")
+
+NotebookOpt = Annotated[Optional[Path], typer.Option("--notebook", help="Lab notebook file (default: batchlab/notebook.sqlite in the user data directory).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+@notebook_app.command("list")
+def list_(notebook: NotebookOpt = None, as_json: JsonOpt = False):
+    """One line per experiment: id, date, status, the single variable, the verdict."""
+    book = Notebook(notebook)
+    try:
+        rows = book.list()
+    except ConfigError as e:
+        fail(str(e))
+    if as_json:
+        print_json(rows)
+        return
+    out = Console()
+    if not rows:
+        out.print(f"no experiments yet in {book.path}")
+        return
+    t = Table(show_header=True, header_style="bold", title=str(book.path))
+    for col in ("id", "date", "status", "kind", "variable", "keep", "verdict"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        status = r["status"] if r["status"] == "complete" else f"[yellow]{r['status']}[/]"
+        t.add_row(str(r["id"]), r["created_at"], status, r["kind"], r["variable"], r["keep_mode"], r["verdict"])
+    out.print(t)
+
+
+@notebook_app.command("show")
+def show(exp_id: Annotated[int, typer.Argument(metavar="ID", help="Experiment id (see `notebook list`).")],
+         notebook: NotebookOpt = None, as_json: JsonOpt = False,
+         report: Annotated[Optional[Path], typer.Option(help="Write the Markdown and HTML report into this directory.")] = None):
+    """The whole record of one experiment (and its report with --report DIR)."""
+    book = Notebook(notebook)
+    try:
+        record = book.get(exp_id)
+    except ConfigError as e:
+        fail(str(e))
+    paths = []
+    if report is not None:
+        from batchlab.report import write_report
+
+        paths = write_report(record, report)
+    if as_json:
+        print_json(record)
+    else:
+        render(Console(), record, notebook_path=book.path, report_paths=paths)
+
+
+@notebook_app.command("export")
+def export(fmt: Annotated[str, typer.Option("--format", help="json, csv or md.")] = "json",
+           notebook: NotebookOpt = None,
+           output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of stdout.")] = None):
+    """Every experiment as JSON (whole records), CSV (one row each, one column group per metric) or Markdown."""
+    try:
+        text = Notebook(notebook).export(ExportFormat.parse("format", fmt))
+    except ConfigError as e:
+        fail(str(e))
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        output.write_text(text)

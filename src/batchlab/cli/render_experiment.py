@@ -1,0 +1,142 @@
+"""Terminal rendering of one experiment record (``compare`` and ``notebook show`` print the same)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from batchlab.experiment.predict import Metric
+from batchlab.report import format_value as value
+
+SYMBOL = {"up": "↑ up", "down": "↓ down", "same": "≈ same", None: "-"}
+HELD = {True: "[green]held[/]", False: "[red]missed[/]", None: "-"}
+
+
+def _ratio(m: dict[str, Any]) -> str:
+    return f"{m['ratio']:.3g}" if m.get("ratio") is not None else "-"
+
+
+def _band(m: dict[str, Any]) -> str:
+    b = m.get("band")
+    return f"{b[0]:.3g} – {b[1]:.3g}" if b else "-"
+
+
+def header(out: Console, r: dict[str, Any]) -> None:
+    c = r["change"]
+    kind = "[yellow]formula only (paper derivation, nothing measured)[/]" if r["kind"] == "formula-only" else "measured"
+    nid = r.get("notebook_id")
+    out.print(f"[bold]batchlab compare[/]  {c['variable']}   keep: {r['keep_mode']}   {kind}"
+              + (f"   notebook #{nid}" if nid is not None else ""))
+    if c.get("confounded"):
+        out.print("[red]confounded:[/] more than one field changed (--allow-confounded); effects cannot be "
+                  "attributed to one of them")
+    cfg = r["config"]
+    model = cfg["model"]
+    out.print(f"model {model['name']} ({cfg['model_source']}, {model['layers']} layers, hidden {model['hidden']}), "
+              f"seq {cfg['seq']}, precision {cfg['precision']}, activation checkpointing {cfg['ac']}, "
+              f"device {cfg['device']}")
+    for side in "ab":
+        out.print(f"  {side.upper()}: {c['global_batch_text'][side]}")
+    for w in r.get("warnings", []):
+        out.print(f"[yellow]warning:[/] {w}")
+    p = r["predictions"]
+    user = ", ".join(f"{k}={v}" for k, v in p["user"].items()) or "none"
+    out.print(f"prediction ({p['user_source']}): {user}")
+
+
+def verdict_table(r: dict[str, Any]) -> Table:
+    formula_only = r["kind"] == "formula-only"
+    t = Table(show_header=True, header_style="bold", title="verdict" if not formula_only else "formula derivation")
+    cols = ["metric", "A", "B", "B/A", "band", "observed", "you", "formula", "how"]
+    if formula_only:
+        cols = ["metric", "A (formula)", "B (formula)", "B/A", "formula says", "you", "how"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("metric", "how", "observed", "formula says") else "right")
+    for name, m in r["metrics"].items():
+        label = Metric(name).label
+        f = m.get("formula") or {}
+        f_ratio = f"; formula B/A {f['ratio']:.3g}" if f.get("ratio") is not None else ""
+        if formula_only:
+            t.add_row(label, value(f.get("a"), m["unit"]), value(f.get("b"), m["unit"]),
+                      f"{f['ratio']:.3g}" if f.get("ratio") is not None else "-", SYMBOL[m["predicted_by_formula"]],
+                      SYMBOL[m["predicted_by_user"]], "formula")
+            continue
+        you = f"{SYMBOL[m['predicted_by_user']]} {HELD[m['held']['user']]}" if m["predicted_by_user"] else "-"
+        formula = f"{SYMBOL[m['predicted_by_formula']]} {HELD[m['held']['formula']]}" if m["predicted_by_formula"] else "-"
+        t.add_row(label, value(m["a"], m["unit"]), value(m["b"], m["unit"]), _ratio(m), _band(m),
+                  SYMBOL[m["observed"]], you, formula, m["provenance"] + f_ratio)
+    return t
+
+
+def diagnosis(out: Console, r: dict[str, Any]) -> None:
+    d = r.get("diagnosis") or {}
+    if not d.get("contradictions"):
+        return
+    lines = [f"{c['who']} predicted {c['metric']} {c['predicted']}, observed {c['observed']}" for c in d["contradictions"]]
+    for i, c in enumerate(d.get("checks", []), 1):
+        mark = "[yellow]![/]" if c["flagged"] else "[green]ok[/]"
+        lines.append(f"{i}. {mark} {c['question']} {c['found']}")
+    out.print(Panel("\n".join(lines), title="diagnosis (in order)", expand=False))
+
+
+def semantics(out: Console, r: dict[str, Any]) -> None:
+    s = r.get("semantics") or {}
+    if not s:
+        return
+    t = Table(show_header=True, header_style="bold", title="training semantics")
+    for col in ("semantics", "touched", "why", "verified by the harness"):
+        t.add_column(col)
+    for item in s["items"]:
+        t.add_row(item["name"], "yes" if item["touched"] else "no", item["why"], item["verified"] or "-")
+    out.print(t)
+    check = s.get("gradient_check") or {}
+    if check and not check.get("ran"):
+        out.print(f"[dim]gradient check: {check.get('detail')}[/]")
+
+
+def scope(out: Console, r: dict[str, Any]) -> None:
+    if r.get("scope"):
+        out.print(Panel("\n".join(f"- {s}" for s in r["scope"]), title="scope: what this result cannot support",
+                        expand=False))
+
+
+def factors(out: Console, r: dict[str, Any]) -> None:
+    f = r.get("factors") or {}
+    if not f:
+        return
+    load = (f.get("load_average") or {}).get("before")
+    busy = f.get("busy_processes") or {}
+    top = ", ".join(f"{p['name']} {p['cpu_share']:.0%}" for p in busy.get("top", [])[:3])
+    mhz = (f.get("cpu_mhz") or {}).get("before")
+    noise = (f.get("timing_noise") or {}).get("update_time_iqr_over_median") or {}
+    parts = [f"load average {load[0]:.2f} on {f.get('cpu_count')} CPUs" if load else "load average n/a",
+             f"{busy.get('count', 0)} other busy process(es)" + (f" ({top})" if top else ""),
+             f"CPU {mhz:.0f} MHz" if mhz else "CPU frequency not readable"]
+    if noise:
+        parts.append("timing IQR/median " + ", ".join(f"{k.upper()} {v:.0%}" for k, v in noise.items() if v is not None))
+    out.print("uncontrolled factors: " + "; ".join(parts))
+    if f.get("note"):
+        out.print(f"note: {f['note']}")
+
+
+def render(out: Console, r: dict[str, Any], notebook_path: Path | None = None,
+           report_paths: list[Path] | None = None) -> None:
+    header(out, r)
+    out.print(verdict_table(r))
+    if r["kind"] != "formula-only":
+        out.print(f"[dim]band: {r['protocol']['band_method']}[/]")
+    diagnosis(out, r)
+    semantics(out, r)
+    scope(out, r)
+    factors(out, r)
+    status = r.get("status", "complete")
+    where = f" in {notebook_path}" if notebook_path else ""
+    wall = f"; wall time {r['wall_seconds']:.1f} s" if r.get("wall_seconds") is not None else ""
+    out.print(f"notebook: experiment #{r.get('notebook_id')} ({status}){where}{wall}")
+    if r.get("interrupted"):
+        out.print(f"[yellow]interrupted:[/] {r['interrupted']}")
+    for p in report_paths or []:
+        out.print(f"report: {p}")

@@ -1,0 +1,75 @@
+"""Data-parallel measurement on PyTorch's own stack: torchrun + DistributedDataParallel.
+
+    from batchlab.distributed import launch
+    m = launch(cfg, opts, nproc=2)               # cfg.dp == 2: two local ranks, gloo on CPU / nccl on CUDA
+    m = launch(cfg, opts, nproc=8, torchrun_args=["--nnodes", "2", "--node-rank", "0",
+                                                  "--rdzv-endpoint", "host0:29500", "--rdzv-backend", "c10d"])
+
+``torchrun --nproc-per-node 2 -m batchlab measure --dp 2`` works too: the measure path calls
+``dispatch``, which sees torchrun's environment and runs this process as one rank.
+
+Each rank runs the harness Trainer inside ``DDP(gradient_as_bucket_view=True)``; accumulation runs all but
+the last micro-batch under ``no_sync()`` (one all-reduce per update), the loss is normalised by the global
+useful-token count, each rank draws distinct data.  A communication hook counts, sizes and times the
+all-reduce (``comm.py``); the formula's prediction sits beside it.  Importing this package does not
+import torch.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from batchlab.distributed.merge import SCOPE
+
+if TYPE_CHECKING:
+    from batchlab.config import RunConfig
+    from batchlab.measure.options import MeasureOptions
+    from batchlab.measure.result import Measurement
+
+__all__ = ["SCOPE", "dispatch", "in_torchrun", "is_primary", "launch", "measure_in_torchrun"]
+
+
+def launch(cfg: "RunConfig", opts: "MeasureOptions | None" = None, nproc: int | None = None,
+           torchrun_args=(), timeout_s: float | None = None) -> "Measurement":
+    from batchlab.distributed.launcher import launch as _launch
+
+    return _launch(cfg, opts, nproc, torchrun_args, timeout_s)
+
+
+launch.__doc__ = "Measure cfg with cfg.dp ranks under torchrun + DDP; see launcher.launch."
+
+
+def in_torchrun() -> bool:
+    """This process is one rank of a torchrun job with more than one rank."""
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def is_primary() -> bool:
+    """Rank 0, or not distributed: the one process that prints results."""
+    return os.environ.get("RANK", "0") == "0" or not in_torchrun()
+
+
+def measure_in_torchrun(cfg: "RunConfig", opts: "MeasureOptions | None" = None) -> "Measurement":
+    """Run this process as one rank of the torchrun job it is in; every rank returns the merged Measurement."""
+    from batchlab.distributed.merge import merge
+    from batchlab.distributed.worker import RankSpec, gather, run_rank
+    from batchlab.measure.options import MeasureOptions
+
+    import torch.distributed as dist
+
+    opts = opts or MeasureOptions()
+    timeout = opts.timeout_s or 600.0
+    ours = not dist.is_initialized()  # a group the caller set up is the caller's to close
+    ranks = gather(run_rank(RankSpec(cfg.to_dict(), opts.to_dict(), collective_timeout_s=timeout)))
+    if ours:
+        dist.destroy_process_group()
+    return merge(cfg, ranks, dict(launcher="torchrun (external)"))
+
+
+def dispatch(cfg: "RunConfig", opts: "MeasureOptions | None" = None) -> "Measurement | None":
+    """The measure path's hook: a DP measurement if this is one (inside torchrun, or cfg.dp > 1), else None."""
+    if in_torchrun():
+        return measure_in_torchrun(cfg, opts)
+    if cfg.dp > 1:
+        return launch(cfg, opts)
+    return None

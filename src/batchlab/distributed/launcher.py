@@ -1,0 +1,199 @@
+"""Start a DP measurement under torchrun, wait for it with a timeout, and leave no process behind.
+
+torchrun (``python -m torch.distributed.run``) starts one worker per local rank, each in its own session;
+it runs in a fresh session of its own here.  Whatever happens (success, a rank killed, an exception, a
+hang), the launcher returns a Measurement: on failure it kills torchrun's process group and every
+worker's (found through the pid files the ranks write, checked against their command line), and workers
+also die with torchrun through PR_SET_PDEATHSIG (see __main__.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from batchlab.config import ConfigError, RunConfig
+from batchlab.distributed.failures import diagnose
+from batchlab.distributed.merge import SCOPE, merge
+from batchlab.measure.options import MeasureOptions
+from batchlab.measure.result import Measurement
+
+DEFAULT_TIMEOUT_S = 600.0
+_MULTI_NODE_FLAGS = ("--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_addr")
+
+
+def _flag_value(args: Sequence[str], *names: str) -> str | None:
+    for i, a in enumerate(args):
+        for n in names:
+            if a == n and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(n + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def nnodes_of(torchrun_args: Sequence[str]) -> int:
+    text = _flag_value(torchrun_args, "--nnodes")
+    if text is None:
+        return 1
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError("nnodes", f"needs a fixed node count (elastic ranges are not supported), got {text!r}") from None
+
+
+def torchrun_args(nnodes: int | None = None, node_rank: int | None = None,
+                  rdzv_endpoint: str | None = None) -> list[str]:
+    """torchrun's multi-node flags (static rendezvous: every node names the same endpoint, its own rank)."""
+    if (nnodes or 1) > 1 and (node_rank is None or not rdzv_endpoint):
+        raise ConfigError("nnodes", "more than one node needs --node-rank and --rdzv-endpoint host:port too")
+    args = []
+    for flag, value in (("--nnodes", nnodes), ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv_endpoint)):
+        if value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+def torchrun_command(nproc: int, torchrun_args: Sequence[str], spec: Path, out: Path) -> list[str]:
+    node = [] if any(_flag_value(torchrun_args, f) for f in _MULTI_NODE_FLAGS) else ["--standalone"]
+    return [sys.executable, "-m", "torch.distributed.run", *node, "--nproc-per-node", str(nproc),
+            "--max-restarts", "0", *torchrun_args, "-m", "batchlab.distributed", "--spec", str(spec), "--out", str(out)]
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _env(nproc: int) -> dict[str, str]:
+    from batchlab.measure.runner import child_env
+
+    env = child_env()  # the caller's sys.path: a factory model importable here imports in the ranks
+    # the cores shared fairly between local ranks (torchrun would set 1 and print a banner)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, _cpus() // nproc)))
+    return env
+
+
+def _ours(pid: int, marker: str) -> bool:
+    """Is ``pid`` still one of this launch's ranks?  (Its command line names this launch's spec file.)"""
+    try:
+        return marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def cleanup(proc: subprocess.Popen, out: Path, marker: str) -> None:
+    """SIGKILL every rank this launch started that is still alive, then torchrun's own group."""
+    for pid in _pids(out).values():
+        if _ours(pid, marker):
+            _kill_group(pid)  # each worker leads its own session (torchrun starts it so)
+    _kill_group(proc.pid)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _pids(out: Path) -> dict[int, int]:
+    pids = {}
+    for p in out.glob("rank*.pid"):
+        try:
+            pids[int(p.stem[4:])] = int(p.read_text())
+        except ValueError:
+            continue
+    return dict(sorted(pids.items()))
+
+
+@dataclass
+class _Finished:
+    returncode: int | None  # None: timed out
+    log: str
+    torchrun_pid: int
+    rank_pids: dict[int, int]
+
+
+def _run(cmd: list[str], out: Path, env: dict[str, str], timeout_s: float, marker: str) -> _Finished:
+    log_path = out / "torchrun.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            cleanup(proc, out, marker)
+    return _Finished(rc, log_path.read_text(errors="replace"), proc.pid, _pids(out))
+
+
+def check_world(cfg: RunConfig, nproc: int, nnodes: int) -> None:
+    if nproc < 1:
+        raise ConfigError("nproc", f"must be >= 1, got {nproc}")
+    if nproc * nnodes != cfg.dp:
+        raise ConfigError("dp", f"{cfg.dp} does not match the world size --nproc x --nnodes = {nproc} x {nnodes} "
+                                f"= {nproc * nnodes}; the config's DP is the number of ranks")
+
+
+def check_local(cfg: RunConfig, opts: MeasureOptions, nproc: int) -> None:
+    """User errors found before starting anything: an absent device, too few GPUs, a budget too small."""
+    from batchlab.measure.session import check_budget, resolve_device
+
+    dev = resolve_device(cfg, opts.torch_device)
+    if dev.type == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < nproc:
+            raise ConfigError("nproc", f"{nproc} ranks on this node need {nproc} CUDA devices; "
+                                       f"{torch.cuda.device_count()} visible")
+    elif dev.type != "cpu":
+        raise ConfigError("device", f"DDP measurement runs on cpu (gloo) or cuda (nccl), not {dev.type}")
+    check_budget(cfg)
+
+
+def launch(cfg: RunConfig, opts: MeasureOptions | None = None, nproc: int | None = None,
+           torchrun_args: Sequence[str] = (), timeout_s: float | None = None) -> Measurement:
+    """Measure ``cfg`` with ``cfg.dp`` ranks under torchrun + DDP (this node's ``nproc`` of them).
+
+    Never raises for a failed run: a dead, stuck or out-of-memory rank gives a Measurement with outcome
+    failed / oom and ``outcome_detail`` naming the rank and the reason.
+    """
+    opts = opts or MeasureOptions()
+    nnodes = nnodes_of(torchrun_args)
+    nproc = nproc if nproc is not None else cfg.dp // nnodes
+    check_world(cfg, nproc, nnodes)
+    check_local(cfg, opts, nproc)
+    timeout = timeout_s or opts.timeout_s or DEFAULT_TIMEOUT_S
+    with tempfile.TemporaryDirectory(prefix="batchlab-ddp-") as tmp:
+        out = Path(tmp)
+        spec = out / "spec.json"
+        spec.write_text(json.dumps(dict(config=cfg.to_dict(), options=opts.to_dict(), collective_timeout_s=timeout)))
+        cmd = torchrun_command(nproc, list(torchrun_args), spec, out)
+        t0 = time.perf_counter()
+        run = _run(cmd, out, _env(nproc), timeout, marker=str(spec))
+        env = dict(launcher="torchrun", nproc_per_node=nproc, nnodes=nnodes, torchrun_pid=run.torchrun_pid,
+                   rank_pids=run.rank_pids, launch_wall_seconds=time.perf_counter() - t0)
+        world = out / "world.json"
+        if run.returncode == 0 and world.exists():
+            return merge(cfg, json.loads(world.read_text()), env)
+        failure = diagnose(out, run.returncode, run.log, timeout)
+        if failure.config_field:
+            raise ConfigError(failure.config_field, failure.config_message)
+        env.update(scope=SCOPE, torchrun_log_tail=run.log[-2000:])
+        return Measurement(config=cfg.to_dict(), outcome=failure.outcome, global_batch=cfg.global_batch,
+                           outcome_detail=failure.detail, environment=env)

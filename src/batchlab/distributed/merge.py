@@ -1,0 +1,108 @@
+"""Per-rank results -> one Measurement.  Torch-free.
+
+- Memory: the rank with the highest peak stands for the run (a rank OOMs on its own peak); every rank's
+  peak is kept (``per_rank_peak_bytes``) with its spread.
+- Time: an update is as slow as its slowest rank, so each update's time (and its compute / all-reduce
+  split) comes from the rank that was slowest in that update.
+- Useful tokens: summed over ranks (each rank trains on distinct data).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from batchlab.config import RunConfig
+from batchlab.measure.result import MeasuredComm, MeasuredMemory, MeasuredTime, Measurement, Outcome
+
+NOISY_SPREAD = 0.10  # the threshold measure.session uses
+SCOPE = ("Data parallelism measured on this machine's ranks and link; loopback gloo on CPU says nothing "
+         "about NCCL over NVLink or InfiniBand.")
+
+
+def predicted_allreduce(cfg: RunConfig) -> dict[str, Any]:
+    """The calculator's all-reduce for ``cfg`` (time, bytes, link), as MeasuredComm's predicted_* fields."""
+    try:
+        from batchlab.formula import estimate
+
+        t = estimate(cfg).time
+    except Exception as exc:  # noqa: BLE001 - a failing prediction must not discard a finished measurement
+        return dict(predicted_provenance=f"formula unavailable ({type(exc).__name__}: {exc})"[:200])
+    return dict(predicted_seconds=t.allreduce_seconds, predicted_bytes=t.allreduce_bytes,
+                predicted_bandwidth_bytes_per_s=t.bandwidth_bytes_per_s, predicted_provenance="formula")
+
+
+def _memory(ranks: list[dict[str, Any]]) -> MeasuredMemory | None:
+    mems = [r.get("memory") for r in ranks]
+    if any(m is None for m in mems):
+        return None
+    top = max(mems, key=lambda m: m["peak_bytes"])
+    mem = MeasuredMemory(**top)
+    mem.per_rank_peak_bytes = [m["peak_bytes"] for m in mems]
+    return mem
+
+
+def _slowest(ranks: list[dict[str, Any]], i: int) -> dict[str, Any]:
+    return max(ranks, key=lambda r: r["samples"][i])
+
+
+def _time(ranks: list[dict[str, Any]]) -> MeasuredTime | None:
+    if any("samples" not in r for r in ranks):
+        return None
+    n = min(len(r["samples"]) for r in ranks)
+    slow = [_slowest(ranks, i) for i in range(n)]
+    samples = [r["samples"][i] for i, r in enumerate(slow)]
+    phase_samples: dict[str, list[float]] = {}
+    for i, r in enumerate(slow):
+        for phase, sec in r["phase_seconds"][i].items():
+            phase_samples.setdefault(phase, []).append(sec)
+    return MeasuredTime(samples=samples, cpu_seconds=[r["cpu_seconds"][i] for i, r in enumerate(slow)],
+                        phase_samples=phase_samples,
+                        phase_seconds={p: statistics.median(v) for p, v in phase_samples.items()},
+                        warmup=ranks[0]["warmup"])
+
+
+def _comm(cfg: RunConfig, ranks: list[dict[str, Any]]) -> MeasuredComm | None:
+    if any("comm" not in r for r in ranks):
+        return None
+    n = min(len(r["samples"]) for r in ranks)
+    slow = [_slowest(ranks, i) for i in range(n)]
+    comm = [r["comm"]["seconds"][i] for i, r in enumerate(slow)]
+    first = ranks[0]["comm"]
+    return MeasuredComm(world_size=len(ranks), backend=ranks[0]["backend"],
+                        calls_per_update=max(first["calls"]), rounds_per_update=max(first["rounds"]),
+                        bytes_per_update=max(first["bytes"]), seconds=comm,
+                        compute_seconds=[max(0.0, r["samples"][i] - c) for i, (r, c) in enumerate(zip(slow, comm))],
+                        scope=SCOPE, **predicted_allreduce(cfg))
+
+
+def _consistency_warnings(ranks: list[dict[str, Any]]) -> list[str]:
+    warnings = []
+    for r in ranks:
+        c = r.get("comm")
+        if c and (set(c["rounds"]) != {1} or not c["last_micro_batch_only"]):
+            warnings.append(f"rank {r['rank']}: gradients were all-reduced in {sorted(set(c['rounds']))} backward "
+                            "passes per update, expected exactly one (the last micro-batch's)")
+    return warnings
+
+
+def merge(cfg: RunConfig, ranks: list[dict[str, Any]], environment: dict[str, Any] | None = None) -> Measurement:
+    """One Measurement of a DP run from every rank's result (rank order)."""
+    ranks = sorted(ranks, key=lambda r: r["rank"])
+    time_, comm = _time(ranks), _comm(cfg, ranks)
+    useful = tps = None
+    warnings = _consistency_warnings(ranks)
+    if time_ is not None:
+        # as measure.session does it: mean useful tokens per update (all ranks) / median update time
+        per_update = statistics.fmean(sum(r["useful_tokens"][i] for r in ranks) for i in range(len(time_.samples)))
+        useful, tps = round(per_update), per_update / time_.update_seconds_median
+        if time_.spread > NOISY_SPREAD:
+            warnings.append(f"update time is noisy: IQR/median = {time_.spread:.0%} > {NOISY_SPREAD:.0%} over "
+                            f"{len(time_.samples)} updates (other load on the machine? more --steps?)")
+    env = dict(ranks[0].get("environment", {}))
+    env.update(environment or {})
+    env.update(world_size=len(ranks), backend=ranks[0]["backend"], device=ranks[0]["device"],
+               torch=ranks[0]["torch"], threads_per_rank=ranks[0]["threads"],
+               hosts=sorted({r["host"] for r in ranks}), gradient_as_bucket_view=True, scope=SCOPE)
+    return Measurement(config=cfg.to_dict(), outcome=Outcome.OK, global_batch=cfg.global_batch,
+                       memory=_memory(ranks), time=time_, tokens_per_second=tps, useful_tokens_per_update=useful,
+                       environment=env, warnings=warnings, comm=comm)

@@ -1,0 +1,193 @@
+"""One rank of a data-parallel measurement: the harness Trainer inside DistributedDataParallel.
+
+Runs under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the environment).  The Trainer
+already runs all but the last micro-batch under ``no_sync()`` and divides the loss by the global
+useful-token count; this module adds DDP (``gradient_as_bucket_view=True``: gradients are views into
+DDP's all-reduce buckets, one gradient copy less), the communication hook, the memory probe and timing,
+and returns one JSON-able dict per rank.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from batchlab.config import ConfigError, RunConfig, config_from_dict, to_jsonable
+from batchlab.distributed import comm
+from batchlab.measure.clock import PhaseClock, synchronizer, timed
+from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
+from batchlab.measure.harness import Trainer, torch_device
+from batchlab.measure.memory import tracker_for
+from batchlab.measure.options import MeasureOptions
+from batchlab.measure.result import MeasuredMemory
+from batchlab.measure.session import environment
+
+# Test-only fault injection: "RANK:UPDATE:KIND" makes that rank fail just before that update (counting
+# warmup updates from 0).  KIND: kill (SIGKILL itself, as the kernel's OOM killer does), raise, oom,
+# hang (sleeps; its peers block in their next collective).
+FAULT_ENV = "BATCHLAB_DDP_FAULT"
+# DDP rebuilds its buckets (in gradient-ready order) in the second update: steady state starts after it
+MIN_WARMUP = 2
+
+
+@dataclass
+class RankSpec:
+    """What every rank needs; the launcher writes it as JSON, ``torchrun -m batchlab measure`` builds it."""
+
+    config: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)  # MeasureOptions.to_dict()
+    collective_timeout_s: float = 120.0  # a collective waiting longer than this raises instead of hanging
+
+
+def env_ranks() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment."""
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class _Tee:
+    def __init__(self, *probes):
+        self.probes = probes
+
+    def mark(self, phase: str) -> None:
+        for p in self.probes:
+            p.mark(phase)
+
+
+def init(cfg: RunConfig, opts: MeasureOptions, collective_timeout_s: float) -> tuple[torch.device, str]:
+    """Join torchrun's process group: gloo on CPU, nccl on CUDA (one GPU per local rank)."""
+    _, _, local = env_ranks()
+    device = torch_device(cfg, opts.torch_device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=collective_timeout_s))
+    return device, backend
+
+
+def build(cfg: RunConfig, device: torch.device, rank: int, world: int) -> tuple[Trainer, comm.CommMonitor]:
+    ids = [device.index] if device.type == "cuda" else None
+    # grads zeroed in place between updates, so they stay views of the buckets (see Trainer.grads_to_none)
+    trainer = Trainer(cfg, device, rank=rank, world=world, grads_to_none=False,
+                      wrap=lambda m: DDP(m, device_ids=ids, gradient_as_bucket_view=True))
+    return trainer, comm.register(trainer.model, cuda=device.type == "cuda")
+
+
+def _maybe_fail(rank: int, update: int) -> None:
+    text = os.environ.get(FAULT_ENV)
+    if not text:
+        return
+    r, u, kind = text.split(":")
+    if int(r) != rank or int(u) != update:
+        return
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "oom":
+        raise torch.OutOfMemoryError("injected: out of memory")
+    if kind == "hang":
+        time.sleep(3600)
+    raise RuntimeError(f"injected failure in rank {rank} at update {update}")
+
+
+def _update(trainer: Trainer, probe) -> Any:
+    _maybe_fail(trainer.rank, trainer.updates_done)
+    return trainer.update(probe=probe)
+
+
+BUCKET_VIEW_NOTE = "DDP gradient_as_bucket_view=True: gradients are views into the all-reduce buckets"
+
+
+def measure_memory(trainer: Trainer, monitor: comm.CommMonitor, budget: int | None = None) -> MeasuredMemory:
+    """Peak memory of one steady-state update on this rank (allocator stats on CUDA, storage tracker on CPU)."""
+    if trainer.device.type == "cuda":
+        probe = CudaMemoryProbe(trainer.device)
+        probe.begin()
+        _update(trainer, _Tee(probe, monitor))
+        mem = probe.result(trainer)
+    else:
+        mem = from_snapshot(_track(trainer, monitor, budget))
+    mem.method += f"; {BUCKET_VIEW_NOTE}"
+    return mem
+
+
+def _track(trainer: Trainer, monitor: comm.CommMonitor, budget: int | None):
+    tracker = tracker_for(trainer, budget)  # with a budget: a CPU stand-in for a smaller device
+    # DDP's flat buckets exist before the update and outlive it: with gradient_as_bucket_view they are
+    # the gradients.  Unregistered, their bytes would never be counted (no op creates them).
+    tracker.register(monitor.bucket_buffers, "gradients")
+    tracker.reset()
+    try:
+        with tracker:
+            _update(trainer, _Tee(tracker, monitor))
+    finally:
+        tracker.close()
+    return tracker.snapshot()
+
+
+def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor, steps: int) -> dict[str, Any]:
+    sync = synchronizer(trainer.device)
+    # CPU: synchronising is free, so the phase split comes from the timed updates themselves
+    clock = PhaseClock(sync, sync_marks=trainer.device.type == "cpu")
+    samples, cpu, tokens, phases = [], [], [], []
+    first = len(monitor.updates)
+    for _ in range(steps):
+        clock.start()
+        result, wall, cpu_s = timed(lambda: _update(trainer, _Tee(clock, monitor)), sync)
+        samples.append(wall)
+        cpu.append(cpu_s)
+        tokens.append(result.useful_tokens)
+        phases.append(dict(clock.seconds))
+    seen = monitor.updates[first:]
+    last = trainer.cfg.accum - 1
+    return dict(samples=samples, cpu_seconds=cpu, useful_tokens=tokens, phase_seconds=phases,
+                comm=dict(calls=[u.calls for u in seen], rounds=[u.rounds for u in seen],
+                          bytes=[u.bytes for u in seen], seconds=[u.seconds() for u in seen],
+                          last_micro_batch_only=all(u.micro_batches == {last} for u in seen)))
+
+
+def _describe(trainer: Trainer, backend: str, warmup: int) -> dict[str, Any]:
+    rank, world, local = env_ranks()
+    model = trainer.raw_model
+    env = dict(environment(trainer.device), model=trainer.workload.description,
+               parameters=sum(p.numel() for p in model.parameters()), ac_wrapped_layers=list(trainer.wrapped_layers))
+    return dict(rank=rank, world=world, local_rank=local, host=socket.gethostname(), pid=os.getpid(),
+                environment=env, backend=backend, device=str(trainer.device), torch=torch.__version__,
+                threads=torch.get_num_threads(), warmup=warmup,
+                parameter_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+
+
+def run_rank(spec: RankSpec) -> dict[str, Any]:
+    """Warm up, measure memory on one update, time ``steps`` more; the per-rank result as plain JSON."""
+    cfg, opts = config_from_dict(spec.config), MeasureOptions.from_dict(spec.options)
+    rank, world, _ = env_ranks()
+    if cfg.dp != world:
+        raise ConfigError("dp", f"{cfg.dp} does not match the torchrun world size {world}; "
+                                "the config's DP is the number of ranks")
+    device, backend = init(cfg, opts, spec.collective_timeout_s)
+    trainer, monitor = build(cfg, device, rank, world)
+    warmup = max(MIN_WARMUP, opts.warmup)
+    for _ in range(warmup):
+        _update(trainer, monitor)
+    out = _describe(trainer, backend, warmup)
+    if opts.memory:
+        budget = cfg.memory_budget if device.type == "cpu" else None
+        out["memory"] = to_jsonable(measure_memory(trainer, monitor, budget))
+    if opts.timing:
+        out.update(_timed_updates(trainer, monitor, opts.steps))
+    return out
+
+
+def gather(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's result, in rank order, on every rank."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, result)
+    return everyone

@@ -1,0 +1,188 @@
+"""One controlled experiment, start to end: predictions recorded, both sides measured interleaved, verdicts,
+diagnosis, semantics and scope, the notebook row written before and completed after.
+
+    plan = make_plan(cfg, [parse_change("micro_batch=1:2", cfg)], predictions={Metric.PEAK_MEMORY: Direction.UP})
+    record = run(plan, Notebook(path))          # a plain dict: what `compare --json` prints
+
+The record is a plain JSON-able dict so that the notebook, the report and ``--json`` share one form.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchlab.config import ConfigError, RunConfig, to_jsonable
+from batchlab.experiment import factors
+from batchlab.experiment.change import Change, KeepMode, Sides, build_sides
+from batchlab.experiment.diagnosis import Context, diagnose
+from batchlab.experiment.notebook import Notebook, now
+from batchlab.experiment.predict import Direction, FormulaSide, Metric, formula_prediction
+from batchlab.experiment.protocol import MeasureFn, Progress, Rounds, check_rounds, interleave, threads_env
+from batchlab.experiment.scope import scope
+from batchlab.experiment.semantics import semantics
+from batchlab.experiment.verdict import BAND_METHOD, contradictions, summary, verdicts
+from batchlab.measure.options import MeasureOptions
+from batchlab.measure.result import measurement_to_dict
+
+DEFAULT_CHANGE = "micro_batch=1:2"
+DEFAULT_TOKEN_BUDGET = 10_000_000  # tokens; the ratio does not depend on it (steady state), the seconds do
+
+
+@dataclass
+class Plan:
+    sides: Sides
+    predictions: dict[Metric, Direction] = field(default_factory=dict)
+    prediction_source: str = "none"  # flag | prompt | file | none
+    rounds: int = 3
+    options: MeasureOptions = field(default_factory=lambda: MeasureOptions(isolate=True))
+    token_budget: int = DEFAULT_TOKEN_BUDGET
+    formula_only: bool = False
+    note: str = ""
+    threads: int | None = None  # intra-op threads of the measured processes; None: torch's default
+
+
+def make_plan(base: RunConfig, changes: list[Change], keep: KeepMode | str = KeepMode.GLOBAL_BATCH,
+              allow_confounded: bool = False, predictions: dict[Metric, Direction] | None = None,
+              prediction_source: str | None = None, rounds: int = 3, warmup: int = 2, steps: int = 5,
+              timeout_s: float | None = None, token_budget: int = DEFAULT_TOKEN_BUDGET, formula_only: bool = False,
+              note: str = "", torch_device: str | None = None, threads: int | None = None) -> Plan:
+    """Validate everything (raises ConfigError naming the field) before anything is run or written."""
+    sides = build_sides(base, changes, KeepMode.parse("keep", keep), allow_confounded)
+    check_rounds(rounds)
+    if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget <= 0:
+        raise ConfigError("token_budget", f"must be a whole number of tokens > 0, got {token_budget!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError("threads", f"must be a whole number >= 1, got {threads!r}")
+    options = MeasureOptions(warmup=warmup, steps=steps, isolate=True, timeout_s=timeout_s, torch_device=torch_device)
+    predictions = dict(predictions or {})
+    source = prediction_source or ("flag" if predictions else "none")
+    return Plan(sides, predictions, source, rounds, options, token_budget, formula_only, note or "", threads)
+
+
+def preflight(plan: Plan) -> None:
+    """User errors the measurement would find only inside its subprocess: found here, before the notebook row."""
+    if plan.formula_only:
+        return
+    for cfg in (plan.sides.a, plan.sides.b):
+        if cfg.device_spec.backend.value == "cpu" and cfg.memory_budget is None and plan.options.torch_device is None:
+            continue
+        from batchlab.measure.session import check_budget, resolve_device
+
+        if cfg.dp == 1:
+            resolve_device(cfg, plan.options.torch_device)
+        check_budget(cfg)
+
+
+def _formula(sides: Sides, token_budget: int) -> dict[str, Any]:
+    try:
+        from batchlab.formula import estimate
+
+        ea, eb = estimate(sides.a), estimate(sides.b)
+    except Exception as e:  # noqa: BLE001 — a factory model has no formula; the measurement stands alone
+        return {"available": False, "reason": f"{type(e).__name__}: {e}"[:300], "provenance": "formula"}
+    pred = formula_prediction(FormulaSide.from_estimate(ea), FormulaSide.from_estimate(eb), token_budget)
+    return {"available": True, "provenance": "formula", "a": ea.to_dict(), "b": eb.to_dict(),
+            "prediction": {m.value: to_jsonable(p) for m, p in pred.items()}, "_pred": pred}
+
+
+def initial_record(plan: Plan, formula: dict[str, Any]) -> dict[str, Any]:
+    """Everything known before anything runs: the change, both predictions, the formula estimate."""
+    s = plan.sides
+    pred = formula.get("_pred") or {}
+    return {
+        "kind": "formula-only" if plan.formula_only else "measured",
+        "created_at": now(),
+        "config": s.a.to_dict(),
+        "change": s.to_dict(),
+        "keep_mode": s.keep.value,
+        "predictions": {"user": {m.value: d.value for m, d in plan.predictions.items()},
+                        "user_source": plan.prediction_source,
+                        "formula": {m.value: (p["direction"].value if p["direction"] else None) for m, p in pred.items()}},
+        "formula": {k: v for k, v in formula.items() if k != "_pred"},
+        "sides": {"a": s.a.to_dict(), "b": s.b.to_dict()},
+        "protocol": {"rounds": 0 if plan.formula_only else plan.rounds, "warmup": plan.options.warmup,
+                     "steps": plan.options.steps, "isolated": True, "threads": plan.threads, "order": "A B A B ...",
+                     "token_budget": plan.token_budget, "band_method": BAND_METHOD},
+        "note": plan.note,
+        "warnings": list(s.warnings),
+        "metrics": {}, "diagnosis": {"contradictions": [], "checks": []}, "semantics": {}, "scope": [],
+        "notebook_id": None,
+    }
+
+
+def run(plan: Plan, notebook: Notebook | None = None, measure: MeasureFn | None = None,
+        progress: Progress | None = None, verify: bool = True) -> dict[str, Any]:
+    """Carry the plan out; the notebook row is begun before measuring and completed at the end."""
+    preflight(plan)
+    t0 = time.perf_counter()
+    before = factors.Snapshot()
+    formula = _formula(plan.sides, plan.token_budget)
+    record = initial_record(plan, formula)
+    exp_id = notebook.begin(record) if notebook is not None else None
+    record["notebook_id"] = exp_id
+    try:
+        rounds = None
+        if not plan.formula_only:
+            with threads_env(plan.threads):
+                rounds = interleave(plan.sides.a, plan.sides.b, plan.rounds, plan.options, measure, progress)
+        finish(record, plan, rounds, formula.get("_pred"), verify, before)
+    except ConfigError:
+        if notebook is not None and exp_id is not None:
+            notebook.discard(exp_id)  # bad input found late: leave nothing behind
+        raise
+    except BaseException as e:
+        if notebook is not None and exp_id is not None:
+            notebook.interrupt(exp_id, f"{type(e).__name__}: {e}"[:300] or type(e).__name__)
+        raise
+    record["wall_seconds"] = time.perf_counter() - t0
+    record["finished_at"] = now()
+    if notebook is not None and exp_id is not None:
+        notebook.complete(exp_id, record)
+        record["status"] = "complete"
+    return record
+
+
+def finish(record: dict[str, Any], plan: Plan, rounds: Rounds | None, formula_pred, verify: bool,
+           before: factors.Snapshot) -> None:
+    s = plan.sides
+    vs = verdicts(rounds, plan.predictions, formula_pred, plan.token_budget)
+    record["metrics"] = {m.value: v.to_dict() for m, v in vs.items()}
+    record["verdict"] = ("formula only: " if plan.formula_only else "") + summary(vs)
+    devices: set[str] = set()
+    if rounds is not None:
+        record["rounds"] = [{"a": _m(ma), "b": _m(mb), "seconds": list(sec)}
+                            for ma, mb, sec in zip(rounds.a, rounds.b, rounds.seconds)]
+        record["warnings"] += rounds.skipped
+        devices = {str(m.environment.get("torch_device")) for m in rounds.a + rounds.b
+                   if m is not None and m.environment.get("torch_device")}
+        found = contradictions(vs)
+        checks = []
+        if found:
+            ctx = Context(s.a, s.b, rounds, plan.options.warmup, plan.options.steps)
+            phase = {k: (record["formula"].get(k) or {}).get("memory", {}).get("peak_phase") for k in "ab"}
+            checks = [c.to_dict() for c in diagnose(ctx, vs[Metric.UPDATE_TIME].band, phase)]
+        record["diagnosis"] = {"contradictions": found, "checks": checks}
+    record["semantics"] = semantics(s.a, s.b, run_check=verify and rounds is not None,
+                                    why_not="not run: formula only" if rounds is None else "not run (--no-verify)")
+    from batchlab.formula.params import count
+
+    record["scope"] = scope(s.a, s.b, devices, measured=rounds is not None, parameters=count(s.a.model).total)
+    record["factors"] = factors.uncontrolled(before, factors.Snapshot(), _noise(rounds, vs), plan.note)
+
+
+def _m(m) -> dict[str, Any] | None:
+    return measurement_to_dict(m) if m is not None else None
+
+
+def _noise(rounds: Rounds | None, vs) -> dict[str, Any]:
+    if rounds is None:
+        return {}
+    import statistics
+
+    spread = {}
+    for side in "ab":
+        values = [m.time.spread for m in rounds.side(side) if m is not None and m.time is not None and m.time.samples]
+        spread[side] = statistics.median(values) if values else None
+    band = vs[Metric.UPDATE_TIME].band
+    return {"update_time_iqr_over_median": spread, "paired_time_ratio_band": list(band) if band else None}

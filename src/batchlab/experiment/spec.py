@@ -1,0 +1,112 @@
+"""Experiment files: one TOML file holds the baseline, the single change, the keep mode and the prediction.
+
+    [config]                       # the baseline; RunConfig field names, plus model = "preset" and global_batch
+    model = "tiny"
+    seq = 128
+    global_batch = 8
+
+    [change]                       # exactly one field (more are refused unless allow_confounded = true)
+    micro_batch = [1, 2]
+
+    keep = "global-batch"          # or "accum"
+    predict = { memory = "up", time = "same" }
+    rounds = 3                     # optional: rounds, steps, warmup, token_budget, note, allow_confounded
+
+Values in the file win over command-line flags.  Torch-free.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchlab.config import CHANGEABLE_FIELDS, ConfigError, RunConfig, preset
+from batchlab.experiment.change import Change, KeepMode, change_from_values, parse_change
+from batchlab.experiment.predict import Direction, Metric, parse_predictions, predictions_from_mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+TOP_LEVEL = ("config", "change", "keep", "predict", "rounds", "steps", "warmup", "token_budget", "note",
+             "allow_confounded")
+
+
+@dataclass
+class ExperimentFile:
+    base: RunConfig
+    changes: list[Change]
+    keep: KeepMode | None = None
+    predictions: dict[Metric, Direction] | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # rounds, steps, warmup, token_budget, note, allow_confounded
+
+
+def load(path: str | Path, base: RunConfig) -> ExperimentFile:
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError("experiment", f"no such file: {p}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("experiment", f"cannot read {p}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("experiment", f"{p} is not valid TOML: {e}") from None
+    unknown = [k for k in data if k not in TOP_LEVEL]
+    if unknown:
+        raise ConfigError("experiment", f"unknown key {unknown[0]!r} in {p}; allowed: {', '.join(TOP_LEVEL)}")
+    cfg = apply_config(base, data.get("config", {}))
+    if "change" not in data:
+        raise ConfigError("experiment", f"{p} has no [change] table (example: micro_batch = [1, 2])")
+    changes = parse_changes(data["change"], cfg)
+    keep = KeepMode.parse("keep", data["keep"]) if "keep" in data else None
+    predict = data.get("predict")
+    predictions = None
+    if isinstance(predict, dict):
+        predictions = predictions_from_mapping(predict)
+    elif isinstance(predict, str):
+        predictions = parse_predictions(predict)
+    elif predict is not None:
+        raise ConfigError("predict", "must be a table (predict = { memory = \"up\" }) or a string")
+    options = {k: data[k] for k in ("rounds", "steps", "warmup", "token_budget", "note", "allow_confounded") if k in data}
+    return ExperimentFile(cfg, changes, keep, predictions, options)
+
+
+def apply_config(base: RunConfig, table: Any) -> RunConfig:
+    if not isinstance(table, dict):
+        raise ConfigError("config", "must be a table of RunConfig fields")
+    values = dict(table)
+    cfg = base
+    if "model" in values:
+        cfg = cfg.replace(model=preset(str(values.pop("model"))))
+    global_batch = values.pop("global_batch", None)
+    unknown = [k for k in values if k not in CHANGEABLE_FIELDS]
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown field; known: model, global_batch, {', '.join(CHANGEABLE_FIELDS)}")
+    try:
+        cfg = cfg.replace(**values)
+    except TypeError as e:
+        raise ConfigError("config", str(e)) from None
+    if global_batch is not None:
+        cfg = cfg.with_global_batch(global_batch)
+    return cfg
+
+
+def parse_changes(table: Any, base: RunConfig) -> list[Change]:
+    """``[change] field = [A, B]`` entries, or ``change = "field=A:B"`` (a string or a list of them)."""
+    if isinstance(table, str):
+        return [parse_change(table, base)]
+    if isinstance(table, list) and all(isinstance(t, str) for t in table):
+        return [parse_change(t, base) for t in table]
+    if not isinstance(table, dict):
+        raise ConfigError("change", "must be a table like micro_batch = [1, 2]")
+    out = []
+    for name, pair in table.items():
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise ConfigError("change", f"{name} must be [A, B], got {pair!r}")
+        change = change_from_values(name, *pair)
+        base.replace(**{change.field: change.a})
+        base.replace(**{change.field: change.b})
+        out.append(change)
+    return out

@@ -1,0 +1,158 @@
+"""Per metric: observed direction, ratio B/A, noise band from the paired rounds, and whether each prediction held.
+
+Noise band: the range (lowest, highest) of the per-round paired ratios B_i / A_i.  Each round measures both
+sides back to back, so what moves the machine between rounds cancels inside a pair; the range over rounds is
+the spread that is left.  With 3 rounds it is the whole sample, so it is wide on purpose: ``same`` whenever
+the band reaches 1.0.  The ratio is the median of the paired ratios.  Memory is deterministic on CPU (a live
+tensor-storage tracker counts bytes), so a difference under MEMORY_SAME_TOLERANCE is ``same`` too.
+Torch-free.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchlab.experiment.predict import Direction, Metric, oom_direction
+from batchlab.experiment.protocol import Rounds
+from batchlab.measure.result import Measurement, Outcome
+
+BAND_METHOD = ("range (min, max) of the per-round paired ratios B/A; each round measures A then B, each in a "
+               "fresh process, warmup excluded; ratio = median of the paired ratios")
+MEMORY_SAME_TOLERANCE = 0.01
+UNITS = {Metric.PEAK_MEMORY: "bytes", Metric.UPDATE_TIME: "seconds", Metric.TOKENS_PER_SECOND: "tokens/s",
+         Metric.TIME_TO_BUDGET: "seconds", Metric.OOM: "outcome"}
+PROVENANCE = {Metric.PEAK_MEMORY: "allocator", Metric.UPDATE_TIME: "wall-clock",
+              Metric.TOKENS_PER_SECOND: "wall-clock", Metric.TIME_TO_BUDGET: "wall-clock", Metric.OOM: "allocator"}
+
+
+@dataclass
+class MetricVerdict:
+    metric: Metric
+    a: Any = None  # median over rounds (OOM: whether the side ran out of memory)
+    b: Any = None
+    ratio: float | None = None
+    band: tuple[float, float] | None = None
+    paired_ratios: list[float] = field(default_factory=list)
+    observed: Direction | None = None
+    predicted_by_user: Direction | None = None
+    predicted_by_formula: Direction | None = None
+    formula: dict[str, Any] = field(default_factory=dict)  # a, b, ratio (provenance formula)
+    note: str = ""
+
+    @property
+    def held_user(self) -> bool | None:
+        return _held(self.predicted_by_user, self.observed)
+
+    @property
+    def held_formula(self) -> bool | None:
+        return _held(self.predicted_by_formula, self.observed)
+
+    def to_dict(self) -> dict[str, Any]:
+        v = lambda d: d.value if d is not None else None  # noqa: E731
+        return {"observed": v(self.observed), "ratio": self.ratio,
+                "band": list(self.band) if self.band is not None else None,
+                "predicted_by_user": v(self.predicted_by_user), "predicted_by_formula": v(self.predicted_by_formula),
+                "held": {"user": self.held_user, "formula": self.held_formula},
+                "a": self.a, "b": self.b, "unit": UNITS[self.metric], "provenance": PROVENANCE[self.metric],
+                "paired_ratios": self.paired_ratios,
+                "formula": {k: self.formula.get(k) for k in ("a", "b", "ratio")} | {"provenance": "formula"},
+                "note": self.note}
+
+
+def _held(predicted: Direction | None, observed: Direction | None) -> bool | None:
+    if predicted is None or observed is None:
+        return None
+    return predicted is observed
+
+
+def round_value(m: Measurement | None, metric: Metric, token_budget: float) -> float | None:
+    if m is None or m.outcome is not Outcome.OK:
+        return None
+    if metric is Metric.PEAK_MEMORY:
+        return float(m.memory.peak_bytes) if m.memory is not None else None
+    if m.time is None or not m.time.samples:
+        return None
+    if metric is Metric.UPDATE_TIME:
+        return m.time.update_seconds_median
+    if metric is Metric.TOKENS_PER_SECOND:
+        return m.tokens_per_second
+    return token_budget / m.tokens_per_second if m.tokens_per_second else None
+
+
+def observe(ratios: list[float], metric: Metric) -> tuple[float, tuple[float, float], Direction]:
+    """(ratio, band, direction) from the per-round paired ratios B/A."""
+    ratio = statistics.median(ratios)
+    band = (min(ratios), max(ratios))
+    if band[0] <= 1.0 <= band[1]:
+        return ratio, band, Direction.SAME
+    if metric is Metric.PEAK_MEMORY and abs(ratio - 1.0) < MEMORY_SAME_TOLERANCE:
+        return ratio, band, Direction.SAME
+    return ratio, band, Direction.UP if band[0] > 1.0 else Direction.DOWN
+
+
+def _is_oom(m: Measurement | None) -> bool:
+    return m is not None and m.outcome in (Outcome.OOM, Outcome.OOM_BUDGET)
+
+
+def measured_verdict(metric: Metric, rounds: Rounds, token_budget: float) -> MetricVerdict:
+    if metric is Metric.OOM:
+        a_oom, b_oom = any(map(_is_oom, rounds.a)), any(map(_is_oom, rounds.b))
+        failed = [s.upper() for s in "ab" if any(m is not None and m.outcome is Outcome.FAILED for m in rounds.side(s))]
+        if failed and not (a_oom or b_oom):
+            return MetricVerdict(metric, note=f"side {', '.join(failed)} failed; OOM not decided")
+        return MetricVerdict(metric, a=a_oom, b=b_oom, observed=oom_direction(a_oom, b_oom))
+    pairs = [(round_value(ma, metric, token_budget), round_value(mb, metric, token_budget))
+             for ma, mb in zip(rounds.a, rounds.b)]
+    pairs = [(x, y) for x, y in pairs if x is not None and y is not None and x > 0]
+    if not pairs:
+        return MetricVerdict(metric, note="no round with both sides measured")
+    ratios = [y / x for x, y in pairs]
+    ratio, band, direction = observe(ratios, metric)
+    note = "" if len(pairs) == len(rounds.a) else f"{len(pairs)} of {len(rounds.a)} rounds had both sides measured"
+    return MetricVerdict(metric, a=statistics.median(x for x, _ in pairs), b=statistics.median(y for _, y in pairs),
+                         ratio=ratio, band=band, paired_ratios=ratios, observed=direction, note=note)
+
+
+def verdicts(rounds: Rounds | None, user: dict[Metric, Direction], formula: dict[Metric, dict[str, Any]] | None,
+             token_budget: float) -> dict[Metric, MetricVerdict]:
+    """All metrics; ``rounds`` None (formula only): nothing observed, the formula's figures alone."""
+    out = {}
+    for metric in Metric:
+        v = measured_verdict(metric, rounds, token_budget) if rounds is not None else MetricVerdict(
+            metric, note="formula only: nothing measured")
+        v.predicted_by_user = user.get(metric)
+        if formula is not None:
+            v.formula = formula[metric]
+            v.predicted_by_formula = formula[metric]["direction"]
+        out[metric] = v
+    return out
+
+
+def contradictions(vs: dict[Metric, MetricVerdict]) -> list[dict[str, Any]]:
+    """Every prediction the observation went against: who predicted what, what was seen."""
+    out = []
+    for metric, v in vs.items():
+        for who, predicted, held in (("you", v.predicted_by_user, v.held_user),
+                                     ("formula", v.predicted_by_formula, v.held_formula)):
+            if held is False:
+                out.append({"metric": metric.value, "who": who, "predicted": predicted.value,
+                            "observed": v.observed.value})
+    return out
+
+
+def summary(vs: dict[Metric, MetricVerdict]) -> str:
+    """One line: the verdict of every metric."""
+    parts = []
+    for metric, v in vs.items():
+        if v.observed is None:
+            parts.append(f"{metric.label} ?")
+            continue
+        size = f" x{v.ratio:.3g}" if v.ratio is not None else ""
+        held = []
+        if v.held_user is not None:
+            held.append("you " + ("held" if v.held_user else "missed"))
+        if v.held_formula is not None:
+            held.append("formula " + ("held" if v.held_formula else "missed"))
+        parts.append(f"{metric.label} {v.observed.symbol}{size}" + (f" ({', '.join(held)})" if held else ""))
+    return "; ".join(parts)

@@ -1,0 +1,152 @@
+"""``batchlab.observe``: the harness's probes around a user's own training loop.
+
+    with batchlab.observe(model, optimizer, warmup=2) as obs:
+        for tokens, targets in loader:
+            with obs.update(tokens=int((targets != -100).sum())):   # one optimizer update
+                loss = ...; obs.mark("backward"); loss.backward()
+                obs.mark("optimizer"); optimizer.step(); optimizer.zero_grad()
+    print(obs.measurement.memory.peak_bytes, obs.measurement.time.update_seconds_median)
+
+The same discipline as ``batchlab measure``: update 1 is warmup, update 2 the memory update (live-storage
+tracker on CPU/MPS, allocator statistics on CUDA; never timed), then the rest of the ``warmup``; every
+later update is timed with the device synchronised around it.  ``obs.mark(phase)`` (forward, backward,
+optimizer) is optional and gives the per-phase split and the peak phase.  An out-of-memory inside an
+update is recorded (outcome ``oom`` and its phase) and re-raised: it is your loop.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+
+from batchlab.measure.clock import PhaseClock, synchronizer
+from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
+from batchlab.measure.memory import tracker_for
+from batchlab.measure.oom import OOMKind, classify_oom
+from batchlab.measure.result import MeasuredTime, Measurement, Outcome
+
+
+class Observer:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int = 2, memory: bool = True,
+                 device: torch.device | str | None = None, config=None, global_batch: int | None = None):
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"warmup must be >= 1 (the first update is never timed), got {warmup!r}")
+        self.model, self.optimizer, self.warmup, self.memory = model, optimizer, warmup, memory
+        if device is None:
+            first = next(model.parameters(), None)
+            device = first.device if first is not None else "cpu"
+        self.device = torch.device(device)
+        self.sync = synchronizer(self.device)
+        self._async = self.device.type != "cpu"
+        self.updates = 0
+        self._samples: list[float] = []
+        self._cpu: list[float] = []
+        self._tokens: list[int] = []
+        self._phases: dict[str, list[float]] = {}
+        self._probe = None
+        self.phase = "data"
+        self.measurement = Measurement(config=config.to_dict() if config is not None else {}, outcome=Outcome.OK,
+                                       global_batch=config.global_batch if config is not None else global_batch)
+
+    # -- used inside the user's update
+    def mark(self, phase: str) -> None:
+        self.phase = phase
+        if self._probe is not None:
+            self._probe.mark(phase)
+
+    @contextlib.contextmanager
+    def update(self, tokens: int | None = None):
+        """One optimizer update of the user's loop; ``tokens``: its useful (non-padding) tokens."""
+        index, self.updates = self.updates, self.updates + 1
+        self.phase = "data"
+        try:
+            if index == 1 and self.memory:
+                with self._memory_update():
+                    yield self
+            elif index < self.warmup + (1 if self.memory else 0):
+                yield self
+            else:
+                with self._timed_update(tokens):
+                    yield self
+        except Exception as exc:
+            kind = classify_oom(exc)
+            if kind is not None:
+                self.measurement.outcome = Outcome.OOM_BUDGET if kind is OOMKind.BUDGET else Outcome.OOM
+                self.measurement.oom_phase = self.phase
+                self.measurement.outcome_detail = f"out of memory ({kind.value}) in {self.phase} of update {index + 1}"
+            raise
+        finally:
+            self._probe = None
+
+    @contextlib.contextmanager
+    def _memory_update(self):
+        if self.device.type == "cuda":
+            probe = CudaMemoryProbe(self.device)
+            probe.begin()
+            self._probe = probe
+            yield
+            probe.mark("end")
+            self.measurement.memory = probe.result(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
+            return
+        tracker = tracker_for(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
+        self._probe = tracker
+        try:
+            with tracker:
+                yield
+        finally:
+            tracker.close()
+        self.measurement.memory = from_snapshot(tracker.snapshot())
+
+    @contextlib.contextmanager
+    def _timed_update(self, tokens: int | None):
+        clock = PhaseClock(self.sync, sync_marks=not self._async)
+        clock.start()
+        clock.mark("data")
+        self._probe = clock
+        # the clock reads bracket the user's block: synchronise, read, run, synchronise, read
+        self.sync()
+        c0, t0 = time.process_time(), time.perf_counter()
+        yield
+        self.sync()
+        t1, c1 = time.perf_counter(), time.process_time()
+        clock.mark("end")
+        self._samples.append(t1 - t0)
+        self._cpu.append(c1 - c0)
+        if tokens is not None:
+            self._tokens.append(int(tokens))
+        if not self._async:
+            for k, v in clock.seconds.items():
+                self._phases.setdefault(k, []).append(v)
+
+    # -- result
+    def finish(self) -> Measurement:
+        m = self.measurement
+        if self._samples:
+            m.time = MeasuredTime(samples=list(self._samples), warmup=self.warmup,
+                                  cpu_seconds=list(self._cpu) if self.device.type == "cpu" else [],
+                                  phase_seconds={k: statistics.median(v) for k, v in self._phases.items()},
+                                  phase_samples={k: list(v) for k, v in self._phases.items()})
+            if self._tokens and len(self._tokens) == len(self._samples):
+                per_update = statistics.fmean(self._tokens)
+                m.useful_tokens_per_update = round(per_update)
+                m.tokens_per_second = per_update / m.time.update_seconds_median
+        elif m.outcome is Outcome.OK:
+            m.warnings.append(f"no timed update: {self.updates} update(s) observed, the first {self.warmup} are "
+                              f"warmup{' plus one memory update' if self.memory else ''}")
+        return m
+
+
+@contextlib.contextmanager
+def observe(model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int = 2, memory: bool = True,
+            device: torch.device | str | None = None, config=None, global_batch: int | None = None):
+    """Record peak memory and update time over the updates of your own loop (see the module docstring)."""
+    obs = Observer(model, optimizer, warmup=warmup, memory=memory, device=device, config=config,
+                   global_batch=global_batch)
+    try:
+        yield obs
+    finally:
+        obs.finish()

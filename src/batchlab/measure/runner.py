@@ -1,0 +1,137 @@
+"""Subprocess isolation: the one place a measurement runs in a fresh Python process.
+
+The request (config and options as JSON) goes to ``python -m batchlab.measure.worker`` on stdin; the
+Measurement comes back as JSON in a file.  A kernel OOM-kill, a segfault, a hang past the timeout or a
+crash of the interpreter becomes ``Outcome.FAILED`` with the reason, and the caller goes on.  A user
+error found by the worker (ConfigError) is raised again here, with its field.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+from batchlab.config import ConfigError, RunConfig
+from batchlab.measure.options import MeasureOptions
+from batchlab.measure.result import Measurement, Outcome, load_measurement
+
+PROGRESS_PREFIX = "batchlab-progress\t"  # worker -> runner progress lines on stderr: done, total, label
+STDERR_TAIL_LINES = 40
+
+_SIGNAL_HINTS = {
+    "SIGKILL": "most likely the kernel's OOM killer (host memory exhausted); see `dmesg` / `journalctl -k`",
+    "SIGSEGV": "a segmentation fault in native code",
+    "SIGABRT": "an abort in native code (failed assertion, std::terminate)",
+    "SIGBUS": "a bus error (often shared memory /dev/shm too small)",
+}
+
+
+def child_env() -> dict[str, str]:
+    """The caller's environment, with its sys.path, so that a factory importable here imports there too."""
+    env = dict(os.environ)
+    paths = [p or os.getcwd() for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_isolated(cfg: RunConfig, options: MeasureOptions,
+                 progress: Callable[[int, int, str], None] | None = None) -> Measurement:
+    request = {"config": cfg.to_dict(), "options": dataclasses.replace(options, isolate=False).to_dict()}
+    with tempfile.TemporaryDirectory(prefix="batchlab-measure-") as tmp:
+        out_path = Path(tmp) / "measurement.json"
+        # own process group: a timeout kills the worker and anything it started (data-loader workers, ...)
+        proc = subprocess.Popen([sys.executable, "-m", "batchlab.measure.worker", str(out_path)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=child_env(), start_new_session=True)
+        watcher = _OutputWatcher(proc, progress)
+        timed_out = False
+        try:
+            try:
+                proc.stdin.write(json.dumps(request))
+                proc.stdin.close()
+            except BrokenPipeError:  # the worker died before reading: its exit status says why
+                pass
+            rc = proc.wait(timeout=options.timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            rc = proc.wait()
+            timed_out = True
+        except BaseException:  # Ctrl-C here: the worker is in its own session and would not see it
+            _kill_group(proc)
+            proc.wait()
+            raise
+        watcher.join()
+        return _interpret(cfg, options, rc, out_path, watcher, timed_out)
+
+
+class _OutputWatcher(threading.Thread):
+    """Reads the worker's merged stdout/stderr: progress lines go to the callback, the rest is kept (tail)."""
+
+    def __init__(self, proc: subprocess.Popen, progress):
+        super().__init__(daemon=True)
+        self.proc, self.progress = proc, progress
+        self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.last_label = "starting the worker"
+        self.start()
+
+    def run(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(PROGRESS_PREFIX):
+                done, total, label = line[len(PROGRESS_PREFIX):].rstrip("\n").split("\t", 2)
+                self.last_label = label
+                if self.progress is not None:
+                    self.progress(int(done), int(total), label)
+            else:
+                self.tail.append(line.rstrip("\n"))
+
+
+def _interpret(cfg, options, rc, out_path: Path, watcher: _OutputWatcher, timed_out: bool) -> Measurement:
+    payload = None
+    if out_path.exists():
+        try:
+            payload = json.loads(out_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            payload = None
+    if not timed_out and rc == 0 and payload is not None and "outcome" in payload:
+        m = load_measurement(payload)
+        m.environment["isolated"] = True
+        return m
+    if not timed_out and payload is not None and "config_error" in payload:
+        err = payload["config_error"]
+        raise ConfigError(err["field"], err["message"])
+    where = f"during {watcher.last_label}"
+    if timed_out:
+        detail = f"timed out after {options.timeout_s:g} s {where}; the worker was killed"
+    elif rc < 0:
+        name = _signal_name(-rc)
+        hint = _SIGNAL_HINTS.get(name, "")
+        detail = f"worker killed by {name} {where}" + (f": {hint}" if hint else "")
+    else:
+        last = next((line for line in reversed(watcher.tail) if line.strip()), "no output")
+        detail = f"worker exited with status {rc} {where}: {last}"
+    return Measurement(config=cfg.to_dict(), outcome=Outcome.FAILED, global_batch=cfg.global_batch,
+                       outcome_detail=detail,
+                       environment={"isolated": True, "exit_status": rc, "output_tail": list(watcher.tail)})
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

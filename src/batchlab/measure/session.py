@@ -1,0 +1,318 @@
+"""One measurement in this process: warmup, a separate memory update, timed updates; OOM caught.
+
+Order of updates (``w`` = warmup, ``n`` = steps)::
+
+    update 1            warmup (with a CPU memory budget: tracked, so an over-budget config stops early)
+    update 2            memory probe (tracker on CPU/MPS, allocator statistics on CUDA) — never timed
+    updates 3 .. w+1    the rest of the warmup
+    next n updates      timed: device synchronised around each, per-phase clock
+    (CUDA/MPS only)     3 more updates with a synchronising phase clock for the per-phase split
+
+Probes that cost time (tracker, allocator reads, synchronising at phase marks on an asynchronous device)
+never run inside the timed updates.
+"""
+from __future__ import annotations
+
+import gc
+import platform
+import statistics
+from typing import Callable
+
+import torch
+
+from batchlab.config import ConfigError, RunConfig
+from batchlab.measure.clock import PhaseClock, synchronizer, timed
+from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
+from batchlab.measure.memory import tracker_for
+from batchlab.measure.oom import OOMKind, classify_oom
+from batchlab.measure.options import MeasureOptions
+from batchlab.measure.result import MeasuredMemory, MeasuredTime, Measurement, Outcome, format_bytes
+
+# progress(done, total, label): called before the work starts and after every update
+Progress = Callable[[int, int, str], None]
+NOISY_SPREAD = 0.10  # IQR / median above which the timing is flagged as noisy
+PHASE_UPDATES = 3  # synchronised phase-split updates on asynchronous devices
+
+
+def run(cfg: RunConfig, options: MeasureOptions | None = None, progress: Progress | None = None) -> Measurement:
+    """Measure ``cfg`` on the local device.  ``options.isolate``: in a fresh subprocess (runner.py);
+    DP > 1 (or inside torchrun): batchlab.distributed runs one process per rank.
+
+    Never raises for an out-of-memory, a crash or a timeout (they become the outcome); raises
+    ConfigError for user errors (a device that is absent, a budget that cannot hold the parameters,
+    a factory that does not import, ...).
+    """
+    options = options or MeasureOptions()
+    from batchlab import distributed
+
+    dp_run = distributed.dispatch(cfg, options)  # DP > 1 or inside torchrun: one process per rank, DDP
+    if dp_run is not None:
+        return dp_run
+    if options.isolate:
+        from batchlab.measure.runner import run_isolated
+
+        return run_isolated(cfg, options, progress)
+    try:
+        return run_inprocess(cfg, options, progress)
+    finally:
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+def resolve_device(cfg: RunConfig, requested: str | None = None) -> torch.device:
+    """The torch device to measure on: ``requested``, else the backend of the config's device entry."""
+    field = "torch_device" if requested else "device"
+    name = requested or cfg.device_spec.backend.value
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ConfigError(field, f"{name!r} is not a torch device; allowed: cpu, cuda, cuda:N, mps") from None
+    why = f" (the backend of device {cfg.device})" if not requested else ""
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(field, f"cuda{why} is not available here (torch {torch.__version__}, "
+                                     "torch.cuda.is_available() is False); measure with --device cpu, "
+                                     f"or predict with `batchlab estimate --device {cfg.device}`")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(field, f"{name} does not exist: {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigError(field, f"mps{why} is not available here; measure with --device cpu")
+    elif dev.type != "cpu":
+        raise ConfigError(field, f"{name!r} is not supported; allowed: cpu, cuda, cuda:N, mps")
+    return dev
+
+
+def parameter_bytes(cfg: RunConfig) -> int:
+    """Bytes of the model's parameters and buffers, built on the meta device (nothing allocated)."""
+    from batchlab.models import build_workload
+
+    with torch.device("meta"):
+        model = build_workload(cfg).model
+    per = 2 if cfg.precision.value == "bf16" else None  # pure bf16: the harness casts the model
+    seen: dict[int, int] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[id(t)] = t.numel() * (per or t.element_size())
+    return sum(seen.values())
+
+
+def check_budget(cfg: RunConfig) -> None:
+    if cfg.memory_budget is None:
+        return
+    need = parameter_bytes(cfg)
+    if need > cfg.memory_budget:
+        raise ConfigError("memory_budget", f"{format_bytes(cfg.memory_budget)} cannot hold the model's "
+                                           f"parameters alone ({format_bytes(need)}, {need:,} bytes); "
+                                           "give a larger budget or a smaller model")
+
+
+def environment(device: torch.device) -> dict:
+    import batchlab
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    elif device.type == "mps":
+        name = "Apple MPS"
+    else:
+        name = _cpu_name()
+    return {"torch": torch.__version__, "python": platform.python_version(), "batchlab": batchlab.__version__,
+            "platform": platform.platform(), "torch_device": str(device), "device_name": name,
+            "threads": torch.get_num_threads(), "cuda": torch.version.cuda}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class _Recorder:
+    """Remembers where the run is (stage, phase) for failure reports and forwards marks to the probe in use."""
+
+    def __init__(self):
+        self.stage, self.phase, self.inner = "setup", "setup", None
+
+    def use(self, stage: str, inner=None) -> "_Recorder":
+        self.stage, self.phase, self.inner = stage, "data", inner
+        return self
+
+    def mark(self, phase: str) -> None:
+        self.phase = phase
+        if self.inner is not None:
+            self.inner.mark(phase)
+
+
+def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | None = None) -> Measurement:
+    if cfg.dp > 1:
+        raise ConfigError("dp", f"one process measures DP = 1; DP = {cfg.dp} needs one process per rank: "
+                                "use batchlab.measure.run (it launches them through batchlab.distributed)")
+    device = resolve_device(cfg, opts.torch_device)
+    check_budget(cfg)
+    m = Measurement(config=cfg.to_dict(), outcome=Outcome.OK, global_batch=cfg.global_batch,
+                    environment=environment(device))
+    rec = _Recorder()
+    steps = _Steps(cfg, opts, device, progress)
+    fraction_set = False
+    # the budget is what refuses memory: tracked bytes on CPU/MPS, an allocator fraction on CUDA
+    budget_binds = cfg.memory_budget is not None and device.type != "cuda"
+    try:
+        if device.type == "cuda" and cfg.memory_budget is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            if cfg.memory_budget < total:
+                # the caching allocator raises OutOfMemoryError past this fraction of the device's memory
+                torch.cuda.set_per_process_memory_fraction(cfg.memory_budget / total, device)
+                fraction_set = budget_binds = True
+        steps.run(m, rec)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 — every failure becomes a recorded outcome
+        _record_failure(m, exc, rec, budget=budget_binds)
+    finally:
+        if fraction_set:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    return m
+
+
+def _record_failure(m: Measurement, exc: BaseException, rec: _Recorder, budget: bool) -> None:
+    kind = classify_oom(exc)
+    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+    where = f"in {rec.phase} of the {rec.stage} update" if rec.stage != "setup" else "while building the model"
+    if kind is None:
+        m.outcome = Outcome.FAILED
+        m.outcome_detail = f"{type(exc).__name__} {where}: {first_line}"
+    else:
+        over_budget = kind is OOMKind.BUDGET or (budget and kind is OOMKind.DEVICE)
+        m.outcome = Outcome.OOM_BUDGET if over_budget else Outcome.OOM
+        m.outcome_detail = f"out of memory ({kind.value}) {where}: {first_line}"
+    m.oom_phase = rec.phase if kind is not None else None
+    m.environment["failed_stage"] = rec.stage
+
+
+class _Steps:
+    """The update sequence of one measurement (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, opts: MeasureOptions, device: torch.device, progress: Progress | None):
+        self.cfg, self.opts, self.device = cfg, opts, device
+        self.sync = synchronizer(device)
+        self.progress = progress or (lambda done, total, label: None)
+        self.async_device = device.type != "cpu"
+        self.total = (opts.warmup + (1 if self._memory_update else 0) + (opts.steps if opts.timing else 0)
+                      + (PHASE_UPDATES if opts.timing and self.async_device else 0))
+        self.done = 0
+
+    @property
+    def _memory_update(self) -> bool:
+        # with a budget on CPU/MPS the tracker must watch the steady-state update even if memory is not reported
+        return self.opts.memory or self._tracked_budget is not None
+
+    @property
+    def _tracked_budget(self) -> int | None:
+        """The budget the live-storage tracker enforces (CPU, MPS); on CUDA the allocator enforces it."""
+        return self.cfg.memory_budget if self.device.type != "cuda" else None
+
+    def _start(self, label: str) -> str:
+        # reported before each update too, so an isolated run that dies says which update it was in
+        self.progress(self.done, self.total, label)
+        return label
+
+    def _tick(self, label: str) -> None:
+        self.done += 1
+        self.progress(self.done, self.total, label)
+
+    def run(self, m: Measurement, rec: _Recorder) -> None:
+        from batchlab.measure.harness import Trainer
+
+        self.progress(0, self.total, "building the model")
+        trainer = Trainer(self.cfg, self.device)
+        m.environment["model"] = trainer.workload.description
+        m.environment["parameters"] = sum(p.numel() for p in trainer.raw_model.parameters())
+        m.environment["ac_wrapped_layers"] = list(trainer.wrapped_layers)
+        self._warmup(trainer, rec, 1)
+        if self._memory_update:
+            memory = self._memory(trainer, rec)
+            if self.opts.memory:
+                m.memory = memory
+        for i in range(2, self.opts.warmup + 1):
+            self._warmup(trainer, rec, i)
+        if self.opts.timing:
+            self._timing(trainer, rec, m)
+
+    def _warmup(self, trainer, rec: _Recorder, i: int) -> None:
+        label = self._start(f"warmup {i}/{self.opts.warmup}")
+        if i == 1 and self._tracked_budget is not None:
+            self._tracked(trainer, rec.use(label))  # lazy optimizer state is created here: watch it
+        else:
+            trainer.update(probe=rec.use(label))
+        self._tick(label)
+
+    def _tracked(self, trainer, rec: _Recorder):
+        tracker = tracker_for(trainer, budget=self._tracked_budget)
+        rec.inner = tracker
+        try:
+            with tracker:
+                trainer.update(probe=rec)
+        finally:
+            tracker.close()
+        return tracker.snapshot()
+
+    def _memory(self, trainer, rec: _Recorder) -> MeasuredMemory:
+        rec.use(self._start("memory"))
+        if self.device.type == "cuda":
+            probe = CudaMemoryProbe(self.device)
+            probe.begin()
+            trainer.update(probe=rec.use("memory", probe))
+            probe.mark("end")
+            result = probe.result(trainer)
+        else:
+            result = from_snapshot(self._tracked(trainer, rec))
+        self._tick("memory")
+        return result
+
+    def _timing(self, trainer, rec: _Recorder, m: Measurement) -> None:
+        # CPU: the phase clock's sync is a no-op, so the split comes from the timed updates themselves
+        clock = PhaseClock(self.sync, sync_marks=not self.async_device)
+        samples, cpu, useful = [], [], []
+        phases: dict[str, list[float]] = {}
+        for i in range(self.opts.steps):
+            label = self._start(f"timed {i + 1}/{self.opts.steps}")
+            result, wall, cpu_s = timed_update(trainer, clock, rec.use(label, clock), self.sync)
+            samples.append(wall)
+            cpu.append(cpu_s)
+            useful.append(result.useful_tokens)
+            if not self.async_device:
+                _collect(phases, clock.seconds)
+            self._tick(label)
+        if self.async_device:
+            split = PhaseClock(self.sync, sync_marks=True)
+            for i in range(PHASE_UPDATES):
+                label = self._start(f"phase split {i + 1}/{PHASE_UPDATES}")
+                split.start()
+                trainer.update(probe=rec.use(label, split))
+                _collect(phases, split.seconds)
+                self._tick(label)
+        m.time = MeasuredTime(samples=samples, warmup=self.opts.warmup,
+                              phase_seconds={k: statistics.median(v) for k, v in phases.items()},
+                              phase_samples=phases, cpu_seconds=cpu if self.device.type == "cpu" else [])
+        per_update = statistics.fmean(useful) * trainer.world
+        m.useful_tokens_per_update = round(per_update)
+        m.tokens_per_second = per_update / m.time.update_seconds_median
+        if m.time.spread > NOISY_SPREAD:
+            m.warnings.append(f"update time is noisy: IQR/median = {m.time.spread:.0%} > {NOISY_SPREAD:.0%} "
+                              f"over {len(samples)} updates (other load on the machine? more --steps?)")
+
+
+def timed_update(trainer, clock: PhaseClock, probe, sync):
+    """One timed update (the benchmark's "timed loop" calls exactly this): (result, wall s, CPU s)."""
+    clock.start()
+    return timed(lambda: trainer.update(probe=probe), sync)
+
+
+def _collect(phases: dict[str, list[float]], seconds: dict[str, float]) -> None:
+    for k, v in seconds.items():
+        phases.setdefault(k, []).append(v)

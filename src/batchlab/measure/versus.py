@@ -1,0 +1,74 @@
+"""Measured figures beside the calculator's formula estimate for the same config.  Torch-free.
+
+relative difference = (measured - formula) / formula: +10% means the run took 10% more than predicted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchlab.config import RunConfig
+from batchlab.measure.result import Measurement
+
+
+@dataclass
+class FigureRow:
+    figure: str
+    unit: str  # bytes | seconds | tokens/s | phase
+    measured: float | str | None
+    measured_provenance: str
+    formula: float | str | None = None
+    formula_provenance: str = "formula"
+
+    @property
+    def relative_difference(self) -> float | None:
+        if isinstance(self.measured, (int, float)) and isinstance(self.formula, (int, float)) and self.formula:
+            return (self.measured - self.formula) / self.formula
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"figure": self.figure, "unit": self.unit, "measured": self.measured,
+                "measured_provenance": self.measured_provenance, "formula": self.formula,
+                "formula_provenance": self.formula_provenance, "relative_difference": self.relative_difference}
+
+
+def formula_estimate(cfg: RunConfig):
+    """(Estimate or None, why there is none)."""
+    if cfg.model_source not in ("builtin",) and not cfg.model_source.startswith("hf:"):
+        return None, "no formula estimate: the calculator cannot see inside a factory model"
+    try:
+        from batchlab.formula import estimate
+    except ImportError:
+        return None, "no formula estimate: batchlab.formula.estimate is not available"
+    try:
+        return estimate(cfg), None
+    except Exception as e:  # noqa: BLE001 — the comparison is an aid; the measurement stands on its own
+        return None, f"no formula estimate: {type(e).__name__}: {e}"
+
+
+def _get(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part, None) if obj is not None else None
+    return obj
+
+
+def rows(m: Measurement, est=None) -> list[FigureRow]:
+    """One row per measured figure, with the formula's value where it has one."""
+    out: list[FigureRow] = []
+    if m.memory is not None:
+        prov = m.memory.provenance
+        out += [FigureRow("peak memory", "bytes", m.memory.peak_bytes, prov, _get(est, "memory.peak_bytes")),
+                FigureRow("activations", "bytes", m.memory.activations_bytes, prov,
+                          _get(est, "memory.activations_bytes")),
+                FigureRow("peak phase", "phase", m.memory.peak_phase, prov, _get(est, "memory.peak_phase"))]
+        if m.memory.reserved_bytes is not None:
+            out.append(FigureRow("reserved (caching allocator)", "bytes", m.memory.reserved_bytes, prov))
+    if m.time is not None and m.time.samples:
+        prov = m.time.provenance
+        out.append(FigureRow("update time (median)", "seconds", m.time.update_seconds_median, prov,
+                             _get(est, "time.update_seconds")))
+        out.append(FigureRow("update time IQR", "seconds", m.time.update_seconds_iqr, prov))
+        if m.tokens_per_second is not None:
+            out.append(FigureRow("useful tokens/s", "tokens/s", m.tokens_per_second, prov,
+                                 _get(est, "time.tokens_per_second")))
+    return out

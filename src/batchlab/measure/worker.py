@@ -1,0 +1,52 @@
+"""``python -m batchlab.measure.worker OUT.json``: one measurement in this fresh process.
+
+Reads ``{"config": RunConfig.to_dict(), "options": MeasureOptions.to_dict()}`` from stdin, writes the
+Measurement JSON (or ``{"config_error": {"field", "message"}}`` with exit status 2) to OUT.json, and
+progress lines to stderr.  Run by batchlab.measure.runner; not meant to be started by hand.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from batchlab.config import ConfigError, config_from_dict
+from batchlab.measure.options import MeasureOptions
+from batchlab.measure.runner import PROGRESS_PREFIX
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    sys.stderr.write(f"{PROGRESS_PREFIX}{done}\t{total}\t{label}\n")
+    sys.stderr.flush()
+
+
+def _write(path: Path, payload: dict) -> None:
+    # write then rename: the runner never reads a half-written result
+    tmp = path.with_suffix(".part")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[1])
+    try:
+        request = json.loads(sys.stdin.read())
+        cfg = config_from_dict(request["config"])
+        options = MeasureOptions.from_dict(request["options"])
+        from batchlab.measure.result import measurement_to_dict
+        from batchlab.measure.session import run_inprocess
+
+        m = run_inprocess(cfg, options, _progress)
+    except ConfigError as e:
+        message = str(e)
+        prefix = f"{e.field}: "
+        _write(out, {"config_error": {"field": e.field,
+                                      "message": message[len(prefix):] if message.startswith(prefix) else message}})
+        return 2
+    _write(out, measurement_to_dict(m))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,436 @@
+"""Reports of experiments: Markdown and a self-contained HTML page (plots embedded as base64 PNG).
+
+Both are rendered from one list of blocks, so they say the same thing.  Every figure names how its numbers
+were obtained (``formula`` / ``trace`` / ``allocator`` / ``wall-clock``) in its title, inside the image and
+in its caption; every report prints global batch = micro-batch x accum x DP for both sides.
+matplotlib is imported only when figures are drawn (Agg backend, no display).
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchlab.measure.result import format_bytes
+
+METRIC_LABELS = {"peak_memory": "peak memory", "update_time": "update time", "tokens_per_second": "useful tokens/s",
+                 "time_to_budget": "time to token budget", "oom": "out of memory"}
+SYMBOL = {"up": "↑ up", "down": "↓ down", "same": "≈ same", None: "-"}
+HELD = {True: "held", False: "missed", None: "-"}
+
+
+def format_value(v: Any, unit: str) -> str:
+    """Display only: bytes in binary units, seconds in ms below 1 s."""
+    if v is None:
+        return "-"
+    if unit == "bytes":
+        return format_bytes(v)
+    if unit == "seconds":
+        return f"{v * 1e3:.4g} ms" if v < 1 else f"{v:.4g} s"
+    if unit == "tokens/s":
+        return f"{v:,.0f}"
+    if unit == "outcome":
+        return "OOM" if v else "fits"
+    return str(v)
+
+
+# ------------------------------------------------------------------------------------------ figures
+
+@dataclass
+class Figure:
+    name: str
+    title: str
+    sources: tuple[str, ...]  # provenance labels of the numbers drawn
+    caption: str
+    png: bytes
+
+    @property
+    def label(self) -> str:
+        return " / ".join(self.sources)
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _axes(title: str, sources: tuple[str, ...], size=(6.0, 3.6)):
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    ax.set_title(f"{title}  [{' / '.join(sources)}]", fontsize=10)
+    fig.text(0.99, 0.01, "sources: " + ", ".join(sources), ha="right", va="bottom", fontsize=7, color="0.35")
+    return fig, ax
+
+
+def _side_values(record: dict[str, Any], key: str) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"a": [], "b": []}
+    for r in record.get("rounds", []):
+        for side in "ab":
+            m = r.get(side)
+            if not m or m.get("outcome") != "ok":
+                continue
+            if key == "peak" and m.get("memory"):
+                out[side].append(m["memory"]["peak_bytes"])
+            elif key == "time" and m.get("time") and m["time"].get("samples"):
+                out[side].append(m["time"]["update_seconds_median"])
+    return out
+
+
+def _formula_pair(record: dict[str, Any], path: tuple[str, str]) -> list[float | None]:
+    f = record.get("formula") or {}
+    if not f.get("available"):
+        return [None, None]
+    return [f[s][path[0]].get(path[1]) for s in "ab"]
+
+
+def memory_figure(record: dict[str, Any]) -> Figure:
+    measured = _side_values(record, "peak")
+    formula = _formula_pair(record, ("memory", "peak_bytes"))
+    has_measured = any(measured.values())
+    sources = (("allocator",) if has_measured else ()) + (("formula",) if formula[0] is not None else ())
+    fig, ax = _axes("Peak memory per update", sources)
+    x = [0, 1]
+    mib = 2**20
+    if has_measured:
+        ax.bar([i - 0.2 for i in x], [max(measured[s]) / mib if measured[s] else 0 for s in "ab"], 0.4,
+               label="measured (allocator)", color="#4477aa")
+    if formula[0] is not None:
+        ax.bar([i + (0.2 if has_measured else 0) for i in x], [v / mib for v in formula], 0.4,
+               label="formula", color="#cccccc", edgecolor="#555555", hatch="//")
+    ax.set_xticks(x, [f"A\n{_side_text(record, 'a')}", f"B\n{_side_text(record, 'b')}"], fontsize=8)
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=8)
+    return Figure("memory", "Peak memory per update", sources,
+                  "Peak memory of one optimizer update for both sides"
+                  + (": measured (allocator) beside the formula estimate" if has_measured else ": formula estimate")
+                  + ".", _png(fig))
+
+
+def time_figure(record: dict[str, Any]) -> Figure:
+    measured = _side_values(record, "time")
+    formula = _formula_pair(record, ("time", "update_seconds"))
+    has_measured = any(measured.values())
+    sources = (("wall-clock",) if has_measured else ()) + (("formula",) if formula[0] is not None else ())
+    fig, ax = _axes("Update time", sources)
+    for i, s in enumerate("ab"):
+        if measured[s]:
+            ax.scatter([i] * len(measured[s]), [v * 1e3 for v in measured[s]], color="#4477aa", zorder=3,
+                       label="measured per round (wall-clock)" if i == 0 else None)
+        if formula[i] is not None:
+            ax.hlines(formula[i] * 1e3, i - 0.3, i + 0.3, colors="#aa3377", linestyles="dashed",
+                      label="formula" if i == 0 else None)
+    ax.set_xticks([0, 1], [f"A\n{_side_text(record, 'a')}", f"B\n{_side_text(record, 'b')}"], fontsize=8)
+    ax.set_xlim(-0.6, 1.6)
+    ax.set_ylabel("ms per optimizer update")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    return Figure("time", "Update time", sources,
+                  "Update time for both sides" + (": the median of each round's timed updates (wall-clock), one "
+                                                  "dot per round, beside the formula estimate" if has_measured
+                                                  else ": formula estimate") + ".", _png(fig))
+
+
+def ratio_figure(record: dict[str, Any]) -> Figure | None:
+    metrics = record.get("metrics") or {}
+    series = [(k, metrics[k]) for k in ("peak_memory", "update_time", "tokens_per_second")
+              if metrics.get(k, {}).get("paired_ratios")]
+    if not series:
+        return None
+    sources = ("allocator", "wall-clock", "formula")
+    fig, ax = _axes("Paired ratio B/A per round", sources, size=(6.4, 3.6))
+    colors = {"peak_memory": "#4477aa", "update_time": "#ee6677", "tokens_per_second": "#228833"}
+    for j, (k, m) in enumerate(series):
+        xs = [j + 0.08 * (i - (len(m["paired_ratios"]) - 1) / 2) for i in range(len(m["paired_ratios"]))]
+        ax.scatter(xs, m["paired_ratios"], color=colors[k], zorder=3)
+        lo, hi = m["band"]
+        ax.vlines(j, lo, hi, colors=colors[k], linewidth=6, alpha=0.3)
+        if m["formula"].get("ratio") is not None:
+            ax.hlines(m["formula"]["ratio"], j - 0.3, j + 0.3, colors="#555555", linestyles="dashed",
+                      label="formula B/A" if j == 0 else None)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(series)), [f"{METRIC_LABELS[k]}\n({m['provenance']})" for k, m in series], fontsize=8)
+    ax.set_ylabel("B / A")
+    ax.legend(fontsize=8)
+    return Figure("ratios", "Paired ratio B/A per round", sources,
+                  "Each dot is one round's ratio B/A (sides measured back to back); the shaded bar is the noise band "
+                  "(min to max over rounds); a band that crosses the black 1.0 line means no effect beyond the noise; "
+                  "dashed: the formula's ratio.", _png(fig))
+
+
+def phase_figure(record: dict[str, Any]) -> Figure | None:
+    import statistics
+
+    phases = ("data", "forward", "backward", "optimizer")
+    split: dict[str, dict[str, float]] = {}
+    for s in "ab":
+        per = [r[s]["time"]["phase_seconds"] for r in record.get("rounds", [])
+               if r.get(s) and r[s].get("time") and r[s]["time"].get("phase_seconds")]
+        if per:
+            split[s] = {p: statistics.median(d.get(p, 0.0) for d in per) for p in phases}
+    if len(split) < 2:
+        return None
+    fig, ax = _axes("Update time by phase", ("wall-clock",))
+    bottom = [0.0, 0.0]
+    for p, color in zip(phases, ("#bbbbbb", "#4477aa", "#ee6677", "#ccbb44")):
+        vals = [split[s][p] * 1e3 for s in "ab"]
+        ax.bar([0, 1], vals, 0.5, bottom=bottom, label=p, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks([0, 1], [f"A\n{_side_text(record, 'a')}", f"B\n{_side_text(record, 'b')}"], fontsize=8)
+    ax.set_ylabel("ms per optimizer update (median over rounds)")
+    ax.legend(fontsize=8)
+    return Figure("phases", "Update time by phase", ("wall-clock",),
+                  "Per-phase split of one update (median of each round's per-phase medians, wall-clock): data, "
+                  "forward, backward (all micro-batches) and the optimizer step.", _png(fig))
+
+
+def formula_breakdown_figure(record: dict[str, Any]) -> Figure | None:
+    f = record.get("formula") or {}
+    if not f.get("available"):
+        return None
+    terms = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes")
+    fig, ax = _axes("Memory terms", ("formula",))
+    bottom = [0.0, 0.0]
+    for t, color in zip(terms, ("#4477aa", "#ee6677", "#ccbb44", "#228833")):
+        vals = [(f[s]["memory"].get(t) or 0) / 2**20 for s in "ab"]
+        ax.bar([0, 1], vals, 0.5, bottom=bottom, label=t.replace("_bytes", ""), color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks([0, 1], [f"A\n{_side_text(record, 'a')}", f"B\n{_side_text(record, 'b')}"], fontsize=8)
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=8)
+    return Figure("formula-terms", "Memory terms", ("formula",),
+                  "The formula's memory terms per side (paper derivation, not a measurement); their sum is not the "
+                  "peak, which depends on the phase.", _png(fig))
+
+
+def figures(record: dict[str, Any]) -> list[Figure]:
+    out = [memory_figure(record), time_figure(record), ratio_figure(record), phase_figure(record)]
+    if record["kind"] == "formula-only":
+        out.append(formula_breakdown_figure(record))
+    return [f for f in out if f is not None]
+
+
+def _side_text(record: dict[str, Any], side: str) -> str:
+    c = record["sides"][side]
+    return f"{c['micro_batch']} x {c['accum']} x {c['dp']} = {c['micro_batch'] * c['accum'] * c['dp']}"
+
+
+# ------------------------------------------------------------------------------------------ document
+
+def blocks(record: dict[str, Any]) -> list[tuple]:
+    """The report as blocks: ("h1"|"h2"|"p", text), ("ul", items), ("table", header, rows), ("figures",)."""
+    r = record
+    c = r["change"]
+    formula_only = r["kind"] == "formula-only"
+    out: list[tuple] = [("h1", f"Experiment #{r.get('notebook_id')}: {c['variable']}")]
+    out.append(("p", f"{r.get('created_at', '')} · status {r.get('status', 'complete')} · "
+                     + ("formula only — a paper derivation, nothing measured" if formula_only else "measured")
+                     + (f" · wall time {r['wall_seconds']:.1f} s" if r.get("wall_seconds") else "")))
+    if c.get("confounded"):
+        out.append(("p", "CONFOUNDED: more than one field changed; the effects cannot be attributed to one of them."))
+    out += _setup_blocks(r)
+    out += _verdict_blocks(r)
+    out += _diagnosis_blocks(r)
+    out += _semantics_blocks(r)
+    out.append(("h2", "Scope: what this result cannot support"))
+    out.append(("ul", r.get("scope") or ["-"]))
+    out += _factor_blocks(r)
+    out.append(("h2", "Figures"))
+    out.append(("figures",))
+    return out
+
+
+def _setup_blocks(r: dict[str, Any]) -> list[tuple]:
+    cfg, c = r["config"], r["change"]
+    m = cfg["model"]
+    out: list[tuple] = [("h2", "Setup")]
+    items = [f"{side.upper()}: {c['global_batch_text'][side]}" for side in "ab"]
+    items.append(f"keep mode: {r['keep_mode']}")
+    items.append(f"model {m['name']} ({cfg['model_source']}): {m['layers']} layers, hidden {m['hidden']}, heads "
+                 f"{m['heads']}, vocab {m['vocab']}; seq {cfg['seq']}, precision {cfg['precision']}, activation "
+                 f"checkpointing {cfg['ac']}, optimizer {cfg['optimizer']}, device {cfg['device']}")
+    p = r.get("protocol") or {}
+    if r["kind"] != "formula-only":
+        items.append(f"protocol: {p.get('rounds')} rounds {p.get('order')}, each side a fresh process, "
+                     f"{p.get('warmup')} warmup + {p.get('steps')} timed updates, threads "
+                     f"{p.get('threads') or 'torch default'}; token budget {p.get('token_budget'):,}")
+    out.append(("ul", items))
+    if r.get("warnings"):
+        out.append(("ul", [f"warning: {w}" for w in r["warnings"]]))
+    pred = r["predictions"]
+    out.append(("h2", "Predictions (recorded before anything ran)"))
+    out.append(("ul", [f"you ({pred['user_source']}): "
+                       + (", ".join(f"{k} {v}" for k, v in pred["user"].items()) or "none"),
+                       "formula: " + (", ".join(f"{k} {v}" for k, v in pred["formula"].items() if v)
+                                      or (r.get("formula") or {}).get("reason", "none"))]))
+    return out
+
+
+def _verdict_blocks(r: dict[str, Any]) -> list[tuple]:
+    rows = []
+    formula_only = r["kind"] == "formula-only"
+    for name, m in r["metrics"].items():
+        f = m.get("formula") or {}
+        f_ratio = f"{f['ratio']:.3g}" if f.get("ratio") is not None else "-"
+        if formula_only:
+            rows.append([METRIC_LABELS[name], format_value(f.get("a"), m["unit"]), format_value(f.get("b"), m["unit"]),
+                         f_ratio, SYMBOL[m["predicted_by_formula"]], SYMBOL[m["predicted_by_user"]], "formula"])
+            continue
+        band = m.get("band")
+        rows.append([METRIC_LABELS[name], format_value(m["a"], m["unit"]), format_value(m["b"], m["unit"]),
+                     f"{m['ratio']:.3g}" if m.get("ratio") is not None else "-",
+                     f"{band[0]:.3g} – {band[1]:.3g}" if band else "-", SYMBOL[m["observed"]],
+                     f"{SYMBOL[m['predicted_by_user']]} ({HELD[m['held']['user']]})" if m["predicted_by_user"] else "-",
+                     f"{SYMBOL[m['predicted_by_formula']]} ({HELD[m['held']['formula']]})",
+                     f_ratio, m["provenance"]])
+    if formula_only:
+        header = ["metric", "A (formula)", "B (formula)", "B/A", "formula says", "you", "how obtained"]
+        return [("h2", "Formula derivation (not an observation)"), ("table", header, rows)]
+    header = ["metric", "A", "B", "B/A", "band", "observed", "you", "formula", "formula B/A", "how obtained"]
+    return [("h2", "Verdict"), ("table", header, rows), ("p", f"Band: {r['protocol']['band_method']}.")]
+
+
+def _diagnosis_blocks(r: dict[str, Any]) -> list[tuple]:
+    d = r.get("diagnosis") or {}
+    if not d.get("contradictions"):
+        return []
+    items = [f"{c['who']} predicted {c['metric']} {c['predicted']}, observed {c['observed']}" for c in d["contradictions"]]
+    rows = [[str(i), c["question"], "yes" if c["flagged"] else "no", c["found"]] for i, c in enumerate(d["checks"], 1)]
+    return [("h2", "Diagnosis"), ("ul", items), ("table", ["#", "check", "could explain it", "found"], rows)]
+
+
+def _semantics_blocks(r: dict[str, Any]) -> list[tuple]:
+    s = r.get("semantics") or {}
+    if not s:
+        return []
+    rows = [[i["name"], "yes" if i["touched"] else "no", i["why"], i["verified"] or "-"] for i in s["items"]]
+    out = [("h2", "Training semantics"), ("table", ["semantics", "touched", "why", "verified by the harness"], rows)]
+    check = s.get("gradient_check") or {}
+    if check:
+        out.append(("p", f"Gradient check ({check.get('kind')}): {check.get('detail')}"))
+    return out
+
+
+def _factor_blocks(r: dict[str, Any]) -> list[tuple]:
+    f = r.get("factors") or {}
+    if not f:
+        return []
+    load = f.get("load_average") or {}
+    busy = f.get("busy_processes") or {}
+    noise = f.get("timing_noise") or {}
+    items = [f"load average before {load.get('before')}, after {load.get('after')} ({f.get('cpu_count')} CPUs)",
+             f"other busy processes: {busy.get('count', 0)} "
+             + ", ".join(f"{p['name']} (pid {p['pid']}, {p['cpu_share']:.0%})" for p in busy.get("top", [])),
+             f"CPU frequency (MHz) before {(f.get('cpu_mhz') or {}).get('before')}, after "
+             f"{(f.get('cpu_mhz') or {}).get('after')}",
+             f"timing noise: {noise or 'not measured'}"]
+    if f.get("note"):
+        items.append(f"note: {f['note']}")
+    return [("h2", "Uncontrolled factors"), ("ul", items)]
+
+
+# ------------------------------------------------------------------------------------------ writers
+
+def _md_cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(bl: list[tuple], figs: list[Figure], image_names: dict[str, str]) -> str:
+    lines: list[str] = []
+    for b in bl:
+        kind = b[0]
+        if kind == "h1":
+            lines += [f"# {b[1]}", ""]
+        elif kind == "h2":
+            lines += [f"## {b[1]}", ""]
+        elif kind == "p":
+            lines += [b[1], ""]
+        elif kind == "ul":
+            lines += [f"- {item}" for item in b[1]] + [""]
+        elif kind == "table":
+            lines.append("| " + " | ".join(map(_md_cell, b[1])) + " |")
+            lines.append("|" + "---|" * len(b[1]))
+            lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in b[2]]
+            lines.append("")
+        elif kind == "figures":
+            for i, f in enumerate(figs, 1):
+                lines += [f"![Figure {i}: {f.title} ({f.label})]({image_names[f.name]})", "",
+                          f"*Figure {i} — {f.title} [{f.label}]: {f.caption}*", ""]
+    return "\n".join(lines)
+
+
+CSS = ("body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}"
+       "table{border-collapse:collapse;margin:.5rem 0}td,th{border:1px solid #ccc;padding:.25rem .5rem;"
+       "font-size:.9rem;vertical-align:top}th{background:#f3f3f3}figure{margin:1rem 0}"
+       "figcaption{font-size:.85rem;color:#444}.src{font-weight:bold}")
+
+
+def to_html(bl: list[tuple], figs: list[Figure]) -> str:
+    e = html.escape
+    title = next((b[1] for b in bl if b[0] == "h1"), "batchlab experiment")
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{CSS}</style>"
+             "</head><body>"]
+    for b in bl:
+        kind = b[0]
+        if kind in ("h1", "h2", "p"):
+            parts.append(f"<{kind}>{e(b[1])}</{kind}>")
+        elif kind == "ul":
+            parts.append("<ul>" + "".join(f"<li>{e(str(i))}</li>" for i in b[1]) + "</ul>")
+        elif kind == "table":
+            head = "".join(f"<th>{e(str(h))}</th>" for h in b[1])
+            body = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in b[2])
+            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif kind == "figures":
+            for i, f in enumerate(figs, 1):
+                data = base64.b64encode(f.png).decode("ascii")
+                parts.append(f"<figure><img alt='{e(f.title)} ({e(f.label)})' src='data:image/png;base64,{data}'>"
+                             f"<figcaption>Figure {i} — {e(f.title)} <span class='src'>[{e(f.label)}]</span>: "
+                             f"{e(f.caption)}</figcaption></figure>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(record: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """experiment-<id>.md (+ its PNG figures) and experiment-<id>.html (self-contained) in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"experiment-{record.get('notebook_id') or 'unsaved'}"
+    figs = figures(record)
+    names = {f.name: f"{stem}-{f.name}.png" for f in figs}
+    bl = blocks(record)
+    paths = []
+    for f in figs:
+        (out / names[f.name]).write_bytes(f.png)
+    md, page = out / f"{stem}.md", out / f"{stem}.html"
+    md.write_text(to_markdown(bl, figs, names))
+    page.write_text(to_html(bl, figs))
+    paths += [md, page]
+    return paths
+
+
+def notebook_markdown(records: list[dict[str, Any]]) -> str:
+    """``notebook export --format md``: a summary table, then every experiment's report text (no figures)."""
+    lines = ["# batchlab lab notebook", "", "| id | date | status | kind | variable | keep | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append("| " + " | ".join(_md_cell(x) for x in (r.get("notebook_id"), r.get("created_at"), r.get("status"),
+                                                            r["kind"], r["change"]["variable"], r["keep_mode"],
+                                                            r.get("verdict") or "")) + " |")
+    lines.append("")
+    for r in records:
+        bl = [b for b in blocks(r) if b[0] != "figures" and b != ("h2", "Figures")]
+        text = to_markdown(bl, [], {})
+        # one level down: each experiment is a section of the notebook
+        lines.append("\n".join(("#" + line) if line.startswith("#") else line for line in text.splitlines()))
+        lines.append("")
+    return "\n".join(lines)

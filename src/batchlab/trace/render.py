@@ -1,0 +1,202 @@
+"""A trace for people (rich) and for scripts (JSON), with the formula's figures beside it.
+
+formula error = (formula - trace) / trace: the trace ran the model's own code, so it is the reference;
+a large error means the formula's transformer does not describe this model.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.tree import Tree
+
+from batchlab.config import to_jsonable
+from batchlab.trace.result import ModuleNode, TraceEstimate
+from batchlab.units import fmt_bytes as format_bytes, fmt_count
+
+# |formula error| above this on peak or activations prints a warning
+FORMULA_WARN = 0.10
+
+
+@dataclass
+class Comparison:
+    figure: str
+    unit: str  # bytes | FLOP | phase
+    trace: int | str
+    formula: int | float | str | None
+
+    @property
+    def formula_error(self) -> float | None:
+        if isinstance(self.trace, (int, float)) and isinstance(self.formula, (int, float)) and self.trace:
+            return (self.formula - self.trace) / self.trace
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"figure": self.figure, "unit": self.unit, "trace": self.trace, "formula": self.formula,
+                "formula_error": self.formula_error}
+
+
+def _get(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part, None) if obj is not None else None
+    return obj
+
+
+def _formula_weights(est):
+    """Weights kept between updates: the fp32 master copy under mixed precision, else the weights."""
+    master = _get(est, "memory.master_bytes")
+    return master if master else _get(est, "memory.parameters_bytes")
+
+
+def comparisons(trace: TraceEstimate, est=None) -> list[Comparison]:
+    m, f = trace.memory, trace.flops
+    # the trace counts tensor bytes; the formula's peak_bytes adds its allocator margin on top
+    formula_peak = _get(est, "memory.peak_tensor_bytes")
+    if formula_peak is None:
+        formula_peak = _get(est, "memory.peak_bytes")
+    return [
+        Comparison("peak tensor bytes", "bytes", m.peak_bytes, formula_peak),
+        Comparison("peak phase", "phase", m.peak_phase, _get(est, "memory.peak_phase")),
+        Comparison("activations (last micro-batch)", "bytes", m.activations_bytes, _get(est, "memory.activations_bytes")),
+        Comparison("weights kept between updates", "bytes", m.parameters_bytes, _formula_weights(est)),
+        Comparison("gradients", "bytes", m.gradients_bytes, _get(est, "memory.gradients_bytes")),
+        Comparison("optimizer state", "bytes", m.optimizer_bytes, _get(est, "memory.optimizer_bytes")),
+        Comparison("forward FLOPs", "FLOP", f.forward, None),
+        Comparison("backward FLOPs", "FLOP", f.backward, None),
+        Comparison("recompute FLOPs", "FLOP", f.recompute, None),
+        Comparison("model FLOPs per update", "FLOP", f.model_flops_per_update, _get(est, "flops.model_flops_per_update")),
+        Comparison("hardware FLOPs per update", "FLOP", f.hardware_flops_per_update,
+                   _get(est, "flops.hardware_flops_per_update")),
+    ]
+
+
+def trace_to_json(trace: TraceEstimate, formula_est=None, formula_note: str | None = None) -> dict[str, Any]:
+    """The trace as JSON-ready values (for ``print_json``), with the formula comparison when given."""
+    out = to_jsonable(trace)
+    out["comparison"] = [c.to_dict() for c in comparisons(trace, formula_est)]
+    out["formula_note"] = formula_note
+    return out
+
+
+def _value(c: Comparison, v) -> str:
+    if v is None:
+        return "-"
+    if c.unit == "bytes":
+        return format_bytes(v)
+    if c.unit == "FLOP":
+        return fmt_count(v, "FLOP")
+    return str(v)
+
+
+def _error(c: Comparison) -> str:
+    if c.formula_error is not None:
+        return f"{c.formula_error:+.1%}"
+    if c.unit == "phase" and c.formula is not None:
+        return "same" if c.formula == c.trace else "differs"
+    return ""
+
+
+def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_note: str | None = None) -> None:
+    """Print the trace: figures beside the formula's, the breakdown at the peak, notes, and the tree."""
+    cfg = trace.config
+    console.print(f"[bold]batchlab estimate --trace[/]  {cfg['model_source']} ({cfg['model']['name']}): one "
+                  f"steady-state update on fake tensors, {trace.traced_device} kernels, traced in "
+                  f"{trace.trace_seconds:.1f} s")
+    console.print(f"global batch = micro-batch x accum x DP = {cfg['micro_batch']} x {cfg['accum']} x {cfg['dp']} "
+                  f"= {trace.global_batch} sequences ({trace.tokens_per_update:,} tokens per update)")
+    console.print(f"activation checkpointing: {cfg['ac']}   precision: {cfg['precision']}   "
+                  f"optimizer: {cfg['optimizer']}   seq: {cfg['seq']}")
+    rows = comparisons(trace, formula_est)
+    table = Table(show_header=True, header_style="bold")
+    for col in ("figure", "trace", "formula", "formula vs trace"):
+        table.add_column(col, justify="left" if col == "figure" else "right")
+    for c in rows:
+        table.add_row(c.figure, _value(c, c.trace), _value(c, c.formula), _error(c))
+    console.print(table)
+    m = trace.memory
+    parts = "  ".join(f"{k} {format_bytes(v)}" for k, v in m.breakdown.items() if v)
+    console.print(f"at the peak ({m.peak_phase}, trace): {parts}")
+    verdict = "fits" if m.fits else "does NOT fit"
+    console.print(f"{verdict}: peak {format_bytes(m.peak_bytes)} + allocator margin {format_bytes(m.margin_bytes)} "
+                  f"(assumption) vs {format_bytes(m.capacity_bytes)} on {cfg['device']}")
+    _warn_formula(rows, console)
+    for note in ([formula_note] if formula_note else []) + trace.notes:
+        console.print(f"[dim]note: {note}[/]")
+    if trace.tree is not None:
+        console.print(render_tree(trace.tree))
+
+
+def _warn_formula(rows: list[Comparison], console: Console) -> None:
+    off = [c for c in rows if c.unit == "bytes" and c.figure.startswith(("peak", "activations"))
+           and c.formula_error is not None and abs(c.formula_error) > FORMULA_WARN]
+    if off:
+        what = ", ".join(f"{c.figure} {c.formula_error:+.0%}" for c in off)
+        console.print(f"[yellow]warning:[/] the formula does not describe this model well ({what}); "
+                      "the trace ran its own code")
+
+
+# ------------------------------------------------------------------------------------------ tree
+
+def _signature(node: ModuleNode, prefix: str) -> tuple:
+    """What makes two sibling subtrees the same, names taken relative to their own root."""
+    rel = node.name[len(prefix):]
+    return (rel, node.kind, node.self_bytes, node.total_bytes, node.recomputed,
+            tuple(_signature(c, node.name) for c in node.children))
+
+
+def _groups(children: list[ModuleNode]) -> list[list[ModuleNode]]:
+    """Consecutive numbered siblings with identical subtrees (a layer stack) become one group."""
+    out: list[list[ModuleNode]] = []
+    for c in children:
+        prev = out[-1][-1] if out else None
+        if (prev is not None and re.search(r"\.\d+$|^\d+$", c.name) and re.search(r"\.\d+$|^\d+$", prev.name)
+                and c.name.rpartition(".")[0] == prev.name.rpartition(".")[0]
+                and _signature(c, c.name)[1:] == _signature(prev, prev.name)[1:]):
+            out[-1].append(c)
+        else:
+            out.append([c])
+    return out
+
+
+def _label(group: list[ModuleNode]) -> str:
+    node = group[0]
+    name = node.name.rpartition(".")[2] if node.name else node.kind
+    if len(group) > 1:
+        last = group[-1].name.rpartition(".")[2]
+        name = f"{name}-{last} (x{len(group)}, each)"
+    kind = f" [dim]{node.kind}[/]" if node.kind and node.name else ""
+    ac = f" [cyan]{node.recomputed} recompute[/]" if node.recomputed else ""
+    shown = any(c.total_bytes for c in node.children)
+    own = f" (own {format_bytes(node.self_bytes)})" if shown and node.self_bytes else ""
+    return f"{name}{kind}{ac}  {format_bytes(node.total_bytes)}{own}"
+
+
+def _add(tree: Tree, node: ModuleNode) -> None:
+    for group in _groups([c for c in node.children if c.total_bytes]):
+        branch = tree.add(_label(group))
+        _add(branch, group[0])
+
+
+def render_tree(root: ModuleNode) -> Tree:
+    """Bytes each module's forward leaves held for backward (trace); identical layers shown once."""
+    tree = Tree(f"[bold]kept for backward, by the module that created it (trace)[/]: {_label([root])}")
+    _add(tree, root)
+    return tree
+
+
+def show(cfg, tree: bool = False, as_json: bool = False, console: Console | None = None) -> TraceEstimate:
+    """What ``batchlab estimate --trace [--tree] [--json]`` prints: the trace beside the formula."""
+    from batchlab.cli.common import print_json
+    from batchlab.measure.versus import formula_estimate
+    from batchlab.trace import estimate
+
+    trace = estimate(cfg, tree=tree)
+    est, note = formula_estimate(cfg)
+    if as_json:
+        print_json(trace_to_json(trace, est, note))
+    else:
+        render_trace(trace, est, console or Console(), note)
+    return trace

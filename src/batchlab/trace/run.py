@@ -1,0 +1,164 @@
+"""One steady-state training update of the model's own code on fake tensors (nothing is allocated).
+
+The harness's Trainer runs unchanged under ``FakeTensorMode``: the same model source, the same activation
+checkpointing wrapping, the same accumulation loop and optimizer.  A first update counts FLOPs (and
+creates AdamW's state, which AdamW makes lazily); the second is tracked with the same StorageTracker the
+CPU measurement uses, so a trace and a real run of the same config count the same storages.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                           FakeTensorMode, UnsupportedOperatorException)
+
+from batchlab.config import Backend, ConfigError, Precision, RunConfig
+from batchlab.measure.harness import Trainer
+from batchlab.measure.memory import tracker_for
+from batchlab.trace.flops import count_update_flops
+from batchlab.trace.result import TraceEstimate, TraceMemory
+from batchlab.trace.tree import ModuleStack, build_tree
+
+
+class _FakeTrainer(Trainer):
+    """The harness Trainer with the two things fake tensors cannot give: values and a GradScaler."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device):
+        super().__init__(cfg, device)
+        # GradScaler reads found-inf flags with .item(); its state is two scalars, so leaving it out
+        # changes the count by bytes, not by a share of the peak.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=False)
+
+    def _number(self, t: torch.Tensor) -> float:
+        # Only the loss printout, the grad-norm printout and the useful-token count that normalises the
+        # loss read values; none of them changes a tensor's size.
+        return 1.0
+
+
+def _fake_mode() -> FakeTensorMode:
+    mode = FakeTensorMode()
+    # The converter memoises every fake output through a weak reference, and Module.to() refuses to swap
+    # a parameter that has one ("Cannot swap t1 because it has weakref associated with it").  The memo
+    # only serves real-to-fake conversions of the same tensor, which the trace does not do.
+    mode.fake_tensor_converter.set_tensor_memo = lambda t, v: None
+    return mode
+
+
+def trace_device(cfg: RunConfig) -> tuple[torch.device, list[str]]:
+    """Trace with the config's backend when this machine has it, else with CPU kernels (and say so)."""
+    backend = cfg.device_spec.backend
+    available = {Backend.CPU: True, Backend.CUDA: torch.cuda.is_available(),
+                 Backend.MPS: torch.backends.mps.is_available()}[backend]
+    if available:
+        return torch.device(backend.value), []
+    return torch.device("cpu"), [
+        f"traced with CPU kernels: {cfg.device} ({backend.value}) is not available here; the attention kernel "
+        "and autocast's op lists (so what is kept for backward) can differ on the real device"]
+
+
+def _check_supported(cfg: RunConfig) -> list[str]:
+    if cfg.zero > 0:
+        raise ConfigError("zero", "the trace runs one unsharded rank; use the formula (without --trace) for ZeRO")
+    notes = []
+    if cfg.dp > 1:
+        notes.append(f"traced one rank without DDP: with DP = {cfg.dp}, DDP's gradient buckets (one more "
+                     "gradient-sized buffer unless gradient_as_bucket_view) are not included")
+    if cfg.precision is Precision.FP16_MIXED:
+        notes.append("GradScaler left out (it reads values); its state is a few bytes")
+    return notes
+
+
+def _unique_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def _model_state_bytes(trainer: Trainer) -> tuple[int, int, int]:
+    params = list(trainer.raw_model.parameters())
+    state = [v for s in trainer.optimizer.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    # .grad has the parameter's shape and dtype (set_to_none between updates, no bucket views)
+    grads = sum(p.numel() * p.element_size() for p in {id(p): p for p in params if p.requires_grad}.values())
+    return _unique_bytes(params), grads, _unique_bytes(state)
+
+
+@contextlib.contextmanager
+def _eager_branches(cfg: RunConfig):
+    """Make library code that branches on "am I being traced?" take the branch a real eager run takes.
+
+    transformers' mask builder sees a fake tensor as tracing and then keeps a packed-sequence mask, so the
+    layers get an explicit mask (no is_causal fast path, repeated k/v under GQA): more memory than the real
+    run.  Eagerly it reads the positions and finds no packing, which is always the answer for the
+    harness's batches (it passes no position_ids, so positions are 0..s-1 in every row).
+    """
+    masking = None
+    if cfg.model_source.startswith("hf:"):
+        try:
+            from transformers import masking_utils as masking
+        except ImportError:
+            masking = None
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    original = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _as_config_errors(cfg: RunConfig):
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as e:
+        raise ConfigError("model", f"{cfg.model_source} cannot run on fake tensors: its code needs tensor "
+                                   f"values or an op fake tensors lack ({e}); estimate without --trace "
+                                   "or measure it") from None
+
+
+def _tracked_update(trainer: Trainer, tree: bool):
+    """One update tracked by the CPU measurement's StorageTracker; with ``tree``, storages labelled by module."""
+    owners = ModuleStack(trainer.raw_model) if tree else None
+    tracker = tracker_for(trainer, owner=owners.current if owners else None)
+    try:
+        with tracker:
+            trainer.update(probe=tracker)
+    finally:
+        tracker.close()
+        if owners:
+            owners.close()
+    return tracker.snapshot()
+
+
+def _memory(cfg: RunConfig, trainer: Trainer, snap) -> TraceMemory:
+    params, grads, optimizer = _model_state_bytes(trainer)
+    margin = int(snap.peak_bytes * cfg.assumptions.allocator_margin)
+    return TraceMemory(
+        peak_bytes=snap.peak_bytes, peak_phase=snap.peak_phase, activations_bytes=snap.activations_bytes,
+        parameters_bytes=params, gradients_bytes=grads, optimizer_bytes=optimizer, breakdown=snap.breakdown,
+        phase_peaks=snap.phase_peaks, margin_bytes=margin, capacity_bytes=cfg.memory_capacity,
+        fits=snap.peak_bytes + margin <= cfg.memory_capacity)
+
+
+def estimate(cfg: RunConfig, tree: bool = False) -> TraceEstimate:
+    """Peak memory, activations, per-module tree and FLOPs of one steady-state update (provenance trace)."""
+    notes = _check_supported(cfg)
+    device, device_notes = trace_device(cfg)
+    start = time.perf_counter()
+    with _as_config_errors(cfg), _eager_branches(cfg), _fake_mode():
+        trainer = _FakeTrainer(cfg, device)
+        flops = count_update_flops(trainer)  # the first update also creates AdamW's state (steady state)
+        snap = _tracked_update(trainer, tree)
+        memory = _memory(cfg, trainer, snap)
+    return TraceEstimate(
+        config=cfg.to_dict(), global_batch=cfg.global_batch, tokens_per_update=cfg.tokens_per_update,
+        memory=memory, flops=flops, traced_device=device.type, trace_seconds=time.perf_counter() - start,
+        tree=build_tree(trainer.raw_model, snap.activations_by_owner) if tree else None,
+        notes=notes + device_notes)

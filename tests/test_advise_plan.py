@@ -1,0 +1,139 @@
+"""The formula plan of `batchlab fit`: candidates, the margin, ranking, the conservative choice, bad input."""
+from __future__ import annotations
+
+import pytest
+
+from batchlab.advise import Goal, oom_advice, plan, what_would_fit
+from batchlab.advise.plan import policies
+from batchlab.config import ACMode, ConfigError, RunConfig, preset
+from batchlab.formula import estimate
+
+LLAMA = RunConfig(model=preset("llama-2-7b"), seq=4096, micro_batch=1, accum=64, dp=8, precision="bf16-mixed",
+                  zero=1, device="h100-sxm")
+
+
+def tiny(**kw) -> RunConfig:
+    values = dict(model=preset("tiny"), seq=128, micro_batch=1, accum=64)
+    values.update(kw)
+    return RunConfig(**values)
+
+
+def test_candidates_are_every_divisor_and_keep_the_global_batch():
+    goal = Goal(tiny(micro_batch=2, accum=12, dp=2))  # global 48, 24 per rank
+    p = plan(goal)
+    per_rank = 24
+    expected = [d for d in range(1, per_rank + 1) if per_rank % d == 0]  # brute force
+    for ac in policies(goal.base.model.layers):
+        mbs = sorted(c.config.micro_batch for c in p.candidates if str(c.config.ac) == str(ac))
+        assert mbs == expected
+    for c in p.candidates:
+        assert c.config.micro_batch * c.config.accum * c.config.dp == 48
+
+
+def test_each_option_is_the_largest_micro_batch_within_the_margin():
+    budget = 60 * 2**20
+    goal = Goal(tiny(memory_budget=budget), margin=0.2)
+    p = plan(goal)
+    usable = int(budget * 0.8)
+    assert p.ranked, "the budget leaves room for some option"
+    for c in p.ranked:
+        assert estimate(c.config).memory.peak_bytes == c.peak_bytes <= usable
+        bigger = [d for d in (2, 4, 8, 16, 32, 64) if d > c.config.micro_batch]
+        if bigger:  # the next larger divisor, same policy, goes over the margin
+            nxt = c.config.with_global_batch(64, bigger[0])
+            assert estimate(nxt).memory.peak_bytes > usable
+
+
+def test_ranked_by_time_to_the_token_budget():
+    goal = Goal(tiny(), tokens=3e8)
+    p = plan(goal)
+    times = [c.time_to_tokens_seconds for c in p.ranked]
+    assert times == sorted(times)
+    for c in p.ranked:
+        assert c.time_to_tokens_seconds == pytest.approx(3e8 / estimate(c.config).time.tokens_per_second)
+
+
+def test_no_activation_checkpointing_when_a_reasonable_micro_batch_fits():
+    p = plan(Goal(tiny(), min_micro_tokens=128 * 8))  # 16 GiB nominal CPU: everything fits
+    assert p.recommended.config.ac.mode is ACMode.NONE
+    assert p.recommended.config.micro_batch == 64 and p.recommended.config.accum == 1
+
+
+def test_checkpointing_when_only_it_reaches_a_reasonable_micro_batch():
+    base = tiny()
+    peak = lambda mb, ac: estimate(base.with_global_batch(64, mb).replace(ac=ac)).memory.peak_bytes  # noqa: E731
+    usable = peak(4, "none")  # no checkpointing fits up to micro-batch 4 (512 tokens) only
+    assert peak(8, "none") > usable and peak(8, "full") <= usable  # the premise of this test
+    goal = Goal(base.replace(memory_budget=usable), margin=0.0, min_micro_tokens=8 * 128)
+    rec = plan(goal).recommended.config
+    assert rec.ac.mode is not ACMode.NONE and rec.micro_batch >= 8
+    # ... and the cheapest such policy: no option with less recompute reaches 8
+    for c in plan(goal).ranked:
+        if c.config.micro_batch >= 8:
+            assert estimate(c.config).flops.hardware_flops_per_update >= estimate(rec).flops.hardware_flops_per_update
+
+
+def test_llama_target_recommendation_fits_by_formula():
+    goal = Goal(LLAMA.with_global_batch(512, 1))
+    p = plan(goal)
+    rec = p.recommended.config
+    assert rec.global_batch == 512 and rec.dp == 8 and rec.zero == 1
+    assert estimate(rec).memory.peak_bytes <= 0.9 * 80e9
+    assert any("achievable fraction" in a for a in p.assumptions)
+    assert any("hidden behind backward" in a for a in p.assumptions)
+    assert any("safety margin 10%" in a for a in p.assumptions)
+
+
+def test_zero_stages_only_when_allowed():
+    assert {c.config.zero for c in plan(Goal(LLAMA)).candidates} == {1}
+    allowed = plan(Goal(LLAMA, allow_zero=True))
+    assert {c.config.zero for c in allowed.candidates} == {1, 2, 3}
+    assert {c.config.zero for c in plan(Goal(tiny(), allow_zero=True)).candidates} == {0}  # DP 1: nothing to shard
+
+
+def test_budget_below_the_parameters_is_a_config_error():
+    n_bytes = estimate(tiny()).params.total * 4
+    with pytest.raises(ConfigError) as e:
+        plan(Goal(tiny(memory_budget=n_bytes - 1)))
+    assert e.value.field == "memory_budget"
+
+
+def test_margin_must_be_a_fraction():
+    with pytest.raises(ConfigError) as e:
+        Goal(tiny(), margin=1.5)
+    assert e.value.field == "margin"
+
+
+def test_nothing_fits_and_what_would():
+    goal = Goal(LLAMA.replace(zero=0))  # 16 bytes/param of model states: 108 GB on an 80 GB card
+    assert plan(goal).recommended is None
+    remedies = what_would_fit(goal)
+    assert remedies
+    for r in remedies:
+        assert estimate(r.config).memory.peak_bytes <= 0.9 * 80e9
+        assert r.config.global_batch == 512 or r.config.seq < 4096
+    kinds = " ".join(r.change for r in remedies)
+    assert "ZeRO" in kinds and "devices" in kinds
+
+
+def test_oom_advice_in_order_with_formula_figures():
+    cfg = tiny(micro_batch=32, accum=2, memory_budget=80 * 2**20)
+    items = oom_advice(Goal(cfg))
+    titles = [a.change for a in items]
+    assert titles[0].startswith("halve the micro-batch")
+    first_ac = next(i for i, t in enumerate(titles) if t.startswith("activation checkpointing"))
+    bf16 = next(i for i, t in enumerate(titles) if "bf16" in t)
+    zero = next(i for i, t in enumerate(titles) if "ZeRO" in t)
+    seq = next(i for i, t in enumerate(titles) if "shorter sequences" in t)
+    assert 0 < first_ac < bf16 < zero < seq
+    halve = items[0]
+    assert (halve.config.micro_batch, halve.config.accum, halve.config.global_batch) == (16, 4, 64)
+    assert halve.figures.peak_bytes == estimate(halve.config).memory.peak_bytes
+    full = next(a for a in items if a.change.endswith("-> full"))
+    ratio = estimate(full.config).flops.hardware_flops_per_update / estimate(cfg).flops.hardware_flops_per_update
+    assert full.compute_change == pytest.approx(ratio - 1) and full.compute_change > 0
+    assert items[zero].config is None  # DP 1: nothing to shard, said so
+    for a in items:
+        assert a.changes and (a.config is None or a.stays)
+        if a.config is not None:
+            assert a.fits == (a.figures.peak_bytes <= int(80 * 2**20 * 0.9))

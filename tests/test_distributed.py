@@ -1,0 +1,224 @@
+"""DP measurement on the real stack: torchrun, 2 ranks, gloo, DistributedDataParallel (CPU).
+
+Launches are shared between assertions (module fixtures): each costs ~5-8 s on a 2-core machine.
+Run as a script under torchrun, this file is also the rank program of the gradient-equivalence test.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from batchlab.config import RunConfig
+from batchlab.measure.options import MeasureOptions
+from batchlab.measure.result import Outcome
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+BASE = RunConfig(dp=2, micro_batch=2, seq=32)
+OPTS = MeasureOptions(warmup=1, steps=2)
+# dropout off: each rank's dropout masks come from its own RNG stream, which no single process reproduces
+GRAD_CFG = BASE.replace(accum=2, dropout=0.0)
+
+
+def _parameter_bytes(cfg: RunConfig) -> int:
+    from batchlab.models import build_workload
+
+    return sum(p.numel() * p.element_size() for p in build_workload(cfg).model.parameters())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def _measure_argv(*args: str) -> list[str]:
+    """``measure ARGS`` (typer drops the command name while ``measure`` is the app's only command)."""
+    import typer.main
+
+    from batchlab.cli import app
+
+    named = hasattr(typer.main.get_command(app), "commands")  # a group of subcommands
+    return (["measure"] if named else []) + list(args)
+
+
+SHAPE = ["--dp", "2", "--micro-batch", str(BASE.micro_batch), "--seq", str(BASE.seq),
+         "--warmup", str(OPTS.warmup), "--steps", str(OPTS.steps)]
+
+
+def _cli_json(accum: int):
+    """``batchlab measure --nproc 2 --dp 2 --json``: the launcher path."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from batchlab.cli import app
+    from batchlab.measure.result import load_measurement
+
+    res = CliRunner().invoke(app, _measure_argv("--nproc", "2", "--accum", str(accum), "--json", *SHAPE))
+    assert res.exit_code == 0, res.output[-3000:]
+    return load_measurement(json.loads(res.stdout))
+
+
+def _torchrun_json(accum: int):
+    """``torchrun --nproc-per-node 2 -m batchlab measure --dp 2 --json``: ranks started by the user."""
+    from batchlab.measure.result import load_measurement
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "batchlab",
+           *_measure_argv("--accum", str(accum), "--json", *SHAPE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return load_measurement(proc.stdout)  # rank 0 alone prints
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {1: _cli_json(1), 4: _torchrun_json(4)}
+
+
+def test_the_cli_prints_per_rank_memory_allreduce_and_scope():
+    from typer.testing import CliRunner
+
+    from batchlab.cli import app
+
+    res = CliRunner().invoke(app, _measure_argv("--nproc", "2", "--accum", "2", *SHAPE), env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output[-3000:]
+    out = res.output
+    assert "global batch = micro-batch x accum x DP = 2 x 2 x 2 = 8" in out
+    assert "peak memory per rank (allocator): rank 0 " in out and ", rank 1 " in out
+    assert "gradient_as_bucket_view is on" in out
+    assert "gradient all-reduce (gloo, 2 ranks): once per optimizer update" in out
+    assert "all-reduce time per update (median, wall-clock" in out
+    assert "loopback gloo on CPU says nothing about NCCL over NVLink or InfiniBand" in out
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_gradients_are_all_reduced_once_per_update(runs, accum):
+    m = runs[accum]
+    assert m.ok, m.outcome_detail
+    c = m.comm
+    # every gradient crosses the wire once per update, whatever the accumulation (no_sync on the others)
+    assert c.bytes_per_update == _parameter_bytes(BASE)
+    assert c.rounds_per_update == 1
+    assert c.calls_per_update == runs[1].comm.calls_per_update  # one hook call per DDP bucket
+    assert not any("exactly one" in w for w in m.warnings)
+    assert len(c.seconds) == len(m.time.samples) == OPTS.steps
+    assert all(0 < a < t for a, t in zip(c.seconds, m.time.samples))
+    assert c.backend == "gloo" and c.world_size == 2 and "NVLink" in c.scope
+    assert m.environment["launcher"] == ("torchrun" if accum == 1 else "torchrun (external)")
+
+
+def test_memory_is_reported_per_rank_with_one_gradient_copy(runs):
+    from batchlab.measure.harness import Trainer
+    from batchlab.measure.memory import track_update
+
+    mem = runs[4].memory
+    assert len(mem.per_rank_peak_bytes) == 2 and mem.peak_bytes == max(mem.per_rank_peak_bytes)
+    assert "gradient_as_bucket_view=True" in mem.method
+    # the same update in one process (tracked the same way): DDP's buckets are the gradients, so a rank
+    # holds one gradient copy like it; .grad beside the buckets would add a whole copy (parameter bytes)
+    single = track_update(Trainer(BASE.replace(accum=4, dp=1), "cpu"))
+    params = _parameter_bytes(BASE)
+    assert mem.breakdown["gradients"] == params
+    assert abs(mem.peak_bytes - single.peak_bytes) < params // 2, (mem.peak_bytes, single.peak_bytes)
+
+
+def test_useful_tokens_are_summed_over_ranks(runs):
+    for accum, m in runs.items():
+        assert m.global_batch == BASE.micro_batch * accum * 2
+        assert m.useful_tokens_per_update == m.global_batch * BASE.seq  # fixed-length data: all useful
+
+
+def _rank_main(out: str) -> None:
+    """One rank: the same DDP build as a measurement; save the first update's all-reduced gradients."""
+    import torch
+
+    from batchlab.distributed import worker
+
+    device, _ = worker.init(GRAD_CFG, OPTS, 60)
+    rank, world, _ = worker.env_ranks()
+    trainer, monitor = worker.build(GRAD_CFG, device, rank, world)
+    grads = {}
+
+    class Capture:  # after the last backward, before clipping and the optimizer step
+        def mark(self, phase):
+            if phase == "optimizer":
+                grads.update({n: p.grad.detach().clone() for n, p in trainer.raw_model.named_parameters()})
+
+    trainer.update(probe=worker._Tee(Capture(), monitor))
+    torch.save(dict(grads=grads, rounds=monitor.updates[0].rounds), Path(out) / f"grads{rank}.pt")
+
+
+def test_ddp_gradients_equal_the_single_process_gradient_of_the_global_batch(tmp_path):
+    import torch
+
+    from batchlab.measure.harness import Trainer
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
+           str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ranks = [torch.load(tmp_path / f"grads{r}.pt") for r in (0, 1)]
+    single = GRAD_CFG.replace(dp=1)
+    # the union of what each rank drew: the Trainer seeds rank k's data generator with k
+    batches = [b for k in (0, 1) for b in Trainer(single, "cpu", rank=k).batches()]
+    reference = Trainer(single, "cpu").gradients(batches)
+    for r in ranks:
+        assert r["rounds"] == 1
+        assert r["grads"].keys() == reference.keys()
+        for name, ref in reference.items():
+            rel = (r["grads"][name] - ref).norm() / ref.norm()
+            assert rel <= 1e-5, (name, float(rel))
+
+
+@pytest.mark.parametrize("fault, limit", [("2:kill", None), ("0:hang", 8.0)])
+def test_a_dead_or_stuck_rank_ends_the_measurement_with_no_process_left(monkeypatch, fault, limit):
+    from batchlab.distributed import launch
+    from batchlab.distributed.worker import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, f"1:{fault}")  # rank 1, just before that update (0: the first)
+    t0 = time.perf_counter()
+    m = launch(BASE, OPTS, timeout_s=limit)
+    wall = time.perf_counter() - t0
+    assert m.outcome is Outcome.FAILED
+    if fault.endswith("kill"):
+        assert m.outcome_detail.startswith("rank 1 (killed by SIGKILL"), m.outcome_detail
+        assert wall < 60
+    else:
+        assert m.outcome_detail.startswith(f"timeout after {limit:g} s"), m.outcome_detail
+        assert wall < limit + 20
+    pids = m.environment["rank_pids"]
+    assert len(pids) == 2
+    deadline = time.time() + 5
+    while any(_alive(p) for p in pids.values()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids.values())
+    assert not _alive(m.environment["torchrun_pid"])
+
+
+@pytest.mark.gpu
+def test_nccl_on_two_gpus_all_reduces_once_per_update():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    from batchlab.distributed import launch
+
+    m = launch(BASE.replace(accum=4), MeasureOptions(warmup=1, steps=2, torch_device="cuda"))
+    assert m.ok, m.outcome_detail
+    assert m.comm.backend == "nccl" and m.comm.rounds_per_update == 1
+    assert m.comm.bytes_per_update == _parameter_bytes(BASE)
+    assert all(s > 0 for s in m.comm.seconds)  # CUDA events around each bucket
+    assert "cuda max_memory_allocated" in m.memory.method and len(m.memory.per_rank_peak_bytes) == 2
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1])

@@ -1,0 +1,162 @@
+"""`batchlab fit` end to end: the llama target, snippets that load back, bad input, after-OOM advice."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from batchlab.advise import load_config_toml
+from batchlab.cli import app, main
+from batchlab.config import RunConfig, preset
+from batchlab.formula import estimate
+
+
+
+def llama(zero: int = 1) -> list[str]:
+    return ["--model", "llama-2-7b", "--seq", "4096", "--global-batch", "512", "--dp", "8", "--device", "h100-sxm",
+            "--precision", "bf16-mixed", "--zero", str(zero)]
+
+
+LLAMA = llama()
+TINY = ["--seq", "64", "--layers", "2", "--global-batch", "8"]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["fit", *args])
+
+
+def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Through batchlab.cli.main, which turns a ConfigError raised while building the config into exit 2."""
+    monkeypatch.setattr(sys, "argv", ["batchlab", "fit", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_llama_target_json(tmp_path):
+    r = invoke(*LLAMA, "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    final = d["final"]
+    assert final["micro_batch"] * final["accum"] * final["dp"] == 512 == d["global_batch"]
+    assert d["verification"] is None  # a catalogue GPU is not local: formula only
+    path = tmp_path / "fit.toml"
+    path.write_text(d["snippets"]["batchlab_toml"])
+    cfg = load_config_toml(path)
+    assert cfg.to_dict() == final
+    assert estimate(cfg).memory.peak_bytes <= 0.9 * 80e9  # fits with the margin, by the formula
+    s = d["snippets"]
+    hf, ds, pl = s["huggingface"]["TrainingArguments"], s["deepspeed"], s["lightning"]
+    assert hf["per_device_train_batch_size"] * hf["gradient_accumulation_steps"] * 8 == 512
+    assert hf["gradient_checkpointing"] == (cfg.ac.mode.value != "none")
+    assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 8 == ds["train_batch_size"] == 512
+    assert ds["zero_optimization"]["stage"] == 1 and ds["bf16"]["enabled"]
+    assert pl["Trainer"]["accumulate_grad_batches"] == cfg.accum and pl["DataLoader"]["batch_size"] == cfg.micro_batch
+
+
+def test_text_names_provenance_global_batch_and_assumptions():
+    r = invoke(*LLAMA)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    for words in ("global batch = micro-batch x accum x DP", "[formula]", "achievable fraction",
+                  "hidden behind backward", "safety margin 10%", "per_device_train_batch_size",
+                  "accumulate_grad_batches", "train_micro_batch_size_per_gpu", "[config]"):
+        assert words in text, words
+
+
+def test_global_tokens_is_the_same_target_as_global_batch():
+    a = json.loads(invoke(*LLAMA, "--json").stdout)
+    tokens_args = [x for x in LLAMA]
+    i = tokens_args.index("--global-batch")
+    tokens_args[i:i + 2] = ["--global-tokens", str(512 * 4096)]
+    b = json.loads(invoke(*tokens_args, "--json").stdout)
+    assert a["final"] == b["final"]
+
+
+def test_model_toml_table_round_trips(tmp_path):
+    from batchlab.advise import config_toml
+
+    cfg = RunConfig(model=preset("tiny", layers=2, dropout=0.0), seq=64, micro_batch=2, accum=3,
+                    memory_budget=5 * 2**20, ac="every:2").replace(achievable_fraction=0.5)
+    path = tmp_path / "c.toml"
+    path.write_text(config_toml(cfg))
+    assert load_config_toml(path) == cfg
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--global-batch", "500"], "global_batch"),  # not divisible by DP 8
+    (["--global-tokens", "1000"], "global_tokens"),  # not a multiple of seq
+])
+def test_bad_target_exits_2_with_one_line(monkeypatch, capsys, args, field):
+    base = ["--model", "llama-2-7b", "--seq", "4096", "--dp", "8", "--device", "h100-sxm", "--json"]
+    code, out, err = run_main(monkeypatch, capsys, *base, *args)
+    assert code == 2 and out == ""
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {field}:")
+
+
+def test_budget_below_the_parameters_exits_2():
+    r = invoke(*TINY, "--memory-budget", "1MiB", "--no-verify")
+    assert r.exit_code == 2
+    assert r.stderr.strip().startswith("error: memory_budget:") and "parameters alone" in r.stderr
+
+
+def test_nothing_fits_exits_1_and_says_what_would():
+    r = invoke(*llama(zero=0), "--json")  # ZeRO-0: 108 GB of model states per rank
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.stdout)
+    assert d["final"] is None and d["what_would_fit"]
+    changes = " ".join(x["change"] for x in d["what_would_fit"])
+    assert "ZeRO" in changes and "devices" in changes
+    text = invoke(*llama(zero=0))
+    assert text.exit_code == 1 and "would fit" in text.stdout
+
+
+def test_allow_zero_finds_a_stage_the_user_did_not_set():
+    r = invoke(*llama(zero=0), "--allow-zero", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["final"]["zero"] > 0
+
+
+def test_after_oom_json_lists_changes_with_formula_figures():
+    r = invoke("--seq", "128", "--micro-batch", "32", "--accum", "2", "--memory-budget", "64MiB", "--after-oom",
+               "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["global_batch"] == 64
+    first = d["advice"][0]
+    assert first["change"].startswith("halve the micro-batch")
+    assert (first["config"]["micro_batch"], first["config"]["accum"]) == (16, 4)
+    cfg = RunConfig(seq=128, micro_batch=16, accum=4, memory_budget=64 * 2**20)
+    assert first["figures"]["peak_bytes"] == estimate(cfg).memory.peak_bytes
+    assert all(a["changes"] for a in d["advice"])
+    text = invoke("--seq", "128", "--micro-batch", "32", "--accum", "2", "--memory-budget", "64MiB", "--after-oom")
+    assert "same:" in text.stdout and "changes:" in text.stdout and "global batch = " in text.stdout
+
+
+@pytest.mark.slow
+def test_cpu_search_by_measurement_finds_the_largest_micro_batch():
+    """Verification is on by default for the local CPU; --search finds the limit under --memory-budget."""
+    budget = 20 * 2**20
+    r = invoke(*TINY, "--memory-budget", "20MiB", "--search", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    trials, search = d["search"]["trials"], d["search"]
+    assert d["verification"] == trials[0]
+    assert len(trials) <= search["budget"] == 5  # ceil(log2 8) + 2
+    limit = search["limit"]
+    at_limit = next(t for t in trials if t["micro_batch"] == limit)
+    assert at_limit["fits"] and at_limit["peak_bytes"] <= budget
+    above = [t for t in trials if t["micro_batch"] > limit]
+    bigger = [m for m in (1, 2, 4, 8) if m > limit]
+    if bigger:  # the next divisor was measured and ran out of the budget
+        nxt = next(t for t in above if t["micro_batch"] == bigger[0])
+        assert not nxt["fits"] and nxt["outcome"] == "oom (budget)"
+    final = d["final"]
+    expected = limit if at_limit["peak_bytes"] <= 0.9 * budget else max(m for m in (1, 2, 4, 8) if m < limit)
+    assert final["micro_batch"] == expected and final["micro_batch"] * final["accum"] == 8
+    assert d["limits"]["measured_limit"] == limit
+    assert d["limits"]["predicted_limit"] in (1, 2, 4, 8)
