@@ -5,12 +5,12 @@ import functools
 import inspect
 import json
 import sys
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 
-from batchlab.config import (ConfigError, RunConfig, derive_accum, model_from_hf_config, parse_bytes,
-                             preset)
+from batchlab.config import (Assumptions, ConfigError, RunConfig, derive_accum, model_from_hf_config,
+                             parse_bytes, preset)
 
 AC_HELP = ("Activation checkpointing: none, full, every:K, selective. Recomputes activations during backward "
            "to save memory inside one step (trades compute for memory). NOT the training checkpoint saved to disk.")
@@ -67,25 +67,23 @@ def build_config(**o: Any) -> RunConfig:
         spec = preset("tiny", **overrides)
     else:
         spec = preset(model_arg, **overrides)
-    mb, accum, gb, dp = o.get("micro_batch"), o.get("accum"), o.get("global_batch"), o.get("dp") or 1
+    mb, accum, gb, dp = o.get("micro_batch"), o.get("accum"), o.get("global_batch"), o.get("dp", 1)
     if gb is not None:
-        mb = mb or 1
+        mb = 1 if mb is None else mb
         derived = derive_accum(gb, mb, dp)
         if accum is not None and accum != derived:
             raise ConfigError("accum", f"--accum {accum} contradicts --global-batch {gb} = {mb} x accum x {dp}")
         accum = derived
-    assumptions = {"achievable_fraction": o.get("achievable_fraction", 0.4),
-                   "comm_overlap": o.get("comm_overlap", 0.0),
-                   "optimizer_bytes_per_param": o.get("optimizer_bytes")}
-    from batchlab.config import Assumptions
     budget = o.get("memory_budget")
-    return RunConfig(model=spec, model_source=source, seq=o.get("seq") or 128, micro_batch=mb or 8,
-                     accum=accum or 1, dp=dp, precision=o.get("precision") or "fp32",
-                     optimizer=o.get("optimizer") or "adamw", ac=o.get("ac") or "none", zero=o.get("zero") or 0,
-                     device=o.get("device") or "cpu",
+    given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "zero", "device", "data", "seed")
+             if o.get(k) is not None}
+    assumptions = Assumptions(achievable_fraction=o.get("achievable_fraction", 0.4),
+                              comm_overlap=o.get("comm_overlap", 0.0),
+                              optimizer_bytes_per_param=o.get("optimizer_bytes"))
+    return RunConfig(model=spec, model_source=source, micro_batch=8 if mb is None else mb,
+                     accum=1 if accum is None else accum, dp=dp,
                      memory_budget=parse_bytes("memory_budget", budget) if budget else None,
-                     data=o.get("data") or "fixed", seed=o.get("seed") or 0,
-                     assumptions=Assumptions(**assumptions))
+                     assumptions=assumptions, **given)
 
 
 def with_config(fn: Callable) -> Callable:
@@ -103,8 +101,11 @@ def with_config(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(**kwargs):
         config_kwargs = {k: kwargs.pop(k) for k in CONFIG_OPTIONS}
-        cfg = build_config(**config_kwargs)
-        return fn(cfg=cfg, as_json=kwargs.pop("as_json"), **kwargs)
+        try:
+            cfg = build_config(**config_kwargs)
+            return fn(cfg=cfg, as_json=kwargs.pop("as_json"), **kwargs)
+        except ConfigError as e:
+            fail(str(e))
 
     wrapper.__signature__ = inspect.Signature(own + shared + [json_param])
     return wrapper
@@ -117,7 +118,7 @@ def print_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> NoReturn:
     """One line on stderr and the exit code; no traceback."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)

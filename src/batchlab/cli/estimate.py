@@ -20,7 +20,7 @@ AC_NOTE = ("Activation checkpointing (--ac) recomputes activations in backward: 
 
 def _memory_table(e: Estimate) -> Table:
     m = e.memory
-    t = Table(title="Memory per rank  [formula]", show_header=True, header_style="bold")
+    t = Table(title="Memory per rank  \\[formula]", show_header=True, header_style="bold")
     t.add_column("part")
     t.add_column("bytes", justify="right")
     t.add_column("note")
@@ -49,7 +49,7 @@ def _memory_table(e: Estimate) -> Table:
 
 def _time_table(e: Estimate, tokens: float | None, price: float | None) -> Table:
     t, f, cfg = e.time, e.flops, e.config
-    tab = Table(title="Compute and time  [formula]", header_style="bold")
+    tab = Table(title="Compute and time  \\[formula]", header_style="bold")
     tab.add_column("figure")
     tab.add_column("value", justify="right")
     tab.add_row("model FLOPs / update (MFU counts these)", fmt_count(f.model_flops_per_update, "FLOP"))
@@ -77,7 +77,7 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
     console.print(_memory_table(e))
     console.print(_time_table(e, tokens, price))
     console.print(f"Training checkpoint file on disk (weights + optimizer state, all ranks; not activation "
-                  f"checkpointing): {fmt_bytes(e.training_checkpoint_bytes)}  [formula]")
+                  f"checkpointing): {fmt_bytes(e.training_checkpoint_bytes)}  \\[formula]")
     console.print("[dim]Assumptions: " + "; ".join(e.assumptions) + "[/dim]")
     if cfg.dp > 1:
         console.print("[dim]Scope: the all-reduce time is a ring-bandwidth model, not a measurement of your "
@@ -87,7 +87,7 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
 def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
     from batchlab.formula.vary import OUTPUTS
 
-    tab = Table(title=f"--vary {name}  [formula]  (arrows versus the first value)", header_style="bold")
+    tab = Table(title=f"--vary {name}  \\[formula]  (arrows versus the first value)", header_style="bold")
     for col in (name, "micro × accum × DP = global", *[label for label, _ in OUTPUTS], "fits"):
         tab.add_column(col, justify="right")
     fmts = (fmt_bytes, fmt_bytes, fmt_seconds, lambda x: f"{x:,.0f}", lambda x: fmt_count(x))

@@ -4,6 +4,7 @@ Every figure it returns has provenance "formula".
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,14 +75,17 @@ def _calibrated_ceiling(cfg: RunConfig):
     """Measured FLOP/s and bandwidth for the local CPU, when `batchlab calibrate` has cached them."""
     if cfg.device != "cpu":
         return None
-    try:
-        from batchlab.calibrate import load_cached
-    except ImportError:
-        return None
-    cal = load_cached(cfg.device)
+    cal = _load_calibration(cfg.device)
     if cal is None:
         return None
     return cal.matmul_flops(cfg.precision), cal.memory_bytes_per_s, cal.source
+
+
+@functools.lru_cache(maxsize=None)
+def _load_calibration(device: str):
+    from batchlab.calibrate import load_cached  # torch-free: reads the cached JSON
+
+    return load_cached(device)
 
 
 __all__ = ["Estimate", "estimate", "memory", "flops", "timing", "count", "model_states", "MemoryEstimate",

@@ -1,0 +1,87 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from batchlab.cli import app
+from batchlab.config import RunConfig
+from batchlab.formula import estimate
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+def test_estimate_json_contract():
+    r = run("estimate", "--model", "gpt2", "--seq", "1024", "--micro-batch", "4", "--accum", "2",
+            "--device", "a100-80gb", "--precision", "bf16-mixed", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["provenance"] == "formula" and d["global_batch"] == 8
+    for key in ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes",
+                "peak_phase", "fits"):
+        assert key in d["memory"], key
+    assert {"update_seconds", "tokens_per_second"} <= set(d["time"])
+    assert d["flops"]["hardware_flops_per_update"] == d["flops"]["model_flops_per_update"]
+
+
+def test_estimate_table_names_provenance_global_batch_and_both_checkpoints():
+    r = run("estimate", "--ac", "full", "--tokens", "1e9", "--price", "2")
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "[formula]" in out and "global batch = micro-batch x accum x DP = 8 x 1 x 1 = 8" in out
+    assert "Training checkpoint file on disk" in out and "not activation" in out
+    assert "time to 1 Gtokens" in out
+
+
+def test_global_batch_derives_accum():
+    r = run("estimate", "--global-batch", "32", "--micro-batch", "4", "--dp", "2", "--json")
+    d = json.loads(r.stdout)
+    assert (d["config"]["accum"], d["global_batch"]) == (4, 32)
+
+
+@pytest.mark.parametrize("args, field", [
+    (("--heads", "3"), "heads"),
+    (("--global-batch", "7", "--micro-batch", "2"), "global_batch"),
+    (("--model", "gpt-17"), "model"),
+    (("--device", "tpu"), "device"),
+    (("--seq", "4096"), "seq"),
+    (("--ac", "every:9"), "ac"),
+    (("--micro-batch", "0"), "micro_batch"),
+    (("--vary", "bogus=1,2"), "bogus"),
+    (("--hf-config", "/nonexistent/config.json"), "hf_config"),
+])
+def test_bad_input_is_one_line_exit_2(args, field):
+    r = run("estimate", *args)
+    assert r.exit_code == 2
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {field}"), r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_vary_keeps_global_batch_and_warns_when_it_changes():
+    r = run("estimate", "--vary", "micro_batch=1,2,4", "--global-batch", "8", "--json")
+    rows = json.loads(r.stdout)
+    assert [row["global_batch"] for row in rows] == [8, 8, 8]
+    assert [row["config"]["accum"] for row in rows] == [8, 4, 2]
+    assert rows[2]["directions"]["activations"] == "up"
+    r = run("estimate", "--vary", "micro_batch=1,2", "--keep", "accum")
+    assert "global batch changes" in r.stdout
+
+
+def test_explain_uses_the_users_numbers():
+    r = run("explain", "--micro-batch", "2", "--accum", "4", "--dp", "2")
+    assert r.exit_code == 0, r.output
+    assert "2 x 4 x 2 = 16" in r.stdout and "Training checkpoint" in r.stdout
+    assert f"{estimate(RunConfig(micro_batch=2, accum=4, dp=2)).training_checkpoint_bytes / 2**20:.2f} MiB" in r.stdout
+
+
+def test_hf_config_and_custom_device(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 100}))
+    r = run("estimate", "--hf-config", str(p), "--device", "custom:mem=1GiB,tflops=10", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["config"]["model"]["layers"] == 2 and d["memory"]["capacity_bytes"] == 2**30
