@@ -5,28 +5,31 @@ micro-batch x sequence x activation-checkpointing policy, the error of the formu
 the measured peak tensor bytes and activation bytes (CPU: live storage tracker, provenance allocator).
 error = (predicted - measured) / measured.
 
-Time: paired ratios.  For each pair A -> B the two configs are measured alternately (A B, B A, ...) in
-one process; the measured ratio t(B)/t(A) per round is set beside the formula's predicted ratio and the
+Time: paired ratios.  For each pair A -> B, two live trainers take adjacent updates, order alternated
+(A B, B A, ...); the measured ratios t(B)/t(A) are set beside the formula's predicted ratio and the
 trace's hardware-FLOPs ratio (what a purely compute-bound update would give).  Absolute milliseconds are
 too noisy on shared machines to be worth a table.
 
-    .venv/bin/python benchmarks/accuracy.py            # full grid, a few minutes on 2 cores
+    .venv/bin/python benchmarks/accuracy.py            # full grid, a few minutes on 2 idle cores
     .venv/bin/python benchmarks/accuracy.py --quick    # smoke run
+    .venv/bin/python benchmarks/accuracy.py --part time --pairs 20   # only the paired time ratios
 Prints Markdown on stdout (progress on stderr).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import platform
+import os
 import statistics
 import sys
 import time
 
 import torch
 
+from batchlab.calibrate import cpu_hardware
 from batchlab.config import RunConfig, preset
 from batchlab.measure import MeasureOptions, run
+from batchlab.measure.harness import Trainer
 from batchlab.measure.versus import formula_estimate
 from batchlab.trace import estimate as trace_estimate
 
@@ -113,32 +116,40 @@ def print_memory(rows) -> None:
 PAIRS = [
     ("tiny, AC none -> full", dict(ac="none"), dict(ac="full")),
     ("tiny, micro-batch 8 x accum 1 -> 1 x 8", dict(micro_batch=8, accum=1), dict(micro_batch=1, accum=8)),
-    ("small, AC none -> selective", dict(model=preset("small"), ac="none"), dict(model=preset("small"), ac="selective")),
+    ("tiny, AC none -> selective", dict(ac="none"), dict(ac="selective")),
 ]
 
 
-def median_update_seconds(cfg: RunConfig, steps: int) -> float:
-    m = run(cfg, MeasureOptions(warmup=1, steps=steps, memory=False, timing=True))
-    if not m.ok:
-        raise RuntimeError(f"{m.outcome.value}: {m.outcome_detail}")
-    return m.time.update_seconds_median
+def _update_seconds(trainer) -> float:
+    t = time.perf_counter()
+    trainer.update()
+    return time.perf_counter() - t
 
 
-def time_rows(rounds: int, steps: int):
+def paired_ratios(a: RunConfig, b: RunConfig, pairs: int, warmup: int = 2) -> list[float]:
+    """t(B)/t(A) of adjacent updates of two live trainers, order alternated (A B, B A, ...), so that
+    drift in machine load hits both sides of each pair alike."""
+    ta, tb = Trainer(a, "cpu"), Trainer(b, "cpu")
+    for _ in range(warmup):
+        ta.update()
+        tb.update()
+    ratios = []
+    for i in range(pairs):
+        if i % 2 == 0:
+            sa, sb = _update_seconds(ta), _update_seconds(tb)
+        else:
+            sb, sa = _update_seconds(tb), _update_seconds(ta)
+        ratios.append(sb / sa)
+    return ratios
+
+
+def time_rows(pairs: int):
     base = RunConfig(model=preset("tiny"), seq=128, micro_batch=8)
     rows = []
     for label, a_changes, b_changes in PAIRS:
         a, b = base.replace(**a_changes), base.replace(**b_changes)
-        ratios = []
-        for i in range(rounds):
-            log(f"time: {label} round {i + 1}/{rounds}")
-            if i % 2 == 0:  # alternate the order so drift over time does not favour one side
-                ta = median_update_seconds(a, steps)
-                tb = median_update_seconds(b, steps)
-            else:
-                tb = median_update_seconds(b, steps)
-                ta = median_update_seconds(a, steps)
-            ratios.append(tb / ta)
+        log(f"time: {label}, {pairs} pairs")
+        ratios = paired_ratios(a, b, pairs)
         fa, fb = formula_estimate(a)[0], formula_estimate(b)[0]
         fa_t, fb_t = _get(fa, "time.update_seconds"), _get(fb, "time.update_seconds")
         flops_ratio = trace_estimate(b).flops.hardware_flops_per_update / trace_estimate(a).flops.hardware_flops_per_update
@@ -147,14 +158,14 @@ def time_rows(rounds: int, steps: int):
     return rows
 
 
-def print_time(rows, rounds: int, steps: int) -> None:
-    print(f"Paired update-time ratios t(B)/t(A): {rounds} rounds, each the median of {steps} timed updates "
-          "after 1 warm-up (wall-clock).")
+def print_time(rows, pairs: int) -> None:
+    print(f"Paired update-time ratios t(B)/t(A): {pairs} adjacent pairs of updates of two live trainers, order "
+          "alternated, after 2 warm-up updates each (wall-clock); quartiles of the per-pair ratios.")
     print()
-    print("| pair A -> B | measured ratio (median) | measured range | formula predicted | trace FLOPs ratio |")
+    print("| pair A -> B | measured ratio (median) | measured IQR | formula predicted | trace FLOPs ratio |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
-        lo, hi = min(r["ratios"]), max(r["ratios"])
+        lo, _, hi = statistics.quantiles(r["ratios"], n=4, method="inclusive")
         formula = "-" if r["formula"] is None else f"{r['formula']:.2f}"
         print(f"| {r['label']} | {statistics.median(r['ratios']):.2f} | {lo:.2f}-{hi:.2f} | {formula} | "
               f"{r['flops']:.2f} |")
@@ -164,22 +175,25 @@ def print_time(rows, rounds: int, steps: int) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny grid, one round: a smoke run")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--part", choices=("all", "memory", "time"), default="all")
+    p.add_argument("--pairs", type=int, default=12, help="paired updates per time comparison")
     args = p.parse_args(argv)
     start = time.perf_counter()
     if args.quick:
         grid = (["tiny", "hf llama"], [2], [64], ["none", "full"])
-        rounds = 1
+        pairs = 4
     else:
         grid = (list(MODELS), [1, 4], [64, 128], ["none", "full", "selective"])
-        rounds = args.rounds
-    print(f"Accuracy on {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads), "
+        pairs = args.pairs
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"Accuracy on {cpu_hardware()} ({torch.get_num_threads()} threads, load average {load:.1f} at start), "
           f"torch {torch.__version__}, {datetime.date.today().isoformat()}; fp32, AdamW, accum 1. "
           "error = (predicted - measured) / measured; measured = live tensor-storage tracker (allocator).")
     print()
-    print_memory(memory_rows(*grid))
-    print_time(time_rows(rounds, args.steps), rounds, args.steps)
+    if args.part in ("all", "memory"):
+        print_memory(memory_rows(*grid))
+    if args.part in ("all", "time"):
+        print_time(time_rows(pairs), pairs)
     log(f"done in {time.perf_counter() - start:.0f} s")
 
 

@@ -24,9 +24,16 @@ def tiny_param_bytes(spec) -> int:
     return 4 * (v * h + p * h + spec.layers * layer + 2 * h)
 
 
-def test_run_ok_discipline_and_progress():
-    seen = []
+@pytest.fixture(scope="module")
+def measured():
+    """One ok measurement of the small config, shared by the tests that only read it (with its progress)."""
+    seen: list[tuple[int, str]] = []
     m = run(RunConfig(**SMALL), MeasureOptions(warmup=2, steps=3), progress=lambda d, t, label: seen.append((d, label)))
+    return m, seen
+
+
+def test_run_ok_discipline_and_progress(measured):
+    m, seen = measured
     assert m.outcome is Outcome.OK and m.ok
     assert len(m.time.samples) == 3 and m.time.warmup == 2
     # each update is reported when it starts and when it is done; order: the first update is warmup (never
@@ -53,11 +60,10 @@ def test_run_ok_discipline_and_progress():
     assert m.tokens_per_second == pytest.approx(32 / statistics.median(m.time.samples))
 
 
-def test_memory_matches_a_separate_tracked_update():
+def test_memory_matches_a_separate_tracked_update(measured):
     """run()'s memory update equals track_update on an identically built trainer (same state, same data)."""
-    cfg = RunConfig(**SMALL)
-    m = run(cfg, MeasureOptions(warmup=1, steps=1))
-    tr = Trainer(cfg)
+    m = measured[0]
+    tr = Trainer(RunConfig(**SMALL))
     tr.update()
     snap = track_update(tr)  # second update, like run()'s memory update
     assert m.memory.peak_bytes == snap.peak_bytes
@@ -72,8 +78,8 @@ def test_padded_tokens_per_second_counts_useful_tokens_only():
     assert m.tokens_per_second < cfg.tokens_per_update / m.time.update_seconds_median
 
 
-def test_json_round_trip_and_derived_keys():
-    m = run(RunConfig(**SMALL), FAST)
+def test_json_round_trip_and_derived_keys(measured):
+    m = measured[0]
     d = json.loads(measurement_to_json(m))
     assert d["time"]["update_seconds_median"] == statistics.median(d["time"]["samples"])
     q = statistics.quantiles(d["time"]["samples"], n=4, method="inclusive")
@@ -91,9 +97,9 @@ def test_budget_smaller_than_parameters_is_a_config_error():
     assert e.value.field == "memory_budget"
 
 
-def test_budget_below_peak_is_an_oom_budget_outcome():
+def test_budget_below_peak_is_an_oom_budget_outcome(measured):
     cfg = RunConfig(**SMALL)
-    peak = run(cfg, FAST).memory.peak_bytes
+    peak = measured[0].memory.peak_bytes
     params = tiny_param_bytes(cfg.model)
     budget = (params * 3 + peak) // 2  # holds parameters and AdamW state, not the whole update
     m = run(cfg.replace(memory_budget=budget), FAST)

@@ -69,7 +69,8 @@ def _axes(title: str, sources: tuple[str, ...], size=(6.0, 3.6)):
 
     fig, ax = plt.subplots(figsize=size)
     ax.set_title(f"{title}  [{' / '.join(sources)}]", fontsize=10)
-    fig.text(0.99, 0.01, "sources: " + ", ".join(sources), ha="right", va="bottom", fontsize=7, color="0.35")
+    # below the tick labels; bbox_inches="tight" keeps it inside the saved image
+    fig.text(0.99, -0.06, "sources: " + ", ".join(sources), ha="right", va="top", fontsize=7, color="0.35")
     return fig, ax
 
 
@@ -221,8 +222,12 @@ def figures(record: dict[str, Any]) -> list[Figure]:
 
 
 def _side_text(record: dict[str, Any], side: str) -> str:
+    """The changed values and the global batch = micro x accum x DP of one side, for axis labels."""
     c = record["sides"][side]
-    return f"{c['micro_batch']} x {c['accum']} x {c['dp']} = {c['micro_batch'] * c['accum'] * c['dp']}"
+    changed = [f"{ch['field']}={ch[side]}" for ch in record["change"]["requested"]]
+    changed += [f"{k}={v[0 if side == 'a' else 1]}" for k, v in record["change"]["derived"].items()]
+    return (", ".join(changed) + f"\n{c['micro_batch']} x {c['accum']} x {c['dp']} = "
+            f"{c['micro_batch'] * c['accum'] * c['dp']}")
 
 
 # ------------------------------------------------------------------------------------------ document
@@ -328,12 +333,17 @@ def _factor_blocks(r: dict[str, Any]) -> list[tuple]:
     load = f.get("load_average") or {}
     busy = f.get("busy_processes") or {}
     noise = f.get("timing_noise") or {}
+    spread = noise.get("update_time_iqr_over_median") or {}
+    band = noise.get("paired_time_ratio_band")
+    noise_text = ("update time IQR/median within a process: "
+                  + ", ".join(f"{k.upper()} {v:.0%}" for k, v in spread.items() if v is not None)
+                  + (f"; paired update-time ratios {band[0]:.3g} – {band[1]:.3g}" if band else "")) if spread else "not measured"
     items = [f"load average before {load.get('before')}, after {load.get('after')} ({f.get('cpu_count')} CPUs)",
              f"other busy processes: {busy.get('count', 0)} "
              + ", ".join(f"{p['name']} (pid {p['pid']}, {p['cpu_share']:.0%})" for p in busy.get("top", [])),
              f"CPU frequency (MHz) before {(f.get('cpu_mhz') or {}).get('before')}, after "
              f"{(f.get('cpu_mhz') or {}).get('after')}",
-             f"timing noise: {noise or 'not measured'}"]
+             f"timing noise: {noise_text}"]
     if f.get("note"):
         items.append(f"note: {f['note']}")
     return [("h2", "Uncontrolled factors"), ("ul", items)]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from batchlab.advise.plan import Candidate, Goal, candidate, divisors, plan, policies
 from batchlab.config import ACMode, ConfigError, Precision, RunConfig
 
-SAME_MATH = "same global batch, same gradients (recompute gives bitwise-equal results with the RNG state preserved)"
+SAME_MATH = "global batch, micro-batch, gradients (recompute is bitwise-equal with the RNG state preserved)"
 
 
 @dataclass(frozen=True)

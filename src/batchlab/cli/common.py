@@ -5,6 +5,7 @@ import functools
 import inspect
 import json
 import sys
+import typing
 from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
@@ -47,6 +48,8 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "achievable_fraction": (float, 0.4, "Assumed fraction of peak FLOP/s that kernels reach."),
     "comm_overlap": (float, 0.0, "Assumed fraction of the gradient all-reduce hidden behind backward."),
 }
+# hf:FAMILY -> the preset whose shape transformers' default config for that family has
+HF_FAMILIES = {"llama": "llama-2-7b", "gpt2": "gpt2"}
 MODEL_OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp", "norm", "dropout", "attention")
 
 
@@ -59,7 +62,7 @@ def build_config(**o: Any) -> RunConfig:
         spec = model_from_hf_config(o["hf_config"], **overrides)
     elif model_arg.startswith("hf:"):
         source = model_arg
-        target = model_arg[3:]
+        target = HF_FAMILIES.get(model_arg[3:], model_arg[3:])
         spec = (model_from_hf_config(target, **overrides) if target.endswith(".json")
                 else preset(target, **overrides))
     elif ":" in model_arg:
@@ -91,7 +94,11 @@ def with_config(fn: Callable) -> Callable:
 
     The command's own parameters keep their place; ``--json`` is added too and passed as ``as_json``.
     """
-    own = [p for p in inspect.signature(fn).parameters.values() if p.name not in ("cfg", "as_json")]
+    # resolve string annotations (modules using `from __future__ import annotations`), or typer would see
+    # strings and drop each option's help and bounds
+    hints = typing.get_type_hints(fn, include_extras=True)
+    own = [p.replace(annotation=hints.get(p.name, p.annotation))
+           for p in inspect.signature(fn).parameters.values() if p.name not in ("cfg", "as_json")]
     shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                 annotation=Annotated[ann, typer.Option(help=help_, rich_help_panel="Configuration")])
               for name, (ann, default, help_) in CONFIG_OPTIONS.items()]

@@ -27,14 +27,14 @@ def compare(
     cfg: RunConfig,
     as_json: bool,
     change: Annotated[Optional[List[str]], typer.Option("--change", help="FIELD=A:B, e.g. micro_batch=1:2, ac=none:full, accum=4:8, seq=512:1024, precision=fp32:bf16-mixed, dp=1:2. Field names as in the config (underscores). Default: micro_batch=1:2.", rich_help_panel=EXP)] = None,
-    experiment: Annotated[Optional[Path], typer.Option("--experiment", "-e", help="An experiment TOML file (config and change tables, keep, predict, rounds ...); its values win over config flags.", rich_help_panel=EXP)] = None,
+    experiment: Annotated[Optional[Path], typer.Option("--experiment", "-e", help="An experiment TOML file (config and change tables, keep, predict, rounds ...). Its config table is applied on top of the config flags; explicit --keep/--predict/--rounds/... flags win over the file.", rich_help_panel=EXP)] = None,
     keep: Annotated[Optional[str], typer.Option(help="global-batch (default): a micro-batch or DP change re-derives accum, an accum change re-derives the micro-batch; accum: the global batch changes.", rich_help_panel=EXP)] = None,
     allow_confounded: Annotated[bool, typer.Option("--allow-confounded", help="Allow more than one independent change (the record says it is confounded).", rich_help_panel=EXP)] = False,
     predict: Annotated[Optional[str], typer.Option(help="Your prediction before anything runs: memory=up,time=down (metrics: memory, time, tokens_per_second, time_to_budget, oom; up/down/same). Asked on a terminal when absent; 'none' skips.", rich_help_panel=EXP)] = None,
     rounds: Annotated[Optional[int], typer.Option(help="Interleaved rounds A B A B ... (>= 3) (default 3).", rich_help_panel=EXP)] = None,
     steps: Annotated[Optional[int], typer.Option(help="Timed updates per process (default 5).", rich_help_panel=EXP)] = None,
     warmup: Annotated[Optional[int], typer.Option(help="Untimed updates per process before timing (>= 1) (default 2).", rich_help_panel=EXP)] = None,
-    threads: Annotated[Optional[int], typer.Option(help="Intra-op threads of the measured processes (OMP_NUM_THREADS); default: torch's. 1 is steadier on a shared machine.", rich_help_panel=EXP)] = None,
+    threads: Annotated[Optional[int], typer.Option(help="Intra-op threads of the measured processes (OMP_NUM_THREADS). Default: 1 on CPU (steadier paired ratios on a shared machine), torch's default on GPUs; 0: torch's default.", rich_help_panel=EXP)] = None,
     token_budget: Annotated[Optional[int], typer.Option(help=f"Tokens for 'time to token budget' (default {DEFAULT_TOKEN_BUDGET:,}).", rich_help_panel=EXP)] = None,
     timeout: Annotated[Optional[float], typer.Option(help="Seconds before one measurement process is killed and recorded as failed.", rich_help_panel=EXP)] = None,
     torch_device: Annotated[Optional[str], typer.Option(help="Local torch device (cpu, cuda, cuda:1, mps); default: the backend of --device.", rich_help_panel=EXP)] = None,
@@ -83,12 +83,13 @@ def _plan(cfg, change, experiment, keep, allow_confounded, predict, rounds, step
     changes = file.changes if file else [parse_change(c, cfg) for c in (change or [DEFAULT_CHANGE])]
     predictions, source = _predictions(predict, file.predictions if file else None)
     pick = lambda flag, key, default: flag if flag is not None else opts.get(key, default)  # noqa: E731
-    return make_plan(cfg, changes, keep=pick(keep, "keep", None) or (file.keep if file and file.keep else KeepMode.GLOBAL_BATCH),
-                     allow_confounded=allow_confounded or bool(opts.get("allow_confounded", False)),
+    keep = keep or (file.keep if file is not None and file.keep is not None else KeepMode.GLOBAL_BATCH)
+    return make_plan(cfg, changes, keep=keep, allow_confounded=allow_confounded or bool(opts.get("allow_confounded")),
                      predictions=predictions, prediction_source=source, rounds=pick(rounds, "rounds", 3),
                      warmup=pick(warmup, "warmup", 2), steps=pick(steps, "steps", 5), timeout_s=timeout,
                      token_budget=pick(token_budget, "token_budget", DEFAULT_TOKEN_BUDGET), formula_only=formula_only,
-                     note=pick(note, "note", ""), torch_device=torch_device, threads=threads)
+                     note=pick(note, "note", ""), torch_device=torch_device,
+                     threads="auto" if threads is None else threads)
 
 
 def _predictions(flag: Optional[str], from_file) -> tuple[dict[Metric, Direction], str]:
@@ -97,9 +98,14 @@ def _predictions(flag: Optional[str], from_file) -> tuple[dict[Metric, Direction
         return p, "flag" if p else "none"
     if from_file is not None:
         return from_file, "file"
-    if sys.stdin.isatty():  # never prompt when input is piped or scripted
+    if _interactive():
         return _ask(), "prompt"
     return {}, "none"
+
+
+def _interactive() -> bool:
+    """Prompt only a person at a terminal; never a pipe, a script or CI."""
+    return sys.stdin.isatty()
 
 
 def _ask() -> dict[Metric, Direction]:

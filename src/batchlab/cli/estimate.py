@@ -36,7 +36,7 @@ def _memory_table(e: Estimate) -> Table:
         ("recompute working set", m.recompute_working_bytes, "one layer rebuilt during its backward"),
         ("temporaries at peak", m.temporaries_bytes, "gradients of activations, buffers"),
         ("data", m.data_bytes, "token ids of one update"),
-        ("allocator margin", m.margin_bytes, f"{e.config.assumptions.allocator_margin:.0%} assumed"),
+        ("allocator margin", m.margin_bytes, f"{m.margin_bytes / max(m.peak_tensor_bytes, 1):.0%} assumed"),
     ]
     for name, n, note in rows:
         t.add_row(name, fmt_bytes(n), note)

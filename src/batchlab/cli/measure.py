@@ -4,11 +4,11 @@ No ``from __future__ import annotations`` here: with_config rebuilds the signatu
 and typer needs the Annotated objects (help, min=) themselves, not their strings.
 """
 
-import sys
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli import app
@@ -116,13 +116,15 @@ def _difference(row: FigureRow) -> str:
 def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str | None) -> None:
     out = Console()
     env = m.environment
-    where = f"{env.get('torch_device', '?')} ({env.get('device_name', '?')}, {env.get('threads', '?')} threads)"
-    out.print(f"[bold]batchlab measure[/]  {env.get('model', cfg.model_source)} on {where}, torch {env.get('torch', '?')}"
-              + ("  [isolated]" if env.get("isolated") else ""))
+    # text from outside (model names, exception messages) is escaped: "[enforce fail ...]" is not markup
+    where = escape(f"{env.get('torch_device', '?')} ({env.get('device_name', '?')}, {env.get('threads', '?')} threads)")
+    out.print(f"[bold]batchlab measure[/]  {escape(str(env.get('model', cfg.model_source)))} on {where}, "
+              f"torch {env.get('torch', '?')}" + (", isolated subprocess" if env.get("isolated") else ""))
     out.print(cfg.global_batch_text())
     out.print(f"activation checkpointing: {cfg.ac}   precision: {cfg.precision}   data: {cfg.data}")
     style = {"ok": "green", "failed": "red"}.get(m.outcome.value, "yellow")
-    out.print(f"outcome: [{style}]{m.outcome.value}[/]" + (f" - {m.outcome_detail}" if m.outcome_detail else ""))
+    out.print(f"outcome: [{style}]{escape(m.outcome.value)}[/]"
+              + (f" - {escape(m.outcome_detail)}" if m.outcome_detail else ""))
     if figures:
         table = Table(show_header=True, header_style="bold")
         for col in ("figure", "measured", "how", "formula", "difference"):
@@ -133,9 +135,9 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
         out.print(table)
     _render_details(out, m)
     if note:
-        out.print(f"[dim]{note}[/]")
+        out.print(f"[dim]{escape(note)}[/]")
     for w in m.warnings:
-        out.print(f"[yellow]warning:[/] {w}")
+        out.print(f"[yellow]warning:[/] {escape(w)}")
 
 
 def _render_details(out: Console, m: Measurement) -> None:
@@ -158,6 +160,3 @@ def _render_details(out: Console, m: Measurement) -> None:
     for line in dp_lines(m):
         out.print(line)
 
-
-def main() -> None:  # pragma: no cover - convenience for `python -m batchlab.cli.measure`
-    sys.exit(app())

@@ -39,11 +39,13 @@ def list_(notebook: NotebookOpt = None, as_json: JsonOpt = False):
         out.print(f"no experiments yet in {book.path}")
         return
     t = Table(show_header=True, header_style="bold", title=str(book.path))
-    for col in ("id", "date", "status", "kind", "variable", "keep", "verdict"):
+    for col in ("id", "date", "status", "variable", "verdict (B/A)"):
         t.add_column(col, overflow="fold")
     for r in rows:
         status = r["status"] if r["status"] == "complete" else f"[yellow]{r['status']}[/]"
-        t.add_row(str(r["id"]), r["created_at"], status, r["kind"], r["variable"], r["keep_mode"], r["verdict"])
+        kind = " [dim](formula only)[/]" if r["kind"] == "formula-only" else ""
+        t.add_row(str(r["id"]), r["created_at"][:16].replace("T", " "), status, r["variable"] + kind,
+                  r["short"] or "-")
     out.print(t)
 
 

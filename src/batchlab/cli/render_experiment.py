@@ -15,15 +15,6 @@ SYMBOL = {"up": "↑ up", "down": "↓ down", "same": "≈ same", None: "-"}
 HELD = {True: "[green]held[/]", False: "[red]missed[/]", None: "-"}
 
 
-def _ratio(m: dict[str, Any]) -> str:
-    return f"{m['ratio']:.3g}" if m.get("ratio") is not None else "-"
-
-
-def _band(m: dict[str, Any]) -> str:
-    b = m.get("band")
-    return f"{b[0]:.3g} – {b[1]:.3g}" if b else "-"
-
-
 def header(out: Console, r: dict[str, Any]) -> None:
     c = r["change"]
     kind = "[yellow]formula only (paper derivation, nothing measured)[/]" if r["kind"] == "formula-only" else "measured"
@@ -47,27 +38,42 @@ def header(out: Console, r: dict[str, Any]) -> None:
     out.print(f"prediction ({p['user_source']}): {user}")
 
 
+ARROW = {"up": "↑", "down": "↓", "same": "≈", None: "-"}
+
+
+def _ratio_band(m: dict[str, Any]) -> str:
+    if m.get("ratio") is None:
+        return "-"
+    b = m.get("band")
+    return f"{m['ratio']:.3g}" + (f" ({b[0]:.3g}–{b[1]:.3g})" if b else "")
+
+
+def _judged(predicted: str | None, held: bool | None, ratio: float | None = None) -> str:
+    if predicted is None:
+        return "-"
+    text = f"{ARROW[predicted]} {HELD[held]}" if held is not None else ARROW[predicted]
+    return text + (f" {ratio:.3g}" if ratio is not None else "")
+
+
 def verdict_table(r: dict[str, Any]) -> Table:
+    """metric | A | B | B/A (band) | observed | you | formula (its B/A) | how obtained."""
     formula_only = r["kind"] == "formula-only"
-    t = Table(show_header=True, header_style="bold", title="verdict" if not formula_only else "formula derivation")
-    cols = ["metric", "A", "B", "B/A", "band", "observed", "you", "formula", "how"]
-    if formula_only:
-        cols = ["metric", "A (formula)", "B (formula)", "B/A", "formula says", "you", "how"]
+    t = Table(show_header=True, header_style="bold", title="formula derivation" if formula_only else "verdict")
+    cols = (["metric", "A (formula)", "B (formula)", "B/A", "formula says", "you", "how"] if formula_only else
+            ["metric", "A", "B", "B/A (band)", "observed", "you", "formula B/A", "how"])
     for col in cols:
         t.add_column(col, justify="left" if col in ("metric", "how", "observed", "formula says") else "right")
     for name, m in r["metrics"].items():
         label = Metric(name).label
         f = m.get("formula") or {}
-        f_ratio = f"; formula B/A {f['ratio']:.3g}" if f.get("ratio") is not None else ""
         if formula_only:
             t.add_row(label, value(f.get("a"), m["unit"]), value(f.get("b"), m["unit"]),
                       f"{f['ratio']:.3g}" if f.get("ratio") is not None else "-", SYMBOL[m["predicted_by_formula"]],
-                      SYMBOL[m["predicted_by_user"]], "formula")
+                      ARROW[m["predicted_by_user"]], "formula")
             continue
-        you = f"{SYMBOL[m['predicted_by_user']]} {HELD[m['held']['user']]}" if m["predicted_by_user"] else "-"
-        formula = f"{SYMBOL[m['predicted_by_formula']]} {HELD[m['held']['formula']]}" if m["predicted_by_formula"] else "-"
-        t.add_row(label, value(m["a"], m["unit"]), value(m["b"], m["unit"]), _ratio(m), _band(m),
-                  SYMBOL[m["observed"]], you, formula, m["provenance"] + f_ratio)
+        t.add_row(label, value(m["a"], m["unit"]), value(m["b"], m["unit"]), _ratio_band(m), SYMBOL[m["observed"]],
+                  _judged(m["predicted_by_user"], m["held"]["user"]),
+                  _judged(m["predicted_by_formula"], m["held"]["formula"], f.get("ratio")), m["provenance"])
     return t
 
 

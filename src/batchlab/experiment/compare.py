@@ -27,6 +27,10 @@ from batchlab.measure.result import measurement_to_dict
 
 DEFAULT_CHANGE = "micro_batch=1:2"
 DEFAULT_TOKEN_BUDGET = 10_000_000  # tokens; the ratio does not depend on it (steady state), the seconds do
+# CPU measurements pin one intra-op thread unless told otherwise: on a shared machine more threads than free
+# cores make OpenMP workers wait on each other, and the paired ratios scatter with the contention (measured
+# on the 2-core machine at load 7: update-time ratios 0.05-7.4 with torch's 2 threads, 0.65-0.80 with 1).
+DEFAULT_CPU_THREADS = 1
 
 
 @dataclass
@@ -46,18 +50,29 @@ def make_plan(base: RunConfig, changes: list[Change], keep: KeepMode | str = Kee
               allow_confounded: bool = False, predictions: dict[Metric, Direction] | None = None,
               prediction_source: str | None = None, rounds: int = 3, warmup: int = 2, steps: int = 5,
               timeout_s: float | None = None, token_budget: int = DEFAULT_TOKEN_BUDGET, formula_only: bool = False,
-              note: str = "", torch_device: str | None = None, threads: int | None = None) -> Plan:
+              note: str = "", torch_device: str | None = None, threads: int | str | None = "auto") -> Plan:
     """Validate everything (raises ConfigError naming the field) before anything is run or written."""
     sides = build_sides(base, changes, KeepMode.parse("keep", keep), allow_confounded)
     check_rounds(rounds)
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget <= 0:
         raise ConfigError("token_budget", f"must be a whole number of tokens > 0, got {token_budget!r}")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ConfigError("threads", f"must be a whole number >= 1, got {threads!r}")
+    threads = _threads(threads, sides, torch_device)
     options = MeasureOptions(warmup=warmup, steps=steps, isolate=True, timeout_s=timeout_s, torch_device=torch_device)
     predictions = dict(predictions or {})
     source = prediction_source or ("flag" if predictions else "none")
     return Plan(sides, predictions, source, rounds, options, token_budget, formula_only, note or "", threads)
+
+
+def _threads(threads: int | str | None, sides: Sides, torch_device: str | None) -> int | None:
+    """"auto": DEFAULT_CPU_THREADS for a CPU measurement, torch's default elsewhere; 0 or None: torch's default."""
+    if threads == "auto":
+        on_cpu = (torch_device or sides.a.device_spec.backend.value).startswith("cpu")
+        return DEFAULT_CPU_THREADS if on_cpu else None
+    if threads is None or threads == 0:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ConfigError("threads", f"must be a whole number >= 1 (0: torch's default), got {threads!r}")
+    return threads
 
 
 def preflight(plan: Plan) -> None:
@@ -161,7 +176,8 @@ def finish(record: dict[str, Any], plan: Plan, rounds: Rounds | None, formula_pr
         if found:
             ctx = Context(s.a, s.b, rounds, plan.options.warmup, plan.options.steps)
             phase = {k: (record["formula"].get(k) or {}).get("memory", {}).get("peak_phase") for k in "ab"}
-            checks = [c.to_dict() for c in diagnose(ctx, vs[Metric.UPDATE_TIME].band, phase)]
+            contradicted = {c["metric"] for c in found}
+            checks = [c.to_dict() for c in diagnose(ctx, vs[Metric.UPDATE_TIME].band, phase, contradicted)]
         record["diagnosis"] = {"contradictions": found, "checks": checks}
     record["semantics"] = semantics(s.a, s.b, run_check=verify and rounds is not None,
                                     why_not="not run: formula only" if rounds is None else "not run (--no-verify)")

@@ -136,15 +136,36 @@ def check_kernel_size(ctx: Context) -> Check:
     flagged = hidden < SMALL_HIDDEN or min(tokens.values()) < SMALL_MATMUL_TOKENS
     return Check("kernel_size", "Are the kernels too small to gain from a larger batch?",
                  f"tokens per micro-batch (b x s): A {tokens['a']}, B {tokens['b']}; hidden {hidden}: the largest "
-                 f"matmuls are ({max(tokens.values())} x {hidden}) x ({hidden} x {4 * hidden})"
+                 f"matmuls are ({max(tokens.values())} x {hidden}) x ({hidden} x {ctx.a.model.ffn})"
                  + ("; matmuls this small are dominated by per-op overhead, which does not shrink per token with "
                     "a larger batch the way it does on big kernels" if flagged else ""), flagged)
 
 
-def diagnose(ctx: Context, time_band: tuple[float, float] | None, formula_phase: dict[str, str | None]) -> list[Check]:
-    """All checks, in the order the issue gives them."""
+TIME_METRICS = {"update_time", "tokens_per_second", "time_to_budget"}
+MEMORY_CHECKS = {"peak_phase"}
+
+
+def _relevant(check: Check, ctx: Context, contradicted: set[str]) -> bool:
+    """A check can explain only contradictions of its own kind (time or memory), and the kernel-size check
+    only a change of the tokens per micro-batch."""
+    if check.name in MEMORY_CHECKS:
+        return "peak_memory" in contradicted
+    if check.name == "kernel_size" and ctx.a.micro_batch * ctx.a.seq == ctx.b.micro_batch * ctx.b.seq:
+        return False
+    return bool(contradicted & TIME_METRICS)
+
+
+def diagnose(ctx: Context, time_band: tuple[float, float] | None, formula_phase: dict[str, str | None],
+             contradicted: set[str] | None = None) -> list[Check]:
+    """All checks, in the order the issue gives them; ``contradicted``: the metrics that went against a
+    prediction (None: all), so a check that cannot explain any of them is reported but not flagged."""
     if not (ctx.timed("a") and ctx.timed("b")):
         return [Check("measured", "Were both sides measured?",
                       "no timed run on one side (out of memory or failed); nothing further to check", True)]
-    return [check_warmup(ctx), check_spread(ctx, time_band), check_data_share(ctx), check_sync(ctx),
-            check_window(ctx), check_peak_phase(ctx, formula_phase), check_kernel_size(ctx)]
+    checks = [check_warmup(ctx), check_spread(ctx, time_band), check_data_share(ctx), check_sync(ctx),
+              check_window(ctx), check_peak_phase(ctx, formula_phase), check_kernel_size(ctx)]
+    for c in checks:
+        if c.flagged and contradicted is not None and not _relevant(c, ctx, contradicted):
+            c.flagged = False
+            c.found += " (cannot explain the contradictions here)"
+    return checks

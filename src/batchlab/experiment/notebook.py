@@ -163,10 +163,28 @@ def _record(row: sqlite3.Row) -> dict[str, Any]:
     return record
 
 
+SHORT = {"peak_memory": "memory", "update_time": "time", "tokens_per_second": "tokens/s", "time_to_budget": "budget",
+         "oom": "oom"}
+ARROW = {"up": "↑", "down": "↓", "same": "≈"}
+
+
+def short_verdict(record: dict[str, Any]) -> str:
+    """``memory ↑1.38 time ↓0.91 ...``: observed (or, formula only, the formula's) direction and ratio."""
+    parts = []
+    for name, m in (record.get("metrics") or {}).items():
+        formula_only = record.get("kind") == "formula-only"
+        d = m.get("predicted_by_formula") if formula_only else m.get("observed")
+        ratio = (m.get("formula") or {}).get("ratio") if formula_only else m.get("ratio")
+        if d is not None:
+            parts.append(f"{SHORT.get(name, name)} {ARROW[d]}" + (f"{ratio:.3g}" if ratio is not None else ""))
+    return " ".join(parts)
+
+
 def _summary(row: sqlite3.Row) -> dict[str, Any]:
+    record = json.loads(row["record"])
     return {"id": row["id"], "created_at": row["created_at"], "status": row["status"], "kind": row["kind"],
             "variable": row["variable"], "keep_mode": row["keep_mode"], "verdict": row["verdict"] or "",
-            "note": row["note"], "interrupted": row["interrupted"]}
+            "short": short_verdict(record), "note": row["note"], "interrupted": row["interrupted"]}
 
 
 CSV_METRIC_FIELDS = ("observed", "ratio", "band_low", "band_high", "predicted_by_user", "predicted_by_formula",

@@ -1,6 +1,11 @@
 """Experiment files: one TOML file holds the baseline, the single change, the keep mode and the prediction.
 
-    [config]                       # the baseline; RunConfig field names, plus model = "preset" and global_batch
+    keep = "global-batch"          # or "accum"
+    predict = { memory = "up", time = "same" }
+    rounds = 3                     # optional: rounds, steps, warmup, token_budget, note, allow_confounded
+
+    [config]                       # the baseline: RunConfig field names, model = "preset", and global_batch
+                                   # (accum derived from it; micro_batch 1 unless given)
     model = "tiny"
     seq = 128
     global_batch = 8
@@ -8,11 +13,11 @@
     [change]                       # exactly one field (more are refused unless allow_confounded = true)
     micro_batch = [1, 2]
 
-    keep = "global-batch"          # or "accum"
-    predict = { memory = "up", time = "same" }
-    rounds = 3                     # optional: rounds, steps, warmup, token_budget, note, allow_confounded
+In TOML, keys after a [table] header belong to that table; the top-level keys above are also accepted
+there (none of them is a config field), so their order in the file does not matter.
 
-Values in the file win over command-line flags.  Torch-free.
+The file's [config] is applied on top of the command-line config; on the command line, explicit
+--keep / --predict / --rounds / --steps / --warmup / --token-budget / --note win over the file's.  Torch-free.
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ def load(path: str | Path, base: RunConfig) -> ExperimentFile:
         raise ConfigError("experiment", f"cannot read {p}: {e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("experiment", f"{p} is not valid TOML: {e}") from None
+    data = _hoist(data)
     unknown = [k for k in data if k not in TOP_LEVEL]
     if unknown:
         raise ConfigError("experiment", f"unknown key {unknown[0]!r} in {p}; allowed: {', '.join(TOP_LEVEL)}")
@@ -73,6 +79,21 @@ def load(path: str | Path, base: RunConfig) -> ExperimentFile:
     return ExperimentFile(cfg, changes, keep, predictions, options)
 
 
+def _hoist(data: dict[str, Any]) -> dict[str, Any]:
+    """Top-level keys written below a [config] or [change] header move back to the top level."""
+    out = dict(data)
+    for table in ("config", "change"):
+        if isinstance(out.get(table), dict):
+            inner = dict(out[table])
+            for key in TOP_LEVEL:
+                if key in inner and key not in ("config", "change"):
+                    if key in out:
+                        raise ConfigError("experiment", f"{key} is given twice (top level and in [{table}])")
+                    out[key] = inner.pop(key)
+            out[table] = inner
+    return out
+
+
 def apply_config(base: RunConfig, table: Any) -> RunConfig:
     if not isinstance(table, dict):
         raise ConfigError("config", "must be a table of RunConfig fields")
@@ -88,8 +109,8 @@ def apply_config(base: RunConfig, table: Any) -> RunConfig:
         cfg = cfg.replace(**values)
     except TypeError as e:
         raise ConfigError("config", str(e)) from None
-    if global_batch is not None:
-        cfg = cfg.with_global_batch(global_batch)
+    if global_batch is not None:  # as --global-batch: the micro-batch is the file's, else 1
+        cfg = cfg.with_global_batch(global_batch, micro_batch=values.get("micro_batch", 1))
     return cfg
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from batchlab.config import RunConfig
 from batchlab.formula.flops import FlopsEstimate, flops
-from batchlab.formula.memory import MemoryEstimate, memory, model_states, optimizer_bytes_per_param
+from batchlab.formula.memory import (MemoryEstimate, allocator_margin, memory, model_states,
+                                     optimizer_bytes_per_param)
 from batchlab.formula.params import ParamCount, count
 from batchlab.formula.timing import TimeEstimate, timing
 
@@ -59,7 +60,8 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"compute rate {t.flops_ceiling / 1e12:.3g} TFLOP/s = peak ({t.ceiling_source}) x achievable fraction "
         f"{a.achievable_fraction:g}",
         f"all-reduce: ring over {t.bandwidth_bytes_per_s / 1e9:.0f} GB/s, {a.comm_overlap:.0%} hidden behind backward",
-        f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes",
+        (f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes" if allocator_margin(cfg)
+         else "no allocator margin on CPU (tensor bytes, as the live-tensor tracker counts them)"),
         "activations counted from the tensors batchlab's built-in GPT keeps (other code: use --trace)",
     )
 

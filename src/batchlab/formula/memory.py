@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchlab.config import ACMode, OptimizerKind, Precision, RunConfig
+from batchlab.config import ACMode, Backend, OptimizerKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula.params import count
 
@@ -140,6 +140,11 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, ba
     return best
 
 
+def allocator_margin(cfg: RunConfig) -> float:
+    """Caching allocators (CUDA, MPS) fragment; on CPU the figure compared is tracked tensor bytes."""
+    return 0.0 if cfg.device_spec.backend is Backend.CPU else cfg.assumptions.allocator_margin
+
+
 def _largest_param(cfg: RunConfig) -> int:
     m = cfg.model
     return max(m.vocab * m.hidden, m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden))
@@ -170,7 +175,7 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     phases = {"forward": forward, "backward": backward, "optimizer": optimizer}
     peak_phase = max(phases, key=phases.get)
     peak_tensor = phases[peak_phase]
-    margin = int(peak_tensor * cfg.assumptions.allocator_margin)
+    margin = int(peak_tensor * allocator_margin(cfg))
     if peak_phase == "optimizer":
         act_at_peak, temp = 0, opt_tmp
     elif peak_phase == "forward":

@@ -303,7 +303,7 @@ class _Steps:
         m.useful_tokens_per_update = round(per_update)
         m.tokens_per_second = per_update / m.time.update_seconds_median
         if m.time.spread > NOISY_SPREAD:
-            m.warnings.append(f"update time is noisy: IQR/median = {m.time.spread:.0%} > {NOISY_SPREAD:.0%} "
+            m.warnings.append(f"update time is noisy: IQR/median = {m.time.spread:.1%} > {NOISY_SPREAD:.0%} "
                               f"over {len(samples)} updates (other load on the machine? more --steps?)")
 
 

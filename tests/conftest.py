@@ -1,0 +1,18 @@
+"""Suite-wide settings: one torch thread per process.
+
+The suite runs on 2-core machines, often beside other work; with one intra-op thread per process the
+in-process tests and the subprocesses they start (isolated runs, DDP ranks) do not oversubscribe the cores.
+Semantics do not depend on the thread count; timing assertions are ratios measured within one run.
+"""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every subprocess a test starts
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
+def pytest_configure(config):
+    try:
+        import torch
+    except ImportError:  # the calculator's tests run without torch
+        return
+    torch.set_num_threads(1)

@@ -1,0 +1,131 @@
+"""`batchlab compare` on the command line: bad input refused with nothing written, keep modes, predictions
+(flag, file, prompt only on a terminal), and one real end-to-end run on the tiny model."""
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+from typer.testing import CliRunner
+
+import batchlab.cli.compare as compare_cli
+from batchlab.cli import app
+from batchlab.experiment.notebook import Notebook
+
+SMALL = ["--seq", "16", "--layers", "2", "--global-batch", "4"]
+ISSUE_KEYS = {"config", "change", "keep_mode", "predictions", "metrics", "diagnosis", "semantics", "scope",
+              "notebook_id"}
+METRIC_KEYS = {"observed", "ratio", "band", "predicted_by_user", "predicted_by_formula", "held"}
+
+
+def invoke(*args: str, input: str | None = None):
+    return CliRunner().invoke(app, ["compare", *args], input=input)
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--change", "colour=1:2"], "colour"),
+    (["--change", "micro_batch=2:2"], "micro_batch"),
+    (["--change", "precision=fp32:fp7"], "precision"),
+    (["--change", "micro_batch=3:2"], "global_batch"),  # global batch 4 is not divisible by 3
+    (["--change", "micro_batch=1:2", "--change", "ac=none:full"], "change"),  # confounded
+    (["--change", "micro_batch"], "change"),
+    (["--predict", "memory=sideways"], "predict"),
+    (["--predict", "speed=up"], "predict"),
+    (["--rounds", "2"], "rounds"),
+    (["--keep", "everything"], "keep"),
+    (["--steps", "0"], "steps"),
+    (["--change", "ac=none:full", "--experiment", "x.toml"], "change"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, field):
+    nb = tmp_path / "sub" / "nb.sqlite"
+    r = invoke(*SMALL, *args, "--notebook", str(nb), "--json")
+    assert r.exit_code == 2, r.output
+    assert r.stdout == ""
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {field}:"), lines
+    assert not nb.exists() and not nb.parent.exists()
+
+
+def formula_only(tmp_path, *args: str) -> dict:
+    r = invoke(*SMALL, "--formula-only", "--notebook", str(tmp_path / "nb.sqlite"), "--json", *args)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_default_change_keeps_the_global_batch_and_shows_the_derived_accum(tmp_path):
+    d = formula_only(tmp_path)
+    assert d["change"]["requested"] == [{"field": "micro_batch", "a": 1, "b": 2}]
+    assert d["change"]["derived"] == {"accum": [4, 2]} and d["keep_mode"] == "global-batch"
+    assert d["change"]["global_batch"] == {"a": 4, "b": 4}
+    assert (d["sides"]["a"]["accum"], d["sides"]["b"]["accum"]) == (4, 2)
+    assert d["warnings"] == []
+
+
+def test_keep_accum_changes_the_global_batch_and_warns(tmp_path):
+    d = formula_only(tmp_path, "--keep", "accum")
+    assert d["change"]["derived"] == {} and d["change"]["global_batch"] == {"a": 4, "b": 8}
+    assert any("learning rate, warmup and schedule" in w for w in d["warnings"])
+    assert d["semantics"]["items"][0]["touched"]  # global batch
+
+
+def test_formula_only_is_labelled_and_saved(tmp_path):
+    d = formula_only(tmp_path, "--change", "ac=none:full", "--predict", "memory=down")
+    assert d["kind"] == "formula-only" and d["notebook_id"] == 1
+    assert all(m["observed"] is None for m in d["metrics"].values())
+    assert d["metrics"]["peak_memory"]["held"] == {"user": None, "formula": None}
+    stored = Notebook(tmp_path / "nb.sqlite").get(1)
+    assert stored["status"] == "complete" and stored["kind"] == "formula-only"
+    r = invoke(*SMALL, "--formula-only", "--change", "ac=none:full", "--notebook", str(tmp_path / "nb.sqlite"))
+    assert "formula only (paper derivation, nothing measured)" in " ".join(r.stdout.split())
+
+
+def test_no_prompt_without_a_terminal_and_a_prompt_with_one(tmp_path, monkeypatch):
+    d = formula_only(tmp_path)
+    assert d["predictions"]["user"] == {} and d["predictions"]["user_source"] == "none"
+    monkeypatch.setattr(compare_cli, "_interactive", lambda: True)
+    r = invoke(*SMALL, "--formula-only", "--notebook", str(tmp_path / "nb.sqlite"), "--json", input="up\nsideways\ndown\n")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout[r.stdout.index("{"):])  # CliRunner echoes the typed answers to stdout
+    assert d["predictions"]["user"] == {"peak_memory": "up", "update_time": "down"}
+    assert "is not up, down or same" in r.stderr  # a bad answer is asked again
+    assert d["predictions"]["user_source"] == "prompt"
+
+
+def test_an_experiment_file_drives_the_command(tmp_path):
+    f = tmp_path / "exp.toml"
+    f.write_text('keep = "global-batch"\npredict = { memory = "down" }\n[config]\nseq = 16\nlayers = 2\n'
+                 'global_batch = 8\n[change]\naccum = [2, 4]\n')
+    d = formula_only(tmp_path, "--experiment", str(f))
+    assert d["predictions"]["user"] == {"peak_memory": "down"} and d["predictions"]["user_source"] == "file"
+    assert (d["sides"]["a"]["micro_batch"], d["sides"]["b"]["micro_batch"]) == (4, 2)
+    assert d["change"]["derived"] == {"micro_batch": [4, 2]}
+
+
+@pytest.mark.slow
+def test_compare_end_to_end_on_the_tiny_model(tmp_path):
+    nb = tmp_path / "nb.sqlite"
+    r = invoke("--seq", "16", "--layers", "2", "--global-batch", "2", "--steps", "2", "--warmup", "1",
+               "--predict", "memory=up,time=same", "--notebook", str(nb), "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert ISSUE_KEYS <= set(d)
+    for name in ("peak_memory", "update_time", "tokens_per_second", "time_to_budget"):
+        m = d["metrics"][name]
+        assert METRIC_KEYS <= set(m) and m["observed"] in ("up", "down", "same")
+        assert m["band"][0] <= m["ratio"] <= m["band"][1]
+        assert m["predicted_by_formula"] in ("up", "down", "same")
+    # verdicts recomputed from the raw rounds: 3 rounds, A then B, fresh processes
+    rounds = d["rounds"]
+    assert len(rounds) == 3 and all(r["a"]["environment"]["isolated"] for r in rounds)
+    paired = [statistics.median(r["b"]["time"]["samples"]) / statistics.median(r["a"]["time"]["samples"]) for r in rounds]
+    assert d["metrics"]["update_time"]["paired_ratios"] == pytest.approx(paired)
+    assert d["metrics"]["update_time"]["band"] == pytest.approx([min(paired), max(paired)])
+    peaks = [r["b"]["memory"]["peak_bytes"] / r["a"]["memory"]["peak_bytes"] for r in rounds]
+    assert d["metrics"]["peak_memory"]["ratio"] == pytest.approx(statistics.median(peaks))
+    assert (rounds[0]["a"]["config"]["micro_batch"], rounds[0]["a"]["config"]["accum"]) == (1, 2)
+    assert (rounds[0]["b"]["config"]["micro_batch"], rounds[0]["b"]["config"]["accum"]) == (2, 1)
+    assert d["semantics"]["gradient_check"]["passed"] is True
+    assert any("CPU" in s for s in d["scope"])
+    assert d["metrics"]["peak_memory"]["held"]["user"] == (d["metrics"]["peak_memory"]["observed"] == "up")
+    row = Notebook(nb).get(d["notebook_id"])
+    assert row["status"] == "complete" and row["metrics"] == d["metrics"]

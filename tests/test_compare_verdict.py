@@ -1,0 +1,200 @@
+"""The compare protocol and its verdicts, driven by an injected measure function with known figures.
+
+The fake returns the numbers a real run would, chosen so that the paired ratios are known by hand; the
+protocol (order, fresh call per side per round, OOM handling), the verdict rule, the predictions and the
+diagnosis are then checked against those hand-computed values.
+"""
+from __future__ import annotations
+
+import pytest
+
+from batchlab.config import ConfigError, RunConfig
+from batchlab.experiment.change import build_sides, parse_change
+from batchlab.experiment.compare import make_plan, run
+from batchlab.experiment.predict import Direction, Metric, parse_predictions
+from batchlab.experiment.protocol import interleave
+from batchlab.experiment.verdict import MEMORY_SAME_TOLERANCE, observe
+from batchlab.measure.options import MeasureOptions
+from batchlab.measure.result import MeasuredMemory, MeasuredTime, Measurement, Outcome
+
+BASE = RunConfig(seq=16, micro_batch=2, accum=2)
+
+
+class FakeMeasure:
+    """Per side: peak bytes, and a median update time per round (5 samples around it); records the calls.
+
+    ``fail``: {(side, round): Outcome} to return instead of a result; ``raise_at``: call number that raises.
+    """
+
+    def __init__(self, a_b, peak=(1000, 1000), times=((1.0, 1.0),) * 3, phase="backward", fail=None,
+                 raise_at=None, exc=KeyboardInterrupt, data_share=0.0):
+        self.a, self.b = a_b
+        self.peak, self.times, self.phase = peak, times, phase
+        self.fail, self.raise_at, self.exc = fail or {}, raise_at, exc
+        self.data_share = data_share
+        self.calls: list[tuple[str, int]] = []
+
+    def __call__(self, cfg: RunConfig, options: MeasureOptions) -> Measurement:
+        assert options.isolate, "compare must measure every side in a fresh process"
+        side = "a" if cfg == self.a else "b"
+        rnd = sum(1 for s, _ in self.calls if s == side)
+        self.calls.append((side, rnd))
+        if self.raise_at is not None and len(self.calls) == self.raise_at:
+            raise self.exc()
+        i = 0 if side == "a" else 1
+        if (side, rnd) in self.fail:
+            return Measurement(cfg.to_dict(), self.fail[(side, rnd)], cfg.global_batch, outcome_detail="fake")
+        med = self.times[rnd][i]
+        samples = [med * 0.98, med, med * 1.01, med, med * 1.02]
+        phases = {"data": med * self.data_share, "forward": med * (1 - self.data_share) / 2,
+                  "backward": med * (1 - self.data_share) / 2}
+        tokens = cfg.global_batch * cfg.seq
+        return Measurement(cfg.to_dict(), Outcome.OK, cfg.global_batch,
+                           memory=MeasuredMemory(self.peak[i], self.peak[i] // 2, self.phase),
+                           time=MeasuredTime(samples=samples, phase_seconds=phases, warmup=options.warmup),
+                           tokens_per_second=tokens / med, useful_tokens_per_update=tokens,
+                           environment={"torch_device": "cpu"})
+
+
+def plan_for(change="micro_batch=1:2", predict=None, **kw):
+    p = make_plan(BASE, [parse_change(change, BASE)], predictions=parse_predictions(predict), **kw)
+    return p
+
+
+def test_sides_are_measured_interleaved_in_fresh_calls():
+    s = build_sides(BASE, [parse_change("micro_batch=1:2", BASE)])
+    fake = FakeMeasure((s.a, s.b), times=((1.0, 1.0),) * 4)
+    seen = []
+    r = interleave(s.a, s.b, 4, MeasureOptions(isolate=True), fake, lambda d, t, label: seen.append((d, t)))
+    assert fake.calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3), ("b", 3)]
+    assert len(r.a) == len(r.b) == 4 and seen[-1] == (8, 8)
+
+
+@pytest.mark.parametrize("rounds", [0, 2, "3"])
+def test_fewer_than_three_rounds_are_refused(rounds):
+    with pytest.raises(ConfigError) as e:
+        plan_for(rounds=rounds)
+    assert e.value.field == "rounds"
+
+
+def test_ratio_band_and_direction_come_from_the_paired_rounds():
+    # round medians chosen so the paired ratios B/A are 1.2, 1.5, 1.3 although A itself drifts 2x
+    times = ((1.0, 1.2), (2.0, 3.0), (1.5, 1.95))
+    p = plan_for("ac=none:full", "memory=down,time=up,tokens_per_second=down")
+    fake = FakeMeasure((p.sides.a, p.sides.b), peak=(4000, 1000), times=times)
+    rec = run(p, measure=fake, verify=False)
+    t = rec["metrics"]["update_time"]
+    assert t["paired_ratios"] == pytest.approx([1.2, 1.5, 1.3])
+    assert t["ratio"] == pytest.approx(1.3) and t["band"] == pytest.approx([1.2, 1.5])
+    assert t["observed"] == "up" and t["held"] == {"user": True, "formula": True}
+    assert t["a"] == pytest.approx(1.5) and t["b"] == pytest.approx(1.95)  # medians over rounds
+    tps = rec["metrics"]["tokens_per_second"]
+    assert tps["paired_ratios"] == pytest.approx([1 / 1.2, 1 / 1.5, 1 / 1.3]) and tps["observed"] == "down"
+    # same global batch and sequence: time to a token budget moves exactly like update time
+    ttb = rec["metrics"]["time_to_budget"]
+    assert ttb["ratio"] == pytest.approx(1.3) and ttb["a"] == pytest.approx(p.token_budget / (p.sides.a.tokens_per_update / 1.5))
+    mem = rec["metrics"]["peak_memory"]
+    assert mem["ratio"] == 0.25 and mem["band"] == [0.25, 0.25] and mem["observed"] == "down"
+    assert mem["provenance"] == "allocator" and t["provenance"] == "wall-clock"
+    assert rec["diagnosis"] == {"contradictions": [], "checks": []}
+
+
+def test_a_band_that_reaches_one_is_same_even_when_the_median_moved():
+    ratio, band, d = observe([0.8, 1.1, 0.9], Metric.UPDATE_TIME)
+    assert (ratio, band, d) == (0.9, (0.8, 1.1), Direction.SAME)
+    assert observe([0.8, 0.95, 0.9], Metric.UPDATE_TIME)[2] is Direction.DOWN
+
+
+def test_memory_within_the_tolerance_is_same_and_outside_it_is_not():
+    small = 1 + MEMORY_SAME_TOLERANCE / 2
+    assert observe([small] * 3, Metric.PEAK_MEMORY)[2] is Direction.SAME
+    assert observe([small] * 3, Metric.UPDATE_TIME)[2] is Direction.UP  # timing has no such tolerance
+    assert observe([1.05] * 3, Metric.PEAK_MEMORY)[2] is Direction.UP
+
+
+def test_a_contradiction_gets_the_diagnosis_in_order_with_findings():
+    # the person says time goes down; it goes up, with a peak at the optimizer step and 20% data share
+    p = plan_for("micro_batch=1:2", "memory=up,time=down", steps=3)
+    fake = FakeMeasure((p.sides.a, p.sides.b), peak=(1000, 1000), times=((1.0, 1.1),) * 3, phase="optimizer",
+                       data_share=0.2)
+    rec = run(p, measure=fake, verify=False)
+    assert {"metric": "update_time", "who": "you", "predicted": "down", "observed": "up"} in rec["diagnosis"]["contradictions"]
+    assert {"metric": "peak_memory", "who": "you", "predicted": "up", "observed": "same"} in rec["diagnosis"]["contradictions"]
+    checks = rec["diagnosis"]["checks"]
+    assert [c["name"] for c in checks] == ["warmup", "spread", "data_loading", "synchronisation", "window",
+                                           "peak_phase", "kernel_size"]
+    by = {c["name"]: c for c in checks}
+    assert by["peak_phase"]["flagged"] and "A optimizer, B optimizer" in by["peak_phase"]["found"]
+    assert by["data_loading"]["flagged"] and "20.0%" in by["data_loading"]["found"]
+    assert by["window"]["flagged"] and "3 timed updates" in by["window"]["found"]  # fewer than 5
+    assert not by["warmup"]["flagged"] and not by["synchronisation"]["flagged"]
+    assert by["kernel_size"]["flagged"] and "A 16, B 32" in by["kernel_size"]["found"]  # b x s tokens
+    assert rec["metrics"]["peak_memory"]["held"]["user"] is False
+
+
+def test_the_formula_prediction_is_the_direction_of_its_own_ratio():
+    from batchlab.formula import estimate
+
+    p = plan_for("ac=none:full")
+    fake = FakeMeasure((p.sides.a, p.sides.b))
+    rec = run(p, measure=fake, verify=False)
+    ea, eb = estimate(p.sides.a), estimate(p.sides.b)
+    mem = rec["metrics"]["peak_memory"]["formula"]
+    assert mem["ratio"] == pytest.approx(eb.memory.peak_bytes / ea.memory.peak_bytes)
+    assert rec["predictions"]["formula"]["peak_memory"] == ("down" if mem["ratio"] < 0.99 else "up")
+    assert rec["predictions"]["formula"]["update_time"] == "up"  # recompute adds one forward
+    assert rec["formula"]["a"]["provenance"] == "formula"
+
+
+def test_an_oom_side_is_not_run_again_and_other_metrics_stay_undecided():
+    p = plan_for("micro_batch=1:2", "oom=up")
+    fake = FakeMeasure((p.sides.a, p.sides.b), fail={("b", 0): Outcome.OOM_BUDGET})
+    rec = run(p, measure=fake, verify=False)
+    assert fake.calls == [("a", 0), ("b", 0), ("a", 1), ("a", 2)]
+    oom = rec["metrics"]["oom"]
+    assert (oom["a"], oom["b"], oom["observed"], oom["held"]["user"]) == (False, True, "up", True)
+    assert rec["metrics"]["update_time"]["observed"] is None
+    assert any("not run again" in w for w in rec["warnings"])
+
+
+def test_formula_only_measures_nothing_and_says_so():
+    p = plan_for("ac=none:full", "memory=down", formula_only=True)
+    fake = FakeMeasure((p.sides.a, p.sides.b))
+    rec = run(p, measure=fake)
+    assert fake.calls == [] and rec["kind"] == "formula-only"
+    m = rec["metrics"]["peak_memory"]
+    assert m["observed"] is None and m["held"]["user"] is None and m["predicted_by_formula"] == "down"
+    assert rec["scope"][0].startswith("Formula only")
+    assert rec["semantics"]["gradient_check"]["ran"] is False
+
+
+def test_the_real_gradient_check_runs_for_an_accumulation_split():
+    p = plan_for("micro_batch=1:2")
+    rec = run(p, measure=FakeMeasure((p.sides.a, p.sides.b)))
+    check = rec["semantics"]["gradient_check"]
+    assert check["kind"] == "split" and check["ran"] and check["passed"]
+    assert check["max_rel_diff"] <= 1e-5
+    touched = {i["name"]: i for i in rec["semantics"]["items"]}
+    assert not touched["global batch"]["touched"] and touched["global batch"]["verified"].startswith("verified")
+    assert touched["RNG under recompute"]["touched"] is False
+
+
+def test_the_semantics_of_a_global_batch_change_are_flagged_and_not_claimed_verified():
+    p = plan_for("micro_batch=1:2", keep="accum")
+    rec = run(p, measure=FakeMeasure((p.sides.a, p.sides.b)))
+    items = {i["name"]: i for i in rec["semantics"]["items"]}
+    for name in ("global batch", "learning-rate scaling", "scheduler step count"):
+        assert items[name]["touched"] and not items[name]["verified"]
+    assert rec["semantics"]["gradient_check"]["ran"] is False
+
+
+def test_only_checks_that_can_explain_the_contradiction_are_flagged():
+    # memory alone goes against the prediction: timing checks are reported but cannot explain it
+    p = plan_for("micro_batch=1:2", "memory=down,time=same", steps=3)
+    fake = FakeMeasure((p.sides.a, p.sides.b), peak=(1000, 1200), phase="optimizer", data_share=0.2)
+    rec = run(p, measure=fake, verify=False)
+    assert [c["metric"] for c in rec["diagnosis"]["contradictions"] if c["who"] == "you"] == ["peak_memory"]
+    by = {c["name"]: c for c in rec["diagnosis"]["checks"]}
+    assert by["peak_phase"]["flagged"]
+    for name in ("data_loading", "window", "kernel_size"):
+        assert not by[name]["flagged"] and by[name]["found"].endswith("(cannot explain the contradictions here)")

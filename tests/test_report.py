@@ -1,0 +1,67 @@
+"""Experiment reports: Markdown + PNGs and a self-contained HTML page, every figure labelled with how its
+numbers were obtained, global batch = micro x accum x DP printed for both sides."""
+from __future__ import annotations
+
+import base64
+import re
+
+import pytest
+
+from batchlab.experiment.compare import run
+from batchlab.report import figures, write_report
+from test_compare_verdict import FakeMeasure, plan_for
+
+PROVENANCE = {"formula", "trace", "allocator", "wall-clock"}
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def measured():
+    p = plan_for("ac=none:full", "memory=down,time=down", note="quiet")
+    rec = run(p, measure=FakeMeasure((p.sides.a, p.sides.b), peak=(4000, 1000), times=((1.0, 1.5),) * 3),
+              verify=False)
+    rec["notebook_id"] = 5
+    return rec
+
+
+def test_every_figure_names_its_provenance(measured):
+    figs = figures(measured)
+    assert [f.name for f in figs] == ["memory", "time", "ratios", "phases"]
+    for f in figs:
+        assert f.sources and set(f.sources) <= PROVENANCE and f.png.startswith(PNG)
+    by = {f.name: f for f in figs}
+    assert by["memory"].sources == ("allocator", "formula") and by["phases"].sources == ("wall-clock",)
+
+
+def test_markdown_and_html_are_written_with_labels_and_global_batch(measured, tmp_path):
+    paths = write_report(measured, tmp_path / "out")
+    assert [p.name for p in paths] == ["experiment-5.md", "experiment-5.html"]
+    md = paths[0].read_text()
+    for side in ("A", "B"):
+        assert f"- {side}: global batch = micro-batch x accum x DP = 2 x 2 x 1 = 4 sequences" in md
+    images = re.findall(r"!\[Figure \d+: [^]]+\]\(([^)]+)\)", md)
+    assert images == [f"experiment-5-{n}.png" for n in ("memory", "time", "ratios", "phases")]
+    for name in images:
+        assert (tmp_path / "out" / name).read_bytes().startswith(PNG)
+    captions = re.findall(r"\*Figure \d+ — [^[]+\[([^]]+)\]", md)
+    assert len(captions) == 4 and all(set(c.split(" / ")) <= PROVENANCE for c in captions)
+    assert "| update time | 1 s | 1.5 s | 1.5 | 1.5 – 1.5 | ↑ up | ↓ down (missed) |" in md
+    assert "## Diagnosis" in md and "you predicted update_time down, observed up" in md
+    page = paths[1].read_text()
+    assert "global batch = micro-batch x accum x DP = 2 x 2 x 1 = 4" in page
+    # self-contained: every image inline, nothing fetched from elsewhere
+    srcs = re.findall(r"src='([^']+)'", page)
+    assert len(srcs) == 4 and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert base64.b64decode(srcs[0].split(",", 1)[1]).startswith(PNG)
+    assert not re.search(r"(href|src)=['\"]?https?:", page) and "<script" not in page
+    assert len(re.findall(r"<figcaption>Figure \d+ — [^<]+<span class='src'>\[[a-z/ -]+\]</span>", page)) == 4
+
+
+def test_a_formula_only_report_says_it_is_a_derivation(tmp_path):
+    p = plan_for("ac=none:full", formula_only=True)
+    rec = run(p)
+    figs = figures(rec)
+    assert all(f.sources == ("formula",) for f in figs)
+    md = write_report(rec, tmp_path)[0].read_text()
+    assert "formula only — a paper derivation, nothing measured" in md
+    assert "## Formula derivation (not an observation)" in md and "| metric | A (formula) |" in md
