@@ -129,3 +129,22 @@ def test_compare_end_to_end_on_the_tiny_model(tmp_path):
     assert d["metrics"]["peak_memory"]["held"]["user"] == (d["metrics"]["peak_memory"]["observed"] == "up")
     row = Notebook(nb).get(d["notebook_id"])
     assert row["status"] == "complete" and row["metrics"] == d["metrics"]
+
+
+def test_a_side_that_fails_to_run_exits_1_with_the_record_saved(tmp_path, monkeypatch):
+    from batchlab.experiment import protocol
+    from batchlab.measure.result import Measurement, Outcome
+    from test_compare_verdict import FakeMeasure
+
+    def measure(cfg, options):
+        if cfg.micro_batch == 2:
+            return Measurement(cfg.to_dict(), Outcome.FAILED, cfg.global_batch, outcome_detail="killed by SIGKILL")
+        return FakeMeasure((cfg, None))(cfg, options)
+
+    monkeypatch.setattr(protocol, "_default_measure", measure)
+    nb = tmp_path / "nb.sqlite"
+    r = invoke(*SMALL, "--no-verify", "--notebook", str(nb), "--json")
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.stdout)
+    assert d["rounds"][0]["b"]["outcome"] == "failed" and d["rounds"][1]["b"] is None
+    assert Notebook(nb).get(1)["status"] == "complete"

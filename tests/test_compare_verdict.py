@@ -198,3 +198,31 @@ def test_only_checks_that_can_explain_the_contradiction_are_flagged():
     assert by["peak_phase"]["flagged"]
     for name in ("data_loading", "window", "kernel_size"):
         assert not by[name]["flagged"] and by[name]["found"].endswith("(cannot explain the contradictions here)")
+
+
+def test_cpu_measurements_pin_one_thread_unless_told_otherwise():
+    import os
+
+    from batchlab.experiment.compare import DEFAULT_CPU_THREADS
+    from batchlab.experiment.protocol import threads_env
+
+    assert plan_for().threads == DEFAULT_CPU_THREADS == 1
+    assert plan_for(threads=0).threads is None and plan_for(threads=3).threads == 3
+    gpu = RunConfig(seq=16, micro_batch=2, accum=2, device="h100-sxm")
+    assert make_plan(gpu, [parse_change("ac=none:full", gpu)]).threads is None
+    with pytest.raises(ConfigError) as e:
+        plan_for(threads=-1)
+    assert e.value.field == "threads"
+    before = os.environ.get("OMP_NUM_THREADS")
+    with threads_env(3):
+        assert os.environ["OMP_NUM_THREADS"] == "3"
+    assert os.environ.get("OMP_NUM_THREADS") == before
+
+
+def test_a_side_that_fails_leaves_every_metric_undecided_with_a_reason():
+    p = plan_for("micro_batch=1:2", "memory=up")
+    fake = FakeMeasure((p.sides.a, p.sides.b), fail={("b", 0): Outcome.FAILED})
+    rec = run(p, measure=fake, verify=False)
+    assert all(m["observed"] is None and m["held"]["user"] is None for m in rec["metrics"].values())
+    assert rec["metrics"]["oom"]["note"] == "side B failed; OOM not decided"
+    assert rec["diagnosis"]["contradictions"] == []

@@ -212,7 +212,12 @@ def _defaults(device) -> tuple[tuple[int, ...], int]:
     # sizes large enough to reach the ceiling, small enough for a few seconds on a 2-core CPU
     if device.type == "cpu":
         return (512, 1024, 2048), 256 * 2**20
-    return (2048, 4096, 8192), 2 * 2**30
+    copy = 2 * 2**30
+    if device.type == "cuda":
+        import torch
+
+        copy = min(copy, torch.cuda.mem_get_info(device)[0] // 4)  # source + destination, room to spare
+    return (2048, 4096, 8192), copy
 
 
 def measure(torch_device: str = "cpu", seconds: float = 3.0, sizes: tuple[int, ...] | None = None,

@@ -26,7 +26,7 @@ PROMPTED = (Metric.PEAK_MEMORY, Metric.UPDATE_TIME)
 def compare(
     cfg: RunConfig,
     as_json: bool,
-    change: Annotated[Optional[List[str]], typer.Option("--change", help="FIELD=A:B, e.g. micro_batch=1:2, ac=none:full, accum=4:8, seq=512:1024, precision=fp32:bf16-mixed, dp=1:2. Field names as in the config (underscores). Default: micro_batch=1:2.", rich_help_panel=EXP)] = None,
+    change: Annotated[Optional[List[str]], typer.Option("--change", help="FIELD=A:B, e.g. micro_batch=1:2, ac=none:full, accum=4:8, seq=512:1024, precision=fp32:bf16-mixed, dp=1:2. Field names as in the config (underscores). Default: micro_batch=1:2 with the global batch kept (8 with the default flags: 1 x 8 vs 2 x 4).", rich_help_panel=EXP)] = None,
     experiment: Annotated[Optional[Path], typer.Option("--experiment", "-e", help="An experiment TOML file (config and change tables, keep, predict, rounds ...). Its config table is applied on top of the config flags; explicit --keep/--predict/--rounds/... flags win over the file.", rich_help_panel=EXP)] = None,
     keep: Annotated[Optional[str], typer.Option(help="global-batch (default): a micro-batch or DP change re-derives accum, an accum change re-derives the micro-batch; accum: the global batch changes.", rich_help_panel=EXP)] = None,
     allow_confounded: Annotated[bool, typer.Option("--allow-confounded", help="Allow more than one independent change (the record says it is confounded).", rich_help_panel=EXP)] = False,

@@ -131,9 +131,12 @@ def factors(out: Console, r: dict[str, Any]) -> None:
 def render(out: Console, r: dict[str, Any], notebook_path: Path | None = None,
            report_paths: list[Path] | None = None) -> None:
     header(out, r)
-    out.print(verdict_table(r))
-    if r["kind"] != "formula-only":
-        out.print(f"[dim]band: {r['protocol']['band_method']}[/]")
+    if not r.get("metrics"):
+        out.print("[yellow]no verdict: the experiment did not finish[/]")
+    else:
+        out.print(verdict_table(r))
+        if r["kind"] != "formula-only":
+            out.print(f"[dim]band: {r['protocol']['band_method']}[/]")
     diagnosis(out, r)
     semantics(out, r)
     scope(out, r)

@@ -8,6 +8,7 @@ The record is a plain JSON-able dict so that the notebook, the report and ``--js
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,22 +90,26 @@ def preflight(plan: Plan) -> None:
         check_budget(cfg)
 
 
-def _formula(sides: Sides, token_budget: int) -> dict[str, Any]:
+FormulaPrediction = dict[Metric, dict[str, Any]]
+
+
+def _formula(sides: Sides, token_budget: int) -> tuple[dict[str, Any], FormulaPrediction | None]:
+    """The formula's estimate of both sides (for the record) and its prediction per metric."""
     try:
         from batchlab.formula import estimate
 
         ea, eb = estimate(sides.a), estimate(sides.b)
     except Exception as e:  # noqa: BLE001 — a factory model has no formula; the measurement stands alone
-        return {"available": False, "reason": f"{type(e).__name__}: {e}"[:300], "provenance": "formula"}
+        return {"available": False, "reason": f"{type(e).__name__}: {e}"[:300], "provenance": "formula"}, None
     pred = formula_prediction(FormulaSide.from_estimate(ea), FormulaSide.from_estimate(eb), token_budget)
     return {"available": True, "provenance": "formula", "a": ea.to_dict(), "b": eb.to_dict(),
-            "prediction": {m.value: to_jsonable(p) for m, p in pred.items()}, "_pred": pred}
+            "prediction": {m.value: to_jsonable(p) for m, p in pred.items()}}, pred
 
 
-def initial_record(plan: Plan, formula: dict[str, Any]) -> dict[str, Any]:
+def initial_record(plan: Plan, formula: dict[str, Any], pred: FormulaPrediction | None) -> dict[str, Any]:
     """Everything known before anything runs: the change, both predictions, the formula estimate."""
     s = plan.sides
-    pred = formula.get("_pred") or {}
+    pred = pred or {}
     return {
         "kind": "formula-only" if plan.formula_only else "measured",
         "created_at": now(),
@@ -114,7 +119,7 @@ def initial_record(plan: Plan, formula: dict[str, Any]) -> dict[str, Any]:
         "predictions": {"user": {m.value: d.value for m, d in plan.predictions.items()},
                         "user_source": plan.prediction_source,
                         "formula": {m.value: (p["direction"].value if p["direction"] else None) for m, p in pred.items()}},
-        "formula": {k: v for k, v in formula.items() if k != "_pred"},
+        "formula": formula,
         "sides": {"a": s.a.to_dict(), "b": s.b.to_dict()},
         "protocol": {"rounds": 0 if plan.formula_only else plan.rounds, "warmup": plan.options.warmup,
                      "steps": plan.options.steps, "isolated": True, "threads": plan.threads, "order": "A B A B ...",
@@ -132,8 +137,8 @@ def run(plan: Plan, notebook: Notebook | None = None, measure: MeasureFn | None 
     preflight(plan)
     t0 = time.perf_counter()
     before = factors.Snapshot()
-    formula = _formula(plan.sides, plan.token_budget)
-    record = initial_record(plan, formula)
+    formula, pred = _formula(plan.sides, plan.token_budget)
+    record = initial_record(plan, formula, pred)
     exp_id = notebook.begin(record) if notebook is not None else None
     record["notebook_id"] = exp_id
     try:
@@ -141,14 +146,14 @@ def run(plan: Plan, notebook: Notebook | None = None, measure: MeasureFn | None 
         if not plan.formula_only:
             with threads_env(plan.threads):
                 rounds = interleave(plan.sides.a, plan.sides.b, plan.rounds, plan.options, measure, progress)
-        finish(record, plan, rounds, formula.get("_pred"), verify, before)
+        finish(record, plan, rounds, pred, verify, before)
     except ConfigError:
         if notebook is not None and exp_id is not None:
             notebook.discard(exp_id)  # bad input found late: leave nothing behind
         raise
     except BaseException as e:
         if notebook is not None and exp_id is not None:
-            notebook.interrupt(exp_id, f"{type(e).__name__}: {e}"[:300] or type(e).__name__)
+            notebook.interrupt(exp_id, (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:300])
         raise
     record["wall_seconds"] = time.perf_counter() - t0
     record["finished_at"] = now()
@@ -158,8 +163,9 @@ def run(plan: Plan, notebook: Notebook | None = None, measure: MeasureFn | None 
     return record
 
 
-def finish(record: dict[str, Any], plan: Plan, rounds: Rounds | None, formula_pred, verify: bool,
-           before: factors.Snapshot) -> None:
+def finish(record: dict[str, Any], plan: Plan, rounds: Rounds | None, formula_pred: FormulaPrediction | None,
+           verify: bool, before: factors.Snapshot) -> None:
+    """Verdicts, diagnosis, semantics, scope and factors, added to the record."""
     s = plan.sides
     vs = verdicts(rounds, plan.predictions, formula_pred, plan.token_budget)
     record["metrics"] = {m.value: v.to_dict() for m, v in vs.items()}
@@ -194,8 +200,6 @@ def _m(m) -> dict[str, Any] | None:
 def _noise(rounds: Rounds | None, vs) -> dict[str, Any]:
     if rounds is None:
         return {}
-    import statistics
-
     spread = {}
     for side in "ab":
         values = [m.time.spread for m in rounds.side(side) if m is not None and m.time is not None and m.time.samples]

@@ -71,10 +71,13 @@ class Notebook:
 
     # -- writes
     def _connect(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, timeout=30)
-        conn.row_factory = sqlite3.Row
-        conn.executescript(SCHEMA)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=30)
+            conn.row_factory = sqlite3.Row
+            conn.executescript(SCHEMA)
+        except (OSError, sqlite3.DatabaseError) as e:
+            raise ConfigError("notebook", f"cannot open {self.path} as a batchlab notebook: {e}") from None
         return conn
 
     def begin(self, record: dict[str, Any]) -> int:

@@ -1,0 +1,203 @@
+"""Figures of one experiment record (matplotlib, Agg backend, imported only when drawing).
+
+Every figure names the provenance of its numbers (``formula`` / ``trace`` / ``allocator`` / ``wall-clock``)
+in its title, in a footer inside the image, and in its caption.
+"""
+from __future__ import annotations
+
+import io
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+METRIC_LABELS = {"peak_memory": "peak memory", "update_time": "update time", "tokens_per_second": "useful tokens/s",
+                 "time_to_budget": "time to token budget", "oom": "out of memory"}
+
+
+@dataclass
+class Figure:
+    name: str
+    title: str
+    sources: tuple[str, ...]  # provenance labels of the numbers drawn
+    caption: str
+    png: bytes
+
+    @property
+    def label(self) -> str:
+        return " / ".join(self.sources)
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _axes(title: str, sources: tuple[str, ...], size=(6.0, 3.6)):
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    ax.set_title(f"{title}  [{' / '.join(sources)}]", fontsize=10)
+    # below the tick labels; bbox_inches="tight" keeps it inside the saved image
+    fig.text(0.99, -0.06, "sources: " + ", ".join(sources), ha="right", va="top", fontsize=7, color="0.35")
+    return fig, ax
+
+
+def _side_values(record: dict[str, Any], key: str) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"a": [], "b": []}
+    for r in record.get("rounds", []):
+        for side in "ab":
+            m = r.get(side)
+            if not m or m.get("outcome") != "ok":
+                continue
+            if key == "peak" and m.get("memory"):
+                out[side].append(m["memory"]["peak_bytes"])
+            elif key == "time" and m.get("time") and m["time"].get("samples"):
+                out[side].append(m["time"]["update_seconds_median"])
+    return out
+
+
+def _formula_pair(record: dict[str, Any], path: tuple[str, str]) -> list[float | None]:
+    f = record.get("formula") or {}
+    if not f.get("available"):
+        return [None, None]
+    return [f[s][path[0]].get(path[1]) for s in "ab"]
+
+
+def memory_figure(record: dict[str, Any]) -> Figure:
+    measured = _side_values(record, "peak")
+    formula = _formula_pair(record, ("memory", "peak_bytes"))
+    has_measured = any(measured.values())
+    sources = (("allocator",) if has_measured else ()) + (("formula",) if formula[0] is not None else ())
+    fig, ax = _axes("Peak memory per update", sources)
+    x = [0, 1]
+    mib = 2**20
+    if has_measured:
+        ax.bar([i - 0.2 for i in x], [max(measured[s]) / mib if measured[s] else 0 for s in "ab"], 0.4,
+               label="measured (allocator)", color="#4477aa")
+    if formula[0] is not None:
+        ax.bar([i + (0.2 if has_measured else 0) for i in x], [v / mib for v in formula], 0.4,
+               label="formula", color="#cccccc", edgecolor="#555555", hatch="//")
+    ax.set_xticks(x, [f"A\n{_side_text(record, 'a')}", f"B\n{_side_text(record, 'b')}"], fontsize=8)
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=8)
+    return Figure("memory", "Peak memory per update", sources,
+                  "Peak memory of one optimizer update for both sides"
+                  + (": measured (allocator) beside the formula estimate" if has_measured else ": formula estimate")
+                  + ".", _png(fig))
+
+
+def time_figure(record: dict[str, Any]) -> Figure:
+    measured = _side_values(record, "time")
+    formula = _formula_pair(record, ("time", "update_seconds"))
+    has_measured = any(measured.values())
+    sources = (("wall-clock",) if has_measured else ()) + (("formula",) if formula[0] is not None else ())
+    fig, ax = _axes("Update time", sources)
+    for i, s in enumerate("ab"):
+        if measured[s]:
+            ax.scatter([i] * len(measured[s]), [v * 1e3 for v in measured[s]], color="#4477aa", zorder=3,
+                       label="measured per round (wall-clock)" if i == 0 else None)
+        if formula[i] is not None:
+            ax.hlines(formula[i] * 1e3, i - 0.3, i + 0.3, colors="#aa3377", linestyles="dashed",
+                      label="formula" if i == 0 else None)
+    ax.set_xticks([0, 1], [f"A\n{_side_text(record, 'a')}", f"B\n{_side_text(record, 'b')}"], fontsize=8)
+    ax.set_xlim(-0.6, 1.6)
+    ax.set_ylabel("ms per optimizer update")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    return Figure("time", "Update time", sources,
+                  "Update time for both sides" + (": the median of each round's timed updates (wall-clock), one "
+                                                  "dot per round, beside the formula estimate" if has_measured
+                                                  else ": formula estimate") + ".", _png(fig))
+
+
+def ratio_figure(record: dict[str, Any]) -> Figure | None:
+    metrics = record.get("metrics") or {}
+    series = [(k, metrics[k]) for k in ("peak_memory", "update_time", "tokens_per_second")
+              if metrics.get(k, {}).get("paired_ratios")]
+    if not series:
+        return None
+    sources = ("allocator", "wall-clock", "formula")
+    fig, ax = _axes("Paired ratio B/A per round", sources, size=(6.4, 3.6))
+    colors = {"peak_memory": "#4477aa", "update_time": "#ee6677", "tokens_per_second": "#228833"}
+    for j, (k, m) in enumerate(series):
+        xs = [j + 0.08 * (i - (len(m["paired_ratios"]) - 1) / 2) for i in range(len(m["paired_ratios"]))]
+        ax.scatter(xs, m["paired_ratios"], color=colors[k], zorder=3)
+        lo, hi = m["band"]
+        ax.vlines(j, lo, hi, colors=colors[k], linewidth=6, alpha=0.3)
+        if m["formula"].get("ratio") is not None:
+            ax.hlines(m["formula"]["ratio"], j - 0.3, j + 0.3, colors="#555555", linestyles="dashed",
+                      label="formula B/A" if j == 0 else None)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(series)), [f"{METRIC_LABELS[k]}\n({m['provenance']})" for k, m in series], fontsize=8)
+    ax.set_ylabel("B / A")
+    ax.legend(fontsize=8)
+    return Figure("ratios", "Paired ratio B/A per round", sources,
+                  "Each dot is one round's ratio B/A (sides measured back to back); the shaded bar is the noise band "
+                  "(min to max over rounds); a band that crosses the black 1.0 line means no effect beyond the noise; "
+                  "dashed: the formula's ratio.", _png(fig))
+
+
+def phase_figure(record: dict[str, Any]) -> Figure | None:
+    phases = ("data", "forward", "backward", "optimizer")
+    split: dict[str, dict[str, float]] = {}
+    for s in "ab":
+        per = [r[s]["time"]["phase_seconds"] for r in record.get("rounds", [])
+               if r.get(s) and r[s].get("time") and r[s]["time"].get("phase_seconds")]
+        if per:
+            split[s] = {p: statistics.median(d.get(p, 0.0) for d in per) for p in phases}
+    if len(split) < 2:
+        return None
+    fig, ax = _axes("Update time by phase", ("wall-clock",))
+    bottom = [0.0, 0.0]
+    for p, color in zip(phases, ("#bbbbbb", "#4477aa", "#ee6677", "#ccbb44")):
+        vals = [split[s][p] * 1e3 for s in "ab"]
+        ax.bar([0, 1], vals, 0.5, bottom=bottom, label=p, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks([0, 1], [f"A\n{_side_text(record, 'a')}", f"B\n{_side_text(record, 'b')}"], fontsize=8)
+    ax.set_ylabel("ms per optimizer update (median over rounds)")
+    ax.legend(fontsize=8)
+    return Figure("phases", "Update time by phase", ("wall-clock",),
+                  "Per-phase split of one update (median of each round's per-phase medians, wall-clock): data, "
+                  "forward, backward (all micro-batches) and the optimizer step.", _png(fig))
+
+
+def formula_breakdown_figure(record: dict[str, Any]) -> Figure | None:
+    f = record.get("formula") or {}
+    if not f.get("available"):
+        return None
+    terms = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes")
+    fig, ax = _axes("Memory terms", ("formula",))
+    bottom = [0.0, 0.0]
+    for t, color in zip(terms, ("#4477aa", "#ee6677", "#ccbb44", "#228833")):
+        vals = [(f[s]["memory"].get(t) or 0) / 2**20 for s in "ab"]
+        ax.bar([0, 1], vals, 0.5, bottom=bottom, label=t.replace("_bytes", ""), color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks([0, 1], [f"A\n{_side_text(record, 'a')}", f"B\n{_side_text(record, 'b')}"], fontsize=8)
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=8)
+    return Figure("formula-terms", "Memory terms", ("formula",),
+                  "The formula's memory terms per side (paper derivation, not a measurement); their sum is not the "
+                  "peak, which depends on the phase.", _png(fig))
+
+
+def figures(record: dict[str, Any]) -> list[Figure]:
+    out = [memory_figure(record), time_figure(record), ratio_figure(record), phase_figure(record)]
+    if record["kind"] == "formula-only":
+        out.append(formula_breakdown_figure(record))
+    return [f for f in out if f is not None]
+
+
+def _side_text(record: dict[str, Any], side: str) -> str:
+    """The changed values and the global batch = micro x accum x DP of one side, for axis labels."""
+    c = record["sides"][side]
+    changed = [f"{ch['field']}={ch[side]}" for ch in record["change"]["requested"]]
+    changed += [f"{k}={v[0 if side == 'a' else 1]}" for k, v in record["change"]["derived"].items()]
+    return (", ".join(changed) + f"\n{c['micro_batch']} x {c['accum']} x {c['dp']} = "
+            f"{c['micro_batch'] * c['accum'] * c['dp']}")
