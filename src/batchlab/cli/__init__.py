@@ -1,33 +1,34 @@
 """batchlab's command line: a thin typer layer; every command is a library call tests can make too."""
-from __future__ import annotations
-
 import importlib
-import importlib.util
 import sys
 
 import typer
 
+from batchlab.cli.base import app as _app
 from batchlab.config import ConfigError
 
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    help="Predict, measure and explain what micro-batch, gradient accumulation, data-parallel size and "
-         "activation checkpointing do to peak memory, update time and useful tokens/s.\n\n"
-         "global batch = micro-batch x accum x DP.  'Activation checkpointing' (--ac) recomputes activations "
-         "inside one step; it is not the training checkpoint saved to disk.",
-)
+# command name -> module that registers it
+COMMANDS = {"estimate": "estimate", "explain": "estimate", "measure": "measure", "compare": "compare",
+            "notebook": "notebook", "fit": "fit", "calibrate": "calibrate"}
 
-# Each module registers its commands on `app` when imported.
-COMMAND_MODULES = ("estimate", "measure", "compare", "notebook", "fit", "calibrate")
-for _name in COMMAND_MODULES:
-    if importlib.util.find_spec(f"batchlab.cli.{_name}") is not None:
-        importlib.import_module(f"batchlab.cli.{_name}")
+
+def load_commands(names=None) -> typer.Typer:
+    for module in sorted({COMMANDS[n] for n in (names or COMMANDS)}):
+        importlib.import_module(f"batchlab.cli.{module}")
+    return _app
+
+
+def __getattr__(name: str):
+    if name == "app":  # `from batchlab.cli import app`: the application with every command
+        return load_commands()
+    raise AttributeError(name)
 
 
 def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("-")]
+    load_commands([args[0]] if args and args[0] in COMMANDS else None)
     try:
-        app()
+        _app()
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -8,7 +8,7 @@ from typing import Annotated, Any, List, Optional
 import typer
 from rich.console import Console
 
-from batchlab.cli import app
+from batchlab.cli.base import app
 from batchlab.cli.common import fail, print_json, with_config
 from batchlab.cli.render_experiment import render
 from batchlab.config import ConfigError, RunConfig

@@ -7,7 +7,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from batchlab.cli import app
+from batchlab.cli.base import app
 from batchlab.cli.common import print_json, with_config
 from batchlab.config import ConfigError, Keep, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate

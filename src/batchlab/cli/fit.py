@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from batchlab.cli import app
+from batchlab.cli.base import app
 from batchlab.cli.common import fail, print_json, with_config
 from batchlab.config import Backend, ConfigError, RunConfig
 

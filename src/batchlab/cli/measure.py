@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from batchlab.cli import app
+from batchlab.cli.base import app
 from batchlab.cli.common import fail, print_json, with_config
 from batchlab.config import ConfigError, RunConfig
 from batchlab.measure.options import MeasureOptions

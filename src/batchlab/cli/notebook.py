@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from batchlab.cli import app
+from batchlab.cli.base import app
 from batchlab.cli.common import fail, print_json
 from batchlab.cli.render_experiment import render
 from batchlab.config import ConfigError
