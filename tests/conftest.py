@@ -16,3 +16,12 @@ def pytest_configure(config):
     except ImportError:  # the calculator's tests run without torch
         return
     torch.set_num_threads(1)
+
+
+def pytest_sessionstart(session):
+    # a calibration cache or notebook on this machine must not change what the tests see
+    import tempfile
+
+    home = tempfile.mkdtemp(prefix="batchlab-tests-")
+    os.environ["XDG_CACHE_HOME"] = os.path.join(home, "cache")
+    os.environ["XDG_DATA_HOME"] = os.path.join(home, "data")

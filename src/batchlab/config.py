@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import re
 from dataclasses import dataclass, field, fields
@@ -348,6 +349,7 @@ def _custom_device(text: str) -> DeviceSpec:
         raise ConfigError("device", f"custom device: {e}") from None
 
 
+@functools.lru_cache(maxsize=64)
 def device(name: str) -> DeviceSpec:
     if name.strip().lower().startswith("custom:"):
         return _custom_device(name.strip())

@@ -14,6 +14,7 @@ from batchlab.formula import Estimate, estimate as formula_estimate
 from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
 
 ARROW = {"up": "↑", "down": "↓", "same": "≈"}
+PLAIN_ROWS = 60
 AC_NOTE = ("Activation checkpointing (--ac) recomputes activations in backward: less memory, more compute, "
            "inside one step. It is not the training checkpoint (the file saved to disk for recovery).")
 
@@ -87,17 +88,28 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
 def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
     from batchlab.formula.vary import OUTPUTS
 
-    tab = Table(title=f"--vary {name}  \\[formula]  (arrows versus the first value)", header_style="bold")
-    for col in (name, "micro × accum × DP = global", *[label for label, _ in OUTPUTS], "fits"):
-        tab.add_column(col, justify="right")
+    header = (name, "micro × accum × DP = global", *[label for label, _ in OUTPUTS], "fits")
     fmts = (fmt_bytes, fmt_bytes, fmt_seconds, lambda x: f"{x:,.0f}", lambda x: fmt_count(x))
+    body = []
     for r in rows:
         c = r.config
         cells = [f"{fmt(get(r.estimate))} {ARROW[r.directions[label]]}"
                  for (label, get), fmt in zip(OUTPUTS, fmts)]
-        tab.add_row(str(r.value), f"{c.micro_batch} × {c.accum} × {c.dp} = {c.global_batch}", *cells,
-                    "yes" if r.estimate.memory.fits else "[red]no[/red]")
-    console.print(tab)
+        body.append((str(r.value), f"{c.micro_batch} × {c.accum} × {c.dp} = {c.global_batch}", *cells,
+                     "yes" if r.estimate.memory.fits else "no"))
+    title = f"--vary {name}  [formula]  (arrows versus the first value)"
+    if len(body) > PLAIN_ROWS:  # rich's table layout costs ~2 ms a row; long sweeps print plain columns
+        widths = [max(len(str(row[i])) for row in (header, *body)) for i in range(len(header))]
+        console.print(title, markup=False, highlight=False)
+        for row in (header, *body):
+            console.print("  ".join(str(v).rjust(w) for v, w in zip(row, widths)), markup=False, highlight=False)
+    else:
+        tab = Table(title=title.replace("[formula]", "\\[formula]"), header_style="bold")
+        for col in header:
+            tab.add_column(col, justify="right")
+        for row in body:
+            tab.add_row(*row[:-1], row[-1] if row[-1] == "yes" else "[red]no[/red]")
+        console.print(tab)
     if keep is Keep.ACCUM and len({r.config.global_batch for r in rows}) > 1:
         console.print("[yellow]warning: the global batch changes across rows (--keep accum): learning rate, "
                       "warmup and schedule length may need to change too.[/yellow]")

@@ -59,15 +59,34 @@ def measure(
         return
     est, note = formula_estimate(cfg)
     figures = rows(m, est)
+    oom = m.outcome in (Outcome.OOM, Outcome.OOM_BUDGET)
     if as_json:
         payload = measurement_to_dict(m)
         payload["comparison"] = [r.to_dict() for r in figures]
         payload["formula_note"] = note
+        if oom:
+            payload["oom_advice"] = _oom_advice(cfg, as_json=True)
         print_json(payload)
     else:
         _render(cfg, m, figures, note)
+        if oom:
+            _oom_advice(cfg, as_json=False)
     if m.outcome is Outcome.FAILED:
         raise typer.Exit(1)
+
+
+def _oom_advice(cfg: RunConfig, as_json: bool):
+    """After an out-of-memory outcome: the same ordered advice as `batchlab fit --after-oom`."""
+    from batchlab.advise import Goal, oom_advice
+    from batchlab.config import to_jsonable
+
+    goal = Goal(cfg)
+    if as_json:
+        return to_jsonable(oom_advice(goal))
+    from batchlab.advise.plan import candidate
+    from batchlab.advise.render import after_oom
+
+    after_oom(Console(), goal, candidate(goal.base, goal.tokens), oom_advice(goal))
 
 
 def _run_with_progress(run, cfg: RunConfig, opts: MeasureOptions, show: bool) -> Measurement:

@@ -14,6 +14,7 @@ from batchlab.formula.memory import (MemoryEstimate, allocator_margin, memory, m
                                      optimizer_bytes_per_param)
 from batchlab.formula.params import ParamCount, count
 from batchlab.formula.timing import TimeEstimate, timing
+from batchlab.units import fmt_bytes, fmt_count
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,12 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
     a = cfg.assumptions
     dev = cfg.device_spec
     return (
-        f"device {dev.name}: {dev.memory_bytes / 2**30:.1f} GiB, peak {dev.peak_flops(cfg.precision) / 1e12:.1f} "
-        f"TFLOP/s ({cfg.precision}), source: {dev.source}"
-        + (f"; memory budget {cfg.memory_budget / 2**30:.2f} GiB replaces the device's" if cfg.memory_budget else ""),
-        f"compute rate {t.flops_ceiling / 1e12:.3g} TFLOP/s = peak ({t.ceiling_source}) x achievable fraction "
+        f"device {dev.name}: {fmt_bytes(dev.memory_bytes)}, peak {fmt_count(dev.peak_flops(cfg.precision), 'FLOP/s')} "
+        f"({cfg.precision}), source: {dev.source}"
+        + (f"; memory budget {fmt_bytes(cfg.memory_budget)} replaces the device's" if cfg.memory_budget else ""),
+        f"compute rate {fmt_count(t.flops_ceiling, 'FLOP/s')} = peak ({t.ceiling_source}) x achievable fraction "
         f"{a.achievable_fraction:g}",
-        f"all-reduce: ring over {t.bandwidth_bytes_per_s / 1e9:.0f} GB/s, {a.comm_overlap:.0%} hidden behind backward",
+        f"all-reduce: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind backward",
         (f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes" if allocator_margin(cfg)
          else "no allocator margin on CPU (tensor bytes, as the live-tensor tracker counts them)"),
         "activations counted from the tensors batchlab's built-in GPT keeps (other code: use --trace)",

@@ -1,6 +1,7 @@
 """Parameter counts of a decoder-only transformer, term by term (no torch)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from batchlab.config import MLPKind, ModelSpec, NormKind, PositionKind
@@ -29,6 +30,7 @@ def norm_params(m: ModelSpec) -> int:
     return h if (m.norm is NormKind.RMSNORM or not m.bias) else 2 * h
 
 
+@functools.lru_cache(maxsize=256)  # ModelSpec is frozen; --vary calls this thousands of times
 def count(m: ModelSpec) -> ParamCount:
     h, kv, f, V = m.hidden, m.kv_hidden, m.ffn, m.vocab
     bias = 1 if m.bias else 0
