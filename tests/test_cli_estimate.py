@@ -85,3 +85,21 @@ def test_hf_config_and_custom_device(tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["config"]["model"]["layers"] == 2 and d["memory"]["capacity_bytes"] == 2**30
+
+
+def test_config_file_from_fit_is_the_base_and_typed_flags_override(tmp_path):
+    from batchlab.advise.snippets import config_toml
+    from batchlab.config import load_config_toml, preset
+
+    cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=16, ac="selective", precision="bf16-mixed")
+    path = tmp_path / "fit.toml"
+    path.write_text(config_toml(cfg))
+    assert load_config_toml(path) == cfg
+    d = json.loads(run("estimate", "--config", str(path), "--json").stdout)
+    assert (d["config"]["seq"], d["config"]["micro_batch"], d["config"]["ac"], d["config"]["model"]["layers"]) == \
+        (64, 16, "selective", 2)
+    # --seq 128 equals the flag's default, but it was typed: it wins over the file
+    d = json.loads(run("estimate", "--config", str(path), "--seq", "128", "--global-batch", "32", "--json").stdout)
+    assert (d["config"]["seq"], d["config"]["micro_batch"], d["config"]["accum"]) == (128, 16, 2)
+    r = run("estimate", "--config", str(tmp_path / "missing.toml"))
+    assert r.exit_code == 2 and r.stderr.startswith("error: config")

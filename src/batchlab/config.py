@@ -611,3 +611,61 @@ def apply_change(cfg: RunConfig, name: str, value: Any, keep: Keep = Keep.GLOBAL
         new = cfg.replace(**{name: value, "accum": 1})
         return new.replace(accum=derive_accum(cfg.global_batch, new.micro_batch, new.dp))
     return cfg.replace(**{name: value})
+
+
+def config_from_table(table: Any, base: RunConfig | None = None) -> RunConfig:
+    """A TOML ``[config]`` table (what ``batchlab fit`` writes, what experiment files hold) on top of ``base``.
+
+    RunConfig field names; ``model`` is a preset name, ``hf:...``/``package.module:factory``, or a
+    ``[config.model]`` table of ModelSpec fields; model and assumption fields may also be given flat;
+    ``global_batch`` re-derives accum.
+    """
+    if not isinstance(table, dict):
+        raise ConfigError("config", "must be a table of RunConfig fields")
+    values = dict(table)
+    cfg = base or RunConfig()
+    model = values.pop("model", None)
+    if isinstance(model, dict):
+        try:
+            cfg = cfg.replace(model=ModelSpec(**model))
+        except TypeError as e:
+            raise ConfigError("model", f"[config.model]: {e}") from None
+    elif isinstance(model, str):
+        if model.startswith("hf:") or (":" in model):
+            cfg = cfg.replace(model_source=model)
+        else:
+            cfg = cfg.replace(model=preset(model), model_source="builtin")
+    elif model is not None:
+        raise ConfigError("model", "must be a preset name or a [config.model] table")
+    assumptions = values.pop("assumptions", None)
+    if isinstance(assumptions, dict):
+        values.update(assumptions)
+    global_batch = values.pop("global_batch", None)
+    unknown = [k for k in values if k not in CHANGEABLE_FIELDS and k not in ("model_source",)]
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown field; known: model, global_batch, {', '.join(CHANGEABLE_FIELDS)}")
+    try:
+        cfg = cfg.replace(**values)
+    except TypeError as e:
+        raise ConfigError("config", str(e)) from None
+    if global_batch is not None:  # as --global-batch: the micro-batch is the table's, else 1
+        cfg = cfg.with_global_batch(global_batch, micro_batch=values.get("micro_batch", 1))
+    return cfg
+
+
+def load_config_toml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
+    """The ``[config]`` table of a TOML file (as ``batchlab fit`` writes it) as a RunConfig."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError("config", f"no such file: {p}") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError("config", f"cannot read {p} as TOML: {e}") from None
+    if not isinstance(raw.get("config"), dict):
+        raise ConfigError("config", f"{p} has no [config] table")
+    return config_from_table(raw["config"], base)

@@ -122,7 +122,7 @@ def remedies(out: Console, items: list[Remedy], goal: Goal) -> None:
 
 def snippets(out: Console, cfg: RunConfig) -> None:
     s = all_snippets(cfg)
-    out.print("[bold]As a batchlab config[/] (batchlab measure/compare; load with batchlab.advise.load_config_toml):")
+    out.print("[bold]As a batchlab config[/] (save as fit.toml; then batchlab measure --config fit.toml, or use it as an experiment file's \\[config]):")
     out.print(s["batchlab_toml"], markup=False, highlight=False)
     out.print("[bold]Plain PyTorch loop[/]:")
     out.print(s["pytorch"], markup=False, highlight=False)

@@ -1,16 +1,14 @@
 """The chosen config as a batchlab TOML snippet, and the same settings for common trainers.
 
-The TOML is one ``[config]`` table of RunConfig field names, read back by ``load_config_toml`` (and by
-anything that calls ``config_from_dict`` on the table).  Torch-free.
+The TOML is one ``[config]`` table of RunConfig field names, read back by ``config.load_config_toml``
+(every command's ``--config FILE``, and experiment files).  Torch-free.
 """
 from __future__ import annotations
 
-import tomllib
-from pathlib import Path
 from typing import Any
 
-from batchlab.config import (ACMode, Assumptions, ConfigError, ModelSpec, Precision, RunConfig, config_from_dict,
-                             preset, to_jsonable)
+from batchlab.config import (ACMode, Assumptions, ConfigError, ModelSpec, Precision, RunConfig,
+                             load_config_toml, preset, to_jsonable)
 
 
 def _toml_value(v: Any) -> str:
@@ -44,24 +42,6 @@ def config_toml(cfg: RunConfig) -> str:
     if cfg.assumptions != Assumptions():
         lines += [""] + _table("config.assumptions", assumptions)
     return "\n".join(lines) + "\n"
-
-
-def load_config_toml(path: str | Path) -> RunConfig:
-    """Read the ``[config]`` table of a TOML file (as written by ``batchlab fit``) into a RunConfig."""
-    p = Path(path)
-    try:
-        raw = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError("config", f"no such file: {p}") from None
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError("config", f"cannot read {p} as TOML: {e}") from None
-    table = raw.get("config")
-    if not isinstance(table, dict):
-        raise ConfigError("config", f"{p} has no [config] table")
-    try:
-        return config_from_dict(table)
-    except TypeError as e:  # a wrong field inside [config.model] / [config.assumptions]
-        raise ConfigError("config", f"{p}: {e}") from None
 
 
 def _hf_ac(cfg: RunConfig) -> tuple[bool, str | None]:

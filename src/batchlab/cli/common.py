@@ -10,8 +10,8 @@ from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 
-from batchlab.config import (Assumptions, ConfigError, RunConfig, derive_accum, model_from_hf_config,
-                             parse_bytes, preset)
+from batchlab.config import (Assumptions, ConfigError, RunConfig, derive_accum, load_config_toml,
+                             model_from_hf_config, parse_bytes, preset)
 
 AC_HELP = ("Activation checkpointing: none, full, every:K, selective. Recomputes activations during backward "
            "to save memory inside one step (trades compute for memory). NOT the training checkpoint saved to disk.")
@@ -19,6 +19,8 @@ AC_HELP = ("Activation checkpointing: none, full, every:K, selective. Recomputes
 # name -> (annotation, default, help).  Flags are the names with dashes (--micro-batch); --change/--vary
 # use the same names with underscores.
 CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
+    "config": (Optional[str], None, "TOML file with a [config] table (as `batchlab fit` prints); flags set to "
+                                    "non-default values override it."),
     "model": (str, "tiny", "Preset (tiny, small, gpt2, llama-2-7b, ...), hf:NAME_OR_CONFIG.json, or package.module:factory."),
     "hf_config": (Optional[str], None, "Read the model shape from a Hugging Face config.json on disk."),
     "layers": (Optional[int], None, "Override: number of transformer layers."),
@@ -53,8 +55,36 @@ HF_FAMILIES = {"llama": "llama-2-7b", "gpt2": "gpt2"}
 MODEL_OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp", "norm", "dropout", "attention")
 
 
-def build_config(**o: Any) -> RunConfig:
-    """Turn the shared options into a validated RunConfig (raises ConfigError naming the field)."""
+def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
+    """Turn the shared options into a validated RunConfig (raises ConfigError naming the field).
+
+    With ``config`` (a TOML file) the file is the base and the flags named in ``given`` (typed on the command
+    line; default: those whose value differs from the default) override it.
+    """
+    flags = _config_from_flags(**o)
+    if not o.get("config"):
+        return flags
+    cfg = load_config_toml(o["config"])
+    if given is None:
+        given = {k for k, (_, default, _) in CONFIG_OPTIONS.items() if k != "config" and o.get(k, default) != default}
+    if given & {"model", "hf_config"}:
+        cfg = cfg.replace(model=flags.model, model_source=flags.model_source)
+    changes = {k: getattr(flags.model, k) for k in MODEL_OVERRIDES if k in given}
+    changes.update({k: getattr(flags, k) for k in RUN_FLAGS if k in given})
+    if "global_batch" in given:  # the file's micro-batch and DP unless typed
+        mb, dp = changes.get("micro_batch", cfg.micro_batch), changes.get("dp", cfg.dp)
+        changes["accum"] = derive_accum(o["global_batch"], mb, dp)
+    changes.update({k: getattr(flags.assumptions, k) for k in ("achievable_fraction", "comm_overlap") if k in given})
+    if "optimizer_bytes" in given:
+        changes["optimizer_bytes_per_param"] = flags.assumptions.optimizer_bytes_per_param
+    return cfg.replace(**changes)
+
+
+RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "zero", "device", "memory_budget",
+             "data", "seed")
+
+
+def _config_from_flags(**o: Any) -> RunConfig:
     overrides = {k: o.get(k) for k in MODEL_OVERRIDES}
     model_arg = o.get("model") or "tiny"
     source = "builtin"
@@ -105,16 +135,21 @@ def with_config(fn: Callable) -> Callable:
     json_param = inspect.Parameter("as_json", inspect.Parameter.KEYWORD_ONLY, default=False,
                                    annotation=Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")])
 
+    ctx_param = inspect.Parameter("batchlab_ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
+
     @functools.wraps(fn)
     def wrapper(**kwargs):
+        ctx = kwargs.pop("batchlab_ctx")
         config_kwargs = {k: kwargs.pop(k) for k in CONFIG_OPTIONS}
+        typed = {k for k in CONFIG_OPTIONS if (src := ctx.get_parameter_source(k)) is not None
+                 and src.name in ("COMMANDLINE", "ENVIRONMENT", "PROMPT")}
         try:
-            cfg = build_config(**config_kwargs)
+            cfg = build_config(given=typed, **config_kwargs)
             return fn(cfg=cfg, as_json=kwargs.pop("as_json"), **kwargs)
         except ConfigError as e:
             fail(str(e))
 
-    wrapper.__signature__ = inspect.Signature(own + shared + [json_param])
+    wrapper.__signature__ = inspect.Signature(own + shared + [json_param, ctx_param])
     return wrapper
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchlab.config import CHANGEABLE_FIELDS, ConfigError, RunConfig, preset
+from batchlab.config import ConfigError, RunConfig, config_from_table
 from batchlab.experiment.change import Change, KeepMode, change_from_values, parse_change
 from batchlab.experiment.predict import Direction, Metric, parse_predictions, predictions_from_mapping
 
@@ -95,23 +95,7 @@ def _hoist(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_config(base: RunConfig, table: Any) -> RunConfig:
-    if not isinstance(table, dict):
-        raise ConfigError("config", "must be a table of RunConfig fields")
-    values = dict(table)
-    cfg = base
-    if "model" in values:
-        cfg = cfg.replace(model=preset(str(values.pop("model"))))
-    global_batch = values.pop("global_batch", None)
-    unknown = [k for k in values if k not in CHANGEABLE_FIELDS]
-    if unknown:
-        raise ConfigError(unknown[0], f"unknown field; known: model, global_batch, {', '.join(CHANGEABLE_FIELDS)}")
-    try:
-        cfg = cfg.replace(**values)
-    except TypeError as e:
-        raise ConfigError("config", str(e)) from None
-    if global_batch is not None:  # as --global-batch: the micro-batch is the file's, else 1
-        cfg = cfg.with_global_batch(global_batch, micro_batch=values.get("micro_batch", 1))
-    return cfg
+    return config_from_table(table, base)
 
 
 def parse_changes(table: Any, base: RunConfig) -> list[Change]:
