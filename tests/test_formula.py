@@ -126,7 +126,6 @@ def test_formula_matches_a_real_step_within_3_percent(model):
 def test_flops_match_flop_counter_on_the_built_in_model(ac):
     """FlopCounterMode counts matmuls of one real update; the formula's 6N + 12Lhs (+ recompute) must agree
     up to what it leaves out on purpose (biases, norms, element-wise ops: < 2% here)."""
-    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from batchlab.measure.harness import Trainer

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from batchlab.experiment.figures import METRIC_LABELS, Figure, figures
-from batchlab.measure.result import format_bytes
+from batchlab.units import fmt_bytes
+
 
 SYMBOL = {"up": "↑ up", "down": "↓ down", "same": "≈ same", None: "-"}
 HELD = {True: "held", False: "missed", None: "-"}
@@ -24,7 +25,7 @@ def format_value(v: Any, unit: str) -> str:
     if v is None:
         return "-"
     if unit == "bytes":
-        return format_bytes(v)
+        return fmt_bytes(v)
     if unit == "seconds":
         return f"{v * 1e3:.4g} ms" if v < 1 else f"{v:.4g} s"
     if unit == "tokens/s":

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchlab.config import (ACMode, Assumptions, ConfigError, ModelSpec, Precision, RunConfig,
-                             load_config_toml, preset, to_jsonable)
+                             preset, to_jsonable)
 
 
 def _toml_value(v: Any) -> str:

@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 
 from batchlab.cli.base import app
-from batchlab.cli.common import fail, print_json, with_config
-from batchlab.cli.render_experiment import render
+from batchlab.cli.common import fail, with_config
+from batchlab.cli.render_experiment import show_record
 from batchlab.config import ConfigError, RunConfig
 from batchlab.experiment.change import KeepMode, parse_change
 from batchlab.experiment.compare import DEFAULT_CHANGE, DEFAULT_TOKEN_BUDGET, make_plan, run
@@ -56,15 +56,7 @@ def compare(
         record = _run(plan, book, verify, progress and not as_json)
     except ConfigError as e:
         fail(str(e))
-    paths = []
-    if report is not None:
-        from batchlab.report import write_report
-
-        paths = write_report(record, report)
-    if as_json:
-        print_json(record)
-    else:
-        render(Console(), record, notebook_path=book.path, report_paths=paths)
+    show_record(record, book.path, report, as_json)
     if any(m is not None and m.get("outcome") == "failed" for r in record.get("rounds", []) for m in (r["a"], r["b"])):
         raise typer.Exit(1)
 

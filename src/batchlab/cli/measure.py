@@ -15,8 +15,9 @@ from batchlab.cli.base import app
 from batchlab.cli.common import fail, print_json, with_config
 from batchlab.config import ConfigError, RunConfig
 from batchlab.measure.options import MeasureOptions
-from batchlab.measure.result import Measurement, Outcome, format_bytes, measurement_to_dict
+from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
 from batchlab.measure.versus import FigureRow, formula_estimate, rows
+from batchlab.units import fmt_bytes
 
 
 @app.command("measure")
@@ -115,7 +116,7 @@ def _value(row: FigureRow, value) -> str:
     if value is None:
         return "-"
     if row.unit == "bytes":
-        return format_bytes(value)
+        return fmt_bytes(value)
     if row.unit == "seconds":
         return _seconds(value)
     if row.unit == "tokens/s":
@@ -172,7 +173,7 @@ def _render_details(out: Console, m: Measurement) -> None:
             med = sorted(t.cpu_seconds)[len(t.cpu_seconds) // 2]
             out.print(f"process CPU time per update (median, all threads): {_seconds(med)}")
     if m.memory is not None and m.memory.breakdown:
-        parts = "  ".join(f"{k} {format_bytes(v)}" for k, v in m.memory.breakdown.items() if v)
+        parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in m.memory.breakdown.items() if v)
         out.print(f"memory at the peak ({m.memory.provenance}: {m.memory.method}): {parts}")
     from batchlab.distributed.report import lines as dp_lines
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from batchlab.cli.base import app
 from batchlab.cli.common import fail, print_json
-from batchlab.cli.render_experiment import render
+from batchlab.cli.render_experiment import show_record
 from batchlab.config import ConfigError
 from batchlab.experiment.notebook import ExportFormat, Notebook
 
@@ -59,15 +59,7 @@ def show(exp_id: Annotated[int, typer.Argument(metavar="ID", help="Experiment id
         record = book.get(exp_id)
     except ConfigError as e:
         fail(str(e))
-    paths = []
-    if report is not None:
-        from batchlab.report import write_report
-
-        paths = write_report(record, report)
-    if as_json:
-        print_json(record)
-    else:
-        render(Console(), record, notebook_path=book.path, report_paths=paths)
+    show_record(record, book.path, report, as_json)
 
 
 @notebook_app.command("export")

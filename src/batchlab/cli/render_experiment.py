@@ -149,3 +149,18 @@ def render(out: Console, r: dict[str, Any], notebook_path: Path | None = None,
         out.print(f"[yellow]interrupted:[/] {r['interrupted']}")
     for p in report_paths or []:
         out.print(f"report: {p}")
+
+
+def show_record(record: dict, notebook_path, report_dir, as_json: bool) -> None:
+    """Print one experiment record (JSON or the terminal view), writing its report first when asked."""
+    from batchlab.cli.common import print_json
+
+    paths = []
+    if report_dir is not None:
+        from batchlab.report import write_report
+
+        paths = write_report(record, report_dir)
+    if as_json:
+        print_json(record)
+    else:
+        render(Console(), record, notebook_path=notebook_path, report_paths=paths)

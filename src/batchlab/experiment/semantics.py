@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from batchlab.config import ACMode, Precision, RunConfig
+from batchlab.config import Precision, RunConfig
 
 SPLIT_TOLERANCE = 1e-5  # fp32 relative gradient difference from summation order alone (NOTES: DDP 7e-9)
 CHECK_SEQ = 32

@@ -176,13 +176,7 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     peak_phase = max(phases, key=phases.get)
     peak_tensor = phases[peak_phase]
     margin = int(peak_tensor * allocator_margin(cfg))
-    if peak_phase == "optimizer":
-        act_at_peak, temp = 0, opt_tmp
-    elif peak_phase == "forward":
-        act_at_peak, temp = plan.total, logits_fwd
-    else:
-        act_at_peak = peak_tensor - (base + copies + grads_before) - transient
-        temp = transient
+    temp = {"optimizer": opt_tmp, "forward": logits_fwd, "backward": transient}[peak_phase]
     return MemoryEstimate(
         parameters_bytes=states.parameters, master_bytes=states.master, gradients_bytes=states.gradients,
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,

@@ -122,14 +122,6 @@ class Measurement:
         return self.outcome is Outcome.OK
 
 
-def format_bytes(n: float) -> str:
-    """Display only (internally everything is bytes): binary units, 3 significant figures."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
 # ------------------------------------------------------------------------------------------ JSON
 # The one serialised form of a Measurement: the dataclass fields (raw samples included), plus the derived
 # figures scripts read (time.update_seconds_median, ...) and a provenance label for every figure.  The

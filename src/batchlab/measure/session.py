@@ -26,7 +26,8 @@ from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom import OOMKind, classify_oom
 from batchlab.measure.options import MeasureOptions
-from batchlab.measure.result import MeasuredMemory, MeasuredTime, Measurement, Outcome, format_bytes
+from batchlab.measure.result import MeasuredMemory, MeasuredTime, Measurement, Outcome
+from batchlab.units import fmt_bytes
 
 # progress(done, total, label): called before the work starts and after every update
 Progress = Callable[[int, int, str], None]
@@ -102,8 +103,8 @@ def check_budget(cfg: RunConfig) -> None:
         return
     need = parameter_bytes(cfg)
     if need > cfg.memory_budget:
-        raise ConfigError("memory_budget", f"{format_bytes(cfg.memory_budget)} cannot hold the model's "
-                                           f"parameters alone ({format_bytes(need)}, {need:,} bytes); "
+        raise ConfigError("memory_budget", f"{fmt_bytes(cfg.memory_budget)} cannot hold the model's "
+                                           f"parameters alone ({fmt_bytes(need)}, {need:,} bytes); "
                                            "give a larger budget or a smaller model")
 
 

@@ -15,7 +15,7 @@ from rich.tree import Tree
 
 from batchlab.config import to_jsonable
 from batchlab.trace.result import ModuleNode, TraceEstimate
-from batchlab.units import fmt_bytes as format_bytes, fmt_count
+from batchlab.units import fmt_bytes, fmt_count
 
 # |formula error| above this on peak or activations prints a warning
 FORMULA_WARN = 0.10
@@ -85,7 +85,7 @@ def _value(c: Comparison, v) -> str:
     if v is None:
         return "-"
     if c.unit == "bytes":
-        return format_bytes(v)
+        return fmt_bytes(v)
     if c.unit == "FLOP":
         return fmt_count(v, "FLOP")
     return str(v)
@@ -117,11 +117,11 @@ def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_no
         table.add_row(c.figure, _value(c, c.trace), _value(c, c.formula), _error(c))
     console.print(table)
     m = trace.memory
-    parts = "  ".join(f"{k} {format_bytes(v)}" for k, v in m.breakdown.items() if v)
+    parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in m.breakdown.items() if v)
     console.print(f"at the peak ({m.peak_phase}, trace): {parts}")
     verdict = "fits" if m.fits else "does NOT fit"
-    console.print(f"{verdict}: peak {format_bytes(m.peak_bytes)} + allocator margin {format_bytes(m.margin_bytes)} "
-                  f"(assumption) vs {format_bytes(m.capacity_bytes)} on {cfg['device']}")
+    console.print(f"{verdict}: peak {fmt_bytes(m.peak_bytes)} + allocator margin {fmt_bytes(m.margin_bytes)} "
+                  f"(assumption) vs {fmt_bytes(m.capacity_bytes)} on {cfg['device']}")
     _warn_formula(rows, console)
     for note in ([formula_note] if formula_note else []) + trace.notes:
         console.print(f"[dim]note: {note}[/]")
@@ -170,8 +170,8 @@ def _label(group: list[ModuleNode]) -> str:
     kind = f" [dim]{node.kind}[/]" if node.kind and node.name else ""
     ac = f" [cyan]{node.recomputed} recompute[/]" if node.recomputed else ""
     shown = any(c.total_bytes for c in node.children)
-    own = f" (own {format_bytes(node.self_bytes)})" if shown and node.self_bytes else ""
-    return f"{name}{kind}{ac}  {format_bytes(node.total_bytes)}{own}"
+    own = f" (own {fmt_bytes(node.self_bytes)})" if shown and node.self_bytes else ""
+    return f"{name}{kind}{ac}  {fmt_bytes(node.total_bytes)}{own}"
 
 
 def _add(tree: Tree, node: ModuleNode) -> None:
