@@ -138,3 +138,18 @@ def test_flops_match_flop_counter_on_the_built_in_model(ac):
     counted = counter.get_total_flops()
     predicted = estimate(cfg).flops.hardware_flops_per_update
     assert counted == pytest.approx(predicted, rel=0.02)
+
+
+def test_per_op_overhead_makes_larger_micro_batches_faster_at_a_fixed_global_batch():
+    from batchlab.formula.timing import OPS_OUTSIDE, OPS_PER_LAYER
+
+    a = RunConfig(micro_batch=1, accum=8)
+    b = RunConfig(micro_batch=2, accum=4)
+    ta, tb = estimate(a).time, estimate(b).time
+    c = (OPS_OUTSIDE + a.model.layers * OPS_PER_LAYER) * 4e-6  # CPU per-op cost, by hand
+    assert ta.overhead_seconds_per_micro_batch == pytest.approx(c)
+    x = ta.compute_seconds_per_micro_batch - c  # FLOP time of one sequence
+    assert tb.compute_seconds == pytest.approx(4 * (c + 2 * x))
+    assert ta.compute_seconds == pytest.approx(8 * (c + x))
+    nil = estimate(a.replace(op_overhead_seconds=0.0)).time
+    assert nil.overhead_seconds_per_micro_batch == 0

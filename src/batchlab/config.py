@@ -321,7 +321,7 @@ DEVICES: dict[str, DeviceSpec] = {
     # A generic CPU: memory is a nominal 16 GiB unless a budget is given; rates are rough (a 2-core
     # server VM) — run `batchlab calibrate` for measured ones.
     # DP ranks on one CPU host all-reduce over loopback gloo (~0.5 GB/s bus bandwidth seen here, loaded).
-    "cpu": DeviceSpec("cpu", Backend.CPU, 16 * GiB, 50e9, 50e9, 10e9, 0.5e9, 0.5e9, gpus_per_node=64,
+    "cpu": DeviceSpec("cpu", Backend.CPU, 16 * GiB, 100e9, 100e9, 10e9, 0.5e9, 0.5e9, gpus_per_node=64,
                       source="nominal (run batchlab calibrate)"),
 }
 DEVICE_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "local": "cpu"}
@@ -390,6 +390,7 @@ class Assumptions:
     comm_overlap: float = 0.0  # fraction of the all-reduce hidden behind backward
     allocator_margin: float = 0.05  # fragmentation / caching-allocator slack on top of tensor bytes
     optimizer_bytes_per_param: float | None = None  # overrides the optimizer's own state size
+    op_overhead_seconds: float | None = None  # fixed cost per op (dispatch/launch); None: the backend's default
 
     def __post_init__(self):
         for name, lo, hi in (("achievable_fraction", 0.0, 1.0), ("comm_overlap", 0.0, 1.0),
@@ -399,6 +400,8 @@ class Assumptions:
                 raise ConfigError(name, f"must be a fraction in ({lo}, {hi}], got {v!r}")
         if self.optimizer_bytes_per_param is not None and self.optimizer_bytes_per_param < 0:
             raise ConfigError("optimizer_bytes_per_param", "must be >= 0")
+        if self.op_overhead_seconds is not None and not (0 <= self.op_overhead_seconds < 1):
+            raise ConfigError("op_overhead_seconds", "must be seconds in [0, 1)")
 
 
 # Fields users may name in --change / --vary / replace(); model fields route into ModelSpec.

@@ -56,6 +56,7 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None) -> Table
     tab.add_row("model FLOPs / update (MFU counts these)", fmt_count(f.model_flops_per_update, "FLOP"))
     tab.add_row("hardware FLOPs / update (HFU, + recompute)", fmt_count(f.hardware_flops_per_update, "FLOP"))
     tab.add_row("compute per micro-batch", fmt_seconds(t.compute_seconds_per_micro_batch))
+    tab.add_row("  of which per-op overhead (dispatch/launch)", fmt_seconds(t.overhead_seconds_per_micro_batch))
     tab.add_row(f"compute per update (× {cfg.accum} micro-batches)", fmt_seconds(t.compute_seconds))
     tab.add_row(f"gradient all-reduce, once per update ({fmt_bytes(t.allreduce_bytes)})", fmt_seconds(t.allreduce_seconds))
     tab.add_row("  exposed (not overlapped)", fmt_seconds(t.exposed_comm_seconds))

@@ -13,8 +13,8 @@ from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.memory import (MemoryEstimate, allocator_margin, memory, model_states,
                                      optimizer_bytes_per_param)
 from batchlab.formula.params import ParamCount, count
-from batchlab.formula.timing import TimeEstimate, timing
-from batchlab.units import fmt_bytes, fmt_count
+from batchlab.formula.timing import OPS_PER_LAYER, TimeEstimate, timing
+from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,8 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         + (f"; memory budget {fmt_bytes(cfg.memory_budget)} replaces the device's" if cfg.memory_budget else ""),
         f"compute rate {fmt_count(t.flops_ceiling, 'FLOP/s')} = peak ({t.ceiling_source}) x achievable fraction "
         f"{a.achievable_fraction:g}",
+        f"per-op overhead {fmt_seconds(t.overhead_seconds_per_micro_batch)} per micro-batch (~{OPS_PER_LAYER} "
+        f"ops per layer; op_overhead_seconds to change)",
         f"all-reduce: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind backward",
         (f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes" if allocator_margin(cfg)
          else "no allocator margin on CPU (tensor bytes, as the live-tensor tracker counts them)"),

@@ -3,14 +3,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config import DataKind, RunConfig
+from batchlab.config import Backend, DataKind, RunConfig
 from batchlab.formula.flops import FlopsEstimate
 from batchlab.formula.memory import MemoryEstimate
 
 
+# Eager PyTorch pays a fixed cost per op (Python dispatch; on GPUs the kernel launch), whatever the batch:
+# this is why a larger micro-batch can be faster at the same global batch.  Op counts per forward+backward
+# were counted on batchlab's GPT with a TorchDispatchMode (125-195 per layer, 55-80 outside the layers,
+# 65-110 more per recomputed layer); the per-op costs are typical figures (CPU: ~4 us measured here;
+# CUDA: ~5-10 us launch-bound), override with op_overhead_seconds.
+OPS_PER_LAYER, OPS_OUTSIDE, OPS_PER_RECOMPUTED_LAYER = 160, 60, 90
+OP_OVERHEAD = {Backend.CPU: 4e-6, Backend.CUDA: 6e-6, Backend.MPS: 10e-6}
+
+
+def overhead_seconds_per_micro_batch(cfg: RunConfig) -> float:
+    ops = OPS_OUTSIDE + cfg.model.layers * OPS_PER_LAYER + OPS_PER_RECOMPUTED_LAYER * (
+        len(cfg.ac.wrapped_layers(cfg.model.layers)) + len(cfg.ac.selective_layers(cfg.model.layers)))
+    per_op = cfg.assumptions.op_overhead_seconds
+    return ops * (OP_OVERHEAD[cfg.device_spec.backend] if per_op is None else per_op)
+
+
 @dataclass(frozen=True)
 class TimeEstimate:
-    compute_seconds_per_micro_batch: float
+    compute_seconds_per_micro_batch: float  # FLOPs at the achievable rate + per-op overhead
     compute_seconds: float  # accum micro-batches
     allreduce_bytes: int  # gradient bytes reduced per update
     allreduce_seconds: float  # ring time, before overlap
@@ -18,6 +34,7 @@ class TimeEstimate:
     optimizer_seconds: float
     update_seconds: float
     tokens_per_second: float  # useful tokens, all ranks
+    overhead_seconds_per_micro_batch: float  # the per-op part of compute_seconds_per_micro_batch
     flops_ceiling: float  # FLOP/s used: peak x achievable fraction
     ceiling_source: str  # datasheet / calibrated / nominal
     bandwidth_bytes_per_s: float  # link used for the all-reduce
@@ -52,7 +69,8 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, ceiling: tupl
     else:
         peak, hbm, source = ceiling
     rate = peak * cfg.assumptions.achievable_fraction
-    micro = fl.flops_per_micro_batch / rate
+    overhead = overhead_seconds_per_micro_batch(cfg)
+    micro = fl.flops_per_micro_batch / rate + overhead
     compute = micro * cfg.accum
     bw = dev.intra_node_bytes_per_s if cfg.dp <= dev.gpus_per_node else dev.inter_node_bytes_per_s
     grad_bytes = mem.gradients_bytes * (cfg.dp if cfg.zero >= 2 else 1)  # full gradient, before sharding
@@ -65,4 +83,5 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, ceiling: tupl
     opt_s = opt / hbm
     update = compute + exposed + opt_s
     useful = cfg.tokens_per_update * useful_fraction(cfg)
-    return TimeEstimate(micro, compute, grad_bytes, comm, exposed, opt_s, update, useful / update, rate, source, bw)
+    return TimeEstimate(micro, compute, grad_bytes, comm, exposed, opt_s, update, useful / update, overhead, rate,
+                        source, bw)
