@@ -19,8 +19,8 @@ AC_HELP = ("Activation checkpointing: none, full, every:K, selective. Recomputes
 # name -> (annotation, default, help).  Flags are the names with dashes (--micro-batch); --change/--vary
 # use the same names with underscores.
 CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
-    "config": (Optional[str], None, "TOML file with a [config] table (as `batchlab fit` prints); flags set to "
-                                    "non-default values override it."),
+    "config": (Optional[str], None, "TOML file with a \\[config] table (as `batchlab fit` prints); the flags you "
+                                    "type override it."),
     "model": (str, "tiny", "Preset (tiny, small, gpt2, llama-2-7b, ...), hf:NAME_OR_CONFIG.json, or package.module:factory."),
     "hf_config": (Optional[str], None, "Read the model shape from a Hugging Face config.json on disk."),
     "layers": (Optional[int], None, "Override: number of transformer layers."),
