@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            FakeTensorMode, UnsupportedOperatorException)
 
 from batchlab.config import Backend, ConfigError, Precision, RunConfig
+from batchlab.formula.memory import allocator_margin
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import tracker_for
 from batchlab.trace.flops import count_update_flops
@@ -139,7 +140,7 @@ def _tracked_update(trainer: Trainer, tree: bool):
 
 def _memory(cfg: RunConfig, trainer: Trainer, snap) -> TraceMemory:
     params, grads, optimizer = _model_state_bytes(trainer)
-    margin = int(snap.peak_bytes * cfg.assumptions.allocator_margin)
+    margin = int(snap.peak_bytes * allocator_margin(cfg))  # the formula's: none on CPU
     return TraceMemory(
         peak_bytes=snap.peak_bytes, peak_phase=snap.peak_phase, activations_bytes=snap.activations_bytes,
         parameters_bytes=params, gradients_bytes=grads, optimizer_bytes=optimizer, breakdown=snap.breakdown,
