@@ -103,3 +103,22 @@ def test_config_file_from_fit_is_the_base_and_typed_flags_override(tmp_path):
     assert (d["config"]["seq"], d["config"]["micro_batch"], d["config"]["accum"]) == (128, 16, 2)
     r = run("estimate", "--config", str(tmp_path / "missing.toml"))
     assert r.exit_code == 2 and r.stderr.startswith("error: config")
+
+
+def test_vary_accum_keeps_the_global_batch_by_re_deriving_the_micro_batch():
+    rows = json.loads(run("estimate", "--vary", "accum=1,2,4", "--global-batch", "8", "--micro-batch", "8",
+                          "--json").stdout)
+    assert [(r["config"]["micro_batch"], r["config"]["accum"], r["global_batch"]) for r in rows] == \
+        [(8, 1, 8), (4, 2, 8), (2, 4, 8)]
+
+
+def test_config_file_model_may_be_a_hugging_face_family(tmp_path):
+    from batchlab.config import load_config_toml
+
+    path = tmp_path / "c.toml"
+    path.write_text('[config]\nmodel = "hf:gpt2"\nseq = 64\n')
+    cfg = load_config_toml(path)
+    assert (cfg.model.name, cfg.model.layers, cfg.model_source) == ("gpt2", 12, "hf:gpt2")
+    path.write_text('[config]\nmodel = "tiny"\nmicro_batch = 4\n')
+    d = json.loads(run("estimate", "--config", str(path), "--global-batch", "8", "--accum", "2", "--json").stdout)
+    assert (d["config"]["micro_batch"], d["config"]["accum"]) == (4, 2)

@@ -189,6 +189,9 @@ class ModelSpec:
         if self.ffn is None:
             set_(self, "ffn", default_ffn(self.hidden, self.mlp))
         _pos("ffn", self.ffn)
+        for name in ("tied_embeddings", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout!r}")
         set_(self, "dropout", float(self.dropout))
@@ -444,6 +447,9 @@ class RunConfig:
         if not isinstance(self.model_source, str) or not self.model_source:
             raise ConfigError("model_source", "must be builtin, hf:NAME_OR_CONFIG or package.module:factory")
         _pos("zero", self.zero, allow_zero=True)
+        _pos("seed", self.seed, allow_zero=True)
+        if not isinstance(self.device, str):
+            raise ConfigError("device", f"must be a device name, got {self.device!r}")
         if self.zero > 3:
             raise ConfigError("zero", f"must be 0, 1, 2 or 3, got {self.zero}")
         if self.seq > self.model.max_positions:
@@ -576,26 +582,46 @@ def config_from_dict(d: dict[str, Any]) -> RunConfig:
     return RunConfig(**kw)
 
 
-def parse_field_value(name: str, text: str) -> Any:
-    """A --change/--vary value typed for its field (``micro_batch`` '4' -> 4, ``ac`` 'every:2' -> ACPolicy)."""
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+@functools.lru_cache(maxsize=1)
+def _field_hints() -> dict[str, Any]:
+    import typing
+
+    hints: dict[str, Any] = {}
+    for cls in (Assumptions, ModelSpec, RunConfig):
+        hints.update(typing.get_type_hints(cls))
+    return hints
+
+
+def parse_field_value(name: str, text: Any) -> Any:
+    """A --change/--vary/TOML value typed for its field (``micro_batch`` '4' -> 4, ``kv_heads`` 'none' ->
+    None); enums and policies are parsed by the config itself."""
+    import typing
+
     if name not in CHANGEABLE_FIELDS:
         raise ConfigError(name, f"unknown field; known: {', '.join(CHANGEABLE_FIELDS)}")
-    owner = ModelSpec if name in MODEL_FIELDS else (Assumptions if name in ASSUMPTION_FIELDS else RunConfig)
-    kind = {f.name: f.type for f in fields(owner)}[name]
-    text = str(text).strip()
-    try:
-        if kind in ("int", "int | None"):
-            return parse_bytes(name, text) if name == "memory_budget" else int(text)
-        if kind in ("float", "float | None"):
-            return float(text)
-        if kind == "bool":
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("true", "1", "yes")
-    except ValueError:
-        raise ConfigError(name, f"{text!r} is not a valid {kind.split(' ')[0]}") from None
+    if not isinstance(text, str):
+        return text  # TOML already typed it
+    text = text.strip()
+    args = typing.get_args(_field_hints()[name]) or (_field_hints()[name],)
+    base = next(a for a in args if a is not type(None))
+    if type(None) in args and text.lower() == "none":
+        return None
     if name == "memory_budget":
         return parse_bytes(name, text)
+    if base is bool:
+        if text.lower() not in _TRUE | _FALSE:
+            raise ConfigError(name, f"{text!r} is not true or false")
+        return text.lower() in _TRUE
+    for kind, word in ((int, "a whole number"), (float, "a number")):
+        if base is kind:
+            try:
+                return kind(text)
+            except ValueError:
+                raise ConfigError(name, f"{text!r} is not {word}") from None
     return text
 
 
@@ -606,15 +632,48 @@ class Keep(_Choice):
     ACCUM = "accum"  # accum fixed: the global batch (and so the training run) changes
 
 
+BATCH_FIELDS = ("micro_batch", "accum", "dp")
+
+
+def keep_global_batch(base: RunConfig, cfg: RunConfig, names: list[str] | tuple[str, ...]) -> RunConfig:
+    """cfg (base with ``names`` changed) brought back to base's global batch: a micro-batch or DP change
+    re-derives accum, an accum change re-derives the micro-batch (the one place this rule lives)."""
+    if not set(names) & set(BATCH_FIELDS):
+        return cfg
+    g = base.global_batch
+    if "micro_batch" in names and "accum" in names:
+        raise ConfigError("keep", "micro_batch and accum both change: the global batch cannot be kept by "
+                                  "re-deriving one of them; use --keep accum")
+    if "accum" in names:
+        per = cfg.accum * cfg.dp
+        if g % per:
+            raise ConfigError("global_batch", f"{g} is not divisible by accum x DP = {cfg.accum} x {cfg.dp} = {per}")
+        return cfg.replace(micro_batch=g // per)
+    return cfg.with_global_batch(g)
+
+
 def apply_change(cfg: RunConfig, name: str, value: Any, keep: Keep = Keep.GLOBAL_BATCH) -> RunConfig:
-    """cfg with one field changed; with Keep.GLOBAL_BATCH a micro_batch/dp change re-derives accum."""
-    keep = Keep.parse("keep", keep)
-    if isinstance(value, str):
-        value = parse_field_value(name, value)
-    if keep is Keep.GLOBAL_BATCH and name in ("micro_batch", "dp"):
-        new = cfg.replace(**{name: value, "accum": 1})
-        return new.replace(accum=derive_accum(cfg.global_batch, new.micro_batch, new.dp))
-    return cfg.replace(**{name: value})
+    """cfg with one field changed; with Keep.GLOBAL_BATCH the global batch is kept (keep_global_batch)."""
+    new = cfg.replace(**{name: parse_field_value(name, value)})
+    return keep_global_batch(cfg, new, [name]) if Keep.parse("keep", keep) is Keep.GLOBAL_BATCH else new
+
+
+# hf:FAMILY -> the preset whose shape transformers' default config for that family has
+HF_FAMILIES = {"llama": "llama-2-7b", "gpt2": "gpt2"}
+
+
+def resolve_model(arg: str, **overrides: Any) -> tuple[ModelSpec, str]:
+    """``--model``'s value -> (shape for the calculator, model_source for the harness)."""
+    if not isinstance(arg, str) or not arg.strip():
+        raise ConfigError("model", "must be a preset name, hf:NAME_OR_CONFIG.json or package.module:factory")
+    arg = arg.strip()
+    if arg.startswith("hf:"):
+        target = HF_FAMILIES.get(arg[3:], arg[3:])
+        spec = model_from_hf_config(target, **overrides) if target.endswith(".json") else preset(target, **overrides)
+        return spec, arg
+    if ":" in arg:  # package.module:factory — the calculator cannot see inside it; the shape is a stand-in
+        return preset("tiny", **overrides), arg
+    return preset(arg, **overrides), "builtin"
 
 
 def config_from_table(table: Any, base: RunConfig | None = None) -> RunConfig:
@@ -634,13 +693,9 @@ def config_from_table(table: Any, base: RunConfig | None = None) -> RunConfig:
             cfg = cfg.replace(model=ModelSpec(**model))
         except TypeError as e:
             raise ConfigError("model", f"[config.model]: {e}") from None
-    elif isinstance(model, str):
-        if model.startswith("hf:") or (":" in model):
-            cfg = cfg.replace(model_source=model)
-        else:
-            cfg = cfg.replace(model=preset(model), model_source="builtin")
     elif model is not None:
-        raise ConfigError("model", "must be a preset name or a [config.model] table")
+        spec, source = resolve_model(model)
+        cfg = cfg.replace(model=spec, model_source=source)
     assumptions = values.pop("assumptions", None)
     if isinstance(assumptions, dict):
         values.update(assumptions)

@@ -12,6 +12,7 @@ import html
 from pathlib import Path
 from typing import Any
 
+from batchlab.config import ConfigError
 from batchlab.experiment.figures import METRIC_LABELS, Figure, figures
 from batchlab.units import fmt_bytes
 
@@ -221,7 +222,10 @@ def to_html(bl: list[tuple], figs: list[Figure]) -> str:
 def write_report(record: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """experiment-<id>.md (+ its PNG figures) and experiment-<id>.html (self-contained) in ``out_dir``."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("report", f"cannot create the directory {out}: {e.strerror or e}") from None
     stem = f"experiment-{record.get('notebook_id') or 'unsaved'}"
     figs = figures(record)
     names = {f.name: f"{stem}-{f.name}.png" for f in figs}

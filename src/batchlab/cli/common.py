@@ -11,7 +11,7 @@ from typing import Annotated, Any, Callable, NoReturn, Optional
 import typer
 
 from batchlab.config import (Assumptions, ConfigError, RunConfig, derive_accum, load_config_toml,
-                             model_from_hf_config, parse_bytes, preset)
+                             model_from_hf_config, parse_bytes, resolve_model)
 
 AC_HELP = ("Activation checkpointing: none, full, every:K, selective. Recomputes activations during backward "
            "to save memory inside one step (trades compute for memory). NOT the training checkpoint saved to disk.")
@@ -50,8 +50,6 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "achievable_fraction": (float, 0.4, "Assumed fraction of peak FLOP/s that kernels reach."),
     "comm_overlap": (float, 0.0, "Assumed fraction of the gradient all-reduce hidden behind backward."),
 }
-# hf:FAMILY -> the preset whose shape transformers' default config for that family has
-HF_FAMILIES = {"llama": "llama-2-7b", "gpt2": "gpt2"}
 MODEL_OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp", "norm", "dropout", "attention")
 
 
@@ -61,9 +59,9 @@ def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
     With ``config`` (a TOML file) the file is the base and the flags named in ``given`` (typed on the command
     line; default: those whose value differs from the default) override it.
     """
-    flags = _config_from_flags(**o)
     if not o.get("config"):
-        return flags
+        return _config_from_flags(**o)
+    flags = _config_from_flags(**{**o, "global_batch": None})  # global batch: against the file's shape below
     cfg = load_config_toml(o["config"])
     if given is None:
         given = {k for k, (_, default, _) in CONFIG_OPTIONS.items() if k != "config" and o.get(k, default) != default}
@@ -73,7 +71,11 @@ def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
     changes.update({k: getattr(flags, k) for k in RUN_FLAGS if k in given})
     if "global_batch" in given:  # the file's micro-batch and DP unless typed
         mb, dp = changes.get("micro_batch", cfg.micro_batch), changes.get("dp", cfg.dp)
-        changes["accum"] = derive_accum(o["global_batch"], mb, dp)
+        derived = derive_accum(o["global_batch"], mb, dp)
+        if "accum" in changes and changes["accum"] != derived:
+            raise ConfigError("accum", f"--accum {changes['accum']} contradicts --global-batch {o['global_batch']} "
+                                       f"= {mb} x accum x {dp}")
+        changes["accum"] = derived
     changes.update({k: getattr(flags.assumptions, k) for k in ("achievable_fraction", "comm_overlap") if k in given})
     if "optimizer_bytes" in given:
         changes["optimizer_bytes_per_param"] = flags.assumptions.optimizer_bytes_per_param
@@ -86,20 +88,10 @@ RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac"
 
 def _config_from_flags(**o: Any) -> RunConfig:
     overrides = {k: o.get(k) for k in MODEL_OVERRIDES}
-    model_arg = o.get("model") or "tiny"
-    source = "builtin"
     if o.get("hf_config"):
-        spec = model_from_hf_config(o["hf_config"], **overrides)
-    elif model_arg.startswith("hf:"):
-        source = model_arg
-        target = HF_FAMILIES.get(model_arg[3:], model_arg[3:])
-        spec = (model_from_hf_config(target, **overrides) if target.endswith(".json")
-                else preset(target, **overrides))
-    elif ":" in model_arg:
-        source = model_arg  # package.module:factory — the calculator cannot see inside it
-        spec = preset("tiny", **overrides)
+        spec, source = model_from_hf_config(o["hf_config"], **overrides), "builtin"
     else:
-        spec = preset(model_arg, **overrides)
+        spec, source = resolve_model(o.get("model") or "tiny", **overrides)
     mb, accum, gb, dp = o.get("micro_batch"), o.get("accum"), o.get("global_batch"), o.get("dp", 1)
     if gb is not None:
         mb = 1 if mb is None else mb

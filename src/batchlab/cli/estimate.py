@@ -130,6 +130,12 @@ def estimate(
     as_json: bool = False,
 ) -> None:
     console = Console()
+    for ignored, why in ((price is not None and not tokens, "--price needs --tokens (the budget it prices)"),
+                         ((tokens or price is not None) and (vary or trace or tree), "--tokens/--price apply to a "
+                          "single estimate, not to --vary or --trace"),
+                         (keep is Keep.ACCUM and not vary, "--keep applies to --vary")):
+        if ignored:
+            typer.echo(f"warning: ignored: {why}", err=True)
     if trace or tree:
         if vary:
             raise ConfigError("trace", "--trace traces one configuration; drop --vary")

@@ -42,6 +42,8 @@ def measure(
     (ok or oom) was recorded, 1 when the run failed, 2 for a bad config."""
     from batchlab.measure.session import run
 
+    if timeout is not None and not isolate and nproc is None and nnodes is None:
+        typer.echo("warning: ignored: --timeout applies to --isolate (or --nproc) runs", err=True)
     try:
         opts = MeasureOptions(warmup=warmup, steps=steps, isolate=isolate, memory=memory, timeout_s=timeout,
                               torch_device=torch_device)

@@ -73,5 +73,8 @@ def export(fmt: Annotated[str, typer.Option("--format", help="json, csv or md.")
         fail(str(e))
     if output is None:
         sys.stdout.write(text)
-    else:
+        return
+    try:
         output.write_text(text)
+    except OSError as e:
+        fail(f"output: cannot write {output}: {e.strerror or e}")

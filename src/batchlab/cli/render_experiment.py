@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape as esc
 from rich.panel import Panel
 from rich.table import Table
 
@@ -26,13 +27,13 @@ def header(out: Console, r: dict[str, Any]) -> None:
                   "attributed to one of them")
     cfg = r["config"]
     model = cfg["model"]
-    out.print(f"model {model['name']} ({cfg['model_source']}, {model['layers']} layers, hidden {model['hidden']}), "
+    out.print(f"model {model['name']} ({esc(cfg['model_source'])}, {model['layers']} layers, hidden {model['hidden']}), "
               f"seq {cfg['seq']}, precision {cfg['precision']}, activation checkpointing {cfg['ac']}, "
               f"device {cfg['device']}")
     for side in "ab":
         out.print(f"  {side.upper()}: {c['global_batch_text'][side]}")
     for w in r.get("warnings", []):
-        out.print(f"[yellow]warning:[/] {w}")
+        out.print(f"[yellow]warning:[/] {esc(w)}")
     p = r["predictions"]
     user = ", ".join(f"{k}={v}" for k, v in p["user"].items()) or "none"
     out.print(f"prediction ({p['user_source']}): {user}")
@@ -84,7 +85,7 @@ def diagnosis(out: Console, r: dict[str, Any]) -> None:
     lines = [f"{c['who']} predicted {c['metric']} {c['predicted']}, observed {c['observed']}" for c in d["contradictions"]]
     for i, c in enumerate(d.get("checks", []), 1):
         mark = "[yellow]![/]" if c["flagged"] else "[green]ok[/]"
-        lines.append(f"{i}. {mark} {c['question']} {c['found']}")
+        lines.append(f"{i}. {mark} {esc(c['question'])} {esc(c['found'])}")
     out.print(Panel("\n".join(lines), title="diagnosis (in order)", expand=False))
 
 
@@ -96,11 +97,11 @@ def semantics(out: Console, r: dict[str, Any]) -> None:
     for col in ("semantics", "touched", "why", "verified by the harness"):
         t.add_column(col)
     for item in s["items"]:
-        t.add_row(item["name"], "yes" if item["touched"] else "no", item["why"], item["verified"] or "-")
+        t.add_row(esc(item["name"]), "yes" if item["touched"] else "no", esc(item["why"]), esc(item["verified"] or "-"))
     out.print(t)
     check = s.get("gradient_check") or {}
     if check and not check.get("ran"):
-        out.print(f"[dim]gradient check: {check.get('detail')}[/]")
+        out.print(f"[dim]gradient check: {esc(str(check.get('detail')))}[/]")
 
 
 def scope(out: Console, r: dict[str, Any]) -> None:
@@ -125,7 +126,7 @@ def factors(out: Console, r: dict[str, Any]) -> None:
         parts.append("timing IQR/median " + ", ".join(f"{k.upper()} {v:.0%}" for k, v in noise.items() if v is not None))
     out.print("uncontrolled factors: " + "; ".join(parts))
     if f.get("note"):
-        out.print(f"note: {f['note']}")
+        out.print(f"note: {esc(f['note'])}")
 
 
 def render(out: Console, r: dict[str, Any], notebook_path: Path | None = None,
@@ -146,20 +147,24 @@ def render(out: Console, r: dict[str, Any], notebook_path: Path | None = None,
     wall = f"; wall time {r['wall_seconds']:.1f} s" if r.get("wall_seconds") is not None else ""
     out.print(f"notebook: experiment #{r.get('notebook_id')} ({status}){where}{wall}")
     if r.get("interrupted"):
-        out.print(f"[yellow]interrupted:[/] {r['interrupted']}")
+        out.print(f"[yellow]interrupted:[/] {esc(str(r['interrupted']))}")
     for p in report_paths or []:
         out.print(f"report: {p}")
 
 
 def show_record(record: dict, notebook_path, report_dir, as_json: bool) -> None:
     """Print one experiment record (JSON or the terminal view), writing its report first when asked."""
-    from batchlab.cli.common import print_json
+    from batchlab.cli.common import fail, print_json
+    from batchlab.config import ConfigError
 
     paths = []
     if report_dir is not None:
         from batchlab.report import write_report
 
-        paths = write_report(record, report_dir)
+        try:
+            paths = write_report(record, report_dir)
+        except ConfigError as e:
+            fail(str(e))
     if as_json:
         print_json(record)
     else:

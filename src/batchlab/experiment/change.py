@@ -4,21 +4,12 @@ Field names are RunConfig.replace's (CHANGEABLE_FIELDS in config.py).  Torch-fre
 """
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
-from batchlab.config import (CHANGEABLE_FIELDS, Assumptions, ConfigError, ModelSpec, RunConfig, _Choice,
-                             parse_bytes, to_jsonable)
-
-
-class KeepMode(_Choice):
-    GLOBAL_BATCH = "global-batch"  # micro-batch/DP change re-derives accum; accum change re-derives micro-batch
-    ACCUM = "accum"  # the other batch fields stay; the global batch moves with the change
-
-
-BATCH_FIELDS = ("micro_batch", "accum", "dp")
+from batchlab.config import CHANGEABLE_FIELDS, ConfigError, RunConfig, keep_global_batch
+from batchlab.config import Keep as KeepMode  # one enum; experiments call it keep mode
+from batchlab.config import parse_field_value, to_jsonable
 
 
 @dataclass(frozen=True)
@@ -33,50 +24,6 @@ class Change:
 
 def _show(value: Any) -> str:
     return str(to_jsonable(value))
-
-
-@lru_cache(maxsize=1)
-def _hints() -> dict[str, Any]:
-    hints: dict[str, Any] = {}
-    for cls in (Assumptions, ModelSpec, RunConfig):
-        hints.update(typing.get_type_hints(cls))
-    return hints
-
-
-_TRUE = {"true", "yes", "on", "1"}
-_FALSE = {"false", "no", "off", "0"}
-
-
-def convert(name: str, text: Any) -> Any:
-    """A typed value from the text a user gave for ``name`` (enums and policies are parsed by RunConfig)."""
-    if name not in CHANGEABLE_FIELDS:
-        raise ConfigError(name, f"unknown field; known: {', '.join(CHANGEABLE_FIELDS)}")
-    if not isinstance(text, str):
-        return text  # TOML already typed it
-    text = text.strip()
-    hint = _hints()[name]
-    args = typing.get_args(hint) or (hint,)
-    optional = type(None) in args
-    base = next(a for a in args if a is not type(None))
-    if optional and text.lower() == "none":
-        return None
-    if name == "memory_budget":
-        return parse_bytes(name, text)
-    if base is bool:
-        if text.lower() in _TRUE | _FALSE:
-            return text.lower() in _TRUE
-        raise ConfigError(name, f"{text!r} is not true or false")
-    if base is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(name, f"{text!r} is not a whole number") from None
-    if base is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(name, f"{text!r} is not a number") from None
-    return text
 
 
 def parse_change(text: str, base: RunConfig) -> Change:
@@ -98,7 +45,7 @@ def parse_change(text: str, base: RunConfig) -> Change:
     error: ConfigError | None = None
     for a_text, b_text in candidates:
         try:
-            a, b = convert(name, a_text), convert(name, b_text)
+            a, b = parse_field_value(name, a_text), parse_field_value(name, b_text)
             base.replace(**{name: a})
             base.replace(**{name: b})
             return Change(name, a, b)
@@ -113,7 +60,7 @@ def parse_change(text: str, base: RunConfig) -> Change:
 def change_from_values(name: str, a: Any, b: Any) -> Change:
     """A change given as two values (experiment files): converted like command-line text."""
     name = str(name).strip().replace("-", "_")
-    return Change(name, convert(name, a), convert(name, b))
+    return Change(name, parse_field_value(name, a), parse_field_value(name, b))
 
 
 @dataclass(frozen=True)
@@ -171,23 +118,13 @@ def build_sides(base: RunConfig, changes: list[Change], keep: KeepMode = KeepMod
 
 
 def _keep(base: RunConfig, cfg: RunConfig, names: list[str], keep: KeepMode, label: str) -> RunConfig:
-    if keep is KeepMode.ACCUM or not set(names) & set(BATCH_FIELDS):
+    if keep is KeepMode.ACCUM:
         return cfg
-    g = base.global_batch
     try:
-        if "micro_batch" in names and "accum" in names:
-            raise ConfigError("keep", "micro_batch and accum both change: the global batch cannot be kept by "
-                                      "re-deriving one of them; use --keep accum")
-        if "accum" in names:  # the kept global batch decides the micro-batch
-            per = cfg.accum * cfg.dp
-            if g % per:
-                raise ConfigError("global_batch", f"{g} is not divisible by accum x DP = {cfg.accum} x {cfg.dp} "
-                                                  f"= {per}")
-            return cfg.replace(micro_batch=g // per)
-        return cfg.with_global_batch(g)
+        return keep_global_batch(base, cfg, names)
     except ConfigError as e:
         raise ConfigError(e.field, f"side {label} ({', '.join(f'{n}={_show(getattr_any(cfg, n))}' for n in names)}), "
-                                   f"global batch kept at {g}: {_strip(e)}") from None
+                                   f"global batch kept at {base.global_batch}: {_strip(e)}") from None
 
 
 def getattr_any(cfg: RunConfig, name: str) -> Any:

@@ -112,15 +112,15 @@ class Notebook:
     def _rows(self, where: str = "", args: tuple = ()) -> Iterator[sqlite3.Row]:
         if not self.path.exists():
             return iter(())
-        with closing(sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True,
-                                       timeout=30)) as conn:
-            conn.row_factory = sqlite3.Row
-            try:
+        try:
+            with closing(sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True,
+                                           timeout=30)) as conn:
+                conn.row_factory = sqlite3.Row
                 return iter(conn.execute(f"SELECT * FROM experiments {where} ORDER BY id", args).fetchall())
-            except sqlite3.OperationalError as e:
-                raise ConfigError("notebook", f"{self.path} is not a batchlab notebook ({e})") from None
-            except sqlite3.DatabaseError as e:
-                raise ConfigError("notebook", f"{self.path} is not an SQLite database ({e})") from None
+        except sqlite3.OperationalError as e:
+            raise ConfigError("notebook", f"{self.path} is not a batchlab notebook ({e})") from None
+        except sqlite3.DatabaseError as e:
+            raise ConfigError("notebook", f"{self.path} is not an SQLite database ({e})") from None
 
     def list(self) -> list[dict[str, Any]]:
         return [_summary(r) for r in self._rows()]

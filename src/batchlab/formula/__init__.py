@@ -66,7 +66,9 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         (f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes" if allocator_margin(cfg)
          else "no allocator margin on CPU (tensor bytes, as the live-tensor tracker counts them)"),
         "activations counted from the tensors batchlab's built-in GPT keeps (other code: use --trace)",
-    )
+    ) + ((f"model {cfg.model_source} comes from a factory the calculator cannot see: these figures are for the "
+          f"stand-in shape {cfg.model.name} ({cfg.model.layers} layers, hidden {cfg.model.hidden}); use --trace",)
+         if cfg.model_source != "builtin" and not cfg.model_source.startswith("hf:") else ())
 
 
 def estimate(cfg: RunConfig) -> Estimate:
@@ -77,9 +79,7 @@ def estimate(cfg: RunConfig) -> Estimate:
 
 
 def _calibrated_ceiling(cfg: RunConfig):
-    """Measured FLOP/s and bandwidth for the local CPU, when `batchlab calibrate` has cached them."""
-    if cfg.device != "cpu":
-        return None
+    """Measured FLOP/s and bandwidth for this device, when `batchlab calibrate` has cached them."""
     cal = _load_calibration(cfg.device)
     if cal is None:
         return None

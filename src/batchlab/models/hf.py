@@ -87,7 +87,7 @@ def _layers(model: nn.Module) -> nn.ModuleList:
             if best is None or len(module) > len(best):
                 best = module
     if best is None:
-        raise ConfigError("model", f"{type(model).__name__} has no ModuleList of layers to checkpoint")
+        raise ConfigError("model", f"{type(model).__name__} has no ModuleList of layers to wrap for activation checkpointing")
     return best
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
@@ -102,7 +103,7 @@ def _error(c: Comparison) -> str:
 def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_note: str | None = None) -> None:
     """Print the trace: figures beside the formula's, the breakdown at the peak, notes, and the tree."""
     cfg = trace.config
-    console.print(f"[bold]batchlab estimate --trace[/]  {cfg['model_source']} ({cfg['model']['name']}): one "
+    console.print(f"[bold]batchlab estimate --trace[/]  {escape(cfg['model_source'])} ({cfg['model']['name']}): one "
                   f"steady-state update on fake tensors, {trace.traced_device} kernels, traced in "
                   f"{trace.trace_seconds:.1f} s")
     console.print(f"global batch = micro-batch x accum x DP = {cfg['micro_batch']} x {cfg['accum']} x {cfg['dp']} "
@@ -124,7 +125,7 @@ def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_no
                   f"(assumption) vs {fmt_bytes(m.capacity_bytes)} on {cfg['device']}")
     _warn_formula(rows, console)
     for note in ([formula_note] if formula_note else []) + trace.notes:
-        console.print(f"[dim]note: {note}[/]")
+        console.print(f"[dim]note: {escape(note)}[/]")
     if trace.tree is not None:
         console.print(render_tree(trace.tree))
 
