@@ -81,4 +81,5 @@ def test_measure_cuda_absent_exits_2():
 
 def test_measure_warmup_zero_is_refused():
     r = invoke(*SMALL, "--warmup", "0")  # the first update is never timed
-    assert r.exit_code == 2 and "--warmup" in r.stderr and r.stdout == ""
+    assert r.exit_code == 2 and r.stderr.startswith("error: warmup:") and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1  # one line, no usage box

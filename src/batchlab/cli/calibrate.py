@@ -15,7 +15,7 @@ from batchlab.config import ConfigError
 @app.command("calibrate")
 def calibrate(
     torch_device: Annotated[str, typer.Option(help="Local torch device to measure: cpu, cuda, cuda:1, mps.")] = "cpu",
-    seconds: Annotated[float, typer.Option(min=0.1, help="About how long to measure.")] = 3.0,
+    seconds: Annotated[float, typer.Option(help="About how long to measure (>= 0.1 s).")] = 3.0,
     save: Annotated[bool, typer.Option("--save/--no-save", help="Cache the result for the time model.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
@@ -24,6 +24,8 @@ def calibrate(
     ceilings instead of datasheet figures, and say so."""
     from batchlab import calibrate as cal_mod
 
+    if seconds < 0.1:
+        fail(f"seconds: must be >= 0.1, got {seconds:g}")
     try:
         cal = cal_mod.measure(torch_device, seconds=seconds)
     except ConfigError as e:

@@ -26,7 +26,7 @@ def fit_command(
     verify: Annotated[Optional[bool], typer.Option("--verify/--no-verify", help="Measure the recommendation in a fresh subprocess [default: on when the device is local, i.e. cpu].", rich_help_panel=PANEL)] = None,
     search: Annotated[bool, typer.Option("--search", help="Find the largest micro-batch that fits by measurement (seeded by the formula, at most ceil(log2(max)) + 2 isolated trials).", rich_help_panel=PANEL)] = False,
     after_oom: Annotated[bool, typer.Option("--after-oom", help="The config given (--micro-batch, --accum, --ac, ...) ran out of memory: print the ordered changes with formula figures.", rich_help_panel=PANEL)] = False,
-    top: Annotated[int, typer.Option(min=1, help="Rows in the alternatives table.", rich_help_panel=PANEL)] = 8,
+    top: Annotated[int, typer.Option(help="Rows in the alternatives table (>= 1).", rich_help_panel=PANEL)] = 8,
     timeout: Annotated[Optional[float], typer.Option(help="Seconds before one measurement trial is killed (recorded as failed).", rich_help_panel=PANEL)] = None,
 ):
     """Pick micro-batch, gradient accumulation and activation checkpointing for a target global batch: predict
@@ -35,6 +35,8 @@ def fit_command(
     2 for bad input."""
     from batchlab.advise import Goal
 
+    if top < 1:
+        fail(f"top: must be >= 1, got {top}")
     try:
         base = _target(cfg, global_tokens)
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens)

@@ -1,7 +1,7 @@
 """``batchlab measure``: train the model under a config for real and report what the run did.
 
 No ``from __future__ import annotations`` here: with_config rebuilds the signature from these parameters,
-and typer needs the Annotated objects (help, min=) themselves, not their strings.
+and typer needs the Annotated objects (help) themselves, not their strings.
 """
 
 from typing import Annotated, Optional
@@ -25,8 +25,8 @@ from batchlab.units import fmt_bytes
 def measure(
     cfg: RunConfig,
     as_json: bool,
-    warmup: Annotated[int, typer.Option(min=1, help="Untimed updates first (>= 1: the first update is never timed).")] = 2,
-    steps: Annotated[int, typer.Option(min=1, help="Timed updates (median, IQR, min/max over them).")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed updates first (>= 1: the first update is never timed).")] = 2,
+    steps: Annotated[int, typer.Option(help="Timed updates (median, IQR, min/max over them).")] = 5,
     isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help="Run in a fresh subprocess, so a kernel OOM-kill or a crash becomes a recorded failure.")] = False,
     timeout: Annotated[Optional[float], typer.Option(help="With --isolate: seconds before the run is killed and recorded as failed.")] = None,
     torch_device: Annotated[Optional[str], typer.Option(help="Local torch device (cpu, cuda, cuda:1, mps); default: the backend of --device.")] = None,

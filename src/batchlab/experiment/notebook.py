@@ -41,11 +41,6 @@ CREATE TABLE IF NOT EXISTS experiments (
 """
 
 
-class Status(_Choice):
-    INCOMPLETE = "incomplete"
-    COMPLETE = "complete"
-
-
 class ExportFormat(_Choice):
     JSON = "json"
     CSV = "csv"

@@ -123,8 +123,7 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, ba
     # the LM head's weight gradient exists from the start of the layers' backward (tied: in autograd's
     # input buffer until the embedding's backward adds its part)
     head_grad = m.vocab * m.hidden * states.gradients // n
-    below_layers = plan.outside_layers - act.outside_layers_bytes(m, s, b, cfg.precision, cfg.device_spec.backend) \
-        + act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend)
+    below_layers = act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend)  # the rest is freed
     start = base + grads_before + plan.total + loss_grads
     best = (start, 0, loss_grads)
     kept_below = sum(plan.per_layer_kept)

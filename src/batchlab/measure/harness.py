@@ -13,13 +13,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn as nn
 
 from batchlab.config import OptimizerKind, Precision, RunConfig
 from batchlab.models import Workload, build_workload
 from batchlab.models.ac import apply_ac
 
-PHASES = ("data", "forward", "backward", "optimizer")
 
 
 class Probe(Protocol):
@@ -167,6 +165,3 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grads
 
-
-def parameters_of(module: nn.Module) -> list[torch.Tensor]:
-    return list(module.parameters())

@@ -140,10 +140,6 @@ class StorageTracker(TorchDispatchMode):
         self._phase_peaks = {}
         self._baseline = self._current
 
-    @property
-    def current_bytes(self) -> int:
-        return self._current
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         category = _CREATED_AS.get(self.phase, "temporaries")

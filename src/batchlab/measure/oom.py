@@ -62,8 +62,4 @@ def classify_oom(exc: BaseException) -> OOMKind | None:
     return None
 
 
-def is_oom(exc: BaseException) -> bool:
-    return classify_oom(exc) is not None
-
-
-__all__ = ["OOMKind", "classify_oom", "is_oom"]
+__all__ = ["OOMKind", "classify_oom"]
