@@ -45,7 +45,7 @@ def test_markdown_and_html_are_written_with_labels_and_global_batch(measured, tm
         assert (tmp_path / "out" / name).read_bytes().startswith(PNG)
     captions = re.findall(r"\*Figure \d+ — [^[]+\[([^]]+)\]", md)
     assert len(captions) == 4 and all(set(c.split(" / ")) <= PROVENANCE for c in captions)
-    assert "| update time | 1 s | 1.5 s | 1.5 | 1.5 – 1.5 | ↑ up | ↓ down (missed) |" in md
+    assert "| update time | 1.00 s | 1.50 s | 1.5 | 1.5 – 1.5 | ↑ up | ↓ down (missed) |" in md
     assert "## Diagnosis" in md and "you predicted update_time down, observed up" in md
     page = paths[1].read_text()
     assert "global batch = micro-batch x accum x DP = 2 x 2 x 1 = 4" in page

@@ -14,7 +14,7 @@ from typing import Any
 
 from batchlab.config import ConfigError
 from batchlab.experiment.figures import METRIC_LABELS, Figure, figures
-from batchlab.units import fmt_bytes
+from batchlab.units import fmt_value
 
 
 SYMBOL = {"up": "↑ up", "down": "↓ down", "same": "≈ same", None: "-"}
@@ -22,18 +22,10 @@ HELD = {True: "held", False: "missed", None: "-"}
 
 
 def format_value(v: Any, unit: str) -> str:
-    """Display only: bytes in binary units, seconds in ms below 1 s."""
-    if v is None:
-        return "-"
-    if unit == "bytes":
-        return fmt_bytes(v)
-    if unit == "seconds":
-        return f"{v * 1e3:.4g} ms" if v < 1 else f"{v:.4g} s"
-    if unit == "tokens/s":
-        return f"{v:,.0f}"
-    if unit == "outcome":
+    """Display only; the outcome metric shows as fits / OOM."""
+    if unit == "outcome" and v is not None:
         return "OOM" if v else "fits"
-    return str(v)
+    return fmt_value(v, unit)
 
 
 # ------------------------------------------------------------------------------------------ document

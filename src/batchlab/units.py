@@ -37,3 +37,16 @@ def fmt_count(x: float | None, unit: str = "") -> str:
         if abs(x) >= size:
             return f"{x / size:.3g} {suffix}{unit}"
     return f"{x:.3g} {unit}".rstrip()
+
+
+def fmt_value(v, unit: str) -> str:
+    """A figure by its unit: bytes, seconds, tokens/s; anything else as text."""
+    if v is None:
+        return "-"
+    if unit == "bytes":
+        return fmt_bytes(v)
+    if unit == "seconds":
+        return fmt_seconds(v)
+    if unit == "tokens/s":
+        return f"{v:,.0f}"
+    return str(v)

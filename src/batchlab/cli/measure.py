@@ -17,7 +17,7 @@ from batchlab.config import ConfigError, RunConfig
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
 from batchlab.measure.versus import FigureRow, formula_estimate, rows
-from batchlab.units import fmt_bytes
+from batchlab.units import fmt_bytes, fmt_seconds, fmt_value
 
 
 @app.command("measure")
@@ -110,20 +110,8 @@ def _run_with_progress(run, cfg: RunConfig, opts: MeasureOptions, show: bool) ->
         return run(cfg, opts, progress=update)
 
 
-def _seconds(value: float) -> str:
-    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
-
-
 def _value(row: FigureRow, value) -> str:
-    if value is None:
-        return "-"
-    if row.unit == "bytes":
-        return fmt_bytes(value)
-    if row.unit == "seconds":
-        return _seconds(value)
-    if row.unit == "tokens/s":
-        return f"{value:,.0f}"
-    return str(value)
+    return fmt_value(value, row.unit)
 
 
 def _difference(row: FigureRow) -> str:
@@ -165,15 +153,15 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
 def _render_details(out: Console, m: Measurement) -> None:
     t = m.time
     if t is not None and t.samples:
-        split = "  ".join(f"{k} {_seconds(v)}" for k, v in t.phase_seconds.items())
+        split = "  ".join(f"{k} {fmt_seconds(v)}" for k, v in t.phase_seconds.items())
         out.print(f"update time over {len(t.samples)} timed updates after {t.warmup} warmup (wall-clock): "
-                  f"min {_seconds(t.update_seconds_min)}, max {_seconds(t.update_seconds_max)}, "
+                  f"min {fmt_seconds(t.update_seconds_min)}, max {fmt_seconds(t.update_seconds_max)}, "
                   f"IQR/median {t.spread:.1%}")
         if split:
             out.print(f"per phase (median, wall-clock): {split}")
         if t.cpu_seconds:
             med = sorted(t.cpu_seconds)[len(t.cpu_seconds) // 2]
-            out.print(f"process CPU time per update (median, all threads): {_seconds(med)}")
+            out.print(f"process CPU time per update (median, all threads): {fmt_seconds(med)}")
     if m.memory is not None and m.memory.breakdown:
         parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in m.memory.breakdown.items() if v)
         out.print(f"memory at the peak ({m.memory.provenance}: {m.memory.method}): {parts}")

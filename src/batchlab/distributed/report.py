@@ -2,11 +2,7 @@
 from __future__ import annotations
 
 from batchlab.measure.result import Measurement
-from batchlab.units import fmt_bytes
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
+from batchlab.units import fmt_bytes, fmt_seconds
 
 
 def memory_lines(m: Measurement) -> list[str]:
@@ -30,13 +26,13 @@ def comm_lines(m: Measurement) -> list[str]:
     if c.seconds:
         predicted = f"; {c.predicted_provenance}"
         if c.predicted_seconds is not None:
-            predicted += f": {_ms(c.predicted_seconds)}"
+            predicted += f": {fmt_seconds(c.predicted_seconds)}"
             if c.predicted_bytes is not None and c.predicted_bandwidth_bytes_per_s:
                 predicted += (f" (ring 2(n-1)/n x {fmt_bytes(c.predicted_bytes)} over "
                               f"{c.predicted_bandwidth_bytes_per_s / 1e9:.3g} GB/s)")
         out.append(f"all-reduce time per update (median, wall-clock via comm hook, approximate): "
-                   f"{_ms(c.seconds_median)}{predicted}; compute (update minus all-reduce): "
-                   f"{_ms(c.compute_seconds_median)}")
+                   f"{fmt_seconds(c.seconds_median)}{predicted}; compute (update minus all-reduce): "
+                   f"{fmt_seconds(c.compute_seconds_median)}")
     if c.scope:
         out.append(f"scope: {c.scope}")
     return out
