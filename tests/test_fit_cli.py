@@ -160,3 +160,18 @@ def test_cpu_search_by_measurement_finds_the_largest_micro_batch():
     assert final["micro_batch"] == expected and final["micro_batch"] * final["accum"] == 8
     assert d["limits"]["measured_limit"] == limit
     assert d["limits"]["predicted_limit"] in (1, 2, 4, 8)
+
+
+def test_global_tokens_and_global_batch_together_are_refused(capsys):
+    from batchlab.cli import main
+    import sys as _sys
+
+    argv = _sys.argv
+    _sys.argv = ["batchlab", "fit", "--global-tokens", "1024", "--global-batch", "8", "--no-verify"]
+    try:
+        with pytest.raises(SystemExit) as e:
+            main()
+    finally:
+        _sys.argv = argv
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("error: global_tokens:")

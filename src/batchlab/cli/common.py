@@ -111,6 +111,14 @@ def _config_from_flags(**o: Any) -> RunConfig:
                      assumptions=assumptions, **given)
 
 
+_TYPED: set[str] = set()  # the shared config options typed on this command line
+
+
+def typed_options() -> frozenset[str]:
+    """Shared config options the user typed (not defaults), for commands whose own options conflict."""
+    return frozenset(_TYPED)
+
+
 def with_config(fn: Callable) -> Callable:
     """Give a typer command every shared config option; it receives ``cfg: RunConfig`` instead.
 
@@ -135,6 +143,8 @@ def with_config(fn: Callable) -> Callable:
         config_kwargs = {k: kwargs.pop(k) for k in CONFIG_OPTIONS}
         typed = {k for k in CONFIG_OPTIONS if (src := ctx.get_parameter_source(k)) is not None
                  and src.name in ("COMMANDLINE", "ENVIRONMENT", "PROMPT")}
+        _TYPED.clear()
+        _TYPED.update(typed)
         try:
             cfg = build_config(given=typed, **config_kwargs)
             return fn(cfg=cfg, as_json=kwargs.pop("as_json"), **kwargs)

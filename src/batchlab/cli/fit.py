@@ -59,6 +59,10 @@ def fit_command(
 def _target(cfg: RunConfig, global_tokens: int | None) -> RunConfig:
     if global_tokens is None:
         return cfg
+    from batchlab.cli.common import typed_options
+
+    if typed_options() & {"global_batch", "accum"}:
+        raise ConfigError("global_tokens", "give the target once: --global-tokens or --global-batch/--accum")
     if global_tokens <= 0 or global_tokens % cfg.seq:
         raise ConfigError("global_tokens", f"{global_tokens} is not a positive multiple of seq ({cfg.seq})")
     return cfg.with_global_batch(global_tokens // cfg.seq, 1)
