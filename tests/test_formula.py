@@ -155,3 +155,21 @@ def test_per_op_overhead_makes_larger_micro_batches_faster_at_a_fixed_global_bat
     assert ta.compute_seconds == pytest.approx(8 * (c + x))
     nil = estimate(a.replace(op_overhead_seconds=0.0)).time
     assert nil.overhead_seconds_per_micro_batch == 0
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(micro_batch=1, accum=4), dict(ac="full")])
+def test_the_breakdown_at_the_peak_adds_up_and_matches_the_live_tensors(kw):
+    from batchlab.measure.harness import Trainer
+    from batchlab.measure.memory import track_update
+
+    cfg = RunConfig(seq=64, **kw)
+    f = estimate(cfg).memory
+    assert sum(f.at_peak.values()) == f.peak_tensor_bytes
+    measured = track_update(Trainer(cfg))
+    assert f.peak_phase == measured.peak_phase
+    for part in ("parameters", "optimizer", "data"):  # exact by construction of both
+        assert f.at_peak[part] == measured.breakdown[part], part
+    assert f.at_peak["activations"] == pytest.approx(measured.breakdown["activations"], rel=0.02)
+    # the tracker files a recomputed layer, and a weight gradient not yet accumulated, under temporaries
+    moving = f.at_peak["gradients"] + f.at_peak["recompute"] + f.at_peak["temporaries"]
+    assert moving == pytest.approx(measured.breakdown["gradients"] + measured.breakdown["temporaries"], rel=0.1)

@@ -22,29 +22,31 @@ AC_NOTE = ("Activation checkpointing (--ac) recomputes activations in backward: 
 def _memory_table(e: Estimate) -> Table:
     m = e.memory
     t = Table(title="Memory per rank  \\[formula]", show_header=True, header_style="bold")
-    t.add_column("part")
-    t.add_column("bytes", justify="right")
-    t.add_column("note")
+    for col, justify in (("part", "left"), ("size", "right"), (f"live at the peak ({m.peak_phase})", "right"),
+                         ("note", "left")):
+        t.add_column(col, justify=justify)
     layers = m.activations_per_layer_bytes
-    rows = [
-        ("parameters", m.parameters_bytes, "16-bit working copies (autocast)" if m.master_bytes else "weights"),
-        ("master weights", m.master_bytes, "fp32, updated by the optimizer" if m.master_bytes else "none (not mixed)"),
-        ("gradients", m.gradients_bytes, ""),
-        ("optimizer state", m.optimizer_bytes, str(e.config.optimizer)),
-        ("activations", m.activations_bytes,
+    peak = m.at_peak
+    rows = [  # (label, size, part at the peak or None, note)
+        ("parameters", m.parameters_bytes, "parameters",
+         "16-bit working copies (autocast)" if m.master_bytes else "weights"),
+        ("master weights", m.master_bytes, "master", "fp32, updated by the optimizer" if m.master_bytes else "none (not mixed)"),
+        ("gradients", m.gradients_bytes, "gradients", ""),
+        ("optimizer state", m.optimizer_bytes, "optimizer", str(e.config.optimizer)),
+        ("activations", m.activations_bytes, "activations",
          f"{len(layers)} layers, {fmt_bytes(max(layers))} max per layer, ac={e.config.ac}"),
-        ("  of which logits/loss", m.logits_bytes, "fp32 log-softmax kept by the loss"),
-        ("recompute working set", m.recompute_working_bytes, "one layer rebuilt during its backward"),
-        ("temporaries at peak", m.temporaries_bytes, "gradients of activations, buffers"),
-        ("data", m.data_bytes, "token ids of one update"),
-        ("allocator margin", m.margin_bytes, f"{m.margin_bytes / max(m.peak_tensor_bytes, 1):.0%} assumed"),
+        ("  of which logits/loss", m.logits_bytes, None, "fp32 log-softmax kept by the loss"),
+        ("recompute working set", None, "recompute", "one layer rebuilt during its backward"),
+        ("temporaries", None, "temporaries", "gradients of activations, logits, optimizer buffers"),
+        ("data", m.data_bytes, "data", "token ids of one update"),
     ]
-    for name, n, note in rows:
-        t.add_row(name, fmt_bytes(n), note)
+    for name, size, part, note in rows:
+        t.add_row(name, fmt_bytes(size) if size is not None else "", fmt_bytes(peak[part]) if part else "", note)
+    t.add_row("allocator margin", "", fmt_bytes(m.margin_bytes),
+              f"{m.margin_bytes / max(m.peak_tensor_bytes, 1):.0%} assumed")
     verdict = "fits" if m.fits else "OUT OF MEMORY"
-    t.add_row("[bold]peak[/bold]", f"[bold]{fmt_bytes(m.peak_bytes)}[/bold]",
-              f"in {m.peak_phase}; capacity {fmt_bytes(m.capacity_bytes)} → [bold]{verdict}[/bold] "
-              f"(headroom {fmt_bytes(m.headroom_bytes)})")
+    t.add_row("[bold]peak[/bold]", "", f"[bold]{fmt_bytes(m.peak_bytes)}[/bold]",
+              f"capacity {fmt_bytes(m.capacity_bytes)} → [bold]{verdict}[/bold] (headroom {fmt_bytes(m.headroom_bytes)})")
     return t
 
 

@@ -19,10 +19,6 @@ class ModelStates:
     gradients: int
     optimizer: int
 
-    @property
-    def persistent(self) -> int:
-        """What stays between updates (the working copies under autocast are rebuilt each forward)."""
-        return self.master + self.optimizer + (0 if self.master else self.parameters)
 
 
 def optimizer_bytes_per_param(cfg: RunConfig) -> float:
@@ -89,6 +85,9 @@ class MemoryEstimate:
     peak_bytes: int  # peak_tensor_bytes + margin_bytes
     peak_phase: str
     phase_peaks: dict[str, int] = field(default_factory=dict)  # tensor bytes at each phase's high point
+    # what is live at the peak, by part (parameters, master, gradients, optimizer, activations, recompute,
+    # temporaries, data): sums to peak_tensor_bytes
+    at_peak: dict[str, int] = field(default_factory=dict)
     capacity_bytes: int = 0
     provenance: str = "formula"
 
@@ -101,11 +100,11 @@ class MemoryEstimate:
         return self.capacity_bytes - self.peak_bytes
 
 
-def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, base: int, grads_before: int,
-                   loss_grads: int) -> tuple[int, int, int]:
+def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, resident: dict[str, int],
+                   grads_before: int, loss_grads: int) -> dict[str, int]:
     """Walk backward layer by layer (last first): kept activations shrink while parameter gradients grow.
 
-    Returns (peak tensor bytes, recompute working set at the peak, temporaries at the peak).
+    ``resident``: weights, optimizer state and data (present throughout).  Returns the parts at the peak.
     """
     m, s, b = cfg.model, cfg.seq, cfg.micro_batch
     w = act.Widths.of(cfg.precision, cfg.device_spec.backend)
@@ -124,16 +123,16 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, ba
     # input buffer until the embedding's backward adds its part)
     head_grad = m.vocab * m.hidden * states.gradients // n
     below_layers = act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend)  # the rest is freed
-    start = base + grads_before + plan.total + loss_grads
-    best = (start, 0, loss_grads)
+    best = dict(resident, gradients=grads_before, activations=plan.total, recompute=0, temporaries=loss_grads)
     kept_below = sum(plan.per_layer_kept)
     grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
     for i in reversed(range(m.layers)):
         kept_i = plan.per_layer_kept[i]
-        rebuilt = plan.per_layer_full - kept_i  # recompute restores the rest of the layer
-        live = base + grads_before + below_layers + kept_below + rebuilt + transient + grads_done
-        if live > best[0]:
-            best = (live, rebuilt, transient)
+        parts = dict(resident, gradients=grads_before + grads_done, activations=below_layers + kept_below,
+                     recompute=plan.per_layer_full - kept_i,  # recompute restores the rest of the layer
+                     temporaries=transient)
+        if sum(parts.values()) > sum(best.values()):
+            best = parts
         kept_below -= kept_i
         grads_done += layer_grad if new_grads else 0
     return best
@@ -161,25 +160,31 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         n, per_layer = count(m).total, count(m).per_layer
         copies = 2 * (n - per_layer * n_recomputed) // (cfg.dp if cfg.zero >= 3 else 1)
     data = cfg.accum * 2 * s * b * 8  # int64 inputs and targets, all micro-batches made up front
-    base = states.persistent + data
+    weights = dict(parameters=copies if cfg.precision.mixed else states.parameters, master=states.master,
+                   optimizer=states.optimizer, data=data)
     grads_before = states.gradients if cfg.accum > 1 else 0
     sbv = s * b * m.vocab
     logits_fwd = sbv * w.e + (sbv * F32 if w.e != F32 else 0)  # logits (+ fp32 copy for the loss)
     loss_grads = 2 * sbv * F32 + (sbv * w.e if w.e != F32 else 0)
-    forward = base + copies + grads_before + plan.total + logits_fwd
-    backward, rebuilt, transient = _backward_peak(cfg, plan, states, base + copies, grads_before, loss_grads)
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
-    optimizer = base + states.gradients + opt_tmp
-    phases = {"forward": forward, "backward": backward, "optimizer": optimizer}
-    peak_phase = max(phases, key=phases.get)
-    peak_tensor = phases[peak_phase]
+    phases = {  # the parts live at each phase's high point
+        "forward": dict(weights, gradients=grads_before, activations=plan.total, recompute=0,
+                        temporaries=logits_fwd),
+        "backward": _backward_peak(cfg, plan, states, weights, grads_before, loss_grads),
+        # autocast's working copies are gone by the optimizer step
+        "optimizer": dict(weights, parameters=0 if cfg.precision.mixed else states.parameters,
+                          gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
+    }
+    totals = {k: sum(v.values()) for k, v in phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    at_peak = phases[peak_phase]
+    peak_tensor = totals[peak_phase]
     margin = int(peak_tensor * allocator_margin(cfg))
-    temp = {"optimizer": opt_tmp, "forward": logits_fwd, "backward": transient}[peak_phase]
     return MemoryEstimate(
         parameters_bytes=states.parameters, master_bytes=states.master, gradients_bytes=states.gradients,
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,
-        activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=rebuilt,
-        logits_bytes=sbv * F32, temporaries_bytes=temp, data_bytes=data, peak_tensor_bytes=peak_tensor,
-        margin_bytes=margin, peak_bytes=peak_tensor + margin, peak_phase=peak_phase, phase_peaks=phases,
-        capacity_bytes=cfg.memory_capacity)
+        activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=at_peak["recompute"],
+        logits_bytes=sbv * F32, temporaries_bytes=at_peak["temporaries"], data_bytes=data,
+        peak_tensor_bytes=peak_tensor, margin_bytes=margin, peak_bytes=peak_tensor + margin, peak_phase=peak_phase,
+        phase_peaks=totals, at_peak=at_peak, capacity_bytes=cfg.memory_capacity)
