@@ -20,7 +20,6 @@ class ModelStates:
     optimizer: int
 
 
-
 def optimizer_bytes_per_param(cfg: RunConfig) -> float:
     if cfg.assumptions.optimizer_bytes_per_param is not None:
         return cfg.assumptions.optimizer_bytes_per_param
