@@ -4,11 +4,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import fail, print_json
+from batchlab.cli.common import console, fail, print_json
 from batchlab.config import ConfigError
 
 
@@ -34,7 +33,7 @@ def calibrate(
     if as_json:
         print_json({**cal.to_dict(), "cache_path": str(path) if path else None})
         return
-    out = Console()
+    out = console()
     out.print(f"[bold]batchlab calibrate[/]  {cal.hardware} ({cal.torch_device}), torch {cal.torch_version}, "
               f"{cal.seconds:.1f} s")
     table = Table(show_header=True, header_style="bold")

@@ -155,6 +155,17 @@ def with_config(fn: Callable) -> Callable:
     return wrapper
 
 
+def console():
+    """The terminal's width on a terminal; 120 columns when piped or redirected (rich's 80 wraps our tables)."""
+    import os
+
+    from rich.console import Console
+
+    if sys.stdout.isatty() or "COLUMNS" in os.environ:
+        return Console()
+    return Console(width=120)
+
+
 def print_json(obj: Any) -> None:
     from batchlab.config import to_jsonable
 

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import print_json, with_config
+from batchlab.cli.common import console as make_console, print_json, with_config
 from batchlab.config import ConfigError, Keep, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate
 from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
@@ -131,7 +131,7 @@ def estimate(
     tree: Annotated[bool, typer.Option("--tree", help="With --trace: bytes each module keeps for backward, as a tree (implies --trace).")] = False,
     as_json: bool = False,
 ) -> None:
-    console = Console()
+    console = make_console()
     for ignored, why in ((price is not None and not tokens, "--price needs --tokens (the budget it prices)"),
                          ((tokens or price is not None) and (vary or trace or tree), "--tokens/--price apply to a "
                           "single estimate, not to --vary or --trace"),
@@ -178,6 +178,6 @@ def explain(cfg: RunConfig, as_json: bool = False) -> None:
     if as_json:
         print_json({"provenance": "formula", "config": cfg.to_dict(), "lines": lines})
         return
-    console = Console()
+    console = make_console()
     for line in lines:
         console.print(line)

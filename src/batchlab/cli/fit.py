@@ -7,7 +7,7 @@ import typer
 from rich.console import Console
 
 from batchlab.cli.base import app
-from batchlab.cli.common import fail, print_json, with_config
+from batchlab.cli.common import console, fail, print_json, with_config
 from batchlab.config import Backend, ConfigError, RunConfig
 
 PANEL = "Fit"
@@ -51,7 +51,7 @@ def fit_command(
     else:
         from batchlab.advise.render import fit_report
 
-        fit_report(Console(), report, top)
+        fit_report(console(), report, top)
     if report.exit_code:
         raise typer.Exit(report.exit_code)
 
@@ -99,4 +99,4 @@ def _after_oom(goal, as_json: bool) -> None:
         return
     from batchlab.advise.render import after_oom
 
-    after_oom(Console(), goal, now, items)
+    after_oom(console(), goal, now, items)

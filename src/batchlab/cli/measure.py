@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import fail, print_json, with_config
+from batchlab.cli.common import console, fail, print_json, with_config
 from batchlab.config import ConfigError, RunConfig
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
@@ -89,7 +89,7 @@ def _oom_advice(cfg: RunConfig, as_json: bool):
     from batchlab.advise.plan import candidate
     from batchlab.advise.render import after_oom
 
-    after_oom(Console(), goal, candidate(goal.base, goal.tokens), oom_advice(goal))
+    after_oom(console(), goal, candidate(goal.base, goal.tokens), oom_advice(goal))
 
 
 def _run_with_progress(run, cfg: RunConfig, opts: MeasureOptions, show: bool) -> Measurement:
@@ -124,7 +124,7 @@ def _difference(row: FigureRow) -> str:
 
 
 def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str | None) -> None:
-    out = Console()
+    out = console()
     env = m.environment
     # text from outside (model names, exception messages) is escaped: "[enforce fail ...]" is not markup
     where = escape(f"{env.get('torch_device', '?')} ({env.get('device_name', '?')}, {env.get('threads', '?')} threads)")

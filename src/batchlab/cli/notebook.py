@@ -6,11 +6,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import fail, print_json
+from batchlab.cli.common import console, fail, print_json
 from batchlab.cli.render_experiment import show_record
 from batchlab.config import ConfigError
 from batchlab.experiment.notebook import ExportFormat, Notebook
@@ -34,7 +33,7 @@ def list_(notebook: NotebookOpt = None, as_json: JsonOpt = False):
     if as_json:
         print_json(rows)
         return
-    out = Console()
+    out = console()
     if not rows:
         out.print(f"no experiments yet in {book.path}")
         return

@@ -154,7 +154,7 @@ def render(out: Console, r: dict[str, Any], notebook_path: Path | None = None,
 
 def show_record(record: dict, notebook_path, report_dir, as_json: bool) -> None:
     """Print one experiment record (JSON or the terminal view), writing its report first when asked."""
-    from batchlab.cli.common import fail, print_json
+    from batchlab.cli.common import console, fail, print_json
     from batchlab.config import ConfigError
 
     paths = []
@@ -168,4 +168,4 @@ def show_record(record: dict, notebook_path, report_dir, as_json: bool) -> None:
     if as_json:
         print_json(record)
     else:
-        render(Console(), record, notebook_path=notebook_path, report_paths=paths)
+        render(console(), record, notebook_path=notebook_path, report_paths=paths)
