@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchlab.config import RunConfig
+from batchlab.formula.activations import implementation
 from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.memory import (MemoryEstimate, allocator_margin, memory, model_states,
                                      optimizer_bytes_per_param)
@@ -65,7 +66,8 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"all-reduce: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind backward",
         (f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes" if allocator_margin(cfg)
          else "no allocator margin on CPU (tensor bytes, as the live-tensor tracker counts them)"),
-        "activations counted from the tensors batchlab's built-in GPT keeps (other code: use --trace)",
+        f"activations counted from the tensors the {implementation(cfg.model_source, cfg.model).value} layer code keeps "
+        "(other code: use --trace)",
     ) + ((f"model {cfg.model_source} comes from a factory the calculator cannot see: these figures are for the "
           f"stand-in shape {cfg.model.name} ({cfg.model.layers} layers, hidden {cfg.model.hidden}); use --trace",)
          if cfg.model_source != "builtin" and not cfg.model_source.startswith("hf:") else ())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from batchlab.config import AttentionImpl, Backend, MLPKind, ModelSpec, NormKind, Precision, PositionKind
+from batchlab.config import AttentionImpl, Backend, MLPKind, ModelSpec, NormKind, Precision, PositionKind, _Choice
 
 F32 = 4
 
@@ -63,7 +63,23 @@ def _norm_bytes(m: ModelSpec, s: int, b: int, w: Widths) -> int:
     return sbh * w.res + 2 * s * b * F32 + cast_out  # layer_norm: input, mean, rstd
 
 
-def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend) -> LayerActivations:
+class Impl(_Choice):
+    """Whose layer code keeps the tensors: batchlab's GPT, or Hugging Face's GPT-2 / Llama classes."""
+
+    BUILTIN = "builtin"
+    HF_GPT2 = "hf-gpt2"  # Conv1D fused qkv; gelu_new written in Python ops
+    HF_LLAMA = "hf-llama"  # separate q, k, v projections
+
+
+def implementation(model_source: str, m: ModelSpec) -> Impl:
+    """The family hf: builds (as models/hf.py decides it); anything else is counted as batchlab's GPT."""
+    if not model_source.startswith("hf:"):
+        return Impl.BUILTIN
+    return Impl.HF_LLAMA if m.mlp is MLPKind.SWIGLU else Impl.HF_GPT2
+
+
+def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend,
+                      impl: Impl = Impl.BUILTIN) -> LayerActivations:
     w = Widths.of(precision, backend)
     h, a, kv, f = m.hidden, m.heads, m.kv_hidden, m.ffn
     sbh = s * b * h
@@ -71,7 +87,9 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
     rope = m.position is PositionKind.ROPE
     scores = materialises_scores(m, backend)
     # q, k, v as attention receives them
-    if rope:  # rotated q and k are new tensors; v stays a view of the qkv output
+    if rope and impl is Impl.HF_LLAMA:  # rotated q and k, and v from its own projection
+        qkv = sbh * w.e + 2 * s * b * kv * w.e
+    elif rope:  # rotated q and k are new tensors; v stays a view of the fused qkv output
         qkv = sbh * w.e + s * b * kv * w.e + s * b * (h + 2 * kv) * w.e
     elif scores:  # matmul on transposed views makes contiguous copies of q, k and v
         qkv = 3 * sbh * w.e
@@ -92,6 +110,10 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
         attn_out = sbh * w.e + a * s * b * F32 + sbh * w.e  # SDPA output, log-sum-exp, projection input
     if m.mlp is MLPKind.SWIGLU:
         mlp = 4 * s * b * f * w.e  # gate, silu(gate), up, product
+    elif impl is Impl.HF_GPT2:
+        # gelu_new = 0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³))) in Python ops keeps x, tanh(..), 0.5·x and
+        # 1 + tanh(..), then its output for c_proj: five s x b x f tensors where a fused GELU keeps two
+        mlp = 5 * s * b * f * w.e
     else:
         mlp = 2 * s * b * f * w.e  # fc output, gelu output
     masks = 2 * sbh * w.mask if m.dropout > 0 else 0
