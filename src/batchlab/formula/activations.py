@@ -95,8 +95,8 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
         qkv = 3 * sbh * w.e
     else:  # SDPA takes the views: the whole qkv output stays alive
         qkv = s * b * (h + 2 * kv) * w.e
-    if gqa:  # repeat_interleave materialises k and v at full width
-        qkv += 2 * sbh * w.e
+    if gqa and impl is not Impl.HF_LLAMA:  # repeat_interleave materialises k and v at full width
+        qkv += 2 * sbh * w.e  # (transformers passes enable_gqa to SDPA instead, when there is no mask)
     ass = a * s * s * b
     if scores:
         sc = ass * w.softmax + s * s  # softmax output, causal mask (bool)
