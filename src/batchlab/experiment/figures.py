@@ -155,14 +155,8 @@ def phase_figure(record: dict[str, Any]) -> Figure | None:
     if len(split) < 2:
         return None
     fig, ax = _axes("Update time by phase", ("wall-clock",))
-    bottom = [0.0, 0.0]
-    for p, color in zip(phases, ("#bbbbbb", "#4477aa", "#ee6677", "#ccbb44")):
-        vals = [split[s][p] * 1e3 for s in "ab"]
-        ax.bar([0, 1], vals, 0.5, bottom=bottom, label=p, color=color)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks([0, 1], [f"A\n{_side_text(record, 'a')}", f"B\n{_side_text(record, 'b')}"], fontsize=8)
-    ax.set_ylabel("ms per optimizer update (median over rounds)")
-    ax.legend(fontsize=8)
+    _stacked(ax, record, {p: [split[s][p] * 1e3 for s in "ab"] for p in phases},
+             "ms per optimizer update (median over rounds)")
     return Figure("phases", "Update time by phase", ("wall-clock",),
                   "Per-phase split of one update (median of each round's per-phase medians, wall-clock): data, "
                   "forward, backward (all micro-batches) and the optimizer step.", _png(fig))
@@ -172,19 +166,26 @@ def formula_breakdown_figure(record: dict[str, Any]) -> Figure | None:
     f = record.get("formula") or {}
     if not f.get("available"):
         return None
-    terms = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes")
-    fig, ax = _axes("Memory terms", ("formula",))
+    parts = [k for k in f["a"]["memory"].get("at_peak", {}) if any(f[s]["memory"]["at_peak"].get(k) for s in "ab")]
+    fig, ax = _axes("Memory live at the peak", ("formula",))
+    _stacked(ax, record, {k: [f[s]["memory"]["at_peak"].get(k, 0) / 2**20 for s in "ab"] for k in parts}, "MiB")
+    return Figure("formula-terms", "Memory live at the peak", ("formula",),
+                  "What the formula says is live at each side's peak (paper derivation, not a measurement); the "
+                  "parts add up to the peak tensor bytes.", _png(fig))
+
+
+COLORS = ("#4477aa", "#ee6677", "#ccbb44", "#228833", "#66ccee", "#aa3377", "#bbbbbb", "#000000")
+
+
+def _stacked(ax, record: dict[str, Any], series: dict[str, list[float]], ylabel: str) -> None:
+    """One stacked bar per side (A, B), a segment per series."""
     bottom = [0.0, 0.0]
-    for t, color in zip(terms, ("#4477aa", "#ee6677", "#ccbb44", "#228833")):
-        vals = [(f[s]["memory"].get(t) or 0) / 2**20 for s in "ab"]
-        ax.bar([0, 1], vals, 0.5, bottom=bottom, label=t.replace("_bytes", ""), color=color)
+    for (label, vals), color in zip(series.items(), COLORS):
+        ax.bar([0, 1], vals, 0.5, bottom=bottom, label=label, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks([0, 1], [f"A\n{_side_text(record, 'a')}", f"B\n{_side_text(record, 'b')}"], fontsize=8)
-    ax.set_ylabel("MiB")
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
-    return Figure("formula-terms", "Memory terms", ("formula",),
-                  "The formula's memory terms per side (paper derivation, not a measurement); their sum is not the "
-                  "peak, which depends on the phase.", _png(fig))
 
 
 def figures(record: dict[str, Any]) -> list[Figure]:
