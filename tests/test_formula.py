@@ -191,3 +191,19 @@ def test_formula_counts_hugging_face_layers_from_their_own_tensors(source, toler
     assert estimate(cfg).memory.activations_bytes == pytest.approx(measured, rel=tolerance)
     builtin = estimate(cfg.replace(model_source="builtin")).memory.activations_bytes
     assert abs(estimate(cfg).memory.activations_bytes - measured) < abs(builtin - measured)
+
+
+@pytest.mark.parametrize("argv", [
+    ["estimate", "--model", "llama-2-7b", "--seq", "4096", "--micro-batch", "1", "--device", "h100", "--json"],
+    ["estimate", "--vary", "micro_batch=1,2,4", "--global-batch", "8"],
+    ["explain"],
+    ["fit", "--model", "llama-2-7b", "--seq", "4096", "--global-batch", "512", "--dp", "8", "--device", "h100-sxm",
+     "--precision", "bf16-mixed", "--zero", "1", "--json"],
+])
+def test_the_calculator_commands_run_where_torch_cannot_be_imported(argv):
+    code = ("import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
+            f"sys.argv = ['batchlab'] + {argv!r}\n"
+            "from batchlab.cli import main\nmain()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "global" in out.stdout
