@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
@@ -38,12 +39,12 @@ def list_(notebook: NotebookOpt = None, as_json: JsonOpt = False):
         out.print(f"no experiments yet in {book.path}")
         return
     t = Table(show_header=True, header_style="bold", title=str(book.path))
-    for col in ("id", "date", "status", "variable", "verdict (B/A)"):
+    for col in ("id", "date", "status", "variable", "observed B/A (memory: allocator; time: wall-clock)"):
         t.add_column(col, overflow="fold")
     for r in rows:
         status = r["status"] if r["status"] == "complete" else f"[yellow]{r['status']}[/]"
-        kind = " [dim](formula only)[/]" if r["kind"] == "formula-only" else ""
-        t.add_row(str(r["id"]), r["created_at"][:16].replace("T", " "), status, r["variable"] + kind,
+        kind = " [dim](formula only: ratios are formula)[/]" if r["kind"] == "formula-only" else ""
+        t.add_row(str(r["id"]), r["created_at"][:16].replace("T", " "), status, escape(r["variable"]) + kind,
                   r["short"] or "-")
     out.print(t)
 
