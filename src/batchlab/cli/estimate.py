@@ -5,12 +5,13 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
 from batchlab.cli.common import console as make_console, print_json, with_config
 from batchlab.config import ConfigError, Keep, RunConfig
-from batchlab.formula import Estimate, estimate as formula_estimate
+from batchlab.formula import Estimate, estimate as formula_estimate, unseen_model
 from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
 
 ARROW = {"up": "↑", "down": "↓", "same": "≈"}
@@ -78,6 +79,9 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
     console.print(f"[bold]{cfg.model.name}[/bold] ({e.params.total / 1e6:,.1f} M parameters), seq {cfg.seq}, "
                   f"{cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
     console.print(cfg.global_batch_text())
+    if unseen_model(cfg):
+        console.print(f"[yellow]warning:[/] {escape(unseen_model(cfg))}: the figures below are for the stand-in "
+                      f"shape given by the flags; run --trace for your model's own graph")
     console.print(_memory_table(e))
     console.print(_time_table(e, tokens, price))
     console.print(f"Training checkpoint file on disk (weights + optimizer state, all ranks; not activation "

@@ -95,12 +95,11 @@ FormulaPrediction = dict[Metric, dict[str, Any]]
 
 def _formula(sides: Sides, token_budget: int) -> tuple[dict[str, Any], FormulaPrediction | None]:
     """The formula's estimate of both sides (for the record) and its prediction per metric."""
-    try:
-        from batchlab.formula import estimate
+    from batchlab.formula import estimate, unseen_model
 
-        ea, eb = estimate(sides.a), estimate(sides.b)
-    except Exception as e:  # noqa: BLE001 — a factory model has no formula; the measurement stands alone
-        return {"available": False, "reason": f"{type(e).__name__}: {e}"[:300], "provenance": "formula"}, None
+    if unseen_model(sides.a):  # a factory model: no formula side; the measurement stands alone
+        return {"available": False, "reason": unseen_model(sides.a), "provenance": "formula"}, None
+    ea, eb = estimate(sides.a), estimate(sides.b)
     pred = formula_prediction(FormulaSide.from_estimate(ea), FormulaSide.from_estimate(eb), token_budget)
     return {"available": True, "provenance": "formula", "a": ea.to_dict(), "b": eb.to_dict(),
             "prediction": {m.value: to_jsonable(p) for m, p in pred.items()}}, pred

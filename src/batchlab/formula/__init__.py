@@ -73,6 +73,13 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
          if cfg.model_source != "builtin" and not cfg.model_source.startswith("hf:") else ())
 
 
+def unseen_model(cfg: RunConfig) -> str | None:
+    """Why the formula cannot describe cfg's model (a user factory it cannot see into), else None."""
+    if cfg.model_source == "builtin" or cfg.model_source.startswith("hf:"):
+        return None
+    return f"no formula estimate: the calculator cannot see inside the factory model {cfg.model_source}"
+
+
 def estimate(cfg: RunConfig) -> Estimate:
     mem = memory(cfg)
     fl = flops(cfg)

@@ -34,12 +34,10 @@ class FigureRow:
 
 def formula_estimate(cfg: RunConfig):
     """(Estimate or None, why there is none)."""
-    if cfg.model_source not in ("builtin",) and not cfg.model_source.startswith("hf:"):
-        return None, "no formula estimate: the calculator cannot see inside a factory model"
-    try:
-        from batchlab.formula import estimate
-    except ImportError:
-        return None, "no formula estimate: batchlab.formula.estimate is not available"
+    from batchlab.formula import estimate, unseen_model
+
+    if unseen_model(cfg):
+        return None, unseen_model(cfg)
     try:
         return estimate(cfg), None
     except Exception as e:  # noqa: BLE001 — the comparison is an aid; the measurement stands on its own
