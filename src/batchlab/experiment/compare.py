@@ -98,7 +98,8 @@ def _formula(sides: Sides, token_budget: int) -> tuple[dict[str, Any], FormulaPr
     from batchlab.formula import estimate, unseen_model
 
     if unseen_model(sides.a):  # a factory model: no formula side; the measurement stands alone
-        return {"available": False, "reason": unseen_model(sides.a), "provenance": "formula"}, None
+        return {"available": False, "reason": f"no formula estimate: {unseen_model(sides.a)}",
+                "provenance": "formula"}, None
     ea, eb = estimate(sides.a), estimate(sides.b)
     pred = formula_prediction(FormulaSide.from_estimate(ea), FormulaSide.from_estimate(eb), token_budget)
     return {"available": True, "provenance": "formula", "a": ea.to_dict(), "b": eb.to_dict(),

@@ -77,7 +77,7 @@ def unseen_model(cfg: RunConfig) -> str | None:
     """Why the formula cannot describe cfg's model (a user factory it cannot see into), else None."""
     if cfg.model_source == "builtin" or cfg.model_source.startswith("hf:"):
         return None
-    return f"no formula estimate: the calculator cannot see inside the factory model {cfg.model_source}"
+    return f"the calculator cannot see inside the factory model {cfg.model_source}"
 
 
 def estimate(cfg: RunConfig) -> Estimate:

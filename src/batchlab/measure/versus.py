@@ -37,7 +37,7 @@ def formula_estimate(cfg: RunConfig):
     from batchlab.formula import estimate, unseen_model
 
     if unseen_model(cfg):
-        return None, unseen_model(cfg)
+        return None, f"no formula estimate: {unseen_model(cfg)}"
     try:
         return estimate(cfg), None
     except Exception as e:  # noqa: BLE001 — the comparison is an aid; the measurement stands on its own
