@@ -109,3 +109,32 @@ def test_hf_config_from_disk(tmp_path):
         model_from_hf_config(bad)
     with pytest.raises(ConfigError, match="hf_config"):
         model_from_hf_config(tmp_path / "missing.json")
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, output: str):
+    from batchlab.config import device, local_device
+
+    script = tmp_path / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\nprintf '{output}'\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    local_device.cache_clear()
+    device.cache_clear()
+
+
+def test_local_device_is_this_machines_gpu_or_cpu(tmp_path, monkeypatch):
+    from batchlab.config import device, local_device
+
+    try:
+        _fake_nvidia_smi(tmp_path, monkeypatch, "NVIDIA H100 80GB HBM3\\n")
+        assert RunConfig(device="local").device == "h100-sxm"
+        _fake_nvidia_smi(tmp_path, monkeypatch, "Tesla T4\\n")
+        with pytest.raises(ConfigError, match="not in the catalogue"):
+            RunConfig(device="local")
+        monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvidia-smi at all
+        local_device.cache_clear()
+        device.cache_clear()
+        assert RunConfig(device="local").device == "cpu"
+    finally:
+        local_device.cache_clear()
+        device.cache_clear()

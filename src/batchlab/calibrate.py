@@ -22,13 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from batchlab.config import DEVICES, ConfigError, Precision
+from batchlab.config import ConfigError, Precision, catalogue_key
 
 # GPU names (torch.cuda.get_device_name) -> batchlab catalogue names, most specific first
-_GPU_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"),
-              ("A100", "a100-80gb"), ("L40S", "l40s"), ("MI300X", "mi300x"))
-
-
 @dataclass
 class Calibration:
     device: str  # batchlab device name the figures stand for ("cpu", "h200", ... or the backend)
@@ -129,11 +125,7 @@ def batchlab_device_name(torch_device: str) -> str:
     if dev.type == "cpu":
         return "cpu"
     if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-        for pattern, key in _GPU_NAMES:
-            if pattern in name and key in DEVICES:
-                return key
-        return "cuda"
+        return catalogue_key(torch.cuda.get_device_name(dev)) or "cuda"
     return dev.type
 
 

@@ -328,7 +328,38 @@ DEVICES: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec("cpu", Backend.CPU, 16 * GiB, 160e9, 160e9, 10e9, 0.5e9, 0.5e9, gpus_per_node=64,
                       source="nominal (run batchlab calibrate)"),
 }
-DEVICE_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "local": "cpu"}
+DEVICE_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb"}
+# GPU name (as the driver reports it) -> catalogue entry; first match wins
+GPU_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"),
+             ("A100", "a100-80gb"), ("L40S", "l40s"), ("MI300X", "mi300x"))
+
+
+def catalogue_key(gpu_name: str) -> str | None:
+    return next((key for pattern, key in GPU_NAMES if pattern in gpu_name), None)
+
+
+@functools.lru_cache(maxsize=1)
+def local_device() -> str:
+    """``--device local``: this machine's first NVIDIA GPU as its catalogue entry (asked of nvidia-smi, so no
+    torch import), else ``cpu``.  A GPU the catalogue does not know is an error, never a silent guess."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return "cpu"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "cpu"
+    names = [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+    if not names:
+        return "cpu"
+    key = catalogue_key(names[0])
+    if key is None:
+        raise ConfigError("device", f"the local GPU {names[0]!r} is not in the catalogue; give "
+                                    "--device custom:mem=...,tflops=... (and run batchlab calibrate)")
+    return key
 
 
 def _custom_device(text: str) -> DeviceSpec:
@@ -358,6 +389,8 @@ def device(name: str) -> DeviceSpec:
     if name.strip().lower().startswith("custom:"):
         return _custom_device(name.strip())
     key = DEVICE_ALIASES.get(name.strip().lower(), name.strip().lower())
+    if key == "local":
+        key = local_device()
     if key not in DEVICES:
         raise ConfigError("device", f"unknown device {name!r}; known: {', '.join(DEVICES)} "
                                     "(or custom:mem=80GB,tflops=400)")

@@ -43,7 +43,8 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "optimizer_bytes": (Optional[float], None, "Optimizer state bytes per parameter (overrides --optimizer's)."),
     "ac": (str, "none", AC_HELP),
     "zero": (int, 0, "ZeRO stage 0-3 over the DP ranks (3 ~ FSDP full sharding)."),
-    "device": (str, "cpu", "Device: cpu, h100-sxm, h200, a100-40gb, a100-80gb, l40s, mi300x, or custom:mem=80GB,tflops=400,..."),
+    "device": (str, "cpu", "Device: cpu, local (this machine's GPU, else cpu), h100-sxm, h200, a100-40gb, a100-80gb, "
+                           "l40s, mi300x, or custom:mem=80GB,tflops=400,..."),
     "memory_budget": (Optional[str], None, "Memory per rank, e.g. 2GiB (replaces the device's; on CPU a tracked-bytes budget)."),
     "data": (str, "fixed", "fixed (full-length sequences) or padded (variable lengths, padding not counted as useful)."),
     "seed": (int, 0, "Seed for weights and synthetic data."),

@@ -23,7 +23,7 @@ def fit_command(
     margin: Annotated[float, typer.Option(help="Safety margin: fraction of the device memory (or --memory-budget) kept free.", rich_help_panel=PANEL)] = 0.10,
     allow_zero: Annotated[bool, typer.Option("--allow-zero", help="Also try ZeRO stages (up to 3) over the DP ranks (DP > 1).", rich_help_panel=PANEL)] = False,
     min_micro_tokens: Annotated[int, typer.Option(help="A 'reasonable' micro-batch has at least this many tokens (or is the whole per-rank batch); below it activation checkpointing that allows a larger one is preferred.", rich_help_panel=PANEL)] = 4096,
-    verify: Annotated[Optional[bool], typer.Option("--verify/--no-verify", help="Measure the recommendation in a fresh subprocess (default: on for --device cpu, this machine; off for a catalogue GPU, which may not be the one here).", rich_help_panel=PANEL)] = None,
+    verify: Annotated[Optional[bool], typer.Option("--verify/--no-verify", help="Measure the recommendation in a fresh subprocess (default: on when --device is this machine's: cpu, local, or the catalogue entry of the GPU here).", rich_help_panel=PANEL)] = None,
     search: Annotated[bool, typer.Option("--search", help="Find the largest micro-batch that fits by measurement (seeded by the formula, at most ceil(log2(max)) + 2 isolated trials).", rich_help_panel=PANEL)] = False,
     after_oom: Annotated[bool, typer.Option("--after-oom", help="The config given (--micro-batch, --accum, --ac, ...) ran out of memory: print the ordered changes with formula figures.", rich_help_panel=PANEL)] = False,
     top: Annotated[int, typer.Option(help="Rows in the alternatives table (>= 1).", rich_help_panel=PANEL)] = 8,
@@ -72,8 +72,10 @@ def _fit(goal, verify: bool | None, search: bool, timeout: float | None, as_json
     from batchlab.advise import fit, isolated_measure
     from batchlab.advise.render import trial_line
 
-    if verify is None:
-        verify = goal.base.device_spec.backend is Backend.CPU
+    if verify is None:  # measure where the device is this machine's own (no torch import to find out)
+        from batchlab.config import local_device
+
+        verify = goal.base.device_spec.backend is Backend.CPU or goal.base.device == local_device()
     err = Console(stderr=True)
     count = [0]
 
