@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from batchlab.config import ConfigError, RunConfig
+from batchlab.config import ConfigError, RunConfig, catalogue_key
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
@@ -157,6 +157,10 @@ def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | Non
     check_budget(cfg)
     m = Measurement(config=cfg.to_dict(), outcome=Outcome.OK, global_batch=cfg.global_batch,
                     environment=environment(device))
+    here = catalogue_key(m.environment["device_name"]) if device.type == "cuda" else None
+    if device.type == "cuda" and here != cfg.device:
+        m.warnings.append(f"measured on {m.environment['device_name']} ({here or 'not in the catalogue'}), but "
+                          f"--device is {cfg.device}: the formula figures beside it are for {cfg.device}")
     rec = _Recorder()
     steps = _Steps(cfg, opts, device, progress)
     fraction_set = False
