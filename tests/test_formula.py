@@ -207,3 +207,18 @@ def test_the_calculator_commands_run_where_torch_cannot_be_imported(argv):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "global" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed", "bf16"])
+def test_formula_matches_a_real_step_in_16_bit(precision):
+    """Autocast on CPU keeps softmax in 16 bits, caches every weight copy until the forward leaves autocast,
+    and the copies a matmul saved are freed by that layer's backward: the peak follows all of it."""
+    from batchlab.measure.harness import Trainer
+    from batchlab.measure.memory import track_update
+
+    for mb, ac in ((8, "none"), (2, "none"), (8, "full"), (8, "selective"), (4, "every:2")):
+        cfg = RunConfig(seq=64, micro_batch=mb, ac=ac, precision=precision)
+        measured = track_update(Trainer(cfg))
+        f = estimate(cfg).memory
+        assert f.peak_tensor_bytes == pytest.approx(measured.peak_bytes, rel=0.03), (mb, ac)

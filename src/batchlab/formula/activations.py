@@ -23,14 +23,14 @@ class Widths:
     e: int  # matmul outputs (activation dtype)
     res: int  # residual stream (fp32 under autocast: embeddings and adds stay fp32)
     mask: int  # dropout mask: bool on CUDA (native_dropout), activation dtype elsewhere
-    softmax: int  # autocast runs softmax in fp32
+    softmax: int  # CUDA autocast runs softmax in fp32; CPU autocast keeps it in the low precision
 
     @classmethod
     def of(cls, precision: Precision, backend: Backend) -> "Widths":
         e = precision.compute_bytes
         res = 2 if precision is Precision.BF16 else 4
         return cls(e=e, res=res, mask=1 if backend is Backend.CUDA else e,
-                   softmax=F32 if precision.mixed else e)
+                   softmax=F32 if precision.mixed and backend is Backend.CUDA else e)
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,8 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
     ass = a * s * s * b
     if scores:
         sc = ass * w.softmax + s * s  # softmax output, causal mask (bool)
-        if precision.mixed:
-            sc += ass * w.e  # low-precision copy of the probabilities for the AV matmul
+        if w.softmax != w.e:
+            sc += ass * w.e  # low-precision copy of the fp32 probabilities for the AV matmul
         if m.dropout > 0:
             sc += ass * w.mask + ass * w.e  # dropout mask, dropped probabilities
         attn_out = sbh * w.e  # projection input

@@ -100,10 +100,12 @@ class MemoryEstimate:
 
 
 def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, resident: dict[str, int],
-                   grads_before: int, loss_grads: int) -> dict[str, int]:
+                   grads_before: int, loss_grads: int, layer_copy: int) -> dict[str, int]:
     """Walk backward layer by layer (last first): kept activations shrink while parameter gradients grow.
 
-    ``resident``: weights, optimizer state and data (present throughout).  Returns the parts at the peak.
+    ``resident``: weights, optimizer state and data (present throughout); under autocast its ``parameters``
+    are the 16-bit weight copies the matmuls saved, ``layer_copy`` of them per layer: each layer's are freed
+    by its backward (a recomputed layer casts its own again while it runs).  Returns the parts at the peak.
     """
     m, s, b = cfg.model, cfg.seq, cfg.micro_batch
     w = act.Widths.of(cfg.precision, cfg.device_spec.backend)
@@ -125,14 +127,19 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     best = dict(resident, gradients=grads_before, activations=plan.total, recompute=0, temporaries=loss_grads)
     kept_below = sum(plan.per_layer_kept)
     grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
+    recomputed = set(cfg.ac.wrapped_layers(m.layers)) | set(cfg.ac.selective_layers(m.layers))
+    copies_below = layer_copy * (m.layers - len(recomputed))  # the LM head's copy is freed by now
     for i in reversed(range(m.layers)):
         kept_i = plan.per_layer_kept[i]
-        parts = dict(resident, gradients=grads_before + grads_done, activations=below_layers + kept_below,
+        parts = dict(resident, parameters=resident["parameters"] if not layer_copy else copies_below
+                     + (layer_copy if i in recomputed else 0),
+                     gradients=grads_before + grads_done, activations=below_layers + kept_below,
                      recompute=plan.per_layer_full - kept_i,  # recompute restores the rest of the layer
                      temporaries=transient)
         if sum(parts.values()) > sum(best.values()):
             best = parts
         kept_below -= kept_i
+        copies_below -= 0 if i in recomputed else layer_copy
         grads_done += layer_grad if new_grads else 0
     return best
 
@@ -153,24 +160,28 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     states = model_states(cfg)
     plan = activation_plan(cfg)
     n_recomputed = len(cfg.ac.wrapped_layers(m.layers)) + len(cfg.ac.selective_layers(m.layers))
-    # autocast's 16-bit weight copies are saved by each matmul, except in recomputed layers (rebuilt there)
-    copies = 0
+    # autocast's 16-bit weight copies: all of them sit in its cast cache until the forward leaves autocast;
+    # in backward only those the matmuls saved remain (recomputed layers cast again, transiently)
+    copies_fwd = copies = layer_copy = 0
     if cfg.precision.mixed:
         n, per_layer = count(m).total, count(m).per_layer
-        copies = 2 * (n - per_layer * n_recomputed) // (cfg.dp if cfg.zero >= 3 else 1)
+        shard = cfg.dp if cfg.zero >= 3 else 1
+        copies_fwd = 2 * n // shard
+        copies = 2 * (n - per_layer * n_recomputed) // shard
+        layer_copy = 2 * per_layer // shard
     data = cfg.accum * 2 * s * b * 8  # int64 inputs and targets, all micro-batches made up front
     weights = dict(parameters=copies if cfg.precision.mixed else states.parameters, master=states.master,
                    optimizer=states.optimizer, data=data)
     grads_before = states.gradients if cfg.accum > 1 else 0
     sbv = s * b * m.vocab
     logits_fwd = sbv * w.e + (sbv * F32 if w.e != F32 else 0)  # logits (+ fp32 copy for the loss)
-    loss_grads = 2 * sbv * F32 + (sbv * w.e if w.e != F32 else 0)
+    loss_grads = 2 * sbv * F32  # gradients of the fp32 log-softmax output and of the logits (fp32 at that point)
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
     phases = {  # the parts live at each phase's high point
-        "forward": dict(weights, gradients=grads_before, activations=plan.total, recompute=0,
-                        temporaries=logits_fwd),
-        "backward": _backward_peak(cfg, plan, states, weights, grads_before, loss_grads),
+        "forward": dict(weights, parameters=copies_fwd if cfg.precision.mixed else states.parameters,
+                        gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
+        "backward": _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy),
         # autocast's working copies are gone by the optimizer step
         "optimizer": dict(weights, parameters=0 if cfg.precision.mixed else states.parameters,
                           gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
