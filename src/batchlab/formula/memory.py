@@ -35,8 +35,13 @@ def model_states(cfg: RunConfig) -> ModelStates:
     shard = lambda stage: dp if z >= stage else 1  # noqa: E731 — ZeRO stage k shards this state over DP
     opt = int(n * optimizer_bytes_per_param(cfg)) // shard(1)
     grads = n * weight_bytes // shard(2)
+    if cfg.precision.mixed and z >= 1:
+        # ZeRO's mixed precision (Rajbhandari et al. 2019, sec. 3.1: 2 + 2 + 12 bytes per parameter): 16-bit
+        # weights and gradients are what the ranks hold; the fp32 master copy is optimizer state, sharded
+        return ModelStates(parameters=2 * n // shard(3), master=F32 * n // shard(1), gradients=2 * n // shard(2),
+                           optimizer=opt)
     if cfg.precision.mixed:  # autocast keeps fp32 weights and makes 16-bit working copies per forward
-        return ModelStates(parameters=2 * n // shard(3), master=F32 * n // shard(3), gradients=grads, optimizer=opt)
+        return ModelStates(parameters=2 * n, master=F32 * n, gradients=grads, optimizer=opt)
     return ModelStates(parameters=weight_bytes * n // shard(3), master=0, gradients=grads, optimizer=opt)
 
 
@@ -163,14 +168,14 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     # autocast's 16-bit weight copies: all of them sit in its cast cache until the forward leaves autocast;
     # in backward only those the matmuls saved remain (recomputed layers cast again, transiently)
     copies_fwd = copies = layer_copy = 0
-    if cfg.precision.mixed:
+    autocast = cfg.precision.mixed and cfg.zero == 0  # under ZeRO the 16-bit weights are resident instead
+    if autocast:
         n, per_layer = count(m).total, count(m).per_layer
-        shard = cfg.dp if cfg.zero >= 3 else 1
-        copies_fwd = 2 * n // shard
-        copies = 2 * (n - per_layer * n_recomputed) // shard
-        layer_copy = 2 * per_layer // shard
+        copies_fwd = 2 * n
+        copies = 2 * (n - per_layer * n_recomputed)
+        layer_copy = 2 * per_layer
     data = cfg.accum * 2 * s * b * 8  # int64 inputs and targets, all micro-batches made up front
-    weights = dict(parameters=copies if cfg.precision.mixed else states.parameters, master=states.master,
+    weights = dict(parameters=copies if autocast else states.parameters, master=states.master,
                    optimizer=states.optimizer, data=data)
     grads_before = states.gradients if cfg.accum > 1 else 0
     sbv = s * b * m.vocab
@@ -179,11 +184,11 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
     phases = {  # the parts live at each phase's high point
-        "forward": dict(weights, parameters=copies_fwd if cfg.precision.mixed else states.parameters,
+        "forward": dict(weights, parameters=copies_fwd if autocast else states.parameters,
                         gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
         "backward": _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy),
         # autocast's working copies are gone by the optimizer step
-        "optimizer": dict(weights, parameters=0 if cfg.precision.mixed else states.parameters,
+        "optimizer": dict(weights, parameters=0 if autocast else states.parameters,
                           gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
     }
     totals = {k: sum(v.values()) for k, v in phases.items()}

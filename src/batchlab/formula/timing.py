@@ -76,7 +76,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, ceiling: tupl
     grad_bytes = mem.gradients_bytes * (cfg.dp if cfg.zero >= 2 else 1)  # full gradient, before sharding
     comm = ring_allreduce_seconds(grad_bytes, cfg.dp, bw)
     if cfg.zero >= 3:  # parameters gathered in forward and again in backward: two more all-gathers
-        comm += 2 * (cfg.dp - 1) / cfg.dp * (mem.master_bytes or mem.parameters_bytes) * cfg.dp / bw
+        comm += 2 * (cfg.dp - 1) / cfg.dp * mem.parameters_bytes * cfg.dp / bw  # the working (16-bit) weights
     exposed = comm * (1 - cfg.assumptions.comm_overlap)
     # AdamW is bandwidth-bound: read weights, grads, m, v and write weights, m, v (~2x the states)
     opt = 2 * (mem.master_bytes or mem.parameters_bytes) + mem.gradients_bytes + 2 * mem.optimizer_bytes
