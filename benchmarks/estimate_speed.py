@@ -25,8 +25,8 @@ def main() -> None:
         "batchlab estimate": ["estimate"],
         "batchlab estimate --json (llama-2-7b)": ["estimate", "--model", "llama-2-7b", "--seq", "4096",
                                                  "--micro-batch", "1", "--device", "h100-sxm", "--json"],
-        "batchlab estimate --vary accum=1..1000 --json":
-            ["estimate", "--vary", f"accum={values}", "--json"],
+        "batchlab estimate --vary accum=1..1000 --keep accum --json":
+            ["estimate", "--vary", f"accum={values}", "--keep", "accum", "--json"],
     }
     print("| command | median s | min s | max s |\n|---|---|---|---|")
     for name, args in cases.items():
