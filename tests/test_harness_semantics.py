@@ -175,3 +175,20 @@ def test_clipping_sees_the_accumulated_gradient():
     result = tr.update(probe=cap)
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in cap.grads.values()]))
     assert result.grad_norm == pytest.approx(float(total), rel=1e-5)
+
+
+def test_leaving_the_tracker_removes_its_gradient_hooks():
+    from batchlab.config import RunConfig
+    from batchlab.measure.harness import Trainer
+    from batchlab.measure.memory import tracker_for
+
+    trainer = Trainer(RunConfig(seq=16, micro_batch=2))
+    trainer.update()
+    p = next(trainer.raw_model.parameters())
+    before = len(p._post_accumulate_grad_hooks or {})
+    tracker = tracker_for(trainer)
+    assert len(p._post_accumulate_grad_hooks) == before + 1
+    with tracker:
+        trainer.update(probe=tracker)
+    assert len(p._post_accumulate_grad_hooks or {}) == before
+    assert tracker.snapshot().peak_bytes > 0

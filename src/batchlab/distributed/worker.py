@@ -125,11 +125,8 @@ def _track(trainer: Trainer, monitor: comm.CommMonitor, budget: int | None):
     # the gradients.  Unregistered, their bytes would never be counted (no op creates them).
     tracker.register(monitor.bucket_buffers, "gradients")
     tracker.reset()
-    try:
-        with tracker:
-            _update(trainer, _Tee(tracker, monitor))
-    finally:
-        tracker.close()
+    with tracker:
+        _update(trainer, _Tee(tracker, monitor))
     return tracker.snapshot()
 
 

@@ -95,6 +95,13 @@ class StorageTracker(TorchDispatchMode):
             h.remove()
         self._hooks.clear()
 
+    def __exit__(self, *exc):
+        # leaving the tracked region also removes the gradient hooks put on the model's parameters
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.close()
+
     # -- bookkeeping
     def _add(self, st, category: str) -> None:
         key = id(st)
@@ -186,9 +193,6 @@ def track_update(trainer, steady: bool = True, budget: int | None = None) -> Mem
     if steady and trainer.updates_done == 0:
         track_update(trainer, steady=False, budget=budget) if budget is not None else trainer.update()
     tracker = tracker_for(trainer, budget)
-    try:
-        with tracker:
-            trainer.update(probe=tracker)
-    finally:
-        tracker.close()
+    with tracker:
+        trainer.update(probe=tracker)
     return tracker.snapshot()

@@ -94,11 +94,8 @@ class Observer:
             return
         tracker = tracker_for(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
         self._probe = tracker
-        try:
-            with tracker:
-                yield
-        finally:
-            tracker.close()
+        with tracker:
+            yield
         self.measurement.memory = from_snapshot(tracker.snapshot())
 
     @contextlib.contextmanager

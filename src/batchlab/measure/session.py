@@ -259,11 +259,8 @@ class _Steps:
     def _tracked(self, trainer, rec: _Recorder):
         tracker = tracker_for(trainer, budget=self._tracked_budget)
         rec.inner = tracker
-        try:
-            with tracker:
-                trainer.update(probe=rec)
-        finally:
-            tracker.close()
+        with tracker:
+            trainer.update(probe=rec)
         return tracker.snapshot()
 
     def _memory(self, trainer, rec: _Recorder) -> MeasuredMemory:

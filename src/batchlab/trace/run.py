@@ -132,7 +132,6 @@ def _tracked_update(trainer: Trainer, tree: bool):
         with tracker:
             trainer.update(probe=tracker)
     finally:
-        tracker.close()
         if owners:
             owners.close()
     return tracker.snapshot()
