@@ -30,7 +30,7 @@ from batchlab.calibrate import cpu_hardware
 from batchlab.config import RunConfig, preset
 from batchlab.measure import MeasureOptions, run
 from batchlab.measure.harness import Trainer
-from batchlab.measure.versus import formula_estimate
+from batchlab.formula import estimate as formula_estimate
 from batchlab.trace import estimate as trace_estimate
 
 MODELS = {
@@ -44,18 +44,6 @@ MODELS = {
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _get(obj, path: str):
-    for part in path.split("."):
-        obj = getattr(obj, part, None) if obj is not None else None
-    return obj
-
-
-def formula_peak_tensor_bytes(est):
-    """The formula's tensor bytes at the peak (its peak_bytes adds an allocator margin, a CPU run has none)."""
-    value = _get(est, "memory.peak_tensor_bytes")
-    return value if value is not None else _get(est, "memory.peak_bytes")
 
 
 def error(predicted, measured) -> float | None:
@@ -84,12 +72,12 @@ def memory_rows(models, micro_batches, seqs, policies):
                         log(f"  measurement {m.outcome.value}: {m.outcome_detail}")
                         continue
                     tr = trace_estimate(cfg)
-                    est, _ = formula_estimate(cfg)
+                    est = formula_estimate(cfg).memory
                     peak, act = m.memory.peak_bytes, m.memory.activations_bytes
                     rows.append(dict(model=name, mb=mb, seq=seq, ac=ac, peak=peak, act=act,
-                                     f_peak=error(formula_peak_tensor_bytes(est), peak),
+                                     f_peak=error(est.peak_tensor_bytes, peak),  # tensor bytes, no margin
                                      t_peak=error(tr.memory.peak_bytes, peak),
-                                     f_act=error(_get(est, "memory.activations_bytes"), act),
+                                     f_act=error(est.activations_bytes, act),
                                      t_act=error(tr.memory.activations_bytes, act)))
     return rows
 
@@ -150,8 +138,7 @@ def time_rows(pairs: int):
         a, b = base.replace(**a_changes), base.replace(**b_changes)
         log(f"time: {label}, {pairs} pairs")
         ratios = paired_ratios(a, b, pairs)
-        fa, fb = formula_estimate(a)[0], formula_estimate(b)[0]
-        fa_t, fb_t = _get(fa, "time.update_seconds"), _get(fb, "time.update_seconds")
+        fa_t, fb_t = formula_estimate(a).time.update_seconds, formula_estimate(b).time.update_seconds
         flops_ratio = trace_estimate(b).flops.hardware_flops_per_update / trace_estimate(a).flops.hardware_flops_per_update
         rows.append(dict(label=label, ratios=ratios, formula=(fb_t / fa_t) if fa_t and fb_t else None,
                          flops=flops_ratio))

@@ -44,29 +44,29 @@ def formula_estimate(cfg: RunConfig):
         return None, f"no formula estimate: {type(e).__name__}: {e}"
 
 
-def _get(obj, path: str):
-    for part in path.split("."):
-        obj = getattr(obj, part, None) if obj is not None else None
-    return obj
-
-
 def rows(m: Measurement, est=None) -> list[FigureRow]:
     """One row per measured figure, with the formula's value where it has one."""
     out: list[FigureRow] = []
+    fm, ft = (est.memory, est.time) if est is not None else (None, None)
+
+    def of(part, name: str):
+        return getattr(part, name) if part is not None else None
+
     if m.memory is not None:
         prov = m.memory.provenance
-        out += [FigureRow("peak memory", "bytes", m.memory.peak_bytes, prov, _get(est, "memory.peak_bytes")),
+        # allocated tensor bytes beside the formula's tensor bytes (its peak_bytes adds an allocator margin)
+        out += [FigureRow("peak memory", "bytes", m.memory.peak_bytes, prov, of(fm, "peak_tensor_bytes")),
                 FigureRow("activations", "bytes", m.memory.activations_bytes, prov,
-                          _get(est, "memory.activations_bytes")),
-                FigureRow("peak phase", "phase", m.memory.peak_phase, prov, _get(est, "memory.peak_phase"))]
+                          of(fm, "activations_bytes")),
+                FigureRow("peak phase", "phase", m.memory.peak_phase, prov, of(fm, "peak_phase"))]
         if m.memory.reserved_bytes is not None:
             out.append(FigureRow("reserved (caching allocator)", "bytes", m.memory.reserved_bytes, prov))
     if m.time is not None and m.time.samples:
         prov = m.time.provenance
         out.append(FigureRow("update time (median)", "seconds", m.time.update_seconds_median, prov,
-                             _get(est, "time.update_seconds")))
+                             of(ft, "update_seconds")))
         out.append(FigureRow("update time IQR", "seconds", m.time.update_seconds_iqr, prov))
         if m.tokens_per_second is not None:
             out.append(FigureRow("useful tokens/s", "tokens/s", m.tokens_per_second, prov,
-                                 _get(est, "time.tokens_per_second")))
+                                 of(ft, "tokens_per_second")))
     return out

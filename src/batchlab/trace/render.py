@@ -40,37 +40,30 @@ class Comparison:
                 "formula_error": self.formula_error}
 
 
-def _get(obj, path: str):
-    for part in path.split("."):
-        obj = getattr(obj, part, None) if obj is not None else None
-    return obj
-
-
-def _formula_weights(est):
-    """Weights kept between updates: the fp32 master copy under mixed precision, else the weights."""
-    master = _get(est, "memory.master_bytes")
-    return master if master else _get(est, "memory.parameters_bytes")
-
-
 def comparisons(trace: TraceEstimate, est=None) -> list[Comparison]:
+    """The trace's figures beside the formula's (``est`` None: no formula for this model)."""
     m, f = trace.memory, trace.flops
-    # the trace counts tensor bytes; the formula's peak_bytes adds its allocator margin on top
-    formula_peak = _get(est, "memory.peak_tensor_bytes")
-    if formula_peak is None:
-        formula_peak = _get(est, "memory.peak_bytes")
+    fm, ff = (est.memory, est.flops) if est is not None else (None, None)
+
+    def of(part, name: str):
+        return getattr(part, name) if part is not None else None
+
     return [
-        Comparison("peak tensor bytes", "bytes", m.peak_bytes, formula_peak),
-        Comparison("peak phase", "phase", m.peak_phase, _get(est, "memory.peak_phase")),
-        Comparison("activations (last micro-batch)", "bytes", m.activations_bytes, _get(est, "memory.activations_bytes")),
-        Comparison("weights kept between updates", "bytes", m.parameters_bytes, _formula_weights(est)),
-        Comparison("gradients", "bytes", m.gradients_bytes, _get(est, "memory.gradients_bytes")),
-        Comparison("optimizer state", "bytes", m.optimizer_bytes, _get(est, "memory.optimizer_bytes")),
+        # the trace counts tensor bytes; the formula's peak_bytes adds its allocator margin on top
+        Comparison("peak tensor bytes", "bytes", m.peak_bytes, of(fm, "peak_tensor_bytes")),
+        Comparison("peak phase", "phase", m.peak_phase, of(fm, "peak_phase")),
+        Comparison("activations (last micro-batch)", "bytes", m.activations_bytes, of(fm, "activations_bytes")),
+        # kept between updates: the fp32 master copy under mixed precision, else the weights
+        Comparison("weights kept between updates", "bytes", m.parameters_bytes,
+                   (fm.master_bytes or fm.parameters_bytes) if fm is not None else None),
+        Comparison("gradients", "bytes", m.gradients_bytes, of(fm, "gradients_bytes")),
+        Comparison("optimizer state", "bytes", m.optimizer_bytes, of(fm, "optimizer_bytes")),
         Comparison("forward FLOPs", "FLOP", f.forward, None),
         Comparison("backward FLOPs", "FLOP", f.backward, None),
         Comparison("recompute FLOPs", "FLOP", f.recompute, None),
-        Comparison("model FLOPs per update", "FLOP", f.model_flops_per_update, _get(est, "flops.model_flops_per_update")),
+        Comparison("model FLOPs per update", "FLOP", f.model_flops_per_update, of(ff, "model_flops_per_update")),
         Comparison("hardware FLOPs per update", "FLOP", f.hardware_flops_per_update,
-                   _get(est, "flops.hardware_flops_per_update")),
+                   of(ff, "hardware_flops_per_update")),
     ]
 
 
