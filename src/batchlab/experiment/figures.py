@@ -70,11 +70,17 @@ def _formula_pair(record: dict[str, Any], path: tuple[str, str]) -> list[float |
     return [f[s][path[0]].get(path[1]) for s in "ab"]
 
 
-def memory_figure(record: dict[str, Any]) -> Figure:
-    measured = _side_values(record, "peak")
-    formula = _formula_pair(record, ("memory", "peak_bytes"))
+def _inputs(record: dict[str, Any], kind: str, path: tuple[str, str], provenance: str):
+    """Measured values per side, the formula's pair, whether anything was measured, and the sources to label."""
+    measured = _side_values(record, kind)
+    formula = _formula_pair(record, path)
     has_measured = any(measured.values())
-    sources = (("allocator",) if has_measured else ()) + (("formula",) if formula[0] is not None else ())
+    sources = ((provenance,) if has_measured else ()) + (("formula",) if formula[0] is not None else ())
+    return measured, formula, has_measured, sources
+
+
+def memory_figure(record: dict[str, Any]) -> Figure:
+    measured, formula, has_measured, sources = _inputs(record, "peak", ("memory", "peak_bytes"), "allocator")
     fig, ax = _axes("Peak memory per update", sources)
     x = [0, 1]
     mib = 2**20
@@ -94,10 +100,7 @@ def memory_figure(record: dict[str, Any]) -> Figure:
 
 
 def time_figure(record: dict[str, Any]) -> Figure:
-    measured = _side_values(record, "time")
-    formula = _formula_pair(record, ("time", "update_seconds"))
-    has_measured = any(measured.values())
-    sources = (("wall-clock",) if has_measured else ()) + (("formula",) if formula[0] is not None else ())
+    measured, formula, has_measured, sources = _inputs(record, "time", ("time", "update_seconds"), "wall-clock")
     fig, ax = _axes("Update time", sources)
     for i, s in enumerate("ab"):
         if measured[s]:
