@@ -71,12 +71,8 @@ def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
     changes = {k: getattr(flags.model, k) for k in MODEL_OVERRIDES if k in given}
     changes.update({k: getattr(flags, k) for k in RUN_FLAGS if k in given})
     if "global_batch" in given:  # the file's micro-batch and DP unless typed
-        mb, dp = changes.get("micro_batch", cfg.micro_batch), changes.get("dp", cfg.dp)
-        derived = derive_accum(o["global_batch"], mb, dp)
-        if "accum" in changes and changes["accum"] != derived:
-            raise ConfigError("accum", f"--accum {changes['accum']} contradicts --global-batch {o['global_batch']} "
-                                       f"= {mb} x accum x {dp}")
-        changes["accum"] = derived
+        changes["accum"] = _accum_for(o["global_batch"], changes.get("micro_batch", cfg.micro_batch),
+                                      changes.get("dp", cfg.dp), changes.get("accum"))
     changes.update({k: getattr(flags.assumptions, k) for k in ("achievable_fraction", "comm_overlap") if k in given})
     if "optimizer_bytes" in given:
         changes["optimizer_bytes_per_param"] = flags.assumptions.optimizer_bytes_per_param
@@ -85,6 +81,15 @@ def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "zero", "device", "memory_budget",
              "data", "seed")
+
+
+def _accum_for(global_batch: int, micro_batch: int, dp: int, accum: int | None) -> int:
+    """accum from --global-batch; a --accum typed beside it must agree."""
+    derived = derive_accum(global_batch, micro_batch, dp)
+    if accum is not None and accum != derived:
+        raise ConfigError("accum", f"--accum {accum} contradicts --global-batch {global_batch} = "
+                                   f"{micro_batch} x accum x {dp}")
+    return derived
 
 
 def _config_from_flags(**o: Any) -> RunConfig:
@@ -96,15 +101,13 @@ def _config_from_flags(**o: Any) -> RunConfig:
     mb, accum, gb, dp = o.get("micro_batch"), o.get("accum"), o.get("global_batch"), o.get("dp", 1)
     if gb is not None:
         mb = 1 if mb is None else mb
-        derived = derive_accum(gb, mb, dp)
-        if accum is not None and accum != derived:
-            raise ConfigError("accum", f"--accum {accum} contradicts --global-batch {gb} = {mb} x accum x {dp}")
-        accum = derived
+        accum = _accum_for(gb, mb, dp, accum)
     budget = o.get("memory_budget")
     given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "zero", "device", "data", "seed")
              if o.get(k) is not None}
-    assumptions = Assumptions(achievable_fraction=o.get("achievable_fraction", 0.4),
-                              comm_overlap=o.get("comm_overlap", 0.0),
+    default = Assumptions()
+    assumptions = Assumptions(achievable_fraction=o.get("achievable_fraction", default.achievable_fraction),
+                              comm_overlap=o.get("comm_overlap", default.comm_overlap),
                               optimizer_bytes_per_param=o.get("optimizer_bytes"))
     return RunConfig(model=spec, model_source=source, micro_batch=8 if mb is None else mb,
                      accum=1 if accum is None else accum, dp=dp,
