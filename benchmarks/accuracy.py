@@ -32,6 +32,7 @@ from batchlab.measure import MeasureOptions, run
 from batchlab.measure.harness import Trainer
 from batchlab.formula import estimate as formula_estimate
 from batchlab.trace import estimate as trace_estimate
+from batchlab.units import relative_to
 
 MODELS = {
     "tiny": lambda: (preset("tiny"), "builtin"),
@@ -47,7 +48,7 @@ def log(msg: str) -> None:
 
 
 def error(predicted, measured) -> float | None:
-    return None if predicted is None or not measured else (predicted - measured) / measured
+    return relative_to(predicted, measured)
 
 
 def pct(e: float | None) -> str:

@@ -50,3 +50,9 @@ def fmt_value(v, unit: str) -> str:
     if unit == "tokens/s":
         return f"{v:,.0f}"
     return str(v)
+
+
+def relative_to(value, reference) -> float | None:
+    """(value - reference) / reference for two numbers (None otherwise, or for a zero reference)."""
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, reference))
+    return (value - reference) / reference if numbers and reference else None

@@ -9,6 +9,7 @@ from batchlab.advise.oom import Advice, Remedy, oom_advice, what_would_fit
 from batchlab.advise.plan import Goal, Plan, divisors, plan
 from batchlab.advise.search import MeasureFn, SearchResult, Trial, search_largest, trial_from_measurement
 from batchlab.config import RunConfig, to_jsonable
+from batchlab.units import relative_to
 
 
 @dataclass
@@ -46,7 +47,7 @@ class FitReport:
         if t is not None and t.peak_bytes:
             predicted = self.predicted_peak(rec.with_global_batch(rec.global_batch, t.micro_batch))
             out.update(predicted_peak_bytes=predicted, measured_peak_bytes=t.peak_bytes,
-                       peak_error=(predicted - t.peak_bytes) / t.peak_bytes if predicted else None)
+                       peak_error=relative_to(predicted, t.peak_bytes))
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from batchlab.advise.plan import Candidate, Goal, unfit_options
 from batchlab.advise.search import Trial
 from batchlab.advise.snippets import all_snippets
 from batchlab.config import RunConfig
-from batchlab.units import fmt_bytes, fmt_seconds
+from batchlab.units import fmt_bytes, fmt_seconds, relative_to
 
 
 def _pct(x: float | None) -> str:
@@ -77,7 +77,7 @@ def trials_table(report: FitReport) -> Table:
     rec = report.plan.recommended.config
     for i, tr in enumerate(trials, 1):
         pred = report.predicted_peak(rec.with_global_batch(rec.global_batch, tr.micro_batch))
-        err = (pred - tr.peak_bytes) / tr.peak_bytes if pred and tr.peak_bytes else None
+        err = relative_to(pred, tr.peak_bytes)
         t.add_row(str(i), f"{tr.micro_batch} x {tr.accum}", tr.outcome, fmt_bytes(tr.peak_bytes), fmt_bytes(pred),
                   _pct(err) if err is None or abs(err) >= 0.005 else f"{err:+.1%}")
     return t

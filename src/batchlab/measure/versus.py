@@ -9,6 +9,7 @@ from typing import Any
 
 from batchlab.config import RunConfig
 from batchlab.measure.result import Measurement
+from batchlab.units import relative_to
 
 
 @dataclass
@@ -22,9 +23,8 @@ class FigureRow:
 
     @property
     def relative_difference(self) -> float | None:
-        if isinstance(self.measured, (int, float)) and isinstance(self.formula, (int, float)) and self.formula:
-            return (self.measured - self.formula) / self.formula
-        return None
+        """(measured - formula) / formula."""
+        return relative_to(self.measured, self.formula)
 
     def to_dict(self) -> dict[str, Any]:
         return {"figure": self.figure, "unit": self.unit, "measured": self.measured,

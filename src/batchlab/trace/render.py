@@ -16,7 +16,7 @@ from rich.tree import Tree
 
 from batchlab.config import to_jsonable
 from batchlab.trace.result import ModuleNode, TraceEstimate
-from batchlab.units import fmt_bytes, fmt_count
+from batchlab.units import fmt_bytes, fmt_count, relative_to
 
 # |formula error| above this on peak or activations prints a warning
 FORMULA_WARN = 0.10
@@ -31,9 +31,8 @@ class Comparison:
 
     @property
     def formula_error(self) -> float | None:
-        if isinstance(self.trace, (int, float)) and isinstance(self.formula, (int, float)) and self.trace:
-            return (self.formula - self.trace) / self.trace
-        return None
+        """(formula - trace) / trace."""
+        return relative_to(self.formula, self.trace)
 
     def to_dict(self) -> dict[str, Any]:
         return {"figure": self.figure, "unit": self.unit, "trace": self.trace, "formula": self.formula,
