@@ -76,7 +76,7 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None) -> Table
 
 def render(e: Estimate, console: Console, tokens: float | None = None, price: float | None = None) -> None:
     cfg = e.config
-    console.print(f"[bold]{cfg.model.name}[/bold] ({e.params.total / 1e6:,.1f} M parameters), seq {cfg.seq}, "
+    console.print(f"[bold]{cfg.model.name}[/bold] ({e.params.total / 1e6:,.1f} M parameters \\[formula]), seq {cfg.seq}, "
                   f"{cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
     console.print(cfg.global_batch_text())
     if unseen_model(cfg):

@@ -161,7 +161,8 @@ def _render_details(out: Console, m: Measurement) -> None:
             out.print(f"per phase (median, wall-clock): {split}")
         if t.cpu_seconds:
             med = sorted(t.cpu_seconds)[len(t.cpu_seconds) // 2]
-            out.print(f"process CPU time per update (median, all threads): {fmt_seconds(med)}")
+            out.print("process CPU time per update (median, all threads; the process clock, read beside the "
+                      f"wall-clock one): {fmt_seconds(med)}")
     if m.memory is not None and m.memory.breakdown:
         parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in m.memory.breakdown.items() if v)
         out.print(f"memory at the peak ({m.memory.provenance}: {m.memory.method}): {parts}")
