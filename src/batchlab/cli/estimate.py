@@ -10,6 +10,7 @@ from rich.table import Table
 
 from batchlab.cli.base import app
 from batchlab.cli.common import console as make_console, print_json, with_config
+from batchlab.calibrate import load_all
 from batchlab.config import ConfigError, Keep, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, unseen_model
 from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
@@ -155,13 +156,13 @@ def estimate(
         name, sep, values = vary.partition("=")
         if not sep or not values:
             raise ConfigError("vary", "expected FIELD=v1,v2,... e.g. micro_batch=1,2,4")
-        rows = vary_rows(cfg, name.strip().replace("-", "_"), values.split(","), keep)
+        rows = vary_rows(cfg, name.strip().replace("-", "_"), values.split(","), keep, load_all())
         if as_json:
             print_json([{"value": r.value, "directions": r.directions, **r.estimate.to_dict()} for r in rows])
         else:
             _render_vary(rows, name, keep, console)
         return
-    e = formula_estimate(cfg)
+    e = formula_estimate(cfg, load_all())
     if as_json:
         d = e.to_dict()
         if tokens:
@@ -178,7 +179,7 @@ def estimate(
 def explain(cfg: RunConfig, as_json: bool = False) -> None:
     from batchlab.formula.explain import explain_lines
 
-    lines = explain_lines(cfg)
+    lines = explain_lines(cfg, load_all())
     if as_json:
         print_json({"provenance": "formula", "config": cfg.to_dict(), "lines": lines})
         return

@@ -9,7 +9,7 @@ from typing import Any
 
 from batchlab.config.choices import ConfigError
 from batchlab.config.model import GPT2_FAMILY, LLAMA_FAMILY, ModelSpec, preset
-from batchlab.config.run import (ASSUMPTION_FIELDS, CHANGEABLE_FIELDS, RUN_FIELDS, Assumptions, RunConfig)
+from batchlab.config.run import CHANGEABLE_FIELDS, RUN_FIELDS, Assumptions, RunConfig
 from batchlab.config.values import parse_bytes, read_file
 
 

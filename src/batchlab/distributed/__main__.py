@@ -45,7 +45,8 @@ def error_record(rank: int, exc: BaseException) -> dict:
     kind = classify_oom(exc)
     lines = str(exc).strip().splitlines()
     return dict(rank=rank, time=time.time(), type=type(exc).__name__, message=lines[0][:300] if lines else "",
-                field=exc.field if isinstance(exc, ConfigError) else None, oom=kind.value if kind is not None else None,
+                field=exc.field if isinstance(exc, ConfigError) else None,
+                field_message=exc.message if isinstance(exc, ConfigError) else None, oom=kind.value if kind is not None else None,
                 traceback="".join(traceback.format_exception(exc))[-4000:])
 
 

@@ -22,9 +22,10 @@ SCOPE = ("Data parallelism measured on this machine's ranks and link; loopback g
 def predicted_allreduce(cfg: RunConfig) -> dict[str, Any]:
     """The calculator's all-reduce for ``cfg`` (time, bytes, link), as MeasuredComm's predicted_* fields."""
     try:
+        from batchlab.calibrate import load_all
         from batchlab.formula import estimate
 
-        t = estimate(cfg).time
+        t = estimate(cfg, load_all()).time
     except Exception as exc:  # noqa: BLE001 - a failing prediction must not discard a finished measurement
         return dict(predicted_provenance=f"formula unavailable ({type(exc).__name__}: {exc})"[:200])
     return dict(predicted_seconds=t.allreduce_seconds, predicted_bytes=t.allreduce_bytes,

@@ -24,7 +24,8 @@ from batchlab.config import ConfigError, RunConfig, config_from_dict, to_jsonabl
 from batchlab.distributed import comm
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
-from batchlab.measure.harness import Trainer, torch_device
+from batchlab.measure.device import torch_device
+from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import MeasuredMemory

@@ -83,10 +83,11 @@ def preflight(plan: Plan) -> None:
     for cfg in (plan.sides.a, plan.sides.b):
         if cfg.device_spec.backend.value == "cpu" and cfg.memory_budget is None and plan.options.torch_device is None:
             continue
-        from batchlab.measure.session import check_budget, resolve_device
+        from batchlab.measure.device import torch_device
+        from batchlab.measure.session import check_budget
 
         if cfg.dp == 1:
-            resolve_device(cfg, plan.options.torch_device)
+            torch_device(cfg, plan.options.torch_device)
         check_budget(cfg)
 
 
@@ -95,12 +96,14 @@ FormulaPrediction = dict[Metric, dict[str, Any]]
 
 def _formula(sides: Sides, token_budget: int) -> tuple[dict[str, Any], FormulaPrediction | None]:
     """The formula's estimate of both sides (for the record) and its prediction per metric."""
+    from batchlab.calibrate import load_all
     from batchlab.formula import estimate, unseen_model
 
     if unseen_model(sides.a):  # a factory model: no formula side; the measurement stands alone
         return {"available": False, "reason": f"no formula estimate: {unseen_model(sides.a)}",
                 "provenance": "formula"}, None
-    ea, eb = estimate(sides.a), estimate(sides.b)
+    cals = load_all()  # the calibration cache, read here: estimate() is a pure function
+    ea, eb = estimate(sides.a, cals), estimate(sides.b, cals)
     pred = formula_prediction(FormulaSide.from_estimate(ea), FormulaSide.from_estimate(eb), token_budget)
     return {"available": True, "provenance": "formula", "a": ea.to_dict(), "b": eb.to_dict(),
             "prediction": {m.value: to_jsonable(p) for m, p in pred.items()}}, pred

@@ -4,11 +4,11 @@ Every figure it returns has provenance "formula".
 """
 from __future__ import annotations
 
-import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from batchlab.config import RunConfig
+from batchlab.config import ModelSource, RunConfig
 from batchlab.formula.activations import implementation
 from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.memory import (MemoryEstimate, allocator_margin, memory, model_states,
@@ -16,6 +16,9 @@ from batchlab.formula.memory import (MemoryEstimate, allocator_margin, memory, m
 from batchlab.formula.params import ParamCount, count
 from batchlab.formula.timing import OPS_PER_LAYER, TimeEstimate, timing
 from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
+
+if TYPE_CHECKING:
+    from batchlab.calibrate import Calibration
 
 
 @dataclass(frozen=True)
@@ -66,40 +69,37 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"all-reduce: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind backward",
         (f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes" if allocator_margin(cfg)
          else "no allocator margin on CPU (tensor bytes, as the live-tensor tracker counts them)"),
-        f"activations counted from the tensors the {implementation(cfg.model_source, cfg.model).value} layer code keeps "
+        f"activations counted from the tensors the {implementation(cfg.model_kind, cfg.model).value} layer code keeps "
         "(other code: use --trace)",
     ) + ((f"model {cfg.model_source} comes from a factory the calculator cannot see: these figures are for the "
           f"stand-in shape {cfg.model.name} ({cfg.model.layers} layers, hidden {cfg.model.hidden}); use --trace",)
-         if cfg.model_source != "builtin" and not cfg.model_source.startswith("hf:") else ())
+         if cfg.model_kind is ModelSource.FACTORY else ())
 
 
 def unseen_model(cfg: RunConfig) -> str | None:
     """Why the formula cannot describe cfg's model (a user factory it cannot see into), else None."""
-    if cfg.model_source == "builtin" or cfg.model_source.startswith("hf:"):
+    if cfg.model_kind is not ModelSource.FACTORY:
         return None
     return f"the calculator cannot see inside the factory model {cfg.model_source}"
 
 
-def estimate(cfg: RunConfig) -> Estimate:
+def estimate(cfg: RunConfig, calibrations: Mapping[str, Calibration] | None = None) -> Estimate:
+    """The formula's figures for ``cfg``: a pure function of its arguments.  ``calibrations``: measured
+    ceilings by batchlab device name (``calibrate.load_all()``, read by the caller); the time model uses
+    the entry for ``cfg.device`` where there is one, else the device's datasheet figures."""
     mem = memory(cfg)
     fl = flops(cfg)
-    t = timing(cfg, fl, mem, ceiling=_calibrated_ceiling(cfg))
+    t = timing(cfg, fl, mem, ceiling=calibrated_ceiling(cfg, calibrations))
     return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t))
 
 
-def _calibrated_ceiling(cfg: RunConfig):
-    """Measured FLOP/s and bandwidth for this device, when `batchlab calibrate` has cached them."""
-    cal = _load_calibration(cfg.device)
+def calibrated_ceiling(cfg: RunConfig, calibrations: Mapping[str, Calibration] | None
+                       ) -> tuple[float, float, str] | None:
+    """(matmul FLOP/s for cfg's precision, bytes/s, source) measured for cfg's device, or None."""
+    cal = (calibrations or {}).get(cfg.device)
     if cal is None:
         return None
     return cal.matmul_flops(cfg.precision), cal.memory_bytes_per_s, cal.source
-
-
-@functools.lru_cache(maxsize=None)
-def _load_calibration(device: str):
-    from batchlab.calibrate import load_cached  # torch-free: reads the cached JSON
-
-    return load_cached(device)
 
 
 __all__ = ["Estimate", "estimate", "memory", "flops", "timing", "count", "model_states", "MemoryEstimate",

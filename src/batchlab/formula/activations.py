@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from batchlab.config import AttentionImpl, Backend, MLPKind, ModelSpec, NormKind, Precision, PositionKind, _Choice
+from batchlab.config import (AttentionImpl, Backend, MLPKind, ModelSource, ModelSpec, NormKind, Precision, PositionKind,
+                             _Choice)
 
 F32 = 4
 
@@ -71,9 +72,9 @@ class Impl(_Choice):
     HF_LLAMA = "hf-llama"  # separate q, k, v projections
 
 
-def implementation(model_source: str, m: ModelSpec) -> Impl:
+def implementation(kind: ModelSource, m: ModelSpec) -> Impl:
     """The family hf: builds (as models/hf.py decides it); anything else is counted as batchlab's GPT."""
-    if not model_source.startswith("hf:"):
+    if kind is not ModelSource.HF:
         return Impl.BUILTIN
     return Impl.HF_LLAMA if m.mlp is MLPKind.SWIGLU else Impl.HF_GPT2
 

@@ -59,7 +59,7 @@ class ActivationPlan:
 def activation_plan(cfg: RunConfig) -> ActivationPlan:
     m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
     backend = cfg.device_spec.backend
-    full = act.layer_activations(m, s, b, p, backend, act.implementation(cfg.model_source, m)).total
+    full = act.layer_activations(m, s, b, p, backend, act.implementation(cfg.model_kind, m)).total
     wrapped = set(cfg.ac.wrapped_layers(m.layers))
     kept = []
     for i in range(m.layers):

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from batchlab.config import OptimizerKind, Precision, RunConfig
+from batchlab.measure.device import torch_device
 from batchlab.models import Workload, build_workload
 from batchlab.models.ac import apply_ac
 
@@ -28,12 +29,6 @@ class Probe(Protocol):
 class _NoProbe:
     def mark(self, phase: str) -> None:
         pass
-
-
-def torch_device(cfg: RunConfig, requested: str | None = None) -> torch.device:
-    """The local torch device for a config: its backend, or ``requested`` (cpu / cuda / cuda:1 / mps)."""
-    name = requested or cfg.device_spec.backend.value
-    return torch.device(name)
 
 
 def _autocast_dtype(precision: Precision) -> torch.dtype | None:

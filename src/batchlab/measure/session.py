@@ -20,8 +20,10 @@ from typing import Callable
 
 import torch
 
+from batchlab import host
 from batchlab.config import ConfigError, RunConfig, catalogue_key
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
+from batchlab.measure.device import torch_device
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom import OOMKind, classify_oom
@@ -61,30 +63,6 @@ def run(cfg: RunConfig, options: MeasureOptions | None = None, progress: Progres
             torch.cuda.empty_cache()
 
 
-def resolve_device(cfg: RunConfig, requested: str | None = None) -> torch.device:
-    """The torch device to measure on: ``requested``, else the backend of the config's device entry."""
-    field = "torch_device" if requested else "device"
-    name = requested or cfg.device_spec.backend.value
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise ConfigError(field, f"{name!r} is not a torch device; allowed: cpu, cuda, cuda:N, mps") from None
-    why = f" (the backend of device {cfg.device})" if not requested else ""
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(field, f"cuda{why} is not available here (torch {torch.__version__}, "
-                                     "torch.cuda.is_available() is False); measure with --device cpu, "
-                                     f"or predict with `batchlab estimate --device {cfg.device}`")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(field, f"{name} does not exist: {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ConfigError(field, f"mps{why} is not available here; measure with --device cpu")
-    elif dev.type != "cpu":
-        raise ConfigError(field, f"{name!r} is not supported; allowed: cpu, cuda, cuda:N, mps")
-    return dev
-
-
 def parameter_bytes(cfg: RunConfig) -> int:
     """Bytes of the model's parameters and buffers, built on the meta device (nothing allocated)."""
     from batchlab.models import build_workload
@@ -116,21 +94,10 @@ def environment(device: torch.device) -> dict:
     elif device.type == "mps":
         name = "Apple MPS"
     else:
-        name = _cpu_name()
+        name = host.cpu_name()
     return {"torch": torch.__version__, "python": platform.python_version(), "batchlab": batchlab.__version__,
             "platform": platform.platform(), "torch_device": str(device), "device_name": name,
             "threads": torch.get_num_threads(), "cuda": torch.version.cuda}
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class _Recorder:
@@ -153,7 +120,7 @@ def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | Non
     if cfg.dp > 1:
         raise ConfigError("dp", f"one process measures DP = 1; DP = {cfg.dp} needs one process per rank: "
                                 "use batchlab.measure.run (it launches them through batchlab.distributed)")
-    device = resolve_device(cfg, opts.torch_device)
+    device = torch_device(cfg, opts.torch_device)
     check_budget(cfg)
     m = Measurement(config=cfg.to_dict(), outcome=Outcome.OK, global_batch=cfg.global_batch,
                     environment=environment(device))

@@ -14,8 +14,9 @@ import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensorMode, UnsupportedOperatorException)
 
-from batchlab.config import Backend, ConfigError, Precision, RunConfig
+from batchlab.config import ConfigError, ModelSource, Precision, RunConfig
 from batchlab.formula.memory import allocator_margin
+from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import tracker_for
 from batchlab.trace.flops import count_update_flops
@@ -49,14 +50,12 @@ def _fake_mode() -> FakeTensorMode:
 
 def trace_device(cfg: RunConfig) -> tuple[torch.device, list[str]]:
     """Trace with the config's backend when this machine has it, else with CPU kernels (and say so)."""
-    backend = cfg.device_spec.backend
-    available = {Backend.CPU: True, Backend.CUDA: torch.cuda.is_available(),
-                 Backend.MPS: torch.backends.mps.is_available()}[backend]
-    if available:
-        return torch.device(backend.value), []
-    return torch.device("cpu"), [
-        f"traced with CPU kernels: {cfg.device} ({backend.value}) is not available here; the attention kernel "
-        "and autocast's op lists (so what is kept for backward) can differ on the real device"]
+    try:
+        return torch_device(cfg), []
+    except ConfigError:  # the config's backend is absent here
+        return torch.device("cpu"), [
+            f"traced with CPU kernels: {cfg.device} ({cfg.device_spec.backend.value}) is not available here; the "
+            "attention kernel and autocast's op lists (so what is kept for backward) can differ on the real device"]
 
 
 def _check_supported(cfg: RunConfig) -> list[str]:
@@ -98,7 +97,7 @@ def _eager_branches(cfg: RunConfig):
     harness's batches (it passes no position_ids, so positions are 0..s-1 in every row).
     """
     masking = None
-    if cfg.model_source.startswith("hf:"):
+    if cfg.model_kind is ModelSource.HF:
         try:
             from transformers import masking_utils as masking
         except ImportError:
