@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchlab.calibrate import Calibration, load_all
+from batchlab.calibrate import load_all
 from batchlab.config import ACMode, ACPolicy, ConfigError, ModelSource, RunConfig
-from batchlab.formula import estimate
+from batchlab.formula import Calibrations, estimate
 from batchlab.formula.memory import model_states
 
 DEFAULT_MARGIN = 0.10  # of the device memory (or --memory-budget), kept free on top of the formula's peak
@@ -78,7 +78,7 @@ class Candidate:
         return str(self.config.ac), self.config.zero
 
 
-def candidate(cfg: RunConfig, tokens: float, calibrations: dict[str, Calibration] | None = None) -> Candidate:
+def candidate(cfg: RunConfig, tokens: float, calibrations: Calibrations | None = None) -> Candidate:
     """``calibrations``: the cached ceilings (``calibrate.load_all()``), read here when not given."""
     est = estimate(cfg, load_all() if calibrations is None else calibrations)
     return Candidate(cfg, est.memory.peak_bytes, est.memory.peak_phase, est.time.update_seconds,

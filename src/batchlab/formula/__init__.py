@@ -20,6 +20,8 @@ from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
 if TYPE_CHECKING:
     from batchlab.calibrate import Calibration
 
+Calibrations = Mapping[str, "Calibration"]  # measured ceilings by batchlab device name (calibrate.load_all())
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -83,7 +85,7 @@ def unseen_model(cfg: RunConfig) -> str | None:
     return f"the calculator cannot see inside the factory model {cfg.model_source}"
 
 
-def estimate(cfg: RunConfig, calibrations: Mapping[str, Calibration] | None = None) -> Estimate:
+def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estimate:
     """The formula's figures for ``cfg``: a pure function of its arguments.  ``calibrations``: measured
     ceilings by batchlab device name (``calibrate.load_all()``, read by the caller); the time model uses
     the entry for ``cfg.device`` where there is one, else the device's datasheet figures."""
@@ -93,7 +95,7 @@ def estimate(cfg: RunConfig, calibrations: Mapping[str, Calibration] | None = No
     return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t))
 
 
-def calibrated_ceiling(cfg: RunConfig, calibrations: Mapping[str, Calibration] | None
+def calibrated_ceiling(cfg: RunConfig, calibrations: Calibrations | None
                        ) -> tuple[float, float, str] | None:
     """(matmul FLOP/s for cfg's precision, bytes/s, source) measured for cfg's device, or None."""
     cal = (calibrations or {}).get(cfg.device)
@@ -103,4 +105,4 @@ def calibrated_ceiling(cfg: RunConfig, calibrations: Mapping[str, Calibration] |
 
 
 __all__ = ["Estimate", "estimate", "memory", "flops", "timing", "count", "model_states", "MemoryEstimate",
-           "FlopsEstimate", "TimeEstimate"]
+           "FlopsEstimate", "TimeEstimate", "Calibrations"]

@@ -2,16 +2,11 @@
 from __future__ import annotations
 
 from batchlab.config import ACMode, Keep, RunConfig, apply_change
-from batchlab.formula import estimate
+from batchlab.formula import Calibrations, estimate
 from batchlab.units import fmt_bytes, fmt_seconds
 
-if TYPE_CHECKING:
-    from batchlab.calibrate import Calibration
 
-Calibrations = Optional[Mapping[str, "Calibration"]]
-
-
-def _delta(cfg: RunConfig, name: str, value, calibrations: Calibrations) -> str:
+def _delta(cfg: RunConfig, name: str, value, calibrations: Calibrations | None) -> str:
     a = estimate(cfg, calibrations)
     try:
         b = estimate(apply_change(cfg, name, value, Keep.GLOBAL_BATCH), calibrations)
@@ -21,7 +16,7 @@ def _delta(cfg: RunConfig, name: str, value, calibrations: Calibrations) -> str:
             f"{fmt_seconds(a.time.update_seconds)} → {fmt_seconds(b.time.update_seconds)}")
 
 
-def explain_lines(cfg: RunConfig, calibrations: Calibrations = None) -> list[str]:
+def explain_lines(cfg: RunConfig, calibrations: Calibrations | None = None) -> list[str]:
     """``calibrations`` as for ``estimate``."""
     e = estimate(cfg, calibrations)
     m = e.memory

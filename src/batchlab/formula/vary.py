@@ -1,15 +1,11 @@
 """One-variable tables: the estimate for each value of one field, directions versus the first value."""
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from batchlab.config import Keep, RunConfig, apply_change, parse_field_value
-from batchlab.formula import Estimate, estimate
-
-if TYPE_CHECKING:
-    from batchlab.calibrate import Calibration
+from batchlab.formula import Calibrations, Estimate, estimate
 
 # relative change under which the calculator calls two figures equal
 SAME = 0.005
@@ -39,7 +35,7 @@ def direction(a: float, b: float, same: float = SAME) -> str:
 
 
 def vary(cfg: RunConfig, name: str, values: list[str], keep: Keep = Keep.GLOBAL_BATCH,
-         calibrations: Mapping[str, Calibration] | None = None) -> list[VaryRow]:
+         calibrations: Calibrations | None = None) -> list[VaryRow]:
     """One row per value; ``calibrations`` as for ``estimate``."""
     rows: list[VaryRow] = []
     for text in values:
