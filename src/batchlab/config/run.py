@@ -190,21 +190,11 @@ class RunConfig:
 
     def diff(self, other: "RunConfig") -> dict[str, tuple[Any, Any]]:
         """Changed user-facing fields, model fields by their own names: {field: (self's, other's)}."""
+        own = tuple(n for n in RUN_FIELDS if n not in ("model", "assumptions"))
         out: dict[str, tuple[Any, Any]] = {}
-        for name in MODEL_FIELDS:
-            a, b = getattr(self.model, name), getattr(other.model, name)
-            if a != b:
-                out[name] = (a, b)
-        for name in ASSUMPTION_FIELDS:
-            a, b = getattr(self.assumptions, name), getattr(other.assumptions, name)
-            if a != b:
-                out[name] = (a, b)
-        for f in fields(self):
-            if f.name in ("model", "assumptions"):
-                continue
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if a != b:
-                out[f.name] = (a, b)
+        for x, y, names in ((self.model, other.model, MODEL_FIELDS),
+                            (self.assumptions, other.assumptions, ASSUMPTION_FIELDS), (self, other, own)):
+            out.update({n: (getattr(x, n), getattr(y, n)) for n in names if getattr(x, n) != getattr(y, n)})
         return out
 
     def to_dict(self) -> dict[str, Any]:
