@@ -1,6 +1,8 @@
-"""The calculator: memory, FLOPs and time of one optimizer update from the config alone (no torch).
+"""The calculator: memory, FLOPs and time of one optimizer update from the config (no torch).
 
-Every figure it returns has provenance "formula".
+``estimate(cfg, calibrations)`` is a pure function: the measured ceilings of ``batchlab calibrate`` come
+in as an argument (``calibrate.load_all()``, read by the caller), never from disk here.  Every figure it
+returns has provenance "formula".
 """
 from __future__ import annotations
 
