@@ -1,0 +1,203 @@
+"""The per-op time model: an update's time is the sum, over the ops it runs, of a cost per op class.
+
+    t(op) = dispatch(phase) + work(op) / rate(class, dtype, size)
+
+- matmul-like ops (mm, addmm, bmm, SDPA): FLOPs at a rate that depends on the call's size (small matmuls
+  do not reach the peak): a calibrated curve over shape classes, interpolated in log FLOPs;
+- memory-bound ops (element-wise, copies, indexing, reductions, the optimizer's ops): bytes moved at the
+  measured bandwidth;
+- per-element ops whose cost is arithmetic, not bytes (transcendental activations, softmax, norms, the
+  dropout RNG): elements at a calibrated per-element rate of a representative kernel;
+- views: dispatch only;
+- plus a fixed dispatch cost per op that depends on who issues it: the forward (autograd records a graph
+  node), the autograd engine in backward, or plain no-grad code (optimizer).  On CUDA the fixed part is
+  the kernel launch.
+
+Torch-free: the trace (trace/ops.py) and the calculator (formula/oplist.py) both produce ``OpCount``s by
+aten op name and classify them with ``op_class`` here, so both paths are priced by the same function.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from batchlab.config import _Choice
+
+
+class OpClass(_Choice):
+    MATMUL = "matmul"  # priced by FLOPs
+    MEMORY = "memory"  # element-wise, copies, indexing, reductions: priced by bytes moved
+    ACTIVATION = "activation"  # transcendental element-wise (gelu, silu, tanh, exp): by elements
+    SOFTMAX = "softmax"  # softmax / log-softmax and their backward: by elements
+    NORM = "norm"  # layer / RMS norm and backward: by elements
+    RANDOM = "random"  # the dropout mask's RNG: by elements
+    VIEW = "view"  # metadata only: dispatch cost alone
+
+
+class Phase(_Choice):
+    DATA = "data"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"  # forward ops activation checkpointing repeats during backward
+    OPTIMIZER = "optimizer"  # unscale, clip, step, zero_grad
+
+
+# Who dispatches the op decides its fixed cost: forward and recompute record autograd nodes, backward runs
+# through the autograd engine, data and optimizer are plain no-grad calls.
+DISPATCH_KIND = {Phase.DATA: "plain", Phase.FORWARD: "forward", Phase.RECOMPUTE: "forward",
+                 Phase.BACKWARD: "backward", Phase.OPTIMIZER: "plain"}
+
+_MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_dot_product_flash_attention",
+           "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_backward",
+           "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_efficient_attention",
+           "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention",
+           "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_forward", "_flash_attention_backward",
+           "_efficient_attention_forward", "_efficient_attention_backward", "convolution", "convolution_backward"}
+_ACTIVATION = {"gelu", "gelu_backward", "silu", "silu_backward", "tanh", "tanh_backward", "exp", "log", "sigmoid",
+               "sigmoid_backward", "erf", "pow", "rsqrt", "sqrt", "sin", "cos", "relu", "threshold_backward"}
+_SOFTMAX = {"_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data", "softmax",
+            "log_softmax", "_safe_softmax", "nll_loss_forward", "nll_loss_backward"}
+_NORM = {"native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
+         "rms_norm"}
+_RANDOM = {"bernoulli", "bernoulli_", "native_dropout", "uniform_", "normal_", "random_", "randint", "rand",
+           "randn", "exponential_"}
+
+
+# no data moved: reshapes that return a new tensor header, uninitialised allocations, scalar reads,
+# profiler markers
+_NO_DATA = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+            "alias", "lift_fresh", "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit"}
+
+
+def op_class(name: str, is_view: bool = False) -> OpClass:
+    """The class of an aten op by its overload packet name (``addmm``, ``native_layer_norm``, ...)."""
+    if is_view or name in _NO_DATA:
+        return OpClass.VIEW
+    for names, klass in ((_MATMUL, OpClass.MATMUL), (_ACTIVATION, OpClass.ACTIVATION), (_SOFTMAX, OpClass.SOFTMAX),
+                         (_NORM, OpClass.NORM), (_RANDOM, OpClass.RANDOM)):
+        if name in names:
+            return klass
+    return OpClass.MEMORY
+
+
+@dataclass(frozen=True)
+class OpCount:
+    """``count`` identical calls of one op: per call its FLOPs, bytes read + written and output elements."""
+
+    name: str
+    phase: Phase
+    klass: OpClass
+    flops: int = 0
+    bytes: int = 0
+    elements: int = 0
+    low_precision: bool = False  # 16-bit operands (bf16 / fp16 matmul rate, 16-bit element rates)
+    count: int = 1
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "phase": self.phase.value, "klass": self.klass.value, "flops": self.flops,
+                "bytes": self.bytes, "elements": self.elements, "low_precision": self.low_precision,
+                "count": self.count}
+
+
+def merge(ops: Iterable[OpCount]) -> tuple[OpCount, ...]:
+    """Identical calls folded into one OpCount with their count (order of first appearance)."""
+    out: dict[tuple, OpCount] = {}
+    for op in ops:
+        key = (op.name, op.phase, op.klass, op.flops, op.bytes, op.elements, op.low_precision)
+        seen = out.get(key)
+        out[key] = op if seen is None else OpCount(*key, count=seen.count + op.count)
+    return tuple(out.values())
+
+
+@dataclass(frozen=True)
+class OpCosts:
+    """The calibrated parameters of the model (from ``batchlab calibrate``, or nominal device figures).
+
+    ``matmul``: per precision ("fp32", "bf16") the measured (FLOPs per call, FLOP/s) points of the shape
+    classes, ascending; ``bytes_per_s``: memory-bound ops; ``element_seconds``: per class and precision, the
+    seconds per output element of its representative kernel; ``dispatch``: seconds per op by kind.
+    """
+
+    matmul: Mapping[str, tuple[tuple[float, float], ...]]
+    bytes_per_s: float
+    element_seconds: Mapping[str, float]  # "activation:fp32" -> s / element
+    dispatch: Mapping[str, float]  # "forward" | "backward" | "plain" -> s / op
+    source: str = "nominal"
+
+    def matmul_rate(self, flops: float, low_precision: bool) -> float:
+        """FLOP/s of one call of ``flops``: linear in log FLOPs between the calibrated points, flat outside."""
+        pts = self.matmul.get("bf16" if low_precision else "fp32") or self.matmul["fp32"]
+        return interpolate_log(pts, flops)
+
+    def element_rate_seconds(self, klass: OpClass, low_precision: bool) -> float:
+        key = f"{klass.value}:{'bf16' if low_precision else 'fp32'}"
+        return self.element_seconds.get(key, self.element_seconds.get(f"{klass.value}:fp32", 0.0))
+
+    def work_seconds(self, op: OpCount) -> float:
+        """One call's time beyond its dispatch."""
+        if op.klass is OpClass.MATMUL:
+            return op.flops / self.matmul_rate(op.flops, op.low_precision) if op.flops else 0.0
+        if op.klass is OpClass.MEMORY:
+            return op.bytes / self.bytes_per_s
+        if op.klass is OpClass.VIEW:
+            return 0.0
+        # per-element kernels also move their bytes: whichever bound is slower (roofline)
+        return max(op.elements * self.element_rate_seconds(op.klass, op.low_precision), op.bytes / self.bytes_per_s)
+
+    def dispatch_seconds(self, phase: Phase) -> float:
+        return self.dispatch[DISPATCH_KIND[phase]]
+
+
+def interpolate_log(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """y at x, linear in log(x) between sorted (x, y) points; the end values beyond the ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) if x1 > x0 else 1.0
+            return y0 + w * (y1 - y0)
+    return points[-1][1]
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Predicted seconds of the ops of one update (one rank), split by phase and by op class; parts add up."""
+
+    seconds: float
+    by_phase: dict[str, float]
+    by_class: dict[str, float]  # work per op class, plus "dispatch"
+    ops: int  # calls
+    flops: int
+    bytes: int  # bytes moved by memory-bound and per-element ops
+    bytes_by_phase: dict[str, int] = field(default_factory=dict)
+    flops_by_phase: dict[str, int] = field(default_factory=dict)
+    source: str = ""
+    provenance: str = "formula"
+
+    @property
+    def dispatch_share(self) -> float:
+        return self.by_class.get("dispatch", 0.0) / self.seconds if self.seconds else 0.0
+
+
+def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -> TimeBreakdown:
+    """The time the model gives ``ops``: Σ count × (dispatch + work)."""
+    by_phase: dict[str, float] = {}
+    by_class: dict[str, float] = {"dispatch": 0.0}
+    b_phase: dict[str, int] = {}
+    f_phase: dict[str, int] = {}
+    calls = fl = by = 0
+    for op in ops:
+        d = op.count * costs.dispatch_seconds(op.phase)
+        w = op.count * costs.work_seconds(op)
+        by_phase[op.phase.value] = by_phase.get(op.phase.value, 0.0) + d + w
+        by_class["dispatch"] += d
+        by_class[op.klass.value] = by_class.get(op.klass.value, 0.0) + w
+        calls += op.count
+        fl += op.count * op.flops
+        f_phase[op.phase.value] = f_phase.get(op.phase.value, 0) + op.count * op.flops
+        if op.klass not in (OpClass.MATMUL, OpClass.VIEW):
+            by += op.count * op.bytes
+            b_phase[op.phase.value] = b_phase.get(op.phase.value, 0) + op.count * op.bytes
+    return TimeBreakdown(sum(by_phase.values()), by_phase, by_class, calls, fl, by, b_phase, f_phase,
+                         costs.source, provenance)

@@ -1,0 +1,314 @@
+"""The op list of one update derived from the model's terms, without torch: the calculator's side of the
+per-op time model (formula/opcost.py), the same aten ops the trace records (trace/ops.py) for batchlab's GPT.
+
+Each construct of the layer code (models/gpt.py) is written down once with the aten ops PyTorch 2.13 runs
+for it, forward and backward, as read from the trace of that code: a biased ``nn.Linear`` on a 3-D input is
+``view, t, addmm, view`` forward and ``view, t, mm, t, mm, t, sum, view, detach, t, detach, view`` backward
+(AccumulateGrad detaches), dropout is ``empty_like, bernoulli_, div_, mul`` forward and one ``mul`` backward,
+and so on.  FLOPs are the matmuls' 2·m·n·k; bytes the tensors read and written; elements the output's.
+tests/test_timemodel.py checks counts, FLOPs and bytes against the trace of the real code.
+
+Symbols: T = b·s tokens per micro-batch, h hidden, kv key/value width, f MLP inner size, a heads, d head
+size, V vocabulary, E = a·s·s·b attention-score elements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchlab.config import AttentionImpl, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
+from batchlab.formula.opcost import OpCount, Phase, merge, op_class
+
+F32 = 4
+FWD, BWD, OPT, DATA = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.DATA
+
+
+@dataclass(frozen=True)
+class _W:
+    """Element widths (bytes) and whether matmuls run in 16 bits."""
+
+    e: int  # matmul operands / outputs
+    res: int  # residual stream and norms (fp32 under autocast)
+    autocast: bool
+
+    @property
+    def low(self) -> bool:
+        return self.e == 2
+
+
+def _op(name: str, phase: Phase, elements: int, nbytes: int, flops: int = 0, low: bool = False,
+        count: int = 1) -> OpCount:
+    return OpCount(name, phase, op_class(name), flops, nbytes, elements, low, count)
+
+
+def _views(phase: Phase, n: int) -> OpCount:
+    return OpCount("view", phase, op_class("view", is_view=True), count=n)
+
+
+class _Ops:
+    """Collects OpCounts; ``phase`` is where forward ops go (forward, or recompute)."""
+
+    def __init__(self, w: _W):
+        self.w = w
+        self.out: list[OpCount] = []
+
+    def add(self, *ops: OpCount) -> None:
+        self.out.extend(op for op in ops if op.count)
+
+    def linear(self, ph: Phase, t: int, i: int, o: int, bias: bool, cast_input: bool, backward: bool = True) -> None:
+        """nn.Linear on a (b, s, i) input: addmm (mm + _unsafe_view without a bias); backward: two mms."""
+        w, e = self.w, self.w.e
+        fl = 2 * t * i * o
+        if w.autocast:  # autocast copies the fp32 weight (and bias, and an fp32 input) to 16 bits
+            self.add(_op("_to_copy", ph, i * o, i * o * (F32 + e), low=True),
+                     _op("_to_copy", ph, o, o * (F32 + e), low=True, count=int(bias)),
+                     _op("_to_copy", ph, t * i, t * i * (F32 + e), low=True, count=int(cast_input)))
+        name = "addmm" if bias else "mm"
+        self.add(_op(name, ph, t * o, (t * i + i * o + t * o + (o if bias else 0)) * e, fl, w.low),
+                 _views(ph, 3 if bias else 2), _op("_unsafe_view", ph, t * o, 0, count=int(not bias)))
+        if not backward:
+            return
+        self.add(_op("mm", BWD, t * i, (t * o + i * o + t * i) * e, fl, w.low),
+                 _op("mm", BWD, i * o, (t * o + t * i + i * o) * e, fl, w.low),
+                 _op("sum", BWD, o, (t * o + o) * e, low=w.low, count=int(bias)),
+                 _views(BWD, 9 if bias else 7))
+        if w.autocast:  # the gradients of the copies, back to fp32
+            self.add(_op("_to_copy", BWD, i * o, i * o * (F32 + e)),
+                     _op("_to_copy", BWD, o, o * (F32 + e), count=int(bias)),
+                     _op("_to_copy", BWD, t * i, t * i * (F32 + e), count=int(cast_input)))
+
+    def norm(self, ph: Phase, t: int, h: int, kind: NormKind, bias: bool, backward: bool = True) -> None:
+        r = self.w.res
+        if kind is NormKind.LAYERNORM:
+            self.add(_op("native_layer_norm", ph, t * h, 2 * t * h * r + 2 * h * r + 2 * t * F32))
+            if backward:
+                self.add(_op("native_layer_norm_backward", BWD, t * h, 3 * t * h * r + 2 * t * F32 + 2 * h * r),
+                         _views(BWD, 1 + int(bias)))
+            return
+        # F.rms_norm on CPU is composite: pow, mean, add, rsqrt, mul, mul (weight)
+        self.add(_op("pow", ph, t * h, 2 * t * h * r), _op("mean", ph, t, t * h * r + t * F32),
+                 _op("add", ph, t, 2 * t * F32), _op("rsqrt", ph, t, 2 * t * F32),
+                 _op("mul", ph, t * h, 2 * t * h * r + t * F32, count=2), _views(ph, 3))
+        if backward:
+            self.add(_op("mul", BWD, t * h, 3 * t * h * r, count=6), _op("sum", BWD, h, t * h * r),
+                     _op("sum", BWD, t, t * h * r), _op("mul", BWD, t, 3 * t * F32, count=2),
+                     _op("div", BWD, t * h, 3 * t * h * r), _op("pow", BWD, t * h, 2 * t * h * r, count=2),
+                     _op("add", BWD, t * h, 3 * t * h * r, count=2), _views(BWD, 3))
+
+    def dropout(self, ph: Phase, n: int, p: float, width: int, backward: bool = True) -> None:
+        if p <= 0:
+            return
+        self.add(_op("empty_like", ph, n, 0), _op("bernoulli_", ph, n, 2 * n * width), _op("div_", ph, n, 2 * n * width),
+                 _op("mul", ph, n, 3 * n * width))
+        if backward:
+            self.add(_op("mul", BWD, n, 3 * n * width))
+
+    def elementwise(self, name: str, ph: Phase, n: int, width: int, inputs: int = 1, count: int = 1) -> None:
+        self.add(_op(name, ph, n, (inputs + 1) * n * width, count=count))
+
+
+def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
+    m, s, b = cfg.model, cfg.seq, cfg.micro_batch
+    t, h, kv, a, d, e = b * s, m.hidden, m.kv_hidden, m.heads, m.head_dim, ops.w.e
+    ops.add(_views(ph, 7))  # split, three views, three transposes
+    if backward:
+        ops.add(_op("cat", BWD, t * (h + 2 * kv), 2 * t * (h + 2 * kv) * e), _views(BWD, 4))
+    if m.position is PositionKind.ROPE:  # rotate-half on q and k: neg, cat, two muls and an add each
+        for width in (h, kv):
+            n = t * width
+            ops.add(_op("neg", ph, n // 2, n * e), _op("cat", ph, n, 2 * n * e), _op("mul", ph, n, 3 * n * e, count=2),
+                    _op("add", ph, n, 3 * n * e), _views(ph, 2))
+            if backward:
+                ops.add(_op("mul", BWD, n, 3 * n * e, count=2), _op("neg", BWD, n // 2, n * e),
+                        _op("slice_backward", BWD, n, 2 * n * e, count=2), _op("add", BWD, n, 3 * n * e, count=2),
+                        _views(BWD, 4))
+    if m.kv_heads != m.heads:  # repeat_interleave of k and v to full width
+        ops.add(_op("clone", ph, t * h, t * (h + kv) * e, count=2), _views(ph, 4))
+        if backward:
+            ops.add(_op("sum", BWD, t * kv, t * (h + kv) * e, count=2), _views(BWD, 2))
+    score = a * s * s * b
+    fl = 2 * b * a * s * s * d
+    if m.attention is AttentionImpl.SDPA and not (m.dropout > 0):
+        ops.add(_op("_scaled_dot_product_flash_attention_for_cpu", ph, t * h, 4 * t * h * e + a * t * F32, 2 * fl,
+                    ops.w.low), _views(ph, 2))
+        if backward:
+            ops.add(_op("_scaled_dot_product_flash_attention_for_cpu_backward", BWD, 3 * t * h,
+                        8 * t * h * e + a * t * F32, 5 * fl, ops.w.low), _views(BWD, 3))
+    else:  # eager (or SDPA's math path with dropout on CPU): materialised scores
+        copies = 3
+        ops.add(_op("clone", ph, t * h, 2 * t * h * e, count=copies), _views(ph, 6),
+                _op("_unsafe_view", ph, t * h, 0, count=copies),
+                _op("bmm", ph, score, (2 * t * h + score) * e, fl, ops.w.low),
+                _op("bmm", ph, t * h, (t * h + score + t * h) * e, fl, ops.w.low),
+                _op("_unsafe_view", ph, score, 0), _op("_unsafe_view", ph, t * h, 0),
+                _op("mul", ph, score, 2 * score * e), _op("ones", ph, s * s, s * s), _op("triu", ph, s * s, 2 * s * s),
+                _op("masked_fill", ph, score, 2 * score * e + s * s), _op("_softmax", ph, score, 2 * score * e),
+                _views(ph, 1))
+        ops.dropout(ph, score, m.dropout, e, backward)
+        if backward:
+            ops.add(_op("bmm", BWD, t * h, (t * h + 2 * score) * e, fl, ops.w.low, count=2),
+                    _op("bmm", BWD, score, (2 * t * h + score) * e, fl, ops.w.low),
+                    _op("bmm", BWD, t * h, (t * h + score + t * h) * e, fl, ops.w.low),
+                    _op("mul", BWD, score, 2 * score * e), _op("_softmax_backward_data", BWD, score, 3 * score * e),
+                    _op("masked_fill", BWD, score, 2 * score * e + s * s),
+                    _op("clone", BWD, t * h, 2 * t * h * e, count=2), _op("_unsafe_view", BWD, t * h, 0, count=2),
+                    _views(BWD, 10))
+        # y.transpose(1, 2).reshape(b, s, h): one contiguous copy (SDPA's output already has that layout)
+        ops.add(_op("clone", ph, t * h, 2 * t * h * e), _op("_unsafe_view", ph, t * h, 0), _views(ph, 1))
+        if backward:
+            ops.add(_op("clone", BWD, t * h, 2 * t * h * e), _op("_unsafe_view", BWD, t * h, 0), _views(BWD, 2))
+
+
+def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True) -> None:
+    """One block's forward ops into ``ph`` (forward or recompute), and (``backward``) its backward ops."""
+    m = cfg.model
+    t, h, kv, f, w = cfg.micro_batch * cfg.seq, m.hidden, m.kv_hidden, m.ffn, ops.w
+    for branch in ("attention", "mlp"):
+        ops.norm(ph, t, h, m.norm, m.bias, backward)
+        if branch == "attention":
+            ops.linear(ph, t, h, h + 2 * kv, m.bias, w.autocast, backward)
+            _attention(ops, cfg, ph, backward)
+            ops.linear(ph, t, h, h, m.bias, False, backward)
+        elif m.mlp is MLPKind.SWIGLU:
+            ops.linear(ph, t, h, f, m.bias, w.autocast, backward)
+            ops.linear(ph, t, h, f, m.bias, False, backward)
+            ops.elementwise("silu", ph, t * f, w.e)
+            ops.elementwise("mul", ph, t * f, w.e, inputs=2)
+            if backward:
+                ops.add(_op("mul", BWD, t * f, 3 * t * f * w.e, count=2), _op("silu_backward", BWD, t * f, 3 * t * f * w.e),
+                        _op("add", BWD, t * h, 3 * t * h * w.e))
+            ops.linear(ph, t, f, h, m.bias, False, backward)
+        else:
+            ops.linear(ph, t, h, f, m.bias, w.autocast, backward)
+            ops.elementwise("gelu", ph, t * f, w.e)
+            if backward:
+                ops.add(_op("gelu_backward", BWD, t * f, 3 * t * f * w.e), _views(BWD, 1))
+            ops.linear(ph, t, f, h, m.bias, False, backward)
+        ops.dropout(ph, t * h, m.dropout, w.e, backward)
+        ops.elementwise("add", ph, t * h, w.res, inputs=2)  # the residual add
+        if backward:
+            ops.elementwise("add", BWD, t * h, w.res, inputs=2)  # its gradient joins the other branch's
+            if w.autocast:  # the branch output's gradient cast to 16 bits
+                ops.add(_op("_to_copy", BWD, t * h, t * h * (F32 + w.e), low=True))
+
+
+def _outside(ops: _Ops, cfg: RunConfig) -> None:
+    """Embeddings, final norm, LM head and the fp32 cross-entropy (models/gpt.py GPT.forward)."""
+    m, w = cfg.model, ops.w
+    t, h, V = cfg.micro_batch * cfg.seq, m.hidden, m.vocab
+    ops.add(_op("embedding", FWD, t * h, 2 * t * h * w.res + t * 8), _op("embedding_dense_backward", BWD, V * h,
+            V * h * w.res + t * h * w.res + t * 8), _views(BWD, 1))
+    if m.position is PositionKind.LEARNED:
+        ops.add(_op("arange", FWD, cfg.seq, cfg.seq * 8), _op("embedding", FWD, cfg.seq * h, 2 * cfg.seq * h * w.res),
+                _op("add", FWD, t * h, (2 * t * h + cfg.seq * h) * w.res),
+                _op("sum", BWD, cfg.seq * h, (t * h + cfg.seq * h) * w.res),
+                _op("embedding_dense_backward", BWD, m.max_positions * h, m.max_positions * h * w.res),
+                _views(BWD, 2))
+    else:  # rope tables: arange, outer, cat, cos, sin (and two casts under autocast)
+        ops.add(_op("arange", FWD, cfg.seq, cfg.seq * 8, count=2), _op("mul", FWD, cfg.seq * m.head_dim, 0, count=2),
+                _op("cat", FWD, cfg.seq * m.head_dim, 0), _op("cos", FWD, cfg.seq * m.head_dim, 0),
+                _op("sin", FWD, cfg.seq * m.head_dim, 0), _views(FWD, 3))
+    ops.dropout(FWD, t * h, m.dropout, w.res)
+    ops.norm(FWD, t, h, m.norm, m.bias)
+    ops.linear(FWD, t, h, V, False, w.autocast)
+    if m.tied_embeddings:  # the head's and the embedding's gradients summed into one tensor
+        ops.add(_op("add", BWD, V * h, 3 * V * h * w.res))
+    if w.autocast:  # logits.float()
+        ops.add(_op("_to_copy", FWD, t * V, t * V * (w.e + F32)), _op("_to_copy", BWD, t * V, t * V * (w.e + F32), True))
+    ops.add(_op("_log_softmax", FWD, t * V, 2 * t * V * F32), _op("nll_loss_forward", FWD, 1, t * V * F32 + t * 8),
+            _op("div", FWD, 1, 8), _views(FWD, 4),
+            _op("ones_like", BWD, 1, 4), _op("div", BWD, 1, 8), _op("nll_loss_backward", BWD, t * V, t * V * F32 * 2),
+            _op("_log_softmax_backward_data", BWD, t * V, 3 * t * V * F32), _views(BWD, 5))
+
+
+def parameter_sizes(cfg: RunConfig) -> list[int]:
+    """Elements of each parameter tensor of batchlab's GPT, in the order the optimizer sees them."""
+    m = cfg.model
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn
+    norm = [h, h] if (m.norm is NormKind.LAYERNORM and m.bias) else [h]
+
+    def lin(i: int, o: int) -> list[int]:
+        return [i * o, o] if m.bias else [i * o]
+
+    mlp = (lin(h, f) * 2 if m.mlp is MLPKind.SWIGLU else lin(h, f)) + lin(f, h)
+    layer = norm + lin(h, h + 2 * kv) + lin(h, h) + norm + mlp
+    sizes = [m.vocab * h] + ([m.max_positions * h] if m.position is PositionKind.LEARNED else [])
+    sizes += layer * m.layers + norm
+    if not m.tied_embeddings:
+        sizes.append(m.vocab * h)
+    return sizes
+
+
+def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
+    """clip_grad_norm_ (foreach norm and scale), the per-parameter optimizer loop (foreach=False), zero_grad."""
+    sizes = parameter_sizes(cfg)
+    p = len(sizes)
+    n = sum(sizes)
+    ops.add(_op("_foreach_norm", OPT, p, n * F32), _op("stack", OPT, p, 2 * p * F32),
+            _op("linalg_vector_norm", OPT, 1, p * F32), _op("add", OPT, 1, 8), _op("reciprocal", OPT, 1, 8),
+            _op("mul", OPT, 1, 8), _op("clamp", OPT, 1, 8), _op("_foreach_mul_", OPT, 0, 2 * n * F32),
+            _op("_local_scalar_dense", OPT, 0, 0))
+    for size in sizes:
+        b = size * F32
+        if cfg.optimizer is OptimizerKind.ADAMW:  # torch.optim.adamw._single_tensor_adamw
+            ops.add(_op("add_", OPT, 1, 8), _op("_local_scalar_dense", OPT, 0, 0), _op("mul_", OPT, size, 2 * b),
+                    _op("lerp_", OPT, size, 3 * b), _op("mul_", OPT, size, 2 * b), _op("addcmul_", OPT, size, 4 * b),
+                    _op("sqrt", OPT, size, 2 * b), _op("div", OPT, size, 2 * b), _op("add_", OPT, size, 2 * b),
+                    _op("addcdiv_", OPT, size, 4 * b))
+        elif cfg.optimizer is OptimizerKind.SGD_MOMENTUM:
+            ops.add(_op("mul_", OPT, size, 2 * b), _op("add_", OPT, size, 3 * b), _op("add_", OPT, size, 3 * b))
+        else:
+            ops.add(_op("add_", OPT, size, 3 * b))
+
+
+def _data(ops: _Ops, cfg: RunConfig) -> None:
+    b, s = cfg.micro_batch, cfg.seq
+    n = b * (s + 1)
+    ops.add(_op("randint", DATA, n, n * 8, count=cfg.accum), _op("clone", DATA, b * s, 2 * b * s * 8, count=2 * cfg.accum),
+            _op("ne", DATA, b * s, b * s * 9, count=cfg.accum), _op("sum", DATA, 1, b * s, count=cfg.accum),
+            _op("_local_scalar_dense", DATA, 0, 0, count=cfg.accum), _views(DATA, 2 * cfg.accum))
+
+
+def _widths(cfg: RunConfig) -> _W:
+    e = cfg.precision.compute_bytes
+    return _W(e=e, res=2 if cfg.precision is Precision.BF16 else 4, autocast=cfg.precision.mixed)
+
+
+def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
+    """Forward, recompute and backward ops of one micro-batch."""
+    ops = _Ops(_widths(cfg))
+    wrapped = set(cfg.ac.wrapped_layers(cfg.model.layers)) | set(cfg.ac.selective_layers(cfg.model.layers))
+    selective = bool(cfg.ac.selective_layers(cfg.model.layers))
+    for i in range(cfg.model.layers):
+        _layer(ops, cfg, FWD)
+        if i in wrapped:
+            _recompute(ops, cfg, selective)
+    _outside(ops, cfg)
+    return merge(ops.out)
+
+
+def _recompute(ops: _Ops, cfg: RunConfig, selective: bool) -> None:
+    """The forward again inside backward (non-reentrant checkpoint); selective checkpointing serves the
+    saved mm/addmm outputs from its cache, so only the rest is re-run."""
+    redo = _Ops(ops.w)
+    _layer(redo, cfg, Phase.RECOMPUTE, backward=False)
+    # early stop: the last residual add and the dropout multiply before it produce nothing backward needs
+    last = [i for i, op in enumerate(redo.out) if op.name == "add"][-1:]
+    last += [i for i, op in enumerate(redo.out) if op.name == "mul"][-1:] if cfg.model.dropout > 0 else []
+    for i, op in enumerate(redo.out):
+        if i in last or (selective and op.name in ("mm", "addmm")):
+            continue
+        ops.add(op)
+    # checkpoint's unpack hooks: a detach per saved tensor in recompute and an alias in backward (counted
+    # on the trace of batchlab's GPT block: 19 and 18)
+    ops.add(_views(Phase.RECOMPUTE, 19), _views(BWD, 18))
+
+
+def update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
+    """Every op of one optimizer update on one rank: accum micro-batches, then the optimizer."""
+    per_micro = micro_batch_ops(cfg)
+    ops = _Ops(_widths(cfg))
+    ops.add(*(OpCount(o.name, o.phase, o.klass, o.flops, o.bytes, o.elements, o.low_precision, o.count * cfg.accum)
+              for o in per_micro))
+    _data(ops, cfg)
+    _optimizer(ops, cfg)
+    return merge(ops.out)
