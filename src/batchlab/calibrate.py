@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import re
 import statistics
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from batchlab.config import ConfigError, Precision
+from batchlab.formula.opcost import DISPATCH_KIND, OpCosts, Phase
 from batchlab.host import cpu_hardware
 
 @dataclass
@@ -30,21 +32,27 @@ class Calibration:
     device: str  # batchlab device name the figures stand for ("cpu", "h200", ... or the backend)
     hardware: str  # what was measured: CPU model and threads, or the GPU's name
     torch_device: str  # cpu | cuda:0 | mps
-    matmul_flops_fp32: float  # FLOP/s, median over repeats of the best square size
+    matmul_flops_fp32: float  # FLOP/s, the best shape class (what a large matmul reaches)
     matmul_flops_bf16: float | None  # None where bf16 matmuls are not supported
-    memory_bytes_per_s: float  # copy bandwidth: bytes read + written per second
-    matmul_size: dict[str, int] = field(default_factory=dict)  # dtype -> n of the n x n matmul used
-    copy_bytes: int = 0  # size of the copied buffer
+    memory_bytes_per_s: float  # element-wise bandwidth at the largest size: bytes read + written per second
+    matmul_size: dict[str, int] = field(default_factory=dict)  # dtype -> FLOPs per call of the best class
+    copy_bytes: int = 0  # bytes one call of the largest bandwidth size moves
     threads: int = 0  # torch intra-op threads (CPU rates scale with them)
     measured_at: str = ""  # ISO 8601, UTC
     torch_version: str = ""
     seconds: float = 0.0  # how long calibrating took
+    # the per-op time model's parameters (formula/opcost.py OpCosts)
+    matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)  # dtype -> [[FLOPs/call, FLOP/s]]
+    memory_curve: list[list[float]] = field(default_factory=list)  # [[bytes/call, bytes/s]]
+    element_seconds: dict[str, float] = field(default_factory=dict)  # "activation:fp32" -> s per element
+    dispatch_seconds: dict[str, float] = field(default_factory=dict)  # forward | backward | plain -> s per op
     provenance: str = "calibrated"
 
     @property
     def source(self) -> str:
         """How the numbers were obtained, for every time prediction that uses them."""
-        return f"calibrated on {self.hardware} ({self.torch_device}) at {self.measured_at}"
+        return (f"calibrated on {self.hardware} ({self.torch_device}), torch {self.torch_version}, "
+                f"{self.threads} thread(s), at {self.measured_at}, {self.seconds:.1f} s")
 
     def matmul_flops(self, precision: Precision | str) -> float:
         """The matmul ceiling for a precision: fp32, or bf16 for every 16-bit compute precision (fp16 is not
@@ -53,6 +61,15 @@ class Calibration:
         if p is Precision.FP32 or self.matmul_flops_bf16 is None:
             return self.matmul_flops_fp32
         return self.matmul_flops_bf16
+
+    def op_costs(self) -> OpCosts | None:
+        """The per-op model's parameters, or None for a cache written before the per-op model existed."""
+        if not (self.matmul_curve and self.memory_curve and self.dispatch_seconds):
+            return None
+        return OpCosts(matmul={k: tuple(map(tuple, v)) for k, v in self.matmul_curve.items()},
+                       memory=tuple(map(tuple, self.memory_curve)), element_seconds=dict(self.element_seconds),
+                       dispatch=dict(self.dispatch_seconds), asynchronous=not self.torch_device.startswith("cpu"),
+                       source=self.source)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -68,12 +85,21 @@ def cache_dir() -> Path:
     return Path(user_cache_dir("batchlab")) / "calibration"
 
 
-def _cache_path(device: str) -> Path:
-    return cache_dir() / (re.sub(r"[^A-Za-z0-9_.-]+", "_", device) + ".json")
+def default_threads() -> int:
+    """The intra-op threads a torch process here starts with (OMP_NUM_THREADS, else the CPU count)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return os.cpu_count() or 1
+
+
+def _cache_path(device: str, torch_version: str, threads: int) -> Path:
+    name = f"{device}-torch{torch_version}-{threads}threads"
+    return cache_dir() / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".json")
 
 
 def save(cal: Calibration) -> Path:
-    path = _cache_path(cal.device)
+    path = _cache_path(cal.device, cal.torch_version, cal.threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(cal.to_dict(), indent=2))
@@ -81,18 +107,21 @@ def save(cal: Calibration) -> Path:
     return path
 
 
-def load_cached(device_name: str) -> Calibration | None:
-    """The cached calibration for a batchlab device name (``RunConfig.device``), or None.
-
-    A CPU entry measured on other hardware (a home directory shared between machines) is ignored.
+def load_cached(device_name: str, threads: int | None = None) -> Calibration | None:
+    """The cached calibration for a batchlab device name (``RunConfig.device``) at ``threads`` (default: what
+    a process here starts with), or None.  CPU rates depend on the thread count, so only an entry measured
+    with the same count serves; a CPU entry measured on other hardware (a shared home directory) is ignored.
     """
-    return _read(_cache_path(device_name))
+    return load_all(threads).get(device_name)
 
 
-def load_all() -> dict[str, Calibration]:
-    """Every usable cached calibration, by batchlab device name: what ``formula.estimate`` is given."""
-    found = (_read(p) for p in sorted(cache_dir().glob("*.json")))
-    return {cal.device: cal for cal in found if cal is not None}
+def load_all(threads: int | None = None) -> dict[str, Calibration]:
+    """Every usable cached calibration, by batchlab device name: what ``formula.estimate`` is given.
+    Where one device has several (torch versions), the newest measurement wins."""
+    want = default_threads() if threads is None else threads
+    found = [cal for cal in (_read(p) for p in sorted(cache_dir().glob("*.json"))) if cal is not None]
+    usable = [c for c in found if not c.torch_device.startswith("cpu") or c.threads == want]
+    return {cal.device: cal for cal in sorted(usable, key=lambda c: c.measured_at)}
 
 
 def _read(path: Path) -> Calibration | None:
@@ -131,33 +160,104 @@ def timed_rates(fn: Callable[[], Any], work: float, seconds: float, sync: Callab
     return rates
 
 
-def _matmul_rate(device, dtype, sizes, seconds: float, sync) -> tuple[float, int] | None:
-    """Best median matmul FLOP/s over square sizes (2 n^3 FLOPs per n x n @ n x n), and that n."""
+# Shape classes for the matmul curve, (m, k, n): from a few heads' attention blocks to large projections;
+# the time model interpolates between their FLOPs per call.
+MATMUL_SHAPES = ((32, 32, 32), (128, 64, 64), (256, 128, 128), (512, 128, 384), (1024, 256, 256),
+                 (1024, 512, 1024), (2048, 1024, 1024))
+GPU_MATMUL_SHAPES = ((128, 128, 128), (512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
+                     (4096, 4096, 4096), (8192, 8192, 8192))
+# element-wise bandwidth at these operand sizes (elements): in cache, last-level cache, memory
+MEMORY_SIZES = (16 * 2**10, 256 * 2**10, 4 * 2**20)
+ELEMENTS = 256 * 2**10  # size of the per-element kernels' calls (rows of 128)
+
+
+def _curve_point(device, dtype, shape, seconds: float, sync) -> tuple[float, float] | None:
     import torch
 
-    best: tuple[float, int] | None = None
-    per_size = seconds / len(sizes)
-    for n in sizes:
-        try:
-            a = torch.randn(n, n, device=device).to(dtype)
-            b = torch.randn(n, n, device=device).to(dtype)
-            rate = statistics.median(timed_rates(lambda: torch.mm(a, b), 2 * n**3, per_size, sync, min_samples=2))
-        except (RuntimeError, TypeError):  # dtype not supported by this device's matmul
-            return best
-        if best is None or rate > best[0]:
-            best = (rate, n)
-        if 2 * n**3 / rate > per_size / 4:  # larger sizes would overrun the time asked for
+    m, k, n = shape
+    try:
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        fl = 2 * m * k * n
+        return float(fl), statistics.median(timed_rates(lambda: torch.mm(a, b), fl, seconds, sync, min_samples=2))
+    except (RuntimeError, TypeError):  # dtype not supported by this device's matmul
+        return None
+
+
+def _matmul_curve(device, dtype, shapes, seconds: float, sync) -> list[list[float]]:
+    """(FLOPs per call, median FLOP/s) per shape class, ascending; stops where a call would overrun."""
+    out: list[list[float]] = []
+    for shape in shapes:
+        point = _curve_point(device, dtype, shape, seconds / len(shapes), sync)
+        if point is None:
             break
-    return best
+        out.append(list(point))
+        if point[0] / point[1] > seconds / len(shapes) / 4:
+            break
+    return sorted(out)
 
 
-def _copy_rate(device, nbytes: int, seconds: float, sync) -> float:
-    """Bytes read + written per second by a device-local copy much larger than the caches."""
+def _memory_curve(device, seconds: float, sync) -> list[list[float]]:
+    """Bandwidth of an out-of-place fp32 add (two reads, one write) at each size."""
     import torch
 
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    return statistics.median(timed_rates(lambda: dst.copy_(src), 2 * src.nbytes, seconds, sync))
+    out = []
+    for n in MEMORY_SIZES:
+        x, y = torch.ones(n, device=device), torch.ones(n, device=device)
+        moved = 3 * 4 * n
+        out.append([float(moved), statistics.median(timed_rates(lambda: torch.add(x, y), moved, seconds / len(MEMORY_SIZES),
+                                                                sync))])
+    return out
+
+
+def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
+    """Seconds per output element of each class's representative kernel, fp32 and bf16: tanh-GELU, softmax
+    and layer norm over rows of 128, the dropout RNG (bernoulli_)."""
+    import torch
+    import torch.nn.functional as F
+
+    kernels = {"activation": lambda x: F.gelu(x, approximate="tanh"), "softmax": lambda x: x.softmax(-1),
+               "norm": lambda x: F.layer_norm(x, (128,)), "random": lambda x: x.bernoulli_(0.9)}
+    out = {}
+    for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        x = torch.rand(ELEMENTS // 128, 128, device=device).to(dtype)
+        for klass, fn in kernels.items():
+            rate = statistics.median(timed_rates(lambda: fn(x), ELEMENTS, seconds / 8, sync))
+            out[f"{klass}:{tag}"] = 1.0 / rate
+    return out
+
+
+def _dispatch_seconds(device, seconds: float, sync, memory_curve) -> dict[str, float]:
+    """Seconds per op by who dispatches it, from updates of a GPT so small that every op is dispatch-bound:
+    each phase's wall time over its op count (trace/ops.py counts them on this same update)."""
+    from batchlab.config import RunConfig, preset
+    from batchlab.measure.clock import PhaseClock
+    from batchlab.measure.harness import Trainer
+    from batchlab.trace.ops import record_update
+
+    cfg = RunConfig(model=preset("tiny", layers=2, hidden=16, heads=2, vocab=32, max_positions=8), seq=8,
+                    micro_batch=1)
+    trainer = Trainer(cfg, device)
+    trainer.update()
+    ops = record_update(trainer)
+    calls: dict[str, int] = {}
+    for op in ops:
+        kind = DISPATCH_KIND[op.phase]
+        calls[kind] = calls.get(kind, 0) + op.count
+    clock = PhaseClock(sync)
+    per_kind: dict[str, list[float]] = {k: [] for k in calls}
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(per_kind["forward"]) < 5:
+        clock.start()
+        trainer.update(probe=clock)
+        clock.mark("end")
+        spent: dict[str, float] = {}
+        for phase, secs in clock.seconds.items():
+            kind = DISPATCH_KIND[Phase(phase)]
+            spent[kind] = spent.get(kind, 0.0) + secs
+        for kind in calls:
+            per_kind[kind].append(spent.get(kind, 0.0) / calls[kind])
+    return {k: statistics.median(v) for k, v in per_kind.items()}
 
 
 def _hardware(device) -> str:
@@ -170,21 +270,11 @@ def _hardware(device) -> str:
     return device.type
 
 
-def _defaults(device) -> tuple[tuple[int, ...], int]:
-    # sizes large enough to reach the ceiling, small enough for a few seconds on a 2-core CPU
-    if device.type == "cpu":
-        return (512, 1024, 2048), 256 * 2**20
-    copy = 2 * 2**30
-    if device.type == "cuda":
-        import torch
-
-        copy = min(copy, torch.cuda.mem_get_info(device)[0] // 4)  # source + destination, room to spare
-    return (2048, 4096, 8192), copy
-
-
-def measure(torch_device: str = "cpu", seconds: float = 3.0, sizes: tuple[int, ...] | None = None,
-            copy_bytes: int | None = None) -> Calibration:
-    """Measure this device's ceilings in about ``seconds`` (40% fp32 matmul, 40% bf16, 20% copy)."""
+def measure(torch_device: str = "cpu", seconds: float = 6.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
+            threads: int | None = None) -> Calibration:
+    """Measure what the per-op time model needs in about ``seconds``: the matmul curve in fp32 and bf16
+    (50%), element-wise bandwidth (10%), per-element kernels (15%), per-op dispatch (25%).  ``threads``: the
+    intra-op thread count to measure at (CPU; restored afterwards)."""
     import torch
 
     from batchlab.measure.clock import synchronizer
@@ -197,17 +287,43 @@ def measure(torch_device: str = "cpu", seconds: float = 3.0, sizes: tuple[int, .
         torch.empty(1, device=device)
     except (RuntimeError, AssertionError) as e:
         raise ConfigError("torch_device", f"{torch_device!r} is not usable here: {e}") from None
-    default_sizes, default_copy = _defaults(device)
-    sizes, copy_bytes = sizes or default_sizes, copy_bytes or default_copy
-    sync = synchronizer(device)
-    start = time.perf_counter()
-    fp32 = _matmul_rate(device, torch.float32, sizes, 0.4 * seconds, sync)
-    bf16 = _matmul_rate(device, torch.bfloat16, sizes, 0.4 * seconds, sync)
-    copy = _copy_rate(device, copy_bytes, 0.2 * seconds, sync)
-    assert fp32 is not None, "fp32 matmul failed"
-    return Calibration(
-        device=catalogue_name(device), hardware=_hardware(device), torch_device=str(device),
-        matmul_flops_fp32=fp32[0], matmul_flops_bf16=bf16[0] if bf16 else None, memory_bytes_per_s=copy,
-        matmul_size={"fp32": fp32[1], **({"bf16": bf16[1]} if bf16 else {})}, copy_bytes=copy_bytes,
-        threads=torch.get_num_threads(), measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        torch_version=torch.__version__, seconds=time.perf_counter() - start)
+    shapes = shapes or (MATMUL_SHAPES if device.type == "cpu" else GPU_MATMUL_SHAPES)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        sync = synchronizer(device)
+        start = time.perf_counter()
+        fp32 = _matmul_curve(device, torch.float32, shapes, 0.25 * seconds, sync)
+        bf16 = _matmul_curve(device, torch.bfloat16, shapes, 0.25 * seconds, sync)
+        mem = _memory_curve(device, 0.1 * seconds, sync)
+        elements = _element_seconds(device, 0.15 * seconds, sync)
+        dispatch = _dispatch_seconds(device, 0.25 * seconds, sync, mem)
+        assert fp32, "fp32 matmul failed"
+        best32, best16 = max(fp32, key=lambda p: p[1]), max(bf16, key=lambda p: p[1]) if bf16 else None
+        return Calibration(
+            device=catalogue_name(device), hardware=_hardware(device), torch_device=str(device),
+            matmul_flops_fp32=best32[1], matmul_flops_bf16=best16[1] if best16 else None,
+            memory_bytes_per_s=mem[-1][1], matmul_size={"fp32": int(best32[0]), **({"bf16": int(best16[0])} if best16 else {})},
+            copy_bytes=int(mem[-1][0]), threads=torch.get_num_threads(),
+            measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            torch_version=torch.__version__, seconds=time.perf_counter() - start,
+            matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {})}, memory_curve=mem,
+            element_seconds=elements, dispatch_seconds=dispatch)
+    finally:
+        torch.set_num_threads(before)
+
+
+def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 6.0
+           ) -> tuple[Calibration, bool]:
+    """The cached calibration of a local device at ``threads``, measured and cached first when there is none
+    (or only one from before the per-op model): (calibration, whether it was measured now)."""
+    from batchlab.measure.device import catalogue_name, usable
+
+    want = default_threads() if threads is None else threads
+    cached = load_cached(catalogue_name(usable(torch_device)), want)
+    if cached is not None and cached.op_costs() is not None:
+        return cached, False
+    cal = measure(torch_device, seconds=seconds, threads=want)
+    save(cal)
+    return cal, True

@@ -38,3 +38,36 @@ def cpu_name() -> str:
 def cpu_hardware() -> str:
     """CPU model and core count: what a CPU calibration stands for."""
     return f"{cpu_name()}, {os.cpu_count()} cores"
+
+
+def _cpu_flags_and_mhz() -> tuple[set[str], float | None]:
+    flags: set[str] = set()
+    mhz = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+                elif line.startswith("cpu MHz") and mhz is None:
+                    mhz = float(line.split(":", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return flags, mhz
+
+
+def cpu_vector_flops_per_cycle() -> int:
+    """fp32 FLOPs one core issues per cycle: two FMA ports x SIMD lanes x 2 (multiply + add)."""
+    flags, _ = _cpu_flags_and_mhz()
+    lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
+    return 2 * lanes * (2 if "fma" in flags or "avx512f" in flags else 1)
+
+
+def cpu_peak_flops() -> tuple[float, str]:
+    """This machine's nominal fp32 peak, cores x clock x vector FLOPs per cycle, and how it was read."""
+    _, mhz = _cpu_flags_and_mhz()
+    ghz = (mhz or 2000.0) / 1000
+    cores = os.cpu_count() or 1
+    per_cycle = cpu_vector_flops_per_cycle()
+    how = (f"{cores} cores x {ghz:.2f} GHz{'' if mhz else ' (assumed)'} x {per_cycle} fp32 FLOP/cycle "
+           "(/proc/cpuinfo)")
+    return cores * ghz * 1e9 * per_cycle, how

@@ -34,6 +34,7 @@ class DeviceSpec:
         return self.peak_flops_fp32 if precision is Precision.FP32 else self.peak_flops_bf16
 
 
+_CPU_PEAK = host.cpu_peak_flops()
 GB = 10**9
 GiB = 2**30
 T = 10**12
@@ -48,12 +49,12 @@ DEVICES: dict[str, DeviceSpec] = {
     "a100-80gb": DeviceSpec("a100-80gb", Backend.CUDA, 80 * GB, 312 * T, 19.5 * T, 2.039e12, 300 * GB, 25 * GB),
     "l40s": DeviceSpec("l40s", Backend.CUDA, 48 * GB, 362 * T, 91.6 * T, 0.864e12, 32 * GB, 25 * GB),
     "mi300x": DeviceSpec("mi300x", Backend.CUDA, 192 * GB, 1307 * T, 163.4 * T, 5.3e12, 448 * GB, 50 * GB),
-    # A generic CPU: memory is a nominal 16 GiB unless a budget is given; rates are nominal for a 2-core
-    # AVX-512 server VM (2 cores x 2.6 GHz x 32 fp32 FLOP/cycle ~ 160 GFLOP/s; measured matmuls reach 64-87) —
-    # run `batchlab calibrate` for measured ones.  DP ranks on one host all-reduce over loopback gloo
-    # (~0.5 GB/s bus bandwidth seen here under load).
-    "cpu": DeviceSpec("cpu", Backend.CPU, 16 * GiB, 160e9, 160e9, 10e9, 0.5e9, 0.5e9, gpus_per_node=64,
-                      source="nominal (run batchlab calibrate)"),
+    # This machine's CPU: memory is a nominal 16 GiB unless a budget is given; the peak is read from the host
+    # (cores x clock x vector FLOPs per cycle); memory bandwidth a nominal 10 GB/s — run `batchlab calibrate`
+    # for measured rates.  DP ranks on one host all-reduce over loopback gloo (~0.5 GB/s bus bandwidth seen
+    # here under load).
+    "cpu": DeviceSpec("cpu", Backend.CPU, 16 * GiB, _CPU_PEAK[0], _CPU_PEAK[0], 10e9, 0.5e9, 0.5e9, gpus_per_node=64,
+                      source=f"nominal: {_CPU_PEAK[1]} (run batchlab calibrate)"),
 }
 DEVICE_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb"}
 # GPU name (as the driver reports it) -> catalogue entry; first match wins

@@ -16,11 +16,12 @@ from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.memory import (MemoryEstimate, allocator_margin, memory, model_states,
                                      optimizer_bytes_per_param)
 from batchlab.formula.params import ParamCount, count
-from batchlab.formula.timing import OPS_PER_LAYER, TimeEstimate, timing
+from batchlab.formula.timing import TimeEstimate, timing
 from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
 
 if TYPE_CHECKING:
     from batchlab.calibrate import Calibration
+    from batchlab.formula.opcost import OpCosts
 
 Calibrations = Mapping[str, "Calibration"]  # measured ceilings by batchlab device name (calibrate.load_all())
 
@@ -66,10 +67,7 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"device {dev.name}: {fmt_bytes(dev.memory_bytes)}, peak {fmt_count(dev.peak_flops(cfg.precision), 'FLOP/s')} "
         f"({cfg.precision}), source: {dev.source}"
         + (f"; memory budget {fmt_bytes(cfg.memory_budget)} replaces the device's" if cfg.memory_budget else ""),
-        f"compute rate {fmt_count(t.flops_ceiling, 'FLOP/s')} = peak ({t.ceiling_source}) x achievable fraction "
-        f"{a.achievable_fraction:g}",
-        f"per-op overhead {fmt_seconds(t.overhead_seconds_per_micro_batch)} per micro-batch (~{OPS_PER_LAYER} "
-        f"ops per layer; op_overhead_seconds to change)",
+        t.model,
         f"all-reduce: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind backward",
         (f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes" if allocator_margin(cfg)
          else "no allocator margin on CPU (tensor bytes, as the live-tensor tracker counts them)"),
@@ -93,17 +91,14 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
     the entry for ``cfg.device`` where there is one, else the device's datasheet figures."""
     mem = memory(cfg)
     fl = flops(cfg)
-    t = timing(cfg, fl, mem, ceiling=calibrated_ceiling(cfg, calibrations))
+    t = timing(cfg, fl, mem, calibrated_costs(cfg, calibrations))
     return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t))
 
 
-def calibrated_ceiling(cfg: RunConfig, calibrations: Calibrations | None
-                       ) -> tuple[float, float, str] | None:
-    """(matmul FLOP/s for cfg's precision, bytes/s, source) measured for cfg's device, or None."""
+def calibrated_costs(cfg: RunConfig, calibrations: Calibrations | None) -> "OpCosts | None":
+    """The per-op costs measured for cfg's device (``batchlab calibrate``), or None."""
     cal = (calibrations or {}).get(cfg.device)
-    if cal is None:
-        return None
-    return cal.matmul_flops(cfg.precision), cal.memory_bytes_per_s, cal.source
+    return cal.op_costs() if cal is not None else None
 
 
 __all__ = ["Estimate", "estimate", "memory", "flops", "timing", "count", "model_states", "MemoryEstimate",

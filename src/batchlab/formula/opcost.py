@@ -115,14 +115,16 @@ class OpCosts:
     """The calibrated parameters of the model (from ``batchlab calibrate``, or nominal device figures).
 
     ``matmul``: per precision ("fp32", "bf16") the measured (FLOPs per call, FLOP/s) points of the shape
-    classes, ascending; ``bytes_per_s``: memory-bound ops; ``element_seconds``: per class and precision, the
-    seconds per output element of its representative kernel; ``dispatch``: seconds per op by kind.
+    classes, ascending; ``element_seconds``: per class and precision, the
+    seconds per output element of its representative kernel; ``memory``: bandwidth of an element-wise op by
+    the bytes one call moves (small calls stay in cache); ``dispatch``: seconds per op by kind.
     """
 
     matmul: Mapping[str, tuple[tuple[float, float], ...]]
-    bytes_per_s: float
+    memory: tuple[tuple[float, float], ...]  # (bytes moved per call, bytes/s), ascending
     element_seconds: Mapping[str, float]  # "activation:fp32" -> s / element
     dispatch: Mapping[str, float]  # "forward" | "backward" | "plain" -> s / op
+    asynchronous: bool = False  # GPU: the host issues ahead of the kernels, so an op costs max(launch, work)
     source: str = "nominal"
 
     def matmul_rate(self, flops: float, low_precision: bool) -> float:
@@ -139,11 +141,15 @@ class OpCosts:
         if op.klass is OpClass.MATMUL:
             return op.flops / self.matmul_rate(op.flops, op.low_precision) if op.flops else 0.0
         if op.klass is OpClass.MEMORY:
-            return op.bytes / self.bytes_per_s
+            return op.bytes / self.bandwidth(op.bytes)
         if op.klass is OpClass.VIEW:
             return 0.0
         # per-element kernels also move their bytes: whichever bound is slower (roofline)
-        return max(op.elements * self.element_rate_seconds(op.klass, op.low_precision), op.bytes / self.bytes_per_s)
+        return max(op.elements * self.element_rate_seconds(op.klass, op.low_precision),
+                   op.bytes / self.bandwidth(op.bytes))
+
+    def bandwidth(self, nbytes: float) -> float:
+        return interpolate_log(self.memory, max(nbytes, 1.0))
 
     def dispatch_seconds(self, phase: Phase) -> float:
         return self.dispatch[DISPATCH_KIND[phase]]
@@ -190,6 +196,8 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
     for op in ops:
         d = op.count * costs.dispatch_seconds(op.phase)
         w = op.count * costs.work_seconds(op)
+        if costs.asynchronous:  # the launch hides behind the previous kernel unless the kernel is shorter
+            d = max(d - w, 0.0)
         by_phase[op.phase.value] = by_phase.get(op.phase.value, 0.0) + d + w
         by_class["dispatch"] += d
         by_class[op.klass.value] = by_class.get(op.klass.value, 0.0) + w
@@ -201,3 +209,33 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
             b_phase[op.phase.value] = b_phase.get(op.phase.value, 0) + op.count * op.bytes
     return TimeBreakdown(sum(by_phase.values()), by_phase, by_class, calls, fl, by, b_phase, f_phase,
                          costs.source, provenance)
+
+
+def _si(x: float, unit: str) -> str:
+    for suffix, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= size:
+            return f"{x / size:.3g} {suffix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def describe(costs: OpCosts, t: TimeBreakdown) -> str:
+    """The time model's assumptions in one line: which rates, from where, and what they made of this update."""
+    mm = "; ".join(f"{k} {_si(min(r for _, r in pts), 'FLOP/s')}-{_si(max(r for _, r in pts), 'FLOP/s')}"
+                   for k, pts in costs.matmul.items())
+    bw = f"{_si(min(r for _, r in costs.memory), 'B/s')}-{_si(max(r for _, r in costs.memory), 'B/s')}"
+    disp = "/".join(f"{costs.dispatch[k] * 1e6:.1f}" for k in ("forward", "backward", "plain"))
+    return (f"time model: per-op sum over {t.ops:,} ops per update ({_si(t.flops, 'FLOP')} in matmuls at "
+            f"{mm} by call size; {_si(t.bytes, 'B')} moved by memory-bound ops at {bw}; dispatch {disp} µs per "
+            f"forward/backward/plain op, {t.dispatch_share:.0%} of the ops' time"
+            f"{'; launches overlap kernels' if costs.asynchronous else ''}); source: {costs.source}")
+
+
+def breakdown_text(t: TimeBreakdown) -> str:
+    """``update time 151 ms [trace]: forward 80 ms, ...; by op class: matmul 40%, ...``."""
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.3g} ms"
+
+    phases = ", ".join(f"{p} {ms(s)}" for p, s in t.by_phase.items() if s)
+    classes = ", ".join(f"{k} {s / t.seconds:.0%}" for k, s in sorted(t.by_class.items(), key=lambda kv: -kv[1])
+                        if t.seconds and s / t.seconds >= 0.005)
+    return f"update time {ms(t.seconds)} [{t.provenance}, per-op model]: {phases}; by op class: {classes}"

@@ -1,43 +1,52 @@
-"""Time of one optimizer update: compute, the gradient all-reduce once per update, the optimizer step."""
+"""Time of one optimizer update: the per-op model over the update's ops (formula/opcost.py), plus the
+gradient all-reduce once per update.
+
+The ops come from the model's terms (formula/oplist.py); their costs from ``batchlab calibrate`` where the
+device was calibrated (measured rates are what kernels of each size reach, so no achievable fraction is
+applied on top), else from nominal figures of the device entry: peak x achievable fraction for large
+matmuls, a fixed per-call start-up cost that keeps small matmuls below it, the memory bandwidth, and a
+typical per-op dispatch (CPU) or launch (GPU) cost.
+"""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from batchlab.config import Backend, DataKind, RunConfig
 from batchlab.formula.flops import FlopsEstimate
 from batchlab.formula.memory import MemoryEstimate
+from batchlab.formula.opcost import OpClass, OpCosts, OpCount, Phase, TimeBreakdown, describe, price
+from batchlab.formula.oplist import update_ops
 
-
-# Eager PyTorch pays a fixed cost per op (Python dispatch; on GPUs the kernel launch), whatever the batch:
-# this is why a larger micro-batch can be faster at the same global batch.  Op counts per forward+backward
-# were counted on batchlab's GPT with a TorchDispatchMode (125-195 per layer, 55-80 outside the layers,
-# 65-110 more per recomputed layer); the per-op costs are typical figures (CPU: ~4 us measured here;
-# CUDA: ~5-10 us launch-bound), override with op_overhead_seconds.
-OPS_PER_LAYER, OPS_OUTSIDE, OPS_PER_RECOMPUTED_LAYER = 160, 60, 90
-OP_OVERHEAD = {Backend.CPU: 4e-6, Backend.CUDA: 6e-6, Backend.MPS: 10e-6}
-
-
-def overhead_seconds_per_micro_batch(cfg: RunConfig) -> float:
-    ops = OPS_OUTSIDE + cfg.model.layers * OPS_PER_LAYER + OPS_PER_RECOMPUTED_LAYER * (
-        len(cfg.ac.wrapped_layers(cfg.model.layers)) + len(cfg.ac.selective_layers(cfg.model.layers)))
-    per_op = cfg.assumptions.op_overhead_seconds
-    return ops * (OP_OVERHEAD[cfg.device_spec.backend] if per_op is None else per_op)
+# Nominal per-op costs where nothing was calibrated (seconds).  CPU: eager PyTorch's Python + dispatcher
+# cost per aten op, 5-11 us measured by `batchlab calibrate` on these 2-core machines; CUDA/MPS: the host
+# side of a kernel launch, ~5-10 us in eager PyTorch.  MATMUL_START: a matmul call's fixed start-up (blocking,
+# packing, a launch), which is why small matmuls stay far below the peak.
+NOMINAL_DISPATCH = {Backend.CPU: {"forward": 6e-6, "backward": 5e-6, "plain": 4e-6},
+                    Backend.CUDA: {"forward": 8e-6, "backward": 7e-6, "plain": 5e-6},
+                    Backend.MPS: {"forward": 12e-6, "backward": 10e-6, "plain": 8e-6}}
+MATMUL_START = {Backend.CPU: 2e-6, Backend.CUDA: 5e-6, Backend.MPS: 10e-6}
+# CPU per-element kernels, cycles per element on one core (x86 with AVX-512, measured here): tanh-GELU 13,
+# softmax 5, layer norm 4, the dropout RNG 50.  GPUs are bandwidth-bound on these: bytes decide.
+CPU_CYCLES_PER_ELEMENT = {"activation": 13, "softmax": 5, "norm": 4, "random": 50}
 
 
 @dataclass(frozen=True)
 class TimeEstimate:
-    compute_seconds_per_micro_batch: float  # FLOPs at the achievable rate + per-op overhead
+    compute_seconds_per_micro_batch: float  # forward + backward + recompute of one micro-batch
     compute_seconds: float  # accum micro-batches
     allreduce_bytes: int  # gradient bytes reduced per update
     allreduce_seconds: float  # ring time, before overlap
     exposed_comm_seconds: float  # the part not hidden behind backward
-    optimizer_seconds: float
+    optimizer_seconds: float  # clip + optimizer step + zero_grad (and the data phase)
     update_seconds: float
     tokens_per_second: float  # useful tokens, all ranks
-    overhead_seconds_per_micro_batch: float  # the per-op part of compute_seconds_per_micro_batch
-    flops_ceiling: float  # FLOP/s used: peak x achievable fraction
-    ceiling_source: str  # datasheet / calibrated / nominal
+    overhead_seconds_per_micro_batch: float  # the dispatch part of compute_seconds_per_micro_batch
+    flops_ceiling: float  # effective matmul FLOP/s of this update's matmuls (FLOPs / matmul seconds)
+    ceiling_source: str  # calibrated on ... / nominal ...
     bandwidth_bytes_per_s: float  # link used for the all-reduce
+    ops: TimeBreakdown | None = None  # the per-op model's split by phase and op class (one rank)
+    model: str = ""  # the time model's assumptions: rates, their source, dispatch share
     provenance: str = "formula"
 
     def time_to_tokens(self, tokens: float) -> float:
@@ -59,29 +68,65 @@ def useful_fraction(cfg: RunConfig) -> float:
     return (s // 2 + s) / 2 / s
 
 
-def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, ceiling: tuple[float, float, str] | None = None
-           ) -> TimeEstimate:
-    """``ceiling``: (FLOP/s, bytes/s, source) measured by ``batchlab calibrate``; else the device datasheet.
-    Either way real training reaches only ``achievable_fraction`` of the matmul ceiling."""
-    dev = cfg.device_spec
-    if ceiling is None:
-        peak, hbm, source = dev.peak_flops(cfg.precision), dev.hbm_bytes_per_s, dev.source
-    else:
-        peak, hbm, source = ceiling
-    rate = peak * cfg.assumptions.achievable_fraction
-    overhead = overhead_seconds_per_micro_batch(cfg)
-    micro = fl.flops_per_micro_batch / rate + overhead
-    compute = micro * cfg.accum
-    bw = dev.intra_node_bytes_per_s if cfg.dp <= dev.gpus_per_node else dev.inter_node_bytes_per_s
+def matmul_curve(rate: float, start: float) -> tuple[tuple[float, float], ...]:
+    """(FLOPs per call, FLOP/s) of a matmul with a fixed start-up ``start`` s: f / (start + f / rate)."""
+    return tuple((f, f / (start + f / rate)) for f in (1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12))
+
+
+def nominal_costs(cfg: RunConfig) -> OpCosts:
+    """Per-op costs from the device entry alone (no calibration): said so in every prediction."""
+    dev, a = cfg.device_spec, cfg.assumptions
+    start = MATMUL_START[dev.backend]
+    curves = {"fp32": matmul_curve(dev.peak_flops_fp32 * a.achievable_fraction, start),
+              "bf16": matmul_curve(dev.peak_flops_bf16 * a.achievable_fraction, start)}
+    elements: dict[str, float] = {}
+    if dev.backend is Backend.CPU:
+        clock = dev.peak_flops_fp32 / 64  # cores x clock (the entry's peak assumes 64 FLOP/cycle per core)
+        elements = {f"{k}:fp32": c / clock for k, c in CPU_CYCLES_PER_ELEMENT.items()}
+    return OpCosts(matmul=curves, memory=((1.0, dev.hbm_bytes_per_s),), element_seconds=elements,
+                   dispatch=NOMINAL_DISPATCH[dev.backend], asynchronous=dev.backend is not Backend.CPU,
+                   source=f"{dev.source}, achievable fraction {a.achievable_fraction:g} on large matmuls")
+
+
+def costs_for(cfg: RunConfig, calibrated: OpCosts | None) -> OpCosts:
+    """The calibrated costs where given, else nominal; ``op_overhead_seconds`` replaces every dispatch cost."""
+    costs = calibrated if calibrated is not None else nominal_costs(cfg)
+    per_op = cfg.assumptions.op_overhead_seconds
+    if per_op is not None:
+        costs = dataclasses.replace(costs, dispatch=dict.fromkeys(costs.dispatch, per_op),
+                                    source=costs.source + f"; dispatch {per_op:g} s per op (op_overhead_seconds)")
+    return costs
+
+
+def comm_seconds(cfg: RunConfig, mem: MemoryEstimate, bw: float) -> tuple[int, float]:
+    """(gradient bytes reduced, ring seconds) per update."""
     grad_bytes = mem.gradients_bytes * (cfg.dp if cfg.zero >= 2 else 1)  # full gradient, before sharding
     comm = ring_allreduce_seconds(grad_bytes, cfg.dp, bw)
     if cfg.zero >= 3:  # parameters gathered in forward and again in backward: two more all-gathers
         comm += 2 * (cfg.dp - 1) / cfg.dp * mem.parameters_bytes * cfg.dp / bw  # the working (16-bit) weights
+    return grad_bytes, comm
+
+
+def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: OpCosts | None = None
+           ) -> TimeEstimate:
+    """``calibrated``: the per-op costs ``batchlab calibrate`` measured for cfg's device, else nominal ones."""
+    costs = costs_for(cfg, calibrated)
+    ops = update_ops(cfg)
+    if cfg.zero >= 1:  # each rank steps only its shard of the optimizer state
+        ops = tuple(OpCount(o.name, o.phase, o.klass, o.flops, o.bytes // cfg.dp, o.elements // cfg.dp,
+                            o.low_precision, o.count) if o.phase is Phase.OPTIMIZER else o for o in ops)
+    t = price(ops, costs)
+    compute = sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute"))
+    rest = t.seconds - compute
+    dispatch_compute = sum(costs.dispatch_seconds(o.phase) * o.count for o in ops
+                           if o.phase.value in ("forward", "backward", "recompute"))
+    dev = cfg.device_spec
+    bw = dev.intra_node_bytes_per_s if cfg.dp <= dev.gpus_per_node else dev.inter_node_bytes_per_s
+    grad_bytes, comm = comm_seconds(cfg, mem, bw)
     exposed = comm * (1 - cfg.assumptions.comm_overlap)
-    # AdamW is bandwidth-bound: read weights, grads, m, v and write weights, m, v (~2x the states)
-    opt = 2 * (mem.master_bytes or mem.parameters_bytes) + mem.gradients_bytes + 2 * mem.optimizer_bytes
-    opt_s = opt / hbm
-    update = compute + exposed + opt_s
+    update = t.seconds + exposed
+    matmul_s = t.by_class.get(OpClass.MATMUL.value, 0.0)
     useful = cfg.tokens_per_update * useful_fraction(cfg)
-    return TimeEstimate(micro, compute, grad_bytes, comm, exposed, opt_s, update, useful / update, overhead, rate,
-                        source, bw)
+    return TimeEstimate(compute / cfg.accum, compute, grad_bytes, comm, exposed, rest, update, useful / update,
+                        dispatch_compute / cfg.accum, t.flops / matmul_s if matmul_s else 0.0, costs.source, bw, t,
+                        describe(costs, t))

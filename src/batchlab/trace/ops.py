@@ -97,11 +97,23 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.ops.append(op_of(func, args, kwargs, out, self.current()))
+        if func.namespace == "aten":  # not prim::device and other metadata queries fake tensors dispatch
+            self.ops.append(op_of(func, args, kwargs, out, self.current()))
         return out
 
     def result(self) -> tuple[OpCount, ...]:
         return merge(self.ops)
+
+
+class Probes:
+    """Several harness probes marked together."""
+
+    def __init__(self, *probes):
+        self.probes = probes
+
+    def mark(self, phase: str) -> None:
+        for p in self.probes:
+            p.mark(phase)
 
 
 def record_update(trainer) -> tuple[OpCount, ...]:

@@ -15,8 +15,9 @@ from rich.table import Table
 from rich.tree import Tree
 
 from batchlab.config import to_jsonable
+from batchlab.formula.opcost import breakdown_text
 from batchlab.trace.result import ModuleNode, TraceEstimate
-from batchlab.units import fmt_bytes, fmt_count, relative_to
+from batchlab.units import fmt_bytes, fmt_count, fmt_seconds, relative_to
 
 # |formula error| above this on peak or activations prints a warning
 FORMULA_WARN = 0.10
@@ -63,7 +64,9 @@ def comparisons(trace: TraceEstimate, est=None) -> list[Comparison]:
         Comparison("model FLOPs per update", "FLOP", f.model_flops_per_update, of(ff, "model_flops_per_update")),
         Comparison("hardware FLOPs per update", "FLOP", f.hardware_flops_per_update,
                    of(ff, "hardware_flops_per_update")),
-    ]
+    ] + ([Comparison("update time, per-op model (one rank, no comm)", "seconds", trace.time.seconds,
+                     est.time.ops.seconds if est is not None and est.time.ops is not None else None)]
+         if trace.time is not None else [])
 
 
 def trace_to_json(trace: TraceEstimate, formula_est=None, formula_note: str | None = None) -> dict[str, Any]:
@@ -81,6 +84,8 @@ def _value(c: Comparison, v) -> str:
         return fmt_bytes(v)
     if c.unit == "FLOP":
         return fmt_count(v, "FLOP")
+    if c.unit == "seconds":
+        return fmt_seconds(v)
     return str(v)
 
 
@@ -115,6 +120,9 @@ def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_no
     verdict = "fits" if m.fits else "does NOT fit"
     console.print(f"{verdict}: peak {fmt_bytes(m.peak_bytes)} + allocator margin {fmt_bytes(m.margin_bytes)} "
                   f"(assumption) vs {fmt_bytes(m.capacity_bytes)} on {cfg['device']}")
+    if trace.time is not None:
+        console.print(breakdown_text(trace.time))
+        console.print(f"[dim]{escape(trace.time_model)}[/]")
     _warn_formula(rows, console)
     for note in ([formula_note] if formula_note else []) + trace.notes:
         console.print(f"[dim]note: {escape(note)}[/]")
@@ -186,7 +194,9 @@ def show(cfg, tree: bool = False, as_json: bool = False, console: Console | None
     from batchlab.measure.versus import formula_estimate
     from batchlab.trace import estimate
 
-    trace = estimate(cfg, tree=tree)
+    from batchlab.calibrate import load_all
+
+    trace = estimate(cfg, tree=tree, calibrations=load_all())
     est, note = formula_estimate(cfg)
     if as_json:
         print_json(trace_to_json(trace, est, note))

@@ -74,4 +74,7 @@ class TraceEstimate:
     trace_seconds: float  # wall-clock time of the trace itself
     tree: ModuleNode | None = None  # with tree=True
     notes: list[str] = field(default_factory=list)  # what the trace could not represent for this config
+    # the per-op time model over the ops this update really ran (formula/opcost.py), one rank, no comm
+    time: Any = None  # formula.opcost.TimeBreakdown (provenance "trace")
+    time_model: str = ""  # its assumptions: rates and their source
     provenance: str = "trace"

@@ -19,7 +19,11 @@ from batchlab.formula.memory import allocator_margin
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import tracker_for
+from batchlab.formula import calibrated_costs
+from batchlab.formula.opcost import describe, price
+from batchlab.formula.timing import costs_for
 from batchlab.trace.flops import count_update_flops
+from batchlab.trace.ops import OpRecorder, Probes
 from batchlab.trace.result import TraceEstimate, TraceMemory
 from batchlab.trace.tree import ModuleStack, build_tree
 
@@ -124,16 +128,19 @@ def _as_config_errors(cfg: RunConfig):
 
 
 def _tracked_update(trainer: Trainer, tree: bool):
-    """One update tracked by the CPU measurement's StorageTracker; with ``tree``, storages labelled by module."""
+    """One update tracked by the CPU measurement's StorageTracker (with ``tree``, storages labelled by
+    module), its ops recorded for the time model: (memory snapshot, ops)."""
     owners = ModuleStack(trainer.raw_model) if tree else None
     tracker = tracker_for(trainer, owner=owners.current if owners else None)
+    recorder = OpRecorder(trainer.raw_model)
     try:
-        with tracker:
-            trainer.update(probe=tracker)
+        with tracker, recorder:
+            trainer.update(probe=Probes(tracker, recorder))
     finally:
+        recorder.close()
         if owners:
             owners.close()
-    return tracker.snapshot()
+    return tracker.snapshot(), recorder.result()
 
 
 def _memory(cfg: RunConfig, trainer: Trainer, snap) -> TraceMemory:
@@ -146,18 +153,21 @@ def _memory(cfg: RunConfig, trainer: Trainer, snap) -> TraceMemory:
         fits=snap.peak_bytes + margin <= cfg.memory_capacity)
 
 
-def estimate(cfg: RunConfig, tree: bool = False) -> TraceEstimate:
-    """Peak memory, activations, per-module tree and FLOPs of one steady-state update (provenance trace)."""
+def estimate(cfg: RunConfig, tree: bool = False, calibrations=None) -> TraceEstimate:
+    """Peak memory, activations, per-module tree, FLOPs and the per-op time model's update time of one
+    steady-state update (provenance trace); ``calibrations`` as for ``formula.estimate``."""
     notes = _check_supported(cfg)
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
     with _as_config_errors(cfg), _eager_branches(cfg), _fake_mode():
         trainer = _FakeTrainer(cfg, device)
         flops = count_update_flops(trainer)  # the first update also creates AdamW's state (steady state)
-        snap = _tracked_update(trainer, tree)
+        snap, ops = _tracked_update(trainer, tree)
         memory = _memory(cfg, trainer, snap)
+    costs = costs_for(cfg, calibrated_costs(cfg, calibrations))
+    time_ops = price(ops, costs, provenance="trace")
     return TraceEstimate(
         config=cfg.to_dict(), global_batch=cfg.global_batch, tokens_per_update=cfg.tokens_per_update,
         memory=memory, flops=flops, traced_device=device.type, trace_seconds=time.perf_counter() - start,
         tree=build_tree(trainer.raw_model, snap.activations_by_owner) if tree else None,
-        notes=notes + device_notes)
+        notes=notes + device_notes, time=time_ops, time_model=describe(costs, time_ops))
