@@ -1,0 +1,226 @@
+"""How close the per-op time model comes to measured update times on this machine (issue 16).
+
+For a grid of one-variable changes A -> B on the built-in GPT and Hugging Face GPT-2 / Llama configs, the
+predicted update-time ratio t(B)/t(A) (formula: the op list derived from the model's terms; trace: the ops
+the real code ran on fake tensors, both priced by the same calibrated per-op model) beside the measured
+paired ratio, and predicted beside measured absolute update times.
+
+Measured: two live trainers in one process, 1 intra-op thread (compare's default), 2 warm-up updates each,
+then adjacent updates A B, B A, A B, ... (order alternated so drift in machine load hits both sides of a
+pair alike); the ratio is the median of the per-pair ratios, the absolute time the median of each side's
+updates (wall-clock).  DP 1 -> 2 runs separate processes (one plain, one torchrun + DDP over gloo),
+alternated for a few rounds.  The calibration (`batchlab calibrate` at 1 thread) is measured once, cached,
+and stated with its cost.
+
+    .venv/bin/python benchmarks/time_accuracy.py             # the grid, ~6-8 min on 2 idle cores
+    .venv/bin/python benchmarks/time_accuracy.py --quick     # smoke run (a few rows, 3 pairs)
+    .venv/bin/python benchmarks/time_accuracy.py --only seq  # rows whose label contains "seq"
+Prints Markdown on stdout (progress on stderr).  Check `uptime` first: a loaded machine inflates absolute
+times (ratios are robust to slow drift, not to bursts).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from batchlab import calibrate
+from batchlab.config import RunConfig, preset
+from batchlab.formula import estimate as formula_estimate
+from batchlab.host import cpu_hardware
+from batchlab.measure.harness import Trainer
+
+THREADS = 1
+TOLERANCE = 0.15  # issue 16: predicted ratio within 15% of the measured one
+ABS_TOLERANCE = 0.25
+
+MODELS = {
+    "tiny": lambda: (preset("tiny"), "builtin"),
+    "hf gpt2": lambda: (preset("gpt2", layers=2, hidden=128, heads=4, vocab=1024, max_positions=512), "hf:gpt2"),
+    "hf llama": lambda: (preset("llama-2-7b", layers=2, hidden=128, heads=4, kv_heads=2, ffn=352, vocab=1024,
+                                max_positions=512), "hf:llama-2-7b"),
+}
+
+
+def _grid() -> list[tuple[str, str, dict, dict, dict]]:
+    """(model, change label, base, A changes, B changes)."""
+    base = dict(seq=128, micro_batch=8)
+    rows = [("tiny", "AC none -> full", base, dict(ac="none"), dict(ac="full")),
+            ("tiny", "AC none -> selective", base, dict(ac="none"), dict(ac="selective")),
+            ("tiny", "AC none -> every:2", base, dict(ac="none"), dict(ac="every:2"))]
+    for a, b in ((1, 2), (2, 4), (4, 8)):  # fixed global batch 8
+        rows.append(("tiny", f"micro-batch {a} -> {b} (global 8)", base, dict(micro_batch=a, accum=8 // a),
+                     dict(micro_batch=b, accum=8 // b)))
+    rows += [("tiny", "accum 1 -> 2 (micro-batch 4)", base, dict(micro_batch=4, accum=1), dict(micro_batch=4, accum=2)),
+             ("tiny", "accum 2 -> 4 (micro-batch 4)", base, dict(micro_batch=4, accum=2), dict(micro_batch=4, accum=4)),
+             ("tiny", "seq 64 -> 128", base, dict(seq=64), dict(seq=128)),
+             ("tiny", "seq 128 -> 256", base, dict(seq=128), dict(seq=256)),
+             ("tiny", "hidden 128 -> 256", base, dict(hidden=128), dict(hidden=256)),
+             ("tiny", "layers 2 -> 4", base, dict(layers=2), dict(layers=4)),
+             ("tiny", "fp32 -> bf16-mixed", base, dict(precision="fp32"), dict(precision="bf16-mixed")),
+             ("tiny", "DP 1 -> 2 (micro-batch 8 per rank)", base, dict(dp=1), dict(dp=2))]
+    for model in ("hf gpt2", "hf llama"):
+        hb = dict(seq=128, micro_batch=4)
+        rows += [(model, "AC none -> full", hb, dict(ac="none"), dict(ac="full")),
+                 (model, "micro-batch 1 -> 4 (global 4)", hb, dict(micro_batch=1, accum=4), dict(micro_batch=4, accum=1)),
+                 (model, "seq 64 -> 128", hb, dict(seq=64), dict(seq=128)),
+                 (model, "fp32 -> bf16-mixed", hb, dict(precision="fp32"), dict(precision="bf16-mixed"))]
+    return rows
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def config(model: str, base: dict, changes: dict) -> RunConfig:
+    spec, source = MODELS[model]()
+    return RunConfig(model=spec, model_source=source).replace(**{**base, **changes})
+
+
+def _seconds(trainer: Trainer) -> float:
+    t = time.perf_counter()
+    trainer.update()
+    return time.perf_counter() - t
+
+
+def paired(a: RunConfig, b: RunConfig, pairs: int, warmup: int = 2) -> tuple[list[float], list[float], list[float]]:
+    """Per-pair ratios t(B)/t(A) and each side's update seconds, order alternated."""
+    ta, tb = Trainer(a, "cpu"), Trainer(b, "cpu")
+    for _ in range(warmup):
+        ta.update()
+        tb.update()
+    ratios, sa_all, sb_all = [], [], []
+    for i in range(pairs):
+        if i % 2 == 0:
+            sa, sb = _seconds(ta), _seconds(tb)
+        else:
+            sb, sa = _seconds(tb), _seconds(ta)
+        ratios.append(sb / sa)
+        sa_all.append(sa)
+        sb_all.append(sb)
+    return ratios, sa_all, sb_all
+
+
+def paired_processes(a: RunConfig, b: RunConfig, rounds: int) -> tuple[list[float], list[float], list[float]]:
+    """DP changes: fresh processes (B through torchrun + DDP), A B, B A, ...; per-round medians."""
+    from batchlab.distributed import launch
+    from batchlab.experiment.protocol import threads_env
+    from batchlab.measure import MeasureOptions, run
+
+    opts = MeasureOptions(warmup=2, steps=5, memory=False, isolate=True)
+
+    def one(cfg: RunConfig) -> float:
+        m = launch(cfg, opts, cfg.dp) if cfg.dp > 1 else run(cfg, opts)
+        assert m.ok and m.time is not None, m.outcome_detail
+        return m.time.update_seconds_median
+
+    ratios, sa_all, sb_all = [], [], []
+    with threads_env(THREADS):
+        for i in range(rounds):
+            if i % 2 == 0:
+                sa, sb = one(a), one(b)
+            else:
+                sb, sa = one(b), one(a)
+            ratios.append(sb / sa)
+            sa_all.append(sa)
+            sb_all.append(sb)
+    return ratios, sa_all, sb_all
+
+
+_TRACES: dict[RunConfig, float] = {}
+
+
+def trace_seconds(cfg: RunConfig, cals) -> float:
+    from batchlab.trace import estimate
+
+    if cfg not in _TRACES:
+        _TRACES[cfg] = estimate(cfg, calibrations=cals).time.seconds
+    return _TRACES[cfg]
+
+
+def measure_row(model: str, label: str, base: dict, ca: dict, cb: dict, pairs: int, cals, with_trace: bool) -> dict:
+    a, b = config(model, base, ca), config(model, base, cb)
+    log(f"{model}: {label}")
+    if a.dp > 1 or b.dp > 1:
+        ratios, sa, sb = paired_processes(a, b, max(3, pairs // 3))
+    else:
+        ratios, sa, sb = paired(a, b, pairs)
+    fa, fb = formula_estimate(a, cals).time.update_seconds, formula_estimate(b, cals).time.update_seconds
+    row = dict(model=model, label=label, measured=statistics.median(ratios), ratios=ratios,
+               formula=fb / fa, ma=statistics.median(sa), mb=statistics.median(sb), fa=fa, fb=fb, trace=None)
+    if with_trace and a.dp == 1 and b.dp == 1:
+        row["trace"] = trace_seconds(b, cals) / trace_seconds(a, cals)
+    return row
+
+
+def _err(pred: float | None, meas: float) -> str:
+    return "-" if pred is None else f"{pred / meas - 1:+.0%}"
+
+
+def _ok(pred: float | None, meas: float, tol: float) -> bool:
+    return pred is not None and abs(pred / meas - 1) <= tol
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| model | change A -> B | measured ratio (median, IQR) | formula ratio | error | trace ratio | error | "
+          "measured A / B | formula A / B | abs. error A / B |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        q = statistics.quantiles(r["ratios"], n=4, method="inclusive") if len(r["ratios"]) > 1 else [r["measured"]] * 3
+        trace = "-" if r["trace"] is None else f"{r['trace']:.2f}"
+        print(f"| {r['model']} | {r['label']} | {r['measured']:.2f} ({q[0]:.2f}-{q[2]:.2f}) | {r['formula']:.2f} | "
+              f"{_err(r['formula'], r['measured'])} | {trace} | {_err(r['trace'], r['measured'])} | "
+              f"{r['ma'] * 1e3:.0f} / {r['mb'] * 1e3:.0f} ms | {r['fa'] * 1e3:.0f} / {r['fb'] * 1e3:.0f} ms | "
+              f"{_err(r['fa'], r['ma'])} / {_err(r['fb'], r['mb'])} |")
+    print()
+    within = sum(_ok(r["formula"], r["measured"], TOLERANCE) for r in rows)
+    traced = [r for r in rows if r["trace"] is not None]
+    abs_ok = sum(_ok(r["fa"], r["ma"], ABS_TOLERANCE) + _ok(r["fb"], r["mb"], ABS_TOLERANCE) for r in rows)
+    print(f"- formula ratio within {TOLERANCE:.0%} of the measured paired ratio: {within} of {len(rows)} rows")
+    if traced:
+        t_ok = sum(_ok(r["trace"], r["measured"], TOLERANCE) for r in traced)
+        print(f"- trace ratio within {TOLERANCE:.0%}: {t_ok} of {len(traced)} rows")
+    print(f"- formula absolute update time within {ABS_TOLERANCE:.0%} of the measured median: {abs_ok} of "
+          f"{2 * len(rows)} sides")
+    print()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few rows, 3 pairs: a smoke run")
+    p.add_argument("--pairs", type=int, default=8, help="paired updates per row")
+    p.add_argument("--only", default=None, help="only rows whose model or label contains this text")
+    p.add_argument("--trace", choices=("hf", "all", "none"), default="hf",
+                   help="which rows also get the trace's prediction (a fake-tensor run per config)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(THREADS)
+    start = time.perf_counter()
+    grid = _grid()
+    if args.only:
+        grid = [g for g in grid if args.only in g[0] or args.only in g[1]]
+    pairs = args.pairs
+    if args.quick:
+        grid, pairs = [g for g in grid if g[1].startswith(("AC none -> full", "seq 64"))][:3], 3
+    cal, fresh = calibrate.ensure("cpu", threads=THREADS)
+    cals = {cal.device: cal}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"Time model accuracy on {cpu_hardware()}, {THREADS} thread per process, load average {load:.1f} at "
+          f"start, torch {torch.__version__}, {datetime.date.today().isoformat()}; fp32 unless stated, AdamW. "
+          f"Calibration: {cal.source} ({'measured now' if fresh else 'cached'}). Measured: {pairs} alternated "
+          "pairs of updates of two live trainers after 2 warm-up updates each (DP: separate processes), "
+          "wall-clock; error = predicted / measured - 1.")
+    print()
+    rows = [measure_row(m, label, base, a, b, pairs, cals,
+                        args.trace == "all" or (args.trace == "hf" and m.startswith("hf")))
+            for m, label, base, a, b in grid]
+    print_table(rows)
+    log(f"done in {time.perf_counter() - start:.0f} s (load average now {os.getloadavg()[0]:.1f})")
+
+
+if __name__ == "__main__":
+    main()
