@@ -44,6 +44,7 @@ class Calibration:
     # the per-op time model's parameters (formula/opcost.py OpCosts)
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)  # dtype -> [[FLOPs/call, FLOP/s]]
     memory_curve: list[list[float]] = field(default_factory=list)  # [[bytes/call, bytes/s]]
+    strided_bytes_per_s: float = 0.0  # a transposed view copied contiguous, read + write
     element_seconds: dict[str, float] = field(default_factory=dict)  # "activation:fp32" -> s per element
     dispatch_seconds: dict[str, float] = field(default_factory=dict)  # forward | backward | plain -> s per op
     provenance: str = "calibrated"
@@ -64,10 +65,11 @@ class Calibration:
 
     def op_costs(self) -> OpCosts | None:
         """The per-op model's parameters, or None for a cache written before the per-op model existed."""
-        if not (self.matmul_curve and self.memory_curve and self.dispatch_seconds):
+        if not (self.matmul_curve and self.memory_curve and self.dispatch_seconds and self.strided_bytes_per_s):
             return None
         return OpCosts(matmul={k: tuple(map(tuple, v)) for k, v in self.matmul_curve.items()},
-                       memory=tuple(map(tuple, self.memory_curve)), element_seconds=dict(self.element_seconds),
+                       memory=tuple(map(tuple, self.memory_curve)), strided_bytes_per_s=self.strided_bytes_per_s,
+                       element_seconds=dict(self.element_seconds),
                        dispatch=dict(self.dispatch_seconds), asynchronous=not self.torch_device.startswith("cpu"),
                        source=self.source)
 
@@ -171,15 +173,44 @@ MEMORY_SIZES = (16 * 2**10, 256 * 2**10, 4 * 2**20)
 ELEMENTS = 256 * 2**10  # size of the per-element kernels' calls (rows of 128)
 
 
+COLD_BYTES = 32 * 2**20  # operands cycled through per kernel: beyond a core's L2, as in a training step
+
+
+def _copies(make, nbytes: int) -> list:
+    """Enough independent operand sets that cycling through them keeps each call's operands out of cache."""
+    return [make() for _ in range(max(1, min(16, COLD_BYTES // max(nbytes, 1))))]
+
+
+def _cycling(fn, sets: list):
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(sets)
+        return fn(*sets[state["i"]])
+
+    return call
+
+
 def _curve_point(device, dtype, shape, seconds: float, sync) -> tuple[float, float] | None:
+    """(FLOPs per matmul, FLOP/s) of one linear layer's three matmuls at (m, k, n): the forward x @ w^T,
+    the input gradient g @ w and the weight gradient g^T @ x, on operands cycled out of cache."""
     import torch
 
     m, k, n = shape
     try:
-        a = torch.randn(m, k, device=device).to(dtype)
-        b = torch.randn(k, n, device=device).to(dtype)
+        def make():
+            return (torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype),
+                    torch.randn(m, n, device=device).to(dtype))
+
+        def linear_layer(x, w, g):
+            torch.mm(x, w.t())
+            torch.mm(g, w)
+            torch.mm(g.t(), x)
+
+        elem = torch.empty((), dtype=dtype).element_size()
+        call = _cycling(linear_layer, _copies(make, (m * k + n * k + m * n) * elem))
         fl = 2 * m * k * n
-        return float(fl), statistics.median(timed_rates(lambda: torch.mm(a, b), fl, seconds, sync, min_samples=2))
+        return float(fl), statistics.median(timed_rates(call, 3 * fl, seconds, sync, min_samples=2))
     except (RuntimeError, TypeError):  # dtype not supported by this device's matmul
         return None
 
@@ -192,42 +223,81 @@ def _matmul_curve(device, dtype, shapes, seconds: float, sync) -> list[list[floa
         if point is None:
             break
         out.append(list(point))
-        if point[0] / point[1] > seconds / len(shapes) / 4:
+        if 3 * point[0] / point[1] > seconds / len(shapes) / 4:
             break
     return sorted(out)
 
 
-def _memory_curve(device, seconds: float, sync) -> list[list[float]]:
-    """Bandwidth of an out-of-place fp32 add (two reads, one write) at each size."""
+# attention's batched matmuls (batch entries, s, d): q k^T and p v per (batch, head), and their gradients
+BMM_SHAPES = ((16, 32, 32), (32, 64, 32), (32, 128, 32), (32, 256, 64), (16, 512, 64))
+
+
+def _bmm_curve(device, dtype, seconds: float, sync) -> list[list[float]]:
+    """(FLOPs per batch entry, FLOP/s) of attention's six batched matmuls (two forward, four backward, in
+    the layouts autograd gives them), per shape class."""
     import torch
 
     out = []
+    for batch, s, d in BMM_SHAPES:
+        try:
+            q, k = torch.randn(batch, s, d, device=device).to(dtype), torch.randn(batch, s, d, device=device).to(dtype)
+            p = torch.randn(batch, s, s, device=device).to(dtype)
+        except (RuntimeError, TypeError):
+            return out
+
+        def attention():
+            torch.bmm(q, k.transpose(1, 2))  # scores
+            torch.bmm(p, k)  # p v
+            torch.bmm(p.transpose(1, 2), q)  # grad v = p^T grad_y
+            torch.bmm(q, k.transpose(1, 2))  # grad p = grad_y v^T
+            torch.bmm(p, k)  # grad q = grad_s k
+            torch.bmm(p.transpose(1, 2), q)  # grad k = grad_s^T q
+
+        fl = 2 * s * s * d
+        out.append([float(fl), statistics.median(timed_rates(attention, 6 * fl * batch, seconds / len(BMM_SHAPES),
+                                                             sync, min_samples=2))])
+    return sorted(out)
+
+
+def _memory_curve(device, seconds: float, sync) -> tuple[list[list[float]], float]:
+    """Bandwidth of an out-of-place fp32 add (two reads, one write) at each size (the small ones stay in
+    cache, as a previous op's output does); and of a strided copy, a (b, s, a, d) activation's transpose
+    made contiguous as attention code does."""
+    import torch
+
+    out = []
+    share = seconds / (len(MEMORY_SIZES) + 1)
     for n in MEMORY_SIZES:
         x, y = torch.ones(n, device=device), torch.ones(n, device=device)
         moved = 3 * 4 * n
-        out.append([float(moved), statistics.median(timed_rates(lambda: torch.add(x, y), moved, seconds / len(MEMORY_SIZES),
-                                                                sync))])
-    return out
+        out.append([float(moved), statistics.median(timed_rates(lambda: torch.add(x, y), moved, share, sync))])
+    n = MEMORY_SIZES[1]
+    x = torch.ones(n // (128 * 4 * 32), 128, 4, 32, device=device).transpose(1, 2)
+    strided = statistics.median(timed_rates(lambda: x.contiguous(), 2 * 4 * x.numel(), share, sync))
+    return out, strided
 
 
 def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
-    """Seconds per output element of each class's representative kernel, fp32 and bf16: tanh-GELU, softmax
-    and layer norm over rows of 128, the dropout RNG (bernoulli_)."""
+    """Seconds per output element of each class's representative kernel, fp32 and bf16: tanh-GELU and its
+    gradient, softmax and layer norm over rows of 128, the dropout RNG (bernoulli_).  The operand stays
+    in cache, as the previous op's output mostly is."""
     import torch
     import torch.nn.functional as F
 
-    kernels = {"activation": lambda x: F.gelu(x, approximate="tanh"), "softmax": lambda x: x.softmax(-1),
+    gelu_grad = torch.ops.aten.gelu_backward
+    kernels = {"activation": lambda x: F.gelu(x, approximate="tanh"),
+               "activation-grad": lambda x: gelu_grad(x, x, approximate="tanh"), "softmax": lambda x: x.softmax(-1),
                "norm": lambda x: F.layer_norm(x, (128,)), "random": lambda x: x.bernoulli_(0.9)}
     out = {}
     for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         x = torch.rand(ELEMENTS // 128, 128, device=device).to(dtype)
         for klass, fn in kernels.items():
-            rate = statistics.median(timed_rates(lambda: fn(x), ELEMENTS, seconds / 8, sync))
+            rate = statistics.median(timed_rates(lambda: fn(x), ELEMENTS, seconds / 2 / len(kernels), sync))
             out[f"{klass}:{tag}"] = 1.0 / rate
     return out
 
 
-def _dispatch_seconds(device, seconds: float, sync, memory_curve) -> dict[str, float]:
+def _dispatch_seconds(device, seconds: float, sync) -> dict[str, float]:
     """Seconds per op by who dispatches it, from updates of a GPT so small that every op is dispatch-bound:
     each phase's wall time over its op count (trace/ops.py counts them on this same update)."""
     from batchlab.config import RunConfig, preset
@@ -270,10 +340,11 @@ def _hardware(device) -> str:
     return device.type
 
 
-def measure(torch_device: str = "cpu", seconds: float = 6.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
+def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
             threads: int | None = None) -> Calibration:
-    """Measure what the per-op time model needs in about ``seconds``: the matmul curve in fp32 and bf16
-    (50%), element-wise bandwidth (10%), per-element kernels (15%), per-op dispatch (25%).  ``threads``: the
+    """Measure what the per-op time model needs in about ``seconds``: the matmul curves in fp32 and bf16
+    (40% linear layers, 10% attention's batched matmuls), element-wise bandwidth (10%), per-element kernels
+    (15%), per-op dispatch (25%).  ``threads``: the
     intra-op thread count to measure at (CPU; restored afterwards)."""
     import torch
 
@@ -294,11 +365,13 @@ def measure(torch_device: str = "cpu", seconds: float = 6.0, shapes: tuple[tuple
     try:
         sync = synchronizer(device)
         start = time.perf_counter()
-        fp32 = _matmul_curve(device, torch.float32, shapes, 0.25 * seconds, sync)
-        bf16 = _matmul_curve(device, torch.bfloat16, shapes, 0.25 * seconds, sync)
-        mem = _memory_curve(device, 0.1 * seconds, sync)
+        fp32 = _matmul_curve(device, torch.float32, shapes, 0.2 * seconds, sync)
+        bf16 = _matmul_curve(device, torch.bfloat16, shapes, 0.2 * seconds, sync)
+        bmm = {"bmm-fp32": _bmm_curve(device, torch.float32, 0.05 * seconds, sync),
+               "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.05 * seconds, sync)}
+        mem, strided = _memory_curve(device, 0.1 * seconds, sync)
         elements = _element_seconds(device, 0.15 * seconds, sync)
-        dispatch = _dispatch_seconds(device, 0.25 * seconds, sync, mem)
+        dispatch = _dispatch_seconds(device, 0.25 * seconds, sync)
         assert fp32, "fp32 matmul failed"
         best32, best16 = max(fp32, key=lambda p: p[1]), max(bf16, key=lambda p: p[1]) if bf16 else None
         return Calibration(
@@ -308,13 +381,14 @@ def measure(torch_device: str = "cpu", seconds: float = 6.0, shapes: tuple[tuple
             copy_bytes=int(mem[-1][0]), threads=torch.get_num_threads(),
             measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__, seconds=time.perf_counter() - start,
-            matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {})}, memory_curve=mem,
-            element_seconds=elements, dispatch_seconds=dispatch)
+            matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{k: v for k, v in bmm.items() if v}},
+            memory_curve=mem,
+            strided_bytes_per_s=strided, element_seconds=elements, dispatch_seconds=dispatch)
     finally:
         torch.set_num_threads(before)
 
 
-def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 6.0
+def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0
            ) -> tuple[Calibration, bool]:
     """The cached calibration of a local device at ``threads``, measured and cached first when there is none
     (or only one from before the per-op model): (calibration, whether it was measured now)."""

@@ -18,6 +18,7 @@ aten op name and classify them with ``op_class`` here, so both paths are priced 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,7 +29,9 @@ from batchlab.config import _Choice
 class OpClass(_Choice):
     MATMUL = "matmul"  # priced by FLOPs
     MEMORY = "memory"  # element-wise, copies, indexing, reductions: priced by bytes moved
+    STRIDED = "strided-copy"  # a transposed view made contiguous (clone, copy_): bytes at the gather rate
     ACTIVATION = "activation"  # transcendental element-wise (gelu, silu, tanh, exp): by elements
+    ACTIVATION_GRAD = "activation-grad"  # their gradients (about 3x the forward's arithmetic): by elements
     SOFTMAX = "softmax"  # softmax / log-softmax and their backward: by elements
     NORM = "norm"  # layer / RMS norm and backward: by elements
     RANDOM = "random"  # the dropout mask's RNG: by elements
@@ -54,8 +57,10 @@ _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scal
            "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention",
            "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_forward", "_flash_attention_backward",
            "_efficient_attention_forward", "_efficient_attention_backward", "convolution", "convolution_backward"}
-_ACTIVATION = {"gelu", "gelu_backward", "silu", "silu_backward", "tanh", "tanh_backward", "exp", "log", "sigmoid",
-               "sigmoid_backward", "erf", "pow", "rsqrt", "sqrt", "sin", "cos", "relu", "threshold_backward"}
+# transcendental: arithmetic per element, not bytes, decides (sqrt, pow, relu vectorise like an add)
+_ACTIVATION = {"gelu", "silu", "tanh", "exp", "log", "sigmoid", "erf", "sin", "cos"}
+_ACTIVATION_GRAD = {"gelu_backward", "silu_backward", "tanh_backward", "sigmoid_backward"}
+_COPIES = {"clone", "copy_", "_to_copy", "contiguous"}
 _SOFTMAX = {"_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data", "softmax",
             "log_softmax", "_safe_softmax", "nll_loss_forward", "nll_loss_backward"}
 _NORM = {"native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
@@ -70,11 +75,15 @@ _NO_DATA = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty",
             "alias", "lift_fresh", "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit"}
 
 
-def op_class(name: str, is_view: bool = False) -> OpClass:
-    """The class of an aten op by its overload packet name (``addmm``, ``native_layer_norm``, ...)."""
+def op_class(name: str, is_view: bool = False, strided: bool = False) -> OpClass:
+    """The class of an aten op by its overload packet name (``addmm``, ``native_layer_norm``, ...);
+    ``strided``: its input is a non-contiguous view (a copy of it gathers)."""
     if is_view or name in _NO_DATA:
         return OpClass.VIEW
-    for names, klass in ((_MATMUL, OpClass.MATMUL), (_ACTIVATION, OpClass.ACTIVATION), (_SOFTMAX, OpClass.SOFTMAX),
+    if strided and name in _COPIES:
+        return OpClass.STRIDED
+    for names, klass in ((_MATMUL, OpClass.MATMUL), (_ACTIVATION, OpClass.ACTIVATION),
+                         (_ACTIVATION_GRAD, OpClass.ACTIVATION_GRAD), (_SOFTMAX, OpClass.SOFTMAX),
                          (_NORM, OpClass.NORM), (_RANDOM, OpClass.RANDOM)):
         if name in names:
             return klass
@@ -93,20 +102,24 @@ class OpCount:
     elements: int = 0
     low_precision: bool = False  # 16-bit operands (bf16 / fp16 matmul rate, 16-bit element rates)
     count: int = 1
+    grain: int = 0  # FLOPs of one independent matmul inside the call (a bmm's batch entry); 0: all of them
 
     def to_dict(self) -> dict:
         return {"name": self.name, "phase": self.phase.value, "klass": self.klass.value, "flops": self.flops,
                 "bytes": self.bytes, "elements": self.elements, "low_precision": self.low_precision,
-                "count": self.count}
+                "count": self.count, "grain": self.grain}
+
+    def times(self, n: int) -> "OpCount":
+        return dataclasses.replace(self, count=self.count * n)
 
 
 def merge(ops: Iterable[OpCount]) -> tuple[OpCount, ...]:
     """Identical calls folded into one OpCount with their count (order of first appearance)."""
     out: dict[tuple, OpCount] = {}
     for op in ops:
-        key = (op.name, op.phase, op.klass, op.flops, op.bytes, op.elements, op.low_precision)
+        key = (op.name, op.phase, op.klass, op.flops, op.bytes, op.elements, op.low_precision, op.grain)
         seen = out.get(key)
-        out[key] = op if seen is None else OpCount(*key, count=seen.count + op.count)
+        out[key] = op if seen is None else dataclasses.replace(seen, count=seen.count + op.count)
     return tuple(out.values())
 
 
@@ -122,14 +135,17 @@ class OpCosts:
 
     matmul: Mapping[str, tuple[tuple[float, float], ...]]
     memory: tuple[tuple[float, float], ...]  # (bytes moved per call, bytes/s), ascending
+    strided_bytes_per_s: float  # a transposed view copied to contiguous memory (read + write)
     element_seconds: Mapping[str, float]  # "activation:fp32" -> s / element
     dispatch: Mapping[str, float]  # "forward" | "backward" | "plain" -> s / op
     asynchronous: bool = False  # GPU: the host issues ahead of the kernels, so an op costs max(launch, work)
     source: str = "nominal"
 
-    def matmul_rate(self, flops: float, low_precision: bool) -> float:
-        """FLOP/s of one call of ``flops``: linear in log FLOPs between the calibrated points, flat outside."""
-        pts = self.matmul.get("bf16" if low_precision else "fp32") or self.matmul["fp32"]
+    def matmul_rate(self, flops: float, low_precision: bool, batched: bool = False) -> float:
+        """FLOP/s of one matmul of ``flops``: linear in log FLOPs between the calibrated points, flat outside.
+        ``batched``: one entry of a batched matmul (attention), from its own curve where calibrated."""
+        key = "bf16" if low_precision else "fp32"
+        pts = (self.matmul.get(f"bmm-{key}") if batched else None) or self.matmul.get(key) or self.matmul["fp32"]
         return interpolate_log(pts, flops)
 
     def element_rate_seconds(self, klass: OpClass, low_precision: bool) -> float:
@@ -139,9 +155,12 @@ class OpCosts:
     def work_seconds(self, op: OpCount) -> float:
         """One call's time beyond its dispatch."""
         if op.klass is OpClass.MATMUL:
-            return op.flops / self.matmul_rate(op.flops, op.low_precision) if op.flops else 0.0
+            return (op.flops / self.matmul_rate(op.grain or op.flops, op.low_precision, batched=op.grain > 0)
+                    if op.flops else 0.0)
         if op.klass is OpClass.MEMORY:
             return op.bytes / self.bandwidth(op.bytes)
+        if op.klass is OpClass.STRIDED:
+            return op.bytes / self.strided_bytes_per_s
         if op.klass is OpClass.VIEW:
             return 0.0
         # per-element kernels also move their bytes: whichever bound is slower (roofline)

@@ -36,8 +36,8 @@ class _W:
 
 
 def _op(name: str, phase: Phase, elements: int, nbytes: int, flops: int = 0, low: bool = False,
-        count: int = 1) -> OpCount:
-    return OpCount(name, phase, op_class(name), flops, nbytes, elements, low, count)
+        count: int = 1, strided: bool = False, grain: int = 0) -> OpCount:
+    return OpCount(name, phase, op_class(name, strided=strided), flops, nbytes, elements, low, count, grain)
 
 
 def _views(phase: Phase, n: int) -> OpCount:
@@ -122,40 +122,43 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
                         _op("slice_backward", BWD, n, 2 * n * e, count=2), _op("add", BWD, n, 3 * n * e, count=2),
                         _views(BWD, 4))
     if m.kv_heads != m.heads:  # repeat_interleave of k and v to full width
-        ops.add(_op("clone", ph, t * h, t * (h + kv) * e, count=2), _views(ph, 4))
+        ops.add(_op("clone", ph, t * h, t * (h + kv) * e, count=2, strided=True), _views(ph, 4))
         if backward:
             ops.add(_op("sum", BWD, t * kv, t * (h + kv) * e, count=2), _views(BWD, 2))
     score = a * s * s * b
     fl = 2 * b * a * s * s * d
+    g = fl // (a * b)  # one (batch, head)'s matmul: what decides the rate
     if m.attention is AttentionImpl.SDPA and not (m.dropout > 0):
         ops.add(_op("_scaled_dot_product_flash_attention_for_cpu", ph, t * h, 4 * t * h * e + a * t * F32, 2 * fl,
-                    ops.w.low), _views(ph, 2))
+                    ops.w.low, grain=2 * g), _views(ph, 2))
         if backward:
             ops.add(_op("_scaled_dot_product_flash_attention_for_cpu_backward", BWD, 3 * t * h,
-                        8 * t * h * e + a * t * F32, 5 * fl, ops.w.low), _views(BWD, 3))
+                        8 * t * h * e + a * t * F32, 5 * fl, ops.w.low, grain=5 * g), _views(BWD, 3))
     else:  # eager (or SDPA's math path with dropout on CPU): materialised scores
         copies = 3
-        ops.add(_op("clone", ph, t * h, 2 * t * h * e, count=copies), _views(ph, 6),
+        ops.add(_op("clone", ph, t * h, 2 * t * h * e, count=copies, strided=True), _views(ph, 6),
                 _op("_unsafe_view", ph, t * h, 0, count=copies),
-                _op("bmm", ph, score, (2 * t * h + score) * e, fl, ops.w.low),
-                _op("bmm", ph, t * h, (t * h + score + t * h) * e, fl, ops.w.low),
+                _op("bmm", ph, score, (2 * t * h + score) * e, fl, ops.w.low, grain=g),
+                _op("bmm", ph, t * h, (t * h + score + t * h) * e, fl, ops.w.low, grain=g),
                 _op("_unsafe_view", ph, score, 0), _op("_unsafe_view", ph, t * h, 0),
                 _op("mul", ph, score, 2 * score * e), _op("ones", ph, s * s, s * s), _op("triu", ph, s * s, 2 * s * s),
                 _op("masked_fill", ph, score, 2 * score * e + s * s), _op("_softmax", ph, score, 2 * score * e),
                 _views(ph, 1))
         ops.dropout(ph, score, m.dropout, e, backward)
         if backward:
-            ops.add(_op("bmm", BWD, t * h, (t * h + 2 * score) * e, fl, ops.w.low, count=2),
-                    _op("bmm", BWD, score, (2 * t * h + score) * e, fl, ops.w.low),
-                    _op("bmm", BWD, t * h, (t * h + score + t * h) * e, fl, ops.w.low),
+            ops.add(_op("bmm", BWD, t * h, (t * h + 2 * score) * e, fl, ops.w.low, count=2, grain=g),
+                    _op("bmm", BWD, score, (2 * t * h + score) * e, fl, ops.w.low, grain=g),
+                    _op("bmm", BWD, t * h, (t * h + score + t * h) * e, fl, ops.w.low, grain=g),
                     _op("mul", BWD, score, 2 * score * e), _op("_softmax_backward_data", BWD, score, 3 * score * e),
                     _op("masked_fill", BWD, score, 2 * score * e + s * s),
-                    _op("clone", BWD, t * h, 2 * t * h * e, count=2), _op("_unsafe_view", BWD, t * h, 0, count=2),
+                    _op("clone", BWD, t * h, 2 * t * h * e, count=2, strided=True),
+                    _op("_unsafe_view", BWD, t * h, 0, count=2),
                     _views(BWD, 10))
         # y.transpose(1, 2).reshape(b, s, h): one contiguous copy (SDPA's output already has that layout)
-        ops.add(_op("clone", ph, t * h, 2 * t * h * e), _op("_unsafe_view", ph, t * h, 0), _views(ph, 1))
+        ops.add(_op("clone", ph, t * h, 2 * t * h * e, strided=True), _op("_unsafe_view", ph, t * h, 0), _views(ph, 1))
         if backward:
-            ops.add(_op("clone", BWD, t * h, 2 * t * h * e), _op("_unsafe_view", BWD, t * h, 0), _views(BWD, 2))
+            ops.add(_op("clone", BWD, t * h, 2 * t * h * e, strided=True), _op("_unsafe_view", BWD, t * h, 0),
+                    _views(BWD, 2))
 
 
 def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True) -> None:
@@ -263,7 +266,7 @@ def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
 def _data(ops: _Ops, cfg: RunConfig) -> None:
     b, s = cfg.micro_batch, cfg.seq
     n = b * (s + 1)
-    ops.add(_op("randint", DATA, n, n * 8, count=cfg.accum), _op("clone", DATA, b * s, 2 * b * s * 8, count=2 * cfg.accum),
+    ops.add(_op("randint", DATA, n, n * 8, count=cfg.accum), _op("clone", DATA, b * s, 2 * b * s * 8, count=2 * cfg.accum, strided=True),
             _op("ne", DATA, b * s, b * s * 9, count=cfg.accum), _op("sum", DATA, 1, b * s, count=cfg.accum),
             _op("_local_scalar_dense", DATA, 0, 0, count=cfg.accum), _views(DATA, 2 * cfg.accum))
 
@@ -307,8 +310,7 @@ def update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     """Every op of one optimizer update on one rank: accum micro-batches, then the optimizer."""
     per_micro = micro_batch_ops(cfg)
     ops = _Ops(_widths(cfg))
-    ops.add(*(OpCount(o.name, o.phase, o.klass, o.flops, o.bytes, o.elements, o.low_precision, o.count * cfg.accum)
-              for o in per_micro))
+    ops.add(*(o.times(cfg.accum) for o in per_micro))
     _data(ops, cfg)
     _optimizer(ops, cfg)
     return merge(ops.out)

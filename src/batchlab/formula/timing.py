@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from batchlab.config import Backend, DataKind, RunConfig
 from batchlab.formula.flops import FlopsEstimate
 from batchlab.formula.memory import MemoryEstimate
-from batchlab.formula.opcost import OpClass, OpCosts, OpCount, Phase, TimeBreakdown, describe, price
+from batchlab.formula.opcost import OpClass, OpCosts, Phase, TimeBreakdown, describe, price
 from batchlab.formula.oplist import update_ops
 
 # Nominal per-op costs where nothing was calibrated (seconds).  CPU: eager PyTorch's Python + dispatcher
@@ -27,8 +27,9 @@ NOMINAL_DISPATCH = {Backend.CPU: {"forward": 6e-6, "backward": 5e-6, "plain": 4e
                     Backend.MPS: {"forward": 12e-6, "backward": 10e-6, "plain": 8e-6}}
 MATMUL_START = {Backend.CPU: 2e-6, Backend.CUDA: 5e-6, Backend.MPS: 10e-6}
 # CPU per-element kernels, cycles per element on one core (x86 with AVX-512, measured here): tanh-GELU 13,
+# its gradient 35,
 # softmax 5, layer norm 4, the dropout RNG 50.  GPUs are bandwidth-bound on these: bytes decide.
-CPU_CYCLES_PER_ELEMENT = {"activation": 13, "softmax": 5, "norm": 4, "random": 50}
+CPU_CYCLES_PER_ELEMENT = {"activation": 13, "activation-grad": 35, "softmax": 5, "norm": 4, "random": 50}
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,9 @@ def nominal_costs(cfg: RunConfig) -> OpCosts:
     if dev.backend is Backend.CPU:
         clock = dev.peak_flops_fp32 / 64  # cores x clock (the entry's peak assumes 64 FLOP/cycle per core)
         elements = {f"{k}:fp32": c / clock for k, c in CPU_CYCLES_PER_ELEMENT.items()}
-    return OpCosts(matmul=curves, memory=((1.0, dev.hbm_bytes_per_s),), element_seconds=elements,
+    # a strided gather reaches about a quarter of the streaming bandwidth (cache lines partly used)
+    return OpCosts(matmul=curves, memory=((1.0, dev.hbm_bytes_per_s),), strided_bytes_per_s=dev.hbm_bytes_per_s / 4,
+                   element_seconds=elements,
                    dispatch=NOMINAL_DISPATCH[dev.backend], asynchronous=dev.backend is not Backend.CPU,
                    source=f"{dev.source}, achievable fraction {a.achievable_fraction:g} on large matmuls")
 
@@ -113,8 +116,8 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     costs = costs_for(cfg, calibrated)
     ops = update_ops(cfg)
     if cfg.zero >= 1:  # each rank steps only its shard of the optimizer state
-        ops = tuple(OpCount(o.name, o.phase, o.klass, o.flops, o.bytes // cfg.dp, o.elements // cfg.dp,
-                            o.low_precision, o.count) if o.phase is Phase.OPTIMIZER else o for o in ops)
+        ops = tuple(dataclasses.replace(o, bytes=o.bytes // cfg.dp, elements=o.elements // cfg.dp)
+                    if o.phase is Phase.OPTIMIZER else o for o in ops)
     t = price(ops, costs)
     compute = sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute"))
     rest = t.seconds - compute

@@ -37,8 +37,8 @@ def _tensors(x) -> list[torch.Tensor]:
 def op_of(func, args, kwargs, out, phase: Phase) -> OpCount:
     """One call as an OpCount (count 1)."""
     name = func.overloadpacket.__name__
-    klass = op_class(name, is_view=func.is_view)
     outs, ins = _tensors(out), _tensors((args, kwargs))
+    klass = op_class(name, is_view=func.is_view, strided=bool(ins) and not ins[-1].is_contiguous())
     flops = 0
     if func.overloadpacket in flop_registry:
         flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
@@ -52,7 +52,18 @@ def op_of(func, args, kwargs, out, phase: Phase) -> OpCount:
             nbytes = 2 * footprint(outs[0]) + footprint(ins[1])
     low = any(t.dtype in _LOW for t in (outs or ins)[:1])
     elements = max((t.numel() for t in outs), default=0)
-    return OpCount(name, phase, klass, flops, nbytes, elements, low)
+    return OpCount(name, phase, klass, flops, nbytes, elements, low, grain=_grain(name, ins, flops))
+
+
+def _grain(name: str, ins: list[torch.Tensor], flops: int) -> int:
+    """FLOPs of one independent matmul: a bmm's per batch entry, attention's per (batch, head)."""
+    if not flops or not ins:
+        return 0
+    if name in ("bmm", "baddbmm"):
+        return flops // max(ins[-1].shape[0], 1)
+    if name.startswith("_scaled_dot_product") and ins[0].dim() == 4:
+        return flops // max(ins[0].shape[0] * ins[0].shape[1], 1)
+    return 0
 
 
 class OpRecorder(TorchDispatchMode):
