@@ -401,3 +401,20 @@ def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float
     cal = measure(torch_device, seconds=seconds, threads=want)
     save(cal)
     return cal, True
+
+
+def auto(device_name: str, threads: int | None, enabled: bool = True) -> str | None:
+    """``measure`` / ``compare`` on this CPU: calibrate once (cached) so their time predictions use measured
+    rates.  Returns the line to show the user (None when a cached calibration served, nothing to say)."""
+    if device_name != "cpu":
+        return None  # GPUs: `batchlab calibrate --torch-device cuda`; the catalogue's figures otherwise
+    want = default_threads() if threads is None else threads
+    if not enabled:
+        cached = load_cached("cpu", want)
+        return None if cached is not None else (
+            f"time model: not calibrated (--no-calibrate): nominal CPU rates at {want} thread(s)")
+    cal, fresh = ensure("cpu", threads=want)
+    if not fresh:
+        return None
+    return (f"time model: calibrated this CPU once at {cal.threads} thread(s) in {cal.seconds:.1f} s and cached it "
+            f"({_cache_path(cal.device, cal.torch_version, cal.threads)}); --no-calibrate skips this")

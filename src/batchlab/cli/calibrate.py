@@ -1,7 +1,7 @@
-"""``batchlab calibrate``: measure this device's matmul FLOP/s and memory bandwidth, and cache them."""
+"""``batchlab calibrate``: measure what the per-op time model needs on a local device, and cache it."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -9,24 +9,29 @@ from rich.table import Table
 from batchlab.cli.base import app
 from batchlab.cli.common import console, fail, print_json
 from batchlab.config import ConfigError
+from batchlab.units import fmt_bytes, fmt_count
 
 
 @app.command("calibrate")
 def calibrate(
     torch_device: Annotated[str, typer.Option(help="Local torch device to measure: cpu, cuda, cuda:1, mps.")] = "cpu",
-    seconds: Annotated[float, typer.Option(help="About how long to measure (>= 0.1 s).")] = 3.0,
+    seconds: Annotated[float, typer.Option(help="About how long to measure (>= 1 s; 10 s gives steady curves).")] = 10.0,
+    threads: Annotated[Optional[int], typer.Option(help="CPU intra-op threads to measure at (CPU rates scale with them; compare measures at 1). Default: what a process here starts with.")] = None,
     save: Annotated[bool, typer.Option("--save/--no-save", help="Cache the result for the time model.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
-    """Measure achievable matmul FLOP/s (fp32, and bf16 where supported) and memory bandwidth of a local
-    device in a few seconds, and cache them per device: estimates for that device then use these measured
-    ceilings instead of datasheet figures, and say so."""
+    """Measure the per-op time model's parameters on a local device: matmul FLOP/s by call size (fp32, bf16),
+    element-wise bandwidth by size, per-element kernels (activations, softmax, norms, dropout RNG) and the
+    fixed cost per op (forward, backward, plain); cached per device, torch version and thread count.
+    Estimates, measure and compare for that device then price their ops with these measured rates."""
     from batchlab import calibrate as cal_mod
 
-    if seconds < 0.1:
-        fail(f"seconds: must be >= 0.1, got {seconds:g}")
+    if seconds < 1:
+        fail(f"seconds: must be >= 1, got {seconds:g}")
+    if threads is not None and threads < 1:
+        fail(f"threads: must be >= 1, got {threads}")
     try:
-        cal = cal_mod.measure(torch_device, seconds=seconds)
+        cal = cal_mod.measure(torch_device, seconds=seconds, threads=threads)
     except ConfigError as e:
         fail(str(e))
     path = cal_mod.save(cal) if save else None
@@ -35,18 +40,23 @@ def calibrate(
         return
     out = console()
     out.print(f"[bold]batchlab calibrate[/]  {cal.hardware} ({cal.torch_device}), torch {cal.torch_version}, "
-              f"{cal.seconds:.1f} s")
+              f"{cal.threads} thread(s), measured in {cal.seconds:.1f} s (wall-clock, medians)")
     table = Table(show_header=True, header_style="bold")
-    for col in ("ceiling", "measured", "how"):
-        table.add_column(col, justify="right" if col == "measured" else "left")
-    table.add_row("matmul fp32", f"{cal.matmul_flops_fp32 / 1e12:.3g} TFLOP/s",
-                  f"median, {cal.matmul_size['fp32']}^2 matmul (wall-clock)")
-    bf16 = cal.matmul_flops_bf16
-    table.add_row("matmul bf16", f"{bf16 / 1e12:.3g} TFLOP/s" if bf16 else "not supported",
-                  f"median, {cal.matmul_size['bf16']}^2 matmul (wall-clock)" if bf16 else "")
-    table.add_row("memory bandwidth", f"{cal.memory_bytes_per_s / 1e9:.3g} GB/s",
-                  f"median, copy of {cal.copy_bytes / 2**20:.0f} MiB, read + write (wall-clock)")
+    for col in ("what the time model prices", "measured", "how"):
+        table.add_column(col)
+    for key, pts in cal.matmul_curve.items():
+        rates = " · ".join(fmt_count(r, "FLOP/s") for _, r in pts)
+        what = "attention's batched matmuls" if key.startswith("bmm") else "linear layers' matmuls"
+        table.add_row(f"{what}, {key.removeprefix('bmm-')}", rates,
+                      f"by call size {fmt_count(pts[0][0], 'FLOP')} … {fmt_count(pts[-1][0], 'FLOP')}")
+    table.add_row("element-wise bandwidth", " · ".join(fmt_count(r, "B/s") for _, r in cal.memory_curve),
+                  "add, by bytes per call " + " · ".join(fmt_bytes(b) for b, _ in cal.memory_curve))
+    table.add_row("strided copy", fmt_count(cal.strided_bytes_per_s, "B/s"), "a transposed activation made contiguous")
+    for key, s in cal.element_seconds.items():
+        table.add_row(f"per element: {key}", f"{s * 1e9:.2f} ns", "representative kernel")
+    for kind, s in cal.dispatch_seconds.items():
+        table.add_row(f"per op: {kind}", f"{s * 1e6:.1f} µs", "updates of a dispatch-bound 2-layer GPT")
     out.print(table)
+    out.print("Measured rates are what kernels of each size reach: no achievable fraction is applied on top.")
     if path:
-        out.print(f"cached for device {cal.device!r}: {path}")
-        out.print(f"estimates with --device {cal.device} now use these ceilings ({cal.source})")
+        out.print(f"cached for device {cal.device!r} at {cal.threads} thread(s): {path}")

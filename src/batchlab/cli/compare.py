@@ -44,6 +44,7 @@ def compare(
     note: Annotated[Optional[str], typer.Option(help="Free text kept with the experiment (what else was going on).", rich_help_panel=EXP)] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write a Markdown and a self-contained HTML report with plots into this directory.", rich_help_panel=EXP)] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar over the rounds on stderr (only on a terminal).")] = True,
+    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate", help="On CPU, calibrate the time model once at the measured thread count (about 12 s, cached) so the formula's predicted update-time ratio uses measured rates.")] = True,
 ):
     """Change one thing, predict its effect, then measure both sides interleaved (A B A B ..., fresh
     processes, warmup excluded) and get a verdict per metric with a noise band, a diagnosis where a
@@ -53,6 +54,7 @@ def compare(
         plan = _plan(cfg, change, experiment, keep, allow_confounded, predict, rounds, steps, warmup, threads,
                      token_budget, timeout, torch_device, formula_only, note)
         book = Notebook(notebook)
+        _calibrate(plan, calibrate, as_json)
         record = _run(plan, book, verify, progress and not as_json)
     except ConfigError as e:
         fail(str(e))
@@ -114,6 +116,16 @@ def _ask() -> dict[Metric, Direction]:
             except ConfigError as e:
                 typer.echo(f"  {e}", err=True)
     return out
+
+
+def _calibrate(plan, enabled: bool, as_json: bool) -> None:
+    from batchlab.calibrate import auto
+
+    if plan.formula_only:  # nothing measured: the cached calibration is used if there is one
+        return
+    line = auto(plan.sides.a.device, threads=plan.threads, enabled=enabled)
+    if line and not as_json:
+        typer.echo(line, err=True)
 
 
 def _run(plan, book: Notebook, verify: bool, show: bool) -> dict[str, Any]:

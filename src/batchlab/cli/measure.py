@@ -36,6 +36,7 @@ def measure(
     nnodes: Annotated[Optional[int], typer.Option(help="torchrun --nnodes (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
     node_rank: Annotated[Optional[int], typer.Option(help="torchrun --node-rank.", rich_help_panel="Data parallel (torchrun)")] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="torchrun --rdzv-endpoint host:port (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
+    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate", help="On CPU, calibrate the time model once (about 12 s, cached per CPU, torch version and thread count) so the formula's update time uses measured rates.")] = True,
 ):
     """Train the model under the config for real: peak memory (allocator), update time (wall-clock), useful
     tokens/s, or the out-of-memory phase; each figure beside the formula estimate.  Exit 0 when a result
@@ -60,6 +61,7 @@ def measure(
 
     if not is_primary():  # `torchrun -m batchlab measure`: rank 0 prints for all
         return
+    _calibrate_note(cfg, calibrate, as_json)
     est, note = formula_estimate(cfg)
     figures = rows(m, est)
     oom = m.outcome in (Outcome.OOM, Outcome.OOM_BUDGET)
@@ -76,6 +78,14 @@ def measure(
             _oom_advice(cfg, as_json=False)
     if m.outcome is Outcome.FAILED:
         raise typer.Exit(1)
+
+
+def _calibrate_note(cfg: RunConfig, enabled: bool, as_json: bool) -> None:
+    from batchlab.calibrate import auto
+
+    line = auto(cfg.device, threads=None, enabled=enabled)
+    if line and not as_json:
+        typer.echo(line, err=True)
 
 
 def _oom_advice(cfg: RunConfig, as_json: bool):

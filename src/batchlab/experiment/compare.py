@@ -94,15 +94,17 @@ def preflight(plan: Plan) -> None:
 FormulaPrediction = dict[Metric, dict[str, Any]]
 
 
-def _formula(sides: Sides, token_budget: int) -> tuple[dict[str, Any], FormulaPrediction | None]:
-    """The formula's estimate of both sides (for the record) and its prediction per metric."""
+def _formula(sides: Sides, token_budget: int, threads: int | None = None
+             ) -> tuple[dict[str, Any], FormulaPrediction | None]:
+    """The formula's estimate of both sides (for the record) and its prediction per metric; ``threads``: the
+    measured processes' intra-op threads (the CPU calibration must be the one taken at that count)."""
     from batchlab.calibrate import load_all
     from batchlab.formula import estimate, unseen_model
 
     if unseen_model(sides.a):  # a factory model: no formula side; the measurement stands alone
         return {"available": False, "reason": f"no formula estimate: {unseen_model(sides.a)}",
                 "provenance": "formula"}, None
-    cals = load_all()  # the calibration cache, read here: estimate() is a pure function
+    cals = load_all(threads)  # the calibration cache, read here: estimate() is a pure function
     ea, eb = estimate(sides.a, cals), estimate(sides.b, cals)
     pred = formula_prediction(FormulaSide.from_estimate(ea), FormulaSide.from_estimate(eb), token_budget)
     return {"available": True, "provenance": "formula", "a": ea.to_dict(), "b": eb.to_dict(),
@@ -140,7 +142,7 @@ def run(plan: Plan, notebook: Notebook | None = None, measure: MeasureFn | None 
     preflight(plan)
     t0 = time.perf_counter()
     before = factors.Snapshot()
-    formula, pred = _formula(plan.sides, plan.token_budget)
+    formula, pred = _formula(plan.sides, plan.token_budget, plan.threads)
     record = initial_record(plan, formula, pred)
     exp_id = notebook.begin(record) if notebook is not None else None
     record["notebook_id"] = exp_id
