@@ -16,7 +16,7 @@ from typing import Any
 from batchlab.config import ConfigError, RunConfig, to_jsonable
 from batchlab.experiment import factors
 from batchlab.experiment.change import Change, KeepMode, Sides, build_sides
-from batchlab.experiment.diagnosis import Context, diagnose
+from batchlab.experiment.diagnosis import Context, diagnose, time_model_checks
 from batchlab.experiment.notebook import Notebook, now
 from batchlab.experiment.predict import Direction, FormulaSide, Metric, formula_prediction
 from batchlab.experiment.protocol import MeasureFn, Progress, Rounds, check_rounds, interleave, threads_env
@@ -107,8 +107,12 @@ def _formula(sides: Sides, token_budget: int, threads: int | None = None
     cals = load_all(threads)  # the calibration cache, read here: estimate() is a pure function
     ea, eb = estimate(sides.a, cals), estimate(sides.b, cals)
     pred = formula_prediction(FormulaSide.from_estimate(ea), FormulaSide.from_estimate(eb), token_budget)
+    from batchlab.formula.attribution import attribute
+
+    att = attribute(ea.time, eb.time)
     return {"available": True, "provenance": "formula", "a": ea.to_dict(), "b": eb.to_dict(),
-            "prediction": {m.value: to_jsonable(p) for m, p in pred.items()}}, pred
+            "prediction": {m.value: to_jsonable(p) for m, p in pred.items()},
+            "time_attribution": att.to_dict() if att else None}, pred
 
 
 def initial_record(plan: Plan, formula: dict[str, Any], pred: FormulaPrediction | None) -> dict[str, Any]:
@@ -189,6 +193,7 @@ def finish(record: dict[str, Any], plan: Plan, rounds: Rounds | None, formula_pr
             phase = {k: (record["formula"].get(k) or {}).get("memory", {}).get("peak_phase") for k in "ab"}
             contradicted = {c["metric"] for c in found}
             checks = [c.to_dict() for c in diagnose(ctx, vs[Metric.UPDATE_TIME].band, phase, contradicted)]
+        checks += [c.to_dict() for c in time_model_checks(record["formula"].get("time_attribution"))]
         record["diagnosis"] = {"contradictions": found, "checks": checks}
     record["semantics"] = semantics(s.a, s.b, run_check=verify and rounds is not None,
                                     why_not="not run: formula only" if rounds is None else "not run (--no-verify)")

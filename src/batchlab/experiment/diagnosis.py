@@ -169,3 +169,12 @@ def diagnose(ctx: Context, time_band: tuple[float, float] | None, formula_phase:
             c.flagged = False
             c.found += " (cannot explain the contradictions here)"
     return checks
+
+
+def time_model_checks(attribution: dict[str, Any] | None) -> list[Check]:
+    """What the formula's per-op time model attributes the predicted update-time change to (a statement of the
+    model, not a check of the run: never flagged); ``attribution``: formula.attribution.Attribution.to_dict()."""
+    if not attribution:
+        return []
+    return [Check("time_model", "What does the time model attribute the update-time change to?",
+                  attribution["text"], False)]
