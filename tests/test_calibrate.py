@@ -1,4 +1,4 @@
-"""batchlab calibrate: rate arithmetic, the per-device cache, the CPU measurement and the command."""
+"""batchlab calibrate: rate arithmetic, the per-device cache, the CPU measurement, auto-calibration and the command."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,9 @@ import torch
 from typer.testing import CliRunner
 
 from batchlab import calibrate as cal_mod
-from batchlab.calibrate import Calibration, load_cached, measure, save, timed_rates
+from batchlab.calibrate import Calibration, auto, ensure, load_all, load_cached, measure, save, timed_rates
 from batchlab.cli import app
-from batchlab.config import ConfigError
+from batchlab.config import ConfigError, RunConfig
 from batchlab.host import cpu_hardware
 
 
@@ -20,11 +20,18 @@ def cache_home(tmp_path, monkeypatch):
     return tmp_path
 
 
+R = 5e10  # FLOP/s of a flat matmul curve
+
+
 def sample(**kw) -> Calibration:
-    values = dict(device="cpu", hardware=f"{cpu_hardware()}, 2 threads", torch_device="cpu",
-                  matmul_flops_fp32=8e10, matmul_flops_bf16=1.2e12, memory_bytes_per_s=6e9,
-                  matmul_size={"fp32": 1024, "bf16": 1024}, copy_bytes=2**28, threads=2,
-                  measured_at="2025-01-01T00:00:00+00:00", torch_version=torch.__version__)
+    values = dict(device="cpu", hardware=f"{cpu_hardware()}, 1 threads", torch_device="cpu",
+                  matmul_flops_fp32=R, matmul_flops_bf16=4 * R, memory_bytes_per_s=6e9,
+                  matmul_size={"fp32": 1024, "bf16": 1024}, copy_bytes=2**28, threads=1,
+                  measured_at="2025-01-01T00:00:00+00:00", torch_version=torch.__version__, seconds=9.5,
+                  matmul_curve={"fp32": [[1e3, R], [1e12, R]], "bf16": [[1e3, 4 * R], [1e12, 4 * R]]},
+                  memory_curve=[[1.0, 6e9], [1e9, 6e9]], strided_bytes_per_s=3e9,
+                  element_seconds={"activation:fp32": 2e-9}, dispatch_seconds={"forward": 5e-6, "backward": 4e-6,
+                                                                                "plain": 3e-6})
     values.update(kw)
     return Calibration(**values)
 
@@ -32,79 +39,88 @@ def sample(**kw) -> Calibration:
 def test_timed_rates_divide_work_by_elapsed_time():
     ticks = iter(range(1000))
     clock = lambda: next(ticks) * 0.01  # noqa: E731 — every reading advances 10 ms
-    rates = timed_rates(lambda: None, work=100.0, seconds=0.05, sync=lambda: None, clock=clock)
+    rates = timed_rates(lambda: None, work=100.0, seconds=0.5, sync=lambda: None, clock=clock)
     # warm-up call takes 10 ms -> 2 calls per sample; each sample spans one 10 ms tick
     assert rates and all(r == pytest.approx(100.0 * 2 / 0.01) for r in rates)
 
 
-def test_cache_round_trip_and_source(cache_home):
+def test_cache_round_trip_per_device_torch_version_and_threads(cache_home):
     cal = sample()
     path = save(cal)
-    assert path.is_relative_to(cache_home)
-    loaded = load_cached("cpu")
-    assert loaded == cal
-    assert "calibrated on" in loaded.source and cal.hardware in loaded.source
+    assert path.is_relative_to(cache_home) and torch.__version__.replace("+", "_") in path.name
+    assert load_cached("cpu", threads=1) == cal
+    assert load_cached("cpu") == cal  # the suite's processes start with OMP_NUM_THREADS=1
+    assert load_cached("cpu", threads=2) is None  # CPU rates scale with threads: no stand-in
+    save(sample(threads=2, hardware=f"{cpu_hardware()}, 2 threads", matmul_flops_fp32=2 * R))
+    assert load_cached("cpu", threads=2).matmul_flops_fp32 == 2 * R and load_cached("cpu", 1) == cal
+    assert "calibrated on" in cal.source and "1 thread(s)" in cal.source and "9.5 s" in cal.source
     assert load_cached("h100-sxm") is None  # never calibrated
 
 
-def test_cpu_entry_from_other_hardware_is_ignored():
-    save(sample(hardware="Some Other CPU, 96 cores, 96 threads"))
+def test_cpu_entry_from_other_hardware_and_corrupt_files_are_ignored():
+    save(sample(hardware="Some Other CPU, 96 cores, 1 threads"))
+    assert load_cached("cpu") is None
+    path = save(sample())
+    path.write_text("{not json")
     assert load_cached("cpu") is None
 
 
-def test_corrupt_cache_is_ignored():
-    save(sample())
-    cal_mod._cache_path("cpu").write_text("{not json")
-    assert load_cached("cpu") is None
-
-
-def test_ceiling_per_precision():
+def test_ceiling_per_precision_and_a_cache_from_before_the_per_op_model():
     cal = sample()
-    assert cal.matmul_flops("fp32") == 8e10
-    assert cal.matmul_flops("bf16-mixed") == cal.matmul_flops("bf16") == 1.2e12
-    assert sample(matmul_flops_bf16=None).matmul_flops("bf16-mixed") == 8e10
+    assert cal.matmul_flops("fp32") == R
+    assert cal.matmul_flops("bf16-mixed") == cal.matmul_flops("bf16") == 4 * R
+    assert sample(matmul_flops_bf16=None).matmul_flops("bf16-mixed") == R
+    assert sample(matmul_curve={}, dispatch_seconds={}).op_costs() is None  # ensure() measures again
 
 
-def reference_seconds(stmt: str, seconds: float = 0.3, **tensors) -> float:
-    """Median seconds of ``stmt`` timed here by torch.utils.benchmark (an independent timer)."""
-    from torch.utils.benchmark import Timer
-
-    return Timer(stmt, globals={"torch": torch, **tensors}).blocked_autorange(min_run_time=seconds).median
-
-
-def test_measure_cpu_matches_a_matmul_timed_here():
-    n = 256
-    cal = measure("cpu", seconds=0.6, sizes=(n,), copy_bytes=8 * 2**20)
-    ref = 2 * n**3 / reference_seconds("torch.mm(a, b)", a=torch.randn(n, n), b=torch.randn(n, n))
-    src = torch.ones(2 * 2**20)  # 8 MiB of fp32, as calibrated
-    copy_ref = 2 * src.nbytes / reference_seconds("dst.copy_(src)", src=src, dst=torch.empty_like(src))
-    assert cal.device == "cpu" and cal.provenance == "calibrated"
-    assert cal.matmul_size["fp32"] == n and cal.copy_bytes == 8 * 2**20
-    assert cal.threads == torch.get_num_threads()
-    # the same product timed by torch's own benchmark: a FLOP count off by 2x (n^3, 4 n^3) falls outside
-    assert 0.55 < cal.matmul_flops_fp32 / ref < 1.8, (cal.matmul_flops_fp32, ref)
-    # bytes read + written: counting only one of them (or both twice) falls outside
-    assert 0.55 < cal.memory_bytes_per_s / copy_ref < 1.8, (cal.memory_bytes_per_s, copy_ref)
-
-
-def test_the_time_model_uses_the_cached_rate_and_only_when_given():
-    from batchlab.calibrate import load_all
-    from batchlab.config import RunConfig
+def test_a_measured_rate_is_used_as_it_is_no_achievable_fraction_on_top():
     from batchlab.formula import estimate
 
-    cal = sample(matmul_flops_fp32=5e10, memory_bytes_per_s=3e9)
+    cal = sample()
     save(cal)
     cfg = RunConfig()
-    measured = estimate(cfg, load_all()).time
-    assert measured.flops_ceiling == 5e10 * 0.4  # achievable fraction 0.4 of the cached rate
-    assert measured.ceiling_source == cal.source
-    datasheet = estimate(cfg).time  # pure: the cache on disk changes nothing unless passed in
-    assert datasheet.flops_ceiling == 160e9 * 0.4 and datasheet.ceiling_source.startswith("nominal")
-    # FLOP-bound compute: the micro-batch time drops by the rate ratio once the per-op overhead is taken off
-    ratio = ((measured.compute_seconds_per_micro_batch - measured.overhead_seconds_per_micro_batch)
-             / (datasheet.compute_seconds_per_micro_batch - datasheet.overhead_seconds_per_micro_batch))
-    assert ratio == pytest.approx(160e9 / 5e10)
-    assert load_all() == {"cpu": cal}
+    t = estimate(cfg, load_all()).time
+    # matmul seconds = FLOPs / the measured rate (not / 0.4 of it), whatever achievable_fraction says
+    assert t.ops.by_class["matmul"] == pytest.approx(t.ops.flops / R)
+    assert t.flops_ceiling == pytest.approx(R)
+    assert estimate(cfg.replace(achievable_fraction=0.1), load_all()).time.ops.by_class["matmul"] == \
+        pytest.approx(t.ops.flops / R)
+    assert t.ceiling_source == cal.source and cal.source in t.model
+    nominal = estimate(cfg).time  # pure: the cache on disk changes nothing unless passed in
+    assert nominal.ceiling_source.startswith("nominal") and "/proc/cpuinfo" in nominal.ceiling_source
+    assert "achievable fraction 0.4" in nominal.model
+
+
+@pytest.mark.slow
+def test_measure_cpu_matches_a_matmul_and_an_add_timed_here():
+    from torch.utils.benchmark import Timer
+
+    n = 256
+    cal = measure("cpu", seconds=1.0, shapes=((n, n, n),), threads=1)
+    assert cal.device == "cpu" and cal.threads == 1 and cal.provenance == "calibrated"
+    x, w = torch.randn(n, n), torch.randn(n, n)
+    ref = 2 * n**3 / Timer("torch.mm(x, w.t())", globals={"torch": torch, "x": x, "w": w}).blocked_autorange(
+        min_run_time=0.3).median
+    # the same product timed by torch's own benchmark: a FLOP count off by 2x falls outside
+    assert 0.5 < cal.matmul_curve["fp32"][0][1] / ref < 2.0, (cal.matmul_curve, ref)
+    big = 4 * 2**20
+    a, b = torch.ones(big), torch.ones(big)
+    add_ref = 3 * 4 * big / Timer("torch.add(a, b)", globals={"torch": torch, "a": a, "b": b}).blocked_autorange(
+        min_run_time=0.3).median
+    assert 0.5 < cal.memory_curve[-1][1] / add_ref < 2.0  # two reads and a write, as counted
+    assert all(1e-7 < s < 1e-3 for s in cal.dispatch_seconds.values()), cal.dispatch_seconds
+    assert set(cal.dispatch_seconds) == {"forward", "backward", "plain"}
+    assert cal.op_costs() is not None and cal.seconds < 10
+
+
+def test_auto_calibrates_once_and_says_so_then_stays_quiet():
+    assert auto("h100-sxm", threads=1) is None  # not a CPU: nothing measured here
+    assert "not calibrated" in auto("cpu", threads=1, enabled=False)
+    line = auto("cpu", threads=1)
+    assert line.startswith("time model: calibrated this CPU once at 1 thread(s)") and "--no-calibrate" in line
+    assert auto("cpu", threads=1) is None and auto("cpu", threads=1, enabled=False) is None  # cached now
+    cal, fresh = ensure("cpu", threads=1)
+    assert not fresh and cal.op_costs() is not None
 
 
 def test_unusable_device_is_a_config_error():
@@ -114,17 +130,17 @@ def test_unusable_device_is_a_config_error():
         measure("cuda", seconds=0.1)
 
 
-def test_command_caches_and_prints_json(monkeypatch):
-    monkeypatch.setattr(cal_mod, "_defaults", lambda device: ((64, 128), 4 * 2**20))
-    result = CliRunner().invoke(app, ["calibrate", "--seconds", "0.2", "--json"])
+@pytest.mark.slow
+def test_command_caches_and_prints_json():
+    result = CliRunner().invoke(app, ["calibrate", "--seconds", "1", "--threads", "1", "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.output)
     assert payload["provenance"] == "calibrated" and payload["source"].startswith("calibrated on")
-    assert load_cached("cpu").matmul_flops_fp32 == payload["matmul_flops_fp32"]
+    assert load_cached("cpu", threads=1).matmul_flops_fp32 == payload["matmul_flops_fp32"]
+    assert payload["dispatch_seconds"]["backward"] > 0 and payload["matmul_curve"]["fp32"]
 
 
-def test_command_bad_device_exits_2():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA is present")
-    result = CliRunner().invoke(app, ["calibrate", "--torch-device", "cuda", "--seconds", "0.1"])
-    assert result.exit_code == 2
+def test_command_bad_input_exits_2():
+    assert CliRunner().invoke(app, ["calibrate", "--seconds", "0.1"]).exit_code == 2
+    if not torch.cuda.is_available():
+        assert CliRunner().invoke(app, ["calibrate", "--torch-device", "cuda", "--seconds", "1"]).exit_code == 2

@@ -130,15 +130,20 @@ def test_config_file_model_may_be_a_hugging_face_family(tmp_path):
 def test_estimate_and_vary_use_the_cached_calibration_of_the_device(tmp_path, monkeypatch):
     # the CLI is the caller that reads the cache: formula.estimate itself never does
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    import torch
+
     from batchlab.calibrate import Calibration, save
     from batchlab.host import cpu_hardware
 
+    rate = 5e10  # a flat matmul curve: every matmul at 50 GFLOP/s, used as measured (no achievable fraction)
     save(Calibration(device="cpu", hardware=f"{cpu_hardware()}, 1 threads", torch_device="cpu",
-                     matmul_flops_fp32=5e10, matmul_flops_bf16=None, memory_bytes_per_s=3e9,
-                     measured_at="2025-01-01T00:00:00+00:00"))
+                     matmul_flops_fp32=rate, matmul_flops_bf16=None, memory_bytes_per_s=3e9, threads=1,
+                     measured_at="2025-01-01T00:00:00+00:00", torch_version=torch.__version__,
+                     matmul_curve={"fp32": [[1.0, rate]]}, memory_curve=[[1.0, 3e9]], strided_bytes_per_s=1e9,
+                     dispatch_seconds={"forward": 5e-6, "backward": 5e-6, "plain": 5e-6}))
     one = json.loads(run("estimate", "--device", "cpu", "--json").stdout)["time"]
-    assert one["flops_ceiling"] == 5e10 * 0.4 and one["ceiling_source"].startswith("calibrated on")
+    assert one["flops_ceiling"] == pytest.approx(rate) and one["ceiling_source"].startswith("calibrated on")
     rows = json.loads(run("estimate", "--device", "cpu", "--vary", "micro_batch=1,2", "--json").stdout)
-    assert [r["time"]["flops_ceiling"] for r in rows] == [5e10 * 0.4] * 2
+    assert [r["time"]["flops_ceiling"] for r in rows] == pytest.approx([rate] * 2)
     other = json.loads(run("estimate", "--device", "h100-sxm", "--json").stdout)["time"]
-    assert other["ceiling_source"] == "datasheet"  # no calibration cached for that device
+    assert other["ceiling_source"].startswith("nominal: datasheet")  # no calibration cached for that device

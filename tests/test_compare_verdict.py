@@ -122,13 +122,18 @@ def test_a_contradiction_gets_the_diagnosis_in_order_with_findings():
     assert {"metric": "peak_memory", "who": "you", "predicted": "up", "observed": "same"} in rec["diagnosis"]["contradictions"]
     checks = rec["diagnosis"]["checks"]
     assert [c["name"] for c in checks] == ["warmup", "spread", "data_loading", "synchronisation", "window",
-                                           "peak_phase", "kernel_size"]
+                                           "peak_phase", "kernel_size", "time_model"]
     by = {c["name"]: c for c in checks}
     assert by["peak_phase"]["flagged"] and "A optimizer, B optimizer" in by["peak_phase"]["found"]
     assert by["data_loading"]["flagged"] and "20.0%" in by["data_loading"]["found"]
     assert by["window"]["flagged"] and "3 timed updates" in by["window"]["found"]  # fewer than 5
     assert not by["warmup"]["flagged"] and not by["synchronisation"]["flagged"]
     assert by["kernel_size"]["flagged"] and "A 16, B 32" in by["kernel_size"]["found"]  # b x s tokens
+    # the formula's own account of the change: a statement, not a suspect
+    assert not by["time_model"]["flagged"] and by["time_model"]["found"].startswith("the time model predicts B/A")
+    assert "dispatch is" in by["time_model"]["found"]
+    assert rec["formula"]["time_attribution"]["ratio"] == pytest.approx(
+        rec["formula"]["b"]["time"]["update_seconds"] / rec["formula"]["a"]["time"]["update_seconds"])
     assert rec["metrics"]["peak_memory"]["held"]["user"] is False
 
 
@@ -190,11 +195,12 @@ def test_the_semantics_of_a_global_batch_change_are_flagged_and_not_claimed_veri
 
 def test_only_checks_that_can_explain_the_contradiction_are_flagged():
     # memory alone goes against the predictions: timing checks are reported but cannot explain it (the
-    # formula is told per-op overhead is nil, so it too predicts the same update time)
-    base = BASE.replace(op_overhead_seconds=0.0)
+    # update time falls by 20%, as the person and the formula's time model both predicted)
+    base = BASE
     p = make_plan(base, [parse_change("micro_batch=1:2", base)],
-                  predictions=parse_predictions("memory=down,time=same"), steps=3)
-    fake = FakeMeasure((p.sides.a, p.sides.b), peak=(1000, 1200), phase="optimizer", data_share=0.2)
+                  predictions=parse_predictions("memory=down,time=down"), steps=3)
+    fake = FakeMeasure((p.sides.a, p.sides.b), peak=(1000, 1200), times=((1.0, 0.8),) * 3, phase="optimizer",
+                       data_share=0.2)
     rec = run(p, measure=fake, verify=False)
     assert [c["metric"] for c in rec["diagnosis"]["contradictions"] if c["who"] == "you"] == ["peak_memory"]
     by = {c["name"]: c for c in rec["diagnosis"]["checks"]}

@@ -144,13 +144,14 @@ def timed_rates(fn: Callable[[], Any], work: float, seconds: float, sync: Callab
                 clock: Callable[[], float] = time.perf_counter, min_samples: int = 3) -> list[float]:
     """Rates (work per second) of repeated ``fn()`` calls for about ``seconds``, one warm-up call first.
 
-    Each sample times enough calls to last ~20 ms, so launch and clock overheads stay small on a GPU.
+    Each sample times enough calls to last ~20 ms (less when ``seconds`` is short), so launch and clock
+    overheads stay small on a GPU.
     """
     t0 = clock()
     fn()
     sync()
     once = max(clock() - t0, 1e-9)
-    calls = max(1, int(0.02 / once))
+    calls = max(1, int(min(0.02, seconds / 5) / once))
     rates: list[float] = []
     end = clock() + seconds
     while clock() < end or len(rates) < min_samples:

@@ -193,7 +193,7 @@ def finish(record: dict[str, Any], plan: Plan, rounds: Rounds | None, formula_pr
             phase = {k: (record["formula"].get(k) or {}).get("memory", {}).get("peak_phase") for k in "ab"}
             contradicted = {c["metric"] for c in found}
             checks = [c.to_dict() for c in diagnose(ctx, vs[Metric.UPDATE_TIME].band, phase, contradicted)]
-        checks += [c.to_dict() for c in time_model_checks(record["formula"].get("time_attribution"))]
+            checks += [c.to_dict() for c in time_model_checks(record["formula"].get("time_attribution"))]
         record["diagnosis"] = {"contradictions": found, "checks": checks}
     record["semantics"] = semantics(s.a, s.b, run_check=verify and rounds is not None,
                                     why_not="not run: formula only" if rounds is None else "not run (--no-verify)")

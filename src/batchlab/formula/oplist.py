@@ -70,7 +70,7 @@ class _Ops:
         self.add(_op("mm", BWD, t * i, (t * o + i * o + t * i) * e, fl, w.low),
                  _op("mm", BWD, i * o, (t * o + t * i + i * o) * e, fl, w.low),
                  _op("sum", BWD, o, (t * o + o) * e, low=w.low, count=int(bias)),
-                 _views(BWD, 9 if bias else 7))
+                 _views(BWD, 7 if bias else 6))
         if w.autocast:  # the gradients of the copies, back to fp32
             self.add(_op("_to_copy", BWD, i * o, i * o * (F32 + e)),
                      _op("_to_copy", BWD, o, o * (F32 + e), count=int(bias)),
@@ -81,8 +81,7 @@ class _Ops:
         if kind is NormKind.LAYERNORM:
             self.add(_op("native_layer_norm", ph, t * h, 2 * t * h * r + 2 * h * r + 2 * t * F32))
             if backward:
-                self.add(_op("native_layer_norm_backward", BWD, t * h, 3 * t * h * r + 2 * t * F32 + 2 * h * r),
-                         _views(BWD, 1 + int(bias)))
+                self.add(_op("native_layer_norm_backward", BWD, t * h, 3 * t * h * r + 2 * t * F32 + 2 * h * r))
             return
         # F.rms_norm on CPU is composite: pow, mean, add, rsqrt, mul, mul (weight)
         self.add(_op("pow", ph, t * h, 2 * t * h * r), _op("mean", ph, t, t * h * r + t * F32),
@@ -92,7 +91,7 @@ class _Ops:
             self.add(_op("mul", BWD, t * h, 3 * t * h * r, count=6), _op("sum", BWD, h, t * h * r),
                      _op("sum", BWD, t, t * h * r), _op("mul", BWD, t, 3 * t * F32, count=2),
                      _op("div", BWD, t * h, 3 * t * h * r), _op("pow", BWD, t * h, 2 * t * h * r, count=2),
-                     _op("add", BWD, t * h, 3 * t * h * r, count=2), _views(BWD, 3))
+                     _op("add", BWD, t * h, 3 * t * h * r, count=2), _views(BWD, 2))
 
     def dropout(self, ph: Phase, n: int, p: float, width: int, backward: bool = True) -> None:
         if p <= 0:
@@ -135,7 +134,7 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
             ops.add(_op("_scaled_dot_product_flash_attention_for_cpu_backward", BWD, 3 * t * h,
                         8 * t * h * e + a * t * F32, 5 * fl, ops.w.low, grain=5 * g), _views(BWD, 3))
     else:  # eager (or SDPA's math path with dropout on CPU): materialised scores
-        copies = 3
+        copies = 3 if b > 1 else 0  # matmul copies expanded q, k, v (a batch of one needs no copy)
         ops.add(_op("clone", ph, t * h, 2 * t * h * e, count=copies, strided=True), _views(ph, 6),
                 _op("_unsafe_view", ph, t * h, 0, count=copies),
                 _op("bmm", ph, score, (2 * t * h + score) * e, fl, ops.w.low, grain=g),
@@ -151,7 +150,7 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
                     _op("bmm", BWD, t * h, (t * h + score + t * h) * e, fl, ops.w.low, grain=g),
                     _op("mul", BWD, score, 2 * score * e), _op("_softmax_backward_data", BWD, score, 3 * score * e),
                     _op("masked_fill", BWD, score, 2 * score * e + s * s),
-                    _op("clone", BWD, t * h, 2 * t * h * e, count=2, strided=True),
+                    _op("clone", BWD, t * h, 2 * t * h * e, count=2 if b > 1 else 0, strided=True),
                     _op("_unsafe_view", BWD, t * h, 0, count=2),
                     _views(BWD, 10))
         # y.transpose(1, 2).reshape(b, s, h): one contiguous copy (SDPA's output already has that layout)
@@ -199,13 +198,13 @@ def _outside(ops: _Ops, cfg: RunConfig) -> None:
     m, w = cfg.model, ops.w
     t, h, V = cfg.micro_batch * cfg.seq, m.hidden, m.vocab
     ops.add(_op("embedding", FWD, t * h, 2 * t * h * w.res + t * 8), _op("embedding_dense_backward", BWD, V * h,
-            V * h * w.res + t * h * w.res + t * 8), _views(BWD, 1))
+            V * h * w.res + t * h * w.res + t * 8))
     if m.position is PositionKind.LEARNED:
         ops.add(_op("arange", FWD, cfg.seq, cfg.seq * 8), _op("embedding", FWD, cfg.seq * h, 2 * cfg.seq * h * w.res),
                 _op("add", FWD, t * h, (2 * t * h + cfg.seq * h) * w.res),
                 _op("sum", BWD, cfg.seq * h, (t * h + cfg.seq * h) * w.res),
                 _op("embedding_dense_backward", BWD, m.max_positions * h, m.max_positions * h * w.res),
-                _views(BWD, 2))
+                _views(BWD, 1))
     else:  # rope tables: arange, outer, cat, cos, sin (and two casts under autocast)
         ops.add(_op("arange", FWD, cfg.seq, cfg.seq * 8, count=2), _op("mul", FWD, cfg.seq * m.head_dim, 0, count=2),
                 _op("cat", FWD, cfg.seq * m.head_dim, 0), _op("cos", FWD, cfg.seq * m.head_dim, 0),
@@ -216,7 +215,7 @@ def _outside(ops: _Ops, cfg: RunConfig) -> None:
     if m.tied_embeddings:  # the head's and the embedding's gradients summed into one tensor
         ops.add(_op("add", BWD, V * h, 3 * V * h * w.res))
     if w.autocast:  # logits.float()
-        ops.add(_op("_to_copy", FWD, t * V, t * V * (w.e + F32)), _op("_to_copy", BWD, t * V, t * V * (w.e + F32), True))
+        ops.add(_op("_to_copy", FWD, t * V, t * V * (w.e + F32)), _op("_to_copy", BWD, t * V, t * V * (w.e + F32), low=True))
     ops.add(_op("_log_softmax", FWD, t * V, 2 * t * V * F32), _op("nll_loss_forward", FWD, 1, t * V * F32 + t * 8),
             _op("div", FWD, 1, 8), _views(FWD, 4),
             _op("ones_like", BWD, 1, 4), _op("div", BWD, 1, 8), _op("nll_loss_backward", BWD, t * V, t * V * F32 * 2),
@@ -266,7 +265,7 @@ def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
 def _data(ops: _Ops, cfg: RunConfig) -> None:
     b, s = cfg.micro_batch, cfg.seq
     n = b * (s + 1)
-    ops.add(_op("randint", DATA, n, n * 8, count=cfg.accum), _op("clone", DATA, b * s, 2 * b * s * 8, count=2 * cfg.accum, strided=True),
+    ops.add(_op("randint", DATA, n, n * 8, count=cfg.accum), _op("clone", DATA, b * s, 2 * b * s * 8, count=2 * cfg.accum, strided=b > 1),
             _op("ne", DATA, b * s, b * s * 9, count=cfg.accum), _op("sum", DATA, 1, b * s, count=cfg.accum),
             _op("_local_scalar_dense", DATA, 0, 0, count=cfg.accum), _views(DATA, 2 * cfg.accum))
 
@@ -311,6 +310,10 @@ def update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     per_micro = micro_batch_ops(cfg)
     ops = _Ops(_widths(cfg))
     ops.add(*(o.times(cfg.accum) for o in per_micro))
+    # AccumulateGrad: the first micro-batch's gradient is kept (a detach per parameter), later ones are
+    # added into it
+    sizes = parameter_sizes(cfg)
+    ops.add(_views(BWD, len(sizes)), *(_op("add_", BWD, n, 3 * n * F32, count=cfg.accum - 1) for n in sizes))
     _data(ops, cfg)
     _optimizer(ops, cfg)
     return merge(ops.out)

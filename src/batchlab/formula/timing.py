@@ -77,6 +77,7 @@ def matmul_curve(rate: float, start: float) -> tuple[tuple[float, float], ...]:
 def nominal_costs(cfg: RunConfig) -> OpCosts:
     """Per-op costs from the device entry alone (no calibration): said so in every prediction."""
     dev, a = cfg.device_spec, cfg.assumptions
+    named = dev.source if dev.source.startswith("nominal") else f"nominal: {dev.source} figures of {dev.name}"
     start = MATMUL_START[dev.backend]
     curves = {"fp32": matmul_curve(dev.peak_flops_fp32 * a.achievable_fraction, start),
               "bf16": matmul_curve(dev.peak_flops_bf16 * a.achievable_fraction, start)}
@@ -88,7 +89,7 @@ def nominal_costs(cfg: RunConfig) -> OpCosts:
     return OpCosts(matmul=curves, memory=((1.0, dev.hbm_bytes_per_s),), strided_bytes_per_s=dev.hbm_bytes_per_s / 4,
                    element_seconds=elements,
                    dispatch=NOMINAL_DISPATCH[dev.backend], asynchronous=dev.backend is not Backend.CPU,
-                   source=f"{dev.source}, achievable fraction {a.achievable_fraction:g} on large matmuls")
+                   source=f"{named}, achievable fraction {a.achievable_fraction:g} on large matmuls")
 
 
 def costs_for(cfg: RunConfig, calibrated: OpCosts | None) -> OpCosts:

@@ -1,0 +1,170 @@
+"""The per-op time model: op accounting (against FlopCounterMode and by hand), the calculator's op list against
+the ops the real code runs, and the model's ratios on controlled toy cases.  No timed assertions."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from batchlab.config import RunConfig
+from batchlab.formula import estimate
+from batchlab.formula.attribution import attribute
+from batchlab.formula.opcost import OpClass, OpCosts, OpCount, Phase, interpolate_log, op_class, price
+from batchlab.formula.oplist import update_ops
+from batchlab.measure.harness import Trainer
+from batchlab.trace.flops import register_cpu_attention_flops
+from batchlab.trace.ops import OpRecorder, record_update
+
+FLAT = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e10),), strided_bytes_per_s=5e9,
+               element_seconds={}, dispatch={"forward": 1e-5, "backward": 1e-5, "plain": 1e-5}, source="toy")
+
+
+def recorded(cfg: RunConfig) -> tuple[OpCount, ...]:
+    trainer = Trainer(cfg)
+    trainer.update()  # AdamW's state exists: the steady update
+    return record_update(trainer)
+
+
+def totals(ops, key):
+    out = collections.Counter()
+    for op in ops:
+        out[key(op)] += op.count
+    return out
+
+
+def test_one_linear_layer_by_hand():
+    lin = nn.Linear(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    with OpRecorder() as rec:
+        rec.mark("forward")
+        y = lin(x)
+        rec.mark("backward")
+        y.sum().backward()
+    ops = {(o.phase, o.name): o for o in rec.result()}
+    addmm = ops[(Phase.FORWARD, "addmm")]
+    assert addmm.klass is OpClass.MATMUL and addmm.flops == 2 * 2 * 4 * 3
+    assert addmm.bytes == (3 + 2 * 4 + 4 * 3 + 2 * 3) * 4  # bias, x, w^T read; y written (fp32)
+    assert addmm.elements == 6
+    assert ops[(Phase.FORWARD, "t")].klass is OpClass.VIEW and ops[(Phase.FORWARD, "t")].bytes == 0
+    # backward: grad x = g @ w (2x3 @ 3x4), grad w = g^T @ x (3x2 @ 2x4): 48 FLOPs each
+    assert sum(o.flops * o.count for o in rec.result() if o.phase is Phase.BACKWARD) == 2 * 48
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(ac="full"), dict(ac="selective"), dict(attention="sdpa", dropout=0.0)])
+def test_recorded_flops_per_phase_match_flop_counter_mode(kw):
+    cfg = RunConfig(seq=32, micro_batch=2).replace(**kw)
+    trainer = Trainer(cfg)
+    trainer.update()
+    register_cpu_attention_flops()
+    rec = OpRecorder(trainer.raw_model)
+    with FlopCounterMode(display=False) as counter, rec:
+        trainer.update(probe=rec)
+    rec.close()
+    ops = rec.result()
+    assert sum(o.flops * o.count for o in ops) == counter.get_total_flops()
+    if kw.get("ac"):
+        assert sum(o.flops * o.count for o in ops if o.phase is Phase.RECOMPUTE) > 0
+
+
+VARIANTS = [dict(), dict(attention="sdpa", dropout=0.0), dict(precision="bf16-mixed"), dict(ac="full"),
+            dict(ac="selective"), dict(micro_batch=1, accum=3),
+            dict(attention="sdpa", dropout=0.0, mlp="swiglu", norm="rmsnorm", position="rope", bias=False,
+                 tied_embeddings=False, ffn=256, kv_heads=2)]
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "tiny")
+def test_the_calculators_op_list_is_the_one_the_code_runs(kw):
+    cfg = RunConfig(seq=32, micro_batch=2).replace(**kw)
+    real, formula = recorded(cfg), update_ops(cfg)
+    # every matmul FLOP, per phase, exactly
+    flops = lambda o: o.flops * o.count  # noqa: E731
+    for phase in Phase:
+        assert sum(flops(o) for o in formula if o.phase is phase) == sum(flops(o) for o in real if o.phase is phase)
+    # op counts per phase within 8% (view ops are the loose part), non-view ops per class within 3
+    for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE, Phase.OPTIMIZER):
+        n_real = sum(o.count for o in real if o.phase is phase)
+        n_formula = sum(o.count for o in formula if o.phase is phase)
+        assert n_formula == pytest.approx(n_real, rel=0.08, abs=2), phase
+    # (a copy of a transposed size-1 dimension is contiguous: strided and plain copies are counted together)
+    merged = lambda o: OpClass.MEMORY if o.klass is OpClass.STRIDED else o.klass  # noqa: E731
+    by_class = lambda ops: totals((o for o in ops if o.klass is not OpClass.VIEW), lambda o: (o.phase, merged(o)))  # noqa: E731
+    r, f = by_class(real), by_class(formula)
+    for key in set(r) | set(f):
+        assert abs(r[key] - f[key]) <= 3 + 0.05 * r[key], (key, r[key], f[key])
+    # bytes moved by memory-bound and per-element ops within 10%
+    moved = lambda ops: sum(o.bytes * o.count for o in ops if o.klass not in (OpClass.MATMUL, OpClass.VIEW))  # noqa: E731
+    assert moved(formula) == pytest.approx(moved(real), rel=0.10)
+
+
+def test_formula_and_trace_predict_the_same_update_time():
+    from batchlab.trace import estimate as trace_estimate
+
+    cfg = RunConfig(seq=64, micro_batch=2, ac="full")
+    f, t = estimate(cfg).time.ops, trace_estimate(cfg).time
+    assert t.provenance == "trace" and f.provenance == "formula"
+    assert f.seconds == pytest.approx(t.seconds, rel=0.03)
+    assert f.flops == t.flops
+
+
+def test_op_classes():
+    assert op_class("addmm") is OpClass.MATMUL and op_class("_scaled_dot_product_flash_attention_for_cpu") is OpClass.MATMUL
+    assert op_class("gelu") is OpClass.ACTIVATION and op_class("gelu_backward") is OpClass.ACTIVATION_GRAD
+    assert op_class("sqrt") is OpClass.MEMORY and op_class("add_") is OpClass.MEMORY
+    assert op_class("bernoulli_") is OpClass.RANDOM and op_class("native_layer_norm") is OpClass.NORM
+    assert op_class("_unsafe_view") is OpClass.VIEW and op_class("transpose", is_view=True) is OpClass.VIEW
+    assert op_class("clone", strided=True) is OpClass.STRIDED and op_class("clone") is OpClass.MEMORY
+
+
+def test_interpolation_in_log_flops():
+    pts = ((1e6, 10.0), (1e8, 30.0))
+    assert interpolate_log(pts, 1e7) == pytest.approx(20.0)  # halfway in log
+    assert interpolate_log(pts, 1e3) == 10.0 and interpolate_log(pts, 1e12) == 30.0  # flat outside
+
+
+def test_dispatch_bound_and_flop_bound_toys():
+    # 1000 tiny element-wise ops: 10 ms of dispatch, 1 µs of bytes; one 1 GFLOP matmul: 100 ms of work
+    tiny = OpCount("add", Phase.FORWARD, OpClass.MEMORY, bytes=12, count=1000)
+    big = OpCount("mm", Phase.FORWARD, OpClass.MATMUL, flops=10**9)
+    t_tiny, t_big = price([tiny], FLAT), price([big], FLAT)
+    assert t_tiny.seconds == pytest.approx(1000 * (1e-5 + 12 / 1e10))
+    assert t_tiny.dispatch_share > 0.99 and t_big.dispatch_share < 1e-3
+    assert t_big.seconds == pytest.approx(0.1 + 1e-5)
+    # on an asynchronous device a launch hides behind a longer kernel
+    gpu = OpCosts(**{**FLAT.__dict__, "asynchronous": True})
+    assert price([big], gpu).seconds == pytest.approx(0.1) and price([tiny], gpu).seconds == pytest.approx(0.01)
+
+
+def test_micro_batch_ratio_follows_the_dispatch_share():
+    # at a fixed global batch, 8 micro-batches of 1 run 8x the forward/backward ops of 1 micro-batch of 8
+    a = RunConfig(seq=32, micro_batch=8, accum=1)
+    b = a.replace(micro_batch=1, accum=8)
+    dispatch_bound = OpCosts(**{**FLAT.__dict__, "dispatch": dict.fromkeys(FLAT.dispatch, 1e-3)})
+    no_dispatch = OpCosts(**{**FLAT.__dict__, "dispatch": dict.fromkeys(FLAT.dispatch, 0.0)})
+    ra = price(update_ops(b), dispatch_bound).seconds / price(update_ops(a), dispatch_bound).seconds
+    rb = price(update_ops(b), no_dispatch).seconds / price(update_ops(a), no_dispatch).seconds
+    assert 4 < ra < 8  # the optimizer's ops do not multiply
+    # same FLOPs, flat rates: only the bytes of per-micro-batch work on whole weights (gradient accumulation,
+    # the embedding's dense gradient) remain
+    assert 1.0 < rb < 1.15
+
+
+def test_attribution_parts_add_up_and_name_recompute():
+    a = RunConfig(seq=64)
+    ea, eb = estimate(a).time, estimate(a.replace(ac="full")).time
+    att = attribute(ea, eb)
+    assert sum(p.delta for p in att.parts) == pytest.approx(eb.update_seconds - ea.update_seconds)
+    assert att.ratio == pytest.approx(eb.update_seconds / ea.update_seconds)
+    assert 0.2 < att.recompute_flops_share < 0.4  # a full forward again, less the early-stopped tail
+    assert att.text.startswith("the time model predicts B/A = ") and "recompute adds" in att.text
+    assert "dispatch is" in att.text
+
+
+def test_every_prediction_states_the_time_models_assumptions():
+    e = estimate(RunConfig())
+    line = next(a for a in e.assumptions if a.startswith("time model:"))
+    assert "ops per update" in line and "source: nominal" in line and "µs per" in line
+    assert e.time.ops.by_phase and sum(e.time.ops.by_phase.values()) == pytest.approx(e.time.ops.seconds)
+    assert sum(e.time.ops.by_class.values()) == pytest.approx(e.time.ops.seconds)
