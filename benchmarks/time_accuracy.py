@@ -195,6 +195,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="a few rows, 3 pairs: a smoke run")
     p.add_argument("--pairs", type=int, default=8, help="paired updates per row")
     p.add_argument("--only", default=None, help="only rows whose model or label contains this text")
+    p.add_argument("--cached", action="store_true", help="use the cached calibration instead of measuring one now")
     p.add_argument("--trace", choices=("hf", "all", "none"), default="hf",
                    help="which rows also get the trace's prediction (a fake-tensor run per config)")
     args = p.parse_args(argv)
@@ -206,7 +207,11 @@ def main(argv=None) -> None:
     pairs = args.pairs
     if args.quick:
         grid, pairs = [g for g in grid if g[1].startswith(("AC none -> full", "seq 64"))][:3], 3
-    cal, fresh = calibrate.ensure("cpu", threads=THREADS)
+    if args.cached:
+        cal, fresh = calibrate.ensure("cpu", threads=THREADS)
+    else:  # calibrated in the same conditions as the measurements below (and cached for compare)
+        cal, fresh = calibrate.measure("cpu", threads=THREADS), True
+        calibrate.save(cal)
     cals = {cal.device: cal}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"Time model accuracy on {cpu_hardware()}, {THREADS} thread per process, load average {load:.1f} at "

@@ -43,7 +43,8 @@ class Calibration:
     seconds: float = 0.0  # how long calibrating took
     # the per-op time model's parameters (formula/opcost.py OpCosts)
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)  # dtype -> [[FLOPs/call, FLOP/s]]
-    memory_curve: list[list[float]] = field(default_factory=list)  # [[bytes/call, bytes/s]]
+    memory_curve: list[list[float]] = field(default_factory=list)  # [[bytes/call, bytes/s]], fp32 add
+    memory_curve_bf16: list[list[float]] = field(default_factory=list)  # the same add in bf16
     strided_bytes_per_s: float = 0.0  # a transposed view copied contiguous, read + write
     element_seconds: dict[str, float] = field(default_factory=dict)  # "activation:fp32" -> s per element
     dispatch_seconds: dict[str, float] = field(default_factory=dict)  # forward | backward | plain -> s per op
@@ -69,6 +70,7 @@ class Calibration:
             return None
         return OpCosts(matmul={k: tuple(map(tuple, v)) for k, v in self.matmul_curve.items()},
                        memory=tuple(map(tuple, self.memory_curve)), strided_bytes_per_s=self.strided_bytes_per_s,
+                       memory_low=tuple(map(tuple, self.memory_curve_bf16)) or None,
                        element_seconds=dict(self.element_seconds),
                        dispatch=dict(self.dispatch_seconds), asynchronous=not self.torch_device.startswith("cpu"),
                        source=self.source)
@@ -260,22 +262,49 @@ def _bmm_curve(device, dtype, seconds: float, sync) -> list[list[float]]:
     return sorted(out)
 
 
-def _memory_curve(device, seconds: float, sync) -> tuple[list[list[float]], float]:
+# fused attention (batch x heads, s, d), causal, forward and backward together
+SDPA_SHAPES = ((8, 64, 32), (8, 128, 32), (8, 256, 64), (4, 512, 64))
+
+
+def _sdpa_curve(device, dtype, seconds: float, sync) -> list[list[float]]:
+    """(forward FLOPs per (batch, head), FLOP/s) of scaled_dot_product_attention's forward + backward, as
+    FlopCounterMode counts them (4 s^2 d + 10 s^2 d per head, no causal halving)."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    for heads, s, d in SDPA_SHAPES:
+        try:
+            q, k, v = (torch.randn(1, heads, s, d, device=device).to(dtype).requires_grad_() for _ in range(3))
+            g = torch.randn(1, heads, s, d, device=device).to(dtype)
+        except (RuntimeError, TypeError):
+            return out
+
+        def step():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+
+        out.append([float(4 * s * s * d), statistics.median(
+            timed_rates(step, 14 * s * s * d * heads, seconds / len(SDPA_SHAPES), sync, min_samples=2))])
+    return sorted(out)
+
+
+def _memory_curve(device, seconds: float, sync) -> tuple[list[list[float]], list[list[float]], float]:
     """Bandwidth of an out-of-place fp32 add (two reads, one write) at each size (the small ones stay in
     cache, as a previous op's output does); and of a strided copy, a (b, s, a, d) activation's transpose
     made contiguous as attention code does."""
     import torch
 
-    out = []
-    share = seconds / (len(MEMORY_SIZES) + 1)
-    for n in MEMORY_SIZES:
-        x, y = torch.ones(n, device=device), torch.ones(n, device=device)
-        moved = 3 * 4 * n
-        out.append([float(moved), statistics.median(timed_rates(lambda: torch.add(x, y), moved, share, sync))])
+    curves: dict[torch.dtype, list[list[float]]] = {torch.float32: [], torch.bfloat16: []}
+    share = seconds / (2 * len(MEMORY_SIZES) + 1)
+    for dtype, out in curves.items():
+        for n in MEMORY_SIZES:
+            x, y = torch.ones(n, device=device, dtype=dtype), torch.ones(n, device=device, dtype=dtype)
+            moved = 3 * x.element_size() * n
+            out.append([float(moved), statistics.median(timed_rates(lambda: torch.add(x, y), moved, share, sync))])
     n = MEMORY_SIZES[1]
     x = torch.ones(n // (128 * 4 * 32), 128, 4, 32, device=device).transpose(1, 2)
     strided = statistics.median(timed_rates(lambda: x.contiguous(), 2 * 4 * x.numel(), share, sync))
-    return out, strided
+    return curves[torch.float32], curves[torch.bfloat16], strided
 
 
 def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
@@ -344,7 +373,7 @@ def _hardware(device) -> str:
 def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
             threads: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in about ``seconds``: the matmul curves in fp32 and bf16
-    (40% linear layers, 10% attention's batched matmuls), element-wise bandwidth (10%), per-element kernels
+    (34% linear layers, 8% attention's batched matmuls, 8% fused attention), element-wise bandwidth (10%), per-element kernels
     (15%), per-op dispatch (25%).  ``threads``: the
     intra-op thread count to measure at (CPU; restored afterwards)."""
     import torch
@@ -366,11 +395,13 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
     try:
         sync = synchronizer(device)
         start = time.perf_counter()
-        fp32 = _matmul_curve(device, torch.float32, shapes, 0.2 * seconds, sync)
-        bf16 = _matmul_curve(device, torch.bfloat16, shapes, 0.2 * seconds, sync)
-        bmm = {"bmm-fp32": _bmm_curve(device, torch.float32, 0.05 * seconds, sync),
-               "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.05 * seconds, sync)}
-        mem, strided = _memory_curve(device, 0.1 * seconds, sync)
+        fp32 = _matmul_curve(device, torch.float32, shapes, 0.17 * seconds, sync)
+        bf16 = _matmul_curve(device, torch.bfloat16, shapes, 0.17 * seconds, sync)
+        bmm = {"bmm-fp32": _bmm_curve(device, torch.float32, 0.04 * seconds, sync),
+               "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync),
+               "sdpa-fp32": _sdpa_curve(device, torch.float32, 0.04 * seconds, sync),
+               "sdpa-bf16": _sdpa_curve(device, torch.bfloat16, 0.04 * seconds, sync)}
+        mem, mem16, strided = _memory_curve(device, 0.1 * seconds, sync)
         elements = _element_seconds(device, 0.15 * seconds, sync)
         dispatch = _dispatch_seconds(device, 0.25 * seconds, sync)
         assert fp32, "fp32 matmul failed"
@@ -383,7 +414,7 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
             measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__, seconds=time.perf_counter() - start,
             matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{k: v for k, v in bmm.items() if v}},
-            memory_curve=mem,
+            memory_curve=mem, memory_curve_bf16=mem16,
             strided_bytes_per_s=strided, element_seconds=elements, dispatch_seconds=dispatch)
     finally:
         torch.set_num_threads(before)

@@ -49,8 +49,10 @@ def calibrate(
         what = "attention's batched matmuls" if key.startswith("bmm") else "linear layers' matmuls"
         table.add_row(f"{what}, {key.removeprefix('bmm-')}", rates,
                       f"by call size {fmt_count(pts[0][0], 'FLOP')} … {fmt_count(pts[-1][0], 'FLOP')}")
-    table.add_row("element-wise bandwidth", " · ".join(fmt_count(r, "B/s") for _, r in cal.memory_curve),
-                  "add, by bytes per call " + " · ".join(fmt_bytes(b) for b, _ in cal.memory_curve))
+    for tag, curve in (("fp32", cal.memory_curve), ("bf16", cal.memory_curve_bf16)):
+        if curve:
+            table.add_row(f"element-wise bandwidth, {tag}", " · ".join(fmt_count(r, "B/s") for _, r in curve),
+                          "add, by bytes per call " + " · ".join(fmt_bytes(b) for b, _ in curve))
     table.add_row("strided copy", fmt_count(cal.strided_bytes_per_s, "B/s"), "a transposed activation made contiguous")
     for key, s in cal.element_seconds.items():
         table.add_row(f"per element: {key}", f"{s * 1e9:.2f} ns", "representative kernel")

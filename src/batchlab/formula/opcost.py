@@ -102,7 +102,9 @@ class OpCount:
     elements: int = 0
     low_precision: bool = False  # 16-bit operands (bf16 / fp16 matmul rate, 16-bit element rates)
     count: int = 1
-    grain: int = 0  # FLOPs of one independent matmul inside the call (a bmm's batch entry); 0: all of them
+    # FLOPs of one independent matmul inside the call (a bmm's batch entry; for fused attention the forward's
+    # FLOPs per (batch, head), backward included); 0: the whole call's
+    grain: int = 0
 
     def to_dict(self) -> dict:
         return {"name": self.name, "phase": self.phase.value, "klass": self.klass.value, "flops": self.flops,
@@ -138,14 +140,18 @@ class OpCosts:
     strided_bytes_per_s: float  # a transposed view copied to contiguous memory (read + write)
     element_seconds: Mapping[str, float]  # "activation:fp32" -> s / element
     dispatch: Mapping[str, float]  # "forward" | "backward" | "plain" -> s / op
+    # 16-bit element-wise ops by bytes per call: on CPUs they convert to fp32 and back, so halving the bytes
+    # does not halve the time; None: the fp32 curve
+    memory_low: tuple[tuple[float, float], ...] | None = None
     asynchronous: bool = False  # GPU: the host issues ahead of the kernels, so an op costs max(launch, work)
     source: str = "nominal"
 
-    def matmul_rate(self, flops: float, low_precision: bool, batched: bool = False) -> float:
+    def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:
         """FLOP/s of one matmul of ``flops``: linear in log FLOPs between the calibrated points, flat outside.
-        ``batched``: one entry of a batched matmul (attention), from its own curve where calibrated."""
+        ``kind``: "bmm" (one entry of a batched matmul) or "sdpa" (fused attention, per (batch, head)), from
+        its own curve where calibrated, else the linear layers' curve."""
         key = "bf16" if low_precision else "fp32"
-        pts = (self.matmul.get(f"bmm-{key}") if batched else None) or self.matmul.get(key) or self.matmul["fp32"]
+        pts = (self.matmul.get(f"{kind}-{key}") if kind else None) or self.matmul.get(key) or self.matmul["fp32"]
         return interpolate_log(pts, flops)
 
     def element_rate_seconds(self, klass: OpClass, low_precision: bool) -> float:
@@ -155,20 +161,21 @@ class OpCosts:
     def work_seconds(self, op: OpCount) -> float:
         """One call's time beyond its dispatch."""
         if op.klass is OpClass.MATMUL:
-            return (op.flops / self.matmul_rate(op.grain or op.flops, op.low_precision, batched=op.grain > 0)
-                    if op.flops else 0.0)
+            kind = ("sdpa" if op.name.startswith("_scaled_dot_product") else "bmm") if op.grain else ""
+            return op.flops / self.matmul_rate(op.grain or op.flops, op.low_precision, kind) if op.flops else 0.0
         if op.klass is OpClass.MEMORY:
-            return op.bytes / self.bandwidth(op.bytes)
+            return op.bytes / self.bandwidth(op.bytes, op.low_precision)
         if op.klass is OpClass.STRIDED:
             return op.bytes / self.strided_bytes_per_s
         if op.klass is OpClass.VIEW:
             return 0.0
         # per-element kernels also move their bytes: whichever bound is slower (roofline)
         return max(op.elements * self.element_rate_seconds(op.klass, op.low_precision),
-                   op.bytes / self.bandwidth(op.bytes))
+                   op.bytes / self.bandwidth(op.bytes, op.low_precision))
 
-    def bandwidth(self, nbytes: float) -> float:
-        return interpolate_log(self.memory, max(nbytes, 1.0))
+    def bandwidth(self, nbytes: float, low_precision: bool = False) -> float:
+        curve = self.memory_low if low_precision and self.memory_low else self.memory
+        return interpolate_log(curve, max(nbytes, 1.0))
 
     def dispatch_seconds(self, phase: Phase) -> float:
         return self.dispatch[DISPATCH_KIND[phase]]

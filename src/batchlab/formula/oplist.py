@@ -132,7 +132,7 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
                     ops.w.low, grain=2 * g), _views(ph, 2))
         if backward:
             ops.add(_op("_scaled_dot_product_flash_attention_for_cpu_backward", BWD, 3 * t * h,
-                        8 * t * h * e + a * t * F32, 5 * fl, ops.w.low, grain=5 * g), _views(BWD, 3))
+                        8 * t * h * e + a * t * F32, 5 * fl, ops.w.low, grain=2 * g), _views(BWD, 3))
     else:  # eager (or SDPA's math path with dropout on CPU): materialised scores
         copies = 3 if b > 1 else 0  # matmul copies expanded q, k, v (a batch of one needs no copy)
         ops.add(_op("clone", ph, t * h, 2 * t * h * e, count=copies, strided=True), _views(ph, 6),

@@ -61,8 +61,9 @@ def _grain(name: str, ins: list[torch.Tensor], flops: int) -> int:
         return 0
     if name in ("bmm", "baddbmm"):
         return flops // max(ins[-1].shape[0], 1)
-    if name.startswith("_scaled_dot_product") and ins[0].dim() == 4:
-        return flops // max(ins[0].shape[0] * ins[0].shape[1], 1)
+    if name.startswith("_scaled_dot_product") and ins[0].dim() == 4:  # the forward's 4 s^2 d per head
+        per_head = flops // max(ins[0].shape[0] * ins[0].shape[1], 1)
+        return per_head * 2 // 5 if name.endswith("_backward") else per_head
     return 0
 
 
