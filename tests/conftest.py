@@ -34,7 +34,7 @@ import pytest  # noqa: E402
 def _short_calibration(monkeypatch):
     """measure and compare calibrate the CPU once per cache (the suite's is fresh): keep that one to ~1 s."""
     try:
-        import batchlab.calibrate as cal
+        import batchlab.calibrate.run as cal
     except ImportError:
         return
     original = cal.measure

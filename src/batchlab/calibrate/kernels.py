@@ -1,0 +1,228 @@
+"""The kernels ``batchlab calibrate`` times: matmul curves (linear layers, attention's batched matmuls, fused
+attention), element-wise bandwidth, per-element kernels and per-op dispatch.  Torch is imported inside the
+functions, so importing this module stays cheap."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+from batchlab.formula.opcost import DISPATCH_KIND, Phase
+
+
+def timed_rates(fn: Callable[[], Any], work: float, seconds: float, sync: Callable[[], None],
+                clock: Callable[[], float] = time.perf_counter, min_samples: int = 3) -> list[float]:
+    """Rates (work per second) of repeated ``fn()`` calls for about ``seconds``, one warm-up call first.
+
+    Each sample times enough calls to last ~20 ms (less when ``seconds`` is short), so launch and clock
+    overheads stay small on a GPU.
+    """
+    t0 = clock()
+    fn()
+    sync()
+    once = max(clock() - t0, 1e-9)
+    calls = max(1, int(min(0.02, seconds / 5) / once))
+    rates: list[float] = []
+    end = clock() + seconds
+    while clock() < end or len(rates) < min_samples:
+        t = clock()
+        for _ in range(calls):
+            fn()
+        sync()
+        rates.append(work * calls / max(clock() - t, 1e-12))
+    return rates
+
+
+# Shape classes for the matmul curve, (m, k, n): from a few heads' attention blocks to large projections;
+# the time model interpolates between their FLOPs per call.
+MATMUL_SHAPES = ((32, 32, 32), (128, 64, 64), (256, 128, 128), (512, 128, 384), (1024, 256, 256),
+                 (1024, 512, 1024), (2048, 1024, 1024))
+GPU_MATMUL_SHAPES = ((128, 128, 128), (512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
+                     (4096, 4096, 4096), (8192, 8192, 8192))
+# element-wise bandwidth at these operand sizes (elements): in cache, last-level cache, memory
+MEMORY_SIZES = (16 * 2**10, 256 * 2**10, 4 * 2**20)
+ELEMENTS = 256 * 2**10  # size of the per-element kernels' calls (rows of 128)
+
+
+COLD_BYTES = 32 * 2**20  # operands cycled through per kernel: beyond a core's L2, as in a training step
+
+
+def _copies(make, nbytes: int) -> list:
+    """Enough independent operand sets that cycling through them keeps each call's operands out of cache."""
+    return [make() for _ in range(max(1, min(16, COLD_BYTES // max(nbytes, 1))))]
+
+
+def _cycling(fn, sets: list):
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(sets)
+        return fn(*sets[state["i"]])
+
+    return call
+
+
+def _curve_point(device, dtype, shape, seconds: float, sync) -> tuple[float, float] | None:
+    """(FLOPs per matmul, FLOP/s) of one linear layer's three matmuls at (m, k, n): the forward x @ w^T,
+    the input gradient g @ w and the weight gradient g^T @ x, on operands cycled out of cache."""
+    import torch
+
+    m, k, n = shape
+    try:
+        def make():
+            return (torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype),
+                    torch.randn(m, n, device=device).to(dtype))
+
+        def linear_layer(x, w, g):
+            torch.mm(x, w.t())
+            torch.mm(g, w)
+            torch.mm(g.t(), x)
+
+        elem = torch.empty((), dtype=dtype).element_size()
+        call = _cycling(linear_layer, _copies(make, (m * k + n * k + m * n) * elem))
+        fl = 2 * m * k * n
+        return float(fl), statistics.median(timed_rates(call, 3 * fl, seconds, sync, min_samples=2))
+    except (RuntimeError, TypeError):  # dtype not supported by this device's matmul
+        return None
+
+
+def _matmul_curve(device, dtype, shapes, seconds: float, sync) -> list[list[float]]:
+    """(FLOPs per call, median FLOP/s) per shape class, ascending; stops where a call would overrun."""
+    out: list[list[float]] = []
+    for shape in shapes:
+        point = _curve_point(device, dtype, shape, seconds / len(shapes), sync)
+        if point is None:
+            break
+        out.append(list(point))
+        if 3 * point[0] / point[1] > seconds / len(shapes) / 4:
+            break
+    return sorted(out)
+
+
+# attention's batched matmuls (batch entries, s, d): q k^T and p v per (batch, head), and their gradients
+BMM_SHAPES = ((16, 32, 32), (32, 64, 32), (32, 128, 32), (32, 256, 64), (16, 512, 64))
+
+
+def _bmm_curve(device, dtype, seconds: float, sync) -> list[list[float]]:
+    """(FLOPs per batch entry, FLOP/s) of attention's six batched matmuls (two forward, four backward, in
+    the layouts autograd gives them), per shape class."""
+    import torch
+
+    out = []
+    for batch, s, d in BMM_SHAPES:
+        try:
+            q, k = torch.randn(batch, s, d, device=device).to(dtype), torch.randn(batch, s, d, device=device).to(dtype)
+            p = torch.randn(batch, s, s, device=device).to(dtype)
+        except (RuntimeError, TypeError):
+            return out
+
+        def attention():
+            torch.bmm(q, k.transpose(1, 2))  # scores
+            torch.bmm(p, k)  # p v
+            torch.bmm(p.transpose(1, 2), q)  # grad v = p^T grad_y
+            torch.bmm(q, k.transpose(1, 2))  # grad p = grad_y v^T
+            torch.bmm(p, k)  # grad q = grad_s k
+            torch.bmm(p.transpose(1, 2), q)  # grad k = grad_s^T q
+
+        fl = 2 * s * s * d
+        out.append([float(fl), statistics.median(timed_rates(attention, 6 * fl * batch, seconds / len(BMM_SHAPES),
+                                                             sync, min_samples=2))])
+    return sorted(out)
+
+
+# fused attention (batch x heads, s, d), causal, forward and backward together
+SDPA_SHAPES = ((8, 64, 32), (8, 128, 32), (8, 256, 64), (4, 512, 64))
+
+
+def _sdpa_curve(device, dtype, seconds: float, sync) -> list[list[float]]:
+    """(forward FLOPs per (batch, head), FLOP/s) of scaled_dot_product_attention's forward + backward, as
+    FlopCounterMode counts them (4 s^2 d + 10 s^2 d per head, no causal halving)."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    for heads, s, d in SDPA_SHAPES:
+        try:
+            q, k, v = (torch.randn(1, heads, s, d, device=device).to(dtype).requires_grad_() for _ in range(3))
+            g = torch.randn(1, heads, s, d, device=device).to(dtype)
+        except (RuntimeError, TypeError):
+            return out
+
+        def step():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+
+        out.append([float(4 * s * s * d), statistics.median(
+            timed_rates(step, 14 * s * s * d * heads, seconds / len(SDPA_SHAPES), sync, min_samples=2))])
+    return sorted(out)
+
+
+def _memory_curve(device, seconds: float, sync) -> tuple[list[list[float]], list[list[float]], float]:
+    """Bandwidth of an out-of-place fp32 add (two reads, one write) at each size (the small ones stay in
+    cache, as a previous op's output does); and of a strided copy, a (b, s, a, d) activation's transpose
+    made contiguous as attention code does."""
+    import torch
+
+    curves: dict[torch.dtype, list[list[float]]] = {torch.float32: [], torch.bfloat16: []}
+    share = seconds / (2 * len(MEMORY_SIZES) + 1)
+    for dtype, out in curves.items():
+        for n in MEMORY_SIZES:
+            x, y = torch.ones(n, device=device, dtype=dtype), torch.ones(n, device=device, dtype=dtype)
+            moved = 3 * x.element_size() * n
+            out.append([float(moved), statistics.median(timed_rates(lambda: torch.add(x, y), moved, share, sync))])
+    n = MEMORY_SIZES[1]
+    x = torch.ones(n // (128 * 4 * 32), 128, 4, 32, device=device).transpose(1, 2)
+    strided = statistics.median(timed_rates(lambda: x.contiguous(), 2 * 4 * x.numel(), share, sync))
+    return curves[torch.float32], curves[torch.bfloat16], strided
+
+
+def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
+    """Seconds per output element of each class's representative kernel, fp32 and bf16: tanh-GELU and its
+    gradient, softmax and layer norm over rows of 128, the dropout RNG (bernoulli_).  The operand stays
+    in cache, as the previous op's output mostly is."""
+    import torch
+    import torch.nn.functional as F
+
+    gelu_grad = torch.ops.aten.gelu_backward
+    kernels = {"activation": lambda x: F.gelu(x, approximate="tanh"),
+               "activation-grad": lambda x: gelu_grad(x, x, approximate="tanh"), "softmax": lambda x: x.softmax(-1),
+               "norm": lambda x: F.layer_norm(x, (128,)), "random": lambda x: x.bernoulli_(0.9)}
+    out = {}
+    for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        x = torch.rand(ELEMENTS // 128, 128, device=device).to(dtype)
+        for klass, fn in kernels.items():
+            rate = statistics.median(timed_rates(lambda: fn(x), ELEMENTS, seconds / 2 / len(kernels), sync))
+            out[f"{klass}:{tag}"] = 1.0 / rate
+    return out
+
+
+def _dispatch_seconds(device, seconds: float, sync) -> dict[str, float]:
+    """Seconds per op by who dispatches it, from updates of a GPT so small that every op is dispatch-bound:
+    each phase's wall time over its op count (trace/ops.py counts them on this same update)."""
+    from batchlab.config import RunConfig, preset
+    from batchlab.measure.clock import PhaseClock
+    from batchlab.measure.harness import Trainer
+    from batchlab.trace.ops import record_update
+
+    cfg = RunConfig(model=preset("tiny", layers=2, hidden=16, heads=2, vocab=32, max_positions=8), seq=8,
+                    micro_batch=1)
+    trainer = Trainer(cfg, device)
+    trainer.update()
+    ops = record_update(trainer)
+    calls: dict[str, int] = {}
+    for op in ops:
+        kind = DISPATCH_KIND[op.phase]
+        calls[kind] = calls.get(kind, 0) + op.count
+    clock = PhaseClock(sync)
+    per_kind: dict[str, list[float]] = {k: [] for k in calls}
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(per_kind["forward"]) < 5:
+        clock.start()
+        trainer.update(probe=clock)
+        clock.mark("end")
+        spent: dict[str, float] = {}
+        for phase, secs in clock.seconds.items():
+            kind = DISPATCH_KIND[Phase(phase)]
+            spent[kind] = spent.get(kind, 0.0) + secs
+        for kind in calls:
+            per_kind[kind].append(spent.get(kind, 0.0) / calls[kind])
+    return {k: statistics.median(v) for k, v in per_kind.items()}

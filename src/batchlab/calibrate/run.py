@@ -1,0 +1,104 @@
+"""Measuring a calibration (``measure``), and measuring it only when the cache has none (``ensure``,
+``auto`` for measure and compare)."""
+from __future__ import annotations
+
+import datetime as _dt
+import time
+
+from batchlab.calibrate.kernels import (GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
+                                        _element_seconds, _matmul_curve, _memory_curve, _sdpa_curve)
+from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
+from batchlab.config import ConfigError
+from batchlab.host import cpu_hardware
+
+
+def _hardware(device) -> str:
+    import torch
+
+    if device.type == "cpu":
+        return f"{cpu_hardware()}, {torch.get_num_threads()} threads"
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
+            threads: int | None = None) -> Calibration:
+    """Measure what the per-op time model needs in about ``seconds``: the matmul curves in fp32 and bf16
+    (34% linear layers, 8% attention's batched matmuls, 8% fused attention), element-wise bandwidth (10%), per-element kernels
+    (15%), per-op dispatch (25%).  ``threads``: the
+    intra-op thread count to measure at (CPU; restored afterwards)."""
+    import torch
+
+    from batchlab.measure.clock import synchronizer
+    from batchlab.measure.device import catalogue_name, usable
+
+    if seconds <= 0:
+        raise ConfigError("seconds", f"must be > 0, got {seconds}")
+    device = usable(torch_device)
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise ConfigError("torch_device", f"{torch_device!r} is not usable here: {e}") from None
+    shapes = shapes or (MATMUL_SHAPES if device.type == "cpu" else GPU_MATMUL_SHAPES)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        sync = synchronizer(device)
+        start = time.perf_counter()
+        fp32 = _matmul_curve(device, torch.float32, shapes, 0.17 * seconds, sync)
+        bf16 = _matmul_curve(device, torch.bfloat16, shapes, 0.17 * seconds, sync)
+        bmm = {"bmm-fp32": _bmm_curve(device, torch.float32, 0.04 * seconds, sync),
+               "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync),
+               "sdpa-fp32": _sdpa_curve(device, torch.float32, 0.04 * seconds, sync),
+               "sdpa-bf16": _sdpa_curve(device, torch.bfloat16, 0.04 * seconds, sync)}
+        mem, mem16, strided = _memory_curve(device, 0.1 * seconds, sync)
+        elements = _element_seconds(device, 0.15 * seconds, sync)
+        dispatch = _dispatch_seconds(device, 0.25 * seconds, sync)
+        assert fp32, "fp32 matmul failed"
+        best32, best16 = max(fp32, key=lambda p: p[1]), max(bf16, key=lambda p: p[1]) if bf16 else None
+        return Calibration(
+            device=catalogue_name(device), hardware=_hardware(device), torch_device=str(device),
+            matmul_flops_fp32=best32[1], matmul_flops_bf16=best16[1] if best16 else None,
+            memory_bytes_per_s=mem[-1][1], matmul_size={"fp32": int(best32[0]), **({"bf16": int(best16[0])} if best16 else {})},
+            copy_bytes=int(mem[-1][0]), threads=torch.get_num_threads(),
+            measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            torch_version=torch.__version__, seconds=time.perf_counter() - start,
+            matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{k: v for k, v in bmm.items() if v}},
+            memory_curve=mem, memory_curve_bf16=mem16,
+            strided_bytes_per_s=strided, element_seconds=elements, dispatch_seconds=dispatch)
+    finally:
+        torch.set_num_threads(before)
+
+
+def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0
+           ) -> tuple[Calibration, bool]:
+    """The cached calibration of a local device at ``threads``, measured and cached first when there is none
+    (or only one from before the per-op model): (calibration, whether it was measured now)."""
+    from batchlab.measure.device import catalogue_name, usable
+
+    want = default_threads() if threads is None else threads
+    cached = load_cached(catalogue_name(usable(torch_device)), want)
+    if cached is not None and cached.op_costs() is not None:
+        return cached, False
+    cal = measure(torch_device, seconds=seconds, threads=want)
+    save(cal)
+    return cal, True
+
+
+def auto(device_name: str, threads: int | None, enabled: bool = True) -> str | None:
+    """``measure`` / ``compare`` on this CPU: calibrate once (cached) so their time predictions use measured
+    rates.  Returns the line to show the user (None when a cached calibration served, nothing to say)."""
+    if device_name != "cpu":
+        return None  # GPUs: `batchlab calibrate --torch-device cuda`; the catalogue's figures otherwise
+    want = default_threads() if threads is None else threads
+    if not enabled:
+        cached = load_cached("cpu", want)
+        return None if cached is not None else (
+            f"time model: not calibrated (--no-calibrate): nominal CPU rates at {want} thread(s)")
+    cal, fresh = ensure("cpu", threads=want)
+    if not fresh:
+        return None
+    return (f"time model: calibrated this CPU once at {cal.threads} thread(s) in {cal.seconds:.1f} s and cached it "
+            f"({_cache_path(cal.device, cal.torch_version, cal.threads)}); --no-calibrate skips this")
