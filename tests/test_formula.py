@@ -93,7 +93,8 @@ def test_accumulation_keeps_activations_and_changes_time():
     a = estimate(RunConfig(micro_batch=4, accum=1))
     b = estimate(RunConfig(micro_batch=4, accum=4))
     assert a.memory.activations_bytes == b.memory.activations_bytes
-    assert b.time.compute_seconds == pytest.approx(4 * a.time.compute_seconds)
+    # four micro-batches' work, plus adding each later micro-batch's gradients into .grad (a few percent here)
+    assert 4 * a.time.compute_seconds < b.time.compute_seconds < 4.2 * a.time.compute_seconds
 
 
 def narayanan_flops(cfg: RunConfig) -> float:
