@@ -57,6 +57,12 @@ AC_GAP = {
     "megatron-selective": "Megatron selective recompute (attention core only) is not a policy; modelled as "
                           "batchlab 'selective'",
 }
+LOSS_GAP = {
+    "sequence-classification-ce": "the formula counts a causal-LM head over vocab {vocab} (logits, fp32 "
+                                  "log-softmax, logit gradients) that this model does not have",
+    "causal-lm-fused-ce": "a fused cross-entropy kernel keeps no fp32 log-softmax; the formula counts "
+                          "F.cross_entropy's (vocab {vocab})",
+}
 SHARDING_ZERO = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 
 
@@ -120,9 +126,8 @@ def config_for(run: dict, catalogue: dict[str, dict], gaps: list[str]) -> RunCon
         if ac in AC_GAP:
             gaps.append(AC_GAP[ac])
         ac = AC[ac]
-    if run["loss"] != "causal-lm-ce":
-        gaps.append(f"loss {run['loss']}: the formula counts a causal-LM head over vocab {model.vocab} "
-                    "(logits, fp32 log-softmax, logit gradients) that this model does not have")
+    if run["loss"] in LOSS_GAP:
+        gaps.append(f"loss {run['loss']}: " + LOSS_GAP[run["loss"]].format(vocab=model.vocab))
     if run.get("compile"):
         gaps.append("torch.compile is not modelled (fused kernels: faster, fewer saved intermediates)")
     if run["optimizer"] != "adamw":
