@@ -1,0 +1,276 @@
+"""batchlab's formula beside published GPU training runs: peak memory and tokens/s per GPU, with errors.
+
+Reads benchmarks/published_runs.toml (each run with its source and quote) and benchmarks/gpu_catalogue.toml,
+builds a RunConfig for every run, calls batchlab.formula.estimate (no torch) and prints, as Markdown,
+predicted vs measured with error = (predicted - measured) / measured, the mean and worst |error|, and every
+false OOM verdict.  Memory is matched to what the source measured:
+
+  allocated  ->  formula peak tensor bytes            (max_memory_allocated)
+  reserved   ->  formula peak bytes (tensors + margin) (max_memory_reserved; the margin is today's only model)
+  device     ->  formula peak bytes                   (nvidia-smi; the formula has no CUDA-context term yet)
+
+Every run feature RunConfig cannot express yet is printed on its own line (mapped to the nearest setting).
+
+    PYTHONPATH=src python benchmarks/published.py                 # the whole table
+    PYTHONPATH=src python benchmarks/published.py --only tt-h100-llama31-8b-fsdp8-sacop
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from batchlab.config import ModelSpec, RunConfig
+from batchlab.formula import estimate
+from batchlab.units import relative_to
+
+HERE = Path(__file__).resolve().parent
+UNITS = {"GiB": 2**30, "MiB": 2**20, "GB": 10**9, "MB": 10**6, "B": 1}
+
+# published GPU -> batchlab catalogue entry, where batchlab has one (today's capacities: nominal GB x 1e9)
+CATALOGUED = {"a100-sxm4-40gb": "a100-40gb", "a100-sxm4-80gb": "a100-80gb", "h100-sxm-80gb": "h100-sxm",
+              "h200-sxm-141gb": "h200", "mi300x": "mi300x", "l40s": "l40s"}
+# the capacity a user would type for a card batchlab does not know (its marketing size, in GB)
+NOMINAL_GB = {"v100-sxm2-16gb": 16, "v100-sxm2-32gb": 32, "rtx-4090": 24, "h100-sxm-96gb": 96,
+              "rtx-3090": 24, "rtx-a6000": 48, "l4": 24, "a10g": 24, "b200": 180}
+
+PRECISION = {"fp32": "fp32", "fp16-amp": "fp16-mixed", "bf16-autocast": "bf16-mixed",
+             "fsdp-mp-bf16": "bf16-mixed", "composer-default-bf16": "bf16-mixed",
+             "composer-pure-bf16": "bf16-mixed", "fp8-float8-linear": "bf16-mixed"}
+PRECISION_GAP = {
+    "fsdp-mp-bf16": "FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) computes every op in bf16 "
+                    "(no fp32 residual/norm inputs); modelled as bf16-mixed autocast",
+    "composer-default-bf16": "Composer FSDP1 mixed_precision=DEFAULT (version-dependent param/reduce dtypes) + "
+                             "amp_bf16; modelled as bf16-mixed",
+    "composer-pure-bf16": "Composer FSDP1 mixed_precision=PURE (bf16 params, bf16 reduce, bf16 buffers); "
+                          "modelled as bf16-mixed",
+    "fp8-float8-linear": "torchao Float8Linear (fp8 matmuls, fp8 all-gather) has no precision mode; modelled as "
+                         "bf16-mixed (time and memory both off)",
+}
+AC = {"none": "none", "full": "full", "selective-op": "selective", "megatron-selective": "selective"}
+AC_GAP = {
+    "selective-op": "torchtitan selective op AC (saves every other mm + SDPA outputs, recomputes the rest) is "
+                    "not a policy; modelled as batchlab 'selective' (saves every matmul output)",
+    "megatron-selective": "Megatron selective recompute (attention core only) is not a policy; modelled as "
+                          "batchlab 'selective'",
+}
+LOSS_GAP = {
+    "sequence-classification-ce": "the formula counts a causal-LM head over vocab {vocab} (logits, fp32 "
+                                  "log-softmax, logit gradients) that this model does not have",
+    "causal-lm-fused-ce": "a fused cross-entropy kernel keeps no fp32 log-softmax; the formula counts "
+                          "F.cross_entropy's (vocab {vocab})",
+}
+SHARDING_ZERO = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
+
+
+@dataclass
+class Row:
+    run: dict
+    cfg: RunConfig | None = None
+    gaps: list[str] = field(default_factory=list)
+    mem_measured: int | None = None
+    mem_predicted: int | None = None
+    tps_measured: float | None = None
+    tps_predicted: float | None = None
+    fits: bool | None = None
+    params: int | None = None
+    implied_fraction: float | None = None
+    failed: str | None = None
+
+    @property
+    def mem_error(self):
+        return relative_to(self.mem_predicted, self.mem_measured)
+
+    @property
+    def tps_error(self):
+        return relative_to(self.tps_predicted, self.tps_measured)
+
+
+def load(path: Path) -> dict:
+    with path.open("rb") as f:
+        return tomllib.load(f)
+
+
+def device_for(gpu: str, catalogue: dict[str, dict], gaps: list[str]) -> str:
+    """batchlab's own entry where it has one, else a custom device from the catalogue's dense peaks."""
+    if gpu in CATALOGUED:
+        return CATALOGUED[gpu]
+    entry = catalogue[gpu]
+    tflops = entry["bf16_dense_tflops"]["value"]
+    parts = [f"mem={NOMINAL_GB[gpu]}GB", f"tflops={tflops:g}"]
+    if "fp32_tflops" in entry:
+        parts.append(f"fp32_tflops={entry['fp32_tflops']['value']:g}")
+    if "hbm_gb_per_s" in entry:
+        parts.append(f"hbm={entry['hbm_gb_per_s']['value'] * 1e9:g}")
+    spec = "custom:" + ",".join(parts)
+    gaps.append(f"GPU {gpu} is not in batchlab's catalogue: {spec} (nominal {NOMINAL_GB[gpu]} GB = "
+                f"{NOMINAL_GB[gpu]}e9 B, as a user would type it)")
+    return spec
+
+
+def config_for(run: dict, catalogue: dict[str, dict], gaps: list[str]) -> RunConfig:
+    m = dict(run["model"])
+    attention = m.pop("attention", run["attention"])
+    if attention == "flash":
+        attention = "sdpa"  # a fused kernel either way: no s x s tensor kept
+    model = ModelSpec(attention=attention, **m)
+    if run["precision"] in PRECISION_GAP:
+        gaps.append(PRECISION_GAP[run["precision"]])
+    ac = run["ac"]
+    if ac.startswith("selective-layer:"):
+        ac = "every:" + ac.split(":", 1)[1]  # torchtitan checkpoints blocks with index % K == 0, as every:K
+    else:
+        if ac in AC_GAP:
+            gaps.append(AC_GAP[ac])
+        ac = AC[ac]
+    if run["loss"] in LOSS_GAP:
+        gaps.append(f"loss {run['loss']}: " + LOSS_GAP[run["loss"]].format(vocab=model.vocab))
+    if run.get("compile"):
+        gaps.append("torch.compile is not modelled (fused kernels: faster, fewer saved intermediates)")
+    if run["optimizer"] != "adamw":
+        gaps.append(f"optimizer {run['optimizer']} modelled as AdamW")
+    return RunConfig(model=model, seq=run["seq"], micro_batch=run["micro_batch"], accum=run["accum"],
+                     dp=run["dp"], precision=PRECISION[run["precision"]], ac=ac,
+                     zero=SHARDING_ZERO[run["sharding"]], device=device_for(run["gpu"], catalogue, gaps))
+
+
+def evaluate(run: dict, catalogue: dict[str, dict]) -> Row:
+    row = Row(run)
+    measured = run["measured"]
+    if "memory_value" in measured:
+        row.mem_measured = int(measured["memory_value"] * UNITS[measured["memory_unit"]])
+    row.tps_measured = measured.get("tokens_per_s_per_gpu")
+    try:
+        row.cfg = config_for(run, catalogue, row.gaps)
+    except ValueError as e:  # a ConfigError: the run cannot be expressed at all
+        row.failed = str(e)
+        return row
+    est = estimate(row.cfg)
+    if measured.get("memory_kind") == "allocated":
+        row.mem_predicted = est.memory.peak_tensor_bytes
+    else:
+        row.mem_predicted = est.memory.peak_bytes
+        if measured.get("memory_kind") == "device":
+            row.gaps.append("measured is the device view (nvidia-smi): the formula has no CUDA context / "
+                            "cuBLAS workspace term")
+    row.fits = est.memory.fits
+    row.tps_predicted = est.time.tokens_per_second / row.cfg.dp
+    row.params = est.params.total
+    if row.tps_measured:  # the fraction of the formula's peak the measured rate implies
+        peak = row.cfg.device_spec.peak_flops(row.cfg.precision)
+        row.implied_fraction = row.tps_measured * est.flops.model_flops_per_token / peak
+    return row
+
+
+def pct(e: float | None) -> str:
+    return "-" if e is None else f"{e:+.1%}"
+
+
+def gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def num(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def print_table(rows: list[Row]) -> None:
+    print("| run | GPU x n | memory kind | measured GiB | predicted GiB | error | OOM verdict | measured tok/s/GPU "
+          "| predicted | error | implied fraction |")
+    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        run = r.run
+        verdict = "-" if r.fits is None else ("fits" if r.fits else "**OOM (false)**")
+        frac = "-" if r.implied_fraction is None else f"{r.implied_fraction:.2f}"
+        print(f"| {run['id']} | {run['gpu']} x {run['gpu_count']} | {run['measured'].get('memory_kind', '-')} | "
+              f"{gib(r.mem_measured)} | {gib(r.mem_predicted) if r.mem_measured else '-'} | "
+              f"{pct(r.mem_error) if r.mem_measured else '-'} | {verdict} | {num(r.tps_measured)} | "
+              f"{num(r.tps_predicted)} | {pct(r.tps_error)} | {frac} |")
+    print()
+
+
+def summary(rows: list[Row], key: str, what: str) -> None:
+    errs = [(abs(getattr(r, key)), r.run["id"]) for r in rows if getattr(r, key) is not None]
+    if not errs:
+        print(f"- {what}: no runs")
+        return
+    worst = max(errs)
+    print(f"- {what}: mean |error| {statistics.fmean(e for e, _ in errs):.1%}, median "
+          f"{statistics.median(e for e, _ in errs):.1%}, worst {worst[0]:.1%} ({worst[1]}), over {len(errs)} runs")
+
+
+def print_summary(rows: list[Row]) -> None:
+    low = [r.run["id"] for r in rows if "confidence" in r.run]
+    if low:
+        print(f"Low-confidence runs (a configuration field or the figure is inferred; see `confidence`): "
+              f"{', '.join(low)}. Summaries over all runs, then without them:")
+        print()
+    confident = [r for r in rows if "confidence" not in r.run]
+    for label, subset in (("all runs", rows), ("without low-confidence runs", confident)):
+        if label != "all runs" and not low:
+            break
+        print(f"{label}:")
+        print_errors(subset)
+        print()
+
+
+def print_errors(rows: list[Row]) -> None:
+    summary(rows, "mem_error", "memory (matched to the measured kind)")
+    for kind in ("allocated", "reserved", "device"):
+        summary([r for r in rows if r.run["measured"].get("memory_kind") == kind], "mem_error", f"  memory, {kind}")
+    summary(rows, "tps_error", "tokens/s per GPU")
+    false_oom = [r.run["id"] for r in rows if r.fits is False]
+    print(f"- false OOM verdicts (the run ran): {len(false_oom)}" + (f": {', '.join(false_oom)}" if false_oom else ""))
+    fracs = [r.implied_fraction for r in rows if r.implied_fraction is not None]
+    if fracs:
+        print(f"- implied achievable fraction (measured tok/s x formula model FLOPs/token / formula peak): "
+              f"{min(fracs):.2f}-{max(fracs):.2f}, median {statistics.median(fracs):.2f} (batchlab assumes 0.40)")
+
+
+def print_details(rows: list[Row]) -> None:
+    print("What RunConfig cannot express yet (mapped to the nearest setting), and parameter counts:")
+    print()
+    for r in rows:
+        lines = list(r.gaps)
+        published = r.run["measured"].get("published_params")
+        if published and r.params:
+            lines.append(f"parameters: formula {r.params:,} vs published {published:,} "
+                         f"({pct(relative_to(r.params, published))})")
+        if r.failed:
+            lines.append(f"NOT EVALUATED: {r.failed}")
+        if lines:
+            print(f"- {r.run['id']}:")
+            for line in lines:
+                print(f"  - {line}")
+    print()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=Path, default=HERE / "published_runs.toml")
+    p.add_argument("--gpus", type=Path, default=HERE / "gpu_catalogue.toml")
+    p.add_argument("--only", default="", help="comma-separated run ids")
+    args = p.parse_args(argv)
+    runs = load(args.runs)["run"]
+    catalogue = {g["key"]: g for g in load(args.gpus)["gpu"]}
+    if args.only:
+        wanted = set(args.only.split(","))
+        runs = [r for r in runs if r["id"] in wanted]
+        if not runs:
+            print(f"--only: no run named {args.only!r}", file=sys.stderr)
+            return 2
+    rows = [evaluate(r, catalogue) for r in runs]
+    print(f"batchlab formula vs {len(rows)} published GPU runs ({args.runs.name}); "
+          "error = (predicted - measured) / measured; tokens/s per GPU.")
+    print()
+    print_table(rows)
+    print_summary(rows)
+    print_details(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
