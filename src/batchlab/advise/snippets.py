@@ -77,7 +77,7 @@ def huggingface(cfg: RunConfig) -> dict[str, Any]:
 def lightning(cfg: RunConfig) -> dict[str, Any]:
     strategy = {0: "ddp", 1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "fsdp"}[cfg.zero] if cfg.dp > 1 else "auto"
     precision = {Precision.FP32: "32-true", Precision.BF16_MIXED: "bf16-mixed", Precision.FP16_MIXED: "16-mixed",
-                 Precision.BF16: "bf16-true"}[cfg.precision]
+                 Precision.BF16: "bf16-true", Precision.BF16_FSDP: "bf16-mixed"}[cfg.precision]
     out: dict[str, Any] = {"Trainer": {"accumulate_grad_batches": cfg.accum, "devices": cfg.dp,
                                        "strategy": strategy, "precision": precision},
                            "DataLoader": {"batch_size": cfg.micro_batch}}

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from batchlab.config.choices import ACMode, ConfigError, DataKind, ModelSource, OptimizerKind, Precision
+from batchlab.config.choices import ACMode, AttentionImpl, ConfigError, DataKind, ModelSource, OptimizerKind, Precision
 from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.model import ModelSpec, preset
 from batchlab.config.values import parse_bytes, whole_number
@@ -22,8 +22,11 @@ class ACPolicy:
     """Activation checkpointing: recompute inside one step to save memory.
 
     Not the training checkpoint (the file saved to disk for recovery).  Spellings: ``none``, ``full``
-    (every layer), ``every:K`` (every K-th layer, counting from the first), ``selective`` (every layer keeps
-    its matmul outputs and recomputes the cheap element-wise and attention-core ops).
+    (every layer), ``every:K`` (every K-th layer, counting from the first; torchtitan's "selective layer",
+    also spelled ``selective-layer:K``), ``selective`` (every layer keeps its matmul outputs and recomputes
+    the cheap element-wise and attention-core ops), ``selective-op`` (torchtitan's per-op policy: keeps every
+    other matmul output and the SDPA outputs), ``megatron-selective`` (Megatron: recomputes only the
+    attention core).  models/ac.py applies each, formula/checkpointing.py counts what each keeps.
     """
 
     mode: ACMode = ACMode.NONE
@@ -41,7 +44,8 @@ class ACPolicy:
         if isinstance(value, ACPolicy):
             return value
         text = str(value).strip().lower()
-        m = re.fullmatch(r"every:(\d+)", text)
+        text = ALIASES.get(text, text)
+        m = re.fullmatch(r"(?:every|selective-layer):(\d+)", text)
         if m:
             return cls(ACMode.EVERY, int(m.group(1)))
         if text == "every":
@@ -49,7 +53,8 @@ class ACPolicy:
         try:
             mode = ACMode(text)
         except ValueError:
-            raise ConfigError("ac", f"{value!r} is not one of: none, full, every:K, selective") from None
+            raise ConfigError("ac", f"{value!r} is not one of: none, full, every:K, selective, selective-op, "
+                                    "megatron-selective") from None
         return cls(mode)
 
     def __str__(self) -> str:
@@ -64,7 +69,12 @@ class ACPolicy:
         return ()
 
     def selective_layers(self, n_layers: int) -> tuple[int, ...]:
-        return tuple(range(n_layers)) if self.mode is ACMode.SELECTIVE else ()
+        return tuple(range(n_layers)) if self.mode in SELECTIVE_MODES else ()
+
+
+SELECTIVE_MODES = (ACMode.SELECTIVE, ACMode.SELECTIVE_OP, ACMode.MEGATRON)  # a policy inside every block
+ALIASES = {"op": "selective-op", "torchtitan-op": "selective-op", "megatron": "megatron-selective",
+           "core-attn": "megatron-selective"}
 
 
 @dataclass(frozen=True)
@@ -135,6 +145,9 @@ class RunConfig:
             raise ConfigError("zero", f"must be 0, 1, 2 or 3, got {self.zero}")
         if self.seq > self.model.max_positions:
             raise ConfigError("seq", f"{self.seq} is beyond the model's max_positions ({self.model.max_positions})")
+        if self.ac.mode is ACMode.MEGATRON and self.model.attention is not AttentionImpl.SDPA:
+            raise ConfigError("ac", "megatron-selective recomputes the fused attention call: it needs "
+                                    "--attention sdpa (eager attention has no single attention-core call)")
         if self.ac.mode is ACMode.EVERY and self.ac.every > self.model.layers:
             raise ConfigError("ac", f"every:{self.ac.every} asks for K > layers ({self.model.layers})")
         spec = device(self.device)  # raises on an unknown device

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from batchlab.config import ACMode, Backend, OptimizerKind, Precision, RunConfig
 from batchlab.formula import activations as act
+from batchlab.formula import checkpointing
 from batchlab.formula.params import count
 
 F32 = 4
@@ -35,6 +36,8 @@ def model_states(cfg: RunConfig) -> ModelStates:
     shard = lambda stage: dp if z >= stage else 1  # noqa: E731 — ZeRO stage k shards this state over DP
     opt = int(n * optimizer_bytes_per_param(cfg)) // shard(1)
     grads = n * weight_bytes // shard(2)
+    if cfg.precision is Precision.BF16_FSDP:
+        return fsdp_mixed_states(cfg)
     if cfg.precision.mixed and z >= 1:
         # ZeRO's mixed precision (Rajbhandari et al. 2019, sec. 3.1: 2 + 2 + 12 bytes per parameter): 16-bit
         # weights and gradients are what the ranks hold; the fp32 master copy is optimizer state, sharded
@@ -43,6 +46,19 @@ def model_states(cfg: RunConfig) -> ModelStates:
     if cfg.precision.mixed:  # autocast keeps fp32 weights and makes 16-bit working copies per forward
         return ModelStates(parameters=2 * n, master=F32 * n, gradients=grads, optimizer=opt)
     return ModelStates(parameters=weight_bytes * n // shard(3), master=0, gradients=grads, optimizer=opt)
+
+
+def fsdp_mixed_states(cfg: RunConfig) -> ModelStates:
+    """FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the fp32 parameters are the master
+    copy (sharded at stage >= 3), fp32 gradients and Adam state sharded as the stage says; the bf16 working
+    weights exist only for the blocks being gathered: the current and the prefetched block, and the root
+    group (embedding, final norm, LM head), which FSDP2 does not reshard after forward (_fsdp_api.py docs)."""
+    c, dp, z = count(cfg.model), cfg.dp, cfg.zero
+    shard = lambda stage: dp if z >= stage else 1  # noqa: E731
+    gathered = 2 * (2 * c.per_layer + c.total - c.per_layer * cfg.model.layers) if z >= 3 else 2 * c.total
+    return ModelStates(parameters=gathered, master=F32 * c.total // shard(3 if z >= 3 else 1),
+                       gradients=F32 * c.total // shard(2), optimizer=int(c.total * optimizer_bytes_per_param(cfg))
+                       // shard(1))
 
 
 @dataclass(frozen=True)
@@ -59,14 +75,16 @@ class ActivationPlan:
 def activation_plan(cfg: RunConfig) -> ActivationPlan:
     m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
     backend = cfg.device_spec.backend
-    full = act.layer_activations(m, s, b, p, backend, act.implementation(cfg.model_kind, m)).total
+    impl = act.implementation(cfg.model_kind, m)
+    full = act.layer_activations(m, s, b, p, backend, impl).total
     wrapped = set(cfg.ac.wrapped_layers(m.layers))
+    selective = set(cfg.ac.selective_layers(m.layers))
     kept = []
     for i in range(m.layers):
         if i in wrapped:
             kept.append(act.checkpointed_layer_bytes(m, s, b, p))
-        elif cfg.ac.mode is ACMode.SELECTIVE:
-            kept.append(act.selective_layer_bytes(m, s, b, p))
+        elif i in selective:
+            kept.append(checkpointing.kept_bytes(cfg.ac.mode, m, s, b, p, backend, impl))
         else:
             kept.append(full)
     return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend))
