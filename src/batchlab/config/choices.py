@@ -101,6 +101,14 @@ class ACMode(_Choice):
     MEGATRON = "megatron-selective"
 
 
+class LossMode(_Choice):
+    """How the LM loss is computed over the vocabulary (formula/loss.py counts what each keeps)."""
+
+    FULL = "full"  # F.cross_entropy(logits.float()) on all tokens at once: fp32 copy and log-softmax kept
+    CHUNKED = "chunked"  # over N token chunks, each checkpointed: one chunk's fp32 logits live at a time
+    FUSED = "fused"  # a fused kernel (flash-attn / Liger): 16-bit logits and log-sum-exp, no fp32 copies
+
+
 class Backend(_Choice):
     CPU = "cpu"
     CUDA = "cuda"  # NVIDIA, and AMD through ROCm's torch.cuda

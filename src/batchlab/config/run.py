@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from batchlab.config.choices import ACMode, AttentionImpl, ConfigError, DataKind, ModelSource, OptimizerKind, Precision
+from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, DataKind, LossMode, ModelSource, OptimizerKind,
+                                     Precision)
 from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.model import ModelSpec, preset
 from batchlab.config.values import parse_bytes, whole_number
@@ -78,6 +79,36 @@ ALIASES = {"op": "selective-op", "torchtitan-op": "selective-op", "megatron": "m
 
 
 @dataclass(frozen=True)
+class LossPolicy:
+    """The loss path: ``full``, ``chunked`` / ``chunked:N`` (N token chunks, default 8 as torchtune's
+    CEWithChunkedOutputLoss) or ``fused`` (a fused cross-entropy kernel; formula only)."""
+
+    mode: LossMode = LossMode.FULL
+    chunks: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", LossMode.parse("loss", self.mode))
+        if self.chunks < 1 or (self.mode is not LossMode.CHUNKED and self.chunks != 1):
+            raise ConfigError("loss", "N in chunked:N must be >= 1, and only chunked takes it")
+
+    @classmethod
+    def parse(cls, value: Any) -> "LossPolicy":
+        if isinstance(value, LossPolicy):
+            return value
+        text = str(value).strip().lower()
+        m = re.fullmatch(r"chunked(?::(\d+))?", text)
+        if m:
+            return cls(LossMode.CHUNKED, int(m.group(1) or 8))
+        try:
+            return cls(LossMode(text))
+        except ValueError:
+            raise ConfigError("loss", f"{value!r} is not one of: full, chunked, chunked:N, fused") from None
+
+    def __str__(self) -> str:
+        return f"chunked:{self.chunks}" if self.mode is LossMode.CHUNKED else self.mode.value
+
+
+@dataclass(frozen=True)
 class Assumptions:
     """The calculator's stated assumptions (printed with every estimate)."""
 
@@ -120,6 +151,7 @@ class RunConfig:
     precision: Precision = Precision.FP32
     optimizer: OptimizerKind = OptimizerKind.ADAMW
     ac: ACPolicy = field(default_factory=ACPolicy)
+    loss: LossPolicy = field(default_factory=LossPolicy)
     zero: int = 0  # ZeRO stage over the dp ranks (1: optimizer, 2: +grads, 3: +params; FSDP ~ 3)
     device: str = "cpu"
     memory_budget: int | None = None  # bytes; replaces the device's memory (CPU: a tracked-bytes budget)
@@ -132,6 +164,7 @@ class RunConfig:
         set_(self, "precision", Precision.parse("precision", self.precision))
         set_(self, "optimizer", OptimizerKind.parse("optimizer", self.optimizer))
         set_(self, "ac", ACPolicy.parse(self.ac))
+        set_(self, "loss", LossPolicy.parse(self.loss))
         set_(self, "data", DataKind.parse("data", self.data))
         for name in ("seq", "micro_batch", "accum", "dp"):
             whole_number(name, getattr(self, name))
@@ -235,7 +268,7 @@ def to_jsonable(obj: Any) -> Any:
     """Dataclasses/enums/policies to plain JSON values (the one serialiser for --json and the notebook)."""
     if isinstance(obj, enum.Enum):
         return obj.value
-    if isinstance(obj, ACPolicy):
+    if isinstance(obj, (ACPolicy, LossPolicy)):
         return str(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in fields(obj)}

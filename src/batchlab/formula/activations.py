@@ -144,9 +144,9 @@ def embedding_mask_bytes(m: ModelSpec, s: int, b: int, precision: Precision, bac
 
 
 def outside_layers_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend) -> int:
-    """Embedding dropout mask, final norm, and the fp32 log-softmax output the loss keeps."""
+    """Embedding dropout mask and final norm (what the loss keeps: formula/loss.py)."""
     w = Widths.of(precision, backend)
-    return embedding_mask_bytes(m, s, b, precision, backend) + _norm_bytes(m, s, b, w) + s * b * m.vocab * F32
+    return embedding_mask_bytes(m, s, b, precision, backend) + _norm_bytes(m, s, b, w)
 
 
 def korthikanti_terms(s: int, b: int, h: int, a: int) -> dict[str, int]:

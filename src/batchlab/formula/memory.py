@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from batchlab.config import ACMode, Backend, OptimizerKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
+from batchlab.formula.loss import loss_path
 from batchlab.formula.params import count
 
 F32 = 4
@@ -87,7 +88,7 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
             kept.append(checkpointing.kept_bytes(cfg.ac.mode, m, s, b, p, backend, impl))
         else:
             kept.append(full)
-    return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend))
+    return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class MemoryEstimate:
     activations_bytes: int  # kept for backward at the end of one micro-batch's forward
     activations_per_layer_bytes: tuple[int, ...]
     recompute_working_bytes: int  # one layer's activations rebuilt during its backward (0 without recompute)
-    logits_bytes: int  # log-softmax output kept by the loss (part of activations) + its gradient
+    logits_bytes: int  # what the loss keeps for backward (part of activations): the fp32 log-softmax, if any
     temporaries_bytes: int  # transient at the peak beyond the above (gradients of activations, buffers)
     data_bytes: int
     peak_tensor_bytes: int  # sum of tensor bytes live at the peak
@@ -196,9 +197,8 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     weights = dict(parameters=copies if autocast else states.parameters, master=states.master,
                    optimizer=states.optimizer, data=data)
     grads_before = states.gradients if cfg.accum > 1 else 0
-    sbv = s * b * m.vocab
-    logits_fwd = sbv * w.e + (sbv * F32 if w.e != F32 else 0)  # logits (+ fp32 copy for the loss)
-    loss_grads = 2 * sbv * F32  # gradients of the fp32 log-softmax output and of the logits (fp32 at that point)
+    lp = loss_path(cfg)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
+    logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
     phases = {  # the parts live at each phase's high point
@@ -218,6 +218,6 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         parameters_bytes=states.parameters, master_bytes=states.master, gradients_bytes=states.gradients,
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,
         activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=at_peak["recompute"],
-        logits_bytes=sbv * F32, temporaries_bytes=at_peak["temporaries"], data_bytes=data,
+        logits_bytes=lp.kept, temporaries_bytes=at_peak["temporaries"], data_bytes=data,
         peak_tensor_bytes=peak_tensor, margin_bytes=margin, peak_bytes=peak_tensor + margin, peak_phase=peak_phase,
         phase_peaks=totals, at_peak=at_peak, capacity_bytes=cfg.memory_capacity)
