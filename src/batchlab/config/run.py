@@ -114,7 +114,8 @@ class Assumptions:
 
     achievable_fraction: float = 0.4  # of peak FLOP/s reached by real kernels (MFU-like)
     comm_overlap: float = 0.0  # fraction of the all-reduce hidden behind backward
-    allocator_margin: float = 0.05  # fragmentation / caching-allocator slack on top of tensor bytes
+    # a fixed caching-allocator slack on top of tensor bytes; None: formula/allocator.py's model of it
+    allocator_margin: float | None = None
     optimizer_bytes_per_param: float | None = None  # overrides the optimizer's own state size
     op_overhead_seconds: float | None = None  # fixed cost per op (dispatch/launch); None: the backend's default
 
@@ -122,6 +123,8 @@ class Assumptions:
         for name, lo, hi in (("achievable_fraction", 0.0, 1.0), ("comm_overlap", 0.0, 1.0),
                              ("allocator_margin", 0.0, 1.0)):
             v = getattr(self, name)
+            if v is None and name == "allocator_margin":
+                continue
             if not isinstance(v, (int, float)) or not (lo <= v <= hi) or (name == "achievable_fraction" and v == 0):
                 raise ConfigError(name, f"must be a fraction in ({lo}, {hi}], got {v!r}")
         if self.optimizer_bytes_per_param is not None and self.optimizer_bytes_per_param < 0:

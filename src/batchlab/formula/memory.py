@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from batchlab.config import ACMode, Backend, OptimizerKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
+from batchlab.formula.allocator import device_memory
 from batchlab.formula.loss import loss_path
 from batchlab.formula.params import count
 
@@ -104,8 +105,13 @@ class MemoryEstimate:
     temporaries_bytes: int  # transient at the peak beyond the above (gradients of activations, buffers)
     data_bytes: int
     peak_tensor_bytes: int  # sum of tensor bytes live at the peak
-    margin_bytes: int  # allocator slack (assumption), on top of tensor bytes
-    peak_bytes: int  # peak_tensor_bytes + margin_bytes
+    margin_bytes: int  # reserved - allocated: the caching allocator's slack (formula/allocator.py)
+    peak_bytes: int  # = reserved_bytes: what the OOM verdict compares with the card's reported capacity
+    allocated_bytes: int  # tensor bytes at the peak (max_memory_allocated; on CPU the live-tensor tracker's)
+    reserved_bytes: int  # + cached, empty segments (max_memory_reserved)
+    device_bytes: int  # + CUDA context and NCCL buffers (nvidia-smi)
+    reserved_parts: dict[str, int]  # what reserved adds to allocated, by mechanism
+    device_parts: dict[str, int]  # what the device view adds to reserved
     peak_phase: str
     phase_peaks: dict[str, int] = field(default_factory=dict)  # tensor bytes at each phase's high point
     # what is live at the peak, by part (parameters, master, gradients, optimizer, activations, recompute,
@@ -168,11 +174,6 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     return best
 
 
-def allocator_margin(cfg: RunConfig) -> float:
-    """Caching allocators (CUDA, MPS) fragment; on CPU the figure compared is tracked tensor bytes."""
-    return 0.0 if cfg.device_spec.backend is Backend.CPU else cfg.assumptions.allocator_margin
-
-
 def _largest_param(cfg: RunConfig) -> int:
     m = cfg.model
     return max(m.vocab * m.hidden, m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden))
@@ -213,11 +214,13 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
     peak_tensor = totals[peak_phase]
-    margin = int(peak_tensor * allocator_margin(cfg))
+    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total)
     return MemoryEstimate(
         parameters_bytes=states.parameters, master_bytes=states.master, gradients_bytes=states.gradients,
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,
         activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=at_peak["recompute"],
         logits_bytes=lp.kept, temporaries_bytes=at_peak["temporaries"], data_bytes=data,
-        peak_tensor_bytes=peak_tensor, margin_bytes=margin, peak_bytes=peak_tensor + margin, peak_phase=peak_phase,
+        peak_tensor_bytes=peak_tensor, margin_bytes=dm.reserved_bytes - peak_tensor, peak_bytes=dm.reserved_bytes,
+        allocated_bytes=dm.allocated_bytes, reserved_bytes=dm.reserved_bytes, device_bytes=dm.device_bytes,
+        reserved_parts=dm.reserved_parts, device_parts=dm.device_parts, peak_phase=peak_phase,
         phase_peaks=totals, at_peak=at_peak, capacity_bytes=cfg.memory_capacity)
