@@ -218,7 +218,8 @@ def print_errors(rows: list[Row]) -> None:
     fracs = [r.implied_fraction for r in rows if r.implied_fraction is not None]
     if fracs:
         print(f"- implied achievable fraction (measured tok/s x formula model FLOPs/token / formula peak): "
-              f"{min(fracs):.2f}-{max(fracs):.2f}, median {statistics.median(fracs):.2f} (batchlab assumes 0.40)")
+              f"{min(fracs):.2f}-{max(fracs):.2f}, median {statistics.median(fracs):.2f} (batchlab's defaults per device "
+              f"and precision: formula/efficiency.py, HFU of the runs not held out)")
 
 
 def print_details(rows: list[Row]) -> None:

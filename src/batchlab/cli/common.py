@@ -53,8 +53,10 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "memory_budget": (Optional[str], None, "Memory per rank, e.g. 2GiB (replaces the device's; on CPU a tracked-bytes budget)."),
     "data": (str, "fixed", "fixed (full-length sequences) or padded (variable lengths, padding not counted as useful)."),
     "seed": (int, 0, "Seed for weights and synthetic data."),
-    "achievable_fraction": (float, 0.4, "Assumed fraction of peak FLOP/s that kernels reach."),
-    "comm_overlap": (float, 0.0, "Assumed fraction of the gradient all-reduce hidden behind backward."),
+    "achievable_fraction": (Optional[float], None, "Fraction of peak FLOP/s kernels reach (default: the device's "
+                                                   "published figure, named in the assumptions)."),
+    "comm_overlap": (Optional[float], None, "Fraction of communication hidden behind compute (default: the "
+                                            "engine's model: DDP buckets, FSDP prefetch)."),
 }
 MODEL_OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp", "norm", "dropout", "attention")
 

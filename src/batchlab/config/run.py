@@ -112,8 +112,9 @@ class LossPolicy:
 class Assumptions:
     """The calculator's stated assumptions (printed with every estimate)."""
 
-    achievable_fraction: float = 0.4  # of peak FLOP/s reached by real kernels (MFU-like)
-    comm_overlap: float = 0.0  # fraction of the all-reduce hidden behind backward
+    # of peak FLOP/s reached by real kernels (HFU-like); None: the device's published default (formula/efficiency.py)
+    achievable_fraction: float | None = None
+    comm_overlap: float | None = None  # fraction of communication hidden; None: the engine's overlap model
     # a fixed caching-allocator slack on top of tensor bytes; None: formula/allocator.py's model of it
     allocator_margin: float | None = None
     optimizer_bytes_per_param: float | None = None  # overrides the optimizer's own state size
@@ -123,7 +124,7 @@ class Assumptions:
         for name, lo, hi in (("achievable_fraction", 0.0, 1.0), ("comm_overlap", 0.0, 1.0),
                              ("allocator_margin", 0.0, 1.0)):
             v = getattr(self, name)
-            if v is None and name == "allocator_margin":
+            if v is None:
                 continue
             if not isinstance(v, (int, float)) or not (lo <= v <= hi) or (name == "achievable_fraction" and v == 0):
                 raise ConfigError(name, f"must be a fraction in ({lo}, {hi}], got {v!r}")

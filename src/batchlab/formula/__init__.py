@@ -67,10 +67,10 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"({cfg.precision}), source: {dev.source}"
         + (f"; memory budget {fmt_bytes(cfg.memory_budget)} replaces the device's" if cfg.memory_budget else ""),
         f"compute rate {fmt_count(t.flops_ceiling, 'FLOP/s')} = peak ({t.ceiling_source}) x achievable fraction "
-        f"{a.achievable_fraction:g}",
+        f"{t.achievable_fraction:.2f} (source: {t.fraction_source})",
         f"per-op overhead {fmt_seconds(t.overhead_seconds_per_micro_batch)} per micro-batch (~{OPS_PER_LAYER} "
         f"ops per layer; op_overhead_seconds to change)",
-        f"all-reduce: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind backward",
+        f"communication: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}; {t.overlap_source}",
         allocator_text(cfg),
         f"activations counted from the tensors the {implementation(cfg.model_kind, cfg.model).value} layer code keeps "
         "(other code: use --trace)",
