@@ -89,7 +89,7 @@ def exposed_comm_seconds(cfg: RunConfig, comm: float, compute: float, micro: flo
     bw = bus_bandwidth(cfg).value
     if cfg.zero >= 3:
         first = count(cfg.model).per_layer * 2 * (cfg.dp - 1) / cfg.dp / bw
-        return Sourced(max(0.0, comm - compute) + first, "FSDP prefetch: hidden behind forward and backward")
+        return Sourced(max(0.0, comm - compute) + first, "FSDP prefetch: hidden behind forward and backward, the first block's all-gather exposed")
     last_bucket = min(comm, 2 * 25 * 2**20 / bw)
     return Sourced(max(0.0, comm - 2 / 3 * micro) + last_bucket,
-                   "DDP buckets: hidden behind the last micro-batch's backward, the last bucket exposed")
+                   "DDP buckets: hidden behind backward (of the last micro-batch), the last bucket exposed")
