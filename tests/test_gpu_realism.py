@@ -96,3 +96,19 @@ def test_no_published_run_that_ran_is_predicted_oom_and_errors_stay_within_the_i
     assert not [r.run["id"] for r in rows if r.fits is False]
     tps = [abs(r.tps_error) for r in rows if r.tps_error is not None]
     assert sum(tps) / len(tps) <= 0.15  # issue 13: tokens/s per GPU mean |error| <= 15%
+
+
+def test_bf16_fsdp_keeps_the_residual_stream_in_bf16_and_shards_fp32_states():
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): by hand for ZeRO-3 over 8 ranks, the fp32
+    master, fp32 gradients and Adam m, v are each sharded (4 + 4 + 8 bytes per parameter / 8)."""
+    from batchlab.formula.params import count
+    from batchlab.measure.harness import Trainer
+    from batchlab.config import ConfigError
+
+    base = RunConfig(model=preset("llama-2-7b"), seq=4096, micro_batch=1, zero=3, dp=8, device="h100-sxm")
+    fsdp, amp = estimate(base.replace(precision="bf16-fsdp")).memory, estimate(base.replace(precision="bf16-mixed")).memory
+    n = count(base.model).total
+    assert fsdp.master_bytes == 4 * n // 8 and fsdp.gradients_bytes == 4 * n // 8 and fsdp.optimizer_bytes == 8 * n // 8
+    assert fsdp.activations_bytes < amp.activations_bytes  # bf16 residual stream and norm inputs
+    with pytest.raises(ConfigError, match="formula-only"):
+        Trainer(RunConfig(precision="bf16-fsdp"))
