@@ -75,3 +75,4 @@ class TraceEstimate:
     tree: ModuleNode | None = None  # with tree=True
     notes: list[str] = field(default_factory=list)  # what the trace could not represent for this config
     provenance: str = "trace"
+    timeline: Any = None  # batchlab.timeline.data.Timeline with timeline=True
