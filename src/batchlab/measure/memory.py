@@ -37,7 +37,7 @@ class StorageListener(Protocol):
     def added(self, key: int, nbytes: int, category: str) -> None: ...
     def freed(self, key: int) -> None: ...
     def relabelled(self, key: int, category: str) -> None: ...  # a backward output that became a .grad
-    def op_done(self, func) -> None: ...  # after an op's outputs are counted (live bytes as of now)
+    def op_done(self, func, args) -> None: ...  # after an op's outputs are counted (live bytes as of now)
 
 
 class BudgetExceeded(MemoryError):
@@ -174,7 +174,7 @@ class StorageTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._add(t.untyped_storage(), category)
         if self.listener is not None:
-            self.listener.op_done(func)
+            self.listener.op_done(func, args)
         if self.budget is not None and self._current > self.budget:
             # every allocation that leaves live bytes over the budget is refused, like a real allocator
             self.exceeded = BudgetExceeded(self._current, self.budget, self.phase)

@@ -122,3 +122,23 @@ def downsample(t: Timeline, width: int) -> list[int]:
             keep.add(max(chunk, key=totals.__getitem__))
             keep.add(min(chunk, key=totals.__getitem__))
     return sorted(keep)
+
+
+def aligned(a: Timeline, b: Timeline) -> list[tuple[int, int, int]]:
+    """(op in ``a``, a's total, b's total at the matching op) for every sample of ``a``.
+
+    Phases are matched by label (forward 2 with forward 2); inside a phase the op index is scaled by the
+    two spans' lengths, which is the identity where both ran the same ops (a trace and a CPU run do, except
+    clip_grad_norm_, which takes the foreach path on real tensors only)."""
+    spans = {p.label: p for p in b.phases}
+    totals = a.totals
+    out = []
+    for i, op in enumerate(a.ops):
+        pa = a.phases[a.phase_of[i]]
+        pb = spans.get(pa.label)
+        if pb is None:
+            continue
+        la, lb = pa.last_op - pa.first_op, pb.last_op - pb.first_op
+        op_b = pb.first_op + (round((op - pa.first_op) * lb / la) if la else 0)
+        out.append((op, totals[i], b.total_at_op(op_b)))
+    return out

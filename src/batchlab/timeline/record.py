@@ -20,7 +20,19 @@ import torch.nn as nn
 from batchlab.measure.memory import StorageTracker
 from batchlab.timeline.data import CATEGORIES, PhaseSpan, Timeline
 
-_UNCOUNTED = {torch.ops.aten._local_scalar_dense.default}  # .item(): the trace skips it (no values), no storage
+# Not counted in the op index, so a trace and a real run number the same ops alike: .item() (the trace reads
+# no values) and prim ops (fake tensors answer .device through the dispatcher; real tensors do not).
+_UNCOUNTED = {torch.ops.aten._local_scalar_dense.default}
+
+
+def _counted(func, args) -> int:
+    """Ops this dispatch counts as: a foreach op as one per tensor (fake tensors take the per-tensor path
+    in clip_grad_norm_, real ones the foreach path), the uncounted ones as none."""
+    if func in _UNCOUNTED or getattr(func, "namespace", "") == "prim":
+        return 0
+    if func.__name__.startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
+        return len(args[0])
+    return 1
 
 
 def output_head(model: nn.Module, vocab: int) -> nn.Module | None:
@@ -92,24 +104,25 @@ class TimelineRecorder:
         self.live[category] += n
         self._live[key] = (n, category, owner)
 
-    def op_done(self, func) -> None:
-        if func in _UNCOUNTED:
+    def op_done(self, func, args) -> None:
+        n = _counted(func, args)
+        if not n:
             return
-        self._op += 1
-        self._sample(str(func))
+        self._op += n
+        self._sample(str(func), first=self._op - n + 1)
 
     # -- sampling
     def start(self, tracker: StorageTracker) -> None:
         self.tracker = tracker
         self._sample("")
 
-    def _sample(self, name: str) -> None:
+    def _sample(self, name: str, first: int | None = None) -> None:
         phase = self.tracker.phase
         if phase != self._phase:
             self._phase = phase
             if phase == "forward":
                 self._after_head = False
-            self.spans.append([self._label(phase), phase, self._op, self._op])
+            self.spans.append([self._label(phase), phase, self._op if first is None else first, self._op])
         self.spans[-1][3] = self._op
         now = tuple(self.live.values())
         if now == self._last:
