@@ -88,9 +88,11 @@ def _replay(events, probe: _Marks, first: int, parts: dict[str, int], known: dic
         if action == "alloc":
             while m < len(marks) and marks[m][1] <= allocs:  # the phase this allocation happened in
                 phase = marks[m][0]
+                m += 1
+                if phase == spans[-1][1]:  # the update's own "data" mark: the span is open already
+                    continue
                 micro += phase == "forward"
                 spans.append([f"{phase} {micro}" if phase in ("forward", "backward") else phase, phase, i, i])
-                m += 1
             allocs += 1
             cat = "gradients" if e["addr"] in probe.grad_addrs and spans[-1][1] == "backward" else \
                 _CREATED_AS.get(spans[-1][1], "temporaries")

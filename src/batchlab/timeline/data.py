@@ -124,21 +124,20 @@ def downsample(t: Timeline, width: int) -> list[int]:
     return sorted(keep)
 
 
-def aligned(a: Timeline, b: Timeline) -> list[tuple[int, int, int]]:
-    """(op in ``a``, a's total, b's total at the matching op) for every sample of ``a``.
 
-    Phases are matched by label (forward 2 with forward 2); inside a phase the op index is scaled by the
-    two spans' lengths, which is the identity where both ran the same ops (a trace and a CPU run do, except
-    clip_grad_norm_, which takes the foreach path on real tensors only)."""
-    spans = {p.label: p for p in b.phases}
-    totals = a.totals
-    out = []
-    for i, op in enumerate(a.ops):
-        pa = a.phases[a.phase_of[i]]
-        pb = spans.get(pa.label)
-        if pb is None:
-            continue
-        la, lb = pa.last_op - pa.first_op, pb.last_op - pb.first_op
-        op_b = pb.first_op + (round((op - pa.first_op) * lb / la) if la else 0)
-        out.append((op, totals[i], b.total_at_op(op_b)))
-    return out
+def aligned(a: Timeline, b: Timeline) -> list[tuple[int, int, int]]:
+    """(op in ``a``, a's total, b's total at the matching sample) for every sample of ``a``.
+
+    Samples are matched by (phase, op name) with difflib, so ops only one side ran do not shift the rest:
+    transformers' packed-sequence check runs in a real forward and not in the trace (it is patched out
+    there), and clip_grad_norm_ takes the foreach path on real tensors only.  A sample of ``a`` with no
+    counterpart is compared with ``b``'s state just before the point where it would be."""
+    import difflib
+
+    key = lambda t: [(t.phases[p].label, name) for p, name in zip(t.phase_of, t.op_names)]  # noqa: E731
+    ta, tb = a.totals, b.totals
+    match: dict[int, int] = {}
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, key(a), key(b), autojunk=False).get_opcodes():
+        for i in range(i1, i2):
+            match[i] = j1 + (i - i1) if tag == "equal" else (j1 + min(i - i1, j2 - j1 - 1) if j2 > j1 else j1 - 1)
+    return [(a.ops[i], ta[i], tb[max(match[i], 0)]) for i in range(len(a.ops))]
