@@ -6,29 +6,13 @@ import json
 
 import pytest
 import torch
-
-from batchlab.config import RunConfig, preset
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import StorageTracker, track_update
-from batchlab.timeline.data import CATEGORIES, Timeline, aligned, downsample, fold
+from batchlab.timeline.data import CATEGORIES, aligned, downsample, fold
 from batchlab.timeline.measured import record
 from batchlab.timeline.record import TimelineRecorder, block_of
 from batchlab.trace import estimate
-
-
-def tiny(**kw) -> RunConfig:
-    return RunConfig(model=preset("tiny", layers=2), seq=32, micro_batch=2, **kw)
-
-
-def hf_gpt2(**kw) -> RunConfig:
-    spec = preset("gpt2", layers=2, hidden=64, heads=4, vocab=256, max_positions=128)
-    return RunConfig(model=spec, model_source="hf:gpt2", seq=32, micro_batch=2, **kw)
-
-
-def hf_llama(**kw) -> RunConfig:
-    spec = preset("llama-2-7b", layers=2, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=256, max_positions=128)
-    return RunConfig(model=spec, model_source="hf:llama-2-7b", seq=32, micro_batch=2, **kw)
-
+from test_trace import hf_gpt2, hf_llama, tiny  # the trace tests' small shapes
 
 CASES = {"builtin": lambda: tiny(ac="full", accum=2), "gpt2": lambda: hf_gpt2(accum=2),
          "llama": lambda: hf_llama(ac="full")}
