@@ -14,13 +14,15 @@ from batchlab.timeline.record import TimelineRecorder, block_of
 from batchlab.trace import estimate
 from test_trace import hf_gpt2, hf_llama, tiny  # the trace tests' small shapes
 
-CASES = {"builtin": lambda: tiny(ac="full", accum=2), "gpt2": lambda: hf_gpt2(accum=2),
-         "llama": lambda: hf_llama(ac="full")}
+CASES = {"builtin": lambda: tiny(ac="full", accum=2),
+         "builtin-bf16": lambda: tiny(ac="full", precision="bf16-mixed").replace(attention="sdpa", mlp="swiglu",
+                                                                                  norm="rmsnorm"),
+         "gpt2": lambda: hf_gpt2(accum=2), "llama": lambda: hf_llama(ac="full")}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request):
-    if request.param != "builtin":
+    if not request.param.startswith("builtin"):
         pytest.importorskip("transformers")
     cfg = CASES[request.param]()
     traced = estimate(cfg, timeline=True)

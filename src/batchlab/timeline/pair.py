@@ -4,6 +4,9 @@ x is the fraction of each update's ops (the two configs run different numbers of
 a thinner line of the same colour is what forward created and backward still needs (activations, logits,
 recompute): AC none vs full shows the ramp flattening and the recompute bumps, micro-batch 4x1 vs 2x2 the
 gradients living across micro-batches.  Peaks marked; both provenances in the legend.
+
+For a compare report: keep each side's ``Timeline.to_dict()`` in the record, rebuild with ``from_dict`` and
+embed ``pair_svg(a, b, ("A: ac=none", "B: ac=full"))`` in the HTML (or ``write_pair_png`` for Markdown).
 """
 from __future__ import annotations
 
