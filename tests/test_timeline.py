@@ -122,6 +122,16 @@ def test_hand_counted_storages():
     assert t.ops == (0, 1, 2, 3, 3) and [p.label for p in t.phases] == ["data", "forward 1", "backward 1"]
 
 
+def test_the_all_reduce_is_drawn_over_the_last_backward(tmp_path):
+    from batchlab.timeline.output import write
+
+    t = estimate(tiny(dp=2, accum=2), timeline=True).timeline
+    assert list(t.overlaps.values()) == ["backward 2"] and any("all-reduce" in n for n in t.notes)
+    assert "gradient all-reduce" in write(t, tmp_path / "t.html").read_text()
+    write(t, tmp_path / "t.png")
+    assert not estimate(tiny(accum=2), timeline=True).timeline.overlaps
+
+
 def test_json_round_trip_keeps_the_exact_maximum(tmp_path):
     from batchlab.timeline.output import load, write
 
@@ -171,7 +181,7 @@ def test_cuda_replay_by_hand():
               {"action": "alloc", "addr": 300, "size": 2048},  # backward: becomes .grad
               {"action": "free_requested", "addr": 200, "size": 1024}]
     base = dict.fromkeys(CATEGORIES, 0) | {"parameters": 4096}
-    ctx = {"title": "hand", "capacity_bytes": 0, "formula_phase_peaks": {}, "notes": []}
+    ctx = {"title": "hand", "capacity_bytes": 0, "formula_phase_peaks": {}, "notes": [], "overlaps": {}}
     t = _replay(events, probe, first=10, parts=base, known={}, peak=4096 + 1024 + 2048, ctx=ctx)
     assert t.totals == [4096, 4608, 5632, 5120, 7168, 6144]
     assert t.peak_bytes == max(t.totals) and not t.notes

@@ -119,4 +119,4 @@ def _replay(events, probe: _Marks, first: int, parts: dict[str, int], known: dic
                     title=ctx["title"], ops=tuple(ops), phase_of=tuple(phase_of),
                     phases=tuple(PhaseSpan(*s) for s in spans), parts={c: tuple(v) for c, v in cols.items()},
                     op_names=tuple(names), peak_bytes=peak, peak_sample=peak_sample, capacity_bytes=ctx["capacity_bytes"],
-                    formula_phase_peaks=ctx["formula_phase_peaks"], notes=tuple(notes))
+                    formula_phase_peaks=ctx["formula_phase_peaks"], notes=tuple(notes), overlaps=ctx["overlaps"])

@@ -50,6 +50,8 @@ class Timeline:
     capacity_bytes: int = 0  # the device's memory (0: unknown)
     formula_phase_peaks: dict[str, int] = field(default_factory=dict)  # phase -> formula tensor bytes
     notes: tuple[str, ...] = ()
+    # communication drawn over the phase it overlaps, e.g. {"gradient all-reduce": "backward 4"} (DP > 1)
+    overlaps: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         n = len(self.ops)
@@ -87,7 +89,7 @@ class Timeline:
             "peak_bytes": self.peak_bytes, "peak_sample": self.peak_sample, "peak_op": self.peak_op,
             "peak_phase": self.peak_phase.label, "at_peak": self.at_peak,
             "at_peak_by_module": self.at_peak_by_module, "capacity_bytes": self.capacity_bytes,
-            "formula_phase_peaks": self.formula_phase_peaks, "notes": list(self.notes),
+            "formula_phase_peaks": self.formula_phase_peaks, "notes": list(self.notes), "overlaps": self.overlaps,
             "phases": [vars(p) for p in self.phases],
             "samples": {"op": list(self.ops), "phase": list(self.phase_of), "op_name": list(self.op_names),
                         "bytes": {k: list(v) for k, v in self.parts.items()}, "total": totals},
@@ -102,7 +104,7 @@ class Timeline:
                    peak_bytes=d["peak_bytes"], peak_sample=d["peak_sample"],
                    at_peak_by_module={k: dict(v) for k, v in d["at_peak_by_module"].items()},
                    capacity_bytes=d["capacity_bytes"], formula_phase_peaks=dict(d["formula_phase_peaks"]),
-                   notes=tuple(d["notes"]))
+                   notes=tuple(d["notes"]), overlaps=dict(d.get("overlaps", {})))
 
 
 def downsample(t: Timeline, width: int) -> list[int]:

@@ -7,7 +7,7 @@ import json
 
 from batchlab.timeline.data import LABELS, Timeline
 from batchlab.timeline.style import (COLOURS, PHASE_SHADES, axis_unit, bands, capacity_shown, formula_markers,
-                                     peak_lines, stack, used_categories)
+                                     overlap_bars, peak_lines, stack, used_categories)
 from batchlab.units import fmt_bytes
 
 W, H, LEFT, RIGHT, TOP, BOTTOM = 1000, 520, 70, 20, 30, 50  # SVG user units (the SVG scales to its box)
@@ -65,6 +65,10 @@ def _svg(t: Timeline) -> tuple[str, dict]:
         out.append(f'<path d="{_step_path(xs, base, high, sx, sy)}" fill="{COLOURS[c]}">'
                    f'<title>{html.escape(LABELS[c])}</title></path>')
         base = high
+    for name, lo, hi in overlap_bars(t):
+        out.append(f'<rect x="{sx(lo):.1f}" y="{TOP + 1}" width="{sx(hi) - sx(lo):.1f}" height="13" fill="#7a5195" '
+                   f'opacity="0.8"/><text x="{(sx(lo) + sx(hi)) / 2:.1f}" y="{TOP + 11}" font-size="10" '
+                   f'fill="#fff" text-anchor="middle">{html.escape(name)}</text>')
     for i in range(6):  # y grid and labels
         v = top * i / 5
         out.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{sy(v):.1f}" y2="{sy(v):.1f}" stroke="#0001"/>'

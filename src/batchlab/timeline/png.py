@@ -6,7 +6,7 @@ from pathlib import Path
 
 from batchlab.timeline.data import LABELS, Timeline
 from batchlab.timeline.style import (COLOURS, PHASE_SHADES, axis_unit, bands, capacity_shown, formula_markers,
-                                     peak_lines, stack)
+                                     overlap_bars, peak_lines, stack)
 
 WIDTH_PX = 1400
 
@@ -31,6 +31,10 @@ def draw(ax, t: Timeline, side=None) -> None:
         if phase in ("forward", "backward", "optimizer"):
             ax.text((lo + hi) / 2, 1.0, label, transform=ax.get_xaxis_transform(), ha="center", va="bottom",
                     fontsize=8, color="#555555")
+    for name, lo, hi in overlap_bars(t):
+        ax.axvspan(lo, hi, ymin=0.95, ymax=0.99, facecolor="none", hatch="///", edgecolor="#7a5195", zorder=3)
+        ax.text((lo + hi) / 2, 0.97, name, transform=ax.get_xaxis_transform(), ha="center", va="center",
+                fontsize=8, color="#7a5195", zorder=6, bbox=dict(fc="white", ec="none", pad=1))
     base = [0.0] * len(xs)
     for c, ys in parts.items():
         top = [b + y / GIB for b, y in zip(base, ys)]

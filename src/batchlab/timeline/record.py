@@ -155,13 +155,13 @@ class TimelineRecorder:
         return out
 
     def timeline(self, *, provenance: str, method: str, title: str, peak_bytes: int, capacity_bytes: int = 0,
-                 formula_phase_peaks: dict[str, int] | None = None, notes=()) -> Timeline:
+                 formula_phase_peaks: dict[str, int] | None = None, notes=(), overlaps=None) -> Timeline:
         return Timeline(provenance=provenance, method=method, title=title, ops=tuple(self.ops),
                         phase_of=tuple(self.phase_of), phases=tuple(PhaseSpan(*s) for s in self.spans),
                         parts={c: tuple(v) for c, v in self.parts.items()}, op_names=tuple(self.op_names),
                         peak_bytes=peak_bytes, peak_sample=self.peak_sample, at_peak_by_module=self.by_module(),
                         capacity_bytes=capacity_bytes, formula_phase_peaks=dict(formula_phase_peaks or {}),
-                        notes=tuple(notes))
+                        notes=tuple(notes), overlaps=dict(overlaps or {}))
 
 
 _LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
@@ -201,8 +201,11 @@ def context(cfg) -> dict:
         peaks = {}
     title = (f"{cfg.model.name} ({cfg.model_source}), seq {cfg.seq}, micro-batch {cfg.micro_batch} x accum "
              f"{cfg.accum} x DP {cfg.dp} = global batch {cfg.global_batch}, ac={cfg.ac}, {cfg.precision}")
-    notes = []
+    notes, overlaps = [], {}
     if cfg.dp > 1:
-        notes.append(f"one rank without DDP: the gradient all-reduce (DP = {cfg.dp}) is not in this timeline; "
-                     "DDP overlaps it with the last micro-batch's backward and adds its bucket buffers")
-    return {"title": title, "capacity_bytes": cfg.memory_capacity, "formula_phase_peaks": peaks, "notes": notes}
+        notes.append(f"one rank without DDP: the gradient all-reduce (DP = {cfg.dp}) is drawn where DDP runs it "
+                     "(overlapped with the last micro-batch's backward, no_sync before) but its bucket buffers "
+                     "are not counted")
+        overlaps["gradient all-reduce (not run here)"] = f"backward {cfg.accum}"
+    return {"title": title, "capacity_bytes": cfg.memory_capacity, "formula_phase_peaks": peaks, "notes": notes,
+            "overlaps": overlaps}

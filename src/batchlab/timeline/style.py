@@ -58,3 +58,9 @@ def capacity_shown(t: Timeline) -> bool:
 def axis_unit(t: Timeline) -> tuple[str, int]:
     """GiB for a peak of 1 GiB or more, else MiB (display only)."""
     return ("GiB", 2**30) if t.peak_bytes >= 2**30 else ("MiB", 2**20)
+
+
+def overlap_bars(t: Timeline) -> list[tuple[str, int, int]]:
+    """(label, first op, last op) of communication drawn over the phase span it overlaps."""
+    spans = {label: (lo, hi) for label, _, lo, hi in bands(t)}
+    return [(name, *spans[label]) for name, label in t.overlaps.items() if label in spans]
