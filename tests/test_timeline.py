@@ -172,7 +172,8 @@ def test_cuda_replay_by_hand():
     from batchlab.timeline.cuda import _Marks, _replay
 
     probe = _Marks(trainer=None, device=None)
-    probe.marks = [("data", 10), ("forward", 10), ("backward", 11), ("optimizer", 13), ("end", 13)]
+    # (phase, allocations, frees) as memory_stats counts them at each mark
+    probe.marks = [("data", 10, 5), ("forward", 10, 5), ("backward", 11, 5), ("optimizer", 13, 6), ("end", 13, 7)]
     probe.grad_addrs = {300}
     events = [{"action": "alloc", "addr": 100, "size": 512},  # forward: activation
               {"action": "alloc", "addr": 200, "size": 1024},  # backward: temporary
@@ -182,11 +183,13 @@ def test_cuda_replay_by_hand():
               {"action": "free_requested", "addr": 200, "size": 1024}]
     base = dict.fromkeys(CATEGORIES, 0) | {"parameters": 4096}
     ctx = {"title": "hand", "capacity_bytes": 0, "formula_phase_peaks": {}, "notes": [], "overlaps": {}}
-    t = _replay(events, probe, first=10, parts=base, known={}, peak=4096 + 1024 + 2048, ctx=ctx)
+    t = _replay(events, probe, first=(10, 5), parts=base, known={}, peak=4096 + 1024 + 2048, ctx=ctx)
     assert t.totals == [4096, 4608, 5632, 5120, 7168, 6144]
     assert t.peak_bytes == max(t.totals) and not t.notes
     assert t.at_peak["gradients"] == 2048 and t.at_peak["temporaries"] == 1024
-    assert [p.label for p in t.phases] == ["data", "forward 1", "backward 1"]
+    # the optimizer mark came after 3 allocations and 1 free: the last free is in the optimizer phase
+    assert [p.label for p in t.phases] == ["data", "forward 1", "backward 1", "optimizer"]
+    assert t.phases[t.phase_of[-1]].label == "optimizer" and t.phase_of[-2] == 2
 
 
 def test_cli_writes_the_timeline(tmp_path):

@@ -2,8 +2,8 @@
 
 ``torch.cuda.memory._record_memory_history`` keeps every alloc/free of the update (no stack traces: cheap);
 ``_snapshot()`` hands them back.  Phases: at each harness mark the allocator's cumulative allocation count
-(``memory_stats()["allocation.all.allocated"]``, host-side, no synchronise) says which alloc events came
-before it.  Categories as the tracker's: what is live at the start is parameters / optimizer state by
+(``memory_stats()["allocation.all.allocated"]`` and ``["allocation.all.freed"]``, host-side, no synchronise)
+say which alloc and free-request events came before it.  Categories as the tracker's: what is live at the start is parameters / optimizer state by
 address; allocations are activations (forward), temporaries (backward, optimizer) or data; the blocks the
 parameters' .grad tensors occupy when the optimizer phase starts are gradients.  Block sizes are the
 allocator's rounded ones, as in memory_allocated(); the x axis is the allocator event index, not an op index.
@@ -19,18 +19,20 @@ _CREATED_AS = {"data": "data", "forward": "activations", "backward": "temporarie
 
 
 class _Marks:
-    """A probe: remembers (phase, allocations so far) at every mark; the optimizer mark also notes .grad blocks."""
+    """A probe: remembers (phase, allocations so far, frees so far) at every mark; the optimizer mark also
+    notes the .grad blocks."""
 
     def __init__(self, trainer, device):
         self.trainer, self.device = trainer, device
-        self.marks: list[tuple[str, int]] = []
+        self.marks: list[tuple[str, int, int]] = []
         self.grad_addrs: set[int] = set()
 
-    def count(self) -> int:
-        return torch.cuda.memory_stats(self.device).get("allocation.all.allocated", 0)
+    def count(self) -> tuple[int, int]:
+        stats = torch.cuda.memory_stats(self.device)
+        return stats.get("allocation.all.allocated", 0), stats.get("allocation.all.freed", 0)
 
     def mark(self, phase: str) -> None:
-        self.marks.append((phase, self.count()))
+        self.marks.append((phase, *self.count()))
         if phase == "optimizer":
             self.grad_addrs = {p.grad.data_ptr() for p in self.trainer.raw_model.parameters() if p.grad is not None}
 
@@ -74,35 +76,36 @@ def record_cuda(trainer, ctx: dict) -> Timeline:
     return _replay(events, probe, first, _baseline(trainer, device, start), _known(trainer), peak, ctx)
 
 
-def _replay(events, probe: _Marks, first: int, parts: dict[str, int], known: dict[int, str], peak: int,
-            ctx: dict) -> Timeline:
+def _replay(events, probe: _Marks, first: tuple[int, int], parts: dict[str, int], known: dict[int, str],
+            peak: int, ctx: dict) -> Timeline:
     """Live bytes by category after every alloc / free event (see the module docstring)."""
     live: dict[int, tuple[int, str]] = {}
-    marks = [(phase, count - first) for phase, count in probe.marks]
+    marks = [(phase, a - first[0], f - first[1]) for phase, a, f in probe.marks]
     spans: list[list] = [["data", "data", 0, 0]]
-    micro, allocs, m = 0, 0, 0
+    micro, allocs, frees, m = 0, 0, 0, 0
     ops, phase_of, names, cols = [0], [0], [""], {c: [parts[c]] for c in CATEGORIES}
     best, peak_sample = sum(parts.values()), 0
     for i, e in enumerate(events, start=1):
         action = e.get("action")
+        if action not in ("alloc", "free_requested"):
+            continue  # free_completed follows a free_requested (deferred by stream use); segments: reserved memory
+        while m < len(marks) and marks[m][1] <= allocs and marks[m][2] <= frees:  # the phase this event is in
+            phase = marks[m][0]
+            m += 1
+            if phase == spans[-1][1]:  # the update's own "data" mark: the span is open already
+                continue
+            micro += phase == "forward"
+            spans.append([f"{phase} {micro}" if phase in ("forward", "backward") else phase, phase, i, i])
         if action == "alloc":
-            while m < len(marks) and marks[m][1] <= allocs:  # the phase this allocation happened in
-                phase = marks[m][0]
-                m += 1
-                if phase == spans[-1][1]:  # the update's own "data" mark: the span is open already
-                    continue
-                micro += phase == "forward"
-                spans.append([f"{phase} {micro}" if phase in ("forward", "backward") else phase, phase, i, i])
             allocs += 1
             cat = "gradients" if e["addr"] in probe.grad_addrs and spans[-1][1] == "backward" else \
                 _CREATED_AS.get(spans[-1][1], "temporaries")
             live[e["addr"]] = (e["size"], cat)
             parts[cat] += e["size"]
-        elif action == "free_requested":
+        else:
+            frees += 1
             n, cat = live.pop(e["addr"], (e["size"], known.get(e["addr"], "temporaries")))
             parts[cat] -= n
-        else:
-            continue
         spans[-1][3] = i
         ops.append(i)
         phase_of.append(len(spans) - 1)
