@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,6 +31,15 @@ class MemorySnapshot:
     activations_by_owner: dict[str, int] = field(default_factory=dict)
 
 
+class StorageListener(Protocol):
+    """Sees every storage event of a tracker (the memory timeline records them; batchlab.timeline)."""
+
+    def added(self, key: int, nbytes: int, category: str) -> None: ...
+    def freed(self, key: int) -> None: ...
+    def relabelled(self, key: int, category: str) -> None: ...  # a backward output that became a .grad
+    def op_done(self, func, args) -> None: ...  # after an op's outputs are counted (live bytes as of now)
+
+
 class BudgetExceeded(MemoryError):
     """Tracked tensor bytes went over the memory budget (CPU stand-in for a device with less memory).
 
@@ -46,8 +55,10 @@ class BudgetExceeded(MemoryError):
 class StorageTracker(TorchDispatchMode):
     """Use as ``with tracker:`` around one or more updates; call ``mark(phase)`` between phases."""
 
-    def __init__(self, budget: int | None = None, owner: Callable[[], str] | None = None):
+    def __init__(self, budget: int | None = None, owner: Callable[[], str] | None = None,
+                 listener: StorageListener | None = None):
         super().__init__()
+        self.listener = listener
         # owner() labels each new storage (the trace passes the module running now: "what keeps what")
         self._owner = owner
         self._owners: dict[int, str] = {}
@@ -89,6 +100,8 @@ class StorageTracker(TorchDispatchMode):
         key = id(p.grad.untyped_storage()) if p.grad is not None else None
         if key in self._live:
             self._live[key] = (self._live[key][0], "gradients")
+            if self.listener is not None:
+                self.listener.relabelled(key, "gradients")
 
     def close(self) -> None:
         for h in self._hooks:
@@ -111,6 +124,8 @@ class StorageTracker(TorchDispatchMode):
         self._live[key] = (n, category)
         self._current += n
         weakref.finalize(st, self._free, key)
+        if self.listener is not None:
+            self.listener.added(key, n, category)
         if self._owner is not None:
             self._owners[key] = self._owner()
         if self._current > self._phase_peaks.get(self.phase, -1):
@@ -125,6 +140,8 @@ class StorageTracker(TorchDispatchMode):
         self._owners.pop(key, None)
         if entry is not None:
             self._current -= entry[0]
+            if self.listener is not None:
+                self.listener.freed(key)
 
     def mark(self, phase: str) -> None:
         if phase == "forward" and self.phase != "forward":
@@ -156,6 +173,8 @@ class StorageTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t.untyped_storage(), category)
+        if self.listener is not None:
+            self.listener.op_done(func, args)
         if self.budget is not None and self._current > self.budget:
             # every allocation that leaves live bytes over the budget is refused, like a real allocator
             self.exceeded = BudgetExceeded(self._current, self.budget, self.phase)
@@ -173,10 +192,11 @@ class StorageTracker(TorchDispatchMode):
                               activations_by_owner=dict(self._activations_by_owner))
 
 
-def tracker_for(trainer, budget: int | None = None, owner: Callable[[], str] | None = None) -> StorageTracker:
+def tracker_for(trainer, budget: int | None = None, owner: Callable[[], str] | None = None,
+                listener: StorageListener | None = None) -> StorageTracker:
     """A tracker for ``trainer``'s next update: parameters, buffers and optimizer state registered (they
     exist before tracking starts), gradients watched, baseline set.  Call ``close()`` when done."""
-    tracker = StorageTracker(budget=budget, owner=owner)
+    tracker = StorageTracker(budget=budget, owner=owner, listener=listener)
     params = list(trainer.raw_model.parameters())
     tracker.register(params, "parameters")
     tracker.register([b for b in trainer.raw_model.buffers()], "parameters")
