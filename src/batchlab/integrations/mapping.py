@@ -31,6 +31,15 @@ def model_from_hf_dict(raw: dict[str, Any]) -> ModelSpec:
     return dataclasses.replace(spec, name=f"hf:{raw.get('model_type', 'model')}")
 
 
+def hf_checkpointing(model) -> bool:
+    """Whether a Hugging Face model recomputes activations (transformers 5 renamed the deprecated
+    ``is_gradient_checkpointing`` to ``is_activation_checkpointing``)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
 def _optimizer(name: str, momentum: float | None) -> OptimizerKind | None:
     if name == "SGD" and momentum:
         return OptimizerKind.SGD_MOMENTUM
@@ -61,7 +70,9 @@ def run_config(s: Settings, hf_config: dict[str, Any] | None = None, momentum: f
     optimizer = _optimizer(s.optimizer, momentum)
     if optimizer is None:
         unmapped.append(f"optimizer {s.optimizer or '?'}: no batchlab equivalent; AdamW assumed for the formula")
-    if s.gradient_checkpointing:
+    if s.gradient_checkpointing is None:
+        unmapped.append("activation checkpointing: not detectable in this model; none assumed for the formula")
+    elif s.gradient_checkpointing:
         unmapped.append(f"activation checkpointing: taken as full recompute of {gradient_checkpointing_layers}")
     try:
         device = "cpu" if s.device.startswith("cpu") else local_device()

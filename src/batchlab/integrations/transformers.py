@@ -17,7 +17,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from batchlab.experiment.observed import Settings, Source
-from batchlab.integrations.mapping import run_config
+from batchlab.integrations.mapping import hf_checkpointing, run_config
 from batchlab.measure.watch import Watch
 
 
@@ -79,7 +79,7 @@ class BatchlabCallback(TrainerCallback):
 
     def settings(self, args) -> Settings:
         model = self._model
-        gc = bool(args.gradient_checkpointing or getattr(model, "is_gradient_checkpointing", False))
+        gc = bool(args.gradient_checkpointing or hf_checkpointing(model))
         return Settings(micro_batch=args.per_device_train_batch_size, accum=args.gradient_accumulation_steps,
                         world_size=args.world_size, precision=_precision(args), gradient_checkpointing=gc,
                         seq=self._seq, model=_model_text(model), device=str(args.device),
