@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from batchlab.config import RunConfig, _Choice, config_from_dict
+from batchlab.config import ACMode, RunConfig, _Choice, config_from_dict
 from batchlab.experiment.factors import Snapshot, uncontrolled
 from batchlab.measure.result import Measurement, measurement_from_dict, measurement_to_dict
 from batchlab.measure.versus import formula_estimate, rows
@@ -171,6 +171,18 @@ def build(source: Source, settings: Settings, m: Measurement, cfg: RunConfig | N
     return ObservedRecord(source=source, settings=settings, measurement=m, figures=figures, run_config=cfg,
                           unmapped=tuple(unmapped), factors=factors, prediction_note=why,
                           warnings=tuple(warnings), note=note, created_at=created_at)
+
+
+def loop_settings(cfg: RunConfig | None, global_batch: int | None, model: str, device: str,
+                  optimizer: str) -> tuple[Settings, list[str]]:
+    """A plain loop reports nothing itself: its Settings come from the RunConfig given to observe()."""
+    if cfg is not None:
+        return Settings(micro_batch=cfg.micro_batch, accum=cfg.accum, world_size=cfg.dp, precision=cfg.precision.value,
+                        gradient_checkpointing=cfg.ac.mode is not ACMode.NONE, seq=cfg.seq,
+                        model=f"{model} ({cfg.model.name})", device=device, optimizer=optimizer), []
+    why = (f"global batch {global_batch} given without its split" if global_batch is not None else
+           "no config given") + ": pass config=RunConfig(...) for micro-batch x accum x DP and the formula's prediction"
+    return Settings(micro_batch=None, accum=None, world_size=1, model=model, device=device, optimizer=optimizer), [why]
 
 
 def finish(source: Source, settings: Settings, m: Measurement, cfg: RunConfig | None, unmapped: list[str],

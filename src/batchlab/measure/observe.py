@@ -50,6 +50,7 @@ class Observer:
         self._probe = None
         self._update_tokens: int | None = None
         self.phase = "data"
+        self.record, self.notebook_id = None, None  # set by observe(notebook=...) at the end
         self.measurement = Measurement(config=config.to_dict() if config is not None else {}, outcome=Outcome.OK,
                                        global_batch=config.global_batch if config is not None else global_batch)
 
@@ -145,11 +146,24 @@ class Observer:
 
 @contextlib.contextmanager
 def observe(model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int = 2, memory: bool = True,
-            device: torch.device | str | None = None, config=None, global_batch: int | None = None):
-    """Record peak memory and update time over the updates of your own loop (see the module docstring)."""
+            device: torch.device | str | None = None, config=None, global_batch: int | None = None,
+            notebook=None, predict: bool = True, note: str = ""):
+    """Record peak memory and update time over the updates of your own loop (see the module docstring).
+    With ``notebook`` (a path or Notebook), an observed record is written at the end: ``obs.record``,
+    ``obs.notebook_id``; ``config`` (a RunConfig describing the loop) gives the formula's prediction."""
+    from batchlab.experiment.factors import Snapshot
+
     obs = Observer(model, optimizer, warmup=warmup, memory=memory, device=device, config=config,
                    global_batch=global_batch)
+    before = Snapshot()
     try:
         yield obs
     finally:
-        obs.finish()
+        m = obs.finish()
+        if notebook is not None:
+            from batchlab.experiment.observed import Source, finish, loop_settings
+
+            settings, unmapped = loop_settings(config, global_batch, type(model).__name__, str(obs.device),
+                                               type(optimizer).__name__)
+            obs.record, obs.notebook_id = finish(Source.LOOP, settings, m, config, unmapped, before,
+                                                 notebook=notebook, predict=predict, note=note)
