@@ -49,13 +49,13 @@ class Reference(TrainerCallback):
             self.peak = self.tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-def train(tmp_path, callbacks):
+def train(tmp_path, callbacks, **extra):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64,
                                        bos_token_id=0, eos_token_id=0))
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=MICRO,
                              gradient_accumulation_steps=ACCUM, max_steps=STEPS, report_to=[], save_strategy="no",
-                             logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True)
+                             logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True, **extra)
     trainer = Trainer(model, args, train_dataset=Tokens(), callbacks=callbacks)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -101,3 +101,15 @@ def test_phases_and_timed_updates(runs):
     assert len(t.samples) == STEPS - 3  # update 1 warmup, 2 memory, 3 warmup (warmup=2)
     assert {"forward", "backward", "optimizer"} <= set(t.phase_seconds)
     assert sum(t.phase_seconds.values()) <= t.update_seconds_median * 1.5
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_is_read_and_measured(tmp_path):
+    # transformers 5: activation_checkpointing (gradient_checkpointing is its alias); every_n_layers=2 of 2 layers
+    name = "activation_checkpointing" if hasattr(TrainingArguments, "activation_checkpointing") else "gradient_checkpointing"
+    ref, cb = Reference(), BatchlabCallback(notebook=tmp_path / "lab.sqlite")
+    train(tmp_path, [ref, cb], **{name: True, f"{name}_kwargs": {"use_reentrant": False, "every_n_layers": 2}})
+    rec = cb.record
+    assert rec.settings.gradient_checkpointing is True and rec.settings.checkpoint_every == 2
+    assert str(rec.run_config.ac) == "every:2"
+    assert abs(rec.figure("peak memory").observed - ref.peak) / ref.peak < 0.05

@@ -127,3 +127,12 @@ def test_each_integration_imports_only_its_framework(module, framework, other):
             f"print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] == {other!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_export_takes_observed_rows(tmp_path):
+    book = Notebook(tmp_path / "lab.sqlite")
+    save(_record(2, 3, 4 * 2**20, [1.0]), book)
+    md = book.export("md")
+    assert "| 1 | loop | MLP | global batch = micro-batch x accum x DP = 2 x 3 x 1 = 6" in md and "4.00 MiB" in md
+    rows = book.export("csv").splitlines()
+    assert rows[0].startswith("id,created_at,kind,variable,global_batch") and ",observed," in rows[1]

@@ -62,6 +62,9 @@ def show(exp_id: Annotated[int, typer.Argument(metavar="ID", help="Experiment id
     except ConfigError as e:
         fail(str(e))
     if record["kind"] == "observed" and not as_json:
+        if report is not None:
+            console().print("[yellow]warning:[/] --report is ignored for observed runs (no report document yet); "
+                            "notebook export --format md includes them")
         render_observed(console(), record, book.path)
         return
     show_record(record, book.path, report, as_json)

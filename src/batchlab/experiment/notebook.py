@@ -150,9 +150,12 @@ class Notebook:
             return json.dumps(records, indent=2) + "\n"
         if fmt is ExportFormat.CSV:
             return _csv(records)
+        from batchlab.experiment.observed import markdown
         from batchlab.report import notebook_markdown
 
-        return notebook_markdown(records)
+        compared = [r for r in records if r["kind"] != "observed"]
+        observed = markdown([r for r in records if r["kind"] == "observed"])
+        return (notebook_markdown(compared) if compared or not observed else "") + observed
 
 
 def _allow_observed(conn: sqlite3.Connection) -> None:

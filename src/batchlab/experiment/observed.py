@@ -35,6 +35,7 @@ class Settings:
     world_size: int  # data-parallel processes
     precision: str = "unknown"  # e.g. "fp32", "bf16-mixed" (framework's name)
     gradient_checkpointing: bool | None = None  # activation checkpointing (recompute), not a file checkpoint
+    checkpoint_every: int = 1  # with gradient_checkpointing: every n-th layer from the first (HF every_n_layers)
     seq: int | None = None  # tokens per sequence, when the inputs are token sequences
     model: str = ""  # class and shape, e.g. "GPT2LMHeadModel (2 layers, hidden 64)"
     device: str = "cpu"
@@ -208,3 +209,19 @@ def save(record: ObservedRecord, notebook) -> int:
 
         notebook = Notebook(notebook)
     return notebook.add(record.to_dict())
+
+
+def markdown(records: list[dict[str, Any]]) -> str:
+    """Observed runs as one Markdown table (``notebook export --format md``): figures with their provenance."""
+    if not records:
+        return ""
+    lines = ["## Observed runs (nothing controlled)", "",
+             "| id | source | model | global batch | peak memory (allocator) | formula | update time (wall-clock) |",
+             "|---|---|---|---|---|---|---|"]
+    for d in records:
+        figs = {f["name"]: f for f in d["figures"]}
+        mem, t = figs.get("peak memory", {}), figs.get("update time (median)", {})
+        lines.append(f"| {d.get('notebook_id')} | {d['source']} | {d['settings']['model']} | {d['global_batch_text']} "
+                     f"| {fmt_bytes(mem.get('observed'))} | {fmt_bytes(mem.get('predicted'))} "
+                     f"| {fmt_seconds(t.get('observed'))} |")
+    return "\n".join(lines) + "\n"

@@ -40,14 +40,20 @@ def hf_checkpointing(model) -> bool:
     return False
 
 
+def _ac(s: Settings) -> ACPolicy:
+    if not s.gradient_checkpointing:
+        return ACPolicy()
+    return ACPolicy(ACMode.EVERY, s.checkpoint_every) if s.checkpoint_every > 1 else ACPolicy(ACMode.FULL)
+
+
 def _optimizer(name: str, momentum: float | None) -> OptimizerKind | None:
     if name == "SGD" and momentum:
         return OptimizerKind.SGD_MOMENTUM
     return OPTIMIZER.get(name)
 
 
-def run_config(s: Settings, hf_config: dict[str, Any] | None = None, momentum: float | None = None,
-               gradient_checkpointing_layers: str = "every layer") -> tuple[RunConfig | None, list[str]]:
+def run_config(s: Settings, hf_config: dict[str, Any] | None = None,
+               momentum: float | None = None) -> tuple[RunConfig | None, list[str]]:
     """(RunConfig or None, what did not map).  None when the model shape, micro-batch or sequence is unknown:
     the formula needs all three."""
     unmapped: list[str] = []
@@ -72,8 +78,6 @@ def run_config(s: Settings, hf_config: dict[str, Any] | None = None, momentum: f
         unmapped.append(f"optimizer {s.optimizer or '?'}: no batchlab equivalent; AdamW assumed for the formula")
     if s.gradient_checkpointing is None:
         unmapped.append("activation checkpointing: not detectable in this model; none assumed for the formula")
-    elif s.gradient_checkpointing:
-        unmapped.append(f"activation checkpointing: taken as full recompute of {gradient_checkpointing_layers}")
     try:
         device = "cpu" if s.device.startswith("cpu") else local_device()
     except ConfigError as e:
@@ -85,7 +89,7 @@ def run_config(s: Settings, hf_config: dict[str, Any] | None = None, momentum: f
         cfg = RunConfig(model=model, model_source=model.name, seq=s.seq, micro_batch=s.micro_batch, accum=s.accum,
                         dp=s.world_size, precision=precision or Precision.FP32,
                         optimizer=optimizer or OptimizerKind.ADAMW, device=device,
-                        ac=ACPolicy(ACMode.FULL) if s.gradient_checkpointing else ACPolicy())
+                        ac=_ac(s))
     except ConfigError as e:
         unmapped.append(str(e))
         return None, unmapped

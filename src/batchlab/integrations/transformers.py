@@ -79,9 +79,13 @@ class BatchlabCallback(TrainerCallback):
 
     def settings(self, args) -> Settings:
         model = self._model
-        gc = bool(args.gradient_checkpointing or hf_checkpointing(model))
+        gc = bool(getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing
+                  or hf_checkpointing(model))
+        # transformers 5 activation_checkpointing_kwargs (gradient_checkpointing_kwargs its alias before)
+        kw = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {}
         return Settings(micro_batch=args.per_device_train_batch_size, accum=args.gradient_accumulation_steps,
                         world_size=args.world_size, precision=_precision(args), gradient_checkpointing=gc,
+                        checkpoint_every=int(kw.get("every_n_layers", 1)),
                         seq=self._seq, model=_model_text(model), device=str(args.device),
                         optimizer=type(getattr(self._optimizer, "optimizer", self._optimizer)).__name__)
 
