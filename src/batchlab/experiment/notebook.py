@@ -150,7 +150,7 @@ class Notebook:
             return json.dumps(records, indent=2) + "\n"
         if fmt is ExportFormat.CSV:
             return _csv(records)
-        from batchlab.experiment.observed import markdown
+        from batchlab.experiment.observed_report import markdown
         from batchlab.report import notebook_markdown
 
         compared = [r for r in records if r["kind"] != "observed"]

@@ -26,8 +26,19 @@ class Source(_Choice):
     LOOP = "loop"  # batchlab.observe around the user's own loop
 
 
+class _Flat:
+    """to_dict / from_dict for a frozen dataclass of plain values (keys it does not know are skipped)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
 @dataclass(frozen=True)
-class Settings:
+class Settings(_Flat):
     """The configuration as the framework reported it (its own spelling), before any mapping."""
 
     micro_batch: int | None  # per-device batch of one forward/backward (sequences or samples)
@@ -54,16 +65,9 @@ class Settings:
                 f"= {self.global_batch}" + (f" sequences ({self.global_batch * self.seq:,} tokens per update)"
                                             if self.seq else " samples"))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Settings":
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
-
 
 @dataclass(frozen=True)
-class Figure:
+class Figure(_Flat):
     """One observed figure and, where the formula has one for the same RunConfig, its prediction."""
 
     name: str
@@ -79,11 +83,7 @@ class Figure:
         return relative_to(self.observed, self.predicted)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)} | {"error": self.error}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Figure":
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        return super().to_dict() | {"error": self.error}
 
 
 @dataclass(frozen=True)
@@ -210,18 +210,3 @@ def save(record: ObservedRecord, notebook) -> int:
         notebook = Notebook(notebook)
     return notebook.add(record.to_dict())
 
-
-def markdown(records: list[dict[str, Any]]) -> str:
-    """Observed runs as one Markdown table (``notebook export --format md``): figures with their provenance."""
-    if not records:
-        return ""
-    lines = ["## Observed runs (nothing controlled)", "",
-             "| id | source | model | global batch | peak memory (allocator) | formula | update time (wall-clock) |",
-             "|---|---|---|---|---|---|---|"]
-    for d in records:
-        figs = {f["name"]: f for f in d["figures"]}
-        mem, t = figs.get("peak memory", {}), figs.get("update time (median)", {})
-        lines.append(f"| {d.get('notebook_id')} | {d['source']} | {d['settings']['model']} | {d['global_batch_text']} "
-                     f"| {fmt_bytes(mem.get('observed'))} | {fmt_bytes(mem.get('predicted'))} "
-                     f"| {fmt_seconds(t.get('observed'))} |")
-    return "\n".join(lines) + "\n"
