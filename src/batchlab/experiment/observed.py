@@ -165,7 +165,7 @@ def build(source: Source, settings: Settings, m: Measurement, cfg: RunConfig | N
     figures, why = _figures(m, settings, cfg, predict)
     warnings = list(m.warnings)
     if settings.world_size > 1:
-        warnings.append("memory and time are this rank's; the gradient all-reduce over the other ranks is inside "
+        warnings.append("memory and time are one rank's (rank 0 in the notebook); the gradient all-reduce is inside "
                         "the update time but was not measured separately")
     else:
         warnings.append("one process: says nothing about cluster communication")

@@ -64,5 +64,8 @@ class Watch:
                notebook=None, predict: bool = True, note: str = "") -> tuple[ObservedRecord, int | None]:
         self.end()
         m = self.observer.finish()
+        rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+        if rank != 0:
+            notebook = None  # one row per run: rank 0's figures (every rank keeps its own record on the callback)
         return finish(source, settings, m, cfg, unmapped, self.before, notebook=notebook, predict=predict,
                       note=note)
