@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from batchlab.config import ACMode, RunConfig, _Choice, config_from_dict
+from batchlab.experiment.diagnosis import NOISY_SPREAD
 from batchlab.experiment.factors import Snapshot, uncontrolled
 from batchlab.measure.result import Measurement, measurement_from_dict, measurement_to_dict
 from batchlab.measure.versus import formula_estimate, rows
@@ -164,6 +165,9 @@ def build(source: Source, settings: Settings, m: Measurement, cfg: RunConfig | N
           factors: dict[str, Any], predict: bool = True, note: str = "", created_at: str = "") -> ObservedRecord:
     figures, why = _figures(m, settings, cfg, predict)
     warnings = list(m.warnings)
+    if m.time is not None and m.time.samples and m.time.spread > NOISY_SPREAD:
+        warnings.append(f"timing is noisy: IQR/median of the timed updates {m.time.spread:.0%} (> {NOISY_SPREAD:.0%}); "
+                        "see the uncontrolled factors")
     if settings.world_size > 1:
         warnings.append("memory and time are one rank's (rank 0 in the notebook); the gradient all-reduce is inside "
                         "the update time but was not measured separately")
