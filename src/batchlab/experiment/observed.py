@@ -11,13 +11,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from batchlab.config import ACMode, RunConfig, _Choice, config_from_dict
-from batchlab.experiment.diagnosis import NOISY_SPREAD
 from batchlab.experiment.factors import Snapshot, uncontrolled
 from batchlab.measure.result import Measurement, measurement_from_dict, measurement_to_dict
 from batchlab.measure.versus import formula_estimate, rows
 from batchlab.units import fmt_bytes, fmt_seconds, relative_to
 
 KIND = "observed"
+NOISY_SPREAD = 0.10  # IQR/median of update time above which timing is noisy (as measure.session)
 SCHEMA_VERSION = 1
 
 
