@@ -90,3 +90,35 @@ def test_memory_matches_pytorch_mem_tracker(runs):
     mem = cb.record.figure("peak memory")
     assert mem.provenance == "allocator" and mem.predicted is None
     assert abs(mem.observed - ref.peak) / ref.peak < 0.05
+
+
+@pytest.mark.slow
+def test_hugging_face_model_inside_a_lightning_module_maps_to_a_run_config():
+    transformers = pytest.importorskip("transformers")
+
+    class GPT2Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0))
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    ids = torch.randint(0, 128, (MICRO * ACCUM * STEPS, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[:, -8:] = 0  # 8 padding positions per sequence: not useful tokens
+    data = [{"input_ids": i, "attention_mask": m, "labels": i} for i, m in zip(ids, mask)]
+    torch.manual_seed(0)
+    ref, cb = Reference(), BatchlabCallback()
+    L.Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUM, accelerator="cpu", devices=1, callbacks=[ref, cb],
+              logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(GPT2Module(), DataLoader(data, batch_size=MICRO))
+    rec = cb.record
+    assert rec.run_config is not None and rec.run_config.seq == 32 and rec.run_config.global_batch == 8
+    assert rec.measurement.useful_tokens_per_update == MICRO * ACCUM * (32 - 8)  # by hand
+    assert rec.figure("peak memory").predicted is not None
+    assert abs(rec.figure("peak memory").observed - ref.peak) / ref.peak < 0.05
