@@ -122,7 +122,7 @@ def remedies(out: Console, items: list[Remedy], goal: Goal) -> None:
 def snippets(out: Console, cfg: RunConfig) -> None:
     for title, text in printable(cfg):
         out.print(f"[bold]{escape(title)}[/]:")
-        out.print(text, markup=False, highlight=False)
+        out.print(text, markup=False, highlight=False, soft_wrap=True)  # no wrapping inside pasted code
 
 
 def fit_report(out: Console, report: FitReport, top: int) -> None:
