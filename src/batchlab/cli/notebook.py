@@ -12,10 +12,12 @@ from rich.table import Table
 from batchlab.cli.base import app
 from batchlab.cli.common import console, fail, print_json
 from batchlab.cli.render_experiment import show_record
+from batchlab.cli.render_observed import render_diff, render_observed
 from batchlab.config import ConfigError
 from batchlab.experiment.notebook import ExportFormat, Notebook
+from batchlab.experiment.observed_diff import observed_diff
 
-notebook_app = typer.Typer(help="The lab notebook: every `batchlab compare` experiment, kept in SQLite.",
+notebook_app = typer.Typer(help="The lab notebook: every `batchlab compare` experiment and observed run, kept in SQLite.",
                            no_args_is_help=True)
 app.add_typer(notebook_app, name="notebook")
 
@@ -39,12 +41,12 @@ def list_(notebook: NotebookOpt = None, as_json: JsonOpt = False):
         out.print(f"no experiments yet in {book.path}")
         return
     t = Table(show_header=True, header_style="bold", title=str(book.path))
-    for col in ("id", "date", "status", "variable", "observed B/A (memory: allocator; time: wall-clock)"):
+    for col in ("id", "date", "kind", "status", "variable", "observed (memory: allocator; time: wall-clock)"):
         t.add_column(col, overflow="fold")
     for r in rows:
         status = r["status"] if r["status"] == "complete" else f"[yellow]{r['status']}[/]"
         kind = " [dim](formula only: ratios are formula)[/]" if r["kind"] == "formula-only" else ""
-        t.add_row(str(r["id"]), r["created_at"][:16].replace("T", " "), status, escape(r["variable"]) + kind,
+        t.add_row(str(r["id"]), r["created_at"][:16].replace("T", " "), r["kind"], status, escape(r["variable"]) + kind,
                   r["short"] or "-")
     out.print(t)
 
@@ -59,7 +61,29 @@ def show(exp_id: Annotated[int, typer.Argument(metavar="ID", help="Experiment id
         record = book.get(exp_id)
     except ConfigError as e:
         fail(str(e))
+    if record["kind"] == "observed" and not as_json:
+        if report is not None:
+            console().print("[yellow]warning:[/] --report is ignored for observed runs (no report document yet); "
+                            "notebook export --format md includes them")
+        render_observed(console(), record, book.path)
+        return
     show_record(record, book.path, report, as_json)
+
+
+@notebook_app.command("diff")
+def diff_(a_id: Annotated[int, typer.Argument(metavar="ID1", help="Observed run A (see `notebook list`).")],
+          b_id: Annotated[int, typer.Argument(metavar="ID2", help="Observed run B, differing from A in one variable.")],
+          notebook: NotebookOpt = None, as_json: JsonOpt = False,
+          predict: Annotated[Optional[str], typer.Option(help="Your prediction, e.g. 'memory=up,time=same'.")] = None):
+    """Two observed runs that differ in one variable, with compare's verdict, band and diagnosis."""
+    try:
+        d = observed_diff(Notebook(notebook), a_id, b_id, predict).to_dict()
+    except ConfigError as e:
+        fail(str(e))
+    if as_json:
+        print_json(d)
+        return
+    render_diff(console(), d)
 
 
 @notebook_app.command("export")

@@ -26,7 +26,7 @@ CREATE TABLE IF NOT EXISTS experiments (
     created_at TEXT NOT NULL,
     finished_at TEXT,
     status TEXT NOT NULL CHECK (status IN ('incomplete', 'complete')),
-    kind TEXT NOT NULL CHECK (kind IN ('measured', 'formula-only')),
+    kind TEXT NOT NULL CHECK (kind IN ('measured', 'formula-only', 'observed')),
     variable TEXT NOT NULL,          -- the single variable (and derived changes)
     keep_mode TEXT NOT NULL,
     prediction TEXT NOT NULL,        -- JSON: the person's prior prediction and where it came from
@@ -71,6 +71,7 @@ class Notebook:
             conn = sqlite3.connect(self.path, timeout=30)
             conn.row_factory = sqlite3.Row
             conn.executescript(SCHEMA)
+            _allow_observed(conn)
         except (OSError, sqlite3.DatabaseError) as e:
             raise ConfigError("notebook", f"cannot open {self.path} as a batchlab notebook: {e}") from None
         return conn
@@ -83,6 +84,18 @@ class Notebook:
                 "record) VALUES (?, 'incomplete', ?, ?, ?, ?, ?, ?, ?)",
                 (record.get("created_at") or now(), record["kind"], record["change"]["variable"], record["keep_mode"],
                  _j(record["predictions"]), _j(record["formula"]), record.get("note") or "", _j(record)))
+            return int(cur.lastrowid)
+
+    def add(self, record: dict[str, Any]) -> int:
+        """Insert an observed run (experiment/observed.py) as one complete row; returns its id."""
+        with closing(self._connect()) as conn, conn:
+            cur = conn.execute(
+                "INSERT INTO experiments (created_at, finished_at, status, kind, variable, keep_mode, prediction, "
+                "formula, observation, factors, note, verdict, record) "
+                "VALUES (?, ?, 'complete', 'observed', ?, '-', '{}', '{}', ?, ?, ?, ?, ?)",
+                (record.get("created_at") or now(), now(), f"observed ({record['source']})",
+                 _j({"label": "observed (allocator / wall-clock), nothing controlled", "figures": record["figures"]}),
+                 _j(record.get("factors")), record.get("note") or "", record.get("short") or "", _j(record)))
             return int(cur.lastrowid)
 
     def complete(self, exp_id: int, record: dict[str, Any]) -> None:
@@ -137,9 +150,24 @@ class Notebook:
             return json.dumps(records, indent=2) + "\n"
         if fmt is ExportFormat.CSV:
             return _csv(records)
+        from batchlab.experiment.observed_report import markdown
         from batchlab.report import notebook_markdown
 
-        return notebook_markdown(records)
+        compared = [r for r in records if r["kind"] != "observed"]
+        observed = markdown([r for r in records if r["kind"] == "observed"])
+        return (notebook_markdown(compared) if compared or not observed else "") + observed
+
+
+def _allow_observed(conn: sqlite3.Connection) -> None:
+    """Notebooks written before observed runs existed restrict ``kind``; rebuild the table once, rows kept."""
+    sql = conn.execute("SELECT sql FROM sqlite_master WHERE name='experiments'").fetchone()[0]
+    if "'observed'" in sql:
+        return
+    with conn:
+        conn.execute("ALTER TABLE experiments RENAME TO experiments_old")
+        conn.execute(SCHEMA)
+        conn.execute("INSERT INTO experiments SELECT * FROM experiments_old")
+        conn.execute("DROP TABLE experiments_old")
 
 
 def _j(value: Any) -> str:
@@ -168,6 +196,8 @@ ARROW = {"up": "↑", "down": "↓", "same": "≈"}
 
 def short_verdict(record: dict[str, Any]) -> str:
     """``memory ↑1.38 time ↓0.91 ...``: observed (or, formula only, the formula's) direction and ratio."""
+    if record.get("kind") == "observed":
+        return record.get("short", "")
     parts = []
     for name, m in (record.get("metrics") or {}).items():
         formula_only = record.get("kind") == "formula-only"
@@ -190,6 +220,10 @@ CSV_METRIC_FIELDS = ("observed", "ratio", "band_low", "band_high", "predicted_by
 
 
 def csv_row(record: dict[str, Any]) -> dict[str, Any]:
+    if record["kind"] == "observed":
+        row = {"id": record.get("notebook_id"), "created_at": record.get("created_at"), "kind": "observed",
+               "variable": f"observed ({record['source']})", "global_batch": record["global_batch"]}
+        return row | {f"{f['name']} ({f['provenance']})": f["observed"] for f in record["figures"]}
     row = {"id": record.get("notebook_id"), "created_at": record.get("created_at"), "status": record.get("status"),
            "kind": record["kind"], "variable": record["change"]["variable"], "keep_mode": record["keep_mode"],
            "global_batch_a": record["change"]["global_batch"]["a"], "global_batch_b": record["change"]["global_batch"]["b"],

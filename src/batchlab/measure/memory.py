@@ -201,6 +201,8 @@ def tracker_for(trainer, budget: int | None = None, owner: Callable[[], str] | N
     tracker.register(params, "parameters")
     tracker.register([b for b in trainer.raw_model.buffers()], "parameters")
     tracker.register_optimizer(trainer.optimizer)
+    # gradients still alive from the previous update (frameworks that zero them late, e.g. Lightning)
+    tracker.register([p.grad for p in params if p.grad is not None], "gradients")
     tracker.watch_gradients(params)
     tracker.reset()
     return tracker

@@ -48,7 +48,9 @@ class Observer:
         self._tokens: list[int] = []
         self._phases: dict[str, list[float]] = {}
         self._probe = None
+        self._update_tokens: int | None = None
         self.phase = "data"
+        self.record, self.notebook_id = None, None  # set by observe(notebook=...) at the end
         self.measurement = Measurement(config=config.to_dict() if config is not None else {}, outcome=Outcome.OK,
                                        global_batch=config.global_batch if config is not None else global_batch)
 
@@ -58,11 +60,16 @@ class Observer:
         if self._probe is not None:
             self._probe.mark(phase)
 
+    def count_tokens(self, n: int) -> None:
+        """Add ``n`` useful tokens to the current update (for callers that learn them micro-batch by micro-batch)."""
+        self._update_tokens = (self._update_tokens or 0) + int(n)
+
     @contextlib.contextmanager
     def update(self, tokens: int | None = None):
         """One optimizer update of the user's loop; ``tokens``: its useful (non-padding) tokens."""
         index, self.updates = self.updates, self.updates + 1
         self.phase = "data"
+        self._update_tokens = tokens
         try:
             if index == 1 and self.memory:
                 with self._memory_update():
@@ -70,7 +77,7 @@ class Observer:
             elif index < self.warmup + (1 if self.memory else 0):
                 yield self
             else:
-                with self._timed_update(tokens):
+                with self._timed_update():
                     yield self
         except Exception as exc:
             kind = classify_oom(exc)
@@ -99,7 +106,7 @@ class Observer:
         self.measurement.memory = from_snapshot(tracker.snapshot())
 
     @contextlib.contextmanager
-    def _timed_update(self, tokens: int | None):
+    def _timed_update(self):
         clock = PhaseClock(self.sync, sync_marks=not self._async)
         clock.start()
         clock.mark("data")
@@ -113,8 +120,8 @@ class Observer:
         clock.mark("end")
         self._samples.append(t1 - t0)
         self._cpu.append(c1 - c0)
-        if tokens is not None:
-            self._tokens.append(int(tokens))
+        if self._update_tokens is not None:
+            self._tokens.append(self._update_tokens)
         if not self._async:
             for k, v in clock.seconds.items():
                 self._phases.setdefault(k, []).append(v)
@@ -139,11 +146,24 @@ class Observer:
 
 @contextlib.contextmanager
 def observe(model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int = 2, memory: bool = True,
-            device: torch.device | str | None = None, config=None, global_batch: int | None = None):
-    """Record peak memory and update time over the updates of your own loop (see the module docstring)."""
+            device: torch.device | str | None = None, config=None, global_batch: int | None = None,
+            notebook=None, predict: bool = True, note: str = ""):
+    """Record peak memory and update time over the updates of your own loop (see the module docstring).
+    With ``notebook`` (a path or Notebook), an observed record is written at the end: ``obs.record``,
+    ``obs.notebook_id``; ``config`` (a RunConfig describing the loop) gives the formula's prediction."""
+    from batchlab.experiment.factors import Snapshot
+
     obs = Observer(model, optimizer, warmup=warmup, memory=memory, device=device, config=config,
                    global_batch=global_batch)
+    before = Snapshot()
     try:
         yield obs
     finally:
-        obs.finish()
+        m = obs.finish()
+        if notebook is not None:
+            from batchlab.experiment.observed import Source, finish, loop_settings
+
+            settings, unmapped = loop_settings(config, global_batch, type(model).__name__, str(obs.device),
+                                               type(optimizer).__name__)
+            obs.record, obs.notebook_id = finish(Source.LOOP, settings, m, config, unmapped, before,
+                                                 notebook=notebook, predict=predict, note=note)
