@@ -1,4 +1,4 @@
-"""batchlab.measure.run in this process: discipline, memory budget, OOM, JSON round trip, observe()."""
+"""batchlab.run.measure in this process: discipline, memory budget, OOM, JSON round trip, observe()."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from batchlab.config import ConfigError, RunConfig, preset
-from batchlab.measure import MeasureOptions, Outcome, load_measurement, measurement_to_dict, measurement_to_json, run
+from batchlab.measure import MeasureOptions, Outcome, load_measurement, measurement_to_dict, measurement_to_json
+from batchlab.run import measure as run
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import BudgetExceeded, StorageTracker, track_update
 from batchlab.measure.oom import OOMKind, classify_oom

@@ -68,7 +68,8 @@ class FitReport:
 
 def isolated_measure(capacity_bytes: int, timeout_s: float | None = None) -> MeasureFn:
     """measure(cfg) -> Trial in a fresh subprocess (memory only: one warm-up update, one tracked update)."""
-    from batchlab.measure import MeasureOptions, run
+    from batchlab.measure import MeasureOptions
+    from batchlab.run import measure as run
 
     opts = MeasureOptions(warmup=1, steps=1, timing=False, isolate=True, timeout_s=timeout_s)
     return lambda cfg: trial_from_measurement(cfg, run(cfg, opts), capacity_bytes)

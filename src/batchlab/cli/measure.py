@@ -40,7 +40,7 @@ def measure(
     """Train the model under the config for real: peak memory (allocator), update time (wall-clock), useful
     tokens/s, or the out-of-memory phase; each figure beside the formula estimate.  Exit 0 when a result
     (ok or oom) was recorded, 1 when the run failed, 2 for a bad config."""
-    from batchlab.measure.session import run
+    from batchlab.run import measure as run
 
     if timeout is not None and not isolate and nproc is None and nnodes is None:
         typer.echo("warning: ignored: --timeout applies to --isolate (or --nproc) runs", err=True)

@@ -13,7 +13,6 @@ never run inside the timed updates.
 """
 from __future__ import annotations
 
-import gc
 import platform
 import statistics
 from typing import Callable
@@ -33,32 +32,6 @@ from batchlab.units import fmt_bytes
 Progress = Callable[[int, int, str], None]
 NOISY_SPREAD = 0.10  # IQR / median above which the timing is flagged as noisy
 PHASE_UPDATES = 3  # synchronised phase-split updates on asynchronous devices
-
-
-def run(cfg: RunConfig, options: MeasureOptions | None = None, progress: Progress | None = None) -> Measurement:
-    """Measure ``cfg`` on the local device.  ``options.isolate``: in a fresh subprocess (runner.py);
-    DP > 1 (or inside torchrun): batchlab.distributed runs one process per rank.
-
-    Never raises for an out-of-memory, a crash or a timeout (they become the outcome); raises
-    ConfigError for user errors (a device that is absent, a budget that cannot hold the parameters,
-    a factory that does not import, ...).
-    """
-    options = options or MeasureOptions()
-    from batchlab import distributed
-
-    dp_run = distributed.dispatch(cfg, options)  # DP > 1 or inside torchrun: one process per rank, DDP
-    if dp_run is not None:
-        return dp_run
-    if options.isolate:
-        from batchlab.measure.runner import run_isolated
-
-        return run_isolated(cfg, options, progress)
-    try:
-        return run_inprocess(cfg, options, progress)
-    finally:
-        gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
 
 
 def resolve_device(cfg: RunConfig, requested: str | None = None) -> torch.device:
@@ -152,7 +125,7 @@ class _Recorder:
 def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | None = None) -> Measurement:
     if cfg.dp > 1:
         raise ConfigError("dp", f"one process measures DP = 1; DP = {cfg.dp} needs one process per rank: "
-                                "use batchlab.measure.run (it launches them through batchlab.distributed)")
+                                "use batchlab.run.measure (it launches them through batchlab.distributed)")
     device = resolve_device(cfg, opts.torch_device)
     check_budget(cfg)
     m = Measurement(config=cfg.to_dict(), outcome=Outcome.OK, global_batch=cfg.global_batch,
