@@ -12,7 +12,7 @@ from batchlab.measure import MeasureOptions, Outcome, load_measurement, measurem
 from batchlab.run import measure as run
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import BudgetExceeded, StorageTracker, track_update
-from batchlab.measure.oom import OOMKind, classify_oom
+from batchlab.measure.oom_classify import OOMKind, classify_oom
 
 SMALL = dict(model=preset("tiny", layers=2), seq=16, micro_batch=2)
 FAST = MeasureOptions(warmup=1, steps=2)

@@ -5,8 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from batchlab.advise.oom import Advice, Remedy, oom_advice, what_would_fit
-from batchlab.advise.plan import Goal, Plan, divisors, plan
+from batchlab.advise.after_oom import Advice, Remedy, oom_advice, what_would_fit
+from batchlab.advise.plan import Goal, FitPlan, divisors, plan
 from batchlab.advise.search import MeasureFn, SearchResult, Trial, search_largest, trial_from_measurement
 from batchlab.config import RunConfig, to_jsonable
 from batchlab.units import relative_to
@@ -14,7 +14,7 @@ from batchlab.units import relative_to
 
 @dataclass
 class FitReport:
-    plan: Plan
+    plan: FitPlan
     final: RunConfig | None = None  # the recommendation after any measurement; None: nothing fits
     source: str = "formula"  # how the final micro-batch was decided
     verification: Trial | None = None  # the plan's recommendation, measured

@@ -150,7 +150,7 @@ def unfit_options(cands: tuple[Candidate, ...], ranked: tuple[Candidate, ...]) -
 
 
 @dataclass(frozen=True)
-class Plan:
+class FitPlan:
     goal: Goal
     candidates: tuple[Candidate, ...]  # every configuration evaluated
     ranked: tuple[Candidate, ...]  # best micro-batch per (policy, ZeRO stage) within the margin, best first
@@ -194,10 +194,10 @@ def assumptions(goal: Goal, est_assumptions: tuple[str, ...]) -> tuple[str, ...]
     )
 
 
-def plan(goal: Goal) -> Plan:
+def plan(goal: Goal) -> FitPlan:
     check_capacity(goal)
     cands = enumerate_candidates(goal)
     ranked = rank(best_per_option(cands, goal.usable_bytes))
     rec, why = recommend(ranked, goal)
     est_assumptions = estimate(goal.base).assumptions
-    return Plan(goal, tuple(cands), tuple(ranked), rec, why, assumptions(goal, est_assumptions))
+    return FitPlan(goal, tuple(cands), tuple(ranked), rec, why, assumptions(goal, est_assumptions))

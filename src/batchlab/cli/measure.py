@@ -166,7 +166,7 @@ def _render_details(out: Console, m: Measurement) -> None:
     if m.memory is not None and m.memory.breakdown:
         parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in m.memory.breakdown.items() if v)
         out.print(f"memory at the peak ({m.memory.provenance}: {m.memory.method}): {parts}")
-    from batchlab.distributed.report import lines as dp_lines
+    from batchlab.cli.render_dp import lines as dp_lines
 
     for line in dp_lines(m):
         out.print(line)

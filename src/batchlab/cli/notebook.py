@@ -13,7 +13,8 @@ from batchlab.cli.base import app
 from batchlab.cli.common import console, fail, print_json
 from batchlab.cli.render_experiment import show_record
 from batchlab.config import ConfigError
-from batchlab.experiment.notebook import ExportFormat, Notebook
+from batchlab.experiment.notebook import Notebook
+from batchlab.report.export import export as export_records
 
 notebook_app = typer.Typer(help="The lab notebook: every `batchlab compare` experiment, kept in SQLite.",
                            no_args_is_help=True)
@@ -68,7 +69,7 @@ def export(fmt: Annotated[str, typer.Option("--format", help="json, csv or md.")
            output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of stdout.")] = None):
     """Every experiment as JSON (whole records), CSV (one row each, one column group per metric) or Markdown."""
     try:
-        text = Notebook(notebook).export(ExportFormat.parse("format", fmt))
+        text = export_records(Notebook(notebook).records(), fmt)
     except ConfigError as e:
         fail(str(e))
     if output is None:

@@ -6,11 +6,12 @@ contradiction.  Torch-free: it reads Measurements only.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from batchlab.config import RunConfig
 from batchlab.experiment.protocol import Rounds
+from batchlab.experiment.record import Check
 from batchlab.measure.result import Measurement
 
 NOISY_SPREAD = 0.10  # IQR/median of update time above which timing is noisy (as measure.session)
@@ -20,17 +21,6 @@ SHORT_WINDOW_S = 0.5  # timed seconds per process below which scheduler noise do
 SMALL_MATMUL_TOKENS = 512  # rows of (b*s) x h x h matmuls under which a larger batch gains little
 SMALL_HIDDEN = 512
 SYNC_MISMATCH = 0.25  # per-phase sum vs update time on an asynchronous device
-
-
-@dataclass
-class Check:
-    name: str
-    question: str
-    found: str
-    flagged: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -164,8 +154,7 @@ def diagnose(ctx: Context, time_band: tuple[float, float] | None, formula_phase:
                       "no timed run on one side (out of memory or failed); nothing further to check", True)]
     checks = [check_warmup(ctx), check_spread(ctx, time_band), check_data_share(ctx), check_sync(ctx),
               check_window(ctx), check_peak_phase(ctx, formula_phase), check_kernel_size(ctx)]
-    for c in checks:
-        if c.flagged and contradicted is not None and not _relevant(c, ctx, contradicted):
-            c.flagged = False
-            c.found += " (cannot explain the contradictions here)"
-    return checks
+    if contradicted is None:
+        return checks
+    return [Check(c.name, c.question, c.found + " (cannot explain the contradictions here)", False)
+            if c.flagged and not _relevant(c, ctx, contradicted) else c for c in checks]

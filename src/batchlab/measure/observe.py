@@ -26,7 +26,7 @@ import torch.nn as nn
 from batchlab.measure.clock import PhaseClock, synchronizer
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
-from batchlab.measure.oom import OOMKind, classify_oom
+from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.result import MeasuredTime, Measurement, Outcome
 
 

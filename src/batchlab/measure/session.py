@@ -23,7 +23,7 @@ from batchlab.config import ConfigError, RunConfig, catalogue_key
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
-from batchlab.measure.oom import OOMKind, classify_oom
+from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import MeasuredMemory, MeasuredTime, Measurement, Outcome
 from batchlab.units import fmt_bytes
