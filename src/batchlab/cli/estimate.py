@@ -145,7 +145,7 @@ def estimate(
     if trace or tree:
         if vary:
             raise ConfigError("trace", "--trace traces one configuration; drop --vary")
-        from batchlab.trace.render import show
+        from batchlab.cli.render_trace import show
 
         show(cfg, tree=tree, as_json=as_json, console=console)
         return

@@ -14,7 +14,6 @@ from typing import Any
 from batchlab.config import RunConfig
 from batchlab.measure.result import MeasuredComm, MeasuredMemory, MeasuredTime, Measurement, Outcome
 
-NOISY_SPREAD = 0.10  # the threshold measure.session uses
 SCOPE = ("Data parallelism measured on this machine's ranks and link; loopback gloo on CPU says nothing "
          "about NCCL over NVLink or InfiniBand.")
 
@@ -95,9 +94,8 @@ def merge(cfg: RunConfig, ranks: list[dict[str, Any]], environment: dict[str, An
         # as measure.session does it: mean useful tokens per update (all ranks) / median update time
         per_update = statistics.fmean(sum(r["useful_tokens"][i] for r in ranks) for i in range(len(time_.samples)))
         useful, tps = round(per_update), per_update / time_.update_seconds_median
-        if time_.spread > NOISY_SPREAD:
-            warnings.append(f"update time is noisy: IQR/median = {time_.spread:.0%} > {NOISY_SPREAD:.0%} over "
-                            f"{len(time_.samples)} updates (other load on the machine? more --steps?)")
+        if (noisy := time_.noise_warning()) is not None:
+            warnings.append(noisy)
     env = dict(ranks[0].get("environment", {}))
     env.update(environment or {})
     env.update(world_size=len(ranks), backend=ranks[0]["backend"], device=ranks[0]["device"],

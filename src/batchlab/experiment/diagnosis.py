@@ -12,9 +12,8 @@ from typing import Any, Callable
 from batchlab.config import RunConfig
 from batchlab.experiment.protocol import Rounds
 from batchlab.experiment.record import Check
-from batchlab.measure.result import Measurement
+from batchlab.measure.result import NOISY_SPREAD, Measurement
 
-NOISY_SPREAD = 0.10  # IQR/median of update time above which timing is noisy (as measure.session)
 WARMUP_LEAK = 1.5  # first timed update slower than this x the median: warmup may still be in the window
 DATA_SHARE = 0.10  # data-loading share of the update above which it dilutes compute effects
 SHORT_WINDOW_S = 0.5  # timed seconds per process below which scheduler noise dominates

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from batchlab.measure.memory import MemorySnapshot
+from batchlab.measure.memory import MemorySnapshot, storage_bytes
 from batchlab.measure.result import MeasuredMemory
 
 
@@ -55,22 +55,13 @@ class CudaMemoryProbe:
             method="cuda max_memory_allocated (peak stats reset at each phase)")
 
 
-def _storage_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
 def model_state_bytes(trainer) -> dict[str, int]:
     """Parameters (and buffers) and optimizer state as they are now (between updates)."""
     model = trainer.raw_model
     opt = [v for s in trainer.optimizer.state.values() for v in s.values()
            if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {"parameters": _storage_bytes(list(model.parameters()) + list(model.buffers())),
-            "optimizer": _storage_bytes(opt)}
+    return {"parameters": storage_bytes(list(model.parameters()) + list(model.buffers())),
+            "optimizer": storage_bytes(opt)}
 
 
 def from_snapshot(snap: MemorySnapshot) -> MeasuredMemory:

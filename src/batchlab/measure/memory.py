@@ -196,3 +196,14 @@ def track_update(trainer, steady: bool = True, budget: int | None = None) -> Mem
     with tracker:
         trainer.update(probe=tracker)
     return tracker.snapshot()
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors``: views and tied weights share one and count once
+    (a tensor's storage object is preserved, so its identity is the key; fake tensors included)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[id(st)] = st.nbytes()
+    return sum(seen.values())

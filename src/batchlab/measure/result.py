@@ -39,6 +39,8 @@ class MeasuredMemory:
         return max(self.per_rank_peak_bytes) - min(self.per_rank_peak_bytes) if self.per_rank_peak_bytes else 0
 
 
+NOISY_SPREAD = 0.10  # IQR / median of update time above which the timing is flagged as noisy
+
 @dataclass
 class MeasuredTime:
     samples: list[float]  # seconds per measured update (warmup excluded)
@@ -69,9 +71,16 @@ class MeasuredTime:
 
     @property
     def spread(self) -> float:
-        """IQR / median: above 0.10 the timing is noisy (a warning is printed)."""
+        """IQR / median: above NOISY_SPREAD the timing is noisy (a warning is printed)."""
         med = self.update_seconds_median
         return self.update_seconds_iqr / med if med > 0 else 0.0
+
+    def noise_warning(self) -> str | None:
+        """The warning for a noisy timing, or None."""
+        if self.spread <= NOISY_SPREAD:
+            return None
+        return (f"update time is noisy: IQR/median = {self.spread:.1%} > {NOISY_SPREAD:.0%} over "
+                f"{len(self.samples)} updates (other load on the machine? more --steps?)")
 
 
 @dataclass

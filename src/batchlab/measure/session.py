@@ -30,7 +30,6 @@ from batchlab.units import fmt_bytes
 
 # progress(done, total, label): called before the work starts and after every update
 Progress = Callable[[int, int, str], None]
-NOISY_SPREAD = 0.10  # IQR / median above which the timing is flagged as noisy
 PHASE_UPDATES = 3  # synchronised phase-split updates on asynchronous devices
 
 
@@ -277,9 +276,8 @@ class _Steps:
         per_update = statistics.fmean(useful) * trainer.world
         m.useful_tokens_per_update = round(per_update)
         m.tokens_per_second = per_update / m.time.update_seconds_median
-        if m.time.spread > NOISY_SPREAD:
-            m.warnings.append(f"update time is noisy: IQR/median = {m.time.spread:.1%} > {NOISY_SPREAD:.0%} "
-                              f"over {len(samples)} updates (other load on the machine? more --steps?)")
+        if (noisy := m.time.noise_warning()) is not None:
+            m.warnings.append(noisy)
 
 
 def timed_update(trainer, clock: PhaseClock, probe, sync):
