@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 from batchlab.advise.after_oom import Advice, Remedy, oom_advice, what_would_fit
 from batchlab.advise.plan import Goal, FitPlan, divisors, plan
-from batchlab.advise.search import MeasureFn, SearchResult, Trial, search_largest, trial_from_measurement
+from batchlab.advise.search import (MeasureFn, SearchResult, Trial, TrialOutcome, search_largest,
+                                    trial_from_measurement)
 from batchlab.config import RunConfig, to_jsonable
 from batchlab.units import relative_to
 
@@ -123,7 +124,7 @@ def fit(goal: Goal, *, verify: bool, search: bool = False, measure: MeasureFn | 
 
     first = measured(rec)
     report.verification = first
-    if first.outcome == "failed":  # not a memory answer: searching would only repeat the failure
+    if first.outcome is TrialOutcome.FAILED:  # not a memory answer: searching would only repeat the failure
         report.final, report.source = None, "measurement failed"
         report.notes.append(f"measuring the recommendation failed: {first.detail}")
         return report

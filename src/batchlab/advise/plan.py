@@ -120,8 +120,8 @@ def best_per_option(cands: list[Candidate], limit_bytes: int) -> list[Candidate]
 
 
 def rank(options: list[Candidate]) -> list[Candidate]:
-    """Fastest to the token budget first; ties (the formula's time does not depend on micro-batch, and
-    ZeRO-1/2 move the same bytes as DDP) go to the lower ZeRO stage, less recompute, larger micro-batch."""
+    """Fastest to the token budget first (rounded to 9 digits, so equal figures tie); ties (ZeRO-1/2 move the
+    same bytes as DDP) go to the lower ZeRO stage, less recompute, larger micro-batch."""
     return sorted(options, key=lambda c: (float(f"{c.time_to_tokens_seconds:.9g}"), c.config.zero,
                                           c.hardware_flops_per_update, -c.config.micro_batch))
 

@@ -4,6 +4,7 @@ No ``from __future__ import annotations`` here: with_config rebuilds the signatu
 and typer needs the Annotated objects (help) themselves, not their strings.
 """
 
+import statistics
 from typing import Annotated, Optional
 
 import typer
@@ -160,7 +161,7 @@ def _render_details(out: Console, m: Measurement) -> None:
         if split:
             out.print(f"per phase (median, wall-clock): {split}")
         if t.cpu_seconds:
-            med = sorted(t.cpu_seconds)[len(t.cpu_seconds) // 2]
+            med = statistics.median(t.cpu_seconds)
             out.print("process CPU time per update (median, all threads; the process clock, read beside the "
                       f"wall-clock one): {fmt_seconds(med)}")
     if m.memory is not None and m.memory.breakdown:
