@@ -35,9 +35,7 @@ def _memory(ranks: list[dict[str, Any]]) -> MeasuredMemory | None:
     if any(m is None for m in mems):
         return None
     top = max(mems, key=lambda m: m["peak_bytes"])
-    mem = MeasuredMemory(**top)
-    mem.per_rank_peak_bytes = [m["peak_bytes"] for m in mems]
-    return mem
+    return MeasuredMemory(**(top | {"per_rank_peak_bytes": [m["peak_bytes"] for m in mems]}))
 
 
 def _slowest(ranks: list[dict[str, Any]], i: int) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from batchlab.measure.clock import PhaseClock, synchronizer
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom_classify import OOMKind, classify_oom
-from batchlab.measure.result import MeasuredTime, Measurement, Outcome
+from batchlab.measure.result import Draft, MeasuredTime, Measurement, Outcome
 
 
 class Observer:
@@ -49,8 +49,14 @@ class Observer:
         self._phases: dict[str, list[float]] = {}
         self._probe = None
         self.phase = "data"
-        self.measurement = Measurement(config=config.to_dict() if config is not None else {}, outcome=Outcome.OK,
-                                       global_batch=config.global_batch if config is not None else global_batch)
+        self._draft = Draft(config=config.to_dict() if config is not None else {},
+                            global_batch=config.global_batch if config is not None else global_batch)
+        self._result: Measurement | None = None
+
+    @property
+    def measurement(self) -> Measurement:
+        """The result: final once the ``observe`` block has ended; before that, what was found so far."""
+        return self._result if self._result is not None else self._draft.build()
 
     # -- used inside the user's update
     def mark(self, phase: str) -> None:
@@ -75,9 +81,9 @@ class Observer:
         except Exception as exc:
             kind = classify_oom(exc)
             if kind is not None:
-                self.measurement.outcome = Outcome.OOM_BUDGET if kind is OOMKind.BUDGET else Outcome.OOM
-                self.measurement.oom_phase = self.phase
-                self.measurement.outcome_detail = f"out of memory ({kind.value}) in {self.phase} of update {index + 1}"
+                self._draft.outcome = Outcome.OOM_BUDGET if kind is OOMKind.BUDGET else Outcome.OOM
+                self._draft.oom_phase = self.phase
+                self._draft.outcome_detail = f"out of memory ({kind.value}) in {self.phase} of update {index + 1}"
             raise
         finally:
             self._probe = None
@@ -90,13 +96,13 @@ class Observer:
             self._probe = probe
             yield
             probe.mark("end")
-            self.measurement.memory = probe.result(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
+            self._draft.memory = probe.result(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
             return
         tracker = tracker_for(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
         self._probe = tracker
         with tracker:
             yield
-        self.measurement.memory = from_snapshot(tracker.snapshot())
+        self._draft.memory = from_snapshot(tracker.snapshot())
 
     @contextlib.contextmanager
     def _timed_update(self, tokens: int | None):
@@ -121,7 +127,7 @@ class Observer:
 
     # -- result
     def finish(self) -> Measurement:
-        m = self.measurement
+        m = self._draft
         if self._samples:
             m.time = MeasuredTime(samples=list(self._samples), warmup=self.warmup,
                                   cpu_seconds=list(self._cpu) if self.device.type == "cpu" else [],
@@ -134,7 +140,8 @@ class Observer:
         elif m.outcome is Outcome.OK:
             m.warnings.append(f"no timed update: {self.updates} update(s) observed, the first {self.warmup} are "
                               f"warmup{' plus one memory update' if self.memory else ''}")
-        return m
+        self._result = m.build()
+        return self._result
 
 
 @contextlib.contextmanager

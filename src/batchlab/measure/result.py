@@ -20,7 +20,7 @@ class Outcome(_Choice):
     FAILED = "failed"  # anything else: exception, kill, timeout; see outcome_detail
 
 
-@dataclass
+@dataclass(frozen=True)
 class MeasuredMemory:
     peak_bytes: int
     activations_bytes: int  # created by the last forward, still held when its backward starts
@@ -41,7 +41,7 @@ class MeasuredMemory:
 
 NOISY_SPREAD = 0.10  # IQR / median of update time above which the timing is flagged as noisy
 
-@dataclass
+@dataclass(frozen=True)
 class MeasuredTime:
     samples: list[float]  # seconds per measured update (warmup excluded)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # median per phase
@@ -83,7 +83,7 @@ class MeasuredTime:
                 f"{len(self.samples)} updates (other load on the machine? more --steps?)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MeasuredComm:
     """DP > 1: the gradient all-reduce per optimizer update, seen by a DDP communication hook."""
 
@@ -111,7 +111,7 @@ class MeasuredComm:
         return statistics.median(self.compute_seconds) if self.compute_seconds else 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Measurement:
     config: dict[str, Any]  # RunConfig.to_dict()
     outcome: Outcome
@@ -129,6 +129,28 @@ class Measurement:
     @property
     def ok(self) -> bool:
         return self.outcome is Outcome.OK
+
+
+@dataclass
+class Draft:
+    """What a measurement has found so far, filled in while it runs (session, observe); ``build`` makes the
+    frozen Measurement once, at the end."""
+    config: dict[str, Any]
+    global_batch: int
+    environment: dict[str, Any] = field(default_factory=dict)
+    outcome: Outcome = Outcome.OK
+    outcome_detail: str = ""
+    oom_phase: str | None = None
+    memory: MeasuredMemory | None = None
+    time: MeasuredTime | None = None
+    tokens_per_second: float | None = None
+    useful_tokens_per_update: int | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def build(self) -> Measurement:
+        return Measurement(self.config, self.outcome, self.global_batch, self.outcome_detail, self.oom_phase,
+                           self.memory, self.time, self.tokens_per_second, self.useful_tokens_per_update,
+                           dict(self.environment), list(self.warnings))
 
 
 # ------------------------------------------------------------------------------------------ JSON

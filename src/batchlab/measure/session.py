@@ -25,7 +25,7 @@ from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.options import MeasureOptions
-from batchlab.measure.result import MeasuredMemory, MeasuredTime, Measurement, Outcome
+from batchlab.measure.result import Draft, MeasuredMemory, MeasuredTime, Measurement, Outcome
 from batchlab.units import fmt_bytes
 
 # progress(done, total, label): called before the work starts and after every update
@@ -127,8 +127,7 @@ def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | Non
                                 "use batchlab.run.measure (it launches them through batchlab.distributed)")
     device = resolve_device(cfg, opts.torch_device)
     check_budget(cfg)
-    m = Measurement(config=cfg.to_dict(), outcome=Outcome.OK, global_batch=cfg.global_batch,
-                    environment=environment(device))
+    m = Draft(config=cfg.to_dict(), global_batch=cfg.global_batch, environment=environment(device))
     here = catalogue_key(m.environment["device_name"]) if device.type == "cuda" else None
     if device.type == "cuda" and here != cfg.device:
         m.warnings.append(f"measured on {m.environment['device_name']} ({here or 'not in the catalogue'}), but "
@@ -153,10 +152,10 @@ def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | Non
     finally:
         if fraction_set:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-    return m
+    return m.build()
 
 
-def _record_failure(m: Measurement, exc: BaseException, rec: _Recorder, budget: bool) -> None:
+def _record_failure(m: Draft, exc: BaseException, rec: _Recorder, budget: bool) -> None:
     kind = classify_oom(exc)
     first_line = (str(exc).strip().splitlines() or [""])[0][:300]
     where = f"in {rec.phase} of the {rec.stage} update" if rec.stage != "setup" else "while building the model"
@@ -202,7 +201,7 @@ class _Steps:
         self.done += 1
         self.progress(self.done, self.total, label)
 
-    def run(self, m: Measurement, rec: _Recorder) -> None:
+    def run(self, m: Draft, rec: _Recorder) -> None:
         from batchlab.measure.harness import Trainer
 
         self.progress(0, self.total, "building the model")
@@ -248,7 +247,7 @@ class _Steps:
         self._tick("memory")
         return result
 
-    def _timing(self, trainer, rec: _Recorder, m: Measurement) -> None:
+    def _timing(self, trainer, rec: _Recorder, m: Draft) -> None:
         # CPU: the phase clock's sync is a no-op, so the split comes from the timed updates themselves
         clock = PhaseClock(self.sync, sync_marks=not self.async_device)
         samples, cpu, useful = [], [], []
