@@ -10,6 +10,7 @@ from batchlab.experiment.compare import make_plan
 from batchlab.experiment.predict import parse_predictions
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import MeasuredMemory, MeasuredTime, Measurement, Outcome
+from batchlab.phase import Phase
 
 BASE = RunConfig(seq=16, micro_batch=2, accum=2)
 
@@ -44,7 +45,7 @@ class FakeMeasure:
                   "backward": med * (1 - self.data_share) / 2}
         tokens = cfg.global_batch * cfg.seq
         return Measurement(cfg.to_dict(), Outcome.OK, cfg.global_batch,
-                           memory=MeasuredMemory(self.peak[i], self.peak[i] // 2, self.phase),
+                           memory=MeasuredMemory(self.peak[i], self.peak[i] // 2, Phase(self.phase)),
                            time=MeasuredTime(samples=samples, phase_seconds=phases, warmup=options.warmup),
                            tokens_per_second=tokens / med, useful_tokens_per_update=tokens,
                            environment={"torch_device": "cpu"})

@@ -10,6 +10,7 @@ import pytest
 from batchlab.advise import Goal, Trial, fit, isolated_measure, max_trials, search_largest, trial_from_measurement
 from batchlab.advise.plan import divisors
 from batchlab.advise.search import TrialOutcome
+from batchlab.phase import Phase
 from batchlab.config import RunConfig, preset
 from batchlab.measure.result import MeasuredMemory, Measurement, Outcome
 
@@ -62,7 +63,7 @@ def test_known_verification_counts_and_is_not_repeated():
 
 
 def _measurement(outcome: Outcome, detail: str = "", peak: int | None = None) -> Measurement:
-    mem = MeasuredMemory(peak, 0, "backward") if peak is not None else None
+    mem = MeasuredMemory(peak, 0, Phase.BACKWARD) if peak is not None else None
     return Measurement(config={}, outcome=outcome, global_batch=8, outcome_detail=detail, memory=mem)
 
 

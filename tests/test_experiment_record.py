@@ -14,6 +14,7 @@ from batchlab.experiment.notebook import SCHEMA, Notebook
 from batchlab.experiment.predict import Direction, Metric
 from batchlab.experiment.record import SCHEMA_VERSION, Kind, Record, Status
 from batchlab.measure.result import Measurement
+from batchlab.phase import Phase
 from batchlab.report import export
 from fake_measure import FakeMeasure, plan_for
 
@@ -42,6 +43,7 @@ def test_a_record_survives_the_round_trip_through_its_json_form():
     assert back.kind is Kind.MEASURED and back.predictions.user[Metric.PEAK_MEMORY] is Direction.DOWN
     assert back.metrics[Metric.UPDATE_TIME].observed is Direction.UP
     assert isinstance(back.rounds[0].a, Measurement) and back.rounds[0].b.memory.peak_bytes == 1000
+    assert back.rounds[0].a.memory.peak_phase is Phase.BACKWARD
 
 
 def test_a_row_written_before_the_schema_field_reads_as_version_1(tmp_path):

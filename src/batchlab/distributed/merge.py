@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from typing import Any
 
 from batchlab.config import RunConfig
-from batchlab.measure.result import MeasuredComm, MeasuredMemory, MeasuredTime, Measurement, Outcome
+from batchlab.measure.result import (MeasuredComm, MeasuredMemory, MeasuredTime, Measurement, Outcome,
+                                     memory_from_dict)
 
 SCOPE = ("Data parallelism measured on this machine's ranks and link; loopback gloo on CPU says nothing "
          "about NCCL over NVLink or InfiniBand.")
@@ -35,7 +37,7 @@ def _memory(ranks: list[dict[str, Any]]) -> MeasuredMemory | None:
     if any(m is None for m in mems):
         return None
     top = max(mems, key=lambda m: m["peak_bytes"])
-    return MeasuredMemory(**(top | {"per_rank_peak_bytes": [m["peak_bytes"] for m in mems]}))
+    return replace(memory_from_dict(top), per_rank_peak_bytes=[m["peak_bytes"] for m in mems])
 
 
 def _slowest(ranks: list[dict[str, Any]], i: int) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from batchlab.config import RunConfig
 from batchlab.experiment.protocol import Rounds
 from batchlab.experiment.record import Check
 from batchlab.measure.result import NOISY_SPREAD, Measurement
+from batchlab.phase import Phase
 
 WARMUP_LEAK = 1.5  # first timed update slower than this x the median: warmup may still be in the window
 DATA_SHARE = 0.10  # data-loading share of the update above which it dilutes compute effects
@@ -110,7 +111,7 @@ def check_window(ctx: Context) -> Check:
 
 def check_peak_phase(ctx: Context, formula_phase: dict[str, str | None]) -> Check:
     phases = {s: next((m.memory.peak_phase for m in ctx.ok(s) if m.memory is not None), None) for s in "ab"}
-    flagged = "optimizer" in phases.values()
+    flagged = Phase.OPTIMIZER in phases.values()
     formula = ", ".join(f"{s.upper()} {p or 'n/a'}" for s, p in formula_phase.items())
     return Check("peak_phase", "Does the peak sit in the optimizer step, so the micro-batch barely moves it?",
                  f"measured peak phase (allocator): A {phases['a'] or 'n/a'}, B {phases['b'] or 'n/a'}; "

@@ -28,6 +28,7 @@ from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.result import Draft, MeasuredTime, Measurement, Outcome
+from batchlab.phase import Phase
 
 
 class Observer:
@@ -48,7 +49,7 @@ class Observer:
         self._tokens: list[int] = []
         self._phases: dict[str, list[float]] = {}
         self._probe = None
-        self.phase = "data"
+        self.phase = Phase.DATA
         self._draft = Draft(config=config.to_dict() if config is not None else {},
                             global_batch=config.global_batch if config is not None else global_batch)
         self._result: Measurement | None = None
@@ -59,16 +60,17 @@ class Observer:
         return self._result if self._result is not None else self._draft.build()
 
     # -- used inside the user's update
-    def mark(self, phase: str) -> None:
-        self.phase = phase
+    def mark(self, phase: Phase | str) -> None:
+        """``forward``, ``backward`` or ``optimizer`` (``data`` is where each update starts)."""
+        self.phase = Phase.parse("phase", phase)
         if self._probe is not None:
-            self._probe.mark(phase)
+            self._probe.mark(self.phase)
 
     @contextlib.contextmanager
     def update(self, tokens: int | None = None):
         """One optimizer update of the user's loop; ``tokens``: its useful (non-padding) tokens."""
         index, self.updates = self.updates, self.updates + 1
-        self.phase = "data"
+        self.phase = Phase.DATA
         try:
             if index == 1 and self.memory:
                 with self._memory_update():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from batchlab.config import _Choice
+from batchlab.phase import Phase
 
 
 class Outcome(_Choice):
@@ -24,7 +25,7 @@ class Outcome(_Choice):
 class MeasuredMemory:
     peak_bytes: int
     activations_bytes: int  # created by the last forward, still held when its backward starts
-    peak_phase: str  # data | forward | backward | optimizer
+    peak_phase: Phase
     breakdown: dict[str, int] = field(default_factory=dict)  # category -> bytes at the peak
     reserved_bytes: int | None = None  # CUDA caching allocator's reserved peak
     alloc_retries: int | None = None
@@ -117,7 +118,7 @@ class Measurement:
     outcome: Outcome
     global_batch: int
     outcome_detail: str = ""
-    oom_phase: str | None = None
+    oom_phase: Phase | None = None
     memory: MeasuredMemory | None = None
     time: MeasuredTime | None = None
     tokens_per_second: float | None = None  # useful (non-padding) tokens, all ranks, per wall-clock second
@@ -140,7 +141,7 @@ class Draft:
     environment: dict[str, Any] = field(default_factory=dict)
     outcome: Outcome = Outcome.OK
     outcome_detail: str = ""
-    oom_phase: str | None = None
+    oom_phase: Phase | None = None
     memory: MeasuredMemory | None = None
     time: MeasuredTime | None = None
     tokens_per_second: float | None = None
@@ -189,12 +190,18 @@ def _only_fields(cls, d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k in names}
 
 
+def memory_from_dict(d: dict[str, Any]) -> MeasuredMemory:
+    return MeasuredMemory(**(_only_fields(MeasuredMemory, d) | {"peak_phase": Phase(d["peak_phase"])}))
+
+
 def measurement_from_dict(d: dict[str, Any]) -> Measurement:
     """Inverse of measurement_to_dict (derived keys such as update_seconds_median are recomputed)."""
     d = _only_fields(Measurement, d)
     d["outcome"] = Outcome(d["outcome"])
+    if d.get("oom_phase") is not None:
+        d["oom_phase"] = Phase(d["oom_phase"])
     if d.get("memory") is not None:
-        d["memory"] = MeasuredMemory(**_only_fields(MeasuredMemory, d["memory"]))
+        d["memory"] = memory_from_dict(d["memory"])
     if d.get("time") is not None:
         d["time"] = MeasuredTime(**_only_fields(MeasuredTime, d["time"]))
     if d.get("comm") is not None:

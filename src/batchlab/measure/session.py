@@ -26,6 +26,7 @@ from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Draft, MeasuredMemory, MeasuredTime, Measurement, Outcome
+from batchlab.phase import Phase
 from batchlab.units import fmt_bytes
 
 # progress(done, total, label): called before the work starts and after every update
@@ -109,16 +110,16 @@ class _Recorder:
     """Remembers where the run is (stage, phase) for failure reports and forwards marks to the probe in use."""
 
     def __init__(self):
-        self.stage, self.phase, self.inner = "setup", "setup", None
+        self.stage, self.phase, self.inner = "setup", Phase.SETUP, None
 
     def use(self, stage: str, inner=None) -> "_Recorder":
-        self.stage, self.phase, self.inner = stage, "data", inner
+        self.stage, self.phase, self.inner = stage, Phase.DATA, inner
         return self
 
-    def mark(self, phase: str) -> None:
-        self.phase = phase
+    def mark(self, phase: Phase | str) -> None:
+        self.phase = Phase(phase)
         if self.inner is not None:
-            self.inner.mark(phase)
+            self.inner.mark(self.phase)
 
 
 def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | None = None) -> Measurement:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from batchlab.experiment.predict import Metric
 from batchlab.experiment.record import Record
 from batchlab.measure.result import Outcome
+from batchlab.phase import UPDATE_PHASES
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def ratio_figure(record: Record) -> Figure | None:
 
 
 def phase_figure(record: Record) -> Figure | None:
-    phases = ("data", "forward", "backward", "optimizer")
+    phases = UPDATE_PHASES
     split: dict[str, dict[str, float]] = {}
     for s in "ab":
         sides = [r.side(s) for r in record.rounds or ()]
