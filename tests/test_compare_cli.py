@@ -140,17 +140,11 @@ def test_compare_verdicts_from_known_measurements(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_compare_smoke_in_real_subprocesses(tmp_path):
-    """The real path once: the CLI as a subprocess, each side measured in its own fresh process."""
-    import os
-    import subprocess
-    import sys
-
+    """The real path once: each side of each round measured in its own fresh subprocess (3 rounds x 2)."""
     nb = tmp_path / "nb.sqlite"
-    r = subprocess.run([sys.executable, "-m", "batchlab", "compare", "--seq", "8", "--layers", "1", "--hidden", "32",
-                        "--heads", "2", "--global-batch", "2", "--steps", "1", "--warmup", "1", "--no-verify",
-                        "--notebook", str(nb), "--json"], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ))
-    assert r.returncode == 0, r.stderr
+    r = invoke("--seq", "8", "--layers", "1", "--hidden", "32", "--heads", "2", "--global-batch", "2", "--steps", "1",
+               "--warmup", "1", "--no-verify", "--notebook", str(nb), "--json")
+    assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert ISSUE_KEYS <= set(d) and all(METRIC_KEYS <= set(m) for m in d["metrics"].values())
     assert len(d["rounds"]) == 3 and all(r["a"]["environment"]["isolated"] for r in d["rounds"])
