@@ -79,7 +79,7 @@ def test_one_observed_record_with_the_trainer_settings(runs):
     tmp, _, cb, _, _ = runs
     rows = Notebook(tmp / "lab.sqlite").list()
     assert [r["kind"] for r in rows] == ["observed"] and rows[0]["id"] == cb.notebook_id
-    rec = ObservedRecord.from_dict(Notebook(tmp / "lab.sqlite").get(cb.notebook_id))
+    rec = Notebook(tmp / "lab.sqlite").get(cb.notebook_id)
     s = rec.settings
     assert (s.micro_batch, s.accum, s.world_size, s.seq, s.precision) == (MICRO, ACCUM, 1, SEQ, "fp32")
     assert rec.global_batch == 4 and "2 x 2 x 1 = 4" in rec.to_dict()["global_batch_text"]

@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+
+from batchlab.report import export
 import torch
 from typer.testing import CliRunner
 
@@ -47,18 +49,20 @@ def test_observe_writes_an_observed_record(tmp_path):
     assert [r["id"] for r in rows] == [bare.notebook_id, described.notebook_id]
     # no config: the split is unknown, and the record says so instead of guessing
     assert bare.record.global_batch is None and "no config given" in bare.record.unmapped[0]
-    d = Notebook(path).get(described.notebook_id)
-    assert d["global_batch"] == 8 and "4 x 2 x 1 = 8" in d["global_batch_text"]
-    assert ObservedRecord.from_dict(d).to_dict()["figures"] == d["figures"]  # round trip
+    r = Notebook(path).get(described.notebook_id)
+    assert r.global_batch == 8 and "4 x 2 x 1 = 8" in r.settings.global_batch_text()
+    assert r.notebook_id == described.notebook_id
+    assert ObservedRecord.from_dict(r.to_dict()).to_dict() == r.to_dict()  # round trip
     # 5 updates: 1 warmup, 1 memory, 1 more warmup, 2 timed
     assert len(described.record.measurement.time.samples) == 2
 
 
 def _record(micro, accum, peak, seconds, precision="fp32") -> ObservedRecord:
+    t = MeasuredTime(samples=list(seconds), warmup=2)
     m = Measurement(config={}, outcome=Outcome.OK, global_batch=micro * accum,
                     memory=MeasuredMemory(peak_bytes=peak, activations_bytes=0, peak_phase="backward"),
-                    time=MeasuredTime(samples=list(seconds), warmup=2), useful_tokens_per_update=micro * accum * 16)
-    m.tokens_per_second = m.useful_tokens_per_update / m.time.update_seconds_median
+                    time=t, useful_tokens_per_update=micro * accum * 16,
+                    tokens_per_second=micro * accum * 16 / t.update_seconds_median)
     s = Settings(micro_batch=micro, accum=accum, world_size=1, precision=precision, seq=16, model="MLP")
     return build(Source.LOOP, s, m, None, [], {}, predict=False)
 
@@ -156,7 +160,7 @@ def test_transformers_integration_does_not_load_lightning():
 def test_export_takes_observed_rows(tmp_path):
     book = Notebook(tmp_path / "lab.sqlite")
     save(_record(2, 3, 4 * 2**20, [1.0]), book)
-    md = book.export("md")
+    md = export(book.records(), "md")
     assert "| 1 | loop | MLP | global batch = micro-batch x accum x DP = 2 x 3 x 1 = 6" in md and "4.00 MiB" in md
-    rows = book.export("csv").splitlines()
+    rows = export(book.records(), "csv").splitlines()
     assert rows[0].startswith("id,created_at,kind,variable,global_batch") and ",observed," in rows[1]

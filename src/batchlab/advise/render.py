@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchlab.advise.fit import FitReport
-from batchlab.advise.oom import Advice, Remedy
+from batchlab.advise.after_oom import Advice, Remedy
 from batchlab.advise.plan import Candidate, Goal, unfit_options
 from batchlab.advise.search import Trial
 from batchlab.advise.snippets import printable

@@ -147,7 +147,7 @@ def estimate(
     if trace or tree or timeline:
         if vary:
             raise ConfigError("trace", "--trace traces one configuration; drop --vary")
-        from batchlab.trace.render import show
+        from batchlab.cli.render_trace import show
 
         show(cfg, tree=tree, as_json=as_json, console=console, timeline=timeline)
         return

@@ -4,6 +4,7 @@ No ``from __future__ import annotations`` here: with_config rebuilds the signatu
 and typer needs the Annotated objects (help) themselves, not their strings.
 """
 
+import statistics
 from typing import Annotated, Optional
 
 import typer
@@ -41,7 +42,7 @@ def measure(
     """Train the model under the config for real: peak memory (allocator), update time (wall-clock), useful
     tokens/s, or the out-of-memory phase; each figure beside the formula estimate.  Exit 0 when a result
     (ok or oom) was recorded, 1 when the run failed, 2 for a bad config."""
-    from batchlab.measure.session import run
+    from batchlab.run import measure as run
 
     if timeout is not None and not isolate and nproc is None and nnodes is None:
         typer.echo("warning: ignored: --timeout applies to --isolate (or --nproc) runs", err=True)
@@ -183,13 +184,13 @@ def _render_details(out: Console, m: Measurement) -> None:
         if split:
             out.print(f"per phase (median, wall-clock): {split}")
         if t.cpu_seconds:
-            med = sorted(t.cpu_seconds)[len(t.cpu_seconds) // 2]
+            med = statistics.median(t.cpu_seconds)
             out.print("process CPU time per update (median, all threads; the process clock, read beside the "
                       f"wall-clock one): {fmt_seconds(med)}")
     if m.memory is not None and m.memory.breakdown:
         parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in m.memory.breakdown.items() if v)
         out.print(f"memory at the peak ({m.memory.provenance}: {m.memory.method}): {parts}")
-    from batchlab.distributed.report import lines as dp_lines
+    from batchlab.cli.render_dp import lines as dp_lines
 
     for line in dp_lines(m):
         out.print(line)

@@ -14,8 +14,10 @@ from batchlab.cli.common import console, fail, print_json
 from batchlab.cli.render_experiment import show_record
 from batchlab.cli.render_observed import render_diff, render_observed
 from batchlab.config import ConfigError
-from batchlab.experiment.notebook import ExportFormat, Notebook
+from batchlab.experiment.notebook import Notebook
+from batchlab.experiment.observed import ObservedRecord
 from batchlab.experiment.observed_diff import observed_diff
+from batchlab.report.export import export as export_records
 
 notebook_app = typer.Typer(help="The lab notebook: every `batchlab compare` experiment and observed run, kept in SQLite.",
                            no_args_is_help=True)
@@ -61,11 +63,14 @@ def show(exp_id: Annotated[int, typer.Argument(metavar="ID", help="Experiment id
         record = book.get(exp_id)
     except ConfigError as e:
         fail(str(e))
-    if record["kind"] == "observed" and not as_json:
+    if isinstance(record, ObservedRecord):
         if report is not None:
             console().print("[yellow]warning:[/] --report is ignored for observed runs (no report document yet); "
                             "notebook export --format md includes them")
-        render_observed(console(), record, book.path)
+        if as_json:
+            print_json(record.to_dict())
+        else:
+            render_observed(console(), record.to_dict(), book.path)
         return
     show_record(record, book.path, report, as_json)
 
@@ -77,11 +82,11 @@ def diff_(a_id: Annotated[int, typer.Argument(metavar="ID1", help="Observed run 
           predict: Annotated[Optional[str], typer.Option(help="Your prediction, e.g. 'memory=up,time=same'.")] = None):
     """Two observed runs that differ in one variable, with compare's verdict, band and diagnosis."""
     try:
-        d = observed_diff(Notebook(notebook), a_id, b_id, predict).to_dict()
+        d = observed_diff(Notebook(notebook), a_id, b_id, predict)
     except ConfigError as e:
         fail(str(e))
     if as_json:
-        print_json(d)
+        print_json(d.to_dict())
         return
     render_diff(console(), d)
 
@@ -92,7 +97,7 @@ def export(fmt: Annotated[str, typer.Option("--format", help="json, csv or md.")
            output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of stdout.")] = None):
     """Every experiment as JSON (whole records), CSV (one row each, one column group per metric) or Markdown."""
     try:
-        text = Notebook(notebook).export(ExportFormat.parse("format", fmt))
+        text = export_records(Notebook(notebook).records(), fmt)
     except ConfigError as e:
         fail(str(e))
     if output is None:

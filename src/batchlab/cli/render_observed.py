@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.markup import escape as esc
 from rich.table import Table
 
+from batchlab.experiment.observed_diff import BAND_METHOD, ObservedDiff
 from batchlab.cli.render_experiment import diagnosis, factors, verdict_table
 from batchlab.report import format_value as value
 
@@ -45,19 +46,20 @@ def render_observed(out: Console, r: dict[str, Any], notebook_path: Path | None 
         out.print(f"[yellow]not mapped:[/] {esc(u)}")
     for w in r["warnings"]:
         out.print(f"[yellow]warning:[/] {esc(w)}")
-    factors(out, r)
+    factors(out, r["factors"])
     if notebook_path is not None:
         out.print(f"notebook: {notebook_path}")
 
 
-def render_diff(out: Console, d: dict[str, Any]) -> None:
+def render_diff(out: Console, diff: ObservedDiff) -> None:
+    d = diff.to_dict()
     changes = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in d["changes"].items()) or "nothing"
     ga, gb = d["global_batch"]
     out.print(f"[bold]notebook diff[/] #{d['a_id']} (A) vs #{d['b_id']} (B)   variable: {esc(d['variable'])}")
     out.print(f"changed: {esc(changes)}   global batch A {ga}, B {gb}")
-    out.print(verdict_table({"kind": "measured", "metrics": d["metrics"]}))
-    out.print(f"[dim]band: {d['band_method']}; {d['pairs']} timed update pair(s)[/]")
-    diagnosis(out, {"diagnosis": {"contradictions": d["contradictions"], "checks": d["checks"]}})
-    for n in d["notes"][1:]:
+    out.print(verdict_table(diff))
+    out.print(f"[dim]band: {BAND_METHOD}; {diff.pairs} timed update pair(s)[/]")
+    diagnosis(out, diff)
+    for n in diff.notes[1:]:
         out.print(f"[dim]{esc(n)}[/]")
     out.print("scope: two observed runs, not interleaved; one process each says nothing about cluster communication")

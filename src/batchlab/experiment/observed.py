@@ -7,13 +7,14 @@ Torch-free (the callbacks and ``batchlab.observe`` build it from a Measurement).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from batchlab.config import ACMode, RunConfig, _Choice, config_from_dict
 from batchlab.experiment.factors import Snapshot, uncontrolled
 from batchlab.measure.result import Measurement, measurement_from_dict, measurement_to_dict
 from batchlab.measure.versus import formula_estimate, rows
+from batchlab.experiment.record import now
 from batchlab.units import fmt_bytes, fmt_seconds, relative_to
 
 KIND = "observed"
@@ -100,6 +101,7 @@ class ObservedRecord:
     warnings: tuple[str, ...] = ()
     note: str = ""
     created_at: str = ""
+    notebook_id: int | None = None  # set when read back from a notebook
     kind: str = KIND
     schema_version: int = SCHEMA_VERSION
 
@@ -122,7 +124,7 @@ class ObservedRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "schema_version": self.schema_version, "source": self.source.value,
-                "created_at": self.created_at, "note": self.note, "settings": self.settings.to_dict(),
+                "created_at": self.created_at, "notebook_id": self.notebook_id, "note": self.note, "settings": self.settings.to_dict(),
                 "global_batch": self.global_batch, "global_batch_text": self.settings.global_batch_text(),
                 "run_config": self.run_config.to_dict() if self.run_config is not None else None,
                 "unmapped": list(self.unmapped), "figures": [f.to_dict() for f in self.figures],
@@ -142,7 +144,8 @@ class ObservedRecord:
                    run_config=config_from_dict(d["run_config"]) if d.get("run_config") else None,
                    unmapped=tuple(d.get("unmapped", ())), factors=d.get("factors") or {},
                    prediction_note=d.get("prediction_note", ""), warnings=tuple(d.get("warnings", ())),
-                   note=d.get("note", ""), created_at=d.get("created_at", ""))
+                   note=d.get("note", ""), created_at=d.get("created_at", ""),
+                   notebook_id=d.get("notebook_id"))
 
 
 def _figures(m: Measurement, settings: Settings, cfg: RunConfig | None, predict: bool) -> tuple[tuple[Figure, ...], str]:
@@ -193,24 +196,18 @@ def loop_settings(cfg: RunConfig | None, global_batch: int | None, model: str, d
 def finish(source: Source, settings: Settings, m: Measurement, cfg: RunConfig | None, unmapped: list[str],
            before: Snapshot, notebook=None, predict: bool = True, note: str = "") -> tuple[ObservedRecord, int | None]:
     """The record of a run watched since ``before`` (factors read now), written to ``notebook`` when given."""
-    from batchlab.experiment.notebook import now
-
     t = m.time
     noise = {"update_time_spread": t.spread if t is not None and t.samples else None,
              "timed_updates": len(t.samples) if t is not None else 0,
              "rule": "IQR / median of the timed updates; above 0.10 the timing is noisy"}
-    m.global_batch = settings.global_batch if settings.global_batch is not None else m.global_batch
-    m.config = cfg.to_dict() if cfg is not None else {}
+    m = replace(m, global_batch=settings.global_batch if settings.global_batch is not None else m.global_batch,
+                config=cfg.to_dict() if cfg is not None else {})
     record = build(source, settings, m, cfg, unmapped, uncontrolled(before, Snapshot(), noise, note),
                    predict=predict, note=note, created_at=now())
     return record, (save(record, notebook) if notebook is not None else None)
 
 
 def save(record: ObservedRecord, notebook) -> int:
-    """Write ``record`` to ``notebook`` (a Notebook or a path); returns its notebook id."""
-    if not hasattr(notebook, "add"):
-        from batchlab.experiment.notebook import Notebook
-
-        notebook = Notebook(notebook)
-    return notebook.add(record.to_dict())
+    """Write ``record`` to ``notebook`` (an ``experiment.notebook.Notebook``); returns its notebook id."""
+    return notebook.add(record)
 

@@ -17,6 +17,7 @@ from batchlab.experiment.diagnosis import Context, diagnose
 from batchlab.experiment.observed import ObservedRecord, Settings
 from batchlab.experiment.predict import Direction, FormulaSide, Metric, formula_prediction
 from batchlab.experiment.protocol import Rounds
+from batchlab.experiment.record import Diagnosis, MetricRecord
 from batchlab.experiment.verdict import contradictions, summary, verdicts
 from batchlab.measure.result import Measurement
 from batchlab.measure.versus import formula_estimate
@@ -36,18 +37,20 @@ class ObservedDiff:
     variable: str
     changes: dict[str, tuple[Any, Any]]
     global_batch: tuple[int | None, int | None]
-    metrics: dict[str, dict[str, Any]]
+    metrics: dict[Metric, MetricRecord]
     verdict: str
-    contradictions: list[dict[str, Any]]
-    checks: list[dict[str, Any]]
+    diagnosis: Diagnosis
     pairs: int  # timed updates paired
     notes: tuple[str, ...] = ()
+    formula_only = False  # both runs were measured (read by the verdict table, as for a compare record)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["changes"] = {k: list(v) for k, v in self.changes.items()}
-        d["band_method"] = BAND_METHOD
-        return d
+        diag = self.diagnosis.to_dict()
+        return {"a_id": self.a_id, "b_id": self.b_id, "variable": self.variable,
+                "changes": {k: list(v) for k, v in self.changes.items()}, "global_batch": list(self.global_batch),
+                "metrics": {m.value: v.to_dict() for m, v in self.metrics.items()}, "verdict": self.verdict,
+                "contradictions": diag["contradictions"], "checks": diag["checks"], "pairs": self.pairs,
+                "notes": list(self.notes), "band_method": BAND_METHOD}
 
 
 def differing(a: ObservedRecord, b: ObservedRecord) -> dict[str, tuple[Any, Any]]:
@@ -112,18 +115,17 @@ def diff(a_id: int, a: ObservedRecord, b_id: int, b: ObservedRecord,
     vs = verdicts(rounds, predictions or {}, pred, token_budget)
     found = contradictions(vs)
     notes = [BAND_METHOD] + ([why] if why else [])
-    checks: list[dict[str, Any]] = []
+    checks: list = []
     if found and a.run_config is not None and b.run_config is not None:
         # the checks read each run whole (its spread, first timed update, window), not the per-update pairs
         ma, mb = a.measurement, b.measurement
         warmup = ma.time.warmup if ma.time is not None else 0
         ctx = Context(a.run_config, b.run_config, Rounds(a=[ma], b=[mb]), warmup, len(rounds.a))
-        checks = [c.to_dict() for c in diagnose(ctx, vs[Metric.UPDATE_TIME].band, phase,
-                                                {c["metric"] for c in found})]
+        checks = diagnose(ctx, vs[Metric.UPDATE_TIME].band, phase, {c.metric.value for c in found})
     elif found:
         notes.append("diagnosis needs both runs mapped to a RunConfig (see each record's unmapped)")
     return ObservedDiff(a_id, b_id, var, changes, (a.global_batch, b.global_batch),
-                        {m.value: v.to_dict() for m, v in vs.items()}, summary(vs), found, checks,
+                        dict(vs), summary(vs), Diagnosis(tuple(found), tuple(checks)),
                         len(rounds.a) if a.measurement.time is not None else 0, tuple(notes))
 
 
@@ -134,10 +136,7 @@ def observed_diff(book, a_id: int, b_id: int, predict: str | None = None) -> Obs
     records = []
     for i in (a_id, b_id):
         d = book.get(i)
-        if d["kind"] != "observed":
-            raise ConfigError("ids", f"#{i} is a {d['kind']} compare experiment; notebook diff compares observed runs")
-        try:
-            records.append(ObservedRecord.from_dict(d))
-        except ValueError as e:
-            raise ConfigError("ids", f"#{i}: {e}") from None
+        if not isinstance(d, ObservedRecord):
+            raise ConfigError("ids", f"#{i} is a {d.kind.value} compare experiment; notebook diff compares observed runs")
+        records.append(d)
     return diff(a_id, records[0], b_id, records[1], parse_predictions(predict))

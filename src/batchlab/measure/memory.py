@@ -15,14 +15,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from batchlab.phase import Phase
+
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "data")
-_CREATED_AS = {"data": "data", "forward": "activations", "backward": "temporaries", "optimizer": "temporaries"}
+_CREATED_AS = {Phase.DATA: "data", Phase.FORWARD: "activations", Phase.BACKWARD: "temporaries",
+               Phase.OPTIMIZER: "temporaries"}
 
 
 @dataclass
 class MemorySnapshot:
     peak_bytes: int
-    peak_phase: str
+    peak_phase: Phase
     breakdown: dict[str, int]  # category -> bytes live at the peak; sums to peak_bytes
     activations_bytes: int  # bytes created by the last forward and still held when backward starts
     baseline_bytes: int  # live at start (parameters + optimizer state)
@@ -47,7 +50,7 @@ class BudgetExceeded(MemoryError):
     past it; a MemoryError so that code handling real out-of-memory handles this too.
     """
 
-    def __init__(self, live_bytes: int, budget: int, phase: str):
+    def __init__(self, live_bytes: int, budget: int, phase: Phase):
         self.live_bytes, self.budget, self.phase = live_bytes, budget, phase
         super().__init__(f"tracked tensor bytes {live_bytes:,} exceed the memory budget {budget:,}")
 
@@ -67,9 +70,9 @@ class StorageTracker(TorchDispatchMode):
         self.exceeded: BudgetExceeded | None = None
         self._live: dict[int, tuple[int, str]] = {}  # id(storage) -> (bytes, created-as category)
         self._current = 0
-        self.phase = "data"
+        self.phase = Phase.DATA
         self._peak = -1
-        self._peak_phase = "data"
+        self._peak_phase = Phase.DATA
         self._peak_keys: dict[int, tuple[int, str]] = {}
         self._phase_peaks: dict[str, int] = {}
         self._param_keys: set[int] = set()
@@ -143,10 +146,11 @@ class StorageTracker(TorchDispatchMode):
             if self.listener is not None:
                 self.listener.freed(key)
 
-    def mark(self, phase: str) -> None:
-        if phase == "forward" and self.phase != "forward":
+    def mark(self, phase: Phase | str) -> None:
+        phase = Phase(phase)
+        if phase is Phase.FORWARD and self.phase is not Phase.FORWARD:
             self._forward_start_keys = set(self._live)
-        if phase == "backward":
+        if phase is Phase.BACKWARD:
             self._activation_bytes = sum(n for k, (n, _) in self._live.items() if k not in self._forward_start_keys)
             if self._owner is not None:
                 by_owner: dict[str, int] = {}
@@ -218,3 +222,14 @@ def track_update(trainer, steady: bool = True, budget: int | None = None) -> Mem
     with tracker:
         trainer.update(probe=tracker)
     return tracker.snapshot()
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors``: views and tied weights share one and count once
+    (a tensor's storage object is preserved, so its identity is the key; fake tensors included)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[id(st)] = st.nbytes()
+    return sum(seen.values())

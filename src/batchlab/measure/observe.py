@@ -26,8 +26,9 @@ import torch.nn as nn
 from batchlab.measure.clock import PhaseClock, synchronizer
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
-from batchlab.measure.oom import OOMKind, classify_oom
-from batchlab.measure.result import MeasuredTime, Measurement, Outcome
+from batchlab.measure.oom_classify import OOMKind, classify_oom
+from batchlab.measure.result import Draft, MeasuredTime, Measurement, Outcome
+from batchlab.phase import Phase
 
 
 class Observer:
@@ -49,16 +50,23 @@ class Observer:
         self._phases: dict[str, list[float]] = {}
         self._probe = None
         self._update_tokens: int | None = None
-        self.phase = "data"
         self.record, self.notebook_id = None, None  # set by observe(notebook=...) at the end
-        self.measurement = Measurement(config=config.to_dict() if config is not None else {}, outcome=Outcome.OK,
-                                       global_batch=config.global_batch if config is not None else global_batch)
+        self.phase = Phase.DATA
+        self._draft = Draft(config=config.to_dict() if config is not None else {},
+                            global_batch=config.global_batch if config is not None else global_batch)
+        self._result: Measurement | None = None
+
+    @property
+    def measurement(self) -> Measurement:
+        """The result: final once the ``observe`` block has ended; before that, what was found so far."""
+        return self._result if self._result is not None else self._draft.build()
 
     # -- used inside the user's update
-    def mark(self, phase: str) -> None:
-        self.phase = phase
+    def mark(self, phase: Phase | str) -> None:
+        """``forward``, ``backward`` or ``optimizer`` (``data`` is where each update starts)."""
+        self.phase = Phase.parse("phase", phase)
         if self._probe is not None:
-            self._probe.mark(phase)
+            self._probe.mark(self.phase)
 
     def count_tokens(self, n: int) -> None:
         """Add ``n`` useful tokens to the current update (for callers that learn them micro-batch by micro-batch)."""
@@ -68,7 +76,7 @@ class Observer:
     def update(self, tokens: int | None = None):
         """One optimizer update of the user's loop; ``tokens``: its useful (non-padding) tokens."""
         index, self.updates = self.updates, self.updates + 1
-        self.phase = "data"
+        self.phase = Phase.DATA
         self._update_tokens = tokens
         try:
             if index == 1 and self.memory:
@@ -82,9 +90,9 @@ class Observer:
         except Exception as exc:
             kind = classify_oom(exc)
             if kind is not None:
-                self.measurement.outcome = Outcome.OOM_BUDGET if kind is OOMKind.BUDGET else Outcome.OOM
-                self.measurement.oom_phase = self.phase
-                self.measurement.outcome_detail = f"out of memory ({kind.value}) in {self.phase} of update {index + 1}"
+                self._draft.outcome = Outcome.OOM_BUDGET if kind is OOMKind.BUDGET else Outcome.OOM
+                self._draft.oom_phase = self.phase
+                self._draft.outcome_detail = f"out of memory ({kind.value}) in {self.phase} of update {index + 1}"
             raise
         finally:
             self._probe = None
@@ -97,13 +105,13 @@ class Observer:
             self._probe = probe
             yield
             probe.mark("end")
-            self.measurement.memory = probe.result(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
+            self._draft.memory = probe.result(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
             return
         tracker = tracker_for(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
         self._probe = tracker
         with tracker:
             yield
-        self.measurement.memory = from_snapshot(tracker.snapshot())
+        self._draft.memory = from_snapshot(tracker.snapshot())
 
     @contextlib.contextmanager
     def _timed_update(self):
@@ -128,7 +136,7 @@ class Observer:
 
     # -- result
     def finish(self) -> Measurement:
-        m = self.measurement
+        m = self._draft
         if self._samples:
             m.time = MeasuredTime(samples=list(self._samples), warmup=self.warmup,
                                   cpu_seconds=list(self._cpu) if self.device.type == "cpu" else [],
@@ -141,7 +149,8 @@ class Observer:
         elif m.outcome is Outcome.OK:
             m.warnings.append(f"no timed update: {self.updates} update(s) observed, the first {self.warmup} are "
                               f"warmup{' plus one memory update' if self.memory else ''}")
-        return m
+        self._result = m.build()
+        return self._result
 
 
 @contextlib.contextmanager
@@ -161,9 +170,10 @@ def observe(model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int =
     finally:
         m = obs.finish()
         if notebook is not None:
+            from batchlab.experiment.notebook import open_notebook
             from batchlab.experiment.observed import Source, finish, loop_settings
 
             settings, unmapped = loop_settings(config, global_batch, type(model).__name__, str(obs.device),
                                                type(optimizer).__name__)
             obs.record, obs.notebook_id = finish(Source.LOOP, settings, m, config, unmapped, before,
-                                                 notebook=notebook, predict=predict, note=note)
+                                                 notebook=open_notebook(notebook), predict=predict, note=note)

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from batchlab.config import RunConfig
 from batchlab.experiment.factors import Snapshot
+from batchlab.experiment.notebook import open_notebook
 from batchlab.experiment.observed import ObservedRecord, Settings, Source, finish
 from batchlab.measure.observe import Observer
 
@@ -67,5 +68,6 @@ class Watch:
         rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
         if rank != 0:
             notebook = None  # one row per run: rank 0's figures (every rank keeps its own record on the callback)
-        return finish(source, settings, m, cfg, unmapped, self.before, notebook=notebook, predict=predict,
+        book = open_notebook(notebook) if notebook is not None else None
+        return finish(source, settings, m, cfg, unmapped, self.before, notebook=book, predict=predict,
                       note=note)

@@ -18,7 +18,7 @@ from batchlab.config import ConfigError, ModelSource, Precision, RunConfig
 from batchlab.formula.memory import allocator_margin
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
-from batchlab.measure.memory import tracker_for
+from batchlab.measure.memory import storage_bytes, tracker_for
 from batchlab.trace.flops import count_update_flops
 from batchlab.trace.result import TraceEstimate, TraceMemory
 from batchlab.trace.tree import OUTSIDE, ModuleStack, build_tree
@@ -70,21 +70,13 @@ def _check_supported(cfg: RunConfig) -> list[str]:
     return notes
 
 
-def _unique_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[id(st)] = st.nbytes()
-    return sum(seen.values())
-
-
 def _model_state_bytes(trainer: Trainer) -> tuple[int, int, int]:
     params = list(trainer.raw_model.parameters())
     state = [v for s in trainer.optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]
     # .grad has the parameter's shape and dtype (set_to_none between updates, no bucket views)
     grads = sum(p.numel() * p.element_size() for p in {id(p): p for p in params if p.requires_grad}.values())
-    return _unique_bytes(params), grads, _unique_bytes(state)
+    return storage_bytes(params), grads, storage_bytes(state)
 
 
 @contextlib.contextmanager
