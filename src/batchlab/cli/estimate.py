@@ -143,21 +143,22 @@ def estimate(
     price: Annotated[Optional[float], typer.Option(help="Price per device-hour, for the cost to the token budget.")] = None,
     trace: Annotated[bool, typer.Option("--trace", help="Also run one steady-state update of the model's own code on fake tensors (nothing allocated): peak, activations and FLOPs of the real graph, beside the formula's with its error.")] = False,
     tree: Annotated[bool, typer.Option("--tree", help="With --trace: bytes each module keeps for backward, as a tree (implies --trace).")] = False,
+    timeline: Annotated[Optional[str], typer.Option(help="With --trace: write the update's memory timeline (live bytes by category, phases, the peak) to FILE.png, FILE.html or FILE.json (implies --trace).", metavar="FILE")] = None,
     as_json: bool = False,
 ) -> None:
     console = make_console()
     for ignored, why in ((price is not None and not tokens, "--price needs --tokens (the budget it prices)"),
-                         ((tokens or price is not None) and (vary or trace or tree), "--tokens/--price apply to a "
+                         ((tokens or price is not None) and (vary or trace or tree or timeline), "--tokens/--price apply to a "
                           "single estimate, not to --vary or --trace"),
                          (keep is Keep.ACCUM and not vary, "--keep applies to --vary")):
         if ignored:
             typer.echo(f"warning: ignored: {why}", err=True)
-    if trace or tree:
+    if trace or tree or timeline:
         if vary:
             raise ConfigError("trace", "--trace traces one configuration; drop --vary")
-        from batchlab.trace.render import show
+        from batchlab.cli.render_trace import show
 
-        show(cfg, tree=tree, as_json=as_json, console=console)
+        show(cfg, tree=tree, as_json=as_json, console=console, timeline=timeline)
         return
     if vary:
         from batchlab.formula.vary import vary as vary_rows

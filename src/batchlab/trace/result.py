@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchlab.timeline.data import Timeline
+
 
 @dataclass
 class TraceMemory:
@@ -75,3 +77,4 @@ class TraceEstimate:
     tree: ModuleNode | None = None  # with tree=True
     notes: list[str] = field(default_factory=list)  # what the trace could not represent for this config
     provenance: str = "trace"
+    timeline: Timeline | None = None  # with timeline=True: memory over the update, op by op
