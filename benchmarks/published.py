@@ -215,6 +215,12 @@ def print_errors(rows: list[Row]) -> None:
     summary(rows, "tps_error", "tokens/s per GPU")
     false_oom = [r.run["id"] for r in rows if r.fits is False]
     print(f"- false OOM verdicts (the run ran): {len(false_oom)}" + (f": {', '.join(false_oom)}" if false_oom else ""))
+    for r in rows:  # a source that reports an OOM at a larger micro-batch: the formula must say OOM there too
+        if r.run["measured"].get("oom_at_micro_batch_2") and r.cfg is not None:
+            m = estimate(r.cfg.replace(micro_batch=2)).memory
+            print(f"- true OOM check, {r.run['id']} at micro-batch 2 (the source: OOM): reserved "
+                  f"{m.reserved_bytes / 2**30:.1f} GiB of {m.capacity_bytes / 2**30:.2f} -> "
+                  f"{'OOM (agrees)' if not m.fits else 'fits (DISAGREES)'}")
     fracs = [r.implied_fraction for r in rows if r.implied_fraction is not None]
     if fracs:
         print(f"- implied achievable fraction (measured tok/s x formula model FLOPs/token / formula peak): "

@@ -112,3 +112,9 @@ def test_bf16_fsdp_keeps_the_residual_stream_in_bf16_and_shards_fp32_states():
     assert fsdp.activations_bytes < amp.activations_bytes  # bf16 residual stream and norm inputs
     with pytest.raises(ConfigError, match="formula-only"):
         Trainer(RunConfig(precision="bf16-fsdp"))
+
+
+def test_the_oom_torchtitan_reports_is_predicted():
+    """torchtitan docs/performance.md: 70B selective op at local batch 2 'will cause an OOM error'."""
+    row = next(r for r in published_rows() if r.run["measured"].get("oom_at_micro_batch_2"))
+    assert row.fits and not estimate(row.cfg.replace(micro_batch=2)).memory.fits
