@@ -77,3 +77,10 @@ def test_loss_names_parse_and_fused_is_formula_only():
         Trainer(RunConfig(loss="fused"))
     bf16 = RunConfig(precision="bf16-mixed")  # fused keeps the 16-bit logits, not an fp32 log-softmax
     assert estimate(bf16.replace(loss="fused")).memory.logits_bytes < 0.6 * estimate(bf16).memory.logits_bytes
+
+
+def test_the_trace_runs_the_chunked_loss_too():
+    from batchlab.trace import estimate as trace
+
+    cfg = RunConfig(model=preset("tiny", **SHAPE), seq=64, micro_batch=8, loss="chunked:4")
+    assert trace(cfg).memory.peak_bytes == pytest.approx(measured(cfg).peak_bytes, rel=0.01)
