@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from batchlab.config import Backend, DataKind, RunConfig
+from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate
 from batchlab.formula.memory import MemoryEstimate
 from batchlab.formula.opcost import OpClass, OpCosts, Phase, TimeBreakdown, describe, price
@@ -48,6 +49,9 @@ class TimeEstimate:
     bandwidth_bytes_per_s: float  # link used for the all-reduce
     ops: TimeBreakdown | None = None  # the per-op model's split by phase and op class (one rank)
     model: str = ""  # the time model's assumptions: rates, their source, dispatch share
+    achievable_fraction: float = 0.0  # of the peak, on large matmuls (nominal costs only; 0: measured rates)
+    fraction_source: str = ""  # where it comes from (formula/efficiency.py), or why none is applied
+    overlap_source: str = ""  # how the engine hides communication
     provenance: str = "formula"
 
     def time_to_tokens(self, tokens: float) -> float:
@@ -75,12 +79,14 @@ def matmul_curve(rate: float, start: float) -> tuple[tuple[float, float], ...]:
 
 
 def nominal_costs(cfg: RunConfig) -> OpCosts:
-    """Per-op costs from the device entry alone (no calibration): said so in every prediction."""
-    dev, a = cfg.device_spec, cfg.assumptions
+    """Per-op costs from the device entry alone (no calibration): said so in every prediction.  Large matmuls
+    reach the achievable fraction of the peak for the device and precision (formula/efficiency.py)."""
+    dev = cfg.device_spec
+    frac = achievable_fraction(cfg)
     named = dev.source if dev.source.startswith("nominal") else f"nominal: {dev.source} figures of {dev.name}"
     start = MATMUL_START[dev.backend]
-    curves = {"fp32": matmul_curve(dev.peak_flops_fp32 * a.achievable_fraction, start),
-              "bf16": matmul_curve(dev.peak_flops_bf16 * a.achievable_fraction, start)}
+    curves = {"fp32": matmul_curve(dev.peak_flops_fp32 * frac.value, start),
+              "bf16": matmul_curve(dev.peak_flops_bf16 * frac.value, start)}
     elements: dict[str, float] = {}
     if dev.backend is Backend.CPU:
         clock = dev.peak_flops_fp32 / 64  # cores x clock (the entry's peak assumes 64 FLOP/cycle per core)
@@ -89,7 +95,7 @@ def nominal_costs(cfg: RunConfig) -> OpCosts:
     return OpCosts(matmul=curves, memory=((1.0, dev.hbm_bytes_per_s),), strided_bytes_per_s=dev.hbm_bytes_per_s / 4,
                    element_seconds=elements,
                    dispatch=NOMINAL_DISPATCH[dev.backend], asynchronous=dev.backend is not Backend.CPU,
-                   source=f"{named}, achievable fraction {a.achievable_fraction:g} on large matmuls")
+                   source=f"{named}, achievable fraction {frac.value:.2f} on large matmuls ({frac.source})")
 
 
 def costs_for(cfg: RunConfig, calibrated: OpCosts | None) -> OpCosts:
@@ -124,13 +130,15 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     rest = t.seconds - compute
     dispatch_compute = sum(costs.dispatch_seconds(o.phase) * o.count for o in ops
                            if o.phase.value in ("forward", "backward", "recompute"))
-    dev = cfg.device_spec
-    bw = dev.intra_node_bytes_per_s if cfg.dp <= dev.gpus_per_node else dev.inter_node_bytes_per_s
+    bw = bus_bandwidth(cfg).value
     grad_bytes, comm = comm_seconds(cfg, mem, bw)
-    exposed = comm * (1 - cfg.assumptions.comm_overlap)
+    hidden = exposed_comm_seconds(cfg, comm, compute, compute / cfg.accum)
+    exposed = hidden.value
     update = t.seconds + exposed
     matmul_s = t.by_class.get(OpClass.MATMUL.value, 0.0)
     useful = cfg.tokens_per_update * useful_fraction(cfg)
+    frac = (Sourced(0.0, "none applied: measured rates are what kernels of each size reach (batchlab calibrate)")
+            if calibrated is not None else achievable_fraction(cfg))
     return TimeEstimate(compute / cfg.accum, compute, grad_bytes, comm, exposed, rest, update, useful / update,
                         dispatch_compute / cfg.accum, t.flops / matmul_s if matmul_s else 0.0, costs.source, bw, t,
-                        describe(costs, t))
+                        describe(costs, t), frac.value, frac.source, hidden.source)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchlab.timeline.data import Timeline
+
 
 @dataclass
 class TraceMemory:
@@ -22,7 +24,7 @@ class TraceMemory:
     optimizer_bytes: int
     breakdown: dict[str, int]  # category -> bytes live at the peak; sums to peak_bytes
     phase_peaks: dict[str, int]  # highest live tensor bytes seen in each phase
-    margin_bytes: int  # the config's allocator_margin on top of peak_bytes (assumption, not traced)
+    margin_bytes: int  # reserved - allocated by the formula's allocator model (formula/allocator.py), not traced
     capacity_bytes: int
     fits: bool  # peak_bytes + margin_bytes <= capacity_bytes
     provenance: str = "trace"
@@ -78,3 +80,4 @@ class TraceEstimate:
     time: Any = None  # formula.opcost.TimeBreakdown (provenance "trace")
     time_model: str = ""  # its assumptions: rates and their source
     provenance: str = "trace"
+    timeline: Timeline | None = None  # with timeline=True: memory over the update, op by op
