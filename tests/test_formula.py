@@ -190,7 +190,9 @@ def test_per_op_overhead_makes_larger_micro_batches_faster_at_a_fixed_global_bat
         counted.append(sum(op.count for op in record_update(trainer)))
     assert tb.update_seconds < ta.update_seconds
     assert tb.update_seconds / ta.update_seconds == pytest.approx(counted[1] / counted[0], rel=0.03)
-    assert ta.overhead_seconds_per_micro_batch == pytest.approx(tb.overhead_seconds_per_micro_batch)
+    # about the same ops per micro-batch either way (a batch of one skips a few copies; later micro-batches
+    # add their gradients into .grad), so the dispatch per micro-batch barely moves
+    assert ta.overhead_seconds_per_micro_batch == pytest.approx(tb.overhead_seconds_per_micro_batch, rel=0.1)
     nil = estimate(a.replace(op_overhead_seconds=0.0)).time
     assert nil.overhead_seconds_per_micro_batch == 0
 

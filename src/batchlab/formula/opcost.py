@@ -213,26 +213,30 @@ class TimeBreakdown:
 
 
 def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -> TimeBreakdown:
-    """The time the model gives ``ops``: Σ count × (dispatch + work)."""
+    """The time the model gives ``ops``: Σ count × (dispatch + work) on a synchronous device (CPU); on an
+    asynchronous one (GPU) the host issues ahead of the kernels, so each phase takes max(Σ dispatch, Σ work)
+    and only the host time beyond the kernels' shows as "dispatch"."""
     by_phase: dict[str, float] = {}
-    by_class: dict[str, float] = {"dispatch": 0.0}
+    disp: dict[str, float] = {}
+    by_class: dict[str, float] = {}
     b_phase: dict[str, int] = {}
     f_phase: dict[str, int] = {}
     calls = fl = by = 0
     for op in ops:
-        d = op.count * costs.dispatch_seconds(op.phase)
+        ph = op.phase.value
         w = op.count * costs.work_seconds(op)
-        if costs.asynchronous:  # the launch hides behind the previous kernel unless the kernel is shorter
-            d = max(d - w, 0.0)
-        by_phase[op.phase.value] = by_phase.get(op.phase.value, 0.0) + d + w
-        by_class["dispatch"] += d
+        disp[ph] = disp.get(ph, 0.0) + op.count * costs.dispatch_seconds(op.phase)
+        by_phase[ph] = by_phase.get(ph, 0.0) + w
         by_class[op.klass.value] = by_class.get(op.klass.value, 0.0) + w
         calls += op.count
         fl += op.count * op.flops
-        f_phase[op.phase.value] = f_phase.get(op.phase.value, 0) + op.count * op.flops
+        f_phase[ph] = f_phase.get(ph, 0) + op.count * op.flops
         if op.klass not in (OpClass.MATMUL, OpClass.VIEW):
             by += op.count * op.bytes
-            b_phase[op.phase.value] = b_phase.get(op.phase.value, 0) + op.count * op.bytes
+            b_phase[ph] = b_phase.get(ph, 0) + op.count * op.bytes
+    exposed = {ph: max(d - by_phase[ph], 0.0) if costs.asynchronous else d for ph, d in disp.items()}
+    by_phase = {ph: w + exposed[ph] for ph, w in by_phase.items()}
+    by_class["dispatch"] = sum(exposed.values())
     return TimeBreakdown(sum(by_phase.values()), by_phase, by_class, calls, fl, by, b_phase, f_phase,
                          costs.source, provenance)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from batchlab.config import Backend, DataKind, RunConfig
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
-from batchlab.formula.flops import FlopsEstimate
+from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.memory import MemoryEstimate
-from batchlab.formula.opcost import OpClass, OpCosts, Phase, TimeBreakdown, describe, price
+from batchlab.formula.opcost import OpClass, OpCosts, OpCount, Phase, TimeBreakdown, describe, price
 from batchlab.formula.oplist import update_ops
 
 # Nominal per-op costs where nothing was calibrated (seconds).  CPU: eager PyTorch's Python + dispatcher
@@ -30,6 +30,7 @@ MATMUL_START = {Backend.CPU: 2e-6, Backend.CUDA: 5e-6, Backend.MPS: 10e-6}
 # CPU per-element kernels, cycles per element on one core (x86 with AVX-512, measured here): tanh-GELU 13,
 # its gradient 35,
 # softmax 5, layer norm 4, the dropout RNG 50.  GPUs are bandwidth-bound on these: bytes decide.
+FOLDED = 1e30  # bytes/s of work folded into an end-to-end fraction (priced at nothing)
 CPU_CYCLES_PER_ELEMENT = {"activation": 13, "activation-grad": 35, "softmax": 5, "norm": 4, "random": 50}
 
 
@@ -78,29 +79,44 @@ def matmul_curve(rate: float, start: float) -> tuple[tuple[float, float], ...]:
     return tuple((f, f / (start + f / rate)) for f in (1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12))
 
 
-def nominal_costs(cfg: RunConfig) -> OpCosts:
+def nominal_costs(cfg: RunConfig, flop_ratio: float = 1.0) -> OpCosts:
     """Per-op costs from the device entry alone (no calibration): said so in every prediction.  Large matmuls
-    reach the achievable fraction of the peak for the device and precision (formula/efficiency.py)."""
+    reach the achievable fraction of the peak for the device and precision (formula/efficiency.py).
+    ``flop_ratio``: the op list's matmul FLOPs over formula/flops.py's hardware FLOPs, the count a GPU's
+    end-to-end fraction was derived against (FlopCounterMode counts attention's backward as five matmuls)."""
     dev = cfg.device_spec
     frac = achievable_fraction(cfg)
     named = dev.source if dev.source.startswith("nominal") else f"nominal: {dev.source} figures of {dev.name}"
     start = MATMUL_START[dev.backend]
-    curves = {"fp32": matmul_curve(dev.peak_flops_fp32 * frac.value, start),
-              "bf16": matmul_curve(dev.peak_flops_bf16 * frac.value, start)}
-    elements: dict[str, float] = {}
-    if dev.backend is Backend.CPU:
-        clock = dev.peak_flops_fp32 / 64  # cores x clock (the entry's peak assumes 64 FLOP/cycle per core)
-        elements = {f"{k}:fp32": c / clock for k, c in CPU_CYCLES_PER_ELEMENT.items()}
+    end_to_end = dev.backend is not Backend.CPU
+    scale = frac.value * (flop_ratio if end_to_end else 1.0)
+    curves = {"fp32": matmul_curve(dev.peak_flops_fp32 * scale, start),
+              "bf16": matmul_curve(dev.peak_flops_bf16 * scale, start)}
+    if end_to_end:
+        # the published fraction is end to end (hardware FLOPs over step time): it already covers element-wise
+        # kernels, so they are not priced again until the card is calibrated
+        return OpCosts(matmul=curves, memory=((1.0, FOLDED),), strided_bytes_per_s=FOLDED, element_seconds={},
+                       dispatch=NOMINAL_DISPATCH[dev.backend], asynchronous=True,
+                       source=f"{named}, achievable fraction {frac.value:.2f} end to end ({frac.source}); element-wise "
+                              "work folded into it (batchlab calibrate on the card prices it per op)")
+    clock = dev.peak_flops_fp32 / 64  # cores x clock (the entry's peak assumes 64 FLOP/cycle per core)
+    elements = {f"{k}:fp32": c / clock for k, c in CPU_CYCLES_PER_ELEMENT.items()}
     # a strided gather reaches about a quarter of the streaming bandwidth (cache lines partly used)
     return OpCosts(matmul=curves, memory=((1.0, dev.hbm_bytes_per_s),), strided_bytes_per_s=dev.hbm_bytes_per_s / 4,
                    element_seconds=elements,
-                   dispatch=NOMINAL_DISPATCH[dev.backend], asynchronous=dev.backend is not Backend.CPU,
+                   dispatch=NOMINAL_DISPATCH[dev.backend],
                    source=f"{named}, achievable fraction {frac.value:.2f} on large matmuls ({frac.source})")
 
 
-def costs_for(cfg: RunConfig, calibrated: OpCosts | None) -> OpCosts:
-    """The calibrated costs where given, else nominal; ``op_overhead_seconds`` replaces every dispatch cost."""
-    costs = calibrated if calibrated is not None else nominal_costs(cfg)
+def costs_for(cfg: RunConfig, calibrated: OpCosts | None, ops: tuple[OpCount, ...] = ()) -> OpCosts:
+    """The calibrated costs where given, else nominal ones for ``ops`` (the update's op list, one rank);
+    ``op_overhead_seconds`` replaces every dispatch cost."""
+    if calibrated is not None:
+        costs = calibrated
+    else:
+        hardware = flops(cfg).flops_per_micro_batch * cfg.accum
+        counted = sum(o.flops * o.count for o in ops)
+        costs = nominal_costs(cfg, counted / hardware if counted and hardware else 1.0)
     per_op = cfg.assumptions.op_overhead_seconds
     if per_op is not None:
         costs = dataclasses.replace(costs, dispatch=dict.fromkeys(costs.dispatch, per_op),
@@ -120,8 +136,8 @@ def comm_seconds(cfg: RunConfig, mem: MemoryEstimate, bw: float) -> tuple[int, f
 def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: OpCosts | None = None
            ) -> TimeEstimate:
     """``calibrated``: the per-op costs ``batchlab calibrate`` measured for cfg's device, else nominal ones."""
-    costs = costs_for(cfg, calibrated)
     ops = update_ops(cfg)
+    costs = costs_for(cfg, calibrated, ops)
     if cfg.zero >= 1:  # each rank steps only its shard of the optimizer state
         ops = tuple(dataclasses.replace(o, bytes=o.bytes // cfg.dp, elements=o.elements // cfg.dp)
                     if o.phase is Phase.OPTIMIZER else o for o in ops)

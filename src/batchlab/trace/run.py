@@ -170,7 +170,7 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
         flops = count_update_flops(trainer)  # the first update also creates AdamW's state (steady state)
         snap, recorder, ops = _tracked_update(trainer, tree, timeline)
         memory = _memory(cfg, trainer, snap)
-    costs = costs_for(cfg, calibrated_costs(cfg, calibrations))
+    costs = costs_for(cfg, calibrated_costs(cfg, calibrations), ops)
     time_ops = price(ops, costs, provenance="trace")
     return TraceEstimate(
         config=cfg.to_dict(), global_batch=cfg.global_batch, tokens_per_update=cfg.tokens_per_update,
