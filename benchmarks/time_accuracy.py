@@ -108,14 +108,14 @@ def paired(a: RunConfig, b: RunConfig, pairs: int, warmup: int = 2) -> tuple[lis
 
 def paired_processes(a: RunConfig, b: RunConfig, rounds: int) -> tuple[list[float], list[float], list[float]]:
     """DP changes: fresh processes (B through torchrun + DDP), A B, B A, ...; per-round medians."""
-    from batchlab.distributed import launch
     from batchlab.experiment.protocol import threads_env
-    from batchlab.measure import MeasureOptions, run
+    from batchlab.measure import MeasureOptions
+    from batchlab.run import measure
 
     opts = MeasureOptions(warmup=2, steps=5, memory=False, isolate=True)
 
     def one(cfg: RunConfig) -> float:
-        m = launch(cfg, opts, cfg.dp) if cfg.dp > 1 else run(cfg, opts)
+        m = measure(cfg, opts)  # one process, or torchrun + DDP for DP > 1
         assert m.ok and m.time is not None, m.outcome_detail
         return m.time.update_seconds_median
 

@@ -10,6 +10,28 @@ from typing import Any, Callable
 from batchlab.formula.opcost import DISPATCH_KIND, Phase
 
 
+def steady(rates: list[float]) -> float:
+    """The upper quartile of the sampled rates: other work on a shared machine only ever slows a sample down,
+    so the faster samples are the kernel's own rate (the median on a quiet machine, where samples agree)."""
+    if len(rates) < 2:
+        return rates[0]
+    return statistics.quantiles(rates, n=4, method="inclusive")[2]
+
+
+def monotone(curve: list[list[float]]) -> list[list[float]]:
+    """The least-squares non-decreasing fit of a (size, rate) curve (pool adjacent violators): a larger call
+    of the same kernel does not run at a lower rate, so a dip is sampling noise, averaged with its neighbours."""
+    blocks: list[list[float]] = []  # [sum of rates, count]
+    for _, rate in curve:
+        blocks.append([rate, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            r, n = blocks.pop()
+            blocks[-1][0] += r
+            blocks[-1][1] += n
+    rates = [r / n for r, n in blocks for _ in range(int(n))]
+    return [[size, rate] for (size, _), rate in zip(curve, rates)]
+
+
 def timed_rates(fn: Callable[[], Any], work: float, seconds: float, sync: Callable[[], None],
                 clock: Callable[[], float] = time.perf_counter, min_samples: int = 3) -> list[float]:
     """Rates (work per second) of repeated ``fn()`` calls for about ``seconds``, one warm-up call first.
@@ -81,13 +103,13 @@ def _curve_point(device, dtype, shape, seconds: float, sync) -> tuple[float, flo
         elem = torch.empty((), dtype=dtype).element_size()
         call = _cycling(linear_layer, _copies(make, (m * k + n * k + m * n) * elem))
         fl = 2 * m * k * n
-        return float(fl), statistics.median(timed_rates(call, 3 * fl, seconds, sync, min_samples=2))
+        return float(fl), steady(timed_rates(call, 3 * fl, seconds, sync, min_samples=2))
     except (RuntimeError, TypeError):  # dtype not supported by this device's matmul
         return None
 
 
 def _matmul_curve(device, dtype, shapes, seconds: float, sync) -> list[list[float]]:
-    """(FLOPs per call, median FLOP/s) per shape class, ascending; stops where a call would overrun."""
+    """(FLOPs per call, FLOP/s) per shape class, ascending; stops where a call would overrun."""
     out: list[list[float]] = []
     for shape in shapes:
         point = _curve_point(device, dtype, shape, seconds / len(shapes), sync)
@@ -96,7 +118,7 @@ def _matmul_curve(device, dtype, shapes, seconds: float, sync) -> list[list[floa
         out.append(list(point))
         if 3 * point[0] / point[1] > seconds / len(shapes) / 4:
             break
-    return sorted(out)
+    return monotone(sorted(out))
 
 
 # attention's batched matmuls (batch entries, s, d): q k^T and p v per (batch, head), and their gradients
@@ -125,9 +147,9 @@ def _bmm_curve(device, dtype, seconds: float, sync) -> list[list[float]]:
             torch.bmm(p.transpose(1, 2), q)  # grad k = grad_s^T q
 
         fl = 2 * s * s * d
-        out.append([float(fl), statistics.median(timed_rates(attention, 6 * fl * batch, seconds / len(BMM_SHAPES),
+        out.append([float(fl), steady(timed_rates(attention, 6 * fl * batch, seconds / len(BMM_SHAPES),
                                                              sync, min_samples=2))])
-    return sorted(out)
+    return monotone(sorted(out))
 
 
 # fused attention (batch x heads, s, d), causal, forward and backward together
@@ -151,9 +173,9 @@ def _sdpa_curve(device, dtype, seconds: float, sync) -> list[list[float]]:
         def step():
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
 
-        out.append([float(4 * s * s * d), statistics.median(
+        out.append([float(4 * s * s * d), steady(
             timed_rates(step, 14 * s * s * d * heads, seconds / len(SDPA_SHAPES), sync, min_samples=2))])
-    return sorted(out)
+    return monotone(sorted(out))
 
 
 def _memory_curve(device, seconds: float, sync) -> tuple[list[list[float]], list[list[float]], float]:
@@ -168,10 +190,10 @@ def _memory_curve(device, seconds: float, sync) -> tuple[list[list[float]], list
         for n in MEMORY_SIZES:
             x, y = torch.ones(n, device=device, dtype=dtype), torch.ones(n, device=device, dtype=dtype)
             moved = 3 * x.element_size() * n
-            out.append([float(moved), statistics.median(timed_rates(lambda: torch.add(x, y), moved, share, sync))])
+            out.append([float(moved), steady(timed_rates(lambda: torch.add(x, y), moved, share, sync))])
     n = MEMORY_SIZES[1]
     x = torch.ones(n // (128 * 4 * 32), 128, 4, 32, device=device).transpose(1, 2)
-    strided = statistics.median(timed_rates(lambda: x.contiguous(), 2 * 4 * x.numel(), share, sync))
+    strided = steady(timed_rates(lambda: x.contiguous(), 2 * 4 * x.numel(), share, sync))
     return curves[torch.float32], curves[torch.bfloat16], strided
 
 
@@ -190,7 +212,7 @@ def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
     for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         x = torch.rand(ELEMENTS // 128, 128, device=device).to(dtype)
         for klass, fn in kernels.items():
-            rate = statistics.median(timed_rates(lambda: fn(x), ELEMENTS, seconds / 2 / len(kernels), sync))
+            rate = steady(timed_rates(lambda: fn(x), ELEMENTS, seconds / 2 / len(kernels), sync))
             out[f"{klass}:{tag}"] = 1.0 / rate
     return out
 
@@ -225,4 +247,4 @@ def _dispatch_seconds(device, seconds: float, sync) -> dict[str, float]:
             spent[kind] = spent.get(kind, 0.0) + secs
         for kind in calls:
             per_kind[kind].append(spent.get(kind, 0.0) / calls[kind])
-    return {k: statistics.median(v) for k, v in per_kind.items()}
+    return {k: 1.0 / steady([1.0 / x for x in v if x > 0] or [float('inf')]) for k, v in per_kind.items()}

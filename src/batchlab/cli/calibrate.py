@@ -40,7 +40,7 @@ def calibrate(
         return
     out = console()
     out.print(f"[bold]batchlab calibrate[/]  {cal.hardware} ({cal.torch_device}), torch {cal.torch_version}, "
-              f"{cal.threads} thread(s), measured in {cal.seconds:.1f} s (wall-clock, medians)")
+              f"{cal.threads} thread(s), measured in {cal.seconds:.1f} s (wall-clock, upper quartile of the samples)")
     table = Table(show_header=True, header_style="bold")
     for col in ("what the time model prices", "measured", "how"):
         table.add_column(col)
