@@ -12,7 +12,7 @@ updates (wall-clock).  DP 1 -> 2 runs separate processes (one plain, one torchru
 alternated for a few rounds.  The calibration (`batchlab calibrate` at 1 thread) is measured once, cached,
 and stated with its cost.
 
-    .venv/bin/python benchmarks/time_accuracy.py             # the grid, ~6-8 min on 2 idle cores
+    .venv/bin/python benchmarks/time_accuracy.py             # the grid, ~3-5 min on 2 cores
     .venv/bin/python benchmarks/time_accuracy.py --quick     # smoke run (a few rows, 3 pairs)
     .venv/bin/python benchmarks/time_accuracy.py --only seq  # rows whose label contains "seq"
 Prints Markdown on stdout (progress on stderr).  Check `uptime` first: a loaded machine inflates absolute
@@ -88,26 +88,32 @@ def _seconds(trainer: Trainer) -> float:
     return time.perf_counter() - t
 
 
-def paired(a: RunConfig, b: RunConfig, pairs: int, warmup: int = 2) -> tuple[list[float], list[float], list[float]]:
-    """Per-pair ratios t(B)/t(A) and each side's update seconds, order alternated."""
-    ta, tb = Trainer(a, "cpu"), Trainer(b, "cpu")
-    for _ in range(warmup):
-        ta.update()
-        tb.update()
+def alternate(run_a, run_b, n: int) -> tuple[list[float], list[float], list[float]]:
+    """n pairs A B, B A, A B, ...: per-pair ratios t(B)/t(A) and each side's seconds (drift in machine load
+    hits both sides of a pair alike)."""
     ratios, sa_all, sb_all = [], [], []
-    for i in range(pairs):
+    for i in range(n):
         if i % 2 == 0:
-            sa, sb = _seconds(ta), _seconds(tb)
+            sa, sb = run_a(), run_b()
         else:
-            sb, sa = _seconds(tb), _seconds(ta)
+            sb, sa = run_b(), run_a()
         ratios.append(sb / sa)
         sa_all.append(sa)
         sb_all.append(sb)
     return ratios, sa_all, sb_all
 
 
+def paired(a: RunConfig, b: RunConfig, pairs: int, warmup: int = 2) -> tuple[list[float], list[float], list[float]]:
+    """Adjacent updates of two live trainers in this process, after ``warmup`` updates each."""
+    ta, tb = Trainer(a, "cpu"), Trainer(b, "cpu")
+    for _ in range(warmup):
+        ta.update()
+        tb.update()
+    return alternate(lambda: _seconds(ta), lambda: _seconds(tb), pairs)
+
+
 def paired_processes(a: RunConfig, b: RunConfig, rounds: int) -> tuple[list[float], list[float], list[float]]:
-    """DP changes: fresh processes (B through torchrun + DDP), A B, B A, ...; per-round medians."""
+    """DP changes: fresh processes (B through torchrun + DDP); each round's median update time."""
     from batchlab.experiment.protocol import threads_env
     from batchlab.measure import MeasureOptions
     from batchlab.run import measure
@@ -119,17 +125,8 @@ def paired_processes(a: RunConfig, b: RunConfig, rounds: int) -> tuple[list[floa
         assert m.ok and m.time is not None, m.outcome_detail
         return m.time.update_seconds_median
 
-    ratios, sa_all, sb_all = [], [], []
     with threads_env(THREADS):
-        for i in range(rounds):
-            if i % 2 == 0:
-                sa, sb = one(a), one(b)
-            else:
-                sb, sa = one(b), one(a)
-            ratios.append(sb / sa)
-            sa_all.append(sa)
-            sb_all.append(sb)
-    return ratios, sa_all, sb_all
+        return alternate(lambda: one(a), lambda: one(b), rounds)
 
 
 _TRACES: dict[RunConfig, float] = {}
