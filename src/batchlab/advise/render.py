@@ -59,12 +59,12 @@ SHARDING = {1: "ZeRO-1 (optimizer state sharded: DDP + ZeroRedundancyOptimizer)"
 
 def states_block(out: Console, v: StatesVerdict, goal: Goal) -> None:
     """The model states figure first, then what helps (they fit by none of micro-batch, checkpointing, seq)."""
-    out.print(f"[bold red]the model states alone do not fit:[/] {fmt_bytes(v.states_bytes)} per rank \[formula] "
+    out.print(f"[bold red]the model states alone do not fit:[/] {fmt_bytes(v.states_bytes)} per rank \\[formula] "
               f"(weights {fmt_bytes(v.parameters_bytes)}, master weights {fmt_bytes(v.master_bytes)}, gradients "
               f"{fmt_bytes(v.gradients_bytes)}, optimizer state {fmt_bytes(v.optimizer_bytes)}) > "
               f"{fmt_bytes(v.usable_bytes)} usable of {fmt_bytes(v.capacity_bytes)}; no micro-batch, activation "
               "checkpointing or sequence length changes them.")
-    out.print("[bold]what does help[/] \[formula]:")
+    out.print("[bold]what does help[/] \\[formula]:")
     for o in v.sharding:
         c = o.figures.config
         batch = ("the same global batch" if c.global_batch == goal.global_batch else

@@ -100,7 +100,7 @@ def _fit(goal, verify: bool | None, search: bool, timeout: float | None, as_json
             count[0] += 1
             if bar is not None:
                 bar(count[0] - 1, budget, f"trial {count[0]} of at most {budget}: micro-batch {cfg.micro_batch} x "
-                                          f"accum {cfg.accum} ({cfg.ac}), isolated subprocess")
+                                          f"accum {cfg.accum}, {cfg.ac}")
             t = isolated(cfg)
             if bar is not None:
                 bar.log(trial_line(t, count[0], budget))

@@ -57,9 +57,12 @@ def measure(
             from batchlab.distributed import launch
             from batchlab.distributed.launcher import torchrun_args
 
-            m = launch(cfg, opts, nproc, torchrun_args(nnodes, node_rank, rdzv_endpoint))
+            from batchlab.cli.progress import progress as display
+
+            with display("measure", f"DP = {cfg.dp} ranks through torchrun", quiet=as_json or not progress):
+                m = launch(cfg, opts, nproc, torchrun_args(nnodes, node_rank, rdzv_endpoint))
         else:
-            m = _run_with_progress(run, cfg, opts, progress)
+            m = _run_with_progress(run, cfg, opts, progress and not as_json)
     except ConfigError as e:
         fail(str(e))
     from batchlab.distributed import is_primary
@@ -117,21 +120,11 @@ def _oom_advice(cfg: RunConfig, as_json: bool):
 
 
 def _run_with_progress(run, cfg: RunConfig, opts: MeasureOptions, show: bool) -> Measurement:
+    from batchlab.cli.progress import progress
     from batchlab.distributed import is_primary
 
-    console = Console(stderr=True)
-    if not (show and console.is_terminal and is_primary()):
-        return run(cfg, opts)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("[bold]measure[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("starting", total=None)
-
-        def update(done: int, total: int, label: str) -> None:
-            bar.update(task, completed=done, total=total, description=label)
-
-        return run(cfg, opts, progress=update)
+    with progress("measure", "starting", quiet=not (show and is_primary()), counted=True) as bar:
+        return run(cfg, opts, progress=bar)
 
 
 def _value(row: FigureRow, value) -> str:

@@ -12,6 +12,7 @@ output stays exactly the result.  Transient: the display is erased when the work
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -49,5 +50,6 @@ def progress(name: str, label: str = "", total: int | None = None, *, quiet: boo
     if total is not None if counted is None else counted:
         columns += [BarColumn(), MofNCompleteColumn()]
     columns += [TextColumn("{task.description}"), TimeElapsedColumn()]
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    # the stream itself, not stderr=True: Live swaps sys.stderr for a proxy that would swallow Bar.log's lines
+    with Progress(*columns, console=Console(file=sys.stderr), transient=True) as bar:
         yield Bar(bar, bar.add_task(escape(label), total=total))

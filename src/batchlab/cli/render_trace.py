@@ -188,6 +188,7 @@ def show(cfg, tree: bool = False, as_json: bool = False, console: Console | None
     """What ``batchlab estimate --trace [--tree] [--json] [--timeline FILE]`` prints: the trace beside the
     formula; with ``timeline``, the update's memory timeline written to that file too."""
     from batchlab.cli.common import print_json
+    from batchlab.cli.progress import progress
     from batchlab.measure.versus import formula_estimate
     from batchlab.trace import estimate
 
@@ -195,7 +196,8 @@ def show(cfg, tree: bool = False, as_json: bool = False, console: Console | None
         from batchlab.timeline.output import check_path, write
 
         check_path(timeline)  # a wrong suffix fails before the trace runs
-    trace = estimate(cfg, tree=tree, timeline=bool(timeline))
+    with progress("trace", f"one update of {cfg.model.name} on fake tensors (nothing allocated)", quiet=as_json):
+        trace = estimate(cfg, tree=tree, timeline=bool(timeline))
     if timeline:
         write(trace.timeline, timeline)
         (Console(stderr=True) if as_json else console or Console()).print(
