@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchlab.advise.plan import KNOB_FLAGS, Candidate, Goal, candidate, divisors, plan, policies
+from batchlab.advise.states import fewest_devices
 from batchlab.config import ACMode, ConfigError, Precision, RunConfig
 
 SAME_MATH = "global batch, micro-batch, gradients (recompute is bitwise-equal with the RNG state preserved)"
@@ -162,14 +163,13 @@ def _zero_remedy(goal: Goal) -> Remedy | None:
 
 def _devices_remedy(goal: Goal) -> Remedy | None:
     base, gb = goal.base, goal.global_batch
-    for dp in (d for d in divisors(gb) if d > base.dp and d % base.dp == 0):
-        for z in sorted({base.zero, 1, 2, 3}):
-            cfg = base.replace(dp=dp, micro_batch=1, accum=gb // dp, zero=z)
-            c = _planned(goal.released(cfg, "zero", "micro_batch"))
-            if c is not None:
-                return Remedy(f"{dp} devices instead of {base.dp}" + (f", ZeRO-{z}" if z else ""), c.config, c,
-                              f"same global batch {gb}: {gb // dp} sequences per rank per update")
-    return None
+    found = [c for z in sorted({base.zero, 1, 2, 3}) if (c := fewest_devices(goal, z, base.dp + 1)) is not None]
+    if not found:
+        return None
+    c = min(found, key=lambda c: (c.config.dp, c.config.zero))
+    dp, z = c.config.dp, c.config.zero
+    return Remedy(f"{dp} devices instead of {base.dp}" + (f", ZeRO-{z}" if z else ""), c.config, c,
+                  f"same global batch {gb}: {gb // dp} sequences per rank per update")
 
 
 def _sequence_remedy(goal: Goal) -> Remedy | None:

@@ -67,13 +67,15 @@ def states_block(out: Console, v: StatesVerdict, goal: Goal) -> None:
     out.print("[bold]what does help[/] \\[formula]:")
     for o in v.sharding:
         c = o.figures.config
-        batch = ("the same global batch" if c.global_batch == goal.global_batch else
-                 f"global batch {c.global_batch} instead of {goal.global_batch}: {o.devices} does not divide it")
         out.print(f"- {SHARDING[o.zero]} over {o.devices} devices (the fewest that fit): model states "
-                  f"{fmt_bytes(o.states_bytes)} per rank, peak {fmt_bytes(o.figures.peak_bytes)} at micro-batch "
-                  f"{c.micro_batch} x accum {c.accum} x DP {c.dp} ({batch})")
+                  f"{fmt_bytes(o.states_bytes)} per rank; fit's pick there: micro-batch {c.micro_batch} x accum "
+                  f"{c.accum} x DP {c.dp} (same global batch), activation checkpointing {c.ac}, peak "
+                  f"{fmt_bytes(o.figures.peak_bytes)}")
+    if not v.sharding:
+        out.print(f"- no device count dividing the global batch {goal.global_batch} fits with ZeRO")
     for o in v.optimizer:
-        out.print(f"- {o.name}: peak {fmt_bytes(o.figures.peak_bytes)} -> {'fits' if o.fits else 'does not fit'}")
+        out.print(f"- {o.name}, the config given otherwise: peak {fmt_bytes(o.figures.peak_bytes)} -> "
+                  f"{'fits' if o.fits else 'does not fit'}")
     if v.max_optimizer_bytes_per_param is None:
         out.print("- a smaller optimizer state cannot help alone: weights and gradients exceed the memory already")
     elif v.max_optimizer_bytes_per_param not in (0.0, EIGHT_BIT_ADAM):
