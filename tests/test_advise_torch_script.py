@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 
 def config(dp: int = 1, zero: int = 0, precision: str = "fp32", ac: str = "none", optimizer: str = "adamw",
            accum: int = 2) -> RunConfig:
-    return RunConfig(model=preset("tiny", layers=4), seq=16, micro_batch=2, accum=accum, dp=dp, zero=zero,
+    return RunConfig(model=preset("tiny", layers=4, attention="sdpa"), seq=16, micro_batch=2, accum=accum, dp=dp, zero=zero,
                      precision=precision, ac=ACPolicy.parse(ac), optimizer=optimizer)
 
 
@@ -91,13 +91,19 @@ def test_dp1_precisions_policies_and_the_users_own_model_run(tmp_path):
     (the documented placeholder), as a user would."""
     scripts = [training_script(config(precision=p, ac=ac, optimizer=o))
                for p, ac, o in (("bf16-mixed", "selective", "sgd-momentum"), ("fp16-mixed", "full", "sgd"),
-                                ("bf16", "none", "adamw"))]
+                                ("bf16", "selective-op", "adamw"), ("bf16-fsdp", "megatron-selective", "adamw"))]
     head, rest = training_script(config(ac="every:2")).split(STAND_IN_BEGIN)
     scripts.append(head + OWN_MODEL + rest.split(STAND_IN_END)[1])
-    paths = [write(tmp_path, f"train{i}.py", s) for i, s in enumerate(scripts)]
-    for r in run_scripts([[sys.executable, str(p)] for p in paths]):
-        assert r.returncode == 0, r.stdout
-        assert updates_printed(r.stdout) == [1, 2]
+    paths = [str(write(tmp_path, f"train{i}.py", s)) for i, s in enumerate(scripts)]
+    # one interpreter runs them in turn (torch imported once): each script is a fresh module namespace
+    runner = ("import runpy, sys\nfor p in sys.argv[1:]:\n    print('== ' + p, flush=True)\n"
+              "    runpy.run_path(p, run_name='__main__')")
+    [r] = run_scripts([[sys.executable, "-c", runner, *paths]])
+    assert r.returncode == 0, r.stdout
+    outputs = r.stdout.split("== ")[1:]
+    assert len(outputs) == len(paths)
+    for text in outputs:
+        assert updates_printed(text) == [1, 2], text
 
 
 @pytest.mark.slow
@@ -105,7 +111,7 @@ def test_dp1_precisions_policies_and_the_users_own_model_run(tmp_path):
 def test_dp2_scripts_run_through_torchrun(tmp_path):
     """DDP, ZeRO-1, ZeRO-2 and ZeRO-3 at DP = 2 with accumulation 2, launched as the script's own comment says."""
     cfgs = [config(dp=2, zero=0), config(dp=2, zero=1, precision="bf16-mixed", ac="full"),
-            config(dp=2, zero=2, ac="selective"), config(dp=2, zero=3, precision="bf16-mixed", ac="every:2")]
+            config(dp=2, zero=2, ac="selective-op"), config(dp=2, zero=3, precision="bf16-fsdp", ac="every:2")]
     commands = []
     for i, cfg in enumerate(cfgs):
         script = training_script(cfg)
@@ -135,8 +141,8 @@ def test_each_zero_stage_uses_its_pytorch_api():
 
 def test_script_is_valid_python_for_every_printed_combination():
     for dp, zero in ((1, 0), (2, 0), (2, 1), (2, 2), (2, 3)):
-        for precision in ("fp32", "bf16-mixed", "fp16-mixed", "bf16"):
-            for ac in ("none", "full", "every:2", "selective"):
+        for precision in ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-fsdp"):
+            for ac in ("none", "full", "every:2", "selective", "selective-op", "megatron-selective"):
                 ast.parse(training_script(config(dp=dp, zero=zero, precision=precision, ac=ac)))
 
 

@@ -94,7 +94,7 @@ def _nodes(cfg: RunConfig) -> tuple[int, int]:
 def lightning(cfg: RunConfig) -> dict[str, Any]:
     strategy = {0: "ddp", 1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "fsdp"}[cfg.zero] if cfg.dp > 1 else "auto"
     precision = {Precision.FP32: "32-true", Precision.BF16_MIXED: "bf16-mixed", Precision.FP16_MIXED: "16-mixed",
-                 Precision.BF16: "bf16-true"}[cfg.precision]
+                 Precision.BF16: "bf16-true", Precision.BF16_FSDP: "bf16-mixed"}[cfg.precision]
     devices, nodes = _nodes(cfg)
     trainer = {"accumulate_grad_batches": cfg.accum, "devices": devices, "strategy": strategy, "precision": precision}
     if nodes > 1:
@@ -135,7 +135,8 @@ def torchtitan_toml(cfg: RunConfig) -> str:
         parallel["fsdp_reshard_after_forward"] = "never"
         notes.append(f"ZeRO-{cfg.zero} has no torchtitan switch; FSDP2 with fsdp_reshard_after_forward = \"never\" "
                      "(ZeRO-2 memory) is the nearest")
-    precision = {Precision.BF16_MIXED: "bfloat16", Precision.FP32: "float32"}.get(cfg.precision)
+    precision = {Precision.BF16_MIXED: "bfloat16", Precision.BF16_FSDP: "bfloat16",
+                 Precision.FP32: "float32"}.get(cfg.precision)
     if precision is None:
         notes.append(f"precision {cfg.precision}: torchtitan's mixed_precision_param is bfloat16 or float32")
     ac: dict[str, Any] = {"mode": {ACMode.NONE: "none", ACMode.FULL: "full"}.get(cfg.ac.mode, "selective")}
@@ -144,7 +145,9 @@ def torchtitan_toml(cfg: RunConfig) -> str:
         notes.append(f"torchtitan wraps layers {cfg.ac.every}, {2 * cfg.ac.every}, ... counting from 1; batchlab's "
                      f"every:{cfg.ac.every} wraps 0, {cfg.ac.every}, ...: the same count when {cfg.model.layers} "
                      f"is a multiple of {cfg.ac.every}")
-    elif cfg.ac.mode is ACMode.SELECTIVE:
+    elif cfg.ac.mode is ACMode.SELECTIVE_OP:  # batchlab's selective-op is torchtitan's policy
+        ac["selective_ac_option"] = "op"
+    elif cfg.ac.mode in (ACMode.SELECTIVE, ACMode.MEGATRON):
         ac["selective_ac_option"] = "op"
         notes.append("selective_ac_option = \"op\" saves matmul and attention outputs by a policy of its own; "
                      "close to, not the same as, batchlab's selective")

@@ -19,15 +19,24 @@ from batchlab.config import ACMode, OptimizerKind, Precision, RunConfig
 STAND_IN_BEGIN = "# >>> stand-in model, data and loss: replace with yours (keep model.layers, the list of blocks)"
 STAND_IN_END = "# <<< end of the stand-in"
 LR = 1e-4
+# 16-bit compute dtype: autocast's, or FSDP2 MixedPrecisionPolicy's param_dtype under fully_shard
+_AUTOCAST = {Precision.BF16_MIXED: "torch.bfloat16", Precision.FP16_MIXED: "torch.float16",
+             Precision.BF16_FSDP: "torch.bfloat16"}
 
 _STAND_IN = '''\
 class Block(torch.nn.Module):
-    def __init__(self, d):
+    def __init__(self, d, heads=4):
         super().__init__()
-        self.norm, self.up, self.down = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.heads = heads
+        self.norm1, self.qkv, self.proj = torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.norm2, self.up, self.down = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
 
     def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        b, s, d = x.shape
+        qkv = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(*qkv.unbind(0), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
 
 
 class StandIn(torch.nn.Module):
@@ -66,15 +75,41 @@ class Checkpointed(torch.nn.Module):
         return checkpoint(self.block, *args, use_reentrant=False, preserve_rng_state=True,{extra} **kwargs)
 '''
 
-# batchlab's selective policy (models/ac.py): keep the matmul outputs, recompute the rest (Korthikanti 2022, sec. 5)
-_SELECTIVE = '''\
-SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-
-
-def keep_matmuls(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVE else CheckpointPolicy.PREFER_RECOMPUTE
-
+# The selective policies as batchlab's harness runs them (models/ac.py), over aten ops
+_OPS = '''\
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}  # a linear layer on a 2-D view
+SDPA = {getattr(torch.ops.aten, n).default for n in (  # fused attention kernels (CUDA and CPU)
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, n)}
 '''
+_POLICIES = {
+    ACMode.SELECTIVE: ('''\
+def keep_matmuls(ctx, op, *args, **kwargs):  # keep every linear layer's output, recompute the rest
+    return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+''', "lambda: create_selective_checkpoint_contexts(keep_matmuls)"),
+    # torchtitan's selective op AC (torchtitan/distributed/activation_checkpoint.py): SDPA outputs and
+    # matmuls 1, 3, 5, ... kept, counted apart in forward and recompute
+    ACMode.SELECTIVE_OP: ('''\
+def every_other_matmul(counts):
+    def policy(ctx, op, *args, **kwargs):
+        if op in SDPA:
+            return CheckpointPolicy.MUST_SAVE
+        if op not in MATMULS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        key = "recompute" if ctx.is_recompute else "forward"
+        counts[key] += 1
+        return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+''', 'lambda: create_selective_checkpoint_contexts(every_other_matmul({"forward": 0, "recompute": 0}))'),
+    # Megatron selective (recompute_modules=[core_attn]): only the fused attention kernel is recomputed
+    ACMode.MEGATRON: ('''\
+def attention_core_only(ctx, op, *args, **kwargs):  # recompute the attention core, keep everything else
+    return CheckpointPolicy.PREFER_RECOMPUTE if op in SDPA else CheckpointPolicy.MUST_SAVE
+
+''', "lambda: create_selective_checkpoint_contexts(attention_core_only, allow_cache_entry_mutation=True)"),
+}
 
 
 def _launch(cfg: RunConfig) -> list[str]:
@@ -114,7 +149,7 @@ def _imports(cfg: RunConfig) -> list[str]:
         out.append("from torch.nn.parallel import DistributedDataParallel as DDP")
         if cfg.zero == 1:
             out.append("from torch.distributed.optim import ZeroRedundancyOptimizer")
-    if cfg.ac.mode is ACMode.SELECTIVE:
+    if cfg.ac.mode in _POLICIES:
         out.append("from torch.utils.checkpoint import CheckpointPolicy, checkpoint, "
                    "create_selective_checkpoint_contexts")
     elif cfg.ac.mode is not ACMode.NONE:
@@ -127,12 +162,11 @@ def _checkpointing(cfg: RunConfig) -> list[str]:
     mode, n = cfg.ac.mode, cfg.model.layers
     if mode is ACMode.NONE:
         return ["# activation checkpointing: none"]
-    out = [_SELECTIVE] if mode is ACMode.SELECTIVE else []
-    extra = (" context_fn=lambda: create_selective_checkpoint_contexts(keep_matmuls),"
-             if mode is ACMode.SELECTIVE else "")
-    out.append(_CHECKPOINTED.format(extra=extra))
-    which = {ACMode.FULL: "every block", ACMode.SELECTIVE: "every block, matmul outputs kept",
-             ACMode.EVERY: f"blocks 0, {cfg.ac.every}, {2 * cfg.ac.every}, ..."}[mode]
+    policy, context = _POLICIES.get(mode, ("", None))
+    out = [_OPS, policy] if context else []
+    out.append(_CHECKPOINTED.format(extra=f" context_fn={context}," if context else ""))
+    which = {ACMode.FULL: "every block recomputed", ACMode.EVERY: f"blocks 0, {cfg.ac.every}, {2 * cfg.ac.every}, ..."
+             }.get(mode, "a policy inside every block")
     step = f", {cfg.ac.every}" if mode is ACMode.EVERY else ""
     out += [f"for i in range(0, len(model.layers){step}):  # {cfg.ac}: {which}; the config has {n} layers",
             "    model.layers[i] = Checkpointed(model.layers[i])"]
@@ -166,7 +200,7 @@ def _wrap(cfg: RunConfig) -> list[str]:
         out.append("model.to(torch.bfloat16)  # pure bf16: weights, gradients and optimizer state")
     out.append("model.to(device)")
     if _fsdp(cfg):
-        param = {Precision.BF16_MIXED: "torch.bfloat16", Precision.FP16_MIXED: "torch.float16"}.get(cfg.precision)
+        param = _AUTOCAST.get(cfg.precision)
         mp = (f"MixedPrecisionPolicy(param_dtype={param}, reduce_dtype=torch.float32)" if param else
               "MixedPrecisionPolicy()")
         reshard = cfg.zero == 3
@@ -200,10 +234,12 @@ def _loader(cfg: RunConfig) -> list[str]:
 
 def _step(cfg: RunConfig) -> list[str]:
     """Forward (under autocast where mixed and not FSDP2, whose policy casts) and backward of one micro-batch."""
-    autocast = {Precision.BF16_MIXED: "torch.bfloat16", Precision.FP16_MIXED: "torch.float16"}.get(cfg.precision)
+    autocast = _AUTOCAST.get(cfg.precision)
     forward = ["loss = loss_fn(model(x), y) / ACCUM"]
     if autocast and not _fsdp(cfg):
         forward = [f"with torch.autocast(device.type, dtype={autocast}):", "    " + forward[0]]
+        if cfg.precision is Precision.BF16_FSDP:  # its MixedPrecisionPolicy needs fully_shard (ZeRO-2/3, DP > 1)
+            forward.insert(0, "# bf16-fsdp without fully_shard: autocast is the nearest (its residual stays fp32)")
     backward = "scaler.scale(loss).backward()" if cfg.precision is Precision.FP16_MIXED else "loss.backward()"
     return forward + [backward]
 
