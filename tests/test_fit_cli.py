@@ -255,7 +255,8 @@ def test_after_oom_says_first_that_the_model_states_exceed_the_device():
 
 def test_after_oom_device_counts_are_the_fewest_that_fit():
     """By hand, fp32 AdamW bytes per parameter per rank over N ranks: ZeRO-1 4 + 4 + 8/N, ZeRO-2 4 + 12/N,
-    ZeRO-3 16/N.  72.0 GB usable (90% of 74.5 GiB): ZeRO-1 needs N = 4 (N = 2: 12 B x 6.74e9 = 80.9 GB),
+    ZeRO-3 16/N.  76.5 GB usable (90% of the 79.15 GiB the card reports): ZeRO-1 needs N = 4
+    (N = 2: 12 B x 6.74e9 = 80.9 GB),
     ZeRO-2 and ZeRO-3 N = 2 (10 and 8 B per parameter); N divides the global batch 8, which stays."""
     d = json.loads(invoke(*LLAMA_A100, "--json").stdout)
     usable = d["usable_bytes"]
@@ -270,7 +271,7 @@ def test_after_oom_device_counts_are_the_fewest_that_fit():
         assert c["micro_batch"] * c["accum"] * c["dp"] == 8
     assert (4 + 4 + 8 / 2) * LLAMA_PARAMS > usable  # why ZeRO-1 over 2 is not enough
     eight_bit = next(o for o in d["model_states"]["optimizer"] if o["bytes_per_param"] == 2)
-    assert eight_bit["fits"]  # 4 + 4 + 2 bytes per parameter = 67.4 GB <= 72.0 GB usable
+    assert eight_bit["fits"]  # 4 + 4 + 2 bytes per parameter = 67.4 GB <= 76.5 GB usable
 
 
 def test_after_oom_exit_0_when_a_change_fits():
