@@ -37,7 +37,7 @@ def measure(
     nnodes: Annotated[Optional[int], typer.Option(help="torchrun --nnodes (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
     node_rank: Annotated[Optional[int], typer.Option(help="torchrun --node-rank.", rich_help_panel="Data parallel (torchrun)")] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="torchrun --rdzv-endpoint host:port (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
-    timeline: Annotated[Optional[str], typer.Option(help="Also record one more untimed update in this process as a memory timeline (live-storage tracker on CPU, allocator history on CUDA) and write it to FILE.png, FILE.html or FILE.json.", metavar="FILE")] = None,
+    timeline: Annotated[Optional[str], typer.Option(help="Also record one more untimed update after warmup as a memory timeline, in the measuring process (isolated with --isolate; live-storage tracker on CPU, allocator history on CUDA), and write it to FILE.png, FILE.html or FILE.json.", metavar="FILE")] = None,
 ):
     """Train the model under the config for real: peak memory (allocator), update time (wall-clock), useful
     tokens/s, or the out-of-memory phase; each figure beside the formula estimate.  Exit 0 when a result
@@ -52,7 +52,7 @@ def measure(
 
             check_path(timeline)  # a wrong suffix fails before the run
         opts = MeasureOptions(warmup=warmup, steps=steps, isolate=isolate, memory=memory, timeout_s=timeout,
-                              torch_device=torch_device)
+                              torch_device=torch_device, timeline=bool(timeline))
         if nproc is not None or nnodes is not None:
             from batchlab.distributed import launch
             from batchlab.distributed.launcher import torchrun_args
@@ -71,6 +71,7 @@ def measure(
     oom = m.outcome in (Outcome.OOM, Outcome.OOM_BUDGET)
     if as_json:
         payload = measurement_to_dict(m)
+        payload.pop("timeline", None)  # its samples go to the --timeline FILE
         payload["comparison"] = [r.to_dict() for r in figures]
         payload["formula_note"] = note
         if oom:
@@ -80,26 +81,25 @@ def measure(
         _render(cfg, m, figures, note)
         if oom:
             _oom_advice(cfg, as_json=False)
-    if timeline and m.outcome is Outcome.OK:
-        _timeline(cfg, torch_device, timeline, as_json)
-    elif timeline:
-        typer.echo(f"warning: ignored: --timeline: the run ended {m.outcome.value}, no update to record", err=True)
+    if timeline:
+        _timeline(m, timeline, as_json)
     if m.outcome is Outcome.FAILED:
         raise typer.Exit(1)
 
 
-def _timeline(cfg: RunConfig, torch_device: Optional[str], path: str, as_json: bool) -> None:
-    from batchlab.timeline.measured import record
+def _timeline(m: Measurement, path: str, as_json: bool) -> None:
     from batchlab.timeline.output import write
 
-    if cfg.dp > 1:
-        typer.echo(f"warning: --timeline records one process without DDP (DP = {cfg.dp} is not launched for it)",
-                   err=True)
+    if m.timeline is None:
+        why = (f"the run ended {m.outcome.value}, no update to record" if m.outcome is not Outcome.OK else
+               "the DDP ranks do not record one (`batchlab estimate --trace --timeline` draws one rank)")
+        typer.echo(f"warning: ignored: --timeline: {why}", err=True)
+        return
     try:
-        write(record(cfg, torch_device), path)
+        write(m.timeline, path)
     except ConfigError as e:
         fail(str(e))
-    Console(stderr=as_json).print(f"memory timeline \\[allocator] written to {escape(path)}")
+    Console(stderr=as_json).print(f"memory timeline \\[{escape(m.timeline.provenance)}] written to {escape(path)}")
 
 
 def _oom_advice(cfg: RunConfig, as_json: bool):
