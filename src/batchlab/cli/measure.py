@@ -18,7 +18,7 @@ from batchlab.config import ConfigError, RunConfig
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
 from batchlab.measure.versus import FigureRow, formula_estimate, rows
-from batchlab.units import fmt_bytes, fmt_seconds, fmt_value
+from batchlab.units import fmt_bytes, fmt_difference, fmt_seconds, fmt_value
 
 
 @app.command("measure")
@@ -138,15 +138,6 @@ def _value(row: FigureRow, value) -> str:
     return fmt_value(value, row.unit)
 
 
-def _difference(row: FigureRow) -> str:
-    rel = row.relative_difference
-    if rel is not None:
-        return f"{rel:+.1%}"
-    if row.unit == "phase" and row.formula is not None:
-        return "same" if row.measured == row.formula else "differs"
-    return ""
-
-
 def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str | None) -> None:
     out = console()
     env = m.environment
@@ -165,7 +156,7 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
             table.add_column(col, justify="left" if col in ("figure", "how") else "right")
         for r in figures:
             table.add_row(r.figure, _value(r, r.measured), r.measured_provenance,
-                          _value(r, r.formula) if r.formula is not None else "-", _difference(r))
+                          _value(r, r.formula) if r.formula is not None else "-", fmt_difference(r.relative_difference, r.unit, r.measured, r.formula))
         out.print(table)
     _render_details(out, m)
     if note:

@@ -2,7 +2,11 @@
 
 The StorageTracker does the counting (``owner=ModuleStack.current``), so the tree sums exactly to the
 update's activations_bytes, SAC caches and checkpoint-saved inputs included.  (``saved_tensors_hooks``
-would also see parameter storages and miss what checkpointing caches: see NOTES.md.)
+would also see parameter storages — autograd saves the weight a matmul needs for its input gradient — and
+never sees what ``torch.utils.checkpoint`` caches: its non-reentrant checkpoint installs its own
+``saved_tensors_hooks`` around the forward (torch/utils/checkpoint.py, ``_checkpoint_hook``), and "only the
+inner-most pair of hooks will be applied" (torch/autograd/graph.py, ``saved_tensors_hooks``).  Measured
+here: a selective-checkpointing run that kept 33 MiB showed 5.3 MiB to the hooks.)
 """
 from __future__ import annotations
 
