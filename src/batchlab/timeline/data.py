@@ -126,7 +126,8 @@ def downsample(t: Timeline, width: int) -> list[int]:
     return sorted(keep)
 
 
-STORED_WIDTH = 250  # buckets kept when a record stores a timeline: at most ~2 samples a bucket + phase edges
+# buckets kept when a record stores a timeline: <= 2 samples a bucket + phase edges, ~30 kB of JSON a side
+STORED_WIDTH = 150
 
 
 def compact(t: Timeline, width: int = STORED_WIDTH) -> Timeline:

@@ -38,7 +38,7 @@ def pair_figure(a: Timeline, b: Timeline, labels: tuple[str, str] = ("A", "B")):
     import matplotlib.pyplot as plt
 
     unit, div = axis_unit(a if a.peak_bytes >= b.peak_bytes else b)
-    fig, ax = plt.subplots(figsize=(14, 5.5), dpi=100)
+    fig, ax = plt.subplots(figsize=(11, 5), dpi=100)  # ~1100 px: legible at a report's width
     for t, label, colour, style in ((a, labels[0], PAIR_COLOURS[0], "-"), (b, labels[1], PAIR_COLOURS[1], "--")):
         x, total, acts = pair_series(t)
         ax.step(x, [v / div for v in total], where="post", color=colour, ls=style, lw=1.6,
@@ -54,7 +54,7 @@ def pair_figure(a: Timeline, b: Timeline, labels: tuple[str, str] = ("A", "B")):
     ax.set_ylim(0, max(a.peak_bytes, b.peak_bytes) / div * 1.12)
     ax.set_xlabel("fraction of the update (ops dispatched)")
     ax.set_ylabel(f"live tensor {unit}")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)  # late in the update both curves are low
     ax.set_title(f"{labels[0]}: {a.title}\n{labels[1]}: {b.title}", fontsize=9)
     fig.tight_layout()
     return fig
