@@ -12,7 +12,6 @@ optimizer from ``on_pre_optimizer_step``.  Useful tokens: the ``attention_mask``
 """
 from __future__ import annotations
 
-
 from transformers import TrainerCallback
 
 from batchlab.experiment.observed import Settings, Source
