@@ -34,13 +34,25 @@ def module_labels(model: nn.Module) -> dict[nn.Module, str]:
     return labels
 
 
-class ModuleStack:
+class HookSet:
+    """Hooks registered on a model's modules (``self._handles``), all removed by ``close()``."""
+
+    def __init__(self):
+        self._handles: list = []
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class ModuleStack(HookSet):
     """Forward hooks on every module keep a stack of running modules; ``current()`` is the innermost."""
 
     def __init__(self, model: nn.Module):
+        super().__init__()
         self.labels = module_labels(model)
         self._stack: list[str] = []
-        self._handles = []
         for m, label in self.labels.items():
             self._handles.append(m.register_forward_pre_hook(self._enter(label)))
             self._handles.append(m.register_forward_hook(self._leave, always_call=True))
@@ -55,11 +67,6 @@ class ModuleStack:
 
     def current(self) -> str:
         return self._stack[-1] if self._stack else OUTSIDE
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
 
 def build_tree(model: nn.Module, by_owner: dict[str, int]) -> ModuleNode:
