@@ -12,14 +12,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchlab.config import ConfigError, RunConfig, to_jsonable
-from batchlab.experiment import factors
+from batchlab.experiment import factors, protocol
 from batchlab.experiment.change import Change, KeepMode, Sides, build_sides
 from batchlab.experiment.diagnosis import Context, diagnose
 from batchlab.experiment.notebook import Notebook
 from batchlab.experiment.record import (Diagnosis, FormulaRecord, Kind, Predictions, Protocol, Record, Round, now,
                                        Status)
 from batchlab.experiment.predict import Direction, FormulaSide, Metric, formula_prediction
-from batchlab.experiment import protocol
 from batchlab.experiment.protocol import MeasureFn, Progress, Rounds, check_rounds, interleave, threads_env
 from batchlab.experiment.scope import scope
 from batchlab.experiment.semantics import semantics
