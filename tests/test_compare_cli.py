@@ -120,8 +120,9 @@ def test_compare_verdicts_from_known_measurements(tmp_path, monkeypatch):
     r = invoke(*SMALL, "--predict", "memory=up,time=same", "--no-verify", "--notebook", str(nb), "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
-    assert ISSUE_KEYS <= set(d) and d["schema"] == 2
+    assert ISSUE_KEYS <= set(d) and d["schema"] == 3
     assert fake.calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert fake.timeline_asked == [("a", 0), ("b", 0)] and set(d["timelines"]) == {"a", "b"}
     t = d["metrics"]["update_time"]
     assert METRIC_KEYS <= set(t)
     assert t["paired_ratios"] == pytest.approx([1.2, 1.5, 1.3]) and t["ratio"] == pytest.approx(1.3)

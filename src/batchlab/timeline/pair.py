@@ -20,6 +20,7 @@ from batchlab.units import fmt_bytes
 
 _ACTIVATION_LIKE = ("activations", "logits", "recompute")
 PAIR_COLOURS = ("#1f5fa8", "#c4461a")
+PNG_WIDTH_PX = 1400
 
 
 def pair_series(t: Timeline, width: int = 1200) -> tuple[list[float], list[int], list[int]]:
@@ -70,15 +71,16 @@ def _formula_marks(ax, t: Timeline, label: str, colour: str, div: int) -> None:
         ax.text(hi / span, value / div, f"formula {phase}", fontsize=7, color=colour, ha="right", va="bottom")
 
 
-def _save(fig, target, fmt: str) -> None:
+def _save(fig, target, fmt: str, dpi: float | str = "figure") -> None:
     import matplotlib.pyplot as plt
 
-    fig.savefig(target, format=fmt)
+    fig.savefig(target, format=fmt, dpi=dpi)
     plt.close(fig)
 
 
 def write_pair_png(a: Timeline, b: Timeline, path: str | Path, labels: tuple[str, str] = ("A", "B")) -> None:
-    _save(pair_figure(a, b, labels), path, "png")
+    fig = pair_figure(a, b, labels)
+    _save(fig, path, "png", dpi=PNG_WIDTH_PX / fig.get_figwidth())  # the same layout, 1400 px wide
 
 
 def pair_svg(a: Timeline, b: Timeline, labels: tuple[str, str] = ("A", "B")) -> str:
