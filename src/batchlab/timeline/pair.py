@@ -68,7 +68,7 @@ def _formula_marks(ax, t: Timeline, label: str, colour: str, div: int) -> None:
     for i, (phase, value, lo, hi) in enumerate(formula_markers(t)):
         ax.hlines(value / div, lo / span, hi / span, colors=colour, linestyles=":", lw=2.2,
                   label=f"{label}: formula phase peaks [formula]" if i == 0 else None)
-        ax.text(hi / span, value / div, f"formula {phase}", fontsize=7, color=colour, ha="right", va="bottom")
+        ax.text(hi / span, value / div, f"formula {phase} ", fontsize=7, color=colour, ha="right", va="top")  # below: the peak labels sit above
 
 
 def _save(fig, target, fmt: str, dpi: float | str = "figure") -> None:
