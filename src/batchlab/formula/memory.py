@@ -5,7 +5,9 @@ from dataclasses import dataclass, field
 
 from batchlab.config import ACMode, Backend, OptimizerKind, Precision, RunConfig
 from batchlab.formula import activations as act
+from batchlab.formula.fsdp import fsdp_phases
 from batchlab.formula.params import count
+from batchlab.formula.sharding import reduced_bytes_per_element, unit_elements
 
 F32 = 4
 
@@ -112,23 +114,12 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     are the 16-bit weight copies the matmuls saved, ``layer_copy`` of them per layer: each layer's are freed
     by its backward (a recomputed layer casts its own again while it runs).  Returns the parts at the peak.
     """
-    m, s, b = cfg.model, cfg.seq, cfg.micro_batch
-    w = act.Widths.of(cfg.precision, cfg.device_spec.backend)
+    m = cfg.model
     n = max(count(m).total, 1)
     layer_grad = count(m).per_layer * states.gradients // n
-    new_grads = cfg.accum == 1  # with accumulation the .grad tensors exist already (in grads_before)
-    sbh = s * b * m.hidden
-    # Inside a layer's backward each node frees what it saved as it creates its input's gradient, so the
-    # net transient is about one gradient of the widest intermediate (MLP inner, or the s x s scores),
-    # plus the incoming and outgoing residual gradients and the first weight gradient (the MLP's output
-    # projection, h x f).
-    scores = m.heads * s * s * b * w.softmax if act.materialises_scores(m, cfg.device_spec.backend) else 0
-    transient = (max(s * b * m.ffn * w.e, scores) + 2 * sbh * w.res
-                 + m.hidden * m.ffn * states.gradients // n)
-    # the LM head's weight gradient exists from the start of the layers' backward (tied: in autograd's
-    # input buffer until the embedding's backward adds its part)
-    head_grad = m.vocab * m.hidden * states.gradients // n
-    below_layers = act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend)  # the rest is freed
+    # with accumulation (or DDP's gradient buckets) the .grad tensors exist already (in grads_before)
+    new_grads = grads_before == 0
+    transient, head_grad, below_layers = _backward_terms(cfg, states.gradients)
     best = dict(resident, gradients=grads_before, activations=plan.total, recompute=0, temporaries=loss_grads)
     kept_below = sum(plan.per_layer_kept)
     grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
@@ -149,6 +140,26 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     return best
 
 
+def _backward_terms(cfg: RunConfig, gradient_bytes: int) -> tuple[int, int, int]:
+    """(in-layer transient, the LM head's weight gradient, activations kept below the layers) in backward;
+    ``gradient_bytes``: all of the model's gradients as one rank would hold them unsharded."""
+    m, s, b = cfg.model, cfg.seq, cfg.micro_batch
+    w = act.Widths.of(cfg.precision, cfg.device_spec.backend)
+    n = max(count(m).total, 1)
+    sbh = s * b * m.hidden
+    # Inside a layer's backward each node frees what it saved as it creates its input's gradient, so the
+    # net transient is about one gradient of the widest intermediate (MLP inner, or the s x s scores),
+    # plus the incoming and outgoing residual gradients and the first weight gradient (the MLP's output
+    # projection, h x f).
+    scores = m.heads * s * s * b * w.softmax if act.materialises_scores(m, cfg.device_spec.backend) else 0
+    transient = max(s * b * m.ffn * w.e, scores) + 2 * sbh * w.res + m.hidden * m.ffn * gradient_bytes // n
+    # the LM head's weight gradient exists from the start of the layers' backward (tied: in autograd's
+    # input buffer until the embedding's backward adds its part)
+    head_grad = m.vocab * m.hidden * gradient_bytes // n
+    below_layers = act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend)  # the rest is freed
+    return transient, head_grad, below_layers
+
+
 def allocator_margin(cfg: RunConfig) -> float:
     """Caching allocators (CUDA, MPS) fragment; on CPU the figure compared is tracked tensor bytes."""
     return 0.0 if cfg.device_spec.backend is Backend.CPU else cfg.assumptions.allocator_margin
@@ -157,6 +168,23 @@ def allocator_margin(cfg: RunConfig) -> float:
 def _largest_param(cfg: RunConfig) -> int:
     m = cfg.model
     return max(m.vocab * m.hidden, m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden))
+
+
+def fsdp_shard_bytes(cfg: RunConfig) -> int:
+    """FSDP2 keeps fp32 (bf16: 16-bit) parameter shards at ZeRO-2 and 3 alike, and gathers 16-bit working
+    copies under mixed precision (MixedPrecisionPolicy): no separate master copy."""
+    return sum(unit_elements(cfg)) * (2 if cfg.precision is Precision.BF16 else F32) // cfg.dp
+
+
+def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int], logits_fwd: int,
+          opt_tmp: int) -> dict[str, dict[str, int]]:
+    shard_w = 2 if cfg.precision is Precision.BF16 else F32
+    shards = fsdp_shard_bytes(cfg)
+    full_grads = states.gradients * cfg.dp
+    transient, head_grad, below = _backward_terms(cfg, full_grads)
+    resident = dict(weights, parameters=shards, master=0)
+    return fsdp_phases(cfg, resident, plan.per_layer_full, plan.per_layer_kept, below, plan.total, logits_fwd,
+                       head_grad, transient, opt_tmp // cfg.dp, shards * reduced_bytes_per_element(cfg) // shard_w)
 
 
 def memory(cfg: RunConfig) -> MemoryEstimate:
@@ -177,7 +205,9 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     data = cfg.accum * 2 * s * b * 8  # int64 inputs and targets, all micro-batches made up front
     weights = dict(parameters=copies if autocast else states.parameters, master=states.master,
                    optimizer=states.optimizer, data=data)
-    grads_before = states.gradients if cfg.accum > 1 else 0
+    fsdp = cfg.dp > 1 and cfg.zero >= 2  # FSDP2 (formula.fsdp); below 2, DDP
+    # DDP (gradient_as_bucket_view) keeps its gradient buckets between updates, as accumulation keeps .grad
+    grads_before = states.gradients if cfg.accum > 1 or (cfg.dp > 1 and not fsdp) else 0
     sbv = s * b * m.vocab
     logits_fwd = sbv * w.e + (sbv * F32 if w.e != F32 else 0)  # logits (+ fp32 copy for the loss)
     loss_grads = 2 * sbv * F32  # gradients of the fp32 log-softmax output and of the logits (fp32 at that point)
@@ -191,13 +221,15 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         "optimizer": dict(weights, parameters=0 if autocast else states.parameters,
                           gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
     }
+    if fsdp:
+        phases = _fsdp(cfg, states, plan, weights, logits_fwd, opt_tmp)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
     peak_tensor = totals[peak_phase]
     margin = int(peak_tensor * allocator_margin(cfg))
     return MemoryEstimate(
-        parameters_bytes=states.parameters, master_bytes=states.master, gradients_bytes=states.gradients,
+        parameters_bytes=fsdp_shard_bytes(cfg) if fsdp else states.parameters, master_bytes=0 if fsdp else states.master, gradients_bytes=states.gradients,
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,
         activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=at_peak["recompute"],
         logits_bytes=sbv * F32, temporaries_bytes=at_peak["temporaries"], data_bytes=data,

@@ -17,6 +17,15 @@ from torch.utils._pytree import tree_flatten
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "data")
 _CREATED_AS = {"data": "data", "forward": "activations", "backward": "temporaries", "optimizer": "temporaries"}
+# FSDP2's flat buffers, classified by what they hold whatever the phase: the copy-in and all-gather output
+# are (working copies of) parameters; the reduce-scatter input and output are gradients.
+_RELABEL = {"all_gather_copy_in": "parameters", "_allgather_base_": "parameters", "chunk_cat": "gradients",
+            "_reduce_scatter_base_": "gradients"}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank stores); a plain tensor itself."""
+    return getattr(t, "_local_tensor", t)
 
 
 @dataclass
@@ -64,6 +73,7 @@ class StorageTracker(TorchDispatchMode):
         self._param_keys: set[int] = set()
         self._hooks: list = []
         self._forward_start_keys: set[int] = set()
+        self._resizable: dict[int, object] = {}  # id(storage) -> storage whose size changes in place
         self._activation_bytes = 0
         self._baseline = 0
 
@@ -71,11 +81,37 @@ class StorageTracker(TorchDispatchMode):
     def register(self, tensors, category: str) -> None:
         for t in tensors:
             if isinstance(t, torch.Tensor):
+                t = _local(t)
                 self._add(t.untyped_storage(), category)
                 if category == "parameters":
                     self._param_keys.add(id(t.untyped_storage()))
 
+    def register_resizable(self, tensors, category: str) -> None:
+        """Storages resized in place (FSDP2 gathers into a storage grown to full size and frees it by resizing
+        to 0): no op creates or frees them, so their size is re-read after every op."""
+        for t in tensors:
+            st = t.untyped_storage()
+            self._add(st, category)
+            self._resizable[id(st)] = st
+
+    def _resync(self) -> None:
+        for key, st in self._resizable.items():
+            n = st.nbytes()
+            entry = self._live.get(key)
+            if entry is not None and entry[0] != n:
+                self._current += n - entry[0]
+                self._live[key] = (n, entry[1])
+                self._note_peak()
+
+    def _relabel(self, tensors, category: str) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                key = id(_local(t).untyped_storage())
+                if key in self._live:
+                    self._live[key] = (self._live[key][0], category)
+
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's shard
         for state in optimizer.state.values():
             self.register([v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0], "optimizer")
 
@@ -86,7 +122,7 @@ class StorageTracker(TorchDispatchMode):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
 
     def _grad_hook(self, p: torch.Tensor) -> None:
-        key = id(p.grad.untyped_storage()) if p.grad is not None else None
+        key = id(_local(p.grad).untyped_storage()) if p.grad is not None else None
         if key in self._live:
             self._live[key] = (self._live[key][0], "gradients")
 
@@ -113,6 +149,9 @@ class StorageTracker(TorchDispatchMode):
         weakref.finalize(st, self._free, key)
         if self._owner is not None:
             self._owners[key] = self._owner()
+        self._note_peak()
+
+    def _note_peak(self) -> None:
         if self._current > self._phase_peaks.get(self.phase, -1):
             self._phase_peaks[self.phase] = self._current
         if self._current > self._peak:
@@ -149,13 +188,20 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._resizable:
+            self._resync()
         category = _CREATED_AS.get(self.phase, "temporaries")
         if (func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
-                and id(args[0].untyped_storage()) in self._param_keys):
+                and id(_local(args[0]).untyped_storage()) in self._param_keys):
             category = "parameters"  # autocast's low-precision working copy of a weight
+        relabel = _RELABEL.get(func._opname) if func.namespace in ("fsdp", "c10d") else None
+        category = relabel or category
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage(), category)
+                # a mode sees a DTensor op before DTensor does: the storage is the output's local shard
+                self._add(_local(t).untyped_storage(), category)
+        if relabel:
+            self._relabel(tree_flatten((args, out))[0], relabel)
         if self.budget is not None and self._current > self.budget:
             # every allocation that leaves live bytes over the budget is refused, like a real allocator
             self.exceeded = BudgetExceeded(self._current, self.budget, self.phase)

@@ -103,6 +103,31 @@ class MeasuredComm:
 
 
 @dataclass
+class MeasuredTraffic:
+    """DP > 1: collective bytes on one rank's process group during one update (the same on every rank),
+    per kind (all_gather, reduce_scatter, all_reduce, broadcast), beside the formula's."""
+
+    engine: str  # ddp | zero1 | fsdp-grad-op | fsdp
+    api: str  # the PyTorch engine as written
+    accumulation: str  # what the engine does with gradients between micro-batches
+    per_update: dict[str, int]
+    calls_per_update: dict[str, int]
+    per_micro_batch: list[dict[str, int]]  # issued during each micro-batch's forward + backward
+    outside_micro_batches: dict[str, int]  # issued in the optimizer step (ZeroRedundancyOptimizer's broadcasts)
+    bookkeeping_calls: int = 0  # one-element collectives: the global useful-token count, a sharded grad norm
+    bookkeeping_bytes: int = 0
+    parameter_shard_bytes: int = 0  # this rank's parameter shards (all parameters without FSDP)
+    predicted_per_update: dict[str, int] = field(default_factory=dict)  # formula
+    predicted_per_micro_batch: list[dict[str, int]] = field(default_factory=list)  # formula
+    provenance: str = "counted (c10d ops on the process group)"
+
+    @property
+    def matches_formula(self) -> bool:
+        return (self.per_update == self.predicted_per_update
+                and self.per_micro_batch == self.predicted_per_micro_batch)
+
+
+@dataclass
 class Measurement:
     config: dict[str, Any]  # RunConfig.to_dict()
     outcome: Outcome
@@ -116,6 +141,7 @@ class Measurement:
     environment: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     comm: MeasuredComm | None = None  # DP > 1 only
+    traffic: MeasuredTraffic | None = None  # DP > 1 only: every collective, counted
 
     @property
     def ok(self) -> bool:
@@ -168,6 +194,8 @@ def measurement_from_dict(d: dict[str, Any]) -> Measurement:
         d["time"] = MeasuredTime(**_only_fields(MeasuredTime, d["time"]))
     if d.get("comm") is not None:
         d["comm"] = MeasuredComm(**_only_fields(MeasuredComm, d["comm"]))
+    if d.get("traffic") is not None:
+        d["traffic"] = MeasuredTraffic(**_only_fields(MeasuredTraffic, d["traffic"]))
     return Measurement(**d)
 
 

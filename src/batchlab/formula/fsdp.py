@@ -1,0 +1,51 @@
+"""Per-rank memory of FSDP2 (ZeRO-2 / ZeRO-3) at the high point of each phase (no torch).
+
+What FSDP2 keeps (``fully_shard`` per block, then the root; PyTorch 2.13, seen with a live-storage tracker):
+- always: this rank's parameter shards, gradient shards and optimizer state (1/DP of each);
+- forward: each unit is all-gathered into full-size working copies; ZeRO-3 frees a block's after its
+  forward, ZeRO-2 keeps every one to backward; the root unit (embeddings, head) stays gathered throughout;
+- backward, per block (last first): ZeRO-3 gathers the block again, and prefetches the next one; when the
+  block's backward ends its unsharded gradient is copied into a flat buffer and reduce-scattered into the
+  gradient shard, then the block is resharded.
+Each point's parts add up; the peak is the largest point.
+"""
+from __future__ import annotations
+
+from batchlab.config import RunConfig
+from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_per_element, unit_elements
+
+
+def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, kept: tuple[int, ...],
+                below_layers: int, activations_total: int, logits_fwd: int, head_grad: int, transient: int,
+                opt_tmp: int, sharded_grads: int) -> dict[str, dict[str, int]]:
+    """Parts live at each phase's high point.  ``resident``: parameter shards (``parameters``), master,
+    optimizer state and data; the rest as in formula.memory (per-layer kept activations, the in-layer
+    transient of backward, the LM head's weight gradient)."""
+    units = unit_elements(cfg)
+    wg, wr, dp, L, z3 = gathered_bytes_per_element(cfg), reduced_bytes_per_element(cfg), cfg.dp, len(kept), cfg.zero >= 3
+    root, block = units[0] * wg, (units[1] if L else 0) * wg
+    block_grad = (units[1] if L else 0) * wr
+    shards = resident["parameters"]
+    before = sharded_grads if cfg.accum > 1 else 0  # shards of earlier micro-batches' gradients
+    phases = {"forward": dict(resident, parameters=shards + root + (0 if z3 else L * block), gradients=before,
+                              activations=activations_total, recompute=0, temporaries=logits_fwd)}
+    best: dict[str, int] = {}
+    kept_below = sum(kept)
+    for i in reversed(range(L)):
+        done = 0 if cfg.accum > 1 else (L - 1 - i) * block_grad // dp  # new shards of later blocks
+        grads = before + head_grad + done
+        gathered = root + (block + (block if i else 0) if z3 else (i + 1) * block)
+        inside = dict(resident, parameters=shards + gathered, gradients=grads, activations=below_layers + kept_below,
+                      recompute=per_layer_full - kept[i], temporaries=transient)
+        kept_below -= kept[i]
+        # the block's reduce-scatter: flat fp32 input + output shard, the unsharded gradient being copied in
+        at_rs = dict(resident, parameters=shards + gathered - (0 if z3 else block),
+                     gradients=grads + block_grad + block_grad // dp, activations=below_layers + kept_below,
+                     recompute=0, temporaries=block_grad)
+        for p in (inside, at_rs):
+            if sum(p.values()) > sum(best.values()):
+                best = p
+    phases["backward"] = best or dict(phases["forward"])
+    phases["optimizer"] = dict(resident, parameters=shards, gradients=sharded_grads, activations=0, recompute=0,
+                               temporaries=opt_tmp)
+    return phases
