@@ -7,7 +7,7 @@ from batchlab.config import ACMode, Backend, OptimizerKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula.fsdp import fsdp_phases
 from batchlab.formula.params import count
-from batchlab.formula.sharding import reduced_bytes_per_element, unit_elements
+from batchlab.formula.sharding import unit_elements
 
 F32 = 4
 
@@ -176,15 +176,19 @@ def fsdp_shard_bytes(cfg: RunConfig) -> int:
     return sum(unit_elements(cfg)) * (2 if cfg.precision is Precision.BF16 else F32) // cfg.dp
 
 
+def fsdp_gradient_shard_bytes(cfg: RunConfig) -> int:
+    """Gradient shards keep the shards' dtype (reduced in fp32 under MixedPrecisionPolicy(reduce_dtype=fp32))."""
+    return fsdp_shard_bytes(cfg)
+
+
 def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int], logits_fwd: int,
           opt_tmp: int) -> dict[str, dict[str, int]]:
-    shard_w = 2 if cfg.precision is Precision.BF16 else F32
     shards = fsdp_shard_bytes(cfg)
     full_grads = states.gradients * cfg.dp
     transient, head_grad, below = _backward_terms(cfg, full_grads)
     resident = dict(weights, parameters=shards, master=0)
     return fsdp_phases(cfg, resident, plan.per_layer_full, plan.per_layer_kept, below, plan.total, logits_fwd,
-                       head_grad, transient, opt_tmp // cfg.dp, shards * reduced_bytes_per_element(cfg) // shard_w)
+                       head_grad, transient, opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg))
 
 
 def memory(cfg: RunConfig) -> MemoryEstimate:
@@ -229,7 +233,8 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     peak_tensor = totals[peak_phase]
     margin = int(peak_tensor * allocator_margin(cfg))
     return MemoryEstimate(
-        parameters_bytes=fsdp_shard_bytes(cfg) if fsdp else states.parameters, master_bytes=0 if fsdp else states.master, gradients_bytes=states.gradients,
+        parameters_bytes=fsdp_shard_bytes(cfg) if fsdp else states.parameters, master_bytes=0 if fsdp else states.master,
+        gradients_bytes=fsdp_gradient_shard_bytes(cfg) if fsdp else states.gradients,
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,
         activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=at_peak["recompute"],
         logits_bytes=sbv * F32, temporaries_bytes=at_peak["temporaries"], data_bytes=data,

@@ -1,11 +1,12 @@
-"""Time of one optimizer update: compute, the gradient all-reduce once per update, the optimizer step."""
+"""Time of one optimizer update: compute, the stage's collectives (formula.sharding), the optimizer step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchlab.config import Backend, DataKind, RunConfig
 from batchlab.formula.flops import FlopsEstimate
 from batchlab.formula.memory import MemoryEstimate
+from batchlab.formula.sharding import collective_seconds, traffic
 
 
 # Eager PyTorch pays a fixed cost per op (Python dispatch; on GPUs the kernel launch), whatever the batch:
@@ -28,8 +29,8 @@ def overhead_seconds_per_micro_batch(cfg: RunConfig) -> float:
 class TimeEstimate:
     compute_seconds_per_micro_batch: float  # FLOPs at the achievable rate + per-op overhead
     compute_seconds: float  # accum micro-batches
-    allreduce_bytes: int  # gradient bytes reduced per update
-    allreduce_seconds: float  # ring time, before overlap
+    allreduce_bytes: int  # gradient bytes reduced per update (all-reduce + reduce-scatter)
+    allreduce_seconds: float  # ring time of every collective of the update, before overlap
     exposed_comm_seconds: float  # the part not hidden behind backward
     optimizer_seconds: float
     update_seconds: float
@@ -38,6 +39,7 @@ class TimeEstimate:
     flops_ceiling: float  # FLOP/s used: peak x achievable fraction
     ceiling_source: str  # datasheet / calibrated / nominal
     bandwidth_bytes_per_s: float  # link used for the all-reduce
+    collective_bytes: dict[str, int] = field(default_factory=dict)  # per update, by kind (formula.sharding)
     provenance: str = "formula"
 
     def time_to_tokens(self, tokens: float) -> float:
@@ -46,9 +48,7 @@ class TimeEstimate:
 
 def ring_allreduce_seconds(nbytes: float, n: int, bus_bytes_per_s: float) -> float:
     # nccl-tests PERFORMANCE.md: ring all-reduce moves 2(n-1)/n of the buffer over the slowest link.
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / bus_bytes_per_s
+    return collective_seconds("all_reduce", nbytes, n, bus_bytes_per_s)
 
 
 def useful_fraction(cfg: RunConfig) -> float:
@@ -73,10 +73,11 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, ceiling: tupl
     micro = fl.flops_per_micro_batch / rate + overhead
     compute = micro * cfg.accum
     bw = dev.intra_node_bytes_per_s if cfg.dp <= dev.gpus_per_node else dev.inter_node_bytes_per_s
-    grad_bytes = mem.gradients_bytes * (cfg.dp if cfg.zero >= 2 else 1)  # full gradient, before sharding
-    comm = ring_allreduce_seconds(grad_bytes, cfg.dp, bw)
-    if cfg.zero >= 3:  # parameters gathered in forward and again in backward: two more all-gathers
-        comm += 2 * (cfg.dp - 1) / cfg.dp * mem.parameters_bytes * cfg.dp / bw  # the working (16-bit) weights
+    # what the stage's engine sends per update: DDP's all-reduce (+ ZeRO-1's broadcasts), FSDP2's all-gathers
+    # and reduce-scatters of every micro-batch (formula.sharding)
+    sent = traffic(cfg).per_update
+    grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
+    comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
     exposed = comm * (1 - cfg.assumptions.comm_overlap)
     # AdamW is bandwidth-bound: read weights, grads, m, v and write weights, m, v (~2x the states)
     opt = 2 * (mem.master_bytes or mem.parameters_bytes) + mem.gradients_bytes + 2 * mem.optimizer_bytes
@@ -84,4 +85,4 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, ceiling: tupl
     update = compute + exposed + opt_s
     useful = cfg.tokens_per_update * useful_fraction(cfg)
     return TimeEstimate(micro, compute, grad_bytes, comm, exposed, opt_s, update, useful / update, overhead, rate,
-                        source, bw)
+                        source, bw, collective_bytes=sent)
