@@ -5,8 +5,8 @@ What FSDP2 keeps (``fully_shard`` per block, then the root; PyTorch 2.13, seen w
 - forward: each unit is all-gathered into full-size working copies; ZeRO-3 frees a block's after its
   forward, ZeRO-2 keeps every one to backward; the root unit (embeddings, head) stays gathered throughout;
 - backward, per block (last first): ZeRO-3 gathers the block again, and prefetches the next one; when the
-  block's backward ends its unsharded gradient is copied into a flat buffer and reduce-scattered into the
-  gradient shard, then the block is resharded.
+  block's backward ends it is resharded, its unsharded gradient copied into a flat buffer and
+  reduce-scattered into the gradient shard; that flat buffer lives on into the next block's backward.
 Each point's parts add up; the peak is the largest point.
 """
 from __future__ import annotations
@@ -38,13 +38,17 @@ def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, k
         done = 0 if cfg.accum > 1 else (L - 1 - i) * block_grad // dp  # new shards of later blocks
         grads = before + head_grad + done
         gathered = root + (block + (block if i else 0) if z3 else (i + 1) * block)
-        inside = dict(resident, parameters=shards + gathered, gradients=grads, activations=below_layers + kept_below,
-                      recompute=per_layer_full - kept[i], temporaries=transient)
+        # the previous block's flat reduce-scatter input is freed only when this block's is issued
+        pending = block_grad if i < L - 1 else 0
+        inside = dict(resident, parameters=shards + gathered, gradients=grads + pending,
+                      activations=below_layers + kept_below, recompute=per_layer_full - kept[i], temporaries=transient)
         kept_below -= kept[i]
-        # the block's reduce-scatter: flat fp32 input + output shard, the unsharded gradient being copied in
+        # the block's reduce-scatter: flat fp32 input + output shard, the unsharded gradient being copied in.
+        # ZeRO-2's block is resharded first; ZeRO-3's too or not yet, as gloo's worker threads release the
+        # gathered buffers (seen both ways here, one block apart): the later, higher case is taken
         at_rs = dict(resident, parameters=shards + gathered - (0 if z3 else block),
-                     gradients=grads + block_grad + block_grad // dp, activations=below_layers + kept_below,
-                     recompute=0, temporaries=block_grad)
+                     gradients=grads + block_grad + block_grad // dp,
+                     activations=below_layers + kept_below, recompute=0, temporaries=block_grad)
         for p in (inside, at_rs):
             if sum(p.values()) > sum(best.values()):
                 best = p
