@@ -29,7 +29,7 @@ class EquivalenceCheck:
     updates: int
     max_abs_difference: dict[int, float]  # stage -> largest |parameter - DDP's parameter|
     tolerance: float = ATOL
-    traffic: dict[int, dict] = field(default_factory=dict)  # stage -> the last update's collectives
+    traffic: dict[int, dict] = field(default_factory=dict)  # stage -> one steady update's collectives
 
     @property
     def equal(self) -> bool:
@@ -66,13 +66,15 @@ def _rank(rank: int, world: int, port: int, cfgs: list[dict], updates: int, out:
         cfg = config_from_dict(d)
         device, _ = init(cfg, MeasureOptions(), 120.0)
         trainer, _ = engines.build(cfg, device, rank, world)
-        for _ in range(updates - 1):
+        for _ in range(updates):
             trainer.update()
-        counter = TrafficCounter()  # the last update's collectives, per micro-batch
-        with counter:
-            trainer.update(probe=counter)
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
                 for n, p in trainer.raw_model.named_parameters()}
+        # one more update's collectives, per micro-batch (steady state: DDP broadcasts its rebuilt bucket
+        # order once, in the second update)
+        counter = TrafficCounter()
+        with counter:
+            trainer.update(probe=counter)
         results[cfg.zero] = dict(parameters=full, traffic=counter.summary(cfg.accum))
         dist.barrier()
     if rank == 0:
@@ -83,7 +85,7 @@ def _rank(rank: int, world: int, port: int, cfgs: list[dict], updates: int, out:
 
 def parameters_after(cfgs: list[RunConfig], updates: int = 2) -> dict[int, dict]:
     """By ZeRO stage: ``parameters`` (full, by name) after ``updates`` updates of each config (same DP) and
-    ``traffic``, the last update's collectives (TrafficCounter.summary)."""
+    ``traffic``, the collectives of one update more (TrafficCounter.summary)."""
     import torch
     import torch.multiprocessing as mp
 
