@@ -54,3 +54,50 @@ def parse_sharding(text: str) -> int:
     if key not in SHARDING_NAMES:
         raise ConfigError("sharding", f"must be one of {', '.join(SHARDING_NAMES)}, got {text!r}")
     return SHARDING_NAMES[key]
+
+
+def engine_snippet(cfg) -> str:
+    """Runnable PyTorch for ``cfg``'s stage (the engine batchlab measures), with the matching torchtitan,
+    accelerate and DeepSpeed settings as comments.  ``model``, ``blocks`` (the repeated layers) and
+    ``loader`` are the user's; torchrun sets the process group's environment."""
+    z, accum = cfg.zero, cfg.accum
+    half = {"bf16-mixed": "torch.bfloat16", "fp16-mixed": "torch.float16"}.get(cfg.precision.value)
+    head = ["import torch, torch.distributed as dist",
+            "dist.init_process_group('nccl' if torch.cuda.is_available() else 'gloo')"]
+    if z >= 2:
+        mp = (f", mp_policy=MixedPrecisionPolicy(param_dtype={half}, reduce_dtype=torch.float32)" if half else "")
+        wrap = ["from torch.distributed.device_mesh import init_device_mesh",
+                "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
+                "mesh = init_device_mesh('cuda' if torch.cuda.is_available() else 'cpu', (dist.get_world_size(),))",
+                "for block in blocks:  # one FSDP unit per transformer block, then the root (as torchtitan)",
+                f"    fully_shard(block, mesh=mesh, reshard_after_forward={z == 3}{mp})",
+                f"fully_shard(model, mesh=mesh, reshard_after_forward={z == 3}{mp})",
+                "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)",
+                "sync = lambda last: None  # reduce-scatter after every micro-batch: only gradient shards are kept"]
+    else:
+        wrap = ["from torch.nn.parallel import DistributedDataParallel as DDP",
+                "model = DDP(model, gradient_as_bucket_view=True)"]
+        wrap += (["from torch.distributed.optim import ZeroRedundancyOptimizer",
+                  "optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, "
+                  "lr=1e-4, weight_decay=0.1)"] if z == 1 else
+                 ["optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)"])
+        wrap += ["import contextlib",
+                 "sync = lambda last: contextlib.nullcontext() if last else model.no_sync()"]
+    loop = [f"accum = {accum}  # global batch = micro-batch {cfg.micro_batch} x accum {accum} x DP {cfg.dp}",
+            "for step, micro_batches in enumerate(loader):  # accum micro-batches per update",
+            "    for i, (x, y) in enumerate(micro_batches):",
+            "        with (sync(i == accum - 1) or contextlib.nullcontext()):",
+            "            loss = model(x, y) / accum",
+            "            loss.backward()",
+            "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+            "    optimizer.step()",
+            "    optimizer.zero_grad(set_to_none=True)"]
+    other = {0: "torchtitan: data_parallel_replicate_degree=DP; accelerate: DDP; DeepSpeed: zero_optimization.stage 0",
+             1: "accelerate/DeepSpeed: zero_optimization.stage 1 (torchtitan has no ZeRO-1)",
+             2: "torchtitan: data_parallel_shard_degree=DP, fsdp_reshard_after_forward='never'; accelerate: "
+                "fsdp_version 2, reshard_after_forward false; DeepSpeed: zero_optimization.stage 2",
+             3: "torchtitan: data_parallel_shard_degree=DP (reshard_after_forward 'default'); accelerate: "
+                "fsdp_version 2, reshard_after_forward true; DeepSpeed: zero_optimization.stage 3"}[z]
+    if z >= 2:
+        head.append("import contextlib")
+    return "\n".join(head + wrap + loop + [f"# {other}"]) + "\n"
