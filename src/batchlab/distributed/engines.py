@@ -35,9 +35,12 @@ def zero_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
 def _fsdp_wrap(cfg: RunConfig, device: torch.device, world: int, blocks: nn.ModuleList | None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     def wrap(model: nn.Module) -> nn.Module:
-        mesh = init_device_mesh(device.type, (world,))
+        # the mesh holds real rank numbers, also when the trace builds the model on fake tensors
+        with unset_fake_temporarily():
+            mesh = init_device_mesh(device.type, (world,))
         kw: dict = dict(mesh=mesh, reshard_after_forward=cfg.zero >= 3)
         if cfg.precision in _HALF:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=_HALF[cfg.precision], reduce_dtype=torch.float32)
@@ -49,21 +52,23 @@ def _fsdp_wrap(cfg: RunConfig, device: torch.device, world: int, blocks: nn.Modu
     return wrap
 
 
-def build(cfg: RunConfig, device: torch.device, rank: int, world: int) -> tuple[Trainer, comm.CommMonitor | None]:
-    """The Trainer on the engine of ``cfg.zero``; the DDP comm hook's monitor (None under FSDP2)."""
+def build(cfg: RunConfig, device: torch.device, rank: int, world: int, trainer_cls: type[Trainer] = Trainer
+          ) -> tuple[Trainer, comm.CommMonitor | None]:
+    """The Trainer (``trainer_cls``: the trace's fake-tensor one) on the engine of ``cfg.zero``; the DDP comm
+    hook's monitor (None under FSDP2)."""
     torch.manual_seed(cfg.seed)
     workload = build_workload(cfg)
     if cfg.zero >= 2:
-        trainer = Trainer(cfg, device, workload=workload, rank=rank, world=world,
-                          wrap=_fsdp_wrap(cfg, device, world, workload.blocks))
+        trainer = trainer_cls(cfg, device, workload=workload, rank=rank, world=world,
+                              wrap=_fsdp_wrap(cfg, device, world, workload.blocks))
         return trainer, None
     ids = [device.index] if device.type == "cuda" else None
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # grads zeroed in place between updates, so they stay views of the buckets (see Trainer.grads_to_none)
-    trainer = Trainer(cfg, device, workload=workload, rank=rank, world=world, grads_to_none=False,
-                      wrap=lambda m: DDP(m, device_ids=ids, gradient_as_bucket_view=True),
-                      **(dict(optimizer=zero_optimizer) if cfg.zero == 1 else {}))
+    trainer = trainer_cls(cfg, device, workload=workload, rank=rank, world=world, grads_to_none=False,
+                          wrap=lambda m: DDP(m, device_ids=ids, gradient_as_bucket_view=True),
+                          **(dict(optimizer=zero_optimizer) if cfg.zero == 1 else {}))
     return trainer, comm.register(trainer.model, cuda=device.type == "cuda")
 
 
@@ -104,6 +109,18 @@ def shard_bytes(model: nn.Module) -> int:
     """Bytes of this rank's parameter shards (all parameters under DDP)."""
     seen = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in local_shards(model.parameters())}
     return sum(seen.values())
+
+
+def register_storages(tracker, trainer: Trainer, monitor: comm.CommMonitor | None) -> None:
+    """Tell a live-storage tracker what the engine keeps that no op of the update creates."""
+    if monitor is not None:
+        # DDP's flat buckets exist before the update and outlive it: with gradient_as_bucket_view they are
+        # the gradients.  Unregistered, their bytes would never be counted (no op creates them).
+        tracker.register(monitor.bucket_buffers, "gradients")
+    # FSDP2's unsharded parameters live in storages it resizes (0 bytes when resharded): watched, counted
+    # as parameters (working copies) while gathered; their .grad is the unsharded gradient
+    tracker.register_resizable(unsharded_buffers(trainer.raw_model), "parameters")
+    tracker.watch_gradients(unsharded_params(trainer.raw_model))
 
 
 def describe(cfg: RunConfig) -> dict:

@@ -121,14 +121,7 @@ def measure_memory(trainer: Trainer, monitor: comm.CommMonitor | None, budget: i
 
 def _track(trainer: Trainer, monitor: comm.CommMonitor | None, budget: int | None, probes, traffic):
     tracker = tracker_for(trainer, budget)  # with a budget: a CPU stand-in for a smaller device
-    if monitor is not None:
-        # DDP's flat buckets exist before the update and outlive it: with gradient_as_bucket_view they are
-        # the gradients.  Unregistered, their bytes would never be counted (no op creates them).
-        tracker.register(monitor.bucket_buffers, "gradients")
-    # FSDP2's unsharded parameters live in storages it resizes (0 bytes when resharded): watched, counted
-    # as parameters (working copies) while gathered; their .grad is the unsharded gradient
-    tracker.register_resizable(engines.unsharded_buffers(trainer.raw_model), "parameters")
-    tracker.watch_gradients(engines.unsharded_params(trainer.raw_model))
+    engines.register_storages(tracker, trainer, monitor)
     tracker.reset()
     with tracker, traffic or contextlib.nullcontext():
         _update(trainer, _Tee(tracker, *probes))

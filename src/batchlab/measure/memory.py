@@ -227,6 +227,8 @@ def tracker_for(trainer, budget: int | None = None, owner: Callable[[], str] | N
     tracker.register(params, "parameters")
     tracker.register([b for b in trainer.raw_model.buffers()], "parameters")
     tracker.register_optimizer(trainer.optimizer)
+    # gradients kept between updates (zeroed in place, not set to None) exist before tracking starts
+    tracker.register([p.grad for p in params if p.grad is not None], "gradients")
     tracker.watch_gradients(params)
     tracker.reset()
     return tracker

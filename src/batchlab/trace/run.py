@@ -18,6 +18,7 @@ from batchlab.config import Backend, ConfigError, Precision, RunConfig
 from batchlab.formula.memory import allocator_margin
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import tracker_for
+from batchlab.trace import sharded
 from batchlab.trace.flops import count_update_flops
 from batchlab.trace.result import TraceEstimate, TraceMemory
 from batchlab.trace.tree import ModuleStack, build_tree
@@ -26,8 +27,8 @@ from batchlab.trace.tree import ModuleStack, build_tree
 class _FakeTrainer(Trainer):
     """The harness Trainer with the two things fake tensors cannot give: values and a GradScaler."""
 
-    def __init__(self, cfg: RunConfig, device: torch.device):
-        super().__init__(cfg, device)
+    def __init__(self, cfg: RunConfig, device: torch.device, **kwargs):
+        super().__init__(cfg, device, **kwargs)
         # GradScaler reads found-inf flags with .item(); its state is two scalars, so leaving it out
         # changes the count by bytes, not by a share of the peak.
         self.scaler = torch.amp.GradScaler(device.type, enabled=False)
@@ -36,6 +37,9 @@ class _FakeTrainer(Trainer):
         # Only the loss printout, the grad-norm printout and the useful-token count that normalises the
         # loss read values; none of them changes a tensor's size.
         return 1.0
+
+    def _global_useful(self, local: int) -> int:
+        return local * self.world  # every rank of a fake world draws the same number of tokens
 
 
 def _fake_mode() -> FakeTensorMode:
@@ -60,12 +64,9 @@ def trace_device(cfg: RunConfig) -> tuple[torch.device, list[str]]:
 
 
 def _check_supported(cfg: RunConfig) -> list[str]:
-    if cfg.zero > 0:
-        raise ConfigError("zero", "the trace runs one unsharded rank; use the formula (without --trace) for ZeRO")
     notes = []
-    if cfg.dp > 1:
-        notes.append(f"traced one rank without DDP: with DP = {cfg.dp}, DDP's gradient buckets (one more "
-                     "gradient-sized buffer unless gradient_as_bucket_view) are not included")
+    if cfg.zero > 0 and cfg.dp == 1:
+        notes.append(f"ZeRO-{cfg.zero} with DP = 1 shards nothing: traced as one unsharded rank")
     if cfg.precision is Precision.FP16_MIXED:
         notes.append("GradScaler left out (it reads values); its state is a few bytes")
     return notes
@@ -74,16 +75,17 @@ def _check_supported(cfg: RunConfig) -> list[str]:
 def _unique_bytes(tensors) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
-        st = t.untyped_storage()
+        st = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor: this rank's shard
         seen[id(st)] = st.nbytes()
     return sum(seen.values())
 
 
 def _model_state_bytes(trainer: Trainer) -> tuple[int, int, int]:
-    params = list(trainer.raw_model.parameters())
-    state = [v for s in trainer.optimizer.state.values() for v in s.values()
+    params = [getattr(p, "_local_tensor", p) for p in trainer.raw_model.parameters()]  # this rank's shards
+    optimizer = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeroRedundancyOptimizer: its shard
+    state = [v for s in optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]
-    # .grad has the parameter's shape and dtype (set_to_none between updates, no bucket views)
+    # .grad has the parameter's (shard's) shape and dtype
     grads = sum(p.numel() * p.element_size() for p in {id(p): p for p in params if p.requires_grad}.values())
     return _unique_bytes(params), grads, _unique_bytes(state)
 
@@ -128,6 +130,9 @@ def _tracked_update(trainer: Trainer, tree: bool):
     """One update tracked by the CPU measurement's StorageTracker; with ``tree``, storages labelled by module."""
     owners = ModuleStack(trainer.raw_model) if tree else None
     tracker = tracker_for(trainer, owner=owners.current if owners else None)
+    if trainer.world > 1:
+        sharded.register_storages(tracker, trainer)
+        tracker.reset()
     try:
         with tracker:
             trainer.update(probe=tracker)
@@ -152,8 +157,13 @@ def estimate(cfg: RunConfig, tree: bool = False) -> TraceEstimate:
     notes = _check_supported(cfg)
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
-    with _as_config_errors(cfg), _eager_branches(cfg), _fake_mode():
-        trainer = _FakeTrainer(cfg, device)
+    world = sharded.fake_world(cfg.dp) if cfg.dp > 1 else contextlib.nullcontext()
+    with _as_config_errors(cfg), _eager_branches(cfg), world, _fake_mode():
+        if cfg.dp > 1:
+            trainer, dp_notes = sharded.build(cfg, device, _FakeTrainer)
+            notes += dp_notes
+        else:
+            trainer = _FakeTrainer(cfg, device)
         flops = count_update_flops(trainer)  # the first update also creates AdamW's state (steady state)
         snap = _tracked_update(trainer, tree)
         memory = _memory(cfg, trainer, snap)
