@@ -122,3 +122,19 @@ def test_the_engine_snippet_runs_as_printed(monkeypatch, zero):
             dist.destroy_process_group()
     after = [getattr(p, "full_tensor", lambda: p)() for p in model.parameters()]
     assert any(not torch.equal(a.detach(), b) for a, b in zip(after, before))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 3])
+def test_trace_runs_rank_0_of_a_sharded_world_in_one_process(zero):
+    """estimate --trace with --dp/--zero: FSDP2 / ZeroRedundancyOptimizer on a fake process group."""
+    from batchlab import trace
+
+    cfg = TINY.replace(zero=zero)
+    t = trace.estimate(cfg)
+    n = count(cfg.model).total
+    assert t.memory.optimizer_bytes == 8 * n // 2  # AdamW's m and v, this rank's half
+    assert t.memory.parameters_bytes == (4 * n // 2 if zero == 3 else 4 * n)
+    predicted = estimate(cfg).memory.peak_tensor_bytes
+    assert abs(predicted - t.memory.peak_bytes) <= 0.03 * t.memory.peak_bytes
+    assert any("fake process group" in note for note in t.notes)

@@ -20,7 +20,7 @@ from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import tracker_for
 from batchlab.trace import sharded
 from batchlab.trace.flops import count_update_flops
-from batchlab.trace.result import TraceEstimate, TraceMemory
+from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
 from batchlab.trace.tree import ModuleStack, build_tree
 
 
@@ -81,12 +81,13 @@ def _unique_bytes(tensors) -> int:
 
 
 def _model_state_bytes(trainer: Trainer) -> tuple[int, int, int]:
+    trained = {id(p): p for p in trainer.raw_model.parameters() if p.requires_grad}.values()
     params = [getattr(p, "_local_tensor", p) for p in trainer.raw_model.parameters()]  # this rank's shards
     optimizer = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeroRedundancyOptimizer: its shard
     state = [v for s in optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]
     # .grad has the parameter's (shard's) shape and dtype
-    grads = sum(p.numel() * p.element_size() for p in {id(p): p for p in params if p.requires_grad}.values())
+    grads = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in trained)
     return _unique_bytes(params), grads, _unique_bytes(state)
 
 
@@ -165,6 +166,9 @@ def estimate(cfg: RunConfig, tree: bool = False) -> TraceEstimate:
         else:
             trainer = _FakeTrainer(cfg, device)
         flops = count_update_flops(trainer)  # the first update also creates AdamW's state (steady state)
+        if cfg.dp > 1:  # every rank does rank 0's work on its own data
+            flops = TraceFlops.of(flops.forward * cfg.dp, flops.backward * cfg.dp, flops.recompute * cfg.dp)
+            notes.append(f"FLOPs: rank 0's, counted, x {cfg.dp} ranks")
         snap = _tracked_update(trainer, tree)
         memory = _memory(cfg, trainer, snap)
     return TraceEstimate(
