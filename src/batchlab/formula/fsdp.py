@@ -27,9 +27,9 @@ def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, k
     block_grad = (units[1] if L else 0) * wr
     shards = resident["parameters"]
     before = sharded_grads if cfg.accum > 1 else 0  # shards of earlier micro-batches' gradients
-    # forward's high point: the last unit gathered, its flat all-gather output still live beside the
-    # per-parameter copies it is copied out into (ZeRO-2: every block's copies kept)
-    phases = {"forward": dict(resident, parameters=shards + root + (block if z3 else L * block) + block,
+    # forward's high point, at the loss: the root gathered, ZeRO-2 every block's copies too, and one block's
+    # flat all-gather output still held (gloo's work object releases it later)
+    phases = {"forward": dict(resident, parameters=shards + root + (0 if z3 else L * block) + block,
                               gradients=before,
                               activations=activations_total, recompute=0, temporaries=logits_fwd)}
     best: dict[str, int] = {}
