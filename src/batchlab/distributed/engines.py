@@ -13,6 +13,8 @@ weights and dropout masks are the same whatever the stage: that is what the sema
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -52,15 +54,33 @@ def _fsdp_wrap(cfg: RunConfig, device: torch.device, world: int, blocks: nn.Modu
     return wrap
 
 
-def build(cfg: RunConfig, device: torch.device, rank: int, world: int, trainer_cls: type[Trainer] = Trainer
-          ) -> tuple[Trainer, comm.CommMonitor | None]:
+def _gradient_sync_off(model: nn.Module) -> nn.Module:
+    """Give an FSDP2 root the ``no_sync()`` the Trainer uses on non-final micro-batches:
+    ``set_requires_gradient_sync(False)`` inside, True again after."""
+
+    @contextlib.contextmanager
+    def no_sync():
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    model.no_sync = no_sync
+    return model
+
+
+def build(cfg: RunConfig, device: torch.device, rank: int, world: int, trainer_cls: type[Trainer] = Trainer,
+          sync_every_micro_batch: bool = True) -> tuple[Trainer, comm.CommMonitor | None]:
     """The Trainer (``trainer_cls``: the trace's fake-tensor one) on the engine of ``cfg.zero``; the DDP comm
-    hook's monitor (None under FSDP2)."""
+    hook's monitor (None under FSDP2).  ``sync_every_micro_batch=False``: FSDP2 with
+    ``set_requires_gradient_sync(False)`` on all but the last micro-batch."""
     torch.manual_seed(cfg.seed)
     workload = build_workload(cfg)
     if cfg.zero >= 2:
+        wrap = _fsdp_wrap(cfg, device, world, workload.blocks)
         trainer = trainer_cls(cfg, device, workload=workload, rank=rank, world=world,
-                              wrap=_fsdp_wrap(cfg, device, world, workload.blocks))
+                              wrap=wrap if sync_every_micro_batch else lambda m: _gradient_sync_off(wrap(m)))
         return trainer, None
     ids = [device.index] if device.type == "cuda" else None
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -123,6 +143,7 @@ def register_storages(tracker, trainer: Trainer, monitor: comm.CommMonitor | Non
     tracker.watch_gradients(unsharded_params(trainer.raw_model))
 
 
-def describe(cfg: RunConfig) -> dict:
-    info = engine_info(cfg.zero)
-    return dict(stage=info.stage, name=info.name, engine=info.engine, accumulation=info.accumulation)
+def describe(cfg: RunConfig, sync_every_micro_batch: bool = True) -> dict:
+    info = engine_info(cfg.zero, sync_every_micro_batch)
+    return dict(stage=info.stage, name=info.name, engine=info.engine, accumulation=info.accumulation,
+                sync_every_micro_batch=sync_every_micro_batch)

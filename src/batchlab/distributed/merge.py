@@ -82,12 +82,14 @@ def _traffic(cfg: RunConfig, ranks: list[dict[str, Any]]) -> MeasuredTraffic | N
     first = ranks[0]
     if "traffic" not in first:
         return None
-    t, engine, predicted = first["traffic"], first["engine"], traffic(cfg)
+    t, engine = first["traffic"], first["engine"]
+    predicted = traffic(cfg, engine["sync_every_micro_batch"])
     return MeasuredTraffic(engine=engine["name"], api=engine["engine"], accumulation=engine["accumulation"],
                            per_update=t["per_update"], calls_per_update=t["calls_per_update"],
                            per_micro_batch=t["per_micro_batch"], outside_micro_batches=t["outside_micro_batches"],
                            bookkeeping_calls=t["bookkeeping_calls"], bookkeeping_bytes=t["bookkeeping_bytes"],
                            parameter_shard_bytes=max(r["parameter_shard_bytes"] for r in ranks),
+                           sync_every_micro_batch=engine["sync_every_micro_batch"],
                            predicted_per_update=predicted.per_update,
                            predicted_per_micro_batch=list(predicted.per_micro_batch))
 

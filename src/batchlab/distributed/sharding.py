@@ -25,6 +25,8 @@ SHARDING_NAMES = {"ddp": 0, "zero1": 1, "fsdp-grad-op": 2, "fsdp": 3}
 # parameters are gathered again in the next micro-batch's forward.
 FSDP_ACCUMULATION = ("reduce-scatter after every micro-batch (set_requires_gradient_sync(True) throughout), "
                      "set_reshard_after_backward(True)")
+FSDP_NO_SYNC = ("set_requires_gradient_sync(False) on all but the last micro-batch: unsharded gradients accumulate "
+                "on every rank, one reduce-scatter per update; set_reshard_after_backward(True)")
 DDP_ACCUMULATION = "no_sync() on all but the last micro-batch: one all-reduce per update"
 
 
@@ -36,14 +38,15 @@ class EngineInfo:
     accumulation: str  # what happens to gradients between micro-batches
 
 
-def engine_info(zero: int) -> EngineInfo:
+def engine_info(zero: int, sync_every_micro_batch: bool = True) -> EngineInfo:
     if zero == 0:
         return EngineInfo(0, "ddp", "DistributedDataParallel(gradient_as_bucket_view=True)", DDP_ACCUMULATION)
     if zero == 1:
         return EngineInfo(1, "zero1", "DDP(gradient_as_bucket_view=True) + ZeroRedundancyOptimizer",
                           DDP_ACCUMULATION + "; the optimizer shard owners broadcast updated parameters after step")
     return EngineInfo(zero, "fsdp-grad-op" if zero == 2 else "fsdp",
-                      f"FSDP2 fully_shard per block + root, reshard_after_forward={zero == 3}", FSDP_ACCUMULATION)
+                      f"FSDP2 fully_shard per block + root, reshard_after_forward={zero == 3}",
+                      FSDP_ACCUMULATION if sync_every_micro_batch else FSDP_NO_SYNC)
 
 
 def parse_sharding(text: str) -> int:

@@ -158,7 +158,7 @@ def _describe(trainer: Trainer, backend: str, warmup: int) -> dict[str, Any]:
     env = dict(environment(trainer.device), model=trainer.workload.description,
                parameters=sum(p.numel() for p in model.parameters()), ac_wrapped_layers=list(trainer.wrapped_layers))
     return dict(rank=rank, world=world, local_rank=local, host=socket.gethostname(), pid=os.getpid(),
-                engine=engines.describe(trainer.cfg), parameter_shard_bytes=engines.shard_bytes(model),
+                parameter_shard_bytes=engines.shard_bytes(model),
                 environment=env, backend=backend, device=str(trainer.device), torch=torch.__version__,
                 threads=torch.get_num_threads(), warmup=warmup,
                 parameter_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
@@ -172,11 +172,12 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
         raise ConfigError("dp", f"{cfg.dp} does not match the torchrun world size {world}; "
                                 "the config's DP is the number of ranks")
     device, backend = init(cfg, opts, spec.collective_timeout_s)
-    trainer, monitor = build(cfg, device, rank, world)
+    trainer, monitor = build(cfg, device, rank, world, sync_every_micro_batch=opts.fsdp_sync_every_micro_batch)
     warmup = max(MIN_WARMUP, opts.warmup)
     for _ in range(warmup):
         _update(trainer, monitor)  # a None probe is the harness's no-op probe
     out = _describe(trainer, backend, warmup)
+    out["engine"] = engines.describe(cfg, opts.fsdp_sync_every_micro_batch)
     if opts.memory:
         budget = cfg.memory_budget if device.type == "cpu" else None
         traffic = TrafficCounter()

@@ -117,6 +117,7 @@ class MeasuredTraffic:
     bookkeeping_calls: int = 0  # one-element collectives: the global useful-token count, a sharded grad norm
     bookkeeping_bytes: int = 0
     parameter_shard_bytes: int = 0  # this rank's parameter shards (all parameters without FSDP)
+    sync_every_micro_batch: bool = True  # FSDP2: reduce-scatter after every micro-batch (else the last only)
     predicted_per_update: dict[str, int] = field(default_factory=dict)  # formula
     predicted_per_micro_batch: list[dict[str, int]] = field(default_factory=list)  # formula
     provenance: str = "counted (c10d ops on the process group)"
