@@ -16,8 +16,8 @@ from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_
 
 
 def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, kept: tuple[int, ...],
-                below_layers: int, activations_total: int, logits_fwd: int, head_grad: int, transient: int,
-                opt_tmp: int, sharded_grads: int) -> dict[str, dict[str, int]]:
+                below_layers: int, activations_total: int, logits_fwd: int, loss_grads: int, head_grad: int,
+                transient: int, opt_tmp: int, sharded_grads: int) -> dict[str, dict[str, int]]:
     """Parts live at each phase's high point.  ``resident``: parameter shards (``parameters``), master,
     optimizer state and data; the rest as in formula.memory (per-layer kept activations, the in-layer
     transient of backward, the LM head's weight gradient)."""
@@ -32,7 +32,10 @@ def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, k
     phases = {"forward": dict(resident, parameters=shards + root + (0 if z3 else L * block) + block,
                               gradients=before,
                               activations=activations_total, recompute=0, temporaries=logits_fwd)}
-    best: dict[str, int] = {}
+    # backward's start (the loss's gradients): every activation kept, the root and ZeRO-3's last block
+    # gathered again (ZeRO-2: still every block)
+    best = dict(resident, parameters=shards + root + (block if z3 else L * block), gradients=before,
+                activations=activations_total, recompute=0, temporaries=loss_grads)
     kept_below = sum(kept)
     for i in reversed(range(L)):
         done = 0 if cfg.accum > 1 else (L - 1 - i) * block_grad // dp  # new shards of later blocks
@@ -52,7 +55,7 @@ def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, k
         for p in (inside, at_rs):
             if sum(p.values()) > sum(best.values()):
                 best = p
-    phases["backward"] = best or dict(phases["forward"])
+    phases["backward"] = best
     phases["optimizer"] = dict(resident, parameters=shards, gradients=sharded_grads, activations=0, recompute=0,
                                temporaries=opt_tmp)
     return phases

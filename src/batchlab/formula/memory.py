@@ -182,13 +182,13 @@ def fsdp_gradient_shard_bytes(cfg: RunConfig) -> int:
 
 
 def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int], logits_fwd: int,
-          opt_tmp: int) -> dict[str, dict[str, int]]:
+          loss_grads: int, opt_tmp: int) -> dict[str, dict[str, int]]:
     shards = fsdp_shard_bytes(cfg)
     full_grads = states.gradients * cfg.dp
     transient, head_grad, below = _backward_terms(cfg, full_grads)
     resident = dict(weights, parameters=shards, master=0)
     return fsdp_phases(cfg, resident, plan.per_layer_full, plan.per_layer_kept, below, plan.total, logits_fwd,
-                       head_grad, transient, opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg))
+                       loss_grads, head_grad, transient, opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg))
 
 
 def memory(cfg: RunConfig) -> MemoryEstimate:
@@ -226,7 +226,7 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
                           gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
     }
     if fsdp:
-        phases = _fsdp(cfg, states, plan, weights, logits_fwd, opt_tmp)
+        phases = _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
