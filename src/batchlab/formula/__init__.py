@@ -63,7 +63,10 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"{a.achievable_fraction:g}",
         f"per-op overhead {fmt_seconds(t.overhead_seconds_per_micro_batch)} per micro-batch (~{OPS_PER_LAYER} "
         f"ops per layer; op_overhead_seconds to change)",
-        f"all-reduce: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind backward",
+        (f"all-reduce: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind backward"
+         if cfg.zero < 2 else
+         f"collectives of FSDP2 (ZeRO-{cfg.zero}): all-gathers and reduce-scatters of every micro-batch, ring over "
+         f"{fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind compute"),
         (f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes" if allocator_margin(cfg)
          else "no allocator margin on CPU (tensor bytes, as the live-tensor tracker counts them)"),
         f"activations counted from the tensors the {implementation(cfg.model_source, cfg.model).value} layer code keeps "
