@@ -44,57 +44,71 @@ def test_zero3_pays_its_gathers_at_every_micro_batch_in_the_time_model():
     assert z3.update_seconds > z1.update_seconds
 
 
-# -- measured
+# -- measured: every stage in one 2-rank job per shape (distributed.equivalence.check_stages: parameters,
+# memory by the measurement's tracker, collectives), and the measure command's own path once
 @pytest.fixture(scope="module")
 def stages():
-    from batchlab.distributed import launch
+    from batchlab.distributed.equivalence import check_stages
 
-    return {z: launch(TINY.replace(zero=z), OPTS, nproc=2) for z in range(4)}
+    return check_stages(TINY, (1, 2, 3))
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_per_rank_peak_falls_with_the_stage_and_the_formula_is_within_3_percent(stages):
-    peaks = [stages[z].memory.peak_bytes for z in range(4)]
-    assert all(stages[z].ok for z in range(4))
+    peaks = [stages.memory[z]["peak_bytes"] for z in range(4)]
     assert peaks[0] > peaks[1] > peaks[2] > peaks[3], peaks
     for z in range(4):
         predicted = estimate(TINY.replace(zero=z)).memory.peak_tensor_bytes
         assert abs(predicted - peaks[z]) <= 0.03 * peaks[z], (z, predicted, peaks[z])
-    # FSDP2 units gathered at the peak are counted as parameters (working copies), beside the shards
-    t3, mem3 = stages[3].traffic, stages[3].memory
-    assert t3.parameter_shard_bytes == 4 * count(TINY.model).total // 2
-    assert mem3.breakdown["parameters"] > t3.parameter_shard_bytes
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_collectives_counted_on_the_process_group_equal_the_formula(stages):
     for z in range(4):
-        t = stages[z].traffic
-        assert t.per_update == t.predicted_per_update, z
-        assert t.per_micro_batch == t.predicted_per_micro_batch, z
-    assert stages[1].traffic.calls_per_update["broadcast"] > 0  # ZeroRedundancyOptimizer's, after step
+        predicted = traffic(TINY.replace(zero=z))
+        assert stages.traffic[z]["per_update"] == predicted.per_update, z
+        assert stages.traffic[z]["per_micro_batch"] == list(predicted.per_micro_batch), z
+    assert stages.traffic[1]["calls_per_update"]["broadcast"] > 0  # ZeroRedundancyOptimizer's, after step
     n = count(TINY.model).total  # by hand: DDP all-reduces every fp32 gradient once; FSDP2 gathers each twice
-    assert stages[0].traffic.per_update["all_reduce"] == 4 * n
-    assert stages[3].traffic.per_update["all_gather"] == 2 * 4 * n
+    assert stages.traffic[0]["per_update"]["all_reduce"] == 4 * n
+    assert stages.traffic[3]["per_update"]["all_gather"] == 2 * 4 * n
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_zero_1_2_3_parameters_equal_ddp_after_two_updates():
+def test_zero_1_2_3_parameters_equal_ddp_after_two_updates(stages):
     from batchlab.distributed.equivalence import ATOL, check_stages
 
-    cfg = TINY.replace(accum=2, micro_batch=1, seq=32)  # dropout on: the masks must match too
+    assert stages.equal, stages.text
+    assert set(stages.max_abs_difference) == {1, 2, 3} and stages.tolerance == ATOL
+    cfg = TINY.replace(accum=2, micro_batch=1, seq=32)  # accumulation; dropout on: the masks must match too
     check = check_stages(cfg, (1, 2, 3))
     assert check.equal, check.text
-    assert set(check.max_abs_difference) == {1, 2, 3} and check.tolerance == ATOL
-    # with accumulation, each micro-batch's collectives as the formula says: DDP no_sync (one all-reduce, in
-    # the last micro-batch), FSDP2 all-gathers and reduce-scatters in every micro-batch
+    # each micro-batch's collectives as the formula says: DDP no_sync (one all-reduce, in the last
+    # micro-batch), FSDP2 all-gathers and reduce-scatters in every micro-batch
     for z, seen in check.traffic.items():
         predicted = traffic(cfg.replace(zero=z))
         assert seen["per_micro_batch"] == list(predicted.per_micro_batch), z
         assert seen["per_update"] == predicted.per_update, z
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_measure_runs_fsdp_under_torchrun_with_traffic_and_shards_reported():
+    from batchlab.distributed import launch
+    from batchlab.distributed.report import lines
+
+    cfg = TINY.replace(zero=3)
+    m = launch(cfg, OPTS, nproc=2)
+    assert m.ok and m.traffic.engine == "fsdp" and m.traffic.matches_formula
+    assert m.traffic.parameter_shard_bytes == 4 * count(cfg.model).total // 2
+    assert m.memory.breakdown["parameters"] > m.traffic.parameter_shard_bytes  # gathered working copies too
+    predicted = estimate(cfg).memory.peak_tensor_bytes
+    assert abs(predicted - m.memory.peak_bytes) <= 0.03 * m.memory.peak_bytes
+    text = "\n".join(lines(m))
+    assert "equal to the formula's" in text and "set_requires_gradient_sync(True)" in text
 
 
 @pytest.mark.parametrize("zero", [1, 3])

@@ -5,7 +5,7 @@
     check.equal, check.max_abs_difference, check.text
 
 Both engines run in one ``torch.multiprocessing`` job of ``cfg.dp`` ranks (gloo on CPU), one after the
-other, from the same seed: same initial weights, same data on each rank, same dropout masks.  Full
+other (the same job also tracks each one's memory and counts its collectives), from the same seed: same initial weights, same data on each rank, same dropout masks.  Full
 parameters are gathered (``DTensor.full_tensor()`` under FSDP2) and compared elementwise in fp32.  Sums
 over ranks and the gradient norm are computed in a different order by each engine, so equality is up to
 ``ATOL`` (absolute, after two AdamW updates at lr 1e-4).
@@ -30,6 +30,7 @@ class EquivalenceCheck:
     max_abs_difference: dict[int, float]  # stage -> largest |parameter - DDP's parameter|
     tolerance: float = ATOL
     traffic: dict[int, dict] = field(default_factory=dict)  # stage -> one steady update's collectives
+    memory: dict[int, dict] = field(default_factory=dict)  # stage -> that update's peak (tracker), phase, parts
 
     @property
     def equal(self) -> bool:
@@ -58,24 +59,28 @@ def _rank(rank: int, world: int, port: int, cfgs: list[dict], updates: int, out:
     from batchlab.config import config_from_dict
     from batchlab.distributed import engines
     from batchlab.distributed.traffic import TrafficCounter
-    from batchlab.distributed.worker import init
+    from batchlab.distributed.worker import init, measure_memory
     from batchlab.measure.options import MeasureOptions
 
-    results = {}
+    results = []
     for d in cfgs:
         cfg = config_from_dict(d)
         device, _ = init(cfg, MeasureOptions(), 120.0)
-        trainer, _ = engines.build(cfg, device, rank, world)
+        trainer, monitor = engines.build(cfg, device, rank, world)
         for _ in range(updates):
-            trainer.update()
+            trainer.update(probe=monitor)
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
                 for n, p in trainer.raw_model.named_parameters()}
-        # one more update's collectives, per micro-batch (steady state: DDP broadcasts its rebuilt bucket
-        # order once, in the second update)
+        # one more update, steady (DDP broadcasts its rebuilt bucket order once, in the second): its memory
+        # as the measurement tracks it, and its collectives per micro-batch
         counter = TrafficCounter()
-        with counter:
-            trainer.update(probe=counter)
-        results[cfg.zero] = dict(parameters=full, traffic=counter.summary(cfg.accum))
+        mem = measure_memory(trainer, monitor, None, counter)
+        peaks: list = [None] * world
+        dist.all_gather_object(peaks, (mem.peak_bytes, mem.peak_phase, mem.breakdown))
+        top = max(peaks, key=lambda p: p[0])
+        results.append(dict(parameters=full, traffic=counter.summary(cfg.accum),
+                            memory=dict(peak_bytes=top[0], peak_phase=top[1], breakdown=top[2],
+                                        per_rank_peak_bytes=[p[0] for p in peaks])))
         dist.barrier()
     if rank == 0:
         torch.save(results, out)
@@ -83,9 +88,10 @@ def _rank(rank: int, world: int, port: int, cfgs: list[dict], updates: int, out:
     dist.destroy_process_group()
 
 
-def parameters_after(cfgs: list[RunConfig], updates: int = 2) -> dict[int, dict]:
-    """By ZeRO stage: ``parameters`` (full, by name) after ``updates`` updates of each config (same DP) and
-    ``traffic``, the collectives of one update more (TrafficCounter.summary)."""
+def run_stages(cfgs: list[RunConfig], updates: int = 2) -> list[dict]:
+    """Per config (same DP), in one job: ``parameters`` (full, by name) after ``updates`` updates; then one
+    update more: its ``memory`` (live-storage tracker, the highest rank's peak) and ``traffic``
+    (TrafficCounter.summary)."""
     import torch
     import torch.multiprocessing as mp
 
@@ -103,10 +109,12 @@ def check_stages(base: RunConfig, stages: tuple[int, ...], updates: int = 2) -> 
         raise ConfigError("dp", "the ZeRO semantics check needs dp >= 2 (one rank has nothing to shard)")
     if base.precision is not Precision.FP32:
         raise ConfigError("precision", "the ZeRO semantics check compares fp32 runs")
-    runs = parameters_after([base.replace(zero=z) for z in (0, *stages)], updates)
+    every = (0, *stages)
+    runs = dict(zip(every, run_stages([base.replace(zero=z) for z in every], updates)))
     ref = runs[0]["parameters"]
     diffs = {z: max(float((runs[z]["parameters"][n] - ref[n]).abs().max()) for n in ref) for z in stages}
-    return EquivalenceCheck(tuple(stages), updates, diffs, traffic={z: runs[z]["traffic"] for z in (0, *stages)})
+    return EquivalenceCheck(tuple(stages), updates, diffs, traffic={z: runs[z]["traffic"] for z in every},
+                            memory={z: runs[z]["memory"] for z in every})
 
 
 def same_parameters_as_ddp(cfg_a: RunConfig, cfg_b: RunConfig, updates: int = 2) -> EquivalenceCheck:
