@@ -44,6 +44,23 @@ def test_zero3_pays_its_gathers_at_every_micro_batch_in_the_time_model():
     assert z3.update_seconds > z1.update_seconds
 
 
+def test_sharding_names_are_the_zero_stages_and_a_contradiction_is_refused():
+    from batchlab.cli.common import build_config
+    from batchlab.config import ConfigError
+
+    assert [build_config(sharding=name, dp=2).zero for name in ("ddp", "zero1", "fsdp-grad-op", "fsdp")] == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match="sharding"):
+        build_config(sharding="fsdp", zero=1, dp=2)
+
+
+def test_scope_says_what_gloo_cannot_tell_about_sharding_on_nccl():
+    from batchlab.experiment.scope import scope
+
+    changed = scope(TINY, TINY.replace(zero=3), {"cpu"}, True, None)
+    assert any("ZeRO/FSDP measured on gloo" in line and "NCCL" in line for line in changed)
+    assert not any("ZeRO/FSDP" in line for line in scope(TINY, TINY.replace(micro_batch=2), {"cpu"}, True, None))
+
+
 # -- measured: every stage in one 2-rank job per shape (distributed.equivalence.check_stages: parameters,
 # memory by the measurement's tracker, collectives), and the measure command's own path once
 @pytest.fixture(scope="module")
