@@ -89,7 +89,8 @@ def formula_lines(m: Measurement) -> list[str]:
                    "keeps fp32 weights and gradients on every rank and shards only the optimizer state")
     if cfg.zero >= 2 and cfg.accum > 1:
         saved = traffic(cfg).per_update["reduce_scatter"] - traffic(cfg, False).per_update["reduce_scatter"]
-        kept = fmt_bytes(unsharded_gradient_bytes(cfg))
+        full = unsharded_gradient_bytes(cfg)
+        kept = f"{fmt_bytes(full)} instead of its {fmt_bytes(full // cfg.dp)} shard: +{fmt_bytes(full - full // cfg.dp)} per rank"
         out.append(f"the other choice, set_requires_gradient_sync(False) on micro-batches 1..{cfg.accum - 1}: "
                    f"{fmt_bytes(saved)} less reduce-scatter per update, but every rank keeps the unsharded "
                    f"gradient ({kept}) between micro-batches (formula)" if m.traffic.sync_every_micro_batch else
