@@ -26,11 +26,13 @@ import time
 
 import torch
 
-from batchlab.calibrate import cpu_hardware
+from batchlab.calibrate import load_all
 from batchlab.config import RunConfig, preset
-from batchlab.measure import MeasureOptions, run
+from batchlab.measure import MeasureOptions
+from batchlab.run import measure as run
 from batchlab.measure.harness import Trainer
 from batchlab.formula import estimate as formula_estimate
+from batchlab.host import cpu_hardware
 from batchlab.trace import estimate as trace_estimate
 from batchlab.units import relative_to
 
@@ -139,7 +141,8 @@ def time_rows(pairs: int):
         a, b = base.replace(**a_changes), base.replace(**b_changes)
         log(f"time: {label}, {pairs} pairs")
         ratios = paired_ratios(a, b, pairs)
-        fa_t, fb_t = formula_estimate(a).time.update_seconds, formula_estimate(b).time.update_seconds
+        cals = load_all()
+        fa_t, fb_t = formula_estimate(a, cals).time.update_seconds, formula_estimate(b, cals).time.update_seconds
         flops_ratio = trace_estimate(b).flops.hardware_flops_per_update / trace_estimate(a).flops.hardware_flops_per_update
         rows.append(dict(label=label, ratios=ratios, formula=(fb_t / fa_t) if fa_t and fb_t else None,
                          flops=flops_ratio))

@@ -125,3 +125,20 @@ def test_config_file_model_may_be_a_hugging_face_family(tmp_path):
     path.write_text('[config]\nmodel = "tiny"\nmicro_batch = 4\n')
     d = json.loads(run("estimate", "--config", str(path), "--global-batch", "8", "--accum", "2", "--json").stdout)
     assert (d["config"]["micro_batch"], d["config"]["accum"]) == (4, 2)
+
+
+def test_estimate_and_vary_use_the_cached_calibration_of_the_device(tmp_path, monkeypatch):
+    # the CLI is the caller that reads the cache: formula.estimate itself never does
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    from batchlab.calibrate import Calibration, save
+    from batchlab.host import cpu_hardware
+
+    save(Calibration(device="cpu", hardware=f"{cpu_hardware()}, 1 threads", torch_device="cpu",
+                     matmul_flops_fp32=5e10, matmul_flops_bf16=None, memory_bytes_per_s=3e9,
+                     measured_at="2025-01-01T00:00:00+00:00"))
+    one = json.loads(run("estimate", "--device", "cpu", "--json").stdout)["time"]
+    assert one["flops_ceiling"] == 5e10 * 0.4 and one["ceiling_source"].startswith("calibrated on")
+    rows = json.loads(run("estimate", "--device", "cpu", "--vary", "micro_batch=1,2", "--json").stdout)
+    assert [r["time"]["flops_ceiling"] for r in rows] == [5e10 * 0.4] * 2
+    other = json.loads(run("estimate", "--device", "h100-sxm", "--json").stdout)["time"]
+    assert "datasheet" in other["ceiling_source"]  # no calibration cached for that device

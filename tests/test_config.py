@@ -138,3 +138,55 @@ def test_local_device_is_this_machines_gpu_or_cpu(tmp_path, monkeypatch):
     finally:
         local_device.cache_clear()
         device.cache_clear()
+
+
+def _enum_fields(obj) -> dict[str, object]:
+    """Every field annotated with an enum type (or an optional one), with its value."""
+    import dataclasses
+    import enum
+    import typing
+
+    hints = typing.get_type_hints(type(obj))
+    out = {}
+    for f in dataclasses.fields(obj):
+        kinds = typing.get_args(hints[f.name]) or (hints[f.name],)
+        if any(isinstance(k, type) and issubclass(k, enum.Enum) for k in kinds):
+            out[f.name] = getattr(obj, f.name)
+    return out
+
+
+def test_enum_fields_hold_enums_when_built_from_strings():
+    import enum
+
+    from batchlab.config import Backend, DeviceSpec, ModelSpec
+
+    cfg = RunConfig(model=ModelSpec(mlp="swiglu", norm="rmsnorm", attention="sdpa", position="rope"),
+                    precision="bf16-mixed", optimizer="sgd", data="padded")
+    built = [cfg, cfg.model, ACPolicy("full"), DeviceSpec("x", "cuda", 1, 1.0, 1.0, 1.0, 1.0, 1.0),
+             config_from_dict(json.loads(json.dumps(cfg.to_dict())))]
+    for obj in built:
+        values = _enum_fields(obj)
+        assert values, type(obj).__name__
+        for name, value in values.items():  # a str subclass, so `isinstance(value, str)` would not tell
+            assert isinstance(value, enum.Enum), (type(obj).__name__, name, value)
+    assert ACPolicy("full").mode is ACMode.FULL and built[3].backend is Backend.CUDA
+    assert cfg.precision.value == "bf16-mixed" and cfg.model.mlp.value == "swiglu"
+
+
+def test_model_source_kind():
+    from batchlab.config import ModelSource, resolve_model
+
+    kinds = {arg: RunConfig(model_source=resolve_model(arg)[1]).model_kind
+             for arg in ("tiny", "hf:gpt2", "mypkg.models:build")}
+    assert kinds == {"tiny": ModelSource.BUILTIN, "hf:gpt2": ModelSource.HF, "mypkg.models:build": ModelSource.FACTORY}
+
+
+def test_config_error_keeps_field_and_message_apart():
+    with pytest.raises(ConfigError) as e:
+        RunConfig(micro_batch=0)
+    assert (e.value.field, e.value.message) == ("micro_batch", "must be > 0, got 0")
+    assert str(e.value) == "micro_batch: must be > 0, got 0"
+    import pickle
+
+    again = pickle.loads(pickle.dumps(e.value))  # crosses process boundaries intact
+    assert (again.field, again.message, str(again)) == (e.value.field, e.value.message, str(e.value))

@@ -13,7 +13,8 @@ from batchlab.formula.timing import ring_allreduce_seconds
 
 
 def test_importing_the_calculator_does_not_import_torch():
-    code = ("import sys, batchlab, batchlab.formula, batchlab.formula.vary, batchlab.formula.explain;"
+    code = ("import sys, batchlab, batchlab.formula, batchlab.formula.vary, batchlab.formula.explain, batchlab.host,"
+            "batchlab.calibrate;"
             "from batchlab.formula import estimate; from batchlab.config import RunConfig; estimate(RunConfig());"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -81,10 +82,10 @@ def test_memory_breakdown_adds_up_and_zero_shards():
     m1 = estimate(cfg.replace(zero=1)).memory
     assert (m1.parameters_bytes, m1.gradients_bytes, m1.master_bytes, m1.optimizer_bytes) == \
         (2 * n, 2 * n, 4 * n // 8, 8 * n // 8)
-    # ZeRO-3 runs on FSDP2 with MixedPrecisionPolicy: fp32 parameter and gradient shards (no separate master),
-    # 16-bit copies only while gathered; still 16 bytes per parameter over 8 ranks
+    # ZeRO-3 runs on FSDP2 with MixedPrecisionPolicy: the fp32 parameter shards are the master copy, fp32
+    # gradient shards, 16-bit copies only while gathered (none resident); still 16 bytes per parameter / 8
     m3 = estimate(cfg.replace(zero=3)).memory
-    assert (m3.parameters_bytes, m3.gradients_bytes, m3.master_bytes) == (4 * n // 8, 4 * n // 8, 0)
+    assert (m3.parameters_bytes, m3.gradients_bytes, m3.master_bytes) == (0, 4 * n // 8, 4 * n // 8)
     assert m0.peak_bytes == m0.peak_tensor_bytes + m0.margin_bytes
     assert sum(m0.activations_per_layer_bytes) < m0.activations_bytes
     assert not m0.fits and m1.peak_bytes < m0.peak_bytes
@@ -97,12 +98,40 @@ def test_accumulation_keeps_activations_and_changes_time():
     assert b.time.compute_seconds == pytest.approx(4 * a.time.compute_seconds)
 
 
-def test_vary_thousand_values_is_cheap():
+def narayanan_flops(cfg: RunConfig) -> float:
+    """Model FLOPs of one update without recompute: 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) for B sequences
+    (Narayanan et al. 2021, eq. 3; matmuls only, so the formula's count sits slightly above it)."""
+    m, s = cfg.model, cfg.seq
+    return 72 * cfg.global_batch * s * m.layers * m.hidden**2 * (1 + s / (6 * m.hidden) + m.vocab / (12 * m.layers * m.hidden))
+
+
+def test_vary_micro_batch_at_a_kept_global_batch_rows_by_hand():
     from batchlab.formula.vary import vary
 
-    rows = vary(RunConfig(micro_batch=1, accum=1), "seq", [str(v) for v in range(8, 256)])
-    assert [r.directions["activations"] for r in rows[1:3]] == ["up", "up"]
-    assert rows[0].directions["peak memory"] == "same"
+    rows = vary(RunConfig(micro_batch=1, accum=8), "micro_batch", ["1", "2", "4"])
+    # global batch 8 kept: accum = 8 / micro-batch
+    assert [(r.config.micro_batch, r.config.accum, r.config.global_batch) for r in rows] == [(1, 8, 8), (2, 4, 8), (4, 2, 8)]
+    for r in rows:  # same tokens per update, so the same FLOPs: the paper's count within 1%
+        assert r.estimate.flops.hardware_flops_per_update == pytest.approx(narayanan_flops(r.config), rel=0.01)
+    assert [r.directions["hardware FLOPs/update"] for r in rows] == ["same", "same", "same"]
+    # one micro-batch's activations are live at a time: they grow with the micro-batch, not with accum
+    assert [r.directions["activations"] for r in rows] == ["same", "up", "up"]
+    assert rows[2].estimate.memory.activations_bytes > rows[1].estimate.memory.activations_bytes
+
+
+def test_vary_accum_at_a_kept_micro_batch_rows_by_hand():
+    from batchlab.config import Keep
+    from batchlab.formula.vary import vary
+
+    rows = vary(RunConfig(micro_batch=2, accum=1), "accum", ["1", "2", "4"], Keep.ACCUM)
+    assert [(r.config.micro_batch, r.config.accum, r.config.global_batch) for r in rows] == [(2, 1, 2), (2, 2, 4), (2, 4, 8)]
+    flops = [r.estimate.flops.hardware_flops_per_update for r in rows]
+    assert flops[1] == 2 * flops[0] and flops[2] == 4 * flops[0]  # FLOPs per update scale with the sequences
+    assert flops[2] == pytest.approx(narayanan_flops(rows[2].config), rel=0.01)
+    # accumulation does not keep several micro-batches' activations at once
+    assert len({r.estimate.memory.activations_bytes for r in rows}) == 1
+    assert [r.directions["activations"] for r in rows] == ["same", "same", "same"]
+    assert [r.directions["update time"] for r in rows] == ["same", "up", "up"]
 
 
 # -- the formula against the live tensors of a real step (torch from here on)

@@ -7,14 +7,14 @@ a datasheet figure, and says so (``Calibration.source``).
     from batchlab.calibrate import load_cached
     cal = load_cached("cpu")          # a batchlab device name (RunConfig.device), or None if never run here
     cal.matmul_flops("bf16-mixed")    # FLOP/s; cal.memory_bytes_per_s; cal.source says where they came from
+    estimate(cfg, load_all())         # the caller reads the cache; formula.estimate stays a pure function
 
-Importing this module does not import torch (the formula reads the cache); measuring does.
+Importing this module does not import torch (callers of the formula read the cache); measuring does.
 """
 from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import re
 import statistics
 import time
@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from batchlab.config import ConfigError, Precision, catalogue_key
+from batchlab.config import ConfigError, Precision
+from batchlab.host import cpu_hardware
 
-# GPU names (torch.cuda.get_device_name) -> batchlab catalogue names, most specific first
 @dataclass
 class Calibration:
     device: str  # batchlab device name the figures stand for ("cpu", "h200", ... or the backend)
@@ -81,29 +81,21 @@ def save(cal: Calibration) -> Path:
     return path
 
 
-def cpu_hardware() -> str:
-    """This machine's CPU model and core count (torch-free, so the formula can check a cached entry)."""
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    if not model:
-        import platform
-
-        model = platform.processor() or platform.machine() or "unknown CPU"
-    return f"{model}, {os.cpu_count()} cores"
-
-
 def load_cached(device_name: str) -> Calibration | None:
     """The cached calibration for a batchlab device name (``RunConfig.device``), or None.
 
     A CPU entry measured on other hardware (a home directory shared between machines) is ignored.
     """
-    path = _cache_path(device_name)
+    return _read(_cache_path(device_name))
+
+
+def load_all() -> dict[str, Calibration]:
+    """Every usable cached calibration, by batchlab device name: what ``formula.estimate`` is given."""
+    found = (_read(p) for p in sorted(cache_dir().glob("*.json")))
+    return {cal.device: cal for cal in found if cal is not None}
+
+
+def _read(path: Path) -> Calibration | None:
     try:
         raw = json.loads(path.read_text())
         names = {f for f in Calibration.__dataclass_fields__}
@@ -116,28 +108,6 @@ def load_cached(device_name: str) -> Calibration | None:
 
 
 # ------------------------------------------------------------------------------------------ measuring
-
-def batchlab_device_name(torch_device: str) -> str:
-    """The batchlab device a local torch device stands for: ``cpu``, a catalogue GPU, or the backend."""
-    import torch
-
-    dev = torch.device(torch_device)
-    if dev.type == "cpu":
-        return "cpu"
-    if dev.type == "cuda":
-        return catalogue_key(torch.cuda.get_device_name(dev)) or "cuda"
-    return dev.type
-
-
-def _synchronizer(device) -> Callable[[], None]:
-    import torch
-
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    if device.type == "mps":
-        return torch.mps.synchronize
-    return lambda: None
-
 
 def timed_rates(fn: Callable[[], Any], work: float, seconds: float, sync: Callable[[], None],
                 clock: Callable[[], float] = time.perf_counter, min_samples: int = 3) -> list[float]:
@@ -217,23 +187,26 @@ def measure(torch_device: str = "cpu", seconds: float = 3.0, sizes: tuple[int, .
     """Measure this device's ceilings in about ``seconds`` (40% fp32 matmul, 40% bf16, 20% copy)."""
     import torch
 
+    from batchlab.measure.clock import synchronizer
+    from batchlab.measure.device import catalogue_name, usable
+
     if seconds <= 0:
         raise ConfigError("seconds", f"must be > 0, got {seconds}")
+    device = usable(torch_device)
     try:
-        device = torch.device(torch_device)
         torch.empty(1, device=device)
     except (RuntimeError, AssertionError) as e:
         raise ConfigError("torch_device", f"{torch_device!r} is not usable here: {e}") from None
     default_sizes, default_copy = _defaults(device)
     sizes, copy_bytes = sizes or default_sizes, copy_bytes or default_copy
-    sync = _synchronizer(device)
+    sync = synchronizer(device)
     start = time.perf_counter()
     fp32 = _matmul_rate(device, torch.float32, sizes, 0.4 * seconds, sync)
     bf16 = _matmul_rate(device, torch.bfloat16, sizes, 0.4 * seconds, sync)
     copy = _copy_rate(device, copy_bytes, 0.2 * seconds, sync)
     assert fp32 is not None, "fp32 matmul failed"
     return Calibration(
-        device=batchlab_device_name(torch_device), hardware=_hardware(device), torch_device=str(device),
+        device=catalogue_name(device), hardware=_hardware(device), torch_device=str(device),
         matmul_flops_fp32=fp32[0], matmul_flops_bf16=bf16[0] if bf16 else None, memory_bytes_per_s=copy,
         matmul_size={"fp32": fp32[1], **({"bf16": bf16[1]} if bf16 else {})}, copy_bytes=copy_bytes,
         threads=torch.get_num_threads(), measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchlab.config import ACMode, ACPolicy, ConfigError, RunConfig
-from batchlab.formula import estimate
+from batchlab.calibrate import load_all
+from batchlab.config import ACMode, ACPolicy, ConfigError, ModelSource, RunConfig
+from batchlab.formula import Calibrations, estimate
 from batchlab.formula.memory import model_states
 
 DEFAULT_MARGIN = 0.10  # of the device memory (or --memory-budget), kept free on top of the formula's peak
@@ -77,8 +78,9 @@ class Candidate:
         return str(self.config.ac), self.config.zero
 
 
-def candidate(cfg: RunConfig, tokens: float) -> Candidate:
-    est = estimate(cfg)
+def candidate(cfg: RunConfig, tokens: float, calibrations: Calibrations | None = None) -> Candidate:
+    """``calibrations``: the cached ceilings (``calibrate.load_all()``), read here when not given."""
+    est = estimate(cfg, load_all() if calibrations is None else calibrations)
     return Candidate(cfg, est.memory.peak_bytes, est.memory.peak_phase, est.time.update_seconds,
                      est.time.tokens_per_second, est.time.time_to_tokens(tokens),
                      est.flops.hardware_flops_per_update)
@@ -106,7 +108,8 @@ def shaped(goal: Goal, micro_batch: int, ac: ACPolicy, zero: int) -> RunConfig:
 
 
 def enumerate_candidates(goal: Goal) -> list[Candidate]:
-    return [candidate(shaped(goal, mb, ac, z), goal.tokens)
+    cals = load_all()
+    return [candidate(shaped(goal, mb, ac, z), goal.tokens, cals)
             for z in zero_stages(goal) for ac in policies(goal.base.model.layers) for mb in divisors(goal.per_rank)]
 
 
@@ -120,8 +123,8 @@ def best_per_option(cands: list[Candidate], limit_bytes: int) -> list[Candidate]
 
 
 def rank(options: list[Candidate]) -> list[Candidate]:
-    """Fastest to the token budget first; ties (the formula's time does not depend on micro-batch, and
-    ZeRO-1/2 move the same bytes as DDP) go to the lower ZeRO stage, less recompute, larger micro-batch."""
+    """Fastest to the token budget first (rounded to 9 digits, so equal figures tie); ties (ZeRO-1/2 move the
+    same bytes as DDP) go to the lower ZeRO stage, less recompute, larger micro-batch."""
     return sorted(options, key=lambda c: (float(f"{c.time_to_tokens_seconds:.9g}"), c.config.zero,
                                           c.hardware_flops_per_update, -c.config.micro_batch))
 
@@ -150,7 +153,7 @@ def unfit_options(cands: tuple[Candidate, ...], ranked: tuple[Candidate, ...]) -
 
 
 @dataclass(frozen=True)
-class Plan:
+class FitPlan:
     goal: Goal
     candidates: tuple[Candidate, ...]  # every configuration evaluated
     ranked: tuple[Candidate, ...]  # best micro-batch per (policy, ZeRO stage) within the margin, best first
@@ -182,9 +185,9 @@ def check_capacity(goal: Goal) -> None:
 
 
 def assumptions(goal: Goal, est_assumptions: tuple[str, ...]) -> tuple[str, ...]:
-    src = goal.base.model_source
-    factory = (f"model {src} is a factory the formula cannot see inside: the plan uses the shape of "
-               f"{goal.base.model.name}; confirm with --verify / --search",) if ":" in src and not src.startswith("hf:") else ()
+    factory = (f"model {goal.base.model_source} is a factory the formula cannot see inside: the plan uses the shape "
+               f"of {goal.base.model.name}; confirm with --verify / --search",) \
+        if goal.base.model_kind is ModelSource.FACTORY else ()
     return est_assumptions + factory + (
         f"safety margin {goal.margin:.0%} of {goal.capacity_bytes / 2**30:.3g} GiB per rank: a candidate fits if its "
         f"predicted peak is <= {goal.usable_bytes / 2**30:.3g} GiB",
@@ -194,10 +197,10 @@ def assumptions(goal: Goal, est_assumptions: tuple[str, ...]) -> tuple[str, ...]
     )
 
 
-def plan(goal: Goal) -> Plan:
+def plan(goal: Goal) -> FitPlan:
     check_capacity(goal)
     cands = enumerate_candidates(goal)
     ranked = rank(best_per_option(cands, goal.usable_bytes))
     rec, why = recommend(ranked, goal)
-    est_assumptions = estimate(goal.base).assumptions
-    return Plan(goal, tuple(cands), tuple(ranked), rec, why, assumptions(goal, est_assumptions))
+    est_assumptions = estimate(goal.base, load_all()).assumptions
+    return FitPlan(goal, tuple(cands), tuple(ranked), rec, why, assumptions(goal, est_assumptions))

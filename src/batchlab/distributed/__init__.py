@@ -5,8 +5,8 @@
     m = launch(cfg, opts, nproc=8, torchrun_args=["--nnodes", "2", "--node-rank", "0",
                                                   "--rdzv-endpoint", "host0:29500", "--rdzv-backend", "c10d"])
 
-``torchrun --nproc-per-node 2 -m batchlab measure --dp 2`` works too: the measure path calls
-``dispatch``, which sees torchrun's environment and runs this process as one rank.
+``torchrun --nproc-per-node 2 -m batchlab measure --dp 2`` works too: ``batchlab.run.measure``
+sees torchrun's environment and runs this process as one rank.
 
 Each rank runs the harness Trainer on the engine of ``cfg.zero`` (``engines.py``): ZeRO-0
 ``DDP(gradient_as_bucket_view=True)``, ZeRO-1 the same DDP + ZeroRedundancyOptimizer, ZeRO-2/3 FSDP2
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from batchlab.measure.options import MeasureOptions
     from batchlab.measure.result import Measurement
 
-__all__ = ["SCOPE", "dispatch", "in_torchrun", "is_primary", "launch", "measure_in_torchrun"]
+__all__ = ["SCOPE", "in_torchrun", "is_primary", "launch", "measure_in_torchrun"]
 
 
 def launch(cfg: "RunConfig", opts: "MeasureOptions | None" = None, nproc: int | None = None,
@@ -67,12 +67,3 @@ def measure_in_torchrun(cfg: "RunConfig", opts: "MeasureOptions | None" = None) 
     if ours:
         dist.destroy_process_group()
     return merge(cfg, ranks, dict(launcher="torchrun (external)"))
-
-
-def dispatch(cfg: "RunConfig", opts: "MeasureOptions | None" = None) -> "Measurement | None":
-    """The measure path's hook: a DP measurement if this is one (inside torchrun, or cfg.dp > 1), else None."""
-    if in_torchrun():
-        return measure_in_torchrun(cfg, opts)
-    if cfg.dp > 1:
-        return launch(cfg, opts)
-    return None

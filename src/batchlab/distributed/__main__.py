@@ -40,12 +40,13 @@ def write_json(path: Path, obj) -> None:
 
 def error_record(rank: int, exc: BaseException) -> dict:
     from batchlab.config import ConfigError
-    from batchlab.measure.oom import classify_oom
+    from batchlab.measure.oom_classify import classify_oom
 
     kind = classify_oom(exc)
     lines = str(exc).strip().splitlines()
     return dict(rank=rank, time=time.time(), type=type(exc).__name__, message=lines[0][:300] if lines else "",
-                field=exc.field if isinstance(exc, ConfigError) else None, oom=kind.value if kind is not None else None,
+                field=exc.field if isinstance(exc, ConfigError) else None,
+                field_message=exc.message if isinstance(exc, ConfigError) else None, oom=kind.value if kind is not None else None,
                 traceback="".join(traceback.format_exception(exc))[-4000:])
 
 

@@ -74,9 +74,7 @@ def _from_error(err: dict) -> Failure:
         outcome = Outcome.OOM_BUDGET if err["oom"] == "memory budget" else Outcome.OOM
         return Failure(outcome, err["rank"], f"out of memory, {err['oom']}: {message}")
     if err.get("field"):
-        prefix = f"{err['field']}: "
-        text = err.get("message", "")
-        return Failure(Outcome.FAILED, err["rank"], message, err["field"], text.removeprefix(prefix))
+        return Failure(Outcome.FAILED, err["rank"], message, err["field"], err.get("field_message") or "")
     return Failure(Outcome.FAILED, err["rank"], message)
 
 

@@ -152,9 +152,10 @@ def check_world(cfg: RunConfig, nproc: int, nnodes: int) -> None:
 
 def check_local(cfg: RunConfig, opts: MeasureOptions, nproc: int) -> None:
     """User errors found before starting anything: an absent device, too few GPUs, a budget too small."""
-    from batchlab.measure.session import check_budget, resolve_device
+    from batchlab.measure.device import torch_device
+    from batchlab.measure.session import check_budget
 
-    dev = resolve_device(cfg, opts.torch_device)
+    dev = torch_device(cfg, opts.torch_device)
     if dev.type == "cuda":
         import torch
 

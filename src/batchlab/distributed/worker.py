@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -24,7 +24,8 @@ from batchlab.distributed import comm, engines
 from batchlab.distributed.traffic import TrafficCounter
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
-from batchlab.measure.harness import Trainer, torch_device
+from batchlab.measure.device import torch_device
+from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import MeasuredMemory
@@ -114,9 +115,7 @@ def measure_memory(trainer: Trainer, monitor: comm.CommMonitor | None, budget: i
         mem = probe.result(trainer)
     else:
         mem = from_snapshot(_track(trainer, monitor, budget, probes, traffic))
-    if monitor is not None:
-        mem.method += f"; {BUCKET_VIEW_NOTE}"
-    return mem
+    return mem if monitor is None else replace(mem, method=f"{mem.method}; {BUCKET_VIEW_NOTE}")
 
 
 def _track(trainer: Trainer, monitor: comm.CommMonitor | None, budget: int | None, probes, traffic):

@@ -124,7 +124,7 @@ def _keep(base: RunConfig, cfg: RunConfig, names: list[str], keep: KeepMode, lab
         return keep_global_batch(base, cfg, names)
     except ConfigError as e:
         raise ConfigError(e.field, f"side {label} ({', '.join(f'{n}={_show(getattr_any(cfg, n))}' for n in names)}), "
-                                   f"global batch kept at {base.global_batch}: {_strip(e)}") from None
+                                   f"global batch kept at {base.global_batch}: {e.message}") from None
 
 
 def getattr_any(cfg: RunConfig, name: str) -> Any:
@@ -133,12 +133,6 @@ def getattr_any(cfg: RunConfig, name: str) -> Any:
     if hasattr(cfg.model, name):
         return getattr(cfg.model, name)
     return getattr(cfg.assumptions, name)
-
-
-def _strip(e: ConfigError) -> str:
-    text = str(e)
-    prefix = f"{e.field}: "
-    return text[len(prefix):] if text.startswith(prefix) else text
 
 
 def _warnings(a: RunConfig, b: RunConfig, keep: KeepMode) -> list[str]:

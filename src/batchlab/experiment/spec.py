@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchlab.config import ConfigError, RunConfig, config_from_table
+from batchlab.config import ConfigError, RunConfig, config_from_table, read_file
 from batchlab.experiment.change import Change, KeepMode, change_from_values, parse_change
 from batchlab.experiment.predict import Direction, Metric, parse_predictions, predictions_from_mapping
 
@@ -50,14 +50,7 @@ class ExperimentFile:
 
 def load(path: str | Path, base: RunConfig) -> ExperimentFile:
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError("experiment", f"no such file: {p}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError("experiment", f"cannot read {p}: {e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError("experiment", f"{p} is not valid TOML: {e}") from None
+    data = read_file("experiment", p, tomllib.loads, "TOML")
     data = _hoist(data)
     unknown = [k for k in data if k not in TOP_LEVEL]
     if unknown:

@@ -1,21 +1,28 @@
-"""The calculator: memory, FLOPs and time of one optimizer update from the config alone (no torch).
+"""The calculator: memory, FLOPs and time of one optimizer update from the config (no torch).
 
-Every figure it returns has provenance "formula".
+``estimate(cfg, calibrations)`` is a pure function: the measured ceilings of ``batchlab calibrate`` come
+in as an argument (``calibrate.load_all()``, read by the caller), never from disk here.  Every figure it
+returns has provenance "formula".
 """
 from __future__ import annotations
 
-import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from batchlab.config import RunConfig
+from batchlab.config import Backend, ModelSource, RunConfig
 from batchlab.formula.activations import implementation
 from batchlab.formula.flops import FlopsEstimate, flops
-from batchlab.formula.memory import (MemoryEstimate, allocator_margin, memory, model_states,
+from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
                                      optimizer_bytes_per_param)
 from batchlab.formula.params import ParamCount, count
 from batchlab.formula.timing import OPS_PER_LAYER, TimeEstimate, timing
 from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
+
+if TYPE_CHECKING:
+    from batchlab.calibrate import Calibration
+
+Calibrations = Mapping[str, "Calibration"]  # measured ceilings by batchlab device name (calibrate.load_all())
 
 
 @dataclass(frozen=True)
@@ -60,50 +67,73 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"({cfg.precision}), source: {dev.source}"
         + (f"; memory budget {fmt_bytes(cfg.memory_budget)} replaces the device's" if cfg.memory_budget else ""),
         f"compute rate {fmt_count(t.flops_ceiling, 'FLOP/s')} = peak ({t.ceiling_source}) x achievable fraction "
-        f"{a.achievable_fraction:g}",
+        f"{t.achievable_fraction:.2f} (source: {t.fraction_source})",
         f"per-op overhead {fmt_seconds(t.overhead_seconds_per_micro_batch)} per micro-batch (~{OPS_PER_LAYER} "
         f"ops per layer; op_overhead_seconds to change)",
-        (f"all-reduce: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind backward"
-         if cfg.zero < 2 else
-         f"collectives of FSDP2 (ZeRO-{cfg.zero}): all-gathers and reduce-scatters of every micro-batch, ring over "
-         f"{fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind compute"),
-        (f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes" if allocator_margin(cfg)
-         else "no allocator margin on CPU (tensor bytes, as the live-tensor tracker counts them)"),
-        f"activations counted from the tensors the {implementation(cfg.model_source, cfg.model).value} layer code keeps "
+        f"communication: {collectives_text(cfg)}, ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}; "
+        f"{t.overlap_source}",
+        allocator_text(cfg),
+        f"activations counted from the tensors the {implementation(cfg.model_kind, cfg.model).value} layer code keeps "
         "(other code: use --trace)",
     ) + ((f"model {cfg.model_source} comes from a factory the calculator cannot see: these figures are for the "
           f"stand-in shape {cfg.model.name} ({cfg.model.layers} layers, hidden {cfg.model.hidden}); use --trace",)
-         if cfg.model_source != "builtin" and not cfg.model_source.startswith("hf:") else ())
+         if cfg.model_kind is ModelSource.FACTORY else ()) + zero1_engine_note(cfg)
+
+
+def collectives_text(cfg: RunConfig) -> str:
+    """What the stage's engine sends (formula.sharding)."""
+    if cfg.dp == 1:
+        return "none at DP 1"
+    if cfg.zero >= 2:
+        return (f"FSDP2 (ZeRO-{cfg.zero}) all-gathers{' (forward and backward)' if cfg.zero >= 3 else ''} and "
+                "reduce-scatters of every micro-batch")
+    return "DDP's gradient all-reduce once per update" + (
+        " + ZeroRedundancyOptimizer's parameter broadcasts after the step" if cfg.zero == 1 else "")
+
+
+def zero1_engine_note(cfg: RunConfig) -> tuple[str, ...]:
+    """ZeRO-1 is counted as the ZeRO paper (DeepSpeed) does; PyTorch's engine for it differs under autocast."""
+    if cfg.zero != 1 or not cfg.precision.mixed:
+        return ()
+    return ("ZeRO-1 counted as ZeRO's paper and DeepSpeed do (16-bit weights and gradients, fp32 master and "
+            "optimizer state sharded); PyTorch's DDP + ZeroRedundancyOptimizer under autocast (what batchlab "
+            "measures) instead keeps fp32 weights and gradients on every rank and shards only the optimizer state",)
+
+
+def allocator_text(cfg: RunConfig) -> str:
+    if cfg.device_spec.backend is Backend.CPU:
+        return "no caching allocator on CPU: allocated = reserved = tensor bytes (as the live-tensor tracker counts)"
+    if cfg.assumptions.allocator_margin is not None:
+        return f"reserved = allocated + a fixed {cfg.assumptions.allocator_margin:.0%} margin (assumption)"
+    return ("reserved = allocated + CUDACachingAllocator segment rounding, freed-buffer fragmentation, stream "
+            "pools and cuBLAS workspace (formula/allocator.py); device view = reserved + CUDA context + NCCL")
 
 
 def unseen_model(cfg: RunConfig) -> str | None:
     """Why the formula cannot describe cfg's model (a user factory it cannot see into), else None."""
-    if cfg.model_source == "builtin" or cfg.model_source.startswith("hf:"):
+    if cfg.model_kind is not ModelSource.FACTORY:
         return None
     return f"the calculator cannot see inside the factory model {cfg.model_source}"
 
 
-def estimate(cfg: RunConfig) -> Estimate:
+def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estimate:
+    """The formula's figures for ``cfg``: a pure function of its arguments.  ``calibrations``: measured
+    ceilings by batchlab device name (``calibrate.load_all()``, read by the caller); the time model uses
+    the entry for ``cfg.device`` where there is one, else the device's datasheet figures."""
     mem = memory(cfg)
     fl = flops(cfg)
-    t = timing(cfg, fl, mem, ceiling=_calibrated_ceiling(cfg))
+    t = timing(cfg, fl, mem, ceiling=calibrated_ceiling(cfg, calibrations))
     return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t))
 
 
-def _calibrated_ceiling(cfg: RunConfig):
-    """Measured FLOP/s and bandwidth for this device, when `batchlab calibrate` has cached them."""
-    cal = _load_calibration(cfg.device)
+def calibrated_ceiling(cfg: RunConfig, calibrations: Calibrations | None
+                       ) -> tuple[float, float, str] | None:
+    """(matmul FLOP/s for cfg's precision, bytes/s, source) measured for cfg's device, or None."""
+    cal = (calibrations or {}).get(cfg.device)
     if cal is None:
         return None
     return cal.matmul_flops(cfg.precision), cal.memory_bytes_per_s, cal.source
 
 
-@functools.lru_cache(maxsize=None)
-def _load_calibration(device: str):
-    from batchlab.calibrate import load_cached  # torch-free: reads the cached JSON
-
-    return load_cached(device)
-
-
 __all__ = ["Estimate", "estimate", "memory", "flops", "timing", "count", "model_states", "MemoryEstimate",
-           "FlopsEstimate", "TimeEstimate"]
+           "FlopsEstimate", "TimeEstimate", "Calibrations"]

@@ -18,14 +18,14 @@ from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_
 def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, kept: tuple[int, ...],
                 below_layers: int, activations_total: int, logits_fwd: int, loss_grads: int, head_grad: int,
                 transient: int, opt_tmp: int, sharded_grads: int) -> dict[str, dict[str, int]]:
-    """Parts live at each phase's high point.  ``resident``: parameter shards (``parameters``), master,
-    optimizer state and data; the rest as in formula.memory (per-layer kept activations, the in-layer
+    """Parts live at each phase's high point.  ``resident``: parameter shards (``parameters``, or ``master``
+    under a 16-bit param_dtype), optimizer state and data; the rest as in formula.memory (per-layer kept activations, the in-layer
     transient of backward, the LM head's weight gradient)."""
     units = unit_elements(cfg)
     wg, wr, dp, L, z3 = gathered_bytes_per_element(cfg), reduced_bytes_per_element(cfg), cfg.dp, len(kept), cfg.zero >= 3
     root, block = units[0] * wg, (units[1] if L else 0) * wg
     block_grad = (units[1] if L else 0) * wr
-    shards = resident["parameters"]
+    shards = resident["parameters"]  # 0 where the fp32 shards are the master copy (resident["master"])
     before = sharded_grads if cfg.accum > 1 else 0  # shards of earlier micro-batches' gradients
     # forward's high point, at the loss: the root gathered, ZeRO-2 every block's copies too, and one block's
     # flat all-gather output still held (gloo's work object releases it later)

@@ -5,7 +5,10 @@ from dataclasses import dataclass, field
 
 from batchlab.config import ACMode, Backend, OptimizerKind, Precision, RunConfig
 from batchlab.formula import activations as act
+from batchlab.formula import checkpointing
+from batchlab.formula.allocator import device_memory
 from batchlab.formula.fsdp import fsdp_phases
+from batchlab.formula.loss import loss_path
 from batchlab.formula.params import count
 from batchlab.formula.sharding import unit_elements
 
@@ -37,6 +40,8 @@ def model_states(cfg: RunConfig) -> ModelStates:
     shard = lambda stage: dp if z >= stage else 1  # noqa: E731 — ZeRO stage k shards this state over DP
     opt = int(n * optimizer_bytes_per_param(cfg)) // shard(1)
     grads = n * weight_bytes // shard(2)
+    if cfg.precision is Precision.BF16_FSDP:
+        return fsdp_mixed_states(cfg)
     if cfg.precision.mixed and z >= 1:
         # ZeRO's mixed precision (Rajbhandari et al. 2019, sec. 3.1: 2 + 2 + 12 bytes per parameter): 16-bit
         # weights and gradients are what the ranks hold; the fp32 master copy is optimizer state, sharded
@@ -45,6 +50,19 @@ def model_states(cfg: RunConfig) -> ModelStates:
     if cfg.precision.mixed:  # autocast keeps fp32 weights and makes 16-bit working copies per forward
         return ModelStates(parameters=2 * n, master=F32 * n, gradients=grads, optimizer=opt)
     return ModelStates(parameters=weight_bytes * n // shard(3), master=0, gradients=grads, optimizer=opt)
+
+
+def fsdp_mixed_states(cfg: RunConfig) -> ModelStates:
+    """FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the fp32 parameters are the master
+    copy (sharded at stage >= 3), fp32 gradients and Adam state sharded as the stage says; the bf16 working
+    weights exist only for the blocks being gathered: the current and the prefetched block, and the root
+    group (embedding, final norm, LM head), which FSDP2 does not reshard after forward (_fsdp_api.py docs)."""
+    c, dp, z = count(cfg.model), cfg.dp, cfg.zero
+    shard = lambda stage: dp if z >= stage else 1  # noqa: E731
+    gathered = 2 * (2 * c.per_layer + c.total - c.per_layer * cfg.model.layers) if z >= 3 else 2 * c.total
+    return ModelStates(parameters=gathered, master=F32 * c.total // shard(3 if z >= 3 else 1),
+                       gradients=F32 * c.total // shard(2), optimizer=int(c.total * optimizer_bytes_per_param(cfg))
+                       // shard(1))
 
 
 @dataclass(frozen=True)
@@ -61,17 +79,19 @@ class ActivationPlan:
 def activation_plan(cfg: RunConfig) -> ActivationPlan:
     m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
     backend = cfg.device_spec.backend
-    full = act.layer_activations(m, s, b, p, backend, act.implementation(cfg.model_source, m)).total
+    impl = act.implementation(cfg.model_kind, m)
+    full = act.layer_activations(m, s, b, p, backend, impl).total
     wrapped = set(cfg.ac.wrapped_layers(m.layers))
+    selective = set(cfg.ac.selective_layers(m.layers))
     kept = []
     for i in range(m.layers):
         if i in wrapped:
             kept.append(act.checkpointed_layer_bytes(m, s, b, p))
-        elif cfg.ac.mode is ACMode.SELECTIVE:
-            kept.append(act.selective_layer_bytes(m, s, b, p))
+        elif i in selective:
+            kept.append(checkpointing.kept_bytes(cfg.ac.mode, m, s, b, p, backend, impl))
         else:
             kept.append(full)
-    return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend))
+    return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
 
 
 @dataclass(frozen=True)
@@ -83,12 +103,17 @@ class MemoryEstimate:
     activations_bytes: int  # kept for backward at the end of one micro-batch's forward
     activations_per_layer_bytes: tuple[int, ...]
     recompute_working_bytes: int  # one layer's activations rebuilt during its backward (0 without recompute)
-    logits_bytes: int  # log-softmax output kept by the loss (part of activations) + its gradient
+    logits_bytes: int  # what the loss keeps for backward (part of activations): the fp32 log-softmax, if any
     temporaries_bytes: int  # transient at the peak beyond the above (gradients of activations, buffers)
     data_bytes: int
     peak_tensor_bytes: int  # sum of tensor bytes live at the peak
-    margin_bytes: int  # allocator slack (assumption), on top of tensor bytes
-    peak_bytes: int  # peak_tensor_bytes + margin_bytes
+    margin_bytes: int  # reserved - allocated: the caching allocator's slack (formula/allocator.py)
+    peak_bytes: int  # = reserved_bytes: what the OOM verdict compares with the card's reported capacity
+    allocated_bytes: int  # tensor bytes at the peak (max_memory_allocated; on CPU the live-tensor tracker's)
+    reserved_bytes: int  # + cached, empty segments (max_memory_reserved)
+    device_bytes: int  # + CUDA context and NCCL buffers (nvidia-smi)
+    reserved_parts: dict[str, int]  # what reserved adds to allocated, by mechanism
+    device_parts: dict[str, int]  # what the device view adds to reserved
     peak_phase: str
     phase_peaks: dict[str, int] = field(default_factory=dict)  # tensor bytes at each phase's high point
     # what is live at the peak, by part (parameters, master, gradients, optimizer, activations, recompute,
@@ -160,11 +185,6 @@ def _backward_terms(cfg: RunConfig, gradient_bytes: int) -> tuple[int, int, int]
     return transient, head_grad, below_layers
 
 
-def allocator_margin(cfg: RunConfig) -> float:
-    """Caching allocators (CUDA, MPS) fragment; on CPU the figure compared is tracked tensor bytes."""
-    return 0.0 if cfg.device_spec.backend is Backend.CPU else cfg.assumptions.allocator_margin
-
-
 def _largest_param(cfg: RunConfig) -> int:
     m = cfg.model
     return max(m.vocab * m.hidden, m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden))
@@ -172,8 +192,12 @@ def _largest_param(cfg: RunConfig) -> int:
 
 def fsdp_shard_bytes(cfg: RunConfig) -> int:
     """FSDP2 keeps fp32 (bf16: 16-bit) parameter shards at ZeRO-2 and 3 alike, and gathers 16-bit working
-    copies under mixed precision (MixedPrecisionPolicy): no separate master copy."""
+    copies under mixed precision (MixedPrecisionPolicy): then the fp32 shards are the master copy."""
     return sum(unit_elements(cfg)) * (2 if cfg.precision is Precision.BF16 else F32) // cfg.dp
+
+
+def _sharded_master(cfg: RunConfig) -> bool:
+    return cfg.precision not in (Precision.FP32, Precision.BF16)
 
 
 def fsdp_gradient_shard_bytes(cfg: RunConfig) -> int:
@@ -186,14 +210,16 @@ def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: di
     shards = fsdp_shard_bytes(cfg)
     full_grads = states.gradients * cfg.dp
     transient, head_grad, below = _backward_terms(cfg, full_grads)
-    resident = dict(weights, parameters=shards, master=0)
+    # the fp32 shards are the master copy under a 16-bit param_dtype (FSDP2's "parameters" are then only the
+    # gathered 16-bit working copies); in fp32 and bf16 they are the parameters themselves
+    resident = dict(weights, parameters=0, master=shards) if _sharded_master(cfg) else dict(weights, parameters=shards,
+                                                                                           master=0)
     return fsdp_phases(cfg, resident, plan.per_layer_full, plan.per_layer_kept, below, plan.total, logits_fwd,
                        loss_grads, head_grad, transient, opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg))
 
 
 def memory(cfg: RunConfig) -> MemoryEstimate:
     m, s, b = cfg.model, cfg.seq, cfg.micro_batch
-    w = act.Widths.of(cfg.precision, cfg.device_spec.backend)
     states = model_states(cfg)
     plan = activation_plan(cfg)
     n_recomputed = len(cfg.ac.wrapped_layers(m.layers)) + len(cfg.ac.selective_layers(m.layers))
@@ -212,9 +238,8 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     fsdp = cfg.dp > 1 and cfg.zero >= 2  # FSDP2 (formula.fsdp); below 2, DDP
     # DDP (gradient_as_bucket_view) keeps its gradient buckets between updates, as accumulation keeps .grad
     grads_before = states.gradients if cfg.accum > 1 or (cfg.dp > 1 and not fsdp) else 0
-    sbv = s * b * m.vocab
-    logits_fwd = sbv * w.e + (sbv * F32 if w.e != F32 else 0)  # logits (+ fp32 copy for the loss)
-    loss_grads = 2 * sbv * F32  # gradients of the fp32 log-softmax output and of the logits (fp32 at that point)
+    lp = loss_path(cfg)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
+    logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
     phases = {  # the parts live at each phase's high point
@@ -231,12 +256,15 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
     peak_tensor = totals[peak_phase]
-    margin = int(peak_tensor * allocator_margin(cfg))
+    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total)
     return MemoryEstimate(
-        parameters_bytes=fsdp_shard_bytes(cfg) if fsdp else states.parameters, master_bytes=0 if fsdp else states.master,
+        parameters_bytes=(0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg)) if fsdp else states.parameters,
+        master_bytes=(fsdp_shard_bytes(cfg) if _sharded_master(cfg) else 0) if fsdp else states.master,
         gradients_bytes=fsdp_gradient_shard_bytes(cfg) if fsdp else states.gradients,
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,
         activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=at_peak["recompute"],
-        logits_bytes=sbv * F32, temporaries_bytes=at_peak["temporaries"], data_bytes=data,
-        peak_tensor_bytes=peak_tensor, margin_bytes=margin, peak_bytes=peak_tensor + margin, peak_phase=peak_phase,
+        logits_bytes=lp.kept, temporaries_bytes=at_peak["temporaries"], data_bytes=data,
+        peak_tensor_bytes=peak_tensor, margin_bytes=dm.reserved_bytes - peak_tensor, peak_bytes=dm.reserved_bytes,
+        allocated_bytes=dm.allocated_bytes, reserved_bytes=dm.reserved_bytes, device_bytes=dm.device_bytes,
+        reserved_parts=dm.reserved_parts, device_parts=dm.device_parts, peak_phase=peak_phase,
         phase_peaks=totals, at_peak=at_peak, capacity_bytes=cfg.memory_capacity)

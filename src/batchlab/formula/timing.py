@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from batchlab.config import Backend, DataKind, RunConfig
+from batchlab.formula.efficiency import achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate
 from batchlab.formula.memory import MemoryEstimate
 from batchlab.formula.sharding import collective_seconds, traffic
@@ -40,6 +41,9 @@ class TimeEstimate:
     ceiling_source: str  # datasheet / calibrated / nominal
     bandwidth_bytes_per_s: float  # link used for the all-reduce
     collective_bytes: dict[str, int] = field(default_factory=dict)  # per update, by kind (formula.sharding)
+    achievable_fraction: float = 0.0  # of the ceiling's peak, reached by real kernels
+    fraction_source: str = ""  # where the achievable fraction comes from (formula/efficiency.py)
+    overlap_source: str = ""  # how the engine hides communication
     provenance: str = "formula"
 
     def time_to_tokens(self, tokens: float) -> float:
@@ -68,21 +72,25 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, ceiling: tupl
         peak, hbm, source = dev.peak_flops(cfg.precision), dev.hbm_bytes_per_s, dev.source
     else:
         peak, hbm, source = ceiling
-    rate = peak * cfg.assumptions.achievable_fraction
+    fraction = achievable_fraction(cfg)
+    rate = peak * fraction.value
     overhead = overhead_seconds_per_micro_batch(cfg)
     micro = fl.flops_per_micro_batch / rate + overhead
     compute = micro * cfg.accum
-    bw = dev.intra_node_bytes_per_s if cfg.dp <= dev.gpus_per_node else dev.inter_node_bytes_per_s
+    bw = bus_bandwidth(cfg).value
     # what the stage's engine sends per update: DDP's all-reduce (+ ZeRO-1's broadcasts), FSDP2's all-gathers
-    # and reduce-scatters of every micro-batch (formula.sharding)
+    # and reduce-scatters of every micro-batch (formula.sharding); the engine's overlap hides part of it
     sent = traffic(cfg).per_update
     grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
-    exposed = comm * (1 - cfg.assumptions.comm_overlap)
+    after_step = collective_seconds("broadcast", sent["broadcast"], cfg.dp, bw)
+    hidden = exposed_comm_seconds(cfg, comm, compute, micro, after_step)
+    exposed = hidden.value
     # AdamW is bandwidth-bound: read weights, grads, m, v and write weights, m, v (~2x the states)
     opt = 2 * (mem.master_bytes or mem.parameters_bytes) + mem.gradients_bytes + 2 * mem.optimizer_bytes
     opt_s = opt / hbm
     update = compute + exposed + opt_s
     useful = cfg.tokens_per_update * useful_fraction(cfg)
     return TimeEstimate(micro, compute, grad_bytes, comm, exposed, opt_s, update, useful / update, overhead, rate,
-                        source, bw, collective_bytes=sent)
+                        source, bw, collective_bytes=sent, achievable_fraction=fraction.value,
+                        fraction_source=fraction.source, overlap_source=hidden.source)

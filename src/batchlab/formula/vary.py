@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchlab.config import Keep, RunConfig, apply_change, parse_field_value
-from batchlab.formula import Estimate, estimate
+from batchlab.formula import Calibrations, Estimate, estimate
 
 # relative change under which the calculator calls two figures equal
 SAME = 0.005
@@ -34,11 +34,13 @@ def direction(a: float, b: float, same: float = SAME) -> str:
     return "up" if b > a else "down"
 
 
-def vary(cfg: RunConfig, name: str, values: list[str], keep: Keep = Keep.GLOBAL_BATCH) -> list[VaryRow]:
+def vary(cfg: RunConfig, name: str, values: list[str], keep: Keep = Keep.GLOBAL_BATCH,
+         calibrations: Calibrations | None = None) -> list[VaryRow]:
+    """One row per value; ``calibrations`` as for ``estimate``."""
     rows: list[VaryRow] = []
     for text in values:
         c = apply_change(cfg, name, parse_field_value(name, text), keep)
-        e = estimate(c)
+        e = estimate(c, calibrations)
         first = rows[0].estimate if rows else e
         rows.append(VaryRow(text, c, e, {label: direction(get(first), get(e)) for label, get in OUTPUTS}))
     return rows

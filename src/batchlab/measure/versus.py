@@ -34,12 +34,13 @@ class FigureRow:
 
 def formula_estimate(cfg: RunConfig):
     """(Estimate or None, why there is none)."""
+    from batchlab.calibrate import load_all
     from batchlab.formula import estimate, unseen_model
 
     if unseen_model(cfg):
         return None, f"no formula estimate: {unseen_model(cfg)}"
     try:
-        return estimate(cfg), None
+        return estimate(cfg, load_all()), None
     except Exception as e:  # noqa: BLE001 — the comparison is an aid; the measurement stands on its own
         return None, f"no formula estimate: {type(e).__name__}: {e}"
 

@@ -39,10 +39,7 @@ def main(argv: list[str]) -> int:
 
         m = run_inprocess(cfg, options, _progress)
     except ConfigError as e:
-        message = str(e)
-        prefix = f"{e.field}: "
-        _write(out, {"config_error": {"field": e.field,
-                                      "message": message[len(prefix):] if message.startswith(prefix) else message}})
+        _write(out, {"config_error": {"field": e.field, "message": e.message}})
         return 2
     _write(out, measurement_to_dict(m))
     return 0

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from batchlab.config import DataKind, RunConfig
+from batchlab.config import DataKind, ModelSource, RunConfig
 
 # make_batch(generator, micro_batch, seq, device) -> (tokens, targets); targets use -100 for padding.
 BatchMaker = Callable[[torch.Generator, int, int, torch.device], tuple[torch.Tensor, torch.Tensor]]
@@ -48,15 +48,22 @@ def _builtin_loss(model, tokens, targets):
 
 
 def build_workload(cfg: RunConfig) -> Workload:
-    """The workload for cfg.model_source (random init, nothing downloaded)."""
-    source = cfg.model_source
-    if source == "builtin":
+    """The workload for cfg.model_source (random init, nothing downloaded), with cfg.loss's loss path."""
+    from batchlab.models.loss import loss_fn
+
+    wl = _source_workload(cfg)
+    wl.loss_sum = loss_fn(cfg.loss, cfg.model_kind, wl.loss_sum)
+    return wl
+
+
+def _source_workload(cfg: RunConfig) -> Workload:
+    if cfg.model_kind is ModelSource.BUILTIN:
         from batchlab.models.gpt import GPT
 
         model = GPT(cfg.model)
         return Workload(model, model.blocks, synthetic_tokens(cfg.model.vocab, cfg.data), _builtin_loss,
                         f"built-in GPT ({cfg.model.name})")
-    if source.startswith("hf:"):
+    if cfg.model_kind is ModelSource.HF:
         from batchlab.models.hf import build_hf_workload
 
         return build_hf_workload(cfg)

@@ -9,14 +9,13 @@ plus overrides).  The blocks handed to activation checkpointing are the model's 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from batchlab.config import ConfigError, MLPKind, ModelSpec, RunConfig
+from batchlab.config import ConfigError, MLPKind, ModelSpec, RunConfig, read_file
 from batchlab.models import Workload, synthetic_tokens
 
 INSTALL_HINT = "pip install 'batchlab[hf]' (or pip install transformers)"
@@ -67,10 +66,7 @@ def hf_config(cfg: RunConfig):
     target = cfg.model_source[len("hf:"):]
     raw = None
     if target.endswith(".json"):
-        try:
-            raw = json.loads(Path(target).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError("model", f"cannot read {target} as a JSON config: {e}") from None
+        raw = read_file("model", target, json.loads, "a JSON config")
     family = _family(cfg.model, raw)
     values = {k: v for k, v in (raw or {}).items() if k not in ("model_type", "architectures", "transformers_version")}
     values.update(_shape_fields(family, cfg.model))

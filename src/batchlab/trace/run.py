@@ -14,14 +14,15 @@ import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensorMode, UnsupportedOperatorException)
 
-from batchlab.config import Backend, ConfigError, Precision, RunConfig
-from batchlab.formula.memory import allocator_margin
+from batchlab.config import ConfigError, ModelSource, Precision, RunConfig
+from batchlab.formula.allocator import device_memory
+from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
-from batchlab.measure.memory import tracker_for
+from batchlab.measure.memory import storage_bytes, tracker_for
 from batchlab.trace import sharded
 from batchlab.trace.flops import count_update_flops
 from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
-from batchlab.trace.tree import ModuleStack, build_tree
+from batchlab.trace.tree import OUTSIDE, ModuleStack, build_tree
 
 
 class _FakeTrainer(Trainer):
@@ -53,14 +54,12 @@ def _fake_mode() -> FakeTensorMode:
 
 def trace_device(cfg: RunConfig) -> tuple[torch.device, list[str]]:
     """Trace with the config's backend when this machine has it, else with CPU kernels (and say so)."""
-    backend = cfg.device_spec.backend
-    available = {Backend.CPU: True, Backend.CUDA: torch.cuda.is_available(),
-                 Backend.MPS: torch.backends.mps.is_available()}[backend]
-    if available:
-        return torch.device(backend.value), []
-    return torch.device("cpu"), [
-        f"traced with CPU kernels: {cfg.device} ({backend.value}) is not available here; the attention kernel "
-        "and autocast's op lists (so what is kept for backward) can differ on the real device"]
+    try:
+        return torch_device(cfg), []
+    except ConfigError:  # the config's backend is absent here
+        return torch.device("cpu"), [
+            f"traced with CPU kernels: {cfg.device} ({cfg.device_spec.backend.value}) is not available here; the "
+            "attention kernel and autocast's op lists (so what is kept for backward) can differ on the real device"]
 
 
 def _check_supported(cfg: RunConfig) -> list[str]:
@@ -72,23 +71,15 @@ def _check_supported(cfg: RunConfig) -> list[str]:
     return notes
 
 
-def _unique_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor: this rank's shard
-        seen[id(st)] = st.nbytes()
-    return sum(seen.values())
-
-
 def _model_state_bytes(trainer: Trainer) -> tuple[int, int, int]:
     trained = {id(p): p for p in trainer.raw_model.parameters() if p.requires_grad}.values()
     params = [getattr(p, "_local_tensor", p) for p in trainer.raw_model.parameters()]  # this rank's shards
     optimizer = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeroRedundancyOptimizer: its shard
-    state = [v for s in optimizer.state.values() for v in s.values()
+    state = [getattr(v, "_local_tensor", v) for s in optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]
     # .grad has the parameter's (shard's) shape and dtype
     grads = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in trained)
-    return _unique_bytes(params), grads, _unique_bytes(state)
+    return storage_bytes(params), grads, storage_bytes(state)
 
 
 @contextlib.contextmanager
@@ -101,7 +92,7 @@ def _eager_branches(cfg: RunConfig):
     harness's batches (it passes no position_ids, so positions are 0..s-1 in every row).
     """
     masking = None
-    if cfg.model_source.startswith("hf:"):
+    if cfg.model_kind is ModelSource.HF:
         try:
             from transformers import masking_utils as masking
         except ImportError:
@@ -127,25 +118,32 @@ def _as_config_errors(cfg: RunConfig):
                                    "or measure it") from None
 
 
-def _tracked_update(trainer: Trainer, tree: bool):
-    """One update tracked by the CPU measurement's StorageTracker; with ``tree``, storages labelled by module."""
-    owners = ModuleStack(trainer.raw_model) if tree else None
-    tracker = tracker_for(trainer, owner=owners.current if owners else None)
-    if trainer.world > 1:
-        sharded.register_storages(tracker, trainer)
-        tracker.reset()
+def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
+    """One update tracked by the CPU measurement's StorageTracker; with ``tree``, storages labelled by module;
+    with ``timeline``, also recorded op by op: (snapshot, TimelineRecorder or None)."""
+    owners = ModuleStack(trainer.raw_model) if tree or timeline else None
+    register = (lambda tracker: sharded.register_storages(tracker, trainer)) if trainer.world > 1 else None
     try:
+        if timeline:
+            from batchlab.timeline.record import recorded_update
+
+            return recorded_update(trainer, owners.current, OUTSIDE, owners.current if tree else None, register)
+        tracker = tracker_for(trainer, owner=owners.current if owners else None)
+        if register is not None:
+            register(tracker)
+            tracker.reset()
         with tracker:
             trainer.update(probe=tracker)
+        return tracker.snapshot(), None
     finally:
         if owners:
             owners.close()
-    return tracker.snapshot()
 
 
 def _memory(cfg: RunConfig, trainer: Trainer, snap) -> TraceMemory:
     params, grads, optimizer = _model_state_bytes(trainer)
-    margin = int(snap.peak_bytes * allocator_margin(cfg))  # the formula's: none on CPU
+    # the traced tensor bytes through the formula's caching-allocator model (none on CPU)
+    margin = device_memory(cfg, snap.peak_bytes, snap.peak_phase, snap.activations_bytes).reserved_bytes - snap.peak_bytes
     return TraceMemory(
         peak_bytes=snap.peak_bytes, peak_phase=snap.peak_phase, activations_bytes=snap.activations_bytes,
         parameters_bytes=params, gradients_bytes=grads, optimizer_bytes=optimizer, breakdown=snap.breakdown,
@@ -153,8 +151,9 @@ def _memory(cfg: RunConfig, trainer: Trainer, snap) -> TraceMemory:
         fits=snap.peak_bytes + margin <= cfg.memory_capacity)
 
 
-def estimate(cfg: RunConfig, tree: bool = False) -> TraceEstimate:
-    """Peak memory, activations, per-module tree and FLOPs of one steady-state update (provenance trace)."""
+def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False) -> TraceEstimate:
+    """Peak memory, activations, per-module tree and FLOPs of one steady-state update (provenance trace);
+    with ``timeline``, the update's memory timeline too (``.timeline``, batchlab.timeline.data.Timeline)."""
     notes = _check_supported(cfg)
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
@@ -169,10 +168,18 @@ def estimate(cfg: RunConfig, tree: bool = False) -> TraceEstimate:
         if cfg.dp > 1:  # every rank does rank 0's work on its own data
             flops = TraceFlops.of(flops.forward * cfg.dp, flops.backward * cfg.dp, flops.recompute * cfg.dp)
             notes.append(f"FLOPs: rank 0's, counted, x {cfg.dp} ranks")
-        snap = _tracked_update(trainer, tree)
+        snap, recorder = _tracked_update(trainer, tree, timeline)
         memory = _memory(cfg, trainer, snap)
     return TraceEstimate(
         config=cfg.to_dict(), global_batch=cfg.global_batch, tokens_per_update=cfg.tokens_per_update,
         memory=memory, flops=flops, traced_device=device.type, trace_seconds=time.perf_counter() - start,
         tree=build_tree(trainer.raw_model, snap.activations_by_owner) if tree else None,
-        notes=notes + device_notes)
+        notes=notes + device_notes, timeline=_timeline(cfg, recorder, snap, notes) if recorder else None)
+
+
+def _timeline(cfg: RunConfig, recorder, snap, notes: list[str]):
+    from batchlab.timeline.record import context
+
+    ctx = context(cfg)
+    return recorder.timeline(provenance="trace", method="live storage tracker on fake tensors (FakeTensorMode)",
+                             peak_bytes=snap.peak_bytes, **dict(ctx, notes=ctx["notes"] + notes))

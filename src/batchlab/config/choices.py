@@ -1,0 +1,142 @@
+"""The closed sets users choose from (enums whose values are the spellings they type) and ConfigError.
+
+Pure Python, no torch.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user error in a configuration: one line naming the field and what is allowed."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name  # the user-facing field (or option) the error is about
+        self.message = message  # what is wrong and what is allowed, without the field
+        super().__init__(field_name, message)
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class _Choice(str, enum.Enum):
+    """A closed set whose values are the spellings users type."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, field_name: str, value: Any):
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            allowed = ", ".join(m.value for m in cls)
+            raise ConfigError(field_name, f"{value!r} is not one of: {allowed}") from None
+
+
+class Precision(_Choice):
+    FP32 = "fp32"
+    BF16_MIXED = "bf16-mixed"  # bf16 compute, fp32 master weights
+    FP16_MIXED = "fp16-mixed"  # fp16 compute, fp32 master weights, dynamic loss scaling
+    BF16 = "bf16"  # pure bf16: weights, grads and optimizer state in bf16
+    # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (torchtitan's setting): every op computes
+    # in bf16 (residual stream, norm inputs and saved activations bf16, no autocast cast cache); the fp32
+    # parameters are the sharded master copy, Adam state fp32 sharded, gradients reduced and kept in fp32
+    BF16_FSDP = "bf16-fsdp"
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of one activation element."""
+        return 4 if self is Precision.FP32 else 2
+
+    @property
+    def mixed(self) -> bool:
+        return self in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+
+    @property
+    def low_precision_residual(self) -> bool:
+        """The residual stream and norm inputs are 16-bit (no autocast keeping them fp32)."""
+        return self in (Precision.BF16, Precision.BF16_FSDP)
+
+
+class OptimizerKind(_Choice):
+    ADAMW = "adamw"
+    SGD = "sgd"  # plain SGD, no state
+    SGD_MOMENTUM = "sgd-momentum"  # one momentum buffer per parameter
+
+
+class MLPKind(_Choice):
+    GELU = "gelu"  # 2 matrices h->ffn->h (GPT-2, Megatron)
+    SWIGLU = "swiglu"  # 3 matrices: gate, up, down (Llama)
+
+
+class NormKind(_Choice):
+    LAYERNORM = "layernorm"
+    RMSNORM = "rmsnorm"
+
+
+class AttentionImpl(_Choice):
+    EAGER = "eager"  # s x s scores materialised (softmax, dropout mask kept for backward)
+    SDPA = "sdpa"  # fused scaled_dot_product_attention: no s^2 term kept
+
+
+class PositionKind(_Choice):
+    LEARNED = "learned"  # GPT-2 position embedding table
+    ROPE = "rope"  # rotary (Llama): no parameters
+
+
+class ACMode(_Choice):
+    NONE = "none"
+    FULL = "full"
+    EVERY = "every"
+    SELECTIVE = "selective"  # every block keeps every matmul output, recomputes the element-wise ops
+    # torchtitan's selective op AC (torchtitan/distributed/activation_checkpoint.py @ b5bcd76c: "Save all
+    # compute/comm ops, except every second mm/linear"): odd-numbered matmuls and SDPA outputs kept
+    SELECTIVE_OP = "selective-op"
+    # Megatron-LM recompute_granularity=selective, recompute_modules=[core_attn]: only the attention core
+    # (QK^T, softmax, dropout, AV) is recomputed (Korthikanti et al. 2022, sec. 5; 34sbh per layer)
+    MEGATRON = "megatron-selective"
+
+
+class LossMode(_Choice):
+    """How the LM loss is computed over the vocabulary (formula/loss.py counts what each keeps)."""
+
+    FULL = "full"  # F.cross_entropy(logits.float()) on all tokens at once: fp32 copy and log-softmax kept
+    CHUNKED = "chunked"  # over N token chunks, each checkpointed: one chunk's fp32 logits live at a time
+    FUSED = "fused"  # a fused kernel (flash-attn / Liger): 16-bit logits and log-sum-exp, no fp32 copies
+
+
+class Backend(_Choice):
+    CPU = "cpu"
+    CUDA = "cuda"  # NVIDIA, and AMD through ROCm's torch.cuda
+    MPS = "mps"
+
+
+class DataKind(_Choice):
+    FIXED = "fixed"  # every sequence full length
+    PADDED = "padded"  # variable lengths padded to seq; only non-padding tokens are useful
+
+
+class Keep(_Choice):
+    """What a one-variable change holds fixed besides everything else."""
+
+    GLOBAL_BATCH = "global-batch"  # accum re-derived when micro_batch or dp changes
+    ACCUM = "accum"  # accum fixed: the global batch (and so the training run) changes
+
+
+class ModelSource(_Choice):
+    """Which code trains the model, from ``RunConfig.model_source``'s spelling."""
+
+    BUILTIN = "builtin"  # batchlab's own GPT (models.gpt), built from the ModelSpec
+    HF = "hf"  # hf:FAMILY or hf:path/config.json: transformers' code with the ModelSpec's shape
+    FACTORY = "factory"  # package.module:factory: user code the calculator cannot see inside
+
+    @classmethod
+    def of(cls, source: str) -> "ModelSource":
+        if source == "builtin":
+            return cls.BUILTIN
+        # anything else goes to the factory loader, which names the error (models/factory.py)
+        return cls.HF if source.startswith("hf:") else cls.FACTORY

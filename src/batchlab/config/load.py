@@ -1,0 +1,173 @@
+"""Configs from what users write: typed field values (--change / --vary / TOML), dicts (subprocesses,
+the notebook), TOML ``[config]`` tables, Hugging Face ``config.json`` files and ``--model`` values.  Pure Python."""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from batchlab.config.choices import ConfigError
+from batchlab.config.model import GPT2_FAMILY, LLAMA_FAMILY, ModelSpec, preset
+from batchlab.config.run import CHANGEABLE_FIELDS, RUN_FIELDS, Assumptions, RunConfig
+from batchlab.config.values import parse_bytes, read_file
+
+
+def config_from_dict(d: dict[str, Any]) -> RunConfig:
+    """Inverse of ``to_dict`` (used by subprocess runners, TOML experiment files and the notebook)."""
+    d = dict(d)
+    model = d.pop("model", None)
+    if isinstance(model, dict):
+        model = ModelSpec(**model)
+    elif isinstance(model, str):
+        model = preset(model)
+    assumptions = d.pop("assumptions", None)
+    if isinstance(assumptions, dict):
+        assumptions = Assumptions(**assumptions)
+    unknown = [k for k in d if k not in RUN_FIELDS]
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown field; known: {', '.join(RUN_FIELDS)}")
+    kw: dict[str, Any] = dict(d)
+    if model is not None:
+        kw["model"] = model
+    if assumptions is not None:
+        kw["assumptions"] = assumptions
+    return RunConfig(**kw)
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+@functools.lru_cache(maxsize=1)
+def _field_hints() -> dict[str, Any]:
+    import typing
+
+    hints: dict[str, Any] = {}
+    for cls in (Assumptions, ModelSpec, RunConfig):
+        hints.update(typing.get_type_hints(cls))
+    return hints
+
+
+def parse_field_value(name: str, text: Any) -> Any:
+    """A --change/--vary/TOML value typed for its field (``micro_batch`` '4' -> 4, ``kv_heads`` 'none' ->
+    None); enums and policies are parsed by the config itself."""
+    import typing
+
+    if name not in CHANGEABLE_FIELDS:
+        raise ConfigError(name, f"unknown field; known: {', '.join(CHANGEABLE_FIELDS)}")
+    if not isinstance(text, str):
+        return text  # TOML already typed it
+    text = text.strip()
+    args = typing.get_args(_field_hints()[name]) or (_field_hints()[name],)
+    base = next(a for a in args if a is not type(None))
+    if type(None) in args and text.lower() == "none":
+        return None
+    if name == "memory_budget":
+        return parse_bytes(name, text)
+    if base is bool:
+        if text.lower() not in _TRUE | _FALSE:
+            raise ConfigError(name, f"{text!r} is not true or false")
+        return text.lower() in _TRUE
+    for kind, word in ((int, "a whole number"), (float, "a number")):
+        if base is kind:
+            try:
+                return kind(text)
+            except ValueError:
+                raise ConfigError(name, f"{text!r} is not {word}") from None
+    return text
+
+
+def model_from_hf_config(path: str | Path, **overrides: Any) -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (GPT-2 or Llama families) from disk; no network, no transformers."""
+    p = Path(path)
+    raw = read_file("hf_config", p, json.loads, "JSON")
+    if not isinstance(raw, dict):
+        raise ConfigError("hf_config", f"{p} does not hold a JSON object")
+    kind = str(raw.get("model_type", "")).lower()
+    try:
+        if kind in ("gpt2",):
+            values = dict(GPT2_FAMILY, layers=raw["n_layer"], hidden=raw["n_embd"], heads=raw["n_head"],
+                          vocab=raw["vocab_size"], max_positions=raw.get("n_positions", 1024),
+                          ffn=raw.get("n_inner") or None, tied_embeddings=raw.get("tie_word_embeddings", True),
+                          dropout=float(raw.get("resid_pdrop", 0.0) or 0.0))
+        elif kind in ("llama", "mistral", "qwen2"):
+            values = dict(LLAMA_FAMILY, layers=raw["num_hidden_layers"], hidden=raw["hidden_size"],
+                          heads=raw["num_attention_heads"],
+                          kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+                          ffn=raw["intermediate_size"], vocab=raw["vocab_size"],
+                          max_positions=raw.get("max_position_embeddings", 4096),
+                          tied_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                          bias=bool(raw.get("attention_bias", False)))
+        else:
+            raise ConfigError("hf_config", f"model_type {kind!r} is not supported; supported: gpt2, llama, mistral, qwen2")
+    except KeyError as e:
+        raise ConfigError("hf_config", f"{p} lacks the field {e.args[0]!r}") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return ModelSpec(name=f"hf:{p}", **values)
+
+
+HF_FAMILIES = {"llama": "llama-2-7b", "gpt2": "gpt2"}
+
+
+def resolve_model(arg: str, **overrides: Any) -> tuple[ModelSpec, str]:
+    """``--model``'s value -> (shape for the calculator, model_source for the harness)."""
+    if not isinstance(arg, str) or not arg.strip():
+        raise ConfigError("model", "must be a preset name, hf:NAME_OR_CONFIG.json or package.module:factory")
+    arg = arg.strip()
+    if arg.startswith("hf:"):
+        target = HF_FAMILIES.get(arg[3:], arg[3:])
+        spec = model_from_hf_config(target, **overrides) if target.endswith(".json") else preset(target, **overrides)
+        return spec, arg
+    if ":" in arg:  # package.module:factory — the calculator cannot see inside it; the shape is a stand-in
+        return preset("tiny", **overrides), arg
+    return preset(arg, **overrides), "builtin"
+
+
+def config_from_table(table: Any, base: RunConfig | None = None) -> RunConfig:
+    """A TOML ``[config]`` table (what ``batchlab fit`` writes, what experiment files hold) on top of ``base``.
+
+    RunConfig field names; ``model`` is a preset name, ``hf:...``/``package.module:factory``, or a
+    ``[config.model]`` table of ModelSpec fields; model and assumption fields may also be given flat;
+    ``global_batch`` re-derives accum.
+    """
+    if not isinstance(table, dict):
+        raise ConfigError("config", "must be a table of RunConfig fields")
+    values = dict(table)
+    cfg = base or RunConfig()
+    model = values.pop("model", None)
+    if isinstance(model, dict):
+        try:
+            cfg = cfg.replace(model=ModelSpec(**model))
+        except TypeError as e:
+            raise ConfigError("model", f"[config.model]: {e}") from None
+    elif model is not None:
+        spec, source = resolve_model(model)
+        cfg = cfg.replace(model=spec, model_source=source)
+    assumptions = values.pop("assumptions", None)
+    if isinstance(assumptions, dict):
+        values.update(assumptions)
+    global_batch = values.pop("global_batch", None)
+    unknown = [k for k in values if k not in CHANGEABLE_FIELDS and k not in ("model_source",)]
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown field; known: model, global_batch, {', '.join(CHANGEABLE_FIELDS)}")
+    try:
+        cfg = cfg.replace(**values)
+    except TypeError as e:
+        raise ConfigError("config", str(e)) from None
+    if global_batch is not None:  # as --global-batch: the micro-batch is the table's, else 1
+        cfg = cfg.with_global_batch(global_batch, micro_batch=values.get("micro_batch", 1))
+    return cfg
+
+
+def load_config_toml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
+    """The ``[config]`` table of a TOML file (as ``batchlab fit`` writes it) as a RunConfig."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    p = Path(path)
+    raw = read_file("config", p, tomllib.loads, "TOML")
+    if not isinstance(raw.get("config"), dict):
+        raise ConfigError("config", f"{p} has no [config] table")
+    return config_from_table(raw["config"], base)

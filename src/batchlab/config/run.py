@@ -1,0 +1,285 @@
+"""The run configuration: RunConfig (frozen, validated) with its activation-checkpointing policy and the
+calculator's assumptions.  Declarations and validation only; parsing user text lives in load.py.
+
+Pure Python: importing this module never imports torch.  Sizes are bytes, times seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, DataKind, LossMode, ModelSource, OptimizerKind,
+                                     Precision)
+from batchlab.config.devices import DeviceSpec, device
+from batchlab.config.model import ModelSpec, preset
+from batchlab.config.values import parse_bytes, whole_number
+
+
+@dataclass(frozen=True)
+class ACPolicy:
+    """Activation checkpointing: recompute inside one step to save memory.
+
+    Not the training checkpoint (the file saved to disk for recovery).  Spellings: ``none``, ``full``
+    (every layer), ``every:K`` (every K-th layer, counting from the first; torchtitan's "selective layer",
+    also spelled ``selective-layer:K``), ``selective`` (every layer keeps its matmul outputs and recomputes
+    the cheap element-wise and attention-core ops), ``selective-op`` (torchtitan's per-op policy: keeps every
+    other matmul output and the SDPA outputs), ``megatron-selective`` (Megatron: recomputes only the
+    attention core).  models/ac.py applies each, formula/checkpointing.py counts what each keeps.
+    """
+
+    mode: ACMode = ACMode.NONE
+    every: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", ACMode.parse("ac", self.mode))
+        if self.every < 1:
+            raise ConfigError("ac", f"every:K needs K >= 1, got {self.every}")
+        if self.mode is not ACMode.EVERY and self.every != 1:
+            raise ConfigError("ac", "K is only meaningful for every:K")
+
+    @classmethod
+    def parse(cls, value: Any) -> "ACPolicy":
+        if isinstance(value, ACPolicy):
+            return value
+        text = str(value).strip().lower()
+        text = ALIASES.get(text, text)
+        m = re.fullmatch(r"(?:every|selective-layer):(\d+)", text)
+        if m:
+            return cls(ACMode.EVERY, int(m.group(1)))
+        if text == "every":
+            raise ConfigError("ac", "every needs a K: every:K, e.g. every:2")
+        try:
+            mode = ACMode(text)
+        except ValueError:
+            raise ConfigError("ac", f"{value!r} is not one of: none, full, every:K, selective, selective-op, "
+                                    "megatron-selective") from None
+        return cls(mode)
+
+    def __str__(self) -> str:
+        return f"every:{self.every}" if self.mode is ACMode.EVERY else self.mode.value
+
+    def wrapped_layers(self, n_layers: int) -> tuple[int, ...]:
+        """Indices of the layers whose whole block is recomputed in backward (the one place this is decided)."""
+        if self.mode is ACMode.FULL:
+            return tuple(range(n_layers))
+        if self.mode is ACMode.EVERY:
+            return tuple(range(0, n_layers, self.every))
+        return ()
+
+    def selective_layers(self, n_layers: int) -> tuple[int, ...]:
+        return tuple(range(n_layers)) if self.mode in SELECTIVE_MODES else ()
+
+
+SELECTIVE_MODES = (ACMode.SELECTIVE, ACMode.SELECTIVE_OP, ACMode.MEGATRON)  # a policy inside every block
+ALIASES = {"op": "selective-op", "torchtitan-op": "selective-op", "megatron": "megatron-selective",
+           "core-attn": "megatron-selective"}
+
+
+@dataclass(frozen=True)
+class LossPolicy:
+    """The loss path: ``full``, ``chunked`` / ``chunked:N`` (N token chunks, default 8 as torchtune's
+    CEWithChunkedOutputLoss) or ``fused`` (a fused cross-entropy kernel; formula only)."""
+
+    mode: LossMode = LossMode.FULL
+    chunks: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", LossMode.parse("loss", self.mode))
+        if self.chunks < 1 or (self.mode is not LossMode.CHUNKED and self.chunks != 1):
+            raise ConfigError("loss", "N in chunked:N must be >= 1, and only chunked takes it")
+
+    @classmethod
+    def parse(cls, value: Any) -> "LossPolicy":
+        if isinstance(value, LossPolicy):
+            return value
+        text = str(value).strip().lower()
+        m = re.fullmatch(r"chunked(?::(\d+))?", text)
+        if m:
+            return cls(LossMode.CHUNKED, int(m.group(1) or 8))
+        try:
+            return cls(LossMode(text))
+        except ValueError:
+            raise ConfigError("loss", f"{value!r} is not one of: full, chunked, chunked:N, fused") from None
+
+    def __str__(self) -> str:
+        return f"chunked:{self.chunks}" if self.mode is LossMode.CHUNKED else self.mode.value
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The calculator's stated assumptions (printed with every estimate)."""
+
+    # of peak FLOP/s reached by real kernels (HFU-like); None: the device's published default (formula/efficiency.py)
+    achievable_fraction: float | None = None
+    comm_overlap: float | None = None  # fraction of communication hidden; None: the engine's overlap model
+    # a fixed caching-allocator slack on top of tensor bytes; None: formula/allocator.py's model of it
+    allocator_margin: float | None = None
+    optimizer_bytes_per_param: float | None = None  # overrides the optimizer's own state size
+    op_overhead_seconds: float | None = None  # fixed cost per op (dispatch/launch); None: the backend's default
+
+    def __post_init__(self):
+        for name, lo, hi in (("achievable_fraction", 0.0, 1.0), ("comm_overlap", 0.0, 1.0),
+                             ("allocator_margin", 0.0, 1.0)):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not isinstance(v, (int, float)) or not (lo <= v <= hi) or (name == "achievable_fraction" and v == 0):
+                raise ConfigError(name, f"must be a fraction in ({lo}, {hi}], got {v!r}")
+        if self.optimizer_bytes_per_param is not None and self.optimizer_bytes_per_param < 0:
+            raise ConfigError("optimizer_bytes_per_param", "must be >= 0")
+        if self.op_overhead_seconds is not None and not (0 <= self.op_overhead_seconds < 1):
+            raise ConfigError("op_overhead_seconds", "must be seconds in [0, 1)")
+
+
+# Fields users may name in --change / --vary / replace(); model fields route into ModelSpec.
+MODEL_FIELDS = tuple(f.name for f in fields(ModelSpec) if f.name != "name")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that decides a training step's memory and time.  Frozen and validated.
+
+    ``global_batch`` (sequences per optimizer update) = micro_batch x accum x dp, derived, never stored.
+    """
+
+    model: ModelSpec = field(default_factory=lambda: preset("tiny"))
+    # which code trains it: "builtin", "hf:<gpt2|path/config.json>", or "package.module:factory"
+    model_source: str = "builtin"
+    seq: int = 128
+    micro_batch: int = 8
+    accum: int = 1
+    dp: int = 1
+    precision: Precision = Precision.FP32
+    optimizer: OptimizerKind = OptimizerKind.ADAMW
+    ac: ACPolicy = field(default_factory=ACPolicy)
+    loss: LossPolicy = field(default_factory=LossPolicy)
+    zero: int = 0  # ZeRO stage over the dp ranks (1: optimizer, 2: +grads, 3: +params; FSDP ~ 3)
+    device: str = "cpu"
+    memory_budget: int | None = None  # bytes; replaces the device's memory (CPU: a tracked-bytes budget)
+    data: DataKind = DataKind.FIXED
+    seed: int = 0
+    assumptions: Assumptions = field(default_factory=Assumptions)
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        set_(self, "precision", Precision.parse("precision", self.precision))
+        set_(self, "optimizer", OptimizerKind.parse("optimizer", self.optimizer))
+        set_(self, "ac", ACPolicy.parse(self.ac))
+        set_(self, "loss", LossPolicy.parse(self.loss))
+        set_(self, "data", DataKind.parse("data", self.data))
+        for name in ("seq", "micro_batch", "accum", "dp"):
+            whole_number(name, getattr(self, name))
+        if not isinstance(self.model_source, str) or not self.model_source:
+            raise ConfigError("model_source", "must be builtin, hf:NAME_OR_CONFIG or package.module:factory")
+        whole_number("zero", self.zero, allow_zero=True)
+        whole_number("seed", self.seed, allow_zero=True)
+        if not isinstance(self.device, str):
+            raise ConfigError("device", f"must be a device name, got {self.device!r}")
+        if self.zero > 3:
+            raise ConfigError("zero", f"must be 0, 1, 2 or 3, got {self.zero}")
+        if self.seq > self.model.max_positions:
+            raise ConfigError("seq", f"{self.seq} is beyond the model's max_positions ({self.model.max_positions})")
+        if self.ac.mode is ACMode.MEGATRON and self.model.attention is not AttentionImpl.SDPA:
+            raise ConfigError("ac", "megatron-selective recomputes the fused attention call: it needs "
+                                    "--attention sdpa (eager attention has no single attention-core call)")
+        if self.ac.mode is ACMode.EVERY and self.ac.every > self.model.layers:
+            raise ConfigError("ac", f"every:{self.ac.every} asks for K > layers ({self.model.layers})")
+        spec = device(self.device)  # raises on an unknown device
+        set_(self, "device", spec.name)
+        if self.memory_budget is not None:
+            set_(self, "memory_budget", parse_bytes("memory_budget", self.memory_budget))
+            whole_number("memory_budget", self.memory_budget)
+
+    # -- derived
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accum * self.dp
+
+    @property
+    def tokens_per_update(self) -> int:
+        return self.global_batch * self.seq
+
+    @property
+    def model_kind(self) -> ModelSource:
+        return ModelSource.of(self.model_source)
+
+    @property
+    def device_spec(self) -> DeviceSpec:
+        return device(self.device)
+
+    @property
+    def memory_capacity(self) -> int:
+        """Bytes available to one rank: the budget if given, else the device's memory."""
+        return self.memory_budget if self.memory_budget is not None else self.device_spec.memory_bytes
+
+    def global_batch_text(self) -> str:
+        return (f"global batch = micro-batch x accum x DP = {self.micro_batch} x {self.accum} x {self.dp} "
+                f"= {self.global_batch} sequences ({self.tokens_per_update:,} tokens per update)")
+
+    # -- changing
+    def replace(self, **changes: Any) -> "RunConfig":
+        """A validated new config; model field names (layers, hidden, ...) route into the model spec."""
+        model_changes = {k: changes.pop(k) for k in list(changes) if k in MODEL_FIELDS}
+        unknown = [k for k in changes if k not in RUN_FIELDS and k not in ASSUMPTION_FIELDS]
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown field; known: {', '.join(CHANGEABLE_FIELDS)}")
+        assumption_changes = {k: changes.pop(k) for k in list(changes) if k in ASSUMPTION_FIELDS}
+        if model_changes:
+            changes["model"] = dataclasses.replace(self.model, **model_changes)
+        if assumption_changes:
+            changes["assumptions"] = dataclasses.replace(self.assumptions, **assumption_changes)
+        return dataclasses.replace(self, **changes)
+
+    def with_global_batch(self, global_batch: int, micro_batch: int | None = None) -> "RunConfig":
+        """Re-derive accum so that micro x accum x dp == global_batch (the micro-batch kept unless given)."""
+        mb = self.micro_batch if micro_batch is None else micro_batch
+        return self.replace(micro_batch=mb, accum=derive_accum(global_batch, mb, self.dp))
+
+    def diff(self, other: "RunConfig") -> dict[str, tuple[Any, Any]]:
+        """Changed user-facing fields, model fields by their own names: {field: (self's, other's)}."""
+        own = tuple(n for n in RUN_FIELDS if n not in ("model", "assumptions"))
+        out: dict[str, tuple[Any, Any]] = {}
+        for x, y, names in ((self.model, other.model, MODEL_FIELDS),
+                            (self.assumptions, other.assumptions, ASSUMPTION_FIELDS), (self, other, own)):
+            out.update({n: (getattr(x, n), getattr(y, n)) for n in names if getattr(x, n) != getattr(y, n)})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_jsonable(self)
+
+
+RUN_FIELDS = tuple(f.name for f in fields(RunConfig))
+ASSUMPTION_FIELDS = tuple(f.name for f in fields(Assumptions))
+CHANGEABLE_FIELDS = (tuple(n for n in RUN_FIELDS if n not in ("model", "assumptions")) + MODEL_FIELDS
+                     + ASSUMPTION_FIELDS)
+
+
+def derive_accum(global_batch: int, micro_batch: int, dp: int) -> int:
+    whole_number("global_batch", global_batch)
+    whole_number("micro_batch", micro_batch)
+    whole_number("dp", dp)
+    per_step = micro_batch * dp
+    if global_batch % per_step:
+        raise ConfigError("global_batch", f"{global_batch} is not divisible by micro-batch x DP = "
+                                          f"{micro_batch} x {dp} = {per_step}")
+    return global_batch // per_step
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses/enums/policies to plain JSON values (the one serialiser for --json and the notebook)."""
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (ACPolicy, LossPolicy)):
+        return str(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, float) and obj != obj:  # NaN is not JSON
+        return None
+    return obj
