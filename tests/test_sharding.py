@@ -67,18 +67,22 @@ def test_scope_says_what_gloo_cannot_tell_about_sharding_on_nccl():
     assert not any("ZeRO/FSDP" in line for line in scope(TINY, TINY.replace(micro_batch=2), {"cpu"}, True, None))
 
 
-# -- measured: every stage in one 2-rank job per shape (distributed.equivalence.check_stages: parameters,
-# memory by the measurement's tracker, collectives), and the measure command's own path once
-@pytest.fixture(scope="module")
-def stages():
-    from batchlab.distributed.equivalence import check_stages
+# -- measured: every stage for two shapes in ONE 2-rank job (distributed.equivalence.check_shapes:
+# parameters, memory by the measurement's tracker, collectives), and the measure command's own path once
+ACCUM = TINY.replace(accum=2, micro_batch=1, seq=32)  # accumulation; dropout on: the masks must match too
 
-    return check_stages(TINY, (1, 2, 3))
+
+@pytest.fixture(scope="module")
+def shapes():
+    from batchlab.distributed.equivalence import check_shapes
+
+    return dict(zip(("tiny", "accum"), check_shapes((TINY, ACCUM), (1, 2, 3))))
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_per_rank_peak_falls_with_the_stage_and_the_formula_is_within_3_percent(stages):
+def test_per_rank_peak_falls_with_the_stage_and_the_formula_is_within_3_percent(shapes):
+    stages = shapes["tiny"]
     peaks = [stages.memory[z]["peak_bytes"] for z in range(4)]
     assert peaks[0] > peaks[1] > peaks[2] > peaks[3], peaks
     for z in range(4):
@@ -88,7 +92,8 @@ def test_per_rank_peak_falls_with_the_stage_and_the_formula_is_within_3_percent(
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_collectives_counted_on_the_process_group_equal_the_formula(stages):
+def test_collectives_counted_on_the_process_group_equal_the_formula(shapes):
+    stages = shapes["tiny"]
     for z in range(4):
         predicted = traffic(TINY.replace(zero=z))
         assert stages.traffic[z]["per_update"] == predicted.per_update, z
@@ -101,20 +106,46 @@ def test_collectives_counted_on_the_process_group_equal_the_formula(stages):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_zero_1_2_3_parameters_equal_ddp_after_two_updates(stages):
-    from batchlab.distributed.equivalence import ATOL, check_stages
+def test_zero_1_2_3_parameters_equal_ddp_after_two_updates(shapes):
+    from batchlab.distributed.equivalence import ATOL
 
+    stages, check = shapes["tiny"], shapes["accum"]
     assert stages.equal, stages.text
     assert set(stages.max_abs_difference) == {1, 2, 3} and stages.tolerance == ATOL
-    cfg = TINY.replace(accum=2, micro_batch=1, seq=32)  # accumulation; dropout on: the masks must match too
-    check = check_stages(cfg, (1, 2, 3))
     assert check.equal, check.text
     # each micro-batch's collectives as the formula says: DDP no_sync (one all-reduce, in the last
     # micro-batch), FSDP2 all-gathers and reduce-scatters in every micro-batch
     for z, seen in check.traffic.items():
-        predicted = traffic(cfg.replace(zero=z))
+        predicted = traffic(ACCUM.replace(zero=z))
         assert seen["per_micro_batch"] == list(predicted.per_micro_batch), z
         assert seen["per_update"] == predicted.per_update, z
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compares_semantics_panel_runs_the_zero_check_for_a_stage_change(shapes, monkeypatch):
+    """The panel calls same_parameters_as_ddp on a small fp32 2-rank copy of A; its verdict (here the real one
+    of the shared job, whose shape the call must ask for) is what the panel says."""
+    from batchlab.distributed import equivalence
+    from batchlab.experiment.semantics import CheckKind, semantics
+
+    asked = []
+
+    def same_parameters_as_ddp(a, b):
+        asked.append((a, b))
+        return shapes["accum"]
+
+    monkeypatch.setattr(equivalence, "same_parameters_as_ddp", same_parameters_as_ddp)
+    a = TINY.replace(dp=4, accum=4, micro_batch=1, precision="bf16-mixed", seq=128)
+    out = semantics(a, a.replace(zero=3))
+    (small_a, small_b), = asked
+    assert small_a == ACCUM.replace(zero=0) and small_b == ACCUM.replace(zero=3)
+    check = out["gradient_check"]
+    assert check["kind"] == CheckKind.ZERO.value and check["ran"] and check["passed"]
+    assert "equal to DDP's" in check["detail"] and "no gradient equivalence" not in check["detail"]
+    item = next(i for i in out["items"] if i["name"] == "sharding (ZeRO stage)")
+    assert item["touched"] and item["verified"].startswith("verified: ")
+    assert semantics(a.replace(dp=1), a.replace(dp=1, zero=3))["gradient_check"]["kind"] == CheckKind.NONE.value
 
 
 @pytest.mark.distributed

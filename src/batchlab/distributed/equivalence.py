@@ -76,7 +76,7 @@ def _rank(rank: int, world: int, port: int, cfgs: list[dict], updates: int, out:
         counter = TrafficCounter()
         mem = measure_memory(trainer, monitor, None, counter)
         peaks: list = [None] * world
-        dist.all_gather_object(peaks, (mem.peak_bytes, mem.peak_phase, mem.breakdown))
+        dist.all_gather_object(peaks, (mem.peak_bytes, mem.peak_phase.value, mem.breakdown))  # plain types for torch.load
         top = max(peaks, key=lambda p: p[0])
         results.append(dict(parameters=full, traffic=counter.summary(cfg.accum),
                             memory=dict(peak_bytes=top[0], peak_phase=top[1], breakdown=top[2],
@@ -105,16 +105,29 @@ def run_stages(cfgs: list[RunConfig], updates: int = 2) -> list[dict]:
 
 def check_stages(base: RunConfig, stages: tuple[int, ...], updates: int = 2) -> EquivalenceCheck:
     """Each stage's parameters against ZeRO-0's (DDP) for ``base``'s shape, in one job."""
-    if base.dp < 2:
-        raise ConfigError("dp", "the ZeRO semantics check needs dp >= 2 (one rank has nothing to shard)")
-    if base.precision is not Precision.FP32:
-        raise ConfigError("precision", "the ZeRO semantics check compares fp32 runs")
+    return check_shapes((base,), stages, updates)[0]
+
+
+def check_shapes(bases: tuple[RunConfig, ...], stages: tuple[int, ...], updates: int = 2
+                 ) -> tuple[EquivalenceCheck, ...]:
+    """check_stages for several shapes of the same DP, all in one job (one process start for all)."""
+    for base in bases:
+        if base.dp < 2:
+            raise ConfigError("dp", "the ZeRO semantics check needs dp >= 2 (one rank has nothing to shard)")
+        if base.precision is not Precision.FP32:
+            raise ConfigError("precision", "the ZeRO semantics check compares fp32 runs")
+        if base.dp != bases[0].dp:
+            raise ConfigError("dp", "the shapes checked in one job share one DP size")
     every = (0, *stages)
-    runs = dict(zip(every, run_stages([base.replace(zero=z) for z in every], updates)))
-    ref = runs[0]["parameters"]
-    diffs = {z: max(float((runs[z]["parameters"][n] - ref[n]).abs().max()) for n in ref) for z in stages}
-    return EquivalenceCheck(tuple(stages), updates, diffs, traffic={z: runs[z]["traffic"] for z in every},
-                            memory={z: runs[z]["memory"] for z in every})
+    results = run_stages([base.replace(zero=z) for base in bases for z in every], updates)
+    out = []
+    for i in range(len(bases)):
+        runs = dict(zip(every, results[i * len(every):(i + 1) * len(every)]))
+        ref = runs[0]["parameters"]
+        diffs = {z: max(float((runs[z]["parameters"][n] - ref[n]).abs().max()) for n in ref) for z in stages}
+        out.append(EquivalenceCheck(tuple(stages), updates, diffs, traffic={z: runs[z]["traffic"] for z in every},
+                                    memory={z: runs[z]["memory"] for z in every}))
+    return tuple(out)
 
 
 def same_parameters_as_ddp(cfg_a: RunConfig, cfg_b: RunConfig, updates: int = 2) -> EquivalenceCheck:
