@@ -50,6 +50,16 @@ def test_zero3_pays_its_gathers_at_every_micro_batch_in_the_time_model():
     assert s3.update_seconds > s1.update_seconds
 
 
+def test_zero1_mixed_assumptions_say_where_pytorchs_engine_differs():
+    """The formula counts ZeRO-1 as the paper does; under autocast PyTorch's engine replicates fp32 weights
+    and gradients, and the estimate says so (only then)."""
+    mixed = RunConfig(model=preset("tiny"), dp=2, zero=1, precision="bf16-mixed")
+    note = [a for a in estimate(mixed).assumptions if "ZeroRedundancyOptimizer under autocast" in a]
+    assert len(note) == 1 and "fp32 weights and gradients on every rank" in note[0]
+    for other in (mixed.replace(precision="fp32"), mixed.replace(zero=3), mixed.replace(zero=0)):
+        assert not any("under autocast" in a for a in estimate(other).assumptions)
+
+
 def test_sharding_names_are_the_zero_stages_and_a_contradiction_is_refused():
     from batchlab.cli.common import build_config
     from batchlab.config import ConfigError
