@@ -97,7 +97,8 @@ def zero1_engine_note(cfg: RunConfig) -> tuple[str, ...]:
         return ()
     return ("ZeRO-1 counted as ZeRO's paper and DeepSpeed do (16-bit weights and gradients, fp32 master and "
             "optimizer state sharded); PyTorch's DDP + ZeroRedundancyOptimizer under autocast (what batchlab "
-            "measures) instead keeps fp32 weights and gradients on every rank and shards only the optimizer state",)
+            "measures) instead keeps fp32 weights and gradients on every rank and shards only the optimizer "
+            "state, and the communication figures are that engine's (fp32 all-reduce and broadcasts)",)
 
 
 def allocator_text(cfg: RunConfig) -> str:
