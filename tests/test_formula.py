@@ -82,8 +82,10 @@ def test_memory_breakdown_adds_up_and_zero_shards():
     m1 = estimate(cfg.replace(zero=1)).memory
     assert (m1.parameters_bytes, m1.gradients_bytes, m1.master_bytes, m1.optimizer_bytes) == \
         (2 * n, 2 * n, 4 * n // 8, 8 * n // 8)
+    # ZeRO-3 runs on FSDP2 with MixedPrecisionPolicy: the fp32 parameter shards are the master copy, fp32
+    # gradient shards, 16-bit copies only while gathered (none resident); still 16 bytes per parameter / 8
     m3 = estimate(cfg.replace(zero=3)).memory
-    assert (m3.parameters_bytes, m3.gradients_bytes, m3.master_bytes) == (2 * n // 8, 2 * n // 8, 4 * n // 8)
+    assert (m3.parameters_bytes, m3.gradients_bytes, m3.master_bytes) == (0, 4 * n // 8, 4 * n // 8)
     assert m0.peak_bytes == m0.peak_tensor_bytes + m0.margin_bytes
     assert sum(m0.activations_per_layer_bytes) < m0.activations_bytes
     assert not m0.fits and m1.peak_bytes < m0.peak_bytes

@@ -146,11 +146,6 @@ def test_tree_sums_to_activations_and_matches_real_run():
     assert OUTSIDE in nodes  # the harness scales the loss after the model returns
 
 
-def test_trace_refuses_zero_sharding():
-    with pytest.raises(ConfigError, match="zero"):
-        estimate(tiny(dp=2, zero=1))
-
-
 def test_notes_name_what_the_trace_leaves_out():
     t = estimate(tiny(dp=2))
     assert t.global_batch == 4 and any("DDP" in n for n in t.notes)

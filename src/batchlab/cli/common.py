@@ -47,7 +47,10 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "ac": (str, "none", AC_HELP),
     "loss": (str, "full", "Loss path: full (F.cross_entropy on all logits), chunked[:N] (N checkpointed token "
                           "chunks, default 8) or fused (a fused kernel; formula only)."),
-    "zero": (int, 0, "ZeRO stage 0-3 over the DP ranks (3 ~ FSDP full sharding)."),
+    "zero": (int, 0, "ZeRO stage 0-3 over the DP ranks: 0 DDP, 1 + ZeroRedundancyOptimizer, 2 FSDP2 "
+                     "reshard_after_forward=False, 3 FSDP2 full sharding."),
+    "sharding": (Optional[str], None, "The --zero stage by its engine's name: ddp, zero1, fsdp-grad-op (ZeRO-2) or "
+                                      "fsdp (ZeRO-3)."),
     "device": (str, "cpu", "Device: cpu, local (this machine's GPU, else cpu), h100-sxm, h200, a100-40gb, a100-80gb, "
                            "l40s, mi300x, or custom:mem=80GB,tflops=400,..."),
     "memory_budget": (Optional[str], None, "Memory per rank, e.g. 2GiB (replaces the device's; on CPU a tracked-bytes budget)."),
@@ -77,6 +80,8 @@ def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
         cfg = cfg.replace(model=flags.model, model_source=flags.model_source)
     changes = {k: getattr(flags.model, k) for k in MODEL_OVERRIDES if k in given}
     changes.update({k: getattr(flags, k) for k in RUN_FLAGS if k in given})
+    if "sharding" in given:
+        changes["zero"] = flags.zero
     if "global_batch" in given:  # the file's micro-batch and DP unless typed
         changes["accum"] = _accum_for(o["global_batch"], changes.get("micro_batch", cfg.micro_batch),
                                       changes.get("dp", cfg.dp), changes.get("accum"))
@@ -99,6 +104,15 @@ def _accum_for(global_batch: int, micro_batch: int, dp: int, accum: int | None) 
     return derived
 
 
+def _sharding_stage(sharding: str, zero: int | None) -> int:
+    from batchlab.distributed.sharding import parse_sharding
+
+    stage = parse_sharding(sharding)
+    if zero and zero != stage:
+        raise ConfigError("sharding", f"--sharding {sharding} is ZeRO-{stage}, but --zero {zero} was given")
+    return stage
+
+
 def _config_from_flags(**o: Any) -> RunConfig:
     overrides = {k: o.get(k) for k in MODEL_OVERRIDES}
     if o.get("hf_config"):
@@ -112,6 +126,8 @@ def _config_from_flags(**o: Any) -> RunConfig:
     budget = o.get("memory_budget")
     given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "loss", "zero", "device", "data", "seed")
              if o.get(k) is not None}
+    if o.get("sharding") is not None:
+        given["zero"] = _sharding_stage(o["sharding"], o.get("zero"))
     default = Assumptions()
     assumptions = Assumptions(achievable_fraction=o.get("achievable_fraction", default.achievable_fraction),
                               comm_overlap=o.get("comm_overlap", default.comm_overlap),

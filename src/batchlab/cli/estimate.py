@@ -20,6 +20,18 @@ AC_NOTE = ("Activation checkpointing (--ac) recomputes activations in backward: 
            "inside one step. It is not the training checkpoint (the file saved to disk for recovery).")
 
 
+def _collectives_label(cfg, t) -> str:
+    """What the stage's engine sends per update (formula.sharding)."""
+    names = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce",
+             "broadcast": "broadcast"}
+    sent = ", ".join(f"{names[k]} {fmt_bytes(v)}" for k, v in t.collective_bytes.items() if v)
+    if cfg.zero >= 2 and cfg.dp > 1:
+        return f"FSDP2 collectives, every micro-batch ({sent} per update)"
+    if cfg.zero == 1 and cfg.dp > 1:
+        return f"gradient all-reduce once per update + ZeroRedundancyOptimizer's broadcasts ({sent})"
+    return f"gradient all-reduce, once per update ({sent or fmt_bytes(t.allreduce_bytes)})"
+
+
 def _memory_table(e: Estimate) -> Table:
     m = e.memory
     t = Table(title="Memory per rank  \\[formula]", show_header=True, header_style="bold")
@@ -70,7 +82,7 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None) -> Table
     tab.add_row("compute per micro-batch", fmt_seconds(t.compute_seconds_per_micro_batch))
     tab.add_row("  of which per-op overhead (dispatch/launch)", fmt_seconds(t.overhead_seconds_per_micro_batch))
     tab.add_row(f"compute per update (× {cfg.accum} micro-batches)", fmt_seconds(t.compute_seconds))
-    tab.add_row(f"gradient all-reduce, once per update ({fmt_bytes(t.allreduce_bytes)})", fmt_seconds(t.allreduce_seconds))
+    tab.add_row(_collectives_label(cfg, t), fmt_seconds(t.allreduce_seconds))
     tab.add_row("  exposed (not overlapped)", fmt_seconds(t.exposed_comm_seconds))
     tab.add_row("optimizer step", fmt_seconds(t.optimizer_seconds))
     tab.add_row("[bold]update time[/bold]", f"[bold]{fmt_seconds(t.update_seconds)}[/bold]")
