@@ -142,3 +142,15 @@ def test_estimate_and_vary_use_the_cached_calibration_of_the_device(tmp_path, mo
     assert [r["time"]["flops_ceiling"] for r in rows] == [5e10 * 0.4] * 2
     other = json.loads(run("estimate", "--device", "h100-sxm", "--json").stdout)["time"]
     assert other["ceiling_source"] == "datasheet"  # no calibration cached for that device
+
+
+def test_typed_seq_is_validated_against_the_config_files_model_not_the_default(tmp_path):
+    path = tmp_path / "gpt2.toml"
+    path.write_text('[config]\nmodel = "gpt2"\nmicro_batch = 2\n')
+    # tiny's max_positions is 256, gpt2's 1024: the typed --seq is checked once, after the merge
+    d = json.loads(run("estimate", "--config", str(path), "--seq", "512", "--json").stdout)
+    assert (d["config"]["model"]["name"], d["config"]["seq"], d["config"]["micro_batch"]) == ("gpt2", 512, 2)
+    r = run("estimate", "--config", str(path), "--seq", "2048")
+    assert r.exit_code == 2 and r.stderr.startswith("error: seq") and "1024" in r.stderr
+    d = json.loads(run("estimate", "--config", str(path), "--layers", "3", "--memory-budget", "1GiB", "--json").stdout)
+    assert (d["config"]["model"]["layers"], d["config"]["memory_budget"]) == (3, 2**30)

@@ -62,21 +62,38 @@ def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
     """
     if not o.get("config"):
         return _config_from_flags(**o)
-    flags = _config_from_flags(**{**o, "global_batch": None})  # global batch: against the file's shape below
-    cfg = load_config_toml(o["config"])
+    base = load_config_toml(o["config"])
     if given is None:
         given = {k for k, (_, default, _) in CONFIG_OPTIONS.items() if k != "config" and o.get(k, default) != default}
+    # merge first, validate once: the typed flags are raw values applied to the file's config in one replace,
+    # so --seq is checked against the file's model, not the flags' default one
+    return base.replace(**_typed_changes(base, given, o))
+
+
+def _typed_changes(base: RunConfig, given: set[str], o: dict[str, Any]) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
     if given & {"model", "hf_config"}:
-        cfg = cfg.replace(model=flags.model, model_source=flags.model_source)
-    changes = {k: getattr(flags.model, k) for k in MODEL_OVERRIDES if k in given}
-    changes.update({k: getattr(flags, k) for k in RUN_FLAGS if k in given})
+        changes["model"], changes["model_source"] = _model_from_flags(o)
+    else:
+        changes.update({k: o[k] for k in MODEL_OVERRIDES if k in given})
+    changes.update({k: o[k] for k in RUN_FLAGS if k in given})
+    if "memory_budget" in changes:
+        changes["memory_budget"] = parse_bytes("memory_budget", changes["memory_budget"])
     if "global_batch" in given:  # the file's micro-batch and DP unless typed
-        changes["accum"] = _accum_for(o["global_batch"], changes.get("micro_batch", cfg.micro_batch),
-                                      changes.get("dp", cfg.dp), changes.get("accum"))
-    changes.update({k: getattr(flags.assumptions, k) for k in ("achievable_fraction", "comm_overlap") if k in given})
+        changes["accum"] = _accum_for(o["global_batch"], changes.get("micro_batch", base.micro_batch),
+                                      changes.get("dp", base.dp), changes.get("accum"))
+    changes.update({k: o[k] for k in ("achievable_fraction", "comm_overlap") if k in given})
     if "optimizer_bytes" in given:
-        changes["optimizer_bytes_per_param"] = flags.assumptions.optimizer_bytes_per_param
-    return cfg.replace(**changes)
+        changes["optimizer_bytes_per_param"] = o["optimizer_bytes"]
+    return changes
+
+
+def _model_from_flags(o: dict[str, Any]):
+    """(ModelSpec, model_source) from --model / --hf-config and the shape overrides."""
+    overrides = {k: o.get(k) for k in MODEL_OVERRIDES}
+    if o.get("hf_config"):
+        return model_from_hf_config(o["hf_config"], **overrides), "builtin"
+    return resolve_model(o.get("model") or "tiny", **overrides)
 
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "zero", "device", "memory_budget",
@@ -93,11 +110,7 @@ def _accum_for(global_batch: int, micro_batch: int, dp: int, accum: int | None) 
 
 
 def _config_from_flags(**o: Any) -> RunConfig:
-    overrides = {k: o.get(k) for k in MODEL_OVERRIDES}
-    if o.get("hf_config"):
-        spec, source = model_from_hf_config(o["hf_config"], **overrides), "builtin"
-    else:
-        spec, source = resolve_model(o.get("model") or "tiny", **overrides)
+    spec, source = _model_from_flags(o)
     mb, accum, gb, dp = o.get("micro_batch"), o.get("accum"), o.get("global_batch"), o.get("dp", 1)
     if gb is not None:
         mb = 1 if mb is None else mb
