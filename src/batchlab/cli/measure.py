@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import console, fail, print_json, with_config
+from batchlab.cli.common import console, fail, print_json, typed_options, with_config
 from batchlab.config import ConfigError, RunConfig
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
@@ -57,6 +57,7 @@ def measure(
             from batchlab.distributed import launch
             from batchlab.distributed.launcher import torchrun_args
 
+            cfg = dp_from_world(cfg, nproc, nnodes, typed_options())
             m = launch(cfg, opts, nproc, torchrun_args(nnodes, node_rank, rdzv_endpoint))
         else:
             m = _run_with_progress(run, cfg, opts, progress)
@@ -86,6 +87,22 @@ def measure(
         typer.echo(f"warning: ignored: --timeline: the run ended {m.outcome.value}, no update to record", err=True)
     if m.outcome is Outcome.FAILED:
         raise typer.Exit(1)
+
+
+def dp_from_world(cfg: RunConfig, nproc: Optional[int], nnodes: Optional[int], typed: frozenset) -> RunConfig:
+    """The DP size is the world size --nproc x --nnodes: derived when --dp was not given (the global batch
+    kept when --global-batch was typed, else accum kept); a typed --dp that contradicts it is refused."""
+    if nproc is None:
+        return cfg
+    world = nproc * (nnodes or 1)
+    if cfg.dp == world:
+        return cfg
+    if "dp" in typed or cfg.dp != 1:  # typed, or set by --config FILE
+        raise ConfigError("dp", f"{cfg.dp} contradicts the world size --nproc x --nnodes = {nproc} x {nnodes or 1} "
+                                f"= {world}; omit --dp (it is derived) or make them agree")
+    if "global_batch" in typed:
+        return cfg.replace(dp=world).with_global_batch(cfg.global_batch)
+    return cfg.replace(dp=world)
 
 
 def _timeline(cfg: RunConfig, torch_device: Optional[str], path: str, as_json: bool) -> None:
