@@ -154,3 +154,14 @@ def test_typed_seq_is_validated_against_the_config_files_model_not_the_default(t
     assert r.exit_code == 2 and r.stderr.startswith("error: seq") and "1024" in r.stderr
     d = json.loads(run("estimate", "--config", str(path), "--layers", "3", "--memory-budget", "1GiB", "--json").stdout)
     assert (d["config"]["model"]["layers"], d["config"]["memory_budget"]) == (3, 2**30)
+
+
+def test_vary_table_keeps_every_row_and_exits_0_when_one_is_possible():
+    r = run("estimate", "--vary", "micro_batch=1,2,4,8,16")
+    assert r.exit_code == 0, r.output
+    assert "not possible" in r.stdout and "--keep accum" in r.stdout and "--global-batch 16" in r.stdout
+    rows = json.loads(run("estimate", "--vary", "micro_batch=1,2,4,8,16", "--json").stdout)
+    assert [row["possible"] for row in rows] == [True] * 4 + [False]
+    assert rows[4]["value"] == "16" and "--keep accum" in rows[4]["fix"]
+    r = run("estimate", "--model", "llama-2-7b", "--micro-batch", "2", "--dp", "8", "--vary", "accum=32,64")
+    assert r.exit_code == 2 and r.stderr.startswith("error: accum") and "--global-batch 512" in r.stderr

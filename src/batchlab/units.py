@@ -1,6 +1,10 @@
 """Display-only formatting: bytes, seconds, rates, FLOPs (internal figures stay bytes and seconds)."""
 from __future__ import annotations
 
+# Relative change under which two figures are called the same ("≈"): one band for --vary arrows, the formula's
+# predicted directions in compare, and the measured memory verdict (CPU tracked bytes are deterministic).
+SAME_TOLERANCE = 0.01
+
 
 def fmt_bytes(n: float | None) -> str:
     if n is None:

@@ -13,7 +13,7 @@ from batchlab.cli.common import console as make_console, print_json, with_config
 from batchlab.calibrate import load_all
 from batchlab.config import ConfigError, Keep, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, unseen_model
-from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
+from batchlab.units import SAME_TOLERANCE, fmt_bytes, fmt_count, fmt_seconds
 
 ARROW = {"up": "↑", "down": "↓", "same": "≈"}
 PLAIN_ROWS = 60
@@ -97,15 +97,20 @@ def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
     from batchlab.formula.vary import OUTPUTS
 
     header = (name, "micro × accum × DP = global", *[label for label, _ in OUTPUTS], "fits")
-    fmts = (fmt_bytes, fmt_bytes, fmt_seconds, lambda x: f"{x:,.0f}", lambda x: fmt_count(x))
-    body = []
+    fmts = (fmt_bytes, fmt_bytes, fmt_seconds, lambda x: f"{x:,.0f}", lambda x: fmt_count(x, "FLOP"))
+    body, notes = [], []
     for r in rows:
+        if not r.possible:  # its own line under the table: why, and what would make it possible
+            body.append((str(r.value), "not possible", *[""] * len(OUTPUTS), "-"))
+            notes.append(f"{name}={r.value}: not possible: {r.why}" + (f"; possible with {r.fix}" if r.fix else ""))
+            continue
         c = r.config
         cells = [f"{fmt(get(r.estimate))} {ARROW[r.directions[label]]}"
                  for (label, get), fmt in zip(OUTPUTS, fmts)]
         body.append((str(r.value), f"{c.micro_batch} × {c.accum} × {c.dp} = {c.global_batch}", *cells,
                      "yes" if r.estimate.memory.fits else "no"))
-    title = f"--vary {name}  [formula]  (arrows versus the first value)"
+    title = (f"--vary {name}  [formula]  (arrows versus the first possible value; ≈ within "
+             f"{SAME_TOLERANCE:.0%})")
     if len(body) > PLAIN_ROWS:  # rich's table layout costs ~2 ms a row; long sweeps print plain columns
         widths = [max(len(str(row[i])) for row in (header, *body)) for i in range(len(header))]
         console.print(title, markup=False, highlight=False)
@@ -116,9 +121,11 @@ def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
         for col in header:
             tab.add_column(col, justify="right")
         for row in body:
-            tab.add_row(*row[:-1], row[-1] if row[-1] == "yes" else "[red]no[/red]")
+            tab.add_row(*row[:-1], "[red]no[/red]" if row[-1] == "no" else row[-1])
         console.print(tab)
-    if keep is Keep.ACCUM and len({r.config.global_batch for r in rows}) > 1:
+    for note in notes:
+        console.print(f"[yellow]{escape(note)}[/yellow]")
+    if keep is Keep.ACCUM and len({r.config.global_batch for r in rows if r.possible}) > 1:
         console.print("[yellow]warning: the global batch changes across rows (--keep accum): learning rate, "
                       "warmup and schedule length may need to change too.[/yellow]")
 
@@ -159,7 +166,7 @@ def estimate(
             raise ConfigError("vary", "expected FIELD=v1,v2,... e.g. micro_batch=1,2,4")
         rows = vary_rows(cfg, name.strip().replace("-", "_"), values.split(","), keep, load_all())
         if as_json:
-            print_json([{"value": r.value, "directions": r.directions, **r.estimate.to_dict()} for r in rows])
+            print_json([r.to_dict() for r in rows])
         else:
             _render_vary(rows, name, keep, console)
         return

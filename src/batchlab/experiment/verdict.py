@@ -17,10 +17,11 @@ from batchlab.experiment.predict import Direction, Metric, oom_direction
 from batchlab.experiment.protocol import Rounds
 from batchlab.experiment.record import Contradiction, FormulaFigures, MetricRecord
 from batchlab.measure.result import Measurement, Outcome
+from batchlab.units import SAME_TOLERANCE
 
 BAND_METHOD = ("range (min, max) of the per-round paired ratios B/A; each round measures A then B, each in a "
                "fresh process, warmup excluded; ratio = median of the paired ratios")
-MEMORY_SAME_TOLERANCE = 0.01
+MEMORY_SAME_TOLERANCE = SAME_TOLERANCE
 UNITS = {Metric.PEAK_MEMORY: "bytes", Metric.UPDATE_TIME: "seconds", Metric.TOKENS_PER_SECOND: "tokens/s",
          Metric.TIME_TO_BUDGET: "seconds", Metric.OOM: "outcome"}
 PROVENANCE = {Metric.PEAK_MEMORY: "allocator", Metric.UPDATE_TIME: "wall-clock",
