@@ -35,7 +35,7 @@ def test_estimate_table_names_provenance_global_batch_and_both_checkpoints():
     out = r.stdout
     assert "[formula]" in out and "global batch = micro-batch x accum x DP = 8 x 1 x 1 = 8" in out
     assert "Training checkpoint file on disk" in out and "not activation" in out
-    assert "time to 1 Gtokens" in out
+    assert "time to 1 billion tokens" in out
 
 
 def test_global_batch_derives_accum():

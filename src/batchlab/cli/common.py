@@ -164,12 +164,26 @@ def with_config(fn: Callable) -> Callable:
         _TYPED.update(typed)
         try:
             cfg = build_config(given=typed, **config_kwargs)
+            for w in config_warnings(cfg):
+                typer.echo(f"warning: {w}", err=True)
             return fn(cfg=cfg, as_json=kwargs.pop("as_json"), **kwargs)
         except ConfigError as e:
             fail(str(e))
 
     wrapper.__signature__ = inspect.Signature(own + shared + [json_param, ctx_param])
     return wrapper
+
+
+def config_warnings(cfg: RunConfig) -> list[str]:
+    """Assumptions the config made silently that change its figures."""
+    from batchlab.config import Precision
+    from batchlab.config.devices import CUSTOM_FP32_ASSUMED
+
+    spec = cfg.device_spec
+    if spec.source == CUSTOM_FP32_ASSUMED and cfg.precision is Precision.FP32:
+        return [f"--device {cfg.device}: no fp32_tflops= given; fp32 training assumed at tflops/8 = "
+                f"{spec.peak_flops_fp32 / 1e12:g} TFLOP/s (add fp32_tflops=N to the device to set it)"]
+    return []
 
 
 def console():

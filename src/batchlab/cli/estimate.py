@@ -13,7 +13,7 @@ from batchlab.cli.common import console as make_console, print_json, with_config
 from batchlab.calibrate import load_all
 from batchlab.config import ConfigError, Keep, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, unseen_model
-from batchlab.units import SAME_TOLERANCE, fmt_bytes, fmt_count, fmt_seconds
+from batchlab.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
 
 ARROW = {"up": "↑", "down": "↓", "same": "≈"}
 PLAIN_ROWS = 60
@@ -52,7 +52,7 @@ def _memory_table(e: Estimate) -> Table:
     return t
 
 
-def _time_table(e: Estimate, tokens: float | None, price: float | None) -> Table:
+def _time_table(e: Estimate, tokens: float | None, price: float | None, currency: str = "USD") -> Table:
     t, f, cfg = e.time, e.flops, e.config
     tab = Table(title="Compute and time  \\[formula]", header_style="bold")
     tab.add_column("figure")
@@ -67,15 +67,20 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None) -> Table
     tab.add_row("optimizer step", fmt_seconds(t.optimizer_seconds))
     tab.add_row("[bold]update time[/bold]", f"[bold]{fmt_seconds(t.update_seconds)}[/bold]")
     tab.add_row("[bold]useful tokens/s[/bold] (all ranks)", f"[bold]{t.tokens_per_second:,.0f}[/bold]")
+    peak = fmt_count(cfg.device_spec.peak_flops(cfg.precision), "FLOP/s")
+    tab.add_row(f"MFU (model FLOPs / update time / peak {peak} × {plural(cfg.dp, 'rank')})", fmt_percent(e.mfu))
+    tab.add_row("HFU (hardware FLOPs, recompute counted)", fmt_percent(e.hfu))
     if tokens:
         secs = t.time_to_tokens(tokens)
-        tab.add_row(f"time to {fmt_count(tokens, 'tokens')}", fmt_seconds(secs))
+        tab.add_row(f"time to {fmt_amount(tokens, 'tokens')}", fmt_seconds(secs))
         if price is not None:
-            tab.add_row(f"cost at {price:g}/device-hour × {cfg.dp} devices", f"{price * cfg.dp * secs / 3600:,.2f}")
+            tab.add_row(f"cost at {price:g} {escape(currency)}/device-hour × {plural(cfg.dp, 'device')}",
+                        f"{price * cfg.dp * secs / 3600:,.2f} {escape(currency)}")
     return tab
 
 
-def render(e: Estimate, console: Console, tokens: float | None = None, price: float | None = None) -> None:
+def render(e: Estimate, console: Console, tokens: float | None = None, price: float | None = None,
+           currency: str = "USD") -> None:
     cfg = e.config
     console.print(f"[bold]{cfg.model.name}[/bold] ({e.params.total / 1e6:,.1f} M parameters \\[formula]), seq {cfg.seq}, "
                   f"{cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
@@ -84,7 +89,7 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
         console.print(f"[yellow]warning:[/] {escape(unseen_model(cfg))}: the figures below are for the stand-in "
                       f"shape given by the flags; run --trace for your model's own graph")
     console.print(_memory_table(e))
-    console.print(_time_table(e, tokens, price))
+    console.print(_time_table(e, tokens, price, currency))
     console.print(f"Training checkpoint file on disk (weights + optimizer state, all ranks; not activation "
                   f"checkpointing): {fmt_bytes(e.training_checkpoint_bytes)}  \\[formula]")
     console.print("[dim]Assumptions: " + "; ".join(e.assumptions) + "[/dim]")
@@ -138,7 +143,8 @@ def estimate(
     vary: Annotated[Optional[str], typer.Option(help="FIELD=v1,v2,...: a one-variable table, e.g. micro_batch=1,2,4,8.")] = None,
     keep: Annotated[Keep, typer.Option(help="global-batch: accum re-derived as micro-batch/DP change; accum: global batch changes.")] = Keep.GLOBAL_BATCH,
     tokens: Annotated[Optional[float], typer.Option(help="Token budget for time-to-budget (and cost).")] = None,
-    price: Annotated[Optional[float], typer.Option(help="Price per device-hour, for the cost to the token budget.")] = None,
+    price: Annotated[Optional[float], typer.Option(help="Price per device-hour (in --currency), for the cost to the token budget.")] = None,
+    currency: Annotated[str, typer.Option(help="Currency of --price, printed with the cost.")] = "USD",
     trace: Annotated[bool, typer.Option("--trace", help="Also run one steady-state update of the model's own code on fake tensors (nothing allocated): peak, activations and FLOPs of the real graph, beside the formula's with its error.")] = False,
     tree: Annotated[bool, typer.Option("--tree", help="With --trace: bytes each module keeps for backward, as a tree (implies --trace).")] = False,
     timeline: Annotated[Optional[str], typer.Option(help="With --trace: write the update's memory timeline (live bytes by category, phases, the peak) to FILE.png, FILE.html or FILE.json (implies --trace).", metavar="FILE")] = None,
@@ -177,9 +183,10 @@ def estimate(
             d["time"]["time_to_tokens_seconds"] = e.time.time_to_tokens(tokens)
             if price is not None:
                 d["time"]["cost_to_tokens"] = price * cfg.dp * e.time.time_to_tokens(tokens) / 3600
+                d["time"]["cost_currency"] = currency
         print_json(d)
     else:
-        render(e, console, tokens, price)
+        render(e, console, tokens, price, currency)
 
 
 @app.command(help="Explain, with your numbers, what each knob moves and why.")

@@ -18,7 +18,7 @@ from batchlab.config import ConfigError, RunConfig
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
 from batchlab.measure.versus import FigureRow, formula_estimate, rows
-from batchlab.units import fmt_bytes, fmt_seconds, fmt_value
+from batchlab.units import fmt_bytes, fmt_seconds, fmt_value, plural
 
 
 @app.command("measure")
@@ -168,7 +168,9 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
     out = console()
     env = m.environment
     # text from outside (model names, exception messages) is escaped: "[enforce fail ...]" is not markup
-    where = escape(f"{env.get('torch_device', '?')} ({env.get('device_name', '?')}, {env.get('threads', '?')} threads)")
+    threads = env.get("threads")
+    threads = plural(threads, "thread") if isinstance(threads, (int, float)) else "? threads"
+    where = escape(f"{env.get('torch_device', '?')} ({env.get('device_name', '?')}, {threads})")
     out.print(f"[bold]batchlab measure[/]  {escape(str(env.get('model', cfg.model_source)))} on {where}, "
               f"torch {env.get('torch', '?')}" + (", isolated subprocess" if env.get("isolated") else ""))
     out.print(cfg.global_batch_text())

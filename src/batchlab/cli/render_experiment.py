@@ -35,8 +35,10 @@ def header(out: Console, r: Record) -> None:
     for w in r.warnings:
         out.print(f"[yellow]warning:[/] {esc(w)}")
     p = r.predictions
-    user = ", ".join(f"{k.value}={v.value}" for k, v in p.user.items()) or "none"
-    out.print(f"prediction ({p.user_source}): {user}")
+    if p.user:
+        out.print(f"your prediction ({p.user_source}): " + ", ".join(f"{k.value}={v.value}" for k, v in p.user.items()))
+    else:
+        out.print("your prediction: none written down (--predict memory=up,time=down records one before the run)")
 
 
 def _arrow(d: Direction | None) -> str:

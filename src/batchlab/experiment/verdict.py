@@ -50,8 +50,11 @@ def metric_record(metric: Metric, seen: Observed, user: Direction | None,
                   formula: dict[str, Any] | None) -> MetricRecord:
     """The stored verdict of one metric: the observation beside the person's and the formula's prediction."""
     by_formula = formula["direction"] if formula is not None else None
+    observed = seen.direction is not None or seen.a is not None
+    # a figure's provenance is how it was obtained: nothing measured, nothing labelled allocator / wall-clock
+    how = PROVENANCE[metric] if observed else ("formula" if formula is not None else "not measured")
     return MetricRecord(seen.direction, seen.ratio, seen.band, user, by_formula, _held(user, seen.direction),
-                        _held(by_formula, seen.direction), seen.a, seen.b, UNITS[metric], PROVENANCE[metric],
+                        _held(by_formula, seen.direction), seen.a, seen.b, UNITS[metric], how,
                         seen.paired_ratios, FormulaFigures.from_dict(formula), seen.note)
 
 
