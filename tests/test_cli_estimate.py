@@ -165,3 +165,31 @@ def test_vary_table_keeps_every_row_and_exits_0_when_one_is_possible():
     assert rows[4]["value"] == "16" and "--keep accum" in rows[4]["fix"]
     r = run("estimate", "--model", "llama-2-7b", "--micro-batch", "2", "--dp", "8", "--vary", "accum=32,64")
     assert r.exit_code == 2 and r.stderr.startswith("error: accum") and "--global-batch 512" in r.stderr
+
+
+def test_explain_gives_both_readings_of_doubling_accumulation_with_the_users_numbers():
+    from batchlab.config import Keep, apply_change
+    from batchlab.formula import estimate
+
+    d = json.loads(run("explain", "--micro-batch", "2", "--accum", "4", "--dp", "2", "--json").stdout)
+    text = "\n".join(d["lines"])
+    assert "[bold]" not in text and "[/" not in text  # plain strings in JSON
+    acc = next(s for s in d["sections"] if s["title"].startswith("Gradient accumulation"))
+    fixed_micro = next(l for l in acc["lines"] if "(a)" in l)
+    fixed_global = next(l for l in acc["lines"] if "(b)" in l)
+    # (a) micro-batch 2 kept: 2 x 8 x 2 = 32, the global batch doubles; (b) global batch 16 kept: micro-batch 1
+    assert "2 x 8 x 2 = global batch 32" in fixed_micro and "global batch doubles" in fixed_micro
+    assert "1 x 8 x 2 = global batch 16" in fixed_global and "micro-batch halves" in fixed_global
+    base = RunConfig(micro_batch=2, accum=4, dp=2)
+    a, b = (estimate(apply_change(base, "accum", 8, k)) for k in (Keep.ACCUM, Keep.GLOBAL_BATCH))
+    e = estimate(base)
+    assert a.memory.peak_bytes == pytest.approx(e.memory.peak_bytes, rel=0.01) and "stays about the same" in fixed_micro
+    assert 1.8 < a.time.update_seconds / e.time.update_seconds < 2.0  # twice the sequences, one optimizer step
+    assert b.memory.activations_bytes < e.memory.activations_bytes and "peak falls" in fixed_global
+    titles = [s["title"] for s in d["sections"]]
+    for q in ("1. Micro-batch and global batch", "2. Why activation checkpointing", "3. What accumulation changes",
+              "4. What a local comparison cannot support"):
+        assert any(t.startswith(q) for t in titles), titles
+    local = next(s for s in d["sections"] if s["title"].startswith("4."))
+    # compare's scope rules: a CPU run says nothing about GPU kernels; loopback gloo nothing about NCCL
+    assert any("GPU kernels" in l for l in local["lines"]) and any("NCCL" in l for l in local["lines"])

@@ -192,12 +192,27 @@ def estimate(
 @app.command(help="Explain, with your numbers, what each knob moves and why.")
 @with_config
 def explain(cfg: RunConfig, as_json: bool = False) -> None:
-    from batchlab.formula.explain import explain_lines
+    from batchlab.formula.explain import explain_sections
 
-    lines = explain_lines(cfg, load_all())
+    sections = explain_sections(cfg, load_all(), local_limits(cfg))
     if as_json:
-        print_json({"provenance": "formula", "config": cfg.to_dict(), "lines": lines})
+        print_json({"provenance": "formula", "config": cfg.to_dict(), "sections": [s.to_dict() for s in sections],
+                    "lines": [line for s in sections for line in (s.title, *s.lines)]})
         return
     console = make_console()
-    for line in lines:
-        console.print(line)
+    for s in sections:
+        console.print(s.title, style="bold", markup=False, highlight=False)
+        for line in s.lines:
+            console.print(line, markup=False, highlight=False)
+        console.print()
+
+
+def local_limits(cfg: RunConfig) -> list[str]:
+    """What one comparison of cfg run on this machine could not support: compare's own scope rules."""
+    from batchlab import host
+    from batchlab.config import Backend
+    from batchlab.experiment.scope import scope
+    from batchlab.formula.params import count
+
+    here = "cuda" if cfg.device_spec.backend is Backend.CUDA and host.gpu_names() else "cpu"
+    return scope(cfg, cfg, {here}, measured=True, parameters=count(cfg.model).total)
