@@ -10,7 +10,7 @@ from rich.table import Table
 
 from batchlab.experiment.predict import Direction
 from batchlab.experiment.record import MetricRecord, Record
-from batchlab.report.document import direction_text
+from batchlab.report.document import direction_text, observed_text
 from batchlab.report.document import format_value as value
 
 HELD = {True: "[green]held[/]", False: "[red]missed[/]", None: "-"}
@@ -64,7 +64,7 @@ def verdict_table(r: Record) -> Table:
     formula_only = r.formula_only
     t = Table(show_header=True, header_style="bold", title="formula derivation" if formula_only else "verdict")
     cols = (["metric", "A (formula)", "B (formula)", "B/A", "formula says", "you", "how"] if formula_only else
-            ["metric", "A", "B", "B/A (band)", "observed", "you", "formula B/A", "how"])
+            ["metric", "A (median)", "B (median)", "B/A paired (band)", "observed", "you", "formula B/A", "how"])
     for col in cols:
         t.add_column(col, justify="left" if col in ("metric", "how", "observed", "formula says") else "right")
     for metric, m in r.metrics.items():
@@ -74,7 +74,7 @@ def verdict_table(r: Record) -> Table:
                       f"{f.ratio:.3g}" if f.ratio is not None else "-", direction_text(m.predicted_by_formula),
                       _arrow(m.predicted_by_user), "formula")
             continue
-        t.add_row(metric.label, value(m.a, m.unit), value(m.b, m.unit), _ratio_band(m), direction_text(m.observed),
+        t.add_row(metric.label, value(m.a, m.unit), value(m.b, m.unit), _ratio_band(m), observed_text(m),
                   _judged(m.predicted_by_user, m.held_user),
                   _judged(m.predicted_by_formula, m.held_formula, f.ratio), m.provenance)
     return t
@@ -141,7 +141,10 @@ def render(out: Console, r: Record, notebook_path: Path | None = None,
     else:
         out.print(verdict_table(r))
         if not r.formula_only:
-            out.print(f"[dim]band: {r.protocol.band_method}[/]")
+            out.print(f"[dim]band: {esc(r.protocol.band_method)}[/]")
+            for metric, m in r.metrics.items():
+                if m.inconclusive:
+                    out.print(f"[yellow]{metric.label}:[/] {esc(m.note)}")
     diagnosis(out, r)
     semantics(out, r)
     scope(out, r)

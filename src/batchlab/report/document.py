@@ -26,6 +26,11 @@ def direction_text(d: Direction | None) -> str:
     return f"{d.symbol} {d.value}" if d is not None else "-"
 
 
+def observed_text(m) -> str:
+    """The observed direction of a MetricRecord, or why there is none (noise)."""
+    return "? inconclusive (noise)" if m.inconclusive else direction_text(m.observed)
+
+
 def format_value(v: Any, unit: str) -> str:
     """Display only; the outcome metric shows as fits / OOM."""
     if unit == "outcome" and v is not None:
@@ -98,15 +103,18 @@ def _verdict_blocks(r: Record) -> list[tuple]:
         band = m.band
         rows.append([metric.label, format_value(m.a, m.unit), format_value(m.b, m.unit),
                      f"{m.ratio:.3g}" if m.ratio is not None else "-",
-                     f"{band[0]:.3g} – {band[1]:.3g}" if band else "-", direction_text(m.observed),
+                     f"{band[0]:.3g} – {band[1]:.3g}" if band else "-", observed_text(m),
                      f"{direction_text(m.predicted_by_user)} ({HELD[m.held_user]})" if m.predicted_by_user else "-",
                      f"{direction_text(m.predicted_by_formula)} ({HELD[m.held_formula]})",
                      f_ratio, m.provenance])
     if r.formula_only:
         header = ["metric", "A (formula)", "B (formula)", "B/A", "formula says", "you", "how obtained"]
         return [("h2", "Formula derivation (not an observation)"), ("table", header, rows)]
-    header = ["metric", "A", "B", "B/A", "band", "observed", "you", "formula", "formula B/A", "how obtained"]
-    return [("h2", "Verdict"), ("table", header, rows), ("p", f"Band: {r.protocol.band_method}.")]
+    header = ["metric", "A (median)", "B (median)", "B/A (paired median)", "band", "observed", "you", "formula",
+              "formula B/A", "how obtained"]
+    noise = [f"{metric.label}: {m.note}" for metric, m in r.metrics.items() if m.inconclusive]
+    return [("h2", "Verdict"), ("table", header, rows), ("p", f"Band: {r.protocol.band_method}.")] + \
+        ([("ul", noise)] if noise else [])
 
 
 def _diagnosis_blocks(r: Record) -> list[tuple]:
