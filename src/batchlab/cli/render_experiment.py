@@ -123,8 +123,12 @@ def factors(out: Console, f: dict | None) -> None:
     top = ", ".join(f"{p['name']} {p['cpu_share']:.0%}" for p in busy.get("top", [])[:3])
     mhz = (f.get("cpu_mhz") or {}).get("before")
     noise = (f.get("timing_noise") or {}).get("update_time_iqr_over_median") or {}
+    cores = (f.get("other_cpu") or {}).get("cores")
+    count = busy.get("count", 0)
     parts = [f"load average {load[0]:.2f} on {f.get('cpu_count')} CPUs" if load else "load average n/a",
-             f"{busy.get('count', 0)} other busy process(es)" + (f" ({top})" if top else ""),
+             (f"other processes used {cores:.2g} cores on average during the run" if cores is not None
+              else "other processes' CPU use not readable"),
+             f"{count} other busy {'process' if count == 1 else 'processes'} (sampled)" + (f": {esc(top)}" if top else ""),
              f"CPU {mhz:.0f} MHz" if mhz else "CPU frequency not readable"]
     if noise:
         parts.append("timing IQR/median " + ", ".join(f"{k.upper()} {v:.0%}" for k, v in noise.items() if v is not None))

@@ -152,7 +152,9 @@ def _factor_blocks(r: Record) -> list[tuple]:
                   + ", ".join(f"{k.upper()} {v:.0%}" for k, v in spread.items() if v is not None)
                   + (f"; paired update-time ratios {band[0]:.3g} – {band[1]:.3g}" if band else "")) if spread else "not measured"
     items = [f"load average before {load.get('before')}, after {load.get('after')} ({f.get('cpu_count')} CPUs)",
-             f"other busy processes: {busy.get('count', 0)} "
+             f"other processes' CPU use during the run: {(f.get('other_cpu') or {}).get('cores', 'n/a')} cores "
+             "(machine-wide busy time minus this experiment's)",
+             f"other busy processes (sampled during the run): {busy.get('count', 0)} "
              + ", ".join(f"{p['name']} (pid {p['pid']}, {p['cpu_share']:.0%})" for p in busy.get("top", [])),
              f"CPU frequency (MHz) before {(f.get('cpu_mhz') or {}).get('before')}, after "
              f"{(f.get('cpu_mhz') or {}).get('after')}",
