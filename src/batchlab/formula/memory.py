@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from batchlab.config import ACMode, Backend, OptimizerKind, Precision, RunConfig
 from batchlab.formula import activations as act
-from batchlab.formula.params import count
+from batchlab.formula.params import count, norm_params
 
 F32 = 4
 
@@ -149,6 +149,17 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     return best
 
 
+def autocast_cast_params(m) -> tuple[int, int]:
+    """(whole model, one layer): the parameters autocast copies to 16 bits, the matmuls' weights and biases.
+    Lookup tables (an untied token embedding, learned positions) and norm weights are not cast (embedding and
+    the norms are not on autocast's lower-precision op list); a tied embedding is cast, as the LM head's weight.
+    Checked against the live storages of a real bf16-mixed step (tests/test_trace.py)."""
+    c = count(m)
+    norms = 2 * norm_params(m)
+    lookups = c.embedding - (m.vocab * m.hidden if m.tied_embeddings else 0)
+    return c.total - lookups - norms * m.layers - c.final_norm, c.per_layer - norms
+
+
 def allocator_margin(cfg: RunConfig) -> float:
     """Caching allocators (CUDA, MPS) fragment; on CPU the figure compared is tracked tensor bytes."""
     return 0.0 if cfg.device_spec.backend is Backend.CPU else cfg.assumptions.allocator_margin
@@ -170,7 +181,7 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     copies_fwd = copies = layer_copy = 0
     autocast = cfg.precision.mixed and cfg.zero == 0  # under ZeRO the 16-bit weights are resident instead
     if autocast:
-        n, per_layer = count(m).total, count(m).per_layer
+        n, per_layer = autocast_cast_params(m)
         copies_fwd = 2 * n
         copies = 2 * (n - per_layer * n_recomputed)
         layer_copy = 2 * per_layer
