@@ -52,8 +52,18 @@ def test_mfu_hfu_are_percentages_in_the_table_and_fractions_in_the_json():
 
 def test_custom_device_without_fp32_rate_says_it_assumed_one():
     r = run("estimate", "--device", "custom:mem=1GiB,tflops=1")
-    assert r.exit_code == 0 and "fp32_tflops" in r.stderr and "0.125 TFLOP/s" in r.stderr
+    assert r.exit_code == 0 and "fp32_tflops" in r.stderr and "125 GFLOP/s" in r.stderr
     r = run("estimate", "--device", "custom:mem=1GiB,tflops=1,fp32_tflops=0.5")
     assert "warning" not in r.stderr
     r = run("estimate", "--device", "custom:mem=1GiB,tflops=1", "--precision", "bf16-mixed")
     assert "warning" not in r.stderr  # the fp32 rate is not used
+
+
+def test_fit_capacity_lines_pick_a_readable_unit():
+    from batchlab.advise import Goal
+    from batchlab.advise.plan import assumptions
+    from batchlab.config import RunConfig
+
+    goal = Goal(RunConfig(memory_budget=40 * 2**20))
+    text = " ".join(assumptions(goal, ()))
+    assert "of 40.00 MiB per rank" in text and "0.0391 GiB" not in text

@@ -178,11 +178,12 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     """Assumptions the config made silently that change its figures."""
     from batchlab.config import Precision
     from batchlab.config.devices import CUSTOM_FP32_ASSUMED
+    from batchlab.units import fmt_count
 
     spec = cfg.device_spec
     if spec.source == CUSTOM_FP32_ASSUMED and cfg.precision is Precision.FP32:
         return [f"--device {cfg.device}: no fp32_tflops= given; fp32 training assumed at tflops/8 = "
-                f"{spec.peak_flops_fp32 / 1e12:g} TFLOP/s (add fp32_tflops=N to the device to set it)"]
+                f"{fmt_count(spec.peak_flops_fp32, 'FLOP/s')} (add fp32_tflops=N to the device to set it)"]
     return []
 
 
