@@ -15,7 +15,6 @@ from batchlab.config import ConfigError, Keep, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, unseen_model
 from batchlab.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
 
-ARROW = {"up": "↑", "down": "↓", "same": "≈"}
 PLAIN_ROWS = 60
 AC_NOTE = ("Activation checkpointing (--ac) recomputes activations in backward: less memory, more compute, "
            "inside one step. It is not the training checkpoint (the file saved to disk for recovery).")
@@ -31,24 +30,33 @@ def _memory_table(e: Estimate) -> Table:
     peak = m.at_peak
     rows = [  # (label, size, part at the peak or None, note)
         ("parameters", m.parameters_bytes, "parameters",
+         "bf16 blocks FSDP2 has gathered (current, prefetched, root) and their gradients"
+         if e.config.precision.value == "bf16-fsdp" else
          "16-bit working copies (autocast)" if m.master_bytes else "weights"),
         ("master weights", m.master_bytes, "master", "fp32, updated by the optimizer" if m.master_bytes else "none (not mixed)"),
         ("gradients", m.gradients_bytes, "gradients", ""),
         ("optimizer state", m.optimizer_bytes, "optimizer", str(e.config.optimizer)),
         ("activations", m.activations_bytes, "activations",
          f"{len(layers)} layers, {fmt_bytes(max(layers))} max per layer, ac={e.config.ac}"),
-        ("  of which logits/loss", m.logits_bytes, None, "fp32 log-softmax kept by the loss"),
+        ("  of which logits/loss", m.logits_bytes, None, f"kept by the loss (--loss {e.config.loss})"),
         ("recompute working set", None, "recompute", "one layer rebuilt during its backward"),
         ("temporaries", None, "temporaries", "gradients of activations, logits, optimizer buffers"),
         ("data", m.data_bytes, "data", "token ids of one update"),
     ]
     for name, size, part, note in rows:
         t.add_row(name, fmt_bytes(size) if size is not None else "", fmt_bytes(peak[part]) if part else "", note)
-    t.add_row("allocator margin", "", fmt_bytes(m.margin_bytes),
-              f"{m.margin_bytes / max(m.peak_tensor_bytes, 1):.0%} assumed")
+    t.add_row("[bold]allocated[/bold]", "", f"[bold]{fmt_bytes(m.allocated_bytes)}[/bold]",
+              "tensor bytes at the peak (max_memory_allocated)")
+    for why, n in m.reserved_parts.items():
+        t.add_row(f"  + {why}", "", fmt_bytes(n), "caching allocator (formula/allocator.py)")
     verdict = "fits" if m.fits else "OUT OF MEMORY"
-    t.add_row("[bold]peak[/bold]", "", f"[bold]{fmt_bytes(m.peak_bytes)}[/bold]",
-              f"capacity {fmt_bytes(m.capacity_bytes)} → [bold]{verdict}[/bold] (headroom {fmt_bytes(m.headroom_bytes)})")
+    t.add_row("[bold]reserved[/bold]", "", f"[bold]{fmt_bytes(m.reserved_bytes)}[/bold]",
+              f"max_memory_reserved; capacity {fmt_bytes(m.capacity_bytes)} ({e.config.device_spec.memory_source}) "
+              f"→ [bold]{verdict}[/bold] (headroom {fmt_bytes(m.headroom_bytes)})")
+    for why, n in m.device_parts.items():
+        t.add_row(f"  + {why}", "", fmt_bytes(n), "outside the caching allocator")
+    t.add_row("[bold]device view[/bold]", "", f"[bold]{fmt_bytes(m.device_bytes)}[/bold]",
+              "what nvidia-smi shows (reserved + context + NCCL)")
     return t
 
 
@@ -99,6 +107,7 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
 
 
 def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
+    from batchlab.experiment.predict import Direction
     from batchlab.formula.vary import OUTPUTS
 
     header = (name, "micro × accum × DP = global", *[label for label, _ in OUTPUTS], "fits")
@@ -110,7 +119,7 @@ def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
             notes.append(f"{name}={r.value}: not possible: {r.why}" + (f"; possible with {r.fix}" if r.fix else ""))
             continue
         c = r.config
-        cells = [f"{fmt(get(r.estimate))} {ARROW[r.directions[label]]}"
+        cells = [f"{fmt(get(r.estimate))} {Direction(r.directions[label]).symbol}"
                  for (label, get), fmt in zip(OUTPUTS, fmts)]
         body.append((str(r.value), f"{c.micro_batch} × {c.accum} × {c.dp} = {c.global_batch}", *cells,
                      "yes" if r.estimate.memory.fits else "no"))
