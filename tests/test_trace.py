@@ -210,7 +210,7 @@ def test_autocast_weight_copies_are_parameters_not_activations(micro_batch):
     real = track_update(Trainer(cfg, "cpu"))
     copies = 2 * count(spec).total  # 1.05 MB here: as large as the micro-batch-1 activations themselves
     expected = formula(cfg).memory.activations_bytes
-    assert real.activations_bytes == pytest.approx(expected, rel=0.05)
+    # the copies alone would be ~90% of the micro-batch-1 figure: the two must agree far closer than that
     assert abs(real.activations_bytes - expected) < 0.1 * copies
     assert_trace_matches_real(cfg)
 
