@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchlab.config import Backend, ModelSource, RunConfig
 from batchlab.formula.activations import implementation
-from batchlab.formula.flops import FlopsEstimate, flops
+from batchlab.formula.flops import FlopsEstimate, flops, utilisation
 from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
                                      optimizer_bytes_per_param)
 from batchlab.formula.params import ParamCount, count
@@ -40,6 +40,16 @@ class Estimate:
     def global_batch(self) -> int:
         return self.config.global_batch
 
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation, a fraction (the table shows it as a percentage)."""
+        return utilisation(self.flops.model_flops_per_update, self.time.update_seconds, self.config)
+
+    @property
+    def hfu(self) -> float | None:
+        """Hardware FLOPs utilisation (recompute counted), a fraction."""
+        return utilisation(self.flops.hardware_flops_per_update, self.time.update_seconds, self.config)
+
     def to_dict(self) -> dict[str, Any]:
         from batchlab.config import to_jsonable
 
@@ -47,7 +57,8 @@ class Estimate:
         mem.update(fits=self.memory.fits, headroom_bytes=self.memory.headroom_bytes)
         return {"provenance": self.provenance, "config": self.config.to_dict(),
                 "global_batch": self.global_batch, "tokens_per_update": self.config.tokens_per_update,
-                "parameters": self.params.total, "memory": mem, "flops": to_jsonable(self.flops),
+                "parameters": self.params.total, "memory": mem,
+                "flops": {**to_jsonable(self.flops), "mfu": self.mfu, "hfu": self.hfu},
                 "time": to_jsonable(self.time), "training_checkpoint_bytes": self.training_checkpoint_bytes,
                 "assumptions": list(self.assumptions)}
 

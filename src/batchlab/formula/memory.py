@@ -9,7 +9,7 @@ from batchlab.formula import checkpointing
 from batchlab.formula.allocator import device_memory
 from batchlab.formula.fsdp import fsdp_phases
 from batchlab.formula.loss import loss_path
-from batchlab.formula.params import count
+from batchlab.formula.params import count, norm_params
 from batchlab.formula.sharding import unit_elements
 
 F32 = 4
@@ -185,6 +185,17 @@ def _backward_terms(cfg: RunConfig, gradient_bytes: int) -> tuple[int, int, int]
     return transient, head_grad, below_layers
 
 
+def autocast_cast_params(m) -> tuple[int, int]:
+    """(whole model, one layer): the parameters autocast copies to 16 bits, the matmuls' weights and biases.
+    Lookup tables (an untied token embedding, learned positions) and norm weights are not cast (embedding and
+    the norms are not on autocast's lower-precision op list); a tied embedding is cast, as the LM head's weight.
+    Checked against the live storages of a real bf16-mixed step (tests/test_trace.py)."""
+    c = count(m)
+    norms = 2 * norm_params(m)
+    lookups = c.embedding - (m.vocab * m.hidden if m.tied_embeddings else 0)
+    return c.total - lookups - norms * m.layers - c.final_norm, c.per_layer - norms
+
+
 def _largest_param(cfg: RunConfig) -> int:
     m = cfg.model
     return max(m.vocab * m.hidden, m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden))
@@ -228,7 +239,7 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     copies_fwd = copies = layer_copy = 0
     autocast = cfg.precision.mixed and cfg.zero == 0  # under ZeRO the 16-bit weights are resident instead
     if autocast:
-        n, per_layer = count(m).total, count(m).per_layer
+        n, per_layer = autocast_cast_params(m)
         copies_fwd = 2 * n
         copies = 2 * (n - per_layer * n_recomputed)
         layer_copy = 2 * per_layer

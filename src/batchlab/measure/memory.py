@@ -195,12 +195,15 @@ class StorageTracker(TorchDispatchMode):
         if phase is Phase.FORWARD and self.phase is not Phase.FORWARD:
             self._forward_start_keys = set(self._live)
         if phase is Phase.BACKWARD:
-            self._activation_bytes = sum(n for k, (n, _) in self._live.items() if k not in self._forward_start_keys)
+            # what forward made and backward will read, in the breakdown's own vocabulary: autocast's 16-bit
+            # weight copies are created in forward too, but they are "parameters" (as the formula counts them)
+            kept = {k: n for k, (n, cat) in self._live.items() if k not in self._forward_start_keys
+                    and cat == "activations"}
+            self._activation_bytes = sum(kept.values())
             if self._owner is not None:
                 by_owner: dict[str, int] = {}
-                for k, (n, _) in self._live.items():
-                    if k not in self._forward_start_keys:
-                        by_owner[self._owners[k]] = by_owner.get(self._owners[k], 0) + n
+                for k, n in kept.items():
+                    by_owner[self._owners[k]] = by_owner.get(self._owners[k], 0) + n
                 self._activations_by_owner = by_owner
         self.phase = phase
 
