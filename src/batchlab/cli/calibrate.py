@@ -8,6 +8,7 @@ from rich.table import Table
 
 from batchlab.cli.base import app
 from batchlab.cli.common import console, fail, print_json
+from batchlab.cli.progress import progress
 from batchlab.config import ConfigError
 from batchlab.units import fmt_bytes, fmt_count
 
@@ -31,7 +32,9 @@ def calibrate(
     if threads is not None and threads < 1:
         fail(f"threads: must be >= 1, got {threads}")
     try:
-        cal = cal_mod.measure(torch_device, seconds=seconds, threads=threads)
+        with progress("calibrate", f"matmul curves, bandwidth, kernels and dispatch on {torch_device}, about "
+                                   f"{seconds:g} s", quiet=as_json):
+            cal = cal_mod.measure(torch_device, seconds=seconds, threads=threads)
     except ConfigError as e:
         fail(str(e))
     path = cal_mod.save(cal) if save else None

@@ -10,7 +10,7 @@ typical per-op dispatch (CPU) or launch (GPU) cost.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchlab.config import Backend, DataKind, RunConfig
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
@@ -18,6 +18,7 @@ from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.memory import MemoryEstimate
 from batchlab.formula.opcost import OpClass, OpCosts, OpCount, Phase, TimeBreakdown, describe, price
 from batchlab.formula.oplist import update_ops
+from batchlab.formula.sharding import collective_seconds, traffic
 
 # Nominal per-op costs where nothing was calibrated (seconds).  CPU: eager PyTorch's Python + dispatcher
 # cost per aten op, 5-11 us measured by `batchlab calibrate` on these 2-core machines; CUDA/MPS: the host
@@ -38,8 +39,8 @@ CPU_CYCLES_PER_ELEMENT = {"activation": 13, "activation-grad": 35, "softmax": 5,
 class TimeEstimate:
     compute_seconds_per_micro_batch: float  # forward + backward + recompute of one micro-batch
     compute_seconds: float  # accum micro-batches
-    allreduce_bytes: int  # gradient bytes reduced per update
-    allreduce_seconds: float  # ring time, before overlap
+    allreduce_bytes: int  # gradient bytes reduced per update (all-reduce + reduce-scatter)
+    allreduce_seconds: float  # ring time of every collective of the update, before overlap
     exposed_comm_seconds: float  # the part not hidden behind backward
     optimizer_seconds: float  # clip + optimizer step + zero_grad (and the data phase)
     update_seconds: float
@@ -50,6 +51,7 @@ class TimeEstimate:
     bandwidth_bytes_per_s: float  # link used for the all-reduce
     ops: TimeBreakdown | None = None  # the per-op model's split by phase and op class (one rank)
     model: str = ""  # the time model's assumptions: rates, their source, dispatch share
+    collective_bytes: dict[str, int] = field(default_factory=dict)  # per update, by kind (formula.sharding)
     achievable_fraction: float = 0.0  # of the peak, on large matmuls (nominal costs only; 0: measured rates)
     fraction_source: str = ""  # where it comes from (formula/efficiency.py), or why none is applied
     overlap_source: str = ""  # how the engine hides communication
@@ -61,9 +63,7 @@ class TimeEstimate:
 
 def ring_allreduce_seconds(nbytes: float, n: int, bus_bytes_per_s: float) -> float:
     # nccl-tests PERFORMANCE.md: ring all-reduce moves 2(n-1)/n of the buffer over the slowest link.
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / bus_bytes_per_s
+    return collective_seconds("all_reduce", nbytes, n, bus_bytes_per_s)
 
 
 def useful_fraction(cfg: RunConfig) -> float:
@@ -124,15 +124,6 @@ def costs_for(cfg: RunConfig, calibrated: OpCosts | None, ops: tuple[OpCount, ..
     return costs
 
 
-def comm_seconds(cfg: RunConfig, mem: MemoryEstimate, bw: float) -> tuple[int, float]:
-    """(gradient bytes reduced, ring seconds) per update."""
-    grad_bytes = mem.gradients_bytes * (cfg.dp if cfg.zero >= 2 else 1)  # full gradient, before sharding
-    comm = ring_allreduce_seconds(grad_bytes, cfg.dp, bw)
-    if cfg.zero >= 3:  # parameters gathered in forward and again in backward: two more all-gathers
-        comm += 2 * (cfg.dp - 1) / cfg.dp * mem.parameters_bytes * cfg.dp / bw  # the working (16-bit) weights
-    return grad_bytes, comm
-
-
 def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: OpCosts | None = None
            ) -> TimeEstimate:
     """``calibrated``: the per-op costs ``batchlab calibrate`` measured for cfg's device, else nominal ones."""
@@ -147,8 +138,13 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     dispatch_compute = sum(costs.dispatch_seconds(o.phase) * o.count for o in ops
                            if o.phase.value in ("forward", "backward", "recompute"))
     bw = bus_bandwidth(cfg).value
-    grad_bytes, comm = comm_seconds(cfg, mem, bw)
-    hidden = exposed_comm_seconds(cfg, comm, compute, compute / cfg.accum)
+    # what the stage's engine sends per update: DDP's all-reduce (+ ZeRO-1's broadcasts), FSDP2's all-gathers
+    # and reduce-scatters of every micro-batch (formula.sharding); the engine's overlap hides part of it
+    sent = traffic(cfg).per_update
+    grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
+    comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
+    after_step = collective_seconds("broadcast", sent["broadcast"], cfg.dp, bw)
+    hidden = exposed_comm_seconds(cfg, comm, compute, compute / cfg.accum, after_step)
     exposed = hidden.value
     update = t.seconds + exposed
     matmul_s = t.by_class.get(OpClass.MATMUL.value, 0.0)
@@ -157,4 +153,4 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
             if calibrated is not None else achievable_fraction(cfg))
     return TimeEstimate(compute / cfg.accum, compute, grad_bytes, comm, exposed, rest, update, useful / update,
                         dispatch_compute / cfg.accum, t.flops / matmul_s if matmul_s else 0.0, costs.source, bw, t,
-                        describe(costs, t), frac.value, frac.source, hidden.source)
+                        describe(costs, t), sent, frac.value, frac.source, hidden.source)
