@@ -117,12 +117,15 @@ class OpCount:
 
 def merge(ops: Iterable[OpCount]) -> tuple[OpCount, ...]:
     """Identical calls folded into one OpCount with their count (order of first appearance)."""
-    out: dict[tuple, OpCount] = {}
+    first: dict[tuple, OpCount] = {}
+    counts: dict[tuple, int] = {}
     for op in ops:
         key = (op.name, op.phase, op.klass, op.flops, op.bytes, op.elements, op.low_precision, op.grain)
-        seen = out.get(key)
-        out[key] = op if seen is None else dataclasses.replace(seen, count=seen.count + op.count)
-    return tuple(out.values())
+        if key in first:
+            counts[key] += op.count
+        else:
+            first[key], counts[key] = op, op.count
+    return tuple(op if op.count == counts[k] else dataclasses.replace(op, count=counts[k]) for k, op in first.items())
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ size, V vocabulary, E = a·s·s·b attention-score elements.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from dataclasses import dataclass
 
 from batchlab.config import AttentionImpl, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
@@ -249,17 +251,18 @@ def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
             _op("linalg_vector_norm", OPT, 1, p * F32), _op("add", OPT, 1, 8), _op("reciprocal", OPT, 1, 8),
             _op("mul", OPT, 1, 8), _op("clamp", OPT, 1, 8), _op("_foreach_mul_", OPT, 0, 2 * n * F32),
             _op("_local_scalar_dense", OPT, 0, 0))
-    for size in sizes:
+    for size, k in Counter(sizes).items():  # parameters of one size run the same ops: listed once, counted k times
         b = size * F32
         if cfg.optimizer is OptimizerKind.ADAMW:  # torch.optim.adamw._single_tensor_adamw
-            ops.add(_op("add_", OPT, 1, 8), _op("_local_scalar_dense", OPT, 0, 0), _op("mul_", OPT, size, 2 * b),
+            step = (_op("add_", OPT, 1, 8), _op("_local_scalar_dense", OPT, 0, 0), _op("mul_", OPT, size, 2 * b),
                     _op("lerp_", OPT, size, 3 * b), _op("mul_", OPT, size, 2 * b), _op("addcmul_", OPT, size, 4 * b),
                     _op("sqrt", OPT, size, 2 * b), _op("div", OPT, size, 2 * b), _op("add_", OPT, size, 2 * b),
                     _op("addcdiv_", OPT, size, 4 * b))
         elif cfg.optimizer is OptimizerKind.SGD_MOMENTUM:
-            ops.add(_op("mul_", OPT, size, 2 * b), _op("add_", OPT, size, 3 * b), _op("add_", OPT, size, 3 * b))
+            step = (_op("mul_", OPT, size, 2 * b), _op("add_", OPT, size, 3 * b), _op("add_", OPT, size, 3 * b))
         else:
-            ops.add(_op("add_", OPT, size, 3 * b))
+            step = (_op("add_", OPT, size, 3 * b),)
+        ops.add(*(o.times(k) for o in step))
 
 
 def _data(ops: _Ops, cfg: RunConfig) -> None:
@@ -280,10 +283,13 @@ def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = _Ops(_widths(cfg))
     wrapped = set(cfg.ac.wrapped_layers(cfg.model.layers)) | set(cfg.ac.selective_layers(cfg.model.layers))
     selective = bool(cfg.ac.selective_layers(cfg.model.layers))
-    for i in range(cfg.model.layers):
-        _layer(ops, cfg, FWD)
-        if i in wrapped:
-            _recompute(ops, cfg, selective)
+    # every block runs the same ops: list one, and one recompute, then count them per block
+    block, redo = _Ops(ops.w), _Ops(ops.w)
+    _layer(block, cfg, FWD)
+    ops.add(*(o.times(cfg.model.layers) for o in merge(block.out)))
+    if wrapped:
+        _recompute(redo, cfg, selective)
+        ops.add(*(o.times(len(wrapped)) for o in merge(redo.out)))
     _outside(ops, cfg)
     return merge(ops.out)
 
@@ -313,7 +319,8 @@ def update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     # AccumulateGrad: the first micro-batch's gradient is kept (a detach per parameter), later ones are
     # added into it
     sizes = parameter_sizes(cfg)
-    ops.add(_views(BWD, len(sizes)), *(_op("add_", BWD, n, 3 * n * F32, count=cfg.accum - 1) for n in sizes))
+    ops.add(_views(BWD, len(sizes)), *(_op("add_", BWD, n, 3 * n * F32, count=(cfg.accum - 1) * k)
+                                       for n, k in Counter(sizes).items()))
     _data(ops, cfg)
     _optimizer(ops, cfg)
     return merge(ops.out)
