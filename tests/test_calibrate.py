@@ -99,14 +99,15 @@ def test_measure_cpu_matches_a_matmul_and_an_add_timed_here():
     cal = measure("cpu", seconds=1.0, shapes=((n, n, n),), threads=1)
     assert cal.device == "cpu" and cal.threads == 1 and cal.provenance == "calibrated"
     x, w = torch.randn(n, n), torch.randn(n, n)
-    ref = 2 * n**3 / Timer("torch.mm(x, w.t())", globals={"torch": torch, "x": x, "w": w}).blocked_autorange(
-        min_run_time=0.3).median
+    # calibrate keeps its fastest samples (a shared machine only slows a run down): compare best with best
+    ref = 2 * n**3 / min(Timer("torch.mm(x, w.t())", globals={"torch": torch, "x": x, "w": w}).blocked_autorange(
+        min_run_time=0.3).times)
     # the same product timed by torch's own benchmark: a FLOP count off by 2x falls outside
     assert 0.5 < cal.matmul_curve["fp32"][0][1] / ref < 2.0, (cal.matmul_curve, ref)
     big = 4 * 2**20
     a, b = torch.ones(big), torch.ones(big)
-    add_ref = 3 * 4 * big / Timer("torch.add(a, b)", globals={"torch": torch, "a": a, "b": b}).blocked_autorange(
-        min_run_time=0.3).median
+    add_ref = 3 * 4 * big / min(Timer("torch.add(a, b)", globals={"torch": torch, "a": a, "b": b}).blocked_autorange(
+        min_run_time=0.3).times)
     assert 0.5 < cal.memory_curve[-1][1] / add_ref < 2.0  # two reads and a write, as counted
     assert all(1e-7 < s < 1e-3 for s in cal.dispatch_seconds.values()), cal.dispatch_seconds
     assert set(cal.dispatch_seconds) == {"forward", "backward", "plain"}

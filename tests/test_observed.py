@@ -120,8 +120,22 @@ def test_old_notebook_file_takes_observed_records(tmp_path):
     assert [(r["id"], r["kind"]) for r in Notebook(path).list()] == [(1, "measured"), (new, "observed")]
 
 
+def _module_level(tree):
+    """Every node outside function bodies (class bodies, if/try blocks at module level included)."""
+    import ast
+
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
 def _external_imports(module: str, seen: set[str] | None = None) -> set[str]:
-    """Top-level packages outside batchlab that ``module`` imports, through batchlab's own modules (static)."""
+    """Top-level packages outside batchlab that importing ``module`` loads, through batchlab's own modules
+    (static): imports at module level only — one inside a function runs when that function is called, which is
+    how a framework is imported lazily."""
     import ast
     import importlib.util
 
@@ -129,7 +143,7 @@ def _external_imports(module: str, seen: set[str] | None = None) -> set[str]:
     seen.add(module)
     tree = ast.parse(open(importlib.util.find_spec(module).origin).read())
     out: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _module_level(tree):
         names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                  [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
         for name in names:
