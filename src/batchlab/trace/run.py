@@ -20,6 +20,7 @@ from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import tracker_for
 from batchlab.trace.flops import count_update_flops
+from batchlab.trace.patches import eager_branches
 from batchlab.trace.result import TraceEstimate, TraceMemory
 from batchlab.trace.tree import ModuleStack, build_tree
 
@@ -88,32 +89,6 @@ def _model_state_bytes(trainer: Trainer) -> tuple[int, int, int]:
 
 
 @contextlib.contextmanager
-def _eager_branches(cfg: RunConfig):
-    """Make library code that branches on "am I being traced?" take the branch a real eager run takes.
-
-    transformers' mask builder sees a fake tensor as tracing and then keeps a packed-sequence mask, so the
-    layers get an explicit mask (no is_causal fast path, repeated k/v under GQA): more memory than the real
-    run.  Eagerly it reads the positions and finds no packing, which is always the answer for the
-    harness's batches (it passes no position_ids, so positions are 0..s-1 in every row).
-    """
-    masking = None
-    if cfg.model_kind is ModelSource.HF:
-        try:
-            from transformers import masking_utils as masking
-        except ImportError:
-            masking = None
-    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
-        yield
-        return
-    original = masking.find_packed_sequence_indices
-    masking.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = original
-
-
-@contextlib.contextmanager
 def _as_config_errors(cfg: RunConfig):
     try:
         yield
@@ -151,7 +126,7 @@ def estimate(cfg: RunConfig, tree: bool = False) -> TraceEstimate:
     notes = _check_supported(cfg)
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
-    with _as_config_errors(cfg), _eager_branches(cfg), _fake_mode():
+    with _as_config_errors(cfg), eager_branches(cfg.model_kind is not ModelSource.BUILTIN), _fake_mode():
         trainer = _FakeTrainer(cfg, device)
         flops = count_update_flops(trainer)  # the first update also creates AdamW's state (steady state)
         snap = _tracked_update(trainer, tree)
