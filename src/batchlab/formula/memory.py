@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from batchlab.config import ACMode, Backend, OptimizerKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula.params import count
+from batchlab.formula.profile import terms as profile_terms
 
 F32 = 4
 
@@ -58,6 +59,9 @@ class ActivationPlan:
 
 def activation_plan(cfg: RunConfig) -> ActivationPlan:
     m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
+    fitted = profile_terms(cfg)
+    if fitted is not None:  # the model's own code, traced and fitted (formula/profile.py)
+        return _profiled_plan(cfg, fitted)
     backend = cfg.device_spec.backend
     full = act.layer_activations(m, s, b, p, backend, act.implementation(cfg.model_kind, m)).total
     wrapped = set(cfg.ac.wrapped_layers(m.layers))
@@ -70,6 +74,15 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
         else:
             kept.append(full)
     return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend))
+
+
+def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
+    """The plan from a layer profile's fitted terms (``config.profile.Terms``) at cfg's (b, s)."""
+    b, s, n = cfg.micro_batch, cfg.seq, cfg.model.layers
+    wrapped, selective = set(cfg.ac.wrapped_layers(n)), set(cfg.ac.selective_layers(n))
+    kept = tuple(t.layer_checkpointed(b, s) if i in wrapped else t.layer_selective(b, s) if i in selective
+                 else t.layer_full(b, s) for i in range(n))
+    return ActivationPlan(t.layer_full(b, s), kept, t.outside(b, s))
 
 
 @dataclass(frozen=True)
