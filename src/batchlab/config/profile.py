@@ -33,6 +33,38 @@ class Poly:
 
 
 @dataclass(frozen=True)
+class Knots:
+    """A quantity measured at b = 1 and 2 over a set of sequence lengths: backward's high point is a maximum
+    over events (the loss's gradient, one layer's, one weight's), piecewise in s, so it is interpolated
+    (linear in s between knots, linear in b; past the last knot the parabola through the last three)."""
+
+    s: tuple[int, ...] = ()
+    at_b1: tuple[int, ...] = ()
+    at_b2: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("s", "at_b1", "at_b2"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+
+    def __call__(self, b: int, s: int) -> int:
+        if not self.s:
+            return 0
+        e1, e2 = _interpolate(self.s, self.at_b1, s), _interpolate(self.s, self.at_b2, s)
+        return max(0, round(e1 + (b - 1) * (e2 - e1)))
+
+
+def _interpolate(xs: tuple[int, ...], ys: tuple[int, ...], x: int) -> float:
+    if x <= xs[0]:
+        return ys[0]
+    if x > xs[-1] and len(xs) >= 3:  # Lagrange parabola through the last three knots (exact for a·s + b·s² + c)
+        (x0, x1, x2), (y0, y1, y2) = xs[-3:], ys[-3:]
+        return (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
+                + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
+    i = next((i for i in range(1, len(xs)) if x <= xs[i]), len(xs) - 1)
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+@dataclass(frozen=True)
 class Terms:
     """One precision, one regime (below / at or above the sliding window): the fitted activation terms.
 
@@ -46,6 +78,13 @@ class Terms:
     layer_selective: Poly  # models/ac.py's selective policy
     layer_checkpointed: Poly  # the whole block recomputed (keeps its input)
     outside: Poly
+    # with nothing recomputed: the forward's and backward's high points above what is live as backward starts
+    # (logits and the loss; their gradients), and the optimizer step's temporaries (its largest parameter's)
+    forward_excess: Poly = Poly()
+    backward_start: Knots = Knots()
+    optimizer_temporaries: int = 0
+    copies_layer: int = 0  # autocast's 16-bit weight copies a layer's matmuls keep (bytes; 0 without autocast)
+    copies_outside: int = 0  # ... the head's and anything else's outside the layers
 
 
 def _poly(d: Any) -> Poly:
@@ -56,8 +95,10 @@ def _terms(d: Any) -> Terms:
     if isinstance(d, Terms):
         return d
     d = dict(d)
-    for f in ("layer_full", "layer_selective", "layer_checkpointed", "outside"):
+    for f in ("layer_full", "layer_selective", "layer_checkpointed", "outside", "forward_excess"):
         d[f] = _poly(d[f])
+    if isinstance(d.get("backward_start"), dict):
+        d["backward_start"] = Knots(**d["backward_start"])
     return Terms(**d)
 
 

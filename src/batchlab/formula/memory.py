@@ -182,7 +182,12 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     # in backward only those the matmuls saved remain (recomputed layers cast again, transiently)
     copies_fwd = copies = layer_copy = 0
     autocast = cfg.precision.mixed and cfg.zero == 0  # under ZeRO the 16-bit weights are resident instead
-    if autocast:
+    fitted = profile_terms(cfg)
+    if autocast and fitted is not None:  # as the model's code keeps them (embeddings and norms are not cast)
+        copies_fwd = fitted.copies_layer * m.layers + fitted.copies_outside
+        copies = copies_fwd - fitted.copies_layer * n_recomputed
+        layer_copy = fitted.copies_layer
+    elif autocast:
         n, per_layer = count(m).total, count(m).per_layer
         copies_fwd = 2 * n
         copies = 2 * (n - per_layer * n_recomputed)
@@ -196,6 +201,10 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     loss_grads = 2 * sbv * F32  # gradients of the fp32 log-softmax output and of the logits (fp32 at that point)
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
+    if fitted is not None:  # measured on the model's own code (formula/profile.py)
+        logits_fwd = fitted.forward_excess(b, s)
+        loss_grads = fitted.backward_start(b, s)
+        opt_tmp = fitted.optimizer_temporaries
     phases = {  # the parts live at each phase's high point
         "forward": dict(weights, parameters=copies_fwd if autocast else states.parameters,
                         gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),

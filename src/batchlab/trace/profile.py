@@ -15,12 +15,11 @@ from fractions import Fraction
 import torch
 
 from batchlab.config import ACPolicy, ModelSource, Precision, RunConfig
-from batchlab.config.profile import LayerProfile, Poly, Terms
+from batchlab.config.profile import Knots, LayerProfile, Poly, Terms
 from batchlab.formula import profile as cache
-from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import tracker_for
 from batchlab.trace.patches import eager_branches
-from batchlab.trace.run import _fake_mode, trace_device
+from batchlab.trace.run import FakeTrainer, fake_mode, trace_device
 
 MODES = {"layer_full": "none", "layer_selective": "selective", "layer_checkpointed": "full"}
 
@@ -33,21 +32,36 @@ def _period(cfg: RunConfig) -> int:
     return next((p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types))), 1)
 
 
-def _kept_bytes(trainer: Trainer, b: int, s: int) -> int:
-    """Bytes the forward creates and leaves for backward, autocast's weight copies excluded (the calculator
-    counts those with the parameters)."""
-    batch = trainer.workload.make_batch(trainer.generator, b, s, trainer.device)
+class _Probe:
+    """Forwards the harness's phase marks to the tracker and notes, as backward starts, what the forward left
+    (autocast's weight copies excluded: the calculator counts those with the parameters) and all that is live."""
+
+    def __init__(self, tracker):
+        self.tracker, self.kept, self.copies, self.at_backward = tracker, 0, 0, 0
+
+    def mark(self, phase: str) -> None:
+        t = self.tracker
+        if phase == "backward":  # the tracker's own bookkeeping: storage -> (bytes, category)
+            new = [(n, cat) for k, (n, cat) in t._live.items() if k not in t._forward_start_keys]
+            self.kept = sum(n for n, cat in new if cat != "parameters")
+            self.copies = sum(n for n, cat in new if cat == "parameters")
+            self.at_backward = t._current
+        t.mark(phase)
+
+
+def _update_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, ...]:
+    """One tracked update at (b, s): kept for backward, forward's and backward's peaks above what was live as
+    backward started, the optimizer step's temporaries above the model states, autocast copies kept."""
+    trainer.cfg = trainer.cfg.replace(micro_batch=b, seq=s)  # the harness reads the shape from its config
     tracker = tracker_for(trainer)
+    probe = _Probe(tracker)
     with tracker:
-        tracker.mark("forward")
-        with trainer._autocast():
-            loss = trainer.workload.loss_sum(trainer.model, *batch)
-        tracker.mark("backward")
-        # the tracker's own bookkeeping: storages created since the forward began, with their category
-        kept = sum(n for k, (n, cat) in tracker._live.items()
-                   if k not in tracker._forward_start_keys and cat != "parameters")
-        del loss
-    return kept
+        trainer.update(probe=probe)
+    snap = tracker.snapshot()
+    grads = sum(p.numel() * p.element_size() for p in trainer.raw_model.parameters() if p.requires_grad)
+    peaks = snap.phase_peaks
+    return (probe.kept, peaks.get("forward", 0) - probe.at_backward, peaks.get("backward", 0) - probe.at_backward,
+            peaks.get("optimizer", 0) - snap.baseline_bytes - grads, probe.copies)
 
 
 def _fit(points: dict[tuple[int, int], int]) -> tuple[Poly, int]:
@@ -68,31 +82,78 @@ def _fit(points: dict[tuple[int, int], int]) -> tuple[Poly, int]:
 
 
 def _shapes(cfg: RunConfig, windowed: bool) -> list[tuple[int, int]]:
-    w = cfg.model.sliding_window
-    step = max(1, min(16, (w - 1) // 3)) if w and not windowed else 16
+    """Six (b, s) in one code path.  Large enough that backward's high point is set by activation gradients
+    (fake tensors cost the same at any size); the smallest shape gives the floor set by weight gradients."""
+    w, top = cfg.model.sliding_window, cfg.model.max_positions
+    step = max(1, min(128, (w - 1) // 3 if w and not windowed else 128, (top - (w if windowed else 0)) // 3))
     start = w if windowed else step
     return [(b, start + i * step) for b in (1, 2) for i in range(3)]
 
 
 def _measure(cfg: RunConfig, layers: int, precision: Precision, mode: str, shapes, device) -> dict:
-    trainer = Trainer(cfg.replace(layers=layers, precision=precision, ac=ACPolicy.parse(mode), seq=shapes[0][1],
-                                  micro_batch=1, accum=1, dp=1, zero=0), device)
-    return {shape: _kept_bytes(trainer, *shape) for shape in shapes}
+    """(b, s) -> what ``_update_at`` returns, steady state (AdamW's state exists); AC modes other than none
+    need only the forward's figures, taken from a forward alone."""
+    if mode == "none":
+        trainer = _steady(cfg.replace(seq=shapes[0][1]), layers, precision, device)
+        return {shape: _update_at(trainer, *shape) for shape in shapes}
+    trainer = FakeTrainer(cfg.replace(layers=layers, precision=precision, ac=ACPolicy.parse(mode), seq=shapes[0][1],
+                                      micro_batch=1, accum=1, dp=1, zero=0), device)
+    return {shape: (_forward_at(trainer, *shape),) for shape in shapes}
+
+
+def _backward_knots(cfg: RunConfig, layers: int, precision: Precision, windowed: bool, device) -> Knots:
+    w, top = cfg.model.sliding_window, cfg.model.max_positions
+    if windowed:
+        step = max(1, min(128, (top - w) // 3))
+        s_values = [w, w + step, w + 2 * step]
+    else:
+        limit = min(top, w - 1 if w else top)
+        s_values = sorted({min(s, limit) for s in (8, 32, 128, 256, 512)})
+    trainer = _steady(cfg.replace(seq=s_values[0]), layers, precision, device)
+    at = {(b, s): _update_at(trainer, b, s)[2] for b in (1, 2) for s in s_values}
+    return Knots(tuple(s_values), tuple(at[(1, s)] for s in s_values), tuple(at[(2, s)] for s in s_values))
+
+
+def _steady(cfg: RunConfig, layers: int, precision: Precision, device) -> FakeTrainer:
+    trainer = FakeTrainer(cfg.replace(layers=layers, precision=precision, ac="none", micro_batch=1, accum=1, dp=1,
+                                      zero=0), device)
+    trainer.update()
+    return trainer
+
+
+def _forward_at(trainer: FakeTrainer, b: int, s: int) -> int:
+    batch = trainer.workload.make_batch(trainer.generator, b, s, trainer.device)
+    tracker = tracker_for(trainer)
+    probe = _Probe(tracker)
+    with tracker:
+        probe.mark("forward")
+        with trainer._autocast():
+            loss = trainer.workload.loss_sum(trainer.model, *batch)
+        probe.mark("backward")
+        del loss
+    return probe.kept
 
 
 def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool, device) -> tuple[Terms, int]:
     shapes = _shapes(cfg, windowed)
     fitted, residual = {}, 0
-    outside = None
     for name, mode in MODES.items():
-        one, r1 = _fit(_measure(cfg, period, precision, mode, shapes, device))
-        two, r2 = _fit(_measure(cfg, 2 * period, precision, mode, shapes, device))
+        at_one = _measure(cfg, period, precision, mode, shapes, device)
+        at_two = _measure(cfg, 2 * period, precision, mode, shapes, device)
+        one, r1 = _fit({k: v[0] for k, v in at_one.items()})
+        two, r2 = _fit({k: v[0] for k, v in at_two.items()})
         layer = Poly(*(round(Fraction(b - a, period)) for a, b in zip(_coeffs(one), _coeffs(two))))
         fitted[name] = layer
         if mode == "none":  # embeddings, final norm, head and loss: what P layers do not explain
             outside = Poly(*(a - period * l for a, l in zip(_coeffs(one), _coeffs(layer))))
+            # the peaks around the forward's end (logits, the loss) and backward's start (their gradients)
+            extra = dict(forward_excess=_fit({k: v[1] for k, v in at_two.items()})[0],
+                         backward_start=_backward_knots(cfg, 2 * period, precision, windowed, device),
+                         optimizer_temporaries=max(v[3] for v in at_two.values()))
+            c1, c2 = (max(v[4] for v in at.values()) for at in (at_one, at_two))  # shape-independent
+            extra.update(copies_layer=(c2 - c1) // period, copies_outside=2 * c1 - c2)
         residual = max(residual, r1, r2)
-    return Terms(precision=precision.value, windowed=windowed, outside=outside, **fitted), residual
+    return Terms(precision=precision.value, windowed=windowed, outside=outside, **extra, **fitted), residual
 
 
 def _coeffs(p: Poly) -> tuple[int, ...]:
@@ -101,7 +162,7 @@ def _coeffs(p: Poly) -> tuple[int, ...]:
 
 def _param_counts(cfg: RunConfig, period: int, device) -> dict[str, int]:
     """Exact parameter counts of the model's code: embeddings, one layer, the rest, the (untied) head."""
-    trainer = Trainer(cfg.replace(layers=period, ac="none", precision="fp32"), device)
+    trainer = FakeTrainer(cfg.replace(layers=period, ac="none", precision="fp32"), device)
     model, blocks = trainer.raw_model, trainer.workload.blocks
     unique = lambda params: {id(p.untyped_storage()): p.numel() for p in params}  # noqa: E731 — tied = once
     every = unique(model.parameters())
@@ -125,7 +186,7 @@ def compute(cfg: RunConfig) -> LayerProfile:
     device, _ = trace_device(cfg)
     period = _period(cfg)
     regimes = (False, True) if cfg.model.sliding_window else (False,)
-    with eager_branches(), _fake_mode():
+    with eager_branches(), fake_mode():
         params = _param_counts(cfg, period, device)
         fitted = [_terms(cfg, period, p, w, device) for p in cache.PROFILED_PRECISIONS for w in regimes]
     residual = max(r for _, r in fitted)

@@ -25,7 +25,7 @@ from batchlab.trace.result import TraceEstimate, TraceMemory
 from batchlab.trace.tree import ModuleStack, build_tree
 
 
-class _FakeTrainer(Trainer):
+class FakeTrainer(Trainer):
     """The harness Trainer with the two things fake tensors cannot give: values and a GradScaler."""
 
     def __init__(self, cfg: RunConfig, device: torch.device):
@@ -40,7 +40,7 @@ class _FakeTrainer(Trainer):
         return 1.0
 
 
-def _fake_mode() -> FakeTensorMode:
+def fake_mode() -> FakeTensorMode:
     mode = FakeTensorMode()
     # The converter memoises every fake output through a weak reference, and Module.to() refuses to swap
     # a parameter that has one ("Cannot swap t1 because it has weakref associated with it").  The memo
@@ -126,8 +126,8 @@ def estimate(cfg: RunConfig, tree: bool = False) -> TraceEstimate:
     notes = _check_supported(cfg)
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
-    with _as_config_errors(cfg), eager_branches(cfg.model_kind is not ModelSource.BUILTIN), _fake_mode():
-        trainer = _FakeTrainer(cfg, device)
+    with _as_config_errors(cfg), eager_branches(cfg.model_kind is not ModelSource.BUILTIN), fake_mode():
+        trainer = FakeTrainer(cfg, device)
         flops = count_update_flops(trainer)  # the first update also creates AdamW's state (steady state)
         snap = _tracked_update(trainer, tree)
         memory = _memory(cfg, trainer, snap)
