@@ -10,8 +10,9 @@ from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 
-from batchlab.config import (Assumptions, ConfigError, RunConfig, derive_accum, load_config_toml,
-                             model_from_hf_config, parse_bytes, resolve_model)
+from batchlab.config import (Assumptions, ConfigError, ModelSource, RunConfig, derive_accum, load_config_toml,
+                             parse_bytes, resolve_model)
+from batchlab.formula.profile import attach_cached
 
 AC_HELP = ("Activation checkpointing: none, full, every:K, selective. Recomputes activations during backward "
            "to save memory inside one step (trades compute for memory). NOT the training checkpoint saved to disk.")
@@ -22,7 +23,7 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "config": (Optional[str], None, "TOML file with a \\[config] table (as `batchlab fit` prints); the flags you "
                                     "type override it."),
     "model": (str, "tiny", "Preset (tiny, small, gpt2, llama-2-7b, ...), hf:NAME_OR_CONFIG.json, or package.module:factory."),
-    "hf_config": (Optional[str], None, "Read the model shape from a Hugging Face config.json on disk."),
+    "hf_config": (Optional[str], None, "A Hugging Face config.json (or its directory): the same as --model hf:FILE."),
     "layers": (Optional[int], None, "Override: number of transformer layers."),
     "hidden": (Optional[int], None, "Override: hidden size h."),
     "heads": (Optional[int], None, "Override: attention heads a."),
@@ -61,7 +62,7 @@ def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
     line; default: those whose value differs from the default) override it.
     """
     if not o.get("config"):
-        return _config_from_flags(**o)
+        return with_layer_profile(_config_from_flags(**o))
     flags = _config_from_flags(**{**o, "global_batch": None})  # global batch: against the file's shape below
     cfg = load_config_toml(o["config"])
     if given is None:
@@ -76,7 +77,23 @@ def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
     changes.update({k: getattr(flags.assumptions, k) for k in ("achievable_fraction", "comm_overlap") if k in given})
     if "optimizer_bytes" in given:
         changes["optimizer_bytes_per_param"] = flags.assumptions.optimizer_bytes_per_param
-    return cfg.replace(**changes)
+    return with_layer_profile(cfg.replace(**changes))
+
+
+def with_layer_profile(cfg: RunConfig) -> RunConfig:
+    """An hf: model's layer profile attached (cached: no torch; first use: traced now, a few seconds), so
+    the calculator describes the model's own code."""
+    cfg = attach_cached(cfg)
+    if cfg.model_kind is not ModelSource.HF or cfg.model.matching_profile is not None:
+        return cfg
+    from batchlab.trace.profile import with_profile
+
+    typer.echo(f"profiling {cfg.model_source}'s layers on fake tensors (once; cached) ...", err=True)
+    try:
+        return with_profile(cfg)
+    except ConfigError as e:
+        typer.echo(f"warning: no layer profile ({e}); the calculator uses its built-in layer terms", err=True)
+        return cfg
 
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "zero", "device", "memory_budget",
@@ -94,8 +111,8 @@ def _accum_for(global_batch: int, micro_batch: int, dp: int, accum: int | None) 
 
 def _config_from_flags(**o: Any) -> RunConfig:
     overrides = {k: o.get(k) for k in MODEL_OVERRIDES}
-    if o.get("hf_config"):
-        spec, source = model_from_hf_config(o["hf_config"], **overrides), "builtin"
+    if o.get("hf_config"):  # one path for a config.json: the HF model's own code, as --model hf:FILE
+        spec, source = resolve_model(f"hf:{o['hf_config']}", **overrides)
     else:
         spec, source = resolve_model(o.get("model") or "tiny", **overrides)
     mb, accum, gb, dp = o.get("micro_batch"), o.get("accum"), o.get("global_batch"), o.get("dp", 1)

@@ -16,6 +16,7 @@ from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.memory import (MemoryEstimate, allocator_margin, memory, model_states,
                                      optimizer_bytes_per_param)
 from batchlab.formula.params import ParamCount, count
+from batchlab.formula.profile import layer_terms_source
 from batchlab.formula.timing import OPS_PER_LAYER, TimeEstimate, timing
 from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
 
@@ -35,6 +36,7 @@ class Estimate:
     training_checkpoint_bytes: int  # the file saved to disk for recovery (weights + optimizer state), all ranks
     assumptions: tuple[str, ...] = field(default_factory=tuple)
     provenance: str = "formula"
+    layer_terms: str = ""  # where the per-layer terms came from: "builtin gpt2", "profile (trace of ...)"
 
     @property
     def global_batch(self) -> int:
@@ -73,8 +75,7 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"all-reduce: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind backward",
         (f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes" if allocator_margin(cfg)
          else "no allocator margin on CPU (tensor bytes, as the live-tensor tracker counts them)"),
-        f"activations counted from the tensors the {implementation(cfg.model_kind, cfg.model).value} layer code keeps "
-        "(other code: use --trace)",
+        f"layer terms: {layer_terms(cfg)}",
     ) + ((f"model {cfg.model_source} comes from a factory the calculator cannot see: these figures are for the "
           f"stand-in shape {cfg.model.name} ({cfg.model.layers} layers, hidden {cfg.model.hidden}); use --trace",)
          if cfg.model_kind is ModelSource.FACTORY else ())
@@ -94,7 +95,13 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
     mem = memory(cfg)
     fl = flops(cfg)
     t = timing(cfg, fl, mem, ceiling=calibrated_ceiling(cfg, calibrations))
-    return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t))
+    return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t),
+                    layer_terms=layer_terms(cfg))
+
+
+def layer_terms(cfg: RunConfig) -> str:
+    """Where the activation terms come from: the model's own code (a cached profile) or a built-in layer."""
+    return layer_terms_source(cfg, implementation(cfg.model_kind, cfg.model).value)
 
 
 def calibrated_ceiling(cfg: RunConfig, calibrations: Calibrations | None
