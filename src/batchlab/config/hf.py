@@ -28,6 +28,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
 GATED = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
          "phi3", "granite", "granitemoe", "olmo", "olmo2", "cohere", "cohere2", "stablelm", "deepseek_v3", "glm",
          "exaone4", "smollm3", "ministral", "helium"}
+LAYERNORM_GATED = {"stablelm", "cohere", "cohere2"}  # gated MLPs with LayerNorm, not RMSNorm
 LEARNED_POSITIONS = {"gpt2", "opt", "gpt_bigcode", "biogpt", "xglm", "gpt_neo"}
 ALIBI = {"bloom", "mpt"}
 UNTIED_BY_DEFAULT = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gpt_neox",
@@ -97,7 +98,7 @@ def spec_fields(raw: dict[str, Any], source: str = "config.json") -> dict[str, A
         kv_heads=_kv_heads(raw, kind, heads), ffn=int(values["ffn"]) if values["ffn"] else None,
         mlp="swiglu" if gated else "gelu", vocab=int(values["vocab"]),
         tied_embeddings=bool(raw.get("tie_word_embeddings", kind not in UNTIED_BY_DEFAULT)),
-        norm="rmsnorm" if any(k in raw for k in ("rms_norm_eps", "rms_norm")) else "layernorm",
+        norm="rmsnorm" if "rms_norm_eps" in raw or (kind in GATED and kind not in LAYERNORM_GATED) else "layernorm",
         dropout=_dropout(raw), position=position,
         attention="eager" if kind in NO_SDPA or attention == "eager" else "sdpa",
         max_positions=int(values["max_positions"] or 1 << 20), bias=bias, qkv_bias=qkv_bias,

@@ -20,37 +20,48 @@ from batchlab.config.choices import ConfigError
 
 @dataclass(frozen=True)
 class Poly:
-    """bytes(b, s) = bs·b·s + bss·b·s² + s1·s + ss·s² + c (integer coefficients, bytes)."""
+    """bytes(b, s) = bs·b·s + bss·b·s² + s1·s + ss·s² + c (integer coefficients, bytes), fitted for b >= 2;
+    at b = 1 broadcasting keeps some tensors unmaterialised (an s x s mask expanded over the batch), so
+    ``b1`` = (s, s², 1) coefficients of the difference there."""
 
     bs: int = 0
     bss: int = 0
     s1: int = 0
     ss: int = 0
     c: int = 0
+    b1: tuple[int, int, int] = (0, 0, 0)
+
+    def __post_init__(self):
+        object.__setattr__(self, "b1", tuple(int(v) for v in self.b1))
 
     def __call__(self, b: int, s: int) -> int:
-        return self.bs * b * s + self.bss * b * s * s + self.s1 * s + self.ss * s * s + self.c
+        base = self.bs * b * s + self.bss * b * s * s + self.s1 * s + self.ss * s * s + self.c
+        return base + (self.b1[0] * s + self.b1[1] * s * s + self.b1[2] if b == 1 else 0)
 
 
 @dataclass(frozen=True)
 class Knots:
-    """A quantity measured at b = 1 and 2 over a set of sequence lengths: backward's high point is a maximum
+    """A quantity measured at b = 1, 2 and 3 over a set of sequence lengths: backward's high point is a maximum
     over events (the loss's gradient, one layer's, one weight's), piecewise in s, so it is interpolated
-    (linear in s between knots, linear in b; past the last knot the parabola through the last three)."""
+    (linear in s between knots, linear in b from 2 and 3, b = 1 its own row; past the last knot the
+    parabola through the last three)."""
 
     s: tuple[int, ...] = ()
     at_b1: tuple[int, ...] = ()
     at_b2: tuple[int, ...] = ()
+    at_b3: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("s", "at_b1", "at_b2"):
+        for name in ("s", "at_b1", "at_b2", "at_b3"):
             object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
 
     def __call__(self, b: int, s: int) -> int:
         if not self.s:
             return 0
-        e1, e2 = _interpolate(self.s, self.at_b1, s), _interpolate(self.s, self.at_b2, s)
-        return max(0, round(e1 + (b - 1) * (e2 - e1)))
+        if b == 1:
+            return max(0, round(_interpolate(self.s, self.at_b1, s)))
+        e2, e3 = _interpolate(self.s, self.at_b2, s), _interpolate(self.s, self.at_b3, s)
+        return max(0, round(e2 + (b - 2) * (e3 - e2)))
 
 
 def _interpolate(xs: tuple[int, ...], ys: tuple[int, ...], x: int) -> float:
@@ -78,10 +89,12 @@ class Terms:
     layer_selective: Poly  # models/ac.py's selective policy
     layer_checkpointed: Poly  # the whole block recomputed (keeps its input)
     outside: Poly
-    # with nothing recomputed: the forward's and backward's high points above what is live as backward starts
-    # (logits and the loss; their gradients), and the optimizer step's temporaries (its largest parameter's)
+    # with nothing recomputed: the forward's high point above what is live as backward starts (logits and the
+    # loss), and the optimizer step's temporaries (its largest parameter's)
     forward_excess: Poly = Poly()
-    backward_start: Knots = Knots()
+    backward_full: Knots = Knots()  # backward's high point above what is live as it starts, by AC mode
+    backward_selective: Knots = Knots()
+    backward_checkpointed: Knots = Knots()
     optimizer_temporaries: int = 0
     copies_layer: int = 0  # autocast's 16-bit weight copies a layer's matmuls keep (bytes; 0 without autocast)
     copies_outside: int = 0  # ... the head's and anything else's outside the layers
@@ -97,8 +110,9 @@ def _terms(d: Any) -> Terms:
     d = dict(d)
     for f in ("layer_full", "layer_selective", "layer_checkpointed", "outside", "forward_excess"):
         d[f] = _poly(d[f])
-    if isinstance(d.get("backward_start"), dict):
-        d["backward_start"] = Knots(**d["backward_start"])
+    for f in ("backward_full", "backward_selective", "backward_checkpointed"):
+        if isinstance(d.get(f), dict):
+            d[f] = Knots(**d[f])
     return Terms(**d)
 
 
@@ -116,6 +130,7 @@ class LayerProfile:
     final: int  # final norm and anything else outside the layers and the head
     head: int  # 0 when tied to the embedding
     terms: tuple[Terms, ...] = ()
+    seconds: str = ""  # how long each precision's tracing took
 
     def __post_init__(self):
         try:

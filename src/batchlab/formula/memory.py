@@ -203,7 +203,11 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
     if fitted is not None:  # measured on the model's own code (formula/profile.py)
         logits_fwd = fitted.forward_excess(b, s)
-        loss_grads = fitted.backward_start(b, s)
+        # the last layer's policy decides what backward's first steps recompute
+        last = m.layers - 1
+        knots = (fitted.backward_checkpointed if last in cfg.ac.wrapped_layers(m.layers)
+                 else fitted.backward_selective if last in cfg.ac.selective_layers(m.layers) else fitted.backward_full)
+        loss_grads = knots(b, s)
         opt_tmp = fitted.optimizer_temporaries
     phases = {  # the parts live at each phase's high point
         "forward": dict(weights, parameters=copies_fwd if autocast else states.parameters,

@@ -15,10 +15,14 @@ from batchlab.config import ModelSource, Precision, RunConfig, to_jsonable
 from batchlab.config.hf import hf_config_path
 from batchlab.config.profile import LayerProfile, Terms
 
-PROFILE_VERSION = 3  # bump when what a profile measures changes: old cache entries are then ignored
+PROFILE_VERSION = 7  # bump when what a profile measures changes: old cache entries are then ignored
 # fp16 autocast keeps the same tensors as bf16 autocast (2-byte activations, fp32 master weights)
 _SAME_BYTES = {Precision.FP16_MIXED: Precision.BF16_MIXED}
-PROFILED_PRECISIONS = (Precision.FP32, Precision.BF16_MIXED, Precision.BF16)
+
+
+def profiled_precision(p: Precision) -> Precision:
+    """The precision whose profile terms describe p (fp16 and bf16 autocast keep the same bytes)."""
+    return _SAME_BYTES.get(p, p)
 
 
 def cache_dir() -> Path:
@@ -67,7 +71,7 @@ def save(profile: LayerProfile) -> Path:
 
 def attach_cached(cfg: RunConfig) -> RunConfig:
     """cfg with its model's cached profile attached, when there is one (else cfg unchanged)."""
-    if cfg.model.matching_profile is not None:
+    if cfg.model.matching_profile is not None and terms(cfg) is not None:
         return cfg
     p = cached(cfg)
     return cfg if p is None else cfg.replace(model=cfg.model.with_profile(p))
@@ -78,7 +82,7 @@ def terms(cfg: RunConfig) -> Terms | None:
     p = cfg.model.matching_profile
     if p is None:
         return None
-    return p.lookup(_SAME_BYTES.get(cfg.precision, cfg.precision).value, cfg.seq)
+    return p.lookup(profiled_precision(cfg.precision).value, cfg.seq)
 
 
 def layer_terms_source(cfg: RunConfig, builtin: str) -> str:
@@ -86,6 +90,8 @@ def layer_terms_source(cfg: RunConfig, builtin: str) -> str:
     p = cfg.model.matching_profile
     if p is not None and terms(cfg) is not None:
         return f"profile ({p.source}, cached)"
+    if p is not None:
+        return f"builtin {builtin} (the profile has no {cfg.precision} terms yet; rerun with it to trace them)"
     if cfg.model.profile is not None:
         return f"builtin {builtin} (the profile was made for another shape; rerun to profile this one)"
     return f"builtin {builtin}"

@@ -64,20 +64,28 @@ def _update_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, ...]:
             peaks.get("optimizer", 0) - snap.baseline_bytes - grads, probe.copies)
 
 
+def _parabola(points: list[tuple[int, Fraction]]) -> tuple[Fraction, Fraction, Fraction]:
+    """(linear, square, constant) of the parabola through three (s, y)."""
+    (x0, y0), (x1, y1), (x2, y2) = points
+    ss = ((y2 - y0) / (x2 - x0) - (y1 - y0) / (x1 - x0)) / (x2 - x1)
+    lin = (y1 - y0) / (x1 - x0) - ss * (x1 + x0)
+    return lin, ss, y0 - lin * x0 - ss * x0 * x0
+
+
 def _fit(points: dict[tuple[int, int], int]) -> tuple[Poly, int]:
-    """Exact fit of f(b, s) = bs·b·s + bss·b·s² + s1·s + ss·s² + c over b in {1, 2} and three s; returns the
-    polynomial and the largest residual over the points (0 for transformer blocks)."""
+    """Exact fit of f(b, s) = bs·b·s + bss·b·s² + s1·s + ss·s² + c from b in {2, 3} and three s, and of the
+    b = 1 difference; returns the polynomial and the largest residual over the points (0 for transformer
+    blocks)."""
     s_values = sorted({s for _, s in points})
-    per_b = {s: Fraction(points[(2, s)] - points[(1, s)]) for s in s_values}  # bs·s + bss·s²
+    per_b = {s: Fraction(points[(3, s)] - points[(2, s)]) for s in s_values}  # bs·s + bss·s²
     s1, s2 = s_values[0], s_values[1]
     bss = (per_b[s2] / s2 - per_b[s1] / s1) / (s2 - s1)
     bs = per_b[s1] / s1 - bss * s1
-    rest = [(s, Fraction(points[(1, s)]) - per_b[s]) for s in s_values]  # s1·s + ss·s² + c: a parabola
-    (x0, y0), (x1, y1), (x2, y2) = rest
-    ss = ((y2 - y0) / (x2 - x0) - (y1 - y0) / (x1 - x0)) / (x2 - x1)
-    lin = (y1 - y0) / (x1 - x0) - ss * (x1 + x0)
-    c = y0 - lin * x0 - ss * x0 * x0
+    lin, ss, c = _parabola([(s, Fraction(points[(2, s)]) - 2 * per_b[s]) for s in s_values])
     poly = Poly(*(round(v) for v in (bs, bss, lin, ss, c)))
+    if all((1, s) in points for s in s_values):
+        delta = _parabola([(s, Fraction(points[(1, s)] - poly(1, s))) for s in s_values])
+        poly = Poly(poly.bs, poly.bss, poly.s1, poly.ss, poly.c, tuple(round(v) for v in delta))
     return poly, max(abs(poly(b, s) - v) for (b, s), v in points.items())
 
 
@@ -87,41 +95,23 @@ def _shapes(cfg: RunConfig, windowed: bool) -> list[tuple[int, int]]:
     w, top = cfg.model.sliding_window, cfg.model.max_positions
     step = max(1, min(128, (w - 1) // 3 if w and not windowed else 128, (top - (w if windowed else 0)) // 3))
     start = w if windowed else step
-    return [(b, start + i * step) for b in (1, 2) for i in range(3)]
+    return [(b, start + i * step) for b in (1, 2, 3) for i in range(3)]
 
 
-def _measure(cfg: RunConfig, layers: int, precision: Precision, mode: str, shapes, device) -> dict:
-    """(b, s) -> what ``_update_at`` returns, steady state (AdamW's state exists); AC modes other than none
-    need only the forward's figures, taken from a forward alone."""
-    if mode == "none":
-        trainer = _steady(cfg.replace(seq=shapes[0][1]), layers, precision, device)
-        return {shape: _update_at(trainer, *shape) for shape in shapes}
+def _measure(cfg: RunConfig, layers: int, precision: Precision, mode: str, shapes, full: bool) -> dict:
+    """(b, s) -> what ``_update_at`` returns (steady state: AdamW's state exists), or with ``full`` False
+    what ``_forward_at`` returns: the kept bytes need only a forward."""
+    device = trace_device(cfg)[0]
     trainer = FakeTrainer(cfg.replace(layers=layers, precision=precision, ac=ACPolicy.parse(mode), seq=shapes[0][1],
                                       micro_batch=1, accum=1, dp=1, zero=0), device)
-    return {shape: (_forward_at(trainer, *shape),) for shape in shapes}
-
-
-def _backward_knots(cfg: RunConfig, layers: int, precision: Precision, windowed: bool, device) -> Knots:
-    w, top = cfg.model.sliding_window, cfg.model.max_positions
-    if windowed:
-        step = max(1, min(128, (top - w) // 3))
-        s_values = [w, w + step, w + 2 * step]
-    else:
-        limit = min(top, w - 1 if w else top)
-        s_values = sorted({min(s, limit) for s in (8, 32, 128, 256, 512)})
-    trainer = _steady(cfg.replace(seq=s_values[0]), layers, precision, device)
-    at = {(b, s): _update_at(trainer, b, s)[2] for b in (1, 2) for s in s_values}
-    return Knots(tuple(s_values), tuple(at[(1, s)] for s in s_values), tuple(at[(2, s)] for s in s_values))
-
-
-def _steady(cfg: RunConfig, layers: int, precision: Precision, device) -> FakeTrainer:
-    trainer = FakeTrainer(cfg.replace(layers=layers, precision=precision, ac="none", micro_batch=1, accum=1, dp=1,
-                                      zero=0), device)
+    if not full:
+        return {shape: _forward_at(trainer, *shape) for shape in shapes}
     trainer.update()
-    return trainer
+    return {shape: _update_at(trainer, *shape) for shape in shapes}
 
 
-def _forward_at(trainer: FakeTrainer, b: int, s: int) -> int:
+def _forward_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, int]:
+    """(bytes the forward leaves for backward, autocast copies among them)."""
     batch = trainer.workload.make_batch(trainer.generator, b, s, trainer.device)
     tracker = tracker_for(trainer)
     probe = _Probe(tracker)
@@ -131,33 +121,47 @@ def _forward_at(trainer: FakeTrainer, b: int, s: int) -> int:
             loss = trainer.workload.loss_sum(trainer.model, *batch)
         probe.mark("backward")
         del loss
-    return probe.kept
+    return probe.kept, probe.copies
 
 
-def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool, device) -> tuple[Terms, int]:
+def _small(cfg: RunConfig, windowed: bool) -> list[tuple[int, int]]:
+    """Short sequences where weight gradients, not activation gradients, set backward's high point."""
+    if windowed:
+        return []
+    w = cfg.model.sliding_window
+    return [(b, s) for b in (1, 2, 3) for s in (8, 32, 64, 96) if s < _shapes(cfg, windowed)[0][1] and (not w or s < w)]
+
+
+def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool) -> tuple[Terms, int]:
     shapes = _shapes(cfg, windowed)
-    fitted, residual = {}, 0
+    fitted, residual, backward = {}, 0, {}
     for name, mode in MODES.items():
-        at_one = _measure(cfg, period, precision, mode, shapes, device)
-        at_two = _measure(cfg, 2 * period, precision, mode, shapes, device)
-        one, r1 = _fit({k: v[0] for k, v in at_one.items()})
-        two, r2 = _fit({k: v[0] for k, v in at_two.items()})
-        layer = Poly(*(round(Fraction(b - a, period)) for a, b in zip(_coeffs(one), _coeffs(two))))
+        at_one = _measure(cfg, period, precision, mode, shapes, full=False)
+        # 2P layers are trained a whole update (the forward's, backward's and optimizer's high points), at
+        # short sequences too: backward's high point is a maximum over events, interpolated between knots
+        at_two = _measure(cfg, 2 * period, precision, mode, shapes + _small(cfg, windowed), full=True)
+        one, r1 = _fit({k: at_one[k][0] for k in shapes})
+        two, r2 = _fit({k: at_two[k][0] for k in shapes})
+        layer = _combine(two, one, Fraction(1, period), Fraction(-1, period))
         fitted[name] = layer
+        s_values = sorted({s for _, s in at_two})
+        backward[name.replace("layer", "backward")] = Knots(
+            tuple(s_values), *(tuple(at_two[(b, s)][2] for s in s_values) for b in (1, 2, 3)))
         if mode == "none":  # embeddings, final norm, head and loss: what P layers do not explain
-            outside = Poly(*(a - period * l for a, l in zip(_coeffs(one), _coeffs(layer))))
-            # the peaks around the forward's end (logits, the loss) and backward's start (their gradients)
-            extra = dict(forward_excess=_fit({k: v[1] for k, v in at_two.items()})[0],
-                         backward_start=_backward_knots(cfg, 2 * period, precision, windowed, device),
+            outside = _combine(one, layer, 1, -period)
+            extra = dict(forward_excess=_fit({k: at_two[k][1] for k in shapes})[0],
                          optimizer_temporaries=max(v[3] for v in at_two.values()))
-            c1, c2 = (max(v[4] for v in at.values()) for at in (at_one, at_two))  # shape-independent
+            c1, c2 = max(v[1] for v in at_one.values()), max(v[4] for v in at_two.values())  # shape-independent
             extra.update(copies_layer=(c2 - c1) // period, copies_outside=2 * c1 - c2)
         residual = max(residual, r1, r2)
-    return Terms(precision=precision.value, windowed=windowed, outside=outside, **extra, **fitted), residual
+    return Terms(precision=precision.value, windowed=windowed, outside=outside, **extra, **backward, **fitted), residual
 
 
-def _coeffs(p: Poly) -> tuple[int, ...]:
-    return p.bs, p.bss, p.s1, p.ss, p.c
+def _combine(p: Poly, q: Poly, x, y) -> Poly:
+    """x·p + y·q, coefficient by coefficient."""
+    mix = lambda a, b: round(x * a + y * b)  # noqa: E731
+    return Poly(*(mix(getattr(p, f), getattr(q, f)) for f in ("bs", "bss", "s1", "ss", "c")),
+                tuple(mix(a, b) for a, b in zip(p.b1, q.b1)))
 
 
 def _param_counts(cfg: RunConfig, period: int, device) -> dict[str, int]:
@@ -179,32 +183,37 @@ def _param_counts(cfg: RunConfig, period: int, device) -> dict[str, int]:
                 head=sum(head.values()))
 
 
-def compute(cfg: RunConfig) -> LayerProfile:
-    """Trace and fit cfg's model (an hf: source); a few seconds, nothing allocated."""
+def compute(cfg: RunConfig, base: LayerProfile | None = None) -> LayerProfile:
+    """Trace and fit cfg's model (an hf: source) for cfg's precision, added to ``base`` (the same model's
+    profile for other precisions); seconds, nothing allocated."""
     assert cfg.model_kind is ModelSource.HF, cfg.model_source
     start = time.perf_counter()
     device, _ = trace_device(cfg)
-    period = _period(cfg)
+    period = base.period if base is not None else _period(cfg)
     regimes = (False, True) if cfg.model.sliding_window else (False,)
+    precision = cache.profiled_precision(cfg.precision)
     with eager_branches(), fake_mode():
-        params = _param_counts(cfg, period, device)
-        fitted = [_terms(cfg, period, p, w, device) for p in cache.PROFILED_PRECISIONS for w in regimes]
+        params = (dict(embedding=base.embedding, per_layer=base.per_layer, final=base.final, head=base.head)
+                  if base is not None else _param_counts(cfg, period, device))
+        fitted = [_terms(cfg, period, precision, w) for w in regimes]
     residual = max(r for _, r in fitted)
-    blocks = f"{period} and {2 * period} blocks"
-    source = (f"trace of {blocks} at {len(_shapes(cfg, False))} shapes on {device.type}"
-              + (f", fit residual {residual} B" if residual else "") + f", {time.perf_counter() - start:.1f} s")
+    source = (f"trace of {period} and {2 * period} blocks at {len(_shapes(cfg, False))} shapes on {device.type}"
+              + (f", fit residual {residual} B" if residual else ""))
+    kept = tuple(t for t in (base.terms if base is not None else ()) if t.precision != precision.value)
+    log = f"{precision.value}: {time.perf_counter() - start:.1f} s"
     return LayerProfile(key=cache.profile_key(cfg), shape=cfg.model.shape_id(), source=source, period=period,
-                        sliding_window=cfg.model.sliding_window, terms=tuple(t for t, _ in fitted), **params)
+                        sliding_window=cfg.model.sliding_window, terms=kept + tuple(t for t, _ in fitted),
+                        seconds=(base.seconds + "; " if base is not None and base.seconds else "") + log, **params)
 
 
 def with_profile(cfg: RunConfig) -> RunConfig:
-    """cfg with its model's layer profile attached: from the cache, else computed now and cached.
-    Other model sources are returned unchanged (the builtin GPT's terms are the calculator's own)."""
+    """cfg with its model's layer profile for cfg's precision attached: from the cache, else traced now and
+    cached.  Other model sources are returned unchanged (the builtin GPT's terms are the calculator's own)."""
     if cfg.model_kind is not ModelSource.HF:
         return cfg
     cfg = cache.attach_cached(cfg)
-    if cfg.model.matching_profile is not None:
+    if cache.terms(cfg) is not None:
         return cfg
-    profile = compute(cfg)
+    profile = compute(cfg, base=cfg.model.matching_profile)
     cache.save(profile)
     return cfg.replace(model=cfg.model.with_profile(profile))
