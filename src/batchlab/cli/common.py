@@ -11,7 +11,7 @@ from typing import Annotated, Any, Callable, NoReturn, Optional
 import typer
 
 from batchlab.config import (Assumptions, ConfigError, ModelSource, RunConfig, derive_accum, load_config_toml,
-                             parse_bytes, resolve_model)
+                             model_from_hf_config, parse_bytes, resolve_model)
 from batchlab.formula.profile import attach_cached
 
 AC_HELP = ("Activation checkpointing: none, full, every:K, selective. Recomputes activations during backward "
@@ -112,7 +112,7 @@ def _accum_for(global_batch: int, micro_batch: int, dp: int, accum: int | None) 
 def _config_from_flags(**o: Any) -> RunConfig:
     overrides = {k: o.get(k) for k in MODEL_OVERRIDES}
     if o.get("hf_config"):  # one path for a config.json: the HF model's own code, as --model hf:FILE
-        spec, source = resolve_model(f"hf:{o['hf_config']}", **overrides)
+        spec, source = model_from_hf_config(o["hf_config"], "hf_config", **overrides), f"hf:{o['hf_config']}"
     else:
         spec, source = resolve_model(o.get("model") or "tiny", **overrides)
     mb, accum, gb, dp = o.get("micro_batch"), o.get("accum"), o.get("global_batch"), o.get("dp", 1)
