@@ -64,15 +64,24 @@ class Knots:
         return max(0, round(e2 + (b - 2) * (e3 - e2)))
 
 
+def _line(xs, ys, i: int, x: float) -> float:
+    """The line through knots i and i + 1, at x."""
+    return ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
+
+
 def _interpolate(xs: tuple[int, ...], ys: tuple[int, ...], x: int) -> float:
+    """A maximum of events, each linear in s: between two knots, the larger of the neighbouring segments'
+    continuations (exact when each segment is one event), never above the chord."""
     if x <= xs[0]:
         return ys[0]
     if x > xs[-1] and len(xs) >= 3:  # Lagrange parabola through the last three knots (exact for a·s + b·s² + c)
         (x0, x1, x2), (y0, y1, y2) = xs[-3:], ys[-3:]
         return (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
                 + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
-    i = next((i for i in range(1, len(xs)) if x <= xs[i]), len(xs) - 1)
-    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    i = next((i for i in range(1, len(xs)) if x <= xs[i]), len(xs) - 1) - 1  # x in [xs[i], xs[i + 1]]
+    chord = _line(xs, ys, i, x)
+    sides = [_line(xs, ys, j, x) for j in (i - 1, i + 1) if 0 <= j < len(xs) - 1]
+    return min(chord, max(sides)) if sides else chord
 
 
 @dataclass(frozen=True)

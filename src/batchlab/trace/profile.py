@@ -110,8 +110,9 @@ def _measure(cfg: RunConfig, layers: int, precision: Precision, mode: str, shape
     return {shape: _update_at(trainer, *shape) for shape in shapes}
 
 
-def _forward_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, int]:
-    """(bytes the forward leaves for backward, autocast copies among them)."""
+def _forward_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, int, int]:
+    """(bytes the forward leaves for backward, autocast copies among them, the forward's high point above
+    what is live as it ends)."""
     batch = trainer.workload.make_batch(trainer.generator, b, s, trainer.device)
     tracker = tracker_for(trainer)
     probe = _Probe(tracker)
@@ -121,15 +122,16 @@ def _forward_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, int]:
             loss = trainer.workload.loss_sum(trainer.model, *batch)
         probe.mark("backward")
         del loss
-    return probe.kept, probe.copies
+    return probe.kept, probe.copies, tracker.snapshot().phase_peaks.get("forward", 0) - probe.at_backward
 
 
-def _small(cfg: RunConfig, windowed: bool) -> list[tuple[int, int]]:
-    """Short sequences where weight gradients, not activation gradients, set backward's high point."""
-    if windowed:
-        return []
+def _knots(cfg: RunConfig, windowed: bool) -> list[tuple[int, int]]:
+    """Where backward's high point is measured: the fitted shapes' shortest and longest sequences, and below
+    them short ones, where weight gradients rather than activation gradients set it."""
+    fitted = sorted({s for _, s in _shapes(cfg, windowed)})
     w = cfg.model.sliding_window
-    return [(b, s) for b in (1, 2, 3) for s in (8, 32, 64, 96) if s < _shapes(cfg, windowed)[0][1] and (not w or s < w)]
+    short = [] if windowed else [s for s in (16, 64) if s < fitted[0] and (not w or s < w)]
+    return [(b, s) for b in (1, 2, 3) for s in short + [fitted[0], fitted[-1]]]
 
 
 def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool) -> tuple[Terms, int]:
@@ -137,21 +139,22 @@ def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool) ->
     fitted, residual, backward = {}, 0, {}
     for name, mode in MODES.items():
         at_one = _measure(cfg, period, precision, mode, shapes, full=False)
-        # 2P layers are trained a whole update (the forward's, backward's and optimizer's high points), at
-        # short sequences too: backward's high point is a maximum over events, interpolated between knots
-        at_two = _measure(cfg, 2 * period, precision, mode, shapes + _small(cfg, windowed), full=True)
+        at_two = _measure(cfg, 2 * period, precision, mode, shapes, full=False)
+        # whole updates of 2P layers (backward's and the optimizer's high points) at the knots: backward's
+        # is a maximum over events, interpolated between them
+        updates = _measure(cfg, 2 * period, precision, mode, _knots(cfg, windowed), full=True)
         one, r1 = _fit({k: at_one[k][0] for k in shapes})
         two, r2 = _fit({k: at_two[k][0] for k in shapes})
         layer = _combine(two, one, Fraction(1, period), Fraction(-1, period))
         fitted[name] = layer
-        s_values = sorted({s for _, s in at_two})
+        s_values = sorted({s for _, s in updates})
         backward[name.replace("layer", "backward")] = Knots(
-            tuple(s_values), *(tuple(at_two[(b, s)][2] for s in s_values) for b in (1, 2, 3)))
+            tuple(s_values), *(tuple(updates[(b, s)][2] for s in s_values) for b in (1, 2, 3)))
         if mode == "none":  # embeddings, final norm, head and loss: what P layers do not explain
             outside = _combine(one, layer, 1, -period)
-            extra = dict(forward_excess=_fit({k: at_two[k][1] for k in shapes})[0],
-                         optimizer_temporaries=max(v[3] for v in at_two.values()))
-            c1, c2 = max(v[1] for v in at_one.values()), max(v[4] for v in at_two.values())  # shape-independent
+            extra = dict(forward_excess=_fit({k: at_two[k][2] for k in shapes})[0],
+                         optimizer_temporaries=max(v[3] for v in updates.values()))
+            c1, c2 = max(v[1] for v in at_one.values()), max(v[1] for v in at_two.values())  # shape-independent
             extra.update(copies_layer=(c2 - c1) // period, copies_outside=2 * c1 - c2)
         residual = max(residual, r1, r2)
     return Terms(precision=precision.value, windowed=windowed, outside=outside, **extra, **backward, **fitted), residual
@@ -184,25 +187,25 @@ def _param_counts(cfg: RunConfig, period: int, device) -> dict[str, int]:
 
 
 def compute(cfg: RunConfig, base: LayerProfile | None = None) -> LayerProfile:
-    """Trace and fit cfg's model (an hf: source) for cfg's precision, added to ``base`` (the same model's
-    profile for other precisions); seconds, nothing allocated."""
+    """Trace and fit cfg's model (an hf: source) for cfg's precision and sequence regime (below or at the
+    sliding window), added to ``base`` (the same model's profile for others); seconds, nothing allocated."""
     assert cfg.model_kind is ModelSource.HF, cfg.model_source
     start = time.perf_counter()
     device, _ = trace_device(cfg)
     period = base.period if base is not None else _period(cfg)
-    regimes = (False, True) if cfg.model.sliding_window else (False,)
+    windowed = cfg.model.sliding_window is not None and cfg.seq >= cfg.model.sliding_window
     precision = cache.profiled_precision(cfg.precision)
     with eager_branches(), fake_mode():
         params = (dict(embedding=base.embedding, per_layer=base.per_layer, final=base.final, head=base.head)
                   if base is not None else _param_counts(cfg, period, device))
-        fitted = [_terms(cfg, period, precision, w) for w in regimes]
-    residual = max(r for _, r in fitted)
+        terms, residual = _terms(cfg, period, precision, windowed)
     source = (f"trace of {period} and {2 * period} blocks at {len(_shapes(cfg, False))} shapes on {device.type}"
               + (f", fit residual {residual} B" if residual else ""))
-    kept = tuple(t for t in (base.terms if base is not None else ()) if t.precision != precision.value)
-    log = f"{precision.value}: {time.perf_counter() - start:.1f} s"
+    kept = tuple(t for t in (base.terms if base is not None else ())
+                 if (t.precision, t.windowed) != (precision.value, windowed))
+    log = f"{precision.value}{' at s >= window' if windowed else ''}: {time.perf_counter() - start:.1f} s"
     return LayerProfile(key=cache.profile_key(cfg), shape=cfg.model.shape_id(), source=source, period=period,
-                        sliding_window=cfg.model.sliding_window, terms=kept + tuple(t for t, _ in fitted),
+                        sliding_window=cfg.model.sliding_window, terms=kept + (terms,),
                         seconds=(base.seconds + "; " if base is not None and base.seconds else "") + log, **params)
 
 
