@@ -124,7 +124,13 @@ def memory_rows(models, micro_batches, seqs, policies, precisions=("fp32",)):
                                      t_peak=error(tr.memory.peak_bytes, peak),
                                      f_act=error(est.activations_bytes, act),
                                      t_act=error(tr.memory.activations_bytes, act)))
+                    log("  row: " + row_text(rows[-1]))
     return rows
+
+
+def row_text(r) -> str:
+    return (f"| {r['model']} | {r['precision']} | {r['mb']} | {r['seq']} | {r['ac']} | {mib(r['peak'])} | "
+            f"{pct(r['f_peak'])} | {pct(r['t_peak'])} | {mib(r['act'])} | {pct(r['f_act'])} | {pct(r['t_act'])} |")
 
 
 def print_memory(rows) -> None:
@@ -132,8 +138,7 @@ def print_memory(rows) -> None:
           "| formula | trace |")
     print("|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['model']} | {r['precision']} | {r['mb']} | {r['seq']} | {r['ac']} | {mib(r['peak'])} | {pct(r['f_peak'])} | "
-              f"{pct(r['t_peak'])} | {mib(r['act'])} | {pct(r['f_act'])} | {pct(r['t_act'])} |")
+        print(row_text(r))
     print()
     for key, what in (("f_peak", "formula peak"), ("t_peak", "trace peak"), ("f_act", "formula activations"),
                       ("t_act", "trace activations")):
