@@ -29,7 +29,8 @@ import torch
 
 from batchlab.calibrate import load_all
 from batchlab.config import RunConfig, preset, resolve_model
-from batchlab.measure import MeasureOptions, run
+from batchlab.measure import MeasureOptions
+from batchlab.run import measure as run
 from batchlab.measure.harness import Trainer
 from batchlab.formula import estimate as formula_estimate
 from batchlab.host import cpu_hardware

@@ -9,6 +9,8 @@ import pytest
 
 from batchlab.advise import Goal, Trial, fit, isolated_measure, max_trials, search_largest, trial_from_measurement
 from batchlab.advise.plan import divisors
+from batchlab.advise.search import TrialOutcome
+from batchlab.phase import Phase
 from batchlab.config import RunConfig, preset
 from batchlab.measure.result import MeasuredMemory, Measurement, Outcome
 
@@ -29,7 +31,7 @@ class Fake:
         self.calls.append(cfg.micro_batch)
         assert cfg.micro_batch * cfg.accum * cfg.dp == cfg.global_batch  # the global batch never drifts
         fits = cfg.micro_batch <= self.limit
-        return Trial(cfg.micro_batch, cfg.accum, fits, "ok" if fits else "oom (budget)",
+        return Trial(cfg.micro_batch, cfg.accum, fits, TrialOutcome.OK if fits else TrialOutcome.OOM_BUDGET,
                      cfg.micro_batch * self.per_sample if fits else None)
 
 
@@ -54,25 +56,25 @@ def test_a_right_seed_takes_two_trials():
 
 def test_known_verification_counts_and_is_not_repeated():
     fake = Fake(limit=4)
-    known = Trial(16, 4, False, "oom (budget)")
+    known = Trial(16, 4, False, TrialOutcome.OOM_BUDGET)
     r = search_largest(base(64), fake, seed=16, known=[known])
     assert 16 not in fake.calls and r.limit == 4
     assert r.trial_count == len(fake.calls) + 1 <= max_trials(64)
 
 
 def _measurement(outcome: Outcome, detail: str = "", peak: int | None = None) -> Measurement:
-    mem = MeasuredMemory(peak, 0, "backward") if peak is not None else None
+    mem = MeasuredMemory(peak, 0, Phase.BACKWARD) if peak is not None else None
     return Measurement(config={}, outcome=outcome, global_batch=8, outcome_detail=detail, memory=mem)
 
 
 def test_trial_from_measurement_reads_every_kind_of_out_of_memory():
     cfg = base(8)
     killed = trial_from_measurement(cfg, _measurement(Outcome.FAILED, "worker killed by SIGKILL during memory"), 100)
-    assert (killed.fits, killed.outcome, killed.out_of_memory) == (False, "oom (killed)", True)
+    assert (killed.fits, killed.outcome, killed.out_of_memory) == (False, TrialOutcome.OOM_KILLED, True)
     budget = trial_from_measurement(cfg, _measurement(Outcome.OOM_BUDGET, "over"), 100)
     assert not budget.fits and budget.out_of_memory
     over = trial_from_measurement(cfg, _measurement(Outcome.OK, peak=101), 100)
-    assert (over.fits, over.outcome) == (False, "over capacity")
+    assert (over.fits, over.outcome) == (False, TrialOutcome.OVER_CAPACITY)
     ok = trial_from_measurement(cfg, _measurement(Outcome.OK, peak=100), 100)
     assert ok.fits and ok.peak_bytes == 100
     crash = trial_from_measurement(cfg, _measurement(Outcome.FAILED, "ValueError in forward"), 100)
@@ -131,5 +133,5 @@ def test_kernel_oom_kill_is_a_data_point_not_a_crash():
     cfg = base(8, model_source=f"{__name__}:kill_above_two")
     r = search_largest(cfg, isolated_measure(cfg.memory_capacity), seed=4)
     assert [t.micro_batch for t in r.trials] == [4, 2]
-    assert r.trials[0].outcome == "oom (killed)" and r.trials[1].fits
+    assert r.trials[0].outcome is TrialOutcome.OOM_KILLED and r.trials[1].fits
     assert r.limit == 2

@@ -1,9 +1,8 @@
 """`batchlab compare` on the command line: bad input refused with nothing written, keep modes, predictions
-(flag, file, prompt only on a terminal), and one real end-to-end run on the tiny model."""
+(flag, file, prompt only on a terminal), verdicts from known measurements, and one real smoke run."""
 from __future__ import annotations
 
 import json
-import statistics
 
 import pytest
 from typer.testing import CliRunner
@@ -11,6 +10,7 @@ from typer.testing import CliRunner
 import batchlab.cli.compare as compare_cli
 from batchlab.cli import app
 from batchlab.experiment.notebook import Notebook
+from fake_measure import FakeMeasure
 
 SMALL = ["--seq", "16", "--layers", "2", "--global-batch", "4"]
 ISSUE_KEYS = {"config", "change", "keep_mode", "predictions", "metrics", "diagnosis", "semantics", "scope",
@@ -74,7 +74,7 @@ def test_formula_only_is_labelled_and_saved(tmp_path):
     assert all(m["observed"] is None for m in d["metrics"].values())
     assert d["metrics"]["peak_memory"]["held"] == {"user": None, "formula": None}
     stored = Notebook(tmp_path / "nb.sqlite").get(1)
-    assert stored["status"] == "complete" and stored["kind"] == "formula-only"
+    assert stored.status.value == "complete" and stored.kind.value == "formula-only"
     r = invoke(*SMALL, "--formula-only", "--change", "ac=none:full", "--notebook", str(tmp_path / "nb.sqlite"))
     assert "formula only (paper derivation, nothing measured)" in " ".join(r.stdout.split())
 
@@ -101,40 +101,62 @@ def test_an_experiment_file_drives_the_command(tmp_path):
     assert d["change"]["derived"] == {"micro_batch": [4, 2]}
 
 
-@pytest.mark.slow
-def test_compare_end_to_end_on_the_tiny_model(tmp_path):
+class FirstIsA(FakeMeasure):
+    """FakeMeasure for the CLI, which builds the sides itself: the protocol measures side A first."""
+
+    def __call__(self, cfg, options):
+        if self.a is None:
+            self.a = cfg
+        return super().__call__(cfg, options)
+
+
+def test_compare_verdicts_from_known_measurements(tmp_path, monkeypatch):
+    from batchlab.experiment import protocol
+
+    # per round, A and B medians: paired ratios B/A = 1.2, 1.5, 1.3 although A drifts 2x between rounds
+    fake = FirstIsA((None, None), peak=(1000, 1500), times=((1.0, 1.2), (2.0, 3.0), (1.5, 1.95)))
+    monkeypatch.setattr(protocol, "_default_measure", fake)
     nb = tmp_path / "nb.sqlite"
-    r = invoke("--seq", "16", "--layers", "2", "--global-batch", "2", "--steps", "2", "--warmup", "1",
-               "--predict", "memory=up,time=same", "--notebook", str(nb), "--json")
+    r = invoke(*SMALL, "--predict", "memory=up,time=same", "--no-verify", "--notebook", str(nb), "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
-    assert ISSUE_KEYS <= set(d)
-    for name in ("peak_memory", "update_time", "tokens_per_second", "time_to_budget"):
-        m = d["metrics"][name]
-        assert METRIC_KEYS <= set(m) and m["observed"] in ("up", "down", "same")
-        assert m["band"][0] <= m["ratio"] <= m["band"][1]
-        assert m["predicted_by_formula"] in ("up", "down", "same")
-    # verdicts recomputed from the raw rounds: 3 rounds, A then B, fresh processes
-    rounds = d["rounds"]
-    assert len(rounds) == 3 and all(r["a"]["environment"]["isolated"] for r in rounds)
-    paired = [statistics.median(r["b"]["time"]["samples"]) / statistics.median(r["a"]["time"]["samples"]) for r in rounds]
-    assert d["metrics"]["update_time"]["paired_ratios"] == pytest.approx(paired)
-    assert d["metrics"]["update_time"]["band"] == pytest.approx([min(paired), max(paired)])
-    peaks = [r["b"]["memory"]["peak_bytes"] / r["a"]["memory"]["peak_bytes"] for r in rounds]
-    assert d["metrics"]["peak_memory"]["ratio"] == pytest.approx(statistics.median(peaks))
-    assert (rounds[0]["a"]["config"]["micro_batch"], rounds[0]["a"]["config"]["accum"]) == (1, 2)
-    assert (rounds[0]["b"]["config"]["micro_batch"], rounds[0]["b"]["config"]["accum"]) == (2, 1)
-    assert d["semantics"]["gradient_check"]["passed"] is True
-    assert any("CPU" in s for s in d["scope"])
-    assert d["metrics"]["peak_memory"]["held"]["user"] == (d["metrics"]["peak_memory"]["observed"] == "up")
+    assert ISSUE_KEYS <= set(d) and d["schema"] == 2
+    assert fake.calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    t = d["metrics"]["update_time"]
+    assert METRIC_KEYS <= set(t)
+    assert t["paired_ratios"] == pytest.approx([1.2, 1.5, 1.3]) and t["ratio"] == pytest.approx(1.3)
+    assert t["band"] == pytest.approx([1.2, 1.5]) and t["observed"] == "up"
+    assert (t["a"], t["b"]) == (pytest.approx(1.5), pytest.approx(1.95))  # medians over rounds
+    assert t["predicted_by_user"] == "same" and t["held"]["user"] is False
+    mem = d["metrics"]["peak_memory"]
+    assert (mem["ratio"], mem["band"], mem["observed"], mem["held"]["user"]) == (1.5, [1.5, 1.5], "up", True)
+    # global batch kept (4 sequences of 16 tokens): tokens/s moves as 1 / update time
+    tps = d["metrics"]["tokens_per_second"]
+    assert tps["ratio"] == pytest.approx(1 / 1.3) and tps["a"] == pytest.approx(64 / 1.5)
+    assert {"metric": "update_time", "who": "you", "predicted": "same", "observed": "up"} in d["diagnosis"]["contradictions"]
     row = Notebook(nb).get(d["notebook_id"])
-    assert row["status"] == "complete" and row["metrics"] == d["metrics"]
+    assert row.status.value == "complete" and row.to_dict()["metrics"] == d["metrics"]
+
+
+@pytest.mark.slow
+def test_compare_smoke_in_real_subprocesses(tmp_path):
+    """The real path once: each side of each round measured in its own fresh subprocess (3 rounds x 2)."""
+    nb = tmp_path / "nb.sqlite"
+    r = invoke("--seq", "8", "--layers", "1", "--hidden", "32", "--heads", "2", "--global-batch", "2", "--steps", "1",
+               "--warmup", "1", "--no-verify", "--notebook", str(nb), "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert ISSUE_KEYS <= set(d) and all(METRIC_KEYS <= set(m) for m in d["metrics"].values())
+    assert len(d["rounds"]) == 3 and all(r["a"]["environment"]["isolated"] for r in d["rounds"])
+    assert (d["sides"]["a"]["micro_batch"], d["sides"]["b"]["micro_batch"]) == (1, 2)
+    assert d["metrics"]["peak_memory"]["observed"] in ("up", "down", "same")
+    row = Notebook(nb).get(d["notebook_id"])
+    assert row.status.value == "complete" and row.to_dict()["metrics"] == d["metrics"]
 
 
 def test_a_side_that_fails_to_run_exits_1_with_the_record_saved(tmp_path, monkeypatch):
     from batchlab.experiment import protocol
     from batchlab.measure.result import Measurement, Outcome
-    from test_compare_verdict import FakeMeasure
 
     def measure(cfg, options):
         if cfg.micro_batch == 2:
@@ -147,4 +169,4 @@ def test_a_side_that_fails_to_run_exits_1_with_the_record_saved(tmp_path, monkey
     assert r.exit_code == 1, r.output
     d = json.loads(r.stdout)
     assert d["rounds"][0]["b"]["outcome"] == "failed" and d["rounds"][1]["b"] is None
-    assert Notebook(nb).get(1)["status"] == "complete"
+    assert Notebook(nb).get(1).status.value == "complete"

@@ -13,53 +13,10 @@ from batchlab.experiment.change import build_sides, parse_change
 from batchlab.experiment.compare import make_plan, run
 from batchlab.experiment.predict import Direction, Metric, parse_predictions
 from batchlab.experiment.protocol import interleave
-from batchlab.experiment.verdict import MEMORY_SAME_TOLERANCE, observe
+from batchlab.experiment.verdict import MEMORY_SAME_TOLERANCE, paired_direction
 from batchlab.measure.options import MeasureOptions
-from batchlab.measure.result import MeasuredMemory, MeasuredTime, Measurement, Outcome
-
-BASE = RunConfig(seq=16, micro_batch=2, accum=2)
-
-
-class FakeMeasure:
-    """Per side: peak bytes, and a median update time per round (5 samples around it); records the calls.
-
-    ``fail``: {(side, round): Outcome} to return instead of a result; ``raise_at``: call number that raises.
-    """
-
-    def __init__(self, a_b, peak=(1000, 1000), times=((1.0, 1.0),) * 3, phase="backward", fail=None,
-                 raise_at=None, exc=KeyboardInterrupt, data_share=0.0):
-        self.a, self.b = a_b
-        self.peak, self.times, self.phase = peak, times, phase
-        self.fail, self.raise_at, self.exc = fail or {}, raise_at, exc
-        self.data_share = data_share
-        self.calls: list[tuple[str, int]] = []
-
-    def __call__(self, cfg: RunConfig, options: MeasureOptions) -> Measurement:
-        assert options.isolate, "compare must measure every side in a fresh process"
-        side = "a" if cfg == self.a else "b"
-        rnd = sum(1 for s, _ in self.calls if s == side)
-        self.calls.append((side, rnd))
-        if self.raise_at is not None and len(self.calls) == self.raise_at:
-            raise self.exc()
-        i = 0 if side == "a" else 1
-        if (side, rnd) in self.fail:
-            return Measurement(cfg.to_dict(), self.fail[(side, rnd)], cfg.global_batch, outcome_detail="fake")
-        med = self.times[rnd][i]
-        samples = [med * 0.98, med, med * 1.01, med, med * 1.02]
-        phases = {"data": med * self.data_share, "forward": med * (1 - self.data_share) / 2,
-                  "backward": med * (1 - self.data_share) / 2}
-        tokens = cfg.global_batch * cfg.seq
-        return Measurement(cfg.to_dict(), Outcome.OK, cfg.global_batch,
-                           memory=MeasuredMemory(self.peak[i], self.peak[i] // 2, self.phase),
-                           time=MeasuredTime(samples=samples, phase_seconds=phases, warmup=options.warmup),
-                           tokens_per_second=tokens / med, useful_tokens_per_update=tokens,
-                           environment={"torch_device": "cpu"})
-
-
-def plan_for(change="micro_batch=1:2", predict=None, **kw):
-    p = make_plan(BASE, [parse_change(change, BASE)], predictions=parse_predictions(predict), **kw)
-    return p
-
+from batchlab.measure.result import Outcome
+from fake_measure import BASE, FakeMeasure, plan_for
 
 def test_sides_are_measured_interleaved_in_fresh_calls():
     s = build_sides(BASE, [parse_change("micro_batch=1:2", BASE)])
@@ -82,7 +39,7 @@ def test_ratio_band_and_direction_come_from_the_paired_rounds():
     times = ((1.0, 1.2), (2.0, 3.0), (1.5, 1.95))
     p = plan_for("ac=none:full", "memory=down,time=up,tokens_per_second=down")
     fake = FakeMeasure((p.sides.a, p.sides.b), peak=(4000, 1000), times=times)
-    rec = run(p, measure=fake, verify=False)
+    rec = run(p, measure=fake, verify=False).to_dict()
     t = rec["metrics"]["update_time"]
     assert t["paired_ratios"] == pytest.approx([1.2, 1.5, 1.3])
     assert t["ratio"] == pytest.approx(1.3) and t["band"] == pytest.approx([1.2, 1.5])
@@ -100,16 +57,16 @@ def test_ratio_band_and_direction_come_from_the_paired_rounds():
 
 
 def test_a_band_that_reaches_one_is_same_even_when_the_median_moved():
-    ratio, band, d = observe([0.8, 1.1, 0.9], Metric.UPDATE_TIME)
+    ratio, band, d = paired_direction([0.8, 1.1, 0.9], Metric.UPDATE_TIME)
     assert (ratio, band, d) == (0.9, (0.8, 1.1), Direction.SAME)
-    assert observe([0.8, 0.95, 0.9], Metric.UPDATE_TIME)[2] is Direction.DOWN
+    assert paired_direction([0.8, 0.95, 0.9], Metric.UPDATE_TIME)[2] is Direction.DOWN
 
 
 def test_memory_within_the_tolerance_is_same_and_outside_it_is_not():
     small = 1 + MEMORY_SAME_TOLERANCE / 2
-    assert observe([small] * 3, Metric.PEAK_MEMORY)[2] is Direction.SAME
-    assert observe([small] * 3, Metric.UPDATE_TIME)[2] is Direction.UP  # timing has no such tolerance
-    assert observe([1.05] * 3, Metric.PEAK_MEMORY)[2] is Direction.UP
+    assert paired_direction([small] * 3, Metric.PEAK_MEMORY)[2] is Direction.SAME
+    assert paired_direction([small] * 3, Metric.UPDATE_TIME)[2] is Direction.UP  # timing has no such tolerance
+    assert paired_direction([1.05] * 3, Metric.PEAK_MEMORY)[2] is Direction.UP
 
 
 def test_a_contradiction_gets_the_diagnosis_in_order_with_findings():
@@ -117,7 +74,7 @@ def test_a_contradiction_gets_the_diagnosis_in_order_with_findings():
     p = plan_for("micro_batch=1:2", "memory=up,time=down", steps=3)
     fake = FakeMeasure((p.sides.a, p.sides.b), peak=(1000, 1000), times=((1.0, 1.1),) * 3, phase="optimizer",
                        data_share=0.2)
-    rec = run(p, measure=fake, verify=False)
+    rec = run(p, measure=fake, verify=False).to_dict()
     assert {"metric": "update_time", "who": "you", "predicted": "down", "observed": "up"} in rec["diagnosis"]["contradictions"]
     assert {"metric": "peak_memory", "who": "you", "predicted": "up", "observed": "same"} in rec["diagnosis"]["contradictions"]
     checks = rec["diagnosis"]["checks"]
@@ -132,24 +89,24 @@ def test_a_contradiction_gets_the_diagnosis_in_order_with_findings():
     assert rec["metrics"]["peak_memory"]["held"]["user"] is False
 
 
-def test_the_formula_prediction_is_the_direction_of_its_own_ratio():
-    from batchlab.formula import estimate
-
+def test_the_formula_side_of_the_record_holds_hand_checked_figures():
     p = plan_for("ac=none:full")
-    fake = FakeMeasure((p.sides.a, p.sides.b))
-    rec = run(p, measure=fake, verify=False)
-    ea, eb = estimate(p.sides.a), estimate(p.sides.b)
-    mem = rec["metrics"]["peak_memory"]["formula"]
-    assert mem["ratio"] == pytest.approx(eb.memory.peak_bytes / ea.memory.peak_bytes)
-    assert rec["predictions"]["formula"]["peak_memory"] == ("down" if mem["ratio"] < 0.99 else "up")
-    assert rec["predictions"]["formula"]["update_time"] == "up"  # recompute adds one forward
-    assert rec["formula"]["a"]["provenance"] == "formula"
+    rec = run(p, measure=FakeMeasure((p.sides.a, p.sides.b)), verify=False)
+    mem = rec.metrics[Metric.PEAK_MEMORY].formula
+    # tiny GPT (4 layers, h 128, s 16, b 2, fp32): full AC keeps one layer input per layer, s*b*h*4 bytes,
+    # instead of the 320 256 bytes each layer keeps without it, and adds one layer's recompute working set
+    # (303 872 bytes) during backward: B = A - 4 x (320 256 - 16 x 2 x 128 x 4) + 303 872
+    assert mem.a == 16_187_392 and mem.b == 16_187_392 - 4 * (320_256 - 16 * 2 * 128 * 4) + 303_872
+    assert mem.ratio == pytest.approx(15_275_776 / 16_187_392)
+    assert rec.predictions.formula[Metric.PEAK_MEMORY] is Direction.DOWN
+    assert rec.predictions.formula[Metric.UPDATE_TIME] is Direction.UP  # recompute adds one forward
+    assert rec.formula.a["provenance"] == "formula"
 
 
 def test_an_oom_side_is_not_run_again_and_other_metrics_stay_undecided():
     p = plan_for("micro_batch=1:2", "oom=up")
     fake = FakeMeasure((p.sides.a, p.sides.b), fail={("b", 0): Outcome.OOM_BUDGET})
-    rec = run(p, measure=fake, verify=False)
+    rec = run(p, measure=fake, verify=False).to_dict()
     assert fake.calls == [("a", 0), ("b", 0), ("a", 1), ("a", 2)]
     oom = rec["metrics"]["oom"]
     assert (oom["a"], oom["b"], oom["observed"], oom["held"]["user"]) == (False, True, "up", True)
@@ -160,7 +117,7 @@ def test_an_oom_side_is_not_run_again_and_other_metrics_stay_undecided():
 def test_formula_only_measures_nothing_and_says_so():
     p = plan_for("ac=none:full", "memory=down", formula_only=True)
     fake = FakeMeasure((p.sides.a, p.sides.b))
-    rec = run(p, measure=fake)
+    rec = run(p, measure=fake).to_dict()
     assert fake.calls == [] and rec["kind"] == "formula-only"
     m = rec["metrics"]["peak_memory"]
     assert m["observed"] is None and m["held"]["user"] is None and m["predicted_by_formula"] == "down"
@@ -170,7 +127,7 @@ def test_formula_only_measures_nothing_and_says_so():
 
 def test_the_real_gradient_check_runs_for_an_accumulation_split():
     p = plan_for("micro_batch=1:2")
-    rec = run(p, measure=FakeMeasure((p.sides.a, p.sides.b)))
+    rec = run(p, measure=FakeMeasure((p.sides.a, p.sides.b))).to_dict()
     check = rec["semantics"]["gradient_check"]
     assert check["kind"] == "split" and check["ran"] and check["passed"]
     assert check["max_rel_diff"] <= 1e-5
@@ -181,7 +138,7 @@ def test_the_real_gradient_check_runs_for_an_accumulation_split():
 
 def test_the_semantics_of_a_global_batch_change_are_flagged_and_not_claimed_verified():
     p = plan_for("micro_batch=1:2", keep="accum")
-    rec = run(p, measure=FakeMeasure((p.sides.a, p.sides.b)))
+    rec = run(p, measure=FakeMeasure((p.sides.a, p.sides.b))).to_dict()
     items = {i["name"]: i for i in rec["semantics"]["items"]}
     for name in ("global batch", "learning-rate scaling", "scheduler step count"):
         assert items[name]["touched"] and not items[name]["verified"]
@@ -195,7 +152,7 @@ def test_only_checks_that_can_explain_the_contradiction_are_flagged():
     p = make_plan(base, [parse_change("micro_batch=1:2", base)],
                   predictions=parse_predictions("memory=down,time=same"), steps=3)
     fake = FakeMeasure((p.sides.a, p.sides.b), peak=(1000, 1200), phase="optimizer", data_share=0.2)
-    rec = run(p, measure=fake, verify=False)
+    rec = run(p, measure=fake, verify=False).to_dict()
     assert [c["metric"] for c in rec["diagnosis"]["contradictions"] if c["who"] == "you"] == ["peak_memory"]
     by = {c["name"]: c for c in rec["diagnosis"]["checks"]}
     assert by["peak_phase"]["flagged"]
@@ -225,7 +182,7 @@ def test_cpu_measurements_pin_one_thread_unless_told_otherwise():
 def test_a_side_that_fails_leaves_every_metric_undecided_with_a_reason():
     p = plan_for("micro_batch=1:2", "memory=up")
     fake = FakeMeasure((p.sides.a, p.sides.b), fail={("b", 0): Outcome.FAILED})
-    rec = run(p, measure=fake, verify=False)
+    rec = run(p, measure=fake, verify=False).to_dict()
     assert all(m["observed"] is None and m["held"]["user"] is None for m in rec["metrics"].values())
     assert rec["metrics"]["oom"]["note"] == "side B failed; OOM not decided"
     assert rec["diagnosis"]["contradictions"] == []

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from batchlab.config import RunConfig, preset
-from batchlab.measure import MeasureOptions, Outcome, run
+from batchlab.measure import MeasureOptions, Outcome
+from batchlab.run import measure as run
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import track_update
 

@@ -10,7 +10,8 @@ import torch
 
 from batchlab.cli.common import build_config
 from batchlab.config import ConfigError, RunConfig, preset
-from batchlab.measure import MeasureOptions, Outcome, run
+from batchlab.measure import MeasureOptions, Outcome
+from batchlab.run import measure as run
 from batchlab.measure.harness import Trainer
 
 FAST = MeasureOptions(warmup=1, steps=1)

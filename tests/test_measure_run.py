@@ -1,4 +1,4 @@
-"""batchlab.measure.run in this process: discipline, memory budget, OOM, JSON round trip, observe()."""
+"""batchlab.run.measure in this process: discipline, memory budget, OOM, JSON round trip, observe()."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from batchlab.config import ConfigError, RunConfig, preset
-from batchlab.measure import MeasureOptions, Outcome, load_measurement, measurement_to_dict, measurement_to_json, run
+from batchlab.measure import MeasureOptions, Outcome, load_measurement, measurement_to_dict, measurement_to_json
+from batchlab.run import measure as run
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import BudgetExceeded, StorageTracker, track_update
-from batchlab.measure.oom import OOMKind, classify_oom
+from batchlab.measure.oom_classify import OOMKind, classify_oom
 
 SMALL = dict(model=preset("tiny", layers=2), seq=16, micro_batch=2)
 FAST = MeasureOptions(warmup=1, steps=2)

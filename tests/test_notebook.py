@@ -14,7 +14,10 @@ from batchlab.cli import app
 from batchlab.config import ConfigError
 from batchlab.experiment.compare import run
 from batchlab.experiment.notebook import Notebook
-from test_compare_verdict import FakeMeasure, plan_for
+from batchlab.experiment.predict import Direction, Metric
+from batchlab.experiment.record import Status
+from batchlab.report import export
+from fake_measure import FakeMeasure, plan_for
 
 
 def do(book: Notebook, change="micro_batch=1:2", predict="memory=up", **fake_kw):
@@ -45,10 +48,11 @@ def test_a_row_is_incomplete_while_measuring_and_complete_after(tmp_path):
         prediction, formula = conn.execute("SELECT prediction, formula FROM experiments").fetchone()
     assert json.loads(prediction)["user"] == {"peak_memory": "down", "update_time": "up"}
     assert json.loads(formula)["a"]["provenance"] == "formula"
-    assert rows(path) == [(1, "complete", "measured", "ac none -> full", rec["verdict"], None)]
+    assert rows(path) == [(1, "complete", "measured", "ac none -> full", rec.verdict, None)]
     stored = book.get(1)
-    assert stored["metrics"] == rec["metrics"] and stored["notebook_id"] == 1 and stored["status"] == "complete"
-    assert stored["factors"]["note"] == "fan noise" and "load_average" in stored["factors"]
+    assert stored.metrics == rec.metrics and stored.notebook_id == 1 and stored.status is Status.COMPLETE
+    assert stored.factors["note"] == "fan noise" and "load_average" in stored.factors
+    assert stored.to_dict() == rec.to_dict()  # the whole record comes back as it was written
 
 
 def test_an_interrupted_run_stays_incomplete_and_earlier_ones_intact(tmp_path):
@@ -58,10 +62,10 @@ def test_an_interrupted_run_stays_incomplete_and_earlier_ones_intact(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         do(book, "ac=none:full", raise_at=3)  # Ctrl-C during round 2
     assert [(r[0], r[1]) for r in rows(book.path)] == [(1, "complete"), (2, "incomplete")]
-    assert book.get(1) == before and before["verdict"] == first["verdict"]
+    assert book.get(1) == before and before.verdict == first.verdict
     second = book.get(2)
-    assert second["status"] == "incomplete" and second["interrupted"].startswith("KeyboardInterrupt")
-    assert second["predictions"]["user"] == {"peak_memory": "up"} and second["metrics"] == {}
+    assert second.status is Status.INCOMPLETE and second.interrupted.startswith("KeyboardInterrupt")
+    assert dict(second.predictions.user) == {Metric.PEAK_MEMORY: Direction.UP} and not second.metrics
     do(book)  # the notebook goes on after an interruption
     assert [r[1] for r in rows(book.path)] == ["complete", "incomplete", "complete"]
 
@@ -80,7 +84,7 @@ def test_a_user_error_found_while_measuring_leaves_nothing(tmp_path):
 
 def test_reading_a_missing_notebook_creates_nothing(tmp_path):
     book = Notebook(tmp_path / "none" / "nb.sqlite")
-    assert book.list() == [] and book.export("json") == "[]\n"
+    assert book.list() == [] and export(book.records(), "json") == "[]\n"
     assert not book.path.exists() and not book.path.parent.exists()
     with pytest.raises(ConfigError) as e:
         book.get(1)
@@ -91,19 +95,19 @@ def test_exports_hold_every_experiment(tmp_path):
     book = Notebook(tmp_path / "nb.sqlite")
     a = do(book)
     b = do(book, "ac=none:full", "memory=down", peak=(4000, 1000), times=((1.0, 1.4),) * 3)
-    records = json.loads(book.export("json"))
+    records = json.loads(export(book.records(), "json"))
     assert [r["notebook_id"] for r in records] == [1, 2]
     assert records[1]["metrics"]["peak_memory"]["ratio"] == 0.25
-    table = list(csv.DictReader(io.StringIO(book.export("csv"))))
-    assert [t["variable"] for t in table] == [a["change"]["variable"], b["change"]["variable"]]
+    table = list(csv.DictReader(io.StringIO(export(book.records(), "csv"))))
+    assert [t["variable"] for t in table] == [a.change["variable"], b.change["variable"]]
     assert float(table[1]["update_time_ratio"]) == pytest.approx(1.4)
     assert table[1]["peak_memory_observed"] == "down" and table[1]["peak_memory_held_user"] == "True"
     assert table[0]["global_batch_a"] == table[0]["global_batch_b"] == "4"
-    md = book.export("md")
+    md = export(book.records(), "md")
     assert md.startswith("# batchlab lab notebook") and "## Experiment #2: ac none -> full" in md
     assert "| peak memory | 3.91 KiB |" in md and "global batch = micro-batch x accum x DP" in md
     with pytest.raises(ConfigError) as e:
-        book.export("xml")
+        export(book.records(), "xml")
     assert e.value.field == "format"
 
 

@@ -8,8 +8,9 @@ import re
 import pytest
 
 from batchlab.experiment.compare import run
-from batchlab.report import figures, write_report
-from test_compare_verdict import FakeMeasure, plan_for
+from batchlab.report import write_report
+from batchlab.report.plots import figures
+from fake_measure import FakeMeasure, plan_for
 
 PROVENANCE = {"formula", "trace", "allocator", "wall-clock"}
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -20,8 +21,7 @@ def measured():
     p = plan_for("ac=none:full", "memory=down,time=down", note="quiet")
     rec = run(p, measure=FakeMeasure((p.sides.a, p.sides.b), peak=(4000, 1000), times=((1.0, 1.5),) * 3),
               verify=False)
-    rec["notebook_id"] = 5
-    return rec
+    return rec.with_(notebook_id=5)
 
 
 def test_every_figure_names_its_provenance(measured):

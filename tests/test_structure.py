@@ -5,13 +5,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_LINES = 400
-# issue 10: the one cycle left on the arch-config branch; the arch-flow branch gives the one-process /
-# torchrun dispatch a home above both.  Delete this (and the xfail below) once both branches are merged.
-KNOWN_UNTIL_ARCH_FLOW = frozenset({"batchlab.distributed", "batchlab.measure.session"})
 
 
 def modules(src: Path, package: str) -> dict[str, Path]:
@@ -128,8 +124,6 @@ def test_an_acyclic_package_has_no_cycle(tmp_path):
 
 def test_no_import_cycle_between_modules():
     found = cycles(import_graph(SRC, "batchlab"))
-    if len(found) == 1 and KNOWN_UNTIL_ARCH_FLOW <= set(found[0]):
-        pytest.xfail(f"known until the arch-flow branch lands: {' <-> '.join(found[0])}")
     assert found == [], "import cycles: " + " | ".join(" <-> ".join(c) for c in found)
 
 

@@ -5,16 +5,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from batchlab.advise.oom import Advice, Remedy, oom_advice, what_would_fit
-from batchlab.advise.plan import Goal, Plan, divisors, plan
-from batchlab.advise.search import MeasureFn, SearchResult, Trial, search_largest, trial_from_measurement
+from batchlab.advise.after_oom import Advice, Remedy, oom_advice, what_would_fit
+from batchlab.advise.plan import Goal, FitPlan, divisors, plan
+from batchlab.advise.search import (MeasureFn, SearchResult, Trial, TrialOutcome, search_largest,
+                                    trial_from_measurement)
 from batchlab.config import RunConfig, to_jsonable
 from batchlab.units import relative_to
 
 
 @dataclass
 class FitReport:
-    plan: Plan
+    plan: FitPlan
     final: RunConfig | None = None  # the recommendation after any measurement; None: nothing fits
     source: str = "formula"  # how the final micro-batch was decided
     verification: Trial | None = None  # the plan's recommendation, measured
@@ -68,7 +69,8 @@ class FitReport:
 
 def isolated_measure(capacity_bytes: int, timeout_s: float | None = None) -> MeasureFn:
     """measure(cfg) -> Trial in a fresh subprocess (memory only: one warm-up update, one tracked update)."""
-    from batchlab.measure import MeasureOptions, run
+    from batchlab.measure import MeasureOptions
+    from batchlab.run import measure as run
 
     opts = MeasureOptions(warmup=1, steps=1, timing=False, isolate=True, timeout_s=timeout_s)
     return lambda cfg: trial_from_measurement(cfg, run(cfg, opts), capacity_bytes)
@@ -122,7 +124,7 @@ def fit(goal: Goal, *, verify: bool, search: bool = False, measure: MeasureFn | 
 
     first = measured(rec)
     report.verification = first
-    if first.outcome == "failed":  # not a memory answer: searching would only repeat the failure
+    if first.outcome is TrialOutcome.FAILED:  # not a memory answer: searching would only repeat the failure
         report.final, report.source = None, "measurement failed"
         report.notes.append(f"measuring the recommendation failed: {first.detail}")
         return report

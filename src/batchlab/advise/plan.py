@@ -123,8 +123,8 @@ def best_per_option(cands: list[Candidate], limit_bytes: int) -> list[Candidate]
 
 
 def rank(options: list[Candidate]) -> list[Candidate]:
-    """Fastest to the token budget first; ties (the formula's time does not depend on micro-batch, and
-    ZeRO-1/2 move the same bytes as DDP) go to the lower ZeRO stage, less recompute, larger micro-batch."""
+    """Fastest to the token budget first (rounded to 9 digits, so equal figures tie); ties (ZeRO-1/2 move the
+    same bytes as DDP) go to the lower ZeRO stage, less recompute, larger micro-batch."""
     return sorted(options, key=lambda c: (float(f"{c.time_to_tokens_seconds:.9g}"), c.config.zero,
                                           c.hardware_flops_per_update, -c.config.micro_batch))
 
@@ -153,7 +153,7 @@ def unfit_options(cands: tuple[Candidate, ...], ranked: tuple[Candidate, ...]) -
 
 
 @dataclass(frozen=True)
-class Plan:
+class FitPlan:
     goal: Goal
     candidates: tuple[Candidate, ...]  # every configuration evaluated
     ranked: tuple[Candidate, ...]  # best micro-batch per (policy, ZeRO stage) within the margin, best first
@@ -197,10 +197,10 @@ def assumptions(goal: Goal, est_assumptions: tuple[str, ...]) -> tuple[str, ...]
     )
 
 
-def plan(goal: Goal) -> Plan:
+def plan(goal: Goal) -> FitPlan:
     check_capacity(goal)
     cands = enumerate_candidates(goal)
     ranked = rank(best_per_option(cands, goal.usable_bytes))
     rec, why = recommend(ranked, goal)
     est_assumptions = estimate(goal.base, load_all()).assumptions
-    return Plan(goal, tuple(cands), tuple(ranked), rec, why, assumptions(goal, est_assumptions))
+    return FitPlan(goal, tuple(cands), tuple(ranked), rec, why, assumptions(goal, est_assumptions))

@@ -1,17 +1,16 @@
 """Text output of ``batchlab fit`` (rich).  Every figure names how it was obtained: formula or allocator."""
 from __future__ import annotations
 
-import json
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from batchlab.advise.fit import FitReport
-from batchlab.advise.oom import Advice, Remedy
+from batchlab.advise.after_oom import Advice, Remedy
 from batchlab.advise.plan import Candidate, Goal, unfit_options
 from batchlab.advise.search import Trial
-from batchlab.advise.snippets import all_snippets
+from batchlab.advise.snippets import printable
 from batchlab.config import RunConfig
 from batchlab.units import fmt_bytes, fmt_seconds, relative_to
 
@@ -121,14 +120,9 @@ def remedies(out: Console, items: list[Remedy], goal: Goal) -> None:
 
 
 def snippets(out: Console, cfg: RunConfig) -> None:
-    s = all_snippets(cfg)
-    out.print("[bold]As a batchlab config[/] (save as fit.toml; then batchlab measure --config fit.toml, or use it as an experiment file's \\[config]):")
-    out.print(s["batchlab_toml"], markup=False, highlight=False)
-    out.print("[bold]Plain PyTorch loop[/]:")
-    out.print(s["pytorch"], markup=False, highlight=False)
-    for name, key in (("Hugging Face", "huggingface"), ("Lightning", "lightning"), ("DeepSpeed config", "deepspeed")):
-        out.print(f"[bold]{name}[/]:")
-        out.print(json.dumps(s[key]), markup=False, highlight=False)
+    for title, text in printable(cfg):
+        out.print(f"[bold]{escape(title)}[/]:")
+        out.print(text, markup=False, highlight=False, soft_wrap=True)  # no wrapping inside pasted code
 
 
 def fit_report(out: Console, report: FitReport, top: int) -> None:

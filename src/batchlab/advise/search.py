@@ -12,8 +12,22 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from batchlab.config import RunConfig
+from batchlab.config import RunConfig, _Choice
 from batchlab.measure.result import Measurement, Outcome
+
+
+class TrialOutcome(_Choice):
+    """A measurement's Outcome, refined for the search: a SIGKILL is the kernel's OOM killer, and a run
+    that completed above the capacity does not fit either."""
+    OK = "ok"
+    OOM = "oom"
+    OOM_BUDGET = "oom (budget)"
+    OOM_KILLED = "oom (killed)"
+    FAILED = "failed"
+    OVER_CAPACITY = "over capacity"
+
+
+OUT_OF_MEMORY = {TrialOutcome.OOM, TrialOutcome.OOM_BUDGET, TrialOutcome.OOM_KILLED, TrialOutcome.OVER_CAPACITY}
 
 
 @dataclass(frozen=True)
@@ -23,7 +37,7 @@ class Trial:
     micro_batch: int
     accum: int
     fits: bool
-    outcome: str  # ok | oom | oom (budget) | oom (killed) | failed | over capacity
+    outcome: TrialOutcome
     peak_bytes: int | None = None
     peak_phase: str | None = None
     detail: str = ""
@@ -31,7 +45,7 @@ class Trial:
 
     @property
     def out_of_memory(self) -> bool:
-        return self.outcome.startswith("oom") or self.outcome == "over capacity"
+        return self.outcome in OUT_OF_MEMORY
 
 
 # measure(cfg) -> Trial: the real one runs an isolated subprocess; tests pass a deterministic fake.
@@ -43,13 +57,12 @@ def trial_from_measurement(cfg: RunConfig, m: Measurement, capacity_bytes: int) 
     runner's diagnosis); a run that completes but peaks above the capacity does not fit either."""
     peak = m.memory.peak_bytes if m.memory is not None else None
     phase = m.memory.peak_phase if m.memory is not None else m.oom_phase
-    outcome = m.outcome.value
+    outcome = TrialOutcome(m.outcome.value)
     if m.outcome is Outcome.FAILED and "SIGKILL" in m.outcome_detail:
-        outcome = "oom (killed)"
+        outcome = TrialOutcome.OOM_KILLED
     elif m.outcome is Outcome.OK and peak is not None and peak > capacity_bytes:
-        outcome = "over capacity"
-    fits = outcome == Outcome.OK.value
-    return Trial(cfg.micro_batch, cfg.accum, fits, outcome, peak, phase, m.outcome_detail)
+        outcome = TrialOutcome.OVER_CAPACITY
+    return Trial(cfg.micro_batch, cfg.accum, outcome is TrialOutcome.OK, outcome, peak, phase, m.outcome_detail)
 
 
 def max_trials(per_rank: int) -> int:

@@ -1,10 +1,15 @@
-"""The chosen config as a batchlab TOML snippet, and the same settings for common trainers.
+"""The chosen config as a batchlab TOML snippet, and the same settings for the trainers people use.
 
 The TOML is one ``[config]`` table of RunConfig field names, read back by ``config.load_config_toml``
-(every command's ``--config FILE``, and experiment files).  Torch-free.
+(every command's ``--config FILE``, and experiment files).  The others are pasted into the user's own
+stack: torchtitan TOML, an accelerate config (YAML), HF ``TrainingArguments(...)``, Lightning
+``Trainer(...)``, DeepSpeed JSON, FSDP2 / DDP code.  Where a stack has no switch for a setting, the
+snippet says so in a comment instead of guessing.  Torch-free.
 """
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 from batchlab.config import (ACMode, Assumptions, ConfigError, ModelSpec, Precision, RunConfig,
@@ -50,6 +55,10 @@ def _hf_ac(cfg: RunConfig) -> tuple[bool, str | None]:
         return False, None
     if mode is ACMode.FULL:
         return True, None
+    if mode is ACMode.EVERY:
+        # transformers 5 modeling_utils: layer_index % every_n_layers == 0, the layers batchlab's every:K wraps
+        return True, (f"{cfg.ac}: transformers >= 5 takes activation_checkpointing=True, activation_checkpointing_"
+                      f"kwargs={{'every_n_layers': {cfg.ac.every}}}; older versions recompute every layer")
     return True, (f"{cfg.ac} has no TrainingArguments switch: gradient_checkpointing=True recomputes every layer "
                   "(more compute than planned); wrap the chosen layers yourself to match")
 
@@ -59,6 +68,7 @@ def huggingface(cfg: RunConfig) -> dict[str, Any]:
     args: dict[str, Any] = {"per_device_train_batch_size": cfg.micro_batch,
                             "gradient_accumulation_steps": cfg.accum, "gradient_checkpointing": ac}
     if ac:
+        # gradient_checkpointing works from 4.40 on; transformers 5 names it activation_checkpointing (alias kept)
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
     if cfg.precision is Precision.BF16_MIXED:
         args["bf16"] = True
@@ -74,15 +84,25 @@ def huggingface(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
+def _nodes(cfg: RunConfig) -> tuple[int, int]:
+    """(devices per node, nodes) for ``cfg.dp`` ranks on the device's nodes."""
+    per_node = min(cfg.dp, cfg.device_spec.gpus_per_node)
+    return per_node, math.ceil(cfg.dp / per_node)
+
+
 def lightning(cfg: RunConfig) -> dict[str, Any]:
     strategy = {0: "ddp", 1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "fsdp"}[cfg.zero] if cfg.dp > 1 else "auto"
     precision = {Precision.FP32: "32-true", Precision.BF16_MIXED: "bf16-mixed", Precision.FP16_MIXED: "16-mixed",
-                 Precision.BF16: "bf16-true"}[cfg.precision]
-    out: dict[str, Any] = {"Trainer": {"accumulate_grad_batches": cfg.accum, "devices": cfg.dp,
-                                       "strategy": strategy, "precision": precision},
+                 Precision.BF16: "bf16-true", Precision.BF16_FSDP: "bf16-mixed"}[cfg.precision]
+    devices, nodes = _nodes(cfg)
+    trainer = {"accumulate_grad_batches": cfg.accum, "devices": devices, "strategy": strategy, "precision": precision}
+    if nodes > 1:
+        trainer["num_nodes"] = nodes
+    out: dict[str, Any] = {"Trainer": trainer,
                            "DataLoader": {"batch_size": cfg.micro_batch}}
     if cfg.ac.mode is not ACMode.NONE:
-        out["note"] = f"activation checkpointing {cfg.ac}: Lightning has no switch; wrap the layers in the model"
+        out["note"] = (f"activation checkpointing {cfg.ac}: no Trainer switch; with FSDP, strategy=FSDPStrategy("
+                       "activation_checkpointing_policy={YourBlock}) wraps every block; else wrap the layers in the model")
     return out
 
 
@@ -102,7 +122,11 @@ def _which_layers(cfg: RunConfig) -> str:
     if cfg.ac.mode is ACMode.FULL:
         return f"all {n} layers"
     if cfg.ac.mode is ACMode.SELECTIVE:
-        return f"all {n} layers, attention core only (create_selective_checkpoint_contexts)"
+        return f"all {n} layers, matmul outputs kept (create_selective_checkpoint_contexts)"
+    if cfg.ac.mode is ACMode.SELECTIVE_OP:
+        return f"all {n} layers, every other matmul and the SDPA outputs kept (torchtitan's op policy)"
+    if cfg.ac.mode is ACMode.MEGATRON:
+        return f"all {n} layers, the attention core recomputed (Megatron selective)"
     wrapped = cfg.ac.wrapped_layers(n)
     return f"layers 0, {cfg.ac.every}, {2 * cfg.ac.every}, ... ({len(wrapped)} of {n})"
 
@@ -126,6 +150,151 @@ def pytorch_loop(cfg: RunConfig) -> str:
     ])
 
 
+def _comment(text: str) -> str:
+    return f"# {text}"
+
+
+def torchtitan_toml(cfg: RunConfig) -> str:
+    """torchtitan's JobConfig tables (torchtitan/config/job_config.py: Training, Parallelism, ActivationCheckpoint).
+
+    torchtitan derives accumulation itself: global_batch_size / (local_batch_size x data-parallel degree)."""
+    notes = []
+    shard = cfg.zero >= 1 and cfg.dp > 1
+    parallel: dict[str, Any] = {"data_parallel_replicate_degree": 1 if shard else cfg.dp,
+                                "data_parallel_shard_degree": cfg.dp if shard else 1}
+    if shard and cfg.zero < 3:
+        # reshard_after_forward=False keeps parameters gathered from forward to backward: ZeRO-2's memory
+        parallel["fsdp_reshard_after_forward"] = "never"
+        notes.append(f"ZeRO-{cfg.zero} has no torchtitan switch; FSDP2 with fsdp_reshard_after_forward = \"never\" "
+                     "(ZeRO-2 memory) is the nearest")
+    precision = {Precision.BF16_MIXED: "bfloat16", Precision.BF16_FSDP: "bfloat16",
+                 Precision.FP32: "float32"}.get(cfg.precision)
+    if precision is None:
+        notes.append(f"precision {cfg.precision}: torchtitan's mixed_precision_param is bfloat16 or float32")
+    ac: dict[str, Any] = {"mode": {ACMode.NONE: "none", ACMode.FULL: "full"}.get(cfg.ac.mode, "selective")}
+    if cfg.ac.mode is ACMode.EVERY:
+        ac["selective_ac_option"] = str(cfg.ac.every)
+        notes.append(f"torchtitan wraps layers {cfg.ac.every}, {2 * cfg.ac.every}, ... counting from 1; batchlab's "
+                     f"every:{cfg.ac.every} wraps 0, {cfg.ac.every}, ...: the same count when {cfg.model.layers} "
+                     f"is a multiple of {cfg.ac.every}")
+    elif cfg.ac.mode is ACMode.SELECTIVE_OP:  # batchlab's selective-op is torchtitan's policy
+        ac["selective_ac_option"] = "op"
+    elif cfg.ac.mode in (ACMode.SELECTIVE, ACMode.MEGATRON):
+        ac["selective_ac_option"] = "op"
+        notes.append("selective_ac_option = \"op\" saves matmul and attention outputs by a policy of its own; "
+                     "close to, not the same as, batchlab's selective")
+    training = {"local_batch_size": cfg.micro_batch, "global_batch_size": cfg.global_batch, "seq_len": cfg.seq}
+    if precision is not None:
+        training["mixed_precision_param"] = precision
+    lines = [_comment(cfg.global_batch_text()), _comment(f"accumulation = {cfg.global_batch} / ({cfg.micro_batch} x "
+                                                          f"{cfg.dp}) = {cfg.accum}, derived by torchtitan")]
+    lines += [_comment(n) for n in notes]
+    lines += _table("training", training) + [""] + _table("parallelism", parallel) + [""]
+    lines += _table("activation_checkpoint", ac)
+    return "\n".join(lines) + "\n"
+
+
+def _yaml(d: dict[str, Any], indent: int = 0) -> list[str]:
+    """Block YAML for a flat-or-nested dict of str / int / bool (what an accelerate config holds)."""
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += [" " * indent + f"{k}:"] + _yaml(v, indent + 2)
+        else:
+            # strings quoted: YAML 1.1 reads a bare no / NO (accelerate's "no mixed precision") as false
+            text = ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, str) else str(v)
+            out.append(" " * indent + f"{k}: {text}")
+    return out
+
+
+def accelerate_yaml(cfg: RunConfig) -> str:
+    """``accelerate launch --config_file`` (accelerate/commands/config/config_args.py ClusterConfig keys)."""
+    devices, nodes = _nodes(cfg)
+    d: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "num_processes": cfg.dp, "num_machines": nodes,
+                         "machine_rank": 0, "mixed_precision": {Precision.BF16_MIXED: "bf16",
+                                                                Precision.FP16_MIXED: "fp16"}.get(cfg.precision, "no"),
+                         "use_cpu": False}
+    if cfg.dp == 1:
+        d["distributed_type"] = "NO"
+    elif cfg.zero == 0:
+        d["distributed_type"] = "MULTI_GPU"
+    elif cfg.zero == 1:
+        d["distributed_type"] = "DEEPSPEED"
+        d["deepspeed_config"] = {"zero_stage": 1, "gradient_accumulation_steps": cfg.accum}
+    else:
+        d["distributed_type"] = "FSDP"
+        d["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": cfg.zero == 3,
+                            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                            "fsdp_activation_checkpointing": cfg.ac.mode is not ACMode.NONE}
+    lines = [_comment(cfg.global_batch_text()),
+             _comment(f"micro-batch {cfg.micro_batch}: your DataLoader's batch_size; accumulation {cfg.accum}: "
+                      f"Accelerator(gradient_accumulation_steps={cfg.accum})")]
+    if cfg.ac.mode not in (ACMode.NONE, ACMode.FULL):
+        lines.append(_comment(f"activation checkpointing {cfg.ac}: accelerate switches it on for every layer only"))
+    return "\n".join(lines + _yaml(d)) + "\n"
+
+
+def distributed_code(cfg: RunConfig) -> str:
+    """The data-parallel setup in PyTorch: DDP (ZeRO-0), DDP + ZeroRedundancyOptimizer (ZeRO-1), FSDP2
+    ``fully_shard`` per layer (ZeRO-2: reshard_after_forward=False, ZeRO-3: True)."""
+    head = [f"# {cfg.global_batch_text()}", "import torch", "import torch.distributed as dist"]
+    bf16 = cfg.precision is Precision.BF16_MIXED
+    if cfg.zero >= 2:
+        mp = ("MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" if bf16 else
+              "MixedPrecisionPolicy()")
+        body = ["from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
+                "dist.init_process_group()  # torchrun sets rank and world size",
+                f"mp = {mp}",
+                "for layer in model.layers:  # your model's list of transformer blocks",
+                f"    fully_shard(layer, mp_policy=mp, reshard_after_forward={cfg.zero == 3})",
+                f"fully_shard(model, mp_policy=mp, reshard_after_forward={cfg.zero == 3})",
+                "optimizer = torch.optim.AdamW(model.parameters())  # after fully_shard: sharded state",
+                "# accumulation: model.set_requires_gradient_sync(last_micro_batch) instead of DDP's no_sync()"]
+    else:
+        body = ["from torch.nn.parallel import DistributedDataParallel as DDP",
+                "dist.init_process_group()  # torchrun sets rank and world size",
+                "model = DDP(model, gradient_as_bucket_view=True)"]
+        if cfg.zero == 1:
+            body += ["from torch.distributed.optim import ZeroRedundancyOptimizer",
+                     "optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)"]
+        else:
+            body.append("optimizer = torch.optim.AdamW(model.parameters())")
+        if bf16:
+            body.append("# forward under torch.autocast(device_type='cuda', dtype=torch.bfloat16)")
+    launch = [f"# launch: torchrun --nproc-per-node {_nodes(cfg)[0]} --nnodes {_nodes(cfg)[1]} train.py"]
+    return "\n".join(head + body + launch)
+
+
 def all_snippets(cfg: RunConfig) -> dict[str, Any]:
     return {"batchlab_toml": config_toml(cfg), "pytorch": pytorch_loop(cfg), "huggingface": huggingface(cfg),
-            "lightning": lightning(cfg), "deepspeed": deepspeed(cfg)}
+            "lightning": lightning(cfg), "deepspeed": deepspeed(cfg), "torchtitan_toml": torchtitan_toml(cfg),
+            "accelerate_yaml": accelerate_yaml(cfg), "huggingface_code": call_code("TrainingArguments", huggingface(cfg)),
+            "lightning_code": call_code("Trainer", lightning(cfg)), "deepspeed_json": json.dumps(deepspeed(cfg), indent=2),
+            "distributed_code": distributed_code(cfg)}
+
+
+def call_code(name: str, snippet: dict[str, Any]) -> str:
+    """``TrainingArguments(...)`` / ``Trainer(...)`` as Python to paste (keyword values as Python literals)."""
+    kwargs = snippet[name]
+    lines = [f"{name}("] + [f"    {k}={v!r}," for k, v in kwargs.items()] + [")"]
+    if "DataLoader" in snippet:
+        lines.append(f"DataLoader(dataset, batch_size={snippet['DataLoader']['batch_size']})  # micro-batch per device")
+    if "launch" in snippet:
+        lines.append(f"# launch: {snippet['launch']}")
+    if "note" in snippet:
+        lines.append(f"# note: {snippet['note']}")
+    return "\n".join(lines)
+
+
+TITLES = (("As a batchlab config (save as fit.toml; then batchlab measure --config fit.toml, or use it as an "
+           "experiment file's [config])", "batchlab_toml"), ("Plain PyTorch loop", "pytorch"),
+          ("DDP / FSDP2 setup (PyTorch)", "distributed_code"), ("torchtitan (TOML)", "torchtitan_toml"),
+          ("accelerate config (YAML)", "accelerate_yaml"), ("Hugging Face", "huggingface_code"),
+          ("Lightning", "lightning_code"), ("DeepSpeed config (JSON)", "deepspeed_json"))
+
+
+def printable(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(title, text) for every snippet ``fit`` prints."""
+    s = all_snippets(cfg)
+    return [(title, s[key]) for title, key in TITLES]

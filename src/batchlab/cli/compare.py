@@ -16,6 +16,8 @@ from batchlab.experiment.change import KeepMode, parse_change
 from batchlab.experiment.compare import DEFAULT_CHANGE, DEFAULT_TOKEN_BUDGET, make_plan, run
 from batchlab.experiment.notebook import Notebook
 from batchlab.experiment.predict import Direction, Metric, parse_direction, parse_predictions
+from batchlab.experiment.record import Record
+from batchlab.measure.result import Outcome
 
 EXP = "Experiment"
 PROMPTED = (Metric.PEAK_MEMORY, Metric.UPDATE_TIME)
@@ -57,7 +59,7 @@ def compare(
     except ConfigError as e:
         fail(str(e))
     show_record(record, book.path, report, as_json)
-    if any(m is not None and m.get("outcome") == "failed" for r in record.get("rounds", []) for m in (r["a"], r["b"])):
+    if any(m is not None and m.outcome is Outcome.FAILED for r in record.rounds or () for m in (r.a, r.b)):
         raise typer.Exit(1)
 
 
@@ -116,7 +118,7 @@ def _ask() -> dict[Metric, Direction]:
     return out
 
 
-def _run(plan, book: Notebook, verify: bool, show: bool) -> dict[str, Any]:
+def _run(plan, book: Notebook, verify: bool, show: bool) -> Record:
     console = Console(stderr=True)
     if not (show and console.is_terminal) or plan.formula_only:
         return run(plan, book, verify=verify)

@@ -4,6 +4,7 @@ No ``from __future__ import annotations`` here: with_config rebuilds the signatu
 and typer needs the Annotated objects (help) themselves, not their strings.
 """
 
+import statistics
 from typing import Annotated, Optional
 
 import typer
@@ -36,15 +37,20 @@ def measure(
     nnodes: Annotated[Optional[int], typer.Option(help="torchrun --nnodes (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
     node_rank: Annotated[Optional[int], typer.Option(help="torchrun --node-rank.", rich_help_panel="Data parallel (torchrun)")] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="torchrun --rdzv-endpoint host:port (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
+    timeline: Annotated[Optional[str], typer.Option(help="Also record one more untimed update in this process as a memory timeline (live-storage tracker on CPU, allocator history on CUDA) and write it to FILE.png, FILE.html or FILE.json.", metavar="FILE")] = None,
 ):
     """Train the model under the config for real: peak memory (allocator), update time (wall-clock), useful
     tokens/s, or the out-of-memory phase; each figure beside the formula estimate.  Exit 0 when a result
     (ok or oom) was recorded, 1 when the run failed, 2 for a bad config."""
-    from batchlab.measure.session import run
+    from batchlab.run import measure as run
 
     if timeout is not None and not isolate and nproc is None and nnodes is None:
         typer.echo("warning: ignored: --timeout applies to --isolate (or --nproc) runs", err=True)
     try:
+        if timeline:
+            from batchlab.timeline.output import check_path
+
+            check_path(timeline)  # a wrong suffix fails before the run
         opts = MeasureOptions(warmup=warmup, steps=steps, isolate=isolate, memory=memory, timeout_s=timeout,
                               torch_device=torch_device)
         if nproc is not None or nnodes is not None:
@@ -74,8 +80,26 @@ def measure(
         _render(cfg, m, figures, note)
         if oom:
             _oom_advice(cfg, as_json=False)
+    if timeline and m.outcome is Outcome.OK:
+        _timeline(cfg, torch_device, timeline, as_json)
+    elif timeline:
+        typer.echo(f"warning: ignored: --timeline: the run ended {m.outcome.value}, no update to record", err=True)
     if m.outcome is Outcome.FAILED:
         raise typer.Exit(1)
+
+
+def _timeline(cfg: RunConfig, torch_device: Optional[str], path: str, as_json: bool) -> None:
+    from batchlab.timeline.measured import record
+    from batchlab.timeline.output import write
+
+    if cfg.dp > 1:
+        typer.echo(f"warning: --timeline records one process without DDP (DP = {cfg.dp} is not launched for it)",
+                   err=True)
+    try:
+        write(record(cfg, torch_device), path)
+    except ConfigError as e:
+        fail(str(e))
+    Console(stderr=as_json).print(f"memory timeline \\[allocator] written to {escape(path)}")
 
 
 def _oom_advice(cfg: RunConfig, as_json: bool):
@@ -160,13 +184,13 @@ def _render_details(out: Console, m: Measurement) -> None:
         if split:
             out.print(f"per phase (median, wall-clock): {split}")
         if t.cpu_seconds:
-            med = sorted(t.cpu_seconds)[len(t.cpu_seconds) // 2]
+            med = statistics.median(t.cpu_seconds)
             out.print("process CPU time per update (median, all threads; the process clock, read beside the "
                       f"wall-clock one): {fmt_seconds(med)}")
     if m.memory is not None and m.memory.breakdown:
         parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in m.memory.breakdown.items() if v)
         out.print(f"memory at the peak ({m.memory.provenance}: {m.memory.method}): {parts}")
-    from batchlab.distributed.report import lines as dp_lines
+    from batchlab.cli.render_dp import lines as dp_lines
 
     for line in dp_lines(m):
         out.print(line)

@@ -12,10 +12,14 @@ from rich.table import Table
 from batchlab.cli.base import app
 from batchlab.cli.common import console, fail, print_json
 from batchlab.cli.render_experiment import show_record
+from batchlab.cli.render_observed import render_diff, render_observed
 from batchlab.config import ConfigError
-from batchlab.experiment.notebook import ExportFormat, Notebook
+from batchlab.experiment.notebook import Notebook
+from batchlab.experiment.observed import ObservedRecord
+from batchlab.experiment.observed_diff import observed_diff
+from batchlab.report.export import export as export_records
 
-notebook_app = typer.Typer(help="The lab notebook: every `batchlab compare` experiment, kept in SQLite.",
+notebook_app = typer.Typer(help="The lab notebook: every `batchlab compare` experiment and observed run, kept in SQLite.",
                            no_args_is_help=True)
 app.add_typer(notebook_app, name="notebook")
 
@@ -39,12 +43,12 @@ def list_(notebook: NotebookOpt = None, as_json: JsonOpt = False):
         out.print(f"no experiments yet in {book.path}")
         return
     t = Table(show_header=True, header_style="bold", title=str(book.path))
-    for col in ("id", "date", "status", "variable", "observed B/A (memory: allocator; time: wall-clock)"):
+    for col in ("id", "date", "kind", "status", "variable", "observed (memory: allocator; time: wall-clock)"):
         t.add_column(col, overflow="fold")
     for r in rows:
         status = r["status"] if r["status"] == "complete" else f"[yellow]{r['status']}[/]"
         kind = " [dim](formula only: ratios are formula)[/]" if r["kind"] == "formula-only" else ""
-        t.add_row(str(r["id"]), r["created_at"][:16].replace("T", " "), status, escape(r["variable"]) + kind,
+        t.add_row(str(r["id"]), r["created_at"][:16].replace("T", " "), r["kind"], status, escape(r["variable"]) + kind,
                   r["short"] or "-")
     out.print(t)
 
@@ -59,7 +63,32 @@ def show(exp_id: Annotated[int, typer.Argument(metavar="ID", help="Experiment id
         record = book.get(exp_id)
     except ConfigError as e:
         fail(str(e))
+    if isinstance(record, ObservedRecord):
+        if report is not None:
+            console().print("[yellow]warning:[/] --report is ignored for observed runs (no report document yet); "
+                            "notebook export --format md includes them")
+        if as_json:
+            print_json(record.to_dict())
+        else:
+            render_observed(console(), record.to_dict(), book.path)
+        return
     show_record(record, book.path, report, as_json)
+
+
+@notebook_app.command("diff")
+def diff_(a_id: Annotated[int, typer.Argument(metavar="ID1", help="Observed run A (see `notebook list`).")],
+          b_id: Annotated[int, typer.Argument(metavar="ID2", help="Observed run B, differing from A in one variable.")],
+          notebook: NotebookOpt = None, as_json: JsonOpt = False,
+          predict: Annotated[Optional[str], typer.Option(help="Your prediction, e.g. 'memory=up,time=same'.")] = None):
+    """Two observed runs that differ in one variable, with compare's verdict, band and diagnosis."""
+    try:
+        d = observed_diff(Notebook(notebook), a_id, b_id, predict)
+    except ConfigError as e:
+        fail(str(e))
+    if as_json:
+        print_json(d.to_dict())
+        return
+    render_diff(console(), d)
 
 
 @notebook_app.command("export")
@@ -68,7 +97,7 @@ def export(fmt: Annotated[str, typer.Option("--format", help="json, csv or md.")
            output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of stdout.")] = None):
     """Every experiment as JSON (whole records), CSV (one row each, one column group per metric) or Markdown."""
     try:
-        text = Notebook(notebook).export(ExportFormat.parse("format", fmt))
+        text = export_records(Notebook(notebook).records(), fmt)
     except ConfigError as e:
         fail(str(e))
     if output is None:

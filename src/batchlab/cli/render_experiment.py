@@ -2,95 +2,96 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.markup import escape as esc
 from rich.panel import Panel
 from rich.table import Table
 
-from batchlab.experiment.predict import Metric
-from batchlab.report import format_value as value
+from batchlab.experiment.predict import Direction
+from batchlab.experiment.record import MetricRecord, Record
+from batchlab.report.document import direction_text
+from batchlab.report.document import format_value as value
 
-SYMBOL = {"up": "↑ up", "down": "↓ down", "same": "≈ same", None: "-"}
 HELD = {True: "[green]held[/]", False: "[red]missed[/]", None: "-"}
 
 
-def header(out: Console, r: dict[str, Any]) -> None:
-    c = r["change"]
-    kind = "[yellow]formula only (paper derivation, nothing measured)[/]" if r["kind"] == "formula-only" else "measured"
-    nid = r.get("notebook_id")
-    out.print(f"[bold]batchlab compare[/]  {c['variable']}   keep: {r['keep_mode']}   {kind}"
+def header(out: Console, r: Record) -> None:
+    c = r.change
+    kind = "[yellow]formula only (paper derivation, nothing measured)[/]" if r.formula_only else "measured"
+    nid = r.notebook_id
+    out.print(f"[bold]batchlab compare[/]  {c['variable']}   keep: {r.keep_mode.value}   {kind}"
               + (f"   notebook #{nid}" if nid is not None else ""))
     if c.get("confounded"):
         out.print("[red]confounded:[/] more than one field changed (--allow-confounded); effects cannot be "
                   "attributed to one of them")
-    cfg = r["config"]
+    cfg = r.config
     model = cfg["model"]
     out.print(f"model {model['name']} ({esc(cfg['model_source'])}, {model['layers']} layers, hidden {model['hidden']}), "
               f"seq {cfg['seq']}, precision {cfg['precision']}, activation checkpointing {cfg['ac']}, "
               f"device {cfg['device']}")
     for side in "ab":
         out.print(f"  {side.upper()}: {c['global_batch_text'][side]}")
-    for w in r.get("warnings", []):
+    for w in r.warnings:
         out.print(f"[yellow]warning:[/] {esc(w)}")
-    p = r["predictions"]
-    user = ", ".join(f"{k}={v}" for k, v in p["user"].items()) or "none"
-    out.print(f"prediction ({p['user_source']}): {user}")
+    p = r.predictions
+    user = ", ".join(f"{k.value}={v.value}" for k, v in p.user.items()) or "none"
+    out.print(f"prediction ({p.user_source}): {user}")
 
 
-ARROW = {"up": "↑", "down": "↓", "same": "≈", None: "-"}
+def _arrow(d: Direction | None) -> str:
+    return d.symbol if d is not None else "-"
 
 
-def _ratio_band(m: dict[str, Any]) -> str:
-    if m.get("ratio") is None:
+def _ratio_band(m: MetricRecord) -> str:
+    if m.ratio is None:
         return "-"
-    b = m.get("band")
-    return f"{m['ratio']:.3g}" + (f" ({b[0]:.3g}–{b[1]:.3g})" if b else "")
+    b = m.band
+    return f"{m.ratio:.3g}" + (f" ({b[0]:.3g}–{b[1]:.3g})" if b else "")
 
 
-def _judged(predicted: str | None, held: bool | None, ratio: float | None = None) -> str:
+def _judged(predicted: Direction | None, held: bool | None, ratio: float | None = None) -> str:
     if predicted is None:
         return "-"
-    text = f"{ARROW[predicted]} {HELD[held]}" if held is not None else ARROW[predicted]
+    text = f"{predicted.symbol} {HELD[held]}" if held is not None else predicted.symbol
     return text + (f" {ratio:.3g}" if ratio is not None else "")
 
 
-def verdict_table(r: dict[str, Any]) -> Table:
+def verdict_table(r: Record) -> Table:
     """metric | A | B | B/A (band) | observed | you | formula (its B/A) | how obtained."""
-    formula_only = r["kind"] == "formula-only"
+    formula_only = r.formula_only
     t = Table(show_header=True, header_style="bold", title="formula derivation" if formula_only else "verdict")
     cols = (["metric", "A (formula)", "B (formula)", "B/A", "formula says", "you", "how"] if formula_only else
             ["metric", "A", "B", "B/A (band)", "observed", "you", "formula B/A", "how"])
     for col in cols:
         t.add_column(col, justify="left" if col in ("metric", "how", "observed", "formula says") else "right")
-    for name, m in r["metrics"].items():
-        label = Metric(name).label
-        f = m.get("formula") or {}
+    for metric, m in r.metrics.items():
+        f = m.formula
         if formula_only:
-            t.add_row(label, value(f.get("a"), m["unit"]), value(f.get("b"), m["unit"]),
-                      f"{f['ratio']:.3g}" if f.get("ratio") is not None else "-", SYMBOL[m["predicted_by_formula"]],
-                      ARROW[m["predicted_by_user"]], "formula")
+            t.add_row(metric.label, value(f.a, m.unit), value(f.b, m.unit),
+                      f"{f.ratio:.3g}" if f.ratio is not None else "-", direction_text(m.predicted_by_formula),
+                      _arrow(m.predicted_by_user), "formula")
             continue
-        t.add_row(label, value(m["a"], m["unit"]), value(m["b"], m["unit"]), _ratio_band(m), SYMBOL[m["observed"]],
-                  _judged(m["predicted_by_user"], m["held"]["user"]),
-                  _judged(m["predicted_by_formula"], m["held"]["formula"], f.get("ratio")), m["provenance"])
+        t.add_row(metric.label, value(m.a, m.unit), value(m.b, m.unit), _ratio_band(m), direction_text(m.observed),
+                  _judged(m.predicted_by_user, m.held_user),
+                  _judged(m.predicted_by_formula, m.held_formula, f.ratio), m.provenance)
     return t
 
 
-def diagnosis(out: Console, r: dict[str, Any]) -> None:
-    d = r.get("diagnosis") or {}
-    if not d.get("contradictions"):
+def diagnosis(out: Console, r: Record) -> None:
+    d = r.diagnosis
+    if not d.contradictions:
         return
-    lines = [f"{c['who']} predicted {c['metric']} {c['predicted']}, observed {c['observed']}" for c in d["contradictions"]]
-    for i, c in enumerate(d.get("checks", []), 1):
-        mark = "[yellow]![/]" if c["flagged"] else "[green]ok[/]"
-        lines.append(f"{i}. {mark} {esc(c['question'])} {esc(c['found'])}")
+    lines = [f"{c.who} predicted {c.metric.value} {c.predicted.value}, observed {c.observed.value}"
+             for c in d.contradictions]
+    for i, c in enumerate(d.checks, 1):
+        mark = "[yellow]![/]" if c.flagged else "[green]ok[/]"
+        lines.append(f"{i}. {mark} {esc(c.question)} {esc(c.found)}")
     out.print(Panel("\n".join(lines), title="diagnosis (in order)", expand=False))
 
 
-def semantics(out: Console, r: dict[str, Any]) -> None:
-    s = r.get("semantics") or {}
+def semantics(out: Console, r: Record) -> None:
+    s = r.semantics
     if not s:
         return
     t = Table(show_header=True, header_style="bold", title="training semantics")
@@ -104,14 +105,15 @@ def semantics(out: Console, r: dict[str, Any]) -> None:
         out.print(f"[dim]gradient check: {esc(str(check.get('detail')))}[/]")
 
 
-def scope(out: Console, r: dict[str, Any]) -> None:
-    if r.get("scope"):
-        out.print(Panel("\n".join(f"- {s}" for s in r["scope"]), title="scope: what this result cannot support",
+def scope(out: Console, r: Record) -> None:
+    if r.scope:
+        out.print(Panel("\n".join(f"- {s}" for s in r.scope), title="scope: what this result cannot support",
                         expand=False))
 
 
-def factors(out: Console, r: dict[str, Any]) -> None:
-    f = r.get("factors") or {}
+def factors(out: Console, f: dict | None) -> None:
+    """The uncontrolled-factors line (load, busy processes, CPU clock, timing noise) of a record's ``factors``."""
+    f = f or {}
     if not f:
         return
     load = (f.get("load_average") or {}).get("before")
@@ -129,30 +131,30 @@ def factors(out: Console, r: dict[str, Any]) -> None:
         out.print(f"note: {esc(f['note'])}")
 
 
-def render(out: Console, r: dict[str, Any], notebook_path: Path | None = None,
+def render(out: Console, r: Record, notebook_path: Path | None = None,
            report_paths: list[Path] | None = None) -> None:
     header(out, r)
-    if not r.get("metrics"):
+    if not r.metrics:
         out.print("[yellow]no verdict: the experiment did not finish[/]")
     else:
         out.print(verdict_table(r))
-        if r["kind"] != "formula-only":
-            out.print(f"[dim]band: {r['protocol']['band_method']}[/]")
+        if not r.formula_only:
+            out.print(f"[dim]band: {r.protocol.band_method}[/]")
     diagnosis(out, r)
     semantics(out, r)
     scope(out, r)
-    factors(out, r)
-    status = r.get("status", "complete")
+    factors(out, r.factors)
+    status = r.status.value if r.status is not None else "complete"
     where = f" in {notebook_path}" if notebook_path else ""
-    wall = f"; wall time {r['wall_seconds']:.1f} s" if r.get("wall_seconds") is not None else ""
-    out.print(f"notebook: experiment #{r.get('notebook_id')} ({status}){where}{wall}")
-    if r.get("interrupted"):
-        out.print(f"[yellow]interrupted:[/] {esc(str(r['interrupted']))}")
+    wall = f"; wall time {r.wall_seconds:.1f} s" if r.wall_seconds is not None else ""
+    out.print(f"notebook: experiment #{r.notebook_id} ({status}){where}{wall}")
+    if r.interrupted:
+        out.print(f"[yellow]interrupted:[/] {esc(str(r.interrupted))}")
     for p in report_paths or []:
         out.print(f"report: {p}")
 
 
-def show_record(record: dict, notebook_path, report_dir, as_json: bool) -> None:
+def show_record(record: Record, notebook_path, report_dir, as_json: bool) -> None:
     """Print one experiment record (JSON or the terminal view), writing its report first when asked."""
     from batchlab.cli.common import console, fail, print_json
     from batchlab.config import ConfigError
@@ -166,6 +168,6 @@ def show_record(record: dict, notebook_path, report_dir, as_json: bool) -> None:
         except ConfigError as e:
             fail(str(e))
     if as_json:
-        print_json(record)
+        print_json(record.to_dict())
     else:
         render(console(), record, notebook_path=notebook_path, report_paths=paths)

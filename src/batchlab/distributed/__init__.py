@@ -5,8 +5,8 @@
     m = launch(cfg, opts, nproc=8, torchrun_args=["--nnodes", "2", "--node-rank", "0",
                                                   "--rdzv-endpoint", "host0:29500", "--rdzv-backend", "c10d"])
 
-``torchrun --nproc-per-node 2 -m batchlab measure --dp 2`` works too: the measure path calls
-``dispatch``, which sees torchrun's environment and runs this process as one rank.
+``torchrun --nproc-per-node 2 -m batchlab measure --dp 2`` works too: ``batchlab.run.measure``
+sees torchrun's environment and runs this process as one rank.
 
 Each rank runs the harness Trainer inside ``DDP(gradient_as_bucket_view=True)``; accumulation runs all but
 the last micro-batch under ``no_sync()`` (one all-reduce per update), the loss is normalised by the global
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from batchlab.measure.options import MeasureOptions
     from batchlab.measure.result import Measurement
 
-__all__ = ["SCOPE", "dispatch", "in_torchrun", "is_primary", "launch", "measure_in_torchrun"]
+__all__ = ["SCOPE", "in_torchrun", "is_primary", "launch", "measure_in_torchrun"]
 
 
 def launch(cfg: "RunConfig", opts: "MeasureOptions | None" = None, nproc: int | None = None,
@@ -64,12 +64,3 @@ def measure_in_torchrun(cfg: "RunConfig", opts: "MeasureOptions | None" = None) 
     if ours:
         dist.destroy_process_group()
     return merge(cfg, ranks, dict(launcher="torchrun (external)"))
-
-
-def dispatch(cfg: "RunConfig", opts: "MeasureOptions | None" = None) -> "Measurement | None":
-    """The measure path's hook: a DP measurement if this is one (inside torchrun, or cfg.dp > 1), else None."""
-    if in_torchrun():
-        return measure_in_torchrun(cfg, opts)
-    if cfg.dp > 1:
-        return launch(cfg, opts)
-    return None

@@ -40,7 +40,7 @@ def write_json(path: Path, obj) -> None:
 
 def error_record(rank: int, exc: BaseException) -> dict:
     from batchlab.config import ConfigError
-    from batchlab.measure.oom import classify_oom
+    from batchlab.measure.oom_classify import classify_oom
 
     kind = classify_oom(exc)
     lines = str(exc).strip().splitlines()

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from batchlab.phase import Phase
+
 
 @dataclass
 class UpdateComm:
@@ -60,12 +62,13 @@ class CommMonitor:
         self.bucket_buffers: list[torch.Tensor] = []  # the last update's flat gradient buckets
 
     # -- probe interface (Trainer.update calls mark between phases)
-    def mark(self, phase: str) -> None:
-        if phase == "data":
+    def mark(self, phase: Phase | str) -> None:
+        phase = Phase(phase)
+        if phase is Phase.DATA:
             self.current, self.micro, self.bucket_buffers = UpdateComm(), -1, []
-        elif phase == "forward":
+        elif phase is Phase.FORWARD:
             self.micro += 1
-        elif phase == "end":
+        elif phase is Phase.END:
             self._resolve_cuda_events()
             self.updates.append(self.current)
 

@@ -9,12 +9,13 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from typing import Any
 
 from batchlab.config import RunConfig
-from batchlab.measure.result import MeasuredComm, MeasuredMemory, MeasuredTime, Measurement, Outcome
+from batchlab.measure.result import (MeasuredComm, MeasuredMemory, MeasuredTime, Measurement, Outcome,
+                                     memory_from_dict)
 
-NOISY_SPREAD = 0.10  # the threshold measure.session uses
 SCOPE = ("Data parallelism measured on this machine's ranks and link; loopback gloo on CPU says nothing "
          "about NCCL over NVLink or InfiniBand.")
 
@@ -37,9 +38,7 @@ def _memory(ranks: list[dict[str, Any]]) -> MeasuredMemory | None:
     if any(m is None for m in mems):
         return None
     top = max(mems, key=lambda m: m["peak_bytes"])
-    mem = MeasuredMemory(**top)
-    mem.per_rank_peak_bytes = [m["peak_bytes"] for m in mems]
-    return mem
+    return replace(memory_from_dict(top), per_rank_peak_bytes=[m["peak_bytes"] for m in mems])
 
 
 def _slowest(ranks: list[dict[str, Any]], i: int) -> dict[str, Any]:
@@ -96,9 +95,8 @@ def merge(cfg: RunConfig, ranks: list[dict[str, Any]], environment: dict[str, An
         # as measure.session does it: mean useful tokens per update (all ranks) / median update time
         per_update = statistics.fmean(sum(r["useful_tokens"][i] for r in ranks) for i in range(len(time_.samples)))
         useful, tps = round(per_update), per_update / time_.update_seconds_median
-        if time_.spread > NOISY_SPREAD:
-            warnings.append(f"update time is noisy: IQR/median = {time_.spread:.0%} > {NOISY_SPREAD:.0%} over "
-                            f"{len(time_.samples)} updates (other load on the machine? more --steps?)")
+        if (noisy := time_.noise_warning()) is not None:
+            warnings.append(noisy)
     env = dict(ranks[0].get("environment", {}))
     env.update(environment or {})
     env.update(world_size=len(ranks), backend=ranks[0]["backend"], device=ranks[0]["device"],

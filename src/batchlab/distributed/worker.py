@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -116,8 +116,7 @@ def measure_memory(trainer: Trainer, monitor: comm.CommMonitor, budget: int | No
         mem = probe.result(trainer)
     else:
         mem = from_snapshot(_track(trainer, monitor, budget))
-    mem.method += f"; {BUCKET_VIEW_NOTE}"
-    return mem
+    return replace(mem, method=f"{mem.method}; {BUCKET_VIEW_NOTE}")
 
 
 def _track(trainer: Trainer, monitor: comm.CommMonitor, budget: int | None):

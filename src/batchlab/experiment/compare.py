@@ -2,9 +2,7 @@
 diagnosis, semantics and scope, the notebook row written before and completed after.
 
     plan = make_plan(cfg, [parse_change("micro_batch=1:2", cfg)], predictions={Metric.PEAK_MEMORY: Direction.UP})
-    record = run(plan, Notebook(path))          # a plain dict: what `compare --json` prints
-
-The record is a plain JSON-able dict so that the notebook, the report and ``--json`` share one form.
+    record = run(plan, Notebook(path))          # an experiment.record.Record; record.to_dict() is `compare --json`
 """
 from __future__ import annotations
 
@@ -17,14 +15,15 @@ from batchlab.config import ConfigError, RunConfig, to_jsonable
 from batchlab.experiment import factors
 from batchlab.experiment.change import Change, KeepMode, Sides, build_sides
 from batchlab.experiment.diagnosis import Context, diagnose
-from batchlab.experiment.notebook import Notebook, now
+from batchlab.experiment.notebook import Notebook
+from batchlab.experiment.record import (Diagnosis, FormulaRecord, Kind, Predictions, Protocol, Record, Round, now,
+                                       Status)
 from batchlab.experiment.predict import Direction, FormulaSide, Metric, formula_prediction
 from batchlab.experiment.protocol import MeasureFn, Progress, Rounds, check_rounds, interleave, threads_env
 from batchlab.experiment.scope import scope
 from batchlab.experiment.semantics import semantics
 from batchlab.experiment.verdict import BAND_METHOD, contradictions, summary, verdicts
 from batchlab.measure.options import MeasureOptions
-from batchlab.measure.result import measurement_to_dict
 
 DEFAULT_CHANGE = "micro_batch=1:2"
 DEFAULT_TOKEN_BUDGET = 10_000_000  # tokens; the ratio does not depend on it (steady state), the seconds do
@@ -34,8 +33,8 @@ DEFAULT_TOKEN_BUDGET = 10_000_000  # tokens; the ratio does not depend on it (st
 DEFAULT_CPU_THREADS = 1
 
 
-@dataclass
-class Plan:
+@dataclass(frozen=True)
+class ExperimentPlan:
     sides: Sides
     predictions: dict[Metric, Direction] = field(default_factory=dict)
     prediction_source: str = "none"  # flag | prompt | file | none
@@ -51,7 +50,7 @@ def make_plan(base: RunConfig, changes: list[Change], keep: KeepMode | str = Kee
               allow_confounded: bool = False, predictions: dict[Metric, Direction] | None = None,
               prediction_source: str | None = None, rounds: int = 3, warmup: int = 2, steps: int = 5,
               timeout_s: float | None = None, token_budget: int = DEFAULT_TOKEN_BUDGET, formula_only: bool = False,
-              note: str = "", torch_device: str | None = None, threads: int | str | None = "auto") -> Plan:
+              note: str = "", torch_device: str | None = None, threads: int | str | None = "auto") -> ExperimentPlan:
     """Validate everything (raises ConfigError naming the field) before anything is run or written."""
     sides = build_sides(base, changes, KeepMode.parse("keep", keep), allow_confounded)
     check_rounds(rounds)
@@ -61,7 +60,7 @@ def make_plan(base: RunConfig, changes: list[Change], keep: KeepMode | str = Kee
     options = MeasureOptions(warmup=warmup, steps=steps, isolate=True, timeout_s=timeout_s, torch_device=torch_device)
     predictions = dict(predictions or {})
     source = prediction_source or ("flag" if predictions else "none")
-    return Plan(sides, predictions, source, rounds, options, token_budget, formula_only, note or "", threads)
+    return ExperimentPlan(sides, predictions, source, rounds, options, token_budget, formula_only, note or "", threads)
 
 
 def _threads(threads: int | str | None, sides: Sides, torch_device: str | None) -> int | None:
@@ -76,7 +75,7 @@ def _threads(threads: int | str | None, sides: Sides, torch_device: str | None) 
     return threads
 
 
-def preflight(plan: Plan) -> None:
+def preflight(plan: ExperimentPlan) -> None:
     """User errors the measurement would find only inside its subprocess: found here, before the notebook row."""
     if plan.formula_only:
         return
@@ -94,48 +93,37 @@ def preflight(plan: Plan) -> None:
 FormulaPrediction = dict[Metric, dict[str, Any]]
 
 
-def _formula(sides: Sides, token_budget: int) -> tuple[dict[str, Any], FormulaPrediction | None]:
+def _formula(sides: Sides, token_budget: int) -> tuple[FormulaRecord, FormulaPrediction | None]:
     """The formula's estimate of both sides (for the record) and its prediction per metric."""
     from batchlab.calibrate import load_all
     from batchlab.formula import estimate, unseen_model
 
     if unseen_model(sides.a):  # a factory model: no formula side; the measurement stands alone
-        return {"available": False, "reason": f"no formula estimate: {unseen_model(sides.a)}",
-                "provenance": "formula"}, None
+        return FormulaRecord(False, reason=f"no formula estimate: {unseen_model(sides.a)}"), None
     cals = load_all()  # the calibration cache, read here: estimate() is a pure function
     ea, eb = estimate(sides.a, cals), estimate(sides.b, cals)
     pred = formula_prediction(FormulaSide.from_estimate(ea), FormulaSide.from_estimate(eb), token_budget)
-    return {"available": True, "provenance": "formula", "a": ea.to_dict(), "b": eb.to_dict(),
-            "prediction": {m.value: to_jsonable(p) for m, p in pred.items()}}, pred
+    return FormulaRecord(True, a=ea.to_dict(), b=eb.to_dict(),
+                         prediction={m.value: to_jsonable(p) for m, p in pred.items()}), pred
 
 
-def initial_record(plan: Plan, formula: dict[str, Any], pred: FormulaPrediction | None) -> dict[str, Any]:
+def initial_record(plan: ExperimentPlan, formula: FormulaRecord, pred: FormulaPrediction | None) -> Record:
     """Everything known before anything runs: the change, both predictions, the formula estimate."""
     s = plan.sides
-    pred = pred or {}
-    return {
-        "kind": "formula-only" if plan.formula_only else "measured",
-        "created_at": now(),
-        "config": s.a.to_dict(),
-        "change": s.to_dict(),
-        "keep_mode": s.keep.value,
-        "predictions": {"user": {m.value: d.value for m, d in plan.predictions.items()},
-                        "user_source": plan.prediction_source,
-                        "formula": {m.value: (p["direction"].value if p["direction"] else None) for m, p in pred.items()}},
-        "formula": formula,
-        "sides": {"a": s.a.to_dict(), "b": s.b.to_dict()},
-        "protocol": {"rounds": 0 if plan.formula_only else plan.rounds, "warmup": plan.options.warmup,
-                     "steps": plan.options.steps, "isolated": True, "threads": plan.threads, "order": "A B A B ...",
-                     "token_budget": plan.token_budget, "band_method": BAND_METHOD},
-        "note": plan.note,
-        "warnings": list(s.warnings),
-        "metrics": {}, "diagnosis": {"contradictions": [], "checks": []}, "semantics": {}, "scope": [],
-        "notebook_id": None,
-    }
+    o = plan.options
+    return Record(
+        kind=Kind.FORMULA_ONLY if plan.formula_only else Kind.MEASURED, created_at=now(), config=s.a.to_dict(),
+        change=s.to_dict(), keep_mode=s.keep,
+        predictions=Predictions(dict(plan.predictions), plan.prediction_source,
+                                {m: p["direction"] for m, p in (pred or {}).items()}),
+        formula=formula, sides={"a": s.a.to_dict(), "b": s.b.to_dict()},
+        protocol=Protocol(0 if plan.formula_only else plan.rounds, o.warmup, o.steps, plan.threads,
+                          plan.token_budget, BAND_METHOD),
+        note=plan.note, warnings=tuple(s.warnings))
 
 
-def run(plan: Plan, notebook: Notebook | None = None, measure: MeasureFn | None = None,
-        progress: Progress | None = None, verify: bool = True) -> dict[str, Any]:
+def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: MeasureFn | None = None,
+        progress: Progress | None = None, verify: bool = True) -> Record:
     """Carry the plan out; the notebook row is begun before measuring and completed at the end."""
     preflight(plan)
     t0 = time.perf_counter()
@@ -143,13 +131,13 @@ def run(plan: Plan, notebook: Notebook | None = None, measure: MeasureFn | None 
     formula, pred = _formula(plan.sides, plan.token_budget)
     record = initial_record(plan, formula, pred)
     exp_id = notebook.begin(record) if notebook is not None else None
-    record["notebook_id"] = exp_id
+    record = record.with_(notebook_id=exp_id)
     try:
         rounds = None
         if not plan.formula_only:
             with threads_env(plan.threads):
                 rounds = interleave(plan.sides.a, plan.sides.b, plan.rounds, plan.options, measure, progress)
-        finish(record, plan, rounds, pred, verify, before)
+        record = finish(record, plan, rounds, pred, verify, before)
     except ConfigError:
         if notebook is not None and exp_id is not None:
             notebook.discard(exp_id)  # bad input found late: leave nothing behind
@@ -158,46 +146,39 @@ def run(plan: Plan, notebook: Notebook | None = None, measure: MeasureFn | None 
         if notebook is not None and exp_id is not None:
             notebook.interrupt(exp_id, (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:300])
         raise
-    record["wall_seconds"] = time.perf_counter() - t0
-    record["finished_at"] = now()
+    record = record.with_(wall_seconds=time.perf_counter() - t0, finished_at=now())
     if notebook is not None and exp_id is not None:
         notebook.complete(exp_id, record)
-        record["status"] = "complete"
+        record = record.with_(status=Status.COMPLETE)
     return record
 
 
-def finish(record: dict[str, Any], plan: Plan, rounds: Rounds | None, formula_pred: FormulaPrediction | None,
-           verify: bool, before: factors.Snapshot) -> None:
-    """Verdicts, diagnosis, semantics, scope and factors, added to the record."""
+def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_pred: FormulaPrediction | None,
+           verify: bool, before: factors.Snapshot) -> Record:
+    """The record with verdicts, diagnosis, semantics, scope and factors."""
     s = plan.sides
     vs = verdicts(rounds, plan.predictions, formula_pred, plan.token_budget)
-    record["metrics"] = {m.value: v.to_dict() for m, v in vs.items()}
-    record["verdict"] = ("formula only: " if plan.formula_only else "") + summary(vs)
+    done: dict[str, Any] = {"metrics": vs, "verdict": ("formula only: " if plan.formula_only else "") + summary(vs)}
     devices: set[str] = set()
     if rounds is not None:
-        record["rounds"] = [{"a": _m(ma), "b": _m(mb), "seconds": list(sec)}
-                            for ma, mb, sec in zip(rounds.a, rounds.b, rounds.seconds)]
-        record["warnings"] += rounds.skipped
+        done["rounds"] = tuple(Round(ma, mb, tuple(sec)) for ma, mb, sec in zip(rounds.a, rounds.b, rounds.seconds))
+        done["warnings"] = record.warnings + tuple(rounds.skipped)
         devices = {str(m.environment.get("torch_device")) for m in rounds.a + rounds.b
                    if m is not None and m.environment.get("torch_device")}
         found = contradictions(vs)
-        checks = []
+        checks: list = []
         if found:
             ctx = Context(s.a, s.b, rounds, plan.options.warmup, plan.options.steps)
-            phase = {k: (record["formula"].get(k) or {}).get("memory", {}).get("peak_phase") for k in "ab"}
-            contradicted = {c["metric"] for c in found}
-            checks = [c.to_dict() for c in diagnose(ctx, vs[Metric.UPDATE_TIME].band, phase, contradicted)]
-        record["diagnosis"] = {"contradictions": found, "checks": checks}
-    record["semantics"] = semantics(s.a, s.b, run_check=verify and rounds is not None,
-                                    why_not="not run: formula only" if rounds is None else "not run (--no-verify)")
+            phase = {k: record.formula.figure(k, "memory", "peak_phase") for k in "ab"}
+            checks = diagnose(ctx, vs[Metric.UPDATE_TIME].band, phase, {c.metric.value for c in found})
+        done["diagnosis"] = Diagnosis(tuple(found), tuple(checks))
+    done["semantics"] = semantics(s.a, s.b, run_check=verify and rounds is not None,
+                                  why_not="not run: formula only" if rounds is None else "not run (--no-verify)")
     from batchlab.formula.params import count
 
-    record["scope"] = scope(s.a, s.b, devices, measured=rounds is not None, parameters=count(s.a.model).total)
-    record["factors"] = factors.uncontrolled(before, factors.Snapshot(), _noise(rounds, vs), plan.note)
-
-
-def _m(m) -> dict[str, Any] | None:
-    return measurement_to_dict(m) if m is not None else None
+    done["scope"] = tuple(scope(s.a, s.b, devices, measured=rounds is not None, parameters=count(s.a.model).total))
+    done["factors"] = factors.uncontrolled(before, factors.Snapshot(), _noise(rounds, vs), plan.note)
+    return record.with_(**done)
 
 
 def _noise(rounds: Rounds | None, vs) -> dict[str, Any]:

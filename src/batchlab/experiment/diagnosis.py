@@ -6,31 +6,21 @@ contradiction.  Torch-free: it reads Measurements only.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from batchlab.config import RunConfig
 from batchlab.experiment.protocol import Rounds
-from batchlab.measure.result import Measurement
+from batchlab.experiment.record import Check
+from batchlab.measure.result import NOISY_SPREAD, Measurement
+from batchlab.phase import Phase
 
-NOISY_SPREAD = 0.10  # IQR/median of update time above which timing is noisy (as measure.session)
 WARMUP_LEAK = 1.5  # first timed update slower than this x the median: warmup may still be in the window
 DATA_SHARE = 0.10  # data-loading share of the update above which it dilutes compute effects
 SHORT_WINDOW_S = 0.5  # timed seconds per process below which scheduler noise dominates
 SMALL_MATMUL_TOKENS = 512  # rows of (b*s) x h x h matmuls under which a larger batch gains little
 SMALL_HIDDEN = 512
 SYNC_MISMATCH = 0.25  # per-phase sum vs update time on an asynchronous device
-
-
-@dataclass
-class Check:
-    name: str
-    question: str
-    found: str
-    flagged: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -121,7 +111,7 @@ def check_window(ctx: Context) -> Check:
 
 def check_peak_phase(ctx: Context, formula_phase: dict[str, str | None]) -> Check:
     phases = {s: next((m.memory.peak_phase for m in ctx.ok(s) if m.memory is not None), None) for s in "ab"}
-    flagged = "optimizer" in phases.values()
+    flagged = Phase.OPTIMIZER in phases.values()
     formula = ", ".join(f"{s.upper()} {p or 'n/a'}" for s, p in formula_phase.items())
     return Check("peak_phase", "Does the peak sit in the optimizer step, so the micro-batch barely moves it?",
                  f"measured peak phase (allocator): A {phases['a'] or 'n/a'}, B {phases['b'] or 'n/a'}; "
@@ -164,8 +154,7 @@ def diagnose(ctx: Context, time_band: tuple[float, float] | None, formula_phase:
                       "no timed run on one side (out of memory or failed); nothing further to check", True)]
     checks = [check_warmup(ctx), check_spread(ctx, time_band), check_data_share(ctx), check_sync(ctx),
               check_window(ctx), check_peak_phase(ctx, formula_phase), check_kernel_size(ctx)]
-    for c in checks:
-        if c.flagged and contradicted is not None and not _relevant(c, ctx, contradicted):
-            c.flagged = False
-            c.found += " (cannot explain the contradictions here)"
-    return checks
+    if contradicted is None:
+        return checks
+    return [Check(c.name, c.question, c.found + " (cannot explain the contradictions here)", False)
+            if c.flagged and not _relevant(c, ctx, contradicted) else c for c in checks]

@@ -8,17 +8,19 @@ changes it.  Torch-free.
 """
 from __future__ import annotations
 
-import csv
-import datetime as dt
-import io
 import json
 import os
 import sqlite3
 from contextlib import closing
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from batchlab.config import ConfigError, _Choice
+from batchlab.config import ConfigError, to_jsonable
+from batchlab.experiment.observed import ObservedRecord
+from batchlab.experiment.record import Record, Status, now
+
+Stored = Record | ObservedRecord  # what a notebook row holds: a compare experiment or an observed run
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiments (
@@ -26,7 +28,7 @@ CREATE TABLE IF NOT EXISTS experiments (
     created_at TEXT NOT NULL,
     finished_at TEXT,
     status TEXT NOT NULL CHECK (status IN ('incomplete', 'complete')),
-    kind TEXT NOT NULL CHECK (kind IN ('measured', 'formula-only')),
+    kind TEXT NOT NULL CHECK (kind IN ('measured', 'formula-only', 'observed')),
     variable TEXT NOT NULL,          -- the single variable (and derived changes)
     keep_mode TEXT NOT NULL,
     prediction TEXT NOT NULL,        -- JSON: the person's prior prediction and where it came from
@@ -41,12 +43,6 @@ CREATE TABLE IF NOT EXISTS experiments (
 """
 
 
-class ExportFormat(_Choice):
-    JSON = "json"
-    CSV = "csv"
-    MD = "md"
-
-
 def default_path() -> Path:
     env = os.environ.get("BATCHLAB_NOTEBOOK")
     if env:
@@ -56,8 +52,9 @@ def default_path() -> Path:
     return Path(platformdirs.user_data_dir("batchlab")) / "notebook.sqlite"
 
 
-def now() -> str:
-    return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+def open_notebook(notebook: "Notebook | str | Path") -> "Notebook":
+    """A Notebook as given, or the one at that path."""
+    return notebook if isinstance(notebook, Notebook) else Notebook(notebook)
 
 
 class Notebook:
@@ -71,27 +68,43 @@ class Notebook:
             conn = sqlite3.connect(self.path, timeout=30)
             conn.row_factory = sqlite3.Row
             conn.executescript(SCHEMA)
+            _allow_observed(conn)
         except (OSError, sqlite3.DatabaseError) as e:
             raise ConfigError("notebook", f"cannot open {self.path} as a batchlab notebook: {e}") from None
         return conn
 
-    def begin(self, record: dict[str, Any]) -> int:
+    def begin(self, record: Record) -> int:
         """Insert the experiment as ``incomplete`` (predictions and formula already known); returns its id."""
+        d = record.to_dict()
         with closing(self._connect()) as conn, conn:
             cur = conn.execute(
                 "INSERT INTO experiments (created_at, status, kind, variable, keep_mode, prediction, formula, note, "
                 "record) VALUES (?, 'incomplete', ?, ?, ?, ?, ?, ?, ?)",
-                (record.get("created_at") or now(), record["kind"], record["change"]["variable"], record["keep_mode"],
-                 _j(record["predictions"]), _j(record["formula"]), record.get("note") or "", _j(record)))
+                (record.created_at or now(), d["kind"], d["change"]["variable"], d["keep_mode"],
+                 _j(d["predictions"]), _j(d["formula"]), record.note, _j(d)))
             return int(cur.lastrowid)
 
-    def complete(self, exp_id: int, record: dict[str, Any]) -> None:
+    def add(self, record: ObservedRecord) -> int:
+        """Insert an observed run (experiment/observed.py) as one complete row; returns its id."""
+        d = record.to_dict()
+        with closing(self._connect()) as conn, conn:
+            cur = conn.execute(
+                "INSERT INTO experiments (created_at, finished_at, status, kind, variable, keep_mode, prediction, "
+                "formula, observation, factors, note, verdict, record) "
+                "VALUES (?, ?, 'complete', 'observed', ?, '-', '{}', '{}', ?, ?, ?, ?, ?)",
+                (record.created_at or now(), now(), f"observed ({d['source']})",
+                 _j({"label": "observed (allocator / wall-clock), nothing controlled", "figures": d["figures"]}),
+                 _j(record.factors), record.note, record.short(), _j(d)))
+            return int(cur.lastrowid)
+
+    def complete(self, exp_id: int, record: Record) -> None:
+        d = record.to_dict()
         with closing(self._connect()) as conn, conn:
             conn.execute(
                 "UPDATE experiments SET status='complete', finished_at=?, observation=?, factors=?, verdict=?, "
                 "record=? WHERE id=?",
-                (record.get("finished_at") or now(), _j(observation(record)), _j(record.get("factors")),
-                 record.get("verdict"), _j(record), exp_id))
+                (record.finished_at or now(), _j(observation(d)), _j(d.get("factors")), record.verdict, _j(d),
+                 exp_id))
 
     def interrupt(self, exp_id: int, reason: str) -> None:
         """Keep the row ``incomplete`` and say why it stopped."""
@@ -120,31 +133,29 @@ class Notebook:
     def list(self) -> list[dict[str, Any]]:
         return [_summary(r) for r in self._rows()]
 
-    def get(self, exp_id: int) -> dict[str, Any]:
+    def get(self, exp_id: int) -> Stored:
         """The whole record of one experiment, with its notebook id and status."""
         rows = list(self._rows("WHERE id=?", (exp_id,)))
         if not rows:
             raise ConfigError("id", f"no experiment {exp_id} in {self.path}")
         return _record(rows[0])
 
-    def records(self) -> list[dict[str, Any]]:
+    def records(self) -> list[Stored]:
         return [_record(r) for r in self._rows()]
 
-    def export(self, fmt: ExportFormat | str) -> str:
-        fmt = ExportFormat.parse("format", fmt)
-        records = self.records()
-        if fmt is ExportFormat.JSON:
-            return json.dumps(records, indent=2) + "\n"
-        if fmt is ExportFormat.CSV:
-            return _csv(records)
-        from batchlab.report import notebook_markdown
 
-        return notebook_markdown(records)
-
+def _allow_observed(conn: sqlite3.Connection) -> None:
+    """Notebooks written before observed runs existed restrict ``kind``; rebuild the table once, rows kept."""
+    sql = conn.execute("SELECT sql FROM sqlite_master WHERE name='experiments'").fetchone()[0]
+    if "'observed'" in sql:
+        return
+    with conn:
+        conn.execute("ALTER TABLE experiments RENAME TO experiments_old")
+        conn.execute(SCHEMA)
+        conn.execute("INSERT INTO experiments SELECT * FROM experiments_old")
+        conn.execute("DROP TABLE experiments_old")
 
 def _j(value: Any) -> str:
-    from batchlab.config import to_jsonable
-
     return json.dumps(to_jsonable(value))
 
 
@@ -155,64 +166,39 @@ def observation(record: dict[str, Any]) -> dict[str, Any]:
     return {"label": "measured (allocator / wall-clock)", "metrics": record["metrics"]}
 
 
-def _record(row: sqlite3.Row) -> dict[str, Any]:
-    record = json.loads(row["record"])
-    record.update(notebook_id=row["id"], status=row["status"], interrupted=row["interrupted"])
-    return record
+def _record(row: sqlite3.Row) -> Stored:
+    """The stored record (any schema this batchlab reads), with the row's id, status and interruption."""
+    d = json.loads(row["record"])
+    if row["kind"] == "observed":
+        try:
+            return replace(ObservedRecord.from_dict(d), notebook_id=row["id"])
+        except ValueError as e:
+            raise ConfigError("id", f"#{row['id']}: {e}") from None
+    record = Record.from_dict(d)
+    return record.with_(notebook_id=row["id"], status=Status(row["status"]), interrupted=row["interrupted"])
 
 
-SHORT = {"peak_memory": "memory", "update_time": "time", "tokens_per_second": "tokens/s", "time_to_budget": "budget",
-         "oom": "oom"}
-ARROW = {"up": "↑", "down": "↓", "same": "≈"}
-
-
-def short_verdict(record: dict[str, Any]) -> str:
+def short_verdict(record: Stored) -> str:
     """``memory ↑1.38 time ↓0.91 ...``: observed (or, formula only, the formula's) direction and ratio."""
+    if isinstance(record, ObservedRecord):
+        return record.short()
     parts = []
-    for name, m in (record.get("metrics") or {}).items():
-        formula_only = record.get("kind") == "formula-only"
-        d = m.get("predicted_by_formula") if formula_only else m.get("observed")
-        ratio = (m.get("formula") or {}).get("ratio") if formula_only else m.get("ratio")
+    for metric, m in record.metrics.items():
+        d = m.predicted_by_formula if record.formula_only else m.observed
+        ratio = m.formula.ratio if record.formula_only else m.ratio
         if d is not None:
-            parts.append(f"{SHORT.get(name, name)} {ARROW[d]}" + (f"{ratio:.3g}" if ratio is not None else ""))
+            parts.append(f"{metric.short} {d.symbol}" + (f"{ratio:.3g}" if ratio is not None else ""))
     return " ".join(parts)
 
 
 def _summary(row: sqlite3.Row) -> dict[str, Any]:
-    record = json.loads(row["record"])
     return {"id": row["id"], "created_at": row["created_at"], "status": row["status"], "kind": row["kind"],
             "variable": row["variable"], "keep_mode": row["keep_mode"], "verdict": row["verdict"] or "",
-            "short": short_verdict(record), "note": row["note"], "interrupted": row["interrupted"]}
+            "short": _short(row), "note": row["note"], "interrupted": row["interrupted"]}
 
 
-CSV_METRIC_FIELDS = ("observed", "ratio", "band_low", "band_high", "predicted_by_user", "predicted_by_formula",
-                     "held_user", "held_formula")
-
-
-def csv_row(record: dict[str, Any]) -> dict[str, Any]:
-    row = {"id": record.get("notebook_id"), "created_at": record.get("created_at"), "status": record.get("status"),
-           "kind": record["kind"], "variable": record["change"]["variable"], "keep_mode": record["keep_mode"],
-           "global_batch_a": record["change"]["global_batch"]["a"], "global_batch_b": record["change"]["global_batch"]["b"],
-           "note": record.get("note", ""), "verdict": record.get("verdict", "")}
-    for name, m in (record.get("metrics") or {}).items():
-        band = m.get("band") or [None, None]
-        values = (m.get("observed"), m.get("ratio"), band[0], band[1], m.get("predicted_by_user"),
-                  m.get("predicted_by_formula"), m["held"]["user"], m["held"]["formula"])
-        row.update({f"{name}_{k}": v for k, v in zip(CSV_METRIC_FIELDS, values)})
-    factors = record.get("factors") or {}
-    load = (factors.get("load_average") or {}).get("before")
-    row["load_average_1m"] = load[0] if load else None
-    row["busy_processes"] = (factors.get("busy_processes") or {}).get("count")
-    return row
-
-
-def _csv(records: list[dict[str, Any]]) -> str:
-    rows = [csv_row(r) for r in records]
-    columns: list[str] = []
-    for r in rows:
-        columns += [k for k in r if k not in columns]
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns or ["id"], lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buf.getvalue()
+def _short(row: sqlite3.Row) -> str:
+    try:
+        return short_verdict(_record(row))
+    except (KeyError, TypeError, ValueError) as e:  # a damaged or foreign row: listed, marked, not fatal
+        return f"(record unreadable: {type(e).__name__} {e})"

@@ -29,6 +29,12 @@ class Metric(_Choice):
         return {"peak_memory": "peak memory", "update_time": "update time", "tokens_per_second": "useful tokens/s",
                 "time_to_budget": "time to token budget", "oom": "out of memory"}[self.value]
 
+    @property
+    def short(self) -> str:
+        """One word, for one-line summaries."""
+        return {"peak_memory": "memory", "update_time": "time", "tokens_per_second": "tokens/s",
+                "time_to_budget": "budget", "oom": "oom"}[self.value]
+
 
 METRIC_ALIASES = {
     "memory": Metric.PEAK_MEMORY, "mem": Metric.PEAK_MEMORY, "peak": Metric.PEAK_MEMORY,

@@ -43,9 +43,9 @@ class Rounds:
 
 
 def _default_measure(cfg: RunConfig, options: MeasureOptions) -> Measurement:
-    from batchlab.measure import run
+    from batchlab.run import measure
 
-    return run(cfg, options)
+    return measure(cfg, options)
 
 
 @contextlib.contextmanager
@@ -69,7 +69,7 @@ def threads_env(threads: int | None):
 
 def interleave(a: RunConfig, b: RunConfig, rounds: int, options: MeasureOptions,
                measure: MeasureFn | None = None, progress: Progress | None = None) -> Rounds:
-    """A B A B ... for ``rounds`` rounds; ``measure`` defaults to batchlab.measure.run (isolated)."""
+    """A B A B ... for ``rounds`` rounds; ``measure`` defaults to batchlab.run.measure (isolated)."""
     check_rounds(rounds)
     measure = measure or _default_measure
     progress = progress or (lambda done, total, label: None)

@@ -11,17 +11,24 @@ batchlab.measure.harness.Trainer and compares the gradients of one update on the
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from batchlab.config import Precision, RunConfig
+from batchlab.config import Precision, RunConfig, _Choice
 
-SPLIT_TOLERANCE = 1e-5  # fp32 relative gradient difference from summation order alone (NOTES: DDP 7e-9)
+SPLIT_TOLERANCE = 1e-5  # fp32 relative gradient difference from summation order alone (DDP vs one process measured at 7e-9 on CPU/gloo, tests/test_distributed.py checks <= 1e-5)
 CHECK_SEQ = 32
 MAX_CHECK_PARAMS = 30_000_000  # above this the in-process check would take longer than the experiment
 
 
-@dataclass
+class CheckKind(_Choice):
+    """Which gradient equivalence a change should keep."""
+    SPLIT = "split"  # micro-batch x accum x DP regrouped, same global batch: the same gradient
+    AC = "activation checkpointing"  # recompute in backward: the same gradient
+    NONE = "none"  # the change alters what is computed
+
+
+@dataclass(frozen=True)
 class Item:
     name: str
     touched: bool
@@ -32,9 +39,9 @@ class Item:
         return asdict(self)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GradientCheck:
-    kind: str  # "split" | "activation checkpointing" | "none"
+    kind: CheckKind
     ran: bool
     passed: bool | None = None
     max_abs_diff: float | None = None
@@ -43,7 +50,7 @@ class GradientCheck:
     sizes: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self) | {"kind": self.kind.value}
 
 
 def _changed(a: RunConfig, b: RunConfig) -> set[str]:
@@ -90,20 +97,13 @@ def touched(a: RunConfig, b: RunConfig) -> list[Item]:
     ]
 
 
-def check_kind(a: RunConfig, b: RunConfig) -> str:
+def check_kind(a: RunConfig, b: RunConfig) -> CheckKind:
     changed = _changed(a, b)
     if changed == {"ac"}:
-        return "activation checkpointing"
+        return CheckKind.AC
     if changed and changed <= {"micro_batch", "accum", "dp"} and a.global_batch == b.global_batch:
-        return "split"
-    return "none"
-
-
-def _lcm(*values: int) -> int:
-    out = 1
-    for v in values:
-        out = out * v // math.gcd(out, v)
-    return out
+        return CheckKind.SPLIT
+    return CheckKind.NONE
 
 
 def _small(cfg: RunConfig, **kw: Any) -> RunConfig:
@@ -113,8 +113,8 @@ def _small(cfg: RunConfig, **kw: Any) -> RunConfig:
 def gradient_check(a: RunConfig, b: RunConfig) -> GradientCheck:
     """Run the equivalence check that applies to this change (in this process, on CPU)."""
     kind = check_kind(a, b)
-    if kind == "none":
-        return GradientCheck("none", False, detail="no gradient equivalence applies: the change alters what is "
+    if kind is CheckKind.NONE:
+        return GradientCheck(kind, False, detail="no gradient equivalence applies: the change alters what is "
                                                    "computed (global batch, shapes or numerics)")
     from batchlab.formula.params import count
 
@@ -122,17 +122,17 @@ def gradient_check(a: RunConfig, b: RunConfig) -> GradientCheck:
         return GradientCheck(kind, False, detail=f"not run: the model has more than {MAX_CHECK_PARAMS:,} "
                                                  "parameters; run compare with --model tiny to see the check")
     try:
-        return _split_check(a, b) if kind == "split" else _ac_check(a, b)
+        return _split_check(a, b) if kind is CheckKind.SPLIT else _ac_check(a, b)
     except Exception as e:  # noqa: BLE001 — the check is evidence beside the measurement, not a precondition
         return GradientCheck(kind, False, detail=f"not run: {type(e).__name__}: {e}"[:300])
 
 
 def _split_check(a: RunConfig, b: RunConfig) -> GradientCheck:
     # the smallest global batch both splits can share; DP ranks become extra micro-batches in one process
-    g = _lcm(a.micro_batch * a.dp, b.micro_batch * b.dp)
+    g = math.lcm(a.micro_batch * a.dp, b.micro_batch * b.dp)
     sides = [_small(c, dp=1, accum=g // c.micro_batch, dropout=0.0) for c in (a, b)]
     if sides[0] == sides[1]:
-        return GradientCheck("split", False, detail="not run: in one process both sides are the same micro-batch x "
+        return GradientCheck(CheckKind.SPLIT, False, detail="not run: in one process both sides are the same micro-batch x "
                                                     "accum split; what makes DP equal to it is DDP's all-reduce "
                                                     "average, checked by batchlab's distributed tests "
                                                     "(tests/test_distributed.py), not here")
@@ -140,7 +140,7 @@ def _split_check(a: RunConfig, b: RunConfig) -> GradientCheck:
     abs_d, rel_d = _diff(*grads)
     split = " vs ".join(f"{c.micro_batch} x {c.accum}" for c in sides)
     passed = rel_d <= SPLIT_TOLERANCE
-    return GradientCheck("split", True, passed, abs_d, rel_d,
+    return GradientCheck(CheckKind.SPLIT, True, passed, abs_d, rel_d,
                          f"one update of {g} sequences split as micro-batch x accum = {split} (DP ranks as "
                          f"micro-batches, one process); relative gradient difference {rel_d:.2g} "
                          f"{'<=' if passed else '>'} {SPLIT_TOLERANCE:g} (fp32, dropout off)",
@@ -158,7 +158,7 @@ def _ac_check(a: RunConfig, b: RunConfig) -> GradientCheck:
     equal = all(torch.equal(x, y) for x, y in zip(grads[0].values(), grads[1].values()))
     dropout = a.model.dropout
     policies = " vs ".join(str(c.ac) for c in sides)
-    return GradientCheck("activation checkpointing", True, equal, abs_d, rel_d,
+    return GradientCheck(CheckKind.AC, True, equal, abs_d, rel_d,
                          f"ac {policies}: gradients {'bitwise equal' if equal else f'differ (max {abs_d:.2g})'} "
                          f"with dropout {dropout:g} (fp32, micro-batch {mb}, seq {sides[0].seq})",
                          {"micro_batch": mb, "seq": sides[0].seq, "dropout": dropout})
@@ -194,14 +194,15 @@ def _diff(x: dict, y: dict) -> tuple[float, float]:
     return abs_d, rel_d
 
 
+VERIFIES = {CheckKind.SPLIT: ("global batch", "loss scaling / normalisation"), CheckKind.AC: ("RNG under recompute",)}
+
+
 def semantics(a: RunConfig, b: RunConfig, run_check: bool = True, why_not: str = "not run (--no-verify)"
               ) -> dict[str, Any]:
     items = touched(a, b)
     check = gradient_check(a, b) if run_check else GradientCheck(check_kind(a, b), False, detail=why_not)
     if check.ran:
-        names = {"split": ("global batch", "loss scaling / normalisation"),
-                 "activation checkpointing": ("RNG under recompute",)}[check.kind]
-        for item in items:
-            if item.name in names:
-                item.verified = ("verified: " if check.passed else "FAILED: ") + check.detail
+        names = VERIFIES[check.kind]
+        said = ("verified: " if check.passed else "FAILED: ") + check.detail
+        items = [replace(i, verified=said) if i.name in names else i for i in items]
     return {"items": [i.to_dict() for i in items], "gradient_check": check.to_dict()}

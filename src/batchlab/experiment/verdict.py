@@ -10,11 +10,12 @@ Torch-free.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from batchlab.experiment.predict import Direction, Metric, oom_direction
 from batchlab.experiment.protocol import Rounds
+from batchlab.experiment.record import Contradiction, FormulaFigures, MetricRecord
 from batchlab.measure.result import Measurement, Outcome
 
 BAND_METHOD = ("range (min, max) of the per-round paired ratios B/A; each round measures A then B, each in a "
@@ -26,44 +27,31 @@ PROVENANCE = {Metric.PEAK_MEMORY: "allocator", Metric.UPDATE_TIME: "wall-clock",
               Metric.TOKENS_PER_SECOND: "wall-clock", Metric.TIME_TO_BUDGET: "wall-clock", Metric.OOM: "allocator"}
 
 
-@dataclass
-class MetricVerdict:
-    metric: Metric
+@dataclass(frozen=True)
+class Observed:
+    """What the paired rounds showed for one metric (before anyone's prediction is set beside it)."""
     a: Any = None  # median over rounds (OOM: whether the side ran out of memory)
     b: Any = None
     ratio: float | None = None
     band: tuple[float, float] | None = None
-    paired_ratios: list[float] = field(default_factory=list)
-    observed: Direction | None = None
-    predicted_by_user: Direction | None = None
-    predicted_by_formula: Direction | None = None
-    formula: dict[str, Any] = field(default_factory=dict)  # a, b, ratio (provenance formula)
+    paired_ratios: tuple[float, ...] = ()
+    direction: Direction | None = None
     note: str = ""
-
-    @property
-    def held_user(self) -> bool | None:
-        return _held(self.predicted_by_user, self.observed)
-
-    @property
-    def held_formula(self) -> bool | None:
-        return _held(self.predicted_by_formula, self.observed)
-
-    def to_dict(self) -> dict[str, Any]:
-        v = lambda d: d.value if d is not None else None  # noqa: E731
-        return {"observed": v(self.observed), "ratio": self.ratio,
-                "band": list(self.band) if self.band is not None else None,
-                "predicted_by_user": v(self.predicted_by_user), "predicted_by_formula": v(self.predicted_by_formula),
-                "held": {"user": self.held_user, "formula": self.held_formula},
-                "a": self.a, "b": self.b, "unit": UNITS[self.metric], "provenance": PROVENANCE[self.metric],
-                "paired_ratios": self.paired_ratios,
-                "formula": {k: self.formula.get(k) for k in ("a", "b", "ratio")} | {"provenance": "formula"},
-                "note": self.note}
 
 
 def _held(predicted: Direction | None, observed: Direction | None) -> bool | None:
     if predicted is None or observed is None:
         return None
     return predicted is observed
+
+
+def metric_record(metric: Metric, seen: Observed, user: Direction | None,
+                  formula: dict[str, Any] | None) -> MetricRecord:
+    """The stored verdict of one metric: the observation beside the person's and the formula's prediction."""
+    by_formula = formula["direction"] if formula is not None else None
+    return MetricRecord(seen.direction, seen.ratio, seen.band, user, by_formula, _held(user, seen.direction),
+                        _held(by_formula, seen.direction), seen.a, seen.b, UNITS[metric], PROVENANCE[metric],
+                        seen.paired_ratios, FormulaFigures.from_dict(formula), seen.note)
 
 
 def round_value(m: Measurement | None, metric: Metric, token_budget: float) -> float | None:
@@ -80,7 +68,7 @@ def round_value(m: Measurement | None, metric: Metric, token_budget: float) -> f
     return token_budget / m.tokens_per_second if m.tokens_per_second else None
 
 
-def observe(ratios: list[float], metric: Metric) -> tuple[float, tuple[float, float], Direction]:
+def paired_direction(ratios: list[float], metric: Metric) -> tuple[float, tuple[float, float], Direction]:
     """(ratio, band, direction) from the per-round paired ratios B/A."""
     ratio = statistics.median(ratios)
     band = (min(ratios), max(ratios))
@@ -95,53 +83,44 @@ def _is_oom(m: Measurement | None) -> bool:
     return m is not None and m.outcome in (Outcome.OOM, Outcome.OOM_BUDGET)
 
 
-def measured_verdict(metric: Metric, rounds: Rounds, token_budget: float) -> MetricVerdict:
+def measured_verdict(metric: Metric, rounds: Rounds, token_budget: float) -> Observed:
     if metric is Metric.OOM:
         a_oom, b_oom = any(map(_is_oom, rounds.a)), any(map(_is_oom, rounds.b))
         failed = [s.upper() for s in "ab" if any(m is not None and m.outcome is Outcome.FAILED for m in rounds.side(s))]
         if failed and not (a_oom or b_oom):
-            return MetricVerdict(metric, note=f"side {', '.join(failed)} failed; OOM not decided")
-        return MetricVerdict(metric, a=a_oom, b=b_oom, observed=oom_direction(a_oom, b_oom))
+            return Observed(note=f"side {', '.join(failed)} failed; OOM not decided")
+        return Observed(a=a_oom, b=b_oom, direction=oom_direction(a_oom, b_oom))
     pairs = [(round_value(ma, metric, token_budget), round_value(mb, metric, token_budget))
              for ma, mb in zip(rounds.a, rounds.b)]
     pairs = [(x, y) for x, y in pairs if x is not None and y is not None and x > 0]
     if not pairs:
-        return MetricVerdict(metric, note="no round with both sides measured")
+        return Observed(note="no round with both sides measured")
     ratios = [y / x for x, y in pairs]
-    ratio, band, direction = observe(ratios, metric)
+    ratio, band, direction = paired_direction(ratios, metric)
     note = "" if len(pairs) == len(rounds.a) else f"{len(pairs)} of {len(rounds.a)} rounds had both sides measured"
-    return MetricVerdict(metric, a=statistics.median(x for x, _ in pairs), b=statistics.median(y for _, y in pairs),
-                         ratio=ratio, band=band, paired_ratios=ratios, observed=direction, note=note)
+    return Observed(statistics.median(x for x, _ in pairs), statistics.median(y for _, y in pairs), ratio, band,
+                    tuple(ratios), direction, note)
 
 
 def verdicts(rounds: Rounds | None, user: dict[Metric, Direction], formula: dict[Metric, dict[str, Any]] | None,
-             token_budget: float) -> dict[Metric, MetricVerdict]:
+             token_budget: float) -> dict[Metric, MetricRecord]:
     """All metrics; ``rounds`` None (formula only): nothing observed, the formula's figures alone."""
-    out = {}
-    for metric in Metric:
-        v = measured_verdict(metric, rounds, token_budget) if rounds is not None else MetricVerdict(
-            metric, note="formula only: nothing measured")
-        v.predicted_by_user = user.get(metric)
-        if formula is not None:
-            v.formula = formula[metric]
-            v.predicted_by_formula = formula[metric]["direction"]
-        out[metric] = v
-    return out
+    nothing = Observed(note="formula only: nothing measured")
+    return {metric: metric_record(metric, measured_verdict(metric, rounds, token_budget) if rounds is not None
+                                  else nothing, user.get(metric), formula[metric] if formula is not None else None)
+            for metric in Metric}
 
 
-def contradictions(vs: dict[Metric, MetricVerdict]) -> list[dict[str, Any]]:
+def contradictions(vs: dict[Metric, MetricRecord]) -> list[Contradiction]:
     """Every prediction the observation went against: who predicted what, what was seen."""
-    out = []
-    for metric, v in vs.items():
-        for who, predicted, held in (("you", v.predicted_by_user, v.held_user),
-                                     ("formula", v.predicted_by_formula, v.held_formula)):
-            if held is False:
-                out.append({"metric": metric.value, "who": who, "predicted": predicted.value,
-                            "observed": v.observed.value})
-    return out
+    return [Contradiction(metric, who, predicted, v.observed)
+            for metric, v in vs.items()
+            for who, predicted, held in (("you", v.predicted_by_user, v.held_user),
+                                         ("formula", v.predicted_by_formula, v.held_formula))
+            if held is False]
 
 
-def summary(vs: dict[Metric, MetricVerdict]) -> str:
+def summary(vs: dict[Metric, MetricRecord]) -> str:
     """One line: the verdict of every metric."""
     parts = []
     for metric, v in vs.items():

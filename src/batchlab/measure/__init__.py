@@ -1,10 +1,10 @@
 """The measuring side: run a config for real and record peak memory (``allocator``) and update time
 (``wall-clock``), or an ``oom`` / ``failed`` outcome.
 
-    from batchlab.measure import run, MeasureOptions
-    m = run(cfg, MeasureOptions(steps=5, isolate=True))   # isolate: a fresh subprocess (see runner.py)
+    from batchlab.run import measure          # the entry: one process, or torchrun for DP > 1
+    m = measure(cfg, MeasureOptions(steps=5, isolate=True))   # isolate: a fresh subprocess (see runner.py)
 
-Importing this package does not import torch (results load anywhere); ``run`` and ``observe`` do.
+Importing this package does not import torch (results load anywhere); ``observe`` does.
 """
 from __future__ import annotations
 
@@ -16,12 +16,11 @@ from batchlab.measure.result import (MeasuredMemory, MeasuredTime, Measurement, 
 
 if TYPE_CHECKING:
     from batchlab.measure.observe import observe
-    from batchlab.measure.session import run
 
 __all__ = ["MeasureOptions", "MeasuredMemory", "MeasuredTime", "Measurement", "Outcome", "load_measurement",
-           "measurement_from_dict", "measurement_to_dict", "measurement_to_json", "observe", "run"]
+           "measurement_from_dict", "measurement_to_dict", "measurement_to_json", "observe"]
 
-_LAZY = {"run": "batchlab.measure.session", "observe": "batchlab.measure.observe"}
+_LAZY = {"observe": "batchlab.measure.observe"}
 
 
 def __getattr__(name: str) -> Any:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from batchlab.measure.memory import MemorySnapshot
+from batchlab.measure.memory import MemorySnapshot, storage_bytes
+from batchlab.phase import Phase
 from batchlab.measure.result import MeasuredMemory
 
 
@@ -16,7 +17,7 @@ class CudaMemoryProbe:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.phase = "data"
+        self.phase = Phase.DATA
         self.phase_peaks: dict[str, int] = {}
         self.reserved_peak = 0
         self.activations_bytes = 0
@@ -27,7 +28,7 @@ class CudaMemoryProbe:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._stats0 = torch.cuda.memory_stats(self.device)
-        self.phase, self.phase_peaks, self.reserved_peak = "data", {}, 0
+        self.phase, self.phase_peaks, self.reserved_peak = Phase.DATA, {}, 0
 
     def _close_phase(self) -> None:
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -35,12 +36,13 @@ class CudaMemoryProbe:
         self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: Phase | str) -> None:
+        phase = Phase(phase)
         # allocator statistics are kept on the host at launch time: reading them needs no synchronise
         self._close_phase()
-        if phase == "forward":
+        if phase is Phase.FORWARD:
             self._forward_start = torch.cuda.memory_allocated(self.device)
-        elif phase == "backward":
+        elif phase is Phase.BACKWARD:
             self.activations_bytes = torch.cuda.memory_allocated(self.device) - self._forward_start
         self.phase = phase
 
@@ -55,22 +57,13 @@ class CudaMemoryProbe:
             method="cuda max_memory_allocated (peak stats reset at each phase)")
 
 
-def _storage_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
 def model_state_bytes(trainer) -> dict[str, int]:
     """Parameters (and buffers) and optimizer state as they are now (between updates)."""
     model = trainer.raw_model
     opt = [v for s in trainer.optimizer.state.values() for v in s.values()
            if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {"parameters": _storage_bytes(list(model.parameters()) + list(model.buffers())),
-            "optimizer": _storage_bytes(opt)}
+    return {"parameters": storage_bytes(list(model.parameters()) + list(model.buffers())),
+            "optimizer": storage_bytes(opt)}
 
 
 def from_snapshot(snap: MemorySnapshot) -> MeasuredMemory:

@@ -9,26 +9,38 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from batchlab.phase import Phase
+
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "data")
-_CREATED_AS = {"data": "data", "forward": "activations", "backward": "temporaries", "optimizer": "temporaries"}
+_CREATED_AS = {Phase.DATA: "data", Phase.FORWARD: "activations", Phase.BACKWARD: "temporaries",
+               Phase.OPTIMIZER: "temporaries"}
 
 
 @dataclass
 class MemorySnapshot:
     peak_bytes: int
-    peak_phase: str
+    peak_phase: Phase
     breakdown: dict[str, int]  # category -> bytes live at the peak; sums to peak_bytes
     activations_bytes: int  # bytes created by the last forward and still held when backward starts
     baseline_bytes: int  # live at start (parameters + optimizer state)
     phase_peaks: dict[str, int] = field(default_factory=dict)  # highest live bytes seen in each phase
     # activations_bytes by the label ``owner()`` gave when each storage was created (trackers given an owner)
     activations_by_owner: dict[str, int] = field(default_factory=dict)
+
+
+class StorageListener(Protocol):
+    """Sees every storage event of a tracker (the memory timeline records them; batchlab.timeline)."""
+
+    def added(self, key: int, nbytes: int, category: str) -> None: ...
+    def freed(self, key: int) -> None: ...
+    def relabelled(self, key: int, category: str) -> None: ...  # a backward output that became a .grad
+    def op_done(self, func, args) -> None: ...  # after an op's outputs are counted (live bytes as of now)
 
 
 class BudgetExceeded(MemoryError):
@@ -38,7 +50,7 @@ class BudgetExceeded(MemoryError):
     past it; a MemoryError so that code handling real out-of-memory handles this too.
     """
 
-    def __init__(self, live_bytes: int, budget: int, phase: str):
+    def __init__(self, live_bytes: int, budget: int, phase: Phase):
         self.live_bytes, self.budget, self.phase = live_bytes, budget, phase
         super().__init__(f"tracked tensor bytes {live_bytes:,} exceed the memory budget {budget:,}")
 
@@ -46,8 +58,10 @@ class BudgetExceeded(MemoryError):
 class StorageTracker(TorchDispatchMode):
     """Use as ``with tracker:`` around one or more updates; call ``mark(phase)`` between phases."""
 
-    def __init__(self, budget: int | None = None, owner: Callable[[], str] | None = None):
+    def __init__(self, budget: int | None = None, owner: Callable[[], str] | None = None,
+                 listener: StorageListener | None = None):
         super().__init__()
+        self.listener = listener
         # owner() labels each new storage (the trace passes the module running now: "what keeps what")
         self._owner = owner
         self._owners: dict[int, str] = {}
@@ -56,9 +70,9 @@ class StorageTracker(TorchDispatchMode):
         self.exceeded: BudgetExceeded | None = None
         self._live: dict[int, tuple[int, str]] = {}  # id(storage) -> (bytes, created-as category)
         self._current = 0
-        self.phase = "data"
+        self.phase = Phase.DATA
         self._peak = -1
-        self._peak_phase = "data"
+        self._peak_phase = Phase.DATA
         self._peak_keys: dict[int, tuple[int, str]] = {}
         self._phase_peaks: dict[str, int] = {}
         self._param_keys: set[int] = set()
@@ -89,6 +103,8 @@ class StorageTracker(TorchDispatchMode):
         key = id(p.grad.untyped_storage()) if p.grad is not None else None
         if key in self._live:
             self._live[key] = (self._live[key][0], "gradients")
+            if self.listener is not None:
+                self.listener.relabelled(key, "gradients")
 
     def close(self) -> None:
         for h in self._hooks:
@@ -111,6 +127,8 @@ class StorageTracker(TorchDispatchMode):
         self._live[key] = (n, category)
         self._current += n
         weakref.finalize(st, self._free, key)
+        if self.listener is not None:
+            self.listener.added(key, n, category)
         if self._owner is not None:
             self._owners[key] = self._owner()
         if self._current > self._phase_peaks.get(self.phase, -1):
@@ -125,11 +143,14 @@ class StorageTracker(TorchDispatchMode):
         self._owners.pop(key, None)
         if entry is not None:
             self._current -= entry[0]
+            if self.listener is not None:
+                self.listener.freed(key)
 
-    def mark(self, phase: str) -> None:
-        if phase == "forward" and self.phase != "forward":
+    def mark(self, phase: Phase | str) -> None:
+        phase = Phase(phase)
+        if phase is Phase.FORWARD and self.phase is not Phase.FORWARD:
             self._forward_start_keys = set(self._live)
-        if phase == "backward":
+        if phase is Phase.BACKWARD:
             self._activation_bytes = sum(n for k, (n, _) in self._live.items() if k not in self._forward_start_keys)
             if self._owner is not None:
                 by_owner: dict[str, int] = {}
@@ -156,6 +177,8 @@ class StorageTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t.untyped_storage(), category)
+        if self.listener is not None:
+            self.listener.op_done(func, args)
         if self.budget is not None and self._current > self.budget:
             # every allocation that leaves live bytes over the budget is refused, like a real allocator
             self.exceeded = BudgetExceeded(self._current, self.budget, self.phase)
@@ -173,14 +196,17 @@ class StorageTracker(TorchDispatchMode):
                               activations_by_owner=dict(self._activations_by_owner))
 
 
-def tracker_for(trainer, budget: int | None = None, owner: Callable[[], str] | None = None) -> StorageTracker:
+def tracker_for(trainer, budget: int | None = None, owner: Callable[[], str] | None = None,
+                listener: StorageListener | None = None) -> StorageTracker:
     """A tracker for ``trainer``'s next update: parameters, buffers and optimizer state registered (they
     exist before tracking starts), gradients watched, baseline set.  Call ``close()`` when done."""
-    tracker = StorageTracker(budget=budget, owner=owner)
+    tracker = StorageTracker(budget=budget, owner=owner, listener=listener)
     params = list(trainer.raw_model.parameters())
     tracker.register(params, "parameters")
     tracker.register([b for b in trainer.raw_model.buffers()], "parameters")
     tracker.register_optimizer(trainer.optimizer)
+    # gradients still alive from the previous update (frameworks that zero them late, e.g. Lightning)
+    tracker.register([p.grad for p in params if p.grad is not None], "gradients")
     tracker.watch_gradients(params)
     tracker.reset()
     return tracker
@@ -196,3 +222,14 @@ def track_update(trainer, steady: bool = True, budget: int | None = None) -> Mem
     with tracker:
         trainer.update(probe=tracker)
     return tracker.snapshot()
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors``: views and tied weights share one and count once
+    (a tensor's storage object is preserved, so its identity is the key; fake tensors included)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[id(st)] = st.nbytes()
+    return sum(seen.values())

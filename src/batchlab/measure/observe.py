@@ -26,8 +26,9 @@ import torch.nn as nn
 from batchlab.measure.clock import PhaseClock, synchronizer
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
-from batchlab.measure.oom import OOMKind, classify_oom
-from batchlab.measure.result import MeasuredTime, Measurement, Outcome
+from batchlab.measure.oom_classify import OOMKind, classify_oom
+from batchlab.measure.result import Draft, MeasuredTime, Measurement, Outcome
+from batchlab.phase import Phase
 
 
 class Observer:
@@ -48,21 +49,35 @@ class Observer:
         self._tokens: list[int] = []
         self._phases: dict[str, list[float]] = {}
         self._probe = None
-        self.phase = "data"
-        self.measurement = Measurement(config=config.to_dict() if config is not None else {}, outcome=Outcome.OK,
-                                       global_batch=config.global_batch if config is not None else global_batch)
+        self._update_tokens: int | None = None
+        self.record, self.notebook_id = None, None  # set by observe(notebook=...) at the end
+        self.phase = Phase.DATA
+        self._draft = Draft(config=config.to_dict() if config is not None else {},
+                            global_batch=config.global_batch if config is not None else global_batch)
+        self._result: Measurement | None = None
+
+    @property
+    def measurement(self) -> Measurement:
+        """The result: final once the ``observe`` block has ended; before that, what was found so far."""
+        return self._result if self._result is not None else self._draft.build()
 
     # -- used inside the user's update
-    def mark(self, phase: str) -> None:
-        self.phase = phase
+    def mark(self, phase: Phase | str) -> None:
+        """``forward``, ``backward`` or ``optimizer`` (``data`` is where each update starts)."""
+        self.phase = Phase.parse("phase", phase)
         if self._probe is not None:
-            self._probe.mark(phase)
+            self._probe.mark(self.phase)
+
+    def count_tokens(self, n: int) -> None:
+        """Add ``n`` useful tokens to the current update (for callers that learn them micro-batch by micro-batch)."""
+        self._update_tokens = (self._update_tokens or 0) + int(n)
 
     @contextlib.contextmanager
     def update(self, tokens: int | None = None):
         """One optimizer update of the user's loop; ``tokens``: its useful (non-padding) tokens."""
         index, self.updates = self.updates, self.updates + 1
-        self.phase = "data"
+        self.phase = Phase.DATA
+        self._update_tokens = tokens
         try:
             if index == 1 and self.memory:
                 with self._memory_update():
@@ -70,14 +85,14 @@ class Observer:
             elif index < self.warmup + (1 if self.memory else 0):
                 yield self
             else:
-                with self._timed_update(tokens):
+                with self._timed_update():
                     yield self
         except Exception as exc:
             kind = classify_oom(exc)
             if kind is not None:
-                self.measurement.outcome = Outcome.OOM_BUDGET if kind is OOMKind.BUDGET else Outcome.OOM
-                self.measurement.oom_phase = self.phase
-                self.measurement.outcome_detail = f"out of memory ({kind.value}) in {self.phase} of update {index + 1}"
+                self._draft.outcome = Outcome.OOM_BUDGET if kind is OOMKind.BUDGET else Outcome.OOM
+                self._draft.oom_phase = self.phase
+                self._draft.outcome_detail = f"out of memory ({kind.value}) in {self.phase} of update {index + 1}"
             raise
         finally:
             self._probe = None
@@ -90,16 +105,16 @@ class Observer:
             self._probe = probe
             yield
             probe.mark("end")
-            self.measurement.memory = probe.result(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
+            self._draft.memory = probe.result(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
             return
         tracker = tracker_for(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
         self._probe = tracker
         with tracker:
             yield
-        self.measurement.memory = from_snapshot(tracker.snapshot())
+        self._draft.memory = from_snapshot(tracker.snapshot())
 
     @contextlib.contextmanager
-    def _timed_update(self, tokens: int | None):
+    def _timed_update(self):
         clock = PhaseClock(self.sync, sync_marks=not self._async)
         clock.start()
         clock.mark("data")
@@ -113,15 +128,15 @@ class Observer:
         clock.mark("end")
         self._samples.append(t1 - t0)
         self._cpu.append(c1 - c0)
-        if tokens is not None:
-            self._tokens.append(int(tokens))
+        if self._update_tokens is not None:
+            self._tokens.append(self._update_tokens)
         if not self._async:
             for k, v in clock.seconds.items():
                 self._phases.setdefault(k, []).append(v)
 
     # -- result
     def finish(self) -> Measurement:
-        m = self.measurement
+        m = self._draft
         if self._samples:
             m.time = MeasuredTime(samples=list(self._samples), warmup=self.warmup,
                                   cpu_seconds=list(self._cpu) if self.device.type == "cpu" else [],
@@ -134,16 +149,31 @@ class Observer:
         elif m.outcome is Outcome.OK:
             m.warnings.append(f"no timed update: {self.updates} update(s) observed, the first {self.warmup} are "
                               f"warmup{' plus one memory update' if self.memory else ''}")
-        return m
+        self._result = m.build()
+        return self._result
 
 
 @contextlib.contextmanager
 def observe(model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int = 2, memory: bool = True,
-            device: torch.device | str | None = None, config=None, global_batch: int | None = None):
-    """Record peak memory and update time over the updates of your own loop (see the module docstring)."""
+            device: torch.device | str | None = None, config=None, global_batch: int | None = None,
+            notebook=None, predict: bool = True, note: str = ""):
+    """Record peak memory and update time over the updates of your own loop (see the module docstring).
+    With ``notebook`` (a path or Notebook), an observed record is written at the end: ``obs.record``,
+    ``obs.notebook_id``; ``config`` (a RunConfig describing the loop) gives the formula's prediction."""
+    from batchlab.experiment.factors import Snapshot
+
     obs = Observer(model, optimizer, warmup=warmup, memory=memory, device=device, config=config,
                    global_batch=global_batch)
+    before = Snapshot()
     try:
         yield obs
     finally:
-        obs.finish()
+        m = obs.finish()
+        if notebook is not None:
+            from batchlab.experiment.notebook import open_notebook
+            from batchlab.experiment.observed import Source, finish, loop_settings
+
+            settings, unmapped = loop_settings(config, global_batch, type(model).__name__, str(obs.device),
+                                               type(optimizer).__name__)
+            obs.record, obs.notebook_id = finish(Source.LOOP, settings, m, config, unmapped, before,
+                                                 notebook=open_notebook(notebook), predict=predict, note=note)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from batchlab.config import _Choice
+from batchlab.phase import Phase
 
 
 class Outcome(_Choice):
@@ -20,11 +21,11 @@ class Outcome(_Choice):
     FAILED = "failed"  # anything else: exception, kill, timeout; see outcome_detail
 
 
-@dataclass
+@dataclass(frozen=True)
 class MeasuredMemory:
     peak_bytes: int
     activations_bytes: int  # created by the last forward, still held when its backward starts
-    peak_phase: str  # data | forward | backward | optimizer
+    peak_phase: Phase
     breakdown: dict[str, int] = field(default_factory=dict)  # category -> bytes at the peak
     reserved_bytes: int | None = None  # CUDA caching allocator's reserved peak
     alloc_retries: int | None = None
@@ -39,7 +40,9 @@ class MeasuredMemory:
         return max(self.per_rank_peak_bytes) - min(self.per_rank_peak_bytes) if self.per_rank_peak_bytes else 0
 
 
-@dataclass
+NOISY_SPREAD = 0.10  # IQR / median of update time above which the timing is flagged as noisy
+
+@dataclass(frozen=True)
 class MeasuredTime:
     samples: list[float]  # seconds per measured update (warmup excluded)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # median per phase
@@ -69,12 +72,19 @@ class MeasuredTime:
 
     @property
     def spread(self) -> float:
-        """IQR / median: above 0.10 the timing is noisy (a warning is printed)."""
+        """IQR / median: above NOISY_SPREAD the timing is noisy (a warning is printed)."""
         med = self.update_seconds_median
         return self.update_seconds_iqr / med if med > 0 else 0.0
 
+    def noise_warning(self) -> str | None:
+        """The warning for a noisy timing, or None."""
+        if self.spread <= NOISY_SPREAD:
+            return None
+        return (f"update time is noisy: IQR/median = {self.spread:.1%} > {NOISY_SPREAD:.0%} over "
+                f"{len(self.samples)} updates (other load on the machine? more --steps?)")
 
-@dataclass
+
+@dataclass(frozen=True)
 class MeasuredComm:
     """DP > 1: the gradient all-reduce per optimizer update, seen by a DDP communication hook."""
 
@@ -102,13 +112,13 @@ class MeasuredComm:
         return statistics.median(self.compute_seconds) if self.compute_seconds else 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Measurement:
     config: dict[str, Any]  # RunConfig.to_dict()
     outcome: Outcome
     global_batch: int
     outcome_detail: str = ""
-    oom_phase: str | None = None
+    oom_phase: Phase | None = None
     memory: MeasuredMemory | None = None
     time: MeasuredTime | None = None
     tokens_per_second: float | None = None  # useful (non-padding) tokens, all ranks, per wall-clock second
@@ -120,6 +130,28 @@ class Measurement:
     @property
     def ok(self) -> bool:
         return self.outcome is Outcome.OK
+
+
+@dataclass
+class Draft:
+    """What a measurement has found so far, filled in while it runs (session, observe); ``build`` makes the
+    frozen Measurement once, at the end."""
+    config: dict[str, Any]
+    global_batch: int
+    environment: dict[str, Any] = field(default_factory=dict)
+    outcome: Outcome = Outcome.OK
+    outcome_detail: str = ""
+    oom_phase: Phase | None = None
+    memory: MeasuredMemory | None = None
+    time: MeasuredTime | None = None
+    tokens_per_second: float | None = None
+    useful_tokens_per_update: int | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def build(self) -> Measurement:
+        return Measurement(self.config, self.outcome, self.global_batch, self.outcome_detail, self.oom_phase,
+                           self.memory, self.time, self.tokens_per_second, self.useful_tokens_per_update,
+                           dict(self.environment), list(self.warnings))
 
 
 # ------------------------------------------------------------------------------------------ JSON
@@ -158,12 +190,18 @@ def _only_fields(cls, d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k in names}
 
 
+def memory_from_dict(d: dict[str, Any]) -> MeasuredMemory:
+    return MeasuredMemory(**(_only_fields(MeasuredMemory, d) | {"peak_phase": Phase(d["peak_phase"])}))
+
+
 def measurement_from_dict(d: dict[str, Any]) -> Measurement:
     """Inverse of measurement_to_dict (derived keys such as update_seconds_median are recomputed)."""
     d = _only_fields(Measurement, d)
     d["outcome"] = Outcome(d["outcome"])
+    if d.get("oom_phase") is not None:
+        d["oom_phase"] = Phase(d["oom_phase"])
     if d.get("memory") is not None:
-        d["memory"] = MeasuredMemory(**_only_fields(MeasuredMemory, d["memory"]))
+        d["memory"] = memory_from_dict(d["memory"])
     if d.get("time") is not None:
         d["time"] = MeasuredTime(**_only_fields(MeasuredTime, d["time"]))
     if d.get("comm") is not None:

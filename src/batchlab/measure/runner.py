@@ -103,8 +103,7 @@ def _interpret(cfg, options, rc, out_path: Path, watcher: _OutputWatcher, timed_
             payload = None
     if not timed_out and rc == 0 and payload is not None and "outcome" in payload:
         m = load_measurement(payload)
-        m.environment["isolated"] = True
-        return m
+        return dataclasses.replace(m, environment={**m.environment, "isolated": True})
     if not timed_out and payload is not None and "config_error" in payload:
         err = payload["config_error"]
         raise ConfigError(err["field"], err["message"])

@@ -13,7 +13,6 @@ never run inside the timed updates.
 """
 from __future__ import annotations
 
-import gc
 import platform
 import statistics
 from typing import Callable
@@ -26,41 +25,17 @@ from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.device import torch_device
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
-from batchlab.measure.oom import OOMKind, classify_oom
+from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.options import MeasureOptions
-from batchlab.measure.result import MeasuredMemory, MeasuredTime, Measurement, Outcome
+from batchlab.measure.result import Draft, MeasuredMemory, MeasuredTime, Measurement, Outcome
+from batchlab.phase import Phase
 from batchlab.units import fmt_bytes
 
 # progress(done, total, label): called before the work starts and after every update
 Progress = Callable[[int, int, str], None]
-NOISY_SPREAD = 0.10  # IQR / median above which the timing is flagged as noisy
 PHASE_UPDATES = 3  # synchronised phase-split updates on asynchronous devices
 
 
-def run(cfg: RunConfig, options: MeasureOptions | None = None, progress: Progress | None = None) -> Measurement:
-    """Measure ``cfg`` on the local device.  ``options.isolate``: in a fresh subprocess (runner.py);
-    DP > 1 (or inside torchrun): batchlab.distributed runs one process per rank.
-
-    Never raises for an out-of-memory, a crash or a timeout (they become the outcome); raises
-    ConfigError for user errors (a device that is absent, a budget that cannot hold the parameters,
-    a factory that does not import, ...).
-    """
-    options = options or MeasureOptions()
-    from batchlab import distributed
-
-    dp_run = distributed.dispatch(cfg, options)  # DP > 1 or inside torchrun: one process per rank, DDP
-    if dp_run is not None:
-        return dp_run
-    if options.isolate:
-        from batchlab.measure.runner import run_isolated
-
-        return run_isolated(cfg, options, progress)
-    try:
-        return run_inprocess(cfg, options, progress)
-    finally:
-        gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
 
 
 def parameter_bytes(cfg: RunConfig) -> int:
@@ -104,26 +79,25 @@ class _Recorder:
     """Remembers where the run is (stage, phase) for failure reports and forwards marks to the probe in use."""
 
     def __init__(self):
-        self.stage, self.phase, self.inner = "setup", "setup", None
+        self.stage, self.phase, self.inner = "setup", Phase.SETUP, None
 
     def use(self, stage: str, inner=None) -> "_Recorder":
-        self.stage, self.phase, self.inner = stage, "data", inner
+        self.stage, self.phase, self.inner = stage, Phase.DATA, inner
         return self
 
-    def mark(self, phase: str) -> None:
-        self.phase = phase
+    def mark(self, phase: Phase | str) -> None:
+        self.phase = Phase(phase)
         if self.inner is not None:
-            self.inner.mark(phase)
+            self.inner.mark(self.phase)
 
 
 def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | None = None) -> Measurement:
     if cfg.dp > 1:
         raise ConfigError("dp", f"one process measures DP = 1; DP = {cfg.dp} needs one process per rank: "
-                                "use batchlab.measure.run (it launches them through batchlab.distributed)")
+                                "use batchlab.run.measure (it launches them through batchlab.distributed)")
     device = torch_device(cfg, opts.torch_device)
     check_budget(cfg)
-    m = Measurement(config=cfg.to_dict(), outcome=Outcome.OK, global_batch=cfg.global_batch,
-                    environment=environment(device))
+    m = Draft(config=cfg.to_dict(), global_batch=cfg.global_batch, environment=environment(device))
     here = catalogue_key(m.environment["device_name"]) if device.type == "cuda" else None
     if device.type == "cuda" and here != cfg.device:
         m.warnings.append(f"measured on {m.environment['device_name']} ({here or 'not in the catalogue'}), but "
@@ -148,10 +122,10 @@ def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | Non
     finally:
         if fraction_set:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-    return m
+    return m.build()
 
 
-def _record_failure(m: Measurement, exc: BaseException, rec: _Recorder, budget: bool) -> None:
+def _record_failure(m: Draft, exc: BaseException, rec: _Recorder, budget: bool) -> None:
     kind = classify_oom(exc)
     first_line = (str(exc).strip().splitlines() or [""])[0][:300]
     where = f"in {rec.phase} of the {rec.stage} update" if rec.stage != "setup" else "while building the model"
@@ -197,7 +171,7 @@ class _Steps:
         self.done += 1
         self.progress(self.done, self.total, label)
 
-    def run(self, m: Measurement, rec: _Recorder) -> None:
+    def run(self, m: Draft, rec: _Recorder) -> None:
         from batchlab.measure.harness import Trainer
 
         self.progress(0, self.total, "building the model")
@@ -243,7 +217,7 @@ class _Steps:
         self._tick("memory")
         return result
 
-    def _timing(self, trainer, rec: _Recorder, m: Measurement) -> None:
+    def _timing(self, trainer, rec: _Recorder, m: Draft) -> None:
         # CPU: the phase clock's sync is a no-op, so the split comes from the timed updates themselves
         clock = PhaseClock(self.sync, sync_marks=not self.async_device)
         samples, cpu, useful = [], [], []
@@ -271,9 +245,8 @@ class _Steps:
         per_update = statistics.fmean(useful) * trainer.world
         m.useful_tokens_per_update = round(per_update)
         m.tokens_per_second = per_update / m.time.update_seconds_median
-        if m.time.spread > NOISY_SPREAD:
-            m.warnings.append(f"update time is noisy: IQR/median = {m.time.spread:.1%} > {NOISY_SPREAD:.0%} "
-                              f"over {len(samples)} updates (other load on the machine? more --steps?)")
+        if (noisy := m.time.noise_warning()) is not None:
+            m.warnings.append(noisy)
 
 
 def timed_update(trainer, clock: PhaseClock, probe, sync):

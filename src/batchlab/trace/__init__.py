@@ -14,7 +14,7 @@ from batchlab.trace.result import ModuleNode, TraceEstimate, TraceFlops, TraceMe
 __all__ = ["ModuleNode", "TraceEstimate", "TraceFlops", "TraceMemory", "estimate"]
 
 
-def estimate(cfg, tree: bool = False) -> TraceEstimate:
+def estimate(cfg, tree: bool = False, timeline: bool = False) -> TraceEstimate:
     from batchlab.trace.run import estimate as _estimate
 
-    return _estimate(cfg, tree=tree)
+    return _estimate(cfg, tree=tree, timeline=timeline)

@@ -15,14 +15,14 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            FakeTensorMode, UnsupportedOperatorException)
 
 from batchlab.config import ConfigError, ModelSource, Precision, RunConfig
-from batchlab.formula.memory import allocator_margin
+from batchlab.formula.allocator import device_memory
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
-from batchlab.measure.memory import tracker_for
+from batchlab.measure.memory import storage_bytes, tracker_for
 from batchlab.trace.flops import count_update_flops
 from batchlab.trace.patches import eager_branches
 from batchlab.trace.result import TraceEstimate, TraceMemory
-from batchlab.trace.tree import ModuleStack, build_tree
+from batchlab.trace.tree import OUTSIDE, ModuleStack, build_tree
 
 
 class FakeTrainer(Trainer):
@@ -71,21 +71,13 @@ def _check_supported(cfg: RunConfig) -> list[str]:
     return notes
 
 
-def _unique_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[id(st)] = st.nbytes()
-    return sum(seen.values())
-
-
 def _model_state_bytes(trainer: Trainer) -> tuple[int, int, int]:
     params = list(trainer.raw_model.parameters())
     state = [v for s in trainer.optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]
     # .grad has the parameter's shape and dtype (set_to_none between updates, no bucket views)
     grads = sum(p.numel() * p.element_size() for p in {id(p): p for p in params if p.requires_grad}.values())
-    return _unique_bytes(params), grads, _unique_bytes(state)
+    return storage_bytes(params), grads, storage_bytes(state)
 
 
 @contextlib.contextmanager
@@ -98,22 +90,28 @@ def _as_config_errors(cfg: RunConfig):
                                    "or measure it") from None
 
 
-def _tracked_update(trainer: Trainer, tree: bool):
-    """One update tracked by the CPU measurement's StorageTracker; with ``tree``, storages labelled by module."""
-    owners = ModuleStack(trainer.raw_model) if tree else None
-    tracker = tracker_for(trainer, owner=owners.current if owners else None)
+def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
+    """One update tracked by the CPU measurement's StorageTracker; with ``tree``, storages labelled by module;
+    with ``timeline``, also recorded op by op: (snapshot, TimelineRecorder or None)."""
+    owners = ModuleStack(trainer.raw_model) if tree or timeline else None
     try:
+        if timeline:
+            from batchlab.timeline.record import recorded_update
+
+            return recorded_update(trainer, owners.current, OUTSIDE, owners.current if tree else None)
+        tracker = tracker_for(trainer, owner=owners.current if owners else None)
         with tracker:
             trainer.update(probe=tracker)
+        return tracker.snapshot(), None
     finally:
         if owners:
             owners.close()
-    return tracker.snapshot()
 
 
 def _memory(cfg: RunConfig, trainer: Trainer, snap) -> TraceMemory:
     params, grads, optimizer = _model_state_bytes(trainer)
-    margin = int(snap.peak_bytes * allocator_margin(cfg))  # the formula's: none on CPU
+    # the traced tensor bytes through the formula's caching-allocator model (none on CPU)
+    margin = device_memory(cfg, snap.peak_bytes, snap.peak_phase, snap.activations_bytes).reserved_bytes - snap.peak_bytes
     return TraceMemory(
         peak_bytes=snap.peak_bytes, peak_phase=snap.peak_phase, activations_bytes=snap.activations_bytes,
         parameters_bytes=params, gradients_bytes=grads, optimizer_bytes=optimizer, breakdown=snap.breakdown,
@@ -121,18 +119,27 @@ def _memory(cfg: RunConfig, trainer: Trainer, snap) -> TraceMemory:
         fits=snap.peak_bytes + margin <= cfg.memory_capacity)
 
 
-def estimate(cfg: RunConfig, tree: bool = False) -> TraceEstimate:
-    """Peak memory, activations, per-module tree and FLOPs of one steady-state update (provenance trace)."""
+def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False) -> TraceEstimate:
+    """Peak memory, activations, per-module tree and FLOPs of one steady-state update (provenance trace);
+    with ``timeline``, the update's memory timeline too (``.timeline``, batchlab.timeline.data.Timeline)."""
     notes = _check_supported(cfg)
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
     with _as_config_errors(cfg), eager_branches(cfg.model_kind is not ModelSource.BUILTIN), fake_mode():
         trainer = FakeTrainer(cfg, device)
         flops = count_update_flops(trainer)  # the first update also creates AdamW's state (steady state)
-        snap = _tracked_update(trainer, tree)
+        snap, recorder = _tracked_update(trainer, tree, timeline)
         memory = _memory(cfg, trainer, snap)
     return TraceEstimate(
         config=cfg.to_dict(), global_batch=cfg.global_batch, tokens_per_update=cfg.tokens_per_update,
         memory=memory, flops=flops, traced_device=device.type, trace_seconds=time.perf_counter() - start,
         tree=build_tree(trainer.raw_model, snap.activations_by_owner) if tree else None,
-        notes=notes + device_notes)
+        notes=notes + device_notes, timeline=_timeline(cfg, recorder, snap, notes) if recorder else None)
+
+
+def _timeline(cfg: RunConfig, recorder, snap, notes: list[str]):
+    from batchlab.timeline.record import context
+
+    ctx = context(cfg)
+    return recorder.timeline(provenance="trace", method="live storage tracker on fake tensors (FakeTensorMode)",
+                             peak_bytes=snap.peak_bytes, **dict(ctx, notes=ctx["notes"] + notes))

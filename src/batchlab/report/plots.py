@@ -8,13 +8,13 @@ from __future__ import annotations
 import io
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from batchlab.experiment.predict import Metric
+from batchlab.experiment.record import Record
+from batchlab.measure.result import Outcome
+from batchlab.phase import UPDATE_PHASES
 
-METRIC_LABELS = {"peak_memory": "peak memory", "update_time": "update time", "tokens_per_second": "useful tokens/s",
-                 "time_to_budget": "time to token budget", "oom": "out of memory"}
 
-
-@dataclass
+@dataclass(frozen=True)
 class Figure:
     name: str
     title: str
@@ -49,37 +49,30 @@ def _axes(title: str, sources: tuple[str, ...], size=(6.0, 3.6)):
     return fig, ax
 
 
-def _side_values(record: dict[str, Any], key: str) -> dict[str, list[float]]:
+def _side_values(record: Record, key: str) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"a": [], "b": []}
-    for r in record.get("rounds", []):
+    for r in record.rounds or ():
         for side in "ab":
-            m = r.get(side)
-            if not m or m.get("outcome") != "ok":
+            m = r.side(side)
+            if m is None or m.outcome is not Outcome.OK:
                 continue
-            if key == "peak" and m.get("memory"):
-                out[side].append(m["memory"]["peak_bytes"])
-            elif key == "time" and m.get("time") and m["time"].get("samples"):
-                out[side].append(m["time"]["update_seconds_median"])
+            if key == "peak" and m.memory is not None:
+                out[side].append(m.memory.peak_bytes)
+            elif key == "time" and m.time is not None and m.time.samples:
+                out[side].append(m.time.update_seconds_median)
     return out
 
 
-def _formula_pair(record: dict[str, Any], path: tuple[str, str]) -> list[float | None]:
-    f = record.get("formula") or {}
-    if not f.get("available"):
-        return [None, None]
-    return [f[s][path[0]].get(path[1]) for s in "ab"]
-
-
-def _inputs(record: dict[str, Any], kind: str, path: tuple[str, str], provenance: str):
+def _inputs(record: Record, kind: str, path: tuple[str, str], provenance: str):
     """Measured values per side, the formula's pair, whether anything was measured, and the sources to label."""
     measured = _side_values(record, kind)
-    formula = _formula_pair(record, path)
+    formula = [record.formula.figure(s, *path) for s in "ab"]
     has_measured = any(measured.values())
     sources = ((provenance,) if has_measured else ()) + (("formula",) if formula[0] is not None else ())
     return measured, formula, has_measured, sources
 
 
-def memory_figure(record: dict[str, Any]) -> Figure:
+def memory_figure(record: Record) -> Figure:
     measured, formula, has_measured, sources = _inputs(record, "peak", ("memory", "peak_bytes"), "allocator")
     fig, ax = _axes("Peak memory per update", sources)
     x = [0, 1]
@@ -99,7 +92,7 @@ def memory_figure(record: dict[str, Any]) -> Figure:
                   + ".", _png(fig))
 
 
-def time_figure(record: dict[str, Any]) -> Figure:
+def time_figure(record: Record) -> Figure:
     measured, formula, has_measured, sources = _inputs(record, "time", ("time", "update_seconds"), "wall-clock")
     fig, ax = _axes("Update time", sources)
     for i, s in enumerate("ab"):
@@ -120,25 +113,25 @@ def time_figure(record: dict[str, Any]) -> Figure:
                                                   else ": formula estimate") + ".", _png(fig))
 
 
-def ratio_figure(record: dict[str, Any]) -> Figure | None:
-    metrics = record.get("metrics") or {}
-    series = [(k, metrics[k]) for k in ("peak_memory", "update_time", "tokens_per_second")
-              if metrics.get(k, {}).get("paired_ratios")]
+def ratio_figure(record: Record) -> Figure | None:
+    metrics = record.metrics
+    series = [(k, metrics[k]) for k in (Metric.PEAK_MEMORY, Metric.UPDATE_TIME, Metric.TOKENS_PER_SECOND)
+              if k in metrics and metrics[k].paired_ratios]
     if not series:
         return None
     sources = ("allocator", "wall-clock", "formula")
     fig, ax = _axes("Paired ratio B/A per round", sources, size=(6.4, 3.6))
-    colors = {"peak_memory": "#4477aa", "update_time": "#ee6677", "tokens_per_second": "#228833"}
+    colors = {Metric.PEAK_MEMORY: "#4477aa", Metric.UPDATE_TIME: "#ee6677", Metric.TOKENS_PER_SECOND: "#228833"}
     for j, (k, m) in enumerate(series):
-        xs = [j + 0.08 * (i - (len(m["paired_ratios"]) - 1) / 2) for i in range(len(m["paired_ratios"]))]
-        ax.scatter(xs, m["paired_ratios"], color=colors[k], zorder=3)
-        lo, hi = m["band"]
+        n = len(m.paired_ratios)
+        ax.scatter([j + 0.08 * (i - (n - 1) / 2) for i in range(n)], m.paired_ratios, color=colors[k], zorder=3)
+        lo, hi = m.band
         ax.vlines(j, lo, hi, colors=colors[k], linewidth=6, alpha=0.3)
-        if m["formula"].get("ratio") is not None:
-            ax.hlines(m["formula"]["ratio"], j - 0.3, j + 0.3, colors="#555555", linestyles="dashed",
+        if m.formula.ratio is not None:
+            ax.hlines(m.formula.ratio, j - 0.3, j + 0.3, colors="#555555", linestyles="dashed",
                       label="formula B/A" if j == 0 else None)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(series)), [f"{METRIC_LABELS[k]}\n({m['provenance']})" for k, m in series], fontsize=8)
+    ax.set_xticks(range(len(series)), [f"{k.label}\n({m.provenance})" for k, m in series], fontsize=8)
     ax.set_ylabel("B / A")
     ax.legend(fontsize=8)
     return Figure("ratios", "Paired ratio B/A per round", sources,
@@ -147,12 +140,12 @@ def ratio_figure(record: dict[str, Any]) -> Figure | None:
                   "dashed: the formula's ratio.", _png(fig))
 
 
-def phase_figure(record: dict[str, Any]) -> Figure | None:
-    phases = ("data", "forward", "backward", "optimizer")
+def phase_figure(record: Record) -> Figure | None:
+    phases = UPDATE_PHASES
     split: dict[str, dict[str, float]] = {}
     for s in "ab":
-        per = [r[s]["time"]["phase_seconds"] for r in record.get("rounds", [])
-               if r.get(s) and r[s].get("time") and r[s]["time"].get("phase_seconds")]
+        sides = [r.side(s) for r in record.rounds or ()]
+        per = [m.time.phase_seconds for m in sides if m is not None and m.time is not None and m.time.phase_seconds]
         if per:
             split[s] = {p: statistics.median(d.get(p, 0.0) for d in per) for p in phases}
     if len(split) < 2:
@@ -165,13 +158,13 @@ def phase_figure(record: dict[str, Any]) -> Figure | None:
                   "forward, backward (all micro-batches) and the optimizer step.", _png(fig))
 
 
-def formula_breakdown_figure(record: dict[str, Any]) -> Figure | None:
-    f = record.get("formula") or {}
-    if not f.get("available"):
+def formula_breakdown_figure(record: Record) -> Figure | None:
+    if not record.formula.available:
         return None
-    parts = [k for k in f["a"]["memory"].get("at_peak", {}) if any(f[s]["memory"]["at_peak"].get(k) for s in "ab")]
+    at_peak = {s: record.formula.figure(s, "memory", "at_peak") or {} for s in "ab"}
+    parts = [k for k in at_peak["a"] if any(at_peak[s].get(k) for s in "ab")]
     fig, ax = _axes("Memory live at the peak", ("formula",))
-    _stacked(ax, record, {k: [f[s]["memory"]["at_peak"].get(k, 0) / 2**20 for s in "ab"] for k in parts}, "MiB")
+    _stacked(ax, record, {k: [at_peak[s].get(k, 0) / 2**20 for s in "ab"] for k in parts}, "MiB")
     return Figure("formula-terms", "Memory live at the peak", ("formula",),
                   "What the formula says is live at each side's peak (paper derivation, not a measurement); the "
                   "parts add up to the peak tensor bytes.", _png(fig))
@@ -180,7 +173,7 @@ def formula_breakdown_figure(record: dict[str, Any]) -> Figure | None:
 COLORS = ("#4477aa", "#ee6677", "#ccbb44", "#228833", "#66ccee", "#aa3377", "#bbbbbb", "#000000")
 
 
-def _stacked(ax, record: dict[str, Any], series: dict[str, list[float]], ylabel: str) -> None:
+def _stacked(ax, record: Record, series: dict[str, list[float]], ylabel: str) -> None:
     """One stacked bar per side (A, B), a segment per series."""
     bottom = [0.0, 0.0]
     for (label, vals), color in zip(series.items(), COLORS):
@@ -191,17 +184,17 @@ def _stacked(ax, record: dict[str, Any], series: dict[str, list[float]], ylabel:
     ax.legend(fontsize=8)
 
 
-def figures(record: dict[str, Any]) -> list[Figure]:
+def figures(record: Record) -> list[Figure]:
     out = [memory_figure(record), time_figure(record), ratio_figure(record), phase_figure(record)]
-    if record["kind"] == "formula-only":
+    if record.formula_only:
         out.append(formula_breakdown_figure(record))
     return [f for f in out if f is not None]
 
 
-def _side_text(record: dict[str, Any], side: str) -> str:
+def _side_text(record: Record, side: str) -> str:
     """The changed values and the global batch = micro x accum x DP of one side, for axis labels."""
-    c = record["sides"][side]
-    changed = [f"{ch['field']}={ch[side]}" for ch in record["change"]["requested"]]
-    changed += [f"{k}={v[0 if side == 'a' else 1]}" for k, v in record["change"]["derived"].items()]
+    c = record.sides[side]
+    changed = [f"{ch['field']}={ch[side]}" for ch in record.change["requested"]]
+    changed += [f"{k}={v[0 if side == 'a' else 1]}" for k, v in record.change["derived"].items()]
     return (", ".join(changed) + f"\n{c['micro_batch']} x {c['accum']} x {c['dp']} = "
             f"{c['micro_batch'] * c['accum'] * c['dp']}")

@@ -5,6 +5,7 @@ a large error means the formula's transformer does not describe this model.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -67,8 +68,10 @@ def comparisons(trace: TraceEstimate, est=None) -> list[Comparison]:
 
 
 def trace_to_json(trace: TraceEstimate, formula_est=None, formula_note: str | None = None) -> dict[str, Any]:
-    """The trace as JSON-ready values (for ``print_json``), with the formula comparison when given."""
-    out = to_jsonable(trace)
+    """The trace as JSON-ready values (for ``print_json``), with the formula comparison when given.
+    The timeline's samples are left out (``--timeline FILE.json`` writes them)."""
+    out = to_jsonable(dataclasses.replace(trace, timeline=None))
+    out.pop("timeline")
     out["comparison"] = [c.to_dict() for c in comparisons(trace, formula_est)]
     out["formula_note"] = formula_note
     return out
@@ -180,13 +183,23 @@ def render_tree(root: ModuleNode) -> Tree:
     return tree
 
 
-def show(cfg, tree: bool = False, as_json: bool = False, console: Console | None = None) -> TraceEstimate:
-    """What ``batchlab estimate --trace [--tree] [--json]`` prints: the trace beside the formula."""
+def show(cfg, tree: bool = False, as_json: bool = False, console: Console | None = None,
+         timeline: str | None = None) -> TraceEstimate:
+    """What ``batchlab estimate --trace [--tree] [--json] [--timeline FILE]`` prints: the trace beside the
+    formula; with ``timeline``, the update's memory timeline written to that file too."""
     from batchlab.cli.common import print_json
     from batchlab.measure.versus import formula_estimate
     from batchlab.trace import estimate
 
-    trace = estimate(cfg, tree=tree)
+    if timeline:
+        from batchlab.timeline.output import check_path, write
+
+        check_path(timeline)  # a wrong suffix fails before the trace runs
+    trace = estimate(cfg, tree=tree, timeline=bool(timeline))
+    if timeline:
+        write(trace.timeline, timeline)
+        (Console(stderr=True) if as_json else console or Console()).print(
+            f"memory timeline \\[trace] written to {escape(str(timeline))}")
     est, note = formula_estimate(cfg)
     if as_json:
         print_json(trace_to_json(trace, est, note))

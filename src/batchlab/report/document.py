@@ -3,7 +3,7 @@
 Both are rendered from one list of blocks, so they say the same thing.  Every figure names how its numbers
 were obtained (``formula`` / ``trace`` / ``allocator`` / ``wall-clock``) in its title, inside the image and
 in its caption; every report prints global batch = micro-batch x accum x DP for both sides.
-Figures: batchlab.experiment.figures (matplotlib, imported only when drawing).
+Figures: batchlab.report.plots (matplotlib, imported only when drawing).
 """
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from batchlab.config import ConfigError
-from batchlab.experiment.figures import METRIC_LABELS, Figure, figures
+from batchlab.experiment.predict import Direction
+from batchlab.experiment.record import Record
+from batchlab.report.plots import Figure, figures
 from batchlab.units import fmt_value
 
-
-SYMBOL = {"up": "↑ up", "down": "↓ down", "same": "≈ same", None: "-"}
 HELD = {True: "held", False: "missed", None: "-"}
+
+
+def direction_text(d: Direction | None) -> str:
+    """``↑ up`` / ``↓ down`` / ``≈ same``, or ``-`` when there is none."""
+    return f"{d.symbol} {d.value}" if d is not None else "-"
 
 
 def format_value(v: Any, unit: str) -> str:
@@ -30,15 +35,14 @@ def format_value(v: Any, unit: str) -> str:
 
 # ------------------------------------------------------------------------------------------ document
 
-def blocks(record: dict[str, Any]) -> list[tuple]:
+def blocks(r: Record) -> list[tuple]:
     """The report as blocks: ("h1"|"h2"|"p", text), ("ul", items), ("table", header, rows), ("figures",)."""
-    r = record
-    c = r["change"]
-    formula_only = r["kind"] == "formula-only"
-    out: list[tuple] = [("h1", f"Experiment #{r.get('notebook_id')}: {c['variable']}")]
-    out.append(("p", f"{r.get('created_at', '')} · status {r.get('status', 'complete')} · "
-                     + ("formula only — a paper derivation, nothing measured" if formula_only else "measured")
-                     + (f" · wall time {r['wall_seconds']:.1f} s" if r.get("wall_seconds") else "")))
+    c = r.change
+    status = r.status.value if r.status is not None else "complete"
+    out: list[tuple] = [("h1", f"Experiment #{r.notebook_id}: {c['variable']}")]
+    out.append(("p", f"{r.created_at} · status {status} · "
+                     + ("formula only — a paper derivation, nothing measured" if r.formula_only else "measured")
+                     + (f" · wall time {r.wall_seconds:.1f} s" if r.wall_seconds else "")))
     if c.get("confounded"):
         out.append(("p", "CONFOUNDED: more than one field changed; the effects cannot be attributed to one of them."))
     out += _setup_blocks(r)
@@ -46,77 +50,77 @@ def blocks(record: dict[str, Any]) -> list[tuple]:
     out += _diagnosis_blocks(r)
     out += _semantics_blocks(r)
     out.append(("h2", "Scope: what this result cannot support"))
-    out.append(("ul", r.get("scope") or ["-"]))
+    out.append(("ul", list(r.scope) or ["-"]))
     out += _factor_blocks(r)
     out.append(("h2", "Figures"))
     out.append(("figures",))
     return out
 
 
-def _setup_blocks(r: dict[str, Any]) -> list[tuple]:
-    cfg, c = r["config"], r["change"]
+def _setup_blocks(r: Record) -> list[tuple]:
+    cfg, c = r.config, r.change
     m = cfg["model"]
     out: list[tuple] = [("h2", "Setup")]
     items = [f"{side.upper()}: {c['global_batch_text'][side]}" for side in "ab"]
-    items.append(f"keep mode: {r['keep_mode']}")
+    items.append(f"keep mode: {r.keep_mode.value}")
     items.append(f"model {m['name']} ({cfg['model_source']}): {m['layers']} layers, hidden {m['hidden']}, heads "
                  f"{m['heads']}, vocab {m['vocab']}; seq {cfg['seq']}, precision {cfg['precision']}, activation "
                  f"checkpointing {cfg['ac']}, optimizer {cfg['optimizer']}, device {cfg['device']}")
-    p = r.get("protocol") or {}
-    if r["kind"] != "formula-only":
-        items.append(f"protocol: {p.get('rounds')} rounds {p.get('order')}, each side a fresh process, "
-                     f"{p.get('warmup')} warmup + {p.get('steps')} timed updates, threads "
-                     f"{p.get('threads') or 'torch default'}; token budget {p.get('token_budget'):,}")
+    p = r.protocol
+    if not r.formula_only:
+        items.append(f"protocol: {p.rounds} rounds {p.order}, each side a fresh process, "
+                     f"{p.warmup} warmup + {p.steps} timed updates, threads "
+                     f"{p.threads or 'torch default'}; token budget {p.token_budget:,}")
     out.append(("ul", items))
-    if r.get("warnings"):
-        out.append(("ul", [f"warning: {w}" for w in r["warnings"]]))
-    pred = r["predictions"]
+    if r.warnings:
+        out.append(("ul", [f"warning: {w}" for w in r.warnings]))
+    pred = r.predictions
     out.append(("h2", "Predictions (recorded before anything ran)"))
-    out.append(("ul", [f"you ({pred['user_source']}): "
-                       + (", ".join(f"{k} {v}" for k, v in pred["user"].items()) or "none"),
-                       "formula: " + (", ".join(f"{k} {v}" for k, v in pred["formula"].items() if v)
-                                      or (r.get("formula") or {}).get("reason", "none"))]))
+    out.append(("ul", [f"you ({pred.user_source}): "
+                       + (", ".join(f"{k.value} {v.value}" for k, v in pred.user.items()) or "none"),
+                       "formula: " + (", ".join(f"{k.value} {v.value}" for k, v in pred.formula.items() if v)
+                                      or r.formula.reason or "none")]))
     return out
 
 
-def _verdict_blocks(r: dict[str, Any]) -> list[tuple]:
-    if not r.get("metrics"):
-        why = f" (interrupted: {r['interrupted']})" if r.get("interrupted") else ""
+def _verdict_blocks(r: Record) -> list[tuple]:
+    if not r.metrics:
+        why = f" (interrupted: {r.interrupted})" if r.interrupted else ""
         return [("h2", "Verdict"), ("p", f"No verdict: the experiment did not finish{why}.")]
     rows = []
-    formula_only = r["kind"] == "formula-only"
-    for name, m in r["metrics"].items():
-        f = m.get("formula") or {}
-        f_ratio = f"{f['ratio']:.3g}" if f.get("ratio") is not None else "-"
-        if formula_only:
-            rows.append([METRIC_LABELS[name], format_value(f.get("a"), m["unit"]), format_value(f.get("b"), m["unit"]),
-                         f_ratio, SYMBOL[m["predicted_by_formula"]], SYMBOL[m["predicted_by_user"]], "formula"])
+    for metric, m in r.metrics.items():
+        f = m.formula
+        f_ratio = f"{f.ratio:.3g}" if f.ratio is not None else "-"
+        if r.formula_only:
+            rows.append([metric.label, format_value(f.a, m.unit), format_value(f.b, m.unit), f_ratio,
+                         direction_text(m.predicted_by_formula), direction_text(m.predicted_by_user), "formula"])
             continue
-        band = m.get("band")
-        rows.append([METRIC_LABELS[name], format_value(m["a"], m["unit"]), format_value(m["b"], m["unit"]),
-                     f"{m['ratio']:.3g}" if m.get("ratio") is not None else "-",
-                     f"{band[0]:.3g} – {band[1]:.3g}" if band else "-", SYMBOL[m["observed"]],
-                     f"{SYMBOL[m['predicted_by_user']]} ({HELD[m['held']['user']]})" if m["predicted_by_user"] else "-",
-                     f"{SYMBOL[m['predicted_by_formula']]} ({HELD[m['held']['formula']]})",
-                     f_ratio, m["provenance"]])
-    if formula_only:
+        band = m.band
+        rows.append([metric.label, format_value(m.a, m.unit), format_value(m.b, m.unit),
+                     f"{m.ratio:.3g}" if m.ratio is not None else "-",
+                     f"{band[0]:.3g} – {band[1]:.3g}" if band else "-", direction_text(m.observed),
+                     f"{direction_text(m.predicted_by_user)} ({HELD[m.held_user]})" if m.predicted_by_user else "-",
+                     f"{direction_text(m.predicted_by_formula)} ({HELD[m.held_formula]})",
+                     f_ratio, m.provenance])
+    if r.formula_only:
         header = ["metric", "A (formula)", "B (formula)", "B/A", "formula says", "you", "how obtained"]
         return [("h2", "Formula derivation (not an observation)"), ("table", header, rows)]
     header = ["metric", "A", "B", "B/A", "band", "observed", "you", "formula", "formula B/A", "how obtained"]
-    return [("h2", "Verdict"), ("table", header, rows), ("p", f"Band: {r['protocol']['band_method']}.")]
+    return [("h2", "Verdict"), ("table", header, rows), ("p", f"Band: {r.protocol.band_method}.")]
 
 
-def _diagnosis_blocks(r: dict[str, Any]) -> list[tuple]:
-    d = r.get("diagnosis") or {}
-    if not d.get("contradictions"):
+def _diagnosis_blocks(r: Record) -> list[tuple]:
+    d = r.diagnosis
+    if not d.contradictions:
         return []
-    items = [f"{c['who']} predicted {c['metric']} {c['predicted']}, observed {c['observed']}" for c in d["contradictions"]]
-    rows = [[str(i), c["question"], "yes" if c["flagged"] else "no", c["found"]] for i, c in enumerate(d["checks"], 1)]
+    items = [f"{c.who} predicted {c.metric.value} {c.predicted.value}, observed {c.observed.value}"
+             for c in d.contradictions]
+    rows = [[str(i), c.question, "yes" if c.flagged else "no", c.found] for i, c in enumerate(d.checks, 1)]
     return [("h2", "Diagnosis"), ("ul", items), ("table", ["#", "check", "could explain it", "found"], rows)]
 
 
-def _semantics_blocks(r: dict[str, Any]) -> list[tuple]:
-    s = r.get("semantics") or {}
+def _semantics_blocks(r: Record) -> list[tuple]:
+    s = r.semantics
     if not s:
         return []
     rows = [[i["name"], "yes" if i["touched"] else "no", i["why"], i["verified"] or "-"] for i in s["items"]]
@@ -127,8 +131,8 @@ def _semantics_blocks(r: dict[str, Any]) -> list[tuple]:
     return out
 
 
-def _factor_blocks(r: dict[str, Any]) -> list[tuple]:
-    f = r.get("factors") or {}
+def _factor_blocks(r: Record) -> list[tuple]:
+    f = r.factors or {}
     if not f:
         return []
     load = f.get("load_average") or {}
@@ -211,14 +215,14 @@ def to_html(bl: list[tuple], figs: list[Figure]) -> str:
     return "\n".join(parts)
 
 
-def write_report(record: dict[str, Any], out_dir: str | Path) -> list[Path]:
+def write_report(record: Record, out_dir: str | Path) -> list[Path]:
     """experiment-<id>.md (+ its PNG figures) and experiment-<id>.html (self-contained) in ``out_dir``."""
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError("report", f"cannot create the directory {out}: {e.strerror or e}") from None
-    stem = f"experiment-{record.get('notebook_id') or 'unsaved'}"
+    stem = f"experiment-{record.notebook_id or 'unsaved'}"
     figs = figures(record)
     names = {f.name: f"{stem}-{f.name}.png" for f in figs}
     bl = blocks(record)
@@ -232,14 +236,15 @@ def write_report(record: dict[str, Any], out_dir: str | Path) -> list[Path]:
     return paths
 
 
-def notebook_markdown(records: list[dict[str, Any]]) -> str:
+def notebook_markdown(records: list[Record]) -> str:
     """``notebook export --format md``: a summary table, then every experiment's report text (no figures)."""
     lines = ["# batchlab lab notebook", "", "| id | date | status | kind | variable | keep | verdict |",
              "|---|---|---|---|---|---|---|"]
     for r in records:
-        lines.append("| " + " | ".join(_md_cell(x) for x in (r.get("notebook_id"), r.get("created_at"), r.get("status"),
-                                                            r["kind"], r["change"]["variable"], r["keep_mode"],
-                                                            r.get("verdict") or "")) + " |")
+        status = r.status.value if r.status is not None else None
+        lines.append("| " + " | ".join(_md_cell(x) for x in (r.notebook_id, r.created_at, status, r.kind.value,
+                                                            r.change["variable"], r.keep_mode.value,
+                                                            r.verdict or "")) + " |")
     lines.append("")
     for r in records:
         bl = [b for b in blocks(r) if b[0] != "figures" and b != ("h2", "Figures")]

@@ -1,0 +1,48 @@
+"""The one entry that measures a config: one process, or one process per rank under torchrun.
+
+    from batchlab.run import measure
+    m = measure(cfg, MeasureOptions(steps=5, isolate=True))   # isolate: a fresh subprocess (measure/runner.py)
+
+It sits above ``measure`` (one process) and ``distributed`` (torchrun + DDP), so neither imports the other's
+entry point: DP > 1, or this process being one rank of a torchrun job, goes to ``distributed``; everything
+else to ``measure.session`` (in this process) or ``measure.runner`` (isolated).
+"""
+from __future__ import annotations
+
+import gc
+from typing import TYPE_CHECKING
+
+from batchlab.measure.options import MeasureOptions
+
+if TYPE_CHECKING:
+    from batchlab.config import RunConfig
+    from batchlab.measure.result import Measurement
+    from batchlab.measure.session import Progress
+
+
+def measure(cfg: "RunConfig", options: MeasureOptions | None = None,
+            progress: "Progress | None" = None) -> "Measurement":
+    """Measure ``cfg``.  Never raises for an out-of-memory, a crash or a timeout (they become the outcome);
+    raises ConfigError for user errors (a device that is absent, a budget that cannot hold the parameters,
+    a factory that does not import, ...)."""
+    from batchlab import distributed
+
+    options = options or MeasureOptions()
+    if distributed.in_torchrun():
+        return distributed.measure_in_torchrun(cfg, options)
+    if cfg.dp > 1:
+        return distributed.launch(cfg, options)
+    if options.isolate:
+        from batchlab.measure.runner import run_isolated
+
+        return run_isolated(cfg, options, progress)
+    import torch
+
+    from batchlab.measure.session import run_inprocess
+
+    try:
+        return run_inprocess(cfg, options, progress)
+    finally:
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()

@@ -1,0 +1,34 @@
+"""The timeline of a real update on this machine (``batchlab measure --timeline``).
+
+One untimed update after a steady-state one (AdamW makes its state lazily), in this process:
+on CPU (and MPS) with the live-storage tracker, the same recording as the trace, so the two agree op by
+op; on CUDA from the caching allocator's own history (batchlab.timeline.cuda).
+"""
+from __future__ import annotations
+
+import torch
+
+from batchlab.config import RunConfig
+from batchlab.measure.harness import Trainer, torch_device
+from batchlab.timeline.data import Timeline
+from batchlab.timeline.record import context, recorded_update
+from batchlab.trace.tree import OUTSIDE, ModuleStack
+
+
+def record(cfg: RunConfig, device: str | torch.device | None = None, trainer: Trainer | None = None) -> Timeline:
+    """Timeline of one steady-state update of ``cfg`` on ``device`` (default: the config's backend)."""
+    trainer = trainer or Trainer(cfg, torch_device(cfg, str(device) if device is not None else None))
+    if trainer.updates_done == 0:
+        trainer.update()
+    ctx = context(cfg)
+    if trainer.device.type == "cuda":
+        from batchlab.timeline.cuda import record_cuda
+
+        return record_cuda(trainer, ctx)
+    owners = ModuleStack(trainer.raw_model)
+    try:
+        snap, recorder = recorded_update(trainer, owners.current, OUTSIDE)
+    finally:
+        owners.close()
+    return recorder.timeline(provenance="allocator", method=f"live storage tracker on {trainer.device.type} "
+                             "(every tensor storage, freed by finalizer)", peak_bytes=snap.peak_bytes, **ctx)

@@ -1,0 +1,56 @@
+"""A measure function with known figures for the compare tests (the protocol calls it instead of a subprocess).
+
+The figures are chosen by each test so that the paired ratios are known by hand.
+"""
+from __future__ import annotations
+
+from batchlab.config import RunConfig
+from batchlab.experiment.change import parse_change
+from batchlab.experiment.compare import make_plan
+from batchlab.experiment.predict import parse_predictions
+from batchlab.measure.options import MeasureOptions
+from batchlab.measure.result import MeasuredMemory, MeasuredTime, Measurement, Outcome
+from batchlab.phase import Phase
+
+BASE = RunConfig(seq=16, micro_batch=2, accum=2)
+
+
+class FakeMeasure:
+    """Per side: peak bytes, and a median update time per round (5 samples around it); records the calls.
+
+    ``fail``: {(side, round): Outcome} to return instead of a result; ``raise_at``: call number that raises.
+    """
+
+    def __init__(self, a_b, peak=(1000, 1000), times=((1.0, 1.0),) * 3, phase="backward", fail=None,
+                 raise_at=None, exc=KeyboardInterrupt, data_share=0.0):
+        self.a, self.b = a_b
+        self.peak, self.times, self.phase = peak, times, phase
+        self.fail, self.raise_at, self.exc = fail or {}, raise_at, exc
+        self.data_share = data_share
+        self.calls: list[tuple[str, int]] = []
+
+    def __call__(self, cfg: RunConfig, options: MeasureOptions) -> Measurement:
+        assert options.isolate, "compare must measure every side in a fresh process"
+        side = "a" if cfg == self.a else "b"
+        rnd = sum(1 for s, _ in self.calls if s == side)
+        self.calls.append((side, rnd))
+        if self.raise_at is not None and len(self.calls) == self.raise_at:
+            raise self.exc()
+        i = 0 if side == "a" else 1
+        if (side, rnd) in self.fail:
+            return Measurement(cfg.to_dict(), self.fail[(side, rnd)], cfg.global_batch, outcome_detail="fake")
+        med = self.times[rnd][i]
+        samples = [med * 0.98, med, med * 1.01, med, med * 1.02]
+        phases = {"data": med * self.data_share, "forward": med * (1 - self.data_share) / 2,
+                  "backward": med * (1 - self.data_share) / 2}
+        tokens = cfg.global_batch * cfg.seq
+        return Measurement(cfg.to_dict(), Outcome.OK, cfg.global_batch,
+                           memory=MeasuredMemory(self.peak[i], self.peak[i] // 2, Phase(self.phase)),
+                           time=MeasuredTime(samples=samples, phase_seconds=phases, warmup=options.warmup),
+                           tokens_per_second=tokens / med, useful_tokens_per_update=tokens,
+                           environment={"torch_device": "cpu"})
+
+
+def plan_for(change="micro_batch=1:2", predict=None, **kw):
+    p = make_plan(BASE, [parse_change(change, BASE)], predictions=parse_predictions(predict), **kw)
+    return p
