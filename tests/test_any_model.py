@@ -15,7 +15,8 @@ from batchlab.config import ConfigError, RunConfig, resolve_model
 from batchlab.config.profile import Knots, Poly
 from batchlab.formula import estimate as formula_estimate
 from batchlab.formula.params import count
-from batchlab.measure import MeasureOptions, run
+from batchlab.measure import MeasureOptions
+from batchlab.run import measure as run
 from batchlab.trace import estimate as trace_estimate
 
 transformers = pytest.importorskip("transformers")
