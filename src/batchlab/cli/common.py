@@ -10,9 +10,9 @@ from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 
-from batchlab.config import (Assumptions, ConfigError, ModelSource, RunConfig, derive_accum, load_config_toml,
+from batchlab.config import (Assumptions, ConfigError, RunConfig, derive_accum, load_config_toml,
                              model_from_hf_config, parse_bytes, resolve_model)
-from batchlab.formula.profile import attach_cached
+from batchlab.formula.profile import attach_cached, needs_tracing
 
 AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), selective (keep every "
            "matmul), selective-op (torchtitan: every other matmul + SDPA), megatron-selective (attention core). "
@@ -91,7 +91,7 @@ def with_layer_profile(cfg: RunConfig) -> RunConfig:
     """An hf: model's layer profile attached (cached: no torch; first use: traced now, a few seconds), so
     the calculator describes the model's own code."""
     cfg = attach_cached(cfg)
-    if cfg.model_kind is not ModelSource.HF or cfg.model.matching_profile is not None:
+    if not needs_tracing(cfg):
         return cfg
     from batchlab.trace.profile import with_profile
 

@@ -11,13 +11,17 @@ import json
 from importlib import metadata
 from pathlib import Path
 
-from batchlab.config import ModelSource, Precision, RunConfig, to_jsonable
+from batchlab.config import ACMode, ModelSource, Precision, RunConfig, to_jsonable
 from batchlab.config.hf import hf_config_path
 from batchlab.config.profile import LayerProfile, Terms
 
 PROFILE_VERSION = 8  # bump when what a profile measures changes: old cache entries are then ignored
 # fp16 autocast keeps the same tensors as bf16 autocast (2-byte activations, fp32 master weights)
 _SAME_BYTES = {Precision.FP16_MIXED: Precision.BF16_MIXED}
+
+
+PROFILED_AC = (ACMode.NONE, ACMode.FULL, ACMode.EVERY, ACMode.SELECTIVE)
+PROFILED_PRECISIONS = (Precision.FP32, Precision.BF16_MIXED, Precision.BF16)  # the trainer's own precisions
 
 
 def profiled_precision(p: Precision) -> Precision:
@@ -45,7 +49,7 @@ def profile_key(cfg: RunConfig) -> str:
     path = hf_config_path(target)
     source = path.read_text() if path.is_file() else target
     parts = dict(v=PROFILE_VERSION, source=source, shape=cfg.model.shape_id(), torch=_version("torch"),
-                 transformers=_version("transformers"), backend=cfg.device_spec.backend.value)
+                 transformers=_version("transformers"), backend=cfg.device_spec.backend.value, loss=str(cfg.loss))
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -78,11 +82,18 @@ def attach_cached(cfg: RunConfig) -> RunConfig:
 
 
 def terms(cfg: RunConfig) -> Terms | None:
-    """The profile's terms for cfg's precision and sequence regime, if cfg's model carries a matching profile."""
+    """The profile's terms for cfg's precision and sequence regime, if cfg's model carries a matching profile
+    (profiles measure the policies none, full and selective; every:K mixes the first two)."""
     p = cfg.model.matching_profile
-    if p is None:
+    if p is None or cfg.ac.mode not in PROFILED_AC:
         return None
     return p.lookup(profiled_precision(cfg.precision).value, cfg.seq)
+
+
+def needs_tracing(cfg: RunConfig) -> bool:
+    """True when cfg (attached to its cache already) is an hf: model whose profile lacks cfg's terms."""
+    return (cfg.model_kind is ModelSource.HF and cfg.ac.mode in PROFILED_AC
+            and profiled_precision(cfg.precision) in PROFILED_PRECISIONS and terms(cfg) is None)
 
 
 def layer_terms_source(cfg: RunConfig, builtin: str) -> str:
@@ -90,8 +101,10 @@ def layer_terms_source(cfg: RunConfig, builtin: str) -> str:
     p = cfg.model.matching_profile
     if p is not None and terms(cfg) is not None:
         return f"profile ({p.source}, cached)"
+    if p is not None and cfg.ac.mode not in PROFILED_AC:
+        return f"builtin {builtin} (profiles measure AC none, full, every:K and selective, not {cfg.ac})"
     if p is not None:
-        return f"builtin {builtin} (the profile has no {cfg.precision} terms yet; rerun with it to trace them)"
+        return f"builtin {builtin} (the profile has no {cfg.precision} terms here yet; rerun with it to trace them)"
     if cfg.model.profile is not None:
         return f"builtin {builtin} (the profile was made for another shape; rerun to profile this one)"
     return f"builtin {builtin}"

@@ -215,7 +215,7 @@ def with_profile(cfg: RunConfig) -> RunConfig:
     if cfg.model_kind is not ModelSource.HF:
         return cfg
     cfg = cache.attach_cached(cfg)
-    if cache.terms(cfg) is not None:
+    if not cache.needs_tracing(cfg):
         return cfg
     profile = compute(cfg, base=cfg.model.matching_profile)
     cache.save(profile)
