@@ -182,8 +182,10 @@ def test_more_families_within_the_issue_bounds(tmp_path, model_type, fields, seq
     m = run(cfg, FAST)
     tr, est = trace_estimate(cfg).memory, formula_estimate(cfg).memory
     assert rel(tr.peak_bytes, m.memory.peak_bytes) <= 0.005
+    assert rel(tr.activations_bytes, m.memory.activations_bytes) <= 0.005
+    # bf16-mixed: the formula counts autocast's 16-bit weight copies with the parameters, the measurement
+    # with the activations (they are created in the forward), so the peak, which holds both, is compared
     assert rel(est.peak_tensor_bytes, m.memory.peak_bytes) <= 0.03
-    assert rel(est.activations_bytes, m.memory.activations_bytes) <= 0.03
 
 
 def test_a_factory_building_an_hf_model_gets_the_eager_branches(tmp_path, monkeypatch):

@@ -173,7 +173,12 @@ def build_hf_workload(cfg: RunConfig) -> Workload:
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # random-init notices are expected here
     try:
-        model = auto.from_config(config, attn_implementation=_attention(cfg, config.model_type))
+        try:
+            model = auto.from_config(config, attn_implementation=_attention(cfg, config.model_type))
+        except ValueError as e:  # a class without SDPA (Gemma2): its eager attention is the only code there is
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            model = auto.from_config(config, attn_implementation="eager")
     finally:
         transformers.logging.set_verbosity(verbosity)
     causal = head == "ForCausalLM"
