@@ -144,6 +144,7 @@ def test_profiled_formula_and_trace_match_a_real_run(profiled, ac):
     assert m.ok, m.outcome_detail
     tr, est = trace_estimate(cfg).memory, formula_estimate(cfg)
     assert est.layer_terms.startswith("profile (trace of 1 and 2 blocks")
+    assert est.to_dict()["layer_terms"] == est.layer_terms
     assert rel(tr.peak_bytes, m.memory.peak_bytes) <= 0.005
     assert rel(tr.activations_bytes, m.memory.activations_bytes) <= 0.005
     assert rel(est.memory.peak_tensor_bytes, m.memory.peak_bytes) <= 0.03

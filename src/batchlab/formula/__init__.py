@@ -51,7 +51,7 @@ class Estimate:
                 "global_batch": self.global_batch, "tokens_per_update": self.config.tokens_per_update,
                 "parameters": self.params.total, "memory": mem, "flops": to_jsonable(self.flops),
                 "time": to_jsonable(self.time), "training_checkpoint_bytes": self.training_checkpoint_bytes,
-                "assumptions": list(self.assumptions)}
+                "layer_terms": self.layer_terms, "assumptions": list(self.assumptions)}
 
 
 def training_checkpoint_bytes(cfg: RunConfig) -> int:
