@@ -131,7 +131,7 @@ def _knots(cfg: RunConfig, windowed: bool) -> list[tuple[int, int]]:
     fitted = sorted({s for _, s in _shapes(cfg, windowed)})
     w = cfg.model.sliding_window
     short = [] if windowed else [s for s in (16, 64) if s < fitted[0] and (not w or s < w)]
-    return [(b, s) for b in (1, 2, 3) for s in short + [fitted[0], fitted[-1]]]
+    return [(b, s) for b in (1, 2, 3) for s in short + fitted]  # past the last: the parabola through the fitted three
 
 
 def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool) -> tuple[Terms, int]:
