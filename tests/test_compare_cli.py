@@ -73,10 +73,13 @@ def test_formula_only_is_labelled_and_saved(tmp_path):
     assert d["kind"] == "formula-only" and d["notebook_id"] == 1
     assert all(m["observed"] is None for m in d["metrics"].values())
     assert d["metrics"]["peak_memory"]["held"] == {"user": None, "formula": None}
+    # nothing was measured: every figure is the formula's, none labelled allocator or wall-clock
+    assert {m["provenance"] for m in d["metrics"].values()} == {"formula"}
     stored = Notebook(tmp_path / "nb.sqlite").get(1)
     assert stored.status.value == "complete" and stored.kind.value == "formula-only"
     r = invoke(*SMALL, "--formula-only", "--change", "ac=none:full", "--notebook", str(tmp_path / "nb.sqlite"))
     assert "formula only (paper derivation, nothing measured)" in " ".join(r.stdout.split())
+    assert "prediction (none)" not in r.stdout and "your prediction: none written down" in r.stdout
 
 
 def test_no_prompt_without_a_terminal_and_a_prompt_with_one(tmp_path, monkeypatch):
@@ -115,13 +118,14 @@ def test_compare_verdicts_from_known_measurements(tmp_path, monkeypatch):
 
     # per round, A and B medians: paired ratios B/A = 1.2, 1.5, 1.3 although A drifts 2x between rounds
     fake = FirstIsA((None, None), peak=(1000, 1500), times=((1.0, 1.2), (2.0, 3.0), (1.5, 1.95)))
-    monkeypatch.setattr(protocol, "_default_measure", fake)
+    monkeypatch.setattr(protocol, "default_measure", fake)
     nb = tmp_path / "nb.sqlite"
     r = invoke(*SMALL, "--predict", "memory=up,time=same", "--no-verify", "--notebook", str(nb), "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
-    assert ISSUE_KEYS <= set(d) and d["schema"] == 2
+    assert ISSUE_KEYS <= set(d) and d["schema"] == 3
     assert fake.calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert fake.timeline_asked == [("a", 0), ("b", 0)] and set(d["timelines"]) == {"a", "b"}
     t = d["metrics"]["update_time"]
     assert METRIC_KEYS <= set(t)
     assert t["paired_ratios"] == pytest.approx([1.2, 1.5, 1.3]) and t["ratio"] == pytest.approx(1.3)
@@ -163,7 +167,7 @@ def test_a_side_that_fails_to_run_exits_1_with_the_record_saved(tmp_path, monkey
             return Measurement(cfg.to_dict(), Outcome.FAILED, cfg.global_batch, outcome_detail="killed by SIGKILL")
         return FakeMeasure((cfg, None))(cfg, options)
 
-    monkeypatch.setattr(protocol, "_default_measure", measure)
+    monkeypatch.setattr(protocol, "default_measure", measure)
     nb = tmp_path / "nb.sqlite"
     r = invoke(*SMALL, "--no-verify", "--notebook", str(nb), "--json")
     assert r.exit_code == 1, r.output

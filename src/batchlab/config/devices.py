@@ -185,6 +185,9 @@ def local_device() -> str:
     return key
 
 
+CUSTOM_FP32_ASSUMED = "custom; fp32 rate not given, assumed tflops/8 (give fp32_tflops=)"
+
+
 def _custom_device(text: str) -> DeviceSpec:
     """``custom:mem=80GB,tflops=400,fp32_tflops=50,hbm=2e12,link=300e9,net=25e9,backend=cuda``."""
     known = {"mem", "tflops", "fp32_tflops", "hbm", "link", "net", "backend"}
@@ -202,7 +205,8 @@ def _custom_device(text: str) -> DeviceSpec:
                           parse_bytes("device", values["mem"]), tf,
                           float(values.get("fp32_tflops", float(values["tflops"]) / 8)) * T,
                           float(values.get("hbm", 1e12)), float(values.get("link", 100e9)),
-                          float(values.get("net", 25e9)), source="custom")
+                          float(values.get("net", 25e9)),
+                          source="custom" if "fp32_tflops" in values else CUSTOM_FP32_ASSUMED)
     except ValueError as e:
         raise ConfigError("device", f"custom device: {e}") from None
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchlab.config import ConfigError, RunConfig, to_jsonable
-from batchlab.experiment import factors
+from batchlab.experiment import factors, protocol
 from batchlab.experiment.change import Change, KeepMode, Sides, build_sides
 from batchlab.experiment.diagnosis import Context, diagnose
 from batchlab.experiment.notebook import Notebook
@@ -24,6 +24,7 @@ from batchlab.experiment.scope import scope
 from batchlab.experiment.semantics import semantics
 from batchlab.experiment.verdict import BAND_METHOD, contradictions, summary, verdicts
 from batchlab.measure.options import MeasureOptions
+from batchlab.timeline.data import Timeline, compact
 
 DEFAULT_CHANGE = "micro_batch=1:2"
 DEFAULT_TOKEN_BUDGET = 10_000_000  # tokens; the ratio does not depend on it (steady state), the seconds do
@@ -127,7 +128,7 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
     """Carry the plan out; the notebook row is begun before measuring and completed at the end."""
     preflight(plan)
     t0 = time.perf_counter()
-    before = factors.Snapshot()
+    before = factors.Watch().start()  # samples what else uses the CPU until finish() stops it
     formula, pred = _formula(plan.sides, plan.token_budget)
     record = initial_record(plan, formula, pred)
     exp_id = notebook.begin(record) if notebook is not None else None
@@ -136,7 +137,8 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
         rounds = None
         if not plan.formula_only:
             with threads_env(plan.threads):
-                rounds = interleave(plan.sides.a, plan.sides.b, plan.rounds, plan.options, measure, progress)
+                rounds = interleave(plan.sides.a, plan.sides.b, plan.rounds, plan.options,
+                                    _timeline_first(measure), progress)
         record = finish(record, plan, rounds, pred, verify, before)
     except ConfigError:
         if notebook is not None and exp_id is not None:
@@ -146,6 +148,8 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
         if notebook is not None and exp_id is not None:
             notebook.interrupt(exp_id, (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:300])
         raise
+    finally:
+        before.stop()
     record = record.with_(wall_seconds=time.perf_counter() - t0, finished_at=now())
     if notebook is not None and exp_id is not None:
         notebook.complete(exp_id, record)
@@ -153,15 +157,40 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
     return record
 
 
+def _timeline_first(measure: MeasureFn | None) -> MeasureFn:
+    """``measure`` (default: protocol.default_measure, isolated) asked for a memory timeline on each side's
+    first call only: one more untimed update in that measuring process; the other rounds are not slowed."""
+    seen: list[RunConfig] = []
+
+    def first_with_timeline(cfg: RunConfig, options: MeasureOptions):
+        first = cfg not in seen
+        seen.append(cfg)
+        return (measure or protocol.default_measure)(cfg, replace(options, timeline=first))
+    return first_with_timeline
+
+
+def _timelines(rounds: Rounds) -> tuple[dict[str, Timeline], tuple[Round, ...]]:
+    """Each side's timeline (from its first measurement that has one, compacted for storage) and the rounds
+    without timelines, so the record keeps one per side."""
+    found: dict[str, Timeline] = {}
+    for side in "ab":
+        t = next((m.timeline for m in rounds.side(side) if m is not None and m.timeline is not None), None)
+        if t is not None:
+            found[side] = compact(t)
+    bare = lambda m: replace(m, timeline=None) if m is not None else None  # noqa: E731
+    return found, tuple(Round(bare(ma), bare(mb), tuple(sec)) for ma, mb, sec in zip(rounds.a, rounds.b,
+                                                                                      rounds.seconds))
+
+
 def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_pred: FormulaPrediction | None,
-           verify: bool, before: factors.Snapshot) -> Record:
+           verify: bool, before: factors.Watch) -> Record:
     """The record with verdicts, diagnosis, semantics, scope and factors."""
     s = plan.sides
     vs = verdicts(rounds, plan.predictions, formula_pred, plan.token_budget)
     done: dict[str, Any] = {"metrics": vs, "verdict": ("formula only: " if plan.formula_only else "") + summary(vs)}
     devices: set[str] = set()
     if rounds is not None:
-        done["rounds"] = tuple(Round(ma, mb, tuple(sec)) for ma, mb, sec in zip(rounds.a, rounds.b, rounds.seconds))
+        done["timelines"], done["rounds"] = _timelines(rounds)
         done["warnings"] = record.warnings + tuple(rounds.skipped)
         devices = {str(m.environment.get("torch_device")) for m in rounds.a + rounds.b
                    if m is not None and m.environment.get("torch_device")}
@@ -177,7 +206,7 @@ def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_
     from batchlab.formula.params import count
 
     done["scope"] = tuple(scope(s.a, s.b, devices, measured=rounds is not None, parameters=count(s.a.model).total))
-    done["factors"] = factors.uncontrolled(before, factors.Snapshot(), _noise(rounds, vs), plan.note)
+    done["factors"] = factors.uncontrolled(before, _noise(rounds, vs), plan.note)
     return record.with_(**done)
 
 

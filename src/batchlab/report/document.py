@@ -26,6 +26,11 @@ def direction_text(d: Direction | None) -> str:
     return f"{d.symbol} {d.value}" if d is not None else "-"
 
 
+def observed_text(m) -> str:
+    """The observed direction of a MetricRecord, or why there is none (noise)."""
+    return "? inconclusive (noise)" if m.inconclusive else direction_text(m.observed)
+
+
 def format_value(v: Any, unit: str) -> str:
     """Display only; the outcome metric shows as fits / OOM."""
     if unit == "outcome" and v is not None:
@@ -36,7 +41,8 @@ def format_value(v: Any, unit: str) -> str:
 # ------------------------------------------------------------------------------------------ document
 
 def blocks(r: Record) -> list[tuple]:
-    """The report as blocks: ("h1"|"h2"|"p", text), ("ul", items), ("table", header, rows), ("figures",)."""
+    """The report as blocks: ("h1"|"h2"|"p", text), ("ul", items), ("table", header, rows), ("figures",),
+    ("timeline", a, b, labels)."""
     c = r.change
     status = r.status.value if r.status is not None else "complete"
     out: list[tuple] = [("h1", f"Experiment #{r.notebook_id}: {c['variable']}")]
@@ -52,6 +58,7 @@ def blocks(r: Record) -> list[tuple]:
     out.append(("h2", "Scope: what this result cannot support"))
     out.append(("ul", list(r.scope) or ["-"]))
     out += _factor_blocks(r)
+    out += timeline_blocks(r)
     out.append(("h2", "Figures"))
     out.append(("figures",))
     return out
@@ -98,15 +105,18 @@ def _verdict_blocks(r: Record) -> list[tuple]:
         band = m.band
         rows.append([metric.label, format_value(m.a, m.unit), format_value(m.b, m.unit),
                      f"{m.ratio:.3g}" if m.ratio is not None else "-",
-                     f"{band[0]:.3g} – {band[1]:.3g}" if band else "-", direction_text(m.observed),
+                     f"{band[0]:.3g} – {band[1]:.3g}" if band else "-", observed_text(m),
                      f"{direction_text(m.predicted_by_user)} ({HELD[m.held_user]})" if m.predicted_by_user else "-",
                      f"{direction_text(m.predicted_by_formula)} ({HELD[m.held_formula]})",
                      f_ratio, m.provenance])
     if r.formula_only:
         header = ["metric", "A (formula)", "B (formula)", "B/A", "formula says", "you", "how obtained"]
         return [("h2", "Formula derivation (not an observation)"), ("table", header, rows)]
-    header = ["metric", "A", "B", "B/A", "band", "observed", "you", "formula", "formula B/A", "how obtained"]
-    return [("h2", "Verdict"), ("table", header, rows), ("p", f"Band: {r.protocol.band_method}.")]
+    header = ["metric", "A (median)", "B (median)", "B/A (paired median)", "band", "observed", "you", "formula",
+              "formula B/A", "how obtained"]
+    noise = [f"{metric.label}: {m.note}" for metric, m in r.metrics.items() if m.inconclusive]
+    return [("h2", "Verdict"), ("table", header, rows), ("p", f"Band: {r.protocol.band_method}.")] + \
+        ([("ul", noise)] if noise else [])
 
 
 def _diagnosis_blocks(r: Record) -> list[tuple]:
@@ -144,7 +154,9 @@ def _factor_blocks(r: Record) -> list[tuple]:
                   + ", ".join(f"{k.upper()} {v:.0%}" for k, v in spread.items() if v is not None)
                   + (f"; paired update-time ratios {band[0]:.3g} – {band[1]:.3g}" if band else "")) if spread else "not measured"
     items = [f"load average before {load.get('before')}, after {load.get('after')} ({f.get('cpu_count')} CPUs)",
-             f"other busy processes: {busy.get('count', 0)} "
+             f"other processes' CPU use during the run: {(f.get('other_cpu') or {}).get('cores', 'n/a')} cores "
+             "(machine-wide busy time minus this experiment's)",
+             f"other busy processes (sampled during the run): {busy.get('count', 0)} "
              + ", ".join(f"{p['name']} (pid {p['pid']}, {p['cpu_share']:.0%})" for p in busy.get("top", [])),
              f"CPU frequency (MHz) before {(f.get('cpu_mhz') or {}).get('before')}, after "
              f"{(f.get('cpu_mhz') or {}).get('after')}",
@@ -152,6 +164,34 @@ def _factor_blocks(r: Record) -> list[tuple]:
     if f.get("note"):
         items.append(f"note: {f['note']}")
     return [("h2", "Uncontrolled factors"), ("ul", items)]
+
+
+def side_labels(r: Record) -> tuple[str, str]:
+    """``("A: micro_batch=1, accum=8", "B: micro_batch=2, accum=4")``: the requested and derived fields."""
+    c = r.change
+    values = {side: [f"{x['field']}={x[side]}" for x in c["requested"]]
+              + [f"{k}={v[i]}" for k, v in c["derived"].items()] for i, side in enumerate("ab")}
+    return f"A: {', '.join(values['a'])}", f"B: {', '.join(values['b'])}"
+
+
+def timeline_blocks(r: Record) -> list[tuple]:
+    """Both sides' memory timelines on one axis: ("timeline", a, b, labels), or why there is none."""
+    if r.formula_only:
+        return []
+    out: list[tuple] = [("h2", "Memory over one update, A and B on one axis")]
+    missing = [s.upper() for s in "ab" if s not in r.timelines]
+    if missing:
+        return out + [("p", f"No memory timeline for side {' and '.join(missing)}: each side's is recorded in its "
+                            "first measured round (not by a run that failed or ran out of memory, nor by DDP "
+                            "ranks, nor by records written before schema 3).")]
+    a, b = r.timelines["a"], r.timelines["b"]
+    peaks = "; ".join(f"{label}: peak {fmt_value(t.peak_bytes, 'bytes')} in {t.peak_phase.label} "
+                      f"[{t.provenance}: {t.method}]" for label, t in zip(side_labels(r), (a, b)))
+    return out + [("p", "Live tensor bytes over one steady-state update of each side (x: fraction of the "
+                        "update's ops), recorded in the measuring process after warmup; the thin line is "
+                        "what forward made and backward still needs (activations, logits, recompute), the "
+                        f"dotted bars the formula's phase peaks. {peaks}."),
+                  ("timeline", a, b, side_labels(r))]
 
 
 # ------------------------------------------------------------------------------------------ writers
@@ -177,6 +217,8 @@ def to_markdown(bl: list[tuple], figs: list[Figure], image_names: dict[str, str]
             lines.append("|" + "---|" * len(b[1]))
             lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in b[2]]
             lines.append("")
+        elif kind == "timeline" and "timeline" in image_names:
+            lines += [f"![Memory over one update, A and B]({image_names['timeline']})", ""]
         elif kind == "figures":
             for i, f in enumerate(figs, 1):
                 lines += [f"![Figure {i}: {f.title} ({f.label})]({image_names[f.name]})", "",
@@ -187,7 +229,7 @@ def to_markdown(bl: list[tuple], figs: list[Figure], image_names: dict[str, str]
 CSS = ("body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}"
        "table{border-collapse:collapse;margin:.5rem 0}td,th{border:1px solid #ccc;padding:.25rem .5rem;"
        "font-size:.9rem;vertical-align:top}th{background:#f3f3f3}figure{margin:1rem 0}"
-       "figcaption{font-size:.85rem;color:#444}.src{font-weight:bold}")
+       "figcaption{font-size:.85rem;color:#444}.src{font-weight:bold}.timeline svg{width:100%;height:auto}")
 
 
 def to_html(bl: list[tuple], figs: list[Figure]) -> str:
@@ -205,6 +247,8 @@ def to_html(bl: list[tuple], figs: list[Figure]) -> str:
             head = "".join(f"<th>{e(str(h))}</th>" for h in b[1])
             body = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in b[2])
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif kind == "timeline":
+            parts.append(f"<figure class='timeline'>{_pair_svg(b)}</figure>")
         elif kind == "figures":
             for i, f in enumerate(figs, 1):
                 data = base64.b64encode(f.png).decode("ascii")
@@ -213,6 +257,23 @@ def to_html(bl: list[tuple], figs: list[Figure]) -> str:
                              f"{e(f.caption)}</figcaption></figure>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _pair_svg(block: tuple) -> str:
+    from batchlab.timeline.pair import pair_svg
+
+    return pair_svg(block[1], block[2], block[3])
+
+
+def _write_timeline_png(bl: list[tuple], path: Path) -> bool:
+    """The pair chart beside the Markdown, when the report has one."""
+    block = next((b for b in bl if b[0] == "timeline"), None)
+    if block is None:
+        return False
+    from batchlab.timeline.pair import write_pair_png
+
+    write_pair_png(block[1], block[2], path, block[3])
+    return True
 
 
 def write_report(record: Record, out_dir: str | Path) -> list[Path]:
@@ -229,6 +290,8 @@ def write_report(record: Record, out_dir: str | Path) -> list[Path]:
     paths = []
     for f in figs:
         (out / names[f.name]).write_bytes(f.png)
+    if _write_timeline_png(bl, out / f"{stem}-timeline.png"):
+        names["timeline"] = f"{stem}-timeline.png"
     md, page = out / f"{stem}.md", out / f"{stem}.html"
     md.write_text(to_markdown(bl, figs, names))
     page.write_text(to_html(bl, figs))
@@ -247,7 +310,7 @@ def notebook_markdown(records: list[Record]) -> str:
                                                             r.verdict or "")) + " |")
     lines.append("")
     for r in records:
-        bl = [b for b in blocks(r) if b[0] != "figures" and b != ("h2", "Figures")]
+        bl = [b for b in blocks(r) if b[0] not in ("figures", "timeline") and b != ("h2", "Figures")]
         text = to_markdown(bl, [], {})
         # one level down: each experiment is a section of the notebook
         lines.append("\n".join(("#" + line) if line.startswith("#") else line for line in text.splitlines()))

@@ -43,7 +43,7 @@ class _Probe:
         t = self.tracker
         if phase == "backward":  # the tracker's own bookkeeping: storage -> (bytes, category)
             new = [(n, cat) for k, (n, cat) in t._live.items() if k not in t._forward_start_keys]
-            self.kept = sum(n for n, cat in new if cat != "parameters")
+            self.kept = sum(n for n, cat in new if cat == "activations")
             self.copies = sum(n for n, cat in new if cat == "parameters")
             self.at_backward = t._current
         t.mark(phase)
