@@ -12,6 +12,7 @@ import typer
 
 from batchlab.config import (Assumptions, ConfigError, RunConfig, derive_accum, load_config_toml,
                              model_from_hf_config, parse_bytes, resolve_model)
+from batchlab.formula.profile import attach_cached, needs_tracing
 
 AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), selective (keep every "
            "matmul), selective-op (torchtitan: every other matmul + SDPA), megatron-selective (attention core). "
@@ -24,7 +25,7 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "config": (Optional[str], None, "TOML file with a \\[config] table (as `batchlab fit` prints); the flags you "
                                     "type override it."),
     "model": (str, "tiny", "Preset (tiny, small, gpt2, llama-2-7b, ...), hf:NAME_OR_CONFIG.json, or package.module:factory."),
-    "hf_config": (Optional[str], None, "Read the model shape from a Hugging Face config.json on disk."),
+    "hf_config": (Optional[str], None, "A Hugging Face config.json (or its directory): the same as --model hf:FILE."),
     "layers": (Optional[int], None, "Override: number of transformer layers."),
     "hidden": (Optional[int], None, "Override: hidden size h."),
     "heads": (Optional[int], None, "Override: attention heads a."),
@@ -71,13 +72,13 @@ def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
     line; default: those whose value differs from the default) override it.
     """
     if not o.get("config"):
-        return _config_from_flags(**o)
+        return with_layer_profile(_config_from_flags(**o))
     base = load_config_toml(o["config"])
     if given is None:
         given = {k for k, (_, default, _) in CONFIG_OPTIONS.items() if k != "config" and o.get(k, default) != default}
     # merge first, validate once: the typed flags are raw values applied to the file's config in one replace,
     # so --seq is checked against the file's model, not the flags' default one
-    return base.replace(**_typed_changes(base, given, o))
+    return with_layer_profile(base.replace(**_typed_changes(base, given, o)))
 
 
 def _typed_changes(base: RunConfig, given: set[str], o: dict[str, Any]) -> dict[str, Any]:
@@ -104,8 +105,25 @@ def _model_from_flags(o: dict[str, Any]):
     """(ModelSpec, model_source) from --model / --hf-config and the shape overrides."""
     overrides = {k: o.get(k) for k in MODEL_OVERRIDES}
     if o.get("hf_config"):
-        return model_from_hf_config(o["hf_config"], **overrides), "builtin"
+        # one path for a config.json: the HF model's own code, as --model hf:FILE
+        return model_from_hf_config(o["hf_config"], "hf_config", **overrides), f"hf:{o['hf_config']}"
     return resolve_model(o.get("model") or "tiny", **overrides)
+
+
+def with_layer_profile(cfg: RunConfig) -> RunConfig:
+    """An hf: model's layer profile attached (cached: no torch; first use: traced now, a few seconds), so
+    the calculator describes the model's own code."""
+    cfg = attach_cached(cfg)
+    if not needs_tracing(cfg):
+        return cfg
+    from batchlab.trace.profile import with_profile
+
+    typer.echo(f"profiling {cfg.model_source}'s layers on fake tensors (once; cached) ...", err=True)
+    try:
+        return with_profile(cfg)
+    except ConfigError as e:
+        typer.echo(f"warning: no layer profile ({e}); the calculator uses its built-in layer terms", err=True)
+        return cfg
 
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "loss", "zero", "device", "memory_budget",

@@ -86,6 +86,7 @@ class AttentionImpl(_Choice):
 class PositionKind(_Choice):
     LEARNED = "learned"  # GPT-2 position embedding table
     ROPE = "rope"  # rotary (Llama): no parameters
+    ALIBI = "alibi"  # attention biases (BLOOM, Falcon-RW): no parameters
 
 
 class ACMode(_Choice):

@@ -3,12 +3,12 @@ the notebook), TOML ``[config]`` tables, Hugging Face ``config.json`` files and 
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
 from batchlab.config.choices import ConfigError
-from batchlab.config.model import GPT2_FAMILY, LLAMA_FAMILY, ModelSpec, preset
+from batchlab.config.hf import hf_config_path, read_hf_config, spec_fields
+from batchlab.config.model import ModelSpec, preset
 from batchlab.config.run import CHANGEABLE_FIELDS, RUN_FIELDS, Assumptions, RunConfig
 from batchlab.config.values import parse_bytes, read_file
 
@@ -78,47 +78,36 @@ def parse_field_value(name: str, text: Any) -> Any:
     return text
 
 
-def model_from_hf_config(path: str | Path, **overrides: Any) -> ModelSpec:
-    """Read a Hugging Face ``config.json`` (GPT-2 or Llama families) from disk; no network, no transformers."""
-    p = Path(path)
-    raw = read_file("hf_config", p, json.loads, "JSON")
-    if not isinstance(raw, dict):
-        raise ConfigError("hf_config", f"{p} does not hold a JSON object")
-    kind = str(raw.get("model_type", "")).lower()
-    try:
-        if kind in ("gpt2",):
-            values = dict(GPT2_FAMILY, layers=raw["n_layer"], hidden=raw["n_embd"], heads=raw["n_head"],
-                          vocab=raw["vocab_size"], max_positions=raw.get("n_positions", 1024),
-                          ffn=raw.get("n_inner") or None, tied_embeddings=raw.get("tie_word_embeddings", True),
-                          dropout=float(raw.get("resid_pdrop", 0.0) or 0.0))
-        elif kind in ("llama", "mistral", "qwen2"):
-            values = dict(LLAMA_FAMILY, layers=raw["num_hidden_layers"], hidden=raw["hidden_size"],
-                          heads=raw["num_attention_heads"],
-                          kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-                          ffn=raw["intermediate_size"], vocab=raw["vocab_size"],
-                          max_positions=raw.get("max_position_embeddings", 4096),
-                          tied_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                          bias=bool(raw.get("attention_bias", False)))
-        else:
-            raise ConfigError("hf_config", f"model_type {kind!r} is not supported; supported: gpt2, llama, mistral, qwen2")
-    except KeyError as e:
-        raise ConfigError("hf_config", f"{p} lacks the field {e.args[0]!r}") from None
+def model_from_hf_config(path: str | Path, field_name: str = "hf_config", **overrides: Any) -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (or a directory holding one; any model_type) from disk; no network,
+    no transformers.  Overrides (layers, hidden, ...) replace what the file says."""
+    raw = read_hf_config(path, field_name)
+    values = spec_fields(raw, str(hf_config_path(path)))
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return ModelSpec(name=f"hf:{p}", **values)
+    return ModelSpec(name=f"hf:{path}", **values)
 
 
 HF_FAMILIES = {"llama": "llama-2-7b", "gpt2": "gpt2"}
 
 
+def _is_hf_file(target: str) -> bool:
+    return target.endswith(".json") or hf_config_path(target).is_file()
+
+
 def resolve_model(arg: str, **overrides: Any) -> tuple[ModelSpec, str]:
-    """``--model``'s value -> (shape for the calculator, model_source for the harness)."""
+    """``--model``'s value -> (shape for the calculator, model_source for the harness).
+
+    ``hf:FILE_OR_DIR`` (a config.json or a directory holding one, any model_type), ``hf:NAME`` (a batchlab
+    preset built with transformers' GPT-2 or Llama classes), a preset, or ``package.module:factory``.
+    """
     if not isinstance(arg, str) or not arg.strip():
         raise ConfigError("model", "must be a preset name, hf:NAME_OR_CONFIG.json or package.module:factory")
     arg = arg.strip()
     if arg.startswith("hf:"):
         target = HF_FAMILIES.get(arg[3:], arg[3:])
-        spec = model_from_hf_config(target, **overrides) if target.endswith(".json") else preset(target, **overrides)
-        return spec, arg
+        if _is_hf_file(target):
+            return model_from_hf_config(target, "model", **overrides), arg
+        return preset(target, **overrides), arg
     if ":" in arg:  # package.module:factory — the calculator cannot see inside it; the shape is a stand-in
         return preset("tiny", **overrides), arg
     return preset(arg, **overrides), "builtin"

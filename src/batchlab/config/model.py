@@ -1,10 +1,11 @@
 """The model's shape (ModelSpec) and the published presets.  Pure Python."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from batchlab.config.choices import AttentionImpl, ConfigError, MLPKind, NormKind, PositionKind
+from batchlab.config.profile import LayerProfile
 from batchlab.config.values import whole_number
 
 
@@ -27,6 +28,11 @@ class ModelSpec:
     position: PositionKind = PositionKind.LEARNED
     max_positions: int = 1024
     bias: bool = True  # biases on linear layers and norms (GPT-2 yes, Llama no)
+    qkv_bias: bool | None = None  # biases on q, k, v only (Qwen2); None: as ``bias``
+    family: str = ""  # the Hugging Face model_type it was read from ("": batchlab's own GPT shape)
+    sliding_window: int | None = None  # attention window (Mistral): at seq >= window the code path changes
+    # the model's own code, traced and fitted (trace/profile.py); None: the calculator's built-in terms
+    profile: LayerProfile | None = None
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -46,7 +52,11 @@ class ModelSpec:
         if self.ffn is None:
             set_(self, "ffn", default_ffn(self.hidden, self.mlp))
         whole_number("ffn", self.ffn)
-        for name in ("tied_embeddings", "bias"):
+        if self.qkv_bias is None:
+            set_(self, "qkv_bias", self.bias)
+        if self.profile is not None:
+            set_(self, "profile", LayerProfile.from_dict(self.profile))
+        for name in ("tied_embeddings", "bias", "qkv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
@@ -60,6 +70,20 @@ class ModelSpec:
     @property
     def kv_hidden(self) -> int:
         return self.kv_heads * self.head_dim
+
+    def shape_id(self) -> str:
+        """Every field a layer profile depends on (not the layer count, which it is a function of)."""
+        skip = ("name", "layers", "max_positions", "profile")
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name not in skip)
+
+    def with_profile(self, profile: LayerProfile | None) -> "ModelSpec":
+        return replace(self, profile=profile)
+
+    @property
+    def matching_profile(self) -> LayerProfile | None:
+        """The profile if it was made for this shape (a --vary hidden=... makes it stale), else None."""
+        p = self.profile
+        return p if p is not None and p.shape == self.shape_id() else None
 
 
 def default_ffn(hidden: int, mlp: MLPKind) -> int:

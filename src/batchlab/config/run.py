@@ -135,7 +135,7 @@ class Assumptions:
 
 
 # Fields users may name in --change / --vary / replace(); model fields route into ModelSpec.
-MODEL_FIELDS = tuple(f.name for f in fields(ModelSpec) if f.name != "name")
+MODEL_FIELDS = tuple(f.name for f in fields(ModelSpec) if f.name not in ("name", "profile", "family"))
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,8 @@ class RunConfig:
             raise ConfigError("device", f"must be a device name, got {self.device!r}")
         if self.zero > 3:
             raise ConfigError("zero", f"must be 0, 1, 2 or 3, got {self.zero}")
-        if self.seq > self.model.max_positions:
+        if self.seq > self.model.max_positions and self.model_kind is not ModelSource.FACTORY:
+            # a factory's model shape is a stand-in (models/factory.py): its sequence limits are the model's own
             raise ConfigError("seq", f"{self.seq} is beyond the model's max_positions ({self.model.max_positions})")
         if self.ac.mode is ACMode.MEGATRON and self.model.attention is not AttentionImpl.SDPA:
             raise ConfigError("ac", "megatron-selective recomputes the fused attention call: it needs "

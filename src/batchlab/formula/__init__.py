@@ -16,6 +16,7 @@ from batchlab.formula.flops import FlopsEstimate, flops, utilisation
 from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
                                      optimizer_bytes_per_param)
 from batchlab.formula.params import ParamCount, count
+from batchlab.formula.profile import layer_terms_source
 from batchlab.formula.timing import TimeEstimate, timing
 from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
 
@@ -36,6 +37,7 @@ class Estimate:
     training_checkpoint_bytes: int  # the file saved to disk for recovery (weights + optimizer state), all ranks
     assumptions: tuple[str, ...] = field(default_factory=tuple)
     provenance: str = "formula"
+    layer_terms: str = ""  # where the per-layer terms came from: "builtin gpt2", "profile (trace of ...)"
 
     @property
     def global_batch(self) -> int:
@@ -61,7 +63,7 @@ class Estimate:
                 "parameters": self.params.total, "memory": mem,
                 "flops": {**to_jsonable(self.flops), "mfu": self.mfu, "hfu": self.hfu},
                 "time": to_jsonable(self.time), "training_checkpoint_bytes": self.training_checkpoint_bytes,
-                "assumptions": list(self.assumptions)}
+                "layer_terms": self.layer_terms, "assumptions": list(self.assumptions)}
 
 
 def training_checkpoint_bytes(cfg: RunConfig) -> int:
@@ -82,8 +84,7 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"communication: {collectives_text(cfg)}, ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}; "
         f"{t.overlap_source}",
         allocator_text(cfg),
-        f"activations counted from the tensors the {implementation(cfg.model_kind, cfg.model).value} layer code keeps "
-        "(other code: use --trace)",
+        f"layer terms: {layer_terms(cfg)}",
     ) + ((f"model {cfg.model_source} comes from a factory the calculator cannot see: these figures are for the "
           f"stand-in shape {cfg.model.name} ({cfg.model.layers} layers, hidden {cfg.model.hidden}); use --trace",)
          if cfg.model_kind is ModelSource.FACTORY else ()) + zero1_engine_note(cfg)
@@ -133,7 +134,13 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
     mem = memory(cfg)
     fl = flops(cfg)
     t = timing(cfg, fl, mem, calibrated_costs(cfg, calibrations))
-    return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t))
+    return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t),
+                    layer_terms=layer_terms(cfg))
+
+
+def layer_terms(cfg: RunConfig) -> str:
+    """Where the activation terms come from: the model's own code (a cached profile) or a built-in layer."""
+    return layer_terms_source(cfg, implementation(cfg.model_kind, cfg.model).value)
 
 
 def calibrated_costs(cfg: RunConfig, calibrations: Calibrations | None) -> "OpCosts | None":

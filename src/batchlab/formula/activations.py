@@ -73,7 +73,8 @@ class Impl(_Choice):
 
 
 def implementation(kind: ModelSource, m: ModelSpec) -> Impl:
-    """The family hf: builds (as models/hf.py decides it); anything else is counted as batchlab's GPT."""
+    """The nearest built-in layer for what hf: builds (used without a layer profile); anything else is
+    counted as batchlab's GPT."""
     if kind is not ModelSource.HF:
         return Impl.BUILTIN
     return Impl.HF_LLAMA if m.mlp is MLPKind.SWIGLU else Impl.HF_GPT2

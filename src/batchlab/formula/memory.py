@@ -10,6 +10,7 @@ from batchlab.formula.allocator import device_memory
 from batchlab.formula.fsdp import fsdp_phases
 from batchlab.formula.loss import loss_path
 from batchlab.formula.params import count, norm_params
+from batchlab.formula.profile import terms as profile_terms
 from batchlab.formula.sharding import unit_elements
 
 F32 = 4
@@ -78,6 +79,9 @@ class ActivationPlan:
 
 def activation_plan(cfg: RunConfig) -> ActivationPlan:
     m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
+    fitted = profile_terms(cfg)
+    if fitted is not None:  # the model's own code, traced and fitted (formula/profile.py)
+        return _profiled_plan(cfg, fitted)
     backend = cfg.device_spec.backend
     impl = act.implementation(cfg.model_kind, m)
     full = act.layer_activations(m, s, b, p, backend, impl).total
@@ -92,6 +96,15 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
         else:
             kept.append(full)
     return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
+
+
+def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
+    """The plan from a layer profile's fitted terms (``config.profile.Terms``) at cfg's (b, s)."""
+    b, s, n = cfg.micro_batch, cfg.seq, cfg.model.layers
+    wrapped, selective = set(cfg.ac.wrapped_layers(n)), set(cfg.ac.selective_layers(n))
+    kept = tuple(t.layer_checkpointed(b, s) if i in wrapped else t.layer_selective(b, s) if i in selective
+                 else t.layer_full(b, s) for i in range(n))
+    return ActivationPlan(t.layer_full(b, s), kept, t.outside(b, s))
 
 
 @dataclass(frozen=True)
@@ -238,7 +251,12 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     # in backward only those the matmuls saved remain (recomputed layers cast again, transiently)
     copies_fwd = copies = layer_copy = 0
     autocast = cfg.precision.mixed and cfg.zero == 0  # under ZeRO the 16-bit weights are resident instead
-    if autocast:
+    fitted = profile_terms(cfg)
+    if autocast and fitted is not None:  # as the model's code keeps them (embeddings and norms are not cast)
+        copies_fwd = fitted.copies_layer * m.layers + fitted.copies_outside
+        copies = copies_fwd - fitted.copies_layer * n_recomputed
+        layer_copy = fitted.copies_layer
+    elif autocast:
         n, per_layer = autocast_cast_params(m)
         copies_fwd = 2 * n
         copies = 2 * (n - per_layer * n_recomputed)
@@ -253,6 +271,14 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
+    if fitted is not None:  # measured on the model's own code (formula/profile.py)
+        logits_fwd = fitted.forward_excess(b, s)
+        # the last layer's policy decides what backward's first steps recompute
+        last = m.layers - 1
+        knots = (fitted.backward_checkpointed if last in cfg.ac.wrapped_layers(m.layers)
+                 else fitted.backward_selective if last in cfg.ac.selective_layers(m.layers) else fitted.backward_full)
+        loss_grads = knots(b, s)
+        opt_tmp = fitted.optimizer_temporaries
     phases = {  # the parts live at each phase's high point
         "forward": dict(weights, parameters=copies_fwd if autocast else states.parameters,
                         gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),

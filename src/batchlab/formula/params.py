@@ -32,9 +32,13 @@ def norm_params(m: ModelSpec) -> int:
 
 @functools.lru_cache(maxsize=256)  # ModelSpec is frozen; --vary calls this thousands of times
 def count(m: ModelSpec) -> ParamCount:
+    p = m.matching_profile
+    if p is not None:  # counted from the model's own code (trace/profile.py)
+        return ParamCount(p.embedding, p.per_layer, m.layers, p.final, p.head)
     h, kv, f, V = m.hidden, m.kv_hidden, m.ffn, m.vocab
     bias = 1 if m.bias else 0
-    attn = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h + bias * h
+    qkv_bias = 1 if m.qkv_bias else 0  # Qwen2: biases on q, k and v, none on the output projection
+    attn = h * (h + 2 * kv) + qkv_bias * (h + 2 * kv) + h * h + bias * h
     n_mats = 3 if m.mlp is MLPKind.SWIGLU else 2
     mlp = n_mats * h * f + bias * ((n_mats - 1) * f + h)
     per_layer = attn + mlp + 2 * norm_params(m)

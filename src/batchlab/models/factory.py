@@ -5,7 +5,7 @@ The factory contract
 ``factory(cfg)`` (or ``factory()`` if it takes no argument) is called once, with the RunConfig, and
 returns one of:
 
-* ``(model, make_batch)``
+* ``(model, make_batch)`` or ``(model, "image:3x224x224:classes=10")`` (an input spec, models/inputs.py)
 * ``(model, make_batch, loss_sum)``
 * a ``batchlab.models.Workload`` (to name the ``blocks`` for activation checkpointing yourself)
 
@@ -14,9 +14,11 @@ where
 * ``model`` is a ``torch.nn.Module`` with at least one trainable parameter, built on the CPU (the harness
   moves it to the device).  Without ``loss_sum``, ``model(tokens)`` must return logits of shape
   (micro_batch, seq, vocab) or an object with ``.logits`` (Hugging Face style).
-* ``make_batch(generator, micro_batch, seq, device) -> (tokens, targets)``: two tensors of shape
-  (micro_batch, seq); ``targets`` are integer class indices, ``-100`` marking padding (not useful tokens,
-  not counted in tokens/s and excluded from the loss).  Draw randomness from ``generator`` only (a seeded
+* ``make_batch(generator, micro_batch, seq, device) -> (inputs, targets)``: for a language model two tensors
+  of shape (micro_batch, seq); ``targets`` are integer class indices, ``-100`` marking padding (not useful
+  tokens, not counted in tokens/s and excluded from the loss).  For any other model (an image classifier)
+  ``inputs`` has any shape with micro_batch first and ``targets`` shape (micro_batch,): each sample counts
+  once (samples/s) and ``seq`` is ignored.  Draw randomness from ``generator`` only (a seeded
   ``torch.Generator``) so runs are reproducible.
 * ``loss_sum(model, tokens, targets)`` returns the **summed** token loss; the harness divides by the
   useful-token count of the whole update, so accumulation gives the whole batch's gradient.
@@ -24,7 +26,7 @@ where
   ``none`` needs blocks.
 
 The model shape fields of the config (layers, hidden, ...) describe the built-in presets; a factory may
-read them or ignore them, and the calculator cannot see inside a factory model.
+read them or ignore them, and the calculator cannot see inside a factory model (``--trace`` can).
 """
 from __future__ import annotations
 
@@ -74,10 +76,12 @@ def _call(fn, cfg: RunConfig, source: str):
         raise _fail(source, f"raised {type(e).__name__}: {e}") from None
 
 
-def default_loss_sum(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    out = model(tokens)
+def default_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    out = model(inputs)
     logits = getattr(out, "logits", out)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), ignore_index=-100, reduction="sum")
+    if targets.dim() > 1:  # one class per token: (b, s, V) logits
+        logits, targets = logits.flatten(0, 1), targets.reshape(-1)
+    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
 
 
 def _as_workload(result, source: str) -> Workload:
@@ -87,6 +91,10 @@ def _as_workload(result, source: str) -> Workload:
         raise _fail(source, f"returned {type(result).__name__}; expected (model, make_batch), "
                             "(model, make_batch, loss_sum) or a batchlab.models.Workload")
     model, make_batch = result[0], result[1]
+    if isinstance(make_batch, str):
+        from batchlab.models.inputs import batch_maker
+
+        make_batch = batch_maker(make_batch)
     loss_sum = result[2] if len(result) == 3 else default_loss_sum
     blocks = getattr(model, "blocks", None)
     return Workload(model=model, blocks=blocks if isinstance(blocks, nn.ModuleList) else None,
@@ -110,12 +118,15 @@ def _check(wl: Workload, cfg: RunConfig, source: str) -> None:
         except Exception as e:  # noqa: BLE001
             raise _fail(source, f"make_batch(generator, 1, {cfg.seq}, cpu) raised {type(e).__name__}: {e}") from None
     ok = (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)
-          and batch[0].shape == batch[1].shape == (1, cfg.seq) and not batch[1].is_floating_point())
+          and not batch[1].is_floating_point()
+          and (batch[0].shape == batch[1].shape == (1, cfg.seq)  # a language model: a class per token
+               or (batch[1].shape == (1,) and batch[0].dim() >= 1 and batch[0].shape[0] == 1)))  # per sample
     if not ok:
         got = (f"({', '.join(f'{type(t).__name__} {tuple(t.shape)}' if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch)})"
                if isinstance(batch, (tuple, list)) else type(batch).__name__)
-        raise _fail(source, f"make_batch must return (tokens, targets), two tensors of shape (micro_batch, seq) "
-                            f"with integer targets; got {got} for micro_batch 1, seq {cfg.seq}")
+        raise _fail(source, f"make_batch must return (tokens, targets), two tensors of shape (micro_batch, seq), "
+                            f"or (inputs, targets) with targets of shape (micro_batch,), integer targets; got {got} "
+                            f"for micro_batch 1, seq {cfg.seq}")
 
 
 def build_factory_workload(cfg: RunConfig) -> Workload:

@@ -25,11 +25,12 @@ from batchlab.formula.timing import costs_for
 from batchlab.trace import sharded
 from batchlab.trace.flops import count_update_flops
 from batchlab.trace.ops import OpRecorder, Probes
+from batchlab.trace.patches import eager_branches
 from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
 from batchlab.trace.tree import OUTSIDE, ModuleStack, build_tree
 
 
-class _FakeTrainer(Trainer):
+class FakeTrainer(Trainer):
     """The harness Trainer with the two things fake tensors cannot give: values and a GradScaler."""
 
     def __init__(self, cfg: RunConfig, device: torch.device, **kwargs):
@@ -47,7 +48,7 @@ class _FakeTrainer(Trainer):
         return local * self.world  # every rank of a fake world draws the same number of tokens
 
 
-def _fake_mode() -> FakeTensorMode:
+def fake_mode() -> FakeTensorMode:
     mode = FakeTensorMode()
     # The converter memoises every fake output through a weak reference, and Module.to() refuses to swap
     # a parameter that has one ("Cannot swap t1 because it has weakref associated with it").  The memo
@@ -84,32 +85,6 @@ def _model_state_bytes(trainer: Trainer) -> tuple[int, int, int]:
     # .grad has the parameter's (shard's) shape and dtype
     grads = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in trained)
     return storage_bytes(params), grads, storage_bytes(state)
-
-
-@contextlib.contextmanager
-def _eager_branches(cfg: RunConfig):
-    """Make library code that branches on "am I being traced?" take the branch a real eager run takes.
-
-    transformers' mask builder sees a fake tensor as tracing and then keeps a packed-sequence mask, so the
-    layers get an explicit mask (no is_causal fast path, repeated k/v under GQA): more memory than the real
-    run.  Eagerly it reads the positions and finds no packing, which is always the answer for the
-    harness's batches (it passes no position_ids, so positions are 0..s-1 in every row).
-    """
-    masking = None
-    if cfg.model_kind is ModelSource.HF:
-        try:
-            from transformers import masking_utils as masking
-        except ImportError:
-            masking = None
-    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
-        yield
-        return
-    original = masking.find_packed_sequence_indices
-    masking.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = original
 
 
 @contextlib.contextmanager
@@ -174,12 +149,12 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
     world = sharded.fake_world(cfg.dp) if cfg.dp > 1 else contextlib.nullcontext()
-    with _as_config_errors(cfg), _eager_branches(cfg), world, _fake_mode():
+    with _as_config_errors(cfg), eager_branches(cfg.model_kind is not ModelSource.BUILTIN), world, fake_mode():
         if cfg.dp > 1:
-            trainer, dp_notes = sharded.build(cfg, device, _FakeTrainer)
+            trainer, dp_notes = sharded.build(cfg, device, FakeTrainer)
             notes += dp_notes
         else:
-            trainer = _FakeTrainer(cfg, device)
+            trainer = FakeTrainer(cfg, device)
         flops = count_update_flops(trainer)  # the first update also creates AdamW's state (steady state)
         if cfg.dp > 1:  # every rank does rank 0's work on its own data
             flops = TraceFlops.of(flops.forward * cfg.dp, flops.backward * cfg.dp, flops.recompute * cfg.dp)

@@ -1,0 +1,105 @@
+"""A Hugging Face ``config.json`` (any model_type) read as a ModelSpec, without transformers.  Pure Python.
+
+Families spell the same shape differently (``n_layer`` / ``num_hidden_layers``, ``n_embd`` / ``hidden_size``
+/ ``d_model``, ``ffn_dim``, ``n_inner``, Falcon's ``multi_query``); ALIASES lists each spelling.  The shape
+is what the calculator and ``--vary`` use; the layer terms come from the model's own code (a layer profile,
+``trace/profile.py``), and without one from the nearest built-in family.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from batchlab.config.choices import ConfigError
+from batchlab.config.values import read_file
+
+# ModelSpec field -> the config.json keys that carry it, in order of preference
+ALIASES: dict[str, tuple[str, ...]] = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
+    "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+    "ffn": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "d_ff"),
+    "vocab": ("vocab_size",),
+    "max_positions": ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"),
+}
+# gated MLPs (SwiGLU / GeGLU: gate, up, down projections)
+GATED = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
+         "phi3", "granite", "granitemoe", "olmo", "olmo2", "cohere", "cohere2", "stablelm", "deepseek_v3", "glm",
+         "exaone4", "smollm3", "ministral", "helium"}
+LAYERNORM_GATED = {"stablelm", "cohere", "cohere2"}  # gated MLPs with LayerNorm, not RMSNorm
+LEARNED_POSITIONS = {"gpt2", "opt", "gpt_bigcode", "biogpt", "xglm", "gpt_neo"}
+ALIBI = {"bloom", "mpt"}
+UNTIED_BY_DEFAULT = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gpt_neox",
+                     "granite", "olmo", "olmo2", "stablelm", "falcon_mamba"}
+NO_SDPA = {"bloom"}  # transformers implements only eager attention for these
+
+
+def hf_config_path(target: str | Path) -> Path:
+    """A config.json, or a directory holding one."""
+    p = Path(target)
+    return p / "config.json" if p.is_dir() else p
+
+
+def read_hf_config(target: str | Path, field_name: str = "model") -> dict[str, Any]:
+    p = hf_config_path(target)
+    raw = read_file(field_name, p, json.loads, "a JSON config")
+    if not isinstance(raw, dict) or not raw.get("model_type"):
+        raise ConfigError(field_name, f"{p} is not a Hugging Face config (no model_type)")
+    return raw
+
+
+def _first(raw: dict[str, Any], field: str) -> Any:
+    return next((raw[k] for k in ALIASES[field] if raw.get(k) is not None), None)
+
+
+def _kv_heads(raw: dict[str, Any], kind: str, heads: int) -> int:
+    if kind == "falcon" and not raw.get("new_decoder_architecture"):
+        return 1 if raw.get("multi_query", True) else heads
+    return int(_first(raw, "kv_heads") or heads)
+
+
+def _bias(raw: dict[str, Any], kind: str) -> tuple[bool, bool]:
+    """(biases on linear layers and norms, biases on q/k/v)."""
+    if kind in ("qwen2", "qwen2_moe"):
+        return False, True  # Qwen2: q, k, v projections carry biases, nothing else does
+    for key in ("attention_bias", "bias", "use_bias", "enable_bias", "add_bias_linear"):
+        if key in raw:
+            return bool(raw[key]), bool(raw[key])
+    b = kind in ("gpt2", "opt", "gpt_neox", "bloom", "gpt_bigcode", "phi")
+    return b, b
+
+
+def _dropout(raw: dict[str, Any]) -> float:
+    keys = [k for k in raw if (k.endswith("dropout") or k.endswith("pdrop")) and isinstance(raw[k], (int, float))
+            and not k.startswith("classifier")]
+    return max((float(raw[k]) for k in keys), default=0.0)
+
+
+def spec_fields(raw: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """ModelSpec keyword arguments for a config.json's contents (any model_type)."""
+    kind = str(raw["model_type"]).lower()
+    values = {f: _first(raw, f) for f in ALIASES}
+    for f in ("layers", "hidden", "heads", "vocab"):
+        if values[f] is None:
+            raise ConfigError("model", f"{source} ({kind}) has none of the fields {', '.join(ALIASES[f])}")
+    hidden, heads = int(values["hidden"]), int(values["heads"])
+    bias, qkv_bias = _bias(raw, kind)
+    gated = kind in GATED or (kind not in LEARNED_POSITIONS and raw.get("hidden_act") in ("silu", "swish"))
+    if kind in LEARNED_POSITIONS:
+        position = "learned"
+    else:
+        position = "alibi" if kind in ALIBI or raw.get("alibi") else "rope"
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    attention = str(raw.get("_attn_implementation") or raw.get("attn_implementation") or "")
+    return dict(
+        family=kind, layers=int(values["layers"]), hidden=hidden, heads=heads,
+        kv_heads=_kv_heads(raw, kind, heads), ffn=int(values["ffn"]) if values["ffn"] else None,
+        mlp="swiglu" if gated else "gelu", vocab=int(values["vocab"]),
+        tied_embeddings=bool(raw.get("tie_word_embeddings", kind not in UNTIED_BY_DEFAULT)),
+        norm="rmsnorm" if "rms_norm_eps" in raw or (kind in GATED and kind not in LAYERNORM_GATED) else "layernorm",
+        dropout=_dropout(raw), position=position,
+        attention="eager" if kind in NO_SDPA or attention == "eager" else "sdpa",
+        max_positions=int(values["max_positions"] or 1 << 20), bias=bias, qkv_bias=qkv_bias,
+        sliding_window=int(window) if isinstance(window, int) and window > 0 else None)

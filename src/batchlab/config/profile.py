@@ -1,0 +1,164 @@
+"""A layer profile: the per-layer terms of a model's memory, fitted from traces of its own code.  Pure Python.
+
+The torch side (``trace/profile.py``) traces a copy of the model with P and 2P layers (P: the period of its
+layer pattern, 1 for most models) at a few small shapes on fake tensors and fits, per precision and
+activation-checkpointing mode, the bytes kept for backward as
+
+    bytes(b, s) = bs·b·s + bss·b·s² + s1·s + ss·s² + c
+
+which is exact for transformer blocks (every tensor a block keeps is b·s·width or b·heads·s², plus masks
+that are s² or b·s²).  The calculator (``formula/profile.py``) evaluates these at any (b, s), so a sweep
+stays instant and describes the code it was given rather than batchlab's own GPT.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from batchlab.config.choices import ConfigError
+
+
+@dataclass(frozen=True)
+class Poly:
+    """bytes(b, s) = bs·b·s + bss·b·s² + s1·s + ss·s² + c (integer coefficients, bytes), fitted for b >= 2;
+    at b = 1 broadcasting keeps some tensors unmaterialised (an s x s mask expanded over the batch), so
+    ``b1`` = (s, s², 1) coefficients of the difference there."""
+
+    bs: int = 0
+    bss: int = 0
+    s1: int = 0
+    ss: int = 0
+    c: int = 0
+    b1: tuple[int, int, int] = (0, 0, 0)
+
+    def __post_init__(self):
+        object.__setattr__(self, "b1", tuple(int(v) for v in self.b1))
+
+    def __call__(self, b: int, s: int) -> int:
+        base = self.bs * b * s + self.bss * b * s * s + self.s1 * s + self.ss * s * s + self.c
+        return base + (self.b1[0] * s + self.b1[1] * s * s + self.b1[2] if b == 1 else 0)
+
+
+@dataclass(frozen=True)
+class Knots:
+    """A quantity measured at b = 1, 2 and 3 over a set of sequence lengths: backward's high point is a maximum
+    over events (the loss's gradient, one layer's, one weight's), piecewise in s, so it is interpolated
+    (linear in s between knots, linear in b from 2 and 3, b = 1 its own row; past the last knot the
+    parabola through the last three)."""
+
+    s: tuple[int, ...] = ()
+    at_b1: tuple[int, ...] = ()
+    at_b2: tuple[int, ...] = ()
+    at_b3: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("s", "at_b1", "at_b2", "at_b3"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+
+    def __call__(self, b: int, s: int) -> int:
+        if not self.s:
+            return 0
+        if b == 1:
+            return max(0, round(_interpolate(self.s, self.at_b1, s)))
+        e2, e3 = _interpolate(self.s, self.at_b2, s), _interpolate(self.s, self.at_b3, s)
+        return max(0, round(e2 + (b - 2) * (e3 - e2)))
+
+
+def _line(xs, ys, i: int, x: float) -> float:
+    """The line through knots i and i + 1, at x."""
+    return ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
+
+
+def _interpolate(xs: tuple[int, ...], ys: tuple[int, ...], x: int) -> float:
+    """A maximum of events, each linear in s: between two knots, the larger of the neighbouring segments'
+    continuations (exact when each segment is one event), never above the chord."""
+    if x <= xs[0]:
+        return ys[0]
+    if x > xs[-1] and len(xs) >= 3:  # Lagrange parabola through the last three knots (exact for a·s + b·s² + c)
+        (x0, x1, x2), (y0, y1, y2) = xs[-3:], ys[-3:]
+        return (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
+                + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
+    i = next((i for i in range(1, len(xs)) if x <= xs[i]), len(xs) - 1) - 1  # x in [xs[i], xs[i + 1]]
+    chord = _line(xs, ys, i, x)
+    sides = [_line(xs, ys, j, x) for j in (i - 1, i + 1) if 0 <= j < len(xs) - 1]
+    return min(chord, max(sides)) if sides else chord
+
+
+@dataclass(frozen=True)
+class Terms:
+    """One precision, one regime (below / at or above the sliding window): the fitted activation terms.
+
+    Bytes the forward leaves for backward, autocast's 16-bit weight copies excluded (the calculator counts
+    those with the parameters); ``*_layer``: one more layer; ``outside``: embeddings, final norm, head, loss.
+    """
+
+    precision: str
+    windowed: bool
+    layer_full: Poly  # nothing recomputed
+    layer_selective: Poly  # models/ac.py's selective policy
+    layer_checkpointed: Poly  # the whole block recomputed (keeps its input)
+    outside: Poly
+    # with nothing recomputed: the forward's high point above what is live as backward starts (logits and the
+    # loss), and the optimizer step's temporaries (its largest parameter's)
+    forward_excess: Poly = Poly()
+    backward_full: Knots = Knots()  # backward's high point above what is live as it starts, by AC mode
+    backward_selective: Knots = Knots()
+    backward_checkpointed: Knots = Knots()
+    optimizer_temporaries: int = 0
+    copies_layer: int = 0  # autocast's 16-bit weight copies a layer's matmuls keep (bytes; 0 without autocast)
+    copies_outside: int = 0  # ... the head's and anything else's outside the layers
+
+
+def _poly(d: Any) -> Poly:
+    return d if isinstance(d, Poly) else Poly(**d)
+
+
+def _terms(d: Any) -> Terms:
+    if isinstance(d, Terms):
+        return d
+    d = dict(d)
+    for f in ("layer_full", "layer_selective", "layer_checkpointed", "outside", "forward_excess"):
+        d[f] = _poly(d[f])
+    for f in ("backward_full", "backward_selective", "backward_checkpointed"):
+        if isinstance(d.get(f), dict):
+            d[f] = Knots(**d[f])
+    return Terms(**d)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What a model's own code keeps, for the calculator: exact parameter counts and fitted activation terms."""
+
+    key: str  # hash of the HF config, the shape, the torch / transformers versions and the backend
+    shape: str  # ModelSpec.shape_id() of the model it describes
+    source: str  # how it was obtained, e.g. "trace of 2 blocks at 6 shapes"
+    period: int  # layers per repeat of the layer pattern (gemma2 alternates sliding and global: 2)
+    sliding_window: int | None
+    embedding: int  # parameters: input (+ position) embeddings
+    per_layer: int
+    final: int  # final norm and anything else outside the layers and the head
+    head: int  # 0 when tied to the embedding
+    terms: tuple[Terms, ...] = ()
+    seconds: str = ""  # how long each precision's tracing took
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "terms", tuple(_terms(t) for t in self.terms))
+        except TypeError as e:
+            raise ConfigError("model", f"malformed layer profile: {e}") from None
+
+    def lookup(self, precision: str, seq: int) -> Terms | None:
+        windowed = self.sliding_window is not None and seq >= self.sliding_window
+        return next((t for t in self.terms if t.precision == precision and t.windowed == windowed), None)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "LayerProfile":
+        if isinstance(d, LayerProfile):
+            return d
+        if not isinstance(d, dict):
+            raise ConfigError("model", f"a layer profile must be a table, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in d.items() if k in known})
+        except TypeError as e:
+            raise ConfigError("model", f"malformed layer profile: {e}") from None

@@ -1,0 +1,110 @@
+"""The calculator's side of a layer profile: where it is cached, its key, and the terms for one config.
+
+A profile (``config/profile.py``) is computed by the torch side (``trace/profile.py``) from the model's own
+code and cached as JSON under platformdirs' user cache dir; this module only reads it (no torch), so the
+calculator, ``--vary`` and ``fit`` use the model's real layer terms at the cost of a dictionary lookup.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+
+from batchlab.config import ACMode, ModelSource, Precision, RunConfig, to_jsonable
+from batchlab.config.hf import hf_config_path
+from batchlab.config.profile import LayerProfile, Terms
+
+PROFILE_VERSION = 10  # bump when what a profile measures changes: old cache entries are then ignored
+# fp16 autocast keeps the same tensors as bf16 autocast (2-byte activations, fp32 master weights)
+_SAME_BYTES = {Precision.FP16_MIXED: Precision.BF16_MIXED}
+
+
+PROFILED_AC = (ACMode.NONE, ACMode.FULL, ACMode.EVERY, ACMode.SELECTIVE)
+PROFILED_PRECISIONS = (Precision.FP32, Precision.BF16_MIXED, Precision.BF16)  # the trainer's own precisions
+
+
+def profiled_precision(p: Precision) -> Precision:
+    """The precision whose profile terms describe p (fp16 and bf16 autocast keep the same bytes)."""
+    return _SAME_BYTES.get(p, p)
+
+
+def cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("batchlab")) / "profiles"
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def profile_key(cfg: RunConfig) -> str:
+    """Hash of what the profile depends on: the HF config's contents, the shape (all but the layer count),
+    the torch and transformers versions, and the backend (CUDA and CPU kernels keep different tensors)."""
+    target = cfg.model_source[len("hf:"):]
+    path = hf_config_path(target)
+    source = path.read_text() if path.is_file() else target
+    parts = dict(v=PROFILE_VERSION, source=source, shape=cfg.model.shape_id(), torch=_version("torch"),
+                 transformers=_version("transformers"), backend=cfg.device_spec.backend.value, loss=str(cfg.loss))
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cached(cfg: RunConfig) -> LayerProfile | None:
+    """The cached profile for cfg's model, or None (never computed, or made by other versions)."""
+    if cfg.model_kind is not ModelSource.HF:
+        return None
+    path = cache_dir() / f"{profile_key(cfg)}.json"
+    try:
+        return LayerProfile.from_dict(json.loads(path.read_text()))
+    except Exception:  # noqa: BLE001 — an unreadable or malformed cache entry is a miss, recomputed
+        return None
+
+
+def save(profile: LayerProfile) -> Path:
+    path = cache_dir() / f"{profile.key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(to_jsonable(profile), indent=1))
+    tmp.replace(path)  # atomic: a reader never sees half a file
+    return path
+
+
+def attach_cached(cfg: RunConfig) -> RunConfig:
+    """cfg with its model's cached profile attached, when there is one (else cfg unchanged)."""
+    if cfg.model.matching_profile is not None and terms(cfg) is not None:
+        return cfg
+    p = cached(cfg)
+    return cfg if p is None else cfg.replace(model=cfg.model.with_profile(p))
+
+
+def terms(cfg: RunConfig) -> Terms | None:
+    """The profile's terms for cfg's precision and sequence regime, if cfg's model carries a matching profile
+    (profiles measure the policies none, full and selective; every:K mixes the first two)."""
+    p = cfg.model.matching_profile
+    if p is None or cfg.ac.mode not in PROFILED_AC:
+        return None
+    return p.lookup(profiled_precision(cfg.precision).value, cfg.seq)
+
+
+def needs_tracing(cfg: RunConfig) -> bool:
+    """True when cfg (attached to its cache already) is an hf: model whose profile lacks cfg's terms."""
+    return (cfg.model_kind is ModelSource.HF and cfg.ac.mode in PROFILED_AC
+            and profiled_precision(cfg.precision) in PROFILED_PRECISIONS and terms(cfg) is None)
+
+
+def layer_terms_source(cfg: RunConfig, builtin: str) -> str:
+    """Where the calculator's layer terms come from, for the estimate's output."""
+    p = cfg.model.matching_profile
+    if p is not None and terms(cfg) is not None:
+        return f"profile ({p.source}, cached)"
+    if p is not None and cfg.ac.mode not in PROFILED_AC:
+        return f"builtin {builtin} (profiles measure AC none, full, every:K and selective, not {cfg.ac})"
+    if p is not None:
+        return f"builtin {builtin} (the profile has no {cfg.precision} terms here yet; rerun with it to trace them)"
+    if cfg.model.profile is not None:
+        return f"builtin {builtin} (the profile was made for another shape; rerun to profile this one)"
+    return f"builtin {builtin}"

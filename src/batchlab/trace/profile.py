@@ -1,0 +1,222 @@
+"""Derive a model's layer terms from its own code: trace copies with P and 2P layers at small shapes.
+
+For each precision and activation-checkpointing mode, the bytes one forward leaves for backward are
+measured on fake tensors (the CPU measurement's StorageTracker, nothing allocated) at micro-batch 1 and 2
+and three sequence lengths, and fitted exactly as ``bs·b·s + bss·b·s² + s1·s + ss·s² + c`` (config/profile.py);
+the difference between P and 2P layers is P layers' share, the rest is the embeddings, final norm, head
+and loss.  P is the period of the layer pattern (``layer_types``: gemma2 alternates sliding and global).
+A model with a sliding window gets a second set of terms fitted at s >= window (another code path).
+"""
+from __future__ import annotations
+
+import time
+from fractions import Fraction
+
+import torch
+
+from batchlab.config import ACPolicy, ModelSource, Precision, RunConfig
+from batchlab.config.profile import Knots, LayerProfile, Poly, Terms
+from batchlab.formula import profile as cache
+from batchlab.measure.memory import tracker_for
+from batchlab.trace.patches import eager_branches
+from batchlab.trace.run import FakeTrainer, fake_mode, trace_device
+
+MODES = {"layer_full": "none", "layer_selective": "selective", "layer_checkpointed": "full"}
+
+
+def _period(cfg: RunConfig) -> int:
+    """Smallest P with layer_types[i] == layer_types[i % P] (1 without a pattern)."""
+    from batchlab.models.hf import hf_config
+
+    types = list(getattr(hf_config(cfg), "layer_types", None) or [])
+    return next((p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types))), 1)
+
+
+class _Probe:
+    """Forwards the harness's phase marks to the tracker and notes, as backward starts, what the forward left
+    (autocast's weight copies excluded: the calculator counts those with the parameters) and all that is live."""
+
+    def __init__(self, tracker):
+        self.tracker, self.kept, self.copies, self.at_backward = tracker, 0, 0, 0
+
+    def mark(self, phase: str) -> None:
+        t = self.tracker
+        if phase == "backward":  # the tracker's own bookkeeping: storage -> (bytes, category)
+            new = [(n, cat) for k, (n, cat) in t._live.items() if k not in t._forward_start_keys]
+            self.kept = sum(n for n, cat in new if cat == "activations")
+            self.copies = sum(n for n, cat in new if cat == "parameters")
+            self.at_backward = t._current
+        t.mark(phase)
+
+
+def _update_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, ...]:
+    """One tracked update at (b, s): kept for backward, forward's and backward's peaks above what was live as
+    backward started, the optimizer step's temporaries above the model states, autocast copies kept."""
+    trainer.cfg = trainer.cfg.replace(micro_batch=b, seq=s)  # the harness reads the shape from its config
+    tracker = tracker_for(trainer)
+    probe = _Probe(tracker)
+    with tracker:
+        trainer.update(probe=probe)
+    snap = tracker.snapshot()
+    grads = sum(p.numel() * p.element_size() for p in trainer.raw_model.parameters() if p.requires_grad)
+    peaks = snap.phase_peaks
+    return (probe.kept, peaks.get("forward", 0) - probe.at_backward, peaks.get("backward", 0) - probe.at_backward,
+            peaks.get("optimizer", 0) - snap.baseline_bytes - grads, probe.copies)
+
+
+def _parabola(points: list[tuple[int, Fraction]]) -> tuple[Fraction, Fraction, Fraction]:
+    """(linear, square, constant) of the parabola through three (s, y)."""
+    (x0, y0), (x1, y1), (x2, y2) = points
+    ss = ((y2 - y0) / (x2 - x0) - (y1 - y0) / (x1 - x0)) / (x2 - x1)
+    lin = (y1 - y0) / (x1 - x0) - ss * (x1 + x0)
+    return lin, ss, y0 - lin * x0 - ss * x0 * x0
+
+
+def _fit(points: dict[tuple[int, int], int]) -> tuple[Poly, int]:
+    """Exact fit of f(b, s) = bs·b·s + bss·b·s² + s1·s + ss·s² + c from b in {2, 3} and three s, and of the
+    b = 1 difference; returns the polynomial and the largest residual over the points (0 for transformer
+    blocks)."""
+    s_values = sorted({s for _, s in points})
+    per_b = {s: Fraction(points[(3, s)] - points[(2, s)]) for s in s_values}  # bs·s + bss·s²
+    s1, s2 = s_values[0], s_values[1]
+    bss = (per_b[s2] / s2 - per_b[s1] / s1) / (s2 - s1)
+    bs = per_b[s1] / s1 - bss * s1
+    lin, ss, c = _parabola([(s, Fraction(points[(2, s)]) - 2 * per_b[s]) for s in s_values])
+    poly = Poly(*(round(v) for v in (bs, bss, lin, ss, c)))
+    if all((1, s) in points for s in s_values):
+        delta = _parabola([(s, Fraction(points[(1, s)] - poly(1, s))) for s in s_values])
+        poly = Poly(poly.bs, poly.bss, poly.s1, poly.ss, poly.c, tuple(round(v) for v in delta))
+    return poly, max(abs(poly(b, s) - v) for (b, s), v in points.items())
+
+
+def _shapes(cfg: RunConfig, windowed: bool) -> list[tuple[int, int]]:
+    """Six (b, s) in one code path.  Large enough that backward's high point is set by activation gradients
+    (fake tensors cost the same at any size); the smallest shape gives the floor set by weight gradients."""
+    w, top = cfg.model.sliding_window, cfg.model.max_positions
+    step = max(1, min(128, (w - 1) // 3 if w and not windowed else 128, (top - (w if windowed else 0)) // 3))
+    start = w if windowed else step
+    return [(b, start + i * step) for b in (1, 2, 3) for i in range(3)]
+
+
+def _measure(cfg: RunConfig, layers: int, precision: Precision, mode: str, shapes, full: bool) -> dict:
+    """(b, s) -> what ``_update_at`` returns (steady state: AdamW's state exists), or with ``full`` False
+    what ``_forward_at`` returns: the kept bytes need only a forward."""
+    device = trace_device(cfg)[0]
+    trainer = FakeTrainer(cfg.replace(layers=layers, precision=precision, ac=ACPolicy.parse(mode), seq=shapes[0][1],
+                                      micro_batch=1, accum=1, dp=1, zero=0), device)
+    if not full:
+        return {shape: _forward_at(trainer, *shape) for shape in shapes}
+    trainer.update()
+    return {shape: _update_at(trainer, *shape) for shape in shapes}
+
+
+def _forward_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, int, int]:
+    """(bytes the forward leaves for backward, autocast copies among them, the forward's high point above
+    what is live as it ends)."""
+    batch = trainer.workload.make_batch(trainer.generator, b, s, trainer.device)
+    tracker = tracker_for(trainer)
+    probe = _Probe(tracker)
+    with tracker:
+        probe.mark("forward")
+        with trainer._autocast():
+            loss = trainer.workload.loss_sum(trainer.model, *batch)
+        probe.mark("backward")
+        del loss
+    return probe.kept, probe.copies, tracker.snapshot().phase_peaks.get("forward", 0) - probe.at_backward
+
+
+def _knots(cfg: RunConfig, windowed: bool) -> list[tuple[int, int]]:
+    """Where backward's high point is measured: the fitted shapes' shortest and longest sequences, and below
+    them short ones, where weight gradients rather than activation gradients set it."""
+    fitted = sorted({s for _, s in _shapes(cfg, windowed)})
+    w = cfg.model.sliding_window
+    short = [] if windowed else [s for s in (16, 64) if s < fitted[0] and (not w or s < w)]
+    return [(b, s) for b in (1, 2, 3) for s in short + fitted]  # past the last: the parabola through the fitted three
+
+
+def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool) -> tuple[Terms, int]:
+    shapes = _shapes(cfg, windowed)
+    fitted, residual, backward = {}, 0, {}
+    for name, mode in MODES.items():
+        at_one = _measure(cfg, period, precision, mode, shapes, full=False)
+        at_two = _measure(cfg, 2 * period, precision, mode, shapes, full=False)
+        # whole updates of 2P layers (backward's and the optimizer's high points) at the knots: backward's
+        # is a maximum over events, interpolated between them
+        updates = _measure(cfg, 2 * period, precision, mode, _knots(cfg, windowed), full=True)
+        one, r1 = _fit({k: at_one[k][0] for k in shapes})
+        two, r2 = _fit({k: at_two[k][0] for k in shapes})
+        layer = _combine(two, one, Fraction(1, period), Fraction(-1, period))
+        fitted[name] = layer
+        s_values = sorted({s for _, s in updates})
+        backward[name.replace("layer", "backward")] = Knots(
+            tuple(s_values), *(tuple(updates[(b, s)][2] for s in s_values) for b in (1, 2, 3)))
+        if mode == "none":  # embeddings, final norm, head and loss: what P layers do not explain
+            outside = _combine(one, layer, 1, -period)
+            extra = dict(forward_excess=_fit({k: at_two[k][2] for k in shapes})[0],
+                         optimizer_temporaries=max(v[3] for v in updates.values()))
+            c1, c2 = max(v[1] for v in at_one.values()), max(v[1] for v in at_two.values())  # shape-independent
+            extra.update(copies_layer=(c2 - c1) // period, copies_outside=2 * c1 - c2)
+        residual = max(residual, r1, r2)
+    return Terms(precision=precision.value, windowed=windowed, outside=outside, **extra, **backward, **fitted), residual
+
+
+def _combine(p: Poly, q: Poly, x, y) -> Poly:
+    """x·p + y·q, coefficient by coefficient."""
+    mix = lambda a, b: round(x * a + y * b)  # noqa: E731
+    return Poly(*(mix(getattr(p, f), getattr(q, f)) for f in ("bs", "bss", "s1", "ss", "c")),
+                tuple(mix(a, b) for a, b in zip(p.b1, q.b1)))
+
+
+def _param_counts(cfg: RunConfig, period: int, device) -> dict[str, int]:
+    """Exact parameter counts of the model's code: embeddings, one layer, the rest, the (untied) head."""
+    trainer = FakeTrainer(cfg.replace(layers=period, ac="none", precision="fp32"), device)
+    model, blocks = trainer.raw_model, trainer.workload.blocks
+    unique = lambda params: {id(p.untyped_storage()): p.numel() for p in params}  # noqa: E731 — tied = once
+    every = unique(model.parameters())
+    in_layers = unique(blocks.parameters())
+    emb_in = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb_out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding = unique(emb_in.parameters()) if emb_in is not None else {}
+    for module in model.modules():  # learned position tables (GPT-2 wpe, OPT embed_positions)
+        if isinstance(module, torch.nn.Embedding) and module is not emb_in and id(module.weight.untyped_storage()) not in in_layers:
+            embedding.update(unique(module.parameters()))
+    head = {k: v for k, v in (unique(emb_out.parameters()) if emb_out is not None else {}).items() if k not in embedding}
+    final = sum(v for k, v in every.items() if k not in in_layers and k not in embedding and k not in head)
+    return dict(embedding=sum(embedding.values()), per_layer=sum(in_layers.values()) // period, final=final,
+                head=sum(head.values()))
+
+
+def compute(cfg: RunConfig, base: LayerProfile | None = None) -> LayerProfile:
+    """Trace and fit cfg's model (an hf: source) for cfg's precision and sequence regime (below or at the
+    sliding window), added to ``base`` (the same model's profile for others); seconds, nothing allocated."""
+    assert cfg.model_kind is ModelSource.HF, cfg.model_source
+    start = time.perf_counter()
+    device, _ = trace_device(cfg)
+    period = base.period if base is not None else _period(cfg)
+    windowed = cfg.model.sliding_window is not None and cfg.seq >= cfg.model.sliding_window
+    precision = cache.profiled_precision(cfg.precision)
+    with eager_branches(), fake_mode():
+        params = (dict(embedding=base.embedding, per_layer=base.per_layer, final=base.final, head=base.head)
+                  if base is not None else _param_counts(cfg, period, device))
+        terms, residual = _terms(cfg, period, precision, windowed)
+    source = (f"trace of {period} and {2 * period} blocks at {len(_shapes(cfg, False))} shapes on {device.type}"
+              + (f", fit residual {residual} B" if residual else ""))
+    kept = tuple(t for t in (base.terms if base is not None else ())
+                 if (t.precision, t.windowed) != (precision.value, windowed))
+    log = f"{precision.value}{' at s >= window' if windowed else ''}: {time.perf_counter() - start:.1f} s"
+    return LayerProfile(key=cache.profile_key(cfg), shape=cfg.model.shape_id(), source=source, period=period,
+                        sliding_window=cfg.model.sliding_window, terms=kept + (terms,),
+                        seconds=(base.seconds + "; " if base is not None and base.seconds else "") + log, **params)
+
+
+def with_profile(cfg: RunConfig) -> RunConfig:
+    """cfg with its model's layer profile for cfg's precision attached: from the cache, else traced now and
+    cached.  Other model sources are returned unchanged (the builtin GPT's terms are the calculator's own)."""
+    if cfg.model_kind is not ModelSource.HF:
+        return cfg
+    cfg = cache.attach_cached(cfg)
+    if not cache.needs_tracing(cfg):
+        return cfg
+    profile = compute(cfg, base=cfg.model.matching_profile)
+    cache.save(profile)
+    return cfg.replace(model=cfg.model.with_profile(profile))
