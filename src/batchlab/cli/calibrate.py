@@ -23,8 +23,8 @@ def calibrate(
     ceilings instead of datasheet figures, and say so."""
     from batchlab import calibrate as cal_mod
 
-    if seconds < 0.1:
-        fail(f"seconds: must be >= 0.1, got {seconds:g}")
+    if not 0.1 <= seconds <= 600:  # NaN fails this too
+        fail(f"seconds: must be between 0.1 and 600, got {seconds:g}")
     try:
         cal = cal_mod.measure(torch_device, seconds=seconds)
     except ConfigError as e:

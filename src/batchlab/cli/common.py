@@ -97,7 +97,7 @@ def _config_from_flags(**o: Any) -> RunConfig:
     if o.get("hf_config"):
         spec, source = model_from_hf_config(o["hf_config"], **overrides), "builtin"
     else:
-        spec, source = resolve_model(o.get("model") or "tiny", **overrides)
+        spec, source = resolve_model("tiny" if o.get("model") is None else o["model"], **overrides)
     mb, accum, gb, dp = o.get("micro_batch"), o.get("accum"), o.get("global_batch"), o.get("dp", 1)
     if gb is not None:
         mb = 1 if mb is None else mb
@@ -111,7 +111,7 @@ def _config_from_flags(**o: Any) -> RunConfig:
                               optimizer_bytes_per_param=o.get("optimizer_bytes"))
     return RunConfig(model=spec, model_source=source, micro_batch=8 if mb is None else mb,
                      accum=1 if accum is None else accum, dp=dp,
-                     memory_budget=parse_bytes("memory_budget", budget) if budget else None,
+                     memory_budget=parse_bytes("memory_budget", budget) if budget is not None else None,
                      assumptions=assumptions, **given)
 
 
