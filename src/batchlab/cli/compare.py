@@ -57,7 +57,7 @@ def compare(
         book = Notebook(notebook)
         record = _run(plan, book, verify, progress and not as_json)
     except ConfigError as e:
-        fail(str(e))
+        fail(str(e), getattr(e, "exit_code", 2))  # a notebook save that failed after measuring: 1
     show_record(record, book.path, report, as_json)
     if any(m is not None and m.outcome is Outcome.FAILED for r in record.rounds or () for m in (r.a, r.b)):
         raise typer.Exit(1)
