@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.markup import escape
+from batchlab.text import for_rich as escape
 from rich.table import Table
 
 from batchlab.cli.base import app

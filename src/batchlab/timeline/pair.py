@@ -15,6 +15,7 @@ from pathlib import Path
 
 from batchlab.timeline.data import Timeline, downsample
 from batchlab.timeline.style import axis_unit
+from batchlab.text import for_mathtext
 
 _ACTIVATION_LIKE = ("activations", "logits", "recompute")
 PAIR_COLOURS = ("#1f5fa8", "#c4461a")
@@ -52,7 +53,7 @@ def pair_figure(a: Timeline, b: Timeline, labels: tuple[str, str] = ("A", "B")):
     ax.set_xlabel("fraction of the update (ops dispatched)")
     ax.set_ylabel(f"live tensor {unit}")
     ax.legend(loc="lower right", fontsize=8)
-    ax.set_title(f"{labels[0]}: {a.title}\n{labels[1]}: {b.title}", fontsize=9)
+    ax.set_title(for_mathtext(f"{labels[0]}: {a.title}\n{labels[1]}: {b.title}"), fontsize=9)
     fig.tight_layout()
     return fig
 
