@@ -13,7 +13,7 @@ from typing import Any
 # open or close emphasis (at a word edge), so micro_batch stays readable in the source.
 _MD_SPECIAL = re.compile(r"([\\`*\[\]!|~])")
 _MD_UNDERSCORE = re.compile(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
-_MD_BLOCK_START = re.compile(r"^(\s*)(?:([#>+\-=])|(\d+)([.)]))")
+_MD_BLOCK_START = re.compile(r"^(\s*)(?:(>|#(?=#*(?:\s|$))|[+\-](?=\s|$))|(\d+)([.)])(?=\s|$))")
 
 
 def for_rich(text: Any) -> str:
@@ -36,7 +36,8 @@ def for_html(text: Any) -> str:
 def for_markdown(text: Any) -> str:
     """Markdown text (a paragraph, a list item or a table cell): raw HTML becomes entities, markup characters
     are backslash-escaped, a leading ``#``/``-``/``1.`` cannot start a block, newlines become spaces."""
-    s = html.escape(str(text), quote=False).replace("\r", " ").replace("\n", " ")
+    # "<" opens raw HTML and "&" an entity; ">" is harmless inside a line (a leading one is escaped below)
+    s = str(text).replace("&", "&amp;").replace("<", "&lt;").replace("\r", " ").replace("\n", " ")
     s = _MD_SPECIAL.sub(r"\\\1", s)
     s = _MD_UNDERSCORE.sub(r"\\_", s)
     return _MD_BLOCK_START.sub(lambda m: m.group(1) + (f"\\{m.group(2)}" if m.group(2) else f"{m.group(3)}\\{m.group(4)}"), s)

@@ -181,7 +181,7 @@ def to_markdown(bl: list[tuple], figs: list[Figure], image_names: dict[str, str]
             for i, f in enumerate(figs, 1):
                 t, lab, cap = (for_markdown(x) for x in (f.title, f.label, f.caption))
                 lines += [f"![Figure {i}: {t} ({lab})]({image_names[f.name]})", "",
-                          f"*Figure {i} — {t} \\[{lab}\\]: {cap}*", ""]
+                          f"*Figure {i} — {t} [{lab}]: {cap}*", ""]
     return "\n".join(lines)
 
 
