@@ -6,8 +6,8 @@ from pathlib import Path
 
 from batchlab.timeline.data import LABELS, Timeline
 from batchlab.timeline.style import (COLOURS, PHASE_SHADES, axis_unit, bands, capacity_shown, formula_markers,
-from batchlab.text import for_mathtext
                                      overlap_bars, peak_lines, stack)
+from batchlab.text import for_mathtext
 
 WIDTH_PX = 1400
 
