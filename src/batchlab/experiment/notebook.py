@@ -43,6 +43,10 @@ class NotebookError(ConfigError):
         self.exit_code, self.fallback = exit_code, fallback
 
 
+class LeftIncomplete(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during an experiment; the message names the row left ``incomplete``."""
+
+
 class DamagedRecord(ConfigError):
     """A row whose stored record cannot be read; ``summary`` holds the columns that could."""
 

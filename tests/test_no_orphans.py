@@ -1,0 +1,146 @@
+"""No process left behind, nothing from the working directory run.
+
+A batchlab parent killed with SIGKILL (no handler runs) or SIGTERM (handled like Ctrl-C, exit 143): every
+process it started — the isolated worker, or torchrun and its ranks — is gone within 5 s and the temporary
+folder is removed.  The children's pids are read from /proc (ppid links and the ranks' pid files), then
+watched in /proc until they vanish.  A `statistics.py` / `json.py` in the working directory never runs."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from batchlab.cli import app
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--micro-batch", "2"]
+linux = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _children(parent: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _start(*argv: str, cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": SRC}
+    # -P: like the installed `batchlab` script, which does not put the working directory on sys.path
+    return subprocess.Popen([sys.executable, "-P", "-m", "batchlab", *argv], cwd=cwd, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _assert_all_gone(pids: list[int], folders: list[Path], within: float = 5.0) -> None:
+    end = time.monotonic() + within
+    while time.monotonic() < end and (any(map(_alive, pids)) or any(f.exists() for f in folders)):
+        time.sleep(0.1)
+    left = [f"{p}: {_cmdline(p)[:120]}" for p in pids if _alive(p)]
+    assert not left, f"still running {within} s after the parent died: {left}"
+    assert not [f for f in folders if f.exists()], "temporary folder left behind"
+
+
+@linux
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the parent runs with -P")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_an_isolated_worker_dies_with_its_parent(tmp_path, sig):
+    parent = _start("measure", "--isolate", "--steps", "100000", "--timeout", "300", *TINY, cwd=tmp_path)
+    try:
+        worker = _wait_for(lambda: [p for p in _children(parent.pid) if "batchlab.measure.worker" in _cmdline(p)],
+                           60, "the worker")[0]
+        folder = Path(_cmdline(worker).split()[-1]).parent  # the worker's argument: FOLDER/measurement.json
+        time.sleep(1.0)  # past its imports: measuring
+        assert _alive(worker) and folder.exists()
+        parent.send_signal(sig)
+        rc = parent.wait(30)
+        _assert_all_gone([worker], [folder])
+    finally:
+        parent.kill()
+    assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 143)
+
+
+@linux
+@pytest.mark.slow
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the parent runs with -P")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_torchrun_and_its_ranks_die_with_their_parent(tmp_path, sig):
+    parent = _start("measure", "--nproc", "2", "--dp", "2", "--steps", "100000", "--timeout", "300", *TINY,
+                    cwd=tmp_path)
+    try:
+        torchrun = _wait_for(lambda: [p for p in _children(parent.pid) if "batchlab.lifeline" in _cmdline(p)],
+                             60, "torchrun")[0]
+        folder = Path(_cmdline(torchrun).split("batchlab.lifeline ")[1].split()[0])
+        ranks = _wait_for(lambda: [int(f.read_text()) for f in folder.glob("rank*.pid") if f.read_text().strip()]
+                          if len(list(folder.glob("rank*.pid"))) == 2 else None, 120, "both ranks")
+        time.sleep(1.0)
+        assert all(map(_alive, ranks))
+        parent.send_signal(sig)
+        rc = parent.wait(30)
+        _assert_all_gone([torchrun, *ranks], [folder])
+    finally:
+        parent.kill()
+    assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 143)
+
+
+SHADOWS = ("statistics", "json", "random", "typing_extensions")
+
+
+def _plant(folder: Path) -> Path:
+    marker = folder / "MARKER"
+    for name in SHADOWS:
+        (folder / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write({name!r} + '\\n')\n"
+                                           "raise SystemExit('a module from the working directory ran')\n")
+    return marker
+
+
+def test_an_isolated_worker_does_not_import_the_working_directory(tmp_path, monkeypatch):
+    marker = _plant(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["measure", "--isolate", "--steps", "1", "--warmup", "1", *TINY])
+    assert not marker.exists(), marker.read_text()
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.slow
+def test_ddp_ranks_do_not_import_the_working_directory(tmp_path, monkeypatch):
+    marker = _plant(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["measure", "--nproc", "2", "--dp", "2", "--steps", "1", "--warmup", "1", *TINY])
+    assert not marker.exists(), marker.read_text()
+    assert res.exit_code == 0, res.output
