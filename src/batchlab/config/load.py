@@ -10,7 +10,7 @@ from typing import Any
 from batchlab.config.choices import ConfigError
 from batchlab.config.model import GPT2_FAMILY, LLAMA_FAMILY, ModelSpec, preset
 from batchlab.config.run import CHANGEABLE_FIELDS, RUN_FIELDS, Assumptions, RunConfig
-from batchlab.config.values import parse_bytes, read_file
+from batchlab.config.values import finite_number, parse_bytes, read_file
 
 
 def config_from_dict(d: dict[str, Any]) -> RunConfig:
@@ -90,7 +90,7 @@ def model_from_hf_config(path: str | Path, **overrides: Any) -> ModelSpec:
             values = dict(GPT2_FAMILY, layers=raw["n_layer"], hidden=raw["n_embd"], heads=raw["n_head"],
                           vocab=raw["vocab_size"], max_positions=raw.get("n_positions", 1024),
                           ffn=raw.get("n_inner") or None, tied_embeddings=raw.get("tie_word_embeddings", True),
-                          dropout=float(raw.get("resid_pdrop", 0.0) or 0.0))
+                          dropout=finite_number("hf_config resid_pdrop", raw.get("resid_pdrop", 0.0) or 0.0))
         elif kind in ("llama", "mistral", "qwen2"):
             values = dict(LLAMA_FAMILY, layers=raw["num_hidden_layers"], hidden=raw["hidden_size"],
                           heads=raw["num_attention_heads"],
