@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,8 @@ def resolve_model(arg: str, **overrides: Any) -> tuple[ModelSpec, str]:
         spec = model_from_hf_config(target, **overrides) if target.endswith(".json") else preset(target, **overrides)
         return spec, arg
     if ":" in arg:  # package.module:factory — the calculator cannot see inside it; the shape is a stand-in
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", arg):
+            raise ConfigError("model", f"{arg!r} is not package.module:factory (Python names, e.g. mypkg.models:build)")
         return preset("tiny", **overrides), arg
     return preset(arg, **overrides), "builtin"
 
