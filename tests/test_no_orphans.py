@@ -144,3 +144,32 @@ def test_ddp_ranks_do_not_import_the_working_directory(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["measure", "--nproc", "2", "--dp", "2", "--steps", "1", "--warmup", "1", *TINY])
     assert not marker.exists(), marker.read_text()
     assert res.exit_code == 0, res.output
+
+
+@linux
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the parent runs with -P")
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row(tmp_path, sig, code):
+    import sqlite3
+
+    book = tmp_path / "nb.sqlite"
+    env = {**os.environ, "PYTHONPATH": SRC}
+    # SIGINT restored to its default: a process started from a non-interactive shell may inherit it ignored
+    parent = subprocess.Popen([sys.executable, "-P", "-m", "batchlab", "compare", "--predict", "none", "--no-verify",
+                               "--steps", "100000", "--timeout", "300", "--notebook", str(book), *TINY[:-2]],
+                              cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        worker = _wait_for(lambda: [p for p in _children(parent.pid) if "batchlab.measure.worker" in _cmdline(p)],
+                           60, "the worker")[0]
+        time.sleep(1.0)
+        parent.send_signal(sig)
+        _, err = parent.communicate(timeout=30)
+        _assert_all_gone([worker], [])
+    finally:
+        parent.kill()
+    assert parent.returncode == code, err
+    assert "interrupted: experiment #1 left incomplete in" in err and "Traceback" not in err, err
+    with sqlite3.connect(book) as conn:
+        status, why = conn.execute("SELECT status, interrupted FROM experiments").fetchone()
+    assert status == "incomplete" and why.startswith(("KeyboardInterrupt", "Terminated")), why
