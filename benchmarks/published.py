@@ -5,9 +5,12 @@ builds a RunConfig for every run, calls batchlab.formula.estimate (no torch) and
 predicted vs measured with error = (predicted - measured) / measured, the mean and worst |error|, and every
 false OOM verdict.  Memory is matched to what the source measured:
 
-  allocated  ->  formula peak tensor bytes            (max_memory_allocated)
-  reserved   ->  formula peak bytes (tensors + margin) (max_memory_reserved; the margin is today's only model)
-  device     ->  formula peak bytes                   (nvidia-smi; the formula has no CUDA-context term yet)
+  allocated  ->  memory.allocated_bytes   (max_memory_allocated: tensor bytes at the peak)
+  reserved   ->  memory.reserved_bytes    (max_memory_reserved: formula/allocator.py's caching-allocator model)
+  device     ->  memory.device_bytes      (nvidia-smi: reserved + CUDA context + NCCL buffers)
+
+Runs marked ``holdout = true`` in the runs file were chosen before anything was tuned; their errors are
+summarised on their own.
 
 Every run feature RunConfig cannot express yet is printed on its own line (mapped to the nearest setting).
 
@@ -30,38 +33,31 @@ from batchlab.units import relative_to
 HERE = Path(__file__).resolve().parent
 UNITS = {"GiB": 2**30, "MiB": 2**20, "GB": 10**9, "MB": 10**6, "B": 1}
 
-# published GPU -> batchlab catalogue entry, where batchlab has one (today's capacities: nominal GB x 1e9)
-CATALOGUED = {"a100-sxm4-40gb": "a100-40gb", "a100-sxm4-80gb": "a100-80gb", "h100-sxm-80gb": "h100-sxm",
-              "h200-sxm-141gb": "h200", "mi300x": "mi300x", "l40s": "l40s"}
-# the capacity a user would type for a card batchlab does not know (its marketing size, in GB)
-NOMINAL_GB = {"v100-sxm2-16gb": 16, "v100-sxm2-32gb": 32, "rtx-4090": 24, "h100-sxm-96gb": 96,
-              "rtx-3090": 24, "rtx-a6000": 48, "l4": 24, "a10g": 24, "b200": 180}
+# published GPU key (gpu_catalogue.toml) -> batchlab catalogue entry (config/devices.py)
+CATALOGUED = {"v100-sxm2-16gb": "v100-16gb", "v100-sxm2-32gb": "v100-32gb", "a10g": "a10g", "l4": "l4",
+              "rtx-3090": "rtx-3090", "rtx-4090": "rtx-4090", "rtx-a6000": "rtx-a6000", "a100-sxm4-40gb": "a100-40gb",
+              "a100-sxm4-80gb": "a100-80gb", "a100-pcie-80gb": "a100-pcie-80gb", "h100-sxm-80gb": "h100-sxm",
+              "h100-pcie-80gb": "h100-pcie", "h100-nvl-94gb": "h100-nvl", "h100-sxm-96gb": "h100-96gb",
+              "h200-sxm-141gb": "h200", "b200": "b200", "mi250x": "mi250x", "mi300x": "mi300x", "mi325x": "mi325x",
+              "l40s": "l40s"}
 
 PRECISION = {"fp32": "fp32", "fp16-amp": "fp16-mixed", "bf16-autocast": "bf16-mixed",
-             "fsdp-mp-bf16": "bf16-mixed", "composer-default-bf16": "bf16-mixed",
-             "composer-pure-bf16": "bf16-mixed", "fp8-float8-linear": "bf16-mixed"}
+             "fsdp-mp-bf16": "bf16-fsdp", "composer-default-bf16": "bf16-mixed",
+             "composer-pure-bf16": "bf16-fsdp", "fp8-float8-linear": "bf16-fsdp"}
 PRECISION_GAP = {
-    "fsdp-mp-bf16": "FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) computes every op in bf16 "
-                    "(no fp32 residual/norm inputs); modelled as bf16-mixed autocast",
     "composer-default-bf16": "Composer FSDP1 mixed_precision=DEFAULT (version-dependent param/reduce dtypes) + "
-                             "amp_bf16; modelled as bf16-mixed",
+                             "amp_bf16 autocast; modelled as bf16-mixed (autocast: fp32 residual stream)",
     "composer-pure-bf16": "Composer FSDP1 mixed_precision=PURE (bf16 params, bf16 reduce, bf16 buffers); "
-                          "modelled as bf16-mixed",
+                          "modelled as bf16-fsdp (fp32 gradient shard where PURE keeps bf16: 2 B/param/dp high)",
     "fp8-float8-linear": "torchao Float8Linear (fp8 matmuls, fp8 all-gather) has no precision mode; modelled as "
-                         "bf16-mixed (time and memory both off)",
+                         "bf16-fsdp (fp8 matmul time and the fp8 weight copies not modelled)",
 }
-AC = {"none": "none", "full": "full", "selective-op": "selective", "megatron-selective": "selective"}
-AC_GAP = {
-    "selective-op": "torchtitan selective op AC (saves every other mm + SDPA outputs, recomputes the rest) is "
-                    "not a policy; modelled as batchlab 'selective' (saves every matmul output)",
-    "megatron-selective": "Megatron selective recompute (attention core only) is not a policy; modelled as "
-                          "batchlab 'selective'",
-}
+AC = {"none": "none", "full": "full", "selective-op": "selective-op", "megatron-selective": "megatron-selective"}
+AC_GAP: dict[str, str] = {}
+LOSS = {"causal-lm-ce": "full", "causal-lm-fused-ce": "fused", "sequence-classification-ce": "full"}
 LOSS_GAP = {
     "sequence-classification-ce": "the formula counts a causal-LM head over vocab {vocab} (logits, fp32 "
                                   "log-softmax, logit gradients) that this model does not have",
-    "causal-lm-fused-ce": "a fused cross-entropy kernel keeps no fp32 log-softmax; the formula counts "
-                          "F.cross_entropy's (vocab {vocab})",
 }
 SHARDING_ZERO = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 
@@ -98,17 +94,7 @@ def device_for(gpu: str, catalogue: dict[str, dict], gaps: list[str]) -> str:
     """batchlab's own entry where it has one, else a custom device from the catalogue's dense peaks."""
     if gpu in CATALOGUED:
         return CATALOGUED[gpu]
-    entry = catalogue[gpu]
-    tflops = entry["bf16_dense_tflops"]["value"]
-    parts = [f"mem={NOMINAL_GB[gpu]}GB", f"tflops={tflops:g}"]
-    if "fp32_tflops" in entry:
-        parts.append(f"fp32_tflops={entry['fp32_tflops']['value']:g}")
-    if "hbm_gb_per_s" in entry:
-        parts.append(f"hbm={entry['hbm_gb_per_s']['value'] * 1e9:g}")
-    spec = "custom:" + ",".join(parts)
-    gaps.append(f"GPU {gpu} is not in batchlab's catalogue: {spec} (nominal {NOMINAL_GB[gpu]} GB = "
-                f"{NOMINAL_GB[gpu]}e9 B, as a user would type it)")
-    return spec
+    raise ValueError(f"GPU {gpu} of the runs file is not mapped to a batchlab catalogue entry")
 
 
 def config_for(run: dict, catalogue: dict[str, dict], gaps: list[str]) -> RunConfig:
@@ -117,6 +103,9 @@ def config_for(run: dict, catalogue: dict[str, dict], gaps: list[str]) -> RunCon
     if attention == "flash":
         attention = "sdpa"  # a fused kernel either way: no s x s tensor kept
     model = ModelSpec(attention=attention, **m)
+    # torchtitan's Llama: separate wq/wk/wv, RoPE on q and k, SDPA; what its blocks keep (and the order its
+    # matmuls run for selective-op) is Hugging Face Llama's, which the formula counts for hf: sources
+    source = "hf:llama" if "torchtitan" in run["engine"] or run["id"].startswith("trainy") else "builtin"
     if run["precision"] in PRECISION_GAP:
         gaps.append(PRECISION_GAP[run["precision"]])
     ac = run["ac"]
@@ -132,8 +121,8 @@ def config_for(run: dict, catalogue: dict[str, dict], gaps: list[str]) -> RunCon
         gaps.append("torch.compile is not modelled (fused kernels: faster, fewer saved intermediates)")
     if run["optimizer"] != "adamw":
         gaps.append(f"optimizer {run['optimizer']} modelled as AdamW")
-    return RunConfig(model=model, seq=run["seq"], micro_batch=run["micro_batch"], accum=run["accum"],
-                     dp=run["dp"], precision=PRECISION[run["precision"]], ac=ac,
+    return RunConfig(model=model, model_source=source, seq=run["seq"], micro_batch=run["micro_batch"], accum=run["accum"],
+                     dp=run["dp"], precision=PRECISION[run["precision"]], ac=ac, loss=LOSS[run["loss"]],
                      zero=SHARDING_ZERO[run["sharding"]], device=device_for(run["gpu"], catalogue, gaps))
 
 
@@ -149,13 +138,10 @@ def evaluate(run: dict, catalogue: dict[str, dict]) -> Row:
         row.failed = str(e)
         return row
     est = estimate(row.cfg)
-    if measured.get("memory_kind") == "allocated":
-        row.mem_predicted = est.memory.peak_tensor_bytes
-    else:
-        row.mem_predicted = est.memory.peak_bytes
-        if measured.get("memory_kind") == "device":
-            row.gaps.append("measured is the device view (nvidia-smi): the formula has no CUDA context / "
-                            "cuBLAS workspace term")
+    kind = measured.get("memory_kind")
+    if kind is not None:  # the formula's figure of the same kind (formula/allocator.py)
+        row.mem_predicted = {"allocated": est.memory.allocated_bytes, "reserved": est.memory.reserved_bytes,
+                             "device": est.memory.device_bytes}[kind]
     row.fits = est.memory.fits
     row.tps_predicted = est.time.tokens_per_second / row.cfg.dp
     row.params = est.params.total
@@ -185,7 +171,8 @@ def print_table(rows: list[Row]) -> None:
         run = r.run
         verdict = "-" if r.fits is None else ("fits" if r.fits else "**OOM (false)**")
         frac = "-" if r.implied_fraction is None else f"{r.implied_fraction:.2f}"
-        print(f"| {run['id']} | {run['gpu']} x {run['gpu_count']} | {run['measured'].get('memory_kind', '-')} | "
+        mark = " (held out)" if run.get("holdout") else ""
+        print(f"| {run['id']}{mark} | {run['gpu']} x {run['gpu_count']} | {run['measured'].get('memory_kind', '-')} | "
               f"{gib(r.mem_measured)} | {gib(r.mem_predicted) if r.mem_measured else '-'} | "
               f"{pct(r.mem_error) if r.mem_measured else '-'} | {verdict} | {num(r.tps_measured)} | "
               f"{num(r.tps_predicted)} | {pct(r.tps_error)} | {frac} |")
@@ -209,9 +196,13 @@ def print_summary(rows: list[Row]) -> None:
               f"{', '.join(low)}. Summaries over all runs, then without them:")
         print()
     confident = [r for r in rows if "confidence" not in r.run]
-    for label, subset in (("all runs", rows), ("without low-confidence runs", confident)):
-        if label != "all runs" and not low:
-            break
+    held = [r for r in confident if r.run.get("holdout")]
+    tuned = [r for r in confident if not r.run.get("holdout")]
+    for label, subset in (("all runs", rows), ("without low-confidence runs", confident),
+                          ("held-out runs (chosen before tuning), confident", held),
+                          ("the other runs, confident", tuned)):
+        if label == "without low-confidence runs" and not low:
+            continue
         print(f"{label}:")
         print_errors(subset)
         print()
@@ -224,10 +215,17 @@ def print_errors(rows: list[Row]) -> None:
     summary(rows, "tps_error", "tokens/s per GPU")
     false_oom = [r.run["id"] for r in rows if r.fits is False]
     print(f"- false OOM verdicts (the run ran): {len(false_oom)}" + (f": {', '.join(false_oom)}" if false_oom else ""))
+    for r in rows:  # a source that reports an OOM at a larger micro-batch: the formula must say OOM there too
+        if r.run["measured"].get("oom_at_micro_batch_2") and r.cfg is not None:
+            m = estimate(r.cfg.replace(micro_batch=2)).memory
+            print(f"- true OOM check, {r.run['id']} at micro-batch 2 (the source: OOM): reserved "
+                  f"{m.reserved_bytes / 2**30:.1f} GiB of {m.capacity_bytes / 2**30:.2f} -> "
+                  f"{'OOM (agrees)' if not m.fits else 'fits (DISAGREES)'}")
     fracs = [r.implied_fraction for r in rows if r.implied_fraction is not None]
     if fracs:
         print(f"- implied achievable fraction (measured tok/s x formula model FLOPs/token / formula peak): "
-              f"{min(fracs):.2f}-{max(fracs):.2f}, median {statistics.median(fracs):.2f} (batchlab assumes 0.40)")
+              f"{min(fracs):.2f}-{max(fracs):.2f}, median {statistics.median(fracs):.2f} (batchlab's defaults per device "
+              f"and precision: formula/efficiency.py, HFU of the runs not held out)")
 
 
 def print_details(rows: list[Row]) -> None:

@@ -141,4 +141,4 @@ def test_estimate_and_vary_use_the_cached_calibration_of_the_device(tmp_path, mo
     rows = json.loads(run("estimate", "--device", "cpu", "--vary", "micro_batch=1,2", "--json").stdout)
     assert [r["time"]["flops_ceiling"] for r in rows] == [5e10 * 0.4] * 2
     other = json.loads(run("estimate", "--device", "h100-sxm", "--json").stdout)["time"]
-    assert other["ceiling_source"] == "datasheet"  # no calibration cached for that device
+    assert "datasheet" in other["ceiling_source"]  # no calibration cached for that device

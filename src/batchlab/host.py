@@ -35,6 +35,21 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def memory_bytes() -> int | None:
+    """This machine's memory (``MemTotal`` of ``/proc/meminfo``), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024  # the file's unit is KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def cpu_hardware() -> str:
     """CPU model and core count: what a CPU calibration stands for."""
     return f"{cpu_name()}, {os.cpu_count()} cores"

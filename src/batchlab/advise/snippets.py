@@ -93,7 +93,7 @@ def _nodes(cfg: RunConfig) -> tuple[int, int]:
 def lightning(cfg: RunConfig) -> dict[str, Any]:
     strategy = {0: "ddp", 1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "fsdp"}[cfg.zero] if cfg.dp > 1 else "auto"
     precision = {Precision.FP32: "32-true", Precision.BF16_MIXED: "bf16-mixed", Precision.FP16_MIXED: "16-mixed",
-                 Precision.BF16: "bf16-true"}[cfg.precision]
+                 Precision.BF16: "bf16-true", Precision.BF16_FSDP: "bf16-mixed"}[cfg.precision]
     devices, nodes = _nodes(cfg)
     trainer = {"accumulate_grad_batches": cfg.accum, "devices": devices, "strategy": strategy, "precision": precision}
     if nodes > 1:
@@ -122,7 +122,11 @@ def _which_layers(cfg: RunConfig) -> str:
     if cfg.ac.mode is ACMode.FULL:
         return f"all {n} layers"
     if cfg.ac.mode is ACMode.SELECTIVE:
-        return f"all {n} layers, attention core only (create_selective_checkpoint_contexts)"
+        return f"all {n} layers, matmul outputs kept (create_selective_checkpoint_contexts)"
+    if cfg.ac.mode is ACMode.SELECTIVE_OP:
+        return f"all {n} layers, every other matmul and the SDPA outputs kept (torchtitan's op policy)"
+    if cfg.ac.mode is ACMode.MEGATRON:
+        return f"all {n} layers, the attention core recomputed (Megatron selective)"
     wrapped = cfg.ac.wrapped_layers(n)
     return f"layers 0, {cfg.ac.every}, {2 * cfg.ac.every}, ... ({len(wrapped)} of {n})"
 
@@ -163,7 +167,8 @@ def torchtitan_toml(cfg: RunConfig) -> str:
         parallel["fsdp_reshard_after_forward"] = "never"
         notes.append(f"ZeRO-{cfg.zero} has no torchtitan switch; FSDP2 with fsdp_reshard_after_forward = \"never\" "
                      "(ZeRO-2 memory) is the nearest")
-    precision = {Precision.BF16_MIXED: "bfloat16", Precision.FP32: "float32"}.get(cfg.precision)
+    precision = {Precision.BF16_MIXED: "bfloat16", Precision.BF16_FSDP: "bfloat16",
+                 Precision.FP32: "float32"}.get(cfg.precision)
     if precision is None:
         notes.append(f"precision {cfg.precision}: torchtitan's mixed_precision_param is bfloat16 or float32")
     ac: dict[str, Any] = {"mode": {ACMode.NONE: "none", ACMode.FULL: "full"}.get(cfg.ac.mode, "selective")}
@@ -172,7 +177,9 @@ def torchtitan_toml(cfg: RunConfig) -> str:
         notes.append(f"torchtitan wraps layers {cfg.ac.every}, {2 * cfg.ac.every}, ... counting from 1; batchlab's "
                      f"every:{cfg.ac.every} wraps 0, {cfg.ac.every}, ...: the same count when {cfg.model.layers} "
                      f"is a multiple of {cfg.ac.every}")
-    elif cfg.ac.mode is ACMode.SELECTIVE:
+    elif cfg.ac.mode is ACMode.SELECTIVE_OP:  # batchlab's selective-op is torchtitan's policy
+        ac["selective_ac_option"] = "op"
+    elif cfg.ac.mode in (ACMode.SELECTIVE, ACMode.MEGATRON):
         ac["selective_ac_option"] = "op"
         notes.append("selective_ac_option = \"op\" saves matmul and attention outputs by a policy of its own; "
                      "close to, not the same as, batchlab's selective")

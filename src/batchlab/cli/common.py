@@ -13,7 +13,9 @@ import typer
 from batchlab.config import (Assumptions, ConfigError, RunConfig, derive_accum, load_config_toml,
                              model_from_hf_config, parse_bytes, resolve_model)
 
-AC_HELP = ("Activation checkpointing: none, full, every:K, selective. Recomputes activations during backward "
+AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), selective (keep every "
+           "matmul), selective-op (torchtitan: every other matmul + SDPA), megatron-selective (attention core). "
+           "Recomputes activations during backward "
            "to save memory inside one step (trades compute for memory). NOT the training checkpoint saved to disk.")
 
 # name -> (annotation, default, help).  Flags are the names with dashes (--micro-batch); --change/--vary
@@ -38,18 +40,23 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "accum": (Optional[int], None, "Gradient-accumulation steps per optimizer update (default 1)."),
     "global_batch": (Optional[int], None, "Global batch (sequences per update); accum is derived from it."),
     "dp": (int, 1, "Data-parallel world size."),
-    "precision": (str, "fp32", "fp32, bf16-mixed, fp16-mixed or bf16."),
+    "precision": (str, "fp32", "fp32, bf16-mixed (autocast), fp16-mixed, bf16, or bf16-fsdp (FSDP2 "
+                               "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); formula only)."),
     "optimizer": (str, "adamw", "adamw, sgd or sgd-momentum."),
     "optimizer_bytes": (Optional[float], None, "Optimizer state bytes per parameter (overrides --optimizer's)."),
     "ac": (str, "none", AC_HELP),
+    "loss": (str, "full", "Loss path: full (F.cross_entropy on all logits), chunked[:N] (N checkpointed token "
+                          "chunks, default 8) or fused (a fused kernel; formula only)."),
     "zero": (int, 0, "ZeRO stage 0-3 over the DP ranks (3 ~ FSDP full sharding)."),
     "device": (str, "cpu", "Device: cpu, local (this machine's GPU, else cpu), h100-sxm, h200, a100-40gb, a100-80gb, "
                            "l40s, mi300x, or custom:mem=80GB,tflops=400,..."),
     "memory_budget": (Optional[str], None, "Memory per rank, e.g. 2GiB (replaces the device's; on CPU a tracked-bytes budget)."),
     "data": (str, "fixed", "fixed (full-length sequences) or padded (variable lengths, padding not counted as useful)."),
     "seed": (int, 0, "Seed for weights and synthetic data."),
-    "achievable_fraction": (float, 0.4, "Assumed fraction of peak FLOP/s that kernels reach."),
-    "comm_overlap": (float, 0.0, "Assumed fraction of the gradient all-reduce hidden behind backward."),
+    "achievable_fraction": (Optional[float], None, "Fraction of peak FLOP/s kernels reach (default: the device's "
+                                                   "published figure, named in the assumptions)."),
+    "comm_overlap": (Optional[float], None, "Fraction of communication hidden behind compute (default: the "
+                                            "engine's model: DDP buckets, FSDP prefetch)."),
 }
 MODEL_OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp", "norm", "dropout", "attention")
 
@@ -79,7 +86,7 @@ def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
     return cfg.replace(**changes)
 
 
-RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "zero", "device", "memory_budget",
+RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "loss", "zero", "device", "memory_budget",
              "data", "seed")
 
 
@@ -103,7 +110,7 @@ def _config_from_flags(**o: Any) -> RunConfig:
         mb = 1 if mb is None else mb
         accum = _accum_for(gb, mb, dp, accum)
     budget = o.get("memory_budget")
-    given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "zero", "device", "data", "seed")
+    given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "loss", "zero", "device", "data", "seed")
              if o.get(k) is not None}
     default = Assumptions()
     assumptions = Assumptions(achievable_fraction=o.get("achievable_fraction", default.achievable_fraction),

@@ -31,24 +31,33 @@ def _memory_table(e: Estimate) -> Table:
     peak = m.at_peak
     rows = [  # (label, size, part at the peak or None, note)
         ("parameters", m.parameters_bytes, "parameters",
+         "bf16 blocks FSDP2 has gathered (current, prefetched, root) and their gradients"
+         if e.config.precision.value == "bf16-fsdp" else
          "16-bit working copies (autocast)" if m.master_bytes else "weights"),
         ("master weights", m.master_bytes, "master", "fp32, updated by the optimizer" if m.master_bytes else "none (not mixed)"),
         ("gradients", m.gradients_bytes, "gradients", ""),
         ("optimizer state", m.optimizer_bytes, "optimizer", str(e.config.optimizer)),
         ("activations", m.activations_bytes, "activations",
          f"{len(layers)} layers, {fmt_bytes(max(layers))} max per layer, ac={e.config.ac}"),
-        ("  of which logits/loss", m.logits_bytes, None, "fp32 log-softmax kept by the loss"),
+        ("  of which logits/loss", m.logits_bytes, None, f"kept by the loss (--loss {e.config.loss})"),
         ("recompute working set", None, "recompute", "one layer rebuilt during its backward"),
         ("temporaries", None, "temporaries", "gradients of activations, logits, optimizer buffers"),
         ("data", m.data_bytes, "data", "token ids of one update"),
     ]
     for name, size, part, note in rows:
         t.add_row(name, fmt_bytes(size) if size is not None else "", fmt_bytes(peak[part]) if part else "", note)
-    t.add_row("allocator margin", "", fmt_bytes(m.margin_bytes),
-              f"{m.margin_bytes / max(m.peak_tensor_bytes, 1):.0%} assumed")
+    t.add_row("[bold]allocated[/bold]", "", f"[bold]{fmt_bytes(m.allocated_bytes)}[/bold]",
+              "tensor bytes at the peak (max_memory_allocated)")
+    for why, n in m.reserved_parts.items():
+        t.add_row(f"  + {why}", "", fmt_bytes(n), "caching allocator (formula/allocator.py)")
     verdict = "fits" if m.fits else "OUT OF MEMORY"
-    t.add_row("[bold]peak[/bold]", "", f"[bold]{fmt_bytes(m.peak_bytes)}[/bold]",
-              f"capacity {fmt_bytes(m.capacity_bytes)} → [bold]{verdict}[/bold] (headroom {fmt_bytes(m.headroom_bytes)})")
+    t.add_row("[bold]reserved[/bold]", "", f"[bold]{fmt_bytes(m.reserved_bytes)}[/bold]",
+              f"max_memory_reserved; capacity {fmt_bytes(m.capacity_bytes)} ({e.config.device_spec.memory_source}) "
+              f"→ [bold]{verdict}[/bold] (headroom {fmt_bytes(m.headroom_bytes)})")
+    for why, n in m.device_parts.items():
+        t.add_row(f"  + {why}", "", fmt_bytes(n), "outside the caching allocator")
+    t.add_row("[bold]device view[/bold]", "", f"[bold]{fmt_bytes(m.device_bytes)}[/bold]",
+              "what nvidia-smi shows (reserved + context + NCCL)")
     return t
 
 

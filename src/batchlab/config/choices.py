@@ -42,6 +42,10 @@ class Precision(_Choice):
     BF16_MIXED = "bf16-mixed"  # bf16 compute, fp32 master weights
     FP16_MIXED = "fp16-mixed"  # fp16 compute, fp32 master weights, dynamic loss scaling
     BF16 = "bf16"  # pure bf16: weights, grads and optimizer state in bf16
+    # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (torchtitan's setting): every op computes
+    # in bf16 (residual stream, norm inputs and saved activations bf16, no autocast cast cache); the fp32
+    # parameters are the sharded master copy, Adam state fp32 sharded, gradients reduced and kept in fp32
+    BF16_FSDP = "bf16-fsdp"
 
     @property
     def compute_bytes(self) -> int:
@@ -51,6 +55,11 @@ class Precision(_Choice):
     @property
     def mixed(self) -> bool:
         return self in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+
+    @property
+    def low_precision_residual(self) -> bool:
+        """The residual stream and norm inputs are 16-bit (no autocast keeping them fp32)."""
+        return self in (Precision.BF16, Precision.BF16_FSDP)
 
 
 class OptimizerKind(_Choice):
@@ -83,7 +92,21 @@ class ACMode(_Choice):
     NONE = "none"
     FULL = "full"
     EVERY = "every"
-    SELECTIVE = "selective"
+    SELECTIVE = "selective"  # every block keeps every matmul output, recomputes the element-wise ops
+    # torchtitan's selective op AC (torchtitan/distributed/activation_checkpoint.py @ b5bcd76c: "Save all
+    # compute/comm ops, except every second mm/linear"): odd-numbered matmuls and SDPA outputs kept
+    SELECTIVE_OP = "selective-op"
+    # Megatron-LM recompute_granularity=selective, recompute_modules=[core_attn]: only the attention core
+    # (QK^T, softmax, dropout, AV) is recomputed (Korthikanti et al. 2022, sec. 5; 34sbh per layer)
+    MEGATRON = "megatron-selective"
+
+
+class LossMode(_Choice):
+    """How the LM loss is computed over the vocabulary (formula/loss.py counts what each keeps)."""
+
+    FULL = "full"  # F.cross_entropy(logits.float()) on all tokens at once: fp32 copy and log-softmax kept
+    CHUNKED = "chunked"  # over N token chunks, each checkpointed: one chunk's fp32 logits live at a time
+    FUSED = "fused"  # a fused kernel (flash-attn / Liger): 16-bit logits and log-sum-exp, no fp32 copies
 
 
 class Backend(_Choice):

@@ -14,7 +14,13 @@ from batchlab.config.values import finite_number, parse_bytes
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One accelerator (or a CPU).  Peak rates are dense datasheet figures; bandwidths one direction."""
+    """One accelerator (or a CPU).  Peak rates are dense datasheet figures; bandwidths one direction.
+
+    ``memory_bytes`` is the capacity the card reports to PyTorch (``get_device_properties().total_memory``,
+    the "total capacity" of a CUDA OOM message), not the marketing GB; ``memory_source`` says where it came
+    from or that it is an estimate.  ``context_bytes``: what the CUDA context and loaded kernels take outside
+    the caching allocator (part of what nvidia-smi shows).
+    """
 
     name: str
     backend: Backend
@@ -26,6 +32,10 @@ class DeviceSpec:
     inter_node_bytes_per_s: float  # per-GPU network bandwidth between nodes
     gpus_per_node: int = 8
     source: str = "datasheet"
+    memory_source: str = "datasheet"
+    context_bytes: int = 0
+    context_source: str = ""
+    arch: str = ""  # volta, ampere, ada, hopper, blackwell, cdna2, cdna3, cpu: picks the cuBLAS workspace
 
     def __post_init__(self):
         object.__setattr__(self, "backend", Backend.parse("backend", self.backend))
@@ -36,29 +46,125 @@ class DeviceSpec:
 
 GB = 10**9
 GiB = 2**30
+MiB = 2**20
 T = 10**12
 
-# NVIDIA / AMD datasheets (dense, no sparsity).  NVLink figures are per-direction (900 GB/s bidirectional
-# on H100 = 450 GB/s each way); inter-node is one 400 Gb/s NDR (H100/H200/MI300X) or 200 Gb/s HDR (A100)
-# NIC per GPU.
-DEVICES: dict[str, DeviceSpec] = {
-    "h100-sxm": DeviceSpec("h100-sxm", Backend.CUDA, 80 * GB, 989 * T, 67 * T, 3.35e12, 450 * GB, 50 * GB),
-    "h200": DeviceSpec("h200", Backend.CUDA, 141 * GB, 989 * T, 67 * T, 4.8e12, 450 * GB, 50 * GB),
-    "a100-40gb": DeviceSpec("a100-40gb", Backend.CUDA, 40 * GB, 312 * T, 19.5 * T, 1.555e12, 300 * GB, 25 * GB),
-    "a100-80gb": DeviceSpec("a100-80gb", Backend.CUDA, 80 * GB, 312 * T, 19.5 * T, 2.039e12, 300 * GB, 25 * GB),
-    "l40s": DeviceSpec("l40s", Backend.CUDA, 48 * GB, 362 * T, 91.6 * T, 0.864e12, 32 * GB, 25 * GB),
-    "mi300x": DeviceSpec("mi300x", Backend.CUDA, 192 * GB, 1307 * T, 163.4 * T, 5.3e12, 448 * GB, 50 * GB),
-    # A generic CPU: memory is a nominal 16 GiB unless a budget is given; rates are nominal for a 2-core
-    # AVX-512 server VM (2 cores x 2.6 GHz x 32 fp32 FLOP/cycle ~ 160 GFLOP/s; measured matmuls reach 64-87) —
-    # run `batchlab calibrate` for measured ones.  DP ranks on one host all-reduce over loopback gloo
-    # (~0.5 GB/s bus bandwidth seen here under load).
-    "cpu": DeviceSpec("cpu", Backend.CPU, 16 * GiB, 160e9, 160e9, 10e9, 0.5e9, 0.5e9, gpus_per_node=64,
-                      source="nominal (run batchlab calibrate)"),
+# Sources (full citations in benchmarks/gpu_catalogue.toml, with quotes):
+#   torch       the card's torch total_memory / the "total capacity" of a CUDA OOM message, quoted in a public source
+#   smi         nvidia-smi's total column (MiB), via modal-labs/modal-client#2797 unless named
+#   tt-utils    pytorch/torchtitan torchtitan/tools/utils.py @ b5bcd76c (dense bf16 peaks, vendor URLs beside each)
+#   klockwood   glennklockwood.com/garden/processors/{h100,A100} (NVIDIA datasheet tables)
+# Estimates, where no reported capacity was found, are labelled "estimate" and use one rule:
+# nominal GiB x 0.9899, the H100 80GB's torch total (79.19 GiB, nanochat#443) over its 80 GiB of HBM.
+_H100_RESERVE = 79.19 / 80
+# CUDA context + kernels outside the allocator: 1343 MiB measured on a V100 with CUDA 11 before lazy loading
+# (transformers docs model_memory_anatomy.md @ 249ef816: "GPU memory occupied: 1343 MB").  With CUDA >= 11.7
+# lazy module loading (the default since PyTorch 2.0) it is smaller; no published figure found: estimate 0.5 GiB.
+_CTX_V100 = (1343 * MiB, "measured on V100, CUDA 11 (transformers model_memory_anatomy.md @ 249ef816)")
+_CTX_LAZY = (512 * MiB, "estimate: CUDA >= 11.7 lazy-loaded context, not found published; measure with gpu_check.sh")
+
+
+def _gpu(name, arch, mem_gib, mem_source, bf16_tf, fp32_tf, hbm_gbs, link_gbs, net_gbs, source, context=_CTX_LAZY):
+    return DeviceSpec(name, Backend.CUDA, int(mem_gib * GiB), bf16_tf * T, fp32_tf * T, hbm_gbs * GB, link_gbs * GB,
+                      net_gbs * GB, source=source, memory_source=mem_source, context_bytes=context[0],
+                      context_source=context[1], arch=arch)
+
+
+def _est(nominal_gib: float) -> float:
+    return nominal_gib * _H100_RESERVE
+
+
+_EST = "estimate (not found): nominal GiB x 0.9899, the H100 80GB's reported share"
+# NVLink figures are per direction (900 GB/s bidirectional on H100 = 450 each way); inter-node one NIC per GPU
+# (400 Gb/s NDR = 50 GB/s on Hopper/Blackwell/MI300, 200 Gb/s HDR = 25 GB/s on A100); PCIe Gen4 x16 ~ 25 GB/s,
+# Gen5 ~ 50 GB/s per direction.
+_GPUS = (
+    _gpu("v100-16gb", "volta", 15.78, "smi 16160 MiB = 15.78 GiB (transformers model_memory_anatomy.md @ 249ef816); torch "
+         "not found (smi used)", 125, 15.7, 900, 150, 12.5,
+         "NVIDIA tensor-core blog (125 TF fp16), fp32 15.7 TF secondary; HBM2 900 GB/s, NVLink2 300 GB/s bidir: "
+         "datasheet figures not re-checked here", context=_CTX_V100),
+    _gpu("v100-32gb", "volta", 31.73, "estimate: 31.73 GiB, the 'total capacity' of 32 GB-card CUDA OOM "
+         "messages that do not name the card; V100 32GB not found",
+         125, 15.7, 900, 150, 12.5, "as v100-16gb", context=_CTX_V100),
+    _gpu("a10g", "ampere", 22.49 - 0.46, "estimate (not found): smi of the A10 is 23028 MiB (22.49 GiB) -> "
+         "22.49 - 0.46 GiB smi-to-torch gap of the H100", 70, 31.2, 600, 25, 12.5,
+         "bf16 and fp32 not found for the A10G (AWS throttles the A10): estimate = RTX 3090-class GA102 figures; "
+         "600 GB/s GDDR6 (baseten blog)"),
+    _gpu("l4", "ada", 22.49 - 0.0, "smi 23034 MiB = 22.49 GiB (modal-2797); torch not found (smi used)", 121, 30.3,
+         300, 25, 12.5, "bf16 = half of 242 sparse, 300 GB/s GDDR6 (secondary sources)"),
+    _gpu("rtx-3090", "ampere", 23.69, "estimate: 23.69 GiB, the 'total capacity' of unnamed 24 GB-card "
+         "OOM messages; smi 24576 MiB (club-3090#1129)", 71, 35.6, 936, 25, 12.5,
+         "bf16 71 TF with fp32 accumulate (nanochat#60, GA102 whitepaper); fp32 35.6 and 936 GB/s: datasheet, "
+         "not re-checked here"),
+    _gpu("rtx-4090", "ada", 23.64, "torch: 'GPU 0 has a total capacity of 23.64 GiB' (an OOM log naming a 24GB 4090)",
+         165.2, 82.6, 1008, 25, 12.5, "165.2 TF bf16 fp32-accumulate (nanochat#60), fp32 82.6, 1008 GB/s (secondary)"),
+    _gpu("rtx-a6000", "ampere", 47.54, "torch: 'GPU 0 has a total capacity of 47.54 GiB' (2xA6000 benchmark log)",
+         154.85, 38.7, 768, 56, 12.5, "tt-utils (154.85 dense bf16); fp32 38.7 TF and 768 GB/s: datasheet, not "
+         "re-checked here"),
+    _gpu("a100-40gb", "ampere", 42405855232 / GiB, "cudaGetDeviceProperties totalGlobalMem 42405855232 B "
+         "(upb-pc2 A100 40GB wiki)", 312, 19.5, 1555, 300, 25, "klockwood (NVIDIA A100 datasheet)"),
+    _gpu("a100-80gb", "ampere", 79.15, "estimate: 79.15 GiB, the smallest 'total capacity' of unnamed 80 GB-card "
+         "OOM messages (79.14-79.33 GiB); smi 81920 MiB (modal-2797)", 312, 19.5, 2039, 300, 25, "tt-utils, klockwood"),
+    _gpu("a100-pcie-80gb", "ampere", 79.15, "estimate (not found): as a100-80gb (same 80 GB HBM2e)", 312, 19.5,
+         1935, 32, 25, "tt-utils (312 TF); 1935 GB/s (secondary); PCIe Gen4"),
+    _gpu("h100-sxm", "hopper", 79.19, "torch: 'GPU has 79.19 GiB total' (nanochat#443, 8x H100 80GB HBM3); "
+         "smi 81559 MiB (NVIDIA/nccl#1264)", 989.4, 66.9, 3350, 450, 50, "klockwood (NVIDIA H100 datasheet)"),
+    _gpu("h100-pcie", "hopper", 79.19, "estimate (not found): as h100-sxm (same 80 GB)", 756, 51, 2000, 64, 50,
+         "tt-utils (756 TF); >2,000 GB/s (H100 PCIe product brief PB-11133-001); fp32 51 TF datasheet, not "
+         "re-checked; PCIe Gen5"),
+    _gpu("h100-nvl", "hopper", 99961274368 / GiB, "NVML total 99961274368 B = 93.1 GiB (fastfetch#1658); torch "
+         "not found", 835, 60, 3900, 300, 50, "tt-utils (835 TF); 3.9 TB/s, NVLink bridge 600 GB/s (secondary)"),
+    _gpu("h100-96gb", "hopper", 94.99, "torch: 'CUDA capacity: NVIDIA H100 with 94.99GiB memory' (torchtitan#1625)",
+         989, 66.9, 2400, 450, 50, "torchtitan benchmarks/llama3_h100_202412 (2.4 TB/s, 400 Gb/s per GPU); bf16 "
+         "peak is an upper bound (between SXM and NVL, 'we don't know its exact value')"),
+    _gpu("h200", "hopper", 139.80, "torch: 'GPU 0 has a total capacity of 139.80 GiB' (H200 OOM messages)", 989,
+         66.9, 4800, 450, 50, "tt-utils (989 TF); 4.8 TB/s and NVLink 450 GB/s per direction (secondary)"),
+    _gpu("b200", "blackwell", 178.35, "cudaGetDeviceProperties 'Total Global Memory: 178.35 GB' [GiB] "
+         "(pytorch/ao#4002); smi 183359 MiB (TensorRT-LLM#10278)", 2250, 75, 7672, 900, 50,
+         "tt-utils (2.25 PF), 7.672 TB/s (pytorch/ao#4002); fp32 75 TF and NVLink5 1.8 TB/s bidir: datasheet, "
+         "not re-checked"),
+    _gpu("mi250x", "cdna2", _est(64), _EST + " (one GCD: 64 GB HBM2e)", 191.5, 47.9, 1638, 200, 25,
+         "tt-utils (191.5 TF per GCD); fp32 47.9 and 1.6 TB/s per GCD: datasheet halves, not re-checked"),
+    _gpu("mi300x", "cdna3", _est(192), _EST + " (192 GB HBM3)", 1307.4, 163.4, 5300, 448, 50,
+         "1307.4 TF (tt-utils rounds to 1300), 5.3 TB/s (secondary)"),
+    _gpu("mi325x", "cdna3", _est(256), _EST + " (256 GB HBM3e)", 1307.4, 163.4, 6000, 448, 50,
+         "awesomeagents.ai MI325X table (secondary)"),
+    _gpu("l40s", "ada", 46068 / 1024, "smi 46068 MiB = 44.99 GiB (modal-2797); torch not found (smi used)", 362,
+         91.6, 864, 32, 25, "tt-utils (362 TF), 91.6 TF fp32, 864 GB/s (secondary)"),
+)
+
+
+def _cpu() -> DeviceSpec:
+    """This machine's CPU: its memory (host.memory_bytes()); rates nominal for a 2-core AVX-512 server VM
+    (2 cores x 2.6 GHz x 32 fp32 FLOP/cycle ~ 160 GFLOP/s; measured matmuls reach 64-87) — run
+    ``batchlab calibrate`` for measured ones.  DP ranks on one host all-reduce over loopback gloo
+    (~0.5 GB/s bus bandwidth seen here under load)."""
+    mem = host.memory_bytes()
+    return DeviceSpec("cpu", Backend.CPU, mem or 16 * GiB, 160e9, 160e9, 10e9, 0.5e9, 0.5e9, gpus_per_node=64,
+                      source="nominal (run batchlab calibrate)",
+                      memory_source="this machine's memory (/proc/meminfo MemTotal)" if mem else
+                      "nominal 16 GiB (this machine's memory could not be read)", arch="cpu")
+
+
+DEVICES: dict[str, DeviceSpec] = {d.name: d for d in _GPUS} | {"cpu": _cpu()}
+# the names users type -> catalogue entry
+DEVICE_ALIASES = {
+    "h100": "h100-sxm", "h100-80gb": "h100-sxm", "h100-sxm5": "h100-sxm", "h100-sxm-80gb": "h100-sxm",
+    "h100-80gb-hbm3": "h100-sxm", "h100-pcie-80gb": "h100-pcie", "h100-nvl-94gb": "h100-nvl",
+    "h100-sxm-96gb": "h100-96gb", "h200-sxm": "h200", "h200-141gb": "h200", "h200-sxm-141gb": "h200",
+    "a100": "a100-80gb", "a100-80gb-sxm": "a100-80gb", "a100-sxm4-80gb": "a100-80gb", "a100-sxm-80gb": "a100-80gb",
+    "a100-40gb-sxm": "a100-40gb", "a100-sxm4-40gb": "a100-40gb", "a100-pcie": "a100-pcie-80gb",
+    "a100-80gb-pcie": "a100-pcie-80gb", "v100": "v100-32gb", "v100-sxm2-16gb": "v100-16gb",
+    "v100-sxm2-32gb": "v100-32gb", "4090": "rtx-4090", "3090": "rtx-3090", "a6000": "rtx-a6000",
+    "b200-180gb": "b200", "mi250": "mi250x", "mi300": "mi300x",
 }
-DEVICE_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb"}
 # GPU name (as the driver reports it) -> catalogue entry; first match wins
-GPU_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"),
-             ("A100", "a100-80gb"), ("L40S", "l40s"), ("MI300X", "mi300x"))
+GPU_NAMES = (("H200", "h200"), ("H100 NVL", "h100-nvl"), ("H100 PCIe", "h100-pcie"), ("H100 96GB", "h100-96gb"),
+             ("H100", "h100-sxm"), ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"),
+             ("A100 80GB PCIe", "a100-pcie-80gb"), ("A100", "a100-80gb"), ("B200", "b200"), ("L40S", "l40s"),
+             ("L4", "l4"), ("A10G", "a10g"), ("RTX A6000", "rtx-a6000"), ("RTX 4090", "rtx-4090"),
+             ("RTX 3090", "rtx-3090"), ("V100-SXM2-16GB", "v100-16gb"), ("V100", "v100-32gb"),
+             ("MI250X", "mi250x"), ("MI300X", "mi300x"), ("MI325X", "mi325x"))
 
 
 def catalogue_key(gpu_name: str) -> str | None:
@@ -102,7 +208,8 @@ def _custom_device(text: str) -> DeviceSpec:
 def device(name: str) -> DeviceSpec:
     if name.strip().lower().startswith("custom:"):
         return _custom_device(name.strip())
-    key = DEVICE_ALIASES.get(name.strip().lower(), name.strip().lower())
+    typed = name.strip().lower().replace("_", "-")
+    key = DEVICE_ALIASES.get(typed, typed)
     if key == "local":
         key = local_device()
     if key not in DEVICES:

@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from batchlab.config.choices import ACMode, ConfigError, DataKind, ModelSource, OptimizerKind, Precision
+from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, DataKind, LossMode, ModelSource, OptimizerKind,
+                                     Precision)
 from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.model import ModelSpec, preset
 from batchlab.config.values import SEED_MAX, SIZE_MAX, finite_number, parse_bytes, whole_number
@@ -22,8 +23,11 @@ class ACPolicy:
     """Activation checkpointing: recompute inside one step to save memory.
 
     Not the training checkpoint (the file saved to disk for recovery).  Spellings: ``none``, ``full``
-    (every layer), ``every:K`` (every K-th layer, counting from the first), ``selective`` (every layer keeps
-    its matmul outputs and recomputes the cheap element-wise and attention-core ops).
+    (every layer), ``every:K`` (every K-th layer, counting from the first; torchtitan's "selective layer",
+    also spelled ``selective-layer:K``), ``selective`` (every layer keeps its matmul outputs and recomputes
+    the cheap element-wise and attention-core ops), ``selective-op`` (torchtitan's per-op policy: keeps every
+    other matmul output and the SDPA outputs), ``megatron-selective`` (Megatron: recomputes only the
+    attention core).  models/ac.py applies each, formula/checkpointing.py counts what each keeps.
     """
 
     mode: ACMode = ACMode.NONE
@@ -41,7 +45,8 @@ class ACPolicy:
         if isinstance(value, ACPolicy):
             return value
         text = str(value).strip().lower()
-        m = re.fullmatch(r"every:(\d+)", text)
+        text = ALIASES.get(text, text)
+        m = re.fullmatch(r"(?:every|selective-layer):(\d+)", text)
         if m:
             return cls(ACMode.EVERY, int(m.group(1)))
         if text == "every":
@@ -49,7 +54,8 @@ class ACPolicy:
         try:
             mode = ACMode(text)
         except ValueError:
-            raise ConfigError("ac", f"{value!r} is not one of: none, full, every:K, selective") from None
+            raise ConfigError("ac", f"{value!r} is not one of: none, full, every:K, selective, selective-op, "
+                                    "megatron-selective") from None
         return cls(mode)
 
     def __str__(self) -> str:
@@ -64,16 +70,53 @@ class ACPolicy:
         return ()
 
     def selective_layers(self, n_layers: int) -> tuple[int, ...]:
-        return tuple(range(n_layers)) if self.mode is ACMode.SELECTIVE else ()
+        return tuple(range(n_layers)) if self.mode in SELECTIVE_MODES else ()
+
+
+SELECTIVE_MODES = (ACMode.SELECTIVE, ACMode.SELECTIVE_OP, ACMode.MEGATRON)  # a policy inside every block
+ALIASES = {"op": "selective-op", "torchtitan-op": "selective-op", "megatron": "megatron-selective",
+           "core-attn": "megatron-selective"}
+
+
+@dataclass(frozen=True)
+class LossPolicy:
+    """The loss path: ``full``, ``chunked`` / ``chunked:N`` (N token chunks, default 8 as torchtune's
+    CEWithChunkedOutputLoss) or ``fused`` (a fused cross-entropy kernel; formula only)."""
+
+    mode: LossMode = LossMode.FULL
+    chunks: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", LossMode.parse("loss", self.mode))
+        if self.chunks < 1 or (self.mode is not LossMode.CHUNKED and self.chunks != 1):
+            raise ConfigError("loss", "N in chunked:N must be >= 1, and only chunked takes it")
+
+    @classmethod
+    def parse(cls, value: Any) -> "LossPolicy":
+        if isinstance(value, LossPolicy):
+            return value
+        text = str(value).strip().lower()
+        m = re.fullmatch(r"chunked(?::(\d+))?", text)
+        if m:
+            return cls(LossMode.CHUNKED, int(m.group(1) or 8))
+        try:
+            return cls(LossMode(text))
+        except ValueError:
+            raise ConfigError("loss", f"{value!r} is not one of: full, chunked, chunked:N, fused") from None
+
+    def __str__(self) -> str:
+        return f"chunked:{self.chunks}" if self.mode is LossMode.CHUNKED else self.mode.value
 
 
 @dataclass(frozen=True)
 class Assumptions:
     """The calculator's stated assumptions (printed with every estimate)."""
 
-    achievable_fraction: float = 0.4  # of peak FLOP/s reached by real kernels (MFU-like)
-    comm_overlap: float = 0.0  # fraction of the all-reduce hidden behind backward
-    allocator_margin: float = 0.05  # fragmentation / caching-allocator slack on top of tensor bytes
+    # of peak FLOP/s reached by real kernels (HFU-like); None: the device's published default (formula/efficiency.py)
+    achievable_fraction: float | None = None
+    comm_overlap: float | None = None  # fraction of communication hidden; None: the engine's overlap model
+    # a fixed caching-allocator slack on top of tensor bytes; None: formula/allocator.py's model of it
+    allocator_margin: float | None = None
     optimizer_bytes_per_param: float | None = None  # overrides the optimizer's own state size
     op_overhead_seconds: float | None = None  # fixed cost per op (dispatch/launch); None: the backend's default
 
@@ -81,6 +124,8 @@ class Assumptions:
         for name, lo, hi in (("achievable_fraction", 0.0, 1.0), ("comm_overlap", 0.0, 1.0),
                              ("allocator_margin", 0.0, 1.0)):
             v = getattr(self, name)
+            if v is None:
+                continue
             if not isinstance(v, (int, float)) or not (lo <= v <= hi) or (name == "achievable_fraction" and v == 0):
                 raise ConfigError(name, f"must be a fraction in ({lo}, {hi}], got {v!r}")
         if self.optimizer_bytes_per_param is not None:
@@ -110,6 +155,7 @@ class RunConfig:
     precision: Precision = Precision.FP32
     optimizer: OptimizerKind = OptimizerKind.ADAMW
     ac: ACPolicy = field(default_factory=ACPolicy)
+    loss: LossPolicy = field(default_factory=LossPolicy)
     zero: int = 0  # ZeRO stage over the dp ranks (1: optimizer, 2: +grads, 3: +params; FSDP ~ 3)
     device: str = "cpu"
     memory_budget: int | None = None  # bytes; replaces the device's memory (CPU: a tracked-bytes budget)
@@ -122,6 +168,7 @@ class RunConfig:
         set_(self, "precision", Precision.parse("precision", self.precision))
         set_(self, "optimizer", OptimizerKind.parse("optimizer", self.optimizer))
         set_(self, "ac", ACPolicy.parse(self.ac))
+        set_(self, "loss", LossPolicy.parse(self.loss))
         set_(self, "data", DataKind.parse("data", self.data))
         for name in ("seq", "micro_batch", "accum", "dp"):
             whole_number(name, getattr(self, name), maximum=SIZE_MAX)
@@ -135,6 +182,9 @@ class RunConfig:
             raise ConfigError("zero", f"must be 0, 1, 2 or 3, got {self.zero}")
         if self.seq > self.model.max_positions:
             raise ConfigError("seq", f"{self.seq} is beyond the model's max_positions ({self.model.max_positions})")
+        if self.ac.mode is ACMode.MEGATRON and self.model.attention is not AttentionImpl.SDPA:
+            raise ConfigError("ac", "megatron-selective recomputes the fused attention call: it needs "
+                                    "--attention sdpa (eager attention has no single attention-core call)")
         if self.ac.mode is ACMode.EVERY and self.ac.every > self.model.layers:
             raise ConfigError("ac", f"every:{self.ac.every} asks for K > layers ({self.model.layers})")
         spec = device(self.device)  # raises on an unknown device
@@ -222,7 +272,7 @@ def to_jsonable(obj: Any) -> Any:
     """Dataclasses/enums/policies to plain JSON values (the one serialiser for --json and the notebook)."""
     if isinstance(obj, enum.Enum):
         return obj.value
-    if isinstance(obj, ACPolicy):
+    if isinstance(obj, (ACPolicy, LossPolicy)):
         return str(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in fields(obj)}

@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from batchlab.config import ModelSource, RunConfig
+from batchlab.config import Backend, ModelSource, RunConfig
 from batchlab.formula.activations import implementation
 from batchlab.formula.flops import FlopsEstimate, flops
-from batchlab.formula.memory import (MemoryEstimate, allocator_margin, memory, model_states,
+from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
                                      optimizer_bytes_per_param)
 from batchlab.formula.params import ParamCount, count
 from batchlab.formula.timing import OPS_PER_LAYER, TimeEstimate, timing
@@ -67,17 +67,25 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"({cfg.precision}), source: {dev.source}"
         + (f"; memory budget {fmt_bytes(cfg.memory_budget)} replaces the device's" if cfg.memory_budget else ""),
         f"compute rate {fmt_count(t.flops_ceiling, 'FLOP/s')} = peak ({t.ceiling_source}) x achievable fraction "
-        f"{a.achievable_fraction:g}",
+        f"{t.achievable_fraction:.2f} (source: {t.fraction_source})",
         f"per-op overhead {fmt_seconds(t.overhead_seconds_per_micro_batch)} per micro-batch (~{OPS_PER_LAYER} "
         f"ops per layer; op_overhead_seconds to change)",
-        f"all-reduce: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}, {a.comm_overlap:.0%} hidden behind backward",
-        (f"allocator margin {a.allocator_margin:.0%} on top of tensor bytes" if allocator_margin(cfg)
-         else "no allocator margin on CPU (tensor bytes, as the live-tensor tracker counts them)"),
+        f"communication: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}; {t.overlap_source}",
+        allocator_text(cfg),
         f"activations counted from the tensors the {implementation(cfg.model_kind, cfg.model).value} layer code keeps "
         "(other code: use --trace)",
     ) + ((f"model {cfg.model_source} comes from a factory the calculator cannot see: these figures are for the "
           f"stand-in shape {cfg.model.name} ({cfg.model.layers} layers, hidden {cfg.model.hidden}); use --trace",)
          if cfg.model_kind is ModelSource.FACTORY else ())
+
+
+def allocator_text(cfg: RunConfig) -> str:
+    if cfg.device_spec.backend is Backend.CPU:
+        return "no caching allocator on CPU: allocated = reserved = tensor bytes (as the live-tensor tracker counts)"
+    if cfg.assumptions.allocator_margin is not None:
+        return f"reserved = allocated + a fixed {cfg.assumptions.allocator_margin:.0%} margin (assumption)"
+    return ("reserved = allocated + CUDACachingAllocator segment rounding, freed-buffer fragmentation, stream "
+            "pools and cuBLAS workspace (formula/allocator.py); device view = reserved + CUDA context + NCCL")
 
 
 def unseen_model(cfg: RunConfig) -> str | None:

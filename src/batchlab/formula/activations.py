@@ -29,7 +29,7 @@ class Widths:
     @classmethod
     def of(cls, precision: Precision, backend: Backend) -> "Widths":
         e = precision.compute_bytes
-        res = 2 if precision is Precision.BF16 else 4
+        res = 2 if precision.low_precision_residual else 4
         return cls(e=e, res=res, mask=1 if backend is Backend.CUDA else e,
                    softmax=F32 if precision.mixed and backend is Backend.CUDA else e)
 
@@ -90,6 +90,8 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
     # q, k, v as attention receives them
     if rope and impl is Impl.HF_LLAMA:  # rotated q and k, and v from its own projection
         qkv = sbh * w.e + 2 * s * b * kv * w.e
+    elif rope and gqa and not scores:  # rotated q; k, v repeated (new tensors): the fused output is freed
+        qkv = sbh * w.e
     elif rope:  # rotated q and k are new tensors; v stays a view of the fused qkv output
         qkv = sbh * w.e + s * b * kv * w.e + s * b * (h + 2 * kv) * w.e
     elif scores:  # matmul on transposed views makes contiguous copies of q, k and v
@@ -108,7 +110,8 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
         attn_out = sbh * w.e  # projection input
     else:
         sc = 0
-        attn_out = sbh * w.e + a * s * b * F32 + sbh * w.e  # SDPA output, log-sum-exp, projection input
+        # SDPA's output is laid out (b, s, a, d): the projection's input is a view of it, not a copy
+        attn_out = sbh * w.e + a * s * b * F32  # SDPA output (= projection input), log-sum-exp
     if m.mlp is MLPKind.SWIGLU:
         mlp = 4 * s * b * f * w.e  # gate, silu(gate), up, product
     elif impl is Impl.HF_GPT2:
@@ -141,9 +144,9 @@ def embedding_mask_bytes(m: ModelSpec, s: int, b: int, precision: Precision, bac
 
 
 def outside_layers_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend) -> int:
-    """Embedding dropout mask, final norm, and the fp32 log-softmax output the loss keeps."""
+    """Embedding dropout mask and final norm (what the loss keeps: formula/loss.py)."""
     w = Widths.of(precision, backend)
-    return embedding_mask_bytes(m, s, b, precision, backend) + _norm_bytes(m, s, b, w) + s * b * m.vocab * F32
+    return embedding_mask_bytes(m, s, b, precision, backend) + _norm_bytes(m, s, b, w)
 
 
 def korthikanti_terms(s: int, b: int, h: int, a: int) -> dict[str, int]:

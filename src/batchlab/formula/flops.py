@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchlab.config import RunConfig
+from batchlab.formula.activations import implementation
+from batchlab.formula.checkpointing import recompute_flops_per_token
 from batchlab.formula.params import count
 
 
@@ -35,7 +37,8 @@ def flops(cfg: RunConfig) -> FlopsEstimate:
     per_layer_forward = 2 * count(m).per_layer - 2 * m.hidden * m.ffn + 4 * m.hidden * s
     wrapped = len(cfg.ac.wrapped_layers(m.layers))
     selective = len(cfg.ac.selective_layers(m.layers))
-    recompute = wrapped * per_layer_forward + selective * 4 * m.hidden * s
+    impl = implementation(cfg.model_kind, m)
+    recompute = wrapped * per_layer_forward + selective * recompute_flops_per_token(cfg.ac.mode, m, s, impl)
     tokens = cfg.tokens_per_update
     return FlopsEstimate(
         model_flops_per_token=per_token, recompute_flops_per_token=recompute,

@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 
 from batchlab.config import ACMode, Backend, OptimizerKind, Precision, RunConfig
 from batchlab.formula import activations as act
+from batchlab.formula import checkpointing
+from batchlab.formula.allocator import device_memory
+from batchlab.formula.loss import loss_path
 from batchlab.formula.params import count
 
 F32 = 4
@@ -35,6 +38,8 @@ def model_states(cfg: RunConfig) -> ModelStates:
     shard = lambda stage: dp if z >= stage else 1  # noqa: E731 — ZeRO stage k shards this state over DP
     opt = int(n * optimizer_bytes_per_param(cfg)) // shard(1)
     grads = n * weight_bytes // shard(2)
+    if cfg.precision is Precision.BF16_FSDP:
+        return fsdp_mixed_states(cfg)
     if cfg.precision.mixed and z >= 1:
         # ZeRO's mixed precision (Rajbhandari et al. 2019, sec. 3.1: 2 + 2 + 12 bytes per parameter): 16-bit
         # weights and gradients are what the ranks hold; the fp32 master copy is optimizer state, sharded
@@ -43,6 +48,19 @@ def model_states(cfg: RunConfig) -> ModelStates:
     if cfg.precision.mixed:  # autocast keeps fp32 weights and makes 16-bit working copies per forward
         return ModelStates(parameters=2 * n, master=F32 * n, gradients=grads, optimizer=opt)
     return ModelStates(parameters=weight_bytes * n // shard(3), master=0, gradients=grads, optimizer=opt)
+
+
+def fsdp_mixed_states(cfg: RunConfig) -> ModelStates:
+    """FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the fp32 parameters are the master
+    copy (sharded at stage >= 3), fp32 gradients and Adam state sharded as the stage says; the bf16 working
+    weights exist only for the blocks being gathered: the current and the prefetched block, and the root
+    group (embedding, final norm, LM head), which FSDP2 does not reshard after forward (_fsdp_api.py docs)."""
+    c, dp, z = count(cfg.model), cfg.dp, cfg.zero
+    shard = lambda stage: dp if z >= stage else 1  # noqa: E731
+    gathered = 2 * (2 * c.per_layer + c.total - c.per_layer * cfg.model.layers) if z >= 3 else 2 * c.total
+    return ModelStates(parameters=gathered, master=F32 * c.total // shard(3 if z >= 3 else 1),
+                       gradients=F32 * c.total // shard(2), optimizer=int(c.total * optimizer_bytes_per_param(cfg))
+                       // shard(1))
 
 
 @dataclass(frozen=True)
@@ -59,17 +77,19 @@ class ActivationPlan:
 def activation_plan(cfg: RunConfig) -> ActivationPlan:
     m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
     backend = cfg.device_spec.backend
-    full = act.layer_activations(m, s, b, p, backend, act.implementation(cfg.model_kind, m)).total
+    impl = act.implementation(cfg.model_kind, m)
+    full = act.layer_activations(m, s, b, p, backend, impl).total
     wrapped = set(cfg.ac.wrapped_layers(m.layers))
+    selective = set(cfg.ac.selective_layers(m.layers))
     kept = []
     for i in range(m.layers):
         if i in wrapped:
             kept.append(act.checkpointed_layer_bytes(m, s, b, p))
-        elif cfg.ac.mode is ACMode.SELECTIVE:
-            kept.append(act.selective_layer_bytes(m, s, b, p))
+        elif i in selective:
+            kept.append(checkpointing.kept_bytes(cfg.ac.mode, m, s, b, p, backend, impl))
         else:
             kept.append(full)
-    return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend))
+    return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
 
 
 @dataclass(frozen=True)
@@ -81,12 +101,17 @@ class MemoryEstimate:
     activations_bytes: int  # kept for backward at the end of one micro-batch's forward
     activations_per_layer_bytes: tuple[int, ...]
     recompute_working_bytes: int  # one layer's activations rebuilt during its backward (0 without recompute)
-    logits_bytes: int  # log-softmax output kept by the loss (part of activations) + its gradient
+    logits_bytes: int  # what the loss keeps for backward (part of activations): the fp32 log-softmax, if any
     temporaries_bytes: int  # transient at the peak beyond the above (gradients of activations, buffers)
     data_bytes: int
     peak_tensor_bytes: int  # sum of tensor bytes live at the peak
-    margin_bytes: int  # allocator slack (assumption), on top of tensor bytes
-    peak_bytes: int  # peak_tensor_bytes + margin_bytes
+    margin_bytes: int  # reserved - allocated: the caching allocator's slack (formula/allocator.py)
+    peak_bytes: int  # = reserved_bytes: what the OOM verdict compares with the card's reported capacity
+    allocated_bytes: int  # tensor bytes at the peak (max_memory_allocated; on CPU the live-tensor tracker's)
+    reserved_bytes: int  # + cached, empty segments (max_memory_reserved)
+    device_bytes: int  # + CUDA context and NCCL buffers (nvidia-smi)
+    reserved_parts: dict[str, int]  # what reserved adds to allocated, by mechanism
+    device_parts: dict[str, int]  # what the device view adds to reserved
     peak_phase: str
     phase_peaks: dict[str, int] = field(default_factory=dict)  # tensor bytes at each phase's high point
     # what is live at the peak, by part (parameters, master, gradients, optimizer, activations, recompute,
@@ -149,11 +174,6 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     return best
 
 
-def allocator_margin(cfg: RunConfig) -> float:
-    """Caching allocators (CUDA, MPS) fragment; on CPU the figure compared is tracked tensor bytes."""
-    return 0.0 if cfg.device_spec.backend is Backend.CPU else cfg.assumptions.allocator_margin
-
-
 def _largest_param(cfg: RunConfig) -> int:
     m = cfg.model
     return max(m.vocab * m.hidden, m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden))
@@ -178,9 +198,8 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     weights = dict(parameters=copies if autocast else states.parameters, master=states.master,
                    optimizer=states.optimizer, data=data)
     grads_before = states.gradients if cfg.accum > 1 else 0
-    sbv = s * b * m.vocab
-    logits_fwd = sbv * w.e + (sbv * F32 if w.e != F32 else 0)  # logits (+ fp32 copy for the loss)
-    loss_grads = 2 * sbv * F32  # gradients of the fp32 log-softmax output and of the logits (fp32 at that point)
+    lp = loss_path(cfg)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
+    logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
     phases = {  # the parts live at each phase's high point
@@ -195,11 +214,13 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
     peak_tensor = totals[peak_phase]
-    margin = int(peak_tensor * allocator_margin(cfg))
+    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total)
     return MemoryEstimate(
         parameters_bytes=states.parameters, master_bytes=states.master, gradients_bytes=states.gradients,
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,
         activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=at_peak["recompute"],
-        logits_bytes=sbv * F32, temporaries_bytes=at_peak["temporaries"], data_bytes=data,
-        peak_tensor_bytes=peak_tensor, margin_bytes=margin, peak_bytes=peak_tensor + margin, peak_phase=peak_phase,
+        logits_bytes=lp.kept, temporaries_bytes=at_peak["temporaries"], data_bytes=data,
+        peak_tensor_bytes=peak_tensor, margin_bytes=dm.reserved_bytes - peak_tensor, peak_bytes=dm.reserved_bytes,
+        allocated_bytes=dm.allocated_bytes, reserved_bytes=dm.reserved_bytes, device_bytes=dm.device_bytes,
+        reserved_parts=dm.reserved_parts, device_parts=dm.device_parts, peak_phase=peak_phase,
         phase_peaks=totals, at_peak=at_peak, capacity_bytes=cfg.memory_capacity)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchlab.config import Backend, DataKind, RunConfig
+from batchlab.formula.efficiency import achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate
 from batchlab.formula.memory import MemoryEstimate
 
@@ -38,6 +39,9 @@ class TimeEstimate:
     flops_ceiling: float  # FLOP/s used: peak x achievable fraction
     ceiling_source: str  # datasheet / calibrated / nominal
     bandwidth_bytes_per_s: float  # link used for the all-reduce
+    achievable_fraction: float = 0.0  # of the ceiling's peak, reached by real kernels
+    fraction_source: str = ""  # where the achievable fraction comes from (formula/efficiency.py)
+    overlap_source: str = ""  # how the engine hides communication
     provenance: str = "formula"
 
     def time_to_tokens(self, tokens: float) -> float:
@@ -68,20 +72,22 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, ceiling: tupl
         peak, hbm, source = dev.peak_flops(cfg.precision), dev.hbm_bytes_per_s, dev.source
     else:
         peak, hbm, source = ceiling
-    rate = peak * cfg.assumptions.achievable_fraction
+    fraction = achievable_fraction(cfg)
+    rate = peak * fraction.value
     overhead = overhead_seconds_per_micro_batch(cfg)
     micro = fl.flops_per_micro_batch / rate + overhead
     compute = micro * cfg.accum
-    bw = dev.intra_node_bytes_per_s if cfg.dp <= dev.gpus_per_node else dev.inter_node_bytes_per_s
+    bw = bus_bandwidth(cfg).value
     grad_bytes = mem.gradients_bytes * (cfg.dp if cfg.zero >= 2 else 1)  # full gradient, before sharding
     comm = ring_allreduce_seconds(grad_bytes, cfg.dp, bw)
     if cfg.zero >= 3:  # parameters gathered in forward and again in backward: two more all-gathers
         comm += 2 * (cfg.dp - 1) / cfg.dp * mem.parameters_bytes * cfg.dp / bw  # the working (16-bit) weights
-    exposed = comm * (1 - cfg.assumptions.comm_overlap)
+    hidden = exposed_comm_seconds(cfg, comm, compute, micro)
+    exposed = hidden.value
     # AdamW is bandwidth-bound: read weights, grads, m, v and write weights, m, v (~2x the states)
     opt = 2 * (mem.master_bytes or mem.parameters_bytes) + mem.gradients_bytes + 2 * mem.optimizer_bytes
     opt_s = opt / hbm
     update = compute + exposed + opt_s
     useful = cfg.tokens_per_update * useful_fraction(cfg)
     return TimeEstimate(micro, compute, grad_bytes, comm, exposed, opt_s, update, useful / update, overhead, rate,
-                        source, bw)
+                        source, bw, achievable_fraction=fraction.value, fraction_source=fraction.source, overlap_source=hidden.source)

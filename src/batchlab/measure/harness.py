@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from batchlab.config import OptimizerKind, Precision, RunConfig
+from batchlab.config import ConfigError, OptimizerKind, Precision, RunConfig
 from batchlab.measure.device import torch_device
 from batchlab.models import Workload, build_workload
 from batchlab.models.ac import apply_ac
@@ -59,6 +59,9 @@ class Trainer:
     def __init__(self, cfg: RunConfig, device: torch.device | str | None = None, *, workload: Workload | None = None,
                  rank: int = 0, world: int = 1, wrap=None, clip_norm: float | None = 1.0,
                  grads_to_none: bool = True):
+        if cfg.precision is Precision.BF16_FSDP:
+            raise ConfigError("precision", "bf16-fsdp (FSDP2 MixedPrecisionPolicy) is formula-only for now: measure "
+                                           "bf16-mixed or bf16, or run it under FSDP2 with its own policy")
         self.cfg = cfg
         self.device = torch.device(device) if device is not None else torch_device(cfg)
         self.rank, self.world = rank, world

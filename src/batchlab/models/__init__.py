@@ -48,7 +48,15 @@ def _builtin_loss(model, tokens, targets):
 
 
 def build_workload(cfg: RunConfig) -> Workload:
-    """The workload for cfg.model_source (random init, nothing downloaded)."""
+    """The workload for cfg.model_source (random init, nothing downloaded), with cfg.loss's loss path."""
+    from batchlab.models.loss import loss_fn
+
+    wl = _source_workload(cfg)
+    wl.loss_sum = loss_fn(cfg.loss, cfg.model_kind, wl.loss_sum)
+    return wl
+
+
+def _source_workload(cfg: RunConfig) -> Workload:
     if cfg.model_kind is ModelSource.BUILTIN:
         from batchlab.models.gpt import GPT
 

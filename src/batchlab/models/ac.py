@@ -2,42 +2,95 @@
 
 Activation checkpointing recomputes a block's forward during backward to avoid keeping its activations;
 it is not the training checkpoint saved to disk.  One function applies the policy for every model source
-(built-in, Hugging Face, user factory), so the harness and the trace run the same wrapping.
+(built-in, Hugging Face, user factory), so the harness and the trace run the same wrapping.  The selective
+policies are ``torch.utils.checkpoint`` selective-checkpoint policies over aten ops; formula/checkpointing.py
+counts what each keeps.
 """
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from batchlab.config import ACPolicy
+from batchlab.config import ACMode, ACPolicy
 
 _aten = torch.ops.aten
-# Selective: keep what is expensive to recompute (the linear layers' matmul outputs), recompute the
-# cheap element-wise ops and the attention core (Korthikanti et al. 2022, sec. 5: "selective recompute").
-_SAVE = {_aten.mm.default, _aten.addmm.default}
+_MATMULS = {_aten.mm.default, _aten.addmm.default}  # a linear layer (with or without bias) on a 2-D view
+# fused attention kernels (CUDA flash / memory-efficient / cuDNN, and the CPU flash kernel)
+_SDPA = {op for op in (getattr(_aten, n, None) for n in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")) if op is not None}
+_SDPA = {getattr(op, "default") for op in _SDPA}
+_SAVE, _RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+def _matmul_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """batchlab ``selective``: keep every linear layer's output, recompute everything else."""
+    return _SAVE if op in _MATMULS else _RECOMPUTE
+
+
+def _every_other_matmul(counts: defaultdict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """torchtitan ``selective op``: keep the SDPA outputs and matmuls 1, 3, 5, ... of the block (counted
+    separately in forward and recompute, as torchtitan's ``mm_count_key``); recompute the rest."""
+    if op in _SDPA:
+        return _SAVE
+    if op not in _MATMULS:
+        return _RECOMPUTE
+    key = "recompute" if ctx.is_recompute else "forward"
+    counts[key] += 1
+    return _SAVE if counts[key] % 2 == 1 else _RECOMPUTE
+
+
+def _context_fn(mode: ACMode):
+    if mode is ACMode.SELECTIVE:
+        return functools.partial(create_selective_checkpoint_contexts, _matmul_policy)
+    if mode is ACMode.SELECTIVE_OP:  # a fresh counter for every checkpointed call
+        return lambda: create_selective_checkpoint_contexts(functools.partial(_every_other_matmul, defaultdict(int)))
+    return None
 
 
 class Checkpointed(nn.Module):
     """Wraps one block; its forward runs under torch.utils.checkpoint (non-reentrant, RNG preserved)."""
 
-    def __init__(self, block: nn.Module, selective: bool):
+    def __init__(self, block: nn.Module, mode: ACMode = ACMode.FULL):
         super().__init__()
         self.block = block
-        self.selective = selective
+        self.mode = mode
+
+    @property
+    def selective(self) -> bool:
+        return self.mode is not ACMode.FULL
 
     def forward(self, *args, **kwargs):
-        context_fn = (functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-                      if self.selective else None)
+        context_fn = _context_fn(self.mode)
         extra = {"context_fn": context_fn} if context_fn else {}
         # preserve_rng_state=True: dropout in the recompute draws the same mask as the forward did.
         return checkpoint(self.block, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+
+class _CoreAttentionCheckpointed(Checkpointed):
+    """Megatron's selective recompute: inside the block, ``F.scaled_dot_product_attention`` (the attention
+    core) runs under a checkpoint, so its own saved output and log-sum-exp (and on the math path the s x s
+    scores) are dropped and recomputed; q, k, v are kept.  Needs SDPA attention (RunConfig checks)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__(block, ACMode.MEGATRON)
+
+    def forward(self, *args, **kwargs):
+        plain = F.scaled_dot_product_attention
+
+        def core(*a, **kw):
+            return checkpoint(plain, *a, use_reentrant=False, preserve_rng_state=True, **kw)
+
+        F.scaled_dot_product_attention = core  # the model code looks it up at call time (ours and transformers')
+        try:
+            return self.block(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention = plain
 
 
 def apply_ac(blocks: nn.ModuleList, policy: ACPolicy) -> list[int]:
@@ -46,6 +99,10 @@ def apply_ac(blocks: nn.ModuleList, policy: ACPolicy) -> list[int]:
     full = set(policy.wrapped_layers(n))
     selective = set(policy.selective_layers(n))
     for i in sorted(full | selective):
-        if not isinstance(blocks[i], Checkpointed):
-            blocks[i] = Checkpointed(blocks[i], selective=i in selective)
+        if isinstance(blocks[i], Checkpointed):
+            continue
+        if i in selective and policy.mode is ACMode.MEGATRON:
+            blocks[i] = _CoreAttentionCheckpointed(blocks[i])
+        else:
+            blocks[i] = Checkpointed(blocks[i], ACMode.FULL if i in full else policy.mode)
     return sorted(full | selective)

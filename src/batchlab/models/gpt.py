@@ -136,7 +136,8 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, loss_sum: bool = False) -> torch.Tensor:
+    def features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final norm's output, (b, s, h): what the LM head reads (models/loss.py chunks from here)."""
         b, s = tokens.shape
         x = self.embed(tokens)
         rope = None
@@ -147,7 +148,11 @@ class GPT(nn.Module):
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, rope)
-        logits = self.head(self.norm_f(x))
+        return self.norm_f(x)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, loss_sum: bool = False) -> torch.Tensor:
+        b, s = tokens.shape
+        logits = self.head(self.features(tokens))
         return F.cross_entropy(logits.view(b * s, -1).float(), targets.view(-1), ignore_index=-100,
                                reduction="sum" if loss_sum else "mean")
 

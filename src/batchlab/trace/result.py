@@ -24,7 +24,7 @@ class TraceMemory:
     optimizer_bytes: int
     breakdown: dict[str, int]  # category -> bytes live at the peak; sums to peak_bytes
     phase_peaks: dict[str, int]  # highest live tensor bytes seen in each phase
-    margin_bytes: int  # the config's allocator_margin on top of peak_bytes (assumption, not traced)
+    margin_bytes: int  # reserved - allocated by the formula's allocator model (formula/allocator.py), not traced
     capacity_bytes: int
     fits: bool  # peak_bytes + margin_bytes <= capacity_bytes
     provenance: str = "trace"

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            FakeTensorMode, UnsupportedOperatorException)
 
 from batchlab.config import ConfigError, ModelSource, Precision, RunConfig
-from batchlab.formula.memory import allocator_margin
+from batchlab.formula.allocator import device_memory
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import storage_bytes, tracker_for
@@ -135,7 +135,8 @@ def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
 
 def _memory(cfg: RunConfig, trainer: Trainer, snap) -> TraceMemory:
     params, grads, optimizer = _model_state_bytes(trainer)
-    margin = int(snap.peak_bytes * allocator_margin(cfg))  # the formula's: none on CPU
+    # the traced tensor bytes through the formula's caching-allocator model (none on CPU)
+    margin = device_memory(cfg, snap.peak_bytes, snap.peak_phase, snap.activations_bytes).reserved_bytes - snap.peak_bytes
     return TraceMemory(
         peak_bytes=snap.peak_bytes, peak_phase=snap.peak_phase, activations_bytes=snap.activations_bytes,
         parameters_bytes=params, gradients_bytes=grads, optimizer_bytes=optimizer, breakdown=snap.breakdown,

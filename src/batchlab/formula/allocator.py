@@ -1,0 +1,86 @@
+"""From tensor bytes to what the device shows: allocated, reserved (PyTorch's CUDACachingAllocator) and the
+device view (nvidia-smi), each part named with its mechanism (no torch).
+
+Rules (pytorch c10/cuda/CUDACachingAllocator.cpp @ 001074d2): sizes round up to 512 B ("kMinBlockSize");
+requests <= 1 MiB come from 2 MiB segments, 1-10 MiB from 20 MiB segments, larger ones get a segment of their
+own rounded up to 2 MiB ("kRoundLarge"); a cached large block is split only if more than 1 MiB would remain;
+a block freed on one stream is reused only on that stream.  What follows from them at the peak:
+
+- segment rounding: every live tensor over 10 MiB wastes on average half a 2 MiB round-up;
+- the freed 16-bit logits: the full loss path frees them once their fp32 copy exists (torchtitan
+  ``del pred``), and the fp32 gradients the loss's backward allocates next are twice their size, so their
+  segment stays reserved but empty at the loss-backward peak;
+- stream pools: FSDP's all-gather and reduce-scatter run on their own streams, whose cached blocks (one
+  block's 16-bit parameters, one block's gradients in the reduce dtype) the compute stream cannot reuse;
+- cuBLAS workspaces (PyTorch #120925: 32 MiB on Hopper and later, 4 MiB on Ampere with >= 24 GB, else 1 MiB),
+  one per stream that runs matmuls; allocated through the caching allocator, so inside reserved.
+
+The device view adds what lives outside the allocator: the CUDA context and kernels (config/devices.py) and
+NCCL's buffers (not found published: estimate 0.5 GiB per process with DP > 1; measure with gpu_check.sh).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchlab.config import Backend, LossMode, Precision, RunConfig
+from batchlab.formula.params import count
+
+MiB, GiB = 2**20, 2**30
+LARGE = 10 * MiB  # kMinLargeAlloc: above it a tensor gets its own segment, rounded to 2 MiB
+NCCL_ESTIMATE = GiB // 2
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    allocated_bytes: int  # tensor bytes at the peak (max_memory_allocated)
+    reserved_bytes: int  # allocated + cached segments not holding live tensors at the peak (max_memory_reserved)
+    device_bytes: int  # reserved + CUDA context + NCCL buffers (nvidia-smi "used")
+    reserved_parts: dict[str, int] = field(default_factory=dict)  # what reserved adds to allocated, by mechanism
+    device_parts: dict[str, int] = field(default_factory=dict)  # what the device view adds to reserved
+    provenance: str = "formula (allocator model)"
+
+
+def cublas_workspace(arch: str) -> int:
+    # PyTorch #120925: "the recommended workspace size for Hopper is 32 MiB and for the rest architectures 4 MiB"
+    # (4 MiB only for sm80+ with >= 24 GB; 1 MiB below)
+    return 32 * MiB if arch in ("hopper", "blackwell") else 4 * MiB if arch in ("ampere", "ada") else MiB
+
+
+def _round_up_waste(size: int) -> int:
+    """Bytes a segment of its own wastes on a tensor of ``size`` (> 10 MiB: rounded up to 2 MiB)."""
+    return -size % (2 * MiB) if size > LARGE else 0
+
+
+def segment_rounding(cfg: RunConfig, activation_bytes: int) -> int:
+    """Round-up waste of the large live tensors at the peak: the state tensors of each large weight (weights or
+    master, gradients, Adam m and v), and the activations taken as s x b x h slices (the typical saved tensor)."""
+    m = cfg.model
+    weights = [m.hidden * m.hidden] * 2 + [m.hidden * m.ffn] * (3 if m.mlp.value == "swiglu" else 2)
+    shard = cfg.dp if cfg.zero >= 1 else 1
+    states = sum(_round_up_waste(4 * w // shard) for w in weights) * 4 * m.layers
+    slice_ = cfg.seq * cfg.micro_batch * m.hidden * cfg.precision.compute_bytes
+    return states + activation_bytes // slice_ * _round_up_waste(slice_)
+
+
+def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_bytes: int) -> DeviceMemory:
+    dev = cfg.device_spec
+    if dev.backend is Backend.CPU:  # no caching allocator: the live-tensor tracker's bytes are the figure
+        return DeviceMemory(peak_tensor, peak_tensor, peak_tensor, provenance="formula (tensor bytes; CPU)")
+    if cfg.assumptions.allocator_margin is not None:  # the user's fixed margin replaces the model
+        margin = int(peak_tensor * cfg.assumptions.allocator_margin)
+        parts = {f"fixed margin {cfg.assumptions.allocator_margin:.0%} (assumption)": margin}
+    else:
+        parts = {"2 MiB segment rounding of tensors > 10 MiB": segment_rounding(cfg, activation_bytes)}
+        e = cfg.precision.compute_bytes
+        if cfg.loss.mode is LossMode.FULL and e < 4 and peak_phase == "backward":
+            parts["freed 16-bit logits (too small for the fp32 loss gradients)"] = (
+                cfg.seq * cfg.micro_batch * cfg.model.vocab * e)
+        if cfg.zero >= 3 and cfg.dp > 1:
+            reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
+            parts["FSDP all-gather / reduce-scatter stream pools"] = count(cfg.model).per_layer * (e + reduce_bytes)
+        parts["cuBLAS workspace"] = cublas_workspace(dev.arch)
+    reserved = peak_tensor + sum(parts.values())
+    extra = {f"CUDA context and kernels ({dev.context_source})": dev.context_bytes}
+    if cfg.dp > 1:
+        extra["NCCL buffers (estimate: not found published)"] = NCCL_ESTIMATE
+    return DeviceMemory(peak_tensor, reserved, reserved + sum(extra.values()), parts, extra)

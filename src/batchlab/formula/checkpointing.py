@@ -1,0 +1,71 @@
+"""What a selectively checkpointed block keeps for backward, per policy (models/ac.py applies them).
+
+- ``selective``: the block input and every linear layer's output (batchlab's policy).
+- ``selective-op``: torchtitan's per-op policy (torchtitan/distributed/activation_checkpoint.py @ b5bcd76c,
+  "Save all compute/comm ops, except every second mm/linear"): the block input, matmuls 1, 3, 5, ... in call
+  order, and the fused attention kernel's outputs (output and log-sum-exp).
+- ``megatron-selective``: Megatron's core_attn recompute (Korthikanti et al. 2022, sec. 5): the layer as
+  without checkpointing less what only the attention core keeps: with a fused kernel just its log-sum-exp
+  (its output is the projection's saved input, kept anyway: measured on CPU; Megatron's maintainers: "not
+  needed if using Flash Attention"), on the math path the s x s terms and the q/k/v copies.
+
+Symbols: s sequence, b micro-batch, h hidden, kv key/value width, f MLP inner size, a heads.
+"""
+from __future__ import annotations
+
+from batchlab.config import ACMode, Backend, MLPKind, ModelSpec, Precision
+from batchlab.formula import activations as act
+from batchlab.formula.activations import Impl
+
+F32 = 4
+
+
+def matmul_outputs(m: ModelSpec, impl: Impl) -> tuple[tuple[int, int], ...]:
+    """(output width, weight elements) of each linear layer in the order the block calls it."""
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn
+    mlp = ((f, h * f), (f, h * f), (h, f * h)) if m.mlp is MLPKind.SWIGLU else ((f, h * f), (h, f * h))
+    if impl is Impl.HF_LLAMA:  # q, k, v, o, then gate, up, down
+        return ((h, h * h), (kv, h * kv), (kv, h * kv), (h, h * h)) + mlp
+    return ((h + 2 * kv, h * (h + 2 * kv)), (h, h * h)) + mlp  # fused qkv, projection, MLP
+
+
+def _lse(m: ModelSpec, s: int, b: int) -> int:
+    return m.heads * s * b * F32  # the fused kernel's log-sum-exp, fp32
+
+
+def _sdpa_saved(m: ModelSpec, s: int, b: int, w: act.Widths) -> int:
+    return s * b * m.hidden * w.e + _lse(m, s, b)  # output, log-sum-exp
+
+
+def selective_op_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend, impl: Impl) -> int:
+    w = act.Widths.of(precision, backend)
+    odd = sum(width for i, (width, _) in enumerate(matmul_outputs(m, impl)) if i % 2 == 0)  # 1st, 3rd, ...
+    fused = not act.materialises_scores(m, backend)  # eager / math-path attention: its matmuls are bmm, not kept
+    return s * b * m.hidden * w.res + s * b * odd * w.e + (_sdpa_saved(m, s, b, w) if fused else 0)
+
+
+def megatron_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend, impl: Impl) -> int:
+    full = act.layer_activations(m, s, b, precision, backend, impl)
+    w = act.Widths.of(precision, backend)
+    if act.materialises_scores(m, backend):  # SDPA's math path: the s x s terms and the q/k/v copies go
+        return full.total - full.scores - full.qkv + s * b * (m.hidden + 2 * m.kv_hidden) * w.e
+    return full.total - _lse(m, s, b)
+
+
+def kept_bytes(mode: ACMode, m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend,
+               impl: Impl) -> int:
+    """Bytes one block keeps under a selective policy."""
+    if mode is ACMode.SELECTIVE_OP:
+        return selective_op_bytes(m, s, b, precision, backend, impl)
+    if mode is ACMode.MEGATRON:
+        return megatron_bytes(m, s, b, precision, backend, impl)
+    assert mode is ACMode.SELECTIVE, mode
+    return act.selective_layer_bytes(m, s, b, precision)
+
+
+def recompute_flops_per_token(mode: ACMode, m: ModelSpec, s: int, impl: Impl) -> float:
+    """Forward work a selective policy repeats in backward, per token of one layer."""
+    core = 4 * m.hidden * s  # QK^T and AV (PaLM's 12·h·s per layer is 3 x this)
+    if mode is ACMode.SELECTIVE_OP:  # the even-numbered matmuls; the attention core is kept
+        return sum(2 * weights for i, (_, weights) in enumerate(matmul_outputs(m, impl)) if i % 2 == 1)
+    return core  # selective and megatron-selective recompute the attention core

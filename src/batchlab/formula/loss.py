@@ -1,0 +1,44 @@
+"""What the LM loss keeps, per loss path and precision (no torch).
+
+PyTorch's ``F.cross_entropy(logits.float(), targets)`` = ``nll_loss(log_softmax(x))``: ``log_softmax`` saves
+its fp32 output for backward; ``.float()`` of 16-bit logits makes an fp32 copy (freed once the log-softmax
+exists); under autocast ``cross_entropy`` / ``log_softmax`` are on the run-in-fp32 list anyway (PyTorch AMP op
+reference).  In backward: the log-softmax gradient (fp32) and the logits' gradient (fp32, then 16-bit through
+``.float()``'s backward).  Chunked (torchtune CEWithChunkedOutputLoss: "only upcasting one chunk at a time";
+here each chunk is also checkpointed, models/loss.py) keeps none of it: one chunk's logits live at a time,
+rebuilt in backward.  Fused (flash-attn ``CrossEntropyLoss``, as llm-foundry's MPT uses): saves the 16-bit
+logits and the log-sum-exp, and writes the logits' gradient in their place.
+
+Symbols: N = s·b tokens, V vocabulary, e the activation element size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchlab.config import LossMode, RunConfig
+from batchlab.formula.activations import Widths
+
+F32 = 4
+
+
+@dataclass(frozen=True)
+class LossPath:
+    kept: int  # held from the loss's forward until backward reaches it (part of the activations)
+    forward_transient: int  # on top of ``kept`` while the loss's forward runs (end of forward)
+    backward_transient: int  # gradients alive at the start of backward, on top of ``kept``
+
+
+def loss_path(cfg: RunConfig) -> LossPath:
+    w = Widths.of(cfg.precision, cfg.device_spec.backend)
+    nv = cfg.seq * cfg.micro_batch * cfg.model.vocab
+    upcast = nv * F32 if w.e != F32 else 0  # .float() of 16-bit logits; a no-op in fp32
+    mode = cfg.loss.mode
+    if mode is LossMode.FUSED:
+        lse = cfg.seq * cfg.micro_batch * F32
+        return LossPath(kept=nv * w.e + lse, forward_transient=0, backward_transient=0)
+    if mode is LossMode.CHUNKED:  # one chunk: its logits, the fp32 copy, the log-softmax; then their gradients
+        chunk = -(-nv // cfg.loss.chunks)
+        c_upcast = chunk * F32 if w.e != F32 else 0
+        return LossPath(kept=0, forward_transient=chunk * w.e + c_upcast + chunk * F32,
+                        backward_transient=chunk * w.e + chunk * F32 + 2 * chunk * F32)
+    return LossPath(kept=nv * F32, forward_transient=nv * w.e + upcast, backward_transient=2 * nv * F32)

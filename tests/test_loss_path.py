@@ -1,0 +1,86 @@
+"""The loss path: what F.cross_entropy keeps in each precision, and the chunked loss, against real CPU steps."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchlab.config import ConfigError, RunConfig, preset
+from batchlab.formula import estimate
+from batchlab.formula.loss import loss_path
+
+# a loss-dominated shape: one layer, a vocabulary 64 x the hidden size
+SHAPE = dict(layers=1, vocab=8192, dropout=0.0, attention="sdpa")
+
+
+def saved_bytes(fn, *args):
+    """Bytes of the distinct storages autograd saves while ``fn`` runs (saved_tensors_hooks)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_keeps_an_fp32_log_softmax_whatever_the_logits_dtype(dtype):
+    n, v = 256, 1024
+    logits = torch.randn(n, v, dtype=dtype, requires_grad=True)
+    _, kept = saved_bytes(lambda x: F.cross_entropy(x.float(), torch.randint(0, v, (n,))), logits)
+    # log_softmax's fp32 output, by hand, + nll_loss's int64 targets and a scalar; the 16-bit logits are not saved
+    assert n * v * 4 + n * 8 <= kept <= n * v * 4 + n * 8 + 16
+    cfg = RunConfig(model=preset("tiny", **SHAPE), seq=64, micro_batch=4,
+                    precision="fp32" if dtype == torch.float32 else "bf16-mixed")
+    assert loss_path(cfg).kept == 64 * 4 * 8192 * 4
+
+
+def measured(cfg):
+    from batchlab.measure.harness import Trainer
+    from batchlab.measure.memory import track_update
+
+    return track_update(Trainer(cfg))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("loss", ["full", "chunked:4"])
+def test_formula_peak_matches_a_real_step_for_each_loss_path(precision, loss):
+    cfg = RunConfig(model=preset("tiny", **SHAPE), seq=64, micro_batch=8, precision=precision, loss=loss)
+    m = measured(cfg)
+    f = estimate(cfg).memory
+    assert f.peak_tensor_bytes == pytest.approx(m.peak_bytes, rel=0.03), (precision, loss, m.peak_phase)
+    if precision == "fp32":  # under autocast the tracker files the 16-bit weight casts as activations
+        assert f.activations_bytes == pytest.approx(m.activations_bytes, rel=0.03)
+
+
+def test_chunked_loss_lowers_the_peak_and_gives_the_same_gradients():
+    from batchlab.measure.harness import Trainer
+
+    cfg = RunConfig(model=preset("tiny", **SHAPE), seq=64, micro_batch=8)
+    full, chunked = measured(cfg), measured(cfg.replace(loss="chunked:8"))
+    assert chunked.peak_bytes < 0.8 * full.peak_bytes
+    a = Trainer(cfg)
+    batches = a.batches()
+    ga, gb = a.gradients(batches), Trainer(cfg.replace(loss="chunked:8")).gradients(batches)
+    for name, g in ga.items():
+        torch.testing.assert_close(gb[name], g, rtol=1e-5, atol=1e-7)
+
+
+def test_loss_names_parse_and_fused_is_formula_only():
+    assert str(RunConfig(loss="chunked").loss) == "chunked:8"  # torchtune's default num_output_chunks
+    with pytest.raises(ConfigError, match="loss"):
+        RunConfig(loss="chunky")
+    from batchlab.measure.harness import Trainer
+
+    with pytest.raises(ConfigError, match="formula-only"):
+        Trainer(RunConfig(loss="fused"))
+    bf16 = RunConfig(precision="bf16-mixed")  # fused keeps the 16-bit logits, not an fp32 log-softmax
+    assert estimate(bf16.replace(loss="fused")).memory.logits_bytes < 0.6 * estimate(bf16).memory.logits_bytes
+
+
+def test_the_trace_runs_the_chunked_loss_too():
+    from batchlab.trace import estimate as trace
+
+    cfg = RunConfig(model=preset("tiny", **SHAPE), seq=64, micro_batch=8, loss="chunked:4")
+    assert trace(cfg).memory.peak_bytes == pytest.approx(measured(cfg).peak_bytes, rel=0.01)
