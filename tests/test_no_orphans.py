@@ -129,6 +129,7 @@ def _plant(folder: Path) -> Path:
     return marker
 
 
+@pytest.mark.slow
 def test_an_isolated_worker_does_not_import_the_working_directory(tmp_path, monkeypatch):
     marker = _plant(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -173,3 +174,20 @@ def test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row(tmp_path, sig, co
     with sqlite3.connect(book) as conn:
         status, why = conn.execute("SELECT status, interrupted FROM experiments").fetchone()
     assert status == "incomplete" and why.startswith(("KeyboardInterrupt", "Terminated")), why
+
+
+def test_the_python_3_10_form_of_dash_p_drops_the_working_directory_too(tmp_path):
+    """module_command() on 3.10 has no -P: the -c form removes sys.path[0] before anything is imported."""
+    from batchlab import lifeline
+
+    marker = _plant(tmp_path)
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "probe_main.py").write_text("import json, statistics, sys\nprint(statistics.__file__, sys.argv[1:])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(mods)])}
+    safe = subprocess.run([sys.executable, "-c", lifeline._SAFE_MAIN, "probe_main", "x"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert not marker.exists() and safe.returncode == 0, safe.stderr
+    assert str(tmp_path) not in safe.stdout.split()[0] and safe.stdout.split()[1:] == ["['x']"]
+    unsafe = subprocess.run([sys.executable, "-m", "probe_main"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert marker.exists() and unsafe.returncode != 0  # the reference: plain -m does run the planted file
