@@ -191,3 +191,15 @@ def test_the_python_3_10_form_of_dash_p_drops_the_working_directory_too(tmp_path
     assert str(tmp_path) not in safe.stdout.split()[0] and safe.stdout.split()[1:] == ["['x']"]
     unsafe = subprocess.run([sys.executable, "-m", "probe_main"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert marker.exists() and unsafe.returncode != 0  # the reference: plain -m does run the planted file
+
+
+def test_a_killed_torchrun_is_reported_as_that_not_as_a_silent_rank(tmp_path):
+    from batchlab.distributed.failures import diagnose
+
+    for r in (0, 1):  # both ranks started, then torchrun was killed and they died with it (no result, no error)
+        (tmp_path / f"rank{r}.pid").write_text(str(1000 + r))
+    failure = diagnose(tmp_path, -signal.SIGKILL, "", 600)
+    assert failure.rank is None and failure.detail.startswith("torchrun was killed by SIGKILL"), failure.detail
+    assert "rank 0" not in failure.detail
+    failure = diagnose(tmp_path, 1, "", 600)  # torchrun exited by itself: a rank is named, as before
+    assert failure.rank == 0
