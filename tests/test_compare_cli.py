@@ -115,13 +115,14 @@ def test_compare_verdicts_from_known_measurements(tmp_path, monkeypatch):
 
     # per round, A and B medians: paired ratios B/A = 1.2, 1.5, 1.3 although A drifts 2x between rounds
     fake = FirstIsA((None, None), peak=(1000, 1500), times=((1.0, 1.2), (2.0, 3.0), (1.5, 1.95)))
-    monkeypatch.setattr(protocol, "_default_measure", fake)
+    monkeypatch.setattr(protocol, "default_measure", fake)
     nb = tmp_path / "nb.sqlite"
     r = invoke(*SMALL, "--predict", "memory=up,time=same", "--no-verify", "--notebook", str(nb), "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
-    assert ISSUE_KEYS <= set(d) and d["schema"] == 2
+    assert ISSUE_KEYS <= set(d) and d["schema"] == 3
     assert fake.calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert fake.timeline_asked == [("a", 0), ("b", 0)] and set(d["timelines"]) == {"a", "b"}
     t = d["metrics"]["update_time"]
     assert METRIC_KEYS <= set(t)
     assert t["paired_ratios"] == pytest.approx([1.2, 1.5, 1.3]) and t["ratio"] == pytest.approx(1.3)
@@ -163,7 +164,7 @@ def test_a_side_that_fails_to_run_exits_1_with_the_record_saved(tmp_path, monkey
             return Measurement(cfg.to_dict(), Outcome.FAILED, cfg.global_batch, outcome_detail="killed by SIGKILL")
         return FakeMeasure((cfg, None))(cfg, options)
 
-    monkeypatch.setattr(protocol, "_default_measure", measure)
+    monkeypatch.setattr(protocol, "default_measure", measure)
     nb = tmp_path / "nb.sqlite"
     r = invoke(*SMALL, "--no-verify", "--notebook", str(nb), "--json")
     assert r.exit_code == 1, r.output

@@ -16,7 +16,8 @@ from batchlab.experiment.record import SCHEMA_VERSION, Kind, Record, Status
 from batchlab.measure.result import Measurement
 from batchlab.phase import Phase
 from batchlab.report import export
-from fake_measure import FakeMeasure, plan_for
+from batchlab.timeline.data import STORED_WIDTH
+from fake_measure import FakeMeasure, fake_timeline, plan_for
 
 OLD_ROW = Path(__file__).parent / "data" / "notebook_row_v1.json"
 
@@ -75,3 +76,33 @@ def test_a_record_is_frozen():
     with pytest.raises(AttributeError):
         rec.verdict = "patched"  # type: ignore[misc]
     assert rec.with_(note="n").note == "n" and rec.note == ""
+
+
+def test_a_compare_keeps_each_sides_timeline_compacted_with_the_exact_peak():
+    p = plan_for("ac=none:full")
+    fake = FakeMeasure((p.sides.a, p.sides.b), peak=(4000, 1000), times=((1.0, 1.5),) * 3)
+    rec = run(p, measure=fake, verify=False)
+    # one timeline per side, asked of each side's first measurement only; none left in the rounds
+    assert fake.timeline_asked == [("a", 0), ("b", 0)]
+    assert all(r.a.timeline is None and r.b.timeline is None for r in rec.rounds)
+    full = fake_timeline(4000)  # what side A's measurement returned: 1200 samples, peak 4000 B at op 399
+    a, b = rec.timelines["a"], rec.timelines["b"]
+    assert (a.peak_bytes, b.peak_bytes) == (4000, 1000)
+    assert max(a.totals) == 4000 and a.peak_op == 399 and a.at_peak == full.at_peak
+    assert a.at_peak == {**dict.fromkeys(full.parts, 0), "parameters": 100, "activations": 3900}
+    assert len(a.ops) <= 2 * STORED_WIDTH + len(a.phases) + 3 < len(full.ops)
+    assert max(b.totals) == 1000 and b.formula_phase_peaks == {"forward": 1000, "backward": 900}
+    d = json.loads(json.dumps(rec.to_dict()))
+    assert d["schema"] == 3 and len(json.dumps(d["timelines"])) < 60_000  # ~24 kB a side
+    back = Record.from_dict(d)
+    assert back.timelines == rec.timelines and back.to_dict() == d
+
+
+def test_a_schema_2_row_reads_with_no_timelines():
+    p = plan_for()
+    rec = run(p, measure=FakeMeasure((p.sides.a, p.sides.b)), verify=False)
+    d = rec.to_dict()
+    d.pop("timelines")
+    d["schema"] = 2
+    old = Record.from_dict(d)
+    assert old.timelines == {} and old.schema == SCHEMA_VERSION and old.metrics == rec.metrics

@@ -175,3 +175,105 @@ def test_global_tokens_and_global_batch_together_are_refused(capsys):
         _sys.argv = argv
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().startswith("error: global_tokens:")
+
+
+# -- knobs typed explicitly are held (issue 11, item 16) --------------------------------------------------------
+
+SMALL = ["--seq", "64", "--layers", "2", "--global-batch", "16", "--memory-budget", "64MiB", "--no-verify", "--json"]
+
+
+def test_typed_ac_is_held_even_at_its_default_value():
+    """`--ac none` is the default value, typed: held.  Detected by click's parameter source, not by value."""
+    held = json.loads(invoke(*SMALL, "--ac", "none").stdout)
+    assert held["held"] == ["ac"] and "ac" not in held["searched"]
+    assert held["final"]["ac"] == "none"
+    assert {a["config"]["ac"] for a in held["alternatives"]} == {"none"}
+    free = json.loads(invoke(*SMALL).stdout)
+    assert free["held"] == [] and "ac" in free["searched"]
+    assert len({a["config"]["ac"] for a in free["alternatives"]}) > 1  # policies searched when not typed
+
+
+def test_held_knobs_are_named_in_the_header():
+    r = invoke(*SMALL[:-1], "--ac", "none", "--micro-batch", "4", "--precision", "fp32")
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.stdout.splitlines() if x.startswith("held as given"))
+    text = " ".join(r.stdout.split())
+    assert "held as given: --micro-batch 4 (accum 4), --ac none, --precision fp32; searched: nothing" in text, line
+
+
+def test_held_micro_batch_is_the_one_chosen():
+    d = json.loads(invoke(*SMALL, "--micro-batch", "2").stdout)
+    assert d["held"] == ["micro_batch"]
+    assert {a["config"]["micro_batch"] for a in d["alternatives"]} == {2}
+    assert (d["final"]["micro_batch"], d["final"]["accum"]) == (2, 8)
+
+
+def test_held_policy_that_cannot_fit_says_what_releasing_it_would_give():
+    """20 MiB: some checkpointing policy fits, no micro-batch without one does (formula)."""
+    args = ["--seq", "128", "--global-batch", "8", "--memory-budget", "20MiB", "--no-verify", "--json"]
+    free = json.loads(invoke(*args).stdout)
+    assert free["final"] is not None and free["final"]["ac"] != "none"
+    r = invoke(*args, "--ac", "none")
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.stdout)
+    assert d["final"] is None
+    first = d["what_would_fit"][0]
+    assert first["change"] == "without holding --ac none" and first["config"]["ac"] == free["final"]["ac"]
+
+
+def test_allow_zero_searches_from_the_typed_stage():
+    d = json.loads(invoke(*llama(zero=1), "--allow-zero", "--json").stdout)
+    assert "zero" not in d["held"] and "zero" in d["searched"]
+    assert {a["config"]["zero"] for a in d["alternatives"]} <= {1, 2, 3}
+    held = json.loads(invoke(*llama(zero=1), "--json").stdout)
+    assert "zero" in held["held"] and {a["config"]["zero"] for a in held["alternatives"]} == {1}
+
+
+# -- after an OOM, model states alone over the device (issue 11, item 7) ------------------------------------------
+
+LLAMA_A100 = ["--model", "llama-2-7b", "--device", "a100-80gb", "--after-oom"]
+LLAMA_PARAMS = 6_738_415_616  # Llama-2-7b (Touvron et al. 2023; the HF checkpoint's parameter count)
+
+
+def test_after_oom_says_first_that_the_model_states_exceed_the_device():
+    r = invoke(*LLAMA_A100, "--json")
+    assert r.exit_code == 1, r.output  # no listed change fits: documented exit 1
+    d = json.loads(r.stdout)
+    s = d["model_states"]
+    # fp32 AdamW: 4 (weights) + 4 (gradients) + 8 (m, v) bytes per parameter
+    assert s["states_bytes"] == pytest.approx(16 * LLAMA_PARAMS, rel=1e-3)
+    assert s["states_bytes"] > s["usable_bytes"] and not d["any_change_fits"]
+    assert not any(a["fits"] for a in d["advice"])
+    text = invoke(*LLAMA_A100)
+    assert text.exit_code == 1
+    out = " ".join(text.stdout.split())
+    order = [out.index(w) for w in ("the model states alone do not fit: 100.4", "what does help", "ZeRO-3",
+                                    "8-bit Adam", "CPU offload", "nothing fits on this device")]
+    assert order == sorted(order)
+    assert "outside what batchlab predicts or measures" in out
+
+
+def test_after_oom_device_counts_are_the_fewest_that_fit():
+    """By hand, fp32 AdamW bytes per parameter per rank over N ranks: ZeRO-1 4 + 4 + 8/N, ZeRO-2 4 + 12/N,
+    ZeRO-3 16/N.  76.5 GB usable (90% of the 79.15 GiB the card reports): ZeRO-1 needs N = 4
+    (N = 2: 12 B x 6.74e9 = 80.9 GB),
+    ZeRO-2 and ZeRO-3 N = 2 (10 and 8 B per parameter); N divides the global batch 8, which stays."""
+    d = json.loads(invoke(*LLAMA_A100, "--json").stdout)
+    usable = d["usable_bytes"]
+    by_stage = {o["zero"]: o for o in d["model_states"]["sharding"]}
+    expected = {1: (4, 4 + 4 + 8 / 4), 2: (2, 4 + 12 / 2), 3: (2, 16 / 2)}
+    assert {z: o["devices"] for z, o in by_stage.items()} == {z: n for z, (n, _) in expected.items()}
+    for z, (n, per_param) in expected.items():
+        o = by_stage[z]
+        assert o["states_bytes"] == pytest.approx(per_param * LLAMA_PARAMS, rel=1e-3)
+        assert o["figures"]["peak_bytes"] <= usable
+        c = o["figures"]["config"]
+        assert c["micro_batch"] * c["accum"] * c["dp"] == 8
+    assert (4 + 4 + 8 / 2) * LLAMA_PARAMS > usable  # why ZeRO-1 over 2 is not enough
+    eight_bit = next(o for o in d["model_states"]["optimizer"] if o["bytes_per_param"] == 2)
+    assert eight_bit["fits"]  # 4 + 4 + 2 bytes per parameter = 67.4 GB <= 76.5 GB usable
+
+
+def test_after_oom_exit_0_when_a_change_fits():
+    r = invoke("--seq", "128", "--micro-batch", "32", "--accum", "2", "--memory-budget", "64MiB", "--after-oom")
+    assert r.exit_code == 0 and "model states alone" not in r.stdout

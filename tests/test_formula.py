@@ -133,7 +133,8 @@ def test_vary_accum_at_a_kept_micro_batch_rows_by_hand():
 
 
 # -- the formula against the live tensors of a real step (torch from here on)
-GRID = [(seq, mb, ac) for seq in (64, 128) for mb in (1, 4, 8) for ac in ("none", "full", "every:2", "selective")]
+# micro-batch 1 and 4 (4 with accum 2): every term is linear in the micro-batch, so 8 adds time, not checks
+GRID = [(seq, mb, ac) for seq in (64, 128) for mb in (1, 4) for ac in ("none", "full", "every:2", "selective")]
 
 
 @pytest.mark.slow
@@ -142,7 +143,7 @@ def test_formula_matches_a_real_step_within_3_percent(model):
     from batchlab.measure.harness import Trainer
     from batchlab.measure.memory import track_update
 
-    grid = GRID if model == "tiny" else [(128, mb, ac) for mb in (1, 2) for ac in ("none", "full", "selective")]
+    grid = GRID if model == "tiny" else [(128, 2, ac) for ac in ("none", "full", "selective")]
     worst = []
     for seq, mb, ac in grid:
         cfg = RunConfig(model=preset(model), seq=seq, micro_batch=mb, ac=ac, accum=2 if mb == 4 else 1)

@@ -148,12 +148,16 @@ def test_isolated_timeout_becomes_a_failed_outcome():
 def test_isolated_run_matches_in_process_memory_and_reraises_config_errors():
     cfg = RunConfig(model=preset("tiny", layers=2), seq=16, micro_batch=2)
     labels = []
-    isolated = run(cfg, MeasureOptions(warmup=1, steps=2, isolate=True), progress=lambda d, t, lab: labels.append(lab))
+    isolated = run(cfg, MeasureOptions(warmup=1, steps=2, isolate=True, timeline=True),
+                   progress=lambda d, t, lab: labels.append(lab))
     here = run(cfg, MeasureOptions(warmup=1, steps=2))
     assert isolated.outcome is Outcome.OK and isolated.environment["isolated"] is True
     assert isolated.memory.peak_bytes == here.memory.peak_bytes  # same code, same seed: same tensors
     assert len(isolated.time.samples) == 2
-    assert "memory" in labels and "timed 2/2" in labels  # progress came through from the worker
+    assert "memory" in labels and "timeline" in labels and "timed 2/2" in labels  # progress from the worker
+    # the timeline was recorded in the worker and came back in its JSON: the same steady-state peak
+    assert isolated.timeline.provenance == "allocator" and here.timeline is None
+    assert max(isolated.timeline.totals) == isolated.timeline.peak_bytes == here.memory.peak_bytes
     with pytest.raises(ConfigError) as e:
         run(cfg.replace(memory_budget=1024), MeasureOptions(isolate=True))
     assert e.value.field == "memory_budget"

@@ -65,3 +65,24 @@ def test_a_formula_only_report_says_it_is_a_derivation(tmp_path):
     md = write_report(rec, tmp_path)[0].read_text()
     assert "formula only — a paper derivation, nothing measured" in md
     assert "## Formula derivation (not an observation)" in md and "| metric | A (formula) |" in md
+
+
+def test_the_report_draws_both_timelines_on_one_axis(measured, tmp_path):
+    md_path, page_path = write_report(measured, tmp_path)
+    md, page = md_path.read_text(), page_path.read_text()
+    assert "## Memory over one update, A and B on one axis" in md
+    assert "A: ac=none: peak 3.91 KiB in forward 1 [allocator: fake]" in md
+    assert "B: ac=full: peak 1000 B in forward 1 [allocator: fake]" in md
+    assert "![Memory over one update, A and B](experiment-5-timeline.png)" in md
+    assert (tmp_path / "experiment-5-timeline.png").read_bytes().startswith(PNG)
+    # inline SVG (text kept as text): both sides' labels, their provenance and the formula's phase markers
+    svg = re.search(r"<figure class='timeline'>(<svg.*?</svg>)", page, re.S).group(1)
+    for text in ("A: ac=none: live total [allocator]", "B: ac=full: live total [allocator]",
+                 "A: ac=none: formula phase peaks [formula]", "formula backward",
+                 "A: ac=none peak 3.91 KiB (forward 1)"):
+        assert text in svg, text
+
+
+def test_a_record_without_timelines_says_why(measured, tmp_path):
+    md = write_report(measured.with_(timelines={}), tmp_path)[0].read_text()
+    assert "No memory timeline for side A and B" in md and "timeline.png" not in md

@@ -12,7 +12,7 @@ from batchlab.timeline.data import CATEGORIES, aligned, downsample, fold
 from batchlab.timeline.measured import record
 from batchlab.timeline.record import TimelineRecorder, block_of
 from batchlab.trace import estimate
-from test_trace import hf_gpt2, hf_llama, tiny  # the trace tests' small shapes
+from shapes import hf_gpt2, hf_llama, tiny
 
 CASES = {"builtin": lambda: tiny(ac="full", accum=2),
          "builtin-bf16": lambda: tiny(ac="full", precision="bf16-mixed").replace(attention="sdpa", mlp="swiglu",
@@ -205,10 +205,39 @@ def test_cli_writes_the_timeline(tmp_path):
     assert d["provenance"] == "trace" and max(d["samples"]["total"]) == d["peak_bytes"]
     bad = CliRunner().invoke(app, ["estimate", "--trace", "--timeline", str(tmp_path / "t.svg"), *small])
     assert bad.exit_code == 2 and "timeline" in bad.output
-    r = CliRunner().invoke(app, ["measure", "--steps", "1", "--warmup", "1", "--timeline",
-                                 str(tmp_path / "m.json"), *small], catch_exceptions=False)
+
+
+def test_measure_cli_writes_the_measured_timeline(tmp_path):
+    """``measure --timeline``: the file holds the measurement's own timeline (recorded inside the measuring
+    process, so --isolate records it in the subprocess: test_measure_models checks that path)."""
+    from typer.testing import CliRunner
+
+    from batchlab.cli import app
+
+    r = CliRunner().invoke(app, ["measure", "--steps", "1", "--warmup", "1", "--json", "--timeline",
+                                 str(tmp_path / "m.json"), "--layers", "2", "--seq", "32", "--micro-batch", "2"],
+                           catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    assert json.loads((tmp_path / "m.json").read_text())["provenance"] == "allocator"
+    d = json.loads((tmp_path / "m.json").read_text())
+    printed = json.loads(r.stdout)
+    assert d["provenance"] == "allocator" and "timeline" not in printed
+    # the probe update and the timeline update: steady-state updates of one trainer, the same peak to the byte
+    assert max(d["samples"]["total"]) == d["peak_bytes"] == printed["memory"]["peak_bytes"]
+
+
+def test_a_measurement_asked_for_a_timeline_records_one_more_untimed_update():
+    from batchlab.measure.options import MeasureOptions
+    from batchlab.measure.session import run_inprocess
+
+    cfg = tiny(ac="full", accum=2)
+    labels = []
+    m = run_inprocess(cfg, MeasureOptions(warmup=1, steps=1, timeline=True), lambda d, n, label: labels.append(label))
+    t = m.timeline
+    assert "timeline" in labels and labels.index("timeline") < labels.index("timed 1/1")
+    assert max(t.totals) == t.peak_bytes == m.memory.peak_bytes
+    assert nonzero(fold(t.at_peak)) == nonzero(m.memory.breakdown)
+    assert [p.label for p in t.phases if p.phase == "backward"] == ["backward 1", "backward 2"]
+    assert run_inprocess(cfg, MeasureOptions(warmup=1, steps=1)).timeline is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

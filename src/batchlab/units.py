@@ -56,3 +56,12 @@ def relative_to(value, reference) -> float | None:
     """(value - reference) / reference for two numbers (None otherwise, or for a zero reference)."""
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, reference))
     return (value - reference) / reference if numbers and reference else None
+
+
+def fmt_difference(relative: float | None, unit: str, value, reference) -> str:
+    """A figure beside its reference in a table: ``+1.2%``, or ``same`` / ``differs`` for a phase name."""
+    if relative is not None:
+        return f"{relative:+.1%}"
+    if unit == "phase" and reference is not None:
+        return "same" if value == reference else "differs"
+    return ""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.advise.plan import Candidate, Goal, candidate, divisors, plan, policies
+from batchlab.advise.plan import KNOB_FLAGS, Candidate, Goal, candidate, divisors, plan, policies
+from batchlab.advise.states import fewest_devices
 from batchlab.config import ACMode, ConfigError, Precision, RunConfig
 
 SAME_MATH = "global batch, micro-batch, gradients (recompute is bitwise-equal with the RNG state preserved)"
@@ -137,11 +138,23 @@ def _planned(goal: Goal) -> Candidate | None:
         return None
 
 
+def _unheld_remedy(goal: Goal) -> Remedy | None:
+    """What the planner finds once the knobs the user held (--ac, --micro-batch) are searched too."""
+    held = sorted(goal.held & {"ac", "micro_batch"})
+    if not held:
+        return None
+    c = _planned(goal.released(goal.base, *held, allow_zero=goal.allow_zero))
+    if c is None:
+        return None
+    given = ", ".join(f"{KNOB_FLAGS[k]} {getattr(goal.base, k)}" for k in held)
+    return Remedy(f"without holding {given}", c.config, c, "fit searches what you fixed")
+
+
 def _zero_remedy(goal: Goal) -> Remedy | None:
     if goal.base.dp == 1:
         return None
     for z in range(goal.base.zero + 1, 4):
-        c = _planned(Goal(goal.base.replace(zero=z), goal.tokens, goal.margin, False, goal.min_micro_tokens))
+        c = _planned(goal.released(goal.base.replace(zero=z), "zero"))
         if c is not None:
             return Remedy(f"ZeRO-{z} across the {goal.base.dp} DP ranks", c.config, c,
                           "model states sharded; more communication" if z == 3 else "model states sharded")
@@ -150,21 +163,19 @@ def _zero_remedy(goal: Goal) -> Remedy | None:
 
 def _devices_remedy(goal: Goal) -> Remedy | None:
     base, gb = goal.base, goal.global_batch
-    for dp in (d for d in divisors(gb) if d > base.dp and d % base.dp == 0):
-        for z in sorted({base.zero, 1, 2, 3}):
-            cfg = base.replace(dp=dp, micro_batch=1, accum=gb // dp, zero=z)
-            c = _planned(Goal(cfg, goal.tokens, goal.margin, False, goal.min_micro_tokens))
-            if c is not None:
-                return Remedy(f"{dp} devices instead of {base.dp}" + (f", ZeRO-{z}" if z else ""), c.config, c,
-                              f"same global batch {gb}: {gb // dp} sequences per rank per update")
-    return None
+    found = [c for z in sorted({base.zero, 1, 2, 3}) if (c := fewest_devices(goal, z, base.dp + 1)) is not None]
+    if not found:
+        return None
+    c = min(found, key=lambda c: (c.config.dp, c.config.zero))
+    dp, z = c.config.dp, c.config.zero
+    return Remedy(f"{dp} devices instead of {base.dp}" + (f", ZeRO-{z}" if z else ""), c.config, c,
+                  f"same global batch {gb}: {gb // dp} sequences per rank per update")
 
 
 def _sequence_remedy(goal: Goal) -> Remedy | None:
     seq = goal.base.seq // 2
     while seq >= 1:
-        c = _planned(Goal(goal.base.replace(seq=seq), goal.tokens, goal.margin, goal.allow_zero,
-                          goal.min_micro_tokens))
+        c = _planned(goal.released(goal.base.replace(seq=seq), allow_zero=goal.allow_zero))
         if c is not None:
             return Remedy(f"sequences of {seq} tokens instead of {goal.base.seq}", c.config, c,
                           "shorter context; fewer tokens per update unless the global batch grows")
@@ -173,5 +184,5 @@ def _sequence_remedy(goal: Goal) -> Remedy | None:
 
 
 def what_would_fit(goal: Goal) -> list[Remedy]:
-    found = (_zero_remedy(goal), _devices_remedy(goal), _sequence_remedy(goal))
+    found = (_unheld_remedy(goal), _zero_remedy(goal), _devices_remedy(goal), _sequence_remedy(goal))
     return [r for r in found if r is not None]

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from batchlab.advise.after_oom import Advice, Remedy, oom_advice, what_would_fit
 from batchlab.advise.plan import Goal, FitPlan, divisors, plan
+from batchlab.advise.states import StatesVerdict, states_verdict
 from batchlab.advise.search import (MeasureFn, SearchResult, Trial, TrialOutcome, search_largest,
                                     trial_from_measurement)
 from batchlab.config import RunConfig, to_jsonable
@@ -22,6 +23,7 @@ class FitReport:
     search: SearchResult | None = None
     advice: list[Advice] = field(default_factory=list)  # when the recommendation ran out of memory
     remedies: list[Remedy] = field(default_factory=list)  # when the formula finds nothing that fits
+    states: StatesVerdict | None = None  # when the model states alone exceed the memory per rank
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -57,7 +59,8 @@ class FitReport:
         p = self.plan
         return {"global_batch": p.goal.global_batch, "tokens_per_update": p.goal.base.tokens_per_update,
                 "capacity_bytes": p.goal.capacity_bytes, "usable_bytes": p.goal.usable_bytes,
-                "margin": p.goal.margin, "token_budget": p.goal.tokens,
+                "margin": p.goal.margin, "token_budget": p.goal.tokens, "held": sorted(p.goal.held),
+                "searched": list(p.goal.searched), "model_states": to_jsonable(self.states),
                 "recommended_by_formula": to_jsonable(p.recommended), "reason": p.reason,
                 "alternatives": to_jsonable(list(p.ranked)), "candidates_evaluated": len(p.candidates),
                 "assumptions": list(p.assumptions), "final": to_jsonable(self.final), "source": self.source,
@@ -108,6 +111,7 @@ def fit(goal: Goal, *, verify: bool, search: bool = False, measure: MeasureFn | 
     p = plan(goal)
     report = FitReport(p)
     if p.recommended is None:
+        report.states = states_verdict(goal)
         report.remedies = what_would_fit(goal)
         return report
     rec = p.recommended.config
@@ -130,8 +134,17 @@ def fit(goal: Goal, *, verify: bool, search: bool = False, measure: MeasureFn | 
         return report
     if first.out_of_memory:
         report.advice = oom_advice(dataclasses.replace(goal, base=rec))
-    if _within_margin(first, goal) and not search:
+    if _within_margin(first, goal) and (not search or "micro_batch" in goal.held):
         report.source = "formula, confirmed by measurement"
+        return report
+    if "micro_batch" in goal.held:  # nothing to search: the user fixed it
+        if first.fits:
+            report.source = "formula, confirmed by measurement"
+            report.notes.append(f"micro-batch {rec.micro_batch} (held as given) fits by measurement but leaves less "
+                                f"than the {goal.margin:.0%} margin")
+        else:
+            report.final, report.source = None, "measured: the micro-batch held (--micro-batch) does not fit"
+            report.notes.append(f"micro-batch {rec.micro_batch} was held as given; measured: {first.outcome}")
         return report
     s = search_largest(rec, measured, p.predicted_limit(rec.ac, rec.zero), known=[first])
     report.search = s

@@ -5,6 +5,7 @@ Torch-free (the plan must answer in well under a second).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from batchlab.calibrate import load_all
@@ -18,6 +19,10 @@ EVERY_K = (2, 4, 8)  # every:K policies tried (K < layers)
 # A micro-batch of at least this many tokens keeps matmuls reasonably large; below it, per-micro-batch
 # overheads and small kernels cost time that the formula (FLOP-bound) does not see.
 MIN_MICRO_TOKENS = 4096
+# Knobs a user may hold fixed (typed on the command line); the others are searched.  Precision is never
+# searched (it changes the numerics), so holding it only names it.
+KNOBS = ("micro_batch", "ac", "zero", "precision")
+KNOB_FLAGS = {"micro_batch": "--micro-batch", "ac": "--ac", "zero": "--zero", "precision": "--precision"}
 
 
 @dataclass(frozen=True)
@@ -30,8 +35,11 @@ class Goal:
     margin: float = DEFAULT_MARGIN
     allow_zero: bool = False  # also try ZeRO stages 0-3 over the DP ranks (DP > 1)
     min_micro_tokens: int = MIN_MICRO_TOKENS
+    held: frozenset[str] = frozenset()  # KNOBS kept as base has them (the user gave them explicitly)
 
     def __post_init__(self):
+        if not set(self.held) <= set(KNOBS):
+            raise ConfigError("held", f"{sorted(set(self.held) - set(KNOBS))} not among {', '.join(KNOBS)}")
         if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 1.0):
             raise ConfigError("margin", f"must be a fraction in [0, 1), got {self.margin!r}")
         if not (isinstance(self.tokens, (int, float)) and 0 < self.tokens < float("inf")):  # NaN fails too
@@ -55,6 +63,16 @@ class Goal:
     @property
     def usable_bytes(self) -> int:
         return int(self.capacity_bytes * (1 - self.margin))
+
+    @property
+    def searched(self) -> tuple[str, ...]:
+        """The knobs the plan varies (in KNOBS order)."""
+        out = [k for k in ("micro_batch", "ac") if k not in self.held]
+        return tuple(out + (["zero"] if len(zero_stages(self)) > 1 else []))
+
+    def released(self, base: RunConfig, *knobs: str, allow_zero: bool = False) -> "Goal":
+        """This goal for another base config, with ``knobs`` no longer held."""
+        return dataclasses.replace(self, base=base, allow_zero=allow_zero, held=self.held - set(knobs))
 
     def reasonable(self, micro_batch: int) -> bool:
         return micro_batch * self.base.seq >= self.min_micro_tokens or micro_batch == self.per_rank
@@ -97,8 +115,16 @@ def policies(layers: int) -> list[ACPolicy]:
     return [ACPolicy()] + every + [ACPolicy(ACMode.SELECTIVE), ACPolicy(ACMode.FULL)]
 
 
+def goal_policies(goal: Goal) -> list[ACPolicy]:
+    return [goal.base.ac] if "ac" in goal.held else policies(goal.base.model.layers)
+
+
+def micro_batches(goal: Goal) -> list[int]:
+    return [goal.base.micro_batch] if "micro_batch" in goal.held else divisors(goal.per_rank)
+
+
 def zero_stages(goal: Goal) -> tuple[int, ...]:
-    if goal.allow_zero and goal.base.dp > 1:
+    if goal.allow_zero and goal.base.dp > 1 and "zero" not in goal.held:
         return tuple(range(goal.base.zero, 4))
     return (goal.base.zero,)
 
@@ -110,7 +136,7 @@ def shaped(goal: Goal, micro_batch: int, ac: ACPolicy, zero: int) -> RunConfig:
 def enumerate_candidates(goal: Goal) -> list[Candidate]:
     cals = load_all()
     return [candidate(shaped(goal, mb, ac, z), goal.tokens, cals)
-            for z in zero_stages(goal) for ac in policies(goal.base.model.layers) for mb in divisors(goal.per_rank)]
+            for z in zero_stages(goal) for ac in goal_policies(goal) for mb in micro_batches(goal)]
 
 
 def best_per_option(cands: list[Candidate], limit_bytes: int) -> list[Candidate]:

@@ -8,9 +8,10 @@ from rich.table import Table
 
 from batchlab.advise.fit import FitReport
 from batchlab.advise.after_oom import Advice, Remedy
-from batchlab.advise.plan import Candidate, Goal, unfit_options
+from batchlab.advise.plan import KNOB_FLAGS, KNOBS, Candidate, Goal, unfit_options
 from batchlab.advise.search import Trial
 from batchlab.advise.snippets import printable
+from batchlab.advise.states import EIGHT_BIT_ADAM, StatesVerdict, states_verdict
 from batchlab.config import RunConfig
 from batchlab.units import fmt_bytes, fmt_seconds, relative_to
 
@@ -20,6 +21,7 @@ def _pct(x: float | None) -> str:
 
 
 def header(out: Console, goal: Goal) -> None:
+    """What fit plans for: model, target global batch, memory per rank, held and searched knobs."""
     b = goal.base
     out.print(f"[bold]batchlab fit[/]  {b.model.name} ({b.model_source}), seq {b.seq}, {b.precision}, {b.optimizer}, "
               f"{b.dp} x {b.device}")
@@ -28,6 +30,58 @@ def header(out: Console, goal: Goal) -> None:
     out.print(f"memory per rank: {fmt_bytes(goal.capacity_bytes)}"
               + (" (--memory-budget)" if b.memory_budget is not None else f" ({b.device})")
               + f", safety margin {goal.margin:.0%}: plan within {fmt_bytes(goal.usable_bytes)}")
+    out.print(knobs_line(goal), markup=False, highlight=False)
+
+
+def knobs_line(goal: Goal) -> str:
+    """Which knobs were held as given and which the plan searches."""
+    b = goal.base
+    value = {"micro_batch": lambda: f"{b.micro_batch} (accum {b.accum})", "ac": lambda: str(b.ac),
+             "zero": lambda: str(b.zero), "precision": lambda: str(b.precision)}
+    held = [f"{KNOB_FLAGS[k]} {value[k]()}" for k in KNOBS if k in goal.held]
+    names = {"micro_batch": "micro-batch (accumulation derived)", "ac": "activation checkpointing",
+             "zero": f"ZeRO stage {b.zero}-3"}
+    searched = [names[k] for k in goal.searched]
+    kept = [f"precision {b.precision}" if "precision" not in goal.held else None,
+            f"ZeRO-{b.zero}" if "zero" not in goal.held and "zero" not in goal.searched else None]
+    parts = [f"held as given: {', '.join(held)}" if held else "held as given: nothing",
+             f"searched: {', '.join(searched) if searched else 'nothing'}"]
+    kept = [k for k in kept if k]
+    if kept:
+        parts.append(f"kept: {', '.join(kept)} (fit does not change precision; --allow-zero searches ZeRO stages)")
+    return "; ".join(parts)
+
+
+SHARDING = {1: "ZeRO-1 (optimizer state sharded: DDP + ZeroRedundancyOptimizer)",
+            2: "ZeRO-2 (+ gradients: FSDP2 reshard_after_forward=False)",
+            3: "ZeRO-3 (+ parameters: FSDP2 fully_shard, FULL_SHARD)"}
+
+
+def states_block(out: Console, v: StatesVerdict, goal: Goal) -> None:
+    """The model states figure first, then what helps (they fit by none of micro-batch, checkpointing, seq)."""
+    out.print(f"[bold red]the model states alone do not fit:[/] {fmt_bytes(v.states_bytes)} per rank \\[formula] "
+              f"(weights {fmt_bytes(v.parameters_bytes)}, master weights {fmt_bytes(v.master_bytes)}, gradients "
+              f"{fmt_bytes(v.gradients_bytes)}, optimizer state {fmt_bytes(v.optimizer_bytes)}) > "
+              f"{fmt_bytes(v.usable_bytes)} usable of {fmt_bytes(v.capacity_bytes)}; no micro-batch, activation "
+              "checkpointing or sequence length changes them.")
+    out.print("[bold]what does help[/] \\[formula]:")
+    for o in v.sharding:
+        c = o.figures.config
+        out.print(f"- {SHARDING[o.zero]} over {o.devices} devices (the fewest that fit): model states "
+                  f"{fmt_bytes(o.states_bytes)} per rank; fit's pick there: micro-batch {c.micro_batch} x accum "
+                  f"{c.accum} x DP {c.dp} (same global batch), activation checkpointing {c.ac}, peak "
+                  f"{fmt_bytes(o.figures.peak_bytes)}")
+    if not v.sharding:
+        out.print(f"- no device count dividing the global batch {goal.global_batch} fits with ZeRO")
+    for o in v.optimizer:
+        out.print(f"- {o.name}, the config given otherwise: peak {fmt_bytes(o.figures.peak_bytes)} -> "
+                  f"{'fits' if o.fits else 'does not fit'}")
+    if v.max_optimizer_bytes_per_param is None:
+        out.print("- a smaller optimizer state cannot help alone: weights and gradients exceed the memory already")
+    elif v.max_optimizer_bytes_per_param not in (0.0, EIGHT_BIT_ADAM):
+        out.print(f"- any optimizer state of at most {v.max_optimizer_bytes_per_param:g} bytes per parameter fits "
+                  f"(--optimizer-bytes {v.max_optimizer_bytes_per_param:g})")
+    out.print(f"- {v.offload}", markup=False, highlight=False)
 
 
 def candidate_line(c: Candidate, goal: Goal) -> str:
@@ -107,7 +161,9 @@ def advice_table(items: list[Advice], goal: Goal) -> Table:
     return t
 
 
-def remedies(out: Console, items: list[Remedy], goal: Goal) -> None:
+def remedies(out: Console, items: list[Remedy], goal: Goal, states: StatesVerdict | None = None) -> None:
+    if states is not None:
+        states_block(out, states, goal)
     out.print("[bold red]nothing fits[/] within the margin with any micro-batch and activation checkpointing policy.")
     if not items:
         out.print("no single change found that fits (ZeRO stage, more devices, shorter sequences): use a smaller "
@@ -125,11 +181,13 @@ def snippets(out: Console, cfg: RunConfig) -> None:
         out.print(text, markup=False, highlight=False, soft_wrap=True)  # no wrapping inside pasted code
 
 
-def fit_report(out: Console, report: FitReport, top: int) -> None:
+def fit_report(out: Console, report: FitReport, top: int, with_header: bool = True) -> None:
+    """``with_header=False``: it was printed before the trials ran."""
     p, goal = report.plan, report.plan.goal
-    header(out, goal)
+    if with_header:
+        header(out, goal)
     if p.recommended is None:
-        remedies(out, report.remedies, goal)
+        remedies(out, report.remedies, goal, report.states)
         _assumptions(out, p.assumptions)
         return
     out.print(f"[bold]recommended by the formula:[/] {candidate_line(p.recommended, goal)}")
@@ -170,4 +228,14 @@ def after_oom(out: Console, goal: Goal, now: Candidate, items: list[Advice]) -> 
     if now.peak_bytes <= goal.capacity_bytes:
         out.print("[yellow]the formula says it fits:[/] the OOM comes from what it does not count (allocator "
                   "fragmentation, other processes, custom model code); measure with `batchlab measure --isolate`")
-    out.print(advice_table(items, goal))
+    states = states_verdict(goal)
+    if states is None:
+        out.print(advice_table(items, goal))
+    else:
+        states_block(out, states, goal)
+        out.print(f"the {len(items)} single changes of micro-batch, activation checkpointing, precision and sequence "
+                  f"length leave the model states as they are: {sum(a.fits for a in items)} of them fit (--json "
+                  "lists them with their figures)")
+    if not any(a.fits for a in items):
+        out.print("[bold red]nothing fits on this device[/] with a single change, by the formula"
+                  + (": the model states are the problem; see what does help above" if states else ""))

@@ -3,8 +3,8 @@
 The TOML is one ``[config]`` table of RunConfig field names, read back by ``config.load_config_toml``
 (every command's ``--config FILE``, and experiment files).  The others are pasted into the user's own
 stack: torchtitan TOML, an accelerate config (YAML), HF ``TrainingArguments(...)``, Lightning
-``Trainer(...)``, DeepSpeed JSON, FSDP2 / DDP code.  Where a stack has no switch for a setting, the
-snippet says so in a comment instead of guessing.  Torch-free.
+``Trainer(...)``, DeepSpeed JSON, and a complete PyTorch script (``torch_script``).  Where a stack has no
+switch for a setting, the snippet says so in a comment instead of guessing.  Torch-free.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any
 
+from batchlab.advise.torch_script import training_script
 from batchlab.config import (ACMode, Assumptions, ConfigError, ModelSpec, Precision, RunConfig,
                              preset, to_jsonable)
 
@@ -117,39 +118,6 @@ def deepspeed(cfg: RunConfig) -> dict[str, Any]:
     return ds
 
 
-def _which_layers(cfg: RunConfig) -> str:
-    n = cfg.model.layers
-    if cfg.ac.mode is ACMode.FULL:
-        return f"all {n} layers"
-    if cfg.ac.mode is ACMode.SELECTIVE:
-        return f"all {n} layers, matmul outputs kept (create_selective_checkpoint_contexts)"
-    if cfg.ac.mode is ACMode.SELECTIVE_OP:
-        return f"all {n} layers, every other matmul and the SDPA outputs kept (torchtitan's op policy)"
-    if cfg.ac.mode is ACMode.MEGATRON:
-        return f"all {n} layers, the attention core recomputed (Megatron selective)"
-    wrapped = cfg.ac.wrapped_layers(n)
-    return f"layers 0, {cfg.ac.every}, {2 * cfg.ac.every}, ... ({len(wrapped)} of {n})"
-
-
-def pytorch_loop(cfg: RunConfig) -> str:
-    ac_line = ("# no activation checkpointing" if cfg.ac.mode is ACMode.NONE else
-               f"# activation checkpointing {cfg.ac}: {_which_layers(cfg)} via "
-               "torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)")
-    return "\n".join([
-        f"MICRO_BATCH, ACCUM, DP = {cfg.micro_batch}, {cfg.accum}, {cfg.dp}  "
-        f"# global batch {cfg.global_batch} = {cfg.micro_batch} x {cfg.accum} x {cfg.dp}",
-        ac_line,
-        "loader = DataLoader(dataset, batch_size=MICRO_BATCH, sampler=DistributedSampler(dataset))",
-        "for step, (x, y) in enumerate(loader):",
-        "    last = (step + 1) % ACCUM == 0",
-        "    with (contextlib.nullcontext() if last else model.no_sync()):  # one all-reduce per update",
-        "        (loss_fn(model(x), y) / ACCUM).backward()",
-        "    if last:",
-        "        optimizer.step()",
-        "        optimizer.zero_grad(set_to_none=True)",
-    ])
-
-
 def _comment(text: str) -> str:
     return f"# {text}"
 
@@ -235,43 +203,11 @@ def accelerate_yaml(cfg: RunConfig) -> str:
     return "\n".join(lines + _yaml(d)) + "\n"
 
 
-def distributed_code(cfg: RunConfig) -> str:
-    """The data-parallel setup in PyTorch: DDP (ZeRO-0), DDP + ZeroRedundancyOptimizer (ZeRO-1), FSDP2
-    ``fully_shard`` per layer (ZeRO-2: reshard_after_forward=False, ZeRO-3: True)."""
-    head = [f"# {cfg.global_batch_text()}", "import torch", "import torch.distributed as dist"]
-    bf16 = cfg.precision is Precision.BF16_MIXED
-    if cfg.zero >= 2:
-        mp = ("MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" if bf16 else
-              "MixedPrecisionPolicy()")
-        body = ["from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
-                "dist.init_process_group()  # torchrun sets rank and world size",
-                f"mp = {mp}",
-                "for layer in model.layers:  # your model's list of transformer blocks",
-                f"    fully_shard(layer, mp_policy=mp, reshard_after_forward={cfg.zero == 3})",
-                f"fully_shard(model, mp_policy=mp, reshard_after_forward={cfg.zero == 3})",
-                "optimizer = torch.optim.AdamW(model.parameters())  # after fully_shard: sharded state",
-                "# accumulation: model.set_requires_gradient_sync(last_micro_batch) instead of DDP's no_sync()"]
-    else:
-        body = ["from torch.nn.parallel import DistributedDataParallel as DDP",
-                "dist.init_process_group()  # torchrun sets rank and world size",
-                "model = DDP(model, gradient_as_bucket_view=True)"]
-        if cfg.zero == 1:
-            body += ["from torch.distributed.optim import ZeroRedundancyOptimizer",
-                     "optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)"]
-        else:
-            body.append("optimizer = torch.optim.AdamW(model.parameters())")
-        if bf16:
-            body.append("# forward under torch.autocast(device_type='cuda', dtype=torch.bfloat16)")
-    launch = [f"# launch: torchrun --nproc-per-node {_nodes(cfg)[0]} --nnodes {_nodes(cfg)[1]} train.py"]
-    return "\n".join(head + body + launch)
-
-
 def all_snippets(cfg: RunConfig) -> dict[str, Any]:
-    return {"batchlab_toml": config_toml(cfg), "pytorch": pytorch_loop(cfg), "huggingface": huggingface(cfg),
+    return {"batchlab_toml": config_toml(cfg), "pytorch": training_script(cfg), "huggingface": huggingface(cfg),
             "lightning": lightning(cfg), "deepspeed": deepspeed(cfg), "torchtitan_toml": torchtitan_toml(cfg),
             "accelerate_yaml": accelerate_yaml(cfg), "huggingface_code": call_code("TrainingArguments", huggingface(cfg)),
-            "lightning_code": call_code("Trainer", lightning(cfg)), "deepspeed_json": json.dumps(deepspeed(cfg), indent=2),
-            "distributed_code": distributed_code(cfg)}
+            "lightning_code": call_code("Trainer", lightning(cfg)), "deepspeed_json": json.dumps(deepspeed(cfg), indent=2)}
 
 
 def call_code(name: str, snippet: dict[str, Any]) -> str:
@@ -288,8 +224,10 @@ def call_code(name: str, snippet: dict[str, Any]) -> str:
 
 
 TITLES = (("As a batchlab config (save as fit.toml; then batchlab measure --config fit.toml, or use it as an "
-           "experiment file's [config])", "batchlab_toml"), ("Plain PyTorch loop", "pytorch"),
-          ("DDP / FSDP2 setup (PyTorch)", "distributed_code"), ("torchtitan (TOML)", "torchtitan_toml"),
+           "experiment file's [config])", "batchlab_toml"),
+          ("PyTorch training script (single process / DDP / ZeroRedundancyOptimizer / FSDP2 as the config needs; "
+           "runs as printed on a stand-in model: replace the part between the >>> and <<< lines with yours)",
+           "pytorch"), ("torchtitan (TOML)", "torchtitan_toml"),
           ("accelerate config (YAML)", "accelerate_yaml"), ("Hugging Face", "huggingface_code"),
           ("Lightning", "lightning_code"), ("DeepSpeed config (JSON)", "deepspeed_json"))
 

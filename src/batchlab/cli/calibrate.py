@@ -8,6 +8,7 @@ from rich.table import Table
 
 from batchlab.cli.base import app
 from batchlab.cli.common import console, fail, print_json
+from batchlab.cli.progress import progress
 from batchlab.config import ConfigError
 
 
@@ -26,7 +27,8 @@ def calibrate(
     if not 0.1 <= seconds <= 600:  # NaN fails this too
         fail(f"seconds: must be between 0.1 and 600, got {seconds:g}")
     try:
-        cal = cal_mod.measure(torch_device, seconds=seconds)
+        with progress("calibrate", f"matmul and copy on {torch_device}, about {seconds:g} s", quiet=as_json):
+            cal = cal_mod.measure(torch_device, seconds=seconds)
     except ConfigError as e:
         fail(str(e))
     path = cal_mod.save(cal) if save else None

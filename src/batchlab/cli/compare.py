@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Annotated, Any, List, Optional
 
 import typer
-from rich.console import Console
 
 from batchlab.cli.base import app
 from batchlab.cli.common import fail, with_config
@@ -122,16 +121,7 @@ def _ask() -> dict[Metric, Direction]:
 
 
 def _run(plan, book: Notebook, verify: bool, show: bool) -> Record:
-    console = Console(stderr=True)
-    if not (show and console.is_terminal) or plan.formula_only:
-        return run(plan, book, verify=verify)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from batchlab.cli.progress import progress
 
-    with Progress(TextColumn("[bold]compare[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("formula, then side A", total=2 * plan.rounds)
-
-        def update(done: int, total: int, label: str) -> None:
-            bar.update(task, completed=done, total=total, description=label)
-
-        return run(plan, book, progress=update, verify=verify)
+    with progress("compare", "formula, then side A", 2 * plan.rounds, quiet=not show or plan.formula_only) as bar:
+        return run(plan, book, progress=bar, verify=verify)

@@ -15,7 +15,6 @@ from batchlab.config import ConfigError, Keep, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, unseen_model
 from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
 
-ARROW = {"up": "↑", "down": "↓", "same": "≈"}
 PLAIN_ROWS = 60
 AC_NOTE = ("Activation checkpointing (--ac) recomputes activations in backward: less memory, more compute, "
            "inside one step. It is not the training checkpoint (the file saved to disk for recovery).")
@@ -103,6 +102,7 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
 
 
 def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
+    from batchlab.experiment.predict import Direction
     from batchlab.formula.vary import OUTPUTS
 
     header = (name, "micro × accum × DP = global", *[label for label, _ in OUTPUTS], "fits")
@@ -110,7 +110,7 @@ def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
     body = []
     for r in rows:
         c = r.config
-        cells = [f"{fmt(get(r.estimate))} {ARROW[r.directions[label]]}"
+        cells = [f"{fmt(get(r.estimate))} {Direction(r.directions[label]).symbol}"
                  for (label, get), fmt in zip(OUTPUTS, fmts)]
         body.append((str(r.value), f"{c.micro_batch} × {c.accum} × {c.dp} = {c.global_batch}", *cells,
                      "yes" if r.estimate.memory.fits else "no"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
 from batchlab.cli.base import app
 from batchlab.cli.common import console, fail, print_json, with_config
@@ -21,28 +20,38 @@ def fit_command(
     global_tokens: Annotated[Optional[int], typer.Option(help="Target global batch in tokens (instead of --global-batch in sequences); must be a multiple of --seq.", rich_help_panel=PANEL)] = None,
     tokens: Annotated[float, typer.Option(help="Token budget of the training run: options are ranked by predicted time to it.", rich_help_panel=PANEL)] = 1e9,
     margin: Annotated[float, typer.Option(help="Safety margin: fraction of the device memory (or --memory-budget) kept free.", rich_help_panel=PANEL)] = 0.10,
-    allow_zero: Annotated[bool, typer.Option("--allow-zero", help="Also try ZeRO stages (up to 3) over the DP ranks (DP > 1).", rich_help_panel=PANEL)] = False,
+    allow_zero: Annotated[bool, typer.Option("--allow-zero", help="Also try ZeRO stages from --zero up to 3 over the DP ranks (DP > 1).", rich_help_panel=PANEL)] = False,
     min_micro_tokens: Annotated[int, typer.Option(help="A 'reasonable' micro-batch has at least this many tokens (or is the whole per-rank batch); below it activation checkpointing that allows a larger one is preferred.", rich_help_panel=PANEL)] = 4096,
     verify: Annotated[Optional[bool], typer.Option("--verify/--no-verify", help="Measure the recommendation in a fresh subprocess (default: on when --device is this machine's: cpu, local, or the catalogue entry of the GPU here).", rich_help_panel=PANEL)] = None,
     search: Annotated[bool, typer.Option("--search", help="Find the largest micro-batch that fits by measurement (seeded by the formula, at most ceil(log2(max)) + 2 isolated trials).", rich_help_panel=PANEL)] = False,
-    after_oom: Annotated[bool, typer.Option("--after-oom", help="The config given (--micro-batch, --accum, --ac, ...) ran out of memory: print the ordered changes with formula figures.", rich_help_panel=PANEL)] = False,
+    after_oom: Annotated[bool, typer.Option("--after-oom", help="The config given (--micro-batch, --accum, --ac, ...) ran out of memory: print the ordered changes with formula figures (first, when the model states alone exceed the memory, that figure and what helps: sharding over N devices, a smaller optimizer state, CPU offload). Exit 0 when a listed change fits, 1 when none does.", rich_help_panel=PANEL)] = False,
     top: Annotated[int, typer.Option(help="Rows in the alternatives table (>= 1).", rich_help_panel=PANEL)] = 8,
     timeout: Annotated[Optional[float], typer.Option(help="Seconds before one measurement trial is killed (recorded as failed).", rich_help_panel=PANEL)] = None,
 ):
     """Pick micro-batch, gradient accumulation and activation checkpointing for a target global batch: predict
     by formula, confirm by measurement, search in few trials only when needed.  The global batch never changes:
-    accum = global / (micro-batch x DP).  Exit 0 with a choice, 1 when nothing fits (with what would),
-    2 for bad input."""
+    accum = global / (micro-batch x DP).  Knobs typed explicitly (--micro-batch, --ac, --zero, --precision)
+    are held as given and the rest searched (--allow-zero searches ZeRO stages from --zero up).  Exit 0 with a
+    choice, 1 when nothing fits (with what would), 2 for bad input."""
     from batchlab.advise import Goal
+    from batchlab.advise.plan import KNOBS, check_capacity
+    from batchlab.cli.common import typed_options
 
     if top < 1:
         fail(f"top: must be >= 1, got {top}")
+    held = typed_options() & set(KNOBS) - ({"zero"} if allow_zero else set())
     try:
         base = _target(cfg, global_tokens)
-        goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens)
+        goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
+                    held=frozenset(held))
         if after_oom:
-            _after_oom(goal, as_json)
-            return
+            raise typer.Exit(_after_oom(goal, as_json))
+        check_capacity(goal)
+        out = console()
+        if not as_json:  # the header before any trial runs
+            from batchlab.advise.render import header
+
+            header(out, goal)
         report = _fit(goal, verify, search, timeout, as_json)
     except ConfigError as e:
         fail(str(e))
@@ -51,7 +60,7 @@ def fit_command(
     else:
         from batchlab.advise.render import fit_report
 
-        fit_report(console(), report, top)
+        fit_report(out, report, top, with_header=False)
     if report.exit_code:
         raise typer.Exit(report.exit_code)
 
@@ -69,36 +78,54 @@ def _target(cfg: RunConfig, global_tokens: int | None) -> RunConfig:
 
 
 def _fit(goal, verify: bool | None, search: bool, timeout: float | None, as_json: bool):
-    from batchlab.advise import fit, isolated_measure
+    from batchlab.advise import fit, isolated_measure, max_trials
     from batchlab.advise.render import trial_line
+    from batchlab.cli.progress import progress
 
     if verify is None:  # measure where the device is this machine's own (no torch import to find out)
         from batchlab.config import local_device
 
         verify = goal.base.device_spec.backend is Backend.CPU or goal.base.device == local_device()
-    err = Console(stderr=True)
-    count = [0]
+    if search and "micro_batch" in goal.held:
+        typer.echo("warning: ignored: --search: the micro-batch is held as given (--micro-batch); it is only "
+                   "verified", err=True)
+    if not (verify or search):
+        return fit(goal, verify=False)
+    budget = 1 if "micro_batch" in goal.held else max_trials(goal.per_rank)
+    isolated = isolated_measure(goal.capacity_bytes, timeout)
+    with progress("fit", "measuring", total=budget, quiet=as_json) as bar:
+        count = [0]
 
-    def show(t) -> None:
-        count[0] += 1
-        err.print(trial_line(t, count[0]), markup=False, highlight=False)
+        def measure(cfg):
+            count[0] += 1
+            if bar is not None:
+                bar(count[0] - 1, budget, f"trial {count[0]} of at most {budget}: micro-batch {cfg.micro_batch} x "
+                                          f"accum {cfg.accum}, {cfg.ac}")
+            t = isolated(cfg)
+            if bar is not None:
+                bar.log(trial_line(t, count[0], budget))
+            return t
 
-    measure = isolated_measure(goal.capacity_bytes, timeout) if (verify or search) else None
-    return fit(goal, verify=verify, search=search, measure=measure, on_trial=show)
+        return fit(goal, verify=verify, search=search, measure=measure)
 
 
-def _after_oom(goal, as_json: bool) -> None:
+def _after_oom(goal, as_json: bool) -> int:
+    """Print the advice; the exit code: 0 when a listed change fits, 1 when none does."""
     from batchlab.advise import oom_advice
     from batchlab.advise.plan import candidate
+    from batchlab.advise.states import states_verdict
     from batchlab.config import to_jsonable
 
     now = candidate(goal.base, goal.tokens)
     items = oom_advice(goal)
+    code = 0 if any(a.fits for a in items) else 1
     if as_json:
         print_json({"config": goal.base.to_dict(), "global_batch": goal.global_batch, "formula": to_jsonable(now),
                     "capacity_bytes": goal.capacity_bytes, "usable_bytes": goal.usable_bytes,
-                    "advice": to_jsonable(items)})
-        return
+                    "model_states": to_jsonable(states_verdict(goal)), "advice": to_jsonable(items),
+                    "any_change_fits": code == 0})
+        return code
     from batchlab.advise.render import after_oom
 
     after_oom(console(), goal, now, items)
+    return code

@@ -18,7 +18,7 @@ from batchlab.config import ConfigError, RunConfig
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
 from batchlab.measure.versus import FigureRow, formula_estimate, rows
-from batchlab.units import fmt_bytes, fmt_seconds, fmt_value
+from batchlab.units import fmt_bytes, fmt_difference, fmt_seconds, fmt_value
 
 
 @app.command("measure")
@@ -37,7 +37,7 @@ def measure(
     nnodes: Annotated[Optional[int], typer.Option(help="torchrun --nnodes (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
     node_rank: Annotated[Optional[int], typer.Option(help="torchrun --node-rank.", rich_help_panel="Data parallel (torchrun)")] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="torchrun --rdzv-endpoint host:port (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
-    timeline: Annotated[Optional[str], typer.Option(help="Also record one more untimed update in this process as a memory timeline (live-storage tracker on CPU, allocator history on CUDA) and write it to FILE.png, FILE.html or FILE.json.", metavar="FILE")] = None,
+    timeline: Annotated[Optional[str], typer.Option(help="Also record one more untimed update after warmup as a memory timeline, in the measuring process (isolated with --isolate; live-storage tracker on CPU, allocator history on CUDA), and write it to FILE.png, FILE.html or FILE.json.", metavar="FILE")] = None,
 ):
     """Train the model under the config for real: peak memory (allocator), update time (wall-clock), useful
     tokens/s, or the out-of-memory phase; each figure beside the formula estimate.  Exit 0 when a result
@@ -52,14 +52,17 @@ def measure(
 
             check_path(timeline)  # a wrong suffix fails before the run
         opts = MeasureOptions(warmup=warmup, steps=steps, isolate=isolate, memory=memory, timeout_s=timeout,
-                              torch_device=torch_device)
+                              torch_device=torch_device, timeline=bool(timeline))
         if nproc is not None or nnodes is not None:
             from batchlab.distributed import launch
             from batchlab.distributed.launcher import torchrun_args
 
-            m = launch(cfg, opts, nproc, torchrun_args(nnodes, node_rank, rdzv_endpoint))
+            from batchlab.cli.progress import progress as display
+
+            with display("measure", f"DP = {cfg.dp} ranks through torchrun", quiet=as_json or not progress):
+                m = launch(cfg, opts, nproc, torchrun_args(nnodes, node_rank, rdzv_endpoint))
         else:
-            m = _run_with_progress(run, cfg, opts, progress)
+            m = _run_with_progress(run, cfg, opts, progress and not as_json)
     except ConfigError as e:
         fail(str(e))
     from batchlab.distributed import is_primary
@@ -71,6 +74,7 @@ def measure(
     oom = m.outcome in (Outcome.OOM, Outcome.OOM_BUDGET)
     if as_json:
         payload = measurement_to_dict(m)
+        payload.pop("timeline", None)  # its samples go to the --timeline FILE
         payload["comparison"] = [r.to_dict() for r in figures]
         payload["formula_note"] = note
         if oom:
@@ -80,26 +84,25 @@ def measure(
         _render(cfg, m, figures, note)
         if oom:
             _oom_advice(cfg, as_json=False)
-    if timeline and m.outcome is Outcome.OK:
-        _timeline(cfg, torch_device, timeline, as_json)
-    elif timeline:
-        typer.echo(f"warning: ignored: --timeline: the run ended {m.outcome.value}, no update to record", err=True)
+    if timeline:
+        _timeline(m, timeline, as_json)
     if m.outcome is Outcome.FAILED:
         raise typer.Exit(1)
 
 
-def _timeline(cfg: RunConfig, torch_device: Optional[str], path: str, as_json: bool) -> None:
-    from batchlab.timeline.measured import record
+def _timeline(m: Measurement, path: str, as_json: bool) -> None:
     from batchlab.timeline.output import write
 
-    if cfg.dp > 1:
-        typer.echo(f"warning: --timeline records one process without DDP (DP = {cfg.dp} is not launched for it)",
-                   err=True)
+    if m.timeline is None:
+        why = (f"the run ended {m.outcome.value}, no update to record" if m.outcome is not Outcome.OK else
+               "the DDP ranks do not record one (`batchlab estimate --trace --timeline` draws one rank)")
+        typer.echo(f"warning: ignored: --timeline: {why}", err=True)
+        return
     try:
-        write(record(cfg, torch_device), path)
+        write(m.timeline, path)
     except ConfigError as e:
         fail(str(e))
-    Console(stderr=as_json).print(f"memory timeline \\[allocator] written to {escape(path)}")
+    Console(stderr=as_json).print(f"memory timeline \\[{escape(m.timeline.provenance)}] written to {escape(path)}")
 
 
 def _oom_advice(cfg: RunConfig, as_json: bool):
@@ -117,34 +120,15 @@ def _oom_advice(cfg: RunConfig, as_json: bool):
 
 
 def _run_with_progress(run, cfg: RunConfig, opts: MeasureOptions, show: bool) -> Measurement:
+    from batchlab.cli.progress import progress
     from batchlab.distributed import is_primary
 
-    console = Console(stderr=True)
-    if not (show and console.is_terminal and is_primary()):
-        return run(cfg, opts)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("[bold]measure[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("starting", total=None)
-
-        def update(done: int, total: int, label: str) -> None:
-            bar.update(task, completed=done, total=total, description=label)
-
-        return run(cfg, opts, progress=update)
+    with progress("measure", "starting", quiet=not (show and is_primary()), counted=True) as bar:
+        return run(cfg, opts, progress=bar)
 
 
 def _value(row: FigureRow, value) -> str:
     return fmt_value(value, row.unit)
-
-
-def _difference(row: FigureRow) -> str:
-    rel = row.relative_difference
-    if rel is not None:
-        return f"{rel:+.1%}"
-    if row.unit == "phase" and row.formula is not None:
-        return "same" if row.measured == row.formula else "differs"
-    return ""
 
 
 def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str | None) -> None:
@@ -165,7 +149,7 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
             table.add_column(col, justify="left" if col in ("figure", "how") else "right")
         for r in figures:
             table.add_row(r.figure, _value(r, r.measured), r.measured_provenance,
-                          _value(r, r.formula) if r.formula is not None else "-", _difference(r))
+                          _value(r, r.formula) if r.formula is not None else "-", fmt_difference(r.relative_difference, r.unit, r.measured, r.formula))
         out.print(table)
     _render_details(out, m)
     if note:

@@ -17,7 +17,7 @@ from rich.tree import Tree
 
 from batchlab.config import to_jsonable
 from batchlab.trace.result import ModuleNode, TraceEstimate
-from batchlab.units import fmt_bytes, fmt_count, relative_to
+from batchlab.units import fmt_bytes, fmt_count, fmt_difference, relative_to
 
 # |formula error| above this on peak or activations prints a warning
 FORMULA_WARN = 0.10
@@ -87,14 +87,6 @@ def _value(c: Comparison, v) -> str:
     return str(v)
 
 
-def _error(c: Comparison) -> str:
-    if c.formula_error is not None:
-        return f"{c.formula_error:+.1%}"
-    if c.unit == "phase" and c.formula is not None:
-        return "same" if c.formula == c.trace else "differs"
-    return ""
-
-
 def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_note: str | None = None) -> None:
     """Print the trace: figures beside the formula's, the breakdown at the peak, notes, and the tree."""
     cfg = trace.config
@@ -110,7 +102,7 @@ def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_no
     for col in ("figure", "trace", "formula", "formula vs trace"):
         table.add_column(col, justify="left" if col == "figure" else "right")
     for c in rows:
-        table.add_row(c.figure, _value(c, c.trace), _value(c, c.formula), _error(c))
+        table.add_row(c.figure, _value(c, c.trace), _value(c, c.formula), fmt_difference(c.formula_error, c.unit, c.trace, c.formula))
     console.print(table)
     m = trace.memory
     parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in m.breakdown.items() if v)
@@ -188,6 +180,7 @@ def show(cfg, tree: bool = False, as_json: bool = False, console: Console | None
     """What ``batchlab estimate --trace [--tree] [--json] [--timeline FILE]`` prints: the trace beside the
     formula; with ``timeline``, the update's memory timeline written to that file too."""
     from batchlab.cli.common import print_json
+    from batchlab.cli.progress import progress
     from batchlab.measure.versus import formula_estimate
     from batchlab.trace import estimate
 
@@ -195,7 +188,8 @@ def show(cfg, tree: bool = False, as_json: bool = False, console: Console | None
         from batchlab.timeline.output import check_path, write
 
         check_path(timeline)  # a wrong suffix fails before the trace runs
-    trace = estimate(cfg, tree=tree, timeline=bool(timeline))
+    with progress("trace", f"one update of {cfg.model.name} on fake tensors (nothing allocated)", quiet=as_json):
+        trace = estimate(cfg, tree=tree, timeline=bool(timeline))
     if timeline:
         write(trace.timeline, timeline)
         (Console(stderr=True) if as_json else console or Console()).print(

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchlab.config import ConfigError, RunConfig, to_jsonable
-from batchlab.experiment import factors
+from batchlab.experiment import factors, protocol
 from batchlab.experiment.change import Change, KeepMode, Sides, build_sides
 from batchlab.experiment.diagnosis import Context, diagnose
 from batchlab.experiment.notebook import LeftIncomplete, Notebook
@@ -24,6 +24,7 @@ from batchlab.experiment.scope import scope
 from batchlab.experiment.semantics import semantics
 from batchlab.experiment.verdict import BAND_METHOD, contradictions, summary, verdicts
 from batchlab.measure.options import MeasureOptions
+from batchlab.timeline.data import Timeline, compact
 
 DEFAULT_CHANGE = "micro_batch=1:2"
 DEFAULT_TOKEN_BUDGET = 10_000_000  # tokens; the ratio does not depend on it (steady state), the seconds do
@@ -136,7 +137,8 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
         rounds = None
         if not plan.formula_only:
             with threads_env(plan.threads):
-                rounds = interleave(plan.sides.a, plan.sides.b, plan.rounds, plan.options, measure, progress)
+                rounds = interleave(plan.sides.a, plan.sides.b, plan.rounds, plan.options,
+                                    _timeline_first(measure), progress)
         record = finish(record, plan, rounds, pred, verify, before)
     except ConfigError:
         if notebook is not None and exp_id is not None:
@@ -156,6 +158,31 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
     return record
 
 
+def _timeline_first(measure: MeasureFn | None) -> MeasureFn:
+    """``measure`` (default: protocol.default_measure, isolated) asked for a memory timeline on each side's
+    first call only: one more untimed update in that measuring process; the other rounds are not slowed."""
+    seen: list[RunConfig] = []
+
+    def first_with_timeline(cfg: RunConfig, options: MeasureOptions):
+        first = cfg not in seen
+        seen.append(cfg)
+        return (measure or protocol.default_measure)(cfg, replace(options, timeline=first))
+    return first_with_timeline
+
+
+def _timelines(rounds: Rounds) -> tuple[dict[str, Timeline], tuple[Round, ...]]:
+    """Each side's timeline (from its first measurement that has one, compacted for storage) and the rounds
+    without timelines, so the record keeps one per side."""
+    found: dict[str, Timeline] = {}
+    for side in "ab":
+        t = next((m.timeline for m in rounds.side(side) if m is not None and m.timeline is not None), None)
+        if t is not None:
+            found[side] = compact(t)
+    bare = lambda m: replace(m, timeline=None) if m is not None else None  # noqa: E731
+    return found, tuple(Round(bare(ma), bare(mb), tuple(sec)) for ma, mb, sec in zip(rounds.a, rounds.b,
+                                                                                      rounds.seconds))
+
+
 def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_pred: FormulaPrediction | None,
            verify: bool, before: factors.Snapshot) -> Record:
     """The record with verdicts, diagnosis, semantics, scope and factors."""
@@ -164,7 +191,7 @@ def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_
     done: dict[str, Any] = {"metrics": vs, "verdict": ("formula only: " if plan.formula_only else "") + summary(vs)}
     devices: set[str] = set()
     if rounds is not None:
-        done["rounds"] = tuple(Round(ma, mb, tuple(sec)) for ma, mb, sec in zip(rounds.a, rounds.b, rounds.seconds))
+        done["timelines"], done["rounds"] = _timelines(rounds)
         done["warnings"] = record.warnings + tuple(rounds.skipped)
         devices = {str(m.environment.get("torch_device")) for m in rounds.a + rounds.b
                    if m is not None and m.environment.get("torch_device")}

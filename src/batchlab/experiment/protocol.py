@@ -42,7 +42,7 @@ class Rounds:
         return self.a if name == "a" else self.b
 
 
-def _default_measure(cfg: RunConfig, options: MeasureOptions) -> Measurement:
+def default_measure(cfg: RunConfig, options: MeasureOptions) -> Measurement:
     from batchlab.run import measure
 
     return measure(cfg, options)
@@ -71,7 +71,7 @@ def interleave(a: RunConfig, b: RunConfig, rounds: int, options: MeasureOptions,
                measure: MeasureFn | None = None, progress: Progress | None = None) -> Rounds:
     """A B A B ... for ``rounds`` rounds; ``measure`` defaults to batchlab.run.measure (isolated)."""
     check_rounds(rounds)
-    measure = measure or _default_measure
+    measure = measure or default_measure
     progress = progress or (lambda done, total, label: None)
     out = Rounds()
     stopped: dict[str, str] = {}

@@ -2,7 +2,8 @@
 
 A tree of frozen dataclasses; ``to_dict`` gives the JSON form (the README's ``compare --json`` contract),
 ``from_dict`` reads it back.  ``schema`` is the record's version: rows written before it existed carry none
-and are version 1, which has the same fields, so they read unchanged; a row from a newer batchlab is refused.
+and are version 1, which has the same fields as 2; version 3 adds each side's memory timeline.  Older rows
+read unchanged (no timelines); a row from a newer batchlab is refused.
 The configs, the formula's estimates (``Estimate.to_dict``), semantics and factors stay in their own stored
 forms (mappings) — each is typed where it is made.  Torch-free.
 """
@@ -18,13 +19,15 @@ from batchlab.config import ConfigError, _Choice
 from batchlab.experiment.change import KeepMode
 from batchlab.experiment.predict import Direction, Metric
 from batchlab.measure.result import Measurement, measurement_from_dict, measurement_to_dict
+from batchlab.timeline.data import Timeline
 
 def now() -> str:
     """The local time with its UTC offset, to the second (record timestamps)."""
     return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
-SCHEMA_VERSION = 2  # 1: rows without a "schema" field (same fields as 2)
+# 1: rows without a "schema" field (same fields as 2); 3 adds ``timelines`` (older rows read with none)
+SCHEMA_VERSION = 3
 SIDES = ("a", "b")
 
 
@@ -265,6 +268,8 @@ class Record:
     finished_at: str | None = None
     status: Status | None = None
     interrupted: str | None = None
+    # side -> memory over one update of that side's first measured round (stored compacted: timeline.data.compact)
+    timelines: Mapping[str, Timeline] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
 
     @property
@@ -288,7 +293,8 @@ class Record:
                     "rounds": [r.to_dict() for r in self.rounds] if self.rounds is not None else None,
                     "wall_seconds": self.wall_seconds, "finished_at": self.finished_at,
                     "status": self.status.value if self.status is not None else None,
-                    "interrupted": self.interrupted}
+                    "interrupted": self.interrupted,
+                    "timelines": {s: t.to_dict() for s, t in self.timelines.items()} or None}
         out.update({k: v for k, v in optional.items() if v is not None})
         return out
 
@@ -312,4 +318,5 @@ class Record:
             rounds=tuple(Round.from_dict(r) for r in rounds) if rounds is not None else None,
             factors=d.get("factors"), wall_seconds=d.get("wall_seconds"), finished_at=d.get("finished_at"),
             status=Status(d["status"]) if d.get("status") else None, interrupted=d.get("interrupted"),
+            timelines=_frozen({s: Timeline.from_dict(t) for s, t in (d.get("timelines") or {}).items()}),
             schema=SCHEMA_VERSION)

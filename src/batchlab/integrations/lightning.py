@@ -24,6 +24,7 @@ except ImportError:  # the standalone package has the same Callback
     from pytorch_lightning import Callback
 
 from batchlab.experiment.observed import Settings, Source
+from batchlab.integrations.callback import NotebookCallback
 from batchlab.integrations.mapping import hf_checkpointing, run_config
 from batchlab.measure.watch import Watch
 
@@ -50,14 +51,10 @@ def _hf_model(module: torch.nn.Module):
     return next((m for m in module.modules() if hasattr(getattr(m, "config", None), "model_type")), None)
 
 
-class BatchlabCallback(Callback):
+class BatchlabCallback(NotebookCallback, Callback):
     def __init__(self, notebook=None, predict: bool = True, warmup: int = 2, note: str = ""):
-        self.notebook, self.predict, self.warmup, self.note = notebook, predict, warmup, note
-        self.watch: Watch | None = None
-        self.record = None
-        self.notebook_id: int | None = None
+        super().__init__(notebook, predict, warmup, note)
         self._micro_batch: int | None = None
-        self._seq: int | None = None
         self._stepped = False
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -112,7 +109,4 @@ class BatchlabCallback(Callback):
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         momentum = optimizer.defaults.get("momentum") if optimizer is not None else None
         cfg, unmapped = run_config(s, hf.config.to_dict() if hf is not None else None, momentum=momentum)
-        self.record, self.notebook_id = self.watch.finish(Source.LIGHTNING, s, cfg, unmapped,
-                                                          notebook=self.notebook, predict=self.predict,
-                                                          note=self.note)
-        self.watch = None
+        self._finish(Source.LIGHTNING, s, cfg, unmapped)

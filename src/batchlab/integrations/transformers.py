@@ -12,11 +12,10 @@ optimizer from ``on_pre_optimizer_step``.  Useful tokens: the ``attention_mask``
 """
 from __future__ import annotations
 
-from typing import Any
-
 from transformers import TrainerCallback
 
 from batchlab.experiment.observed import Settings, Source
+from batchlab.integrations.callback import NotebookCallback
 from batchlab.integrations.mapping import hf_checkpointing, run_config
 from batchlab.measure.watch import Watch
 
@@ -32,14 +31,10 @@ def _model_text(model) -> str:
     return type(model).__name__ + shape
 
 
-class BatchlabCallback(TrainerCallback):
+class BatchlabCallback(NotebookCallback, TrainerCallback):
     def __init__(self, notebook=None, predict: bool = True, warmup: int = 2, note: str = ""):
-        self.notebook, self.predict, self.warmup, self.note = notebook, predict, warmup, note
-        self.watch: Watch | None = None
-        self.record = None
-        self.notebook_id: int | None = None
+        super().__init__(notebook, predict, warmup, note)
         self._hooks: list = []
-        self._seq: int | None = None
         self._model = self._optimizer = None
 
     # -- hooks on the model: phase marks and token counts, no change to inputs or outputs
@@ -99,10 +94,4 @@ class BatchlabCallback(TrainerCallback):
         inner = getattr(self._optimizer, "optimizer", self._optimizer)
         momentum = (inner.defaults.get("momentum") if inner is not None else None)
         cfg, unmapped = run_config(s, hf, momentum=momentum)
-        self.record, self.notebook_id = self.watch.finish(Source.TRANSFORMERS, s, cfg, unmapped,
-                                                          notebook=self.notebook, predict=self.predict,
-                                                          note=self.note)
-        self.watch = None
-
-    def summary(self) -> dict[str, Any] | None:
-        return self.record.to_dict() if self.record is not None else None
+        self._finish(Source.TRANSFORMERS, s, cfg, unmapped)

@@ -16,6 +16,7 @@ class MeasureOptions:
     timing: bool = True
     timeout_s: float | None = None  # isolated runs only: wall-clock limit of the subprocess
     torch_device: str | None = None  # cpu, cuda, cuda:1, mps; None: the config's device backend
+    timeline: bool = False  # one more untimed update after warmup, recorded as a memory timeline
 
     def __post_init__(self):
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 1:

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from batchlab.config import _Choice
 from batchlab.phase import Phase
+from batchlab.timeline.data import Timeline
 
 
 class Outcome(_Choice):
@@ -126,6 +127,7 @@ class Measurement:
     environment: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     comm: MeasuredComm | None = None  # DP > 1 only
+    timeline: Timeline | None = None  # MeasureOptions(timeline=True): memory over one untimed update
 
     @property
     def ok(self) -> bool:
@@ -147,11 +149,12 @@ class Draft:
     tokens_per_second: float | None = None
     useful_tokens_per_update: int | None = None
     warnings: list[str] = field(default_factory=list)
+    timeline: Timeline | None = None
 
     def build(self) -> Measurement:
         return Measurement(self.config, self.outcome, self.global_batch, self.outcome_detail, self.oom_phase,
                            self.memory, self.time, self.tokens_per_second, self.useful_tokens_per_update,
-                           dict(self.environment), list(self.warnings))
+                           dict(self.environment), list(self.warnings), timeline=self.timeline)
 
 
 # ------------------------------------------------------------------------------------------ JSON
@@ -166,7 +169,8 @@ FIGURE_PROVENANCE = {"global_batch": "config", "useful_tokens_per_update": "conf
 def measurement_to_dict(m: Measurement) -> dict[str, Any]:
     from batchlab.config import to_jsonable
 
-    out = to_jsonable(m)
+    out = to_jsonable(replace(m, timeline=None))
+    out["timeline"] = m.timeline.to_dict() if m.timeline is not None else None
     if m.time is not None and m.time.samples:
         t = out["time"]
         t["update_seconds_median"] = m.time.update_seconds_median
@@ -206,6 +210,8 @@ def measurement_from_dict(d: dict[str, Any]) -> Measurement:
         d["time"] = MeasuredTime(**_only_fields(MeasuredTime, d["time"]))
     if d.get("comm") is not None:
         d["comm"] = MeasuredComm(**_only_fields(MeasuredComm, d["comm"]))
+    if d.get("timeline") is not None:
+        d["timeline"] = Timeline.from_dict(d["timeline"])
     return Measurement(**d)
 
 

@@ -5,6 +5,7 @@ Order of updates (``w`` = warmup, ``n`` = steps)::
     update 1            warmup (with a CPU memory budget: tracked, so an over-budget config stops early)
     update 2            memory probe (tracker on CPU/MPS, allocator statistics on CUDA) — never timed
     updates 3 .. w+1    the rest of the warmup
+    (timeline only)     1 more, recorded as a memory timeline (batchlab.timeline.measured) — never timed
     next n updates      timed: device synchronised around each, per-phase clock
     (CUDA/MPS only)     3 more updates with a synchronising phase clock for the per-phase split
 
@@ -149,7 +150,7 @@ class _Steps:
         self.progress = progress or (lambda done, total, label: None)
         self.async_device = device.type != "cpu"
         self.total = (opts.warmup + (1 if self._memory_update else 0) + (opts.steps if opts.timing else 0)
-                      + (PHASE_UPDATES if opts.timing and self.async_device else 0))
+                      + (PHASE_UPDATES if opts.timing and self.async_device else 0) + (1 if opts.timeline else 0))
         self.done = 0
 
     @property
@@ -186,6 +187,8 @@ class _Steps:
                 m.memory = memory
         for i in range(2, self.opts.warmup + 1):
             self._warmup(trainer, rec, i)
+        if self.opts.timeline:
+            m.timeline = self._timeline(trainer, rec)
         if self.opts.timing:
             self._timing(trainer, rec, m)
 
@@ -216,6 +219,15 @@ class _Steps:
             result = from_snapshot(self._tracked(trainer, rec))
         self._tick("memory")
         return result
+
+    def _timeline(self, trainer, rec: _Recorder):
+        """One more untimed update recorded as a memory timeline, in this (possibly isolated) process."""
+        from batchlab.timeline.measured import record
+
+        rec.use(self._start("timeline"))
+        timeline = record(self.cfg, trainer=trainer)
+        self._tick("timeline")
+        return timeline
 
     def _timing(self, trainer, rec: _Recorder, m: Draft) -> None:
         # CPU: the phase clock's sync is a no-op, so the split comes from the timed updates themselves

@@ -36,7 +36,8 @@ def format_value(v: Any, unit: str) -> str:
 # ------------------------------------------------------------------------------------------ document
 
 def blocks(r: Record) -> list[tuple]:
-    """The report as blocks: ("h1"|"h2"|"p", text), ("ul", items), ("table", header, rows), ("figures",)."""
+    """The report as blocks: ("h1"|"h2"|"p", text), ("ul", items), ("table", header, rows), ("figures",),
+    ("timeline", a, b, labels)."""
     c = r.change
     status = r.status.value if r.status is not None else "complete"
     out: list[tuple] = [("h1", f"Experiment #{r.notebook_id}: {c['variable']}")]
@@ -52,6 +53,7 @@ def blocks(r: Record) -> list[tuple]:
     out.append(("h2", "Scope: what this result cannot support"))
     out.append(("ul", list(r.scope) or ["-"]))
     out += _factor_blocks(r)
+    out += timeline_blocks(r)
     out.append(("h2", "Figures"))
     out.append(("figures",))
     return out
@@ -154,6 +156,34 @@ def _factor_blocks(r: Record) -> list[tuple]:
     return [("h2", "Uncontrolled factors"), ("ul", items)]
 
 
+def side_labels(r: Record) -> tuple[str, str]:
+    """``("A: micro_batch=1, accum=8", "B: micro_batch=2, accum=4")``: the requested and derived fields."""
+    c = r.change
+    values = {side: [f"{x['field']}={x[side]}" for x in c["requested"]]
+              + [f"{k}={v[i]}" for k, v in c["derived"].items()] for i, side in enumerate("ab")}
+    return f"A: {', '.join(values['a'])}", f"B: {', '.join(values['b'])}"
+
+
+def timeline_blocks(r: Record) -> list[tuple]:
+    """Both sides' memory timelines on one axis: ("timeline", a, b, labels), or why there is none."""
+    if r.formula_only:
+        return []
+    out: list[tuple] = [("h2", "Memory over one update, A and B on one axis")]
+    missing = [s.upper() for s in "ab" if s not in r.timelines]
+    if missing:
+        return out + [("p", f"No memory timeline for side {' and '.join(missing)}: each side's is recorded in its "
+                            "first measured round (not by a run that failed or ran out of memory, nor by DDP "
+                            "ranks, nor by records written before schema 3).")]
+    a, b = r.timelines["a"], r.timelines["b"]
+    peaks = "; ".join(f"{label}: peak {fmt_value(t.peak_bytes, 'bytes')} in {t.peak_phase.label} "
+                      f"[{t.provenance}: {t.method}]" for label, t in zip(side_labels(r), (a, b)))
+    return out + [("p", "Live tensor bytes over one steady-state update of each side (x: fraction of the "
+                        "update's ops), recorded in the measuring process after warmup; the thin line is "
+                        "what forward made and backward still needs (activations, logits, recompute), the "
+                        f"dotted bars the formula's phase peaks. {peaks}."),
+                  ("timeline", a, b, side_labels(r))]
+
+
 # ------------------------------------------------------------------------------------------ writers
 
 def _md_cell(text: Any) -> str:
@@ -177,6 +207,8 @@ def to_markdown(bl: list[tuple], figs: list[Figure], image_names: dict[str, str]
             lines.append("|" + "---|" * len(b[1]))
             lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in b[2]]
             lines.append("")
+        elif kind == "timeline" and "timeline" in image_names:
+            lines += [f"![Memory over one update, A and B]({image_names['timeline']})", ""]
         elif kind == "figures":
             for i, f in enumerate(figs, 1):
                 t, lab, cap = (for_markdown(x) for x in (f.title, f.label, f.caption))
@@ -188,7 +220,7 @@ def to_markdown(bl: list[tuple], figs: list[Figure], image_names: dict[str, str]
 CSS = ("body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}"
        "table{border-collapse:collapse;margin:.5rem 0}td,th{border:1px solid #ccc;padding:.25rem .5rem;"
        "font-size:.9rem;vertical-align:top}th{background:#f3f3f3}figure{margin:1rem 0}"
-       "figcaption{font-size:.85rem;color:#444}.src{font-weight:bold}")
+       "figcaption{font-size:.85rem;color:#444}.src{font-weight:bold}.timeline svg{width:100%;height:auto}")
 
 
 def to_html(bl: list[tuple], figs: list[Figure]) -> str:
@@ -206,6 +238,8 @@ def to_html(bl: list[tuple], figs: list[Figure]) -> str:
             head = "".join(f"<th>{e(str(h))}</th>" for h in b[1])
             body = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in b[2])
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif kind == "timeline":
+            parts.append(f"<figure class='timeline'>{_pair_svg(b)}</figure>")
         elif kind == "figures":
             for i, f in enumerate(figs, 1):
                 data = base64.b64encode(f.png).decode("ascii")
@@ -214,6 +248,26 @@ def to_html(bl: list[tuple], figs: list[Figure]) -> str:
                              f"{e(f.caption)}</figcaption></figure>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _pair_svg(block: tuple) -> str:
+    from batchlab.timeline.pair import pair_svg
+
+    return pair_svg(block[1], block[2], block[3])
+
+
+def _timeline_png(bl: list[tuple]) -> bytes | None:
+    """The pair chart beside the Markdown (PNG bytes, written with the rest), when the report has one."""
+    block = next((b for b in bl if b[0] == "timeline"), None)
+    if block is None:
+        return None
+    import io
+
+    from batchlab.timeline.pair import write_pair_png
+
+    buf = io.BytesIO()
+    write_pair_png(block[1], block[2], buf, block[3])  # savefig takes a file object as well as a path
+    return buf.getvalue()
 
 
 def write_report(record: Record, out_dir: str | Path) -> list[Path]:
@@ -229,10 +283,14 @@ def write_report(record: Record, out_dir: str | Path) -> list[Path]:
     figs = figures(record)
     names = {f.name: f"{stem}-{f.name}.png" for f in figs}
     bl = blocks(record)
+    pngs = {out / names[f.name]: f.png for f in figs}
+    timeline = _timeline_png(bl)
+    if timeline is not None:
+        names["timeline"] = f"{stem}-timeline.png"
+        pngs[out / names["timeline"]] = timeline
     md, page = out / f"{stem}.md", out / f"{stem}.html"
     # all files or none: a read-only directory or a full disk leaves no 0-byte PNG behind
-    write_all({**{out / names[f.name]: f.png for f in figs}, md: to_markdown(bl, figs, names),
-               page: to_html(bl, figs)}, "report")
+    write_all({**pngs, md: to_markdown(bl, figs, names), page: to_html(bl, figs)}, "report")
     return [md, page]
 
 
@@ -247,7 +305,7 @@ def notebook_markdown(records: list[Record]) -> str:
                                                             r.verdict or "")) + " |")
     lines.append("")
     for r in records:
-        bl = [b for b in blocks(r) if b[0] != "figures" and b != ("h2", "Figures")]
+        bl = [b for b in blocks(r) if b[0] not in ("figures", "timeline") and b != ("h2", "Figures")]
         text = to_markdown(bl, [], {})
         # one level down: each experiment is a section of the notebook
         lines.append("\n".join(("#" + line) if line.startswith("#") else line for line in text.splitlines()))

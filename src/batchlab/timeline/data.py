@@ -6,7 +6,7 @@ is always kept, so ``max(totals) == peak_bytes`` to the byte.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # The formula's at_peak vocabulary (formula/memory.py), plus logits/loss split out of activations.
@@ -125,6 +125,21 @@ def downsample(t: Timeline, width: int) -> list[int]:
             keep.add(min(chunk, key=totals.__getitem__))
     return sorted(keep)
 
+
+# buckets kept when a record stores a timeline: <= 2 samples a bucket + phase edges, ~30 kB of JSON a side
+STORED_WIDTH = 150
+
+
+def compact(t: Timeline, width: int = STORED_WIDTH) -> Timeline:
+    """``t`` at the samples ``downsample`` keeps (each bucket's highest and lowest total, phase boundaries,
+    the first, last and peak samples), for storing in a record: a few hundred samples instead of one per
+    op, while the peak sample, ``peak_bytes`` and ``at_peak`` stay exact (max(totals) is unchanged)."""
+    keep = downsample(t, width)
+    if len(keep) == len(t.ops):
+        return t
+    pick = lambda col: tuple(col[i] for i in keep)  # noqa: E731
+    return replace(t, ops=pick(t.ops), phase_of=pick(t.phase_of), op_names=pick(t.op_names),
+                   parts={k: pick(v) for k, v in t.parts.items()}, peak_sample=keep.index(t.peak_sample))
 
 
 def aligned(a: Timeline, b: Timeline) -> list[tuple[int, int, int]]:

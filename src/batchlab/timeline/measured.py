@@ -1,8 +1,9 @@
-"""The timeline of a real update on this machine (``batchlab measure --timeline``).
+"""The timeline of a real update on this machine (``batchlab measure --timeline``, compare records).
 
-One untimed update after a steady-state one (AdamW makes its state lazily), in this process:
-on CPU (and MPS) with the live-storage tracker, the same recording as the trace, so the two agree op by
-op; on CUDA from the caching allocator's own history (batchlab.timeline.cuda).
+One untimed update after a steady-state one (AdamW makes its state lazily).  measure/session.py calls it
+after warmup with ``MeasureOptions(timeline=True)``, so it runs in the measuring process (the isolated
+subprocess with ``--isolate``): on CPU (and MPS) with the live-storage tracker, the same recording as the
+trace, so the two agree op by op; on CUDA from the caching allocator's own history (batchlab.timeline.cuda).
 """
 from __future__ import annotations
 

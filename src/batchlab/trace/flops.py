@@ -10,6 +10,7 @@ from torch.utils.flop_counter import (FlopCounterMode, flop_registry, register_f
 
 from batchlab.models.ac import Checkpointed
 from batchlab.trace.result import TraceFlops
+from batchlab.trace.tree import HookSet
 
 _aten = torch.ops.aten
 
@@ -35,7 +36,7 @@ def register_cpu_attention_flops() -> None:
             register_flop_formula(op)(formula)
 
 
-class PhaseFlops:
+class PhaseFlops(HookSet):
     """A harness probe that splits one FlopCounterMode's count by phase.
 
     Recompute is counted directly: FLOPs inside a checkpointed block's own forward while backward runs
@@ -44,12 +45,12 @@ class PhaseFlops:
     """
 
     def __init__(self, counter: FlopCounterMode, model: nn.Module):
+        super().__init__()
         self.counter = counter
         self.phase: str | None = None
         self.by_phase: dict[str, int] = defaultdict(int)
         self.recompute = 0
         self._last = 0
-        self._handles = []
         for m in model.modules():
             if isinstance(m, Checkpointed):
                 self._handles.append(m.block.register_forward_pre_hook(self._block_start))
@@ -72,11 +73,6 @@ class PhaseFlops:
     def _block_end(self, module, args, output) -> None:
         if self.phase == "backward":
             self.recompute += self._take()
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
     def result(self) -> TraceFlops:
         return TraceFlops.of(self.by_phase["forward"], self.by_phase["backward"], self.recompute)

@@ -1,0 +1,281 @@
+"""The chosen config as a complete PyTorch training script that runs as printed.
+
+One script per config: plain single process at DP = 1; DDP at ZeRO-0; DDP + ``ZeroRedundancyOptimizer`` at
+ZeRO-1; FSDP2 ``fully_shard`` per block at ZeRO-2 (``reshard_after_forward=False``) and ZeRO-3 (``True``).
+Accumulation: DDP's ``no_sync()`` or FSDP2's ``set_requires_gradient_sync`` on all but the last micro-batch.
+Activation checkpointing wraps the blocks ``ACPolicy.wrapped_layers`` names, as batchlab's harness does.
+
+The script builds a small stand-in model and random data between two marker lines (``STAND_IN_BEGIN`` /
+``STAND_IN_END``) so it runs as printed; users replace that part with their own model (keeping
+``model.layers``, the list of blocks), dataset and ``loss_fn``.  The text is self-contained: batchlab is
+not imported by it.  Torch-free (this module only writes text).
+"""
+from __future__ import annotations
+
+import math
+
+from batchlab.config import ACMode, OptimizerKind, Precision, RunConfig
+
+STAND_IN_BEGIN = "# >>> stand-in model, data and loss: replace with yours (keep model.layers, the list of blocks)"
+STAND_IN_END = "# <<< end of the stand-in"
+LR = 1e-4
+# 16-bit compute dtype: autocast's, or FSDP2 MixedPrecisionPolicy's param_dtype under fully_shard
+_AUTOCAST = {Precision.BF16_MIXED: "torch.bfloat16", Precision.FP16_MIXED: "torch.float16",
+             Precision.BF16_FSDP: "torch.bfloat16"}
+
+_STAND_IN = '''\
+class Block(torch.nn.Module):
+    def __init__(self, d, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.qkv, self.proj = torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.norm2, self.up, self.down = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        qkv = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(*qkv.unbind(0), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class StandIn(torch.nn.Module):
+    def __init__(self, layers, vocab=256, d=64):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h.flatten(0, 1))  # (tokens, vocab)
+
+
+model = StandIn(layers={layers})
+tokens = torch.randint(256, (MICRO_BATCH * ACCUM * DP * UPDATES, SEQ + 1))
+dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def loss_fn(logits, y):
+    return torch.nn.functional.cross_entropy(logits.float(), y.flatten())
+'''
+
+_CHECKPOINTED = '''\
+class Checkpointed(torch.nn.Module):
+    """Activation checkpointing (recompute in backward): not the training checkpoint saved to disk."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        # preserve_rng_state: dropout in the recompute draws the forward's mask (bitwise-equal gradients)
+        return checkpoint(self.block, *args, use_reentrant=False, preserve_rng_state=True,{extra} **kwargs)
+'''
+
+# The selective policies as batchlab's harness runs them (models/ac.py), over aten ops
+_OPS = '''\
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}  # a linear layer on a 2-D view
+SDPA = {getattr(torch.ops.aten, n).default for n in (  # fused attention kernels (CUDA and CPU)
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, n)}
+'''
+_POLICIES = {
+    ACMode.SELECTIVE: ('''\
+def keep_matmuls(ctx, op, *args, **kwargs):  # keep every linear layer's output, recompute the rest
+    return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+''', "lambda: create_selective_checkpoint_contexts(keep_matmuls)"),
+    # torchtitan's selective op AC (torchtitan/distributed/activation_checkpoint.py): SDPA outputs and
+    # matmuls 1, 3, 5, ... kept, counted apart in forward and recompute
+    ACMode.SELECTIVE_OP: ('''\
+def every_other_matmul(counts):
+    def policy(ctx, op, *args, **kwargs):
+        if op in SDPA:
+            return CheckpointPolicy.MUST_SAVE
+        if op not in MATMULS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        key = "recompute" if ctx.is_recompute else "forward"
+        counts[key] += 1
+        return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+''', 'lambda: create_selective_checkpoint_contexts(every_other_matmul({"forward": 0, "recompute": 0}))'),
+    # Megatron selective (recompute_modules=[core_attn]): only the fused attention kernel is recomputed
+    ACMode.MEGATRON: ('''\
+def attention_core_only(ctx, op, *args, **kwargs):  # recompute the attention core, keep everything else
+    return CheckpointPolicy.PREFER_RECOMPUTE if op in SDPA else CheckpointPolicy.MUST_SAVE
+
+''', "lambda: create_selective_checkpoint_contexts(attention_core_only, allow_cache_entry_mutation=True)"),
+}
+
+
+def _launch(cfg: RunConfig) -> list[str]:
+    if cfg.dp == 1:
+        return ["# launch: python train.py"]
+    per_node = min(cfg.dp, cfg.device_spec.gpus_per_node)
+    nodes = math.ceil(cfg.dp / per_node)
+    if nodes == 1:
+        return [f"# launch: python -m torch.distributed.run --standalone --nproc-per-node {cfg.dp} train.py"]
+    return [f"# launch on each of {nodes} nodes: python -m torch.distributed.run --nnodes {nodes} "
+            f"--nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint HOST:PORT train.py"]
+
+
+def _strategy(cfg: RunConfig) -> str:
+    if cfg.dp == 1:
+        return "single process (DP = 1): no process group, no gradient synchronisation"
+    return {0: "DDP: gradients all-reduced once per update",
+            1: "ZeRO-1: DDP + ZeroRedundancyOptimizer (optimizer state sharded)",
+            2: "ZeRO-2: FSDP2 fully_shard per block, reshard_after_forward=False (gradients + optimizer state "
+               "sharded; parameters kept gathered from forward to backward)",
+            3: "ZeRO-3: FSDP2 fully_shard per block, reshard_after_forward=True (parameters, gradients and "
+               "optimizer state sharded)"}[cfg.zero]
+
+
+def _fsdp(cfg: RunConfig) -> bool:
+    return cfg.dp > 1 and cfg.zero >= 2
+
+
+def _imports(cfg: RunConfig) -> list[str]:
+    out = ["import os", "", "import torch", "import torch.distributed as dist"] if cfg.dp > 1 else ["import torch"]
+    if cfg.dp > 1 and not _fsdp(cfg):
+        out.insert(0, "import contextlib")
+    if _fsdp(cfg):
+        out += ["from torch.distributed.device_mesh import init_device_mesh",
+                "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard"]
+    elif cfg.dp > 1:
+        out.append("from torch.nn.parallel import DistributedDataParallel as DDP")
+        if cfg.zero == 1:
+            out.append("from torch.distributed.optim import ZeroRedundancyOptimizer")
+    if cfg.ac.mode in _POLICIES:
+        out.append("from torch.utils.checkpoint import CheckpointPolicy, checkpoint, "
+                   "create_selective_checkpoint_contexts")
+    elif cfg.ac.mode is not ACMode.NONE:
+        out.append("from torch.utils.checkpoint import checkpoint")
+    samplers = "DataLoader, DistributedSampler, TensorDataset" if cfg.dp > 1 else "DataLoader, TensorDataset"
+    return out + [f"from torch.utils.data import {samplers}"]
+
+
+def _checkpointing(cfg: RunConfig) -> list[str]:
+    mode, n = cfg.ac.mode, cfg.model.layers
+    if mode is ACMode.NONE:
+        return ["# activation checkpointing: none"]
+    policy, context = _POLICIES.get(mode, ("", None))
+    out = [_OPS, policy] if context else []
+    out.append(_CHECKPOINTED.format(extra=f" context_fn={context}," if context else ""))
+    which = {ACMode.FULL: "every block recomputed", ACMode.EVERY: f"blocks 0, {cfg.ac.every}, {2 * cfg.ac.every}, ..."
+             }.get(mode, "a policy inside every block")
+    step = f", {cfg.ac.every}" if mode is ACMode.EVERY else ""
+    out += [f"for i in range(0, len(model.layers){step}):  # {cfg.ac}: {which}; the config has {n} layers",
+            "    model.layers[i] = Checkpointed(model.layers[i])"]
+    return out
+
+
+def _devices(cfg: RunConfig) -> list[str]:
+    if cfg.dp == 1:
+        return ['device = torch.device("cuda" if torch.cuda.is_available() else "cpu")', "rank = 0"]
+    return ['dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # torchrun sets rank, world',
+            "rank = dist.get_rank()",
+            "if dist.get_world_size() != DP:",
+            '    raise SystemExit(f"this config is for DP = {DP} processes; launched {dist.get_world_size()}")',
+            "if torch.cuda.is_available():",
+            '    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))',
+            "    torch.cuda.set_device(device)",
+            "else:",
+            '    device = torch.device("cpu")']
+
+
+def _optimizer_class(cfg: RunConfig) -> tuple[str, str]:
+    """(class, extra keyword arguments) for cfg.optimizer."""
+    return {OptimizerKind.ADAMW: ("torch.optim.AdamW", ""), OptimizerKind.SGD: ("torch.optim.SGD", ""),
+            OptimizerKind.SGD_MOMENTUM: ("torch.optim.SGD", ", momentum=0.9")}[cfg.optimizer]
+
+
+def _wrap(cfg: RunConfig) -> list[str]:
+    cls, kw = _optimizer_class(cfg)
+    out = []
+    if cfg.precision is Precision.BF16:
+        out.append("model.to(torch.bfloat16)  # pure bf16: weights, gradients and optimizer state")
+    out.append("model.to(device)")
+    if _fsdp(cfg):
+        param = _AUTOCAST.get(cfg.precision)
+        mp = (f"MixedPrecisionPolicy(param_dtype={param}, reduce_dtype=torch.float32)" if param else
+              "MixedPrecisionPolicy()")
+        reshard = cfg.zero == 3
+        out += ["mesh = init_device_mesh(device.type, (DP,))", f"mp = {mp}",
+                "for block in model.layers:",
+                f"    fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward={reshard})",
+                f"fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward={reshard})",
+                f"optimizer = {cls}(model.parameters(), lr={LR}{kw})  # after fully_shard: sharded state"]
+    elif cfg.dp > 1:
+        out.append('model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, '
+                   "gradient_as_bucket_view=True)")
+        if cfg.zero == 1:
+            out.append(f"optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class={cls}, "
+                       f"lr={LR}{kw})")
+        else:
+            out.append(f"optimizer = {cls}(model.parameters(), lr={LR}{kw})")
+    else:
+        out.append(f"optimizer = {cls}(model.parameters(), lr={LR}{kw})")
+    if cfg.precision is Precision.FP16_MIXED:
+        out.append("scaler = torch.amp.GradScaler(device.type)  # fp16: dynamic loss scaling")
+    return out
+
+
+def _loader(cfg: RunConfig) -> list[str]:
+    if cfg.dp == 1:
+        return ["loader = DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=True, drop_last=True)"]
+    return ["sampler = DistributedSampler(dataset, shuffle=True, drop_last=True)  # each rank its own share",
+            "sampler.set_epoch(0)  # once per epoch: a new shuffle",
+            "loader = DataLoader(dataset, batch_size=MICRO_BATCH, sampler=sampler, drop_last=True)"]
+
+
+def _step(cfg: RunConfig) -> list[str]:
+    """Forward (under autocast where mixed and not FSDP2, whose policy casts) and backward of one micro-batch."""
+    autocast = _AUTOCAST.get(cfg.precision)
+    forward = ["loss = loss_fn(model(x), y) / ACCUM"]
+    if autocast and not _fsdp(cfg):
+        forward = [f"with torch.autocast(device.type, dtype={autocast}):", "    " + forward[0]]
+        if cfg.precision is Precision.BF16_FSDP:  # its MixedPrecisionPolicy needs fully_shard (ZeRO-2/3, DP > 1)
+            forward.insert(0, "# bf16-fsdp without fully_shard: autocast is the nearest (its residual stays fp32)")
+    backward = "scaler.scale(loss).backward()" if cfg.precision is Precision.FP16_MIXED else "loss.backward()"
+    return forward + [backward]
+
+
+def _loop(cfg: RunConfig) -> list[str]:
+    out = ["for step, (x, y) in enumerate(loader):", "    x, y = x.to(device), y.to(device)",
+           "    last = (step + 1) % ACCUM == 0  # the last micro-batch of an update"]
+    step = _step(cfg)
+    if _fsdp(cfg):
+        out += ["    # reduce-scatter on the last micro-batch only (unsharded gradients kept until then)",
+                "    model.set_requires_gradient_sync(last)"] + ["    " + line for line in step]
+    elif cfg.dp > 1:  # backward inside no_sync: the all-reduce is skipped for all but the last micro-batch
+        out += ["    with contextlib.nullcontext() if last else model.no_sync():  # one all-reduce per update"]
+        out += ["        " + line for line in step]
+    else:
+        out += ["    " + line for line in step]
+    out.append("    if last:")
+    if cfg.precision is Precision.FP16_MIXED:
+        out += ["        scaler.step(optimizer)", "        scaler.update()"]
+    else:
+        out.append("        optimizer.step()")
+    out += ["        optimizer.zero_grad(set_to_none=True)",
+            "        if rank == 0:",
+            '            print(f"update {(step + 1) // ACCUM}: loss {loss.item() * ACCUM:.4f}", flush=True)']
+    if cfg.dp > 1:
+        out.append("dist.destroy_process_group()")
+    return out
+
+
+def training_script(cfg: RunConfig) -> str:
+    """A complete script for ``cfg`` (DP, ZeRO stage, accumulation, checkpointing, precision, optimizer)."""
+    head = [f"# {cfg.global_batch_text()}", f"# {_strategy(cfg)}", *_launch(cfg)]
+    consts = [f"MICRO_BATCH, ACCUM, DP, SEQ = {cfg.micro_batch}, {cfg.accum}, {cfg.dp}, {cfg.seq}",
+              "UPDATES = 2  # optimizer updates the stand-in data lasts",
+              "torch.manual_seed(0)  # the same stand-in weights and data on every rank"]
+    body = [STAND_IN_BEGIN, _STAND_IN.format(layers=cfg.model.layers), STAND_IN_END, ""]
+    parts = [head, _imports(cfg), [""], consts, [""], body, _checkpointing(cfg), [""], _devices(cfg), _wrap(cfg),
+             _loader(cfg), [""], _loop(cfg)]
+    return "\n".join(line for part in parts for line in part) + "\n"

@@ -1,0 +1,29 @@
+"""What the framework callbacks share: their options, the Watch of the run, and the record it leaves.
+
+Framework-free (each callback module imports its own framework and mixes this in first).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from batchlab.experiment.observed import Settings, Source
+from batchlab.measure.watch import Watch
+
+
+class NotebookCallback:
+    def __init__(self, notebook=None, predict: bool = True, warmup: int = 2, note: str = ""):
+        super().__init__()
+        self.notebook, self.predict, self.warmup, self.note = notebook, predict, warmup, note
+        self.watch: Watch | None = None
+        self.record = None
+        self.notebook_id: int | None = None
+        self._seq: int | None = None
+
+    def _finish(self, source: Source, settings: Settings, cfg, unmapped) -> None:
+        """The observed record written (to the notebook when one was given); the watch is done."""
+        self.record, self.notebook_id = self.watch.finish(source, settings, cfg, unmapped, notebook=self.notebook,
+                                                          predict=self.predict, note=self.note)
+        self.watch = None
+
+    def summary(self) -> dict[str, Any] | None:
+        return self.record.to_dict() if self.record is not None else None

@@ -1,0 +1,151 @@
+"""The PyTorch script `fit` prints runs as printed: DP = 1 in a plain subprocess, DP = 2 through torchrun
+(gloo, CPU) for DDP, ZeRO-1 (ZeroRedundancyOptimizer), ZeRO-2 and ZeRO-3 (FSDP2 fully_shard)."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from batchlab.advise.snippets import all_snippets
+from batchlab.advise.torch_script import STAND_IN_BEGIN, STAND_IN_END, training_script
+from batchlab.config import ACPolicy, RunConfig, preset
+
+pytest.importorskip("torch")
+
+
+def config(dp: int = 1, zero: int = 0, precision: str = "fp32", ac: str = "none", optimizer: str = "adamw",
+           accum: int = 2) -> RunConfig:
+    return RunConfig(model=preset("tiny", layers=4, attention="sdpa"), seq=16, micro_batch=2, accum=accum, dp=dp, zero=zero,
+                     precision=precision, ac=ACPolicy.parse(ac), optimizer=optimizer)
+
+
+def updates_printed(output: str) -> list[int]:
+    return [int(line.split()[1].rstrip(":")) for line in output.splitlines() if line.startswith("update ")]
+
+
+def write(tmp_path, name: str, text: str):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def env() -> dict[str, str]:
+    # the script must not need batchlab: run it without the source tree on the path
+    e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return {**e, "OMP_NUM_THREADS": "1"}
+
+
+def run_scripts(commands: list[list[str]], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Run the commands at the same time (each is mostly torch's import and process start-up)."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+             for c in commands]
+    out = []
+    for c, p in zip(commands, procs):
+        text, _ = p.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(c, p.returncode, text))
+    return out
+
+
+def test_dp1_script_runs_as_printed(tmp_path):
+    """The bug: DistributedSampler and model.no_sync() crash without a process group / DDP."""
+    cfg = config(ac="every:2")
+    script = all_snippets(cfg)["pytorch"]
+    assert script == training_script(cfg)
+    [r] = run_scripts([[sys.executable, str(write(tmp_path, "train.py", script))]])
+    assert r.returncode == 0, r.stdout
+    assert updates_printed(r.stdout) == [1, 2]
+
+
+OWN_MODEL = '''\
+class Own(torch.nn.Module):  # the user's model: a list of blocks under .layers, dropout inside
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 24)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(24, 24), torch.nn.Dropout(0.1))
+                                          for _ in range(3))
+        self.out = torch.nn.Linear(24, 100)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.layers:
+            h = h + block(h)
+        return self.out(h)
+
+
+model = Own()
+data = torch.randint(100, (MICRO_BATCH * ACCUM * DP * UPDATES, SEQ + 1))
+dataset = TensorDataset(data[:, :-1], data[:, 1:])
+
+
+def loss_fn(logits, y):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+'''
+
+
+@pytest.mark.slow
+def test_dp1_precisions_policies_and_the_users_own_model_run(tmp_path):
+    """Every precision and policy at DP = 1; and the marked stand-in replaced by a model of the test's own
+    (the documented placeholder), as a user would."""
+    scripts = [training_script(config(precision=p, ac=ac, optimizer=o))
+               for p, ac, o in (("bf16-mixed", "selective", "sgd-momentum"), ("fp16-mixed", "full", "sgd"),
+                                ("bf16", "selective-op", "adamw"), ("bf16-fsdp", "megatron-selective", "adamw"))]
+    head, rest = training_script(config(ac="every:2")).split(STAND_IN_BEGIN)
+    scripts.append(head + OWN_MODEL + rest.split(STAND_IN_END)[1])
+    paths = [str(write(tmp_path, f"train{i}.py", s)) for i, s in enumerate(scripts)]
+    # one interpreter runs them in turn (torch imported once): each script is a fresh module namespace
+    runner = ("import runpy, sys\nfor p in sys.argv[1:]:\n    print('== ' + p, flush=True)\n"
+              "    runpy.run_path(p, run_name='__main__')")
+    [r] = run_scripts([[sys.executable, "-c", runner, *paths]])
+    assert r.returncode == 0, r.stdout
+    outputs = r.stdout.split("== ")[1:]
+    assert len(outputs) == len(paths)
+    for text in outputs:
+        assert updates_printed(text) == [1, 2], text
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dp2_scripts_run_through_torchrun(tmp_path):
+    """DDP, ZeRO-1, ZeRO-2 and ZeRO-3 at DP = 2 with accumulation 2, launched as the script's own comment says."""
+    cfgs = [config(dp=2, zero=0), config(dp=2, zero=1, precision="bf16-mixed", ac="full"),
+            config(dp=2, zero=2, ac="selective-op"), config(dp=2, zero=3, precision="bf16-fsdp", ac="every:2")]
+    commands = []
+    for i, cfg in enumerate(cfgs):
+        script = training_script(cfg)
+        launch = next(line for line in script.splitlines() if line.startswith("# launch: "))
+        assert launch == "# launch: python -m torch.distributed.run --standalone --nproc-per-node 2 train.py"
+        path = write(tmp_path, f"train{i}.py", script)
+        commands.append([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         str(path)])
+    for cfg, r in zip(cfgs, run_scripts(commands)):
+        assert r.returncode == 0, (cfg.zero, r.stdout)
+        assert updates_printed(r.stdout) == [1, 2], (cfg.zero, r.stdout)  # rank 0 alone prints
+
+
+def test_each_zero_stage_uses_its_pytorch_api():
+    """What runs above, named: no DDP no_sync under FSDP2, no process group at DP = 1."""
+    one = training_script(config())
+    for absent in ("DistributedSampler", "no_sync", "init_process_group", "DDP("):
+        assert absent not in one, absent
+    ddp, z1, z2, z3 = (training_script(config(dp=2, zero=z)) for z in range(4))
+    assert "model.no_sync()" in ddp and "ZeroRedundancyOptimizer" not in ddp and "fully_shard" not in ddp
+    assert "ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW" in z1
+    for text, reshard in ((z2, False), (z3, True)):
+        assert f"fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward={reshard})" in text
+        assert "set_requires_gradient_sync(last)" in text
+        assert "no_sync" not in text and "DDP(" not in text
+
+
+def test_script_is_valid_python_for_every_printed_combination():
+    for dp, zero in ((1, 0), (2, 0), (2, 1), (2, 2), (2, 3)):
+        for precision in ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-fsdp"):
+            for ac in ("none", "full", "every:2", "selective", "selective-op", "megatron-selective"):
+                ast.parse(training_script(config(dp=dp, zero=zero, precision=precision, ac=ac)))
+
+
+def test_multi_node_launch_line():
+    cfg = RunConfig(model=preset("tiny"), micro_batch=1, accum=1, dp=16, zero=3, device="h100-sxm")
+    assert "--nnodes 2 --nproc-per-node 8" in training_script(cfg)
