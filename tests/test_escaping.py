@@ -19,7 +19,8 @@ from fake_measure import FakeMeasure, plan_for
 
 PAYLOADS = ["<script>alert(1)</script>", "<img src=x onerror=alert(1)>", "[/oops]", "[bold]x[/bold]",
             r"$\foo{$", "$x$", "a|b", "# not a heading", "1. not a list", "*not em* _not em_ `not code`",
-            "[link](javascript:alert(1))", "&amp; stays &amp;", "micro_batch"]
+            "[link](javascript:alert(1))", "![i](x.png)", "[a][b]", "[x]: javascript:alert(1)", "<http://x.y>",
+            "&amp; stays &amp;", "micro_batch", "[allocator]"]
 md = MarkdownIt("commonmark", {"html": True})
 
 
@@ -37,6 +38,11 @@ def test_markdown_shows_the_text_literally_and_no_tag(text):
     assert plain(out) == text, out
     assert "<script" not in out and "<img" not in out and "<a " not in out and "<em>" not in out
     assert out.startswith("<p>"), out  # never a heading or list
+
+
+def test_a_reference_definition_in_one_field_links_nothing_in_another():
+    out = md.render(for_markdown("[x]: javascript:alert(1)") + "\n\n" + for_markdown("see [x]"))
+    assert "<a " not in out and "javascript:alert(1)" in plain(out)
 
 
 @pytest.mark.parametrize("text", PAYLOADS)

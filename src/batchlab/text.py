@@ -9,9 +9,12 @@ import html
 import re
 from typing import Any
 
-# CommonMark backslash-escapable punctuation that can start markup inside a line; "_" only where it can
-# open or close emphasis (at a word edge), so micro_batch stays readable in the source.
-_MD_SPECIAL = re.compile(r"([\\`*\[\]!|~])")
+# CommonMark punctuation that starts markup inside a line (code, emphasis, table cells); "_" only where it
+# can open or close emphasis (at a word edge), so micro_batch stays readable in the source.
+_MD_SPECIAL = re.compile(r"([\\`*|~])")
+# "]" only where it closes a link or image ("](url)", "][ref]") or a reference definition ("]: url");
+# a plain "[allocator]" stays as written
+_MD_LINK_CLOSE = re.compile(r"\](?=[(\[:])")
 _MD_UNDERSCORE = re.compile(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
 _MD_BLOCK_START = re.compile(r"^(\s*)(?:(>|#(?=#*(?:\s|$))|[+\-](?=\s|$))|(\d+)([.)])(?=\s|$))")
 
@@ -39,5 +42,5 @@ def for_markdown(text: Any) -> str:
     # "<" opens raw HTML and "&" an entity; ">" is harmless inside a line (a leading one is escaped below)
     s = str(text).replace("&", "&amp;").replace("<", "&lt;").replace("\r", " ").replace("\n", " ")
     s = _MD_SPECIAL.sub(r"\\\1", s)
-    s = _MD_UNDERSCORE.sub(r"\\_", s)
+    s = _MD_LINK_CLOSE.sub(r"\\]", _MD_UNDERSCORE.sub(r"\\_", s))
     return _MD_BLOCK_START.sub(lambda m: m.group(1) + (f"\\{m.group(2)}" if m.group(2) else f"{m.group(3)}\\{m.group(4)}"), s)
