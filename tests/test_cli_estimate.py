@@ -35,7 +35,7 @@ def test_estimate_table_names_provenance_global_batch_and_both_checkpoints():
     out = r.stdout
     assert "[formula]" in out and "global batch = micro-batch x accum x DP = 8 x 1 x 1 = 8" in out
     assert "Training checkpoint file on disk" in out and "not activation" in out
-    assert "time to 1 Gtokens" in out
+    assert "time to 1 billion tokens" in out
 
 
 def test_global_batch_derives_accum():
@@ -142,3 +142,54 @@ def test_estimate_and_vary_use_the_cached_calibration_of_the_device(tmp_path, mo
     assert [r["time"]["flops_ceiling"] for r in rows] == [5e10 * 0.4] * 2
     other = json.loads(run("estimate", "--device", "h100-sxm", "--json").stdout)["time"]
     assert "datasheet" in other["ceiling_source"]  # no calibration cached for that device
+
+
+def test_typed_seq_is_validated_against_the_config_files_model_not_the_default(tmp_path):
+    path = tmp_path / "gpt2.toml"
+    path.write_text('[config]\nmodel = "gpt2"\nmicro_batch = 2\n')
+    # tiny's max_positions is 256, gpt2's 1024: the typed --seq is checked once, after the merge
+    d = json.loads(run("estimate", "--config", str(path), "--seq", "512", "--json").stdout)
+    assert (d["config"]["model"]["name"], d["config"]["seq"], d["config"]["micro_batch"]) == ("gpt2", 512, 2)
+    r = run("estimate", "--config", str(path), "--seq", "2048")
+    assert r.exit_code == 2 and r.stderr.startswith("error: seq") and "1024" in r.stderr
+    d = json.loads(run("estimate", "--config", str(path), "--layers", "3", "--memory-budget", "1GiB", "--json").stdout)
+    assert (d["config"]["model"]["layers"], d["config"]["memory_budget"]) == (3, 2**30)
+
+
+def test_vary_table_keeps_every_row_and_exits_0_when_one_is_possible():
+    r = run("estimate", "--vary", "micro_batch=1,2,4,8,16")
+    assert r.exit_code == 0, r.output
+    assert "not possible" in r.stdout and "--keep accum" in r.stdout and "--global-batch 16" in r.stdout
+    rows = json.loads(run("estimate", "--vary", "micro_batch=1,2,4,8,16", "--json").stdout)
+    assert [row["possible"] for row in rows] == [True] * 4 + [False]
+    assert rows[4]["value"] == "16" and "--keep accum" in rows[4]["fix"]
+    r = run("estimate", "--model", "llama-2-7b", "--micro-batch", "2", "--dp", "8", "--vary", "accum=32,64")
+    assert r.exit_code == 2 and r.stderr.startswith("error: accum") and "--global-batch 512" in r.stderr
+
+
+def test_explain_gives_both_readings_of_doubling_accumulation_with_the_users_numbers():
+    from batchlab.config import Keep, apply_change
+    from batchlab.formula import estimate
+
+    d = json.loads(run("explain", "--micro-batch", "2", "--accum", "4", "--dp", "2", "--json").stdout)
+    text = "\n".join(d["lines"])
+    assert "[bold]" not in text and "[/" not in text  # plain strings in JSON
+    acc = next(s for s in d["sections"] if s["title"].startswith("Gradient accumulation"))
+    fixed_micro = next(l for l in acc["lines"] if "(a)" in l)
+    fixed_global = next(l for l in acc["lines"] if "(b)" in l)
+    # (a) micro-batch 2 kept: 2 x 8 x 2 = 32, the global batch doubles; (b) global batch 16 kept: micro-batch 1
+    assert "2 x 8 x 2 = global batch 32" in fixed_micro and "global batch doubles" in fixed_micro
+    assert "1 x 8 x 2 = global batch 16" in fixed_global and "micro-batch halves" in fixed_global
+    base = RunConfig(micro_batch=2, accum=4, dp=2)
+    a, b = (estimate(apply_change(base, "accum", 8, k)) for k in (Keep.ACCUM, Keep.GLOBAL_BATCH))
+    e = estimate(base)
+    assert a.memory.peak_bytes == pytest.approx(e.memory.peak_bytes, rel=0.01) and "stays about the same" in fixed_micro
+    assert 1.8 < a.time.update_seconds / e.time.update_seconds < 2.0  # twice the sequences, one optimizer step
+    assert b.memory.activations_bytes < e.memory.activations_bytes and "peak falls" in fixed_global
+    titles = [s["title"] for s in d["sections"]]
+    for q in ("1. Micro-batch and global batch", "2. Why activation checkpointing", "3. What accumulation changes",
+              "4. What a local comparison cannot support"):
+        assert any(t.startswith(q) for t in titles), titles
+    local = next(s for s in d["sections"] if s["title"].startswith("4."))
+    # compare's scope rules: a CPU run says nothing about GPU kernels; loopback gloo nothing about NCCL
+    assert any("GPU kernels" in l for l in local["lines"]) and any("NCCL" in l for l in local["lines"])

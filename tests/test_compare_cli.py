@@ -73,10 +73,13 @@ def test_formula_only_is_labelled_and_saved(tmp_path):
     assert d["kind"] == "formula-only" and d["notebook_id"] == 1
     assert all(m["observed"] is None for m in d["metrics"].values())
     assert d["metrics"]["peak_memory"]["held"] == {"user": None, "formula": None}
+    # nothing was measured: every figure is the formula's, none labelled allocator or wall-clock
+    assert {m["provenance"] for m in d["metrics"].values()} == {"formula"}
     stored = Notebook(tmp_path / "nb.sqlite").get(1)
     assert stored.status.value == "complete" and stored.kind.value == "formula-only"
     r = invoke(*SMALL, "--formula-only", "--change", "ac=none:full", "--notebook", str(tmp_path / "nb.sqlite"))
     assert "formula only (paper derivation, nothing measured)" in " ".join(r.stdout.split())
+    assert "prediction (none)" not in r.stdout and "your prediction: none written down" in r.stdout
 
 
 def test_no_prompt_without_a_terminal_and_a_prompt_with_one(tmp_path, monkeypatch):

@@ -186,3 +186,34 @@ def test_a_side_that_fails_leaves_every_metric_undecided_with_a_reason():
     assert all(m["observed"] is None and m["held"]["user"] is None for m in rec["metrics"].values())
     assert rec["metrics"]["oom"]["note"] == "side B failed; OOM not decided"
     assert rec["diagnosis"]["contradictions"] == []
+
+
+def test_side_medians_against_paired_ratios_in_opposite_directions_is_inconclusive_noise():
+    # the pattern: rounds drift so much that the side medians say B is faster (A 836 ms, B 660 ms,
+    # B/A 0.79) while two of three pairs say B is slower (paired ratios 1.1, 1.1, 0.42: median 1.1)
+    times = ((0.6, 0.66), (0.836, 0.9196), (1.2, 0.5))
+    p = plan_for("micro_batch=1:2", "time=up")
+    fake = FakeMeasure((p.sides.a, p.sides.b), times=times)
+    rec = run(p, measure=fake, verify=False)
+    t = rec.metrics[Metric.UPDATE_TIME]
+    assert t.a == pytest.approx(0.836) and t.b == pytest.approx(0.66) and t.ratio == pytest.approx(1.1)
+    assert t.inconclusive and t.observed is None and t.held_user is None  # noise judges nobody's prediction
+    assert "noise" in t.note and "0.789" in t.note and "1.1" in t.note
+    assert not any(c.metric is Metric.UPDATE_TIME for c in rec.diagnosis.contradictions)
+    assert "update time ? (inconclusive: noise)" in rec.verdict
+    # stored and read back; printed as inconclusive in the terminal and the report, never as a direction
+    from batchlab.experiment.record import Record
+    back = Record.from_dict(rec.to_dict())
+    assert back.metrics[Metric.UPDATE_TIME].inconclusive
+    from rich.console import Console
+    from batchlab.cli.render_experiment import render
+    from batchlab.report.document import blocks, to_markdown
+
+    out = Console(width=250, record=True)
+    render(out, back)
+    text = out.export_text()
+    assert "inconclusive (noise)" in text and "A (median)" in text and "B/A paired" in text
+    assert "inconclusive (noise)" in to_markdown(blocks(back), [], {})
+    # consistent sides: no noise note
+    fake = FakeMeasure((p.sides.a, p.sides.b), times=((1.0, 1.2), (2.0, 3.0), (1.5, 1.95)))
+    assert not run(p, measure=fake, verify=False).metrics[Metric.UPDATE_TIME].inconclusive

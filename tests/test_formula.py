@@ -82,8 +82,10 @@ def test_memory_breakdown_adds_up_and_zero_shards():
     m1 = estimate(cfg.replace(zero=1)).memory
     assert (m1.parameters_bytes, m1.gradients_bytes, m1.master_bytes, m1.optimizer_bytes) == \
         (2 * n, 2 * n, 4 * n // 8, 8 * n // 8)
+    # ZeRO-3 runs on FSDP2 with MixedPrecisionPolicy: the fp32 parameter shards are the master copy, fp32
+    # gradient shards, 16-bit copies only while gathered (none resident); still 16 bytes per parameter / 8
     m3 = estimate(cfg.replace(zero=3)).memory
-    assert (m3.parameters_bytes, m3.gradients_bytes, m3.master_bytes) == (2 * n // 8, 2 * n // 8, 4 * n // 8)
+    assert (m3.parameters_bytes, m3.gradients_bytes, m3.master_bytes) == (0, 4 * n // 8, 4 * n // 8)
     assert m0.peak_bytes == m0.peak_tensor_bytes + m0.margin_bytes
     assert sum(m0.activations_per_layer_bytes) < m0.activations_bytes
     assert not m0.fits and m1.peak_bytes < m0.peak_bytes
@@ -130,6 +132,36 @@ def test_vary_accum_at_a_kept_micro_batch_rows_by_hand():
     assert len({r.estimate.memory.activations_bytes for r in rows}) == 1
     assert [r.directions["activations"] for r in rows] == ["same", "same", "same"]
     assert [r.directions["update time"] for r in rows] == ["same", "up", "up"]
+
+
+def test_vary_keeps_an_impossible_row_with_why_and_what_would_make_it_possible():
+    from batchlab.config import ConfigError
+    from batchlab.formula.vary import vary
+
+    rows = vary(RunConfig(micro_batch=2, accum=4), "dp", ["1", "2", "4", "8"])  # global batch 8 kept
+    assert [r.possible for r in rows] == [True, True, True, False]
+    assert [r.config.accum for r in rows[:3]] == [4, 2, 1]
+    bad = rows[3]
+    # 8 sequences over 8 ranks of micro-batch 2: 16 per step; --keep accum gives 2 x 4 x 8 = 64
+    assert "global batch 8" in bad.why and "16" in bad.why
+    assert "--keep accum (global batch 64)" in bad.fix and "--global-batch 16" in bad.fix
+    assert bad.to_dict() == {"value": "8", "possible": False, "why": bad.why, "fix": bad.fix}
+    # the suggested global batch makes every row possible: lcm of accum x DP over 32 x 8, 64 x 8 = 512
+    base = RunConfig(micro_batch=2, dp=8)
+    with pytest.raises(ConfigError, match="--global-batch 512"):
+        vary(base, "accum", ["32", "64"])
+    ok = vary(base.with_global_batch(512), "accum", ["32", "64"])
+    assert [(r.config.micro_batch, r.config.accum) for r in ok] == [(2, 32), (1, 64)]
+
+
+def test_vary_arrows_use_the_compare_same_band():
+    from batchlab.experiment.predict import FORMULA_SAME_TOLERANCE, direction_of
+    from batchlab.formula.vary import direction
+
+    # a 0.7% change is "same" in both; a 2% one is a direction in both
+    for b in (1.007, 0.993, 1.02, 0.98):
+        assert direction(1.0, b) == direction_of(b, FORMULA_SAME_TOLERANCE).value
+    assert direction(1.0, 1.007) == "same"
 
 
 # -- the formula against the live tensors of a real step (torch from here on)

@@ -83,3 +83,28 @@ def test_measure_warmup_zero_is_refused():
     r = invoke(*SMALL, "--warmup", "0")  # the first update is never timed
     assert r.exit_code == 2 and r.stderr.startswith("error: warmup:") and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1  # one line, no usage box
+
+
+@pytest.mark.parametrize("args, world_cfg", [
+    (("--nproc", "2"), (2, 2, 1, 4)),  # DP derived from the world size, accum kept: global batch 2 x 1 x 2
+    (("--nproc", "2", "--global-batch", "8"), (2, 2, 2, 8)),  # DP derived, the typed global batch kept
+    (("--nproc", "2", "--dp", "2"), (2, 2, 1, 4)),
+])
+def test_nproc_without_dp_derives_dp_from_the_world_size(monkeypatch, args, world_cfg):
+    import batchlab.distributed as dist
+
+    seen = []
+
+    def fake_launch(cfg, opts, nproc, torchrun_args):
+        seen.append(cfg)
+        raise SystemExit(0)  # stop before anything runs
+
+    monkeypatch.setattr(dist, "launch", fake_launch)
+    invoke("--seq", "16", "--micro-batch", "2", *args, "--json")
+    c = seen[0]
+    assert (c.dp, c.micro_batch, c.accum, c.global_batch) == world_cfg
+
+
+def test_nproc_contradicted_by_an_explicit_dp_is_refused():
+    r = invoke("--seq", "16", "--nproc", "2", "--dp", "4")
+    assert r.exit_code == 2 and r.stderr.startswith("error: dp") and "world size" in r.stderr

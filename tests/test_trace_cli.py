@@ -39,9 +39,10 @@ def test_tree_groups_identical_layers_and_says_how_figures_were_obtained():
 
 
 def test_trace_refusal_is_one_line_exit_2(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["batchlab", "estimate", "--trace", "--dp", "2", "--zero", "1", *SMALL])
+    # (the trace now runs ZeRO; a --sharding name it does not know is the refusal tested)
+    monkeypatch.setattr(sys, "argv", ["batchlab", "estimate", "--trace", "--dp", "2", "--sharding", "zero9", *SMALL])
     with pytest.raises(SystemExit) as exit_:
         main()  # the console script: ConfigError becomes one line and exit 2
     assert exit_.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("error: zero:")
+    assert len(err) == 1 and err[0].startswith("error: sharding:")

@@ -1,6 +1,10 @@
 """Display-only formatting: bytes, seconds, rates, FLOPs (internal figures stay bytes and seconds)."""
 from __future__ import annotations
 
+# Relative change under which two figures are called the same ("≈"): one band for --vary arrows, the formula's
+# predicted directions in compare, and the measured memory verdict (CPU tracked bytes are deterministic).
+SAME_TOLERANCE = 0.01
+
 
 def fmt_bytes(n: float | None) -> str:
     if n is None:
@@ -29,14 +33,39 @@ def fmt_seconds(s: float | None) -> str:
     return f"{s * 1e6:.0f} µs"
 
 
+# SI prefixes up to zetta; beyond them scientific notation with the bare unit (one rule for every count)
+_PREFIXES = (("Z", 1e21), ("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
+
+
 def fmt_count(x: float | None, unit: str = "") -> str:
-    """1.23e12 -> '1.23 T' (+unit)."""
+    """1.23e12 -> '1.23 T' (+unit); 2.02e18 FLOP -> '2.02 EFLOP'; past zetta '1.2e+24 FLOP'."""
     if x is None:
         return "-"
-    for suffix, size in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    if abs(x) >= 1000 * _PREFIXES[0][1]:
+        return f"{x:.3g} {unit}".rstrip()
+    for suffix, size in _PREFIXES:
         if abs(x) >= size:
             return f"{x / size:.3g} {suffix}{unit}"
     return f"{x:.3g} {unit}".rstrip()
+
+
+_WORDS = (("trillion", 1e12), ("billion", 1e9), ("million", 1e6), ("thousand", 1e3))
+
+
+def fmt_amount(x: float, noun: str) -> str:
+    """A count of things in words: 1e12 tokens -> '1 trillion tokens' (a prefix on a noun reads badly:
+    'Ttokens'); past a thousand trillion, scientific ('1e+15 tokens')."""
+    if abs(x) >= 1000 * _WORDS[0][1]:
+        return f"{x:.3g} {noun}"
+    for word, size in _WORDS:
+        if abs(x) >= size:
+            return f"{x / size:.3g} {word} {noun}"
+    return plural(x, noun.removesuffix("s")) if noun.endswith("s") else f"{x:.3g} {noun}"
+
+
+def plural(n: float, word: str) -> str:
+    """'1 thread', '2 threads'."""
+    return f"{n:g} {word}" + ("" if n == 1 else "s")
 
 
 def fmt_value(v, unit: str) -> str:
@@ -49,7 +78,16 @@ def fmt_value(v, unit: str) -> str:
         return fmt_seconds(v)
     if unit == "tokens/s":
         return f"{v:,.0f}"
+    if unit == "fraction":  # stored as a fraction (JSON), shown as a percentage
+        return fmt_percent(v)
     return str(v)
+
+
+def fmt_percent(fraction: float | None) -> str:
+    """A fraction (MFU 0.42) as a percentage ('42.0%'); figures stay fractions everywhere but on screen."""
+    if fraction is None:
+        return "-"
+    return f"{fraction:.1%}" if abs(fraction) >= 0.001 else f"{fraction * 100:.2g}%"
 
 
 def relative_to(value, reference) -> float | None:

@@ -12,6 +12,7 @@ from batchlab.calibrate import load_all
 from batchlab.config import ACMode, ACPolicy, ConfigError, ModelSource, RunConfig
 from batchlab.formula import Calibrations, estimate
 from batchlab.formula.memory import model_states
+from batchlab.units import fmt_amount, fmt_bytes
 
 DEFAULT_MARGIN = 0.10  # of the device memory (or --memory-budget), kept free on top of the formula's peak
 DEFAULT_TOKENS = 10**9  # token budget the time ranking uses when none is given
@@ -205,8 +206,8 @@ def check_capacity(goal: Goal) -> None:
     need = parameter_bytes_per_rank(goal)
     if need > goal.capacity_bytes:
         name = "memory_budget" if goal.base.memory_budget is not None else "device"
-        raise ConfigError(name, f"{goal.capacity_bytes / 2**30:.3g} GiB per rank cannot hold the parameters alone "
-                                f"({need / 2**30:.3g} GiB, formula); give more memory, more ranks with ZeRO-3 "
+        raise ConfigError(name, f"{fmt_bytes(goal.capacity_bytes)} per rank cannot hold the parameters alone "
+                                f"({fmt_bytes(need)}, formula); give more memory, more ranks with ZeRO-3 "
                                 "(--dp, --allow-zero) or a smaller model")
 
 
@@ -215,9 +216,9 @@ def assumptions(goal: Goal, est_assumptions: tuple[str, ...]) -> tuple[str, ...]
                f"of {goal.base.model.name}; confirm with --verify / --search",) \
         if goal.base.model_kind is ModelSource.FACTORY else ()
     return est_assumptions + factory + (
-        f"safety margin {goal.margin:.0%} of {goal.capacity_bytes / 2**30:.3g} GiB per rank: a candidate fits if its "
-        f"predicted peak is <= {goal.usable_bytes / 2**30:.3g} GiB",
-        f"ranked by predicted time to {goal.tokens:.3g} tokens; the formula's time is FLOP-bound, so it does not "
+        f"safety margin {goal.margin:.0%} of {fmt_bytes(goal.capacity_bytes)} per rank: a candidate fits if its "
+        f"predicted peak is <= {fmt_bytes(goal.usable_bytes)}",
+        f"ranked by predicted time to {fmt_amount(goal.tokens, 'tokens')}; the formula's time is FLOP-bound, so it does not "
         "depend on the micro-batch (ties go to the larger micro-batch)",
         f"reasonable micro-batch: >= {goal.min_micro_tokens} tokens (micro-batch x seq) or the whole per-rank batch",
     )

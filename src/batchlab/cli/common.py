@@ -47,7 +47,10 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "ac": (str, "none", AC_HELP),
     "loss": (str, "full", "Loss path: full (F.cross_entropy on all logits), chunked[:N] (N checkpointed token "
                           "chunks, default 8) or fused (a fused kernel; formula only)."),
-    "zero": (int, 0, "ZeRO stage 0-3 over the DP ranks (3 ~ FSDP full sharding)."),
+    "zero": (int, 0, "ZeRO stage 0-3 over the DP ranks: 0 DDP, 1 + ZeroRedundancyOptimizer, 2 FSDP2 "
+                     "reshard_after_forward=False, 3 FSDP2 full sharding."),
+    "sharding": (Optional[str], None, "The --zero stage by its engine's name: ddp, zero1, fsdp-grad-op (ZeRO-2) or "
+                                      "fsdp (ZeRO-3)."),
     "device": (str, "cpu", "Device: cpu, local (this machine's GPU, else cpu), h100-sxm, h200, a100-40gb, a100-80gb, "
                            "l40s, mi300x, or custom:mem=80GB,tflops=400,..."),
     "memory_budget": (Optional[str], None, "Memory per rank, e.g. 2GiB (replaces the device's; on CPU a tracked-bytes budget)."),
@@ -69,21 +72,40 @@ def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
     """
     if not o.get("config"):
         return _config_from_flags(**o)
-    flags = _config_from_flags(**{**o, "global_batch": None})  # global batch: against the file's shape below
-    cfg = load_config_toml(o["config"])
+    base = load_config_toml(o["config"])
     if given is None:
         given = {k for k, (_, default, _) in CONFIG_OPTIONS.items() if k != "config" and o.get(k, default) != default}
+    # merge first, validate once: the typed flags are raw values applied to the file's config in one replace,
+    # so --seq is checked against the file's model, not the flags' default one
+    return base.replace(**_typed_changes(base, given, o))
+
+
+def _typed_changes(base: RunConfig, given: set[str], o: dict[str, Any]) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
     if given & {"model", "hf_config"}:
-        cfg = cfg.replace(model=flags.model, model_source=flags.model_source)
-    changes = {k: getattr(flags.model, k) for k in MODEL_OVERRIDES if k in given}
-    changes.update({k: getattr(flags, k) for k in RUN_FLAGS if k in given})
+        changes["model"], changes["model_source"] = _model_from_flags(o)
+    else:
+        changes.update({k: o[k] for k in MODEL_OVERRIDES if k in given})
+    changes.update({k: o[k] for k in RUN_FLAGS if k in given})
+    if "memory_budget" in changes:
+        changes["memory_budget"] = parse_bytes("memory_budget", changes["memory_budget"])
+    if "sharding" in given:
+        changes["zero"] = _sharding_stage(o["sharding"], o.get("zero") if "zero" in given else None)
     if "global_batch" in given:  # the file's micro-batch and DP unless typed
-        changes["accum"] = _accum_for(o["global_batch"], changes.get("micro_batch", cfg.micro_batch),
-                                      changes.get("dp", cfg.dp), changes.get("accum"))
-    changes.update({k: getattr(flags.assumptions, k) for k in ("achievable_fraction", "comm_overlap") if k in given})
+        changes["accum"] = _accum_for(o["global_batch"], changes.get("micro_batch", base.micro_batch),
+                                      changes.get("dp", base.dp), changes.get("accum"))
+    changes.update({k: o[k] for k in ("achievable_fraction", "comm_overlap") if k in given})
     if "optimizer_bytes" in given:
-        changes["optimizer_bytes_per_param"] = flags.assumptions.optimizer_bytes_per_param
-    return cfg.replace(**changes)
+        changes["optimizer_bytes_per_param"] = o["optimizer_bytes"]
+    return changes
+
+
+def _model_from_flags(o: dict[str, Any]):
+    """(ModelSpec, model_source) from --model / --hf-config and the shape overrides."""
+    overrides = {k: o.get(k) for k in MODEL_OVERRIDES}
+    if o.get("hf_config"):
+        return model_from_hf_config(o["hf_config"], **overrides), "builtin"
+    return resolve_model("tiny" if o.get("model") is None else o["model"], **overrides)  # "" is an error
 
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "loss", "zero", "device", "memory_budget",
@@ -99,12 +121,17 @@ def _accum_for(global_batch: int, micro_batch: int, dp: int, accum: int | None) 
     return derived
 
 
+def _sharding_stage(sharding: str, zero: int | None) -> int:
+    from batchlab.distributed.sharding import parse_sharding
+
+    stage = parse_sharding(sharding)
+    if zero and zero != stage:
+        raise ConfigError("sharding", f"--sharding {sharding} is ZeRO-{stage}, but --zero {zero} was given")
+    return stage
+
+
 def _config_from_flags(**o: Any) -> RunConfig:
-    overrides = {k: o.get(k) for k in MODEL_OVERRIDES}
-    if o.get("hf_config"):
-        spec, source = model_from_hf_config(o["hf_config"], **overrides), "builtin"
-    else:
-        spec, source = resolve_model("tiny" if o.get("model") is None else o["model"], **overrides)
+    spec, source = _model_from_flags(o)
     mb, accum, gb, dp = o.get("micro_batch"), o.get("accum"), o.get("global_batch"), o.get("dp", 1)
     if gb is not None:
         mb = 1 if mb is None else mb
@@ -112,6 +139,8 @@ def _config_from_flags(**o: Any) -> RunConfig:
     budget = o.get("memory_budget")
     given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "loss", "zero", "device", "data", "seed")
              if o.get(k) is not None}
+    if o.get("sharding") is not None:
+        given["zero"] = _sharding_stage(o["sharding"], o.get("zero"))
     default = Assumptions()
     assumptions = Assumptions(achievable_fraction=o.get("achievable_fraction", default.achievable_fraction),
                               comm_overlap=o.get("comm_overlap", default.comm_overlap),
@@ -158,12 +187,27 @@ def with_config(fn: Callable) -> Callable:
         _TYPED.update(typed)
         try:
             cfg = build_config(given=typed, **config_kwargs)
+            for w in config_warnings(cfg):
+                typer.echo(f"warning: {w}", err=True)
             return fn(cfg=cfg, as_json=kwargs.pop("as_json"), **kwargs)
         except ConfigError as e:
             fail(str(e))
 
     wrapper.__signature__ = inspect.Signature(own + shared + [json_param, ctx_param])
     return wrapper
+
+
+def config_warnings(cfg: RunConfig) -> list[str]:
+    """Assumptions the config made silently that change its figures."""
+    from batchlab.config import Precision
+    from batchlab.config.devices import CUSTOM_FP32_ASSUMED
+    from batchlab.units import fmt_count
+
+    spec = cfg.device_spec
+    if spec.source == CUSTOM_FP32_ASSUMED and cfg.precision is Precision.FP32:
+        return [f"--device {cfg.device}: no fp32_tflops= given; fp32 training assumed at tflops/8 = "
+                f"{fmt_count(spec.peak_flops_fp32, 'FLOP/s')} (add fp32_tflops=N to the device to set it)"]
+    return []
 
 
 def console():

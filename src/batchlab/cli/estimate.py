@@ -13,11 +13,23 @@ from batchlab.cli.common import console as make_console, print_json, with_config
 from batchlab.calibrate import load_all
 from batchlab.config import ConfigError, Keep, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, unseen_model
-from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
+from batchlab.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
 
 PLAIN_ROWS = 60
 AC_NOTE = ("Activation checkpointing (--ac) recomputes activations in backward: less memory, more compute, "
            "inside one step. It is not the training checkpoint (the file saved to disk for recovery).")
+
+
+def _collectives_label(cfg, t) -> str:
+    """What the stage's engine sends per update (formula.sharding)."""
+    names = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce",
+             "broadcast": "broadcast"}
+    sent = ", ".join(f"{names[k]} {fmt_bytes(v)}" for k, v in t.collective_bytes.items() if v)
+    if cfg.zero >= 2 and cfg.dp > 1:
+        return f"FSDP2 collectives, every micro-batch ({sent} per update)"
+    if cfg.zero == 1 and cfg.dp > 1:
+        return f"gradient all-reduce once per update + ZeroRedundancyOptimizer's broadcasts ({sent})"
+    return f"gradient all-reduce, once per update ({sent or fmt_bytes(t.allreduce_bytes)})"
 
 
 def _memory_table(e: Estimate) -> Table:
@@ -60,7 +72,7 @@ def _memory_table(e: Estimate) -> Table:
     return t
 
 
-def _time_table(e: Estimate, tokens: float | None, price: float | None) -> Table:
+def _time_table(e: Estimate, tokens: float | None, price: float | None, currency: str = "USD") -> Table:
     t, f, cfg = e.time, e.flops, e.config
     tab = Table(title="Compute and time  \\[formula]", header_style="bold")
     tab.add_column("figure")
@@ -70,20 +82,25 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None) -> Table
     tab.add_row("compute per micro-batch", fmt_seconds(t.compute_seconds_per_micro_batch))
     tab.add_row("  of which per-op overhead (dispatch/launch)", fmt_seconds(t.overhead_seconds_per_micro_batch))
     tab.add_row(f"compute per update (× {cfg.accum} micro-batches)", fmt_seconds(t.compute_seconds))
-    tab.add_row(f"gradient all-reduce, once per update ({fmt_bytes(t.allreduce_bytes)})", fmt_seconds(t.allreduce_seconds))
+    tab.add_row(_collectives_label(cfg, t), fmt_seconds(t.allreduce_seconds))
     tab.add_row("  exposed (not overlapped)", fmt_seconds(t.exposed_comm_seconds))
     tab.add_row("optimizer step", fmt_seconds(t.optimizer_seconds))
     tab.add_row("[bold]update time[/bold]", f"[bold]{fmt_seconds(t.update_seconds)}[/bold]")
     tab.add_row("[bold]useful tokens/s[/bold] (all ranks)", f"[bold]{t.tokens_per_second:,.0f}[/bold]")
+    peak = fmt_count(cfg.device_spec.peak_flops(cfg.precision), "FLOP/s")
+    tab.add_row(f"MFU (model FLOPs / update time / peak {peak} × {plural(cfg.dp, 'rank')})", fmt_percent(e.mfu))
+    tab.add_row("HFU (hardware FLOPs, recompute counted)", fmt_percent(e.hfu))
     if tokens:
         secs = t.time_to_tokens(tokens)
-        tab.add_row(f"time to {fmt_count(tokens, 'tokens')}", fmt_seconds(secs))
+        tab.add_row(f"time to {fmt_amount(tokens, 'tokens')}", fmt_seconds(secs))
         if price is not None:
-            tab.add_row(f"cost at {price:g}/device-hour × {cfg.dp} devices", f"{price * cfg.dp * secs / 3600:,.2f}")
+            tab.add_row(f"cost at {price:g} {escape(currency)}/device-hour × {plural(cfg.dp, 'device')}",
+                        f"{price * cfg.dp * secs / 3600:,.2f} {escape(currency)}")
     return tab
 
 
-def render(e: Estimate, console: Console, tokens: float | None = None, price: float | None = None) -> None:
+def render(e: Estimate, console: Console, tokens: float | None = None, price: float | None = None,
+           currency: str = "USD") -> None:
     cfg = e.config
     console.print(f"[bold]{cfg.model.name}[/bold] ({e.params.total / 1e6:,.1f} M parameters \\[formula]), seq {cfg.seq}, "
                   f"{cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
@@ -92,7 +109,7 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
         console.print(f"[yellow]warning:[/] {escape(unseen_model(cfg))}: the figures below are for the stand-in "
                       f"shape given by the flags; run --trace for your model's own graph")
     console.print(_memory_table(e))
-    console.print(_time_table(e, tokens, price))
+    console.print(_time_table(e, tokens, price, currency))
     console.print(f"Training checkpoint file on disk (weights + optimizer state, all ranks; not activation "
                   f"checkpointing): {fmt_bytes(e.training_checkpoint_bytes)}  \\[formula]")
     console.print("[dim]Assumptions: " + "; ".join(e.assumptions) + "[/dim]")
@@ -106,15 +123,20 @@ def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
     from batchlab.formula.vary import OUTPUTS
 
     header = (name, "micro × accum × DP = global", *[label for label, _ in OUTPUTS], "fits")
-    fmts = (fmt_bytes, fmt_bytes, fmt_seconds, lambda x: f"{x:,.0f}", lambda x: fmt_count(x))
-    body = []
+    fmts = (fmt_bytes, fmt_bytes, fmt_seconds, lambda x: f"{x:,.0f}", lambda x: fmt_count(x, "FLOP"))
+    body, notes = [], []
     for r in rows:
+        if not r.possible:  # its own line under the table: why, and what would make it possible
+            body.append((str(r.value), "not possible", *[""] * len(OUTPUTS), "-"))
+            notes.append(f"{name}={r.value}: not possible: {r.why}" + (f"; possible with {r.fix}" if r.fix else ""))
+            continue
         c = r.config
         cells = [f"{fmt(get(r.estimate))} {Direction(r.directions[label]).symbol}"
                  for (label, get), fmt in zip(OUTPUTS, fmts)]
         body.append((str(r.value), f"{c.micro_batch} × {c.accum} × {c.dp} = {c.global_batch}", *cells,
                      "yes" if r.estimate.memory.fits else "no"))
-    title = f"--vary {name}  [formula]  (arrows versus the first value)"
+    title = (f"--vary {name}  [formula]  (arrows versus the first possible value; ≈ within "
+             f"{SAME_TOLERANCE:.0%})")
     if len(body) > PLAIN_ROWS:  # rich's table layout costs ~2 ms a row; long sweeps print plain columns
         widths = [max(len(str(row[i])) for row in (header, *body)) for i in range(len(header))]
         console.print(title, markup=False, highlight=False)
@@ -125,9 +147,11 @@ def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
         for col in header:
             tab.add_column(col, justify="right")
         for row in body:
-            tab.add_row(*row[:-1], row[-1] if row[-1] == "yes" else "[red]no[/red]")
+            tab.add_row(*row[:-1], "[red]no[/red]" if row[-1] == "no" else row[-1])
         console.print(tab)
-    if keep is Keep.ACCUM and len({r.config.global_batch for r in rows}) > 1:
+    for note in notes:
+        console.print(f"[yellow]{escape(note)}[/yellow]")
+    if keep is Keep.ACCUM and len({r.config.global_batch for r in rows if r.possible}) > 1:
         console.print("[yellow]warning: the global batch changes across rows (--keep accum): learning rate, "
                       "warmup and schedule length may need to change too.[/yellow]")
 
@@ -140,7 +164,8 @@ def estimate(
     vary: Annotated[Optional[List[str]], typer.Option(help="FIELD=v1,v2,...: a one-variable table, e.g. micro_batch=1,2,4,8 (once).")] = None,
     keep: Annotated[Keep, typer.Option(help="global-batch: accum re-derived as micro-batch/DP change; accum: global batch changes.")] = Keep.GLOBAL_BATCH,
     tokens: Annotated[Optional[float], typer.Option(help="Token budget for time-to-budget (and cost).")] = None,
-    price: Annotated[Optional[float], typer.Option(help="Price per device-hour, for the cost to the token budget.")] = None,
+    price: Annotated[Optional[float], typer.Option(help="Price per device-hour (in --currency), for the cost to the token budget.")] = None,
+    currency: Annotated[str, typer.Option(help="Currency of --price, printed with the cost.")] = "USD",
     trace: Annotated[bool, typer.Option("--trace", help="Also run one steady-state update of the model's own code on fake tensors (nothing allocated): peak, activations and FLOPs of the real graph, beside the formula's with its error.")] = False,
     tree: Annotated[bool, typer.Option("--tree", help="With --trace: bytes each module keeps for backward, as a tree (implies --trace).")] = False,
     timeline: Annotated[Optional[str], typer.Option(help="With --trace: write the update's memory timeline (live bytes by category, phases, the peak) to FILE.png, FILE.html or FILE.json (implies --trace).", metavar="FILE")] = None,
@@ -170,7 +195,7 @@ def estimate(
             raise ConfigError("vary", "expected FIELD=v1,v2,... e.g. micro_batch=1,2,4")
         rows = vary_rows(cfg, name.strip().replace("-", "_"), values.split(","), keep, load_all())
         if as_json:
-            print_json([{"value": r.value, "directions": r.directions, **r.estimate.to_dict()} for r in rows])
+            print_json([r.to_dict() for r in rows])
         else:
             _render_vary(rows, name, keep, console)
         return
@@ -181,20 +206,36 @@ def estimate(
             d["time"]["time_to_tokens_seconds"] = e.time.time_to_tokens(tokens)
             if price is not None:
                 d["time"]["cost_to_tokens"] = price * cfg.dp * e.time.time_to_tokens(tokens) / 3600
+                d["time"]["cost_currency"] = currency
         print_json(d)
     else:
-        render(e, console, tokens, price)
+        render(e, console, tokens, price, currency)
 
 
 @app.command(help="Explain, with your numbers, what each knob moves and why.")
 @with_config
 def explain(cfg: RunConfig, as_json: bool = False) -> None:
-    from batchlab.formula.explain import explain_lines
+    from batchlab.formula.explain import explain_sections
 
-    lines = explain_lines(cfg, load_all())
+    sections = explain_sections(cfg, load_all(), local_limits(cfg))
     if as_json:
-        print_json({"provenance": "formula", "config": cfg.to_dict(), "lines": lines})
+        print_json({"provenance": "formula", "config": cfg.to_dict(), "sections": [s.to_dict() for s in sections],
+                    "lines": [line for s in sections for line in (s.title, *s.lines)]})
         return
     console = make_console()
-    for line in lines:
-        console.print(line)
+    for s in sections:
+        console.print(s.title, style="bold", markup=False, highlight=False)
+        for line in s.lines:
+            console.print(line, markup=False, highlight=False)
+        console.print()
+
+
+def local_limits(cfg: RunConfig) -> list[str]:
+    """What one comparison of cfg run on this machine could not support: compare's own scope rules."""
+    from batchlab import host
+    from batchlab.config import Backend
+    from batchlab.experiment.scope import scope
+    from batchlab.formula.params import count
+
+    here = "cuda" if cfg.device_spec.backend is Backend.CUDA and host.gpu_names() else "cpu"
+    return scope(cfg, cfg, {here}, measured=True, parameters=count(cfg.model).total)

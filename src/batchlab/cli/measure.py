@@ -13,12 +13,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import console, fail, print_json, with_config
+from batchlab.cli.common import console, fail, print_json, typed_options, with_config
 from batchlab.config import ConfigError, RunConfig
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
 from batchlab.measure.versus import FigureRow, formula_estimate, rows
-from batchlab.units import fmt_bytes, fmt_difference, fmt_seconds, fmt_value
+from batchlab.units import fmt_bytes, fmt_difference, fmt_seconds, fmt_value, plural
 
 
 @app.command("measure")
@@ -59,6 +59,7 @@ def measure(
 
             from batchlab.cli.progress import progress as display
 
+            cfg = dp_from_world(cfg, nproc, nnodes, typed_options())
             with display("measure", f"DP = {cfg.dp} ranks through torchrun", quiet=as_json or not progress):
                 m = launch(cfg, opts, nproc, torchrun_args(nnodes, node_rank, rdzv_endpoint))
         else:
@@ -88,6 +89,22 @@ def measure(
         _timeline(m, timeline, as_json)
     if m.outcome is Outcome.FAILED:
         raise typer.Exit(1)
+
+
+def dp_from_world(cfg: RunConfig, nproc: Optional[int], nnodes: Optional[int], typed: frozenset) -> RunConfig:
+    """The DP size is the world size --nproc x --nnodes: derived when --dp was not given (the global batch
+    kept when --global-batch was typed, else accum kept); a typed --dp that contradicts it is refused."""
+    if nproc is None:
+        return cfg
+    world = nproc * (nnodes or 1)
+    if cfg.dp == world:
+        return cfg
+    if "dp" in typed or cfg.dp != 1:  # typed, or set by --config FILE
+        raise ConfigError("dp", f"{cfg.dp} contradicts the world size --nproc x --nnodes = {nproc} x {nnodes or 1} "
+                                f"= {world}; omit --dp (it is derived) or make them agree")
+    if "global_batch" in typed:
+        return cfg.replace(dp=world).with_global_batch(cfg.global_batch)
+    return cfg.replace(dp=world)
 
 
 def _timeline(m: Measurement, path: str, as_json: bool) -> None:
@@ -135,7 +152,9 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
     out = console()
     env = m.environment
     # text from outside (model names, exception messages) is escaped: "[enforce fail ...]" is not markup
-    where = escape(f"{env.get('torch_device', '?')} ({env.get('device_name', '?')}, {env.get('threads', '?')} threads)")
+    threads = env.get("threads")
+    threads = plural(threads, "thread") if isinstance(threads, (int, float)) else "? threads"
+    where = escape(f"{env.get('torch_device', '?')} ({env.get('device_name', '?')}, {threads})")
     out.print(f"[bold]batchlab measure[/]  {escape(str(env.get('model', cfg.model_source)))} on {where}, "
               f"torch {env.get('torch', '?')}" + (", isolated subprocess" if env.get("isolated") else ""))
     out.print(cfg.global_batch_text())

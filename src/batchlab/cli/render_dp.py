@@ -1,8 +1,11 @@
-"""Plain-text lines for a DP measurement: memory per rank and the gradient all-reduce.  Torch-free."""
+"""Plain-text lines for a DP measurement: the engine, memory per rank, the collectives.  Torch-free."""
 from __future__ import annotations
 
-from batchlab.measure.result import Measurement
+from batchlab.measure.result import MeasuredTraffic, Measurement
 from batchlab.units import fmt_bytes, fmt_seconds
+
+_KIND_NAMES = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce",
+               "broadcast": "broadcast"}
 
 
 def memory_lines(m: Measurement) -> list[str]:
@@ -10,10 +13,40 @@ def memory_lines(m: Measurement) -> list[str]:
     if mem is None or not mem.per_rank_peak_bytes:
         return []
     ranks = ", ".join(f"rank {k} {fmt_bytes(b)}" for k, b in enumerate(mem.per_rank_peak_bytes))
-    return [f"peak memory per rank ({mem.provenance}): {ranks}; max {fmt_bytes(mem.peak_bytes)}, "
-            f"spread {fmt_bytes(mem.rank_spread_bytes)}",
-            "DDP gradient_as_bucket_view is on: gradients are views into the all-reduce buckets "
-            "(one gradient copy less than .grad + bucket)"]
+    out = [f"peak memory per rank ({mem.provenance}): {ranks}; max {fmt_bytes(mem.peak_bytes)}, "
+           f"spread {fmt_bytes(mem.rank_spread_bytes)}"]
+    t = m.traffic
+    if t is not None and mem.breakdown.get("parameters", 0) > t.parameter_shard_bytes:
+        out.append(f"parameters at the peak: {fmt_bytes(t.parameter_shard_bytes)} this rank's shards + "
+                   f"{fmt_bytes(mem.breakdown['parameters'] - t.parameter_shard_bytes)} gathered working copies")
+    if t is None or t.engine in ("ddp", "zero1"):
+        out.append("DDP gradient_as_bucket_view is on: gradients are views into the all-reduce buckets "
+                   "(one gradient copy less than .grad + bucket)")
+    return out
+
+
+def _kinds(d: dict[str, int]) -> str:
+    return ", ".join(f"{_KIND_NAMES[k]} {fmt_bytes(v)}" for k, v in d.items() if v) or "none"
+
+
+def traffic_lines(t: MeasuredTraffic | None) -> list[str]:
+    """The engine, its accumulation semantics, and every collective counted beside the formula's."""
+    if t is None:
+        return []
+    verdict = "equal to the formula's" if t.matches_formula else "DIFFERENT from the formula's"
+    out = [f"engine: {t.engine} = {t.api}", f"accumulation: {t.accumulation}",
+           f"collectives per update ({t.provenance}): {_kinds(t.per_update)}; formula: "
+           f"{_kinds(t.predicted_per_update)} ({verdict}, per micro-batch too)"]
+    for i, (seen, predicted) in enumerate(zip(t.per_micro_batch, t.predicted_per_micro_batch)):
+        out.append(f"  micro-batch {i + 1}: {_kinds(seen)}" + ("" if seen == predicted else
+                                                                f"  (formula: {_kinds(predicted)})"))
+    if any(t.outside_micro_batches.values()):
+        out.append(f"  optimizer step: {_kinds(t.outside_micro_batches)}")
+    if t.bookkeeping_calls:
+        out.append(f"  plus {t.bookkeeping_calls} one-element collective(s) ({fmt_bytes(t.bookkeeping_bytes)}): the "
+                   "global useful-token count" + ("; DTensor's own one-element all-reduce of the sharded gradients' "
+                   "norm runs inside DTensor dispatch and is not counted" if t.engine.startswith("fsdp") else ""))
+    return out
 
 
 def comm_lines(m: Measurement) -> list[str]:
@@ -38,6 +71,34 @@ def comm_lines(m: Measurement) -> list[str]:
     return out
 
 
+def formula_lines(m: Measurement) -> list[str]:
+    """The formula's per-rank parts at its peak, and what the other FSDP2 accumulation choice would cost."""
+    from batchlab.config import config_from_dict
+    from batchlab.formula import memory
+    from batchlab.formula.sharding import traffic, unsharded_gradient_bytes
+
+    if m.memory is None or m.traffic is None:
+        return []
+    cfg = config_from_dict(m.config)
+    est = memory(cfg)
+    parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in est.at_peak.items() if v)
+    out = [f"formula per rank at its peak ({est.peak_phase}, {fmt_bytes(est.peak_tensor_bytes)}): {parts}"]
+    if cfg.zero == 1 and cfg.precision.mixed:
+        out.append("note: the formula's ZeRO-1 mixed precision is ZeRO's (DeepSpeed's: 16-bit weights and gradients, "
+                   "fp32 master sharded); the engine measured here, DDP + ZeroRedundancyOptimizer under autocast, "
+                   "keeps fp32 weights and gradients on every rank and shards only the optimizer state")
+    if cfg.zero >= 2 and cfg.accum > 1:
+        saved = traffic(cfg).per_update["reduce_scatter"] - traffic(cfg, False).per_update["reduce_scatter"]
+        full = unsharded_gradient_bytes(cfg)
+        kept = f"{fmt_bytes(full)} instead of its {fmt_bytes(full // cfg.dp)} shard: +{fmt_bytes(full - full // cfg.dp)} per rank"
+        out.append(f"the other choice, set_requires_gradient_sync(False) on micro-batches 1..{cfg.accum - 1}: "
+                   f"{fmt_bytes(saved)} less reduce-scatter per update, but every rank keeps the unsharded "
+                   f"gradient ({kept}) between micro-batches (formula)" if m.traffic.sync_every_micro_batch else
+                   f"the other choice, a reduce-scatter after every micro-batch: {fmt_bytes(saved)} more traffic per "
+                   f"update, and no unsharded gradient ({kept}) kept between micro-batches (formula)")
+    return out
+
+
 def lines(m: Measurement) -> list[str]:
     """Everything DP-specific a report prints; empty for a one-process measurement."""
-    return memory_lines(m) + comm_lines(m)
+    return memory_lines(m) + formula_lines(m) + traffic_lines(m.traffic) + comm_lines(m)

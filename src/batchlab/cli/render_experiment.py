@@ -10,7 +10,7 @@ from rich.table import Table
 
 from batchlab.experiment.predict import Direction
 from batchlab.experiment.record import MetricRecord, Record
-from batchlab.report.document import direction_text
+from batchlab.report.document import direction_text, observed_text
 from batchlab.report.document import format_value as value
 
 HELD = {True: "[green]held[/]", False: "[red]missed[/]", None: "-"}
@@ -35,8 +35,10 @@ def header(out: Console, r: Record) -> None:
     for w in r.warnings:
         out.print(f"[yellow]warning:[/] {esc(w)}")
     p = r.predictions
-    user = ", ".join(f"{k.value}={v.value}" for k, v in p.user.items()) or "none"
-    out.print(f"prediction ({p.user_source}): {user}")
+    if p.user:
+        out.print(f"your prediction ({p.user_source}): " + ", ".join(f"{k.value}={v.value}" for k, v in p.user.items()))
+    else:
+        out.print("your prediction: none written down (--predict memory=up,time=down records one before the run)")
 
 
 def _arrow(d: Direction | None) -> str:
@@ -62,7 +64,7 @@ def verdict_table(r: Record) -> Table:
     formula_only = r.formula_only
     t = Table(show_header=True, header_style="bold", title="formula derivation" if formula_only else "verdict")
     cols = (["metric", "A (formula)", "B (formula)", "B/A", "formula says", "you", "how"] if formula_only else
-            ["metric", "A", "B", "B/A (band)", "observed", "you", "formula B/A", "how"])
+            ["metric", "A (median)", "B (median)", "B/A paired (band)", "observed", "you", "formula B/A", "how"])
     for col in cols:
         t.add_column(col, justify="left" if col in ("metric", "how", "observed", "formula says") else "right")
     for metric, m in r.metrics.items():
@@ -72,7 +74,7 @@ def verdict_table(r: Record) -> Table:
                       f"{f.ratio:.3g}" if f.ratio is not None else "-", direction_text(m.predicted_by_formula),
                       _arrow(m.predicted_by_user), "formula")
             continue
-        t.add_row(metric.label, value(m.a, m.unit), value(m.b, m.unit), _ratio_band(m), direction_text(m.observed),
+        t.add_row(metric.label, value(m.a, m.unit), value(m.b, m.unit), _ratio_band(m), observed_text(m),
                   _judged(m.predicted_by_user, m.held_user),
                   _judged(m.predicted_by_formula, m.held_formula, f.ratio), m.provenance)
     return t
@@ -121,8 +123,12 @@ def factors(out: Console, f: dict | None) -> None:
     top = ", ".join(f"{p['name']} {p['cpu_share']:.0%}" for p in busy.get("top", [])[:3])
     mhz = (f.get("cpu_mhz") or {}).get("before")
     noise = (f.get("timing_noise") or {}).get("update_time_iqr_over_median") or {}
+    cores = (f.get("other_cpu") or {}).get("cores")
+    count = busy.get("count", 0)
     parts = [f"load average {load[0]:.2f} on {f.get('cpu_count')} CPUs" if load else "load average n/a",
-             f"{busy.get('count', 0)} other busy process(es)" + (f" ({top})" if top else ""),
+             (f"other processes used {cores:.2g} cores on average during the run" if cores is not None
+              else "other processes' CPU use not readable"),
+             f"{count} other busy {'process' if count == 1 else 'processes'} (sampled)" + (f": {esc(top)}" if top else ""),
              f"CPU {mhz:.0f} MHz" if mhz else "CPU frequency not readable"]
     if noise:
         parts.append("timing IQR/median " + ", ".join(f"{k.upper()} {v:.0%}" for k, v in noise.items() if v is not None))
@@ -139,7 +145,10 @@ def render(out: Console, r: Record, notebook_path: Path | None = None,
     else:
         out.print(verdict_table(r))
         if not r.formula_only:
-            out.print(f"[dim]band: {r.protocol.band_method}[/]")
+            out.print(f"[dim]band: {esc(r.protocol.band_method)}[/]")
+            for metric, m in r.metrics.items():
+                if m.inconclusive:
+                    out.print(f"[yellow]{metric.label}:[/] {esc(m.note)}")
     diagnosis(out, r)
     semantics(out, r)
     scope(out, r)

@@ -185,6 +185,9 @@ def local_device() -> str:
     return key
 
 
+CUSTOM_FP32_ASSUMED = "custom; fp32 rate not given, assumed tflops/8 (give fp32_tflops=)"
+
+
 def _custom_device(text: str) -> DeviceSpec:
     """``custom:mem=80GB,tflops=400,fp32_tflops=50,hbm=2e12,link=300e9,net=25e9,backend=cuda``."""
     known = {"mem", "tflops", "fp32_tflops", "hbm", "link", "net", "backend"}
@@ -201,7 +204,8 @@ def _custom_device(text: str) -> DeviceSpec:
     tf = rate["tflops"] * T
     return DeviceSpec(text, Backend.parse("device", values.get("backend", "cuda")),
                       parse_bytes("device mem", values["mem"]), tf, rate.get("fp32_tflops", rate["tflops"] / 8) * T,
-                      rate.get("hbm", 1e12), rate.get("link", 100e9), rate.get("net", 25e9), source="custom")
+                      rate.get("hbm", 1e12), rate.get("link", 100e9), rate.get("net", 25e9),
+                      source="custom" if "fp32_tflops" in values else CUSTOM_FP32_ASSUMED)
 
 
 @functools.lru_cache(maxsize=64)

@@ -8,11 +8,14 @@
 ``torchrun --nproc-per-node 2 -m batchlab measure --dp 2`` works too: ``batchlab.run.measure``
 sees torchrun's environment and runs this process as one rank.
 
-Each rank runs the harness Trainer inside ``DDP(gradient_as_bucket_view=True)``; accumulation runs all but
-the last micro-batch under ``no_sync()`` (one all-reduce per update), the loss is normalised by the global
-useful-token count, each rank draws distinct data.  A communication hook counts, sizes and times the
-all-reduce (``comm.py``); the formula's prediction sits beside it.  Importing this package does not
-import torch.
+Each rank runs the harness Trainer on the engine of ``cfg.zero`` (``engines.py``): ZeRO-0
+``DDP(gradient_as_bucket_view=True)``, ZeRO-1 the same DDP + ZeroRedundancyOptimizer, ZeRO-2/3 FSDP2
+``fully_shard`` per block.  Under DDP accumulation runs all but the last micro-batch under ``no_sync()``
+(one all-reduce per update); FSDP2 reduce-scatters after every micro-batch (``sharding.py`` says why).  The
+loss is normalised by the global useful-token count, each rank draws distinct data.  A communication hook
+times DDP's all-reduce (``comm.py``); every collective is counted per micro-batch on the process group
+(``traffic.py``) beside the formula's (``formula.sharding``).  ``equivalence.py`` checks that a stage's
+parameters equal DDP's.  Importing this package does not import torch.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from dataclasses import replace
 from typing import Any
 
 from batchlab.config import RunConfig
-from batchlab.measure.result import (MeasuredComm, MeasuredMemory, MeasuredTime, Measurement, Outcome,
-                                     memory_from_dict)
+from batchlab.measure.result import (MeasuredComm, MeasuredMemory, MeasuredTime, MeasuredTraffic, Measurement,
+                                     Outcome, memory_from_dict)
 
 SCOPE = ("Data parallelism measured on this machine's ranks and link; loopback gloo on CPU says nothing "
          "about NCCL over NVLink or InfiniBand.")
@@ -75,6 +75,25 @@ def _comm(cfg: RunConfig, ranks: list[dict[str, Any]]) -> MeasuredComm | None:
                         scope=SCOPE, **predicted_allreduce(cfg))
 
 
+def _traffic(cfg: RunConfig, ranks: list[dict[str, Any]]) -> MeasuredTraffic | None:
+    """Rank 0's collectives (every rank issues the same ones) beside the formula's."""
+    from batchlab.formula.sharding import traffic
+
+    first = ranks[0]
+    if "traffic" not in first:
+        return None
+    t, engine = first["traffic"], first["engine"]
+    predicted = traffic(cfg, engine["sync_every_micro_batch"])
+    return MeasuredTraffic(engine=engine["name"], api=engine["engine"], accumulation=engine["accumulation"],
+                           per_update=t["per_update"], calls_per_update=t["calls_per_update"],
+                           per_micro_batch=t["per_micro_batch"], outside_micro_batches=t["outside_micro_batches"],
+                           bookkeeping_calls=t["bookkeeping_calls"], bookkeeping_bytes=t["bookkeeping_bytes"],
+                           parameter_shard_bytes=max(r["parameter_shard_bytes"] for r in ranks),
+                           sync_every_micro_batch=engine["sync_every_micro_batch"],
+                           predicted_per_update=predicted.per_update,
+                           predicted_per_micro_batch=list(predicted.per_micro_batch))
+
+
 def _consistency_warnings(ranks: list[dict[str, Any]]) -> list[str]:
     warnings = []
     for r in ranks:
@@ -88,7 +107,7 @@ def _consistency_warnings(ranks: list[dict[str, Any]]) -> list[str]:
 def merge(cfg: RunConfig, ranks: list[dict[str, Any]], environment: dict[str, Any] | None = None) -> Measurement:
     """One Measurement of a DP run from every rank's result (rank order)."""
     ranks = sorted(ranks, key=lambda r: r["rank"])
-    time_, comm = _time(ranks), _comm(cfg, ranks)
+    time_, comm, traffic = _time(ranks), _comm(cfg, ranks), _traffic(cfg, ranks)
     useful = tps = None
     warnings = _consistency_warnings(ranks)
     if time_ is not None:
@@ -101,7 +120,7 @@ def merge(cfg: RunConfig, ranks: list[dict[str, Any]], environment: dict[str, An
     env.update(environment or {})
     env.update(world_size=len(ranks), backend=ranks[0]["backend"], device=ranks[0]["device"],
                torch=ranks[0]["torch"], threads_per_rank=ranks[0]["threads"],
-               hosts=sorted({r["host"] for r in ranks}), gradient_as_bucket_view=True, scope=SCOPE)
+               hosts=sorted({r["host"] for r in ranks}), gradient_as_bucket_view=cfg.zero < 2, scope=SCOPE)
     return Measurement(config=cfg.to_dict(), outcome=Outcome.OK, global_batch=cfg.global_batch,
                        memory=_memory(ranks), time=time_, tokens_per_second=tps, useful_tokens_per_update=useful,
-                       environment=env, warnings=warnings, comm=comm)
+                       environment=env, warnings=warnings, comm=comm, traffic=traffic)

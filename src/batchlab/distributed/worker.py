@@ -8,6 +8,7 @@ and returns one JSON-able dict per rank.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -18,10 +19,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from batchlab.config import ConfigError, RunConfig, config_from_dict, to_jsonable
-from batchlab.distributed import comm
+from batchlab.distributed import comm, engines
+from batchlab.distributed.traffic import TrafficCounter
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.device import torch_device
@@ -75,12 +75,7 @@ def init(cfg: RunConfig, opts: MeasureOptions, collective_timeout_s: float) -> t
     return device, backend
 
 
-def build(cfg: RunConfig, device: torch.device, rank: int, world: int) -> tuple[Trainer, comm.CommMonitor]:
-    ids = [device.index] if device.type == "cuda" else None
-    # grads zeroed in place between updates, so they stay views of the buckets (see Trainer.grads_to_none)
-    trainer = Trainer(cfg, device, rank=rank, world=world, grads_to_none=False,
-                      wrap=lambda m: DDP(m, device_ids=ids, gradient_as_bucket_view=True))
-    return trainer, comm.register(trainer.model, cuda=device.type == "cuda")
+build = engines.build  # the engine of cfg.zero: DDP, DDP + ZeroRedundancyOptimizer, FSDP2
 
 
 def _maybe_fail(rank: int, update: int) -> None:
@@ -107,46 +102,51 @@ def _update(trainer: Trainer, probe) -> Any:
 BUCKET_VIEW_NOTE = "DDP gradient_as_bucket_view=True: gradients are views into the all-reduce buckets"
 
 
-def measure_memory(trainer: Trainer, monitor: comm.CommMonitor, budget: int | None = None) -> MeasuredMemory:
-    """Peak memory of one steady-state update on this rank (allocator stats on CUDA, storage tracker on CPU)."""
+def measure_memory(trainer: Trainer, monitor: comm.CommMonitor | None, budget: int | None = None,
+                   traffic: TrafficCounter | None = None) -> MeasuredMemory:
+    """Peak memory of one steady-state update on this rank (allocator stats on CUDA, storage tracker on CPU);
+    ``traffic`` counts the same update's collectives."""
+    probes = [p for p in (monitor, traffic) if p is not None]
     if trainer.device.type == "cuda":
         probe = CudaMemoryProbe(trainer.device)
         probe.begin()
-        _update(trainer, _Tee(probe, monitor))
+        with traffic or contextlib.nullcontext():
+            _update(trainer, _Tee(probe, *probes))
         mem = probe.result(trainer)
     else:
-        mem = from_snapshot(_track(trainer, monitor, budget))
-    return replace(mem, method=f"{mem.method}; {BUCKET_VIEW_NOTE}")
+        mem = from_snapshot(_track(trainer, monitor, budget, probes, traffic))
+    return mem if monitor is None else replace(mem, method=f"{mem.method}; {BUCKET_VIEW_NOTE}")
 
 
-def _track(trainer: Trainer, monitor: comm.CommMonitor, budget: int | None):
+def _track(trainer: Trainer, monitor: comm.CommMonitor | None, budget: int | None, probes, traffic):
     tracker = tracker_for(trainer, budget)  # with a budget: a CPU stand-in for a smaller device
-    # DDP's flat buckets exist before the update and outlive it: with gradient_as_bucket_view they are
-    # the gradients.  Unregistered, their bytes would never be counted (no op creates them).
-    tracker.register(monitor.bucket_buffers, "gradients")
+    engines.register_storages(tracker, trainer, monitor)
     tracker.reset()
-    with tracker:
-        _update(trainer, _Tee(tracker, monitor))
+    with tracker, traffic or contextlib.nullcontext():
+        _update(trainer, _Tee(tracker, *probes))
     return tracker.snapshot()
 
 
-def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor, steps: int) -> dict[str, Any]:
+def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor | None, steps: int) -> dict[str, Any]:
     sync = synchronizer(trainer.device)
     # CPU: synchronising is free, so the phase split comes from the timed updates themselves
     clock = PhaseClock(sync, sync_marks=trainer.device.type == "cpu")
     samples, cpu, tokens, phases = [], [], [], []
-    first = len(monitor.updates)
+    first = len(monitor.updates) if monitor is not None else 0
     for _ in range(steps):
         clock.start()
-        result, wall, cpu_s = timed(lambda: _update(trainer, _Tee(clock, monitor)), sync)
+        probe = _Tee(clock, monitor) if monitor is not None else clock
+        result, wall, cpu_s = timed(lambda: _update(trainer, probe), sync)
         samples.append(wall)
         cpu.append(cpu_s)
         tokens.append(result.useful_tokens)
         phases.append(dict(clock.seconds))
+    out = dict(samples=samples, cpu_seconds=cpu, useful_tokens=tokens, phase_seconds=phases)
+    if monitor is None:  # FSDP2: collectives counted (traffic), not timed
+        return out
     seen = monitor.updates[first:]
     last = trainer.cfg.accum - 1
-    return dict(samples=samples, cpu_seconds=cpu, useful_tokens=tokens, phase_seconds=phases,
-                comm=dict(calls=[u.calls for u in seen], rounds=[u.rounds for u in seen],
+    return dict(out, comm=dict(calls=[u.calls for u in seen], rounds=[u.rounds for u in seen],
                           bytes=[u.bytes for u in seen], seconds=[u.seconds() for u in seen],
                           last_micro_batch_only=all(u.micro_batches == {last} for u in seen)))
 
@@ -157,6 +157,7 @@ def _describe(trainer: Trainer, backend: str, warmup: int) -> dict[str, Any]:
     env = dict(environment(trainer.device), model=trainer.workload.description,
                parameters=sum(p.numel() for p in model.parameters()), ac_wrapped_layers=list(trainer.wrapped_layers))
     return dict(rank=rank, world=world, local_rank=local, host=socket.gethostname(), pid=os.getpid(),
+                parameter_shard_bytes=engines.shard_bytes(model),
                 environment=env, backend=backend, device=str(trainer.device), torch=torch.__version__,
                 threads=torch.get_num_threads(), warmup=warmup,
                 parameter_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
@@ -170,14 +171,17 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
         raise ConfigError("dp", f"{cfg.dp} does not match the torchrun world size {world}; "
                                 "the config's DP is the number of ranks")
     device, backend = init(cfg, opts, spec.collective_timeout_s)
-    trainer, monitor = build(cfg, device, rank, world)
+    trainer, monitor = build(cfg, device, rank, world, sync_every_micro_batch=opts.fsdp_sync_every_micro_batch)
     warmup = max(MIN_WARMUP, opts.warmup)
     for _ in range(warmup):
-        _update(trainer, monitor)
+        _update(trainer, monitor)  # a None probe is the harness's no-op probe
     out = _describe(trainer, backend, warmup)
+    out["engine"] = engines.describe(cfg, opts.fsdp_sync_every_micro_batch)
     if opts.memory:
         budget = cfg.memory_budget if device.type == "cpu" else None
-        out["memory"] = to_jsonable(measure_memory(trainer, monitor, budget))
+        traffic = TrafficCounter()
+        out["memory"] = to_jsonable(measure_memory(trainer, monitor, budget, traffic))
+        out["traffic"] = traffic.summary(cfg.accum)
     if opts.timing:
         out.update(_timed_updates(trainer, monitor, opts.steps))
     return out

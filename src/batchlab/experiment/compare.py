@@ -128,7 +128,7 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
     """Carry the plan out; the notebook row is begun before measuring and completed at the end."""
     preflight(plan)
     t0 = time.perf_counter()
-    before = factors.Snapshot()
+    before = factors.Watch().start()  # samples what else uses the CPU until finish() stops it
     formula, pred = _formula(plan.sides, plan.token_budget)
     record = initial_record(plan, formula, pred)
     exp_id = notebook.begin(record) if notebook is not None else None
@@ -151,6 +151,8 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
                 raise LeftIncomplete(f"experiment #{exp_id} left incomplete in {notebook.path}"
                                      + ("" if marked else " (the notebook refused to mark it)")) from e
         raise
+    finally:
+        before.stop()
     record = record.with_(wall_seconds=time.perf_counter() - t0, finished_at=now())
     if notebook is not None and exp_id is not None:
         notebook.complete(exp_id, record)
@@ -184,7 +186,7 @@ def _timelines(rounds: Rounds) -> tuple[dict[str, Timeline], tuple[Round, ...]]:
 
 
 def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_pred: FormulaPrediction | None,
-           verify: bool, before: factors.Snapshot) -> Record:
+           verify: bool, before: factors.Watch) -> Record:
     """The record with verdicts, diagnosis, semantics, scope and factors."""
     s = plan.sides
     vs = verdicts(rounds, plan.predictions, formula_pred, plan.token_budget)
@@ -207,7 +209,7 @@ def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_
     from batchlab.formula.params import count
 
     done["scope"] = tuple(scope(s.a, s.b, devices, measured=rounds is not None, parameters=count(s.a.model).total))
-    done["factors"] = factors.uncontrolled(before, factors.Snapshot(), _noise(rounds, vs), plan.note)
+    done["factors"] = factors.uncontrolled(before, _noise(rounds, vs), plan.note)
     return record.with_(**done)
 
 

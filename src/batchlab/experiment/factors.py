@@ -36,8 +36,16 @@ def cpu_mhz() -> float | None:
     return round(sum(values) / len(values), 1) if values else None
 
 
-def cpu_times() -> dict[int, tuple[str, float]]:
-    """pid -> (command name, user+system CPU seconds) for every readable process."""
+@dataclass(frozen=True)
+class Proc:
+    name: str
+    ppid: int
+    cpu_seconds: float  # user + system since the process started
+    start_seconds: float  # since boot
+
+
+def cpu_times() -> dict[int, Proc]:
+    """pid -> Proc for every readable process (/proc/PID/stat: fields 4 ppid, 14-15 utime/stime, 22 start)."""
     out = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
@@ -45,12 +53,126 @@ def cpu_times() -> dict[int, tuple[str, float]]:
         except OSError:
             continue
         name = text[text.find("(") + 1:text.rfind(")")]
-        rest = text[text.rfind(")") + 2:].split()
-        try:  # fields 14 and 15 of /proc/PID/stat (utime, stime), counted after the name
-            out[int(stat.split("/")[2])] = (name, (int(rest[11]) + int(rest[12])) / CLOCK_TICKS)
+        rest = text[text.rfind(")") + 2:].split()  # rest[0] is field 3
+        try:
+            out[int(stat.split("/")[2])] = Proc(name, int(rest[1]), (int(rest[11]) + int(rest[12])) / CLOCK_TICKS,
+                                                int(rest[19]) / CLOCK_TICKS)
         except (IndexError, ValueError):
             continue
     return out
+
+
+def uptime() -> float | None:
+    try:
+        return float(open("/proc/uptime").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds all CPUs spent not idle since boot (/proc/stat's first line: all but idle and iowait)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields) - fields[3] - fields[4]) / CLOCK_TICKS
+
+
+def descendants(root: int, procs: dict[int, Proc]) -> set[int]:
+    """root and every process below it (the measured subprocesses are ours, not competitors)."""
+    children: dict[int, list[int]] = {}
+    for pid, p in procs.items():
+        children.setdefault(p.ppid, []).append(pid)
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.add(pid)
+            todo += children.get(pid, [])
+    return out
+
+
+class Usage:
+    """CPU seconds each other process used across successive /proc samples, kept incrementally (a long
+    observed training run is sampled for hours).  A process seen in any sample counts: one born after
+    ``run_start`` (seconds since boot) from its start, one gone before the end up to its last sighting."""
+
+    def __init__(self, run_start: float, mine: int):
+        self.run_start, self.mine = run_start, mine
+        self.used: dict[int, tuple[str, float]] = {}
+        self.last: dict[int, Proc] = {}
+        self.ours: set[int] = set()
+
+    def add(self, procs: dict[int, Proc]) -> None:
+        first = not self.last
+        self.ours |= descendants(self.mine, procs)
+        for pid, p in procs.items():
+            prev = self.last.get(pid)
+            if prev is not None and prev.start_seconds == p.start_seconds:
+                delta = p.cpu_seconds - prev.cpu_seconds
+            else:  # first sighting (or a reused pid): all of it if it began during the run
+                delta = p.cpu_seconds if not first and p.start_seconds >= self.run_start else 0.0
+            self.used[pid] = (p.name, self.used.get(pid, (p.name, 0.0))[1] + max(delta, 0.0))
+        self.last = {**self.last, **procs}
+
+    def others(self) -> dict[int, tuple[str, float]]:
+        return {pid: u for pid, u in self.used.items() if pid not in self.ours and pid != os.getppid()}
+
+
+class Watch:
+    """What competed for the CPU while the experiment ran: /proc sampled every ``interval`` seconds on a
+    daemon thread from start() to stop(), and /proc/stat's machine-wide busy time from start to stop (which
+    also catches processes too short-lived for any sample).  ``mine``: the process whose tree is ours."""
+
+    def __init__(self, interval: float = 0.5, mine: int | None = None):
+        import threading
+
+        self.interval, self.mine = interval, os.getpid() if mine is None else mine
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="batchlab-factors", daemon=True)
+        self.result: dict[str, Any] | None = None
+
+    def start(self) -> "Watch":
+        self.before = Snapshot()
+        up = uptime()
+        self._busy0, self._own0 = busy_cpu_seconds(), _own_cpu_seconds()
+        self.usage = Usage(up if up is not None else float("inf"), self.mine)
+        self._add(self.before.cpu)
+        self._thread.start()
+        return self
+
+    def _add(self, procs: dict[int, Proc]) -> None:
+        self.usage.add(procs)
+        self.samples += 1
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._add(cpu_times())
+
+    def stop(self) -> dict[str, Any]:
+        """The usage over the run (idempotent: a second call returns the first one's)."""
+        if self.result is None:
+            self._stop.set()
+            self._thread.join()
+            after = Snapshot()
+            self._add(after.cpu)
+            elapsed = max(after.wall - self.before.wall, 1e-9)
+            busy = sorted(({"pid": pid, "name": name, "cpu_share": round(sec / elapsed, 2)}
+                           for pid, (name, sec) in self.usage.others().items() if sec / elapsed > BUSY_SHARE),
+                          key=lambda d: -d["cpu_share"])
+            busy1, others = busy_cpu_seconds(), None
+            if self._busy0 is not None and busy1 is not None:
+                others = max(0.0, (busy1 - self._busy0) - (_own_cpu_seconds() - self._own0)) / elapsed
+            self.result = {"before": self.before, "after": after, "busy": busy, "other_cores": others,
+                           "samples": self.samples}
+        return self.result
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()  # this process and its waited-for children (the measured subprocesses)
+    return t.user + t.system + t.children_user + t.children_system
 
 
 @dataclass
@@ -58,28 +180,21 @@ class Snapshot:
     wall: float = field(default_factory=time.monotonic)
     load: list[float] | None = field(default_factory=load_average)
     mhz: float | None = field(default_factory=cpu_mhz)
-    cpu: dict[int, tuple[str, float]] = field(default_factory=cpu_times)
+    cpu: dict[int, Proc] = field(default_factory=cpu_times)
 
 
-def busy_processes(before: Snapshot, after: Snapshot) -> list[dict[str, Any]]:
-    """Other processes alive over the whole run that used more than BUSY_SHARE of a core."""
-    elapsed = max(after.wall - before.wall, 1e-9)
-    mine = {os.getpid(), os.getppid()}
-    busy = []
-    for pid, (name, end) in after.cpu.items():
-        if pid in mine or pid not in before.cpu:
-            continue
-        share = (end - before.cpu[pid][1]) / elapsed
-        if share > BUSY_SHARE:
-            busy.append({"pid": pid, "name": name, "cpu_share": round(share, 2)})
-    return sorted(busy, key=lambda d: -d["cpu_share"])
-
-
-def uncontrolled(before: Snapshot, after: Snapshot, timing_noise: dict[str, Any], note: str | None) -> dict[str, Any]:
-    busy = busy_processes(before, after)
+def uncontrolled(watch: Watch, timing_noise: dict[str, Any], note: str | None) -> dict[str, Any]:
+    """The record's ``factors``: load, what else used the CPU during the run (sampled), clock, timing noise."""
+    u = watch.stop()
+    before, after, busy = u["before"], u["after"], u["busy"]
+    cores = u["other_cores"]
     return {"load_average": {"before": before.load, "after": after.load},
-            "busy_processes": {"count": len(busy), "top": busy[:5],
-                               "rule": f"other processes using > {BUSY_SHARE:.0%} of a core during the run"},
+            "busy_processes": {"count": len(busy), "top": busy[:5], "samples": u["samples"],
+                               "rule": f"other processes (not this one or its subprocesses) using > {BUSY_SHARE:.0%} "
+                                       f"of a core during the run, /proc sampled every {watch.interval:g} s"},
+            "other_cpu": {"cores": round(cores, 2) if cores is not None else None,
+                          "rule": "machine-wide busy CPU time (/proc/stat) minus this process tree's, over the "
+                                  "run's wall time: includes processes too short-lived to be sampled"},
             "cpu_mhz": {"before": before.mhz, "after": after.mhz},
             "cpu_count": os.cpu_count(),
             "timing_noise": timing_noise,

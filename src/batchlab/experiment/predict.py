@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchlab.config import ConfigError, _Choice
+from batchlab.units import SAME_TOLERANCE
 
 
 class Direction(_Choice):
@@ -92,8 +93,8 @@ def predictions_from_mapping(d: dict[str, Any]) -> dict[Metric, Direction]:
     return parse_predictions(",".join(f"{k}={v}" for k, v in d.items()))
 
 
-# Formula figures are exact functions of the config: a relative change under 1% is "same".
-FORMULA_SAME_TOLERANCE = 0.01
+# Formula figures are exact functions of the config: a change inside the shared "same" band is "same".
+FORMULA_SAME_TOLERANCE = SAME_TOLERANCE
 
 
 def direction_of(ratio: float | None, tolerance: float) -> Direction | None:

@@ -86,9 +86,10 @@ class MetricRecord:
     paired_ratios: tuple[float, ...] = ()
     formula: FormulaFigures = field(default_factory=FormulaFigures)
     note: str = ""
+    inconclusive: bool = False  # the side medians and the paired ratios disagree in direction (noise)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"observed": _val(self.observed), "ratio": self.ratio,
+        return {"observed": _val(self.observed), "inconclusive": self.inconclusive, "ratio": self.ratio,
                 "band": list(self.band) if self.band is not None else None,
                 "predicted_by_user": _val(self.predicted_by_user),
                 "predicted_by_formula": _val(self.predicted_by_formula),
@@ -104,7 +105,7 @@ class MetricRecord:
                    _dir(d.get("predicted_by_user")), _dir(d.get("predicted_by_formula")),
                    held.get("user"), held.get("formula"), d.get("a"), d.get("b"), d["unit"], d["provenance"],
                    tuple(d.get("paired_ratios") or ()), FormulaFigures.from_dict(d.get("formula")),
-                   d.get("note", ""))
+                   d.get("note", ""), bool(d.get("inconclusive", False)))
 
 
 @dataclass(frozen=True)

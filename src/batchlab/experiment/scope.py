@@ -26,6 +26,12 @@ def scope(a: RunConfig, b: RunConfig, torch_devices: set[str], measured: bool, p
         backend = "gloo over loopback" if "cpu" in kinds else "this node's link"
         out.append(f"DP measured with {backend} on one host: says nothing about NCCL over NVLink or InfiniBand, "
                    "nor about multi-node all-reduce time.")
+    if measured and max(a.zero, b.zero) > 0 and max(a.dp, b.dp) > 1 and "cpu" in kinds:
+        out.append("ZeRO/FSDP measured on gloo over loopback: its all-gathers and reduce-scatters ran on the CPU at "
+                   "memory-copy speed and barely overlapped compute; NCCL on GPUs runs them on their own streams, "
+                   "prefetching the next block's all-gather behind this block's compute, over links whose "
+                   "bandwidth and latency decide the time paid. The memory saved transfers; the time paid does not "
+                   "(the collective bytes, counted exactly, do).")
     if a.device_spec.backend is not Backend.CPU and "cpu" in kinds:
         out.append(f"The config names device {a.device} but the run used the CPU: the formula's figures are for "
                    f"{a.device}, the measured ones for this machine.")

@@ -7,6 +7,8 @@ batchlab.measure.harness.Trainer and compares the gradients of one update on the
   Dropout is off for this check: masks are drawn per micro-batch, so another split draws other masks.
 - activation checkpointing: bitwise-equal gradients, dropout on (torch.utils.checkpoint with
   preserve_rng_state=True replays the forward's RNG in the recompute).
+- ZeRO stage at DP > 1: both sides' engines (DDP + ZeroRedundancyOptimizer, FSDP2) end with DDP's parameters
+  after two updates, on 2 gloo ranks (batchlab.distributed.equivalence.same_parameters_as_ddp).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class CheckKind(_Choice):
     """Which gradient equivalence a change should keep."""
     SPLIT = "split"  # micro-batch x accum x DP regrouped, same global batch: the same gradient
     AC = "activation checkpointing"  # recompute in backward: the same gradient
+    ZERO = "zero stage"  # sharding states over DP ranks: the same parameters as DDP's
     NONE = "none"  # the change alters what is computed
 
 
@@ -91,6 +94,9 @@ def touched(a: RunConfig, b: RunConfig) -> list[Item]:
              f"dropout {dropout:g} inside recomputed layers: the recompute must draw the forward's masks "
              "(preserve_rng_state=True)" if ac_moves and dropout > 0 else
              ("activation checkpointing changes but dropout is off" if ac_moves else "no recompute change")),
+        Item("sharding (ZeRO stage)", "zero" in changed,
+             f"ZeRO-{a.zero} -> ZeRO-{b.zero}: the same update, with states sharded over the DP ranks (each "
+             "engine must end with DDP's parameters)" if "zero" in changed else f"ZeRO-{a.zero} on both"),
         Item("numerics", "precision" in changed,
              f"{a.precision} -> {b.precision}: different rounding, gradients are not bitwise comparable"
              if "precision" in changed else "same precision"),
@@ -99,6 +105,8 @@ def touched(a: RunConfig, b: RunConfig) -> list[Item]:
 
 def check_kind(a: RunConfig, b: RunConfig) -> CheckKind:
     changed = _changed(a, b)
+    if "zero" in changed and min(a.dp, b.dp) > 1:
+        return CheckKind.ZERO
     if changed == {"ac"}:
         return CheckKind.AC
     if changed and changed <= {"micro_batch", "accum", "dp"} and a.global_batch == b.global_batch:
@@ -122,7 +130,7 @@ def gradient_check(a: RunConfig, b: RunConfig) -> GradientCheck:
         return GradientCheck(kind, False, detail=f"not run: the model has more than {MAX_CHECK_PARAMS:,} "
                                                  "parameters; run compare with --model tiny to see the check")
     try:
-        return _split_check(a, b) if kind is CheckKind.SPLIT else _ac_check(a, b)
+        return {CheckKind.SPLIT: _split_check, CheckKind.AC: _ac_check, CheckKind.ZERO: _zero_check}[kind](a, b)
     except Exception as e:  # noqa: BLE001 — the check is evidence beside the measurement, not a precondition
         return GradientCheck(kind, False, detail=f"not run: {type(e).__name__}: {e}"[:300])
 
@@ -164,6 +172,20 @@ def _ac_check(a: RunConfig, b: RunConfig) -> GradientCheck:
                          {"micro_batch": mb, "seq": sides[0].seq, "dropout": dropout})
 
 
+def _zero_check(a: RunConfig, b: RunConfig) -> GradientCheck:
+    from batchlab.distributed.equivalence import same_parameters_as_ddp
+
+    # a's shape at a small size on 2 ranks: what the check asserts (each engine's update equals DDP's) does not
+    # depend on the world size; the other fields a compare changes are not part of it
+    small = _small(a, dp=2, micro_batch=min(a.micro_batch, 2), accum=min(a.accum, 2))
+    check = same_parameters_as_ddp(small, small.replace(zero=b.zero))
+    worst = max(check.max_abs_difference.values(), default=0.0)
+    return GradientCheck(CheckKind.ZERO, True, check.equal, worst, None,
+                         f"ZeRO-{a.zero} vs ZeRO-{b.zero}: {check.text} (2 gloo ranks, micro-batch "
+                         f"{small.micro_batch} x accum {small.accum}, seq {small.seq})",
+                         {"dp": 2, "micro_batch": small.micro_batch, "accum": small.accum, "seq": small.seq})
+
+
 def _gradients(sides: list[RunConfig], torch_seed: int | None) -> list[dict]:
     import torch
 
@@ -194,7 +216,8 @@ def _diff(x: dict, y: dict) -> tuple[float, float]:
     return abs_d, rel_d
 
 
-VERIFIES = {CheckKind.SPLIT: ("global batch", "loss scaling / normalisation"), CheckKind.AC: ("RNG under recompute",)}
+VERIFIES = {CheckKind.SPLIT: ("global batch", "loss scaling / normalisation"), CheckKind.AC: ("RNG under recompute",),
+            CheckKind.ZERO: ("sharding (ZeRO stage)",)}
 
 
 def semantics(a: RunConfig, b: RunConfig, run_check: bool = True, why_not: str = "not run (--no-verify)"

@@ -3,7 +3,9 @@
 Noise band: the range (lowest, highest) of the per-round paired ratios B_i / A_i.  Each round measures both
 sides back to back, so what moves the machine between rounds cancels inside a pair; the range over rounds is
 the spread that is left.  With 3 rounds it is the whole sample, so it is wide on purpose: ``same`` whenever
-the band reaches 1.0.  The ratio is the median of the paired ratios.  Memory is deterministic on CPU (a live
+the band reaches 1.0.  The ratio is the median of the paired ratios; the side figures A and B are the medians
+over rounds of each side.  When those two statistics point opposite ways (B/A of the medians below 1, the
+median paired ratio above, or the reverse) the verdict is "inconclusive", never a direction.  Memory is deterministic on CPU (a live
 tensor-storage tracker counts bytes), so a difference under MEMORY_SAME_TOLERANCE is ``same`` too.
 Torch-free.
 """
@@ -13,14 +15,16 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from batchlab.experiment.predict import Direction, Metric, oom_direction
+from batchlab.experiment.predict import Direction, Metric, direction_of, oom_direction
 from batchlab.experiment.protocol import Rounds
 from batchlab.experiment.record import Contradiction, FormulaFigures, MetricRecord
 from batchlab.measure.result import Measurement, Outcome
+from batchlab.units import SAME_TOLERANCE
 
 BAND_METHOD = ("range (min, max) of the per-round paired ratios B/A; each round measures A then B, each in a "
-               "fresh process, warmup excluded; ratio = median of the paired ratios")
-MEMORY_SAME_TOLERANCE = 0.01
+               "fresh process, warmup excluded; B/A = median of the paired ratios; A and B = each side's median "
+               "over rounds; inconclusive when B/A of those medians and the paired B/A point opposite ways")
+MEMORY_SAME_TOLERANCE = SAME_TOLERANCE
 UNITS = {Metric.PEAK_MEMORY: "bytes", Metric.UPDATE_TIME: "seconds", Metric.TOKENS_PER_SECOND: "tokens/s",
          Metric.TIME_TO_BUDGET: "seconds", Metric.OOM: "outcome"}
 PROVENANCE = {Metric.PEAK_MEMORY: "allocator", Metric.UPDATE_TIME: "wall-clock",
@@ -37,6 +41,7 @@ class Observed:
     paired_ratios: tuple[float, ...] = ()
     direction: Direction | None = None
     note: str = ""
+    inconclusive: bool = False  # per-side medians and paired ratios point opposite ways: noise, no direction
 
 
 def _held(predicted: Direction | None, observed: Direction | None) -> bool | None:
@@ -49,9 +54,12 @@ def metric_record(metric: Metric, seen: Observed, user: Direction | None,
                   formula: dict[str, Any] | None) -> MetricRecord:
     """The stored verdict of one metric: the observation beside the person's and the formula's prediction."""
     by_formula = formula["direction"] if formula is not None else None
+    observed = seen.direction is not None or seen.a is not None
+    # a figure's provenance is how it was obtained: nothing measured, nothing labelled allocator / wall-clock
+    how = PROVENANCE[metric] if observed else ("formula" if formula is not None else "not measured")
     return MetricRecord(seen.direction, seen.ratio, seen.band, user, by_formula, _held(user, seen.direction),
-                        _held(by_formula, seen.direction), seen.a, seen.b, UNITS[metric], PROVENANCE[metric],
-                        seen.paired_ratios, FormulaFigures.from_dict(formula), seen.note)
+                        _held(by_formula, seen.direction), seen.a, seen.b, UNITS[metric], how,
+                        seen.paired_ratios, FormulaFigures.from_dict(formula), seen.note, seen.inconclusive)
 
 
 def round_value(m: Measurement | None, metric: Metric, token_budget: float) -> float | None:
@@ -97,9 +105,23 @@ def measured_verdict(metric: Metric, rounds: Rounds, token_budget: float) -> Obs
         return Observed(note="no round with both sides measured")
     ratios = [y / x for x, y in pairs]
     ratio, band, direction = paired_direction(ratios, metric)
-    note = "" if len(pairs) == len(rounds.a) else f"{len(pairs)} of {len(rounds.a)} rounds had both sides measured"
-    return Observed(statistics.median(x for x, _ in pairs), statistics.median(y for _, y in pairs), ratio, band,
-                    tuple(ratios), direction, note)
+    a, b = statistics.median(x for x, _ in pairs), statistics.median(y for _, y in pairs)
+    notes = [] if len(pairs) == len(rounds.a) else [f"{len(pairs)} of {len(rounds.a)} rounds had both sides measured"]
+    noise = noise_note(a, b, ratio)
+    if noise:
+        return Observed(a, b, ratio, band, tuple(ratios), None, "; ".join(notes + [noise]), inconclusive=True)
+    return Observed(a, b, ratio, band, tuple(ratios), direction, "; ".join(notes))
+
+
+def noise_note(a: float, b: float, paired: float) -> str:
+    """Why the verdict is inconclusive when the per-side medians (B/A of the medians) and the median of the
+    paired ratios point opposite ways, else "": the rounds moved more between themselves than the change did."""
+    sides, pairs = direction_of(b / a, SAME_TOLERANCE), direction_of(paired, SAME_TOLERANCE)
+    if {sides, pairs} != {Direction.UP, Direction.DOWN}:
+        return ""
+    return (f"inconclusive: noise — the per-side medians give B/A {b / a:.3g} ({sides.value}) but the median "
+            f"of the paired ratios is {paired:.3g} ({pairs.value}); the machine moved more between rounds than "
+            "the change did: rerun with more --rounds on a quieter machine")
 
 
 def verdicts(rounds: Rounds | None, user: dict[Metric, Direction], formula: dict[Metric, dict[str, Any]] | None,
@@ -125,7 +147,7 @@ def summary(vs: dict[Metric, MetricRecord]) -> str:
     parts = []
     for metric, v in vs.items():
         if v.observed is None:
-            parts.append(f"{metric.label} ?")
+            parts.append(f"{metric.label} ? (inconclusive: noise)" if v.inconclusive else f"{metric.label} ?")
             continue
         size = f" x{v.ratio:.3g}" if v.ratio is not None else ""
         held = []

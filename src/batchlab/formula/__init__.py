@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchlab.config import Backend, ModelSource, RunConfig
 from batchlab.formula.activations import implementation
-from batchlab.formula.flops import FlopsEstimate, flops
+from batchlab.formula.flops import FlopsEstimate, flops, utilisation
 from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
                                      optimizer_bytes_per_param)
 from batchlab.formula.params import ParamCount, count
@@ -40,6 +40,16 @@ class Estimate:
     def global_batch(self) -> int:
         return self.config.global_batch
 
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation, a fraction (the table shows it as a percentage)."""
+        return utilisation(self.flops.model_flops_per_update, self.time.update_seconds, self.config)
+
+    @property
+    def hfu(self) -> float | None:
+        """Hardware FLOPs utilisation (recompute counted), a fraction."""
+        return utilisation(self.flops.hardware_flops_per_update, self.time.update_seconds, self.config)
+
     def to_dict(self) -> dict[str, Any]:
         from batchlab.config import to_jsonable
 
@@ -47,7 +57,8 @@ class Estimate:
         mem.update(fits=self.memory.fits, headroom_bytes=self.memory.headroom_bytes)
         return {"provenance": self.provenance, "config": self.config.to_dict(),
                 "global_batch": self.global_batch, "tokens_per_update": self.config.tokens_per_update,
-                "parameters": self.params.total, "memory": mem, "flops": to_jsonable(self.flops),
+                "parameters": self.params.total, "memory": mem,
+                "flops": {**to_jsonable(self.flops), "mfu": self.mfu, "hfu": self.hfu},
                 "time": to_jsonable(self.time), "training_checkpoint_bytes": self.training_checkpoint_bytes,
                 "assumptions": list(self.assumptions)}
 
@@ -70,13 +81,35 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"{t.achievable_fraction:.2f} (source: {t.fraction_source})",
         f"per-op overhead {fmt_seconds(t.overhead_seconds_per_micro_batch)} per micro-batch (~{OPS_PER_LAYER} "
         f"ops per layer; op_overhead_seconds to change)",
-        f"communication: ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}; {t.overlap_source}",
+        f"communication: {collectives_text(cfg)}, ring over {fmt_count(t.bandwidth_bytes_per_s, 'B/s')}; "
+        f"{t.overlap_source}",
         allocator_text(cfg),
         f"activations counted from the tensors the {implementation(cfg.model_kind, cfg.model).value} layer code keeps "
         "(other code: use --trace)",
     ) + ((f"model {cfg.model_source} comes from a factory the calculator cannot see: these figures are for the "
           f"stand-in shape {cfg.model.name} ({cfg.model.layers} layers, hidden {cfg.model.hidden}); use --trace",)
-         if cfg.model_kind is ModelSource.FACTORY else ())
+         if cfg.model_kind is ModelSource.FACTORY else ()) + zero1_engine_note(cfg)
+
+
+def collectives_text(cfg: RunConfig) -> str:
+    """What the stage's engine sends (formula.sharding)."""
+    if cfg.dp == 1:
+        return "none at DP 1"
+    if cfg.zero >= 2:
+        return (f"FSDP2 (ZeRO-{cfg.zero}) all-gathers{' (forward and backward)' if cfg.zero >= 3 else ''} and "
+                "reduce-scatters of every micro-batch")
+    return "DDP's gradient all-reduce once per update" + (
+        " + ZeroRedundancyOptimizer's parameter broadcasts after the step" if cfg.zero == 1 else "")
+
+
+def zero1_engine_note(cfg: RunConfig) -> tuple[str, ...]:
+    """ZeRO-1 is counted as the ZeRO paper (DeepSpeed) does; PyTorch's engine for it differs under autocast."""
+    if cfg.zero != 1 or not cfg.precision.mixed:
+        return ()
+    return ("ZeRO-1 counted as ZeRO's paper and DeepSpeed do (16-bit weights and gradients, fp32 master and "
+            "optimizer state sharded); PyTorch's DDP + ZeroRedundancyOptimizer under autocast (what batchlab "
+            "measures) instead keeps fp32 weights and gradients on every rank and shards only the optimizer "
+            "state, and the communication figures are that engine's (fp32 all-reduce and broadcasts)",)
 
 
 def allocator_text(cfg: RunConfig) -> str:

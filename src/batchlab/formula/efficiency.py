@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchlab.config import Backend, Precision, RunConfig
-from batchlab.formula.params import count
+from batchlab.formula.sharding import collective_seconds, gathered_bytes_per_element, unit_elements
 
 
 @dataclass(frozen=True)
@@ -74,22 +74,32 @@ def bus_bandwidth(cfg: RunConfig) -> Sourced:
     return Sourced(bw, f"{dev.gpus_per_node} NICs per node (one ring per rail), capped by the node's link")
 
 
-def exposed_comm_seconds(cfg: RunConfig, comm: float, compute: float, micro: float) -> Sourced:
-    """The part of ``comm`` (seconds per update) not hidden behind compute, per engine.
+def exposed_comm_seconds(cfg: RunConfig, comm: float, compute: float, micro: float, after_step: float = 0.0
+                         ) -> Sourced:
+    """The part of ``comm`` (seconds per update, formula.sharding's bytes of the stage) not hidden behind
+    compute, per engine.  ``after_step``: the part of ``comm`` issued after the optimizer step, which nothing
+    hides (ZeroRedundancyOptimizer's parameter broadcasts, ZeRO-1).
 
-    DDP (and ZeRO-1/2) all-reduce / reduce-scatter gradient buckets during the backward of the last
-    micro-batch (no_sync before it): hidden up to that backward (~2/3 of a micro-batch), the last bucket
-    (25 MiB, DDP's bucket_cap_mb) always exposed.  FSDP / ZeRO-3 prefetches the next block's all-gather in
-    forward and backward and reduce-scatters each block while the previous one computes: hidden up to the
-    whole compute, the first block's all-gather exposed."""
+    DDP (ZeRO-0/1) all-reduces gradient buckets during the backward of the last micro-batch (no_sync before
+    it): hidden up to that backward (~2/3 of a micro-batch), the last bucket (25 MiB, DDP's bucket_cap_mb)
+    always exposed.  FSDP2 (ZeRO-2/3) prefetches the next unit's all-gather while the current one computes
+    and reduce-scatters each block while the previous one computes: hidden up to the whole compute, except
+    what nothing runs beside, in every micro-batch: the root unit's all-gather (embeddings, head) at the start
+    of forward and, ZeRO-3, the last block's again at the start of backward (formula.sharding's unit bytes)."""
     if cfg.assumptions.comm_overlap is not None:
         return Sourced(comm * (1 - cfg.assumptions.comm_overlap), "assumption (--comm-overlap)")
     if comm <= 0:
         return Sourced(0.0, "no communication")
     bw = bus_bandwidth(cfg).value
-    if cfg.zero >= 3:
-        first = count(cfg.model).per_layer * 2 * (cfg.dp - 1) / cfg.dp / bw
-        return Sourced(max(0.0, comm - compute) + first, "FSDP prefetch: hidden behind forward and backward, the first block's all-gather exposed")
-    last_bucket = min(comm, 2 * 25 * 2**20 / bw)
-    return Sourced(max(0.0, comm - 2 / 3 * micro) + last_bucket,
-                   "DDP buckets: hidden behind backward (of the last micro-batch), the last bucket exposed")
+    if cfg.zero >= 2:
+        units = unit_elements(cfg)
+        first = units[0] + (units[-1] if cfg.zero >= 3 and len(units) > 1 else 0)
+        exposed = cfg.accum * collective_seconds("all_gather", first * gathered_bytes_per_element(cfg), cfg.dp, bw)
+        return Sourced(min(comm, max(0.0, comm - compute) + exposed),
+                       "FSDP2 prefetch: hidden behind forward and backward, the first unit's all-gather of each "
+                       "forward (ZeRO-3: and of each backward) exposed")
+    during = comm - after_step
+    last_bucket = min(during, 2 * 25 * 2**20 / bw)
+    step = "; ZeroRedundancyOptimizer's broadcasts after the step exposed" if after_step else ""
+    return Sourced(max(0.0, during - 2 / 3 * micro) + last_bucket + after_step,
+                   "DDP buckets: hidden behind backward (of the last micro-batch), the last bucket exposed" + step)

@@ -44,3 +44,10 @@ def flops(cfg: RunConfig) -> FlopsEstimate:
         model_flops_per_token=per_token, recompute_flops_per_token=recompute,
         model_flops_per_update=per_token * tokens, hardware_flops_per_update=(per_token + recompute) * tokens,
         flops_per_micro_batch=(per_token + recompute) * cfg.micro_batch * s)
+
+
+def utilisation(flops_per_update: float, update_seconds: float, cfg: RunConfig) -> float | None:
+    """Fraction of the DP ranks' peak FLOP/s one update used: MFU with model FLOPs, HFU with hardware FLOPs
+    (Chowdhery et al. 2022, appendix B).  Peak: the device's datasheet (or nominal) rate for the precision."""
+    peak = cfg.device_spec.peak_flops(cfg.precision) * cfg.dp
+    return flops_per_update / (update_seconds * peak) if update_seconds > 0 and peak > 0 else None

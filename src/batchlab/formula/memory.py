@@ -7,8 +7,10 @@ from batchlab.config import ACMode, Backend, OptimizerKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
 from batchlab.formula.allocator import device_memory
+from batchlab.formula.fsdp import fsdp_phases
 from batchlab.formula.loss import loss_path
-from batchlab.formula.params import count
+from batchlab.formula.params import count, norm_params
+from batchlab.formula.sharding import unit_elements
 
 F32 = 4
 
@@ -137,23 +139,12 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     are the 16-bit weight copies the matmuls saved, ``layer_copy`` of them per layer: each layer's are freed
     by its backward (a recomputed layer casts its own again while it runs).  Returns the parts at the peak.
     """
-    m, s, b = cfg.model, cfg.seq, cfg.micro_batch
-    w = act.Widths.of(cfg.precision, cfg.device_spec.backend)
+    m = cfg.model
     n = max(count(m).total, 1)
     layer_grad = count(m).per_layer * states.gradients // n
-    new_grads = cfg.accum == 1  # with accumulation the .grad tensors exist already (in grads_before)
-    sbh = s * b * m.hidden
-    # Inside a layer's backward each node frees what it saved as it creates its input's gradient, so the
-    # net transient is about one gradient of the widest intermediate (MLP inner, or the s x s scores),
-    # plus the incoming and outgoing residual gradients and the first weight gradient (the MLP's output
-    # projection, h x f).
-    scores = m.heads * s * s * b * w.softmax if act.materialises_scores(m, cfg.device_spec.backend) else 0
-    transient = (max(s * b * m.ffn * w.e, scores) + 2 * sbh * w.res
-                 + m.hidden * m.ffn * states.gradients // n)
-    # the LM head's weight gradient exists from the start of the layers' backward (tied: in autograd's
-    # input buffer until the embedding's backward adds its part)
-    head_grad = m.vocab * m.hidden * states.gradients // n
-    below_layers = act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend)  # the rest is freed
+    # with accumulation (or DDP's gradient buckets) the .grad tensors exist already (in grads_before)
+    new_grads = grads_before == 0
+    transient, head_grad, below_layers = _backward_terms(cfg, states.gradients)
     best = dict(resident, gradients=grads_before, activations=plan.total, recompute=0, temporaries=loss_grads)
     kept_below = sum(plan.per_layer_kept)
     grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
@@ -174,14 +165,72 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     return best
 
 
+def _backward_terms(cfg: RunConfig, gradient_bytes: int) -> tuple[int, int, int]:
+    """(in-layer transient, the LM head's weight gradient, activations kept below the layers) in backward;
+    ``gradient_bytes``: all of the model's gradients as one rank would hold them unsharded."""
+    m, s, b = cfg.model, cfg.seq, cfg.micro_batch
+    w = act.Widths.of(cfg.precision, cfg.device_spec.backend)
+    n = max(count(m).total, 1)
+    sbh = s * b * m.hidden
+    # Inside a layer's backward each node frees what it saved as it creates its input's gradient, so the
+    # net transient is about one gradient of the widest intermediate (MLP inner, or the s x s scores),
+    # plus the incoming and outgoing residual gradients and the first weight gradient (the MLP's output
+    # projection, h x f).
+    scores = m.heads * s * s * b * w.softmax if act.materialises_scores(m, cfg.device_spec.backend) else 0
+    transient = max(s * b * m.ffn * w.e, scores) + 2 * sbh * w.res + m.hidden * m.ffn * gradient_bytes // n
+    # the LM head's weight gradient exists from the start of the layers' backward (tied: in autograd's
+    # input buffer until the embedding's backward adds its part)
+    head_grad = m.vocab * m.hidden * gradient_bytes // n
+    below_layers = act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend)  # the rest is freed
+    return transient, head_grad, below_layers
+
+
+def autocast_cast_params(m) -> tuple[int, int]:
+    """(whole model, one layer): the parameters autocast copies to 16 bits, the matmuls' weights and biases.
+    Lookup tables (an untied token embedding, learned positions) and norm weights are not cast (embedding and
+    the norms are not on autocast's lower-precision op list); a tied embedding is cast, as the LM head's weight.
+    Checked against the live storages of a real bf16-mixed step (tests/test_trace.py)."""
+    c = count(m)
+    norms = 2 * norm_params(m)
+    lookups = c.embedding - (m.vocab * m.hidden if m.tied_embeddings else 0)
+    return c.total - lookups - norms * m.layers - c.final_norm, c.per_layer - norms
+
+
 def _largest_param(cfg: RunConfig) -> int:
     m = cfg.model
     return max(m.vocab * m.hidden, m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden))
 
 
+def fsdp_shard_bytes(cfg: RunConfig) -> int:
+    """FSDP2 keeps fp32 (bf16: 16-bit) parameter shards at ZeRO-2 and 3 alike, and gathers 16-bit working
+    copies under mixed precision (MixedPrecisionPolicy): then the fp32 shards are the master copy."""
+    return sum(unit_elements(cfg)) * (2 if cfg.precision is Precision.BF16 else F32) // cfg.dp
+
+
+def _sharded_master(cfg: RunConfig) -> bool:
+    return cfg.precision not in (Precision.FP32, Precision.BF16)
+
+
+def fsdp_gradient_shard_bytes(cfg: RunConfig) -> int:
+    """Gradient shards keep the shards' dtype (reduced in fp32 under MixedPrecisionPolicy(reduce_dtype=fp32))."""
+    return fsdp_shard_bytes(cfg)
+
+
+def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int], logits_fwd: int,
+          loss_grads: int, opt_tmp: int) -> dict[str, dict[str, int]]:
+    shards = fsdp_shard_bytes(cfg)
+    full_grads = states.gradients * cfg.dp
+    transient, head_grad, below = _backward_terms(cfg, full_grads)
+    # the fp32 shards are the master copy under a 16-bit param_dtype (FSDP2's "parameters" are then only the
+    # gathered 16-bit working copies); in fp32 and bf16 they are the parameters themselves
+    resident = dict(weights, parameters=0, master=shards) if _sharded_master(cfg) else dict(weights, parameters=shards,
+                                                                                           master=0)
+    return fsdp_phases(cfg, resident, plan.per_layer_full, plan.per_layer_kept, below, plan.total, logits_fwd,
+                       loss_grads, head_grad, transient, opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg))
+
+
 def memory(cfg: RunConfig) -> MemoryEstimate:
     m, s, b = cfg.model, cfg.seq, cfg.micro_batch
-    w = act.Widths.of(cfg.precision, cfg.device_spec.backend)
     states = model_states(cfg)
     plan = activation_plan(cfg)
     n_recomputed = len(cfg.ac.wrapped_layers(m.layers)) + len(cfg.ac.selective_layers(m.layers))
@@ -190,14 +239,16 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     copies_fwd = copies = layer_copy = 0
     autocast = cfg.precision.mixed and cfg.zero == 0  # under ZeRO the 16-bit weights are resident instead
     if autocast:
-        n, per_layer = count(m).total, count(m).per_layer
+        n, per_layer = autocast_cast_params(m)
         copies_fwd = 2 * n
         copies = 2 * (n - per_layer * n_recomputed)
         layer_copy = 2 * per_layer
     data = cfg.accum * 2 * s * b * 8  # int64 inputs and targets, all micro-batches made up front
     weights = dict(parameters=copies if autocast else states.parameters, master=states.master,
                    optimizer=states.optimizer, data=data)
-    grads_before = states.gradients if cfg.accum > 1 else 0
+    fsdp = cfg.dp > 1 and cfg.zero >= 2  # FSDP2 (formula.fsdp); below 2, DDP
+    # DDP (gradient_as_bucket_view) keeps its gradient buckets between updates, as accumulation keeps .grad
+    grads_before = states.gradients if cfg.accum > 1 or (cfg.dp > 1 and not fsdp) else 0
     lp = loss_path(cfg)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
@@ -210,13 +261,17 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         "optimizer": dict(weights, parameters=0 if autocast else states.parameters,
                           gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
     }
+    if fsdp:
+        phases = _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
     peak_tensor = totals[peak_phase]
     dm = device_memory(cfg, peak_tensor, peak_phase, plan.total)
     return MemoryEstimate(
-        parameters_bytes=states.parameters, master_bytes=states.master, gradients_bytes=states.gradients,
+        parameters_bytes=(0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg)) if fsdp else states.parameters,
+        master_bytes=(fsdp_shard_bytes(cfg) if _sharded_master(cfg) else 0) if fsdp else states.master,
+        gradients_bytes=fsdp_gradient_shard_bytes(cfg) if fsdp else states.gradients,
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,
         activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=at_peak["recompute"],
         logits_bytes=lp.kept, temporaries_bytes=at_peak["temporaries"], data_bytes=data,

@@ -1,12 +1,13 @@
-"""Time of one optimizer update: compute, the gradient all-reduce once per update, the optimizer step."""
+"""Time of one optimizer update: compute, the stage's collectives (formula.sharding), the optimizer step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchlab.config import Backend, DataKind, RunConfig
 from batchlab.formula.efficiency import achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate
 from batchlab.formula.memory import MemoryEstimate
+from batchlab.formula.sharding import collective_seconds, traffic
 
 
 # Eager PyTorch pays a fixed cost per op (Python dispatch; on GPUs the kernel launch), whatever the batch:
@@ -29,8 +30,8 @@ def overhead_seconds_per_micro_batch(cfg: RunConfig) -> float:
 class TimeEstimate:
     compute_seconds_per_micro_batch: float  # FLOPs at the achievable rate + per-op overhead
     compute_seconds: float  # accum micro-batches
-    allreduce_bytes: int  # gradient bytes reduced per update
-    allreduce_seconds: float  # ring time, before overlap
+    allreduce_bytes: int  # gradient bytes reduced per update (all-reduce + reduce-scatter)
+    allreduce_seconds: float  # ring time of every collective of the update, before overlap
     exposed_comm_seconds: float  # the part not hidden behind backward
     optimizer_seconds: float
     update_seconds: float
@@ -39,6 +40,7 @@ class TimeEstimate:
     flops_ceiling: float  # FLOP/s used: peak x achievable fraction
     ceiling_source: str  # datasheet / calibrated / nominal
     bandwidth_bytes_per_s: float  # link used for the all-reduce
+    collective_bytes: dict[str, int] = field(default_factory=dict)  # per update, by kind (formula.sharding)
     achievable_fraction: float = 0.0  # of the ceiling's peak, reached by real kernels
     fraction_source: str = ""  # where the achievable fraction comes from (formula/efficiency.py)
     overlap_source: str = ""  # how the engine hides communication
@@ -50,9 +52,7 @@ class TimeEstimate:
 
 def ring_allreduce_seconds(nbytes: float, n: int, bus_bytes_per_s: float) -> float:
     # nccl-tests PERFORMANCE.md: ring all-reduce moves 2(n-1)/n of the buffer over the slowest link.
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / bus_bytes_per_s
+    return collective_seconds("all_reduce", nbytes, n, bus_bytes_per_s)
 
 
 def useful_fraction(cfg: RunConfig) -> float:
@@ -78,11 +78,13 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, ceiling: tupl
     micro = fl.flops_per_micro_batch / rate + overhead
     compute = micro * cfg.accum
     bw = bus_bandwidth(cfg).value
-    grad_bytes = mem.gradients_bytes * (cfg.dp if cfg.zero >= 2 else 1)  # full gradient, before sharding
-    comm = ring_allreduce_seconds(grad_bytes, cfg.dp, bw)
-    if cfg.zero >= 3:  # parameters gathered in forward and again in backward: two more all-gathers
-        comm += 2 * (cfg.dp - 1) / cfg.dp * mem.parameters_bytes * cfg.dp / bw  # the working (16-bit) weights
-    hidden = exposed_comm_seconds(cfg, comm, compute, micro)
+    # what the stage's engine sends per update: DDP's all-reduce (+ ZeRO-1's broadcasts), FSDP2's all-gathers
+    # and reduce-scatters of every micro-batch (formula.sharding); the engine's overlap hides part of it
+    sent = traffic(cfg).per_update
+    grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
+    comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
+    after_step = collective_seconds("broadcast", sent["broadcast"], cfg.dp, bw)
+    hidden = exposed_comm_seconds(cfg, comm, compute, micro, after_step)
     exposed = hidden.value
     # AdamW is bandwidth-bound: read weights, grads, m, v and write weights, m, v (~2x the states)
     opt = 2 * (mem.master_bytes or mem.parameters_bytes) + mem.gradients_bytes + 2 * mem.optimizer_bytes
@@ -90,4 +92,5 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, ceiling: tupl
     update = compute + exposed + opt_s
     useful = cfg.tokens_per_update * useful_fraction(cfg)
     return TimeEstimate(micro, compute, grad_bytes, comm, exposed, opt_s, update, useful / update, overhead, rate,
-                        source, bw, achievable_fraction=fraction.value, fraction_source=fraction.source, overlap_source=hidden.source)
+                        source, bw, collective_bytes=sent, achievable_fraction=fraction.value,
+                        fraction_source=fraction.source, overlap_source=hidden.source)

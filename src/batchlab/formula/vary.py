@@ -1,14 +1,13 @@
 """One-variable tables: the estimate for each value of one field, directions versus the first value."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from batchlab.config import Keep, RunConfig, apply_change, parse_field_value
+from batchlab.config import BATCH_FIELDS, ConfigError, Keep, RunConfig, apply_change, parse_field_value
 from batchlab.formula import Calibrations, Estimate, estimate
-
-# relative change under which the calculator calls two figures equal
-SAME = 0.005
+from batchlab.units import SAME_TOLERANCE
 
 # (label, getter) for the outputs a --vary table compares
 OUTPUTS = (
@@ -22,25 +21,76 @@ OUTPUTS = (
 
 @dataclass(frozen=True)
 class VaryRow:
+    """One value of the table; an impossible one has no config or estimate, only ``why`` and ``fix``."""
     value: Any
-    config: RunConfig
-    estimate: Estimate
-    directions: dict[str, str]  # output label -> "up" | "down" | "same" versus the first row
+    config: RunConfig | None
+    estimate: Estimate | None
+    directions: dict[str, str]  # output label -> "up" | "down" | "same" versus the first possible row
+    why: str = ""  # why this value is not possible for the config
+    fix: str = ""  # what would make it possible
+
+    @property
+    def possible(self) -> bool:
+        return self.estimate is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        if not self.possible:
+            return {"value": self.value, "possible": False, "why": self.why, "fix": self.fix}
+        return {"value": self.value, "possible": True, "directions": self.directions, **self.estimate.to_dict()}
 
 
-def direction(a: float, b: float, same: float = SAME) -> str:
+def direction(a: float, b: float, same: float = SAME_TOLERANCE) -> str:
     if a == b or (a and abs(b / a - 1) < same):
         return "same"
     return "up" if b > a else "down"
 
 
+def _per_step(cfg: RunConfig, name: str) -> int:
+    """What the global batch must be a multiple of when ``name`` changes at a kept global batch."""
+    return cfg.accum * cfg.dp if name == "accum" else cfg.micro_batch * cfg.dp
+
+
+def _why(cfg: RunConfig, name: str, free: RunConfig) -> str:
+    per = "accum × DP" if name == "accum" else "micro-batch × DP"
+    return (f"the global batch {cfg.global_batch} = {cfg.micro_batch} × {cfg.accum} × {cfg.dp} is kept "
+            f"(--keep global-batch, the default) and is not a multiple of {per} = {_per_step(free, name)}")
+
+
+def _fix(cfg: RunConfig, name: str, loose: RunConfig, all_loose: list[RunConfig]) -> str:
+    """--keep accum (the global batch it would give) and the smallest --global-batch every row divides."""
+    unit = math.lcm(*(_per_step(c, name) for c in all_loose))
+    g = -(-cfg.global_batch // unit) * unit
+    return f"--keep accum (global batch {loose.global_batch}), or --global-batch {g} (every row possible)"
+
+
+def _loose(cfg: RunConfig, name: str, text: str) -> RunConfig | None:
+    """cfg with the value and accum kept (the global batch free), or None when the value itself is invalid."""
+    try:
+        return apply_change(cfg, name, parse_field_value(name, text), Keep.ACCUM)
+    except ConfigError:
+        return None
+
+
 def vary(cfg: RunConfig, name: str, values: list[str], keep: Keep = Keep.GLOBAL_BATCH,
          calibrations: Calibrations | None = None) -> list[VaryRow]:
-    """One row per value; ``calibrations`` as for ``estimate``."""
+    """One row per value, impossible ones included (with why and what would make them possible);
+    raises ConfigError only when no value is possible.  ``calibrations`` as for ``estimate``."""
+    loose = [_loose(cfg, name, text) for text in values]
     rows: list[VaryRow] = []
-    for text in values:
-        c = apply_change(cfg, name, parse_field_value(name, text), keep)
+    for text, free in zip(values, loose):
+        try:
+            c = apply_change(cfg, name, parse_field_value(name, text), keep)
+        except ConfigError as e:
+            if free is None or name not in BATCH_FIELDS:  # the value itself is invalid for this config
+                rows.append(VaryRow(text, None, None, {}, str(e)))
+                continue
+            rows.append(VaryRow(text, None, None, {}, _why(cfg, name, free),
+                                _fix(cfg, name, free, [x for x in loose if x is not None])))
+            continue
         e = estimate(c, calibrations)
-        first = rows[0].estimate if rows else e
+        first = next((r.estimate for r in rows if r.possible), e)
         rows.append(VaryRow(text, c, e, {label: direction(get(first), get(e)) for label, get in OUTPUTS}))
+    if not any(r.possible for r in rows):
+        first = rows[0]
+        raise ConfigError(name, f"no value is possible: {first.why}" + (f"; {first.fix}" if first.fix else ""))
     return rows

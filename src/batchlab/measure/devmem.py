@@ -60,10 +60,11 @@ class CudaMemoryProbe:
 def model_state_bytes(trainer) -> dict[str, int]:
     """Parameters (and buffers) and optimizer state as they are now (between updates)."""
     model = trainer.raw_model
-    opt = [v for s in trainer.optimizer.state.values() for v in s.values()
-           if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {"parameters": storage_bytes(list(model.parameters()) + list(model.buffers())),
-            "optimizer": storage_bytes(opt)}
+    optimizer = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeroRedundancyOptimizer: this rank's
+    opt = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    local = lambda ts: [getattr(t, "_local_tensor", t) for t in ts]  # noqa: E731 - DTensor: this rank's shard
+    return {"parameters": storage_bytes(local(list(model.parameters()) + list(model.buffers()))),
+            "optimizer": storage_bytes(local(opt))}
 
 
 def from_snapshot(snap: MemorySnapshot) -> MeasuredMemory:

@@ -35,15 +35,20 @@ def _autocast_dtype(precision: Precision) -> torch.dtype | None:
     return {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}.get(precision)
 
 
-def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
-    params = list(params)
+def optimizer_class(cfg: RunConfig) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer class and its arguments (ZeroRedundancyOptimizer wraps the same ones)."""
     # foreach=False: the per-parameter loop keeps temporaries to one parameter at a time (what the
     # calculator assumes); the fused/foreach paths hold a temporary per parameter group.
     if cfg.optimizer is OptimizerKind.ADAMW:
-        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=False)
+        return torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.1, foreach=False)
     if cfg.optimizer is OptimizerKind.SGD_MOMENTUM:
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=False)
-    return torch.optim.SGD(params, lr=1e-3, foreach=False)
+        return torch.optim.SGD, dict(lr=1e-3, momentum=0.9, foreach=False)
+    return torch.optim.SGD, dict(lr=1e-3, foreach=False)
+
+
+def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
+    cls, kwargs = optimizer_class(cfg)
+    return cls(list(params), **kwargs)
 
 
 @dataclass
@@ -58,7 +63,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, device: torch.device | str | None = None, *, workload: Workload | None = None,
                  rank: int = 0, world: int = 1, wrap=None, clip_norm: float | None = 1.0,
-                 grads_to_none: bool = True):
+                 grads_to_none: bool = True, optimizer=make_optimizer):
         if cfg.precision is Precision.BF16_FSDP:
             raise ConfigError("precision", "bf16-fsdp (FSDP2 MixedPrecisionPolicy) is formula-only for now: measure "
                                            "bf16-mixed or bf16, or run it under FSDP2 with its own policy")
@@ -77,9 +82,10 @@ class Trainer:
         model = model.to(self.device)
         model.train()
         self.raw_model = model
-        # wrap: e.g. DDP; receives the model, returns the module to call
+        # wrap: e.g. DDP or FSDP2; receives the model, returns the module to call
         self.model = wrap(model) if wrap is not None else model
-        self.optimizer = make_optimizer(cfg, model.parameters())
+        # optimizer(cfg, params): e.g. a ZeroRedundancyOptimizer (distributed.engines)
+        self.optimizer = optimizer(cfg, model.parameters())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / 100))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision is Precision.FP16_MIXED)
         self.clip_norm = clip_norm

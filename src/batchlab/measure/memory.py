@@ -20,6 +20,15 @@ from batchlab.phase import Phase
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "data")
 _CREATED_AS = {Phase.DATA: "data", Phase.FORWARD: "activations", Phase.BACKWARD: "temporaries",
                Phase.OPTIMIZER: "temporaries"}
+# FSDP2's flat buffers, classified by what they hold whatever the phase: the copy-in and all-gather output
+# are (working copies of) parameters; the reduce-scatter input and output are gradients.
+_RELABEL = {"all_gather_copy_in": "parameters", "_allgather_base_": "parameters", "chunk_cat": "gradients",
+            "_reduce_scatter_base_": "gradients"}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank stores); a plain tensor itself."""
+    return getattr(t, "_local_tensor", t)
 
 
 @dataclass
@@ -78,6 +87,7 @@ class StorageTracker(TorchDispatchMode):
         self._param_keys: set[int] = set()
         self._hooks: list = []
         self._forward_start_keys: set[int] = set()
+        self._resizable: dict[int, object] = {}  # id(storage) -> storage whose size changes in place
         self._activation_bytes = 0
         self._baseline = 0
 
@@ -85,11 +95,42 @@ class StorageTracker(TorchDispatchMode):
     def register(self, tensors, category: str) -> None:
         for t in tensors:
             if isinstance(t, torch.Tensor):
+                t = _local(t)
                 self._add(t.untyped_storage(), category)
                 if category == "parameters":
                     self._param_keys.add(id(t.untyped_storage()))
 
+    def register_resizable(self, tensors, category: str) -> None:
+        """Storages resized in place (FSDP2 gathers into a storage grown to full size and frees it by resizing
+        to 0): no op creates or frees them, so their size is re-read after every op."""
+        for t in tensors:
+            st = t.untyped_storage()
+            self._add(st, category)
+            self._resizable[id(st)] = st
+
+    def _resync(self) -> None:
+        for key, st in self._resizable.items():
+            n = st.nbytes()
+            entry = self._live.get(key)
+            if entry is not None and entry[0] != n:
+                self._current += n - entry[0]
+                self._live[key] = (n, entry[1])
+                if self.listener is not None:  # a resize is a free of the old bytes and a new storage
+                    self.listener.freed(key)
+                    self.listener.added(key, n, entry[1])
+                self._note_peak()
+
+    def _relabel(self, tensors, category: str) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                key = id(_local(t).untyped_storage())
+                if key in self._live:
+                    self._live[key] = (self._live[key][0], category)
+                    if self.listener is not None:
+                        self.listener.relabelled(key, category)
+
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's shard
         for state in optimizer.state.values():
             self.register([v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0], "optimizer")
 
@@ -100,7 +141,7 @@ class StorageTracker(TorchDispatchMode):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
 
     def _grad_hook(self, p: torch.Tensor) -> None:
-        key = id(p.grad.untyped_storage()) if p.grad is not None else None
+        key = id(_local(p.grad).untyped_storage()) if p.grad is not None else None
         if key in self._live:
             self._live[key] = (self._live[key][0], "gradients")
             if self.listener is not None:
@@ -131,6 +172,9 @@ class StorageTracker(TorchDispatchMode):
             self.listener.added(key, n, category)
         if self._owner is not None:
             self._owners[key] = self._owner()
+        self._note_peak()
+
+    def _note_peak(self) -> None:
         if self._current > self._phase_peaks.get(self.phase, -1):
             self._phase_peaks[self.phase] = self._current
         if self._current > self._peak:
@@ -151,12 +195,15 @@ class StorageTracker(TorchDispatchMode):
         if phase is Phase.FORWARD and self.phase is not Phase.FORWARD:
             self._forward_start_keys = set(self._live)
         if phase is Phase.BACKWARD:
-            self._activation_bytes = sum(n for k, (n, _) in self._live.items() if k not in self._forward_start_keys)
+            # what forward made and backward will read, in the breakdown's own vocabulary: autocast's 16-bit
+            # weight copies are created in forward too, but they are "parameters" (as the formula counts them)
+            kept = {k: n for k, (n, cat) in self._live.items() if k not in self._forward_start_keys
+                    and cat == "activations"}
+            self._activation_bytes = sum(kept.values())
             if self._owner is not None:
                 by_owner: dict[str, int] = {}
-                for k, (n, _) in self._live.items():
-                    if k not in self._forward_start_keys:
-                        by_owner[self._owners[k]] = by_owner.get(self._owners[k], 0) + n
+                for k, n in kept.items():
+                    by_owner[self._owners[k]] = by_owner.get(self._owners[k], 0) + n
                 self._activations_by_owner = by_owner
         self.phase = phase
 
@@ -170,13 +217,20 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._resizable:
+            self._resync()
         category = _CREATED_AS.get(self.phase, "temporaries")
         if (func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
-                and id(args[0].untyped_storage()) in self._param_keys):
+                and id(_local(args[0]).untyped_storage()) in self._param_keys):
             category = "parameters"  # autocast's low-precision working copy of a weight
+        relabel = _RELABEL.get(func._opname) if func.namespace in ("fsdp", "c10d") else None
+        category = relabel or category
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage(), category)
+                # a mode sees a DTensor op before DTensor does: the storage is the output's local shard
+                self._add(_local(t).untyped_storage(), category)
+        if relabel:
+            self._relabel(tree_flatten((args, out))[0], relabel)
         if self.listener is not None:
             self.listener.op_done(func, args)
         if self.budget is not None and self._current > self.budget:
@@ -205,7 +259,8 @@ def tracker_for(trainer, budget: int | None = None, owner: Callable[[], str] | N
     tracker.register(params, "parameters")
     tracker.register([b for b in trainer.raw_model.buffers()], "parameters")
     tracker.register_optimizer(trainer.optimizer)
-    # gradients still alive from the previous update (frameworks that zero them late, e.g. Lightning)
+    # gradients still alive from the previous update: kept between updates (zeroed in place, not set to
+    # None; DDP's buckets) or zeroed late by a framework (e.g. Lightning)
     tracker.register([p.grad for p in params if p.grad is not None], "gradients")
     tracker.watch_gradients(params)
     tracker.reset()

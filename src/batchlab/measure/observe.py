@@ -160,11 +160,11 @@ def observe(model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int =
     """Record peak memory and update time over the updates of your own loop (see the module docstring).
     With ``notebook`` (a path or Notebook), an observed record is written at the end: ``obs.record``,
     ``obs.notebook_id``; ``config`` (a RunConfig describing the loop) gives the formula's prediction."""
-    from batchlab.experiment.factors import Snapshot
+    from batchlab.experiment.factors import Watch
 
     obs = Observer(model, optimizer, warmup=warmup, memory=memory, device=device, config=config,
                    global_batch=global_batch)
-    before = Snapshot()
+    before = Watch().start() if notebook is not None else None  # sampled until the record is made
     try:
         yield obs
     finally:

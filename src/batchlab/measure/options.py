@@ -16,6 +16,9 @@ class MeasureOptions:
     timing: bool = True
     timeout_s: float | None = None  # isolated runs only: wall-clock limit of the subprocess
     torch_device: str | None = None  # cpu, cuda, cuda:1, mps; None: the config's device backend
+    # FSDP2 (ZeRO-2/3) with accumulation: reduce-scatter after every micro-batch (True, batchlab's choice), or
+    # set_requires_gradient_sync(False) on all but the last (an unsharded gradient kept per rank meanwhile)
+    fsdp_sync_every_micro_batch: bool = True
     timeline: bool = False  # one more untimed update after warmup, recorded as a memory timeline
 
     def __post_init__(self):

@@ -114,6 +114,32 @@ class MeasuredComm:
 
 
 @dataclass(frozen=True)
+class MeasuredTraffic:
+    """DP > 1: collective bytes on one rank's process group during one update (the same on every rank),
+    per kind (all_gather, reduce_scatter, all_reduce, broadcast), beside the formula's."""
+
+    engine: str  # ddp | zero1 | fsdp-grad-op | fsdp
+    api: str  # the PyTorch engine as written
+    accumulation: str  # what the engine does with gradients between micro-batches
+    per_update: dict[str, int]
+    calls_per_update: dict[str, int]
+    per_micro_batch: list[dict[str, int]]  # issued during each micro-batch's forward + backward
+    outside_micro_batches: dict[str, int]  # issued in the optimizer step (ZeroRedundancyOptimizer's broadcasts)
+    bookkeeping_calls: int = 0  # one-element collectives: the global useful-token count, a sharded grad norm
+    bookkeeping_bytes: int = 0
+    parameter_shard_bytes: int = 0  # this rank's parameter shards (all parameters without FSDP)
+    sync_every_micro_batch: bool = True  # FSDP2: reduce-scatter after every micro-batch (else the last only)
+    predicted_per_update: dict[str, int] = field(default_factory=dict)  # formula
+    predicted_per_micro_batch: list[dict[str, int]] = field(default_factory=list)  # formula
+    provenance: str = "counted (c10d ops on the process group)"
+
+    @property
+    def matches_formula(self) -> bool:
+        return (self.per_update == self.predicted_per_update
+                and self.per_micro_batch == self.predicted_per_micro_batch)
+
+
+@dataclass(frozen=True)
 class Measurement:
     config: dict[str, Any]  # RunConfig.to_dict()
     outcome: Outcome
@@ -127,6 +153,7 @@ class Measurement:
     environment: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     comm: MeasuredComm | None = None  # DP > 1 only
+    traffic: MeasuredTraffic | None = None  # DP > 1 only: every collective, counted
     timeline: Timeline | None = None  # MeasureOptions(timeline=True): memory over one untimed update
 
     @property
@@ -149,12 +176,14 @@ class Draft:
     tokens_per_second: float | None = None
     useful_tokens_per_update: int | None = None
     warnings: list[str] = field(default_factory=list)
+    comm: MeasuredComm | None = None
+    traffic: MeasuredTraffic | None = None
     timeline: Timeline | None = None
 
     def build(self) -> Measurement:
         return Measurement(self.config, self.outcome, self.global_batch, self.outcome_detail, self.oom_phase,
                            self.memory, self.time, self.tokens_per_second, self.useful_tokens_per_update,
-                           dict(self.environment), list(self.warnings), timeline=self.timeline)
+                           dict(self.environment), list(self.warnings), self.comm, self.traffic, self.timeline)
 
 
 # ------------------------------------------------------------------------------------------ JSON
@@ -210,6 +239,8 @@ def measurement_from_dict(d: dict[str, Any]) -> Measurement:
         d["time"] = MeasuredTime(**_only_fields(MeasuredTime, d["time"]))
     if d.get("comm") is not None:
         d["comm"] = MeasuredComm(**_only_fields(MeasuredComm, d["comm"]))
+    if d.get("traffic") is not None:
+        d["traffic"] = MeasuredTraffic(**_only_fields(MeasuredTraffic, d["traffic"]))
     if d.get("timeline") is not None:
         d["timeline"] = Timeline.from_dict(d["timeline"])
     return Measurement(**d)

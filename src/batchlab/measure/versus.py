@@ -70,4 +70,12 @@ def rows(m: Measurement, est=None) -> list[FigureRow]:
         if m.tokens_per_second is not None:
             out.append(FigureRow("useful tokens/s", "tokens/s", m.tokens_per_second, prov,
                                  of(ft, "tokens_per_second")))
+        if est is not None:  # the formula's FLOPs over the measured time: fractions, shown as percentages
+            from batchlab.formula.flops import utilisation
+
+            seconds = m.time.update_seconds_median
+            out += [FigureRow("MFU", "fraction", utilisation(est.flops.model_flops_per_update, seconds, est.config),
+                              prov, est.mfu),
+                    FigureRow("HFU", "fraction", utilisation(est.flops.hardware_flops_per_update, seconds, est.config),
+                              prov, est.hfu)]
     return out

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from batchlab.config import RunConfig
-from batchlab.experiment.factors import Snapshot
+from batchlab.experiment.factors import Watch as FactorWatch
 from batchlab.experiment.notebook import open_notebook
 from batchlab.experiment.observed import ObservedRecord, Settings, Source, finish
 from batchlab.measure.observe import Observer
@@ -20,7 +20,7 @@ class Watch:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, warmup: int = 2,
                  device: torch.device | str | None = None):
         self.observer = Observer(model, optimizer, warmup=warmup, device=device)
-        self.before = Snapshot()
+        self.before = FactorWatch().start()  # what else uses the CPU, sampled until finish
         self._update = None
         self._tokens: list = []  # per micro-batch counts, tensors kept on the device until the update ends
 

@@ -26,6 +26,11 @@ def direction_text(d: Direction | None) -> str:
     return f"{d.symbol} {d.value}" if d is not None else "-"
 
 
+def observed_text(m) -> str:
+    """The observed direction of a MetricRecord, or why there is none (noise)."""
+    return "? inconclusive (noise)" if m.inconclusive else direction_text(m.observed)
+
+
 def format_value(v: Any, unit: str) -> str:
     """Display only; the outcome metric shows as fits / OOM."""
     if unit == "outcome" and v is not None:
@@ -100,15 +105,18 @@ def _verdict_blocks(r: Record) -> list[tuple]:
         band = m.band
         rows.append([metric.label, format_value(m.a, m.unit), format_value(m.b, m.unit),
                      f"{m.ratio:.3g}" if m.ratio is not None else "-",
-                     f"{band[0]:.3g} – {band[1]:.3g}" if band else "-", direction_text(m.observed),
+                     f"{band[0]:.3g} – {band[1]:.3g}" if band else "-", observed_text(m),
                      f"{direction_text(m.predicted_by_user)} ({HELD[m.held_user]})" if m.predicted_by_user else "-",
                      f"{direction_text(m.predicted_by_formula)} ({HELD[m.held_formula]})",
                      f_ratio, m.provenance])
     if r.formula_only:
         header = ["metric", "A (formula)", "B (formula)", "B/A", "formula says", "you", "how obtained"]
         return [("h2", "Formula derivation (not an observation)"), ("table", header, rows)]
-    header = ["metric", "A", "B", "B/A", "band", "observed", "you", "formula", "formula B/A", "how obtained"]
-    return [("h2", "Verdict"), ("table", header, rows), ("p", f"Band: {r.protocol.band_method}.")]
+    header = ["metric", "A (median)", "B (median)", "B/A (paired median)", "band", "observed", "you", "formula",
+              "formula B/A", "how obtained"]
+    noise = [f"{metric.label}: {m.note}" for metric, m in r.metrics.items() if m.inconclusive]
+    return [("h2", "Verdict"), ("table", header, rows), ("p", f"Band: {r.protocol.band_method}.")] + \
+        ([("ul", noise)] if noise else [])
 
 
 def _diagnosis_blocks(r: Record) -> list[tuple]:
@@ -146,7 +154,9 @@ def _factor_blocks(r: Record) -> list[tuple]:
                   + ", ".join(f"{k.upper()} {v:.0%}" for k, v in spread.items() if v is not None)
                   + (f"; paired update-time ratios {band[0]:.3g} – {band[1]:.3g}" if band else "")) if spread else "not measured"
     items = [f"load average before {load.get('before')}, after {load.get('after')} ({f.get('cpu_count')} CPUs)",
-             f"other busy processes: {busy.get('count', 0)} "
+             f"other processes' CPU use during the run: {(f.get('other_cpu') or {}).get('cores', 'n/a')} cores "
+             "(machine-wide busy time minus this experiment's)",
+             f"other busy processes (sampled during the run): {busy.get('count', 0)} "
              + ", ".join(f"{p['name']} (pid {p['pid']}, {p['cpu_share']:.0%})" for p in busy.get("top", [])),
              f"CPU frequency (MHz) before {(f.get('cpu_mhz') or {}).get('before')}, after "
              f"{(f.get('cpu_mhz') or {}).get('after')}",

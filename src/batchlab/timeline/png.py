@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from batchlab.timeline.data import LABELS, Timeline
+from batchlab.units import fmt_bytes
 from batchlab.timeline.style import (COLOURS, PHASE_SHADES, axis_unit, bands, capacity_shown, formula_markers,
                                      overlap_bars, peak_lines, stack)
 from batchlab.text import for_mathtext
@@ -54,7 +55,7 @@ def draw(ax, t: Timeline, side=None) -> None:
         ax.axhline(t.capacity_bytes / GIB, color="#c00000", lw=1.2, zorder=4)
         ax.text(xs[0], t.capacity_bytes / GIB, " device capacity", color="#c00000", fontsize=8, va="bottom")
     elif t.capacity_bytes:
-        ax.text(0.99, 0.02, f"device capacity {t.capacity_bytes / 2**30:,.1f} GiB (above the chart)",
+        ax.text(0.99, 0.02, f"device capacity {fmt_bytes(t.capacity_bytes)} (above the chart)",
                 transform=ax.transAxes, ha="right", fontsize=8, color="#c00000")
     ax.set_xlim(xs[0], max(xs[-1], 1))
     ax.set_ylim(0, max(pb, t.capacity_bytes / GIB if capacity_shown(t) else 0) * 1.08 or 1)

@@ -174,13 +174,17 @@ def block_of(label: str) -> str:
 
 
 def recorded_update(trainer, owner: Callable[[], str], outside: str,
-                    tree_owner: Callable[[], str] | None = None):
+                    tree_owner: Callable[[], str] | None = None, register: Callable | None = None):
     """One update of ``trainer`` tracked by the StorageTracker with a recorder listening: (snapshot, recorder).
-    ``tree_owner``: the tracker's own owner labels (``--tree``), unchanged by the recording."""
+    ``tree_owner``: the tracker's own owner labels (``--tree``), unchanged by the recording; ``register``:
+    called with the tracker before the update (storages no op creates, e.g. a DP engine's buffers)."""
     from batchlab.measure.memory import tracker_for
 
     recorder = TimelineRecorder(owner, outside, output_head(trainer.raw_model, trainer.cfg.model.vocab))
     tracker = tracker_for(trainer, owner=tree_owner, listener=recorder)
+    if register is not None:
+        register(tracker)
+        tracker.reset()
     recorder.start(tracker)
     try:
         with tracker:
@@ -202,10 +206,13 @@ def context(cfg) -> dict:
     title = (f"{cfg.model.name} ({cfg.model_source}), seq {cfg.seq}, micro-batch {cfg.micro_batch} x accum "
              f"{cfg.accum} x DP {cfg.dp} = global batch {cfg.global_batch}, ac={cfg.ac}, {cfg.precision}")
     notes, overlaps = [], {}
-    if cfg.dp > 1:
-        notes.append(f"one rank without DDP: the gradient all-reduce (DP = {cfg.dp}) is drawn where DDP runs it "
-                     "(overlapped with the last micro-batch's backward, no_sync before) but its bucket buffers "
-                     "are not counted")
+    if cfg.dp > 1 and cfg.zero < 2:
+        notes.append(f"rank 0 of a fake process group: the gradient all-reduce (DP = {cfg.dp}) is drawn where DDP "
+                     "runs it (overlapped with the last micro-batch's backward, no_sync before); its buckets are "
+                     "counted as the gradients kept between updates, its time is not")
         overlaps["gradient all-reduce (not run here)"] = f"backward {cfg.accum}"
+    elif cfg.dp > 1:
+        notes.append(f"rank 0 of a fake process group: FSDP2 (ZeRO-{cfg.zero}) gathers and frees as on a real run; "
+                     "its all-gathers and reduce-scatters run in every forward and backward, not drawn, not timed")
     return {"title": title, "capacity_bytes": cfg.memory_capacity, "formula_phase_peaks": peaks, "notes": notes,
             "overlaps": overlaps}

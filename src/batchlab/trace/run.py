@@ -19,16 +19,17 @@ from batchlab.formula.allocator import device_memory
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import storage_bytes, tracker_for
+from batchlab.trace import sharded
 from batchlab.trace.flops import count_update_flops
-from batchlab.trace.result import TraceEstimate, TraceMemory
+from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
 from batchlab.trace.tree import OUTSIDE, ModuleStack, build_tree
 
 
 class _FakeTrainer(Trainer):
     """The harness Trainer with the two things fake tensors cannot give: values and a GradScaler."""
 
-    def __init__(self, cfg: RunConfig, device: torch.device):
-        super().__init__(cfg, device)
+    def __init__(self, cfg: RunConfig, device: torch.device, **kwargs):
+        super().__init__(cfg, device, **kwargs)
         # GradScaler reads found-inf flags with .item(); its state is two scalars, so leaving it out
         # changes the count by bytes, not by a share of the peak.
         self.scaler = torch.amp.GradScaler(device.type, enabled=False)
@@ -37,6 +38,9 @@ class _FakeTrainer(Trainer):
         # Only the loss printout, the grad-norm printout and the useful-token count that normalises the
         # loss read values; none of them changes a tensor's size.
         return 1.0
+
+    def _global_useful(self, local: int) -> int:
+        return local * self.world  # every rank of a fake world draws the same number of tokens
 
 
 def _fake_mode() -> FakeTensorMode:
@@ -59,23 +63,22 @@ def trace_device(cfg: RunConfig) -> tuple[torch.device, list[str]]:
 
 
 def _check_supported(cfg: RunConfig) -> list[str]:
-    if cfg.zero > 0:
-        raise ConfigError("zero", "the trace runs one unsharded rank; use the formula (without --trace) for ZeRO")
     notes = []
-    if cfg.dp > 1:
-        notes.append(f"traced one rank without DDP: with DP = {cfg.dp}, DDP's gradient buckets (one more "
-                     "gradient-sized buffer unless gradient_as_bucket_view) are not included")
+    if cfg.zero > 0 and cfg.dp == 1:
+        notes.append(f"ZeRO-{cfg.zero} with DP = 1 shards nothing: traced as one unsharded rank")
     if cfg.precision is Precision.FP16_MIXED:
         notes.append("GradScaler left out (it reads values); its state is a few bytes")
     return notes
 
 
 def _model_state_bytes(trainer: Trainer) -> tuple[int, int, int]:
-    params = list(trainer.raw_model.parameters())
-    state = [v for s in trainer.optimizer.state.values() for v in s.values()
+    trained = {id(p): p for p in trainer.raw_model.parameters() if p.requires_grad}.values()
+    params = [getattr(p, "_local_tensor", p) for p in trainer.raw_model.parameters()]  # this rank's shards
+    optimizer = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeroRedundancyOptimizer: its shard
+    state = [getattr(v, "_local_tensor", v) for s in optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]
-    # .grad has the parameter's shape and dtype (set_to_none between updates, no bucket views)
-    grads = sum(p.numel() * p.element_size() for p in {id(p): p for p in params if p.requires_grad}.values())
+    # .grad has the parameter's (shard's) shape and dtype
+    grads = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in trained)
     return storage_bytes(params), grads, storage_bytes(state)
 
 
@@ -119,12 +122,16 @@ def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
     """One update tracked by the CPU measurement's StorageTracker; with ``tree``, storages labelled by module;
     with ``timeline``, also recorded op by op: (snapshot, TimelineRecorder or None)."""
     owners = ModuleStack(trainer.raw_model) if tree or timeline else None
+    register = (lambda tracker: sharded.register_storages(tracker, trainer)) if trainer.world > 1 else None
     try:
         if timeline:
             from batchlab.timeline.record import recorded_update
 
-            return recorded_update(trainer, owners.current, OUTSIDE, owners.current if tree else None)
+            return recorded_update(trainer, owners.current, OUTSIDE, owners.current if tree else None, register)
         tracker = tracker_for(trainer, owner=owners.current if owners else None)
+        if register is not None:
+            register(tracker)
+            tracker.reset()
         with tracker:
             trainer.update(probe=tracker)
         return tracker.snapshot(), None
@@ -150,9 +157,17 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False) -> Trac
     notes = _check_supported(cfg)
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
-    with _as_config_errors(cfg), _eager_branches(cfg), _fake_mode():
-        trainer = _FakeTrainer(cfg, device)
+    world = sharded.fake_world(cfg.dp) if cfg.dp > 1 else contextlib.nullcontext()
+    with _as_config_errors(cfg), _eager_branches(cfg), world, _fake_mode():
+        if cfg.dp > 1:
+            trainer, dp_notes = sharded.build(cfg, device, _FakeTrainer)
+            notes += dp_notes
+        else:
+            trainer = _FakeTrainer(cfg, device)
         flops = count_update_flops(trainer)  # the first update also creates AdamW's state (steady state)
+        if cfg.dp > 1:  # every rank does rank 0's work on its own data
+            flops = TraceFlops.of(flops.forward * cfg.dp, flops.backward * cfg.dp, flops.recompute * cfg.dp)
+            notes.append(f"FLOPs: rank 0's, counted, x {cfg.dp} ranks")
         snap, recorder = _tracked_update(trainer, tree, timeline)
         memory = _memory(cfg, trainer, snap)
     return TraceEstimate(

@@ -1,0 +1,61 @@
+"""Per-rank memory of FSDP2 (ZeRO-2 / ZeRO-3) at the high point of each phase (no torch).
+
+What FSDP2 keeps (``fully_shard`` per block, then the root; PyTorch 2.13, seen with a live-storage tracker):
+- always: this rank's parameter shards, gradient shards and optimizer state (1/DP of each);
+- forward: each unit is all-gathered into full-size working copies; ZeRO-3 frees a block's after its
+  forward, ZeRO-2 keeps every one to backward; the root unit (embeddings, head) stays gathered throughout;
+- backward, per block (last first): ZeRO-3 gathers the block again, and prefetches the next one; when the
+  block's backward ends it is resharded, its unsharded gradient copied into a flat buffer and
+  reduce-scattered into the gradient shard; that flat buffer lives on into the next block's backward.
+Each point's parts add up; the peak is the largest point.
+"""
+from __future__ import annotations
+
+from batchlab.config import RunConfig
+from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_per_element, unit_elements
+
+
+def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, kept: tuple[int, ...],
+                below_layers: int, activations_total: int, logits_fwd: int, loss_grads: int, head_grad: int,
+                transient: int, opt_tmp: int, sharded_grads: int) -> dict[str, dict[str, int]]:
+    """Parts live at each phase's high point.  ``resident``: parameter shards (``parameters``, or ``master``
+    under a 16-bit param_dtype), optimizer state and data; the rest as in formula.memory (per-layer kept activations, the in-layer
+    transient of backward, the LM head's weight gradient)."""
+    units = unit_elements(cfg)
+    wg, wr, dp, L, z3 = gathered_bytes_per_element(cfg), reduced_bytes_per_element(cfg), cfg.dp, len(kept), cfg.zero >= 3
+    root, block = units[0] * wg, (units[1] if L else 0) * wg
+    block_grad = (units[1] if L else 0) * wr
+    shards = resident["parameters"]  # 0 where the fp32 shards are the master copy (resident["master"])
+    before = sharded_grads if cfg.accum > 1 else 0  # shards of earlier micro-batches' gradients
+    # forward's high point, at the loss: the root gathered, ZeRO-2 every block's copies too, and one block's
+    # flat all-gather output still held (gloo's work object releases it later)
+    phases = {"forward": dict(resident, parameters=shards + root + (0 if z3 else L * block) + block,
+                              gradients=before,
+                              activations=activations_total, recompute=0, temporaries=logits_fwd)}
+    # backward's start (the loss's gradients): every activation kept, the root and ZeRO-3's last block
+    # gathered again (ZeRO-2: still every block)
+    best = dict(resident, parameters=shards + root + (block if z3 else L * block), gradients=before,
+                activations=activations_total, recompute=0, temporaries=loss_grads)
+    kept_below = sum(kept)
+    for i in reversed(range(L)):
+        done = 0 if cfg.accum > 1 else (L - 1 - i) * block_grad // dp  # new shards of later blocks
+        grads = before + head_grad + done
+        gathered = root + (block + (block if i else 0) if z3 else (i + 1) * block)
+        # the previous block's flat reduce-scatter input is freed only when this block's is issued
+        pending = block_grad if i < L - 1 else 0
+        inside = dict(resident, parameters=shards + gathered, gradients=grads + pending,
+                      activations=below_layers + kept_below, recompute=per_layer_full - kept[i], temporaries=transient)
+        kept_below -= kept[i]
+        # the block's reduce-scatter: flat fp32 input + output shard, the unsharded gradient being copied in.
+        # ZeRO-2's block is resharded first; ZeRO-3's too or not yet, as gloo's worker threads release the
+        # gathered buffers (seen both ways here, one block apart): the later, higher case is taken
+        at_rs = dict(resident, parameters=shards + gathered - (0 if z3 else block),
+                     gradients=grads + block_grad + block_grad // dp,
+                     activations=below_layers + kept_below, recompute=0, temporaries=block_grad)
+        for p in (inside, at_rs):
+            if sum(p.values()) > sum(best.values()):
+                best = p
+    phases["backward"] = best
+    phases["optimizer"] = dict(resident, parameters=shards, gradients=sharded_grads, activations=0, recompute=0,
+                               temporaries=opt_tmp)
+    return phases

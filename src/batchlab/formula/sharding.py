@@ -1,0 +1,113 @@
+"""What each ZeRO stage's engine sends per micro-batch and per update, and what FSDP2 gathers (no torch).
+
+Engines (Rajbhandari et al. 2019, ZeRO, sec. 5 for the volumes; PyTorch's engines for the schedule):
+- ZeRO-0/1, DDP: gradients all-reduced once per update (``no_sync`` on the other micro-batches); ZeRO-1
+  (ZeroRedundancyOptimizer) then broadcasts every parameter from the rank that owns its optimizer shard.
+- ZeRO-2/3, FSDP2 per block + root: each micro-batch all-gathers every unit's parameters in forward; ZeRO-3
+  frees them after forward and gathers them again in backward; each unit's gradient is reduce-scattered
+  after its backward (every micro-batch, or only the last with ``set_requires_gradient_sync(False)``).
+Bytes are each collective's full buffer (nccl-tests "size"): all-gather output, reduce-scatter input.
+FSDP2 pads each parameter's first dimension to a multiple of DP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchlab.config import MLPKind, ModelSpec, PositionKind, Precision, RunConfig
+from batchlab.formula.params import count, norm_params
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+def _padded(dim0: int, rest: int, dp: int) -> int:
+    return -(-dim0 // dp) * dp * rest
+
+
+def _block_tensors(m: ModelSpec) -> list[tuple[int, int]]:
+    """(first dim, elements per row) of each parameter of one built-in block (models/gpt.py)."""
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn
+    norm = [(h, 1)] * (norm_params(m) // h)
+    mats = [(f, h), (f, h), (h, f)] if m.mlp is MLPKind.SWIGLU else [(f, h), (h, f)]
+    out = norm * 2 + [(h + 2 * kv, h), (h, h)] + mats
+    if m.bias:
+        out += [(h + 2 * kv, 1), (h, 1), (h, 1)] + ([(f, 1)] * (len(mats) - 1))
+    return out
+
+
+def _root_tensors(m: ModelSpec) -> list[tuple[int, int]]:
+    """Embeddings, final norm and an untied head: the parameters outside the blocks (the root unit)."""
+    out = [(m.vocab, m.hidden)] + ([(m.max_positions, m.hidden)] if m.position is PositionKind.LEARNED else [])
+    out += [(m.hidden, 1)] * (norm_params(m) // m.hidden)
+    return out + ([] if m.tied_embeddings else [(m.vocab, m.hidden)])
+
+
+def unit_elements(cfg: RunConfig) -> tuple[int, ...]:
+    """Elements of each FSDP2 unit as it is gathered (padded): the root, then one per block."""
+    m, dp = cfg.model, cfg.dp
+    block = sum(_padded(d, r, dp) for d, r in _block_tensors(m))
+    return (sum(_padded(d, r, dp) for d, r in _root_tensors(m)),) + (block,) * m.layers
+
+
+def gathered_bytes_per_element(cfg: RunConfig) -> int:
+    """FSDP2 gathers in param_dtype: 16-bit under mixed precision (MixedPrecisionPolicy) and bf16."""
+    return 4 if cfg.precision is Precision.FP32 else 2
+
+
+def reduced_bytes_per_element(cfg: RunConfig) -> int:
+    """Gradients are reduced in fp32 (reduce_dtype=fp32 under mixed precision), in bf16 for bf16 weights."""
+    return 2 if cfg.precision is Precision.BF16 else 4
+
+
+@dataclass(frozen=True)
+class Traffic:
+    per_micro_batch: tuple[dict[str, int], ...]  # bytes issued in each micro-batch's forward + backward
+    outside_micro_batches: dict[str, int]  # bytes issued in the optimizer step
+    sync_every_micro_batch: bool = True  # FSDP2: reduce-scatter after every micro-batch
+    provenance: str = "formula"
+
+    @property
+    def per_update(self) -> dict[str, int]:
+        return {k: sum(mb[k] for mb in self.per_micro_batch) + self.outside_micro_batches[k] for k in KINDS}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.per_update.values())
+
+
+def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
+    """Collective bytes of one update on one rank.  ``sync_every_micro_batch=False``: FSDP2 with
+    ``set_requires_gradient_sync(False)`` on all but the last micro-batch."""
+    none = dict.fromkeys(KINDS, 0)
+    if cfg.dp == 1:
+        return Traffic((none,) * cfg.accum, none, sync_every_micro_batch)
+    n = count(cfg.model).total
+    if cfg.zero <= 1:
+        w = 2 if cfg.precision is Precision.BF16 else 4  # DDP reduces .grad in the weights' dtype
+        last = dict(none, all_reduce=n * w)
+        outside = dict(none, broadcast=n * w) if cfg.zero == 1 else none
+        return Traffic((none,) * (cfg.accum - 1) + (last,), outside, sync_every_micro_batch)
+    units = sum(unit_elements(cfg))
+    gathers = 2 if cfg.zero >= 3 else 1  # ZeRO-3: forward, and again in backward
+    ag = gathers * units * gathered_bytes_per_element(cfg)
+    rs = units * reduced_bytes_per_element(cfg)
+    micro = tuple(dict(none, all_gather=ag, reduce_scatter=rs if sync_every_micro_batch or i == cfg.accum - 1 else 0)
+                  for i in range(cfg.accum))
+    return Traffic(micro, none, sync_every_micro_batch)
+
+
+def unsharded_gradient_bytes(cfg: RunConfig) -> int:
+    """Per rank, what ``set_requires_gradient_sync(False)`` keeps between micro-batches under FSDP2: every
+    unit's unsharded gradient (accumulated locally until the last micro-batch reduce-scatters it)."""
+    if cfg.zero < 2 or cfg.accum == 1:
+        return 0
+    return sum(unit_elements(cfg)) * reduced_bytes_per_element(cfg)
+
+
+def collective_seconds(kind: str, nbytes: float, n: int, bus_bytes_per_s: float) -> float:
+    """Ring algorithms (nccl-tests PERFORMANCE.md): all-reduce moves 2(n-1)/n of the buffer over the slowest
+    link, all-gather and reduce-scatter (n-1)/n, broadcast the buffer once."""
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+              "broadcast": 1.0}[kind]
+    return factor * nbytes / bus_bytes_per_s

@@ -1,0 +1,49 @@
+"""Uncontrolled factors: what competed for the CPU during the run, sampled, not only what lived through it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from batchlab.experiment.factors import Proc, Usage, Watch, uncontrolled
+
+
+def test_usage_counts_processes_born_and_gone_during_the_run_and_not_our_own_tree():
+    me = os.getpid()
+    start = 100.0  # run start, seconds since boot
+    samples = [
+        {1: Proc("old", 0, 10.0, 1.0), 50: Proc("ours", me, 0.0, 99.0)},  # at start
+        {1: Proc("old", 0, 10.5, 1.0), 2: Proc("short", 0, 0.8, 100.4), 50: Proc("ours", me, 3.0, 99.0),
+         51: Proc("grandchild", 50, 2.0, 100.2)},
+        {1: Proc("old", 0, 11.0, 1.0), 3: Proc("late", 0, 0.3, 101.0)},  # "short" has gone
+    ]
+    u = Usage(start, me)
+    for s in samples:
+        u.add(s)
+    used = u.others()
+    # by hand: old 11.0 - 10.0; short its whole 0.8 s (born after the start); late 0.3; ours and below excluded
+    assert used == {1: ("old", 1.0), 2: ("short", 0.8), 3: ("late", 0.3)}
+
+
+def test_a_competitor_that_starts_and_ends_during_the_run_is_counted():
+    w = Watch(interval=0.1, mine=-1).start()  # mine=-1: our own child counts as a competitor here
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"])
+    busy.wait()
+    time.sleep(0.2)
+    f = uncontrolled(w, {}, None)
+    names = [p["name"] for p in f["busy_processes"]["top"]]
+    assert f["busy_processes"]["count"] >= 1 and any(n.startswith("python") for n in names), f
+    assert f["busy_processes"]["samples"] >= 5
+    # the busy loop is this process's waited-for child, so the machine-wide figure leaves it out
+    assert f["other_cpu"]["cores"] is not None and f["other_cpu"]["cores"] >= 0
+    assert w.stop() is w.stop()  # idempotent
+
+
+def test_our_own_busy_child_is_not_a_competitor():
+    w = Watch(interval=0.1).start()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass"])
+    child.wait()
+    f = uncontrolled(w, {}, None)
+    assert child.pid not in {p["pid"] for p in f["busy_processes"]["top"]}
+    assert os.getpid() not in {p["pid"] for p in f["busy_processes"]["top"]}
