@@ -43,7 +43,7 @@ class Goal:
             raise ConfigError("held", f"{sorted(set(self.held) - set(KNOBS))} not among {', '.join(KNOBS)}")
         if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 1.0):
             raise ConfigError("margin", f"must be a fraction in [0, 1), got {self.margin!r}")
-        if not (isinstance(self.tokens, (int, float)) and self.tokens > 0):
+        if not (isinstance(self.tokens, (int, float)) and 0 < self.tokens < float("inf")):  # NaN fails too
             raise ConfigError("tokens", f"must be > 0, got {self.tokens!r}")
         if self.min_micro_tokens < 1:
             raise ConfigError("min_micro_tokens", f"must be >= 1, got {self.min_micro_tokens}")

@@ -4,6 +4,7 @@ import sys
 
 import typer
 
+from batchlab import lifeline
 from batchlab.cli.base import app as _app
 from batchlab.config import ConfigError
 
@@ -27,8 +28,13 @@ def __getattr__(name: str):
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("-")]
     load_commands([args[0]] if args and args[0] in COMMANDS else None)
+    lifeline.terminate_as_interrupt()  # SIGTERM unwinds like Ctrl-C: rows marked interrupted, children killed
     try:
         _app()
+    except SystemExit as e:
+        if e.code == 130 and lifeline.terminated():
+            sys.exit(lifeline.SIGTERM_EXIT)  # 143: the shell's code for SIGTERM (Ctrl-C stays 130)
+        raise
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -107,7 +107,7 @@ def _model_from_flags(o: dict[str, Any]):
     if o.get("hf_config"):
         # one path for a config.json: the HF model's own code, as --model hf:FILE
         return model_from_hf_config(o["hf_config"], "hf_config", **overrides), f"hf:{o['hf_config']}"
-    return resolve_model(o.get("model") or "tiny", **overrides)
+    return resolve_model("tiny" if o.get("model") is None else o["model"], **overrides)  # "" is an error
 
 
 def with_layer_profile(cfg: RunConfig) -> RunConfig:
@@ -165,7 +165,7 @@ def _config_from_flags(**o: Any) -> RunConfig:
                               optimizer_bytes_per_param=o.get("optimizer_bytes"))
     return RunConfig(model=spec, model_source=source, micro_batch=8 if mb is None else mb,
                      accum=1 if accum is None else accum, dp=dp,
-                     memory_budget=parse_bytes("memory_budget", budget) if budget else None,
+                     memory_budget=parse_bytes("memory_budget", budget) if budget is not None else None,
                      assumptions=assumptions, **given)
 
 

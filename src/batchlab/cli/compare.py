@@ -13,7 +13,7 @@ from batchlab.cli.render_experiment import show_record
 from batchlab.config import ConfigError, RunConfig
 from batchlab.experiment.change import KeepMode, parse_change
 from batchlab.experiment.compare import DEFAULT_CHANGE, DEFAULT_TOKEN_BUDGET, make_plan, run
-from batchlab.experiment.notebook import Notebook
+from batchlab.experiment.notebook import LeftIncomplete, Notebook
 from batchlab.experiment.predict import Direction, Metric, parse_direction, parse_predictions
 from batchlab.experiment.record import Record
 from batchlab.measure.result import Outcome
@@ -57,8 +57,11 @@ def compare(
         book = Notebook(notebook)
         _calibrate(plan, calibrate, as_json)
         record = _run(plan, book, verify, progress and not as_json)
+    except LeftIncomplete as e:  # Ctrl-C / SIGTERM: say which row stays incomplete; exit 130 (143 for SIGTERM)
+        typer.echo(f"interrupted: {e}", err=True)
+        raise
     except ConfigError as e:
-        fail(str(e))
+        fail(str(e), getattr(e, "exit_code", 2))  # a notebook save that failed after measuring: 1
     show_record(record, book.path, report, as_json)
     if any(m is not None and m.outcome is Outcome.FAILED for r in record.rounds or () for m in (r.a, r.b)):
         raise typer.Exit(1)

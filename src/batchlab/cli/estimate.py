@@ -1,7 +1,7 @@
 """`batchlab estimate` (the calculator, and --vary tables) and `batchlab explain`."""
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, List, Optional
 
 import typer
 from rich.console import Console
@@ -161,7 +161,7 @@ def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
 @with_config
 def estimate(
     cfg: RunConfig,
-    vary: Annotated[Optional[str], typer.Option(help="FIELD=v1,v2,...: a one-variable table, e.g. micro_batch=1,2,4,8.")] = None,
+    vary: Annotated[Optional[List[str]], typer.Option(help="FIELD=v1,v2,...: a one-variable table, e.g. micro_batch=1,2,4,8 (once).")] = None,
     keep: Annotated[Keep, typer.Option(help="global-batch: accum re-derived as micro-batch/DP change; accum: global batch changes.")] = Keep.GLOBAL_BATCH,
     tokens: Annotated[Optional[float], typer.Option(help="Token budget for time-to-budget (and cost).")] = None,
     price: Annotated[Optional[float], typer.Option(help="Price per device-hour (in --currency), for the cost to the token budget.")] = None,
@@ -188,7 +188,9 @@ def estimate(
     if vary:
         from batchlab.formula.vary import vary as vary_rows
 
-        name, sep, values = vary.partition("=")
+        if len(vary) > 1:  # refused, not combined: a --vary table changes exactly one variable
+            raise ConfigError("vary", f"given {len(vary)} times ({', '.join(vary)}); one variable per table")
+        name, sep, values = vary[0].partition("=")
         if not sep or not values:
             raise ConfigError("vary", "expected FIELD=v1,v2,... e.g. micro_batch=1,2,4")
         rows = vary_rows(cfg, name.strip().replace("-", "_"), values.split(","), keep, load_all())

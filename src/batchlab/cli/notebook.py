@@ -1,4 +1,4 @@
-"""``batchlab notebook list | show ID | export --format json|csv|md``: the lab notebook of past experiments."""
+"""``batchlab notebook list | show ID | diff A B | export --format json|csv|md | import FILE``: the lab notebook."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.markup import escape
+from batchlab.text import for_rich as escape
 from rich.table import Table
 
 from batchlab.cli.base import app
@@ -14,7 +14,7 @@ from batchlab.cli.common import console, fail, print_json
 from batchlab.cli.render_experiment import show_record
 from batchlab.cli.render_observed import render_diff, render_observed
 from batchlab.config import ConfigError
-from batchlab.experiment.notebook import Notebook
+from batchlab.experiment.notebook import DamagedRecord, Notebook
 from batchlab.experiment.observed import ObservedRecord
 from batchlab.experiment.observed_diff import observed_diff
 from batchlab.report.export import export as export_records
@@ -61,6 +61,13 @@ def show(exp_id: Annotated[int, typer.Argument(metavar="ID", help="Experiment id
     book = Notebook(notebook)
     try:
         record = book.get(exp_id)
+    except DamagedRecord as e:  # what the row's columns still say, then the mark
+        if as_json:
+            print_json({**e.summary, "unreadable": e.reason})
+        else:
+            console().print(", ".join(f"{k}: {escape(str(v))}" for k, v in e.summary.items() if v not in (None, "")),
+                            soft_wrap=True)
+        fail(str(e), 1)
     except ConfigError as e:
         fail(str(e))
     if isinstance(record, ObservedRecord):
@@ -96,14 +103,31 @@ def export(fmt: Annotated[str, typer.Option("--format", help="json, csv or md.")
            notebook: NotebookOpt = None,
            output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of stdout.")] = None):
     """Every experiment as JSON (whole records), CSV (one row each, one column group per metric) or Markdown."""
+    damaged: list[DamagedRecord] = []
     try:
-        text = export_records(Notebook(notebook).records(), fmt)
+        text = export_records(Notebook(notebook).records(damaged), fmt)
     except ConfigError as e:
         fail(str(e))
+    for d in damaged:
+        typer.echo(f"warning: {d} (left out of the export)", err=True)
     if output is None:
         sys.stdout.write(text)
         return
+    from batchlab.files import write_atomic
+
     try:
-        output.write_text(text)
-    except OSError as e:
-        fail(f"output: cannot write {output}: {e.strerror or e}")
+        write_atomic(output, text)
+    except ConfigError as e:
+        fail(str(e))
+
+
+@notebook_app.command("import")
+def import_(file: Annotated[Path, typer.Argument(metavar="FILE", help="A fallback file written when a save failed.")],
+            notebook: NotebookOpt = None):
+    """Load a record that could not be saved (the fallback JSON file the error message named)."""
+    book = Notebook(notebook)
+    try:
+        exp_id = book.import_file(file)
+    except ConfigError as e:
+        fail(str(e))
+    console().print(f"imported {escape(str(file))} as experiment {exp_id} in {escape(str(book.path))}")

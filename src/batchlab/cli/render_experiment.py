@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape as esc
+from batchlab.text import for_rich as esc
 from rich.panel import Panel
 from rich.table import Table
 
@@ -20,18 +20,18 @@ def header(out: Console, r: Record) -> None:
     c = r.change
     kind = "[yellow]formula only (paper derivation, nothing measured)[/]" if r.formula_only else "measured"
     nid = r.notebook_id
-    out.print(f"[bold]batchlab compare[/]  {c['variable']}   keep: {r.keep_mode.value}   {kind}"
+    out.print(f"[bold]batchlab compare[/]  {esc(c['variable'])}   keep: {r.keep_mode.value}   {kind}"
               + (f"   notebook #{nid}" if nid is not None else ""))
     if c.get("confounded"):
         out.print("[red]confounded:[/] more than one field changed (--allow-confounded); effects cannot be "
                   "attributed to one of them")
     cfg = r.config
     model = cfg["model"]
-    out.print(f"model {model['name']} ({esc(cfg['model_source'])}, {model['layers']} layers, hidden {model['hidden']}), "
+    out.print(f"model {esc(model['name'])} ({esc(cfg['model_source'])}, {model['layers']} layers, hidden {model['hidden']}), "
               f"seq {cfg['seq']}, precision {cfg['precision']}, activation checkpointing {cfg['ac']}, "
               f"device {cfg['device']}")
     for side in "ab":
-        out.print(f"  {side.upper()}: {c['global_batch_text'][side]}")
+        out.print(f"  {side.upper()}: {esc(c['global_batch_text'][side])}")
     for w in r.warnings:
         out.print(f"[yellow]warning:[/] {esc(w)}")
     p = r.predictions
@@ -109,7 +109,7 @@ def semantics(out: Console, r: Record) -> None:
 
 def scope(out: Console, r: Record) -> None:
     if r.scope:
-        out.print(Panel("\n".join(f"- {s}" for s in r.scope), title="scope: what this result cannot support",
+        out.print(Panel("\n".join(f"- {esc(s)}" for s in r.scope), title="scope: what this result cannot support",
                         expand=False))
 
 
@@ -156,11 +156,11 @@ def render(out: Console, r: Record, notebook_path: Path | None = None,
     status = r.status.value if r.status is not None else "complete"
     where = f" in {notebook_path}" if notebook_path else ""
     wall = f"; wall time {r.wall_seconds:.1f} s" if r.wall_seconds is not None else ""
-    out.print(f"notebook: experiment #{r.notebook_id} ({status}){where}{wall}")
+    out.print(f"notebook: experiment #{r.notebook_id} ({status}){esc(where)}{wall}")
     if r.interrupted:
         out.print(f"[yellow]interrupted:[/] {esc(str(r.interrupted))}")
     for p in report_paths or []:
-        out.print(f"report: {p}")
+        out.print(f"report: {esc(p)}")
 
 
 def show_record(record: Record, notebook_path, report_dir, as_json: bool) -> None:

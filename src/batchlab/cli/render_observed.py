@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape as esc
+from batchlab.text import for_rich as esc
 from rich.table import Table
 
 from batchlab.experiment.observed_diff import BAND_METHOD, ObservedDiff
@@ -34,11 +34,11 @@ def figures_table(r: dict[str, Any]) -> Table:
 
 def render_observed(out: Console, r: dict[str, Any], notebook_path: Path | None = None) -> None:
     s = r["settings"]
-    out.print(f"[bold]observed run[/] ({r['source']})   notebook #{r.get('notebook_id')}")
+    out.print(f"[bold]observed run[/] ({esc(r['source'])})   notebook #{r.get('notebook_id')}")
     ac = {True: "on (recompute in backward)", False: "off", None: "not detectable"}[s["gradient_checkpointing"]]
     out.print(f"model {esc(s['model'])}, seq {s['seq'] or '-'}, precision {s['precision']}, activation "
               f"checkpointing {ac}, device {s['device']}, optimizer {s['optimizer'] or '-'}")
-    out.print(r["global_batch_text"])
+    out.print(esc(r["global_batch_text"]))
     out.print(figures_table(r))
     if r["prediction_note"]:
         out.print(f"[dim]{esc(r['prediction_note'])}[/]")
@@ -48,7 +48,7 @@ def render_observed(out: Console, r: dict[str, Any], notebook_path: Path | None 
         out.print(f"[yellow]warning:[/] {esc(w)}")
     factors(out, r["factors"])
     if notebook_path is not None:
-        out.print(f"notebook: {notebook_path}")
+        out.print(f"notebook: {esc(notebook_path)}")
 
 
 def render_diff(out: Console, diff: ObservedDiff) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
+from batchlab.text import for_rich as escape
 from rich.table import Table
 from rich.tree import Tree
 

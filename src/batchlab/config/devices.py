@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from batchlab import host
 from batchlab.config.choices import Backend, ConfigError, Precision
-from batchlab.config.values import parse_bytes
+from batchlab.config.values import finite_number, parse_bytes
 
 
 @dataclass(frozen=True)
@@ -200,16 +200,13 @@ def _custom_device(text: str) -> DeviceSpec:
         values[k.strip()] = v.strip()
     if "mem" not in values or "tflops" not in values:
         raise ConfigError("device", "custom device needs at least mem= and tflops=, e.g. custom:mem=80GB,tflops=400")
-    try:
-        tf = float(values["tflops"]) * T
-        return DeviceSpec(text, Backend.parse("device", values.get("backend", "cuda")),
-                          parse_bytes("device", values["mem"]), tf,
-                          float(values.get("fp32_tflops", float(values["tflops"]) / 8)) * T,
-                          float(values.get("hbm", 1e12)), float(values.get("link", 100e9)),
-                          float(values.get("net", 25e9)),
-                          source="custom" if "fp32_tflops" in values else CUSTOM_FP32_ASSUMED)
-    except ValueError as e:
-        raise ConfigError("device", f"custom device: {e}") from None
+    rate = {k: finite_number(f"device {k}", values[k], positive=True, maximum=1e30)
+            for k in ("tflops", "fp32_tflops", "hbm", "link", "net") if k in values}  # one check: finite, > 0
+    tf = rate["tflops"] * T
+    return DeviceSpec(text, Backend.parse("device", values.get("backend", "cuda")),
+                      parse_bytes("device mem", values["mem"]), tf, rate.get("fp32_tflops", rate["tflops"] / 8) * T,
+                      rate.get("hbm", 1e12), rate.get("link", 100e9), rate.get("net", 25e9),
+                      source="custom" if "fp32_tflops" in values else CUSTOM_FP32_ASSUMED)
 
 
 @functools.lru_cache(maxsize=64)

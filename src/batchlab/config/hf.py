@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from batchlab.config.choices import ConfigError
-from batchlab.config.values import read_file
+from batchlab.config.values import SIZE_MAX, finite_number, read_file, whole_number
 
 # ModelSpec field -> the config.json keys that carry it, in order of preference
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -72,19 +72,28 @@ def _bias(raw: dict[str, Any], kind: str) -> tuple[bool, bool]:
 
 
 def _dropout(raw: dict[str, Any]) -> float:
-    keys = [k for k in raw if (k.endswith("dropout") or k.endswith("pdrop")) and isinstance(raw[k], (int, float))
+    """The largest dropout probability the config names; each one checked (a string or NaN is an error)."""
+    keys = [k for k in raw if (k.endswith("dropout") or k.endswith("pdrop")) and raw[k] is not None
             and not k.startswith("classifier")]
-    return max((float(raw[k]) for k in keys), default=0.0)
+    return max((finite_number(k, raw[k], minimum=0.0, maximum=1.0) for k in keys), default=0.0)
 
 
-def spec_fields(raw: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
-    """ModelSpec keyword arguments for a config.json's contents (any model_type)."""
+def _whole(field: str, value: Any) -> int:
+    """A shape field as a JSON whole number (``"2"`` or ``2.5`` is an error naming the ModelSpec field)."""
+    whole_number(field, value, maximum=SIZE_MAX)
+    return value
+
+
+def spec_fields(raw: dict[str, Any], source: str = "config.json", field_name: str = "model") -> dict[str, Any]:
+    """ModelSpec keyword arguments for a config.json's contents (any model_type); ``field_name``: the option
+    that named the file, for errors about the file as a whole."""
     kind = str(raw["model_type"]).lower()
     values = {f: _first(raw, f) for f in ALIASES}
     for f in ("layers", "hidden", "heads", "vocab"):
         if values[f] is None:
-            raise ConfigError("model", f"{source} ({kind}) has none of the fields {', '.join(ALIASES[f])}")
-    hidden, heads = int(values["hidden"]), int(values["heads"])
+            raise ConfigError(field_name, f"{source} ({kind}) has none of the fields {', '.join(ALIASES[f])}")
+    values = {f: (_whole(f, v) if v is not None else None) for f, v in values.items()}
+    hidden, heads = values["hidden"], values["heads"]
     bias, qkv_bias = _bias(raw, kind)
     gated = kind in GATED or (kind not in LEARNED_POSITIONS and raw.get("hidden_act") in ("silu", "swish"))
     if kind in LEARNED_POSITIONS:

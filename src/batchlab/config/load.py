@@ -3,6 +3,7 @@ the notebook), TOML ``[config]`` tables, Hugging Face ``config.json`` files and 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from batchlab.config.choices import ConfigError
 from batchlab.config.hf import hf_config_path, read_hf_config, spec_fields
 from batchlab.config.model import ModelSpec, preset
 from batchlab.config.run import CHANGEABLE_FIELDS, RUN_FIELDS, Assumptions, RunConfig
-from batchlab.config.values import parse_bytes, read_file
+from batchlab.config.values import finite_number, parse_bytes, read_file
 
 
 def config_from_dict(d: dict[str, Any]) -> RunConfig:
@@ -82,7 +83,7 @@ def model_from_hf_config(path: str | Path, field_name: str = "hf_config", **over
     """Read a Hugging Face ``config.json`` (or a directory holding one; any model_type) from disk; no network,
     no transformers.  Overrides (layers, hidden, ...) replace what the file says."""
     raw = read_hf_config(path, field_name)
-    values = spec_fields(raw, str(hf_config_path(path)))
+    values = spec_fields(raw, str(hf_config_path(path)), field_name)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return ModelSpec(name=f"hf:{path}", **values)
 
@@ -109,6 +110,8 @@ def resolve_model(arg: str, **overrides: Any) -> tuple[ModelSpec, str]:
             return model_from_hf_config(target, "model", **overrides), arg
         return preset(target, **overrides), arg
     if ":" in arg:  # package.module:factory — the calculator cannot see inside it; the shape is a stand-in
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", arg):
+            raise ConfigError("model", f"{arg!r} is not package.module:factory (Python names, e.g. mypkg.models:build)")
         return preset("tiny", **overrides), arg
     return preset(arg, **overrides), "builtin"
 

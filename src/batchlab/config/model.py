@@ -6,7 +6,7 @@ from typing import Any
 
 from batchlab.config.choices import AttentionImpl, ConfigError, MLPKind, NormKind, PositionKind
 from batchlab.config.profile import LayerProfile
-from batchlab.config.values import whole_number
+from batchlab.config.values import SIZE_MAX, whole_number
 
 
 @dataclass(frozen=True)
@@ -41,17 +41,17 @@ class ModelSpec:
         set_(self, "attention", AttentionImpl.parse("attention", self.attention))
         set_(self, "position", PositionKind.parse("position", self.position))
         for name in ("layers", "hidden", "heads", "vocab", "max_positions"):
-            whole_number(name, getattr(self, name))
+            whole_number(name, getattr(self, name), maximum=SIZE_MAX)
         if self.kv_heads is None:
             set_(self, "kv_heads", self.heads)
-        whole_number("kv_heads", self.kv_heads)
+        whole_number("kv_heads", self.kv_heads, maximum=SIZE_MAX)
         if self.hidden % self.heads:
             raise ConfigError("heads", f"must divide hidden ({self.hidden}), got {self.heads}")
         if self.heads % self.kv_heads:
             raise ConfigError("kv_heads", f"must divide heads ({self.heads}), got {self.kv_heads}")
         if self.ffn is None:
             set_(self, "ffn", default_ffn(self.hidden, self.mlp))
-        whole_number("ffn", self.ffn)
+        whole_number("ffn", self.ffn, maximum=SIZE_MAX)
         if self.qkv_bias is None:
             set_(self, "qkv_bias", self.bias)
         if self.profile is not None:

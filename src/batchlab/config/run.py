@@ -15,7 +15,7 @@ from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, DataKin
                                      Precision)
 from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.model import ModelSpec, preset
-from batchlab.config.values import parse_bytes, whole_number
+from batchlab.config.values import SEED_MAX, SIZE_MAX, finite_number, parse_bytes, whole_number
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,8 @@ class Assumptions:
                 continue
             if not isinstance(v, (int, float)) or not (lo <= v <= hi) or (name == "achievable_fraction" and v == 0):
                 raise ConfigError(name, f"must be a fraction in ({lo}, {hi}], got {v!r}")
-        if self.optimizer_bytes_per_param is not None and self.optimizer_bytes_per_param < 0:
-            raise ConfigError("optimizer_bytes_per_param", "must be >= 0")
+        if self.optimizer_bytes_per_param is not None:
+            finite_number("optimizer_bytes_per_param", self.optimizer_bytes_per_param, minimum=0, maximum=1e6)
         if self.op_overhead_seconds is not None and not (0 <= self.op_overhead_seconds < 1):
             raise ConfigError("op_overhead_seconds", "must be seconds in [0, 1)")
 
@@ -171,11 +171,11 @@ class RunConfig:
         set_(self, "loss", LossPolicy.parse(self.loss))
         set_(self, "data", DataKind.parse("data", self.data))
         for name in ("seq", "micro_batch", "accum", "dp"):
-            whole_number(name, getattr(self, name))
+            whole_number(name, getattr(self, name), maximum=SIZE_MAX)
         if not isinstance(self.model_source, str) or not self.model_source:
             raise ConfigError("model_source", "must be builtin, hf:NAME_OR_CONFIG or package.module:factory")
         whole_number("zero", self.zero, allow_zero=True)
-        whole_number("seed", self.seed, allow_zero=True)
+        whole_number("seed", self.seed, allow_zero=True, maximum=SEED_MAX)
         if not isinstance(self.device, str):
             raise ConfigError("device", f"must be a device name, got {self.device!r}")
         if self.zero > 3:

@@ -1,6 +1,7 @@
 """Checks and parsers for single user-typed values: whole numbers, sizes, files.  Pure Python."""
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -9,28 +10,73 @@ from batchlab.config.choices import ConfigError
 
 T = TypeVar("T")
 
+INT64_MAX = 2**63 - 1  # SQLite integers, torch int64: the largest whole number batchlab stores or passes on
+SEED_MAX = 2**64 - 1  # torch.manual_seed accepts [−2^63, 2^64)
+SIZE_MAX = 10**7  # model dimensions and batch counts: far above any real model, and loops over layers stay short
 
-def whole_number(name: str, value: Any, *, allow_zero: bool = False) -> None:
-    """A whole number > 0 (or >= 0 with ``allow_zero``), else ConfigError naming the field."""
+
+def whole_number(name: str, value: Any, *, allow_zero: bool = False, maximum: int = INT64_MAX) -> None:
+    """A whole number > 0 (or >= 0 with ``allow_zero``) and <= ``maximum``, else ConfigError naming the field."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(name, f"must be a whole number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    if value > maximum:
+        raise ConfigError(name, f"must be <= {maximum:,}, got {_short(value)}")
+
+
+def finite_number(name: str, value: Any, *, minimum: float | None = None, positive: bool = False,
+                  maximum: float | None = None) -> float:
+    """A finite real number (not bool, NaN or ±inf), > 0 with ``positive``, within [minimum, maximum]; as float.
+    Strings are parsed (``"1e12"``); anything else is a ConfigError naming the field."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ConfigError(name, f"must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(name, f"must be a number, got {value!r}")
+    try:
+        v = float(value)
+    except OverflowError:
+        raise ConfigError(name, f"must be a finite number, got {_short(value)}") from None
+    if not math.isfinite(v):
+        raise ConfigError(name, f"must be a finite number, got {value!r}")
+    if positive and v <= 0:
+        raise ConfigError(name, f"must be > 0, got {value!r}")
+    if minimum is not None and v < minimum:
+        raise ConfigError(name, f"must be >= {minimum:g}, got {value!r}")
+    if maximum is not None and v > maximum:
+        raise ConfigError(name, f"must be <= {maximum:g}, got {value!r}")
+    return v
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:8]}...({len(text)} digits)"
 
 
 def parse_bytes(field_name: str, text: Any) -> int:
-    """'2GiB', '512MiB', '80GB', '1e9' -> bytes."""
+    """'2GiB', '512MiB', '80GB', '1e9' -> bytes (> 0, at most INT64_MAX)."""
     if isinstance(text, int) and not isinstance(text, bool):
+        whole_number(field_name, text)
         return text
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", str(text))
+    bad = f"{text!r} is not a size (examples: 2GiB, 512MiB, 80GB)"
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", str(text)) if isinstance(text, (str, float)) else None
     if not m:
-        raise ConfigError(field_name, f"{text!r} is not a size (examples: 2GiB, 512MiB, 80GB)")
+        raise ConfigError(field_name, bad)
     units = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
     try:
-        return int(float(m.group(1)) * units[m.group(2)])
-    except (ValueError, KeyError):
-        raise ConfigError(field_name, f"{text!r} is not a size (examples: 2GiB, 512MiB, 80GB)") from None
+        number = float(m.group(1))
+    except ValueError:
+        raise ConfigError(field_name, bad) from None
+    if not math.isfinite(number) or number * units[m.group(2)] > INT64_MAX:
+        raise ConfigError(field_name, f"{text!r} is beyond any device's memory (at most {INT64_MAX:,} bytes)")
+    size = int(number * units[m.group(2)])
+    if size <= 0:
+        raise ConfigError(field_name, f"{text!r} must be more than 0 bytes")
+    return size
 
 
 def read_file(field_name: str, path: str | Path, parse: Callable[[str], T], kind: str) -> T:

@@ -86,6 +86,9 @@ def diagnose(out: Path, returncode: int | None, log: str, timeout_s: float | Non
         missing = ", ".join(map(str, sorted(started - done))) or "any"
         return Failure(Outcome.FAILED, None, f"timeout after {timeout_s:g} s (no result from rank(s) {missing}); "
                                              "every process was killed")
+    if returncode < 0:  # torchrun itself was killed (by a user, the OOM killer): its ranks died with it
+        return Failure(Outcome.FAILED, None, f"torchrun was {_killed_reason(returncode)}; its ranks were stopped "
+                                             "with it, nothing was measured")
     codes = torchrun_exitcodes(log)
     silent = sorted(started - done - set(errors))
     killed = [r for r in silent if codes.get(r, -signal.SIGKILL) != -signal.SIGTERM]

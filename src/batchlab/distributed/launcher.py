@@ -21,6 +21,7 @@ from typing import Sequence
 
 from batchlab.config import ConfigError, RunConfig
 from batchlab.distributed.failures import diagnose
+from batchlab.lifeline import module_command
 from batchlab.distributed.merge import SCOPE, merge
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement
@@ -62,9 +63,12 @@ def torchrun_args(nnodes: int | None = None, node_rank: int | None = None,
 
 
 def torchrun_command(nproc: int, torchrun_args: Sequence[str], spec: Path, out: Path) -> list[str]:
+    """torchrun under batchlab.lifeline (it dies with batchlab, taking its ranks and ``out`` along); ranks start
+    without the working directory on sys.path (PYTHONSAFEPATH in their environment; on 3.10, as a script)."""
     node = [] if any(_flag_value(torchrun_args, f) for f in _MULTI_NODE_FLAGS) else ["--standalone"]
-    return [sys.executable, "-m", "torch.distributed.run", *node, "--nproc-per-node", str(nproc),
-            "--max-restarts", "0", *torchrun_args, "-m", "batchlab.distributed", "--spec", str(spec), "--out", str(out)]
+    rank = ["-m", "batchlab.distributed"] if sys.version_info >= (3, 11) else [str(Path(__file__).with_name("__main__.py"))]
+    return [*module_command("batchlab.lifeline", str(out), "torch.distributed.run"), *node, "--nproc-per-node",
+            str(nproc), "--max-restarts", "0", *torchrun_args, *rank, "--spec", str(spec), "--out", str(out)]
 
 
 def _cpus() -> int:

@@ -15,7 +15,7 @@ from batchlab.config import ConfigError, RunConfig, to_jsonable
 from batchlab.experiment import factors, protocol
 from batchlab.experiment.change import Change, KeepMode, Sides, build_sides
 from batchlab.experiment.diagnosis import Context, diagnose, time_model_checks
-from batchlab.experiment.notebook import Notebook
+from batchlab.experiment.notebook import LeftIncomplete, Notebook
 from batchlab.experiment.record import (Diagnosis, FormulaRecord, Kind, Predictions, Protocol, Record, Round, now,
                                         Status)
 from batchlab.experiment.predict import Direction, FormulaSide, Metric, formula_prediction
@@ -152,7 +152,10 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
         raise
     except BaseException as e:
         if notebook is not None and exp_id is not None:
-            notebook.interrupt(exp_id, (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:300])
+            marked = notebook.interrupt(exp_id, (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:300])
+            if isinstance(e, KeyboardInterrupt):
+                raise LeftIncomplete(f"experiment #{exp_id} left incomplete in {notebook.path}"
+                                     + ("" if marked else " (the notebook refused to mark it)")) from e
         raise
     finally:
         before.stop()

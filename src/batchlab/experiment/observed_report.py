@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchlab.text import for_markdown
 from batchlab.units import fmt_bytes, fmt_seconds
 
 
@@ -16,7 +17,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
     for d in records:
         figs = {f["name"]: f for f in d["figures"]}
         mem, t = figs.get("peak memory", {}), figs.get("update time (median)", {})
-        lines.append(f"| {d.get('notebook_id')} | {d['source']} | {d['settings']['model']} | {d['global_batch_text']} "
+        cells = (for_markdown(x) for x in (d["source"], d["settings"]["model"], d["global_batch_text"]))
+        lines.append(f"| {d.get('notebook_id')} | {' | '.join(cells)} "
                      f"| {fmt_bytes(mem.get('observed'))} | {fmt_bytes(mem.get('predicted'))} "
                      f"| {fmt_seconds(t.get('observed'))} |")
     return "\n".join(lines) + "\n"

@@ -92,7 +92,8 @@ def interleave(a: RunConfig, b: RunConfig, rounds: int, options: MeasureOptions,
             if m.outcome is not Outcome.OK:
                 stopped[name] = m.outcome.value
                 if r + 1 < rounds:
-                    out.skipped.append(f"side {name.upper()}: {m.outcome.value} in round {r + 1}; not run again")
+                    out.skipped.append(f"side {name.upper()}: {m.outcome.value} in round {r + 1} "
+                                       f"({m.outcome_detail or 'no detail'}); not run again")
         out.seconds.append((times[0], times[1]))
         progress(2 * r + 2, total, f"round {r + 1}/{rounds} done")
     return out

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchlab.config import ConfigError, RunConfig, config_from_table, read_file
+from batchlab.config import ConfigError, RunConfig, config_from_table, read_file, whole_number
+from batchlab.config.values import SIZE_MAX
 from batchlab.experiment.change import Change, KeepMode, change_from_values, parse_change
 from batchlab.experiment.predict import Direction, Metric, parse_predictions, predictions_from_mapping
 
@@ -68,8 +69,24 @@ def load(path: str | Path, base: RunConfig) -> ExperimentFile:
         predictions = parse_predictions(predict)
     elif predict is not None:
         raise ConfigError("predict", "must be a table (predict = { memory = \"up\" }) or a string")
-    options = {k: data[k] for k in ("rounds", "steps", "warmup", "token_budget", "note", "allow_confounded") if k in data}
+    options = {k: data[k] for k in OPTION_TYPES if k in data}
+    check_options(options)
     return ExperimentFile(cfg, changes, keep, predictions, options)
+
+
+# The file's own options and their TOML types: checked here, before anything is stored (a note = 5 saved
+# would break every later `notebook show`; allow_confounded = "no" would count as true).
+OPTION_TYPES = {"rounds": int, "steps": int, "warmup": int, "token_budget": int, "note": str, "allow_confounded": bool}
+_TOML_TYPE = {int: "a whole number", str: "a string in quotes", bool: "true or false (a TOML boolean, no quotes)"}
+
+
+def check_options(options: dict[str, Any]) -> None:
+    for key, value in options.items():
+        kind = OPTION_TYPES[key]
+        if type(value) is not kind:  # exact: a TOML true is not a whole number
+            raise ConfigError(key, f"must be {_TOML_TYPE[kind]} in the experiment file, got {value!r}")
+        if kind is int:
+            whole_number(key, value, allow_zero=key == "warmup", maximum=SIZE_MAX * 10**6)
 
 
 def _hoist(data: dict[str, Any]) -> dict[str, Any]:

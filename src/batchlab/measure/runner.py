@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from batchlab.config import ConfigError, RunConfig
+from batchlab.lifeline import module_command, safe_env
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, load_measurement
 
@@ -35,12 +36,15 @@ _SIGNAL_HINTS = {
 
 
 def child_env() -> dict[str, str]:
-    """The caller's environment, with its sys.path, so that a factory importable here imports there too."""
+    """The caller's environment, with its sys.path, so that a factory importable here imports there too —
+    except the working directory (``python -m`` and ``-c`` put it first), unless PYTHONPATH names it."""
     env = dict(os.environ)
-    paths = [p or os.getcwd() for p in sys.path]
+    cwd = os.path.abspath(os.getcwd())
+    named = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    paths = [os.path.abspath(p) for p in sys.path if p and (os.path.abspath(p) != cwd or cwd in named)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
+    return safe_env(env)
 
 
 def run_isolated(cfg: RunConfig, options: MeasureOptions,
@@ -49,7 +53,7 @@ def run_isolated(cfg: RunConfig, options: MeasureOptions,
     with tempfile.TemporaryDirectory(prefix="batchlab-measure-") as tmp:
         out_path = Path(tmp) / "measurement.json"
         # own process group: a timeout kills the worker and anything it started (data-loader workers, ...)
-        proc = subprocess.Popen([sys.executable, "-m", "batchlab.measure.worker", str(out_path)],
+        proc = subprocess.Popen(module_command("batchlab.measure.worker", str(out_path)),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=child_env(), start_new_session=True)
         watcher = _OutputWatcher(proc, progress)

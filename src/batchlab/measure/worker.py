@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from batchlab.config import ConfigError, config_from_dict
+from batchlab.lifeline import guard
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.runner import PROGRESS_PREFIX
 
@@ -30,6 +31,7 @@ def _write(path: Path, payload: dict) -> None:
 
 def main(argv: list[str]) -> int:
     out = Path(argv[1])
+    guard(out.parent)  # batchlab killed (even by SIGKILL): this worker and its folder go too
     try:
         request = json.loads(sys.stdin.read())
         cfg = config_from_dict(request["config"])

@@ -53,7 +53,7 @@ def load_factory(source: str):
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise _fail(source, f"cannot import module {module_name!r}: {e}") from None
-    except Exception as e:  # noqa: BLE001 — the user's module raised while importing
+    except (Exception, SystemExit) as e:  # noqa: BLE001 — the user's module raised (or exited) while importing
         raise _fail(source, f"importing {module_name!r} raised {type(e).__name__}: {e}") from None
     fn = getattr(module, attr, None)
     if fn is None:
@@ -72,7 +72,7 @@ def _call(fn, cfg: RunConfig, source: str):
         return fn(cfg) if takes_cfg else fn()
     except ConfigError:
         raise
-    except Exception as e:  # noqa: BLE001 — reported as the factory's failure, field model
+    except (Exception, SystemExit) as e:  # noqa: BLE001 — reported as the factory's failure (exit 2), field model
         raise _fail(source, f"raised {type(e).__name__}: {e}") from None
 
 

@@ -8,7 +8,6 @@ Figures: batchlab.report.plots (matplotlib, imported only when drawing).
 from __future__ import annotations
 
 import base64
-import html
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from batchlab.experiment.predict import Direction
 from batchlab.experiment.record import Record
 from batchlab.report.plots import Figure, figures
 from batchlab.units import fmt_value
+from batchlab.text import for_html, for_markdown
 
 HELD = {True: "held", False: "missed", None: "-"}
 
@@ -197,7 +197,7 @@ def timeline_blocks(r: Record) -> list[tuple]:
 # ------------------------------------------------------------------------------------------ writers
 
 def _md_cell(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    return for_markdown(text)
 
 
 def to_markdown(bl: list[tuple], figs: list[Figure], image_names: dict[str, str]) -> str:
@@ -205,13 +205,13 @@ def to_markdown(bl: list[tuple], figs: list[Figure], image_names: dict[str, str]
     for b in bl:
         kind = b[0]
         if kind == "h1":
-            lines += [f"# {b[1]}", ""]
+            lines += [f"# {for_markdown(b[1])}", ""]
         elif kind == "h2":
-            lines += [f"## {b[1]}", ""]
+            lines += [f"## {for_markdown(b[1])}", ""]
         elif kind == "p":
-            lines += [b[1], ""]
+            lines += [for_markdown(b[1]), ""]
         elif kind == "ul":
-            lines += [f"- {item}" for item in b[1]] + [""]
+            lines += [f"- {for_markdown(item)}" for item in b[1]] + [""]
         elif kind == "table":
             lines.append("| " + " | ".join(map(_md_cell, b[1])) + " |")
             lines.append("|" + "---|" * len(b[1]))
@@ -221,8 +221,9 @@ def to_markdown(bl: list[tuple], figs: list[Figure], image_names: dict[str, str]
             lines += [f"![Memory over one update, A and B]({image_names['timeline']})", ""]
         elif kind == "figures":
             for i, f in enumerate(figs, 1):
-                lines += [f"![Figure {i}: {f.title} ({f.label})]({image_names[f.name]})", "",
-                          f"*Figure {i} — {f.title} [{f.label}]: {f.caption}*", ""]
+                t, lab, cap = (for_markdown(x) for x in (f.title, f.label, f.caption))
+                lines += [f"![Figure {i}: {t} ({lab})]({image_names[f.name]})", "",
+                          f"*Figure {i} — {t} [{lab}]: {cap}*", ""]
     return "\n".join(lines)
 
 
@@ -233,7 +234,7 @@ CSS = ("body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;p
 
 
 def to_html(bl: list[tuple], figs: list[Figure]) -> str:
-    e = html.escape
+    e = for_html
     title = next((b[1] for b in bl if b[0] == "h1"), "batchlab experiment")
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{CSS}</style>"
              "</head><body>"]
@@ -265,19 +266,24 @@ def _pair_svg(block: tuple) -> str:
     return pair_svg(block[1], block[2], block[3])
 
 
-def _write_timeline_png(bl: list[tuple], path: Path) -> bool:
-    """The pair chart beside the Markdown, when the report has one."""
+def _timeline_png(bl: list[tuple]) -> bytes | None:
+    """The pair chart beside the Markdown (PNG bytes, written with the rest), when the report has one."""
     block = next((b for b in bl if b[0] == "timeline"), None)
     if block is None:
-        return False
+        return None
+    import io
+
     from batchlab.timeline.pair import write_pair_png
 
-    write_pair_png(block[1], block[2], path, block[3])
-    return True
+    buf = io.BytesIO()
+    write_pair_png(block[1], block[2], buf, block[3])  # savefig takes a file object as well as a path
+    return buf.getvalue()
 
 
 def write_report(record: Record, out_dir: str | Path) -> list[Path]:
     """experiment-<id>.md (+ its PNG figures) and experiment-<id>.html (self-contained) in ``out_dir``."""
+    from batchlab.files import write_all
+
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -287,16 +293,15 @@ def write_report(record: Record, out_dir: str | Path) -> list[Path]:
     figs = figures(record)
     names = {f.name: f"{stem}-{f.name}.png" for f in figs}
     bl = blocks(record)
-    paths = []
-    for f in figs:
-        (out / names[f.name]).write_bytes(f.png)
-    if _write_timeline_png(bl, out / f"{stem}-timeline.png"):
+    pngs = {out / names[f.name]: f.png for f in figs}
+    timeline = _timeline_png(bl)
+    if timeline is not None:
         names["timeline"] = f"{stem}-timeline.png"
+        pngs[out / names["timeline"]] = timeline
     md, page = out / f"{stem}.md", out / f"{stem}.html"
-    md.write_text(to_markdown(bl, figs, names))
-    page.write_text(to_html(bl, figs))
-    paths += [md, page]
-    return paths
+    # all files or none: a read-only directory or a full disk leaves no 0-byte PNG behind
+    write_all({**pngs, md: to_markdown(bl, figs, names), page: to_html(bl, figs)}, "report")
+    return [md, page]
 
 
 def notebook_markdown(records: list[Record]) -> str:

@@ -12,6 +12,7 @@ from batchlab.experiment.predict import Metric
 from batchlab.experiment.record import Record
 from batchlab.measure.result import Outcome
 from batchlab.phase import UPDATE_PHASES
+from batchlab.text import for_mathtext
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def _axes(title: str, sources: tuple[str, ...], size=(6.0, 3.6)):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=size)
-    ax.set_title(f"{title}  [{' / '.join(sources)}]", fontsize=10)
+    ax.set_title(for_mathtext(f"{title}  [{' / '.join(sources)}]"), fontsize=10)
     # below the tick labels; bbox_inches="tight" keeps it inside the saved image
     fig.text(0.99, -0.06, "sources: " + ", ".join(sources), ha="right", va="top", fontsize=7, color="0.35")
     return fig, ax
@@ -196,5 +197,5 @@ def _side_text(record: Record, side: str) -> str:
     c = record.sides[side]
     changed = [f"{ch['field']}={ch[side]}" for ch in record.change["requested"]]
     changed += [f"{k}={v[0 if side == 'a' else 1]}" for k, v in record.change["derived"].items()]
-    return (", ".join(changed) + f"\n{c['micro_batch']} x {c['accum']} x {c['dp']} = "
+    return for_mathtext(", ".join(changed) + f"\n{c['micro_batch']} x {c['accum']} x {c['dp']} = "
             f"{c['micro_batch'] * c['accum'] * c['dp']}")

@@ -2,13 +2,13 @@
 (op and live total), no network, no libraries; laid out for a 1400 px wide window."""
 from __future__ import annotations
 
-import html
 import json
 
 from batchlab.timeline.data import LABELS, Timeline
 from batchlab.timeline.style import (COLOURS, PHASE_SHADES, axis_unit, bands, capacity_shown, formula_markers,
                                      overlap_bars, peak_lines, stack, used_categories)
 from batchlab.units import fmt_bytes
+from batchlab.text import for_html
 
 W, H, LEFT, RIGHT, TOP, BOTTOM = 1000, 520, 70, 20, 30, 50  # SVG user units (the SVG scales to its box)
 
@@ -58,17 +58,17 @@ def _svg(t: Timeline) -> tuple[str, dict]:
                    f'fill="{PHASE_SHADES.get(phase, "#fff")}"/>')
         if phase in ("forward", "backward", "optimizer"):
             out.append(f'<text x="{(sx(lo) + sx(hi)) / 2:.1f}" y="{TOP - 8}" font-size="10" fill="#555" '
-                       f'text-anchor="middle">{html.escape(label)}</text>')
+                       f'text-anchor="middle">{for_html(label)}</text>')
     base = [0] * len(xs)
     for c, ys in parts.items():
         high = [b + y for b, y in zip(base, ys)]
         out.append(f'<path d="{_step_path(xs, base, high, sx, sy)}" fill="{COLOURS[c]}">'
-                   f'<title>{html.escape(LABELS[c])}</title></path>')
+                   f'<title>{for_html(LABELS[c])}</title></path>')
         base = high
     for name, lo, hi in overlap_bars(t):
         out.append(f'<rect x="{sx(lo):.1f}" y="{TOP + 1}" width="{sx(hi) - sx(lo):.1f}" height="13" fill="#7a5195" '
                    f'opacity="0.8"/><text x="{(sx(lo) + sx(hi)) / 2:.1f}" y="{TOP + 11}" font-size="10" '
-                   f'fill="#fff" text-anchor="middle">{html.escape(name)}</text>')
+                   f'fill="#fff" text-anchor="middle">{for_html(name)}</text>')
     for i in range(6):  # y grid and labels
         v = top * i / 5
         out.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{sy(v):.1f}" y2="{sy(v):.1f}" stroke="#0001"/>'
@@ -107,10 +107,10 @@ def _svg(t: Timeline) -> tuple[str, dict]:
 
 def render_html(t: Timeline) -> str:
     svg, data = _svg(t)
-    legend = "".join(f'<span class="key"><i style="background:{COLOURS[c]}"></i>{html.escape(LABELS[c])}</span>'
+    legend = "".join(f'<span class="key"><i style="background:{COLOURS[c]}"></i>{for_html(LABELS[c])}</span>'
                      for c in used_categories(t))
-    side = html.escape("\n".join(peak_lines(t, modules=8)))
-    notes = "".join(f"<li>{html.escape(n)}</li>" for n in t.notes)
+    side = for_html("\n".join(peak_lines(t, modules=8)))
+    notes = "".join(f"<li>{for_html(n)}</li>" for n in t.notes)
     blob = json.dumps(data).replace("</", "<\\/")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>batchlab memory timeline</title>
@@ -125,8 +125,8 @@ h1 {{ font-size: 18px; margin: 0 0 4px; }} .sub {{ color: #555; font-size: 13px;
 #tip {{ font-family: monospace; font-size: 12px; height: 18px; margin: 4px 0; }}
 </style></head><body>
 <h1>Memory over one update</h1>
-<div class="sub">{html.escape(t.title)}<br>provenance: <b>{html.escape(t.provenance)}</b>
- ({html.escape(t.method)})</div>
+<div class="sub">{for_html(t.title)}<br>provenance: <b>{for_html(t.provenance)}</b>
+ ({for_html(t.method)})</div>
 <div>{legend}</div><div id="tip">{data["hint"]}</div>
 <div class="row"><div class="chart">{svg}</div>
 <div class="side"><b>At the peak</b><pre>{side}</pre><ul>{notes}</ul></div></div>

@@ -17,6 +17,7 @@ from pathlib import Path
 from batchlab.timeline.data import Timeline, downsample
 from batchlab.timeline.style import axis_unit, formula_markers
 from batchlab.units import fmt_bytes
+from batchlab.text import for_mathtext
 
 _ACTIVATION_LIKE = ("activations", "logits", "recompute")
 PAIR_COLOURS = ("#1f5fa8", "#c4461a")
@@ -38,6 +39,7 @@ def pair_figure(a: Timeline, b: Timeline, labels: tuple[str, str] = ("A", "B")):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    labels = (for_mathtext(labels[0]), for_mathtext(labels[1]))  # user values: never parsed as mathtext
     unit, div = axis_unit(a if a.peak_bytes >= b.peak_bytes else b)
     fig, ax = plt.subplots(figsize=(11, 5), dpi=100)  # ~1100 px: legible at a report's width
     for t, label, colour, style in ((a, labels[0], PAIR_COLOURS[0], "-"), (b, labels[1], PAIR_COLOURS[1], "--")):
@@ -56,7 +58,7 @@ def pair_figure(a: Timeline, b: Timeline, labels: tuple[str, str] = ("A", "B")):
     ax.set_xlabel("fraction of the update (ops dispatched)")
     ax.set_ylabel(f"live tensor {unit}")
     ax.legend(loc="upper right", fontsize=8)  # late in the update both curves are low
-    ax.set_title(f"{labels[0]}: {a.title}\n{labels[1]}: {b.title}", fontsize=9)
+    ax.set_title(f"{labels[0]}: {for_mathtext(a.title)}\n{labels[1]}: {for_mathtext(b.title)}", fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -8,6 +8,7 @@ from batchlab.timeline.data import LABELS, Timeline
 from batchlab.units import fmt_bytes
 from batchlab.timeline.style import (COLOURS, PHASE_SHADES, axis_unit, bands, capacity_shown, formula_markers,
                                      overlap_bars, peak_lines, stack)
+from batchlab.text import for_mathtext
 
 WIDTH_PX = 1400
 
@@ -34,7 +35,7 @@ def draw(ax, t: Timeline, side=None) -> None:
                     fontsize=8, color="#555555")
     for name, lo, hi in overlap_bars(t):
         ax.axvspan(lo, hi, ymin=0.95, ymax=0.99, facecolor="none", hatch="///", edgecolor="#7a5195", zorder=3)
-        ax.text((lo + hi) / 2, 0.97, name, transform=ax.get_xaxis_transform(), ha="center", va="center",
+        ax.text((lo + hi) / 2, 0.97, for_mathtext(name), transform=ax.get_xaxis_transform(), ha="center", va="center",
                 fontsize=8, color="#7a5195", zorder=6, bbox=dict(fc="white", ec="none", pad=1))
     base = [0.0] * len(xs)
     for c, ys in parts.items():
@@ -45,7 +46,7 @@ def draw(ax, t: Timeline, side=None) -> None:
     ax.axvline(px, color="#222222", lw=0.8, ls=":", zorder=3)
     ax.plot([px], [pb], marker="v", color="#222222", zorder=4)
     where = side if side is not None else ax
-    where.text(0.0, 0.62, "\n".join(peak_lines(t) + [""] + list(t.notes)), transform=where.transAxes, va="top",
+    where.text(0.0, 0.62, for_mathtext("\n".join(peak_lines(t) + [""] + list(t.notes))), transform=where.transAxes, va="top",
                ha="left", fontsize=8, family="monospace", zorder=5, wrap=True)
     for phase, value, lo, hi in formula_markers(t):
         ax.hlines(value / GIB, lo, hi, colors="#000000", linestyles="--", lw=1.2, zorder=4)
@@ -69,7 +70,7 @@ def draw(ax, t: Timeline, side=None) -> None:
 def write_png(t: Timeline, path: str | Path) -> None:
     fig, ax, side = _figure()
     draw(ax, t, side)
-    fig.suptitle(f"Memory over one update [{t.provenance}: {t.method}]\n{t.title}", fontsize=10)
+    fig.suptitle(for_mathtext(f"Memory over one update [{t.provenance}: {t.method}]\n{t.title}"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     import matplotlib.pyplot as plt
