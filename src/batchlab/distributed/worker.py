@@ -22,7 +22,7 @@ import torch.distributed as dist
 from batchlab.config import ConfigError, RunConfig, config_from_dict, to_jsonable
 from batchlab.distributed import comm, engines
 from batchlab.distributed.traffic import TrafficCounter
-from batchlab.measure.clock import PhaseClock, synchronizer, timed
+from batchlab.measure.clock import PhaseClock, Probes, synchronizer, timed
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
@@ -51,15 +51,6 @@ class RankSpec:
 def env_ranks() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment."""
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
-
-
-class _Tee:
-    def __init__(self, *probes):
-        self.probes = probes
-
-    def mark(self, phase: str) -> None:
-        for p in self.probes:
-            p.mark(phase)
 
 
 def init(cfg: RunConfig, opts: MeasureOptions, collective_timeout_s: float) -> tuple[torch.device, str]:
@@ -111,7 +102,7 @@ def measure_memory(trainer: Trainer, monitor: comm.CommMonitor | None, budget: i
         probe = CudaMemoryProbe(trainer.device)
         probe.begin()
         with traffic or contextlib.nullcontext():
-            _update(trainer, _Tee(probe, *probes))
+            _update(trainer, Probes(probe, *probes))
         mem = probe.result(trainer)
     else:
         mem = from_snapshot(_track(trainer, monitor, budget, probes, traffic))
@@ -123,7 +114,7 @@ def _track(trainer: Trainer, monitor: comm.CommMonitor | None, budget: int | Non
     engines.register_storages(tracker, trainer, monitor)
     tracker.reset()
     with tracker, traffic or contextlib.nullcontext():
-        _update(trainer, _Tee(tracker, *probes))
+        _update(trainer, Probes(tracker, *probes))
     return tracker.snapshot()
 
 
@@ -135,7 +126,7 @@ def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor | None, steps: in
     first = len(monitor.updates) if monitor is not None else 0
     for _ in range(steps):
         clock.start()
-        probe = _Tee(clock, monitor) if monitor is not None else clock
+        probe = Probes(clock, monitor) if monitor is not None else clock
         result, wall, cpu_s = timed(lambda: _update(trainer, probe), sync)
         samples.append(wall)
         cpu.append(cpu_s)

@@ -54,3 +54,14 @@ def timed(fn: Callable[[], object], sync: Callable[[], None]) -> tuple[object, f
     sync()
     t1, c1 = time.perf_counter(), time.process_time()
     return out, t1 - t0, c1 - c0
+
+
+class Probes:
+    """Several harness probes marked together (the harness's ``update`` takes one probe)."""
+
+    def __init__(self, *probes):
+        self.probes = probes
+
+    def mark(self, phase) -> None:
+        for p in self.probes:
+            p.mark(phase)

@@ -117,17 +117,6 @@ class OpRecorder(TorchDispatchMode):
         return merge(self.ops)
 
 
-class Probes:
-    """Several harness probes marked together."""
-
-    def __init__(self, *probes):
-        self.probes = probes
-
-    def mark(self, phase: str) -> None:
-        for p in self.probes:
-            p.mark(phase)
-
-
 def record_update(trainer) -> tuple[OpCount, ...]:
     """The ops of one update of ``trainer`` (real or fake tensors), identical calls merged."""
     rec = OpRecorder(trainer.raw_model)

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 
 from batchlab.config import ConfigError, ModelSource, Precision, RunConfig
 from batchlab.formula.allocator import device_memory
+from batchlab.measure.clock import Probes
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import storage_bytes, tracker_for
@@ -24,7 +25,7 @@ from batchlab.formula.opcost import describe, price
 from batchlab.formula.timing import costs_for
 from batchlab.trace import sharded
 from batchlab.trace.flops import count_update_flops
-from batchlab.trace.ops import OpRecorder, Probes
+from batchlab.trace.ops import OpRecorder
 from batchlab.trace.patches import eager_branches
 from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
 from batchlab.trace.tree import OUTSIDE, ModuleStack, build_tree
