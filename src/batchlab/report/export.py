@@ -9,6 +9,8 @@ from typing import Any
 from batchlab.config import _Choice
 from batchlab.experiment.observed import ObservedRecord
 from batchlab.experiment.record import Record
+from batchlab.text import for_markdown
+from batchlab.units import fmt_bytes, fmt_seconds
 
 
 class ExportFormat(_Choice):
@@ -23,11 +25,10 @@ def export(records: list[Record | ObservedRecord], fmt: ExportFormat | str) -> s
         return json.dumps([r.to_dict() for r in records], indent=2) + "\n"
     if fmt is ExportFormat.CSV:
         return _csv(records)
-    from batchlab.experiment.observed_report import markdown
     from batchlab.report.document import notebook_markdown
 
     compared = [r for r in records if isinstance(r, Record)]
-    observed = markdown([r.to_dict() for r in records if isinstance(r, ObservedRecord)])
+    observed = observed_markdown([r for r in records if isinstance(r, ObservedRecord)])
     return (notebook_markdown(compared) if compared or not observed else "") + observed
 
 
@@ -74,3 +75,22 @@ def _csv(records: list[Record | ObservedRecord]) -> str:
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
+
+
+def observed_markdown(records: list[ObservedRecord]) -> str:
+    """Observed runs as one Markdown table: each figure with the provenance it was obtained by."""
+    if not records:
+        return ""
+    lines = ["## Observed runs (nothing controlled)", "",
+             "| id | source | model | global batch | peak memory | formula | update time |", "|---|---|---|---|---|---|---|"]
+    for r in records:
+        mem, t = r.figure("peak memory"), r.figure("update time (median)")
+        cells = " | ".join(for_markdown(x) for x in (r.source.value, r.settings.model, r.settings.global_batch_text()))
+        lines.append(f"| {r.notebook_id} | {cells} "
+                     f"| {_figure(mem, fmt_bytes)} | {fmt_bytes(mem.predicted) if mem else '-'} (formula) "
+                     f"| {_figure(t, fmt_seconds)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _figure(f, fmt) -> str:
+    return f"{fmt(f.observed)} ({f.provenance})" if f is not None else "-"
