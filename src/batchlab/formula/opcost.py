@@ -19,6 +19,7 @@ aten op name and classify them with ``op_class`` here, so both paths are priced 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ _NO_DATA = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty",
             "alias", "lift_fresh", "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit"}
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of a few hundred op names, called per op per estimate
 def op_class(name: str, is_view: bool = False, strided: bool = False) -> OpClass:
     """The class of an aten op by its overload packet name (``addmm``, ``native_layer_norm``, ...);
     ``strided``: its input is a non-contiguous view (a copy of it gathers)."""
@@ -111,8 +113,13 @@ class OpCount:
                 "bytes": self.bytes, "elements": self.elements, "low_precision": self.low_precision,
                 "count": self.count, "grain": self.grain}
 
+    def with_count(self, count: int) -> "OpCount":
+        # the constructor directly: dataclasses.replace costs ~5x more, and this runs per op per estimate
+        return OpCount(self.name, self.phase, self.klass, self.flops, self.bytes, self.elements, self.low_precision,
+                       count, self.grain)
+
     def times(self, n: int) -> "OpCount":
-        return dataclasses.replace(self, count=self.count * n)
+        return self.with_count(self.count * n)
 
 
 def merge(ops: Iterable[OpCount]) -> tuple[OpCount, ...]:
@@ -125,7 +132,7 @@ def merge(ops: Iterable[OpCount]) -> tuple[OpCount, ...]:
             counts[key] += op.count
         else:
             first[key], counts[key] = op, op.count
-    return tuple(op if op.count == counts[k] else dataclasses.replace(op, count=counts[k]) for k, op in first.items())
+    return tuple(op if op.count == counts[k] else op.with_count(counts[k]) for k, op in first.items())
 
 
 @dataclass(frozen=True)
