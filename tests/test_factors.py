@@ -47,3 +47,31 @@ def test_our_own_busy_child_is_not_a_competitor():
     f = uncontrolled(w, {}, None)
     assert child.pid not in {p["pid"] for p in f["busy_processes"]["top"]}
     assert os.getpid() not in {p["pid"] for p in f["busy_processes"]["top"]}
+
+
+def test_polled_watch_samples_only_when_polled_and_runs_no_thread():
+    import threading
+
+    w = Watch(interval=0.1, mine=-1, thread=False, max_share=0.5).start()
+    assert "batchlab-factors" not in {t.name for t in threading.enumerate()}
+    w.poll()  # right after start: the spacing has not passed
+    assert w.samples == 1
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"])
+    while busy.poll() is None:  # the caller's "between updates"
+        w.poll()
+        time.sleep(0.02)
+    f = uncontrolled(w, {}, None)
+    # 1.0 s of polling at >= 0.1 s spacing: at most ~11 samples plus start and stop, and the competitor is seen
+    assert 4 <= f["busy_processes"]["samples"] <= 14
+    assert any(p["name"].startswith("python") for p in f["busy_processes"]["top"]), f
+    assert "between updates" in f["busy_processes"]["rule"] and f["busy_processes"]["sample_seconds"] > 0
+
+
+def test_polled_sampling_is_spaced_by_its_own_cost():
+    w = Watch(interval=0.0, thread=False, max_share=0.01).start()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.5:
+        w.poll()
+    w.stop()
+    # each sample is followed by a pause of 100x its cost, so sampling took about 1% of the 0.5 s (by hand)
+    assert w.sample_seconds <= 0.02 * (time.monotonic() - t0) + max(w.sample_seconds / w.samples, 0.0)

@@ -55,6 +55,9 @@ def test_observe_writes_an_observed_record(tmp_path):
     assert ObservedRecord.from_dict(r.to_dict()).to_dict() == r.to_dict()  # round trip
     # 5 updates: 1 warmup, 1 memory, 1 more warmup, 2 timed
     assert len(described.record.measurement.time.samples) == 2
+    # provenance: the memory figure is update 2's alone; the uncontrolled factors were sampled between updates
+    assert described.record.measurement.memory.method.endswith("; update 2 only, untimed")
+    assert "between updates" in described.record.factors["busy_processes"]["rule"]
 
 
 def _record(micro, accum, peak, seconds, precision="fp32") -> ObservedRecord:

@@ -121,18 +121,36 @@ class Usage:
 
 
 class Watch:
-    """What competed for the CPU while the experiment ran: /proc sampled every ``interval`` seconds on a
-    daemon thread from start() to stop(), and /proc/stat's machine-wide busy time from start to stop (which
-    also catches processes too short-lived for any sample).  ``mine``: the process whose tree is ours."""
+    """What competed for the CPU while the experiment ran: /proc sampled from start() to stop(), and
+    /proc/stat's machine-wide busy time from start to stop (which also catches processes too short-lived for
+    any sample).  ``mine``: the process whose tree is ours.
 
-    def __init__(self, interval: float = 0.5, mine: int | None = None):
+    ``thread=True``: sampled every ``interval`` seconds on a daemon thread (the experiment runs in subprocesses).
+    ``thread=False``: sampled only when the caller calls ``poll()`` (an observed run calls it after each update,
+    outside the timed window), at most every ``interval`` seconds and spaced so that sampling takes at most
+    ``max_share`` of the wall time: a thread reading /proc while the user's update runs would take CPU and the
+    GIL from it (about 5 ms a sample with 80 processes here; it grows with the process count).
+    """
+
+    def __init__(self, interval: float = 0.5, mine: int | None = None, thread: bool = True,
+                 max_share: float = 0.005):
         import threading
 
-        self.interval, self.mine = interval, os.getpid() if mine is None else mine
+        self.interval, self.mine, self.threaded = interval, os.getpid() if mine is None else mine, thread
+        self.max_share = max_share
         self.samples = 0
+        self.sample_seconds = 0.0  # wall time spent reading /proc for the samples
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="batchlab-factors", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="batchlab-factors", daemon=True) if thread else None
+        self._next = 0.0  # polled: monotonic time before which poll() does not sample
         self.result: dict[str, Any] | None = None
+
+    @property
+    def rule(self) -> str:
+        if self.threaded:
+            return f"/proc sampled every {self.interval:g} s"
+        return (f"/proc sampled between updates (outside the timed window), at most every {self.interval:g} s "
+                f"and at most {self.max_share:.1%} of the wall time")
 
     def start(self) -> "Watch":
         self.before = Snapshot()
@@ -140,22 +158,39 @@ class Watch:
         self._busy0, self._own0 = busy_cpu_seconds(), _own_cpu_seconds()
         self.usage = Usage(up if up is not None else float("inf"), self.mine)
         self._add(self.before.cpu)
-        self._thread.start()
+        self._next = time.monotonic() + self.interval
+        if self._thread is not None:
+            self._thread.start()
         return self
 
     def _add(self, procs: dict[int, Proc]) -> None:
         self.usage.add(procs)
         self.samples += 1
 
+    def _sample(self) -> float:
+        t0 = time.monotonic()
+        self._add(cpu_times())
+        t1 = time.monotonic()
+        self.sample_seconds += t1 - t0
+        return t1 - t0
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
-            self._add(cpu_times())
+            self._sample()
+
+    def poll(self) -> None:
+        """Sample now if the polled spacing has passed (a no-op with ``thread=True`` or after stop())."""
+        if self._thread is not None or self.result is not None or time.monotonic() < self._next:
+            return
+        cost = self._sample()
+        self._next = time.monotonic() + max(self.interval, cost / self.max_share)
 
     def stop(self) -> dict[str, Any]:
         """The usage over the run (idempotent: a second call returns the first one's)."""
         if self.result is None:
             self._stop.set()
-            self._thread.join()
+            if self._thread is not None:
+                self._thread.join()
             after = Snapshot()
             self._add(after.cpu)
             elapsed = max(after.wall - self.before.wall, 1e-9)
@@ -190,8 +225,9 @@ def uncontrolled(watch: Watch, timing_noise: dict[str, Any], note: str | None) -
     cores = u["other_cores"]
     return {"load_average": {"before": before.load, "after": after.load},
             "busy_processes": {"count": len(busy), "top": busy[:5], "samples": u["samples"],
+                               "sample_seconds": round(watch.sample_seconds, 4),
                                "rule": f"other processes (not this one or its subprocesses) using > {BUSY_SHARE:.0%} "
-                                       f"of a core during the run, /proc sampled every {watch.interval:g} s"},
+                                       f"of a core during the run, {watch.rule}"},
             "other_cpu": {"cores": round(cores, 2) if cores is not None else None,
                           "rule": "machine-wide busy CPU time (/proc/stat) minus this process tree's, over the "
                                   "run's wall time: includes processes too short-lived to be sampled"},

@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from dataclasses import replace
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -27,16 +29,20 @@ from batchlab.measure.clock import PhaseClock, synchronizer
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom_classify import OOMKind, classify_oom
-from batchlab.measure.result import Draft, MeasuredTime, Measurement, Outcome
+from batchlab.measure.result import Draft, MeasuredMemory, MeasuredTime, Measurement, Outcome
 from batchlab.phase import Phase
+
+FACTOR_INTERVAL = 2.0  # seconds between /proc samples of an observed run (taken between updates)
 
 
 class Observer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int = 2, memory: bool = True,
-                 device: torch.device | str | None = None, config=None, global_batch: int | None = None):
+                 device: torch.device | str | None = None, config=None, global_batch: int | None = None,
+                 after_update: Callable[[], None] | None = None):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be >= 1 (the first update is never timed), got {warmup!r}")
         self.model, self.optimizer, self.warmup, self.memory = model, optimizer, warmup, memory
+        self._after_update = after_update  # called after each update, outside its timed window
         if device is None:
             first = next(model.parameters(), None)
             device = first.device if first is not None else "cpu"
@@ -96,6 +102,8 @@ class Observer:
             raise
         finally:
             self._probe = None
+            if self._after_update is not None:
+                self._after_update()
 
     @contextlib.contextmanager
     def _memory_update(self):
@@ -105,13 +113,17 @@ class Observer:
             self._probe = probe
             yield
             probe.mark("end")
-            self._draft.memory = probe.result(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
+            self._set_memory(probe.result(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer)))
             return
         tracker = tracker_for(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
         self._probe = tracker
         with tracker:
             yield
-        self._draft.memory = from_snapshot(tracker.snapshot())
+        self._set_memory(from_snapshot(tracker.snapshot()))
+
+    def _set_memory(self, memory: MeasuredMemory) -> None:
+        # provenance: the one update the figure comes from; no timed update runs a memory probe
+        self._draft.memory = replace(memory, method=f"{memory.method}; update {self.updates} only, untimed")
 
     @contextlib.contextmanager
     def _timed_update(self):
@@ -162,9 +174,10 @@ def observe(model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int =
     ``obs.notebook_id``; ``config`` (a RunConfig describing the loop) gives the formula's prediction."""
     from batchlab.experiment.factors import Watch
 
+    # what else uses the CPU, sampled between updates (never during one) until the record is made
+    before = Watch(interval=FACTOR_INTERVAL, thread=False).start() if notebook is not None else None
     obs = Observer(model, optimizer, warmup=warmup, memory=memory, device=device, config=config,
-                   global_batch=global_batch)
-    before = Watch().start() if notebook is not None else None  # sampled until the record is made
+                   global_batch=global_batch, after_update=before.poll if before is not None else None)
     try:
         yield obs
     finally:
