@@ -1,13 +1,21 @@
 """What the BatchlabCallback costs a Hugging Face Trainer and a Lightning Trainer: update time with and without it.
 
 Both runs carry the same bare timer (perf_counter at the first callback's step begin and the last callback's
-step end), so the difference is the BatchlabCallback alone.  Rounds alternate (without, with, without, ...)
-in one process; per round, the median update time over the updates the callback times (after its warmup
-and its one memory update).  overhead = median over rounds of with / without - 1 (target <= 2%).  The one
-memory update (live-storage tracker on CPU, allocator statistics on CUDA) is reported on its own: it is
-paid once per run, not per update.
+step end, the device synchronised at both on CUDA as the callback does), so the difference is the
+BatchlabCallback alone.  A timed update holds all its micro-batches' forward and backward, gradient clipping
+(HF), the optimizer step and zero_grad where the framework puts it; HF fetches the update's batches before
+its step begin, Lightning fetches each micro-batch inside the update.
 
-    .venv/bin/python benchmarks/integration_overhead.py                 # GPT-2 4 x 256, seq 256, 30 updates, 5 rounds
+Design: one discarded warm-up run, then ``--rounds`` pairs of short runs in this process, the order inside
+each pair alternating (without, with / with, without) so that drift cancels.  Per run, the median over the
+updates the callback times (after its warmup and its one memory update; the same update indices in both
+runs).  Overhead = median over pairs of with / without - 1, with the interquartile range (target <= 2%).
+Beside it, the same ratio of process CPU time (all threads: a sampling thread would show here), the
+callback's own code per timed update, timed inside the run by wrapping its hooks (its direct
+cost, free of run-to-run noise); and the one memory update (live-storage tracker on CPU, allocator
+statistics on CUDA), paid once per run, not per update.
+
+    .venv/bin/python benchmarks/integration_overhead.py                 # GPT-2 4 x 256, seq 256, 10 updates, 16 pairs
     .venv/bin/python benchmarks/integration_overhead.py --tiny          # smoke run (seconds)
     .venv/bin/python benchmarks/integration_overhead.py --framework lightning
 Prints Markdown on stdout.  Figures from a loaded machine are not worth quoting.
@@ -15,6 +23,8 @@ Prints Markdown on stdout.  Figures from a loaded machine are not worth quoting.
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import statistics
 import tempfile
 import time
@@ -23,6 +33,52 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 WARMUP = 2  # BatchlabCallback's default; update WARMUP is the memory update, then WARMUP - 1 more untimed
+FIRST_TIMED = WARMUP + 1  # index of the first update the callback times
+HF_HOOKS = ("on_step_begin", "on_pre_optimizer_step", "on_step_end", "_pre_forward", "_post_forward")
+LIGHTNING_HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
+
+
+def _sync() -> None:
+    # the callback synchronises the device around each timed update; the bare timer must too, or on CUDA it
+    # would compare kernel launches (without) with finished work (with)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Run:
+    """One training run's per-update wall and process CPU times, and the callback's own time inside each."""
+
+    def __init__(self):
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.own: list[float] = []
+        self._own = 0.0
+
+    def timed_hooks(self, cb, names) -> None:
+        """Wrap ``cb``'s hooks (instance attributes: the frameworks look them up there) with a timer."""
+        for name in names:
+            fn = getattr(cb, name)
+
+            def wrapped(*args, _fn=fn, **kw):
+                t = time.perf_counter()
+                try:
+                    return _fn(*args, **kw)
+                finally:
+                    self._own += time.perf_counter() - t
+            setattr(cb, name, wrapped)
+
+    def begin(self) -> None:
+        _sync()
+        self._own, self._t0, self._c0 = 0.0, time.perf_counter(), time.process_time()
+
+    def end(self) -> None:
+        _sync()
+        self.wall.append(time.perf_counter() - self._t0)
+        self.cpu.append(time.process_time() - self._c0)
+        self.own.append(self._own)
+
+    def timed(self, values: list[float]) -> float:
+        return statistics.median(values[FIRST_TIMED:])
 
 
 class Tokens(Dataset):
@@ -44,38 +100,40 @@ def _gpt2(a):
                                       vocab_size=a.vocab, n_positions=a.seq, bos_token_id=0, eos_token_id=0))
 
 
-def run_hf(a, with_callback: bool) -> list[float]:
+def run_hf(a, with_callback: bool) -> Run:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from batchlab.integrations.transformers import BatchlabCallback
 
-    times: list[float] = []
+    run = Run()
 
     class Start(TrainerCallback):
         def on_step_begin(self, *args, **kw):
-            self.t0 = time.perf_counter()
+            run.begin()
 
     class Stop(TrainerCallback):
         def on_step_end(self, *args, **kw):
-            times.append(time.perf_counter() - start.t0)
+            run.end()
 
-    start = Start()
-    callbacks = [start] + ([BatchlabCallback(warmup=WARMUP)] if with_callback else []) + [Stop()]
+    watched = [BatchlabCallback(warmup=WARMUP)] if with_callback else []
+    for cb in watched:
+        run.timed_hooks(cb, HF_HOOKS)
+    callbacks = [Start()] + watched + [Stop()]
     with tempfile.TemporaryDirectory() as d:
         args = TrainingArguments(output_dir=d, per_device_train_batch_size=a.micro, gradient_accumulation_steps=a.accum,
                                  max_steps=a.steps, report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(),
                                  disable_tqdm=True, logging_strategy="no")
         Trainer(_gpt2(a), args, train_dataset=Tokens(a.micro * a.accum * a.steps, a.seq, a.vocab),
                 callbacks=callbacks).train()
-    return times
+    return run
 
 
-def run_lightning(a, with_callback: bool) -> list[float]:
+def run_lightning(a, with_callback: bool) -> Run:
     import lightning as L
 
     from batchlab.integrations.lightning import BatchlabCallback
 
-    times: list[float] = []
+    run = Run()
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -91,20 +149,47 @@ def run_lightning(a, with_callback: bool) -> list[float]:
     class Start(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx % a.accum == 0:
-                self.t0 = time.perf_counter()
+                run.begin()
 
     class Stop(L.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if (batch_idx + 1) % a.accum == 0:
-                times.append(time.perf_counter() - start.t0)
+                run.end()
 
-    start = Start()
-    callbacks = [start] + ([BatchlabCallback(warmup=WARMUP)] if with_callback else []) + [Stop()]
+    watched = [BatchlabCallback(warmup=WARMUP)] if with_callback else []
+    for cb in watched:
+        run.timed_hooks(cb, LIGHTNING_HOOKS)
+    callbacks = [Start()] + watched + [Stop()]
     trainer = L.Trainer(max_steps=a.steps, accumulate_grad_batches=a.accum, callbacks=callbacks, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         devices=1)
     trainer.fit(Module(), DataLoader(Tokens(a.micro * a.accum * a.steps, a.seq, a.vocab), batch_size=a.micro))
-    return times
+    return run
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
+    return q1, q2, q3
+
+
+def paired(a, run) -> dict[str, list[float]]:
+    """Per pair: with / without - 1 of the timed medians, the callback's own share, the memory update ratio."""
+    run(a, False)  # warm-up run, discarded: first-run costs (imports, allocator growth, lazy inits)
+    out: dict[str, list[float]] = {"overhead": [], "cpu": [], "own": [], "own_ms": [], "memory": [], "bare_ms": []}
+    for r in range(a.rounds):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        runs = {}
+        for with_callback in order:
+            gc.collect()
+            runs[with_callback] = run(a, with_callback)
+        bare, watched = runs[False].timed(runs[False].wall), runs[True]
+        out["overhead"].append(watched.timed(watched.wall) / bare - 1)
+        out["cpu"].append(watched.timed(watched.cpu) / runs[False].timed(runs[False].cpu) - 1)
+        out["own"].append(watched.timed(watched.own) / bare)
+        out["own_ms"].append(watched.timed(watched.own) * 1e3)
+        out["memory"].append(watched.wall[WARMUP - 1] / bare)  # update WARMUP: the memory update
+        out["bare_ms"].append(bare * 1e3)
+    return out
 
 
 def main() -> None:
@@ -116,30 +201,35 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--accum", type=int, default=2)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--tiny", action="store_true", help="smoke run: 2 layers x 64, seq 32, 8 updates, 2 rounds")
+    p.add_argument("--steps", type=int, default=10, help="updates per run (the first %d untimed)" % FIRST_TIMED)
+    p.add_argument("--rounds", type=int, default=16, help="pairs of runs (without/with, order alternating)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default torch's; 1 keeps a shared machine's stalls out of the ratio)")
+    p.add_argument("--tiny", action="store_true", help="smoke run: 2 layers x 64, seq 32, 6 updates, 2 pairs")
     a = p.parse_args()
     if a.tiny:
-        a.layers, a.hidden, a.seq, a.vocab, a.steps, a.rounds = 2, 64, 32, 128, 8, 2
-    run = run_hf if a.framework == "hf" else run_lightning
-    first_timed = WARMUP + 1  # index of the first update the callback times
-    steady, memory_update = [], []
-    for _ in range(a.rounds):
-        bare, watched = run(a, False), run(a, True)
-        steady.append(statistics.median(watched[first_timed:]) / statistics.median(bare[first_timed:]))
-        memory_update.append(watched[1] / statistics.median(bare[first_timed:]))  # update 2: the memory update
-        base = statistics.median(bare[first_timed:])
+        a.layers, a.hidden, a.seq, a.vocab, a.steps, a.rounds = 2, 64, 32, 128, 6, 2
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    if a.steps <= FIRST_TIMED:
+        p.error(f"--steps must be > {FIRST_TIMED} (warmup and the memory update are never timed)")
+    r = paired(a, run_hf if a.framework == "hf" else run_lightning)
+    timed = a.steps - FIRST_TIMED
     print(f"## BatchlabCallback overhead ({a.framework}, {'cuda' if torch.cuda.is_available() else 'cpu'}, "
-          f"torch {torch.__version__})\n")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads)\n")
     print(f"GPT-2 {a.layers} layers x {a.hidden}, seq {a.seq}; micro-batch {a.micro} x accum {a.accum}; "
-          f"{a.steps} updates per run, {a.rounds} rounds; bare update time (last round) {base * 1e3:.1f} ms\n")
-    print("| figure | median over rounds | range |\n|---|---|---|")
-    over = [r - 1 for r in steady]
-    print(f"| timed updates: with / without - 1 (target <= 2%) | {statistics.median(over):+.2%} | "
-          f"{min(over):+.2%} .. {max(over):+.2%} |")
-    print(f"| the one memory update / bare update | {statistics.median(memory_update):.2f}x | "
-          f"{min(memory_update):.2f}x .. {max(memory_update):.2f}x |")
+          f"{a.steps} updates per run, of which {timed} timed (updates {FIRST_TIMED + 1}..{a.steps}); "
+          f"{a.rounds} pairs after one discarded warm-up run; bare update {statistics.median(r['bare_ms']):.1f} ms "
+          f"(median over pairs); load average (1 min) at the end {os.getloadavg()[0]:.2f}\n")
+    print("| figure (per pair, then over pairs) | median | IQR | range |\n|---|---|---|---|")
+    for label, key, fmt in (("timed updates: with / without - 1 (target <= 2%)", "overhead", "{:+.2%}"),
+                            ("process CPU time per timed update: with / without - 1", "cpu", "{:+.2%}"),
+                            ("callback's own code per timed update / bare update", "own", "{:.3%}"),
+                            ("callback's own code per timed update (ms)", "own_ms", "{:.3f}"),
+                            ("the one memory update / bare update", "memory", "{:.2f}x")):
+        q1, q2, q3 = quartiles(r[key])
+        print(f"| {label} | {fmt.format(q2)} | {fmt.format(q1)} .. {fmt.format(q3)} | "
+              f"{fmt.format(min(r[key]))} .. {fmt.format(max(r[key]))} |")
 
 
 if __name__ == "__main__":

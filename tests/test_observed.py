@@ -181,3 +181,36 @@ def test_export_takes_observed_rows(tmp_path):
     assert "| 1 | loop | MLP | global batch = micro-batch x accum x DP = 2 x 3 x 1 = 6" in md and "4.00 MiB" in md
     rows = export(book.records(), "csv").splitlines()
     assert rows[0].startswith("id,created_at,kind,variable,global_batch") and ",observed," in rows[1]
+
+
+def test_memory_every_takes_the_highest_peak_of_its_updates_and_names_them():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reference = None
+    with batchlab.observe(model, opt, warmup=2, memory_every=3) as obs:
+        for i in range(8):  # memory updates: 2, 5, 8; update 5 has a 16x larger batch
+            x = torch.randn(512 if i == 4 else 32, 64)
+            tracker = MemTracker() if i == 4 else None
+            if tracker is not None:
+                tracker.track_external(model, opt)
+                tracker.__enter__()  # outer mode: sees the same update independently
+            with obs.update():
+                obs.mark("forward")
+                loss = model(x).square().mean()
+                obs.mark("backward")
+                loss.backward()
+                obs.mark("optimizer")
+                opt.step()
+                opt.zero_grad()
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
+                reference = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    m = obs.measurement
+    assert m.memory.method.endswith("; peak of updates 2, 5, 8, untimed")
+    assert abs(m.memory.peak_bytes - reference) / reference < 0.05
+    assert len(m.time.samples) == 8 - 3 - 2  # warmup 1, 2 (memory), 3; memory updates 5 and 8 untimed
+    with pytest.raises(ValueError, match="memory_every"):
+        batchlab.observe(model, opt, memory_every=1).__enter__()

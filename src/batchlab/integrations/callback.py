@@ -11,13 +11,18 @@ from batchlab.measure.watch import Watch
 
 
 class NotebookCallback:
-    def __init__(self, notebook=None, predict: bool = True, warmup: int = 2, note: str = ""):
+    def __init__(self, notebook=None, predict: bool = True, warmup: int = 2, note: str = "",
+                 memory_every: int | None = None):
         super().__init__()
         self.notebook, self.predict, self.warmup, self.note = notebook, predict, warmup, note
+        self.memory_every = memory_every  # None: memory from update 2 only; N: also 2 + N, 2 + 2N, ... (untimed)
         self.watch: Watch | None = None
         self.record = None
         self.notebook_id: int | None = None
         self._seq: int | None = None
+
+    def _watch(self, model, optimizer, device) -> Watch:
+        return Watch(model, optimizer, warmup=self.warmup, device=device, memory_every=self.memory_every)
 
     def _finish(self, source: Source, settings: Settings, cfg, unmapped) -> None:
         """The observed record written (to the notebook when one was given); the watch is done."""

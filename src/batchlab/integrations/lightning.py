@@ -26,7 +26,6 @@ except ImportError:  # the standalone package has the same Callback
 from batchlab.experiment.observed import Settings, Source
 from batchlab.integrations.callback import NotebookCallback
 from batchlab.integrations.mapping import hf_checkpointing, run_config
-from batchlab.measure.watch import Watch
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:
@@ -52,13 +51,14 @@ def _hf_model(module: torch.nn.Module):
 
 
 class BatchlabCallback(NotebookCallback, Callback):
-    def __init__(self, notebook=None, predict: bool = True, warmup: int = 2, note: str = ""):
-        super().__init__(notebook, predict, warmup, note)
+    def __init__(self, notebook=None, predict: bool = True, warmup: int = 2, note: str = "",
+                 memory_every: int | None = None):
+        super().__init__(notebook, predict, warmup, note, memory_every)
         self._micro_batch: int | None = None
         self._stepped = False
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.watch = Watch(pl_module, trainer.optimizers[0], warmup=self.warmup, device=pl_module.device)
+        self.watch = self._watch(pl_module, trainer.optimizers[0], pl_module.device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.watch is None:

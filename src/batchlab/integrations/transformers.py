@@ -17,7 +17,6 @@ from transformers import TrainerCallback
 from batchlab.experiment.observed import Settings, Source
 from batchlab.integrations.callback import NotebookCallback
 from batchlab.integrations.mapping import hf_checkpointing, run_config
-from batchlab.measure.watch import Watch
 
 
 def _precision(args) -> str:
@@ -32,8 +31,9 @@ def _model_text(model) -> str:
 
 
 class BatchlabCallback(NotebookCallback, TrainerCallback):
-    def __init__(self, notebook=None, predict: bool = True, warmup: int = 2, note: str = ""):
-        super().__init__(notebook, predict, warmup, note)
+    def __init__(self, notebook=None, predict: bool = True, warmup: int = 2, note: str = "",
+                 memory_every: int | None = None):
+        super().__init__(notebook, predict, warmup, note, memory_every)
         self._hooks: list = []
         self._model = self._optimizer = None
 
@@ -56,7 +56,7 @@ class BatchlabCallback(NotebookCallback, TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._model, self._optimizer = model, optimizer
-        self.watch = Watch(model, optimizer, warmup=self.warmup, device=args.device)
+        self.watch = self._watch(model, optimizer, args.device)
         self._hooks = [model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                        model.register_forward_hook(self._post_forward, with_kwargs=True)]
 

@@ -9,9 +9,12 @@
 
 The same discipline as ``batchlab measure``: update 1 is warmup, update 2 the memory update (live-storage
 tracker on CPU/MPS, allocator statistics on CUDA; never timed), then the rest of the ``warmup``; every
-later update is timed with the device synchronised around it.  ``obs.mark(phase)`` (forward, backward,
-optimizer) is optional and gives the per-phase split and the peak phase.  An out-of-memory inside an
-update is recorded (outcome ``oom`` and its phase) and re-raised: it is your loop.
+later update is timed with the device synchronised around it.  ``memory_every=N`` adds memory updates
+2 + N, 2 + 2N, ... (untimed; the figure is the highest peak among them, for runs whose batches change
+shape).  The memory figure's ``method`` names the updates it comes from.  ``obs.mark(phase)`` (forward,
+backward, optimizer) is optional and gives the per-phase split and the peak phase.  An out-of-memory inside
+an update is recorded (outcome ``oom`` and its phase) and re-raised: it is your loop.  With ``notebook=``,
+the uncontrolled factors are sampled between updates, never during one.
 """
 from __future__ import annotations
 
@@ -38,10 +41,17 @@ FACTOR_INTERVAL = 2.0  # seconds between /proc samples of an observed run (taken
 class Observer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int = 2, memory: bool = True,
                  device: torch.device | str | None = None, config=None, global_batch: int | None = None,
-                 after_update: Callable[[], None] | None = None):
+                 memory_every: int | None = None, after_update: Callable[[], None] | None = None):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be >= 1 (the first update is never timed), got {warmup!r}")
+        if memory_every is not None and (isinstance(memory_every, bool) or not isinstance(memory_every, int)
+                                         or memory_every < 2):
+            raise ValueError(f"memory_every must be >= 2 (every other update at most: memory updates are never "
+                             f"timed) or None (update 2 only), got {memory_every!r}")
         self.model, self.optimizer, self.warmup, self.memory = model, optimizer, warmup, memory
+        self.memory_every = memory_every
+        self._memory_updates: list[int] = []  # 1-based indices of the updates the memory figures come from
+        self._best_memory: MeasuredMemory | None = None
         self._after_update = after_update  # called after each update, outside its timed window
         if device is None:
             first = next(model.parameters(), None)
@@ -85,7 +95,7 @@ class Observer:
         self.phase = Phase.DATA
         self._update_tokens = tokens
         try:
-            if index == 1 and self.memory:
+            if self._is_memory_update(index):
                 with self._memory_update():
                     yield self
             elif index < self.warmup + (1 if self.memory else 0):
@@ -105,6 +115,14 @@ class Observer:
             if self._after_update is not None:
                 self._after_update()
 
+    def _is_memory_update(self, index: int) -> bool:
+        """Update 2 (index 1), and with ``memory_every`` = N also updates 2 + N, 2 + 2N, ... past the warmup."""
+        if not self.memory:
+            return False
+        if index == 1:
+            return True
+        return self.memory_every is not None and index > self.warmup and (index - 1) % self.memory_every == 0
+
     @contextlib.contextmanager
     def _memory_update(self):
         if self.device.type == "cuda":
@@ -122,8 +140,15 @@ class Observer:
         self._set_memory(from_snapshot(tracker.snapshot()))
 
     def _set_memory(self, memory: MeasuredMemory) -> None:
-        # provenance: the one update the figure comes from; no timed update runs a memory probe
-        self._draft.memory = replace(memory, method=f"{memory.method}; update {self.updates} only, untimed")
+        """Keep the memory update with the highest peak; the method names every memory update (provenance:
+        the figures are theirs alone, and no timed update ran a memory probe)."""
+        self._memory_updates.append(self.updates)
+        best = self._best_memory if self._best_memory is not None and \
+            self._best_memory.peak_bytes >= memory.peak_bytes else memory
+        self._best_memory = best
+        which = (f"update {self._memory_updates[0]} only" if len(self._memory_updates) == 1 else
+                 f"peak of updates {', '.join(map(str, self._memory_updates))}")
+        self._draft.memory = replace(best, method=f"{best.method}; {which}, untimed")
 
     @contextlib.contextmanager
     def _timed_update(self):
@@ -168,7 +193,7 @@ class Observer:
 @contextlib.contextmanager
 def observe(model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int = 2, memory: bool = True,
             device: torch.device | str | None = None, config=None, global_batch: int | None = None,
-            notebook=None, predict: bool = True, note: str = ""):
+            notebook=None, predict: bool = True, note: str = "", memory_every: int | None = None):
     """Record peak memory and update time over the updates of your own loop (see the module docstring).
     With ``notebook`` (a path or Notebook), an observed record is written at the end: ``obs.record``,
     ``obs.notebook_id``; ``config`` (a RunConfig describing the loop) gives the formula's prediction."""
@@ -177,7 +202,8 @@ def observe(model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int =
     # what else uses the CPU, sampled between updates (never during one) until the record is made
     before = Watch(interval=FACTOR_INTERVAL, thread=False).start() if notebook is not None else None
     obs = Observer(model, optimizer, warmup=warmup, memory=memory, device=device, config=config,
-                   global_batch=global_batch, after_update=before.poll if before is not None else None)
+                   global_batch=global_batch, memory_every=memory_every,
+                   after_update=before.poll if before is not None else None)
     try:
         yield obs
     finally:

@@ -18,11 +18,12 @@ from batchlab.measure.observe import FACTOR_INTERVAL, Observer
 
 class Watch:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, warmup: int = 2,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, memory_every: int | None = None):
         # what else uses the CPU: sampled between updates (never inside one, where a thread would compete with
         # the update for the CPU and the GIL) until finish
         self.before = FactorWatch(interval=FACTOR_INTERVAL, thread=False).start()
-        self.observer = Observer(model, optimizer, warmup=warmup, device=device, after_update=self.before.poll)
+        self.observer = Observer(model, optimizer, warmup=warmup, device=device, memory_every=memory_every,
+                                 after_update=self.before.poll)
         self._update = None
         self._tokens: list = []  # per micro-batch counts, tensors kept on the device until the update ends
 
