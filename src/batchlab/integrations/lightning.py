@@ -26,6 +26,7 @@ except ImportError:  # the standalone package has the same Callback
 from batchlab.experiment.observed import Settings, Source
 from batchlab.integrations.callback import NotebookCallback
 from batchlab.integrations.mapping import hf_checkpointing, run_config
+from batchlab.phase import Phase
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:
@@ -72,16 +73,16 @@ class BatchlabCallback(NotebookCallback, Callback):
         if ids is not None:
             self._seq = int(ids.shape[-1])
             self.watch.count_tokens(mask.detach().sum() if mask is not None else ids.numel())
-        self.watch.mark("forward")
+        self.watch.mark(Phase.FORWARD)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if self.watch is not None:
-            self.watch.mark("backward")
+            self.watch.mark(Phase.BACKWARD)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.watch is not None:
             self._stepped = True
-            self.watch.mark("optimizer")
+            self.watch.mark(Phase.OPTIMIZER)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.watch is not None and self._stepped:

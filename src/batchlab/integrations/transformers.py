@@ -6,8 +6,10 @@
     print(cb.record.short(), cb.notebook_id)
 
 One optimizer update = ``on_step_begin`` .. ``on_step_end`` (all its micro-batches).  Phases: forward from the
-model's forward pre-hook, backward from its forward hook (HF models compute the loss inside forward),
-optimizer from ``on_pre_optimizer_step``.  Useful tokens: the ``attention_mask`` sum of every micro-batch
+model's forward pre-hook, backward from its forward hook (HF models compute the loss inside forward, and the
+Trainer has no event between forward and backward), optimizer from ``on_pre_optimizer_step``.  The two hooks
+sit on the root model only (no per-module hooks): about 0.2 ms of Python per update with everything else the
+callback does.  Useful tokens: the ``attention_mask`` sum of every micro-batch
 (``input_ids`` size without a mask).  Nothing the trainer computes is changed.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from transformers import TrainerCallback
 from batchlab.experiment.observed import Settings, Source
 from batchlab.integrations.callback import NotebookCallback
 from batchlab.integrations.mapping import hf_checkpointing, run_config
+from batchlab.phase import Phase
 
 
 def _precision(args) -> str:
@@ -44,7 +47,7 @@ class BatchlabCallback(NotebookCallback, TrainerCallback):
             self._seq = int(ids.shape[1])
         mask = kwargs.get("attention_mask")
         if self.watch is not None and self.watch.in_update:
-            self.watch.mark("forward")
+            self.watch.mark(Phase.FORWARD)
             if mask is not None:
                 self.watch.count_tokens(mask.detach().sum())
             elif ids is not None:
@@ -52,7 +55,7 @@ class BatchlabCallback(NotebookCallback, TrainerCallback):
 
     def _post_forward(self, module, args, kwargs, output) -> None:
         if self.watch is not None:
-            self.watch.mark("backward")
+            self.watch.mark(Phase.BACKWARD)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._model, self._optimizer = model, optimizer
@@ -66,7 +69,7 @@ class BatchlabCallback(NotebookCallback, TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.watch is not None:
-            self.watch.mark("optimizer")
+            self.watch.mark(Phase.OPTIMIZER)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.watch is not None:

@@ -14,6 +14,7 @@ from batchlab.experiment.factors import Watch as FactorWatch
 from batchlab.experiment.notebook import open_notebook
 from batchlab.experiment.observed import ObservedRecord, Settings, Source, finish
 from batchlab.measure.observe import FACTOR_INTERVAL, Observer
+from batchlab.phase import Phase
 
 
 class Watch:
@@ -38,7 +39,7 @@ class Watch:
         self._update = self.observer.update()
         self._update.__enter__()
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: Phase | str) -> None:
         if self._update is not None:
             self.observer.mark(phase)
 
