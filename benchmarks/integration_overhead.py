@@ -14,7 +14,9 @@ distribution-free 95% interval of that median; the target (<= 2%) is met when th
 Beside it, the same ratio of process CPU time (all threads: a sampling thread would show here), the
 callback's own code per timed update, timed inside the run by wrapping its hooks (its direct
 cost, free of run-to-run noise); and the one memory update (live-storage tracker on CPU, allocator
-statistics on CUDA), paid once per run, not per update.
+statistics on CUDA), paid once per run, not per update.  On CUDA both runs synchronise at update boundaries,
+so what that costs a host-bound run (the host no longer queues the next update while the device finishes) is
+not in these figures.
 
     .venv/bin/python benchmarks/integration_overhead.py                 # GPT-2 4 x 256, seq 256, 10 updates, 16 pairs
     .venv/bin/python benchmarks/integration_overhead.py --tiny          # smoke run (seconds)
