@@ -26,7 +26,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batchlab.config import ModelSpec, RunConfig
+from batchlab.config import Assumptions, ModelSpec, RunConfig
 from batchlab.formula import estimate
 from batchlab.units import relative_to
 
@@ -119,11 +119,17 @@ def config_for(run: dict, catalogue: dict[str, dict], gaps: list[str]) -> RunCon
         gaps.append(f"loss {run['loss']}: " + LOSS_GAP[run["loss"]].format(vocab=model.vocab))
     if run.get("compile"):
         gaps.append("torch.compile is not modelled (fused kernels: faster, fewer saved intermediates)")
-    if run["optimizer"] != "adamw":
-        gaps.append(f"optimizer {run['optimizer']} modelled as AdamW")
+    assumptions = Assumptions()
+    if run["optimizer"] != "adamw":  # its state size from the run (derived in its `assumed` lines)
+        state = run.get("optimizer_bytes_per_param")
+        if state is not None:
+            assumptions = Assumptions(optimizer_bytes_per_param=state)
+        gaps.append(f"optimizer {run['optimizer']}: AdamW's time"
+                    + (f", its own state ({state} B/param)" if state is not None else " and state"))
     return RunConfig(model=model, model_source=source, seq=run["seq"], micro_batch=run["micro_batch"], accum=run["accum"],
                      dp=run["dp"], precision=PRECISION[run["precision"]], ac=ac, loss=LOSS[run["loss"]],
-                     zero=SHARDING_ZERO[run["sharding"]], device=device_for(run["gpu"], catalogue, gaps))
+                     zero=SHARDING_ZERO[run["sharding"]], device=device_for(run["gpu"], catalogue, gaps),
+                     assumptions=assumptions)
 
 
 def evaluate(run: dict, catalogue: dict[str, dict]) -> Row:
