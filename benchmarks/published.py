@@ -54,11 +54,8 @@ PRECISION_GAP = {
 }
 AC = {"none": "none", "full": "full", "selective-op": "selective-op", "megatron-selective": "megatron-selective"}
 AC_GAP: dict[str, str] = {}
-LOSS = {"causal-lm-ce": "full", "causal-lm-fused-ce": "fused", "sequence-classification-ce": "full"}
-LOSS_GAP = {
-    "sequence-classification-ce": "the formula counts a causal-LM head over vocab {vocab} (logits, fp32 "
-                                  "log-softmax, logit gradients) that this model does not have",
-}
+LOSS = {"causal-lm-ce": "full", "causal-lm-fused-ce": "fused", "sequence-classification-ce": "classifier"}
+LOSS_GAP: dict[str, str] = {}
 SHARDING_ZERO = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 
 
@@ -119,11 +116,10 @@ def config_for(run: dict, catalogue: dict[str, dict], gaps: list[str]) -> RunCon
         gaps.append(f"loss {run['loss']}: " + LOSS_GAP[run["loss"]].format(vocab=model.vocab))
     if run.get("compile"):
         gaps.append("torch.compile is not modelled (fused kernels: faster, fewer saved intermediates)")
-    assumptions = Assumptions()
-    if run["optimizer"] != "adamw":  # its state size from the run (derived in its `assumed` lines)
-        state = run.get("optimizer_bytes_per_param")
-        if state is not None:
-            assumptions = Assumptions(optimizer_bytes_per_param=state)
+    state = run.get("optimizer_bytes_per_param")  # the optimizer's own state size (derived in `assumed`)
+    assumptions = Assumptions(optimizer_bytes_per_param=state,
+                              zero_grad_set_to_none=run.get("zero_grad_set_to_none", True))
+    if run["optimizer"] != "adamw":
         gaps.append(f"optimizer {run['optimizer']}: AdamW's time"
                     + (f", its own state ({state} B/param)" if state is not None else " and state"))
     return RunConfig(model=model, model_source=source, seq=run["seq"], micro_batch=run["micro_batch"], accum=run["accum"],

@@ -7,7 +7,8 @@ reference).  In backward: the log-softmax gradient (fp32) and the logits' gradie
 ``.float()``'s backward).  Chunked (torchtune CEWithChunkedOutputLoss: "only upcasting one chunk at a time";
 here each chunk is also checkpointed, models/loss.py) keeps none of it: one chunk's logits live at a time,
 rebuilt in backward.  Fused (flash-attn ``CrossEntropyLoss``, as llm-foundry's MPT uses): saves the 16-bit
-logits and the log-sum-exp, and writes the logits' gradient in their place.
+logits and the log-sum-exp, and writes the logits' gradient in their place.  Classifier (Hugging Face
+``*ForSequenceClassification``): no LM head; a pooled b x labels output whose loss keeps nothing of note.
 
 Symbols: N = s·b tokens, V vocabulary, e the activation element size.
 """
@@ -33,6 +34,8 @@ def loss_path(cfg: RunConfig) -> LossPath:
     nv = cfg.seq * cfg.micro_batch * cfg.model.vocab
     upcast = nv * F32 if w.e != F32 else 0  # .float() of 16-bit logits; a no-op in fp32
     mode = cfg.loss.mode
+    if mode is LossMode.CLASSIFIER:  # b x labels logits: nothing of the vocabulary's size
+        return LossPath(kept=0, forward_transient=0, backward_transient=0)
     if mode is LossMode.FUSED:
         lse = cfg.seq * cfg.micro_batch * F32
         return LossPath(kept=nv * w.e + lse, forward_transient=0, backward_transient=0)
