@@ -118,7 +118,8 @@ def config_for(run: dict, catalogue: dict[str, dict], gaps: list[str]) -> RunCon
         gaps.append("torch.compile is not modelled (fused kernels: faster, fewer saved intermediates)")
     state = run.get("optimizer_bytes_per_param")  # the optimizer's own state size (derived in `assumed`)
     assumptions = Assumptions(optimizer_bytes_per_param=state,
-                              zero_grad_set_to_none=run.get("zero_grad_set_to_none", True))
+                              zero_grad_set_to_none=run.get("zero_grad_set_to_none", True),
+                              torch_version=run.get("torch_version"))
     if run["optimizer"] != "adamw":
         gaps.append(f"optimizer {run['optimizer']}: AdamW's time"
                     + (f", its own state ({state} B/param)" if state is not None else " and state"))

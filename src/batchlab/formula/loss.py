@@ -44,4 +44,6 @@ def loss_path(cfg: RunConfig) -> LossPath:
         c_upcast = chunk * F32 if w.e != F32 else 0
         return LossPath(kept=0, forward_transient=chunk * w.e + c_upcast + chunk * F32,
                         backward_transient=chunk * w.e + chunk * F32 + 2 * chunk * F32)
+    if cfg.assumptions.torch_before(1, 11):  # log_softmax keeps its fp32 input too (pytorch#64000, fixed in 1.11)
+        return LossPath(kept=2 * nv * F32, forward_transient=nv * w.e if upcast else 0, backward_transient=2 * nv * F32)
     return LossPath(kept=nv * F32, forward_transient=nv * w.e + upcast, backward_transient=2 * nv * F32)

@@ -85,6 +85,8 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
     backend = cfg.device_spec.backend
     impl = act.implementation(cfg.model_kind, m)
     full = act.layer_activations(m, s, b, p, backend, impl).total
+    if cfg.assumptions.torch_before(1, 11):
+        full += act.legacy_softmax_input_bytes(m, s, b, p, backend)
     wrapped = set(cfg.ac.wrapped_layers(m.layers))
     selective = set(cfg.ac.selective_layers(m.layers))
     kept = []
