@@ -297,7 +297,7 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
     peak_tensor = totals[peak_phase]
-    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total)
+    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total, at_peak["gradients"])
     return MemoryEstimate(
         parameters_bytes=(0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg)) if fsdp else states.parameters,
         master_bytes=(fsdp_shard_bytes(cfg) if _sharded_master(cfg) else 0) if fsdp else states.master,
