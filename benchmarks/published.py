@@ -54,7 +54,7 @@ PRECISION_GAP = {
 }
 AC = {"none": "none", "full": "full", "selective-op": "selective-op", "megatron-selective": "megatron-selective"}
 AC_GAP: dict[str, str] = {}
-LOSS = {"causal-lm-ce": "full", "causal-lm-fused-ce": "fused", "sequence-classification-ce": "classifier"}
+LOSS = {"causal-lm-ce": "full", "causal-lm-compiled-ce": "compiled", "causal-lm-fused-ce": "fused", "sequence-classification-ce": "classifier"}
 LOSS_GAP: dict[str, str] = {}
 SHARDING_ZERO = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 

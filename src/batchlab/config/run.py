@@ -81,8 +81,8 @@ ALIASES = {"op": "selective-op", "torchtitan-op": "selective-op", "megatron": "m
 @dataclass(frozen=True)
 class LossPolicy:
     """The loss path: ``full``, ``chunked`` / ``chunked:N`` (N token chunks, default 8 as torchtune's
-    CEWithChunkedOutputLoss), ``fused`` (a fused cross-entropy kernel; formula only) or ``classifier`` (no LM
-    head: a pooled sequence classifier; formula only)."""
+    CEWithChunkedOutputLoss), ``fused`` (a fused cross-entropy kernel), ``compiled`` (the full loss under
+    torch.compile) or ``classifier`` (no LM head: a pooled sequence classifier); the last three formula only."""
 
     mode: LossMode = LossMode.FULL
     chunks: int = 1
@@ -103,7 +103,7 @@ class LossPolicy:
         try:
             return cls(LossMode(text))
         except ValueError:
-            raise ConfigError("loss", f"{value!r} is not one of: full, chunked, chunked:N, fused, classifier") from None
+            raise ConfigError("loss", f"{value!r} is not one of: full, chunked, chunked:N, fused, compiled, classifier") from None
 
     def __str__(self) -> str:
         return f"chunked:{self.chunks}" if self.mode is LossMode.CHUNKED else self.mode.value

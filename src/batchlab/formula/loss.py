@@ -9,6 +9,9 @@ here each chunk is also checkpointed, models/loss.py) keeps none of it: one chun
 rebuilt in backward.  Fused (flash-attn ``CrossEntropyLoss``, as llm-foundry's MPT uses): saves the 16-bit
 logits and the log-sum-exp, and writes the logits' gradient in their place.  Classifier (Hugging Face
 ``*ForSequenceClassification``): no LM head; a pooled b x labels output whose loss keeps nothing of note.
+Compiled (``torch.compile`` of the full loss, as torchtitan does with --training.compile since 2025): the
+min-cut partitioner AOTAutograd gives inductor saves the 16-bit logits and two per-row fp32 statistics and
+recomputes the rest in one fused backward kernel (seen here with the aot_eager_decomp_partition backend).
 
 Symbols: N = s·b tokens, V vocabulary, e the activation element size.
 """
@@ -36,6 +39,9 @@ def loss_path(cfg: RunConfig) -> LossPath:
     mode = cfg.loss.mode
     if mode is LossMode.CLASSIFIER:  # b x labels logits: nothing of the vocabulary's size
         return LossPath(kept=0, forward_transient=0, backward_transient=0)
+    if mode is LossMode.COMPILED:  # 16-bit logits + amax and log-sum-exp per row; the 16-bit gradient beside them
+        return LossPath(kept=nv * w.e + 2 * cfg.seq * cfg.micro_batch * F32, forward_transient=0,
+                        backward_transient=nv * w.e)
     if mode is LossMode.FUSED:
         lse = cfg.seq * cfg.micro_batch * F32
         return LossPath(kept=nv * w.e + lse, forward_transient=0, backward_transient=0)
