@@ -182,6 +182,21 @@ def print_table(rows: list[Row]) -> None:
     print()
 
 
+def print_readme_table(rows: list[Row]) -> None:
+    """The README's table: one line per run, memory of the measured kind, tokens/s per GPU."""
+    print("| run | GPU × n | measured memory (kind) | formula | error | verdict | tok/s/GPU measured | formula | error |")
+    print("|---|---|---:|---:|---:|---|---:|---:|---:|")
+    for r in rows:
+        run = r.run
+        mark = (" †" if run.get("holdout") else "") + (" (low conf.)" if "confidence" in run else "")
+        kind = run["measured"].get("memory_kind")
+        measured = f"{gib(r.mem_measured)} GiB ({kind})" if r.mem_measured else "-"
+        verdict = "-" if r.fits is None else ("fits" if r.fits else "**OOM (false)**")
+        print(f"| {run['id']}{mark} | {run['gpu']} × {run['gpu_count']} | {measured} | "
+              f"{gib(r.mem_predicted) if r.mem_measured else '-'} | {pct(r.mem_error) if r.mem_measured else '-'} | "
+              f"{verdict} | {num(r.tps_measured)} | {num(r.tps_predicted)} | {pct(r.tps_error)} |")
+
+
 def summary(rows: list[Row], key: str, what: str) -> None:
     errs = [(abs(getattr(r, key)), r.run["id"]) for r in rows if getattr(r, key) is not None]
     if not errs:
@@ -254,6 +269,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=Path, default=HERE / "published_runs.toml")
     p.add_argument("--gpus", type=Path, default=HERE / "gpu_catalogue.toml")
     p.add_argument("--only", default="", help="comma-separated run ids")
+    p.add_argument("--readme", action="store_true", help="only the README's table")
     args = p.parse_args(argv)
     runs = load(args.runs)["run"]
     catalogue = {g["key"]: g for g in load(args.gpus)["gpu"]}
@@ -264,6 +280,9 @@ def main(argv=None) -> int:
             print(f"--only: no run named {args.only!r}", file=sys.stderr)
             return 2
     rows = [evaluate(r, catalogue) for r in runs]
+    if args.readme:
+        print_readme_table(rows)
+        return 0
     print(f"batchlab formula vs {len(rows)} published GPU runs ({args.runs.name}); "
           "error = (predicted - measured) / measured; tokens/s per GPU.")
     print()
