@@ -86,6 +86,7 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
         if cfg.zero >= 3 and cfg.dp > 1:
             reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
             parts["FSDP all-gather / reduce-scatter stream pools"] = count(cfg.model).per_layer * (e + reduce_bytes)
+        if cfg.zero >= 2 and cfg.dp > 1:  # FSDP2 at either stage reduce-scatters through foreach_reduce
             shards = sum(unit_elements(cfg)) * reduced_bytes_per_element(cfg) // cfg.dp
             if shards > live_gradients:
                 parts["last update's gradient shards, cached in the reduce-scatter stream's pool"] = (
