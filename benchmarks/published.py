@@ -26,7 +26,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batchlab.config import ModelSpec, RunConfig
+from batchlab.config import Assumptions, ModelSpec, RunConfig
 from batchlab.formula import estimate
 from batchlab.units import relative_to
 
@@ -54,11 +54,8 @@ PRECISION_GAP = {
 }
 AC = {"none": "none", "full": "full", "selective-op": "selective-op", "megatron-selective": "megatron-selective"}
 AC_GAP: dict[str, str] = {}
-LOSS = {"causal-lm-ce": "full", "causal-lm-fused-ce": "fused", "sequence-classification-ce": "full"}
-LOSS_GAP = {
-    "sequence-classification-ce": "the formula counts a causal-LM head over vocab {vocab} (logits, fp32 "
-                                  "log-softmax, logit gradients) that this model does not have",
-}
+LOSS = {"causal-lm-ce": "full", "causal-lm-compiled-ce": "compiled", "causal-lm-fused-ce": "fused", "sequence-classification-ce": "classifier"}
+LOSS_GAP: dict[str, str] = {}
 SHARDING_ZERO = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 
 
@@ -119,11 +116,17 @@ def config_for(run: dict, catalogue: dict[str, dict], gaps: list[str]) -> RunCon
         gaps.append(f"loss {run['loss']}: " + LOSS_GAP[run["loss"]].format(vocab=model.vocab))
     if run.get("compile"):
         gaps.append("torch.compile is not modelled (fused kernels: faster, fewer saved intermediates)")
+    state = run.get("optimizer_bytes_per_param")  # the optimizer's own state size (derived in `assumed`)
+    assumptions = Assumptions(optimizer_bytes_per_param=state,
+                              zero_grad_set_to_none=run.get("zero_grad_set_to_none", True),
+                              torch_version=run.get("torch_version"))
     if run["optimizer"] != "adamw":
-        gaps.append(f"optimizer {run['optimizer']} modelled as AdamW")
+        gaps.append(f"optimizer {run['optimizer']}: AdamW's time"
+                    + (f", its own state ({state} B/param)" if state is not None else " and state"))
     return RunConfig(model=model, model_source=source, seq=run["seq"], micro_batch=run["micro_batch"], accum=run["accum"],
                      dp=run["dp"], precision=PRECISION[run["precision"]], ac=ac, loss=LOSS[run["loss"]],
-                     zero=SHARDING_ZERO[run["sharding"]], device=device_for(run["gpu"], catalogue, gaps))
+                     zero=SHARDING_ZERO[run["sharding"]], device=device_for(run["gpu"], catalogue, gaps),
+                     assumptions=assumptions)
 
 
 def evaluate(run: dict, catalogue: dict[str, dict]) -> Row:
@@ -177,6 +180,21 @@ def print_table(rows: list[Row]) -> None:
               f"{pct(r.mem_error) if r.mem_measured else '-'} | {verdict} | {num(r.tps_measured)} | "
               f"{num(r.tps_predicted)} | {pct(r.tps_error)} | {frac} |")
     print()
+
+
+def print_readme_table(rows: list[Row]) -> None:
+    """The README's table: one line per run, memory of the measured kind, tokens/s per GPU."""
+    print("| run | GPU × n | measured memory (kind) | formula | error | verdict | tok/s/GPU measured | formula | error |")
+    print("|---|---|---:|---:|---:|---|---:|---:|---:|")
+    for r in rows:
+        run = r.run
+        mark = (" †" if run.get("holdout") else "") + (" (low conf.)" if "confidence" in run else "")
+        kind = run["measured"].get("memory_kind")
+        measured = f"{gib(r.mem_measured)} GiB ({kind})" if r.mem_measured else "-"
+        verdict = "-" if r.fits is None else ("fits" if r.fits else "**OOM (false)**")
+        print(f"| {run['id']}{mark} | {run['gpu']} × {run['gpu_count']} | {measured} | "
+              f"{gib(r.mem_predicted) if r.mem_measured else '-'} | {pct(r.mem_error) if r.mem_measured else '-'} | "
+              f"{verdict} | {num(r.tps_measured)} | {num(r.tps_predicted)} | {pct(r.tps_error)} |")
 
 
 def summary(rows: list[Row], key: str, what: str) -> None:
@@ -251,6 +269,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=Path, default=HERE / "published_runs.toml")
     p.add_argument("--gpus", type=Path, default=HERE / "gpu_catalogue.toml")
     p.add_argument("--only", default="", help="comma-separated run ids")
+    p.add_argument("--readme", action="store_true", help="only the README's table")
     args = p.parse_args(argv)
     runs = load(args.runs)["run"]
     catalogue = {g["key"]: g for g in load(args.gpus)["gpu"]}
@@ -261,6 +280,9 @@ def main(argv=None) -> int:
             print(f"--only: no run named {args.only!r}", file=sys.stderr)
             return 2
     rows = [evaluate(r, catalogue) for r in runs]
+    if args.readme:
+        print_readme_table(rows)
+        return 0
     print(f"batchlab formula vs {len(rows)} published GPU runs ({args.runs.name}); "
           "error = (predicted - measured) / measured; tokens/s per GPU.")
     print()

@@ -84,3 +84,23 @@ def test_the_trace_runs_the_chunked_loss_too():
 
     cfg = RunConfig(model=preset("tiny", **SHAPE), seq=64, micro_batch=8, loss="chunked:4")
     assert trace(cfg).memory.peak_bytes == pytest.approx(measured(cfg).peak_bytes, rel=0.01)
+
+
+def test_compiled_loss_keeps_what_inductors_partitioner_saves():
+    """torch.compile of F.cross_entropy(logits.float()): AOTAutograd's min-cut partitioner (the one inductor
+    uses; backend aot_eager_decomp_partition runs it without a C compiler) saves the bf16 logits and two fp32
+    per-row statistics, not the fp32 log-softmax; the formula's compiled loss path keeps the same bytes."""
+    b, s, v = 2, 128, 4096
+
+    def ce(pred, labels):
+        return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    pred = torch.randn(b, s, v, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, v, (b, s))
+    compiled = torch.compile(ce, backend="aot_eager_decomp_partition")
+    _, kept = saved_bytes(compiled, pred, labels)
+    cfg = RunConfig(seq=s, micro_batch=b, precision="bf16", loss="compiled").replace(**dict(SHAPE, vocab=v))
+    labels_and_scalar = b * s * 8 + 4  # int64 targets (the formula's data) and the fp32 loss divisor
+    assert loss_path(cfg).kept == kept - labels_and_scalar
+    _, eager = saved_bytes(ce, pred, labels)
+    assert eager - labels_and_scalar == b * s * v * 4  # eager: the fp32 log-softmax

@@ -108,6 +108,11 @@ class LossMode(_Choice):
     FULL = "full"  # F.cross_entropy(logits.float()) on all tokens at once: fp32 copy and log-softmax kept
     CHUNKED = "chunked"  # over N token chunks, each checkpointed: one chunk's fp32 logits live at a time
     FUSED = "fused"  # a fused kernel (flash-attn / Liger): 16-bit logits and log-sum-exp, no fp32 copies
+    # torch.compile'd F.cross_entropy(logits.float()): the min-cut partitioner keeps the 16-bit logits and two
+    # per-row fp32 statistics, and backward writes the 16-bit gradient in one fused kernel
+    COMPILED = "compiled"
+    # no LM head: a pooled sequence classifier (Hugging Face *ForSequenceClassification): b x labels logits
+    CLASSIFIER = "classifier"
 
 
 class Backend(_Choice):

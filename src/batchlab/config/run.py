@@ -81,7 +81,8 @@ ALIASES = {"op": "selective-op", "torchtitan-op": "selective-op", "megatron": "m
 @dataclass(frozen=True)
 class LossPolicy:
     """The loss path: ``full``, ``chunked`` / ``chunked:N`` (N token chunks, default 8 as torchtune's
-    CEWithChunkedOutputLoss) or ``fused`` (a fused cross-entropy kernel; formula only)."""
+    CEWithChunkedOutputLoss), ``fused`` (a fused cross-entropy kernel), ``compiled`` (the full loss under
+    torch.compile) or ``classifier`` (no LM head: a pooled sequence classifier); the last three formula only."""
 
     mode: LossMode = LossMode.FULL
     chunks: int = 1
@@ -102,7 +103,7 @@ class LossPolicy:
         try:
             return cls(LossMode(text))
         except ValueError:
-            raise ConfigError("loss", f"{value!r} is not one of: full, chunked, chunked:N, fused") from None
+            raise ConfigError("loss", f"{value!r} is not one of: full, chunked, chunked:N, fused, compiled, classifier") from None
 
     def __str__(self) -> str:
         return f"chunked:{self.chunks}" if self.mode is LossMode.CHUNKED else self.mode.value
@@ -119,6 +120,18 @@ class Assumptions:
     allocator_margin: float | None = None
     optimizer_bytes_per_param: float | None = None  # overrides the optimizer's own state size
     op_overhead_seconds: float | None = None  # fixed cost per op (dispatch/launch); None: the backend's default
+    # False: the loop zeroes .grad in place (zero_grad(set_to_none=False): PyTorch < 2.0's default, and what
+    # Hugging Face's Trainer called then), so last update's gradients are live through forward
+    zero_grad_set_to_none: bool = True
+    # "MAJOR.MINOR" of the PyTorch the run used, where older autograd formulas kept more; None: a current one
+    torch_version: str | None = None
+
+    def torch_before(self, major: int, minor: int) -> bool:
+        """The run's PyTorch is older than MAJOR.MINOR (False when no version is given: a current one)."""
+        if self.torch_version is None:
+            return False
+        have = tuple(int(x) for x in str(self.torch_version).split("."))
+        return have < (major, minor)
 
     def __post_init__(self):
         for name, lo, hi in (("achievable_fraction", 0.0, 1.0), ("comm_overlap", 0.0, 1.0),
@@ -130,6 +143,10 @@ class Assumptions:
                 raise ConfigError(name, f"must be a fraction in ({lo}, {hi}], got {v!r}")
         if self.optimizer_bytes_per_param is not None:
             finite_number("optimizer_bytes_per_param", self.optimizer_bytes_per_param, minimum=0, maximum=1e6)
+        if self.torch_version is not None and not re.fullmatch(r"\d+\.\d+", str(self.torch_version)):
+            raise ConfigError("torch_version", f"must be MAJOR.MINOR such as 1.10, got {self.torch_version!r}")
+        if not isinstance(self.zero_grad_set_to_none, bool):
+            raise ConfigError("zero_grad_set_to_none", f"must be true or false, got {self.zero_grad_set_to_none!r}")
         if self.op_overhead_seconds is not None and not (0 <= self.op_overhead_seconds < 1):
             raise ConfigError("op_overhead_seconds", "must be seconds in [0, 1)")
 

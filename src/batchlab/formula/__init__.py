@@ -87,7 +87,18 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"layer terms: {layer_terms(cfg)}",
     ) + ((f"model {cfg.model_source} comes from a factory the calculator cannot see: these figures are for the "
           f"stand-in shape {cfg.model.name} ({cfg.model.layers} layers, hidden {cfg.model.hidden}); use --trace",)
-         if cfg.model_kind is ModelSource.FACTORY else ()) + zero1_engine_note(cfg)
+         if cfg.model_kind is ModelSource.FACTORY else ()) + zero1_engine_note(cfg) + training_loop_notes(cfg)
+
+
+def training_loop_notes(cfg: RunConfig) -> tuple[str, ...]:
+    """What the run's PyTorch version and zero_grad call change in the count (formula only: measure uses its own)."""
+    a, notes = cfg.assumptions, []
+    if a.torch_before(1, 11):
+        notes.append(f"PyTorch {a.torch_version}: softmax and log_softmax also keep their input for backward "
+                     "(pytorch#64000, fixed in 1.11)")
+    if not a.zero_grad_set_to_none:
+        notes.append("zero_grad(set_to_none=False): gradients are zeroed in place and stay live through forward")
+    return tuple(notes)
 
 
 def collectives_text(cfg: RunConfig) -> str:

@@ -126,6 +126,15 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
                             mlp=mlp, masks=masks)
 
 
+def legacy_softmax_input_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend) -> int:
+    """PyTorch < 1.11 keeps softmax's s x s input as well: its backward formula referenced ``self`` although only
+    the output is used (pytorch/pytorch#64000, "we retain reference to `self` and use more memory than needed";
+    fixed by #65242, first released in 1.11).  The input has the output's dtype (autocast casts it to fp32)."""
+    if not materialises_scores(m, backend):
+        return 0
+    return m.heads * s * s * b * Widths.of(precision, backend).softmax
+
+
 def selective_layer_bytes(m: ModelSpec, s: int, b: int, precision: Precision) -> int:
     """Selective recompute keeps the block input and the linear layers' outputs (models/ac.py policy)."""
     w = Widths.of(precision, Backend.CPU)

@@ -12,6 +12,11 @@ a block freed on one stream is reused only on that stream.  What follows from th
   segment stays reserved but empty at the loss-backward peak;
 - stream pools: FSDP's all-gather and reduce-scatter run on their own streams, whose cached blocks (one
   block's 16-bit parameters, one block's gradients in the reduce dtype) the compute stream cannot reuse;
+  FSDP2 allocates the reduce-scatter *output*, of which every gradient shard is a view, on that stream too
+  (torch/distributed/_composable/fsdp/_fsdp_collectives.py foreach_reduce: ``with
+  device_handle.stream(reduce_scatter_stream): reduce_output = reduce_scatter_input.new_empty(...)``), so once
+  zero_grad frees the shards their blocks stay in the reduce-scatter pool through the next forward: at a peak
+  where this update's shards are not yet all live, the rest of that pool is reserved and empty;
 - cuBLAS workspaces (PyTorch #120925: 32 MiB on Hopper and later, 4 MiB on Ampere with >= 24 GB, else 1 MiB),
   one per stream that runs matmuls; allocated through the caching allocator, so inside reserved.
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 
 from batchlab.config import Backend, LossMode, Precision, RunConfig
 from batchlab.formula.params import count
+from batchlab.formula.sharding import reduced_bytes_per_element, unit_elements
 
 MiB, GiB = 2**20, 2**30
 LARGE = 10 * MiB  # kMinLargeAlloc: above it a tensor gets its own segment, rounded to 2 MiB
@@ -62,7 +68,9 @@ def segment_rounding(cfg: RunConfig, activation_bytes: int) -> int:
     return states + activation_bytes // slice_ * _round_up_waste(slice_)
 
 
-def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_bytes: int) -> DeviceMemory:
+def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_bytes: int,
+                  live_gradients: int = 0) -> DeviceMemory:
+    """``live_gradients``: gradient bytes live at the peak (the formula's breakdown; 0 when unknown)."""
     dev = cfg.device_spec
     if dev.backend is Backend.CPU:  # no caching allocator: the live-tensor tracker's bytes are the figure
         return DeviceMemory(peak_tensor, peak_tensor, peak_tensor, provenance="formula (tensor bytes; CPU)")
@@ -78,6 +86,11 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
         if cfg.zero >= 3 and cfg.dp > 1:
             reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
             parts["FSDP all-gather / reduce-scatter stream pools"] = count(cfg.model).per_layer * (e + reduce_bytes)
+        if cfg.zero >= 2 and cfg.dp > 1:  # FSDP2 at either stage reduce-scatters through foreach_reduce
+            shards = sum(unit_elements(cfg)) * reduced_bytes_per_element(cfg) // cfg.dp
+            if shards > live_gradients:
+                parts["last update's gradient shards, cached in the reduce-scatter stream's pool"] = (
+                    shards - live_gradients)
         parts["cuBLAS workspace"] = cublas_workspace(dev.arch)
     reserved = peak_tensor + sum(parts.values())
     extra = {f"CUDA context and kernels ({dev.context_source})": dev.context_bytes}

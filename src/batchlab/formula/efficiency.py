@@ -25,9 +25,9 @@ _A100 = ("A100 bf16 FSDP: torchtitan Llama 2 13B/70B on 64 GPUs and llm-foundry 
          "@ 49521837 '7b | 2048 | 8 | a100_80gb | 64.23')")
 _H100 = ("H100 bf16 FSDP: torchtitan Llama 3.1 8B and llm-foundry MPT 1b/7b (median HFU 0.42 of 5 runs; "
          "llama3_h100_202412_torchtitan.md '33% to 39% MFU', llm-foundry '7b | 2048 | 8 | h100_80gb | 46.44')")
-_V100_FP32 = ("V100 fp32 HF Trainer BERT-large (HFU 0.62 and 0.51: transformers model_memory_anatomy.md "
-              "'Samples/second: 8.86', perf_train_gpu_one 'Samples/second: 5.99')")
-_V100_FP16 = ("V100 fp16 AMP: median HFU 0.16 of HF Trainer BERT-large eager (0.16, 0.11) and nanoGPT compiled "
+_V100_FP32 = ("V100 fp32 HF Trainer BERT-large for sequence classification (HFU 0.57 and 0.47: transformers "
+              "model_memory_anatomy.md 'Samples/second: 8.86', perf_train_gpu_one 'Samples/second: 5.99')")
+_V100_FP16 = ("V100 fp16 AMP: median HFU 0.15 of HF Trainer BERT-large eager (0.15, 0.10) and nanoGPT compiled "
               "(0.38, nanoGPT#215 'mfu 15.34%' of 312 TF); eager code reaches a third of compiled")
 _ADA = ("RTX 4090 bf16 nanoGPT compiled: 0.55 (nanoGPT#182 '29% MFU' of the A100's 312 TF; low confidence), "
         "used for the consumer / workstation Ampere and Ada cards")
@@ -40,9 +40,9 @@ FRACTIONS: dict[tuple[str, bool], Sourced] = {
     ("blackwell", True): Sourced(0.42, _EST.format("Hopper's") + " (the one B200 run found is MoE: 14%)"),
     ("cdna2", True): Sourced(0.42, _EST.format("Hopper's")),
     ("cdna3", True): Sourced(0.42, _EST.format("Hopper's")),
-    ("volta", True): Sourced(0.16, _V100_FP16),
+    ("volta", True): Sourced(0.15, _V100_FP16),
     ("ada", True): Sourced(0.55, _ADA),
-    ("volta", False): Sourced(0.56, _V100_FP32),
+    ("volta", False): Sourced(0.52, _V100_FP32),
 }
 # consumer / workstation Ampere cards behave like Ada ones in the evidence we have
 _CONSUMER = ("a10g", "l4", "rtx-3090", "rtx-4090", "rtx-a6000", "l40s")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config import RunConfig
+from batchlab.config import LossMode, RunConfig
 from batchlab.formula.activations import implementation
 from batchlab.formula.checkpointing import recompute_flops_per_token
 from batchlab.formula.params import count
@@ -20,9 +20,11 @@ class FlopsEstimate:
 
 
 def compute_params(cfg: RunConfig) -> int:
-    """N in 6N: non-embedding weights plus the LM head's matmul (a lookup table costs no FLOPs)."""
+    """N in 6N: non-embedding weights plus the LM head's matmul (a lookup table costs no FLOPs); a pooled
+    classifier has no LM head."""
     c = count(cfg.model)
-    return c.non_embedding + cfg.model.vocab * cfg.model.hidden
+    head = 0 if cfg.loss.mode is LossMode.CLASSIFIER else cfg.model.vocab * cfg.model.hidden
+    return c.non_embedding + head
 
 
 def flops(cfg: RunConfig) -> FlopsEstimate:

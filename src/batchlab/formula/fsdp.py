@@ -26,7 +26,9 @@ def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, k
     root, block = units[0] * wg, (units[1] if L else 0) * wg
     block_grad = (units[1] if L else 0) * wr
     shards = resident["parameters"]  # 0 where the fp32 shards are the master copy (resident["master"])
-    before = sharded_grads if cfg.accum > 1 else 0  # shards of earlier micro-batches' gradients
+    # shards of earlier micro-batches' gradients (or of the last update's, zeroed in place: set_to_none=False)
+    grads_kept = cfg.accum > 1 or not cfg.assumptions.zero_grad_set_to_none
+    before = sharded_grads if grads_kept else 0
     # forward's high point, at the loss: the root gathered, ZeRO-2 every block's copies too, and one block's
     # flat all-gather output still held (gloo's work object releases it later)
     phases = {"forward": dict(resident, parameters=shards + root + (0 if z3 else L * block) + block,
@@ -38,7 +40,7 @@ def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, k
                 activations=activations_total, recompute=0, temporaries=loss_grads)
     kept_below = sum(kept)
     for i in reversed(range(L)):
-        done = 0 if cfg.accum > 1 else (L - 1 - i) * block_grad // dp  # new shards of later blocks
+        done = 0 if grads_kept else (L - 1 - i) * block_grad // dp  # new shards of later blocks
         grads = before + head_grad + done
         gathered = root + (block + (block if i else 0) if z3 else (i + 1) * block)
         # the previous block's flat reduce-scatter input is freed only when this block's is issued

@@ -7,7 +7,11 @@ reference).  In backward: the log-softmax gradient (fp32) and the logits' gradie
 ``.float()``'s backward).  Chunked (torchtune CEWithChunkedOutputLoss: "only upcasting one chunk at a time";
 here each chunk is also checkpointed, models/loss.py) keeps none of it: one chunk's logits live at a time,
 rebuilt in backward.  Fused (flash-attn ``CrossEntropyLoss``, as llm-foundry's MPT uses): saves the 16-bit
-logits and the log-sum-exp, and writes the logits' gradient in their place.
+logits and the log-sum-exp, and writes the logits' gradient in their place.  Classifier (Hugging Face
+``*ForSequenceClassification``): no LM head; a pooled b x labels output whose loss keeps nothing of note.
+Compiled (``torch.compile`` of the full loss, as torchtitan does with --training.compile since 2025): the
+min-cut partitioner AOTAutograd gives inductor saves the 16-bit logits and two per-row fp32 statistics and
+recomputes the rest in one fused backward kernel (seen here with the aot_eager_decomp_partition backend).
 
 Symbols: N = s·b tokens, V vocabulary, e the activation element size.
 """
@@ -33,6 +37,11 @@ def loss_path(cfg: RunConfig) -> LossPath:
     nv = cfg.seq * cfg.micro_batch * cfg.model.vocab
     upcast = nv * F32 if w.e != F32 else 0  # .float() of 16-bit logits; a no-op in fp32
     mode = cfg.loss.mode
+    if mode is LossMode.CLASSIFIER:  # b x labels logits: nothing of the vocabulary's size
+        return LossPath(kept=0, forward_transient=0, backward_transient=0)
+    if mode is LossMode.COMPILED:  # 16-bit logits + amax and log-sum-exp per row; the 16-bit gradient beside them
+        return LossPath(kept=nv * w.e + 2 * cfg.seq * cfg.micro_batch * F32, forward_transient=0,
+                        backward_transient=nv * w.e)
     if mode is LossMode.FUSED:
         lse = cfg.seq * cfg.micro_batch * F32
         return LossPath(kept=nv * w.e + lse, forward_transient=0, backward_transient=0)
@@ -41,4 +50,6 @@ def loss_path(cfg: RunConfig) -> LossPath:
         c_upcast = chunk * F32 if w.e != F32 else 0
         return LossPath(kept=0, forward_transient=chunk * w.e + c_upcast + chunk * F32,
                         backward_transient=chunk * w.e + chunk * F32 + 2 * chunk * F32)
+    if cfg.assumptions.torch_before(1, 11):  # log_softmax keeps its fp32 input too (pytorch#64000, fixed in 1.11)
+        return LossPath(kept=2 * nv * F32, forward_transient=nv * w.e if upcast else 0, backward_transient=2 * nv * F32)
     return LossPath(kept=nv * F32, forward_transient=nv * w.e + upcast, backward_transient=2 * nv * F32)

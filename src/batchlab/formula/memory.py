@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchlab.config import ACMode, Backend, OptimizerKind, Precision, RunConfig
+from batchlab.config import ACMode, Backend, LossMode, OptimizerKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
 from batchlab.formula.allocator import device_memory
@@ -85,6 +85,8 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
     backend = cfg.device_spec.backend
     impl = act.implementation(cfg.model_kind, m)
     full = act.layer_activations(m, s, b, p, backend, impl).total
+    if cfg.assumptions.torch_before(1, 11):
+        full += act.legacy_softmax_input_bytes(m, s, b, p, backend)
     wrapped = set(cfg.ac.wrapped_layers(m.layers))
     selective = set(cfg.ac.selective_layers(m.layers))
     kept = []
@@ -193,7 +195,7 @@ def _backward_terms(cfg: RunConfig, gradient_bytes: int) -> tuple[int, int, int]
     transient = max(s * b * m.ffn * w.e, scores) + 2 * sbh * w.res + m.hidden * m.ffn * gradient_bytes // n
     # the LM head's weight gradient exists from the start of the layers' backward (tied: in autograd's
     # input buffer until the embedding's backward adds its part)
-    head_grad = m.vocab * m.hidden * gradient_bytes // n
+    head_grad = 0 if cfg.loss.mode is LossMode.CLASSIFIER else m.vocab * m.hidden * gradient_bytes // n
     below_layers = act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend)  # the rest is freed
     return transient, head_grad, below_layers
 
@@ -265,8 +267,10 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     weights = dict(parameters=copies if autocast else states.parameters, master=states.master,
                    optimizer=states.optimizer, data=data)
     fsdp = cfg.dp > 1 and cfg.zero >= 2  # FSDP2 (formula.fsdp); below 2, DDP
-    # DDP (gradient_as_bucket_view) keeps its gradient buckets between updates, as accumulation keeps .grad
-    grads_before = states.gradients if cfg.accum > 1 or (cfg.dp > 1 and not fsdp) else 0
+    # DDP (gradient_as_bucket_view) keeps its gradient buckets between updates, as accumulation keeps .grad,
+    # and so does zero_grad(set_to_none=False) (torch.nn.Module.zero_grad: "set to zero" instead of None)
+    kept = cfg.accum > 1 or (cfg.dp > 1 and not fsdp) or not cfg.assumptions.zero_grad_set_to_none
+    grads_before = states.gradients if kept else 0
     lp = loss_path(cfg)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
@@ -293,7 +297,7 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
     peak_tensor = totals[peak_phase]
-    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total)
+    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total, at_peak["gradients"])
     return MemoryEstimate(
         parameters_bytes=(0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg)) if fsdp else states.parameters,
         master_bytes=(fsdp_shard_bytes(cfg) if _sharded_master(cfg) else 0) if fsdp else states.master,

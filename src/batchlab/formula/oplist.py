@@ -17,7 +17,7 @@ from collections import Counter
 
 from dataclasses import dataclass
 
-from batchlab.config import AttentionImpl, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
+from batchlab.config import AttentionImpl, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
 from batchlab.formula.opcost import OpCount, Phase, merge, op_class
 
 F32 = 4
@@ -213,6 +213,8 @@ def _outside(ops: _Ops, cfg: RunConfig) -> None:
                 _op("sin", FWD, cfg.seq * m.head_dim, 0), _views(FWD, 3))
     ops.dropout(FWD, t * h, m.dropout, w.res)
     ops.norm(FWD, t, h, m.norm, m.bias)
+    if cfg.loss.mode is LossMode.CLASSIFIER:  # a pooled b x labels classifier: no vocabulary-sized work
+        return
     ops.linear(FWD, t, h, V, False, w.autocast)
     if m.tied_embeddings:  # the head's and the embedding's gradients summed into one tensor
         ops.add(_op("add", BWD, V * h, 3 * V * h * w.res))

@@ -44,6 +44,11 @@ def loss_fn(policy: LossPolicy, kind: ModelSource, full):
     """The workload's ``loss_sum(model, tokens, targets)`` for ``policy``; ``full`` is the source's own."""
     if policy.mode is LossMode.FULL:
         return full
+    if policy.mode is LossMode.COMPILED:
+        raise ConfigError("loss", "compiled (torch.compile of the loss) is formula-only; measure with full or chunked")
+    if policy.mode is LossMode.CLASSIFIER:
+        raise ConfigError("loss", "classifier (a pooled sequence classifier, no LM head) is formula-only; "
+                                  "measure with full or chunked")
     if policy.mode is LossMode.FUSED:
         raise ConfigError("loss", "fused is formula-only (it needs flash-attn or Liger kernels); measure with "
                                   "chunked or full")

@@ -134,7 +134,8 @@ def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
 def _memory(cfg: RunConfig, trainer: Trainer, snap) -> TraceMemory:
     params, grads, optimizer = _model_state_bytes(trainer)
     # the traced tensor bytes through the formula's caching-allocator model (none on CPU)
-    margin = device_memory(cfg, snap.peak_bytes, snap.peak_phase, snap.activations_bytes).reserved_bytes - snap.peak_bytes
+    margin = device_memory(cfg, snap.peak_bytes, snap.peak_phase, snap.activations_bytes,
+                           snap.breakdown.get("gradients", 0)).reserved_bytes - snap.peak_bytes
     return TraceMemory(
         peak_bytes=snap.peak_bytes, peak_phase=snap.peak_phase, activations_bytes=snap.activations_bytes,
         parameters_bytes=params, gradients_bytes=grads, optimizer_bytes=optimizer, breakdown=snap.breakdown,
