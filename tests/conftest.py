@@ -11,20 +11,21 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
+    # a calibration cache or notebook on this machine must not change what the tests see; one fresh home for
+    # the run, made by the controlling process before pytest-xdist starts its workers (they inherit the
+    # environment), so a layer profile or calibration made by one worker serves the others
+    if "BATCHLAB_TEST_HOME" not in os.environ:
+        import tempfile
+
+        os.environ["BATCHLAB_TEST_HOME"] = tempfile.mkdtemp(prefix="batchlab-tests-")
+    home = os.environ["BATCHLAB_TEST_HOME"]
+    os.environ["XDG_CACHE_HOME"] = os.path.join(home, "cache")
+    os.environ["XDG_DATA_HOME"] = os.path.join(home, "data")
     try:
         import torch
     except ImportError:  # the calculator's tests run without torch
         return
     torch.set_num_threads(1)
-
-
-def pytest_sessionstart(session):
-    # a calibration cache or notebook on this machine must not change what the tests see
-    import tempfile
-
-    home = tempfile.mkdtemp(prefix="batchlab-tests-")
-    os.environ["XDG_CACHE_HOME"] = os.path.join(home, "cache")
-    os.environ["XDG_DATA_HOME"] = os.path.join(home, "data")
 
 
 import pytest  # noqa: E402

@@ -91,24 +91,32 @@ def test_a_measured_rate_is_used_as_it_is_no_achievable_fraction_on_top():
     assert "achievable fraction 0.4" in nominal.model
 
 
-@pytest.mark.slow
-def test_measure_cpu_matches_a_matmul_and_an_add_timed_here():
+def _calibrated_against_torch_benchmark(n: int):
+    """(calibrated / Timer-measured) rate of an n x n x n matmul and of the calibration's largest add."""
     from torch.utils.benchmark import Timer
 
-    n = 256
     cal = measure("cpu", seconds=1.0, shapes=((n, n, n),), threads=1)
-    assert cal.device == "cpu" and cal.threads == 1 and cal.provenance == "calibrated"
     x, w = torch.randn(n, n), torch.randn(n, n)
     # calibrate keeps its fastest samples (a shared machine only slows a run down): compare best with best
-    ref = 2 * n**3 / min(Timer("torch.mm(x, w.t())", globals={"torch": torch, "x": x, "w": w}).blocked_autorange(
-        min_run_time=0.3).times)
-    # the same product timed by torch's own benchmark: a FLOP count off by 2x falls outside
-    assert 0.5 < cal.matmul_curve["fp32"][0][1] / ref < 2.0, (cal.matmul_curve, ref)
-    big = 4 * 2**20
-    a, b = torch.ones(big), torch.ones(big)
-    add_ref = 3 * 4 * big / min(Timer("torch.add(a, b)", globals={"torch": torch, "a": a, "b": b}).blocked_autorange(
-        min_run_time=0.3).times)
-    assert 0.5 < cal.memory_curve[-1][1] / add_ref < 2.0  # two reads and a write, as counted
+    mm = 2 * n**3 / min(Timer("torch.mm(x, w.t())", globals={"torch": torch, "x": x, "w": w}).blocked_autorange(
+        min_run_time=0.2).times)
+    moved, rate = cal.memory_curve[-1]  # bytes per call of the largest add, two reads and a write counted
+    a, b = torch.ones(int(moved) // 12), torch.ones(int(moved) // 12)
+    add = moved / min(Timer("torch.add(a, b)", globals={"torch": torch, "a": a, "b": b}).blocked_autorange(
+        min_run_time=0.2).times)
+    return cal, cal.matmul_curve["fp32"][0][1] / mm, rate / add
+
+
+@pytest.mark.slow
+def test_measure_cpu_matches_a_matmul_and_an_add_timed_here():
+    # the same kernels timed by torch's own benchmark: a FLOP or byte count off by 2x falls outside on every
+    # attempt; a burst of load from another process (the suite runs in parallel) does not last three
+    for _ in range(3):
+        cal, mm, add = _calibrated_against_torch_benchmark(256)
+        if 0.5 < mm < 2.0 and 0.5 < add < 2.0:
+            break
+    assert 0.5 < mm < 2.0 and 0.5 < add < 2.0, (mm, add)
+    assert cal.device == "cpu" and cal.threads == 1 and cal.provenance == "calibrated"
     assert all(1e-7 < s < 1e-3 for s in cal.dispatch_seconds.values()), cal.dispatch_seconds
     assert set(cal.dispatch_seconds) == {"forward", "backward", "plain"}
     assert cal.op_costs() is not None and cal.seconds < 10

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import torch
 
-from batchlab.cli.common import build_config
+from batchlab.cli.common import _config_from_flags
 from batchlab.config import ConfigError, RunConfig, preset
 from batchlab.measure import MeasureOptions, Outcome
 from batchlab.run import measure as run
@@ -166,7 +166,8 @@ def test_isolated_run_matches_in_process_memory_and_reraises_config_errors():
 # ------------------------------------------------------------------------------------------ Hugging Face
 
 def _hf_cfg(model_arg: str, **kw) -> RunConfig:
-    return build_config(model=model_arg, seq=16, micro_batch=2, **kw)
+    # the flags' config without the calculator's layer profile: these tests measure, they predict nothing
+    return _config_from_flags(model=model_arg, seq=16, micro_batch=2, **kw)
 
 
 def test_hf_gpt2_tiny_measures_ok():

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from batchlab.config import Precision
+from batchlab.files import write_atomic
 from batchlab.formula.opcost import OpCosts
 from batchlab.host import cpu_hardware
 
@@ -91,10 +92,7 @@ def _cache_path(device: str, torch_version: str, threads: int) -> Path:
 
 def save(cal: Calibration) -> Path:
     path = _cache_path(cal.device, cal.torch_version, cal.threads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cal.to_dict(), indent=2))
-    tmp.replace(path)  # atomic: a reader never sees half a file
+    write_atomic(path, json.dumps(cal.to_dict(), indent=2), "calibration")  # two writers at once: no half file
     return path
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from batchlab.config import ACMode, ModelSource, Precision, RunConfig, to_jsonable
 from batchlab.config.hf import hf_config_path
 from batchlab.config.profile import LayerProfile, Terms
+from batchlab.files import write_atomic
 
 PROFILE_VERSION = 10  # bump when what a profile measures changes: old cache entries are then ignored
 # fp16 autocast keeps the same tensors as bf16 autocast (2-byte activations, fp32 master weights)
@@ -66,10 +67,7 @@ def cached(cfg: RunConfig) -> LayerProfile | None:
 
 def save(profile: LayerProfile) -> Path:
     path = cache_dir() / f"{profile.key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(to_jsonable(profile), indent=1))
-    tmp.replace(path)  # atomic: a reader never sees half a file
+    write_atomic(path, json.dumps(to_jsonable(profile), indent=1), "profile")  # two writers at once: no half file
     return path
 
 
