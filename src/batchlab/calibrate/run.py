@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import time
 
-from batchlab.calibrate.kernels import (GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
+from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
                                         _element_seconds, _matmul_curve, _memory_curve, _sdpa_curve)
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
@@ -25,7 +25,7 @@ def _hardware(device) -> str:
 def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
             threads: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in about ``seconds``: the matmul curves in fp32 and bf16
-    (34% linear layers, 8% attention's batched matmuls, 8% fused attention), element-wise bandwidth (10%), per-element kernels
+    (34% linear layers, 8% attention's batched matmuls, 8% fused attention), element-wise bandwidth (12%), per-element kernels
     (15%), per-op dispatch (25%).  ``threads``: the
     intra-op thread count to measure at (CPU; restored afterwards)."""
     import torch
@@ -44,6 +44,8 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    # one CPU thread: time its CPU seconds (kernels.CLOCK), so other processes' load does not enter the rates
+    token = CLOCK.set(time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter)
     try:
         sync = synchronizer(device)
         start = time.perf_counter()
@@ -53,7 +55,7 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
                "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync),
                "sdpa-fp32": _sdpa_curve(device, torch.float32, 0.04 * seconds, sync),
                "sdpa-bf16": _sdpa_curve(device, torch.bfloat16, 0.04 * seconds, sync)}
-        mem, mem16, strided = _memory_curve(device, 0.1 * seconds, sync)
+        mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync)
         elements = _element_seconds(device, 0.15 * seconds, sync)
         dispatch = _dispatch_seconds(device, 0.25 * seconds, sync)
         assert fp32, "fp32 matmul failed"
@@ -66,9 +68,10 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
             measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__, seconds=time.perf_counter() - start,
             matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{k: v for k, v in bmm.items() if v}},
-            memory_curve=mem, memory_curve_bf16=mem16,
+            memory_curve=mem, memory_curve_bf16=mem16, memory_curve_inplace=inplace,
             strided_bytes_per_s=strided, element_seconds=elements, dispatch_seconds=dispatch)
     finally:
+        CLOCK.reset(token)
         torch.set_num_threads(before)
 
 
