@@ -294,3 +294,47 @@ def _dispatch_seconds(device, seconds: float, sync) -> dict[str, float]:
         for kind in calls:
             per_kind[kind].append(spent.get(kind, 0.0) / calls[kind])
     return {k: 1.0 / steady([1.0 / x for x in v if x > 0] or [float('inf')]) for k, v in per_kind.items()}
+
+
+LOOPBACK_BYTES = 4 * 2**20  # about a small model's gradient bucket
+
+
+def _loopback(seconds: float) -> tuple[float, float]:
+    """(bytes/s, seconds per message) of TCP over this machine's loopback: the link gloo's all-reduce uses
+    between ranks on one CPU host (``LOOPBACK_BYTES`` messages, and 1-byte round trips for the latency).
+    Wall-clock: the sender waits on the receiver, which is the cost."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    payload = b"\0" * LOOPBACK_BYTES
+
+    def echo():  # receive each message, answer one byte
+        conn, _ = server.accept()
+        with conn:
+            while True:
+                need = int.from_bytes(conn.recv(8, socket.MSG_WAITALL) or b"\0" * 8, "little")
+                if not need:
+                    return
+                while need:
+                    need -= len(conn.recv(min(need, 2**20)))
+                conn.sendall(b"k")
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    rates, trips = [], []
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end or len(rates) < 3:
+            for size, out in ((1, trips), (LOOPBACK_BYTES, rates)):
+                t = time.perf_counter()
+                s.sendall(size.to_bytes(8, "little") + payload[:size])
+                s.recv(1)
+                out.append(time.perf_counter() - t)
+        s.sendall((0).to_bytes(8, "little"))
+    thread.join(timeout=5)
+    server.close()
+    latency = statistics.median(trips)
+    return LOOPBACK_BYTES / max(statistics.median(rates) - latency, 1e-9), latency

@@ -36,6 +36,9 @@ class Calibration:
     strided_bytes_per_s: float = 0.0  # a transposed view copied contiguous, read + write
     element_seconds: dict[str, float] = field(default_factory=dict)  # "activation:fp32" -> s per element
     dispatch_seconds: dict[str, float] = field(default_factory=dict)  # forward | backward | plain -> s per op
+    loopback_bytes_per_s: float = 0.0  # CPU: TCP over loopback (gloo's link between local ranks); 0: unmeasured
+    loopback_latency_s: float = 0.0  # its 1-byte round trip
+    cores: int = 0  # CPU cores of the machine measured (local ranks x threads beyond it share them)
     provenance: str = "calibrated"
 
     @property
@@ -62,6 +65,8 @@ class Calibration:
                        memory_inplace=tuple(map(tuple, self.memory_curve_inplace)) or None,
                        element_seconds=dict(self.element_seconds),
                        dispatch=dict(self.dispatch_seconds), asynchronous=not self.torch_device.startswith("cpu"),
+                       link_bytes_per_s=self.loopback_bytes_per_s or None, link_latency_s=self.loopback_latency_s,
+                       threads=self.threads, cores=self.cores,
                        source=self.source)
 
     def to_dict(self) -> dict[str, Any]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import time
 
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
-                                        _element_seconds, _matmul_curve, _memory_curve, _sdpa_curve)
+                                        _element_seconds, _loopback, _matmul_curve, _memory_curve,
+                                        _sdpa_curve)
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
 from batchlab.host import cpu_hardware
@@ -26,7 +28,7 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
             threads: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in about ``seconds``: the matmul curves in fp32 and bf16
     (34% linear layers, 8% attention's batched matmuls, 8% fused attention), element-wise bandwidth (12%), per-element kernels
-    (15%), per-op dispatch (25%).  ``threads``: the
+    (15%), per-op dispatch (25%), on CPU the loopback link gloo uses between local ranks (2%).  ``threads``: the
     intra-op thread count to measure at (CPU; restored afterwards)."""
     import torch
 
@@ -58,6 +60,7 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
         mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync)
         elements = _element_seconds(device, 0.15 * seconds, sync)
         dispatch = _dispatch_seconds(device, 0.25 * seconds, sync)
+        link, latency = _loopback(0.02 * seconds) if device.type == "cpu" else (0.0, 0.0)
         assert fp32, "fp32 matmul failed"
         best32, best16 = max(fp32, key=lambda p: p[1]), max(bf16, key=lambda p: p[1]) if bf16 else None
         return Calibration(
@@ -69,7 +72,8 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
             torch_version=torch.__version__, seconds=time.perf_counter() - start,
             matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{k: v for k, v in bmm.items() if v}},
             memory_curve=mem, memory_curve_bf16=mem16, memory_curve_inplace=inplace,
-            strided_bytes_per_s=strided, element_seconds=elements, dispatch_seconds=dispatch)
+            strided_bytes_per_s=strided, element_seconds=elements, dispatch_seconds=dispatch,
+            loopback_bytes_per_s=link, loopback_latency_s=latency, cores=os.cpu_count() or 1)
     finally:
         CLOCK.reset(token)
         torch.set_num_threads(before)

@@ -163,6 +163,10 @@ class OpCosts:
     # in-place ops (name ending in "_"): the output is the input, no fresh memory; None: the ``memory`` curve
     memory_inplace: tuple[tuple[float, float], ...] | None = None
     asynchronous: bool = False  # GPU: the host issues ahead of the kernels, so an op costs max(launch, work)
+    link_bytes_per_s: float | None = None  # CPU: measured loopback between local ranks (gloo); None: the device's
+    link_latency_s: float = 0.0  # per message on that link
+    threads: int = 0  # CPU: intra-op threads the rates were measured at (0: unknown)
+    cores: int = 0  # CPU: cores of the calibrated machine (0: unknown)
     source: str = "nominal"
 
     def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:
@@ -274,6 +278,9 @@ def describe(costs: OpCosts, t: TimeBreakdown) -> str:
     mm = "; ".join(f"{k} {_si(min(r for _, r in pts), 'FLOP/s')}-{_si(max(r for _, r in pts), 'FLOP/s')}"
                    for k, pts in costs.matmul.items())
     bw = f"{_si(min(r for _, r in costs.memory), 'B/s')}-{_si(max(r for _, r in costs.memory), 'B/s')}"
+    if costs.memory_inplace:
+        bw += (f" into fresh outputs, {_si(min(r for _, r in costs.memory_inplace), 'B/s')}-"
+               f"{_si(max(r for _, r in costs.memory_inplace), 'B/s')} in place")
     disp = "/".join(f"{costs.dispatch[k] * 1e6:.1f}" for k in ("forward", "backward", "plain"))
     return (f"time model: per-op sum over {t.ops:,} ops per update ({_si(t.flops, 'FLOP')} in matmuls at "
             f"{mm} by call size; {_si(t.bytes, 'B')} moved by memory-bound ops at {bw}; dispatch {disp} µs per "
