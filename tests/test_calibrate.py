@@ -74,6 +74,13 @@ def test_ceiling_per_precision_and_a_cache_from_before_the_per_op_model():
     assert sample(matmul_curve={}, dispatch_seconds={}).op_costs() is None  # ensure() measures again
 
 
+def test_a_cache_from_before_the_step_regime_curves_is_measured_again():
+    save(sample(seconds=0.5))  # no in-place curve: its element-wise rates came from warm loops
+    cal, fresh = ensure("cpu", threads=1, seconds=0.5)
+    assert fresh and cal.memory_curve_inplace and cal.seconds != 0.5
+    assert ensure("cpu", threads=1)[1] is False  # cached now
+
+
 def test_a_measured_rate_is_used_as_it_is_no_achievable_fraction_on_top():
     from batchlab.formula import estimate
 

@@ -82,12 +82,14 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
 def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0
            ) -> tuple[Calibration, bool]:
     """The cached calibration of a local device at ``threads``, measured and cached first when there is none
-    (or only one from before the per-op model): (calibration, whether it was measured now)."""
+    (or only one from before the per-op model or the step-regime curves): (calibration, whether it was measured
+    now)."""
     from batchlab.measure.device import catalogue_name, usable
 
     want = default_threads() if threads is None else threads
     cached = load_cached(catalogue_name(usable(torch_device)), want)
-    if cached is not None and cached.op_costs() is not None:
+    # a cache from before the step-regime calibration (no in-place curve) timed warm loops: measured again
+    if cached is not None and cached.op_costs() is not None and cached.memory_curve_inplace:
         return cached, False
     cal = measure(torch_device, seconds=seconds, threads=want)
     save(cal)
