@@ -8,7 +8,8 @@ paired ratio, and predicted beside measured absolute update times.
 Measured: two live trainers in one process, 1 intra-op thread (compare's default), 2 warm-up updates each,
 then adjacent updates A B, B A, A B, ... (order alternated so drift in machine load hits both sides of a
 pair alike); the ratio is the median of the per-pair ratios, the absolute time the median of each side's
-updates (wall-clock).  DP 1 -> 2 runs separate processes (one plain, one torchrun + DDP over gloo),
+updates (wall-clock; beside it the update's CPU time, which other processes' load does not inflate).
+DP 1 -> 2 runs separate processes (one plain, one torchrun + DDP over gloo),
 alternated for a few rounds.  The calibration (`batchlab calibrate` at 1 thread) is measured once, cached,
 and stated with its cost.
 
@@ -82,22 +83,24 @@ def config(model: str, base: dict, changes: dict) -> RunConfig:
     return RunConfig(model=spec, model_source=source).replace(**{**base, **changes})
 
 
-def _seconds(trainer: Trainer) -> float:
-    t = time.perf_counter()
+def _seconds(trainer: Trainer) -> tuple[float, float]:
+    """(wall, CPU) seconds of one update: on a shared machine the wall clock also counts the time other
+    processes held the core; the thread's CPU time does not (one intra-op thread)."""
+    c, t = time.thread_time(), time.perf_counter()
     trainer.update()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.thread_time() - c
 
 
-def alternate(run_a, run_b, n: int) -> tuple[list[float], list[float], list[float]]:
-    """n pairs A B, B A, A B, ...: per-pair ratios t(B)/t(A) and each side's seconds (drift in machine load
-    hits both sides of a pair alike)."""
+def alternate(run_a, run_b, n: int) -> tuple[list[float], list[tuple[float, float]], list[tuple[float, float]]]:
+    """n pairs A B, B A, A B, ...: per-pair wall-clock ratios t(B)/t(A) and each side's (wall, CPU) seconds
+    (drift in machine load hits both sides of a pair alike)."""
     ratios, sa_all, sb_all = [], [], []
     for i in range(n):
         if i % 2 == 0:
             sa, sb = run_a(), run_b()
         else:
             sb, sa = run_b(), run_a()
-        ratios.append(sb / sa)
+        ratios.append(sb[0] / sa[0])
         sa_all.append(sa)
         sb_all.append(sb)
     return ratios, sa_all, sb_all
@@ -120,10 +123,11 @@ def paired_processes(a: RunConfig, b: RunConfig, rounds: int) -> tuple[list[floa
 
     opts = MeasureOptions(warmup=2, steps=5, memory=False, isolate=True)
 
-    def one(cfg: RunConfig) -> float:
+    def one(cfg: RunConfig) -> tuple[float, float]:
         m = measure(cfg, opts)  # one process, or torchrun + DDP for DP > 1
         assert m.ok and m.time is not None, m.outcome_detail
-        return m.time.update_seconds_median
+        cpu = statistics.median(m.time.cpu_seconds) if m.time.cpu_seconds else float("nan")
+        return m.time.update_seconds_median, cpu  # CPU: the measured process's (rank 0's) CPU time
 
     with threads_env(THREADS):
         return alternate(lambda: one(a), lambda: one(b), rounds)
@@ -149,7 +153,9 @@ def measure_row(model: str, label: str, base: dict, ca: dict, cb: dict, pairs: i
         ratios, sa, sb = paired(a, b, pairs)
     fa, fb = formula_estimate(a, cals).time.update_seconds, formula_estimate(b, cals).time.update_seconds
     row = dict(model=model, label=label, measured=statistics.median(ratios), ratios=ratios,
-               formula=fb / fa, ma=statistics.median(sa), mb=statistics.median(sb), fa=fa, fb=fb, trace=None)
+               formula=fb / fa, ma=statistics.median(w for w, _ in sa), mb=statistics.median(w for w, _ in sb),
+               ca=statistics.median(c for _, c in sa), cb=statistics.median(c for _, c in sb), fa=fa, fb=fb,
+               trace=None, load=os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
     if with_trace and a.dp == 1 and b.dp == 1:
         row["trace"] = trace_seconds(b, cals) / trace_seconds(a, cals)
     return row
@@ -165,15 +171,18 @@ def _ok(pred: float | None, meas: float, tol: float) -> bool:
 
 def print_table(rows: list[dict]) -> None:
     print("| model | change A -> B | measured ratio (median, IQR) | formula ratio | error | trace ratio | error | "
-          "measured A / B | formula A / B | abs. error A / B |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "measured A / B | formula A / B | abs. error A / B | CPU A / B | error vs CPU A / B | CPU ratio | error | "
+          "load |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         q = statistics.quantiles(r["ratios"], n=4, method="inclusive") if len(r["ratios"]) > 1 else [r["measured"]] * 3
         trace = "-" if r["trace"] is None else f"{r['trace']:.2f}"
         print(f"| {r['model']} | {r['label']} | {r['measured']:.2f} ({q[0]:.2f}-{q[2]:.2f}) | {r['formula']:.2f} | "
               f"{_err(r['formula'], r['measured'])} | {trace} | {_err(r['trace'], r['measured'])} | "
               f"{r['ma'] * 1e3:.0f} / {r['mb'] * 1e3:.0f} ms | {r['fa'] * 1e3:.0f} / {r['fb'] * 1e3:.0f} ms | "
-              f"{_err(r['fa'], r['ma'])} / {_err(r['fb'], r['mb'])} |")
+              f"{_err(r['fa'], r['ma'])} / {_err(r['fb'], r['mb'])} | {r['ca'] * 1e3:.0f} / {r['cb'] * 1e3:.0f} ms | "
+              f"{_err(r['fa'], r['ca'])} / {_err(r['fb'], r['cb'])} | {r['cb'] / r['ca']:.2f} | "
+              f"{_err(r['formula'], r['cb'] / r['ca'])} | {r['load']:.1f} |")
     print()
     within = sum(_ok(r["formula"], r["measured"], TOLERANCE) for r in rows)
     traced = [r for r in rows if r["trace"] is not None]
@@ -182,8 +191,12 @@ def print_table(rows: list[dict]) -> None:
     if traced:
         t_ok = sum(_ok(r["trace"], r["measured"], TOLERANCE) for r in traced)
         print(f"- trace ratio within {TOLERANCE:.0%}: {t_ok} of {len(traced)} rows")
+    cpu_ratio_ok = sum(_ok(r["formula"], r["cb"] / r["ca"], TOLERANCE) for r in rows)
+    print(f"- formula ratio within {TOLERANCE:.0%} of the ratio of the sides' median CPU times (not paired; robust "
+          f"to other processes holding the cores): {cpu_ratio_ok} of {len(rows)} rows")
+    cpu_ok = sum(_ok(r["fa"], r["ca"], ABS_TOLERANCE) + _ok(r["fb"], r["cb"], ABS_TOLERANCE) for r in rows)
     print(f"- formula absolute update time within {ABS_TOLERANCE:.0%} of the measured median: {abs_ok} of "
-          f"{2 * len(rows)} sides")
+          f"{2 * len(rows)} sides (of the measured CPU time: {cpu_ok}; wall and CPU agree on an idle machine)")
     print()
 
 

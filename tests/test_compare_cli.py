@@ -80,6 +80,8 @@ def test_formula_only_is_labelled_and_saved(tmp_path):
     r = invoke(*SMALL, "--formula-only", "--change", "ac=none:full", "--notebook", str(tmp_path / "nb.sqlite"))
     assert "formula only (paper derivation, nothing measured)" in " ".join(r.stdout.split())
     assert "prediction (none)" not in r.stdout and "your prediction: none written down" in r.stdout
+    text = " ".join(r.stdout.split())  # the time model's assumptions beside the prediction, each side
+    assert "formula A: time model: per-op sum over" in text and "formula B: time model: per-op sum over" in text
 
 
 def test_no_prompt_without_a_terminal_and_a_prompt_with_one(tmp_path, monkeypatch):

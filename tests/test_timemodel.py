@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from batchlab.config import RunConfig
-from batchlab.formula import estimate
+from batchlab.formula import estimate, flops, memory, timing
 from batchlab.formula.attribution import attribute
 from batchlab.formula.opcost import OpClass, OpCosts, OpCount, Phase, interpolate_log, op_class, price
 from batchlab.formula.oplist import update_ops
@@ -116,6 +116,34 @@ def test_op_classes():
     assert op_class("bernoulli_") is OpClass.RANDOM and op_class("native_layer_norm") is OpClass.NORM
     assert op_class("_unsafe_view") is OpClass.VIEW and op_class("transpose", is_view=True) is OpClass.VIEW
     assert op_class("clone", strided=True) is OpClass.STRIDED and op_class("clone") is OpClass.MEMORY
+    assert op_class("_log_softmax") is OpClass.LOSS and op_class("_softmax") is OpClass.SOFTMAX
+    assert op_class("masked_fill") is OpClass.MASKED
+
+
+def test_in_place_ops_use_their_own_bandwidth():
+    # 1 MB moved: out of place into fresh memory at 5 GB/s, in place at 20 GB/s
+    costs = OpCosts(**{**FLAT.__dict__, "memory": ((1.0, 5e9),), "memory_inplace": ((1.0, 2e10),)})
+    fresh, inplace = (OpCount(n, Phase.OPTIMIZER, OpClass.MEMORY, bytes=10**6) for n in ("add", "add_"))
+    assert costs.work_seconds(fresh) == pytest.approx(2e-4) and costs.work_seconds(inplace) == pytest.approx(5e-5)
+    assert FLAT.work_seconds(inplace) == FLAT.work_seconds(fresh)  # no in-place curve: one bandwidth
+
+
+def test_local_ranks_share_the_cores_and_the_loopback_link():
+    base = RunConfig(seq=64, micro_batch=2)
+    cpu = OpCosts(**{**FLAT.__dict__, "threads": 2, "cores": 2, "link_bytes_per_s": 1e9, "link_latency_s": 2e-5})
+    def timed(cfg, costs):
+        return timing(cfg, flops(cfg), memory(cfg), costs)
+
+    one, two = timed(base, cpu), timed(base.replace(dp=2), cpu)
+    # 2 ranks x 2 threads on 2 cores: each rank's ops take twice as long
+    assert two.ops.seconds == pytest.approx(2 * one.ops.seconds, rel=1e-9)
+    assert "2 local rank(s) x 2 thread(s) on 2 cores, ops x2.00" in two.model
+    # ring all-reduce of the fp32 gradients over the 1 GB/s link, 2 messages of 20 us per bucket (one bucket)
+    grads = 4 * sum(p.numel() for p in Trainer(base).raw_model.parameters())  # the real model's fp32 gradients
+    assert two.allreduce_seconds == pytest.approx(grads / 1e9 + 2 * 2e-5, rel=1e-6)
+    assert "loopback 1.00 GB/s + 20 us per message" in two.model
+    single_thread = OpCosts(**{**cpu.__dict__, "threads": 1})
+    assert timed(base.replace(dp=2), single_thread).ops.seconds == pytest.approx(one.ops.seconds)
 
 
 def test_interpolation_in_log_flops():

@@ -3,11 +3,19 @@ attention), element-wise bandwidth, per-element kernels and per-op dispatch.  To
 functions, so importing this module stays cheap."""
 from __future__ import annotations
 
+import contextvars
 import statistics
 import time
 from typing import Any, Callable
 
 from batchlab.formula.opcost import DISPATCH_KIND, Phase
+
+
+# The clock the kernels are timed with.  On a CPU at one intra-op thread, the calling thread's CPU time
+# (``use_cpu_time``): on a shared machine a wall clock also counts the time other processes hold the core,
+# which is the load of the moment, not this kernel's cost; the model predicts an otherwise idle machine.
+CLOCK: contextvars.ContextVar[Callable[[], float]] = contextvars.ContextVar("calibration_clock",
+                                                                            default=time.perf_counter)
 
 
 def steady(rates: list[float]) -> float:
@@ -33,20 +41,23 @@ def monotone(curve: list[list[float]]) -> list[list[float]]:
 
 
 def timed_rates(fn: Callable[[], Any], work: float, seconds: float, sync: Callable[[], None],
-                clock: Callable[[], float] = time.perf_counter, min_samples: int = 3) -> list[float]:
+                clock: Callable[[], float] | None = None, min_samples: int = 3) -> list[float]:
     """Rates (work per second) of repeated ``fn()`` calls for about ``seconds``, one warm-up call first.
 
     Each sample times enough calls to last ~20 ms (less when ``seconds`` is short), so launch and clock
-    overheads stay small on a GPU.
+    overheads stay small on a GPU.  ``clock`` times the calls (default: ``CLOCK``'s, with ``seconds`` a
+    wall-clock budget, so a loaded machine does not stretch the calibration).
     """
+    budget = clock or time.perf_counter
+    clock = clock or CLOCK.get()
     t0 = clock()
     fn()
     sync()
     once = max(clock() - t0, 1e-9)
     calls = max(1, int(min(0.02, seconds / 5) / once))
     rates: list[float] = []
-    end = clock() + seconds
-    while clock() < end or len(rates) < min_samples:
+    end = budget() + seconds
+    while budget() < end or len(rates) < min_samples:
         t = clock()
         for _ in range(calls):
             fn()
@@ -178,41 +189,76 @@ def _sdpa_curve(device, dtype, seconds: float, sync) -> list[list[float]]:
     return monotone(sorted(out))
 
 
-def _memory_curve(device, seconds: float, sync) -> tuple[list[list[float]], list[list[float]], float]:
-    """Bandwidth of an out-of-place fp32 add (two reads, one write) at each size (the small ones stay in
-    cache, as a previous op's output does); and of a strided copy, a (b, s, a, d) activation's transpose
-    made contiguous as attention code does."""
+def keeping(fn, budget: int = COLD_BYTES):
+    """``fn`` whose outputs stay alive until they total ``budget`` bytes, then are all freed: a training step's
+    forward writes each activation into fresh memory (kept for backward), not into the buffer the previous
+    call just freed, so its writes miss the cache and touch pages the allocator has to map again.  Timing a
+    kernel whose output is freed and reused at once measures the warm-buffer rate, about twice a step's
+    (measured here: a 2 MB multiply 183 us warm, 405 us into kept outputs)."""
+    kept: list = []
+    state = {"bytes": 0}
+
+    def call():
+        out = fn()
+        if state["bytes"] >= budget:
+            kept.clear()
+            state["bytes"] = 0
+        kept.append(out)
+        state["bytes"] += out.numel() * out.element_size() if out is not None else budget
+        return out
+
+    return call
+
+
+def _memory_curve(device, seconds: float, sync) -> tuple[list[list[float]], list[list[float]], list[list[float]],
+                                                         float]:
+    """Bandwidth (bytes read + written per second) at each size, inputs cycled through more than a core's L2
+    as in a step: of an out-of-place add into kept outputs (``keeping``) in fp32 and bf16, of an in-place
+    ``add_`` (fp32), and of a strided copy, a (b, s, a, d) activation's transpose made contiguous as attention
+    code does."""
     import torch
 
-    curves: dict[torch.dtype, list[list[float]]] = {torch.float32: [], torch.bfloat16: []}
-    share = seconds / (2 * len(MEMORY_SIZES) + 1)
-    for dtype, out in curves.items():
+    def add_(x, y):
+        return x.add_(y)
+
+    curves = {(torch.float32, torch.add): [], (torch.bfloat16, torch.add): [], (torch.float32, add_): []}
+    share = seconds / (len(curves) * len(MEMORY_SIZES) + 1)
+    for (dtype, fn), out in curves.items():
         for n in MEMORY_SIZES:
-            x, y = torch.ones(n, device=device, dtype=dtype), torch.ones(n, device=device, dtype=dtype)
-            moved = 3 * x.element_size() * n
-            out.append([float(moved), steady(timed_rates(lambda: torch.add(x, y), moved, share, sync))])
+            elem = torch.empty((), dtype=dtype).element_size()
+            sets = _copies(lambda: (torch.ones(n, device=device, dtype=dtype),
+                                    torch.ones(n, device=device, dtype=dtype)), 2 * n * elem)
+            moved = 3 * elem * n
+            call = _cycling(fn, sets) if fn is add_ else keeping(_cycling(fn, sets))
+            out.append([float(moved), steady(timed_rates(call, moved, share, sync))])
     n = MEMORY_SIZES[1]
-    x = torch.ones(n // (128 * 4 * 32), 128, 4, 32, device=device).transpose(1, 2)
-    strided = steady(timed_rates(lambda: x.contiguous(), 2 * 4 * x.numel(), share, sync))
-    return curves[torch.float32], curves[torch.bfloat16], strided
+    sets = _copies(lambda: (torch.ones(n // (128 * 4 * 32), 128, 4, 32, device=device).transpose(1, 2),), 4 * n)
+    strided = steady(timed_rates(keeping(_cycling(lambda x: x.contiguous(), sets)), 2 * 4 * n, share, sync))
+    fp32, bf16, inplace = curves.values()
+    return fp32, bf16, inplace, strided
 
 
 def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
     """Seconds per output element of each class's representative kernel, fp32 and bf16: tanh-GELU and its
-    gradient, softmax and layer norm over rows of 128, the dropout RNG (bernoulli_).  The operand stays
-    in cache, as the previous op's output mostly is."""
+    gradient, softmax and layer norm over rows of 128, log-softmax over rows of 1024, a causal masked_fill
+    of 128 x 128 blocks, the dropout RNG (bernoulli_).  The operand stays
+    in cache, as the previous op's output mostly is; outputs are kept, as a step's are (``keeping``)."""
     import torch
     import torch.nn.functional as F
 
     gelu_grad = torch.ops.aten.gelu_backward
+    causal = torch.ones(128, 128, dtype=torch.bool, device=device).triu(1)  # broadcast over the rows' blocks
     kernels = {"activation": lambda x: F.gelu(x, approximate="tanh"),
                "activation-grad": lambda x: gelu_grad(x, x, approximate="tanh"), "softmax": lambda x: x.softmax(-1),
+               "loss": lambda x: x.view(-1, 1024).log_softmax(-1),  # over a vocabulary-like row
+               "masked": lambda x: x.view(-1, 128, 128).masked_fill(causal, float("-inf")),
                "norm": lambda x: F.layer_norm(x, (128,)), "random": lambda x: x.bernoulli_(0.9)}
     out = {}
     for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         x = torch.rand(ELEMENTS // 128, 128, device=device).to(dtype)
         for klass, fn in kernels.items():
-            rate = steady(timed_rates(lambda: fn(x), ELEMENTS, seconds / 2 / len(kernels), sync))
+            call = keeping(lambda: fn(x)) if klass != "random" else (lambda: fn(x))  # bernoulli_ is in place
+            rate = steady(timed_rates(call, ELEMENTS, seconds / 2 / len(kernels), sync))
             out[f"{klass}:{tag}"] = 1.0 / rate
     return out
 
@@ -234,7 +280,7 @@ def _dispatch_seconds(device, seconds: float, sync) -> dict[str, float]:
     for op in ops:
         kind = DISPATCH_KIND[op.phase]
         calls[kind] = calls.get(kind, 0) + op.count
-    clock = PhaseClock(sync)
+    clock = PhaseClock(sync, clock=CLOCK.get())
     per_kind: dict[str, list[float]] = {k: [] for k in calls}
     end = time.perf_counter() + seconds
     while time.perf_counter() < end or len(per_kind["forward"]) < 5:
@@ -248,3 +294,47 @@ def _dispatch_seconds(device, seconds: float, sync) -> dict[str, float]:
         for kind in calls:
             per_kind[kind].append(spent.get(kind, 0.0) / calls[kind])
     return {k: 1.0 / steady([1.0 / x for x in v if x > 0] or [float('inf')]) for k, v in per_kind.items()}
+
+
+LOOPBACK_BYTES = 4 * 2**20  # about a small model's gradient bucket
+
+
+def _loopback(seconds: float) -> tuple[float, float]:
+    """(bytes/s, seconds per message) of TCP over this machine's loopback: the link gloo's all-reduce uses
+    between ranks on one CPU host (``LOOPBACK_BYTES`` messages, and 1-byte round trips for the latency).
+    Wall-clock: the sender waits on the receiver, which is the cost."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    payload = b"\0" * LOOPBACK_BYTES
+
+    def echo():  # receive each message, answer one byte
+        conn, _ = server.accept()
+        with conn:
+            while True:
+                need = int.from_bytes(conn.recv(8, socket.MSG_WAITALL) or b"\0" * 8, "little")
+                if not need:
+                    return
+                while need:
+                    need -= len(conn.recv(min(need, 2**20)))
+                conn.sendall(b"k")
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    rates, trips = [], []
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end or len(rates) < 3:
+            for size, out in ((1, trips), (LOOPBACK_BYTES, rates)):
+                t = time.perf_counter()
+                s.sendall(size.to_bytes(8, "little") + payload[:size])
+                s.recv(1)
+                out.append(time.perf_counter() - t)
+        s.sendall((0).to_bytes(8, "little"))
+    thread.join(timeout=5)
+    server.close()
+    latency = statistics.median(trips)
+    return LOOPBACK_BYTES / max(statistics.median(rates) - latency, 1e-9), latency

@@ -33,9 +33,13 @@ class Calibration:
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)  # dtype -> [[FLOPs/call, FLOP/s]]
     memory_curve: list[list[float]] = field(default_factory=list)  # [[bytes/call, bytes/s]], fp32 add
     memory_curve_bf16: list[list[float]] = field(default_factory=list)  # the same add in bf16
+    memory_curve_inplace: list[list[float]] = field(default_factory=list)  # fp32 add_ (no fresh output)
     strided_bytes_per_s: float = 0.0  # a transposed view copied contiguous, read + write
     element_seconds: dict[str, float] = field(default_factory=dict)  # "activation:fp32" -> s per element
     dispatch_seconds: dict[str, float] = field(default_factory=dict)  # forward | backward | plain -> s per op
+    loopback_bytes_per_s: float = 0.0  # CPU: TCP over loopback (gloo's link between local ranks); 0: unmeasured
+    loopback_latency_s: float = 0.0  # its 1-byte round trip
+    cores: int = 0  # CPU cores of the machine measured (local ranks x threads beyond it share them)
     provenance: str = "calibrated"
 
     @property
@@ -59,8 +63,11 @@ class Calibration:
         return OpCosts(matmul={k: tuple(map(tuple, v)) for k, v in self.matmul_curve.items()},
                        memory=tuple(map(tuple, self.memory_curve)), strided_bytes_per_s=self.strided_bytes_per_s,
                        memory_low=tuple(map(tuple, self.memory_curve_bf16)) or None,
+                       memory_inplace=tuple(map(tuple, self.memory_curve_inplace)) or None,
                        element_seconds=dict(self.element_seconds),
                        dispatch=dict(self.dispatch_seconds), asynchronous=not self.torch_device.startswith("cpu"),
+                       link_bytes_per_s=self.loopback_bytes_per_s or None, link_latency_s=self.loopback_latency_s,
+                       threads=self.threads, cores=self.cores,
                        source=self.source)
 
     def to_dict(self) -> dict[str, Any]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import time
 
-from batchlab.calibrate.kernels import (GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
-                                        _element_seconds, _matmul_curve, _memory_curve, _sdpa_curve)
+from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
+                                        _element_seconds, _loopback, _matmul_curve, _memory_curve,
+                                        _sdpa_curve)
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
 from batchlab.host import cpu_hardware
@@ -25,8 +27,8 @@ def _hardware(device) -> str:
 def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
             threads: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in about ``seconds``: the matmul curves in fp32 and bf16
-    (34% linear layers, 8% attention's batched matmuls, 8% fused attention), element-wise bandwidth (10%), per-element kernels
-    (15%), per-op dispatch (25%).  ``threads``: the
+    (34% linear layers, 8% attention's batched matmuls, 8% fused attention), element-wise bandwidth (12%), per-element kernels
+    (15%), per-op dispatch (25%), on CPU the loopback link gloo uses between local ranks (2%).  ``threads``: the
     intra-op thread count to measure at (CPU; restored afterwards)."""
     import torch
 
@@ -44,6 +46,8 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    # one CPU thread: time its CPU seconds (kernels.CLOCK), so other processes' load does not enter the rates
+    token = CLOCK.set(time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter)
     try:
         sync = synchronizer(device)
         start = time.perf_counter()
@@ -53,9 +57,10 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
                "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync),
                "sdpa-fp32": _sdpa_curve(device, torch.float32, 0.04 * seconds, sync),
                "sdpa-bf16": _sdpa_curve(device, torch.bfloat16, 0.04 * seconds, sync)}
-        mem, mem16, strided = _memory_curve(device, 0.1 * seconds, sync)
+        mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync)
         elements = _element_seconds(device, 0.15 * seconds, sync)
         dispatch = _dispatch_seconds(device, 0.25 * seconds, sync)
+        link, latency = _loopback(0.02 * seconds) if device.type == "cpu" else (0.0, 0.0)
         assert fp32, "fp32 matmul failed"
         best32, best16 = max(fp32, key=lambda p: p[1]), max(bf16, key=lambda p: p[1]) if bf16 else None
         return Calibration(
@@ -66,21 +71,25 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
             measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__, seconds=time.perf_counter() - start,
             matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{k: v for k, v in bmm.items() if v}},
-            memory_curve=mem, memory_curve_bf16=mem16,
-            strided_bytes_per_s=strided, element_seconds=elements, dispatch_seconds=dispatch)
+            memory_curve=mem, memory_curve_bf16=mem16, memory_curve_inplace=inplace,
+            strided_bytes_per_s=strided, element_seconds=elements, dispatch_seconds=dispatch,
+            loopback_bytes_per_s=link, loopback_latency_s=latency, cores=os.cpu_count() or 1)
     finally:
+        CLOCK.reset(token)
         torch.set_num_threads(before)
 
 
 def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0
            ) -> tuple[Calibration, bool]:
     """The cached calibration of a local device at ``threads``, measured and cached first when there is none
-    (or only one from before the per-op model): (calibration, whether it was measured now)."""
+    (or only one from before the per-op model or the step-regime curves): (calibration, whether it was measured
+    now)."""
     from batchlab.measure.device import catalogue_name, usable
 
     want = default_threads() if threads is None else threads
     cached = load_cached(catalogue_name(usable(torch_device)), want)
-    if cached is not None and cached.op_costs() is not None:
+    # a cache from before the step-regime calibration (no in-place curve) timed warm loops: measured again
+    if cached is not None and cached.op_costs() is not None and cached.memory_curve_inplace:
         return cached, False
     cal = measure(torch_device, seconds=seconds, threads=want)
     save(cal)

@@ -137,6 +137,15 @@ def factors(out: Console, f: dict | None) -> None:
         out.print(f"note: {esc(f['note'])}")
 
 
+def time_model(out: Console, r: Record) -> None:
+    """The assumptions of the formula's update-time prediction, beside the verdict that uses it."""
+    for side in "ab":
+        est = getattr(r.formula, side, None) or {}
+        line = next((a for a in est.get("assumptions", ()) if a.startswith("time model:")), None)
+        if line:
+            out.print(f"[dim]formula {side.upper()}: {esc(line)}[/]")
+
+
 def render(out: Console, r: Record, notebook_path: Path | None = None,
            report_paths: list[Path] | None = None) -> None:
     header(out, r)
@@ -149,6 +158,7 @@ def render(out: Console, r: Record, notebook_path: Path | None = None,
             for metric, m in r.metrics.items():
                 if m.inconclusive:
                     out.print(f"[yellow]{metric.label}:[/] {esc(m.note)}")
+    time_model(out, r)
     diagnosis(out, r)
     semantics(out, r)
     scope(out, r)

@@ -5,7 +5,9 @@
 - matmul-like ops (mm, addmm, bmm, SDPA): FLOPs at a rate that depends on the call's size (small matmuls
   do not reach the peak): a calibrated curve over shape classes, interpolated in log FLOPs;
 - memory-bound ops (element-wise, copies, indexing, reductions, the optimizer's ops): bytes moved at the
-  measured bandwidth;
+  measured bandwidth: an out-of-place op writes a fresh output (a step keeps activations, so the buffer is
+  not the one just freed: its writes miss the cache and fault pages in), an in-place one (``add_``, the
+  optimizer's updates) rewrites memory it read: two calibrated curves;
 - per-element ops whose cost is arithmetic, not bytes (transcendental activations, softmax, norms, the
   dropout RNG): elements at a calibrated per-element rate of a representative kernel;
 - views: dispatch only;
@@ -33,7 +35,9 @@ class OpClass(_Choice):
     STRIDED = "strided-copy"  # a transposed view made contiguous (clone, copy_): bytes at the gather rate
     ACTIVATION = "activation"  # transcendental element-wise (gelu, silu, tanh, exp): by elements
     ACTIVATION_GRAD = "activation-grad"  # their gradients (about 3x the forward's arithmetic): by elements
-    SOFTMAX = "softmax"  # softmax / log-softmax and their backward: by elements
+    SOFTMAX = "softmax"  # softmax over attention rows and its backward: by elements
+    LOSS = "loss"  # log-softmax over the vocabulary and its backward (exp and log per element): by elements
+    MASKED = "masked"  # masked_fill / where with a broadcast mask (not vectorised over the mask): by elements
     NORM = "norm"  # layer / RMS norm and backward: by elements
     RANDOM = "random"  # the dropout mask's RNG: by elements
     VIEW = "view"  # metadata only: dispatch cost alone
@@ -62,8 +66,10 @@ _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scal
 _ACTIVATION = {"gelu", "silu", "tanh", "exp", "log", "sigmoid", "erf", "sin", "cos"}
 _ACTIVATION_GRAD = {"gelu_backward", "silu_backward", "tanh_backward", "sigmoid_backward"}
 _COPIES = {"clone", "copy_", "_to_copy", "contiguous"}
-_SOFTMAX = {"_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data", "softmax",
-            "log_softmax", "_safe_softmax", "nll_loss_forward", "nll_loss_backward"}
+_SOFTMAX = {"_softmax", "_softmax_backward_data", "softmax", "_safe_softmax", "nll_loss_forward",
+            "nll_loss_backward"}
+_LOSS = {"_log_softmax", "_log_softmax_backward_data", "log_softmax"}
+_MASKED = {"masked_fill", "masked_fill_", "where"}
 _NORM = {"native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
          "rms_norm"}
 _RANDOM = {"bernoulli", "bernoulli_", "native_dropout", "uniform_", "normal_", "random_", "randint", "rand",
@@ -86,6 +92,7 @@ def op_class(name: str, is_view: bool = False, strided: bool = False) -> OpClass
         return OpClass.STRIDED
     for names, klass in ((_MATMUL, OpClass.MATMUL), (_ACTIVATION, OpClass.ACTIVATION),
                          (_ACTIVATION_GRAD, OpClass.ACTIVATION_GRAD), (_SOFTMAX, OpClass.SOFTMAX),
+                         (_LOSS, OpClass.LOSS), (_MASKED, OpClass.MASKED),
                          (_NORM, OpClass.NORM), (_RANDOM, OpClass.RANDOM)):
         if name in names:
             return klass
@@ -153,7 +160,13 @@ class OpCosts:
     # 16-bit element-wise ops by bytes per call: on CPUs they convert to fp32 and back, so halving the bytes
     # does not halve the time; None: the fp32 curve
     memory_low: tuple[tuple[float, float], ...] | None = None
+    # in-place ops (name ending in "_"): the output is the input, no fresh memory; None: the ``memory`` curve
+    memory_inplace: tuple[tuple[float, float], ...] | None = None
     asynchronous: bool = False  # GPU: the host issues ahead of the kernels, so an op costs max(launch, work)
+    link_bytes_per_s: float | None = None  # CPU: measured loopback between local ranks (gloo); None: the device's
+    link_latency_s: float = 0.0  # per message on that link
+    threads: int = 0  # CPU: intra-op threads the rates were measured at (0: unknown)
+    cores: int = 0  # CPU: cores of the calibrated machine (0: unknown)
     source: str = "nominal"
 
     def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:
@@ -174,6 +187,8 @@ class OpCosts:
             kind = ("sdpa" if op.name.startswith("_scaled_dot_product") else "bmm") if op.grain else ""
             return op.flops / self.matmul_rate(op.grain or op.flops, op.low_precision, kind) if op.flops else 0.0
         if op.klass is OpClass.MEMORY:
+            if op.name.endswith("_") and self.memory_inplace:
+                return op.bytes / interpolate_log(self.memory_inplace, max(op.bytes, 1.0))
             return op.bytes / self.bandwidth(op.bytes, op.low_precision)
         if op.klass is OpClass.STRIDED:
             return op.bytes / self.strided_bytes_per_s
@@ -263,6 +278,9 @@ def describe(costs: OpCosts, t: TimeBreakdown) -> str:
     mm = "; ".join(f"{k} {_si(min(r for _, r in pts), 'FLOP/s')}-{_si(max(r for _, r in pts), 'FLOP/s')}"
                    for k, pts in costs.matmul.items())
     bw = f"{_si(min(r for _, r in costs.memory), 'B/s')}-{_si(max(r for _, r in costs.memory), 'B/s')}"
+    if costs.memory_inplace:
+        bw += (f" into fresh outputs, {_si(min(r for _, r in costs.memory_inplace), 'B/s')}-"
+               f"{_si(max(r for _, r in costs.memory_inplace), 'B/s')} in place")
     disp = "/".join(f"{costs.dispatch[k] * 1e6:.1f}" for k in ("forward", "backward", "plain"))
     return (f"time model: per-op sum over {t.ops:,} ops per update ({_si(t.flops, 'FLOP')} in matmuls at "
             f"{mm} by call size; {_si(t.bytes, 'B')} moved by memory-bound ops at {bw}; dispatch {disp} µs per "

@@ -30,9 +30,10 @@ NOMINAL_DISPATCH = {Backend.CPU: {"forward": 6e-6, "backward": 5e-6, "plain": 4e
 MATMUL_START = {Backend.CPU: 2e-6, Backend.CUDA: 5e-6, Backend.MPS: 10e-6}
 # CPU per-element kernels, cycles per element on one core (x86 with AVX-512, measured here): tanh-GELU 13,
 # its gradient 35,
-# softmax 5, layer norm 4, the dropout RNG 50.  GPUs are bandwidth-bound on these: bytes decide.
+# softmax 5, log-softmax over the vocabulary 14 and a broadcast-mask masked_fill 13 (2.7x and 2.6x softmax in a step here), layer norm 4, the dropout RNG 50.  GPUs are bandwidth-bound on these: bytes decide.
 FOLDED = 1e30  # bytes/s of work folded into an end-to-end fraction (priced at nothing)
-CPU_CYCLES_PER_ELEMENT = {"activation": 13, "activation-grad": 35, "softmax": 5, "norm": 4, "random": 50}
+CPU_CYCLES_PER_ELEMENT = {"activation": 13, "activation-grad": 35, "softmax": 5, "loss": 14, "masked": 13, "norm": 4,
+                          "random": 50}
 
 
 @dataclass(frozen=True)
@@ -132,17 +133,19 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     if cfg.zero >= 1:  # each rank steps only its shard of the optimizer state
         ops = tuple(dataclasses.replace(o, bytes=o.bytes // cfg.dp, elements=o.elements // cfg.dp)
                     if o.phase is Phase.OPTIMIZER else o for o in ops)
-    t = price(ops, costs)
+    t = shared_cores(price(ops, costs), cfg, costs)
     compute = sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute"))
     rest = t.seconds - compute
     dispatch_compute = sum(costs.dispatch_seconds(o.phase) * o.count for o in ops
                            if o.phase.value in ("forward", "backward", "recompute"))
-    bw = bus_bandwidth(cfg).value
+    bw = costs.link_bytes_per_s if local_link(cfg, costs) else bus_bandwidth(cfg).value
     # what the stage's engine sends per update: DDP's all-reduce (+ ZeRO-1's broadcasts), FSDP2's all-gathers
     # and reduce-scatters of every micro-batch (formula.sharding); the engine's overlap hides part of it
     sent = traffic(cfg).per_update
     grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
+    if local_link(cfg, costs):  # a ring step is one message per rank: 2(n-1) per bucket of the all-reduce
+        comm += costs.link_latency_s * 2 * (cfg.dp - 1) * max(1, -(-grad_bytes // DDP_BUCKET_BYTES))
     after_step = collective_seconds("broadcast", sent["broadcast"], cfg.dp, bw)
     hidden = exposed_comm_seconds(cfg, comm, compute, compute / cfg.accum, after_step)
     exposed = hidden.value
@@ -153,4 +156,41 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
             if calibrated is not None else achievable_fraction(cfg))
     return TimeEstimate(compute / cfg.accum, compute, grad_bytes, comm, exposed, rest, update, useful / update,
                         dispatch_compute / cfg.accum, t.flops / matmul_s if matmul_s else 0.0, costs.source, bw, t,
-                        describe(costs, t), sent, frac.value, frac.source, hidden.source)
+                        describe(costs, t) + machine_text(cfg, costs), sent, frac.value, frac.source, hidden.source)
+
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
+
+
+def local_link(cfg: RunConfig, costs: OpCosts) -> bool:
+    """CPU ranks all on this host, with the loopback link calibrated: gloo's all-reduce runs over it."""
+    return cfg.dp > 1 and costs.link_bytes_per_s is not None and cfg.device_spec.backend is Backend.CPU
+
+
+def sharing(cfg: RunConfig, costs: OpCosts) -> float:
+    """How much slower each rank's ops run when the local ranks' threads outnumber the cores: the cores are
+    time-shared, so R ranks x T threads on C cores give each rank C / (R T) of its calibrated speed (an
+    otherwise idle machine: other processes' load is not predicted)."""
+    if cfg.device_spec.backend is not Backend.CPU or not (costs.cores and costs.threads):
+        return 1.0
+    return max(1.0, cfg.dp * costs.threads / costs.cores)
+
+
+def shared_cores(t: TimeBreakdown, cfg: RunConfig, costs: OpCosts) -> TimeBreakdown:
+    k = sharing(cfg, costs)
+    if k == 1.0:
+        return t
+    return dataclasses.replace(t, seconds=t.seconds * k, by_phase={p: s * k for p, s in t.by_phase.items()},
+                               by_class={c: s * k for c, s in t.by_class.items()})
+
+
+def machine_text(cfg: RunConfig, costs: OpCosts) -> str:
+    """The machine-sharing and link assumptions of a CPU prediction, for the assumptions line."""
+    if cfg.device_spec.backend is not Backend.CPU or not costs.cores:
+        return ""
+    out = (f"; {cfg.dp} local rank(s) x {costs.threads} thread(s) on {costs.cores} cores, ops x{sharing(cfg, costs):.2f}"
+           " (an otherwise idle machine assumed)")
+    if local_link(cfg, costs):
+        out += (f"; all-reduce over the calibrated loopback {costs.link_bytes_per_s / 1e9:.2f} GB/s + "
+                f"{costs.link_latency_s * 1e6:.0f} us per message")
+    return out

@@ -26,8 +26,10 @@ class PhaseClock:
     split comes from separate updates.  On CPU the sync is free and both come from the same updates.
     """
 
-    def __init__(self, sync: Callable[[], None], sync_marks: bool = True):
+    def __init__(self, sync: Callable[[], None], sync_marks: bool = True,
+                 clock: Callable[[], float] = time.perf_counter):
         self._sync = sync
+        self._clock = clock
         self._sync_marks = sync_marks
         self.phase: str | None = None
         self._t = 0.0
@@ -39,7 +41,7 @@ class PhaseClock:
     def mark(self, phase: str) -> None:
         if self._sync_marks:
             self._sync()
-            now = time.perf_counter()
+            now = self._clock()
             if self.phase is not None and self.phase != "end":
                 self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + (now - self._t)
             self._t = now

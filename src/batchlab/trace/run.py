@@ -22,7 +22,7 @@ from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import storage_bytes, tracker_for
 from batchlab.formula import calibrated_costs
 from batchlab.formula.opcost import describe, price
-from batchlab.formula.timing import costs_for
+from batchlab.formula.timing import costs_for, machine_text, shared_cores
 from batchlab.trace import sharded
 from batchlab.trace.flops import count_update_flops
 from batchlab.trace.ops import OpRecorder
@@ -164,13 +164,13 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
         snap, recorder, ops = _tracked_update(trainer, tree, timeline)
         memory = _memory(cfg, trainer, snap)
     costs = costs_for(cfg, calibrated_costs(cfg, calibrations), ops)
-    time_ops = price(ops, costs, provenance="trace")
+    time_ops = shared_cores(price(ops, costs, provenance="trace"), cfg, costs)
     return TraceEstimate(
         config=cfg.to_dict(), global_batch=cfg.global_batch, tokens_per_update=cfg.tokens_per_update,
         memory=memory, flops=flops, traced_device=device.type, trace_seconds=time.perf_counter() - start,
         tree=build_tree(trainer.raw_model, snap.activations_by_owner) if tree else None,
         notes=notes + device_notes, timeline=_timeline(cfg, recorder, snap, notes) if recorder else None,
-        time=time_ops, time_model=describe(costs, time_ops))
+        time=time_ops, time_model=describe(costs, time_ops) + machine_text(cfg, costs))
 
 
 def _timeline(cfg: RunConfig, recorder, snap, notes: list[str]):
