@@ -242,8 +242,8 @@ def test_vision_compare_and_fit_run(vision, tmp_path):
     from batchlab.cli import app
 
     model = ["--model", "vision_models:cnn", "--seq", "1", "--global-batch", "8"]
-    r = CliRunner().invoke(app, ["compare", *model, "--change", "micro_batch=2:4", "--notebook",
-                                 str(tmp_path / "nb.sqlite"), "--json"])
+    r = CliRunner().invoke(app, ["compare", *model, "--change", "micro_batch=2:4", "--steps", "1", "--warmup", "1",
+                                 "--no-verify", "--notebook", str(tmp_path / "nb.sqlite"), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["metrics"]["peak_memory"]["observed"] in ("up", "down", "same")
     r = CliRunner().invoke(app, ["fit", *model, "--memory-budget", "64MiB", "--json"])
