@@ -42,6 +42,7 @@ def _short_calibration(monkeypatch):
     monkeypatch.setattr(cal, "measure", lambda *a, **k: original(*a, **{**k, "seconds": min(k.get("seconds", 1.0), 1.0)}))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's loadgroup, the tests sharing a module- or session-scoped fixture (a torchrun
     launch, a layer profile, a real Trainer run) go to one worker, so the fixture is built once; every
