@@ -41,16 +41,3 @@ def _short_calibration(monkeypatch):
     original = cal.measure
     monkeypatch.setattr(cal, "measure", lambda *a, **k: original(*a, **{**k, "seconds": min(k.get("seconds", 1.0), 1.0)}))
 
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks into the node ids
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's loadgroup, the tests sharing a module- or session-scoped fixture (a torchrun
-    launch, a layer profile, a real Trainer run) go to one worker, so the fixture is built once; every
-    other test goes wherever a worker is free."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        shared = sorted(name for name, defs in (info.name2fixturedefs.items() if info else ())
-                        if defs and defs[-1].scope in ("module", "session") and not name.startswith("_")
-                        and defs[-1].baseid)  # baseid "": pytest's and plugins' own fixtures
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{shared[0]}"))
