@@ -84,6 +84,19 @@ def _whole(field: str, value: Any) -> int:
     return value
 
 
+def _family_defaults(kind: str) -> dict[str, int]:
+    """The optional shape fields (MLP width, position table) a config.json may leave out, as the family's
+    config class fills them when transformers builds the model; {} without transformers (no torch needed)."""
+    try:
+        from transformers import AutoConfig
+
+        defaults = AutoConfig.for_model(kind).to_dict()
+    except (ImportError, ValueError, KeyError):  # not installed, or a model_type this version does not know
+        return {}
+    out = {f: _first(defaults, f) for f in ("ffn", "max_positions")}
+    return {f: v for f, v in out.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+
+
 def spec_fields(raw: dict[str, Any], source: str = "config.json", field_name: str = "model") -> dict[str, Any]:
     """ModelSpec keyword arguments for a config.json's contents (any model_type); ``field_name``: the option
     that named the file, for errors about the file as a whole."""
@@ -93,6 +106,7 @@ def spec_fields(raw: dict[str, Any], source: str = "config.json", field_name: st
         if values[f] is None:
             raise ConfigError(field_name, f"{source} ({kind}) has none of the fields {', '.join(ALIASES[f])}")
     values = {f: (_whole(f, v) if v is not None else None) for f, v in values.items()}
+    values.update({f: v for f, v in _family_defaults(kind).items() if values[f] is None})
     hidden, heads = values["hidden"], values["heads"]
     bias, qkv_bias = _bias(raw, kind)
     gated = kind in GATED or (kind not in LEARNED_POSITIONS and raw.get("hidden_act") in ("silu", "swish"))
