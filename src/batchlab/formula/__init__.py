@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from batchlab.config import Backend, ModelSource, RunConfig
-from batchlab.formula.activations import implementation
+from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.flops import FlopsEstimate, flops, utilisation
 from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
                                      optimizer_bytes_per_param)
@@ -151,7 +151,8 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
 
 def layer_terms(cfg: RunConfig) -> str:
     """Where the activation terms come from: the model's own code (a cached profile) or a built-in layer."""
-    return layer_terms_source(cfg, implementation(cfg.model_kind, cfg.model).value)
+    impl = implementation(cfg.model_kind, cfg.model)
+    return layer_terms_source(cfg, "(batchlab's GPT)" if impl is Impl.BUILTIN else impl.value)
 
 
 def calibrated_costs(cfg: RunConfig, calibrations: Calibrations | None) -> "OpCosts | None":
