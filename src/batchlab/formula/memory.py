@@ -98,13 +98,21 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
     return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
 
 
-def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
-    """The plan from a layer profile's fitted terms (``config.profile.Terms``) at cfg's (b, s)."""
-    b, s, n = cfg.micro_batch, cfg.seq, cfg.model.layers
+def _layer_policies(cfg: RunConfig) -> tuple[str, ...]:
+    """Each layer's policy under cfg's AC, as a layer profile names it (``config.profile.MODES``)."""
+    n = cfg.model.layers
     wrapped, selective = set(cfg.ac.wrapped_layers(n)), set(cfg.ac.selective_layers(n))
-    kept = tuple(t.layer_checkpointed(b, s) if i in wrapped else t.layer_selective(b, s) if i in selective
-                 else t.layer_full(b, s) for i in range(n))
-    return ActivationPlan(t.layer_full(b, s), kept, t.outside(b, s))
+    return tuple("checkpointed" if i in wrapped else "selective" if i in selective else "full" for i in range(n))
+
+
+def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
+    """The plan from a layer profile's fitted terms (``config.profile.Terms``) at cfg's (b, s).  What the layers
+    do not explain is per policy (a checkpointed block keeps its inputs: a mask made once per forward); a mix
+    (every:K) keeps the union, bounded here by the largest."""
+    b, s = cfg.micro_batch, cfg.seq
+    policies = _layer_policies(cfg)
+    kept = tuple(t.layer(p)(b, s) for p in policies)
+    return ActivationPlan(t.layer_full(b, s), kept, max(t.outside(p)(b, s) for p in set(policies)))
 
 
 @dataclass(frozen=True)
@@ -272,12 +280,11 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
     if fitted is not None:  # measured on the model's own code (formula/profile.py)
-        logits_fwd = fitted.forward_excess(b, s)
+        policies = _layer_policies(cfg)
+        # the forward's high point: the loss, or a recomputed block's working set (a mix: its largest)
+        logits_fwd = max(fitted.forward(p)(b, s) for p in set(policies))
         # the last layer's policy decides what backward's first steps recompute
-        last = m.layers - 1
-        knots = (fitted.backward_checkpointed if last in cfg.ac.wrapped_layers(m.layers)
-                 else fitted.backward_selective if last in cfg.ac.selective_layers(m.layers) else fitted.backward_full)
-        loss_grads = knots(b, s)
+        loss_grads = fitted.backward(policies[-1])(b, s)
         opt_tmp = fitted.optimizer_temporaries
     phases = {  # the parts live at each phase's high point
         "forward": dict(weights, parameters=copies_fwd if autocast else states.parameters,
