@@ -71,9 +71,11 @@ def _parabola_at(xs, ys, i: int, x: float) -> float:
 
 
 def _interpolate(xs: tuple[int, ...], ys: tuple[int, ...], x: int) -> float:
-    """A maximum of events, each a·s² + b·s + c with a, b >= 0 (convex, so never above the chord): between two
-    knots, the larger of the parabolas through them and a neighbour on either side (exact when one event
-    spans the three knots), capped by the chord; past the last knot the parabola through the last three."""
+    """A maximum of events, each a·s² + b·s + c with a, b >= 0, so convex: never above the chord, never below
+    an event.  Between two knots: the larger of the parabolas through three knots on either side (each is one
+    event where no other overtakes it there, and then a lower bound), capped by the chord; so a leader that
+    changes inside the interval is followed.  Near the ends, parabolas through the interval's knots and a
+    neighbour; past the last knot the parabola through the last three."""
     if x <= xs[0]:
         return ys[0]
     if len(xs) < 3:
@@ -82,8 +84,11 @@ def _interpolate(xs: tuple[int, ...], ys: tuple[int, ...], x: int) -> float:
         return _parabola_at(xs, ys, len(xs) - 3, x)
     i = next(i for i in range(1, len(xs)) if x <= xs[i]) - 1  # x in [xs[i], xs[i + 1]]
     chord = ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
-    sides = [_parabola_at(xs, ys, j, x) for j in (i - 1, i) if 0 <= j <= len(xs) - 3]
-    return min(chord, max(sides))
+    fits = lambda starts: [_parabola_at(xs, ys, j, x) for j in starts if 0 <= j <= len(xs) - 3]  # noqa: E731
+    one_sided = fits((i - 2, i + 1))  # knots i-2..i, and i+1..i+3
+    if len(one_sided) < 2:
+        one_sided += fits((i - 1, i))  # through the interval and a neighbour
+    return min(chord, max(one_sided))
 
 
 MODES = ("full", "selective", "checkpointed")  # a layer's policy: nothing recomputed, selective, the whole block

@@ -286,8 +286,11 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         # the last layer's policy decides what backward's first steps recompute
         loss_grads = fitted.backward(policies[-1])(b, s)
         opt_tmp = fitted.optimizer_temporaries
+    # a profile's forward high point is measured above what is live as backward starts, which holds only the
+    # weight copies the matmuls saved: the rest of the cast cache is in its excess
+    fwd_copies = copies if fitted is not None else copies_fwd
     phases = {  # the parts live at each phase's high point
-        "forward": dict(weights, parameters=copies_fwd if autocast else states.parameters,
+        "forward": dict(weights, parameters=fwd_copies if autocast else states.parameters,
                         gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
         "backward": _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy),
         # autocast's working copies are gone by the optimizer step
