@@ -253,7 +253,7 @@ def vision(monkeypatch):
 def test_vision_factories_trace_equals_measure(vision, factory, ac):
     # seq 3072 is beyond the stand-in shape's max_positions: no sequence checks for factory models
     cfg = RunConfig(model_source=f"vision_models:{factory}", seq=3072, micro_batch=4, ac=ac)
-    m = run(cfg, FAST)
+    m = run(cfg, MeasureOptions(warmup=1, steps=1, memory=True, timing=True))
     assert m.ok, m.outcome_detail
     trace = trace_estimate(cfg)
     tr = trace.memory
@@ -287,6 +287,9 @@ def test_vision_compare_and_fit_run(vision, tmp_path):
     r = CliRunner().invoke(app, ["compare", *model, "--change", "micro_batch=2:4", "--notebook",
                                  str(tmp_path / "nb.sqlite"), "--json"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["metrics"]["peak_memory"]["observed"] in ("up", "down", "same")
+    record = json.loads(r.stdout)
+    assert record["metrics"]["peak_memory"]["observed"] in ("up", "down", "same")
+    assert record["metrics"]["tokens_per_second"]["unit"] == "samples/s"  # the key is the contract; the unit says
+    assert record["change"]["global_batch_text"]["b"].endswith("= 8 samples per update")
     r = CliRunner().invoke(app, ["fit", *model, "--memory-budget", "64MiB", "--json"])
     assert r.exit_code == 0, r.output

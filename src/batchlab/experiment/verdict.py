@@ -131,8 +131,7 @@ def verdicts(rounds: Rounds | None, user: dict[Metric, Direction], formula: dict
              token_budget: float) -> dict[Metric, MetricRecord]:
     """All metrics; ``rounds`` None (formula only): nothing observed, the formula's figures alone."""
     nothing = Observed(note="formula only: nothing measured")
-    counted = next((m.counted for m in (rounds.a + rounds.b if rounds is not None else []) if m is not None),
-                   Counted.TOKENS)
+    counted = rounds.counted() if rounds is not None else Counted.TOKENS
     return {metric: metric_record(metric, measured_verdict(metric, rounds, token_budget) if rounds is not None
                                   else nothing, user.get(metric), formula[metric] if formula is not None else None,
                                   counted)

@@ -186,6 +186,29 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     return best
 
 
+def _profiled_backward(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, resident: dict[str, int],
+                       grads_before: int, measured: int, layer_copy: int) -> dict[str, int]:
+    """Backward's high point from a profile: ``measured`` (its knots) is the excess above backward's start on
+    2P layers, the events of the top 2P layers (the loss's gradient, each layer's working set, the weight
+    gradients).  Each layer further down repeats the same event, shifted by what the layers above it did:
+    created their weight gradients, freed their kept activations and saved weight copies.  A deeper model
+    therefore peaks lower down only when that shift is positive (weight-heavy: short sequences)."""
+    m, period = cfg.model, cfg.model.matching_profile.period
+    layer_grad = count(m).per_layer * states.gradients // max(count(m).total, 1) if grads_before == 0 else 0
+    policies = _layer_policies(cfg)
+    made = freed = copies_freed = 0
+    best = (0, 0, 0, 0)  # (shift, gradients made, activations freed, copies freed)
+    for i in reversed(range(1, m.layers - 2 * period + 1)):  # layer i done: the event moves to layer i - 1
+        made += layer_grad
+        freed += plan.per_layer_kept[i]
+        copies_freed += layer_copy if policies[i] == "full" else 0  # a recomputed layer's copies are transient
+        if made - freed - copies_freed > best[0]:
+            best = (made - freed - copies_freed, made, freed, copies_freed)
+    _, made, freed, copies_freed = best
+    return dict(resident, parameters=resident["parameters"] - copies_freed, gradients=grads_before + made,
+                activations=plan.total - freed, recompute=0, temporaries=measured)
+
+
 def _backward_terms(cfg: RunConfig, gradient_bytes: int) -> tuple[int, int, int]:
     """(in-layer transient, the LM head's weight gradient, activations kept below the layers) in backward;
     ``gradient_bytes``: all of the model's gradients as one rank would hold them unsharded."""
@@ -292,7 +315,9 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     phases = {  # the parts live at each phase's high point
         "forward": dict(weights, parameters=fwd_copies if autocast else states.parameters,
                         gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
-        "backward": _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy),
+        "backward": (_profiled_backward(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)
+                     if fitted is not None else
+                     _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)),
         # autocast's working copies are gone by the optimizer step
         "optimizer": dict(weights, parameters=0 if autocast else states.parameters,
                           gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),

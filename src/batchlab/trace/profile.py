@@ -137,8 +137,10 @@ def _knots(cfg: RunConfig, windowed: bool) -> list[tuple[int, int]]:
     w, top = cfg.model.sliding_window, cfg.model.max_positions
     in_regime = lambda s: windowed or not w or s < w  # noqa: E731 — one code path: at or past the window, or below
     short = [] if windowed else [s for s in (16, 64) if s < fitted[0] and in_regime(s)]
+    # between the fitted lengths too: where the leader changes, interpolation is capped by the chord
+    middle = [(a + b) // 2 for a, b in zip(fitted, fitted[1:])]
     long = [s for s in LONG_KNOTS if fitted[-1] < s <= top and in_regime(s)]
-    return [(b, s) for b in (1, 2, 3) for s in short + fitted + long]
+    return [(b, s) for b in (1, 2, 3) for s in sorted(short + fitted + middle + long)]
 
 
 def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool) -> tuple[Terms, int]:
