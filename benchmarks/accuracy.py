@@ -13,6 +13,11 @@ too noisy on shared machines to be worth a table.
     .venv/bin/python benchmarks/accuracy.py            # full grid, a few minutes on 2 idle cores
     .venv/bin/python benchmarks/accuracy.py --quick    # smoke run
     .venv/bin/python benchmarks/accuracy.py --part time --pairs 20   # only the paired time ratios
+    .venv/bin/python benchmarks/accuracy.py --families --reference trace   # the HF family grid, formula vs trace
+
+The family grid (--families: every family in HF_FAMILIES x fp32, bf16-mixed x AC none, full, selective x
+seq 64, 200, 256, 512) compares the formula with a real run, or with --reference trace with the trace, which
+equals a real run's live tensors on every family (tests/test_any_model.py checks it) and is ~10x faster.
 Prints Markdown on stdout (progress on stderr).
 """
 from __future__ import annotations
@@ -56,6 +61,14 @@ HF_FAMILIES = {
     # not in any list the calculator was written for: the same mechanism
     "stablelm": dict(num_key_value_heads=2),
     "granite": dict(num_key_value_heads=2, rms_norm_eps=1e-6),
+    "qwen3": dict(num_key_value_heads=2, head_dim=32),
+    "olmo2": dict(num_key_value_heads=2),
+    # alternating sliding / global layers (P = 2): seq 256 and 512 take the explicit-mask path on half of them
+    "gemma2": dict(num_key_value_heads=2, head_dim=32, sliding_window=256),
+    # parallel attention and MLP, partial rotary, its own field names
+    "gptj": dict(n_embd=128, n_layer=2, n_head=4, n_positions=1024, rotary_dim=16, n_inner=256, hidden_size=None,
+                 num_hidden_layers=None, num_attention_heads=None, intermediate_size=None,
+                 max_position_embeddings=None),
 }
 
 

@@ -304,16 +304,17 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
     if fitted is not None:  # measured on the model's own code (formula/profile.py)
         policies = _layer_policies(cfg)
-        # the forward's high point: the loss, or a recomputed block's working set (a mix: its largest)
-        logits_fwd = max(fitted.forward(p)(b, s) for p in set(policies))
+        # the forward's high point: the loss, or a recomputed block's working set (a mix: its largest); the
+        # profile measured it above what is live as backward starts, so on 2P layers it includes the cast
+        # cache's copies of the layers that keep none for backward (they grow with depth: counted apart)
+        traced = 2 * m.matching_profile.period
+        logits_fwd = max(fitted.forward(p)(b, s) - (traced * fitted.copies_layer if p != "full" and autocast else 0)
+                         for p in set(policies))
         # the last layer's policy decides what backward's first steps recompute
         loss_grads = fitted.backward(policies[-1])(b, s)
         opt_tmp = fitted.optimizer_temporaries
-    # a profile's forward high point is measured above what is live as backward starts, which holds only the
-    # weight copies the matmuls saved: the rest of the cast cache is in its excess
-    fwd_copies = copies if fitted is not None else copies_fwd
     phases = {  # the parts live at each phase's high point
-        "forward": dict(weights, parameters=fwd_copies if autocast else states.parameters,
+        "forward": dict(weights, parameters=copies_fwd if autocast else states.parameters,
                         gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
         "backward": (_profiled_backward(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)
                      if fitted is not None else
