@@ -192,16 +192,22 @@ def _profiled_backward(cfg: RunConfig, plan: ActivationPlan, states: ModelStates
     2P layers, the events of the top 2P layers (the loss's gradient, each layer's working set, the weight
     gradients).  Each layer further down repeats the same event, shifted by what the layers above it did:
     created their weight gradients, freed their kept activations and saved weight copies.  A deeper model
-    therefore peaks lower down only when that shift is positive (weight-heavy: short sequences)."""
-    m, period = cfg.model, cfg.model.matching_profile.period
+    therefore peaks lower down only when that shift is positive (weight-heavy: short sequences); a model
+    shallower than 2P lacks that many layers' positive shift."""
+    m, traced = cfg.model, 2 * cfg.model.matching_profile.period
     layer_grad = count(m).per_layer * states.gradients // max(count(m).total, 1) if grads_before == 0 else 0
     policies = _layer_policies(cfg)
+    copy = lambda i: layer_copy if policies[i] == "full" else 0  # noqa: E731 — a recomputed layer's are transient
+    if m.layers < traced:
+        shift = sum(layer_grad - plan.per_layer_kept[i] - copy(i) for i in range(m.layers)) / m.layers
+        return dict(resident, gradients=grads_before, activations=plan.total, recompute=0,
+                    temporaries=max(0, measured - round((traced - m.layers) * max(shift, 0))))
     made = freed = copies_freed = 0
     best = (0, 0, 0, 0)  # (shift, gradients made, activations freed, copies freed)
-    for i in reversed(range(1, m.layers - 2 * period + 1)):  # layer i done: the event moves to layer i - 1
+    for i in reversed(range(1, m.layers - traced + 1)):  # layer i done: the event moves to layer i - 1
         made += layer_grad
         freed += plan.per_layer_kept[i]
-        copies_freed += layer_copy if policies[i] == "full" else 0  # a recomputed layer's copies are transient
+        copies_freed += copy(i)
         if made - freed - copies_freed > best[0]:
             best = (made - freed - copies_freed, made, freed, copies_freed)
     _, made, freed, copies_freed = best

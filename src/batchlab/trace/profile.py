@@ -208,7 +208,9 @@ def compute(cfg: RunConfig, base: LayerProfile | None = None) -> LayerProfile:
         params = (dict(embedding=base.embedding, per_layer=base.per_layer, final=base.final, head=base.head)
                   if base is not None else _param_counts(cfg, period, device))
         terms, residual = _terms(cfg, period, precision, windowed)
-    source = (f"trace of {period} and {2 * period} blocks at {len(_shapes(cfg, False))} shapes on {device.type}"
+    lengths = sorted({s for _, s in _knots(cfg, False)})
+    source = (f"trace of {period} and {2 * period} blocks at {len(_shapes(cfg, False))} shapes on {device.type}, "
+              f"high points at {len(lengths)} lengths to seq {lengths[-1]}"
               + (f", fit residual {residual} B" if residual else ""))
     kept = tuple(t for t in (base.terms if base is not None else ())
                  if (t.precision, t.windowed) != (precision.value, windowed))
