@@ -254,6 +254,7 @@ def main(argv=None) -> None:
     p.add_argument("--reference", choices=("measure", "trace"), default="measure",
                    help="what the formula is compared with: a real run, or the trace (equal to it, much faster)")
     p.add_argument("--only", default="", help="comma-separated model names (e.g. 'hf bloom,hf opt')")
+    p.add_argument("--seqs", default="", help="comma-separated sequence lengths instead of the grid's")
     args = p.parse_args(argv)
     start = time.perf_counter()
     pairs = 4 if args.quick else args.pairs
@@ -274,6 +275,8 @@ def main(argv=None) -> None:
     print()
     if args.only:
         grid = ([n.strip() for n in args.only.split(",")], *grid[1:])
+    if args.seqs:
+        grid = (grid[0], grid[1], [int(v) for v in args.seqs.split(",")], *grid[3:])
     if args.part in ("all", "memory"):
         print_memory(memory_rows(*grid, reference=args.reference), args.reference)
     if args.part in ("all", "time") and not args.families:
