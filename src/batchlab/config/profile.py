@@ -168,6 +168,9 @@ class LayerProfile:
     final: int  # final norm and anything else outside the layers and the head
     head: int  # 0 when tied to the embedding
     terms: tuple[Terms, ...] = ()
+    # buffers (bytes): resident all along, e.g. GPT-J's sinusoidal position table, a causal-mask buffer per layer
+    buffers_per_layer: int = 0
+    buffers_outside: int = 0
     seconds: str = ""  # how long each precision's tracing took
 
     def __post_init__(self):

@@ -299,7 +299,9 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         copies = 2 * (n - per_layer * n_recomputed)
         layer_copy = 2 * per_layer
     data = cfg.accum * 2 * s * b * 8  # int64 inputs and targets, all micro-batches made up front
-    weights = dict(parameters=copies if autocast else states.parameters, master=states.master,
+    prof = m.matching_profile  # the model's buffers, resident all along (the tracker counts them as parameters)
+    buffers = prof.buffers_per_layer * m.layers + prof.buffers_outside if prof is not None and fitted is not None else 0
+    weights = dict(parameters=(copies if autocast else states.parameters) + buffers, master=states.master,
                    optimizer=states.optimizer, data=data)
     fsdp = cfg.dp > 1 and cfg.zero >= 2  # FSDP2 (formula.fsdp); below 2, DDP
     # DDP (gradient_as_bucket_view) keeps its gradient buckets between updates, as accumulation keeps .grad
@@ -320,13 +322,13 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         loss_grads = fitted.backward(policies[-1])(b, s)
         opt_tmp = fitted.optimizer_temporaries
     phases = {  # the parts live at each phase's high point
-        "forward": dict(weights, parameters=copies_fwd if autocast else states.parameters,
+        "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
                         gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
         "backward": (_profiled_backward(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)
                      if fitted is not None else
                      _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)),
         # autocast's working copies are gone by the optimizer step
-        "optimizer": dict(weights, parameters=0 if autocast else states.parameters,
+        "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
                           gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
     }
     if fsdp:

@@ -191,8 +191,11 @@ def _param_counts(cfg: RunConfig, period: int, device) -> dict[str, int]:
             embedding.update(unique(module.parameters()))
     head = {k: v for k, v in (unique(emb_out.parameters()) if emb_out is not None else {}).items() if k not in embedding}
     final = sum(v for k, v in every.items() if k not in in_layers and k not in embedding and k not in head)
+    stored = lambda bufs: {id(b.untyped_storage()): b.untyped_storage().nbytes() for b in bufs}  # noqa: E731
+    buffers, layer_buffers = stored(model.buffers()), stored(blocks.buffers())
     return dict(embedding=sum(embedding.values()), per_layer=sum(in_layers.values()) // period, final=final,
-                head=sum(head.values()))
+                head=sum(head.values()), buffers_per_layer=sum(layer_buffers.values()) // period,
+                buffers_outside=sum(v for k, v in buffers.items() if k not in layer_buffers))
 
 
 def compute(cfg: RunConfig, base: LayerProfile | None = None) -> LayerProfile:
@@ -205,7 +208,8 @@ def compute(cfg: RunConfig, base: LayerProfile | None = None) -> LayerProfile:
     windowed = cfg.model.sliding_window is not None and cfg.seq >= cfg.model.sliding_window
     precision = cache.profiled_precision(cfg.precision)
     with eager_branches(), fake_mode():
-        params = (dict(embedding=base.embedding, per_layer=base.per_layer, final=base.final, head=base.head)
+        params = (dict(embedding=base.embedding, per_layer=base.per_layer, final=base.final, head=base.head,
+                       buffers_per_layer=base.buffers_per_layer, buffers_outside=base.buffers_outside)
                   if base is not None else _param_counts(cfg, period, device))
         terms, residual = _terms(cfg, period, precision, windowed)
     lengths = sorted({s for _, s in _knots(cfg, False)})
