@@ -13,6 +13,11 @@ too noisy on shared machines to be worth a table.
     .venv/bin/python benchmarks/accuracy.py            # full grid, a few minutes on 2 idle cores
     .venv/bin/python benchmarks/accuracy.py --quick    # smoke run
     .venv/bin/python benchmarks/accuracy.py --part time --pairs 20   # only the paired time ratios
+    .venv/bin/python benchmarks/accuracy.py --families --reference trace   # the HF family grid, formula vs trace
+
+The family grid (--families: every family in HF_FAMILIES x fp32, bf16-mixed x AC none, full, selective x
+seq 64, 200, 256, 512) compares the formula with a real run, or with --reference trace with the trace, which
+equals a real run's live tensors on every family (tests/test_any_model.py checks it) and is ~10x faster.
 Prints Markdown on stdout (progress on stderr).
 """
 from __future__ import annotations
@@ -56,6 +61,14 @@ HF_FAMILIES = {
     # not in any list the calculator was written for: the same mechanism
     "stablelm": dict(num_key_value_heads=2),
     "granite": dict(num_key_value_heads=2, rms_norm_eps=1e-6),
+    "qwen3": dict(num_key_value_heads=2, head_dim=32),
+    "olmo2": dict(num_key_value_heads=2),
+    # alternating sliding / global layers (P = 2): seq 256 and 512 take the explicit-mask path on half of them
+    "gemma2": dict(num_key_value_heads=2, head_dim=32, sliding_window=256),
+    # parallel attention and MLP, partial rotary, its own field names
+    "gptj": dict(n_embd=128, n_layer=2, n_head=4, n_positions=1024, rotary_dim=16, n_inner=256, hidden_size=None,
+                 num_hidden_layers=None, num_attention_heads=None, intermediate_size=None,
+                 max_position_embeddings=None),
 }
 
 
@@ -103,7 +116,9 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def memory_rows(models, micro_batches, seqs, policies, precisions=("fp32",)):
+def memory_rows(models, micro_batches, seqs, policies, precisions=("fp32",), reference="measure"):
+    """Rows of errors against ``reference``: "measure" (a real run's live tensors) or "trace" (the fake-tensor
+    trace, which equals the real run's live tensors on every family: the fast reference for wide grids)."""
     rows = []
     for name in models:
         spec, source = MODELS[name]()
@@ -113,18 +128,21 @@ def memory_rows(models, micro_batches, seqs, policies, precisions=("fp32",)):
                     cfg = with_profile(RunConfig(model=spec, model_source=source, micro_batch=mb, seq=seq, ac=ac,
                                                  precision=precision))
                     log(f"memory: {name} mb={mb} seq={seq} ac={ac} {precision}")
-                    m = run(cfg, MeasureOptions(warmup=1, steps=1, memory=True, timing=False))
-                    if not m.ok:
-                        log(f"  measurement {m.outcome.value}: {m.outcome_detail}")
-                        continue
                     tr = trace_estimate(cfg)
+                    if reference == "trace":
+                        peak, act = tr.memory.peak_bytes, tr.memory.activations_bytes
+                    else:
+                        m = run(cfg, MeasureOptions(warmup=1, steps=1, memory=True, timing=False))
+                        if not m.ok:
+                            log(f"  measurement {m.outcome.value}: {m.outcome_detail}")
+                            continue
+                        peak, act = m.memory.peak_bytes, m.memory.activations_bytes
                     est = formula_estimate(cfg).memory
-                    peak, act = m.memory.peak_bytes, m.memory.activations_bytes
                     rows.append(dict(model=name, mb=mb, seq=seq, ac=ac, precision=precision, peak=peak, act=act,
                                      f_peak=error(est.peak_tensor_bytes, peak),  # tensor bytes, no margin
-                                     t_peak=error(tr.memory.peak_bytes, peak),
+                                     t_peak=None if reference == "trace" else error(tr.memory.peak_bytes, peak),
                                      f_act=error(est.activations_bytes, act),
-                                     t_act=error(tr.memory.activations_bytes, act)))
+                                     t_act=None if reference == "trace" else error(tr.memory.activations_bytes, act)))
                     log("  row: " + row_text(rows[-1]))
     return rows
 
@@ -134,8 +152,9 @@ def row_text(r) -> str:
             f"{pct(r['f_peak'])} | {pct(r['t_peak'])} | {mib(r['act'])} | {pct(r['f_act'])} | {pct(r['t_act'])} |")
 
 
-def print_memory(rows) -> None:
-    print("| model | precision | micro-batch | seq | AC | measured peak MiB | formula | trace | measured activations MiB "
+def print_memory(rows, reference="measure") -> None:
+    ref = "measured" if reference == "measure" else "traced"
+    print(f"| model | precision | micro-batch | seq | AC | {ref} peak MiB | formula | trace | {ref} activations MiB "
           "| formula | trace |")
     print("|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -149,6 +168,20 @@ def print_memory(rows) -> None:
                   f"over {len(errs)} configs")
         else:
             print(f"- {what}: not available")
+    print()
+    print_worst(rows)
+
+
+def print_worst(rows) -> None:
+    """Per model, the row with the largest formula |error| on peak and on activations."""
+    print("| model | rows | worst formula peak | at | worst formula activations | at |")
+    print("|---|---:|---:|---|---:|---|")
+    at = lambda r: f"{r['precision']}, seq {r['seq']}, AC {r['ac']}"  # noqa: E731
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == name]
+        p = max(mine, key=lambda r: abs(r["f_peak"] or 0))
+        a = max(mine, key=lambda r: abs(r["f_act"] or 0))
+        print(f"| {name} | {len(mine)} | {pct(p['f_peak'])} | {at(p)} | {pct(a['f_act'])} | {at(a)} |")
     print()
 
 
@@ -218,25 +251,35 @@ def main(argv=None) -> None:
     p.add_argument("--pairs", type=int, default=12, help="paired updates per time comparison")
     p.add_argument("--families", action="store_true",
                    help="the Hugging Face family grid: fp32 and bf16-mixed, AC none/full/selective, seq 64-512")
+    p.add_argument("--reference", choices=("measure", "trace"), default="measure",
+                   help="what the formula is compared with: a real run, or the trace (equal to it, much faster)")
+    p.add_argument("--only", default="", help="comma-separated model names (e.g. 'hf bloom,hf opt')")
+    p.add_argument("--seqs", default="", help="comma-separated sequence lengths instead of the grid's")
     args = p.parse_args(argv)
     start = time.perf_counter()
+    pairs = 4 if args.quick else args.pairs
     if args.families:
-        grid = ([f"hf {n}" for n in HF_FAMILIES], [2], [64, 512], ["none", "full", "selective"],
+        # 64, 256 and 512 are among the lengths a profile traces (most families); 200 lies between two (interpolated)
+        grid = ([f"hf {n}" for n in HF_FAMILIES], [2], [64, 200, 256, 512], ["none", "full", "selective"],
                 ["fp32", "bf16-mixed"])
     elif args.quick:
         grid = (["tiny", "hf llama"], [2], [64], ["none", "full"])
-        pairs = 4
     else:
         grid = (list(MODELS), [1, 4], [64, 128], ["none", "full", "selective"])
-        pairs = args.pairs
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"Accuracy on {cpu_hardware()} ({torch.get_num_threads()} threads, load average {load:.1f} at start), "
           f"torch {torch.__version__}, {datetime.date.today().isoformat()}; AdamW, accum 1. "
-          "error = (predicted - measured) / measured; measured = live tensor-storage tracker (allocator).")
+          + ("error = (predicted - measured) / measured; measured = live tensor-storage tracker (allocator)."
+             if args.reference == "measure" else
+             "error = (formula - trace) / trace; the trace equals a real run's live tensors (checked by tests)."))
     print()
+    if args.only:
+        grid = ([n.strip() for n in args.only.split(",")], *grid[1:])
+    if args.seqs:
+        grid = (grid[0], grid[1], [int(v) for v in args.seqs.split(",")], *grid[3:])
     if args.part in ("all", "memory"):
-        print_memory(memory_rows(*grid))
-    if args.part in ("all", "time"):
+        print_memory(memory_rows(*grid, reference=args.reference), args.reference)
+    if args.part in ("all", "time") and not args.families:
         print_time(time_rows(pairs), pairs)
     log(f"done in {time.perf_counter() - start:.0f} s")
 

@@ -69,7 +69,8 @@ def plural(n: float, word: str) -> str:
 
 
 def fmt_value(v, unit: str) -> str:
-    """A figure by its unit: bytes, seconds, tokens/s; anything else as text."""
+    """A figure by its unit: bytes, seconds, tokens/s, samples/s (few a second for an image model, so a
+    decimal); anything else as text."""
     if v is None:
         return "-"
     if unit == "bytes":
@@ -78,6 +79,8 @@ def fmt_value(v, unit: str) -> str:
         return fmt_seconds(v)
     if unit == "tokens/s":
         return f"{v:,.0f}"
+    if unit == "samples/s":
+        return f"{v:,.1f}"
     if unit == "fraction":  # stored as a fraction (JSON), shown as a percentage
         return fmt_percent(v)
     return str(v)

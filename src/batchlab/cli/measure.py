@@ -167,7 +167,7 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
     where = escape(f"{env.get('torch_device', '?')} ({env.get('device_name', '?')}, {threads})")
     out.print(f"[bold]batchlab measure[/]  {escape(str(env.get('model', cfg.model_source)))} on {where}, "
               f"torch {env.get('torch', '?')}" + (", isolated subprocess" if env.get("isolated") else ""))
-    out.print(cfg.global_batch_text())
+    out.print(cfg.global_batch_text(m.counted))
     out.print(f"activation checkpointing: {cfg.ac}   precision: {cfg.precision}   data: {cfg.data}")
     style = {"ok": "green", "failed": "red"}.get(m.outcome.value, "yellow")
     out.print(f"outcome: [{style}]{escape(m.outcome.value)}[/]"

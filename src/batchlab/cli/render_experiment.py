@@ -70,11 +70,11 @@ def verdict_table(r: Record) -> Table:
     for metric, m in r.metrics.items():
         f = m.formula
         if formula_only:
-            t.add_row(metric.label, value(f.a, m.unit), value(f.b, m.unit),
+            t.add_row(metric.label_for(m.unit), value(f.a, m.unit), value(f.b, m.unit),
                       f"{f.ratio:.3g}" if f.ratio is not None else "-", direction_text(m.predicted_by_formula),
                       _arrow(m.predicted_by_user), "formula")
             continue
-        t.add_row(metric.label, value(m.a, m.unit), value(m.b, m.unit), _ratio_band(m), observed_text(m),
+        t.add_row(metric.label_for(m.unit), value(m.a, m.unit), value(m.b, m.unit), _ratio_band(m), observed_text(m),
                   _judged(m.predicted_by_user, m.held_user),
                   _judged(m.predicted_by_formula, m.held_formula, f.ratio), m.provenance)
     return t

@@ -17,18 +17,14 @@ def _error(e: float | None) -> str:
     return f"{e:+.1%}" if e is not None else "-"
 
 
-def _value(v, unit: str) -> str:
-    return f"{v:,.1f}" if unit == "samples/s" and v is not None else value(v, unit)
-
-
 def figures_table(r: dict[str, Any]) -> Table:
     """figure | observed | how | formula | error (observed vs formula)."""
     t = Table(show_header=True, header_style="bold", title="observed (nothing controlled)")
     for col in ("figure", "observed", "how", "formula", "error"):
         t.add_column(col, justify="left" if col in ("figure", "how") else "right")
     for f in r["figures"]:
-        t.add_row(esc(f["name"]), _value(f["observed"], f["unit"]), f["provenance"],
-                  _value(f["predicted"], f["unit"]), _error(f["error"]))
+        t.add_row(esc(f["name"]), value(f["observed"], f["unit"]), f["provenance"],
+                  value(f["predicted"], f["unit"]), _error(f["error"]))
     return t
 
 

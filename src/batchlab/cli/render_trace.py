@@ -99,7 +99,7 @@ def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_no
                   f"steady-state update on fake tensors, {trace.traced_device} kernels, traced in "
                   f"{trace.trace_seconds:.1f} s")
     console.print(f"global batch = micro-batch x accum x DP = {cfg['micro_batch']} x {cfg['accum']} x {cfg['dp']} "
-                  f"= {trace.global_batch} sequences ({trace.tokens_per_update:,} tokens per update)")
+                  f"= {trace.counted.update_text(trace.global_batch, trace.tokens_per_update)}")
     console.print(f"activation checkpointing: {cfg['ac']}   precision: {cfg['precision']}   "
                   f"optimizer: {cfg['optimizer']}   seq: {cfg['seq']}")
     rows = comparisons(trace, formula_est)

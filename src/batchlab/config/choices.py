@@ -133,6 +133,24 @@ class Keep(_Choice):
     ACCUM = "accum"  # accum fixed: the global batch (and so the training run) changes
 
 
+class Counted(_Choice):
+    """What one training example is, and so what throughput counts: a language model's useful tokens, or
+    samples (an image and its class) for a model whose targets are one per example (models/factory.py)."""
+
+    TOKENS = "tokens"
+    SAMPLES = "samples"
+
+    @property
+    def per_second(self) -> str:
+        return f"{self.value}/s"
+
+    def update_text(self, global_batch: int, tokens_per_update: int) -> str:
+        """The end of the global-batch line: what one update holds."""
+        if self is Counted.SAMPLES:
+            return f"{global_batch} samples per update"
+        return f"{global_batch} sequences ({tokens_per_update:,} tokens per update)"
+
+
 class ModelSource(_Choice):
     """Which code trains the model, from ``RunConfig.model_source``'s spelling."""
 

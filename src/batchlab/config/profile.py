@@ -41,10 +41,9 @@ class Poly:
 
 @dataclass(frozen=True)
 class Knots:
-    """A quantity measured at b = 1, 2 and 3 over a set of sequence lengths: backward's high point is a maximum
+    """A quantity measured at b = 1, 2 and 3 over a set of sequence lengths: a phase's high point is a maximum
     over events (the loss's gradient, one layer's, one weight's), piecewise in s, so it is interpolated
-    (linear in s between knots, linear in b from 2 and 3, b = 1 its own row; past the last knot the
-    parabola through the last three)."""
+    (piecewise parabolas in s, ``_interpolate``; linear in b from 2 and 3, b = 1 its own row)."""
 
     s: tuple[int, ...] = ()
     at_b1: tuple[int, ...] = ()
@@ -64,24 +63,35 @@ class Knots:
         return max(0, round(e2 + (b - 2) * (e3 - e2)))
 
 
-def _line(xs, ys, i: int, x: float) -> float:
-    """The line through knots i and i + 1, at x."""
-    return ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
+def _parabola_at(xs, ys, i: int, x: float) -> float:
+    """The Lagrange parabola through knots i, i + 1, i + 2, at x (exact for one event a·s² + b·s + c)."""
+    (x0, x1, x2), (y0, y1, y2) = xs[i:i + 3], ys[i:i + 3]
+    return (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
+            + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
 
 
 def _interpolate(xs: tuple[int, ...], ys: tuple[int, ...], x: int) -> float:
-    """A maximum of events, each linear in s: between two knots, the larger of the neighbouring segments'
-    continuations (exact when each segment is one event), never above the chord."""
+    """A maximum of events, each a·s² + b·s + c with a, b >= 0, so convex: never above the chord, never below
+    an event.  Between two knots: the larger of the parabolas through three knots on either side (each is one
+    event where no other overtakes it there, and then a lower bound), capped by the chord; so a leader that
+    changes inside the interval is followed.  Near the ends, parabolas through the interval's knots and a
+    neighbour; past the last knot the parabola through the last three."""
     if x <= xs[0]:
         return ys[0]
-    if x > xs[-1] and len(xs) >= 3:  # Lagrange parabola through the last three knots (exact for a·s + b·s² + c)
-        (x0, x1, x2), (y0, y1, y2) = xs[-3:], ys[-3:]
-        return (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
-                + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
-    i = next((i for i in range(1, len(xs)) if x <= xs[i]), len(xs) - 1) - 1  # x in [xs[i], xs[i + 1]]
-    chord = _line(xs, ys, i, x)
-    sides = [_line(xs, ys, j, x) for j in (i - 1, i + 1) if 0 <= j < len(xs) - 1]
-    return min(chord, max(sides)) if sides else chord
+    if len(xs) < 3:
+        return ys[-1] if x >= xs[-1] else ys[0] + (ys[1] - ys[0]) * (x - xs[0]) / (xs[1] - xs[0])
+    if x > xs[-1]:
+        return _parabola_at(xs, ys, len(xs) - 3, x)
+    i = next(i for i in range(1, len(xs)) if x <= xs[i]) - 1  # x in [xs[i], xs[i + 1]]
+    chord = ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
+    fits = lambda starts: [_parabola_at(xs, ys, j, x) for j in starts if 0 <= j <= len(xs) - 3]  # noqa: E731
+    one_sided = fits((i - 2, i + 1))  # knots i-2..i, and i+1..i+3
+    if len(one_sided) < 2:
+        one_sided += fits((i - 1, i))  # through the interval and a neighbour
+    return min(chord, max(one_sided))
+
+
+MODES = ("full", "selective", "checkpointed")  # a layer's policy: nothing recomputed, selective, the whole block
 
 
 @dataclass(frozen=True)
@@ -89,24 +99,42 @@ class Terms:
     """One precision, one regime (below / at or above the sliding window): the fitted activation terms.
 
     Bytes the forward leaves for backward, autocast's 16-bit weight copies excluded (the calculator counts
-    those with the parameters); ``*_layer``: one more layer; ``outside``: embeddings, final norm, head, loss.
+    those with the parameters), per layer policy (``MODES``); ``layer_*``: one more layer; ``outside_*``: what
+    the layers do not explain (embeddings, final norm, head, loss, and tensors built once per forward and
+    handed to every block: a checkpointed block keeps its inputs, so a mask or ALiBi bias is kept there and
+    not without AC); ``forward_*``: the forward's high point above what is live as backward starts (logits
+    and the loss; with recompute a block's working set, which checkpointing frees but not before it peaks).
     """
 
     precision: str
     windowed: bool
-    layer_full: Poly  # nothing recomputed
+    layer_full: Poly
     layer_selective: Poly  # models/ac.py's selective policy
     layer_checkpointed: Poly  # the whole block recomputed (keeps its input)
-    outside: Poly
-    # with nothing recomputed: the forward's high point above what is live as backward starts (logits and the
-    # loss), and the optimizer step's temporaries (its largest parameter's)
-    forward_excess: Poly = Poly()
-    backward_full: Knots = Knots()  # backward's high point above what is live as it starts, by AC mode
+    outside_full: Poly
+    outside_selective: Poly
+    outside_checkpointed: Poly
+    forward_full: Knots = Knots()
+    forward_selective: Knots = Knots()
+    forward_checkpointed: Knots = Knots()
+    backward_full: Knots = Knots()  # backward's high point above what is live as it starts
     backward_selective: Knots = Knots()
     backward_checkpointed: Knots = Knots()
-    optimizer_temporaries: int = 0
+    optimizer_temporaries: int = 0  # the optimizer step's temporaries (its largest parameter's)
     copies_layer: int = 0  # autocast's 16-bit weight copies a layer's matmuls keep (bytes; 0 without autocast)
     copies_outside: int = 0  # ... the head's and anything else's outside the layers
+
+    def layer(self, mode: str) -> Poly:
+        return getattr(self, f"layer_{mode}")
+
+    def outside(self, mode: str) -> Poly:
+        return getattr(self, f"outside_{mode}")
+
+    def forward(self, mode: str) -> Knots:
+        return getattr(self, f"forward_{mode}")
+
+    def backward(self, mode: str) -> Knots:
+        return getattr(self, f"backward_{mode}")
 
 
 def _poly(d: Any) -> Poly:
@@ -117,11 +145,12 @@ def _terms(d: Any) -> Terms:
     if isinstance(d, Terms):
         return d
     d = dict(d)
-    for f in ("layer_full", "layer_selective", "layer_checkpointed", "outside", "forward_excess"):
-        d[f] = _poly(d[f])
-    for f in ("backward_full", "backward_selective", "backward_checkpointed"):
-        if isinstance(d.get(f), dict):
-            d[f] = Knots(**d[f])
+    for m in MODES:
+        for f in (f"layer_{m}", f"outside_{m}"):
+            d[f] = _poly(d[f])
+        for f in (f"forward_{m}", f"backward_{m}"):
+            if isinstance(d.get(f), dict):
+                d[f] = Knots(**d[f])
     return Terms(**d)
 
 
@@ -139,6 +168,9 @@ class LayerProfile:
     final: int  # final norm and anything else outside the layers and the head
     head: int  # 0 when tied to the embedding
     terms: tuple[Terms, ...] = ()
+    # buffers (bytes): resident all along, e.g. GPT-J's sinusoidal position table, a causal-mask buffer per layer
+    buffers_per_layer: int = 0
+    buffers_outside: int = 0
     seconds: str = ""  # how long each precision's tracing took
 
     def __post_init__(self):

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, DataKind, LossMode, ModelSource, OptimizerKind,
+from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, Counted, DataKind, LossMode, ModelSource, OptimizerKind,
                                      Precision)
 from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.model import ModelSpec, preset
@@ -233,9 +233,9 @@ class RunConfig:
         """Bytes available to one rank: the budget if given, else the device's memory."""
         return self.memory_budget if self.memory_budget is not None else self.device_spec.memory_bytes
 
-    def global_batch_text(self) -> str:
+    def global_batch_text(self, counted: Counted = Counted.TOKENS) -> str:
         return (f"global batch = micro-batch x accum x DP = {self.micro_batch} x {self.accum} x {self.dp} "
-                f"= {self.global_batch} sequences ({self.tokens_per_update:,} tokens per update)")
+                f"= {counted.update_text(self.global_batch, self.tokens_per_update)}")
 
     # -- changing
     def replace(self, **changes: Any) -> "RunConfig":

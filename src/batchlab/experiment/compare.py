@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from batchlab.config import ConfigError, RunConfig, to_jsonable
+from batchlab.config import ConfigError, Counted, RunConfig, to_jsonable
 from batchlab.experiment import factors, protocol
 from batchlab.experiment.change import Change, KeepMode, Sides, build_sides
 from batchlab.experiment.diagnosis import Context, diagnose, time_model_checks
@@ -200,6 +200,9 @@ def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_
     devices: set[str] = set()
     if rounds is not None:
         done["timelines"], done["rounds"] = _timelines(rounds)
+        if rounds.counted() is not Counted.TOKENS:  # the sides' global-batch lines were written before either was built
+            done["change"] = dict(record.change, global_batch_text={k: c.global_batch_text(rounds.counted())
+                                                                    for k, c in (("a", s.a), ("b", s.b))})
         done["warnings"] = record.warnings + tuple(rounds.skipped)
         devices = {str(m.environment.get("torch_device")) for m in rounds.a + rounds.b
                    if m is not None and m.environment.get("torch_device")}

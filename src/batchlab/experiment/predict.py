@@ -30,6 +30,10 @@ class Metric(_Choice):
         return {"peak_memory": "peak memory", "update_time": "update time", "tokens_per_second": "useful tokens/s",
                 "time_to_budget": "time to token budget", "oom": "out of memory"}[self.value]
 
+    def label_for(self, unit: str) -> str:
+        """The label by the unit the record measured: a per-sample model's throughput is samples/s."""
+        return f"useful {unit}" if self is Metric.TOKENS_PER_SECOND and unit.endswith("/s") else self.label
+
     @property
     def short(self) -> str:
         """One word, for one-line summaries."""

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from batchlab.config import ConfigError, RunConfig
+from batchlab.config import ConfigError, Counted, RunConfig
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome
 
@@ -40,6 +40,10 @@ class Rounds:
 
     def side(self, name: str) -> list[Measurement | None]:
         return self.a if name == "a" else self.b
+
+    def counted(self) -> Counted:
+        """What the measured model counts (tokens, or samples for a per-sample model): known once built."""
+        return next((m.counted for m in self.a + self.b if m is not None), Counted.TOKENS)
 
 
 def default_measure(cfg: RunConfig, options: MeasureOptions) -> Measurement:

@@ -15,6 +15,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from batchlab.config import Counted
 from batchlab.experiment.predict import Direction, Metric, direction_of, oom_direction
 from batchlab.experiment.protocol import Rounds
 from batchlab.experiment.record import Contradiction, FormulaFigures, MetricRecord
@@ -51,14 +52,16 @@ def _held(predicted: Direction | None, observed: Direction | None) -> bool | Non
 
 
 def metric_record(metric: Metric, seen: Observed, user: Direction | None,
-                  formula: dict[str, Any] | None) -> MetricRecord:
-    """The stored verdict of one metric: the observation beside the person's and the formula's prediction."""
+                  formula: dict[str, Any] | None, counted: Counted = Counted.TOKENS) -> MetricRecord:
+    """The stored verdict of one metric: the observation beside the person's and the formula's prediction
+    (throughput in what the model counts: tokens, or samples)."""
     by_formula = formula["direction"] if formula is not None else None
     observed = seen.direction is not None or seen.a is not None
     # a figure's provenance is how it was obtained: nothing measured, nothing labelled allocator / wall-clock
     how = PROVENANCE[metric] if observed else ("formula" if formula is not None else "not measured")
     return MetricRecord(seen.direction, seen.ratio, seen.band, user, by_formula, _held(user, seen.direction),
-                        _held(by_formula, seen.direction), seen.a, seen.b, UNITS[metric], how,
+                        _held(by_formula, seen.direction), seen.a, seen.b,
+                        counted.per_second if metric is Metric.TOKENS_PER_SECOND else UNITS[metric], how,
                         seen.paired_ratios, FormulaFigures.from_dict(formula), seen.note, seen.inconclusive)
 
 
@@ -128,8 +131,10 @@ def verdicts(rounds: Rounds | None, user: dict[Metric, Direction], formula: dict
              token_budget: float) -> dict[Metric, MetricRecord]:
     """All metrics; ``rounds`` None (formula only): nothing observed, the formula's figures alone."""
     nothing = Observed(note="formula only: nothing measured")
+    counted = rounds.counted() if rounds is not None else Counted.TOKENS
     return {metric: metric_record(metric, measured_verdict(metric, rounds, token_budget) if rounds is not None
-                                  else nothing, user.get(metric), formula[metric] if formula is not None else None)
+                                  else nothing, user.get(metric), formula[metric] if formula is not None else None,
+                                  counted)
             for metric in Metric}
 
 

@@ -100,13 +100,21 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
     return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
 
 
-def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
-    """The plan from a layer profile's fitted terms (``config.profile.Terms``) at cfg's (b, s)."""
-    b, s, n = cfg.micro_batch, cfg.seq, cfg.model.layers
+def _layer_policies(cfg: RunConfig) -> tuple[str, ...]:
+    """Each layer's policy under cfg's AC, as a layer profile names it (``config.profile.MODES``)."""
+    n = cfg.model.layers
     wrapped, selective = set(cfg.ac.wrapped_layers(n)), set(cfg.ac.selective_layers(n))
-    kept = tuple(t.layer_checkpointed(b, s) if i in wrapped else t.layer_selective(b, s) if i in selective
-                 else t.layer_full(b, s) for i in range(n))
-    return ActivationPlan(t.layer_full(b, s), kept, t.outside(b, s))
+    return tuple("checkpointed" if i in wrapped else "selective" if i in selective else "full" for i in range(n))
+
+
+def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
+    """The plan from a layer profile's fitted terms (``config.profile.Terms``) at cfg's (b, s).  What the layers
+    do not explain is per policy (a checkpointed block keeps its inputs: a mask made once per forward); a mix
+    (every:K) keeps the union, bounded here by the largest."""
+    b, s = cfg.micro_batch, cfg.seq
+    policies = _layer_policies(cfg)
+    kept = tuple(t.layer(p)(b, s) for p in policies)
+    return ActivationPlan(t.layer_full(b, s), kept, max(t.outside(p)(b, s) for p in set(policies)))
 
 
 @dataclass(frozen=True)
@@ -178,6 +186,35 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
         copies_below -= 0 if i in recomputed else layer_copy
         grads_done += layer_grad if new_grads else 0
     return best
+
+
+def _profiled_backward(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, resident: dict[str, int],
+                       grads_before: int, measured: int, layer_copy: int) -> dict[str, int]:
+    """Backward's high point from a profile: ``measured`` (its knots) is the excess above backward's start on
+    2P layers, the events of the top 2P layers (the loss's gradient, each layer's working set, the weight
+    gradients).  Each layer further down repeats the same event, shifted by what the layers above it did:
+    created their weight gradients, freed their kept activations and saved weight copies.  A deeper model
+    therefore peaks lower down only when that shift is positive (weight-heavy: short sequences); a model
+    shallower than 2P lacks that many layers' positive shift."""
+    m, traced = cfg.model, 2 * cfg.model.matching_profile.period
+    layer_grad = count(m).per_layer * states.gradients // max(count(m).total, 1) if grads_before == 0 else 0
+    policies = _layer_policies(cfg)
+    copy = lambda i: layer_copy if policies[i] == "full" else 0  # noqa: E731 — a recomputed layer's are transient
+    if m.layers < traced:
+        shift = sum(layer_grad - plan.per_layer_kept[i] - copy(i) for i in range(m.layers)) / m.layers
+        return dict(resident, gradients=grads_before, activations=plan.total, recompute=0,
+                    temporaries=max(0, measured - round((traced - m.layers) * max(shift, 0))))
+    made = freed = copies_freed = 0
+    best = (0, 0, 0, 0)  # (shift, gradients made, activations freed, copies freed)
+    for i in reversed(range(1, m.layers - traced + 1)):  # layer i done: the event moves to layer i - 1
+        made += layer_grad
+        freed += plan.per_layer_kept[i]
+        copies_freed += copy(i)
+        if made - freed - copies_freed > best[0]:
+            best = (made - freed - copies_freed, made, freed, copies_freed)
+    _, made, freed, copies_freed = best
+    return dict(resident, parameters=resident["parameters"] - copies_freed, gradients=grads_before + made,
+                activations=plan.total - freed, recompute=0, temporaries=measured)
 
 
 def _backward_terms(cfg: RunConfig, gradient_bytes: int) -> tuple[int, int, int]:
@@ -264,7 +301,9 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         copies = 2 * (n - per_layer * n_recomputed)
         layer_copy = 2 * per_layer
     data = cfg.accum * 2 * s * b * 8  # int64 inputs and targets, all micro-batches made up front
-    weights = dict(parameters=copies if autocast else states.parameters, master=states.master,
+    prof = m.matching_profile  # the model's buffers, resident all along (the tracker counts them as parameters)
+    buffers = prof.buffers_per_layer * m.layers + prof.buffers_outside if prof is not None and fitted is not None else 0
+    weights = dict(parameters=(copies if autocast else states.parameters) + buffers, master=states.master,
                    optimizer=states.optimizer, data=data)
     fsdp = cfg.dp > 1 and cfg.zero >= 2  # FSDP2 (formula.fsdp); below 2, DDP
     # DDP (gradient_as_bucket_view) keeps its gradient buckets between updates, as accumulation keeps .grad,
@@ -276,19 +315,24 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
     if fitted is not None:  # measured on the model's own code (formula/profile.py)
-        logits_fwd = fitted.forward_excess(b, s)
+        policies = _layer_policies(cfg)
+        # the forward's high point: the loss, or a recomputed block's working set (a mix: its largest); the
+        # profile measured it above what is live as backward starts, so on 2P layers it includes the cast
+        # cache's copies of the layers that keep none for backward (they grow with depth: counted apart)
+        traced = 2 * m.matching_profile.period
+        logits_fwd = max(fitted.forward(p)(b, s) - (traced * fitted.copies_layer if p != "full" and autocast else 0)
+                         for p in set(policies))
         # the last layer's policy decides what backward's first steps recompute
-        last = m.layers - 1
-        knots = (fitted.backward_checkpointed if last in cfg.ac.wrapped_layers(m.layers)
-                 else fitted.backward_selective if last in cfg.ac.selective_layers(m.layers) else fitted.backward_full)
-        loss_grads = knots(b, s)
+        loss_grads = fitted.backward(policies[-1])(b, s)
         opt_tmp = fitted.optimizer_temporaries
     phases = {  # the parts live at each phase's high point
-        "forward": dict(weights, parameters=copies_fwd if autocast else states.parameters,
+        "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
                         gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
-        "backward": _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy),
+        "backward": (_profiled_backward(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)
+                     if fitted is not None else
+                     _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)),
         # autocast's working copies are gone by the optimizer step
-        "optimizer": dict(weights, parameters=0 if autocast else states.parameters,
+        "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
                           gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
     }
     if fsdp:

@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from batchlab.config import _Choice
+from batchlab.config import Counted, _Choice
 from batchlab.phase import Phase
 from batchlab.timeline.data import Timeline
 
@@ -155,6 +155,7 @@ class Measurement:
     comm: MeasuredComm | None = None  # DP > 1 only
     traffic: MeasuredTraffic | None = None  # DP > 1 only: every collective, counted
     timeline: Timeline | None = None  # MeasureOptions(timeline=True): memory over one untimed update
+    counted: Counted = Counted.TOKENS  # what tokens_per_second counts: samples for a per-sample model
 
     @property
     def ok(self) -> bool:
@@ -179,11 +180,13 @@ class Draft:
     comm: MeasuredComm | None = None
     traffic: MeasuredTraffic | None = None
     timeline: Timeline | None = None
+    counted: Counted = Counted.TOKENS
 
     def build(self) -> Measurement:
         return Measurement(self.config, self.outcome, self.global_batch, self.outcome_detail, self.oom_phase,
                            self.memory, self.time, self.tokens_per_second, self.useful_tokens_per_update,
-                           dict(self.environment), list(self.warnings), self.comm, self.traffic, self.timeline)
+                           dict(self.environment), list(self.warnings), self.comm, self.traffic, self.timeline,
+                           self.counted)
 
 
 # ------------------------------------------------------------------------------------------ JSON
@@ -231,6 +234,7 @@ def measurement_from_dict(d: dict[str, Any]) -> Measurement:
     """Inverse of measurement_to_dict (derived keys such as update_seconds_median are recomputed)."""
     d = _only_fields(Measurement, d)
     d["outcome"] = Outcome(d["outcome"])
+    d["counted"] = Counted(d.get("counted", Counted.TOKENS.value))
     if d.get("oom_phase") is not None:
         d["oom_phase"] = Phase(d["oom_phase"])
     if d.get("memory") is not None:

@@ -178,6 +178,7 @@ class _Steps:
         self.progress(0, self.total, "building the model")
         trainer = Trainer(self.cfg, self.device)
         m.environment["model"] = trainer.workload.description
+        m.counted = trainer.workload.counted
         m.environment["parameters"] = sum(p.numel() for p in trainer.raw_model.parameters())
         m.environment["ac_wrapped_layers"] = list(trainer.wrapped_layers)
         self._warmup(trainer, rec, 1)

@@ -68,7 +68,7 @@ def rows(m: Measurement, est=None) -> list[FigureRow]:
                              of(ft, "update_seconds")))
         out.append(FigureRow("update time IQR", "seconds", m.time.update_seconds_iqr, prov))
         if m.tokens_per_second is not None:
-            out.append(FigureRow("useful tokens/s", "tokens/s", m.tokens_per_second, prov,
+            out.append(FigureRow(f"useful {m.counted.per_second}", m.counted.per_second, m.tokens_per_second, prov,
                                  of(ft, "tokens_per_second")))
         if est is not None:  # the formula's FLOPs over the measured time: fractions, shown as percentages
             from batchlab.formula.flops import utilisation

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from batchlab.config import DataKind, ModelSource, RunConfig
+from batchlab.config import Counted, DataKind, ModelSource, RunConfig
 
 # make_batch(generator, micro_batch, seq, device) -> (tokens, targets); targets use -100 for padding.
 BatchMaker = Callable[[torch.Generator, int, int, torch.device], tuple[torch.Tensor, torch.Tensor]]
@@ -25,6 +25,7 @@ class Workload:
     make_batch: BatchMaker
     loss_sum: LossFn
     description: str
+    counted: Counted = Counted.TOKENS  # what throughput counts: tokens, or samples (targets one per example)
 
 
 def synthetic_tokens(vocab: int, data: DataKind) -> BatchMaker:

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from batchlab.config import ACMode, ConfigError, RunConfig
+from batchlab.config import ACMode, ConfigError, Counted, RunConfig
 from batchlab.models import Workload
 
 
@@ -101,7 +101,8 @@ def _as_workload(result, source: str) -> Workload:
                     make_batch=make_batch, loss_sum=loss_sum, description=f"factory {source}")
 
 
-def _check(wl: Workload, cfg: RunConfig, source: str) -> None:
+def _check(wl: Workload, cfg: RunConfig, source: str) -> Counted:
+    """Raise on a broken contract; else what one example is (a class per token: tokens; per sample: samples)."""
     if not isinstance(wl.model, nn.Module):
         raise _fail(source, f"the model is of type {type(wl.model).__name__}, not a torch.nn.Module")
     if not any(p.requires_grad for p in wl.model.parameters()):
@@ -118,19 +119,20 @@ def _check(wl: Workload, cfg: RunConfig, source: str) -> None:
         except Exception as e:  # noqa: BLE001
             raise _fail(source, f"make_batch(generator, 1, {cfg.seq}, cpu) raised {type(e).__name__}: {e}") from None
     ok = (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)
-          and not batch[1].is_floating_point()
-          and (batch[0].shape == batch[1].shape == (1, cfg.seq)  # a language model: a class per token
-               or (batch[1].shape == (1,) and batch[0].dim() >= 1 and batch[0].shape[0] == 1)))  # per sample
-    if not ok:
+          and not batch[1].is_floating_point())
+    per_token = ok and batch[0].shape == batch[1].shape == (1, cfg.seq)  # a language model: a class per token
+    per_sample = ok and batch[1].shape == (1,) and batch[0].dim() >= 1 and batch[0].shape[0] == 1
+    if not (per_token or per_sample):
         got = (f"({', '.join(f'{type(t).__name__} {tuple(t.shape)}' if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch)})"
                if isinstance(batch, (tuple, list)) else type(batch).__name__)
         raise _fail(source, f"make_batch must return (tokens, targets), two tensors of shape (micro_batch, seq), "
                             f"or (inputs, targets) with targets of shape (micro_batch,), integer targets; got {got} "
                             f"for micro_batch 1, seq {cfg.seq}")
+    return Counted.TOKENS if per_token else Counted.SAMPLES
 
 
 def build_factory_workload(cfg: RunConfig) -> Workload:
     source = cfg.model_source
     workload = _as_workload(_call(load_factory(source), cfg, source), source)
-    _check(workload, cfg, source)
+    workload.counted = _check(workload, cfg, source)
     return workload

@@ -99,11 +99,11 @@ def _verdict_blocks(r: Record) -> list[tuple]:
         f = m.formula
         f_ratio = f"{f.ratio:.3g}" if f.ratio is not None else "-"
         if r.formula_only:
-            rows.append([metric.label, format_value(f.a, m.unit), format_value(f.b, m.unit), f_ratio,
+            rows.append([metric.label_for(m.unit), format_value(f.a, m.unit), format_value(f.b, m.unit), f_ratio,
                          direction_text(m.predicted_by_formula), direction_text(m.predicted_by_user), "formula"])
             continue
         band = m.band
-        rows.append([metric.label, format_value(m.a, m.unit), format_value(m.b, m.unit),
+        rows.append([metric.label_for(m.unit), format_value(m.a, m.unit), format_value(m.b, m.unit),
                      f"{m.ratio:.3g}" if m.ratio is not None else "-",
                      f"{band[0]:.3g} – {band[1]:.3g}" if band else "-", observed_text(m),
                      f"{direction_text(m.predicted_by_user)} ({HELD[m.held_user]})" if m.predicted_by_user else "-",

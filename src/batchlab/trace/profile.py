@@ -21,7 +21,8 @@ from batchlab.measure.memory import tracker_for
 from batchlab.trace.patches import eager_branches
 from batchlab.trace.run import FakeTrainer, fake_mode, trace_device
 
-MODES = {"layer_full": "none", "layer_selective": "selective", "layer_checkpointed": "full"}
+# Terms' layer policies -> the --ac mode that applies it to every layer
+AC_OF = {"full": "none", "selective": "selective", "checkpointed": "full"}
 
 
 def _period(cfg: RunConfig) -> int:
@@ -110,9 +111,8 @@ def _measure(cfg: RunConfig, layers: int, precision: Precision, mode: str, shape
     return {shape: _update_at(trainer, *shape) for shape in shapes}
 
 
-def _forward_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, int, int]:
-    """(bytes the forward leaves for backward, autocast copies among them, the forward's high point above
-    what is live as it ends)."""
+def _forward_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, int]:
+    """(bytes the forward leaves for backward, autocast copies among them)."""
     batch = trainer.workload.make_batch(trainer.generator, b, s, trainer.device)
     tracker = tracker_for(trainer)
     probe = _Probe(tracker)
@@ -122,42 +122,51 @@ def _forward_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, int, int]:
             loss = trainer.workload.loss_sum(trainer.model, *batch)
         probe.mark("backward")
         del loss
-    return probe.kept, probe.copies, tracker.snapshot().phase_peaks.get("forward", 0) - probe.at_backward
+    return probe.kept, probe.copies
+
+
+# knots past the fitted shapes, up to the model's max_positions: fake tensors cost the same at any length, and a
+# phase's high point is a maximum of events whose leader changes with s (the loss's logits, then attention's s²)
+LONG_KNOTS = (512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
 def _knots(cfg: RunConfig, windowed: bool) -> list[tuple[int, int]]:
-    """Where backward's high point is measured: the fitted shapes' shortest and longest sequences, and below
-    them short ones, where weight gradients rather than activation gradients set it."""
+    """Where the phases' high points are measured: the fitted shapes' sequences, below them short ones (where
+    weight gradients rather than activation gradients set backward's), above them long ones."""
     fitted = sorted({s for _, s in _shapes(cfg, windowed)})
-    w = cfg.model.sliding_window
-    short = [] if windowed else [s for s in (16, 64) if s < fitted[0] and (not w or s < w)]
-    return [(b, s) for b in (1, 2, 3) for s in short + fitted]  # past the last: the parabola through the fitted three
+    w, top = cfg.model.sliding_window, cfg.model.max_positions
+    in_regime = lambda s: windowed or not w or s < w  # noqa: E731 — one code path: at or past the window, or below
+    short = [] if windowed else [s for s in (16, 64) if s < fitted[0] and in_regime(s)]
+    # between the fitted lengths too: where the leader changes, interpolation is capped by the chord
+    middle = [(a + b) // 2 for a, b in zip(fitted, fitted[1:])]
+    long = [s for s in LONG_KNOTS if fitted[-1] < s <= top and in_regime(s)]
+    return [(b, s) for b in (1, 2, 3) for s in sorted(short + fitted + middle + long)]
 
 
 def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool) -> tuple[Terms, int]:
-    shapes = _shapes(cfg, windowed)
-    fitted, residual, backward = {}, 0, {}
-    for name, mode in MODES.items():
+    shapes, knots = _shapes(cfg, windowed), _knots(cfg, windowed)
+    s_values = tuple(sorted({s for _, s in knots}))
+    fitted, residual = {}, 0
+    for name, mode in AC_OF.items():
         at_one = _measure(cfg, period, precision, mode, shapes, full=False)
         at_two = _measure(cfg, 2 * period, precision, mode, shapes, full=False)
-        # whole updates of 2P layers (backward's and the optimizer's high points) at the knots: backward's
-        # is a maximum over events, interpolated between them
-        updates = _measure(cfg, 2 * period, precision, mode, _knots(cfg, windowed), full=True)
+        # whole updates of 2P layers at the knots: the forward's, backward's and the optimizer's high points
+        # are maxima over events (the loss, one block's working set, one weight's gradient), interpolated
+        updates = _measure(cfg, 2 * period, precision, mode, knots, full=True)
         one, r1 = _fit({k: at_one[k][0] for k in shapes})
         two, r2 = _fit({k: at_two[k][0] for k in shapes})
         layer = _combine(two, one, Fraction(1, period), Fraction(-1, period))
-        fitted[name] = layer
-        s_values = sorted({s for _, s in updates})
-        backward[name.replace("layer", "backward")] = Knots(
-            tuple(s_values), *(tuple(updates[(b, s)][2] for s in s_values) for b in (1, 2, 3)))
-        if mode == "none":  # embeddings, final norm, head and loss: what P layers do not explain
-            outside = _combine(one, layer, 1, -period)
-            extra = dict(forward_excess=_fit({k: at_two[k][2] for k in shapes})[0],
-                         optimizer_temporaries=max(v[3] for v in updates.values()))
+        fitted[f"layer_{name}"] = layer
+        fitted[f"outside_{name}"] = _combine(one, layer, 1, -period)  # per policy: a checkpointed block keeps its inputs
+        for field, i in (("forward", 1), ("backward", 2)):
+            fitted[f"{field}_{name}"] = Knots(s_values, *(tuple(updates[(b, s)][i] for s in s_values) for b in (1, 2, 3)))
+        if mode == "none":
+            # shape-independent (the largest parameter's); what varies is the batch still live, counted apart
+            fitted["optimizer_temporaries"] = min(v[3] for v in updates.values())
             c1, c2 = max(v[1] for v in at_one.values()), max(v[1] for v in at_two.values())  # shape-independent
-            extra.update(copies_layer=(c2 - c1) // period, copies_outside=2 * c1 - c2)
+            fitted.update(copies_layer=(c2 - c1) // period, copies_outside=2 * c1 - c2)
         residual = max(residual, r1, r2)
-    return Terms(precision=precision.value, windowed=windowed, outside=outside, **extra, **backward, **fitted), residual
+    return Terms(precision=precision.value, windowed=windowed, **fitted), residual
 
 
 def _combine(p: Poly, q: Poly, x, y) -> Poly:
@@ -182,8 +191,11 @@ def _param_counts(cfg: RunConfig, period: int, device) -> dict[str, int]:
             embedding.update(unique(module.parameters()))
     head = {k: v for k, v in (unique(emb_out.parameters()) if emb_out is not None else {}).items() if k not in embedding}
     final = sum(v for k, v in every.items() if k not in in_layers and k not in embedding and k not in head)
+    stored = lambda bufs: {id(b.untyped_storage()): b.untyped_storage().nbytes() for b in bufs}  # noqa: E731
+    buffers, layer_buffers = stored(model.buffers()), stored(blocks.buffers())
     return dict(embedding=sum(embedding.values()), per_layer=sum(in_layers.values()) // period, final=final,
-                head=sum(head.values()))
+                head=sum(head.values()), buffers_per_layer=sum(layer_buffers.values()) // period,
+                buffers_outside=sum(v for k, v in buffers.items() if k not in layer_buffers))
 
 
 def compute(cfg: RunConfig, base: LayerProfile | None = None) -> LayerProfile:
@@ -196,10 +208,13 @@ def compute(cfg: RunConfig, base: LayerProfile | None = None) -> LayerProfile:
     windowed = cfg.model.sliding_window is not None and cfg.seq >= cfg.model.sliding_window
     precision = cache.profiled_precision(cfg.precision)
     with eager_branches(), fake_mode():
-        params = (dict(embedding=base.embedding, per_layer=base.per_layer, final=base.final, head=base.head)
+        params = (dict(embedding=base.embedding, per_layer=base.per_layer, final=base.final, head=base.head,
+                       buffers_per_layer=base.buffers_per_layer, buffers_outside=base.buffers_outside)
                   if base is not None else _param_counts(cfg, period, device))
         terms, residual = _terms(cfg, period, precision, windowed)
-    source = (f"trace of {period} and {2 * period} blocks at {len(_shapes(cfg, False))} shapes on {device.type}"
+    lengths = sorted({s for _, s in _knots(cfg, False)})
+    source = (f"trace of {period} and {2 * period} blocks at {len(_shapes(cfg, False))} shapes on {device.type}, "
+              f"high points at {len(lengths)} lengths to seq {lengths[-1]}"
               + (f", fit residual {residual} B" if residual else ""))
     kept = tuple(t for t in (base.terms if base is not None else ())
                  if (t.precision, t.windowed) != (precision.value, windowed))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchlab.config.choices import Counted
 from batchlab.timeline.data import Timeline
 
 
@@ -81,3 +82,4 @@ class TraceEstimate:
     time_model: str = ""  # its assumptions: rates and their source
     provenance: str = "trace"
     timeline: Timeline | None = None  # with timeline=True: memory over the update, op by op
+    counted: Counted = Counted.TOKENS  # what one example is: tokens, or samples for a per-sample model

@@ -170,7 +170,7 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
         memory=memory, flops=flops, traced_device=device.type, trace_seconds=time.perf_counter() - start,
         tree=build_tree(trainer.raw_model, snap.activations_by_owner) if tree else None,
         notes=notes + device_notes, timeline=_timeline(cfg, recorder, snap, notes) if recorder else None,
-        time=time_ops, time_model=describe(costs, time_ops) + machine_text(cfg, costs))
+        time=time_ops, time_model=describe(costs, time_ops) + machine_text(cfg, costs), counted=trainer.workload.counted)
 
 
 def _timeline(cfg: RunConfig, recorder, snap, notes: list[str]):
