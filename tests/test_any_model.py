@@ -13,36 +13,15 @@ import torch.nn.functional as F
 
 from batchlab.config import ConfigError, Counted, RunConfig, resolve_model
 from batchlab.config.profile import Knots, Poly
-from batchlab.formula import estimate as formula_estimate
 from batchlab.formula.params import count
 from batchlab.measure import MeasureOptions
 from batchlab.run import measure as run
 from batchlab.trace import estimate as trace_estimate
 
+from hf_shapes import FAST, config_dir, hf_cfg, rel
+
 transformers = pytest.importorskip("transformers")
-
-FAST = MeasureOptions(warmup=1, steps=1, memory=True, timing=False)
 TESTS = Path(__file__).parent
-SHAPE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-             max_position_embeddings=512)
-
-
-def config_dir(tmp_path: Path, model_type: str, **fields) -> str:
-    folder = tmp_path / model_type
-    folder.mkdir(exist_ok=True)
-    values = {k: v for k, v in {**SHAPE, **fields}.items() if v is not None}
-    (folder / "config.json").write_text(json.dumps(dict(values, model_type=model_type)))
-    return str(folder)
-
-
-def hf_cfg(path: str, **kw) -> RunConfig:
-    spec, source = resolve_model(f"hf:{path}")
-    return RunConfig(model=spec, model_source=source, **{**dict(seq=64, micro_batch=2), **kw})
-
-
-def rel(a: int, b: int) -> float:
-    return abs(a - b) / b
-
 
 # ------------------------------------------------------------------------------------------ fitting
 
@@ -141,89 +120,6 @@ def test_loss_is_the_models_own_labels_loss(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ trace, measure, formula
-
-@pytest.fixture(scope="module")
-def profiled(tmp_path_factory):
-    """One family, profiled once (fp32): the calculator's layer terms from the model's own code."""
-    from batchlab.trace.profile import with_profile
-
-    folder = config_dir(tmp_path_factory.mktemp("hf"), "falcon")
-    return with_profile(hf_cfg(folder))
-
-
-@pytest.mark.slow  # profiling takes 20-60 s on 2 loaded cores
-@pytest.mark.parametrize("ac", ["none", "full", "selective"])
-def test_profiled_formula_and_trace_match_a_real_run(profiled, ac):
-    cfg = profiled.replace(ac=ac, seq=80, micro_batch=4)  # not a profiled shape
-    m = run(cfg, FAST)
-    assert m.ok, m.outcome_detail
-    tr, est = trace_estimate(cfg).memory, formula_estimate(cfg)
-    assert est.layer_terms.startswith("profile (trace of 1 and 2 blocks")
-    assert est.to_dict()["layer_terms"] == est.layer_terms
-    assert rel(tr.peak_bytes, m.memory.peak_bytes) <= 0.005
-    assert rel(tr.activations_bytes, m.memory.activations_bytes) <= 0.005
-    assert rel(est.memory.peak_tensor_bytes, m.memory.peak_bytes) <= 0.03
-    assert rel(est.memory.activations_bytes, m.memory.activations_bytes) <= 0.03
-    assert est.params.total == sum(p.numel() for p in _model(cfg).parameters())
-
-
-def _model(cfg):
-    from batchlab.models import build_workload
-
-    return build_workload(cfg).model
-
-
-@pytest.mark.slow
-def test_profile_is_cached_and_stale_for_another_shape(profiled):
-    from batchlab.formula.profile import cached
-
-    assert cached(profiled) == profiled.model.profile
-    wider = profiled.replace(hidden=128)
-    assert wider.model.matching_profile is None
-    assert formula_estimate(wider).layer_terms.startswith("builtin")
-    json.dumps(profiled.to_dict())  # the profile travels with the config (subprocesses, the notebook)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type, fields, seq", [
-    ("mistral", dict(num_key_value_heads=2, sliding_window=32), 48),  # seq >= window: explicit mask, repeated k/v
-    ("bloom", dict(n_layer=2, n_head=4, num_hidden_layers=None), 64),
-    ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2), 64),
-    ("gemma2", dict(num_key_value_heads=2, head_dim=16, sliding_window=32), 64),  # alternating layers: P = 2
-])
-def test_more_families_within_the_issue_bounds(tmp_path, model_type, fields, seq):
-    from batchlab.trace.profile import with_profile
-
-    cfg = with_profile(hf_cfg(config_dir(tmp_path, model_type, **fields), seq=seq, precision="bf16-mixed"))
-    m = run(cfg, FAST)
-    tr, est = trace_estimate(cfg).memory, formula_estimate(cfg).memory
-    assert rel(tr.peak_bytes, m.memory.peak_bytes) <= 0.005
-    assert rel(tr.activations_bytes, m.memory.activations_bytes) <= 0.005
-    # bf16-mixed: the formula counts autocast's 16-bit weight copies with the parameters, the measurement
-    # with the activations (they are created in the forward), so the peak, which holds both, is compared
-    assert rel(est.peak_tensor_bytes, m.memory.peak_bytes) <= 0.03
-
-
-@pytest.mark.slow  # two profiles, 30-60 s each on 2 loaded cores
-@pytest.mark.parametrize("model_type, fields, precision, ac, layers", [
-    # a checkpointed block keeps the (b, 1, s, s) mask it is handed, and its forward's working set (the ALiBi
-    # scores) is the forward's high point at long sequences: -27% before both were per AC policy
-    ("bloom", dict(n_layer=2, n_head=4, num_hidden_layers=None, max_position_embeddings=None), "fp32", "full", 2),
-    # past the sliding window (explicit mask, repeated k/v) in bf16, 4x the traced depth: autocast's cast cache
-    # holds every recomputed layer's weight copies through the forward (-3.8% at 8 layers when it did not)
-    ("mistral", dict(num_key_value_heads=2, sliding_window=128), "bf16-mixed", "selective", 8),
-])
-def test_formula_at_seq_512_within_3pct_of_the_trace(tmp_path, model_type, fields, precision, ac, layers):
-    """The trace equals a real run's live tensors (tests above); 512 is past the profile's fitted shapes."""
-    from batchlab.trace.profile import with_profile
-
-    cfg = hf_cfg(config_dir(tmp_path, model_type, **fields), seq=512, precision=precision, ac=ac)
-    cfg = with_profile(cfg.replace(layers=layers))
-    tr, est = trace_estimate(cfg).memory, formula_estimate(cfg).memory
-    assert rel(est.peak_tensor_bytes, tr.peak_bytes) <= 0.03
-    assert rel(est.activations_bytes, tr.activations_bytes) <= 0.03
-    assert est.peak_phase == tr.peak_phase
-
 
 def test_a_factory_building_an_hf_model_gets_the_eager_branches(tmp_path, monkeypatch):
     """GQA under transformers: a fake tensor looks like tracing and would keep a packed-sequence mask."""

@@ -1,0 +1,56 @@
+"""A layer profile (the calculator's layer terms traced from the model's own code) against a real run's live
+tensors: one family profiled once for the module, then predictions at a shape that was not profiled."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchlab.formula import estimate as formula_estimate
+from batchlab.run import measure as run
+from batchlab.trace import estimate as trace_estimate
+from hf_shapes import FAST, config_dir, hf_cfg, rel
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """One family, profiled once (fp32): the calculator's layer terms from the model's own code."""
+    from batchlab.trace.profile import with_profile
+
+    folder = config_dir(tmp_path_factory.mktemp("hf"), "falcon")
+    return with_profile(hf_cfg(folder))
+
+
+@pytest.mark.slow  # profiling takes 20-60 s on 2 loaded cores
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+def test_profiled_formula_and_trace_match_a_real_run(profiled, ac):
+    cfg = profiled.replace(ac=ac, seq=80, micro_batch=4)  # not a profiled shape
+    m = run(cfg, FAST)
+    assert m.ok, m.outcome_detail
+    tr, est = trace_estimate(cfg).memory, formula_estimate(cfg)
+    assert est.layer_terms.startswith("profile (trace of 1 and 2 blocks")
+    assert est.to_dict()["layer_terms"] == est.layer_terms
+    assert rel(tr.peak_bytes, m.memory.peak_bytes) <= 0.005
+    assert rel(tr.activations_bytes, m.memory.activations_bytes) <= 0.005
+    assert rel(est.memory.peak_tensor_bytes, m.memory.peak_bytes) <= 0.03
+    assert rel(est.memory.activations_bytes, m.memory.activations_bytes) <= 0.03
+    assert est.params.total == sum(p.numel() for p in _model(cfg).parameters())
+
+
+def _model(cfg):
+    from batchlab.models import build_workload
+
+    return build_workload(cfg).model
+
+
+@pytest.mark.slow
+def test_profile_is_cached_and_stale_for_another_shape(profiled):
+    from batchlab.formula.profile import cached
+
+    assert cached(profiled) == profiled.model.profile
+    wider = profiled.replace(hidden=128)
+    assert wider.model.matching_profile is None
+    assert formula_estimate(wider).layer_terms.startswith("builtin")
+    json.dumps(profiled.to_dict())  # the profile travels with the config (subprocesses, the notebook)
