@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import statistics
 import time
 
 from batchlab.calibrate.kernels import COLD_BYTES, MEMORY_SIZES, _copies, _cycling, keeping, steady, timed_rates
@@ -14,7 +15,7 @@ from batchlab.calibrate.kernels import COLD_BYTES, MEMORY_SIZES, _copies, _cycli
 # what each kind stands for in the op classes (formula/timing.py CONTENDED): a matmul (compute-bound), an
 # out-of-cache add into fresh outputs (memory-bound), a tiny add (dispatch-bound: Python and the dispatcher)
 KINDS = ("compute", "memory", "dispatch")
-ROUNDS = 2  # alternations of 1 and N processes; the faster of each (other load only slows a sample down)
+ROUNDS = 3  # alternations of 1 and N processes
 
 
 def _kernel(kind: str):
@@ -32,34 +33,28 @@ def _kernel(kind: str):
     return (lambda: x.add(1)), 1
 
 
-def _worker(kind: str, threads: int, seconds: float, barrier, results) -> None:
+def _worker(threads: int, seconds: float, barrier, commands, results) -> None:
+    """Build every kind's kernel once, then time one kind per command: (kind, processes running it)."""
     import torch
 
     torch.set_num_threads(threads)
-    call, work = _kernel(kind)
-    call()
-    barrier.wait()  # all N start together, and all run for the same wall-clock budget
+    kernels = {kind: _kernel(kind) for kind in KINDS}
+    for call, _ in kernels.values():
+        call()
     clock = time.thread_time if threads == 1 else time.process_time
-    results.put(steady(timed_rates(call, work, seconds, lambda: None, clock=clock)))
-
-
-def _rate(ctx, kind: str, processes: int, threads: int, seconds: float) -> float:
-    """The per-process rate of ``kind`` with ``processes`` running it at once (their mean)."""
-    barrier, results = ctx.Barrier(processes), ctx.Queue()
-    workers = [ctx.Process(target=_worker, args=(kind, threads, seconds, barrier, results), daemon=True)
-               for _ in range(processes)]
-    for w in workers:
-        w.start()
-    rates = [results.get(timeout=60 + 10 * seconds) for _ in workers]
-    for w in workers:
-        w.join()
-    return sum(rates) / len(rates)
+    while (command := commands.get()) is not None:
+        kind, processes = command
+        call, work = kernels[kind]
+        if processes > 1:
+            barrier.wait()  # all start together and run for the same wall-clock budget
+        results.put(steady(timed_rates(call, work, seconds, lambda: None, clock=clock)))
 
 
 def slowdown(processes: int, threads: int, seconds: float) -> dict[str, float]:
-    """Per kind, a process's time per call with ``processes`` running at once over one alone (>= 1 is not
-    enforced: a factor below 1 is noise, clipped by the caller).  Empty where the processes' threads do not
-    fit on the cores (then they time-share, which ``formula.timing.sharing`` already counts)."""
+    """Per kind, a process's time per call with ``processes`` running it at once over one alone: the median
+    over ``ROUNDS`` alternations of the per-process mean (a factor below 1 is noise, clipped by the caller).
+    Empty where the processes' threads do not fit on the cores (then they time-share, which
+    ``formula.timing.sharing`` already counts)."""
     cores = os.cpu_count() or 1
     if processes < 2 or processes * threads > cores:
         return {}
@@ -67,11 +62,27 @@ def slowdown(processes: int, threads: int, seconds: float) -> dict[str, float]:
     method = "fork" if threads == 1 and "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
     share = seconds / (len(KINDS) * 2 * ROUNDS)
-    out = {}
-    for kind in KINDS:
-        rates: dict[int, list[float]] = {1: [], processes: []}
-        for _ in range(ROUNDS):  # alternated, so a change of the machine's load falls on both
-            for n in rates:
-                rates[n].append(_rate(ctx, kind, n, threads, share))
-        out[kind] = max(rates[1]) / max(rates[processes])
-    return out
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    commands = [ctx.Queue() for _ in range(processes)]
+    workers = [ctx.Process(target=_worker, args=(threads, share, barrier, q, results), daemon=True)
+               for q in commands]
+    for w in workers:
+        w.start()
+
+    def rate(kind: str, n: int) -> float:
+        for q in commands[:n]:
+            q.put((kind, n))
+        got = [results.get(timeout=120) for _ in range(n)]
+        return sum(got) / n
+
+    try:
+        out = {}
+        for kind in KINDS:
+            # alternated, so a change of the machine's load falls on both sides of each round
+            out[kind] = statistics.median(rate(kind, 1) / rate(kind, processes) for _ in range(ROUNDS))
+        return out
+    finally:
+        for q in commands:
+            q.put(None)
+        for w in workers:
+            w.join(timeout=30)

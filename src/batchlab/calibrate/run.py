@@ -30,7 +30,7 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
     """Measure what the per-op time model needs in about ``seconds``: the matmul curves in fp32 and bf16
     (34% linear layers, 8% attention's batched matmuls, 8% fused attention), element-wise bandwidth (12%), per-element kernels
     (15%), per-op dispatch (25%), on CPU the loopback link gloo uses between local ranks (2%) and the slowdown of
-    two processes running alike at once (10% of budget, about 2 s with the processes' start-up).  ``threads``: the
+    two processes running alike at once (15%, in CPU seconds: longer on a loaded machine; plus ~0.3 s to start them).  ``threads``: the
     intra-op thread count to measure at (CPU; restored afterwards)."""
     import torch
 
@@ -63,7 +63,7 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
         elements = _element_seconds(device, 0.15 * seconds, sync)
         dispatch = _dispatch_seconds(device, 0.25 * seconds, sync)
         link, latency = _loopback(0.02 * seconds) if device.type == "cpu" else (0.0, 0.0)
-        contention = slowdown(2, torch.get_num_threads(), 0.1 * seconds) if device.type == "cpu" else {}
+        contention = slowdown(2, torch.get_num_threads(), 0.15 * seconds) if device.type == "cpu" else {}
         assert fp32, "fp32 matmul failed"
         best32, best16 = max(fp32, key=lambda p: p[1]), max(bf16, key=lambda p: p[1]) if bf16 else None
         return Calibration(
