@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -79,6 +80,28 @@ def test_a_cache_from_before_the_step_regime_curves_is_measured_again():
     cal, fresh = ensure("cpu", threads=1, seconds=0.5)
     assert fresh and cal.memory_curve_inplace and cal.seconds != 0.5
     assert ensure("cpu", threads=1)[1] is False  # cached now
+
+
+def test_a_cpu_cache_from_before_the_contention_measurement_is_measured_again():
+    old = sample(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]])  # contention_processes 0
+    save(old)
+    assert load_cached("cpu", threads=1) == old  # still readable
+    cal, fresh = ensure("cpu", threads=1, seconds=0.5)
+    assert fresh and cal.contention_processes == 2 and cal.seconds != 0.5
+    costs = cal.op_costs()
+    assert costs.contention == cal.contention and costs.contention_processes == 2
+
+
+def test_contention_is_measured_only_where_the_processes_get_their_own_cores():
+    from batchlab.calibrate.concurrency import KINDS, slowdown
+
+    cores = os.cpu_count() or 1
+    assert slowdown(2, cores, 0.1) == {} and slowdown(1, 1, 0.1) == {}  # time-shared / nothing beside it
+    if cores < 2:
+        pytest.skip("one core")
+    factors = slowdown(2, 1, 0.3)
+    # CPU seconds per call (other load does not enter them): a second process never makes one 5x faster or slower
+    assert set(factors) == set(KINDS) and all(0.5 < f < 5 for f in factors.values()), factors
 
 
 def test_a_measured_rate_is_used_as_it_is_no_achievable_fraction_on_top():

@@ -146,6 +146,31 @@ def test_local_ranks_share_the_cores_and_the_loopback_link():
     assert timed(base.replace(dp=2), single_thread).ops.seconds == pytest.approx(one.ops.seconds)
 
 
+def test_local_ranks_running_at_once_slow_each_op_by_its_kinds_calibrated_contention():
+    base = RunConfig(seq=64, micro_batch=2)
+    per_element = {f"{k.value}:fp32": 1e-3 for k in OpClass}  # 1 ms per element: never bytes-bound
+    quiet = OpCosts(**{**FLAT.__dict__, "threads": 1, "cores": 2, "element_seconds": per_element})
+    busy = OpCosts(**{**quiet.__dict__, "contention": {"compute": 1.5, "memory": 2.0, "dispatch": 3.0},
+                      "contention_processes": 2})
+    def timed(cfg, costs):
+        return timing(cfg, flops(cfg), memory(cfg), costs)
+
+    one, two = timed(base, busy), timed(base.replace(dp=2), busy)
+    assert one.ops == timed(base, quiet).ops  # one rank: nothing runs beside it
+    # 2 ranks x 1 thread on 2 cores share no core; each op class slows by the kind it contends like
+    kind = {"memory": 2.0, "strided-copy": 2.0, "dispatch": 3.0, "view": 1.0}
+    assert set(one.ops.by_class) == set(two.ops.by_class) and {"matmul", "memory", "dispatch"} <= set(one.ops.by_class)
+    for klass, seconds in one.ops.by_class.items():
+        assert two.ops.by_class[klass] == pytest.approx(kind.get(klass, 1.5) * seconds, rel=1e-9), klass
+    assert two.ops.seconds == pytest.approx(sum(two.ops.by_class.values()), rel=1e-9)
+    assert "compute x1.50, memory x2.00, dispatch x3.00" in two.model and "slowest rank" in two.model
+    assert "slow each other" not in one.model
+    # a factor below 1 is sampling noise: no rank runs faster beside another
+    noisy = OpCosts(**{**quiet.__dict__, "contention": {"compute": 0.9, "memory": 0.8, "dispatch": 0.95},
+                       "contention_processes": 2})
+    assert timed(base.replace(dp=2), noisy).ops.seconds == pytest.approx(timed(base.replace(dp=2), quiet).ops.seconds)
+
+
 def test_interpolation_in_log_flops():
     pts = ((1e6, 10.0), (1e8, 30.0))
     assert interpolate_log(pts, 1e7) == pytest.approx(20.0)  # halfway in log

@@ -40,6 +40,10 @@ class Calibration:
     loopback_bytes_per_s: float = 0.0  # CPU: TCP over loopback (gloo's link between local ranks); 0: unmeasured
     loopback_latency_s: float = 0.0  # its 1-byte round trip
     cores: int = 0  # CPU cores of the machine measured (local ranks x threads beyond it share them)
+    # CPU: a process's slowdown while ``contention_processes`` run the same kernels at once, by kind
+    # (compute | memory | dispatch; calibrate/concurrency.py); 0 processes: not measured (an older cache)
+    contention: dict[str, float] = field(default_factory=dict)
+    contention_processes: int = 0
     provenance: str = "calibrated"
 
     @property
@@ -67,7 +71,8 @@ class Calibration:
                        element_seconds=dict(self.element_seconds),
                        dispatch=dict(self.dispatch_seconds), asynchronous=not self.torch_device.startswith("cpu"),
                        link_bytes_per_s=self.loopback_bytes_per_s or None, link_latency_s=self.loopback_latency_s,
-                       threads=self.threads, cores=self.cores,
+                       threads=self.threads, cores=self.cores, contention=dict(self.contention),
+                       contention_processes=self.contention_processes,
                        source=self.source)
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import time
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
                                         _element_seconds, _loopback, _matmul_curve, _memory_curve,
                                         _sdpa_curve)
+from batchlab.calibrate.concurrency import slowdown
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
 from batchlab.host import cpu_hardware
@@ -28,7 +29,8 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
             threads: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in about ``seconds``: the matmul curves in fp32 and bf16
     (34% linear layers, 8% attention's batched matmuls, 8% fused attention), element-wise bandwidth (12%), per-element kernels
-    (15%), per-op dispatch (25%), on CPU the loopback link gloo uses between local ranks (2%).  ``threads``: the
+    (15%), per-op dispatch (25%), on CPU the loopback link gloo uses between local ranks (2%) and the slowdown of
+    two processes running alike at once (15%, in CPU seconds: longer on a loaded machine; plus ~0.3 s to start them).  ``threads``: the
     intra-op thread count to measure at (CPU; restored afterwards)."""
     import torch
 
@@ -61,6 +63,7 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
         elements = _element_seconds(device, 0.15 * seconds, sync)
         dispatch = _dispatch_seconds(device, 0.25 * seconds, sync)
         link, latency = _loopback(0.02 * seconds) if device.type == "cpu" else (0.0, 0.0)
+        contention = slowdown(2, torch.get_num_threads(), 0.15 * seconds) if device.type == "cpu" else {}
         assert fp32, "fp32 matmul failed"
         best32, best16 = max(fp32, key=lambda p: p[1]), max(bf16, key=lambda p: p[1]) if bf16 else None
         return Calibration(
@@ -73,7 +76,8 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
             matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{k: v for k, v in bmm.items() if v}},
             memory_curve=mem, memory_curve_bf16=mem16, memory_curve_inplace=inplace,
             strided_bytes_per_s=strided, element_seconds=elements, dispatch_seconds=dispatch,
-            loopback_bytes_per_s=link, loopback_latency_s=latency, cores=os.cpu_count() or 1)
+            loopback_bytes_per_s=link, loopback_latency_s=latency, cores=os.cpu_count() or 1,
+            contention=contention, contention_processes=2 if device.type == "cpu" else 0)
     finally:
         CLOCK.reset(token)
         torch.set_num_threads(before)
@@ -88,8 +92,10 @@ def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float
 
     want = default_threads() if threads is None else threads
     cached = load_cached(catalogue_name(usable(torch_device)), want)
-    # a cache from before the step-regime calibration (no in-place curve) timed warm loops: measured again
-    if cached is not None and cached.op_costs() is not None and cached.memory_curve_inplace:
+    # a cache from before the step-regime calibration (no in-place curve) timed warm loops, one from before the
+    # contention measurement (CPU) has no slowdown of local ranks: measured again
+    if (cached is not None and cached.op_costs() is not None and cached.memory_curve_inplace
+            and (cached.contention_processes or not cached.torch_device.startswith("cpu"))):
         return cached, False
     cal = measure(torch_device, seconds=seconds, threads=want)
     save(cal)

@@ -61,6 +61,9 @@ def calibrate(
         table.add_row(f"per element: {key}", f"{s * 1e9:.2f} ns", "representative kernel")
     for kind, s in cal.dispatch_seconds.items():
         table.add_row(f"per op: {kind}", f"{s * 1e6:.1f} µs", "updates of a dispatch-bound 2-layer GPT")
+    for kind, f in cal.contention.items():
+        table.add_row(f"local ranks at once: {kind}", f"x{f:.2f}",
+                      f"CPU s per call, {cal.contention_processes} processes at once over one alone")
     out.print(table)
     out.print("Measured rates are what kernels of each size reach: no achievable fraction is applied on top.")
     if path:

@@ -167,6 +167,10 @@ class OpCosts:
     link_latency_s: float = 0.0  # per message on that link
     threads: int = 0  # CPU: intra-op threads the rates were measured at (0: unknown)
     cores: int = 0  # CPU: cores of the calibrated machine (0: unknown)
+    # CPU: a process's time per op while ``contention_processes`` run alike at once, over alone, by kind
+    # (compute | memory | dispatch); empty: unmeasured (local ranks then only share the cores)
+    contention: Mapping[str, float] = field(default_factory=dict)
+    contention_processes: int = 0
     source: str = "nominal"
 
     def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:

@@ -133,7 +133,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     if cfg.zero >= 1:  # each rank steps only its shard of the optimizer state
         ops = tuple(dataclasses.replace(o, bytes=o.bytes // cfg.dp, elements=o.elements // cfg.dp)
                     if o.phase is Phase.OPTIMIZER else o for o in ops)
-    t = shared_cores(price(ops, costs), cfg, costs)
+    t = on_host(ops, cfg, costs)
     compute = sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute"))
     rest = t.seconds - compute
     dispatch_compute = sum(costs.dispatch_seconds(o.phase) * o.count for o in ops
@@ -176,7 +176,35 @@ def sharing(cfg: RunConfig, costs: OpCosts) -> float:
     return max(1.0, cfg.dp * costs.threads / costs.cores)
 
 
-def shared_cores(t: TimeBreakdown, cfg: RunConfig, costs: OpCosts) -> TimeBreakdown:
+def contention(cfg: RunConfig, costs: OpCosts) -> dict[str, float]:
+    """Per kind (compute | memory | dispatch), how much slower each local rank's ops run while the other ranks
+    run theirs at the same moment (they step in lockstep: every update ends in the all-reduce): the calibrated
+    slowdown of concurrent processes (shared memory bandwidth and caches), at least 1; {} for one rank."""
+    if cfg.dp < 2 or cfg.device_spec.backend is not Backend.CPU or not costs.contention:
+        return {}
+    return {k: max(1.0, f) for k, f in costs.contention.items()}
+
+
+def contended(costs: OpCosts, slow: dict[str, float]) -> OpCosts:
+    """``costs`` with every op's work and dispatch ``slow`` times as long, by the kind it contends like:
+    matmuls and the per-element kernels (their operands mostly in cache) compute-bound, element-wise ops by
+    bytes and copies memory-bound, dispatch as the tiny-op loop."""
+    c, m, d = (slow.get(k, 1.0) for k in ("compute", "memory", "dispatch"))
+    scale = lambda curve, f: tuple((x, r / f) for x, r in curve) if curve else curve  # noqa: E731 — rates
+    return dataclasses.replace(
+        costs, matmul={k: scale(v, c) for k, v in costs.matmul.items()}, memory=scale(costs.memory, m),
+        memory_low=scale(costs.memory_low, m), memory_inplace=scale(costs.memory_inplace, m),
+        strided_bytes_per_s=costs.strided_bytes_per_s / m,
+        element_seconds={k: s * c for k, s in costs.element_seconds.items()},
+        dispatch={k: s * d for k, s in costs.dispatch.items()})
+
+
+def on_host(ops, cfg: RunConfig, costs: OpCosts, provenance: str = "formula") -> TimeBreakdown:
+    """One local rank's ops priced at the speed it gets beside the other ranks on this host: the cores
+    time-shared (``sharing``), and each op slowed by the concurrent ranks' contention (``contention``).  The
+    ranks are alike, so the slowest rank, which the all-reduce waits for, takes this time too."""
+    slow = contention(cfg, costs)
+    t = price(ops, contended(costs, slow) if slow else costs, provenance)
     k = sharing(cfg, costs)
     if k == 1.0:
         return t
@@ -190,6 +218,10 @@ def machine_text(cfg: RunConfig, costs: OpCosts) -> str:
         return ""
     out = (f"; {cfg.dp} local rank(s) x {costs.threads} thread(s) on {costs.cores} cores, ops x{sharing(cfg, costs):.2f}"
            " (an otherwise idle machine assumed)")
+    slow = contention(cfg, costs)
+    if slow:
+        out += (f"; ranks running at once slow each other (calibrated with {costs.contention_processes} processes): "
+                + ", ".join(f"{k} x{f:.2f}" for k, f in slow.items()) + "; the update waits for the slowest rank")
     if local_link(cfg, costs):
         out += (f"; all-reduce over the calibrated loopback {costs.link_bytes_per_s / 1e9:.2f} GB/s + "
                 f"{costs.link_latency_s * 1e6:.0f} us per message")

@@ -21,8 +21,8 @@ from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import storage_bytes, tracker_for
 from batchlab.formula import calibrated_costs
-from batchlab.formula.opcost import describe, price
-from batchlab.formula.timing import costs_for, machine_text, shared_cores
+from batchlab.formula.opcost import describe
+from batchlab.formula.timing import costs_for, machine_text, on_host
 from batchlab.trace import sharded
 from batchlab.trace.flops import count_update_flops
 from batchlab.trace.ops import OpRecorder
@@ -164,7 +164,7 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
         snap, recorder, ops = _tracked_update(trainer, tree, timeline)
         memory = _memory(cfg, trainer, snap)
     costs = costs_for(cfg, calibrated_costs(cfg, calibrations), ops)
-    time_ops = shared_cores(price(ops, costs, provenance="trace"), cfg, costs)
+    time_ops = on_host(ops, cfg, costs, provenance="trace")
     return TraceEstimate(
         config=cfg.to_dict(), global_batch=cfg.global_batch, tokens_per_update=cfg.tokens_per_update,
         memory=memory, flops=flops, traced_device=device.type, trace_seconds=time.perf_counter() - start,

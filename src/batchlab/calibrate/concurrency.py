@@ -1,0 +1,88 @@
+"""How much slower one process's kernels run while other processes on this host run the same kernels: the
+cost of data-parallel ranks sharing one machine beyond its core count (memory bandwidth, shared caches, a
+virtual CPU's hidden sibling).  Measured as each process's CPU seconds per call, N processes at once over one
+alone, so time-sharing by other load (wall clock) does not enter it; ``formula.timing`` multiplies a local
+rank's op costs by it.  Torch is imported inside the functions."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import statistics
+import time
+
+from batchlab.calibrate.kernels import COLD_BYTES, MEMORY_SIZES, _copies, _cycling, keeping, steady, timed_rates
+
+# what each kind stands for in the op classes (formula/timing.py CONTENDED): a matmul (compute-bound), an
+# out-of-cache add into fresh outputs (memory-bound), a tiny add (dispatch-bound: Python and the dispatcher)
+KINDS = ("compute", "memory", "dispatch")
+ROUNDS = 3  # alternations of 1 and N processes
+
+
+def _kernel(kind: str):
+    """(call, work per call) of one kind's kernel on this process's CPU."""
+    import torch
+
+    if kind == "compute":
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        return (lambda: torch.mm(a, b)), 2 * 256**3
+    if kind == "memory":
+        n = MEMORY_SIZES[-1]
+        sets = _copies(lambda: (torch.ones(n), torch.ones(n)), 8 * n)
+        return keeping(_cycling(torch.add, sets), COLD_BYTES), 12 * n
+    x = torch.ones(8)
+    return (lambda: x.add(1)), 1
+
+
+def _worker(threads: int, seconds: float, barrier, commands, results) -> None:
+    """Build every kind's kernel once, then time one kind per command: (kind, processes running it)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    kernels = {kind: _kernel(kind) for kind in KINDS}
+    for call, _ in kernels.values():
+        call()
+    clock = time.thread_time if threads == 1 else time.process_time
+    while (command := commands.get()) is not None:
+        kind, processes = command
+        call, work = kernels[kind]
+        if processes > 1:
+            barrier.wait()  # all start together and run for the same wall-clock budget
+        results.put(steady(timed_rates(call, work, seconds, lambda: None, clock=clock)))
+
+
+def slowdown(processes: int, threads: int, seconds: float) -> dict[str, float]:
+    """Per kind, a process's time per call with ``processes`` running it at once over one alone: the median
+    over ``ROUNDS`` alternations of the per-process mean (a factor below 1 is noise, clipped by the caller).
+    Empty where the processes' threads do not fit on the cores (then they time-share, which
+    ``formula.timing.sharing`` already counts)."""
+    cores = os.cpu_count() or 1
+    if processes < 2 or processes * threads > cores:
+        return {}
+    # fork: no interpreter start-up per worker; at one thread the parent never started an OpenMP pool
+    method = "fork" if threads == 1 and "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    share = seconds / (len(KINDS) * 2 * ROUNDS)
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    commands = [ctx.Queue() for _ in range(processes)]
+    workers = [ctx.Process(target=_worker, args=(threads, share, barrier, q, results), daemon=True)
+               for q in commands]
+    for w in workers:
+        w.start()
+
+    def rate(kind: str, n: int) -> float:
+        for q in commands[:n]:
+            q.put((kind, n))
+        got = [results.get(timeout=120) for _ in range(n)]
+        return sum(got) / n
+
+    try:
+        out = {}
+        for kind in KINDS:
+            # alternated, so a change of the machine's load falls on both sides of each round
+            out[kind] = statistics.median(rate(kind, 1) / rate(kind, processes) for _ in range(ROUNDS))
+        return out
+    finally:
+        for q in commands:
+            q.put(None)
+        for w in workers:
+            w.join(timeout=30)
