@@ -81,29 +81,23 @@ def test_explain_uses_the_users_numbers():
     assert "10.20 MiB" in r.stdout
 
 
-def test_hf_config_and_custom_device(tmp_path):
-    p = tmp_path / "config.json"
-    p.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 100}))
-    r = run("estimate", "--hf-config", str(p), "--device", "custom:mem=1GiB,tflops=10", "--json")
-    assert r.exit_code == 0, r.output
-    d = json.loads(r.stdout)
-    assert d["config"]["model"]["layers"] == 2 and d["memory"]["capacity_bytes"] == 2**30
-
-
 def test_a_config_json_without_optional_fields_counts_the_model_transformers_builds(tmp_path, monkeypatch):
     """GPT-2 with no n_positions / n_inner: the family's defaults (1024 positions, 4h MLP), as
-    AutoModelForCausalLM.from_config fills them; without torch, estimate says why it has no layer profile."""
+    AutoModelForCausalLM.from_config fills them; without torch, estimate says why it has no layer profile
+    (the profiled path: tests/test_any_model_profiled.py); a custom device's memory is the capacity."""
     transformers = pytest.importorskip("transformers")
     import sys
 
     p = tmp_path / "config.json"
     p.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 100}))
     monkeypatch.setitem(sys.modules, "batchlab.trace.profile", None)  # import fails as it does without torch
-    r = run("estimate", "--hf-config", str(p), "--json")
+    r = run("estimate", "--hf-config", str(p), "--device", "custom:mem=1GiB,tflops=10", "--json")
     assert r.exit_code == 0, r.output
     assert "no layer profile (" in r.stderr and "built-in layer terms" in r.stderr
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
-    assert json.loads(r.stdout)["parameters"] == sum(q.numel() for q in model.parameters())
+    d = json.loads(r.stdout)
+    assert d["parameters"] == sum(q.numel() for q in model.parameters())
+    assert d["config"]["model"]["layers"] == 2 and d["memory"]["capacity_bytes"] == 2**30  # the custom device
 
 
 def test_config_file_from_fit_is_the_base_and_typed_flags_override(tmp_path):
