@@ -120,8 +120,8 @@ def with_layer_profile(cfg: RunConfig) -> RunConfig:
     try:
         from batchlab.trace.profile import with_profile
     except ImportError as e:  # the calculator alone installed: tracing needs torch and transformers
-        typer.echo(f"warning: no layer profile ({e.name or 'torch'} is not installed: tracing the model's own code "
-                   "needs torch and transformers); the calculator uses its built-in layer terms", err=True)
+        typer.echo(f"warning: no layer profile (tracing the model's own code needs torch and transformers: {e}); "
+                   "the calculator uses its built-in layer terms", err=True)
         return cfg
     typer.echo(f"profiling {cfg.model_source}'s layers on fake tensors (once; cached) ...", err=True)
     try:

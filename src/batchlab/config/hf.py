@@ -106,7 +106,8 @@ def spec_fields(raw: dict[str, Any], source: str = "config.json", field_name: st
         if values[f] is None:
             raise ConfigError(field_name, f"{source} ({kind}) has none of the fields {', '.join(ALIASES[f])}")
     values = {f: (_whole(f, v) if v is not None else None) for f, v in values.items()}
-    values.update({f: v for f, v in _family_defaults(kind).items() if values[f] is None})
+    if values["ffn"] is None or values["max_positions"] is None:  # only then: importing transformers costs ~1 s
+        values.update({f: v for f, v in _family_defaults(kind).items() if values[f] is None})
     hidden, heads = values["hidden"], values["heads"]
     bias, qkv_bias = _bias(raw, kind)
     gated = kind in GATED or (kind not in LEARNED_POSITIONS and raw.get("hidden_act") in ("silu", "swish"))
