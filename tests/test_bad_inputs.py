@@ -138,6 +138,8 @@ OWN = [
     (["estimate", "--vary", "micro_batch=1,2", "--vary", "micro_batch=4,8"], "vary"),
     (["estimate", "--vary", "micro_batch"], "vary"), (["estimate", "--vary", "colour=1,2"], "colour"),
     (["estimate", "--trace", "--vary", "micro_batch=1,2"], "trace"),
+    (["estimate", "--vary", "accum=5..2"], "vary"), (["estimate", "--vary", "accum=1..x"], "vary"),
+    (["estimate", "--vary", "accum=1..1000000"], "vary"),
     (["estimate", "--timeline", "out.txt"], "timeline"),
     (COMPARE + ["--change", "micro_batch"], "change"), (COMPARE + ["--change", "micro_batch=1"], "change"),
     (COMPARE + ["--change", "colour=1:2"], "colour"), (COMPARE + ["--change", f"layers=1:{BIG}"], "layers"),

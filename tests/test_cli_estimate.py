@@ -125,6 +125,13 @@ def test_vary_accum_keeps_the_global_batch_by_re_deriving_the_micro_batch():
         [(8, 1, 8), (4, 2, 8), (2, 4, 8)]
 
 
+def test_a_vary_range_is_every_whole_number_in_it():
+    rows = json.loads(run("estimate", "--vary", "accum=1,2..4,8", "--keep", "accum", "--micro-batch", "2",
+                          "--json").stdout)
+    assert [r["config"]["accum"] for r in rows] == [1, 2, 3, 4, 8]
+    assert [r["global_batch"] for r in rows] == [2, 4, 6, 8, 16]  # 2 x accum x 1
+
+
 def test_config_file_model_may_be_a_hugging_face_family(tmp_path):
     from batchlab.config import load_config_toml
 

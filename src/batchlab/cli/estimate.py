@@ -186,14 +186,14 @@ def estimate(
         show(cfg, tree=tree, as_json=as_json, console=console, timeline=timeline)
         return
     if vary:
-        from batchlab.formula.vary import vary as vary_rows
+        from batchlab.formula.vary import values_of, vary as vary_rows
 
         if len(vary) > 1:  # refused, not combined: a --vary table changes exactly one variable
             raise ConfigError("vary", f"given {len(vary)} times ({', '.join(vary)}); one variable per table")
         name, sep, values = vary[0].partition("=")
         if not sep or not values:
-            raise ConfigError("vary", "expected FIELD=v1,v2,... e.g. micro_batch=1,2,4")
-        rows = vary_rows(cfg, name.strip().replace("-", "_"), values.split(","), keep, load_all())
+            raise ConfigError("vary", "expected FIELD=v1,v2,... or FIELD=a..b, e.g. micro_batch=1,2,4 or accum=1..64")
+        rows = vary_rows(cfg, name.strip().replace("-", "_"), values_of(values), keep, load_all())
         if as_json:
             print_json([r.to_dict() for r in rows])
         else:

@@ -71,6 +71,26 @@ def _loose(cfg: RunConfig, name: str, text: str) -> RunConfig | None:
         return None
 
 
+MAX_ROWS = 100_000  # a range longer than this is a typo, not a table
+
+
+def values_of(text: str) -> list[str]:
+    """The values of ``--vary FIELD=TEXT``: comma-separated, a part ``a..b`` standing for the whole numbers
+    a, a+1, ..., b (``accum=1..1000``; ``micro_batch=1,2,4..6``)."""
+    out: list[str] = []
+    for part in text.split(","):
+        lo, dots, hi = part.partition("..")
+        if not dots:
+            out.append(part)
+            continue
+        if not (lo.strip().isdigit() and hi.strip().isdigit()) or int(lo) > int(hi):
+            raise ConfigError("vary", f"a range is a..b with whole numbers a <= b (e.g. accum=1..64), got {part!r}")
+        if int(hi) - int(lo) + 1 + len(out) > MAX_ROWS:
+            raise ConfigError("vary", f"{part!r} gives more than {MAX_ROWS:,} rows")
+        out += [str(v) for v in range(int(lo), int(hi) + 1)]
+    return out
+
+
 def vary(cfg: RunConfig, name: str, values: list[str], keep: Keep = Keep.GLOBAL_BATCH,
          calibrations: Calibrations | None = None) -> list[VaryRow]:
     """One row per value, impossible ones included (with why and what would make them possible);
