@@ -17,8 +17,8 @@ from batchlab.units import fmt_amount, fmt_bytes
 DEFAULT_MARGIN = 0.10  # of the device memory (or --memory-budget), kept free on top of the formula's peak
 DEFAULT_TOKENS = 10**9  # token budget the time ranking uses when none is given
 EVERY_K = (2, 4, 8)  # every:K policies tried (K < layers)
-# A micro-batch of at least this many tokens keeps matmuls reasonably large; below it, per-micro-batch
-# overheads and small kernels cost time that the formula (FLOP-bound) does not see.
+# A micro-batch of at least this many tokens keeps matmuls reasonably large: below it per-micro-batch overheads
+# and small kernels dominate, which the per-op time model prices from the calibration of this device only.
 MIN_MICRO_TOKENS = 4096
 # Knobs a user may hold fixed (typed on the command line); the others are searched.  Precision is never
 # searched (it changes the numerics), so holding it only names it.
@@ -218,8 +218,8 @@ def assumptions(goal: Goal, est_assumptions: tuple[str, ...]) -> tuple[str, ...]
     return est_assumptions + factory + (
         f"safety margin {goal.margin:.0%} of {fmt_bytes(goal.capacity_bytes)} per rank: a candidate fits if its "
         f"predicted peak is <= {fmt_bytes(goal.usable_bytes)}",
-        f"ranked by predicted time to {fmt_amount(goal.tokens, 'tokens')}; the formula's time is FLOP-bound, so it does not "
-        "depend on the micro-batch (ties go to the larger micro-batch)",
+        f"ranked by predicted time to {fmt_amount(goal.tokens, 'tokens')} (per-op time model: a larger micro-batch runs "
+        "fewer, larger ops; ties go to the larger micro-batch)",
         f"reasonable micro-batch: >= {goal.min_micro_tokens} tokens (micro-batch x seq) or the whole per-rank batch",
     )
 
