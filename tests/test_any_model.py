@@ -196,5 +196,13 @@ def test_vision_compare_and_fit_run(vision, tmp_path, monkeypatch):
     assert record["metrics"]["peak_memory"]["formula"]["ratio"] is None  # a factory's own code: no formula guess
     assert record["metrics"]["tokens_per_second"]["unit"] == "samples/s"  # the key is the contract; the unit says
     assert record["change"]["global_batch_text"]["b"].endswith("= 8 samples per update")
-    r = CliRunner().invoke(app, ["fit", *model, "--memory-budget", "64MiB", "--json"])
+    # fit traces a factory's own code (the formula knows only its stand-in GPT shape): under a budget that only
+    # a checkpointed micro-batch of 2 fits, the traced peak is the real run's
+    r = CliRunner().invoke(app, ["fit", *model, "--memory-budget", "1MiB", "--json"])
     assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["predictor"] == "trace" and d["recommended_by_formula"]["provenance"] == "trace"
+    assert d["recommended_by_formula"]["counted"] == "samples"
+    rec, measured = d["recommended_by_formula"], d["verification"]
+    assert (rec["config"]["micro_batch"], measured["micro_batch"]) == (2, 2) and measured["outcome"] == "ok"
+    assert abs(rec["peak_bytes"] / measured["peak_bytes"] - 1) < 0.01, (rec["peak_bytes"], measured["peak_bytes"])

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from batchlab.advise.after_oom import Advice, Remedy, oom_advice, what_would_fit
-from batchlab.advise.plan import Goal, FitPlan, divisors, plan
+from batchlab.advise.plan import Goal, FitPlan, Progress, divisors, plan
 from batchlab.advise.states import StatesVerdict, states_verdict
 from batchlab.advise.search import (MeasureFn, SearchResult, Trial, TrialOutcome, search_largest,
                                     trial_from_measurement)
-from batchlab.config import RunConfig, to_jsonable
+from batchlab.config import ModelSource, RunConfig, to_jsonable
 from batchlab.units import relative_to
 
 
@@ -31,7 +31,7 @@ class FitReport:
         return 0 if self.final is not None else 1
 
     def predicted_peak(self, cfg: RunConfig) -> int | None:
-        """Formula peak of an evaluated candidate with cfg's micro-batch, policy and ZeRO stage."""
+        """Predicted peak (formula, or trace for a factory) of an evaluated candidate with cfg's micro-batch, policy and ZeRO stage."""
         for c in self.plan.candidates:
             if (c.config.micro_batch, str(c.config.ac), c.config.zero) == (cfg.micro_batch, str(cfg.ac), cfg.zero):
                 return c.peak_bytes
@@ -61,7 +61,7 @@ class FitReport:
                 "capacity_bytes": p.goal.capacity_bytes, "usable_bytes": p.goal.usable_bytes,
                 "margin": p.goal.margin, "token_budget": p.goal.tokens, "held": sorted(p.goal.held),
                 "searched": list(p.goal.searched), "model_states": to_jsonable(self.states),
-                "recommended_by_formula": to_jsonable(p.recommended), "reason": p.reason,
+                "predictor": p.predictor, "recommended_by_formula": to_jsonable(p.recommended), "reason": p.reason,
                 "alternatives": to_jsonable(list(p.ranked)), "candidates_evaluated": len(p.candidates),
                 "assumptions": list(p.assumptions), "final": to_jsonable(self.final), "source": self.source,
                 "verification": to_jsonable(self.verification), "search": to_jsonable(self.search),
@@ -102,17 +102,19 @@ def _after_search(report: FitReport, s: SearchResult, goal: Goal, rec: RunConfig
             report.notes.append(f"micro-batch {s.limit} fits by measurement but leaves less than the "
                                 f"{goal.margin:.0%} margin")
     report.final = rec.with_global_batch(rec.global_batch, chosen)
-    report.source = "measured (search seeded by the formula)"
+    report.source = f"measured (search seeded by the {report.plan.predictor})"
 
 
 def fit(goal: Goal, *, verify: bool, search: bool = False, measure: MeasureFn | None = None,
-        on_trial: Callable[[Trial], None] | None = None) -> FitReport:
-    """Plan; with ``verify`` measure the recommendation; search when it does not fit (or ``search``)."""
-    p = plan(goal)
+        on_trial: Callable[[Trial], None] | None = None, progress: Progress | None = None) -> FitReport:
+    """Plan; with ``verify`` measure the recommendation; search when it does not fit (or ``search``).
+    ``progress``: the plan's, per candidate evaluated."""
+    p = plan(goal, progress)
     report = FitReport(p)
     if p.recommended is None:
-        report.states = states_verdict(goal)
-        report.remedies = what_would_fit(goal)
+        if goal.base.model_kind is not ModelSource.FACTORY:  # both search the model's shape, unknown for a factory
+            report.states = states_verdict(goal)
+            report.remedies = what_would_fit(goal)
         return report
     rec = p.recommended.config
     report.final = rec
@@ -132,14 +134,14 @@ def fit(goal: Goal, *, verify: bool, search: bool = False, measure: MeasureFn | 
         report.final, report.source = None, "measurement failed"
         report.notes.append(f"measuring the recommendation failed: {first.detail}")
         return report
-    if first.out_of_memory:
+    if first.out_of_memory and goal.base.model_kind is not ModelSource.FACTORY:
         report.advice = oom_advice(dataclasses.replace(goal, base=rec))
     if _within_margin(first, goal) and (not search or "micro_batch" in goal.held):
-        report.source = "formula, confirmed by measurement"
+        report.source = f"{p.predictor}, confirmed by measurement"
         return report
     if "micro_batch" in goal.held:  # nothing to search: the user fixed it
         if first.fits:
-            report.source = "formula, confirmed by measurement"
+            report.source = f"{p.predictor}, confirmed by measurement"
             report.notes.append(f"micro-batch {rec.micro_batch} (held as given) fits by measurement but leaves less "
                                 f"than the {goal.margin:.0%} margin")
         else:

@@ -6,10 +6,12 @@ Torch-free (the plan must answer in well under a second).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 from batchlab.calibrate import load_all
-from batchlab.config import ACMode, ACPolicy, ConfigError, ModelSource, RunConfig
+from batchlab.config import ACMode, ACPolicy, ConfigError, Counted, ModelSource, RunConfig
 from batchlab.formula import Calibrations, estimate
 from batchlab.formula.memory import model_states
 from batchlab.units import fmt_amount, fmt_bytes
@@ -23,6 +25,7 @@ MIN_MICRO_TOKENS = 4096
 # Knobs a user may hold fixed (typed on the command line); the others are searched.  Precision is never
 # searched (it changes the numerics), so holding it only names it.
 KNOBS = ("micro_batch", "ac", "zero", "precision")
+Progress = Callable[[int, int, str], None]
 KNOB_FLAGS = {"micro_batch": "--micro-batch", "ac": "--ac", "zero": "--zero", "precision": "--precision"}
 
 
@@ -90,7 +93,8 @@ class Candidate:
     tokens_per_second: float
     time_to_tokens_seconds: float
     hardware_flops_per_update: float
-    provenance: str = "formula"
+    provenance: str = "formula"  # or "trace": a factory's own code on fake tensors
+    counted: Counted = Counted.TOKENS  # what tokens_per_second counts (samples for a per-sample factory)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -98,11 +102,26 @@ class Candidate:
 
 
 def candidate(cfg: RunConfig, tokens: float, calibrations: Calibrations | None = None) -> Candidate:
-    """``calibrations``: the cached ceilings (``calibrate.load_all()``), read here when not given."""
-    est = estimate(cfg, load_all() if calibrations is None else calibrations)
+    """``calibrations``: the cached ceilings (``calibrate.load_all()``), read here when not given.  A factory
+    model is traced (the formula cannot see inside its code); every other model gets the formula."""
+    cals = load_all() if calibrations is None else calibrations
+    if cfg.model_kind is ModelSource.FACTORY:
+        return traced_candidate(cfg, tokens, cals)
+    est = estimate(cfg, cals)
     return Candidate(cfg, est.memory.peak_bytes, est.memory.peak_phase, est.time.update_seconds,
                      est.time.tokens_per_second, est.time.time_to_tokens(tokens),
                      est.flops.hardware_flops_per_update)
+
+
+def traced_candidate(cfg: RunConfig, tokens: float, calibrations: Calibrations) -> Candidate:
+    """One steady-state update of the factory's code on fake tensors: its peak, and the per-op time model over
+    the ops it ran (one rank, no communication).  ``tokens``: the budget, in what the model counts."""
+    from batchlab.trace import estimate as trace  # torch and the user's module: a factory needs both anyway
+
+    t = trace(cfg, calibrations=calibrations)
+    per_second = t.tokens_per_update / t.time.seconds
+    return Candidate(cfg, t.memory.peak_bytes, t.memory.peak_phase, t.time.seconds, per_second, tokens / per_second,
+                     t.flops.hardware_flops_per_update, provenance="trace", counted=t.counted)
 
 
 def divisors(n: int) -> list[int]:
@@ -134,10 +153,16 @@ def shaped(goal: Goal, micro_batch: int, ac: ACPolicy, zero: int) -> RunConfig:
     return goal.base.replace(micro_batch=micro_batch, accum=goal.per_rank // micro_batch, ac=ac, zero=zero)
 
 
-def enumerate_candidates(goal: Goal) -> list[Candidate]:
+def enumerate_candidates(goal: Goal, progress: Progress | None = None) -> list[Candidate]:
+    """``progress(done, total, label)``: called before each candidate (a factory's are traced, ~0.2 s each)."""
     cals = load_all()
-    return [candidate(shaped(goal, mb, ac, z), goal.tokens, cals)
-            for z in zero_stages(goal) for ac in goal_policies(goal) for mb in micro_batches(goal)]
+    shapes = [shaped(goal, mb, ac, z) for z in zero_stages(goal) for ac in goal_policies(goal) for mb in micro_batches(goal)]
+    out = []
+    for i, cfg in enumerate(shapes):
+        if progress is not None:
+            progress(i, len(shapes), f"candidate {i + 1} of {len(shapes)}: micro-batch {cfg.micro_batch}, {cfg.ac}")
+        out.append(candidate(cfg, goal.tokens, cals))
+    return out
 
 
 def best_per_option(cands: list[Candidate], limit_bytes: int) -> list[Candidate]:
@@ -188,18 +213,37 @@ class FitPlan:
     reason: str
     assumptions: tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def predictor(self) -> str:
+        """How the candidates' figures were obtained: formula, or trace for a factory model."""
+        return self.candidates[0].provenance if self.candidates else "formula"
+
+    @property
+    def counted(self) -> Counted:
+        return self.candidates[0].counted if self.candidates else Counted.TOKENS
+
     def predicted_limit(self, ac: ACPolicy, zero: int) -> int | None:
-        """Largest micro-batch the formula says fits the full capacity (no safety margin)."""
+        """Largest micro-batch the prediction says fits the full capacity (no safety margin)."""
         fits = [c.config.micro_batch for c in self.candidates
                 if str(c.config.ac) == str(ac) and c.config.zero == zero and c.peak_bytes <= self.goal.capacity_bytes]
         return max(fits) if fits else None
 
 
 def parameter_bytes_per_rank(goal: Goal) -> int:
-    """Stored weights alone (fp32 master under mixed precision), sharded only where ZeRO-3 may be used."""
+    """Stored weights alone (fp32 master under mixed precision), sharded only where ZeRO-3 may be used; a
+    factory's counted in its traced update (the formula knows only its stand-in shape)."""
     cfg = goal.base.replace(zero=max(zero_stages(goal)))
+    if cfg.model_kind is ModelSource.FACTORY:
+        return _traced_parameter_bytes(cfg.replace(micro_batch=1, accum=1))
     states = model_states(cfg)
     return states.master or states.parameters
+
+
+@functools.lru_cache(maxsize=4)  # the CLI checks before its header, the plan again
+def _traced_parameter_bytes(cfg: RunConfig) -> int:
+    from batchlab.trace import estimate as trace
+
+    return trace(cfg, calibrations=load_all()).memory.parameters_bytes
 
 
 def check_capacity(goal: Goal) -> None:
@@ -211,23 +255,25 @@ def check_capacity(goal: Goal) -> None:
                                 "(--dp, --allow-zero) or a smaller model")
 
 
-def assumptions(goal: Goal, est_assumptions: tuple[str, ...]) -> tuple[str, ...]:
-    factory = (f"model {goal.base.model_source} is a factory the formula cannot see inside: the plan uses the shape "
-               f"of {goal.base.model.name}; confirm with --verify / --search",) \
-        if goal.base.model_kind is ModelSource.FACTORY else ()
+def assumptions(goal: Goal, est_assumptions: tuple[str, ...], counted: Counted = Counted.TOKENS) -> tuple[str, ...]:
+    factory = (f"model {goal.base.model_source} is a factory the formula cannot see inside: every candidate is "
+               "traced instead (its own code, one update on fake tensors; time: the per-op model over the ops it "
+               "ran, one rank, no communication)",) if goal.base.model_kind is ModelSource.FACTORY else ()
     return est_assumptions + factory + (
         f"safety margin {goal.margin:.0%} of {fmt_bytes(goal.capacity_bytes)} per rank: a candidate fits if its "
         f"predicted peak is <= {fmt_bytes(goal.usable_bytes)}",
-        f"ranked by predicted time to {fmt_amount(goal.tokens, 'tokens')} (per-op time model: a larger micro-batch runs "
+        f"ranked by predicted time to {fmt_amount(goal.tokens, counted.value)} (per-op time model: a larger micro-batch runs "
         "fewer, larger ops; ties go to the larger micro-batch)",
         f"reasonable micro-batch: >= {goal.min_micro_tokens} tokens (micro-batch x seq) or the whole per-rank batch",
     )
 
 
-def plan(goal: Goal) -> FitPlan:
+def plan(goal: Goal, progress: Progress | None = None) -> FitPlan:
     check_capacity(goal)
-    cands = enumerate_candidates(goal)
+    cands = enumerate_candidates(goal, progress)
     ranked = rank(best_per_option(cands, goal.usable_bytes))
     rec, why = recommend(ranked, goal)
-    est_assumptions = estimate(goal.base, load_all()).assumptions
-    return FitPlan(goal, tuple(cands), tuple(ranked), rec, why, assumptions(goal, est_assumptions))
+    # a factory's figures are the trace's: the formula's assumptions are about its stand-in shape
+    est_assumptions = () if goal.base.model_kind is ModelSource.FACTORY else estimate(goal.base, load_all()).assumptions
+    counted = cands[0].counted if cands else Counted.TOKENS
+    return FitPlan(goal, tuple(cands), tuple(ranked), rec, why, assumptions(goal, est_assumptions, counted))

@@ -1,4 +1,5 @@
-"""Text output of ``batchlab fit`` (rich).  Every figure names how it was obtained: formula or allocator."""
+"""Text output of ``batchlab fit`` (rich).  Every figure names how it was obtained: formula (trace for a factory
+model) or allocator."""
 from __future__ import annotations
 
 
@@ -12,7 +13,7 @@ from batchlab.advise.plan import KNOB_FLAGS, KNOBS, Candidate, Goal, unfit_optio
 from batchlab.advise.search import Trial
 from batchlab.advise.snippets import printable
 from batchlab.advise.states import EIGHT_BIT_ADAM, StatesVerdict, states_verdict
-from batchlab.config import RunConfig
+from batchlab.config import ModelSource, RunConfig
 from batchlab.units import fmt_bytes, fmt_seconds, relative_to
 
 
@@ -25,8 +26,12 @@ def header(out: Console, goal: Goal) -> None:
     b = goal.base
     out.print(f"[bold]batchlab fit[/]  {b.model.name} ({b.model_source}), seq {b.seq}, {b.precision}, {b.optimizer}, "
               f"{b.dp} x {b.device}")
-    out.print(f"target: global batch {goal.global_batch} sequences ({b.tokens_per_update:,} tokens per update) "
-              f"over DP {b.dp}: {goal.per_rank} sequences per rank per update")
+    if b.model_kind is ModelSource.FACTORY:  # tokens or samples: known once its code is traced
+        out.print(f"target: global batch {goal.global_batch} examples over DP {b.dp}: {goal.per_rank} per rank per "
+                  "update")
+    else:
+        out.print(f"target: global batch {goal.global_batch} sequences ({b.tokens_per_update:,} tokens per update) "
+                  f"over DP {b.dp}: {goal.per_rank} sequences per rank per update")
     out.print(f"memory per rank: {fmt_bytes(goal.capacity_bytes)}"
               + (" (--memory-budget)" if b.memory_budget is not None else f" ({b.device})")
               + f", safety margin {goal.margin:.0%}: plan within {fmt_bytes(goal.usable_bytes)}")
@@ -85,20 +90,20 @@ def states_block(out: Console, v: StatesVerdict, goal: Goal) -> None:
 
 
 def candidate_line(c: Candidate, goal: Goal) -> str:
-    cfg = c.config
-    return (f"{cfg.global_batch_text()}\n  activation checkpointing {cfg.ac}, ZeRO-{cfg.zero}; predicted peak "
-            f"{fmt_bytes(c.peak_bytes)} in {c.peak_phase} \\[formula], headroom {fmt_bytes(goal.capacity_bytes - c.peak_bytes)}; "
-            f"update {fmt_seconds(c.update_seconds)}, {c.tokens_per_second:,.0f} tokens/s, "
-            f"{fmt_seconds(c.time_to_tokens_seconds)} to {goal.tokens:.3g} tokens \\[formula]")
+    cfg, how, unit = c.config, c.provenance, c.counted.value
+    return (f"{cfg.global_batch_text(c.counted)}\n  activation checkpointing {cfg.ac}, ZeRO-{cfg.zero}; predicted peak "
+            f"{fmt_bytes(c.peak_bytes)} in {c.peak_phase} \\[{how}], headroom {fmt_bytes(goal.capacity_bytes - c.peak_bytes)}; "
+            f"update {fmt_seconds(c.update_seconds)}, {c.tokens_per_second:,.0f} {unit}/s, "
+            f"{fmt_seconds(c.time_to_tokens_seconds)} to {goal.tokens:.3g} {unit} \\[{how}]")
 
 
 def alternatives(report: FitReport, top: int) -> Table:
     p, goal = report.plan, report.plan.goal
     rec = p.recommended
     t = Table(title=f"Largest micro-batch per policy within the margin, fastest first; then policies that do not fit "
-                    f"\\[formula] ({len(p.candidates)} configurations evaluated)", header_style="bold")
+                    f"\\[{p.predictor}] ({len(p.candidates)} configurations evaluated)", header_style="bold")
     for col in ("", "micro x accum x DP", "act. checkpointing", "ZeRO", "peak", "headroom", "update",
-                f"to {goal.tokens:.3g} tokens", "vs chosen"):
+                f"to {goal.tokens:.3g} {p.counted.value}", "vs chosen"):
         t.add_column(col, justify="left" if col in ("", "act. checkpointing") else "right")
     for c in p.ranked[:top]:
         cfg = c.config
@@ -125,7 +130,8 @@ def trial_line(t: Trial, n: int, budget: int | None = None) -> str:
 def trials_table(report: FitReport) -> Table:
     trials = report.search.trials if report.search else [report.verification]
     t = Table(title="Measured (isolated subprocess each)", header_style="bold")
-    for col in ("#", "micro x accum", "outcome", "peak \\[allocator]", "peak \\[formula]", "formula error"):
+    how = report.plan.predictor
+    for col in ("#", "micro x accum", "outcome", "peak \\[allocator]", f"peak \\[{how}]", f"{how} error"):
         t.add_column(col, justify="left" if col == "outcome" else "right")
     rec = report.plan.recommended.config
     for i, tr in enumerate(trials, 1):
@@ -141,10 +147,11 @@ def limits_line(report: FitReport) -> str | None:
     if lim is None:
         return None
     text = (f"largest micro-batch that fits {fmt_bytes(report.plan.goal.capacity_bytes)} with {lim['policy']}: "
-            f"formula {lim['predicted_limit']}, measured {lim['measured_limit']} "
+            f"{report.plan.predictor} {lim['predicted_limit']}, measured {lim['measured_limit']} "
             f"({lim['trials']} trials, budget {lim['trial_budget']})")
     if lim.get("peak_error") is not None:
-        text += (f"; at micro-batch {lim['measured_limit']} formula {fmt_bytes(lim['predicted_peak_bytes'])} vs "
+        text += (f"; at micro-batch {lim['measured_limit']} {report.plan.predictor} "
+                 f"{fmt_bytes(lim['predicted_peak_bytes'])} vs "
                  f"allocator {fmt_bytes(lim['measured_peak_bytes'])} ({lim['peak_error']:+.1%})")
     return text
 
@@ -190,7 +197,7 @@ def fit_report(out: Console, report: FitReport, top: int, with_header: bool = Tr
         remedies(out, report.remedies, goal, report.states)
         _assumptions(out, p.assumptions)
         return
-    out.print(f"[bold]recommended by the formula:[/] {candidate_line(p.recommended, goal)}")
+    out.print(f"[bold]recommended by the {p.predictor}:[/] {candidate_line(p.recommended, goal)}")
     out.print(f"  why: {p.reason}")
     out.print(alternatives(report, top))
     if report.verification is not None:
@@ -203,7 +210,7 @@ def fit_report(out: Console, report: FitReport, top: int, with_header: bool = Tr
     if report.advice:
         out.print(advice_table(report.advice, goal))
     if report.final is not None:
-        out.print(f"[bold green]chosen[/] ({report.source}): {report.final.global_batch_text()}, activation "
+        out.print(f"[bold green]chosen[/] ({report.source}): {report.final.global_batch_text(p.counted)}, activation "
                   f"checkpointing {report.final.ac}, ZeRO-{report.final.zero}")
         snippets(out, report.final)
     else:

@@ -7,7 +7,7 @@ import typer
 
 from batchlab.cli.base import app
 from batchlab.cli.common import console, fail, print_json, with_config
-from batchlab.config import Backend, ConfigError, RunConfig
+from batchlab.config import Backend, ConfigError, ModelSource, RunConfig
 
 PANEL = "Fit"
 
@@ -89,8 +89,13 @@ def _fit(goal, verify: bool | None, search: bool, timeout: float | None, as_json
     if search and "micro_batch" in goal.held:
         typer.echo("warning: ignored: --search: the micro-batch is held as given (--micro-batch); it is only "
                    "verified", err=True)
+    factory = goal.base.model_kind is ModelSource.FACTORY  # its candidates are traced: seconds, not milliseconds
     if not (verify or search):
-        return fit(goal, verify=False)
+        if not factory:
+            return fit(goal, verify=False)
+        with progress("fit", "tracing", quiet=as_json) as bar:
+            shown = (lambda done, total, label: bar(done, total, f"tracing {label}")) if bar is not None else None
+            return fit(goal, verify=False, progress=shown)
     budget = 1 if "micro_batch" in goal.held else max_trials(goal.per_rank)
     isolated = isolated_measure(goal.capacity_bytes, timeout)
     with progress("fit", "measuring", total=budget, quiet=as_json) as bar:
@@ -106,7 +111,11 @@ def _fit(goal, verify: bool | None, search: bool, timeout: float | None, as_json
                 bar.log(trial_line(t, count[0], budget))
             return t
 
-        return fit(goal, verify=verify, search=search, measure=measure)
+        def tracing(done: int, total: int, label: str) -> None:
+            bar(0, budget, f"before the trials: tracing {label}")
+
+        return fit(goal, verify=verify, search=search, measure=measure,
+                   progress=tracing if factory and bar is not None else None)
 
 
 def _after_oom(goal, as_json: bool) -> int:
