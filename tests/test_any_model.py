@@ -82,6 +82,25 @@ def test_qwen2_parameter_count_includes_the_qkv_biases(tmp_path):
     assert count(cfg.model).total == sum(p.numel() for p in model.parameters())  # no profile: the formula's own
 
 
+def test_a_bare_model_type_is_transformers_default_config_of_that_family():
+    """hf:mistral: no file; transformers' MistralConfig() (Mistral-7B-v0.1) counted, then built shrunk."""
+    import transformers
+
+    from batchlab.models import build_workload
+
+    spec, source = resolve_model("hf:mistral")
+    with torch.device("meta"):  # 7.2 B parameters: counted on the meta device, nothing allocated
+        full = transformers.AutoModelForCausalLM.from_config(transformers.MistralConfig())
+    assert source == "hf:mistral" and count(spec).total == sum(p.numel() for p in full.parameters())
+    assert (spec.layers, spec.hidden, spec.kv_heads, spec.sliding_window) == (32, 4096, 8, 4096)
+    small, source = resolve_model("hf:mistral", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512)
+    model = build_workload(RunConfig(model=small, model_source=source, seq=16, micro_batch=1)).model
+    assert type(model).__name__ == "MistralForCausalLM" and model.config.num_hidden_layers == 2
+    assert count(small).total == sum(p.numel() for p in model.parameters())
+    with pytest.raises(ConfigError, match="model_type transformers knows"):
+        resolve_model("hf:no_such_family")
+
+
 def test_overrides_are_written_back_under_the_familys_names(tmp_path):
     from batchlab.models import build_workload
 

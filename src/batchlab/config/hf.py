@@ -8,6 +8,7 @@ is what the calculator and ``--vary`` use; the layer terms come from the model's
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +37,38 @@ UNTIED_BY_DEFAULT = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3
 NO_SDPA = {"bloom"}  # transformers implements only eager attention for these
 
 
+MODEL_TYPE = re.compile(r"[a-z][a-z0-9_]*")  # how transformers spells a model_type (mistral, qwen2, gpt_neox)
+
+
 def hf_config_path(target: str | Path) -> Path:
     """A config.json, or a directory holding one."""
     p = Path(target)
     return p / "config.json" if p.is_dir() else p
 
 
+def family_config(kind: str) -> dict[str, Any] | None:
+    """transformers' default config for the model_type ``kind`` (``AutoConfig.for_model(kind)``: the family's
+    reference size, mistral's is Mistral-7B-v0.1), or None without transformers or for a kind it does not know."""
+    if not MODEL_TYPE.fullmatch(kind):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(kind).to_dict()
+    except (ImportError, ValueError, KeyError):
+        return None
+
+
+def is_family(target: str | Path) -> bool:
+    """``hf:mistral``: not a file, but a model_type transformers has a default config for."""
+    return not hf_config_path(target).exists() and family_config(str(target)) is not None
+
+
 def read_hf_config(target: str | Path, field_name: str = "model") -> dict[str, Any]:
+    """A config.json (or a directory holding one), or transformers' default config for a bare model_type."""
     p = hf_config_path(target)
+    if not p.exists() and (defaults := family_config(str(target))) is not None:
+        return defaults
     raw = read_file(field_name, p, json.loads, "a JSON config")
     if not isinstance(raw, dict) or not raw.get("model_type"):
         raise ConfigError(field_name, f"{p} is not a Hugging Face config (no model_type)")
@@ -87,11 +112,8 @@ def _whole(field: str, value: Any) -> int:
 def _family_defaults(kind: str) -> dict[str, int]:
     """The optional shape fields (MLP width, position table) a config.json may leave out, as the family's
     config class fills them when transformers builds the model; {} without transformers (no torch needed)."""
-    try:
-        from transformers import AutoConfig
-
-        defaults = AutoConfig.for_model(kind).to_dict()
-    except (ImportError, ValueError, KeyError):  # not installed, or a model_type this version does not know
+    defaults = family_config(kind)
+    if defaults is None:  # not installed, or a model_type this version does not know
         return {}
     out = {f: _first(defaults, f) for f in ("ffn", "max_positions")}
     return {f: v for f, v in out.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}

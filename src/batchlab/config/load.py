@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from batchlab.config.choices import ConfigError
-from batchlab.config.hf import hf_config_path, read_hf_config, spec_fields
-from batchlab.config.model import ModelSpec, preset
+from batchlab.config.hf import hf_config_path, is_family, read_hf_config, spec_fields
+from batchlab.config.model import PRESETS, ModelSpec, preset
 from batchlab.config.run import CHANGEABLE_FIELDS, RUN_FIELDS, Assumptions, RunConfig
 from batchlab.config.values import finite_number, parse_bytes, read_file
 
@@ -95,11 +95,27 @@ def _is_hf_file(target: str) -> bool:
     return target.endswith(".json") or hf_config_path(target).is_file()
 
 
+def hf_raw(target: str) -> dict[str, Any] | None:
+    """What ``hf:TARGET`` (``model_source`` less its prefix) builds from: a config.json's fields, or
+    transformers' defaults for a bare model_type; None for a batchlab preset (hf:gpt2, hf:llama-2-7b)."""
+    target = HF_FAMILIES.get(target, target)
+    if _is_hf_file(target) or (target not in PRESETS and is_family(target)):
+        return read_hf_config(target)
+    return None
+
+
+def _unknown_hf(target: str) -> ConfigError:
+    return ConfigError("model", f"hf:{target} is neither a config.json, a directory holding one, a batchlab preset "
+                                f"({', '.join(PRESETS)}) nor a model_type transformers knows (hf:mistral, hf:qwen2, "
+                                "...; those need transformers: pip install 'batchlab[hf]')")
+
+
 def resolve_model(arg: str, **overrides: Any) -> tuple[ModelSpec, str]:
     """``--model``'s value -> (shape for the calculator, model_source for the harness).
 
     ``hf:FILE_OR_DIR`` (a config.json or a directory holding one, any model_type), ``hf:NAME`` (a batchlab
-    preset built with transformers' GPT-2 or Llama classes), a preset, or ``package.module:factory``.
+    preset built with transformers' GPT-2 or Llama classes), ``hf:MODEL_TYPE`` (transformers' default config of
+    that family), a preset, or ``package.module:factory``.
     """
     if not isinstance(arg, str) or not arg.strip():
         raise ConfigError("model", "must be a preset name, hf:NAME_OR_CONFIG.json or package.module:factory")
@@ -108,7 +124,11 @@ def resolve_model(arg: str, **overrides: Any) -> tuple[ModelSpec, str]:
         target = HF_FAMILIES.get(arg[3:], arg[3:])
         if _is_hf_file(target):
             return model_from_hf_config(target, "model", **overrides), arg
-        return preset(target, **overrides), arg
+        if target in PRESETS:
+            return preset(target, **overrides), arg
+        if is_family(target):  # hf:mistral: transformers' default config of that model_type
+            return model_from_hf_config(target, "model", **overrides), arg
+        raise _unknown_hf(target)
     if ":" in arg:  # package.module:factory — the calculator cannot see inside it; the shape is a stand-in
         if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", arg):
             raise ConfigError("model", f"{arg!r} is not package.module:factory (Python names, e.g. mypkg.models:build)")

@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from batchlab.config import ConfigError, DataKind, MLPKind, ModelSpec, RunConfig
-from batchlab.config.hf import ALIASES, NO_SDPA, hf_config_path, read_hf_config, spec_fields
+from batchlab.config.hf import ALIASES, NO_SDPA, hf_config_path, spec_fields
+from batchlab.config.load import hf_raw
 from batchlab.models import Workload, synthetic_tokens
 
 INSTALL_HINT = "pip install 'batchlab[hf]' (or pip install transformers)"
@@ -72,6 +73,8 @@ def _file_fields(raw: dict[str, Any], spec: ModelSpec, source: str) -> dict[str,
             values[next((k for k in keys if k in raw), keys[0])] = value
             if name == "layers":  # per-layer lists follow the new count (the config class rebuilds them)
                 values.pop("layer_types", None)
+    if raw.get("head_dim") == read.hidden // read.heads and (spec.hidden, spec.heads) != (read.hidden, read.heads):
+        values["head_dim"] = spec.hidden // spec.heads  # the file's head_dim was hidden / heads: it follows them
     if spec.tied_embeddings != read.tied_embeddings:
         values["tie_word_embeddings"] = spec.tied_embeddings
     if spec.dropout != read.dropout:
@@ -85,10 +88,9 @@ def hf_config(cfg: RunConfig):
     """The transformers config object for ``cfg`` (the ModelSpec decides the shape)."""
     transformers = _transformers()
     target = cfg.model_source[len("hf:"):]
-    path = hf_config_path(target)
-    if path.is_file():
-        raw = read_hf_config(path)
-        family, values = raw["model_type"], _file_fields(raw, cfg.model, str(path))
+    raw = hf_raw(target)
+    if raw is not None:  # a config.json, or transformers' defaults of a model_type (hf:mistral)
+        family, values = raw["model_type"], _file_fields(raw, cfg.model, str(hf_config_path(target)))
     else:
         family = _preset_family(cfg.model)
         values = _preset_fields(family, cfg.model)
