@@ -13,7 +13,7 @@ from hf_shapes import FAST, config_dir, hf_cfg, rel
 transformers = pytest.importorskip("transformers")
 
 
-# two representatives (a profile each, 15-30 s on 2 cores); bloom, gemma2 (alternating layers, P = 2) and the
+# two representatives (a profile each, 10-15 s on 2 cores); bloom, gemma2 (alternating layers, P = 2) and the
 # rest of the families: benchmarks/accuracy.py, whose table is in the README
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type, fields, seq", [

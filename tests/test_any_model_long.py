@@ -12,7 +12,7 @@ from hf_shapes import config_dir, hf_cfg, rel
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.slow  # two profiles, 30-60 s each on 2 loaded cores
+@pytest.mark.slow  # two profiles, 8-15 s each on 2 loaded cores
 @pytest.mark.parametrize("model_type, fields, precision, ac, layers", [
     # a checkpointed block keeps the (b, 1, s, s) mask it is handed, and its forward's working set (the ALiBi
     # scores) is the forward's high point at long sequences: -27% before both were per AC policy

@@ -23,7 +23,7 @@ def profiled(tmp_path_factory):
     return with_profile(hf_cfg(folder))
 
 
-@pytest.mark.slow  # profiling takes 20-60 s on 2 loaded cores
+@pytest.mark.slow  # profiling takes 10-25 s on 2 loaded cores
 @pytest.mark.parametrize("ac", ["none", "full", "selective"])
 def test_profiled_formula_and_trace_match_a_real_run(profiled, ac):
     cfg = profiled.replace(ac=ac, seq=80, micro_batch=4)  # not a profiled shape

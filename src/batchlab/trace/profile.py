@@ -6,6 +6,9 @@ and three sequence lengths, and fitted exactly as ``bs·b·s + bss·b·s² + s1�
 the difference between P and 2P layers is P layers' share, the rest is the embeddings, final norm, head
 and loss.  P is the period of the layer pattern (``layer_types``: gemma2 alternates sliding and global).
 A model with a sliding window gets a second set of terms fitted at s >= window (another code path).
+Whole updates of 2P layers give the phases' high points at knot lengths; per micro-batch three lengths
+and a check are traced and the rest derived event by event (trace/lengths.py), and the fitted shapes'
+kept bytes at 2P layers come from the same updates.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from batchlab.config import ACPolicy, ModelSource, Precision, RunConfig
 from batchlab.config.profile import Knots, LayerProfile, Poly, Terms
 from batchlab.formula import profile as cache
 from batchlab.measure.memory import tracker_for
+from batchlab.trace.lengths import EventLog, Run, at_shapes
 from batchlab.trace.patches import eager_branches
 from batchlab.trace.run import FakeTrainer, fake_mode, trace_device
 
@@ -51,19 +55,19 @@ class _Probe:
         t.mark(phase)
 
 
-def _update_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, ...]:
-    """One tracked update at (b, s): kept for backward, forward's and backward's peaks above what was live as
-    backward started, the optimizer step's temporaries above the model states, autocast copies kept."""
+def _update_at(trainer: FakeTrainer, b: int, s: int) -> Run:
+    """One tracked update at (b, s): kept for backward, the forward's and backward's storage events, what was
+    live as backward started, the optimizer step's temporaries above the model states, autocast copies kept."""
     trainer.cfg = trainer.cfg.replace(micro_batch=b, seq=s)  # the harness reads the shape from its config
     tracker = tracker_for(trainer)
-    probe = _Probe(tracker)
+    probe, log = _Probe(tracker), EventLog(tracker)
+    tracker.listener = log
     with tracker:
         trainer.update(probe=probe)
     snap = tracker.snapshot()
     grads = sum(p.numel() * p.element_size() for p in trainer.raw_model.parameters() if p.requires_grad)
-    peaks = snap.phase_peaks
-    return (probe.kept, peaks.get("forward", 0) - probe.at_backward, peaks.get("backward", 0) - probe.at_backward,
-            peaks.get("optimizer", 0) - snap.baseline_bytes - grads, probe.copies)
+    return Run.of(log, probe.kept, probe.at_backward, probe.copies,
+                  snap.phase_peaks.get("optimizer", 0) - snap.baseline_bytes - grads)
 
 
 def _parabola(points: list[tuple[int, Fraction]]) -> tuple[Fraction, Fraction, Fraction]:
@@ -112,11 +116,12 @@ def _measure(cfg: RunConfig, layers: int, precision: Precision, mode: str, shape
     # the optimizer step's temporaries do not depend on the shape: stepped at the smallest knot only, where
     # the least of the batch is still live (a fifth of each update's fake-tensor ops saved elsewhere)
     smallest = min(shapes, key=lambda bs: bs[0] * bs[1])
-    out = {}
-    for shape in shapes:
-        with contextlib.nullcontext() if shape == smallest else _without_step(trainer):
-            out[shape] = _update_at(trainer, *shape)
-    return out
+
+    def update(b: int, s: int) -> Run:
+        with contextlib.nullcontext() if (b, s) == smallest else _without_step(trainer):
+            return _update_at(trainer, b, s)
+
+    return {shape: run.figures() for shape, run in at_shapes(update, shapes).items()}  # trace/lengths.py
 
 
 @contextlib.contextmanager
@@ -138,11 +143,11 @@ def _without_step(trainer: FakeTrainer):
 
 
 def _forward_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, int]:
-    """(bytes the forward leaves for backward, autocast copies among them)."""
-    batch = trainer.workload.make_batch(trainer.generator, b, s, trainer.device)
+    """(bytes the forward leaves for backward, autocast copies among them), as ``_update_at`` counts them."""
     tracker = tracker_for(trainer)
     probe = _Probe(tracker)
-    with tracker:
+    with tracker:  # the batch made in the data phase, as the harness makes it: the tokens a forward keeps are data
+        batch = trainer.workload.make_batch(trainer.generator, b, s, trainer.device)
         probe.mark("forward")
         with trainer._autocast():
             loss = trainer.workload.loss_sum(trainer.model, *batch)
@@ -175,10 +180,11 @@ def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool) ->
     fitted, residual = {}, 0
     for name, mode in AC_OF.items():
         at_one = _measure(cfg, period, precision, mode, shapes, full=False)
-        at_two = _measure(cfg, 2 * period, precision, mode, shapes, full=False)
         # whole updates of 2P layers at the knots: the forward's, backward's and the optimizer's high points
-        # are maxima over events (the loss, one block's working set, one weight's gradient), interpolated
+        # are maxima over events (the loss, one block's working set, one weight's gradient), interpolated;
+        # the fitted shapes are knots, so the kept bytes of 2P layers come from the same updates
         updates = _measure(cfg, 2 * period, precision, mode, knots, full=True)
+        at_two = {k: (updates[k][0], updates[k][4]) for k in shapes}
         one, r1 = _fit({k: at_one[k][0] for k in shapes})
         two, r2 = _fit({k: at_two[k][0] for k in shapes})
         layer = _combine(two, one, Fraction(1, period), Fraction(-1, period))
