@@ -6,19 +6,25 @@ BatchlabCallback alone.  A timed update holds all its micro-batches' forward and
 (HF), the optimizer step and zero_grad where the framework puts it; HF fetches the update's batches before
 its step begin, Lightning fetches each micro-batch inside the update.
 
-Design: one discarded warm-up run, then ``--rounds`` pairs of short runs in this process, the order inside
-each pair alternating (without, with / with, without) so that drift cancels.  Per run, the median over the
-updates the callback times (after its warmup and its one memory update; the same update indices in both
-runs).  Overhead = median over pairs of with / without - 1, with the interquartile range and a
-distribution-free 95% interval of that median; the target (<= 2%) is met when the interval's upper end is.
-Beside it, the same ratio of process CPU time (all threads: a sampling thread would show here), the
-callback's own code per timed update, timed inside the run by wrapping its hooks (its direct
-cost, free of run-to-run noise); and the one memory update (live-storage tracker on CPU, allocator
-statistics on CUDA), paid once per run, not per update.  On CUDA both runs synchronise at update boundaries,
-so what that costs a host-bound run (the host no longer queues the next update while the device finishes) is
-not in these figures.
+Design: ``--rounds`` pairs of training processes (fresh interpreters: the callback cannot leave state in the
+process that trains without it), the two processes of a pair started together and taking turns update by
+update (a pair of semaphores: exactly one of them computes at any time, the other waits blocked; which one
+goes first alternates between pairs), so a timed update of one run and the same update of the other are
+seconds apart and a shared machine's drift (minutes) cancels inside the pair.  Per pair, the median over the
+updates the callback times (after its warmup and its one memory update, and before the last, which overlaps
+the other process's teardown) of the per-update ratio with / without - 1.  Overhead = median over pairs, with
+the interquartile range and a distribution-free 95% interval of that median; the target (<= 2%) is met when
+the interval's upper end is.  Beside it: the same ratio of process CPU time (all threads: a sampling thread
+would show here); minor page faults per timed update in each run (a fault maps a fresh zeroed page: glibc
+hands freed activation memory back to the OS and the next update faults it in again, ~15 us a fault on this
+VM, so a callback that changed the allocator's state would show here); the callback's own code per timed
+update, timed inside the run by wrapping its hooks (its direct cost, free of run-to-run noise); and the one
+memory update (live-storage tracker on CPU, allocator statistics on CUDA), paid once per run, not per update.
+On CUDA both runs synchronise at update boundaries, so what that costs a host-bound run (the host no longer
+queues the next update while the device finishes) is not in these figures.  ``--variant`` bisects the
+callback (the memory update off, the /proc sampling off, hooks only) to find where a cost comes from.
 
-    .venv/bin/python benchmarks/integration_overhead.py                 # GPT-2 4 x 256, seq 256, 10 updates, 16 pairs
+    .venv/bin/python benchmarks/integration_overhead.py --threads 1     # GPT-2 4 x 256, seq 256, 16 pairs
     .venv/bin/python benchmarks/integration_overhead.py --tiny          # smoke run (seconds)
     .venv/bin/python benchmarks/integration_overhead.py --framework lightning
 Prints Markdown on stdout.  Figures from a loaded machine are not worth quoting.
@@ -26,10 +32,12 @@ Prints Markdown on stdout.  Figures from a loaded machine are not worth quoting.
 from __future__ import annotations
 
 import argparse
-import gc
 import math
+import multiprocessing
 import os
+import resource
 import statistics
+import sys
 import tempfile
 import time
 
@@ -41,6 +49,11 @@ FIRST_TIMED = WARMUP + 1  # index of the first update the callback times
 TARGET = 0.02  # issue 17: overhead <= 2% of update time
 HF_HOOKS = ("on_step_begin", "on_pre_optimizer_step", "on_step_end", "_pre_forward", "_post_forward")
 LIGHTNING_HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
+VARIANTS = ("full", "no-memory", "no-factors", "hooks-only")
+# --malloc steady: glibc keeps freed memory (no trim, no mmap for large blocks), so no update faults pages in
+# again; set for both processes of every pair (the benchmark's environment, never the callback's)
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736",
+                 "MALLOC_TOP_PAD_": "268435456"}
 
 
 def _sync() -> None:
@@ -50,12 +63,35 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-class Run:
-    """One training run's per-update wall and process CPU times, and the callback's own time inside each."""
+class Baton:
+    """Two processes taking turns: ``turn()`` at each update's start hands the turn to the other process (once
+    this one has had it) and waits for it back; ``done()`` after this process's last update hands it over for
+    good.  Whatever a process does between two of its updates (fetching batches, its hooks) runs in its turn."""
 
-    def __init__(self):
+    def __init__(self, mine, other):
+        self.mine, self.other, self.held = mine, other, False
+
+    def turn(self) -> None:
+        if self.held:
+            self.other.release()
+        self.mine.acquire()
+        self.held = True
+
+    def done(self) -> None:
+        if self.held:
+            self.other.release()
+            self.held = False
+
+
+class Run:
+    """One training run's per-update wall and process CPU times, minor page faults, and the callback's own
+    time inside each."""
+
+    def __init__(self, baton: Baton | None = None, updates: int = 0):
+        self.baton, self.updates = baton, updates
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        self.faults: list[int] = []  # minor page faults per update (the kernel maps a fresh zeroed page)
         self.own: list[float] = []
         self._own = 0.0
 
@@ -73,17 +109,23 @@ class Run:
             setattr(cb, name, wrapped)
 
     def begin(self) -> None:
+        if self.baton is not None:
+            self.baton.turn()
         _sync()
+        self._f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         self._own, self._t0, self._c0 = 0.0, time.perf_counter(), time.process_time()
 
     def end(self) -> None:
         _sync()
         self.wall.append(time.perf_counter() - self._t0)
         self.cpu.append(time.process_time() - self._c0)
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self._f0)
         self.own.append(self._own)
+        if self.baton is not None and len(self.wall) == self.updates:
+            self.baton.done()
 
-    def timed(self, values: list[float]) -> float:
-        return statistics.median(values[FIRST_TIMED:])
+    def lists(self) -> dict[str, list]:
+        return {"wall": self.wall, "cpu": self.cpu, "faults": self.faults, "own": self.own}
 
 
 class Tokens(Dataset):
@@ -105,12 +147,12 @@ def _gpt2(a):
                                       vocab_size=a.vocab, n_positions=a.seq, bos_token_id=0, eos_token_id=0))
 
 
-def run_hf(a, with_callback: bool) -> Run:
+def run_hf(a, with_callback: bool, baton: Baton | None = None) -> Run:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from batchlab.integrations.transformers import BatchlabCallback
 
-    run = Run()
+    run = Run(baton, a.steps)
 
     class Start(TrainerCallback):
         def on_step_begin(self, *args, **kw):
@@ -133,12 +175,12 @@ def run_hf(a, with_callback: bool) -> Run:
     return run
 
 
-def run_lightning(a, with_callback: bool) -> Run:
+def run_lightning(a, with_callback: bool, baton: Baton | None = None) -> Run:
     import lightning as L
 
     from batchlab.integrations.lightning import BatchlabCallback
 
-    run = Run()
+    run = Run(baton, a.steps)
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -190,23 +232,68 @@ def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float] | Non
     return (xs[k - 1], xs[n - k]) if k >= 1 else None
 
 
-def paired(a, run) -> dict[str, list[float]]:
-    """Per pair: with / without - 1 of the timed medians, the callback's own share, the memory update ratio."""
-    run(a, False)  # warm-up run, discarded: first-run costs (imports, allocator growth, lazy inits)
-    out: dict[str, list[float]] = {"overhead": [], "cpu": [], "own": [], "own_ms": [], "memory": [], "bare_ms": []}
+def bisect(variant: str) -> None:
+    """Switch part of the callback off in this process (``--variant``; the product is unchanged)."""
+    from batchlab.experiment.factors import Watch as FactorWatch
+    from batchlab.measure import observe, watch
+
+    if variant in ("no-memory", "hooks-only"):
+        observe.Observer._is_memory_update = lambda self, index: False
+    if variant in ("no-factors", "hooks-only"):
+        FactorWatch.poll = lambda self: None
+    if variant == "hooks-only":  # the framework hooks run; they reach no Observer
+        watch.Watch.begin = watch.Watch.end = lambda self: None
+
+
+def worker(a, with_callback: bool, mine, other, conn) -> None:
+    """One training process of a pair: its run's per-update lists go back through ``conn``."""
+    sys.stdout = sys.stderr  # the trainers' own prints stay out of the Markdown
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    if with_callback:
+        bisect(a.variant)
+    run = (run_hf if a.framework == "hf" else run_lightning)(a, with_callback, Baton(mine, other))
+    conn.send(run.lists())
+    conn.close()
+
+
+def pair(a, with_first: bool) -> dict[bool, dict[str, list]]:
+    """Two processes (with and without the callback) started together, taking turns update by update."""
+    ctx = multiprocessing.get_context("spawn")
+    sems = {True: ctx.Semaphore(1 if with_first else 0), False: ctx.Semaphore(0 if with_first else 1)}
+    procs, pipes = {}, {}
+    for w in (True, False):
+        pipes[w], child = ctx.Pipe(duplex=False)
+        procs[w] = ctx.Process(target=worker, args=(a, w, sems[w], sems[not w], child))
+        procs[w].start()
+        child.close()
+    out = {w: pipes[w].recv() for w in (True, False)}
+    for p in procs.values():
+        p.join()
+        assert p.exitcode == 0, f"a training process failed (exit {p.exitcode})"
+    return out
+
+
+def paired(a) -> dict[str, list[float]]:
+    """Per pair: the median over timed updates of with / without - 1, the faults, the callback's own share,
+    the memory update ratio."""
+    out: dict[str, list[float]] = {k: [] for k in ("overhead", "cpu", "own", "own_ms", "memory", "bare_ms",
+                                                   "faults_with", "faults_without")}
+    timed = slice(FIRST_TIMED, a.steps - 1)  # the last update overlaps the other process's teardown
     for r in range(a.rounds):
-        order = (False, True) if r % 2 == 0 else (True, False)
-        runs = {}
-        for with_callback in order:
-            gc.collect()
-            runs[with_callback] = run(a, with_callback)
-        bare, watched = runs[False].timed(runs[False].wall), runs[True]
-        out["overhead"].append(watched.timed(watched.wall) / bare - 1)
-        out["cpu"].append(watched.timed(watched.cpu) / runs[False].timed(runs[False].cpu) - 1)
-        out["own"].append(watched.timed(watched.own) / bare)
-        out["own_ms"].append(watched.timed(watched.own) * 1e3)
-        out["memory"].append(watched.wall[WARMUP - 1] / bare)  # update WARMUP: the memory update
+        runs = pair(a, with_first=r % 2 == 1)
+        w, b = runs[True], runs[False]
+        out["overhead"].append(statistics.median(x / y - 1 for x, y in zip(w["wall"][timed], b["wall"][timed])))
+        out["cpu"].append(statistics.median(x / y - 1 for x, y in zip(w["cpu"][timed], b["cpu"][timed])))
+        bare = statistics.median(b["wall"][timed])
+        out["own"].append(statistics.median(w["own"][timed]) / bare)
+        out["own_ms"].append(statistics.median(w["own"][timed]) * 1e3)
+        out["memory"].append(w["wall"][WARMUP - 1] / bare)  # update WARMUP: the memory update
         out["bare_ms"].append(bare * 1e3)
+        out["faults_with"].append(statistics.fmean(w["faults"][timed]))
+        out["faults_without"].append(statistics.fmean(b["faults"][timed]))
+        print(f"pair {r + 1}: {out['overhead'][-1]:+.2%}, faults per timed update {out['faults_with'][-1]:.0f} with, "
+              f"{out['faults_without'][-1]:.0f} without", file=sys.stderr, flush=True)
     return out
 
 
@@ -219,29 +306,42 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--accum", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10, help="updates per run (the first %d untimed)" % FIRST_TIMED)
-    p.add_argument("--rounds", type=int, default=16, help="pairs of runs (without/with, order alternating)")
+    p.add_argument("--steps", type=int, default=16,
+                   help="updates per run (the first %d and the last untimed)" % FIRST_TIMED)
+    p.add_argument("--rounds", type=int, default=16, help="pairs of processes (with/without, who starts alternating)")
+    p.add_argument("--malloc", choices=("default", "steady"), default="default",
+                   help="steady: glibc settings under which no update faults pages in (both processes)")
+    p.add_argument("--variant", choices=VARIANTS, default="full",
+                   help="bisect: the callback with its memory update off, its /proc sampling off, or hooks only")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default torch's; 1 keeps a shared machine's stalls out of the ratio)")
-    p.add_argument("--tiny", action="store_true", help="smoke run: 2 layers x 64, seq 32, 6 updates, 2 pairs")
+    p.add_argument("--tiny", action="store_true", help="smoke run: 2 layers x 64, seq 32, 7 updates, 2 pairs")
     a = p.parse_args()
     if a.tiny:
-        a.layers, a.hidden, a.seq, a.vocab, a.steps, a.rounds = 2, 64, 32, 128, 6, 2
+        a.layers, a.hidden, a.seq, a.vocab, a.steps, a.rounds = 2, 64, 32, 128, 7, 2
     if a.threads is not None:
         torch.set_num_threads(a.threads)
-    if a.steps <= FIRST_TIMED:
-        p.error(f"--steps must be > {FIRST_TIMED} (warmup and the memory update are never timed)")
-    r = paired(a, run_hf if a.framework == "hf" else run_lightning)
-    timed = a.steps - FIRST_TIMED
+    if a.steps <= FIRST_TIMED + 1:
+        p.error(f"--steps must be > {FIRST_TIMED + 1} (warmup, the memory update and the last are never timed)")
+    if a.malloc == "steady":
+        os.environ.update(STEADY_MALLOC)  # inherited by the spawned training processes
+    load0 = os.getloadavg()[0]
+    r = paired(a)
+    timed = a.steps - FIRST_TIMED - 1
     print(f"## BatchlabCallback overhead ({a.framework}, {'cuda' if torch.cuda.is_available() else 'cpu'}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads)\n")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+          f"{'' if a.variant == 'full' else ', callback variant ' + a.variant}"
+          f"{', glibc malloc ' + ' '.join(f'{k}={v}' for k, v in STEADY_MALLOC.items()) if a.malloc == 'steady' else ''})\n")
     print(f"GPT-2 {a.layers} layers x {a.hidden}, seq {a.seq}; micro-batch {a.micro} x accum {a.accum}; "
-          f"{a.steps} updates per run, of which {timed} timed (updates {FIRST_TIMED + 1}..{a.steps}); "
-          f"{a.rounds} pairs after one discarded warm-up run; bare update {statistics.median(r['bare_ms']):.1f} ms "
-          f"(median over pairs); load average (1 min) at the end {os.getloadavg()[0]:.2f}\n")
+          f"{a.steps} updates per run, of which {timed} timed (updates {FIRST_TIMED + 1}..{a.steps - 1}); "
+          f"{a.rounds} pairs of processes taking turns update by update; bare update "
+          f"{statistics.median(r['bare_ms']):.1f} ms (median over pairs); load average (1 min) "
+          f"{load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end\n")
     print("| figure (per pair, then over pairs) | median | IQR | range |\n|---|---|---|---|")
     for label, key, fmt in (("timed updates: with / without - 1 (target <= 2%)", "overhead", "{:+.2%}"),
                             ("process CPU time per timed update: with / without - 1", "cpu", "{:+.2%}"),
+                            ("minor page faults per timed update, with the callback", "faults_with", "{:,.0f}"),
+                            ("minor page faults per timed update, without", "faults_without", "{:,.0f}"),
                             ("callback's own code per timed update / bare update", "own", "{:.3%}"),
                             ("callback's own code per timed update (ms)", "own_ms", "{:.3f}"),
                             ("the one memory update / bare update", "memory", "{:.2f}x")):

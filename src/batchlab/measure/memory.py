@@ -90,6 +90,7 @@ class StorageTracker(TorchDispatchMode):
         self._resizable: dict[int, object] = {}  # id(storage) -> storage whose size changes in place
         self._activation_bytes = 0
         self._baseline = 0
+        self._finalizers: dict[int, weakref.finalize] = {}  # id(storage) -> its finalizer (release() detaches)
 
     # -- registration of what exists before tracking
     def register(self, tensors, category: str) -> None:
@@ -152,6 +153,16 @@ class StorageTracker(TorchDispatchMode):
             h.remove()
         self._hooks.clear()
 
+    def release(self) -> None:
+        """Done with it (take the snapshot first): the finalizers on storages still alive are detached and the
+        bookkeeping freed, so nothing of the tracked update outlives it in the training process."""
+        for f in self._finalizers.values():
+            f.detach()
+        for d in (self._finalizers, self._live, self._peak_keys, self._owners, self._resizable):
+            d.clear()
+        self._forward_start_keys = set()
+        self._param_keys = set()
+
     def __exit__(self, *exc):
         # leaving the tracked region also removes the gradient hooks put on the model's parameters
         try:
@@ -167,7 +178,7 @@ class StorageTracker(TorchDispatchMode):
         n = st.nbytes()
         self._live[key] = (n, category)
         self._current += n
-        weakref.finalize(st, self._free, key)
+        self._finalizers[key] = weakref.finalize(st, self._free, key)
         if self.listener is not None:
             self.listener.added(key, n, category)
         if self._owner is not None:
@@ -183,6 +194,7 @@ class StorageTracker(TorchDispatchMode):
             self._peak_keys = dict(self._live)
 
     def _free(self, key: int) -> None:
+        self._finalizers.pop(key, None)
         entry = self._live.pop(key, None)
         self._owners.pop(key, None)
         if entry is not None:

@@ -138,6 +138,7 @@ class Observer:
         with tracker:
             yield
         self._set_memory(from_snapshot(tracker.snapshot()))
+        tracker.release()  # its finalizers on the parameters' and optimizer's storages would live on with them
 
     def _set_memory(self, memory: MeasuredMemory) -> None:
         """Keep the memory update with the highest peak; the method names every memory update (provenance:
