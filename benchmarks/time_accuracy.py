@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from batchlab import calibrate
+from batchlab import calibrate, regime
 from batchlab.config import RunConfig, preset
 from batchlab.formula import estimate as formula_estimate
 from batchlab.host import cpu_hardware
@@ -83,12 +83,12 @@ def config(model: str, base: dict, changes: dict) -> RunConfig:
     return RunConfig(model=spec, model_source=source).replace(**{**base, **changes})
 
 
-def _seconds(trainer: Trainer) -> tuple[float, float]:
-    """(wall, CPU) seconds of one update: on a shared machine the wall clock also counts the time other
-    processes held the core; the thread's CPU time does not (one intra-op thread)."""
-    c, t = time.thread_time(), time.perf_counter()
+def _seconds(trainer: Trainer) -> tuple[float, float, float]:
+    """(wall, CPU) seconds and minor page faults of one update: on a shared machine the wall clock also counts
+    the time other processes held the core; the thread's CPU time does not (one intra-op thread)."""
+    f, c, t = regime.minor_faults(), time.thread_time(), time.perf_counter()
     trainer.update()
-    return time.perf_counter() - t, time.thread_time() - c
+    return time.perf_counter() - t, time.thread_time() - c, regime.minor_faults() - f
 
 
 def alternate(run_a, run_b, n: int) -> tuple[list[float], list[tuple[float, float]], list[tuple[float, float]]]:
@@ -123,11 +123,12 @@ def paired_processes(a: RunConfig, b: RunConfig, rounds: int) -> tuple[list[floa
 
     opts = MeasureOptions(warmup=2, steps=5, memory=False, isolate=True)
 
-    def one(cfg: RunConfig) -> tuple[float, float]:
+    def one(cfg: RunConfig) -> tuple[float, float, float]:
         m = measure(cfg, opts)  # one process, or torchrun + DDP for DP > 1
         assert m.ok and m.time is not None, m.outcome_detail
         cpu = statistics.median(m.time.cpu_seconds) if m.time.cpu_seconds else float("nan")
-        return m.time.update_seconds_median, cpu  # CPU: the measured process's (rank 0's) CPU time
+        # CPU: the measured process's (the slowest rank's) CPU time; faults: the worst rank's per update
+        return m.time.update_seconds_median, cpu, m.environment.get("page_faults_per_update", float("nan"))
 
     with threads_env(THREADS):
         return alternate(lambda: one(a), lambda: one(b), rounds)
@@ -153,8 +154,9 @@ def measure_row(model: str, label: str, base: dict, ca: dict, cb: dict, pairs: i
         ratios, sa, sb = paired(a, b, pairs)
     fa, fb = formula_estimate(a, cals).time.update_seconds, formula_estimate(b, cals).time.update_seconds
     row = dict(model=model, label=label, measured=statistics.median(ratios), ratios=ratios,
-               formula=fb / fa, ma=statistics.median(w for w, _ in sa), mb=statistics.median(w for w, _ in sb),
-               ca=statistics.median(c for _, c in sa), cb=statistics.median(c for _, c in sb), fa=fa, fb=fb,
+               formula=fb / fa, ma=statistics.median(s[0] for s in sa), mb=statistics.median(s[0] for s in sb),
+               ca=statistics.median(s[1] for s in sa), cb=statistics.median(s[1] for s in sb), fa=fa, fb=fb,
+               faults=max(statistics.median(s[2] for s in side) for side in (sa, sb)),
                trace=None, load=os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
     if with_trace and a.dp == 1 and b.dp == 1:
         row["trace"] = trace_seconds(b, cals) / trace_seconds(a, cals)
@@ -197,10 +199,23 @@ def print_table(rows: list[dict]) -> None:
     cpu_ok = sum(_ok(r["fa"], r["ca"], ABS_TOLERANCE) + _ok(r["fb"], r["cb"], ABS_TOLERANCE) for r in rows)
     print(f"- formula absolute update time within {ABS_TOLERANCE:.0%} of the measured median: {abs_ok} of "
           f"{2 * len(rows)} sides (of the measured CPU time: {cpu_ok}; wall and CPU agree on an idle machine)")
+    print(f"- minor page faults per update after warmup (median per side, the worst side): "
+          f"{max(r['faults'] for r in rows):,.0f}")
     print()
 
 
+def in_regime() -> None:
+    """Run this script in the allocator regime batchlab's measuring processes use (batchlab.regime: freed
+    memory kept, no page faults per update after warmup): the in-process trainers below are measured here, so
+    the process starts again with the regime's environment where it lacks it (glibc reads it at start)."""
+    if regime.allocator() == "glibc" and not regime.in_effect():
+        os.execve(sys.executable, [sys.executable, *sys.argv], regime.steady_env(dict(os.environ)))
+    if (note := regime.warning()) is not None:
+        log(note)
+
+
 def main(argv=None) -> None:
+    in_regime()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a few rows, 3 pairs: a smoke run")
     p.add_argument("--pairs", type=int, default=8, help="paired updates per row")
@@ -228,7 +243,7 @@ def main(argv=None) -> None:
           f"start, torch {torch.__version__}, {datetime.date.today().isoformat()}; fp32 unless stated, AdamW. "
           f"Calibration: {cal.source} ({'measured now' if fresh else 'cached'}). Measured: {pairs} alternated "
           "pairs of updates of two live trainers after 2 warm-up updates each (DP: separate processes), "
-          "wall-clock; error = predicted / measured - 1.")
+          f"wall-clock, {regime.describe()}; error = predicted / measured - 1.")
     print()
     rows = [measure_row(m, label, base, a, b, pairs, cals,
                         args.trace == "all" or (args.trace == "hf" and m.startswith("hf")))

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from batchlab import regime
 from batchlab.config import ConfigError, RunConfig, config_from_dict, to_jsonable
 from batchlab.distributed import comm, engines
 from batchlab.distributed.traffic import TrafficCounter
@@ -124,6 +125,7 @@ def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor | None, steps: in
     clock = PhaseClock(sync, sync_marks=trainer.device.type == "cpu")
     samples, cpu, tokens, phases = [], [], [], []
     first = len(monitor.updates) if monitor is not None else 0
+    faults = regime.minor_faults()
     for _ in range(steps):
         clock.start()
         probe = Probes(clock, monitor) if monitor is not None else clock
@@ -132,7 +134,8 @@ def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor | None, steps: in
         cpu.append(cpu_s)
         tokens.append(result.useful_tokens)
         phases.append(dict(clock.seconds))
-    out = dict(samples=samples, cpu_seconds=cpu, useful_tokens=tokens, phase_seconds=phases)
+    out = dict(samples=samples, cpu_seconds=cpu, useful_tokens=tokens, phase_seconds=phases,
+               page_faults_per_update=(regime.minor_faults() - faults) / max(steps, 1))
     if monitor is None:  # FSDP2: collectives counted (traffic), not timed
         return out
     seen = monitor.updates[first:]

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from batchlab import host
+from batchlab import host, regime
 from batchlab.config import ConfigError, RunConfig, catalogue_key
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.device import torch_device
@@ -73,7 +73,7 @@ def environment(device: torch.device) -> dict:
         name = host.cpu_name()
     return {"torch": torch.__version__, "python": platform.python_version(), "batchlab": batchlab.__version__,
             "platform": platform.platform(), "torch_device": str(device), "device_name": name,
-            "threads": torch.get_num_threads(), "cuda": torch.version.cuda}
+            "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "allocator": regime.describe()}
 
 
 class _Recorder:
@@ -235,6 +235,7 @@ class _Steps:
         clock = PhaseClock(self.sync, sync_marks=not self.async_device)
         samples, cpu, useful = [], [], []
         phases: dict[str, list[float]] = {}
+        faults = regime.minor_faults()
         for i in range(self.opts.steps):
             label = self._start(f"timed {i + 1}/{self.opts.steps}")
             result, wall, cpu_s = timed_update(trainer, clock, rec.use(label, clock), self.sync)
@@ -244,6 +245,8 @@ class _Steps:
             if not self.async_device:
                 _collect(phases, clock.seconds)
             self._tick(label)
+        # host pages mapped afresh per timed update: ~0 in the steady allocator regime (batchlab.regime)
+        m.environment["page_faults_per_update"] = (regime.minor_faults() - faults) / max(self.opts.steps, 1)
         if self.async_device:
             split = PhaseClock(self.sync, sync_marks=True)
             for i in range(PHASE_UPDATES):
