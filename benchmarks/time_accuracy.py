@@ -5,7 +5,7 @@ predicted update-time ratio t(B)/t(A) (formula: the op list derived from the mod
 the real code ran on fake tensors, both priced by the same calibrated per-op model) beside the measured
 paired ratio, and predicted beside measured absolute update times.
 
-Measured: two live trainers in one process, 1 intra-op thread (compare's default), 2 warm-up updates each,
+Measured: two live trainers in one process, 1 intra-op thread (compare's default), 3 warm-up updates each (the heap reaches its high-water mark),
 then adjacent updates A B, B A, A B, ... (order alternated so drift in machine load hits both sides of a
 pair alike); the ratio is the median of the per-pair ratios, the absolute time the median of each side's
 updates (wall-clock; beside it the update's CPU time, which other processes' load does not inflate).
@@ -83,12 +83,51 @@ def config(model: str, base: dict, changes: dict) -> RunConfig:
     return RunConfig(model=spec, model_source=source).replace(**{**base, **changes})
 
 
-def _seconds(trainer: Trainer) -> tuple[float, float, float]:
-    """(wall, CPU) seconds and minor page faults of one update: on a shared machine the wall clock also counts
-    the time other processes held the core; the thread's CPU time does not (one intra-op thread)."""
+class HostProbe:
+    """How fast this host runs right now against what the calibration says: a ~6 ms bundle of calibrated kernel
+    classes (two matmuls, two out-of-cache adds into kept outputs, two dropout RNG calls), its thread CPU time
+    over the time the calibrated per-op model prices it at.  On this shared VM the same isolated kernels switch
+    between two speeds within seconds (bernoulli_ 7.7 or 12-13 ns/element, a 50 MFLOP matmul 665 or 850 us,
+    one process, sampled every 1.5 s for 40 s), so an absolute prediction from a calibration taken a minute
+    earlier can miss by that much whatever the model; the probe, read right before each timed update, says
+    which speed the update ran at.  Not used by any prediction: a column beside the measurement."""
+
+    N = 256 * 2**10
+
+    def __init__(self, cal):
+        from batchlab.calibrate.kernels import keeping
+        from batchlab.formula.opcost import OpClass, OpCount, Phase, price
+
+        self.x, self.a, self.b = torch.rand(self.N), torch.randn(512, 128), torch.randn(128, 384)
+        u, v = torch.ones(self.N), torch.ones(self.N)
+        self.add = keeping(lambda: torch.add(u, v))
+        ops = (OpCount("mm", Phase.OPTIMIZER, OpClass.MATMUL, flops=2 * 512 * 128 * 384, count=2),
+               OpCount("add", Phase.OPTIMIZER, OpClass.MEMORY, bytes=12 * self.N, elements=self.N, count=2),
+               OpCount("bernoulli_", Phase.OPTIMIZER, OpClass.RANDOM, bytes=8 * self.N, elements=self.N, count=2))
+        self.predicted = price(ops, cal.op_costs()).seconds
+        self()
+
+    def __call__(self) -> float:
+        """Measured over predicted time of the bundle now (1: the calibration's speed; 1.5: 50% slower)."""
+        c = time.thread_time()
+        for _ in range(2):
+            torch.mm(self.a, self.b)
+            self.add()
+            self.x.bernoulli_(0.9)
+        return (time.thread_time() - c) / self.predicted
+
+
+_PROBE: list[HostProbe] = []
+
+
+def _seconds(trainer: Trainer) -> tuple[float, float, float, float]:
+    """(wall, CPU) seconds, minor page faults and the host probe (read just before) of one update: on a shared
+    machine the wall clock also counts the time other processes held the core; the thread's CPU time does not
+    (one intra-op thread)."""
+    speed = _PROBE[0]() if _PROBE else float("nan")
     f, c, t = regime.minor_faults(), time.thread_time(), time.perf_counter()
     trainer.update()
-    return time.perf_counter() - t, time.thread_time() - c, regime.minor_faults() - f
+    return time.perf_counter() - t, time.thread_time() - c, regime.minor_faults() - f, speed
 
 
 def alternate(run_a, run_b, n: int) -> tuple[list[float], list[tuple[float, float]], list[tuple[float, float]]]:
@@ -106,7 +145,7 @@ def alternate(run_a, run_b, n: int) -> tuple[list[float], list[tuple[float, floa
     return ratios, sa_all, sb_all
 
 
-def paired(a: RunConfig, b: RunConfig, pairs: int, warmup: int = 2) -> tuple[list[float], list[float], list[float]]:
+def paired(a: RunConfig, b: RunConfig, pairs: int, warmup: int = 3) -> tuple[list[float], list[float], list[float]]:
     """Adjacent updates of two live trainers in this process, after ``warmup`` updates each."""
     ta, tb = Trainer(a, "cpu"), Trainer(b, "cpu")
     for _ in range(warmup):
@@ -121,14 +160,15 @@ def paired_processes(a: RunConfig, b: RunConfig, rounds: int) -> tuple[list[floa
     from batchlab.measure import MeasureOptions
     from batchlab.run import measure
 
-    opts = MeasureOptions(warmup=2, steps=5, memory=False, isolate=True)
+    opts = MeasureOptions(warmup=3, steps=5, memory=False, isolate=True)
 
-    def one(cfg: RunConfig) -> tuple[float, float, float]:
+    def one(cfg: RunConfig) -> tuple[float, float, float, float]:
         m = measure(cfg, opts)  # one process, or torchrun + DDP for DP > 1
         assert m.ok and m.time is not None, m.outcome_detail
         cpu = statistics.median(m.time.cpu_seconds) if m.time.cpu_seconds else float("nan")
         # CPU: the measured process's (the slowest rank's) CPU time; faults: the worst rank's per update
-        return m.time.update_seconds_median, cpu, m.environment.get("page_faults_per_update", float("nan"))
+        return (m.time.update_seconds_median, cpu, m.environment.get("page_faults_per_update", float("nan")),
+                float("nan"))  # the ranks' host speed is not probed
 
     with threads_env(THREADS):
         return alternate(lambda: one(a), lambda: one(b), rounds)
@@ -157,6 +197,7 @@ def measure_row(model: str, label: str, base: dict, ca: dict, cb: dict, pairs: i
                formula=fb / fa, ma=statistics.median(s[0] for s in sa), mb=statistics.median(s[0] for s in sb),
                ca=statistics.median(s[1] for s in sa), cb=statistics.median(s[1] for s in sb), fa=fa, fb=fb,
                faults=max(statistics.median(s[2] for s in side) for side in (sa, sb)),
+               pa=statistics.median(s[3] for s in sa), pb=statistics.median(s[3] for s in sb),
                trace=None, load=os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
     if with_trace and a.dp == 1 and b.dp == 1:
         row["trace"] = trace_seconds(b, cals) / trace_seconds(a, cals)
@@ -167,6 +208,16 @@ def _err(pred: float | None, meas: float) -> str:
     return "-" if pred is None else f"{pred / meas - 1:+.0%}"
 
 
+def _probed(r: dict, side: str) -> float | None:
+    """The formula's absolute time at the host speed the probe read beside that side's updates."""
+    speed = r["p" + side]
+    return None if speed != speed else r["f" + side] * speed  # NaN: not probed (DP ranks)
+
+
+def _speed(r: dict) -> str:
+    return "-" if r["pa"] != r["pa"] else f"x{r['pa']:.2f} / x{r['pb']:.2f}"
+
+
 def _ok(pred: float | None, meas: float, tol: float) -> bool:
     return pred is not None and abs(pred / meas - 1) <= tol
 
@@ -174,8 +225,8 @@ def _ok(pred: float | None, meas: float, tol: float) -> bool:
 def print_table(rows: list[dict]) -> None:
     print("| model | change A -> B | measured ratio (median, IQR) | formula ratio | error | trace ratio | error | "
           "measured A / B | formula A / B | abs. error A / B | CPU A / B | error vs CPU A / B | CPU ratio | error | "
-          "load |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "load | host speed A / B (probe) | abs. error at probed speed A / B |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         q = statistics.quantiles(r["ratios"], n=4, method="inclusive") if len(r["ratios"]) > 1 else [r["measured"]] * 3
         trace = "-" if r["trace"] is None else f"{r['trace']:.2f}"
@@ -184,7 +235,8 @@ def print_table(rows: list[dict]) -> None:
               f"{r['ma'] * 1e3:.0f} / {r['mb'] * 1e3:.0f} ms | {r['fa'] * 1e3:.0f} / {r['fb'] * 1e3:.0f} ms | "
               f"{_err(r['fa'], r['ma'])} / {_err(r['fb'], r['mb'])} | {r['ca'] * 1e3:.0f} / {r['cb'] * 1e3:.0f} ms | "
               f"{_err(r['fa'], r['ca'])} / {_err(r['fb'], r['cb'])} | {r['cb'] / r['ca']:.2f} | "
-              f"{_err(r['formula'], r['cb'] / r['ca'])} | {r['load']:.1f} |")
+              f"{_err(r['formula'], r['cb'] / r['ca'])} | {r['load']:.1f} | {_speed(r)} | "
+              f"{_err(_probed(r, 'a'), r['ma'])} / {_err(_probed(r, 'b'), r['mb'])} |")
     print()
     within = sum(_ok(r["formula"], r["measured"], TOLERANCE) for r in rows)
     traced = [r for r in rows if r["trace"] is not None]
@@ -199,6 +251,11 @@ def print_table(rows: list[dict]) -> None:
     cpu_ok = sum(_ok(r["fa"], r["ca"], ABS_TOLERANCE) + _ok(r["fb"], r["cb"], ABS_TOLERANCE) for r in rows)
     print(f"- formula absolute update time within {ABS_TOLERANCE:.0%} of the measured median: {abs_ok} of "
           f"{2 * len(rows)} sides (of the measured CPU time: {cpu_ok}; wall and CPU agree on an idle machine)")
+    probed = [r for r in rows if _probed(r, "a") is not None]
+    probed_ok = sum(_ok(_probed(r, "a"), r["ma"], ABS_TOLERANCE) + _ok(_probed(r, "b"), r["mb"], ABS_TOLERANCE)
+                    for r in probed)
+    print(f"- formula absolute update time x the host speed probed before each update (the calibration's speed "
+          f"= 1) within {ABS_TOLERANCE:.0%}: {probed_ok} of {2 * len(probed)} sides")
     print(f"- minor page faults per update after warmup (median per side, the worst side): "
           f"{max(r['faults'] for r in rows):,.0f}")
     print()
@@ -238,12 +295,15 @@ def main(argv=None) -> None:
         cal, fresh = calibrate.measure("cpu", threads=THREADS), True
         calibrate.save(cal)
     cals = {cal.device: cal}
+    _PROBE.append(HostProbe(cal))
+    after = statistics.median(_PROBE[0]() for _ in range(50))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"Time model accuracy on {cpu_hardware()}, {THREADS} thread per process, load average {load:.1f} at "
           f"start, torch {torch.__version__}, {datetime.date.today().isoformat()}; fp32 unless stated, AdamW. "
           f"Calibration: {cal.source} ({'measured now' if fresh else 'cached'}). Measured: {pairs} alternated "
-          "pairs of updates of two live trainers after 2 warm-up updates each (DP: separate processes), "
-          f"wall-clock, {regime.describe()}; error = predicted / measured - 1.")
+          "pairs of updates of two live trainers after 3 warm-up updates each (DP: separate processes), "
+          f"wall-clock, {regime.describe()}; host speed probe right after the calibration x{after:.2f}; "
+          "error = predicted / measured - 1.")
     print()
     rows = [measure_row(m, label, base, a, b, pairs, cals,
                         args.trace == "all" or (args.trace == "hf" and m.startswith("hf")))
