@@ -84,37 +84,40 @@ def config(model: str, base: dict, changes: dict) -> RunConfig:
 
 
 class HostProbe:
-    """How fast this host runs right now against what the calibration says: a ~6 ms bundle of calibrated kernel
-    classes (two matmuls, two out-of-cache adds into kept outputs, two dropout RNG calls), its thread CPU time
-    over the time the calibrated per-op model prices it at.  On this shared VM the same isolated kernels switch
-    between two speeds within seconds (bernoulli_ 7.7 or 12-13 ns/element, a 50 MFLOP matmul 665 or 850 us,
-    one process, sampled every 1.5 s for 40 s), so an absolute prediction from a calibration taken a minute
-    earlier can miss by that much whatever the model; the probe, read right before each timed update, says
-    which speed the update ran at.  Not used by any prediction: a column beside the measurement."""
+    """How fast this host runs right now against while it was calibrated: the thread CPU time of a ~6 ms bundle
+    of calibrated kernel classes (two matmuls, two out-of-cache adds into kept outputs, two dropout RNG calls)
+    over its median read just before and just after the calibration.  On this shared VM the same isolated
+    kernels switch between two speeds within seconds (bernoulli_ 7.7 or 12-13 ns/element, a 50 MFLOP matmul
+    665 or 850 us, one process, sampled every 1.5 s for 40 s), so an absolute prediction from a calibration
+    taken a minute earlier can miss by that much whatever the model; the probe, read right before each timed
+    update, says which speed the update ran at.  Not used by any prediction: a column beside the measurement."""
 
     N = 256 * 2**10
 
-    def __init__(self, cal):
+    def __init__(self):
         from batchlab.calibrate.kernels import keeping
-        from batchlab.formula.opcost import OpClass, OpCount, Phase, price
 
         self.x, self.a, self.b = torch.rand(self.N), torch.randn(512, 128), torch.randn(128, 384)
         u, v = torch.ones(self.N), torch.ones(self.N)
         self.add = keeping(lambda: torch.add(u, v))
-        ops = (OpCount("mm", Phase.OPTIMIZER, OpClass.MATMUL, flops=2 * 512 * 128 * 384, count=2),
-               OpCount("add", Phase.OPTIMIZER, OpClass.MEMORY, bytes=12 * self.N, elements=self.N, count=2),
-               OpCount("bernoulli_", Phase.OPTIMIZER, OpClass.RANDOM, bytes=8 * self.N, elements=self.N, count=2))
-        self.predicted = price(ops, cal.op_costs()).seconds
-        self()
+        self.reference: list[float] = []
+        self.seconds()
 
-    def __call__(self) -> float:
-        """Measured over predicted time of the bundle now (1: the calibration's speed; 1.5: 50% slower)."""
+    def seconds(self) -> float:
         c = time.thread_time()
         for _ in range(2):
             torch.mm(self.a, self.b)
             self.add()
             self.x.bernoulli_(0.9)
-        return (time.thread_time() - c) / self.predicted
+        return time.thread_time() - c
+
+    def remember(self, n: int = 50) -> None:
+        """Reads taken around the calibration: the speed it was measured at."""
+        self.reference += [self.seconds() for _ in range(n)]
+
+    def __call__(self) -> float:
+        """The bundle's time now over its time around the calibration (1: the same speed; 1.5: 50% slower)."""
+        return self.seconds() / statistics.median(self.reference)
 
 
 _PROBE: list[HostProbe] = []
@@ -196,7 +199,7 @@ def measure_row(model: str, label: str, base: dict, ca: dict, cb: dict, pairs: i
     row = dict(model=model, label=label, measured=statistics.median(ratios), ratios=ratios,
                formula=fb / fa, ma=statistics.median(s[0] for s in sa), mb=statistics.median(s[0] for s in sb),
                ca=statistics.median(s[1] for s in sa), cb=statistics.median(s[1] for s in sb), fa=fa, fb=fb,
-               faults=max(statistics.median(s[2] for s in side) for side in (sa, sb)),
+               faults=[statistics.median(s[2] for s in side) for side in (sa, sb)],
                pa=statistics.median(s[3] for s in sa), pb=statistics.median(s[3] for s in sb),
                trace=None, load=os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
     if with_trace and a.dp == 1 and b.dp == 1:
@@ -225,8 +228,8 @@ def _ok(pred: float | None, meas: float, tol: float) -> bool:
 def print_table(rows: list[dict]) -> None:
     print("| model | change A -> B | measured ratio (median, IQR) | formula ratio | error | trace ratio | error | "
           "measured A / B | formula A / B | abs. error A / B | CPU A / B | error vs CPU A / B | CPU ratio | error | "
-          "load | host speed A / B (probe) | abs. error at probed speed A / B |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "load | host speed A / B (probe) | abs. error at probed speed A / B | page faults per update A / B |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         q = statistics.quantiles(r["ratios"], n=4, method="inclusive") if len(r["ratios"]) > 1 else [r["measured"]] * 3
         trace = "-" if r["trace"] is None else f"{r['trace']:.2f}"
@@ -236,7 +239,8 @@ def print_table(rows: list[dict]) -> None:
               f"{_err(r['fa'], r['ma'])} / {_err(r['fb'], r['mb'])} | {r['ca'] * 1e3:.0f} / {r['cb'] * 1e3:.0f} ms | "
               f"{_err(r['fa'], r['ca'])} / {_err(r['fb'], r['cb'])} | {r['cb'] / r['ca']:.2f} | "
               f"{_err(r['formula'], r['cb'] / r['ca'])} | {r['load']:.1f} | {_speed(r)} | "
-              f"{_err(_probed(r, 'a'), r['ma'])} / {_err(_probed(r, 'b'), r['mb'])} |")
+              f"{_err(_probed(r, 'a'), r['ma'])} / {_err(_probed(r, 'b'), r['mb'])} | "
+              f"{r['faults'][0]:,.0f} / {r['faults'][1]:,.0f} |")
     print()
     within = sum(_ok(r["formula"], r["measured"], TOLERANCE) for r in rows)
     traced = [r for r in rows if r["trace"] is not None]
@@ -254,10 +258,11 @@ def print_table(rows: list[dict]) -> None:
     probed = [r for r in rows if _probed(r, "a") is not None]
     probed_ok = sum(_ok(_probed(r, "a"), r["ma"], ABS_TOLERANCE) + _ok(_probed(r, "b"), r["mb"], ABS_TOLERANCE)
                     for r in probed)
-    print(f"- formula absolute update time x the host speed probed before each update (the calibration's speed "
-          f"= 1) within {ABS_TOLERANCE:.0%}: {probed_ok} of {2 * len(probed)} sides")
-    print(f"- minor page faults per update after warmup (median per side, the worst side): "
-          f"{max(r['faults'] for r in rows):,.0f}")
+    print(f"- formula absolute update time x the host speed probed before each update (the speed around the "
+          f"calibration = 1) within {ABS_TOLERANCE:.0%}: {probed_ok} of {2 * len(probed)} sides")
+    faults = sorted(f for r in rows for f in r["faults"] if f == f)
+    print(f"- minor page faults per update after warmup (median per side): {faults[len(faults) // 2]:,.0f} on the "
+          f"median side, {faults[-1]:,.0f} on the worst")
     print()
 
 
@@ -289,20 +294,24 @@ def main(argv=None) -> None:
     pairs = args.pairs
     if args.quick:
         grid, pairs = [g for g in grid if g[1].startswith(("AC none -> full", "seq 64"))][:3], 3
+    probe = HostProbe()
+    probe.remember()
     if args.cached:
         cal, fresh = calibrate.ensure("cpu", threads=THREADS)
     else:  # calibrated in the same conditions as the measurements below (and cached for compare)
         cal, fresh = calibrate.measure("cpu", threads=THREADS), True
         calibrate.save(cal)
     cals = {cal.device: cal}
-    _PROBE.append(HostProbe(cal))
-    after = statistics.median(_PROBE[0]() for _ in range(50))
+    probe.remember()
+    _PROBE.append(probe)
+    spread = statistics.quantiles(probe.reference, n=4, method="inclusive")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"Time model accuracy on {cpu_hardware()}, {THREADS} thread per process, load average {load:.1f} at "
           f"start, torch {torch.__version__}, {datetime.date.today().isoformat()}; fp32 unless stated, AdamW. "
           f"Calibration: {cal.source} ({'measured now' if fresh else 'cached'}). Measured: {pairs} alternated "
           "pairs of updates of two live trainers after 3 warm-up updates each (DP: separate processes), "
-          f"wall-clock, {regime.describe()}; host speed probe right after the calibration x{after:.2f}; "
+          f"wall-clock, {regime.describe()}; host speed probe around the calibration: "
+          f"{1e3 * statistics.median(probe.reference):.1f} ms (IQR {1e3 * spread[0]:.1f}-{1e3 * spread[2]:.1f}); "
           "error = predicted / measured - 1.")
     print()
     rows = [measure_row(m, label, base, a, b, pairs, cals,
