@@ -5,9 +5,9 @@ predicted update-time ratio t(B)/t(A) (formula: the op list derived from the mod
 the real code ran on fake tensors, both priced by the same calibrated per-op model) beside the measured
 paired ratio, and predicted beside measured absolute update times.
 
-Measured: two live trainers in one process, 1 intra-op thread (compare's default), 3 warm-up updates each (the heap reaches its high-water mark),
-then adjacent updates A B, B A, A B, ... (order alternated so drift in machine load hits both sides of a
-pair alike); the ratio is the median of the per-pair ratios, the absolute time the median of each side's
+Measured: two live trainers in one process, 1 intra-op thread (compare's default), 3 warm-up updates each
+(the heap reaches its high-water mark), then adjacent updates A B, B A, A B, ... (order alternated so drift
+in machine load hits both sides of a pair alike); the ratio is the median of the per-pair ratios, the absolute time the median of each side's
 updates (wall-clock; beside it the update's CPU time, which other processes' load does not inflate).
 DP 1 -> 2 runs separate processes (one plain, one torchrun + DDP over gloo),
 alternated for a few rounds.  The calibration (`batchlab calibrate` at 1 thread) is measured once, cached,
