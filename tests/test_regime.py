@@ -17,19 +17,22 @@ from batchlab.measure.runner import child_env
 from batchlab.run import measure
 
 glibc = pytest.mark.skipif(regime.allocator() != "glibc", reason="the regime is glibc's")
-# the built-in GPT at a shape whose activations glibc maps and unmaps each update by default (~60 faults
-# per update measured here; 0.3 in the regime)
-SHAPE = dict(seq=32, micro_batch=2)
+# the built-in GPT at a shape whose activations glibc maps and unmaps each update by default (median ~2,000
+# faults per update after 3 warm-up updates measured here; 0, with a rare growth of the heap, in the regime)
+SHAPE = dict(seq=128, micro_batch=8)
 FAULTS = """
 import resource, torch
 torch.set_num_threads(1)
 from batchlab.config import RunConfig, preset
 from batchlab.measure.harness import Trainer
-t = Trainer(RunConfig(model=preset("tiny"), model_source="builtin").replace(seq=32, micro_batch=2), "cpu")
+t = Trainer(RunConfig(model=preset("tiny"), model_source="builtin").replace(seq=128, micro_batch=8), "cpu")
 t.update(); t.update(); t.update()
-f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3): t.update()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f) / 3)
+faults = []
+for _ in range(5):
+    f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t.update()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)
+print(sorted(faults)[2])  # median, as the session reports it
 """
 
 
@@ -37,11 +40,11 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f) / 3)
 def test_isolated_worker_runs_in_the_regime_and_faults_no_pages_after_warmup(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     cfg = RunConfig(model=preset("tiny"), model_source="builtin").replace(**SHAPE)
-    # the heap reaches its high-water mark within ~3 updates (first touches until then)
-    m = measure(cfg, MeasureOptions(warmup=3, steps=3, memory=False, isolate=True))
+    # the heap reaches its high-water mark within ~3 updates (first touches until then; rarely later)
+    m = measure(cfg, MeasureOptions(warmup=3, steps=5, memory=False, isolate=True))
     assert m.ok, m.outcome_detail
     assert m.environment["allocator"].startswith("allocator: glibc, freed memory kept")
-    assert m.environment["page_faults_per_update"] < 5  # 0.3 measured; ~60 without the regime (next test)
+    assert m.environment["page_faults_per_update"] < 50  # median: 0-1 measured; ~2,000 without it (next test)
 
 
 @glibc
@@ -51,7 +54,7 @@ def test_without_the_regime_the_same_updates_fault_pages_in():
     env["OMP_NUM_THREADS"] = "1"
     plain = float(subprocess.run([sys.executable, "-c", FAULTS], env=env, capture_output=True, text=True,
                                  check=True).stdout)
-    assert plain > 20
+    assert plain > 300
 
 
 def test_child_env_carries_the_regime_and_keeps_values_the_caller_set(monkeypatch):

@@ -63,7 +63,7 @@ class Observer:
         self.updates = 0
         self._samples: list[float] = []
         self._cpu: list[float] = []
-        self._faults = 0  # minor page faults inside the timed updates (this process's allocator, never changed)
+        self._faults: list[int] = []  # minor page faults per timed update (this process's allocator, unchanged)
         self._tokens: list[int] = []
         self._phases: dict[str, list[float]] = {}
         self._probe = None
@@ -165,7 +165,7 @@ class Observer:
         yield
         self.sync()
         t1, c1 = time.perf_counter(), time.process_time()
-        self._faults += regime.minor_faults() - f0
+        self._faults.append(regime.minor_faults() - f0)
         clock.mark("end")
         self._samples.append(t1 - t0)
         self._cpu.append(c1 - c0)
@@ -181,7 +181,7 @@ class Observer:
         # the user's process runs in its own allocator regime: stated, not changed (batchlab.regime)
         m.environment["allocator"] = regime.describe()
         if self._samples:
-            m.environment["page_faults_per_update"] = self._faults / len(self._samples)
+            m.environment["page_faults_per_update"] = statistics.median(self._faults)
             m.time = MeasuredTime(samples=list(self._samples), warmup=self.warmup,
                                   cpu_seconds=list(self._cpu) if self.device.type == "cpu" else [],
                                   phase_seconds={k: statistics.median(v) for k, v in self._phases.items()},
