@@ -5,9 +5,9 @@ predicted update-time ratio t(B)/t(A) (formula: the op list derived from the mod
 the real code ran on fake tensors, both priced by the same calibrated per-op model) beside the measured
 paired ratio, and predicted beside measured absolute update times.
 
-Measured: two live trainers in one process, 1 intra-op thread (compare's default), 2 warm-up updates each,
-then adjacent updates A B, B A, A B, ... (order alternated so drift in machine load hits both sides of a
-pair alike); the ratio is the median of the per-pair ratios, the absolute time the median of each side's
+Measured: two live trainers in one process, 1 intra-op thread (compare's default), 3 warm-up updates each
+(the heap reaches its high-water mark), then adjacent updates A B, B A, A B, ... (order alternated so drift
+in machine load hits both sides of a pair alike); the ratio is the median of the per-pair ratios, the absolute time the median of each side's
 updates (wall-clock; beside it the update's CPU time, which other processes' load does not inflate).
 DP 1 -> 2 runs separate processes (one plain, one torchrun + DDP over gloo),
 alternated for a few rounds.  The calibration (`batchlab calibrate` at 1 thread) is measured once, cached,
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from batchlab import calibrate
+from batchlab import calibrate, regime
 from batchlab.config import RunConfig, preset
 from batchlab.formula import estimate as formula_estimate
 from batchlab.host import cpu_hardware
@@ -83,12 +83,54 @@ def config(model: str, base: dict, changes: dict) -> RunConfig:
     return RunConfig(model=spec, model_source=source).replace(**{**base, **changes})
 
 
-def _seconds(trainer: Trainer) -> tuple[float, float]:
-    """(wall, CPU) seconds of one update: on a shared machine the wall clock also counts the time other
-    processes held the core; the thread's CPU time does not (one intra-op thread)."""
-    c, t = time.thread_time(), time.perf_counter()
+class HostProbe:
+    """How fast this host runs right now against while it was calibrated: the thread CPU time of a ~6 ms bundle
+    of calibrated kernel classes (two matmuls, two out-of-cache adds into kept outputs, two dropout RNG calls)
+    over its median read just before and just after the calibration.  On this shared VM the same isolated
+    kernels switch between two speeds within seconds (bernoulli_ 7.7 or 12-13 ns/element, a 50 MFLOP matmul
+    665 or 850 us, one process, sampled every 1.5 s for 40 s), so an absolute prediction from a calibration
+    taken a minute earlier can miss by that much whatever the model; the probe, read right before each timed
+    update, says which speed the update ran at.  Not used by any prediction: a column beside the measurement."""
+
+    N = 256 * 2**10
+
+    def __init__(self):
+        from batchlab.calibrate.kernels import keeping
+
+        self.x, self.a, self.b = torch.rand(self.N), torch.randn(512, 128), torch.randn(128, 384)
+        u, v = torch.ones(self.N), torch.ones(self.N)
+        self.add = keeping(lambda: torch.add(u, v))
+        self.reference: list[float] = []
+        self.seconds()
+
+    def seconds(self) -> float:
+        c = time.thread_time()
+        for _ in range(2):
+            torch.mm(self.a, self.b)
+            self.add()
+            self.x.bernoulli_(0.9)
+        return time.thread_time() - c
+
+    def remember(self, n: int = 50) -> None:
+        """Reads taken around the calibration: the speed it was measured at."""
+        self.reference += [self.seconds() for _ in range(n)]
+
+    def __call__(self) -> float:
+        """The bundle's time now over its time around the calibration (1: the same speed; 1.5: 50% slower)."""
+        return self.seconds() / statistics.median(self.reference)
+
+
+_PROBE: list[HostProbe] = []
+
+
+def _seconds(trainer: Trainer) -> tuple[float, float, float, float]:
+    """(wall, CPU) seconds, minor page faults and the host probe (read just before) of one update: on a shared
+    machine the wall clock also counts the time other processes held the core; the thread's CPU time does not
+    (one intra-op thread)."""
+    speed = _PROBE[0]() if _PROBE else float("nan")
+    f, c, t = regime.minor_faults(), time.thread_time(), time.perf_counter()
     trainer.update()
-    return time.perf_counter() - t, time.thread_time() - c
+    return time.perf_counter() - t, time.thread_time() - c, regime.minor_faults() - f, speed
 
 
 def alternate(run_a, run_b, n: int) -> tuple[list[float], list[tuple[float, float]], list[tuple[float, float]]]:
@@ -106,7 +148,7 @@ def alternate(run_a, run_b, n: int) -> tuple[list[float], list[tuple[float, floa
     return ratios, sa_all, sb_all
 
 
-def paired(a: RunConfig, b: RunConfig, pairs: int, warmup: int = 2) -> tuple[list[float], list[float], list[float]]:
+def paired(a: RunConfig, b: RunConfig, pairs: int, warmup: int = 3) -> tuple[list[float], list[float], list[float]]:
     """Adjacent updates of two live trainers in this process, after ``warmup`` updates each."""
     ta, tb = Trainer(a, "cpu"), Trainer(b, "cpu")
     for _ in range(warmup):
@@ -121,13 +163,15 @@ def paired_processes(a: RunConfig, b: RunConfig, rounds: int) -> tuple[list[floa
     from batchlab.measure import MeasureOptions
     from batchlab.run import measure
 
-    opts = MeasureOptions(warmup=2, steps=5, memory=False, isolate=True)
+    opts = MeasureOptions(warmup=3, steps=5, memory=False, isolate=True)
 
-    def one(cfg: RunConfig) -> tuple[float, float]:
+    def one(cfg: RunConfig) -> tuple[float, float, float, float]:
         m = measure(cfg, opts)  # one process, or torchrun + DDP for DP > 1
         assert m.ok and m.time is not None, m.outcome_detail
         cpu = statistics.median(m.time.cpu_seconds) if m.time.cpu_seconds else float("nan")
-        return m.time.update_seconds_median, cpu  # CPU: the measured process's (rank 0's) CPU time
+        # CPU: the measured process's (the slowest rank's) CPU time; faults: the worst rank's per update
+        return (m.time.update_seconds_median, cpu, m.environment.get("page_faults_per_update", float("nan")),
+                float("nan"))  # the ranks' host speed is not probed
 
     with threads_env(THREADS):
         return alternate(lambda: one(a), lambda: one(b), rounds)
@@ -153,8 +197,10 @@ def measure_row(model: str, label: str, base: dict, ca: dict, cb: dict, pairs: i
         ratios, sa, sb = paired(a, b, pairs)
     fa, fb = formula_estimate(a, cals).time.update_seconds, formula_estimate(b, cals).time.update_seconds
     row = dict(model=model, label=label, measured=statistics.median(ratios), ratios=ratios,
-               formula=fb / fa, ma=statistics.median(w for w, _ in sa), mb=statistics.median(w for w, _ in sb),
-               ca=statistics.median(c for _, c in sa), cb=statistics.median(c for _, c in sb), fa=fa, fb=fb,
+               formula=fb / fa, ma=statistics.median(s[0] for s in sa), mb=statistics.median(s[0] for s in sb),
+               ca=statistics.median(s[1] for s in sa), cb=statistics.median(s[1] for s in sb), fa=fa, fb=fb,
+               faults=[statistics.median(s[2] for s in side) for side in (sa, sb)],
+               pa=statistics.median(s[3] for s in sa), pb=statistics.median(s[3] for s in sb),
                trace=None, load=os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
     if with_trace and a.dp == 1 and b.dp == 1:
         row["trace"] = trace_seconds(b, cals) / trace_seconds(a, cals)
@@ -165,6 +211,16 @@ def _err(pred: float | None, meas: float) -> str:
     return "-" if pred is None else f"{pred / meas - 1:+.0%}"
 
 
+def _probed(r: dict, side: str) -> float | None:
+    """The formula's absolute time at the host speed the probe read beside that side's updates."""
+    speed = r["p" + side]
+    return None if speed != speed else r["f" + side] * speed  # NaN: not probed (DP ranks)
+
+
+def _speed(r: dict) -> str:
+    return "-" if r["pa"] != r["pa"] else f"x{r['pa']:.2f} / x{r['pb']:.2f}"
+
+
 def _ok(pred: float | None, meas: float, tol: float) -> bool:
     return pred is not None and abs(pred / meas - 1) <= tol
 
@@ -172,8 +228,8 @@ def _ok(pred: float | None, meas: float, tol: float) -> bool:
 def print_table(rows: list[dict]) -> None:
     print("| model | change A -> B | measured ratio (median, IQR) | formula ratio | error | trace ratio | error | "
           "measured A / B | formula A / B | abs. error A / B | CPU A / B | error vs CPU A / B | CPU ratio | error | "
-          "load |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "load | host speed A / B (probe) | abs. error at probed speed A / B | page faults per update A / B |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         q = statistics.quantiles(r["ratios"], n=4, method="inclusive") if len(r["ratios"]) > 1 else [r["measured"]] * 3
         trace = "-" if r["trace"] is None else f"{r['trace']:.2f}"
@@ -182,7 +238,9 @@ def print_table(rows: list[dict]) -> None:
               f"{r['ma'] * 1e3:.0f} / {r['mb'] * 1e3:.0f} ms | {r['fa'] * 1e3:.0f} / {r['fb'] * 1e3:.0f} ms | "
               f"{_err(r['fa'], r['ma'])} / {_err(r['fb'], r['mb'])} | {r['ca'] * 1e3:.0f} / {r['cb'] * 1e3:.0f} ms | "
               f"{_err(r['fa'], r['ca'])} / {_err(r['fb'], r['cb'])} | {r['cb'] / r['ca']:.2f} | "
-              f"{_err(r['formula'], r['cb'] / r['ca'])} | {r['load']:.1f} |")
+              f"{_err(r['formula'], r['cb'] / r['ca'])} | {r['load']:.1f} | {_speed(r)} | "
+              f"{_err(_probed(r, 'a'), r['ma'])} / {_err(_probed(r, 'b'), r['mb'])} | "
+              f"{r['faults'][0]:,.0f} / {r['faults'][1]:,.0f} |")
     print()
     within = sum(_ok(r["formula"], r["measured"], TOLERANCE) for r in rows)
     traced = [r for r in rows if r["trace"] is not None]
@@ -197,10 +255,29 @@ def print_table(rows: list[dict]) -> None:
     cpu_ok = sum(_ok(r["fa"], r["ca"], ABS_TOLERANCE) + _ok(r["fb"], r["cb"], ABS_TOLERANCE) for r in rows)
     print(f"- formula absolute update time within {ABS_TOLERANCE:.0%} of the measured median: {abs_ok} of "
           f"{2 * len(rows)} sides (of the measured CPU time: {cpu_ok}; wall and CPU agree on an idle machine)")
+    probed = [r for r in rows if _probed(r, "a") is not None]
+    probed_ok = sum(_ok(_probed(r, "a"), r["ma"], ABS_TOLERANCE) + _ok(_probed(r, "b"), r["mb"], ABS_TOLERANCE)
+                    for r in probed)
+    print(f"- formula absolute update time x the host speed probed before each update (the speed around the "
+          f"calibration = 1) within {ABS_TOLERANCE:.0%}: {probed_ok} of {2 * len(probed)} sides")
+    faults = sorted(f for r in rows for f in r["faults"] if f == f)
+    print(f"- minor page faults per update after warmup (median per side): {faults[len(faults) // 2]:,.0f} on the "
+          f"median side, {faults[-1]:,.0f} on the worst")
     print()
 
 
+def in_regime() -> None:
+    """Run this script in the allocator regime batchlab's measuring processes use (batchlab.regime: freed
+    memory kept, no page faults per update after warmup): the in-process trainers below are measured here, so
+    the process starts again with the regime's environment where it lacks it (glibc reads it at start)."""
+    if regime.allocator() == "glibc" and not regime.in_effect():
+        os.execve(sys.executable, [sys.executable, *sys.argv], regime.steady_env(dict(os.environ)))
+    if (note := regime.warning()) is not None:
+        log(note)
+
+
 def main(argv=None) -> None:
+    in_regime()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a few rows, 3 pairs: a smoke run")
     p.add_argument("--pairs", type=int, default=8, help="paired updates per row")
@@ -217,18 +294,25 @@ def main(argv=None) -> None:
     pairs = args.pairs
     if args.quick:
         grid, pairs = [g for g in grid if g[1].startswith(("AC none -> full", "seq 64"))][:3], 3
+    probe = HostProbe()
+    probe.remember()
     if args.cached:
         cal, fresh = calibrate.ensure("cpu", threads=THREADS)
     else:  # calibrated in the same conditions as the measurements below (and cached for compare)
         cal, fresh = calibrate.measure("cpu", threads=THREADS), True
         calibrate.save(cal)
     cals = {cal.device: cal}
+    probe.remember()
+    _PROBE.append(probe)
+    spread = statistics.quantiles(probe.reference, n=4, method="inclusive")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"Time model accuracy on {cpu_hardware()}, {THREADS} thread per process, load average {load:.1f} at "
           f"start, torch {torch.__version__}, {datetime.date.today().isoformat()}; fp32 unless stated, AdamW. "
           f"Calibration: {cal.source} ({'measured now' if fresh else 'cached'}). Measured: {pairs} alternated "
-          "pairs of updates of two live trainers after 2 warm-up updates each (DP: separate processes), "
-          "wall-clock; error = predicted / measured - 1.")
+          "pairs of updates of two live trainers after 3 warm-up updates each (DP: separate processes), "
+          f"wall-clock, {regime.describe()}; host speed probe around the calibration: "
+          f"{1e3 * statistics.median(probe.reference):.1f} ms (IQR {1e3 * spread[0]:.1f}-{1e3 * spread[2]:.1f}); "
+          "error = predicted / measured - 1.")
     print()
     rows = [measure_row(m, label, base, a, b, pairs, cals,
                         args.trace == "all" or (args.trace == "hf" and m.startswith("hf")))

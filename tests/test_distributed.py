@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from batchlab import regime
 from batchlab.config import RunConfig
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Outcome
@@ -113,6 +114,8 @@ def test_gradients_are_all_reduced_once_per_update(runs, accum):
     assert all(0 < a < t for a, t in zip(c.seconds, m.time.samples))
     assert c.backend == "gloo" and c.world_size == 2 and "NVLink" in c.scope
     assert m.environment["launcher"] == ("torchrun" if accum == 1 else "torchrun (external)")
+    if accum == 1:  # ranks batchlab launched run in its allocator regime (freed memory kept: batchlab.regime)
+        assert m.environment["allocator"] == regime.describe(regime.steady_env({}))
 
 
 def test_memory_is_reported_per_rank_with_one_gradient_copy(runs):

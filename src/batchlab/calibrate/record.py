@@ -44,13 +44,15 @@ class Calibration:
     # (compute | memory | dispatch; calibrate/concurrency.py); 0 processes: not measured (an older cache)
     contention: dict[str, float] = field(default_factory=dict)
     contention_processes: int = 0
+    allocator: str = ""  # CPU: the host allocator regime the kernels were timed in (batchlab.regime.describe)
     provenance: str = "calibrated"
 
     @property
     def source(self) -> str:
         """How the numbers were obtained, for every time prediction that uses them."""
         return (f"calibrated on {self.hardware} ({self.torch_device}), torch {self.torch_version}, "
-                f"{self.threads} thread(s), at {self.measured_at}, {self.seconds:.1f} s")
+                f"{self.threads} thread(s), at {self.measured_at}, {self.seconds:.1f} s"
+                + (f", {self.allocator}" if self.allocator else ""))
 
     def matmul_flops(self, precision: Precision | str) -> float:
         """The matmul ceiling for a precision: fp32, or bf16 for every 16-bit compute precision (fp16 is not
@@ -79,6 +81,11 @@ class Calibration:
         out = asdict(self)
         out["source"] = self.source
         return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Calibration":
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in raw.items() if k in names})
 
 
 # ------------------------------------------------------------------------------------------ cache
@@ -127,9 +134,7 @@ def load_all(threads: int | None = None) -> dict[str, Calibration]:
 
 def _read(path: Path) -> Calibration | None:
     try:
-        raw = json.loads(path.read_text())
-        names = {f for f in Calibration.__dataclass_fields__}
-        cal = Calibration(**{k: v for k, v in raw.items() if k in names})
+        cal = Calibration.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
     if cal.torch_device == "cpu" and not cal.hardware.startswith(cpu_hardware()):

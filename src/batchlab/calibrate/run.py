@@ -6,6 +6,7 @@ import datetime as _dt
 import os
 import time
 
+from batchlab import regime
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
                                         _element_seconds, _loopback, _matmul_curve, _memory_curve,
                                         _sdpa_curve)
@@ -27,6 +28,39 @@ def _hardware(device) -> str:
 
 def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
             threads: int | None = None) -> Calibration:
+    """Measure what the per-op time model needs (``measure_here``), on CPU in the allocator regime batchlab's
+    measuring processes run in (batchlab.regime: freed memory kept): in a child process started in it where
+    this one is not (this process's allocator is the caller's and stays as it is)."""
+    if seconds <= 0:
+        raise ConfigError("seconds", f"must be > 0, got {seconds}")
+    if torch_device.startswith("cpu") and regime.allocator() == "glibc" and not regime.in_effect():
+        return _in_child(dict(torch_device=torch_device, seconds=seconds, shapes=shapes, threads=threads))
+    return measure_here(torch_device, seconds, shapes, threads)
+
+
+def _in_child(args: dict) -> Calibration:
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from batchlab.lifeline import module_command
+    from batchlab.measure.runner import child_env
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="batchlab-calibrate-") as tmp:
+        out = Path(tmp) / "calibration.json"
+        proc = subprocess.run(module_command("batchlab.calibrate.child", json.dumps(args), str(out)),
+                              env=child_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"calibration process failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        cal = Calibration.from_dict(json.loads(out.read_text()))
+    cal.seconds = time.perf_counter() - start  # the cost the caller paid: the child's start-up too
+    return cal
+
+
+def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
+                 shapes: tuple[tuple[int, int, int], ...] | None = None, threads: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in about ``seconds``: the matmul curves in fp32 and bf16
     (34% linear layers, 8% attention's batched matmuls, 8% fused attention), element-wise bandwidth (12%), per-element kernels
     (15%), per-op dispatch (25%), on CPU the loopback link gloo uses between local ranks (2%) and the slowdown of
@@ -37,8 +71,6 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
     from batchlab.measure.clock import synchronizer
     from batchlab.measure.device import catalogue_name, usable
 
-    if seconds <= 0:
-        raise ConfigError("seconds", f"must be > 0, got {seconds}")
     device = usable(torch_device)
     try:
         torch.empty(1, device=device)
@@ -77,7 +109,8 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
             memory_curve=mem, memory_curve_bf16=mem16, memory_curve_inplace=inplace,
             strided_bytes_per_s=strided, element_seconds=elements, dispatch_seconds=dispatch,
             loopback_bytes_per_s=link, loopback_latency_s=latency, cores=os.cpu_count() or 1,
-            contention=contention, contention_processes=2 if device.type == "cpu" else 0)
+            contention=contention, contention_processes=2 if device.type == "cpu" else 0,
+            allocator=regime.describe() if device.type == "cpu" else "")
     finally:
         CLOCK.reset(token)
         torch.set_num_threads(before)
@@ -94,8 +127,9 @@ def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float
     cached = load_cached(catalogue_name(usable(torch_device)), want)
     # a cache from before the step-regime calibration (no in-place curve) timed warm loops, one from before the
     # contention measurement (CPU) has no slowdown of local ranks: measured again
+    # and one from before the allocator regime (CPU: no allocator stated) timed kernels that faulted pages in
     if (cached is not None and cached.op_costs() is not None and cached.memory_curve_inplace
-            and (cached.contention_processes or not cached.torch_device.startswith("cpu"))):
+            and (cached.contention_processes and cached.allocator or not cached.torch_device.startswith("cpu"))):
         return cached, False
     cal = measure(torch_device, seconds=seconds, threads=want)
     save(cal)

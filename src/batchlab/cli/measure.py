@@ -200,6 +200,10 @@ def _render_details(out: Console, m: Measurement) -> None:
             med = statistics.median(t.cpu_seconds)
             out.print("process CPU time per update (median, all threads; the process clock, read beside the "
                       f"wall-clock one): {fmt_seconds(med)}")
+    if "allocator" in m.environment:  # host pages mapped afresh per update cost CPU time (batchlab.regime)
+        faults = m.environment.get("page_faults_per_update")
+        out.print(escape(m.environment["allocator"])
+                  + (f"; {faults:,.0f} page faults per timed update" if isinstance(faults, (int, float)) else ""))
     if m.memory is not None and m.memory.breakdown:
         parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in m.memory.breakdown.items() if v)
         out.print(f"memory at the peak ({m.memory.provenance}: {m.memory.method}): {parts}")

@@ -155,6 +155,8 @@ def render(out: Console, r: Record, notebook_path: Path | None = None,
         out.print(verdict_table(r))
         if not r.formula_only:
             out.print(f"[dim]band: {esc(r.protocol.band_method)}[/]")
+            if r.protocol.allocator:
+                out.print(f"[dim]measuring processes' {esc(r.protocol.allocator)}[/]")
             for metric, m in r.metrics.items():
                 if m.inconclusive:
                     out.print(f"[yellow]{metric.label}:[/] {esc(m.note)}")

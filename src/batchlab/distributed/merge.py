@@ -121,6 +121,8 @@ def merge(cfg: RunConfig, ranks: list[dict[str, Any]], environment: dict[str, An
     env.update(world_size=len(ranks), backend=ranks[0]["backend"], device=ranks[0]["device"],
                torch=ranks[0]["torch"], threads_per_rank=ranks[0]["threads"],
                hosts=sorted({r["host"] for r in ranks}), gradient_as_bucket_view=cfg.zero < 2, scope=SCOPE)
+    if all("page_faults_per_update" in r for r in ranks):  # host pages mapped afresh per update, worst rank
+        env["page_faults_per_update"] = max(r["page_faults_per_update"] for r in ranks)
     return Measurement(config=cfg.to_dict(), outcome=Outcome.OK, global_batch=cfg.global_batch,
                        memory=_memory(ranks), time=time_, tokens_per_second=tps, useful_tokens_per_update=useful,
                        environment=env, warnings=warnings, comm=comm, traffic=traffic)

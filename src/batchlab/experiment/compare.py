@@ -6,11 +6,13 @@ diagnosis, semantics and scope, the notebook row written before and completed af
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from batchlab import regime
 from batchlab.config import ConfigError, Counted, RunConfig, to_jsonable
 from batchlab.experiment import factors, protocol
 from batchlab.experiment.change import Change, KeepMode, Sides, build_sides
@@ -125,7 +127,8 @@ def initial_record(plan: ExperimentPlan, formula: FormulaRecord, pred: FormulaPr
                                 {m: p["direction"] for m, p in (pred or {}).items()}),
         formula=formula, sides={"a": s.a.to_dict(), "b": s.b.to_dict()},
         protocol=Protocol(0 if plan.formula_only else plan.rounds, o.warmup, o.steps, plan.threads,
-                          plan.token_budget, BAND_METHOD),
+                          plan.token_budget, BAND_METHOD, isolated=o.isolate,
+                          allocator=regime.describe(regime.steady_env(dict(os.environ)) if o.isolate else None)),
         note=plan.note, warnings=tuple(s.warnings))
 
 

@@ -234,16 +234,17 @@ class Protocol:
     band_method: str
     isolated: bool = True
     order: str = "A B A B ..."
+    allocator: str = ""  # the measuring processes' host allocator regime (batchlab.regime.describe)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rounds": self.rounds, "warmup": self.warmup, "steps": self.steps, "isolated": self.isolated,
                 "threads": self.threads, "order": self.order, "token_budget": self.token_budget,
-                "band_method": self.band_method}
+                "band_method": self.band_method, "allocator": self.allocator}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Protocol":
         return cls(d["rounds"], d["warmup"], d["steps"], d.get("threads"), d["token_budget"], d["band_method"],
-                   d.get("isolated", True), d.get("order", "A B A B ..."))
+                   d.get("isolated", True), d.get("order", "A B A B ..."), d.get("allocator", ""))
 
 
 @dataclass(frozen=True)

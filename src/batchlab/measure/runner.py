@@ -23,6 +23,7 @@ from batchlab.config import ConfigError, RunConfig
 from batchlab.lifeline import module_command, safe_env
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, load_measurement
+from batchlab.regime import steady_env
 
 PROGRESS_PREFIX = "batchlab-progress\t"  # worker -> runner progress lines on stderr: done, total, label
 STDERR_TAIL_LINES = 40
@@ -37,14 +38,15 @@ _SIGNAL_HINTS = {
 
 def child_env() -> dict[str, str]:
     """The caller's environment, with its sys.path, so that a factory importable here imports there too —
-    except the working directory (``python -m`` and ``-c`` put it first), unless PYTHONPATH names it."""
+    except the working directory (``python -m`` and ``-c`` put it first), unless PYTHONPATH names it — and
+    the steady allocator regime (batchlab.regime: freed memory kept, no page faults per update after warmup)."""
     env = dict(os.environ)
     cwd = os.path.abspath(os.getcwd())
     named = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     paths = [os.path.abspath(p) for p in sys.path if p and (os.path.abspath(p) != cwd or cwd in named)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return safe_env(env)
+    return safe_env(steady_env(env))
 
 
 def run_isolated(cfg: RunConfig, options: MeasureOptions,

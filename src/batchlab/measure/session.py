@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from batchlab import host
+from batchlab import host, regime
 from batchlab.config import ConfigError, RunConfig, catalogue_key
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.device import torch_device
@@ -73,7 +73,7 @@ def environment(device: torch.device) -> dict:
         name = host.cpu_name()
     return {"torch": torch.__version__, "python": platform.python_version(), "batchlab": batchlab.__version__,
             "platform": platform.platform(), "torch_device": str(device), "device_name": name,
-            "threads": torch.get_num_threads(), "cuda": torch.version.cuda}
+            "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "allocator": regime.describe()}
 
 
 class _Recorder:
@@ -235,15 +235,21 @@ class _Steps:
         clock = PhaseClock(self.sync, sync_marks=not self.async_device)
         samples, cpu, useful = [], [], []
         phases: dict[str, list[float]] = {}
+        faults = []
         for i in range(self.opts.steps):
             label = self._start(f"timed {i + 1}/{self.opts.steps}")
+            f0 = regime.minor_faults()
             result, wall, cpu_s = timed_update(trainer, clock, rec.use(label, clock), self.sync)
+            faults.append(regime.minor_faults() - f0)
             samples.append(wall)
             cpu.append(cpu_s)
             useful.append(result.useful_tokens)
             if not self.async_device:
                 _collect(phases, clock.seconds)
             self._tick(label)
+        # host pages mapped afresh per timed update (median: the heap's rare growth past its high-water mark
+        # aside): 0 in the steady allocator regime (batchlab.regime)
+        m.environment["page_faults_per_update"] = statistics.median(faults) if faults else 0
         if self.async_device:
             split = PhaseClock(self.sync, sync_marks=True)
             for i in range(PHASE_UPDATES):
