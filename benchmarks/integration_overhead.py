@@ -234,13 +234,13 @@ def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float] | Non
 
 def bisect(variant: str) -> None:
     """Switch part of the callback off in this process (``--variant``; the product is unchanged)."""
-    from batchlab.experiment.factors import Watch as FactorWatch
+    from batchlab.experiment.factors import LoadSampler
     from batchlab.measure import observe, watch
 
     if variant in ("no-memory", "hooks-only"):
         observe.Observer._is_memory_update = lambda self, index: False
     if variant in ("no-factors", "hooks-only"):
-        FactorWatch.poll = lambda self: None
+        LoadSampler.poll = lambda self: None
     if variant == "hooks-only":  # the framework hooks run; they reach no Observer
         watch.Watch.begin = watch.Watch.end = lambda self: None
 

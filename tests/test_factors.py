@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from batchlab.experiment.factors import Proc, Usage, Watch, uncontrolled
+from batchlab.experiment.factors import LoadSampler, Proc, Usage, uncontrolled
 
 
 def test_usage_counts_processes_born_and_gone_during_the_run_and_not_our_own_tree():
@@ -27,7 +27,7 @@ def test_usage_counts_processes_born_and_gone_during_the_run_and_not_our_own_tre
 
 
 def test_a_competitor_that_starts_and_ends_during_the_run_is_counted():
-    w = Watch(interval=0.1, mine=-1).start()  # mine=-1: our own child counts as a competitor here
+    w = LoadSampler(interval=0.1, mine=-1).start()  # mine=-1: our own child counts as a competitor here
     busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"])
     busy.wait()
     time.sleep(0.2)
@@ -41,7 +41,7 @@ def test_a_competitor_that_starts_and_ends_during_the_run_is_counted():
 
 
 def test_our_own_busy_child_is_not_a_competitor():
-    w = Watch(interval=0.1).start()
+    w = LoadSampler(interval=0.1).start()
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass"])
     child.wait()
     f = uncontrolled(w, {}, None)
@@ -53,7 +53,7 @@ def test_polled_watch_samples_only_when_polled_and_runs_no_thread():
     import threading
 
     before = set(threading.enumerate())  # another test's watch may still be winding down in this process
-    w = Watch(interval=0.1, mine=-1, thread=False, max_share=0.5).start()
+    w = LoadSampler(interval=0.1, mine=-1, thread=False, max_share=0.5).start()
     assert not {t for t in threading.enumerate() if t.name == "batchlab-factors"} - before
     w.poll()  # right after start: the spacing has not passed
     assert w.samples == 1
@@ -78,7 +78,7 @@ def test_polled_sampling_is_spaced_by_its_own_cost(monkeypatch):
         time.sleep(0.01)
         return {}
     monkeypatch.setattr(factors, "cpu_times", slow_sample)
-    w = Watch(interval=0.0, thread=False, max_share=0.1).start()
+    w = LoadSampler(interval=0.0, thread=False, max_share=0.1).start()
     t0 = time.monotonic()
     while time.monotonic() - t0 < 0.5:
         w.poll()

@@ -137,7 +137,7 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
     """Carry the plan out; the notebook row is begun before measuring and completed at the end."""
     preflight(plan)
     t0 = time.perf_counter()
-    before = factors.Watch().start()  # samples what else uses the CPU until finish() stops it
+    before = factors.LoadSampler().start()  # samples what else uses the CPU until finish() stops it
     formula, pred = _formula(plan.sides, plan.token_budget, plan.threads)
     record = initial_record(plan, formula, pred)
     exp_id = notebook.begin(record) if notebook is not None else None
@@ -195,7 +195,7 @@ def _timelines(rounds: Rounds) -> tuple[dict[str, Timeline], tuple[Round, ...]]:
 
 
 def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_pred: FormulaPrediction | None,
-           verify: bool, before: factors.Watch) -> Record:
+           verify: bool, before: factors.LoadSampler) -> Record:
     """The record with verdicts, diagnosis, semantics, scope and factors."""
     s = plan.sides
     vs = verdicts(rounds, plan.predictions, formula_pred, plan.token_budget)

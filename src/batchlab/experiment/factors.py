@@ -120,7 +120,7 @@ class Usage:
         return {pid: u for pid, u in self.used.items() if pid not in self.ours and pid != os.getppid()}
 
 
-class Watch:
+class LoadSampler:
     """What competed for the CPU while the experiment ran: /proc sampled from start() to stop(), and
     /proc/stat's machine-wide busy time from start to stop (which also catches processes too short-lived for
     any sample).  ``mine``: the process whose tree is ours.
@@ -152,7 +152,7 @@ class Watch:
         return (f"/proc sampled between updates (outside the timed window), at most every {self.interval:g} s "
                 f"and at most {self.max_share:.1%} of the wall time")
 
-    def start(self) -> "Watch":
+    def start(self) -> "LoadSampler":
         self.before = Snapshot()
         up = uptime()
         self._busy0, self._own0 = busy_cpu_seconds(), _own_cpu_seconds()
@@ -218,7 +218,7 @@ class Snapshot:
     cpu: dict[int, Proc] = field(default_factory=cpu_times)
 
 
-def uncontrolled(watch: Watch, timing_noise: dict[str, Any], note: str | None) -> dict[str, Any]:
+def uncontrolled(watch: LoadSampler, timing_noise: dict[str, Any], note: str | None) -> dict[str, Any]:
     """The record's ``factors``: load, what else used the CPU during the run (sampled), clock, timing noise."""
     u = watch.stop()
     before, after, busy = u["before"], u["after"], u["busy"]

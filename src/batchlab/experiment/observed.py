@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from batchlab.config import ACMode, RunConfig, _Choice, config_from_dict
-from batchlab.experiment.factors import Watch, uncontrolled
+from batchlab.experiment.factors import LoadSampler, uncontrolled
 from batchlab.measure.result import Measurement, measurement_from_dict, measurement_to_dict
 from batchlab.measure.versus import formula_estimate, rows
 from batchlab.experiment.record import now
@@ -194,7 +194,7 @@ def loop_settings(cfg: RunConfig | None, global_batch: int | None, model: str, d
 
 
 def finish(source: Source, settings: Settings, m: Measurement, cfg: RunConfig | None, unmapped: list[str],
-           before: Watch, notebook=None, predict: bool = True, note: str = "") -> tuple[ObservedRecord, int | None]:
+           before: LoadSampler, notebook=None, predict: bool = True, note: str = "") -> tuple[ObservedRecord, int | None]:
     """The record of a run watched since ``before`` (factors read now), written to ``notebook`` when given."""
     t = m.time
     noise = {"update_time_spread": t.spread if t is not None and t.samples else None,

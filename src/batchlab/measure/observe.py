@@ -205,10 +205,10 @@ def observe(model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int =
     """Record peak memory and update time over the updates of your own loop (see the module docstring).
     With ``notebook`` (a path or Notebook), an observed record is written at the end: ``obs.record``,
     ``obs.notebook_id``; ``config`` (a RunConfig describing the loop) gives the formula's prediction."""
-    from batchlab.experiment.factors import Watch
+    from batchlab.experiment.factors import LoadSampler
 
     # what else uses the CPU, sampled between updates (never during one) until the record is made
-    before = Watch(interval=FACTOR_INTERVAL, thread=False).start() if notebook is not None else None
+    before = LoadSampler(interval=FACTOR_INTERVAL, thread=False).start() if notebook is not None else None
     obs = Observer(model, optimizer, warmup=warmup, memory=memory, device=device, config=config,
                    global_batch=global_batch, memory_every=memory_every,
                    after_update=before.poll if before is not None else None)
