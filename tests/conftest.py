@@ -6,8 +6,14 @@ Semantics do not depend on the thread count; timing assertions are ratios measur
 """
 import os
 
+from batchlab.regime import STEADY_ENV
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every subprocess a test starts
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# pytest-xdist's workers (started after this) run in batchlab's allocator regime, as its measuring processes do,
+# so a calibration in a test needs no child process of its own; tests of the regime build their environments
+for _k, _v in STEADY_ENV.items():
+    os.environ.setdefault(_k, _v)
 
 
 def pytest_configure(config):

@@ -100,9 +100,19 @@ def test_other_allocators_degrade_to_a_warning(monkeypatch):
 def test_calibration_outside_the_regime_runs_in_a_child_in_it(monkeypatch):
     from batchlab.calibrate import run as cal_run
 
-    for k in regime.STEADY_ENV:
-        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(regime, "started_with", lambda: {})  # as a process started without the variables
     seen = []
     monkeypatch.setattr(cal_run, "_in_child", lambda args: seen.append(args) or "child")
     assert cal_run.measure("cpu", seconds=1.0, threads=1) == "child"
     assert seen[0]["threads"] == 1
+
+
+@glibc
+def test_a_variable_set_after_start_does_not_count():
+    """glibc read the environment when the process started: putting the variables into os.environ later
+    changes nothing for this process (they reach only the processes it starts)."""
+    env = {k: v for k, v in os.environ.items() if k not in regime.STEADY_ENV}
+    code = ("import os; from batchlab import regime; os.environ.update(regime.STEADY_ENV); "
+            "print(regime.in_effect(), regime.in_effect(dict(os.environ)))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"]

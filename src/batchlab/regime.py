@@ -56,10 +56,20 @@ def steady_env(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def started_with() -> dict[str, str]:
+    """The environment this process started with, which is what glibc read: /proc/self/environ on Linux (a
+    variable put into os.environ later changes nothing for this process); os.environ elsewhere."""
+    try:
+        raw = Path("/proc/self/environ").read_bytes()
+    except OSError:
+        return dict(os.environ)
+    return dict(p.split("=", 1) for p in raw.decode(errors="replace").split("\0") if "=" in p)
+
+
 def in_effect(env: dict[str, str] | None = None) -> bool:
-    """Whether a process started with ``env`` (default: this one's) keeps freed memory: glibc, and the
-    variables at (or beyond) the steady values."""
-    env = os.environ if env is None else env
+    """Whether a process started with ``env`` (default: this one's own start) keeps freed memory: glibc, and
+    the variables at (or beyond) the steady values."""
+    env = started_with() if env is None else env
     try:
         return allocator() == "glibc" and all(int(env.get(k, "0")) >= int(v) for k, v in STEADY_ENV.items())
     except ValueError:
