@@ -32,19 +32,20 @@ _PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
 
 def allocator() -> str:
     """Which malloc this process uses: "glibc", or what else (a preloaded allocator, musl, the platform's)."""
-    preload = os.environ.get("LD_PRELOAD", "")
+    loaded = started_with().get("LD_PRELOAD", "") + _maps()
     for name in _PRELOADED:
-        if name in preload or _mapped(name):
+        if name in loaded:
             return name
     libc, _ = platform.libc_ver()
     return "glibc" if libc == "glibc" else (libc or platform.system() or "unknown")
 
 
-def _mapped(name: str) -> bool:
+def _maps() -> str:
+    """The libraries mapped into this process (a preloaded allocator shows here); "" off Linux."""
     try:
-        return name in Path("/proc/self/maps").read_text()
-    except OSError:  # not Linux
-        return False
+        return Path("/proc/self/maps").read_text()
+    except OSError:
+        return ""
 
 
 def steady_env(env: dict[str, str]) -> dict[str, str]:

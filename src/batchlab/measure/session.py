@@ -103,6 +103,9 @@ def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | Non
     if device.type == "cuda" and here != cfg.device:
         m.warnings.append(f"measured on {m.environment['device_name']} ({here or 'not in the catalogue'}), but "
                           f"--device is {cfg.device}: the formula figures beside it are for {cfg.device}")
+    unsteady = regime.warning() if device.type == "cpu" else None  # a non-glibc host allocator: said, not set
+    if unsteady is not None:
+        m.warnings.append(unsteady)
     rec = _Recorder()
     steps = _Steps(cfg, opts, device, progress)
     fraction_set = False
