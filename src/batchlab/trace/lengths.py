@@ -81,10 +81,6 @@ def _through(points: dict[int, tuple[int, ...]], x: int) -> tuple[int, ...] | No
     return tuple(out)
 
 
-def _vector(run: Run) -> tuple[int, ...]:
-    return run.scalars + run.live
-
-
 def _derived(runs: dict[int, Run], x: int) -> Run | None:
     """The run at length x from three runs of one micro-batch, or None (their ops differ, or a parabola does
     not give whole bytes there)."""
