@@ -9,8 +9,8 @@ Measured: two live trainers in one process, 1 intra-op thread (compare's default
 (the heap reaches its high-water mark), then adjacent updates A B, B A, A B, ... (order alternated so drift
 in machine load hits both sides of a pair alike); the ratio is the median of the per-pair ratios, the absolute time the median of each side's
 updates (wall-clock; beside it the update's CPU time, which other processes' load does not inflate).
-DP 1 -> 2 runs separate processes (one plain, one torchrun + DDP over gloo),
-alternated for a few rounds.  The calibration (`batchlab calibrate` at 1 thread) is measured once, cached,
+DP 1 -> 2: one plain process and two DDP ranks over gloo (batchlab's ZeRO-0 engine), all alive at once and
+taking turns at a barrier, in the same alternated order (``dp_pairs.py``).  The calibration (`batchlab calibrate` at 1 thread) is measured once, cached,
 and stated with its cost.
 
     .venv/bin/python benchmarks/time_accuracy.py             # the grid, ~3-5 min on 2 cores
@@ -35,6 +35,7 @@ from batchlab.config import RunConfig, preset
 from batchlab.formula import estimate as formula_estimate
 from batchlab.host import cpu_hardware
 from batchlab.measure.harness import Trainer
+from dp_pairs import paired_dp
 
 THREADS = 1
 TOLERANCE = 0.15  # issue 16: predicted ratio within 15% of the measured one
@@ -157,26 +158,6 @@ def paired(a: RunConfig, b: RunConfig, pairs: int, warmup: int = 3) -> tuple[lis
     return alternate(lambda: _seconds(ta), lambda: _seconds(tb), pairs)
 
 
-def paired_processes(a: RunConfig, b: RunConfig, rounds: int) -> tuple[list[float], list[float], list[float]]:
-    """DP changes: fresh processes (B through torchrun + DDP); each round's median update time."""
-    from batchlab.experiment.protocol import threads_env
-    from batchlab.measure import MeasureOptions
-    from batchlab.run import measure
-
-    opts = MeasureOptions(warmup=3, steps=5, memory=False, isolate=True)
-
-    def one(cfg: RunConfig) -> tuple[float, float, float, float]:
-        m = measure(cfg, opts)  # one process, or torchrun + DDP for DP > 1
-        assert m.ok and m.time is not None, m.outcome_detail
-        cpu = statistics.median(m.time.cpu_seconds) if m.time.cpu_seconds else float("nan")
-        # CPU: the measured process's (the slowest rank's) CPU time; faults: the worst rank's per update
-        return (m.time.update_seconds_median, cpu, m.environment.get("page_faults_per_update", float("nan")),
-                float("nan"))  # the ranks' host speed is not probed
-
-    with threads_env(THREADS):
-        return alternate(lambda: one(a), lambda: one(b), rounds)
-
-
 _TRACES: dict[RunConfig, float] = {}
 
 
@@ -192,7 +173,7 @@ def measure_row(model: str, label: str, base: dict, ca: dict, cb: dict, pairs: i
     a, b = config(model, base, ca), config(model, base, cb)
     log(f"{model}: {label}")
     if a.dp > 1 or b.dp > 1:
-        ratios, sa, sb = paired_processes(a, b, max(3, pairs // 3))
+        ratios, sa, sb = paired_dp(a, b, pairs)
     else:
         ratios, sa, sb = paired(a, b, pairs)
     fa, fb = formula_estimate(a, cals).time.update_seconds, formula_estimate(b, cals).time.update_seconds
@@ -309,7 +290,8 @@ def main(argv=None) -> None:
     print(f"Time model accuracy on {cpu_hardware()}, {THREADS} thread per process, load average {load:.1f} at "
           f"start, torch {torch.__version__}, {datetime.date.today().isoformat()}; fp32 unless stated, AdamW. "
           f"Calibration: {cal.source} ({'measured now' if fresh else 'cached'}). Measured: {pairs} alternated "
-          "pairs of updates of two live trainers after 3 warm-up updates each (DP: separate processes), "
+          "pairs of updates of two live trainers after 3 warm-up updates each (DP: a process and a DDP group, "
+          "alive at once, taking turns), "
           f"wall-clock, {regime.describe()}; host speed probe around the calibration: "
           f"{1e3 * statistics.median(probe.reference):.1f} ms (IQR {1e3 * spread[0]:.1f}-{1e3 * spread[2]:.1f}); "
           "error = predicted / measured - 1.")

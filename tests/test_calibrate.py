@@ -92,6 +92,15 @@ def test_a_cpu_cache_from_before_the_contention_measurement_is_measured_again():
     assert costs.contention == cal.contention and costs.contention_processes == 2
 
 
+def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_again():
+    old = sample(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
+                 contention={"compute": 1.0}, allocator="glibc")  # current in all but matmul_start
+    save(old)
+    cal, fresh = ensure("cpu", threads=1, seconds=0.5)
+    assert fresh and cal.seconds != 0.5 and {"sdpa-fp32", "sdpa-backward-fp32"} <= set(cal.matmul_start)
+    assert ensure("cpu", threads=1)[1] is False  # cached now
+
+
 def test_contention_is_measured_only_where_the_processes_get_their_own_cores():
     from batchlab.calibrate.concurrency import KINDS, slowdown
 
@@ -154,6 +163,28 @@ def test_measure_cpu_matches_a_matmul_and_an_add_timed_here():
     assert all(1e-7 < s < 1e-3 for s in cal.dispatch_seconds.values()), cal.dispatch_seconds
     assert set(cal.dispatch_seconds) == {"forward", "backward", "plain"}
     assert cal.op_costs() is not None and cal.seconds < 10
+    _fused_attention_against_torch_benchmark(cal)
+
+
+def _fused_attention_against_torch_benchmark(cal) -> None:
+    """The calibrated start + per-entry model of scaled_dot_product_attention's forward and backward, at 8
+    entries (calibrated at 2 and 16), against the calls timed by torch's own benchmark."""
+    import torch.nn.functional as F
+    from torch.utils.benchmark import Timer
+
+    from batchlab.formula.opcost import OpClass, OpCount, Phase
+
+    costs, grain = cal.op_costs(), 4 * 128 * 128 * 32
+    q, k, v = (torch.randn(1, 8, 128, 32).requires_grad_() for _ in range(3))
+    out, g = F.scaled_dot_product_attention(q, k, v, is_causal=True), torch.randn(1, 8, 128, 32)
+    env = {"F": F, "torch": torch, "q": q, "k": k, "v": v, "out": out, "g": g}
+    for stmt, name, flops in (("F.scaled_dot_product_attention(q, k, v, is_causal=True)", "", 8 * grain),
+                              ("torch.autograd.grad(out, (q, k, v), g, retain_graph=True)", "_backward",
+                               int(2.5 * 8 * grain))):
+        timed = min(Timer(stmt, globals=env, timer=time.thread_time).blocked_autorange(min_run_time=0.2).times)
+        op = OpCount("_scaled_dot_product_flash_attention_for_cpu" + name, Phase.FORWARD, OpClass.MATMUL,
+                     flops=flops, grain=grain)
+        assert 0.5 < costs.work_seconds(op) / timed < 2.0, (name, costs.work_seconds(op), timed)
 
 
 def test_auto_calibrates_once_and_says_so_then_stays_quiet():

@@ -128,6 +128,29 @@ def test_in_place_ops_use_their_own_bandwidth():
     assert FLAT.work_seconds(inplace) == FLAT.work_seconds(fresh)  # no in-place curve: one bandwidth
 
 
+def test_fused_attention_backward_has_its_own_rate_and_a_cost_per_call():
+    # 16 (batch, head) entries of 2 MFLOP forward / 5 MFLOP backward each (s 128, d 32: 4 s^2 d per entry)
+    grain = 4 * 128 * 128 * 32
+    fwd = OpCount("_scaled_dot_product_flash_attention_for_cpu", Phase.FORWARD, OpClass.MATMUL, flops=16 * grain,
+                  low_precision=True, grain=grain)
+    bwd = OpCount("_scaled_dot_product_flash_attention_for_cpu_backward", Phase.BACKWARD, OpClass.MATMUL,
+                  flops=int(2.5 * 16 * grain), low_precision=True, grain=grain)
+    costs = OpCosts(**{**FLAT.__dict__, "matmul": {**FLAT.matmul, "sdpa-bf16": ((1.0, 1e11),),
+                                                  "sdpa-backward-bf16": ((1.0, 1e10),)},
+                       "matmul_start": {"sdpa-backward-bf16": ((1.0, 3e-4),)}})
+    assert costs.work_seconds(fwd) == pytest.approx(16 * grain / 1e11)  # no start curve: none added
+    assert costs.work_seconds(bwd) == pytest.approx(2.5 * 16 * grain / 1e10 + 3e-4)
+    # a calibration with no backward curve prices the backward at the forward's rate, not the linear layers'
+    forward_only = OpCosts(**{**costs.__dict__, "matmul": {**FLAT.matmul, "sdpa-bf16": ((1.0, 1e11),)},
+                              "matmul_start": {}})
+    assert forward_only.work_seconds(bwd) == pytest.approx(2.5 * 16 * grain / 1e11)
+    # ranks slowing each other (contention) stretch the start as they stretch the work
+    from batchlab.formula.timing import contended
+
+    slow = contended(costs, {"compute": 2.0})
+    assert slow.work_seconds(bwd) == pytest.approx(2 * costs.work_seconds(bwd))
+
+
 def test_local_ranks_share_the_cores_and_the_loopback_link():
     base = RunConfig(seq=64, micro_batch=2)
     cpu = OpCosts(**{**FLAT.__dict__, "threads": 2, "cores": 2, "link_bytes_per_s": 1e9, "link_latency_s": 2e-5})

@@ -163,30 +163,50 @@ def _bmm_curve(device, dtype, seconds: float, sync) -> list[list[float]]:
     return monotone(sorted(out))
 
 
-# fused attention (batch x heads, s, d), causal, forward and backward together
-SDPA_SHAPES = ((8, 64, 32), (8, 128, 32), (8, 256, 64), (4, 512, 64))
+# fused attention, causal: (s, d) each at two (batch x heads) entry counts (fewer at s 512: 0.2 s a call pair)
+SDPA_SHAPES = ((64, 32, 2, 16), (128, 32, 2, 16), (256, 64, 2, 16), (512, 64, 1, 8))
 
 
-def _sdpa_curve(device, dtype, seconds: float, sync) -> list[list[float]]:
-    """(forward FLOPs per (batch, head), FLOP/s) of scaled_dot_product_attention's forward + backward, as
-    FlopCounterMode counts them (4 s^2 d + 10 s^2 d per head, no causal halving)."""
+def _sdpa_seconds(device, dtype, heads: int, s: int, d: int, seconds: float, sync) -> tuple[float, float] | None:
+    """Seconds of one forward and one backward call of scaled_dot_product_attention over ``heads`` (batch x
+    heads) entries; the backward timed on one retained graph.  None where the dtype is not supported."""
     import torch
     import torch.nn.functional as F
 
-    out = []
-    for heads, s, d in SDPA_SHAPES:
-        try:
-            q, k, v = (torch.randn(1, heads, s, d, device=device).to(dtype).requires_grad_() for _ in range(3))
-            g = torch.randn(1, heads, s, d, device=device).to(dtype)
-        except (RuntimeError, TypeError):
-            return out
+    try:
+        q, k, v = (torch.randn(1, heads, s, d, device=device).to(dtype).requires_grad_() for _ in range(3))
+        g = torch.randn(1, heads, s, d, device=device).to(dtype)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    except (RuntimeError, TypeError):
+        return None
+    fwd = steady(timed_rates(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 1.0, seconds / 2,
+                             sync, min_samples=2))
+    bwd = steady(timed_rates(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True), 1.0, seconds / 2,
+                             sync, min_samples=2))
+    return 1 / fwd, 1 / bwd
 
-        def step():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
 
-        out.append([float(4 * s * s * d), steady(
-            timed_rates(step, 14 * s * s * d * heads, seconds / len(SDPA_SHAPES), sync, min_samples=2))])
-    return monotone(sorted(out))
+def _sdpa_curves(device, dtype, seconds: float, sync
+                 ) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
+    """Fused attention's costs per direction (``sdpa``, ``sdpa-backward``): (rate curves: forward FLOPs per
+    (batch, head) entry, FLOP/s of each further entry, FLOPs as FlopCounterMode counts them, 4 s^2 d forward
+    and 10 s^2 d backward per entry, no causal halving; start curves: the same x, seconds of a call beyond its
+    entries' work), from each shape timed at two entry counts: t(H) = start + H w.
+    Why: on this CPU in bf16 the backward has a large cost per call (s 128, d 32: 4.2 ms at 8 entries, 6.0 at
+    16) and runs at ~1/5 of fp32's speed, while the forward is faster than fp32's; one rate for both, at one
+    entry count, mispriced a bf16 step's attention by 2-9x."""
+    rates, starts = {"sdpa": [], "sdpa-backward": []}, {"sdpa": [], "sdpa-backward": []}
+    share = seconds / (2 * len(SDPA_SHAPES))
+    for s, d, h1, h2 in SDPA_SHAPES:
+        t1, t2 = (_sdpa_seconds(device, dtype, h, s, d, share, sync) for h in (h1, h2))
+        if t1 is None or t2 is None:
+            break
+        grain = 4 * s * s * d
+        for kind, i, flops in (("sdpa", 0, grain), ("sdpa-backward", 1, 2.5 * grain)):
+            w = max((t2[i] - t1[i]) / (h2 - h1), t2[i] / h2 / 4)  # per entry; a noisy difference kept plausible
+            rates[kind].append([float(grain), flops / w])
+            starts[kind].append([float(grain), max(0.0, t2[i] - h2 * w)])
+    return {k: monotone(v) for k, v in rates.items() if v}, {k: v for k, v in starts.items() if v}
 
 
 def keeping(fn, budget: int = COLD_BYTES):

@@ -31,6 +31,8 @@ class Calibration:
     seconds: float = 0.0  # how long calibrating took
     # the per-op time model's parameters (formula/opcost.py OpCosts)
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)  # dtype -> [[FLOPs/call, FLOP/s]]
+    # fused kernels' seconds per call beyond their entries' work: kind-dtype -> [[FLOPs per entry, seconds]]
+    matmul_start: dict[str, list[list[float]]] = field(default_factory=dict)
     memory_curve: list[list[float]] = field(default_factory=list)  # [[bytes/call, bytes/s]], fp32 add
     memory_curve_bf16: list[list[float]] = field(default_factory=list)  # the same add in bf16
     memory_curve_inplace: list[list[float]] = field(default_factory=list)  # fp32 add_ (no fresh output)
@@ -67,6 +69,7 @@ class Calibration:
         if not (self.matmul_curve and self.memory_curve and self.dispatch_seconds and self.strided_bytes_per_s):
             return None
         return OpCosts(matmul={k: tuple(map(tuple, v)) for k, v in self.matmul_curve.items()},
+                       matmul_start={k: tuple(map(tuple, v)) for k, v in self.matmul_start.items()},
                        memory=tuple(map(tuple, self.memory_curve)), strided_bytes_per_s=self.strided_bytes_per_s,
                        memory_low=tuple(map(tuple, self.memory_curve_bf16)) or None,
                        memory_inplace=tuple(map(tuple, self.memory_curve_inplace)) or None,

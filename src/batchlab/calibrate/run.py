@@ -9,7 +9,7 @@ import time
 from batchlab import regime
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
                                         _element_seconds, _loopback, _matmul_curve, _memory_curve,
-                                        _sdpa_curve)
+                                        _sdpa_curves)
 from batchlab.calibrate.concurrency import slowdown
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
@@ -87,10 +87,9 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
         start = time.perf_counter()
         fp32 = _matmul_curve(device, torch.float32, shapes, 0.17 * seconds, sync)
         bf16 = _matmul_curve(device, torch.bfloat16, shapes, 0.17 * seconds, sync)
+        sdpa, sdpa_start = _sdpa(device, 0.08 * seconds, sync)
         bmm = {"bmm-fp32": _bmm_curve(device, torch.float32, 0.04 * seconds, sync),
-               "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync),
-               "sdpa-fp32": _sdpa_curve(device, torch.float32, 0.04 * seconds, sync),
-               "sdpa-bf16": _sdpa_curve(device, torch.bfloat16, 0.04 * seconds, sync)}
+               "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync), **sdpa}
         mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync)
         elements = _element_seconds(device, 0.15 * seconds, sync)
         dispatch = _dispatch_seconds(device, 0.25 * seconds, sync)
@@ -106,6 +105,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
             measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__, seconds=time.perf_counter() - start,
             matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{k: v for k, v in bmm.items() if v}},
+            matmul_start=sdpa_start,
             memory_curve=mem, memory_curve_bf16=mem16, memory_curve_inplace=inplace,
             strided_bytes_per_s=strided, element_seconds=elements, dispatch_seconds=dispatch,
             loopback_bytes_per_s=link, loopback_latency_s=latency, cores=os.cpu_count() or 1,
@@ -114,6 +114,18 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     finally:
         CLOCK.reset(token)
         torch.set_num_threads(before)
+
+
+def _sdpa(device, seconds: float, sync) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
+    """Fused attention's (rate curves, start curves) per precision: ``sdpa-fp32``, ``sdpa-backward-bf16``, ..."""
+    import torch
+
+    rates, starts = {}, {}
+    for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        r, s = _sdpa_curves(device, dtype, seconds, sync)
+        rates.update({f"{kind}-{key}": curve for kind, curve in r.items()})
+        starts.update({f"{kind}-{key}": curve for kind, curve in s.items()})
+    return rates, starts
 
 
 def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0
@@ -128,7 +140,9 @@ def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float
     # a cache from before the step-regime calibration (no in-place curve) timed warm loops, one from before the
     # contention measurement (CPU) has no slowdown of local ranks: measured again
     # and one from before the allocator regime (CPU: no allocator stated) timed kernels that faulted pages in
+    # and one from before fused attention's backward had its own curves priced a bf16 backward at the forward's rate
     if (cached is not None and cached.op_costs() is not None and cached.memory_curve_inplace
+            and "sdpa-backward-fp32" in cached.matmul_start
             and (cached.contention_processes and cached.allocator or not cached.torch_device.startswith("cpu"))):
         return cached, False
     cal = measure(torch_device, seconds=seconds, threads=want)

@@ -163,6 +163,9 @@ class OpCosts:
     memory_low: tuple[tuple[float, float], ...] | None = None
     # in-place ops (name ending in "_"): the output is the input, no fresh memory; None: the ``memory`` curve
     memory_inplace: tuple[tuple[float, float], ...] | None = None
+    # fused attention ("sdpa-bf16", "sdpa-backward-fp32", ...): seconds a call costs beyond its (batch, head)
+    # entries' work, by FLOPs per entry; absent: none
+    matmul_start: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     asynchronous: bool = False  # GPU: the host issues ahead of the kernels, so an op costs max(launch, work)
     link_bytes_per_s: float | None = None  # CPU: measured loopback between local ranks (gloo); None: the device's
     link_latency_s: float = 0.0  # per message on that link
@@ -176,10 +179,13 @@ class OpCosts:
 
     def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:
         """FLOP/s of one matmul of ``flops``: linear in log FLOPs between the calibrated points, flat outside.
-        ``kind``: "bmm" (one entry of a batched matmul) or "sdpa" (fused attention, per (batch, head)), from
-        its own curve where calibrated, else the linear layers' curve."""
+        ``kind``: "bmm" (one entry of a batched matmul), "sdpa" or "sdpa-backward" (fused attention, per
+        (batch, head)), from its own curve where calibrated (the backward: else the forward's), else the
+        linear layers' curve."""
         key = "bf16" if low_precision else "fp32"
-        pts = (self.matmul.get(f"{kind}-{key}") if kind else None) or self.matmul.get(key) or self.matmul["fp32"]
+        kinds = (kind, "sdpa") if kind == "sdpa-backward" else (kind,)
+        pts = next((self.matmul[f"{k}-{key}"] for k in kinds if kind and self.matmul.get(f"{k}-{key}")), None)
+        pts = pts or self.matmul.get(key) or self.matmul["fp32"]
         return interpolate_log(pts, flops)
 
     def element_rate_seconds(self, klass: OpClass, low_precision: bool) -> float:
@@ -189,8 +195,13 @@ class OpCosts:
     def work_seconds(self, op: OpCount) -> float:
         """One call's time beyond its dispatch."""
         if op.klass is OpClass.MATMUL:
-            kind = ("sdpa" if op.name.startswith("_scaled_dot_product") else "bmm") if op.grain else ""
-            return op.flops / self.matmul_rate(op.grain or op.flops, op.low_precision, kind) if op.flops else 0.0
+            kind = ("bmm" if not op.name.startswith("_scaled_dot_product")
+                    else "sdpa-backward" if op.name.endswith("_backward") else "sdpa") if op.grain else ""
+            if not op.flops:
+                return 0.0
+            start = self.matmul_start.get(f"{kind}-{'bf16' if op.low_precision else 'fp32'}")
+            return (op.flops / self.matmul_rate(op.grain or op.flops, op.low_precision, kind)
+                    + (interpolate_log(start, op.grain) if start else 0.0))
         if op.klass is OpClass.MEMORY:
             if op.name.endswith("_") and self.memory_inplace:
                 return op.bytes / interpolate_log(self.memory_inplace, max(op.bytes, 1.0))

@@ -192,7 +192,9 @@ def contended(costs: OpCosts, slow: dict[str, float]) -> OpCosts:
     c, m, d = (slow.get(k, 1.0) for k in ("compute", "memory", "dispatch"))
     scale = lambda curve, f: tuple((x, r / f) for x, r in curve) if curve else curve  # noqa: E731 — rates
     return dataclasses.replace(
-        costs, matmul={k: scale(v, c) for k, v in costs.matmul.items()}, memory=scale(costs.memory, m),
+        costs, matmul={k: scale(v, c) for k, v in costs.matmul.items()},
+        matmul_start={k: tuple((x, t * c) for x, t in v) for k, v in costs.matmul_start.items()},
+        memory=scale(costs.memory, m),
         memory_low=scale(costs.memory_low, m), memory_inplace=scale(costs.memory_inplace, m),
         strided_bytes_per_s=costs.strided_bytes_per_s / m,
         element_seconds={k: s * c for k, s in costs.element_seconds.items()},
