@@ -75,6 +75,23 @@ def _grid() -> list[tuple[str, str, dict, dict, dict]]:
     return rows
 
 
+def _unlisted() -> list[tuple[str, str, dict, dict, dict]]:
+    """Changes and shapes the issue does not list (the model must hold beyond the grid it was checked on)."""
+    return [("tiny", "AC none -> full at seq 256, micro-batch 2", dict(seq=256, micro_batch=2), dict(ac="none"),
+             dict(ac="full")),
+            ("tiny", "micro-batch 2 -> 8 at seq 64 (global 16)", dict(seq=64), dict(micro_batch=2, accum=8),
+             dict(micro_batch=8, accum=2)),
+            ("tiny", "fp32 -> bf16-mixed with AC full", dict(seq=128, micro_batch=4, ac="full"),
+             dict(precision="fp32"), dict(precision="bf16-mixed")),
+            ("tiny", "DP 1 -> 2 at seq 256, micro-batch 2", dict(seq=256, micro_batch=2), dict(dp=1), dict(dp=2)),
+            ("hf gpt2", "seq 128 -> 256 (bf16-mixed)", dict(micro_batch=2, precision="bf16-mixed"), dict(seq=128),
+             dict(seq=256)),
+            ("hf gpt2", "layers 2 -> 4", dict(seq=128, micro_batch=4), dict(layers=2), dict(layers=4)),
+            ("hf llama", "hidden 128 -> 256", dict(seq=128, micro_batch=4), dict(hidden=128), dict(hidden=256)),
+            ("hf llama", "AC none -> full (bf16-mixed)", dict(seq=128, micro_batch=4, precision="bf16-mixed"),
+             dict(ac="none"), dict(ac="full"))]
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -263,13 +280,15 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="a few rows, 3 pairs: a smoke run")
     p.add_argument("--pairs", type=int, default=8, help="paired updates per row")
     p.add_argument("--only", default=None, help="only rows whose model or label contains this text")
+    p.add_argument("--unlisted", action="store_true",
+                   help="changes and shapes the issue's grid does not list, instead of the grid")
     p.add_argument("--cached", action="store_true", help="use the cached calibration instead of measuring one now")
     p.add_argument("--trace", choices=("hf", "all", "none"), default="hf",
                    help="which rows also get the trace's prediction (a fake-tensor run per config)")
     args = p.parse_args(argv)
     torch.set_num_threads(THREADS)
     start = time.perf_counter()
-    grid = _grid()
+    grid = _unlisted() if args.unlisted else _grid()
     if args.only:
         grid = [g for g in grid if args.only in g[0] or args.only in g[1]]
     pairs = args.pairs

@@ -82,9 +82,14 @@ def count_update_flops(trainer) -> TraceFlops:
     """Run one update of ``trainer`` under FlopCounterMode and return its FLOPs by phase."""
     register_cpu_attention_flops()
     counter = FlopCounterMode(display=False)
-    probe = PhaseFlops(counter, trainer.raw_model)
+    return update_under(trainer, counter, PhaseFlops(counter, trainer.raw_model))
+
+
+def update_under(trainer, mode, probe):
+    """One update of ``trainer`` inside ``mode`` (a dispatch or FLOP-counting mode), ``probe`` told its
+    phases and closed after (its hooks removed) even if the update raises; the probe's result."""
     try:
-        with counter:
+        with mode:
             trainer.update(probe=probe)
     finally:
         probe.close()

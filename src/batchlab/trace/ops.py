@@ -16,7 +16,7 @@ from torch.utils.flop_counter import flop_registry
 
 from batchlab.formula.opcost import OpClass, OpCount, Phase, merge, op_class
 from batchlab.models.ac import Checkpointed
-from batchlab.trace.flops import register_cpu_attention_flops
+from batchlab.trace.flops import register_cpu_attention_flops, update_under
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -120,9 +120,4 @@ class OpRecorder(TorchDispatchMode):
 def record_update(trainer) -> tuple[OpCount, ...]:
     """The ops of one update of ``trainer`` (real or fake tensors), identical calls merged."""
     rec = OpRecorder(trainer.raw_model)
-    try:
-        with rec:
-            trainer.update(probe=rec)
-    finally:
-        rec.close()
-    return rec.result()
+    return update_under(trainer, rec, rec)
