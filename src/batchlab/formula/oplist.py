@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from batchlab.config import AttentionImpl, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
+from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.opcost import OpCount, Phase, merge, op_class
 
 F32 = 4
@@ -162,6 +163,21 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
                     _views(BWD, 2))
 
 
+def _gelu_new(ops: _Ops, ph: Phase, n: int, backward: bool) -> None:
+    """Hugging Face's NewGELUActivation, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), written in Python ops
+    (transformers/activations.py), as its trace runs them: forward ``mul pow mul add mul tanh add mul`` (the
+    tanh output detached for its backward), backward two products' gradients, ``tanh_backward``, the chain
+    back through the scalars and ``pow(x, 2)``, and the three paths into x summed."""
+    e = ops.w.e
+    unary, binary = 2 * n * e, 3 * n * e  # bytes: a tensor (and a scalar) in, one out; two tensors in
+    ops.add(_op("mul", ph, n, unary, count=3), _op("pow", ph, n, unary), _op("add", ph, n, binary),
+            _op("tanh", ph, n, unary), _op("add", ph, n, unary), _op("mul", ph, n, binary), _views(ph, 1))
+    if backward:
+        ops.add(_op("mul", BWD, n, binary, count=3), _op("tanh_backward", BWD, n, binary),
+                _op("mul", BWD, n, unary, count=4), _op("pow", BWD, n, unary), _op("add", BWD, n, binary, count=2),
+                _views(BWD, 1))
+
+
 def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True) -> None:
     """One block's forward ops into ``ph`` (forward or recompute), and (``backward``) its backward ops."""
     m = cfg.model
@@ -183,9 +199,12 @@ def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True) -> None:
             ops.linear(ph, t, f, h, m.bias, False, backward)
         else:
             ops.linear(ph, t, h, f, m.bias, w.autocast, backward)
-            ops.elementwise("gelu", ph, t * f, w.e)
-            if backward:
-                ops.add(_op("gelu_backward", BWD, t * f, 3 * t * f * w.e), _views(BWD, 1))
+            if implementation(cfg.model_kind, m) is Impl.HF_GPT2:
+                _gelu_new(ops, ph, t * f, backward)
+            else:
+                ops.elementwise("gelu", ph, t * f, w.e)
+                if backward:
+                    ops.add(_op("gelu_backward", BWD, t * f, 3 * t * f * w.e), _views(BWD, 1))
             ops.linear(ph, t, f, h, m.bias, False, backward)
         ops.dropout(ph, t * h, m.dropout, w.e, backward)
         ops.elementwise("add", ph, t * h, w.res, inputs=2)  # the residual add
