@@ -17,6 +17,7 @@ from torch.utils.flop_counter import flop_registry
 from batchlab.formula.opcost import OpClass, OpCount, Phase, merge, op_class
 from batchlab.models.ac import Checkpointed
 from batchlab.trace.flops import register_cpu_attention_flops, update_under
+from batchlab.trace.tree import HookSet
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -67,7 +68,7 @@ def _grain(name: str, ins: list[torch.Tensor], flops: int) -> int:
     return 0
 
 
-class OpRecorder(TorchDispatchMode):
+class OpRecorder(TorchDispatchMode, HookSet):
     """Records each op's OpCount; also a harness probe (``mark``) so ops carry their phase.
 
     Recompute is told apart as PhaseFlops does: ops inside a checkpointed block's forward while backward
@@ -75,11 +76,11 @@ class OpRecorder(TorchDispatchMode):
     """
 
     def __init__(self, model: nn.Module | None = None):
-        super().__init__()
+        TorchDispatchMode.__init__(self)
+        HookSet.__init__(self)
         self.phase = Phase.DATA
         self._in_block = 0
         self.ops: list[OpCount] = []
-        self._handles = []
         for m in (model.modules() if model is not None else ()):
             if isinstance(m, Checkpointed):
                 self._handles.append(m.block.register_forward_pre_hook(self._enter))
@@ -100,11 +101,6 @@ class OpRecorder(TorchDispatchMode):
         if self.phase is Phase.BACKWARD and self._in_block > 0:
             return Phase.RECOMPUTE
         return self.phase
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
