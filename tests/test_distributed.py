@@ -77,11 +77,15 @@ def cli_run(tmp_path_factory, plant_shadows):
 
     cwd = tmp_path_factory.mktemp("shadowed")
     marker = plant_shadows(cwd)
-    launched = []
-    real = batchlab.distributed.launch
+    launched, real = [], batchlab.distributed.launch
+
+    def spy(*args, **kwargs):  # the real launch; its Measurement kept
+        launched.append(real(*args, **kwargs))
+        return launched[-1]
+
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
-        mp.setattr(batchlab.distributed, "launch", lambda *a, **k: launched.append(real(*a, **k)) or launched[-1])
+        mp.setattr(batchlab.distributed, "launch", spy)
         res = CliRunner().invoke(app, _measure_argv("--nproc", "2", "--accum", "1", *SHAPE), env={"COLUMNS": "300"})
     return res, launched, marker
 
