@@ -37,13 +37,59 @@ def pytest_configure(config):
 import pytest  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _short_calibration(monkeypatch):
-    """measure and compare calibrate the CPU once per cache (the suite's is fresh): keep that one to ~1 s."""
+@pytest.fixture(autouse=True, scope="session")
+def _short_calibration():
+    """measure and compare calibrate the CPU once per cache (the suite's is fresh): keep that one to ~1 s.
+    Session-wide, so module fixtures (shared launches) get it too."""
     try:
         import batchlab.calibrate.run as cal
     except ImportError:
+        yield
         return
     original = cal.measure
-    monkeypatch.setattr(cal, "measure", lambda *a, **k: original(*a, **{**k, "seconds": min(k.get("seconds", 1.0), 1.0)}))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cal, "measure", lambda *a, **k: original(*a, **{**k, "seconds": min(k.get("seconds", 1.0), 1.0)}))
+        yield
 
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cli_built_once():
+    """typer rebuilds the whole click command tree (every command's typed parameters) on each
+    ``CliRunner().invoke(app, ...)`` and ``app()``: ~25 ms, over a thousand times in the suite.  Built once per
+    Typer app instead; a click command is reusable (the installed ``batchlab`` builds it once per process, and
+    click's own CliRunner runs one command object many times)."""
+    try:
+        import typer.main
+        import typer.testing
+    except ImportError:
+        yield
+        return
+    real, built = typer.main.get_command, {}
+
+    def get_command(typer_instance):
+        key = id(typer_instance)
+        if key not in built:  # the app is kept beside its command: its id is not reused while cached
+            built[key] = (typer_instance, real(typer_instance))
+        return built[key][1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(typer.main, "get_command", get_command)
+        mp.setattr(typer.testing, "_get_command", get_command)
+        yield
+
+SHADOWS = ("statistics", "json", "random", "typing_extensions")  # stdlib / dependency names a project may shadow
+
+
+@pytest.fixture(scope="session")
+def plant_shadows():
+    """``plant(folder) -> marker``: modules named like the stdlib's in ``folder``, each of which, if it ever runs,
+    appends its name to ``marker`` and exits: a process started in ``folder`` must not import them."""
+    def plant(folder):
+        marker = folder / "MARKER"
+        for name in SHADOWS:
+            (folder / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write({name!r} + '\\n')\n"
+                                               "raise SystemExit('a module from the working directory ran')\n")
+        return marker
+
+    return plant

@@ -59,6 +59,24 @@ def test_dp1_script_runs_as_printed(tmp_path):
     assert updates_printed(r.stdout) == [1, 2]
 
 
+# Runs printed scripts in turn in one interpreter (torch imported once), each as __main__ in a fresh namespace.
+# Under torchrun each must leave no process group behind, and each after the first rendezvouses on a store of
+# its own (rank 0 serves it on torchrun's port + i): a re-made default group reuses the first one's store keys,
+# and gloo then read a peer's stale address now and then (connection reset).  Rank 0 names each script.
+RUNNER = """\
+import os, runpy, sys
+import torch.distributed as dist
+for i, p in enumerate(sys.argv[1:]):
+    assert not dist.is_initialized(), 'a process group left over from the previous script'
+    if i and 'MASTER_PORT' in os.environ:
+        port = int(os.environ.pop('BATCHLAB_FIRST_PORT', os.environ['MASTER_PORT']))
+        os.environ.update(BATCHLAB_FIRST_PORT=str(port), MASTER_PORT=str(port + i), TORCHELASTIC_USE_AGENT_STORE='False')
+    if os.environ.get('RANK', '0') == '0':
+        print('== ' + p, flush=True)
+    runpy.run_path(p, run_name='__main__')
+"""
+
+
 OWN_MODEL = '''\
 class Own(torch.nn.Module):  # the user's model: a list of blocks under .layers, dropout inside
     def __init__(self):
@@ -96,9 +114,7 @@ def test_dp1_precisions_policies_and_the_users_own_model_run(tmp_path):
     scripts.append(head + OWN_MODEL + rest.split(STAND_IN_END)[1])
     paths = [str(write(tmp_path, f"train{i}.py", s)) for i, s in enumerate(scripts)]
     # one interpreter runs them in turn (torch imported once): each script is a fresh module namespace
-    runner = ("import runpy, sys\nfor p in sys.argv[1:]:\n    print('== ' + p, flush=True)\n"
-              "    runpy.run_path(p, run_name='__main__')")
-    [r] = run_scripts([[sys.executable, "-c", runner, *paths]])
+    [r] = run_scripts([[sys.executable, str(write(tmp_path, "runner.py", RUNNER)), *paths]])
     assert r.returncode == 0, r.stdout
     outputs = r.stdout.split("== ")[1:]
     assert len(outputs) == len(paths)
@@ -109,20 +125,24 @@ def test_dp1_precisions_policies_and_the_users_own_model_run(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_dp2_scripts_run_through_torchrun(tmp_path):
-    """DDP, ZeRO-1, ZeRO-2 and ZeRO-3 at DP = 2 with accumulation 2, launched as the script's own comment says."""
+    """DDP, ZeRO-1, ZeRO-2 and ZeRO-3 at DP = 2 with accumulation 2, launched as the script's own comment says
+    (one torchrun runs the four in turn: each launch is mostly torch's import in three processes)."""
     cfgs = [config(dp=2, zero=0), config(dp=2, zero=1, precision="bf16-mixed", ac="full"),
             config(dp=2, zero=2, ac="selective-op"), config(dp=2, zero=3, precision="bf16-fsdp", ac="every:2")]
-    commands = []
+    paths = []
     for i, cfg in enumerate(cfgs):
         script = training_script(cfg)
         launch = next(line for line in script.splitlines() if line.startswith("# launch: "))
         assert launch == "# launch: python -m torch.distributed.run --standalone --nproc-per-node 2 train.py"
-        path = write(tmp_path, f"train{i}.py", script)
-        commands.append([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                         str(path)])
-    for cfg, r in zip(cfgs, run_scripts(commands)):
-        assert r.returncode == 0, (cfg.zero, r.stdout)
-        assert updates_printed(r.stdout) == [1, 2], (cfg.zero, r.stdout)  # rank 0 alone prints
+        paths.append(str(write(tmp_path, f"train{i}.py", script)))
+    runner = write(tmp_path, "runner.py", RUNNER)
+    [r] = run_scripts([[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(runner), *paths]])
+    assert r.returncode == 0, r.stdout
+    outputs = r.stdout.split("== ")[1:]
+    assert [o.split()[0] for o in outputs] == paths, r.stdout
+    for cfg, text in zip(cfgs, outputs):
+        assert updates_printed(text) == [1, 2], (cfg.zero, text)  # rank 0 alone prints
 
 
 def test_each_zero_stage_uses_its_pytorch_api():

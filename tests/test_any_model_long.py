@@ -1,6 +1,6 @@
 """The calculator's profiled layer terms past the profile's fitted lengths (seq 512) against the trace (which
-equals a real run's live tensors: tests/test_any_model_families.py): a checkpointed ALiBi model and a deep
-sliding-window model in bf16."""
+equals a real run's live tensors: tests/test_any_model_families.py): a checkpointed ALiBi model (the deep
+sliding-window model in bf16: tests/test_any_model_families.py, which profiles it already)."""
 from __future__ import annotations
 
 import pytest
@@ -12,14 +12,11 @@ from hf_shapes import config_dir, hf_cfg, rel
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.slow  # two profiles, 8-15 s each on 2 loaded cores
+@pytest.mark.slow  # a profile, 8-15 s on 2 loaded cores
 @pytest.mark.parametrize("model_type, fields, precision, ac, layers", [
     # a checkpointed block keeps the (b, 1, s, s) mask it is handed, and its forward's working set (the ALiBi
     # scores) is the forward's high point at long sequences: -27% before both were per AC policy
     ("bloom", dict(n_layer=2, n_head=4, num_hidden_layers=None, max_position_embeddings=None), "fp32", "full", 2),
-    # past the sliding window (explicit mask, repeated k/v) in bf16, 4x the traced depth: autocast's cast cache
-    # holds every recomputed layer's weight copies through the forward (-3.8% at 8 layers when it did not)
-    ("mistral", dict(num_key_value_heads=2, sliding_window=128), "bf16-mixed", "selective", 8),
 ])
 def test_formula_at_seq_512_within_3pct_of_the_trace(tmp_path, model_type, fields, precision, ac, layers):
     """The trace equals a real run's live tensors (tests above); 512 is past the profile's fitted shapes."""

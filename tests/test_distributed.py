@@ -1,6 +1,7 @@
 """DP measurement on the real stack: torchrun, 2 ranks, gloo, DistributedDataParallel (CPU).
 
-Launches are shared between assertions (module fixtures): each costs ~5-8 s on a 2-core machine.
+Launches are shared between assertions (module fixtures): each costs ~5-8 s on a 2-core machine (torch's
+import in torchrun and in each rank, and in each rank DDP's constructor importing torch._dynamo, ~1.2 s CPU).
 Run as a script under torchrun, this file is also the rank program of the gradient-equivalence test.
 """
 from __future__ import annotations
@@ -54,20 +55,6 @@ SHAPE = ["--dp", "2", "--micro-batch", str(BASE.micro_batch), "--seq", str(BASE.
          "--warmup", str(OPTS.warmup), "--steps", str(OPTS.steps)]
 
 
-def _cli_json(accum: int):
-    """``batchlab measure --nproc 2 --dp 2 --json``: the launcher path."""
-    import json
-
-    from typer.testing import CliRunner
-
-    from batchlab.cli import app
-    from batchlab.measure.result import load_measurement
-
-    res = CliRunner().invoke(app, _measure_argv("--nproc", "2", "--accum", str(accum), "--json", *SHAPE))
-    assert res.exit_code == 0, res.output[-3000:]
-    return load_measurement(json.loads(res.stdout))
-
-
 def _torchrun_json(accum: int):
     """``torchrun --nproc-per-node 2 -m batchlab measure --dp 2 --json``: ranks started by the user."""
     from batchlab.measure.result import load_measurement
@@ -80,24 +67,53 @@ def _torchrun_json(accum: int):
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return {1: _cli_json(1), 4: _torchrun_json(4)}
-
-
-def test_the_cli_prints_per_rank_memory_allreduce_and_scope():
+def cli_run(tmp_path_factory, plant_shadows):
+    """``batchlab measure --nproc 2 --dp 2`` (the launcher path, text output) started in a folder holding
+    modules named like the stdlib's; the Measurement the CLI printed, kept by a spy on the real launch."""
     from typer.testing import CliRunner
 
+    import batchlab.distributed
     from batchlab.cli import app
 
-    res = CliRunner().invoke(app, _measure_argv("--nproc", "2", "--accum", "2", *SHAPE), env={"COLUMNS": "300"})
+    cwd = tmp_path_factory.mktemp("shadowed")
+    marker = plant_shadows(cwd)
+    launched, real = [], batchlab.distributed.launch
+
+    def spy(*args, **kwargs):  # the real launch; its Measurement kept
+        launched.append(real(*args, **kwargs))
+        return launched[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        mp.setattr(batchlab.distributed, "launch", spy)
+        res = CliRunner().invoke(app, _measure_argv("--nproc", "2", "--accum", "1", *SHAPE), env={"COLUMNS": "300"})
+    return res, launched, marker
+
+
+@pytest.fixture(scope="module")
+def runs(cli_run):
+    res, launched, _ = cli_run
+    assert res.exit_code == 0 and len(launched) == 1, res.output[-3000:]
+    return {1: launched[0], 4: _torchrun_json(4)}
+
+
+def test_the_cli_prints_per_rank_memory_allreduce_and_scope(cli_run):
+    res, _, _ = cli_run
     assert res.exit_code == 0, res.output[-3000:]
     out = res.output
-    assert "global batch = micro-batch x accum x DP = 2 x 2 x 2 = 8" in out
+    assert "global batch = micro-batch x accum x DP = 2 x 1 x 2 = 4" in out
     assert "peak memory per rank (allocator): rank 0 " in out and ", rank 1 " in out
     assert "gradient_as_bucket_view is on" in out
     assert "gradient all-reduce (gloo, 2 ranks): once per optimizer update" in out
     assert "all-reduce time per update (median, wall-clock" in out
     assert "loopback gloo on CPU says nothing about NCCL over NVLink or InfiniBand" in out
+
+
+def test_ddp_ranks_do_not_import_the_working_directory(cli_run):
+    """The CLI above ran in a folder of planted stdlib names: no rank (started with PYTHONSAFEPATH) ran one."""
+    res, _, marker = cli_run
+    assert not marker.exists(), marker.read_text()
+    assert res.exit_code == 0, res.output[-3000:]
 
 
 @pytest.mark.parametrize("accum", [1, 4])

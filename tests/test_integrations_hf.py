@@ -1,16 +1,14 @@
-"""A real Hugging Face Trainer (tiny GPT-2, CPU, 6 updates of 2 x 2) watched by BatchlabCallback."""
+"""A real Hugging Face Trainer (tiny GPT-2, CPU, 6 updates of 2 x 2) watched by BatchlabCallback.
+
+transformers' Trainer (~2 s of CPU to import, accelerate with it) is imported by the ``hf`` fixture, not at
+collection: every pytest-xdist worker collects this file, one runs it."""
+from types import SimpleNamespace
+
 import pytest
+import torch
+from torch.utils.data import Dataset
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-import torch  # noqa: E402
-from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-
-from batchlab.experiment.notebook import Notebook  # noqa: E402
-from batchlab.experiment.observed import ObservedRecord  # noqa: E402
-from batchlab.integrations.transformers import BatchlabCallback  # noqa: E402
+from batchlab.experiment.notebook import Notebook
 
 SEQ, MICRO, ACCUM, STEPS = 32, 2, 2, 6
 
@@ -26,47 +24,59 @@ class Tokens(Dataset):
         return {"input_ids": self.x[i], "attention_mask": torch.ones_like(self.x[i]), "labels": self.x[i]}
 
 
-class Reference(TrainerCallback):
-    """PyTorch's MemTracker around the update batchlab measures for memory (the second); listed first, so its
-    dispatch mode is the outer one."""
+@pytest.fixture(scope="module")
+def hf():
+    """transformers' Trainer pieces, BatchlabCallback, this file's reference callback and ``train``."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-    def __init__(self):
-        self.tracker, self.peak = None, None
+    from batchlab.integrations.transformers import BatchlabCallback
 
-    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
-        if state.global_step == 1:
-            self.tracker = MemTracker()
-            self.tracker.track_external(model, optimizer.optimizer)
-            self.tracker.__enter__()
+    class Reference(TrainerCallback):
+        """PyTorch's MemTracker around the update batchlab measures for memory (the second); listed first, so its
+        dispatch mode is the outer one."""
 
-    def on_substep_end(self, args, state, control, **kw):
-        if self.tracker is not None and self.peak is None:
-            self.tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
+        def __init__(self):
+            self.tracker, self.peak = None, None
 
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == 2:
-            self.tracker.__exit__(None, None, None)
-            self.peak = self.tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
+            if state.global_step == 1:
+                self.tracker = MemTracker()
+                self.tracker.track_external(model, optimizer.optimizer)
+                self.tracker.__enter__()
 
+        def on_substep_end(self, args, state, control, **kw):
+            if self.tracker is not None and self.peak is None:
+                self.tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
 
-def train(tmp_path, callbacks, **extra):
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64,
-                                       bos_token_id=0, eos_token_id=0))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=MICRO,
-                             gradient_accumulation_steps=ACCUM, max_steps=STEPS, report_to=[], save_strategy="no",
-                             logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True, **extra)
-    trainer = Trainer(model, args, train_dataset=Tokens(), callbacks=callbacks)
-    trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 2:
+                self.tracker.__exit__(None, None, None)
+                self.peak = self.tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+    def train(tmp_path, callbacks, **extra):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64,
+                                           bos_token_id=0, eos_token_id=0))
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=MICRO,
+                                 gradient_accumulation_steps=ACCUM, max_steps=STEPS, report_to=[], save_strategy="no",
+                                 logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True, **extra)
+        trainer = Trainer(model, args, train_dataset=Tokens(), callbacks=callbacks)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    return SimpleNamespace(Reference=Reference, BatchlabCallback=BatchlabCallback, train=train,
+                           TrainingArguments=TrainingArguments)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, hf):
     tmp = tmp_path_factory.mktemp("hf")
-    ref, cb = Reference(), BatchlabCallback(notebook=tmp / "lab.sqlite")
-    watched = train(tmp, [ref, cb])
-    plain = train(tmp, [])
+    ref, cb = hf.Reference(), hf.BatchlabCallback(notebook=tmp / "lab.sqlite")
+    watched = hf.train(tmp, [ref, cb])
+    plain = hf.train(tmp, [])
     return tmp, ref, cb, watched, plain
 
 
@@ -104,11 +114,11 @@ def test_phases_and_timed_updates(runs):
 
 
 @pytest.mark.slow
-def test_activation_checkpointing_is_read_and_measured(tmp_path):
+def test_activation_checkpointing_is_read_and_measured(tmp_path, hf):
     # transformers 5: activation_checkpointing (gradient_checkpointing is its alias); every_n_layers=2 of 2 layers
-    name = "activation_checkpointing" if hasattr(TrainingArguments, "activation_checkpointing") else "gradient_checkpointing"
-    ref, cb = Reference(), BatchlabCallback(notebook=tmp_path / "lab.sqlite")
-    train(tmp_path, [ref, cb], **{name: True, f"{name}_kwargs": {"use_reentrant": False, "every_n_layers": 2}})
+    name = "activation_checkpointing" if hasattr(hf.TrainingArguments, "activation_checkpointing") else "gradient_checkpointing"
+    ref, cb = hf.Reference(), hf.BatchlabCallback(notebook=tmp_path / "lab.sqlite")
+    hf.train(tmp_path, [ref, cb], **{name: True, f"{name}_kwargs": {"use_reentrant": False, "every_n_layers": 2}})
     rec = cb.record
     assert rec.settings.gradient_checkpointing is True and rec.settings.checkpoint_every == 2
     assert str(rec.run_config.ac) == "every:2"

@@ -118,31 +118,12 @@ def test_torchrun_and_its_ranks_die_with_their_parent(tmp_path, sig):
     assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 143)
 
 
-SHADOWS = ("statistics", "json", "random", "typing_extensions")
-
-
-def _plant(folder: Path) -> Path:
-    marker = folder / "MARKER"
-    for name in SHADOWS:
-        (folder / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write({name!r} + '\\n')\n"
-                                           "raise SystemExit('a module from the working directory ran')\n")
-    return marker
-
-
 @pytest.mark.slow
-def test_an_isolated_worker_does_not_import_the_working_directory(tmp_path, monkeypatch):
-    marker = _plant(tmp_path)
+def test_an_isolated_worker_does_not_import_the_working_directory(tmp_path, monkeypatch, plant_shadows):
+    """(DDP ranks: test_distributed.py, on the launch its other tests share.)"""
+    marker = plant_shadows(tmp_path)
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(app, ["measure", "--isolate", "--steps", "1", "--warmup", "1", *TINY])
-    assert not marker.exists(), marker.read_text()
-    assert res.exit_code == 0, res.output
-
-
-@pytest.mark.slow
-def test_ddp_ranks_do_not_import_the_working_directory(tmp_path, monkeypatch):
-    marker = _plant(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    res = CliRunner().invoke(app, ["measure", "--nproc", "2", "--dp", "2", "--steps", "1", "--warmup", "1", *TINY])
     assert not marker.exists(), marker.read_text()
     assert res.exit_code == 0, res.output
 
@@ -176,11 +157,11 @@ def test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row(tmp_path, sig, co
     assert status == "incomplete" and why.startswith(("KeyboardInterrupt", "Terminated")), why
 
 
-def test_the_python_3_10_form_of_dash_p_drops_the_working_directory_too(tmp_path):
+def test_the_python_3_10_form_of_dash_p_drops_the_working_directory_too(tmp_path, plant_shadows):
     """module_command() on 3.10 has no -P: the -c form removes sys.path[0] before anything is imported."""
     from batchlab import lifeline
 
-    marker = _plant(tmp_path)
+    marker = plant_shadows(tmp_path)
     mods = tmp_path / "mods"
     mods.mkdir()
     (mods / "probe_main.py").write_text("import json, statistics, sys\nprint(statistics.__file__, sys.argv[1:])\n")
