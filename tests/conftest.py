@@ -52,7 +52,6 @@ def _short_calibration():
         yield
 
 
-
 @pytest.fixture(autouse=True, scope="session")
 def _cli_built_once():
     """typer rebuilds the whole click command tree (every command's typed parameters) on each
@@ -77,6 +76,7 @@ def _cli_built_once():
         mp.setattr(typer.main, "get_command", get_command)
         mp.setattr(typer.testing, "_get_command", get_command)
         yield
+
 
 SHADOWS = ("statistics", "json", "random", "typing_extensions")  # stdlib / dependency names a project may shadow
 
