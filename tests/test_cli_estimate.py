@@ -178,6 +178,18 @@ def test_typed_seq_is_validated_against_the_config_files_model_not_the_default(t
     assert (d["config"]["model"]["layers"], d["config"]["memory_budget"]) == (3, 2**30)
 
 
+def test_a_long_sweep_counts_its_impossible_rows_and_suggests_no_absurd_global_batch():
+    # micro_batch=1..1000 at the kept global batch 8: only 1, 2, 4, 8 are possible; the global batch every
+    # row would divide is lcm(1..1000), already past 1e9 at lcm(1..23) = 5,354,228,880
+    r = run("estimate", "--vary", "micro_batch=1..1000")
+    assert r.exit_code == 0, r.output
+    notes = [line for line in r.stdout.splitlines() if line.startswith("micro_batch=")]
+    assert len(notes) == 10 and "... and 986 more values not possible" in r.stdout
+    assert "no global batch up to 1e+09 makes every row possible" in " ".join(r.stdout.split())
+    rows = json.loads(run("estimate", "--vary", "micro_batch=1..1000", "--json").stdout)
+    assert sum(row["possible"] for row in rows) == 4 and all(row["fix"] for row in rows if not row["possible"])
+
+
 def test_vary_table_keeps_every_row_and_exits_0_when_one_is_possible():
     r = run("estimate", "--vary", "micro_batch=1,2,4,8,16")
     assert r.exit_code == 0, r.output

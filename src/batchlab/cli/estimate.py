@@ -118,6 +118,9 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
                       "cluster.[/dim]")
 
 
+MAX_NOTES = 10  # lines of "not possible" under a --vary table; the rest are counted
+
+
 def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
     from batchlab.experiment.predict import Direction
     from batchlab.formula.vary import OUTPUTS
@@ -149,8 +152,11 @@ def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
         for row in body:
             tab.add_row(*row[:-1], "[red]no[/red]" if row[-1] == "no" else row[-1])
         console.print(tab)
-    for note in notes:
-        console.print(f"[yellow]{escape(note)}[/yellow]")
+    for note in notes[:MAX_NOTES]:
+        console.print(f"[yellow]{escape(note)}[/yellow]", highlight=False)
+    if len(notes) > MAX_NOTES:
+        console.print(f"[yellow]... and {len(notes) - MAX_NOTES:,} more values not possible (--json gives every "
+                      "row's why and fix)[/yellow]", highlight=False)
     if keep is Keep.ACCUM and len({r.config.global_batch for r in rows if r.possible}) > 1:
         console.print("[yellow]warning: the global batch changes across rows (--keep accum): learning rate, "
                       "warmup and schedule length may need to change too.[/yellow]")

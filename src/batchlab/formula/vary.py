@@ -56,11 +56,17 @@ def _why(cfg: RunConfig, name: str, free: RunConfig) -> str:
             f"(--keep global-batch, the default) and is not a multiple of {per} = {_per_step(free, name)}")
 
 
-def _fix(cfg: RunConfig, name: str, loose: RunConfig, all_loose: list[RunConfig]) -> str:
-    """--keep accum (the global batch it would give) and the smallest --global-batch every row divides."""
-    unit = math.lcm(*(_per_step(c, name) for c in all_loose))
+def _fix(cfg: RunConfig, loose: RunConfig, unit: int) -> str:
+    """--keep accum (the global batch it would give) and the smallest --global-batch every row divides
+    (``unit``: the least common multiple of what each row's global batch must be a multiple of)."""
     g = -(-cfg.global_batch // unit) * unit
+    if g > MAX_SUGGESTED:  # e.g. micro_batch=1..1000: the lcm of 1..1000 has 433 digits
+        return f"--keep accum (global batch {loose.global_batch}); no global batch up to {MAX_SUGGESTED:.0e} " \
+               "makes every row possible"
     return f"--keep accum (global batch {loose.global_batch}), or --global-batch {g} (every row possible)"
+
+
+MAX_SUGGESTED = 10**9  # samples per update: beyond it a suggested --global-batch helps nobody
 
 
 def _loose(cfg: RunConfig, name: str, text: str) -> RunConfig | None:
@@ -96,6 +102,7 @@ def vary(cfg: RunConfig, name: str, values: list[str], keep: Keep = Keep.GLOBAL_
     """One row per value, impossible ones included (with why and what would make them possible);
     raises ConfigError only when no value is possible.  ``calibrations`` as for ``estimate``."""
     loose = [_loose(cfg, name, text) for text in values]
+    unit = math.lcm(*(_per_step(c, name) for c in loose if c is not None))  # once: it is the same for every row
     rows: list[VaryRow] = []
     for text, free in zip(values, loose):
         try:
@@ -105,7 +112,7 @@ def vary(cfg: RunConfig, name: str, values: list[str], keep: Keep = Keep.GLOBAL_
                 rows.append(VaryRow(text, None, None, {}, str(e)))
                 continue
             rows.append(VaryRow(text, None, None, {}, _why(cfg, name, free),
-                                _fix(cfg, name, free, [x for x in loose if x is not None])))
+                                _fix(cfg, free, unit)))
             continue
         e = estimate(c, calibrations)
         first = next((r.estimate for r in rows if r.possible), e)
