@@ -141,8 +141,9 @@ def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float
     # contention measurement (CPU) has no slowdown of local ranks: measured again
     # and one from before the allocator regime (CPU: no allocator stated) timed kernels that faulted pages in
     # and one from before fused attention's backward had its own curves priced a bf16 backward at the forward's rate
+    # (a device whose SDPA did not run has neither curve: kept)
     if (cached is not None and cached.op_costs() is not None and cached.memory_curve_inplace
-            and "sdpa-backward-fp32" in cached.matmul_start
+            and ("sdpa-backward-fp32" in cached.matmul_start or "sdpa-fp32" not in cached.matmul_curve)
             and (cached.contention_processes and cached.allocator or not cached.torch_device.startswith("cpu"))):
         return cached, False
     cal = measure(torch_device, seconds=seconds, threads=want)
