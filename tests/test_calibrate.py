@@ -93,9 +93,13 @@ def test_a_cpu_cache_from_before_the_contention_measurement_is_measured_again():
 
 
 def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_again():
-    old = sample(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
-                 contention={"compute": 1.0}, allocator="glibc")  # current in all but matmul_start
-    save(old)
+    current = dict(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
+                   contention={"compute": 1.0}, allocator="glibc")
+    no_sdpa = sample(**current)  # a device whose fused attention did not run: nothing to measure again
+    save(no_sdpa)
+    assert ensure("cpu", threads=1) == (no_sdpa, False)
+    combined = {**no_sdpa.matmul_curve, "sdpa-fp32": [[1e3, R], [1e12, R]]}  # one rate for both directions
+    save(sample(**current, matmul_curve=combined))
     cal, fresh = ensure("cpu", threads=1, seconds=0.5)
     assert fresh and cal.seconds != 0.5 and {"sdpa-fp32", "sdpa-backward-fp32"} <= set(cal.matmul_start)
     assert ensure("cpu", threads=1)[1] is False  # cached now
