@@ -48,10 +48,17 @@ def calibrate(
     for col in ("what the time model prices", "measured", "how"):
         table.add_column(col)
     for key, pts in cal.matmul_curve.items():
+        kind, _, dtype = key.rpartition("-")
         rates = " · ".join(fmt_count(r, "FLOP/s") for _, r in pts)
-        what = "attention's batched matmuls" if key.startswith("bmm") else "linear layers' matmuls"
-        table.add_row(f"{what}, {key.removeprefix('bmm-')}", rates,
-                      f"by call size {fmt_count(pts[0][0], 'FLOP')} … {fmt_count(pts[-1][0], 'FLOP')}")
+        span = f"{fmt_count(pts[0][0], 'FLOP')} … {fmt_count(pts[-1][0], 'FLOP')}"
+        if kind.startswith("sdpa"):  # per (batch, head) entry, plus its cost per call
+            starts = " · ".join(f"{t * 1e6:.0f} µs" for _, t in cal.matmul_start.get(key, ()))
+            table.add_row(f"fused attention {'backward' if kind.endswith('backward') else 'forward'}, {dtype}",
+                          rates + (f"; + {starts} a call" if starts else ""),
+                          f"per (batch, head) entry, by its forward FLOPs {span}")
+            continue
+        what = "attention's batched matmuls" if kind == "bmm" else "linear layers' matmuls"
+        table.add_row(f"{what}, {dtype}", rates, f"by call size {span}")
     for tag, curve in (("fp32", cal.memory_curve), ("bf16", cal.memory_curve_bf16)):
         if curve:
             table.add_row(f"element-wise bandwidth, {tag}", " · ".join(fmt_count(r, "B/s") for _, r in curve),
