@@ -69,19 +69,24 @@ def test_child_env_carries_the_regime_and_keeps_values_the_caller_set(monkeypatc
 
 
 def test_observe_leaves_the_users_process_as_it_is():
+    import mmap
+
     before = {k: os.environ.get(k) for k in regime.STEADY_ENV}
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pages = 2048  # touched afresh in every update: an anonymous mapping faults each 4 KiB page in once
     with batchlab.observe(model, opt, warmup=1, memory=False) as obs:
         for _ in range(3):
             with obs.update():
                 model(torch.randn(4, 8)).sum().backward()
                 opt.step()
                 opt.zero_grad()
+                with mmap.mmap(-1, pages * mmap.PAGESIZE) as fresh:
+                    fresh[::mmap.PAGESIZE] = b"x" * pages
     assert {k: os.environ.get(k) for k in regime.STEADY_ENV} == before
     env = obs.measurement.environment
     assert env["allocator"] == regime.describe()  # this process's own regime, stated
-    assert env["page_faults_per_update"] >= 0
+    assert pages <= env["page_faults_per_update"] < 4 * pages  # the user's own faults, counted per update
 
 
 def test_other_allocators_degrade_to_a_warning(monkeypatch):
