@@ -16,9 +16,11 @@ Pure Python, no torch.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import resource
+import statistics
 from pathlib import Path
 
 # glibc's environment names of the mallopt parameters (the trailing underscore is glibc's spelling)
@@ -100,3 +102,21 @@ def warning() -> str | None:
 def minor_faults() -> int:
     """Minor page faults of this process so far (getrusage; 0 where the platform does not count them)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+class Faults:
+    """Minor page faults per timed update: ``with faults.counting(): update()`` for each, then ``per_update()``."""
+
+    def __init__(self):
+        self.counts: list[int] = []
+
+    @contextlib.contextmanager
+    def counting(self):
+        f0 = minor_faults()
+        yield  # an update that raised is not counted (nor timed)
+        self.counts.append(minor_faults() - f0)
+
+    def per_update(self) -> float:
+        """The median over the timed updates (the heap's rare growth past its high-water mark aside): host
+        pages mapped afresh by a typical update, 0 in the steady regime after warmup; 0 with none timed."""
+        return statistics.median(self.counts) if self.counts else 0

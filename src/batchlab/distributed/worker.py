@@ -12,7 +12,6 @@ import contextlib
 import os
 import signal
 import socket
-import statistics
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -126,19 +125,18 @@ def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor | None, steps: in
     clock = PhaseClock(sync, sync_marks=trainer.device.type == "cpu")
     samples, cpu, tokens, phases = [], [], [], []
     first = len(monitor.updates) if monitor is not None else 0
-    faults = []
+    faults = regime.Faults()
     for _ in range(steps):
         clock.start()
         probe = Probes(clock, monitor) if monitor is not None else clock
-        f0 = regime.minor_faults()
-        result, wall, cpu_s = timed(lambda: _update(trainer, probe), sync)
-        faults.append(regime.minor_faults() - f0)
+        with faults.counting():
+            result, wall, cpu_s = timed(lambda: _update(trainer, probe), sync)
         samples.append(wall)
         cpu.append(cpu_s)
         tokens.append(result.useful_tokens)
         phases.append(dict(clock.seconds))
     out = dict(samples=samples, cpu_seconds=cpu, useful_tokens=tokens, phase_seconds=phases,
-               page_faults_per_update=statistics.median(faults) if faults else 0)  # as measure.session
+               page_faults_per_update=faults.per_update())
     if monitor is None:  # FSDP2: collectives counted (traffic), not timed
         return out
     seen = monitor.updates[first:]

@@ -63,7 +63,7 @@ class Observer:
         self.updates = 0
         self._samples: list[float] = []
         self._cpu: list[float] = []
-        self._faults: list[int] = []  # minor page faults per timed update (this process's allocator, unchanged)
+        self._faults = regime.Faults()  # per timed update, under this process's own allocator (unchanged)
         self._tokens: list[int] = []
         self._phases: dict[str, list[float]] = {}
         self._probe = None
@@ -161,12 +161,11 @@ class Observer:
         self._probe = clock
         # the clock reads bracket the user's block: synchronise, read, run, synchronise, read
         self.sync()
-        f0 = regime.minor_faults()
-        c0, t0 = time.process_time(), time.perf_counter()
-        yield
-        self.sync()
-        t1, c1 = time.perf_counter(), time.process_time()
-        self._faults.append(regime.minor_faults() - f0)
+        with self._faults.counting():
+            c0, t0 = time.process_time(), time.perf_counter()
+            yield
+            self.sync()
+            t1, c1 = time.perf_counter(), time.process_time()
         clock.mark("end")
         self._samples.append(t1 - t0)
         self._cpu.append(c1 - c0)
@@ -182,7 +181,7 @@ class Observer:
         # the user's process runs in its own allocator regime: stated, not changed (batchlab.regime)
         m.environment["allocator"] = regime.describe()
         if self._samples:
-            m.environment["page_faults_per_update"] = statistics.median(self._faults)
+            m.environment["page_faults_per_update"] = self._faults.per_update()
             m.time = MeasuredTime(samples=list(self._samples), warmup=self.warmup,
                                   cpu_seconds=list(self._cpu) if self.device.type == "cpu" else [],
                                   phase_seconds={k: statistics.median(v) for k, v in self._phases.items()},

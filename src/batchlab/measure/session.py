@@ -238,21 +238,18 @@ class _Steps:
         clock = PhaseClock(self.sync, sync_marks=not self.async_device)
         samples, cpu, useful = [], [], []
         phases: dict[str, list[float]] = {}
-        faults = []
+        faults = regime.Faults()
         for i in range(self.opts.steps):
             label = self._start(f"timed {i + 1}/{self.opts.steps}")
-            f0 = regime.minor_faults()
-            result, wall, cpu_s = timed_update(trainer, clock, rec.use(label, clock), self.sync)
-            faults.append(regime.minor_faults() - f0)
+            with faults.counting():
+                result, wall, cpu_s = timed_update(trainer, clock, rec.use(label, clock), self.sync)
             samples.append(wall)
             cpu.append(cpu_s)
             useful.append(result.useful_tokens)
             if not self.async_device:
                 _collect(phases, clock.seconds)
             self._tick(label)
-        # host pages mapped afresh per timed update (median: the heap's rare growth past its high-water mark
-        # aside): 0 in the steady allocator regime (batchlab.regime)
-        m.environment["page_faults_per_update"] = statistics.median(faults) if faults else 0
+        m.environment["page_faults_per_update"] = faults.per_update()  # 0 in the steady regime (batchlab.regime)
         if self.async_device:
             split = PhaseClock(self.sync, sync_marks=True)
             for i in range(PHASE_UPDATES):
