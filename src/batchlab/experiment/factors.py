@@ -218,16 +218,16 @@ class Snapshot:
     cpu: dict[int, Proc] = field(default_factory=cpu_times)
 
 
-def uncontrolled(watch: LoadSampler, timing_noise: dict[str, Any], note: str | None) -> dict[str, Any]:
+def uncontrolled(sampler: LoadSampler, timing_noise: dict[str, Any], note: str | None) -> dict[str, Any]:
     """The record's ``factors``: load, what else used the CPU during the run (sampled), clock, timing noise."""
-    u = watch.stop()
+    u = sampler.stop()
     before, after, busy = u["before"], u["after"], u["busy"]
     cores = u["other_cores"]
     return {"load_average": {"before": before.load, "after": after.load},
             "busy_processes": {"count": len(busy), "top": busy[:5], "samples": u["samples"],
-                               "sample_seconds": round(watch.sample_seconds, 4),
+                               "sample_seconds": round(sampler.sample_seconds, 4),
                                "rule": f"other processes (not this one or its subprocesses) using > {BUSY_SHARE:.0%} "
-                                       f"of a core during the run, {watch.rule}"},
+                                       f"of a core during the run, {sampler.rule}"},
             "other_cpu": {"cores": round(cores, 2) if cores is not None else None,
                           "rule": "machine-wide busy CPU time (/proc/stat) minus this process tree's, over the "
                                   "run's wall time: includes processes too short-lived to be sampled"},
