@@ -61,11 +61,12 @@ def _in_child(args: dict) -> Calibration:
 
 def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
                  shapes: tuple[tuple[int, int, int], ...] | None = None, threads: int | None = None) -> Calibration:
-    """Measure what the per-op time model needs in about ``seconds``: the matmul curves in fp32 and bf16
-    (34% linear layers, 8% attention's batched matmuls, 8% fused attention), element-wise bandwidth (12%), per-element kernels
-    (15%), per-op dispatch (25%), on CPU the loopback link gloo uses between local ranks (2%) and the slowdown of
-    two processes running alike at once (15%, in CPU seconds: longer on a loaded machine; plus ~0.3 s to start them).  ``threads``: the
-    intra-op thread count to measure at (CPU; restored afterwards)."""
+    """Measure what the per-op time model needs, the shares of ``seconds`` adding up to ~1.3x it (measured: 15.8-17.3
+    s at the default 10 on this 2-core CPU): the matmul curves in fp32 and bf16 (34% linear layers, 8% attention's
+    batched matmuls, 16% fused attention forward and backward), element-wise bandwidth (12%), per-element
+    kernels (15%), per-op dispatch (25%), on CPU the loopback link gloo uses between local ranks (2%) and the
+    slowdown of two processes running alike at once (15%, in CPU seconds: longer on a loaded machine; plus
+    ~0.3 s to start them).  ``threads``: the intra-op thread count to measure at (CPU; restored afterwards)."""
     import torch
 
     from batchlab.measure.clock import synchronizer
@@ -128,23 +129,27 @@ def _sdpa(device, seconds: float, sync) -> tuple[dict[str, list[list[float]]], d
     return rates, starts
 
 
+def _current(cached: Calibration) -> bool:
+    """Whether a cached calibration has what today's per-op model prices with; each older kind is measured again."""
+    cpu = cached.torch_device.startswith("cpu")
+    return (cached.op_costs() is not None  # the per-op model itself
+            and bool(cached.memory_curve_inplace)  # the step-regime curves (before them: warm loops)
+            # fused attention's backward on its own curves (before: priced at the forward's rate); a device whose
+            # SDPA did not run has neither curve
+            and ("sdpa-backward-fp32" in cached.matmul_start or "sdpa-fp32" not in cached.matmul_curve)
+            # CPU: the local ranks' contention, and the allocator regime (before it: kernels faulted pages in)
+            and (not cpu or bool(cached.contention_processes and cached.allocator)))
+
+
 def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0
            ) -> tuple[Calibration, bool]:
     """The cached calibration of a local device at ``threads``, measured and cached first when there is none
-    (or only one from before the per-op model or the step-regime curves): (calibration, whether it was measured
-    now)."""
+    or only an older kind (``_current``): (calibration, whether it was measured now)."""
     from batchlab.measure.device import catalogue_name, usable
 
     want = default_threads() if threads is None else threads
     cached = load_cached(catalogue_name(usable(torch_device)), want)
-    # a cache from before the step-regime calibration (no in-place curve) timed warm loops, one from before the
-    # contention measurement (CPU) has no slowdown of local ranks: measured again
-    # and one from before the allocator regime (CPU: no allocator stated) timed kernels that faulted pages in
-    # and one from before fused attention's backward had its own curves priced a bf16 backward at the forward's rate
-    # (a device whose SDPA did not run has neither curve: kept)
-    if (cached is not None and cached.op_costs() is not None and cached.memory_curve_inplace
-            and ("sdpa-backward-fp32" in cached.matmul_start or "sdpa-fp32" not in cached.matmul_curve)
-            and (cached.contention_processes and cached.allocator or not cached.torch_device.startswith("cpu"))):
+    if cached is not None and _current(cached):
         return cached, False
     cal = measure(torch_device, seconds=seconds, threads=want)
     save(cal)
