@@ -15,15 +15,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import statistics
 import time
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed(trainer) -> tuple[float, float, float]:
@@ -41,8 +34,9 @@ def _side(cfg, rank: int, world: int, port: int, barrier, results, pairs: int, w
     if is_b:
         import torch.distributed as dist
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK=str(rank))
+        from batchlab.distributed.equivalence import rank_env
+
+        os.environ.update(rank_env(rank, world, port))
         dist.init_process_group("gloo")
         from batchlab.distributed.engines import build
 
@@ -78,7 +72,9 @@ def paired_dp(a, b, pairs: int, warmup: int = 3):
     assert a.dp == 1 and b.dp > 1 and b.zero == 0, (a.dp, b.dp, b.zero)
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(1 + b.dp), ctx.Queue()
-    port = _free_port()
+    from batchlab.distributed.equivalence import free_port
+
+    port = free_port()
     procs = [ctx.Process(target=_side, args=(a, 0, 1, port, barrier, results, pairs, warmup, False), daemon=True)]
     procs += [ctx.Process(target=_side, args=(b, r, b.dp, port, barrier, results, pairs, warmup, True), daemon=True)
               for r in range(b.dp)]

@@ -44,15 +44,21 @@ class EquivalenceCheck:
                 f"tolerance {self.tolerance:g}, fp32)")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on the loopback now, for a process group started without torchrun."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """What torchrun would give rank ``rank`` of ``world`` local ranks (init_process_group's env:// reads it)."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port))
+
+
 def _rank(rank: int, world: int, port: int, cfgs: list[dict], updates: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(rank_env(rank, world, port))
     import torch
     import torch.distributed as dist
 
@@ -98,7 +104,7 @@ def run_stages(cfgs: list[RunConfig], updates: int = 2) -> list[dict]:
     world = cfgs[0].dp
     with tempfile.TemporaryDirectory(prefix="batchlab-equiv-") as tmp:
         out = str(Path(tmp) / "params.pt")
-        mp.start_processes(_rank, args=(world, _free_port(), [c.to_dict() for c in cfgs], updates, out),
+        mp.start_processes(_rank, args=(world, free_port(), [c.to_dict() for c in cfgs], updates, out),
                            nprocs=world, start_method="spawn")
         return torch.load(out)
 
