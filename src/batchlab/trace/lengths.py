@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import lcm, prod
+from typing import NamedTuple
 
 from batchlab.phase import Phase
 
@@ -42,6 +43,16 @@ class EventLog:
             self.ops.append(func)
 
 
+class Figures(NamedTuple):
+    """What trace/profile.py fits from one update (bytes)."""
+
+    kept: int  # left by the forward for backward
+    forward: int  # the forward's high point above what is live as backward starts
+    backward: int  # the backward's, likewise
+    optimizer: int  # the optimizer step's temporaries (0 where the step was left out)
+    copies: int  # autocast's weight copies kept
+
+
 @dataclass(frozen=True)
 class Run:
     """One tracked update at one length: the figures the profile keeps and the events they are maxima of."""
@@ -55,13 +66,12 @@ class Run:
     def of(cls, log: EventLog, kept: int, at_backward: int, copies: int, optimizer: int = 0) -> "Run":
         return cls((tuple(log.ops), tuple(log.phases)), (kept, at_backward, copies), tuple(log.live), optimizer)
 
-    def figures(self) -> tuple[int, ...]:
-        """What trace/profile.py fits: kept, the forward's and backward's high points above what is live as
-        backward starts, the optimizer's temporaries, autocast copies."""
+    def figures(self) -> Figures:
         kept, at_backward, copies = self.scalars
         phases = self.signature[1]
         top = {p: max((v for q, v in zip(phases, self.live) if q is p), default=0) for p in _PHASES}
-        return kept, top[Phase.FORWARD] - at_backward, top[Phase.BACKWARD] - at_backward, self.optimizer, copies
+        return Figures(kept, top[Phase.FORWARD] - at_backward, top[Phase.BACKWARD] - at_backward, self.optimizer,
+                       copies)
 
 
 def _through(points: dict[int, tuple[int, ...]], x: int) -> tuple[int, ...] | None:

@@ -184,17 +184,18 @@ def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool) ->
         # are maxima over events (the loss, one block's working set, one weight's gradient), interpolated;
         # the fitted shapes are knots, so the kept bytes of 2P layers come from the same updates
         updates = _measure(cfg, 2 * period, precision, mode, knots, full=True)
-        at_two = {k: (updates[k][0], updates[k][4]) for k in shapes}
+        at_two = {k: (updates[k].kept, updates[k].copies) for k in shapes}  # as _forward_at gives them
         one, r1 = _fit({k: at_one[k][0] for k in shapes})
         two, r2 = _fit({k: at_two[k][0] for k in shapes})
         layer = _combine(two, one, Fraction(1, period), Fraction(-1, period))
         fitted[f"layer_{name}"] = layer
         fitted[f"outside_{name}"] = _combine(one, layer, 1, -period)  # per policy: a checkpointed block keeps its inputs
-        for field, i in (("forward", 1), ("backward", 2)):
-            fitted[f"{field}_{name}"] = Knots(s_values, *(tuple(updates[(b, s)][i] for s in s_values) for b in (1, 2, 3)))
+        for field in ("forward", "backward"):
+            fitted[f"{field}_{name}"] = Knots(s_values, *(tuple(getattr(updates[(b, s)], field) for s in s_values)
+                                                          for b in (1, 2, 3)))
         if mode == "none":
             # shape-independent (the largest parameter's); what varies is the batch still live, counted apart
-            fitted["optimizer_temporaries"] = updates[min(knots, key=lambda bs: bs[0] * bs[1])][3]
+            fitted["optimizer_temporaries"] = updates[min(knots, key=lambda bs: bs[0] * bs[1])].optimizer
             c1, c2 = max(v[1] for v in at_one.values()), max(v[1] for v in at_two.values())  # shape-independent
             fitted.update(copies_layer=(c2 - c1) // period, copies_outside=2 * c1 - c2)
         residual = max(residual, r1, r2)
