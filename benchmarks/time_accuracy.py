@@ -268,7 +268,7 @@ def in_regime() -> None:
     """Run this script in the allocator regime batchlab's measuring processes use (batchlab.regime: freed
     memory kept, no page faults per update after warmup): the in-process trainers below are measured here, so
     the process starts again with the regime's environment where it lacks it (glibc reads it at start)."""
-    if regime.allocator() == "glibc" and not regime.in_effect():
+    if regime.missing():
         os.execve(sys.executable, [sys.executable, *sys.argv], regime.steady_env(dict(os.environ)))
     if (note := regime.warning()) is not None:
         log(note)

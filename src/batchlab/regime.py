@@ -79,6 +79,12 @@ def in_effect(env: dict[str, str] | None = None) -> bool:
         return False
 
 
+def missing() -> bool:
+    """glibc, but this process started without the regime: a process started with ``steady_env`` would have it
+    (under another allocator no child would)."""
+    return allocator() == "glibc" and not in_effect()
+
+
 def describe(env: dict[str, str] | None = None) -> str:
     """One line for a report's "how measured": the allocator and whether freed memory is kept."""
     name = allocator()

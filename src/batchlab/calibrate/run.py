@@ -33,7 +33,7 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
     this one is not (this process's allocator is the caller's and stays as it is)."""
     if seconds <= 0:
         raise ConfigError("seconds", f"must be > 0, got {seconds}")
-    if torch_device.startswith("cpu") and regime.allocator() == "glibc" and not regime.in_effect():
+    if torch_device.startswith("cpu") and regime.missing():
         return _in_child(dict(torch_device=torch_device, seconds=seconds, shapes=shapes, threads=threads))
     return measure_here(torch_device, seconds, shapes, threads)
 
