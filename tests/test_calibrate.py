@@ -1,6 +1,7 @@
 """batchlab calibrate: rate arithmetic, the per-device cache, the CPU measurement, auto-calibration and the command."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -10,6 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from batchlab import calibrate as cal_mod
+from batchlab.calibrate import run as run_mod
 from batchlab.calibrate import Calibration, auto, ensure, load_all, load_cached, measure, save, timed_rates
 from batchlab.cli import app
 from batchlab.config import ConfigError, RunConfig
@@ -75,34 +77,71 @@ def test_ceiling_per_precision_and_a_cache_from_before_the_per_op_model():
     assert sample(matmul_curve={}, dispatch_seconds={}).op_costs() is None  # ensure() measures again
 
 
-def test_a_cache_from_before_the_step_regime_curves_is_measured_again():
+# -- what makes a cache current (calibrate.ensure): calibrate's measuring function replaced by one that counts
+# its calls and returns this module's one real calibration (``calibrated``, checked against torch's own
+# benchmark below), so each test sees whether a cache is measured again, and with what, without measuring
+SIDE = 256  # the matmul the real calibration times (and the benchmark check compares)
+
+
+@pytest.fixture(scope="module")
+def calibrated() -> Calibration:
+    """One real CPU calibration at one thread, shared by the module (each costs ~2 s of CPU)."""
+    return measure("cpu", seconds=1.0, shapes=((SIDE, SIDE, SIDE),), threads=1)
+
+
+@pytest.fixture
+def measured(monkeypatch, calibrated) -> list[dict]:
+    """The calls ensure / auto / the command make to measure; each returns a copy of the real calibration."""
+    calls = []
+
+    def fake(torch_device: str = "cpu", seconds: float = 10.0, shapes=None, threads=None) -> Calibration:
+        calls.append(dict(torch_device=torch_device, seconds=seconds, threads=threads))
+        return copy.deepcopy(calibrated)
+
+    monkeypatch.setattr(run_mod, "measure", fake)
+    monkeypatch.setattr(cal_mod, "measure", fake)
+    return calls
+
+
+ASKED = dict(torch_device="cpu", seconds=0.5, threads=1)
+
+
+def test_a_real_calibration_is_current(calibrated):
+    """What the stale-cache tests below rely on: today's measurement has every kind _current asks for."""
+    assert calibrated.memory_curve_inplace and calibrated.op_costs() is not None
+    assert calibrated.contention_processes == 2 and calibrated.allocator
+    assert {"sdpa-fp32", "sdpa-backward-fp32"} <= set(calibrated.matmul_start)
+    assert run_mod._current(calibrated)
+
+
+def test_a_cache_from_before_the_step_regime_curves_is_measured_again(measured, calibrated):
     save(sample(seconds=0.5))  # no in-place curve: its element-wise rates came from warm loops
     cal, fresh = ensure("cpu", threads=1, seconds=0.5)
-    assert fresh and cal.memory_curve_inplace and cal.seconds != 0.5
-    assert ensure("cpu", threads=1)[1] is False  # cached now
+    assert fresh and measured == [ASKED] and cal == calibrated
+    assert ensure("cpu", threads=1) == (calibrated, False) and len(measured) == 1  # cached now
 
 
-def test_a_cpu_cache_from_before_the_contention_measurement_is_measured_again():
+def test_a_cpu_cache_from_before_the_contention_measurement_is_measured_again(measured, calibrated):
     old = sample(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]])  # contention_processes 0
     save(old)
     assert load_cached("cpu", threads=1) == old  # still readable
     cal, fresh = ensure("cpu", threads=1, seconds=0.5)
-    assert fresh and cal.contention_processes == 2 and cal.seconds != 0.5
+    assert fresh and measured == [ASKED] and cal == calibrated
     costs = cal.op_costs()
     assert costs.contention == cal.contention and costs.contention_processes == 2
 
 
-def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_again():
+def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_again(measured, calibrated):
     current = dict(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
                    contention={"compute": 1.0}, allocator="glibc")
     no_sdpa = sample(**current)  # a device whose fused attention did not run: nothing to measure again
     save(no_sdpa)
-    assert ensure("cpu", threads=1) == (no_sdpa, False)
+    assert ensure("cpu", threads=1) == (no_sdpa, False) and measured == []
     combined = {**no_sdpa.matmul_curve, "sdpa-fp32": [[1e3, R], [1e12, R]]}  # one rate for both directions
     save(sample(**current, matmul_curve=combined))
     cal, fresh = ensure("cpu", threads=1, seconds=0.5)
-    assert fresh and cal.seconds != 0.5 and {"sdpa-fp32", "sdpa-backward-fp32"} <= set(cal.matmul_start)
-    assert ensure("cpu", threads=1)[1] is False  # cached now
+    assert fresh and measured == [ASKED] and cal == calibrated
+    assert ensure("cpu", threads=1) == (calibrated, False) and len(measured) == 1  # cached now
 
 
 def test_contention_is_measured_only_where_the_processes_get_their_own_cores():
@@ -135,12 +174,11 @@ def test_a_measured_rate_is_used_as_it_is_no_achievable_fraction_on_top():
     assert "achievable fraction 0.4" in nominal.model
 
 
-def _calibrated_against_torch_benchmark(n: int):
+def _calibrated_against_torch_benchmark(cal: Calibration, n: int = SIDE):
     """(calibrated / Timer-measured) rate of an n x n x n matmul and of a large in-place add, timed in thread
     CPU time as calibrate times one-thread CPU kernels (load elsewhere stays out of both)."""
     from torch.utils.benchmark import Timer
 
-    cal = measure("cpu", seconds=1.0, shapes=((n, n, n),), threads=1)
     x, w = torch.randn(n, n), torch.randn(n, n)
     # calibrate keeps its fastest samples (a shared machine only slows a run down): compare best with best
     mm = 2 * n**3 / min(Timer("torch.mm(x, w.t())", globals={"torch": torch, "x": x, "w": w},
@@ -149,15 +187,18 @@ def _calibrated_against_torch_benchmark(n: int):
     a, b = torch.ones(big), torch.ones(big)
     add = 3 * 4 * big / min(Timer("a.add_(b)", globals={"a": a, "b": b}, timer=time.thread_time).blocked_autorange(
         min_run_time=0.2).times)  # two reads and a write, as counted
-    return cal, cal.matmul_curve["fp32"][0][1] / mm, cal.memory_curve_inplace[-1][1] / add
+    return cal.matmul_curve["fp32"][0][1] / mm, cal.memory_curve_inplace[-1][1] / add
 
 
 @pytest.mark.slow
-def test_measure_cpu_matches_a_matmul_and_an_add_timed_here():
+def test_measure_cpu_matches_a_matmul_and_an_add_timed_here(calibrated):
     # the same kernels timed by torch's own benchmark: a FLOP or byte count off by 2x falls outside on every
     # attempt; a burst of load from another process (the suite runs in parallel) does not last three
-    for _ in range(3):
-        cal, mm, add = _calibrated_against_torch_benchmark(256)
+    cal = calibrated
+    for attempt in range(3):
+        if attempt:
+            cal = measure("cpu", seconds=1.0, shapes=((SIDE, SIDE, SIDE),), threads=1)
+        mm, add = _calibrated_against_torch_benchmark(cal)
         if 0.5 < mm < 2.0 and 0.5 < add < 2.0:
             break
     assert 0.5 < mm < 2.0 and 0.5 < add < 2.0, (mm, add)
@@ -191,14 +232,15 @@ def _fused_attention_against_torch_benchmark(cal) -> None:
         assert 0.5 < costs.work_seconds(op) / timed < 2.0, (name, costs.work_seconds(op), timed)
 
 
-def test_auto_calibrates_once_and_says_so_then_stays_quiet():
+def test_auto_calibrates_once_and_says_so_then_stays_quiet(measured, calibrated):
     assert auto("h100-sxm", threads=1) is None  # not a CPU: nothing measured here
-    assert "not calibrated" in auto("cpu", threads=1, enabled=False)
+    assert "not calibrated" in auto("cpu", threads=1, enabled=False) and measured == []
     line = auto("cpu", threads=1)
+    assert measured == [dict(torch_device="cpu", seconds=10.0, threads=1)]
     assert line.startswith("time model: calibrated this CPU once at 1 thread(s)") and "--no-calibrate" in line
+    assert f"in {calibrated.seconds:.1f} s" in line
     assert auto("cpu", threads=1) is None and auto("cpu", threads=1, enabled=False) is None  # cached now
-    cal, fresh = ensure("cpu", threads=1)
-    assert not fresh and cal.op_costs() is not None
+    assert ensure("cpu", threads=1) == (calibrated, False) and len(measured) == 1
 
 
 def test_unusable_device_is_a_config_error():
@@ -208,11 +250,12 @@ def test_unusable_device_is_a_config_error():
         measure("cuda", seconds=0.1)
 
 
-@pytest.mark.slow
-def test_command_caches_and_prints_json():
+def test_command_caches_and_prints_json(measured, calibrated):
     result = CliRunner().invoke(app, ["calibrate", "--seconds", "1", "--threads", "1", "--json"])
     assert result.exit_code == 0, result.output
+    assert measured == [dict(torch_device="cpu", seconds=1.0, threads=1)]
     payload = json.loads(result.output)
+    assert Calibration.from_dict(payload) == calibrated  # what measure returned, printed whole
     assert payload["provenance"] == "calibrated" and payload["source"].startswith("calibrated on")
     assert load_cached("cpu", threads=1).matmul_flops_fp32 == payload["matmul_flops_fp32"]
     assert payload["dispatch_seconds"]["backward"] > 0 and payload["matmul_curve"]["fp32"]
