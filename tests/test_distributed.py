@@ -2,7 +2,8 @@
 
 Launches are shared between assertions (module fixtures): each costs ~5-8 s on a 2-core machine (torch's
 import in torchrun and in each rank, and in each rank DDP's constructor importing torch._dynamo, ~1.2 s CPU).
-Run as a script under torchrun, this file is also the rank program of the gradient-equivalence test.
+Run as a script under torchrun, this file is the rank program of the user-started (external) measurement and,
+in the same ranks after it, of the gradient-equivalence test.
 """
 from __future__ import annotations
 
@@ -55,15 +56,21 @@ SHAPE = ["--dp", "2", "--micro-batch", str(BASE.micro_batch), "--seq", str(BASE.
          "--warmup", str(OPTS.warmup), "--steps", str(OPTS.steps)]
 
 
-def _torchrun_json(accum: int):
-    """``torchrun --nproc-per-node 2 -m batchlab measure --dp 2 --json``: ranks started by the user."""
+EXTERNAL_ACCUM = 4
+
+
+@pytest.fixture(scope="module")
+def external(tmp_path_factory):
+    """One ``torchrun --nproc-per-node 2`` job running this file (``_rank_main``): each rank first runs
+    ``python -m batchlab measure --dp 2 --accum 4 --json`` (ranks started by the user; rank 0 alone prints),
+    then saves the all-reduced gradients of one update of GRAD_CFG.  (The Measurement, the gradients' folder.)"""
     from batchlab.measure.result import load_measurement
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "batchlab",
-           *_measure_argv("--accum", str(accum), "--json", *SHAPE)]
+    out = tmp_path_factory.mktemp("grads")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return load_measurement(proc.stdout)  # rank 0 alone prints
+    return load_measurement(proc.stdout), out
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +98,10 @@ def cli_run(tmp_path_factory, plant_shadows):
 
 
 @pytest.fixture(scope="module")
-def runs(cli_run):
+def runs(cli_run, external):
     res, launched, _ = cli_run
     assert res.exit_code == 0 and len(launched) == 1, res.output[-3000:]
-    return {1: launched[0], 4: _torchrun_json(4)}
+    return {1: launched[0], EXTERNAL_ACCUM: external[0]}
 
 
 def test_the_cli_prints_per_rank_memory_allreduce_and_scope(cli_run):
@@ -116,7 +123,7 @@ def test_ddp_ranks_do_not_import_the_working_directory(cli_run):
     assert res.exit_code == 0, res.output[-3000:]
 
 
-@pytest.mark.parametrize("accum", [1, 4])
+@pytest.mark.parametrize("accum", [1, EXTERNAL_ACCUM])
 def test_gradients_are_all_reduced_once_per_update(runs, accum):
     m = runs[accum]
     assert m.ok, m.outcome_detail
@@ -138,12 +145,12 @@ def test_memory_is_reported_per_rank_with_one_gradient_copy(runs):
     from batchlab.measure.harness import Trainer
     from batchlab.measure.memory import track_update
 
-    mem = runs[4].memory
+    mem = runs[EXTERNAL_ACCUM].memory
     assert len(mem.per_rank_peak_bytes) == 2 and mem.peak_bytes == max(mem.per_rank_peak_bytes)
     assert "gradient_as_bucket_view=True" in mem.method
     # the same update in one process (tracked the same way): DDP's buckets are the gradients, so a rank
     # holds one gradient copy like it; .grad beside the buckets would add a whole copy (parameter bytes)
-    single = track_update(Trainer(BASE.replace(accum=4, dp=1), "cpu"))
+    single = track_update(Trainer(BASE.replace(accum=EXTERNAL_ACCUM, dp=1), "cpu"))
     params = _parameter_bytes(BASE)
     assert mem.breakdown["gradients"] == params
     assert abs(mem.peak_bytes - single.peak_bytes) < params // 2, (mem.peak_bytes, single.peak_bytes)
@@ -156,11 +163,24 @@ def test_useful_tokens_are_summed_over_ranks(runs):
 
 
 def _rank_main(out: str) -> None:
-    """One rank: the same DDP build as a measurement; save the first update's all-reduced gradients."""
+    """One rank of ``external``: the measure command as a user's torchrun starts it (a fresh process, no process
+    group yet); then the same DDP build as a measurement, saving the first update's all-reduced gradients."""
+    import runpy
+
     import torch
+    import torch.distributed as dist
 
     from batchlab.distributed import worker
 
+    sys.argv = ["batchlab", *_measure_argv("--accum", str(EXTERNAL_ACCUM), "--json", *SHAPE)]
+    try:
+        runpy.run_module("batchlab", run_name="__main__")  # python -m batchlab measure ...
+    except SystemExit as e:
+        assert e.code in (0, None), f"measure exited {e.code}"
+    assert not dist.is_initialized(), "measure left its process group behind"
+    # a second default group on a store of its own: a re-made one on torchrun's store reuses the first one's keys
+    # (gloo then read a peer's stale address now and then; see test_advise_torch_script.RUNNER)
+    os.environ.update(MASTER_PORT=str(int(os.environ["MASTER_PORT"]) + 1), TORCHELASTIC_USE_AGENT_STORE="False")
     device, _ = worker.init(GRAD_CFG, OPTS, 60)
     rank, world, _ = worker.env_ranks()
     trainer, monitor = worker.build(GRAD_CFG, device, rank, world)
@@ -173,19 +193,17 @@ def _rank_main(out: str) -> None:
 
     trainer.update(probe=worker.Probes(Capture(), monitor))
     torch.save(dict(grads=grads, rounds=monitor.updates[0].rounds), Path(out) / f"grads{rank}.pt")
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # as batchlab's own ranks leave: DDP's reducer and gloo torn down at exit aborted now and then
 
 
-def test_ddp_gradients_equal_the_single_process_gradient_of_the_global_batch(tmp_path):
+def test_ddp_gradients_equal_the_single_process_gradient_of_the_global_batch(external):
     import torch
 
     from batchlab.measure.harness import Trainer
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-           str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    ranks = [torch.load(tmp_path / f"grads{r}.pt") for r in (0, 1)]
+    ranks = [torch.load(external[1] / f"grads{r}.pt") for r in (0, 1)]
     single = GRAD_CFG.replace(dp=1)
     # the union of what each rank drew: the Trainer seeds rank k's data generator with k
     batches = [b for k in (0, 1) for b in Trainer(single, "cpu", rank=k).batches()]
