@@ -49,16 +49,6 @@ def run_scripts(commands: list[list[str]], timeout: float = 240) -> list[subproc
     return out
 
 
-def test_dp1_script_runs_as_printed(tmp_path):
-    """The bug: DistributedSampler and model.no_sync() crash without a process group / DDP."""
-    cfg = config(ac="every:2")
-    script = all_snippets(cfg)["pytorch"]
-    assert script == training_script(cfg)
-    [r] = run_scripts([[sys.executable, str(write(tmp_path, "train.py", script))]])
-    assert r.returncode == 0, r.stdout
-    assert updates_printed(r.stdout) == [1, 2]
-
-
 # Runs printed scripts in turn in one interpreter (torch imported once), each as __main__ in a fresh namespace.
 # Under torchrun each must leave no process group behind, and each after the first rendezvouses on a store of
 # its own (rank 0 serves it on torchrun's port + i): a re-made default group reuses the first one's store keys,
@@ -104,20 +94,24 @@ def loss_fn(logits, y):
 
 
 @pytest.mark.slow
-def test_dp1_precisions_policies_and_the_users_own_model_run(tmp_path):
-    """Every precision and policy at DP = 1; and the marked stand-in replaced by a model of the test's own
-    (the documented placeholder), as a user would."""
-    scripts = [training_script(config(precision=p, ac=ac, optimizer=o))
-               for p, ac, o in (("bf16-mixed", "selective", "sgd-momentum"), ("fp16-mixed", "full", "sgd"),
-                                ("bf16", "selective-op", "adamw"), ("bf16-fsdp", "megatron-selective", "adamw"))]
-    head, rest = training_script(config(ac="every:2")).split(STAND_IN_BEGIN)
+def test_dp1_scripts_precisions_policies_and_the_users_own_model_run(tmp_path):
+    """The script as `fit` prints it at DP = 1 (the bug: DistributedSampler and model.no_sync() crashed without a
+    process group / DDP); every precision and policy at DP = 1; and the marked stand-in replaced by a model of
+    the test's own (the documented placeholder), as a user would."""
+    printed = config(ac="every:2")
+    script = all_snippets(printed)["pytorch"]
+    assert script == training_script(printed)
+    scripts = [script] + [training_script(config(precision=p, ac=ac, optimizer=o))
+                          for p, ac, o in (("bf16-mixed", "selective", "sgd-momentum"), ("fp16-mixed", "full", "sgd"),
+                                           ("bf16", "selective-op", "adamw"), ("bf16-fsdp", "megatron-selective", "adamw"))]
+    head, rest = script.split(STAND_IN_BEGIN)
     scripts.append(head + OWN_MODEL + rest.split(STAND_IN_END)[1])
     paths = [str(write(tmp_path, f"train{i}.py", s)) for i, s in enumerate(scripts)]
     # one interpreter runs them in turn (torch imported once): each script is a fresh module namespace
     [r] = run_scripts([[sys.executable, str(write(tmp_path, "runner.py", RUNNER)), *paths]])
     assert r.returncode == 0, r.stdout
     outputs = r.stdout.split("== ")[1:]
-    assert len(outputs) == len(paths)
+    assert [o.split()[0] for o in outputs] == paths, r.stdout
     for text in outputs:
         assert updates_printed(text) == [1, 2], text
 
