@@ -71,9 +71,14 @@ def test_phases_follow_the_update(case):
     assert labels == expected
 
 
-def test_recompute_and_logits_are_split_out():
-    full = estimate(tiny(ac="full"), timeline=True).timeline
-    none = estimate(tiny(), timeline=True).timeline
+@pytest.fixture(scope="module")
+def traced():
+    """The traced timelines of tiny() without and with full recompute, read by several tests (frozen)."""
+    return {ac: estimate(tiny(ac=ac), timeline=True).timeline for ac in ("none", "full")}
+
+
+def test_recompute_and_logits_are_split_out(traced):
+    full, none = traced["full"], traced["none"]
     assert max(full.parts["recompute"]) > 0 and max(none.parts["recompute"]) == 0
     assert max(none.parts["logits"]) > 0
     # logits/loss are created from the LM head on: none before the first forward's head runs
@@ -132,10 +137,10 @@ def test_the_all_reduce_is_drawn_over_the_last_backward(tmp_path):
     assert not estimate(tiny(accum=2), timeline=True).timeline.overlaps
 
 
-def test_json_round_trip_keeps_the_exact_maximum(tmp_path):
+def test_json_round_trip_keeps_the_exact_maximum(tmp_path, traced):
     from batchlab.timeline.output import load, write
 
-    t = estimate(tiny(), timeline=True).timeline
+    t = traced["none"]
     path = write(t, tmp_path / "t.json")
     d = json.loads(path.read_text())
     assert max(d["samples"]["total"]) == t.peak_bytes == d["samples"]["total"][d["peak_sample"]]
@@ -145,14 +150,13 @@ def test_json_round_trip_keeps_the_exact_maximum(tmp_path):
     assert t.peak_sample in keep and len(keep) <= 4 * 50 + len(t.phases)
 
 
-def test_png_html_and_pair(tmp_path):
+def test_png_html_and_pair(tmp_path, traced):
     import matplotlib.image
 
     from batchlab.timeline.output import write
     from batchlab.timeline.pair import pair_series, pair_svg, write_pair_png
 
-    a = estimate(tiny(), timeline=True).timeline
-    b = estimate(tiny(ac="full"), timeline=True).timeline
+    a, b = traced["none"], traced["full"]
     png = write(a, tmp_path / "t.png")
     assert matplotlib.image.imread(png).shape[1] == 1400
     page = write(a, tmp_path / "t.html").read_text()
