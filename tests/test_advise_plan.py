@@ -108,13 +108,15 @@ def test_margin_must_be_a_fraction():
 
 
 def test_nothing_fits_and_what_would():
-    goal = Goal(LLAMA.replace(zero=0))  # 16 bytes/param of model states: 108 GB on an 80 GB card
+    # 16 bytes/param of model states: 108 GB on an 80 GB card, whatever the batch; global batch 64 (8 per rank)
+    # keeps the search for what would fit short (512: twice the estimates, the same remedies)
+    goal = Goal(LLAMA.replace(zero=0).with_global_batch(64))
     assert plan(goal).recommended is None
     remedies = what_would_fit(goal)
     assert remedies
     for r in remedies:
         assert estimate(r.config).memory.peak_bytes <= 0.9 * 80e9
-        assert r.config.global_batch == 512 or r.config.seq < 4096
+        assert r.config.global_batch == 64 or r.config.seq < 4096
     kinds = " ".join(r.change for r in remedies)
     assert "ZeRO" in kinds and "devices" in kinds
 
