@@ -24,6 +24,13 @@ def measured():
     return rec.with_(notebook_id=5)
 
 
+@pytest.fixture(scope="module")
+def written(measured, tmp_path_factory):
+    """``measured``'s report written once (markdown, html, PNGs) for the tests that read its files."""
+    folder = tmp_path_factory.mktemp("report")
+    return write_report(measured, folder), folder
+
+
 def test_every_figure_names_its_provenance(measured):
     figs = figures(measured)
     assert [f.name for f in figs] == ["memory", "time", "ratios", "phases"]
@@ -33,8 +40,8 @@ def test_every_figure_names_its_provenance(measured):
     assert by["memory"].sources == ("allocator", "formula") and by["phases"].sources == ("wall-clock",)
 
 
-def test_markdown_and_html_are_written_with_labels_and_global_batch(measured, tmp_path):
-    paths = write_report(measured, tmp_path / "out")
+def test_markdown_and_html_are_written_with_labels_and_global_batch(written):
+    paths, folder = written
     assert [p.name for p in paths] == ["experiment-5.md", "experiment-5.html"]
     md = paths[0].read_text()
     for side in ("A", "B"):
@@ -42,7 +49,7 @@ def test_markdown_and_html_are_written_with_labels_and_global_batch(measured, tm
     images = re.findall(r"!\[Figure \d+: [^]]+\]\(([^)]+)\)", md)
     assert images == [f"experiment-5-{n}.png" for n in ("memory", "time", "ratios", "phases")]
     for name in images:
-        assert (tmp_path / "out" / name).read_bytes().startswith(PNG)
+        assert (folder / name).read_bytes().startswith(PNG)
     captions = re.findall(r"\*Figure \d+ — [^[]+\[([^]]+)\]", md)
     assert len(captions) == 4 and all(set(c.split(" / ")) <= PROVENANCE for c in captions)
     assert "| update time | 1.00 s | 1.50 s | 1.5 | 1.5 – 1.5 | ↑ up | ↓ down (missed) |" in md
@@ -67,14 +74,14 @@ def test_a_formula_only_report_says_it_is_a_derivation(tmp_path):
     assert "## Formula derivation (not an observation)" in md and "| metric | A (formula) |" in md
 
 
-def test_the_report_draws_both_timelines_on_one_axis(measured, tmp_path):
-    md_path, page_path = write_report(measured, tmp_path)
+def test_the_report_draws_both_timelines_on_one_axis(written):
+    (md_path, page_path), folder = written
     md, page = md_path.read_text(), page_path.read_text()
     assert "## Memory over one update, A and B on one axis" in md
     assert "A: ac=none: peak 3.91 KiB in forward 1 [allocator: fake]" in md
     assert "B: ac=full: peak 1000 B in forward 1 [allocator: fake]" in md
     assert "![Memory over one update, A and B](experiment-5-timeline.png)" in md
-    assert (tmp_path / "experiment-5-timeline.png").read_bytes().startswith(PNG)
+    assert (folder / "experiment-5-timeline.png").read_bytes().startswith(PNG)
     # inline SVG (text kept as text): both sides' labels, their provenance and the formula's phase markers
     svg = re.search(r"<figure class='timeline'>(<svg.*?</svg>)", page, re.S).group(1)
     for text in ("A: ac=none: live total [allocator]", "B: ac=full: live total [allocator]",
