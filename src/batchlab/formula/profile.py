@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
 
-from batchlab.config import ACMode, ACPolicy, ConfigError, ModelSource, Precision, RunConfig, to_jsonable
+from batchlab.config import ACMode, ModelSource, Precision, RunConfig, to_jsonable
 from batchlab.config.hf import hf_config_path
-from batchlab.config.profile import MODES, LayerProfile, Terms
+from batchlab.config.profile import LayerProfile, Terms
 from batchlab.files import write_atomic
 
 PROFILE_VERSION = 17  # bump when what a profile measures changes: old cache entries are then ignored
@@ -100,21 +100,6 @@ def needed(cfg: RunConfig) -> frozenset[str]:
     return frozenset(layer_policies(cfg)) | ({"full"} if cfg.dp > 1 and cfg.zero >= 2 else set())
 
 
-def covering(cfg: RunConfig, acs: Iterable[ACPolicy | str]) -> frozenset[str]:
-    """The layer policies the estimates of cfg under each of ``acs`` read (an AC policy cfg cannot take, e.g.
-    every:K past its layers, needs none: its row says why it is not possible)."""
-    out = set(needed(cfg))
-    for ac in acs:
-        try:
-            out |= needed(cfg.replace(ac=ac))
-        except ConfigError:
-            continue
-    return frozenset(out)
-
-
-ALL_POLICIES = frozenset(MODES)  # for a command that searches every AC policy (fit, its advice after an OOM)
-
-
 def _lookup(cfg: RunConfig) -> Terms | None:
     p = cfg.model.matching_profile
     return None if p is None else p.lookup(profiled_precision(cfg.precision).value, cfg.seq)
@@ -137,12 +122,6 @@ def missing(cfg: RunConfig, policies: Iterable[str] | None = None) -> frozenset[
     t = _lookup(cfg)
     wanted = needed(cfg) if policies is None else frozenset(policies) | needed(cfg)
     return wanted - (t.policies if t is not None else frozenset())
-
-
-def needs_tracing(cfg: RunConfig, policies: Iterable[str] | None = None) -> bool:
-    """True when cfg (attached to its cache already) is an hf: model whose profile lacks terms cfg needs, or
-    the layer policies asked for (``config.profile.MODES``)."""
-    return bool(missing(cfg, policies))
 
 
 def layer_terms_source(cfg: RunConfig, builtin: str) -> str:
