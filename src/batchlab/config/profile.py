@@ -217,8 +217,8 @@ class LayerProfile:
         for t in other.terms:
             at = (t.precision, t.windowed)
             terms[at] = terms[at].merged(t) if at in terms else t
-        return replace(self, source=other.source, terms=tuple(terms.values()),
-                       seconds="; ".join(s for s in (self.seconds, other.seconds) if s))
+        log = dict.fromkeys(x for s in (self.seconds, other.seconds) for x in s.split("; ") if x)  # each once
+        return replace(self, source=other.source, terms=tuple(terms.values()), seconds="; ".join(log))
 
     @classmethod
     def from_dict(cls, d: Any) -> "LayerProfile":

@@ -80,7 +80,7 @@ def attach_cached(cfg: RunConfig) -> RunConfig:
     p, mine = cached(cfg), cfg.model.matching_profile
     if p is None:
         return cfg
-    if mine is not None and mine.key == p.key:
+    if mine is not None and mine.key == p.key and mine != p:
         p = mine.merged(p)
     return cfg.replace(model=cfg.model.with_profile(p))
 
