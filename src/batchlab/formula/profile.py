@@ -114,10 +114,9 @@ def terms(cfg: RunConfig) -> Terms | None:
 
 
 def missing(cfg: RunConfig, policies: Iterable[str] | None = None) -> frozenset[str]:
-    """The layer policies (default: those cfg needs) cfg's profile lacks for cfg's precision and regime; none
-    for a model that is not hf:, a precision or an AC policy profiles do not measure."""
-    if (cfg.model_kind is not ModelSource.HF or cfg.ac.mode not in PROFILED_AC
-            or profiled_precision(cfg.precision) not in PROFILED_PRECISIONS):
+    """The layer policies cfg needs and ``policies`` that cfg's profile lacks at cfg's precision and regime; none
+    for a model that is not hf: or a precision profiles do not measure."""
+    if cfg.model_kind is not ModelSource.HF or profiled_precision(cfg.precision) not in PROFILED_PRECISIONS:
         return frozenset()
     t = _lookup(cfg)
     wanted = needed(cfg) if policies is None else frozenset(policies) | needed(cfg)
