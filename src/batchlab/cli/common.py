@@ -6,13 +6,13 @@ import inspect
 import json
 import sys
 import typing
-from typing import Annotated, Any, Callable, NoReturn, Optional
+from typing import Annotated, Any, Callable, Iterable, NoReturn, Optional
 
 import typer
 
-from batchlab.config import (Assumptions, ConfigError, RunConfig, derive_accum, load_config_toml,
+from batchlab.config import (Assumptions, ConfigError, ModelSource, RunConfig, derive_accum, load_config_toml,
                              model_from_hf_config, parse_bytes, resolve_model)
-from batchlab.formula.profile import attach_cached, needs_tracing
+from batchlab.formula.profile import attach_cached, missing, needed, profiled_precision
 
 AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), selective (keep every "
            "matmul), selective-op (torchtitan: every other matmul + SDPA), megatron-selective (attention core). "
@@ -111,11 +111,37 @@ def _model_from_flags(o: dict[str, Any]):
     return resolve_model("tiny" if o.get("model") is None else o["model"], **overrides)  # "" is an error
 
 
-def with_layer_profile(cfg: RunConfig) -> RunConfig:
+def with_layer_profile(cfg: RunConfig, also: Iterable[RunConfig] = ()) -> RunConfig:
     """An hf: model's layer profile attached (cached: no torch; first use: traced now, a few seconds), so
-    the calculator describes the model's own code."""
+    the calculator describes the model's own code.  ``also``: the configs derived from cfg the command will
+    evaluate (--vary rows, compare's sides, fit's candidates); the profile is made to cover them too, their
+    layer policies, precisions and sequence regimes, so no row falls back to the builtin terms."""
+    if cfg.model_kind is not ModelSource.HF:  # the builtin GPT's terms are the calculator's own
+        return cfg
     cfg = attach_cached(cfg)
-    if not needs_tracing(cfg):
+    for there, policies in _to_cover(cfg, also):
+        cfg = _traced(cfg, there, policies)
+    return cfg
+
+
+def _to_cover(cfg: RunConfig, also: Iterable[RunConfig]) -> list[tuple[RunConfig, frozenset[str]]]:
+    """(a config at each precision and regime, the layer policies the configs there need), for those of the
+    same model as cfg (a config of another shape has another profile: its estimate says so)."""
+    groups: dict[tuple, tuple[RunConfig, set[str]]] = {}
+    for c in (cfg, *also):
+        if c.model_source != cfg.model_source or c.model.shape_id() != cfg.model.shape_id():
+            continue
+        window = c.model.sliding_window
+        at = (profiled_precision(c.precision), window is not None and c.seq >= window)
+        groups.setdefault(at, (c, set()))[1].update(needed(c))
+    return [(c, frozenset(p)) for c, p in groups.values()]
+
+
+def _traced(cfg: RunConfig, there: RunConfig, policies: frozenset[str]) -> RunConfig:
+    """cfg with its profile covering ``policies`` at the precision and regime of ``there`` (cfg's model)."""
+    there = there.replace(model=there.model.with_profile(cfg.model.matching_profile))
+    todo = missing(there, policies)
+    if not todo:
         return cfg
     try:
         from batchlab.trace.profile import with_profile
@@ -123,12 +149,43 @@ def with_layer_profile(cfg: RunConfig) -> RunConfig:
         typer.echo(f"warning: no layer profile (tracing the model's own code needs torch and transformers: {e}); "
                    "the calculator uses its built-in layer terms", err=True)
         return cfg
-    typer.echo(f"profiling {cfg.model_source}'s layers on fake tensors (once; cached) ...", err=True)
+    typer.echo(f"profiling {cfg.model_source}'s layers ({there.precision}, layer policies {', '.join(sorted(todo))}) "
+               "on fake tensors (once; cached) ...", err=True)
     try:
-        return with_profile(cfg)
+        profile = with_profile(there, policies).model.profile
     except ConfigError as e:
         typer.echo(f"warning: no layer profile ({e}); the calculator uses its built-in layer terms", err=True)
         return cfg
+    return cfg.replace(model=cfg.model.with_profile(profile))
+
+
+def with_goal_profile(goal, after_oom: bool = False):
+    """goal with its base's layer profile covering every config the planner evaluates (advise/plan.py: the AC
+    policies and ZeRO stages it searches) and, ``after_oom``, the advice's too (advise/after_oom.py: every AC
+    policy, the ZeRO stages above, bf16 autocast instead of fp32)."""
+    import dataclasses
+
+    from batchlab.advise.plan import goal_policies, policies, zero_stages
+    from batchlab.config import Precision
+
+    base = goal.base
+    acs = policies(base.model.layers) if after_oom else goal_policies(goal)
+    zeros = set(zero_stages(goal)) | (set(range(base.zero, 4)) if after_oom and base.dp > 1 else set())
+    changes = [dict(ac=ac, zero=z) for ac in acs for z in zeros]
+    if after_oom and base.precision is Precision.FP32:
+        changes.append(dict(precision=Precision.BF16_MIXED))
+    return dataclasses.replace(goal, base=with_layer_profile(base, _derived(base, changes)))
+
+
+def _derived(cfg: RunConfig, changes: list[dict[str, Any]]) -> list[RunConfig]:
+    """cfg with each of ``changes``, those it cannot take left out (the command says why where it uses them)."""
+    out = []
+    for change in changes:
+        try:
+            out.append(cfg.replace(**change))
+        except ConfigError:
+            continue
+    return out
 
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "loss", "zero", "device", "memory_budget",

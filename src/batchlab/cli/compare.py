@@ -8,10 +8,10 @@ from typing import Annotated, Any, List, Optional
 import typer
 
 from batchlab.cli.base import app
-from batchlab.cli.common import fail, with_config
+from batchlab.cli.common import fail, with_config, with_layer_profile
 from batchlab.cli.render_experiment import show_record
 from batchlab.config import ConfigError, RunConfig
-from batchlab.experiment.change import KeepMode, parse_change
+from batchlab.experiment.change import KeepMode, build_sides, parse_change
 from batchlab.experiment.compare import DEFAULT_CHANGE, DEFAULT_TOKEN_BUDGET, make_plan, run
 from batchlab.experiment.notebook import LeftIncomplete, Notebook
 from batchlab.experiment.predict import Direction, Metric, parse_direction, parse_predictions
@@ -82,12 +82,23 @@ def _plan(cfg, change, experiment, keep, allow_confounded, predict, rounds, step
     predictions, source = _predictions(predict, file.predictions if file else None)
     pick = lambda flag, key, default: flag if flag is not None else opts.get(key, default)  # noqa: E731
     keep = keep or (file.keep if file is not None and file.keep is not None else KeepMode.GLOBAL_BATCH)
-    return make_plan(cfg, changes, keep=keep, allow_confounded=allow_confounded or bool(opts.get("allow_confounded")),
+    allow_confounded = allow_confounded or bool(opts.get("allow_confounded"))
+    cfg = with_layer_profile(cfg, _sides(cfg, changes, keep, allow_confounded))  # both sides' layer terms
+    return make_plan(cfg, changes, keep=keep, allow_confounded=allow_confounded,
                      predictions=predictions, prediction_source=source, rounds=pick(rounds, "rounds", 3),
                      warmup=pick(warmup, "warmup", 2), steps=pick(steps, "steps", 5), timeout_s=timeout,
                      token_budget=pick(token_budget, "token_budget", DEFAULT_TOKEN_BUDGET), formula_only=formula_only,
                      note=pick(note, "note", ""), torch_device=torch_device,
                      threads="auto" if threads is None else threads)
+
+
+def _sides(cfg, changes, keep, allow_confounded) -> tuple[RunConfig, ...]:
+    """Both sides' configs, or none when they are invalid (make_plan then says why)."""
+    try:
+        sides = build_sides(cfg, changes, KeepMode.parse("keep", keep), allow_confounded)
+    except ConfigError:
+        return ()
+    return sides.a, sides.b
 
 
 def _predictions(flag: Optional[str], from_file) -> tuple[dict[Metric, Direction], str]:

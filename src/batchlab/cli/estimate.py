@@ -9,9 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import console as make_console, print_json, with_config
+from batchlab.cli.common import console as make_console, print_json, with_config, with_layer_profile
 from batchlab.calibrate import load_all
-from batchlab.config import ConfigError, Keep, RunConfig
+from batchlab.config import ACMode, ConfigError, Keep, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, unseen_model
 from batchlab.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
 
@@ -192,14 +192,16 @@ def estimate(
         show(cfg, tree=tree, as_json=as_json, console=console, timeline=timeline)
         return
     if vary:
-        from batchlab.formula.vary import values_of, vary as vary_rows
+        from batchlab.formula.vary import values_of, varied, vary as vary_rows
 
         if len(vary) > 1:  # refused, not combined: a --vary table changes exactly one variable
             raise ConfigError("vary", f"given {len(vary)} times ({', '.join(vary)}); one variable per table")
         name, sep, values = vary[0].partition("=")
         if not sep or not values:
             raise ConfigError("vary", "expected FIELD=v1,v2,... or FIELD=a..b, e.g. micro_batch=1,2,4 or accum=1..64")
-        rows = vary_rows(cfg, name.strip().replace("-", "_"), values_of(values), keep, load_all())
+        field, texts = name.strip().replace("-", "_"), values_of(values)
+        cfg = with_layer_profile(cfg, varied(cfg, field, texts))  # every row's policies, precisions, regimes
+        rows = vary_rows(cfg, field, texts, keep, load_all())
         if as_json:
             print_json([r.to_dict() for r in rows])
         else:
@@ -223,6 +225,8 @@ def estimate(
 def explain(cfg: RunConfig, as_json: bool = False) -> None:
     from batchlab.formula.explain import explain_sections
 
+    if cfg.ac.mode is ACMode.NONE:  # the checkpointing section's "turning it on (full)" (formula/explain.py)
+        cfg = with_layer_profile(cfg, [cfg.replace(ac="full")])
     sections = explain_sections(cfg, load_all(), local_limits(cfg))
     if as_json:
         print_json({"provenance": "formula", "config": cfg.to_dict(), "sections": [s.to_dict() for s in sections],

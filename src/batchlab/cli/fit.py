@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from batchlab.cli.base import app
-from batchlab.cli.common import console, fail, print_json, with_config
+from batchlab.cli.common import console, fail, print_json, with_config, with_goal_profile
 from batchlab.config import Backend, ConfigError, ModelSource, RunConfig
 
 PANEL = "Fit"
@@ -44,6 +44,7 @@ def fit_command(
         base = _target(cfg, global_tokens)
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
                     held=frozenset(held))
+        goal = with_goal_profile(goal, after_oom)  # the layer terms of every policy it evaluates
         if after_oom:
             raise typer.Exit(_after_oom(goal, as_json))
         check_capacity(goal)

@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import console, fail, print_json, typed_options, with_config
+from batchlab.cli.common import console, fail, print_json, typed_options, with_config, with_goal_profile
 from batchlab.config import ConfigError, RunConfig
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
@@ -137,7 +137,7 @@ def _oom_advice(cfg: RunConfig, as_json: bool):
     from batchlab.advise import Goal, oom_advice
     from batchlab.config import to_jsonable
 
-    goal = Goal(cfg)
+    goal = with_goal_profile(Goal(cfg), after_oom=True)  # the layer terms of every change it proposes
     if as_json:
         return to_jsonable(oom_advice(goal))
     from batchlab.advise.plan import candidate

@@ -12,7 +12,7 @@ stays instant and describes the code it was given rather than batchlab's own GPT
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from batchlab.config.choices import ConfigError
@@ -104,41 +104,68 @@ class Terms:
     handed to every block: a checkpointed block keeps its inputs, so a mask or ALiBi bias is kept there and
     not without AC); ``forward_*``: the forward's high point above what is live as backward starts (logits
     and the loss; with recompute a block's working set, which checkpointing frees but not before it peaks).
+    A policy's four fields are None until it is traced (``policies``: those that are); the last three fields
+    do not depend on the policy and come with the first one traced.
     """
 
     precision: str
     windowed: bool
-    layer_full: Poly
-    layer_selective: Poly  # models/ac.py's selective policy
-    layer_checkpointed: Poly  # the whole block recomputed (keeps its input)
-    outside_full: Poly
-    outside_selective: Poly
-    outside_checkpointed: Poly
-    forward_full: Knots = Knots()
-    forward_selective: Knots = Knots()
-    forward_checkpointed: Knots = Knots()
-    backward_full: Knots = Knots()  # backward's high point above what is live as it starts
-    backward_selective: Knots = Knots()
-    backward_checkpointed: Knots = Knots()
+    layer_full: Poly | None = None
+    layer_selective: Poly | None = None  # models/ac.py's selective policy
+    layer_checkpointed: Poly | None = None  # the whole block recomputed (keeps its input)
+    outside_full: Poly | None = None
+    outside_selective: Poly | None = None
+    outside_checkpointed: Poly | None = None
+    forward_full: Knots | None = None
+    forward_selective: Knots | None = None
+    forward_checkpointed: Knots | None = None
+    backward_full: Knots | None = None  # backward's high point above what is live as it starts
+    backward_selective: Knots | None = None
+    backward_checkpointed: Knots | None = None
     optimizer_temporaries: int = 0  # the optimizer step's temporaries (its largest parameter's)
     copies_layer: int = 0  # autocast's 16-bit weight copies a layer's matmuls keep (bytes; 0 without autocast)
     copies_outside: int = 0  # ... the head's and anything else's outside the layers
 
-    def layer(self, mode: str) -> Poly:
+    def __post_init__(self):
+        for m in MODES:
+            traced = [getattr(self, f"{part}_{m}") is not None for part in PARTS]
+            if any(traced) and not all(traced):
+                raise TypeError(f"policy {m} is traced in part only")
+
+    @property
+    def policies(self) -> frozenset[str]:
+        """The layer policies traced so far."""
+        return frozenset(m for m in MODES if self.layer(m) is not None)
+
+    def layer(self, mode: str) -> Poly | None:
         return getattr(self, f"layer_{mode}")
 
-    def outside(self, mode: str) -> Poly:
+    def outside(self, mode: str) -> Poly | None:
         return getattr(self, f"outside_{mode}")
 
-    def forward(self, mode: str) -> Knots:
+    def forward(self, mode: str) -> Knots | None:
         return getattr(self, f"forward_{mode}")
 
-    def backward(self, mode: str) -> Knots:
+    def backward(self, mode: str) -> Knots | None:
         return getattr(self, f"backward_{mode}")
 
+    def merged(self, other: "Terms") -> "Terms":
+        """These terms with the policies only ``other`` has (same precision and regime; the shared fields are
+        the same in both, measured on the same code)."""
+        assert (self.precision, self.windowed) == (other.precision, other.windowed), (self, other)
+        added = {f"{part}_{m}": getattr(other, f"{part}_{m}") for m in other.policies - self.policies for part in PARTS}
+        return replace(self, **added)
 
-def _poly(d: Any) -> Poly:
-    return d if isinstance(d, Poly) else Poly(**d)
+
+PARTS = ("layer", "outside", "forward", "backward")  # a policy's fields in Terms
+
+
+def _poly(d: Any) -> Poly | None:
+    return d if d is None or isinstance(d, Poly) else Poly(**d)
+
+
+def _knots(d: Any) -> Knots | None:
+    return d if d is None or isinstance(d, Knots) else Knots(**d)
 
 
 def _terms(d: Any) -> Terms:
@@ -147,10 +174,9 @@ def _terms(d: Any) -> Terms:
     d = dict(d)
     for m in MODES:
         for f in (f"layer_{m}", f"outside_{m}"):
-            d[f] = _poly(d[f])
+            d[f] = _poly(d.get(f))
         for f in (f"forward_{m}", f"backward_{m}"):
-            if isinstance(d.get(f), dict):
-                d[f] = Knots(**d[f])
+            d[f] = _knots(d.get(f))
     return Terms(**d)
 
 
@@ -171,7 +197,7 @@ class LayerProfile:
     # buffers (bytes): resident all along, e.g. GPT-J's sinusoidal position table, a causal-mask buffer per layer
     buffers_per_layer: int = 0
     buffers_outside: int = 0
-    seconds: str = ""  # how long each precision's tracing took
+    seconds: str = ""  # how long each tracing took, and what it traced
 
     def __post_init__(self):
         try:
@@ -182,6 +208,17 @@ class LayerProfile:
     def lookup(self, precision: str, seq: int) -> Terms | None:
         windowed = self.sliding_window is not None and seq >= self.sliding_window
         return next((t for t in self.terms if t.precision == precision and t.windowed == windowed), None)
+
+    def merged(self, other: "LayerProfile") -> "LayerProfile":
+        """This profile with what ``other`` adds: the same model's terms traced for more precisions, regimes or
+        layer policies (its source line, the newer, is kept)."""
+        assert (self.key, self.shape) == (other.key, other.shape), (self.key, other.key)
+        terms = {(t.precision, t.windowed): t for t in self.terms}
+        for t in other.terms:
+            at = (t.precision, t.windowed)
+            terms[at] = terms[at].merged(t) if at in terms else t
+        log = dict.fromkeys(x for s in (self.seconds, other.seconds) for x in s.split("; ") if x)  # each once
+        return replace(self, source=other.source, terms=tuple(terms.values()), seconds="; ".join(log))
 
     @classmethod
     def from_dict(cls, d: Any) -> "LayerProfile":

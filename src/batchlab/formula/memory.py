@@ -10,7 +10,7 @@ from batchlab.formula.allocator import device_memory
 from batchlab.formula.fsdp import fsdp_phases
 from batchlab.formula.loss import loss_path
 from batchlab.formula.params import count, norm_params
-from batchlab.formula.profile import terms as profile_terms
+from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.sharding import unit_elements
 
 F32 = 4
@@ -68,7 +68,7 @@ def fsdp_mixed_states(cfg: RunConfig) -> ModelStates:
 
 @dataclass(frozen=True)
 class ActivationPlan:
-    per_layer_full: int  # a layer with nothing recomputed
+    per_layer_full: int | None  # a layer with nothing recomputed (None: a profile that needs it only under FSDP)
     per_layer_kept: tuple[int, ...]  # what each layer keeps under the policy
     outside_layers: int  # embedding dropout mask, final norm, log-softmax output
 
@@ -100,21 +100,15 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
     return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
 
 
-def _layer_policies(cfg: RunConfig) -> tuple[str, ...]:
-    """Each layer's policy under cfg's AC, as a layer profile names it (``config.profile.MODES``)."""
-    n = cfg.model.layers
-    wrapped, selective = set(cfg.ac.wrapped_layers(n)), set(cfg.ac.selective_layers(n))
-    return tuple("checkpointed" if i in wrapped else "selective" if i in selective else "full" for i in range(n))
-
-
 def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
     """The plan from a layer profile's fitted terms (``config.profile.Terms``) at cfg's (b, s).  What the layers
     do not explain is per policy (a checkpointed block keeps its inputs: a mask made once per forward); a mix
     (every:K) keeps the union, bounded here by the largest."""
     b, s = cfg.micro_batch, cfg.seq
-    policies = _layer_policies(cfg)
+    policies = layer_policies(cfg)
     kept = tuple(t.layer(p)(b, s) for p in policies)
-    return ActivationPlan(t.layer_full(b, s), kept, max(t.outside(p)(b, s) for p in set(policies)))
+    full = t.layer_full(b, s) if t.layer_full is not None else None
+    return ActivationPlan(full, kept, max(t.outside(p)(b, s) for p in set(policies)))
 
 
 @dataclass(frozen=True)
@@ -198,7 +192,7 @@ def _profiled_backward(cfg: RunConfig, plan: ActivationPlan, states: ModelStates
     shallower than 2P lacks that many layers' positive shift."""
     m, traced = cfg.model, 2 * cfg.model.matching_profile.period
     layer_grad = count(m).per_layer * states.gradients // max(count(m).total, 1) if grads_before == 0 else 0
-    policies = _layer_policies(cfg)
+    policies = layer_policies(cfg)
     copy = lambda i: layer_copy if policies[i] == "full" else 0  # noqa: E731 — a recomputed layer's are transient
     if m.layers < traced:
         shift = sum(layer_grad - plan.per_layer_kept[i] - copy(i) for i in range(m.layers)) / m.layers
@@ -270,6 +264,7 @@ def fsdp_gradient_shard_bytes(cfg: RunConfig) -> int:
 
 def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int], logits_fwd: int,
           loss_grads: int, opt_tmp: int) -> dict[str, dict[str, int]]:
+    assert plan.per_layer_full is not None, "formula.profile.needed() asks for the full layer's terms under FSDP"
     shards = fsdp_shard_bytes(cfg)
     full_grads = states.gradients * cfg.dp
     transient, head_grad, below = _backward_terms(cfg, full_grads)
@@ -315,7 +310,7 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
     if fitted is not None:  # measured on the model's own code (formula/profile.py)
-        policies = _layer_policies(cfg)
+        policies = layer_policies(cfg)
         # the forward's high point: the loss, or a recomputed block's working set (a mix: its largest); the
         # profile measured it above what is live as backward starts, so on 2P layers it includes the cast
         # cache's copies of the layers that keep none for backward (they grow with depth: counted apart)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from batchlab.config.hf import hf_config_path
 from batchlab.config.profile import LayerProfile, Terms
 from batchlab.files import write_atomic
 
-PROFILE_VERSION = 16  # bump when what a profile measures changes: old cache entries are then ignored
+PROFILE_VERSION = 17  # bump when what a profile measures changes: old cache entries are then ignored
 # fp16 autocast keeps the same tensors as bf16 autocast (2-byte activations, fp32 master weights)
 _SAME_BYTES = {Precision.FP16_MIXED: Precision.BF16_MIXED}
 
@@ -72,35 +73,66 @@ def save(profile: LayerProfile) -> Path:
 
 
 def attach_cached(cfg: RunConfig) -> RunConfig:
-    """cfg with its model's cached profile attached, when there is one (else cfg unchanged)."""
+    """cfg with its model's cached profile attached, when there is one (else cfg unchanged); a profile cfg
+    carries already (from a notebook record, a subprocess) keeps what it has and gains what the cache adds."""
     if cfg.model.matching_profile is not None and terms(cfg) is not None:
         return cfg
-    p = cached(cfg)
-    return cfg if p is None else cfg.replace(model=cfg.model.with_profile(p))
+    p, mine = cached(cfg), cfg.model.matching_profile
+    if p is None:
+        return cfg
+    if mine is not None and mine.key == p.key and mine != p:
+        p = mine.merged(p)
+    return cfg.replace(model=cfg.model.with_profile(p))
+
+
+def layer_policies(cfg: RunConfig) -> tuple[str, ...]:
+    """Each layer's policy under cfg's AC, as a layer profile names it (``config.profile.MODES``)."""
+    n = cfg.model.layers
+    wrapped, selective = set(cfg.ac.wrapped_layers(n)), set(cfg.ac.selective_layers(n))
+    return tuple("checkpointed" if i in wrapped else "selective" if i in selective else "full" for i in range(n))
+
+
+def needed(cfg: RunConfig) -> frozenset[str]:
+    """The layer policies whose terms cfg's estimate reads (formula/memory.py): each layer's, and under FSDP2
+    (DP > 1, ZeRO >= 2) the whole layer's too, which its recompute working set is measured from."""
+    if cfg.ac.mode not in PROFILED_AC:
+        return frozenset()
+    return frozenset(layer_policies(cfg)) | ({"full"} if cfg.dp > 1 and cfg.zero >= 2 else set())
+
+
+def _lookup(cfg: RunConfig) -> Terms | None:
+    p = cfg.model.matching_profile
+    return None if p is None else p.lookup(profiled_precision(cfg.precision).value, cfg.seq)
 
 
 def terms(cfg: RunConfig) -> Terms | None:
     """The profile's terms for cfg's precision and sequence regime, if cfg's model carries a matching profile
-    (profiles measure the policies none, full and selective; every:K mixes the first two)."""
-    p = cfg.model.matching_profile
-    if p is None or cfg.ac.mode not in PROFILED_AC:
-        return None
-    return p.lookup(profiled_precision(cfg.precision).value, cfg.seq)
+    that has traced every layer policy cfg needs (profiles measure none, full and selective; every:K mixes
+    the first two)."""
+    t, used = _lookup(cfg), needed(cfg)
+    return t if t is not None and used and used <= t.policies else None
 
 
-def needs_tracing(cfg: RunConfig) -> bool:
-    """True when cfg (attached to its cache already) is an hf: model whose profile lacks cfg's terms."""
-    return (cfg.model_kind is ModelSource.HF and cfg.ac.mode in PROFILED_AC
-            and profiled_precision(cfg.precision) in PROFILED_PRECISIONS and terms(cfg) is None)
+def missing(cfg: RunConfig, policies: Iterable[str] | None = None) -> frozenset[str]:
+    """The layer policies cfg needs and ``policies`` that cfg's profile lacks at cfg's precision and regime; none
+    for a model that is not hf: or a precision profiles do not measure."""
+    if cfg.model_kind is not ModelSource.HF or profiled_precision(cfg.precision) not in PROFILED_PRECISIONS:
+        return frozenset()
+    t = _lookup(cfg)
+    wanted = needed(cfg) if policies is None else frozenset(policies) | needed(cfg)
+    return wanted - (t.policies if t is not None else frozenset())
 
 
 def layer_terms_source(cfg: RunConfig, builtin: str) -> str:
     """Where the calculator's layer terms come from, for the estimate's output."""
-    p = cfg.model.matching_profile
+    p, t = cfg.model.matching_profile, _lookup(cfg)
     if p is not None and terms(cfg) is not None:
         return f"profile ({p.source}, cached)"
     if p is not None and cfg.ac.mode not in PROFILED_AC:
         return f"builtin {builtin} (profiles measure AC none, full, every:K and selective, not {cfg.ac})"
+    if p is not None and t is not None:
+        return (f"builtin {builtin} (the profile has no {', '.join(sorted(needed(cfg) - t.policies))} layer terms for "
+                f"--ac {cfg.ac} here yet; rerun with it to trace them)")
     if p is not None:
         return f"builtin {builtin} (the profile has no {cfg.precision} terms here yet; rerun with it to trace them)"
     if cfg.model.profile is not None:

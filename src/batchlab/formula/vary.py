@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,12 @@ def _loose(cfg: RunConfig, name: str, text: str) -> RunConfig | None:
         return apply_change(cfg, name, parse_field_value(name, text), Keep.ACCUM)
     except ConfigError:
         return None
+
+
+def varied(cfg: RunConfig, name: str, values: list[str]) -> Iterator[RunConfig]:
+    """The configs a --vary table derives from cfg (accum kept; invalid values left out), for the CLI to have
+    the model's layer profile cover them all before the table is computed."""
+    return (c for c in (_loose(cfg, name, text) for text in values) if c is not None)
 
 
 MAX_ROWS = 100_000  # a range longer than this is a typo, not a table

@@ -1,6 +1,8 @@
 """Derive a model's layer terms from its own code: trace copies with P and 2P layers at small shapes.
 
-For each precision and activation-checkpointing mode, the bytes one forward leaves for backward are
+For each precision and layer policy a config needs (nothing recomputed, selective, the whole block: what
+--ac none, selective and full apply to every layer; every:K mixes the first and the last), traced when first
+needed and merged into the cached profile, the bytes one forward leaves for backward are
 measured on fake tensors (the CPU measurement's StorageTracker, nothing allocated) at micro-batch 1 and 2
 and three sequence lengths, and fitted exactly as ``bs·b·s + bss·b·s² + s1·s + ss·s² + c`` (config/profile.py);
 the difference between P and 2P layers is P layers' share, the rest is the embeddings, final norm, head
@@ -14,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterable
 from fractions import Fraction
 
 import torch
 
 from batchlab.config import ACPolicy, ModelSource, Precision, RunConfig
-from batchlab.config.profile import Knots, LayerProfile, Poly, Terms
+from batchlab.config.profile import MODES, Knots, LayerProfile, Poly, Terms
 from batchlab.formula import profile as cache
 from batchlab.measure.memory import tracker_for
 from batchlab.trace.lengths import EventLog, Run, at_shapes
@@ -174,11 +177,15 @@ def _knots(cfg: RunConfig, windowed: bool) -> list[tuple[int, int]]:
     return [(b, s) for b in (1, 2, 3) for s in sorted(short + fitted + middle + long)]
 
 
-def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool) -> tuple[Terms, int]:
+def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool, policies: tuple[str, ...],
+           known: Terms | None) -> tuple[Terms, int]:
+    """The terms of ``policies`` (layer policies, ``MODES``) at one precision and regime; the fields no policy
+    changes are ``known``'s when the regime has some traced already, else measured with the first policy."""
     shapes, knots = _shapes(cfg, windowed), _knots(cfg, windowed)
     s_values = tuple(sorted({s for _, s in knots}))
-    fitted, residual = {}, 0
-    for name, mode in AC_OF.items():
+    fitted, residual, smallest = {}, 0, min(knots, key=lambda bs: bs[0] * bs[1])
+    for name in policies:
+        mode = AC_OF[name]
         at_one = _measure(cfg, period, precision, mode, shapes, full=False)
         # whole updates of 2P layers at the knots: the forward's, backward's and the optimizer's high points
         # are maxima over events (the loss, one block's working set, one weight's gradient), interpolated;
@@ -193,13 +200,25 @@ def _terms(cfg: RunConfig, period: int, precision: Precision, windowed: bool) ->
         for field in ("forward", "backward"):
             fitted[f"{field}_{name}"] = Knots(s_values, *(tuple(getattr(updates[(b, s)], field) for s in s_values)
                                                           for b in (1, 2, 3)))
-        if mode == "none":
-            # shape-independent (the largest parameter's); what varies is the batch still live, counted apart
-            fitted["optimizer_temporaries"] = updates[min(knots, key=lambda bs: bs[0] * bs[1])].optimizer
-            c1, c2 = max(v[1] for v in at_one.values()), max(v[1] for v in at_two.values())  # shape-independent
-            fitted.update(copies_layer=(c2 - c1) // period, copies_outside=2 * c1 - c2)
+        # shape- and policy-independent (the largest parameter's); what varies is the batch still live, counted apart
+        fitted.setdefault("optimizer_temporaries", updates[smallest].optimizer)
+        if mode == "none":  # the weight copies a whole layer keeps (a recomputed one keeps none)
+            fitted.update(_copies(at_one, at_two, period))
         residual = max(residual, r1, r2)
+    if known is not None:
+        fitted.update(optimizer_temporaries=known.optimizer_temporaries, copies_layer=known.copies_layer,
+                      copies_outside=known.copies_outside)
+    elif "copies_layer" not in fitted:  # one forward of P and 2P layers without AC, at the smallest shape
+        fitted.update(_copies(*(_measure(cfg, n, precision, "none", shapes[:1], full=False) for n in (period, 2 * period)),
+                              period))
     return Terms(precision=precision.value, windowed=windowed, **fitted), residual
+
+
+def _copies(at_one: dict, at_two: dict, period: int) -> dict[str, int]:
+    """Autocast's weight copies a layer and the rest keep, from (kept, copies) at P and 2P layers without AC
+    (they do not depend on the shape)."""
+    c1, c2 = max(v[1] for v in at_one.values()), max(v[1] for v in at_two.values())
+    return dict(copies_layer=(c2 - c1) // period, copies_outside=2 * c1 - c2)
 
 
 def _combine(p: Poly, q: Poly, x, y) -> Poly:
@@ -231,40 +250,50 @@ def _param_counts(cfg: RunConfig, period: int, device) -> dict[str, int]:
                 buffers_outside=sum(v for k, v in buffers.items() if k not in layer_buffers))
 
 
-def compute(cfg: RunConfig, base: LayerProfile | None = None) -> LayerProfile:
-    """Trace and fit cfg's model (an hf: source) for cfg's precision and sequence regime (below or at the
-    sliding window), added to ``base`` (the same model's profile for others); seconds, nothing allocated."""
+def compute(cfg: RunConfig, base: LayerProfile | None = None, policies: Iterable[str] = ()) -> LayerProfile:
+    """Trace and fit cfg's model (an hf: source) at cfg's precision and sequence regime (below or at the sliding
+    window) for the layer policies cfg needs and ``policies`` (``MODES``) that ``base`` (the same model's
+    profile) lacks there, merged into it; seconds, nothing allocated."""
     assert cfg.model_kind is ModelSource.HF, cfg.model_source
     start = time.perf_counter()
     device, _ = trace_device(cfg)
     period = base.period if base is not None else _period(cfg)
     windowed = cfg.model.sliding_window is not None and cfg.seq >= cfg.model.sliding_window
     precision = cache.profiled_precision(cfg.precision)
+    known = base.lookup(precision.value, cfg.seq) if base is not None else None
+    todo = tuple(m for m in MODES if m in (set(policies) | cache.needed(cfg)) - (known.policies if known else set()))
+    if base is not None and not todo:
+        return base
     with eager_branches(), fake_mode():
         params = (dict(embedding=base.embedding, per_layer=base.per_layer, final=base.final, head=base.head,
                        buffers_per_layer=base.buffers_per_layer, buffers_outside=base.buffers_outside)
                   if base is not None else _param_counts(cfg, period, device))
-        terms, residual = _terms(cfg, period, precision, windowed)
+        terms, residual = _terms(cfg, period, precision, windowed, todo, known)
     lengths = sorted({s for _, s in _knots(cfg, False)})
     source = (f"trace of {period} and {2 * period} blocks at {len(_shapes(cfg, False))} shapes on {device.type}, "
               f"high points at {len(lengths)} lengths to seq {lengths[-1]}"
               + (f", fit residual {residual} B" if residual else ""))
-    kept = tuple(t for t in (base.terms if base is not None else ())
-                 if (t.precision, t.windowed) != (precision.value, windowed))
-    log = f"{precision.value}{' at s >= window' if windowed else ''}: {time.perf_counter() - start:.1f} s"
-    return LayerProfile(key=cache.profile_key(cfg), shape=cfg.model.shape_id(), source=source, period=period,
-                        sliding_window=cfg.model.sliding_window, terms=kept + (terms,),
-                        seconds=(base.seconds + "; " if base is not None and base.seconds else "") + log, **params)
+    log = (f"{precision.value}{' at s >= window' if windowed else ''} {'+'.join(todo)}: "
+           f"{time.perf_counter() - start:.1f} s")
+    new = LayerProfile(key=cache.profile_key(cfg), shape=cfg.model.shape_id(), source=source, period=period,
+                       sliding_window=cfg.model.sliding_window, terms=(terms,), seconds=log, **params)
+    return base.merged(new) if base is not None else new
 
 
-def with_profile(cfg: RunConfig) -> RunConfig:
-    """cfg with its model's layer profile for cfg's precision attached: from the cache, else traced now and
-    cached.  Other model sources are returned unchanged (the builtin GPT's terms are the calculator's own)."""
+def with_profile(cfg: RunConfig, policies: Iterable[str] | None = None) -> RunConfig:
+    """cfg with its model's layer profile attached, covering cfg's precision and regime for the layer policies
+    cfg needs and ``policies`` (``MODES``; e.g. every policy a --vary ac=... evaluates): from the cache, the
+    policies it lacks traced now and cached with the rest.  Other model sources are returned unchanged (the
+    builtin GPT's terms are the calculator's own)."""
     if cfg.model_kind is not ModelSource.HF:
         return cfg
     cfg = cache.attach_cached(cfg)
-    if not cache.needs_tracing(cfg):
+    todo = cache.missing(cfg, policies)
+    if not todo:
         return cfg
-    profile = compute(cfg, base=cfg.model.matching_profile)
+    profile = compute(cfg, base=cfg.model.matching_profile, policies=todo)
+    latest = cache.cached(cfg)  # another process may have added policies meanwhile: keep them
+    if latest is not None and latest.key == profile.key and latest != cfg.model.matching_profile:
+        profile = latest.merged(profile)
     cache.save(profile)
     return cfg.replace(model=cfg.model.with_profile(profile))

@@ -1,0 +1,50 @@
+"""Each command asks the layer profile, before it computes anything, for every precision and layer policy its
+derived configs read (formula/memory.py: AC none reads the whole layer's terms, full the checkpointed block's,
+every:K both), so none of its rows falls back to the builtin terms.  Nothing is traced here: the tracer is
+replaced by one that notes what it was asked; the real tracing and merging: tests/test_any_model_profiled.py."""
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from batchlab.cli import app
+from hf_shapes import config_dir
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def asked(monkeypatch):
+    from batchlab.trace import profile as tracing
+
+    out = []
+
+    def with_profile(cfg, policies=None):  # profiles nothing: a later call asks again, so asks are summed
+        out.append((str(cfg.precision), frozenset(policies)))
+        return cfg
+
+    monkeypatch.setattr(tracing, "with_profile", with_profile)
+    return out
+
+
+@pytest.mark.parametrize("args, wanted", [
+    # fit searches every AC policy; its advice after an OOM also proposes bf16 autocast at the given --ac
+    (["fit", "--global-batch", "8", "--after-oom"], {"fp32": {"full", "checkpointed", "selective"},
+                                                     "bf16-mixed": {"full"}}),
+    (["fit", "--global-batch", "8", "--ac", "selective", "--no-verify"], {"fp32": {"selective"}}),  # held
+    (["compare", "--change", "ac=none:every:2", "--formula-only", "--predict", "none"],
+     {"fp32": {"full", "checkpointed"}}),
+    (["explain"], {"fp32": {"full", "checkpointed"}}),  # "turning it on (full)"
+    (["estimate", "--vary", "precision=fp32,bf16"], {"fp32": {"full"}, "bf16": {"full"}}),
+    (["estimate", "--vary", "ac=selective,selective-op"], {"fp32": {"full", "selective"}}),  # -op: not profiled
+    (["estimate", "--ac", "selective-op", "--vary", "ac=selective-op,none"], {"fp32": {"full"}}),
+])
+def test_a_command_asks_for_every_policy_and_precision_it_evaluates(tmp_path, asked, args, wanted):
+    model = ["--model", f"hf:{config_dir(tmp_path, 'llama')}", "--seq", "64"]
+    r = CliRunner().invoke(app, [*args, *model, "--notebook", str(tmp_path / "nb.sqlite")]
+                           if args[0] == "compare" else [*args, *model])
+    assert r.exit_code in (0, 1), r.output  # fit: 1 when nothing fits
+    got: dict[str, set[str]] = {}
+    for precision, policies in asked:
+        got.setdefault(precision, set()).update(policies)
+    assert got == wanted
