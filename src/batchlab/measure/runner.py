@@ -61,7 +61,7 @@ def run_isolated(cfg: RunConfig, options: MeasureOptions,
     server = warm.pre_imported(env) if _backend(cfg, options) == "cpu" else None
     with tempfile.TemporaryDirectory(prefix="batchlab-measure-") as tmp:
         out_path = Path(tmp) / "measurement.json"
-        proc = warm.fork(server, out_path, request) if server is not None else None
+        proc = warm.fork(server, out_path, request, env) if server is not None else None
         started = warm.FORKED if proc is not None else warm.FRESH
         if proc is None:
             # own process group: a timeout kills the worker and anything it started (data-loader workers, ...)

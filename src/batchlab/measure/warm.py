@@ -55,6 +55,13 @@ START_TIMEOUT_S = 120.0  # the imports: ~2 s here, more on a loaded machine or a
 MAX_REQUEST = 1 << 20
 FORKED, FRESH = "forked from a pre-imported process", "fresh process"
 ENABLED = hasattr(os, "fork") and hasattr(socket, "send_fds")  # tests switch it off to compare with FRESH
+# read by nothing at process start, and changed between runs of one process (pytest: once per test): not part
+# of what a pre-imported process is started for; each fork gets the whole environment of its run all the same
+VOLATILE = ("PYTEST_CURRENT_TEST",)
+
+
+def _started_for(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in VOLATILE}
 
 
 class Forked:
@@ -102,10 +109,10 @@ class _Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def fork(self, out: Path, request: dict) -> Forked | None:
+    def fork(self, out: Path, request: dict, env: dict[str, str]) -> Forked | None:
         out_r, out_w = os.pipe()
         status_r, status_w = os.pipe()
-        msg = json.dumps({"out": str(out), "cwd": os.getcwd(), "request": request}).encode()
+        msg = json.dumps({"out": str(out), "cwd": os.getcwd(), "env": env, "request": request}).encode()
         try:
             socket.send_fds(self.sock, [msg], [out_w, status_w])
         except OSError:
@@ -144,22 +151,23 @@ def pre_imported(env: dict[str, str]) -> _Server | None:
     if not ENABLED:
         return None
     with _lock:
-        if _server is not None and (_server.env != env or not _server.alive()):
+        if _server is not None and (_server.env != _started_for(env) or not _server.alive()):
             _server.close()
             _server = None
-        if _server is None and env != _failed_env:
+        if _server is None and _started_for(env) != _failed_env:
             try:
-                _server = _Server(env)
+                _server = _Server(_started_for(env))
             except OSError:
-                _failed_env = env
+                _failed_env = _started_for(env)
         return _server
 
 
-def fork(server: _Server, out: Path, request: dict) -> Forked | None:
-    """``request`` measured by a fork of ``server``; None if it refused or died (the next run starts a new one)."""
+def fork(server: _Server, out: Path, request: dict, env: dict[str, str]) -> Forked | None:
+    """``request`` measured in ``env`` by a fork of ``server``; None if it refused or died (the next run starts a
+    new one)."""
     global _server
     with _lock:
-        forked = server.fork(out, request)
+        forked = server.fork(out, request, env)
         if forked is None:
             server.close()
             if _server is server:
@@ -280,6 +288,8 @@ def _child(req: dict, out_w: int, inherited: tuple[int, ...], parent: int, measu
     os.dup2(out_w, 2)
     for fd in (null, out_w, *inherited):
         os.close(fd)
+    os.environ.clear()  # exactly the run's environment, as a fresh worker's (VOLATILE may differ from ours)
+    os.environ.update(req["env"])
     os.chdir(req["cwd"])
     sys.argv = [sys.argv[0], req["out"]]
     code = measure(Path(req["out"]), req["request"], parent)
