@@ -175,6 +175,16 @@ def fork(server: _Server, out: Path, request: dict, env: dict[str, str]) -> Fork
         return forked
 
 
+@atexit.register
+def _close() -> None:
+    """At batchlab's exit: the pre-imported process ends and is waited for (its CPU time counts as this
+    process's children's, as a fresh worker's does)."""
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
+
+
 def server_pid() -> int | None:
     """The pre-imported process's pid, if one is running (for tests and diagnostics)."""
     return _server.proc.pid if _server is not None and _server.alive() else None

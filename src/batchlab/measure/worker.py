@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
     if argv[1:2] == ["--warm"]:
         from batchlab.measure.warm import serve
 
-        return serve(int(argv[2]), measure_into)
+        os._exit(serve(int(argv[2]), measure_into))  # no interpreter teardown: batchlab waits for it at exit
     return measure_into(Path(argv[1]))
 
 
