@@ -3,7 +3,8 @@
 A batchlab parent killed with SIGKILL (no handler runs) or SIGTERM (handled like Ctrl-C, exit 143): every
 process it started — the isolated worker (the pre-imported process and the fork of it that measures), or
 torchrun and its ranks — is gone within 5 s and the temporary folder is removed.  The descendants' pids are
-read from /proc (ppid links and the ranks' pid files), then watched in /proc until they vanish.  A `statistics.py` / `json.py` in the working directory never runs."""
+read from /proc (ppid links and the ranks' pid files), then watched in /proc until they vanish.  A
+`statistics.py` / `json.py` in the working directory never runs."""
 from __future__ import annotations
 
 import os

@@ -154,7 +154,8 @@ def test_a_gpu_measurement_is_never_forked(monkeypatch):
 
     monkeypatch.setattr(runner.subprocess, "Popen", fake_popen)
     monkeypatch.setattr(warm, "pre_imported", no_fork)
-    for cfg, opts in [(RunConfig(device="h100"), OPTS), (RunConfig(), MeasureOptions(isolate=True, torch_device="cuda:1"))]:
+    gpu = [(RunConfig(device="h100"), OPTS), (RunConfig(), MeasureOptions(isolate=True, torch_device="cuda:1"))]
+    for cfg, opts in gpu:
         with pytest.raises(Started):
             runner.run_isolated(cfg, opts)
     assert len(started) == 2 and all(c[-2:-1] == ["batchlab.measure.worker"] for c in started)

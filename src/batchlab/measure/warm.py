@@ -69,20 +69,31 @@ class Forked:
     process group), stdout (its merged output), wait(timeout) -> returncode, or None if the pre-imported
     process died first (the fork's lifeline then ends it)."""
 
-    def __init__(self, pid: int, stdout: io.TextIOBase, status: io.TextIOBase):
+    def __init__(self, pid: int, stdout: io.TextIOBase, status: int):
         self.pid, self.stdout, self._status = pid, stdout, status
         self.returncode: int | None = None
 
     def wait(self, timeout: float | None = None) -> int | None:
-        if self.returncode is None and self._status is not None:
+        if self._status is not None:
             ready, _, _ = select.select([self._status], [], [], timeout)
             if not ready:
                 raise subprocess.TimeoutExpired("forked worker", timeout)
-            line = self._status.readline()
-            self._status.close()
+            line = _line(self._status)
+            os.close(self._status)
             self._status = None
-            self.returncode = int(line) if line.strip() else None
+            self.returncode = int(line) if line.lstrip("-").isdigit() else None
         return self.returncode
+
+
+def _line(fd: int) -> str:
+    """One line from a pipe, read unbuffered (a buffer could hide the next line from select()); "" at EOF."""
+    out = b""
+    while not out.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        out += byte
+    return out.decode().strip()
 
 
 class _Server:
@@ -112,7 +123,11 @@ class _Server:
     def fork(self, out: Path, request: dict, env: dict[str, str]) -> Forked | None:
         out_r, out_w = os.pipe()
         status_r, status_w = os.pipe()
-        msg = json.dumps({"out": str(out), "cwd": os.getcwd(), "env": env, "request": request}).encode()
+        try:
+            cwd = os.getcwd()
+        except OSError:  # removed under us: the fork stays where the pre-imported process is
+            cwd = None
+        msg = json.dumps({"out": str(out), "cwd": cwd, "env": env, "request": request}).encode()
         try:
             socket.send_fds(self.sock, [msg], [out_w, status_w])
         except OSError:
@@ -122,13 +137,12 @@ class _Server:
         finally:
             os.close(out_w)
             os.close(status_w)
-        status = io.open(status_r, "r")
-        first = status.readline()  # the pid once the fork leads its session; "refused ..." or EOF: no fork
-        if not first.strip().isdigit():
-            status.close()
+        first = _line(status_r)  # the pid once the fork leads its session; "refused ..." or EOF: no fork
+        if not first.isdigit():
+            os.close(status_r)
             os.close(out_r)
             return None
-        return Forked(int(first), io.open(out_r, "r", errors="replace"), status)
+        return Forked(int(first), io.open(out_r, "r", errors="replace"), status_r)
 
     def close(self) -> None:
         self.sock.close()  # its end reads EOF: it exits
@@ -300,7 +314,8 @@ def _child(req: dict, out_w: int, inherited: tuple[int, ...], parent: int, measu
         os.close(fd)
     os.environ.clear()  # exactly the run's environment, as a fresh worker's (VOLATILE may differ from ours)
     os.environ.update(req["env"])
-    os.chdir(req["cwd"])
+    if req["cwd"] is not None:
+        os.chdir(req["cwd"])
     sys.argv = [sys.argv[0], req["out"]]
     code = measure(Path(req["out"]), req["request"], parent)
     atexit._run_exitfuncs()  # as a fresh worker's interpreter would at exit
