@@ -140,7 +140,8 @@ def test_isolated_sigkill_becomes_a_failed_outcome(factory_module):
 
 
 def test_isolated_timeout_becomes_a_failed_outcome():
-    m = run(RunConfig(seq=16, micro_batch=2), MeasureOptions(isolate=True, timeout_s=0.3))
+    # 100,000 updates: far past 0.3 s even for a worker forked from the pre-imported process (no imports to wait on)
+    m = run(RunConfig(seq=16, micro_batch=2), MeasureOptions(isolate=True, timeout_s=0.3, steps=100_000))
     assert m.outcome is Outcome.FAILED and "timed out after 0.3 s" in m.outcome_detail
 
 

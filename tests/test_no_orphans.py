@@ -1,9 +1,10 @@
 """No process left behind, nothing from the working directory run.
 
 A batchlab parent killed with SIGKILL (no handler runs) or SIGTERM (handled like Ctrl-C, exit 143): every
-process it started — the isolated worker, or torchrun and its ranks — is gone within 5 s and the temporary
-folder is removed.  The children's pids are read from /proc (ppid links and the ranks' pid files), then
-watched in /proc until they vanish.  A `statistics.py` / `json.py` in the working directory never runs."""
+process it started — the isolated worker (the pre-imported process and the fork of it that measures), or
+torchrun and its ranks — is gone within 5 s and the temporary folder is removed.  The descendants' pids are
+read from /proc (ppid links and the ranks' pid files), then watched in /proc until they vanish.  A
+`statistics.py` / `json.py` in the working directory never runs."""
 from __future__ import annotations
 
 import os
@@ -50,6 +51,22 @@ def _children(parent: int) -> list[int]:
     return out
 
 
+def _workers(parent: int) -> list[int]:
+    """The isolated workers under ``parent``: a fresh worker, or the pre-imported process and its forks."""
+    out, todo = [], _children(parent)
+    while todo:
+        pid = todo.pop()
+        if "batchlab.measure.worker" in _cmdline(pid):
+            out.append(pid)
+            todo.extend(_children(pid))
+    return out
+
+
+def _measuring(tmp: Path):
+    """The worker's temporary folder (the parent's TMPDIR is ``tmp``), once it has one."""
+    return next(iter(tmp.glob("batchlab-measure-*")), None)
+
+
 def _wait_for(predicate, timeout: float, what: str):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -61,7 +78,8 @@ def _wait_for(predicate, timeout: float, what: str):
 
 
 def _start(*argv: str, cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": SRC}
+    (cwd / "tmp").mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": SRC, "TMPDIR": str(cwd / "tmp")}
     # -P: like the installed `batchlab` script, which does not put the working directory on sys.path
     return subprocess.Popen([sys.executable, "-P", "-m", "batchlab", *argv], cwd=cwd, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
@@ -82,14 +100,13 @@ def _assert_all_gone(pids: list[int], folders: list[Path], within: float = 5.0) 
 def test_an_isolated_worker_dies_with_its_parent(tmp_path, sig):
     parent = _start("measure", "--isolate", "--steps", "100000", "--timeout", "300", *TINY, cwd=tmp_path)
     try:
-        worker = _wait_for(lambda: [p for p in _children(parent.pid) if "batchlab.measure.worker" in _cmdline(p)],
-                           60, "the worker")[0]
-        folder = Path(_cmdline(worker).split()[-1]).parent  # the worker's argument: FOLDER/measurement.json
+        folder = _wait_for(lambda: _measuring(tmp_path / "tmp"), 60, "the worker's folder")
         time.sleep(1.0)  # past its imports: measuring
-        assert _alive(worker) and folder.exists()
+        workers = _workers(parent.pid)
+        assert workers and all(map(_alive, workers)) and folder.exists()
         parent.send_signal(sig)
         rc = parent.wait(30)
-        _assert_all_gone([worker], [folder])
+        _assert_all_gone(workers, [folder])
     finally:
         parent.kill()
     assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 143)
@@ -142,12 +159,12 @@ def test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row(tmp_path, sig, co
                               cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        worker = _wait_for(lambda: [p for p in _children(parent.pid) if "batchlab.measure.worker" in _cmdline(p)],
-                           60, "the worker")[0]
+        _wait_for(lambda: len(_workers(parent.pid)) >= 2 or None, 60, "the pre-imported process and its fork")
         time.sleep(1.0)
+        workers = _workers(parent.pid)
         parent.send_signal(sig)
         _, err = parent.communicate(timeout=30)
-        _assert_all_gone([worker], [])
+        _assert_all_gone(workers, [])
     finally:
         parent.kill()
     assert parent.returncode == code, err

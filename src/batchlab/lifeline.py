@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 POLL_S = 0.2  # how often a child checks that its parent is alive
 PARENT_ENV = "BATCHLAB_PARENT_PID"
@@ -44,9 +45,17 @@ def safe_env(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def guard(folder: Path | None = None) -> None:
-    """Die with the parent: a daemon thread polls the parent pid (SIGKILL of the parent runs no handler here)."""
-    parent = int(os.environ.pop(PARENT_ENV, os.getppid()))  # popped: what this child starts has its own parent
+def guard(folder: Path | None = None, parent: int | None = None) -> Callable[[], None]:
+    """Die with the parent: a daemon thread polls the parent pid (SIGKILL of the parent runs no handler here).
+    ``parent``: the pid to watch when it is not the one that started this process's program (a fork's
+    parent, which made the fork before it looked).  Returns ``check``, to call before exiting: a child whose
+    parent died under it may end by itself first (its output pipe broke) and must still clean up."""
+    started_by = int(os.environ.pop(PARENT_ENV, os.getppid()))  # popped: what this child starts has its own parent
+    parent = started_by if parent is None else parent
+
+    def check() -> None:
+        if os.getppid() != parent:
+            abandon(folder)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -54,6 +63,7 @@ def guard(folder: Path | None = None) -> None:
         abandon(folder)
 
     threading.Thread(target=watch, name="batchlab-lifeline", daemon=True).start()
+    return check
 
 
 def abandon(folder: Path | None) -> None:

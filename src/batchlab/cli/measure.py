@@ -166,7 +166,8 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
     threads = plural(threads, "thread") if isinstance(threads, (int, float)) else "? threads"
     where = escape(f"{env.get('torch_device', '?')} ({env.get('device_name', '?')}, {threads})")
     out.print(f"[bold]batchlab measure[/]  {escape(str(env.get('model', cfg.model_source)))} on {where}, "
-              f"torch {env.get('torch', '?')}" + (", isolated subprocess" if env.get("isolated") else ""))
+              f"torch {env.get('torch', '?')}"
+              + (f", isolated subprocess ({env.get('worker', 'fresh process')})" if env.get("isolated") else ""))
     out.print(cfg.global_batch_text(m.counted))
     out.print(f"activation checkpointing: {cfg.ac}   precision: {cfg.precision}   data: {cfg.data}")
     style = {"ok": "green", "failed": "red"}.get(m.outcome.value, "yellow")

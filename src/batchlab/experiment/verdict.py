@@ -23,7 +23,7 @@ from batchlab.measure.result import Measurement, Outcome
 from batchlab.units import SAME_TOLERANCE
 
 BAND_METHOD = ("range (min, max) of the per-round paired ratios B/A; each round measures A then B, each in a "
-               "fresh process, warmup excluded; B/A = median of the paired ratios; A and B = each side's median "
+               "process of its own (on CPU a fork of a pre-imported one), warmup excluded; B/A = median of the paired ratios; A and B = each side's median "
                "over rounds; inconclusive when B/A of those medians and the paired B/A point opposite ways")
 MEMORY_SAME_TOLERANCE = SAME_TOLERANCE
 UNITS = {Metric.PEAK_MEMORY: "bytes", Metric.UPDATE_TIME: "seconds", Metric.TOKENS_PER_SECOND: "tokens/s",

@@ -1,9 +1,11 @@
-"""Subprocess isolation: the one place a measurement runs in a fresh Python process.
+"""Subprocess isolation: the one place a measurement runs in a separate Python process.
 
-The request (config and options as JSON) goes to ``python -m batchlab.measure.worker`` on stdin; the
-Measurement comes back as JSON in a file.  A kernel OOM-kill, a segfault, a hang past the timeout or a
-crash of the interpreter becomes ``Outcome.FAILED`` with the reason, and the caller goes on.  A user
-error found by the worker (ConfigError) is raised again here, with its field.
+The process is a fork of the pre-imported one (``measure/warm.py``: torch imported once per batchlab
+process), or, where there is none, a fresh ``python -m batchlab.measure.worker`` reading the request on
+stdin; the Measurement comes back as JSON in a file, and its environment says which (``worker``).  A kernel
+OOM-kill, a segfault, a hang past the timeout or a crash of the interpreter becomes ``Outcome.FAILED`` with
+the reason, and the caller goes on.  A user error found by the worker (ConfigError) is raised again here,
+with its field.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from batchlab.config import ConfigError, RunConfig
+from batchlab.measure import warm
 from batchlab.lifeline import module_command, safe_env
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, load_measurement
@@ -52,20 +55,27 @@ def child_env() -> dict[str, str]:
 def run_isolated(cfg: RunConfig, options: MeasureOptions,
                  progress: Callable[[int, int, str], None] | None = None) -> Measurement:
     request = {"config": cfg.to_dict(), "options": dataclasses.replace(options, isolate=False).to_dict()}
+    env = child_env()
+    # CPU only: a GPU measurement initialises CUDA, which the pre-imported process never does, and a fresh
+    # process keeps that beyond doubt (its ~2 s are small beside a GPU run's start)
+    server = warm.pre_imported(env) if _backend(cfg, options) == "cpu" else None
     with tempfile.TemporaryDirectory(prefix="batchlab-measure-") as tmp:
         out_path = Path(tmp) / "measurement.json"
-        # own process group: a timeout kills the worker and anything it started (data-loader workers, ...)
-        proc = subprocess.Popen(module_command("batchlab.measure.worker", str(out_path)),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=child_env(), start_new_session=True)
-        watcher = _OutputWatcher(proc, progress)
-        timed_out = False
-        try:
+        proc = warm.fork(server, out_path, request, env) if server is not None else None
+        started = warm.FORKED if proc is not None else warm.FRESH
+        if proc is None:
+            # own process group: a timeout kills the worker and anything it started (data-loader workers, ...)
+            proc = subprocess.Popen(module_command("batchlab.measure.worker", str(out_path)),
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, env=env, start_new_session=True)
             try:
                 proc.stdin.write(json.dumps(request))
                 proc.stdin.close()
             except BrokenPipeError:  # the worker died before reading: its exit status says why
                 pass
+        watcher = _OutputWatcher(proc.stdout, progress)
+        timed_out = False
+        try:
             rc = proc.wait(timeout=options.timeout_s)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
@@ -76,21 +86,26 @@ def run_isolated(cfg: RunConfig, options: MeasureOptions,
             proc.wait()
             raise
         watcher.join()
-        return _interpret(cfg, options, rc, out_path, watcher, timed_out)
+        return _interpret(cfg, options, rc, out_path, watcher, timed_out, started)
+
+
+def _backend(cfg: RunConfig, options: MeasureOptions) -> str:
+    """The torch backend the measurement will run on (cpu, cuda, mps), read from the config without torch."""
+    return (options.torch_device or cfg.device_spec.backend.value).split(":")[0]
 
 
 class _OutputWatcher(threading.Thread):
     """Reads the worker's merged stdout/stderr: progress lines go to the callback, the rest is kept (tail)."""
 
-    def __init__(self, proc: subprocess.Popen, progress):
+    def __init__(self, stream, progress):
         super().__init__(daemon=True)
-        self.proc, self.progress = proc, progress
+        self.stream, self.progress = stream, progress
         self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.last_label = "starting the worker"
         self.start()
 
     def run(self) -> None:
-        for line in self.proc.stdout:
+        for line in self.stream:
             if line.startswith(PROGRESS_PREFIX):
                 done, total, label = line[len(PROGRESS_PREFIX):].rstrip("\n").split("\t", 2)
                 self.last_label = label
@@ -100,7 +115,8 @@ class _OutputWatcher(threading.Thread):
                 self.tail.append(line.rstrip("\n"))
 
 
-def _interpret(cfg, options, rc, out_path: Path, watcher: _OutputWatcher, timed_out: bool) -> Measurement:
+def _interpret(cfg, options, rc: int | None, out_path: Path, watcher: _OutputWatcher, timed_out: bool,
+               started: str) -> Measurement:
     payload = None
     if out_path.exists():
         try:
@@ -109,13 +125,15 @@ def _interpret(cfg, options, rc, out_path: Path, watcher: _OutputWatcher, timed_
             payload = None
     if not timed_out and rc == 0 and payload is not None and "outcome" in payload:
         m = load_measurement(payload)
-        return dataclasses.replace(m, environment={**m.environment, "isolated": True})
+        return dataclasses.replace(m, environment={**m.environment, "isolated": True, "worker": started})
     if not timed_out and payload is not None and "config_error" in payload:
         err = payload["config_error"]
         raise ConfigError(err["field"], err["message"])
     where = f"during {watcher.last_label}"
     if timed_out:
         detail = f"timed out after {options.timeout_s:g} s {where}; the worker was killed"
+    elif rc is None:
+        detail = f"worker lost {where}: the pre-imported process it was forked from died"
     elif rc < 0:
         name = _signal_name(-rc)
         hint = _SIGNAL_HINTS.get(name, "")
@@ -125,10 +143,11 @@ def _interpret(cfg, options, rc, out_path: Path, watcher: _OutputWatcher, timed_
         detail = f"worker exited with status {rc} {where}: {last}"
     return Measurement(config=cfg.to_dict(), outcome=Outcome.FAILED, global_batch=cfg.global_batch,
                        outcome_detail=detail,
-                       environment={"isolated": True, "exit_status": rc, "output_tail": list(watcher.tail)})
+                       environment={"isolated": True, "worker": started, "exit_status": rc,
+                                    "output_tail": list(watcher.tail)})
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

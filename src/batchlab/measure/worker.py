@@ -2,7 +2,8 @@
 
 Reads ``{"config": RunConfig.to_dict(), "options": MeasureOptions.to_dict()}`` from stdin, writes the
 Measurement JSON (or ``{"config_error": {"field", "message"}}`` with exit status 2) to OUT.json, and
-progress lines to stderr.  Run by batchlab.measure.runner; not meant to be started by hand.
+progress lines to stderr.  ``--warm FD``: the pre-imported process of batchlab.measure.warm, each of whose
+forks runs ``measure_into`` for one request.  Run by batchlab.measure.runner; not meant to be started by hand.
 """
 from __future__ import annotations
 
@@ -29,11 +30,11 @@ def _write(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str]) -> int:
-    out = Path(argv[1])
-    guard(out.parent)  # batchlab killed (even by SIGKILL): this worker and its folder go too
+def measure_into(out: Path, request: dict | None = None, parent: int | None = None) -> int:
+    """One measurement, its result written to ``out``; ``request`` None: read from stdin.  The exit status."""
+    check = guard(out.parent, parent)  # batchlab killed (even by SIGKILL): this worker and its folder go too
     try:
-        request = json.loads(sys.stdin.read())
+        request = json.loads(sys.stdin.read()) if request is None else request
         cfg = config_from_dict(request["config"])
         options = MeasureOptions.from_dict(request["options"])
         from batchlab.measure.result import measurement_to_dict
@@ -43,8 +44,18 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         _write(out, {"config_error": {"field": e.field, "message": e.message}})
         return 2
+    finally:
+        check()  # a run ended by batchlab's death (its progress pipe broke) leaves nothing behind either
     _write(out, measurement_to_dict(m))
     return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[1:2] == ["--warm"]:
+        from batchlab.measure.warm import serve
+
+        os._exit(serve(int(argv[2]), measure_into))  # no interpreter teardown: batchlab waits for it at exit
+    return measure_into(Path(argv[1]))
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def _setup_blocks(r: Record) -> list[tuple]:
                  f"checkpointing {cfg['ac']}, optimizer {cfg['optimizer']}, device {cfg['device']}")
     p = r.protocol
     if not r.formula_only:
-        items.append(f"protocol: {p.rounds} rounds {p.order}, each side a fresh process, "
+        items.append(f"protocol: {p.rounds} rounds {p.order}, each side a process of its own, "
                      f"{p.warmup} warmup + {p.steps} timed updates, threads "
                      f"{p.threads or 'torch default'}; token budget {p.token_budget:,}")
     out.append(("ul", items))

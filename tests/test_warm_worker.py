@@ -1,0 +1,166 @@
+"""The warm worker (batchlab.measure.warm): isolated CPU measurements forked from one pre-imported process.
+
+Who imported torch is counted by a ``sitecustomize`` on the children's PYTHONPATH: an import hook that writes
+the pid of every process in which ``import torch`` runs.  Each fork writes its pid and parent pid from the
+model factory it measures."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from batchlab.config import RunConfig
+from batchlab.measure import MeasureOptions, Outcome, warm
+from batchlab.run import measure
+
+linux = pytest.mark.skipif(not (warm.ENABLED and Path("/proc/self/stat").exists()), reason="fork + /proc")
+OPTS = MeasureOptions(warmup=1, steps=2, isolate=True)
+
+SITECUSTOMIZE = '''
+import os, sys
+class _Count:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            with open(os.environ["BL_TORCH_IMPORTS"], "a") as f:
+                f.write(f"{os.getpid()}\\n")
+        return None
+sys.meta_path.insert(0, _Count())
+'''
+FACTORY = '''
+import os, torch.nn as nn
+from batchlab.models import synthetic_tokens
+
+def small(cfg):
+    with open(os.environ["BL_FORKS"], "a") as f:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[-1].split()[0]
+        f.write(f"{os.getpid()} {os.getppid()} {test}\\n")
+    return nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64)), synthetic_tokens(64, cfg.data)
+'''
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    """(config, torch-importing pids, (pid, ppid) of each measuring process), read after the runs; one
+    environment for the module's tests, so that they share a pre-imported process as batchlab's runs do."""
+    tmp = tmp_path_factory.mktemp("warm")
+    name = f"bl_warm_{uuid.uuid4().hex[:8]}"
+    (tmp / f"{name}.py").write_text(FACTORY)
+    (tmp / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    imports, forks = tmp / "imports.txt", tmp / "forks.txt"
+
+    def read(path):
+        rows = [line.split() for line in path.read_text().split("\n") if line] if path.exists() else []
+        return [(*map(int, r[:2]), *r[2:]) for r in rows]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(tmp))
+        mp.setenv("BL_TORCH_IMPORTS", str(imports))
+        mp.setenv("BL_FORKS", str(forks))
+        yield RunConfig(model_source=f"{name}:small", seq=16, micro_batch=2), lambda: read(imports), lambda: read(forks)
+
+
+@linux
+def test_two_runs_import_torch_once_and_fork_twice_and_measure_what_a_fresh_worker_does(counted, monkeypatch):
+    cfg, imports, forks = counted
+    a, b = measure(cfg, OPTS), measure(cfg, OPTS)
+    server = warm.server_pid()
+    assert a.ok and b.ok and a.environment["worker"] == b.environment["worker"] == warm.FORKED
+    assert imports() == [(server,)]  # torch imported in the pre-imported process only, not in the forks
+    (pa, ppa, _), (pb, ppb, _) = forks()
+    assert ppa == ppb == server and pa != pb and server not in (pa, pb)
+    monkeypatch.setattr(warm, "ENABLED", False)  # the reference: today's fresh process
+    fresh = measure(cfg, OPTS)
+    assert fresh.environment["worker"] == warm.FRESH
+    [(pid,)], (fresh_pid, fresh_ppid, _) = imports()[1:], forks()[2]
+    assert pid == fresh_pid and fresh_ppid == os.getpid()  # it imported torch itself, as a child of this one
+    for m in (a, b):  # same code, same seed: the same tensors, to the byte
+        assert m.memory.peak_bytes == fresh.memory.peak_bytes and m.memory.breakdown == fresh.memory.breakdown
+
+
+@linux
+def test_a_killed_pre_imported_process_is_started_again(counted):
+    cfg, imports, forks = counted
+    assert measure(cfg, OPTS).ok
+    first, before = warm.server_pid(), len(imports())
+    os.kill(first, signal.SIGKILL)
+    end = time.monotonic() + 10
+    while warm.server_pid() is not None and time.monotonic() < end:  # gone (one that dies as a run starts: fresh)
+        time.sleep(0.05)
+    m = measure(cfg, OPTS)
+    second = warm.server_pid()
+    assert m.ok and m.environment["worker"] == warm.FORKED and second not in (None, first)
+    assert imports()[before:] == [(second,)]  # the one new import: the process started again
+    (_, ppa, test_a), (_, ppb, test_b) = forks()[-2:]
+    assert (ppa, ppb) == (first, second)
+    # a pre-imported process started for the previous test (pytest's variable aside, the same environment)
+    # serves this one, and its fork runs in this run's environment, as a fresh worker would
+    assert test_a == test_b == "test_a_killed_pre_imported_process_is_started_again"
+
+
+class _FakeServer:
+    started: list[dict] = []
+
+    def __init__(self, env):
+        if env.get("FAIL"):
+            raise OSError("would not start")
+        self.env, self.up = env, True
+        self.started.append(env)
+
+    def alive(self):
+        return self.up
+
+    def close(self):
+        self.up = False
+
+
+def test_one_pre_imported_process_per_environment_and_none_where_it_cannot_start(monkeypatch):
+    monkeypatch.setattr(warm, "_Server", _FakeServer)
+    monkeypatch.setattr(warm, "_server", None)
+    monkeypatch.setattr(warm, "_failed_env", None)
+    monkeypatch.setattr(warm, "ENABLED", True)
+    _FakeServer.started = []
+    one = warm.pre_imported({"PYTHONPATH": "a"})
+    assert warm.pre_imported({"PYTHONPATH": "a"}) is one  # the same environment: the same process
+    two = warm.pre_imported({"PYTHONPATH": "b"})  # a test changed PYTHONPATH: a new one, the old one ended
+    assert two is not one and not one.up and two.up
+    two.up = False  # it died: started again
+    three = warm.pre_imported({"PYTHONPATH": "b"})
+    assert three is not two and three.up and len(_FakeServer.started) == 3
+    assert warm.pre_imported({"FAIL": "1"}) is None and not three.up  # cannot start: the caller goes fresh
+    assert warm.pre_imported({"FAIL": "1"}) is None and len(_FakeServer.started) == 3  # and is not tried again
+    monkeypatch.setattr(warm, "ENABLED", False)  # no fork on this platform (macOS/Windows spawn)
+    assert warm.pre_imported({"PYTHONPATH": "a"}) is None
+
+
+def test_a_gpu_measurement_is_never_forked(monkeypatch):
+    """CUDA is initialised by the measurement: a fresh process, never a fork (the device read without torch)."""
+    from batchlab.measure import runner
+
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def fake_popen(cmd, **kw):
+        started.append(cmd)
+        raise Started
+
+    def no_fork(env):
+        raise AssertionError("a GPU measurement asked for the pre-imported process")
+
+    monkeypatch.setattr(runner.subprocess, "Popen", fake_popen)
+    monkeypatch.setattr(warm, "pre_imported", no_fork)
+    gpu = [(RunConfig(device="h100"), OPTS), (RunConfig(), MeasureOptions(isolate=True, torch_device="cuda:1"))]
+    for cfg, opts in gpu:
+        with pytest.raises(Started):
+            runner.run_isolated(cfg, opts)
+    assert len(started) == 2 and all(c[-2:-1] == ["batchlab.measure.worker"] for c in started)
+    asked = []
+    monkeypatch.setattr(warm, "pre_imported", asked.append)  # the reference: a CPU one does ask (None: fresh)
+    with pytest.raises(Started):
+        runner.run_isolated(RunConfig(device="h100"), MeasureOptions(isolate=True, torch_device="cpu"))
+    assert len(asked) == 1 and len(started) == 3
