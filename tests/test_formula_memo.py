@@ -77,3 +77,28 @@ def test_a_changed_field_is_never_served_the_base_configs_cached_figures(name):
     estimate(BASE)  # the base config's entries in every cache
     assert micro_batch_ops(changed) == ops and update_ops(changed) == whole
     assert estimate(changed).to_dict() == figures
+
+
+def test_a_changed_costs_field_is_never_served_the_base_costs_work():
+    """price remembers each op shape's work per costs content: a costs differing in any field prices afresh."""
+    from batchlab.formula.opcost import OpCosts, price
+    from batchlab.formula.timing import nominal_costs
+
+    ops = update_ops(BASE) + update_ops(BASE.replace(model=dataclasses.replace(BASE.model, attention="sdpa")))
+    base = nominal_costs(BASE)
+    twice = lambda curve: tuple((x, 2 * r) for x, r in curve)  # noqa: E731
+    changes = dict(matmul={k: twice(v) for k, v in base.matmul.items()}, memory=twice(base.memory),
+                   strided_bytes_per_s=base.strided_bytes_per_s / 3,
+                   element_seconds={k: 2 * v for k, v in base.element_seconds.items()},
+                   dispatch={k: 2 * v for k, v in base.dispatch.items()}, memory_low=((1.0, 1e9),),
+                   memory_inplace=((1.0, 2e9),), matmul_start={"bmm-fp32": ((1e3, 1e-5),), "sdpa-fp32": ((1e3, 1e-5),)},
+                   asynchronous=True, link_bytes_per_s=1e9, link_latency_s=1e-5, threads=2, cores=2,
+                   contention={"compute": 1.5}, contention_processes=2, source="changed")
+    assert set(changes) == {f.name for f in dataclasses.fields(OpCosts)}
+    for name, value in changes.items():
+        changed = dataclasses.replace(base, **{name: value})
+        with uncached():
+            reference = price(ops, changed)
+        price(ops, base)
+        assert price(ops, changed) == reference, name
+        assert price(ops, dataclasses.replace(changed)) == reference, name  # an equal copy: the same figures

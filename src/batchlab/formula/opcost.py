@@ -254,13 +254,20 @@ class TimeBreakdown:
         return self.by_class.get("dispatch", 0.0) / self.seconds if self.seconds else 0.0
 
 
-_WORK = cache(limit=64)  # id(costs) -> (costs, {op shape: one call's work seconds}); the costs held, so the id stays theirs
-WORK_LIMIT = 50_000  # op shapes remembered per costs object
+_WORK = cache(limit=64)  # what decides work_seconds -> {op shape: one call's work seconds}
+WORK_LIMIT = 50_000  # op shapes remembered per costs
+# OpCosts fields work_seconds never reads (a calibration loaded per estimate differs in none of the others)
+_NOT_WORK = {"dispatch", "asynchronous", "link_bytes_per_s", "link_latency_s", "threads", "cores", "contention",
+             "contention_processes", "source"}
+
+
+def _frozen(v):
+    return tuple((k, _frozen(x)) for k, x in v.items()) if isinstance(v, Mapping) else v
 
 
 def _work_table(costs: OpCosts) -> dict:
-    held, table = lookup(_WORK, id(costs), lambda: (costs, {}))
-    assert held is costs  # the entry holds its costs alive, so no other object can have that id
+    key = tuple(_frozen(getattr(costs, f.name)) for f in dataclasses.fields(costs) if f.name not in _NOT_WORK)
+    table = lookup(_WORK, key, dict)
     if len(table) > WORK_LIMIT:
         table.clear()
     return table
@@ -270,7 +277,7 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
     """The time the model gives ``ops``: Σ count × (dispatch + work) on a synchronous device (CPU); on an
     asynchronous one (GPU) the host issues ahead of the kernels, so each phase takes max(Σ dispatch, Σ work)
     and only the host time beyond the kernels' shows as "dispatch".  One call's work depends on the op's
-    shape alone (not its phase or count): remembered per costs object, the sums taken in the ops' order."""
+    shape alone (not its phase or count): remembered per costs, the sums taken in the ops' order."""
     by_phase: dict[Phase, float] = {}
     disp: dict[Phase, float] = {}
     by_class: dict[OpClass, float] = {}
