@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
-LIMIT = 4096  # entries per cache before it is emptied (an op list is a few hundred OpCounts)
+LIMIT = 256  # entries per cache before it is emptied (an op list is a few hundred OpCounts: ~50 KB)
 
 
 class Cache(dict):
