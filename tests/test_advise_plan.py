@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from batchlab.advise import Goal, oom_advice, plan, what_would_fit
-from batchlab.advise.plan import policies
+from batchlab.advise.plan import policies, states_rule_out
+from batchlab.formula.memory import model_states
 from batchlab.config import ACMode, ConfigError, RunConfig, preset
 from batchlab.formula import estimate
 
@@ -142,3 +143,22 @@ def test_oom_advice_in_order_with_formula_figures():
         assert a.changes and (a.config is None or a.stays)
         if a.config is not None:
             assert a.fits == (a.figures.peak_bytes <= int(80 * 2**20 * 0.9))
+
+
+def test_model_states_rule_out_a_plan_only_when_no_candidate_fits():
+    # the reference: every candidate's own estimate, over budgets around the states (fp32 master + grads + Adam)
+    assert states_rule_out(Goal(LLAMA.replace(zero=0).with_global_batch(64)))  # 108 GB on an 80 GB card
+    ruled = 0
+    for cfg in (tiny(accum=8), tiny(accum=8, precision="bf16-mixed"), tiny(accum=4, dp=2, zero=1)):
+        s = model_states(cfg)
+        states = s.master + s.gradients + s.optimizer
+        for f in (0.8, 0.99, 1.02, 1.05, 1.08, 1.3):  # the least peak here: 1.13-1.6x them
+            goal = Goal(cfg.replace(memory_budget=int(states / 0.9 * f)))
+            try:
+                cands = plan(goal).candidates
+            except ConfigError:  # the parameters alone do not fit
+                continue
+            if states_rule_out(goal):
+                ruled += 1
+                assert all(c.peak_bytes > goal.usable_bytes for c in cands)
+    assert ruled >= 3

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.advise.plan import KNOB_FLAGS, Candidate, Goal, candidate, divisors, plan, policies
+from batchlab.advise.plan import KNOB_FLAGS, Candidate, Goal, candidate, divisors, policies, recommended
 from batchlab.advise.states import fewest_devices
 from batchlab.config import ACMode, ConfigError, Precision, RunConfig
 
@@ -133,7 +133,7 @@ class Remedy:
 
 def _planned(goal: Goal) -> Candidate | None:
     try:
-        return plan(goal).recommended
+        return recommended(goal)
     except ConfigError:  # e.g. still cannot hold the parameters
         return None
 

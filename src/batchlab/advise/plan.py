@@ -277,3 +277,24 @@ def plan(goal: Goal, progress: Progress | None = None) -> FitPlan:
     est_assumptions = () if goal.base.model_kind is ModelSource.FACTORY else estimate(goal.base, load_all()).assumptions
     counted = cands[0].counted if cands else Counted.TOKENS
     return FitPlan(goal, tuple(cands), tuple(ranked), rec, why, assumptions(goal, est_assumptions, counted))
+
+
+def states_rule_out(goal: Goal) -> bool:
+    """True when no candidate can fit: at every ZeRO stage searched, the master weights, gradients and
+    optimizer state alone exceed the usable memory.  Every candidate's optimizer phase holds all three
+    (formula/memory.py), and its peak is at least that phase's, where the phases are DDP's (not FSDP2's), the
+    terms built in (no layer profile), the allocator margin not negative, and the model not a traced factory."""
+    base = goal.base
+    if (base.model_kind is ModelSource.FACTORY or base.model.matching_profile is not None
+            or (base.assumptions.allocator_margin or 0.0) < 0):
+        return False
+    for z in zero_stages(goal):
+        s = model_states(base.replace(zero=z))
+        if (base.dp > 1 and z >= 2) or s.master + s.gradients + s.optimizer <= goal.usable_bytes:
+            return False
+    return True
+
+
+def recommended(goal: Goal) -> Candidate | None:
+    """``plan(goal).recommended``, without estimating candidates the model states already rule out."""
+    return None if states_rule_out(goal) else plan(goal).recommended

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from batchlab.advise.plan import Candidate, Goal, candidate, divisors, plan
+from batchlab.advise.plan import Candidate, Goal, candidate, divisors, recommended
 from batchlab.calibrate import load_all
 from batchlab.config import ConfigError, RunConfig
 from batchlab.formula import Calibrations
@@ -71,7 +71,7 @@ def fewest_devices(goal: Goal, zero: int, start: int) -> Candidate | None:
     for dp in (d for d in divisors(gb) if d >= start and d % base.dp == 0):
         cfg = base.replace(dp=dp, zero=zero, micro_batch=1, accum=gb // dp)
         try:
-            rec = plan(goal.released(cfg, "zero", "micro_batch")).recommended
+            rec = recommended(goal.released(cfg, "zero", "micro_batch"))
         except ConfigError:  # the parameters alone still do not fit
             continue
         if rec is not None:

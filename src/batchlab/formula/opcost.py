@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from batchlab.config import _Choice
+from batchlab.formula.memo import cache, lookup
 
 
 class OpClass(_Choice):
@@ -253,32 +254,62 @@ class TimeBreakdown:
         return self.by_class.get("dispatch", 0.0) / self.seconds if self.seconds else 0.0
 
 
+_WORK = cache(limit=64)  # what decides work_seconds -> {op shape: one call's work seconds}
+WORK_LIMIT = 50_000  # op shapes remembered per costs
+# OpCosts fields work_seconds never reads (a calibration loaded per estimate differs in none of the others)
+_NOT_WORK = {"dispatch", "asynchronous", "link_bytes_per_s", "link_latency_s", "threads", "cores", "contention",
+             "contention_processes", "source"}
+
+
+def _frozen(v):
+    return tuple((k, _frozen(x)) for k, x in v.items()) if isinstance(v, Mapping) else v
+
+
+def _work_table(costs: OpCosts) -> dict:
+    key = tuple(_frozen(getattr(costs, f.name)) for f in dataclasses.fields(costs) if f.name not in _NOT_WORK)
+    table = lookup(_WORK, key, dict)
+    if len(table) > WORK_LIMIT:
+        table.clear()
+    return table
+
+
 def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -> TimeBreakdown:
     """The time the model gives ``ops``: Σ count × (dispatch + work) on a synchronous device (CPU); on an
     asynchronous one (GPU) the host issues ahead of the kernels, so each phase takes max(Σ dispatch, Σ work)
-    and only the host time beyond the kernels' shows as "dispatch"."""
-    by_phase: dict[str, float] = {}
-    disp: dict[str, float] = {}
-    by_class: dict[str, float] = {}
-    b_phase: dict[str, int] = {}
-    f_phase: dict[str, int] = {}
+    and only the host time beyond the kernels' shows as "dispatch".  One call's work depends on the op's
+    shape alone (not its phase or count): remembered per costs, the sums taken in the ops' order."""
+    by_phase: dict[Phase, float] = {}
+    disp: dict[Phase, float] = {}
+    by_class: dict[OpClass, float] = {}
+    b_phase: dict[Phase, int] = {}
+    f_phase: dict[Phase, int] = {}
+    table, dispatch = _work_table(costs), {}
     calls = fl = by = 0
     for op in ops:
-        ph = op.phase.value
-        w = op.count * costs.work_seconds(op)
-        disp[ph] = disp.get(ph, 0.0) + op.count * costs.dispatch_seconds(op.phase)
+        ph, n = op.phase, op.count
+        shape = (op.name, op.klass, op.flops, op.bytes, op.elements, op.low_precision, op.grain)
+        one = table.get(shape)
+        if one is None:
+            one = table[shape] = costs.work_seconds(op)
+        d = dispatch.get(ph)
+        if d is None:
+            d = dispatch[ph] = costs.dispatch_seconds(ph)
+        w = n * one
+        disp[ph] = disp.get(ph, 0.0) + n * d
         by_phase[ph] = by_phase.get(ph, 0.0) + w
-        by_class[op.klass.value] = by_class.get(op.klass.value, 0.0) + w
-        calls += op.count
-        fl += op.count * op.flops
-        f_phase[ph] = f_phase.get(ph, 0) + op.count * op.flops
-        if op.klass not in (OpClass.MATMUL, OpClass.VIEW):
-            by += op.count * op.bytes
-            b_phase[ph] = b_phase.get(ph, 0) + op.count * op.bytes
-    exposed = {ph: max(d - by_phase[ph], 0.0) if costs.asynchronous else d for ph, d in disp.items()}
-    by_phase = {ph: w + exposed[ph] for ph, w in by_phase.items()}
-    by_class["dispatch"] = sum(exposed.values())
-    return TimeBreakdown(sum(by_phase.values()), by_phase, by_class, calls, fl, by, b_phase, f_phase,
+        by_class[op.klass] = by_class.get(op.klass, 0.0) + w
+        calls += n
+        fl += n * op.flops
+        f_phase[ph] = f_phase.get(ph, 0) + n * op.flops
+        if op.klass is not OpClass.MATMUL and op.klass is not OpClass.VIEW:
+            by += n * op.bytes
+            b_phase[ph] = b_phase.get(ph, 0) + n * op.bytes
+    exposed = {ph.value: max(d - by_phase[ph], 0.0) if costs.asynchronous else d for ph, d in disp.items()}
+    phases = {ph.value: w + exposed[ph.value] for ph, w in by_phase.items()}
+    classes = {k.value: w for k, w in by_class.items()}
+    classes["dispatch"] = sum(exposed.values())
+    return TimeBreakdown(sum(phases.values()), phases, classes, calls, fl, by,
+                         {ph.value: b for ph, b in b_phase.items()}, {ph.value: f for ph, f in f_phase.items()},
                          costs.source, provenance)
 
 

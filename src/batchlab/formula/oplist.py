@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from batchlab.config import AttentionImpl, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
+from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.opcost import OpCount, Phase, merge, op_class
 
@@ -245,9 +246,20 @@ def _outside(ops: _Ops, cfg: RunConfig) -> None:
             _op("_log_softmax_backward_data", BWD, t * V, 3 * t * V * F32), _views(BWD, 5))
 
 
-def parameter_sizes(cfg: RunConfig) -> list[int]:
+_SIZES, _OPTIMIZER, _MICRO, _UPDATE = cache(), cache(), cache(), cache()
+
+
+def _micro_key(cfg: RunConfig) -> tuple:
+    """Every field micro_batch_ops reads (model_kind derives from model_source)."""
+    return cfg.model, cfg.model_source, cfg.seq, cfg.micro_batch, cfg.precision, cfg.ac, cfg.loss
+
+
+def parameter_sizes(cfg: RunConfig) -> tuple[int, ...]:
     """Elements of each parameter tensor of batchlab's GPT, in the order the optimizer sees them."""
-    m = cfg.model
+    return lookup(_SIZES, cfg.model, lambda: _parameter_sizes(cfg.model))
+
+
+def _parameter_sizes(m) -> tuple[int, ...]:
     h, kv, f = m.hidden, m.kv_hidden, m.ffn
     norm = [h, h] if (m.norm is NormKind.LAYERNORM and m.bias) else [h]
 
@@ -260,11 +272,17 @@ def parameter_sizes(cfg: RunConfig) -> list[int]:
     sizes += layer * m.layers + norm
     if not m.tied_embeddings:
         sizes.append(m.vocab * h)
-    return sizes
+    return tuple(sizes)
 
 
 def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
-    """clip_grad_norm_ (foreach norm and scale), the per-parameter optimizer loop (foreach=False), zero_grad."""
+    """clip_grad_norm_ (foreach norm and scale), the per-parameter optimizer loop (foreach=False), zero_grad:
+    a function of the model and the optimizer alone."""
+    ops.add(*lookup(_OPTIMIZER, (cfg.model, cfg.optimizer), lambda: _optimizer_ops(cfg)))
+
+
+def _optimizer_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
+    ops = _Ops(_widths(cfg))
     sizes = parameter_sizes(cfg)
     p = len(sizes)
     n = sum(sizes)
@@ -284,6 +302,7 @@ def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
         else:
             step = (_op("add_", OPT, size, 3 * b),)
         ops.add(*(o.times(k) for o in step))
+    return tuple(ops.out)
 
 
 def _data(ops: _Ops, cfg: RunConfig) -> None:
@@ -301,6 +320,10 @@ def _widths(cfg: RunConfig) -> _W:
 
 def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     """Forward, recompute and backward ops of one micro-batch."""
+    return lookup(_MICRO, _micro_key(cfg), lambda: _micro_batch_ops(cfg))
+
+
+def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = _Ops(_widths(cfg))
     wrapped = set(cfg.ac.wrapped_layers(cfg.model.layers)) | set(cfg.ac.selective_layers(cfg.model.layers))
     selective = bool(cfg.ac.selective_layers(cfg.model.layers))
@@ -334,6 +357,10 @@ def _recompute(ops: _Ops, cfg: RunConfig, selective: bool) -> None:
 
 def update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     """Every op of one optimizer update on one rank: accum micro-batches, then the optimizer."""
+    return lookup(_UPDATE, (_micro_key(cfg), cfg.accum, cfg.optimizer), lambda: _update_ops(cfg))
+
+
+def _update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     per_micro = micro_batch_ops(cfg)
     ops = _Ops(_widths(cfg))
     ops.add(*(o.times(cfg.accum) for o in per_micro))

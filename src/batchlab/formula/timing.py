@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from batchlab.config import Backend, DataKind, RunConfig
+from batchlab.config import Backend, DataKind, DeviceSpec, RunConfig
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate, flops
+from batchlab.formula.memo import cache, lookup
 from batchlab.formula.memory import MemoryEstimate
 from batchlab.formula.opcost import OpClass, OpCosts, OpCount, Phase, TimeBreakdown, describe, price
 from batchlab.formula.oplist import update_ops
@@ -85,8 +86,14 @@ def nominal_costs(cfg: RunConfig, flop_ratio: float = 1.0) -> OpCosts:
     reach the achievable fraction of the peak for the device and precision (formula/efficiency.py).
     ``flop_ratio``: the op list's matmul FLOPs over formula/flops.py's hardware FLOPs, the count a GPU's
     end-to-end fraction was derived against (FlopCounterMode counts attention's backward as five matmuls)."""
-    dev = cfg.device_spec
-    frac = achievable_fraction(cfg)
+    dev, frac = cfg.device_spec, achievable_fraction(cfg)
+    return lookup(_NOMINAL, (dev, frac, flop_ratio), lambda: _nominal(dev, frac, flop_ratio))
+
+
+_NOMINAL = cache(limit=256)  # one OpCosts per (device, fraction, FLOP ratio): its per-op work is remembered
+
+
+def _nominal(dev: DeviceSpec, frac: Sourced, flop_ratio: float) -> OpCosts:
     named = dev.source if dev.source.startswith("nominal") else f"nominal: {dev.source} figures of {dev.name}"
     start = MATMUL_START[dev.backend]
     end_to_end = dev.backend is not Backend.CPU
@@ -131,8 +138,8 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     ops = update_ops(cfg)
     costs = costs_for(cfg, calibrated, ops)
     if cfg.zero >= 1:  # each rank steps only its shard of the optimizer state
-        ops = tuple(dataclasses.replace(o, bytes=o.bytes // cfg.dp, elements=o.elements // cfg.dp)
-                    if o.phase is Phase.OPTIMIZER else o for o in ops)
+        ops = tuple(OpCount(o.name, o.phase, o.klass, o.flops, o.bytes // cfg.dp, o.elements // cfg.dp,
+                            o.low_precision, o.count, o.grain) if o.phase is Phase.OPTIMIZER else o for o in ops)
     t = on_host(ops, cfg, costs)
     compute = sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute"))
     rest = t.seconds - compute
