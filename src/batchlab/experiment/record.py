@@ -206,7 +206,7 @@ class Diagnosis:
 
 @dataclass(frozen=True)
 class Round:
-    """One round: side A then side B measured, each in a fresh process; None where a side did not run."""
+    """One round: side A then side B measured, each in a process of its own; None where a side did not run."""
     a: Measurement | None
     b: Measurement | None
     seconds: tuple[float, ...] = ()

@@ -1,4 +1,4 @@
-"""``python -m batchlab.measure.worker OUT.json``: one measurement in this fresh process.
+"""``python -m batchlab.measure.worker OUT.json``: one measurement in this process of its own.
 
 Reads ``{"config": RunConfig.to_dict(), "options": MeasureOptions.to_dict()}`` from stdin, writes the
 Measurement JSON (or ``{"config_error": {"field", "message"}}`` with exit status 2) to OUT.json, and
