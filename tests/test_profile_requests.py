@@ -48,3 +48,21 @@ def test_a_command_asks_for_every_policy_and_precision_it_evaluates(tmp_path, as
     for precision, policies in asked:
         got.setdefault(precision, set()).update(policies)
     assert got == wanted
+
+
+def test_the_advice_after_an_oom_covers_its_halved_sequence_below_the_sliding_window(tmp_path, monkeypatch):
+    """Halving seq 48 of a window-32 model crosses into the other code path (an explicit mask below the window):
+    its terms are another regime's, asked for before the advice is computed."""
+    from batchlab.trace import profile as tracing
+
+    regimes = []
+
+    def with_profile(cfg, policies=None):
+        regimes.append((cfg.seq >= cfg.model.sliding_window, cfg.seq))
+        return cfg
+
+    monkeypatch.setattr(tracing, "with_profile", with_profile)
+    model = ["--model", f"hf:{config_dir(tmp_path, 'mistral', num_key_value_heads=2, sliding_window=32)}"]
+    r = CliRunner().invoke(app, ["fit", "--global-batch", "8", "--after-oom", "--seq", "48", *model])
+    assert r.exit_code in (0, 1), r.output
+    assert {w for w, _ in regimes} == {True, False} and (False, 24) in regimes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.advise.plan import KNOB_FLAGS, Candidate, Goal, candidate, divisors, policies, recommended
+from batchlab.advise.plan import KNOB_FLAGS, Candidate, Goal, candidate, derived, divisors, policies, recommended
 from batchlab.advise.states import fewest_devices
 from batchlab.config import ACMode, ConfigError, Precision, RunConfig
 
@@ -119,6 +119,18 @@ def oom_advice(goal: Goal) -> list[Advice]:
     now = candidate(goal.base, goal.tokens)
     return (_smaller_micro(goal, now) + _checkpointing(goal, now) + _precision(goal, now)
             + _sharding(goal, now) + _shorter_sequence(goal, now))
+
+
+def advised_configs(goal: Goal) -> list[RunConfig]:
+    """A config of each change ``oom_advice`` can propose that reads other layer terms than goal.base (the AC
+    policies, bf16 autocast instead of fp32, the ZeRO stages above, the halved sequence; a smaller micro-batch
+    reads the same), for the CLI to have an hf: model's layer profile cover them first."""
+    cfg = goal.base
+    changes = [dict(ac=p) for p in policies(cfg.model.layers)]
+    changes += [dict(precision=Precision.BF16_MIXED)] if cfg.precision is Precision.FP32 else []
+    changes += [dict(zero=z) for z in range(cfg.zero + 1, 4)] if cfg.dp > 1 else []
+    changes += [dict(seq=cfg.seq // 2)] if cfg.seq >= 2 else []
+    return derived(cfg, changes)
 
 
 @dataclass(frozen=True)

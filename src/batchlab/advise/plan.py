@@ -153,6 +153,23 @@ def shaped(goal: Goal, micro_batch: int, ac: ACPolicy, zero: int) -> RunConfig:
     return goal.base.replace(micro_batch=micro_batch, accum=goal.per_rank // micro_batch, ac=ac, zero=zero)
 
 
+def derived(cfg: RunConfig, changes: list[dict]) -> list[RunConfig]:
+    """cfg with each of ``changes``; those it cannot take are left out (where they are used, the reason is said)."""
+    out = []
+    for change in changes:
+        try:
+            out.append(cfg.replace(**change))
+        except ConfigError:
+            continue
+    return out
+
+
+def searched_configs(goal: Goal) -> list[RunConfig]:
+    """A config of each AC policy and ZeRO stage ``enumerate_candidates`` searches (the micro-batch aside: it
+    changes no layer term), for the CLI to have an hf: model's layer profile cover them first."""
+    return derived(goal.base, [dict(ac=ac, zero=z) for z in zero_stages(goal) for ac in goal_policies(goal)])
+
+
 def enumerate_candidates(goal: Goal, progress: Progress | None = None) -> list[Candidate]:
     """``progress(done, total, label)``: called before each candidate (a factory's are traced, ~0.2 s each)."""
     cals = load_all()

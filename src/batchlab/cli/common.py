@@ -160,32 +160,15 @@ def _traced(cfg: RunConfig, there: RunConfig, policies: frozenset[str]) -> RunCo
 
 
 def with_goal_profile(goal, after_oom: bool = False):
-    """goal with its base's layer profile covering every config the planner evaluates (advise/plan.py: the AC
-    policies and ZeRO stages it searches) and, ``after_oom``, the advice's too (advise/after_oom.py: every AC
-    policy, the ZeRO stages above, bf16 autocast instead of fp32)."""
+    """goal with its base's layer profile covering every config the planner evaluates and, ``after_oom``, every
+    change the advice proposes (advise/: ``searched_configs``, ``advised_configs``)."""
     import dataclasses
 
-    from batchlab.advise.plan import goal_policies, policies, zero_stages
-    from batchlab.config import Precision
+    from batchlab.advise.after_oom import advised_configs
+    from batchlab.advise.plan import searched_configs
 
-    base = goal.base
-    acs = policies(base.model.layers) if after_oom else goal_policies(goal)
-    zeros = set(zero_stages(goal)) | (set(range(base.zero, 4)) if after_oom and base.dp > 1 else set())
-    changes = [dict(ac=ac, zero=z) for ac in acs for z in zeros]
-    if after_oom and base.precision is Precision.FP32:
-        changes.append(dict(precision=Precision.BF16_MIXED))
-    return dataclasses.replace(goal, base=with_layer_profile(base, _derived(base, changes)))
-
-
-def _derived(cfg: RunConfig, changes: list[dict[str, Any]]) -> list[RunConfig]:
-    """cfg with each of ``changes``, those it cannot take left out (the command says why where it uses them)."""
-    out = []
-    for change in changes:
-        try:
-            out.append(cfg.replace(**change))
-        except ConfigError:
-            continue
-    return out
+    also = searched_configs(goal) + (advised_configs(goal) if after_oom else [])
+    return dataclasses.replace(goal, base=with_layer_profile(goal.base, also))
 
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "loss", "zero", "device", "memory_budget",
