@@ -1,9 +1,9 @@
 """DP measurement on the real stack: torchrun, 2 ranks, gloo, DistributedDataParallel (CPU).
 
 Launches are shared between assertions (module fixtures): each costs ~5-8 s on a 2-core machine (torch's
-import in torchrun and in each rank, and in each rank DDP's constructor importing torch._dynamo, ~1.2 s CPU).
+import in torchrun and in each rank, and in each rank DDP's constructor importing torch._dynamo, ~2 s CPU).
 Run as a script under torchrun, this file is the rank program of the user-started (external) measurement and,
-in the same ranks after it, of the gradient-equivalence test.
+in the same ranks after it, of the FSDP2 (ZeRO-3) measurement and of the gradient-equivalence test.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from batchlab import regime
-from batchlab.config import RunConfig
+from batchlab.config import RunConfig, preset
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Outcome
 
@@ -26,6 +26,10 @@ BASE = RunConfig(dp=2, micro_batch=2, seq=32)
 OPTS = MeasureOptions(warmup=1, steps=2)
 # dropout off: each rank's dropout masks come from its own RNG stream, which no single process reproduces
 GRAD_CFG = BASE.replace(accum=2, dropout=0.0)
+# micro-batch 4 x seq 64: one FSDP2 block (0.76 MiB, by which the peak moves between runs as gloo's threads
+# free buffers) stays under 4% of the peak
+FSDP_CFG = RunConfig(model=preset("tiny"), dp=2, micro_batch=4, seq=64, zero=3)
+FSDP_OPTS = MeasureOptions(warmup=2, steps=1, timing=False)
 
 
 def _parameter_bytes(cfg: RunConfig) -> int:
@@ -63,14 +67,16 @@ EXTERNAL_ACCUM = 4
 def external(tmp_path_factory):
     """One ``torchrun --nproc-per-node 2`` job running this file (``_rank_main``): each rank first runs
     ``python -m batchlab measure --dp 2 --accum 4 --json`` (ranks started by the user; rank 0 alone prints),
-    then saves the all-reduced gradients of one update of GRAD_CFG.  (The Measurement, the gradients' folder.)"""
+    then measures FSDP_CFG (batchlab.distributed.measure_in_torchrun, the rank side of every DP measurement),
+    then saves the all-reduced gradients of one update of GRAD_CFG.
+    (The DDP Measurement, the gradients' folder, the FSDP2 Measurement.)"""
     from batchlab.measure.result import load_measurement
 
     out = tmp_path_factory.mktemp("grads")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return load_measurement(proc.stdout), out
+    return load_measurement(proc.stdout), out, load_measurement((out / "fsdp.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +176,8 @@ def _rank_main(out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from batchlab.distributed import worker
+    from batchlab.distributed import measure_in_torchrun, worker
+    from batchlab.measure.result import measurement_to_json
 
     sys.argv = ["batchlab", *_measure_argv("--accum", str(EXTERNAL_ACCUM), "--json", *SHAPE)]
     try:
@@ -178,9 +185,15 @@ def _rank_main(out: str) -> None:
     except SystemExit as e:
         assert e.code in (0, None), f"measure exited {e.code}"
     assert not dist.is_initialized(), "measure left its process group behind"
-    # a second default group on a store of its own: a re-made one on torchrun's store reuses the first one's keys
-    # (gloo then read a peer's stale address now and then; see test_advise_torch_script.RUNNER)
-    os.environ.update(MASTER_PORT=str(int(os.environ["MASTER_PORT"]) + 1), TORCHELASTIC_USE_AGENT_STORE="False")
+    # each further default group on a store of its own: a re-made one on torchrun's store reuses the first one's
+    # keys (gloo then read a peer's stale address now and then; see test_advise_torch_script.RUNNER)
+    first_port = int(os.environ["MASTER_PORT"])
+    os.environ.update(MASTER_PORT=str(first_port + 1), TORCHELASTIC_USE_AGENT_STORE="False")
+    fsdp = measure_in_torchrun(FSDP_CFG, FSDP_OPTS)
+    assert not dist.is_initialized(), "measure_in_torchrun left its process group behind"
+    if os.environ["RANK"] == "0":
+        (Path(out) / "fsdp.json").write_text(measurement_to_json(fsdp))
+    os.environ["MASTER_PORT"] = str(first_port + 2)
     device, _ = worker.init(GRAD_CFG, OPTS, 60)
     rank, world, _ = worker.env_ranks()
     trainer, monitor = worker.build(GRAD_CFG, device, rank, world)
@@ -214,6 +227,22 @@ def test_ddp_gradients_equal_the_single_process_gradient_of_the_global_batch(ext
         for name, ref in reference.items():
             rel = (r["grads"][name] - ref).norm() / ref.norm()
             assert rel <= 1e-5, (name, float(rel))
+
+
+def test_measure_runs_fsdp_under_torchrun_with_traffic_and_shards_reported(external):
+    from batchlab.cli.render_dp import lines
+    from batchlab.formula import estimate
+    from batchlab.formula.params import count
+
+    m = external[2]
+    assert m.ok and m.traffic.engine == "fsdp" and m.traffic.matches_formula
+    assert m.environment["launcher"] == "torchrun (external)" and len(m.memory.per_rank_peak_bytes) == 2
+    assert m.traffic.parameter_shard_bytes == 4 * count(FSDP_CFG.model).total // 2
+    assert m.memory.breakdown["parameters"] > m.traffic.parameter_shard_bytes  # gathered working copies too
+    predicted = estimate(FSDP_CFG).memory.peak_tensor_bytes
+    assert abs(predicted - m.memory.peak_bytes) <= 0.03 * m.memory.peak_bytes
+    text = "\n".join(lines(m))
+    assert "equal to the formula's" in text and "set_requires_gradient_sync(True)" in text
 
 
 @pytest.mark.parametrize("fault, limit", [("2:kill", None), ("0:hang", 8.0)])
