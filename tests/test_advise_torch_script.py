@@ -1,5 +1,5 @@
-"""The PyTorch script `fit` prints runs as printed: DP = 1 in a plain subprocess, DP = 2 through torchrun
-(gloo, CPU) for DDP, ZeRO-1 (ZeroRedundancyOptimizer), ZeRO-2 and ZeRO-3 (FSDP2 fully_shard)."""
+"""The PyTorch script `fit` prints runs as printed: DP = 1 with no process group or torchrun environment, DP = 2
+through torchrun (gloo, CPU) for DDP, ZeRO-1 (ZeroRedundancyOptimizer), ZeRO-2 and ZeRO-3 (FSDP2 fully_shard)."""
 from __future__ import annotations
 
 import ast
@@ -50,18 +50,33 @@ def run_scripts(commands: list[list[str]], timeout: float = 240) -> list[subproc
 
 
 # Runs printed scripts in turn in one interpreter (torch imported once), each as __main__ in a fresh namespace.
-# Under torchrun each must leave no process group behind, and each after the first rendezvouses on a store of
-# its own (rank 0 serves it on torchrun's port + i): a re-made default group reuses the first one's store keys,
-# and gloo then read a peer's stale address now and then (connection reset).  Rank 0 names each script.
+# Scripts after "--plain" run first, in rank 0 alone, before any process group and with torchrun's environment
+# taken away, as `python train.py` runs them (rank 1 meanwhile waits in the first rendezvous).  Under torchrun
+# each script must leave no process group behind, and each after the first rendezvouses on a store of its own
+# (rank 0 serves it on torchrun's port + i): a re-made default group reuses the first one's store keys, and
+# gloo then read a peer's stale address now and then (connection reset).  Rank 0 names each script.
 RUNNER = """\
 import os, runpy, sys
 import torch.distributed as dist
-for i, p in enumerate(sys.argv[1:]):
+args = sys.argv[1:]
+cut = args.index('--plain')
+if os.environ['RANK'] == '0':
+    torchrun_env = {k: os.environ.pop(k) for k in list(os.environ)
+                    if k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'GROUP_WORLD_SIZE',
+                             'ROLE_RANK', 'ROLE_WORLD_SIZE', 'ROLE_NAME', 'MASTER_ADDR', 'MASTER_PORT')
+                    or k.startswith('TORCHELASTIC_')}
+    for p in args[cut + 1:]:
+        print('== ' + p, flush=True)
+        runpy.run_path(p, run_name='__main__')
+        assert not dist.is_initialized(), 'a DP = 1 script made a process group'
+    os.environ.update(torchrun_env)
+    print('== --plain', flush=True)
+for i, p in enumerate(args[:cut]):
     assert not dist.is_initialized(), 'a process group left over from the previous script'
-    if i and 'MASTER_PORT' in os.environ:
+    if i:
         port = int(os.environ.pop('BATCHLAB_FIRST_PORT', os.environ['MASTER_PORT']))
         os.environ.update(BATCHLAB_FIRST_PORT=str(port), MASTER_PORT=str(port + i), TORCHELASTIC_USE_AGENT_STORE='False')
-    if os.environ.get('RANK', '0') == '0':
+    if os.environ['RANK'] == '0':
         print('== ' + p, flush=True)
     runpy.run_path(p, run_name='__main__')
 """
@@ -93,49 +108,61 @@ def loss_fn(logits, y):
 '''
 
 
-@pytest.mark.slow
-def test_dp1_scripts_precisions_policies_and_the_users_own_model_run(tmp_path):
-    """The script as `fit` prints it at DP = 1 (the bug: DistributedSampler and model.no_sync() crashed without a
-    process group / DDP); every precision and policy at DP = 1; and the marked stand-in replaced by a model of
-    the test's own (the documented placeholder), as a user would."""
-    printed = config(ac="every:2")
-    script = all_snippets(printed)["pytorch"]
-    assert script == training_script(printed)
+DP2 = [config(dp=2, zero=0), config(dp=2, zero=1, precision="bf16-mixed", ac="full"),
+       config(dp=2, zero=2, ac="selective-op"), config(dp=2, zero=3, precision="bf16-fsdp", ac="every:2")]
+
+
+def dp1_scripts() -> list[str]:
+    """The script as `fit` prints it at DP = 1 (first), every precision and policy at DP = 1, and the marked
+    stand-in replaced by a model of the test's own (the documented placeholder), as a user would."""
+    script = training_script(config(ac="every:2"))
     scripts = [script] + [training_script(config(precision=p, ac=ac, optimizer=o))
                           for p, ac, o in (("bf16-mixed", "selective", "sgd-momentum"), ("fp16-mixed", "full", "sgd"),
                                            ("bf16", "selective-op", "adamw"), ("bf16-fsdp", "megatron-selective", "adamw"))]
     head, rest = script.split(STAND_IN_BEGIN)
-    scripts.append(head + OWN_MODEL + rest.split(STAND_IN_END)[1])
-    paths = [str(write(tmp_path, f"train{i}.py", s)) for i, s in enumerate(scripts)]
-    # one interpreter runs them in turn (torch imported once): each script is a fresh module namespace
-    [r] = run_scripts([[sys.executable, str(write(tmp_path, "runner.py", RUNNER)), *paths]])
-    assert r.returncode == 0, r.stdout
+    return scripts + [head + OWN_MODEL + rest.split(STAND_IN_END)[1]]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    """One torchrun (each launch is mostly torch's import in three processes) running, in rank 0, the DP = 1
+    scripts with no torchrun environment, then in both ranks the DP = 2 scripts of DP2 in turn.
+    (The DP = 2 paths, the DP = 1 paths, the CompletedProcess, rank 0's output per script by path.)"""
+    tmp = tmp_path_factory.mktemp("scripts")
+    dp2 = [str(write(tmp, f"train_dp2_{i}.py", training_script(cfg))) for i, cfg in enumerate(DP2)]
+    dp1 = [str(write(tmp, f"train_dp1_{i}.py", s)) for i, s in enumerate(dp1_scripts())]
+    runner = write(tmp, "runner.py", RUNNER)
+    [r] = run_scripts([[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(runner), *dp2, "--plain", *dp1]])
     outputs = r.stdout.split("== ")[1:]
-    assert [o.split()[0] for o in outputs] == paths, r.stdout
-    for text in outputs:
+    return dp2, dp1, r, outputs
+
+
+@pytest.mark.slow
+def test_dp1_scripts_precisions_policies_and_the_users_own_model_run(ran):
+    """The script as `fit` prints it at DP = 1 (the bug: DistributedSampler and model.no_sync() crashed without a
+    process group / DDP); every precision and policy at DP = 1; and the marked stand-in replaced by a model of
+    the test's own, as a user would.  They run in turn in one interpreter, before any process group."""
+    assert all_snippets(config(ac="every:2"))["pytorch"] == dp1_scripts()[0]
+    _, dp1, r, outputs = ran
+    assert r.returncode == 0, r.stdout
+    assert [o.split()[0] for o in outputs[:len(dp1) + 1]] == [*dp1, "--plain"], r.stdout
+    for text in outputs[:len(dp1)]:
         assert updates_printed(text) == [1, 2], text
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_dp2_scripts_run_through_torchrun(tmp_path):
+def test_dp2_scripts_run_through_torchrun(ran):
     """DDP, ZeRO-1, ZeRO-2 and ZeRO-3 at DP = 2 with accumulation 2, launched as the script's own comment says
-    (one torchrun runs the four in turn: each launch is mostly torch's import in three processes)."""
-    cfgs = [config(dp=2, zero=0), config(dp=2, zero=1, precision="bf16-mixed", ac="full"),
-            config(dp=2, zero=2, ac="selective-op"), config(dp=2, zero=3, precision="bf16-fsdp", ac="every:2")]
-    paths = []
-    for i, cfg in enumerate(cfgs):
-        script = training_script(cfg)
-        launch = next(line for line in script.splitlines() if line.startswith("# launch: "))
+    (one torchrun runs the four in turn)."""
+    for cfg in DP2:
+        launch = next(line for line in training_script(cfg).splitlines() if line.startswith("# launch: "))
         assert launch == "# launch: python -m torch.distributed.run --standalone --nproc-per-node 2 train.py"
-        paths.append(str(write(tmp_path, f"train{i}.py", script)))
-    runner = write(tmp_path, "runner.py", RUNNER)
-    [r] = run_scripts([[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(runner), *paths]])
+    dp2, dp1, r, outputs = ran
     assert r.returncode == 0, r.stdout
-    outputs = r.stdout.split("== ")[1:]
-    assert [o.split()[0] for o in outputs] == paths, r.stdout
-    for cfg, text in zip(cfgs, outputs):
+    assert [o.split()[0] for o in outputs[len(dp1) + 1:]] == dp2, r.stdout
+    for cfg, text in zip(DP2, outputs[len(dp1) + 1:]):
         assert updates_printed(text) == [1, 2], (cfg.zero, text)  # rank 0 alone prints
 
 
