@@ -76,8 +76,8 @@ def test_scope_says_what_gloo_cannot_tell_about_sharding_on_nccl():
 
 
 # -- measured: every stage for two shapes in ONE 2-rank job (distributed.equivalence.check_shapes:
-# parameters, memory by the measurement's tracker, collectives); the measure command's own path for FSDP2
-# runs in test_distributed's torchrun job (one launch less)
+# parameters, memory by the measurement's tracker, collectives); an FSDP2 measurement itself (run_rank + merge)
+# runs in test_distributed's torchrun job, whose ranks have torch and torch._dynamo imported already
 ACCUM = TINY.replace(accum=2, micro_batch=1, seq=32)  # accumulation; dropout on: the masks must match too
 
 
