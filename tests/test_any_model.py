@@ -195,16 +195,21 @@ def test_an_input_spec_must_be_one_batchlab_knows():
 
 
 def test_vision_compare_and_fit_run(vision, tmp_path, monkeypatch):
-    """An image factory through compare and fit.  Each side is measured in this process (a factory run in a
-    fresh process is tests/test_measure_models.py's isolated cases; compare's subprocesses its smoke test)."""
+    """An image factory through compare and fit.  Each side and fit's verification are measured in this process
+    (a factory run in a fresh process is tests/test_measure_models.py's isolated cases; compare's subprocesses
+    its smoke test, fit's tests/test_advise_search.py)."""
     from dataclasses import replace
 
     from typer.testing import CliRunner
 
+    from batchlab import advise
     from batchlab.cli import app
     from batchlab.experiment import protocol
 
     monkeypatch.setattr(protocol, "default_measure", lambda cfg, options: run(cfg, replace(options, isolate=False)))
+    in_process = MeasureOptions(warmup=1, steps=1, timing=False)  # isolated_measure's, in this process
+    monkeypatch.setattr(advise, "isolated_measure", lambda capacity, timeout=None: lambda cfg:
+                        advise.trial_from_measurement(cfg, run(cfg, in_process), capacity))
     model = ["--model", "vision_models:cnn", "--seq", "1", "--global-batch", "8"]
     r = CliRunner().invoke(app, ["compare", *model, "--change", "micro_batch=2:4", "--steps", "1", "--warmup", "1",
                                  "--no-verify", "--notebook", str(tmp_path / "nb.sqlite"), "--json"])

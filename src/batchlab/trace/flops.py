@@ -1,16 +1,14 @@
-"""FLOPs of one harness update: torch's FlopCounterMode, split by phase, recompute counted apart."""
+"""FLOPs of one harness update, split by phase, recompute counted apart."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
-import torch.nn as nn
-from torch.utils.flop_counter import (FlopCounterMode, flop_registry, register_flop_formula,
-                                      sdpa_backward_flop_count, sdpa_flop_count)
+from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-from batchlab.models.ac import Checkpointed
+from batchlab.formula.opcost import OpCount, Phase
 from batchlab.trace.result import TraceFlops
-from batchlab.trace.tree import HookSet
 
 _aten = torch.ops.aten
 
@@ -36,53 +34,15 @@ def register_cpu_attention_flops() -> None:
             register_flop_formula(op)(formula)
 
 
-class PhaseFlops(HookSet):
-    """A harness probe that splits one FlopCounterMode's count by phase.
-
-    Recompute is counted directly: FLOPs inside a checkpointed block's own forward while backward runs
-    (non-reentrant checkpointing calls the block again from its unpack hook).  Under selective
-    checkpointing the saved matmuls are served from the cache, so only what is really redone counts.
-    """
-
-    def __init__(self, counter: FlopCounterMode, model: nn.Module):
-        super().__init__()
-        self.counter = counter
-        self.phase: str | None = None
-        self.by_phase: dict[str, int] = defaultdict(int)
-        self.recompute = 0
-        self._last = 0
-        for m in model.modules():
-            if isinstance(m, Checkpointed):
-                self._handles.append(m.block.register_forward_pre_hook(self._block_start))
-                self._handles.append(m.block.register_forward_hook(self._block_end, always_call=True))
-
-    def _take(self) -> int:
-        now = self.counter.get_total_flops()
-        delta, self._last = now - self._last, now
-        return delta
-
-    def mark(self, phase: str) -> None:
-        if self.phase is not None:
-            self.by_phase[self.phase] += self._take()
-        self.phase = phase
-
-    def _block_start(self, module, args) -> None:
-        if self.phase == "backward":
-            self.by_phase["backward"] += self._take()
-
-    def _block_end(self, module, args, output) -> None:
-        if self.phase == "backward":
-            self.recompute += self._take()
-
-    def result(self) -> TraceFlops:
-        return TraceFlops.of(self.by_phase["forward"], self.by_phase["backward"], self.recompute)
-
-
-def count_update_flops(trainer) -> TraceFlops:
-    """Run one update of ``trainer`` under FlopCounterMode and return its FLOPs by phase."""
-    register_cpu_attention_flops()
-    counter = FlopCounterMode(display=False)
-    return update_under(trainer, counter, PhaseFlops(counter, trainer.raw_model))
+def flops_of(ops: Iterable[OpCount]) -> TraceFlops:
+    """FLOPs of one update by phase from its recorded ops (trace/ops.py: the same ``flop_registry`` formulas
+    FlopCounterMode applies).  Recompute is its own phase there: ops inside a checkpointed block's forward
+    while backward runs (non-reentrant checkpointing calls the block again from its unpack hook); under
+    selective checkpointing the saved matmuls are served from the cache, so only what is really redone counts."""
+    by_phase: dict[Phase, int] = defaultdict(int)
+    for op in ops:
+        by_phase[op.phase] += op.flops * op.count
+    return TraceFlops.of(by_phase[Phase.FORWARD], by_phase[Phase.BACKWARD], by_phase[Phase.RECOMPUTE])
 
 
 def update_under(trainer, mode, probe):

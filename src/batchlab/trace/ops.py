@@ -71,8 +71,9 @@ def _grain(name: str, ins: list[torch.Tensor], flops: int) -> int:
 class OpRecorder(TorchDispatchMode, HookSet):
     """Records each op's OpCount; also a harness probe (``mark``) so ops carry their phase.
 
-    Recompute is told apart as PhaseFlops does: ops inside a checkpointed block's forward while backward
-    runs (non-reentrant checkpointing calls the block again from its unpack hook).
+    Recompute is told apart: ops inside a checkpointed block's forward while backward runs (non-reentrant
+    checkpointing calls the block again from its unpack hook); a trace's FLOPs by phase come from these
+    (trace/flops.py ``flops_of``).
     """
 
     def __init__(self, model: nn.Module | None = None):

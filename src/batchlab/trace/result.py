@@ -33,7 +33,7 @@ class TraceMemory:
 
 @dataclass
 class TraceFlops:
-    """FLOPs of one update counted by torch.utils.flop_counter.FlopCounterMode (matmul-class ops only;
+    """FLOPs of one update counted by the formulas of torch.utils.flop_counter (matmul-class ops only;
     element-wise ops and the optimizer count 0).  Attention is counted without causal halving."""
 
     forward: int  # all micro-batches' forward passes

@@ -1,9 +1,9 @@
 """One steady-state training update of the model's own code on fake tensors (nothing is allocated).
 
 The harness's Trainer runs unchanged under ``FakeTensorMode``: the same model source, the same activation
-checkpointing wrapping, the same accumulation loop and optimizer.  A first update counts FLOPs (and
-creates AdamW's state, which AdamW makes lazily); the second is tracked with the same StorageTracker the
-CPU measurement uses, so a trace and a real run of the same config count the same storages.
+checkpointing wrapping, the same accumulation loop and optimizer.  A first update creates AdamW's state
+(AdamW makes it lazily); the second is tracked with the same StorageTracker the CPU measurement uses, so a
+trace and a real run of the same config count the same storages, and its recorded ops give the FLOPs.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from batchlab.formula import calibrated_costs
 from batchlab.formula.opcost import describe
 from batchlab.formula.timing import costs_for, machine_text, on_host
 from batchlab.trace import sharded
-from batchlab.trace.flops import count_update_flops
+from batchlab.trace.flops import flops_of
 from batchlab.trace.ops import OpRecorder
 from batchlab.trace.patches import eager_branches
 from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
@@ -98,6 +98,18 @@ def _as_config_errors(cfg: RunConfig):
                                    "or measure it") from None
 
 
+def _first_update(trainer: Trainer) -> None:
+    """An update of one micro-batch before the tracked one: what it leaves (AdamW's state, .grad kept as DDP's
+    buckets, lazily built engine state) is per parameter, not per micro-batch, and fake tensors cost per op,
+    so the config's accum micro-batches would cost accum times as much for the same steady state."""
+    cfg = trainer.cfg
+    trainer.cfg = cfg.replace(accum=1)  # the harness reads the number of micro-batches from its config
+    try:
+        trainer.update()
+    finally:
+        trainer.cfg = cfg
+
+
 def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
     """One update tracked by the CPU measurement's StorageTracker; with ``tree``, storages labelled by module;
     with ``timeline``, also recorded op by op; its ops recorded for the time model either way:
@@ -157,11 +169,12 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
             notes += dp_notes
         else:
             trainer = FakeTrainer(cfg, device)
-        flops = count_update_flops(trainer)  # the first update also creates AdamW's state (steady state)
+        _first_update(trainer)
+        snap, recorder, ops = _tracked_update(trainer, tree, timeline)
+        flops = flops_of(ops)
         if cfg.dp > 1:  # every rank does rank 0's work on its own data
             flops = TraceFlops.of(flops.forward * cfg.dp, flops.backward * cfg.dp, flops.recompute * cfg.dp)
             notes.append(f"FLOPs: rank 0's, counted, x {cfg.dp} ranks")
-        snap, recorder, ops = _tracked_update(trainer, tree, timeline)
         memory = _memory(cfg, trainer, snap)
     costs = costs_for(cfg, calibrated_costs(cfg, calibrations), ops)
     time_ops = on_host(ops, cfg, costs, provenance="trace")
