@@ -140,7 +140,8 @@ def test_an_isolated_worker_does_not_import_the_working_directory(tmp_path, monk
     """(DDP ranks: test_distributed.py, on the launch its other tests share.)"""
     marker = plant_shadows(tmp_path)
     monkeypatch.chdir(tmp_path)
-    res = CliRunner().invoke(app, ["measure", "--isolate", "--steps", "1", "--warmup", "1", *TINY])
+    # --no-calibrate: the calibration is not what is under test (its child is started as the worker is)
+    res = CliRunner().invoke(app, ["measure", "--isolate", "--steps", "1", "--warmup", "1", "--no-calibrate", *TINY])
     assert not marker.exists(), marker.read_text()
     assert res.exit_code == 0, res.output
 
@@ -153,9 +154,10 @@ def test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row(tmp_path, sig, co
 
     book = tmp_path / "nb.sqlite"
     env = {**os.environ, "PYTHONPATH": SRC}
-    # SIGINT restored to its default: a process started from a non-interactive shell may inherit it ignored
+    # SIGINT restored to its default: a process started from a non-interactive shell may inherit it ignored;
+    # --no-calibrate: calibrating (or finding the cache: it imports torch here) comes before any measurement
     parent = subprocess.Popen([sys.executable, "-P", "-m", "batchlab", "compare", "--predict", "none", "--no-verify",
-                               "--steps", "100000", "--timeout", "300", "--notebook", str(book), *TINY[:-2]],
+                               "--no-calibrate", "--steps", "100000", "--timeout", "300", "--notebook", str(book), *TINY[:-2]],
                               cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
