@@ -21,6 +21,9 @@ from batchlab.cli import app
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--micro-batch", "2"]
+# after the fork appears: it imports nothing, so it is in its updates well within this (each second waited is a
+# CPU-second of updates)
+FORK_MEASURING_S = 0.5
 linux = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 
 
@@ -101,7 +104,8 @@ def test_an_isolated_worker_dies_with_its_parent(tmp_path, sig):
     parent = _start("measure", "--isolate", "--steps", "100000", "--timeout", "300", *TINY, cwd=tmp_path)
     try:
         folder = _wait_for(lambda: _measuring(tmp_path / "tmp"), 60, "the worker's folder")
-        time.sleep(1.0)  # past its imports: measuring
+        _wait_for(lambda: len(_workers(parent.pid)) >= 2 or None, 60, "the pre-imported process and its fork")
+        time.sleep(FORK_MEASURING_S)
         workers = _workers(parent.pid)
         assert workers and all(map(_alive, workers)) and folder.exists()
         parent.send_signal(sig)
@@ -162,7 +166,7 @@ def test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row(tmp_path, sig, co
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for(lambda: len(_workers(parent.pid)) >= 2 or None, 60, "the pre-imported process and its fork")
-        time.sleep(1.0)
+        time.sleep(FORK_MEASURING_S)
         workers = _workers(parent.pid)
         parent.send_signal(sig)
         _, err = parent.communicate(timeout=30)
