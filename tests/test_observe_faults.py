@@ -53,7 +53,7 @@ def loop(watched, updates=16, width=512, batch=256):
     return {"faults": faults, "losses": losses, "memory": watch and watch.observer.measurement.memory.method,
             "finalizers_left": len(weakref.finalize._registry) - finalizers}
 
-loop(False, updates=4)  # the process's own first-use costs (imports, lazy inits, the heap's growth)
+loop(False)  # the process's own first-use costs (imports, lazy inits, the heap's growth)
 print(json.dumps({"bare": loop(False), "watched": loop(True)}))
 """
 
