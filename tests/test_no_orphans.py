@@ -161,7 +161,8 @@ def test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row(tmp_path, sig, co
     # SIGINT restored to its default: a process started from a non-interactive shell may inherit it ignored;
     # --no-calibrate: calibrating (or finding the cache: it imports torch here) comes before any measurement
     parent = subprocess.Popen([sys.executable, "-P", "-m", "batchlab", "compare", "--predict", "none", "--no-verify",
-                               "--no-calibrate", "--steps", "100000", "--timeout", "300", "--notebook", str(book), *TINY[:-2]],
+                               "--no-calibrate", "--steps", "100000", "--timeout", "300", "--notebook", str(book),
+                               *TINY[:-2]],
                               cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
