@@ -79,7 +79,30 @@ def hostile():
     return rec.with_(notebook_id=7)
 
 
-def test_a_report_of_hostile_text_renders_everywhere(hostile, tmp_path):
+@pytest.fixture(scope="module")
+def figures_once():
+    """The report's charts (matplotlib: ~1 s a write) rendered once per distinct input for the module's three
+    writes of one record: the same record renders the same bytes, and what is under test is the text in them and
+    what a failed write leaves behind."""
+    from batchlab.report import document
+
+    def once(fn):
+        done = {}
+
+        def call(*args):
+            key = repr(args)
+            if key not in done:
+                done[key] = fn(*args)
+            return done[key]
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("figures", "_timeline_png", "_pair_svg"):
+            mp.setattr(document, name, once(getattr(document, name)))
+        yield
+
+
+def test_a_report_of_hostile_text_renders_everywhere(hostile, tmp_path, figures_once):
     md_path, html_path = write_report(hostile, tmp_path)
     text = md_path.read_text()
     rendered = md.render(text)
@@ -101,7 +124,7 @@ def test_the_terminal_renderer_prints_hostile_text(hostile):
     assert "[/oops]" in out and "<script>alert(1)</script>" in out
 
 
-def test_a_report_that_cannot_be_written_leaves_no_file(hostile, tmp_path, monkeypatch):
+def test_a_report_that_cannot_be_written_leaves_no_file(hostile, tmp_path, monkeypatch, figures_once):
     real = os.fsync
     calls = []
 

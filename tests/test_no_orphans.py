@@ -21,6 +21,9 @@ from batchlab.cli import app
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--micro-batch", "2"]
+# after the fork appears: it imports nothing, so it is in its updates well within this (each second waited is a
+# CPU-second of updates)
+FORK_MEASURING_S = 0.5
 linux = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 
 
@@ -101,7 +104,8 @@ def test_an_isolated_worker_dies_with_its_parent(tmp_path, sig):
     parent = _start("measure", "--isolate", "--steps", "100000", "--timeout", "300", *TINY, cwd=tmp_path)
     try:
         folder = _wait_for(lambda: _measuring(tmp_path / "tmp"), 60, "the worker's folder")
-        time.sleep(1.0)  # past its imports: measuring
+        _wait_for(lambda: len(_workers(parent.pid)) >= 2 or None, 60, "the pre-imported process and its fork")
+        time.sleep(FORK_MEASURING_S)
         workers = _workers(parent.pid)
         assert workers and all(map(_alive, workers)) and folder.exists()
         parent.send_signal(sig)
@@ -140,7 +144,8 @@ def test_an_isolated_worker_does_not_import_the_working_directory(tmp_path, monk
     """(DDP ranks: test_distributed.py, on the launch its other tests share.)"""
     marker = plant_shadows(tmp_path)
     monkeypatch.chdir(tmp_path)
-    res = CliRunner().invoke(app, ["measure", "--isolate", "--steps", "1", "--warmup", "1", *TINY])
+    # --no-calibrate: the calibration is not what is under test (its child is started as the worker is)
+    res = CliRunner().invoke(app, ["measure", "--isolate", "--steps", "1", "--warmup", "1", "--no-calibrate", *TINY])
     assert not marker.exists(), marker.read_text()
     assert res.exit_code == 0, res.output
 
@@ -153,14 +158,16 @@ def test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row(tmp_path, sig, co
 
     book = tmp_path / "nb.sqlite"
     env = {**os.environ, "PYTHONPATH": SRC}
-    # SIGINT restored to its default: a process started from a non-interactive shell may inherit it ignored
+    # SIGINT restored to its default: a process started from a non-interactive shell may inherit it ignored;
+    # --no-calibrate: calibrating (or finding the cache: it imports torch here) comes before any measurement
     parent = subprocess.Popen([sys.executable, "-P", "-m", "batchlab", "compare", "--predict", "none", "--no-verify",
-                               "--steps", "100000", "--timeout", "300", "--notebook", str(book), *TINY[:-2]],
+                               "--no-calibrate", "--steps", "100000", "--timeout", "300", "--notebook", str(book),
+                               *TINY[:-2]],
                               cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for(lambda: len(_workers(parent.pid)) >= 2 or None, 60, "the pre-imported process and its fork")
-        time.sleep(1.0)
+        time.sleep(FORK_MEASURING_S)
         workers = _workers(parent.pid)
         parent.send_signal(sig)
         _, err = parent.communicate(timeout=30)

@@ -28,11 +28,11 @@ from batchlab.measure.harness import Trainer
 t = Trainer(RunConfig(model=preset("tiny"), model_source="builtin").replace(seq=128, micro_batch=8), "cpu")
 t.update(); t.update(); t.update()
 faults = []
-for _ in range(5):
+for _ in range(3):  # ~2,000 each: a median of 3 is as far above the bound as one of 5
     f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t.update()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)
-print(sorted(faults)[2])  # median, as the session reports it
+print(sorted(faults)[1])  # median, as the session reports it
 """
 
 

@@ -218,7 +218,8 @@ def test_measure_cli_writes_the_measured_timeline(tmp_path):
 
     from batchlab.cli import app
 
-    r = CliRunner().invoke(app, ["measure", "--steps", "1", "--warmup", "1", "--json", "--timeline",
+    # --no-calibrate: the time model's calibration (whichever test finds no cache pays it) is not under test
+    r = CliRunner().invoke(app, ["measure", "--steps", "1", "--warmup", "1", "--json", "--no-calibrate", "--timeline",
                                  str(tmp_path / "m.json"), "--layers", "2", "--seq", "32", "--micro-batch", "2"],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
