@@ -145,15 +145,23 @@ def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float
            ) -> tuple[Calibration, bool]:
     """The cached calibration of a local device at ``threads``, measured and cached first when there is none
     or only an older kind (``_current``): (calibration, whether it was measured now)."""
-    from batchlab.measure.device import catalogue_name, usable
-
     want = default_threads() if threads is None else threads
-    cached = load_cached(catalogue_name(usable(torch_device)), want)
+    cached = load_cached(_device_name(torch_device), want)
     if cached is not None and _current(cached):
         return cached, False
     cal = measure(torch_device, seconds=seconds, threads=want)
     save(cal)
     return cal, True
+
+
+def _device_name(torch_device: str) -> str:
+    """The batchlab device a torch device stands for; "cpu" without importing torch (~2 s a process), which
+    finding a cached CPU calibration does not need."""
+    if torch_device == "cpu":
+        return "cpu"
+    from batchlab.measure.device import catalogue_name, usable
+
+    return catalogue_name(usable(torch_device))
 
 
 def auto(device_name: str, threads: int | None, enabled: bool = True) -> str | None:
