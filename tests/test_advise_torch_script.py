@@ -139,6 +139,7 @@ def ran(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.distributed  # its scripts run in rank 0 of the shared torchrun job
 def test_dp1_scripts_precisions_policies_and_the_users_own_model_run(ran):
     """The script as `fit` prints it at DP = 1 (the bug: DistributedSampler and model.no_sync() crashed without a
     process group / DDP); every precision and policy at DP = 1; and the marked stand-in replaced by a model of
