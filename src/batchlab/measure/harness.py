@@ -97,9 +97,10 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + rank)
 
     # -- pieces, usable on their own (tests, trace)
-    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, count: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``count`` micro-batches (default: the config's accumulation steps)."""
         return [self.workload.make_batch(self.generator, self.cfg.micro_batch, self.cfg.seq, self.device)
-                for _ in range(self.cfg.accum)]
+                for _ in range(self.cfg.accum if count is None else count)]
 
     def _no_sync(self, last: bool):
         if last or not hasattr(self.model, "no_sync"):
@@ -125,10 +126,11 @@ class Trainer:
         """A scalar tensor's value; the trace overrides this, since fake tensors hold no values."""
         return float(t)
 
-    def update(self, probe: Probe | None = None) -> UpdateResult:
+    def update(self, probe: Probe | None = None, micro_batches: int | None = None) -> UpdateResult:
+        """One optimizer update over ``micro_batches`` micro-batches (default: the config's accumulation steps)."""
         probe = probe or _NoProbe()
         probe.mark("data")
-        batches = self.batches()
+        batches = self.batches(micro_batches)
         local_useful = sum(int(self._number((t != -100).sum())) for _, t in batches)
         # DDP averages gradients over ranks, so each rank divides by the per-rank share of the global count.
         norm = self._global_useful(local_useful) / self.world

@@ -102,12 +102,7 @@ def _first_update(trainer: Trainer) -> None:
     """An update of one micro-batch before the tracked one: what it leaves (AdamW's state, .grad kept as DDP's
     buckets, lazily built engine state) is per parameter, not per micro-batch, and fake tensors cost per op,
     so the config's accum micro-batches would cost accum times as much for the same steady state."""
-    cfg = trainer.cfg
-    trainer.cfg = cfg.replace(accum=1)  # the harness reads the number of micro-batches from its config
-    try:
-        trainer.update()
-    finally:
-        trainer.cfg = cfg
+    trainer.update(micro_batches=1)
 
 
 def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
