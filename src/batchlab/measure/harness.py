@@ -97,10 +97,9 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + rank)
 
     # -- pieces, usable on their own (tests, trace)
-    def batches(self, count: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``count`` micro-batches (default: the config's accumulation steps)."""
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.workload.make_batch(self.generator, self.cfg.micro_batch, self.cfg.seq, self.device)
-                for _ in range(self.cfg.accum if count is None else count)]
+                for _ in range(self.cfg.accum)]
 
     def _no_sync(self, last: bool):
         if last or not hasattr(self.model, "no_sync"):
@@ -127,10 +126,11 @@ class Trainer:
         return float(t)
 
     def update(self, probe: Probe | None = None, micro_batches: int | None = None) -> UpdateResult:
-        """One optimizer update over ``micro_batches`` micro-batches (default: the config's accumulation steps)."""
+        """One optimizer update over the first ``micro_batches`` of ``batches()`` (default: all, the config's
+        accumulation steps)."""
         probe = probe or _NoProbe()
         probe.mark("data")
-        batches = self.batches(micro_batches)
+        batches = self.batches()[:micro_batches]
         local_useful = sum(int(self._number((t != -100).sum())) for _, t in batches)
         # DDP averages gradients over ranks, so each rank divides by the per-rank share of the global count.
         norm = self._global_useful(local_useful) / self.world
