@@ -95,7 +95,7 @@ def test_nproc_without_dp_derives_dp_from_the_world_size(monkeypatch, args, worl
 
     seen = []
 
-    def fake_launch(cfg, opts, nproc, torchrun_args):
+    def fake_launch(cfg, opts, nproc, torchrun_args, launcher=None):
         seen.append(cfg)
         raise SystemExit(0)  # stop before anything runs
 

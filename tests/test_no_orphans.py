@@ -1,8 +1,8 @@
 """No process left behind, nothing from the working directory run.
 
 A batchlab parent killed with SIGKILL (no handler runs) or SIGTERM (handled like Ctrl-C, exit 143): every
-process it started — the isolated worker (the pre-imported process and the fork of it that measures), or
-torchrun and its ranks — is gone within 5 s and the temporary folder is removed.  The descendants' pids are
+process it started — the isolated worker (the pre-imported process and the fork of it that measures), the
+ranks forked from it, or torchrun and its ranks — is gone within 5 s and the temporary folder is removed.  The descendants' pids are
 read from /proc (ppid links and the ranks' pid files), then watched in /proc until they vanish.  A
 `statistics.py` / `json.py` in the working directory never runs."""
 from __future__ import annotations
@@ -119,21 +119,23 @@ def test_an_isolated_worker_dies_with_its_parent(tmp_path, sig):
 @linux
 @pytest.mark.slow
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the parent runs with -P")
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_torchrun_and_its_ranks_die_with_their_parent(tmp_path, sig):
-    parent = _start("measure", "--nproc", "2", "--dp", "2", "--steps", "100000", "--timeout", "300", *TINY,
-                    cwd=tmp_path)
+# SIGKILL of a parent whose pre-imported process has forks is test_an_isolated_worker_dies_with_its_parent's case
+@pytest.mark.parametrize("sig, launcher", [(signal.SIGKILL, "torchrun"), (signal.SIGTERM, "fork")])
+def test_dp_ranks_and_their_launcher_die_with_their_parent(tmp_path, sig, launcher):
+    """torchrun (under batchlab.lifeline) and its ranks, or the pre-imported process and the ranks forked from it."""
+    parent = _start("measure", "--nproc", "2", "--dp", "2", "--steps", "100000", "--timeout", "300",
+                    "--launcher", launcher, "--no-calibrate", *TINY, cwd=tmp_path)
     try:
-        torchrun = _wait_for(lambda: [p for p in _children(parent.pid) if "batchlab.lifeline" in _cmdline(p)],
-                             60, "torchrun")[0]
-        folder = Path(_cmdline(torchrun).split("batchlab.lifeline ")[1].split()[0])
+        folder = _wait_for(lambda: next(iter((tmp_path / "tmp").glob("batchlab-ddp-*")), None), 60, "the folder")
         ranks = _wait_for(lambda: [int(f.read_text()) for f in folder.glob("rank*.pid") if f.read_text().strip()]
                           if len(list(folder.glob("rank*.pid"))) == 2 else None, 120, "both ranks")
-        time.sleep(1.0)
-        assert all(map(_alive, ranks))
+        module = "batchlab.lifeline" if launcher == "torchrun" else "batchlab.measure.worker"
+        starter = [p for p in _children(parent.pid) if module in _cmdline(p)]
+        time.sleep(FORK_MEASURING_S)
+        assert len(starter) == 1 and all(map(_alive, [*starter, *ranks]))
         parent.send_signal(sig)
         rc = parent.wait(30)
-        _assert_all_gone([torchrun, *ranks], [folder])
+        _assert_all_gone([*starter, *ranks], [folder])
     finally:
         parent.kill()
     assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 143)

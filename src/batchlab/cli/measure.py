@@ -15,6 +15,7 @@ from rich.table import Table
 from batchlab.cli.base import app
 from batchlab.cli.common import console, fail, print_json, typed_options, with_config, with_goal_profile
 from batchlab.config import ConfigError, RunConfig
+from batchlab.distributed.launcher import Launcher
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
 from batchlab.measure.versus import FigureRow, formula_estimate, rows
@@ -33,7 +34,8 @@ def measure(
     torch_device: Annotated[Optional[str], typer.Option(help="Local torch device (cpu, cuda, cuda:1, mps); default: the backend of --device.")] = None,
     memory: Annotated[bool, typer.Option("--memory/--no-memory", help="Take the memory probe update.")] = True,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr (only on a terminal).")] = True,
-    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this node, launched with torchrun + DDP (gloo on CPU, nccl on CUDA); --nproc x --nnodes must equal --dp. Default with --dp > 1: --dp.", rich_help_panel="Data parallel (torchrun)")] = None,
+    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this node, each on the config's engine (DDP, ZeRO-1, FSDP2; gloo on CPU, nccl on CUDA); --nproc x --nnodes must equal --dp. Default with --dp > 1: --dp.", rich_help_panel="Data parallel (torchrun)")] = None,
+    launcher: Annotated[Optional[Launcher], typer.Option(help="How the ranks start: fork (one node on CPU: forks of a process that imported torch once; the default there) or torchrun (fresh interpreters, the default for CUDA and several nodes).", rich_help_panel="Data parallel (torchrun)")] = None,
     nnodes: Annotated[Optional[int], typer.Option(help="torchrun --nnodes (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
     node_rank: Annotated[Optional[int], typer.Option(help="torchrun --node-rank.", rich_help_panel="Data parallel (torchrun)")] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="torchrun --rdzv-endpoint host:port (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
@@ -47,6 +49,8 @@ def measure(
 
     if timeout is not None and not isolate and nproc is None and nnodes is None:
         typer.echo("warning: ignored: --timeout applies to --isolate (or --nproc) runs", err=True)
+    if launcher is not None and nproc is None and nnodes is None:
+        typer.echo("warning: ignored: --launcher applies to --nproc runs", err=True)
     try:
         if timeline:
             from batchlab.timeline.output import check_path
@@ -61,8 +65,8 @@ def measure(
             from batchlab.cli.progress import progress as display
 
             cfg = dp_from_world(cfg, nproc, nnodes, typed_options())
-            with display("measure", f"DP = {cfg.dp} ranks through torchrun", quiet=as_json or not progress):
-                m = launch(cfg, opts, nproc, torchrun_args(nnodes, node_rank, rdzv_endpoint))
+            with display("measure", f"DP = {cfg.dp} ranks", quiet=as_json or not progress):
+                m = launch(cfg, opts, nproc, torchrun_args(nnodes, node_rank, rdzv_endpoint), launcher=launcher)
         else:
             m = _run_with_progress(run, cfg, opts, progress and not as_json)
     except ConfigError as e:

@@ -99,6 +99,14 @@ def formula_lines(m: Measurement) -> list[str]:
     return out
 
 
+def launcher_lines(m: Measurement) -> list[str]:
+    env = m.environment
+    if "nproc_per_node" not in env:
+        return []
+    how = "started by torchrun" if env.get("launcher") == "torchrun" else env.get("launcher", "?")
+    return [f"ranks: {env['nproc_per_node']} on this node of {env.get('world_size', '?')}, {how}"]
+
+
 def lines(m: Measurement) -> list[str]:
     """Everything DP-specific a report prints; empty for a one-process measurement."""
-    return memory_lines(m) + formula_lines(m) + traffic_lines(m.traffic) + comm_lines(m)
+    return launcher_lines(m) + memory_lines(m) + formula_lines(m) + traffic_lines(m.traffic) + comm_lines(m)

@@ -33,13 +33,13 @@ __all__ = ["SCOPE", "in_torchrun", "is_primary", "launch", "measure_in_torchrun"
 
 
 def launch(cfg: "RunConfig", opts: "MeasureOptions | None" = None, nproc: int | None = None,
-           torchrun_args=(), timeout_s: float | None = None) -> "Measurement":
+           torchrun_args=(), timeout_s: float | None = None, launcher=None) -> "Measurement":
     from batchlab.distributed.launcher import launch as _launch
 
-    return _launch(cfg, opts, nproc, torchrun_args, timeout_s)
+    return _launch(cfg, opts, nproc, torchrun_args, timeout_s, launcher)
 
 
-launch.__doc__ = "Measure cfg with cfg.dp ranks under torchrun + DDP; see launcher.launch."
+launch.__doc__ = "Measure cfg with cfg.dp ranks (forked on one CPU node, else torchrun); see launcher.launch."
 
 
 def in_torchrun() -> bool:

@@ -1,4 +1,5 @@
-"""Entry point of one rank, started by torchrun: ``python -m batchlab.distributed --spec S --out DIR``.
+"""Entry point of one rank, started by torchrun: ``python -m batchlab.distributed --spec S --out DIR``, or
+forked from the pre-imported process (``forked``, distributed/forked.py).
 
 Writes ``DIR/rank<k>.pid`` at start, then ``DIR/rank<k>.json`` (its result) or ``DIR/rank<k>.error.json``
 (exception); local rank 0 also writes ``DIR/world.json``, every rank's result gathered over the process
@@ -56,21 +57,35 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)
     _die_with_parent()
+    run(args.spec, args.out)
+
+
+def forked(out: Path, request: dict, parent: int) -> int:
+    """One rank forked from the pre-imported process (distributed/forked.py): ``request`` names the spec; the
+    lifeline watches that process (batchlab's death ends it, and then this rank, which removes ``out``'s folder)."""
+    from batchlab.lifeline import guard
+
+    guard(out.parent, parent)
+    run(Path(request["spec"]), out.parent)
+
+
+def run(spec: Path, out: Path) -> None:
+    """The rank: its result and every rank's (local rank 0) into ``out``; never returns (``os._exit``)."""
     rank = int(os.environ.get("RANK", "0"))
-    (args.out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     try:
         from batchlab.distributed.worker import RankSpec, gather, run_rank
 
-        result = run_rank(RankSpec(**json.loads(args.spec.read_text())))
-        write_json(args.out / f"rank{rank}.json", result)
+        result = run_rank(RankSpec(**json.loads(spec.read_text())))
+        write_json(out / f"rank{rank}.json", result)
         everyone = gather(result)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher as a record
-        write_json(args.out / f"rank{rank}.error.json", error_record(rank, exc))
+        write_json(out / f"rank{rank}.error.json", error_record(rank, exc))
         sys.stderr.write(f"rank {rank}: {type(exc).__name__}: {exc}\n")
         sys.stderr.flush()
         os._exit(1)  # skip process-group teardown: a dead peer would make it hang
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every node's launcher gets all ranks' results
-        write_json(args.out / "world.json", everyone)
+        write_json(out / "world.json", everyone)
     import torch.distributed as dist
 
     # Every rank has its results on disk; leave together and skip C++ teardown: tearing down gloo and

@@ -4,8 +4,10 @@
     check = same_parameters_as_ddp(cfg_a, cfg_b)   # cfg_a/cfg_b differ in zero (and nothing that matters)
     check.equal, check.max_abs_difference, check.text
 
-Both engines run in one ``torch.multiprocessing`` job of ``cfg.dp`` ranks (gloo on CPU), one after the
-other (the same job also tracks each one's memory and counts its collectives), from the same seed: same initial weights, same data on each rank, same dropout masks.  Full
+Both engines run in one job of ``cfg.dp`` ranks (gloo on CPU; forks of the pre-imported process, as a DP
+measurement's ranks are, or ``torch.multiprocessing`` where there is none), one after the other (the same job
+also tracks each one's memory and counts its collectives), from the same seed: same initial weights, same data
+on each rank, same dropout masks.  Full
 parameters are gathered (``DTensor.full_tensor()`` under FSDP2) and compared elementwise in fp32.  Sums
 over ranks and the gradient norm are computed in a different order by each engine, so equality is up to
 ``ATOL`` (absolute, after two AdamW updates at lr 1e-4).
@@ -13,12 +15,12 @@ over ranks and the gradient norm are computed in a different order by each engin
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchlab.config import ConfigError, Precision, RunConfig
+from batchlab.distributed.forked import free_port, rank_env
 
 ATOL = 1e-6  # fp32; the differences seen here after two updates are ~1e-9 (reduction order only)
 
@@ -44,21 +46,25 @@ class EquivalenceCheck:
                 f"tolerance {self.tolerance:g}, fp32)")
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback now, for a process group started without torchrun."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """What torchrun would give rank ``rank`` of ``world`` local ranks (init_process_group's env:// reads it)."""
-    return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port))
+TIMEOUT_S = 600.0
 
 
 def _rank(rank: int, world: int, port: int, cfgs: list[dict], updates: int, out: str) -> None:
+    """A ``torch.multiprocessing`` rank (where no fork of the pre-imported process can be had)."""
     os.environ.update(rank_env(rank, world, port))
+    _stages(cfgs, updates, out)
+
+
+def forked_rank(folder: Path, request: dict, parent: int) -> int:
+    """A rank forked from the pre-imported process (distributed/forked.py); it dies with that process."""
+    from batchlab.lifeline import guard
+
+    guard(folder.parent, parent)
+    _stages(request["cfgs"], request["updates"], request["out"])
+    return 0
+
+
+def _stages(cfgs: list[dict], updates: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -68,6 +74,7 @@ def _rank(rank: int, world: int, port: int, cfgs: list[dict], updates: int, out:
     from batchlab.distributed.worker import init, measure_memory
     from batchlab.measure.options import MeasureOptions
 
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     results = []
     for d in cfgs:
         cfg = config_from_dict(d)
@@ -101,11 +108,20 @@ def run_stages(cfgs: list[RunConfig], updates: int = 2) -> list[dict]:
     import torch
     import torch.multiprocessing as mp
 
-    world = cfgs[0].dp
+    from batchlab.distributed import forked
+    from batchlab.measure.runner import child_env
+
+    world, dicts = cfgs[0].dp, [c.to_dict() for c in cfgs]
     with tempfile.TemporaryDirectory(prefix="batchlab-equiv-") as tmp:
         out = str(Path(tmp) / "params.pt")
-        mp.start_processes(_rank, args=(world, free_port(), [c.to_dict() for c in cfgs], updates, out),
-                           nprocs=world, start_method="spawn")
+        ranks = forked.run(world, f"{__name__}:forked_rank", dict(cfgs=dicts, updates=updates, out=out), Path(tmp),
+                           child_env(), TIMEOUT_S)
+        if ranks is None:
+            mp.start_processes(_rank, args=(world, free_port(), dicts, updates, out), nprocs=world,
+                               start_method="spawn")
+        elif ranks.timed_out or any(code != 0 for code in ranks.codes.values()):
+            why = "timed out" if ranks.timed_out else f"exit statuses {ranks.codes}"
+            raise RuntimeError(f"the ZeRO check's ranks failed ({why}): {ranks.log[-1500:]}")
         return torch.load(out)
 
 

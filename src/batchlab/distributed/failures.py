@@ -78,8 +78,10 @@ def _from_error(err: dict) -> Failure:
     return Failure(Outcome.FAILED, err["rank"], message)
 
 
-def diagnose(out: Path, returncode: int | None, log: str, timeout_s: float | None = None) -> Failure:
-    """The failure of a run whose ranks wrote into ``out``; ``returncode`` None means it timed out."""
+def diagnose(out: Path, returncode: int | None, log: str, timeout_s: float | None = None,
+             codes: dict[int, int | None] | None = None) -> Failure:
+    """The failure of a run whose ranks wrote into ``out``; ``returncode`` None means it timed out.  ``codes``:
+    each rank's exit status where the launcher saw it (forked ranks), else read from torchrun's summary."""
     started, done = _ranks(out, ".pid"), _ranks(out, ".json")
     errors = {r: json.loads((out / f"rank{r}.error.json").read_text()) for r in _ranks(out, ".error.json")}
     if returncode is None:
@@ -89,7 +91,7 @@ def diagnose(out: Path, returncode: int | None, log: str, timeout_s: float | Non
     if returncode < 0:  # torchrun itself was killed (by a user, the OOM killer): its ranks died with it
         return Failure(Outcome.FAILED, None, f"torchrun was {_killed_reason(returncode)}; its ranks were stopped "
                                              "with it, nothing was measured")
-    codes = torchrun_exitcodes(log)
+    codes = torchrun_exitcodes(log) if codes is None else codes
     silent = sorted(started - done - set(errors))
     killed = [r for r in silent if codes.get(r, -signal.SIGKILL) != -signal.SIGTERM]
     if killed:

@@ -1,9 +1,10 @@
-"""Start a DP measurement under torchrun, wait for it with a timeout, and leave no process behind.
+"""Start a DP measurement's ranks, wait for them with a timeout, and leave no process behind.
 
-torchrun (``python -m torch.distributed.run``) starts one worker per local rank, each in its own session;
-it runs in a fresh session of its own here.  Whatever happens (success, a rank killed, an exception, a
-hang), the launcher returns a Measurement: on failure it kills torchrun's process group and every
-worker's (found through the pid files the ranks write, checked against their command line), and workers
+On one node on CPU the ranks are forks of the pre-imported process (forked.py: no import per rank).  Elsewhere
+(several nodes, CUDA, no fork) torchrun (``python -m torch.distributed.run``) starts one worker per local rank,
+each in its own session; it runs in a fresh session of its own here.  Whatever happens (success, a rank killed,
+an exception, a hang), the launcher returns a Measurement: on failure it kills torchrun's process group and
+every worker's (found through the pid files the ranks write, checked against their command line), and workers
 also die with torchrun through PR_SET_PDEATHSIG (see __main__.py).
 """
 from __future__ import annotations
@@ -16,10 +17,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Sequence
 
 from batchlab.config import ConfigError, RunConfig
+from batchlab.distributed import forked
 from batchlab.distributed.failures import diagnose
 from batchlab.lifeline import module_command
 from batchlab.distributed.merge import SCOPE, merge
@@ -128,8 +131,18 @@ def _pids(out: Path) -> dict[int, int]:
 class _Finished:
     returncode: int | None  # None: timed out
     log: str
-    torchrun_pid: int
-    rank_pids: dict[int, int]
+    environment: dict  # how the ranks were started: launcher, its pid or the pre-imported process's, rank pids
+    codes: dict[int, int | None] | None = None  # per rank, where no torchrun summary has them
+
+
+RANK_ENTRY = "batchlab.distributed.__main__:forked"
+
+
+class Launcher(str, Enum):
+    """How this node's ranks start."""
+
+    FORK = "fork"  # forks of the pre-imported process (forked.py): one node, CPU
+    TORCHRUN = "torchrun"  # fresh interpreters under torchrun's agent (any node count, CUDA)
 
 
 def _run(cmd: list[str], out: Path, env: dict[str, str], timeout_s: float, marker: str) -> _Finished:
@@ -143,7 +156,35 @@ def _run(cmd: list[str], out: Path, env: dict[str, str], timeout_s: float, marke
             rc = None
         finally:
             cleanup(proc, out, marker)
-    return _Finished(rc, log_path.read_text(errors="replace"), proc.pid, _pids(out))
+    return _Finished(rc, log_path.read_text(errors="replace"), dict(launcher=Launcher.TORCHRUN.value, torchrun_pid=proc.pid,
+                                                                    rank_pids=_pids(out)))
+
+
+def _run_forked(nproc: int, spec: Path, out: Path, env: dict[str, str], timeout_s: float) -> _Finished | None:
+    ranks = forked.run(nproc, RANK_ENTRY, {"spec": str(spec)}, out, env, timeout_s)
+    if ranks is None:
+        return None
+    failed = any(code != 0 for code in ranks.codes.values())
+    (out / "ranks.log").write_text(ranks.log)
+    return _Finished(None if ranks.timed_out else int(failed), ranks.log,
+                     dict(launcher=forked.LAUNCHER, pre_imported_pid=ranks.server_pid, rank_pids=ranks.pids),
+                     ranks.codes)
+
+
+def forkable(cfg: RunConfig, opts: MeasureOptions, torchrun_args: Sequence[str]) -> bool:
+    """One node, CPU: the ranks can be forks of the pre-imported process (where this platform forks)."""
+    from batchlab.measure.runner import backend
+
+    return not torchrun_args and backend(cfg, opts) == "cpu"
+
+
+def _launcher(value: Launcher | str | None) -> Launcher | None:
+    if value is None or isinstance(value, Launcher):
+        return value
+    try:
+        return Launcher(value)
+    except ValueError:
+        raise ConfigError("launcher", f"{value!r}; allowed: {', '.join(x.value for x in Launcher)}") from None
 
 
 def check_world(cfg: RunConfig, nproc: int, nnodes: int) -> None:
@@ -156,6 +197,10 @@ def check_world(cfg: RunConfig, nproc: int, nnodes: int) -> None:
 
 def check_local(cfg: RunConfig, opts: MeasureOptions, nproc: int) -> None:
     """User errors found before starting anything: an absent device, too few GPUs, a budget too small."""
+    from batchlab.measure.runner import backend
+
+    if backend(cfg, opts) == "cpu" and cfg.memory_budget is None:
+        return  # nothing to look up: torch stays out of this process (~2 s), the ranks import it
     from batchlab.measure.device import torch_device
     from batchlab.measure.session import check_budget
 
@@ -172,13 +217,19 @@ def check_local(cfg: RunConfig, opts: MeasureOptions, nproc: int) -> None:
 
 
 def launch(cfg: RunConfig, opts: MeasureOptions | None = None, nproc: int | None = None,
-           torchrun_args: Sequence[str] = (), timeout_s: float | None = None) -> Measurement:
-    """Measure ``cfg`` with ``cfg.dp`` ranks under torchrun + DDP (this node's ``nproc`` of them).
+           torchrun_args: Sequence[str] = (), timeout_s: float | None = None,
+           launcher: Launcher | str | None = None) -> Measurement:
+    """Measure ``cfg`` with ``cfg.dp`` ranks on its engine (this node's ``nproc`` of them).  ``launcher``:
+    None forks them from the pre-imported process where ``forkable`` (torchrun where the fork cannot be had);
+    FORK asks for that (a ConfigError where it cannot apply); TORCHRUN for torchrun.
 
     Never raises for a failed run: a dead, stuck or out-of-memory rank gives a Measurement with outcome
     failed / oom and ``outcome_detail`` naming the rank and the reason.
     """
     opts = opts or MeasureOptions()
+    launcher = _launcher(launcher)
+    if launcher is Launcher.FORK and not forkable(cfg, opts, torchrun_args):
+        raise ConfigError("launcher", "fork starts one node's ranks on CPU; several nodes or CUDA need torchrun")
     nnodes = nnodes_of(torchrun_args)
     nproc = nproc if nproc is not None else cfg.dp // nnodes
     check_world(cfg, nproc, nnodes)
@@ -188,17 +239,21 @@ def launch(cfg: RunConfig, opts: MeasureOptions | None = None, nproc: int | None
         out = Path(tmp)
         spec = out / "spec.json"
         spec.write_text(json.dumps(dict(config=cfg.to_dict(), options=opts.to_dict(), collective_timeout_s=timeout)))
-        cmd = torchrun_command(nproc, list(torchrun_args), spec, out)
         t0 = time.perf_counter()
-        run = _run(cmd, out, _env(nproc), timeout, marker=str(spec))
-        env = dict(launcher="torchrun", nproc_per_node=nproc, nnodes=nnodes, torchrun_pid=run.torchrun_pid,
-                   rank_pids=run.rank_pids, launch_wall_seconds=time.perf_counter() - t0)
+        env = _env(nproc)
+        run = None
+        if launcher is not Launcher.TORCHRUN and forkable(cfg, opts, torchrun_args):
+            run = _run_forked(nproc, spec, out, env, timeout)
+        if run is None:
+            run = _run(torchrun_command(nproc, list(torchrun_args), spec, out), out, env, timeout, marker=str(spec))
+        env = dict(run.environment, nproc_per_node=nproc, nnodes=nnodes,
+                   launch_wall_seconds=time.perf_counter() - t0)
         world = out / "world.json"
         if run.returncode == 0 and world.exists():
             return merge(cfg, json.loads(world.read_text()), env)
-        failure = diagnose(out, run.returncode, run.log, timeout)
+        failure = diagnose(out, run.returncode, run.log, timeout, run.codes)
         if failure.config_field:
             raise ConfigError(failure.config_field, failure.config_message)
-        env.update(scope=SCOPE, torchrun_log_tail=run.log[-2000:])
+        env.update(scope=SCOPE, log_tail=run.log[-2000:])
         return Measurement(config=cfg.to_dict(), outcome=failure.outcome, global_batch=cfg.global_batch,
                            outcome_detail=failure.detail, environment=env)

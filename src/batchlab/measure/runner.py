@@ -58,7 +58,7 @@ def run_isolated(cfg: RunConfig, options: MeasureOptions,
     env = child_env()
     # CPU only: a GPU measurement initialises CUDA, which the pre-imported process never does, and a fresh
     # process keeps that beyond doubt (its ~2 s are small beside a GPU run's start)
-    server = warm.pre_imported(env) if _backend(cfg, options) == "cpu" else None
+    server = warm.pre_imported(env) if backend(cfg, options) == "cpu" else None
     with tempfile.TemporaryDirectory(prefix="batchlab-measure-") as tmp:
         out_path = Path(tmp) / "measurement.json"
         proc = warm.fork(server, out_path, request, env) if server is not None else None
@@ -89,7 +89,7 @@ def run_isolated(cfg: RunConfig, options: MeasureOptions,
         return _interpret(cfg, options, rc, out_path, watcher, timed_out, started)
 
 
-def _backend(cfg: RunConfig, options: MeasureOptions) -> str:
+def backend(cfg: RunConfig, options: MeasureOptions) -> str:
     """The torch backend the measurement will run on (cpu, cuda, mps), read from the config without torch."""
     return (options.torch_device or cfg.device_spec.backend.value).split(":")[0]
 

@@ -58,7 +58,8 @@ FORKED, FRESH = "forked from a pre-imported process", "fresh process"
 ENABLED = hasattr(os, "fork") and hasattr(socket, "send_fds")  # tests switch it off to compare with FRESH
 # read by nothing at process start, and changed between runs of one process (pytest: once per test): not part
 # of what a pre-imported process is started for; each fork gets the whole environment of its run all the same
-VOLATILE = ("PYTEST_CURRENT_TEST",)
+# BATCHLAB_DDP_FAULT: the tests' fault injection, read by a rank during its updates (distributed/worker.py)
+VOLATILE = ("PYTEST_CURRENT_TEST", "BATCHLAB_DDP_FAULT")
 
 
 def _started_for(env: dict[str, str]) -> dict[str, str]:
@@ -73,6 +74,10 @@ class Forked:
     def __init__(self, pid: int, stdout: io.TextIOBase, status: int):
         self.pid, self.stdout, self._status = pid, stdout, status
         self.returncode: int | None = None
+
+    def fileno(self) -> int | None:
+        """The status pipe, readable once the fork has ended (for select() over several forks); None after."""
+        return self._status
 
     def wait(self, timeout: float | None = None) -> int | None:
         if self._status is not None:
@@ -121,14 +126,14 @@ class _Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def fork(self, out: Path, request: dict, env: dict[str, str]) -> Forked | None:
+    def fork(self, out: Path, request: dict, env: dict[str, str], entry: str | None = None) -> Forked | None:
         out_r, out_w = os.pipe()
         status_r, status_w = os.pipe()
         try:
             cwd = os.getcwd()
         except OSError:  # removed under us: the fork stays where the pre-imported process is
             cwd = None
-        msg = json.dumps({"out": str(out), "cwd": cwd, "env": env, "request": request}).encode()
+        msg = json.dumps({"out": str(out), "cwd": cwd, "env": env, "request": request, "entry": entry}).encode()
         try:
             socket.send_fds(self.sock, [msg], [out_w, status_w])
         except OSError:
@@ -177,12 +182,13 @@ def pre_imported(env: dict[str, str]) -> _Server | None:
         return _server
 
 
-def fork(server: _Server, out: Path, request: dict, env: dict[str, str]) -> Forked | None:
+def fork(server: _Server, out: Path, request: dict, env: dict[str, str], entry: str | None = None) -> Forked | None:
     """``request`` measured in ``env`` by a fork of ``server``; None if it refused or died (the next run starts a
-    new one)."""
+    new one).  ``entry``: ``"module:function"`` run in the fork instead of a measurement (a DP rank:
+    distributed/forked.py), called as the measurement is: ``function(out, request, parent_pid) -> exit status``."""
     global _server
     with _lock:
-        forked = server.fork(out, request, env)
+        forked = server.fork(out, request, env, entry)
         if forked is None:
             server.close()
             if _server is server:
@@ -324,6 +330,9 @@ def _child(req: dict, out_w: int, inherited: tuple[int, ...], parent: int, measu
     if req["cwd"] is not None:
         os.chdir(req["cwd"])
     sys.argv = [sys.argv[0], req["out"]]
+    if req.get("entry"):
+        module, name = req["entry"].split(":")
+        measure = getattr(importlib.import_module(module), name)
     code = measure(Path(req["out"]), req["request"], parent)
     atexit._run_exitfuncs()  # as a fresh worker's interpreter would at exit
     sys.stdout.flush()
