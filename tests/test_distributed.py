@@ -1,9 +1,9 @@
 """DP measurement on the real stack: torchrun, 2 ranks, gloo, DistributedDataParallel (CPU).
 
-Launches are shared between assertions (module fixtures): each costs ~5-8 s on a 2-core machine (torch's
-import in torchrun and in each rank, and in each rank DDP's constructor importing torch._dynamo, ~2 s CPU).
-Run as a script under torchrun, this file is the rank program of the user-started (external) measurement and,
-in the same ranks after it, of the FSDP2 (ZeRO-3) measurement and of the gradient-equivalence test.
+Launches are shared between assertions (module fixtures).  This file's ``_rank_main`` is the rank program of
+the user-started (external) measurement and, in the same ranks after it, of the FSDP2 (ZeRO-3) measurement and
+of the gradient-equivalence test; run as a script (``torchrun ... tests/test_distributed.py DIR``) it runs
+under torchrun as well.
 """
 from __future__ import annotations
 
@@ -66,18 +66,21 @@ EXTERNAL_ACCUM = 4
 
 @pytest.fixture(scope="module")
 def external(tmp_path_factory):
-    """One ``torchrun --nproc-per-node 2`` job running this file (``_rank_main``): each rank first runs
-    ``python -m batchlab measure --dp 2 --accum 4 --json`` (ranks started by the user; rank 0 alone prints),
-    then measures FSDP_CFG (batchlab.distributed.measure_in_torchrun, the rank side of every DP measurement),
-    then saves the all-reduced gradients of one update of GRAD_CFG.
+    """One 2-rank job running ``_rank_main`` in ranks batchlab did not start for the measurement (they have
+    torchrun's environment: forks of the pre-imported process here, distributed/forked.py; torchrun itself starts
+    ranks in the dead-rank test below and in test_advise_torch_script.py): each rank first runs
+    ``python -m batchlab measure --dp 2 --accum 4 --json`` (rank 0 alone prints), then measures FSDP_CFG
+    (batchlab.distributed.measure_in_torchrun, the rank side of every DP measurement), then saves the
+    all-reduced gradients of one update of GRAD_CFG.
     (The DDP Measurement, the gradients' folder, the FSDP2 Measurement.)"""
     from batchlab.measure.result import load_measurement
+    from batchlab.measure.runner import child_env
 
     out = tmp_path_factory.mktemp("grads")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return load_measurement(proc.stdout), out, load_measurement((out / "fsdp.json").read_text())
+    ranks = forked.run(2, f"{__name__}:_forked_rank", {}, out, dict(child_env(), OMP_NUM_THREADS="1"), 120)
+    assert ranks is not None and not ranks.timed_out and set(ranks.codes.values()) == {0}, ranks and ranks.log[-3000:]
+    printed = (out / "stdout0.txt").read_text()
+    return load_measurement(printed), out, load_measurement((out / "fsdp.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +172,20 @@ def test_useful_tokens_are_summed_over_ranks(runs):
         assert m.useful_tokens_per_update == m.global_batch * BASE.seq  # fixed-length data: all useful
 
 
+def _forked_rank(folder: Path, request: dict, parent: int) -> int:
+    """``_rank_main`` in a fork (forked.run's entry), its stdout to ``stdout<rank>.txt`` beside the results."""
+    from batchlab.lifeline import guard
+
+    guard(folder.parent, parent)
+    fd = os.open(folder.parent / f"stdout{os.environ['RANK']}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    _rank_main(str(folder.parent))
+    return 0
+
+
 def _rank_main(out: str) -> None:
-    """One rank of ``external``: the measure command as a user's torchrun starts it (a fresh process, no process
-    group yet); then the same DDP build as a measurement, saving the first update's all-reduced gradients."""
+    """One rank of ``external``: the measure command as a user's launcher starts it (no process group yet);
+    then the same DDP build as a measurement, saving the first update's all-reduced gradients."""
     import runpy
 
     import torch
