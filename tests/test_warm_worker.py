@@ -101,6 +101,26 @@ def test_a_killed_pre_imported_process_is_started_again(counted):
     assert test_a == test_b == "test_a_killed_pre_imported_process_is_started_again"
 
 
+@linux
+def test_a_folder_added_to_the_path_and_other_variables_are_the_forks_own(counted, tmp_path, monkeypatch):
+    """A run whose PYTHONPATH adds a folder (a factory written after the pre-imported process started) and whose
+    other variables differ (not read at start-up) is forked from the same process: the fork imports from that
+    folder and sees its run's variables.  A start-up variable (the thread count) starts another process."""
+    cfg, imports, forks = counted
+    assert measure(cfg, OPTS).ok
+    server, before = warm.server_pid(), len(imports())
+    name = f"bl_added_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    m = measure(cfg.replace(model_source=f"{name}:small"), OPTS)
+    assert m.ok and m.environment["worker"] == warm.FORKED and warm.server_pid() == server
+    assert len(imports()) == before
+    _, ppid, test = forks()[-1]
+    assert ppid == server and test == "test_a_folder_added_to_the_path_and_other_variables_are_the_forks_own"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert measure(cfg, OPTS).ok and warm.server_pid() not in (None, server) and len(imports()) == before + 1
+
+
 class _FakeServer:
     started: list[dict] = []
 

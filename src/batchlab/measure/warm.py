@@ -4,7 +4,8 @@ Python pays to import torch here).
 
 The pre-imported process is started as the fresh worker is (``python -P -m batchlab.measure.worker --warm FD``,
 ``child_env()``: glibc reads the allocator regime's MALLOC_* at process start, so it must start with them), lazily
-on the first isolated run, once per environment (a changed PYTHONPATH or regime starts a new one).  It imports,
+on the first isolated run, once per start-up environment (``STARTUP``: a changed regime or thread count, or a
+PYTHONPATH without one of its entries, starts a new one).  It imports,
 then runs no torch op and starts no thread: after ``import torch`` its one extra native thread is numpy's
 OpenBLAS ``blas_thread_server`` (gdb), which OpenBLAS's own ``pthread_atfork`` handler
 (``openblas_fork_handler``) joins before each fork and restarts lazily, so a fork holds no lock of it.  CUDA
@@ -56,14 +57,29 @@ START_TIMEOUT_S = 120.0  # the imports: ~2 s here, more on a loaded machine or a
 MAX_REQUEST = 1 << 20
 FORKED, FRESH = "forked from a pre-imported process", "fresh process"
 ENABLED = hasattr(os, "fork") and hasattr(socket, "send_fds")  # tests switch it off to compare with FRESH
-# read by nothing at process start, and changed between runs of one process (pytest: once per test): not part
-# of what a pre-imported process is started for; each fork gets the whole environment of its run all the same
-# BATCHLAB_DDP_FAULT: the tests' fault injection, read by a rank during its updates (distributed/worker.py)
-VOLATILE = ("PYTEST_CURRENT_TEST", "BATCHLAB_DDP_FAULT")
+# What a process reads once, as it starts or imports PRELOAD: the interpreter (PYTHON*: PYTHONPATH is sys.path),
+# glibc's allocator and loader (MALLOC_*, GLIBC_TUNABLES, LD_*), the OpenMP / BLAS runtimes torch loads (OMP_*,
+# KMP_*, GOMP_*, MKL_*, OPENBLAS_*) and torch (TORCH*, PYTORCH_*, CUDA_*).  A pre-imported process is started for
+# these; every other variable is read later, in the fork, whose os.environ is exactly its run's.
+STARTUP = ("PYTHON", "MALLOC_", "GLIBC_TUNABLES", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH",
+           "PYTORCH_", "CUDA_")
 
 
 def _started_for(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in VOLATILE}
+    return {k: v for k, v in env.items() if k.startswith(STARTUP)}
+
+
+def _paths(env: dict[str, str]) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def _serves(started: dict[str, str], env: dict[str, str]) -> bool:
+    """Can a process started in ``started`` run a measurement of ``env``?  The same start-up variables, and a
+    PYTHONPATH that keeps every entry the process started with (a fork puts the run's own first on sys.path:
+    a factory in a folder added since imports there)."""
+    had, want = _started_for(started), _started_for(env)
+    had_paths, want_paths = had.pop("PYTHONPATH", None), want.pop("PYTHONPATH", None)
+    return had == want and set(_paths({"PYTHONPATH": had_paths or ""})) <= set(_paths({"PYTHONPATH": want_paths or ""}))
 
 
 class Forked:
@@ -171,12 +187,12 @@ def pre_imported(env: dict[str, str]) -> _Server | None:
     if not ENABLED:
         return None
     with _lock:
-        if _server is not None and (_server.env != _started_for(env) or not _server.alive()):
+        if _server is not None and (not _serves(_server.env, env) or not _server.alive()):
             _server.close()
             _server = None
         if _server is None and _started_for(env) != _failed_env:
             try:
-                _server = _Server(_started_for(env))
+                _server = _Server(env)
             except OSError:
                 _failed_env = _started_for(env)
         return _server
@@ -213,6 +229,9 @@ def server_pid() -> int | None:
 
 # ------------------------------------------------------------------------- the pre-imported process
 
+_STARTED_PATHS: list[str] = []  # the pre-imported process's PYTHONPATH entries (its forks replace them)
+
+
 def _threads() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -223,6 +242,7 @@ def _threads() -> int:
 def serve(fd: int, measure: Callable[[Path, dict, int], int]) -> int:
     """The pre-imported process's loop: ``measure(out, request, parent_pid)`` runs in each fork."""
     os.environ.pop(PARENT_ENV, None)  # its forks watch this process, not batchlab (it watches batchlab's end)
+    _STARTED_PATHS[:] = _paths(dict(os.environ))
     sock = socket.socket(fileno=fd)
     # no collection while importing: the imports create about a million objects and free almost none, so the
     # collections they would trigger find nothing (~15% of the imports' CPU here, ~0.7 s); frozen before
@@ -325,8 +345,11 @@ def _child(req: dict, out_w: int, inherited: tuple[int, ...], parent: int, measu
     os.dup2(out_w, 2)
     for fd in (null, out_w, *inherited):
         os.close(fd)
-    os.environ.clear()  # exactly the run's environment, as a fresh worker's (VOLATILE may differ from ours)
+    os.environ.clear()  # exactly the run's environment, as a fresh worker's (only STARTUP is ours for certain)
     os.environ.update(req["env"])
+    ours = set(_STARTED_PATHS)
+    sys.path[:] = _paths(req["env"]) + [p for p in sys.path if p not in ours]  # as the run's interpreter orders it
+    importlib.invalidate_caches()  # a folder's listing as it is now (a factory written since this process started)
     if req["cwd"] is not None:
         os.chdir(req["cwd"])
     sys.argv = [sys.argv[0], req["out"]]
