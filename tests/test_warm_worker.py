@@ -60,6 +60,9 @@ def counted(tmp_path_factory):
         mp.syspath_prepend(str(tmp))
         mp.setenv("BL_TORCH_IMPORTS", str(imports))
         mp.setenv("BL_FORKS", str(forks))
+        # a pre-imported process of the module's own, started with the counting sitecustomize: one an earlier
+        # test started would serve this PYTHONPATH too (it only adds entries)
+        warm._close()
         yield RunConfig(model_source=f"{name}:small", seq=16, micro_batch=2), lambda: read(imports), lambda: read(forks)
 
 
