@@ -17,11 +17,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Sequence
 
-from batchlab.config import ConfigError, RunConfig
+from batchlab.config import ConfigError, RunConfig, _Choice
 from batchlab.distributed import forked
 from batchlab.distributed.failures import diagnose
 from batchlab.lifeline import module_command
@@ -138,7 +137,7 @@ class _Finished:
 RANK_ENTRY = "batchlab.distributed.__main__:forked"
 
 
-class Launcher(str, Enum):
+class Launcher(_Choice):
     """How this node's ranks start."""
 
     FORK = "fork"  # forks of the pre-imported process (forked.py): one node, CPU
@@ -176,15 +175,6 @@ def forkable(cfg: RunConfig, opts: MeasureOptions, torchrun_args: Sequence[str])
     from batchlab.measure.runner import backend
 
     return not torchrun_args and backend(cfg, opts) == "cpu"
-
-
-def _launcher(value: Launcher | str | None) -> Launcher | None:
-    if value is None or isinstance(value, Launcher):
-        return value
-    try:
-        return Launcher(value)
-    except ValueError:
-        raise ConfigError("launcher", f"{value!r}; allowed: {', '.join(x.value for x in Launcher)}") from None
 
 
 def check_world(cfg: RunConfig, nproc: int, nnodes: int) -> None:
@@ -227,7 +217,7 @@ def launch(cfg: RunConfig, opts: MeasureOptions | None = None, nproc: int | None
     failed / oom and ``outcome_detail`` naming the rank and the reason.
     """
     opts = opts or MeasureOptions()
-    launcher = _launcher(launcher)
+    launcher = None if launcher is None else Launcher.parse("launcher", launcher)
     if launcher is Launcher.FORK and not forkable(cfg, opts, torchrun_args):
         raise ConfigError("launcher", "fork starts one node's ranks on CPU; several nodes or CUDA need torchrun")
     nnodes = nnodes_of(torchrun_args)
