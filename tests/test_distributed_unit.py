@@ -74,6 +74,25 @@ def test_launch_refuses_a_mismatched_world_before_starting_anything():
     assert e.value.field == "dp"
 
 
+def test_ranks_are_forked_on_one_cpu_node_only_and_fork_elsewhere_is_refused():
+    from batchlab.distributed import launch
+    from batchlab.distributed.launcher import forkable
+    from batchlab.measure.options import MeasureOptions
+
+    cpu, multi = MeasureOptions(), ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:29500"]
+    assert forkable(RunConfig(dp=2), cpu, [])
+    assert not forkable(RunConfig(dp=2), cpu, multi)
+    assert not forkable(RunConfig(dp=2), MeasureOptions(torch_device="cuda"), [])
+    assert not forkable(RunConfig(dp=2, device="h100"), cpu, [])  # the device's backend: CUDA
+    for bad in (dict(opts=MeasureOptions(torch_device="cuda:0")), dict(torchrun_args=multi, nproc=1)):
+        with pytest.raises(ConfigError) as e:
+            launch(RunConfig(dp=2), launcher="fork", **bad)
+        assert e.value.field == "launcher"
+    with pytest.raises(ConfigError) as e:
+        launch(RunConfig(dp=2), launcher="mpirun")
+    assert e.value.field == "launcher" and "fork, torchrun" in e.value.message
+
+
 def test_standalone_only_without_a_rendezvous_endpoint(tmp_path):
     single = torchrun_command(2, [], tmp_path / "s.json", tmp_path)
     assert "--standalone" in single and single[single.index("--nproc-per-node") + 1] == "2"
