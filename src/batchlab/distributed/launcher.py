@@ -164,7 +164,6 @@ def _run_forked(nproc: int, spec: Path, out: Path, env: dict[str, str], timeout_
     if ranks is None:
         return None
     failed = any(code != 0 for code in ranks.codes.values())
-    (out / "ranks.log").write_text(ranks.log)
     return _Finished(None if ranks.timed_out else int(failed), ranks.log,
                      dict(launcher=forked.LAUNCHER, pre_imported_pid=ranks.server_pid, rank_pids=ranks.pids),
                      ranks.codes)
