@@ -99,8 +99,9 @@ def _assert_all_gone(pids: list[int], folders: list[Path], within: float = 5.0) 
 
 @linux
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the parent runs with -P")
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_an_isolated_worker_dies_with_its_parent(tmp_path, sig):
+def test_an_isolated_worker_dies_with_its_parent_killed_by_sigkill(tmp_path):
+    """(SIGTERM and SIGINT of a parent with an isolated worker: test_ctrl_c_and_sigterm_of_compare_name_...)"""
+    sig = signal.SIGKILL
     parent = _start("measure", "--isolate", "--steps", "100000", "--timeout", "300", *TINY, cwd=tmp_path)
     try:
         folder = _wait_for(lambda: _measuring(tmp_path / "tmp"), 60, "the worker's folder")
@@ -159,7 +160,8 @@ def test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row(tmp_path, sig, co
     import sqlite3
 
     book = tmp_path / "nb.sqlite"
-    env = {**os.environ, "PYTHONPATH": SRC}
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PYTHONPATH": SRC, "TMPDIR": str(tmp_path / "tmp")}
     # SIGINT restored to its default: a process started from a non-interactive shell may inherit it ignored;
     # --no-calibrate: calibrating (or finding the cache: it imports torch here) comes before any measurement
     parent = subprocess.Popen([sys.executable, "-P", "-m", "batchlab", "compare", "--predict", "none", "--no-verify",
@@ -169,11 +171,12 @@ def test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row(tmp_path, sig, co
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for(lambda: len(_workers(parent.pid)) >= 2 or None, 60, "the pre-imported process and its fork")
+        folder = _wait_for(lambda: _measuring(tmp_path / "tmp"), 60, "the worker's folder")
         time.sleep(FORK_MEASURING_S)
         workers = _workers(parent.pid)
         parent.send_signal(sig)
         _, err = parent.communicate(timeout=30)
-        _assert_all_gone(workers, [])
+        _assert_all_gone(workers, [folder])
     finally:
         parent.kill()
     assert parent.returncode == code, err
