@@ -5,10 +5,17 @@ in-process tests and the subprocesses they start (isolated runs, DDP ranks) do n
 Semantics do not depend on the thread count; timing assertions are ratios measured within one run.
 """
 import os
+import sys
 
 from batchlab.regime import STEADY_ENV
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every subprocess a test starts
+# Compiled modules cached in the checkout's (ignored) __pycache__ folders: with PYTHONDONTWRITEBYTECODE=1 (set
+# on these machines) every process of the run -- the two pytest-xdist workers collecting 59 test modules, and
+# each CLI, rank or worker process a test starts -- compiled every batchlab and test module again (~3 s of CPU
+# per worker's collection, ~0.3 s per process here)
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 # pytest-xdist's workers (started after this) run in batchlab's allocator regime, as its measuring processes do,
 # so a calibration in a test needs no child process of its own; tests of the regime build their environments
