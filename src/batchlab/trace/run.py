@@ -157,14 +157,15 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
     world = sharded.fake_world(cfg.dp) if cfg.dp > 1 else contextlib.nullcontext()
-    with _as_config_errors(cfg), eager_branches(cfg.model_kind is not ModelSource.BUILTIN), world, fake_mode():
+    with _as_config_errors(cfg), world, fake_mode():
         if cfg.dp > 1:
             trainer, dp_notes = sharded.build(cfg, device, FakeTrainer)
             notes += dp_notes
         else:
             trainer = FakeTrainer(cfg, device)
-        _first_update(trainer)
-        snap, recorder, ops = _tracked_update(trainer, tree, timeline)
+        with eager_branches(cfg.model_kind is not ModelSource.BUILTIN):  # built: the model's imports are done
+            _first_update(trainer)
+            snap, recorder, ops = _tracked_update(trainer, tree, timeline)
         flops = flops_of(ops)
         if cfg.dp > 1:  # every rank does rank 0's work on its own data
             flops = TraceFlops.of(flops.forward * cfg.dp, flops.backward * cfg.dp, flops.recompute * cfg.dp)
