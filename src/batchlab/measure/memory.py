@@ -269,9 +269,9 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _DEVICE and type(args[0]) is FakeTensor:
-            # a fake tensor's device query (about half the calls a fake update makes here), answered
+            # a fake tensor's device query (half to two thirds of the calls a fake update makes here), answered
             # as FakeTensorMode answers it (fake_tensor._device_handler: the fake device, meta inside a kernel)
-            # without dispatching it again
+            # without dispatching it again; a mode entered before this one does not see it (no tensor work)
             out = args[0].device
         else:
             out = func(*args, **kwargs)

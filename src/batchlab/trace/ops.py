@@ -42,8 +42,8 @@ class _Overload(NamedTuple):
     is_view: bool
     mutable: bool
     packet: object
-    klass: OpClass  # its input contiguous (or not a copy)
-    strided: OpClass  # its input a non-contiguous view
+    klass: OpClass  # with a contiguous last input
+    strided: OpClass  # with a non-contiguous one (a copy of a view gathers: STRIDED where op_class says so)
 
     @classmethod
     def of(cls, func) -> "_Overload":
