@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -24,11 +25,44 @@ _CREATED_AS = {Phase.DATA: "data", Phase.FORWARD: "activations", Phase.BACKWARD:
 # are (working copies of) parameters; the reduce-scatter input and output are gradients.
 _RELABEL = {"all_gather_copy_in": "parameters", "_allgather_base_": "parameters", "chunk_cat": "gradients",
             "_reduce_scatter_base_": "gradients"}
+_TO_COPY = torch.ops.aten._to_copy.default
+_DEVICE = torch.ops.prim.device.default
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this rank stores); a plain tensor itself."""
     return getattr(t, "_local_tensor", t)
+
+
+# leaves of an op's arguments that hold no tensor (pytree leaves too, so skipping them keeps its order)
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, torch.device, torch.dtype, torch.layout,
+                    torch.memory_format})
+
+
+def _collect(x, out: list) -> bool:
+    for v in x.values() if type(x) is dict else x:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif type(v) in (tuple, list, dict):
+            if not _collect(v, out):
+                return False
+        elif type(v) not in _ATOMS:
+            return False
+    return True
+
+
+def tensors_in(x) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or output in ``tree_flatten``'s order.  Plain tuples, lists and dicts of
+    tensors and scalars (every aten op's) are walked directly: building a pytree spec per op cost ~8% of a
+    fake-tensor trace's CPU time; anything else (a namedtuple, a registered node) goes through ``tree_flatten``."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if type(x) in _ATOMS:
+        return []
+    out: list[torch.Tensor] = []
+    if type(x) in (tuple, list, dict) and _collect(x, out):
+        return out
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
 
 
 @dataclass
@@ -68,9 +102,14 @@ class StorageTracker(TorchDispatchMode):
     """Use as ``with tracker:`` around one or more updates; call ``mark(phase)`` between phases."""
 
     def __init__(self, budget: int | None = None, owner: Callable[[], str] | None = None,
-                 listener: StorageListener | None = None):
+                 listener: StorageListener | None = None, observer: Callable | None = None):
         super().__init__()
         self.listener = listener
+        # observer(func, args, kwargs, out) sees each op as it returns, before its storages are counted: the
+        # trace's op recorder (trace/ops.py) rides on this mode, as a second mode it cost a Python call and a
+        # re-dispatch per op, most of them prim.device queries fake tensors make
+        self.observer = observer
+        self._relabels: dict = {}  # op overload -> the FSDP2 buffer category its outputs get (_RELABEL), or None
         # owner() labels each new storage (the trace passes the module running now: "what keeps what")
         self._owner = owner
         self._owners: dict[int, str] = {}
@@ -228,21 +267,30 @@ class StorageTracker(TorchDispatchMode):
         self._baseline = self._current
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is _DEVICE and type(args[0]) is FakeTensor:
+            # a fake tensor's device query (half to two thirds of the calls a fake update makes here), answered
+            # as FakeTensorMode answers it (fake_tensor._device_handler: the fake device, meta inside a kernel)
+            # without dispatching it again; a mode entered before this one does not see it (no tensor work)
+            out = args[0].device
+        else:
+            out = func(*args, **kwargs)
+        if self.observer is not None:
+            self.observer(func, args, kwargs, out)
         if self._resizable:
             self._resync()
-        category = _CREATED_AS.get(self.phase, "temporaries")
-        if (func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
+        relabel = self._relabels.get(func, False)
+        if relabel is False:  # per overload: ``namespace`` splits the schema name on every read
+            relabel = self._relabels[func] = _RELABEL.get(func._opname) if func.namespace in ("fsdp", "c10d") else None
+        category = relabel or _CREATED_AS.get(self.phase, "temporaries")
+        if (func is _TO_COPY and isinstance(args[0], torch.Tensor)
                 and id(_local(args[0]).untyped_storage()) in self._param_keys):
             category = "parameters"  # autocast's low-precision working copy of a weight
-        relabel = _RELABEL.get(func._opname) if func.namespace in ("fsdp", "c10d") else None
-        category = relabel or category
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                # a mode sees a DTensor op before DTensor does: the storage is the output's local shard
-                self._add(_local(t).untyped_storage(), category)
+        for t in tensors_in(out):
+            # a mode sees a DTensor op before DTensor does: the storage is the output's local shard
+            self._add(_local(t).untyped_storage(), category)
         if relabel:
-            self._relabel(tree_flatten((args, out))[0], relabel)
+            self._relabel(tensors_in((args, out)), relabel)
         if self.listener is not None:
             self.listener.op_done(func, args)
         if self.budget is not None and self._current > self.budget:
@@ -263,10 +311,10 @@ class StorageTracker(TorchDispatchMode):
 
 
 def tracker_for(trainer, budget: int | None = None, owner: Callable[[], str] | None = None,
-                listener: StorageListener | None = None) -> StorageTracker:
+                listener: StorageListener | None = None, observer: Callable | None = None) -> StorageTracker:
     """A tracker for ``trainer``'s next update: parameters, buffers and optimizer state registered (they
     exist before tracking starts), gradients watched, baseline set.  Call ``close()`` when done."""
-    tracker = StorageTracker(budget=budget, owner=owner, listener=listener)
+    tracker = StorageTracker(budget=budget, owner=owner, listener=listener, observer=observer)
     params = list(trainer.raw_model.parameters())
     tracker.register(params, "parameters")
     tracker.register([b for b in trainer.raw_model.buffers()], "parameters")

@@ -174,14 +174,16 @@ def block_of(label: str) -> str:
 
 
 def recorded_update(trainer, owner: Callable[[], str], outside: str,
-                    tree_owner: Callable[[], str] | None = None, register: Callable | None = None):
+                    tree_owner: Callable[[], str] | None = None, register: Callable | None = None,
+                    observer: Callable | None = None):
     """One update of ``trainer`` tracked by the StorageTracker with a recorder listening: (snapshot, recorder).
     ``tree_owner``: the tracker's own owner labels (``--tree``), unchanged by the recording; ``register``:
-    called with the tracker before the update (storages no op creates, e.g. a DP engine's buffers)."""
+    called with the tracker before the update (storages no op creates, e.g. a DP engine's buffers);
+    ``observer``: the tracker's (sees every op's arguments and output)."""
     from batchlab.measure.memory import tracker_for
 
     recorder = TimelineRecorder(owner, outside, output_head(trainer.raw_model, trainer.cfg.model.vocab))
-    tracker = tracker_for(trainer, owner=tree_owner, listener=recorder)
+    tracker = tracker_for(trainer, owner=tree_owner, listener=recorder, observer=observer)
     if register is not None:
         register(tracker)
         tracker.reset()

@@ -8,13 +8,15 @@ into seconds.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from batchlab.formula.opcost import OpClass, OpCount, Phase, merge, op_class
+from batchlab.formula.opcost import OpClass, OpCount, Phase, op_class
+from batchlab.measure.memory import tensors_in
 from batchlab.models.ac import Checkpointed
 from batchlab.trace.flops import register_cpu_attention_flops, update_under
 from batchlab.trace.tree import HookSet
@@ -31,29 +33,64 @@ def footprint(t: torch.Tensor) -> int:
     return n * t.element_size()
 
 
-def _tensors(x) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+class _Overload(NamedTuple):
+    """What an op's record needs of its overload, read once per overload (``namespace`` and
+    ``overloadpacket`` are properties that rebuild their answer on every read)."""
+
+    name: str
+    aten: bool
+    is_view: bool
+    mutable: bool
+    packet: object
+    klass: OpClass  # with a contiguous last input
+    strided: OpClass  # with a non-contiguous one (a copy of a view gathers: STRIDED where op_class says so)
+
+    @classmethod
+    def of(cls, func) -> "_Overload":
+        name = func.overloadpacket.__name__
+        return cls(name, func.namespace == "aten", func.is_view, func._schema.is_mutable, func.overloadpacket,
+                   op_class(name, is_view=func.is_view), op_class(name, is_view=func.is_view, strided=True))
 
 
-def op_of(func, args, kwargs, out, phase: Phase) -> OpCount:
-    """One call as an OpCount (count 1)."""
-    name = func.overloadpacket.__name__
-    outs, ins = _tensors(out), _tensors((args, kwargs))
-    klass = op_class(name, is_view=func.is_view, strided=bool(ins) and not ins[-1].is_contiguous())
+_OVERLOADS: dict = {}
+
+
+def _overload(func) -> _Overload:
+    info = _OVERLOADS.get(func)
+    if info is None:
+        info = _OVERLOADS[func] = _Overload.of(func)
+    return info
+
+
+def _key(func, args, kwargs, out, phase: Phase) -> tuple:
+    """One call as OpCount's fields but the count: (name, phase, class, FLOPs, bytes, elements, low, grain)."""
+    op = _overload(func)
+    name = op.name
+    outs, ins = tensors_in(out), tensors_in((args, kwargs))
+    klass = op.klass
+    if klass is not op.strided and ins and not ins[-1].is_contiguous():
+        klass = op.strided
     flops = 0
-    if func.overloadpacket in flop_registry:
-        flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+    formula = flop_registry.get(op.packet)
+    if formula is not None:
+        flops = int(formula(*args, **kwargs, out_val=out))
     nbytes = 0
     if klass is not OpClass.VIEW:
         # an in-place op's output is its input: read once, written once
         ids = {id(t) for t in ins}
-        nbytes = sum(footprint(t) for t in ins) + sum(footprint(t) for t in outs if id(t) not in ids or
-                                                       func._schema.is_mutable)
+        nbytes = sum(footprint(t) for t in ins) + sum(footprint(t) for t in outs if id(t) not in ids or op.mutable)
         if name == "embedding":  # reads the rows it gathers (as many as it writes), not the whole table
             nbytes = 2 * footprint(outs[0]) + footprint(ins[1])
-    low = any(t.dtype in _LOW for t in (outs or ins)[:1])
+    first = outs or ins
+    low = bool(first) and first[0].dtype in _LOW
     elements = max((t.numel() for t in outs), default=0)
-    return OpCount(name, phase, klass, flops, nbytes, elements, low, grain=_grain(name, ins, flops))
+    return name, phase, klass, flops, nbytes, elements, low, _grain(name, ins, flops)
+
+
+def op_of(func, args, kwargs, out, phase: Phase) -> OpCount:
+    """One call as an OpCount (count 1)."""
+    *fields, grain = _key(func, args, kwargs, out, phase)
+    return OpCount(*fields, grain=grain)
 
 
 def _grain(name: str, ins: list[torch.Tensor], flops: int) -> int:
@@ -81,7 +118,8 @@ class OpRecorder(TorchDispatchMode, HookSet):
         HookSet.__init__(self)
         self.phase = Phase.DATA
         self._in_block = 0
-        self.ops: list[OpCount] = []
+        # identical calls counted as they come (OpCount's fields but the count -> calls), in order of first call
+        self._counts: dict[tuple, int] = {}
         for m in (model.modules() if model is not None else ()):
             if isinstance(m, Checkpointed):
                 self._handles.append(m.block.register_forward_pre_hook(self._enter))
@@ -106,12 +144,18 @@ class OpRecorder(TorchDispatchMode, HookSet):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace == "aten":  # not prim::device and other metadata queries fake tensors dispatch
-            self.ops.append(op_of(func, args, kwargs, out, self.current()))
+        self.record(func, args, kwargs, out)
         return out
 
+    def record(self, func, args, kwargs, out) -> None:
+        """Count one op that returned ``out`` (a StorageTracker's ``observer``, or this mode's own)."""
+        if _overload(func).aten:  # not prim::device and other metadata queries fake tensors dispatch
+            key = _key(func, args, kwargs, out, self.current())
+            self._counts[key] = self._counts.get(key, 0) + 1
+
     def result(self) -> tuple[OpCount, ...]:
-        return merge(self.ops)
+        """The calls, identical ones merged (``formula.opcost.merge``'s order and counts)."""
+        return tuple(OpCount(*fields, count=n, grain=grain) for (*fields, grain), n in self._counts.items())
 
 
 def record_update(trainer) -> tuple[OpCount, ...]:

@@ -1,13 +1,14 @@
 """Library code that branches on "am I being traced?" made to take the branch a real eager run takes.
 
 Applied to every traced model source but batchlab's own GPT (hf:, and factories, which may build
-transformers models), where transformers is installed.
+transformers models) once the model is built, where the process has imported transformers: a model built with
+it has imported it by then, and importing it for one that does not (a vision factory) cost ~1 s of CPU.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
+import sys
 
 import torch
 
@@ -30,7 +31,7 @@ def eager_branches(needed: bool = True):
     backward and has a fake kernel, so the trace routes the grouped matmuls there.
     """
     with contextlib.ExitStack() as stack:
-        if needed and importlib.util.find_spec("transformers") is not None:
+        if needed and "transformers" in sys.modules:
             masking = _module("transformers.masking_utils")
             if hasattr(masking, "find_packed_sequence_indices"):
                 _patch(stack, masking, "find_packed_sequence_indices", lambda position_ids: None)

@@ -107,31 +107,30 @@ def _first_update(trainer: Trainer) -> None:
 
 def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
     """One update tracked by the CPU measurement's StorageTracker; with ``tree``, storages labelled by module;
-    with ``timeline``, also recorded op by op; its ops recorded for the time model either way:
-    (snapshot, TimelineRecorder or None, ops)."""
+    with ``timeline``, also recorded op by op; its ops recorded for the time model either way (by the tracker's
+    own dispatch mode: ``observer``): (snapshot, TimelineRecorder or None, ops)."""
     owners = ModuleStack(trainer.raw_model) if tree or timeline else None
     register = (lambda tracker: sharded.register_storages(tracker, trainer)) if trainer.world > 1 else None
     ops = OpRecorder(trainer.raw_model)
     try:
-        with ops:
-            if timeline:
-                from batchlab.timeline.record import recorded_update
+        if timeline:
+            from batchlab.timeline.record import recorded_update
 
-                update = trainer.update  # the timeline's probe also marks the phases for the op recorder
-                trainer.update = lambda probe=None: update(probe=Probes(probe, ops) if probe is not None else ops)
-                try:
-                    snap, rec = recorded_update(trainer, owners.current, OUTSIDE, owners.current if tree else None,
-                                                register)
-                finally:
-                    del trainer.update
-                return snap, rec, ops.result()
-            tracker = tracker_for(trainer, owner=owners.current if owners else None)
-            if register is not None:
-                register(tracker)
-                tracker.reset()
-            with tracker:
-                trainer.update(probe=Probes(tracker, ops))
-            return tracker.snapshot(), None, ops.result()
+            update = trainer.update  # the timeline's probe also marks the phases for the op recorder
+            trainer.update = lambda probe=None: update(probe=Probes(probe, ops) if probe is not None else ops)
+            try:
+                snap, rec = recorded_update(trainer, owners.current, OUTSIDE, owners.current if tree else None,
+                                            register, observer=ops.record)
+            finally:
+                del trainer.update
+            return snap, rec, ops.result()
+        tracker = tracker_for(trainer, owner=owners.current if owners else None, observer=ops.record)
+        if register is not None:
+            register(tracker)
+            tracker.reset()
+        with tracker:
+            trainer.update(probe=Probes(tracker, ops))
+        return tracker.snapshot(), None, ops.result()
     finally:
         ops.close()
         if owners:
@@ -158,14 +157,15 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
     world = sharded.fake_world(cfg.dp) if cfg.dp > 1 else contextlib.nullcontext()
-    with _as_config_errors(cfg), eager_branches(cfg.model_kind is not ModelSource.BUILTIN), world, fake_mode():
+    with _as_config_errors(cfg), world, fake_mode():
         if cfg.dp > 1:
             trainer, dp_notes = sharded.build(cfg, device, FakeTrainer)
             notes += dp_notes
         else:
             trainer = FakeTrainer(cfg, device)
-        _first_update(trainer)
-        snap, recorder, ops = _tracked_update(trainer, tree, timeline)
+        with eager_branches(cfg.model_kind is not ModelSource.BUILTIN):  # built: the model's imports are done
+            _first_update(trainer)
+            snap, recorder, ops = _tracked_update(trainer, tree, timeline)
         flops = flops_of(ops)
         if cfg.dp > 1:  # every rank does rank 0's work on its own data
             flops = TraceFlops.of(flops.forward * cfg.dp, flops.backward * cfg.dp, flops.recompute * cfg.dp)
