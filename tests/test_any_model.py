@@ -193,6 +193,7 @@ def test_an_input_spec_must_be_one_batchlab_knows():
     with pytest.raises(ConfigError, match="input spec"):
         batch_maker("audio:16000")
 
+@pytest.mark.slow
 
 def test_vision_compare_and_fit_run(vision, tmp_path, monkeypatch):
     """An image factory through compare and fit.  Each side and fit's verification are measured in this process

@@ -105,6 +105,7 @@ def measured(monkeypatch, calibrated) -> list[dict]:
 
 ASKED = dict(torch_device="cpu", seconds=0.5, threads=1)
 
+@pytest.mark.slow
 
 def test_a_real_calibration_is_current(calibrated):
     """What the stale-cache tests below rely on: today's measurement has every kind _current asks for."""

@@ -97,6 +97,7 @@ def _assert_all_gone(pids: list[int], folders: list[Path], within: float = 5.0) 
     assert not [f for f in folders if f.exists()], "temporary folder left behind"
 
 
+@pytest.mark.slow
 @linux
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the parent runs with -P")
 def test_an_isolated_worker_dies_with_its_parent_killed_by_sigkill(tmp_path):
@@ -152,6 +153,7 @@ def test_an_isolated_worker_does_not_import_the_working_directory(tmp_path, monk
     assert res.exit_code == 0, res.output
 
 
+@pytest.mark.slow
 @linux
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the parent runs with -P")
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

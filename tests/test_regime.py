@@ -36,6 +36,7 @@ print(sorted(faults)[1])  # median, as the session reports it
 """
 
 
+@pytest.mark.slow
 @glibc
 def test_isolated_worker_runs_in_the_regime_and_faults_no_pages_after_warmup(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -48,6 +49,7 @@ def test_isolated_worker_runs_in_the_regime_and_faults_no_pages_after_warmup(mon
     assert m.environment["page_faults_per_update"] < 50  # median: 0-1 measured; ~2,000 without it (next test)
 
 
+@pytest.mark.slow
 @glibc
 def test_without_the_regime_the_same_updates_fault_pages_in():
     """The reference for the test above: a process started with the caller's environment minus the regime."""

@@ -66,6 +66,7 @@ def counted(tmp_path_factory):
         yield RunConfig(model_source=f"{name}:small", seq=16, micro_batch=2), lambda: read(imports), lambda: read(forks)
 
 
+@pytest.mark.slow
 @linux
 def test_two_runs_import_torch_once_and_fork_twice_and_measure_what_a_fresh_worker_does(counted, monkeypatch):
     cfg, imports, forks = counted
@@ -84,6 +85,7 @@ def test_two_runs_import_torch_once_and_fork_twice_and_measure_what_a_fresh_work
         assert m.memory.peak_bytes == fresh.memory.peak_bytes and m.memory.breakdown == fresh.memory.breakdown
 
 
+@pytest.mark.slow
 @linux
 def test_a_killed_pre_imported_process_is_started_again(counted):
     cfg, imports, forks = counted
@@ -104,11 +106,12 @@ def test_a_killed_pre_imported_process_is_started_again(counted):
     assert test_a == test_b == "test_a_killed_pre_imported_process_is_started_again"
 
 
+@pytest.mark.slow
 @linux
 def test_a_folder_added_to_the_path_and_other_variables_are_the_forks_own(counted, tmp_path, monkeypatch):
     """A run whose PYTHONPATH adds a folder (a factory written after the pre-imported process started) and whose
     other variables differ (not read at start-up) is forked from the same process: the fork imports from that
-    folder and sees its run's variables.  A start-up variable (the thread count) starts another process."""
+    folder and sees its run's variables.  (Which variables start another: the next test.)"""
     cfg, imports, forks = counted
     assert measure(cfg, OPTS).ok
     server, before = warm.server_pid(), len(imports())
@@ -120,8 +123,6 @@ def test_a_folder_added_to_the_path_and_other_variables_are_the_forks_own(counte
     assert len(imports()) == before
     _, ppid, test = forks()[-1]
     assert ppid == server and test == "test_a_folder_added_to_the_path_and_other_variables_are_the_forks_own"
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert measure(cfg, OPTS).ok and warm.server_pid() not in (None, server) and len(imports()) == before + 1
 
 
 class _FakeServer:
@@ -150,11 +151,17 @@ def test_one_pre_imported_process_per_environment_and_none_where_it_cannot_start
     assert warm.pre_imported({"PYTHONPATH": "a"}) is one  # the same environment: the same process
     two = warm.pre_imported({"PYTHONPATH": "b"})  # a test changed PYTHONPATH: a new one, the old one ended
     assert two is not one and not one.up and two.up
+    # an entry added, or a variable read only after start-up: the same process; one read at start-up: a new one
+    assert warm.pre_imported({"PYTHONPATH": os.pathsep.join(["c", "b"]), "HOME": "/h", "RANK": "1"}) is two
+    for startup in ({"OMP_NUM_THREADS": "2"}, {"MALLOC_TOP_PAD_": "1"}, {"TORCH_LOGS": "x"}, {"PYTHONHASHSEED": "0"}):
+        assert warm.pre_imported({"PYTHONPATH": "b", **startup}) is not two and not two.up, startup
+        two = warm.pre_imported({"PYTHONPATH": "b"})
+    assert len(_FakeServer.started) == 2 + 2 * 4
     two.up = False  # it died: started again
     three = warm.pre_imported({"PYTHONPATH": "b"})
-    assert three is not two and three.up and len(_FakeServer.started) == 3
+    assert three is not two and three.up and len(_FakeServer.started) == 11
     assert warm.pre_imported({"FAIL": "1"}) is None and not three.up  # cannot start: the caller goes fresh
-    assert warm.pre_imported({"FAIL": "1"}) is None and len(_FakeServer.started) == 3  # and is not tried again
+    assert warm.pre_imported({"FAIL": "1"}) is None and len(_FakeServer.started) == 11  # and is not tried again
     monkeypatch.setattr(warm, "ENABLED", False)  # no fork on this platform (macOS/Windows spawn)
     assert warm.pre_imported({"PYTHONPATH": "a"}) is None
 
