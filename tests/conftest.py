@@ -34,6 +34,8 @@ def pytest_configure(config):
     home = os.environ["BATCHLAB_TEST_HOME"]
     os.environ["XDG_CACHE_HOME"] = os.path.join(home, "cache")
     os.environ["XDG_DATA_HOME"] = os.path.join(home, "data")
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+        return  # pytest-xdist's controller runs no test: torch (~2 s of CPU) stays out of it
     try:
         import torch
     except ImportError:  # the calculator's tests run without torch

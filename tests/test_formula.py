@@ -291,11 +291,11 @@ def test_formula_matches_a_real_step_in_16_bit(precision):
     from batchlab.measure.harness import Trainer
     from batchlab.measure.memory import track_update
 
-    # fp16 matmuls on CPU run ~10x slower than bf16 ones here (no fast kernel): half the micro-batch, the same
-    # terms (each is linear in it)
+    # fp16 matmuls on CPU run ~10x slower than bf16 ones here (no fast kernel): half the micro-batch and the
+    # sequence, the same terms (each is linear in b, in s or in s^2)
     half = 2 if precision == "fp16-mixed" else 1
     for mb, ac in ((8, "none"), (2, "none"), (8, "full"), (8, "selective"), (4, "every:2")):
-        cfg = RunConfig(seq=64, micro_batch=mb // half, ac=ac, precision=precision)
+        cfg = RunConfig(seq=64 // half, micro_batch=mb // half, ac=ac, precision=precision)
         measured = track_update(Trainer(cfg))
         f = estimate(cfg).memory
         assert f.peak_tensor_bytes == pytest.approx(measured.peak_bytes, rel=0.03), (mb, ac)
