@@ -223,7 +223,8 @@ def test_vision_compare_and_fit_run(vision, tmp_path, monkeypatch):
     assert record["change"]["global_batch_text"]["b"].endswith("= 8 samples per update")
     # fit traces a factory's own code (the formula knows only its stand-in GPT shape): under a budget that only
     # a checkpointed micro-batch of 2 fits, the traced peak is the real run's
-    r = CliRunner().invoke(app, ["fit", *model, "--memory-budget", "1MiB", "--json"])
+    # fit at global batch 4: micro-batch 1, 2 and 4 under each of the 4 policies, each candidate traced
+    r = CliRunner().invoke(app, ["fit", *model[:-1], "4", "--memory-budget", "1MiB", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["predictor"] == "trace" and d["recommended_by_formula"]["provenance"] == "trace"

@@ -177,7 +177,7 @@ def test_formula_matches_a_real_step_within_3_percent(model):
     from batchlab.measure.harness import Trainer
     from batchlab.measure.memory import track_update
 
-    grid = GRID if model == "tiny" else [(128, 2, ac) for ac in ("none", "full", "selective")]
+    grid = GRID if model == "tiny" else [(64, 2, ac) for ac in ("none", "full", "selective")]
     worst = []
     for seq, mb, ac in grid:
         cfg = RunConfig(model=preset(model), seq=seq, micro_batch=mb, ac=ac, accum=2 if mb == 4 else 1)

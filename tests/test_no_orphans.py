@@ -15,9 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from batchlab.cli import app
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--micro-batch", "2"]
@@ -100,8 +97,11 @@ def _assert_all_gone(pids: list[int], folders: list[Path], within: float = 5.0) 
 @pytest.mark.slow
 @linux
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the parent runs with -P")
-def test_an_isolated_worker_dies_with_its_parent_killed_by_sigkill(tmp_path):
-    """(SIGTERM and SIGINT of a parent with an isolated worker: test_ctrl_c_and_sigterm_of_compare_name_...)"""
+def test_an_isolated_worker_dies_with_its_parent_killed_by_sigkill(tmp_path, plant_shadows):
+    """Started in a folder of modules named like the stdlib's, which no process (the parent, the pre-imported
+    process, its fork) imports.  (SIGTERM and SIGINT of a parent with an isolated worker:
+    test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row; DDP ranks: test_distributed.py.)"""
+    marker = plant_shadows(tmp_path)
     parent = _start("measure", "--isolate", "--steps", "100000", "--timeout", "300", *TINY, cwd=tmp_path)
     try:
         folder = _wait_for(lambda: _measuring(tmp_path / "tmp"), 60, "the worker's folder")
@@ -115,6 +115,7 @@ def test_an_isolated_worker_dies_with_its_parent_killed_by_sigkill(tmp_path):
     finally:
         parent.kill()
     assert rc == -signal.SIGKILL
+    assert not marker.exists(), marker.read_text()
 
 
 @linux
@@ -142,18 +143,6 @@ def test_dp_ranks_and_their_launcher_die_with_their_parent(tmp_path, sig, launch
     assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 143)
 
 
-@pytest.mark.slow
-def test_an_isolated_worker_does_not_import_the_working_directory(tmp_path, monkeypatch, plant_shadows):
-    """(DDP ranks: test_distributed.py, on the launch its other tests share.)"""
-    marker = plant_shadows(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    # --no-calibrate: the calibration is not what is under test (its child is started as the worker is)
-    res = CliRunner().invoke(app, ["measure", "--isolate", "--steps", "1", "--warmup", "1", "--no-calibrate", *TINY])
-    assert not marker.exists(), marker.read_text()
-    assert res.exit_code == 0, res.output
-
-
-@pytest.mark.slow
 @linux
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the parent runs with -P")
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
