@@ -57,8 +57,10 @@ def _measure_argv(*args: str) -> list[str]:
     return (["measure"] if named else []) + list(args)
 
 
+# --no-calibrate: the time model's calibration is not under test here (each process without a cached one would
+# measure it, every rank of the external job included)
 SHAPE = ["--dp", "2", "--micro-batch", str(BASE.micro_batch), "--seq", str(BASE.seq),
-         "--warmup", str(OPTS.warmup), "--steps", str(OPTS.steps)]
+         "--warmup", str(OPTS.warmup), "--steps", str(OPTS.steps), "--no-calibrate"]
 
 
 EXTERNAL_ACCUM = 4
