@@ -102,3 +102,26 @@ def plant_shadows():
         return marker
 
     return plant
+
+
+def _freeze():
+    """Collect, then move every surviving object out of the garbage collector's reach (refcounting still frees
+    them): a pytest-xdist worker holds ~0.6 M long-lived objects (torch, transformers, lightning, the test
+    modules), which each full collection scanned: 8-14 s of CPU per worker in a run here, 1.5 s once frozen."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_collection_finish(session):
+    _freeze()  # the imports and the collection
+
+
+_module: list = [None]
+
+
+def pytest_runtest_setup(item):
+    if item.module is not _module[0]:  # what the previous modules imported and cached stays for the run too
+        _module[0] = item.module
+        _freeze()
