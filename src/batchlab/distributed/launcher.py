@@ -155,8 +155,8 @@ def _run(cmd: list[str], out: Path, env: dict[str, str], timeout_s: float, marke
             rc = None
         finally:
             cleanup(proc, out, marker)
-    return _Finished(rc, log_path.read_text(errors="replace"), dict(launcher=Launcher.TORCHRUN.value, torchrun_pid=proc.pid,
-                                                                    rank_pids=_pids(out)))
+    started = dict(launcher=Launcher.TORCHRUN.value, torchrun_pid=proc.pid, rank_pids=_pids(out))
+    return _Finished(rc, log_path.read_text(errors="replace"), started)
 
 
 def _run_forked(nproc: int, spec: Path, out: Path, env: dict[str, str], timeout_s: float) -> _Finished | None:

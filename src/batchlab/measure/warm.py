@@ -78,8 +78,9 @@ def _serves(started: dict[str, str], env: dict[str, str]) -> bool:
     PYTHONPATH that keeps every entry the process started with (a fork puts the run's own first on sys.path:
     a factory in a folder added since imports there)."""
     had, want = _started_for(started), _started_for(env)
-    had_paths, want_paths = had.pop("PYTHONPATH", None), want.pop("PYTHONPATH", None)
-    return had == want and set(_paths({"PYTHONPATH": had_paths or ""})) <= set(_paths({"PYTHONPATH": want_paths or ""}))
+    had.pop("PYTHONPATH", None)
+    want.pop("PYTHONPATH", None)
+    return had == want and set(_paths(started)) <= set(_paths(env))
 
 
 class Forked:
