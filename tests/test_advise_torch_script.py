@@ -1,11 +1,14 @@
-"""The PyTorch script `fit` prints runs as printed: DP = 1 with no process group or torchrun environment, DP = 2
-through torchrun (gloo, CPU) for DDP, ZeRO-1 (ZeroRedundancyOptimizer), ZeRO-2 and ZeRO-3 (FSDP2 fully_shard)."""
+"""The PyTorch script `fit` prints runs as printed, where only torch is installed: DP = 1 with no process group or
+torchrun environment, DP = 2 with torchrun's (2 ranks, gloo, CPU) for DDP, ZeRO-1 (ZeroRedundancyOptimizer),
+ZeRO-2 and ZeRO-3 (FSDP2 fully_shard).  The script reads nothing of torchrun but its variables (rank, world,
+store address), so its ranks are forks of batchlab's pre-imported process given them, as batchlab's own DP
+ranks are on CPU; torchrun itself is launched in test_distributed.py and test_no_orphans.py."""
 from __future__ import annotations
 
 import ast
 import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,54 +35,62 @@ def write(tmp_path, name: str, text: str):
     return path
 
 
-def env() -> dict[str, str]:
-    # the script must not need batchlab: run it without the source tree on the path
-    e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return {**e, "OMP_NUM_THREADS": "1"}
+class _NoBatchlab:
+    """A meta-path finder that refuses batchlab: the printed script must run where only torch is installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "batchlab" or name.startswith("batchlab."):
+            raise ImportError(f"the printed script imported {name}")
+        return None
 
 
-def run_scripts(commands: list[list[str]], timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Run the commands at the same time (each is mostly torch's import and process start-up)."""
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
-             for c in commands]
-    out = []
-    for c, p in zip(commands, procs):
-        text, _ = p.communicate(timeout=timeout)
-        out.append(subprocess.CompletedProcess(c, p.returncode, text))
-    return out
+# torchrun's variables a plain `python train.py` does not have (forked.rank_env's, and torchelastic's)
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                 "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-# Runs printed scripts in turn in one interpreter (torch imported once), each as __main__ in a fresh namespace.
-# Scripts after "--plain" run first, in rank 0 alone, before any process group and with torchrun's environment
-# taken away, as `python train.py` runs them (rank 1 meanwhile waits in the first rendezvous).  Under torchrun
-# each script must leave no process group behind, and each after the first rendezvouses on a store of its own
-# (rank 0 serves it on torchrun's port + i): a re-made default group reuses the first one's store keys, and
-# gloo then read a peer's stale address now and then (connection reset).  Rank 0 names each script.
-RUNNER = """\
-import os, runpy, sys
-import torch.distributed as dist
-args = sys.argv[1:]
-cut = args.index('--plain')
-if os.environ['RANK'] == '0':
-    torchrun_env = {k: os.environ.pop(k) for k in list(os.environ)
-                    if k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'GROUP_WORLD_SIZE',
-                             'ROLE_RANK', 'ROLE_WORLD_SIZE', 'ROLE_NAME', 'MASTER_ADDR', 'MASTER_PORT')
-                    or k.startswith('TORCHELASTIC_')}
-    for p in args[cut + 1:]:
-        print('== ' + p, flush=True)
-        runpy.run_path(p, run_name='__main__')
-        assert not dist.is_initialized(), 'a DP = 1 script made a process group'
-    os.environ.update(torchrun_env)
-    print('== --plain', flush=True)
-for i, p in enumerate(args[:cut]):
-    assert not dist.is_initialized(), 'a process group left over from the previous script'
-    if i:
-        port = int(os.environ.pop('BATCHLAB_FIRST_PORT', os.environ['MASTER_PORT']))
-        os.environ.update(BATCHLAB_FIRST_PORT=str(port), MASTER_PORT=str(port + i), TORCHELASTIC_USE_AGENT_STORE='False')
-    if os.environ['RANK'] == '0':
-        print('== ' + p, flush=True)
-    runpy.run_path(p, run_name='__main__')
-"""
+def _forked_rank(folder: Path, request: dict, parent: int) -> int:
+    """One rank (forked.run's entry, with torchrun --standalone's environment): the printed scripts run in turn,
+    each as __main__ in a fresh namespace, with batchlab hidden (its modules out of sys.modules, its import
+    refused).  Rank 0 first runs the DP = 1 scripts with torchrun's variables taken away, as `python train.py`
+    runs them (rank 1 meanwhile waits in the first rendezvous); then both ranks the DP = 2 scripts.  Each must
+    leave no process group behind, and each after the first rendezvouses on a store of its own (rank 0 serves
+    it on the first port + i): a re-made default group reuses the first one's store keys, and gloo then read a
+    peer's stale address now and then (connection reset).  Rank 0's output, each script named, goes to
+    out0.txt."""
+    import runpy
+
+    import torch.distributed as dist
+
+    from batchlab.lifeline import guard
+
+    guard(folder.parent, parent)
+    rank = os.environ["RANK"]
+    fd = os.open(folder.parent / f"out{rank}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    hidden = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "batchlab" or k.startswith("batchlab.")}
+    sys.meta_path.insert(0, _NoBatchlab())
+    try:
+        if rank == "0":
+            torchrun_env = {k: os.environ.pop(k) for k in TORCHRUN_VARS}
+            for p in request["dp1"]:
+                print("== " + p, flush=True)
+                runpy.run_path(p, run_name="__main__")
+                assert not dist.is_initialized(), "a DP = 1 script made a process group"
+            os.environ.update(torchrun_env)
+            print("== --plain", flush=True)
+        first = int(os.environ["MASTER_PORT"])
+        for i, p in enumerate(request["dp2"]):
+            assert not dist.is_initialized(), "a process group left over from the previous script"
+            os.environ["MASTER_PORT"] = str(first + i)
+            if rank == "0":
+                print("== " + p, flush=True)
+            runpy.run_path(p, run_name="__main__")
+        sys.stdout.flush()
+    finally:
+        sys.meta_path.remove(next(f for f in sys.meta_path if isinstance(f, _NoBatchlab)))
+        sys.modules.update(hidden)
+    return 0
 
 
 OWN_MODEL = '''\
@@ -125,29 +136,36 @@ def dp1_scripts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
-    """One torchrun (each launch is mostly torch's import in three processes) running, in rank 0, the DP = 1
-    scripts with no torchrun environment, then in both ranks the DP = 2 scripts of DP2 in turn.
-    (The DP = 2 paths, the DP = 1 paths, the CompletedProcess, rank 0's output per script by path.)"""
+    """One 2-rank job (forks of the pre-imported process with torchrun --standalone's environment, as batchlab's
+    own DP measurement runs its ranks; torchrun itself is launched in test_distributed.py and
+    test_no_orphans.py) running, in rank 0, the DP = 1 scripts with no torchrun environment, then in both
+    ranks the DP = 2 scripts of DP2 in turn.  (The DP = 2 paths, the DP = 1 paths, the Ranks, rank 0's output
+    per script by path.)"""
+    from batchlab.distributed import forked
+    from batchlab.measure.runner import child_env
+
     tmp = tmp_path_factory.mktemp("scripts")
     dp2 = [str(write(tmp, f"train_dp2_{i}.py", training_script(cfg))) for i, cfg in enumerate(DP2)]
     dp1 = [str(write(tmp, f"train_dp1_{i}.py", s)) for i, s in enumerate(dp1_scripts())]
-    runner = write(tmp, "runner.py", RUNNER)
-    [r] = run_scripts([[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(runner), *dp2, "--plain", *dp1]])
-    outputs = r.stdout.split("== ")[1:]
-    return dp2, dp1, r, outputs
+    out = tmp / "job"
+    out.mkdir()
+    ranks = forked.run(2, f"{__name__}:_forked_rank", dict(dp1=dp1, dp2=dp2), out,
+                       dict(child_env(), OMP_NUM_THREADS="1"), 240)
+    assert ranks is not None, "no pre-imported process to fork ranks from"
+    printed = (out / "out0.txt").read_text() if (out / "out0.txt").exists() else ""
+    return dp2, dp1, ranks, printed, printed.split("== ")[1:]
 
 
 @pytest.mark.slow
-@pytest.mark.distributed  # its scripts run in rank 0 of the shared torchrun job
+@pytest.mark.distributed  # its scripts run in rank 0 of the shared 2-rank job
 def test_dp1_scripts_precisions_policies_and_the_users_own_model_run(ran):
     """The script as `fit` prints it at DP = 1 (the bug: DistributedSampler and model.no_sync() crashed without a
     process group / DDP); every precision and policy at DP = 1; and the marked stand-in replaced by a model of
     the test's own, as a user would.  They run in turn in one interpreter, before any process group."""
     assert all_snippets(config(ac="every:2"))["pytorch"] == dp1_scripts()[0]
-    _, dp1, r, outputs = ran
-    assert r.returncode == 0, r.stdout
-    assert [o.split()[0] for o in outputs[:len(dp1) + 1]] == [*dp1, "--plain"], r.stdout
+    _, dp1, ranks, printed, outputs = ran
+    assert not ranks.timed_out and set(ranks.codes.values()) == {0}, printed + ranks.log
+    assert [o.split()[0] for o in outputs[:len(dp1) + 1]] == [*dp1, "--plain"], printed
     for text in outputs[:len(dp1)]:
         assert updates_printed(text) == [1, 2], text
 
@@ -155,14 +173,14 @@ def test_dp1_scripts_precisions_policies_and_the_users_own_model_run(ran):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_dp2_scripts_run_through_torchrun(ran):
-    """DDP, ZeRO-1, ZeRO-2 and ZeRO-3 at DP = 2 with accumulation 2, launched as the script's own comment says
-    (one torchrun runs the four in turn)."""
+    """DDP, ZeRO-1, ZeRO-2 and ZeRO-3 at DP = 2 with accumulation 2, in ranks with the environment the launch
+    line in the script's own comment gives them (one job runs the four in turn)."""
     for cfg in DP2:
         launch = next(line for line in training_script(cfg).splitlines() if line.startswith("# launch: "))
         assert launch == "# launch: python -m torch.distributed.run --standalone --nproc-per-node 2 train.py"
-    dp2, dp1, r, outputs = ran
-    assert r.returncode == 0, r.stdout
-    assert [o.split()[0] for o in outputs[len(dp1) + 1:]] == dp2, r.stdout
+    dp2, dp1, ranks, printed, outputs = ran
+    assert not ranks.timed_out and set(ranks.codes.values()) == {0}, printed + ranks.log
+    assert [o.split()[0] for o in outputs[len(dp1) + 1:]] == dp2, printed
     for cfg, text in zip(DP2, outputs[len(dp1) + 1:]):
         assert updates_printed(text) == [1, 2], (cfg.zero, text)  # rank 0 alone prints
 

@@ -70,7 +70,7 @@ EXTERNAL_ACCUM = 4
 def external(tmp_path_factory):
     """One 2-rank job running ``_rank_main`` in ranks batchlab did not start for the measurement (they have
     torchrun's environment: forks of the pre-imported process here, distributed/forked.py; torchrun itself starts
-    ranks in the dead-rank test below and in test_advise_torch_script.py): each rank first runs
+    ranks in the dead-rank test below and in test_no_orphans.py): each rank first runs
     ``python -m batchlab measure --dp 2 --accum 4 --json`` (rank 0 alone prints), then measures FSDP_CFG
     (batchlab.distributed.measure_in_torchrun, the rank side of every DP measurement), then saves the
     all-reduced gradients of one update of GRAD_CFG.
@@ -203,7 +203,7 @@ def _rank_main(out: str) -> None:
         assert e.code in (0, None), f"measure exited {e.code}"
     assert not dist.is_initialized(), "measure left its process group behind"
     # each further default group on a store of its own: a re-made one on torchrun's store reuses the first one's
-    # keys (gloo then read a peer's stale address now and then; see test_advise_torch_script.RUNNER)
+    # keys (gloo then read a peer's stale address now and then; see test_advise_torch_script._forked_rank)
     first_port = int(os.environ["MASTER_PORT"])
     os.environ.update(MASTER_PORT=str(first_port + 1), TORCHELASTIC_USE_AGENT_STORE="False")
     fsdp = measure_in_torchrun(FSDP_CFG, FSDP_OPTS)
