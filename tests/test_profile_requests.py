@@ -35,6 +35,8 @@ def asked(monkeypatch):
     (["compare", "--change", "ac=none:every:2", "--formula-only", "--predict", "none"],
      {"fp32": {"full", "checkpointed"}}),
     (["explain"], {"fp32": {"full", "checkpointed"}}),  # "turning it on (full)"
+    (["estimate"], {"fp32": {"full"}}),
+    (["estimate", "--trace", "--ac", "full"], {"fp32": {"checkpointed"}}),  # the formula beside the trace
     (["estimate", "--vary", "precision=fp32,bf16"], {"fp32": {"full"}, "bf16": {"full"}}),
     (["estimate", "--vary", "ac=selective,selective-op"], {"fp32": {"full", "selective"}}),  # -op: not profiled
     (["estimate", "--ac", "selective-op", "--vary", "ac=selective-op,none"], {"fp32": {"full"}}),
@@ -48,6 +50,24 @@ def test_a_command_asks_for_every_policy_and_precision_it_evaluates(tmp_path, as
     for precision, policies in asked:
         got.setdefault(precision, set()).update(policies)
     assert got == wanted
+
+
+@pytest.mark.parametrize("args, field", [
+    (["compare", "--change", "micro_batch=2"], "change"),  # A:B expected
+    (["compare", "--change", "micro_batch=1:2", "--change", "seq=64:128"], "change"),  # confounded
+    (["estimate", "--vary", "micro_batch"], "vary"),
+    (["estimate", "--trace", "--vary", "micro_batch=1,2"], "trace"),
+    (["fit", "--global-batch", "8", "--global-tokens", "100"], "global_tokens"),
+    (["measure", "--timeline", "peak.txt"], "timeline"),
+])
+def test_a_mistyped_option_fails_before_the_model_is_profiled(tmp_path, asked, args, field):
+    """A model with no cached profile (first use: seconds of tracing): the command's own options are checked
+    first, so the one-line error comes at once and nothing is traced."""
+    model = ["--model", f"hf:{config_dir(tmp_path, 'llama')}", "--seq", "64"]
+    r = CliRunner().invoke(app, [*args, *model, "--predict", "none", "--notebook", str(tmp_path / "nb.sqlite")]
+                           if args[0] == "compare" else [*args, *model])
+    assert r.exit_code == 2 and f"{field}:" in r.output, r.output
+    assert asked == []
 
 
 def test_the_advice_after_an_oom_covers_its_halved_sequence_below_the_sliding_window(tmp_path, monkeypatch):

@@ -70,16 +70,18 @@ def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
     """Turn the shared options into a validated RunConfig (raises ConfigError naming the field).
 
     With ``config`` (a TOML file) the file is the base and the flags named in ``given`` (typed on the command
-    line; default: those whose value differs from the default) override it.
+    line; default: those whose value differs from the default) override it.  An hf: model gets its cached layer
+    profile only: a command traces what it lacks (``with_layer_profile``) once its own options are checked, so a
+    mistyped option fails at once, not after seconds of tracing.
     """
     if not o.get("config"):
-        return with_layer_profile(_config_from_flags(**o))
+        return attach_cached(_config_from_flags(**o))
     base = load_config_toml(o["config"])
     if given is None:
         given = {k for k, (_, default, _) in CONFIG_OPTIONS.items() if k != "config" and o.get(k, default) != default}
     # merge first, validate once: the typed flags are raw values applied to the file's config in one replace,
     # so --seq is checked against the file's model, not the flags' default one
-    return with_layer_profile(base.replace(**_typed_changes(base, given, o)))
+    return attach_cached(base.replace(**_typed_changes(base, given, o)))
 
 
 def _typed_changes(base: RunConfig, given: set[str], o: dict[str, Any]) -> dict[str, Any]:

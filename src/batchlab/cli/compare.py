@@ -83,7 +83,9 @@ def _plan(cfg, change, experiment, keep, allow_confounded, predict, rounds, step
     pick = lambda flag, key, default: flag if flag is not None else opts.get(key, default)  # noqa: E731
     keep = keep or (file.keep if file is not None and file.keep is not None else KeepMode.GLOBAL_BATCH)
     allow_confounded = allow_confounded or bool(opts.get("allow_confounded"))
-    cfg = with_layer_profile(cfg, _sides(cfg, changes, keep, allow_confounded))  # both sides' layer terms
+    sides = _sides(cfg, changes, keep, allow_confounded)
+    if sides:  # both sides' layer terms (invalid sides: make_plan says why, nothing traced first)
+        cfg = with_layer_profile(cfg, sides)
     return make_plan(cfg, changes, keep=keep, allow_confounded=allow_confounded,
                      predictions=predictions, prediction_source=source, rounds=pick(rounds, "rounds", 3),
                      warmup=pick(warmup, "warmup", 2), steps=pick(steps, "steps", 5), timeout_s=timeout,

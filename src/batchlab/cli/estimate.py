@@ -189,7 +189,7 @@ def estimate(
             raise ConfigError("trace", "--trace traces one configuration; drop --vary")
         from batchlab.cli.render_trace import show
 
-        show(cfg, tree=tree, as_json=as_json, console=console, timeline=timeline)
+        show(with_layer_profile(cfg), tree=tree, as_json=as_json, console=console, timeline=timeline)
         return
     if vary:
         from batchlab.formula.vary import values_of, varied, vary as vary_rows
@@ -207,7 +207,7 @@ def estimate(
         else:
             _render_vary(rows, name, keep, console)
         return
-    e = formula_estimate(cfg, load_all())
+    e = formula_estimate(with_layer_profile(cfg), load_all())
     if as_json:
         d = e.to_dict()
         if tokens:
@@ -225,8 +225,8 @@ def estimate(
 def explain(cfg: RunConfig, as_json: bool = False) -> None:
     from batchlab.formula.explain import explain_sections
 
-    if cfg.ac.mode is ACMode.NONE:  # the checkpointing section's "turning it on (full)" (formula/explain.py)
-        cfg = with_layer_profile(cfg, [cfg.replace(ac="full")])
+    # with AC none, the checkpointing section's "turning it on (full)" too (formula/explain.py)
+    cfg = with_layer_profile(cfg, [cfg.replace(ac="full")] if cfg.ac.mode is ACMode.NONE else [])
     sections = explain_sections(cfg, load_all(), local_limits(cfg))
     if as_json:
         print_json({"provenance": "formula", "config": cfg.to_dict(), "sections": [s.to_dict() for s in sections],

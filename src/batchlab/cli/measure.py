@@ -13,7 +13,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import console, fail, print_json, typed_options, with_config, with_goal_profile
+from batchlab.cli.common import (console, fail, print_json, typed_options, with_config, with_goal_profile,
+                                  with_layer_profile)
 from batchlab.config import ConfigError, RunConfig
 from batchlab.distributed.launcher import Launcher
 from batchlab.measure.options import MeasureOptions
@@ -58,6 +59,7 @@ def measure(
             check_path(timeline)  # a wrong suffix fails before the run
         opts = MeasureOptions(warmup=warmup, steps=steps, isolate=isolate, memory=memory, timeout_s=timeout,
                               torch_device=torch_device, timeline=bool(timeline))
+        cfg = with_layer_profile(cfg)  # the formula's figures beside the measurement: the model's own layer terms
         if nproc is not None or nnodes is not None:
             from batchlab.distributed import launch
             from batchlab.distributed.launcher import torchrun_args
