@@ -1,7 +1,7 @@
 """The warm worker (batchlab.measure.warm): isolated CPU measurements forked from one pre-imported process.
 
-Who imported torch is counted by a ``sitecustomize`` on the children's PYTHONPATH: an import hook that writes
-the pid of every process in which ``import torch`` runs.  Each fork writes its pid and parent pid from the
+Who imported torch (and transformers) is counted by a ``sitecustomize`` on the children's PYTHONPATH: an import
+hook that writes the pid of every process in which ``import torch`` (``import transformers``) runs.  Each fork writes its pid and parent pid from the
 model factory it measures."""
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ SITECUSTOMIZE = '''
 import os, sys
 class _Count:
     def find_spec(self, name, path=None, target=None):
-        if name == "torch":
-            with open(os.environ["BL_TORCH_IMPORTS"], "a") as f:
+        if name in ("torch", "transformers"):
+            with open(os.environ["BL_TORCH_IMPORTS" if name == "torch" else "BL_HF_IMPORTS"], "a") as f:
                 f.write(f"{os.getpid()}\\n")
         return None
 sys.meta_path.insert(0, _Count())
@@ -60,6 +60,7 @@ def counted(tmp_path_factory):
         mp.syspath_prepend(str(tmp))
         mp.setenv("BL_TORCH_IMPORTS", str(imports))
         mp.setenv("BL_FORKS", str(forks))
+        mp.setenv("BL_HF_IMPORTS", str(tmp / "hf_imports.txt"))
         # a pre-imported process of the module's own, started with the counting sitecustomize: one an earlier
         # test started would serve this PYTHONPATH too (it only adds entries)
         warm._close()
@@ -83,6 +84,45 @@ def test_two_runs_import_torch_once_and_fork_twice_and_measure_what_a_fresh_work
     assert pid == fresh_pid and fresh_ppid == os.getpid()  # it imported torch itself, as a child of this one
     for m in (a, b):  # same code, same seed: the same tensors, to the byte
         assert m.memory.peak_bytes == fresh.memory.peak_bytes and m.memory.breakdown == fresh.memory.breakdown
+
+
+@pytest.mark.slow
+@linux
+def test_a_hugging_face_models_libraries_are_imported_once_by_the_pre_imported_process(counted, tmp_path):
+    """transformers (measure/libraries.py) imported by the pre-imported process on the first request for a
+    Hugging Face model, not by its forks, which measure what the same update measures in this process."""
+    from batchlab.measure.libraries import HF
+    from hf_shapes import config_dir, hf_cfg
+
+    pytest.importorskip("transformers")
+    hf = hf_cfg(config_dir(tmp_path, "llama"), seq=16, micro_batch=2)
+    a, b = measure(hf, OPTS), measure(hf, OPTS)
+    server = warm.server_pid()
+    assert a.ok and b.ok and a.environment["worker"] == b.environment["worker"] == warm.FORKED
+    logged = Path(os.environ["BL_HF_IMPORTS"]).read_text().split()
+    assert logged == [str(server)] and not warm._not_preloaded.intersection(HF)
+    here = measure(hf, MeasureOptions(warmup=1, steps=2))  # the same update in this process
+    for m in (a, b):
+        assert m.memory.peak_bytes == here.memory.peak_bytes and m.memory.breakdown == here.memory.breakdown
+
+
+def test_a_fork_is_refused_where_a_fresh_process_would_import_the_libraries_differently(tmp_path):
+    """Once imported, a request whose import-time variables differ, or whose PYTHONPATH adds another copy of a
+    package they brought, is refused (the runner starts a fresh process); nothing is imported for the first."""
+    from batchlab.measure.libraries import Loaded
+
+    own = {"HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": "/c", "OTHER": "x"}
+    libs = Loaded()
+    assert libs.refusal(own, {}, []) is None  # nothing imported yet: any fork sees what a fresh process would
+    libs.load(["json"], own, {"XDG_CACHE_HOME": "/elsewhere"})
+    assert libs.packages == set()  # not imported under other import-time variables
+    libs.packages = {"transformers", "tokenizers"}
+    assert libs.refusal(own, {**own, "OTHER": "y"}, [str(tmp_path)]) is None  # read later: the fork's own
+    assert "HF_" in libs.refusal(own, {**own, "HF_HUB_OFFLINE": "0"}, [])
+    assert "HF_" in libs.refusal(own, {"HF_HUB_OFFLINE": "1"}, [])  # XDG_CACHE_HOME unset: HF_HOME differs
+    (tmp_path / "tokenizers").mkdir()
+    (tmp_path / "tokenizers" / "__init__.py").write_text("")
+    assert libs.refusal(own, own, [str(tmp_path)]) == "the run's PYTHONPATH has its own tokenizers"
 
 
 @pytest.mark.slow

@@ -52,10 +52,11 @@ class Ranks:
     server_pid: int | None
 
 
-def run(world: int, entry: str, request: dict, folder: Path, env: dict[str, str], timeout_s: float) -> Ranks | None:
+def run(world: int, entry: str, request: dict, folder: Path, env: dict[str, str], timeout_s: float,
+        preload: tuple[str, ...] = ()) -> Ranks | None:
     """``entry`` (``module:function``, called as ``function(folder / "rankK", request, parent)``) in ``world``
-    ranks forked from the pre-imported process started with ``env``; None where none can be forked (the
-    caller starts its ranks another way)."""
+    ranks forked from the pre-imported process started with ``env`` (``preload``: modules it imports first,
+    measure/libraries.py); None where none can be forked (the caller starts its ranks another way)."""
     server = warm.pre_imported(env)
     if server is None:
         return None
@@ -65,7 +66,7 @@ def run(world: int, entry: str, request: dict, folder: Path, env: dict[str, str]
     readers = []
     try:
         for k in range(world):
-            f = warm.fork(server, folder / f"rank{k}", request, {**env, **rank_env(k, world, port)}, entry)
+            f = warm.fork(server, folder / f"rank{k}", request, {**env, **rank_env(k, world, port)}, entry, preload)
             if f is None:
                 return None
             forks[k] = f

@@ -25,6 +25,7 @@ from batchlab.distributed import forked
 from batchlab.distributed.failures import diagnose
 from batchlab.lifeline import module_command
 from batchlab.distributed.merge import SCOPE, merge
+from batchlab.measure import libraries
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement
 
@@ -159,8 +160,9 @@ def _run(cmd: list[str], out: Path, env: dict[str, str], timeout_s: float, marke
     return _Finished(rc, log_path.read_text(errors="replace"), started)
 
 
-def _run_forked(nproc: int, spec: Path, out: Path, env: dict[str, str], timeout_s: float) -> _Finished | None:
-    ranks = forked.run(nproc, RANK_ENTRY, {"spec": str(spec)}, out, env, timeout_s)
+def _run_forked(nproc: int, spec: Path, out: Path, env: dict[str, str], timeout_s: float,
+                preload: tuple[str, ...]) -> _Finished | None:
+    ranks = forked.run(nproc, RANK_ENTRY, {"spec": str(spec)}, out, env, timeout_s, preload)
     if ranks is None:
         return None
     failed = any(code != 0 for code in ranks.codes.values())
@@ -232,7 +234,7 @@ def launch(cfg: RunConfig, opts: MeasureOptions | None = None, nproc: int | None
         env = _env(nproc)
         run = None
         if launcher is not Launcher.TORCHRUN and forkable(cfg, opts, torchrun_args):
-            run = _run_forked(nproc, spec, out, env, timeout)
+            run = _run_forked(nproc, spec, out, env, timeout, libraries.for_config(cfg))
         if run is None:
             run = _run(torchrun_command(nproc, list(torchrun_args), spec, out), out, env, timeout, marker=str(spec))
         env = dict(run.environment, nproc_per_node=nproc, nnodes=nnodes,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from batchlab.config import ConfigError, RunConfig
-from batchlab.measure import warm
+from batchlab.measure import libraries, warm
 from batchlab.lifeline import module_command, safe_env
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, load_measurement
@@ -61,7 +61,8 @@ def run_isolated(cfg: RunConfig, options: MeasureOptions,
     server = warm.pre_imported(env) if backend(cfg, options) == "cpu" else None
     with tempfile.TemporaryDirectory(prefix="batchlab-measure-") as tmp:
         out_path = Path(tmp) / "measurement.json"
-        proc = warm.fork(server, out_path, request, env) if server is not None else None
+        preload = libraries.for_config(cfg)  # a Hugging Face model's libraries: imported once, not per fork
+        proc = warm.fork(server, out_path, request, env, preload=preload) if server is not None else None
         started = warm.FORKED if proc is not None else warm.FRESH
         if proc is None:
             # own process group: a timeout kills the worker and anything it started (data-loader workers, ...)

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Callable
 
 from batchlab.lifeline import PARENT_ENV, module_command
+from batchlab.measure import libraries
 
 # what every measurement imports: torch (~2 s of CPU here), torch._dynamo (imported by the first optimizer an
 # update builds: ~1-1.7 s more), batchlab's measuring stack (~0.1 s)
@@ -143,14 +144,16 @@ class _Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def fork(self, out: Path, request: dict, env: dict[str, str], entry: str | None = None) -> Forked | None:
+    def fork(self, out: Path, request: dict, env: dict[str, str], entry: str | None = None,
+             preload: tuple[str, ...] = ()) -> Forked | None:
         out_r, out_w = os.pipe()
         status_r, status_w = os.pipe()
         try:
             cwd = os.getcwd()
         except OSError:  # removed under us: the fork stays where the pre-imported process is
             cwd = None
-        msg = json.dumps({"out": str(out), "cwd": cwd, "env": env, "request": request, "entry": entry}).encode()
+        msg = json.dumps({"out": str(out), "cwd": cwd, "env": env, "request": request, "entry": entry,
+                          "preload": list(preload)}).encode()
         try:
             socket.send_fds(self.sock, [msg], [out_w, status_w])
         except OSError:
@@ -179,6 +182,7 @@ class _Server:
 _lock = threading.Lock()
 _server: _Server | None = None
 _failed_env: dict[str, str] | None = None  # an environment it would not start in: not tried again
+_not_preloaded: set[str] = set()  # asked for when a fork was refused: left to the forks
 
 
 def pre_imported(env: dict[str, str]) -> _Server | None:
@@ -199,14 +203,19 @@ def pre_imported(env: dict[str, str]) -> _Server | None:
         return _server
 
 
-def fork(server: _Server, out: Path, request: dict, env: dict[str, str], entry: str | None = None) -> Forked | None:
+def fork(server: _Server, out: Path, request: dict, env: dict[str, str], entry: str | None = None,
+         preload: tuple[str, ...] = ()) -> Forked | None:
     """``request`` measured in ``env`` by a fork of ``server``; None if it refused or died (the next run starts a
     new one).  ``entry``: ``"module:function"`` run in the fork instead of a measurement (a DP rank:
-    distributed/forked.py), called as the measurement is: ``function(out, request, parent_pid) -> exit status``."""
+    distributed/forked.py), called as the measurement is: ``function(out, request, parent_pid) -> exit status``.
+    ``preload``: modules ``server`` imports first, once, for this and later forks (measure/libraries.py); after
+    a refusal they are not asked for again."""
     global _server
     with _lock:
-        forked = server.fork(out, request, env, entry)
+        preload = tuple(n for n in preload if n not in _not_preloaded)
+        forked = server.fork(out, request, env, entry, preload)
         if forked is None:
+            _not_preloaded.update(preload)
             server.close()
             if _server is server:
                 _server = None
@@ -262,6 +271,7 @@ def serve(fd: int, measure: Callable[[Path, dict, int], int]) -> int:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select() when a fork exits
     sock.send(READY)
     children: dict[int, tuple[int, Path]] = {}  # pid -> its status pipe, its folder
+    libs = libraries.Loaded()
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:
@@ -274,15 +284,17 @@ def serve(fd: int, measure: Callable[[Path, dict, int], int]) -> int:
             _abandon(children)
             return 0
         out_w, status_w = fds
+        req = json.loads(msg)
+        libs.load(req.get("preload", ()), os.environ, req["env"])
         why = ("CUDA initialised" if torch.cuda.is_initialized() else
-               f"{_threads()} threads, {baseline} after the imports" if _threads() > baseline else None)
+               f"{_threads()} threads, {baseline} after the imports" if _threads() > baseline else
+               libs.refusal(os.environ, req["env"], [p for p in _paths(req["env"]) if p not in _STARTED_PATHS]))
         if why is not None:
             os.write(status_w, f"refused: {why}\n".encode())
             os.close(out_w)
             os.close(status_w)
             return 1
         keep = (sock.fileno(), wake_r, wake_w, *(fd for fd, _ in children.values()))
-        req = json.loads(msg)
         pid = _fork(req, out_w, status_w, keep, measure)
         os.close(out_w)
         children[pid] = (status_w, Path(req["out"]).parent)
