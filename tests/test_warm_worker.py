@@ -106,16 +106,23 @@ def test_a_hugging_face_models_libraries_are_imported_once_by_the_pre_imported_p
         assert m.memory.peak_bytes == here.memory.peak_bytes and m.memory.breakdown == here.memory.breakdown
 
 
-def test_a_fork_is_refused_where_a_fresh_process_would_import_the_libraries_differently(tmp_path):
+def test_a_fork_is_refused_where_a_fresh_process_would_import_the_libraries_differently(tmp_path, monkeypatch):
     """Once imported, a request whose import-time variables differ, or whose PYTHONPATH adds another copy of a
     package they brought, is refused (the runner starts a fresh process); nothing is imported for the first."""
+    import sys
+
     from batchlab.measure.libraries import Loaded
 
     own = {"HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": "/c", "OTHER": "x"}
     libs = Loaded()
     assert libs.refusal(own, {}, []) is None  # nothing imported yet: any fork sees what a fresh process would
-    libs.load(["json"], own, {"XDG_CACHE_HOME": "/elsewhere"})
-    assert libs.packages == set()  # not imported under other import-time variables
+    name = f"bl_lib_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    libs.load([name], own, {**own, "XDG_CACHE_HOME": "/elsewhere"})
+    assert name not in sys.modules and libs.packages == set()  # not imported under other import-time variables
+    libs.load([name], own, {**own, "OTHER": "y"})
+    assert sys.modules.pop(name) and libs.packages == {name}
     libs.packages = {"transformers", "tokenizers"}
     assert libs.refusal(own, {**own, "OTHER": "y"}, [str(tmp_path)]) is None  # read later: the fork's own
     assert "HF_" in libs.refusal(own, {**own, "HF_HUB_OFFLINE": "0"}, [])
