@@ -176,9 +176,6 @@ def test_useful_tokens_are_summed_over_ranks(runs):
 
 def _forked_rank(folder: Path, request: dict, parent: int) -> int:
     """``_rank_main`` in a fork (forked.run's entry), its stdout to ``stdout<rank>.txt`` beside the results."""
-    from batchlab.lifeline import guard
-
-    guard(folder.parent, parent)
     fd = os.open(folder.parent / f"stdout{os.environ['RANK']}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     _rank_main(str(folder.parent))

@@ -1,6 +1,7 @@
 """Plain-text lines for a DP measurement: the engine, memory per rank, the collectives.  Torch-free."""
 from __future__ import annotations
 
+from batchlab.distributed.launcher import Launcher
 from batchlab.measure.result import MeasuredTraffic, Measurement
 from batchlab.units import fmt_bytes, fmt_seconds
 
@@ -103,7 +104,7 @@ def launcher_lines(m: Measurement) -> list[str]:
     env = m.environment
     if "nproc_per_node" not in env:
         return []
-    how = "started by torchrun" if env.get("launcher") == "torchrun" else env.get("launcher", "?")
+    how = "started by torchrun" if env.get("launcher") == Launcher.TORCHRUN.value else env.get("launcher", "?")
     return [f"ranks: {env['nproc_per_node']} on this node of {env.get('world_size', '?')}, {how}"]
 
 

@@ -63,9 +63,6 @@ def main(argv=None) -> int:
 def forked(out: Path, request: dict, parent: int) -> int:
     """One rank forked from the pre-imported process (distributed/forked.py): ``request`` names the spec; the
     lifeline watches that process (batchlab's death ends it, and then this rank, which removes ``out``'s folder)."""
-    from batchlab.lifeline import guard
-
-    guard(out.parent, parent)
     run(Path(request["spec"]), out.parent)
 
 

@@ -57,9 +57,6 @@ def _rank(rank: int, world: int, port: int, cfgs: list[dict], updates: int, out:
 
 def forked_rank(folder: Path, request: dict, parent: int) -> int:
     """A rank forked from the pre-imported process (distributed/forked.py); it dies with that process."""
-    from batchlab.lifeline import guard
-
-    guard(folder.parent, parent)
     _stages(request["cfgs"], request["updates"], request["out"])
     return 0
 

@@ -46,7 +46,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from batchlab.lifeline import PARENT_ENV, module_command
+from batchlab.lifeline import PARENT_ENV, guard, module_command
 from batchlab.measure import libraries
 
 # what every measurement imports: torch (~2 s of CPU here), torch._dynamo (imported by the first optimizer an
@@ -207,7 +207,8 @@ def fork(server: _Server, out: Path, request: dict, env: dict[str, str], entry: 
          preload: tuple[str, ...] = ()) -> Forked | None:
     """``request`` measured in ``env`` by a fork of ``server``; None if it refused or died (the next run starts a
     new one).  ``entry``: ``"module:function"`` run in the fork instead of a measurement (a DP rank:
-    distributed/forked.py), called as the measurement is: ``function(out, request, parent_pid) -> exit status``.
+    distributed/forked.py), called as the measurement is: ``function(out, request, parent_pid) -> exit status``,
+    with the lifeline already watching the pre-imported process (``out``'s folder goes when it dies).
     ``preload``: modules ``server`` imports first, once, for this and later forks (measure/libraries.py); after
     a refusal they are not asked for again."""
     global _server
@@ -366,9 +367,10 @@ def _child(req: dict, out_w: int, inherited: tuple[int, ...], parent: int, measu
     if req["cwd"] is not None:
         os.chdir(req["cwd"])
     sys.argv = [sys.argv[0], req["out"]]
-    if req.get("entry"):
+    if req.get("entry"):  # a rank: it dies with this process (batchlab's death ends it), removing its job's folder
         module, name = req["entry"].split(":")
         measure = getattr(importlib.import_module(module), name)
+        guard(Path(req["out"]).parent, parent)
     code = measure(Path(req["out"]), req["request"], parent)
     atexit._run_exitfuncs()  # as a fresh worker's interpreter would at exit
     sys.stdout.flush()
