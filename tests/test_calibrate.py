@@ -25,6 +25,7 @@ def cache_home(tmp_path, monkeypatch):
 
 
 R = 5e10  # FLOP/s of a flat matmul curve
+AUTOCAST = {"forward": 9e-6, "backward": 7e-6, "plain": 3e-6}  # s per op under autocast
 
 
 def sample(**kw) -> Calibration:
@@ -112,6 +113,7 @@ def test_a_real_calibration_is_current(calibrated):
     assert calibrated.memory_curve_inplace and calibrated.op_costs() is not None
     assert calibrated.contention_processes == 2 and calibrated.allocator
     assert {"sdpa-fp32", "sdpa-backward-fp32"} <= set(calibrated.matmul_start)
+    assert set(calibrated.dispatch_seconds_autocast) == {"forward", "backward", "plain"}
     assert run_mod._current(calibrated)
 
 
@@ -134,7 +136,7 @@ def test_a_cpu_cache_from_before_the_contention_measurement_is_measured_again(me
 
 def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_again(measured, calibrated):
     current = dict(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
-                   contention={"compute": 1.0}, allocator="glibc")
+                   contention={"compute": 1.0}, allocator="glibc", dispatch_seconds_autocast=AUTOCAST)
     no_sdpa = sample(**current)  # a device whose fused attention did not run: nothing to measure again
     save(no_sdpa)
     assert ensure("cpu", threads=1) == (no_sdpa, False) and measured == []
@@ -143,6 +145,15 @@ def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_aga
     cal, fresh = ensure("cpu", threads=1, seconds=0.5)
     assert fresh and measured == [ASKED] and cal == calibrated
     assert ensure("cpu", threads=1) == (calibrated, False) and len(measured) == 1  # cached now
+
+
+def test_a_cpu_cache_without_dispatch_under_autocast_is_measured_again(measured, calibrated):
+    # before it every precision was priced with fp32's dispatch, and rates were upper quartiles of the samples
+    old = sample(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
+                 contention={"compute": 1.0}, allocator="glibc")
+    save(old)
+    cal, fresh = ensure("cpu", threads=1, seconds=0.5)
+    assert fresh and measured == [ASKED] and cal == calibrated
 
 
 def test_contention_is_measured_only_where_the_processes_get_their_own_cores():
@@ -175,19 +186,65 @@ def test_a_measured_rate_is_used_as_it_is_no_achievable_fraction_on_top():
     assert "achievable fraction 0.4" in nominal.model
 
 
+def test_a_mixed_precision_is_priced_with_the_dispatch_measured_under_autocast():
+    from batchlab.formula import estimate
+    from batchlab.formula.opcost import DISPATCH_KIND
+    from batchlab.formula.oplist import update_ops
+
+    cal = sample(dispatch_seconds_autocast=AUTOCAST)
+    save(cal)
+    for precision, per_op in (("bf16-mixed", AUTOCAST), ("fp16-mixed", AUTOCAST), ("fp32", cal.dispatch_seconds),
+                              ("bf16", cal.dispatch_seconds)):  # pure bf16 runs no autocast
+        cfg = RunConfig(precision=precision)
+        t = estimate(cfg, load_all()).time
+        # by hand: every op of the update's list at its kind's per-op cost
+        want = sum(o.count * per_op[DISPATCH_KIND[o.phase]] for o in update_ops(cfg))
+        assert t.ops.by_class["dispatch"] == pytest.approx(want), precision
+        assert ("under autocast" in t.model) == (per_op is AUTOCAST), precision
+    # a cache measured before it (no autocast figures): fp32's dispatch serves every precision
+    save(sample())
+    cfg = RunConfig(precision="bf16-mixed")
+    t = estimate(cfg, load_all()).time
+    assert t.ops.by_class["dispatch"] == pytest.approx(
+        sum(o.count * cal.dispatch_seconds[DISPATCH_KIND[o.phase]] for o in update_ops(cfg)))
+
+
+def test_the_rounds_figures_are_merged_by_their_median_per_key_and_per_size():
+    rounds = [{"curve": [[1.0, 10.0], [2.0, 20.0]], "per_kind": {"f": 1.0}, "rate": 3.0},
+              {"curve": [[1.0, 14.0], [2.0, 26.0], [4.0, 30.0]], "per_kind": {"f": 5.0}, "rate": 1.0},
+              {"curve": [[1.0, 12.0]], "per_kind": {"f": 2.0, "g": 7.0}, "rate": 2.0}]  # its budget cut it short
+    assert run_mod._median_rounds(rounds) == {"curve": [[1.0, 12.0], [2.0, 23.0], [4.0, 30.0]],
+                                              "per_kind": {"f": 2.0, "g": 7.0}, "rate": 2.0}
+    assert run_mod._median_rounds([[], []]) == []  # a dtype the device cannot run: no curve in any round
+
+
+def test_rates_are_the_median_of_cpu_time_samples_and_the_upper_quartile_of_wall_clock_ones():
+    from batchlab.calibrate.kernels import CLOCK, steady
+
+    rates = [1.0, 2.0, 3.0, 4.0, 10.0]  # median 3; quartiles (inclusive) 2, 3, 4
+    assert steady(rates, cpu_clock=True) == 3.0 and steady(rates, cpu_clock=False) == 4.0
+    assert steady(rates) == 4.0  # the default clock is the wall clock: other work only slows a sample down
+    token = CLOCK.set(time.thread_time)  # calibrate at one CPU thread: the host's own spread, met by steps too
+    try:
+        assert steady(rates) == 3.0
+    finally:
+        CLOCK.reset(token)
+    assert steady([7.0]) == 7.0
+
+
 def _calibrated_against_torch_benchmark(cal: Calibration, n: int = SIDE):
     """(calibrated / Timer-measured) rate of an n x n x n matmul and of a large in-place add, timed in thread
     CPU time as calibrate times one-thread CPU kernels (load elsewhere stays out of both)."""
     from torch.utils.benchmark import Timer
 
     x, w = torch.randn(n, n), torch.randn(n, n)
-    # calibrate keeps its fastest samples (a shared machine only slows a run down): compare best with best
-    mm = 2 * n**3 / min(Timer("torch.mm(x, w.t())", globals={"torch": torch, "x": x, "w": w},
-                              timer=time.thread_time).blocked_autorange(min_run_time=0.2).times)
+    # calibrate keeps the median of its CPU-time samples: compare median with median
+    mm = 2 * n**3 / Timer("torch.mm(x, w.t())", globals={"torch": torch, "x": x, "w": w},
+                          timer=time.thread_time).blocked_autorange(min_run_time=0.2).median
     big = 4 * 2**20
     a, b = torch.ones(big), torch.ones(big)
-    add = 3 * 4 * big / min(Timer("a.add_(b)", globals={"a": a, "b": b}, timer=time.thread_time).blocked_autorange(
-        min_run_time=0.2).times)  # two reads and a write, as counted
+    add = 3 * 4 * big / Timer("a.add_(b)", globals={"a": a, "b": b}, timer=time.thread_time).blocked_autorange(
+        min_run_time=0.2).median  # two reads and a write, as counted
     return cal.matmul_curve["fp32"][0][1] / mm, cal.memory_curve_inplace[-1][1] / add
 
 
@@ -227,7 +284,7 @@ def _fused_attention_against_torch_benchmark(cal) -> None:
     for stmt, name, flops in (("F.scaled_dot_product_attention(q, k, v, is_causal=True)", "", 8 * grain),
                               ("torch.autograd.grad(out, (q, k, v), g, retain_graph=True)", "_backward",
                                int(2.5 * 8 * grain))):
-        timed = min(Timer(stmt, globals=env, timer=time.thread_time).blocked_autorange(min_run_time=0.2).times)
+        timed = Timer(stmt, globals=env, timer=time.thread_time).blocked_autorange(min_run_time=0.2).median
         op = OpCount("_scaled_dot_product_flash_attention_for_cpu" + name, Phase.FORWARD, OpClass.MATMUL,
                      flops=flops, grain=grain)
         assert 0.5 < costs.work_seconds(op) / timed < 2.0, (name, costs.work_seconds(op), timed)

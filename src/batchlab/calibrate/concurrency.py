@@ -47,7 +47,7 @@ def _worker(threads: int, seconds: float, barrier, commands, results) -> None:
         call, work = kernels[kind]
         if processes > 1:
             barrier.wait()  # all start together and run for the same wall-clock budget
-        results.put(steady(timed_rates(call, work, seconds, lambda: None, clock=clock)))
+        results.put(steady(timed_rates(call, work, seconds, lambda: None, clock=clock), cpu_clock=True))
 
 
 def slowdown(processes: int, threads: int, seconds: float) -> dict[str, float]:

@@ -18,11 +18,19 @@ CLOCK: contextvars.ContextVar[Callable[[], float]] = contextvars.ContextVar("cal
                                                                             default=time.perf_counter)
 
 
-def steady(rates: list[float]) -> float:
-    """The upper quartile of the sampled rates: other work on a shared machine only ever slows a sample down,
-    so the faster samples are the kernel's own rate (the median on a quiet machine, where samples agree)."""
+def steady(rates: list[float], cpu_clock: bool | None = None) -> float:
+    """The rate a kernel runs at, from repeated samples.  Timed in CPU seconds (``cpu_clock``; default: whether
+    ``CLOCK`` is a CPU-time clock), other processes' load does not enter a sample: what spreads them is the
+    host's own speed (this VM switches between two speeds within seconds), which the predicted steps meet
+    alike, so the median, the statistic their measurement takes (the upper quartile had priced the grid of
+    benchmarks/time_accuracy.py 15% faster than measured on average).  Timed by a wall clock, other work only
+    ever slows a sample down: the upper quartile, the kernel's own rate."""
     if len(rates) < 2:
         return rates[0]
+    if cpu_clock is None:
+        cpu_clock = CLOCK.get() is not time.perf_counter
+    if cpu_clock:
+        return statistics.median(rates)
     return statistics.quantiles(rates, n=4, method="inclusive")[2]
 
 
@@ -114,7 +122,7 @@ def _curve_point(device, dtype, shape, seconds: float, sync) -> tuple[float, flo
         elem = torch.empty((), dtype=dtype).element_size()
         call = keeping(_cycling(linear_layer, _copies(make, (m * k + n * k + m * n) * elem)))
         fl = 2 * m * k * n
-        return float(fl), steady(timed_rates(call, 3 * fl, seconds, sync, min_samples=2))
+        return float(fl), steady(timed_rates(call, 3 * fl, seconds, sync, min_samples=1))
     except (RuntimeError, TypeError):  # dtype not supported by this device's matmul
         return None
 
@@ -159,7 +167,7 @@ def _bmm_curve(device, dtype, seconds: float, sync) -> list[list[float]]:
 
         fl = 2 * s * s * d
         out.append([float(fl), steady(timed_rates(keeping(attention), 6 * fl * batch, seconds / len(BMM_SHAPES),
-                                                             sync, min_samples=2))])
+                                                             sync, min_samples=1))])
     return monotone(sorted(out))
 
 
@@ -180,9 +188,9 @@ def _sdpa_seconds(device, dtype, heads: int, s: int, d: int, seconds: float, syn
     except (RuntimeError, TypeError):
         return None
     fwd = steady(timed_rates(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 1.0, seconds / 2,
-                             sync, min_samples=2))
+                             sync, min_samples=1))
     bwd = steady(timed_rates(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True), 1.0, seconds / 2,
-                             sync, min_samples=2))
+                             sync, min_samples=1))
     return 1 / fwd, 1 / bwd
 
 
@@ -287,37 +295,47 @@ def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
     return out
 
 
-def _dispatch_seconds(device, seconds: float, sync) -> dict[str, float]:
-    """Seconds per op by who dispatches it, from updates of a GPT so small that every op is dispatch-bound:
-    each phase's wall time over its op count (trace/ops.py counts them on this same update)."""
+def _dispatch_seconds(device, seconds: float, sync, precisions: tuple[str, ...] = ("fp32", "bf16-mixed")
+                      ) -> dict[str, dict[str, float]]:
+    """Per precision, seconds per op by who dispatches it, from updates of a GPT so small that every op is
+    dispatch-bound: each phase's time over its op count (trace/ops.py counts them on this same update).
+    "bf16-mixed" runs under autocast, whose dispatch key every forward op passes through (forward ~1.3x fp32's
+    per op here, backward too, the optimizer's plain ops alike).  The precisions' updates alternate, so the
+    host's speed switches (this VM's Python-bound work moves 7-13 us per op within seconds) fall on both
+    alike; a precision the device cannot run is left out."""
     from batchlab.config import RunConfig, preset
     from batchlab.measure.clock import PhaseClock
     from batchlab.measure.harness import Trainer
     from batchlab.trace.ops import record_update
 
-    cfg = RunConfig(model=preset("tiny", layers=2, hidden=16, heads=2, vocab=32, max_positions=8), seq=8,
-                    micro_batch=1)
-    trainer = Trainer(cfg, device)
-    trainer.update()
-    ops = record_update(trainer)
-    calls: dict[str, int] = {}
-    for op in ops:
-        kind = DISPATCH_KIND[op.phase]
-        calls[kind] = calls.get(kind, 0) + op.count
+    spec = preset("tiny", layers=2, hidden=16, heads=2, vocab=32, max_positions=8)
+    trainers, calls = {}, {}
+    for precision in precisions:
+        try:
+            trainer = Trainer(RunConfig(model=spec, seq=8, micro_batch=1, precision=precision), device)
+            trainer.update()
+        except (RuntimeError, TypeError):  # autocast in this dtype unsupported on the device
+            continue
+        trainers[precision], calls[precision] = trainer, {}
+        for op in record_update(trainer):
+            kind = DISPATCH_KIND[op.phase]
+            calls[precision][kind] = calls[precision].get(kind, 0) + op.count
     clock = PhaseClock(sync, clock=CLOCK.get())
-    per_kind: dict[str, list[float]] = {k: [] for k in calls}
+    per_op: dict[str, dict[str, list[float]]] = {p: {k: [] for k in c} for p, c in calls.items()}
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(per_kind["forward"]) < 5:
-        clock.start()
-        trainer.update(probe=clock)
-        clock.mark("end")
-        spent: dict[str, float] = {}
-        for phase, secs in clock.seconds.items():
-            kind = DISPATCH_KIND[Phase(phase)]
-            spent[kind] = spent.get(kind, 0.0) + secs
-        for kind in calls:
-            per_kind[kind].append(spent.get(kind, 0.0) / calls[kind])
-    return {k: 1.0 / steady([1.0 / x for x in v if x > 0] or [float('inf')]) for k, v in per_kind.items()}
+    while time.perf_counter() < end or min(len(v["forward"]) for v in per_op.values()) < 5:
+        for precision, trainer in trainers.items():
+            clock.start()
+            trainer.update(probe=clock)
+            clock.mark("end")
+            spent: dict[str, float] = {}
+            for phase, secs in clock.seconds.items():
+                kind = DISPATCH_KIND[Phase(phase)]
+                spent[kind] = spent.get(kind, 0.0) + secs
+            for kind, n in calls[precision].items():
+                per_op[precision][kind].append(spent.get(kind, 0.0) / n)
+    return {p: {k: 1.0 / steady([1.0 / x for x in v if x > 0] or [float("inf")]) for k, v in kinds.items()}
+            for p, kinds in per_op.items()}
 
 
 LOOPBACK_BYTES = 4 * 2**20  # about a small model's gradient bucket

@@ -39,6 +39,7 @@ class Calibration:
     strided_bytes_per_s: float = 0.0  # a transposed view copied contiguous, read + write
     element_seconds: dict[str, float] = field(default_factory=dict)  # "activation:fp32" -> s per element
     dispatch_seconds: dict[str, float] = field(default_factory=dict)  # forward | backward | plain -> s per op
+    dispatch_seconds_autocast: dict[str, float] = field(default_factory=dict)  # the same under autocast; {}: unmeasured
     loopback_bytes_per_s: float = 0.0  # CPU: TCP over loopback (gloo's link between local ranks); 0: unmeasured
     loopback_latency_s: float = 0.0  # its 1-byte round trip
     cores: int = 0  # CPU cores of the machine measured (local ranks x threads beyond it share them)
@@ -74,7 +75,8 @@ class Calibration:
                        memory_low=tuple(map(tuple, self.memory_curve_bf16)) or None,
                        memory_inplace=tuple(map(tuple, self.memory_curve_inplace)) or None,
                        element_seconds=dict(self.element_seconds),
-                       dispatch=dict(self.dispatch_seconds), asynchronous=not self.torch_device.startswith("cpu"),
+                       dispatch=dict(self.dispatch_seconds),
+                       dispatch_autocast=dict(self.dispatch_seconds_autocast), asynchronous=not self.torch_device.startswith("cpu"),
                        link_bytes_per_s=self.loopback_bytes_per_s or None, link_latency_s=self.loopback_latency_s,
                        threads=self.threads, cores=self.cores, contention=dict(self.contention),
                        contention_processes=self.contention_processes,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import statistics
 import time
 
 from batchlab import regime
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
                                         _element_seconds, _loopback, _matmul_curve, _memory_curve,
-                                        _sdpa_curves)
+                                        _sdpa_curves, monotone)
 from batchlab.calibrate.concurrency import slowdown
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
@@ -61,12 +62,14 @@ def _in_child(args: dict) -> Calibration:
 
 def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
                  shapes: tuple[tuple[int, int, int], ...] | None = None, threads: int | None = None) -> Calibration:
-    """Measure what the per-op time model needs, the shares of ``seconds`` adding up to ~1.3x it (measured: 15.8-17.3
-    s at the default 10 on this 2-core CPU): the matmul curves in fp32 and bf16 (34% linear layers, 8% attention's
-    batched matmuls, 16% fused attention forward and backward), element-wise bandwidth (12%), per-element
-    kernels (15%), per-op dispatch (25%), on CPU the loopback link gloo uses between local ranks (2%) and the
-    slowdown of two processes running alike at once (15%, in CPU seconds: longer on a loaded machine; plus
-    ~0.3 s to start them).  ``threads``: the intra-op thread count to measure at (CPU; restored afterwards)."""
+    """Measure what the per-op time model needs in ``ROUNDS`` rounds, the shares of ``seconds`` adding up to
+    ~1.7x it (each kernel's minimum samples; measured 17.3-17.5 s at the default 10 on this 2-core CPU): the
+    matmul curves in fp32 and bf16 (34% linear layers, 8% attention's batched matmuls, 16% fused attention
+    forward and backward), element-wise bandwidth (12%), per-element kernels (15%), per-op dispatch in fp32
+    and under autocast (25%), on CPU the slowdown of two processes running alike at once (15%, in CPU
+    seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and once the loopback link gloo
+    uses between local ranks (2%).  ``threads``: the intra-op thread count to measure at (CPU; restored
+    afterwards)."""
     import torch
 
     from batchlab.measure.clock import synchronizer
@@ -86,35 +89,70 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     try:
         sync = synchronizer(device)
         start = time.perf_counter()
-        fp32 = _matmul_curve(device, torch.float32, shapes, 0.17 * seconds, sync)
-        bf16 = _matmul_curve(device, torch.bfloat16, shapes, 0.17 * seconds, sync)
-        sdpa, sdpa_start = _sdpa(device, 0.08 * seconds, sync)
-        bmm = {"bmm-fp32": _bmm_curve(device, torch.float32, 0.04 * seconds, sync),
-               "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync), **sdpa}
-        mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync)
-        elements = _element_seconds(device, 0.15 * seconds, sync)
-        dispatch = _dispatch_seconds(device, 0.25 * seconds, sync)
+        k = _median_rounds([_round(device, shapes, seconds / ROUNDS, sync) for _ in range(ROUNDS)])
+        fp32, bf16 = monotone(k["fp32"]), monotone(k["bf16"])
         link, latency = _loopback(0.02 * seconds) if device.type == "cpu" else (0.0, 0.0)
-        contention = slowdown(2, torch.get_num_threads(), 0.15 * seconds) if device.type == "cpu" else {}
         assert fp32, "fp32 matmul failed"
         best32, best16 = max(fp32, key=lambda p: p[1]), max(bf16, key=lambda p: p[1]) if bf16 else None
         return Calibration(
             device=catalogue_name(device), hardware=_hardware(device), torch_device=str(device),
             matmul_flops_fp32=best32[1], matmul_flops_bf16=best16[1] if best16 else None,
-            memory_bytes_per_s=mem[-1][1], matmul_size={"fp32": int(best32[0]), **({"bf16": int(best16[0])} if best16 else {})},
-            copy_bytes=int(mem[-1][0]), threads=torch.get_num_threads(),
+            memory_bytes_per_s=k["mem"][-1][1], matmul_size={"fp32": int(best32[0]), **({"bf16": int(best16[0])} if best16 else {})},
+            copy_bytes=int(k["mem"][-1][0]), threads=torch.get_num_threads(),
             measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__, seconds=time.perf_counter() - start,
-            matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{k: v for k, v in bmm.items() if v}},
-            matmul_start=sdpa_start,
-            memory_curve=mem, memory_curve_bf16=mem16, memory_curve_inplace=inplace,
-            strided_bytes_per_s=strided, element_seconds=elements, dispatch_seconds=dispatch,
+            matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{n: monotone(v) for n, v in k["bmm"].items() if v}},
+            matmul_start=k["sdpa_start"],
+            memory_curve=k["mem"], memory_curve_bf16=k["mem16"], memory_curve_inplace=k["inplace"],
+            strided_bytes_per_s=k["strided"], element_seconds=k["elements"], dispatch_seconds=k["dispatch"]["fp32"],
+            dispatch_seconds_autocast=k["dispatch"].get("bf16-mixed", {}),
             loopback_bytes_per_s=link, loopback_latency_s=latency, cores=os.cpu_count() or 1,
-            contention=contention, contention_processes=2 if device.type == "cpu" else 0,
+            contention=k["contention"], contention_processes=2 if device.type == "cpu" else 0,
             allocator=regime.describe() if device.type == "cpu" else "")
     finally:
         CLOCK.reset(token)
         torch.set_num_threads(before)
+
+
+# Every kernel is timed in each of ROUNDS rounds of a third of the budget, and its figure is the median over
+# them: this host switches speed within seconds, so one window per kind (the fp32 dispatch in one second, the
+# autocast dispatch in the next) made figures a change compares come from different speeds (the fp32 -> bf16-mixed
+# ratio of one config moved 0.88-1.02 from one calibration to the next).  The contention of two processes is
+# bimodal here for seconds at a time (compute x1.0 or x1.8: the two vCPUs on separate cores, or on one core's
+# two hardware threads); one window read either, a DP 1 -> 2 prediction 1.04 or 1.63 against 1.06-1.22 measured.
+ROUNDS = 3
+
+
+def _round(device, shapes, seconds: float, sync) -> dict:
+    """One round of every kernel kind, the shares of ``seconds`` as ``measure_here`` gives them."""
+    import torch
+
+    sdpa, sdpa_start = _sdpa(device, 0.08 * seconds, sync)
+    mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync)
+    return dict(fp32=_matmul_curve(device, torch.float32, shapes, 0.17 * seconds, sync),
+                bf16=_matmul_curve(device, torch.bfloat16, shapes, 0.17 * seconds, sync),
+                bmm={"bmm-fp32": _bmm_curve(device, torch.float32, 0.04 * seconds, sync),
+                     "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync), **sdpa},
+                sdpa_start=sdpa_start, mem=mem, mem16=mem16, inplace=inplace, strided=strided,
+                elements=_element_seconds(device, 0.15 * seconds, sync),
+                dispatch=_dispatch_seconds(device, 0.25 * seconds, sync),
+                contention=slowdown(2, torch.get_num_threads(), 0.15 * seconds) if device.type == "cpu" else {})
+
+
+def _median_rounds(rounds: list):
+    """The rounds' figures merged: per key of a dict, per size of a (size, figure) curve, the median of the
+    rounds that have it (a curve cut short by its budget in one round lacks its largest sizes there)."""
+    first = rounds[0]
+    if isinstance(first, dict):
+        keys = list(dict.fromkeys(key for r in rounds for key in r))
+        return {key: _median_rounds([r[key] for r in rounds if key in r]) for key in keys}
+    if isinstance(first, list):
+        by_size: dict[float, list[float]] = {}
+        for curve in rounds:
+            for x, y in curve:
+                by_size.setdefault(x, []).append(y)
+        return [[x, statistics.median(ys)] for x, ys in sorted(by_size.items())]
+    return statistics.median(rounds)
 
 
 def _sdpa(device, seconds: float, sync) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
@@ -137,8 +175,10 @@ def _current(cached: Calibration) -> bool:
             # fused attention's backward on its own curves (before: priced at the forward's rate); a device whose
             # SDPA did not run has neither curve
             and ("sdpa-backward-fp32" in cached.matmul_start or "sdpa-fp32" not in cached.matmul_curve)
-            # CPU: the local ranks' contention, and the allocator regime (before it: kernels faulted pages in)
-            and (not cpu or bool(cached.contention_processes and cached.allocator)))
+            # CPU: the local ranks' contention, the allocator regime (before it: kernels faulted pages in), and
+            # dispatch under autocast, with the median of CPU-time samples (before: fp32 dispatch for every
+            # precision, upper quartiles)
+            and (not cpu or bool(cached.contention_processes and cached.allocator and cached.dispatch_seconds_autocast)))
 
 
 def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0

@@ -33,7 +33,7 @@ def calibrate(
         fail(f"threads: must be >= 1, got {threads}")
     try:
         with progress("calibrate", f"matmul curves, bandwidth, kernels and dispatch on {torch_device}, about "
-                                   f"{seconds:g} s", quiet=as_json):
+                                   f"{2 * seconds:g} s", quiet=as_json):
             cal = cal_mod.measure(torch_device, seconds=seconds, threads=threads)
     except ConfigError as e:
         fail(str(e))
@@ -68,6 +68,8 @@ def calibrate(
         table.add_row(f"per element: {key}", f"{s * 1e9:.2f} ns", "representative kernel")
     for kind, s in cal.dispatch_seconds.items():
         table.add_row(f"per op: {kind}", f"{s * 1e6:.1f} µs", "updates of a dispatch-bound 2-layer GPT")
+    for kind, s in cal.dispatch_seconds_autocast.items():
+        table.add_row(f"per op under autocast: {kind}", f"{s * 1e6:.1f} µs", "the same in bf16-mixed (mixed precisions)")
     for kind, f in cal.contention.items():
         table.add_row(f"local ranks at once: {kind}", f"x{f:.2f}",
                       f"CPU s per call, {cal.contention_processes} processes at once over one alone")

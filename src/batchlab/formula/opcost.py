@@ -176,6 +176,9 @@ class OpCosts:
     # (compute | memory | dispatch); empty: unmeasured (local ranks then only share the cores)
     contention: Mapping[str, float] = field(default_factory=dict)
     contention_processes: int = 0
+    # per-op dispatch under autocast (mixed precision: every forward op passes its dispatch key), by kind;
+    # empty: unmeasured (``dispatch`` serves)
+    dispatch_autocast: Mapping[str, float] = field(default_factory=dict)
     source: str = "nominal"
 
     def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:
@@ -257,7 +260,7 @@ class TimeBreakdown:
 _WORK = cache(limit=64)  # what decides work_seconds -> {op shape: one call's work seconds}
 WORK_LIMIT = 50_000  # op shapes remembered per costs
 # OpCosts fields work_seconds never reads (a calibration loaded per estimate differs in none of the others)
-_NOT_WORK = {"dispatch", "asynchronous", "link_bytes_per_s", "link_latency_s", "threads", "cores", "contention",
+_NOT_WORK = {"dispatch", "dispatch_autocast", "asynchronous", "link_bytes_per_s", "link_latency_s", "threads", "cores", "contention",
              "contention_processes", "source"}
 
 

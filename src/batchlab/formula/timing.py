@@ -117,10 +117,14 @@ def _nominal(dev: DeviceSpec, frac: Sourced, flop_ratio: float) -> OpCosts:
 
 
 def costs_for(cfg: RunConfig, calibrated: OpCosts | None, ops: tuple[OpCount, ...] = ()) -> OpCosts:
-    """The calibrated costs where given, else nominal ones for ``ops`` (the update's op list, one rank);
-    ``op_overhead_seconds`` replaces every dispatch cost."""
+    """The calibrated costs where given (under autocast, a mixed precision, its dispatch costs where measured),
+    else nominal ones for ``ops`` (the update's op list, one rank); ``op_overhead_seconds`` replaces every
+    dispatch cost."""
     if calibrated is not None:
         costs = calibrated
+        if cfg.precision.mixed and costs.dispatch_autocast:
+            costs = dataclasses.replace(costs, dispatch=dict(costs.dispatch_autocast),
+                                        source=costs.source + "; dispatch as measured under autocast")
     else:
         hardware = flops(cfg).flops_per_micro_batch * cfg.accum
         counted = sum(o.flops * o.count for o in ops)
