@@ -89,7 +89,13 @@ def _unlisted() -> list[tuple[str, str, dict, dict, dict]]:
             ("hf gpt2", "layers 2 -> 4", dict(seq=128, micro_batch=4), dict(layers=2), dict(layers=4)),
             ("hf llama", "hidden 128 -> 256", dict(seq=128, micro_batch=4), dict(hidden=128), dict(hidden=256)),
             ("hf llama", "AC none -> full (bf16-mixed)", dict(seq=128, micro_batch=4, precision="bf16-mixed"),
-             dict(ac="none"), dict(ac="full"))]
+             dict(ac="none"), dict(ac="full")),
+            # added after the time model's last change, never used to shape it
+            ("tiny", "optimizer AdamW -> SGD", dict(seq=128, micro_batch=4), dict(optimizer="adamw"),
+             dict(optimizer="sgd")),
+            ("tiny", "seq 32 -> 256 (micro-batch 1)", dict(micro_batch=1), dict(seq=32), dict(seq=256)),
+            ("hf gpt2", "vocab 1024 -> 8192", dict(seq=128, micro_batch=4), dict(vocab=1024), dict(vocab=8192)),
+            ("hf llama", "heads 4 -> 8 (kv heads 2)", dict(seq=128, micro_batch=4), dict(heads=4), dict(heads=8))]
 
 
 def log(msg: str) -> None:
