@@ -114,6 +114,9 @@ def test_a_real_calibration_is_current(calibrated):
     assert calibrated.contention_processes == 2 and calibrated.allocator
     assert {"sdpa-fp32", "sdpa-backward-fp32"} <= set(calibrated.matmul_start)
     assert set(calibrated.dispatch_seconds_autocast) == {"forward", "backward", "plain"}
+    assert calibrated.link == run_mod.LINK and calibrated.loopback_bytes_per_s > 0
+    if (os.cpu_count() or 1) >= 2:  # measured in each round, merged by median
+        assert set(calibrated.contention) == {"compute", "memory", "dispatch"}
     assert run_mod._current(calibrated)
 
 
@@ -136,7 +139,7 @@ def test_a_cpu_cache_from_before_the_contention_measurement_is_measured_again(me
 
 def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_again(measured, calibrated):
     current = dict(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
-                   contention={"compute": 1.0}, allocator="glibc", dispatch_seconds_autocast=AUTOCAST)
+                   contention={"compute": 1.0}, allocator="glibc", dispatch_seconds_autocast=AUTOCAST, link=run_mod.LINK)
     no_sdpa = sample(**current)  # a device whose fused attention did not run: nothing to measure again
     save(no_sdpa)
     assert ensure("cpu", threads=1) == (no_sdpa, False) and measured == []
@@ -147,6 +150,15 @@ def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_aga
     assert ensure("cpu", threads=1) == (calibrated, False) and len(measured) == 1  # cached now
 
 
+def test_a_cpu_cache_whose_link_was_a_tcp_echo_is_measured_again(measured, calibrated):
+    old = sample(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
+                 contention={"compute": 1.0}, allocator="glibc", dispatch_seconds_autocast=AUTOCAST,
+                 loopback_bytes_per_s=2.5e9, loopback_latency_s=2e-5)  # link "": the socket echo
+    save(old)
+    cal, fresh = ensure("cpu", threads=1, seconds=0.5)
+    assert fresh and measured == [ASKED] and cal == calibrated
+
+
 def test_a_cpu_cache_without_dispatch_under_autocast_is_measured_again(measured, calibrated):
     # before it every precision was priced with fp32's dispatch, and rates were upper quartiles of the samples
     old = sample(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
@@ -154,6 +166,17 @@ def test_a_cpu_cache_without_dispatch_under_autocast_is_measured_again(measured,
     save(old)
     cal, fresh = ensure("cpu", threads=1, seconds=0.5)
     assert fresh and measured == [ASKED] and cal == calibrated
+
+
+@pytest.mark.slow
+def test_the_link_fitted_to_two_sizes_prices_a_third_all_reduce_timed_on_gloo():
+    from batchlab.calibrate.link import allreduce_link, allreduce_seconds
+
+    bandwidth, latency = allreduce_link(0.3)
+    assert 1e7 < bandwidth < 1e12 and 0 <= latency < 1e-2, (bandwidth, latency)
+    size = 2**20  # between the fitted sizes (16 KiB, 4 MiB), timed by its own two processes
+    timed = allreduce_seconds((size,), 0.3)[size]
+    assert 0.5 < (size / bandwidth + 2 * latency) / timed < 2.0, (size / bandwidth + 2 * latency, timed)
 
 
 def test_contention_is_measured_only_where_the_processes_get_their_own_cores():

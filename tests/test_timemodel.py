@@ -190,7 +190,7 @@ def test_local_ranks_share_the_cores_and_the_loopback_link():
     # ring all-reduce of the fp32 gradients over the 1 GB/s link, 2 messages of 20 us per bucket (one bucket)
     grads = 4 * sum(p.numel() for p in Trainer(base).raw_model.parameters())  # the real model's fp32 gradients
     assert two.allreduce_seconds == pytest.approx(grads / 1e9 + 2 * 2e-5, rel=1e-6)
-    assert "loopback 1.00 GB/s + 20 us per message" in two.model
+    assert "1.00 GB/s + 20 us per message in the ring model" in two.model
     single_thread = OpCosts(**{**cpu.__dict__, "threads": 1})
     assert timed(base.replace(dp=2), single_thread).ops.seconds == pytest.approx(one.ops.seconds)
 

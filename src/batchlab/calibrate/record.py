@@ -40,8 +40,11 @@ class Calibration:
     element_seconds: dict[str, float] = field(default_factory=dict)  # "activation:fp32" -> s per element
     dispatch_seconds: dict[str, float] = field(default_factory=dict)  # forward | backward | plain -> s per op
     dispatch_seconds_autocast: dict[str, float] = field(default_factory=dict)  # the same under autocast; {}: unmeasured
-    loopback_bytes_per_s: float = 0.0  # CPU: TCP over loopback (gloo's link between local ranks); 0: unmeasured
-    loopback_latency_s: float = 0.0  # its 1-byte round trip
+    # CPU: the link between local ranks in the ring model's terms (bytes/s, seconds per message), from gloo's
+    # all-reduce between two local processes (calibrate/link.py); 0: unmeasured
+    loopback_bytes_per_s: float = 0.0
+    loopback_latency_s: float = 0.0
+    link: str = ""  # what those figures were measured on ("": a TCP echo over loopback, before gloo's all-reduce)
     cores: int = 0  # CPU cores of the machine measured (local ranks x threads beyond it share them)
     # CPU: a process's slowdown while ``contention_processes`` run the same kernels at once, by kind
     # (compute | memory | dispatch; calibrate/concurrency.py); 0 processes: not measured (an older cache)

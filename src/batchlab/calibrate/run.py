@@ -9,9 +9,10 @@ import time
 
 from batchlab import regime
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
-                                        _element_seconds, _loopback, _matmul_curve, _memory_curve,
+                                        _element_seconds, _matmul_curve, _memory_curve,
                                         _sdpa_curves, monotone)
 from batchlab.calibrate.concurrency import slowdown
+from batchlab.calibrate.link import allreduce_link
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
 from batchlab.host import cpu_hardware
@@ -67,8 +68,8 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     matmul curves in fp32 and bf16 (34% linear layers, 8% attention's batched matmuls, 16% fused attention
     forward and backward), element-wise bandwidth (12%), per-element kernels (15%), per-op dispatch in fp32
     and under autocast (25%), on CPU the slowdown of two processes running alike at once (15%, in CPU
-    seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and once the loopback link gloo
-    uses between local ranks (2%).  ``threads``: the intra-op thread count to measure at (CPU; restored
+    seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and once gloo's all-reduce between
+    two local processes (5%, plus ~0.5 s to start them).  ``threads``: the intra-op thread count to measure at (CPU; restored
     afterwards)."""
     import torch
 
@@ -91,7 +92,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
         start = time.perf_counter()
         k = _median_rounds([_round(device, shapes, seconds / ROUNDS, sync) for _ in range(ROUNDS)])
         fp32, bf16 = monotone(k["fp32"]), monotone(k["bf16"])
-        link, latency = _loopback(0.02 * seconds) if device.type == "cpu" else (0.0, 0.0)
+        link, latency = allreduce_link(0.05 * seconds) if device.type == "cpu" else (0.0, 0.0)
         assert fp32, "fp32 matmul failed"
         best32, best16 = max(fp32, key=lambda p: p[1]), max(bf16, key=lambda p: p[1]) if bf16 else None
         return Calibration(
@@ -106,13 +107,16 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
             memory_curve=k["mem"], memory_curve_bf16=k["mem16"], memory_curve_inplace=k["inplace"],
             strided_bytes_per_s=k["strided"], element_seconds=k["elements"], dispatch_seconds=k["dispatch"]["fp32"],
             dispatch_seconds_autocast=k["dispatch"].get("bf16-mixed", {}),
-            loopback_bytes_per_s=link, loopback_latency_s=latency, cores=os.cpu_count() or 1,
+            loopback_bytes_per_s=link, loopback_latency_s=latency, link=LINK if device.type == "cpu" else "",
+            cores=os.cpu_count() or 1,
             contention=k["contention"], contention_processes=2 if device.type == "cpu" else 0,
             allocator=regime.describe() if device.type == "cpu" else "")
     finally:
         CLOCK.reset(token)
         torch.set_num_threads(before)
 
+
+LINK = "gloo all-reduce between 2 local processes"  # what the CPU link figures are (calibrate/link.py)
 
 # Every kernel is timed in each of ROUNDS rounds of a third of the budget, and its figure is the median over
 # them: this host switches speed within seconds, so one window per kind (the fp32 dispatch in one second, the
@@ -178,7 +182,9 @@ def _current(cached: Calibration) -> bool:
             # CPU: the local ranks' contention, the allocator regime (before it: kernels faulted pages in), and
             # dispatch under autocast, with the median of CPU-time samples (before: fp32 dispatch for every
             # precision, upper quartiles)
-            and (not cpu or bool(cached.contention_processes and cached.allocator and cached.dispatch_seconds_autocast)))
+            # CPU: and gloo's all-reduce itself as the local ranks' link (before: a TCP echo over loopback)
+            and (not cpu or bool(cached.contention_processes and cached.allocator and cached.dispatch_seconds_autocast
+                                 and cached.link == LINK)))
 
 
 def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0

@@ -174,7 +174,7 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
 
 
 def local_link(cfg: RunConfig, costs: OpCosts) -> bool:
-    """CPU ranks all on this host, with the loopback link calibrated: gloo's all-reduce runs over it."""
+    """CPU ranks all on this host, with the link between them calibrated (gloo's all-reduce, calibrate/link.py)."""
     return cfg.dp > 1 and costs.link_bytes_per_s is not None and cfg.device_spec.backend is Backend.CPU
 
 
@@ -236,6 +236,6 @@ def machine_text(cfg: RunConfig, costs: OpCosts) -> str:
         out += (f"; ranks running at once slow each other (calibrated with {costs.contention_processes} processes): "
                 + ", ".join(f"{k} x{f:.2f}" for k, f in slow.items()) + "; the update waits for the slowest rank")
     if local_link(cfg, costs):
-        out += (f"; all-reduce over the calibrated loopback {costs.link_bytes_per_s / 1e9:.2f} GB/s + "
-                f"{costs.link_latency_s * 1e6:.0f} us per message")
+        out += (f"; all-reduce as gloo's between local ranks was calibrated: {costs.link_bytes_per_s / 1e9:.2f} GB/s "
+                f"+ {costs.link_latency_s * 1e6:.0f} us per message in the ring model")
     return out
