@@ -270,3 +270,18 @@ def test_every_prediction_states_the_time_models_assumptions():
     assert "ops per update" in line and "source: nominal" in line and "µs per" in line
     assert e.time.ops.by_phase and sum(e.time.ops.by_phase.values()) == pytest.approx(e.time.ops.seconds)
     assert sum(e.time.ops.by_class.values()) == pytest.approx(e.time.ops.seconds)
+
+
+def test_a_transcendental_kernel_calibrated_by_name_is_priced_at_its_own_rate():
+    e = 1_000_000
+    costs = OpCosts(**{**FLAT.__dict__, "element_seconds": {
+        "activation:fp32": 2e-9, "activation:bf16": 3e-9, "activation/silu:fp32": 6e-10,
+        "activation-grad:fp32": 2e-9, "activation-grad/tanh_backward:fp32": 1.4e-10}})
+    def op(name, klass=OpClass.ACTIVATION, low=False):
+        return OpCount(name, Phase.FORWARD, klass, elements=e, bytes=1, low_precision=low)
+
+    assert costs.work_seconds(op("silu")) == pytest.approx(e * 6e-10)  # its own kernel
+    assert costs.work_seconds(op("silu", low=True)) == pytest.approx(e * 6e-10)  # bf16 unmeasured: its fp32 rate
+    assert costs.work_seconds(op("gelu")) == pytest.approx(e * 2e-9)  # the class's representative (tanh-GELU)
+    assert costs.work_seconds(op("gelu", low=True)) == pytest.approx(e * 3e-9)
+    assert costs.work_seconds(op("tanh_backward", OpClass.ACTIVATION_GRAD)) == pytest.approx(e * 1.4e-10)

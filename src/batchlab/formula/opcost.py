@@ -192,9 +192,15 @@ class OpCosts:
         pts = pts or self.matmul.get(key) or self.matmul["fp32"]
         return interpolate_log(pts, flops)
 
-    def element_rate_seconds(self, klass: OpClass, low_precision: bool) -> float:
-        key = f"{klass.value}:{'bf16' if low_precision else 'fp32'}"
-        return self.element_seconds.get(key, self.element_seconds.get(f"{klass.value}:fp32", 0.0))
+    def element_rate_seconds(self, klass: OpClass, low_precision: bool, name: str = "") -> float:
+        """Seconds per element: the op's own kernel where calibrated by name (``activation/silu:bf16``), else
+        its class's representative kernel, in its precision where calibrated, else fp32's."""
+        tag = "bf16" if low_precision else "fp32"
+        e = self.element_seconds
+        for key in (f"{klass.value}/{name}:{tag}", f"{klass.value}/{name}:fp32", f"{klass.value}:{tag}"):
+            if key in e:
+                return e[key]
+        return e.get(f"{klass.value}:fp32", 0.0)
 
     def work_seconds(self, op: OpCount) -> float:
         """One call's time beyond its dispatch."""
@@ -215,7 +221,7 @@ class OpCosts:
         if op.klass is OpClass.VIEW:
             return 0.0
         # per-element kernels also move their bytes: whichever bound is slower (roofline)
-        return max(op.elements * self.element_rate_seconds(op.klass, op.low_precision),
+        return max(op.elements * self.element_rate_seconds(op.klass, op.low_precision, op.name),
                    op.bytes / self.bandwidth(op.bytes, op.low_precision))
 
     def bandwidth(self, nbytes: float, low_precision: bool = False) -> float:
