@@ -181,6 +181,18 @@ def test_the_link_fitted_to_two_sizes_prices_a_third_all_reduce_timed_on_gloo():
     assert 0.5 < (size / bandwidth + 2 * latency) / timed < 2.0, (size / bandwidth + 2 * latency, timed)
 
 
+def test_a_link_that_cannot_be_timed_is_left_unmeasured_with_a_warning_not_a_hang(monkeypatch):
+    from batchlab.calibrate import link
+
+    monkeypatch.setattr(link, "_rank", lambda *args: None)  # a rank that leaves without a result
+    monkeypatch.setattr(link, "TIMEOUT_S", 1)
+    start = time.perf_counter()
+    with pytest.warns(UserWarning, match="gave no result"):
+        assert link.allreduce_link(0.1) == (0.0, 0.0)
+    assert time.perf_counter() - start < 10
+    assert sample(loopback_bytes_per_s=0.0).op_costs().link_bytes_per_s is None  # priced over the entry's link
+
+
 def test_contention_is_measured_only_where_the_processes_get_their_own_cores():
     from batchlab.calibrate.concurrency import KINDS, slowdown
 

@@ -5,29 +5,40 @@ TCP echo's bandwidth and latency priced 1.5-2.1 ms.  Torch is imported inside th
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import socket
 import statistics
 import time
+import warnings
 
 SIZES = (2**14, 4 * 2**20)  # bytes all-reduced: a message's fixed cost, and about a small model's bucket
 WARMUP = 3  # all-reduces per size before timing (the ring's connections are made on first use)
+MAX_SAMPLES = 200
+TIMEOUT_S = 30
 
 
 def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results) -> None:
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
         out = {}
         for nbytes in sizes:
             x = torch.ones(nbytes // 4)
+            t = time.perf_counter()
             for _ in range(WARMUP):
                 dist.all_reduce(x)
+            # both ranks run the same number of collectives: the count each could afford, the smaller agreed
+            each = (time.perf_counter() - t) / WARMUP
+            count = torch.tensor([min(MAX_SAMPLES, max(5, int(seconds / len(sizes) / max(2 * each, 1e-6))))])
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)
             samples: list[float] = []
-            end = time.perf_counter() + seconds / len(sizes)
-            while len(samples) < 5 or time.perf_counter() < end:
+            for _ in range(int(count)):
                 dist.barrier()  # both ranks start the all-reduce together: its own time, not the other's lateness
                 t = time.perf_counter()
                 dist.all_reduce(x)
@@ -41,7 +52,7 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results)
 
 def allreduce_seconds(sizes: tuple[int, ...], seconds: float) -> dict[int, float]:
     """Per size (bytes), the median time of one all-reduce between two processes forked here, over gloo.  Wall
-    clock: a rank waits on its peer, which is the cost."""
+    clock: a rank waits on its peer, which is the cost.  Raises RuntimeError where they cannot run it."""
     # fork: no interpreter start-up per rank (the caller measures at one thread: no OpenMP pool to inherit)
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
@@ -53,10 +64,14 @@ def allreduce_seconds(sizes: tuple[int, ...], seconds: float) -> dict[int, float
     for p in ranks:
         p.start()
     try:
-        return results.get(timeout=60)
+        return results.get(timeout=TIMEOUT_S + 10 * seconds)
+    except queue.Empty:
+        codes = [p.exitcode for p in ranks]
+        raise RuntimeError(f"gloo's all-reduce between two local processes gave no result (exit codes {codes})") \
+            from None
     finally:
         for p in ranks:
-            p.join(timeout=30)
+            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
 
@@ -64,7 +79,12 @@ def allreduce_seconds(sizes: tuple[int, ...], seconds: float) -> dict[int, float
 def allreduce_link(seconds: float) -> tuple[float, float]:
     """(bytes/s, seconds per message) that the ring model (formula.sharding: 2(n-1)/n of the buffer over the
     link, plus 2(n-1) messages) turns back into gloo's all-reduce times at ``SIZES``: for 2 ranks
-    t(B) = B / bandwidth + 2 latency."""
-    (b1, t1), (b2, t2) = sorted(allreduce_seconds(SIZES, seconds).items())
+    t(B) = B / bandwidth + 2 latency.  (0, 0), with a warning, where it cannot be timed here: local ranks are
+    then priced over the device entry's link."""
+    try:
+        (b1, t1), (b2, t2) = sorted(allreduce_seconds(SIZES, seconds).items())
+    except RuntimeError as e:
+        warnings.warn(f"calibrate: {e}; DP on this CPU is priced over the device entry's link", stacklevel=2)
+        return 0.0, 0.0
     bandwidth = (b2 - b1) / max(t2 - t1, 1e-9)
     return bandwidth, max(0.0, (t1 - b1 / bandwidth) / 2)
