@@ -2,9 +2,10 @@
 size (fp32, bf16; linear layers, attention's batched matmuls, fused attention), element-wise bandwidth by
 size, per-element kernels, and the fixed cost per op.
 
-``batchlab calibrate`` measures it in about 20 s (a 10 s budget spread over 3 rounds, plus fixed costs) and caches it per device, torch version and thread count
-under platformdirs' user cache dir; the formula and the trace then price their ops with it for that device
-instead of nominal figures, and say so (``Calibration.source``).  measure and compare calibrate this CPU
+``batchlab calibrate`` measures it in about 20 s (a 10 s budget spread over 3 rounds, plus fixed costs) and
+caches it per device, torch version and thread count under platformdirs' user cache dir; the formula and the
+trace then price their ops with it for that device instead of nominal figures, and say so
+(``Calibration.source``).  measure and compare calibrate this CPU
 once automatically (``auto``).
 
     from batchlab.calibrate import load_all, load_cached

@@ -64,13 +64,13 @@ def _in_child(args: dict) -> Calibration:
 def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
                  shapes: tuple[tuple[int, int, int], ...] | None = None, threads: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in ``ROUNDS`` rounds, the shares of ``seconds`` adding up to
-    ~1.7x it (each kernel's minimum samples; measured 17.3-17.5 s at the default 10 on this 2-core CPU): the
+    ~1.9x it (each kernel's minimum samples; measured 18.8-19.7 s at the default 10 on this 2-core CPU): the
     matmul curves in fp32 and bf16 (34% linear layers, 8% attention's batched matmuls, 16% fused attention
     forward and backward), element-wise bandwidth (12%), per-element kernels (15%), per-op dispatch in fp32
     and under autocast (25%), on CPU the slowdown of two processes running alike at once (15%, in CPU
     seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and once gloo's all-reduce between
-    two local processes (5%, plus ~0.5 s to start them).  ``threads``: the intra-op thread count to measure at (CPU; restored
-    afterwards)."""
+    two local processes (5%, plus ~0.5 s to start them).  ``threads``: the intra-op thread count to measure at
+    (CPU; restored afterwards)."""
     import torch
 
     from batchlab.measure.clock import synchronizer

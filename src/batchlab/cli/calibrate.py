@@ -33,7 +33,7 @@ def calibrate(
         fail(f"threads: must be >= 1, got {threads}")
     try:
         with progress("calibrate", f"matmul curves, bandwidth, kernels and dispatch on {torch_device}, about "
-                                   f"{2 * seconds:g} s", quiet=as_json):
+                                   f"{2.4 * seconds:.0f} s", quiet=as_json):
             cal = cal_mod.measure(torch_device, seconds=seconds, threads=threads)
     except ConfigError as e:
         fail(str(e))
