@@ -1,7 +1,7 @@
 """Gloo's all-reduce between two local processes: what a DP rank on this CPU host waits for per gradient
 bucket, timed on a real process group (torch.distributed over loopback), not a socket echo.  Gloo's ring also
-copies and sums the buffers: 3.4 MiB (the built-in tiny GPT's gradients) all-reduced in 4.1-5.0 ms here, where a
-TCP echo's bandwidth and latency priced 1.5-2.1 ms.  Torch is imported inside the functions."""
+copies and sums the buffers: 3.4 MiB (the built-in tiny GPT's gradients) all-reduced in 2.1-3.0 ms here (lower
+quartiles; medians 4.1-5.0), where a TCP echo's bandwidth and latency priced 1.5-2.1 ms.  Torch is imported inside the functions."""
 from __future__ import annotations
 
 import multiprocessing
@@ -11,7 +11,7 @@ import statistics
 import time
 import warnings
 
-SIZES = (2**14, 4 * 2**20)  # bytes all-reduced: a message's fixed cost, and about a small model's bucket
+SIZES = (2**14, 2**20, 4 * 2**20)  # bytes all-reduced: a message's fixed cost, up to about a small model's bucket
 WARMUP = 3  # all-reduces per size before timing (the ring's connections are made on first use)
 MAX_SAMPLES = 200
 TIMEOUT_S = 30
@@ -43,7 +43,8 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results)
                 t = time.perf_counter()
                 dist.all_reduce(x)
                 samples.append(time.perf_counter() - t)
-            out[nbytes] = statistics.median(samples)
+            # wall clock, so other processes only ever lengthen a sample: the lower quartile
+            out[nbytes] = statistics.quantiles(samples, n=4, method="inclusive")[0]
         if rank == 0:
             results.put(out)
     finally:
@@ -79,12 +80,15 @@ def allreduce_seconds(sizes: tuple[int, ...], seconds: float) -> dict[int, float
 def allreduce_link(seconds: float) -> tuple[float, float]:
     """(bytes/s, seconds per message) that the ring model (formula.sharding: 2(n-1)/n of the buffer over the
     link, plus 2(n-1) messages) turns back into gloo's all-reduce times at ``SIZES``: for 2 ranks
-    t(B) = B / bandwidth + 2 latency.  (0, 0), with a warning, where it cannot be timed here: local ranks are
-    then priced over the device entry's link."""
+    t(B) = B / bandwidth + 2 latency, fitted by least squares.  (0, 0), with a warning, where it cannot be timed
+    here: local ranks are then priced over the device entry's link."""
     try:
-        (b1, t1), (b2, t2) = sorted(allreduce_seconds(SIZES, seconds).items())
+        times = allreduce_seconds(SIZES, seconds)
     except RuntimeError as e:
         warnings.warn(f"calibrate: {e}; DP on this CPU is priced over the device entry's link", stacklevel=2)
         return 0.0, 0.0
-    bandwidth = (b2 - b1) / max(t2 - t1, 1e-9)
-    return bandwidth, max(0.0, (t1 - b1 / bandwidth) / 2)
+    xs, ys = list(times), list(times.values())
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    bandwidth = 1.0 / max(slope, 1e-15)
+    return bandwidth, max(0.0, (my - mx * slope) / 2)
