@@ -48,8 +48,9 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="session")
 def _short_calibration():
-    """measure and compare calibrate the CPU once per cache (the suite's is fresh): keep that one to ~1 s.
-    Session-wide, so module fixtures (shared launches) get it too."""
+    """measure and compare calibrate the CPU once per cache (the suite's is fresh): keep that one to a 1 s
+    budget in one round (merging rounds is tested by hand in test_calibrate.py).  Session-wide, so module
+    fixtures (shared launches) get it too."""
     try:
         import batchlab.calibrate.run as cal
     except ImportError:
@@ -57,7 +58,8 @@ def _short_calibration():
         return
     original = cal.measure
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cal, "measure", lambda *a, **k: original(*a, **{**k, "seconds": min(k.get("seconds", 1.0), 1.0)}))
+        mp.setattr(cal, "measure", lambda *a, **k: original(*a, **{**k, "seconds": min(k.get("seconds", 1.0), 1.0),
+                                                                  "rounds": k.get("rounds") or 1}))
         yield
 
 

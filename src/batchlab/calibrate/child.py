@@ -14,7 +14,7 @@ def main(argv: list[str]) -> None:
     guard()  # never outlive the caller
     args, out = json.loads(argv[0]), Path(argv[1])
     shapes = tuple(map(tuple, args["shapes"])) if args.get("shapes") else None
-    cal = measure_here(args["torch_device"], args["seconds"], shapes, args.get("threads"))
+    cal = measure_here(args["torch_device"], args["seconds"], shapes, args.get("threads"), args.get("rounds"))
     out.write_text(json.dumps(cal.to_dict()))
 
 

@@ -29,15 +29,16 @@ def _hardware(device) -> str:
 
 
 def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
-            threads: int | None = None) -> Calibration:
+            threads: int | None = None, rounds: int | None = None) -> Calibration:
     """Measure what the per-op time model needs (``measure_here``), on CPU in the allocator regime batchlab's
     measuring processes run in (batchlab.regime: freed memory kept): in a child process started in it where
     this one is not (this process's allocator is the caller's and stays as it is)."""
     if seconds <= 0:
         raise ConfigError("seconds", f"must be > 0, got {seconds}")
     if torch_device.startswith("cpu") and regime.missing():
-        return _in_child(dict(torch_device=torch_device, seconds=seconds, shapes=shapes, threads=threads))
-    return measure_here(torch_device, seconds, shapes, threads)
+        return _in_child(dict(torch_device=torch_device, seconds=seconds, shapes=shapes, threads=threads,
+                              rounds=rounds))
+    return measure_here(torch_device, seconds, shapes, threads, rounds)
 
 
 def _in_child(args: dict) -> Calibration:
@@ -62,7 +63,8 @@ def _in_child(args: dict) -> Calibration:
 
 
 def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
-                 shapes: tuple[tuple[int, int, int], ...] | None = None, threads: int | None = None) -> Calibration:
+                 shapes: tuple[tuple[int, int, int], ...] | None = None, threads: int | None = None,
+                 rounds: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in ``ROUNDS`` rounds, the shares of ``seconds`` adding up to
     ~1.9x it (each kernel's minimum samples; measured 18.8-19.7 s at the default 10 on this 2-core CPU): the
     matmul curves in fp32 and bf16 (34% linear layers, 8% attention's batched matmuls, 16% fused attention
@@ -70,7 +72,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     and under autocast (25%), on CPU the slowdown of two processes running alike at once (15%, in CPU
     seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and once gloo's all-reduce between
     two local processes (5%, plus ~0.5 s to start them).  ``threads``: the intra-op thread count to measure at
-    (CPU; restored afterwards)."""
+    (CPU; restored afterwards); ``rounds``: default ``ROUNDS`` (1: every kind once, as a quick check needs)."""
     import torch
 
     from batchlab.measure.clock import synchronizer
@@ -90,7 +92,8 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     try:
         sync = synchronizer(device)
         start = time.perf_counter()
-        k = _median_rounds([_round(device, shapes, seconds / ROUNDS, sync) for _ in range(ROUNDS)])
+        n = rounds or ROUNDS
+        k = _median_rounds([_round(device, shapes, seconds / n, sync) for _ in range(n)])
         fp32, bf16 = monotone(k["fp32"]), monotone(k["bf16"])
         link, latency = allreduce_link(0.05 * seconds) if device.type == "cpu" else (0.0, 0.0)
         assert fp32, "fp32 matmul failed"
