@@ -46,7 +46,9 @@ def test_isolated_worker_runs_in_the_regime_and_faults_no_pages_after_warmup(mon
     m = measure(cfg, MeasureOptions(warmup=3, steps=9, memory=False, isolate=True))
     assert m.ok, m.outcome_detail
     assert m.environment["allocator"].startswith("allocator: glibc, freed memory kept")
-    assert m.environment["page_faults_per_update"] < 50  # median: 0-1 measured; ~2,000 without it (next test)
+    # median: 0-1 measured in most runs, 65 once in a fresh clone under the parallel suite (the heap grows past
+    # its high-water mark now and then); ~2,000 without the regime (next test)
+    assert m.environment["page_faults_per_update"] < 200
 
 
 @pytest.mark.slow
