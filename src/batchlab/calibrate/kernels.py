@@ -22,8 +22,8 @@ def steady(rates: list[float], cpu_clock: bool | None = None) -> float:
     """The rate a kernel runs at, from repeated samples.  Timed in CPU seconds (``cpu_clock``; default: whether
     ``CLOCK`` is a CPU-time clock), other processes' load does not enter a sample: what spreads them is the
     host's own speed (this VM switches between two speeds within seconds), which the predicted steps meet
-    alike, so the median, the statistic their measurement takes (the upper quartile had priced the grid of
-    benchmarks/time_accuracy.py 15% faster than measured on average).  Timed by a wall clock, other work only
+    alike, so the median, the statistic their measurement takes (the upper quartile had priced the grids of
+    benchmarks/time_accuracy.py 11% and 19% faster than measured on average).  Timed by a wall clock, other work only
     ever slows a sample down: the upper quartile, the kernel's own rate."""
     if len(rates) < 2:
         return rates[0]

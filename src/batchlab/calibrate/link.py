@@ -1,7 +1,8 @@
 """Gloo's all-reduce between two local processes: what a DP rank on this CPU host waits for per gradient
 bucket, timed on a real process group (torch.distributed over loopback), not a socket echo.  Gloo's ring also
 copies and sums the buffers: 3.4 MiB (the built-in tiny GPT's gradients) all-reduced in 2.1-3.0 ms here (lower
-quartiles; medians 4.1-5.0), where a TCP echo's bandwidth and latency priced 1.5-2.1 ms.  Torch is imported inside the functions."""
+quartiles; medians 4.1-5.0), where a TCP echo's bandwidth and latency priced 1.5-2.1 ms.  Torch is imported
+inside the functions."""
 from __future__ import annotations
 
 import multiprocessing
@@ -52,8 +53,8 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results)
 
 
 def allreduce_seconds(sizes: tuple[int, ...], seconds: float) -> dict[int, float]:
-    """Per size (bytes), the median time of one all-reduce between two processes forked here, over gloo.  Wall
-    clock: a rank waits on its peer, which is the cost.  Raises RuntimeError where they cannot run it."""
+    """Per size (bytes), the time of one all-reduce between two processes forked here, over gloo (the lower
+    quartile of its samples).  Wall clock: a rank waits on its peer, which is the cost.  Raises RuntimeError where they cannot run it."""
     # fork: no interpreter start-up per rank (the caller measures at one thread: no OpenMP pool to inherit)
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)

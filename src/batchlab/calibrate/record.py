@@ -39,7 +39,8 @@ class Calibration:
     strided_bytes_per_s: float = 0.0  # a transposed view copied contiguous, read + write
     element_seconds: dict[str, float] = field(default_factory=dict)  # "activation:fp32" -> s per element
     dispatch_seconds: dict[str, float] = field(default_factory=dict)  # forward | backward | plain -> s per op
-    dispatch_seconds_autocast: dict[str, float] = field(default_factory=dict)  # the same under autocast; {}: unmeasured
+    # the same under autocast (bf16-mixed); {}: unmeasured
+    dispatch_seconds_autocast: dict[str, float] = field(default_factory=dict)
     # CPU: the link between local ranks in the ring model's terms (bytes/s, seconds per message), from gloo's
     # all-reduce between two local processes (calibrate/link.py); 0: unmeasured
     loopback_bytes_per_s: float = 0.0
@@ -79,7 +80,8 @@ class Calibration:
                        memory_inplace=tuple(map(tuple, self.memory_curve_inplace)) or None,
                        element_seconds=dict(self.element_seconds),
                        dispatch=dict(self.dispatch_seconds),
-                       dispatch_autocast=dict(self.dispatch_seconds_autocast), asynchronous=not self.torch_device.startswith("cpu"),
+                       dispatch_autocast=dict(self.dispatch_seconds_autocast),
+                       asynchronous=not self.torch_device.startswith("cpu"),
                        link_bytes_per_s=self.loopback_bytes_per_s or None, link_latency_s=self.loopback_latency_s,
                        threads=self.threads, cores=self.cores, contention=dict(self.contention),
                        contention_processes=self.contention_processes,

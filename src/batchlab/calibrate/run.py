@@ -105,7 +105,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
             copy_bytes=int(k["mem"][-1][0]), threads=torch.get_num_threads(),
             measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__, seconds=time.perf_counter() - start,
-            matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{n: monotone(v) for n, v in k["bmm"].items() if v}},
+            matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{name: monotone(v) for name, v in k["bmm"].items() if v}},
             matmul_start=k["sdpa_start"],
             memory_curve=k["mem"], memory_curve_bf16=k["mem16"], memory_curve_inplace=k["inplace"],
             strided_bytes_per_s=k["strided"], element_seconds=k["elements"], dispatch_seconds=k["dispatch"]["fp32"],
@@ -183,10 +183,9 @@ def _current(cached: Calibration) -> bool:
             # fused attention's backward on its own curves (before: priced at the forward's rate); a device whose
             # SDPA did not run has neither curve
             and ("sdpa-backward-fp32" in cached.matmul_start or "sdpa-fp32" not in cached.matmul_curve)
-            # CPU: the local ranks' contention, the allocator regime (before it: kernels faulted pages in), and
-            # dispatch under autocast, with the median of CPU-time samples (before: fp32 dispatch for every
-            # precision, upper quartiles)
-            # CPU: and gloo's all-reduce itself as the local ranks' link (before: a TCP echo over loopback)
+            # CPU: the local ranks' contention, the allocator regime (before it: kernels faulted pages in),
+            # dispatch under autocast with medians of CPU-time samples (before: fp32 dispatch for every precision,
+            # upper quartiles), gloo's all-reduce as the local ranks' link (before: a TCP echo over loopback)
             and (not cpu or bool(cached.contention_processes and cached.allocator and cached.dispatch_seconds_autocast
                                  and cached.link == LINK)))
 
