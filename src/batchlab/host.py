@@ -1,4 +1,5 @@
-"""What this machine is, asked without torch: the NVIDIA GPUs' names (nvidia-smi) and the CPU's model.
+"""What this machine is, asked without torch: the NVIDIA GPUs' names (nvidia-smi) and the CPU's model; and a
+free loopback port for process groups started on it.
 
 Imports nothing from batchlab, so the config (``--device local``), the calibration cache and the
 measurement environment all read the host the same way.
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import socket
 import subprocess
 
 
@@ -86,3 +88,10 @@ def cpu_peak_flops() -> tuple[float, str]:
     how = (f"{cores} cores x {ghz:.2f} GHz{'' if mhz else ' (assumed)'} x {per_cycle} fp32 FLOP/cycle "
            "(/proc/cpuinfo)")
     return cores * ghz * 1e9 * per_cycle, how
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now, for a process group started without torchrun."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

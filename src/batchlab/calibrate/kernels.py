@@ -307,36 +307,42 @@ NAMED_ACTIVATIONS = ("silu", "tanh", "exp", "log", "sigmoid", "erf", "sin", "cos
 NAMED_ACTIVATION_GRADS = ("silu_backward", "tanh_backward", "sigmoid_backward")
 
 
-def _dispatch_seconds(device, seconds: float, sync, precisions: tuple[str, ...] = ("fp32", "bf16-mixed")
-                      ) -> dict[str, dict[str, float]]:
-    """Per precision, seconds per op by who dispatches it, from updates of a GPT so small that every op is
-    dispatch-bound: each phase's time over its op count (trace/ops.py counts them on this same update).
-    "bf16-mixed" runs under autocast, whose dispatch key every forward op passes through (forward ~1.3x fp32's
-    per op here, backward too, the optimizer's plain ops alike).  The precisions' updates alternate, so the
-    host's speed switches (this VM's Python-bound work moves 7-13 us per op within seconds) fall on both
-    alike; a precision the device cannot run is left out."""
+def dispatch_trainers(device, precisions: tuple[str, ...] = ("fp32", "bf16-mixed")) -> dict[str, tuple]:
+    """Per precision, (trainer, {dispatch kind: ops per update}) of a GPT so small that every op is
+    dispatch-bound, its ops counted once (trace/ops.py) for every round that times it.  "bf16-mixed" runs under
+    autocast, whose dispatch key every forward op passes through (forward ~1.3x fp32's per op here, backward
+    too, the optimizer's plain ops alike); a precision the device cannot run is left out."""
     from batchlab.config import RunConfig, preset
-    from batchlab.measure.clock import PhaseClock
     from batchlab.measure.harness import Trainer
     from batchlab.trace.ops import record_update
 
     spec = preset("tiny", layers=2, hidden=16, heads=2, vocab=32, max_positions=8)
-    trainers, calls = {}, {}
+    out = {}
     for precision in precisions:
         try:
             trainer = Trainer(RunConfig(model=spec, seq=8, micro_batch=1, precision=precision), device)
             trainer.update()
         except (RuntimeError, TypeError):  # autocast in this dtype unsupported on the device
             continue
-        trainers[precision], calls[precision] = trainer, {}
+        calls: dict[str, int] = {}
         for op in record_update(trainer):
             kind = DISPATCH_KIND[op.phase]
-            calls[precision][kind] = calls[precision].get(kind, 0) + op.count
+            calls[kind] = calls.get(kind, 0) + op.count
+        out[precision] = (trainer, calls)
+    return out
+
+
+def _dispatch_seconds(trainers: dict[str, tuple], seconds: float, sync) -> dict[str, dict[str, float]]:
+    """Per precision, seconds per op by who dispatches it: each phase's time over its op count, from updates of
+    ``dispatch_trainers``.  The precisions' updates alternate, so the host's speed switches (this VM's
+    Python-bound work moves 7-13 us per op within seconds) fall on both alike."""
+    from batchlab.measure.clock import PhaseClock
+
     clock = PhaseClock(sync, clock=CLOCK.get())
-    per_op: dict[str, dict[str, list[float]]] = {p: {k: [] for k in c} for p, c in calls.items()}
+    per_op: dict[str, dict[str, list[float]]] = {p: {k: [] for k in calls} for p, (_, calls) in trainers.items()}
     end = time.perf_counter() + seconds
     while time.perf_counter() < end or min(len(v["forward"]) for v in per_op.values()) < 5:
-        for precision, trainer in trainers.items():
+        for precision, (trainer, calls) in trainers.items():
             clock.start()
             trainer.update(probe=clock)
             clock.mark("end")
@@ -344,7 +350,7 @@ def _dispatch_seconds(device, seconds: float, sync, precisions: tuple[str, ...] 
             for phase, secs in clock.seconds.items():
                 kind = DISPATCH_KIND[Phase(phase)]
                 spent[kind] = spent.get(kind, 0.0) + secs
-            for kind, n in calls[precision].items():
+            for kind, n in calls.items():
                 per_op[precision][kind].append(spent.get(kind, 0.0) / n)
     return {p: {k: 1.0 / steady([1.0 / x for x in v if x > 0] or [float("inf")]) for k, v in kinds.items()}
             for p, kinds in per_op.items()}

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
-import socket
 import statistics
 import time
 import warnings
+
+from batchlab.host import free_port
 
 SIZES = (2**14, 2**20, 4 * 2**20)  # bytes all-reduced: a message's fixed cost, up to about a small model's bucket
 WARMUP = 3  # all-reduces per size before timing (the ring's connections are made on first use)
@@ -55,12 +56,11 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results)
 def allreduce_seconds(sizes: tuple[int, ...], seconds: float) -> dict[int, float]:
     """Per size (bytes), the time of one all-reduce between two processes forked here, over gloo (the lower
     quartile of its samples).  Wall clock: a rank waits on its peer, which is the cost.  Raises RuntimeError where they cannot run it."""
-    # fork: no interpreter start-up per rank (the caller measures at one thread: no OpenMP pool to inherit)
+    # fork: no interpreter start-up per rank; a parent's OpenMP pool is no hazard, as the ranks run no parallel
+    # region (one thread each: gloo and a fill; checked with the parent at 2 threads)
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = ctx.Queue()
     ranks = [ctx.Process(target=_rank, args=(r, port, sizes, seconds, results), daemon=True) for r in range(2)]
     for p in ranks:

@@ -9,8 +9,8 @@ import time
 
 from batchlab import regime
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
-                                        _element_seconds, _matmul_curve, _memory_curve,
-                                        _sdpa_curves, monotone)
+                                        _element_seconds, _matmul_curve, _memory_curve, _sdpa_curves,
+                                        dispatch_trainers, monotone)
 from batchlab.calibrate.concurrency import slowdown
 from batchlab.calibrate.link import allreduce_link
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
@@ -92,8 +92,8 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     try:
         sync = synchronizer(device)
         start = time.perf_counter()
-        n = rounds or ROUNDS
-        k = _median_rounds([_round(device, shapes, seconds / n, sync) for _ in range(n)])
+        n, trainers = rounds or ROUNDS, dispatch_trainers(device)
+        k = _median_rounds([_round(device, shapes, seconds / n, sync, trainers) for _ in range(n)])
         fp32, bf16 = monotone(k["fp32"]), monotone(k["bf16"])
         link, latency = allreduce_link(0.05 * seconds) if device.type == "cpu" else (0.0, 0.0)
         assert fp32, "fp32 matmul failed"
@@ -130,8 +130,9 @@ LINK = "gloo all-reduce between 2 local processes"  # what the CPU link figures 
 ROUNDS = 3
 
 
-def _round(device, shapes, seconds: float, sync) -> dict:
-    """One round of every kernel kind, the shares of ``seconds`` as ``measure_here`` gives them."""
+def _round(device, shapes, seconds: float, sync, trainers: dict) -> dict:
+    """One round of every kernel kind, the shares of ``seconds`` as ``measure_here`` gives them; ``trainers``:
+    the dispatch-bound updates (``dispatch_trainers``), built once for every round."""
     import torch
 
     sdpa, sdpa_start = _sdpa(device, 0.08 * seconds, sync)
@@ -142,7 +143,7 @@ def _round(device, shapes, seconds: float, sync) -> dict:
                      "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync), **sdpa},
                 sdpa_start=sdpa_start, mem=mem, mem16=mem16, inplace=inplace, strided=strided,
                 elements=_element_seconds(device, 0.15 * seconds, sync),
-                dispatch=_dispatch_seconds(device, 0.25 * seconds, sync),
+                dispatch=_dispatch_seconds(trainers, 0.25 * seconds, sync),
                 contention=slowdown(2, torch.get_num_threads(), 0.15 * seconds) if device.type == "cpu" else {})
 
 

@@ -14,23 +14,16 @@ from __future__ import annotations
 import os
 import select
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchlab.host import free_port  # noqa: F401 — equivalence and the benchmarks take it from here
 from batchlab.measure import warm
 
 LAUNCHER = "forked from a pre-imported process"
 GRACE_S = 5.0  # after a rank fails: how long its peers get to leave on SIGTERM before SIGKILL
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback now, for a process group started without torchrun."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
