@@ -187,12 +187,26 @@ def test_local_ranks_share_the_cores_and_the_loopback_link():
     # 2 ranks x 2 threads on 2 cores: each rank's ops take twice as long
     assert two.ops.seconds == pytest.approx(2 * one.ops.seconds, rel=1e-9)
     assert "2 local rank(s) x 2 thread(s) on 2 cores, ops x2.00" in two.model
-    # ring all-reduce of the fp32 gradients over the 1 GB/s link, 2 messages of 20 us per bucket (one bucket)
+    # ring all-reduce of the fp32 gradients over the 1 GB/s link, 2 messages of 20 us per collective: DDP's two
+    # buckets (the first of 1 MiB, the rest under 25 MiB) and the harness's all-reduce of the token count
     grads = 4 * sum(p.numel() for p in Trainer(base).raw_model.parameters())  # the real model's fp32 gradients
-    assert two.allreduce_seconds == pytest.approx(grads / 1e9 + 2 * 2e-5, rel=1e-6)
+    assert 2**20 < grads < 26 * 2**20
+    assert two.allreduce_seconds == pytest.approx(grads / 1e9 + 3 * 2 * 2e-5, rel=1e-6)
     assert "1.00 GB/s + 20 us per message in the ring model" in two.model
+    # the ranks' threads fill the cores, which gloo's copies and sums need: nothing of it is hidden
+    assert two.exposed_comm_seconds == two.allreduce_seconds and "nothing hidden" in two.overlap_source
     single_thread = OpCosts(**{**cpu.__dict__, "threads": 1})
     assert timed(base.replace(dp=2), single_thread).ops.seconds == pytest.approx(one.ops.seconds)
+    # 2 ranks x 1 thread on 4 cores leave two idle cores to gloo: DDP's overlap rules apply
+    roomy = timed(base.replace(dp=2), OpCosts(**{**cpu.__dict__, "threads": 1, "cores": 4}))
+    assert roomy.overlap_source.startswith("DDP buckets: hidden behind backward")
+
+
+def test_ddp_buckets_follow_its_defaults():
+    from batchlab.formula.timing import ddp_buckets
+
+    mib = 2**20
+    assert [ddp_buckets(b) for b in (0, mib // 2, mib, mib + 1, 26 * mib, 26 * mib + 1, 100 * mib)] == [0, 1, 1, 2, 2, 3, 5]
 
 
 def test_local_ranks_running_at_once_slow_each_op_by_its_kinds_calibrated_contention():

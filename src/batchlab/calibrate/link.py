@@ -1,8 +1,9 @@
 """Gloo's all-reduce between two local processes: what a DP rank on this CPU host waits for per gradient
 bucket, timed on a real process group (torch.distributed over loopback), not a socket echo.  Gloo's ring also
-copies and sums the buffers: 3.4 MiB (the built-in tiny GPT's gradients) all-reduced in 2.1-3.0 ms here (lower
-quartiles; medians 4.1-5.0), where a TCP echo's bandwidth and latency priced 1.5-2.1 ms.  Torch is imported
-inside the functions."""
+copies and sums the buffers.  The median of the samples: a step's all-reduces meet the same scheduling and
+loopback delays (the tiny GPT's 1 MiB and 2.4 MiB buckets took 8.7-12 ms each inside its DDP update here, its
+whole 3.4 MiB 4.1-5.0 ms alone at the median and 2.1-3.0 ms at the lower quartile, which priced it before).
+Torch is imported inside the functions."""
 from __future__ import annotations
 
 import multiprocessing
@@ -45,8 +46,9 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results)
                 t = time.perf_counter()
                 dist.all_reduce(x)
                 samples.append(time.perf_counter() - t)
-            # wall clock, so other processes only ever lengthen a sample: the lower quartile
-            out[nbytes] = statistics.quantiles(samples, n=4, method="inclusive")[0]
+            # the median: a step's all-reduce meets the same scheduling and loopback delays (not a quartile: the
+            # lower one priced the tiny GPT's in-step all-reduces at under half their time here)
+            out[nbytes] = statistics.median(samples)
         if rank == 0:
             results.put(out)
     finally:
@@ -55,7 +57,7 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results)
 
 def allreduce_seconds(sizes: tuple[int, ...], seconds: float) -> dict[int, float]:
     """Per size (bytes), the time of one all-reduce between two processes forked here, over gloo (the lower
-    quartile of its samples).  Wall clock: a rank waits on its peer, which is the cost.  Raises RuntimeError where they cannot run it."""
+    of its samples).  Wall clock: a rank waits on its peer, which is the cost.  Raises RuntimeError where they cannot run it."""
     # fork: no interpreter start-up per rank; a parent's OpenMP pool is no hazard, as the ranks run no parallel
     # region (one thread each: gloo and a fill; checked with the parent at 2 threads)
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
@@ -78,18 +80,29 @@ def allreduce_seconds(sizes: tuple[int, ...], seconds: float) -> dict[int, float
                 p.kill()
 
 
-def allreduce_link(seconds: float) -> tuple[float, float]:
-    """(bytes/s, seconds per message) that the ring model (formula.sharding: 2(n-1)/n of the buffer over the
-    link, plus 2(n-1) messages) turns back into gloo's all-reduce times at ``SIZES``: for 2 ranks
-    t(B) = B / bandwidth + 2 latency, fitted by least squares.  (0, 0), with a warning, where it cannot be timed
-    here: local ranks are then priced over the device entry's link."""
+def allreduce_times(seconds: float) -> dict[int, float]:
+    """``allreduce_seconds`` at ``SIZES``; {} with a warning where they cannot be timed here (local ranks are
+    then priced over the device entry's link)."""
     try:
-        times = allreduce_seconds(SIZES, seconds)
+        return allreduce_seconds(SIZES, seconds)
     except RuntimeError as e:
         warnings.warn(f"calibrate: {e}; DP on this CPU is priced over the device entry's link", stacklevel=2)
+        return {}
+
+
+def ring_fit(times: dict[int, float]) -> tuple[float, float]:
+    """(bytes/s, seconds per message) that the ring model (formula.sharding: 2(n-1)/n of the buffer over the
+    link, plus 2(n-1) messages) turns back into all-reduce ``times`` (bytes -> s): for 2 ranks
+    t(B) = B / bandwidth + 2 latency, fitted by least squares; (0, 0) with fewer than two sizes."""
+    if len(times) < 2:
         return 0.0, 0.0
     xs, ys = list(times), list(times.values())
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     bandwidth = 1.0 / max(slope, 1e-15)
     return bandwidth, max(0.0, (my - mx * slope) / 2)
+
+
+def allreduce_link(seconds: float) -> tuple[float, float]:
+    """The ring model's link fitted to all-reduces timed now (``ring_fit`` of ``allreduce_times``)."""
+    return ring_fit(allreduce_times(seconds))

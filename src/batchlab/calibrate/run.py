@@ -12,7 +12,7 @@ from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES,
                                         _element_seconds, _matmul_curve, _memory_curve, _sdpa_curves,
                                         dispatch_trainers, monotone)
 from batchlab.calibrate.concurrency import slowdown
-from batchlab.calibrate.link import allreduce_link
+from batchlab.calibrate.link import allreduce_times, ring_fit
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
 from batchlab.host import cpu_hardware
@@ -70,8 +70,8 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     matmul curves in fp32 and bf16 (34% linear layers, 8% attention's batched matmuls, 16% fused attention
     forward and backward), element-wise bandwidth (12%), per-element kernels (15%), per-op dispatch in fp32
     and under autocast (25%), on CPU the slowdown of two processes running alike at once (15%, in CPU
-    seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and once gloo's all-reduce between
-    two local processes (5%, plus ~0.5 s to start them).  ``threads``: the intra-op thread count to measure at
+    seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and gloo's all-reduce between two
+    local processes (10%, plus ~0.4 s a round to start them; the ring model fitted once to the rounds' medians).  ``threads``: the intra-op thread count to measure at
     (CPU; restored afterwards); ``rounds``: default ``ROUNDS`` (1: every kind once, as a quick check needs)."""
     import torch
 
@@ -95,7 +95,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
         n, trainers = rounds or ROUNDS, dispatch_trainers(device)
         k = _median_rounds([_round(device, shapes, seconds / n, sync, trainers) for _ in range(n)])
         fp32, bf16 = monotone(k["fp32"]), monotone(k["bf16"])
-        link, latency = allreduce_link(0.05 * seconds) if device.type == "cpu" else (0.0, 0.0)
+        link, latency = ring_fit(k["link"])  # fitted once to each size's median over the rounds
         assert fp32, "fp32 matmul failed"
         best32, best16 = max(fp32, key=lambda p: p[1]), max(bf16, key=lambda p: p[1]) if bf16 else None
         return Calibration(
@@ -119,7 +119,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
         torch.set_num_threads(before)
 
 
-LINK = "gloo all-reduce between 2 local processes"  # what the CPU link figures are (calibrate/link.py)
+LINK = "gloo all-reduce between 2 local processes, median"  # what the CPU link figures are (calibrate/link.py)
 
 # Every kernel is timed in each of ROUNDS rounds of a third of the budget, and its figure is the median over
 # them: this host switches speed within seconds, so one window per kind (the fp32 dispatch in one second, the
@@ -127,6 +127,7 @@ LINK = "gloo all-reduce between 2 local processes"  # what the CPU link figures 
 # ratio of one config moved 0.88-1.02 from one calibration to the next).  The contention of two processes is
 # bimodal here for seconds at a time (compute x1.0 or x1.8: the two vCPUs on separate cores, or on one core's
 # two hardware threads); one window read either, a DP 1 -> 2 prediction 1.04 or 1.63 against 1.06-1.22 measured.
+# gloo's all-reduce too: one window's fit priced the tiny GPT's gradients at 4.4 or 8.4 ms minutes apart.
 ROUNDS = 3
 
 
@@ -144,7 +145,8 @@ def _round(device, shapes, seconds: float, sync, trainers: dict) -> dict:
                 sdpa_start=sdpa_start, mem=mem, mem16=mem16, inplace=inplace, strided=strided,
                 elements=_element_seconds(device, 0.15 * seconds, sync),
                 dispatch=_dispatch_seconds(trainers, 0.25 * seconds, sync),
-                contention=slowdown(2, torch.get_num_threads(), 0.15 * seconds) if device.type == "cpu" else {})
+                contention=slowdown(2, torch.get_num_threads(), 0.15 * seconds) if device.type == "cpu" else {},
+                link=allreduce_times(0.1 * seconds) if device.type == "cpu" else {})
 
 
 def _median_rounds(rounds: list):
@@ -186,7 +188,8 @@ def _current(cached: Calibration) -> bool:
             and ("sdpa-backward-fp32" in cached.matmul_start or "sdpa-fp32" not in cached.matmul_curve)
             # CPU: the local ranks' contention, the allocator regime (before it: kernels faulted pages in),
             # dispatch under autocast with medians of CPU-time samples (before: fp32 dispatch for every precision,
-            # upper quartiles), gloo's all-reduce as the local ranks' link (before: a TCP echo over loopback)
+            # upper quartiles), gloo's all-reduce's median as the local ranks' link (before: a TCP echo over
+            # loopback, then its lower quartile)
             and (not cpu or bool(cached.contention_processes and cached.allocator and cached.dispatch_seconds_autocast
                                  and cached.link == LINK)))
 
