@@ -19,12 +19,13 @@ import statistics
 import time
 
 
-def _timed(trainer) -> tuple[float, float, float]:
+def _timed(trainer, probe) -> tuple[float, float, float, float]:
     from batchlab import regime
 
+    speed = probe.read(3)  # the host speed probe (batchlab.measure.speed), read as compare reads it
     f, c, t = regime.minor_faults(), time.process_time(), time.perf_counter()
     trainer.update()
-    return time.perf_counter() - t, time.process_time() - c, regime.minor_faults() - f
+    return time.perf_counter() - t, time.process_time() - c, regime.minor_faults() - f, speed
 
 
 def _side(cfg, rank: int, world: int, port: int, barrier, results, pairs: int, warmup: int, is_b: bool) -> None:
@@ -45,6 +46,9 @@ def _side(cfg, rank: int, world: int, port: int, barrier, results, pairs: int, w
         from batchlab.measure.harness import Trainer
 
         trainer = Trainer(cfg, "cpu")
+    from batchlab.measure.speed import SpeedProbe
+
+    probe = SpeedProbe()
     barrier.wait()
     for _ in range(warmup):  # each side warms up alone, in turn
         barrier.wait()
@@ -58,7 +62,7 @@ def _side(cfg, rank: int, world: int, port: int, barrier, results, pairs: int, w
         for turn_b in ((False, True) if i % 2 == 0 else (True, False)):
             barrier.wait()
             if turn_b == is_b:
-                out.append(_timed(trainer))
+                out.append(_timed(trainer, probe))
     barrier.wait()
     results.put((is_b, rank, out))
     if is_b:
@@ -66,9 +70,10 @@ def _side(cfg, rank: int, world: int, port: int, barrier, results, pairs: int, w
         dist.destroy_process_group()
 
 
-def paired_dp(a, b, pairs: int, warmup: int = 3):
-    """(per-pair wall ratios t(B)/t(A), A's and B's (wall, CPU, faults, nan) per update): ``a`` one process,
-    ``b`` ``b.dp`` local ranks; every process at 1 intra-op thread."""
+def paired_dp(a, b, pairs: int, warmup: int = 3, reference: float = float("nan")):
+    """(per-pair wall ratios t(B)/t(A), A's and B's (wall, CPU, faults, host speed) per update): ``a`` one
+    process, ``b`` ``b.dp`` local ranks; every process at 1 intra-op thread.  Host speed: the speed probe read
+    before the update over ``reference`` (the calibration's read), B's the mean over its ranks."""
     assert a.dp == 1 and b.dp > 1 and b.zero == 0, (a.dp, b.dp, b.zero)
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(1 + b.dp), ctx.Queue()
@@ -89,10 +94,11 @@ def paired_dp(a, b, pairs: int, warmup: int = 3):
                 p.kill()
     sa = next(out for is_b, _, out in got if not is_b)
     ranks = [out for is_b, _, out in got if is_b]
-    # B's update: the slowest rank's wall and CPU time, the worst rank's faults
-    sb = [tuple(max(r[i][k] for r in ranks) for k in range(3)) for i in range(pairs)]
-    nan = float("nan")
-    return ([y[0] / x[0] for x, y in zip(sa, sb)], [(*x, nan) for x in sa], [(*y, nan) for y in sb])
+    # B's update: the slowest rank's wall and CPU time, the worst rank's faults, the ranks' mean probe
+    sb = [(*(max(r[i][k] for r in ranks) for k in range(3)), statistics.fmean(r[i][3] for r in ranks))
+          for i in range(pairs)]
+    speed = lambda side: [(*x[:3], x[3] / reference) for x in side]  # noqa: E731
+    return [y[0] / x[0] for x, y in zip(sa, sb)], speed(sa), speed(sb)
 
 
 if __name__ == "__main__":  # a quick look: python benchmarks/dp_pairs.py

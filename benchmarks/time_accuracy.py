@@ -108,40 +108,19 @@ def config(model: str, base: dict, changes: dict) -> RunConfig:
 
 
 class HostProbe:
-    """How fast this host runs right now against while it was calibrated: the thread CPU time of a ~6 ms bundle
-    of calibrated kernel classes (two matmuls, two out-of-cache adds into kept outputs, two dropout RNG calls)
-    over its median read just before and just after the calibration.  On this shared VM the same isolated
-    kernels switch between two speeds within seconds (bernoulli_ 7.7 or 12-13 ns/element, a 50 MFLOP matmul
-    665 or 850 us, one process, sampled every 1.5 s for 40 s), so an absolute prediction from a calibration
-    taken a minute earlier can miss by that much whatever the model; the probe, read right before each timed
-    update, says which speed the update ran at.  Not used by any prediction: a column beside the measurement."""
+    """How fast this host runs right now against while it was calibrated: batchlab's speed probe
+    (measure/speed.py: a ~6 ms bundle of calibrated kernel classes), the one ``batchlab compare`` reads before
+    each timed update, over the calibration's own read of it (``Calibration.probe_seconds``).  The formula's
+    absolute time at that speed is a column beside the measurement."""
 
-    N = 256 * 2**10
+    def __init__(self, reference: float):
+        from batchlab.measure.speed import SpeedProbe
 
-    def __init__(self):
-        from batchlab.calibrate.kernels import keeping
-
-        self.x, self.a, self.b = torch.rand(self.N), torch.randn(512, 128), torch.randn(128, 384)
-        u, v = torch.ones(self.N), torch.ones(self.N)
-        self.add = keeping(lambda: torch.add(u, v))
-        self.reference: list[float] = []
-        self.seconds()
-
-    def seconds(self) -> float:
-        c = time.thread_time()
-        for _ in range(2):
-            torch.mm(self.a, self.b)
-            self.add()
-            self.x.bernoulli_(0.9)
-        return time.thread_time() - c
-
-    def remember(self, n: int = 50) -> None:
-        """Reads taken around the calibration: the speed it was measured at."""
-        self.reference += [self.seconds() for _ in range(n)]
+        self.probe, self.reference = SpeedProbe(), reference
 
     def __call__(self) -> float:
-        """The bundle's time now over its time around the calibration (1: the same speed; 1.5: 50% slower)."""
-        return self.seconds() / statistics.median(self.reference)
+        """The bundle's time now over its time in the calibration (1: the same speed; 1.5: 50% slower)."""
+        return self.probe.read(3) / self.reference
 
 
 _PROBE: list[HostProbe] = []
@@ -196,7 +175,7 @@ def measure_row(model: str, label: str, base: dict, ca: dict, cb: dict, pairs: i
     a, b = config(model, base, ca), config(model, base, cb)
     log(f"{model}: {label}")
     if a.dp > 1 or b.dp > 1:
-        ratios, sa, sb = paired_dp(a, b, pairs)
+        ratios, sa, sb = paired_dp(a, b, pairs, reference=_PROBE[0].reference if _PROBE else float("nan"))
     else:
         ratios, sa, sb = paired(a, b, pairs)
     fa, fb = formula_estimate(a, cals).time.update_seconds, formula_estimate(b, cals).time.update_seconds
@@ -218,7 +197,7 @@ def _err(pred: float | None, meas: float) -> str:
 def _probed(r: dict, side: str) -> float | None:
     """The formula's absolute time at the host speed the probe read beside that side's updates."""
     speed = r["p" + side]
-    return None if speed != speed else r["f" + side] * speed  # NaN: not probed (DP ranks)
+    return None if speed != speed else r["f" + side] * speed  # NaN: not probed
 
 
 def _speed(r: dict) -> str:
@@ -300,25 +279,20 @@ def main(argv=None) -> None:
     pairs = args.pairs
     if args.quick:
         grid, pairs = [g for g in grid if g[1].startswith(("AC none -> full", "seq 64"))][:3], 3
-    probe = HostProbe()
-    probe.remember()
     if args.cached:
         cal, fresh = calibrate.ensure("cpu", threads=THREADS)
     else:  # calibrated in the same conditions as the measurements below (and cached for compare)
         cal, fresh = calibrate.measure("cpu", threads=THREADS), True
         calibrate.save(cal)
     cals = {cal.device: cal}
-    probe.remember()
-    _PROBE.append(probe)
-    spread = statistics.quantiles(probe.reference, n=4, method="inclusive")
+    _PROBE.append(HostProbe(cal.probe_seconds))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"Time model accuracy on {cpu_hardware()}, {THREADS} thread per process, load average {load:.1f} at "
           f"start, torch {torch.__version__}, {datetime.date.today().isoformat()}; fp32 unless stated, AdamW. "
           f"Calibration: {cal.source} ({'measured now' if fresh else 'cached'}). Measured: {pairs} alternated "
           "pairs of updates of two live trainers after 3 warm-up updates each (DP: a process and a DDP group, "
           "alive at once, taking turns), "
-          f"wall-clock, {regime.describe()}; host speed probe around the calibration: "
-          f"{1e3 * statistics.median(probe.reference):.1f} ms (IQR {1e3 * spread[0]:.1f}-{1e3 * spread[2]:.1f}); "
+          f"wall-clock, {regime.describe()}; host speed probe in the calibration: {1e3 * cal.probe_seconds:.2f} ms; "
           "error = predicted / measured - 1.")
     print()
     rows = [measure_row(m, label, base, a, b, pairs, cals,

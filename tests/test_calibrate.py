@@ -16,6 +16,7 @@ from batchlab.calibrate import Calibration, auto, ensure, load_all, load_cached,
 from batchlab.cli import app
 from batchlab.config import ConfigError, RunConfig
 from batchlab.host import cpu_hardware
+from batchlab.measure.speed import BUNDLE
 
 
 @pytest.fixture(autouse=True)
@@ -116,6 +117,7 @@ def test_a_real_calibration_is_current(calibrated):
     assert {"sdpa-fp32", "sdpa-backward-fp32"} <= set(calibrated.matmul_start)
     assert set(calibrated.dispatch_seconds_autocast) == {"forward", "backward", "plain"}
     assert calibrated.link == run_mod.LINK and calibrated.loopback_bytes_per_s > 0
+    assert calibrated.probe == BUNDLE and 1e-4 < calibrated.probe_seconds < 1.0  # the host speed probe's reference
     assert {f"activation/silu:{t}" for t in ("fp32", "bf16")} <= set(calibrated.element_seconds)
     if (os.cpu_count() or 1) >= 2:  # measured in each round, merged by median
         assert set(calibrated.contention) == {"compute", "memory", "dispatch"}
@@ -142,7 +144,8 @@ def test_a_cpu_cache_from_before_the_contention_measurement_is_measured_again(me
 def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_again(measured, calibrated):
     current = dict(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
                    contention={"compute": 1.0}, allocator="glibc", dispatch_seconds_autocast=AUTOCAST, link=run_mod.LINK,
-                   element_seconds={"activation:fp32": 2e-9, "activation/silu:fp32": 6e-10})
+                   element_seconds={"activation:fp32": 2e-9, "activation/silu:fp32": 6e-10}, probe_seconds=5e-3,
+                   probe=BUNDLE)
     no_sdpa = sample(**current)  # a device whose fused attention did not run: nothing to measure again
     save(no_sdpa)
     assert ensure("cpu", threads=1) == (no_sdpa, False) and measured == []
@@ -151,6 +154,20 @@ def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_aga
     cal, fresh = ensure("cpu", threads=1, seconds=0.5)
     assert fresh and measured == [ASKED] and cal == calibrated
     assert ensure("cpu", threads=1) == (calibrated, False) and len(measured) == 1  # cached now
+
+
+@pytest.mark.parametrize("stale", [dict(probe_seconds=0.0, probe=""), dict(probe="another bundle"),
+                                   dict(link="gloo all-reduce between 2 local processes")])
+def test_a_cpu_cache_without_this_speed_probe_or_link_statistic_is_measured_again(measured, calibrated, stale):
+    # no reference for the host speed probe, one timed on another bundle, or a link fitted to lower quartiles
+    current = dict(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
+                   contention={"compute": 1.0}, allocator="glibc", dispatch_seconds_autocast=AUTOCAST,
+                   element_seconds={"activation:fp32": 2e-9, "activation/silu:fp32": 6e-10}, link=run_mod.LINK,
+                   probe_seconds=5e-3, probe=BUNDLE)
+    assert run_mod._current(sample(**current))
+    save(sample(**{**current, **stale}))
+    cal, fresh = ensure("cpu", threads=1, seconds=0.5)
+    assert fresh and measured == [ASKED] and cal == calibrated
 
 
 def test_a_cpu_cache_whose_link_was_a_tcp_echo_is_measured_again(measured, calibrated):

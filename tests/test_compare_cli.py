@@ -156,6 +156,10 @@ def test_compare_smoke_in_real_subprocesses(tmp_path):
     assert len(d["rounds"]) == 3 and all(r["a"]["environment"]["isolated"] for r in d["rounds"])
     assert (d["sides"]["a"]["micro_batch"], d["sides"]["b"]["micro_batch"]) == (1, 2)
     assert d["metrics"]["peak_memory"]["observed"] in ("up", "down", "same")
+    # the host speed probe, read before each timed update, over the calibration's read of it
+    assert all(len(r[s]["time"]["probe_seconds"]) == 1 for r in d["rounds"] for s in "ab")
+    speed = d["factors"]["host_speed"]
+    assert 0.2 < speed["a"] < 5 and 0.2 < speed["b"] < 5 and speed["reference_seconds"] > 0
     row = Notebook(nb).get(d["notebook_id"])
     assert row.status.value == "complete" and row.to_dict()["metrics"] == d["metrics"]
 

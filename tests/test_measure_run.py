@@ -49,6 +49,8 @@ def test_run_ok_discipline_and_progress(measured):
     per_update = [sum(m.time.phase_samples[k][i] for k in m.time.phase_samples) for i in range(3)]
     assert all(0.5 * s <= p <= s for p, s in zip(per_update, m.time.samples))
     assert len(m.time.cpu_seconds) == 3 and all(c > 0 for c in m.time.cpu_seconds)
+    # the host speed probe read before each timed update (a ~6 ms bundle: well under an update of this model)
+    assert len(m.time.probe_seconds) == 3 and all(0 < p < 1 for p in m.time.probe_seconds)
     # memory: the tracker's peak holds at least parameters + AdamW's two moments, computed by hand
     params = tiny_param_bytes(RunConfig(**SMALL).model)
     assert m.memory.breakdown["parameters"] == params

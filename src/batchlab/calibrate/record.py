@@ -52,6 +52,8 @@ class Calibration:
     contention: dict[str, float] = field(default_factory=dict)
     contention_processes: int = 0
     allocator: str = ""  # CPU: the host allocator regime the kernels were timed in (batchlab.regime.describe)
+    probe_seconds: float = 0.0  # CPU: the host speed probe's bundle (measure/speed.py), median of the rounds; 0: none
+    probe: str = ""  # which bundle that is (measure.speed.BUNDLE)
     provenance: str = "calibrated"
 
     @property

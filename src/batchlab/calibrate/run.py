@@ -16,6 +16,7 @@ from batchlab.calibrate.link import allreduce_times, ring_fit
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
 from batchlab.host import cpu_hardware
+from batchlab.measure.speed import BUNDLE, SpeedProbe
 
 
 def _hardware(device) -> str:
@@ -93,7 +94,8 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
         sync = synchronizer(device)
         start = time.perf_counter()
         n, trainers = rounds or ROUNDS, dispatch_trainers(device)
-        k = _median_rounds([_round(device, shapes, seconds / n, sync, trainers) for _ in range(n)])
+        probe = SpeedProbe(CLOCK.get()) if device.type == "cpu" else None
+        k = _median_rounds([_round(device, shapes, seconds / n, sync, trainers, probe) for _ in range(n)])
         fp32, bf16 = monotone(k["fp32"]), monotone(k["bf16"])
         link, latency = ring_fit(k["link"])  # fitted once to each size's median over the rounds
         assert fp32, "fp32 matmul failed"
@@ -113,7 +115,8 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
             loopback_bytes_per_s=link, loopback_latency_s=latency, link=LINK if device.type == "cpu" else "",
             cores=os.cpu_count() or 1,
             contention=k["contention"], contention_processes=2 if device.type == "cpu" else 0,
-            allocator=regime.describe() if device.type == "cpu" else "")
+            allocator=regime.describe() if device.type == "cpu" else "", probe_seconds=k["speed"],
+            probe=BUNDLE if device.type == "cpu" else "")
     finally:
         CLOCK.reset(token)
         torch.set_num_threads(before)
@@ -131,11 +134,13 @@ LINK = "gloo all-reduce between 2 local processes, median"  # what the CPU link 
 ROUNDS = 3
 
 
-def _round(device, shapes, seconds: float, sync, trainers: dict) -> dict:
+def _round(device, shapes, seconds: float, sync, trainers: dict, probe: SpeedProbe | None = None) -> dict:
     """One round of every kernel kind, the shares of ``seconds`` as ``measure_here`` gives them; ``trainers``:
-    the dispatch-bound updates (``dispatch_trainers``), built once for every round."""
+    the dispatch-bound updates (``dispatch_trainers``), built once for every round; ``probe`` (CPU): the host
+    speed probe, read at the round's start and end (``speed``: their mean)."""
     import torch
 
+    first = probe.read() if probe is not None else 0.0
     sdpa, sdpa_start = _sdpa(device, 0.08 * seconds, sync)
     mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync)
     return dict(fp32=_matmul_curve(device, torch.float32, shapes, 0.17 * seconds, sync),
@@ -146,7 +151,8 @@ def _round(device, shapes, seconds: float, sync, trainers: dict) -> dict:
                 elements=_element_seconds(device, 0.15 * seconds, sync),
                 dispatch=_dispatch_seconds(trainers, 0.25 * seconds, sync),
                 contention=slowdown(2, torch.get_num_threads(), 0.15 * seconds) if device.type == "cpu" else {},
-                link=allreduce_times(0.1 * seconds) if device.type == "cpu" else {})
+                link=allreduce_times(0.1 * seconds) if device.type == "cpu" else {},
+                speed=(first + probe.read()) / 2 if probe is not None else 0.0)
 
 
 def _median_rounds(rounds: list):
@@ -189,9 +195,9 @@ def _current(cached: Calibration) -> bool:
             # CPU: the local ranks' contention, the allocator regime (before it: kernels faulted pages in),
             # dispatch under autocast with medians of CPU-time samples (before: fp32 dispatch for every precision,
             # upper quartiles), gloo's all-reduce's median as the local ranks' link (before: a TCP echo over
-            # loopback, then its lower quartile)
+            # loopback, then its lower quartile), the host speed probe's reference (before it: none)
             and (not cpu or bool(cached.contention_processes and cached.allocator and cached.dispatch_seconds_autocast
-                                 and cached.link == LINK)))
+                                 and cached.link == LINK and cached.probe_seconds and cached.probe == BUNDLE)))
 
 
 def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0

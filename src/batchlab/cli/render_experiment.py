@@ -8,8 +8,9 @@ from batchlab.text import for_rich as esc
 from rich.panel import Panel
 from rich.table import Table
 
-from batchlab.experiment.predict import Direction
-from batchlab.experiment.record import MetricRecord, Record
+from batchlab.experiment.diagnosis import time_model_absolute
+from batchlab.experiment.predict import Direction, Metric
+from batchlab.experiment.record import Check, MetricRecord, Record
 from batchlab.report.document import direction_text, observed_text
 from batchlab.report.document import format_value as value
 
@@ -138,12 +139,26 @@ def factors(out: Console, f: dict | None) -> None:
 
 
 def time_model(out: Console, r: Record) -> None:
-    """The assumptions of the formula's update-time prediction, beside the verdict that uses it."""
+    """The assumptions of the formula's update-time prediction, beside the verdict that uses it, and its
+    absolute update times beside the measured ones (at the host speed the updates ran at, where probed)."""
     for side in "ab":
         est = getattr(r.formula, side, None) or {}
         line = next((a for a in est.get("assumptions", ()) if a.startswith("time model:")), None)
         if line:
             out.print(f"[dim]formula {side.upper()}: {esc(line)}[/]")
+    check = absolute_check(r)
+    if check is not None:
+        mark = "[yellow]![/]" if check.flagged else "[green]ok[/]"
+        out.print(f"{mark} time model, absolute: {esc(check.found)}")
+
+
+def absolute_check(r: Record) -> Check | None:
+    """diagnosis.time_model_absolute of a measured record with a formula side; None otherwise."""
+    t = r.metrics.get(Metric.UPDATE_TIME)
+    fa, fb = (r.formula.figure(s, "time", "update_seconds") for s in "ab")
+    if r.formula_only or t is None or None in (t.a, t.b, fa, fb):
+        return None
+    return time_model_absolute((fa, fb), (t.a, t.b), (r.factors or {}).get("host_speed"))
 
 
 def render(out: Console, r: Record, notebook_path: Path | None = None,

@@ -223,6 +223,9 @@ def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_
 
     done["scope"] = tuple(scope(s.a, s.b, devices, measured=rounds is not None, parameters=count(s.a.model).total))
     done["factors"] = factors.uncontrolled(before, _noise(rounds, vs), plan.note)
+    speed = factors.host_speed(rounds, plan.threads)
+    if speed:
+        done["factors"]["host_speed"] = speed
     return record.with_(**done)
 
 

@@ -168,3 +168,29 @@ def time_model_checks(attribution: Mapping[str, Any] | None) -> list[Check]:
         return []
     return [Check("time_model", "What does the time model attribute the update-time change to?",
                   attribution["text"], False)]
+
+
+ABSOLUTE_TOLERANCE = 0.25  # issue 16: an absolute update time within 25% of the measured one after calibration
+
+
+def time_model_absolute(formula: tuple[float, float], measured: tuple[float, float],
+                        speed: Mapping[str, Any] | None = None) -> Check:
+    """The formula's absolute update times (s) beside the measured medians; where the host speed was probed
+    (``factors.host_speed``: the probe's time over its calibration's), the formula at that speed too, since
+    rates calibrated at one speed price the other in proportion.  Flagged when the formula misses by more than
+    ``ABSOLUTE_TOLERANCE`` at the speed the updates ran at (at the calibration's where none was probed)."""
+    from batchlab.units import fmt_seconds as sec
+
+    (fa, fb), (ma, mb) = formula, measured
+    err = lambda p, m: p / m - 1  # noqa: E731
+    found = (f"formula A {sec(fa)}, B {sec(fb)} against measured A {sec(ma)}, B {sec(mb)} "
+             f"({err(fa, ma):+.0%}, {err(fb, mb):+.0%}) at the calibration's speed")
+    worst = max(abs(err(fa, ma)), abs(err(fb, mb)))
+    if speed:
+        sa, sb = speed["a"], speed["b"]
+        found += (f"; the host speed probe took x{sa:.2f} (A) and x{sb:.2f} (B) its calibration time, so at the "
+                  f"speed the updates ran at: A {sec(fa * sa)}, B {sec(fb * sb)} ({err(fa * sa, ma):+.0%}, "
+                  f"{err(fb * sb, mb):+.0%})")
+        worst = max(abs(err(fa * sa, ma)), abs(err(fb * sb, mb)))
+    return Check("time_model_absolute", "How close is the time model's absolute update time?", found,
+                 worst > ABSOLUTE_TOLERANCE)

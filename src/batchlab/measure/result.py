@@ -51,6 +51,7 @@ class MeasuredTime:
     phase_samples: dict[str, list[float]] = field(default_factory=dict)  # phase -> seconds per update
     warmup: int = 0
     provenance: str = "wall-clock"
+    probe_seconds: list[float] = field(default_factory=list)  # CPU: the host speed probe before each update
 
     @property
     def update_seconds_median(self) -> float:
