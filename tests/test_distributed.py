@@ -145,7 +145,7 @@ def test_gradients_are_all_reduced_once_per_update(runs, accum):
     assert c.rounds_per_update == 1
     assert c.calls_per_update == runs[1].comm.calls_per_update  # one hook call per DDP bucket
     assert not any("exactly one" in w for w in m.warnings)
-    assert len(c.seconds) == len(m.time.samples) == OPTS.steps
+    assert len(c.seconds) == len(m.time.samples) == len(m.time.probe_seconds) == OPTS.steps  # + the speed probe
     assert all(0 < a < t for a, t in zip(c.seconds, m.time.samples))
     assert c.backend == "gloo" and c.world_size == 2 and "NVLink" in c.scope
     assert m.environment["launcher"] == (forked.LAUNCHER if accum == 1 else "torchrun (external)")

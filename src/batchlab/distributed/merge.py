@@ -55,10 +55,12 @@ def _time(ranks: list[dict[str, Any]]) -> MeasuredTime | None:
     for i, r in enumerate(slow):
         for phase, sec in r["phase_seconds"][i].items():
             phase_samples.setdefault(phase, []).append(sec)
+    reads = [r.get("probe_seconds") or [] for r in ranks]  # the host speed probe: the ranks' mean per update
+    probe = [statistics.fmean(x[i] for x in reads) for i in range(n)] if all(len(x) >= n for x in reads) else []
     return MeasuredTime(samples=samples, cpu_seconds=[r["cpu_seconds"][i] for i, r in enumerate(slow)],
                         phase_samples=phase_samples,
                         phase_seconds={p: statistics.median(v) for p, v in phase_samples.items()},
-                        warmup=ranks[0]["warmup"])
+                        warmup=ranks[0]["warmup"], probe_seconds=probe)
 
 
 def _comm(cfg: RunConfig, ranks: list[dict[str, Any]]) -> MeasuredComm | None:

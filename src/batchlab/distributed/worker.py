@@ -31,6 +31,7 @@ from batchlab.measure.memory import tracker_for
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import MeasuredMemory
 from batchlab.measure.session import environment
+from batchlab.measure.speed import SpeedProbe
 
 # Test-only fault injection: "RANK:UPDATE:KIND" makes that rank fail just before that update (counting
 # warmup updates from 0).  KIND: kill (SIGKILL itself, as the kernel's OOM killer does), raise, oom,
@@ -126,7 +127,11 @@ def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor | None, steps: in
     samples, cpu, tokens, phases = [], [], [], []
     first = len(monitor.updates) if monitor is not None else 0
     faults = regime.Faults()
+    # CPU: the host speed probe before each timed update, as a one-process measurement reads it (measure/speed)
+    speed, reads = (SpeedProbe(), []) if trainer.device.type == "cpu" else (None, [])
     for _ in range(steps):
+        if speed is not None:
+            reads.append(speed.read(3))
         clock.start()
         probe = Probes(clock, monitor) if monitor is not None else clock
         with faults.counting():
@@ -136,7 +141,7 @@ def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor | None, steps: in
         tokens.append(result.useful_tokens)
         phases.append(dict(clock.seconds))
     out = dict(samples=samples, cpu_seconds=cpu, useful_tokens=tokens, phase_seconds=phases,
-               page_faults_per_update=faults.per_update())
+               page_faults_per_update=faults.per_update(), probe_seconds=reads)
     if monitor is None:  # FSDP2: collectives counted (traffic), not timed
         return out
     seen = monitor.updates[first:]

@@ -1,5 +1,5 @@
 """How fast this host runs now against while it was calibrated: a ~6 ms bundle of the calibrated kernel
-classes (a matmul, an add into fresh outputs, the dropout RNG), timed by the calibration in each round and by a
+classes (a matmul, an add into fresh outputs, the dropout RNG, tiny dispatch-bound ops), timed by the calibration in each round and by a
 measuring process before each timed update.  On this shared VM the same isolated kernels switch between two
 speeds within seconds (bernoulli_ 7.7 or 12-13 ns per element, a 50 MFLOP matmul 665 or 850 us, sampled every
 1.5 s for 40 s), so an absolute update time measured a minute after the calibration can sit 30% off a
@@ -15,7 +15,8 @@ from typing import Callable
 ELEMENTS = 256 * 2**10  # floats per element-wise operand: 1 MiB, past the L2 cache
 OUTPUTS = 8  # the add cycles through this many 1 MiB outputs: its writes miss the cache, as a forward's do
 # what the bundle is: a calibration whose reference timed another bundle is measured again (calibrate._current)
-BUNDLE = "2 x (mm 512x128x384, add of 1 MiB into 1 of 8 outputs, bernoulli_ of 1 MiB)"
+BUNDLE = "2 x (mm 512x128x384, add of 1 MiB into 1 of 8 outputs, bernoulli_ of 1 MiB, 50 tiny add_)"
+TINY = 50  # in-place adds on 8 floats per half bundle: the per-op dispatch cost, 10-20% of a small model's step
 READS = 9  # bundle reads per probe figure: their median (a measuring process takes 3 before each update)
 
 
@@ -31,6 +32,7 @@ class SpeedProbe:
         self.clock = clock or (time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
         self.x, self.a, self.b = torch.rand(ELEMENTS), torch.randn(512, 128), torch.randn(128, 384)
         self.c, self.u, self.v = torch.empty(512, 384), torch.ones(ELEMENTS), torch.ones(ELEMENTS)
+        self.tiny, self.one = torch.zeros(8), torch.ones(8)  # a tensor operand: a Python scalar allocates one
         self.outputs = itertools.cycle([torch.empty(ELEMENTS) for _ in range(OUTPUTS)])
         for _ in range(OUTPUTS // 2):  # every output written once: no read faults a page in
             self.once()
@@ -43,6 +45,8 @@ class SpeedProbe:
             torch.mm(self.a, self.b, out=self.c)
             torch.add(self.u, self.v, out=next(self.outputs))
             self.x.bernoulli_(0.9)
+            for _ in range(TINY):
+                self.tiny.add_(self.one)
         return self.clock() - c
 
     def read(self, n: int = READS) -> float:
