@@ -43,6 +43,11 @@ def test_measure_json_end_to_end():
         assert row["measured_provenance"] in ("allocator", "wall-clock") and row["formula_provenance"] == "formula"
         if isinstance(row["formula"], (int, float)) and row["formula"]:
             assert row["relative_difference"] == pytest.approx((row["measured"] - row["formula"]) / row["formula"])
+    # the formula at the host speed the probe read before each timed update (the calibration's speed = x1.00)
+    probed = [row for row in d["comparison"] if row["figure"].startswith("update time at the probed host speed")]
+    assert len(probed) == 1 and len(t["probe_seconds"]) == 2
+    factor = float(probed[0]["figure"].split("formula x")[1].rstrip(")"))
+    assert probed[0]["formula"] == pytest.approx(factor * figures["update time (median)"]["formula"], rel=0.01)
 
 
 def test_measure_table_names_provenance_and_global_batch():

@@ -66,6 +66,10 @@ def rows(m: Measurement, est=None) -> list[FigureRow]:
         prov = m.time.provenance
         out.append(FigureRow("update time (median)", "seconds", m.time.update_seconds_median, prov,
                              of(ft, "update_seconds")))
+        speed = probed_speed(m)
+        if speed is not None and ft is not None:  # rates calibrated at one speed price another in proportion
+            out.append(FigureRow(f"update time at the probed host speed (formula x{speed:.2f})", "seconds",
+                                 m.time.update_seconds_median, prov, ft.update_seconds * speed))
         out.append(FigureRow("update time IQR", "seconds", m.time.update_seconds_iqr, prov))
         if m.tokens_per_second is not None:
             out.append(FigureRow(f"useful {m.counted.per_second}", m.counted.per_second, m.tokens_per_second, prov,
@@ -79,3 +83,18 @@ def rows(m: Measurement, est=None) -> list[FigureRow]:
                     FigureRow("HFU", "fraction", utilisation(est.flops.hardware_flops_per_update, seconds, est.config),
                               prov, est.hfu)]
     return out
+
+
+def probed_speed(m: Measurement) -> float | None:
+    """How fast the host ran during ``m``'s timed updates against its calibration at the same thread count
+    (measure/speed.py: the probe's median read over the calibration's; 1.2: 20% slower); None where either
+    side has no probe, or the calibration timed another bundle."""
+    from batchlab.calibrate import load_all
+    from batchlab.measure.speed import BUNDLE, host_speed
+
+    if m.time is None or not m.time.probe_seconds:
+        return None
+    cal = load_all(m.environment.get("threads")).get("cpu")
+    if cal is None or cal.probe != BUNDLE:
+        return None
+    return host_speed(m.time.probe_seconds, cal.probe_seconds)
