@@ -27,6 +27,7 @@ def cache_home(tmp_path, monkeypatch):
 
 R = 5e10  # FLOP/s of a flat matmul curve
 AUTOCAST = {"forward": 9e-6, "backward": 7e-6, "plain": 3e-6}  # s per op under autocast
+DISPATCH = {"forward": 5e-6, "backward": 4e-6, "plain": 3e-6, "forward-sac": 4e-5, "recompute-sac": 3e-5}  # s per op
 
 
 def sample(**kw) -> Calibration:
@@ -116,6 +117,8 @@ def test_a_real_calibration_is_current(calibrated):
     assert calibrated.contention_processes == 2 and calibrated.allocator
     assert {"sdpa-fp32", "sdpa-backward-fp32"} <= set(calibrated.matmul_start)
     assert set(calibrated.dispatch_seconds_autocast) == {"forward", "backward", "plain"}
+    # selective checkpointing's dispatch mode: dearer per op than plain dispatch (~40 against ~8 us here)
+    assert calibrated.dispatch_seconds["forward-sac"] > calibrated.dispatch_seconds["forward"]
     assert calibrated.link == run_mod.LINK and calibrated.loopback_bytes_per_s > 0
     assert calibrated.probe == BUNDLE and 1e-4 < calibrated.probe_seconds < 1.0  # the host speed probe's reference
     assert {f"activation/silu:{t}" for t in ("fp32", "bf16")} <= set(calibrated.element_seconds)
@@ -145,7 +148,7 @@ def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_aga
     current = dict(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
                    contention={"compute": 1.0}, allocator="glibc", dispatch_seconds_autocast=AUTOCAST, link=run_mod.LINK,
                    element_seconds={"activation:fp32": 2e-9, "activation/silu:fp32": 6e-10}, probe_seconds=5e-3,
-                   probe=BUNDLE)
+                   probe=BUNDLE, dispatch_seconds=DISPATCH)
     no_sdpa = sample(**current)  # a device whose fused attention did not run: nothing to measure again
     save(no_sdpa)
     assert ensure("cpu", threads=1) == (no_sdpa, False) and measured == []
@@ -157,13 +160,15 @@ def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_aga
 
 
 @pytest.mark.parametrize("stale", [dict(probe_seconds=0.0, probe=""), dict(probe="another bundle"),
-                                   dict(link="gloo all-reduce between 2 local processes")])
-def test_a_cpu_cache_without_this_speed_probe_or_link_statistic_is_measured_again(measured, calibrated, stale):
-    # no reference for the host speed probe, one timed on another bundle, or a link fitted to lower quartiles
+                                   dict(link="gloo all-reduce between 2 local processes"),
+                                   dict(dispatch_seconds={"forward": 5e-6, "backward": 4e-6, "plain": 3e-6})])
+def test_a_cpu_cache_without_this_speed_probe_link_statistic_or_sac_dispatch_is_measured_again(measured, calibrated, stale):
+    # no reference for the host speed probe, one timed on another bundle, a link fitted to lower quartiles, or
+    # no dispatch cost under selective checkpointing
     current = dict(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
                    contention={"compute": 1.0}, allocator="glibc", dispatch_seconds_autocast=AUTOCAST,
                    element_seconds={"activation:fp32": 2e-9, "activation/silu:fp32": 6e-10}, link=run_mod.LINK,
-                   probe_seconds=5e-3, probe=BUNDLE)
+                   probe_seconds=5e-3, probe=BUNDLE, dispatch_seconds=DISPATCH)
     assert run_mod._current(sample(**current))
     save(sample(**{**current, **stale}))
     cal, fresh = ensure("cpu", threads=1, seconds=0.5)
@@ -322,7 +327,7 @@ def test_measure_cpu_matches_a_matmul_and_an_add_timed_here(calibrated):
     # an add into fresh outputs kept alive (a step's activations) is no faster than one that rewrites its input
     assert cal.memory_curve[-1][1] < 1.2 * cal.memory_curve_inplace[-1][1], cal.memory_curve
     assert all(1e-7 < s < 1e-3 for s in cal.dispatch_seconds.values()), cal.dispatch_seconds
-    assert set(cal.dispatch_seconds) == {"forward", "backward", "plain"}
+    assert set(cal.dispatch_seconds) == {"forward", "backward", "plain", "forward-sac", "recompute-sac"}
     assert cal.op_costs() is not None and cal.seconds < 20  # the budget (1 s) bounds it, with each kernel's minimum
     _fused_attention_against_torch_benchmark(cal)
     from torch.utils.benchmark import Timer

@@ -123,6 +123,26 @@ def _same_op_list(cfg: RunConfig) -> None:
     # bytes moved by memory-bound and per-element ops within 10%
     moved = lambda ops: sum(o.bytes * o.count for o in ops if o.klass not in (OpClass.MATMUL, OpClass.VIEW))  # noqa: E731
     assert moved(formula) == pytest.approx(moved(real), rel=0.10)
+    # the ops selective checkpointing's dispatch mode sees (forward and recompute of the blocks), per phase
+    for phase in Phase:
+        seen = [sum(o.count for o in ops if o.intercepted and o.phase is phase) for ops in (real, formula)]
+        assert seen[1] == pytest.approx(seen[0], rel=0.08, abs=2), (phase, seen)
+        assert not seen[0] or (cfg.ac.mode.value == "selective" and phase in (Phase.FORWARD, Phase.RECOMPUTE))
+
+
+def test_ops_under_selective_checkpointing_pay_its_dispatch_mode():
+    # forward-sac 40 us and recompute-sac 30 us per op against 10 us plain: the intercepted ops (counted in the
+    # op list, checked against the real code above) pay the difference, every other op is priced as before
+    sac = OpCosts(**{**FLAT.__dict__, "dispatch": {**FLAT.dispatch, "forward-sac": 4e-5, "recompute-sac": 3e-5}})
+    cfg = RunConfig(seq=32, micro_batch=2, ac="selective")
+    ops = update_ops(cfg)
+    n_fwd = sum(o.count for o in ops if o.intercepted and o.phase is Phase.FORWARD)
+    n_rec = sum(o.count for o in ops if o.intercepted and o.phase is Phase.RECOMPUTE)
+    assert n_fwd > 0 and n_rec > 0
+    assert price(ops, sac).seconds - price(ops, FLAT).seconds == pytest.approx(n_fwd * 3e-5 + n_rec * 2e-5)
+    # full checkpointing runs no dispatch mode: the same price either way
+    full = update_ops(cfg.replace(ac="full"))
+    assert price(full, sac).seconds == pytest.approx(price(full, FLAT).seconds)
 
 
 def test_formula_and_trace_predict_the_same_update_time():

@@ -189,6 +189,7 @@ def _current(cached: Calibration) -> bool:
     return (cached.op_costs() is not None  # the per-op model itself
             and bool(cached.memory_curve_inplace)  # the step-regime curves (before them: warm loops)
             and "activation/silu:fp32" in cached.element_seconds  # transcendental kernels by name (before: by class)
+            and "forward-sac" in cached.dispatch_seconds  # dispatch under selective checkpointing (before: plain)
             # fused attention's backward on its own curves (before: priced at the forward's rate); a device whose
             # SDPA did not run has neither curve
             and ("sdpa-backward-fp32" in cached.matmul_start or "sdpa-fp32" not in cached.matmul_curve)

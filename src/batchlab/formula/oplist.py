@@ -17,7 +17,7 @@ from collections import Counter
 
 from dataclasses import dataclass
 
-from batchlab.config import AttentionImpl, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
+from batchlab.config import ACMode, AttentionImpl, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.opcost import OpCount, Phase, merge, op_class
@@ -327,15 +327,26 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = _Ops(_widths(cfg))
     wrapped = set(cfg.ac.wrapped_layers(cfg.model.layers)) | set(cfg.ac.selective_layers(cfg.model.layers))
     selective = bool(cfg.ac.selective_layers(cfg.model.layers))
+    # selective policies run under checkpoint's Python dispatch mode (models/ac.py); Megatron's wraps a core only
+    sac = len(set(cfg.ac.selective_layers(cfg.model.layers)) - set(cfg.ac.wrapped_layers(cfg.model.layers)))
+    sac *= cfg.ac.mode in (ACMode.SELECTIVE, ACMode.SELECTIVE_OP)
     # every block runs the same ops: list one, and one recompute, then count them per block
     block, redo = _Ops(ops.w), _Ops(ops.w)
     _layer(block, cfg, FWD)
-    ops.add(*(o.times(cfg.model.layers) for o in merge(block.out)))
+    plain = cfg.model.layers - sac
+    ops.add(*(o.times(plain) for o in merge(block.out) if plain))
+    ops.add(*(_sac(o.times(sac)) for o in merge(block.out) if sac))
     if wrapped:
         _recompute(redo, cfg, selective)
-        ops.add(*(o.times(len(wrapped)) for o in merge(redo.out)))
+        ops.add(*(_sac(o.times(len(wrapped))) if sac else o.times(len(wrapped)) for o in merge(redo.out)))
     _outside(ops, cfg)
     return merge(ops.out)
+
+
+def _sac(op: OpCount) -> OpCount:
+    """``op`` in a block under selective checkpointing: its forward and recompute run under the policy's
+    dispatch mode; backward runs in the autograd engine, outside it."""
+    return op.under_sac() if op.phase in (FWD, Phase.RECOMPUTE) else op
 
 
 def _recompute(ops: _Ops, cfg: RunConfig, selective: bool) -> None:

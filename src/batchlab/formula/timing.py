@@ -122,8 +122,8 @@ def costs_for(cfg: RunConfig, calibrated: OpCosts | None, ops: tuple[OpCount, ..
     dispatch cost."""
     if calibrated is not None:
         costs = calibrated
-        if cfg.precision.mixed and costs.dispatch_autocast:
-            costs = dataclasses.replace(costs, dispatch=dict(costs.dispatch_autocast),
+        if cfg.precision.mixed and costs.dispatch_autocast:  # what autocast did not measure (SAC's) stays
+            costs = dataclasses.replace(costs, dispatch={**costs.dispatch, **costs.dispatch_autocast},
                                         source=costs.source + "; dispatch as measured under autocast")
     else:
         hardware = flops(cfg).flops_per_micro_batch * cfg.accum
@@ -143,11 +143,12 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     costs = costs_for(cfg, calibrated, ops)
     if cfg.zero >= 1:  # each rank steps only its shard of the optimizer state
         ops = tuple(OpCount(o.name, o.phase, o.klass, o.flops, o.bytes // cfg.dp, o.elements // cfg.dp,
-                            o.low_precision, o.count, o.grain) if o.phase is Phase.OPTIMIZER else o for o in ops)
+                            o.low_precision, o.count, o.grain, o.intercepted) if o.phase is Phase.OPTIMIZER else o
+                    for o in ops)
     t = on_host(ops, cfg, costs)
     compute = sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute"))
     rest = t.seconds - compute
-    dispatch_compute = sum(costs.dispatch_seconds(o.phase) * o.count for o in ops
+    dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.intercepted) * o.count for o in ops
                            if o.phase.value in ("forward", "backward", "recompute"))
     bw = costs.link_bytes_per_s if local_link(cfg, costs) else bus_bandwidth(cfg).value
     # what the stage's engine sends per update: DDP's all-reduce (+ ZeRO-1's broadcasts), FSDP2's all-gathers

@@ -8,6 +8,7 @@ into seconds.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from batchlab.config import ACMode
 from batchlab.formula.opcost import OpClass, OpCount, Phase, op_class
 from batchlab.measure.memory import tensors_in
 from batchlab.models.ac import Checkpointed
@@ -118,19 +120,24 @@ class OpRecorder(TorchDispatchMode, HookSet):
         HookSet.__init__(self)
         self.phase = Phase.DATA
         self._in_block = 0
+        self._in_sac = 0  # inside a block under selective checkpointing's dispatch mode (OpCount.intercepted)
         # identical calls counted as they come (OpCount's fields but the count -> calls), in order of first call
         self._counts: dict[tuple, int] = {}
         for m in (model.modules() if model is not None else ()):
             if isinstance(m, Checkpointed):
-                self._handles.append(m.block.register_forward_pre_hook(self._enter))
-                self._handles.append(m.block.register_forward_hook(self._leave, always_call=True))
+                sac = m.mode in (ACMode.SELECTIVE, ACMode.SELECTIVE_OP) and type(m) is Checkpointed
+                self._handles.append(m.block.register_forward_pre_hook(functools.partial(self._enter, sac=sac)))
+                self._handles.append(m.block.register_forward_hook(functools.partial(self._leave, sac=sac),
+                                                                   always_call=True))
         register_cpu_attention_flops()
 
-    def _enter(self, module, args) -> None:
+    def _enter(self, module, args, sac: bool = False) -> None:
         self._in_block += 1
+        self._in_sac += sac
 
-    def _leave(self, module, args, output) -> None:
+    def _leave(self, module, args, output, sac: bool = False) -> None:
         self._in_block -= 1
+        self._in_sac -= sac
 
     def mark(self, phase: str) -> None:
         if phase != "end":
@@ -150,12 +157,13 @@ class OpRecorder(TorchDispatchMode, HookSet):
     def record(self, func, args, kwargs, out) -> None:
         """Count one op that returned ``out`` (a StorageTracker's ``observer``, or this mode's own)."""
         if _overload(func).aten:  # not prim::device and other metadata queries fake tensors dispatch
-            key = _key(func, args, kwargs, out, self.current())
+            key = (*_key(func, args, kwargs, out, self.current()), self._in_sac > 0)
             self._counts[key] = self._counts.get(key, 0) + 1
 
     def result(self) -> tuple[OpCount, ...]:
         """The calls, identical ones merged (``formula.opcost.merge``'s order and counts)."""
-        return tuple(OpCount(*fields, count=n, grain=grain) for (*fields, grain), n in self._counts.items())
+        return tuple(OpCount(*fields, count=n, grain=grain, intercepted=sac)
+                     for (*fields, grain, sac), n in self._counts.items())
 
 
 def record_update(trainer) -> tuple[OpCount, ...]:
