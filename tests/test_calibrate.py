@@ -120,6 +120,7 @@ def test_a_real_calibration_is_current(calibrated):
     # selective checkpointing's dispatch mode: dearer per op than plain dispatch (~40 against ~8 us here)
     assert calibrated.dispatch_seconds["forward-sac"] > calibrated.dispatch_seconds["forward"]
     assert calibrated.link == run_mod.LINK and calibrated.loopback_bytes_per_s > 0
+    assert 0 <= calibrated.rank_skew < 1  # the slower of two ranks over the same matmuls, over their mean, less 1
     assert calibrated.probe == BUNDLE and 1e-4 < calibrated.probe_seconds < 1.0  # the host speed probe's reference
     assert {f"activation/silu:{t}" for t in ("fp32", "bf16")} <= set(calibrated.element_seconds)
     if (os.cpu_count() or 1) >= 2:  # measured in each round, merged by median

@@ -222,6 +222,19 @@ def test_local_ranks_share_the_cores_and_the_loopback_link():
     assert roomy.overlap_source.startswith("DDP buckets: hidden behind backward")
 
 
+def test_the_update_waits_for_the_slowest_local_rank():
+    # ranks calibrated 4% apart over the same work: each local rank's ops priced 4% longer; one rank alike as before
+    base = RunConfig(seq=64, micro_batch=2)
+    quiet = OpCosts(**{**FLAT.__dict__, "threads": 1, "cores": 2})
+    apart = OpCosts(**{**quiet.__dict__, "rank_skew": 0.04})
+    def timed(cfg, costs):
+        return timing(cfg, flops(cfg), memory(cfg), costs)
+
+    assert timed(base.replace(dp=2), apart).ops.seconds == pytest.approx(1.04 * timed(base.replace(dp=2), quiet).ops.seconds)
+    assert timed(base, apart).ops == timed(base, quiet).ops
+    assert "the slowest rank computes 4.0% longer" in timed(base.replace(dp=2), apart).model
+
+
 def test_ddp_buckets_follow_its_defaults():
     from batchlab.formula.timing import ddp_buckets
 

@@ -1,8 +1,11 @@
-"""Gloo's all-reduce between two local processes: what a DP rank on this CPU host waits for per gradient
-bucket, timed on a real process group (torch.distributed over loopback), not a socket echo.  Gloo's ring also
-copies and sums the buffers.  The median of the samples: a step's all-reduces meet the same scheduling and
-loopback delays (the tiny GPT's 1 MiB and 2.4 MiB buckets took 8.7-12 ms each inside its DDP update here, its
-whole 3.4 MiB 4.1-5.0 ms alone at the median and 2.1-3.0 ms at the lower quartile, which priced it before).
+"""Gloo's all-reduce between two local processes, as a DP rank on this CPU host meets it in a step: timed on a
+real process group (torch.distributed over loopback), each sample right after both ranks ran the same 15 ms
+of matmuls, so gloo's threads wake from a computing process and the ranks arrive apart, as they do at a
+gradient bucket.  A figure is the mean of the two ranks' medians: the later rank's is the all-reduce, the
+earlier one's adds its wait for the later, and a DP update pays the mean of the two beyond its ranks' mean
+compute.  Here the tiny GPT's gradients (two DDP buckets and the token count) cost 16-20 ms inside its DDP
+update; this prices them at 1.6x (8.5-31 ms) what idle all-reduces started together after a barrier gave in
+the same minutes (7.7-17 ms at the median; their lower quartile, which priced them before, under half).
 Torch is imported inside the functions."""
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ SIZES = (2**14, 2**20, 4 * 2**20)  # bytes all-reduced: a message's fixed cost, 
 WARMUP = 3  # all-reduces per size before timing (the ring's connections are made on first use)
 MAX_SAMPLES = 200
 TIMEOUT_S = 30
+BURST_S = 0.015  # seconds of matmuls each rank runs before each timed all-reduce (a step's compute)
 
 
-def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results) -> None:
+def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results, burst_s: float = BURST_S) -> None:
     import datetime
 
     import torch
@@ -30,36 +34,51 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
-        out = {}
+        a = torch.randn(128, 128)
+        t = time.perf_counter()
+        for _ in range(20):
+            a @ a
+        # both ranks compute the same number of matmuls between all-reduces: the smaller count agreed
+        matmuls = torch.tensor([int(burst_s / max((time.perf_counter() - t) / 20, 1e-7))])
+        dist.all_reduce(matmuls, op=dist.ReduceOp.MIN)
+        out, bursts = {}, []
         for nbytes in sizes:
             x = torch.ones(nbytes // 4)
             t = time.perf_counter()
             for _ in range(WARMUP):
                 dist.all_reduce(x)
-            # both ranks run the same number of collectives: the count each could afford, the smaller agreed
-            each = (time.perf_counter() - t) / WARMUP
+            each = (time.perf_counter() - t) / WARMUP + burst_s
             count = torch.tensor([min(MAX_SAMPLES, max(5, int(seconds / len(sizes) / max(2 * each, 1e-6))))])
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
             samples: list[float] = []
             for _ in range(int(count)):
-                dist.barrier()  # both ranks start the all-reduce together: its own time, not the other's lateness
+                dist.barrier()
+                t = time.perf_counter()
+                for _ in range(int(matmuls)):  # a step's compute before its all-reduce: the ranks arrive apart
+                    a @ a
+                bursts.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 dist.all_reduce(x)
                 samples.append(time.perf_counter() - t)
-            # the median: a step's all-reduce meets the same scheduling and loopback delays (not a quartile: the
-            # lower one priced the tiny GPT's in-step all-reduces at under half their time here)
             out[nbytes] = statistics.median(samples)
-        if rank == 0:
-            results.put(out)
+        results.put((rank, out, bursts))
     finally:
         dist.destroy_process_group()
 
 
 def allreduce_seconds(sizes: tuple[int, ...], seconds: float) -> dict[int, float]:
-    """Per size (bytes), the time of one all-reduce between two processes forked here, over gloo (the lower
-    of its samples).  Wall clock: a rank waits on its peer, which is the cost.  Raises RuntimeError where they cannot run it."""
+    """Per size (bytes), the time of one all-reduce between two processes forked here, over gloo, right after
+    ``BURST_S`` of compute on both (the mean of the ranks' medians).  Wall clock: a rank waits on its peer,
+    which is the cost.  Raises RuntimeError where they cannot run it."""
+    return allreduce_timed(sizes, seconds)["seconds"]
+
+
+def allreduce_timed(sizes: tuple[int, ...], seconds: float) -> dict:
+    """``{"seconds": allreduce_seconds, "skew": s}``: s, the median over the samples of how much longer the
+    slower rank took over the same matmuls than the two ranks' mean (0.035: 3.5%), which a DP update waits
+    for between its all-reduces (here 3-4% at 15, 50 and 150 ms of matmuls)."""
     # fork: no interpreter start-up per rank; a parent's OpenMP pool is no hazard, as the ranks run no parallel
-    # region (one thread each: gloo and a fill; checked with the parent at 2 threads)
+    # region (one intra-op thread each: gloo, a fill and the matmuls; checked with the parent at 2 threads)
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
     port = free_port()
@@ -68,7 +87,12 @@ def allreduce_seconds(sizes: tuple[int, ...], seconds: float) -> dict[int, float
     for p in ranks:
         p.start()
     try:
-        return results.get(timeout=TIMEOUT_S + 10 * seconds)
+        # each rank's median: the later rank's is the all-reduce alone, the earlier one's adds the wait for it
+        got = sorted(results.get(timeout=TIMEOUT_S + 10 * seconds) for _ in ranks)
+        (_, first, b0), (_, second, b1) = got
+        skew = [max(x, y) / ((x + y) / 2) - 1 for x, y in zip(b0, b1) if x + y > 0]
+        return {"seconds": {n: (first[n] + second[n]) / 2 for n in first},
+                "skew": statistics.median(skew) if skew else 0.0}
     except queue.Empty:
         codes = [p.exitcode for p in ranks]
         raise RuntimeError(f"gloo's all-reduce between two local processes gave no result (exit codes {codes})") \
@@ -80,11 +104,11 @@ def allreduce_seconds(sizes: tuple[int, ...], seconds: float) -> dict[int, float
                 p.kill()
 
 
-def allreduce_times(seconds: float) -> dict[int, float]:
-    """``allreduce_seconds`` at ``SIZES``; {} with a warning where they cannot be timed here (local ranks are
+def allreduce_times(seconds: float) -> dict:
+    """``allreduce_timed`` at ``SIZES``; {} with a warning where they cannot be timed here (local ranks are
     then priced over the device entry's link)."""
     try:
-        return allreduce_seconds(SIZES, seconds)
+        return allreduce_timed(SIZES, seconds)
     except RuntimeError as e:
         warnings.warn(f"calibrate: {e}; DP on this CPU is priced over the device entry's link", stacklevel=2)
         return {}
@@ -105,4 +129,4 @@ def ring_fit(times: dict[int, float]) -> tuple[float, float]:
 
 def allreduce_link(seconds: float) -> tuple[float, float]:
     """The ring model's link fitted to all-reduces timed now (``ring_fit`` of ``allreduce_times``)."""
-    return ring_fit(allreduce_times(seconds))
+    return ring_fit(allreduce_times(seconds).get("seconds", {}))

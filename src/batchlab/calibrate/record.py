@@ -46,6 +46,9 @@ class Calibration:
     loopback_bytes_per_s: float = 0.0
     loopback_latency_s: float = 0.0
     link: str = ""  # what those figures were measured on ("": a TCP echo over loopback, before gloo's all-reduce)
+    # CPU: how much longer the slower of two local ranks computes than their mean between all-reduces (0.035:
+    # 3.5%; calibrate/link.py); 0: unmeasured
+    rank_skew: float = 0.0
     cores: int = 0  # CPU cores of the machine measured (local ranks x threads beyond it share them)
     # CPU: a process's slowdown while ``contention_processes`` run the same kernels at once, by kind
     # (compute | memory | dispatch; calibrate/concurrency.py); 0 processes: not measured (an older cache)
@@ -86,7 +89,7 @@ class Calibration:
                        asynchronous=not self.torch_device.startswith("cpu"),
                        link_bytes_per_s=self.loopback_bytes_per_s or None, link_latency_s=self.loopback_latency_s,
                        threads=self.threads, cores=self.cores, contention=dict(self.contention),
-                       contention_processes=self.contention_processes,
+                       contention_processes=self.contention_processes, rank_skew=self.rank_skew,
                        source=self.source)
 
     def to_dict(self) -> dict[str, Any]:

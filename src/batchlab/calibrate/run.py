@@ -97,7 +97,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
         probe = SpeedProbe(CLOCK.get()) if device.type == "cpu" else None
         k = _median_rounds([_round(device, shapes, seconds / n, sync, trainers, probe) for _ in range(n)])
         fp32, bf16 = monotone(k["fp32"]), monotone(k["bf16"])
-        link, latency = ring_fit(k["link"])  # fitted once to each size's median over the rounds
+        link, latency = ring_fit(k["link"].get("seconds", {}))  # fitted once to each size's median over the rounds
         assert fp32, "fp32 matmul failed"
         best32, best16 = max(fp32, key=lambda p: p[1]), max(bf16, key=lambda p: p[1]) if bf16 else None
         return Calibration(
@@ -113,6 +113,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
             strided_bytes_per_s=k["strided"], element_seconds=k["elements"], dispatch_seconds=k["dispatch"]["fp32"],
             dispatch_seconds_autocast=k["dispatch"].get("bf16-mixed", {}),
             loopback_bytes_per_s=link, loopback_latency_s=latency, link=LINK if device.type == "cpu" else "",
+            rank_skew=k["link"].get("skew", 0.0),
             cores=os.cpu_count() or 1,
             contention=k["contention"], contention_processes=2 if device.type == "cpu" else 0,
             allocator=regime.describe() if device.type == "cpu" else "", probe_seconds=k["speed"],
@@ -122,7 +123,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
         torch.set_num_threads(before)
 
 
-LINK = "gloo all-reduce between 2 local processes, median"  # what the CPU link figures are (calibrate/link.py)
+LINK = "gloo all-reduce between 2 local processes after 15 ms of compute, median"  # what the CPU link figures are (calibrate/link.py)
 
 # Every kernel is timed in each of ROUNDS rounds of a third of the budget, and its figure is the median over
 # them: this host switches speed within seconds, so one window per kind (the fp32 dispatch in one second, the
@@ -195,8 +196,8 @@ def _current(cached: Calibration) -> bool:
             and ("sdpa-backward-fp32" in cached.matmul_start or "sdpa-fp32" not in cached.matmul_curve)
             # CPU: the local ranks' contention, the allocator regime (before it: kernels faulted pages in),
             # dispatch under autocast with medians of CPU-time samples (before: fp32 dispatch for every precision,
-            # upper quartiles), gloo's all-reduce's median as the local ranks' link (before: a TCP echo over
-            # loopback, then its lower quartile), the host speed probe's reference (before it: none)
+            # upper quartiles), gloo's all-reduce after compute as the local ranks' link (before: a TCP echo over
+            # loopback, then the lower quartile of idle all-reduces), the host speed probe's reference (before it: none)
             and (not cpu or bool(cached.contention_processes and cached.allocator and cached.dispatch_seconds_autocast
                                  and cached.link == LINK and cached.probe_seconds and cached.probe == BUNDLE)))
 

@@ -188,6 +188,7 @@ class OpCosts:
     # (compute | memory | dispatch); empty: unmeasured (local ranks then only share the cores)
     contention: Mapping[str, float] = field(default_factory=dict)
     contention_processes: int = 0
+    rank_skew: float = 0.0  # CPU: the slower local rank's compute over the ranks' mean, less 1 (0: unmeasured)
     # per-op dispatch under autocast (mixed precision: every forward op passes its dispatch key), by kind;
     # empty: unmeasured (``dispatch`` serves)
     dispatch_autocast: Mapping[str, float] = field(default_factory=dict)
@@ -283,7 +284,7 @@ _WORK = cache(limit=64)  # what decides work_seconds -> {op shape: one call's wo
 WORK_LIMIT = 50_000  # op shapes remembered per costs
 # OpCosts fields work_seconds never reads (a calibration loaded per estimate differs in none of the others)
 _NOT_WORK = {"dispatch", "dispatch_autocast", "asynchronous", "link_bytes_per_s", "link_latency_s", "threads", "cores", "contention",
-             "contention_processes", "source"}
+             "contention_processes", "rank_skew", "source"}
 
 
 def _frozen(v):

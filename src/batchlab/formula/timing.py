@@ -215,6 +215,14 @@ def contention(cfg: RunConfig, costs: OpCosts) -> dict[str, float]:
     return {k: max(1.0, f) for k, f in costs.contention.items()}
 
 
+def skew(cfg: RunConfig, costs: OpCosts) -> float:
+    """How much longer the slowest local CPU rank computes than the ranks' mean (0 for one rank): the
+    calibrated spread of two ranks over the same matmuls (calibrate/link.py), which every all-reduce waits out."""
+    if cfg.dp < 2 or cfg.device_spec.backend is not Backend.CPU:
+        return 0.0
+    return max(0.0, costs.rank_skew)
+
+
 def contended(costs: OpCosts, slow: dict[str, float]) -> OpCosts:
     """``costs`` with every op's work and dispatch ``slow`` times as long, by the kind it contends like:
     matmuls and the per-element kernels (their operands mostly in cache) compute-bound, element-wise ops by
@@ -233,11 +241,11 @@ def contended(costs: OpCosts, slow: dict[str, float]) -> OpCosts:
 
 def on_host(ops, cfg: RunConfig, costs: OpCosts, provenance: str = "formula") -> TimeBreakdown:
     """One local rank's ops priced at the speed it gets beside the other ranks on this host: the cores
-    time-shared (``sharing``), and each op slowed by the concurrent ranks' contention (``contention``).  The
-    ranks are alike, so the slowest rank, which the all-reduce waits for, takes this time too."""
+    time-shared (``sharing``), each op slowed by the concurrent ranks' contention (``contention``), and the
+    update waiting for the slowest rank (``skew``: the ranks' calibrated spread over the same work)."""
     slow = contention(cfg, costs)
     t = price(ops, contended(costs, slow) if slow else costs, provenance)
-    k = sharing(cfg, costs)
+    k = sharing(cfg, costs) * (1 + skew(cfg, costs))
     if k == 1.0:
         return t
     return dataclasses.replace(t, seconds=t.seconds * k, by_phase={p: s * k for p, s in t.by_phase.items()},
@@ -254,7 +262,10 @@ def machine_text(cfg: RunConfig, costs: OpCosts) -> str:
     if slow:
         out += (f"; ranks running at once slow each other (calibrated with {costs.contention_processes} processes): "
                 + ", ".join(f"{k} x{f:.2f}" for k, f in slow.items()) + "; the update waits for the slowest rank")
+    if skew(cfg, costs):
+        out += f"; the slowest rank computes {skew(cfg, costs):.1%} longer than the ranks' mean (calibrated)"
     if local_link(cfg, costs):
-        out += (f"; all-reduce as gloo's between local ranks was calibrated: {costs.link_bytes_per_s / 1e9:.2f} GB/s "
-                f"+ {costs.link_latency_s * 1e6:.0f} us per message in the ring model")
+        out += (f"; all-reduce as gloo's between local ranks right after compute was calibrated: "
+                f"{costs.link_bytes_per_s / 1e9:.2f} GB/s + {costs.link_latency_s * 1e6:.0f} us per message in the "
+                "ring model")
     return out
