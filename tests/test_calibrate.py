@@ -393,13 +393,15 @@ def test_command_caches_and_prints_json(measured, calibrated):
 def test_command_names_each_curve_and_fused_attentions_cost_per_call(monkeypatch):
     curves = {**sample().matmul_curve, "bmm-fp32": [[1e3, R]], "sdpa-backward-bf16": [[5e5, 1e10], [2e6, 2e10]]}
     monkeypatch.setattr(cal_mod, "measure", lambda *a, **k: sample(
-        matmul_curve=curves, matmul_start={"sdpa-backward-bf16": [[5e5, 1.2e-4], [2e6, 3.4e-4]]}))
+        matmul_curve=curves, matmul_start={"sdpa-backward-bf16": [[5e5, 1.2e-4], [2e6, 3.4e-4]]},
+        loopback_bytes_per_s=1e9, loopback_latency_s=8e-4, link=run_mod.LINK, rank_skew=0.035, probe_seconds=6e-3))
     result = CliRunner().invoke(app, ["calibrate", "--seconds", "1"], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     out = result.output
     assert "linear layers' matmuls, fp32" in out and "attention's batched matmuls, fp32" in out
     assert "fused attention backward, bf16" in out and "linear layers' matmuls, sdpa" not in out
     assert "10 GFLOP/s · 20 GFLOP/s; + 120 µs · 340 µs a call" in out
+    assert "1 GB/s + 800 µs per message" in out and "+3.5%" in out and "6.00 ms" in out  # link, spread, probe
 
 
 def test_command_bad_input_exits_2():

@@ -73,6 +73,14 @@ def calibrate(
     for kind, f in cal.contention.items():
         table.add_row(f"local ranks at once: {kind}", f"x{f:.2f}",
                       f"CPU s per call, {cal.contention_processes} processes at once over one alone")
+    if cal.loopback_bytes_per_s:
+        table.add_row("local ranks' all-reduce", f"{fmt_count(cal.loopback_bytes_per_s, 'B/s')} + "
+                      f"{cal.loopback_latency_s * 1e6:.0f} µs per message", cal.link + " (ring model fit)")
+        table.add_row("local ranks' spread", f"{cal.rank_skew:+.1%}",
+                      "the slower of 2 ranks over their mean, the same matmuls between all-reduces")
+    if cal.probe_seconds:
+        table.add_row("host speed probe", f"{cal.probe_seconds * 1e3:.2f} ms",
+                      "the bundle measure and compare read before each timed update")
     out.print(table)
     out.print("Measured rates are what kernels of each size reach: no achievable fraction is applied on top.")
     if path:
