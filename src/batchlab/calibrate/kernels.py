@@ -362,7 +362,8 @@ def _dispatch_seconds(trainers: dict[str, tuple], seconds: float, sync) -> dict[
                 kind = DISPATCH_KIND[Phase(phase)]
                 spent[kind] = spent.get(kind, 0.0) + secs
             if precision == SAC:  # after fp32 (dict order): its figures of this round price the plain ops
-                _intercepted(sac, calls, spent, {k: v[-1] for k, v in per_op["fp32"].items()})
+                if per_op.get("fp32", {}).get("forward"):
+                    _intercepted(sac, calls, spent, {k: v[-1] for k, v in per_op["fp32"].items()})
                 continue
             for kind, n in calls.items():
                 per_op[precision][kind].append(spent.get(kind, 0.0) / n)

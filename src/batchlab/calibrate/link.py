@@ -24,7 +24,8 @@ TIMEOUT_S = 30
 BURST_S = 0.015  # seconds of matmuls each rank runs before each timed all-reduce (a step's compute)
 
 
-def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results, burst_s: float = BURST_S) -> None:
+def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results,
+          burst_s: float = BURST_S) -> None:
     import datetime
 
     import torch

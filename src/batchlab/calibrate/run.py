@@ -70,10 +70,11 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     ~2x it (each kernel's minimum samples; measured 19.4-21.3 s at the default 10 on this 2-core CPU): the
     matmul curves in fp32 and bf16 (34% linear layers, 8% attention's batched matmuls, 16% fused attention
     forward and backward), element-wise bandwidth (12%), per-element kernels (15%), per-op dispatch in fp32,
-    under autocast and under selective checkpointing (25%), on CPU the slowdown of two processes running alike at once (15%, in CPU
-    seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and gloo's all-reduce between two
-    local processes (10%, plus ~0.4 s a round to start them; the ring model fitted once to the rounds' medians).  ``threads``: the intra-op thread count to measure at
-    (CPU; restored afterwards); ``rounds``: default ``ROUNDS`` (1: every kind once, as a quick check needs)."""
+    under autocast and under selective checkpointing (25%), on CPU the slowdown of two processes running alike
+    at once (15%, in CPU seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and gloo's
+    all-reduce between two local processes after compute (10%, plus ~0.4 s a round to start them; the ring model
+    fitted once to the rounds' medians).  ``threads``: the intra-op thread count to measure at (CPU; restored
+    afterwards); ``rounds``: default ``ROUNDS`` (1: every kind once, as a quick check needs)."""
     import torch
 
     from batchlab.measure.clock import synchronizer
@@ -97,7 +98,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
         probe = SpeedProbe(CLOCK.get()) if device.type == "cpu" else None
         k = _median_rounds([_round(device, shapes, seconds / n, sync, trainers, probe) for _ in range(n)])
         fp32, bf16 = monotone(k["fp32"]), monotone(k["bf16"])
-        link, latency = ring_fit(k["link"].get("seconds", {}))  # fitted once to each size's median over the rounds
+        link, latency = ring_fit(k["link"].get("seconds", {}))  # once, to each size's median over the rounds
         assert fp32, "fp32 matmul failed"
         best32, best16 = max(fp32, key=lambda p: p[1]), max(bf16, key=lambda p: p[1]) if bf16 else None
         return Calibration(
@@ -123,7 +124,8 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
         torch.set_num_threads(before)
 
 
-LINK = "gloo all-reduce between 2 local processes after 15 ms of compute, median"  # what the CPU link figures are (calibrate/link.py)
+# what the CPU link figures are (calibrate/link.py)
+LINK = "gloo all-reduce between 2 local processes after 15 ms of compute, median"
 
 # Every kernel is timed in each of ROUNDS rounds of a third of the budget, and its figure is the median over
 # them: this host switches speed within seconds, so one window per kind (the fp32 dispatch in one second, the

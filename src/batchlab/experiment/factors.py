@@ -252,5 +252,5 @@ def host_speed(rounds, threads: int | None) -> dict[str, Any]:
     if None in out.values():
         return {}
     return {**out, "reference_seconds": cal.probe_seconds,
-            "how": "a ~6 ms bundle of calibrated kernels (matmul, add, dropout RNG, tiny ops) timed before each timed update, "
-                   "median, over its median in the calibration"}
+            "how": "a ~6 ms bundle of calibrated kernels (matmul, add, dropout RNG, tiny ops) timed before each "
+                   "timed update, median, over its median in the calibration"}

@@ -17,7 +17,8 @@ from collections import Counter
 
 from dataclasses import dataclass
 
-from batchlab.config import ACMode, AttentionImpl, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
+from batchlab.config import (ACMode, AttentionImpl, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind,
+                             Precision, RunConfig)
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.opcost import OpCount, Phase, merge, op_class

@@ -241,11 +241,11 @@ class _Steps:
         phases: dict[str, list[float]] = {}
         faults = regime.Faults()
         # CPU: the host speed probe before each timed update (which of this host's speeds the update ran at)
-        probe, speed = (SpeedProbe(), []) if not self.async_device else (None, [])
+        speed, reads = (SpeedProbe(), []) if not self.async_device else (None, [])
         for i in range(self.opts.steps):
             label = self._start(f"timed {i + 1}/{self.opts.steps}")
-            if probe is not None:
-                speed.append(probe.read(3))
+            if speed is not None:
+                reads.append(speed.read(3))
             with faults.counting():
                 result, wall, cpu_s = timed_update(trainer, clock, rec.use(label, clock), self.sync)
             samples.append(wall)
@@ -266,7 +266,7 @@ class _Steps:
         m.time = MeasuredTime(samples=samples, warmup=self.opts.warmup,
                               phase_seconds={k: statistics.median(v) for k, v in phases.items()},
                               phase_samples=phases, cpu_seconds=cpu if self.device.type == "cpu" else [],
-                              probe_seconds=speed)
+                              probe_seconds=reads)
         per_update = statistics.fmean(useful) * trainer.world
         m.useful_tokens_per_update = round(per_update)
         m.tokens_per_second = per_update / m.time.update_seconds_median
