@@ -143,6 +143,11 @@ def test_ops_under_selective_checkpointing_pay_its_dispatch_mode():
     # full checkpointing runs no dispatch mode: the same price either way
     full = update_ops(cfg.replace(ac="full"))
     assert price(full, sac).seconds == pytest.approx(price(full, FLAT).seconds)
+    # uncalibrated, the nominal figures price the mode too (host-side Python on every backend)
+    from batchlab.formula.timing import nominal_costs
+
+    nominal = nominal_costs(cfg)
+    assert nominal.dispatch_seconds(Phase.FORWARD, True) > 3 * nominal.dispatch_seconds(Phase.FORWARD)
 
 
 def test_formula_and_trace_predict_the_same_update_time():

@@ -25,9 +25,12 @@ from batchlab.formula.sharding import collective_seconds, traffic
 # cost per aten op, 5-11 us measured by `batchlab calibrate` on these 2-core machines; CUDA/MPS: the host
 # side of a kernel launch, ~5-10 us in eager PyTorch.  MATMUL_START: a matmul call's fixed start-up (blocking,
 # packing, a launch), which is why small matmuls stay far below the peak.
-NOMINAL_DISPATCH = {Backend.CPU: {"forward": 6e-6, "backward": 5e-6, "plain": 4e-6},
-                    Backend.CUDA: {"forward": 8e-6, "backward": 7e-6, "plain": 5e-6},
-                    Backend.MPS: {"forward": 12e-6, "backward": 10e-6, "plain": 8e-6}}
+# An op under selective checkpointing's Python dispatch mode (opcost.SAC_KIND) costs host-side Python on every
+# backend: 29-43 us in forward and 23-32 us in recompute per op in eight calibrations of these 2-core machines.
+NOMINAL_SAC = {"forward-sac": 35e-6, "recompute-sac": 28e-6}
+NOMINAL_DISPATCH = {Backend.CPU: {"forward": 6e-6, "backward": 5e-6, "plain": 4e-6, **NOMINAL_SAC},
+                    Backend.CUDA: {"forward": 8e-6, "backward": 7e-6, "plain": 5e-6, **NOMINAL_SAC},
+                    Backend.MPS: {"forward": 12e-6, "backward": 10e-6, "plain": 8e-6, **NOMINAL_SAC}}
 MATMUL_START = {Backend.CPU: 2e-6, Backend.CUDA: 5e-6, Backend.MPS: 10e-6}
 # CPU per-element kernels, cycles per element on one core (x86 with AVX-512, measured here): tanh-GELU 13,
 # its gradient 35, softmax 5, log-softmax over the vocabulary 14 and a broadcast-mask masked_fill 13 (2.7x and
