@@ -34,7 +34,7 @@ def test_absolute_times_are_set_beside_the_measured_at_the_probed_speed():
 
 
 def test_compare_reads_the_speed_of_each_side_over_a_current_calibration(monkeypatch):
-    import batchlab.calibrate as calibrate
+    import batchlab.calibrate.record as record
     from batchlab.experiment import factors
     from batchlab.experiment.protocol import Rounds
     from batchlab.measure.result import MeasuredTime, Measurement, Outcome
@@ -46,7 +46,7 @@ def test_compare_reads_the_speed_of_each_side_over_a_current_calibration(monkeyp
 
     class Cal:
         probe_seconds, probe = 5e-3, BUNDLE
-    monkeypatch.setattr(calibrate, "load_all", lambda threads=None: {"cpu": Cal()})
+    monkeypatch.setattr(record, "load_all", lambda threads=None: {"cpu": Cal()})
     speed = factors.host_speed(rounds, 1)
     assert (speed["a"], speed["b"]) == (pytest.approx(1.2), pytest.approx(0.8)) and speed["reference_seconds"] == 5e-3
     Cal.probe = "another bundle"  # a reference timed on another bundle says nothing about this one

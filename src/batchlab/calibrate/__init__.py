@@ -19,8 +19,9 @@ record.py: the record and its cache; kernels.py: what is timed; run.py: measure,
 from __future__ import annotations
 
 from batchlab.calibrate.kernels import timed_rates
-from batchlab.calibrate.record import Calibration, cache_dir, default_threads, load_all, load_cached, save
+from batchlab.calibrate.record import (Calibration, cache_dir, default_threads, load_all, load_cached,
+                                      probe_reference, save)
 from batchlab.calibrate.run import auto, ensure, measure
 
 __all__ = ["Calibration", "auto", "cache_dir", "default_threads", "ensure", "load_all", "load_cached", "measure",
-           "save", "timed_rates"]
+           "probe_reference", "save", "timed_rates"]

@@ -13,6 +13,7 @@ from batchlab.config import Precision
 from batchlab.files import write_atomic
 from batchlab.formula.opcost import OpCosts
 from batchlab.host import cpu_hardware
+from batchlab.measure.speed import BUNDLE
 
 
 @dataclass
@@ -145,6 +146,13 @@ def load_all(threads: int | None = None) -> dict[str, Calibration]:
     found = [cal for cal in (_read(p) for p in sorted(cache_dir().glob("*.json"))) if cal is not None]
     usable = [c for c in found if not c.torch_device.startswith("cpu") or c.threads == want]
     return {cal.device: cal for cal in sorted(usable, key=lambda c: c.measured_at)}
+
+
+def probe_reference(threads: int | None = None) -> float | None:
+    """The host speed probe's read in this CPU's cached calibration at ``threads`` (seconds, measure/speed.py);
+    None without one, or where it timed another bundle (its reference says nothing about this one)."""
+    cal = load_all(threads).get("cpu")
+    return cal.probe_seconds if cal is not None and cal.probe == BUNDLE and cal.probe_seconds else None
 
 
 def _read(path: Path) -> Calibration | None:

@@ -101,6 +101,12 @@ class ACMode(_Choice):
     # (QK^T, softmax, dropout, AV) is recomputed (Korthikanti et al. 2022, sec. 5; 34sbh per layer)
     MEGATRON = "megatron-selective"
 
+    @property
+    def dispatch_mode(self) -> bool:
+        """Its policy runs as torch.utils.checkpoint's selective dispatch mode (models/ac.py), which sees every
+        op of a wrapped block in forward and in recompute; Megatron's checkpoints the attention core without one."""
+        return self in (ACMode.SELECTIVE, ACMode.SELECTIVE_OP)
+
 
 class LossMode(_Choice):
     """How the LM loss is computed over the vocabulary (formula/loss.py counts what each keeps)."""

@@ -183,7 +183,7 @@ def time_model_absolute(formula: tuple[float, float], measured: tuple[float, flo
 
     (fa, fb), (ma, mb) = formula, measured
     err = lambda p, m: p / m - 1  # noqa: E731
-    found = (f"formula A {sec(fa)}, B {sec(fb)} against measured A {sec(ma)}, B {sec(mb)} "
+    found = (f"formula A {sec(fa)}, B {sec(fb)} against measured (wall-clock) A {sec(ma)}, B {sec(mb)} "
              f"({err(fa, ma):+.0%}, {err(fb, mb):+.0%}) at the calibration's speed")
     worst = max(abs(err(fa, ma)), abs(err(fb, mb)))
     if speed:

@@ -241,16 +241,16 @@ def host_speed(rounds, threads: int | None) -> dict[str, Any]:
     """Per side, how fast this host ran during the timed updates against its calibration: the median of the
     speed probe read before each update (measure/speed.py) over the calibration's (1.3: 30% slower), with the
     reference; {} off CPU, without a calibration that has the probe, or without reads."""
-    from batchlab.calibrate import load_all
-    from batchlab.measure.speed import BUNDLE, host_speed as ratio
+    from batchlab.calibrate import probe_reference
+    from batchlab.measure.speed import host_speed as ratio
 
-    cal = load_all(threads).get("cpu")
-    if rounds is None or cal is None or not cal.probe_seconds or cal.probe != BUNDLE:
+    ref = probe_reference(threads) if rounds is not None else None
+    if ref is None:
         return {}
     out = {s: ratio([x for m in rounds.side(s) if m is not None and m.time is not None for x in m.time.probe_seconds],
-                    cal.probe_seconds) for s in "ab"}
+                    ref) for s in "ab"}
     if None in out.values():
         return {}
-    return {**out, "reference_seconds": cal.probe_seconds,
+    return {**out, "reference_seconds": ref,
             "how": "a ~6 ms bundle of calibrated kernels (matmul, add, dropout RNG, tiny ops) timed before each "
                    "timed update, median, over its median in the calibration"}

@@ -17,8 +17,7 @@ from collections import Counter
 
 from dataclasses import dataclass
 
-from batchlab.config import (ACMode, AttentionImpl, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind,
-                             Precision, RunConfig)
+from batchlab.config import AttentionImpl, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.opcost import OpCount, Phase, merge, op_class
@@ -329,8 +328,7 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     wrapped = set(cfg.ac.wrapped_layers(cfg.model.layers)) | set(cfg.ac.selective_layers(cfg.model.layers))
     selective = bool(cfg.ac.selective_layers(cfg.model.layers))
     # selective policies run under checkpoint's Python dispatch mode (models/ac.py); Megatron's wraps a core only
-    sac = len(set(cfg.ac.selective_layers(cfg.model.layers)) - set(cfg.ac.wrapped_layers(cfg.model.layers)))
-    sac *= cfg.ac.mode in (ACMode.SELECTIVE, ACMode.SELECTIVE_OP)
+    sac = len(cfg.ac.selective_layers(cfg.model.layers)) if cfg.ac.mode.dispatch_mode else 0
     # every block runs the same ops: list one, and one recompute, then count them per block
     block, redo = _Ops(ops.w), _Ops(ops.w)
     _layer(block, cfg, FWD)

@@ -153,17 +153,18 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     rest = t.seconds - compute
     dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.intercepted) * o.count for o in ops
                            if o.phase.value in ("forward", "backward", "recompute"))
-    bw = costs.link_bytes_per_s if local_link(cfg, costs) else bus_bandwidth(cfg).value
+    local = local_link(cfg, costs)
+    bw = costs.link_bytes_per_s if local else bus_bandwidth(cfg).value
     # what the stage's engine sends per update: DDP's all-reduce (+ ZeRO-1's broadcasts), FSDP2's all-gathers
     # and reduce-scatters of every micro-batch (formula.sharding); the engine's overlap hides part of it
     sent = traffic(cfg).per_update
     grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
-    if local_link(cfg, costs):  # a ring step is one message per rank: 2(n-1) per collective
+    if local:  # a ring step is one message per rank: 2(n-1) per collective
         comm += costs.link_latency_s * 2 * (cfg.dp - 1) * (ddp_buckets(grad_bytes) + 1)  # + the token count's
     after_step = collective_seconds("broadcast", sent["broadcast"], cfg.dp, bw)
     hidden = exposed_comm_seconds(cfg, comm, compute, compute / cfg.accum, after_step)
-    if cfg.assumptions.comm_overlap is None and local_link(cfg, costs) and fills_cores(cfg, costs):
+    if cfg.assumptions.comm_overlap is None and local and fills_cores(cfg, costs):
         # gloo copies and sums on the cores the ranks compute on: an all-reduce of 1 MiB issued mid-compute
         # added 3.6-4.6 ms to the ranks here, what it takes alone (3.7-4.4 ms)
         hidden = Sourced(comm, "local ranks fill the cores: gloo's copies and sums need them, nothing hidden")
@@ -265,8 +266,9 @@ def machine_text(cfg: RunConfig, costs: OpCosts) -> str:
     if slow:
         out += (f"; ranks running at once slow each other (calibrated with {costs.contention_processes} processes): "
                 + ", ".join(f"{k} x{f:.2f}" for k, f in slow.items()) + "; the update waits for the slowest rank")
-    if skew(cfg, costs):
-        out += f"; the slowest rank computes {skew(cfg, costs):.1%} longer than the ranks' mean (calibrated)"
+    spread = skew(cfg, costs)
+    if spread:
+        out += f"; the slowest rank computes {spread:.1%} longer than the ranks' mean (calibrated)"
     if local_link(cfg, costs):
         out += (f"; all-reduce as gloo's between local ranks right after compute was calibrated: "
                 f"{costs.link_bytes_per_s / 1e9:.2f} GB/s + {costs.link_latency_s * 1e6:.0f} us per message in the "

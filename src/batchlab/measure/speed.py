@@ -57,9 +57,9 @@ class SpeedProbe:
         return statistics.median(self.once() for _ in range(n))
 
 
-def host_speed(reads: list[float], reference: float) -> float | None:
+def host_speed(reads: list[float], reference: float | None) -> float | None:
     """The median probe read over the calibration's: 1 at its speed, 1.3 when the host runs 30% slower; None
     where either is missing."""
-    if not reads or reference <= 0:
+    if not reads or not reference or reference <= 0:
         return None
     return statistics.median(reads) / reference

@@ -89,12 +89,9 @@ def probed_speed(m: Measurement) -> float | None:
     """How fast the host ran during ``m``'s timed updates against its calibration at the same thread count
     (measure/speed.py: the probe's median read over the calibration's; 1.2: 20% slower); None where either
     side has no probe, or the calibration timed another bundle."""
-    from batchlab.calibrate import load_all
-    from batchlab.measure.speed import BUNDLE, host_speed
+    from batchlab.calibrate import probe_reference
+    from batchlab.measure.speed import host_speed
 
     if m.time is None or not m.time.probe_seconds:
         return None
-    cal = load_all(m.environment.get("threads")).get("cpu")
-    if cal is None or cal.probe != BUNDLE:
-        return None
-    return host_speed(m.time.probe_seconds, cal.probe_seconds)
+    return host_speed(m.time.probe_seconds, probe_reference(m.environment.get("threads")))

@@ -16,7 +16,6 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from batchlab.config import ACMode
 from batchlab.formula.opcost import OpClass, OpCount, Phase, op_class
 from batchlab.measure.memory import tensors_in
 from batchlab.models.ac import Checkpointed
@@ -125,7 +124,7 @@ class OpRecorder(TorchDispatchMode, HookSet):
         self._counts: dict[tuple, int] = {}
         for m in (model.modules() if model is not None else ()):
             if isinstance(m, Checkpointed):
-                sac = m.mode in (ACMode.SELECTIVE, ACMode.SELECTIVE_OP) and type(m) is Checkpointed
+                sac = m.mode.dispatch_mode
                 self._handles.append(m.block.register_forward_pre_hook(functools.partial(self._enter, sac=sac)))
                 self._handles.append(m.block.register_forward_hook(functools.partial(self._leave, sac=sac),
                                                                    always_call=True))
