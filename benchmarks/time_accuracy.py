@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import statistics
 import sys
@@ -151,13 +152,23 @@ def alternate(run_a, run_b, n: int) -> tuple[list[float], list[tuple[float, floa
     return ratios, sa_all, sb_all
 
 
+# The least wall time a row's timed pairs span, as torch.utils.benchmark's blocked_autorange(min_run_time=)
+# does: this host's speed swings at sub-second scale (dispatch-bound work 4.7-10 us per op between one-second
+# windows), so 8 pairs of a 14 ms and a 56 ms update (0.6 s) measured whichever swing they met.
+MIN_SECONDS = 1.5
+
+
 def paired(a: RunConfig, b: RunConfig, pairs: int, warmup: int = 3) -> tuple[list[float], list[float], list[float]]:
-    """Adjacent updates of two live trainers in this process, after ``warmup`` updates each."""
+    """Adjacent updates of two live trainers in this process, after ``warmup`` updates each: ``pairs`` pairs,
+    or as many more as span ``MIN_SECONDS`` at the last warm-up pair's time."""
     ta, tb = Trainer(a, "cpu"), Trainer(b, "cpu")
     for _ in range(warmup):
+        t = time.perf_counter()
         ta.update()
         tb.update()
-    return alternate(lambda: _seconds(ta), lambda: _seconds(tb), pairs)
+        pair = time.perf_counter() - t
+    n = max(pairs, min(8 * pairs, math.ceil(MIN_SECONDS / pair))) if pairs > 3 else pairs  # --quick: as asked
+    return alternate(lambda: _seconds(ta), lambda: _seconds(tb), n)
 
 
 _TRACES: dict[RunConfig, float] = {}
@@ -290,7 +301,7 @@ def main(argv=None) -> None:
     print(f"Time model accuracy on {cpu_hardware()}, {THREADS} thread per process, load average {load:.1f} at "
           f"start, torch {torch.__version__}, {datetime.date.today().isoformat()}; fp32 unless stated, AdamW. "
           f"Calibration: {cal.source} ({'measured now' if fresh else 'cached'}). Measured: {pairs} alternated "
-          "pairs of updates of two live trainers after 3 warm-up updates each (DP: a process and a DDP group, "
+          f"pairs of updates of two live trainers (or as many as span {MIN_SECONDS} s) after 3 warm-up updates each (DP: a process and a DDP group, "
           "alive at once, taking turns), "
           f"wall-clock, {regime.describe()}; host speed probe in the calibration: {1e3 * cal.probe_seconds:.2f} ms; "
           "error = predicted / measured - 1.")

@@ -408,3 +408,32 @@ def test_command_bad_input_exits_2():
     assert CliRunner().invoke(app, ["calibrate", "--seconds", "0.1"]).exit_code == 2
     if not torch.cuda.is_available():
         assert CliRunner().invoke(app, ["calibrate", "--torch-device", "cuda", "--seconds", "1"]).exit_code == 2
+
+
+def test_dispatch_slices_pool_into_per_op_figures_that_add_up_to_a_real_update():
+    """A calibration times dispatch in slices spread through each round (the host's Python-bound speed moves
+    2x between one-second windows); the pooled per-op figures, times the trainer's op counts, give the update's
+    time, against the whole update timed on its own clock."""
+    from batchlab.calibrate.dispatch import DispatchSampler, dispatch_trainers
+    from batchlab.calibrate.kernels import CLOCK
+
+    torch.set_num_threads(1)
+    token = CLOCK.set(time.thread_time)
+    try:
+        trainers = dispatch_trainers(torch.device("cpu"), ("fp32",))
+        sampler = DispatchSampler(trainers, lambda: None)
+        for _ in range(3):
+            sampler.run(0.05)
+        assert len(sampler.per_op["fp32"]["forward"]) >= 3  # every slice ran updates; their samples pooled
+        trainer, calls = trainers["fp32"]
+        per_op = sampler.seconds()["fp32"]
+        predicted = sum(per_op[kind] * n for kind, n in calls.items())
+        whole = []
+        for _ in range(15):
+            t = time.thread_time()
+            trainer.update()
+            whole.append(time.thread_time() - t)
+    finally:
+        CLOCK.reset(token)
+    whole.sort()
+    assert 0.5 * whole[len(whole) // 2] < predicted < 1.6 * whole[len(whole) // 2]

@@ -8,9 +8,9 @@ import statistics
 import time
 
 from batchlab import regime
-from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _dispatch_seconds,
-                                        _element_seconds, _matmul_curve, _memory_curve, _sdpa_curves,
-                                        dispatch_trainers, monotone)
+from batchlab.calibrate.dispatch import DispatchSampler, dispatch_trainers
+from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _element_seconds,
+                                        _matmul_curve, _memory_curve, _sdpa_curves, monotone)
 from batchlab.calibrate.concurrency import slowdown
 from batchlab.calibrate.link import allreduce_times, ring_fit
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
@@ -70,7 +70,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     ~2x it (each kernel's minimum samples; measured 19.4-21.3 s at the default 10 on this 2-core CPU): the
     matmul curves in fp32 and bf16 (34% linear layers, 8% attention's batched matmuls, 16% fused attention
     forward and backward), element-wise bandwidth (12%), per-element kernels (15%), per-op dispatch in fp32,
-    under autocast and under selective checkpointing (25%), on CPU the slowdown of two processes running alike
+    under autocast and under selective checkpointing (25%, in ``SLICES`` slices a round), on CPU the slowdown of two processes running alike
     at once (15%, in CPU seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and gloo's
     all-reduce between two local processes after compute (10%, plus ~0.4 s a round to start them; the ring model
     fitted once to the rounds' medians).  ``threads``: the intra-op thread count to measure at (CPU; restored
@@ -137,25 +137,41 @@ LINK = "gloo all-reduce between 2 local processes after 15 ms of compute, median
 ROUNDS = 3
 
 
+SLICES = 5  # the dispatch share of a round is timed in this many slices, one before each of its longer kinds
+
+
 def _round(device, shapes, seconds: float, sync, trainers: dict, probe: SpeedProbe | None = None) -> dict:
     """One round of every kernel kind, the shares of ``seconds`` as ``measure_here`` gives them; ``trainers``:
-    the dispatch-bound updates (``dispatch_trainers``), built once for every round; ``probe`` (CPU): the host
-    speed probe, read at the round's start and end (``speed``: their mean)."""
+    the dispatch-bound updates (``dispatch_trainers``), built once for every round and timed in ``SLICES``
+    slices spread through the round (calibrate/dispatch.py); ``probe`` (CPU): the host speed probe, read
+    with each slice (``speed``: the median of the round's reads), so the reference too is the round's speed,
+    not that of its first and last 60 ms."""
     import torch
 
-    first = probe.read() if probe is not None else 0.0
+    sampler, reads = DispatchSampler(trainers, sync), []
+
+    def dispatch_slice():
+        sampler.run(0.25 * seconds / SLICES)
+        if probe is not None:
+            reads.append(probe.read(3))
+
+    dispatch_slice()
     sdpa, sdpa_start = _sdpa(device, 0.08 * seconds, sync)
+    dispatch_slice()
     mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync)
-    return dict(fp32=_matmul_curve(device, torch.float32, shapes, 0.17 * seconds, sync),
-                bf16=_matmul_curve(device, torch.bfloat16, shapes, 0.17 * seconds, sync),
-                bmm={"bmm-fp32": _bmm_curve(device, torch.float32, 0.04 * seconds, sync),
-                     "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync), **sdpa},
-                sdpa_start=sdpa_start, mem=mem, mem16=mem16, inplace=inplace, strided=strided,
-                elements=_element_seconds(device, 0.15 * seconds, sync),
-                dispatch=_dispatch_seconds(trainers, 0.25 * seconds, sync),
+    dispatch_slice()
+    fp32 = _matmul_curve(device, torch.float32, shapes, 0.17 * seconds, sync)
+    dispatch_slice()
+    bf16 = _matmul_curve(device, torch.bfloat16, shapes, 0.17 * seconds, sync)
+    bmm = {"bmm-fp32": _bmm_curve(device, torch.float32, 0.04 * seconds, sync),
+           "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync), **sdpa}
+    dispatch_slice()
+    elements = _element_seconds(device, 0.15 * seconds, sync)
+    return dict(fp32=fp32, bf16=bf16, bmm=bmm, sdpa_start=sdpa_start, mem=mem, mem16=mem16, inplace=inplace,
+                strided=strided, elements=elements, dispatch=sampler.seconds(),
                 contention=slowdown(2, torch.get_num_threads(), 0.15 * seconds) if device.type == "cpu" else {},
                 link=allreduce_times(0.1 * seconds) if device.type == "cpu" else {},
-                speed=(first + probe.read()) / 2 if probe is not None else 0.0)
+                speed=statistics.median(reads) if reads else 0.0)
 
 
 def _median_rounds(rounds: list):
