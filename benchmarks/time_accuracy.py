@@ -32,6 +32,7 @@ import time
 import torch
 
 from batchlab import calibrate, regime
+from batchlab.calibrate import family
 from batchlab.config import RunConfig, preset
 from batchlab.formula import estimate as formula_estimate
 from batchlab.host import cpu_hardware
@@ -201,6 +202,13 @@ def measure_row(model: str, label: str, base: dict, ca: dict, cb: dict, pairs: i
     return row
 
 
+def _own(cal) -> str:
+    """The Hugging Face models' own dispatch per op over batchlab's GPT's, as the calibration keeps them."""
+    said = "; ".join(f"{key.split()[0]} " + ", ".join(f"{k} x{r:.2f}" for k, r in v.items())
+                     for key, v in sorted(cal.family_dispatch.items()))
+    return f"models' own dispatch per op over batchlab's GPT's: {said}; " if said else ""
+
+
 def _err(pred: float | None, meas: float) -> str:
     return "-" if pred is None else f"{pred / meas - 1:+.0%}"
 
@@ -295,6 +303,12 @@ def main(argv=None) -> None:
     else:  # calibrated in the same conditions as the measurements below (and cached for compare)
         cal, fresh = calibrate.measure("cpu", threads=THREADS), True
         calibrate.save(cal)
+    # each Hugging Face model's own dispatch per op, as compare measures it the first time it meets the model
+    # (calibrate/family.py); its ratios are kept with the calibration
+    for model in sorted({g[0] for g in grid if g[0].startswith("hf")}):
+        line = family.ensure(config(model, {}, {}), THREADS)
+        log(line or f"{model}: its own dispatch per op cached")
+    cal = calibrate.load_cached("cpu", THREADS) or cal
     cals = {cal.device: cal}
     _PROBE.append(HostProbe(cal.probe_seconds))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -304,7 +318,7 @@ def main(argv=None) -> None:
           f"pairs of updates of two live trainers (or as many as span {MIN_SECONDS} s) after 3 warm-up updates each (DP: a process and a DDP group, "
           "alive at once, taking turns), "
           f"wall-clock, {regime.describe()}; host speed probe in the calibration: {1e3 * cal.probe_seconds:.2f} ms; "
-          "error = predicted / measured - 1.")
+          f"{_own(cal)}error = predicted / measured - 1.")
     print()
     rows = [measure_row(m, label, base, a, b, pairs, cals,
                         args.trace == "all" or (args.trace == "hf" and m.startswith("hf")))

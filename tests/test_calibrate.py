@@ -421,18 +421,16 @@ def test_dispatch_slices_pool_into_per_op_figures_that_add_up_to_a_real_update()
     token = CLOCK.set(time.thread_time)
     try:
         trainers = dispatch_trainers(torch.device("cpu"), ("fp32",))
-        sampler = DispatchSampler(trainers, lambda: None)
-        for _ in range(3):
+        sampler, (trainer, calls), whole = DispatchSampler(trainers, lambda: None), trainers["fp32"], []
+        for _ in range(4):  # slices, with whole updates between them: both meet the host's speed alike
             sampler.run(0.05)
-        assert len(sampler.per_op["fp32"]["forward"]) >= 3  # every slice ran updates; their samples pooled
-        trainer, calls = trainers["fp32"]
+            for _ in range(5):
+                t = time.thread_time()
+                trainer.update()
+                whole.append(time.thread_time() - t)
+        assert len(sampler.per_op["fp32"]["forward"]) >= 4  # every slice ran updates; their samples pooled
         per_op = sampler.seconds()["fp32"]
         predicted = sum(per_op[kind] * n for kind, n in calls.items())
-        whole = []
-        for _ in range(15):
-            t = time.thread_time()
-            trainer.update()
-            whole.append(time.thread_time() - t)
     finally:
         CLOCK.reset(token)
     whole.sort()

@@ -14,7 +14,8 @@ once automatically (``auto``).
     estimate(cfg, load_all())             # the caller reads the cache; formula.estimate stays a pure function
 
 Importing this package does not import torch (callers of the formula read the cache); measuring does.
-record.py: the record and its cache; kernels.py: what is timed; run.py: measure, ensure, auto.
+record.py: the record and its cache; kernels.py, dispatch.py: what is timed; family.py: a Hugging Face model's own
+dispatch per op, measured once per model code; run.py: measure, ensure, auto.
 """
 from __future__ import annotations
 

@@ -19,24 +19,46 @@ def dispatch_trainers(device, precisions: tuple[str, ...] = ("fp32", "bf16-mixed
     too, the optimizer's plain ops alike); ``SAC``, fp32 under selective activation checkpointing, whose
     dispatch mode sees each op of a block in forward and in recompute (opcost.SAC_KIND); a precision the device
     cannot run is left out."""
-    from batchlab.config import RunConfig, preset
-    from batchlab.measure.harness import Trainer
-    from batchlab.trace.ops import record_update
-
-    spec = preset("tiny", layers=2, hidden=16, heads=2, vocab=32, max_positions=8)
     out = {}
     for precision in precisions:
         setting = dict(ac="selective") if precision == SAC else dict(precision=precision)
         try:
-            trainer = Trainer(RunConfig(model=spec, seq=8, micro_batch=1, **setting), device)
-            trainer.update()
+            trainer, ops = counted(DISPATCH_GPT.replace(**setting), device)
         except (RuntimeError, TypeError):  # autocast in this dtype unsupported on the device
             continue
-        calls: dict[str, int] = {}
-        for op in record_update(trainer):
-            kind = SAC_KIND[op.phase] if op.intercepted else DISPATCH_KIND[op.phase]
-            calls[kind] = calls.get(kind, 0) + op.count
-        out[precision] = (trainer, calls)
+        out[precision] = (trainer, per_kind(ops))
+    return out
+
+
+def _dispatch_gpt():
+    from batchlab.config import RunConfig, preset
+
+    return RunConfig(model=preset("tiny", layers=2, hidden=16, heads=2, vocab=32, max_positions=8), seq=8,
+                     micro_batch=1)
+
+
+DISPATCH_GPT = _dispatch_gpt()  # the GPT the calibration times per-op dispatch on (every op dispatch-bound)
+
+
+def counted(cfg, device) -> tuple:
+    """(a trainer of ``cfg`` after one update, the ops of one update as the trace records them)."""
+    from batchlab.measure.harness import Trainer
+    from batchlab.trace.ops import record_update
+
+    trainer = Trainer(cfg, device)
+    trainer.update()
+    return trainer, record_update(trainer)
+
+
+def kind_of(op) -> str:
+    return SAC_KIND[op.phase] if op.intercepted else DISPATCH_KIND[op.phase]
+
+
+def per_kind(ops, value=lambda op: 1.0) -> dict[str, float]:
+    """Per dispatch kind, the sum of ``value(op)`` x its count over ``ops`` (default: how many ops)."""
+    out: dict[str, float] = {}
+    for op in ops:
+        out[kind_of(op)] = out.get(kind_of(op), 0.0) + value(op) * op.count
     return out
 
 

@@ -58,6 +58,10 @@ class Calibration:
     allocator: str = ""  # CPU: the host allocator regime the kernels were timed in (batchlab.regime.describe)
     probe_seconds: float = 0.0  # CPU: the host speed probe's bundle (measure/speed.py), median of the rounds; 0: none
     probe: str = ""  # which bundle that is (measure.speed.BUNDLE)
+    # a Hugging Face model's own dispatch per op over batchlab's GPT's, by kind (forward, backward), keyed by
+    # formula.timing.dispatch_family; measured once per model code the first time measure / compare meets it
+    # (calibrate/family.py)
+    family_dispatch: dict[str, dict[str, float]] = field(default_factory=dict)
     provenance: str = "calibrated"
 
     @property
@@ -91,7 +95,7 @@ class Calibration:
                        link_bytes_per_s=self.loopback_bytes_per_s or None, link_latency_s=self.loopback_latency_s,
                        threads=self.threads, cores=self.cores, contention=dict(self.contention),
                        contention_processes=self.contention_processes, rank_skew=self.rank_skew,
-                       source=self.source)
+                       family_dispatch={k: dict(v) for k, v in self.family_dispatch.items()}, source=self.source)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

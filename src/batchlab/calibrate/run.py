@@ -11,6 +11,7 @@ from batchlab import regime
 from batchlab.calibrate.dispatch import DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _element_seconds,
                                         _matmul_curve, _memory_curve, _sdpa_curves, monotone)
+from batchlab.calibrate import family
 from batchlab.calibrate.concurrency import slowdown
 from batchlab.calibrate.link import allreduce_times, ring_fit
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
@@ -243,9 +244,10 @@ def _device_name(torch_device: str) -> str:
     return catalogue_name(usable(torch_device))
 
 
-def auto(device_name: str, threads: int | None, enabled: bool = True) -> str | None:
+def auto(device_name: str, threads: int | None, enabled: bool = True, cfgs: tuple = ()) -> str | None:
     """``measure`` / ``compare`` on this CPU: calibrate once (cached) so their time predictions use measured
-    rates.  Returns the line to show the user (None when a cached calibration served, nothing to say)."""
+    rates, and measure once the own dispatch per op of each Hugging Face model among ``cfgs`` (family.py).
+    Returns the lines to show the user (None when the cache served, nothing to say)."""
     if device_name != "cpu":
         return None  # GPUs: `batchlab calibrate --torch-device cuda`; the catalogue's figures otherwise
     want = default_threads() if threads is None else threads
@@ -254,7 +256,7 @@ def auto(device_name: str, threads: int | None, enabled: bool = True) -> str | N
         return None if cached is not None else (
             f"time model: not calibrated (--no-calibrate): nominal CPU rates at {want} thread(s)")
     cal, fresh = ensure("cpu", threads=want)
-    if not fresh:
-        return None
-    return (f"time model: calibrated this CPU once at {cal.threads} thread(s) in {cal.seconds:.1f} s and cached it "
-            f"({_cache_path(cal.device, cal.torch_version, cal.threads)}); --no-calibrate skips this")
+    lines = [f"time model: calibrated this CPU once at {cal.threads} thread(s) in {cal.seconds:.1f} s and cached "
+             f"it ({_cache_path(cal.device, cal.torch_version, cal.threads)}); --no-calibrate skips this"] if fresh else []
+    lines += [line for cfg in dict.fromkeys(cfgs) if (line := family.ensure(cfg, want))]
+    return "\n".join(lines) or None

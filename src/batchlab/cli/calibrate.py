@@ -43,7 +43,7 @@ def calibrate(
         return
     out = console()
     out.print(f"[bold]batchlab calibrate[/]  {cal.hardware} ({cal.torch_device}), torch {cal.torch_version}, "
-              f"{cal.threads} thread(s), measured in {cal.seconds:.1f} s (wall-clock, upper quartile of the samples)")
+              f"{cal.threads} thread(s), measured in {cal.seconds:.1f} s ({_statistic(cal)})")
     table = Table(show_header=True, header_style="bold")
     for col in ("what the time model prices", "measured", "how"):
         table.add_column(col)
@@ -85,3 +85,10 @@ def calibrate(
     out.print("Measured rates are what kernels of each size reach: no achievable fraction is applied on top.")
     if path:
         out.print(f"cached for device {cal.device!r} at {cal.threads} thread(s): {path}")
+
+
+def _statistic(cal) -> str:
+    # calibrate/kernels.py: CPU seconds at one CPU thread (medians), else wall-clock (upper quartiles)
+    if cal.torch_device.startswith("cpu") and cal.threads == 1:
+        return "thread CPU time, medians of the samples over 3 rounds"
+    return "wall-clock, upper quartiles of the samples, medians over 3 rounds"

@@ -140,7 +140,7 @@ def _calibrate(plan, enabled: bool, as_json: bool) -> None:
 
     if plan.formula_only:  # nothing measured: the cached calibration is used if there is one
         return
-    line = auto(plan.sides.a.device, threads=plan.threads, enabled=enabled)
+    line = auto(plan.sides.a.device, threads=plan.threads, enabled=enabled, cfgs=(plan.sides.a, plan.sides.b))
     if line and not as_json:
         typer.echo(line, err=True)
 

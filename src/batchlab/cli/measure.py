@@ -102,7 +102,7 @@ def measure(
 def _calibrate_note(cfg: RunConfig, enabled: bool, as_json: bool) -> None:
     from batchlab.calibrate import auto
 
-    line = auto(cfg.device, threads=None, enabled=enabled)
+    line = auto(cfg.device, threads=None, enabled=enabled, cfgs=(cfg,))
     if line and not as_json:
         typer.echo(line, err=True)
 

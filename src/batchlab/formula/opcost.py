@@ -192,6 +192,9 @@ class OpCosts:
     # per-op dispatch under autocast (mixed precision: every forward op passes its dispatch key), by kind;
     # empty: unmeasured (``dispatch`` serves)
     dispatch_autocast: Mapping[str, float] = field(default_factory=dict)
+    # a model's own dispatch per op over the calibrated GPT's, by kind, keyed by timing.dispatch_family; empty:
+    # none measured (the calibrated GPT's figures serve every model)
+    family_dispatch: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     source: str = "nominal"
 
     def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:
@@ -283,7 +286,7 @@ class TimeBreakdown:
 _WORK = cache(limit=64)  # what decides work_seconds -> {op shape: one call's work seconds}
 WORK_LIMIT = 50_000  # op shapes remembered per costs
 # OpCosts fields work_seconds never reads (a calibration loaded per estimate differs in none of the others)
-_NOT_WORK = {"dispatch", "dispatch_autocast", "asynchronous", "link_bytes_per_s", "link_latency_s", "threads", "cores", "contention",
+_NOT_WORK = {"dispatch", "dispatch_autocast", "family_dispatch", "asynchronous", "link_bytes_per_s", "link_latency_s", "threads", "cores", "contention",
              "contention_processes", "rank_skew", "source"}
 
 

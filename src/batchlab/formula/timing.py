@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from batchlab.config import Backend, DataKind, DeviceSpec, RunConfig
+from batchlab.config import Backend, DataKind, DeviceSpec, ModelSource, RunConfig
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.memo import cache, lookup
@@ -125,6 +125,9 @@ def costs_for(cfg: RunConfig, calibrated: OpCosts | None, ops: tuple[OpCount, ..
     dispatch cost."""
     if calibrated is not None:
         costs = calibrated
+        own = costs.family_dispatch.get(dispatch_family(cfg) or "")
+        if own:
+            costs = own_dispatch(costs, own, cfg.model_source)
         if cfg.precision.mixed and costs.dispatch_autocast:  # what autocast did not measure (SAC's) stays
             costs = dataclasses.replace(costs, dispatch={**costs.dispatch, **costs.dispatch_autocast},
                                         source=costs.source + "; dispatch as measured under autocast")
@@ -137,6 +140,38 @@ def costs_for(cfg: RunConfig, calibrated: OpCosts | None, ops: tuple[OpCount, ..
         costs = dataclasses.replace(costs, dispatch=dict.fromkeys(costs.dispatch, per_op),
                                     source=costs.source + f"; dispatch {per_op:g} s per op (op_overhead_seconds)")
     return costs
+
+
+def dispatch_family(cfg: RunConfig) -> str | None:
+    """What a model's own dispatch figures are cached under (calibrate/family.py): its Hugging Face source, its
+    attention code and the transformers version; None for batchlab's GPT (the calibration's own trainer) and
+    a factory's model (code whose shape batchlab cannot shrink)."""
+    from importlib import metadata
+
+    if cfg.model_kind is not ModelSource.HF:
+        return None
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+    return f"{cfg.model_source} attention={cfg.model.attention.value} transformers={version}"
+
+
+def own_dispatch(costs: OpCosts, ratios: dict[str, float], name: str) -> OpCosts:
+    """``costs`` with a model's own Python per op: each kind's calibrated cost x the model's measured ratio
+    (its forward and backward code against batchlab's GPT's), the difference added where that code runs again
+    (recompute, selective checkpointing's modes) and under autocast."""
+    base = costs.dispatch
+    extra = {k: base[k] * (r - 1.0) for k, r in ratios.items() if k in base}
+    extra.update({sac: extra.get("forward", 0.0) for sac in ("forward-sac", "recompute-sac")})
+
+    def plus(d):
+        return {k: max(v + extra.get(k, 0.0), 0.0) for k, v in d.items()}
+
+    said = ", ".join(f"{k} x{r:.2f}" for k, r in sorted(ratios.items()))
+    return dataclasses.replace(costs, dispatch=plus(base), dispatch_autocast=plus(costs.dispatch_autocast),
+                               source=costs.source + f"; {name}'s own dispatch per op ({said} batchlab's GPT's, "
+                                                     "measured)")
 
 
 def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: OpCosts | None = None

@@ -1,0 +1,96 @@
+"""A Hugging Face model's own dispatch cost per op, against the GPT the calibration times it on.
+
+The calibration prices an op's fixed cost on batchlab's GPT at dispatch-bound sizes; a model's own Python
+runs around its ops too, and differs by code: at hidden 16, 8 tokens, fp32, on this CPU, HF GPT-2's forward
+cost 1.9-2.1x batchlab's GPT's per op beyond its work (its mask, config and output code; a direct timing of
+the two forwards said 2.0-2.2x), Llama's 1.25x, their backwards 0.8-1.1x (autograd's own loop).  Unpriced,
+HF GPT-2's forward at micro-batch 1 was predicted 31-38% short at 32 tokens (hidden 64, 128) and every
+micro-batch 1 -> 4 change on it ~10% too small a gain; priced, +3..+6%.  So the first time measure or compare
+meets a model's code, the same model at dispatch-bound sizes and batchlab's GPT take turns for ~1.5 s, and the
+model's forward and backward cost per op over the GPT's is cached with the CPU's calibration
+(``Calibration.family_dispatch``); the time model then prices that model's ops with it
+(``formula.timing.own_dispatch``).  A ratio of alternated updates: the host's speed falls on both alike.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from batchlab.calibrate.dispatch import DISPATCH_GPT, DispatchSampler, counted, per_kind
+from batchlab.calibrate.kernels import CLOCK
+from batchlab.calibrate.record import default_threads, load_cached, save
+from batchlab.config import ConfigError, RunConfig
+from batchlab.formula.opcost import OpCosts
+from batchlab.formula.timing import dispatch_family
+
+SECONDS = 1.5  # alternated updates of the two models: ~250 each here
+KINDS = ("forward", "backward")  # the phases the model's own code runs in (plain ops: the harness's, torch's)
+
+
+def dispatch_bound(cfg: RunConfig) -> RunConfig:
+    """``cfg``'s model code at sizes where every op is dispatch-bound (2 layers of width 16, 8 tokens), as the
+    calibration's own GPT is; its attention, norm, MLP and position code kept (a sliding window only where
+    ``cfg`` reaches it: the code path changes there)."""
+    m = cfg.model
+    window = 4 if m.sliding_window is not None and cfg.seq >= m.sliding_window else None
+    small = dataclasses.replace(m, layers=2, hidden=16, heads=2, vocab=32, max_positions=8, profile=None,
+                                kv_heads=None if m.kv_heads in (None, m.heads) else 1,
+                                ffn=None if m.ffn is None else 32, sliding_window=window)
+    return RunConfig(model=small, model_source=cfg.model_source, seq=8, micro_batch=1)
+
+
+def measure(cfg: RunConfig, costs: OpCosts, seconds: float = SECONDS) -> dict[str, float]:
+    """{kind: ``cfg``'s model's fixed cost per op over batchlab's GPT's}, forward and backward: both models at
+    dispatch-bound sizes, their fp32 updates alternated on this CPU at the current intra-op threads; each
+    phase's time less its ops' work as ``costs`` price it (fused attention's fixed start on a CPU is work the
+    model prices already: ~100 us a call, which at these sizes had doubled HF GPT-2's apparent cost per op)."""
+    import torch
+
+    cpu = torch.device("cpu")
+    token = CLOCK.set(time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
+    try:
+        runs = {"fp32": counted(DISPATCH_GPT, cpu), "model": counted(dispatch_bound(cfg), cpu)}
+        sampler = DispatchSampler({name: (trainer, per_kind(ops)) for name, (trainer, ops) in runs.items()},
+                                  lambda: None)
+        sampler.run(seconds, at_least=20)
+    finally:
+        CLOCK.reset(token)
+    per_op = sampler.seconds()
+
+    def beyond_work(name: str, kind: str) -> float:
+        ops = runs[name][1]
+        n, work = per_kind(ops)[kind], per_kind(ops, costs.work_seconds)[kind]
+        return max(per_op[name][kind] * n - work, 0.0) / n
+
+    return {k: beyond_work("model", k) / beyond_work("fp32", k) for k in KINDS}
+
+
+def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
+    """For a Hugging Face model on this CPU whose calibration (at ``threads``) has no figures of its code yet:
+    measure them and cache them with it.  Returns the line to show the user (None: nothing to say)."""
+    key = dispatch_family(cfg)
+    cal = load_cached("cpu", default_threads() if threads is None else threads) if key and cfg.device == "cpu" else None
+    if cal is None or key in cal.family_dispatch:
+        return None
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(cal.threads)
+    try:
+        ratios = measure(cfg, cal.op_costs() or _nominal(cfg))
+    except (ConfigError, RuntimeError, ValueError, TypeError) as e:  # a shape the model's code refuses
+        return f"time model: {cfg.model_source}'s own dispatch per op not measured ({e}); batchlab's GPT's serves"
+    finally:
+        torch.set_num_threads(before)
+    cal.family_dispatch[key] = ratios
+    save(cal)
+    said = ", ".join(f"{k} x{r:.2f}" for k, r in ratios.items())
+    return (f"time model: measured {cfg.model_source}'s own dispatch per op once against batchlab's GPT "
+            f"({said}) and cached it with the calibration")
+
+
+def _nominal(cfg: RunConfig) -> OpCosts:
+    """Work priced at nominal CPU rates where the cached calibration predates the per-op model."""
+    from batchlab.formula.timing import nominal_costs
+
+    return nominal_costs(cfg, 1.0)
