@@ -8,11 +8,11 @@ import statistics
 import time
 
 from batchlab import regime
+from batchlab.calibrate import family
+from batchlab.calibrate.concurrency import slowdown
 from batchlab.calibrate.dispatch import DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _element_seconds,
                                         _matmul_curve, _memory_curve, _sdpa_curves, monotone)
-from batchlab.calibrate import family
-from batchlab.calibrate.concurrency import slowdown
 from batchlab.calibrate.link import allreduce_times, ring_fit
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
@@ -68,11 +68,11 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
                  shapes: tuple[tuple[int, int, int], ...] | None = None, threads: int | None = None,
                  rounds: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in ``ROUNDS`` rounds, the shares of ``seconds`` adding up to
-    ~2x it (each kernel's minimum samples; measured 19.4-21.3 s at the default 10 on this 2-core CPU): the
+    ~2x it (each kernel's minimum samples; measured 18.5-20.6 s at the default 10 on this 2-core CPU): the
     matmul curves in fp32 and bf16 (34% linear layers, 8% attention's batched matmuls, 16% fused attention
     forward and backward), element-wise bandwidth (12%), per-element kernels (15%), per-op dispatch in fp32,
-    under autocast and under selective checkpointing (25%, in ``SLICES`` slices a round), on CPU the slowdown of two processes running alike
-    at once (15%, in CPU seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and gloo's
+    under autocast and under selective checkpointing (25%, in ``SLICES`` slices a round), on CPU the slowdown
+    of two processes running alike at once (15%, in CPU seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and gloo's
     all-reduce between two local processes after compute (10%, plus ~0.4 s a round to start them; the ring model
     fitted once to the rounds' medians).  ``threads``: the intra-op thread count to measure at (CPU; restored
     afterwards); ``rounds``: default ``ROUNDS`` (1: every kind once, as a quick check needs)."""

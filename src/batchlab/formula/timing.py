@@ -10,6 +10,7 @@ typical per-op dispatch (CPU) or launch (GPU) cost.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from batchlab.config import Backend, DataKind, DeviceSpec, ModelSource, RunConfig
@@ -125,7 +126,7 @@ def costs_for(cfg: RunConfig, calibrated: OpCosts | None, ops: tuple[OpCount, ..
     dispatch cost."""
     if calibrated is not None:
         costs = calibrated
-        own = costs.family_dispatch.get(dispatch_family(cfg) or "")
+        own = costs.family_dispatch.get(dispatch_family(cfg) or "") if costs.family_dispatch else None
         if own:
             costs = own_dispatch(costs, own, cfg.model_source)
         if cfg.precision.mixed and costs.dispatch_autocast:  # what autocast did not measure (SAC's) stays
@@ -146,15 +147,21 @@ def dispatch_family(cfg: RunConfig) -> str | None:
     """What a model's own dispatch figures are cached under (calibrate/family.py): its Hugging Face source, its
     attention code and the transformers version; None for batchlab's GPT (the calibration's own trainer) and
     a factory's model (code whose shape batchlab cannot shrink)."""
-    from importlib import metadata
-
-    if cfg.model_kind is not ModelSource.HF:
-        return None
-    try:
-        version = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
+    version = _transformers_version()
+    if cfg.model_kind is not ModelSource.HF or version is None:
         return None
     return f"{cfg.model_source} attention={cfg.model.attention.value} transformers={version}"
+
+
+@functools.cache
+def _transformers_version() -> str | None:
+    # read once a process: the installed distribution's metadata (no import of transformers itself)
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def own_dispatch(costs: OpCosts, ratios: dict[str, float], name: str) -> OpCosts:
