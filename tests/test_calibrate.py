@@ -232,6 +232,28 @@ def test_contention_is_measured_only_where_the_processes_get_their_own_cores():
     assert set(factors) == set(KINDS) and all(0.5 < f < 5 for f in factors.values()), factors
 
 
+def test_contention_alternations_spread_through_a_round_pool_into_their_median():
+    """A calibration round keeps its workers and runs one alternation with each dispatch slice, seconds apart;
+    each kind's factor is the median of every alternation's ratio."""
+    from batchlab.calibrate.concurrency import KINDS, Contention
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core")
+    contention = Contention(2, 1, 0.01)
+    try:
+        for _ in range(4):
+            contention.alternate()
+            time.sleep(0.05)  # the round's other kernels run here
+    finally:
+        contention.close()
+    assert all(len(contention.samples[k]) == 4 for k in KINDS)  # one ratio per alternation, none merged early
+    assert set(contention.factors()) == set(KINDS) and all(0.5 < f < 5 for f in contention.factors().values())
+    assert all(not w.is_alive() for w in contention.workers)  # closed: no process left behind
+    inert = Contention(2, os.cpu_count() or 1, 0.01)
+    inert.alternate()
+    assert inert.factors() == {} and inert.workers == []
+
+
 def test_a_measured_rate_is_used_as_it_is_no_achievable_fraction_on_top():
     from batchlab.formula import estimate
 

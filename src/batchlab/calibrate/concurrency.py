@@ -15,7 +15,7 @@ from batchlab.calibrate.kernels import COLD_BYTES, MEMORY_SIZES, _copies, _cycli
 # what each kind stands for in the op classes (formula/timing.py CONTENDED): a matmul (compute-bound), an
 # out-of-cache add into fresh outputs (memory-bound), a tiny add (dispatch-bound: Python and the dispatcher)
 KINDS = ("compute", "memory", "dispatch")
-ROUNDS = 3  # alternations of 1 and N processes
+ROUNDS = 3  # alternations of 1 and N processes (``slowdown``)
 
 
 def _kernel(kind: str):
@@ -54,39 +54,60 @@ def _worker(threads: int, seconds: float, barrier, commands, results) -> None:
         results.put(steady(timed_rates(call, work, seconds, lambda: None, clock=clock), cpu_clock=True))
 
 
-def slowdown(processes: int, threads: int, seconds: float) -> dict[str, float]:
-    """Per kind, a process's time per call with ``processes`` running it at once over one alone: the median
-    over ``ROUNDS`` alternations of the per-process mean (a factor below 1 is noise, clipped by the caller).
-    Empty where the processes' threads do not fit on the cores (then they time-share, which
-    ``formula.timing.sharing`` already counts)."""
-    cores = os.cpu_count() or 1
-    if processes < 2 or processes * threads > cores:
-        return {}
-    # fork: no interpreter start-up per worker; at one thread the parent never started an OpenMP pool
-    method = "fork" if threads == 1 and "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    ctx = multiprocessing.get_context(method)
-    share = seconds / (len(KINDS) * 2 * ROUNDS)
-    barrier, results = ctx.Barrier(processes), ctx.Queue()
-    commands = [ctx.Queue() for _ in range(processes)]
-    workers = [ctx.Process(target=_worker, args=(threads, share, barrier, q, results), daemon=True)
-               for q in commands]
-    for w in workers:
-        w.start()
+class Contention:
+    """``processes`` forked workers kept for a calibration round, timed in alternations of one alone and all at
+    once (``alternate``) that the round spreads through itself, as it does the dispatch slices: the two vCPUs
+    here share one core for seconds at a time (compute x1.8 instead of x1.0), so three contiguous windows a
+    calibration had priced DP 1 -> 2 in that state one time in five (1.42 against 1.08 measured); sixteen
+    windows spread over 20 s read it once.  ``factors()``: per kind, the median of the alternations' ratios.
+    Inert (no workers, empty factors) where the processes' threads do not fit on the cores (then they
+    time-share, which ``formula.timing.sharing`` already counts) or for fewer than 2 processes."""
 
-    def rate(kind: str, n: int) -> float:
-        for q in commands[:n]:
+    def __init__(self, processes: int, threads: int, window: float):
+        cores = os.cpu_count() or 1
+        self.samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        self.workers: list = []
+        if processes < 2 or processes * threads > cores:
+            return
+        # fork: no interpreter start-up per worker; at one thread the parent never started an OpenMP pool
+        method = "fork" if threads == 1 and "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        ctx = multiprocessing.get_context(method)
+        self.processes, self.barrier, self.results = processes, ctx.Barrier(processes), ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(processes)]
+        self.workers = [ctx.Process(target=_worker, args=(threads, window, self.barrier, q, self.results),
+                                    daemon=True) for q in self.commands]
+        for w in self.workers:
+            w.start()
+
+    def _rate(self, kind: str, n: int) -> float:
+        for q in self.commands[:n]:
             q.put((kind, n))
-        got = [results.get(timeout=120) for _ in range(n)]
-        return sum(got) / n
+        return sum(self.results.get(timeout=120) for _ in range(n)) / n
 
-    try:
-        out = {}
-        for kind in KINDS:
-            # alternated, so a change of the machine's load falls on both sides of each round
-            out[kind] = statistics.median(rate(kind, 1) / rate(kind, processes) for _ in range(ROUNDS))
-        return out
-    finally:
-        for q in commands:
+    def alternate(self) -> None:
+        """Per kind, one window alone then one with every process at once (a change of the machine's load
+        falls on both sides of each ratio)."""
+        for kind in KINDS if self.workers else ():
+            self.samples[kind].append(self._rate(kind, 1) / self._rate(kind, self.processes))
+
+    def factors(self) -> dict[str, float]:
+        return {kind: statistics.median(v) for kind, v in self.samples.items() if v}
+
+    def close(self) -> None:
+        for q in getattr(self, "commands", ()):
             q.put(None)
-        for w in workers:
+        for w in self.workers:
             w.join(timeout=30)
+
+
+def slowdown(processes: int, threads: int, seconds: float, alternations: int = ROUNDS) -> dict[str, float]:
+    """Per kind, a process's time per call with ``processes`` running it at once over one alone: the median
+    over ``alternations`` contiguous alternations of the per-process mean (a factor below 1 is noise, clipped
+    by the caller); empty where ``Contention`` is inert."""
+    contention = Contention(processes, threads, seconds / (len(KINDS) * 2 * alternations))
+    try:
+        for _ in range(alternations):
+            contention.alternate()
+        return contention.factors()
+    finally:
+        contention.close()

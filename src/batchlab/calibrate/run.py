@@ -9,7 +9,7 @@ import time
 
 from batchlab import regime
 from batchlab.calibrate import family
-from batchlab.calibrate.concurrency import slowdown
+from batchlab.calibrate.concurrency import KINDS, Contention
 from batchlab.calibrate.dispatch import DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _element_seconds,
                                         _matmul_curve, _memory_curve, _sdpa_curves, monotone)
@@ -72,9 +72,9 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     matmul curves in fp32 and bf16 (34% linear layers, 8% attention's batched matmuls, 16% fused attention
     forward and backward), element-wise bandwidth (12%), per-element kernels (15%), per-op dispatch in fp32,
     under autocast and under selective checkpointing (25%, in ``SLICES`` slices a round), on CPU the slowdown
-    of two processes running alike at once (15%, in CPU seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and gloo's
-    all-reduce between two local processes after compute (10%, plus ~0.4 s a round to start them; the ring model
-    fitted once to the rounds' medians).  ``threads``: the intra-op thread count to measure at (CPU; restored
+    of two processes running alike at once (15%, one alternation with each slice, in CPU seconds: longer on a
+    loaded machine; plus ~0.3 s a round to start them) and gloo's all-reduce between two local processes after
+    compute (10%, plus ~0.4 s a round to start them; the ring model fitted once to the rounds' medians).  ``threads``: the intra-op thread count to measure at (CPU; restored
     afterwards); ``rounds``: default ``ROUNDS`` (1: every kind once, as a quick check needs)."""
     import torch
 
@@ -144,34 +144,42 @@ SLICES = 5  # the dispatch share of a round is timed in this many slices, one be
 def _round(device, shapes, seconds: float, sync, trainers: dict, probe: SpeedProbe | None = None) -> dict:
     """One round of every kernel kind, the shares of ``seconds`` as ``measure_here`` gives them; ``trainers``:
     the dispatch-bound updates (``dispatch_trainers``), built once for every round and timed in ``SLICES``
-    slices spread through the round (calibrate/dispatch.py); ``probe`` (CPU): the host speed probe, read
-    with each slice (``speed``: the median of the round's reads), so the reference too is the round's speed,
-    not that of its first and last 60 ms."""
+    slices spread through the round (calibrate/dispatch.py), each slice with one alternation of the two-process
+    contention (CPU; calibrate/concurrency.py) and a read of the host speed probe (``speed``: the median of the
+    round's reads, so the reference too is the round's speed, not that of its first and last 60 ms)."""
     import torch
 
+    cpu = device.type == "cpu"
     sampler, reads = DispatchSampler(trainers, sync), []
+    contention = Contention(2, torch.get_num_threads(), 0.15 * seconds / (SLICES * len(KINDS) * 2)) if cpu else None
 
     def dispatch_slice():
         sampler.run(0.25 * seconds / SLICES)
+        if contention is not None:
+            contention.alternate()
         if probe is not None:
             reads.append(probe.read(3))
 
-    dispatch_slice()
-    sdpa, sdpa_start = _sdpa(device, 0.08 * seconds, sync)
-    dispatch_slice()
-    mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync)
-    dispatch_slice()
-    fp32 = _matmul_curve(device, torch.float32, shapes, 0.17 * seconds, sync)
-    dispatch_slice()
-    bf16 = _matmul_curve(device, torch.bfloat16, shapes, 0.17 * seconds, sync)
-    bmm = {"bmm-fp32": _bmm_curve(device, torch.float32, 0.04 * seconds, sync),
-           "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync), **sdpa}
-    dispatch_slice()
-    elements = _element_seconds(device, 0.15 * seconds, sync)
+    try:
+        dispatch_slice()
+        sdpa, sdpa_start = _sdpa(device, 0.08 * seconds, sync)
+        dispatch_slice()
+        mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync)
+        dispatch_slice()
+        fp32 = _matmul_curve(device, torch.float32, shapes, 0.17 * seconds, sync)
+        dispatch_slice()
+        bf16 = _matmul_curve(device, torch.bfloat16, shapes, 0.17 * seconds, sync)
+        bmm = {"bmm-fp32": _bmm_curve(device, torch.float32, 0.04 * seconds, sync),
+               "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync), **sdpa}
+        dispatch_slice()
+        elements = _element_seconds(device, 0.15 * seconds, sync)
+    finally:
+        if contention is not None:
+            contention.close()
     return dict(fp32=fp32, bf16=bf16, bmm=bmm, sdpa_start=sdpa_start, mem=mem, mem16=mem16, inplace=inplace,
                 strided=strided, elements=elements, dispatch=sampler.seconds(),
-                contention=slowdown(2, torch.get_num_threads(), 0.15 * seconds) if device.type == "cpu" else {},
-                link=allreduce_times(0.1 * seconds) if device.type == "cpu" else {},
+                contention=contention.factors() if contention is not None else {},
+                link=allreduce_times(0.1 * seconds) if cpu else {},
                 speed=statistics.median(reads) if reads else 0.0)
 
 
