@@ -74,8 +74,9 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     under autocast and under selective checkpointing (25%, in ``SLICES`` slices a round), on CPU the slowdown
     of two processes running alike at once (15%, one alternation with each slice, in CPU seconds: longer on a
     loaded machine; plus ~0.3 s a round to start them) and gloo's all-reduce between two local processes after
-    compute (10%, plus ~0.4 s a round to start them; the ring model fitted once to the rounds' medians).  ``threads``: the intra-op thread count to measure at (CPU; restored
-    afterwards); ``rounds``: default ``ROUNDS`` (1: every kind once, as a quick check needs)."""
+    compute (10%, plus ~0.4 s a round to start them; the ring model fitted once to the rounds' medians).
+    ``threads``: the intra-op thread count to measure at (CPU; restored afterwards); ``rounds``: default
+    ``ROUNDS`` (1: every kind once, as a quick check needs)."""
     import torch
 
     from batchlab.measure.clock import synchronizer
@@ -151,7 +152,8 @@ def _round(device, shapes, seconds: float, sync, trainers: dict, probe: SpeedPro
 
     cpu = device.type == "cpu"
     sampler, reads = DispatchSampler(trainers, sync), []
-    contention = Contention(2, torch.get_num_threads(), 0.15 * seconds / (SLICES * len(KINDS) * 2)) if cpu else None
+    window = 0.15 * seconds / (SLICES * len(KINDS) * 2)  # one kind alone or at once, in one slice
+    contention = Contention(2, torch.get_num_threads(), window) if cpu else None
 
     def dispatch_slice():
         sampler.run(0.25 * seconds / SLICES)
@@ -265,6 +267,7 @@ def auto(device_name: str, threads: int | None, enabled: bool = True, cfgs: tupl
             f"time model: not calibrated (--no-calibrate): nominal CPU rates at {want} thread(s)")
     cal, fresh = ensure("cpu", threads=want)
     lines = [f"time model: calibrated this CPU once at {cal.threads} thread(s) in {cal.seconds:.1f} s and cached "
-             f"it ({_cache_path(cal.device, cal.torch_version, cal.threads)}); --no-calibrate skips this"] if fresh else []
+             f"it ({_cache_path(cal.device, cal.torch_version, cal.threads)}); --no-calibrate skips this"
+             ] if fresh else []
     lines += [line for cfg in dict.fromkeys(cfgs) if (line := family.ensure(cfg, want))]
     return "\n".join(lines) or None
