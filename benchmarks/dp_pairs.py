@@ -22,7 +22,7 @@ import time
 def _timed(trainer, probe) -> tuple[float, float, float, float]:
     from batchlab import regime
 
-    speed = probe.read(3)  # the host speed probe (batchlab.measure.speed), read as compare reads it
+    speed = probe.read()  # the host speed probe (batchlab.measure.speed), read as compare reads it
     f, c, t = regime.minor_faults(), time.process_time(), time.perf_counter()
     trainer.update()
     return time.perf_counter() - t, time.process_time() - c, regime.minor_faults() - f, speed
@@ -77,7 +77,7 @@ def paired_dp(a, b, pairs: int, warmup: int = 3, reference: float = float("nan")
     assert a.dp == 1 and b.dp > 1 and b.zero == 0, (a.dp, b.dp, b.zero)
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(1 + b.dp), ctx.Queue()
-    from batchlab.distributed.equivalence import free_port
+    from batchlab.host import free_port
 
     port = free_port()
     procs = [ctx.Process(target=_side, args=(a, 0, 1, port, barrier, results, pairs, warmup, False), daemon=True)]

@@ -122,7 +122,7 @@ class HostProbe:
 
     def __call__(self) -> float:
         """The bundle's time now over its time in the calibration (1: the same speed; 1.5: 50% slower)."""
-        return self.probe.read(3) / self.reference
+        return self.probe.read() / self.reference
 
 
 _PROBE: list[HostProbe] = []
@@ -204,8 +204,9 @@ def measure_row(model: str, label: str, base: dict, ca: dict, cb: dict, pairs: i
 
 def _own(cal) -> str:
     """The Hugging Face models' own dispatch per op over batchlab's GPT's, as the calibration keeps them."""
-    said = "; ".join(f"{key.split()[0]} " + ", ".join(f"{k} x{r:.2f}" for k, r in v.items())
-                     for key, v in sorted(cal.family_dispatch.items()))
+    from batchlab.formula.timing import ratios_text
+
+    said = "; ".join(f"{key.split()[0]} {ratios_text(v)}" for key, v in sorted(cal.family_dispatch.items()))
     return f"models' own dispatch per op over batchlab's GPT's: {said}; " if said else ""
 
 

@@ -196,12 +196,12 @@ def test_a_cpu_cache_without_dispatch_under_autocast_is_measured_again(measured,
 
 @pytest.mark.slow
 def test_the_link_fitted_to_three_sizes_prices_another_all_reduce_timed_on_gloo():
-    from batchlab.calibrate.link import allreduce_link, allreduce_seconds
+    from batchlab.calibrate.link import allreduce_timed, allreduce_times, ring_fit
 
     size = 2 * 2**20  # between the fitted sizes (16 KiB, 1 MiB, 4 MiB), timed by its own two processes
     for _ in range(3):  # a burst of load from another process (the suite runs in parallel) does not last three
-        bandwidth, latency = allreduce_link(0.3)
-        timed = allreduce_seconds((size,), 0.3)[size]
+        bandwidth, latency = ring_fit(allreduce_times(0.3)["seconds"])  # as the calibration fits it
+        timed = allreduce_timed((size,), 0.3)["seconds"][size]
         if 0.5 < (size / bandwidth + 2 * latency) / timed < 2.0:
             break
     assert 1e7 < bandwidth < 1e12 and 0 <= latency < 1e-2, (bandwidth, latency)
@@ -215,7 +215,8 @@ def test_a_link_that_cannot_be_timed_is_left_unmeasured_with_a_warning_not_a_han
     monkeypatch.setattr(link, "TIMEOUT_S", 0.3)
     start = time.perf_counter()
     with pytest.warns(UserWarning, match="gave no result"):
-        assert link.allreduce_link(0.02) == (0.0, 0.0)
+        assert link.allreduce_times(0.02) == {}
+    assert link.ring_fit({}) == (0.0, 0.0)  # what the calibration then keeps: no link
     assert time.perf_counter() - start < 10
     assert sample(loopback_bytes_per_s=0.0).op_costs().link_bytes_per_s is None  # priced over the entry's link
 

@@ -84,7 +84,7 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
         torch.set_num_threads(before)
     cal.family_dispatch[key] = ratios
     save(cal)
-    said = ", ".join(f"{k} x{r:.2f}" for k, r in ratios.items())
+    said = ", ".join(f"{k} x{r:.2f}" for k, r in ratios.items())  # in the order measured: forward, backward
     return (f"time model: measured {cfg.model_source}'s own dispatch per op once against batchlab's GPT "
             f"({said}) and cached it with the calibration")
 

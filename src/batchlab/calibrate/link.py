@@ -67,17 +67,12 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results,
         dist.destroy_process_group()
 
 
-def allreduce_seconds(sizes: tuple[int, ...], seconds: float) -> dict[int, float]:
-    """Per size (bytes), the time of one all-reduce between two processes forked here, over gloo, right after
-    ``BURST_S`` of compute on both (the mean of the ranks' medians).  Wall clock: a rank waits on its peer,
-    which is the cost.  Raises RuntimeError where they cannot run it."""
-    return allreduce_timed(sizes, seconds)["seconds"]
-
-
 def allreduce_timed(sizes: tuple[int, ...], seconds: float) -> dict:
-    """``{"seconds": allreduce_seconds, "skew": s}``: s, the median over the samples of how much longer the
-    slower rank took over the same matmuls than the two ranks' mean (0.035: 3.5%), which a DP update waits
-    for between its all-reduces (here 3-4% at 15, 50 and 150 ms of matmuls)."""
+    """``{"seconds": {bytes: s}, "skew": s}``: per size, the time of one all-reduce between two processes forked
+    here, over gloo, right after ``BURST_S`` of compute on both (the mean of the ranks' medians; wall clock: a
+    rank waits on its peer, which is the cost; RuntimeError where they cannot run it); skew, the median over
+    the samples of how much longer the slower rank took over the same matmuls than the two ranks' mean
+    (0.035: 3.5%), which a DP update waits for between its all-reduces (here 3-4% at 15, 50 and 150 ms)."""
     # fork: no interpreter start-up per rank; a parent's OpenMP pool is no hazard, as the ranks run no parallel
     # region (one intra-op thread each: gloo, a fill and the matmuls; checked with the parent at 2 threads)
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
@@ -127,7 +122,3 @@ def ring_fit(times: dict[int, float]) -> tuple[float, float]:
     bandwidth = 1.0 / max(slope, 1e-15)
     return bandwidth, max(0.0, (my - mx * slope) / 2)
 
-
-def allreduce_link(seconds: float) -> tuple[float, float]:
-    """The ring model's link fitted to all-reduces timed now (``ring_fit`` of ``allreduce_times``)."""
-    return ring_fit(allreduce_times(seconds).get("seconds", {}))

@@ -160,7 +160,7 @@ def _round(device, shapes, seconds: float, sync, trainers: dict, probe: SpeedPro
         if contention is not None:
             contention.alternate()
         if probe is not None:
-            reads.append(probe.read(3))
+            reads.append(probe.read())
 
     try:
         dispatch_slice()

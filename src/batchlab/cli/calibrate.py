@@ -89,6 +89,8 @@ def calibrate(
 
 def _statistic(cal) -> str:
     # calibrate/kernels.py: CPU seconds at one CPU thread (medians), else wall-clock (upper quartiles)
+    from batchlab.calibrate.run import ROUNDS
+
     if cal.torch_device.startswith("cpu") and cal.threads == 1:
-        return "thread CPU time, medians of the samples over 3 rounds"
-    return "wall-clock, upper quartiles of the samples, medians over 3 rounds"
+        return f"thread CPU time, medians of the samples over {ROUNDS} rounds"
+    return f"wall-clock, upper quartiles of the samples, medians over {ROUNDS} rounds"

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchlab.config import ConfigError, Precision, RunConfig
-from batchlab.distributed.forked import free_port, rank_env
+from batchlab.distributed.forked import rank_env
+from batchlab.host import free_port
 
 ATOL = 1e-6  # fp32; the differences seen here after two updates are ~1e-9 (reduction order only)
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchlab.host import free_port  # noqa: F401 — equivalence and the benchmarks take it from here
+from batchlab.host import free_port
 from batchlab.measure import warm
 
 LAUNCHER = "forked from a pre-imported process"

@@ -131,7 +131,7 @@ def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor | None, steps: in
     speed, reads = (SpeedProbe(), []) if trainer.device.type == "cpu" else (None, [])
     for _ in range(steps):
         if speed is not None:
-            reads.append(speed.read(3))
+            reads.append(speed.read())
         clock.start()
         probe = Probes(clock, monitor) if monitor is not None else clock
         with faults.counting():

@@ -245,7 +245,7 @@ class _Steps:
         for i in range(self.opts.steps):
             label = self._start(f"timed {i + 1}/{self.opts.steps}")
             if speed is not None:
-                reads.append(speed.read(3))
+                reads.append(speed.read())
             with faults.counting():
                 result, wall, cpu_s = timed_update(trainer, clock, rec.use(label, clock), self.sync)
             samples.append(wall)

@@ -1,6 +1,6 @@
 """How fast this host runs now against while it was calibrated: a ~6 ms bundle of the calibrated kernel
 classes (a matmul, an add into fresh outputs, the dropout RNG, tiny dispatch-bound ops), timed by the
-calibration in each round and by a measuring process before each timed update.  On this shared VM the same
+calibration with each of its dispatch slices and by a measuring process before each timed update.  On this shared VM the same
 isolated kernels switch between two speeds within seconds (bernoulli_ 7.7 or 12-13 ns per element, a 50 MFLOP
 matmul 665 or 850 us, sampled every 1.5 s for 40 s), so an absolute update time measured a minute after the
 calibration can sit 30% off a prediction that holds at the calibration's speed.  The probe says which speed an
@@ -18,7 +18,7 @@ OUTPUTS = 8  # the add cycles through this many 1 MiB outputs: its writes miss t
 # what the bundle is: a calibration whose reference timed another bundle is measured again (calibrate._current)
 BUNDLE = "2 x (mm 512x128x384, add of 1 MiB into 1 of 8 outputs, bernoulli_ of 1 MiB, 50 tiny add_)"
 TINY = 50  # in-place adds on 8 floats per half bundle: the per-op dispatch cost, 10-20% of a small model's step
-READS = 9  # bundle reads per probe figure: their median (a measuring process takes 3 before each update)
+READS = 3  # bundle reads per probe figure, their median: before each timed update and with each calibration slice
 
 
 class SpeedProbe:
