@@ -31,6 +31,7 @@ def pytest_configure(config):
         import tempfile
 
         os.environ["BATCHLAB_TEST_HOME"] = tempfile.mkdtemp(prefix="batchlab-tests-")
+        config._batchlab_home = os.environ["BATCHLAB_TEST_HOME"]  # made here: removed at unconfigure
     home = os.environ["BATCHLAB_TEST_HOME"]
     os.environ["XDG_CACHE_HOME"] = os.path.join(home, "cache")
     os.environ["XDG_DATA_HOME"] = os.path.join(home, "data")
@@ -41,6 +42,16 @@ def pytest_configure(config):
     except ImportError:  # the calculator's tests run without torch
         return
     torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config):
+    # the run's home (calibrations, profiles, notebooks: a few MB) is removed by the process that made it; a
+    # home given in the environment is the caller's to keep
+    home = getattr(config, "_batchlab_home", None)
+    if home is not None:
+        import shutil
+
+        shutil.rmtree(home, ignore_errors=True)
 
 
 import pytest  # noqa: E402

@@ -263,11 +263,13 @@ def test_measure_runs_fsdp_under_torchrun_with_traffic_and_shards_reported(exter
 # fork reaches its first update within a second of the launch (a torchrun rank spends 3-4 s importing first)
 @pytest.mark.parametrize("fault, limit, launcher", [("2:kill", None, "torchrun"), ("2:kill", None, None),
                                                     ("0:hang", 3.0, None)])
-def test_a_dead_or_stuck_rank_ends_the_measurement_with_no_process_left(monkeypatch, fault, limit, launcher):
+def test_a_dead_or_stuck_rank_ends_the_measurement_with_no_process_left(monkeypatch, tmp_path, fault, limit,
+                                                                       launcher):
     from batchlab.distributed import launch
     from batchlab.distributed.worker import FAULT_ENV
 
     monkeypatch.setenv(FAULT_ENV, f"1:{fault}")  # rank 1, just before that update (0: the first)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the temporary folder of torchrun and its ranks
     t0 = time.perf_counter()
     m = launch(BASE, OPTS, timeout_s=limit, launcher=launcher)
     assert m.environment["launcher"] == (launcher or forked.LAUNCHER)
@@ -287,6 +289,8 @@ def test_a_dead_or_stuck_rank_ends_the_measurement_with_no_process_left(monkeypa
     assert not any(_alive(p) for p in pids.values())
     if launcher == "torchrun":
         assert not _alive(m.environment["torchrun_pid"])
+        # torchrun's default log folder; torchinductor_<user>, torch's one cache per user, may stay
+        assert not list(tmp_path.glob("torchelastic_*")), "torchrun left its log folder behind"
 
 
 @pytest.mark.gpu

@@ -70,8 +70,11 @@ def torchrun_command(nproc: int, torchrun_args: Sequence[str], spec: Path, out: 
     without the working directory on sys.path (PYTHONSAFEPATH in their environment; on 3.10, as a script)."""
     node = [] if any(_flag_value(torchrun_args, f) for f in _MULTI_NODE_FLAGS) else ["--standalone"]
     rank = ["-m", "batchlab.distributed"] if sys.version_info >= (3, 11) else [str(Path(__file__).with_name("__main__.py"))]
+    # torchrun's per-rank log folders in ``out`` (removed with it) unless the caller names one: by default torch
+    # makes a /tmp/torchelastic_* folder per launch and never removes it
+    logs = [] if _flag_value(torchrun_args, "--log-dir", "--log_dir") else ["--log-dir", str(out / "torchrun-logs")]
     return [*module_command("batchlab.lifeline", str(out), "torch.distributed.run"), *node, "--nproc-per-node",
-            str(nproc), "--max-restarts", "0", *torchrun_args, *rank, "--spec", str(spec), "--out", str(out)]
+            str(nproc), "--max-restarts", "0", *logs, *torchrun_args, *rank, "--spec", str(spec), "--out", str(out)]
 
 
 def _cpus() -> int:
