@@ -60,8 +60,13 @@ def timed_rates(fn: Callable[[], Any], work: float, seconds: float, sync: Callab
     t0 = clock()
     fn()
     sync()
-    once = max(clock() - t0, 1e-9)
-    calls = max(1, int(min(0.02, seconds / 5) / once))
+    calls = max(1, int(min(0.02, seconds / 5) / max(clock() - t0, 1e-9)))
+    return _samples(fn, work, seconds, sync, clock, calls, min_samples, budget)
+
+
+def _samples(fn, work: float, seconds: float, sync, clock, calls: int, min_samples: int,
+             budget=time.perf_counter) -> list[float]:
+    """Rates of ``calls`` calls a sample for ``seconds`` on the ``budget`` clock, at least ``min_samples``."""
     rates: list[float] = []
     end = budget() + seconds
     while budget() < end or len(rates) < min_samples:
@@ -71,6 +76,35 @@ def timed_rates(fn: Callable[[], Any], work: float, seconds: float, sync: Callab
         sync()
         rates.append(work * calls / max(clock() - t, 1e-12))
     return rates
+
+
+TURNS = 4  # turns each kernel of an alternated group is timed in (``alternated``)
+
+
+def alternated(kernels: dict, seconds: float, sync, turns: int = TURNS, min_samples: int = 1,
+               at_least: int = 1) -> dict:
+    """Per key, the steady rate of ``kernels[key] = (call, work per call)``: the keys timed in turn, ``turns``
+    times each, ``seconds`` in all.  Why: this host's speed moves within a second (the bf16 / fp32 rate of
+    one matmul shape read 1.57-1.94 in back-to-back 80 ms windows), and a prediction compares the figures of
+    one kernel's variants (fp32 against bf16); timed in turns, they meet the same speeds.  A turn starts only
+    within ``seconds`` of wall clock (a call longer than its share gets fewer turns), or while a key has fewer
+    than ``at_least`` samples (a kernel whose speed swings needs several, whatever a call costs)."""
+    clock = CLOCK.get()
+    samples: dict = {key: [] for key in kernels}
+    calls: dict = {}
+    share = seconds / (turns * max(len(kernels), 1))
+    end = time.perf_counter() + seconds
+    turn = 0
+    while turn == 0 or (budgeted := turn < turns and time.perf_counter() + share * len(kernels) / 2 <= end) or (
+            min(map(len, samples.values())) < at_least):
+        for key, (fn, work) in kernels.items():
+            if turn == 0:  # the warm-up call once, which also sizes the samples
+                samples[key] = timed_rates(fn, work, share, sync, min_samples=min_samples)
+                calls[key] = max(1, int(min(0.02, share / 5) * samples[key][0] / work))
+            else:  # past the budget, one sample a key a turn until each has ``at_least``
+                samples[key] += _samples(fn, work, share if budgeted else 0.0, sync, clock, calls[key], 1)
+        turn += 1
+    return {key: steady(v) for key, v in samples.items()}
 
 
 # Shape classes for the matmul curve, (m, k, n): from a few heads' attention blocks to large projections;
@@ -102,11 +136,11 @@ def _cycling(fn, sets: list):
     return call
 
 
-def _curve_point(device, dtype, shape, seconds: float, sync) -> tuple[float, float] | None:
-    """(FLOPs per matmul, FLOP/s) of one linear layer's three matmuls at (m, k, n), outputs into fresh memory
+def _linear_layer(device, dtype, shape):
+    """(call, FLOPs of the call) of one linear layer's three matmuls at (m, k, n), outputs into fresh memory
     (measured here at (512, 128, 352) in bf16: 671 GFLOP/s into a reused buffer, 414 into kept outputs,
-    ~200 in a real step; fp32 137 / 118 / ~110): the forward x @ w^T,
-    the input gradient g @ w and the weight gradient g^T @ x, on operands cycled out of cache."""
+    ~200 in a real step; fp32 137 / 118 / ~110): the forward x @ w^T, the input gradient g @ w and the weight
+    gradient g^T @ x, on operands cycled out of cache.  None where the device's matmul lacks the dtype."""
     import torch
 
     m, k, n = shape
@@ -120,63 +154,82 @@ def _curve_point(device, dtype, shape, seconds: float, sync) -> tuple[float, flo
 
         elem = torch.empty((), dtype=dtype).element_size()
         call = keeping(_cycling(linear_layer, _copies(make, (m * k + n * k + m * n) * elem)))
-        fl = 2 * m * k * n
-        return float(fl), steady(timed_rates(call, 3 * fl, seconds, sync, min_samples=1))
+        call()
+        return call, 3 * 2 * m * k * n
     except (RuntimeError, TypeError):  # dtype not supported by this device's matmul
         return None
 
 
-def _matmul_curve(device, dtype, shapes, seconds: float, sync) -> list[list[float]]:
-    """(FLOPs per call, FLOP/s) per shape class, ascending; stops where a call would overrun."""
-    out: list[list[float]] = []
+def _matmul_curves(device, dtypes: dict, shapes, seconds: float, sync) -> dict[str, list[list[float]]]:
+    """Per name in ``dtypes`` ({"fp32": torch.float32, ...}), (FLOPs per matmul, FLOP/s) per shape class,
+    ascending, the dtypes of a shape timed in turns (``alternated``); a dtype stops where a call would overrun
+    its share or its matmul fails."""
+    out: dict[str, list[list[float]]] = {name: [] for name in dtypes}
+    live = dict(dtypes)
+    share = seconds / len(shapes)
     for shape in shapes:
-        point = _curve_point(device, dtype, shape, seconds / len(shapes), sync)
-        if point is None:
+        layers = {name: layer for name, dtype in live.items() if (layer := _linear_layer(device, dtype, shape))}
+        live = {name: live[name] for name in layers}
+        if not layers:
             break
-        out.append(list(point))
-        if 3 * point[0] / point[1] > seconds / len(shapes) / 4:
-            break
-    return monotone(sorted(out))
+        rates = alternated(layers, share * len(layers) / len(dtypes), sync)
+        for name, rate in rates.items():
+            work = layers[name][1]
+            out[name].append([work / 3, rate])
+            if work / rate > share / len(dtypes) / 4:  # the next shape's call would overrun its share
+                live.pop(name)
+    return {name: monotone(sorted(curve)) for name, curve in out.items()}
 
 
 # attention's batched matmuls (batch entries, s, d): q k^T and p v per (batch, head), and their gradients
 BMM_SHAPES = ((16, 32, 32), (32, 64, 32), (32, 128, 32), (32, 256, 64), (16, 512, 64))
 
 
-def _bmm_curve(device, dtype, seconds: float, sync) -> list[list[float]]:
-    """(FLOPs per batch entry, FLOP/s) of attention's six batched matmuls (two forward, four backward, in
-    the layouts autograd gives them), per shape class."""
+def _attention_bmms(device, dtype, batch: int, s: int, d: int):
+    """(call, FLOPs of the call) of attention's six batched matmuls at (batch, s, d); None without the dtype."""
     import torch
 
-    out = []
+    try:
+        q, k = torch.randn(batch, s, d, device=device).to(dtype), torch.randn(batch, s, d, device=device).to(dtype)
+        p = torch.randn(batch, s, s, device=device).to(dtype)
+    except (RuntimeError, TypeError):
+        return None
+
+    def attention():  # outputs kept, as in a step
+        return (torch.bmm(q, k.transpose(1, 2)),  # scores
+                torch.bmm(p, k),  # p v
+                torch.bmm(p.transpose(1, 2), q),  # grad v = p^T grad_y
+                torch.bmm(q, k.transpose(1, 2)),  # grad p = grad_y v^T
+                torch.bmm(p, k),  # grad q = grad_s k
+                torch.bmm(p.transpose(1, 2), q))  # grad k = grad_s^T q
+
+    return keeping(attention), 6 * 2 * s * s * d * batch
+
+
+def _bmm_curves(device, dtypes: dict, seconds: float, sync) -> dict[str, list[list[float]]]:
+    """Per name in ``dtypes``, (FLOPs per batch entry, FLOP/s) of attention's six batched matmuls (two
+    forward, four backward, in the layouts autograd gives them) per shape class, the dtypes timed in turns."""
+    out: dict[str, list[list[float]]] = {name: [] for name in dtypes}
     for batch, s, d in BMM_SHAPES:
-        try:
-            q, k = torch.randn(batch, s, d, device=device).to(dtype), torch.randn(batch, s, d, device=device).to(dtype)
-            p = torch.randn(batch, s, s, device=device).to(dtype)
-        except (RuntimeError, TypeError):
-            return out
-
-        def attention():  # outputs kept, as in a step
-            return (torch.bmm(q, k.transpose(1, 2)),  # scores
-                    torch.bmm(p, k),  # p v
-                    torch.bmm(p.transpose(1, 2), q),  # grad v = p^T grad_y
-                    torch.bmm(q, k.transpose(1, 2)),  # grad p = grad_y v^T
-                    torch.bmm(p, k),  # grad q = grad_s k
-                    torch.bmm(p.transpose(1, 2), q))  # grad k = grad_s^T q
-
-        fl = 2 * s * s * d
-        out.append([float(fl), steady(timed_rates(keeping(attention), 6 * fl * batch, seconds / len(BMM_SHAPES),
-                                                             sync, min_samples=1))])
-    return monotone(sorted(out))
+        calls = {name: c for name, dtype in dtypes.items() if (c := _attention_bmms(device, dtype, batch, s, d))}
+        for name, rate in alternated(calls, seconds * len(calls) / len(dtypes) / len(BMM_SHAPES), sync).items():
+            out[name].append([float(2 * s * s * d), rate])
+    return {name: monotone(sorted(curve)) for name, curve in out.items()}
 
 
 # fused attention, causal: (s, d) each at two (batch x heads) entry counts (fewer at s 512: 0.2 s a call pair)
 SDPA_SHAPES = ((64, 32, 2, 16), (128, 32, 2, 16), (256, 64, 2, 16), (512, 64, 1, 8))
 
 
-def _sdpa_seconds(device, dtype, heads: int, s: int, d: int, seconds: float, sync) -> tuple[float, float] | None:
-    """Seconds of one forward and one backward call of scaled_dot_product_attention over ``heads`` (batch x
-    heads) entries; the backward timed on one retained graph.  None where the dtype is not supported."""
+# samples each fused-attention call gets at least: bf16's backward here swings between 4.6 and 7.9 ms a call
+# (s 128, d 32, 16 entries) in runs of a few calls, fp32's and the forwards stay within ~10%; a round's 1-3
+# samples priced HF GPT-2's bf16 attention backward 10.5-15.3 ms an update from one calibration to the next
+SWINGING = 5
+
+
+def _sdpa_calls(device, dtype, heads: int, s: int, d: int) -> dict | None:
+    """{"fwd"/"bwd": (call, 1)}: one forward and one backward call of scaled_dot_product_attention over
+    ``heads`` (batch x heads) entries, the backward on one retained graph.  None without the dtype."""
     import torch
     import torch.nn.functional as F
 
@@ -186,34 +239,43 @@ def _sdpa_seconds(device, dtype, heads: int, s: int, d: int, seconds: float, syn
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     except (RuntimeError, TypeError):
         return None
-    fwd = steady(timed_rates(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 1.0, seconds / 2,
-                             sync, min_samples=1))
-    bwd = steady(timed_rates(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True), 1.0, seconds / 2,
-                             sync, min_samples=1))
-    return 1 / fwd, 1 / bwd
+    return {"fwd": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 1.0),
+            "bwd": (lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True), 1.0)}
 
 
-def _sdpa_curves(device, dtype, seconds: float, sync
+def _sdpa_curves(device, dtypes: dict, seconds: float, sync
                  ) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
-    """Fused attention's costs per direction (``sdpa``, ``sdpa-backward``): (rate curves: forward FLOPs per
-    (batch, head) entry, FLOP/s of each further entry, FLOPs as FlopCounterMode counts them, 4 s^2 d forward
-    and 10 s^2 d backward per entry, no causal halving; start curves: the same x, seconds of a call beyond its
-    entries' work), from each shape timed at two entry counts: t(H) = start + H w.
+    """Fused attention's costs per direction and dtype name (``sdpa-fp32``, ``sdpa-backward-bf16``): (rate
+    curves: forward FLOPs per (batch, head) entry, FLOP/s of each further entry, FLOPs as FlopCounterMode
+    counts them, 4 s^2 d forward and 10 s^2 d backward per entry, no causal halving; start curves: the same x,
+    seconds of a call beyond its entries' work), from each shape timed at two entry counts, t(H) = start + H w,
+    every dtype's calls of a shape timed in turns (``alternated``).
     Why: on this CPU in bf16 the backward has a large cost per call (s 128, d 32: 4.2 ms at 8 entries, 6.0 at
     16) and runs at ~1/5 of fp32's speed, while the forward is faster than fp32's; one rate for both, at one
     entry count, mispriced a bf16 step's attention by 2-9x."""
-    rates, starts = {"sdpa": [], "sdpa-backward": []}, {"sdpa": [], "sdpa-backward": []}
-    share = seconds / (2 * len(SDPA_SHAPES))
+    rates: dict[str, list[list[float]]] = {}
+    starts: dict[str, list[list[float]]] = {}
+    live = dict(dtypes)
     for s, d, h1, h2 in SDPA_SHAPES:
-        t1, t2 = (_sdpa_seconds(device, dtype, h, s, d, share, sync) for h in (h1, h2))
-        if t1 is None or t2 is None:
+        calls = {}
+        for name, dtype in list(live.items()):
+            made = [_sdpa_calls(device, dtype, h, s, d) for h in (h1, h2)]
+            if None in made:
+                live.pop(name)
+                continue
+            calls.update({(name, i, kind): call for i, m in enumerate(made) for kind, call in m.items()})
+        if not calls:
             break
+        share = seconds * len(live) / len(dtypes) / len(SDPA_SHAPES)
+        per_call = {key: 1 / rate for key, rate in alternated(calls, share, sync, at_least=SWINGING).items()}
         grain = 4 * s * s * d
-        for kind, i, flops in (("sdpa", 0, grain), ("sdpa-backward", 1, 2.5 * grain)):
-            w = max((t2[i] - t1[i]) / (h2 - h1), t2[i] / h2 / 4)  # per entry; a noisy difference kept plausible
-            rates[kind].append([float(grain), flops / w])
-            starts[kind].append([float(grain), max(0.0, t2[i] - h2 * w)])
-    return {k: monotone(v) for k, v in rates.items() if v}, {k: v for k, v in starts.items() if v}
+        for name in live:
+            for kind, direction, flops in (("sdpa", "fwd", grain), ("sdpa-backward", "bwd", 2.5 * grain)):
+                t1, t2 = per_call[(name, 0, direction)], per_call[(name, 1, direction)]
+                w = max((t2 - t1) / (h2 - h1), t2 / h2 / 4)  # per entry; a noisy difference kept plausible
+                rates.setdefault(f"{kind}-{name}", []).append([float(grain), flops / w])
+                starts.setdefault(f"{kind}-{name}", []).append([float(grain), max(0.0, t2 - h2 * w)])
+    return {k: monotone(v) for k, v in rates.items()}, starts
 
 
 def keeping(fn, budget: int = COLD_BYTES):
@@ -254,14 +316,17 @@ def _memory_curve(device, seconds: float, sync) -> tuple[list[list[float]], list
 
     curves = {(torch.float32, torch.add): [], (torch.bfloat16, torch.add): [], (torch.float32, add_): []}
     share = seconds / (len(curves) * len(MEMORY_SIZES) + 1)
-    for (dtype, fn), out in curves.items():
-        for n in MEMORY_SIZES:
-            elem = torch.empty((), dtype=dtype).element_size()
-            sets = _copies(lambda: (torch.ones(n, device=device, dtype=dtype),
-                                    torch.ones(n, device=device, dtype=dtype)), 2 * n * elem)
-            moved = 3 * elem * n
-            call = _cycling(fn, sets) if fn is add_ else keeping(_cycling(fn, sets))
-            out.append([float(moved), steady(timed_rates(call, moved, share, sync))])
+
+    def kernel(dtype, fn, n):
+        elem = torch.empty((), dtype=dtype).element_size()
+        sets = _copies(lambda: (torch.ones(n, device=device, dtype=dtype),
+                                torch.ones(n, device=device, dtype=dtype)), 2 * n * elem)
+        return (_cycling(fn, sets) if fn is add_ else keeping(_cycling(fn, sets))), 3 * elem * n
+
+    for n in MEMORY_SIZES:  # the variants of a size in turns (``alternated``)
+        kernels = {variant: kernel(*variant, n) for variant in curves}
+        for variant, rate in alternated(kernels, share * len(kernels), sync).items():
+            curves[variant].append([float(kernels[variant][1]), rate])
     n = MEMORY_SIZES[1]
     sets = _copies(lambda: (torch.ones(n // (128 * 4 * 32), 128, 4, 32, device=device).transpose(1, 2),), 4 * n)
     strided = steady(timed_rates(keeping(_cycling(lambda x: x.contiguous(), sets)), 2 * 4 * n, share, sync))
@@ -290,13 +355,13 @@ def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
     kernels.update({f"activation/{name}": getattr(aten, name) for name in NAMED_ACTIVATIONS})
     kernels.update({f"activation-grad/{name}": (lambda op: lambda x: op(x, x))(getattr(aten, name))
                     for name in NAMED_ACTIVATION_GRADS})
+    xs = {tag: torch.rand(ELEMENTS // 128, 128, device=device).to(dtype)
+          for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))}
     out = {}
-    for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        x = torch.rand(ELEMENTS // 128, 128, device=device).to(dtype)
-        for klass, fn in kernels.items():
-            call = keeping(lambda: fn(x)) if klass != "random" else (lambda: fn(x))  # bernoulli_ is in place
-            rate = steady(timed_rates(call, ELEMENTS, seconds / 2 / len(kernels), sync))
-            out[f"{klass}:{tag}"] = 1.0 / rate
+    for klass, fn in kernels.items():  # a kernel's precisions in turns (``alternated``)
+        calls = {f"{klass}:{tag}": ((lambda f=fn, x=x: f(x)) if klass == "random"  # bernoulli_ is in place
+                                    else keeping(lambda f=fn, x=x: f(x)), ELEMENTS) for tag, x in xs.items()}
+        out.update({key: 1.0 / rate for key, rate in alternated(calls, seconds / len(kernels), sync).items()})
     return out
 
 

@@ -11,8 +11,8 @@ from batchlab import regime
 from batchlab.calibrate import family
 from batchlab.calibrate.concurrency import KINDS, Contention
 from batchlab.calibrate.dispatch import DispatchSampler, dispatch_trainers
-from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curve, _element_seconds,
-                                        _matmul_curve, _memory_curve, _sdpa_curves, monotone)
+from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
+                                        _matmul_curves, _memory_curve, _sdpa_curves, monotone)
 from batchlab.calibrate.link import allreduce_times, ring_fit
 from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
@@ -68,13 +68,15 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
                  shapes: tuple[tuple[int, int, int], ...] | None = None, threads: int | None = None,
                  rounds: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in ``ROUNDS`` rounds, the shares of ``seconds`` adding up to
-    ~2x it (each kernel's minimum samples; measured 18.5-20.6 s at the default 10 on this 2-core CPU): the
-    matmul curves in fp32 and bf16 (34% linear layers, 8% attention's batched matmuls, 16% fused attention
-    forward and backward), element-wise bandwidth (12%), per-element kernels (15%), per-op dispatch in fp32,
-    under autocast and under selective checkpointing (25%, in ``SLICES`` slices a round), on CPU the slowdown
-    of two processes running alike at once (15%, one alternation with each slice, in CPU seconds: longer on a
-    loaded machine; plus ~0.3 s a round to start them) and gloo's all-reduce between two local processes after
-    compute (10%, plus ~0.4 s a round to start them; the ring model fitted once to the rounds' medians).
+    ~2x it (each kernel's minimum samples; measured 18.5-24 s at the default 10 on this 2-core CPU, as its
+    speed varied): the matmul curves, fp32 and bf16 of each shape timed in turns (34% linear layers, 8%
+    attention's batched matmuls, 10% fused attention forward and backward, plus what its calls need for
+    ``kernels.SWINGING`` samples each), element-wise bandwidth (12%), per-element kernels (15%), per-op
+    dispatch in fp32, under autocast and under selective checkpointing (25%, in ``SLICES`` slices a round),
+    on CPU the slowdown of two processes running alike at once (15%, one alternation with each slice, in CPU
+    seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and gloo's all-reduce between two
+    local processes after compute (10%, plus ~0.4 s a round to start them; the ring model fitted once to the
+    rounds' medians).
     ``threads``: the intra-op thread count to measure at (CPU; restored afterwards); ``rounds``: default
     ``ROUNDS`` (1: every kind once, as a quick check needs)."""
     import torch
@@ -162,23 +164,23 @@ def _round(device, shapes, seconds: float, sync, trainers: dict, probe: SpeedPro
         if probe is not None:
             reads.append(probe.read())
 
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}  # each kernel's precisions timed in turns
     try:
         dispatch_slice()
-        sdpa, sdpa_start = _sdpa(device, 0.08 * seconds, sync)
+        sdpa, sdpa_start = _sdpa_curves(device, dtypes, 0.10 * seconds, sync)
         dispatch_slice()
         mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync)
         dispatch_slice()
-        fp32 = _matmul_curve(device, torch.float32, shapes, 0.17 * seconds, sync)
+        matmul = _matmul_curves(device, dtypes, shapes, 0.34 * seconds, sync)
         dispatch_slice()
-        bf16 = _matmul_curve(device, torch.bfloat16, shapes, 0.17 * seconds, sync)
-        bmm = {"bmm-fp32": _bmm_curve(device, torch.float32, 0.04 * seconds, sync),
-               "bmm-bf16": _bmm_curve(device, torch.bfloat16, 0.04 * seconds, sync), **sdpa}
+        bmm = {f"bmm-{name}": curve for name, curve in _bmm_curves(device, dtypes, 0.08 * seconds, sync).items()}
+        bmm.update(sdpa)
         dispatch_slice()
         elements = _element_seconds(device, 0.15 * seconds, sync)
     finally:
         if contention is not None:
             contention.close()
-    return dict(fp32=fp32, bf16=bf16, bmm=bmm, sdpa_start=sdpa_start, mem=mem, mem16=mem16, inplace=inplace,
+    return dict(fp32=matmul["fp32"], bf16=matmul["bf16"], bmm=bmm, sdpa_start=sdpa_start, mem=mem, mem16=mem16, inplace=inplace,
                 strided=strided, elements=elements, dispatch=sampler.seconds(),
                 contention=contention.factors() if contention is not None else {},
                 link=allreduce_times(0.1 * seconds) if cpu else {},
@@ -199,18 +201,6 @@ def _median_rounds(rounds: list):
                 by_size.setdefault(x, []).append(y)
         return [[x, statistics.median(ys)] for x, ys in sorted(by_size.items())]
     return statistics.median(rounds)
-
-
-def _sdpa(device, seconds: float, sync) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
-    """Fused attention's (rate curves, start curves) per precision: ``sdpa-fp32``, ``sdpa-backward-bf16``, ..."""
-    import torch
-
-    rates, starts = {}, {}
-    for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        r, s = _sdpa_curves(device, dtype, seconds, sync)
-        rates.update({f"{kind}-{key}": curve for kind, curve in r.items()})
-        starts.update({f"{kind}-{key}": curve for kind, curve in s.items()})
-    return rates, starts
 
 
 def _current(cached: Calibration) -> bool:
