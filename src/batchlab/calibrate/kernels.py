@@ -4,6 +4,7 @@ functions, so importing this module stays cheap."""
 from __future__ import annotations
 
 import contextvars
+import itertools
 import statistics
 import time
 from typing import Any, Callable
@@ -81,29 +82,28 @@ def _samples(fn, work: float, seconds: float, sync, clock, calls: int, min_sampl
 TURNS = 4  # turns each kernel of an alternated group is timed in (``alternated``)
 
 
-def alternated(kernels: dict, seconds: float, sync, turns: int = TURNS, min_samples: int = 1,
-               at_least: int = 1) -> dict:
+def alternated(kernels: dict, seconds: float, sync, turns: int = TURNS, at_least: int = 1) -> dict:
     """Per key, the steady rate of ``kernels[key] = (call, work per call)``: the keys timed in turn, ``turns``
     times each, ``seconds`` in all.  Why: this host's speed moves within a second (the bf16 / fp32 rate of
     one matmul shape read 1.57-1.94 in back-to-back 80 ms windows), and a prediction compares the figures of
     one kernel's variants (fp32 against bf16); timed in turns, they meet the same speeds.  A turn starts only
-    within ``seconds`` of wall clock (a call longer than its share gets fewer turns), or while a key has fewer
-    than ``at_least`` samples (a kernel whose speed swings needs several, whatever a call costs)."""
+    within ``seconds`` of wall clock (a call longer than its share gets fewer turns); past that, turns of one
+    sample a key go on while a key has fewer than ``at_least`` (a kernel whose speed swings needs several)."""
     clock = CLOCK.get()
     samples: dict = {key: [] for key in kernels}
     calls: dict = {}
     share = seconds / (turns * max(len(kernels), 1))
     end = time.perf_counter() + seconds
-    turn = 0
-    while turn == 0 or (budgeted := turn < turns and time.perf_counter() + share * len(kernels) / 2 <= end) or (
-            min(map(len, samples.values())) < at_least):
+    for turn in itertools.count():
+        budgeted = turn < turns and time.perf_counter() + share * len(kernels) / 2 <= end
+        if turn and not budgeted and min(map(len, samples.values())) >= at_least:
+            break
         for key, (fn, work) in kernels.items():
             if turn == 0:  # the warm-up call once, which also sizes the samples
-                samples[key] = timed_rates(fn, work, share, sync, min_samples=min_samples)
+                samples[key] = timed_rates(fn, work, share, sync, min_samples=1)
                 calls[key] = max(1, int(min(0.02, share / 5) * samples[key][0] / work))
-            else:  # past the budget, one sample a key a turn until each has ``at_least``
+            else:
                 samples[key] += _samples(fn, work, share if budgeted else 0.0, sync, clock, calls[key], 1)
-        turn += 1
     return {key: steady(v) for key, v in samples.items()}
 
 

@@ -180,8 +180,8 @@ def _round(device, shapes, seconds: float, sync, trainers: dict, probe: SpeedPro
     finally:
         if contention is not None:
             contention.close()
-    return dict(fp32=matmul["fp32"], bf16=matmul["bf16"], bmm=bmm, sdpa_start=sdpa_start, mem=mem, mem16=mem16, inplace=inplace,
-                strided=strided, elements=elements, dispatch=sampler.seconds(),
+    return dict(fp32=matmul["fp32"], bf16=matmul["bf16"], bmm=bmm, sdpa_start=sdpa_start, mem=mem, mem16=mem16,
+                inplace=inplace, strided=strided, elements=elements, dispatch=sampler.seconds(),
                 contention=contention.factors() if contention is not None else {},
                 link=allreduce_times(0.1 * seconds) if cpu else {},
                 speed=statistics.median(reads) if reads else 0.0)
