@@ -146,6 +146,7 @@ def test_a_real_calibration_is_current(calibrated):
     assert 0 <= calibrated.rank_skew < 1  # the slower of two ranks over the same matmuls, over their mean, less 1
     assert calibrated.probe == BUNDLE and 1e-4 < calibrated.probe_seconds < 1.0  # the host speed probe's reference
     assert {f"activation/silu:{t}" for t in ("fp32", "bf16")} <= set(calibrated.element_seconds)
+    assert calibrated.matmul_shapes == [[SIDE, SIDE, SIDE]]  # what prices a call's bytes beyond its shape's
     if (os.cpu_count() or 1) >= 2:  # measured in each round, merged by median
         assert set(calibrated.contention) == {"compute", "memory", "dispatch"}
     assert run_mod._current(calibrated)
@@ -172,7 +173,7 @@ def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_aga
     current = dict(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
                    contention={"compute": 1.0}, allocator="glibc", dispatch_seconds_autocast=AUTOCAST, link=run_mod.LINK,
                    element_seconds={"activation:fp32": 2e-9, "activation/silu:fp32": 6e-10}, probe_seconds=5e-3,
-                   probe=BUNDLE, dispatch_seconds=DISPATCH)
+                   probe=BUNDLE, dispatch_seconds=DISPATCH, matmul_shapes=[[SIDE, SIDE, SIDE]])
     no_sdpa = sample(**current)  # a device whose fused attention did not run: nothing to measure again
     save(no_sdpa)
     assert ensure("cpu", threads=1) == (no_sdpa, False) and measured == []
@@ -185,14 +186,15 @@ def test_a_cache_from_before_the_fused_attention_backward_curves_is_measured_aga
 
 @pytest.mark.parametrize("stale", [dict(probe_seconds=0.0, probe=""), dict(probe="another bundle"),
                                    dict(link="gloo all-reduce between 2 local processes"),
-                                   dict(dispatch_seconds={"forward": 5e-6, "backward": 4e-6, "plain": 3e-6})])
+                                   dict(dispatch_seconds={"forward": 5e-6, "backward": 4e-6, "plain": 3e-6}),
+                                   dict(matmul_shapes=[])])
 def test_a_cpu_cache_without_this_speed_probe_link_statistic_or_sac_dispatch_is_measured_again(measured, calibrated, stale):
-    # no reference for the host speed probe, one timed on another bundle, a link fitted to lower quartiles, or
-    # no dispatch cost under selective checkpointing
+    # no reference for the host speed probe, one timed on another bundle, a link fitted to lower quartiles, no
+    # dispatch cost under selective checkpointing, or no record of the shapes its matmul curve was timed on
     current = dict(seconds=0.5, memory_curve_inplace=[[1.0, 6e9], [1e9, 6e9]], contention_processes=2,
                    contention={"compute": 1.0}, allocator="glibc", dispatch_seconds_autocast=AUTOCAST,
                    element_seconds={"activation:fp32": 2e-9, "activation/silu:fp32": 6e-10}, link=run_mod.LINK,
-                   probe_seconds=5e-3, probe=BUNDLE, dispatch_seconds=DISPATCH)
+                   probe_seconds=5e-3, probe=BUNDLE, dispatch_seconds=DISPATCH, matmul_shapes=[[SIDE, SIDE, SIDE]])
     assert run_mod._current(sample(**current))
     save(sample(**{**current, **stale}))
     cal, fresh = ensure("cpu", threads=1, seconds=0.5)

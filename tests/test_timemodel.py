@@ -272,6 +272,38 @@ def test_local_ranks_running_at_once_slow_each_op_by_its_kinds_calibrated_conten
     assert timed(base.replace(dp=2), noisy).ops.seconds == pytest.approx(timed(base.replace(dp=2), quiet).ops.seconds)
 
 
+def test_a_skinny_linear_layer_pays_its_bytes_beyond_the_calibrated_shapes_at_the_out_of_cache_rate():
+    # calibrated on (256, 128, 128) and (1024, 256, 256); the call (64, 128, 512) has (256, 128, 128)'s FLOPs
+    costs = OpCosts(**{**FLAT.__dict__, "memory": ((1e5, 4e10), (1e8, 1e10)),
+                       "matmul_intensity": ((2 * 256 * 128 * 128, 2 * 256 * 128 * 128 / (4 * 81920)),
+                                            (2 * 1024 * 256 * 256, 2 * 1024 * 256 * 256 / (4 * 589824)))})
+    flops = 2 * 64 * 128 * 512  # = 2 * 256 * 128 * 128
+    square = OpCount("mm", Phase.FORWARD, OpClass.MATMUL, flops=flops, bytes=4 * (256 * 128 + 128 * 128 + 256 * 128))
+    skinny = OpCount("mm", Phase.FORWARD, OpClass.MATMUL, flops=flops, bytes=4 * (64 * 128 + 128 * 512 + 64 * 512))
+    # by hand: 425,984 bytes against the square shape's 327,680, the 98,304 extra at 1e10 B/s (the largest size's)
+    assert costs.work_seconds(square) == pytest.approx(flops / 1e10)
+    assert costs.work_seconds(skinny) - costs.work_seconds(square) == pytest.approx(98304 / 1e10)
+    # in bf16 both move half the bytes; a fatter call than the calibrated shape gets no credit
+    half = OpCount("mm", Phase.FORWARD, OpClass.MATMUL, flops=flops, bytes=425984 // 2, low_precision=True)
+    assert costs.excess_bytes(half) == pytest.approx(49152)
+    assert costs.excess_bytes(OpCount("mm", Phase.FORWARD, OpClass.MATMUL, flops=flops, bytes=100000)) == 0
+    # attention's batched matmuls and fused attention are priced on curves timed on their own shapes
+    bmm = OpCount("bmm", Phase.FORWARD, OpClass.MATMUL, flops=flops, bytes=10**7, grain=flops // 8)
+    assert costs.work_seconds(bmm) == pytest.approx(flops / 1e10)
+    assert FLAT.excess_bytes(skinny) == 0  # nominal figures: no calibrated shapes, no term
+
+
+def test_a_calibration_prices_with_the_shapes_its_curve_was_timed_on():
+    from batchlab.calibrate import Calibration
+
+    cal = Calibration(device="cpu", hardware="x", torch_device="cpu", matmul_flops_fp32=1e10, matmul_flops_bf16=None,
+                      memory_bytes_per_s=1e10, matmul_curve={"fp32": [[1e6, 1e10]]}, memory_curve=[[1e5, 1e10]],
+                      strided_bytes_per_s=1e9, dispatch_seconds={"forward": 1e-6, "backward": 1e-6, "plain": 1e-6},
+                      matmul_shapes=[[1024, 256, 256], [32, 32, 32]])
+    assert cal.op_costs().matmul_intensity == ((65536, 65536 / 12288), (134217728, 134217728 / 2359296))
+    assert Calibration.from_dict(cal.to_dict()).op_costs() == cal.op_costs()
+
+
 def test_interpolation_in_log_flops():
     pts = ((1e6, 10.0), (1e8, 30.0))
     assert interpolate_log(pts, 1e7) == pytest.approx(20.0)  # halfway in log

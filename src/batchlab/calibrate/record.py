@@ -32,6 +32,7 @@ class Calibration:
     seconds: float = 0.0  # how long calibrating took
     # the per-op time model's parameters (formula/opcost.py OpCosts)
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)  # dtype -> [[FLOPs/call, FLOP/s]]
+    matmul_shapes: list[list[int]] = field(default_factory=list)  # the (m, k, n) the linear-layer curve was timed on
     # fused kernels' seconds per call beyond their entries' work: kind-dtype -> [[FLOPs per entry, seconds]]
     matmul_start: dict[str, list[list[float]]] = field(default_factory=dict)
     memory_curve: list[list[float]] = field(default_factory=list)  # [[bytes/call, bytes/s]], fp32 add
@@ -95,7 +96,10 @@ class Calibration:
                        link_bytes_per_s=self.loopback_bytes_per_s or None, link_latency_s=self.loopback_latency_s,
                        threads=self.threads, cores=self.cores, contention=dict(self.contention),
                        contention_processes=self.contention_processes, rank_skew=self.rank_skew,
-                       family_dispatch={k: dict(v) for k, v in self.family_dispatch.items()}, source=self.source)
+                       family_dispatch={k: dict(v) for k, v in self.family_dispatch.items()},
+                       matmul_intensity=tuple(sorted((2 * m * k * n, 2 * m * k * n / (4 * (m * k + k * n + m * n)))
+                                                     for m, k, n in self.matmul_shapes)),
+                       source=self.source)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -113,7 +113,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
             measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__, seconds=time.perf_counter() - start,
             matmul_curve={"fp32": fp32, **({"bf16": bf16} if bf16 else {}), **{name: monotone(v) for name, v in k["bmm"].items() if v}},
-            matmul_start=k["sdpa_start"],
+            matmul_start=k["sdpa_start"], matmul_shapes=[list(shape) for shape in shapes],
             memory_curve=k["mem"], memory_curve_bf16=k["mem16"], memory_curve_inplace=k["inplace"],
             strided_bytes_per_s=k["strided"], element_seconds=k["elements"], dispatch_seconds=k["dispatch"]["fp32"],
             dispatch_seconds_autocast=k["dispatch"].get("bf16-mixed", {}),
@@ -210,6 +210,7 @@ def _current(cached: Calibration) -> bool:
             and bool(cached.memory_curve_inplace)  # the step-regime curves (before them: warm loops)
             and "activation/silu:fp32" in cached.element_seconds  # transcendental kernels by name (before: by class)
             and "forward-sac" in cached.dispatch_seconds  # dispatch under selective checkpointing (before: plain)
+            and bool(cached.matmul_shapes)  # the curve's shapes, which price a call's bytes beyond theirs
             # fused attention's backward on its own curves (before: priced at the forward's rate); a device whose
             # SDPA did not run has neither curve
             and ("sdpa-backward-fp32" in cached.matmul_start or "sdpa-fp32" not in cached.matmul_curve)

@@ -195,6 +195,9 @@ class OpCosts:
     # a model's own dispatch per op over the calibrated GPT's, by kind, keyed by timing.dispatch_family; empty:
     # none measured (the calibrated GPT's figures serve every model)
     family_dispatch: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    # (FLOPs per call, FLOPs per fp32 byte its operands and output move) of the shapes the linear-layer curve was
+    # timed on, ascending; empty: unknown (nominal figures, an older cache)
+    matmul_intensity: tuple[tuple[float, float], ...] = ()
     source: str = "nominal"
 
     def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:
@@ -227,7 +230,8 @@ class OpCosts:
                 return 0.0
             start = self.matmul_start.get(f"{kind}-{'bf16' if op.low_precision else 'fp32'}")
             return (op.flops / self.matmul_rate(op.grain or op.flops, op.low_precision, kind)
-                    + (interpolate_log(start, op.grain) if start else 0.0))
+                    + (interpolate_log(start, op.grain) if start else 0.0)
+                    + (0.0 if op.grain else self.excess_bytes(op) / self.memory[-1][1]))
         if op.klass is OpClass.MEMORY:
             if op.name.endswith("_") and self.memory_inplace:
                 return op.bytes / interpolate_log(self.memory_inplace, max(op.bytes, 1.0))
@@ -239,6 +243,17 @@ class OpCosts:
         # per-element kernels also move their bytes: whichever bound is slower (roofline)
         return max(op.elements * self.element_rate_seconds(op.klass, op.low_precision, op.name),
                    op.bytes / self.bandwidth(op.bytes, op.low_precision))
+
+    def excess_bytes(self, op: OpCount) -> float:
+        """Bytes a linear-layer matmul call moves beyond what the calibration's shape of the same FLOPs moved:
+        the curve's rate already pays for those; a skinny call (few tokens against a wide weight) streams far
+        more per FLOP, and the extra comes from beyond the cache (``memory``'s largest size).  Measured here at 1
+        thread: (32, 128, 512) ran at 41 GFLOP/s on operands cycled out of cache, 57 on warm ones, where the curve
+        (shapes (128, 64, 64) and (256, 128, 128) either side) said 55."""
+        if not self.matmul_intensity:
+            return 0.0
+        moved = op.flops / interpolate_log(self.matmul_intensity, op.flops) * (0.5 if op.low_precision else 1.0)
+        return max(0.0, op.bytes - moved)
 
     def bandwidth(self, nbytes: float, low_precision: bool = False) -> float:
         curve = self.memory_low if low_precision and self.memory_low else self.memory
@@ -358,6 +373,8 @@ def describe(costs: OpCosts, t: TimeBreakdown) -> str:
         bw += (f" into fresh outputs, {_si(min(r for _, r in costs.memory_inplace), 'B/s')}-"
                f"{_si(max(r for _, r in costs.memory_inplace), 'B/s')} in place")
     disp = "/".join(f"{costs.dispatch[k] * 1e6:.1f}" for k in ("forward", "backward", "plain"))
+    if costs.matmul_intensity:
+        mm += f", a linear layer's bytes beyond its calibrated shape's at {_si(costs.memory[-1][1], 'B/s')}"
     return (f"time model: per-op sum over {t.ops:,} ops per update ({_si(t.flops, 'FLOP')} in matmuls at "
             f"{mm} by call size; {_si(t.bytes, 'B')} moved by memory-bound ops at {bw}; dispatch {disp} µs per "
             f"forward/backward/plain op, {t.dispatch_share:.0%} of the ops' time"
