@@ -246,14 +246,27 @@ def test_a_link_that_cannot_be_timed_is_left_unmeasured_with_a_warning_not_a_han
     assert sample(loopback_bytes_per_s=0.0).op_costs().link_bytes_per_s is None  # priced over the entry's link
 
 
+def _contention_factors(processes: int, threads: int, alternations: int = 3) -> dict:
+    from batchlab.calibrate.concurrency import Contention
+
+    contention = Contention(processes, threads, 0.3 / (6 * alternations))
+    try:
+        for _ in range(alternations):
+            contention.alternate()
+        return contention.factors()
+    finally:
+        contention.close()
+
+
 def test_contention_is_measured_only_where_the_processes_get_their_own_cores():
-    from batchlab.calibrate.concurrency import KINDS, slowdown
+    from batchlab.calibrate.concurrency import KINDS
 
     cores = os.cpu_count() or 1
-    assert slowdown(2, cores, 0.1) == {} and slowdown(1, 1, 0.1) == {}  # time-shared / nothing beside it
+    # time-shared / nothing beside it
+    assert _contention_factors(2, cores) == {} and _contention_factors(1, 1) == {}
     if cores < 2:
         pytest.skip("one core")
-    factors = slowdown(2, 1, 0.3)
+    factors = _contention_factors(2, 1)
     # CPU seconds per call (other load does not enter them): a second process never makes one 5x faster or slower
     assert set(factors) == set(KINDS) and all(0.5 < f < 5 for f in factors.values()), factors
 

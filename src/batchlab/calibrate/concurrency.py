@@ -15,7 +15,6 @@ from batchlab.calibrate.kernels import COLD_BYTES, MEMORY_SIZES, _copies, _cycli
 # what each kind stands for in the op classes (formula/timing.py CONTENDED): a matmul (compute-bound), an
 # out-of-cache add into fresh outputs (memory-bound), a tiny add (dispatch-bound: Python and the dispatcher)
 KINDS = ("compute", "memory", "dispatch")
-ROUNDS = 3  # alternations of 1 and N processes (``slowdown``)
 
 
 def _kernel(kind: str):
@@ -99,15 +98,3 @@ class Contention:
         for w in self.workers:
             w.join(timeout=30)
 
-
-def slowdown(processes: int, threads: int, seconds: float, alternations: int = ROUNDS) -> dict[str, float]:
-    """Per kind, a process's time per call with ``processes`` running it at once over one alone: the median
-    over ``alternations`` contiguous alternations of the per-process mean (a factor below 1 is noise, clipped
-    by the caller); empty where ``Contention`` is inert."""
-    contention = Contention(processes, threads, seconds / (len(KINDS) * 2 * alternations))
-    try:
-        for _ in range(alternations):
-            contention.alternate()
-        return contention.factors()
-    finally:
-        contention.close()

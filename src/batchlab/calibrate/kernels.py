@@ -140,38 +140,44 @@ def _linear_layer(device, dtype, shape):
     """(call, FLOPs of the call) of one linear layer's three matmuls at (m, k, n), outputs into fresh memory
     (measured here at (512, 128, 352) in bf16: 671 GFLOP/s into a reused buffer, 414 into kept outputs,
     ~200 in a real step; fp32 137 / 118 / ~110): the forward x @ w^T, the input gradient g @ w and the weight
-    gradient g^T @ x, on operands cycled out of cache.  None where the device's matmul lacks the dtype."""
+    gradient g^T @ x, on operands cycled out of cache."""
     import torch
 
     m, k, n = shape
+
+    def make():
+        return (torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype),
+                torch.randn(m, n, device=device).to(dtype))
+
+    def linear_layer(x, w, g):  # outputs kept (``keeping``): a step writes each into fresh memory
+        return torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x)
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    return keeping(_cycling(linear_layer, _copies(make, (m * k + n * k + m * n) * elem))), 3 * 2 * m * k * n
+
+
+def _runs_matmul(device, dtype) -> bool:
+    """Whether this device's matmul takes ``dtype`` (a 2 x 2 call, not a shape's warm-up twice)."""
+    import torch
+
     try:
-        def make():
-            return (torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype),
-                    torch.randn(m, n, device=device).to(dtype))
-
-        def linear_layer(x, w, g):  # outputs kept (``keeping``): a step writes each into fresh memory
-            return torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x)
-
-        elem = torch.empty((), dtype=dtype).element_size()
-        call = keeping(_cycling(linear_layer, _copies(make, (m * k + n * k + m * n) * elem)))
-        call()
-        return call, 3 * 2 * m * k * n
-    except (RuntimeError, TypeError):  # dtype not supported by this device's matmul
-        return None
+        torch.mm(torch.ones(2, 2, device=device, dtype=dtype), torch.ones(2, 2, device=device, dtype=dtype))
+        return True
+    except (RuntimeError, TypeError):
+        return False
 
 
 def _matmul_curves(device, dtypes: dict, shapes, seconds: float, sync) -> dict[str, list[list[float]]]:
     """Per name in ``dtypes`` ({"fp32": torch.float32, ...}), (FLOPs per matmul, FLOP/s) per shape class,
     ascending, the dtypes of a shape timed in turns (``alternated``); a dtype stops where a call would overrun
-    its share or its matmul fails."""
+    its share; one the device's matmul lacks has no curve."""
     out: dict[str, list[list[float]]] = {name: [] for name in dtypes}
-    live = dict(dtypes)
+    live = {name: dtype for name, dtype in dtypes.items() if _runs_matmul(device, dtype)}
     share = seconds / len(shapes)
     for shape in shapes:
-        layers = {name: layer for name, dtype in live.items() if (layer := _linear_layer(device, dtype, shape))}
-        live = {name: live[name] for name in layers}
-        if not layers:
+        if not live:
             break
+        layers = {name: _linear_layer(device, dtype, shape) for name, dtype in live.items()}
         rates = alternated(layers, share * len(layers) / len(dtypes), sync)
         for name, rate in rates.items():
             work = layers[name][1]
