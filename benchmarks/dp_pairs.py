@@ -57,6 +57,9 @@ def _side(cfg, rank: int, world: int, port: int, barrier, results, pairs: int, w
         barrier.wait()
         if is_b:
             trainer.update()
+    from batchlab import regime
+
+    regime.pretouch()  # as a measuring process does after warmup
     out = []
     for i in range(pairs):
         for turn_b in ((False, True) if i % 2 == 0 else (True, False)):

@@ -168,6 +168,7 @@ def paired(a: RunConfig, b: RunConfig, pairs: int, warmup: int = 3) -> tuple[lis
         ta.update()
         tb.update()
         pair = time.perf_counter() - t
+    regime.pretouch()  # as a measuring process does after warmup
     n = max(pairs, min(8 * pairs, math.ceil(MIN_SECONDS / pair))) if pairs > 3 else pairs  # --quick: as asked
     return alternate(lambda: _seconds(ta), lambda: _seconds(tb), n)
 

@@ -127,6 +127,7 @@ def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor | None, steps: in
     samples, cpu, tokens, phases = [], [], [], []
     first = len(monitor.updates) if monitor is not None else 0
     faults = regime.Faults()
+    regime.pretouch()  # the heap a long run has grown into: no fault bursts in the timed updates
     # CPU: the host speed probe before each timed update, as a one-process measurement reads it (measure/speed)
     speed, reads = (SpeedProbe(), []) if trainer.device.type == "cpu" else (None, [])
     for _ in range(steps):

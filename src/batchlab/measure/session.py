@@ -240,6 +240,7 @@ class _Steps:
         samples, cpu, useful = [], [], []
         phases: dict[str, list[float]] = {}
         faults = regime.Faults()
+        regime.pretouch()  # the heap a long run has grown into: no fault bursts in the timed updates
         # CPU: the host speed probe before each timed update (which of this host's speeds the update ran at)
         speed, reads = (SpeedProbe(), []) if not self.async_device else (None, [])
         for i in range(self.opts.steps):
