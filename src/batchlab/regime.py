@@ -92,7 +92,7 @@ def describe(env: dict[str, str] | None = None) -> str:
     """One line for a report's "how measured": the allocator and whether freed memory is kept."""
     name = allocator()
     if in_effect(env):
-        return "allocator: glibc, freed memory kept, heap top touched after warmup (no page faults after warmup)"
+        return "allocator: glibc, freed memory kept (no page faults after warmup)"
     if name == "glibc":
         return ("allocator: glibc defaults, freed memory returned to the OS (pages faulted in again each update; "
                 "its cost depends on the host)")
