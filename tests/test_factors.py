@@ -6,7 +6,9 @@ import subprocess
 import sys
 import time
 
-from batchlab.experiment.factors import LoadSampler, Proc, Usage, uncontrolled
+import pytest
+
+from batchlab.experiment.factors import LoadSampler, Proc, Usage, cpu_times, tree_cpu_seconds, uncontrolled
 
 
 def test_usage_counts_processes_born_and_gone_during_the_run_and_not_our_own_tree():
@@ -86,3 +88,40 @@ def test_polled_sampling_is_spaced_by_its_own_cost(monkeypatch):
     # each >= 10 ms sample is followed by >= 10 ms / 0.1 = 100 ms without one: at most 5 in 0.5 s (by hand)
     assert 2 <= polled <= 5, polled
     assert w.sample_seconds >= 0.01 * polled
+
+
+# a child that forks a grandchild, which burns CPU and exits, and waits for it, then stays alive: as the
+# pre-imported process (measure/warm.py) forks the measuring processes and reaps them, alive till batchlab exits
+REAPER = """
+import os, sys, time
+print("ready", flush=True)
+sys.stdin.readline()
+pid = os.fork()
+if pid == 0:
+    while time.process_time() < 0.5:
+        pass
+    print(round(time.process_time(), 3), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+print("reaped", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_our_tree_counts_what_a_live_child_reaped_from_its_own_children():
+    me = os.getpid()
+    child = subprocess.Popen([sys.executable, "-c", REAPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        tree0, t0 = tree_cpu_seconds(me, cpu_times()), os.times()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        burned = float(child.stdout.readline())  # the grandchild's own CPU time, by its own clock
+        assert child.stdout.readline().strip() == "reaped"
+        tree1, t1 = tree_cpu_seconds(me, cpu_times()), os.times()
+    finally:
+        child.stdin.close()
+        child.wait()
+    # the reference the sampler used before: this process's waited-for children, which miss it entirely
+    assert t1.children_user + t1.children_system - t0.children_user - t0.children_system < 0.1 * burned
+    assert tree1 - tree0 == pytest.approx(burned, abs=0.15)  # + this process's and the child's own few ms

@@ -42,10 +42,12 @@ class Proc:
     ppid: int
     cpu_seconds: float  # user + system since the process started
     start_seconds: float  # since boot
+    reaped_seconds: float = 0.0  # user + system of its children it has waited for (theirs recursively)
 
 
 def cpu_times() -> dict[int, Proc]:
-    """pid -> Proc for every readable process (/proc/PID/stat: fields 4 ppid, 14-15 utime/stime, 22 start)."""
+    """pid -> Proc for every readable process (/proc/PID/stat: fields 4 ppid, 14-15 utime/stime, 16-17
+    cutime/cstime, 22 start)."""
     out = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
@@ -55,8 +57,9 @@ def cpu_times() -> dict[int, Proc]:
         name = text[text.find("(") + 1:text.rfind(")")]
         rest = text[text.rfind(")") + 2:].split()  # rest[0] is field 3
         try:
-            out[int(stat.split("/")[2])] = Proc(name, int(rest[1]), (int(rest[11]) + int(rest[12])) / CLOCK_TICKS,
-                                                int(rest[19]) / CLOCK_TICKS)
+            own, reaped = int(rest[11]) + int(rest[12]), int(rest[13]) + int(rest[14])
+            out[int(stat.split("/")[2])] = Proc(name, int(rest[1]), own / CLOCK_TICKS, int(rest[19]) / CLOCK_TICKS,
+                                                reaped / CLOCK_TICKS)
         except (IndexError, ValueError):
             continue
     return out
@@ -77,6 +80,13 @@ def busy_cpu_seconds() -> float | None:
     except (OSError, ValueError):
         return None
     return (sum(fields) - fields[3] - fields[4]) / CLOCK_TICKS
+
+
+def tree_cpu_seconds(root: int, procs: dict[int, Proc]) -> float:
+    """CPU seconds of ``root``'s tree: each live process's own and its waited-for children's.  The measuring
+    processes are forks of the pre-imported process (measure/warm.py), which waits for them, not this one: in
+    ``os.times()``'s children they are missing until that process ends."""
+    return sum(procs[pid].cpu_seconds + procs[pid].reaped_seconds for pid in descendants(root, procs) if pid in procs)
 
 
 def descendants(root: int, procs: dict[int, Proc]) -> set[int]:
@@ -155,7 +165,7 @@ class LoadSampler:
     def start(self) -> "LoadSampler":
         self.before = Snapshot()
         up = uptime()
-        self._busy0, self._own0 = busy_cpu_seconds(), _own_cpu_seconds()
+        self._busy0, self._own0 = busy_cpu_seconds(), tree_cpu_seconds(self.mine, self.before.cpu)
         self.usage = Usage(up if up is not None else float("inf"), self.mine)
         self._add(self.before.cpu)
         self._next = time.monotonic() + self.interval
@@ -199,15 +209,11 @@ class LoadSampler:
                           key=lambda d: -d["cpu_share"])
             busy1, others = busy_cpu_seconds(), None
             if self._busy0 is not None and busy1 is not None:
-                others = max(0.0, (busy1 - self._busy0) - (_own_cpu_seconds() - self._own0)) / elapsed
+                own = tree_cpu_seconds(self.mine, after.cpu) - self._own0
+                others = max(0.0, (busy1 - self._busy0) - own) / elapsed
             self.result = {"before": self.before, "after": after, "busy": busy, "other_cores": others,
                            "samples": self.samples}
         return self.result
-
-
-def _own_cpu_seconds() -> float:
-    t = os.times()  # this process and its waited-for children (the measured subprocesses)
-    return t.user + t.system + t.children_user + t.children_system
 
 
 @dataclass
