@@ -317,8 +317,8 @@ def main(argv=None) -> None:
     print(f"Time model accuracy on {cpu_hardware()}, {THREADS} thread per process, load average {load:.1f} at "
           f"start, torch {torch.__version__}, {datetime.date.today().isoformat()}; fp32 unless stated, AdamW. "
           f"Calibration: {cal.source} ({'measured now' if fresh else 'cached'}). Measured: {pairs} alternated "
-          f"pairs of updates of two live trainers (or as many as span {MIN_SECONDS} s) after 3 warm-up updates each and the heap's top touched (DP: a process and a DDP group, "
-          "alive at once, taking turns), "
+          f"pairs of updates of two live trainers (or as many as span {MIN_SECONDS} s) after 3 warm-up updates "
+          "each and the heap's top touched (DP: a process and a DDP group, alive at once, taking turns), "
           f"wall-clock, {regime.describe()}; host speed probe in the calibration: {1e3 * cal.probe_seconds:.2f} ms; "
           f"{_own(cal)}error = predicted / measured - 1.")
     print()
