@@ -36,6 +36,8 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "norm": (Optional[str], None, "Override: layernorm or rmsnorm."),
     "dropout": (Optional[float], None, "Override: dropout probability (0 = off)."),
     "attention": (Optional[str], None, "Override: eager (s x s scores kept) or sdpa (fused, no s^2 term)."),
+    "impl": (Optional[str], None, "Whose code a preset's layer terms count: hf (transformers; the llama-* and "
+                                  "gpt2* default), torchtitan (its Llama), nanogpt, or batchlab (its own GPT)."),
     "seq": (int, 128, "Sequence length s (tokens per sample)."),
     "micro_batch": (Optional[int], None, "Micro-batch b: sequences per forward/backward on one rank (default 8)."),
     "accum": (Optional[int], None, "Gradient-accumulation steps per optimizer update (default 1)."),
@@ -63,7 +65,8 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "comm_overlap": (Optional[float], None, "Fraction of communication hidden behind compute (default: the "
                                             "engine's model: DDP buckets, FSDP prefetch)."),
 }
-MODEL_OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp", "norm", "dropout", "attention")
+MODEL_OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp", "norm", "dropout", "attention",
+                   "impl")
 
 
 def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:

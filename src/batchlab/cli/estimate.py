@@ -12,7 +12,7 @@ from batchlab.cli.base import app
 from batchlab.cli.common import console as make_console, print_json, with_config, with_layer_profile
 from batchlab.calibrate import load_all
 from batchlab.config import ACMode, ConfigError, Keep, RunConfig
-from batchlab.formula import Estimate, estimate as formula_estimate, unseen_model
+from batchlab.formula import Estimate, estimate as formula_estimate, implementation_line, unseen_model
 from batchlab.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
 
 PLAIN_ROWS = 60
@@ -105,6 +105,7 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
     console.print(f"[bold]{cfg.model.name}[/bold] ({e.params.total / 1e6:,.1f} M parameters \\[formula]), seq {cfg.seq}, "
                   f"{cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
     console.print(cfg.global_batch_text())
+    console.print(implementation_line(cfg), markup=False, highlight=False)
     if unseen_model(cfg):
         console.print(f"[yellow]warning:[/] {escape(unseen_model(cfg))}: the figures below are for the stand-in "
                       f"shape given by the flags; run --trace for your model's own graph")

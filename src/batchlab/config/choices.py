@@ -157,6 +157,21 @@ class Counted(_Choice):
         return f"{global_batch} sequences ({tokens_per_update:,} tokens per update)"
 
 
+class Implementation(_Choice):
+    """Whose code a preset's layer terms describe (``--impl``): the tensors a block keeps differ between
+    implementations of the same shape (fused or split q/k/v, RoPE's dtype, the norm's kernel, GELU in Python ops)."""
+
+    HF = "hf"  # transformers' LlamaForCausalLM / GPT2LMHeadModel
+    TORCHTITAN = "torchtitan"  # torchtitan's Llama (torchtitan/models/llama3/model.py)
+    NANOGPT = "nanogpt"  # Karpathy's nanoGPT model.py (GPT-2 shapes)
+    BATCHLAB = "batchlab"  # batchlab's own GPT (models/gpt.py)
+
+    @property
+    def label(self) -> str:
+        return {"hf": "transformers' code", "torchtitan": "torchtitan's Llama", "nanogpt": "nanoGPT's model.py",
+                "batchlab": "batchlab's GPT"}[self.value]
+
+
 class ModelSource(_Choice):
     """Which code trains the model, from ``RunConfig.model_source``'s spelling."""
 

@@ -140,7 +140,7 @@ def spec_fields(raw: dict[str, Any], source: str = "config.json", field_name: st
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     attention = str(raw.get("_attn_implementation") or raw.get("attn_implementation") or "")
     return dict(
-        family=kind, layers=int(values["layers"]), hidden=hidden, heads=heads,
+        family=kind, impl="hf", layers=int(values["layers"]), hidden=hidden, heads=heads,
         kv_heads=_kv_heads(raw, kind, heads), ffn=int(values["ffn"]) if values["ffn"] else None,
         mlp="swiglu" if gated else "gelu", vocab=int(values["vocab"]),
         tied_embeddings=bool(raw.get("tie_word_embeddings", kind not in UNTIED_BY_DEFAULT)),

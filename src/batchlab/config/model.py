@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from batchlab.config.choices import AttentionImpl, ConfigError, MLPKind, NormKind, PositionKind
+from batchlab.config.choices import AttentionImpl, ConfigError, Implementation, MLPKind, NormKind, PositionKind
 from batchlab.config.profile import LayerProfile
 from batchlab.config.values import SIZE_MAX, whole_number
 
@@ -31,6 +31,7 @@ class ModelSpec:
     qkv_bias: bool | None = None  # biases on q, k, v only (Qwen2); None: as ``bias``
     family: str = ""  # the Hugging Face model_type it was read from ("": batchlab's own GPT shape)
     sliding_window: int | None = None  # attention window (Mistral): at seq >= window the code path changes
+    impl: Implementation = Implementation.BATCHLAB  # whose code the built-in layer terms count (--impl)
     # the model's own code, traced and fitted (trace/profile.py); None: the calculator's built-in terms
     profile: LayerProfile | None = None
 
@@ -40,6 +41,8 @@ class ModelSpec:
         set_(self, "norm", NormKind.parse("norm", self.norm))
         set_(self, "attention", AttentionImpl.parse("attention", self.attention))
         set_(self, "position", PositionKind.parse("position", self.position))
+        set_(self, "impl", Implementation.parse("impl", self.impl))
+        _check_impl(self.impl, self.mlp)
         for name in ("layers", "hidden", "heads", "vocab", "max_positions"):
             whole_number(name, getattr(self, name), maximum=SIZE_MAX)
         if self.kv_heads is None:
@@ -86,6 +89,16 @@ class ModelSpec:
         return p if p is not None and p.shape == self.shape_id() else None
 
 
+def _check_impl(impl: Implementation, mlp: MLPKind) -> None:
+    """torchtitan's Llama has a SwiGLU MLP; nanoGPT's GPT a GELU one."""
+    if impl is Implementation.TORCHTITAN and mlp is not MLPKind.SWIGLU:
+        raise ConfigError("impl", "torchtitan is torchtitan's Llama (SwiGLU MLP); this shape has a GELU MLP: "
+                                  "use hf, nanogpt or batchlab")
+    if impl is Implementation.NANOGPT and mlp is not MLPKind.GELU:
+        raise ConfigError("impl", "nanogpt is nanoGPT's GPT-2 (GELU MLP); this shape has a SwiGLU MLP: "
+                                  "use hf, torchtitan or batchlab")
+
+
 def default_ffn(hidden: int, mlp: MLPKind) -> int:
     if mlp is MLPKind.GELU:
         return 4 * hidden
@@ -93,10 +106,12 @@ def default_ffn(hidden: int, mlp: MLPKind) -> int:
     return 256 * ((int(2 * 4 * hidden / 3) + 255) // 256)
 
 
+# The published families' presets count transformers' code (GPT2LMHeadModel, LlamaForCausalLM) unless --impl
+# names another implementation: the classes most people fine-tune these shapes with.
 GPT2_FAMILY = dict(mlp="gelu", norm="layernorm", position="learned", bias=True, tied_embeddings=True,
-             vocab=50257, max_positions=1024, dropout=0.0, attention="sdpa")
+                   vocab=50257, max_positions=1024, dropout=0.0, attention="sdpa", impl="hf")
 LLAMA_FAMILY = dict(mlp="swiglu", norm="rmsnorm", position="rope", bias=False, tied_embeddings=False,
-              dropout=0.0, attention="sdpa")
+                    dropout=0.0, attention="sdpa", impl="hf")
 
 # Shapes from the papers / released configs.  "tiny" and "small" are batchlab's own built-in models.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -120,7 +135,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                         max_positions=8192),
     # Megatron / Korthikanti et al. 2022 Table 3: 96 layers, h 12288, 96 heads, s 2048
     "gpt3-175b": dict(GPT2_FAMILY, layers=96, hidden=12288, heads=96, vocab=51200, max_positions=2048,
-                      tied_embeddings=True),
+                      tied_embeddings=True, impl="batchlab"),
 }
 
 

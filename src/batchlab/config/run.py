@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, Counted, DataKind, LossMode, ModelSource, OptimizerKind,
-                                     Precision)
+from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, Counted, DataKind, Implementation, LossMode,
+                                     ModelSource, OptimizerKind, Precision)
 from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.model import ModelSpec, preset
 from batchlab.config.values import SEED_MAX, SIZE_MAX, finite_number, parse_bytes, whole_number
@@ -200,6 +200,11 @@ class RunConfig:
         if self.seq > self.model.max_positions and self.model_kind is not ModelSource.FACTORY:
             # a factory's model shape is a stand-in (models/factory.py): its sequence limits are the model's own
             raise ConfigError("seq", f"{self.seq} is beyond the model's max_positions ({self.model.max_positions})")
+        if self.model_kind is ModelSource.HF and self.model.impl is not Implementation.HF:
+            if self.model.impl is not Implementation.BATCHLAB:  # the default of a ModelSpec written by hand
+                raise ConfigError("impl", f"{self.model_source} runs transformers' code: --impl hf (a preset "
+                                          f"without hf: takes --impl {self.model.impl})")
+            set_(self, "model", dataclasses.replace(self.model, impl=Implementation.HF))
         if self.ac.mode is ACMode.MEGATRON and self.model.attention is not AttentionImpl.SDPA:
             raise ConfigError("ac", "megatron-selective recomputes the fused attention call: it needs "
                                     "--attention sdpa (eager attention has no single attention-core call)")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from batchlab.config import Backend, ModelSource, RunConfig
-from batchlab.formula.activations import Impl, implementation
+from batchlab.formula.activations import describe_impl, implementation
 from batchlab.formula.flops import FlopsEstimate, flops, utilisation
 from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
                                      optimizer_bytes_per_param)
@@ -150,9 +150,20 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
 
 
 def layer_terms(cfg: RunConfig) -> str:
-    """Where the activation terms come from: the model's own code (a cached profile) or a built-in layer."""
+    """Where the activation terms come from: the model's own code (a cached profile) or a built-in count of
+    the implementation ``--impl`` names (formula/activations.py)."""
     impl = implementation(cfg.model_kind, cfg.model)
-    return layer_terms_source(cfg, "(batchlab's GPT)" if impl is Impl.BUILTIN else impl.value)
+    return layer_terms_source(cfg, f"count of {describe_impl(impl)}")
+
+
+def implementation_line(cfg: RunConfig) -> str:
+    """estimate's one line on whose code its layer terms describe."""
+    impl = implementation(cfg.model_kind, cfg.model)
+    if cfg.model_kind is ModelSource.FACTORY:
+        return f"Layer terms: {describe_impl(impl)}, a stand-in for the factory's model (use --trace)"
+    how = "a trace of its code" if layer_terms(cfg).startswith("profile") else "a count of the tensors it keeps"
+    flag = f" (--impl {cfg.model.impl})" if cfg.model_kind is ModelSource.BUILTIN else ""
+    return f"Layer terms: {describe_impl(impl)}{flag}, from {how}"
 
 
 def calibrated_costs(cfg: RunConfig, calibrations: Calibrations | None) -> "OpCosts | None":

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from batchlab.config import (AttentionImpl, Backend, MLPKind, ModelSource, ModelSpec, NormKind, Precision, PositionKind,
-                             _Choice)
+from batchlab.config import (AttentionImpl, Backend, Implementation, MLPKind, ModelSource, ModelSpec, NormKind,
+                             Precision, PositionKind, _Choice)
 
 F32 = 4
 
@@ -25,13 +25,14 @@ class Widths:
     res: int  # residual stream (fp32 under autocast: embeddings and adds stay fp32)
     mask: int  # dropout mask: bool on CUDA (native_dropout), activation dtype elsewhere
     softmax: int  # CUDA autocast runs softmax in fp32; CPU autocast keeps it in the low precision
+    cuda: bool = False  # CUDA kernels: rms_norm fused (_fused_rms_norm), layer_norm statistics in fp32
 
     @classmethod
     def of(cls, precision: Precision, backend: Backend) -> "Widths":
         e = precision.compute_bytes
         res = 2 if precision.low_precision_residual else 4
         return cls(e=e, res=res, mask=1 if backend is Backend.CUDA else e,
-                   softmax=F32 if precision.mixed and backend is Backend.CUDA else e)
+                   softmax=F32 if precision.mixed and backend is Backend.CUDA else e, cuda=backend is Backend.CUDA)
 
 
 @dataclass(frozen=True)
@@ -55,29 +56,50 @@ def materialises_scores(m: ModelSpec, backend: Backend) -> bool:
     return m.attention is AttentionImpl.EAGER or (m.dropout > 0 and backend is not Backend.CUDA)
 
 
-def _norm_bytes(m: ModelSpec, s: int, b: int, w: Widths) -> int:
+def _norm_bytes(m: ModelSpec, s: int, b: int, w: Widths, impl: "Impl | None" = None) -> int:
     """One norm: its input and statistics, plus the output the next matmul saves."""
     sbh = s * b * m.hidden
     cast_out = sbh * w.e  # the following linear's input (a low-precision copy under autocast)
+    if m.norm is NormKind.RMSNORM and impl is Impl.TT_LLAMA and w.cuda:  # nn.RMSNorm, _fused_rms_norm: input, rstd
+        return sbh * w.res + s * b * F32 + cast_out
+    if m.norm is NormKind.RMSNORM and impl is Impl.TT_LLAMA:  # nn.RMSNorm's composite: x.float(), rstd, fp32 x * rstd
+        return sbh * F32 + s * b * F32 + sbh * F32 + cast_out
+    if m.norm is NormKind.RMSNORM and impl is Impl.HF_LLAMA:
+        # LlamaRMSNorm: x.to(fp32) (saved by pow and mul), rstd, x * rstd cast back to the input's dtype (saved by
+        # the weight's mul); the fp32 copy is the input itself when the residual stream is fp32
+        return sbh * F32 + sbh * w.res + s * b * F32 + cast_out
     if m.norm is NormKind.RMSNORM:  # composite: input, x * rstd, rstd
         return sbh * w.res + sbh * w.res + s * b * F32 + cast_out
-    return sbh * w.res + 2 * s * b * F32 + cast_out  # layer_norm: input, mean, rstd
+    # layer_norm: input, mean, rstd; the CPU kernel keeps the statistics in a 16-bit input's dtype, CUDA in fp32
+    stats = F32 if w.cuda or w.res == F32 else w.res
+    return sbh * w.res + 2 * s * b * stats + cast_out
 
 
 class Impl(_Choice):
-    """Whose layer code keeps the tensors: batchlab's GPT, or Hugging Face's GPT-2 / Llama classes."""
+    """Whose layer code keeps the tensors (``ModelSpec.impl``, or what an hf: source builds)."""
 
     BUILTIN = "builtin"
     HF_GPT2 = "hf-gpt2"  # Conv1D fused qkv; gelu_new written in Python ops
     HF_LLAMA = "hf-llama"  # separate q, k, v projections
+    TT_LLAMA = "torchtitan-llama"  # separate wq, wk, wv; RoPE through fp32 complex views; nn.RMSNorm
+    NANOGPT = "nanogpt"  # fused c_attn, SDPA on its views, nn.GELU, a contiguous copy before c_proj
 
 
 def implementation(kind: ModelSource, m: ModelSpec) -> Impl:
-    """The nearest built-in layer for what hf: builds (used without a layer profile); anything else is
-    counted as batchlab's GPT."""
-    if kind is not ModelSource.HF:
+    """The layer code the built-in terms count: what an hf: source builds, else the model's ``impl``; a
+    factory's stand-in shape is counted as batchlab's GPT."""
+    if kind is ModelSource.FACTORY:
         return Impl.BUILTIN
-    return Impl.HF_LLAMA if m.mlp is MLPKind.SWIGLU else Impl.HF_GPT2
+    if kind is ModelSource.HF or m.impl is Implementation.HF:
+        return Impl.HF_LLAMA if m.mlp is MLPKind.SWIGLU else Impl.HF_GPT2
+    return {Implementation.TORCHTITAN: Impl.TT_LLAMA, Implementation.NANOGPT: Impl.NANOGPT}.get(m.impl, Impl.BUILTIN)
+
+
+def describe_impl(impl: Impl) -> str:
+    """One phrase naming the code an Impl's terms describe, for estimate's output."""
+    return {Impl.BUILTIN: "batchlab's GPT (models/gpt.py)", Impl.HF_GPT2: "transformers' GPT2LMHeadModel",
+            Impl.HF_LLAMA: "transformers' LlamaForCausalLM", Impl.TT_LLAMA: "torchtitan's Llama (models/llama3)",
+            Impl.NANOGPT: "nanoGPT's GPT (model.py)"}[impl]
 
 
 def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend,
@@ -91,6 +113,10 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
     # q, k, v as attention receives them
     if rope and impl is Impl.HF_LLAMA:  # rotated q and k, and v from its own projection
         qkv = sbh * w.e + 2 * s * b * kv * w.e
+    elif impl is Impl.TT_LLAMA:
+        # xq_ * freqs_cis saves only the constant freqs_cis (the fp32 complex copies are freed); SDPA keeps the
+        # rotated q and k cast back, and v; with GQA repeat_kv's expand + reshape copies k and v at full width
+        qkv = sbh * w.e + (2 * sbh * w.e if gqa else 2 * s * b * kv * w.e)
     elif rope and gqa and not scores:  # rotated q; k, v repeated (new tensors): the fused output is freed
         qkv = sbh * w.e
     elif rope:  # rotated q and k are new tensors; v stays a view of the fused qkv output
@@ -99,7 +125,7 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
         qkv = 3 * sbh * w.e
     else:  # SDPA takes the views: the whole qkv output stays alive
         qkv = s * b * (h + 2 * kv) * w.e
-    if gqa and impl is not Impl.HF_LLAMA:  # repeat_interleave materialises k and v at full width
+    if gqa and impl not in (Impl.HF_LLAMA, Impl.TT_LLAMA):  # repeat_interleave materialises k and v at full width
         qkv += 2 * sbh * w.e  # (transformers passes enable_gqa to SDPA instead, when there is no mask)
     ass = a * s * s * b
     if scores:
@@ -111,7 +137,8 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
         attn_out = sbh * w.e  # projection input
     else:
         sc = 0
-        # SDPA's output is laid out (b, s, a, d): the projection's input is a view of it, not a copy
+        # SDPA's output is laid out (b, s, a, d): the projection's input is a view of it, not a copy (torchtitan's
+        # and nanoGPT's transpose(1, 2).contiguous() finds it contiguous already)
         attn_out = sbh * w.e + a * s * b * F32  # SDPA output (= projection input), log-sum-exp
     if m.mlp is MLPKind.SWIGLU:
         mlp = 4 * s * b * f * w.e  # gate, silu(gate), up, product
@@ -122,7 +149,7 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
     else:
         mlp = 2 * s * b * f * w.e  # fc output, gelu output
     masks = 2 * sbh * w.mask if m.dropout > 0 else 0
-    return LayerActivations(norms=2 * _norm_bytes(m, s, b, w), qkv=qkv, scores=sc, attn_out=attn_out,
+    return LayerActivations(norms=2 * _norm_bytes(m, s, b, w, impl), qkv=qkv, scores=sc, attn_out=attn_out,
                             mlp=mlp, masks=masks)
 
 
