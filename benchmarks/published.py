@@ -1,39 +1,45 @@
-"""batchlab's formula beside published GPU training runs: peak memory and tokens/s per GPU, with errors.
+"""batchlab's formula beside published GPU training runs, typed as a user types them: memory and tokens/s per GPU.
 
-Reads benchmarks/published_runs.toml (each run with its source and quote) and benchmarks/gpu_catalogue.toml,
-builds a RunConfig for every run, calls batchlab.formula.estimate (no torch) and prints, as Markdown,
-predicted vs measured with error = (predicted - measured) / measured, the mean and worst |error|, and every
-false OOM verdict.  Memory is matched to what the source measured:
+Reads benchmarks/published_runs.toml (each run with its source and quote), builds for every run the
+``batchlab estimate`` command a user types (the run's ``cli`` model part, then its shape, parallelism,
+precision, AC, loss and device flags), parses it with the CLI's own option parsing (cli/common.py
+``config_from_command``: the RunConfig the command builds), calls batchlab.formula.estimate (no torch) and writes
+docs/accuracy/published.md: each run with its command and source, predicted vs measured with
+error = (predicted - measured) / measured, before issue 36 (benchmarks/published_before.toml) and now, the
+mean and worst |error|, and every false OOM verdict.  Memory is matched to what the source measured:
 
   allocated  ->  memory.allocated_bytes   (max_memory_allocated: tensor bytes at the peak)
   reserved   ->  memory.reserved_bytes    (max_memory_reserved: formula/allocator.py's caching-allocator model)
   device     ->  memory.device_bytes      (nvidia-smi: reserved + CUDA context + NCCL buffers)
 
-Runs marked ``holdout = true`` in the runs file were chosen before anything was tuned; their errors are
-summarised on their own.
+Runs marked ``holdout = true`` were chosen before anything was tuned; their errors are summarised on their own.
+What no flag expresses is listed under each run (mapped to the nearest setting).
 
-Every run feature RunConfig cannot express yet is printed on its own line (mapped to the nearest setting).
-
-    PYTHONPATH=src python benchmarks/published.py                 # the whole table
-    PYTHONPATH=src python benchmarks/published.py --only tt-h100-llama31-8b-fsdp8-sacop
+    PYTHONPATH=src python benchmarks/published.py                 # the whole table -> docs/accuracy/published.md
+    PYTHONPATH=src python benchmarks/published.py --only tt-h100-llama31-8b-fsdp8-sacop   # prints only
 """
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batchlab.config import Assumptions, ModelSpec, RunConfig
-from batchlab.formula import estimate
+from click import ClickException
+
+from batchlab.cli.common import config_from_command
+from batchlab.config import RunConfig
+from batchlab.formula import estimate, implementation_line
 from batchlab.units import relative_to
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 UNITS = {"GiB": 2**30, "MiB": 2**20, "GB": 10**9, "MB": 10**6, "B": 1}
 
-# published GPU key (gpu_catalogue.toml) -> batchlab catalogue entry (config/devices.py)
+# published GPU key (the runs file's `gpu`, described in gpu_catalogue.toml) -> batchlab's entry (config/devices.py)
 CATALOGUED = {"v100-sxm2-16gb": "v100-16gb", "v100-sxm2-32gb": "v100-32gb", "a10g": "a10g", "l4": "l4",
               "rtx-3090": "rtx-3090", "rtx-4090": "rtx-4090", "rtx-a6000": "rtx-a6000", "a100-sxm4-40gb": "a100-40gb",
               "a100-sxm4-80gb": "a100-80gb", "a100-pcie-80gb": "a100-pcie-80gb", "h100-sxm-80gb": "h100-sxm",
@@ -53,9 +59,7 @@ PRECISION_GAP = {
                          "bf16-fsdp (fp8 matmul time and the fp8 weight copies not modelled)",
 }
 AC = {"none": "none", "full": "full", "selective-op": "selective-op", "megatron-selective": "megatron-selective"}
-AC_GAP: dict[str, str] = {}
 LOSS = {"causal-lm-ce": "full", "causal-lm-compiled-ce": "compiled", "causal-lm-fused-ce": "fused", "sequence-classification-ce": "classifier"}
-LOSS_GAP: dict[str, str] = {}
 SHARDING_ZERO = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 
 
@@ -69,6 +73,11 @@ class Row:
     tps_measured: float | None = None
     tps_predicted: float | None = None
     fits: bool | None = None
+    command: str = ""
+    layer_terms: str = ""
+    tps_before: float | None = None  # the formula's figures before issue 36 (published_before.toml)
+    mem_before: int | None = None
+    fits_before: bool | None = None
     params: int | None = None
     implied_fraction: float | None = None
     failed: str | None = None
@@ -81,63 +90,83 @@ class Row:
     def tps_error(self):
         return relative_to(self.tps_predicted, self.tps_measured)
 
+    @property
+    def tps_error_before(self):
+        return relative_to(self.tps_before, self.tps_measured)
+
+    @property
+    def mem_error_before(self):
+        return relative_to(self.mem_before, self.mem_measured) if self.mem_measured else None
+
 
 def load(path: Path) -> dict:
     with path.open("rb") as f:
         return tomllib.load(f)
 
 
-def device_for(gpu: str, catalogue: dict[str, dict], gaps: list[str]) -> str:
-    """batchlab's own entry where it has one, else a custom device from the catalogue's dense peaks."""
+def device_for(gpu: str) -> str:
+    """batchlab's catalogue entry for a published GPU key."""
     if gpu in CATALOGUED:
         return CATALOGUED[gpu]
     raise ValueError(f"GPU {gpu} of the runs file is not mapped to a batchlab catalogue entry")
 
 
-def config_for(run: dict, catalogue: dict[str, dict], gaps: list[str]) -> RunConfig:
-    m = dict(run["model"])
-    attention = m.pop("attention", run["attention"])
-    if attention == "flash":
-        attention = "sdpa"  # a fused kernel either way: no s x s tensor kept
-    model = ModelSpec(attention=attention, **m)
-    # torchtitan's Llama: separate wq/wk/wv, RoPE on q and k, SDPA; what its blocks keep (and the order its
-    # matmuls run for selective-op) is Hugging Face Llama's, which the formula counts for hf: sources
-    source = "hf:llama" if "torchtitan" in run["engine"] or run["id"].startswith("trainy") else "builtin"
+def command_for(run: dict, gaps: list[str]) -> list[str]:
+    """``batchlab estimate ...`` as a user types it for the run: the runs file's model part (``cli``), then the
+    shape, parallelism, precision, AC, loss and device flags from its fields; what no flag expresses goes to
+    ``gaps`` (mapped to the nearest setting)."""
     if run["precision"] in PRECISION_GAP:
         gaps.append(PRECISION_GAP[run["precision"]])
     ac = run["ac"]
     if ac.startswith("selective-layer:"):
         ac = "every:" + ac.split(":", 1)[1]  # torchtitan checkpoints blocks with index % K == 0, as every:K
     else:
-        if ac in AC_GAP:
-            gaps.append(AC_GAP[ac])
         ac = AC[ac]
-    if run["loss"] in LOSS_GAP:
-        gaps.append(f"loss {run['loss']}: " + LOSS_GAP[run["loss"]].format(vocab=model.vocab))
     if run.get("compile"):
         gaps.append("torch.compile is not modelled (fused kernels: faster, fewer saved intermediates)")
     state = run.get("optimizer_bytes_per_param")  # the optimizer's own state size (derived in `assumed`)
-    assumptions = Assumptions(optimizer_bytes_per_param=state,
-                              zero_grad_set_to_none=run.get("zero_grad_set_to_none", True),
-                              torch_version=run.get("torch_version"))
     if run["optimizer"] != "adamw":
         gaps.append(f"optimizer {run['optimizer']}: AdamW's time"
                     + (f", its own state ({state} B/param)" if state is not None else " and state"))
-    return RunConfig(model=model, model_source=source, seq=run["seq"], micro_batch=run["micro_batch"], accum=run["accum"],
-                     dp=run["dp"], precision=PRECISION[run["precision"]], ac=ac, loss=LOSS[run["loss"]],
-                     zero=SHARDING_ZERO[run["sharding"]], device=device_for(run["gpu"], catalogue, gaps),
-                     assumptions=assumptions)
+    argv = ["estimate", *shlex.split(run["cli"]), "--seq", str(run["seq"]), "--micro-batch", str(run["micro_batch"]),
+            "--accum", str(run["accum"]), "--dp", str(run["dp"]), "--zero", str(SHARDING_ZERO[run["sharding"]]),
+            "--precision", PRECISION[run["precision"]], "--ac", ac, "--loss", LOSS[run["loss"]],
+            "--device", device_for(run["gpu"])]
+    if state is not None:
+        argv += ["--optimizer-bytes", str(state)]
+    return argv
 
 
-def evaluate(run: dict, catalogue: dict[str, dict]) -> Row:
+def _model_gaps(cfg: RunConfig, run: dict) -> list[str]:
+    """Fields of the run's model the command's model does not have (flash attention counts as sdpa)."""
+    want = dict(run["model"], attention=run["model"].get("attention", run["attention"]))
+    want["attention"] = "sdpa" if want["attention"] == "flash" else want["attention"]
+    got = {k: getattr(cfg.model, k) for k in want if k != "name"}
+    return [f"model {k}: the command gives {getattr(v, 'value', v)}, the run has {want[k]}"
+            for k, v in got.items() if getattr(v, "value", v) != want[k]]
+
+
+def config_for(run: dict, gaps: list[str]) -> tuple[RunConfig, str]:
+    """The RunConfig the run's command builds through the CLI's own option parsing, and the command."""
+    argv = command_for(run, gaps)
+    parse = [str(ROOT / a) if prev == "--config" else a for prev, a in zip([""] + argv, argv)]
+    cfg = config_from_command(parse)
+    gaps.extend(_model_gaps(cfg, run))
+    return cfg, "batchlab " + shlex.join(argv)
+
+
+def evaluate(run: dict, before: dict[str, dict] | None = None) -> Row:
     row = Row(run)
     measured = run["measured"]
     if "memory_value" in measured:
         row.mem_measured = int(measured["memory_value"] * UNITS[measured["memory_unit"]])
     row.tps_measured = measured.get("tokens_per_s_per_gpu")
+    old = (before or {}).get(run["id"], {})
+    row.tps_before, row.mem_before, row.fits_before = (old.get("tokens_per_s_per_gpu"), old.get("memory_bytes"),
+                                                        old.get("fits"))
     try:
-        row.cfg = config_for(run, catalogue, row.gaps)
-    except ValueError as e:  # a ConfigError: the run cannot be expressed at all
+        row.cfg, row.command = config_for(run, row.gaps)
+    except (ValueError, ClickException) as e:  # a ConfigError or a usage error: the run cannot be typed at all
         row.failed = str(e)
         return row
     est = estimate(row.cfg)
@@ -148,6 +177,7 @@ def evaluate(run: dict, catalogue: dict[str, dict]) -> Row:
     row.fits = est.memory.fits
     row.tps_predicted = est.time.tokens_per_second / row.cfg.dp
     row.params = est.params.total
+    row.layer_terms = implementation_line(row.cfg)
     if row.tps_measured:  # the fraction of the formula's peak the measured rate implies
         peak = row.cfg.device_spec.peak_flops(row.cfg.precision)
         row.implied_fraction = row.tps_measured * est.flops.model_flops_per_token / peak
@@ -166,129 +196,129 @@ def num(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
 
-def print_table(rows: list[Row]) -> None:
-    print("| run | GPU x n | memory kind | measured GiB | predicted GiB | error | OOM verdict | measured tok/s/GPU "
-          "| predicted | error | implied fraction |")
-    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|")
+def verdict(fits: bool | None) -> str:
+    return "-" if fits is None else ("fits" if fits else "**OOM (false)**")
+
+
+def mark(run: dict) -> str:
+    return (" †" if run.get("holdout") else "") + (" (low conf.)" if "confidence" in run else "")
+
+
+def table(rows: list[Row]) -> list[str]:
+    """Memory of the kind the source measured and tokens/s per GPU, before issue 36 and now."""
+    out = ["| run | GPU × n | memory measured (kind) | before | error | now | error | verdict before → now "
+           "| tok/s/GPU measured | before | error | now | error |",
+           "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        run = r.run
-        verdict = "-" if r.fits is None else ("fits" if r.fits else "**OOM (false)**")
-        frac = "-" if r.implied_fraction is None else f"{r.implied_fraction:.2f}"
-        mark = " (held out)" if run.get("holdout") else ""
-        print(f"| {run['id']}{mark} | {run['gpu']} x {run['gpu_count']} | {run['measured'].get('memory_kind', '-')} | "
-              f"{gib(r.mem_measured)} | {gib(r.mem_predicted) if r.mem_measured else '-'} | "
-              f"{pct(r.mem_error) if r.mem_measured else '-'} | {verdict} | {num(r.tps_measured)} | "
-              f"{num(r.tps_predicted)} | {pct(r.tps_error)} | {frac} |")
-    print()
+        kind = r.run["measured"].get("memory_kind")
+        mem = f"{gib(r.mem_measured)} GiB ({kind})" if r.mem_measured else "-"
+        now = gib(r.mem_predicted) if r.mem_measured else "-"
+        before = gib(r.mem_before) if r.mem_measured else "-"
+        out.append(f"| {r.run['id']}{mark(r.run)} | {r.run['gpu']} × {r.run['gpu_count']} | {mem} | {before} | "
+                   f"{pct(r.mem_error_before)} | {now} | {pct(r.mem_error) if r.mem_measured else '-'} | "
+                   f"{verdict(r.fits_before)} → {verdict(r.fits)} | {num(r.tps_measured)} | {num(r.tps_before)} | "
+                   f"{pct(r.tps_error_before)} | {num(r.tps_predicted)} | {pct(r.tps_error)} |")
+    return out
 
 
-def print_readme_table(rows: list[Row]) -> None:
-    """The README's table: one line per run, memory of the measured kind, tokens/s per GPU."""
-    print("| run | GPU × n | measured memory (kind) | formula | error | verdict | tok/s/GPU measured | formula | error |")
-    print("|---|---|---:|---:|---:|---|---:|---:|---:|")
-    for r in rows:
-        run = r.run
-        mark = (" †" if run.get("holdout") else "") + (" (low conf.)" if "confidence" in run else "")
-        kind = run["measured"].get("memory_kind")
-        measured = f"{gib(r.mem_measured)} GiB ({kind})" if r.mem_measured else "-"
-        verdict = "-" if r.fits is None else ("fits" if r.fits else "**OOM (false)**")
-        print(f"| {run['id']}{mark} | {run['gpu']} × {run['gpu_count']} | {measured} | "
-              f"{gib(r.mem_predicted) if r.mem_measured else '-'} | {pct(r.mem_error) if r.mem_measured else '-'} | "
-              f"{verdict} | {num(r.tps_measured)} | {num(r.tps_predicted)} | {pct(r.tps_error)} |")
-
-
-def summary(rows: list[Row], key: str, what: str) -> None:
+def summary(rows: list[Row], key: str, what: str) -> str:
     errs = [(abs(getattr(r, key)), r.run["id"]) for r in rows if getattr(r, key) is not None]
     if not errs:
-        print(f"- {what}: no runs")
-        return
+        return f"- {what}: no runs"
     worst = max(errs)
-    print(f"- {what}: mean |error| {statistics.fmean(e for e, _ in errs):.1%}, median "
-          f"{statistics.median(e for e, _ in errs):.1%}, worst {worst[0]:.1%} ({worst[1]}), over {len(errs)} runs")
+    return (f"- {what}: mean |error| {statistics.fmean(e for e, _ in errs):.1%}, median "
+            f"{statistics.median(e for e, _ in errs):.1%}, worst {worst[0]:.1%} ({worst[1]}), over {len(errs)} runs")
 
 
-def print_summary(rows: list[Row]) -> None:
-    low = [r.run["id"] for r in rows if "confidence" in r.run]
-    if low:
-        print(f"Low-confidence runs (a configuration field or the figure is inferred; see `confidence`): "
-              f"{', '.join(low)}. Summaries over all runs, then without them:")
-        print()
-    confident = [r for r in rows if "confidence" not in r.run]
-    held = [r for r in confident if r.run.get("holdout")]
-    tuned = [r for r in confident if not r.run.get("holdout")]
-    for label, subset in (("all runs", rows), ("without low-confidence runs", confident),
-                          ("held-out runs (chosen before tuning), confident", held),
-                          ("the other runs, confident", tuned)):
-        if label == "without low-confidence runs" and not low:
-            continue
-        print(f"{label}:")
-        print_errors(subset)
-        print()
-
-
-def print_errors(rows: list[Row]) -> None:
-    summary(rows, "mem_error", "memory (matched to the measured kind)")
-    for kind in ("allocated", "reserved", "device"):
-        summary([r for r in rows if r.run["measured"].get("memory_kind") == kind], "mem_error", f"  memory, {kind}")
-    summary(rows, "tps_error", "tokens/s per GPU")
-    false_oom = [r.run["id"] for r in rows if r.fits is False]
-    print(f"- false OOM verdicts (the run ran): {len(false_oom)}" + (f": {', '.join(false_oom)}" if false_oom else ""))
+def summaries(rows: list[Row]) -> list[str]:
+    out = []
+    subsets = (("all runs", rows), ("all held-out runs (†)", [r for r in rows if r.run.get("holdout")]),
+               ("issue 36's hold-outs (added before its changes)", [r for r in rows if r.run.get("added_for") == "issue 36"]),
+               ("runs not held out", [r for r in rows if not r.run.get("holdout")]),
+               ("without low-confidence runs", [r for r in rows if "confidence" not in r.run]))
+    for label, subset in subsets:
+        out.append(f"{label}:")
+        out.append(summary(subset, "mem_error", "memory now (the kind each source measured)"))
+        out.append(summary(subset, "mem_error_before", "memory before"))
+        out.append(summary(subset, "tps_error", "tokens/s per GPU now"))
+        out.append(summary(subset, "tps_error_before", "tokens/s per GPU before"))
+        false_now = [r.run["id"] for r in subset if r.fits is False]
+        false_before = [r.run["id"] for r in subset if r.fits_before is False]
+        out.append(f"- false OOM verdicts (the run ran): now {len(false_now)}" + (f" ({', '.join(false_now)})" if false_now else "")
+                   + f", before {len(false_before)}" + (f" ({', '.join(false_before)})" if false_before else ""))
+        out.append("")
     for r in rows:  # a source that reports an OOM at a larger micro-batch: the formula must say OOM there too
         if r.run["measured"].get("oom_at_micro_batch_2") and r.cfg is not None:
             m = estimate(r.cfg.replace(micro_batch=2)).memory
-            print(f"- true OOM check, {r.run['id']} at micro-batch 2 (the source: OOM): reserved "
-                  f"{m.reserved_bytes / 2**30:.1f} GiB of {m.capacity_bytes / 2**30:.2f} -> "
-                  f"{'OOM (agrees)' if not m.fits else 'fits (DISAGREES)'}")
-    fracs = [r.implied_fraction for r in rows if r.implied_fraction is not None]
-    if fracs:
-        print(f"- implied achievable fraction (measured tok/s x formula model FLOPs/token / formula peak): "
-              f"{min(fracs):.2f}-{max(fracs):.2f}, median {statistics.median(fracs):.2f} (batchlab's defaults per device "
-              f"and precision: formula/efficiency.py, HFU of the runs not held out)")
+            out.append(f"- true OOM check, {r.run['id']} at micro-batch 2 (the source: OOM): reserved "
+                       f"{m.reserved_bytes / 2**30:.1f} GiB of {m.capacity_bytes / 2**30:.2f} -> "
+                       f"{'OOM (agrees)' if not m.fits else 'fits (DISAGREES)'}")
+    return out
 
 
-def print_details(rows: list[Row]) -> None:
-    print("What RunConfig cannot express yet (mapped to the nearest setting), and parameter counts:")
-    print()
+def details(rows: list[Row]) -> list[str]:
+    out = []
     for r in rows:
-        lines = list(r.gaps)
+        out.append(f"- **{r.run['id']}**{mark(r.run)}: `{r.command or 'not typed'}`")
+        out.append(f"  - source: {r.run['source']}")
+        if r.layer_terms:
+            out.append(f"  - {r.layer_terms}")
+        for line in r.gaps:
+            out.append(f"  - not expressed: {line}")
         published = r.run["measured"].get("published_params")
         if published and r.params:
-            lines.append(f"parameters: formula {r.params:,} vs published {published:,} "
-                         f"({pct(relative_to(r.params, published))})")
+            out.append(f"  - parameters: formula {r.params:,} vs published {published:,} "
+                       f"({pct(relative_to(r.params, published))})")
         if r.failed:
-            lines.append(f"NOT EVALUATED: {r.failed}")
-        if lines:
-            print(f"- {r.run['id']}:")
-            for line in lines:
-                print(f"  - {line}")
-    print()
+            out.append(f"  - NOT EVALUATED: {r.failed}")
+    return out
+
+
+def document(rows: list[Row], argv: list[str]) -> str:
+    import datetime
+    import platform
+    from importlib import metadata
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed (the formula does not use it)"
+    lines = ["# Accuracy on published training runs", "",
+             "What `batchlab estimate` predicts for published GPU training runs, typed as a user types them "
+             "(each run's command below is parsed by the CLI's own option parsing), beside what the sources "
+             "measured. Error = (predicted - measured) / measured; memory is compared with the kind the source "
+             "measured (allocated, reserved, or nvidia-smi's device view). *Before*: the same runs with the code "
+             "before issue 36 (benchmarks/published_before.toml; torchtitan's runs then went through an hf:llama "
+             "source). † marks runs held out (chosen before tuning; never tuned against).", "",
+             f"- generated: {datetime.date.today().isoformat()} on {platform.system()} {platform.machine()} "
+             f"(Python {platform.python_version()}, torch {torch_version}; formula only, no GPU needed)",
+             f"- reproduce: `PYTHONPATH=src python benchmarks/published.py{(' ' + shlex.join(argv)) if argv else ''}`",
+             "", "## Summary", "", *summaries(rows), "## Runs", "", *table(rows), "",
+             "## Commands, sources and what the command cannot express", "", *details(rows), ""]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=Path, default=HERE / "published_runs.toml")
-    p.add_argument("--gpus", type=Path, default=HERE / "gpu_catalogue.toml")
-    p.add_argument("--only", default="", help="comma-separated run ids")
-    p.add_argument("--readme", action="store_true", help="only the README's table")
+    p.add_argument("--before", type=Path, default=HERE / "published_before.toml")
+    p.add_argument("--only", default="", help="comma-separated run ids (prints, writes nothing)")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "accuracy" / "published.md")
     args = p.parse_args(argv)
     runs = load(args.runs)["run"]
-    catalogue = {g["key"]: g for g in load(args.gpus)["gpu"]}
+    before = {r["id"]: r for r in load(args.before)["run"]} if args.before.exists() else {}
     if args.only:
         wanted = set(args.only.split(","))
         runs = [r for r in runs if r["id"] in wanted]
         if not runs:
             print(f"--only: no run named {args.only!r}", file=sys.stderr)
             return 2
-    rows = [evaluate(r, catalogue) for r in runs]
-    if args.readme:
-        print_readme_table(rows)
-        return 0
-    print(f"batchlab formula vs {len(rows)} published GPU runs ({args.runs.name}); "
-          "error = (predicted - measured) / measured; tokens/s per GPU.")
-    print()
-    print_table(rows)
-    print_summary(rows)
-    print_details(rows)
+    rows = [evaluate(r, before) for r in runs]
+    text = document(rows, list(argv or sys.argv[1:]))
+    print(text)
+    if not args.only:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
     return 0
 
 

@@ -32,6 +32,8 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "kv_heads": (Optional[int], None, "Override: key/value heads (GQA)."),
     "ffn": (Optional[int], None, "Override: MLP inner size."),
     "vocab": (Optional[int], None, "Override: vocabulary size V."),
+    "max_positions": (Optional[int], None, "Override: the longest sequence the model takes (its learned position "
+                                           "table's length)."),
     "mlp": (Optional[str], None, "Override: gelu or swiglu."),
     "norm": (Optional[str], None, "Override: layernorm or rmsnorm."),
     "dropout": (Optional[float], None, "Override: dropout probability (0 = off)."),
@@ -65,8 +67,8 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "comm_overlap": (Optional[float], None, "Fraction of communication hidden behind compute (default: the "
                                             "engine's model: DDP buckets, FSDP prefetch)."),
 }
-MODEL_OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp", "norm", "dropout", "attention",
-                   "impl")
+MODEL_OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_positions", "mlp", "norm", "dropout",
+                   "attention", "impl")
 
 
 def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:
@@ -249,8 +251,7 @@ def with_config(fn: Callable) -> Callable:
     def wrapper(**kwargs):
         ctx = kwargs.pop("batchlab_ctx")
         config_kwargs = {k: kwargs.pop(k) for k in CONFIG_OPTIONS}
-        typed = {k for k in CONFIG_OPTIONS if (src := ctx.get_parameter_source(k)) is not None
-                 and src.name in ("COMMANDLINE", "ENVIRONMENT", "PROMPT")}
+        typed = _typed_in(ctx)
         _TYPED.clear()
         _TYPED.update(typed)
         try:
@@ -263,6 +264,25 @@ def with_config(fn: Callable) -> Callable:
 
     wrapper.__signature__ = inspect.Signature(own + shared + [json_param, ctx_param])
     return wrapper
+
+
+def _typed_in(ctx) -> set[str]:
+    """The shared config options the user typed (not defaults) in a click context."""
+    return {k for k in CONFIG_OPTIONS if (src := ctx.get_parameter_source(k)) is not None
+            and src.name in ("COMMANDLINE", "ENVIRONMENT", "PROMPT")}
+
+
+def config_from_command(argv: Iterable[str]) -> RunConfig:
+    """The RunConfig ``batchlab COMMAND ARGS...`` builds (``argv`` = [COMMAND, *ARGS]), parsed by the command's own
+    options exactly as when typed (click through typer, then build_config); nothing runs, nothing is traced."""
+    import typer.main
+
+    from batchlab.cli import load_commands
+
+    name, *args = list(argv)
+    command = typer.main.get_command(load_commands([name])).commands[name]
+    ctx = command.make_context(name, args)
+    return build_config(given=_typed_in(ctx), **{k: ctx.params[k] for k in CONFIG_OPTIONS})
 
 
 def config_warnings(cfg: RunConfig) -> list[str]:
