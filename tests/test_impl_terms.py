@@ -157,3 +157,50 @@ def test_hf_gpt2_count_matches_a_trace_of_transformers():
     spec = preset("gpt2", layers=2, hidden=64, heads=4, vocab=256, max_positions=128)
     counted = act.layer_activations(spec, S, B, Precision.BF16, Backend.CPU, act.Impl.HF_GPT2).total
     assert counted == hf_layer_bytes(spec, S, B)
+
+
+# -- nanoGPT's GPT block, re-written from karpathy/nanoGPT model.py (CausalSelfAttention with the flash path,
+# MLP with nn.GELU, LayerNorm with bias=False)
+class NanoBlock(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim, bias=False), nn.LayerNorm(dim, bias=False)
+        self.c_attn, self.attn_proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.c_fc, self.gelu, self.mlp_proj = nn.Linear(dim, 4 * dim, bias=False), nn.GELU(), nn.Linear(4 * dim, dim, bias=False)
+
+    def attn(self, x):
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.attn_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp_proj(self.gelu(self.c_fc(self.ln_2(x))))
+
+
+def test_nanogpt_count_matches_a_trace_of_its_code():
+    spec = preset("gpt2", impl="nanogpt", bias=False, layers=2, hidden=64, heads=4, vocab=256, max_positions=128)
+    x = torch.randn(B, S, 64, dtype=torch.bfloat16, requires_grad=True)
+
+    def run(n):
+        torch.manual_seed(0)
+        blocks = nn.Sequential(*(NanoBlock(64, 4) for _ in range(n))).to(torch.bfloat16)
+        return saved_bytes(lambda: blocks(x), list(blocks.parameters()))
+
+    counted = act.layer_activations(spec, S, B, Precision.BF16, Backend.CPU, act.Impl.NANOGPT).total
+    assert counted == run(2) - run(1)
+
+
+def test_implementations_keep_different_bytes_at_the_same_shape():
+    """The reason --impl exists: at llama-2-13b's published torchtitan shape (seq 4096, micro-batch 2, bf16 on a
+    GPU), transformers' Llama keeps its RMSNorm's fp32 upcast where torchtitan's fused nn.RMSNorm keeps the input."""
+    spec = preset("llama-2-13b")
+    hf = act.layer_activations(spec, 4096, 2, Precision.BF16_FSDP, Backend.CUDA, act.Impl.HF_LLAMA)
+    tt = act.layer_activations(spec, 4096, 2, Precision.BF16_FSDP, Backend.CUDA, act.Impl.TT_LLAMA)
+    sbh = 4096 * 2 * 5120
+    # per norm: the fp32 upcast (4 B) and x * rstd cast back (2 B) where the fused kernel keeps the bf16 input (2 B)
+    assert hf.norms - tt.norms == 2 * (4 * sbh)
+    assert (hf.qkv, hf.mlp) == (tt.qkv, tt.mlp)  # rotated q, k and v; gate, silu, up, product

@@ -198,7 +198,8 @@ def test_llama_2_7b_traces_at_full_width():
 def test_autocast_weight_copies_are_parameters_not_activations(micro_batch):
     # bf16-mixed: autocast makes a 16-bit copy of every weight in forward and keeps it for backward; the
     # formula counts it under parameters ("16-bit working copies"), so must the tracker (real run and trace)
-    spec = preset("llama-2-7b", layers=2, hidden=128, heads=4, kv_heads=4, ffn=344, vocab=512, max_positions=256)
+    spec = preset("llama-2-7b", layers=2, hidden=128, heads=4, kv_heads=4, ffn=344, vocab=512, max_positions=256,
+                  impl="batchlab")  # batchlab's GPT of this shape (the preset defaults to transformers')
     cfg = RunConfig(model=spec, seq=64, micro_batch=micro_batch, precision="bf16-mixed")
     from batchlab.formula import estimate as formula
 
@@ -217,7 +218,8 @@ def test_formula_peak_phase_and_forward_peak_agree_with_a_real_mixed_precision_r
     # (forward +4.4% here, and at llama-2-7b seq 4096 micro-batch 1 selective it put the peak in forward)
     from batchlab.formula import estimate as formula
 
-    spec = preset("llama-2-7b", layers=2, hidden=128, heads=4, kv_heads=4, ffn=344, vocab=4096, max_positions=256)
+    spec = preset("llama-2-7b", layers=2, hidden=128, heads=4, kv_heads=4, ffn=344, vocab=4096, max_positions=256,
+                  impl="batchlab")
     cfg = RunConfig(model=spec, seq=64, micro_batch=micro_batch, precision="bf16-mixed", ac=ac)
     real = track_update(Trainer(cfg, "cpu"))
     f = formula(cfg).memory

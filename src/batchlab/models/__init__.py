@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from batchlab.config import Counted, DataKind, ModelSource, RunConfig
+from batchlab.config import Counted, DataKind, Implementation, MLPKind, ModelSource, RunConfig
 
 # make_batch(generator, micro_batch, seq, device) -> (tokens, targets); targets use -100 for padding.
 BatchMaker = Callable[[torch.Generator, int, int, torch.device], tuple[torch.Tensor, torch.Tensor]]
@@ -52,9 +52,19 @@ def build_workload(cfg: RunConfig) -> Workload:
     """The workload for cfg.model_source (random init, nothing downloaded), with cfg.loss's loss path."""
     from batchlab.models.loss import loss_fn
 
+    cfg = runnable(cfg)
     wl = _source_workload(cfg)
     wl.loss_sum = loss_fn(cfg.loss, cfg.model_kind, wl.loss_sum)
     return wl
+
+
+def runnable(cfg: RunConfig) -> RunConfig:
+    """The config whose code the harness runs: a preset with ``--impl hf`` is built with transformers' class of
+    its family (what the calculator counts for it), as ``hf:gpt2`` / ``hf:llama-2-7b`` with its shape; torchtitan
+    and nanoGPT are not installed here, so their shapes run as batchlab's GPT (config_warnings says so)."""
+    if cfg.model_kind is ModelSource.BUILTIN and cfg.model.impl is Implementation.HF:
+        return cfg.replace(model_source="hf:" + ("llama-2-7b" if cfg.model.mlp is MLPKind.SWIGLU else "gpt2"))
+    return cfg
 
 
 def _source_workload(cfg: RunConfig) -> Workload:
@@ -62,8 +72,10 @@ def _source_workload(cfg: RunConfig) -> Workload:
         from batchlab.models.gpt import GPT
 
         model = GPT(cfg.model)
+        stand_in = (f"; {cfg.model.impl.label} is not run here: its shape runs as batchlab's GPT"
+                    if cfg.model.impl is not Implementation.BATCHLAB else "")
         return Workload(model, model.blocks, synthetic_tokens(cfg.model.vocab, cfg.data), _builtin_loss,
-                        f"built-in GPT ({cfg.model.name})")
+                        f"built-in GPT ({cfg.model.name}{stand_in})")
     if cfg.model_kind is ModelSource.HF:
         from batchlab.models.hf import build_hf_workload
 
