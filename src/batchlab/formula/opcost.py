@@ -198,6 +198,10 @@ class OpCosts:
     # (FLOPs per call, FLOPs per fp32 byte its operands and output move) of the shapes the linear-layer curve was
     # timed on, ascending; empty: unknown (nominal figures, an older cache)
     matmul_intensity: tuple[tuple[float, float], ...] = ()
+    # GPU: a batched matmul or a fused attention call is one kernel over all its (batch, head) entries (cuBLAS
+    # strided-batched, FlashAttention's grid: Dao et al. 2022 sec. 3.1), so the whole call's FLOPs set its rate;
+    # False: the CPU kernels' loop over entries, each entry's size sets it (and a start-up per call)
+    whole_call_rate: bool = False
     source: str = "nominal"
 
     def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:
@@ -229,7 +233,8 @@ class OpCosts:
             if not op.flops:
                 return 0.0
             start = self.matmul_start.get(f"{kind}-{'bf16' if op.low_precision else 'fp32'}")
-            return (op.flops / self.matmul_rate(op.grain or op.flops, op.low_precision, kind)
+            grain = 0 if self.whole_call_rate else op.grain
+            return (op.flops / self.matmul_rate(grain or op.flops, op.low_precision, kind)
                     + (interpolate_log(start, op.grain) if start else 0.0)
                     + (0.0 if op.grain else self.excess_bytes(op) / self.memory[-1][1]))
         if op.klass is OpClass.MEMORY:
