@@ -1,5 +1,6 @@
 """--impl: whose code a preset's layer terms count, chosen on the command line and said by estimate."""
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -9,6 +10,7 @@ from batchlab.cli.common import config_from_command
 from batchlab.config import Implementation
 
 runner = CliRunner()
+MPT = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "mpt.toml"
 # torchtitan docs/performance.md @ 613bfd0c: Llama 2 13B, 64 A100 80GB, FSDP, local batch 2, seq 4096 (its
 # train_configs/llama_13b.toml), no activation checkpointing: '13B | 2 | no | 2162 | 61.1%' -- it ran
 LLAMA13B = ["--model", "llama-2-13b", "--seq", "4096", "--micro-batch", "2", "--dp", "64", "--zero", "3",
@@ -53,3 +55,13 @@ def test_the_published_llama_2_13b_run_fits_typed_as_torchtitan():
     assert r.exit_code == 0, r.output
     mem = json.loads(r.stdout)["memory"]
     assert mem["fits"] is True and mem["reserved_bytes"] < mem["capacity_bytes"]
+
+
+def test_a_config_files_derived_widths_follow_the_flags_that_change_them():
+    """A [config.model] table without kv_heads / ffn gets them derived (heads, 4h); --heads and --hidden typed on
+    top must re-derive them, not keep the file's (an accidental 2:1 GQA and a 4 x 2048 MLP at hidden 4096)."""
+    cfg = config_from_command(["estimate", "--config", str(MPT), "--layers", "32",
+                               "--hidden", "4096", "--heads", "32"])
+    assert (cfg.model.heads, cfg.model.kv_heads, cfg.model.ffn) == (32, 32, 4 * 4096)
+    gqa = config_from_command(["estimate", "--model", "llama-2-70b", "--heads", "32"])
+    assert gqa.model.kv_heads == 8  # a width set apart from the default stays

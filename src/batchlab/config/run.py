@@ -14,7 +14,7 @@ from typing import Any
 from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, Counted, DataKind, Implementation, LossMode,
                                      ModelSource, OptimizerKind, Precision)
 from batchlab.config.devices import DeviceSpec, device
-from batchlab.config.model import ModelSpec, preset
+from batchlab.config.model import ModelSpec, default_ffn, preset
 from batchlab.config.values import SEED_MAX, SIZE_MAX, finite_number, parse_bytes, whole_number
 
 
@@ -251,7 +251,7 @@ class RunConfig:
             raise ConfigError(unknown[0], f"unknown field; known: {', '.join(CHANGEABLE_FIELDS)}")
         assumption_changes = {k: changes.pop(k) for k in list(changes) if k in ASSUMPTION_FIELDS}
         if model_changes:
-            changes["model"] = dataclasses.replace(self.model, **model_changes)
+            changes["model"] = dataclasses.replace(self.model, **_derived_follow(self.model, model_changes))
         if assumption_changes:
             changes["assumptions"] = dataclasses.replace(self.assumptions, **assumption_changes)
         return dataclasses.replace(self, **changes)
@@ -276,6 +276,18 @@ class RunConfig:
 
 RUN_FIELDS = tuple(f.name for f in fields(RunConfig))
 ASSUMPTION_FIELDS = tuple(f.name for f in fields(Assumptions))
+def _derived_follow(m: ModelSpec, changes: dict[str, Any]) -> dict[str, Any]:
+    """``changes`` plus the fields ModelSpec derives from them where ``m`` kept the derived default: kv_heads
+    follows heads in a multi-head model, ffn follows hidden (and the MLP kind) where it was the default width;
+    a value set apart from the default, or given alongside, stays."""
+    out = dict(changes)
+    if "heads" in out and "kv_heads" not in out and m.kv_heads == m.heads:
+        out["kv_heads"] = None
+    if ("hidden" in out or "mlp" in out) and "ffn" not in out and m.ffn == default_ffn(m.hidden, m.mlp):
+        out["ffn"] = None
+    return out
+
+
 CHANGEABLE_FIELDS = (tuple(n for n in RUN_FIELDS if n not in ("model", "assumptions")) + MODEL_FIELDS
                      + ASSUMPTION_FIELDS)
 
