@@ -45,3 +45,18 @@ def test_small_models_lose_more_of_the_peak_than_large_ones():
                       device="a100-80gb")
     big = small.replace(model=preset("gpt2", layers=32, hidden=4096, heads=32, max_positions=2048))
     assert estimate(small).mfu < 0.9 * estimate(big).mfu
+
+
+def test_torchtitans_rms_norm_is_one_kernel_each_way_on_a_gpu():
+    """torchtitan's nn.RMSNorm reaches ATen's _fused_rms_norm on CUDA (its 2024 configs: a fused Triton kernel);
+    transformers' LlamaRMSNorm runs its Python ops: two norms per layer and the final one, one kernel each."""
+    from batchlab.formula.oplist import micro_batch_ops
+
+    tt = RunConfig(model=preset("llama-2-7b", layers=4, impl="torchtitan"), seq=1024, micro_batch=2,
+                   precision="bf16-fsdp", device="a100-80gb")
+    fused = [o for o in micro_batch_ops(tt) if o.name == "_fused_rms_norm"]
+    assert sum(o.count for o in fused) == 2 * 4 + 1
+    hf = micro_batch_ops(tt.replace(impl="hf"))
+    assert not [o for o in hf if o.name.startswith("_fused_rms_norm")]
+    assert sum(o.bytes * o.count for o in micro_batch_ops(tt) if o.klass.value != "matmul") < \
+        sum(o.bytes * o.count for o in hf if o.klass.value != "matmul")

@@ -17,7 +17,7 @@ from collections import Counter
 
 from dataclasses import dataclass
 
-from batchlab.config import AttentionImpl, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
+from batchlab.config import AttentionImpl, Backend, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.opcost import OpCount, Phase, merge, op_class
@@ -33,6 +33,7 @@ class _W:
     e: int  # matmul operands / outputs
     res: int  # residual stream and norms (fp32 under autocast)
     autocast: bool
+    fused_rms: bool = False  # torch.rms_norm on CUDA: one _fused_rms_norm kernel each way (torchtitan's nn.RMSNorm)
 
     @property
     def low(self) -> bool:
@@ -86,6 +87,11 @@ class _Ops:
             self.add(_op("native_layer_norm", ph, t * h, 2 * t * h * r + 2 * h * r + 2 * t * F32))
             if backward:
                 self.add(_op("native_layer_norm_backward", BWD, t * h, 3 * t * h * r + 2 * t * F32 + 2 * h * r))
+            return
+        if self.w.fused_rms:  # reads x and the weight, writes y and rstd; backward reads dy, x, rstd, writes dx, dw
+            self.add(_op("_fused_rms_norm", ph, t * h, 2 * t * h * r + h * r + t * F32))
+            if backward:
+                self.add(_op("_fused_rms_norm_backward", BWD, t * h, 3 * t * h * r + t * F32 + 2 * h * r))
             return
         # F.rms_norm on CPU is composite: pow, mean, add, rsqrt, mul, mul (weight)
         self.add(_op("pow", ph, t * h, 2 * t * h * r), _op("mean", ph, t, t * h * r + t * F32),
@@ -315,7 +321,12 @@ def _data(ops: _Ops, cfg: RunConfig) -> None:
 
 def _widths(cfg: RunConfig) -> _W:
     e = cfg.precision.compute_bytes
-    return _W(e=e, res=2 if cfg.precision is Precision.BF16 else 4, autocast=cfg.precision.mixed)
+    # torchtitan's nn.RMSNorm reaches ATen's fused kernel on CUDA (its 2024 configs: norm_type "fused_rmsnorm",
+    # a Triton kernel); transformers' LlamaRMSNorm is Python ops on every backend
+    fused = (cfg.device_spec.backend is Backend.CUDA
+             and implementation(cfg.model_kind, cfg.model) is Impl.TT_LLAMA)
+    return _W(e=e, res=2 if cfg.precision.low_precision_residual else 4, autocast=cfg.precision.mixed,
+              fused_rms=fused)
 
 
 def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
