@@ -293,7 +293,7 @@ def document(rows: list[Row], argv: list[str]) -> str:
              f"- generated: {datetime.date.today().isoformat()} on {platform.system()} {platform.machine()} "
              f"(Python {platform.python_version()}, torch {torch_version}; formula only, no GPU needed)",
              f"- reproduce: `PYTHONPATH=src python benchmarks/published.py{(' ' + shlex.join(argv)) if argv else ''}`",
-             "", "## Summary", "", *summaries(rows), "## Runs", "", *table(rows), "",
+             "", "## Summary", "", *summaries(rows), "", "## Runs", "", *table(rows), "",
              "## Commands, sources and what the command cannot express", "", *details(rows), ""]
     return "\n".join(lines)
 
