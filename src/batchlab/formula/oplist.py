@@ -34,6 +34,7 @@ class _W:
     res: int  # residual stream and norms (fp32 under autocast)
     autocast: bool
     fused_rms: bool = False  # torch.rms_norm on CUDA: one _fused_rms_norm kernel each way (torchtitan's nn.RMSNorm)
+    cuda: bool = False  # CUDA kernels (F.dropout is one native_dropout kernel there)
 
     @property
     def low(self) -> bool:
@@ -105,6 +106,11 @@ class _Ops:
 
     def dropout(self, ph: Phase, n: int, p: float, width: int, backward: bool = True) -> None:
         if p <= 0:
+            return
+        if self.w.cuda:  # native_dropout: reads x, writes the output and a bool mask; backward: one masked scale
+            self.add(_op("native_dropout", ph, n, n * (2 * width + 1)))
+            if backward:
+                self.add(_op("native_dropout_backward", BWD, n, n * (2 * width + 1)))
             return
         self.add(_op("empty_like", ph, n, 0), _op("bernoulli_", ph, n, 2 * n * width), _op("div_", ph, n, 2 * n * width),
                  _op("mul", ph, n, 3 * n * width))
@@ -326,7 +332,7 @@ def _widths(cfg: RunConfig) -> _W:
     fused = (cfg.device_spec.backend is Backend.CUDA
              and implementation(cfg.model_kind, cfg.model) is Impl.TT_LLAMA)
     return _W(e=e, res=2 if cfg.precision.low_precision_residual else 4, autocast=cfg.precision.mixed,
-              fused_rms=fused)
+              fused_rms=fused, cuda=cfg.device_spec.backend is Backend.CUDA)
 
 
 def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
