@@ -262,8 +262,8 @@ _SIZES, _OPTIMIZER, _MICRO, _UPDATE = cache(), cache(), cache(), cache()
 
 
 def _micro_key(cfg: RunConfig) -> tuple:
-    """Every field micro_batch_ops reads (model_kind derives from model_source)."""
-    return cfg.model, cfg.model_source, cfg.seq, cfg.micro_batch, cfg.precision, cfg.ac, cfg.loss
+    """Every field micro_batch_ops reads (model_kind derives from model_source; the backend picks CUDA's kernels)."""
+    return cfg.model, cfg.model_source, cfg.seq, cfg.micro_batch, cfg.precision, cfg.ac, cfg.loss, cfg.device_spec.backend
 
 
 def parameter_sizes(cfg: RunConfig) -> tuple[int, ...]:
@@ -327,10 +327,8 @@ def _data(ops: _Ops, cfg: RunConfig) -> None:
 
 def _widths(cfg: RunConfig) -> _W:
     e = cfg.precision.compute_bytes
-    # torchtitan's nn.RMSNorm reaches ATen's fused kernel on CUDA (its 2024 configs: norm_type "fused_rmsnorm",
-    # a Triton kernel); transformers' LlamaRMSNorm is Python ops on every backend
-    fused = (cfg.device_spec.backend is Backend.CUDA
-             and implementation(cfg.model_kind, cfg.model) is Impl.TT_LLAMA)
+    # torchtitan's nn.RMSNorm reaches ATen's fused kernel on CUDA (2024: a Triton "fused_rmsnorm"); HF's is Python ops
+    fused = cfg.device_spec.backend is Backend.CUDA and implementation(cfg.model_kind, cfg.model) is Impl.TT_LLAMA
     return _W(e=e, res=2 if cfg.precision.low_precision_residual else 4, autocast=cfg.precision.mixed,
               fused_rms=fused, cuda=cfg.device_spec.backend is Backend.CUDA)
 
