@@ -41,7 +41,7 @@ from batchlab.formula import estimate as formula_estimate
 from batchlab.host import cpu_hardware
 from batchlab.trace import estimate as trace_estimate
 from batchlab.trace.profile import with_profile
-from batchlab.units import relative_to
+from batchlab.util.units import relative_to
 
 # Hugging Face families through hf:CONFIG.json (2 layers, h 128, random init): the calculator's layer terms
 # come from each model's own code (a layer profile, trace/profile.py), not from a table per family.

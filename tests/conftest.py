@@ -7,7 +7,7 @@ Semantics do not depend on the thread count; timing assertions are ratios measur
 import os
 import sys
 
-from batchlab.regime import STEADY_ENV
+from batchlab.host.regime import STEADY_ENV
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every subprocess a test starts
 # Compiled modules cached in the checkout's (ignored) __pycache__ folders: with PYTHONDONTWRITEBYTECODE=1 (set

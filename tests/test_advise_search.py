@@ -10,7 +10,7 @@ import pytest
 from batchlab.advise import Goal, Trial, fit, isolated_measure, max_trials, search_largest, trial_from_measurement
 from batchlab.advise.plan import divisors
 from batchlab.advise.search import TrialOutcome
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 from batchlab.config import RunConfig, preset
 from batchlab.measure.result import MeasuredMemory, Measurement, Outcome
 

@@ -16,7 +16,7 @@ from batchlab.calibrate import Calibration, auto, ensure, load_all, load_cached,
 from batchlab.cli import app
 from batchlab.config import ConfigError, RunConfig
 from batchlab.host import cpu_hardware
-from batchlab.measure.speed import BUNDLE
+from batchlab.host.speed import BUNDLE
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from batchlab import regime
+from batchlab.host import regime
 from batchlab.config import RunConfig, preset
 from batchlab.distributed import forked
 from batchlab.measure.options import MeasureOptions
@@ -149,7 +149,7 @@ def test_gradients_are_all_reduced_once_per_update(runs, accum):
     assert all(0 < a < t for a, t in zip(c.seconds, m.time.samples))
     assert c.backend == "gloo" and c.world_size == 2 and "NVLink" in c.scope
     assert m.environment["launcher"] == (forked.LAUNCHER if accum == 1 else "torchrun (external)")
-    if accum == 1:  # ranks batchlab launched run in its allocator regime (freed memory kept: batchlab.regime)
+    if accum == 1:  # ranks batchlab launched run in its allocator regime (freed memory kept: batchlab.host.regime)
         assert m.environment["allocator"] == regime.describe(regime.steady_env({}))
 
 

@@ -14,7 +14,7 @@ from batchlab.config import ConfigError
 from batchlab.experiment.compare import run
 from batchlab.report import write_report
 from batchlab.report.document import notebook_markdown
-from batchlab.text import for_html, for_markdown, for_mathtext, for_rich
+from batchlab.util.text import for_html, for_markdown, for_mathtext, for_rich
 from fake_measure import FakeMeasure, plan_for
 
 PAYLOADS = ["<script>alert(1)</script>", "<img src=x onerror=alert(1)>", "[/oops]", "[bold]x[/bold]",

@@ -14,7 +14,7 @@ from batchlab.experiment.notebook import SCHEMA, Notebook
 from batchlab.experiment.predict import Direction, Metric
 from batchlab.experiment.record import SCHEMA_VERSION, Kind, Record, Status
 from batchlab.measure.result import Measurement
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 from batchlab.report import export
 from batchlab.timeline.data import STORED_WIDTH
 from fake_measure import FakeMeasure, fake_timeline, plan_for

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from batchlab.experiment.factors import LoadSampler, Proc, Usage, cpu_times, tree_cpu_seconds, uncontrolled
+from batchlab.host.load import LoadSampler, Proc, Usage, cpu_times, tree_cpu_seconds, uncontrolled
 
 
 def test_usage_counts_processes_born_and_gone_during_the_run_and_not_our_own_tree():
@@ -74,7 +74,7 @@ def test_polled_watch_samples_only_when_polled_and_runs_no_thread():
 
 
 def test_polled_sampling_is_spaced_by_its_own_cost(monkeypatch):
-    from batchlab.experiment import factors
+    from batchlab.host import load as factors
 
     def slow_sample():  # a sample that takes at least 10 ms (a machine with many processes)
         time.sleep(0.01)
@@ -91,7 +91,7 @@ def test_polled_sampling_is_spaced_by_its_own_cost(monkeypatch):
 
 
 # a child that forks a grandchild, which burns CPU and exits, and waits for it, then stays alive: as the
-# pre-imported process (measure/warm.py) forks the measuring processes and reaps them, alive till batchlab exits
+# pre-imported process (host/warm.py) forks the measuring processes and reaps them, alive till batchlab exits
 REAPER = """
 import os, sys, time
 print("ready", flush=True)

@@ -124,14 +124,14 @@ def test_an_isolated_worker_dies_with_its_parent_killed_by_sigkill(tmp_path, pla
 # SIGKILL of a parent whose pre-imported process has forks is test_an_isolated_worker_dies_with_its_parent's case
 @pytest.mark.parametrize("sig, launcher", [(signal.SIGKILL, "torchrun"), (signal.SIGTERM, "fork")])
 def test_dp_ranks_and_their_launcher_die_with_their_parent(tmp_path, sig, launcher):
-    """torchrun (under batchlab.lifeline) and its ranks, or the pre-imported process and the ranks forked from it."""
+    """torchrun (under batchlab.util.lifeline) and its ranks, or the pre-imported process and the ranks forked from it."""
     parent = _start("measure", "--nproc", "2", "--dp", "2", "--steps", "100000", "--timeout", "300",
                     "--launcher", launcher, "--no-calibrate", *TINY, cwd=tmp_path)
     try:
         folder = _wait_for(lambda: next(iter((tmp_path / "tmp").glob("batchlab-ddp-*")), None), 60, "the folder")
         ranks = _wait_for(lambda: [int(f.read_text()) for f in folder.glob("rank*.pid") if f.read_text().strip()]
                           if len(list(folder.glob("rank*.pid"))) == 2 else None, 120, "both ranks")
-        module = "batchlab.lifeline" if launcher == "torchrun" else "batchlab.measure.worker"
+        module = "batchlab.util.lifeline" if launcher == "torchrun" else "batchlab.measure.worker"
         starter = [p for p in _children(parent.pid) if module in _cmdline(p)]
         time.sleep(FORK_MEASURING_S)
         assert len(starter) == 1 and all(map(_alive, [*starter, *ranks]))
@@ -178,7 +178,7 @@ def test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row(tmp_path, sig, co
 
 def test_the_python_3_10_form_of_dash_p_drops_the_working_directory_too(tmp_path, plant_shadows):
     """module_command() on 3.10 has no -P: the -c form removes sys.path[0] before anything is imported."""
-    from batchlab import lifeline
+    from batchlab.util import lifeline
 
     marker = plant_shadows(tmp_path)
     mods = tmp_path / "mods"

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0
 
 LOOP = r"""
 import json, resource, weakref, torch
-from batchlab.measure.watch import Watch
-from batchlab.phase import Phase
+from batchlab.integrations.watch import Watch
+from batchlab.config.phase import Phase
 torch.set_num_threads(1)
 
 def loop(watched, updates=16, width=512, batch=256):
@@ -62,7 +62,7 @@ print(json.dumps({"bare": loop(False), "watched": loop(True)}))
 def test_nothing_of_the_memory_update_outlives_it_and_later_updates_fault_no_more_than_without_it():
     import os
 
-    from batchlab.regime import STEADY_ENV
+    from batchlab.host.regime import STEADY_ENV
 
     env = {**os.environ, **STEADY_ENV}
     out = subprocess.run([sys.executable, "-c", LOOP], env=env, capture_output=True, text=True, timeout=60)

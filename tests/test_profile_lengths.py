@@ -3,7 +3,7 @@ figures computed directly at every shape (a synthetic update whose storages are 
 and the fall-back to tracing every shape where sizes are not parabolas in s."""
 from __future__ import annotations
 
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 from batchlab.trace.lengths import Run, at_shapes
 
 F, B = Phase.FORWARD, Phase.BACKWARD

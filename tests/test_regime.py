@@ -1,4 +1,4 @@
-"""The steady allocator regime (batchlab.regime): batchlab's own measuring processes keep freed memory (no page
+"""The steady allocator regime (batchlab.host.regime): batchlab's own measuring processes keep freed memory (no page
 faults per update after warmup); the user's process is never changed; other allocators degrade to a warning."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import batchlab
-from batchlab import regime
+from batchlab.host import regime
 from batchlab.config import RunConfig, preset
 from batchlab.measure import MeasureOptions
 from batchlab.measure.runner import child_env
@@ -125,7 +125,7 @@ def test_a_variable_set_after_start_does_not_count():
     """glibc read the environment when the process started: putting the variables into os.environ later
     changes nothing for this process (they reach only the processes it starts)."""
     env = {k: v for k, v in os.environ.items() if k not in regime.STEADY_ENV}
-    code = ("import os; from batchlab import regime; os.environ.update(regime.STEADY_ENV); "
+    code = ("import os; from batchlab.host import regime; os.environ.update(regime.STEADY_ENV); "
             "print(regime.in_effect(), regime.in_effect(dict(os.environ)))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]
@@ -134,7 +134,7 @@ def test_a_variable_set_after_start_does_not_count():
 # a fresh 16 MiB block past the heap's high-water mark, as glibc's fragmenting free lists make one now and then
 GROW = """
 import ctypes, resource, sys
-from batchlab import regime
+from batchlab.host import regime
 touched = regime.pretouch() if sys.argv[1] == "1" else 0
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

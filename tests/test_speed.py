@@ -1,4 +1,4 @@
-"""The host speed probe (measure/speed.py) and what compare does with it (experiment.factors.host_speed,
+"""The host speed probe (host/speed.py) and what compare does with it (experiment.compare.side_speeds,
 experiment.diagnosis.time_model_absolute)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchlab.experiment.diagnosis import time_model_absolute
-from batchlab.measure.speed import BUNDLE, SpeedProbe, host_speed
+from batchlab.host.speed import BUNDLE, SpeedProbe, host_speed
 
 
 def test_the_probe_allocates_nothing_once_built():
@@ -34,8 +34,8 @@ def test_absolute_times_are_set_beside_the_measured_at_the_probed_speed():
 
 
 def test_compare_reads_the_speed_of_each_side_over_a_current_calibration(monkeypatch):
-    import batchlab.calibrate.record as record
-    from batchlab.experiment import factors
+    import batchlab.formula.calibration as record
+    from batchlab.experiment import compare
     from batchlab.experiment.protocol import Rounds
     from batchlab.measure.result import MeasuredTime, Measurement, Outcome
 
@@ -47,7 +47,7 @@ def test_compare_reads_the_speed_of_each_side_over_a_current_calibration(monkeyp
     class Cal:
         probe_seconds, probe = 5e-3, BUNDLE
     monkeypatch.setattr(record, "load_all", lambda threads=None: {"cpu": Cal()})
-    speed = factors.host_speed(rounds, 1)
+    speed = compare.side_speeds(rounds, 1)
     assert (speed["a"], speed["b"]) == (pytest.approx(1.2), pytest.approx(0.8)) and speed["reference_seconds"] == 5e-3
     Cal.probe = "another bundle"  # a reference timed on another bundle says nothing about this one
-    assert factors.host_speed(rounds, 1) == {}
+    assert compare.side_speeds(rounds, 1) == {}

@@ -1,5 +1,6 @@
-"""The shape of src/batchlab, read statically (ast): no import cycle between modules, function-level and
-TYPE_CHECKING imports included, and no module over 400 lines.  The detector is tested on tiny packages."""
+"""The shape of src/batchlab, read statically (ast): the packages in layers (each imports only its own modules
+and packages of lower layers), no import cycle between modules, function-level and TYPE_CHECKING imports
+included, and no module over 400 lines.  The detector is tested on tiny packages."""
 from __future__ import annotations
 
 import ast
@@ -8,6 +9,24 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_LINES = 400
+# The package layers, bottom first: a package may import its own modules and any package of a lower layer, never
+# one of its own layer or above.  docs/architecture.md draws the same list (a test below compares them).
+LAYERS = [
+    ["util"],
+    ["host"],
+    ["config"],
+    ["formula", "timeline"],
+    ["models"],
+    ["measure"],
+    ["distributed"],
+    ["run", "trace"],
+    ["calibrate"],
+    ["experiment", "advise"],
+    ["report"],
+    ["integrations"],
+    ["cli"],
+    ["__init__", "__main__"],  # batchlab itself (``batchlab.observe``) and ``python -m batchlab``
+]
 
 
 def modules(src: Path, package: str) -> dict[str, Path]:
@@ -46,6 +65,27 @@ def import_graph(src: Path, package: str) -> dict[str, set[str]]:
                 if target and target != mod and not mod.startswith(target + "."):
                     graph[mod].add(target)
     return graph
+
+
+def package_of(module: str) -> str:
+    """``batchlab.measure.session`` -> ``measure``; the package's own __init__ and __main__ by those names."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer_violations(graph: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
+    """Each import of a package of the same or a higher layer ("a -> b" per module edge); a package that is in
+    no layer is one too."""
+    rank = {p: i for i, layer in enumerate(layers) for p in layer}
+    out = []
+    for mod, targets in sorted(graph.items()):
+        a = package_of(mod)
+        if a not in rank:
+            out.append(f"{mod}: package {a} is in no layer")
+            continue
+        out += [f"{mod} -> {t}" for t in sorted(targets)
+                if package_of(t) != a and rank.get(package_of(t), len(layers)) >= rank[a]]
+    return out
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -122,6 +162,24 @@ def test_an_acyclic_package_has_no_cycle(tmp_path):
     assert cycles(import_graph(tmp_path, "pkg")) == []
 
 
+def test_layer_check_finds_upward_same_layer_and_unlisted_imports(tmp_path):
+    write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/low/__init__.py": "", "pkg/low/a.py": "def f():\n    from pkg.high.b import g  # upward, function-level\n",
+        "pkg/high/__init__.py": "", "pkg/high/b.py": "from pkg.low import a\nfrom pkg.side import c\n",
+        "pkg/side/__init__.py": "", "pkg/side/c.py": "",
+        "pkg/stray/__init__.py": "",
+    })
+    found = layer_violations(import_graph(tmp_path, "pkg"), [["low"], ["high", "side"], ["__init__"]])
+    assert found == ["pkg.high.b -> pkg.side", "pkg.high.b -> pkg.side.c", "pkg.low.a -> pkg.high.b",
+                     "pkg.stray: package stray is in no layer"]
+
+
+def test_every_import_goes_to_a_lower_layer():
+    found = layer_violations(import_graph(SRC, "batchlab"), LAYERS)
+    assert found == [], "imports against the layers: " + " | ".join(found)
+
+
 def test_no_import_cycle_between_modules():
     found = cycles(import_graph(SRC, "batchlab"))
     assert found == [], "import cycles: " + " | ".join(" <-> ".join(c) for c in found)
@@ -130,3 +188,37 @@ def test_no_import_cycle_between_modules():
 def test_no_module_over_400_lines():
     sizes = {m: len(p.read_text().splitlines()) for m, p in modules(SRC, "batchlab").items()}
     assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
+
+
+ARCHITECTURE = SRC.parent / "docs" / "architecture.md"
+
+
+def _block(heading: str) -> list[str]:
+    """The lines of the first code block under ``heading`` in docs/architecture.md."""
+    text = ARCHITECTURE.read_text()
+    text = text[text.index(heading):]
+    start = text.index("```\n") + 4
+    return text[start:text.index("```", start)].splitlines()
+
+
+def test_the_architecture_page_draws_the_enforced_layers_in_order():
+    drawn: dict[int, list[str]] = {}
+    for line in _block("## Packages in layers"):
+        number, package = line.split()[:2]
+        drawn.setdefault(int(number), []).append(package)
+    assert [drawn[n] for n in sorted(drawn)] == LAYERS, "docs/architecture.md's layers differ from LAYERS"
+    assert sorted(drawn) == list(range(1, len(LAYERS) + 1))
+
+
+def test_the_architecture_page_lists_every_module():
+    listed, package = set(), ""
+    for line in _block("## Modules")[1:]:
+        indent, name = len(line) - len(line.lstrip()), line.split()[0]
+        if indent == 2 and name.endswith("/"):
+            package = name.rstrip("/")
+        else:
+            listed.add(f"{package}/{name}" if indent == 4 else name)
+    src = SRC / "batchlab"
+    actual = {str(p.relative_to(src)) for p in src.rglob("*.py")
+              if p.name != "__init__.py" or p.parent == src or len(list(p.parent.glob("*.py"))) == 1}
+    assert sorted(actual - listed) == [] and sorted(listed - actual) == []

@@ -9,8 +9,8 @@ import torch
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import StorageTracker, track_update
 from batchlab.timeline.data import CATEGORIES, aligned, downsample, fold
-from batchlab.timeline.measured import record
-from batchlab.timeline.record import TimelineRecorder, block_of
+from batchlab.measure.timeline_update import record
+from batchlab.measure.timeline_tracker import TimelineRecorder, block_of
 from batchlab.trace import estimate
 from shapes import hf_gpt2, hf_llama, tiny
 
@@ -173,7 +173,7 @@ def test_png_html_and_pair(tmp_path, traced):
 
 def test_cuda_replay_by_hand():
     """The allocator-history replay on hand-made events (runs without a GPU)."""
-    from batchlab.timeline.cuda import _Marks, _replay
+    from batchlab.measure.timeline_cuda import _Marks, _replay
 
     probe = _Marks(trainer=None, device=None)
     # (phase, allocations, frees) as memory_stats counts them at each mark

@@ -12,7 +12,7 @@ from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import track_update, tracker_for
 from batchlab.models import Workload, synthetic_tokens
 from batchlab.trace import estimate
-from batchlab.trace.tree import OUTSIDE, ModuleStack
+from batchlab.models.owners import OUTSIDE, ModuleStack
 from shapes import hf_gpt2, hf_llama, tiny
 
 

@@ -5,7 +5,7 @@ import pytest
 from typer.testing import CliRunner
 
 from batchlab.cli import app
-from batchlab.units import fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_value, plural
+from batchlab.util.units import fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_value, plural
 
 
 def run(*args):

@@ -1,4 +1,4 @@
-"""The warm worker (batchlab.measure.warm): isolated CPU measurements forked from one pre-imported process.
+"""The warm worker (batchlab.host.warm): isolated CPU measurements forked from one pre-imported process.
 
 Who imported torch (and transformers) is counted by a ``sitecustomize`` on the children's PYTHONPATH: an import
 hook that writes the pid of every process in which ``import torch`` (``import transformers``) runs.  Each fork writes its pid and parent pid from the
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from batchlab.config import RunConfig
-from batchlab.measure import MeasureOptions, Outcome, warm
+from batchlab.host import warm
+from batchlab.measure import MeasureOptions, Outcome
 from batchlab.run import measure
 
 linux = pytest.mark.skipif(not (warm.ENABLED and Path("/proc/self/stat").exists()), reason="fork + /proc")
@@ -89,9 +90,9 @@ def test_two_runs_import_torch_once_and_fork_twice_and_measure_what_a_fresh_work
 @pytest.mark.slow
 @linux
 def test_a_hugging_face_models_libraries_are_imported_once_by_the_pre_imported_process(counted, tmp_path):
-    """transformers (measure/libraries.py) imported by the pre-imported process on the first request for a
+    """transformers (host/preload.py) imported by the pre-imported process on the first request for a
     Hugging Face model, not by its forks, which measure what the same update measures in this process."""
-    from batchlab.measure.libraries import HF
+    from batchlab.host.preload import HF
     from hf_shapes import config_dir, hf_cfg
 
     pytest.importorskip("transformers")
@@ -111,7 +112,7 @@ def test_a_fork_is_refused_where_a_fresh_process_would_import_the_libraries_diff
     package they brought, is refused (the runner starts a fresh process); nothing is imported for the first."""
     import sys
 
-    from batchlab.measure.libraries import Loaded
+    from batchlab.host.preload import Loaded
 
     own = {"HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": "/c", "OTHER": "x"}
     libs = Loaded()

@@ -7,17 +7,17 @@ import os
 import statistics
 import time
 
-from batchlab import regime
+from batchlab.host import regime
 from batchlab.calibrate import family
 from batchlab.calibrate.concurrency import KINDS, Contention
 from batchlab.calibrate.dispatch import DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
                                         _matmul_curves, _memory_curve, _sdpa_curves, monotone)
 from batchlab.calibrate.link import allreduce_times, ring_fit
-from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
+from batchlab.formula.calibration import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
 from batchlab.host import cpu_hardware
-from batchlab.measure.speed import BUNDLE, SpeedProbe
+from batchlab.host.speed import BUNDLE, SpeedProbe
 
 
 def _hardware(device) -> str:
@@ -33,7 +33,7 @@ def _hardware(device) -> str:
 def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
             threads: int | None = None, rounds: int | None = None) -> Calibration:
     """Measure what the per-op time model needs (``measure_here``), on CPU in the allocator regime batchlab's
-    measuring processes run in (batchlab.regime: freed memory kept): in a child process started in it where
+    measuring processes run in (batchlab.host.regime: freed memory kept): in a child process started in it where
     this one is not (this process's allocator is the caller's and stays as it is)."""
     if seconds <= 0:
         raise ConfigError("seconds", f"must be > 0, got {seconds}")
@@ -49,7 +49,7 @@ def _in_child(args: dict) -> Calibration:
     import tempfile
     from pathlib import Path
 
-    from batchlab.lifeline import module_command
+    from batchlab.util.lifeline import module_command
     from batchlab.measure.runner import child_env
 
     start = time.perf_counter()

@@ -20,7 +20,7 @@ from batchlab.distributed.launcher import Launcher
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
 from batchlab.measure.versus import FigureRow, formula_estimate, rows
-from batchlab.units import fmt_bytes, fmt_difference, fmt_seconds, fmt_value, plural
+from batchlab.util.units import fmt_bytes, fmt_difference, fmt_seconds, fmt_value, plural
 
 
 @app.command("measure")
@@ -207,7 +207,7 @@ def _render_details(out: Console, m: Measurement) -> None:
             med = statistics.median(t.cpu_seconds)
             out.print("process CPU time per update (median, all threads; the process clock, read beside the "
                       f"wall-clock one): {fmt_seconds(med)}")
-    if "allocator" in m.environment:  # host pages mapped afresh per update cost CPU time (batchlab.regime)
+    if "allocator" in m.environment:  # host pages mapped afresh per update cost CPU time (batchlab.host.regime)
         faults = m.environment.get("page_faults_per_update")
         out.print(escape(m.environment["allocator"])
                   + (f"; {faults:,.0f} page faults per timed update" if isinstance(faults, (int, float)) else ""))

@@ -1,4 +1,4 @@
-"""The closed sets users choose from (enums whose values are the spellings they type) and ConfigError.
+"""The closed sets users choose from (enums whose values are the spellings they type) and ConfigError (defined in util/errors.py, below every package that raises it).
 
 Pure Python, no torch.
 """
@@ -7,17 +7,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A user error in a configuration: one line naming the field and what is allowed."""
-
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name  # the user-facing field (or option) the error is about
-        self.message = message  # what is wrong and what is allowed, without the field
-        super().__init__(field_name, message)
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
+from batchlab.util.errors import ConfigError
 
 
 class _Choice(str, enum.Enum):

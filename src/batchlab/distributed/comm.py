@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from batchlab import regime
+from batchlab.host import regime
 from batchlab.config import ConfigError, RunConfig, config_from_dict, to_jsonable
 from batchlab.distributed import comm, engines
 from batchlab.distributed.traffic import TrafficCounter
@@ -31,7 +31,7 @@ from batchlab.measure.memory import tracker_for
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import MeasuredMemory
 from batchlab.measure.session import environment
-from batchlab.measure.speed import SpeedProbe
+from batchlab.host.speed import SpeedProbe
 
 # Test-only fault injection: "RANK:UPDATE:KIND" makes that rank fail just before that update (counting
 # warmup updates from 0).  KIND: kill (SIGKILL itself, as the kernel's OOM killer does), raise, oom,

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from batchlab.config import ACMode, RunConfig, _Choice, config_from_dict
-from batchlab.experiment.factors import LoadSampler, uncontrolled
+from batchlab.host.load import LoadSampler, uncontrolled
 from batchlab.measure.result import Measurement, measurement_from_dict, measurement_to_dict
 from batchlab.measure.versus import formula_estimate, rows
 from batchlab.experiment.record import now
-from batchlab.units import fmt_bytes, fmt_seconds, relative_to
+from batchlab.util.units import fmt_bytes, fmt_seconds, relative_to
 
 KIND = "observed"
 NOISY_SPREAD = 0.10  # IQR/median of update time above which timing is noisy (as measure.session)

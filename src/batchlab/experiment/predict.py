@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchlab.config import ConfigError, _Choice
-from batchlab.units import SAME_TOLERANCE
+from batchlab.util.units import SAME_TOLERANCE
 
 
 class Direction(_Choice):

@@ -234,7 +234,7 @@ class Protocol:
     band_method: str
     isolated: bool = True
     order: str = "A B A B ..."
-    allocator: str = ""  # the measuring processes' host allocator regime (batchlab.regime.describe)
+    allocator: str = ""  # the measuring processes' host allocator regime (batchlab.host.regime.describe)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rounds": self.rounds, "warmup": self.warmup, "steps": self.steps, "isolated": self.isolated,

@@ -7,7 +7,7 @@
 - memory-bound ops (element-wise, copies, indexing, reductions, the optimizer's ops): bytes moved at the
   measured bandwidth: an out-of-place op writes a fresh output (a step keeps activations, so the buffer is
   not the one just freed: its writes miss the cache; no page faults in batchlab's steady allocator regime,
-  batchlab.regime), an in-place one (``add_``, the
+  batchlab.host.regime), an in-place one (``add_``, the
   optimizer's updates) rewrites memory it read: two calibrated curves;
 - per-element ops whose cost is arithmetic, not bytes (transcendental activations, softmax, norms, the
   dropout RNG): elements at a calibrated per-element rate of a representative kernel;

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from batchlab.measure.memory import MemorySnapshot, storage_bytes
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 from batchlab.measure.result import MeasuredMemory
 
 

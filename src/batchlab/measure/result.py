@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from batchlab.config import Counted, _Choice
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 from batchlab.timeline.data import Timeline
 
 

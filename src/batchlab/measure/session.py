@@ -5,7 +5,7 @@ Order of updates (``w`` = warmup, ``n`` = steps)::
     update 1            warmup (with a CPU memory budget: tracked, so an over-budget config stops early)
     update 2            memory probe (tracker on CPU/MPS, allocator statistics on CUDA) — never timed
     updates 3 .. w+1    the rest of the warmup
-    (timeline only)     1 more, recorded as a memory timeline (batchlab.timeline.measured) — never timed
+    (timeline only)     1 more, recorded as a memory timeline (batchlab.measure.timeline_update) — never timed
     next n updates      timed: device synchronised around each, per-phase clock
     (CUDA/MPS only)     3 more updates with a synchronising phase clock for the per-phase split
 
@@ -20,7 +20,8 @@ from typing import Callable
 
 import torch
 
-from batchlab import host, regime
+from batchlab import host
+from batchlab.host import regime
 from batchlab.config import ConfigError, RunConfig, catalogue_key
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.device import torch_device
@@ -29,9 +30,9 @@ from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Draft, MeasuredMemory, MeasuredTime, Measurement, Outcome
-from batchlab.measure.speed import SpeedProbe
-from batchlab.phase import Phase
-from batchlab.units import fmt_bytes
+from batchlab.host.speed import SpeedProbe
+from batchlab.config.phase import Phase
+from batchlab.util.units import fmt_bytes
 
 # progress(done, total, label): called before the work starts and after every update
 Progress = Callable[[int, int, str], None]
@@ -227,7 +228,7 @@ class _Steps:
 
     def _timeline(self, trainer, rec: _Recorder):
         """One more untimed update recorded as a memory timeline, in this (possibly isolated) process."""
-        from batchlab.timeline.measured import record
+        from batchlab.measure.timeline_update import record
 
         rec.use(self._start("timeline"))
         timeline = record(self.cfg, trainer=trainer)
@@ -255,7 +256,7 @@ class _Steps:
             if not self.async_device:
                 _collect(phases, clock.seconds)
             self._tick(label)
-        m.environment["page_faults_per_update"] = faults.per_update()  # 0 in the steady regime (batchlab.regime)
+        m.environment["page_faults_per_update"] = faults.per_update()  # 0 in the steady regime (batchlab.host.regime)
         if self.async_device:
             split = PhaseClock(self.sync, sync_marks=True)
             for i in range(PHASE_UPDATES):

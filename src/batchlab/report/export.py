@@ -9,8 +9,8 @@ from typing import Any
 from batchlab.config import _Choice
 from batchlab.experiment.observed import ObservedRecord
 from batchlab.experiment.record import Record
-from batchlab.text import for_markdown
-from batchlab.units import fmt_bytes, fmt_seconds
+from batchlab.util.text import for_markdown
+from batchlab.util.units import fmt_bytes, fmt_seconds
 
 
 class ExportFormat(_Choice):

@@ -20,7 +20,7 @@ from batchlab.formula.opcost import OpClass, OpCount, Phase, op_class
 from batchlab.measure.memory import tensors_in
 from batchlab.models.ac import Checkpointed
 from batchlab.trace.flops import register_cpu_attention_flops, update_under
-from batchlab.trace.tree import HookSet
+from batchlab.models.owners import HookSet
 
 _LOW = (torch.bfloat16, torch.float16)
 

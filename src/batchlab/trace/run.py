@@ -28,7 +28,8 @@ from batchlab.trace.flops import flops_of
 from batchlab.trace.ops import OpRecorder
 from batchlab.trace.patches import eager_branches
 from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
-from batchlab.trace.tree import OUTSIDE, ModuleStack, build_tree
+from batchlab.models.owners import OUTSIDE, ModuleStack
+from batchlab.trace.tree import build_tree
 
 
 class FakeTrainer(Trainer):
@@ -114,7 +115,7 @@ def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
     ops = OpRecorder(trainer.raw_model)
     try:
         if timeline:
-            from batchlab.timeline.record import recorded_update
+            from batchlab.measure.timeline_tracker import recorded_update
 
             update = trainer.update  # the timeline's probe also marks the phases for the op recorder
             trainer.update = lambda probe=None: update(probe=Probes(probe, ops) if probe is not None else ops)
@@ -182,7 +183,7 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
 
 
 def _timeline(cfg: RunConfig, recorder, snap, notes: list[str]):
-    from batchlab.timeline.record import context
+    from batchlab.measure.timeline_tracker import context
 
     ctx = context(cfg)
     return recorder.timeline(provenance="trace", method="live storage tracker on fake tensors (FakeTensorMode)",

@@ -46,8 +46,8 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from batchlab.lifeline import PARENT_ENV, guard, module_command
-from batchlab.measure import libraries
+from batchlab.util.lifeline import PARENT_ENV, guard, module_command
+from batchlab.host import preload
 
 # what every measurement imports: torch (~2 s of CPU here), torch._dynamo (imported by the first optimizer an
 # update builds: ~1-1.7 s more), batchlab's measuring stack (~0.1 s)
@@ -209,7 +209,7 @@ def fork(server: _Server, out: Path, request: dict, env: dict[str, str], entry: 
     new one).  ``entry``: ``"module:function"`` run in the fork instead of a measurement (a DP rank:
     distributed/forked.py), called as the measurement is: ``function(out, request, parent_pid) -> exit status``,
     with the lifeline already watching the pre-imported process (``out``'s folder goes when it dies).
-    ``preload``: modules ``server`` imports first, once, for this and later forks (measure/libraries.py); after
+    ``preload``: modules ``server`` imports first, once, for this and later forks (host/preload.py); after
     a refusal they are not asked for again."""
     global _server
     with _lock:
@@ -272,7 +272,7 @@ def serve(fd: int, measure: Callable[[Path, dict, int], int]) -> int:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select() when a fork exits
     sock.send(READY)
     children: dict[int, tuple[int, Path]] = {}  # pid -> its status pipe, its folder
-    libs = libraries.Loaded()
+    libs = preload.Loaded()
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
-from batchlab.config import ConfigError
+from batchlab.util.errors import ConfigError
 
 
 def write_atomic(path: str | Path, data: str | bytes, field: str = "output") -> Path:

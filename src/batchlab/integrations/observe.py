@@ -28,13 +28,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from batchlab import regime
+from batchlab.host import regime
 from batchlab.measure.clock import PhaseClock, synchronizer
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.result import Draft, MeasuredMemory, MeasuredTime, Measurement, Outcome
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 
 FACTOR_INTERVAL = 2.0  # seconds between /proc samples of an observed run (taken between updates)
 
@@ -178,7 +178,7 @@ class Observer:
     # -- result
     def finish(self) -> Measurement:
         m = self._draft
-        # the user's process runs in its own allocator regime: stated, not changed (batchlab.regime)
+        # the user's process runs in its own allocator regime: stated, not changed (batchlab.host.regime)
         m.environment["allocator"] = regime.describe()
         if self._samples:
             m.environment["page_faults_per_update"] = self._faults.per_update()
@@ -204,7 +204,7 @@ def observe(model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int =
     """Record peak memory and update time over the updates of your own loop (see the module docstring).
     With ``notebook`` (a path or Notebook), an observed record is written at the end: ``obs.record``,
     ``obs.notebook_id``; ``config`` (a RunConfig describing the loop) gives the formula's prediction."""
-    from batchlab.experiment.factors import LoadSampler
+    from batchlab.host.load import LoadSampler
 
     # what else uses the CPU, sampled between updates (never during one) until the record is made
     before = LoadSampler(interval=FACTOR_INTERVAL, thread=False).start() if notebook is not None else None

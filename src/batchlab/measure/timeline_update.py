@@ -3,7 +3,7 @@
 One untimed update after a steady-state one (AdamW makes its state lazily).  measure/session.py calls it
 after warmup with ``MeasureOptions(timeline=True)``, so it runs in the measuring process (the isolated
 subprocess with ``--isolate``): on CPU (and MPS) with the live-storage tracker, the same recording as the
-trace, so the two agree op by op; on CUDA from the caching allocator's own history (batchlab.timeline.cuda).
+trace, so the two agree op by op; on CUDA from the caching allocator's own history (batchlab.measure.timeline_cuda).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from batchlab.config import RunConfig
 from batchlab.measure.harness import Trainer, torch_device
 from batchlab.timeline.data import Timeline
-from batchlab.timeline.record import context, recorded_update
-from batchlab.trace.tree import OUTSIDE, ModuleStack
+from batchlab.measure.timeline_tracker import context, recorded_update
+from batchlab.models.owners import OUTSIDE, ModuleStack
 
 
 def record(cfg: RunConfig, device: str | torch.device | None = None, trainer: Trainer | None = None) -> Timeline:
@@ -23,7 +23,7 @@ def record(cfg: RunConfig, device: str | torch.device | None = None, trainer: Tr
         trainer.update()
     ctx = context(cfg)
     if trainer.device.type == "cuda":
-        from batchlab.timeline.cuda import record_cuda
+        from batchlab.measure.timeline_cuda import record_cuda
 
         return record_cuda(trainer, ctx)
     owners = ModuleStack(trainer.raw_model)

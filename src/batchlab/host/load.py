@@ -84,7 +84,7 @@ def busy_cpu_seconds() -> float | None:
 
 def tree_cpu_seconds(root: int, procs: dict[int, Proc]) -> float:
     """CPU seconds of ``root``'s tree: each live process's own and its waited-for children's.  The measuring
-    processes are forks of the pre-imported process (measure/warm.py), which waits for them, not this one: in
+    processes are forks of the pre-imported process (host/warm.py), which waits for them, not this one: in
     ``os.times()``'s children they are missing until that process ends."""
     return sum(procs[pid].cpu_seconds + procs[pid].reaped_seconds for pid in descendants(root, procs) if pid in procs)
 
@@ -241,22 +241,3 @@ def uncontrolled(sampler: LoadSampler, timing_noise: dict[str, Any], note: str |
             "cpu_count": os.cpu_count(),
             "timing_noise": timing_noise,
             "note": note or ""}
-
-
-def host_speed(rounds, threads: int | None) -> dict[str, Any]:
-    """Per side, how fast this host ran during the timed updates against its calibration: the median of the
-    speed probe read before each update (measure/speed.py) over the calibration's (1.3: 30% slower), with the
-    reference; {} off CPU, without a calibration that has the probe, or without reads."""
-    from batchlab.calibrate import probe_reference
-    from batchlab.measure.speed import host_speed as ratio
-
-    ref = probe_reference(threads) if rounds is not None else None
-    if ref is None:
-        return {}
-    out = {s: ratio([x for m in rounds.side(s) if m is not None and m.time is not None for x in m.time.probe_seconds],
-                    ref) for s in "ab"}
-    if None in out.values():
-        return {}
-    return {**out, "reference_seconds": ref,
-            "how": "a ~6 ms bundle of calibrated kernels (matmul, add, dropout RNG, tiny ops) timed before each "
-                   "timed update, median, over its median in the calibration"}

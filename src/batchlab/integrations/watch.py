@@ -10,11 +10,11 @@ import torch
 import torch.nn as nn
 
 from batchlab.config import RunConfig
-from batchlab.experiment.factors import LoadSampler
+from batchlab.host.load import LoadSampler
 from batchlab.experiment.notebook import open_notebook
 from batchlab.experiment.observed import ObservedRecord, Settings, Source, finish
-from batchlab.measure.observe import FACTOR_INTERVAL, Observer
-from batchlab.phase import Phase
+from batchlab.integrations.observe import FACTOR_INTERVAL, Observer
+from batchlab.config.phase import Phase
 
 
 class Watch:

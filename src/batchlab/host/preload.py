@@ -1,5 +1,5 @@
 """Libraries a measurement imports beyond warm.PRELOAD (a Hugging Face model's: transformers and its model
-classes), imported once in the pre-imported process on the first request that names them, so that every later
+classes; measure/runner.py's ``preloaded`` names them), imported once in the pre-imported process on the first request that names them, so that every later
 fork inherits them.  A Hugging Face model's fork spent ~1.7 s of CPU here importing them, of its ~2 s; a
 compare forks six.
 
@@ -17,18 +17,7 @@ import importlib
 import importlib.machinery
 import sys
 
-from batchlab.config import ModelSource, RunConfig
-
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "SAFETENSORS_", "XDG_CACHE_HOME")
-# what a Hugging Face model's measurement imports (its model class's own module aside: ~0.05 s)
-HF = ("batchlab.models.hf", "transformers.modeling_utils", "transformers.models.auto.modeling_auto")
-
-
-def for_config(cfg: RunConfig) -> tuple[str, ...]:
-    """The modules worth importing once for cfg's measurements (none for the builtin model or a factory's)."""
-    return HF if cfg.model_kind is ModelSource.HF else ()
-
-
 def _import_env(env) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
 

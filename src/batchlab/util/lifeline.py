@@ -5,7 +5,7 @@
 directory where batchlab was started is never imported.  ``guard(folder)``, called first thing in a child,
 watches the parent: when it dies (even by SIGKILL, which no handler sees) the child kills the ranks whose
 pid files are in ``folder``, removes ``folder`` and kills its own process group, within POLL_S.  Used as a
-main (``python -m batchlab.lifeline FOLDER MODULE ARGS...``) it guards a module it does not own (torchrun).
+main (``python -m batchlab.util.lifeline FOLDER MODULE ARGS...``) it guards a module it does not own (torchrun).
 ``terminate_as_interrupt()`` makes SIGTERM unwind like Ctrl-C (rows marked interrupted, children killed).
 Pure Python, Linux and macOS.
 """
