@@ -92,7 +92,7 @@ def test_two_runs_import_torch_once_and_fork_twice_and_measure_what_a_fresh_work
 def test_a_hugging_face_models_libraries_are_imported_once_by_the_pre_imported_process(counted, tmp_path):
     """transformers (host/preload.py) imported by the pre-imported process on the first request for a
     Hugging Face model, not by its forks, which measure what the same update measures in this process."""
-    from batchlab.host.preload import HF
+    from batchlab.measure.runner import HF_LIBRARIES as HF
     from hf_shapes import config_dir, hf_cfg
 
     pytest.importorskip("transformers")

@@ -23,7 +23,7 @@ from typing import Sequence
 from batchlab.config import ConfigError, RunConfig, _Choice
 from batchlab.distributed import forked
 from batchlab.distributed.failures import diagnose
-from batchlab.util.lifeline import module_command
+from batchlab.util.lifeline import module_command, runs
 from batchlab.distributed.merge import SCOPE, merge
 from batchlab.measure.runner import preloaded
 from batchlab.measure.options import MeasureOptions
@@ -95,10 +95,7 @@ def _env(nproc: int) -> dict[str, str]:
 
 def _ours(pid: int, marker: str) -> bool:
     """Is ``pid`` still one of this launch's ranks?  (Its command line names this launch's spec file.)"""
-    try:
-        return marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
+    return runs(pid, marker)
 
 
 def _kill_group(pgid: int) -> None:

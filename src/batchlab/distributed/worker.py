@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from batchlab.host import regime
+from batchlab import host
 from batchlab.config import ConfigError, RunConfig, config_from_dict, to_jsonable
 from batchlab.distributed import comm, engines
 from batchlab.distributed.traffic import TrafficCounter
@@ -31,7 +31,6 @@ from batchlab.measure.memory import tracker_for
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import MeasuredMemory
 from batchlab.measure.session import environment
-from batchlab.host.speed import SpeedProbe
 
 # Test-only fault injection: "RANK:UPDATE:KIND" makes that rank fail just before that update (counting
 # warmup updates from 0).  KIND: kill (SIGKILL itself, as the kernel's OOM killer does), raise, oom,
@@ -126,23 +125,20 @@ def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor | None, steps: in
     clock = PhaseClock(sync, sync_marks=trainer.device.type == "cpu")
     samples, cpu, tokens, phases = [], [], [], []
     first = len(monitor.updates) if monitor is not None else 0
-    faults = regime.Faults()
-    regime.pretouch()  # the heap a long run has grown into: no fault bursts in the timed updates
-    # CPU: the host speed probe before each timed update, as a one-process measurement reads it (measure/speed)
-    speed, reads = (SpeedProbe(), []) if trainer.device.type == "cpu" else (None, [])
+    # as a one-process measurement: heap pre-touched, speed probe on CPU, page faults per update
+    around = host.TimedUpdates(probe=trainer.device.type == "cpu")
     for _ in range(steps):
-        if speed is not None:
-            reads.append(speed.read())
+        around.read_probe()
         clock.start()
         probe = Probes(clock, monitor) if monitor is not None else clock
-        with faults.counting():
+        with around.counting():
             result, wall, cpu_s = timed(lambda: _update(trainer, probe), sync)
         samples.append(wall)
         cpu.append(cpu_s)
         tokens.append(result.useful_tokens)
         phases.append(dict(clock.seconds))
     out = dict(samples=samples, cpu_seconds=cpu, useful_tokens=tokens, phase_seconds=phases,
-               page_faults_per_update=faults.per_update(), probe_seconds=reads)
+               page_faults_per_update=around.page_faults_per_update(), probe_seconds=around.probe_seconds)
     if monitor is None:  # FSDP2: collectives counted (traffic), not timed
         return out
     seen = monitor.updates[first:]

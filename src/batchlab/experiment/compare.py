@@ -13,8 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchlab.formula.calibration import probe_reference
-from batchlab.host import load, regime
-from batchlab.host.speed import host_speed as ratio
+from batchlab import host
 from batchlab.config import ConfigError, Counted, RunConfig, to_jsonable
 from batchlab.experiment import protocol
 from batchlab.experiment.change import Change, KeepMode, Sides, build_sides
@@ -130,7 +129,7 @@ def initial_record(plan: ExperimentPlan, formula: FormulaRecord, pred: FormulaPr
         formula=formula, sides={"a": s.a.to_dict(), "b": s.b.to_dict()},
         protocol=Protocol(0 if plan.formula_only else plan.rounds, o.warmup, o.steps, plan.threads,
                           plan.token_budget, BAND_METHOD, isolated=o.isolate,
-                          allocator=regime.describe(regime.steady_env(dict(os.environ)) if o.isolate else None)),
+                          allocator=host.state(host.measuring_env(dict(os.environ)) if o.isolate else None)),
         note=plan.note, warnings=tuple(s.warnings))
 
 
@@ -139,7 +138,7 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
     """Carry the plan out; the notebook row is begun before measuring and completed at the end."""
     preflight(plan)
     t0 = time.perf_counter()
-    before = load.LoadSampler().start()  # samples what else uses the CPU until finish() stops it
+    before = host.LoadSampler().start()  # samples what else uses the CPU until finish() stops it
     formula, pred = _formula(plan.sides, plan.token_budget, plan.threads)
     record = initial_record(plan, formula, pred)
     exp_id = notebook.begin(record) if notebook is not None else None
@@ -197,7 +196,7 @@ def _timelines(rounds: Rounds) -> tuple[dict[str, Timeline], tuple[Round, ...]]:
 
 
 def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_pred: FormulaPrediction | None,
-           verify: bool, before: load.LoadSampler) -> Record:
+           verify: bool, before: host.LoadSampler) -> Record:
     """The record with verdicts, diagnosis, semantics, scope and factors."""
     s = plan.sides
     vs = verdicts(rounds, plan.predictions, formula_pred, plan.token_budget)
@@ -224,7 +223,7 @@ def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_
     from batchlab.formula.params import count
 
     done["scope"] = tuple(scope(s.a, s.b, devices, measured=rounds is not None, parameters=count(s.a.model).total))
-    done["factors"] = load.uncontrolled(before, _noise(rounds, vs), plan.note)
+    done["factors"] = host.uncontrolled(before, _noise(rounds, vs), plan.note)
     speed = side_speeds(rounds, plan.threads)
     if speed:
         done["factors"]["host_speed"] = speed
@@ -249,7 +248,7 @@ def side_speeds(rounds, threads: int | None) -> dict[str, Any]:
     ref = probe_reference(threads) if rounds is not None else None
     if ref is None:
         return {}
-    out = {s: ratio([x for m in rounds.side(s) if m is not None and m.time is not None for x in m.time.probe_seconds],
+    out = {s: host.speed_factor([x for m in rounds.side(s) if m is not None and m.time is not None for x in m.time.probe_seconds],
                     ref) for s in "ab"}
     if None in out.values():
         return {}

@@ -12,8 +12,7 @@ from typing import Any
 from batchlab.config import Precision
 from batchlab.util.files import write_atomic
 from batchlab.formula.opcost import OpCosts
-from batchlab.host import cpu_hardware
-from batchlab.host.speed import BUNDLE
+from batchlab.host import PROBE_BUNDLE, cpu_hardware
 
 
 @dataclass
@@ -56,9 +55,9 @@ class Calibration:
     # (compute | memory | dispatch; calibrate/concurrency.py); 0 processes: not measured (an older cache)
     contention: dict[str, float] = field(default_factory=dict)
     contention_processes: int = 0
-    allocator: str = ""  # CPU: the host allocator regime the kernels were timed in (batchlab.host.regime.describe)
+    allocator: str = ""  # CPU: the host allocator regime the kernels were timed in (batchlab.host.state)
     probe_seconds: float = 0.0  # CPU: the host speed probe's bundle (host/speed.py), median of the rounds; 0: none
-    probe: str = ""  # which bundle that is (measure.speed.BUNDLE)
+    probe: str = ""  # which bundle that is (host.PROBE_BUNDLE)
     # a Hugging Face model's own dispatch per op over batchlab's GPT's, by kind (forward, backward), keyed by
     # formula.timing.dispatch_family; measured once per model code the first time measure / compare meets it
     # (calibrate/family.py)
@@ -160,7 +159,7 @@ def probe_reference(threads: int | None = None) -> float | None:
     """The host speed probe's read in this CPU's cached calibration at ``threads`` (seconds, host/speed.py);
     None without one, or where it timed another bundle (its reference says nothing about this one)."""
     cal = load_all(threads).get("cpu")
-    return cal.probe_seconds if cal is not None and cal.probe == BUNDLE and cal.probe_seconds else None
+    return cal.probe_seconds if cal is not None and cal.probe == PROBE_BUNDLE and cal.probe_seconds else None
 
 
 def _read(path: Path) -> Calibration | None:

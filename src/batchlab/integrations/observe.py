@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from batchlab.host import regime
+from batchlab import host
 from batchlab.measure.clock import PhaseClock, synchronizer
 from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
 from batchlab.measure.memory import tracker_for
@@ -63,7 +63,7 @@ class Observer:
         self.updates = 0
         self._samples: list[float] = []
         self._cpu: list[float] = []
-        self._faults = regime.Faults()  # per timed update, under this process's own allocator (unchanged)
+        self._host = host.TimedUpdates(probe=False, pretouch=False)  # faults per update; the user's allocator unchanged
         self._tokens: list[int] = []
         self._phases: dict[str, list[float]] = {}
         self._probe = None
@@ -161,7 +161,7 @@ class Observer:
         self._probe = clock
         # the clock reads bracket the user's block: synchronise, read, run, synchronise, read
         self.sync()
-        with self._faults.counting():
+        with self._host.counting():
             c0, t0 = time.process_time(), time.perf_counter()
             yield
             self.sync()
@@ -179,9 +179,9 @@ class Observer:
     def finish(self) -> Measurement:
         m = self._draft
         # the user's process runs in its own allocator regime: stated, not changed (batchlab.host.regime)
-        m.environment["allocator"] = regime.describe()
+        m.environment["allocator"] = host.state()
         if self._samples:
-            m.environment["page_faults_per_update"] = self._faults.per_update()
+            m.environment["page_faults_per_update"] = self._host.page_faults_per_update()
             m.time = MeasuredTime(samples=list(self._samples), warmup=self.warmup,
                                   cpu_seconds=list(self._cpu) if self.device.type == "cpu" else [],
                                   phase_seconds={k: statistics.median(v) for k, v in self._phases.items()},
@@ -204,10 +204,9 @@ def observe(model: nn.Module, optimizer: torch.optim.Optimizer, *, warmup: int =
     """Record peak memory and update time over the updates of your own loop (see the module docstring).
     With ``notebook`` (a path or Notebook), an observed record is written at the end: ``obs.record``,
     ``obs.notebook_id``; ``config`` (a RunConfig describing the loop) gives the formula's prediction."""
-    from batchlab.host.load import LoadSampler
 
     # what else uses the CPU, sampled between updates (never during one) until the record is made
-    before = LoadSampler(interval=FACTOR_INTERVAL, thread=False).start() if notebook is not None else None
+    before = host.LoadSampler(interval=FACTOR_INTERVAL, thread=False).start() if notebook is not None else None
     obs = Observer(model, optimizer, warmup=warmup, memory=memory, device=device, config=config,
                    global_batch=global_batch, memory_every=memory_every,
                    after_update=before.poll if before is not None else None)

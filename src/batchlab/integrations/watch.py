@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from batchlab.config import RunConfig
-from batchlab.host.load import LoadSampler
+from batchlab import host
 from batchlab.experiment.notebook import open_notebook
 from batchlab.experiment.observed import ObservedRecord, Settings, Source, finish
 from batchlab.integrations.observe import FACTOR_INTERVAL, Observer
@@ -22,7 +22,7 @@ class Watch:
                  device: torch.device | str | None = None, memory_every: int | None = None):
         # what else uses the CPU: sampled between updates (never inside one, where a thread would compete with
         # the update for the CPU and the GIL) until finish
-        self.before = LoadSampler(interval=FACTOR_INTERVAL, thread=False).start()
+        self.before = host.LoadSampler(interval=FACTOR_INTERVAL, thread=False).start()
         self.observer = Observer(model, optimizer, warmup=warmup, device=device, memory_every=memory_every,
                                  after_update=self.before.poll)
         self._update = None

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Callable
 
 from batchlab.config import ConfigError, ModelSource, RunConfig
+from batchlab import host
 from batchlab.host import warm
 from batchlab.util.lifeline import module_command, safe_env
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, load_measurement
-from batchlab.host.regime import steady_env
 
 PROGRESS_PREFIX = "batchlab-progress\t"  # worker -> runner progress lines on stderr: done, total, label
 STDERR_TAIL_LINES = 40
@@ -58,7 +58,7 @@ def child_env() -> dict[str, str]:
     paths = [os.path.abspath(p) for p in sys.path if p and (os.path.abspath(p) != cwd or cwd in named)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return safe_env(steady_env(env))
+    return safe_env(host.measuring_env(env))
 
 
 def run_isolated(cfg: RunConfig, options: MeasureOptions,

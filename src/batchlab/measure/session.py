@@ -21,7 +21,6 @@ from typing import Callable
 import torch
 
 from batchlab import host
-from batchlab.host import regime
 from batchlab.config import ConfigError, RunConfig, catalogue_key
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.device import torch_device
@@ -30,7 +29,6 @@ from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Draft, MeasuredMemory, MeasuredTime, Measurement, Outcome
-from batchlab.host.speed import SpeedProbe
 from batchlab.config.phase import Phase
 from batchlab.util.units import fmt_bytes
 
@@ -75,7 +73,7 @@ def environment(device: torch.device) -> dict:
         name = host.cpu_name()
     return {"torch": torch.__version__, "python": platform.python_version(), "batchlab": batchlab.__version__,
             "platform": platform.platform(), "torch_device": str(device), "device_name": name,
-            "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "allocator": regime.describe()}
+            "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "allocator": host.state()}
 
 
 class _Recorder:
@@ -105,7 +103,7 @@ def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | Non
     if device.type == "cuda" and here != cfg.device:
         m.warnings.append(f"measured on {m.environment['device_name']} ({here or 'not in the catalogue'}), but "
                           f"--device is {cfg.device}: the formula figures beside it are for {cfg.device}")
-    unsteady = regime.warning() if device.type == "cpu" else None  # a non-glibc host allocator: said, not set
+    unsteady = host.warning() if device.type == "cpu" else None  # a non-glibc host allocator: said, not set
     if unsteady is not None:
         m.warnings.append(unsteady)
     rec = _Recorder()
@@ -240,15 +238,13 @@ class _Steps:
         clock = PhaseClock(self.sync, sync_marks=not self.async_device)
         samples, cpu, useful = [], [], []
         phases: dict[str, list[float]] = {}
-        faults = regime.Faults()
-        regime.pretouch()  # the heap a long run has grown into: no fault bursts in the timed updates
-        # CPU: the host speed probe before each timed update (which of this host's speeds the update ran at)
-        speed, reads = (SpeedProbe(), []) if not self.async_device else (None, [])
+        # the heap pre-touched; on CPU the speed probe read before each timed update (which of this host's speeds
+        # the update ran at); page faults counted per update
+        around = host.TimedUpdates(probe=not self.async_device)
         for i in range(self.opts.steps):
             label = self._start(f"timed {i + 1}/{self.opts.steps}")
-            if speed is not None:
-                reads.append(speed.read())
-            with faults.counting():
+            around.read_probe()
+            with around.counting():
                 result, wall, cpu_s = timed_update(trainer, clock, rec.use(label, clock), self.sync)
             samples.append(wall)
             cpu.append(cpu_s)
@@ -256,7 +252,7 @@ class _Steps:
             if not self.async_device:
                 _collect(phases, clock.seconds)
             self._tick(label)
-        m.environment["page_faults_per_update"] = faults.per_update()  # 0 in the steady regime (batchlab.host.regime)
+        m.environment["page_faults_per_update"] = around.page_faults_per_update()  # 0 in the steady regime
         if self.async_device:
             split = PhaseClock(self.sync, sync_marks=True)
             for i in range(PHASE_UPDATES):
@@ -268,7 +264,7 @@ class _Steps:
         m.time = MeasuredTime(samples=samples, warmup=self.opts.warmup,
                               phase_seconds={k: statistics.median(v) for k, v in phases.items()},
                               phase_samples=phases, cpu_seconds=cpu if self.device.type == "cpu" else [],
-                              probe_seconds=reads)
+                              probe_seconds=around.probe_seconds)
         per_update = statistics.fmean(useful) * trainer.world
         m.useful_tokens_per_update = round(per_update)
         m.tokens_per_second = per_update / m.time.update_seconds_median

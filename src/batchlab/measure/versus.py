@@ -90,8 +90,8 @@ def probed_speed(m: Measurement) -> float | None:
     (host/speed.py: the probe's median read over the calibration's; 1.2: 20% slower); None where either
     side has no probe, or the calibration timed another bundle."""
     from batchlab.formula.calibration import probe_reference
-    from batchlab.host.speed import host_speed
+    from batchlab import host
 
     if m.time is None or not m.time.probe_seconds:
         return None
-    return host_speed(m.time.probe_seconds, probe_reference(m.environment.get("threads")))
+    return host.speed_factor(m.time.probe_seconds, probe_reference(m.environment.get("threads")))

@@ -66,13 +66,21 @@ def guard(folder: Path | None = None, parent: int | None = None) -> Callable[[],
     return check
 
 
+def runs(pid: int, marker: str) -> bool:
+    """Is ``pid`` still a process whose command line holds ``marker`` (one batchlab started, not a reused pid)?"""
+    try:
+        return marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
 def abandon(folder: Path | None) -> None:
     """The parent is gone: kill the ranks recorded in ``folder``, remove it, then this process and its group."""
     if folder is not None:
         for pid_file in folder.glob("rank*.pid"):
             try:
                 pid = int(pid_file.read_text())
-                if str(folder) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                if runs(pid, str(folder)):
                     os.killpg(pid, signal.SIGKILL)  # each rank leads its own session (torchrun starts it so)
             except (OSError, ValueError):
                 continue
