@@ -407,18 +407,19 @@ def _fused_attention_against_torch_benchmark(cal) -> None:
     import torch.nn.functional as F
     from torch.utils.benchmark import Timer
 
-    from batchlab.formula.opcost import OpClass, OpCount, Phase
+    from batchlab.formula.opcost import OpClass, OpCount
+    from batchlab.config.phase import Phase
 
-    costs, grain = cal.op_costs(), 4 * 128 * 128 * 32
+    costs, flops_per_matmul = cal.op_costs(), 4 * 128 * 128 * 32
     q, k, v = (torch.randn(1, 8, 128, 32).requires_grad_() for _ in range(3))
     out, g = F.scaled_dot_product_attention(q, k, v, is_causal=True), torch.randn(1, 8, 128, 32)
     env = {"F": F, "torch": torch, "q": q, "k": k, "v": v, "out": out, "g": g}
-    for stmt, name, flops in (("F.scaled_dot_product_attention(q, k, v, is_causal=True)", "", 8 * grain),
+    for stmt, name, flops in (("F.scaled_dot_product_attention(q, k, v, is_causal=True)", "", 8 * flops_per_matmul),
                               ("torch.autograd.grad(out, (q, k, v), g, retain_graph=True)", "_backward",
-                               int(2.5 * 8 * grain))):
+                               int(2.5 * 8 * flops_per_matmul))):
         timed = Timer(stmt, globals=env, timer=time.thread_time).blocked_autorange(min_run_time=0.2).median
         op = OpCount("_scaled_dot_product_flash_attention_for_cpu" + name, Phase.FORWARD, OpClass.MATMUL,
-                     flops=flops, grain=grain)
+                     flops=flops, flops_per_matmul=flops_per_matmul)
         assert 0.5 < costs.work_seconds(op) / timed < 2.0, (name, costs.work_seconds(op), timed)
 
 

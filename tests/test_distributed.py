@@ -218,7 +218,7 @@ def _rank_main(out: str) -> None:
             if phase == "optimizer":
                 grads.update({n: p.grad.detach().clone() for n, p in trainer.raw_model.named_parameters()})
 
-    trainer.update(probe=worker.Probes(Capture(), monitor))
+    trainer.update(listener=worker.Listeners(Capture(), monitor))
     torch.save(dict(grads=grads, rounds=monitor.updates[0].rounds), Path(out) / f"grads{rank}.pt")
     dist.barrier()
     sys.stdout.flush()

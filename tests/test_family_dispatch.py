@@ -11,7 +11,8 @@ import torch
 from batchlab.calibrate import Calibration, family, load_cached, save
 from batchlab.calibrate import run as run_mod
 from batchlab.config import RunConfig, preset
-from batchlab.formula.opcost import OpCosts, Phase
+from batchlab.formula.opcost import OpCosts
+from batchlab.config.phase import Phase
 from batchlab.formula.timing import costs_for, dispatch_family
 from batchlab.host import cpu_hardware
 
@@ -39,7 +40,7 @@ def test_a_models_own_ratios_price_its_ops_and_no_other_models():
     assert priced.dispatch_seconds(Phase.RECOMPUTE) == pytest.approx(10e-6)
     assert priced.dispatch_seconds(Phase.BACKWARD) == pytest.approx(2e-6)
     assert priced.dispatch_seconds(Phase.OPTIMIZER) == pytest.approx(3e-6)  # the harness's and torch's ops
-    assert priced.dispatch_seconds(Phase.FORWARD, intercepted=True) == pytest.approx(45e-6)
+    assert priced.dispatch_seconds(Phase.FORWARD, sac_dispatched=True) == pytest.approx(45e-6)
     assert "hf:gpt2's own dispatch per op (backward x0.50, forward x2.00" in priced.source
     mixed = costs_for(GPT2.replace(precision="bf16-mixed"), costs(family_dispatch=own))
     assert mixed.dispatch_seconds(Phase.FORWARD) == pytest.approx(9e-6 + 5e-6)  # autocast's own + the model's

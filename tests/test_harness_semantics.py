@@ -15,7 +15,7 @@ SEQ = 16
 
 
 class GradCapture:
-    """A probe that copies the accumulated gradients when the optimizer phase starts."""
+    """A phase listener that copies the accumulated gradients when the optimizer phase starts."""
 
     def __init__(self, model):
         self.model, self.grads = model, None
@@ -29,7 +29,7 @@ def update_grads(trainer: Trainer, batches=None) -> dict[str, torch.Tensor]:
     if batches is not None:
         trainer.batches = lambda: batches
     cap = GradCapture(trainer.raw_model)
-    trainer.update(probe=cap)
+    trainer.update(listener=cap)
     return cap.grads
 
 
@@ -172,7 +172,7 @@ def test_clipping_sees_the_accumulated_gradient():
     cfg = RunConfig(model=preset("tiny", layers=2, dropout=0.0), seq=SEQ, micro_batch=2, accum=3)
     tr = Trainer(cfg)
     cap = GradCapture(tr.raw_model)
-    result = tr.update(probe=cap)
+    result = tr.update(listener=cap)
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in cap.grads.values()]))
     assert result.grad_norm == pytest.approx(float(total), rel=1e-5)
 
@@ -189,6 +189,6 @@ def test_leaving_the_tracker_removes_its_gradient_hooks():
     tracker = tracker_for(trainer)
     assert len(p._post_accumulate_grad_hooks) == before + 1
     with tracker:
-        trainer.update(probe=tracker)
+        trainer.update(listener=tracker)
     assert len(p._post_accumulate_grad_hooks or {}) == before
     assert tracker.snapshot().peak_bytes > 0

@@ -190,7 +190,7 @@ def test_observe_records_the_users_own_loop():
     with batchlab.observe(tr.raw_model, tr.optimizer, warmup=2, config=cfg) as obs:
         for _ in range(6):
             with obs.update(tokens=32):
-                tr.update(probe=obs)
+                tr.update(listener=obs)
     m = obs.measurement
     assert m.outcome is Outcome.OK
     assert len(m.time.samples) == 6 - 2 - 1  # two warmup updates and one memory update are not timed

@@ -175,10 +175,10 @@ def test_cuda_replay_by_hand():
     """The allocator-history replay on hand-made events (runs without a GPU)."""
     from batchlab.measure.timeline_cuda import _Marks, _replay
 
-    probe = _Marks(trainer=None, device=None)
+    listener = _Marks(trainer=None, device=None)
     # (phase, allocations, frees) as memory_stats counts them at each mark
-    probe.marks = [("data", 10, 5), ("forward", 10, 5), ("backward", 11, 5), ("optimizer", 13, 6), ("end", 13, 7)]
-    probe.grad_addrs = {300}
+    listener.marks = [("data", 10, 5), ("forward", 10, 5), ("backward", 11, 5), ("optimizer", 13, 6), ("end", 13, 7)]
+    listener.grad_addrs = {300}
     events = [{"action": "alloc", "addr": 100, "size": 512},  # forward: activation
               {"action": "alloc", "addr": 200, "size": 1024},  # backward: temporary
               {"action": "free_requested", "addr": 100, "size": 512},
@@ -187,7 +187,7 @@ def test_cuda_replay_by_hand():
               {"action": "free_requested", "addr": 200, "size": 1024}]
     base = dict.fromkeys(CATEGORIES, 0) | {"parameters": 4096}
     ctx = {"title": "hand", "capacity_bytes": 0, "formula_phase_peaks": {}, "notes": [], "overlaps": {}}
-    t = _replay(events, probe, first=(10, 5), parts=base, known={}, peak=4096 + 1024 + 2048, ctx=ctx)
+    t = _replay(events, listener, first=(10, 5), parts=base, known={}, peak=4096 + 1024 + 2048, ctx=ctx)
     assert t.totals == [4096, 4608, 5632, 5120, 7168, 6144]
     assert t.peak_bytes == max(t.totals) and not t.notes
     assert t.at_peak["gradients"] == 2048 and t.at_peak["temporaries"] == 1024
@@ -226,7 +226,7 @@ def test_measure_cli_writes_the_measured_timeline(tmp_path):
     d = json.loads((tmp_path / "m.json").read_text())
     printed = json.loads(r.stdout)
     assert d["provenance"] == "allocator" and "timeline" not in printed
-    # the probe update and the timeline update: steady-state updates of one trainer, the same peak to the byte
+    # the memory update and the timeline update: steady-state updates of one trainer, the same peak to the byte
     assert max(d["samples"]["total"]) == d["peak_bytes"] == printed["memory"]["peak_bytes"]
 
 

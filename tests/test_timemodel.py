@@ -12,7 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from batchlab.config import RunConfig
 from batchlab.formula import estimate, flops, memory, timing
 from batchlab.formula.attribution import attribute
-from batchlab.formula.opcost import OpClass, OpCosts, OpCount, Phase, interpolate_log, op_class, price
+from batchlab.formula.opcost import OpClass, OpCosts, OpCount, interpolate_log, op_class, price
+from batchlab.config.phase import Phase
 from batchlab.formula.oplist import update_ops
 from batchlab.measure.harness import Trainer
 from batchlab.trace.flops import register_cpu_attention_flops
@@ -45,10 +46,10 @@ def test_one_linear_layer_by_hand():
         y.sum().backward()
     ops = {(o.phase, o.name): o for o in rec.result()}
     addmm = ops[(Phase.FORWARD, "addmm")]
-    assert addmm.klass is OpClass.MATMUL and addmm.flops == 2 * 2 * 4 * 3
+    assert addmm.cost_class is OpClass.MATMUL and addmm.flops == 2 * 2 * 4 * 3
     assert addmm.bytes == (3 + 2 * 4 + 4 * 3 + 2 * 3) * 4  # bias, x, w^T read; y written (fp32)
     assert addmm.elements == 6
-    assert ops[(Phase.FORWARD, "t")].klass is OpClass.VIEW and ops[(Phase.FORWARD, "t")].bytes == 0
+    assert ops[(Phase.FORWARD, "t")].cost_class is OpClass.VIEW and ops[(Phase.FORWARD, "t")].bytes == 0
     # backward: grad x = g @ w (2x3 @ 3x4), grad w = g^T @ x (3x2 @ 2x4): 48 FLOPs each
     assert sum(o.flops * o.count for o in rec.result() if o.phase is Phase.BACKWARD) == 2 * 48
 
@@ -61,7 +62,7 @@ def test_recorded_flops_per_phase_match_flop_counter_mode(kw):
     register_cpu_attention_flops()
     rec = OpRecorder(trainer.raw_model)
     with FlopCounterMode(display=False) as counter, rec:
-        trainer.update(probe=rec)
+        trainer.update(listener=rec)
     rec.close()
     ops = rec.result()
     assert sum(o.flops * o.count for o in ops) == counter.get_total_flops()
@@ -92,11 +93,11 @@ def test_the_calculators_op_list_for_hf_gpt2_is_the_one_its_code_runs(precision)
     for phase in Phase:
         assert sum(o.flops * o.count for o in formula if o.phase is phase) == \
             sum(o.flops * o.count for o in real if o.phase is phase)
-    moved = lambda ops: sum(o.bytes * o.count for o in ops if o.klass not in (OpClass.MATMUL, OpClass.VIEW))  # noqa: E731
+    moved = lambda ops: sum(o.bytes * o.count for o in ops if o.cost_class not in (OpClass.MATMUL, OpClass.VIEW))  # noqa: E731
     assert moved(formula) == pytest.approx(moved(real), rel=0.10)
     # non-view ops per phase and class within 3; HF's mask and position building (cumsum, eq, ne, sub, all,
     # cat, sum on b x s tensors: ~10 tiny ops a forward) and its views (Conv1D, head splits) are not modelled
-    r, f = (totals((o for o in ops if o.klass is not OpClass.VIEW), lambda o: (o.phase, o.klass))
+    r, f = (totals((o for o in ops if o.cost_class is not OpClass.VIEW), lambda o: (o.phase, o.cost_class))
             for ops in (real, formula))
     for key in set(r) | set(f):
         slack = 12 if key == (Phase.FORWARD, OpClass.MEMORY) else 3
@@ -115,29 +116,29 @@ def _same_op_list(cfg: RunConfig) -> None:
         n_formula = sum(o.count for o in formula if o.phase is phase)
         assert n_formula == pytest.approx(n_real, rel=0.08, abs=2), phase
     # (a copy of a transposed size-1 dimension is contiguous: strided and plain copies are counted together)
-    merged = lambda o: OpClass.MEMORY if o.klass is OpClass.STRIDED else o.klass  # noqa: E731
-    by_class = lambda ops: totals((o for o in ops if o.klass is not OpClass.VIEW), lambda o: (o.phase, merged(o)))  # noqa: E731
+    merged = lambda o: OpClass.MEMORY if o.cost_class is OpClass.STRIDED else o.cost_class  # noqa: E731
+    by_class = lambda ops: totals((o for o in ops if o.cost_class is not OpClass.VIEW), lambda o: (o.phase, merged(o)))  # noqa: E731
     r, f = by_class(real), by_class(formula)
     for key in set(r) | set(f):
         assert abs(r[key] - f[key]) <= 3 + 0.05 * r[key], (key, r[key], f[key])
     # bytes moved by memory-bound and per-element ops within 10%
-    moved = lambda ops: sum(o.bytes * o.count for o in ops if o.klass not in (OpClass.MATMUL, OpClass.VIEW))  # noqa: E731
+    moved = lambda ops: sum(o.bytes * o.count for o in ops if o.cost_class not in (OpClass.MATMUL, OpClass.VIEW))  # noqa: E731
     assert moved(formula) == pytest.approx(moved(real), rel=0.10)
     # the ops selective checkpointing's dispatch mode sees (forward and recompute of the blocks), per phase
     for phase in Phase:
-        seen = [sum(o.count for o in ops if o.intercepted and o.phase is phase) for ops in (real, formula)]
+        seen = [sum(o.count for o in ops if o.sac_dispatched and o.phase is phase) for ops in (real, formula)]
         assert seen[1] == pytest.approx(seen[0], rel=0.08, abs=2), (phase, seen)
         assert not seen[0] or (cfg.ac.mode.value == "selective" and phase in (Phase.FORWARD, Phase.RECOMPUTE))
 
 
 def test_ops_under_selective_checkpointing_pay_its_dispatch_mode():
-    # forward-sac 40 us and recompute-sac 30 us per op against 10 us plain: the intercepted ops (counted in the
-    # op list, checked against the real code above) pay the difference, every other op is priced as before
+    # forward-sac 40 us and recompute-sac 30 us per op against 10 us plain: the ops dispatched through SAC's mode
+    # (counted in the op list, checked against the real code above) pay the difference, every other op as before
     sac = OpCosts(**{**FLAT.__dict__, "dispatch": {**FLAT.dispatch, "forward-sac": 4e-5, "recompute-sac": 3e-5}})
     cfg = RunConfig(seq=32, micro_batch=2, ac="selective")
     ops = update_ops(cfg)
-    n_fwd = sum(o.count for o in ops if o.intercepted and o.phase is Phase.FORWARD)
-    n_rec = sum(o.count for o in ops if o.intercepted and o.phase is Phase.RECOMPUTE)
+    n_fwd = sum(o.count for o in ops if o.sac_dispatched and o.phase is Phase.FORWARD)
+    n_rec = sum(o.count for o in ops if o.sac_dispatched and o.phase is Phase.RECOMPUTE)
     assert n_fwd > 0 and n_rec > 0
     assert price(ops, sac).seconds - price(ops, FLAT).seconds == pytest.approx(n_fwd * 3e-5 + n_rec * 2e-5)
     # full checkpointing runs no dispatch mode: the same price either way
@@ -181,20 +182,20 @@ def test_in_place_ops_use_their_own_bandwidth():
 
 def test_fused_attention_backward_has_its_own_rate_and_a_cost_per_call():
     # 16 (batch, head) entries of 2 MFLOP forward / 5 MFLOP backward each (s 128, d 32: 4 s^2 d per entry)
-    grain = 4 * 128 * 128 * 32
-    fwd = OpCount("_scaled_dot_product_flash_attention_for_cpu", Phase.FORWARD, OpClass.MATMUL, flops=16 * grain,
-                  low_precision=True, grain=grain)
+    flops_per_matmul = 4 * 128 * 128 * 32
+    fwd = OpCount("_scaled_dot_product_flash_attention_for_cpu", Phase.FORWARD, OpClass.MATMUL, flops=16 * flops_per_matmul,
+                  low_precision=True, flops_per_matmul=flops_per_matmul)
     bwd = OpCount("_scaled_dot_product_flash_attention_for_cpu_backward", Phase.BACKWARD, OpClass.MATMUL,
-                  flops=int(2.5 * 16 * grain), low_precision=True, grain=grain)
+                  flops=int(2.5 * 16 * flops_per_matmul), low_precision=True, flops_per_matmul=flops_per_matmul)
     costs = OpCosts(**{**FLAT.__dict__, "matmul": {**FLAT.matmul, "sdpa-bf16": ((1.0, 1e11),),
                                                   "sdpa-backward-bf16": ((1.0, 1e10),)},
                        "matmul_start": {"sdpa-backward-bf16": ((1.0, 3e-4),)}})
-    assert costs.work_seconds(fwd) == pytest.approx(16 * grain / 1e11)  # no start curve: none added
-    assert costs.work_seconds(bwd) == pytest.approx(2.5 * 16 * grain / 1e10 + 3e-4)
+    assert costs.work_seconds(fwd) == pytest.approx(16 * flops_per_matmul / 1e11)  # no start curve: none added
+    assert costs.work_seconds(bwd) == pytest.approx(2.5 * 16 * flops_per_matmul / 1e10 + 3e-4)
     # a calibration with no backward curve prices the backward at the forward's rate, not the linear layers'
     forward_only = OpCosts(**{**costs.__dict__, "matmul": {**FLAT.matmul, "sdpa-bf16": ((1.0, 1e11),)},
                               "matmul_start": {}})
-    assert forward_only.work_seconds(bwd) == pytest.approx(2.5 * 16 * grain / 1e11)
+    assert forward_only.work_seconds(bwd) == pytest.approx(2.5 * 16 * flops_per_matmul / 1e11)
     # ranks slowing each other (contention) stretch the start as they stretch the work
     from batchlab.formula.timing import contended
 
@@ -261,8 +262,8 @@ def test_local_ranks_running_at_once_slow_each_op_by_its_kinds_calibrated_conten
     # 2 ranks x 1 thread on 2 cores share no core; each op class slows by the kind it contends like
     kind = {"memory": 2.0, "strided-copy": 2.0, "dispatch": 3.0, "view": 1.0}
     assert set(one.ops.by_class) == set(two.ops.by_class) and {"matmul", "memory", "dispatch"} <= set(one.ops.by_class)
-    for klass, seconds in one.ops.by_class.items():
-        assert two.ops.by_class[klass] == pytest.approx(kind.get(klass, 1.5) * seconds, rel=1e-9), klass
+    for cost_class, seconds in one.ops.by_class.items():
+        assert two.ops.by_class[cost_class] == pytest.approx(kind.get(cost_class, 1.5) * seconds, rel=1e-9), cost_class
     assert two.ops.seconds == pytest.approx(sum(two.ops.by_class.values()), rel=1e-9)
     assert "compute x1.50, memory x2.00, dispatch x3.00" in two.model and "slowest rank" in two.model
     assert "slow each other" not in one.model
@@ -288,7 +289,7 @@ def test_a_skinny_linear_layer_pays_its_bytes_beyond_the_calibrated_shapes_at_th
     assert costs.excess_bytes(half) == pytest.approx(49152)
     assert costs.excess_bytes(OpCount("mm", Phase.FORWARD, OpClass.MATMUL, flops=flops, bytes=100000)) == 0
     # attention's batched matmuls and fused attention are priced on curves timed on their own shapes
-    bmm = OpCount("bmm", Phase.FORWARD, OpClass.MATMUL, flops=flops, bytes=10**7, grain=flops // 8)
+    bmm = OpCount("bmm", Phase.FORWARD, OpClass.MATMUL, flops=flops, bytes=10**7, flops_per_matmul=flops // 8)
     assert costs.work_seconds(bmm) == pytest.approx(flops / 1e10)
     assert FLAT.excess_bytes(skinny) == 0  # nominal figures: no calibrated shapes, no term
 
@@ -361,8 +362,8 @@ def test_a_transcendental_kernel_calibrated_by_name_is_priced_at_its_own_rate():
     costs = OpCosts(**{**FLAT.__dict__, "element_seconds": {
         "activation:fp32": 2e-9, "activation:bf16": 3e-9, "activation/silu:fp32": 6e-10,
         "activation-grad:fp32": 2e-9, "activation-grad/tanh_backward:fp32": 1.4e-10}})
-    def op(name, klass=OpClass.ACTIVATION, low=False):
-        return OpCount(name, Phase.FORWARD, klass, elements=e, bytes=1, low_precision=low)
+    def op(name, cost_class=OpClass.ACTIVATION, low=False):
+        return OpCount(name, Phase.FORWARD, cost_class, elements=e, bytes=1, low_precision=low)
 
     assert costs.work_seconds(op("silu")) == pytest.approx(e * 6e-10)  # its own kernel
     assert costs.work_seconds(op("silu", low=True)) == pytest.approx(e * 6e-10)  # bf16 unmeasured: its fp32 rate

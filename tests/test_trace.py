@@ -123,7 +123,7 @@ def real_bytes_by_module(cfg: RunConfig) -> dict[str, int]:
     tracker = tracker_for(trainer, owner=owners.current)
     try:
         with tracker:
-            trainer.update(probe=tracker)
+            trainer.update(listener=tracker)
     finally:
         tracker.close()
         owners.close()

@@ -274,13 +274,13 @@ def _sdpa_curves(device, dtypes: dict, seconds: float, sync
             break
         share = seconds * len(live) / len(dtypes) / len(SDPA_SHAPES)
         per_call = {key: 1 / rate for key, rate in alternated(calls, share, sync, at_least=SWINGING).items()}
-        grain = 4 * s * s * d
+        per_entry = 4 * s * s * d  # FLOPs per (batch, head): OpCount.flops_per_matmul of fused attention
         for name in live:
-            for kind, direction, flops in (("sdpa", "fwd", grain), ("sdpa-backward", "bwd", 2.5 * grain)):
+            for kind, direction, flops in (("sdpa", "fwd", per_entry), ("sdpa-backward", "bwd", 2.5 * per_entry)):
                 t1, t2 = per_call[(name, 0, direction)], per_call[(name, 1, direction)]
                 w = max((t2 - t1) / (h2 - h1), t2 / h2 / 4)  # per entry; a noisy difference kept plausible
-                rates.setdefault(f"{kind}-{name}", []).append([float(grain), flops / w])
-                starts.setdefault(f"{kind}-{name}", []).append([float(grain), max(0.0, t2 - h2 * w)])
+                rates.setdefault(f"{kind}-{name}", []).append([float(per_entry), flops / w])
+                starts.setdefault(f"{kind}-{name}", []).append([float(per_entry), max(0.0, t2 - h2 * w)])
     return {k: monotone(v) for k, v in rates.items()}, starts
 
 
@@ -364,8 +364,8 @@ def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
     xs = {tag: torch.rand(ELEMENTS // 128, 128, device=device).to(dtype)
           for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))}
     out = {}
-    for klass, fn in kernels.items():  # a kernel's precisions in turns (``alternated``)
-        calls = {f"{klass}:{tag}": ((lambda f=fn, x=x: f(x)) if klass == "random"  # bernoulli_ is in place
+    for cost_class, fn in kernels.items():  # a kernel's precisions in turns (``alternated``)
+        calls = {f"{cost_class}:{tag}": ((lambda f=fn, x=x: f(x)) if cost_class == "random"  # bernoulli_ is in place
                                     else keeping(lambda f=fn, x=x: f(x)), ELEMENTS) for tag, x in xs.items()}
         out.update({key: 1.0 / rate for key, rate in alternated(calls, seconds / len(kernels), sync).items()})
     return out

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from batchlab.config import ConfigError, RunConfig, _Choice
+from batchlab.config import ConfigError, RunConfig, Choice
 from batchlab.distributed import forked
 from batchlab.distributed.failures import diagnose
 from batchlab.util.lifeline import module_command, runs
@@ -138,7 +138,7 @@ class _Finished:
 RANK_ENTRY = "batchlab.distributed.__main__:forked"
 
 
-class Launcher(_Choice):
+class Launcher(Choice):
     """How this node's ranks start."""
 
     FORK = "fork"  # forks of the pre-imported process (forked.py): one node, CPU

@@ -176,7 +176,7 @@ ABSOLUTE_TOLERANCE = 0.25  # issue 16: an absolute update time within 25% of the
 def time_model_absolute(formula: tuple[float, float], measured: tuple[float, float],
                         speed: Mapping[str, Any] | None = None) -> Check:
     """The formula's absolute update times (s) beside the measured medians; where the host speed was probed
-    (``factors.host_speed``: the probe's time over its calibration's), the formula at that speed too, since
+    (``compare.side_speeds``: the speed probe's time over its calibration's), the formula at that speed too, since
     rates calibrated at one speed price the other in proportion.  Flagged when the formula misses by more than
     ``ABSOLUTE_TOLERANCE`` at the speed the updates ran at (at the calibration's where none was probed)."""
     from batchlab.util.units import fmt_seconds as sec

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from batchlab.config import ACMode, RunConfig, _Choice, config_from_dict
+from batchlab.config import ACMode, RunConfig, Choice, config_from_dict
 from batchlab import host
 from batchlab.measure.result import Measurement, measurement_from_dict, measurement_to_dict
 from batchlab.measure.versus import formula_estimate, rows
@@ -22,7 +22,7 @@ NOISY_SPREAD = 0.10  # IQR/median of update time above which timing is noisy (as
 SCHEMA_VERSION = 1
 
 
-class Source(_Choice):
+class Source(Choice):
     TRANSFORMERS = "transformers"  # batchlab.integrations.transformers.BatchlabCallback
     LIGHTNING = "lightning"  # batchlab.integrations.lightning.BatchlabCallback
     LOOP = "loop"  # batchlab.observe around the user's own loop

@@ -16,14 +16,14 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from batchlab.config import Precision, RunConfig, _Choice
+from batchlab.config import Precision, RunConfig, Choice
 
 SPLIT_TOLERANCE = 1e-5  # fp32 relative gradient difference from summation order alone (DDP vs one process measured at 7e-9 on CPU/gloo, tests/test_distributed.py checks <= 1e-5)
 CHECK_SEQ = 32
 MAX_CHECK_PARAMS = 30_000_000  # above this the in-process check would take longer than the experiment
 
 
-class CheckKind(_Choice):
+class CheckKind(Choice):
     """Which gradient equivalence a change should keep."""
     SPLIT = "split"  # micro-batch x accum x DP regrouped, same global batch: the same gradient
     AC = "activation checkpointing"  # recompute in backward: the same gradient

@@ -1,4 +1,4 @@
-"""``batchlab.observe``: the harness's probes around a user's own training loop.
+"""``batchlab.observe``: the harness's listeners around a user's own training loop.
 
     with batchlab.observe(model, optimizer, warmup=2) as obs:
         for tokens, targets in loader:
@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from batchlab import host
 from batchlab.measure.clock import PhaseClock, synchronizer
-from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
+from batchlab.measure.devmem import CudaMemoryListener, from_snapshot
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.result import Draft, MeasuredMemory, MeasuredTime, Measurement, Outcome
@@ -63,10 +63,10 @@ class Observer:
         self.updates = 0
         self._samples: list[float] = []
         self._cpu: list[float] = []
-        self._host = host.TimedUpdates(probe=False, pretouch=False)  # faults per update; the user's allocator unchanged
+        self._host = host.TimedUpdates(speed_probe=False, pretouch=False)  # faults per update; the user's allocator unchanged
         self._tokens: list[int] = []
         self._phases: dict[str, list[float]] = {}
-        self._probe = None
+        self._listener = None
         self._update_tokens: int | None = None
         self.record, self.notebook_id = None, None  # set by observe(notebook=...) at the end
         self.phase = Phase.DATA
@@ -83,8 +83,8 @@ class Observer:
     def mark(self, phase: Phase | str) -> None:
         """``forward``, ``backward`` or ``optimizer`` (``data`` is where each update starts)."""
         self.phase = Phase.parse("phase", phase)
-        if self._probe is not None:
-            self._probe.mark(self.phase)
+        if self._listener is not None:
+            self._listener.mark(self.phase)
 
     def count_tokens(self, n: int) -> None:
         """Add ``n`` useful tokens to the current update (for callers that learn them micro-batch by micro-batch)."""
@@ -113,7 +113,7 @@ class Observer:
                 self._draft.outcome_detail = f"out of memory ({kind.value}) in {self.phase} of update {index + 1}"
             raise
         finally:
-            self._probe = None
+            self._listener = None
             if self._after_update is not None:
                 self._after_update()
 
@@ -128,15 +128,15 @@ class Observer:
     @contextlib.contextmanager
     def _memory_update(self):
         if self.device.type == "cuda":
-            probe = CudaMemoryProbe(self.device)
-            probe.begin()
-            self._probe = probe
+            listener = CudaMemoryListener(self.device)
+            listener.begin()
+            self._listener = listener
             yield
-            probe.mark("end")
-            self._set_memory(probe.result(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer)))
+            listener.mark("end")
+            self._set_memory(listener.result(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer)))
             return
         tracker = tracker_for(SimpleNamespace(raw_model=self.model, optimizer=self.optimizer))
-        self._probe = tracker
+        self._listener = tracker
         with tracker:
             yield
         self._set_memory(from_snapshot(tracker.snapshot()))
@@ -144,7 +144,7 @@ class Observer:
 
     def _set_memory(self, memory: MeasuredMemory) -> None:
         """Keep the memory update with the highest peak; the method names every memory update (provenance:
-        the figures are theirs alone, and no timed update ran a memory probe)."""
+        the figures are theirs alone, and no timed update ran a memory measurement)."""
         self._memory_updates.append(self.updates)
         best = self._best_memory if self._best_memory is not None and \
             self._best_memory.peak_bytes >= memory.peak_bytes else memory
@@ -158,7 +158,7 @@ class Observer:
         clock = PhaseClock(self.sync, sync_marks=not self._async)
         clock.start()
         clock.mark("data")
-        self._probe = clock
+        self._listener = clock
         # the clock reads bracket the user's block: synchronise, read, run, synchronise, read
         self.sync()
         with self._host.counting():

@@ -1,4 +1,4 @@
-"""Memory probes for one update: the CUDA caching allocator's statistics, or the live-storage tracker
+"""Memory listeners for one update: the CUDA caching allocator's statistics, or the live-storage tracker
 (CPU and MPS, which have no peak statistic).  Both give the same MeasuredMemory.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from batchlab.config.phase import Phase
 from batchlab.measure.result import MeasuredMemory
 
 
-class CudaMemoryProbe:
-    """A probe: per-phase peaks from ``max_memory_allocated`` (peak stats are reset at every mark, so each
+class CudaMemoryListener:
+    """A phase listener: per-phase peaks from ``max_memory_allocated`` (peak stats are reset at every mark, so each
     phase's own maximum is known and so is the phase of the overall peak); activations = allocated at the
     last micro-batch's backward start minus allocated at its forward start."""
 

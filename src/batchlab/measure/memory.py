@@ -335,7 +335,7 @@ def track_update(trainer, steady: bool = True, budget: int | None = None) -> Mem
         track_update(trainer, steady=False, budget=budget) if budget is not None else trainer.update()
     tracker = tracker_for(trainer, budget)
     with tracker:
-        trainer.update(probe=tracker)
+        trainer.update(listener=tracker)
     return tracker.snapshot()
 
 

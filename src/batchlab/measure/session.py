@@ -3,13 +3,13 @@
 Order of updates (``w`` = warmup, ``n`` = steps)::
 
     update 1            warmup (with a CPU memory budget: tracked, so an over-budget config stops early)
-    update 2            memory probe (tracker on CPU/MPS, allocator statistics on CUDA) — never timed
+    update 2            memory update (tracker on CPU/MPS, allocator statistics on CUDA) — never timed
     updates 3 .. w+1    the rest of the warmup
     (timeline only)     1 more, recorded as a memory timeline (batchlab.measure.timeline_update) — never timed
     next n updates      timed: device synchronised around each, per-phase clock
     (CUDA/MPS only)     3 more updates with a synchronising phase clock for the per-phase split
 
-Probes that cost time (tracker, allocator reads, synchronising at phase marks on an asynchronous device)
+Listeners that cost time (tracker, allocator reads, synchronising at phase marks on an asynchronous device)
 never run inside the timed updates.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from batchlab import host
 from batchlab.config import ConfigError, RunConfig, catalogue_key
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.device import torch_device
-from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
+from batchlab.measure.devmem import CudaMemoryListener, from_snapshot
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.options import MeasureOptions
@@ -77,7 +77,7 @@ def environment(device: torch.device) -> dict:
 
 
 class _Recorder:
-    """Remembers where the run is (stage, phase) for failure reports and forwards marks to the probe in use."""
+    """Remembers where the run is (stage, phase) for failure reports and forwards marks to the listener in use."""
 
     def __init__(self):
         self.stage, self.phase, self.inner = "setup", Phase.SETUP, None
@@ -201,24 +201,24 @@ class _Steps:
         if i == 1 and self._tracked_budget is not None:
             self._tracked(trainer, rec.use(label))  # lazy optimizer state is created here: watch it
         else:
-            trainer.update(probe=rec.use(label))
+            trainer.update(listener=rec.use(label))
         self._tick(label)
 
     def _tracked(self, trainer, rec: _Recorder):
         tracker = tracker_for(trainer, budget=self._tracked_budget)
         rec.inner = tracker
         with tracker:
-            trainer.update(probe=rec)
+            trainer.update(listener=rec)
         return tracker.snapshot()
 
     def _memory(self, trainer, rec: _Recorder) -> MeasuredMemory:
         rec.use(self._start("memory"))
         if self.device.type == "cuda":
-            probe = CudaMemoryProbe(self.device)
-            probe.begin()
-            trainer.update(probe=rec.use("memory", probe))
-            probe.mark("end")
-            result = probe.result(trainer)
+            listener = CudaMemoryListener(self.device)
+            listener.begin()
+            trainer.update(listener=rec.use("memory", listener))
+            listener.mark("end")
+            result = listener.result(trainer)
         else:
             result = from_snapshot(self._tracked(trainer, rec))
         self._tick("memory")
@@ -240,7 +240,7 @@ class _Steps:
         phases: dict[str, list[float]] = {}
         # the heap pre-touched; on CPU the speed probe read before each timed update (which of this host's speeds
         # the update ran at); page faults counted per update
-        around = host.TimedUpdates(probe=not self.async_device)
+        around = host.TimedUpdates(speed_probe=not self.async_device)
         for i in range(self.opts.steps):
             label = self._start(f"timed {i + 1}/{self.opts.steps}")
             around.read_probe()
@@ -258,7 +258,7 @@ class _Steps:
             for i in range(PHASE_UPDATES):
                 label = self._start(f"phase split {i + 1}/{PHASE_UPDATES}")
                 split.start()
-                trainer.update(probe=rec.use(label, split))
+                trainer.update(listener=rec.use(label, split))
                 _collect(phases, split.seconds)
                 self._tick(label)
         m.time = MeasuredTime(samples=samples, warmup=self.opts.warmup,
@@ -272,10 +272,10 @@ class _Steps:
             m.warnings.append(noisy)
 
 
-def timed_update(trainer, clock: PhaseClock, probe, sync):
+def timed_update(trainer, clock: PhaseClock, listener, sync):
     """One timed update (the benchmark's "timed loop" calls exactly this): (result, wall s, CPU s)."""
     clock.start()
-    return timed(lambda: trainer.update(probe=probe), sync)
+    return timed(lambda: trainer.update(listener=listener), sync)
 
 
 def _collect(phases: dict[str, list[float]], seconds: dict[str, float]) -> None:

@@ -19,7 +19,7 @@ _CREATED_AS = {"data": "data", "forward": "activations", "backward": "temporarie
 
 
 class _Marks:
-    """A probe: remembers (phase, allocations so far, frees so far) at every mark; the optimizer mark also
+    """A phase listener: remembers (phase, allocations so far, frees so far) at every mark; the optimizer mark also
     notes the .grad blocks."""
 
     def __init__(self, trainer, device):
@@ -60,12 +60,12 @@ def record_cuda(trainer, ctx: dict) -> Timeline:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     start = torch.cuda.memory_allocated(device)
-    probe = _Marks(trainer, device)
-    first = probe.count()
+    listener = _Marks(trainer, device)
+    first = listener.count()
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", clear_history=True,
                                              device=device)
     try:
-        trainer.update(probe=probe)
+        trainer.update(listener=listener)
         torch.cuda.synchronize(device)
         snapshot = torch.cuda.memory._snapshot(device)
     finally:
@@ -73,14 +73,14 @@ def record_cuda(trainer, ctx: dict) -> Timeline:
     peak = torch.cuda.max_memory_allocated(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     events = snapshot["device_traces"][index]
-    return _replay(events, probe, first, _baseline(trainer, device, start), _known(trainer), peak, ctx)
+    return _replay(events, listener, first, _baseline(trainer, device, start), _known(trainer), peak, ctx)
 
 
-def _replay(events, probe: _Marks, first: tuple[int, int], parts: dict[str, int], known: dict[int, str],
+def _replay(events, listener: _Marks, first: tuple[int, int], parts: dict[str, int], known: dict[int, str],
             peak: int, ctx: dict) -> Timeline:
     """Live bytes by category after every alloc / free event (see the module docstring)."""
     live: dict[int, tuple[int, str]] = {}
-    marks = [(phase, a - first[0], f - first[1]) for phase, a, f in probe.marks]
+    marks = [(phase, a - first[0], f - first[1]) for phase, a, f in listener.marks]
     spans: list[list] = [["data", "data", 0, 0]]
     micro, allocs, frees, m = 0, 0, 0, 0
     ops, phase_of, names, cols = [0], [0], [""], {c: [parts[c]] for c in CATEGORIES}
@@ -98,7 +98,7 @@ def _replay(events, probe: _Marks, first: tuple[int, int], parts: dict[str, int]
             spans.append([f"{phase} {micro}" if phase in ("forward", "backward") else phase, phase, i, i])
         if action == "alloc":
             allocs += 1
-            cat = "gradients" if e["addr"] in probe.grad_addrs and spans[-1][1] == "backward" else \
+            cat = "gradients" if e["addr"] in listener.grad_addrs and spans[-1][1] == "backward" else \
                 _CREATED_AS.get(spans[-1][1], "temporaries")
             live[e["addr"]] = (e["size"], cat)
             parts[cat] += e["size"]

@@ -190,7 +190,7 @@ def recorded_update(trainer, owner: Callable[[], str], outside: str,
     recorder.start(tracker)
     try:
         with tracker:
-            trainer.update(probe=tracker)
+            trainer.update(listener=tracker)
     finally:
         recorder.finish()
     return tracker.snapshot(), recorder
