@@ -222,3 +222,14 @@ def test_the_architecture_page_lists_every_module():
     actual = {str(p.relative_to(src)) for p in src.rglob("*.py")
               if p.name != "__init__.py" or p.parent == src or len(list(p.parent.glob("*.py"))) == 1}
     assert sorted(actual - listed) == [] and sorted(listed - actual) == []
+
+
+def test_the_architecture_page_draws_the_imports_between_packages():
+    drawn = {}
+    for line in _block("## Imports between packages"):
+        package, _, targets = line.partition("->")
+        drawn[package.strip()] = {t.strip() for t in targets.split(",") if t.strip()}
+    actual: dict[str, set[str]] = {package_of(m): set() for m in import_graph(SRC, "batchlab")}
+    for mod, targets in import_graph(SRC, "batchlab").items():
+        actual[package_of(mod)] |= {package_of(t) for t in targets} - {package_of(mod)}
+    assert drawn == actual
