@@ -7,6 +7,8 @@ import torch
 from batchlab.config import RunConfig, preset
 from batchlab.measure import MeasureOptions, Outcome
 from batchlab.run import measure as run
+from batchlab.measure.device import torch_device
+from batchlab.measure.devmem import CudaMemoryListener
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import track_update
 
@@ -54,3 +56,33 @@ def test_real_cuda_oom_is_recorded_with_its_phase():
     assert m.oom_phase == "forward"
     assert "device allocator" in m.outcome_detail
     assert torch.cuda.memory_allocated() < 2**30  # nothing left behind
+
+
+def test_the_allocators_peak_is_pytorchs_memtracker_peak_plus_what_no_tensor_holds():
+    """One steady-state update on CUDA, measured as batchlab's memory update measures it (max_memory_allocated
+    per phase) inside PyTorch's own MemTracker (torch.distributed._tools.mem_tracker: every live storage, rounded
+    to the allocator's 512-byte blocks).  The allocator also holds memory no tensor owns (cuBLAS's workspace,
+    allocated during warmup and kept): read before the update as allocated minus what MemTracker tracks, it is
+    constant, so the two peaks differ by exactly it, within a few blocks.  A larger batch than CFG's, so the
+    update's own memory dominates."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    cfg = CFG.replace(micro_batch=64)  # accum 1: MemTracker refuses a module's second forward
+    trainer = Trainer(cfg, torch_device(cfg))
+    for _ in range(2):
+        trainer.update()  # AdamW's state made: the steady state
+    torch.cuda.synchronize()
+    listener, tracker = CudaMemoryListener(trainer.device), MemTracker()
+    tracker.track_external(trainer.raw_model, trainer.optimizer)
+    with tracker:
+        current = tracker.get_tracker_snapshot("current")
+        device = next(d for d in current if d.type == "cuda")
+        untracked = torch.cuda.memory_allocated(device) - current[device]["Total"]
+        listener.begin()
+        trainer.update(listener=listener)
+        listener.mark("end")
+    measured = listener.result(trainer)
+    reference = tracker.get_tracker_snapshot("peak")[device]["Total"]
+    assert 0 <= untracked < 256 * 2**20, untracked
+    assert reference > 64 * 2**20  # the update's tensors, not the workspace, make the peak
+    assert measured.peak_bytes == pytest.approx(reference + untracked, rel=0.01, abs=4 * 2**20)
