@@ -6,7 +6,7 @@ for it, forward and backward, as read from the trace of that code: a biased ``nn
 ``view, t, addmm, view`` forward and ``view, t, mm, t, mm, t, sum, view, detach, t, detach, view`` backward
 (AccumulateGrad detaches), dropout is ``empty_like, bernoulli_, div_, mul`` forward and one ``mul`` backward,
 and so on.  FLOPs are the matmuls' 2·m·n·k; bytes the tensors read and written; elements the output's.
-tests/test_timemodel.py checks counts, FLOPs and bytes against the trace of the real code.
+tests/formula/test_time_model.py checks counts, FLOPs and bytes against the trace of the real code.
 
 Symbols: T = b·s tokens per micro-batch, h hidden, kv key/value width, f MLP inner size, a heads, d head
 size, V vocabulary, E = a·s·s·b attention-score elements.

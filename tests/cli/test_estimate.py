@@ -84,7 +84,7 @@ def test_explain_uses_the_users_numbers():
 def test_a_config_json_without_optional_fields_counts_the_model_transformers_builds(tmp_path, monkeypatch):
     """GPT-2 with no n_positions / n_inner: the family's defaults (1024 positions, 4h MLP), as
     AutoModelForCausalLM.from_config fills them; without torch, estimate says why it has no layer profile
-    (the profiled path: tests/test_any_model_profiled.py); a custom device's memory is the capacity."""
+    (the profiled path: tests/trace/test_layer_profile.py); a custom device's memory is the capacity."""
     transformers = pytest.importorskip("transformers")
     import sys
 

@@ -1,5 +1,5 @@
 """batchlab.distributed pieces that need no process group: interval union, merging, world-size checks,
-torchrun command line, root-cause selection.  Launches are in test_distributed.py."""
+torchrun command line, root-cause selection.  Launches are in test_ddp_on_gloo.py."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
 """The calculator's profiled layer terms past the profile's fitted lengths (seq 512) against the trace (which
-equals a real run's live tensors: tests/test_any_model_families.py): a checkpointed ALiBi model (the deep
-sliding-window model in bf16: tests/test_any_model_families.py, which profiles it already)."""
+equals a real run's live tensors: tests/trace/test_layer_profile_families.py): a checkpointed ALiBi model (the deep
+sliding-window model in bf16: tests/trace/test_layer_profile_families.py, which profiles it already)."""
 from __future__ import annotations
 
 import pytest

@@ -36,6 +36,7 @@ print(sorted(faults)[1])  # median, as the session reports it
 """
 
 
+@pytest.mark.host
 @pytest.mark.slow
 @glibc
 def test_isolated_worker_runs_in_the_regime_and_faults_no_pages_after_warmup(monkeypatch):
@@ -52,6 +53,7 @@ def test_isolated_worker_runs_in_the_regime_and_faults_no_pages_after_warmup(mon
     assert m.environment["page_faults_per_update"] < 50
 
 
+@pytest.mark.host
 @pytest.mark.slow
 @glibc
 def test_without_the_regime_the_same_updates_fault_pages_in():
@@ -145,6 +147,7 @@ print(touched, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)
 """
 
 
+@pytest.mark.host
 @glibc
 @pytest.mark.parametrize("in_regime", [True, False])
 def test_pretouch_leaves_heap_growth_nothing_to_fault_in_and_touches_only_a_process_in_the_regime(in_regime):

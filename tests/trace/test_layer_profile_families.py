@@ -1,6 +1,6 @@
 """The calculator's profiled layer terms for families it was not written for (sliding window, MoE), against a
 real run's live tensors, and the sliding-window model past its fitted lengths too (its profile made once: the
-session's cache); the other long case: tests/test_any_model_long.py; the wider grid over every family,
+session's cache); the other long case: tests/trace/test_layer_profile_long.py; the wider grid over every family,
 precision and policy: benchmarks/accuracy.py."""
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--micro-batch", "2"]
 # after the fork appears: it imports nothing, so it is in its updates well within this (each second waited is a
 # CPU-second of updates)
@@ -100,7 +100,7 @@ def _assert_all_gone(pids: list[int], folders: list[Path], within: float = 5.0) 
 def test_an_isolated_worker_dies_with_its_parent_killed_by_sigkill(tmp_path, plant_shadows):
     """Started in a folder of modules named like the stdlib's, which no process (the parent, the pre-imported
     process, its fork) imports.  (SIGTERM and SIGINT of a parent with an isolated worker:
-    test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row; DDP ranks: test_distributed.py.)"""
+    test_ctrl_c_and_sigterm_of_compare_name_the_incomplete_row; DDP ranks: distributed/test_ddp_on_gloo.py.)"""
     marker = plant_shadows(tmp_path)
     parent = _start("measure", "--isolate", "--steps", "100000", "--timeout", "300", *TINY, cwd=tmp_path)
     try:

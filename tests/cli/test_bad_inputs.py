@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from batchlab.cli import app
 
 BIG = "1" + "0" * 29  # a 30-digit whole number
-FILES = Path(__file__).parent / "data" / "bad_inputs"
+FILES = Path(__file__).parents[1] / "data" / "bad_inputs"
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +251,7 @@ def _rows(path: Path) -> int:
 ])
 def test_through_the_installed_entry_point(argv, field, tmp_path):
     """The same errors from a real process (the console script's main, which also maps SIGTERM)."""
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     argv = [a.replace("{nb}", str(tmp_path / "nb.sqlite")) for a in argv]
     out = subprocess.run([sys.executable, "-m", "batchlab", *argv], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path, env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"})

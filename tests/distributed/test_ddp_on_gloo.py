@@ -2,7 +2,7 @@
 
 Launches are shared between assertions (module fixtures).  This file's ``_rank_main`` is the rank program of
 the user-started (external) measurement and, in the same ranks after it, of the FSDP2 (ZeRO-3) measurement and
-of the gradient-equivalence test; run as a script (``torchrun ... tests/test_distributed.py DIR``) it runs
+of the gradient-equivalence test; run as a script (``torchrun ... tests/distributed/test_ddp_on_gloo.py DIR``) it runs
 under torchrun as well.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ EXTERNAL_ACCUM = 4
 def external(tmp_path_factory):
     """One 2-rank job running ``_rank_main`` in ranks batchlab did not start for the measurement (they have
     torchrun's environment: forks of the pre-imported process here, distributed/forked.py; torchrun itself starts
-    ranks in the dead-rank test below and in test_no_orphans.py): each rank first runs
+    ranks in the dead-rank test below and in util/test_lifeline.py): each rank first runs
     ``python -m batchlab measure --dp 2 --accum 4 --json`` (rank 0 alone prints), then measures FSDP_CFG
     (batchlab.distributed.measure_in_torchrun, the rank side of every DP measurement), then saves the
     all-reduced gradients of one update of GRAD_CFG.

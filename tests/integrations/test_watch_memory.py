@@ -57,8 +57,9 @@ loop(False)  # the process's own first-use costs (imports, lazy inits, the heap'
 print(json.dumps({"bare": loop(False), "watched": loop(True)}))
 """
 
-@pytest.mark.slow
 
+@pytest.mark.host
+@pytest.mark.slow
 def test_nothing_of_the_memory_update_outlives_it_and_later_updates_fault_no_more_than_without_it():
     import os
 

@@ -21,7 +21,7 @@ from batchlab.trace import estimate as trace_estimate
 from hf_shapes import FAST, config_dir, hf_cfg, rel
 
 transformers = pytest.importorskip("transformers")
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 
 # ------------------------------------------------------------------------------------------ fitting
 
@@ -197,8 +197,8 @@ def test_an_input_spec_must_be_one_batchlab_knows():
 
 def test_vision_compare_and_fit_run(vision, tmp_path, monkeypatch):
     """An image factory through compare and fit.  Each side and fit's verification are measured in this process
-    (a factory run in a fresh process is tests/test_measure_models.py's isolated cases; compare's subprocesses
-    its smoke test, fit's tests/test_advise_search.py)."""
+    (a factory run in a fresh process is tests/models/test_model_sources.py's isolated cases; compare's subprocesses
+    its smoke test, fit's tests/advise/test_search.py)."""
     from dataclasses import replace
 
     from typer.testing import CliRunner

@@ -219,6 +219,7 @@ def test_a_cpu_cache_without_dispatch_under_autocast_is_measured_again(measured,
     assert fresh and measured == [ASKED] and cal == calibrated
 
 
+@pytest.mark.host
 @pytest.mark.slow
 def test_the_link_fitted_to_three_sizes_prices_another_all_reduce_timed_on_gloo():
     from batchlab.calibrate.link import allreduce_timed, allreduce_times, ring_fit
@@ -373,6 +374,7 @@ def _calibrated_against_torch_benchmark(cal: Calibration, n: int = SIDE):
     return cal.matmul_curve["fp32"][0][1] / mm, cal.memory_curve_inplace[-1][1] / add
 
 
+@pytest.mark.host
 @pytest.mark.slow
 def test_measure_cpu_matches_a_matmul_and_an_add_timed_here(calibrated):
     # the same kernels timed by torch's own benchmark: a FLOP or byte count off by 2x falls outside on every

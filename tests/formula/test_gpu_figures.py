@@ -83,7 +83,7 @@ def test_overlap_by_hand():
 
 
 def published_rows():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import published
 
     runs = published.load(published.HERE / "published_runs.toml")["run"]

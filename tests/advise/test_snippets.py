@@ -125,7 +125,7 @@ def test_pytorch_script_parses_and_its_imports_resolve(name):
     exec("\n".join(imports), {})
     cfg = CONFIGS[name]
     expected = "fully_shard" if cfg.zero >= 2 else "DistributedDataParallel" if cfg.dp > 1 else "DataLoader"
-    assert expected in code  # run end to end in test_advise_torch_script.py
+    assert expected in code  # run end to end in advise/test_torch_script.py
 
 
 def test_fit_prints_every_stack():

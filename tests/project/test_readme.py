@@ -1,5 +1,5 @@
 """The README's Python API example runs as written (the first ```python block: calculator + a measurement).
-The module list is on docs/architecture.md (tests/test_structure.py checks it)."""
+The module list is on docs/architecture.md (tests/project/test_structure.py checks it)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,7 +7,7 @@ import io
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_the_python_api_example_runs():

@@ -2,7 +2,7 @@
 torchrun environment, DP = 2 with torchrun's (2 ranks, gloo, CPU) for DDP, ZeRO-1 (ZeroRedundancyOptimizer),
 ZeRO-2 and ZeRO-3 (FSDP2 fully_shard).  The script reads nothing of torchrun but its variables (rank, world,
 store address), so its ranks are forks of batchlab's pre-imported process given them, as batchlab's own DP
-ranks are on CPU; torchrun itself is launched in test_distributed.py and test_no_orphans.py."""
+ranks are on CPU; torchrun itself is launched in distributed/test_ddp_on_gloo.py and util/test_lifeline.py."""
 from __future__ import annotations
 
 import ast
@@ -134,8 +134,8 @@ def dp1_scripts() -> list[str]:
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
     """One 2-rank job (forks of the pre-imported process with torchrun --standalone's environment, as batchlab's
-    own DP measurement runs its ranks; torchrun itself is launched in test_distributed.py and
-    test_no_orphans.py) running, in rank 0, the DP = 1 scripts with no torchrun environment, then in both
+    own DP measurement runs its ranks; torchrun itself is launched in distributed/test_ddp_on_gloo.py and
+    util/test_lifeline.py) running, in rank 0, the DP = 1 scripts with no torchrun environment, then in both
     ranks the DP = 2 scripts of DP2 in turn.  (The DP = 2 paths, the DP = 1 paths, the Ranks, rank 0's output
     per script by path.)"""
     from batchlab.distributed import forked

@@ -19,7 +19,7 @@ from batchlab.report import export
 from batchlab.timeline.data import STORED_WIDTH
 from fake_measure import FakeMeasure, fake_timeline, plan_for
 
-OLD_ROW = Path(__file__).parent / "data" / "notebook_row_v1.json"
+OLD_ROW = Path(__file__).parents[1] / "data" / "notebook_row_v1.json"
 
 
 def _old_notebook(path: Path) -> Notebook:

@@ -1,7 +1,7 @@
 """Each command asks the layer profile, before it computes anything, for every precision and layer policy its
 derived configs read (formula/memory.py: AC none reads the whole layer's terms, full the checkpointed block's,
 every:K both), so none of its rows falls back to the builtin terms.  Nothing is traced here: the tracer is
-replaced by one that notes what it was asked; the real tracing and merging: tests/test_any_model_profiled.py."""
+replaced by one that notes what it was asked; the real tracing and merging: tests/trace/test_layer_profile.py."""
 from __future__ import annotations
 
 import pytest

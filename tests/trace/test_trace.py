@@ -58,7 +58,7 @@ class _ConvLM(nn.Module):
         return self.head(x.transpose(1, 2))
 
 
-def conv_factory(cfg):  # found as "test_trace:conv_factory": pytest puts tests/ on sys.path
+def conv_factory(cfg):  # found as "test_trace:conv_factory": pytest puts this file's folder on sys.path
     return _ConvLM(), synthetic_tokens(64, cfg.data)
 
 
