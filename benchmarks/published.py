@@ -33,7 +33,7 @@ from click import ClickException
 from batchlab.cli.common import config_from_command
 from batchlab.config import RunConfig
 from batchlab.formula import estimate, implementation_line
-from batchlab.units import relative_to
+from batchlab.util.units import relative_to
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from batchlab.config import (AttentionImpl, Backend, Implementation, MLPKind, ModelSource, ModelSpec, NormKind,
-                             Precision, PositionKind, _Choice)
+from batchlab.config import (AttentionImpl, Backend, Choice, Implementation, MLPKind, ModelSource, ModelSpec, NormKind,
+                             Precision, PositionKind)
 
 F32 = 4
 
@@ -75,7 +75,7 @@ def _norm_bytes(m: ModelSpec, s: int, b: int, w: Widths, impl: "Impl | None" = N
     return sbh * w.res + 2 * s * b * stats + cast_out
 
 
-class Impl(_Choice):
+class Impl(Choice):
     """Whose layer code keeps the tensors (``ModelSpec.impl``, or what an hf: source builds)."""
 
     BUILTIN = "builtin"
