@@ -293,4 +293,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import page  # benchmarks/page.py: this script's page of the docs
+
+    page.publish(main, page.variant("published", {"--readme": "table"}), "Predicted vs published GPU runs")

@@ -22,17 +22,3 @@ def test_the_python_api_example_runs():
     m = namespace["m"]
     assert m.outcome.value == "ok" and second.endswith("True")
     assert m.timeline.peak_bytes == m.memory.peak_bytes  # both steady-state updates of one trainer
-
-
-def test_the_folder_list_names_every_module():
-    """"How it is built": every package and module of src/batchlab appears in the folder list."""
-    text = README.read_text()
-    tree = text[text.index("## How it is built"):]
-    tree = tree[tree.index("src/batchlab/"):tree.index("```", tree.index("src/batchlab/"))]
-    words = set(re.findall(r"[a-z_]+", tree))
-    src = README.parent / "src" / "batchlab"
-    missing = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
-                     if p.stem not in ("__init__", "__main__") and p.stem not in words)
-    missing += sorted(p.name for p in src.iterdir() if p.is_dir() and (p / "__init__.py").exists()
-                      and p.name not in words)
-    assert not missing, f"README folder list lacks: {missing}"
