@@ -88,7 +88,7 @@ def field_tables(cls, seen: set | None = None, level: int = 3) -> list[str]:
     for f in dataclasses.fields(cls):
         if f.name.startswith("_"):
             continue
-        meaning = notes.get(f.name, "").replace("|", "\\|")
+        meaning = notes.get(f.name, "").replace("|", "\\|").replace("<", "&lt;")
         out.append(f"| `{f.name}` | `{_type_text(f)}` | {_default(f)} | {meaning} |")
         children += [c for c in _nested(hints.get(f.name)) if c not in seen and c not in children]
     out.append("")
@@ -152,7 +152,7 @@ def json_page() -> str:
            " the records below (`to_dict` of the dataclasses); sizes are bytes, times seconds, rates per second.",
            "", "## `batchlab estimate --json`", "",
            "The key tree of `batchlab estimate --json` for the default configuration (tiny model, formula, no"
-           " calibration), computed at build time:", "", "```yaml", *_shape(example), "```", "",
+           " calibration), computed at build time (the capacity and the time are the build machine's CPU):", "", "```yaml", *_shape(example), "```", "",
            "`estimate --vary ... --json` prints a list, one such row per value; `--trace --json` adds the trace's"
            " figures beside the formula's.", "",
            "## `batchlab measure --json`", ""]
@@ -167,7 +167,36 @@ def json_page() -> str:
     return "\n".join(out)
 
 
+def device_sections() -> str:
+    """One section per catalogue device: its capacity and peak figures, and the sources the catalogue names."""
+    from batchlab.config import DEVICES
+
+    out = []
+    for name, d in DEVICES.items():
+        if name == "cpu":  # the build machine's own: not a catalogue entry
+            continue
+        out += [f"## {name}", "", "| | |", "|---|---|",
+                f"| capacity | {d.memory_bytes / 2**30:.2f} GiB |"]
+        if getattr(d, "peak_flops_bf16", None):
+            out.append(f"| peak | {d.peak_flops_bf16 / 1e12:g} TFLOP/s bf16, {d.peak_flops_fp32 / 1e12:g} fp32 |")
+        for label, attr in (("capacity source", "memory_source"), ("figures source", "source"),
+                            ("context source", "context_source")):
+            text = getattr(d, attr, "")
+            if text:
+                out.append(f"| {label} | {str(text).replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out)
+
+
 PAGES = {"reference/files.md": files_page, "reference/json.md": json_page}
+MARKERS = {"sources.md": ("<!-- devices -->", device_sections)}
+
+
+def on_page_markdown(markdown, page, config, files):
+    marker = MARKERS.get(page.file.src_uri)
+    if marker and marker[0] in markdown:
+        return markdown.replace(marker[0], marker[1]())
+    return markdown
 
 
 def on_files(files, config):
