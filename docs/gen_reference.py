@@ -142,7 +142,8 @@ def files_page() -> str:
 def json_page() -> str:
     from batchlab.config import RunConfig
     from batchlab.experiment.record import Record
-    from batchlab.formula import estimate
+    from batchlab.config import Assumptions, ModelSpec
+    from batchlab.formula import Estimate, estimate
     from batchlab.measure.result import Measurement
     from batchlab.timeline.data import Timeline
 
@@ -152,18 +153,23 @@ def json_page() -> str:
            " the records below (`to_dict` of the dataclasses); sizes are bytes, times seconds, rates per second.",
            "", "## `batchlab estimate --json`", "",
            "The key tree of `batchlab estimate --json` for the default configuration (tiny model, formula, no"
-           " calibration), computed at build time (the capacity and the time are the build machine's CPU):", "", "```yaml", *_shape(example), "```", "",
+           " calibration), computed at build time (the capacity and the time are the build machine's CPU):", "",
+           "```yaml", *_shape(example), "```", "",
            "`estimate --vary ... --json` prints a list, one such row per value; `--trace --json` adds the trace's"
-           " figures beside the formula's.", "",
-           "## `batchlab measure --json`", ""]
-    out += field_tables(Measurement)
+           " figures beside the formula's. The fields, from the dataclasses behind it (the config's are on"
+           " [config and experiment files](files.md)):", ""]
+    seen = {RunConfig, ModelSpec, Assumptions}  # each dataclass described once on the page
+    out += field_tables(Estimate, seen)
+    out += ["", "## `batchlab measure --json`", ""]
+    out += field_tables(Measurement, seen)
     out += ["## `--timeline FILE.json`", "", "One update's memory over time (`estimate --trace --timeline`,"
-            " `measure --timeline`, and each side of a compare record). `max(samples.total) == peak_bytes`"
-            " holds to the byte.", ""]
-    out += field_tables(Timeline)
+            " `measure --timeline`, and each side of a compare record): the [`Timeline`](#timeline) record above."
+            " `max(samples.total) == peak_bytes` holds to the byte.", ""]
+    out += field_tables(Timeline, seen)
     out += ["## `batchlab compare --json` (the experiment record)", "",
-            "The record the notebook stores; `schema` is its version (the notebook reads every older one).", ""]
-    out += field_tables(Record, {Timeline})
+            "The record the notebook stores; `schema` is its version (the notebook reads every older one). Each"
+            " round holds both sides' measurements, as above.", ""]
+    out += field_tables(Record, seen)
     return "\n".join(out)
 
 
