@@ -82,6 +82,8 @@ def field_tables(cls, seen: set | None = None, level: int = 3) -> list[str]:
     seen.add(cls)
     notes, hints = _comments(cls), _hints(cls)
     doc = (inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " ")
+    if doc.startswith(f"{cls.__name__}("):  # the signature dataclasses write when there is no docstring
+        doc = ""
     out = [f"{'#' * level} `{cls.__name__}`", "", f"`{cls.__module__}.{cls.__name__}`" + (f": {doc}" if doc else ""),
            "", "| field | type | default | meaning (from the source) |", "|---|---|---|---|"]
     children = []
