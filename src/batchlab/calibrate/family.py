@@ -23,7 +23,7 @@ from batchlab.config import ConfigError, RunConfig
 from batchlab.formula.opcost import OpCosts
 from batchlab.formula.timing import dispatch_family
 
-SECONDS = 1.5  # alternated updates of the two models: ~250 each here
+SECONDS = 1.5  # alternated updates of the two models, hundreds each at dispatch-bound sizes
 KINDS = ("forward", "backward")  # the phases the model's own code runs in (plain ops: the harness's, torch's)
 
 

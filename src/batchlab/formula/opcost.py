@@ -247,9 +247,8 @@ class OpCosts:
     def excess_bytes(self, op: OpCount) -> float:
         """Bytes a linear-layer matmul call moves beyond what the calibration's shape of the same FLOPs moved:
         the curve's rate already pays for those; a skinny call (few tokens against a wide weight) streams far
-        more per FLOP, and the extra comes from beyond the cache (``memory``'s largest size).  Measured here at 1
-        thread: (32, 128, 512) ran at 41 GFLOP/s on operands cycled out of cache, 57 on warm ones, where the curve
-        (shapes (128, 64, 64) and (256, 128, 128) either side) said 55."""
+        more per FLOP, and the extra comes from beyond the cache (``memory``'s largest size); bytes in, bytes out.
+        The measurement behind it: docs/cpu.md, "Figures behind the code's choices"."""
         if not self.matmul_intensity:
             return 0.0
         moved = op.flops / interpolate_log(self.matmul_intensity, op.flops) * (0.5 if op.low_precision else 1.0)
