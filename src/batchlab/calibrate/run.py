@@ -68,10 +68,9 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
                  shapes: tuple[tuple[int, int, int], ...] | None = None, threads: int | None = None,
                  rounds: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in ``ROUNDS`` rounds, the shares of ``seconds`` adding up to
-    ~2x it (each kernel's minimum samples; measured 18.5-24 s at the default 10 on this 2-core CPU, as its
-    speed varied): the matmul curves, fp32 and bf16 of each shape timed in turns (34% linear layers, 8%
-    attention's batched matmuls, 10% fused attention forward and backward, plus what its calls need for
-    ``kernels.SWINGING`` samples each), element-wise bandwidth (12%), per-element kernels (15%), per-op
+    ~2x it (each kernel's minimum samples; docs/cpu.md gives a 2-core VM's figure): the matmul curves, fp32
+    and bf16 of each shape timed in turns (34% linear layers, 8% attention's batched matmuls, 10% fused
+    attention forward and backward, plus what its calls need for ``kernels.SWINGING`` samples each), element-wise bandwidth (12%), per-element kernels (15%), per-op
     dispatch in fp32, under autocast and under selective checkpointing (25%, in ``SLICES`` slices a round),
     on CPU the slowdown of two processes running alike at once (15%, one alternation with each slice, in CPU
     seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and gloo's all-reduce between two

@@ -57,8 +57,8 @@ class Phase(_Choice):
 # through the autograd engine, data and optimizer are plain no-grad calls.
 DISPATCH_KIND = {Phase.DATA: "plain", Phase.FORWARD: "forward", Phase.RECOMPUTE: "forward",
                  Phase.BACKWARD: "backward", Phase.OPTIMIZER: "plain"}
-# Selective checkpointing's TorchDispatchMode runs Python per op of the block: ~40 us more per op in forward on
-# this CPU (a layer-norm / linear / GELU block: 48.6 against 6.8 us per op), and its cached mode in recompute
+# Selective checkpointing's TorchDispatchMode runs Python per op of the block: several times a plain op's
+# dispatch cost per op in forward (docs/cpu.md), and its cached mode in recompute
 SAC_KIND = {Phase.FORWARD: "forward-sac", Phase.RECOMPUTE: "recompute-sac"}
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_dot_product_flash_attention",
