@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()) / "docs"
 
 
 def _generator():
