@@ -289,9 +289,7 @@ def keeping(fn, budget: int = COLD_BYTES):
     into the buffer the previous call just freed, so its writes miss the cache.  Timing a kernel whose output
     is freed and reused at once measures the warm-buffer rate, well above a step's.  Calibration runs in the steady allocator regime
     (batchlab.host.regime), as the measured processes do, so the freed budget is reused without page faults and
-    what remains is the cache miss (measured here in that regime: a 2 MiB multiply 0.26 ms into outputs kept
-    up to 8 MiB, 0.40 ms up to 32, 128 or 512 MiB; with glibc's defaults the same kept outputs also faulted
-    their pages in, 2-4 us per 4 KiB page)."""
+    what remains is the cache miss (docs/cpu.md, "Figures behind the code's choices")."""
     kept: list = []
     state = {"bytes": 0}
 
