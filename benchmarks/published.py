@@ -274,26 +274,16 @@ def details(rows: list[Row]) -> list[str]:
     return out
 
 
-def document(rows: list[Row], argv: list[str]) -> str:
-    import datetime
-    import platform
-    from importlib import metadata
-
-    try:
-        torch_version = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch_version = "not installed (the formula does not use it)"
-    lines = ["# Accuracy on published training runs", "",
-             "What `batchlab estimate` predicts for published GPU training runs, typed as a user types them "
+def document(rows: list[Row]) -> str:
+    """The page's body (benchmarks/page.py puts the date, machine, torch version and command above it)."""
+    lines = ["What `batchlab estimate` predicts for published GPU training runs, typed as a user types them "
              "(each run's command below is parsed by the CLI's own option parsing), beside what the sources "
              "measured. Error = (predicted - measured) / measured; memory is compared with the kind the source "
              "measured (allocated, reserved, or nvidia-smi's device view). *Before*: the same runs with the code "
              "before issue 36 (benchmarks/published_before.toml; torchtitan's runs then went through an hf:llama "
-             "source). † marks runs held out (chosen before tuning; never tuned against).", "",
-             f"- generated: {datetime.date.today().isoformat()} on {platform.system()} {platform.machine()} "
-             f"(Python {platform.python_version()}, torch {torch_version}; formula only, no GPU needed)",
-             f"- reproduce: `PYTHONPATH=src python benchmarks/published.py{(' ' + shlex.join(argv)) if argv else ''}`",
-             "", "## Summary", "", *summaries(rows), "", "## Runs", "", *table(rows), "",
+             "source). † marks runs held out (chosen before tuning; never tuned against). Formula only: no GPU "
+             "is needed to reproduce it.", "",
+             "## Summary", "", *summaries(rows), "", "## Runs", "", *table(rows), "",
              "## Commands, sources and what the command cannot express", "", *details(rows), ""]
     return "\n".join(lines)
 
@@ -302,8 +292,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=Path, default=HERE / "published_runs.toml")
     p.add_argument("--before", type=Path, default=HERE / "published_before.toml")
-    p.add_argument("--only", default="", help="comma-separated run ids (prints, writes nothing)")
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "accuracy" / "published.md")
+    p.add_argument("--only", default="", help="comma-separated run ids (prints; the page is not written)")
     args = p.parse_args(argv)
     runs = load(args.runs)["run"]
     before = {r["id"]: r for r in load(args.before)["run"]} if args.before.exists() else {}
@@ -313,14 +302,11 @@ def main(argv=None) -> int:
         if not runs:
             print(f"--only: no run named {args.only!r}", file=sys.stderr)
             return 2
-    rows = [evaluate(r, before) for r in runs]
-    text = document(rows, list(argv or sys.argv[1:]))
-    print(text)
-    if not args.only:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    print(document([evaluate(r, before) for r in runs]))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import page  # benchmarks/page.py: this script's page of the docs
+
+    page.publish(main, "published", "Predicted vs published GPU runs")
