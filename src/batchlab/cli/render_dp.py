@@ -30,14 +30,17 @@ def _kinds(d: dict[str, int]) -> str:
     return ", ".join(f"{_KIND_NAMES[k]} {fmt_bytes(v)}" for k, v in d.items() if v) or "none"
 
 
-def traffic_lines(t: MeasuredTraffic | None) -> list[str]:
-    """The engine, its accumulation semantics, and every collective counted beside the formula's."""
+def traffic_lines(t: MeasuredTraffic | None, verbose: bool = True) -> list[str]:
+    """The engine, its accumulation semantics, and every collective counted beside the formula's (per
+    micro-batch: ``verbose``)."""
     if t is None:
         return []
     verdict = "equal to the formula's" if t.matches_formula else "DIFFERENT from the formula's"
     out = [f"engine: {t.engine} = {t.api}", f"accumulation: {t.accumulation}",
            f"collectives per update ({t.provenance}): {_kinds(t.per_update)}; formula: "
            f"{_kinds(t.predicted_per_update)} ({verdict}, per micro-batch too)"]
+    if not verbose:
+        return out
     for i, (seen, predicted) in enumerate(zip(t.per_micro_batch, t.predicted_per_micro_batch)):
         out.append(f"  micro-batch {i + 1}: {_kinds(seen)}" + ("" if seen == predicted else
                                                                 f"  (formula: {_kinds(predicted)})"))
@@ -108,6 +111,8 @@ def launcher_lines(m: Measurement) -> list[str]:
     return [f"ranks: {env['nproc_per_node']} on this node of {env.get('world_size', '?')}, {how}"]
 
 
-def lines(m: Measurement) -> list[str]:
-    """Everything DP-specific a report prints; empty for a one-process measurement."""
-    return launcher_lines(m) + memory_lines(m) + formula_lines(m) + traffic_lines(m.traffic) + comm_lines(m)
+def lines(m: Measurement, verbose: bool = True) -> list[str]:
+    """Everything DP-specific a report prints; empty for a one-process measurement.  Without ``verbose`` the
+    formula's per-rank parts and the per-micro-batch collectives are left out."""
+    return (launcher_lines(m) + memory_lines(m) + (formula_lines(m) if verbose else [])
+            + traffic_lines(m.traffic, verbose) + comm_lines(m))

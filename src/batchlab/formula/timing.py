@@ -18,7 +18,7 @@ from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwi
 from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.memory import MemoryEstimate
-from batchlab.formula.opcost import OpClass, OpCosts, OpCount, Phase, TimeBreakdown, describe, price
+from batchlab.formula.opcost import FOLDED, OpClass, OpCosts, OpCount, Phase, TimeBreakdown, describe, price
 from batchlab.formula.oplist import update_ops
 from batchlab.formula.sharding import collective_seconds, traffic
 
@@ -36,7 +36,6 @@ MATMUL_START = {Backend.CPU: 2e-6, Backend.CUDA: 5e-6, Backend.MPS: 10e-6}
 # CPU per-element kernels, cycles per element on one core (x86 with AVX-512, measured here): tanh-GELU 13,
 # its gradient 35, softmax 5, log-softmax over the vocabulary 14 and a broadcast-mask masked_fill 13 (2.7x and
 # 2.6x softmax in a step here), layer norm 4, the dropout RNG 50.  GPUs are bandwidth-bound on these: bytes decide.
-FOLDED = 1e30  # bytes/s of work folded into an end-to-end fraction (priced at nothing)
 CPU_CYCLES_PER_ELEMENT = {"activation": 13, "activation-grad": 35, "softmax": 5, "loss": 14, "masked": 13, "norm": 4,
                           "random": 50}
 
