@@ -113,7 +113,7 @@ def semantics_line(s: dict) -> str:
 
     touched = [name(i) for i in s["items"] if i["touched"]]
     same = [name(i) for i in s["items"] if not i["touched"]]
-    return (f"training semantics (✓ verified by the harness): changed: {', '.join(touched) or 'none'}; "
+    return (f"training semantics (✓ checked by the harness): changed: {', '.join(touched) or 'none'}; "
             f"unchanged: {', '.join(same) or 'none'}")
 
 
