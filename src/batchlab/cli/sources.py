@@ -19,7 +19,7 @@ def fraction_label(source: str) -> str:
 def time_model_label(ceiling_source: str, fraction: float, fraction_source: str) -> str:
     """'calibrated on this device' or 'nominal, 0.42 of peak (published runs)'."""
     if ceiling_source.startswith("calibrated"):
-        return "calibrated (batchlab calibrate)"
+        return "calibrated on this device"
     return f"nominal, {fraction:.2f} of peak ({fraction_label(fraction_source)})"
 
 
