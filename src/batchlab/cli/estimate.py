@@ -29,8 +29,8 @@ def _collectives_label(cfg, t) -> str:
     sent = ", ".join(f"{names[k]} {fmt_bytes(v)}" for k, v in t.collective_bytes.items() if v)
     if cfg.zero >= 2 and cfg.dp > 1:
         return f"FSDP2 collectives, each micro-batch ({sent})"
-    if cfg.zero == 1 and cfg.dp > 1:
-        return f"gradient all-reduce once per update + ZeroRedundancyOptimizer's broadcasts ({sent})"
+    if cfg.zero == 1 and cfg.dp > 1:  # DDP's gradient all-reduce + ZeroRedundancyOptimizer's broadcasts
+        return f"ZeRO-1 all-reduce + broadcasts per update ({sent})"
     return f"gradient all-reduce, once per update ({sent or fmt_bytes(t.allreduce_bytes)})"
 
 
@@ -41,8 +41,8 @@ def _memory_rows(e: Estimate, verbose: bool) -> list[tuple[str, int | None, str 
     layers = m.activations_per_layer_bytes
     rows = [
         ("parameters", m.parameters_bytes, "parameters",
-         "bf16 blocks FSDP2 has gathered (current, prefetched, root) and their gradients"
-         if cfg.precision.value == "bf16-fsdp" else
+         ("bf16 blocks FSDP2 has gathered (current, prefetched, root) and their gradients" if verbose else
+          "bf16 blocks FSDP2 gathered, with their gradients") if cfg.precision.value == "bf16-fsdp" else
          "16-bit working copies (autocast)" if m.master_bytes else "weights"),
         ("master weights", m.master_bytes, "master", "fp32, updated by the optimizer" if m.master_bytes else "none (not mixed)"),
         ("gradients", m.gradients_bytes, "gradients", ""),
@@ -106,7 +106,8 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None, currency
     tab.add_row(f"compute per micro-batch (of which per-op overhead {fmt_seconds(t.overhead_seconds_per_micro_batch)})",
                 fmt_seconds(t.compute_seconds_per_micro_batch))
     if cfg.accum > 1 or verbose:
-        tab.add_row(f"compute per update (× {plural(cfg.accum, 'micro-batch')})", fmt_seconds(t.compute_seconds))
+        tab.add_row(f"compute per update (× {cfg.accum} micro-batch{'es' if cfg.accum != 1 else ''})",
+                    fmt_seconds(t.compute_seconds))
     if cfg.dp > 1 or verbose:
         tab.add_row(_collectives_label(cfg, t), fmt_seconds(t.allreduce_seconds))
         tab.add_row("  exposed (not overlapped)", fmt_seconds(t.exposed_comm_seconds))
