@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from batchlab.distributed.launcher import Launcher
 from batchlab.measure.result import MeasuredTraffic, Measurement
+from batchlab.formula.opcost import link_text
 from batchlab.units import fmt_bytes, fmt_seconds
 
 _KIND_NAMES = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce",
@@ -66,7 +67,7 @@ def comm_lines(m: Measurement) -> list[str]:
             predicted += f": {fmt_seconds(c.predicted_seconds)}"
             if c.predicted_bytes is not None and c.predicted_bandwidth_bytes_per_s:
                 predicted += (f" (ring 2(n-1)/n x {fmt_bytes(c.predicted_bytes)} over "
-                              f"{c.predicted_bandwidth_bytes_per_s / 1e9:.3g} GB/s)")
+                              f"{link_text(c.predicted_bandwidth_bytes_per_s)})")
         out.append(f"all-reduce time per update (median, wall-clock via comm hook, approximate): "
                    f"{fmt_seconds(c.seconds_median)}{predicted}; compute (update minus all-reduce): "
                    f"{fmt_seconds(c.compute_seconds_median)}")

@@ -232,8 +232,9 @@ def render(out: Console, r: Record, notebook_path: Path | None = None,
     if verbose:
         out.print(f"[dim]{SOURCES_POINTER}[/]")
     else:
-        out.print("[dim]--verbose: the band's protocol, the time model's rates and calibration, every diagnosis "
-                  "check, the semantics table[/]")
+        parts = ([] if r.formula_only else ["the band's protocol"]) + ["the time model's rates and calibration"] \
+            + (["every diagnosis check"] if r.diagnosis.contradictions else []) + ["the semantics table"]
+        out.print(f"[dim]--verbose: {', '.join(parts)}[/]")
     status = r.status.value if r.status is not None else "complete"
     where = f" in {notebook_path}" if notebook_path else ""
     wall = f"; wall time {r.wall_seconds:.1f} s" if r.wall_seconds is not None else ""

@@ -359,6 +359,12 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
 
 
 FOLDED = 1e30  # bytes/s of work folded into an end-to-end fraction (priced at nothing; never shown as a rate)
+UNRESOLVED = 1e15  # bytes/s of a link whose fitted time did not grow with size (latency-bound): no bandwidth
+
+
+def link_text(bytes_per_s: float) -> str:
+    """A link's bandwidth, or why there is none to show (a placeholder is never printed as a quantity)."""
+    return "no bandwidth resolved (latency-bound)" if bytes_per_s >= UNRESOLVED else fmt_count(bytes_per_s, "B/s")
 
 
 def _rates(points, unit: str) -> str:
