@@ -11,7 +11,7 @@ from batchlab.cli.common import console, fail, print_json
 from batchlab.cli.progress import progress
 from batchlab.config import ConfigError
 from batchlab.formula.opcost import link_text
-from batchlab.units import fmt_bytes, fmt_count
+from batchlab.util.units import fmt_bytes, fmt_count
 
 
 @app.command("calibrate")

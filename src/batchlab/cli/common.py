@@ -13,7 +13,7 @@ import typer
 from batchlab.config import (Assumptions, ConfigError, ModelSource, RunConfig, derive_accum, load_config_toml,
                              model_from_hf_config, parse_bytes, resolve_model)
 from batchlab.formula.profile import attach_cached, missing, needed, profiled_precision
-from batchlab.text import SOURCES_POINTER  # noqa: F401  (re-exported for the renderers)
+from batchlab.util.text import SOURCES_POINTER  # noqa: F401  (re-exported for the renderers)
 
 AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), selective (keep every "
            "matmul), selective-op (torchtitan: every other matmul + SDPA), megatron-selective (attention core). "
@@ -271,7 +271,7 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     """Assumptions the config made silently that change its figures."""
     from batchlab.config import Precision
     from batchlab.config.devices import CUSTOM_FP32_ASSUMED
-    from batchlab.units import fmt_count
+    from batchlab.util.units import fmt_count
 
     spec = cfg.device_spec
     if spec.source == CUSTOM_FP32_ASSUMED and cfg.precision is Precision.FP32:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
-from batchlab.text import for_rich as esc
+from batchlab.util.text import for_rich as esc
 from rich.panel import Panel
 from rich.table import Table
 
@@ -187,7 +187,7 @@ def time_model(out: Console, r: Record, verbose: bool = True) -> None:
 def absolute_short(r: Record) -> str:
     """The formula's absolute update times against the measured medians in one line (at the probed host speed
     where there is one); the calibration-speed figures and the probe's factors are in the verbose line."""
-    from batchlab.units import fmt_seconds as sec
+    from batchlab.util.units import fmt_seconds as sec
 
     t = r.metrics[Metric.UPDATE_TIME]
     fa, fb = (r.formula.figure(s, "time", "update_seconds") for s in "ab")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from batchlab.config import RunConfig
 from batchlab.config.devices import short_sources
-from batchlab.units import fmt_bytes, fmt_count
+from batchlab.util.units import fmt_bytes, fmt_count
 
 
 def fraction_label(source: str) -> str:
