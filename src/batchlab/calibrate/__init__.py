@@ -19,10 +19,22 @@ dispatch per op, measured once per model code; run.py: measure, ensure, auto.
 """
 from __future__ import annotations
 
-from batchlab.calibrate.kernels import timed_rates
+from typing import Any
+
 from batchlab.calibrate.record import (Calibration, cache_dir, default_threads, load_all, load_cached,
                                       probe_reference, save)
-from batchlab.calibrate.run import auto, ensure, measure
+
+# what measures, imported on first use: the calculator's callers read the cache only (``batchlab estimate``)
+_LAZY = {"timed_rates": "batchlab.calibrate.kernels", "auto": "batchlab.calibrate.run",
+         "ensure": "batchlab.calibrate.run", "measure": "batchlab.calibrate.run"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'batchlab.calibrate' has no attribute {name!r}")
 
 __all__ = ["Calibration", "auto", "cache_dir", "default_threads", "ensure", "load_all", "load_cached", "measure",
            "probe_reference", "save", "timed_rates"]
