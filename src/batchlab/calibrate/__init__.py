@@ -6,7 +6,8 @@ size, per-element kernels, and the fixed cost per op.
 caches it per device, torch version and thread count under platformdirs' user cache dir; the formula and the
 trace then price their ops with it for that device instead of nominal figures, and say so
 (``Calibration.source``).  measure and compare calibrate this CPU
-once automatically (``auto``).
+once automatically (``auto``), only the parts their configs need (record.SCOPES: 16-bit kernels, selective
+checkpointing's dispatch, local ranks' contention and link are measured when a config uses them).
 
     from batchlab.calibrate import load_all, load_cached
     cal = load_cached("cpu", threads=1)   # a batchlab device name (RunConfig.device), or None
