@@ -33,8 +33,10 @@ import time
 
 import torch
 
-from batchlab import calibrate, regime
+from batchlab import calibrate
+from batchlab.host import regime
 from batchlab.calibrate import family
+from batchlab.formula import calibration
 from batchlab.config import RunConfig, preset
 from batchlab.formula import estimate as formula_estimate
 from batchlab.host import cpu_hardware
@@ -113,12 +115,12 @@ def config(model: str, base: dict, changes: dict) -> RunConfig:
 
 class HostProbe:
     """How fast this host runs right now against while it was calibrated: batchlab's speed probe
-    (measure/speed.py: a ~6 ms bundle of calibrated kernel classes), the one ``batchlab compare`` reads before
+    (host/speed.py: a ~6 ms bundle of calibrated kernel classes), the one ``batchlab compare`` reads before
     each timed update, over the calibration's own read of it (``Calibration.probe_seconds``).  The formula's
     absolute time at that speed is a column beside the measurement."""
 
     def __init__(self, reference: float):
-        from batchlab.measure.speed import SpeedProbe
+        from batchlab.host.speed import SpeedProbe
 
         self.probe, self.reference = SpeedProbe(), reference
 
@@ -273,7 +275,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def in_regime() -> None:
-    """Run this script in the allocator regime batchlab's measuring processes use (batchlab.regime: freed
+    """Run this script in the allocator regime batchlab's measuring processes use (batchlab.host.regime: freed
     memory kept, no page faults per update after warmup): the in-process trainers below are measured here, so
     the process starts again with the regime's environment where it lacks it (glibc reads it at start)."""
     if regime.missing():
@@ -292,7 +294,7 @@ def main(argv=None) -> None:
                    help="changes and shapes the issue's grid does not list, instead of the grid")
     p.add_argument("--cached", action="store_true", help="use the cached calibration instead of measuring one now")
     p.add_argument("--parts", default=None,
-                   help="calibrate only these parts (fp32, or fp32+bf16, fp32+sac, fp32+ranks, ...: calibrate/record.py "
+                   help="calibrate only these parts (fp32, or fp32+bf16, fp32+sac, fp32+ranks, ...: formula/calibration.py "
                         "SCOPES), as compare does for its configs, and keep the rows that need no other part")
     p.add_argument("--trace", choices=("hf", "all", "none"), default="hf",
                    help="which rows also get the trace's prediction (a fake-tensor run per config)")
@@ -308,7 +310,7 @@ def main(argv=None) -> None:
     if args.cached:
         cal, fresh = calibrate.ensure("cpu", threads=THREADS)
     else:  # calibrated in the same conditions as the measurements below (and cached for compare)
-        parts = calibrate.record.SCOPES if args.parts is None else tuple(args.parts.split("+")[1:])
+        parts = calibration.SCOPES if args.parts is None else tuple(args.parts.split("+")[1:])
         cal, fresh = calibrate.measure("cpu", threads=THREADS, scope=parts), True
         calibrate.save(cal)
         grid = [g for g in grid if cal.covers(config(g[0], g[2], g[3])) and cal.covers(config(g[0], g[2], g[4]))]

@@ -6,7 +6,7 @@ size, per-element kernels, and the fixed cost per op.
 caches it per device, torch version and thread count under platformdirs' user cache dir; the formula and the
 trace then price their ops with it for that device instead of nominal figures, and say so
 (``Calibration.source``).  measure and compare calibrate this CPU
-once automatically (``auto``), only the parts their configs need (record.SCOPES: 16-bit kernels, selective
+once automatically (``auto``), only the parts their configs need (calibration.SCOPES: 16-bit kernels, selective
 checkpointing's dispatch, local ranks' contention and link are measured when a config uses them).
 
     from batchlab.calibrate import load_all, load_cached
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchlab.calibrate.record import (Calibration, cache_dir, default_threads, load_all, load_cached,
+from batchlab.formula.calibration import (Calibration, cache_dir, default_threads, load_all, load_cached,
                                       probe_reference, save)
 
 # what measures, imported on first use: the calculator's callers read the cache only (``batchlab estimate``)

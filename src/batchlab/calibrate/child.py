@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from batchlab.calibrate.record import SCOPES
+from batchlab.formula.calibration import SCOPES
 from batchlab.calibrate.run import measure_here
-from batchlab.lifeline import guard
+from batchlab.util.lifeline import guard
 
 
 def _measured(args: dict) -> dict:
@@ -20,8 +20,8 @@ def _measured(args: dict) -> dict:
 
 
 def into(out: Path, args: dict, parent: int | None = None) -> int:
-    """The same in a fork of the pre-imported process (measure/forkcall.py)."""
-    from batchlab.measure import forkcall
+    """The same in a fork of the pre-imported process (host/forkcall.py)."""
+    from batchlab.host import forkcall
 
     forkcall.write(out, _measured(args))
     return 0

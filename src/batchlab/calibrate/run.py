@@ -7,24 +7,23 @@ import os
 import statistics
 import time
 
-from batchlab import regime
+from batchlab import host
 from batchlab.calibrate import family
 from batchlab.calibrate.concurrency import KINDS, Contention
 from batchlab.calibrate.dispatch import SAC, DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
                                         _matmul_curves, _memory_curve, _sdpa_curves, monotone)
 from batchlab.calibrate.link import allreduce_times, ring_fit
-from batchlab.calibrate.record import SCOPES, Calibration, _cache_path, default_threads, load_cached, needs, save
+from batchlab.formula.calibration import SCOPES, Calibration, _cache_path, default_threads, load_cached, needs, save
 from batchlab.config import ConfigError
-from batchlab.host import cpu_hardware
-from batchlab.measure.speed import BUNDLE, SpeedProbe
+from batchlab.host import PROBE_BUNDLE, SpeedProbe
 
 
 def _hardware(device) -> str:
     import torch
 
     if device.type == "cpu":
-        return f"{cpu_hardware()}, {torch.get_num_threads()} threads"
+        return f"{host.cpu_hardware()}, {torch.get_num_threads()} threads"
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
@@ -33,19 +32,19 @@ def _hardware(device) -> str:
 def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
             threads: int | None = None, rounds: int | None = None, scope: tuple[str, ...] = SCOPES) -> Calibration:
     """Measure what the per-op time model needs (``measure_here``), on CPU in the allocator regime batchlab's
-    measuring processes run in (batchlab.regime: freed memory kept): in a child process started in it where
+    measuring processes run in (batchlab.host.regime: freed memory kept): in a child process started in it where
     this one is not (this process's allocator is the caller's and stays as it is)."""
     if seconds <= 0:
         raise ConfigError("seconds", f"must be > 0, got {seconds}")
     scope = tuple(k for k in SCOPES if k in scope)
-    if torch_device.startswith("cpu") and regime.missing():
+    if torch_device.startswith("cpu") and host.needs_own_process():
         return _in_child(dict(torch_device=torch_device, seconds=seconds, shapes=shapes, threads=threads,
                               rounds=rounds, scope=scope))
     return measure_here(torch_device, seconds, shapes, threads, rounds, scope)
 
 
 def _in_child(args: dict) -> Calibration:
-    """In a fork of the measurements' pre-imported process (measure/forkcall.py: torch imported once for the
+    """In a fork of the measurements' pre-imported process (host/forkcall.py: torch imported once for the
     calibration and the measurements that follow), else in a fresh process; at ``threads`` OpenMP threads from
     the start, as compare's measuring processes are (protocol.threads_env), so one pre-imported process serves both."""
     import json
@@ -53,8 +52,8 @@ def _in_child(args: dict) -> Calibration:
     import tempfile
     from pathlib import Path
 
-    from batchlab.lifeline import module_command
-    from batchlab.measure import forkcall
+    from batchlab.host import forkcall
+    from batchlab.util.lifeline import module_command
     from batchlab.measure.runner import child_env
 
     start = time.perf_counter()
@@ -87,7 +86,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     local processes after compute (10%, plus ~0.4 s a round to start them; the ring model fitted once to the
     rounds' medians).
     ``threads``: the intra-op thread count to measure at (CPU; restored afterwards); ``rounds``: default
-    ``ROUNDS`` (1: every kind once, as a quick check needs); ``scope``: which of record.SCOPES to measure
+    ``ROUNDS`` (1: every kind once, as a quick check needs); ``scope``: which of calibration.SCOPES to measure
     beyond the fp32 kernels and dispatch (default all; each kernel measured is timed as long either way, so a
     smaller scope saves the others' time and changes no figure's sampling).  Without "bf16", "sac" or "ranks"
     the 16-bit kernels and autocast's dispatch, selective checkpointing's dispatch, or the contention and link
@@ -134,8 +133,8 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
             rank_skew=k["link"].get("skew", 0.0),
             cores=os.cpu_count() or 1,
             contention=k["contention"], contention_processes=2 if device.type == "cpu" and "ranks" in scope else 0,
-            allocator=regime.describe() if device.type == "cpu" else "", probe_seconds=k["speed"],
-            probe=BUNDLE if device.type == "cpu" else "", scope=list(scope))
+            allocator=host.state() if device.type == "cpu" else "", probe_seconds=k["speed"],
+            probe=PROBE_BUNDLE if device.type == "cpu" else "", scope=list(scope))
     finally:
         CLOCK.reset(token)
         torch.set_num_threads(before)
@@ -230,7 +229,7 @@ def _median_rounds(rounds: list):
 
 def _current(cached: Calibration, wanted: frozenset[str] | set[str] = frozenset(SCOPES)) -> bool:
     """Whether a cached calibration has what today's per-op model prices with, for the ``wanted`` scopes
-    (record.SCOPES) and those it claims; each older kind is measured again."""
+    (calibration.SCOPES) and those it claims; each older kind is measured again."""
     cpu, has = cached.torch_device.startswith("cpu"), set(cached.scope)
     return (wanted <= has and cached.op_costs() is not None  # the per-op model itself
             and bool(cached.memory_curve_inplace)  # the step-regime curves (before them: warm loops)
@@ -245,14 +244,14 @@ def _current(cached: Calibration, wanted: frozenset[str] | set[str] = frozenset(
             # dispatch under autocast with medians of CPU-time samples (before: fp32 dispatch for every precision,
             # upper quartiles), gloo's all-reduce after compute as the local ranks' link (before: a TCP echo over
             # loopback, then the lower quartile of idle all-reduces), the host speed probe's reference (before it: none)
-            and (not cpu or bool(cached.allocator and cached.probe_seconds and cached.probe == BUNDLE
+            and (not cpu or bool(cached.allocator and cached.probe_seconds and cached.probe == PROBE_BUNDLE
                                  and ("bf16" not in has or cached.dispatch_seconds_autocast)
                                  and ("ranks" not in has or (cached.contention_processes and cached.link == LINK)))))
 
 
 def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0,
            scope: tuple[str, ...] = SCOPES) -> tuple[Calibration, bool]:
-    """The cached calibration of a local device at ``threads`` that has the ``scope`` parts (record.SCOPES),
+    """The cached calibration of a local device at ``threads`` that has the ``scope`` parts (calibration.SCOPES),
     measured and cached first when there is none, only an older kind (``_current``) or one without a part:
     then every part measured at once (``scope`` and those the cache had), so that figures a prediction
     compares (fp32 against bf16) come from the same rounds.  (calibration, whether it was measured now)."""

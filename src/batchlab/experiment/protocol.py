@@ -1,5 +1,5 @@
 """Both sides measured interleaved, A B A B ..., each measurement in a process of its own (on CPU a fork of
-a pre-imported one: measure/warm.py), warmup excluded.
+a pre-imported one: host/warm.py), warmup excluded.
 
 Interleaving puts the two sides of one round next to each other in time, so slow drifts of the machine
 (other load, frequency, thermal) hit both alike and cancel in the round's paired ratio B/A.
@@ -74,11 +74,12 @@ def threads_env(threads: int | None):
 
 
 def prestart(cfg: RunConfig, options: MeasureOptions) -> None:
-    """Start the isolated CPU measurements' pre-imported process (measure/warm.py) on a thread, so that its
+    """Start the isolated CPU measurements' pre-imported process (host/warm.py) on a thread, so that its
     imports (~2-3 s of one core) overlap what this process does before the first measurement, which then
     waits for it.  Call it in the measurements' environment (``threads_env``): a process started in another
     would not serve them."""
-    from batchlab.measure import runner, warm
+    from batchlab.host import warm
+    from batchlab.measure import runner
 
     if options.isolate and runner.backend(cfg, options) == "cpu":
         threading.Thread(target=warm.pre_imported, args=(runner.child_env(),), daemon=True).start()

@@ -18,10 +18,10 @@ from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
 from batchlab.formula.params import ParamCount, count
 from batchlab.formula.profile import layer_terms_source
 from batchlab.formula.timing import TimeEstimate, timing
-from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
+from batchlab.util.units import fmt_bytes, fmt_count, fmt_seconds
 
 if TYPE_CHECKING:
-    from batchlab.calibrate import Calibration
+    from batchlab.formula.calibration import Calibration
     from batchlab.formula.opcost import OpCosts
 
 Calibrations = Mapping[str, "Calibration"]  # measured ceilings by batchlab device name (calibrate.load_all())
@@ -157,7 +157,7 @@ def layer_terms(cfg: RunConfig) -> str:
 
 def calibrated_costs(cfg: RunConfig, calibrations: Calibrations | None) -> "OpCosts | None":
     """The per-op costs measured for cfg's device (``batchlab calibrate``), or None (also where the calibration
-    lacks a part cfg's ops are priced with: calibrate/record.py ``needs``)."""
+    lacks a part cfg's ops are priced with: formula/calibration.py ``needs``)."""
     cal = (calibrations or {}).get(cfg.device)
     return cal.op_costs() if cal is not None and cal.covers(cfg) else None
 
