@@ -132,8 +132,8 @@ def render(results: dict[str, list[tuple]], runs: int) -> str:
                       f"configs are priced with): {spread(cal)} as the command reported it."]
     lines += ["", "What the default compare does: 3 interleaved rounds A B, each side in a fork of one pre-imported "
               "process (torch imported once), 2 warm-up updates, 1 untimed memory-tracked update and 5 timed "
-              "updates each, the host speed probe before each timed update, one more untimed update recorded as "
-              "a memory timeline in each side's first round; then the gradient-equivalence check at a small size, "
+              "updates each, the host speed probe before each timed update, the memory update recording a memory "
+              "timeline too in each side's first round; then the gradient-equivalence check at a small size, "
               "in a fork of the same process.  The first run calibrates the CPU first, in a fork of that process "
               "too, and only the parts the two configurations need (fp32 kernels and dispatch; 16-bit kernels, "
               "selective checkpointing's dispatch and local ranks' contention and link are measured when a "
