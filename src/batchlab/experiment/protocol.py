@@ -75,7 +75,7 @@ def threads_env(threads: int | None):
 
 def prestart(cfg: RunConfig, options: MeasureOptions) -> None:
     """Start the isolated CPU measurements' pre-imported process (host/warm.py) on a thread, so that its
-    imports (~2-3 s of one core) overlap what this process does before the first measurement, which then
+    imports overlap what this process does before the first measurement, which then
     waits for it.  Call it in the measurements' environment (``threads_env``): a process started in another
     would not serve them."""
     from batchlab.host import warm

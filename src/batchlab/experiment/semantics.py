@@ -139,7 +139,7 @@ def gradient_check(a: RunConfig, b: RunConfig) -> GradientCheck:
 
 def _forked(kind: CheckKind, a: RunConfig, b: RunConfig) -> GradientCheck | None:
     """The check in a fork of the measurements' pre-imported process (host/forkcall.py): this process then
-    never imports torch (~3 s of CPU with torch._dynamo); None where no fork can be had."""
+    never imports torch or torch._dynamo; None where no fork can be had."""
     from batchlab.host import forkcall
     from batchlab.measure.runner import child_env
 

@@ -37,7 +37,7 @@ def cache_dir() -> Path:
 
 
 def _version(package: str) -> str:
-    from importlib import metadata  # ~20 ms to import: only when a profile is keyed
+    from importlib import metadata  # only when a profile is keyed: `batchlab estimate` does not import it
 
     try:
         return metadata.version(package)

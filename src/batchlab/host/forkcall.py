@@ -1,7 +1,7 @@
 """One function run in a fork of the pre-imported process (host/warm.py), its JSON result read back.
 
-What a measurement gains from the fork (torch and torch._dynamo imported once per batchlab process, ~3 s of CPU
-on a 2-core host) other torch work of a command gains too: the calibration and compare's gradient check run
+What a measurement gains from the fork (torch and torch._dynamo imported once per batchlab process, not once per
+process: docs/cpu.md) other torch work of a command gains too: the calibration and compare's gradient check run
 this way instead of in a fresh interpreter or in batchlab's own process, which then never imports torch.
 ``call`` returns None where no fork can be had (no ``os.fork``, or the pre-imported process refused): the
 caller runs the function another way.

@@ -51,7 +51,7 @@ from batchlab.host import preload
 
 # what every measurement imports: torch (~2 s of CPU here), torch._dynamo (imported by the first optimizer an
 # update builds: ~1-1.7 s more), batchlab's measuring stack (~0.1 s) with what a compare's forks import next (the
-# formula, the built-in GPT, the timeline recorder: ~40 ms a fork)
+# formula, the built-in GPT, the timeline recorder), so that no fork imports them again
 PRELOAD = ("torch", "torch._dynamo", "batchlab.measure.session", "batchlab.measure.harness",
            "batchlab.measure.result", "batchlab.formula", "batchlab.models.gpt", "batchlab.measure.timeline_update")
 READY = b"ready"
