@@ -45,7 +45,7 @@ def compare(
     note: Annotated[Optional[str], typer.Option(help="Free text kept with the experiment (what else was going on).", rich_help_panel=EXP)] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write a Markdown and a self-contained HTML report with plots into this directory.", rich_help_panel=EXP)] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar over the rounds on stderr (only on a terminal).")] = True,
-    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate", help="On CPU, calibrate the time model once at the measured thread count (about 20 s, cached) so the formula's predicted update-time ratio uses measured rates.")] = True,
+    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate", help="On CPU, calibrate the time model once at the measured thread count (cached; only the parts both sides need: about 10 s for fp32 on one process, about 20 s for every part) so the formula's predicted update-time ratio uses measured rates.")] = True,
     verbose: Verbose = False,
 ):
     """Change one thing, predict its effect, then measure both sides interleaved (A B A B ..., fresh

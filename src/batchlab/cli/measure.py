@@ -41,7 +41,7 @@ def measure(
     nnodes: Annotated[Optional[int], typer.Option(help="torchrun --nnodes (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
     node_rank: Annotated[Optional[int], typer.Option(help="torchrun --node-rank.", rich_help_panel="Data parallel (torchrun)")] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="torchrun --rdzv-endpoint host:port (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
-    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate", help="On CPU, calibrate the time model once (about 20 s, cached per CPU, torch version and thread count) so the formula's update time uses measured rates.")] = True,
+    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate", help="On CPU, calibrate the time model once (cached per CPU, torch version and thread count; only the parts the config needs: about 10 s for fp32 on one process, about 20 s for every part) so the formula's update time uses measured rates.")] = True,
     timeline: Annotated[Optional[str], typer.Option(help="Also record one more untimed update after warmup as a memory timeline, in the measuring process (isolated with --isolate; live-storage tracker on CPU, allocator history on CUDA), and write it to FILE.png, FILE.html or FILE.json.", metavar="FILE")] = None,
     verbose: Verbose = False,
 ):
