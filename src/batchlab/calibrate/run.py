@@ -7,24 +7,23 @@ import os
 import statistics
 import time
 
-from batchlab import regime
+from batchlab import host
 from batchlab.calibrate import family
 from batchlab.calibrate.concurrency import KINDS, Contention
 from batchlab.calibrate.dispatch import DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
                                         _matmul_curves, _memory_curve, _sdpa_curves, monotone)
 from batchlab.calibrate.link import allreduce_times, ring_fit
-from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
+from batchlab.formula.calibration import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
-from batchlab.host import cpu_hardware
-from batchlab.measure.speed import BUNDLE, SpeedProbe
+from batchlab.host import PROBE_BUNDLE, SpeedProbe
 
 
 def _hardware(device) -> str:
     import torch
 
     if device.type == "cpu":
-        return f"{cpu_hardware()}, {torch.get_num_threads()} threads"
+        return f"{host.cpu_hardware()}, {torch.get_num_threads()} threads"
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
@@ -33,11 +32,11 @@ def _hardware(device) -> str:
 def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
             threads: int | None = None, rounds: int | None = None) -> Calibration:
     """Measure what the per-op time model needs (``measure_here``), on CPU in the allocator regime batchlab's
-    measuring processes run in (batchlab.regime: freed memory kept): in a child process started in it where
+    measuring processes run in (batchlab.host.regime: freed memory kept): in a child process started in it where
     this one is not (this process's allocator is the caller's and stays as it is)."""
     if seconds <= 0:
         raise ConfigError("seconds", f"must be > 0, got {seconds}")
-    if torch_device.startswith("cpu") and regime.missing():
+    if torch_device.startswith("cpu") and host.needs_own_process():
         return _in_child(dict(torch_device=torch_device, seconds=seconds, shapes=shapes, threads=threads,
                               rounds=rounds))
     return measure_here(torch_device, seconds, shapes, threads, rounds)
@@ -49,7 +48,7 @@ def _in_child(args: dict) -> Calibration:
     import tempfile
     from pathlib import Path
 
-    from batchlab.lifeline import module_command
+    from batchlab.util.lifeline import module_command
     from batchlab.measure.runner import child_env
 
     start = time.perf_counter()
@@ -68,10 +67,9 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
                  shapes: tuple[tuple[int, int, int], ...] | None = None, threads: int | None = None,
                  rounds: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in ``ROUNDS`` rounds, the shares of ``seconds`` adding up to
-    ~2x it (each kernel's minimum samples; measured 18.5-24 s at the default 10 on this 2-core CPU, as its
-    speed varied): the matmul curves, fp32 and bf16 of each shape timed in turns (34% linear layers, 8%
-    attention's batched matmuls, 10% fused attention forward and backward, plus what its calls need for
-    ``kernels.SWINGING`` samples each), element-wise bandwidth (12%), per-element kernels (15%), per-op
+    ~2x it (each kernel's minimum samples; docs/cpu.md gives a 2-core VM's figure): the matmul curves, fp32
+    and bf16 of each shape timed in turns (34% linear layers, 8% attention's batched matmuls, 10% fused
+    attention forward and backward, plus what its calls need for ``kernels.SWINGING`` samples each), element-wise bandwidth (12%), per-element kernels (15%), per-op
     dispatch in fp32, under autocast and under selective checkpointing (25%, in ``SLICES`` slices a round),
     on CPU the slowdown of two processes running alike at once (15%, one alternation with each slice, in CPU
     seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and gloo's all-reduce between two
@@ -121,8 +119,8 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
             rank_skew=k["link"].get("skew", 0.0),
             cores=os.cpu_count() or 1,
             contention=k["contention"], contention_processes=2 if device.type == "cpu" else 0,
-            allocator=regime.describe() if device.type == "cpu" else "", probe_seconds=k["speed"],
-            probe=BUNDLE if device.type == "cpu" else "")
+            allocator=host.state() if device.type == "cpu" else "", probe_seconds=k["speed"],
+            probe=PROBE_BUNDLE if device.type == "cpu" else "")
     finally:
         CLOCK.reset(token)
         torch.set_num_threads(before)
@@ -132,12 +130,10 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
 LINK = "gloo all-reduce between 2 local processes after 15 ms of compute, median"
 
 # Every kernel is timed in each of ROUNDS rounds of a third of the budget, and its figure is the median over
-# them: this host switches speed within seconds, so one window per kind (the fp32 dispatch in one second, the
-# autocast dispatch in the next) made figures a change compares come from different speeds (the fp32 -> bf16-mixed
-# ratio of one config moved 0.88-1.02 from one calibration to the next).  The contention of two processes is
-# bimodal here for seconds at a time (compute x1.0 or x1.8: the two vCPUs on separate cores, or on one core's
-# two hardware threads); one window read either, a DP 1 -> 2 prediction 1.04 or 1.63 against 1.06-1.22 measured.
-# gloo's all-reduce too: one window's fit priced the tiny GPT's gradients at 4.4 or 8.4 ms minutes apart.
+# them: a shared host can switch speed within seconds, so one window per kind (the fp32 dispatch in one second,
+# the autocast dispatch in the next) made figures a change compares come from different speeds.  The contention
+# of two processes can be bimodal for seconds at a time (two vCPUs on separate cores, or on one core's two
+# hardware threads), and gloo's all-reduce moves with it; one window read either state (docs/cpu.md).
 ROUNDS = 3
 
 
@@ -219,7 +215,7 @@ def _current(cached: Calibration) -> bool:
             # upper quartiles), gloo's all-reduce after compute as the local ranks' link (before: a TCP echo over
             # loopback, then the lower quartile of idle all-reduces), the host speed probe's reference (before it: none)
             and (not cpu or bool(cached.contention_processes and cached.allocator and cached.dispatch_seconds_autocast
-                                 and cached.link == LINK and cached.probe_seconds and cached.probe == BUNDLE)))
+                                 and cached.link == LINK and cached.probe_seconds and cached.probe == PROBE_BUNDLE)))
 
 
 def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0

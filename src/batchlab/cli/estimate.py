@@ -10,10 +10,10 @@ from rich.table import Table
 
 from batchlab.cli.base import app
 from batchlab.cli.common import console as make_console, print_json, with_config, with_layer_profile
-from batchlab.calibrate import load_all
+from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ConfigError, Keep, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, unseen_model
-from batchlab.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
+from batchlab.util.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
 
 PLAIN_ROWS = 60
 AC_NOTE = ("Activation checkpointing (--ac) recomputes activations in backward: less memory, more compute, "
@@ -140,7 +140,7 @@ def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
                      "yes" if r.estimate.memory.fits else "no"))
     title = (f"--vary {name}  [formula]  (arrows versus the first possible value; ≈ within "
              f"{SAME_TOLERANCE:.0%})")
-    if len(body) > PLAIN_ROWS:  # rich's table layout costs ~2 ms a row; long sweeps print plain columns
+    if len(body) > PLAIN_ROWS:  # rich's table layout costs milliseconds a row: long sweeps print plain columns
         widths = [max(len(str(row[i])) for row in (header, *body)) for i in range(len(header))]
         console.print(title, markup=False, highlight=False)
         for row in (header, *body):

@@ -23,7 +23,7 @@ from batchlab.config import ConfigError, Precision, RunConfig
 from batchlab.distributed.forked import rank_env
 from batchlab.host import free_port
 
-ATOL = 1e-6  # fp32; the differences seen here after two updates are ~1e-9 (reduction order only)
+ATOL = 1e-6  # fp32; engines differ by reduction order only, orders of magnitude below this (docs/cpu.md)
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def _stages(cfgs: list[dict], updates: int, out: str) -> None:
         device, _ = init(cfg, MeasureOptions(), 120.0)
         trainer, monitor = engines.build(cfg, device, rank, world)
         for _ in range(updates):
-            trainer.update(probe=monitor)
+            trainer.update(listener=monitor)
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
                 for n, p in trainer.raw_model.named_parameters()}
         # one more update, steady (DDP broadcasts its rebuilt bucket order once, in the second): its memory
