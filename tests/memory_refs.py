@@ -82,7 +82,7 @@ def read_trace(cfg) -> Readings:
             reference.track_external(trainer.raw_model, trainer.optimizer)
             tracker = tracker_for(trainer)
             with reference, tracker:
-                trainer.update(probe=tracker)
+                trainer.update(listener=tracker)
         snap = tracker.snapshot()
         tracker.release()
         peak = reference.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
@@ -103,7 +103,7 @@ def read_update(trainer) -> Readings:
     tracker = tracker_for(trainer)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with reference, tracker:
-            trainer.update(probe=tracker)
+            trainer.update(listener=tracker)
     snap = tracker.snapshot()
     tracker.release()
     peak = reference.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]

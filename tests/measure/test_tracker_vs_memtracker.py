@@ -4,8 +4,10 @@ of them outside every grid batchlab names; all of them, with checkpointing and a
 benchmarks/tracker_vs_memtracker.py (docs/accuracy/tracker.md)."""
 from __future__ import annotations
 
-import torch
+from pathlib import Path
+
 import pytest
+import torch
 
 from batchlab.config import RunConfig
 from batchlab.measure.harness import Trainer
@@ -23,8 +25,8 @@ BIGCODE = dict(NOT_IN, n_layer=2, n_embd=64, n_head=4, n_positions=256)
 
 
 @pytest.fixture
-def vision(monkeypatch, request):
-    monkeypatch.syspath_prepend(str(request.path.parent))
+def vision(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))  # tests/vision_models.py
 
 
 def _check(r, regions: int = 0) -> None:
@@ -70,6 +72,6 @@ def test_an_update_leaves_the_tracker_where_it_started():
     trainer.update()
     tracker = tracker_for(trainer)
     with tracker:
-        trainer.update(probe=tracker)
+        trainer.update(listener=tracker)
     assert tracker.live_bytes == tracker.snapshot().baseline_bytes
     tracker.release()
