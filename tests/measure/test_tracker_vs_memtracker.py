@@ -51,6 +51,19 @@ def test_measured_peak_equals_memtracker_on_hf_families(tmp_path, model_type, fi
     _check(read_update(Trainer(cfg, "cpu")), regions=0 if str(cfg.ac) == "none" else cfg.model.layers + 1)
 
 
+def test_codegen_with_transformers_default_kv_cache_keeps_less_and_both_trackers_see_it(tmp_path):
+    """The family's default config trains with use_cache=True (batchlab builds with False): the DynamicCache's
+    copies of k and v let the fused qkv output go, so the update keeps less; the trackers still agree."""
+    reads = []
+    for use_cache in (False, True):
+        torch.manual_seed(0)
+        trainer = Trainer(hf_cfg(config_dir(tmp_path, "codegen", **CODEGEN)), "cpu")
+        trainer.raw_model.config.use_cache = use_cache
+        reads.append(read_update(trainer))
+        _check(reads[-1])
+    assert reads[1].batchlab < reads[0].batchlab
+
+
 def test_measured_peak_equals_memtracker_on_a_vit_whose_peak_is_in_the_optimizer_step(vision):
     """The peak falls inside AdamW's step: a step counter that ``step += 1`` returned from an op was counted from
     then on (108 B here before), so the tracker's peak depended on where in the loop over parameters it fell."""
