@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from batchlab.cli.base import app
-from batchlab.cli.common import console, fail, print_json, with_config, with_goal_profile
+from batchlab.cli.common import Verbose, console, fail, print_json, with_config, with_goal_profile
 from batchlab.config import Backend, ConfigError, ModelSource, RunConfig
 
 PANEL = "Fit"
@@ -27,6 +27,7 @@ def fit_command(
     after_oom: Annotated[bool, typer.Option("--after-oom", help="The config given (--micro-batch, --accum, --ac, ...) ran out of memory: print the ordered changes with formula figures (first, when the model states alone exceed the memory, that figure and what helps: sharding over N devices, a smaller optimizer state, CPU offload). Exit 0 when a listed change fits, 1 when none does.", rich_help_panel=PANEL)] = False,
     top: Annotated[int, typer.Option(help="Rows in the alternatives table (>= 1).", rich_help_panel=PANEL)] = 8,
     timeout: Annotated[Optional[float], typer.Option(help="Seconds before one measurement trial is killed (recorded as failed).", rich_help_panel=PANEL)] = None,
+    verbose: Verbose = False,
 ):
     """Pick micro-batch, gradient accumulation and activation checkpointing for a target global batch: predict
     by formula, confirm by measurement, search in few trials only when needed.  The global batch never changes:
@@ -61,7 +62,7 @@ def fit_command(
     else:
         from batchlab.advise.render import fit_report
 
-        fit_report(out, report, top, with_header=False)
+        fit_report(out, report, top, with_header=False, verbose=verbose)
     if report.exit_code:
         raise typer.Exit(report.exit_code)
 
