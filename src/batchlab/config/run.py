@@ -74,6 +74,12 @@ class ACPolicy:
             return f"plan:{layerplan.compact(self.layers)}"
         return f"every:{self.every}" if self.mode is ACMode.EVERY else self.mode.value
 
+    def simplified(self) -> "ACPolicy":
+        """A plan giving every layer one policy, as that policy (other stacks' settings can express it)."""
+        if self.mode is ACMode.PLAN and len(set(self.layers)) == 1:
+            return ACPolicy(self.layers[0])
+        return self
+
     def layer_modes(self, n_layers: int) -> tuple[ACMode, ...]:
         """Each layer's policy: NONE, FULL or a selective mode (the one place this is decided)."""
         if self.mode is ACMode.PLAN:
