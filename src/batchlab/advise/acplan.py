@@ -178,10 +178,7 @@ def plan_ac(goal: Goal, budget: int | None = None, frontier_points: int = 6) -> 
     cals = load_all()
     budget = goal.usable_bytes if budget is None else budget
     models = {mb: layer_model(shaped(goal, mb, ACPolicy(), goal.base.zero), cals) for mb in micro_batches(goal)}
-    if min(lm.optimizer for lm in models.values()) > budget:
-        raise ConfigError("memory_budget", f"{fmt_bytes(budget)} (after the {goal.margin:.0%} margin) is below the "
-                                           "model states and the optimizer step alone "
-                                           f"({fmt_bytes(min(lm.optimizer for lm in models.values()))}, formula)")
+    check_budget(goal, budget, models.values())
     plans = [p for lm in models.values() if (p := plan_within(lm, budget, cals)) is not None]
     preset_points = [point(lm.cfg.replace(ac=ac), "preset", cals) for lm in models.values() for ac in presets(lm.cfg)]
     best_preset = _fastest(preset_points, budget)
@@ -197,6 +194,17 @@ def plan_ac(goal: Goal, budget: int | None = None, frontier_points: int = 6) -> 
     out.config = lm.cfg.replace(ac=chosen.ac)
     out.frontier = frontier(lm, cals, frontier_points) + [p for p in preset_points if p.micro_batch == chosen.micro_batch]
     return out
+
+
+def check_budget(goal: Goal, budget: int | None = None, models=None) -> None:
+    """A budget below the model states (and the optimizer step) is a user error: no plan can help."""
+    budget = goal.usable_bytes if budget is None else budget
+    if models is None:
+        models = [layer_model(shaped(goal, min(micro_batches(goal)), ACPolicy(), goal.base.zero), load_all())]
+    need = min(lm.optimizer for lm in models)
+    if need > budget:
+        raise ConfigError("memory_budget", f"{fmt_bytes(budget)} (after the {goal.margin:.0%} margin) is below the "
+                                           f"model states and the optimizer step alone ({fmt_bytes(need)}, formula)")
 
 
 def frontier(lm: LayerModel, cals: Calibrations, count: int) -> list[Point]:

@@ -81,6 +81,9 @@ def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_
     from batchlab.advise.acfit import fit_auto
     from batchlab.advise.render import trial_line
 
+    from batchlab.advise.acplan import check_budget
+
+    check_budget(goal)
     verify = _local(goal) if verify is None else verify
     out = console()
     if not as_json:
