@@ -31,7 +31,7 @@ def write_plan(p: ACPlan, path: str | Path) -> str:
             "model": p.config.model.name, "model_source": p.config.model_source, "seq": p.config.seq,
             "micro_batch": c.micro_batch, "accum": p.config.accum, "precision": str(p.config.precision),
             "budget_bytes": p.budget_bytes, "predicted_peak_bytes": c.peak_bytes,
-            "predicted_update_seconds": c.update_seconds, "model_solved": p.model,
+            "predicted_update_seconds": c.update_seconds, "model_solved": p.model, "provenance": p.provenance,
             "use": f"--ac plan:{path}"}
     try:
         write_atomic(Path(path), json.dumps(data, indent=1) + "\n", "plan")
@@ -49,7 +49,7 @@ def _report(goal: Goal, p: ACPlan) -> FitReport:
     why = (f"least predicted update time among per-layer plans within {fmt_bytes(p.budget_bytes)} "
            f"(micro-batch searched jointly unless held); model: {p.model}")
     fp = FitPlan(goal, (cand,), (cand,), cand, why, assumptions(goal, ()))
-    return FitReport(fp, final=p.config, source="formula (activation-checkpointing plan)", ac_plan=p)
+    return FitReport(fp, final=p.config, source=f"{p.provenance} (activation-checkpointing plan)", ac_plan=p)
 
 
 def _holds(t: Trial, predicted: int, budget: int) -> tuple[bool, bool]:
@@ -76,7 +76,7 @@ def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan
             fits, close = _holds(t, p.chosen.peak_bytes, goal.usable_bytes)
             report.verification = t
             if fits:
-                report.source = "formula (activation-checkpointing plan), confirmed by measurement"
+                report.source = f"{p.provenance} (activation-checkpointing plan), confirmed by measurement"
                 if not close:
                     report.notes.append(f"measured peak {fmt_bytes(t.peak_bytes or 0)} is more than "
                                         f"{TOLERANCE:.0%} from the plan's {fmt_bytes(p.chosen.peak_bytes)}")

@@ -47,17 +47,23 @@ class LayerModel:
 
     cfg: RunConfig
     modes: tuple[ACMode, ...]
-    held: tuple[int, ...]  # per option: what one layer holds below the layers still to run backward
-    seconds: tuple[float, ...]  # per option: update seconds one layer adds over no recompute
+    held: tuple[tuple[int, ...], ...]  # per layer, per option: what it holds below the layers still in backward
+    seconds: tuple[tuple[float, ...], ...]  # per layer, per option: update seconds it adds over no recompute
     walk: tuple[int, ...]  # B_i, bottom layer first
     forward: int  # F
     optimizer: int  # O
+    solved: str = MODEL_TEXT  # which peak and which costs, for the output
+    provenance: str = "formula"
+
+    @property
+    def layers(self) -> int:
+        return len(self.walk)
 
     def peak(self, choice: tuple[int, ...]) -> int:
         prefix, worst = 0, self.optimizer
         for i, j in enumerate(choice):
             worst = max(worst, self.walk[i] + prefix)
-            prefix += self.held[j]
+            prefix += self.held[i][j]
         return max(worst, self.forward + prefix)
 
 
@@ -78,7 +84,16 @@ def layer_model(cfg: RunConfig, cals: Calibrations) -> LayerModel:
     forward = max(none.phase_peaks["forward"], start) - n * kept[ACMode.NONE]
     base_seconds = ests[ACMode.NONE].time.update_seconds
     seconds = tuple((ests[m].time.update_seconds - base_seconds) / n for m in modes)
-    return LayerModel(cfg, modes, held, seconds, walk, forward, none.phase_peaks.get("optimizer", 0))
+    return LayerModel(cfg, modes, (held,) * n, (seconds,) * n, walk, forward, none.phase_peaks.get("optimizer", 0))
+
+
+def model_at(cfg: RunConfig, cals: Calibrations) -> LayerModel:
+    """The formula's model, or for a factory (the formula cannot see inside it) the trace's."""
+    if cfg.model_kind is ModelSource.FACTORY:
+        from batchlab.advise.acplan_trace import trace_layer_model
+
+        return trace_layer_model(cfg, cals)
+    return layer_model(cfg, cals)
 
 
 def _builtin(cfg: RunConfig) -> RunConfig:
@@ -88,11 +103,10 @@ def _builtin(cfg: RunConfig) -> RunConfig:
 
 def solve(lm: LayerModel, budget: int) -> ACPolicy | None:
     """The model's optimum within ``budget`` tensor bytes, or None."""
-    n = lm.cfg.model.layers
     if lm.optimizer > budget:
         return None
     caps = [budget - b for b in lm.walk]
-    choice = knapsack.solve([lm.seconds] * n, [lm.held] * n, caps, budget - lm.forward)
+    choice = knapsack.solve(lm.seconds, lm.held, caps, budget - lm.forward)
     if choice is None:
         return None
     return ACPolicy(ACMode.PLAN, layers=tuple(lm.modes[j] for j in choice))
@@ -116,6 +130,13 @@ class Point:
 
 
 def point(cfg: RunConfig, kind: str, cals: Calibrations, budget: int | None = None) -> Point:
+    """cfg's predicted peak and update time: the formula's, or for a factory the trace's."""
+    if cfg.model_kind is ModelSource.FACTORY:
+        from batchlab.advise.acplan_trace import traced
+
+        t = traced(cfg, cals)
+        return Point(str(cfg.ac), cfg.micro_batch, t.memory.peak_bytes + t.memory.margin_bytes, t.time.seconds, kind,
+                     budget)
     e = estimate(cfg, cals)
     return Point(str(cfg.ac), cfg.micro_batch, e.memory.peak_bytes, e.time.update_seconds, kind, budget)
 
@@ -134,10 +155,9 @@ def plan_within(lm: LayerModel, budget: int, cals: Calibrations) -> Point | None
     return None
 
 
-def presets(cfg: RunConfig) -> list[ACPolicy]:
-    n = cfg.model.layers
-    every = [ACPolicy(ACMode.EVERY, k) for k in EVERY_K if k < n]
-    return [ACPolicy(m) for m in menu(cfg)] + every
+def presets(lm: LayerModel) -> list[ACPolicy]:
+    every = [ACPolicy(ACMode.EVERY, k) for k in EVERY_K if k < lm.layers and k <= lm.cfg.model.layers]
+    return [ACPolicy(m) for m in lm.modes] + every
 
 
 @dataclass
@@ -150,6 +170,7 @@ class ACPlan:
     frontier: list[Point] = field(default_factory=list)
     best_preset: Point | None = None  # the fastest preset that fits the same budget (any micro-batch)
     model: str = MODEL_TEXT
+    provenance: str = "formula"  # of every predicted figure: formula, or trace for a factory
     notes: list[str] = field(default_factory=list)
     file: str | None = None  # where the plan was written
 
@@ -162,7 +183,7 @@ class ACPlan:
                 "predicted_update_seconds": c.update_seconds if c else None, "budget_bytes": self.budget_bytes,
                 "micro_batch": c.micro_batch if c else None, "best_preset": to_jsonable(self.best_preset),
                 "frontier": [dict(to_jsonable(p), per_layer=p.per_layer) for p in self.frontier],
-                "model_solved": self.model, "notes": self.notes, "file": self.file}
+                "model_solved": self.model, "provenance": self.provenance, "notes": self.notes, "file": self.file}
 
 
 def _fastest(points: list[Point], budget: int) -> Point | None:
@@ -172,18 +193,17 @@ def _fastest(points: list[Point], budget: int) -> Point | None:
 
 def plan_ac(goal: Goal, budget: int | None = None, frontier_points: int = 6) -> ACPlan:
     """Jointly over the micro-batches the goal searches (one if held) and per-layer policies."""
-    if goal.base.model_kind is ModelSource.FACTORY:
-        raise ConfigError("ac", "auto plans from the formula's layer terms; a factory model has none (use "
-                                "--ac none/full/every:K/selective, which fit traces)")
     cals = load_all()
     budget = goal.usable_bytes if budget is None else budget
-    models = {mb: layer_model(shaped(goal, mb, ACPolicy(), goal.base.zero), cals) for mb in micro_batches(goal)}
+    models = {mb: model_at(shaped(goal, mb, ACPolicy(), goal.base.zero), cals) for mb in micro_batches(goal)}
     check_budget(goal, budget, models.values())
     plans = [p for lm in models.values() if (p := plan_within(lm, budget, cals)) is not None]
-    preset_points = [point(lm.cfg.replace(ac=ac), "preset", cals) for lm in models.values() for ac in presets(lm.cfg)]
+    preset_points = [point(lm.cfg.replace(ac=ac), "preset", cals) for lm in models.values() for ac in presets(lm)]
     best_preset = _fastest(preset_points, budget)
     chosen = _fastest(plans, budget)
-    out = ACPlan(budget, chosen, None, best_preset=best_preset)
+    any_model = next(iter(models.values()))
+    out = ACPlan(budget, chosen, None, best_preset=best_preset, model=any_model.solved,
+                 provenance=any_model.provenance)
     if chosen is None:
         out.notes.append(f"no plan fits {fmt_bytes(budget)} at any micro-batch searched")
         return out
@@ -200,7 +220,7 @@ def check_budget(goal: Goal, budget: int | None = None, models=None) -> None:
     """A budget below the model states (and the optimizer step) is a user error: no plan can help."""
     budget = goal.usable_bytes if budget is None else budget
     if models is None:
-        models = [layer_model(shaped(goal, min(micro_batches(goal)), ACPolicy(), goal.base.zero), load_all())]
+        models = [model_at(shaped(goal, min(micro_batches(goal)), ACPolicy(), goal.base.zero), load_all())]
     need = min(lm.optimizer for lm in models)
     if need > budget:
         raise ConfigError("memory_budget", f"{fmt_bytes(budget)} (after the {goal.margin:.0%} margin) is below the "
@@ -209,12 +229,15 @@ def check_budget(goal: Goal, budget: int | None = None, models=None) -> None:
 
 def frontier(lm: LayerModel, cals: Calibrations, count: int) -> list[Point]:
     """Each budget's best plan at this micro-batch, budgets spread from all-full's peak to none's."""
-    n = lm.cfg.model.layers
+    n = lm.layers
     lo = point(lm.cfg.replace(ac=uniform(ACMode.FULL, n)), "plan", cals).peak_bytes
     hi = point(lm.cfg.replace(ac=uniform(ACMode.NONE, n)), "plan", cals).peak_bytes
     budgets = sorted({lo + (hi - lo) * k // max(count - 1, 1) for k in range(count)})
-    pts = [plan_within(lm, b, cals) for b in budgets]
-    return [p for p in pts if p is not None]
+    out: dict[str, Point] = {}  # each distinct plan once, at the least budget that gave it
+    for p in (plan_within(lm, b, cals) for b in budgets):
+        if p is not None and p.ac not in out:
+            out[p.ac] = p
+    return list(out.values())
 
 
 def next_budget(budget: int, predicted: int, measured: int) -> int:

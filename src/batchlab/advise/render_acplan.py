@@ -22,13 +22,13 @@ def acplan_view(out: Console, p: ACPlan) -> None:
         return
     out.print(f"[bold]activation-checkpointing plan[/] (micro-batch {c.micro_batch}): --ac {c.ac}   predicted peak "
               f"{fmt_bytes(c.peak_bytes)} within {fmt_bytes(p.budget_bytes)}, update {fmt_seconds(c.update_seconds)} "
-              "(formula)" + (f"; written to {p.file} (use --ac plan:{p.file})" if p.file else ""))
+              f"({p.provenance})" + (f"; written to {p.file} (use --ac plan:{p.file})" if p.file else ""))
     if p.best_preset is not None:
         b = p.best_preset
         out.print(f"best preset within the budget: {b.ac} at micro-batch {b.micro_batch}, "
                   f"{fmt_seconds(b.update_seconds)} ({(c.update_seconds / b.update_seconds - 1):+.1%} for the plan)")
     out.print(f"[dim]model solved: {p.model}[/]")
-    t = Table(title=f"memory/time frontier at micro-batch {c.micro_batch} (formula)", title_justify="left",
+    t = Table(title=f"memory/time frontier at micro-batch {c.micro_batch} ({p.provenance})", title_justify="left",
               box=None, pad_edge=False)
     for col in ("", "kind", "ac", "budget", "peak", "update", "fits"):
         t.add_column(col)

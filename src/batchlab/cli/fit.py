@@ -99,7 +99,7 @@ def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_
         from batchlab.report.plots import frontier_png
 
         Path(plot).write_bytes(frontier_png(report.ac_plan.frontier, report.ac_plan.budget_bytes,
-                                            report.ac_plan.chosen))
+                                            report.ac_plan.chosen, report.ac_plan.provenance))
     if as_json:
         print_json(report.to_dict())
         return report.exit_code

@@ -230,7 +230,8 @@ class RunConfig:
         if self.seq > self.model.max_positions and self.model_kind is not ModelSource.FACTORY:
             # a factory's model shape is a stand-in (models/factory.py): its sequence limits are the model's own
             raise ConfigError("seq", f"{self.seq} is beyond the model's max_positions ({self.model.max_positions})")
-        if self.ac.mode is ACMode.PLAN and len(self.ac.layers) != self.model.layers:
+        if (self.ac.mode is ACMode.PLAN and len(self.ac.layers) != self.model.layers
+                and self.model_kind is not ModelSource.FACTORY):  # a factory's blocks: models/ac.py checks
             raise ConfigError("ac", f"the plan names {len(self.ac.layers)} layers; the model has {self.model.layers}")
         if ACMode.MEGATRON in self.ac.layer_modes(self.model.layers) and self.model.attention is not AttentionImpl.SDPA:
             raise ConfigError("ac", "megatron-selective recomputes the fused attention call: it needs "

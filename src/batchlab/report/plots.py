@@ -201,10 +201,10 @@ def _side_text(record: Record, side: str) -> str:
             f"{c['micro_batch'] * c['accum'] * c['dp']}")
 
 
-def frontier_png(points, budget_bytes: int, chosen=None) -> bytes:
-    """fit --ac auto's memory/time frontier: each budget's best plan and the presets on the same axes (formula).
+def frontier_png(points, budget_bytes: int, chosen=None, provenance: str = "formula") -> bytes:
+    """fit --ac auto's memory/time frontier: each budget's best plan and the presets on the same axes.
     ``points``: advise.acplan.Point values."""
-    fig, ax = _axes("activation checkpointing: memory vs update time", ("formula",))
+    fig, ax = _axes("activation checkpointing: memory vs update time", (provenance,))
     for kind, style in (("plan", dict(marker="o", linestyle="-", color="#4e79a7")),
                         ("preset", dict(marker="s", linestyle="none", color="#e15759"))):
         pts = sorted((p for p in points if p.kind == kind), key=lambda p: p.peak_bytes)
