@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from batchlab.advise import knapsack
+from batchlab.advise.acmodel import MODEL_TEXT, LayerModel
 from batchlab.advise.plan import EVERY_K, Goal, micro_batches, shaped
 from batchlab.calibrate import load_all
 from batchlab.config import ACMode, ACPolicy, AttentionImpl, ConfigError, ModelSource, RunConfig
@@ -25,10 +26,6 @@ from batchlab.formula import Calibrations, estimate
 from batchlab.units import fmt_bytes
 
 MENU = (ACMode.NONE, ACMode.SELECTIVE_OP, ACMode.MEGATRON, ACMode.SELECTIVE, ACMode.FULL)
-MODEL_TEXT = ("peak = max(forward end + every layer's kept, each layer's backward: the layers below keep theirs "
-              "while it is rebuilt whole, optimizer step) in allocated tensor bytes (formula); costs: the per-op "
-              "time model's recompute seconds per layer policy; exact by dynamic programming over the budget in "
-              f"1/{knapsack.UNITS} steps, checked by the formula's full estimate of the plan")
 TIGHTEN_TRIES = 4
 
 
@@ -39,32 +36,6 @@ def menu(cfg: RunConfig) -> tuple[ACMode, ...]:
 
 def uniform(mode: ACMode, layers: int) -> ACPolicy:
     return ACPolicy(ACMode.PLAN, layers=(mode,) * layers)
-
-
-@dataclass(frozen=True)
-class LayerModel:
-    """The planner's model at one micro-batch (bytes, seconds); options in ``modes`` order."""
-
-    cfg: RunConfig
-    modes: tuple[ACMode, ...]
-    held: tuple[tuple[int, ...], ...]  # per layer, per option: what it holds below the layers still in backward
-    seconds: tuple[tuple[float, ...], ...]  # per layer, per option: update seconds it adds over no recompute
-    walk: tuple[int, ...]  # B_i, bottom layer first
-    forward: int  # F
-    optimizer: int  # O
-    solved: str = MODEL_TEXT  # which peak and which costs, for the output
-    provenance: str = "formula"
-
-    @property
-    def layers(self) -> int:
-        return len(self.walk)
-
-    def peak(self, choice: tuple[int, ...]) -> int:
-        prefix, worst = 0, self.optimizer
-        for i, j in enumerate(choice):
-            worst = max(worst, self.walk[i] + prefix)
-            prefix += self.held[i][j]
-        return max(worst, self.forward + prefix)
 
 
 def layer_model(cfg: RunConfig, cals: Calibrations) -> LayerModel:

@@ -10,7 +10,7 @@ time of recomputing every block, shared over the blocks by their activation byte
 """
 from __future__ import annotations
 
-from batchlab.advise.acplan import LayerModel
+from batchlab.advise.acmodel import LayerModel
 from batchlab.config import ACMode, ACPolicy, ConfigError, RunConfig
 from batchlab.formula import Calibrations
 
