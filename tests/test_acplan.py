@@ -130,3 +130,19 @@ def test_a_plan_on_a_hugging_face_llama_fits_by_a_real_run(tmp_path):
     cfg = build_config(model="hf:llama", layers=6, hidden=64, heads=4, ffn=256, vocab=256, seq=128, micro_batch=4,
                        kv_heads=None, dp=1)
     _real_run_case(with_layer_profile(cfg, [cfg.replace(ac=a) for a in ("full", "selective")]), tmp_path)
+
+
+def test_compare_takes_plans_in_change_and_in_an_experiment_file(tmp_path):
+    """A plan string holds ':' and ',': compare's A:B split and an experiment file's [change] both keep it."""
+    from batchlab.experiment.change import parse_change
+    from batchlab.experiment.spec import load
+
+    base = RunConfig()
+    c = parse_change("ac=every:2:plan:full,none*2,selective", base)
+    assert (str(c.a), str(c.b)) == ("every:2", "plan:full,none*2,selective")
+    c = parse_change("ac=plan:full*4->plan:none*2,full*2", base)
+    assert (str(c.a), str(c.b)) == ("plan:full*4", "plan:none*2,full*2")
+    path = tmp_path / "exp.toml"
+    path.write_text('[change]\nac = ["full", "plan:none,selective-op,full*2"]\n')
+    (change,) = load(path, base).changes
+    assert base.replace(ac=change.b).ac == ACPolicy.parse("plan:none,selective-op,full*2")
