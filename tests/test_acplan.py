@@ -146,3 +146,19 @@ def test_compare_takes_plans_in_change_and_in_an_experiment_file(tmp_path):
     path.write_text('[change]\nac = ["full", "plan:none,selective-op,full*2"]\n')
     (change,) = load(path, base).changes
     assert base.replace(ac=change.b).ac == ACPolicy.parse("plan:none,selective-op,full*2")
+
+
+def test_fit_ac_auto_json_names_the_plan_and_writes_the_file(tmp_path):
+    """The JSON contract (formula only here: the real runs are above) and the file --ac plan:FILE takes back."""
+    out = tmp_path / "plan.json"
+    r = runner.invoke(app, ["fit", "--ac", "auto", "--layers", "8", "--micro-batch", "8", "--memory-budget", "80MiB",
+                            "--margin", "0", "--no-verify", "--json", "--plan-out", str(out)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    plan = d["plan"]
+    assert d["final"]["ac"] == plan["ac"] and plan["ac"].startswith("plan:") and len(plan["per_layer"]) == 8
+    assert plan["predicted_peak_bytes"] <= 80 * 2**20 and plan["predicted_update_seconds"] > 0
+    assert {p["kind"] for p in plan["frontier"]} == {"plan", "preset"} and d["verification"] is None
+    assert json.loads(out.read_text())["per_layer"] == plan["per_layer"]
+    cfg = RunConfig(model=preset("tiny", layers=8), micro_batch=8, ac=f"plan:{out}")
+    assert estimate(cfg, load_all()).memory.peak_bytes == plan["predicted_peak_bytes"]
