@@ -8,6 +8,7 @@ selective policies, predicted the same way).  For a few cases a real `batchlab c
 each side in a process of its own) of that preset against the plan gives the measured time verdict.
 
     PYTHONPATH=src:. .venv/bin/python benchmarks/ac_frontier.py > docs/accuracy/ac_frontier.md
+    PYTHONPATH=src:. .venv/bin/python benchmarks/ac_frontier.py --only HF     # the Hugging Face rows alone
 
 Markdown on stdout, progress on stderr.  Run it on a quiet machine: the compare verdicts are wall-clock.
 """
@@ -131,13 +132,20 @@ def run_case(label: str, base: RunConfig, fractions, with_compare: bool, cals) -
 
 
 def main() -> None:
+    import argparse
+
     import torch
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="", help="run only the models whose label holds this text")
+    only = parser.parse_args().only
     cals = load_all()
     head = ["model", "budget", "plan", "predicted peak", "measured peak", "error", "predicted update (plan)",
             "best fitting preset (predicted)", "plan vs preset; compare verdict"]
     rows = []
     for label, make, fractions, with_compare in cases():
+        if only not in label:
+            continue
         try:
             rows += run_case(label, make(), fractions, with_compare, cals)
         except Exception as e:  # noqa: BLE001 — one model's failure is a row, not the end of the table

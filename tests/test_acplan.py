@@ -162,3 +162,24 @@ def test_fit_ac_auto_json_names_the_plan_and_writes_the_file(tmp_path):
     assert json.loads(out.read_text())["per_layer"] == plan["per_layer"]
     cfg = RunConfig(model=preset("tiny", layers=8), micro_batch=8, ac=f"plan:{out}")
     assert estimate(cfg, load_all()).memory.peak_bytes == plan["predicted_peak_bytes"]
+
+
+def test_a_factory_is_planned_from_traces_of_its_own_code():
+    """A vision factory (the formula cannot see inside it): the plan's traced peak fits, and no preset that fits
+    the same budget by the trace is faster by the trace."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from batchlab.advise.acplan import plan_ac
+    from batchlab.advise.acplan_trace import traced
+
+    base = RunConfig(model=preset("tiny", layers=2), model_source="tests.vision_models:vit", micro_batch=32)
+    cals = load_all()
+    peak = {ac: traced(base.replace(ac=ac), cals) for ac in ("none", "full")}
+    budget = (peak["none"].memory.peak_bytes + peak["full"].memory.peak_bytes) // 2
+    p = plan_ac(Goal(base.replace(memory_budget=budget), margin=0.0, held=frozenset({"micro_batch"})), budget)
+    assert p.provenance == "trace" and p.chosen is not None and p.chosen.peak_bytes <= budget
+    assert traced(p.config, cals).memory.peak_bytes == p.chosen.peak_bytes
+    fitting = [t.time.seconds for t in peak.values() if t.memory.peak_bytes <= budget]
+    assert p.chosen.update_seconds <= min(fitting) * (1 + 1e-9)

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from batchlab.advise.acplan import ACPlan, next_budget, plan_ac
+from batchlab.advise.acplan import ACPlan, Point, next_budget, plan_ac
 from batchlab.advise.fit import FitReport, isolated_measure
 from batchlab.advise.plan import FitPlan, Goal, assumptions, candidate
 from batchlab.advise.search import MeasureFn, Trial
@@ -31,6 +31,7 @@ def write_plan(p: ACPlan, path: str | Path) -> str:
             "model": p.config.model.name, "model_source": p.config.model_source, "seq": p.config.seq,
             "micro_batch": c.micro_batch, "accum": p.config.accum, "precision": str(p.config.precision),
             "budget_bytes": p.budget_bytes, "predicted_peak_bytes": c.peak_bytes,
+            "predicted_allocated_bytes": c.allocated_bytes,
             "predicted_update_seconds": c.update_seconds, "model_solved": p.model, "provenance": p.provenance,
             "use": f"--ac plan:{path}"}
     try:
@@ -52,11 +53,15 @@ def _report(goal: Goal, p: ACPlan) -> FitReport:
     return FitReport(fp, final=p.config, source=f"{p.provenance} (activation-checkpointing plan)", ac_plan=p)
 
 
-def _holds(t: Trial, predicted: int, budget: int) -> tuple[bool, bool]:
-    """(fits the budget, within the tolerance of the prediction)."""
+def _holds(t: Trial, plan: Point, budget: int) -> tuple[bool, bool]:
+    """(fits the budget, within the tolerance of the prediction).  A trial's peak is allocated tensor bytes: it
+    is compared with the plan's allocated bytes, and with the budget after the allocator slack the prediction
+    adds to it (on CUDA the reserved view; on CPU none)."""
     if not t.fits or t.peak_bytes is None:
         return False, False
-    return t.peak_bytes <= budget, abs(relative_to(predicted, t.peak_bytes) or 0.0) <= TOLERANCE
+    allocated = plan.allocated_bytes or plan.peak_bytes
+    slack = plan.peak_bytes - allocated
+    return t.peak_bytes + slack <= budget, abs(relative_to(allocated, t.peak_bytes) or 0.0) <= TOLERANCE
 
 
 def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan_out: str | None = None,
@@ -73,7 +78,7 @@ def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan
             if on_trial is not None:
                 on_trial(t)
             assert p.chosen is not None
-            fits, close = _holds(t, p.chosen.peak_bytes, goal.usable_bytes)
+            fits, close = _holds(t, p.chosen, goal.usable_bytes)
             report.verification = t
             if fits:
                 report.source = f"{p.provenance} (activation-checkpointing plan), confirmed by measurement"

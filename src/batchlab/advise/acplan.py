@@ -45,11 +45,16 @@ def layer_model(cfg: RunConfig, cals: Calibrations) -> LayerModel:
     ests = {m: estimate(cfg.replace(ac=uniform(m, n)), cals) for m in modes}
     none = ests[ACMode.NONE].memory
     walked = none if none.backward_walk else estimate(_builtin(cfg).replace(ac="none"), cals).memory
+    if not walked.backward_walk:
+        raise ConfigError("ac", "auto models DDP's backward walk (ZeRO 0-1); under FSDP2 (DP > 1, ZeRO >= 2) give "
+                                "a policy or a plan yourself")
     copy = walked.layer_copy_bytes
     kept = {m: e.memory.activations_per_layer_bytes[0] for m, e in ests.items()}
     held = tuple(kept[m] + (copy if m is ACMode.NONE else 0) for m in modes)
     held_none = walked.activations_per_layer_bytes[0] + copy
     start, *layers = walked.backward_walk
+    if walked is not none:  # a profile's backward is its high point, with every layer's kept: a total constraint
+        start = none.phase_peaks["backward"]
     walk = tuple(w - i * held_none for i, w in enumerate(reversed(layers)))
     # the forward holds every layer's weight copies anyway: counting them in held is conservative there
     forward = max(none.phase_peaks["forward"], start) - n * kept[ACMode.NONE]
@@ -93,6 +98,7 @@ class Point:
     update_seconds: float
     kind: str  # "plan" (with the budget it was solved for) or "preset"
     budget_bytes: int | None = None
+    allocated_bytes: int | None = None  # tensor bytes (peak_bytes less the caching allocator's slack on CUDA)
 
     @property
     def per_layer(self) -> list[str]:
@@ -107,9 +113,10 @@ def point(cfg: RunConfig, kind: str, cals: Calibrations, budget: int | None = No
 
         t = traced(cfg, cals)
         return Point(str(cfg.ac), cfg.micro_batch, t.memory.peak_bytes + t.memory.margin_bytes, t.time.seconds, kind,
-                     budget)
+                     budget, t.memory.peak_bytes)
     e = estimate(cfg, cals)
-    return Point(str(cfg.ac), cfg.micro_batch, e.memory.peak_bytes, e.time.update_seconds, kind, budget)
+    return Point(str(cfg.ac), cfg.micro_batch, e.memory.peak_bytes, e.time.update_seconds, kind, budget,
+                 e.memory.allocated_bytes)
 
 
 def plan_within(lm: LayerModel, budget: int, cals: Calibrations) -> Point | None:
@@ -183,7 +190,8 @@ def plan_ac(goal: Goal, budget: int | None = None, frontier_points: int = 6) -> 
         chosen = out.chosen = dataclasses.replace(best_preset, kind="plan", budget_bytes=budget)
     lm = models[chosen.micro_batch]
     out.config = lm.cfg.replace(ac=chosen.ac)
-    out.frontier = frontier(lm, cals, frontier_points) + [p for p in preset_points if p.micro_batch == chosen.micro_batch]
+    same_mb = [p for p in preset_points if p.micro_batch == chosen.micro_batch]
+    out.frontier = frontier(lm, cals, frontier_points) + same_mb
     return out
 
 

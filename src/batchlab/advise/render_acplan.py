@@ -43,11 +43,14 @@ def acplan_outcome(out: Console, report) -> None:
 
     p, t = report.ac_plan, report.verification
     if t is not None and p.chosen is not None:
-        err = relative_to(p.chosen.peak_bytes, t.peak_bytes) if t.peak_bytes else None
-        out.print(f"measured: {t.outcome}, peak {fmt_bytes(t.peak_bytes) if t.peak_bytes else '-'} (allocator)"
-                  + (f", plan's prediction {err:+.1%} off" if err is not None else "")
+        allocated = p.chosen.allocated_bytes or p.chosen.peak_bytes
+        err = relative_to(allocated, t.peak_bytes) if t.peak_bytes else None
+        slack = p.chosen.peak_bytes - allocated
+        out.print(f"measured: {t.outcome}, peak {fmt_bytes(t.peak_bytes) if t.peak_bytes else '-'} allocated "
+                  "(allocator)" + (f", plan's prediction {err:+.1%} off" if err is not None else "")
                   + (f", within the budget {fmt_bytes(p.budget_bytes)}" if t.fits and t.peak_bytes
-                     and t.peak_bytes <= p.budget_bytes else ""))
+                     and t.peak_bytes + slack <= p.budget_bytes else "")
+                  + (f" with the predicted allocator slack {fmt_bytes(slack)}" if slack else ""))
     for n in report.notes + p.notes:
         out.print(f"note: {n}", markup=False, highlight=False)
     if report.final is not None:
