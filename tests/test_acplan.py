@@ -95,6 +95,17 @@ def test_the_dynamic_program_finds_the_brute_force_optimum():
 PRESETS = ("none", "full", "every:2", "every:4", "selective", "selective-op")
 
 
+def _in_process(budget: int):
+    """The harness's real update in this process (fit isolates it in a subprocess; the tracker is the same, and
+    the test skips a second torch and transformers import)."""
+    from batchlab.advise.search import trial_from_measurement
+    from batchlab.measure import MeasureOptions
+    from batchlab.run import measure
+
+    opts = MeasureOptions(warmup=1, steps=1, timing=False, isolate=False)
+    return lambda cfg: trial_from_measurement(cfg, measure(cfg, opts), budget)
+
+
 def _real_run_case(base: RunConfig, tmp_path):
     from batchlab.advise.acfit import TOLERANCE, fit_auto
 
@@ -103,7 +114,7 @@ def _real_run_case(base: RunConfig, tmp_path):
     hi = estimate(base.replace(ac="none"), cals).memory.peak_bytes
     budget = (lo + hi) // 2
     goal = Goal(base.replace(memory_budget=budget), margin=0.0, held=frozenset({"micro_batch"}))
-    report = fit_auto(goal, verify=True, plan_out=str(tmp_path / "plan.json"))
+    report = fit_auto(goal, verify=True, measure=_in_process(budget), plan_out=str(tmp_path / "plan.json"))
     plan, t = report.ac_plan.chosen, report.verification
     assert report.final is not None and t is not None and t.fits, report.notes
     assert t.peak_bytes <= budget
