@@ -128,12 +128,14 @@ def _real_run_case(base: RunConfig, tmp_path):
     return plan, t
 
 
+@pytest.mark.slow
 def test_a_plan_on_batchlabs_gpt_fits_by_a_real_run(tmp_path):
     base = RunConfig(model=preset("tiny", layers=8), seq=128, micro_batch=8)
     plan, _ = _real_run_case(base, tmp_path)
     assert len(set(ACPolicy.parse(plan.ac).layers)) > 1  # between the presets: a mix
 
 
+@pytest.mark.slow
 def test_a_plan_on_a_hugging_face_llama_fits_by_a_real_run(tmp_path):
     pytest.importorskip("transformers")
     from batchlab.cli.common import build_config, with_layer_profile
@@ -175,6 +177,7 @@ def test_fit_ac_auto_json_names_the_plan_and_writes_the_file(tmp_path):
     assert estimate(cfg, load_all()).memory.peak_bytes == plan["predicted_peak_bytes"]
 
 
+@pytest.mark.slow
 def test_a_factory_is_planned_from_traces_of_its_own_code():
     """A vision factory (the formula cannot see inside it): the plan's traced peak fits, and no preset that fits
     the same budget by the trace is faster by the trace."""
