@@ -17,7 +17,7 @@ too noisy on shared machines to be worth a table.
 
 The family grid (--families: every family in HF_FAMILIES x fp32, bf16-mixed x AC none, full, selective x
 seq 64, 200, 256, 512) compares the formula with a real run, or with --reference trace with the trace, which
-equals a real run's live tensors on every family (tests/test_any_model.py checks it) and is ~10x faster.
+equals a real run's live tensors on every family (tests/models/test_any_model.py checks it) and is ~10x faster.
 Prints Markdown on stdout (progress on stderr).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from batchlab.formula import estimate as formula_estimate
 from batchlab.host import cpu_hardware
 from batchlab.trace import estimate as trace_estimate
 from batchlab.trace.profile import with_profile
-from batchlab.units import relative_to
+from batchlab.util.units import relative_to
 
 # Hugging Face families through hf:CONFIG.json (2 layers, h 128, random init): the calculator's layer terms
 # come from each model's own code (a layer profile, trace/profile.py), not from a table per family.

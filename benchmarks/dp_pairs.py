@@ -20,9 +20,9 @@ import time
 
 
 def _timed(trainer, probe) -> tuple[float, float, float, float]:
-    from batchlab import regime
+    from batchlab.host import regime
 
-    speed = probe.read()  # the host speed probe (batchlab.measure.speed), read as compare reads it
+    speed = probe.read()  # the host speed probe (batchlab.host.speed), read as compare reads it
     f, c, t = regime.minor_faults(), time.process_time(), time.perf_counter()
     trainer.update()
     return time.perf_counter() - t, time.process_time() - c, regime.minor_faults() - f, speed
@@ -46,7 +46,7 @@ def _side(cfg, rank: int, world: int, port: int, barrier, results, pairs: int, w
         from batchlab.measure.harness import Trainer
 
         trainer = Trainer(cfg, "cpu")
-    from batchlab.measure.speed import SpeedProbe
+    from batchlab.host.speed import SpeedProbe
 
     probe = SpeedProbe()
     barrier.wait()
@@ -57,7 +57,7 @@ def _side(cfg, rank: int, world: int, port: int, barrier, results, pairs: int, w
         barrier.wait()
         if is_b:
             trainer.update()
-    from batchlab import regime
+    from batchlab.host import regime
 
     regime.pretouch()  # as a measuring process does after warmup
     out = []

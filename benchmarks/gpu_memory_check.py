@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     import torch
 
     from batchlab.formula import estimate
-    from batchlab.units import relative_to
+    from batchlab.util.units import relative_to
 
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check", file=sys.stderr)

@@ -234,8 +234,8 @@ def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float] | Non
 
 def bisect(variant: str) -> None:
     """Switch part of the callback off in this process (``--variant``; the product is unchanged)."""
-    from batchlab.experiment.factors import LoadSampler
-    from batchlab.measure import observe, watch
+    from batchlab.host.load import LoadSampler
+    from batchlab.integrations import observe, watch
 
     if variant in ("no-memory", "hooks-only"):
         observe.Observer._is_memory_update = lambda self, index: False

@@ -63,11 +63,11 @@ def overhead(rounds: int, updates: int) -> tuple[list[float], float]:
 
 
 class _MarksOnly:
-    """A stand-in trainer whose update only makes the harness's probe calls (accum 1: 5 marks)."""
+    """A stand-in trainer whose update only makes the harness's phase-listener calls (accum 1: 5 marks)."""
 
-    def update(self, probe=None):
+    def update(self, listener=None):
         for phase in ("data", "forward", "backward", "optimizer", "end"):
-            probe.mark(phase)
+            listener.mark(phase)
 
 
 def probe_cost_seconds(n: int = 20000) -> float:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from batchlab.config import Assumptions, ModelSpec, RunConfig
 from batchlab.formula import estimate
-from batchlab.units import relative_to
+from batchlab.util.units import relative_to
 
 HERE = Path(__file__).resolve().parent
 UNITS = {"GiB": 2**30, "MiB": 2**20, "GB": 10**9, "MB": 10**6, "B": 1}

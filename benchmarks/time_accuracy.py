@@ -31,7 +31,8 @@ import time
 
 import torch
 
-from batchlab import calibrate, regime
+from batchlab import calibrate
+from batchlab.host import regime
 from batchlab.calibrate import family
 from batchlab.config import RunConfig, preset
 from batchlab.formula import estimate as formula_estimate
@@ -111,12 +112,12 @@ def config(model: str, base: dict, changes: dict) -> RunConfig:
 
 class HostProbe:
     """How fast this host runs right now against while it was calibrated: batchlab's speed probe
-    (measure/speed.py: a ~6 ms bundle of calibrated kernel classes), the one ``batchlab compare`` reads before
+    (host/speed.py: a ~6 ms bundle of calibrated kernel classes), the one ``batchlab compare`` reads before
     each timed update, over the calibration's own read of it (``Calibration.probe_seconds``).  The formula's
     absolute time at that speed is a column beside the measurement."""
 
     def __init__(self, reference: float):
-        from batchlab.measure.speed import SpeedProbe
+        from batchlab.host.speed import SpeedProbe
 
         self.probe, self.reference = SpeedProbe(), reference
 
@@ -271,7 +272,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def in_regime() -> None:
-    """Run this script in the allocator regime batchlab's measuring processes use (batchlab.regime: freed
+    """Run this script in the allocator regime batchlab's measuring processes use (batchlab.host.regime: freed
     memory kept, no page faults per update after warmup): the in-process trainers below are measured here, so
     the process starts again with the regime's environment where it lacks it (glibc reads it at start)."""
     if regime.missing():

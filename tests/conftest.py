@@ -7,7 +7,7 @@ Semantics do not depend on the thread count; timing assertions are ratios measur
 import os
 import sys
 
-from batchlab.regime import STEADY_ENV
+from batchlab.host.regime import STEADY_ENV
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every subprocess a test starts
 # Compiled modules cached in the checkout's (ignored) __pycache__ folders: with PYTHONDONTWRITEBYTECODE=1 (set
@@ -60,7 +60,7 @@ import pytest  # noqa: E402
 @pytest.fixture(autouse=True, scope="session")
 def _short_calibration():
     """measure and compare calibrate the CPU once per cache (the suite's is fresh): keep that one to a 1 s
-    budget in one round (merging rounds is tested by hand in test_calibrate.py).  Session-wide, so module
+    budget in one round (merging rounds is tested by hand in calibrate/test_calibrate.py).  Session-wide, so module
     fixtures (shared launches) get it too."""
     try:
         import batchlab.calibrate.run as cal

@@ -10,7 +10,7 @@ from batchlab.experiment.compare import make_plan
 from batchlab.experiment.predict import parse_predictions
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import MeasuredMemory, MeasuredTime, Measurement, Outcome
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 from batchlab.timeline.data import CATEGORIES, PhaseSpan, Timeline
 
 BASE = RunConfig(seq=16, micro_batch=2, accum=2)

@@ -1,4 +1,4 @@
-"""HF config.json folders at toy sizes for the any-model tests (tests/test_any_model*.py): 2 layers, hidden 64,
+"""HF config.json folders at toy sizes for the any-model tests (tests/models/test_any_model.py, tests/trace/test_layer_profile*.py): 2 layers, hidden 64,
 any model_type, fields overridden per family.  A module, not fixtures: the tests build them in parametrize
 tables."""
 from __future__ import annotations

@@ -11,7 +11,7 @@ __all__ = ["ACPolicy", "ConfigError", "ModelSpec", "RunConfig", "observe", "pres
 def __getattr__(name: str):
     # torch-side helpers load on first use, so `import batchlab` stays torch-free
     if name == "observe":
-        from batchlab.measure.observe import observe
+        from batchlab.integrations.observe import observe
 
         return observe
     raise AttributeError(f"module 'batchlab' has no attribute {name!r}")

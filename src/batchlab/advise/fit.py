@@ -11,7 +11,7 @@ from batchlab.advise.states import StatesVerdict, states_verdict
 from batchlab.advise.search import (MeasureFn, SearchResult, Trial, TrialOutcome, search_largest,
                                     trial_from_measurement)
 from batchlab.config import ModelSource, RunConfig, to_jsonable
-from batchlab.units import relative_to
+from batchlab.util.units import relative_to
 
 
 @dataclass

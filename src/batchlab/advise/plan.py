@@ -10,11 +10,11 @@ import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
-from batchlab.calibrate import load_all
+from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ACPolicy, ConfigError, Counted, ModelSource, RunConfig
 from batchlab.formula import Calibrations, estimate
 from batchlab.formula.memory import model_states
-from batchlab.units import fmt_amount, fmt_bytes
+from batchlab.util.units import fmt_amount, fmt_bytes
 
 DEFAULT_MARGIN = 0.10  # of the device memory (or --memory-budget), kept free on top of the formula's peak
 DEFAULT_TOKENS = 10**9  # token budget the time ranking uses when none is given

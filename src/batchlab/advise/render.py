@@ -14,7 +14,7 @@ from batchlab.advise.search import Trial
 from batchlab.advise.snippets import printable
 from batchlab.advise.states import EIGHT_BIT_ADAM, StatesVerdict, states_verdict
 from batchlab.config import ModelSource, RunConfig
-from batchlab.units import fmt_bytes, fmt_seconds, relative_to
+from batchlab.util.units import fmt_bytes, fmt_seconds, relative_to
 
 
 def _pct(x: float | None) -> str:

@@ -12,11 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from batchlab.config import RunConfig, _Choice
+from batchlab.config import RunConfig, Choice
 from batchlab.measure.result import Measurement, Outcome
 
 
-class TrialOutcome(_Choice):
+class TrialOutcome(Choice):
     """A measurement's Outcome, refined for the search: a SIGKILL is the kernel's OOM killer, and a run
     that completed above the capacity does not fit either."""
     OK = "ok"
@@ -111,10 +111,10 @@ def _seed_index(cands: list[int], seed: int | None) -> int:
     return max(i for i, c in enumerate(cands) if c <= seed) if seed >= cands[0] else 0
 
 
-def _next_index(bounds: _Bounds, seed_index: int, probes: int, last_fit: bool | None) -> int:
-    if probes == 0:
+def _next_index(bounds: _Bounds, seed_index: int, tried: int, last_fit: bool | None) -> int:
+    if tried == 0:
         return bounds.clamp(seed_index)
-    if probes == 1:
+    if tried == 1:
         return bounds.clamp(bounds.fit + 1 if last_fit else bounds.fail - 1)
     return (bounds.fit + bounds.fail) // 2
 
@@ -136,15 +136,15 @@ def search_largest(base: RunConfig, measure: MeasureFn, seed: int | None,
         result.trials.append(t)
         if t.micro_batch in cands:
             bounds.record(cands.index(t.micro_batch), t.fits)
-    probes, last = 0, None
+    tried, last = 0, None
     seed_index = _seed_index(cands, seed)
     while bounds.open:
-        i = _next_index(bounds, seed_index, probes, last)
+        i = _next_index(bounds, seed_index, tried, last)
         mb = cands[i]
         t = measure(base.with_global_batch(base.global_batch, mb))
         result.trials.append(t)
         bounds.record(i, t.fits)
-        probes, last = probes + 1, t.fits
+        tried, last = tried + 1, t.fits
     result.limit = cands[bounds.fit] if bounds.fit >= 0 else None
     return result
 

@@ -20,7 +20,7 @@ dispatch per op, measured once per model code; run.py: measure, ensure, auto.
 from __future__ import annotations
 
 from batchlab.calibrate.kernels import timed_rates
-from batchlab.calibrate.record import (Calibration, cache_dir, default_threads, load_all, load_cached,
+from batchlab.formula.calibration import (Calibration, cache_dir, default_threads, load_all, load_cached,
                                       probe_reference, save)
 from batchlab.calibrate.run import auto, ensure, measure
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from batchlab.calibrate.run import measure_here
-from batchlab.lifeline import guard
+from batchlab.util.lifeline import guard
 
 
 def main(argv: list[str]) -> None:

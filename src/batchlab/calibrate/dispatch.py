@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 from batchlab.calibrate.kernels import CLOCK, steady
-from batchlab.formula.opcost import DISPATCH_KIND, SAC_KIND, Phase
+from batchlab.formula.opcost import DISPATCH_KIND, SAC_KIND
+from batchlab.config.phase import Phase
 
 
 SAC = "selective"  # the dispatch trainers' entry run under selective activation checkpointing (fp32)
@@ -51,7 +52,7 @@ def counted(cfg, device) -> tuple:
 
 
 def kind_of(op) -> str:
-    return SAC_KIND[op.phase] if op.intercepted else DISPATCH_KIND[op.phase]
+    return SAC_KIND[op.phase] if op.sac_dispatched else DISPATCH_KIND[op.phase]
 
 
 def per_kind(ops, value=lambda op: 1.0) -> dict[str, float]:
@@ -68,9 +69,9 @@ class DispatchSampler:
     times updates for a while and may be called in several slices (a calibration spreads them through each
     round: this VM's Python-bound work moves 4.7-10 us per op between one-second windows, 2x, so three ~1 s
     windows priced a dispatch-bound step by whichever state they met; ``seconds()`` is the steady figure of
-    all the slices' samples).  Under selective checkpointing (``SAC``) a phase mixes plain and intercepted
-    ops: the plain ones are priced at fp32's figures of the same slice, the rest of the phase's time is the
-    intercepted ones' (fp32's figures gain "forward-sac" and "recompute-sac")."""
+    all the slices' samples).  Under selective checkpointing (``SAC``) a phase mixes plain ops and ops
+    dispatched through its mode (``OpCount.sac_dispatched``): the plain ones are priced at fp32's figures of the
+    same slice, the rest of the phase's time is the others' (fp32's figures gain "forward-sac" and "recompute-sac")."""
 
     def __init__(self, trainers: dict[str, tuple], sync):
         from batchlab.measure.clock import PhaseClock
@@ -92,7 +93,7 @@ class DispatchSampler:
     def _update(self, precision: str, trainer, calls: dict[str, int]) -> None:
         clock = self.clock
         clock.start()
-        trainer.update(probe=clock)
+        trainer.update(listener=clock)
         clock.mark("end")
         spent: dict[str, float] = {}
         for phase, secs in clock.seconds.items():
@@ -100,7 +101,7 @@ class DispatchSampler:
             spent[kind] = spent.get(kind, 0.0) + secs
         if precision == SAC:  # after fp32 (dict order): its figures of this slice price the plain ops
             if self.per_op.get("fp32", {}).get("forward"):
-                _intercepted(self.sac, calls, spent, {k: v[-1] for k, v in self.per_op["fp32"].items()})
+                _sac_op_seconds(self.sac, calls, spent, {k: v[-1] for k, v in self.per_op["fp32"].items()})
             return
         for kind, n in calls.items():
             self.per_op[precision][kind].append(spent.get(kind, 0.0) / n)
@@ -117,10 +118,10 @@ def _steady_per_op(kinds: dict[str, list[float]]) -> dict[str, float]:
     return {k: 1.0 / steady([1.0 / x for x in v if x > 0] or [float("inf")]) for k, v in kinds.items()}
 
 
-def _intercepted(out: dict[str, list[float]], calls: dict[str, int], spent: dict[str, float],
+def _sac_op_seconds(out: dict[str, list[float]], calls: dict[str, int], spent: dict[str, float],
                  fp32: dict[str, float]) -> None:
-    """Seconds per intercepted op of one SAC update: its forward (backward) phase less its plain forward
-    (backward) ops at ``fp32``'s cost per op, over its intercepted ones; appended to ``out``."""
+    """Seconds per op dispatched through the SAC mode in one SAC update: its forward (backward) phase less its plain forward
+    (backward) ops at ``fp32``'s cost per op, over those ops; appended to ``out``."""
     for kind, phase in (("forward-sac", "forward"), ("recompute-sac", "backward")):
         if calls.get(kind):
             out[kind].append((spent.get(phase, 0.0) - calls.get(phase, 0) * fp32.get(phase, 0.0)) / calls[kind])

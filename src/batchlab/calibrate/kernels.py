@@ -274,13 +274,13 @@ def _sdpa_curves(device, dtypes: dict, seconds: float, sync
             break
         share = seconds * len(live) / len(dtypes) / len(SDPA_SHAPES)
         per_call = {key: 1 / rate for key, rate in alternated(calls, share, sync, at_least=SWINGING).items()}
-        grain = 4 * s * s * d
+        per_entry = 4 * s * s * d  # FLOPs per (batch, head): OpCount.flops_per_matmul of fused attention
         for name in live:
-            for kind, direction, flops in (("sdpa", "fwd", grain), ("sdpa-backward", "bwd", 2.5 * grain)):
+            for kind, direction, flops in (("sdpa", "fwd", per_entry), ("sdpa-backward", "bwd", 2.5 * per_entry)):
                 t1, t2 = per_call[(name, 0, direction)], per_call[(name, 1, direction)]
                 w = max((t2 - t1) / (h2 - h1), t2 / h2 / 4)  # per entry; a noisy difference kept plausible
-                rates.setdefault(f"{kind}-{name}", []).append([float(grain), flops / w])
-                starts.setdefault(f"{kind}-{name}", []).append([float(grain), max(0.0, t2 - h2 * w)])
+                rates.setdefault(f"{kind}-{name}", []).append([float(per_entry), flops / w])
+                starts.setdefault(f"{kind}-{name}", []).append([float(per_entry), max(0.0, t2 - h2 * w)])
     return {k: monotone(v) for k, v in rates.items()}, starts
 
 
@@ -289,7 +289,7 @@ def keeping(fn, budget: int = COLD_BYTES):
     all freed: a training step's forward writes each activation into fresh memory (kept for backward), not
     into the buffer the previous call just freed, so its writes miss the cache.  Timing a kernel whose output
     is freed and reused at once measures the warm-buffer rate, well above a step's.  Calibration runs in the steady allocator regime
-    (batchlab.regime), as the measured processes do, so the freed budget is reused without page faults and
+    (batchlab.host.regime), as the measured processes do, so the freed budget is reused without page faults and
     what remains is the cache miss (measured here in that regime: a 2 MiB multiply 0.26 ms into outputs kept
     up to 8 MiB, 0.40 ms up to 32, 128 or 512 MiB; with glibc's defaults the same kept outputs also faulted
     their pages in, 2-4 us per 4 KiB page)."""
@@ -364,8 +364,8 @@ def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
     xs = {tag: torch.rand(ELEMENTS // 128, 128, device=device).to(dtype)
           for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))}
     out = {}
-    for klass, fn in kernels.items():  # a kernel's precisions in turns (``alternated``)
-        calls = {f"{klass}:{tag}": ((lambda f=fn, x=x: f(x)) if klass == "random"  # bernoulli_ is in place
+    for cost_class, fn in kernels.items():  # a kernel's precisions in turns (``alternated``)
+        calls = {f"{cost_class}:{tag}": ((lambda f=fn, x=x: f(x)) if cost_class == "random"  # bernoulli_ is in place
                                     else keeping(lambda f=fn, x=x: f(x)), ELEMENTS) for tag, x in xs.items()}
         out.update({key: 1.0 / rate for key, rate in alternated(calls, seconds / len(kernels), sync).items()})
     return out

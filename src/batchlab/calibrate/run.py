@@ -7,24 +7,23 @@ import os
 import statistics
 import time
 
-from batchlab import regime
+from batchlab import host
 from batchlab.calibrate import family
 from batchlab.calibrate.concurrency import KINDS, Contention
 from batchlab.calibrate.dispatch import DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
                                         _matmul_curves, _memory_curve, _sdpa_curves, monotone)
 from batchlab.calibrate.link import allreduce_times, ring_fit
-from batchlab.calibrate.record import Calibration, _cache_path, default_threads, load_cached, save
+from batchlab.formula.calibration import Calibration, _cache_path, default_threads, load_cached, save
 from batchlab.config import ConfigError
-from batchlab.host import cpu_hardware
-from batchlab.measure.speed import BUNDLE, SpeedProbe
+from batchlab.host import PROBE_BUNDLE, SpeedProbe
 
 
 def _hardware(device) -> str:
     import torch
 
     if device.type == "cpu":
-        return f"{cpu_hardware()}, {torch.get_num_threads()} threads"
+        return f"{host.cpu_hardware()}, {torch.get_num_threads()} threads"
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
@@ -33,11 +32,11 @@ def _hardware(device) -> str:
 def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
             threads: int | None = None, rounds: int | None = None) -> Calibration:
     """Measure what the per-op time model needs (``measure_here``), on CPU in the allocator regime batchlab's
-    measuring processes run in (batchlab.regime: freed memory kept): in a child process started in it where
+    measuring processes run in (batchlab.host.regime: freed memory kept): in a child process started in it where
     this one is not (this process's allocator is the caller's and stays as it is)."""
     if seconds <= 0:
         raise ConfigError("seconds", f"must be > 0, got {seconds}")
-    if torch_device.startswith("cpu") and regime.missing():
+    if torch_device.startswith("cpu") and host.needs_own_process():
         return _in_child(dict(torch_device=torch_device, seconds=seconds, shapes=shapes, threads=threads,
                               rounds=rounds))
     return measure_here(torch_device, seconds, shapes, threads, rounds)
@@ -49,7 +48,7 @@ def _in_child(args: dict) -> Calibration:
     import tempfile
     from pathlib import Path
 
-    from batchlab.lifeline import module_command
+    from batchlab.util.lifeline import module_command
     from batchlab.measure.runner import child_env
 
     start = time.perf_counter()
@@ -121,8 +120,8 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
             rank_skew=k["link"].get("skew", 0.0),
             cores=os.cpu_count() or 1,
             contention=k["contention"], contention_processes=2 if device.type == "cpu" else 0,
-            allocator=regime.describe() if device.type == "cpu" else "", probe_seconds=k["speed"],
-            probe=BUNDLE if device.type == "cpu" else "")
+            allocator=host.state() if device.type == "cpu" else "", probe_seconds=k["speed"],
+            probe=PROBE_BUNDLE if device.type == "cpu" else "")
     finally:
         CLOCK.reset(token)
         torch.set_num_threads(before)
@@ -219,7 +218,7 @@ def _current(cached: Calibration) -> bool:
             # upper quartiles), gloo's all-reduce after compute as the local ranks' link (before: a TCP echo over
             # loopback, then the lower quartile of idle all-reduces), the host speed probe's reference (before it: none)
             and (not cpu or bool(cached.contention_processes and cached.allocator and cached.dispatch_seconds_autocast
-                                 and cached.link == LINK and cached.probe_seconds and cached.probe == BUNDLE)))
+                                 and cached.link == LINK and cached.probe_seconds and cached.probe == PROBE_BUNDLE)))
 
 
 def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0

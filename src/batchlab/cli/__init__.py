@@ -4,7 +4,7 @@ import sys
 
 import typer
 
-from batchlab import lifeline
+from batchlab.util import lifeline
 from batchlab.cli.base import app as _app
 from batchlab.config import ConfigError
 

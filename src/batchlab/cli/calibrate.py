@@ -10,7 +10,7 @@ from batchlab.cli.base import app
 from batchlab.cli.common import console, fail, print_json
 from batchlab.cli.progress import progress
 from batchlab.config import ConfigError
-from batchlab.units import fmt_bytes, fmt_count
+from batchlab.util.units import fmt_bytes, fmt_count
 
 
 @app.command("calibrate")

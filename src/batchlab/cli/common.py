@@ -294,7 +294,7 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     """Assumptions the config made silently that change its figures."""
     from batchlab.config import Precision
     from batchlab.config.devices import CUSTOM_FP32_ASSUMED
-    from batchlab.units import fmt_count
+    from batchlab.util.units import fmt_count
 
     spec = cfg.device_spec
     if spec.source == CUSTOM_FP32_ASSUMED and cfg.precision is Precision.FP32:

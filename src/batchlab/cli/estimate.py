@@ -10,10 +10,10 @@ from rich.table import Table
 
 from batchlab.cli.base import app
 from batchlab.cli.common import console as make_console, print_json, with_config, with_layer_profile
-from batchlab.calibrate import load_all
+from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ConfigError, Keep, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, unseen_model
-from batchlab.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
+from batchlab.util.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
 
 PLAIN_ROWS = 60
 AC_NOTE = ("Activation checkpointing (--ac) recomputes activations in backward: less memory, more compute, "

@@ -20,7 +20,7 @@ from batchlab.distributed.launcher import Launcher
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
 from batchlab.measure.versus import FigureRow, formula_estimate, rows
-from batchlab.units import fmt_bytes, fmt_difference, fmt_seconds, fmt_value, plural
+from batchlab.util.units import fmt_bytes, fmt_difference, fmt_seconds, fmt_value, plural
 
 
 @app.command("measure")
@@ -33,7 +33,7 @@ def measure(
     isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help="Run in a fresh subprocess, so a kernel OOM-kill or a crash becomes a recorded failure.")] = False,
     timeout: Annotated[Optional[float], typer.Option(help="With --isolate: seconds before the run is killed and recorded as failed.")] = None,
     torch_device: Annotated[Optional[str], typer.Option(help="Local torch device (cpu, cuda, cuda:1, mps); default: the backend of --device.")] = None,
-    memory: Annotated[bool, typer.Option("--memory/--no-memory", help="Take the memory probe update.")] = True,
+    memory: Annotated[bool, typer.Option("--memory/--no-memory", help="Take the memory update.")] = True,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr (only on a terminal).")] = True,
     nproc: Annotated[Optional[int], typer.Option(help="Ranks on this node, each on the config's engine (DDP, ZeRO-1, FSDP2; gloo on CPU, nccl on CUDA); --nproc x --nnodes must equal --dp. Default with --dp > 1: --dp.", rich_help_panel="Data parallel (torchrun)")] = None,
     launcher: Annotated[Optional[Launcher], typer.Option(help="How the ranks start: fork (one node on CPU: forks of a process that imported torch once; the default there) or torchrun (fresh interpreters, the default for CUDA and several nodes).", rich_help_panel="Data parallel (torchrun)")] = None,
@@ -207,7 +207,7 @@ def _render_details(out: Console, m: Measurement) -> None:
             med = statistics.median(t.cpu_seconds)
             out.print("process CPU time per update (median, all threads; the process clock, read beside the "
                       f"wall-clock one): {fmt_seconds(med)}")
-    if "allocator" in m.environment:  # host pages mapped afresh per update cost CPU time (batchlab.regime)
+    if "allocator" in m.environment:  # host pages mapped afresh per update cost CPU time (batchlab.host.regime)
         faults = m.environment.get("page_faults_per_update")
         out.print(escape(m.environment["allocator"])
                   + (f"; {faults:,.0f} page faults per timed update" if isinstance(faults, (int, float)) else ""))

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from batchlab.text import for_rich as escape
+from batchlab.util.text import for_rich as escape
 from rich.table import Table
 
 from batchlab.cli.base import app
@@ -113,7 +113,7 @@ def export(fmt: Annotated[str, typer.Option("--format", help="json, csv or md.")
     if output is None:
         sys.stdout.write(text)
         return
-    from batchlab.files import write_atomic
+    from batchlab.util.files import write_atomic
 
     try:
         write_atomic(output, text)

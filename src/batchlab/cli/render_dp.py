@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from batchlab.distributed.launcher import Launcher
 from batchlab.measure.result import MeasuredTraffic, Measurement
-from batchlab.units import fmt_bytes, fmt_seconds
+from batchlab.util.units import fmt_bytes, fmt_seconds
 
 _KIND_NAMES = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce",
                "broadcast": "broadcast"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
-from batchlab.text import for_rich as esc
+from batchlab.util.text import for_rich as esc
 from rich.panel import Panel
 from rich.table import Table
 

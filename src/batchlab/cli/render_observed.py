@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from batchlab.text import for_rich as esc
+from batchlab.util.text import for_rich as esc
 from rich.table import Table
 
 from batchlab.experiment.observed_diff import BAND_METHOD, ObservedDiff

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
-from batchlab.text import for_rich as escape
+from batchlab.util.text import for_rich as escape
 from rich.table import Table
 from rich.tree import Tree
 
 from batchlab.config import to_jsonable
 from batchlab.formula.opcost import breakdown_text
 from batchlab.trace.result import ModuleNode, TraceEstimate
-from batchlab.units import fmt_bytes, fmt_count, fmt_difference, fmt_seconds, relative_to
+from batchlab.util.units import fmt_bytes, fmt_count, fmt_difference, fmt_seconds, relative_to
 
 # |formula error| above this on peak or activations prints a warning
 FORMULA_WARN = 0.10
@@ -192,7 +192,7 @@ def show(cfg, tree: bool = False, as_json: bool = False, console: Console | None
     from batchlab.measure.versus import formula_estimate
     from batchlab.trace import estimate
 
-    from batchlab.calibrate import load_all
+    from batchlab.formula.calibration import load_all
 
     if timeline:
         from batchlab.timeline.output import check_path, write

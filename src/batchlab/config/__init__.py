@@ -13,7 +13,7 @@ Sizes are bytes, times seconds, rates per second; GiB appears only in display co
 """
 from batchlab.config.batch import BATCH_FIELDS, apply_change, keep_global_batch
 from batchlab.config.choices import (ACMode, AttentionImpl, Backend, ConfigError, Counted, DataKind, Keep, LossMode, MLPKind,
-                                     ModelSource, NormKind, OptimizerKind, PositionKind, Precision, _Choice)
+                                     ModelSource, NormKind, OptimizerKind, PositionKind, Precision, Choice)
 from batchlab.config.devices import (DEVICE_ALIASES, DEVICES, GB, GPU_NAMES, T, DeviceSpec, GiB, catalogue_key,
                                      device, local_device)
 from batchlab.config.load import (HF_FAMILIES, config_from_dict, config_from_table, load_config_toml,
@@ -25,7 +25,7 @@ from batchlab.config.values import parse_bytes, read_file, whole_number
 
 __all__ = [
     "ACMode", "ACPolicy", "ASSUMPTION_FIELDS", "Assumptions", "AttentionImpl", "BATCH_FIELDS", "Backend",
-    "CHANGEABLE_FIELDS", "ConfigError", "Counted", "DEVICES", "DEVICE_ALIASES", "DataKind", "DeviceSpec", "GB", "GPU_NAMES",
+    "CHANGEABLE_FIELDS", "Choice", "ConfigError", "Counted", "DEVICES", "DEVICE_ALIASES", "DataKind", "DeviceSpec", "GB", "GPU_NAMES",
     "GiB", "HF_FAMILIES", "Keep", "LossMode", "LossPolicy", "MLPKind", "MODEL_FIELDS", "ModelSource", "ModelSpec", "NormKind",
     "OptimizerKind", "PRESETS", "PositionKind", "Precision", "RUN_FIELDS", "RunConfig", "T", "apply_change",
     "catalogue_key", "config_from_dict", "config_from_table", "default_ffn", "derive_accum", "device",

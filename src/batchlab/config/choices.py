@@ -1,4 +1,5 @@
-"""The closed sets users choose from (enums whose values are the spellings they type) and ConfigError.
+"""The closed sets users choose from (enums whose values are the spellings they type) and ConfigError
+(defined in util/errors.py, below every package that raises it).
 
 Pure Python, no torch.
 """
@@ -7,21 +8,12 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A user error in a configuration: one line naming the field and what is allowed."""
-
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name  # the user-facing field (or option) the error is about
-        self.message = message  # what is wrong and what is allowed, without the field
-        super().__init__(field_name, message)
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
+from batchlab.util.errors import ConfigError
 
 
-class _Choice(str, enum.Enum):
-    """A closed set whose values are the spellings users type."""
+class Choice(str, enum.Enum):
+    """A closed set whose values are the spellings users type (every enum a user chooses from, Phase too);
+    ``parse(field, value)`` turns what they typed into a member or one ConfigError naming the allowed values."""
 
     def __str__(self) -> str:
         return self.value
@@ -37,7 +29,7 @@ class _Choice(str, enum.Enum):
             raise ConfigError(field_name, f"{value!r} is not one of: {allowed}") from None
 
 
-class Precision(_Choice):
+class Precision(Choice):
     FP32 = "fp32"
     BF16_MIXED = "bf16-mixed"  # bf16 compute, fp32 master weights
     FP16_MIXED = "fp16-mixed"  # fp16 compute, fp32 master weights, dynamic loss scaling
@@ -62,34 +54,34 @@ class Precision(_Choice):
         return self in (Precision.BF16, Precision.BF16_FSDP)
 
 
-class OptimizerKind(_Choice):
+class OptimizerKind(Choice):
     ADAMW = "adamw"
     SGD = "sgd"  # plain SGD, no state
     SGD_MOMENTUM = "sgd-momentum"  # one momentum buffer per parameter
 
 
-class MLPKind(_Choice):
+class MLPKind(Choice):
     GELU = "gelu"  # 2 matrices h->ffn->h (GPT-2, Megatron)
     SWIGLU = "swiglu"  # 3 matrices: gate, up, down (Llama)
 
 
-class NormKind(_Choice):
+class NormKind(Choice):
     LAYERNORM = "layernorm"
     RMSNORM = "rmsnorm"
 
 
-class AttentionImpl(_Choice):
+class AttentionImpl(Choice):
     EAGER = "eager"  # s x s scores materialised (softmax, dropout mask kept for backward)
     SDPA = "sdpa"  # fused scaled_dot_product_attention: no s^2 term kept
 
 
-class PositionKind(_Choice):
+class PositionKind(Choice):
     LEARNED = "learned"  # GPT-2 position embedding table
     ROPE = "rope"  # rotary (Llama): no parameters
     ALIBI = "alibi"  # attention biases (BLOOM, Falcon-RW): no parameters
 
 
-class ACMode(_Choice):
+class ACMode(Choice):
     NONE = "none"
     FULL = "full"
     EVERY = "every"
@@ -109,7 +101,7 @@ class ACMode(_Choice):
         return self in (ACMode.SELECTIVE, ACMode.SELECTIVE_OP)
 
 
-class LossMode(_Choice):
+class LossMode(Choice):
     """How the LM loss is computed over the vocabulary (formula/loss.py counts what each keeps)."""
 
     FULL = "full"  # F.cross_entropy(logits.float()) on all tokens at once: fp32 copy and log-softmax kept
@@ -122,25 +114,25 @@ class LossMode(_Choice):
     CLASSIFIER = "classifier"
 
 
-class Backend(_Choice):
+class Backend(Choice):
     CPU = "cpu"
     CUDA = "cuda"  # NVIDIA, and AMD through ROCm's torch.cuda
     MPS = "mps"
 
 
-class DataKind(_Choice):
+class DataKind(Choice):
     FIXED = "fixed"  # every sequence full length
     PADDED = "padded"  # variable lengths padded to seq; only non-padding tokens are useful
 
 
-class Keep(_Choice):
+class Keep(Choice):
     """What a one-variable change holds fixed besides everything else."""
 
     GLOBAL_BATCH = "global-batch"  # accum re-derived when micro_batch or dp changes
     ACCUM = "accum"  # accum fixed: the global batch (and so the training run) changes
 
 
-class Counted(_Choice):
+class Counted(Choice):
     """What one training example is, and so what throughput counts: a language model's useful tokens, or
     samples (an image and its class) for a model whose targets are one per example (models/factory.py)."""
 
@@ -158,7 +150,7 @@ class Counted(_Choice):
         return f"{global_batch} sequences ({tokens_per_update:,} tokens per update)"
 
 
-class ModelSource(_Choice):
+class ModelSource(Choice):
     """Which code trains the model, from ``RunConfig.model_source``'s spelling."""
 
     BUILTIN = "builtin"  # batchlab's own GPT (models.gpt), built from the ModelSpec

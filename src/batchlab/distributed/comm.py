@@ -2,7 +2,7 @@
 
 It wraps PyTorch's own ``allreduce_hook`` (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``),
 so what is communicated is exactly what plain DDP does; the hook only watches.  It is also a harness
-probe (``mark(phase)``), so it knows which micro-batch's backward launched each bucket.
+listener (``mark(phase)``), so it knows which micro-batch's backward launched each bucket.
 
 Timing is an approximation, by design of what a hook can see: on gloo (CPU) an interval runs from the
 hook's call (the bucket is ready and the all-reduce is launched) to the completion callback of its
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 
 
 @dataclass
@@ -49,7 +49,7 @@ class UpdateComm:
 
 
 class CommMonitor:
-    """Register with ``ddp.register_comm_hook(monitor, CommMonitor.hook)``; use as a probe in ``update``."""
+    """Register with ``ddp.register_comm_hook(monitor, CommMonitor.hook)``; use as a phase listener in ``update``."""
 
     def __init__(self, cuda: bool = False):
         self.cuda = cuda
@@ -61,7 +61,7 @@ class CommMonitor:
         self._ends: dict[int, object] = {}  # launch index -> CUDA end event
         self.bucket_buffers: list[torch.Tensor] = []  # the last update's flat gradient buckets
 
-    # -- probe interface (Trainer.update calls mark between phases)
+    # -- listener interface (Trainer.update calls mark between phases)
     def mark(self, phase: Phase | str) -> None:
         phase = Phase(phase)
         if phase is Phase.DATA:
@@ -84,7 +84,7 @@ class CommMonitor:
             record.calls += 1
             record.bytes += buf.numel() * buf.element_size()
             record.micro_batches.add(self.micro)
-            # the reducer keeps these buffers alive anyway; kept here so the memory probe can register them
+            # the reducer keeps these buffers alive anyway; kept here so the memory tracker can register them
             self.bucket_buffers.append(buf)
         if self.cuda:
             return self._watch_cuda(bucket)

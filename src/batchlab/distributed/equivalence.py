@@ -79,7 +79,7 @@ def _stages(cfgs: list[dict], updates: int, out: str) -> None:
         device, _ = init(cfg, MeasureOptions(), 120.0)
         trainer, monitor = engines.build(cfg, device, rank, world)
         for _ in range(updates):
-            trainer.update(probe=monitor)
+            trainer.update(listener=monitor)
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
                 for n, p in trainer.raw_model.named_parameters()}
         # one more update, steady (DDP broadcasts its rebuilt bucket order once, in the second): its memory

@@ -1,4 +1,4 @@
-"""Local ranks forked from the pre-imported process (measure/warm.py) instead of started by torchrun.
+"""Local ranks forked from the pre-imported process (host/warm.py) instead of started by torchrun.
 
 A rank started by torchrun is a fresh interpreter: ~2 s of CPU importing torch and ~2 s more importing
 torch._dynamo (DDP's and FSDP2's wrappers need it) before its first update, and torchrun's agent imports torch
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchlab.host import free_port
-from batchlab.measure import warm
+from batchlab.host import warm
 
 LAUNCHER = "forked from a pre-imported process"
 GRACE_S = 5.0  # after a rank fails: how long its peers get to leave on SIGTERM before SIGKILL
@@ -49,7 +49,7 @@ def run(world: int, entry: str, request: dict, folder: Path, env: dict[str, str]
         preload: tuple[str, ...] = ()) -> Ranks | None:
     """``entry`` (``module:function``, called as ``function(folder / "rankK", request, parent)``) in ``world``
     ranks forked from the pre-imported process started with ``env`` (``preload``: modules it imports first,
-    measure/libraries.py); None where none can be forked (the caller starts its ranks another way)."""
+    host/preload.py); None where none can be forked (the caller starts its ranks another way)."""
     server = warm.pre_imported(env)
     if server is None:
         return None

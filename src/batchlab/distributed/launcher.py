@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from batchlab.config import ConfigError, RunConfig, _Choice
+from batchlab.config import ConfigError, RunConfig, Choice
 from batchlab.distributed import forked
 from batchlab.distributed.failures import diagnose
-from batchlab.lifeline import module_command
+from batchlab.util.lifeline import module_command, runs
 from batchlab.distributed.merge import SCOPE, merge
-from batchlab.measure import libraries
+from batchlab.measure.runner import preloaded
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement
 
@@ -66,14 +66,14 @@ def torchrun_args(nnodes: int | None = None, node_rank: int | None = None,
 
 
 def torchrun_command(nproc: int, torchrun_args: Sequence[str], spec: Path, out: Path) -> list[str]:
-    """torchrun under batchlab.lifeline (it dies with batchlab, taking its ranks and ``out`` along); ranks start
+    """torchrun under batchlab.util.lifeline (it dies with batchlab, taking its ranks and ``out`` along); ranks start
     without the working directory on sys.path (PYTHONSAFEPATH in their environment; on 3.10, as a script)."""
     node = [] if any(_flag_value(torchrun_args, f) for f in _MULTI_NODE_FLAGS) else ["--standalone"]
     rank = ["-m", "batchlab.distributed"] if sys.version_info >= (3, 11) else [str(Path(__file__).with_name("__main__.py"))]
     # torchrun's per-rank log folders in ``out`` (removed with it) unless the caller names one: by default torch
     # makes a /tmp/torchelastic_* folder per launch and never removes it
     logs = [] if _flag_value(torchrun_args, "--log-dir", "--log_dir") else ["--log-dir", str(out / "torchrun-logs")]
-    return [*module_command("batchlab.lifeline", str(out), "torch.distributed.run"), *node, "--nproc-per-node",
+    return [*module_command("batchlab.util.lifeline", str(out), "torch.distributed.run"), *node, "--nproc-per-node",
             str(nproc), "--max-restarts", "0", *logs, *torchrun_args, *rank, "--spec", str(spec), "--out", str(out)]
 
 
@@ -95,10 +95,7 @@ def _env(nproc: int) -> dict[str, str]:
 
 def _ours(pid: int, marker: str) -> bool:
     """Is ``pid`` still one of this launch's ranks?  (Its command line names this launch's spec file.)"""
-    try:
-        return marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
+    return runs(pid, marker)
 
 
 def _kill_group(pgid: int) -> None:
@@ -141,7 +138,7 @@ class _Finished:
 RANK_ENTRY = "batchlab.distributed.__main__:forked"
 
 
-class Launcher(_Choice):
+class Launcher(Choice):
     """How this node's ranks start."""
 
     FORK = "fork"  # forks of the pre-imported process (forked.py): one node, CPU
@@ -237,7 +234,7 @@ def launch(cfg: RunConfig, opts: MeasureOptions | None = None, nproc: int | None
         env = _env(nproc)
         run = None
         if launcher is not Launcher.TORCHRUN and forkable(cfg, opts, torchrun_args):
-            run = _run_forked(nproc, spec, out, env, timeout, libraries.for_config(cfg))
+            run = _run_forked(nproc, spec, out, env, timeout, preloaded(cfg))
         if run is None:
             run = _run(torchrun_command(nproc, list(torchrun_args), spec, out), out, env, timeout, marker=str(spec))
         env = dict(run.environment, nproc_per_node=nproc, nnodes=nnodes,

@@ -3,7 +3,7 @@
 A TorchDispatchMode sees each collective as it is dispatched (``c10d::allreduce_``, ``_allgather_base_``,
 ``_reduce_scatter_base_``, ``broadcast_``): DDP's bucket all-reduce from its comm hook, FSDP2's all-gathers
 and reduce-scatters, ZeroRedundancyOptimizer's broadcasts, and the harness's own bookkeeping (the global
-useful-token count, the gradient norm of sharded gradients).  It is also a harness probe (``mark``), so it
+useful-token count, the gradient norm of sharded gradients).  It is also a harness listener (``mark``), so it
 knows which micro-batch and phase issued each.
 
 Bytes counted per call are the collective's full buffer, the size nccl-tests calls "size": all-reduce and

@@ -3,7 +3,7 @@
 Runs under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the environment).  The Trainer
 already runs all but the last micro-batch under ``no_sync()`` and divides the loss by the global
 useful-token count; this module adds DDP (``gradient_as_bucket_view=True``: gradients are views into
-DDP's all-reduce buckets, one gradient copy less), the communication hook, the memory probe and timing,
+DDP's all-reduce buckets, one gradient copy less), the communication hook, the memory update and timing,
 and returns one JSON-able dict per rank.
 """
 from __future__ import annotations
@@ -19,19 +19,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from batchlab import regime
+from batchlab import host
 from batchlab.config import ConfigError, RunConfig, config_from_dict, to_jsonable
 from batchlab.distributed import comm, engines
 from batchlab.distributed.traffic import TrafficCounter
-from batchlab.measure.clock import PhaseClock, Probes, synchronizer, timed
-from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
+from batchlab.measure.clock import PhaseClock, Listeners, synchronizer, timed
+from batchlab.measure.devmem import CudaMemoryListener, from_snapshot
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import MeasuredMemory
 from batchlab.measure.session import environment
-from batchlab.measure.speed import SpeedProbe
 
 # Test-only fault injection: "RANK:UPDATE:KIND" makes that rank fail just before that update (counting
 # warmup updates from 0).  KIND: kill (SIGKILL itself, as the kernel's OOM killer does), raise, oom,
@@ -87,9 +86,9 @@ def _maybe_fail(rank: int, update: int) -> None:
     raise RuntimeError(f"injected failure in rank {rank} at update {update}")
 
 
-def _update(trainer: Trainer, probe) -> Any:
+def _update(trainer: Trainer, listener) -> Any:
     _maybe_fail(trainer.rank, trainer.updates_done)
-    return trainer.update(probe=probe)
+    return trainer.update(listener=listener)
 
 
 BUCKET_VIEW_NOTE = "DDP gradient_as_bucket_view=True: gradients are views into the all-reduce buckets"
@@ -99,24 +98,24 @@ def measure_memory(trainer: Trainer, monitor: comm.CommMonitor | None, budget: i
                    traffic: TrafficCounter | None = None) -> MeasuredMemory:
     """Peak memory of one steady-state update on this rank (allocator stats on CUDA, storage tracker on CPU);
     ``traffic`` counts the same update's collectives."""
-    probes = [p for p in (monitor, traffic) if p is not None]
+    listeners = [p for p in (monitor, traffic) if p is not None]
     if trainer.device.type == "cuda":
-        probe = CudaMemoryProbe(trainer.device)
-        probe.begin()
+        listener = CudaMemoryListener(trainer.device)
+        listener.begin()
         with traffic or contextlib.nullcontext():
-            _update(trainer, Probes(probe, *probes))
-        mem = probe.result(trainer)
+            _update(trainer, Listeners(listener, *listeners))
+        mem = listener.result(trainer)
     else:
-        mem = from_snapshot(_track(trainer, monitor, budget, probes, traffic))
+        mem = from_snapshot(_track(trainer, monitor, budget, listeners, traffic))
     return mem if monitor is None else replace(mem, method=f"{mem.method}; {BUCKET_VIEW_NOTE}")
 
 
-def _track(trainer: Trainer, monitor: comm.CommMonitor | None, budget: int | None, probes, traffic):
+def _track(trainer: Trainer, monitor: comm.CommMonitor | None, budget: int | None, listeners, traffic):
     tracker = tracker_for(trainer, budget)  # with a budget: a CPU stand-in for a smaller device
     engines.register_storages(tracker, trainer, monitor)
     tracker.reset()
     with tracker, traffic or contextlib.nullcontext():
-        _update(trainer, Probes(tracker, *probes))
+        _update(trainer, Listeners(tracker, *listeners))
     return tracker.snapshot()
 
 
@@ -126,23 +125,20 @@ def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor | None, steps: in
     clock = PhaseClock(sync, sync_marks=trainer.device.type == "cpu")
     samples, cpu, tokens, phases = [], [], [], []
     first = len(monitor.updates) if monitor is not None else 0
-    faults = regime.Faults()
-    regime.pretouch()  # the heap a long run has grown into: no fault bursts in the timed updates
-    # CPU: the host speed probe before each timed update, as a one-process measurement reads it (measure/speed)
-    speed, reads = (SpeedProbe(), []) if trainer.device.type == "cpu" else (None, [])
+    # as a one-process measurement: heap pre-touched, speed probe on CPU, page faults per update
+    around = host.TimedUpdates(speed_probe=trainer.device.type == "cpu")
     for _ in range(steps):
-        if speed is not None:
-            reads.append(speed.read())
+        around.read_probe()
         clock.start()
-        probe = Probes(clock, monitor) if monitor is not None else clock
-        with faults.counting():
-            result, wall, cpu_s = timed(lambda: _update(trainer, probe), sync)
+        listener = Listeners(clock, monitor) if monitor is not None else clock
+        with around.counting():
+            result, wall, cpu_s = timed(lambda: _update(trainer, listener), sync)
         samples.append(wall)
         cpu.append(cpu_s)
         tokens.append(result.useful_tokens)
         phases.append(dict(clock.seconds))
     out = dict(samples=samples, cpu_seconds=cpu, useful_tokens=tokens, phase_seconds=phases,
-               page_faults_per_update=faults.per_update(), probe_seconds=reads)
+               page_faults_per_update=around.page_faults_per_update(), probe_seconds=around.probe_seconds)
     if monitor is None:  # FSDP2: collectives counted (traffic), not timed
         return out
     seen = monitor.updates[first:]
@@ -175,7 +171,7 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
     trainer, monitor = build(cfg, device, rank, world, sync_every_micro_batch=opts.fsdp_sync_every_micro_batch)
     warmup = max(MIN_WARMUP, opts.warmup)
     for _ in range(warmup):
-        _update(trainer, monitor)  # a None probe is the harness's no-op probe
+        _update(trainer, monitor)  # a None listener is the harness's no-op listener
     out = _describe(trainer, backend, warmup)
     out["engine"] = engines.describe(cfg, opts.fsdp_sync_every_micro_batch)
     if opts.memory:

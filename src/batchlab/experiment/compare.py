@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from batchlab import regime
+from batchlab.formula.calibration import probe_reference
+from batchlab import host
 from batchlab.config import ConfigError, Counted, RunConfig, to_jsonable
-from batchlab.experiment import factors, protocol
+from batchlab.experiment import protocol
 from batchlab.experiment.change import Change, KeepMode, Sides, build_sides
 from batchlab.experiment.diagnosis import Context, diagnose, time_model_checks
 from batchlab.experiment.notebook import LeftIncomplete, Notebook
@@ -100,7 +101,7 @@ def _formula(sides: Sides, token_budget: int, threads: int | None = None
              ) -> tuple[FormulaRecord, FormulaPrediction | None]:
     """The formula's estimate of both sides (for the record) and its prediction per metric; ``threads``: the
     measured processes' intra-op threads (the CPU calibration must be the one taken at that count)."""
-    from batchlab.calibrate import load_all
+    from batchlab.formula.calibration import load_all
     from batchlab.formula import estimate, unseen_model
 
     if unseen_model(sides.a):  # a factory model: no formula side; the measurement stands alone
@@ -128,7 +129,7 @@ def initial_record(plan: ExperimentPlan, formula: FormulaRecord, pred: FormulaPr
         formula=formula, sides={"a": s.a.to_dict(), "b": s.b.to_dict()},
         protocol=Protocol(0 if plan.formula_only else plan.rounds, o.warmup, o.steps, plan.threads,
                           plan.token_budget, BAND_METHOD, isolated=o.isolate,
-                          allocator=regime.describe(regime.steady_env(dict(os.environ)) if o.isolate else None)),
+                          allocator=host.state(host.measuring_env(dict(os.environ)) if o.isolate else None)),
         note=plan.note, warnings=tuple(s.warnings))
 
 
@@ -137,7 +138,7 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
     """Carry the plan out; the notebook row is begun before measuring and completed at the end."""
     preflight(plan)
     t0 = time.perf_counter()
-    before = factors.LoadSampler().start()  # samples what else uses the CPU until finish() stops it
+    before = host.LoadSampler().start()  # samples what else uses the CPU until finish() stops it
     formula, pred = _formula(plan.sides, plan.token_budget, plan.threads)
     record = initial_record(plan, formula, pred)
     exp_id = notebook.begin(record) if notebook is not None else None
@@ -195,7 +196,7 @@ def _timelines(rounds: Rounds) -> tuple[dict[str, Timeline], tuple[Round, ...]]:
 
 
 def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_pred: FormulaPrediction | None,
-           verify: bool, before: factors.LoadSampler) -> Record:
+           verify: bool, before: host.LoadSampler) -> Record:
     """The record with verdicts, diagnosis, semantics, scope and factors."""
     s = plan.sides
     vs = verdicts(rounds, plan.predictions, formula_pred, plan.token_budget)
@@ -222,8 +223,8 @@ def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_
     from batchlab.formula.params import count
 
     done["scope"] = tuple(scope(s.a, s.b, devices, measured=rounds is not None, parameters=count(s.a.model).total))
-    done["factors"] = factors.uncontrolled(before, _noise(rounds, vs), plan.note)
-    speed = factors.host_speed(rounds, plan.threads)
+    done["factors"] = host.uncontrolled(before, _noise(rounds, vs), plan.note)
+    speed = side_speeds(rounds, plan.threads)
     if speed:
         done["factors"]["host_speed"] = speed
     return record.with_(**done)
@@ -238,3 +239,19 @@ def _noise(rounds: Rounds | None, vs) -> dict[str, Any]:
         spread[side] = statistics.median(values) if values else None
     band = vs[Metric.UPDATE_TIME].band
     return {"update_time_iqr_over_median": spread, "paired_time_ratio_band": list(band) if band else None}
+
+
+def side_speeds(rounds, threads: int | None) -> dict[str, Any]:
+    """Per side, how fast this host ran during the timed updates against its calibration: the median of the
+    speed probe read before each update (host/speed.py) over the calibration's (1.3: 30% slower), with the
+    reference; {} off CPU, without a calibration that has the probe, or without reads."""
+    ref = probe_reference(threads) if rounds is not None else None
+    if ref is None:
+        return {}
+    out = {s: host.speed_factor([x for m in rounds.side(s) if m is not None and m.time is not None for x in m.time.probe_seconds],
+                    ref) for s in "ab"}
+    if None in out.values():
+        return {}
+    return {**out, "reference_seconds": ref,
+            "how": "a ~6 ms bundle of calibrated kernels (matmul, add, dropout RNG, tiny ops) timed before each "
+                   "timed update, median, over its median in the calibration"}

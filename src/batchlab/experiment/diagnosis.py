@@ -14,7 +14,7 @@ from batchlab.config import RunConfig
 from batchlab.experiment.protocol import Rounds
 from batchlab.experiment.record import Check
 from batchlab.measure.result import NOISY_SPREAD, Measurement
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 
 WARMUP_LEAK = 1.5  # first timed update slower than this x the median: warmup may still be in the window
 DATA_SHARE = 0.10  # data-loading share of the update above which it dilutes compute effects
@@ -176,10 +176,10 @@ ABSOLUTE_TOLERANCE = 0.25  # issue 16: an absolute update time within 25% of the
 def time_model_absolute(formula: tuple[float, float], measured: tuple[float, float],
                         speed: Mapping[str, Any] | None = None) -> Check:
     """The formula's absolute update times (s) beside the measured medians; where the host speed was probed
-    (``factors.host_speed``: the probe's time over its calibration's), the formula at that speed too, since
+    (``compare.side_speeds``: the speed probe's time over its calibration's), the formula at that speed too, since
     rates calibrated at one speed price the other in proportion.  Flagged when the formula misses by more than
     ``ABSOLUTE_TOLERANCE`` at the speed the updates ran at (at the calibration's where none was probed)."""
-    from batchlab.units import fmt_seconds as sec
+    from batchlab.util.units import fmt_seconds as sec
 
     (fa, fb), (ma, mb) = formula, measured
     err = lambda p, m: p / m - 1  # noqa: E731

@@ -176,7 +176,7 @@ class Notebook:
 
     def _fallback(self, error: NotebookError, d: dict[str, Any], exp_id: int | None) -> NotebookError:
         """Write the record where it fits (beside the notebook, else the working or temporary directory)."""
-        from batchlab.files import write_atomic
+        from batchlab.util.files import write_atomic
 
         payload = json.dumps({FALLBACK_KEY: 1, "notebook": str(self.path), "notebook_id": exp_id,
                               "record": to_jsonable(d)}, indent=1)

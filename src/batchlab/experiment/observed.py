@@ -10,19 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from batchlab.config import ACMode, RunConfig, _Choice, config_from_dict
-from batchlab.experiment.factors import LoadSampler, uncontrolled
+from batchlab.config import ACMode, RunConfig, Choice, config_from_dict
+from batchlab import host
 from batchlab.measure.result import Measurement, measurement_from_dict, measurement_to_dict
 from batchlab.measure.versus import formula_estimate, rows
 from batchlab.experiment.record import now
-from batchlab.units import fmt_bytes, fmt_seconds, relative_to
+from batchlab.util.units import fmt_bytes, fmt_seconds, relative_to
 
 KIND = "observed"
 NOISY_SPREAD = 0.10  # IQR/median of update time above which timing is noisy (as measure.session)
 SCHEMA_VERSION = 1
 
 
-class Source(_Choice):
+class Source(Choice):
     TRANSFORMERS = "transformers"  # batchlab.integrations.transformers.BatchlabCallback
     LIGHTNING = "lightning"  # batchlab.integrations.lightning.BatchlabCallback
     LOOP = "loop"  # batchlab.observe around the user's own loop
@@ -194,7 +194,7 @@ def loop_settings(cfg: RunConfig | None, global_batch: int | None, model: str, d
 
 
 def finish(source: Source, settings: Settings, m: Measurement, cfg: RunConfig | None, unmapped: list[str],
-           before: LoadSampler, notebook=None, predict: bool = True, note: str = "") -> tuple[ObservedRecord, int | None]:
+           before: host.LoadSampler, notebook=None, predict: bool = True, note: str = "") -> tuple[ObservedRecord, int | None]:
     """The record of a run watched since ``before`` (factors read now), written to ``notebook`` when given."""
     t = m.time
     noise = {"update_time_spread": t.spread if t is not None and t.samples else None,
@@ -202,7 +202,7 @@ def finish(source: Source, settings: Settings, m: Measurement, cfg: RunConfig | 
              "rule": "IQR / median of the timed updates; above 0.10 the timing is noisy"}
     m = replace(m, global_batch=settings.global_batch if settings.global_batch is not None else m.global_batch,
                 config=cfg.to_dict() if cfg is not None else {})
-    record = build(source, settings, m, cfg, unmapped, uncontrolled(before, noise, note),
+    record = build(source, settings, m, cfg, unmapped, host.uncontrolled(before, noise, note),
                    predict=predict, note=note, created_at=now())
     return record, (save(record, notebook) if notebook is not None else None)
 

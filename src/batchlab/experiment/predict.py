@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batchlab.config import ConfigError, _Choice
-from batchlab.units import SAME_TOLERANCE
+from batchlab.config import ConfigError, Choice
+from batchlab.util.units import SAME_TOLERANCE
 
 
-class Direction(_Choice):
+class Direction(Choice):
     UP = "up"
     DOWN = "down"
     SAME = "same"
@@ -18,7 +18,7 @@ class Direction(_Choice):
         return {"up": "↑", "down": "↓", "same": "≈"}[self.value]
 
 
-class Metric(_Choice):
+class Metric(Choice):
     PEAK_MEMORY = "peak_memory"
     UPDATE_TIME = "update_time"
     TOKENS_PER_SECOND = "tokens_per_second"

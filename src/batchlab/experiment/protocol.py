@@ -1,5 +1,5 @@
 """Both sides measured interleaved, A B A B ..., each measurement in a process of its own (on CPU a fork of
-a pre-imported one: measure/warm.py), warmup excluded.
+a pre-imported one: host/warm.py), warmup excluded.
 
 Interleaving puts the two sides of one round next to each other in time, so slow drifts of the machine
 (other load, frequency, thermal) hit both alike and cancel in the round's paired ratio B/A.

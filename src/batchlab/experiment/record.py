@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from batchlab.config import ConfigError, _Choice
+from batchlab.config import ConfigError, Choice
 from batchlab.experiment.change import KeepMode
 from batchlab.experiment.predict import Direction, Metric
 from batchlab.measure.result import Measurement, measurement_from_dict, measurement_to_dict
@@ -31,12 +31,12 @@ SCHEMA_VERSION = 3
 SIDES = ("a", "b")
 
 
-class Kind(_Choice):
+class Kind(Choice):
     MEASURED = "measured"
     FORMULA_ONLY = "formula-only"
 
 
-class Status(_Choice):
+class Status(Choice):
     INCOMPLETE = "incomplete"
     COMPLETE = "complete"
 
@@ -234,7 +234,7 @@ class Protocol:
     band_method: str
     isolated: bool = True
     order: str = "A B A B ..."
-    allocator: str = ""  # the measuring processes' host allocator regime (batchlab.regime.describe)
+    allocator: str = ""  # the measuring processes' host allocator regime (batchlab.host.regime.describe)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rounds": self.rounds, "warmup": self.warmup, "steps": self.steps, "isolated": self.isolated,

@@ -16,14 +16,14 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from batchlab.config import Precision, RunConfig, _Choice
+from batchlab.config import Precision, RunConfig, Choice
 
-SPLIT_TOLERANCE = 1e-5  # fp32 relative gradient difference from summation order alone (DDP vs one process measured at 7e-9 on CPU/gloo, tests/test_distributed.py checks <= 1e-5)
+SPLIT_TOLERANCE = 1e-5  # fp32 relative gradient difference from summation order alone (DDP vs one process measured at 7e-9 on CPU/gloo, tests/distributed/test_ddp_on_gloo.py checks <= 1e-5)
 CHECK_SEQ = 32
 MAX_CHECK_PARAMS = 30_000_000  # above this the in-process check would take longer than the experiment
 
 
-class CheckKind(_Choice):
+class CheckKind(Choice):
     """Which gradient equivalence a change should keep."""
     SPLIT = "split"  # micro-batch x accum x DP regrouped, same global batch: the same gradient
     AC = "activation checkpointing"  # recompute in backward: the same gradient
@@ -143,7 +143,7 @@ def _split_check(a: RunConfig, b: RunConfig) -> GradientCheck:
         return GradientCheck(CheckKind.SPLIT, False, detail="not run: in one process both sides are the same micro-batch x "
                                                     "accum split; what makes DP equal to it is DDP's all-reduce "
                                                     "average, checked by batchlab's distributed tests "
-                                                    "(tests/test_distributed.py), not here")
+                                                    "(tests/distributed/test_ddp_on_gloo.py), not here")
     grads = _gradients(sides, torch_seed=None)
     abs_d, rel_d = _diff(*grads)
     split = " vs ".join(f"{c.micro_batch} x {c.accum}" for c in sides)

@@ -20,7 +20,7 @@ from batchlab.experiment.predict import Direction, Metric, direction_of, oom_dir
 from batchlab.experiment.protocol import Rounds
 from batchlab.experiment.record import Contradiction, FormulaFigures, MetricRecord
 from batchlab.measure.result import Measurement, Outcome
-from batchlab.units import SAME_TOLERANCE
+from batchlab.util.units import SAME_TOLERANCE
 
 BAND_METHOD = ("range (min, max) of the per-round paired ratios B/A; each round measures A then B, each in a "
                "process of its own (on CPU a fork of a pre-imported one), warmup excluded; B/A = median of the paired ratios; A and B = each side's median "

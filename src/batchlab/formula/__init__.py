@@ -18,10 +18,10 @@ from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
 from batchlab.formula.params import ParamCount, count
 from batchlab.formula.profile import layer_terms_source
 from batchlab.formula.timing import TimeEstimate, timing
-from batchlab.units import fmt_bytes, fmt_count, fmt_seconds
+from batchlab.util.units import fmt_bytes, fmt_count, fmt_seconds
 
 if TYPE_CHECKING:
-    from batchlab.calibrate import Calibration
+    from batchlab.formula.calibration import Calibration
     from batchlab.formula.opcost import OpCosts
 
 Calibrations = Mapping[str, "Calibration"]  # measured ceilings by batchlab device name (calibrate.load_all())

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from batchlab.config import (AttentionImpl, Backend, MLPKind, ModelSource, ModelSpec, NormKind, Precision, PositionKind,
-                             _Choice)
+                             Choice)
 
 F32 = 4
 
@@ -64,7 +64,7 @@ def _norm_bytes(m: ModelSpec, s: int, b: int, w: Widths) -> int:
     return sbh * w.res + 2 * s * b * F32 + cast_out  # layer_norm: input, mean, rstd
 
 
-class Impl(_Choice):
+class Impl(Choice):
     """Whose layer code keeps the tensors: batchlab's GPT, or Hugging Face's GPT-2 / Llama classes."""
 
     BUILTIN = "builtin"

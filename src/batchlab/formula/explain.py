@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from batchlab.config import ACMode, ConfigError, Keep, RunConfig, apply_change
 from batchlab.formula import Calibrations, Estimate, estimate
 from batchlab.formula.vary import direction
-from batchlab.units import fmt_bytes, fmt_seconds
+from batchlab.util.units import fmt_bytes, fmt_seconds
 
 
 @dataclass(frozen=True)

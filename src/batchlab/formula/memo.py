@@ -4,7 +4,7 @@
 micro-batch's op list does not depend on accum, dp or ZeRO; the optimizer's ops only on the model and the
 optimizer).  The cached values are immutable (tuples of frozen OpCounts), so a hit returns exactly what a
 fresh computation gives.  ``uncached()`` turns every cache off (and empties them): the reference that
-tests/test_formula_memo.py compares against.
+tests/formula/test_memo.py compares against.
 """
 from __future__ import annotations
 

@@ -242,7 +242,7 @@ def autocast_cast_params(m) -> tuple[int, int]:
     """(whole model, one layer): the parameters autocast copies to 16 bits, the matmuls' weights and biases.
     Lookup tables (an untied token embedding, learned positions) and norm weights are not cast (embedding and
     the norms are not on autocast's lower-precision op list); a tied embedding is cast, as the LM head's weight.
-    Checked against the live storages of a real bf16-mixed step (tests/test_trace.py)."""
+    Checked against the live storages of a real bf16-mixed step (tests/trace/test_trace.py)."""
     c = count(m)
     norms = 2 * norm_params(m)
     lookups = c.embedding - (m.vocab * m.hidden if m.tied_embeddings else 0)

@@ -7,7 +7,7 @@
 - memory-bound ops (element-wise, copies, indexing, reductions, the optimizer's ops): bytes moved at the
   measured bandwidth: an out-of-place op writes a fresh output (a step keeps activations, so the buffer is
   not the one just freed: its writes miss the cache; no page faults in batchlab's steady allocator regime,
-  batchlab.regime), an in-place one (``add_``, the
+  batchlab.host.regime), an in-place one (``add_``, the
   optimizer's updates) rewrites memory it read: two calibrated curves;
 - per-element ops whose cost is arithmetic, not bytes (transcendental activations, softmax, norms, the
   dropout RNG): elements at a calibrated per-element rate of a representative kernel;
@@ -27,11 +27,12 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from batchlab.config import _Choice
+from batchlab.config import Choice
+from batchlab.config.phase import Phase
 from batchlab.formula.memo import cache, lookup
 
 
-class OpClass(_Choice):
+class OpClass(Choice):
     MATMUL = "matmul"  # priced by FLOPs
     MEMORY = "memory"  # element-wise, copies, indexing, reductions: priced by bytes moved
     STRIDED = "strided-copy"  # a transposed view made contiguous (clone, copy_): bytes at the gather rate
@@ -43,14 +44,6 @@ class OpClass(_Choice):
     NORM = "norm"  # layer / RMS norm and backward: by elements
     RANDOM = "random"  # the dropout mask's RNG: by elements
     VIEW = "view"  # metadata only: dispatch cost alone
-
-
-class Phase(_Choice):
-    DATA = "data"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    RECOMPUTE = "recompute"  # forward ops activation checkpointing repeats during backward
-    OPTIMIZER = "optimizer"  # unscale, clip, step, zero_grad
 
 
 # Who dispatches the op decides its fixed cost: forward and recompute record autograd nodes, backward runs
@@ -95,12 +88,12 @@ def op_class(name: str, is_view: bool = False, strided: bool = False) -> OpClass
         return OpClass.VIEW
     if strided and name in _COPIES:
         return OpClass.STRIDED
-    for names, klass in ((_MATMUL, OpClass.MATMUL), (_ACTIVATION, OpClass.ACTIVATION),
+    for names, cost_class in ((_MATMUL, OpClass.MATMUL), (_ACTIVATION, OpClass.ACTIVATION),
                          (_ACTIVATION_GRAD, OpClass.ACTIVATION_GRAD), (_SOFTMAX, OpClass.SOFTMAX),
                          (_LOSS, OpClass.LOSS), (_MASKED, OpClass.MASKED),
                          (_NORM, OpClass.NORM), (_RANDOM, OpClass.RANDOM)):
         if name in names:
-            return klass
+            return cost_class
     return OpClass.MEMORY
 
 
@@ -110,7 +103,7 @@ class OpCount:
 
     name: str
     phase: Phase
-    klass: OpClass
+    cost_class: OpClass
     flops: int = 0
     bytes: int = 0
     elements: int = 0
@@ -118,25 +111,25 @@ class OpCount:
     count: int = 1
     # FLOPs of one independent matmul inside the call (a bmm's batch entry; for fused attention the forward's
     # FLOPs per (batch, head), backward included); 0: the whole call's
-    grain: int = 0
+    flops_per_matmul: int = 0
     # run inside selective activation checkpointing, whose Python dispatch mode sees every op of the block
     # (torch.utils.checkpoint's caching mode in forward, its cached mode in recompute): dispatched at that cost
-    intercepted: bool = False
+    sac_dispatched: bool = False
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "phase": self.phase.value, "klass": self.klass.value, "flops": self.flops,
+        return {"name": self.name, "phase": self.phase.value, "cost_class": self.cost_class.value, "flops": self.flops,
                 "bytes": self.bytes, "elements": self.elements, "low_precision": self.low_precision,
-                "count": self.count, "grain": self.grain, "intercepted": self.intercepted}
+                "count": self.count, "flops_per_matmul": self.flops_per_matmul, "sac_dispatched": self.sac_dispatched}
 
     def with_count(self, count: int) -> "OpCount":
         # the constructor directly: dataclasses.replace costs ~5x more, and this runs per op per estimate
-        return OpCount(self.name, self.phase, self.klass, self.flops, self.bytes, self.elements, self.low_precision,
-                       count, self.grain, self.intercepted)
+        return OpCount(self.name, self.phase, self.cost_class, self.flops, self.bytes, self.elements,
+                       self.low_precision, count, self.flops_per_matmul, self.sac_dispatched)
 
     def under_sac(self) -> "OpCount":
         """The same calls inside selective activation checkpointing."""
-        return OpCount(self.name, self.phase, self.klass, self.flops, self.bytes, self.elements, self.low_precision,
-                       self.count, self.grain, True)
+        return OpCount(self.name, self.phase, self.cost_class, self.flops, self.bytes, self.elements,
+                       self.low_precision, self.count, self.flops_per_matmul, True)
 
     def times(self, n: int) -> "OpCount":
         return self.with_count(self.count * n)
@@ -147,8 +140,8 @@ def merge(ops: Iterable[OpCount]) -> tuple[OpCount, ...]:
     first: dict[tuple, OpCount] = {}
     counts: dict[tuple, int] = {}
     for op in ops:
-        key = (op.name, op.phase, op.klass, op.flops, op.bytes, op.elements, op.low_precision, op.grain,
-               op.intercepted)
+        key = (op.name, op.phase, op.cost_class, op.flops, op.bytes, op.elements, op.low_precision, op.flops_per_matmul,
+               op.sac_dispatched)
         if key in first:
             counts[key] += op.count
         else:
@@ -211,37 +204,37 @@ class OpCosts:
         pts = pts or self.matmul.get(key) or self.matmul["fp32"]
         return interpolate_log(pts, flops)
 
-    def element_rate_seconds(self, klass: OpClass, low_precision: bool, name: str = "") -> float:
+    def element_rate_seconds(self, cost_class: OpClass, low_precision: bool, name: str = "") -> float:
         """Seconds per element: the op's own kernel where calibrated by name (``activation/silu:bf16``), else
         its class's representative kernel, in its precision where calibrated, else fp32's."""
         tag = "bf16" if low_precision else "fp32"
         e = self.element_seconds
-        for key in (f"{klass.value}/{name}:{tag}", f"{klass.value}/{name}:fp32", f"{klass.value}:{tag}"):
+        for key in (f"{cost_class.value}/{name}:{tag}", f"{cost_class.value}/{name}:fp32", f"{cost_class.value}:{tag}"):
             if key in e:
                 return e[key]
-        return e.get(f"{klass.value}:fp32", 0.0)
+        return e.get(f"{cost_class.value}:fp32", 0.0)
 
     def work_seconds(self, op: OpCount) -> float:
         """One call's time beyond its dispatch."""
-        if op.klass is OpClass.MATMUL:
+        if op.cost_class is OpClass.MATMUL:
             kind = ("bmm" if not op.name.startswith("_scaled_dot_product")
-                    else "sdpa-backward" if op.name.endswith("_backward") else "sdpa") if op.grain else ""
+                    else "sdpa-backward" if op.name.endswith("_backward") else "sdpa") if op.flops_per_matmul else ""
             if not op.flops:
                 return 0.0
             start = self.matmul_start.get(f"{kind}-{'bf16' if op.low_precision else 'fp32'}")
-            return (op.flops / self.matmul_rate(op.grain or op.flops, op.low_precision, kind)
-                    + (interpolate_log(start, op.grain) if start else 0.0)
-                    + (0.0 if op.grain else self.excess_bytes(op) / self.memory[-1][1]))
-        if op.klass is OpClass.MEMORY:
+            return (op.flops / self.matmul_rate(op.flops_per_matmul or op.flops, op.low_precision, kind)
+                    + (interpolate_log(start, op.flops_per_matmul) if start else 0.0)
+                    + (0.0 if op.flops_per_matmul else self.excess_bytes(op) / self.memory[-1][1]))
+        if op.cost_class is OpClass.MEMORY:
             if op.name.endswith("_") and self.memory_inplace:
                 return op.bytes / interpolate_log(self.memory_inplace, max(op.bytes, 1.0))
             return op.bytes / self.bandwidth(op.bytes, op.low_precision)
-        if op.klass is OpClass.STRIDED:
+        if op.cost_class is OpClass.STRIDED:
             return op.bytes / self.strided_bytes_per_s
-        if op.klass is OpClass.VIEW:
+        if op.cost_class is OpClass.VIEW:
             return 0.0
         # per-element kernels also move their bytes: whichever bound is slower (roofline)
-        return max(op.elements * self.element_rate_seconds(op.klass, op.low_precision, op.name),
+        return max(op.elements * self.element_rate_seconds(op.cost_class, op.low_precision, op.name),
                    op.bytes / self.bandwidth(op.bytes, op.low_precision))
 
     def excess_bytes(self, op: OpCount) -> float:
@@ -259,10 +252,10 @@ class OpCosts:
         curve = self.memory_low if low_precision and self.memory_low else self.memory
         return interpolate_log(curve, max(nbytes, 1.0))
 
-    def dispatch_seconds(self, phase: Phase, intercepted: bool = False) -> float:
+    def dispatch_seconds(self, phase: Phase, sac_dispatched: bool = False) -> float:
         """Seconds per op by who dispatches it; under selective checkpointing its own calibrated cost where
         measured ("forward-sac", "recompute-sac"), else the plain one."""
-        if intercepted and SAC_KIND.get(phase) in self.dispatch:
+        if sac_dispatched and SAC_KIND.get(phase) in self.dispatch:
             return self.dispatch[SAC_KIND[phase]]
         return self.dispatch[DISPATCH_KIND[phase]]
 
@@ -331,21 +324,21 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
     calls = fl = by = 0
     for op in ops:
         ph, n = op.phase, op.count
-        shape = (op.name, op.klass, op.flops, op.bytes, op.elements, op.low_precision, op.grain)
+        shape = (op.name, op.cost_class, op.flops, op.bytes, op.elements, op.low_precision, op.flops_per_matmul)
         one = table.get(shape)
         if one is None:
             one = table[shape] = costs.work_seconds(op)
-        d = dispatch.get((ph, op.intercepted))
+        d = dispatch.get((ph, op.sac_dispatched))
         if d is None:
-            d = dispatch[ph, op.intercepted] = costs.dispatch_seconds(ph, op.intercepted)
+            d = dispatch[ph, op.sac_dispatched] = costs.dispatch_seconds(ph, op.sac_dispatched)
         w = n * one
         disp[ph] = disp.get(ph, 0.0) + n * d
         by_phase[ph] = by_phase.get(ph, 0.0) + w
-        by_class[op.klass] = by_class.get(op.klass, 0.0) + w
+        by_class[op.cost_class] = by_class.get(op.cost_class, 0.0) + w
         calls += n
         fl += n * op.flops
         f_phase[ph] = f_phase.get(ph, 0) + n * op.flops
-        if op.klass is not OpClass.MATMUL and op.klass is not OpClass.VIEW:
+        if op.cost_class is not OpClass.MATMUL and op.cost_class is not OpClass.VIEW:
             by += n * op.bytes
             b_phase[ph] = b_phase.get(ph, 0) + n * op.bytes
     exposed = {ph.value: max(d - by_phase[ph], 0.0) if costs.asynchronous else d for ph, d in disp.items()}

@@ -6,7 +6,7 @@ for it, forward and backward, as read from the trace of that code: a biased ``nn
 ``view, t, addmm, view`` forward and ``view, t, mm, t, mm, t, sum, view, detach, t, detach, view`` backward
 (AccumulateGrad detaches), dropout is ``empty_like, bernoulli_, div_, mul`` forward and one ``mul`` backward,
 and so on.  FLOPs are the matmuls' 2·m·n·k; bytes the tensors read and written; elements the output's.
-tests/test_timemodel.py checks counts, FLOPs and bytes against the trace of the real code.
+tests/formula/test_time_model.py checks counts, FLOPs and bytes against the trace of the real code.
 
 Symbols: T = b·s tokens per micro-batch, h hidden, kv key/value width, f MLP inner size, a heads, d head
 size, V vocabulary, E = a·s·s·b attention-score elements.
@@ -20,14 +20,15 @@ from dataclasses import dataclass
 from batchlab.config import ACMode, AttentionImpl, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation
-from batchlab.formula.opcost import OpCount, Phase, merge, op_class
+from batchlab.formula.opcost import OpCount, merge, op_class
+from batchlab.config.phase import Phase
 
 F32 = 4
 FWD, BWD, OPT, DATA = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.DATA
 
 
 @dataclass(frozen=True)
-class _W:
+class _Widths:
     """Element widths (bytes) and whether matmuls run in 16 bits."""
 
     e: int  # matmul operands / outputs
@@ -40,8 +41,8 @@ class _W:
 
 
 def _op(name: str, phase: Phase, elements: int, nbytes: int, flops: int = 0, low: bool = False,
-        count: int = 1, strided: bool = False, grain: int = 0) -> OpCount:
-    return OpCount(name, phase, op_class(name, strided=strided), flops, nbytes, elements, low, count, grain)
+        count: int = 1, strided: bool = False, flops_per_matmul: int = 0) -> OpCount:
+    return OpCount(name, phase, op_class(name, strided=strided), flops, nbytes, elements, low, count, flops_per_matmul)
 
 
 def _views(phase: Phase, n: int) -> OpCount:
@@ -51,7 +52,7 @@ def _views(phase: Phase, n: int) -> OpCount:
 class _Ops:
     """Collects OpCounts; ``phase`` is where forward ops go (forward, or recompute)."""
 
-    def __init__(self, w: _W):
+    def __init__(self, w: _Widths):
         self.w = w
         self.out: list[OpCount] = []
 
@@ -133,25 +134,25 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
     g = fl // (a * b)  # one (batch, head)'s matmul: what decides the rate
     if m.attention is AttentionImpl.SDPA and not (m.dropout > 0):
         ops.add(_op("_scaled_dot_product_flash_attention_for_cpu", ph, t * h, 4 * t * h * e + a * t * F32, 2 * fl,
-                    ops.w.low, grain=2 * g), _views(ph, 2))
+                    ops.w.low, flops_per_matmul=2 * g), _views(ph, 2))
         if backward:
             ops.add(_op("_scaled_dot_product_flash_attention_for_cpu_backward", BWD, 3 * t * h,
-                        8 * t * h * e + a * t * F32, 5 * fl, ops.w.low, grain=2 * g), _views(BWD, 3))
+                        8 * t * h * e + a * t * F32, 5 * fl, ops.w.low, flops_per_matmul=2 * g), _views(BWD, 3))
     else:  # eager (or SDPA's math path with dropout on CPU): materialised scores
         copies = 3 if b > 1 else 0  # matmul copies expanded q, k, v (a batch of one needs no copy)
         ops.add(_op("clone", ph, t * h, 2 * t * h * e, count=copies, strided=True), _views(ph, 6),
                 _op("_unsafe_view", ph, t * h, 0, count=copies),
-                _op("bmm", ph, score, (2 * t * h + score) * e, fl, ops.w.low, grain=g),
-                _op("bmm", ph, t * h, (t * h + score + t * h) * e, fl, ops.w.low, grain=g),
+                _op("bmm", ph, score, (2 * t * h + score) * e, fl, ops.w.low, flops_per_matmul=g),
+                _op("bmm", ph, t * h, (t * h + score + t * h) * e, fl, ops.w.low, flops_per_matmul=g),
                 _op("_unsafe_view", ph, score, 0), _op("_unsafe_view", ph, t * h, 0),
                 _op("mul", ph, score, 2 * score * e), _op("ones", ph, s * s, s * s), _op("triu", ph, s * s, 2 * s * s),
                 _op("masked_fill", ph, score, 2 * score * e + s * s), _op("_softmax", ph, score, 2 * score * e),
                 _views(ph, 1))
         ops.dropout(ph, score, m.dropout, e, backward)
         if backward:
-            ops.add(_op("bmm", BWD, t * h, (t * h + 2 * score) * e, fl, ops.w.low, count=2, grain=g),
-                    _op("bmm", BWD, score, (2 * t * h + score) * e, fl, ops.w.low, grain=g),
-                    _op("bmm", BWD, t * h, (t * h + score + t * h) * e, fl, ops.w.low, grain=g),
+            ops.add(_op("bmm", BWD, t * h, (t * h + 2 * score) * e, fl, ops.w.low, count=2, flops_per_matmul=g),
+                    _op("bmm", BWD, score, (2 * t * h + score) * e, fl, ops.w.low, flops_per_matmul=g),
+                    _op("bmm", BWD, t * h, (t * h + score + t * h) * e, fl, ops.w.low, flops_per_matmul=g),
                     _op("mul", BWD, score, 2 * score * e), _op("_softmax_backward_data", BWD, score, 3 * score * e),
                     _op("masked_fill", BWD, score, 2 * score * e + s * s),
                     _op("clone", BWD, t * h, 2 * t * h * e, count=2 if b > 1 else 0, strided=True),
@@ -313,9 +314,9 @@ def _data(ops: _Ops, cfg: RunConfig) -> None:
             _op("_local_scalar_dense", DATA, 0, 0, count=cfg.accum), _views(DATA, 2 * cfg.accum))
 
 
-def _widths(cfg: RunConfig) -> _W:
+def _widths(cfg: RunConfig) -> _Widths:
     e = cfg.precision.compute_bytes
-    return _W(e=e, res=2 if cfg.precision is Precision.BF16 else 4, autocast=cfg.precision.mixed)
+    return _Widths(e=e, res=2 if cfg.precision is Precision.BF16 else 4, autocast=cfg.precision.mixed)
 
 
 def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:

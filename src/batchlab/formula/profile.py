@@ -15,7 +15,7 @@ from pathlib import Path
 from batchlab.config import ACMode, ModelSource, Precision, RunConfig, to_jsonable
 from batchlab.config.hf import hf_config_path
 from batchlab.config.profile import LayerProfile, Terms
-from batchlab.files import write_atomic
+from batchlab.util.files import write_atomic
 
 PROFILE_VERSION = 17  # bump when what a profile measures changes: old cache entries are then ignored
 # fp16 autocast keeps the same tensors as bf16 autocast (2-byte activations, fp32 master weights)

@@ -18,7 +18,8 @@ from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwi
 from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.memory import MemoryEstimate
-from batchlab.formula.opcost import OpClass, OpCosts, OpCount, Phase, TimeBreakdown, describe, price
+from batchlab.formula.opcost import OpClass, OpCosts, OpCount, TimeBreakdown, describe, price
+from batchlab.config.phase import Phase
 from batchlab.formula.oplist import update_ops
 from batchlab.formula.sharding import collective_seconds, traffic
 
@@ -191,13 +192,14 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     ops = update_ops(cfg)
     costs = costs_for(cfg, calibrated, ops)
     if cfg.zero >= 1:  # each rank steps only its shard of the optimizer state
-        ops = tuple(OpCount(o.name, o.phase, o.klass, o.flops, o.bytes // cfg.dp, o.elements // cfg.dp,
-                            o.low_precision, o.count, o.grain, o.intercepted) if o.phase is Phase.OPTIMIZER else o
+        ops = tuple(OpCount(o.name, o.phase, o.cost_class, o.flops, o.bytes // cfg.dp, o.elements // cfg.dp,
+                            o.low_precision, o.count, o.flops_per_matmul, o.sac_dispatched)
+                    if o.phase is Phase.OPTIMIZER else o
                     for o in ops)
     t = on_host(ops, cfg, costs)
     compute = sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute"))
     rest = t.seconds - compute
-    dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.intercepted) * o.count for o in ops
+    dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.sac_dispatched) * o.count for o in ops
                            if o.phase.value in ("forward", "backward", "recompute"))
     local = local_link(cfg, costs)
     bw = costs.link_bytes_per_s if local else bus_bandwidth(cfg).value

@@ -8,7 +8,7 @@ from typing import Any
 
 from batchlab.config import BATCH_FIELDS, ConfigError, Keep, RunConfig, apply_change, parse_field_value
 from batchlab.formula import Calibrations, Estimate, estimate
-from batchlab.units import SAME_TOLERANCE
+from batchlab.util.units import SAME_TOLERANCE
 
 # (label, getter) for the outputs a --vary table compares
 OUTPUTS = (

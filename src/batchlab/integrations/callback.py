@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchlab.experiment.observed import Settings, Source
-from batchlab.measure.watch import Watch
+from batchlab.integrations.watch import Watch
 
 
 class NotebookCallback:

@@ -26,7 +26,7 @@ except ImportError:  # the standalone package has the same Callback
 from batchlab.experiment.observed import Settings, Source
 from batchlab.integrations.callback import NotebookCallback
 from batchlab.integrations.mapping import hf_checkpointing, run_config
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:

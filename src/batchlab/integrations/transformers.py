@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 from batchlab.experiment.observed import Settings, Source
 from batchlab.integrations.callback import NotebookCallback
 from batchlab.integrations.mapping import hf_checkpointing, run_config
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 
 
 def _precision(args) -> str:

@@ -1,4 +1,4 @@
-"""Wall-clock probes.  The device is synchronised before every clock read: CUDA and MPS run kernels
+"""Wall-clock phase listeners.  The device is synchronised before every clock read: CUDA and MPS run kernels
 asynchronously, so an unsynchronised clock measures kernel launches, not the work.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
 
 
 class PhaseClock:
-    """A probe: accumulates wall time per phase over one update (phases repeat once per micro-batch).
+    """A phase listener: accumulates wall time per phase over one update (phases repeat once per micro-batch).
 
     ``sync_marks``: synchronise at every mark.  Exact per-phase split, but on an asynchronous device it
     removes the overlap between host and device, so timed updates there use ``sync_marks=False`` and the
@@ -58,12 +58,12 @@ def timed(fn: Callable[[], object], sync: Callable[[], None]) -> tuple[object, f
     return out, t1 - t0, c1 - c0
 
 
-class Probes:
-    """Several harness probes marked together (the harness's ``update`` takes one probe)."""
+class Listeners:
+    """Several harness listeners marked together (the harness's ``update`` takes one listener)."""
 
-    def __init__(self, *probes):
-        self.probes = probes
+    def __init__(self, *listeners):
+        self.listeners = listeners
 
     def mark(self, phase) -> None:
-        for p in self.probes:
+        for p in self.listeners:
             p.mark(phase)

@@ -1,4 +1,4 @@
-"""Memory probes for one update: the CUDA caching allocator's statistics, or the live-storage tracker
+"""Memory listeners for one update: the CUDA caching allocator's statistics, or the live-storage tracker
 (CPU and MPS, which have no peak statistic).  Both give the same MeasuredMemory.
 """
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from batchlab.measure.memory import MemorySnapshot, storage_bytes
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 from batchlab.measure.result import MeasuredMemory
 
 
-class CudaMemoryProbe:
-    """A probe: per-phase peaks from ``max_memory_allocated`` (peak stats are reset at every mark, so each
+class CudaMemoryListener:
+    """A phase listener: per-phase peaks from ``max_memory_allocated`` (peak stats are reset at every mark, so each
     phase's own maximum is known and so is the phase of the overall peak); activations = allocated at the
     last micro-batch's backward start minus allocated at its forward start."""
 

@@ -1,4 +1,4 @@
-"""One optimizer update, exactly as a careful training loop does it, with probe points between phases.
+"""One optimizer update, exactly as a careful training loop does it, with a phase listener told each phase.
 
 Semantics (each pinned by a test): the loss of every micro-batch is summed over tokens and divided by the
 useful-token count of the whole update (so accumulated gradients equal the whole batch's gradient, padded
@@ -21,12 +21,12 @@ from batchlab.models.ac import apply_ac
 
 
 
-class Probe(Protocol):
+class PhaseListener(Protocol):
     def mark(self, phase: str) -> None:
         """Called when a phase starts; ``"end"`` when the update is over."""
 
 
-class _NoProbe:
+class _NoListener:
     def mark(self, phase: str) -> None:
         pass
 
@@ -125,11 +125,11 @@ class Trainer:
         """A scalar tensor's value; the trace overrides this, since fake tensors hold no values."""
         return float(t)
 
-    def update(self, probe: Probe | None = None, micro_batches: int | None = None) -> UpdateResult:
+    def update(self, listener: PhaseListener | None = None, micro_batches: int | None = None) -> UpdateResult:
         """One optimizer update over the first ``micro_batches`` of ``batches()`` (default: all, the config's
         accumulation steps)."""
-        probe = probe or _NoProbe()
-        probe.mark("data")
+        listener = listener or _NoListener()
+        listener.mark("data")
         batches = self.batches()[:micro_batches]
         local_useful = sum(int(self._number((t != -100).sum())) for _, t in batches)
         # DDP averages gradients over ranks, so each rank divides by the per-rank share of the global count.
@@ -138,14 +138,14 @@ class Trainer:
         for i, (tokens, targets) in enumerate(batches):
             last = i == len(batches) - 1
             with self._no_sync(last):
-                probe.mark("forward")
+                listener.mark("forward")
                 with self._autocast():
                     loss = self.workload.loss_sum(self.model, tokens, targets) / norm
-                probe.mark("backward")
+                listener.mark("backward")
                 self.scaler.scale(loss).backward()
             total += self._number(loss.detach()) * norm
             del loss
-        probe.mark("optimizer")
+        listener.mark("optimizer")
         self.scaler.unscale_(self.optimizer)
         grad_norm = float("nan")
         if self.clip_norm is not None:
@@ -155,7 +155,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=self.grads_to_none)
         self.updates_done += 1
-        probe.mark("end")
+        listener.mark("end")
         return UpdateResult(loss=total / max(local_useful, 1), useful_tokens=local_useful, grad_norm=grad_norm)
 
     def gradients(self, batches=None) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "data")
 _CREATED_AS = {Phase.DATA: "data", Phase.FORWARD: "activations", Phase.BACKWARD: "temporaries",
@@ -335,7 +335,7 @@ def track_update(trainer, steady: bool = True, budget: int | None = None) -> Mem
         track_update(trainer, steady=False, budget=budget) if budget is not None else trainer.update()
     tracker = tracker_for(trainer, budget)
     with tracker:
-        trainer.update(probe=tracker)
+        trainer.update(listener=tracker)
     return tracker.snapshot()
 
 

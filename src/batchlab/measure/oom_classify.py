@@ -6,10 +6,10 @@ caching allocators, CUDA runtime errors, cuDNN / cuBLAS allocation failures, c10
 """
 from __future__ import annotations
 
-from batchlab.config import _Choice
+from batchlab.config import Choice
 
 
-class OOMKind(_Choice):
+class OOMKind(Choice):
     BUDGET = "memory budget"  # batchlab's tracked-bytes budget (CPU) or per-process fraction (CUDA)
     DEVICE = "device allocator"  # torch.OutOfMemoryError: CUDA / HIP / MPS / XPU caching allocator
     CUDA_RUNTIME = "CUDA runtime"  # "CUDA error: out of memory" (cudaMalloc outside the caching allocator)

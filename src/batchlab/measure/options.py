@@ -12,7 +12,7 @@ class MeasureOptions:
     warmup: int = 2  # untimed updates first; >= 1, so the first update (lazy state, first-call costs) is never timed
     steps: int = 5  # timed updates
     isolate: bool = False  # run in a fresh subprocess: a kill or segfault becomes a recorded failure
-    memory: bool = True  # one separate, untimed update with the memory probe
+    memory: bool = True  # one separate, untimed update that measures memory
     timing: bool = True
     timeout_s: float | None = None  # isolated runs only: wall-clock limit of the subprocess
     torch_device: str | None = None  # cpu, cuda, cuda:1, mps; None: the config's device backend

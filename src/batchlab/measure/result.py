@@ -10,12 +10,12 @@ import statistics
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from batchlab.config import Counted, _Choice
-from batchlab.phase import Phase
+from batchlab.config import Counted, Choice
+from batchlab.config.phase import Phase
 from batchlab.timeline.data import Timeline
 
 
-class Outcome(_Choice):
+class Outcome(Choice):
     OK = "ok"
     OOM = "oom"  # the device allocator (or the CPU allocator) refused
     OOM_BUDGET = "oom (budget)"  # tracked tensor bytes exceeded --memory-budget

@@ -1,6 +1,6 @@
 """Subprocess isolation: the one place a measurement runs in a separate Python process.
 
-The process is a fork of the pre-imported one (``measure/warm.py``: torch imported once per batchlab
+The process is a fork of the pre-imported one (``host/warm.py``: torch imported once per batchlab
 process), or, where there is none, a fresh ``python -m batchlab.measure.worker`` reading the request on
 stdin; the Measurement comes back as JSON in a file, and its environment says which (``worker``).  A kernel
 OOM-kill, a segfault, a hang past the timeout or a crash of the interpreter becomes ``Outcome.FAILED`` with
@@ -21,12 +21,12 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from batchlab.config import ConfigError, RunConfig
-from batchlab.measure import libraries, warm
-from batchlab.lifeline import module_command, safe_env
+from batchlab.config import ConfigError, ModelSource, RunConfig
+from batchlab import host
+from batchlab.host import warm
+from batchlab.util.lifeline import module_command, safe_env
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, load_measurement
-from batchlab.regime import steady_env
 
 PROGRESS_PREFIX = "batchlab-progress\t"  # worker -> runner progress lines on stderr: done, total, label
 STDERR_TAIL_LINES = 40
@@ -39,17 +39,26 @@ _SIGNAL_HINTS = {
 }
 
 
+# what a Hugging Face model's measurement imports (its model class's own module aside: ~0.05 s)
+HF_LIBRARIES = ("batchlab.models.hf", "transformers.modeling_utils", "transformers.models.auto.modeling_auto")
+
+
+def preloaded(cfg: RunConfig) -> tuple[str, ...]:
+    """The modules worth importing once for cfg's measurements (none for the builtin model or a factory's)."""
+    return HF_LIBRARIES if cfg.model_kind is ModelSource.HF else ()
+
+
 def child_env() -> dict[str, str]:
     """The caller's environment, with its sys.path, so that a factory importable here imports there too —
     except the working directory (``python -m`` and ``-c`` put it first), unless PYTHONPATH names it — and
-    the steady allocator regime (batchlab.regime: freed memory kept, no page faults per update after warmup)."""
+    the steady allocator regime (batchlab.host.regime: freed memory kept, no page faults per update after warmup)."""
     env = dict(os.environ)
     cwd = os.path.abspath(os.getcwd())
     named = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     paths = [os.path.abspath(p) for p in sys.path if p and (os.path.abspath(p) != cwd or cwd in named)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return safe_env(steady_env(env))
+    return safe_env(host.measuring_env(env))
 
 
 def run_isolated(cfg: RunConfig, options: MeasureOptions,
@@ -61,7 +70,7 @@ def run_isolated(cfg: RunConfig, options: MeasureOptions,
     server = warm.pre_imported(env) if backend(cfg, options) == "cpu" else None
     with tempfile.TemporaryDirectory(prefix="batchlab-measure-") as tmp:
         out_path = Path(tmp) / "measurement.json"
-        preload = libraries.for_config(cfg)  # a Hugging Face model's libraries: imported once, not per fork
+        preload = preloaded(cfg)  # a Hugging Face model's libraries: imported once, not per fork
         proc = warm.fork(server, out_path, request, env, preload=preload) if server is not None else None
         started = warm.FORKED if proc is not None else warm.FRESH
         if proc is None:

@@ -3,13 +3,13 @@
 Order of updates (``w`` = warmup, ``n`` = steps)::
 
     update 1            warmup (with a CPU memory budget: tracked, so an over-budget config stops early)
-    update 2            memory probe (tracker on CPU/MPS, allocator statistics on CUDA) — never timed
+    update 2            memory update (tracker on CPU/MPS, allocator statistics on CUDA) — never timed
     updates 3 .. w+1    the rest of the warmup
-    (timeline only)     1 more, recorded as a memory timeline (batchlab.timeline.measured) — never timed
+    (timeline only)     1 more, recorded as a memory timeline (batchlab.measure.timeline_update) — never timed
     next n updates      timed: device synchronised around each, per-phase clock
     (CUDA/MPS only)     3 more updates with a synchronising phase clock for the per-phase split
 
-Probes that cost time (tracker, allocator reads, synchronising at phase marks on an asynchronous device)
+Listeners that cost time (tracker, allocator reads, synchronising at phase marks on an asynchronous device)
 never run inside the timed updates.
 """
 from __future__ import annotations
@@ -20,18 +20,17 @@ from typing import Callable
 
 import torch
 
-from batchlab import host, regime
+from batchlab import host
 from batchlab.config import ConfigError, RunConfig, catalogue_key
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.device import torch_device
-from batchlab.measure.devmem import CudaMemoryProbe, from_snapshot
+from batchlab.measure.devmem import CudaMemoryListener, from_snapshot
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Draft, MeasuredMemory, MeasuredTime, Measurement, Outcome
-from batchlab.measure.speed import SpeedProbe
-from batchlab.phase import Phase
-from batchlab.units import fmt_bytes
+from batchlab.config.phase import Phase
+from batchlab.util.units import fmt_bytes
 
 # progress(done, total, label): called before the work starts and after every update
 Progress = Callable[[int, int, str], None]
@@ -74,11 +73,11 @@ def environment(device: torch.device) -> dict:
         name = host.cpu_name()
     return {"torch": torch.__version__, "python": platform.python_version(), "batchlab": batchlab.__version__,
             "platform": platform.platform(), "torch_device": str(device), "device_name": name,
-            "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "allocator": regime.describe()}
+            "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "allocator": host.state()}
 
 
 class _Recorder:
-    """Remembers where the run is (stage, phase) for failure reports and forwards marks to the probe in use."""
+    """Remembers where the run is (stage, phase) for failure reports and forwards marks to the listener in use."""
 
     def __init__(self):
         self.stage, self.phase, self.inner = "setup", Phase.SETUP, None
@@ -104,7 +103,7 @@ def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | Non
     if device.type == "cuda" and here != cfg.device:
         m.warnings.append(f"measured on {m.environment['device_name']} ({here or 'not in the catalogue'}), but "
                           f"--device is {cfg.device}: the formula figures beside it are for {cfg.device}")
-    unsteady = regime.warning() if device.type == "cpu" else None  # a non-glibc host allocator: said, not set
+    unsteady = host.warning() if device.type == "cpu" else None  # a non-glibc host allocator: said, not set
     if unsteady is not None:
         m.warnings.append(unsteady)
     rec = _Recorder()
@@ -202,24 +201,24 @@ class _Steps:
         if i == 1 and self._tracked_budget is not None:
             self._tracked(trainer, rec.use(label))  # lazy optimizer state is created here: watch it
         else:
-            trainer.update(probe=rec.use(label))
+            trainer.update(listener=rec.use(label))
         self._tick(label)
 
     def _tracked(self, trainer, rec: _Recorder):
         tracker = tracker_for(trainer, budget=self._tracked_budget)
         rec.inner = tracker
         with tracker:
-            trainer.update(probe=rec)
+            trainer.update(listener=rec)
         return tracker.snapshot()
 
     def _memory(self, trainer, rec: _Recorder) -> MeasuredMemory:
         rec.use(self._start("memory"))
         if self.device.type == "cuda":
-            probe = CudaMemoryProbe(self.device)
-            probe.begin()
-            trainer.update(probe=rec.use("memory", probe))
-            probe.mark("end")
-            result = probe.result(trainer)
+            listener = CudaMemoryListener(self.device)
+            listener.begin()
+            trainer.update(listener=rec.use("memory", listener))
+            listener.mark("end")
+            result = listener.result(trainer)
         else:
             result = from_snapshot(self._tracked(trainer, rec))
         self._tick("memory")
@@ -227,7 +226,7 @@ class _Steps:
 
     def _timeline(self, trainer, rec: _Recorder):
         """One more untimed update recorded as a memory timeline, in this (possibly isolated) process."""
-        from batchlab.timeline.measured import record
+        from batchlab.measure.timeline_update import record
 
         rec.use(self._start("timeline"))
         timeline = record(self.cfg, trainer=trainer)
@@ -239,15 +238,13 @@ class _Steps:
         clock = PhaseClock(self.sync, sync_marks=not self.async_device)
         samples, cpu, useful = [], [], []
         phases: dict[str, list[float]] = {}
-        faults = regime.Faults()
-        regime.pretouch()  # the heap a long run has grown into: no fault bursts in the timed updates
-        # CPU: the host speed probe before each timed update (which of this host's speeds the update ran at)
-        speed, reads = (SpeedProbe(), []) if not self.async_device else (None, [])
+        # the heap pre-touched; on CPU the speed probe read before each timed update (which of this host's speeds
+        # the update ran at); page faults counted per update
+        around = host.TimedUpdates(speed_probe=not self.async_device)
         for i in range(self.opts.steps):
             label = self._start(f"timed {i + 1}/{self.opts.steps}")
-            if speed is not None:
-                reads.append(speed.read())
-            with faults.counting():
+            around.read_probe()
+            with around.counting():
                 result, wall, cpu_s = timed_update(trainer, clock, rec.use(label, clock), self.sync)
             samples.append(wall)
             cpu.append(cpu_s)
@@ -255,19 +252,19 @@ class _Steps:
             if not self.async_device:
                 _collect(phases, clock.seconds)
             self._tick(label)
-        m.environment["page_faults_per_update"] = faults.per_update()  # 0 in the steady regime (batchlab.regime)
+        m.environment["page_faults_per_update"] = around.page_faults_per_update()  # 0 in the steady regime
         if self.async_device:
             split = PhaseClock(self.sync, sync_marks=True)
             for i in range(PHASE_UPDATES):
                 label = self._start(f"phase split {i + 1}/{PHASE_UPDATES}")
                 split.start()
-                trainer.update(probe=rec.use(label, split))
+                trainer.update(listener=rec.use(label, split))
                 _collect(phases, split.seconds)
                 self._tick(label)
         m.time = MeasuredTime(samples=samples, warmup=self.opts.warmup,
                               phase_seconds={k: statistics.median(v) for k, v in phases.items()},
                               phase_samples=phases, cpu_seconds=cpu if self.device.type == "cpu" else [],
-                              probe_seconds=reads)
+                              probe_seconds=around.probe_seconds)
         per_update = statistics.fmean(useful) * trainer.world
         m.useful_tokens_per_update = round(per_update)
         m.tokens_per_second = per_update / m.time.update_seconds_median
@@ -275,10 +272,10 @@ class _Steps:
             m.warnings.append(noisy)
 
 
-def timed_update(trainer, clock: PhaseClock, probe, sync):
+def timed_update(trainer, clock: PhaseClock, listener, sync):
     """One timed update (the benchmark's "timed loop" calls exactly this): (result, wall s, CPU s)."""
     clock.start()
-    return timed(lambda: trainer.update(probe=probe), sync)
+    return timed(lambda: trainer.update(listener=listener), sync)
 
 
 def _collect(phases: dict[str, list[float]], seconds: dict[str, float]) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from batchlab.config import RunConfig
 from batchlab.measure.result import Measurement
-from batchlab.units import relative_to
+from batchlab.util.units import relative_to
 
 
 @dataclass
@@ -34,7 +34,7 @@ class FigureRow:
 
 def formula_estimate(cfg: RunConfig):
     """(Estimate or None, why there is none)."""
-    from batchlab.calibrate import load_all
+    from batchlab.formula.calibration import load_all
     from batchlab.formula import estimate, unseen_model
 
     if unseen_model(cfg):
@@ -87,11 +87,11 @@ def rows(m: Measurement, est=None) -> list[FigureRow]:
 
 def probed_speed(m: Measurement) -> float | None:
     """How fast the host ran during ``m``'s timed updates against its calibration at the same thread count
-    (measure/speed.py: the probe's median read over the calibration's; 1.2: 20% slower); None where either
+    (host/speed.py: the probe's median read over the calibration's; 1.2: 20% slower); None where either
     side has no probe, or the calibration timed another bundle."""
-    from batchlab.calibrate import probe_reference
-    from batchlab.measure.speed import host_speed
+    from batchlab.formula.calibration import probe_reference
+    from batchlab import host
 
     if m.time is None or not m.time.probe_seconds:
         return None
-    return host_speed(m.time.probe_seconds, probe_reference(m.environment.get("threads")))
+    return host.speed_factor(m.time.probe_seconds, probe_reference(m.environment.get("threads")))

@@ -2,7 +2,7 @@
 
 Reads ``{"config": RunConfig.to_dict(), "options": MeasureOptions.to_dict()}`` from stdin, writes the
 Measurement JSON (or ``{"config_error": {"field", "message"}}`` with exit status 2) to OUT.json, and
-progress lines to stderr.  ``--warm FD``: the pre-imported process of batchlab.measure.warm, each of whose
+progress lines to stderr.  ``--warm FD``: the pre-imported process of batchlab.host.warm, each of whose
 forks runs ``measure_into`` for one request.  Run by batchlab.measure.runner; not meant to be started by hand.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from batchlab.config import ConfigError, config_from_dict
-from batchlab.lifeline import guard
+from batchlab.util.lifeline import guard
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.runner import PROGRESS_PREFIX
 
@@ -52,7 +52,7 @@ def measure_into(out: Path, request: dict | None = None, parent: int | None = No
 
 def main(argv: list[str]) -> int:
     if argv[1:2] == ["--warm"]:
-        from batchlab.measure.warm import serve
+        from batchlab.host.warm import serve
 
         os._exit(serve(int(argv[2]), measure_into))  # no interpreter teardown: batchlab waits for it at exit
     return measure_into(Path(argv[1]))

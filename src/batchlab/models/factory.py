@@ -113,7 +113,7 @@ def _check(wl: Workload, cfg: RunConfig, source: str) -> Counted:
     if cfg.ac.mode is not ACMode.NONE and wl.blocks is None:
         raise ConfigError("ac", f"--ac {cfg.ac} needs the model's layers: give the model a `blocks` "
                                 "nn.ModuleList or return a Workload with blocks")
-    with torch.device("cpu"):  # a probe batch; on the CPU even when the model is built on the meta device
+    with torch.device("cpu"):  # a sample batch; on the CPU even when the model is built on the meta device
         try:
             batch = wl.make_batch(torch.Generator().manual_seed(cfg.seed), 1, cfg.seq, torch.device("cpu"))
         except Exception as e:  # noqa: BLE001

@@ -15,8 +15,8 @@ from batchlab.config import ConfigError
 from batchlab.experiment.predict import Direction
 from batchlab.experiment.record import Record
 from batchlab.report.plots import Figure, figures
-from batchlab.units import fmt_value
-from batchlab.text import for_html, for_markdown
+from batchlab.util.units import fmt_value
+from batchlab.util.text import for_html, for_markdown
 
 HELD = {True: "held", False: "missed", None: "-"}
 
@@ -282,7 +282,7 @@ def _timeline_png(bl: list[tuple]) -> bytes | None:
 
 def write_report(record: Record, out_dir: str | Path) -> list[Path]:
     """experiment-<id>.md (+ its PNG figures) and experiment-<id>.html (self-contained) in ``out_dir``."""
-    from batchlab.files import write_all
+    from batchlab.util.files import write_all
 
     out = Path(out_dir)
     try:

@@ -6,14 +6,14 @@ import io
 import json
 from typing import Any
 
-from batchlab.config import _Choice
+from batchlab.config import Choice
 from batchlab.experiment.observed import ObservedRecord
 from batchlab.experiment.record import Record
-from batchlab.text import for_markdown
-from batchlab.units import fmt_bytes, fmt_seconds
+from batchlab.util.text import for_markdown
+from batchlab.util.units import fmt_bytes, fmt_seconds
 
 
-class ExportFormat(_Choice):
+class ExportFormat(Choice):
     JSON = "json"
     CSV = "csv"
     MD = "md"

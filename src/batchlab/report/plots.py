@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from batchlab.experiment.predict import Metric
 from batchlab.experiment.record import Record
 from batchlab.measure.result import Outcome
-from batchlab.phase import UPDATE_PHASES
-from batchlab.text import for_mathtext
+from batchlab.config.phase import UPDATE_PHASES
+from batchlab.util.text import for_mathtext
 
 
 @dataclass(frozen=True)

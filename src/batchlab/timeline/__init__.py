@@ -1,7 +1,7 @@
 """The memory timeline: tensor bytes live over one steady-state update, by category, with its phases.
 
     from batchlab.timeline.data import Timeline          # torch-free record (to_dict / from_dict)
-    from batchlab.timeline.measured import record        # a real update on this machine (tracker / allocator)
+    from batchlab.measure.timeline_update import record        # a real update on this machine (tracker / allocator)
     from batchlab.trace.run import estimate               # estimate(cfg, timeline=True).timeline: the trace's
     from batchlab.timeline.output import write           # FILE.png | FILE.html | FILE.json
 

@@ -7,8 +7,8 @@ import json
 from batchlab.timeline.data import LABELS, Timeline
 from batchlab.timeline.style import (COLOURS, PHASE_SHADES, axis_unit, bands, capacity_shown, formula_markers,
                                      overlap_bars, peak_lines, stack, used_categories)
-from batchlab.units import fmt_bytes
-from batchlab.text import for_html
+from batchlab.util.units import fmt_bytes
+from batchlab.util.text import for_html
 
 W, H, LEFT, RIGHT, TOP, BOTTOM = 1000, 520, 70, 20, 30, 50  # SVG user units (the SVG scales to its box)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from batchlab.timeline.data import Timeline, downsample
 from batchlab.timeline.style import axis_unit, formula_markers
-from batchlab.units import fmt_bytes
-from batchlab.text import for_mathtext
+from batchlab.util.units import fmt_bytes
+from batchlab.util.text import for_mathtext
 
 _ACTIVATION_LIKE = ("activations", "logits", "recompute")
 PAIR_COLOURS = ("#1f5fa8", "#c4461a")

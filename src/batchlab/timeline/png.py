@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from batchlab.timeline.data import LABELS, Timeline
-from batchlab.units import fmt_bytes
+from batchlab.util.units import fmt_bytes
 from batchlab.timeline.style import (COLOURS, PHASE_SHADES, axis_unit, bands, capacity_shown, formula_markers,
                                      overlap_bars, peak_lines, stack)
-from batchlab.text import for_mathtext
+from batchlab.util.text import for_mathtext
 
 WIDTH_PX = 1400
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from batchlab.timeline.data import CATEGORIES, LABELS, Timeline, downsample
-from batchlab.units import fmt_bytes
+from batchlab.util.units import fmt_bytes
 
 COLOURS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#76b7b2", "activations": "#e15759",
            "logits": "#b07aa1", "recompute": "#edc948", "temporaries": "#bab0ac", "data": "#59a14f"}

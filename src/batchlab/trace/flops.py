@@ -7,7 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-from batchlab.formula.opcost import OpCount, Phase
+from batchlab.formula.opcost import OpCount
+from batchlab.config.phase import Phase
 from batchlab.trace.result import TraceFlops
 
 _aten = torch.ops.aten
@@ -45,12 +46,12 @@ def flops_of(ops: Iterable[OpCount]) -> TraceFlops:
     return TraceFlops.of(by_phase[Phase.FORWARD], by_phase[Phase.BACKWARD], by_phase[Phase.RECOMPUTE])
 
 
-def update_under(trainer, mode, probe):
-    """One update of ``trainer`` inside ``mode`` (a dispatch or FLOP-counting mode), ``probe`` told its
-    phases and closed after (its hooks removed) even if the update raises; the probe's result."""
+def update_under(trainer, mode, listener):
+    """One update of ``trainer`` inside ``mode`` (a dispatch or FLOP-counting mode), ``listener`` told its
+    phases and closed after (its hooks removed) even if the update raises; the listener's result."""
     try:
         with mode:
-            trainer.update(probe=probe)
+            trainer.update(listener=listener)
     finally:
-        probe.close()
-    return probe.result()
+        listener.close()
+    return listener.result()

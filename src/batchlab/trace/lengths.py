@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from math import lcm, prod
 from typing import NamedTuple
 
-from batchlab.phase import Phase
+from batchlab.config.phase import Phase
 
 _PHASES = (Phase.FORWARD, Phase.BACKWARD)
 

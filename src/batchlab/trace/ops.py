@@ -16,11 +16,12 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from batchlab.formula.opcost import OpClass, OpCount, Phase, op_class
+from batchlab.formula.opcost import OpClass, OpCount, op_class
+from batchlab.config.phase import Phase
 from batchlab.measure.memory import tensors_in
 from batchlab.models.ac import Checkpointed
 from batchlab.trace.flops import register_cpu_attention_flops, update_under
-from batchlab.trace.tree import HookSet
+from batchlab.models.owners import HookSet
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -43,7 +44,7 @@ class _Overload(NamedTuple):
     is_view: bool
     mutable: bool
     packet: object
-    klass: OpClass  # with a contiguous last input
+    cost_class: OpClass  # with a contiguous last input
     strided: OpClass  # with a non-contiguous one (a copy of a view gathers: STRIDED where op_class says so)
 
     @classmethod
@@ -64,19 +65,20 @@ def _overload(func) -> _Overload:
 
 
 def _key(func, args, kwargs, out, phase: Phase) -> tuple:
-    """One call as OpCount's fields but the count: (name, phase, class, FLOPs, bytes, elements, low, grain)."""
+    """One call as OpCount's fields but the count: (name, phase, cost class, FLOPs, bytes, elements, low,
+    FLOPs per matmul)."""
     op = _overload(func)
     name = op.name
     outs, ins = tensors_in(out), tensors_in((args, kwargs))
-    klass = op.klass
-    if klass is not op.strided and ins and not ins[-1].is_contiguous():
-        klass = op.strided
+    cost_class = op.cost_class
+    if cost_class is not op.strided and ins and not ins[-1].is_contiguous():
+        cost_class = op.strided
     flops = 0
     formula = flop_registry.get(op.packet)
     if formula is not None:
         flops = int(formula(*args, **kwargs, out_val=out))
     nbytes = 0
-    if klass is not OpClass.VIEW:
+    if cost_class is not OpClass.VIEW:
         # an in-place op's output is its input: read once, written once
         ids = {id(t) for t in ins}
         nbytes = sum(footprint(t) for t in ins) + sum(footprint(t) for t in outs if id(t) not in ids or op.mutable)
@@ -85,16 +87,16 @@ def _key(func, args, kwargs, out, phase: Phase) -> tuple:
     first = outs or ins
     low = bool(first) and first[0].dtype in _LOW
     elements = max((t.numel() for t in outs), default=0)
-    return name, phase, klass, flops, nbytes, elements, low, _grain(name, ins, flops)
+    return name, phase, cost_class, flops, nbytes, elements, low, _flops_per_matmul(name, ins, flops)
 
 
 def op_of(func, args, kwargs, out, phase: Phase) -> OpCount:
     """One call as an OpCount (count 1)."""
-    *fields, grain = _key(func, args, kwargs, out, phase)
-    return OpCount(*fields, grain=grain)
+    *fields, flops_per_matmul = _key(func, args, kwargs, out, phase)
+    return OpCount(*fields, flops_per_matmul=flops_per_matmul)
 
 
-def _grain(name: str, ins: list[torch.Tensor], flops: int) -> int:
+def _flops_per_matmul(name: str, ins: list[torch.Tensor], flops: int) -> int:
     """FLOPs of one independent matmul: a bmm's per batch entry, attention's per (batch, head)."""
     if not flops or not ins:
         return 0
@@ -107,7 +109,7 @@ def _grain(name: str, ins: list[torch.Tensor], flops: int) -> int:
 
 
 class OpRecorder(TorchDispatchMode, HookSet):
-    """Records each op's OpCount; also a harness probe (``mark``) so ops carry their phase.
+    """Records each op's OpCount; also a harness listener (``mark``) so ops carry their phase.
 
     Recompute is told apart: ops inside a checkpointed block's forward while backward runs (non-reentrant
     checkpointing calls the block again from its unpack hook); a trace's FLOPs by phase come from these
@@ -119,7 +121,7 @@ class OpRecorder(TorchDispatchMode, HookSet):
         HookSet.__init__(self)
         self.phase = Phase.DATA
         self._in_block = 0
-        self._in_sac = 0  # inside a block under selective checkpointing's dispatch mode (OpCount.intercepted)
+        self._in_sac = 0  # inside a block under selective checkpointing's dispatch mode (OpCount.sac_dispatched)
         # identical calls counted as they come (OpCount's fields but the count -> calls), in order of first call
         self._counts: dict[tuple, int] = {}
         for m in (model.modules() if model is not None else ()):
@@ -161,8 +163,8 @@ class OpRecorder(TorchDispatchMode, HookSet):
 
     def result(self) -> tuple[OpCount, ...]:
         """The calls, identical ones merged (``formula.opcost.merge``'s order and counts)."""
-        return tuple(OpCount(*fields, count=n, grain=grain, intercepted=sac)
-                     for (*fields, grain, sac), n in self._counts.items())
+        return tuple(OpCount(*fields, count=n, flops_per_matmul=flops_per_matmul, sac_dispatched=sac)
+                     for (*fields, flops_per_matmul, sac), n in self._counts.items())
 
 
 def record_update(trainer) -> tuple[OpCount, ...]:

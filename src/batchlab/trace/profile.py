@@ -41,7 +41,7 @@ def _period(cfg: RunConfig) -> int:
     return next((p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types))), 1)
 
 
-class _Probe:
+class _KeptBytes:
     """Forwards the harness's phase marks to the tracker and notes, as backward starts, what the forward left
     (autocast's weight copies excluded: the calculator counts those with the parameters) and all that is live."""
 
@@ -63,13 +63,13 @@ def _update_at(trainer: FakeTrainer, b: int, s: int) -> Run:
     live as backward started, the optimizer step's temporaries above the model states, autocast copies kept."""
     trainer.cfg = trainer.cfg.replace(micro_batch=b, seq=s)  # the harness reads the shape from its config
     tracker = tracker_for(trainer)
-    probe, log = _Probe(tracker), EventLog(tracker)
+    listener, log = _KeptBytes(tracker), EventLog(tracker)
     tracker.listener = log
     with tracker:
-        trainer.update(probe=probe)
+        trainer.update(listener=listener)
     snap = tracker.snapshot()
     grads = sum(p.numel() * p.element_size() for p in trainer.raw_model.parameters() if p.requires_grad)
-    return Run.of(log, probe.kept, probe.at_backward, probe.copies,
+    return Run.of(log, listener.kept, listener.at_backward, listener.copies,
                   snap.phase_peaks.get("optimizer", 0) - snap.baseline_bytes - grads)
 
 
@@ -148,15 +148,15 @@ def _without_step(trainer: FakeTrainer):
 def _forward_at(trainer: FakeTrainer, b: int, s: int) -> tuple[int, int]:
     """(bytes the forward leaves for backward, autocast copies among them), as ``_update_at`` counts them."""
     tracker = tracker_for(trainer)
-    probe = _Probe(tracker)
+    listener = _KeptBytes(tracker)
     with tracker:  # the batch made in the data phase, as the harness makes it: the tokens a forward keeps are data
         batch = trainer.workload.make_batch(trainer.generator, b, s, trainer.device)
-        probe.mark("forward")
+        listener.mark("forward")
         with trainer._autocast():
             loss = trainer.workload.loss_sum(trainer.model, *batch)
-        probe.mark("backward")
+        listener.mark("backward")
         del loss
-    return probe.kept, probe.copies
+    return listener.kept, listener.copies
 
 
 # knots past the fitted shapes, up to the model's max_positions: fake tensors cost the same at any length, and a

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 
 from batchlab.config import ConfigError, ModelSource, Precision, RunConfig
 from batchlab.formula.allocator import device_memory
-from batchlab.measure.clock import Probes
+from batchlab.measure.clock import Listeners
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import storage_bytes, tracker_for
@@ -28,7 +28,8 @@ from batchlab.trace.flops import flops_of
 from batchlab.trace.ops import OpRecorder
 from batchlab.trace.patches import eager_branches
 from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
-from batchlab.trace.tree import OUTSIDE, ModuleStack, build_tree
+from batchlab.models.owners import OUTSIDE, ModuleStack
+from batchlab.trace.tree import build_tree
 
 
 class FakeTrainer(Trainer):
@@ -114,10 +115,10 @@ def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
     ops = OpRecorder(trainer.raw_model)
     try:
         if timeline:
-            from batchlab.timeline.record import recorded_update
+            from batchlab.measure.timeline_tracker import recorded_update
 
-            update = trainer.update  # the timeline's probe also marks the phases for the op recorder
-            trainer.update = lambda probe=None: update(probe=Probes(probe, ops) if probe is not None else ops)
+            update = trainer.update  # the timeline's listener also marks the phases for the op recorder
+            trainer.update = lambda listener=None: update(listener=Listeners(listener, ops) if listener is not None else ops)
             try:
                 snap, rec = recorded_update(trainer, owners.current, OUTSIDE, owners.current if tree else None,
                                             register, observer=ops.record)
@@ -129,7 +130,7 @@ def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
             register(tracker)
             tracker.reset()
         with tracker:
-            trainer.update(probe=Probes(tracker, ops))
+            trainer.update(listener=Listeners(tracker, ops))
         return tracker.snapshot(), None, ops.result()
     finally:
         ops.close()
@@ -182,7 +183,7 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
 
 
 def _timeline(cfg: RunConfig, recorder, snap, notes: list[str]):
-    from batchlab.timeline.record import context
+    from batchlab.measure.timeline_tracker import context
 
     ctx = context(cfg)
     return recorder.timeline(provenance="trace", method="live storage tracker on fake tensors (FakeTensorMode)",

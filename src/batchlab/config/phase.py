@@ -1,0 +1,30 @@
+"""The phases of one optimizer update, as the harness marks them, the time model prices them and every report
+names them.  Torch-free.
+
+``data`` (batch made), ``forward`` and ``backward`` (per micro-batch), ``optimizer`` (unscale, clip, step,
+zero_grad); ``setup`` is before the first update (building the model), ``end`` the mark after an update's last
+phase.  ``recompute`` is never marked by the harness: it is the part of ``backward`` in which activation
+checkpointing re-runs a block's forward ops; the op recorder (trace/ops.py) and the formula's op list
+(formula/oplist.py) put those ops there, because they are dispatched and priced as forward ops.
+
+Kept apart from config/choices.py on purpose: those are the closed sets a user chooses a run by (precision,
+optimizer, ...); a phase is not chosen but observed — the harness marks it, the formula names where its peak
+falls, the timeline and the reports label by it — so config does not own it, and the calculator,
+measurement and reports import it from here without depending on each other.
+"""
+from __future__ import annotations
+
+from batchlab.config import Choice
+
+
+class Phase(Choice):
+    SETUP = "setup"
+    DATA = "data"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"  # forward ops activation checkpointing repeats during backward (never a harness mark)
+    OPTIMIZER = "optimizer"
+    END = "end"
+
+
+UPDATE_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)

@@ -1,0 +1,172 @@
+"""The calibration record and its cache: one JSON file per device, torch version and thread count under
+platformdirs' user cache dir.  Torch-free (the formula's callers read the cache)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchlab.config import Precision
+from batchlab.util.files import write_atomic
+from batchlab.formula.opcost import OpCosts
+from batchlab.host import PROBE_BUNDLE, cpu_hardware
+
+
+@dataclass
+class Calibration:
+    device: str  # batchlab device name the figures stand for ("cpu", "h200", ... or the backend)
+    hardware: str  # what was measured: CPU model and threads, or the GPU's name
+    torch_device: str  # cpu | cuda:0 | mps
+    matmul_flops_fp32: float  # FLOP/s, the best shape class (what a large matmul reaches)
+    matmul_flops_bf16: float | None  # None where bf16 matmuls are not supported
+    memory_bytes_per_s: float  # element-wise bandwidth at the largest size: bytes read + written per second
+    matmul_size: dict[str, int] = field(default_factory=dict)  # dtype -> FLOPs per call of the best class
+    copy_bytes: int = 0  # bytes one call of the largest bandwidth size moves
+    threads: int = 0  # torch intra-op threads (CPU rates scale with them)
+    measured_at: str = ""  # ISO 8601, UTC
+    torch_version: str = ""
+    seconds: float = 0.0  # how long calibrating took
+    # the per-op time model's parameters (formula/opcost.py OpCosts)
+    matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)  # dtype -> [[FLOPs/call, FLOP/s]]
+    matmul_shapes: list[list[int]] = field(default_factory=list)  # the (m, k, n) the linear-layer curve was timed on
+    # fused kernels' seconds per call beyond their entries' work: kind-dtype -> [[FLOPs per entry, seconds]]
+    matmul_start: dict[str, list[list[float]]] = field(default_factory=dict)
+    memory_curve: list[list[float]] = field(default_factory=list)  # [[bytes/call, bytes/s]], fp32 add
+    memory_curve_bf16: list[list[float]] = field(default_factory=list)  # the same add in bf16
+    memory_curve_inplace: list[list[float]] = field(default_factory=list)  # fp32 add_ (no fresh output)
+    strided_bytes_per_s: float = 0.0  # a transposed view copied contiguous, read + write
+    element_seconds: dict[str, float] = field(default_factory=dict)  # "activation:fp32" -> s per element
+    dispatch_seconds: dict[str, float] = field(default_factory=dict)  # forward | backward | plain -> s per op
+    # the same under autocast (bf16-mixed); {}: unmeasured
+    dispatch_seconds_autocast: dict[str, float] = field(default_factory=dict)
+    # CPU: the link between local ranks in the ring model's terms (bytes/s, seconds per message), from gloo's
+    # all-reduce between two local processes (calibrate/link.py); 0: unmeasured
+    loopback_bytes_per_s: float = 0.0
+    loopback_latency_s: float = 0.0
+    link: str = ""  # what those figures were measured on ("": a TCP echo over loopback, before gloo's all-reduce)
+    # CPU: how much longer the slower of two local ranks computes than their mean between all-reduces (0.035:
+    # 3.5%; calibrate/link.py); 0: unmeasured
+    rank_skew: float = 0.0
+    cores: int = 0  # CPU cores of the machine measured (local ranks x threads beyond it share them)
+    # CPU: a process's slowdown while ``contention_processes`` run the same kernels at once, by kind
+    # (compute | memory | dispatch; calibrate/concurrency.py); 0 processes: not measured (an older cache)
+    contention: dict[str, float] = field(default_factory=dict)
+    contention_processes: int = 0
+    allocator: str = ""  # CPU: the host allocator regime the kernels were timed in (batchlab.host.state)
+    probe_seconds: float = 0.0  # CPU: the host speed probe's bundle (host/speed.py), median of the rounds; 0: none
+    probe: str = ""  # which bundle that is (host.PROBE_BUNDLE)
+    # a Hugging Face model's own dispatch per op over batchlab's GPT's, by kind (forward, backward), keyed by
+    # formula.timing.dispatch_family; measured once per model code the first time measure / compare meets it
+    # (calibrate/family.py)
+    family_dispatch: dict[str, dict[str, float]] = field(default_factory=dict)
+    provenance: str = "calibrated"
+
+    @property
+    def source(self) -> str:
+        """How the numbers were obtained, for every time prediction that uses them."""
+        return (f"calibrated on {self.hardware} ({self.torch_device}), torch {self.torch_version}, "
+                f"{self.threads} thread(s), at {self.measured_at}, {self.seconds:.1f} s"
+                + (f", {self.allocator}" if self.allocator else ""))
+
+    def matmul_flops(self, precision: Precision | str) -> float:
+        """The matmul ceiling for a precision: fp32, or bf16 for every 16-bit compute precision (fp16 is not
+        measured separately; where bf16 is unsupported, the fp32 figure)."""
+        p = Precision.parse("precision", precision)
+        if p is Precision.FP32 or self.matmul_flops_bf16 is None:
+            return self.matmul_flops_fp32
+        return self.matmul_flops_bf16
+
+    def op_costs(self) -> OpCosts | None:
+        """The per-op model's parameters, or None for a cache written before the per-op model existed."""
+        if not (self.matmul_curve and self.memory_curve and self.dispatch_seconds and self.strided_bytes_per_s):
+            return None
+        return OpCosts(matmul={k: tuple(map(tuple, v)) for k, v in self.matmul_curve.items()},
+                       matmul_start={k: tuple(map(tuple, v)) for k, v in self.matmul_start.items()},
+                       memory=tuple(map(tuple, self.memory_curve)), strided_bytes_per_s=self.strided_bytes_per_s,
+                       memory_low=tuple(map(tuple, self.memory_curve_bf16)) or None,
+                       memory_inplace=tuple(map(tuple, self.memory_curve_inplace)) or None,
+                       element_seconds=dict(self.element_seconds),
+                       dispatch=dict(self.dispatch_seconds),
+                       dispatch_autocast=dict(self.dispatch_seconds_autocast),
+                       asynchronous=not self.torch_device.startswith("cpu"),
+                       link_bytes_per_s=self.loopback_bytes_per_s or None, link_latency_s=self.loopback_latency_s,
+                       threads=self.threads, cores=self.cores, contention=dict(self.contention),
+                       contention_processes=self.contention_processes, rank_skew=self.rank_skew,
+                       family_dispatch={k: dict(v) for k, v in self.family_dispatch.items()},
+                       matmul_intensity=tuple(sorted((2 * m * k * n, 2 * m * k * n / (4 * (m * k + k * n + m * n)))
+                                                     for m, k, n in self.matmul_shapes)),
+                       source=self.source)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["source"] = self.source
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Calibration":
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+# ------------------------------------------------------------------------------------------ cache
+
+def cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("batchlab")) / "calibration"
+
+
+def default_threads() -> int:
+    """The intra-op threads a torch process here starts with (OMP_NUM_THREADS, else the CPU count)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return os.cpu_count() or 1
+
+
+def _cache_path(device: str, torch_version: str, threads: int) -> Path:
+    name = f"{device}-torch{torch_version}-{threads}threads"
+    return cache_dir() / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".json")
+
+
+def save(cal: Calibration) -> Path:
+    path = _cache_path(cal.device, cal.torch_version, cal.threads)
+    write_atomic(path, json.dumps(cal.to_dict(), indent=2), "calibration")  # two writers at once: no half file
+    return path
+
+
+def load_cached(device_name: str, threads: int | None = None) -> Calibration | None:
+    """The cached calibration for a batchlab device name (``RunConfig.device``) at ``threads`` (default: what
+    a process here starts with), or None.  CPU rates depend on the thread count, so only an entry measured
+    with the same count serves; a CPU entry measured on other hardware (a shared home directory) is ignored.
+    """
+    return load_all(threads).get(device_name)
+
+
+def load_all(threads: int | None = None) -> dict[str, Calibration]:
+    """Every usable cached calibration, by batchlab device name: what ``formula.estimate`` is given.
+    Where one device has several (torch versions), the newest measurement wins."""
+    want = default_threads() if threads is None else threads
+    found = [cal for cal in (_read(p) for p in sorted(cache_dir().glob("*.json"))) if cal is not None]
+    usable = [c for c in found if not c.torch_device.startswith("cpu") or c.threads == want]
+    return {cal.device: cal for cal in sorted(usable, key=lambda c: c.measured_at)}
+
+
+def probe_reference(threads: int | None = None) -> float | None:
+    """The host speed probe's read in this CPU's cached calibration at ``threads`` (seconds, host/speed.py);
+    None without one, or where it timed another bundle (its reference says nothing about this one)."""
+    cal = load_all(threads).get("cpu")
+    return cal.probe_seconds if cal is not None and cal.probe == PROBE_BUNDLE and cal.probe_seconds else None
+
+
+def _read(path: Path) -> Calibration | None:
+    try:
+        cal = Calibration.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    if cal.torch_device == "cpu" and not cal.hardware.startswith(cpu_hardware()):
+        return None
+    return cal

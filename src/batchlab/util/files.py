@@ -1,0 +1,55 @@
+"""Writing files so that a failure leaves nothing half-written: a temporary file in the target's directory,
+then ``os.replace`` (atomic on POSIX); on any error the temporary file is removed and one ConfigError
+names the file and the reason (read-only directory, full disk).  Pure Python."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+from batchlab.util.errors import ConfigError
+
+
+def write_atomic(path: str | Path, data: str | bytes, field: str = "output") -> Path:
+    """Write ``data`` to ``path`` all at once or not at all."""
+    return write_all({Path(path): data}, field)[0]
+
+
+def write_all(files: dict[Path, str | bytes], field: str = "output") -> list[Path]:
+    """Every file or none: each is written to a temporary sibling first; only when all are complete are they
+    renamed into place (a failure leaves the directory as it was, apart from files replaced before it)."""
+    staged: list[tuple[str, Path]] = []
+    try:
+        for path, data in files.items():
+            staged.append((_stage(path, data), path))
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    except OSError as e:
+        _remove(tmp for tmp, _ in staged)
+        where = e.filename or next(iter(files), "")
+        raise ConfigError(field, f"cannot write {where}: {e.strerror or e}") from None
+    return [path for _, path in staged]
+
+
+def _stage(path: Path, data: str | bytes) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide a report from the rest of the team
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())  # a full disk shows here, not after the rename
+    except BaseException:
+        _remove([tmp])
+        raise
+    return tmp
+
+
+def _remove(paths: Iterable[str]) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
