@@ -24,7 +24,7 @@ import sys
 from batchlab.advise.acplan import plan_ac, uniform
 from batchlab.advise.fit import isolated_measure
 from batchlab.advise.plan import Goal
-from batchlab.calibrate import load_all
+from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, RunConfig, preset
 from batchlab.formula import estimate
 from batchlab.units import fmt_bytes, fmt_seconds

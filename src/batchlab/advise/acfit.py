@@ -14,7 +14,7 @@ from batchlab.advise.acplan import ACPlan, Point, next_budget, plan_ac
 from batchlab.advise.fit import FitReport, isolated_measure
 from batchlab.advise.plan import FitPlan, Goal, assumptions, candidate
 from batchlab.advise.search import MeasureFn, Trial
-from batchlab.calibrate import load_all
+from batchlab.formula.calibration import load_all
 from batchlab.config import ConfigError
 from batchlab.files import write_atomic
 from batchlab.units import fmt_bytes, relative_to

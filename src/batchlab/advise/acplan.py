@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from batchlab.advise import knapsack
 from batchlab.advise.acmodel import MODEL_TEXT, LayerModel
 from batchlab.advise.plan import EVERY_K, Goal, micro_batches, shaped
-from batchlab.calibrate import load_all
+from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ACPolicy, AttentionImpl, ConfigError, ModelSource, RunConfig
 from batchlab.formula import Calibrations, estimate
 from batchlab.units import fmt_bytes
