@@ -27,7 +27,7 @@ from batchlab.advise.plan import Goal
 from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, RunConfig, preset
 from batchlab.formula import estimate
-from batchlab.units import fmt_bytes, fmt_seconds
+from batchlab.util.units import fmt_bytes, fmt_seconds
 
 FRACTIONS = (0.2, 0.4, 0.6, 0.8)  # budgets between the full-AC peak (0) and the no-AC peak (1)
 HF_SHAPE = dict(layers=6, hidden=64, heads=4, ffn=256, vocab=256, seq=128, micro_batch=4, dp=1)

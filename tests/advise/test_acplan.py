@@ -184,7 +184,7 @@ def test_a_factory_is_planned_from_traces_of_its_own_code():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from batchlab.advise.acplan import plan_ac
     from batchlab.advise.acplan_trace import traced
 

@@ -16,8 +16,8 @@ from batchlab.advise.plan import FitPlan, Goal, assumptions, candidate
 from batchlab.advise.search import MeasureFn, Trial
 from batchlab.formula.calibration import load_all
 from batchlab.config import ConfigError
-from batchlab.files import write_atomic
-from batchlab.units import fmt_bytes, relative_to
+from batchlab.util.files import write_atomic
+from batchlab.util.units import fmt_bytes, relative_to
 
 TOLERANCE = 0.03  # measured peak vs the plan's predicted peak
 ATTEMPTS = 3

@@ -23,7 +23,7 @@ from batchlab.advise.plan import EVERY_K, Goal, micro_batches, shaped
 from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ACPolicy, AttentionImpl, ConfigError, ModelSource, RunConfig
 from batchlab.formula import Calibrations, estimate
-from batchlab.units import fmt_bytes
+from batchlab.util.units import fmt_bytes
 
 MENU = (ACMode.NONE, ACMode.SELECTIVE_OP, ACMode.MEGATRON, ACMode.SELECTIVE, ACMode.FULL)
 TIGHTEN_TRIES = 4

@@ -5,7 +5,7 @@ from rich.console import Console
 from rich.table import Table
 
 from batchlab.advise.acplan import ACPlan, Point
-from batchlab.units import fmt_bytes, fmt_seconds
+from batchlab.util.units import fmt_bytes, fmt_seconds
 
 
 def _row(t: Table, p: Point, chosen: Point | None, budget: int) -> None:
@@ -39,7 +39,7 @@ def acplan_view(out: Console, p: ACPlan) -> None:
 
 def acplan_outcome(out: Console, report) -> None:
     """The measurement that proves the plan (or not), the notes and the chosen configuration (advise.FitReport)."""
-    from batchlab.units import relative_to
+    from batchlab.util.units import relative_to
 
     p, t = report.ac_plan, report.verification
     if t is not None and p.chosen is not None:
