@@ -197,3 +197,23 @@ def test_a_factory_is_planned_from_traces_of_its_own_code():
     assert traced(p.config, cals).memory.peak_bytes == p.chosen.peak_bytes
     fitting = [t.time.seconds for t in peak.values() if t.memory.peak_bytes <= budget]
     assert p.chosen.update_seconds <= min(fitting) * (1 + 1e-9)
+
+
+def test_a_plan_measured_above_the_budget_falls_back_to_the_next_plan(tmp_path):
+    """A (fake) first measurement above the budget: fit says so and plans again below it, then measures that."""
+    from batchlab.advise.acfit import fit_auto
+    from batchlab.advise.search import Trial, TrialOutcome
+
+    base = RunConfig(model=preset("tiny", layers=8), seq=128, micro_batch=8)
+    budget = 80 * 2**20
+    goal = Goal(base.replace(memory_budget=budget), margin=0.0, held=frozenset({"micro_batch"}))
+    seen = []
+
+    def measure(cfg):
+        peak = estimate(cfg, load_all()).memory.peak_bytes + (8 * 2**20 if not seen else 0)
+        seen.append((str(cfg.ac), peak))
+        return Trial(cfg.micro_batch, cfg.accum, True, TrialOutcome.OK, peak)
+
+    report = fit_auto(goal, verify=True, measure=measure, plan_out=str(tmp_path / "plan.json"))
+    assert len(seen) == 2 and seen[0][1] > budget >= seen[1][1] and seen[0][0] != seen[1][0]
+    assert str(report.final.ac) == seen[1][0] and any("falling back" in n for n in report.notes)
