@@ -285,4 +285,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import page  # benchmarks/page.py: this script's page of the docs
+
+    page.publish(main, page.variant("accuracy", {"--families": "families", "--reference=": "", "--part=": ""}), "Memory accuracy: formula and trace against real steps")

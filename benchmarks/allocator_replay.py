@@ -147,4 +147,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import page  # benchmarks/page.py: this script's page of the docs
+
+    page.publish(main, "allocator_replay", "The caching allocator replayed on a BERT step", fence=True)

@@ -46,4 +46,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import page  # benchmarks/page.py: this script's page of the docs
+
+    page.publish(main, "estimate_speed", "How fast the calculator answers")

@@ -197,4 +197,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import page  # benchmarks/page.py: this script's page of the docs
+
+    page.publish(main, "fit_search", "batchlab fit: plan speed and measured search")

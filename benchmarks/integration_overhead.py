@@ -359,4 +359,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import page  # benchmarks/page.py: this script's page of the docs
+
+    page.publish(main, page.variant("integration_overhead", {"--framework=": "", "--malloc=": ""}), "What the training callbacks cost")

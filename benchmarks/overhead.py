@@ -122,4 +122,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import page  # benchmarks/page.py: this script's page of the docs
+
+    page.publish(main, "overhead", "Harness overhead", fence=True)

@@ -183,7 +183,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def print_readme_table(rows: list[Row]) -> None:
-    """The README's table: one line per run, memory of the measured kind, tokens/s per GPU."""
+    """The summary table (--readme): one line per run, memory of the measured kind, tokens/s per GPU."""
     print("| run | GPU × n | measured memory (kind) | formula | error | verdict | tok/s/GPU measured | formula | error |")
     print("|---|---|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=Path, default=HERE / "published_runs.toml")
     p.add_argument("--gpus", type=Path, default=HERE / "gpu_catalogue.toml")
     p.add_argument("--only", default="", help="comma-separated run ids")
-    p.add_argument("--readme", action="store_true", help="only the README's table")
+    p.add_argument("--readme", action="store_true", help="only the summary table (one line per run)")
     args = p.parse_args(argv)
     runs = load(args.runs)["run"]
     catalogue = {g["key"]: g for g in load(args.gpus)["gpu"]}
@@ -293,4 +293,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import page  # benchmarks/page.py: this script's page of the docs
+
+    page.publish(main, page.variant("published", {"--readme": "table"}), "Predicted vs published GPU runs")

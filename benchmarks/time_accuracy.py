@@ -331,4 +331,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import page  # benchmarks/page.py: this script's page of the docs
+
+    page.publish(main, page.variant("time_accuracy", {"--unlisted": "unlisted"}), "Update-time accuracy: the per-op model against paired measurements")

@@ -16,7 +16,7 @@ MISTRAL = dict(num_key_value_heads=2, sliding_window=32)  # one config.json: one
 
 
 # two representatives (a profile each, 10-15 s on 2 cores); bloom, gemma2 (alternating layers, P = 2) and the
-# rest of the families: benchmarks/accuracy.py, whose table is in the README
+# rest of the families: benchmarks/accuracy.py, whose table is docs/accuracy/accuracy-families.md
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type, fields, seq", [
     ("mistral", MISTRAL, 48),  # seq >= window: explicit mask, repeated k/v

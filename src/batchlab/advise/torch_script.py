@@ -298,7 +298,7 @@ def _loop(cfg: RunConfig) -> list[str]:
             '            print(f"update {(step + 1) // ACCUM}: loss {loss.item() * ACCUM:.4f}", flush=True)']
     if cfg.dp > 1:
         # the DDP reducer and ZeroRedundancyOptimizer hold gloo work: freed while the group lives, or a rank can
-        # abort in interpreter teardown (measured: 3 of 32 ZeRO-1 runs here ended SIGABRT, 0 of 30 with this)
+        # abort in interpreter teardown with SIGABRT (docs/cpu.md, "Figures behind the code's choices")
         out += ["del model, optimizer", "gc.collect()", "dist.destroy_process_group()"]
     return out
 

@@ -55,10 +55,10 @@ def _worker(threads: int, seconds: float, barrier, commands, results) -> None:
 
 class Contention:
     """``processes`` forked workers kept for a calibration round, timed in alternations of one alone and all at
-    once (``alternate``) that the round spreads through itself, as it does the dispatch slices: the two vCPUs
-    here share one core for seconds at a time (compute x1.8 instead of x1.0), so three contiguous windows a
-    calibration had priced DP 1 -> 2 in that state one time in five (1.42 against 1.08 measured); sixteen
-    windows spread over 20 s read it once.  ``factors()``: per kind, the median of the alternations' ratios.
+    once (``alternate``) that the round spreads through itself, as it does the dispatch slices: two vCPUs can
+    share one core for seconds at a time, so a few contiguous windows can all read that state, where windows
+    spread over the calibration read it once (docs/cpu.md, "Figures behind the code's choices").
+    ``factors()``: per kind, the median of the alternations' ratios.
     Inert (no workers, empty factors) where the processes' threads do not fit on the cores (then they
     time-share, which ``formula.timing.sharing`` already counts) or for fewer than 2 processes."""
 

@@ -16,7 +16,7 @@ SAC = "selective"  # the dispatch trainers' entry run under selective activation
 def dispatch_trainers(device, precisions: tuple[str, ...] = ("fp32", "bf16-mixed", SAC)) -> dict[str, tuple]:
     """Per precision, (trainer, {dispatch kind: ops per update}) of a GPT so small that every op is
     dispatch-bound, its ops counted once (trace/ops.py) for every round that times it.  "bf16-mixed" runs under
-    autocast, whose dispatch key every forward op passes through (forward ~1.3x fp32's per op here, backward
+    autocast, whose dispatch key every forward op passes through (forward dearer than fp32's per op, backward
     too, the optimizer's plain ops alike); ``SAC``, fp32 under selective activation checkpointing, whose
     dispatch mode sees each op of a block in forward and in recompute (opcost.SAC_KIND); a precision the device
     cannot run is left out."""
@@ -67,8 +67,8 @@ class DispatchSampler:
     """Seconds per op by who dispatches it, from updates of ``dispatch_trainers``: each phase's time over its
     op count.  The precisions' updates alternate, so the host's speed switches fall on both alike.  ``run``
     times updates for a while and may be called in several slices (a calibration spreads them through each
-    round: this VM's Python-bound work moves 4.7-10 us per op between one-second windows, 2x, so three ~1 s
-    windows priced a dispatch-bound step by whichever state they met; ``seconds()`` is the steady figure of
+    round: a shared host's Python-bound work can move 2x per op between one-second windows (docs/cpu.md), so
+    three ~1 s windows priced a dispatch-bound step by whichever state they met; ``seconds()`` is the steady figure of
     all the slices' samples).  Under selective checkpointing (``SAC``) a phase mixes plain ops and ops
     dispatched through its mode (``OpCount.sac_dispatched``): the plain ones are priced at fp32's figures of the
     same slice, the rest of the phase's time is the others' (fp32's figures gain "forward-sac" and "recompute-sac")."""

@@ -1,15 +1,13 @@
 """A Hugging Face model's own dispatch cost per op, against the GPT the calibration times it on.
 
-The calibration prices an op's fixed cost on batchlab's GPT at dispatch-bound sizes; a model's own Python
-runs around its ops too, and differs by code: at hidden 16, 8 tokens, fp32, on this CPU, HF GPT-2's forward
-cost 1.9-2.1x batchlab's GPT's per op beyond its work (its mask, config and output code; a direct timing of
-the two forwards said 2.0-2.2x), Llama's 1.25x, their backwards 0.8-1.1x (autograd's own loop).  Unpriced,
-HF GPT-2's forward at micro-batch 1 was predicted 31-38% short at 32 tokens (hidden 64, 128) and every
-micro-batch 1 -> 4 change on it ~10% too small a gain; priced, +3..+6%.  So the first time measure or compare
-meets a model's code, the same model at dispatch-bound sizes and batchlab's GPT take turns for ~1.5 s, and the
-model's forward and backward cost per op over the GPT's is cached with the CPU's calibration
-(``Calibration.family_dispatch``); the time model then prices that model's ops with it
-(``formula.timing.own_dispatch``).  A ratio of alternated updates: the host's speed falls on both alike.
+The calibration prices an op's fixed cost on batchlab's GPT at dispatch-bound sizes; a model's own Python runs
+around its ops too, and differs by code: a Hugging Face model's forward can cost a multiple of batchlab's GPT's
+per op beyond its work (its mask, config and output code), its backward about the same (autograd's own loop);
+unpriced, a dispatch-bound forward is predicted far too short (docs/cpu.md, "Figures behind the code's
+choices").  So the first time measure or compare meets a model's code, the same model at dispatch-bound sizes
+and batchlab's GPT take turns for ~1.5 s, and the model's forward and backward cost per op over the GPT's is
+cached with the CPU's calibration (``Calibration.family_dispatch``); the time model then prices that model's ops
+with it (``formula.timing.own_dispatch``).  A ratio of alternated updates: the host's speed falls on both alike.
 """
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ from batchlab.config import ConfigError, RunConfig
 from batchlab.formula.opcost import OpCosts
 from batchlab.formula.timing import dispatch_family
 
-SECONDS = 1.5  # alternated updates of the two models: ~250 each here
+SECONDS = 1.5  # alternated updates of the two models, hundreds each at dispatch-bound sizes
 KINDS = ("forward", "backward")  # the phases the model's own code runs in (plain ops: the harness's, torch's)
 
 
@@ -43,7 +41,7 @@ def measure(cfg: RunConfig, costs: OpCosts, seconds: float = SECONDS) -> dict[st
     """{kind: ``cfg``'s model's fixed cost per op over batchlab's GPT's}, forward and backward: both models at
     dispatch-bound sizes, their fp32 updates alternated on this CPU at the current intra-op threads; each
     phase's time less its ops' work as ``costs`` price it (fused attention's fixed start on a CPU is work the
-    model prices already: ~100 us a call, which at these sizes had doubled HF GPT-2's apparent cost per op)."""
+    model prices already: counted twice, it would double a small model's apparent cost per op)."""
     import torch
 
     cpu = torch.device("cpu")

@@ -21,9 +21,9 @@ CLOCK: contextvars.ContextVar[Callable[[], float]] = contextvars.ContextVar("cal
 def steady(rates: list[float], cpu_clock: bool | None = None) -> float:
     """The rate a kernel runs at, from repeated samples.  Timed in CPU seconds (``cpu_clock``; default: whether
     ``CLOCK`` is a CPU-time clock), other processes' load does not enter a sample: what spreads them is the
-    host's own speed (this VM switches between two speeds within seconds), which the predicted steps meet
-    alike, so the median, the statistic their measurement takes (the upper quartile had priced the grids of
-    benchmarks/time_accuracy.py 11% and 19% faster than measured on average).  Timed by a wall clock, other work only
+    host's own speed (a shared VM can switch between speeds within seconds), which the predicted steps meet
+    alike, so the median, the statistic their measurement takes (the upper quartile priced the grids of
+    benchmarks/time_accuracy.py too fast: docs/cpu.md).  Timed by a wall clock, other work only
     ever slows a sample down: the upper quartile, the kernel's own rate."""
     if len(rates) < 2:
         return rates[0]
@@ -84,9 +84,9 @@ TURNS = 4  # turns each kernel of an alternated group is timed in (``alternated`
 
 def alternated(kernels: dict, seconds: float, sync, turns: int = TURNS, at_least: int = 1) -> dict:
     """Per key, the steady rate of ``kernels[key] = (call, work per call)``: the keys timed in turn, ``turns``
-    times each, ``seconds`` in all.  Why: this host's speed moves within a second (the bf16 / fp32 rate of
-    one matmul shape read 1.57-1.94 in back-to-back 80 ms windows), and a prediction compares the figures of
-    one kernel's variants (fp32 against bf16); timed in turns, they meet the same speeds.  A turn starts only
+    times each, ``seconds`` in all.  Why: a shared host's speed moves within a second (docs/cpu.md), and a
+    prediction compares the figures of one kernel's variants (fp32 against bf16); timed in turns, they meet the
+    same speeds.  A turn starts only
     within ``seconds`` of wall clock (a call longer than its share gets fewer turns); past that, turns of one
     sample a key go on while a key has fewer than ``at_least`` (a kernel whose speed swings needs several)."""
     clock = CLOCK.get()
@@ -138,9 +138,8 @@ def _cycling(fn, sets: list):
 
 def _linear_layer(device, dtype, shape):
     """(call, FLOPs of the call) of one linear layer's three matmuls at (m, k, n), outputs into fresh memory
-    (measured here at (512, 128, 352) in bf16: 671 GFLOP/s into a reused buffer, 414 into kept outputs,
-    ~200 in a real step; fp32 137 / 118 / ~110): the forward x @ w^T, the input gradient g @ w and the weight
-    gradient g^T @ x, on operands cycled out of cache."""
+    (a reused buffer runs well above a step's rate: docs/cpu.md): the forward x @ w^T, the input gradient
+    g @ w and the weight gradient g^T @ x, on operands cycled out of cache."""
     import torch
 
     m, k, n = shape
@@ -227,9 +226,9 @@ def _bmm_curves(device, dtypes: dict, seconds: float, sync) -> dict[str, list[li
 SDPA_SHAPES = ((64, 32, 2, 16), (128, 32, 2, 16), (256, 64, 2, 16), (512, 64, 1, 8))
 
 
-# samples each fused-attention call gets at least: bf16's backward here swings between 4.6 and 7.9 ms a call
-# (s 128, d 32, 16 entries) in runs of a few calls, fp32's and the forwards stay within ~10%; a round's 1-3
-# samples priced HF GPT-2's bf16 attention backward 10.5-15.3 ms an update from one calibration to the next
+# samples each fused-attention call gets at least: bf16's backward on CPU swings from call to call where fp32's
+# and the forwards hold steady, and a round's 1-3 samples moved a model's priced attention backward from one
+# calibration to the next (docs/cpu.md)
 SWINGING = 5
 
 
@@ -256,9 +255,9 @@ def _sdpa_curves(device, dtypes: dict, seconds: float, sync
     counts them, 4 s^2 d forward and 10 s^2 d backward per entry, no causal halving; start curves: the same x,
     seconds of a call beyond its entries' work), from each shape timed at two entry counts, t(H) = start + H w,
     every dtype's calls of a shape timed in turns (``alternated``).
-    Why: on this CPU in bf16 the backward has a large cost per call (s 128, d 32: 4.2 ms at 8 entries, 6.0 at
-    16) and runs at ~1/5 of fp32's speed, while the forward is faster than fp32's; one rate for both, at one
-    entry count, mispriced a bf16 step's attention by 2-9x."""
+    Why: on a CPU in bf16 the backward can have a large cost per call and run far below fp32's speed while the
+    forward runs faster than fp32's; one rate for both, at one entry count, mispriced a bf16 step's attention
+    several-fold (docs/cpu.md)."""
     rates: dict[str, list[list[float]]] = {}
     starts: dict[str, list[list[float]]] = {}
     live = dict(dtypes)
@@ -290,9 +289,7 @@ def keeping(fn, budget: int = COLD_BYTES):
     into the buffer the previous call just freed, so its writes miss the cache.  Timing a kernel whose output
     is freed and reused at once measures the warm-buffer rate, well above a step's.  Calibration runs in the steady allocator regime
     (batchlab.host.regime), as the measured processes do, so the freed budget is reused without page faults and
-    what remains is the cache miss (measured here in that regime: a 2 MiB multiply 0.26 ms into outputs kept
-    up to 8 MiB, 0.40 ms up to 32, 128 or 512 MiB; with glibc's defaults the same kept outputs also faulted
-    their pages in, 2-4 us per 4 KiB page)."""
+    what remains is the cache miss (docs/cpu.md, "Figures behind the code's choices")."""
     kept: list = []
     state = {"bytes": 0}
 
@@ -344,8 +341,7 @@ def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
     """Seconds per output element of each class's representative kernel, fp32 and bf16: tanh-GELU and its
     gradient, softmax and layer norm over rows of 128, log-softmax over rows of 1024, a causal masked_fill
     of 128 x 128 blocks, the dropout RNG (bernoulli_); and of each transcendental kernel an op list names
-    (``activation/silu:fp32``): their costs differ by more than the class allows (fp32 here, ns per element:
-    tanh-GELU 2.0, SiLU 0.6, tanh 3.5, tanh's gradient 0.14 against tanh-GELU's 2.1).  The operand stays
+    (``activation/silu:fp32``): their costs differ by more than the class allows (docs/cpu.md).  The operand stays
     in cache, as the previous op's output mostly is; outputs are kept, as a step's are (``keeping``)."""
     import torch
     import torch.nn.functional as F

@@ -3,10 +3,9 @@ real process group (torch.distributed over loopback), each sample right after bo
 of matmuls, so gloo's threads wake from a computing process and the ranks arrive apart, as they do at a
 gradient bucket.  A figure is the mean of the two ranks' medians: the later rank's is the all-reduce, the
 earlier one's adds its wait for the later, and a DP update pays the mean of the two beyond its ranks' mean
-compute.  Here the tiny GPT's gradients (two DDP buckets and the token count) cost 16-20 ms inside its DDP
-update; this prices them at 1.6x (8.5-31 ms) what idle all-reduces started together after a barrier gave in
-the same minutes (7.7-17 ms at the median; their lower quartile, which priced them before, under half).
-Torch is imported inside the functions."""
+compute.  Idle all-reduces started together after a barrier price a DP update's gradients well under what they
+cost inside the update (docs/cpu.md, "Figures behind the code's choices").  Torch is imported inside the
+functions."""
 from __future__ import annotations
 
 import multiprocessing
@@ -72,7 +71,7 @@ def allreduce_timed(sizes: tuple[int, ...], seconds: float) -> dict:
     here, over gloo, right after ``BURST_S`` of compute on both (the mean of the ranks' medians; wall clock: a
     rank waits on its peer, which is the cost; RuntimeError where they cannot run it); skew, the median over
     the samples of how much longer the slower rank took over the same matmuls than the two ranks' mean
-    (0.035: 3.5%), which a DP update waits for between its all-reduces (here 3-4% at 15, 50 and 150 ms)."""
+    (0.035: 3.5%), which a DP update waits for between its all-reduces."""
     # fork: no interpreter start-up per rank; a parent's OpenMP pool is no hazard, as the ranks run no parallel
     # region (one intra-op thread each: gloo, a fill and the matmuls; checked with the parent at 2 threads)
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"

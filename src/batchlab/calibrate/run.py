@@ -67,10 +67,9 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
                  shapes: tuple[tuple[int, int, int], ...] | None = None, threads: int | None = None,
                  rounds: int | None = None) -> Calibration:
     """Measure what the per-op time model needs in ``ROUNDS`` rounds, the shares of ``seconds`` adding up to
-    ~2x it (each kernel's minimum samples; measured 18.5-24 s at the default 10 on this 2-core CPU, as its
-    speed varied): the matmul curves, fp32 and bf16 of each shape timed in turns (34% linear layers, 8%
-    attention's batched matmuls, 10% fused attention forward and backward, plus what its calls need for
-    ``kernels.SWINGING`` samples each), element-wise bandwidth (12%), per-element kernels (15%), per-op
+    ~2x it (each kernel's minimum samples; docs/cpu.md gives a 2-core VM's figure): the matmul curves, fp32
+    and bf16 of each shape timed in turns (34% linear layers, 8% attention's batched matmuls, 10% fused
+    attention forward and backward, plus what its calls need for ``kernels.SWINGING`` samples each), element-wise bandwidth (12%), per-element kernels (15%), per-op
     dispatch in fp32, under autocast and under selective checkpointing (25%, in ``SLICES`` slices a round),
     on CPU the slowdown of two processes running alike at once (15%, one alternation with each slice, in CPU
     seconds: longer on a loaded machine; plus ~0.3 s a round to start them) and gloo's all-reduce between two
@@ -131,12 +130,10 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
 LINK = "gloo all-reduce between 2 local processes after 15 ms of compute, median"
 
 # Every kernel is timed in each of ROUNDS rounds of a third of the budget, and its figure is the median over
-# them: this host switches speed within seconds, so one window per kind (the fp32 dispatch in one second, the
-# autocast dispatch in the next) made figures a change compares come from different speeds (the fp32 -> bf16-mixed
-# ratio of one config moved 0.88-1.02 from one calibration to the next).  The contention of two processes is
-# bimodal here for seconds at a time (compute x1.0 or x1.8: the two vCPUs on separate cores, or on one core's
-# two hardware threads); one window read either, a DP 1 -> 2 prediction 1.04 or 1.63 against 1.06-1.22 measured.
-# gloo's all-reduce too: one window's fit priced the tiny GPT's gradients at 4.4 or 8.4 ms minutes apart.
+# them: a shared host can switch speed within seconds, so one window per kind (the fp32 dispatch in one second,
+# the autocast dispatch in the next) made figures a change compares come from different speeds.  The contention
+# of two processes can be bimodal for seconds at a time (two vCPUs on separate cores, or on one core's two
+# hardware threads), and gloo's all-reduce moves with it; one window read either state (docs/cpu.md).
 ROUNDS = 3
 
 

@@ -22,6 +22,8 @@ def load_commands(names=None) -> typer.Typer:
 def __getattr__(name: str):
     if name == "app":  # `from batchlab.cli import app`: the application with every command
         return load_commands()
+    if name == "click_command":  # the click command under the typer app: what the docs' CLI reference reads
+        return typer.main.get_command(load_commands())
     raise AttributeError(name)
 
 

@@ -140,7 +140,7 @@ def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
                      "yes" if r.estimate.memory.fits else "no"))
     title = (f"--vary {name}  [formula]  (arrows versus the first possible value; ≈ within "
              f"{SAME_TOLERANCE:.0%})")
-    if len(body) > PLAIN_ROWS:  # rich's table layout costs ~2 ms a row; long sweeps print plain columns
+    if len(body) > PLAIN_ROWS:  # rich's table layout costs milliseconds a row: long sweeps print plain columns
         widths = [max(len(str(row[i])) for row in (header, *body)) for i in range(len(header))]
         console.print(title, markup=False, highlight=False)
         for row in (header, *body):

@@ -137,8 +137,8 @@ _GPUS = (
 def _cpu() -> DeviceSpec:
     """This machine's CPU: its memory (host.memory_bytes()); its nominal peak read from the host, cores x clock
     x vector FLOPs per cycle (host.cpu_peak_flops()); memory bandwidth a nominal 10 GB/s — run
-    ``batchlab calibrate`` for measured rates.  DP ranks on one host all-reduce over loopback gloo
-    (~0.5 GB/s bus bandwidth seen here under load)."""
+    ``batchlab calibrate`` for measured rates.  DP ranks on one host all-reduce over loopback gloo at a nominal
+    0.5 GB/s of bus bandwidth (docs/cpu.md, "Figures behind the code's choices")."""
     mem = host.memory_bytes()
     peak, how = host.cpu_peak_flops()
     return DeviceSpec("cpu", Backend.CPU, mem or 16 * GiB, peak, peak, 10e9, 0.5e9, 0.5e9, gpus_per_node=64,

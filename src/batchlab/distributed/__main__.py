@@ -86,8 +86,8 @@ def run(spec: Path, out: Path) -> None:
     import torch.distributed as dist
 
     # Every rank has its results on disk; leave together and skip C++ teardown: tearing down gloo and
-    # DDP's reducer at interpreter exit aborted a rank now and then here ("terminate called without an
-    # active exception", SIGABRT in about 1 run in 10 on 2 CPU ranks).
+    # DDP's reducer at interpreter exit can abort a rank ("terminate called without an active exception",
+    # SIGABRT; docs/cpu.md).
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -23,7 +23,7 @@ from batchlab.config import ConfigError, Precision, RunConfig
 from batchlab.distributed.forked import rank_env
 from batchlab.host import free_port
 
-ATOL = 1e-6  # fp32; the differences seen here after two updates are ~1e-9 (reduction order only)
+ATOL = 1e-6  # fp32; engines differ by reduction order only, orders of magnitude below this (docs/cpu.md)
 
 
 @dataclass(frozen=True)

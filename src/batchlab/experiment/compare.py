@@ -32,8 +32,7 @@ from batchlab.timeline.data import Timeline, compact
 DEFAULT_CHANGE = "micro_batch=1:2"
 DEFAULT_TOKEN_BUDGET = 10_000_000  # tokens; the ratio does not depend on it (steady state), the seconds do
 # CPU measurements pin one intra-op thread unless told otherwise: on a shared machine more threads than free
-# cores make OpenMP workers wait on each other, and the paired ratios scatter with the contention (measured
-# on the 2-core machine at load 7: update-time ratios 0.05-7.4 with torch's 2 threads, 0.65-0.80 with 1).
+# cores make OpenMP workers wait on each other, and the paired ratios scatter with the contention (docs/cpu.md).
 DEFAULT_CPU_THREADS = 1
 
 

@@ -1,7 +1,7 @@
 """The experiment record: what ``compare`` returns, the notebook stores and ``compare --json`` prints.
 
-A tree of frozen dataclasses; ``to_dict`` gives the JSON form (the README's ``compare --json`` contract),
-``from_dict`` reads it back.  ``schema`` is the record's version: rows written before it existed carry none
+A tree of frozen dataclasses; ``to_dict`` gives the JSON form (the ``compare --json`` contract:
+docs/reference/json.md), ``from_dict`` reads it back.  ``schema`` is the record's version: rows written before it existed carry none
 and are version 1, which has the same fields as 2; version 3 adds each side's memory timeline.  Older rows
 read unchanged (no timelines); a row from a newer batchlab is refused.
 The configs, the formula's estimates (``Estimate.to_dict``), semantics and factors stay in their own stored

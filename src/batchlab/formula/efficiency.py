@@ -3,7 +3,7 @@ grounded in published runs, the bus bandwidth a collective gets, and how much co
 behind compute.  Pure data and small functions (no torch); formula/timing.py applies them.
 
 The fraction is of *hardware* FLOPs (with recompute) over the dense peak, the quantity the time model divides
-by, i.e. the HFU the published runs imply (benchmarks/published_mfu.md, benchmarks/published_runs.toml; the
+by, i.e. the HFU the published runs imply (docs/accuracy/published_mfu.md, benchmarks/published_runs.toml; the
 median over the runs of each card class and precision that were not held out).
 """
 from __future__ import annotations

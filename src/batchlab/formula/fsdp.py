@@ -50,7 +50,7 @@ def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, k
         kept_below -= kept[i]
         # the block's reduce-scatter: flat fp32 input + output shard, the unsharded gradient being copied in.
         # ZeRO-2's block is resharded first; ZeRO-3's too or not yet, as gloo's worker threads release the
-        # gathered buffers (seen both ways here, one block apart): the later, higher case is taken
+        # gathered buffers (either can happen, one block apart): the later, higher case is taken
         at_rs = dict(resident, parameters=shards + gathered - (0 if z3 else block),
                      gradients=grads + block_grad + block_grad // dp,
                      activations=below_layers + kept_below, recompute=0, temporaries=block_grad)

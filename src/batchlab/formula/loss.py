@@ -11,7 +11,7 @@ logits and the log-sum-exp, and writes the logits' gradient in their place.  Cla
 ``*ForSequenceClassification``): no LM head; a pooled b x labels output whose loss keeps nothing of note.
 Compiled (``torch.compile`` of the full loss, as torchtitan does with --training.compile since 2025): the
 min-cut partitioner AOTAutograd gives inductor saves the 16-bit logits and two per-row fp32 statistics and
-recomputes the rest in one fused backward kernel (seen here with the aot_eager_decomp_partition backend).
+recomputes the rest in one fused backward kernel (checked with the aot_eager_decomp_partition backend).
 
 Symbols: N = s·b tokens, V vocabulary, e the activation element size.
 """

@@ -50,8 +50,8 @@ class OpClass(Choice):
 # through the autograd engine, data and optimizer are plain no-grad calls.
 DISPATCH_KIND = {Phase.DATA: "plain", Phase.FORWARD: "forward", Phase.RECOMPUTE: "forward",
                  Phase.BACKWARD: "backward", Phase.OPTIMIZER: "plain"}
-# Selective checkpointing's TorchDispatchMode runs Python per op of the block: ~40 us more per op in forward on
-# this CPU (a layer-norm / linear / GELU block: 48.6 against 6.8 us per op), and its cached mode in recompute
+# Selective checkpointing's TorchDispatchMode runs Python per op of the block: several times a plain op's
+# dispatch cost per op in forward (docs/cpu.md), and its cached mode in recompute
 SAC_KIND = {Phase.FORWARD: "forward-sac", Phase.RECOMPUTE: "recompute-sac"}
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_dot_product_flash_attention",
@@ -240,9 +240,8 @@ class OpCosts:
     def excess_bytes(self, op: OpCount) -> float:
         """Bytes a linear-layer matmul call moves beyond what the calibration's shape of the same FLOPs moved:
         the curve's rate already pays for those; a skinny call (few tokens against a wide weight) streams far
-        more per FLOP, and the extra comes from beyond the cache (``memory``'s largest size).  Measured here at 1
-        thread: (32, 128, 512) ran at 41 GFLOP/s on operands cycled out of cache, 57 on warm ones, where the curve
-        (shapes (128, 64, 64) and (256, 128, 128) either side) said 55."""
+        more per FLOP, and the extra comes from beyond the cache (``memory``'s largest size); bytes in, bytes out.
+        The measurement behind it: docs/cpu.md, "Figures behind the code's choices"."""
         if not self.matmul_intensity:
             return 0.0
         moved = op.flops / interpolate_log(self.matmul_intensity, op.flops) * (0.5 if op.low_precision else 1.0)

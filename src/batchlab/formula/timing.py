@@ -24,19 +24,19 @@ from batchlab.formula.oplist import update_ops
 from batchlab.formula.sharding import collective_seconds, traffic
 
 # Nominal per-op costs where nothing was calibrated (seconds).  CPU: eager PyTorch's Python + dispatcher
-# cost per aten op, 5-11 us measured by `batchlab calibrate` on these 2-core machines; CUDA/MPS: the host
-# side of a kernel launch, ~5-10 us in eager PyTorch.  MATMUL_START: a matmul call's fixed start-up (blocking,
-# packing, a launch), which is why small matmuls stay far below the peak.
+# cost per aten op, as `batchlab calibrate` measures it (docs/cpu.md, "Figures behind the code's choices");
+# CUDA/MPS: the host side of a kernel launch, ~5-10 us in eager PyTorch.  MATMUL_START: a matmul call's fixed
+# start-up (blocking, packing, a launch), which is why small matmuls stay far below the peak.
 # An op under selective checkpointing's Python dispatch mode (opcost.SAC_KIND) costs host-side Python on every
-# backend: 29-43 us in forward and 23-32 us in recompute per op in eight calibrations of these 2-core machines.
+# backend, seconds per op in forward and in recompute (calibrated figures: docs/cpu.md).
 NOMINAL_SAC = {"forward-sac": 35e-6, "recompute-sac": 28e-6}
 NOMINAL_DISPATCH = {Backend.CPU: {"forward": 6e-6, "backward": 5e-6, "plain": 4e-6, **NOMINAL_SAC},
                     Backend.CUDA: {"forward": 8e-6, "backward": 7e-6, "plain": 5e-6, **NOMINAL_SAC},
                     Backend.MPS: {"forward": 12e-6, "backward": 10e-6, "plain": 8e-6, **NOMINAL_SAC}}
 MATMUL_START = {Backend.CPU: 2e-6, Backend.CUDA: 5e-6, Backend.MPS: 10e-6}
-# CPU per-element kernels, cycles per element on one core (x86 with AVX-512, measured here): tanh-GELU 13,
-# its gradient 35, softmax 5, log-softmax over the vocabulary 14 and a broadcast-mask masked_fill 13 (2.7x and
-# 2.6x softmax in a step here), layer norm 4, the dropout RNG 50.  GPUs are bandwidth-bound on these: bytes decide.
+# CPU per-element kernels, cycles per element on one core: nominal figures of an x86 core with AVX-512, by class
+# (docs/cpu.md, "Figures behind the code's choices"); `batchlab calibrate` measures the host's own.  GPUs are
+# bandwidth-bound on these: bytes decide.
 FOLDED = 1e30  # bytes/s of work folded into an end-to-end fraction (priced at nothing)
 CPU_CYCLES_PER_ELEMENT = {"activation": 13, "activation-grad": 35, "softmax": 5, "loss": 14, "masked": 13, "norm": 4,
                           "random": 50}
@@ -213,8 +213,8 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     after_step = collective_seconds("broadcast", sent["broadcast"], cfg.dp, bw)
     hidden = exposed_comm_seconds(cfg, comm, compute, compute / cfg.accum, after_step)
     if cfg.assumptions.comm_overlap is None and local and fills_cores(cfg, costs):
-        # gloo copies and sums on the cores the ranks compute on: an all-reduce of 1 MiB issued mid-compute
-        # added 3.6-4.6 ms to the ranks here, what it takes alone (3.7-4.4 ms)
+        # gloo copies and sums on the cores the ranks compute on: an all-reduce issued mid-compute adds what it
+        # takes alone (docs/cpu.md)
         hidden = Sourced(comm, "local ranks fill the cores: gloo's copies and sums need them, nothing hidden")
     exposed = hidden.value
     update = t.seconds + exposed

@@ -139,7 +139,7 @@ class LoadSampler:
     ``thread=False``: sampled only when the caller calls ``poll()`` (an observed run calls it after each update,
     outside the timed window), at most every ``interval`` seconds and spaced so that sampling takes at most
     ``max_share`` of the wall time: a thread reading /proc while the user's update runs would take CPU and the
-    GIL from it (about 5 ms a sample with 80 processes here; it grows with the process count).
+    GIL from it (milliseconds a sample, growing with the process count: docs/cpu.md).
     """
 
     def __init__(self, interval: float = 0.5, mine: int | None = None, thread: bool = True,

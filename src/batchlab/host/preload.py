@@ -1,7 +1,7 @@
 """Libraries a measurement imports beyond warm.PRELOAD (a Hugging Face model's: transformers and its model
-classes; measure/runner.py's ``preloaded`` names them), imported once in the pre-imported process on the first request that names them, so that every later
-fork inherits them.  A Hugging Face model's fork spent ~1.7 s of CPU here importing them, of its ~2 s; a
-compare forks six.
+classes; measure/runner.py's ``preloaded`` names them), imported once in the pre-imported process on the first
+request that names them, so that every later fork inherits them.  Importing them was most of a Hugging Face
+model's fork's CPU time (docs/cpu.md); a compare forks six.
 
 A fork must still see what a fresh process would, so once they are imported a request is refused (the runner
 then starts a fresh process) when:

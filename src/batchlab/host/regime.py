@@ -1,19 +1,18 @@
 """The host allocator regime batchlab's own measuring processes run in: freed memory kept, as a GPU's caching
 allocator keeps it.
 
-glibc's malloc returns freed memory to the OS (blocks above the mmap threshold are unmapped on free; the heap
-top is trimmed past the trim threshold), so a training step that frees its activations in backward maps the
-same memory again in the next forward: measured here, the built-in tiny model (seq 128, micro-batch 8, one
-thread) took ~3,000 minor page faults per update, a cost per fault that depends on the host (a VM's nested
-paging), not on the ops.  With the three variables below glibc keeps what it once mapped (no mmap per block,
-no trimming), and after warmup the measuring process touches the heap's unused top once (``pretouch``: the
-heap's slow growth as glibc's free lists fragment), so the timed updates fault no pages in: the steady state a
-long training run reaches, and the state the per-op model's calibration is timed in.  glibc reads the
-variables at process start (``mallopt(3)`` names: M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD), so they go
-into the environment of the processes batchlab starts (the isolated worker, torchrun's ranks, the
-calibration); the user's own process (``batchlab.observe``, the integrations) is never changed.  Other
-allocators (musl, macOS, a preloaded jemalloc or tcmalloc) ignore the variables: the regime is then the
-platform's own, and said so.
+glibc's malloc returns freed memory to the OS (blocks above the mmap threshold are unmapped on free; the heap top
+is trimmed past the trim threshold), so a training step that frees its activations in backward maps the same memory
+again in the next forward: thousands of minor page faults per update on the built-in tiny model (docs/cpu.md), a
+cost per fault that depends on the host (a VM's nested paging), not on the ops.  With the three variables below
+glibc keeps what it once mapped (no mmap per block, no trimming), and after warmup the measuring process touches
+the heap's unused top once (``pretouch``: the heap's slow growth as glibc's free lists fragment), so the timed
+updates fault no pages in: the steady state a long training run reaches, and the state the per-op model's
+calibration is timed in.  glibc reads the variables at process start (``mallopt(3)`` names: M_MMAP_THRESHOLD,
+M_TRIM_THRESHOLD, M_TOP_PAD), so they go into the environment of the processes batchlab starts (the isolated
+worker, torchrun's ranks, the calibration); the user's own process (``batchlab.observe``, the integrations) is
+never changed.  Other allocators (musl, macOS, a preloaded jemalloc or tcmalloc) ignore the variables: the regime
+is then the platform's own, and said so.
 Pure Python, no torch.
 """
 from __future__ import annotations
@@ -118,8 +117,7 @@ def pretouch() -> int:
     after warmup, in a process started in the steady regime; returns the bytes touched (0 elsewhere).
 
     Why: freed memory kept is not yet a heap that no longer grows.  glibc's free lists fragment over the first
-    hundreds of updates, so the heap's high-water mark creeps up (measured here, the tiny GPT: +12 MiB over 200
-    updates at seq 128 x 8, +28 MiB over 800 with full activation checkpointing at seq 256 x 4, then flat), and
+    hundreds of updates, so the heap's high-water mark creeps up (tens of MiB, then flat: docs/cpu.md), and
     each creep faults ~1,000 fresh pages into one update.  A long run has paid those faults; touching the top
     now makes the measured updates see that state.  Kept resident (trim threshold 64 GiB): up to 256 MiB RSS."""
     if not in_effect():

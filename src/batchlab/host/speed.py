@@ -1,12 +1,11 @@
 """How fast this host runs now against while it was calibrated: a ~6 ms bundle of the calibrated kernel
 classes (a matmul, an add into fresh outputs, the dropout RNG, tiny dispatch-bound ops), timed by the
-calibration with each of its dispatch slices and by a measuring process before each timed update.  On this
-shared VM the same isolated kernels switch between two speeds within seconds (bernoulli_ 7.7 or 12-13 ns per
-element, a 50 MFLOP matmul 665 or 850 us, sampled every 1.5 s for 40 s), so an absolute update time measured a
-minute after the calibration can sit 30% off a prediction that holds at the calibration's speed.  The probe
-says which speed an update ran at; compare prints the prediction at that speed beside the one at the
-calibration's (a bound on how far the host moved rather than a correction: the sides' speed moved as the probe
-factor to the power ~0.6 over 340 benchmark sides, README).  Torch is imported inside the functions."""
+calibration with each of its dispatch slices and by a measuring process before each timed update.  On a
+shared VM the same isolated kernels can switch between speeds within seconds, so an absolute update time
+measured a minute after the calibration can sit far off a prediction that holds at the calibration's speed.
+The probe says which speed an update ran at; compare prints the prediction at that speed beside the one at the
+calibration's: a bound on how far the host moved, not a correction (docs/cpu.md, "The host speed probe").
+Torch is imported inside the functions."""
 from __future__ import annotations
 
 import itertools

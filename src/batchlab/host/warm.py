@@ -1,6 +1,6 @@
 """The warm worker: torch and the measurement stack imported once per batchlab process, and each isolated
-measurement a fork of that pre-imported, pristine process (~2 s of CPU saved per measurement: what a fresh
-Python pays to import torch here).
+measurement a fork of that pre-imported, pristine process (what a fresh Python pays to import torch is saved
+per measurement: docs/cpu.md).
 
 The pre-imported process is started as the fresh worker is (``python -P -m batchlab.measure.worker --warm FD``,
 ``child_env()``: glibc reads the allocator regime's MALLOC_* at process start, so it must start with them), lazily
