@@ -7,6 +7,8 @@ from rich.table import Table
 from batchlab.advise.acplan import ACPlan, Point
 from batchlab.util.units import fmt_bytes, fmt_seconds
 
+ROWS = 11  # frontier rows shown (the chosen plan always among them); --json has them all
+
 
 def _row(t: Table, p: Point, chosen: Point | None, budget: int) -> None:
     mark = "*" if chosen is not None and (p.ac, p.micro_batch) == (chosen.ac, chosen.micro_batch) else ""
@@ -32,7 +34,10 @@ def acplan_view(out: Console, p: ACPlan) -> None:
               box=None, pad_edge=False)
     for col in ("", "kind", "ac", "budget", "peak", "update", "fits"):
         t.add_column(col)
-    for pt in sorted(p.frontier, key=lambda q: (q.peak_bytes, q.kind))[:10]:
+    rows = sorted(p.frontier, key=lambda q: (q.peak_bytes, q.kind))
+    mine = [q for q in rows if (q.ac, q.micro_batch) == (c.ac, c.micro_batch)]
+    shown = rows[:ROWS] if mine and mine[0] in rows[:ROWS] else rows[:ROWS - 1] + mine[:1]
+    for pt in sorted(shown, key=lambda q: (q.peak_bytes, q.kind)):
         _row(t, pt, c, p.budget_bytes)
     out.print(t)
 
