@@ -61,7 +61,7 @@ def test_plan_spellings_round_trip(files):
     assert ACPolicy.parse("plan:full*4").simplified() == ACPolicy("full")
 
 
-def _brute(seconds, held, caps, total):
+def _brute(seconds, held, caps, total, kept=None, kept_cap=None):
     """The least cost over every assignment, the walk's constraints checked layer by layer."""
     best = None
     for choice in itertools.product(*(range(len(row)) for row in seconds)):
@@ -69,6 +69,8 @@ def _brute(seconds, held, caps, total):
         for i, j in enumerate(choice):
             ok = ok and below <= caps[i]
             below += held[i][j]
+        if kept is not None:
+            ok = ok and sum(kept[i][j] for i, j in enumerate(choice)) <= kept_cap
         if ok and below <= total:
             cost = sum(seconds[i][j] for i, j in enumerate(choice))
             best = cost if best is None else min(best, cost)
@@ -83,13 +85,16 @@ def test_the_dynamic_program_finds_the_brute_force_optimum():
         held = [[rng.randint(0, 9) for _ in range(m)] for _ in range(n)]
         caps = [rng.randint(0, 25) for _ in range(n)]
         total = rng.randint(0, 30)
-        want = _brute(seconds, held, caps, total)
-        got = knapsack.solve(seconds, held, caps, total, step=1)
+        two = rng.random() < 0.5  # a second total (the forward's, under autocast) on half the instances
+        kept = [[rng.randint(0, w) for w in row] for row in held] if two else None
+        kept_cap = rng.randint(0, 25) if two else None
+        want = _brute(seconds, held, caps, total, kept, kept_cap)
+        got = knapsack.solve(seconds, held, caps, total, step=1, kept=kept, kept_cap=kept_cap)
         if want is None:
             assert got is None
         else:
             assert got is not None and sum(seconds[i][j] for i, j in enumerate(got)) == pytest.approx(want)
-            assert knapsack.feasible(got, held, caps, total)
+            assert knapsack.feasible(got, held, caps, total, kept, kept_cap)
 
 
 PRESETS = ("none", "full", "every:2", "every:4", "selective", "selective-op")
@@ -217,3 +222,30 @@ def test_a_plan_measured_above_the_budget_falls_back_to_the_next_plan(tmp_path):
     report = fit_auto(goal, verify=True, measure=measure, plan_out=str(tmp_path / "plan.json"))
     assert len(seen) == 2 and seen[0][1] > budget >= seen[1][1] and seen[0][0] != seen[1][0]
     assert str(report.final.ac) == seen[1][0] and any("falling back" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("base", [
+    RunConfig(model=preset("tiny", layers=4), seq=128, micro_batch=8),
+    # autocast: the forward holds every weight copy, backward only the plain layers' (two totals)
+    RunConfig(model=preset("tiny", layers=4, attention="sdpa", dropout=0.0), seq=256, micro_batch=4,
+              precision="bf16-mixed")], ids=["fp32", "bf16-mixed"])
+def test_the_planner_finds_the_best_of_every_plan_by_the_formulas_full_estimate(base):
+    """Brute force over every per-layer plan of a 4-layer GPT (4-5 policies: 256-625 plans), each judged by the
+    formula's full estimate (not the planner's decomposed model): at budgets across the range the planner's plan
+    fits and is as fast as the fastest plan that fits; its model's peak is the full estimate's, plan by plan."""
+    from batchlab.advise.acplan import layer_model, plan_within
+
+    cals = load_all()
+    lm = layer_model(base, cals)
+    plans = []
+    for choice in itertools.product(range(len(lm.modes)), repeat=base.model.layers):
+        e = estimate(base.replace(ac=ACPolicy(ACMode.PLAN, layers=tuple(lm.modes[j] for j in choice))), cals)
+        assert lm.peak(choice) == e.memory.peak_tensor_bytes, choice
+        plans.append((e.memory.peak_bytes, e.time.update_seconds))
+    lo, hi = min(p for p, _ in plans), max(p for p, _ in plans)
+    for f in (0.0, 0.15, 0.3, 0.5, 0.7, 0.9, 1.0):
+        budget = int(lo + (hi - lo) * f)
+        best = min(t for p, t in plans if p <= budget)
+        got = plan_within(lm, budget, cals)
+        assert got is not None and got.peak_bytes <= budget
+        assert got.update_seconds == pytest.approx(best, rel=1e-9), (f, got.ac)

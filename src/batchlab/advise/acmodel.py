@@ -22,10 +22,14 @@ class LayerModel:
     held: tuple[tuple[int, ...], ...]  # per layer, per option: what it holds below the layers still in backward
     seconds: tuple[tuple[float, ...], ...]  # per layer, per option: update seconds it adds over no recompute
     walk: tuple[int, ...]  # B_i, bottom layer first
-    forward: int  # F
+    forward: int  # F: the total constraint's constant (the backward's start; the forward too where kept is None)
     optimizer: int  # O
     solved: str = MODEL_TEXT  # which peak and which costs, for the output
     provenance: str = "formula"
+    # under autocast the forward holds every layer's weight copies whatever the plan: its total counts only what
+    # the layers keep (per layer, per option) above ``forward_kept``; None: the held bytes count there too
+    kept: tuple[tuple[int, ...], ...] | None = None
+    forward_kept: int = 0
 
     @property
     def layers(self) -> int:
@@ -36,6 +40,8 @@ class LayerModel:
         for i, j in enumerate(choice):
             worst = max(worst, self.walk[i] + prefix)
             prefix += self.held[i][j]
+        if self.kept is not None:
+            worst = max(worst, self.forward_kept + sum(self.kept[i][j] for i, j in enumerate(choice)))
         return max(worst, self.forward + prefix)
 
 

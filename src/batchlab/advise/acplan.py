@@ -56,11 +56,18 @@ def layer_model(cfg: RunConfig, cals: Calibrations) -> LayerModel:
     if walked is not none:  # a profile's backward is its high point, with every layer's kept: a total constraint
         start = none.phase_peaks["backward"]
     walk = tuple(w - i * held_none for i, w in enumerate(reversed(layers)))
-    # the forward holds every layer's weight copies anyway: counting them in held is conservative there
-    forward = max(none.phase_peaks["forward"], start) - n * kept[ACMode.NONE]
+    start -= n * (kept[ACMode.NONE] + copy)
+    # the forward holds every layer's weight copies whatever the plan: its total counts the kept bytes alone
+    forward = none.phase_peaks["forward"] - n * kept[ACMode.NONE]
     base_seconds = ests[ACMode.NONE].time.update_seconds
     seconds = tuple((ests[m].time.update_seconds - base_seconds) / n for m in modes)
-    return LayerModel(cfg, modes, (held,) * n, (seconds,) * n, walk, forward, none.phase_peaks.get("optimizer", 0))
+    opt = none.phase_peaks.get("optimizer", 0)
+    # one total constraint where the forward's cannot bind before the backward start's (held >= kept per layer)
+    if not copy or forward <= start:
+        return LayerModel(cfg, modes, (held,) * n, (seconds,) * n, walk, max(start, forward), opt)
+    rows = tuple(kept[m] for m in modes)
+    return LayerModel(cfg, modes, (held,) * n, (seconds,) * n, walk, start, opt, kept=(rows,) * n,
+                      forward_kept=forward)
 
 
 def model_at(cfg: RunConfig, cals: Calibrations) -> LayerModel:
@@ -82,7 +89,8 @@ def solve(lm: LayerModel, budget: int) -> ACPolicy | None:
     if lm.optimizer > budget:
         return None
     caps = [budget - b for b in lm.walk]
-    choice = knapsack.solve(lm.seconds, lm.held, caps, budget - lm.forward)
+    second = {} if lm.kept is None else dict(kept=lm.kept, kept_cap=budget - lm.forward_kept)
+    choice = knapsack.solve(lm.seconds, lm.held, caps, budget - lm.forward, **second)
     if choice is None:
         return None
     return ACPolicy(ACMode.PLAN, layers=tuple(lm.modes[j] for j in choice))
@@ -120,8 +128,10 @@ def point(cfg: RunConfig, kind: str, cals: Calibrations, budget: int | None = No
 
 
 def plan_within(lm: LayerModel, budget: int, cals: Calibrations) -> Point | None:
-    """The model's optimum, checked by the formula's full estimate; the budget tightened by any excess."""
-    target = budget
+    """The model's optimum, checked by the formula's full estimate; the budget tightened by any excess.  The
+    first try allows the discretisation's rounding (a plan that fits to the byte is not lost to it)."""
+    slack = (lm.layers + 1) * -(-budget // knapsack.UNITS)
+    target = budget + slack
     for _ in range(TIGHTEN_TRIES):
         ac = solve(lm, target)
         if ac is None:
@@ -129,7 +139,7 @@ def plan_within(lm: LayerModel, budget: int, cals: Calibrations) -> Point | None
         p = point(lm.cfg.replace(ac=ac), "plan", cals, budget)
         if p.peak_bytes <= budget:
             return p
-        target -= max(p.peak_bytes - budget, budget // 1000)
+        target -= max(p.peak_bytes - budget, slack, budget // 1000 if target <= budget else 0)
     return None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-UNITS = 4096  # budget resolution: the largest cap in units
+UNITS = 1 << 16  # budget resolution: the largest cap in units
 
 
 def step_for(caps: Sequence[int], total_cap: int, units: int = UNITS) -> int:
@@ -20,26 +20,31 @@ def step_for(caps: Sequence[int], total_cap: int, units: int = UNITS) -> int:
 
 
 def solve(seconds: Sequence[Sequence[float]], held: Sequence[Sequence[int]], caps: Sequence[int], total_cap: int,
-          step: int | None = None) -> tuple[int, ...] | None:
-    """The option index per layer with the least total cost that meets every constraint; None: none does."""
+          step: int | None = None, kept: Sequence[Sequence[int]] | None = None,
+          kept_cap: int | None = None) -> tuple[int, ...] | None:
+    """The option index per layer with the least total cost that meets every constraint; None: none does.
+    ``kept``/``kept_cap``: a second total, ``sum(kept) <= kept_cap`` (a state is then a pair of sums, with the
+    pairs one dominates pruned)."""
     n = len(seconds)
     step = step or step_for(caps, total_cap)
     up = [[math.ceil(b / step) for b in row] for row in held]
     cap_units = [math.floor(c / step) for c in caps] + [math.floor(total_cap / step)]
-    best: dict[int, float] = {0: 0.0}  # prefix held (units) -> least cost so far
-    back: list[dict[int, tuple[int, int]]] = []  # per layer: state -> (previous state, option)
+    second = [[math.ceil(b / step) for b in row] for row in kept] if kept is not None else [[0] * len(r) for r in up]
+    second_cap = math.floor(kept_cap / step) if kept_cap is not None else math.inf
+    best: dict[tuple[int, int], float] = {(0, 0): 0.0}  # (prefix held, prefix kept) in units -> least cost
+    back: list[dict[tuple[int, int], tuple[tuple[int, int], int]]] = []  # per layer: state -> (previous, option)
     for i in range(n):
-        best = {s: c for s, c in best.items() if s <= cap_units[i]}  # layer i's backward sees the prefix below
+        best = {s: c for s, c in best.items() if s[0] <= cap_units[i]}  # layer i's backward sees the prefix below
         if not best:
             return None
-        nxt: dict[int, float] = {}
-        came: dict[int, tuple[int, int]] = {}
+        nxt: dict[tuple[int, int], float] = {}
+        came: dict[tuple[int, int], tuple[tuple[int, int], int]] = {}
         for s, c in best.items():
-            for j, (cost, w) in enumerate(zip(seconds[i], up[i])):
-                t, total = s + w, c + cost
-                if t <= cap_units[n] and (t not in nxt or total < nxt[t] - 1e-15):
+            for j, (cost, w, k) in enumerate(zip(seconds[i], up[i], second[i])):
+                t, total = (s[0] + w, s[1] + k), c + cost
+                if t[0] <= cap_units[n] and t[1] <= second_cap and (t not in nxt or total < nxt[t] - 1e-15):
                     nxt[t], came[t] = total, (s, j)
-        best = nxt
+        best = _pareto(nxt) if kept is not None else nxt
         back.append(came)
     if not best:
         return None
@@ -51,11 +56,23 @@ def solve(seconds: Sequence[Sequence[float]], held: Sequence[Sequence[int]], cap
     return tuple(reversed(out))
 
 
-def feasible(choice: Sequence[int], held: Sequence[Sequence[int]], caps: Sequence[int], total_cap: int) -> bool:
+def _pareto(states: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """Of the states with the same first sum, those no other beats on both the second sum and the cost."""
+    out: dict[tuple[int, int], float] = {}
+    last: dict[int, float] = {}
+    for s in sorted(states):
+        if states[s] < last.get(s[0], math.inf) - 1e-15:
+            out[s], last[s[0]] = states[s], states[s]
+    return out
+
+
+def feasible(choice: Sequence[int], held: Sequence[Sequence[int]], caps: Sequence[int], total_cap: int,
+             kept: Sequence[Sequence[int]] | None = None, kept_cap: int | None = None) -> bool:
     """The exact constraints, in bytes."""
     prefix = 0
     for i, j in enumerate(choice):
         if prefix > caps[i]:
             return False
         prefix += held[i][j]
-    return prefix <= total_cap
+    second = sum(kept[i][j] for i, j in enumerate(choice)) if kept is not None else 0
+    return prefix <= total_cap and (kept_cap is None or second <= kept_cap)
