@@ -16,6 +16,8 @@ and stated with its cost.
     .venv/bin/python benchmarks/time_accuracy.py             # the grid, ~3-5 min on 2 cores
     .venv/bin/python benchmarks/time_accuracy.py --quick     # smoke run (a few rows, 3 pairs)
     .venv/bin/python benchmarks/time_accuracy.py --only seq  # rows whose label contains "seq"
+    .venv/bin/python benchmarks/time_accuracy.py --parts fp32  # calibrated as the default compare is (fp32
+                                                               # parts only): the rows that need no more
 Prints Markdown on stdout (progress on stderr).  Check `uptime` first: a loaded machine inflates absolute
 times (ratios are robust to slow drift, not to bursts).
 """
@@ -34,6 +36,7 @@ import torch
 from batchlab import calibrate
 from batchlab.host import regime
 from batchlab.calibrate import family
+from batchlab.formula import calibration
 from batchlab.config import RunConfig, preset
 from batchlab.formula import estimate as formula_estimate
 from batchlab.host import cpu_hardware
@@ -290,6 +293,9 @@ def main(argv=None) -> None:
     p.add_argument("--unlisted", action="store_true",
                    help="changes and shapes the issue's grid does not list, instead of the grid")
     p.add_argument("--cached", action="store_true", help="use the cached calibration instead of measuring one now")
+    p.add_argument("--parts", default=None,
+                   help="calibrate only these parts (fp32, or fp32+bf16, fp32+sac, fp32+ranks, ...: formula/calibration.py "
+                        "SCOPES), as compare does for its configs, and keep the rows that need no other part")
     p.add_argument("--trace", choices=("hf", "all", "none"), default="hf",
                    help="which rows also get the trace's prediction (a fake-tensor run per config)")
     args = p.parse_args(argv)
@@ -304,8 +310,10 @@ def main(argv=None) -> None:
     if args.cached:
         cal, fresh = calibrate.ensure("cpu", threads=THREADS)
     else:  # calibrated in the same conditions as the measurements below (and cached for compare)
-        cal, fresh = calibrate.measure("cpu", threads=THREADS), True
+        parts = calibration.SCOPES if args.parts is None else tuple(args.parts.split("+")[1:])
+        cal, fresh = calibrate.measure("cpu", threads=THREADS, scope=parts), True
         calibrate.save(cal)
+        grid = [g for g in grid if cal.covers(config(g[0], g[2], g[3])) and cal.covers(config(g[0], g[2], g[4]))]
     # each Hugging Face model's own dispatch per op, as compare measures it the first time it meets the model
     # (calibrate/family.py); its ratios are kept with the calibration
     for model in sorted({g[0] for g in grid if g[0].startswith("hf")}):

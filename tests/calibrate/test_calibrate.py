@@ -121,16 +121,17 @@ def measured(monkeypatch, calibrated) -> list[dict]:
     """The calls ensure / auto / the command make to measure; each returns a copy of the real calibration."""
     calls = []
 
-    def fake(torch_device: str = "cpu", seconds: float = 10.0, shapes=None, threads=None) -> Calibration:
-        calls.append(dict(torch_device=torch_device, seconds=seconds, threads=threads))
-        return copy.deepcopy(calibrated)
+    def fake(torch_device: str = "cpu", seconds: float = 10.0, shapes=None, threads=None,
+             scope=run_mod.SCOPES) -> Calibration:
+        calls.append(dict(torch_device=torch_device, seconds=seconds, threads=threads, scope=set(scope)))
+        return dataclasses.replace(copy.deepcopy(calibrated), scope=[k for k in run_mod.SCOPES if k in scope])
 
     monkeypatch.setattr(run_mod, "measure", fake)
     monkeypatch.setattr(cal_mod, "measure", fake)
     return calls
 
 
-ASKED = dict(torch_device="cpu", seconds=0.5, threads=1)
+ASKED = dict(torch_device="cpu", seconds=0.5, threads=1, scope={"bf16", "sac", "ranks"})  # ensure's default: all
 
 @pytest.mark.slow
 
@@ -402,11 +403,47 @@ def test_auto_calibrates_once_and_says_so_then_stays_quiet(measured, calibrated)
     assert auto("h100-sxm", threads=1) is None  # not a CPU: nothing measured here
     assert "not calibrated" in auto("cpu", threads=1, enabled=False) and measured == []
     line = auto("cpu", threads=1)
-    assert measured == [dict(torch_device="cpu", seconds=10.0, threads=1)]
+    assert measured == [dict(torch_device="cpu", seconds=10.0, threads=1, scope=set())]  # no config: fp32 alone
     assert line.startswith("time model: calibrated this CPU once at 1 thread(s)") and "--no-calibrate" in line
     assert f"in {calibrated.seconds:.1f} s" in line
     assert auto("cpu", threads=1) is None and auto("cpu", threads=1, enabled=False) is None  # cached now
-    assert ensure("cpu", threads=1) == (calibrated, False) and len(measured) == 1
+    assert ensure("cpu", threads=1, scope=())[1] is False and len(measured) == 1
+
+
+def test_a_run_calibrates_the_parts_its_configs_need_and_a_wider_one_measures_every_part_again(measured):
+    fp32 = RunConfig()  # fp32, no selective checkpointing, DP 1: 16-bit kernels and local ranks unused
+    auto("cpu", threads=1, cfgs=(fp32, fp32.replace(micro_batch=2)))
+    assert [c["scope"] for c in measured] == [set()]
+    assert auto("cpu", threads=1, cfgs=(fp32.replace(ac="full"),)) is None and len(measured) == 1  # served
+    auto("cpu", threads=1, cfgs=(fp32, fp32.replace(precision="bf16-mixed")))
+    auto("cpu", threads=1, cfgs=(fp32.replace(dp=2),))  # with what the cache had: fp32 and bf16 from one window
+    auto("cpu", threads=1, cfgs=(fp32.replace(ac="selective"),))
+    assert [c["scope"] for c in measured] == [set(), {"bf16"}, {"bf16", "ranks"}, {"bf16", "ranks", "sac"}]
+    assert auto("cpu", threads=1, cfgs=(fp32.replace(precision="bf16-mixed", dp=2),)) is None
+
+
+def test_a_calibration_without_a_part_prices_no_config_that_needs_it(calibrated):
+    from batchlab.formula import calibrated_costs
+
+    fp32_only, cfg = dataclasses.replace(calibrated, scope=[]), RunConfig()
+    assert calibrated_costs(cfg, {cfg.device: fp32_only}) is not None
+    for other in (cfg.replace(precision="bf16-mixed"), cfg.replace(ac="selective"), cfg.replace(dp=2)):
+        # nominal rates, said so, rather than fp32's kernels standing in for bf16's or no contention at DP 2
+        assert calibrated_costs(other, {cfg.device: fp32_only}) is None
+        assert calibrated_costs(other, {cfg.device: calibrated}) is not None
+    assert "parts measured: fp32" in fp32_only.source and "parts measured" not in calibrated.source
+
+
+@pytest.mark.slow
+def test_a_calibration_of_fp32_alone_times_no_16_bit_kernel_autocast_selective_dispatch_or_ranks():
+    cal = measure("cpu", seconds=0.5, shapes=((SIDE, SIDE, SIDE),), threads=1, rounds=1, scope=())
+    assert cal.scope == [] and set(cal.matmul_curve) == {"fp32", "bmm-fp32", "sdpa-fp32", "sdpa-backward-fp32"}
+    assert cal.matmul_flops_bf16 is None and cal.memory_curve_bf16 == [] and cal.dispatch_seconds_autocast == {}
+    assert set(cal.dispatch_seconds) == {"forward", "backward", "plain"}
+    assert not any(k.endswith(":bf16") for k in cal.element_seconds) and "activation/silu:fp32" in cal.element_seconds
+    assert cal.contention == {} and cal.contention_processes == 0 and cal.loopback_bytes_per_s == 0
+    assert cal.memory_curve_inplace and cal.probe_seconds > 0
+    assert run_mod._current(cal, set()) and not run_mod._current(cal, {"bf16"})
 
 
 def test_unusable_device_is_a_config_error():
@@ -419,7 +456,7 @@ def test_unusable_device_is_a_config_error():
 def test_command_caches_and_prints_json(measured, calibrated):
     result = CliRunner().invoke(app, ["calibrate", "--seconds", "1", "--threads", "1", "--json"])
     assert result.exit_code == 0, result.output
-    assert measured == [dict(torch_device="cpu", seconds=1.0, threads=1)]
+    assert measured == [dict(torch_device="cpu", seconds=1.0, threads=1, scope={"bf16", "sac", "ranks"})]  # all parts
     payload = json.loads(result.output)
     assert Calibration.from_dict(payload) == calibrated  # what measure returned, printed whole
     assert payload["provenance"] == "calibrated" and payload["source"].startswith("calibrated on")

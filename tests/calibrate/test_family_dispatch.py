@@ -124,7 +124,7 @@ def test_a_model_whose_code_refuses_the_small_shape_is_priced_with_batchlabs_gpt
 
 def test_auto_measures_the_compared_models_own_dispatch(monkeypatch):
     seen = []
-    monkeypatch.setattr(run_mod, "ensure", lambda device, threads=None: (None, False))
+    monkeypatch.setattr(run_mod, "ensure", lambda device, threads=None, scope=(): (None, False))
     monkeypatch.setattr(family, "ensure", lambda cfg, threads=None: seen.append((cfg, threads)) or "measured")
     assert run_mod.auto("cpu", threads=1, cfgs=(GPT2, GPT2, GPT2.replace(seq=64))) == "measured\nmeasured"
     assert [t for _, t in seen] == [1, 1]

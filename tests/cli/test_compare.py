@@ -80,6 +80,9 @@ def test_formula_only_is_labelled_and_saved(tmp_path):
     r = invoke(*SMALL, "--formula-only", "--change", "ac=none:full", "--notebook", str(tmp_path / "nb.sqlite"))
     assert "formula only (paper derivation, nothing measured)" in " ".join(r.stdout.split())
     assert "prediction (none)" not in r.stdout and "your prediction: none written down" in r.stdout
+    assert "time model: per-op sum over" not in r.stdout  # the rates and their source: --verbose
+    r = invoke(*SMALL, "--formula-only", "--change", "ac=none:full", "--notebook", str(tmp_path / "nb.sqlite"),
+               "--verbose")
     text = " ".join(r.stdout.split())  # the time model's assumptions beside the prediction, each side
     assert "formula A: time model: per-op sum over" in text and "formula B: time model: per-op sum over" in text
 

@@ -60,6 +60,9 @@ def test_llama_target_json(tmp_path):
 def test_text_names_provenance_global_batch_and_assumptions():
     r = invoke(*LLAMA)
     assert r.exit_code == 0, r.output
+    assert "global batch = micro-batch x accum x DP" in r.stdout and "per_device_train_batch_size" not in r.stdout
+    r = invoke(*LLAMA, "--verbose")  # the assumptions and the settings for other stacks
+    assert r.exit_code == 0, r.output
     text = " ".join(r.stdout.split())
     for words in ("global batch = micro-batch x accum x DP", "[formula]", "achievable fraction",
                   "hidden behind backward", "safety margin 10%", "per_device_train_batch_size",

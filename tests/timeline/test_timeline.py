@@ -230,19 +230,20 @@ def test_measure_cli_writes_the_measured_timeline(tmp_path):
     assert max(d["samples"]["total"]) == d["peak_bytes"] == printed["memory"]["peak_bytes"]
 
 
-def test_a_measurement_asked_for_a_timeline_records_one_more_untimed_update():
+def test_a_measurement_asked_for_a_timeline_records_it_in_the_untimed_memory_update():
     from batchlab.measure.options import MeasureOptions
     from batchlab.measure.session import run_inprocess
 
     cfg = tiny(ac="full", accum=2)
-    labels = []
+    labels, plain = [], []
     m = run_inprocess(cfg, MeasureOptions(warmup=1, steps=1, timeline=True), lambda d, n, label: labels.append(label))
     t = m.timeline
-    assert "timeline" in labels and labels.index("timeline") < labels.index("timed 1/1")
+    # the memory update's tracker records it: no update more than without a timeline, none of them timed
+    assert run_inprocess(cfg, MeasureOptions(warmup=1, steps=1), lambda d, n, label: plain.append(label)).timeline is None
+    assert labels == plain and labels.index("memory") < labels.index("timed 1/1")
     assert max(t.totals) == t.peak_bytes == m.memory.peak_bytes
     assert nonzero(fold(t.at_peak)) == nonzero(m.memory.breakdown)
     assert [p.label for p in t.phases if p.phase == "backward"] == ["backward 1", "backward 2"]
-    assert run_inprocess(cfg, MeasureOptions(warmup=1, steps=1)).timeline is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

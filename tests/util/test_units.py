@@ -18,6 +18,28 @@ def test_flop_counts_keep_a_prefix_up_to_zetta_then_scientific(x, text):
     assert fmt_count(x, "FLOP") == text
 
 
+@pytest.mark.parametrize("x, unit, text", [(2.54e9, "B/s", "2.54 GB/s"), (209e6, "B/s", "209 MB/s"),
+                                           (3.94e15, "FLOP", "3.94 PFLOP"), (499e6, "B", "499 MB"),
+                                           (float("inf"), "B/s", "-"), (None, "FLOP", "-")])
+def test_one_si_formatter_for_counts_rates_and_decimal_bytes(x, unit, text):
+    # the time model's line used a second formatter that stopped at tera: 3.94e15 FLOP read "3.94e+03 TFLOP"
+    assert fmt_count(x, unit) == text
+
+
+def test_a_placeholder_rate_is_never_shown_as_a_quantity():
+    """A GPU's nominal time model folds element-wise work into its end-to-end fraction (a 1e30 B/s stand-in);
+    a latency-bound loopback fit has no bandwidth (a 1e15 B/s stand-in): both are said, not printed."""
+    from batchlab.config import RunConfig
+    from batchlab.formula import estimate
+    from batchlab.formula.opcost import UNRESOLVED, link_text
+
+    line = next(a for a in estimate(RunConfig(device="h100", precision="bf16-mixed")).assumptions
+                if a.startswith("time model:"))
+    assert "moved by memory-bound ops not priced (folded into the achievable fraction)" in line
+    assert "e+18" not in line and "TB/s" not in line
+    assert link_text(UNRESOLVED) == "no bandwidth resolved (latency-bound)" and link_text(5e8) == "500 MB/s"
+
+
 def test_bytes_pick_the_unit_that_keeps_the_number_at_least_one():
     assert fmt_bytes(0.0391 * 2**30) == "40.04 MiB"
     assert fmt_bytes(2**30) == "1.00 GiB" and fmt_bytes(512) == "512 B"

@@ -14,6 +14,7 @@ from batchlab.advise.search import Trial
 from batchlab.advise.snippets import printable
 from batchlab.advise.states import EIGHT_BIT_ADAM, StatesVerdict, states_verdict
 from batchlab.config import ModelSource, RunConfig
+from batchlab.util.text import SOURCES_POINTER
 from batchlab.util.units import fmt_bytes, fmt_seconds, relative_to
 
 
@@ -97,11 +98,11 @@ def candidate_line(c: Candidate, goal: Goal) -> str:
             f"{fmt_seconds(c.time_to_tokens_seconds)} to {goal.tokens:.3g} {unit} \\[{how}]")
 
 
-def alternatives(report: FitReport, top: int) -> Table:
+def alternatives(report: FitReport, top: int, verbose: bool = True) -> Table:
     p, goal = report.plan, report.plan.goal
     rec = p.recommended
-    t = Table(title=f"Largest micro-batch per policy within the margin, fastest first; then policies that do not fit "
-                    f"\\[{p.predictor}] ({len(p.candidates)} configurations evaluated)", header_style="bold")
+    t = Table(title=f"Largest micro-batch per policy within the margin, fastest first \\[{p.predictor}] "
+                    f"({len(p.candidates)} configurations evaluated)", header_style="bold")
     for col in ("", "micro x accum x DP", "act. checkpointing", "ZeRO", "peak", "headroom", "update",
                 f"to {goal.tokens:.3g} {p.counted.value}", "vs chosen"):
         t.add_column(col, justify="left" if col in ("", "act. checkpointing") else "right")
@@ -112,12 +113,15 @@ def alternatives(report: FitReport, top: int) -> Table:
                   fmt_bytes(c.peak_bytes), fmt_bytes(goal.capacity_bytes - c.peak_bytes), fmt_seconds(c.update_seconds),
                   fmt_seconds(c.time_to_tokens_seconds),
                   _pct(c.time_to_tokens_seconds / rec.time_to_tokens_seconds - 1) if rec else "-")
-    for c in unfit_options(p.candidates, p.ranked)[:top]:
+    for c in unfit_options(p.candidates, p.ranked)[:top if verbose else UNFIT_ROWS]:
         cfg = c.config
         t.add_row("", f"{cfg.micro_batch} x {cfg.accum} x {cfg.dp}", str(cfg.ac), str(cfg.zero),
                   fmt_bytes(c.peak_bytes), fmt_bytes(goal.capacity_bytes - c.peak_bytes), "", "",
                   "over margin", style="dim")
     return t
+
+
+UNFIT_ROWS = 3  # policies that do not fit, shown by default (--top of them with --verbose)
 
 
 def trial_line(t: Trial, n: int, budget: int | None = None) -> str:
@@ -182,24 +186,28 @@ def remedies(out: Console, items: list[Remedy], goal: Goal, states: StatesVerdic
                   f"\\[formula]; {r.changes}")
 
 
+SETTINGS_HINT = "--verbose: the choice as a config file and for PyTorch, torchtitan, accelerate, HF, Lightning, DeepSpeed"
+
+
 def snippets(out: Console, cfg: RunConfig) -> None:
     for title, text in printable(cfg):
         out.print(f"[bold]{escape(title)}[/]:")
         out.print(text, markup=False, highlight=False, soft_wrap=True)  # no wrapping inside pasted code
 
 
-def fit_report(out: Console, report: FitReport, top: int, with_header: bool = True) -> None:
-    """``with_header=False``: it was printed before the trials ran."""
+def fit_report(out: Console, report: FitReport, top: int, with_header: bool = True, verbose: bool = True) -> None:
+    """``with_header=False``: it was printed before the trials ran.  Without ``verbose``: the settings for
+    other stacks and the assumptions are left out (a line says where they are)."""
     p, goal = report.plan, report.plan.goal
     if with_header:
         header(out, goal)
     if p.recommended is None:
         remedies(out, report.remedies, goal, report.states)
-        _assumptions(out, p.assumptions)
+        _assumptions(out, p.assumptions, verbose)
         return
     out.print(f"[bold]recommended by the {p.predictor}:[/] {candidate_line(p.recommended, goal)}")
     out.print(f"  why: {p.reason}")
-    out.print(alternatives(report, top))
+    out.print(alternatives(report, top, verbose))
     if report.verification is not None:
         out.print(trials_table(report))
         line = limits_line(report)
@@ -212,16 +220,23 @@ def fit_report(out: Console, report: FitReport, top: int, with_header: bool = Tr
     if report.final is not None:
         out.print(f"[bold green]chosen[/] ({report.source}): {report.final.global_batch_text(p.counted)}, activation "
                   f"checkpointing {report.final.ac}, ZeRO-{report.final.zero}")
-        snippets(out, report.final)
+        if verbose:
+            snippets(out, report.final)
+        else:
+            out.print(f"[dim]{escape(SETTINGS_HINT)}[/]")
     else:
         out.print(f"[bold red]no configuration chosen[/] ({report.source})")
-    _assumptions(out, p.assumptions)
+    _assumptions(out, p.assumptions, verbose)
 
 
-def _assumptions(out: Console, items: tuple[str, ...]) -> None:
+def _assumptions(out: Console, items: tuple[str, ...], verbose: bool = True) -> None:
+    if not verbose:
+        out.print(f"[dim]--verbose: the {len(items)} assumptions (device sources, time model, margin, ranking)[/]")
+        return
     out.print("[bold]assumptions[/]")
     for a in items:
         out.print(f"- {a}", markup=False, highlight=False)
+    out.print(f"[dim]{SOURCES_POINTER}[/]")
 
 
 def after_oom(out: Console, goal: Goal, now: Candidate, items: list[Advice]) -> None:

@@ -6,7 +6,8 @@ size, per-element kernels, and the fixed cost per op.
 caches it per device, torch version and thread count under platformdirs' user cache dir; the formula and the
 trace then price their ops with it for that device instead of nominal figures, and say so
 (``Calibration.source``).  measure and compare calibrate this CPU
-once automatically (``auto``).
+once automatically (``auto``), only the parts their configs need (calibration.SCOPES: 16-bit kernels, selective
+checkpointing's dispatch, local ranks' contention and link are measured when a config uses them).
 
     from batchlab.calibrate import load_all, load_cached
     cal = load_cached("cpu", threads=1)   # a batchlab device name (RunConfig.device), or None
@@ -19,10 +20,22 @@ dispatch per op, measured once per model code; run.py: measure, ensure, auto.
 """
 from __future__ import annotations
 
-from batchlab.calibrate.kernels import timed_rates
+from typing import Any
+
 from batchlab.formula.calibration import (Calibration, cache_dir, default_threads, load_all, load_cached,
                                       probe_reference, save)
-from batchlab.calibrate.run import auto, ensure, measure
+
+# what measures, imported on first use: the calculator's callers read the cache only (``batchlab estimate``)
+_LAZY = {"timed_rates": "batchlab.calibrate.kernels", "auto": "batchlab.calibrate.run",
+         "ensure": "batchlab.calibrate.run", "measure": "batchlab.calibrate.run"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'batchlab.calibrate' has no attribute {name!r}")
 
 __all__ = ["Calibration", "auto", "cache_dir", "default_threads", "ensure", "load_all", "load_cached", "measure",
            "probe_reference", "save", "timed_rates"]

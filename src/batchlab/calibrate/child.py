@@ -1,21 +1,36 @@
 """``python -m batchlab.calibrate.child ARGS_JSON OUT``: ``measure_here`` in a process batchlab started in its
-allocator regime (calibrate.run.measure starts it), the Calibration written to OUT as JSON."""
+allocator regime (calibrate.run.measure starts it where it cannot fork one: ``into``), the Calibration written to OUT
+as JSON."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
+from batchlab.formula.calibration import SCOPES
 from batchlab.calibrate.run import measure_here
 from batchlab.util.lifeline import guard
+
+
+def _measured(args: dict) -> dict:
+    shapes = tuple(map(tuple, args["shapes"])) if args.get("shapes") else None
+    scope = tuple(args.get("scope", SCOPES))
+    return measure_here(args["torch_device"], args["seconds"], shapes, args.get("threads"), args.get("rounds"),
+                        scope).to_dict()
+
+
+def into(out: Path, args: dict, parent: int | None = None) -> int:
+    """The same in a fork of the pre-imported process (host/forkcall.py)."""
+    from batchlab.host import forkcall
+
+    forkcall.write(out, _measured(args))
+    return 0
 
 
 def main(argv: list[str]) -> None:
     guard()  # never outlive the caller
     args, out = json.loads(argv[0]), Path(argv[1])
-    shapes = tuple(map(tuple, args["shapes"])) if args.get("shapes") else None
-    cal = measure_here(args["torch_device"], args["seconds"], shapes, args.get("threads"), args.get("rounds"))
-    out.write_text(json.dumps(cal.to_dict()))
+    out.write_text(json.dumps(_measured(args)))
 
 
 if __name__ == "__main__":

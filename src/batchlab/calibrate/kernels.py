@@ -306,12 +306,12 @@ def keeping(fn, budget: int = COLD_BYTES):
     return call
 
 
-def _memory_curve(device, seconds: float, sync) -> tuple[list[list[float]], list[list[float]], list[list[float]],
-                                                         float]:
+def _memory_curve(device, seconds: float, sync, low: bool = True
+                  ) -> tuple[list[list[float]], list[list[float]], list[list[float]], float]:
     """Bandwidth (bytes read + written per second) at each size, inputs cycled through more than a core's L2
     as in a step: of an out-of-place add into kept outputs (``keeping``) in fp32 and bf16, of an in-place
     ``add_`` (fp32), and of a strided copy, a (b, s, a, d) activation's transpose made contiguous as attention
-    code does."""
+    code does.  ``low`` False: no bf16 curve (empty), each other kernel timed as long as with it."""
     import torch
 
     def add_(x, y):
@@ -319,6 +319,8 @@ def _memory_curve(device, seconds: float, sync) -> tuple[list[list[float]], list
 
     curves = {(torch.float32, torch.add): [], (torch.bfloat16, torch.add): [], (torch.float32, add_): []}
     share = seconds / (len(curves) * len(MEMORY_SIZES) + 1)
+    if not low:
+        del curves[(torch.bfloat16, torch.add)]
 
     def kernel(dtype, fn, n):
         elem = torch.empty((), dtype=dtype).element_size()
@@ -333,16 +335,17 @@ def _memory_curve(device, seconds: float, sync) -> tuple[list[list[float]], list
     n = MEMORY_SIZES[1]
     sets = _copies(lambda: (torch.ones(n // (128 * 4 * 32), 128, 4, 32, device=device).transpose(1, 2),), 4 * n)
     strided = steady(timed_rates(keeping(_cycling(lambda x: x.contiguous(), sets)), 2 * 4 * n, share, sync))
-    fp32, bf16, inplace = curves.values()
-    return fp32, bf16, inplace, strided
+    return (curves[(torch.float32, torch.add)], curves.get((torch.bfloat16, torch.add), []),
+            curves[(torch.float32, add_)], strided)
 
 
-def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
+def _element_seconds(device, seconds: float, sync, low: bool = True) -> dict[str, float]:
     """Seconds per output element of each class's representative kernel, fp32 and bf16: tanh-GELU and its
     gradient, softmax and layer norm over rows of 128, log-softmax over rows of 1024, a causal masked_fill
     of 128 x 128 blocks, the dropout RNG (bernoulli_); and of each transcendental kernel an op list names
     (``activation/silu:fp32``): their costs differ by more than the class allows (docs/cpu.md).  The operand stays
-    in cache, as the previous op's output mostly is; outputs are kept, as a step's are (``keeping``)."""
+    in cache, as the previous op's output mostly is; outputs are kept, as a step's are (``keeping``).
+    ``low`` False: fp32 only, each kernel timed as long as with bf16 beside it."""
     import torch
     import torch.nn.functional as F
 
@@ -357,13 +360,14 @@ def _element_seconds(device, seconds: float, sync) -> dict[str, float]:
     kernels.update({f"activation/{name}": getattr(aten, name) for name in NAMED_ACTIVATIONS})
     kernels.update({f"activation-grad/{name}": (lambda op: lambda x: op(x, x))(getattr(aten, name))
                     for name in NAMED_ACTIVATION_GRADS})
-    xs = {tag: torch.rand(ELEMENTS // 128, 128, device=device).to(dtype)
-          for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))}
+    dtypes = ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))[:2 if low else 1]
+    xs = {tag: torch.rand(ELEMENTS // 128, 128, device=device).to(dtype) for dtype, tag in dtypes}
     out = {}
     for cost_class, fn in kernels.items():  # a kernel's precisions in turns (``alternated``)
         calls = {f"{cost_class}:{tag}": ((lambda f=fn, x=x: f(x)) if cost_class == "random"  # bernoulli_ is in place
                                     else keeping(lambda f=fn, x=x: f(x)), ELEMENTS) for tag, x in xs.items()}
-        out.update({key: 1.0 / rate for key, rate in alternated(calls, seconds / len(kernels), sync).items()})
+        share = seconds / len(kernels) * len(xs) / 2
+        out.update({key: 1.0 / rate for key, rate in alternated(calls, share, sync).items()})
     return out
 
 

@@ -14,6 +14,7 @@ import statistics
 import time
 import warnings
 
+from batchlab.formula.opcost import UNRESOLVED
 from batchlab.host import free_port
 
 SIZES = (2**14, 2**20, 4 * 2**20)  # bytes all-reduced: a message's fixed cost, up to about a small model's bucket
@@ -118,6 +119,6 @@ def ring_fit(times: dict[int, float]) -> tuple[float, float]:
     xs, ys = list(times), list(times.values())
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    bandwidth = 1.0 / max(slope, 1e-15)
+    bandwidth = 1.0 / max(slope, 1 / UNRESOLVED)
     return bandwidth, max(0.0, (my - mx * slope) / 2)
 

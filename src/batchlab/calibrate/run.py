@@ -10,11 +10,11 @@ import time
 from batchlab import host
 from batchlab.calibrate import family
 from batchlab.calibrate.concurrency import KINDS, Contention
-from batchlab.calibrate.dispatch import DispatchSampler, dispatch_trainers
+from batchlab.calibrate.dispatch import SAC, DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
                                         _matmul_curves, _memory_curve, _sdpa_curves, monotone)
 from batchlab.calibrate.link import allreduce_times, ring_fit
-from batchlab.formula.calibration import Calibration, _cache_path, default_threads, load_cached, save
+from batchlab.formula.calibration import SCOPES, Calibration, _cache_path, default_threads, load_cached, needs, save
 from batchlab.config import ConfigError
 from batchlab.host import PROBE_BUNDLE, SpeedProbe
 
@@ -30,42 +30,51 @@ def _hardware(device) -> str:
 
 
 def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tuple[int, int, int], ...] | None = None,
-            threads: int | None = None, rounds: int | None = None) -> Calibration:
+            threads: int | None = None, rounds: int | None = None, scope: tuple[str, ...] = SCOPES) -> Calibration:
     """Measure what the per-op time model needs (``measure_here``), on CPU in the allocator regime batchlab's
     measuring processes run in (batchlab.host.regime: freed memory kept): in a child process started in it where
     this one is not (this process's allocator is the caller's and stays as it is)."""
     if seconds <= 0:
         raise ConfigError("seconds", f"must be > 0, got {seconds}")
+    scope = tuple(k for k in SCOPES if k in scope)
     if torch_device.startswith("cpu") and host.needs_own_process():
         return _in_child(dict(torch_device=torch_device, seconds=seconds, shapes=shapes, threads=threads,
-                              rounds=rounds))
-    return measure_here(torch_device, seconds, shapes, threads, rounds)
+                              rounds=rounds, scope=scope))
+    return measure_here(torch_device, seconds, shapes, threads, rounds, scope)
 
 
 def _in_child(args: dict) -> Calibration:
+    """In a fork of the measurements' pre-imported process (host/forkcall.py: torch imported once for the
+    calibration and the measurements that follow), else in a fresh process; at ``threads`` OpenMP threads from
+    the start, as compare's measuring processes are (protocol.threads_env), so one pre-imported process serves both."""
     import json
     import subprocess
     import tempfile
     from pathlib import Path
 
+    from batchlab.host import forkcall
     from batchlab.util.lifeline import module_command
     from batchlab.measure.runner import child_env
 
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="batchlab-calibrate-") as tmp:
-        out = Path(tmp) / "calibration.json"
-        proc = subprocess.run(module_command("batchlab.calibrate.child", json.dumps(args), str(out)),
-                              env=child_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"calibration process failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-        cal = Calibration.from_dict(json.loads(out.read_text()))
+    env = child_env() | ({"OMP_NUM_THREADS": str(args["threads"])} if args.get("threads") else {})
+    d = forkcall.call("batchlab.calibrate.child:into", args, env)
+    if d is None:
+        with tempfile.TemporaryDirectory(prefix="batchlab-calibrate-") as tmp:
+            out = Path(tmp) / "calibration.json"
+            proc = subprocess.run(module_command("batchlab.calibrate.child", json.dumps(args), str(out)),
+                                  env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            if proc.returncode != 0 or not out.exists():
+                raise RuntimeError(f"calibration process failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+            d = json.loads(out.read_text())
+    cal = Calibration.from_dict(d)
     cal.seconds = time.perf_counter() - start  # the cost the caller paid: the child's start-up too
     return cal
 
 
 def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
                  shapes: tuple[tuple[int, int, int], ...] | None = None, threads: int | None = None,
-                 rounds: int | None = None) -> Calibration:
+                 rounds: int | None = None, scope: tuple[str, ...] = SCOPES) -> Calibration:
     """Measure what the per-op time model needs in ``ROUNDS`` rounds, the shares of ``seconds`` adding up to
     ~2x it (each kernel's minimum samples; docs/cpu.md gives a 2-core VM's figure): the matmul curves, fp32
     and bf16 of each shape timed in turns (34% linear layers, 8% attention's batched matmuls, 10% fused
@@ -76,7 +85,11 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     local processes after compute (10%, plus ~0.4 s a round to start them; the ring model fitted once to the
     rounds' medians).
     ``threads``: the intra-op thread count to measure at (CPU; restored afterwards); ``rounds``: default
-    ``ROUNDS`` (1: every kind once, as a quick check needs)."""
+    ``ROUNDS`` (1: every kind once, as a quick check needs); ``scope``: which of calibration.SCOPES to measure
+    beyond the fp32 kernels and dispatch (default all; each kernel measured is timed as long either way, so a
+    smaller scope saves the others' time and changes no figure's sampling).  Without "bf16", "sac" or "ranks"
+    the 16-bit kernels and autocast's dispatch, selective checkpointing's dispatch, or the contention and link
+    are left out (empty in the record)."""
     import torch
 
     from batchlab.measure.clock import synchronizer
@@ -96,9 +109,9 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
     try:
         sync = synchronizer(device)
         start = time.perf_counter()
-        n, trainers = rounds or ROUNDS, dispatch_trainers(device)
+        n, trainers = rounds or ROUNDS, dispatch_trainers(device, _precisions(scope))
         probe = SpeedProbe(CLOCK.get()) if device.type == "cpu" else None
-        k = _median_rounds([_round(device, shapes, seconds / n, sync, trainers, probe) for _ in range(n)])
+        k = _median_rounds([_round(device, shapes, seconds / n, sync, trainers, probe, scope) for _ in range(n)])
         fp32, bf16 = monotone(k["fp32"]), monotone(k["bf16"])
         link, latency = ring_fit(k["link"].get("seconds", {}))  # once, to each size's median over the rounds
         assert fp32, "fp32 matmul failed"
@@ -118,9 +131,9 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
             loopback_bytes_per_s=link, loopback_latency_s=latency, link=LINK if device.type == "cpu" else "",
             rank_skew=k["link"].get("skew", 0.0),
             cores=os.cpu_count() or 1,
-            contention=k["contention"], contention_processes=2 if device.type == "cpu" else 0,
+            contention=k["contention"], contention_processes=2 if device.type == "cpu" and "ranks" in scope else 0,
             allocator=host.state() if device.type == "cpu" else "", probe_seconds=k["speed"],
-            probe=PROBE_BUNDLE if device.type == "cpu" else "")
+            probe=PROBE_BUNDLE if device.type == "cpu" else "", scope=list(scope))
     finally:
         CLOCK.reset(token)
         torch.set_num_threads(before)
@@ -140,46 +153,58 @@ ROUNDS = 3
 SLICES = 5  # the dispatch share of a round is timed in this many slices, one before each of its longer kinds
 
 
-def _round(device, shapes, seconds: float, sync, trainers: dict, probe: SpeedProbe | None = None) -> dict:
+def _precisions(scope: tuple[str, ...]) -> tuple[str, ...]:
+    """The dispatch trainers a scope times (dispatch.dispatch_trainers)."""
+    return ("fp32",) + (("bf16-mixed",) if "bf16" in scope else ()) + ((SAC,) if "sac" in scope else ())
+
+
+def _round(device, shapes, seconds: float, sync, trainers: dict, probe: SpeedProbe | None = None,
+           scope: tuple[str, ...] = SCOPES) -> dict:
     """One round of every kernel kind, the shares of ``seconds`` as ``measure_here`` gives them; ``trainers``:
     the dispatch-bound updates (``dispatch_trainers``), built once for every round and timed in ``SLICES``
     slices spread through the round (calibrate/dispatch.py), each slice with one alternation of the two-process
     contention (CPU; calibrate/concurrency.py) and a read of the host speed probe (``speed``: the median of the
-    round's reads, so the reference too is the round's speed, not that of its first and last 60 ms)."""
+    round's reads, so the reference too is the round's speed, not that of its first and last 60 ms).
+    ``scope`` (measure_here): each kind timed for as long as with every scope, the skipped ones not at all."""
     import torch
 
-    cpu = device.type == "cpu"
+    cpu, low = device.type == "cpu", "bf16" in scope
+    ranks = cpu and "ranks" in scope
     sampler, reads = DispatchSampler(trainers, sync), []
     window = 0.15 * seconds / (SLICES * len(KINDS) * 2)  # one kind alone or at once, in one slice
-    contention = Contention(2, torch.get_num_threads(), window) if cpu else None
+    contention = Contention(2, torch.get_num_threads(), window) if ranks else None
+    per_trainer = len(_precisions(scope)) / len(_precisions(SCOPES))  # the updates alternate over the trainers
 
     def dispatch_slice():
-        sampler.run(0.25 * seconds / SLICES)
+        sampler.run(0.25 * seconds / SLICES * per_trainer)
         if contention is not None:
             contention.alternate()
         if probe is not None:
             reads.append(probe.read())
 
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}  # each kernel's precisions timed in turns
+    # each kernel's precisions timed in turns; the shares are the two precisions' (``per``: one's without bf16)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16} if low else {"fp32": torch.float32}
+    per = len(dtypes) / 2
     try:
         dispatch_slice()
-        sdpa, sdpa_start = _sdpa_curves(device, dtypes, 0.10 * seconds, sync)
+        sdpa, sdpa_start = _sdpa_curves(device, dtypes, 0.10 * seconds * per, sync)
         dispatch_slice()
-        mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync)
+        mem, mem16, inplace, strided = _memory_curve(device, 0.12 * seconds, sync, low)
         dispatch_slice()
-        matmul = _matmul_curves(device, dtypes, shapes, 0.34 * seconds, sync)
+        matmul = _matmul_curves(device, dtypes, shapes, 0.34 * seconds * per, sync)
         dispatch_slice()
-        bmm = {f"bmm-{name}": curve for name, curve in _bmm_curves(device, dtypes, 0.08 * seconds, sync).items()}
+        bmm = {f"bmm-{name}": curve for name, curve in _bmm_curves(device, dtypes, 0.08 * seconds * per,
+                                                                    sync).items()}
         bmm.update(sdpa)
         dispatch_slice()
-        elements = _element_seconds(device, 0.15 * seconds, sync)
+        elements = _element_seconds(device, 0.15 * seconds, sync, low)
     finally:
         if contention is not None:
             contention.close()
-    return dict(fp32=matmul["fp32"], bf16=matmul["bf16"], bmm=bmm, sdpa_start=sdpa_start, mem=mem, mem16=mem16,
+    return dict(fp32=matmul["fp32"], bf16=matmul.get("bf16", []), bmm=bmm, sdpa_start=sdpa_start, mem=mem, mem16=mem16,
                 inplace=inplace, strided=strided, elements=elements, dispatch=sampler.seconds(),
                 contention=contention.factors() if contention is not None else {},
-                link=allreduce_times(0.1 * seconds) if cpu else {},
+                link=allreduce_times(0.1 * seconds) if ranks else {},
                 speed=statistics.median(reads) if reads else 0.0)
 
 
@@ -199,13 +224,15 @@ def _median_rounds(rounds: list):
     return statistics.median(rounds)
 
 
-def _current(cached: Calibration) -> bool:
-    """Whether a cached calibration has what today's per-op model prices with; each older kind is measured again."""
-    cpu = cached.torch_device.startswith("cpu")
-    return (cached.op_costs() is not None  # the per-op model itself
+def _current(cached: Calibration, wanted: frozenset[str] | set[str] = frozenset(SCOPES)) -> bool:
+    """Whether a cached calibration has what today's per-op model prices with, for the ``wanted`` scopes
+    (calibration.SCOPES) and those it claims; each older kind is measured again."""
+    cpu, has = cached.torch_device.startswith("cpu"), set(cached.scope)
+    return (wanted <= has and cached.op_costs() is not None  # the per-op model itself
             and bool(cached.memory_curve_inplace)  # the step-regime curves (before them: warm loops)
             and "activation/silu:fp32" in cached.element_seconds  # transcendental kernels by name (before: by class)
-            and "forward-sac" in cached.dispatch_seconds  # dispatch under selective checkpointing (before: plain)
+            # dispatch under selective checkpointing (before: plain)
+            and ("sac" not in has or "forward-sac" in cached.dispatch_seconds)
             and bool(cached.matmul_shapes)  # the curve's shapes, which price a call's bytes beyond theirs
             # fused attention's backward on its own curves (before: priced at the forward's rate); a device whose
             # SDPA did not run has neither curve
@@ -214,19 +241,23 @@ def _current(cached: Calibration) -> bool:
             # dispatch under autocast with medians of CPU-time samples (before: fp32 dispatch for every precision,
             # upper quartiles), gloo's all-reduce after compute as the local ranks' link (before: a TCP echo over
             # loopback, then the lower quartile of idle all-reduces), the host speed probe's reference (before it: none)
-            and (not cpu or bool(cached.contention_processes and cached.allocator and cached.dispatch_seconds_autocast
-                                 and cached.link == LINK and cached.probe_seconds and cached.probe == PROBE_BUNDLE)))
+            and (not cpu or bool(cached.allocator and cached.probe_seconds and cached.probe == PROBE_BUNDLE
+                                 and ("bf16" not in has or cached.dispatch_seconds_autocast)
+                                 and ("ranks" not in has or (cached.contention_processes and cached.link == LINK)))))
 
 
-def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0
-           ) -> tuple[Calibration, bool]:
-    """The cached calibration of a local device at ``threads``, measured and cached first when there is none
-    or only an older kind (``_current``): (calibration, whether it was measured now)."""
+def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0,
+           scope: tuple[str, ...] = SCOPES) -> tuple[Calibration, bool]:
+    """The cached calibration of a local device at ``threads`` that has the ``scope`` parts (calibration.SCOPES),
+    measured and cached first when there is none, only an older kind (``_current``) or one without a part:
+    then every part measured at once (``scope`` and those the cache had), so that figures a prediction
+    compares (fp32 against bf16) come from the same rounds.  (calibration, whether it was measured now)."""
     want = default_threads() if threads is None else threads
     cached = load_cached(_device_name(torch_device), want)
-    if cached is not None and _current(cached):
+    if cached is not None and _current(cached, set(scope)):
         return cached, False
-    cal = measure(torch_device, seconds=seconds, threads=want)
+    kept = set(cached.scope) if cached is not None and _current(cached, set()) else set()
+    cal = measure(torch_device, seconds=seconds, threads=want, scope=tuple(set(scope) | kept))
     save(cal)
     return cal, True
 
@@ -243,7 +274,8 @@ def _device_name(torch_device: str) -> str:
 
 def auto(device_name: str, threads: int | None, enabled: bool = True, cfgs: tuple = ()) -> str | None:
     """``measure`` / ``compare`` on this CPU: calibrate once (cached) so their time predictions use measured
-    rates, and measure once the own dispatch per op of each Hugging Face model among ``cfgs`` (family.py).
+    rates, the parts ``cfgs`` need (record.needs: a fp32 single-process compare times no 16-bit kernel and no
+    local ranks), and measure once the own dispatch per op of each Hugging Face model among ``cfgs`` (family.py).
     Returns the lines to show the user (None when the cache served, nothing to say)."""
     if device_name != "cpu":
         return None  # GPUs: `batchlab calibrate --torch-device cuda`; the catalogue's figures otherwise
@@ -252,7 +284,7 @@ def auto(device_name: str, threads: int | None, enabled: bool = True, cfgs: tupl
         cached = load_cached("cpu", want)
         return None if cached is not None else (
             f"time model: not calibrated (--no-calibrate): nominal CPU rates at {want} thread(s)")
-    cal, fresh = ensure("cpu", threads=want)
+    cal, fresh = ensure("cpu", threads=want, scope=tuple(set().union(*map(needs, cfgs))))
     lines = [f"time model: calibrated this CPU once at {cal.threads} thread(s) in {cal.seconds:.1f} s and cached "
              f"it ({_cache_path(cal.device, cal.torch_version, cal.threads)}); --no-calibrate skips this"
              ] if fresh else []

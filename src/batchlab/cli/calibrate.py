@@ -10,6 +10,7 @@ from batchlab.cli.base import app
 from batchlab.cli.common import console, fail, print_json
 from batchlab.cli.progress import progress
 from batchlab.config import ConfigError
+from batchlab.formula.opcost import link_text
 from batchlab.util.units import fmt_bytes, fmt_count
 
 
@@ -74,7 +75,7 @@ def calibrate(
         table.add_row(f"local ranks at once: {kind}", f"x{f:.2f}",
                       f"CPU s per call, {cal.contention_processes} processes at once over one alone")
     if cal.loopback_bytes_per_s:
-        table.add_row("local ranks' all-reduce", f"{fmt_count(cal.loopback_bytes_per_s, 'B/s')} + "
+        table.add_row("local ranks' all-reduce", f"{link_text(cal.loopback_bytes_per_s)} + "
                       f"{cal.loopback_latency_s * 1e6:.0f} µs per message", cal.link + " (ring model fit)")
         table.add_row("local ranks' spread", f"{cal.rank_skew:+.1%}",
                       "the slower of 2 ranks over their mean, the same matmuls between all-reduces")

@@ -13,6 +13,7 @@ import typer
 from batchlab.config import (Assumptions, ConfigError, ModelSource, RunConfig, derive_accum, load_config_toml,
                              model_from_hf_config, parse_bytes, resolve_model)
 from batchlab.formula.profile import attach_cached, missing, needed, profiled_precision
+from batchlab.util.text import SOURCES_POINTER  # noqa: F401  (re-exported for the renderers)
 
 AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), selective (keep every "
            "matmul), selective-op (torchtitan: every other matmul + SDPA), megatron-selective (attention core), "
@@ -66,6 +67,10 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "comm_overlap": (Optional[float], None, "Fraction of communication hidden behind compute (default: the "
                                             "engine's model: DDP buckets, FSDP prefetch)."),
 }
+VERBOSE_HELP = ("Also print what the default view leaves out: the assumptions (time model, communication, allocator), "
+                "where each figure's inputs come from (device sources, calibration, per-kernel rates) and long notes. "
+                "--json and the report always hold all of it.")
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help=VERBOSE_HELP)]
 MODEL_OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp", "norm", "dropout", "attention")
 
 

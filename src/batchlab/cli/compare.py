@@ -8,7 +8,7 @@ from typing import Annotated, Any, List, Optional
 import typer
 
 from batchlab.cli.base import app
-from batchlab.cli.common import fail, with_config, with_layer_profile
+from batchlab.cli.common import Verbose, fail, with_config, with_layer_profile
 from batchlab.cli.render_experiment import show_record
 from batchlab.config import ConfigError, RunConfig
 from batchlab.experiment.change import KeepMode, build_sides, parse_change
@@ -45,7 +45,8 @@ def compare(
     note: Annotated[Optional[str], typer.Option(help="Free text kept with the experiment (what else was going on).", rich_help_panel=EXP)] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write a Markdown and a self-contained HTML report with plots into this directory.", rich_help_panel=EXP)] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar over the rounds on stderr (only on a terminal).")] = True,
-    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate", help="On CPU, calibrate the time model once at the measured thread count (about 20 s, cached) so the formula's predicted update-time ratio uses measured rates.")] = True,
+    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate", help="On CPU, calibrate the time model once at the measured thread count (cached; only the parts both sides need: about 10 s for fp32 on one process, about 20 s for every part) so the formula's predicted update-time ratio uses measured rates.")] = True,
+    verbose: Verbose = False,
 ):
     """Change one thing, predict its effect, then measure both sides interleaved (A B A B ..., fresh
     processes, warmup excluded) and get a verdict per metric with a noise band, a diagnosis where a
@@ -62,7 +63,7 @@ def compare(
         raise
     except ConfigError as e:
         fail(str(e), getattr(e, "exit_code", 2))  # a notebook save that failed after measuring: 1
-    show_record(record, book.path, report, as_json)
+    show_record(record, book.path, report, as_json, verbose)
     if any(m is not None and m.outcome is Outcome.FAILED for r in record.rounds or () for m in (r.a, r.b)):
         raise typer.Exit(1)
 

@@ -9,7 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import console as make_console, print_json, with_config, with_layer_profile
+from batchlab.cli.common import (SOURCES_POINTER, Verbose, console as make_console, print_json, with_config,
+                                 with_layer_profile)
+from batchlab.cli.sources import device_line
 from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ConfigError, Keep, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, unseen_model
@@ -26,70 +28,95 @@ def _collectives_label(cfg, t) -> str:
              "broadcast": "broadcast"}
     sent = ", ".join(f"{names[k]} {fmt_bytes(v)}" for k, v in t.collective_bytes.items() if v)
     if cfg.zero >= 2 and cfg.dp > 1:
-        return f"FSDP2 collectives, every micro-batch ({sent} per update)"
-    if cfg.zero == 1 and cfg.dp > 1:
-        return f"gradient all-reduce once per update + ZeroRedundancyOptimizer's broadcasts ({sent})"
+        return f"FSDP2 collectives, each micro-batch ({sent})"
+    if cfg.zero == 1 and cfg.dp > 1:  # DDP's gradient all-reduce + ZeroRedundancyOptimizer's broadcasts
+        return f"ZeRO-1 all-reduce + broadcasts per update ({sent})"
     return f"gradient all-reduce, once per update ({sent or fmt_bytes(t.allreduce_bytes)})"
 
 
-def _memory_table(e: Estimate) -> Table:
+def _memory_rows(e: Estimate, verbose: bool) -> list[tuple[str, int | None, str | None, str]]:
+    """(label, size, part live at the peak or None, note); by default rows that are zero throughout are left
+    out and notes kept short."""
+    m, cfg = e.memory, e.config
+    layers = m.activations_per_layer_bytes
+    rows = [
+        ("parameters", m.parameters_bytes, "parameters",
+         ("bf16 blocks FSDP2 has gathered (current, prefetched, root) and their gradients" if verbose else
+          "bf16 blocks FSDP2 gathered, with their gradients") if cfg.precision.value == "bf16-fsdp" else
+         "16-bit working copies (autocast)" if m.master_bytes else "weights"),
+        ("master weights", m.master_bytes, "master", "fp32, updated by the optimizer" if m.master_bytes else "none (not mixed)"),
+        ("gradients", m.gradients_bytes, "gradients", ""),
+        ("optimizer state", m.optimizer_bytes, "optimizer", str(cfg.optimizer)),
+        ("activations", m.activations_bytes, "activations",
+         f"{len(layers)} layers, {fmt_bytes(max(layers))} max per layer, ac={cfg.ac}"),
+        ("  of which logits/loss", m.logits_bytes, None, f"kept by the loss (--loss {cfg.loss})"),
+        ("recompute working set", None, "recompute", "one layer rebuilt during its backward"),
+        ("temporaries", None, "temporaries", "activation gradients, logits, optimizer buffers"),
+        ("data", m.data_bytes, "data", "token ids of one update"),
+    ]
+    if verbose:
+        return rows
+    return [r for r in rows if r[1] or (r[2] is not None and m.at_peak[r[2]])]
+
+
+def _memory_table(e: Estimate, verbose: bool = False) -> Table:
     m = e.memory
     t = Table(title="Memory per rank  \\[formula]", show_header=True, header_style="bold")
     for col, justify in (("part", "left"), ("size", "right"), (f"live at the peak ({m.peak_phase})", "right"),
                          ("note", "left")):
         t.add_column(col, justify=justify)
-    layers = m.activations_per_layer_bytes
     peak = m.at_peak
-    rows = [  # (label, size, part at the peak or None, note)
-        ("parameters", m.parameters_bytes, "parameters",
-         "bf16 blocks FSDP2 has gathered (current, prefetched, root) and their gradients"
-         if e.config.precision.value == "bf16-fsdp" else
-         "16-bit working copies (autocast)" if m.master_bytes else "weights"),
-        ("master weights", m.master_bytes, "master", "fp32, updated by the optimizer" if m.master_bytes else "none (not mixed)"),
-        ("gradients", m.gradients_bytes, "gradients", ""),
-        ("optimizer state", m.optimizer_bytes, "optimizer", str(e.config.optimizer)),
-        ("activations", m.activations_bytes, "activations",
-         f"{len(layers)} layers, {fmt_bytes(max(layers))} max per layer, ac={e.config.ac}"),
-        ("  of which logits/loss", m.logits_bytes, None, f"kept by the loss (--loss {e.config.loss})"),
-        ("recompute working set", None, "recompute", "one layer rebuilt during its backward"),
-        ("temporaries", None, "temporaries", "gradients of activations, logits, optimizer buffers"),
-        ("data", m.data_bytes, "data", "token ids of one update"),
-    ]
-    for name, size, part, note in rows:
+    for name, size, part, note in _memory_rows(e, verbose):
         t.add_row(name, fmt_bytes(size) if size is not None else "", fmt_bytes(peak[part]) if part else "", note)
     t.add_row("[bold]allocated[/bold]", "", f"[bold]{fmt_bytes(m.allocated_bytes)}[/bold]",
               "tensor bytes at the peak (max_memory_allocated)")
-    for why, n in m.reserved_parts.items():
-        t.add_row(f"  + {why}", "", fmt_bytes(n), "caching allocator (formula/allocator.py)")
-    verdict = "fits" if m.fits else "OUT OF MEMORY"
-    t.add_row("[bold]reserved[/bold]", "", f"[bold]{fmt_bytes(m.reserved_bytes)}[/bold]",
-              f"max_memory_reserved; capacity {fmt_bytes(m.capacity_bytes)} ({e.config.device_spec.memory_source}) "
-              f"→ [bold]{verdict}[/bold] (headroom {fmt_bytes(m.headroom_bytes)})")
-    for why, n in m.device_parts.items():
-        t.add_row(f"  + {why}", "", fmt_bytes(n), "outside the caching allocator")
+    _extra_rows(t, m.reserved_parts, "caching allocator (formula/allocator.py)", "caching allocator", verbose)
+    t.add_row("[bold]reserved[/bold]", "", f"[bold]{fmt_bytes(m.reserved_bytes)}[/bold]", "max_memory_reserved")
+    _extra_rows(t, m.device_parts, "outside the caching allocator", "CUDA context, NCCL", verbose)
     t.add_row("[bold]device view[/bold]", "", f"[bold]{fmt_bytes(m.device_bytes)}[/bold]",
-              "what nvidia-smi shows (reserved + context + NCCL)")
+              "what nvidia-smi shows" if not verbose else "what nvidia-smi shows (reserved + context + NCCL)")
     return t
 
 
-def _time_table(e: Estimate, tokens: float | None, price: float | None, currency: str = "USD") -> Table:
+def _extra_rows(t: Table, parts: dict[str, int], note: str, together: str, verbose: bool) -> None:
+    """Each part on its row under --verbose; by default one row with their sum."""
+    if verbose:
+        for why, n in parts.items():
+            t.add_row(f"  + {why}", "", fmt_bytes(n), note)
+    elif parts:
+        t.add_row(f"  + {together}", "", fmt_bytes(sum(parts.values())),
+                  f"{plural(len(parts), 'part')} (--verbose names them)")
+
+
+def _verdict(e: Estimate) -> str:
+    m = e.memory
+    verdict = "fits" if m.fits else "[bold red]OUT OF MEMORY[/]"
+    return (f"[bold]{verdict}[/]: reserved {fmt_bytes(m.reserved_bytes)} vs capacity {fmt_bytes(m.capacity_bytes)} "
+            f"per rank, headroom {fmt_bytes(m.headroom_bytes)}  \\[formula]")
+
+
+def _time_table(e: Estimate, tokens: float | None, price: float | None, currency: str = "USD",
+                verbose: bool = False) -> Table:
     t, f, cfg = e.time, e.flops, e.config
     tab = Table(title="Compute and time  \\[formula]", header_style="bold")
     tab.add_column("figure")
     tab.add_column("value", justify="right")
-    tab.add_row("model FLOPs / update (MFU counts these)", fmt_count(f.model_flops_per_update, "FLOP"))
-    tab.add_row("hardware FLOPs / update (HFU, + recompute)", fmt_count(f.hardware_flops_per_update, "FLOP"))
-    tab.add_row("compute per micro-batch", fmt_seconds(t.compute_seconds_per_micro_batch))
-    tab.add_row("  of which per-op overhead (dispatch/launch)", fmt_seconds(t.overhead_seconds_per_micro_batch))
-    tab.add_row(f"compute per update (× {cfg.accum} micro-batches)", fmt_seconds(t.compute_seconds))
-    tab.add_row(_collectives_label(cfg, t), fmt_seconds(t.allreduce_seconds))
-    tab.add_row("  exposed (not overlapped)", fmt_seconds(t.exposed_comm_seconds))
+    tab.add_row("FLOPs / update: model (MFU) / hardware (HFU, + recompute)",
+                f"{fmt_count(f.model_flops_per_update, 'FLOP')} / {fmt_count(f.hardware_flops_per_update, 'FLOP')}")
+    tab.add_row(f"compute per micro-batch (of which per-op overhead {fmt_seconds(t.overhead_seconds_per_micro_batch)})",
+                fmt_seconds(t.compute_seconds_per_micro_batch))
+    if cfg.accum > 1 or verbose:
+        tab.add_row(f"compute per update (× {cfg.accum} micro-batch{'es' if cfg.accum != 1 else ''})",
+                    fmt_seconds(t.compute_seconds))
+    if cfg.dp > 1 or verbose:
+        tab.add_row(_collectives_label(cfg, t), fmt_seconds(t.allreduce_seconds))
+        tab.add_row("  exposed (not overlapped)", fmt_seconds(t.exposed_comm_seconds))
     tab.add_row("optimizer step", fmt_seconds(t.optimizer_seconds))
     tab.add_row("[bold]update time[/bold]", f"[bold]{fmt_seconds(t.update_seconds)}[/bold]")
     tab.add_row("[bold]useful tokens/s[/bold] (all ranks)", f"[bold]{t.tokens_per_second:,.0f}[/bold]")
     peak = fmt_count(cfg.device_spec.peak_flops(cfg.precision), "FLOP/s")
-    tab.add_row(f"MFU (model FLOPs / update time / peak {peak} × {plural(cfg.dp, 'rank')})", fmt_percent(e.mfu))
-    tab.add_row("HFU (hardware FLOPs, recompute counted)", fmt_percent(e.hfu))
+    tab.add_row(f"MFU / HFU (FLOPs / update time / peak {peak} × {plural(cfg.dp, 'rank')})",
+                f"{fmt_percent(e.mfu)} / {fmt_percent(e.hfu)}")
     if tokens:
         secs = t.time_to_tokens(tokens)
         tab.add_row(f"time to {fmt_amount(tokens, 'tokens')}", fmt_seconds(secs))
@@ -100,28 +127,40 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None, currency
 
 
 def render(e: Estimate, console: Console, tokens: float | None = None, price: float | None = None,
-           currency: str = "USD") -> None:
-    cfg = e.config
+           currency: str = "USD", verbose: bool = False) -> None:
+    """The estimate on a screen; ``verbose``: every memory part, the assumptions and the full sources."""
+    cfg, t = e.config, e.time
     console.print(f"[bold]{cfg.model.name}[/bold] ({e.params.total / 1e6:,.1f} M parameters \\[formula]), seq {cfg.seq}, "
                   f"{cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
     console.print(cfg.global_batch_text())
     if unseen_model(cfg):
         console.print(f"[yellow]warning:[/] {escape(unseen_model(cfg))}: the figures below are for the stand-in "
                       f"shape given by the flags; run --trace for your model's own graph")
-    console.print(_memory_table(e))
-    console.print(_time_table(e, tokens, price, currency))
-    console.print(f"Training checkpoint file on disk (weights + optimizer state, all ranks; not activation "
-                  f"checkpointing): {fmt_bytes(e.training_checkpoint_bytes)}  \\[formula]")
-    console.print("[dim]Assumptions: " + "; ".join(e.assumptions) + "[/dim]")
+    console.print(_memory_table(e, verbose))
+    console.print(_verdict(e))
+    console.print(_time_table(e, tokens, price, currency, verbose))
+    console.print(f"Training checkpoint file on disk: {fmt_bytes(e.training_checkpoint_bytes)} \\[formula] (weights +"
+                  " optimizer state; not activation checkpointing)")
+    console.print(escape(device_line(cfg, t.ceiling_source, t.achievable_fraction, t.fraction_source)),
+                  highlight=False)
     if cfg.dp > 1:
-        console.print("[dim]Scope: the all-reduce time is a ring-bandwidth model, not a measurement of your "
-                      "cluster.[/dim]")
+        console.print("scope: the communication time is a ring-bandwidth model, not a measurement of your cluster")
+    if verbose:
+        console.print("[bold]assumptions[/bold]")
+        for a in e.assumptions:
+            console.print(f"- {escape(a)}", highlight=False)
+        console.print(f"- capacity {fmt_bytes(e.memory.capacity_bytes)}: {escape(cfg.device_spec.memory_source)}",
+                      highlight=False)
+        console.print(f"[dim]{SOURCES_POINTER}[/dim]")
+    else:
+        console.print("[dim]--verbose: every memory part, the assumptions (time model, communication, allocator) "
+                      "and full sources[/dim]")
 
 
-MAX_NOTES = 10  # lines of "not possible" under a --vary table; the rest are counted
+MAX_NOTES = 5  # lines of "not possible" under a --vary table (all of them with --verbose); the rest are counted
 
 
-def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
+def _render_vary(rows, name: str, keep: Keep, console: Console, verbose: bool = False) -> None:
     from batchlab.experiment.predict import Direction
     from batchlab.formula.vary import OUTPUTS
 
@@ -152,14 +191,21 @@ def _render_vary(rows, name: str, keep: Keep, console: Console) -> None:
         for row in body:
             tab.add_row(*row[:-1], "[red]no[/red]" if row[-1] == "no" else row[-1])
         console.print(tab)
-    for note in notes[:MAX_NOTES]:
+    shown = len(notes) if verbose else MAX_NOTES
+    for note in notes[:shown]:
         console.print(f"[yellow]{escape(note)}[/yellow]", highlight=False)
-    if len(notes) > MAX_NOTES:
-        console.print(f"[yellow]... and {len(notes) - MAX_NOTES:,} more values not possible (--json gives every "
-                      "row's why and fix)[/yellow]", highlight=False)
+    if len(notes) > shown:
+        console.print(f"[yellow]... and {len(notes) - shown:,} more values not possible (--verbose or --json "
+                      "gives every row's why and fix)[/yellow]", highlight=False)
     if keep is Keep.ACCUM and len({r.config.global_batch for r in rows if r.possible}) > 1:
         console.print("[yellow]warning: the global batch changes across rows (--keep accum): learning rate, "
                       "warmup and schedule length may need to change too.[/yellow]")
+    first = next((r for r in rows if r.possible), None)
+    if verbose and first is not None:
+        console.print(f"[bold]assumptions[/bold] (of the first possible row, {name}={first.value})")
+        for a in first.estimate.assumptions:
+            console.print(f"- {escape(a)}", highlight=False)
+        console.print(f"[dim]{SOURCES_POINTER}[/dim]")
 
 
 @app.command(help="Predict memory, FLOPs, update time and tokens/s for one configuration (formula, no torch). "
@@ -175,6 +221,7 @@ def estimate(
     trace: Annotated[bool, typer.Option("--trace", help="Also run one steady-state update of the model's own code on fake tensors (nothing allocated): peak, activations and FLOPs of the real graph, beside the formula's with its error.")] = False,
     tree: Annotated[bool, typer.Option("--tree", help="With --trace: bytes each module keeps for backward, as a tree (implies --trace).")] = False,
     timeline: Annotated[Optional[str], typer.Option(help="With --trace: write the update's memory timeline (live bytes by category, phases, the peak) to FILE.png, FILE.html or FILE.json (implies --trace).", metavar="FILE")] = None,
+    verbose: Verbose = False,
     as_json: bool = False,
 ) -> None:
     console = make_console()
@@ -189,7 +236,8 @@ def estimate(
             raise ConfigError("trace", "--trace traces one configuration; drop --vary")
         from batchlab.cli.render_trace import show
 
-        show(with_layer_profile(cfg), tree=tree, as_json=as_json, console=console, timeline=timeline)
+        show(with_layer_profile(cfg), tree=tree, as_json=as_json, console=console, timeline=timeline,
+             verbose=verbose)
         return
     if vary:
         from batchlab.formula.vary import values_of, varied, vary as vary_rows
@@ -205,7 +253,7 @@ def estimate(
         if as_json:
             print_json([r.to_dict() for r in rows])
         else:
-            _render_vary(rows, name, keep, console)
+            _render_vary(rows, name, keep, console, verbose)
         return
     e = formula_estimate(with_layer_profile(cfg), load_all())
     if as_json:
@@ -217,7 +265,7 @@ def estimate(
                 d["time"]["cost_currency"] = currency
         print_json(d)
     else:
-        render(e, console, tokens, price, currency)
+        render(e, console, tokens, price, currency, verbose)
 
 
 @app.command(help="Explain, with your numbers, what each knob moves and why.")

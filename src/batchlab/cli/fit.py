@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from batchlab.cli.base import app
-from batchlab.cli.common import console, fail, print_json, takes_ac_auto, with_config, with_goal_profile
+from batchlab.cli.common import Verbose, console, fail, print_json, takes_ac_auto, with_config, with_goal_profile
 from batchlab.config import Backend, ConfigError, ModelSource, RunConfig
 
 PANEL = "Fit"
@@ -30,6 +30,7 @@ def fit_command(
     timeout: Annotated[Optional[float], typer.Option(help="Seconds before one measurement trial is killed (recorded as failed).", rich_help_panel=PANEL)] = None,
     plan_out: Annotated[Optional[str], typer.Option(help="With --ac auto: where to write the plan (JSON; default ./batchlab-ac-plan.json); pass it back as --ac plan:FILE.", rich_help_panel=PANEL)] = None,
     plot: Annotated[Optional[str], typer.Option(help="With --ac auto: write the memory/time frontier as a PNG here.", rich_help_panel=PANEL)] = None,
+    verbose: Verbose = False,
 ):
     """Pick micro-batch, gradient accumulation and activation checkpointing for a target global batch: predict
     by formula, confirm by measurement, search in few trials only when needed.  The global batch never changes:
@@ -53,7 +54,7 @@ def fit_command(
             raise typer.Exit(_after_oom(goal, as_json))
         check_capacity(goal)
         if ac_auto():
-            raise typer.Exit(_auto(goal, verify, timeout, as_json, plan_out, plot))
+            raise typer.Exit(_auto(goal, verify, timeout, as_json, plan_out, plot, verbose))
         if plan_out or plot:
             typer.echo("warning: ignored: --plan-out/--plot: they go with --ac auto", err=True)
         out = console()
@@ -69,13 +70,13 @@ def fit_command(
     else:
         from batchlab.advise.render import fit_report
 
-        fit_report(out, report, top, with_header=False)
+        fit_report(out, report, top, with_header=False, verbose=verbose)
     if report.exit_code:
         raise typer.Exit(report.exit_code)
 
 
 def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_out: str | None,
-          plot: str | None) -> int:
+          plot: str | None, verbose: bool = False) -> int:
     """fit --ac auto: plan, prove by a run, print; the exit code."""
     from batchlab.advise import isolated_measure
     from batchlab.advise.acfit import fit_auto
@@ -107,6 +108,10 @@ def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_
 
     acplan_view(out, report.ac_plan)
     acplan_outcome(out, report)
+    if verbose:  # fit's full report of the chosen configuration: its candidate, settings for other stacks
+        from batchlab.advise.render import fit_report
+
+        fit_report(out, report, 3, with_header=False, verbose=True)
     if plot:
         out.print(f"frontier plot: {plot}")
     return report.exit_code

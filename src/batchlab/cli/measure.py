@@ -13,8 +13,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import (console, fail, print_json, typed_options, with_config, with_goal_profile,
-                                  with_layer_profile)
+from batchlab.cli.common import (SOURCES_POINTER, Verbose, console, fail, print_json, typed_options, with_config,
+                                  with_goal_profile, with_layer_profile)
+from batchlab.cli.sources import device_line
 from batchlab.config import ConfigError, RunConfig
 from batchlab.distributed.launcher import Launcher
 from batchlab.measure.options import MeasureOptions
@@ -40,8 +41,9 @@ def measure(
     nnodes: Annotated[Optional[int], typer.Option(help="torchrun --nnodes (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
     node_rank: Annotated[Optional[int], typer.Option(help="torchrun --node-rank.", rich_help_panel="Data parallel (torchrun)")] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="torchrun --rdzv-endpoint host:port (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
-    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate", help="On CPU, calibrate the time model once (about 20 s, cached per CPU, torch version and thread count) so the formula's update time uses measured rates.")] = True,
+    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate", help="On CPU, calibrate the time model once (cached per CPU, torch version and thread count; only the parts the config needs: about 10 s for fp32 on one process, about 20 s for every part) so the formula's update time uses measured rates.")] = True,
     timeline: Annotated[Optional[str], typer.Option(help="Also record one more untimed update after warmup as a memory timeline, in the measuring process (isolated with --isolate; live-storage tracker on CPU, allocator history on CUDA), and write it to FILE.png, FILE.html or FILE.json.", metavar="FILE")] = None,
+    verbose: Verbose = False,
 ):
     """Train the model under the config for real: peak memory (allocator), update time (wall-clock), useful
     tokens/s, or the out-of-memory phase; each figure beside the formula estimate.  Exit 0 when a result
@@ -90,7 +92,7 @@ def measure(
             payload["oom_advice"] = _oom_advice(cfg, as_json=True)
         print_json(payload)
     else:
-        _render(cfg, m, figures, note)
+        _render(cfg, m, figures, note, est, verbose)
         if oom:
             _oom_advice(cfg, as_json=False)
     if timeline:
@@ -164,7 +166,8 @@ def _value(row: FigureRow, value) -> str:
     return fmt_value(value, row.unit)
 
 
-def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str | None) -> None:
+def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str | None, est=None,
+            verbose: bool = False) -> None:
     out = console()
     env = m.environment
     # text from outside (model names, exception messages) is escaped: "[enforce fail ...]" is not markup
@@ -187,14 +190,31 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
             table.add_row(r.figure, _value(r, r.measured), r.measured_provenance,
                           _value(r, r.formula) if r.formula is not None else "-", fmt_difference(r.relative_difference, r.unit, r.measured, r.formula))
         out.print(table)
-    _render_details(out, m)
+    _render_details(out, m, verbose)
     if note:
         out.print(f"[dim]{escape(note)}[/]")
     for w in m.warnings:
         out.print(f"[yellow]warning:[/] {escape(w)}")
+    _render_sources(out, cfg, est, verbose)
 
 
-def _render_details(out: Console, m: Measurement) -> None:
+def _render_sources(out: Console, cfg: RunConfig, est, verbose: bool) -> None:
+    """The formula column's inputs: short names by default; its assumptions in full with ``verbose``."""
+    if est is None:
+        return
+    t = est.time
+    out.print(escape(device_line(cfg, t.ceiling_source, t.achievable_fraction, t.fraction_source, "formula inputs")),
+              highlight=False)
+    if not verbose:
+        out.print("[dim]--verbose: CPU time, allocator and page faults, the formula's assumptions and sources[/]")
+        return
+    out.print("[bold]formula assumptions[/]")
+    for a in est.assumptions:
+        out.print(f"- {escape(a)}", highlight=False)
+    out.print(f"[dim]{SOURCES_POINTER}[/]")
+
+
+def _render_details(out: Console, m: Measurement, verbose: bool = False) -> None:
     t = m.time
     if t is not None and t.samples:
         split = "  ".join(f"{k} {fmt_seconds(v)}" for k, v in t.phase_seconds.items())
@@ -203,19 +223,20 @@ def _render_details(out: Console, m: Measurement) -> None:
                   f"IQR/median {t.spread:.1%}")
         if split:
             out.print(f"per phase (median, wall-clock): {split}")
-        if t.cpu_seconds:
+        if t.cpu_seconds and verbose:
             med = statistics.median(t.cpu_seconds)
             out.print("process CPU time per update (median, all threads; the process clock, read beside the "
                       f"wall-clock one): {fmt_seconds(med)}")
-    if "allocator" in m.environment:  # host pages mapped afresh per update cost CPU time (batchlab.host.regime)
+    if "allocator" in m.environment and verbose:  # host pages mapped afresh per update cost CPU time (batchlab.host.regime)
         faults = m.environment.get("page_faults_per_update")
         out.print(escape(m.environment["allocator"])
                   + (f"; {faults:,.0f} page faults per timed update" if isinstance(faults, (int, float)) else ""))
     if m.memory is not None and m.memory.breakdown:
         parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in m.memory.breakdown.items() if v)
-        out.print(f"memory at the peak ({m.memory.provenance}: {m.memory.method}): {parts}")
+        how = f"{m.memory.provenance}: {m.memory.method}" if verbose else m.memory.provenance
+        out.print(f"memory at the peak ({how}): {parts}")
     from batchlab.cli.render_dp import lines as dp_lines
 
-    for line in dp_lines(m):
+    for line in dp_lines(m, verbose):
         out.print(line)
 

@@ -10,7 +10,7 @@ from batchlab.util.text import for_rich as escape
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import console, fail, print_json
+from batchlab.cli.common import Verbose, console, fail, print_json
 from batchlab.cli.render_experiment import show_record
 from batchlab.cli.render_observed import render_diff, render_observed
 from batchlab.config import ConfigError
@@ -56,8 +56,9 @@ def list_(notebook: NotebookOpt = None, as_json: JsonOpt = False):
 @notebook_app.command("show")
 def show(exp_id: Annotated[int, typer.Argument(metavar="ID", help="Experiment id (see `notebook list`).")],
          notebook: NotebookOpt = None, as_json: JsonOpt = False,
-         report: Annotated[Optional[Path], typer.Option(help="Write the Markdown and HTML report into this directory.")] = None):
-    """The whole record of one experiment (and its report with --report DIR)."""
+         report: Annotated[Optional[Path], typer.Option(help="Write the Markdown and HTML report into this directory.")] = None,
+         verbose: Verbose = False):
+    """The whole record of one experiment (and its report with --report DIR); --verbose: all of it on screen."""
     book = Notebook(notebook)
     try:
         record = book.get(exp_id)
@@ -79,7 +80,7 @@ def show(exp_id: Annotated[int, typer.Argument(metavar="ID", help="Experiment id
         else:
             render_observed(console(), record.to_dict(), book.path)
         return
-    show_record(record, book.path, report, as_json)
+    show_record(record, book.path, report, as_json, verbose)
 
 
 @notebook_app.command("diff")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from batchlab.distributed.launcher import Launcher
 from batchlab.measure.result import MeasuredTraffic, Measurement
+from batchlab.formula.opcost import link_text
 from batchlab.util.units import fmt_bytes, fmt_seconds
 
 _KIND_NAMES = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce",
@@ -30,14 +31,17 @@ def _kinds(d: dict[str, int]) -> str:
     return ", ".join(f"{_KIND_NAMES[k]} {fmt_bytes(v)}" for k, v in d.items() if v) or "none"
 
 
-def traffic_lines(t: MeasuredTraffic | None) -> list[str]:
-    """The engine, its accumulation semantics, and every collective counted beside the formula's."""
+def traffic_lines(t: MeasuredTraffic | None, verbose: bool = True) -> list[str]:
+    """The engine, its accumulation semantics, and every collective counted beside the formula's (per
+    micro-batch: ``verbose``)."""
     if t is None:
         return []
     verdict = "equal to the formula's" if t.matches_formula else "DIFFERENT from the formula's"
     out = [f"engine: {t.engine} = {t.api}", f"accumulation: {t.accumulation}",
            f"collectives per update ({t.provenance}): {_kinds(t.per_update)}; formula: "
            f"{_kinds(t.predicted_per_update)} ({verdict}, per micro-batch too)"]
+    if not verbose:
+        return out
     for i, (seen, predicted) in enumerate(zip(t.per_micro_batch, t.predicted_per_micro_batch)):
         out.append(f"  micro-batch {i + 1}: {_kinds(seen)}" + ("" if seen == predicted else
                                                                 f"  (formula: {_kinds(predicted)})"))
@@ -63,7 +67,7 @@ def comm_lines(m: Measurement) -> list[str]:
             predicted += f": {fmt_seconds(c.predicted_seconds)}"
             if c.predicted_bytes is not None and c.predicted_bandwidth_bytes_per_s:
                 predicted += (f" (ring 2(n-1)/n x {fmt_bytes(c.predicted_bytes)} over "
-                              f"{c.predicted_bandwidth_bytes_per_s / 1e9:.3g} GB/s)")
+                              f"{link_text(c.predicted_bandwidth_bytes_per_s)})")
         out.append(f"all-reduce time per update (median, wall-clock via comm hook, approximate): "
                    f"{fmt_seconds(c.seconds_median)}{predicted}; compute (update minus all-reduce): "
                    f"{fmt_seconds(c.compute_seconds_median)}")
@@ -108,6 +112,8 @@ def launcher_lines(m: Measurement) -> list[str]:
     return [f"ranks: {env['nproc_per_node']} on this node of {env.get('world_size', '?')}, {how}"]
 
 
-def lines(m: Measurement) -> list[str]:
-    """Everything DP-specific a report prints; empty for a one-process measurement."""
-    return launcher_lines(m) + memory_lines(m) + formula_lines(m) + traffic_lines(m.traffic) + comm_lines(m)
+def lines(m: Measurement, verbose: bool = True) -> list[str]:
+    """Everything DP-specific a report prints; empty for a one-process measurement.  Without ``verbose`` the
+    formula's per-rank parts and the per-micro-batch collectives are left out."""
+    return (launcher_lines(m) + memory_lines(m) + (formula_lines(m) if verbose else [])
+            + traffic_lines(m.traffic, verbose) + comm_lines(m))

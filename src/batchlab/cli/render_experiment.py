@@ -8,6 +8,7 @@ from batchlab.util.text import for_rich as esc
 from rich.panel import Panel
 from rich.table import Table
 
+from batchlab.cli.common import SOURCES_POINTER
 from batchlab.experiment.diagnosis import time_model_absolute
 from batchlab.experiment.predict import Direction, Metric
 from batchlab.experiment.record import Check, MetricRecord, Record
@@ -81,31 +82,61 @@ def verdict_table(r: Record) -> Table:
     return t
 
 
-def diagnosis(out: Console, r: Record) -> None:
+def diagnosis(out: Console, r: Record, verbose: bool = True) -> None:
+    """The contradicted predictions and the checks in order; by default only the flagged checks (the rest
+    counted)."""
     d = r.diagnosis
     if not d.contradictions:
         return
-    lines = [f"{c.who} predicted {c.metric.value} {c.predicted.value}, observed {c.observed.value}"
-             for c in d.contradictions]
+    if verbose:
+        lines = [f"{c.who} predicted {c.metric.value} {c.predicted.value}, observed {c.observed.value}"
+                 for c in d.contradictions]
+    else:  # one line per predictor and observation
+        groups = dict.fromkeys((c.who, c.observed) for c in d.contradictions)
+        lines = [f"{who} predicted " + ", ".join(f"{c.metric.value} {c.predicted.value}" for c in d.contradictions
+                                                 if (c.who, c.observed) == (who, seen)) + f"; observed {seen.value}"
+                 for who, seen in groups]
     for i, c in enumerate(d.checks, 1):
-        mark = "[yellow]![/]" if c.flagged else "[green]ok[/]"
-        lines.append(f"{i}. {mark} {esc(c.question)} {esc(c.found)}")
+        if c.flagged or verbose:
+            mark = "[yellow]![/]" if c.flagged else "[green]ok[/]"
+            lines.append(f"{i}. {mark} {esc(c.question)} {esc(c.found)}")
+    passed = sum(not c.flagged for c in d.checks)
+    if passed and not verbose:
+        lines.append(f"[green]ok[/] {passed} other checks passed (--verbose lists them)")
     out.print(Panel("\n".join(lines), title="diagnosis (in order)", expand=False))
 
 
-def semantics(out: Console, r: Record) -> None:
+def semantics_line(s: dict) -> str:
+    """The training semantics in one paragraph: which are touched, which the harness verified (✓)."""
+    def name(item) -> str:
+        return esc(item["name"]) + (" ✓" if item["verified"] else "")
+
+    touched = [name(i) for i in s["items"] if i["touched"]]
+    same = [name(i) for i in s["items"] if not i["touched"]]
+    return (f"training semantics (✓ checked by the harness): changed: {', '.join(touched) or 'none'}; "
+            f"unchanged: {', '.join(same) or 'none'}")
+
+
+def semantics(out: Console, r: Record, verbose: bool = True) -> None:
     s = r.semantics
     if not s:
         return
+    if not verbose:
+        out.print(semantics_line(s), highlight=False)
+    else:
+        _semantics_table(out, s)
+    check = s.get("gradient_check") or {}
+    if check and not check.get("ran"):
+        out.print(f"[dim]gradient check: {esc(str(check.get('detail')))}[/]")
+
+
+def _semantics_table(out: Console, s: dict) -> None:
     t = Table(show_header=True, header_style="bold", title="training semantics")
     for col in ("semantics", "touched", "why", "verified by the harness"):
         t.add_column(col)
     for item in s["items"]:
         t.add_row(esc(item["name"]), "yes" if item["touched"] else "no", esc(item["why"]), esc(item["verified"] or "-"))
     out.print(t)
-    check = s.get("gradient_check") or {}
-    if check and not check.get("ran"):
-        out.print(f"[dim]gradient check: {esc(str(check.get('detail')))}[/]")
 
 
 def scope(out: Console, r: Record) -> None:
@@ -138,18 +169,34 @@ def factors(out: Console, f: dict | None) -> None:
         out.print(f"note: {esc(f['note'])}")
 
 
-def time_model(out: Console, r: Record) -> None:
-    """The assumptions of the formula's update-time prediction, beside the verdict that uses it, and its
-    absolute update times beside the measured ones (at the host speed the updates ran at, where probed)."""
-    for side in "ab":
+def time_model(out: Console, r: Record, verbose: bool = True) -> None:
+    """The assumptions of the formula's update-time prediction (its rates and calibration: ``verbose``), and
+    its absolute update times beside the measured ones (at the host speed the updates ran at, where probed)."""
+    for side in "ab" if verbose else "":
         est = getattr(r.formula, side, None) or {}
         line = next((a for a in est.get("assumptions", ()) if a.startswith("time model:")), None)
         if line:
             out.print(f"[dim]formula {side.upper()}: {esc(line)}[/]")
     check = absolute_check(r)
-    if check is not None:
-        mark = "[yellow]![/]" if check.flagged else "[green]ok[/]"
-        out.print(f"{mark} time model, absolute: {esc(check.found)}")
+    if check is None:
+        return
+    mark = "[yellow]![/]" if check.flagged else "[green]ok[/]"
+    out.print(f"{mark} time model, absolute: {esc(check.found if verbose else absolute_short(r))}")
+
+
+def absolute_short(r: Record) -> str:
+    """The formula's absolute update times against the measured medians in one line (at the probed host speed
+    where there is one); the calibration-speed figures and the probe's factors are in the verbose line."""
+    from batchlab.util.units import fmt_seconds as sec
+
+    t = r.metrics[Metric.UPDATE_TIME]
+    fa, fb = (r.formula.figure(s, "time", "update_seconds") for s in "ab")
+    speed = (r.factors or {}).get("host_speed")
+    where = "calibration's"
+    if speed:
+        fa, fb, where = fa * speed["a"], fb * speed["b"], "probed host"
+    return (f"formula A {sec(fa)} vs {sec(t.a)} measured ({fa / t.a - 1:+.0%}), B {sec(fb)} vs {sec(t.b)} "
+            f"({fb / t.b - 1:+.0%}), {where} speed")
 
 
 def absolute_check(r: Record) -> Check | None:
@@ -162,24 +209,32 @@ def absolute_check(r: Record) -> Check | None:
 
 
 def render(out: Console, r: Record, notebook_path: Path | None = None,
-           report_paths: list[Path] | None = None) -> None:
+           report_paths: list[Path] | None = None, verbose: bool = False) -> None:
+    """The record on a screen; ``verbose``: the protocol, the time model's rates and calibration, every
+    diagnosis check and the training-semantics table too (--json and the report always hold them)."""
     header(out, r)
     if not r.metrics:
         out.print("[yellow]no verdict: the experiment did not finish[/]")
     else:
         out.print(verdict_table(r))
-        if not r.formula_only:
+        if not r.formula_only and verbose:
             out.print(f"[dim]band: {esc(r.protocol.band_method)}[/]")
             if r.protocol.allocator:
                 out.print(f"[dim]measuring processes' {esc(r.protocol.allocator)}[/]")
-            for metric, m in r.metrics.items():
-                if m.inconclusive:
-                    out.print(f"[yellow]{metric.label}:[/] {esc(m.note)}")
-    time_model(out, r)
-    diagnosis(out, r)
-    semantics(out, r)
+        for metric, m in r.metrics.items():
+            if m.inconclusive and not r.formula_only:
+                out.print(f"[yellow]{metric.label}:[/] {esc(m.note)}")
+    time_model(out, r, verbose)
+    diagnosis(out, r, verbose)
+    semantics(out, r, verbose)
     scope(out, r)
     factors(out, r.factors)
+    if verbose:
+        out.print(f"[dim]{SOURCES_POINTER}[/]")
+    else:
+        parts = ([] if r.formula_only else ["the band's protocol"]) + ["the time model's rates and calibration"] \
+            + (["every diagnosis check"] if r.diagnosis.contradictions else []) + ["the semantics table"]
+        out.print(f"[dim]--verbose: {', '.join(parts)}[/]")
     status = r.status.value if r.status is not None else "complete"
     where = f" in {notebook_path}" if notebook_path else ""
     wall = f"; wall time {r.wall_seconds:.1f} s" if r.wall_seconds is not None else ""
@@ -190,7 +245,7 @@ def render(out: Console, r: Record, notebook_path: Path | None = None,
         out.print(f"report: {esc(p)}")
 
 
-def show_record(record: Record, notebook_path, report_dir, as_json: bool) -> None:
+def show_record(record: Record, notebook_path, report_dir, as_json: bool, verbose: bool = False) -> None:
     """Print one experiment record (JSON or the terminal view), writing its report first when asked."""
     from batchlab.cli.common import console, fail, print_json
     from batchlab.config import ConfigError
@@ -206,4 +261,4 @@ def show_record(record: Record, notebook_path, report_dir, as_json: bool) -> Non
     if as_json:
         print_json(record.to_dict())
     else:
-        render(console(), record, notebook_path=notebook_path, report_paths=paths)
+        render(console(), record, notebook_path=notebook_path, report_paths=paths, verbose=verbose)

@@ -92,8 +92,10 @@ def _value(c: Comparison, v) -> str:
     return str(v)
 
 
-def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_note: str | None = None) -> None:
-    """Print the trace: figures beside the formula's, the breakdown at the peak, notes, and the tree."""
+def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_note: str | None = None,
+                 verbose: bool = False) -> None:
+    """Print the trace: figures beside the formula's, the breakdown at the peak, notes, and the tree;
+    ``verbose``: the time model's rates and their source too."""
     cfg = trace.config
     console.print(f"[bold]batchlab estimate --trace[/]  {escape(cfg['model_source'])} ({cfg['model']['name']}): one "
                   f"steady-state update on fake tensors, {trace.traced_device} kernels, traced in "
@@ -116,8 +118,11 @@ def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_no
     console.print(f"{verdict}: peak {fmt_bytes(m.peak_bytes)} + allocator margin {fmt_bytes(m.margin_bytes)} "
                   f"(assumption) vs {fmt_bytes(m.capacity_bytes)} on {cfg['device']}")
     if trace.time is not None:
-        console.print(breakdown_text(trace.time))
-        console.print(f"[dim]{escape(trace.time_model)}[/]")
+        console.print(escape(breakdown_text(trace.time)), highlight=False)
+        if verbose:
+            console.print(f"[dim]{escape(trace.time_model)}[/]")
+        else:
+            console.print("[dim]--verbose: the time model's per-kernel rates and their source[/]")
     _warn_formula(rows, console)
     for note in ([formula_note] if formula_note else []) + trace.notes:
         console.print(f"[dim]note: {escape(note)}[/]")
@@ -184,7 +189,7 @@ def render_tree(root: ModuleNode) -> Tree:
 
 
 def show(cfg, tree: bool = False, as_json: bool = False, console: Console | None = None,
-         timeline: str | None = None) -> TraceEstimate:
+         timeline: str | None = None, verbose: bool = False) -> TraceEstimate:
     """What ``batchlab estimate --trace [--tree] [--json] [--timeline FILE]`` prints: the trace beside the
     formula; with ``timeline``, the update's memory timeline written to that file too."""
     from batchlab.cli.common import print_json
@@ -208,5 +213,5 @@ def show(cfg, tree: bool = False, as_json: bool = False, console: Console | None
     if as_json:
         print_json(trace_to_json(trace, est, note))
     else:
-        render_trace(trace, est, console or Console(), note)
+        render_trace(trace, est, console or Console(), note, verbose)
     return trace

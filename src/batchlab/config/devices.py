@@ -221,3 +221,32 @@ def device(name: str) -> DeviceSpec:
         raise ConfigError("device", f"unknown device {name!r}; known: {', '.join(DEVICES)} "
                                     "(or custom:mem=80GB,tflops=400)")
     return DEVICES[key]
+
+
+# Short names of the sources, for default terminal output (the full citations stay in ``source`` and
+# ``memory_source``, shown under --verbose and in JSON).  Peak rates by catalogue entry:
+_RATES_LABEL = {
+    "v100-16gb": "NVIDIA blog", "v100-32gb": "NVIDIA blog", "a10g": "estimate", "l4": "secondary sources",
+    "rtx-3090": "GA102 whitepaper", "rtx-4090": "secondary sources", "rtx-a6000": "torchtitan table",
+    "a100-40gb": "NVIDIA datasheet", "a100-80gb": "NVIDIA datasheet", "a100-pcie-80gb": "torchtitan table",
+    "h100-sxm": "NVIDIA datasheet", "h100-pcie": "torchtitan table", "h100-nvl": "torchtitan table",
+    "h100-96gb": "torchtitan benchmarks", "h200": "torchtitan table", "b200": "torchtitan table",
+    "mi250x": "torchtitan table", "mi300x": "torchtitan table", "mi325x": "secondary sources",
+    "l40s": "torchtitan table",
+}
+# capacity: the first word of ``memory_source`` (the vocabulary of the "Sources" comment above)
+_MEMORY_LABEL = (("torch", "PyTorch-reported"), ("cudaGetDeviceProperties", "driver-reported"),
+                 ("NVML", "driver-reported"), ("smi", "nvidia-smi"), ("estimate", "estimate"),
+                 ("this machine's memory", "/proc/meminfo"), ("nominal", "nominal"))
+
+
+def short_sources(spec: DeviceSpec) -> tuple[str, str]:
+    """(peak rates, capacity) sources as short names: 'NVIDIA datasheet', 'PyTorch-reported', '/proc/meminfo'."""
+    if spec.source.startswith("custom"):
+        return "your --device", "your --device"
+    if spec.backend is Backend.CPU:
+        rates = "nominal (/proc/cpuinfo)" if "/proc/cpuinfo" in spec.source else "nominal"
+    else:
+        rates = _RATES_LABEL.get(spec.name, "catalogue")
+    memory = next((label for prefix, label in _MEMORY_LABEL if spec.memory_source.startswith(prefix)), "catalogue")
+    return rates, memory

@@ -22,7 +22,7 @@ from batchlab.experiment.notebook import LeftIncomplete, Notebook
 from batchlab.experiment.record import (Diagnosis, FormulaRecord, Kind, Predictions, Protocol, Record, Round, now,
                                         Status)
 from batchlab.experiment.predict import Direction, FormulaSide, Metric, formula_prediction
-from batchlab.experiment.protocol import MeasureFn, Progress, Rounds, check_rounds, interleave, threads_env
+from batchlab.experiment.protocol import MeasureFn, Progress, Rounds, check_rounds, interleave, prestart, threads_env
 from batchlab.experiment.scope import scope
 from batchlab.experiment.semantics import semantics
 from batchlab.experiment.verdict import BAND_METHOD, contradictions, summary, verdicts
@@ -138,17 +138,19 @@ def run(plan: ExperimentPlan, notebook: Notebook | None = None, measure: Measure
     preflight(plan)
     t0 = time.perf_counter()
     before = host.LoadSampler().start()  # samples what else uses the CPU until finish() stops it
+    if measure is None and not plan.formula_only:
+        with threads_env(plan.threads):
+            prestart(plan.sides.a, plan.options)  # its imports overlap the formula's work below
     formula, pred = _formula(plan.sides, plan.token_budget, plan.threads)
     record = initial_record(plan, formula, pred)
     exp_id = notebook.begin(record) if notebook is not None else None
     record = record.with_(notebook_id=exp_id)
     try:
-        rounds = None
-        if not plan.formula_only:
-            with threads_env(plan.threads):
-                rounds = interleave(plan.sides.a, plan.sides.b, plan.rounds, plan.options,
-                                    _timeline_first(measure), progress)
-        record = finish(record, plan, rounds, pred, verify, before)
+        # the gradient check (finish) forks from the measurements' pre-imported process: the same environment
+        with threads_env(None if plan.formula_only else plan.threads):
+            rounds = None if plan.formula_only else interleave(plan.sides.a, plan.sides.b, plan.rounds, plan.options,
+                                                               _timeline_first(measure), progress)
+            record = finish(record, plan, rounds, pred, verify, before)
     except ConfigError:
         if notebook is not None and exp_id is not None:
             notebook.discard(exp_id)  # bad input found late: leave nothing behind

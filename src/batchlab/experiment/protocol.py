@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -70,6 +71,18 @@ def threads_env(threads: int | None):
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = old
+
+
+def prestart(cfg: RunConfig, options: MeasureOptions) -> None:
+    """Start the isolated CPU measurements' pre-imported process (host/warm.py) on a thread, so that its
+    imports overlap what this process does before the first measurement, which then
+    waits for it.  Call it in the measurements' environment (``threads_env``): a process started in another
+    would not serve them."""
+    from batchlab.host import warm
+    from batchlab.measure import runner
+
+    if options.isolate and runner.backend(cfg, options) == "cpu":
+        threading.Thread(target=warm.pre_imported, args=(runner.child_env(),), daemon=True).start()
 
 
 def interleave(a: RunConfig, b: RunConfig, rounds: int, options: MeasureOptions,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from batchlab.config import Backend, RunConfig
+from batchlab.config.devices import short_sources
 
 SMALL_MODEL_PARAMS = 100_000_000
 SMALL_HIDDEN = 1024
@@ -14,7 +15,8 @@ def scope(a: RunConfig, b: RunConfig, torch_devices: set[str], measured: bool, p
                    "assumptions, not an observation.")
     kinds = {d.split(":")[0] for d in torch_devices} or {a.device_spec.backend.value}
     if not measured:
-        out.append(f"The formula's figures are for device {a.device} ({a.device_spec.source}); they say nothing "
+        rates = short_sources(a.device_spec)[0]  # the full citation: the formula's assumptions in the record
+        out.append(f"The formula's figures are for device {a.device} ({rates}); they say nothing "
                    "about what this machine or any other will measure until a run confirms them.")
     elif "cpu" in kinds or "mps" in kinds:
         what = " and ".join(sorted(k.upper() for k in kinds & {"cpu", "mps"}))

@@ -130,9 +130,32 @@ def gradient_check(a: RunConfig, b: RunConfig) -> GradientCheck:
         return GradientCheck(kind, False, detail=f"not run: the model has more than {MAX_CHECK_PARAMS:,} "
                                                  "parameters; run compare with --model tiny to see the check")
     try:
-        return {CheckKind.SPLIT: _split_check, CheckKind.AC: _ac_check, CheckKind.ZERO: _zero_check}[kind](a, b)
+        if kind is CheckKind.ZERO:  # launches its own ranks
+            return _zero_check(a, b)
+        return _forked(kind, a, b) or {CheckKind.SPLIT: _split_check, CheckKind.AC: _ac_check}[kind](a, b)
     except Exception as e:  # noqa: BLE001 — the check is evidence beside the measurement, not a precondition
         return GradientCheck(kind, False, detail=f"not run: {type(e).__name__}: {e}"[:300])
+
+
+def _forked(kind: CheckKind, a: RunConfig, b: RunConfig) -> GradientCheck | None:
+    """The check in a fork of the measurements' pre-imported process (host/forkcall.py): this process then
+    never imports torch or torch._dynamo; None where no fork can be had."""
+    from batchlab.host import forkcall
+    from batchlab.measure.runner import child_env
+
+    d = forkcall.call("batchlab.experiment.semantics:check_into", {"a": a.to_dict(), "b": b.to_dict()}, child_env())
+    return None if d is None else GradientCheck(**(d | {"kind": CheckKind(d["kind"])}))
+
+
+def check_into(out, request: dict, parent: int | None = None) -> int:
+    """The forked side of ``_forked``: the check's record written to ``out``."""
+    from batchlab.config import config_from_dict
+    from batchlab.host import forkcall
+
+    a, b = config_from_dict(request["a"]), config_from_dict(request["b"])
+    kind = check_kind(a, b)
+    forkcall.write(out, {CheckKind.SPLIT: _split_check, CheckKind.AC: _ac_check}[kind](a, b).to_dict())
+    return 0
 
 
 def _split_check(a: RunConfig, b: RunConfig) -> GradientCheck:

@@ -156,9 +156,10 @@ def layer_terms(cfg: RunConfig) -> str:
 
 
 def calibrated_costs(cfg: RunConfig, calibrations: Calibrations | None) -> "OpCosts | None":
-    """The per-op costs measured for cfg's device (``batchlab calibrate``), or None."""
+    """The per-op costs measured for cfg's device (``batchlab calibrate``), or None (also where the calibration
+    lacks a part cfg's ops are priced with: formula/calibration.py ``needs``)."""
     cal = (calibrations or {}).get(cfg.device)
-    return cal.op_costs() if cal is not None else None
+    return cal.op_costs() if cal is not None and cal.covers(cfg) else None
 
 
 __all__ = ["Estimate", "estimate", "memory", "flops", "timing", "count", "model_states", "MemoryEstimate",

@@ -15,6 +15,18 @@ from batchlab.formula.opcost import OpCosts
 from batchlab.host import PROBE_BUNDLE, cpu_hardware
 
 
+# Parts of a calibration beyond the fp32 kernels and dispatch every time prediction uses: 16-bit kernels and
+# autocast's dispatch ("bf16": any 16-bit precision), dispatch under selective checkpointing's dispatch mode
+# ("sac"), and on CPU the local ranks' contention and gloo link ("ranks": DP > 1).
+SCOPES = ("bf16", "sac", "ranks")
+
+
+def needs(cfg) -> set[str]:
+    """The ``SCOPES`` a prediction for ``cfg`` (a RunConfig) prices its ops with."""
+    return ({"bf16"} if cfg.precision is not Precision.FP32 else set()) | (
+        {"sac"} if cfg.ac.mode.dispatch_mode else set()) | ({"ranks"} if cfg.dp > 1 else set())
+
+
 @dataclass
 class Calibration:
     device: str  # batchlab device name the figures stand for ("cpu", "h200", ... or the backend)
@@ -63,13 +75,22 @@ class Calibration:
     # (calibrate/family.py)
     family_dispatch: dict[str, dict[str, float]] = field(default_factory=dict)
     provenance: str = "calibrated"
+    # what was measured beyond fp32 kernels and dispatch (``SCOPES``); compare and measure calibrate only what
+    # their configs need (``needs``); a cache written before scopes has them all
+    scope: list[str] = field(default_factory=lambda: list(SCOPES))
 
     @property
     def source(self) -> str:
         """How the numbers were obtained, for every time prediction that uses them."""
         return (f"calibrated on {self.hardware} ({self.torch_device}), torch {self.torch_version}, "
                 f"{self.threads} thread(s), at {self.measured_at}, {self.seconds:.1f} s"
-                + (f", {self.allocator}" if self.allocator else ""))
+                + (f", {self.allocator}" if self.allocator else "")
+                + (f", parts measured: fp32{''.join(' + ' + k for k in self.scope)}" if set(self.scope) != set(SCOPES)
+                   else ""))
+
+    def covers(self, cfg) -> bool:
+        """Whether it measured every part a prediction for ``cfg`` needs (``needs``)."""
+        return needs(cfg) <= set(self.scope)
 
     def matmul_flops(self, precision: Precision | str) -> float:
         """The matmul ceiling for a precision: fp32, or bf16 for every 16-bit compute precision (fp16 is not

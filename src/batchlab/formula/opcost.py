@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from batchlab.config import Choice
 from batchlab.config.phase import Phase
 from batchlab.formula.memo import cache, lookup
+from batchlab.util.units import fmt_count, fmt_seconds
 
 
 class OpClass(Choice):
@@ -349,35 +350,42 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
                          costs.source, provenance)
 
 
-def _si(x: float, unit: str) -> str:
-    for suffix, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if x >= size:
-            return f"{x / size:.3g} {suffix}{unit}"
-    return f"{x:.3g} {unit}"
+FOLDED = 1e30  # bytes/s of work folded into an end-to-end fraction (priced at nothing; never shown as a rate)
+UNRESOLVED = 1e15  # bytes/s of a link whose fitted time did not grow with size (latency-bound): no bandwidth
+
+
+def link_text(bytes_per_s: float) -> str:
+    """A link's bandwidth, or why there is none to show (a placeholder is never printed as a quantity)."""
+    return "no bandwidth resolved (latency-bound)" if bytes_per_s >= UNRESOLVED else fmt_count(bytes_per_s, "B/s")
+
+
+def _rates(points, unit: str) -> str:
+    """The range of a rate curve ('2 GFLOP/s-29.1 TFLOP/s', one figure when flat)."""
+    lo, hi = (fmt_count(f(r for _, r in points), unit) for f in (min, max))
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def describe(costs: OpCosts, t: TimeBreakdown) -> str:
     """The time model's assumptions in one line: which rates, from where, and what they made of this update."""
-    mm = "; ".join(f"{k} {_si(min(r for _, r in pts), 'FLOP/s')}-{_si(max(r for _, r in pts), 'FLOP/s')}"
-                   for k, pts in costs.matmul.items())
-    bw = f"{_si(min(r for _, r in costs.memory), 'B/s')}-{_si(max(r for _, r in costs.memory), 'B/s')}"
-    if costs.memory_inplace:
-        bw += (f" into fresh outputs, {_si(min(r for _, r in costs.memory_inplace), 'B/s')}-"
-               f"{_si(max(r for _, r in costs.memory_inplace), 'B/s')} in place")
+    mm = "; ".join(f"{k} {_rates(pts, 'FLOP/s')}" for k, pts in costs.matmul.items())
+    if all(r >= FOLDED for _, r in costs.memory):  # a placeholder, not a bandwidth: say what it stands for
+        bw = "not priced (folded into the achievable fraction)"
+    else:
+        bw = "at " + _rates(costs.memory, "B/s")
+        if costs.memory_inplace:
+            bw += f" into fresh outputs, {_rates(costs.memory_inplace, 'B/s')} in place"
     disp = "/".join(f"{costs.dispatch[k] * 1e6:.1f}" for k in ("forward", "backward", "plain"))
     if costs.matmul_intensity:
-        mm += f", a linear layer's bytes beyond its calibrated shape's at {_si(costs.memory[-1][1], 'B/s')}"
-    return (f"time model: per-op sum over {t.ops:,} ops per update ({_si(t.flops, 'FLOP')} in matmuls at "
-            f"{mm} by call size; {_si(t.bytes, 'B')} moved by memory-bound ops at {bw}; dispatch {disp} µs per "
+        mm += f", a linear layer's bytes beyond its calibrated shape's at {fmt_count(costs.memory[-1][1], 'B/s')}"
+    return (f"time model: per-op sum over {t.ops:,} ops per update ({fmt_count(t.flops, 'FLOP')} in matmuls at "
+            f"{mm} by call size; {fmt_count(t.bytes, 'B')} moved by memory-bound ops {bw}; dispatch {disp} µs per "
             f"forward/backward/plain op, {t.dispatch_share:.0%} of the ops' time"
             f"{'; launches overlap kernels' if costs.asynchronous else ''}); source: {costs.source}")
 
 
 def breakdown_text(t: TimeBreakdown) -> str:
-    """``update time 151 ms [trace]: forward 80 ms, ...; by op class: matmul 40%, ...``."""
-    def ms(x: float) -> str:
-        return f"{x * 1e3:.3g} ms"
-
+    """``update time 151.0 ms [trace, per-op model]: forward 80.2 ms, ...; by op class: matmul 40%, ...``."""
+    ms = fmt_seconds
     phases = ", ".join(f"{p} {ms(s)}" for p, s in t.by_phase.items() if s)
     classes = ", ".join(f"{k} {s / t.seconds:.0%}" for k, s in sorted(t.by_class.items(), key=lambda kv: -kv[1])
                         if t.seconds and s / t.seconds >= 0.005)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from importlib import metadata
 from pathlib import Path
 
 from batchlab.config import ACMode, ModelSource, Precision, RunConfig, to_jsonable
@@ -38,6 +37,8 @@ def cache_dir() -> Path:
 
 
 def _version(package: str) -> str:
+    from importlib import metadata  # only when a profile is keyed: `batchlab estimate` does not import it
+
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:

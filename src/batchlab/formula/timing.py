@@ -18,7 +18,7 @@ from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwi
 from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.memory import MemoryEstimate
-from batchlab.formula.opcost import OpClass, OpCosts, OpCount, TimeBreakdown, describe, price
+from batchlab.formula.opcost import FOLDED, OpClass, OpCosts, OpCount, TimeBreakdown, describe, link_text, price
 from batchlab.config.phase import Phase
 from batchlab.formula.oplist import update_ops
 from batchlab.formula.sharding import collective_seconds, traffic
@@ -37,7 +37,6 @@ MATMUL_START = {Backend.CPU: 2e-6, Backend.CUDA: 5e-6, Backend.MPS: 10e-6}
 # CPU per-element kernels, cycles per element on one core: nominal figures of an x86 core with AVX-512, by class
 # (docs/cpu.md, "Figures behind the code's choices"); `batchlab calibrate` measures the host's own.  GPUs are
 # bandwidth-bound on these: bytes decide.
-FOLDED = 1e30  # bytes/s of work folded into an end-to-end fraction (priced at nothing)
 CPU_CYCLES_PER_ELEMENT = {"activation": 13, "activation-grad": 35, "softmax": 5, "loss": 14, "masked": 13, "norm": 4,
                           "random": 50}
 
@@ -319,6 +318,6 @@ def machine_text(cfg: RunConfig, costs: OpCosts) -> str:
         out += f"; the slowest rank computes {spread:.1%} longer than the ranks' mean (calibrated)"
     if local_link(cfg, costs):
         out += (f"; all-reduce as gloo's between local ranks right after compute was calibrated: "
-                f"{costs.link_bytes_per_s / 1e9:.2f} GB/s + {costs.link_latency_s * 1e6:.0f} us per message in the "
+                f"{link_text(costs.link_bytes_per_s)} + {costs.link_latency_s * 1e6:.0f} us per message in the "
                 "ring model")
     return out

@@ -50,9 +50,10 @@ from batchlab.util.lifeline import PARENT_ENV, guard, module_command
 from batchlab.host import preload
 
 # what every measurement imports: torch (~2 s of CPU here), torch._dynamo (imported by the first optimizer an
-# update builds: ~1-1.7 s more), batchlab's measuring stack (~0.1 s)
+# update builds: ~1-1.7 s more), batchlab's measuring stack (~0.1 s) with what a compare's forks import next (the
+# formula, the built-in GPT, the timeline recorder), so that no fork imports them again
 PRELOAD = ("torch", "torch._dynamo", "batchlab.measure.session", "batchlab.measure.harness",
-           "batchlab.measure.result")
+           "batchlab.measure.result", "batchlab.formula", "batchlab.models.gpt", "batchlab.measure.timeline_update")
 READY = b"ready"
 START_TIMEOUT_S = 120.0  # the imports: ~2 s here, more on a loaded machine or a cold disk
 MAX_REQUEST = 1 << 20

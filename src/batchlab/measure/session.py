@@ -3,9 +3,11 @@
 Order of updates (``w`` = warmup, ``n`` = steps)::
 
     update 1            warmup (with a CPU memory budget: tracked, so an over-budget config stops early)
-    update 2            memory update (tracker on CPU/MPS, allocator statistics on CUDA) — never timed
+    update 2            memory update (tracker on CPU/MPS, allocator statistics on CUDA) — never timed; with a
+                        timeline on CPU/MPS without a budget, the same tracked update also records it
     updates 3 .. w+1    the rest of the warmup
-    (timeline only)     1 more, recorded as a memory timeline (batchlab.measure.timeline_update) — never timed
+    (timeline only)     CUDA, or a CPU/MPS budget: 1 more, recorded as a memory timeline
+                        (batchlab.measure.timeline_update) — never timed
     next n updates      timed: device synchronised around each, per-phase clock
     (CUDA/MPS only)     3 more updates with a synchronising phase clock for the per-phase split
 
@@ -153,8 +155,17 @@ class _Steps:
         self.progress = progress or (lambda done, total, label: None)
         self.async_device = device.type != "cpu"
         self.total = (opts.warmup + (1 if self._memory_update else 0) + (opts.steps if opts.timing else 0)
-                      + (PHASE_UPDATES if opts.timing and self.async_device else 0) + (1 if opts.timeline else 0))
+                      + (PHASE_UPDATES if opts.timing and self.async_device else 0)
+                      + (1 if opts.timeline and not self._timeline_in_memory else 0))
         self.done = 0
+        self.timeline = None  # recorded by the memory update (``_timeline_in_memory``)
+
+    @property
+    def _timeline_in_memory(self) -> bool:
+        """The memory update's live-storage tracker records the timeline too (one tracked update, not two):
+        the timeline's recorder listens to the same tracker (measure/timeline_tracker.py), so its figures are the memory
+        probe's.  Not on CUDA (allocator history) nor under a budget (its tracker enforces it)."""
+        return self.opts.timeline and self.opts.memory and self.device.type != "cuda" and self._tracked_budget is None
 
     @property
     def _memory_update(self) -> bool:
@@ -192,7 +203,7 @@ class _Steps:
         for i in range(2, self.opts.warmup + 1):
             self._warmup(trainer, rec, i)
         if self.opts.timeline:
-            m.timeline = self._timeline(trainer, rec)
+            m.timeline = self.timeline if self._timeline_in_memory else self._timeline(trainer, rec)
         if self.opts.timing:
             self._timing(trainer, rec, m)
 
@@ -219,6 +230,11 @@ class _Steps:
             trainer.update(listener=rec.use("memory", listener))
             listener.mark("end")
             result = listener.result(trainer)
+        elif self._timeline_in_memory:
+            from batchlab.measure.timeline_update import recorded
+
+            self.timeline, snap = recorded(self.cfg, trainer)
+            result = from_snapshot(snap)
         else:
             result = from_snapshot(self._tracked(trainer, rec))
         self._tick("memory")

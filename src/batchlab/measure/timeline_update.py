@@ -21,15 +21,21 @@ def record(cfg: RunConfig, device: str | torch.device | None = None, trainer: Tr
     trainer = trainer or Trainer(cfg, torch_device(cfg, str(device) if device is not None else None))
     if trainer.updates_done == 0:
         trainer.update()
-    ctx = context(cfg)
     if trainer.device.type == "cuda":
         from batchlab.measure.timeline_cuda import record_cuda
 
-        return record_cuda(trainer, ctx)
+        return record_cuda(trainer, context(cfg))
+    return recorded(cfg, trainer)[0]
+
+
+def recorded(cfg: RunConfig, trainer: Trainer):
+    """(timeline, the live-storage tracker's snapshot) of ``trainer``'s next update on CPU or MPS (after a
+    steady-state one: the caller's); the snapshot is what the memory probe reports (measure/session.py)."""
+    ctx = context(cfg)
     owners = ModuleStack(trainer.raw_model)
     try:
         snap, recorder = recorded_update(trainer, owners.current, OUTSIDE)
     finally:
         owners.close()
     return recorder.timeline(provenance="allocator", method=f"live storage tracker on {trainer.device.type} "
-                             "(every tensor storage, freed by finalizer)", peak_bytes=snap.peak_bytes, **ctx)
+                             "(every tensor storage, freed by finalizer)", peak_bytes=snap.peak_bytes, **ctx), snap

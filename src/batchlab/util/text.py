@@ -44,3 +44,7 @@ def for_markdown(text: Any) -> str:
     s = _MD_SPECIAL.sub(r"\\\1", s)
     s = _MD_LINK_CLOSE.sub(r"\\]", _MD_UNDERSCORE.sub(r"\\_", s))
     return _MD_BLOCK_START.sub(lambda m: m.group(1) + (f"\\{m.group(2)}" if m.group(2) else f"{m.group(3)}\\{m.group(4)}"), s)
+
+
+# where --verbose output points for the full citations of device figures and calibrations
+SOURCES_POINTER = "sources: batchlab docs, Sources page"

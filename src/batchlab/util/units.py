@@ -1,6 +1,8 @@
 """Display-only formatting: bytes, seconds, rates, FLOPs (internal figures stay bytes and seconds)."""
 from __future__ import annotations
 
+import math
+
 # Relative change under which two figures are called the same ("≈"): one band for --vary arrows, the formula's
 # predicted directions in compare, and the measured memory verdict (CPU tracked bytes are deterministic).
 SAME_TOLERANCE = 0.01
@@ -38,8 +40,9 @@ _PREFIXES = (("Z", 1e21), ("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M
 
 
 def fmt_count(x: float | None, unit: str = "") -> str:
-    """1.23e12 -> '1.23 T' (+unit); 2.02e18 FLOP -> '2.02 EFLOP'; past zetta '1.2e+24 FLOP'."""
-    if x is None:
+    """1.23e12 -> '1.23 T' (+unit); 2.02e18 FLOP -> '2.02 EFLOP'; past zetta '1.2e+24 FLOP'.  The one SI
+    formatter: counts, rates (FLOP/s, B/s) and decimal byte totals alike; None or a non-finite value is '-'."""
+    if x is None or not math.isfinite(x):
         return "-"
     if abs(x) >= 1000 * _PREFIXES[0][1]:
         return f"{x:.3g} {unit}".rstrip()

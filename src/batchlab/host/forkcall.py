@@ -1,0 +1,58 @@
+"""One function run in a fork of the pre-imported process (host/warm.py), its JSON result read back.
+
+What a measurement gains from the fork (torch and torch._dynamo imported once per batchlab process, not once per
+process: docs/cpu.md) other torch work of a command gains too: the calibration and compare's gradient check run
+this way instead of in a fresh interpreter or in batchlab's own process, which then never imports torch.
+``call`` returns None where no fork can be had (no ``os.fork``, or the pre-imported process refused): the
+caller runs the function another way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+from batchlab.host import warm
+
+OUTPUT_TAIL = 2000  # characters of the fork's output kept for an error message
+
+
+def call(entry: str, request: dict, env: dict[str, str]) -> dict | None:
+    """``entry`` (``"module:function"``, called as ``function(out, request, parent_pid) -> exit status``; it
+    writes its result to ``out`` as JSON) in a fork of the pre-imported process started with ``env``.
+    Raises RuntimeError with the fork's output when it fails; Ctrl-C here kills it."""
+    server = warm.pre_imported(env)
+    if server is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="batchlab-call-") as tmp:
+        out = Path(tmp) / "result.json"
+        proc = warm.fork(server, out, request, env, entry)
+        if proc is None:
+            return None
+        try:
+            output = proc.stdout.read()  # EOF once the fork (and what it started) has exited
+            rc = proc.wait()
+        except BaseException:  # Ctrl-C: the fork leads its own session and would not see it
+            _kill(proc.pid)
+            raise
+        finally:
+            proc.stdout.close()
+        if rc != 0 or not out.exists():
+            raise RuntimeError(f"{entry} failed in a forked process (exit {rc}): {output[-OUTPUT_TAIL:]}")
+        return json.loads(out.read_text())
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def write(out: Path, payload: dict) -> None:
+    """The fork's side: write then rename, so the caller never reads half a result."""
+    part = out.with_suffix(".part")
+    part.write_text(json.dumps(payload))
+    os.replace(part, out)
