@@ -17,7 +17,8 @@ from collections import Counter
 
 from dataclasses import dataclass
 
-from batchlab.config import AttentionImpl, Backend, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
+from batchlab.config import (ACMode, AttentionImpl, Backend, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind,
+                             Precision, RunConfig)
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.opcost import OpCount, merge, op_class
@@ -341,19 +342,23 @@ def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
 
 def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = _Ops(_widths(cfg))
-    wrapped = set(cfg.ac.wrapped_layers(cfg.model.layers)) | set(cfg.ac.selective_layers(cfg.model.layers))
-    selective = bool(cfg.ac.selective_layers(cfg.model.layers))
+    n = cfg.model.layers
+    kinds = cfg.ac.selective_kinds(n)
     # selective policies run under checkpoint's Python dispatch mode (models/ac.py); Megatron's wraps a core only
-    sac = len(cfg.ac.selective_layers(cfg.model.layers)) if cfg.ac.mode.dispatch_mode else 0
+    sac = sum(k for mode, k in kinds.items() if mode.dispatch_mode)
     # every block runs the same ops: list one, and one recompute, then count them per block
-    block, redo = _Ops(ops.w), _Ops(ops.w)
+    block = _Ops(ops.w)
     _layer(block, cfg, FWD)
-    plain = cfg.model.layers - sac
+    plain = n - sac
     ops.add(*(o.times(plain) for o in merge(block.out) if plain))
     ops.add(*(_sac(o.times(sac)) for o in merge(block.out) if sac))
-    if wrapped:
-        _recompute(redo, cfg, selective)
-        ops.add(*(_sac(o.times(len(wrapped))) if sac else o.times(len(wrapped)) for o in merge(redo.out)))
+    groups = [(ACMode.FULL, len(cfg.ac.wrapped_layers(n)))] + list(kinds.items())
+    for mode, k in groups:
+        if not k:
+            continue
+        redo = _Ops(ops.w)
+        _recompute(redo, cfg, mode is not ACMode.FULL)
+        ops.add(*(_sac(o.times(k)) if mode.dispatch_mode else o.times(k) for o in merge(redo.out)))
     _outside(ops, cfg)
     return merge(ops.out)
 
