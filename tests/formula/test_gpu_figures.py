@@ -71,8 +71,9 @@ def test_fractions_name_their_source_and_the_users_value_wins():
 
 def test_overlap_by_hand():
     ddp = RunConfig(model=preset("gpt2"), device="a100-80gb", dp=8, precision="bf16-mixed")
-    bw = bus_bandwidth(ddp).value
-    last_bucket = 2 * 25 * MiB / bw
+    # within a node: the A100's NVLink, 600 GB/s both ways = 300 GB/s each way (NVIDIA A100 datasheet)
+    assert bus_bandwidth(ddp).value == pytest.approx(300e9)
+    last_bucket = 0.1747627e-3  # by hand: a 25 MiB bucket all-reduced, 2 x 26,214,400 B / 300 GB/s = 0.1747627 ms
     # a short all-reduce hides behind the last micro-batch's backward, except the last bucket
     assert exposed_comm_seconds(ddp, 0.01, 1.0, 1.0).value == pytest.approx(last_bucket)
     # a long one shows what backward (2/3 of the micro-batch) cannot cover
