@@ -97,7 +97,33 @@ def test_the_dynamic_program_finds_the_brute_force_optimum():
             assert knapsack.feasible(got, held, caps, total, kept, kept_cap)
 
 
-PRESETS = ("none", "full", "every:2", "every:4", "selective", "selective-op")
+def test_the_planner_over_the_whole_menu_matches_brute_force_by_the_full_estimate():
+    """3 layers, every one of the menu's 6**3 plans priced by the formula's full estimate (not the planner's
+    model): at each budget the planner's plan is as fast as the fastest plan that fits.  At seq 4096 the
+    attention core outweighs the rest of a layer's recompute, so keeping attention outputs is in the optimum."""
+    from batchlab.advise.acplan import MENU, layer_model, plan_within
+
+    cals = load_all()
+    base = RunConfig(model=preset("tiny", layers=3, dropout=0.0, attention="sdpa", heads=8, max_positions=4096),
+                     seq=4096, micro_batch=1)
+    lm = layer_model(base, cals)
+    assert set(lm.modes) == set(MENU) and len(MENU) == 6
+    points = []
+    for choice in itertools.product(lm.modes, repeat=3):
+        e = estimate(base.replace(ac=ACPolicy(ACMode.PLAN, layers=choice)), cals)
+        points.append((e.memory.peak_bytes, e.time.update_seconds))
+    lo, hi = min(p for p, _ in points), max(p for p, _ in points)
+    used = set()
+    for k in range(1, 12):
+        budget = lo + (hi - lo) * k // 12
+        best = min(t for p, t in points if p <= budget)
+        got = plan_within(lm, budget, cals)
+        assert got is not None and got.peak_bytes <= budget and got.update_seconds <= best * (1 + 1e-9), (k, got)
+        used |= set(ACPolicy.parse(got.ac).layers)
+    assert ACMode.SELECTIVE_ATTN in used and ACMode.NONE in used, used
+
+
+PRESETS = ("none", "full", "every:2", "every:4", "selective", "selective-op", "selective-attn")
 
 
 def _in_process(budget: int):

@@ -21,7 +21,7 @@ def measured_activations(cfg):
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("ac", ["selective-op", "megatron-selective", "selective-layer:2"])
+@pytest.mark.parametrize("ac", ["selective-op", "megatron-selective", "selective-attn", "selective-layer:2"])
 def test_each_policy_keeps_what_the_formula_counts(model, ac):
     cfg = RunConfig(model=preset("tiny", **MODELS[model]), seq=64, micro_batch=4, ac=ac)
     measured = measured_activations(cfg)
@@ -34,6 +34,22 @@ def test_policies_order_as_their_sources_say():
     kept = {ac: measured_activations(base.replace(ac=ac)) for ac in ("none", "megatron-selective",
                                                                       "selective-op", "full")}
     assert kept["none"] > kept["megatron-selective"] > kept["selective-op"] > kept["full"], kept
+
+
+@pytest.mark.parametrize("attention, dropout", [("sdpa", 0.0), ("eager", 0.0), ("sdpa", 0.1)])
+def test_keep_attention_keeps_the_attention_outputs_counted_by_hand(attention, dropout):
+    """Over full recompute (the block input only), ``selective-attn`` keeps per layer what the attention kernel
+    returns: the fused CPU kernel's output (s b h fp32) and log-sum-exp (a s b fp32); eager attention and SDPA's
+    math path (CPU with dropout) the softmax output (a s s b fp32).  Live tensors of a real step, to the byte;
+    the formula's count of the policy is exact where every other policy's is (the same offset as selective-op)."""
+    cfg = RunConfig(model=preset("tiny", attention=attention, dropout=dropout), seq=64, micro_batch=4, ac="full")
+    n, h, a, s, b = 4, 128, 4, 64, 4  # tiny's layers, hidden, heads
+    fused = attention == "sdpa" and dropout == 0
+    by_hand = n * (s * b * h * 4 + a * s * b * 4 if fused else a * s * s * b * 4)
+    kept = {ac: measured_activations(cfg.replace(ac=ac)) for ac in ("full", "selective-attn", "selective-op")}
+    assert kept["selective-attn"] - kept["full"] == by_hand
+    offset = {ac: estimate(cfg.replace(ac=ac)).memory.activations_bytes - kept[ac] for ac in kept}
+    assert offset["selective-attn"] == offset["selective-op"] == offset["full"], offset
 
 
 def test_selective_op_keeps_every_other_matmul_in_call_order():
@@ -49,6 +65,7 @@ def test_selective_op_keeps_every_other_matmul_in_call_order():
 def test_policy_names_parse_and_megatron_needs_fused_attention():
     assert RunConfig(ac="selective-layer:2").ac.wrapped_layers(4) == (0, 2)  # torchtitan's name for every:2
     assert RunConfig(ac="op").ac.mode is ACMode.SELECTIVE_OP
+    assert RunConfig(ac="keep-attention").ac.mode is RunConfig(ac="attn").ac.mode is ACMode.SELECTIVE_ATTN
     with pytest.raises(ConfigError, match="sdpa"):
         RunConfig(model=preset("tiny", attention="eager"), ac="megatron-selective")
 
@@ -60,14 +77,14 @@ def test_selective_op_gradients_equal_plain_training():
     plain = Trainer(cfg)
     batches = plain.batches()
     ref = plain.gradients(batches)
-    for ac in ("selective-op", "megatron-selective"):
+    for ac in ("selective-op", "megatron-selective", "selective-attn"):
         got = Trainer(cfg.replace(ac=ac)).gradients(batches)
         got = {n.replace(".block.", "."): g for n, g in got.items()}  # the wrapper adds a ".block" level
         for name, g in ref.items():
             torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("ac", ["selective-op", "megatron-selective"])
+@pytest.mark.parametrize("ac", ["selective-op", "megatron-selective", "selective-attn"])
 def test_the_trace_runs_the_same_policy(ac):
     from batchlab.trace import estimate as trace
 
@@ -82,3 +99,15 @@ def test_selective_op_on_hugging_face_llama_keeps_q_v_gate_down():
                   dropout=0.0)
     cfg = RunConfig(model=spec, model_source="hf:llama-2-7b", seq=64, micro_batch=4, ac="selective-op")
     assert estimate(cfg).memory.activations_bytes == pytest.approx(measured_activations(cfg), rel=0.03)
+
+
+def test_keep_attention_on_hugging_face_llama_is_exact_where_selective_op_is():
+    """transformers' Llama through SDPA: what ``selective-attn`` keeps per layer (input, attention output and
+    log-sum-exp) is counted to the byte: its error equals selective-op's (the rest of the step's common offset)."""
+    pytest.importorskip("transformers")
+    spec = preset("llama-2-7b", layers=2, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=256, max_positions=128,
+                  dropout=0.0)
+    cfg = RunConfig(model=spec, model_source="hf:llama-2-7b", seq=64, micro_batch=4)
+    err = {ac: estimate(cfg.replace(ac=ac)).memory.activations_bytes - measured_activations(cfg.replace(ac=ac))
+           for ac in ("selective-attn", "selective-op")}
+    assert err["selective-attn"] == err["selective-op"], err

@@ -25,7 +25,7 @@ from batchlab.config import ACMode, ACPolicy, AttentionImpl, ConfigError, ModelS
 from batchlab.formula import Calibrations, estimate
 from batchlab.util.units import fmt_bytes
 
-MENU = (ACMode.NONE, ACMode.SELECTIVE_OP, ACMode.MEGATRON, ACMode.SELECTIVE, ACMode.FULL)
+MENU = (ACMode.NONE, ACMode.SELECTIVE_OP, ACMode.MEGATRON, ACMode.SELECTIVE, ACMode.SELECTIVE_ATTN, ACMode.FULL)
 TIGHTEN_TRIES = 4
 
 

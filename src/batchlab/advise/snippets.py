@@ -155,7 +155,7 @@ def torchtitan_toml(cfg: RunConfig) -> str:
         notes.append(f"{cfg.ac}: torchtitan's activation_checkpoint applies one mode to every layer and cannot "
                      "express a per-layer plan; mode = \"full\" fits in memory with more recompute (the PyTorch "
                      "script applies the plan)")
-    elif cfg.ac.mode in (ACMode.SELECTIVE, ACMode.MEGATRON):
+    elif cfg.ac.mode in (ACMode.SELECTIVE, ACMode.MEGATRON, ACMode.SELECTIVE_ATTN):
         ac["selective_ac_option"] = "op"
         notes.append("selective_ac_option = \"op\" saves matmul and attention outputs by a policy of its own; "
                      "close to, not the same as, batchlab's selective")

@@ -103,6 +103,12 @@ def every_other_matmul(counts):
     return policy
 
 ''', 'lambda: create_selective_checkpoint_contexts(every_other_matmul({"forward": 0, "recompute": 0}))'),
+    ACMode.SELECTIVE_ATTN: ('''\
+def keep_attention(ctx, op, *args, **kwargs):  # keep the attention kernel's (eager: softmax's) outputs
+    keep = op in SDPA or op in (torch.ops.aten._softmax.default, torch.ops.aten._safe_softmax.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+''', "lambda: create_selective_checkpoint_contexts(keep_attention)"),
     # Megatron selective (recompute_modules=[core_attn]): only the fused attention kernel is recomputed
     ACMode.MEGATRON: ('''\
 def attention_core_only(ctx, op, *args, **kwargs):  # recompute the attention core, keep everything else

@@ -92,13 +92,16 @@ class ACMode(Choice):
     # Megatron-LM recompute_granularity=selective, recompute_modules=[core_attn]: only the attention core
     # (QK^T, softmax, dropout, AV) is recomputed (Korthikanti et al. 2022, sec. 5; 34sbh per layer)
     MEGATRON = "megatron-selective"
+    # keep attention outputs: the fused attention kernel's outputs (eager attention: the softmax output) are
+    # kept, every matmul and element-wise op is recomputed (issue 35's op-level set "keep attention outputs")
+    SELECTIVE_ATTN = "selective-attn"
     PLAN = "plan"  # one of the above per layer (config/layerplan.py: plan:full*2,none*6 or plan:FILE)
 
     @property
     def dispatch_mode(self) -> bool:
         """Its policy runs as torch.utils.checkpoint's selective dispatch mode (models/ac.py), which sees every
         op of a wrapped block in forward and in recompute; Megatron's checkpoints the attention core without one."""
-        return self in (ACMode.SELECTIVE, ACMode.SELECTIVE_OP)
+        return self in (ACMode.SELECTIVE, ACMode.SELECTIVE_OP, ACMode.SELECTIVE_ATTN)
 
 
 class LossMode(Choice):

@@ -17,9 +17,10 @@ from typing import Any
 from batchlab.config.choices import ACMode, ConfigError
 
 # what one layer may do: nothing recomputed, the whole block, or one of the selective policies inside it
-LAYER_POLICIES = (ACMode.NONE, ACMode.FULL, ACMode.SELECTIVE, ACMode.SELECTIVE_OP, ACMode.MEGATRON)
+LAYER_POLICIES = (ACMode.NONE, ACMode.FULL, ACMode.SELECTIVE, ACMode.SELECTIVE_OP, ACMode.MEGATRON,
+                  ACMode.SELECTIVE_ATTN)
 ALIASES = {"op": "selective-op", "torchtitan-op": "selective-op", "megatron": "megatron-selective",
-           "core-attn": "megatron-selective"}
+           "core-attn": "megatron-selective", "keep-attention": "selective-attn", "attn": "selective-attn"}
 MAX_LAYERS = 100_000
 FIELD = "ac"
 

@@ -28,7 +28,9 @@ class ACPolicy:
     also spelled ``selective-layer:K``), ``selective`` (every layer keeps its matmul outputs and recomputes
     the cheap element-wise and attention-core ops), ``selective-op`` (torchtitan's per-op policy: keeps every
     other matmul output and the SDPA outputs), ``megatron-selective`` (Megatron: recomputes only the
-    attention core), ``plan:...`` (one of none, full and the selective policies per layer: config/layerplan.py).
+    attention core), ``selective-attn`` (keeps
+    the attention kernel's outputs, recomputes the rest), ``plan:...`` (one of none, full and the selective
+    policies per layer: config/layerplan.py).
     models/ac.py applies each, formula/checkpointing.py counts what each keeps.
     """
 
@@ -66,7 +68,7 @@ class ACPolicy:
             mode = None
         if mode is None or mode is ACMode.PLAN:
             raise ConfigError("ac", f"{value!r} is not one of: none, full, every:K, selective, selective-op, "
-                                    "megatron-selective, plan:POLICY*N,... or plan:FILE")
+                                    "megatron-selective, selective-attn, plan:POLICY*N,... or plan:FILE")
         return cls(mode)
 
     def __str__(self) -> str:
@@ -104,7 +106,7 @@ class ACPolicy:
         return out
 
 
-SELECTIVE_MODES = (ACMode.SELECTIVE, ACMode.SELECTIVE_OP, ACMode.MEGATRON)  # a policy inside every block
+SELECTIVE_MODES = (ACMode.SELECTIVE, ACMode.SELECTIVE_OP, ACMode.MEGATRON, ACMode.SELECTIVE_ATTN)  # a policy inside every block
 ALIASES = layerplan.ALIASES
 
 

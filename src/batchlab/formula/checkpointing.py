@@ -8,6 +8,8 @@
   without checkpointing less what only the attention core keeps: with a fused kernel just its log-sum-exp
   (its output is the projection's saved input, kept anyway: measured on CPU; Megatron's maintainers: "not
   needed if using Flash Attention"), on the math path the s x s terms and the q/k/v copies.
+- ``selective-attn``: the block input and the attention kernel's outputs (fused: output and log-sum-exp; eager
+  or SDPA's math path: the softmax output, a x s x s); every matmul is recomputed.
 
 Symbols: s sequence, b micro-batch, h hidden, kv key/value width, f MLP inner size, a heads.
 """
@@ -44,6 +46,13 @@ def selective_op_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backe
     return s * b * m.hidden * w.res + s * b * odd * w.e + (_sdpa_saved(m, s, b, w) if fused else 0)
 
 
+def selective_attn_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend) -> int:
+    w = act.Widths.of(precision, backend)
+    if act.materialises_scores(m, backend):  # the softmax output, in its own width
+        return s * b * m.hidden * w.res + m.heads * s * s * b * w.softmax
+    return s * b * m.hidden * w.res + _sdpa_saved(m, s, b, w)
+
+
 def megatron_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend, impl: Impl) -> int:
     full = act.layer_activations(m, s, b, precision, backend, impl)
     w = act.Widths.of(precision, backend)
@@ -57,6 +66,8 @@ def kept_bytes(mode: ACMode, m: ModelSpec, s: int, b: int, precision: Precision,
     """Bytes one block keeps under a selective policy."""
     if mode is ACMode.SELECTIVE_OP:
         return selective_op_bytes(m, s, b, precision, backend, impl)
+    if mode is ACMode.SELECTIVE_ATTN:
+        return selective_attn_bytes(m, s, b, precision, backend)
     if mode is ACMode.MEGATRON:
         return megatron_bytes(m, s, b, precision, backend, impl)
     assert mode is ACMode.SELECTIVE, mode
@@ -68,4 +79,6 @@ def recompute_flops_per_token(mode: ACMode, m: ModelSpec, s: int, impl: Impl) ->
     core = 4 * m.hidden * s  # QK^T and AV (PaLM's 12·h·s per layer is 3 x this)
     if mode is ACMode.SELECTIVE_OP:  # the even-numbered matmuls; the attention core is kept
         return sum(2 * weights for i, (_, weights) in enumerate(matmul_outputs(m, impl)) if i % 2 == 1)
+    if mode is ACMode.SELECTIVE_ATTN:  # every matmul (the fused kernel's output is served from the cache)
+        return sum(2 * weights for _, weights in matmul_outputs(m, impl))
     return core  # selective and megatron-selective recompute the attention core

@@ -337,7 +337,7 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
         if not k:
             continue
         redo = _Ops(ops.w)
-        _recompute(redo, cfg, mode is not ACMode.FULL)
+        _recompute(redo, cfg, _CACHED.get(mode, ()))
         ops.add(*(_sac(o.times(k)) if mode.dispatch_mode else o.times(k) for o in merge(redo.out)))
     _outside(ops, cfg)
     return merge(ops.out)
@@ -349,16 +349,21 @@ def _sac(op: OpCount) -> OpCount:
     return op.under_sac() if op.phase in (FWD, Phase.RECOMPUTE) else op
 
 
-def _recompute(ops: _Ops, cfg: RunConfig, selective: bool) -> None:
+# ops whose outputs a selective policy serves from its cache in the recompute (models/ac.py)
+_CACHED = {ACMode.SELECTIVE: ("mm", "addmm"), ACMode.SELECTIVE_OP: ("mm", "addmm"), ACMode.MEGATRON: ("mm", "addmm"),
+           ACMode.SELECTIVE_ATTN: ("_scaled_dot_product_flash_attention_for_cpu", "_softmax", "_safe_softmax")}
+
+
+def _recompute(ops: _Ops, cfg: RunConfig, cached: tuple[str, ...]) -> None:
     """The forward again inside backward (non-reentrant checkpoint); selective checkpointing serves the
-    saved mm/addmm outputs from its cache, so only the rest is re-run."""
+    saved outputs of ``cached`` ops from its cache, so only the rest is re-run."""
     redo = _Ops(ops.w)
     _layer(redo, cfg, Phase.RECOMPUTE, backward=False)
     # early stop: the last residual add and the dropout multiply before it produce nothing backward needs
     last = [i for i, op in enumerate(redo.out) if op.name == "add"][-1:]
     last += [i for i, op in enumerate(redo.out) if op.name == "mul"][-1:] if cfg.model.dropout > 0 else []
     for i, op in enumerate(redo.out):
-        if i in last or (selective and op.name in ("mm", "addmm")):
+        if i in last or op.name in cached:
             continue
         ops.add(op)
     # checkpoint's unpack hooks: a detach per saved tensor in recompute and an alias in backward (counted

@@ -25,12 +25,20 @@ _SDPA = {op for op in (getattr(_aten, n, None) for n in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")) if op is not None}
 _SDPA = {getattr(op, "default") for op in _SDPA}
+# eager attention's softmax, and SDPA's math path (CPU with dropout), which calls _safe_softmax
+_SOFTMAX = {op.default for op in (getattr(_aten, n, None) for n in ("_softmax", "_safe_softmax")) if op is not None}
 _SAVE, _RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _matmul_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """batchlab ``selective``: keep every linear layer's output, recompute everything else."""
     return _SAVE if op in _MATMULS else _RECOMPUTE
+
+
+def _attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """``selective-attn``: keep the attention kernel's outputs (eager attention and SDPA's math path: the
+    softmax output), recompute every matmul and element-wise op."""
+    return _SAVE if op in _SDPA or op in _SOFTMAX else _RECOMPUTE
 
 
 def _every_other_matmul(counts: defaultdict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -48,6 +56,8 @@ def _every_other_matmul(counts: defaultdict, ctx, op, *args, **kwargs) -> Checkp
 def _context_fn(mode: ACMode):
     if mode is ACMode.SELECTIVE:
         return functools.partial(create_selective_checkpoint_contexts, _matmul_policy)
+    if mode is ACMode.SELECTIVE_ATTN:
+        return functools.partial(create_selective_checkpoint_contexts, _attention_policy)
     if mode is ACMode.SELECTIVE_OP:  # a fresh counter for every checkpointed call
         return lambda: create_selective_checkpoint_contexts(functools.partial(_every_other_matmul, defaultdict(int)))
     return None
