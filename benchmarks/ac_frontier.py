@@ -9,6 +9,8 @@ each side in a process of its own) of that preset against the plan gives the mea
 
     PYTHONPATH=src:. .venv/bin/python benchmarks/ac_frontier.py > docs/accuracy/ac_frontier.md
     PYTHONPATH=src:. .venv/bin/python benchmarks/ac_frontier.py --only HF     # the Hugging Face rows alone
+    # rerun some models and keep the table's other rows
+    PYTHONPATH=src:. .venv/bin/python benchmarks/ac_frontier.py --only "GPT|llama" --into docs/accuracy/ac_frontier.md
 
 Markdown on stdout, progress on stderr.  Run it on a quiet machine: the compare verdicts are wall-clock.
 """
@@ -57,6 +59,9 @@ def cases() -> list[tuple[str, object, tuple[float, ...], bool]]:
         ("batchlab GPT, 6 layers, bf16-mixed, sdpa, seq 256 (not in the issue)",
          lambda: RunConfig(model=preset("tiny", layers=6, attention="sdpa", dropout=0.0), seq=256, micro_batch=4,
                            precision="bf16-mixed"), (0.3, 0.7), False),
+        ("batchlab GPT, 4 layers, fp32, sdpa, seq 4096 (not in the issue; keep attention outputs pays)",
+         lambda: RunConfig(model=preset("tiny", layers=4, attention="sdpa", dropout=0.0, max_positions=4096),
+                           seq=4096, micro_batch=1), FRACTIONS, True),
         ("HF llama (6 layers, h 64)", lambda: hf("llama"), FRACTIONS[1:], True),
         ("HF gpt2 (6 layers, h 64)", lambda: hf("gpt2"), FRACTIONS[1:], False),
         ("HF gpt_neox (6 layers, h 64; not in the issue)", lambda: hf("gpt_neox", kv_heads=4), (0.5,), False),
@@ -137,20 +142,28 @@ def main() -> None:
     import torch
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="", help="run only the models whose label holds this text")
-    only = parser.parse_args().only
+    parser.add_argument("--only", default="", help="run only the models whose label holds one of these "
+                                                   "|-separated texts")
+    parser.add_argument("--into", default=None, help="a table this script wrote: keep its rows of the models "
+                                                     "not run, replace the others; print the merged table")
+    args = parser.parse_args()
+    only = args.only.split("|")
     cals = load_all()
     head = ["model", "budget", "plan", "predicted peak", "measured peak", "error", "predicted update (plan)",
             "best fitting preset (predicted)", "plan vs preset; compare verdict"]
     rows = []
     for label, make, fractions, with_compare in cases():
-        if only not in label:
+        if not any(o in label for o in only):
             continue
         try:
             rows += run_case(label, make(), fractions, with_compare, cals)
         except Exception as e:  # noqa: BLE001 — one model's failure is a row, not the end of the table
             log(f"{label}: {type(e).__name__}: {e}")
             rows.append([label, "-", f"error: {type(e).__name__}: {e}", "", "", "", "", "", ""])
+    ran = {r[0] for r in rows}
+    kept = [r for r in _table_rows(args.into) if r[0] not in ran] if args.into else []
+    order = [c[0] for c in cases()]
+    rows = sorted(rows + kept, key=lambda r: order.index(r[0]) if r[0] in order else len(order))
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
@@ -169,6 +182,36 @@ def main() -> None:
     print("|" + "---|" * len(head))
     for r in rows:
         print("| " + " | ".join(r) + " |")
+    print()
+    if kept:
+        print(f"Rows of {', '.join(sorted({r[0] for r in kept}))} are kept from the earlier run of this table "
+              f"(`--into`); the others are this run's.\n")
+    print(summary(rows))
+
+
+def _table_rows(path: str) -> list[list[str]]:
+    """The data rows of a Markdown table this script printed."""
+    out = []
+    for line in open(path):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 9 and cells[0] != "model":
+            out.append(cells)
+    return out
+
+
+def summary(rows: list[list[str]]) -> str:
+    """Counts read off the table: fits, worst error, strictly better / equal, compare verdicts."""
+    done = [r for r in rows if r[5] not in ("", "-")]
+    worst = max((abs(float(r[5].rstrip("%"))) for r in done), default=0.0)
+    fails = sum("(fails)" in r[4] for r in done)
+    better = sum(r[8].startswith("strictly better") for r in done)
+    verdicts = [r[8] for r in done if "plan/preset" in r[8]]
+    slower = sum("(plan slower)" in v for v in verdicts)
+    return (f"Reading it: {len(done)} budgets; the measured peak outside the budget or beyond 3% of the plan's at "
+            f"{fails}; largest |error| {worst:.2f}%.  The plan's predicted update time is strictly below the best "
+            f"fitting preset's at {better} of {len(done)} budgets and equal at the others (never above: fit takes "
+            f"the preset when it is faster).  {len(verdicts)} real compares; the plan slower beyond the noise band "
+            f"in {slower}.")
 
 
 if __name__ == "__main__":

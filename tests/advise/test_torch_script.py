@@ -201,7 +201,8 @@ def test_each_zero_stage_uses_its_pytorch_api():
 def test_script_is_valid_python_for_every_printed_combination():
     for dp, zero in ((1, 0), (2, 0), (2, 1), (2, 2), (2, 3)):
         for precision in ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-fsdp"):
-            for ac in ("none", "full", "every:2", "selective", "selective-op", "megatron-selective", PLAN):
+            for ac in ("none", "full", "every:2", "selective", "selective-op", "megatron-selective", "selective-attn",
+                       PLAN):
                 ast.parse(training_script(config(dp=dp, zero=zero, precision=precision, ac=ac)))
 
 

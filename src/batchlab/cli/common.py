@@ -17,6 +17,7 @@ from batchlab.util.text import SOURCES_POINTER  # noqa: F401  (re-exported for t
 
 AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), selective (keep every "
            "matmul), selective-op (torchtitan: every other matmul + SDPA), megatron-selective (attention core), "
+           "selective-attn (keep attention outputs), "
            "or a per-layer plan: 'plan:full*2,selective*4,none*2' (POLICY or POLICY*N per run of layers, first layer "
            "first, covering every layer; quote it in a shell) or plan:FILE (.json/.toml with per_layer, as fit "
            "writes it); batchlab fit takes auto: the cheapest plan that fits the memory. "
