@@ -138,9 +138,17 @@ def plan_within(lm: LayerModel, budget: int, cals: Calibrations) -> Point | None
             return None
         p = point(lm.cfg.replace(ac=ac), "plan", cals, budget)
         if p.peak_bytes <= budget:
-            return p
+            return p if target > budget else _faster(p, lm, budget, cals)
         target -= max(p.peak_bytes - budget, slack, budget // 1000 if target <= budget else 0)
     return None
+
+
+def _faster(p: Point, lm: LayerModel, budget: int, cals: Calibrations) -> Point:
+    """After tightening by the excess (which can step past a faster plan that fits): the optimum at the budget
+    itself, where it fits."""
+    ac = solve(lm, budget)
+    q = point(lm.cfg.replace(ac=ac), "plan", cals, budget) if ac is not None else None
+    return q if q is not None and q.peak_bytes <= budget and q.update_seconds < p.update_seconds else p
 
 
 def presets(lm: LayerModel) -> list[ACPolicy]:
