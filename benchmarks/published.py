@@ -17,6 +17,13 @@ What no flag expresses is listed under each run (mapped to the nearest setting).
 
     PYTHONPATH=src python benchmarks/published.py                 # the whole table -> docs/accuracy/published.md
     PYTHONPATH=src python benchmarks/published.py --only tt-h100-llama31-8b-fsdp8-sacop   # prints only
+    PYTHONPATH=src python benchmarks/published.py --derive   # the fractions -> docs/accuracy/published-fractions.md
+
+``--derive`` makes the achievable fraction (formula/efficiency.py FRACTIONS) a quantity of the current time model:
+for each run *not* held out it solves for the matmul fraction f at which the model's update time equals the
+published one (bisection: the predicted rate rises with f), and gives the median per (arch, 16-bit) class.
+Hold-outs are skipped before anything is computed for them; runs whose matmuls no flag expresses (Float8) are
+listed but not used.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from click import ClickException
 from batchlab.cli.common import config_from_command
 from batchlab.config import RunConfig
 from batchlab.formula import estimate, implementation_line
+from batchlab.formula.efficiency import FRACTIONS, fraction_class
 from batchlab.util.units import relative_to
 
 HERE = Path(__file__).resolve().parent
@@ -184,6 +192,78 @@ def evaluate(run: dict, before: dict[str, dict] | None = None) -> Row:
     return row
 
 
+# runs whose matmuls the command cannot express: their rate says nothing of the class's 16-bit matmuls
+NOT_DERIVED_FROM = {"fp8-float8-linear": "fp8 matmuls (Float8Linear), modelled as bf16"}
+
+
+@dataclass(frozen=True)
+class Derived:
+    run_id: str
+    key: tuple[str, bool] | None  # formula/efficiency.py's FRACTIONS class the run's command reads
+    fraction: float | None  # None: excluded, or no f in (0, 1] reproduces the published rate
+    excluded: str = ""  # why the run is not used ("" when it is)
+
+
+def solve_fraction(cfg: RunConfig, tps_measured: float, lo: float = 0.01, hi: float = 1.0,
+                   tol: float = 1e-5) -> float | None:
+    """The matmul fraction f at which the model's tokens/s per GPU equals the published one (equivalently its
+    update time), by bisection: the predicted rate rises monotonically with f.  None if no f in [lo, hi] does."""
+    def rate(f: float) -> float:
+        return estimate(cfg.replace(achievable_fraction=f)).time.tokens_per_second / cfg.dp
+
+    if not rate(lo) <= tps_measured <= rate(hi):
+        return None
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(mid) < tps_measured else (lo, mid)
+    return (lo + hi) / 2
+
+
+def derive(runs: list[dict]) -> list[Derived]:
+    """Each run not held out, with the fraction its published tokens/s implies; hold-outs are never evaluated."""
+    out = []
+    for run in runs:
+        if run.get("holdout"):
+            continue
+        cfg, _ = config_for(run, [])
+        tps = run["measured"].get("tokens_per_s_per_gpu")
+        why = NOT_DERIVED_FROM.get(run["precision"], "" if tps else "no published tokens/s")
+        f = None if why else solve_fraction(cfg, tps)
+        out.append(Derived(run["id"], fraction_class(cfg), f, why or ("" if f is not None else "no f <= 1 reaches it")))
+    return out
+
+
+def class_medians(derived: list[Derived]) -> dict[tuple[str, bool], tuple[float, list[Derived]]]:
+    """Per FRACTIONS class: the median of its used runs' fractions (to 2 decimals, as FRACTIONS holds it)."""
+    used: dict[tuple[str, bool], list[Derived]] = {}
+    for d in derived:
+        if not d.excluded and d.key is not None:
+            used.setdefault(d.key, []).append(d)
+    return {k: (round(statistics.median(d.fraction for d in v), 2), v) for k, v in used.items()}
+
+
+def derive_document(derived: list[Derived], held_out: int) -> str:
+    """The page: each run's fraction, then each class's median beside what formula/efficiency.py holds."""
+    name = lambda k: f"{k[0]} {'16-bit' if k[1] else 'fp32'}" if k else "-"  # noqa: E731
+    lines = ["The achievable fraction f of formula/efficiency.py, derived from the published runs under the current "
+             "time model: for each run not held out, the matmul fraction of the dense peak at which the per-op "
+             "model (element-wise work, copies, the loss and the optimizer priced by bytes at HBM bandwidth) "
+             f"predicts the published update time. {held_out} held-out runs are never evaluated here.", "",
+             "| run | class | f | used |", "|---|---|---:|---|"]
+    for d in derived:
+        f = "-" if d.fraction is None else f"{d.fraction:.3f}"
+        lines.append(f"| {d.run_id} | {name(d.key)} | {f} | {'yes' if not d.excluded else 'no: ' + d.excluded} |")
+    lines += ["", "| class | runs | values | median | FRACTIONS |", "|---|---:|---|---:|---:|"]
+    for k, (median, used) in sorted(class_medians(derived).items()):
+        values = ", ".join(f"{d.fraction:.3f}" for d in sorted(used, key=lambda d: d.fraction))
+        held = FRACTIONS[k].value if k in FRACTIONS else None
+        lines.append(f"| {name(k)} | {len(used)} | {values} | {median:.2f} | {held if held is not None else '-'} |")
+    none = sorted({d.key for d in derived if d.key} - set(class_medians(derived)))
+    lines += [f"- {name(k)}: no run gives a fraction; FRACTIONS holds {FRACTIONS[k].value} ({FRACTIONS[k].source})"
+              for k in none]
+    return "\n".join(lines + [""])
+
+
 def pct(e: float | None) -> str:
     return "-" if e is None else f"{e:+.1%}"
 
@@ -293,8 +373,12 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=Path, default=HERE / "published_runs.toml")
     p.add_argument("--before", type=Path, default=HERE / "published_before.toml")
     p.add_argument("--only", default="", help="comma-separated run ids (prints; the page is not written)")
+    p.add_argument("--derive", action="store_true", help="the achievable fractions the runs not held out imply")
     args = p.parse_args(argv)
     runs = load(args.runs)["run"]
+    if args.derive:
+        print(derive_document(derive(runs), sum(1 for r in runs if r.get("holdout"))))
+        return 0
     before = {r["id"]: r for r in load(args.before)["run"]} if args.before.exists() else {}
     if args.only:
         wanted = set(args.only.split(","))
@@ -309,4 +393,7 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     import page  # benchmarks/page.py: this script's page of the docs
 
-    page.publish(main, "published", "Predicted vs published GPU runs")
+    if "--derive" in sys.argv:
+        page.publish(main, "published-fractions", "Achievable fractions derived from published runs")
+    else:
+        page.publish(main, "published", "Predicted vs published GPU runs")

@@ -116,6 +116,7 @@ def loss_fn(logits, y):
 '''
 
 
+PLAN = "plan:full,selective-op,megatron-selective,none"  # a per-layer plan as fit --ac auto writes it
 DP2 = [config(dp=2, zero=0), config(dp=2, zero=1, precision="bf16-mixed", ac="full"),
        config(dp=2, zero=2, ac="selective-op"), config(dp=2, zero=3, precision="bf16-fsdp", ac="every:2")]
 
@@ -126,7 +127,8 @@ def dp1_scripts() -> list[str]:
     script = training_script(config(ac="every:2"))
     scripts = [script] + [training_script(config(precision=p, ac=ac, optimizer=o))
                           for p, ac, o in (("bf16-mixed", "selective", "sgd-momentum"), ("fp16-mixed", "full", "sgd"),
-                                           ("bf16", "selective-op", "adamw"), ("bf16-fsdp", "megatron-selective", "adamw"))]
+                                           ("bf16", "selective-op", "adamw"), ("bf16-fsdp", "megatron-selective", "adamw"),
+                                           ("bf16-mixed", PLAN, "adamw"))]
     head, rest = script.split(STAND_IN_BEGIN)
     return scripts + [head + OWN_MODEL + rest.split(STAND_IN_END)[1]]
 
@@ -199,10 +201,27 @@ def test_each_zero_stage_uses_its_pytorch_api():
 def test_script_is_valid_python_for_every_printed_combination():
     for dp, zero in ((1, 0), (2, 0), (2, 1), (2, 2), (2, 3)):
         for precision in ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-fsdp"):
-            for ac in ("none", "full", "every:2", "selective", "selective-op", "megatron-selective"):
+            for ac in ("none", "full", "every:2", "selective", "selective-op", "megatron-selective", PLAN):
                 ast.parse(training_script(config(dp=dp, zero=zero, precision=precision, ac=ac)))
 
 
 def test_multi_node_launch_line():
     cfg = RunConfig(model=preset("tiny"), micro_batch=1, accum=1, dp=16, zero=3, device="h100-sxm")
     assert "--nnodes 2 --nproc-per-node 8" in training_script(cfg)
+
+
+def test_a_plan_script_wraps_each_layer_with_its_policy_and_runs(tmp_path):
+    """The script of a per-layer plan runs as printed (a fresh interpreter, torch only) and wraps exactly the
+    layers the plan names, each with its own selective policy."""
+    import subprocess
+
+    script = training_script(config(ac=PLAN))
+    assert "PLAN = ['full', 'selective-op', 'megatron-selective', 'none']" in script
+    probe = script + "\nprint('wrapped', [type(b).__name__ == 'Checkpointed' for b in model.layers], " \
+                     "[getattr(b, 'context_fn', 0) is None for b in model.layers])\n"
+    path = write(tmp_path, "train_plan.py", probe)
+    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert updates_printed(r.stdout) == [1, 2], r.stdout
+    assert "wrapped [True, True, True, False] [True, False, False, False]" in r.stdout, r.stdout

@@ -150,7 +150,9 @@ def _enum_fields(obj) -> dict[str, object]:
     out = {}
     for f in dataclasses.fields(obj):
         kinds = typing.get_args(hints[f.name]) or (hints[f.name],)
-        if any(isinstance(k, type) and issubclass(k, enum.Enum) for k in kinds):
+        if typing.get_origin(hints[f.name]) is tuple:  # a tuple of enums (a plan's layers): each element
+            out.update({f"{f.name}[{i}]": v for i, v in enumerate(getattr(obj, f.name))})
+        elif any(isinstance(k, type) and issubclass(k, enum.Enum) for k in kinds):
             out[f.name] = getattr(obj, f.name)
     return out
 
@@ -162,14 +164,14 @@ def test_enum_fields_hold_enums_when_built_from_strings():
 
     cfg = RunConfig(model=ModelSpec(mlp="swiglu", norm="rmsnorm", attention="sdpa", position="rope"),
                     precision="bf16-mixed", optimizer="sgd", data="padded")
-    built = [cfg, cfg.model, ACPolicy("full"), DeviceSpec("x", "cuda", 1, 1.0, 1.0, 1.0, 1.0, 1.0),
+    built = [cfg, cfg.model, ACPolicy("full"), ACPolicy.parse("plan:full,none*3"), DeviceSpec("x", "cuda", 1, 1.0, 1.0, 1.0, 1.0, 1.0),
              config_from_dict(json.loads(json.dumps(cfg.to_dict())))]
     for obj in built:
         values = _enum_fields(obj)
         assert values, type(obj).__name__
         for name, value in values.items():  # a str subclass, so `isinstance(value, str)` would not tell
             assert isinstance(value, enum.Enum), (type(obj).__name__, name, value)
-    assert ACPolicy("full").mode is ACMode.FULL and built[3].backend is Backend.CUDA
+    assert ACPolicy("full").mode is ACMode.FULL and built[4].backend is Backend.CUDA
     assert cfg.precision.value == "bf16-mixed" and cfg.model.mlp.value == "swiglu"
 
 

@@ -19,7 +19,10 @@ TINY = RunConfig(model=preset("tiny"), dp=2, micro_batch=4, seq=64)
 
 # -- formula, by hand (no processes)
 def test_zero3_traffic_is_two_gathers_and_one_reduce_scatter_per_micro_batch():
-    n = count(TINY.model).total  # 891,648 for tiny; every first dimension is even, so no FSDP2 padding
+    # tiny's parameters by hand: 512 x 128 token + 256 x 128 position embeddings (98,304), 4 layers of 198,272
+    # (two LayerNorms 512, qkv 128 x 384 + 384, proj 128 x 128 + 128, fc 128 x 512 + 512, fc-proj 512 x 128 + 128),
+    # the final LayerNorm 256, the head tied: 891,648; every first dimension is even, so no FSDP2 padding
+    n = 891_648
     t = traffic(TINY.replace(zero=3, accum=4))
     assert t.per_micro_batch == tuple(dict(all_gather=2 * 4 * n, reduce_scatter=4 * n, all_reduce=0, broadcast=0)
                                       for _ in range(4))

@@ -212,7 +212,7 @@ def test_memory_every_takes_the_highest_peak_of_its_updates_and_names_them():
                 reference = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     m = obs.measurement
     assert m.memory.method.endswith("; peak of updates 2, 5, 8, untimed")
-    assert abs(m.memory.peak_bytes - reference) / reference < 0.05
+    assert abs(m.memory.peak_bytes - reference) / reference <= 0.005  # AdamW's step counters: MemTracker's alone
     assert len(m.time.samples) == 8 - 3 - 2  # warmup 1, 2 (memory), 3; memory updates 5 and 8 untimed
     with pytest.raises(ValueError, match="memory_every"):
         batchlab.observe(model, opt, memory_every=1).__enter__()

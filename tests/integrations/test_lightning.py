@@ -99,7 +99,8 @@ def test_memory_matches_pytorch_mem_tracker(runs):
     _, ref, cb, _, _ = runs
     mem = cb.record.figure("peak memory")
     assert mem.provenance == "allocator" and mem.predicted is None
-    assert abs(mem.observed - ref.peak) / ref.peak < 0.05
+    # the same update: equal but for AdamW's 0-dim step counters, which MemTracker counts (docs/accuracy/tracker.md)
+    assert abs(mem.observed - ref.peak) / ref.peak <= 0.005
 
 
 @pytest.mark.slow
@@ -131,4 +132,4 @@ def test_hugging_face_model_inside_a_lightning_module_maps_to_a_run_config(pl):
     assert rec.run_config is not None and rec.run_config.seq == 32 and rec.run_config.global_batch == 8
     assert rec.measurement.useful_tokens_per_update == MICRO * ACCUM * (32 - 8)  # by hand
     assert rec.figure("peak memory").predicted is not None
-    assert abs(rec.figure("peak memory").observed - ref.peak) / ref.peak < 0.05
+    assert abs(rec.figure("peak memory").observed - ref.peak) / ref.peak <= 0.005

@@ -102,7 +102,8 @@ def test_memory_matches_pytorch_mem_tracker(runs):
     _, ref, cb, _, _ = runs
     mem = cb.record.figure("peak memory")
     assert mem.provenance == "allocator" and mem.predicted is not None  # the formula's value stands beside it
-    assert abs(mem.observed - ref.peak) / ref.peak < 0.05
+    # the same update: equal but for AdamW's 0-dim step counters, which MemTracker counts (docs/accuracy/tracker.md)
+    assert abs(mem.observed - ref.peak) / ref.peak <= 0.005
 
 
 def test_phases_and_timed_updates(runs):
@@ -122,4 +123,4 @@ def test_activation_checkpointing_is_read_and_measured(tmp_path, hf):
     rec = cb.record
     assert rec.settings.gradient_checkpointing is True and rec.settings.checkpoint_every == 2
     assert str(rec.run_config.ac) == "every:2"
-    assert abs(rec.figure("peak memory").observed - ref.peak) / ref.peak < 0.05
+    assert abs(rec.figure("peak memory").observed - ref.peak) / ref.peak <= 0.005

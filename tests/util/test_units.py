@@ -27,16 +27,17 @@ def test_one_si_formatter_for_counts_rates_and_decimal_bytes(x, unit, text):
 
 
 def test_a_placeholder_rate_is_never_shown_as_a_quantity():
-    """A GPU's nominal time model folds element-wise work into its end-to-end fraction (a 1e30 B/s stand-in);
-    a latency-bound loopback fit has no bandwidth (a 1e15 B/s stand-in): both are said, not printed."""
+    """A GPU's nominal time model prices element-wise work at the card's HBM bandwidth (H100 SXM datasheet:
+    3.35 TB/s), never at a stand-in; a latency-bound loopback fit has no bandwidth (a 1e15 B/s stand-in): said,
+    not printed."""
     from batchlab.config import RunConfig
     from batchlab.formula import estimate
     from batchlab.formula.opcost import UNRESOLVED, link_text
 
     line = next(a for a in estimate(RunConfig(device="h100", precision="bf16-mixed")).assumptions
                 if a.startswith("time model:"))
-    assert "moved by memory-bound ops not priced (folded into the achievable fraction)" in line
-    assert "e+18" not in line and "TB/s" not in line
+    assert "moved by memory-bound ops at 3.35 TB/s" in line
+    assert "e+" not in line
     assert link_text(UNRESOLVED) == "no bandwidth resolved (latency-bound)" and link_text(5e8) == "500 MB/s"
 
 

@@ -71,7 +71,7 @@ def _checkpointing(goal: Goal, now: Candidate) -> list[Advice]:
 
 
 def _less_or_equal_recompute(p, cfg: RunConfig) -> bool:
-    if cfg.ac.mode is ACMode.FULL:
+    if cfg.ac.simplified().mode is ACMode.FULL:  # a plan of full layers only is full
         return True
     if p.mode is ACMode.EVERY and cfg.ac.mode is ACMode.EVERY:
         return p.every >= cfg.ac.every  # every:K with a larger K wraps fewer layers

@@ -25,6 +25,7 @@ class FitReport:
     remedies: list[Remedy] = field(default_factory=list)  # when the formula finds nothing that fits
     states: StatesVerdict | None = None  # when the model states alone exceed the memory per rank
     notes: list[str] = field(default_factory=list)
+    ac_plan: Any = None  # advise.acplan.ACPlan: fit --ac auto's per-layer plan and its frontier
 
     @property
     def exit_code(self) -> int:
@@ -67,7 +68,8 @@ class FitReport:
                 "verification": to_jsonable(self.verification), "search": to_jsonable(self.search),
                 "limits": self.limits(), "oom_advice": to_jsonable(self.advice),
                 "what_would_fit": to_jsonable(self.remedies), "notes": self.notes,
-                "snippets": all_snippets(self.final) if self.final is not None else None}
+                "snippets": all_snippets(self.final) if self.final is not None else None,
+                "plan": self.ac_plan.to_dict() if self.ac_plan is not None else None}
 
 
 def isolated_measure(capacity_bytes: int, timeout_s: float | None = None) -> MeasureFn:

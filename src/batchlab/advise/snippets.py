@@ -40,6 +40,7 @@ def config_toml(cfg: RunConfig) -> str:
     """A ``[config]`` table (model as a preset name when it is one, else a ``[config.model]`` table)."""
     d = to_jsonable(cfg)
     model, assumptions = d.pop("model"), d.pop("assumptions")
+    model.pop("profile", None)  # a cache of the model's traced layer terms, found again from the model's config
     if _model_is_preset(cfg.model):
         d = {"model": cfg.model.name, **d}
     lines = _table("config", d)
@@ -60,8 +61,10 @@ def _hf_ac(cfg: RunConfig) -> tuple[bool, str | None]:
         # transformers 5 modeling_utils: layer_index % every_n_layers == 0, the layers batchlab's every:K wraps
         return True, (f"{cfg.ac}: transformers >= 5 takes activation_checkpointing=True, activation_checkpointing_"
                       f"kwargs={{'every_n_layers': {cfg.ac.every}}}; older versions recompute every layer")
-    return True, (f"{cfg.ac} has no TrainingArguments switch: gradient_checkpointing=True recomputes every layer "
-                  "(more compute than planned); wrap the chosen layers yourself to match")
+    what = "a per-layer plan" if mode is ACMode.PLAN else "it"
+    return True, (f"{cfg.ac}: TrainingArguments cannot express {what}: gradient_checkpointing=True recomputes every "
+                  "layer (more compute than planned); wrap the chosen layers yourself to match (the PyTorch script "
+                  "fit prints does)")
 
 
 def huggingface(cfg: RunConfig) -> dict[str, Any]:
@@ -147,6 +150,11 @@ def torchtitan_toml(cfg: RunConfig) -> str:
                      f"is a multiple of {cfg.ac.every}")
     elif cfg.ac.mode is ACMode.SELECTIVE_OP:  # batchlab's selective-op is torchtitan's policy
         ac["selective_ac_option"] = "op"
+    elif cfg.ac.mode is ACMode.PLAN:
+        ac["mode"] = "full"
+        notes.append(f"{cfg.ac}: torchtitan's activation_checkpoint applies one mode to every layer and cannot "
+                     "express a per-layer plan; mode = \"full\" fits in memory with more recompute (the PyTorch "
+                     "script applies the plan)")
     elif cfg.ac.mode in (ACMode.SELECTIVE, ACMode.MEGATRON):
         ac["selective_ac_option"] = "op"
         notes.append("selective_ac_option = \"op\" saves matmul and attention outputs by a policy of its own; "
@@ -204,7 +212,9 @@ def accelerate_yaml(cfg: RunConfig) -> str:
 
 
 def all_snippets(cfg: RunConfig) -> dict[str, Any]:
-    return {"batchlab_toml": config_toml(cfg), "pytorch": training_script(cfg), "huggingface": huggingface(cfg),
+    script = training_script(cfg)  # a per-layer plan as it is: the script wraps each layer with its policy
+    cfg = cfg.replace(ac=cfg.ac.simplified())
+    return {"batchlab_toml": config_toml(cfg), "pytorch": script, "huggingface": huggingface(cfg),
             "lightning": lightning(cfg), "deepspeed": deepspeed(cfg), "torchtitan_toml": torchtitan_toml(cfg),
             "accelerate_yaml": accelerate_yaml(cfg), "huggingface_code": call_code("TrainingArguments", huggingface(cfg)),
             "lightning_code": call_code("Trainer", lightning(cfg)), "deepspeed_json": json.dumps(deepspeed(cfg), indent=2)}

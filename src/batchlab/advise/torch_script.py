@@ -149,7 +149,7 @@ def _imports(cfg: RunConfig) -> list[str]:
         out.append("from torch.nn.parallel import DistributedDataParallel as DDP")
         if cfg.zero == 1:
             out.append("from torch.distributed.optim import ZeroRedundancyOptimizer")
-    if cfg.ac.mode in _POLICIES:
+    if cfg.ac.mode in _POLICIES or set(cfg.ac.layer_modes(cfg.model.layers)) & set(_POLICIES):
         out.append("from torch.utils.checkpoint import CheckpointPolicy, checkpoint, "
                    "create_selective_checkpoint_contexts")
     elif cfg.ac.mode is not ACMode.NONE:
@@ -158,10 +158,42 @@ def _imports(cfg: RunConfig) -> list[str]:
     return out + [f"from torch.utils.data import {samplers}"]
 
 
+_PLAN_CHECKPOINTED = '''\
+class Checkpointed(torch.nn.Module):
+    """Activation checkpointing (recompute in backward): not the training checkpoint saved to disk."""
+
+    def __init__(self, block, context_fn=None):
+        super().__init__()
+        self.block, self.context_fn = block, context_fn
+
+    def forward(self, *args, **kwargs):
+        # preserve_rng_state: dropout in the recompute draws the forward's mask (bitwise-equal gradients)
+        extra = {"context_fn": self.context_fn} if self.context_fn is not None else {}
+        return checkpoint(self.block, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+'''
+
+
+def _plan(cfg: RunConfig) -> list[str]:
+    """A per-layer plan: each layer wrapped with its own policy (full: the whole block recomputed)."""
+    modes = cfg.ac.layer_modes(cfg.model.layers)
+    used = [m for m in _POLICIES if m in modes]
+    out = ([_OPS] if used else []) + [_POLICIES[m][0] for m in used] + [_PLAN_CHECKPOINTED]
+    contexts = ", ".join(['"full": None'] + [f'"{m.value}": {_POLICIES[m][1]}' for m in used])
+    out += [f"CONTEXTS = {{{contexts}}}  # selective checkpointing policy per plan entry",
+            f"PLAN = {[m.value for m in modes]!r}  # {cfg.ac}: one policy per layer, first layer first",
+            "assert len(PLAN) == len(model.layers), (len(PLAN), len(model.layers))",
+            "for i, policy in enumerate(PLAN):",
+            "    if policy != \"none\":",
+            "        model.layers[i] = Checkpointed(model.layers[i], CONTEXTS[policy])"]
+    return out
+
+
 def _checkpointing(cfg: RunConfig) -> list[str]:
     mode, n = cfg.ac.mode, cfg.model.layers
     if mode is ACMode.NONE:
         return ["# activation checkpointing: none"]
+    if mode is ACMode.PLAN:
+        return _plan(cfg)
     policy, context = _POLICIES.get(mode, ("", None))
     out = [_OPS, policy] if context else []
     out.append(_CHECKPOINTED.format(extra=f" context_fn={context}," if context else ""))

@@ -16,7 +16,10 @@ from batchlab.formula.profile import attach_cached, missing, needed, profiled_pr
 from batchlab.util.text import SOURCES_POINTER  # noqa: F401  (re-exported for the renderers)
 
 AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), selective (keep every "
-           "matmul), selective-op (torchtitan: every other matmul + SDPA), megatron-selective (attention core). "
+           "matmul), selective-op (torchtitan: every other matmul + SDPA), megatron-selective (attention core), "
+           "or a per-layer plan: 'plan:full*2,selective*4,none*2' (POLICY or POLICY*N per run of layers, first layer "
+           "first, covering every layer; quote it in a shell) or plan:FILE (.json/.toml with per_layer, as fit "
+           "writes it); batchlab fit takes auto: the cheapest plan that fits the memory. "
            "Recomputes activations during backward "
            "to save memory inside one step (trades compute for memory). NOT the training checkpoint saved to disk.")
 
@@ -234,6 +237,30 @@ def typed_options() -> frozenset[str]:
     return frozenset(_TYPED)
 
 
+_AUTO_AC = [False]  # --ac auto on this command line (fit's planner; the config gets none meanwhile)
+
+
+def ac_auto() -> bool:
+    return _AUTO_AC[0]
+
+
+def takes_ac_auto(fn: Callable) -> Callable:
+    """Mark a command (below ``with_config``) as accepting ``--ac auto``."""
+    fn.takes_ac_auto = True
+    return fn
+
+
+def _auto_ac(fn: Callable, config_kwargs: dict[str, Any], typed: set[str]) -> bool:
+    if str(config_kwargs.get("ac") or "").strip().lower() != "auto":
+        return False
+    if not getattr(fn, "takes_ac_auto", False):
+        raise ConfigError("ac", "auto is batchlab fit's planner; here give a policy or the plan fit wrote: "
+                                "plan:FILE or plan:POLICY*N,...")
+    config_kwargs["ac"] = "none"
+    typed.discard("ac")
+    return True
+
+
 def with_config(fn: Callable) -> Callable:
     """Give a typer command every shared config option; it receives ``cfg: RunConfig`` instead.
 
@@ -258,8 +285,9 @@ def with_config(fn: Callable) -> Callable:
         config_kwargs = {k: kwargs.pop(k) for k in CONFIG_OPTIONS}
         typed = _typed_in(ctx)
         _TYPED.clear()
-        _TYPED.update(typed)
         try:
+            _AUTO_AC[0] = _auto_ac(fn, config_kwargs, typed)
+            _TYPED.update(typed)
             cfg = build_config(given=typed, **config_kwargs)
             for w in config_warnings(cfg):
                 typer.echo(f"warning: {w}", err=True)

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from batchlab.cli.base import app
-from batchlab.cli.common import Verbose, console, fail, print_json, with_config, with_goal_profile
+from batchlab.cli.common import Verbose, console, fail, print_json, takes_ac_auto, with_config, with_goal_profile
 from batchlab.config import Backend, ConfigError, ModelSource, RunConfig
 
 PANEL = "Fit"
@@ -14,6 +14,7 @@ PANEL = "Fit"
 
 @app.command("fit")
 @with_config
+@takes_ac_auto
 def fit_command(
     cfg: RunConfig,
     as_json: bool,
@@ -27,16 +28,19 @@ def fit_command(
     after_oom: Annotated[bool, typer.Option("--after-oom", help="The config given (--micro-batch, --accum, --ac, ...) ran out of memory: print the ordered changes with formula figures (first, when the model states alone exceed the memory, that figure and what helps: sharding over N devices, a smaller optimizer state, CPU offload). Exit 0 when a listed change fits, 1 when none does.", rich_help_panel=PANEL)] = False,
     top: Annotated[int, typer.Option(help="Rows in the alternatives table (>= 1).", rich_help_panel=PANEL)] = 8,
     timeout: Annotated[Optional[float], typer.Option(help="Seconds before one measurement trial is killed (recorded as failed).", rich_help_panel=PANEL)] = None,
+    plan_out: Annotated[Optional[str], typer.Option(help="With --ac auto: where to write the plan (JSON; default ./batchlab-ac-plan.json); pass it back as --ac plan:FILE.", rich_help_panel=PANEL)] = None,
+    plot: Annotated[Optional[str], typer.Option(help="With --ac auto: write the memory/time frontier as a PNG here.", rich_help_panel=PANEL)] = None,
     verbose: Verbose = False,
 ):
     """Pick micro-batch, gradient accumulation and activation checkpointing for a target global batch: predict
     by formula, confirm by measurement, search in few trials only when needed.  The global batch never changes:
     accum = global / (micro-batch x DP).  Knobs typed explicitly (--micro-batch, --ac, --zero, --precision)
-    are held as given and the rest searched (--allow-zero searches ZeRO stages from --zero up).  Exit 0 with a
-    choice, 1 when nothing fits (with what would), 2 for bad input."""
+    are held as given and the rest searched (--allow-zero searches ZeRO stages from --zero up).  --ac auto plans
+    activation checkpointing per layer: the least predicted update time whose predicted peak fits, measured to
+    prove it.  Exit 0 with a choice, 1 when nothing fits (with what would), 2 for bad input."""
     from batchlab.advise import Goal
     from batchlab.advise.plan import KNOBS, check_capacity
-    from batchlab.cli.common import typed_options
+    from batchlab.cli.common import ac_auto, typed_options
 
     if top < 1:
         fail(f"top: must be >= 1, got {top}")
@@ -49,6 +53,10 @@ def fit_command(
         if after_oom:
             raise typer.Exit(_after_oom(goal, as_json))
         check_capacity(goal)
+        if ac_auto():
+            raise typer.Exit(_auto(goal, verify, timeout, as_json, plan_out, plot, verbose))
+        if plan_out or plot:
+            typer.echo("warning: ignored: --plan-out/--plot: they go with --ac auto", err=True)
         out = console()
         if not as_json:  # the header before any trial runs
             from batchlab.advise.render import header
@@ -65,6 +73,54 @@ def fit_command(
         fit_report(out, report, top, with_header=False, verbose=verbose)
     if report.exit_code:
         raise typer.Exit(report.exit_code)
+
+
+def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_out: str | None,
+          plot: str | None, verbose: bool = False) -> int:
+    """fit --ac auto: plan, prove by a run, print; the exit code."""
+    from batchlab.advise import isolated_measure
+    from batchlab.advise.acfit import fit_auto
+    from batchlab.advise.render import trial_line
+
+    from batchlab.advise.acplan import check_budget
+
+    check_budget(goal)
+    verify = _local(goal) if verify is None else verify
+    out = console()
+    if not as_json:
+        from batchlab.advise.render import header
+
+        header(out, goal)
+    measure = isolated_measure(goal.capacity_bytes, timeout)
+    shown = (lambda t: out.print(trial_line(t, 1, 1))) if not as_json else None
+    report = fit_auto(goal, verify=verify, measure=measure, plan_out=plan_out, on_trial=shown)
+    if plot and report.ac_plan is not None and report.ac_plan.frontier:
+        from pathlib import Path
+
+        from batchlab.report.plots import frontier_png
+
+        Path(plot).write_bytes(frontier_png(report.ac_plan.frontier, report.ac_plan.budget_bytes,
+                                            report.ac_plan.chosen, report.ac_plan.provenance))
+    if as_json:
+        print_json(report.to_dict())
+        return report.exit_code
+    from batchlab.advise.render_acplan import acplan_view, acplan_outcome
+
+    acplan_view(out, report.ac_plan)
+    acplan_outcome(out, report)
+    if verbose:  # fit's full report of the chosen configuration: its candidate, settings for other stacks
+        from batchlab.advise.render import fit_report
+
+        fit_report(out, report, 3, with_header=False, verbose=True)
+    if plot:
+        out.print(f"frontier plot: {plot}")
+    return report.exit_code
+
+
+def _local(goal) -> bool:
+    from batchlab.config import local_device
+
+    return goal.base.device_spec.backend is Backend.CPU or goal.base.device == local_device()
 
 
 def _target(cfg: RunConfig, global_tokens: int | None) -> RunConfig:

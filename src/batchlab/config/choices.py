@@ -92,6 +92,7 @@ class ACMode(Choice):
     # Megatron-LM recompute_granularity=selective, recompute_modules=[core_attn]: only the attention core
     # (QK^T, softmax, dropout, AV) is recomputed (Korthikanti et al. 2022, sec. 5; 34sbh per layer)
     MEGATRON = "megatron-selective"
+    PLAN = "plan"  # one of the above per layer (config/layerplan.py: plan:full*2,none*6 or plan:FILE)
 
     @property
     def dispatch_mode(self) -> bool:

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from batchlab.config import layerplan
 from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, Counted, DataKind, Implementation, LossMode,
                                      ModelSource, OptimizerKind, Precision)
 from batchlab.config.devices import DeviceSpec, device
@@ -27,14 +28,20 @@ class ACPolicy:
     also spelled ``selective-layer:K``), ``selective`` (every layer keeps its matmul outputs and recomputes
     the cheap element-wise and attention-core ops), ``selective-op`` (torchtitan's per-op policy: keeps every
     other matmul output and the SDPA outputs), ``megatron-selective`` (Megatron: recomputes only the
-    attention core).  models/ac.py applies each, formula/checkpointing.py counts what each keeps.
+    attention core), ``plan:...`` (one of none, full and the selective policies per layer: config/layerplan.py).
+    models/ac.py applies each, formula/checkpointing.py counts what each keeps.
     """
 
     mode: ACMode = ACMode.NONE
     every: int = 1
+    layers: tuple[ACMode, ...] = ()  # a plan's policy of each layer (mode PLAN only)
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ACMode.parse("ac", self.mode))
+        object.__setattr__(self, "layers", tuple(layerplan.layer_policy(p, "plan") for p in self.layers))
+        if (self.mode is ACMode.PLAN) != bool(self.layers):
+            raise ConfigError("ac", "a plan needs its layers' policies (plan:POLICY*N,... or plan:FILE), and only "
+                                    "a plan takes them")
         if self.every < 1:
             raise ConfigError("ac", f"every:K needs K >= 1, got {self.every}")
         if self.mode is not ACMode.EVERY and self.every != 1:
@@ -46,6 +53,8 @@ class ACPolicy:
             return value
         text = str(value).strip().lower()
         text = ALIASES.get(text, text)
+        if text.startswith("plan:"):
+            return cls(ACMode.PLAN, layers=layerplan.parse(text[len("plan:"):], str(value)))
         m = re.fullmatch(r"(?:every|selective-layer):(\d+)", text)
         if m:
             return cls(ACMode.EVERY, int(m.group(1)))
@@ -54,28 +63,49 @@ class ACPolicy:
         try:
             mode = ACMode(text)
         except ValueError:
+            mode = None
+        if mode is None or mode is ACMode.PLAN:
             raise ConfigError("ac", f"{value!r} is not one of: none, full, every:K, selective, selective-op, "
-                                    "megatron-selective") from None
+                                    "megatron-selective, plan:POLICY*N,... or plan:FILE")
         return cls(mode)
 
     def __str__(self) -> str:
+        if self.mode is ACMode.PLAN:
+            return f"plan:{layerplan.compact(self.layers)}"
         return f"every:{self.every}" if self.mode is ACMode.EVERY else self.mode.value
 
-    def wrapped_layers(self, n_layers: int) -> tuple[int, ...]:
-        """Indices of the layers whose whole block is recomputed in backward (the one place this is decided)."""
-        if self.mode is ACMode.FULL:
-            return tuple(range(n_layers))
+    def simplified(self) -> "ACPolicy":
+        """A plan giving every layer one policy, as that policy (other stacks' settings can express it)."""
+        if self.mode is ACMode.PLAN and len(set(self.layers)) == 1:
+            return ACPolicy(self.layers[0])
+        return self
+
+    def layer_modes(self, n_layers: int) -> tuple[ACMode, ...]:
+        """Each layer's policy: NONE, FULL or a selective mode (the one place this is decided)."""
+        if self.mode is ACMode.PLAN:
+            return self.layers
         if self.mode is ACMode.EVERY:
-            return tuple(range(0, n_layers, self.every))
-        return ()
+            return tuple(ACMode.FULL if i % self.every == 0 else ACMode.NONE for i in range(n_layers))
+        return (self.mode,) * n_layers
+
+    def wrapped_layers(self, n_layers: int) -> tuple[int, ...]:
+        """Indices of the layers whose whole block is recomputed in backward."""
+        return tuple(i for i, m in enumerate(self.layer_modes(n_layers)) if m is ACMode.FULL)
 
     def selective_layers(self, n_layers: int) -> tuple[int, ...]:
-        return tuple(range(n_layers)) if self.mode in SELECTIVE_MODES else ()
+        return tuple(i for i, m in enumerate(self.layer_modes(n_layers)) if m in SELECTIVE_MODES)
+
+    def selective_kinds(self, n_layers: int) -> dict[ACMode, int]:
+        """{selective mode: layers under it}."""
+        out: dict[ACMode, int] = {}
+        for m in self.layer_modes(n_layers):
+            if m in SELECTIVE_MODES:
+                out[m] = out.get(m, 0) + 1
+        return out
 
 
 SELECTIVE_MODES = (ACMode.SELECTIVE, ACMode.SELECTIVE_OP, ACMode.MEGATRON)  # a policy inside every block
-ALIASES = {"op": "selective-op", "torchtitan-op": "selective-op", "megatron": "megatron-selective",
-           "core-attn": "megatron-selective"}
+ALIASES = layerplan.ALIASES
 
 
 @dataclass(frozen=True)
@@ -205,7 +235,10 @@ class RunConfig:
                 raise ConfigError("impl", f"{self.model_source} runs transformers' code: --impl hf (a preset "
                                           f"without hf: takes --impl {self.model.impl})")
             set_(self, "model", dataclasses.replace(self.model, impl=Implementation.HF))
-        if self.ac.mode is ACMode.MEGATRON and self.model.attention is not AttentionImpl.SDPA:
+        if (self.ac.mode is ACMode.PLAN and len(self.ac.layers) != self.model.layers
+                and self.model_kind is not ModelSource.FACTORY):  # a factory's blocks: models/ac.py checks
+            raise ConfigError("ac", f"the plan names {len(self.ac.layers)} layers; the model has {self.model.layers}")
+        if ACMode.MEGATRON in self.ac.layer_modes(self.model.layers) and self.model.attention is not AttentionImpl.SDPA:
             raise ConfigError("ac", "megatron-selective recomputes the fused attention call: it needs "
                                     "--attention sdpa (eager attention has no single attention-core call)")
         if self.ac.mode is ACMode.EVERY and self.ac.every > self.model.layers:

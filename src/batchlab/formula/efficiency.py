@@ -1,12 +1,15 @@
 """What the time model reads beside the datasheet: the achievable fraction of peak per device and precision,
-grounded in published runs, the bus bandwidth a collective gets, and how much communication each engine hides
+derived from published runs, the bus bandwidth a collective gets, and how much communication each engine hides
 behind compute.  Pure data and small functions (no torch); formula/timing.py applies them.
 
-The fraction is of *hardware* FLOPs (with recompute) over the dense peak, the quantity the time model divides
-by, i.e. the HFU the published runs imply (docs/accuracy/published_mfu.md, benchmarks/published_runs.toml; the
-median over the runs of each card class and precision that were not held out).  formula/timing.py applies it to
-the matmuls and prices element-wise work by bytes on top (issue 36), so on the runs it was derived from the
-element-wise share is counted twice (those runs read 5-20% slow); the hold-outs were never used for it.
+The fraction is a quantity of the time model itself: the rate large matmuls reach, as a fraction of the dense
+peak, in the per-op model that also prices element-wise work, copies, the loss and the optimizer by bytes at HBM
+bandwidth.  ``benchmarks/published.py --derive`` solves, for each published run of benchmarks/published_runs.toml
+that is *not* held out, for the f that makes the model's predicted update time equal the published one (the time
+falls monotonically with f: bisection), and FRACTIONS holds the median per (arch, 16-bit) class (the page
+docs/accuracy/published-fractions.md lists every run's f).  Runs marked ``holdout`` are never used; nor are
+runs whose matmuls the command cannot express (Float8 modelled as bf16).  tests/formula/test_gpu_figures.py
+re-derives the medians and checks them against FRACTIONS, so the two cannot drift apart.
 """
 from __future__ import annotations
 
@@ -22,47 +25,54 @@ class Sourced:
     source: str
 
 
-_A100 = ("A100 bf16 FSDP: torchtitan Llama 2 13B/70B on 64 GPUs and llm-foundry MPT-7b (median HFU 0.61 of 7 runs; "
-         "torchtitan docs/performance.md @ 613bfd0c '13B | 2 | no | 2162 | 61.1%', llm-foundry benchmarking README "
-         "@ 49521837 '7b | 2048 | 8 | a100_80gb | 64.23')")
-_H100 = ("H100 bf16 FSDP: torchtitan Llama 3.1 8B and llm-foundry MPT 1b/7b (median HFU 0.42 of 5 runs; "
-         "llama3_h100_202412_torchtitan.md '33% to 39% MFU', llm-foundry '7b | 2048 | 8 | h100_80gb | 46.44')")
-_V100_FP32 = ("V100 fp32 HF Trainer BERT-large for sequence classification (HFU 0.57 and 0.47: transformers "
-              "model_memory_anatomy.md 'Samples/second: 8.86', perf_train_gpu_one 'Samples/second: 5.99')")
-_V100_FP16 = ("V100 fp16 AMP: median HFU 0.15 of HF Trainer BERT-large eager (0.15, 0.10) and nanoGPT compiled "
-              "(0.38, nanoGPT#215 'mfu 15.34%' of 312 TF); eager code reaches a third of compiled")
-_ADA = ("RTX 4090 bf16 nanoGPT compiled: 0.55 (nanoGPT#182 '29% MFU' of the A100's 312 TF; low confidence), "
-        "used for the consumer / workstation Ampere and Ada cards")
+_DERIVED = ("median of {n} non-held-out runs, derived by benchmarks/published.py --derive under the per-op model "
+            "that prices element-wise work by bytes ({runs})")
+_A100 = _DERIVED.format(n=7, runs="A100 bf16 FSDP: torchtitan Llama 2 13B/70B on 64 GPUs, torchtitan docs/performance.md "
+                        "@ 613bfd0c '13B | 2 | no | 2162 | 61.1%'; llm-foundry MPT-7b, benchmarking README @ 49521837 "
+                        "'7b | 2048 | 8 | a100_80gb | 64.23'")
+_H100 = _DERIVED.format(n=5, runs="H100 bf16 FSDP: torchtitan Llama 3.1 8B, llama3_h100_202412_torchtitan.md '33% to "
+                        "39% MFU'; llm-foundry MPT 1b/7b, '7b | 2048 | 8 | h100_80gb | 46.44'")
+_V100_FP32 = _DERIVED.format(n=2, runs="V100 fp32 HF Trainer BERT-large for sequence classification: transformers "
+                             "model_memory_anatomy.md 'Samples/second: 8.86', perf_train_gpu_one 'Samples/second: 5.99'")
+_V100_FP16 = _DERIVED.format(n=3, runs="V100 fp16 AMP: HF Trainer BERT-large eager, perf_train_gpu_one 'Samples/second: "
+                             "18.64' and '10.09'; nanoGPT compiled, nanoGPT#215 'mfu 15.34%'")
+_ADA = ("A100's derived value: the one published run (RTX 4090 bf16 nanoGPT compiled, nanoGPT#182 '29% MFU', low "
+        "confidence) is faster than the model at any fraction <= 1 (benchmarks/published.py --derive)")
 _EST = "not found published: estimate = {} value"
 
-# (arch, 16-bit?) -> achievable fraction of the dense peak
+# (arch, 16-bit?) -> achievable fraction of the dense peak on large matmuls
 FRACTIONS: dict[tuple[str, bool], Sourced] = {
-    ("ampere", True): Sourced(0.61, _A100),
-    ("hopper", True): Sourced(0.42, _H100),
-    ("blackwell", True): Sourced(0.42, _EST.format("Hopper's") + " (the one B200 run found is MoE: 14%)"),
-    ("cdna2", True): Sourced(0.42, _EST.format("Hopper's")),
-    ("cdna3", True): Sourced(0.42, _EST.format("Hopper's")),
-    ("volta", True): Sourced(0.15, _V100_FP16),
-    ("ada", True): Sourced(0.55, _ADA),
-    ("volta", False): Sourced(0.52, _V100_FP32),
+    ("ampere", True): Sourced(0.65, _A100),
+    ("hopper", True): Sourced(0.52, _H100),
+    ("blackwell", True): Sourced(0.52, _EST.format("Hopper's") + " (the one B200 run found is MoE: 14%)"),
+    ("cdna2", True): Sourced(0.52, _EST.format("Hopper's")),
+    ("cdna3", True): Sourced(0.52, _EST.format("Hopper's")),
+    ("volta", True): Sourced(0.23, _V100_FP16),
+    ("ada", True): Sourced(0.65, _ADA),
+    ("volta", False): Sourced(0.65, _V100_FP32),
 }
 # consumer / workstation Ampere cards behave like Ada ones in the evidence we have
 _CONSUMER = ("a10g", "l4", "rtx-3090", "rtx-4090", "rtx-a6000", "l40s")
 DEFAULT = Sourced(0.4, "assumption: no published figure for this device and precision (batchlab's old default)")
 
 
-def achievable_fraction(cfg: RunConfig) -> Sourced:
-    """The user's --achievable-fraction if given, else the published default for the device and precision."""
-    if cfg.assumptions.achievable_fraction is not None:
-        return Sourced(cfg.assumptions.achievable_fraction, "assumption (--achievable-fraction)")
+def fraction_class(cfg: RunConfig) -> tuple[str, bool] | None:
+    """The (arch, 16-bit?) key of FRACTIONS that cfg's device and precision read; None off CUDA.  fp32 without
+    TF32 reads Volta's class on any card (the one published fp32 class; fp32 matmuls run near peak)."""
     dev = cfg.device_spec
     if dev.backend is not Backend.CUDA:
-        return DEFAULT
-    sixteen = cfg.precision is not Precision.FP32
-    arch = "ada" if dev.name in _CONSUMER else dev.arch
-    if not sixteen:  # fp32 without TF32: the one published class is Volta's, near peak on any card
-        return FRACTIONS[("volta", False)]
-    return FRACTIONS.get((arch, True), DEFAULT)
+        return None
+    if cfg.precision is Precision.FP32:
+        return ("volta", False)
+    return ("ada" if dev.name in _CONSUMER else dev.arch, True)
+
+
+def achievable_fraction(cfg: RunConfig) -> Sourced:
+    """The user's --achievable-fraction if given, else the derived default for the device and precision."""
+    if cfg.assumptions.achievable_fraction is not None:
+        return Sourced(cfg.assumptions.achievable_fraction, "assumption (--achievable-fraction)")
+    key = fraction_class(cfg)
+    return DEFAULT if key is None else FRACTIONS.get(key, DEFAULT)
 
 
 def bus_bandwidth(cfg: RunConfig) -> Sourced:

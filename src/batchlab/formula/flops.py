@@ -38,9 +38,9 @@ def flops(cfg: RunConfig) -> FlopsEstimate:
     # last matmul's output is saved by nothing.  Selective re-runs only the attention core, 4·h·s.
     per_layer_forward = 2 * count(m).per_layer - 2 * m.hidden * m.ffn + 4 * m.hidden * s
     wrapped = len(cfg.ac.wrapped_layers(m.layers))
-    selective = len(cfg.ac.selective_layers(m.layers))
     impl = implementation(cfg.model_kind, m)
-    recompute = wrapped * per_layer_forward + selective * recompute_flops_per_token(cfg.ac.mode, m, s, impl)
+    recompute = wrapped * per_layer_forward + sum(n * recompute_flops_per_token(mode, m, s, impl)
+                                                  for mode, n in cfg.ac.selective_kinds(m.layers).items())
     tokens = cfg.tokens_per_update
     return FlopsEstimate(
         model_flops_per_token=per_token, recompute_flops_per_token=recompute,

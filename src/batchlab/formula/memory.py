@@ -87,14 +87,12 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
     full = act.layer_activations(m, s, b, p, backend, impl).total
     if cfg.assumptions.torch_before(1, 11):
         full += act.legacy_softmax_input_bytes(m, s, b, p, backend)
-    wrapped = set(cfg.ac.wrapped_layers(m.layers))
-    selective = set(cfg.ac.selective_layers(m.layers))
     kept = []
-    for i in range(m.layers):
-        if i in wrapped:
+    for mode in cfg.ac.layer_modes(m.layers):
+        if mode is ACMode.FULL:
             kept.append(act.checkpointed_layer_bytes(m, s, b, p))
-        elif i in selective:
-            kept.append(checkpointing.kept_bytes(cfg.ac.mode, m, s, b, p, backend, impl))
+        elif mode is not ACMode.NONE:
+            kept.append(checkpointing.kept_bytes(mode, m, s, b, p, backend, impl))
         else:
             kept.append(full)
     return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
@@ -138,6 +136,10 @@ class MemoryEstimate:
     at_peak: dict[str, int] = field(default_factory=dict)
     capacity_bytes: int = 0
     provenance: str = "formula"
+    # tensor bytes as backward starts, then at each layer's backward, last layer first (the built-in terms'
+    # walk; empty from a profile)
+    backward_walk: tuple[int, ...] = ()
+    layer_copy_bytes: int = 0  # autocast's 16-bit weight copies one layer's matmuls keep until its backward
 
     @property
     def fits(self) -> bool:
@@ -149,12 +151,13 @@ class MemoryEstimate:
 
 
 def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, resident: dict[str, int],
-                   grads_before: int, loss_grads: int, layer_copy: int) -> dict[str, int]:
+                   grads_before: int, loss_grads: int, layer_copy: int, walk: list[int] | None = None) -> dict[str, int]:
     """Walk backward layer by layer (last first): kept activations shrink while parameter gradients grow.
 
     ``resident``: weights, optimizer state and data (present throughout); under autocast its ``parameters``
     are the 16-bit weight copies the matmuls saved, ``layer_copy`` of them per layer: each layer's are freed
-    by its backward (a recomputed layer casts its own again while it runs).  Returns the parts at the peak.
+    by its backward (a recomputed layer casts its own again while it runs).  Returns the parts at the peak;
+    ``walk`` (if given) receives the tensor bytes as backward starts, then at each layer's, last layer first.
     """
     m = cfg.model
     n = max(count(m).total, 1)
@@ -163,9 +166,11 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     new_grads = grads_before == 0
     transient, head_grad, below_layers = _backward_terms(cfg, states.gradients)
     best = dict(resident, gradients=grads_before, activations=plan.total, recompute=0, temporaries=loss_grads)
+    if walk is not None:
+        walk.append(sum(best.values()))
     kept_below = sum(plan.per_layer_kept)
     grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
-    recomputed = set(cfg.ac.wrapped_layers(m.layers)) | set(cfg.ac.selective_layers(m.layers))
+    recomputed = {i for i, mode in enumerate(cfg.ac.layer_modes(m.layers)) if mode is not ACMode.NONE}
     copies_below = layer_copy * (m.layers - len(recomputed))  # the LM head's copy is freed by now
     for i in reversed(range(m.layers)):
         kept_i = plan.per_layer_kept[i]
@@ -174,6 +179,8 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
                      gradients=grads_before + grads_done, activations=below_layers + kept_below,
                      recompute=plan.per_layer_full - kept_i,  # recompute restores the rest of the layer
                      temporaries=transient)
+        if walk is not None:
+            walk.append(sum(parts.values()))
         if sum(parts.values()) > sum(best.values()):
             best = parts
         kept_below -= kept_i
@@ -309,6 +316,7 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
+    walk: list[int] = []
     if fitted is not None:  # measured on the model's own code (formula/profile.py)
         policies = layer_policies(cfg)
         # the forward's high point: the loss, or a recomputed block's working set (a mix: its largest); the
@@ -325,7 +333,7 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
                         gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
         "backward": (_profiled_backward(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)
                      if fitted is not None else
-                     _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)),
+                     _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy, walk)),
         # autocast's working copies are gone by the optimizer step
         "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
                           gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
@@ -347,4 +355,5 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         peak_tensor_bytes=peak_tensor, margin_bytes=dm.reserved_bytes - peak_tensor, peak_bytes=dm.reserved_bytes,
         allocated_bytes=dm.allocated_bytes, reserved_bytes=dm.reserved_bytes, device_bytes=dm.device_bytes,
         reserved_parts=dm.reserved_parts, device_parts=dm.device_parts, peak_phase=peak_phase,
-        phase_peaks=totals, at_peak=at_peak, capacity_bytes=cfg.memory_capacity)
+        phase_peaks=totals, at_peak=at_peak, capacity_bytes=cfg.memory_capacity,
+        backward_walk=() if fsdp else tuple(walk), layer_copy_bytes=layer_copy)

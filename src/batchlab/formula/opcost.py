@@ -355,7 +355,6 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
                          costs.source, provenance)
 
 
-FOLDED = 1e30  # bytes/s of work folded into an end-to-end fraction (priced at nothing; never shown as a rate)
 UNRESOLVED = 1e15  # bytes/s of a link whose fitted time did not grow with size (latency-bound): no bandwidth
 
 
@@ -373,12 +372,9 @@ def _rates(points, unit: str) -> str:
 def describe(costs: OpCosts, t: TimeBreakdown) -> str:
     """The time model's assumptions in one line: which rates, from where, and what they made of this update."""
     mm = "; ".join(f"{k} {_rates(pts, 'FLOP/s')}" for k, pts in costs.matmul.items())
-    if all(r >= FOLDED for _, r in costs.memory):  # a placeholder, not a bandwidth: say what it stands for
-        bw = "not priced (folded into the achievable fraction)"
-    else:
-        bw = "at " + _rates(costs.memory, "B/s")
-        if costs.memory_inplace:
-            bw += f" into fresh outputs, {_rates(costs.memory_inplace, 'B/s')} in place"
+    bw = "at " + _rates(costs.memory, "B/s")
+    if costs.memory_inplace:
+        bw += f" into fresh outputs, {_rates(costs.memory_inplace, 'B/s')} in place"
     disp = "/".join(f"{costs.dispatch[k] * 1e6:.1f}" for k in ("forward", "backward", "plain"))
     if costs.matmul_intensity:
         mm += f", a linear layer's bytes beyond its calibrated shape's at {fmt_count(costs.memory[-1][1], 'B/s')}"

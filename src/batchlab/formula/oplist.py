@@ -17,10 +17,12 @@ from collections import Counter
 
 from dataclasses import dataclass
 
-from batchlab.config import AttentionImpl, Backend, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind, Precision, RunConfig
+from batchlab.config import (ACMode, AttentionImpl, Backend, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind,
+                             Precision, RunConfig)
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.opcost import OpCount, merge, op_class
+from batchlab.formula.params import tensor_sizes
 from batchlab.config.phase import Phase
 
 F32 = 4
@@ -259,33 +261,12 @@ def _outside(ops: _Ops, cfg: RunConfig) -> None:
             _op("_log_softmax_backward_data", BWD, t * V, 3 * t * V * F32), _views(BWD, 5))
 
 
-_SIZES, _OPTIMIZER, _MICRO, _UPDATE = cache(), cache(), cache(), cache()
+_OPTIMIZER, _MICRO, _UPDATE = cache(), cache(), cache()
 
 
 def _micro_key(cfg: RunConfig) -> tuple:
     """Every field micro_batch_ops reads (model_kind derives from model_source; the backend picks CUDA's kernels)."""
     return cfg.model, cfg.model_source, cfg.seq, cfg.micro_batch, cfg.precision, cfg.ac, cfg.loss, cfg.device_spec.backend
-
-
-def parameter_sizes(cfg: RunConfig) -> tuple[int, ...]:
-    """Elements of each parameter tensor of batchlab's GPT, in the order the optimizer sees them."""
-    return lookup(_SIZES, cfg.model, lambda: _parameter_sizes(cfg.model))
-
-
-def _parameter_sizes(m) -> tuple[int, ...]:
-    h, kv, f = m.hidden, m.kv_hidden, m.ffn
-    norm = [h, h] if (m.norm is NormKind.LAYERNORM and m.bias) else [h]
-
-    def lin(i: int, o: int) -> list[int]:
-        return [i * o, o] if m.bias else [i * o]
-
-    mlp = (lin(h, f) * 2 if m.mlp is MLPKind.SWIGLU else lin(h, f)) + lin(f, h)
-    layer = norm + lin(h, h + 2 * kv) + lin(h, h) + norm + mlp
-    sizes = [m.vocab * h] + ([m.max_positions * h] if m.position is PositionKind.LEARNED else [])
-    sizes += layer * m.layers + norm
-    if not m.tied_embeddings:
-        sizes.append(m.vocab * h)
-    return tuple(sizes)
 
 
 def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
@@ -296,7 +277,7 @@ def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
 
 def _optimizer_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = _Ops(_widths(cfg))
-    sizes = parameter_sizes(cfg)
+    sizes = tensor_sizes(cfg.model)
     p = len(sizes)
     n = sum(sizes)
     ops.add(_op("_foreach_norm", OPT, p, n * F32), _op("stack", OPT, p, 2 * p * F32),
@@ -341,19 +322,23 @@ def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
 
 def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = _Ops(_widths(cfg))
-    wrapped = set(cfg.ac.wrapped_layers(cfg.model.layers)) | set(cfg.ac.selective_layers(cfg.model.layers))
-    selective = bool(cfg.ac.selective_layers(cfg.model.layers))
+    n = cfg.model.layers
+    kinds = cfg.ac.selective_kinds(n)
     # selective policies run under checkpoint's Python dispatch mode (models/ac.py); Megatron's wraps a core only
-    sac = len(cfg.ac.selective_layers(cfg.model.layers)) if cfg.ac.mode.dispatch_mode else 0
+    sac = sum(k for mode, k in kinds.items() if mode.dispatch_mode)
     # every block runs the same ops: list one, and one recompute, then count them per block
-    block, redo = _Ops(ops.w), _Ops(ops.w)
+    block = _Ops(ops.w)
     _layer(block, cfg, FWD)
-    plain = cfg.model.layers - sac
+    plain = n - sac
     ops.add(*(o.times(plain) for o in merge(block.out) if plain))
     ops.add(*(_sac(o.times(sac)) for o in merge(block.out) if sac))
-    if wrapped:
-        _recompute(redo, cfg, selective)
-        ops.add(*(_sac(o.times(len(wrapped))) if sac else o.times(len(wrapped)) for o in merge(redo.out)))
+    groups = [(ACMode.FULL, len(cfg.ac.wrapped_layers(n)))] + list(kinds.items())
+    for mode, k in groups:
+        if not k:
+            continue
+        redo = _Ops(ops.w)
+        _recompute(redo, cfg, mode is not ACMode.FULL)
+        ops.add(*(_sac(o.times(k)) if mode.dispatch_mode else o.times(k) for o in merge(redo.out)))
     _outside(ops, cfg)
     return merge(ops.out)
 
@@ -392,7 +377,7 @@ def _update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops.add(*(o.times(cfg.accum) for o in per_micro))
     # AccumulateGrad: the first micro-batch's gradient is kept (a detach per parameter), later ones are
     # added into it
-    sizes = parameter_sizes(cfg)
+    sizes = tensor_sizes(cfg.model)
     ops.add(_views(BWD, len(sizes)), *(_op("add_", BWD, n, 3 * n * F32, count=(cfg.accum - 1) * k)
                                        for n, k in Counter(sizes).items()))
     _data(ops, cfg)

@@ -45,3 +45,21 @@ def count(m: ModelSpec) -> ParamCount:
     embedding = V * h + (m.max_positions * h if m.position is PositionKind.LEARNED else 0)
     head = 0 if m.tied_embeddings else V * h
     return ParamCount(embedding, per_layer, m.layers, norm_params(m), head)
+
+
+@functools.lru_cache(maxsize=64)
+def tensor_sizes(m: ModelSpec) -> tuple[int, ...]:
+    """Elements of each parameter tensor of batchlab's GPT, in the order the optimizer sees them."""
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn
+    norm = [h, h] if (m.norm is NormKind.LAYERNORM and m.bias) else [h]
+
+    def lin(i: int, o: int) -> list[int]:
+        return [i * o, o] if m.bias else [i * o]
+
+    mlp = (lin(h, f) * 2 if m.mlp is MLPKind.SWIGLU else lin(h, f)) + lin(f, h)
+    layer = norm + lin(h, h + 2 * kv) + lin(h, h) + norm + mlp
+    sizes = [m.vocab * h] + ([m.max_positions * h] if m.position is PositionKind.LEARNED else [])
+    sizes += layer * m.layers + norm
+    if not m.tied_embeddings:
+        sizes.append(m.vocab * h)
+    return tuple(sizes)

@@ -88,15 +88,19 @@ def attach_cached(cfg: RunConfig) -> RunConfig:
 
 def layer_policies(cfg: RunConfig) -> tuple[str, ...]:
     """Each layer's policy under cfg's AC, as a layer profile names it (``config.profile.MODES``)."""
-    n = cfg.model.layers
-    wrapped, selective = set(cfg.ac.wrapped_layers(n)), set(cfg.ac.selective_layers(n))
-    return tuple("checkpointed" if i in wrapped else "selective" if i in selective else "full" for i in range(n))
+    names = {ACMode.NONE: "full", ACMode.FULL: "checkpointed"}
+    return tuple(names.get(m, "selective") for m in cfg.ac.layer_modes(cfg.model.layers))
+
+
+def profiled(cfg: RunConfig) -> bool:
+    """Profiles measure the layer policies none, full and selective (every:K and plans mix them)."""
+    return all(m in PROFILED_AC for m in cfg.ac.layer_modes(cfg.model.layers))
 
 
 def needed(cfg: RunConfig) -> frozenset[str]:
     """The layer policies whose terms cfg's estimate reads (formula/memory.py): each layer's, and under FSDP2
     (DP > 1, ZeRO >= 2) the whole layer's too, which its recompute working set is measured from."""
-    if cfg.ac.mode not in PROFILED_AC:
+    if not profiled(cfg):
         return frozenset()
     return frozenset(layer_policies(cfg)) | ({"full"} if cfg.dp > 1 and cfg.zero >= 2 else set())
 
@@ -129,8 +133,8 @@ def layer_terms_source(cfg: RunConfig, builtin: str) -> str:
     p, t = cfg.model.matching_profile, _lookup(cfg)
     if p is not None and terms(cfg) is not None:
         return f"profile ({p.source}, cached)"
-    if p is not None and cfg.ac.mode not in PROFILED_AC:
-        return f"builtin {builtin} (profiles measure AC none, full, every:K and selective, not {cfg.ac})"
+    if p is not None and not profiled(cfg):
+        return f"builtin {builtin} (profiles measure AC none, full, every:K and selective layers, not {cfg.ac})"
     if p is not None and t is not None:
         return (f"builtin {builtin} (the profile has no {', '.join(sorted(needed(cfg) - t.policies))} layer terms for "
                 f"--ac {cfg.ac} here yet; rerun with it to trace them)")

@@ -130,6 +130,14 @@ class StorageTracker(TorchDispatchMode):
         self._activation_bytes = 0
         self._baseline = 0
         self._finalizers: dict[int, weakref.finalize] = {}  # id(storage) -> its finalizer (release() detaches)
+        # storages that exist before tracking and are left out on purpose, held (their ids stay theirs) so that an
+        # in-place op returning one does not count it as new: AdamW's 0-dim step counters (register_optimizer)
+        self._uncounted: dict[int, object] = {}
+
+    @property
+    def live_bytes(self) -> int:
+        """Tracked bytes live now."""
+        return self._current
 
     # -- registration of what exists before tracking
     def register(self, tensors, category: str) -> None:
@@ -170,9 +178,18 @@ class StorageTracker(TorchDispatchMode):
                         self.listener.relabelled(key, category)
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Per-parameter state (AdamW's m and v) is counted; 0-dim state (AdamW's step counters, 4 B per parameter
+        tensor, kept in host memory on CUDA, as the formula's 8 B per parameter has it) never is, even when
+        ``step += 1`` returns it from an op (it was counted from that op on, so a peak late in the step held
+        some counters and an earlier one none).  PyTorch's MemTracker counts them on CPU."""
         optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's shard
         for state in optimizer.state.values():
-            self.register([v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0], "optimizer")
+            tensors = [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
+            self.register([t for t in tensors if t.dim() > 0], "optimizer")
+            for t in tensors:
+                if t.dim() == 0:
+                    st = t.untyped_storage()
+                    self._uncounted[id(st)] = st
 
     def watch_gradients(self, params) -> None:
         """Gradients are created by backward ops as ordinary storages; note which ones end up in .grad."""
@@ -197,7 +214,7 @@ class StorageTracker(TorchDispatchMode):
         bookkeeping freed, so nothing of the tracked update outlives it in the training process."""
         for f in self._finalizers.values():
             f.detach()
-        for d in (self._finalizers, self._live, self._peak_keys, self._owners, self._resizable):
+        for d in (self._finalizers, self._live, self._peak_keys, self._owners, self._resizable, self._uncounted):
             d.clear()
         self._forward_start_keys = set()
         self._param_keys = set()
@@ -212,7 +229,7 @@ class StorageTracker(TorchDispatchMode):
     # -- bookkeeping
     def _add(self, st, category: str) -> None:
         key = id(st)
-        if key in self._live:
+        if key in self._live or key in self._uncounted:
             return
         n = st.nbytes()
         self._live[key] = (n, category)

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from batchlab.config import ACMode, ACPolicy
+from batchlab.config import ACMode, ACPolicy, ConfigError
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default, _aten.addmm.default}  # a linear layer (with or without bias) on a 2-D view
@@ -94,15 +94,16 @@ class _CoreAttentionCheckpointed(Checkpointed):
 
 
 def apply_ac(blocks: nn.ModuleList, policy: ACPolicy) -> list[int]:
-    """Wrap the blocks the policy names, in place; returns the wrapped indices."""
-    n = len(blocks)
-    full = set(policy.wrapped_layers(n))
-    selective = set(policy.selective_layers(n))
-    for i in sorted(full | selective):
+    """Wrap the blocks the policy names (each with its layer's mode: ``ACPolicy.layer_modes``), in place;
+    returns the wrapped indices."""
+    if policy.mode is ACMode.PLAN and len(policy.layers) != len(blocks):
+        raise ConfigError("ac", f"the plan names {len(policy.layers)} layers; the model has {len(blocks)} blocks")
+    done = []
+    for i, mode in enumerate(policy.layer_modes(len(blocks))):
+        if mode is ACMode.NONE:
+            continue
+        done.append(i)
         if isinstance(blocks[i], Checkpointed):
             continue
-        if i in selective and policy.mode is ACMode.MEGATRON:
-            blocks[i] = _CoreAttentionCheckpointed(blocks[i])
-        else:
-            blocks[i] = Checkpointed(blocks[i], ACMode.FULL if i in full else policy.mode)
-    return sorted(full | selective)
+        blocks[i] = _CoreAttentionCheckpointed(blocks[i]) if mode is ACMode.MEGATRON else Checkpointed(blocks[i], mode)
+    return done

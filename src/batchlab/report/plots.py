@@ -199,3 +199,25 @@ def _side_text(record: Record, side: str) -> str:
     changed += [f"{k}={v[0 if side == 'a' else 1]}" for k, v in record.change["derived"].items()]
     return for_mathtext(", ".join(changed) + f"\n{c['micro_batch']} x {c['accum']} x {c['dp']} = "
             f"{c['micro_batch'] * c['accum'] * c['dp']}")
+
+
+def frontier_png(points, budget_bytes: int, chosen=None, provenance: str = "formula") -> bytes:
+    """fit --ac auto's memory/time frontier: each budget's best plan and the presets on the same axes.
+    ``points``: advise.acplan.Point values."""
+    fig, ax = _axes("activation checkpointing: memory vs update time", (provenance,))
+    for kind, style in (("plan", dict(marker="o", linestyle="-", color="#4e79a7")),
+                        ("preset", dict(marker="s", linestyle="none", color="#e15759"))):
+        pts = sorted((p for p in points if p.kind == kind), key=lambda p: p.peak_bytes)
+        ax.plot([p.peak_bytes / 2**20 for p in pts], [p.update_seconds for p in pts], label=kind + "s", **style)
+        if kind == "preset":
+            for p in pts:
+                ax.annotate(p.ac, (p.peak_bytes / 2**20, p.update_seconds), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+    if chosen is not None:
+        ax.plot([chosen.peak_bytes / 2**20], [chosen.update_seconds], marker="*", markersize=14, color="#59a14f",
+                linestyle="none", label="chosen plan")
+    ax.axvline(budget_bytes / 2**20, color="#bab0ac", linestyle="--", label="budget")
+    ax.set_xlabel("predicted peak (MiB)")
+    ax.set_ylabel("predicted update (s)")
+    ax.legend(fontsize=8)
+    return _png(fig)

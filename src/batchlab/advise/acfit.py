@@ -1,0 +1,106 @@
+"""``fit --ac auto`` end to end: plan (advise/acplan.py), write the plan file, prove it by a run.
+
+The run: the plan measured as fit measures any pick (one isolated update, allocator peak).  It holds when the
+measured peak is within the budget and within ``TOLERANCE`` of the plan's predicted peak; a plan measured
+above the budget is replaced by the plan for the budget less the excess, up to ``ATTEMPTS`` plans.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from batchlab.advise.acplan import ACPlan, Point, next_budget, plan_ac
+from batchlab.advise.fit import FitReport, isolated_measure
+from batchlab.advise.plan import FitPlan, Goal, assumptions, candidate
+from batchlab.advise.search import MeasureFn, Trial
+from batchlab.formula.calibration import load_all
+from batchlab.config import ConfigError
+from batchlab.util.files import write_atomic
+from batchlab.util.units import fmt_bytes, relative_to
+
+TOLERANCE = 0.03  # measured peak vs the plan's predicted peak
+ATTEMPTS = 3
+DEFAULT_FILE = "batchlab-ac-plan.json"
+
+
+def write_plan(p: ACPlan, path: str | Path) -> str:
+    c = p.chosen
+    assert c is not None and p.config is not None
+    data = {"ac": c.ac, "per_layer": c.per_layer, "layers": p.config.model.layers,
+            "model": p.config.model.name, "model_source": p.config.model_source, "seq": p.config.seq,
+            "micro_batch": c.micro_batch, "accum": p.config.accum, "precision": str(p.config.precision),
+            "budget_bytes": p.budget_bytes, "predicted_peak_bytes": c.peak_bytes,
+            "predicted_allocated_bytes": c.allocated_bytes,
+            "predicted_update_seconds": c.update_seconds, "model_solved": p.model, "provenance": p.provenance,
+            "use": f"--ac plan:{path}"}
+    try:
+        write_atomic(Path(path), json.dumps(data, indent=1) + "\n", "plan")
+    except OSError as e:
+        raise ConfigError("plan_out", f"cannot write {path}: {e}") from None
+    return str(path)
+
+
+def _report(goal: Goal, p: ACPlan) -> FitReport:
+    """The fit report of a plan: its one candidate (formula), as fit reports any pick."""
+    cals = load_all()
+    if p.config is None:
+        return FitReport(FitPlan(goal, (), (), None, p.notes[0] if p.notes else "no plan fits", ()), ac_plan=p)
+    cand = candidate(p.config, goal.tokens, cals)
+    why = (f"least predicted update time among per-layer plans within {fmt_bytes(p.budget_bytes)} "
+           f"(micro-batch searched jointly unless held); model: {p.model}")
+    fp = FitPlan(goal, (cand,), (cand,), cand, why, assumptions(goal, ()))
+    return FitReport(fp, final=p.config, source=f"{p.provenance} (activation-checkpointing plan)", ac_plan=p)
+
+
+def _holds(t: Trial, plan: Point, budget: int) -> tuple[bool, bool]:
+    """(fits the budget, within the tolerance of the prediction).  A trial's peak is allocated tensor bytes: it
+    is compared with the plan's allocated bytes, and with the budget after the allocator slack the prediction
+    adds to it (on CUDA the reserved view; on CPU none)."""
+    if not t.fits or t.peak_bytes is None:
+        return False, False
+    allocated = plan.allocated_bytes or plan.peak_bytes
+    slack = plan.peak_bytes - allocated
+    return t.peak_bytes + slack <= budget, abs(relative_to(allocated, t.peak_bytes) or 0.0) <= TOLERANCE
+
+
+def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan_out: str | None = None,
+             on_trial: Callable[[Trial], None] | None = None) -> FitReport:
+    budget = goal.usable_bytes
+    p = plan_ac(goal, budget)
+    report = _report(goal, p)
+    if p.config is None:
+        return report
+    if verify:
+        base = measure or isolated_measure(goal.capacity_bytes)
+        for attempt in range(ATTEMPTS):
+            t = base(p.config)
+            if on_trial is not None:
+                on_trial(t)
+            assert p.chosen is not None
+            fits, close = _holds(t, p.chosen, goal.usable_bytes)
+            report.verification = t
+            if fits:
+                report.source = f"{p.provenance} (activation-checkpointing plan), confirmed by measurement"
+                if not close:
+                    report.notes.append(f"measured peak {fmt_bytes(t.peak_bytes or 0)} is more than "
+                                        f"{TOLERANCE:.0%} from the plan's {fmt_bytes(p.chosen.peak_bytes)}")
+                break
+            report.notes.append(f"plan {p.chosen.ac} measured {t.outcome}"
+                                + (f", peak {fmt_bytes(t.peak_bytes)}" if t.peak_bytes else "")
+                                + f" against {fmt_bytes(goal.usable_bytes)}: falling back to the next plan")
+            budget = next_budget(budget, p.chosen.peak_bytes, t.peak_bytes or p.chosen.peak_bytes * 2)
+            frontier = p.frontier
+            p = plan_ac(goal, budget)
+            p.frontier = p.frontier or frontier
+            if p.config is None:
+                report.final, report.source = None, "measured: no plan fits"
+                return report
+            notes = report.notes
+            report = _report(goal, p)
+            report.notes = notes
+        else:
+            report.final, report.source = None, f"measured: {ATTEMPTS} plans above the budget"
+    if report.final is not None:
+        p.file = write_plan(p, plan_out or DEFAULT_FILE)
+    return report
