@@ -65,3 +65,38 @@ def test_a_config_files_derived_widths_follow_the_flags_that_change_them():
     assert (cfg.model.heads, cfg.model.kv_heads, cfg.model.ffn) == (32, 32, 4 * 4096)
     gqa = config_from_command(["estimate", "--model", "llama-2-70b", "--heads", "32"])
     assert gqa.model.kv_heads == 8  # a width set apart from the default stays
+
+
+def test_a_preset_that_does_not_fit_names_the_implementation_under_which_it_fits():
+    """The default (transformers' Llama) keeps more per layer than torchtitan's: the card is too small for it, and
+    estimate says which --impl the run fits under, with that implementation's own reserved figure."""
+    default, titan = run("estimate", *LLAMA13B), run("estimate", *LLAMA13B, "--impl", "torchtitan")
+    assert default.exit_code == titan.exit_code == 0, default.output + titan.output
+    assert "OUT OF MEMORY" in default.stdout
+    hint = next(line for line in default.stdout.splitlines() if line.startswith("fits with --impl"))
+    titan_reserved = next(line for line in titan.stdout.splitlines() if line.startswith("fits: reserved"))
+    assert hint.startswith(f"fits with --impl torchtitan ({titan_reserved.split()[2]} GiB reserved)"), hint
+    assert hint.endswith("torchtitan's Llama keeps less per layer")
+    assert "fits: reserved" in titan.stdout and "fits with --impl" not in titan.stdout
+
+
+def test_json_carries_the_alternatives():
+    d = json.loads(run("estimate", *LLAMA13B, "--json").stdout)
+    titan = json.loads(run("estimate", *LLAMA13B, "--impl", "torchtitan", "--json").stdout)
+    assert d["memory"]["fits"] is False and titan["alternatives"] == []
+    assert d["alternatives"] == [{"impl": "torchtitan", "reserved_bytes": titan["memory"]["reserved_bytes"],
+                                  "why": "torchtitan's Llama keeps less per layer"}]
+
+
+@pytest.mark.parametrize("args", [
+    ("--model", "llama-2-13b", "--seq", "4096", "--micro-batch", "8", "--dp", "64", "--zero", "3",
+     "--precision", "bf16-fsdp", "--ac", "none", "--device", "a100-80gb"),  # no implementation holds it
+    ("--model", "hf:llama", "--layers", "40", "--hidden", "5120", "--heads", "40", "--ffn", "13824",
+     "--vocab", "32000", "--seq", "4096", "--micro-batch", "4", "--dp", "64", "--zero", "3",
+     "--precision", "bf16-fsdp", "--ac", "none", "--device", "a100-80gb"),  # transformers' code, not a preset
+])
+def test_no_alternative_is_named_where_none_fits_or_the_model_is_no_preset(args):
+    r = run("estimate", *args, "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["memory"]["fits"] is False and d["alternatives"] == []

@@ -17,6 +17,9 @@ from fake_measure import FakeMeasure
 WIDTH = 120
 LLAMA_H100 = ("--model", "llama-3-8b", "--seq", "8192", "--dp", "8", "--zero", "3", "--precision", "bf16-mixed",
               "--device", "h100")
+# does not fit as transformers' Llama: one more line names the --impl it fits under
+LLAMA13B_A100 = ("--model", "llama-2-13b", "--seq", "4096", "--micro-batch", "2", "--dp", "64", "--zero", "3",
+                 "--precision", "bf16-fsdp", "--ac", "none", "--device", "a100-80gb")
 
 
 def run(*args: str) -> str:
@@ -34,8 +37,8 @@ def fits(text: str, budget: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ estimate
 
-@pytest.mark.parametrize("args", [(), LLAMA_H100, ("--vary", "micro_batch=1,2,4,8"), ("--trace",)],
-                         ids=["default", "llama-3-8b-h100", "vary", "trace"])
+@pytest.mark.parametrize("args", [(), LLAMA_H100, LLAMA13B_A100, ("--vary", "micro_batch=1,2,4,8"), ("--trace",)],
+                         ids=["default", "llama-3-8b-h100", "llama-2-13b-a100-impl-hint", "vary", "trace"])
 def test_estimate_fits_40_lines(args):
     fits(run("estimate", *args), 40)
 

@@ -42,7 +42,7 @@ def _memory_rows(e: Estimate, verbose: bool) -> list[tuple[str, int | None, str 
     rows = [
         ("parameters", m.parameters_bytes, "parameters",
          ("bf16 blocks FSDP2 has gathered (current, prefetched, root) and their gradients" if verbose else
-          "bf16 blocks FSDP2 gathered, with their gradients") if cfg.precision.value == "bf16-fsdp" else
+          "gathered bf16 blocks and their gradients") if cfg.precision.value == "bf16-fsdp" else
          "16-bit working copies (autocast)" if m.master_bytes else "weights"),
         ("master weights", m.master_bytes, "master", "fp32, updated by the optimizer" if m.master_bytes else "none (not mixed)"),
         ("gradients", m.gradients_bytes, "gradients", ""),
@@ -139,6 +139,8 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
                       f"shape given by the flags; run --trace for your model's own graph")
     console.print(_memory_table(e, verbose))
     console.print(_verdict(e))
+    for alt in e.alternatives:
+        console.print(f"[yellow]{escape(alt.line())}[/yellow]", highlight=False)
     console.print(_time_table(e, tokens, price, currency, verbose))
     console.print(f"Training checkpoint file on disk: {fmt_bytes(e.training_checkpoint_bytes)} \\[formula] (weights +"
                   " optimizer state; not activation checkpointing)")

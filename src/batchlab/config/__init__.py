@@ -18,7 +18,7 @@ from batchlab.config.devices import (DEVICE_ALIASES, DEVICES, GB, GPU_NAMES, T, 
                                      device, local_device)
 from batchlab.config.load import (HF_FAMILIES, config_from_dict, config_from_table, load_config_toml,
                                   model_from_hf_config, parse_field_value, resolve_model)
-from batchlab.config.model import PRESETS, ModelSpec, default_ffn, preset
+from batchlab.config.model import PRESETS, ModelSpec, default_ffn, preset, trained_with
 from batchlab.config.run import (ASSUMPTION_FIELDS, CHANGEABLE_FIELDS, MODEL_FIELDS, RUN_FIELDS, ACPolicy,
                                  Assumptions, LossPolicy, RunConfig, derive_accum, to_jsonable)
 from batchlab.config.values import parse_bytes, read_file, whole_number
@@ -30,5 +30,5 @@ __all__ = [
     "OptimizerKind", "PRESETS", "PositionKind", "Precision", "RUN_FIELDS", "RunConfig", "T", "apply_change",
     "catalogue_key", "config_from_dict", "config_from_table", "default_ffn", "derive_accum", "device",
     "keep_global_batch", "load_config_toml", "local_device", "model_from_hf_config", "parse_bytes",
-    "parse_field_value", "preset", "read_file", "resolve_model", "to_jsonable", "whole_number",
+    "parse_field_value", "preset", "read_file", "resolve_model", "to_jsonable", "trained_with", "whole_number",
 ]

@@ -139,6 +139,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+OWN_MODELS = ("tiny", "small")  # batchlab's own test models: no other code trains them
+
+
+def trained_with(spec: ModelSpec) -> tuple[Implementation, ...]:
+    """The implementations a named preset's shape is trained with, each a valid ``--impl`` for it (transformers'
+    and torchtitan's Llama for a SwiGLU shape, transformers' GPT-2 and nanoGPT for a GELU one); () for batchlab's
+    own models and for shapes that are not presets."""
+    if spec.name not in PRESETS or spec.name in OWN_MODELS:
+        return ()
+    other = Implementation.TORCHTITAN if spec.mlp is MLPKind.SWIGLU else Implementation.NANOGPT
+    return (Implementation.HF, other)
+
+
 def preset(name: str, **overrides: Any) -> ModelSpec:
     key = name.strip().lower()
     if key not in PRESETS:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchlab.config import Backend, ModelSource, RunConfig
 from batchlab.formula.activations import describe_impl, implementation
+from batchlab.formula.alternatives import Alternative, alternatives
 from batchlab.formula.flops import FlopsEstimate, flops, utilisation
 from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
                                      optimizer_bytes_per_param)
@@ -38,6 +39,8 @@ class Estimate:
     assumptions: tuple[str, ...] = field(default_factory=tuple)
     provenance: str = "formula"
     layer_terms: str = ""  # where the per-layer terms came from: "builtin gpt2", "profile (trace of ...)"
+    # where it does not fit: the preset's other implementations (--impl) under which it would
+    alternatives: tuple[Alternative, ...] = ()
 
     @property
     def global_batch(self) -> int:
@@ -63,7 +66,8 @@ class Estimate:
                 "parameters": self.params.total, "memory": mem,
                 "flops": {**to_jsonable(self.flops), "mfu": self.mfu, "hfu": self.hfu},
                 "time": to_jsonable(self.time), "training_checkpoint_bytes": self.training_checkpoint_bytes,
-                "layer_terms": self.layer_terms, "assumptions": list(self.assumptions)}
+                "layer_terms": self.layer_terms, "assumptions": list(self.assumptions),
+                "alternatives": [to_jsonable(a) for a in self.alternatives]}
 
 
 def training_checkpoint_bytes(cfg: RunConfig) -> int:
@@ -146,7 +150,7 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
     fl = flops(cfg)
     t = timing(cfg, fl, mem, calibrated_costs(cfg, calibrations))
     return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t),
-                    layer_terms=layer_terms(cfg))
+                    layer_terms=layer_terms(cfg), alternatives=alternatives(cfg, mem))
 
 
 def layer_terms(cfg: RunConfig) -> str:
