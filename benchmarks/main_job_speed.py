@@ -134,8 +134,9 @@ def render(results: dict[str, list[tuple]], runs: int) -> str:
               "process (torch imported once), 2 warm-up updates, 1 untimed memory-tracked update and 5 timed "
               "updates each, the host speed probe before each timed update, the memory update recording a memory "
               "timeline too in each side's first round; then the gradient-equivalence check at a small size, "
-              "in a fork of the same process.  The first run calibrates the CPU first, in a fork of that process "
-              "too, and only the parts the two configurations need (fp32 kernels and dispatch; 16-bit kernels, "
+              "in a fork of the same process.  The first run calibrates the CPU first, in a fresh process (a fork's "
+              "shared heap pages would slow the kernels it times: docs/cpu.md), and only the parts the two "
+              "configurations need (fp32 kernels and dispatch; 16-bit kernels, "
               "selective checkpointing's dispatch and local ranks' contention and link are measured when a "
               "configuration needs them, or by `batchlab calibrate`).", ""]
     return "\n".join(lines)

@@ -1,6 +1,6 @@
-"""``python -m batchlab.calibrate.child ARGS_JSON OUT``: ``measure_here`` in a process batchlab started in its
-allocator regime (calibrate.run.measure starts it where it cannot fork one: ``into``), the Calibration written to OUT
-as JSON."""
+"""``python -m batchlab.calibrate.child ARGS_JSON OUT``: ``measure_here`` in a fresh process batchlab started in its
+allocator regime (calibrate.run.measure; never a fork, whose shared heap pages would slow the first writes the
+kernels are timed on), the Calibration written to OUT as JSON."""
 from __future__ import annotations
 
 import json
@@ -17,14 +17,6 @@ def _measured(args: dict) -> dict:
     scope = tuple(args.get("scope", SCOPES))
     return measure_here(args["torch_device"], args["seconds"], shapes, args.get("threads"), args.get("rounds"),
                         scope).to_dict()
-
-
-def into(out: Path, args: dict, parent: int | None = None) -> int:
-    """The same in a fork of the pre-imported process (host/forkcall.py)."""
-    from batchlab.host import forkcall
-
-    forkcall.write(out, _measured(args))
-    return 0
 
 
 def main(argv: list[str]) -> None:

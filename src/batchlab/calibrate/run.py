@@ -44,29 +44,29 @@ def measure(torch_device: str = "cpu", seconds: float = 10.0, shapes: tuple[tupl
 
 
 def _in_child(args: dict) -> Calibration:
-    """In a fork of the measurements' pre-imported process (host/forkcall.py: torch imported once for the
-    calibration and the measurements that follow), else in a fresh process; at ``threads`` OpenMP threads from
-    the start, as compare's measuring processes are (protocol.threads_env), so one pre-imported process serves both."""
+    """In a fresh process started in the regime, at ``threads`` OpenMP threads from the start, as compare's
+    measuring processes are (protocol.threads_env).  Not in a fork of the pre-imported process (host/forkcall.py):
+    a fork's first write to each heap page it shares with its parent copies that page, and the element-wise
+    kernels' outputs land on such pages, so the bandwidth curve read 0.8-6.6 GB/s at 3-50 MiB in half of the
+    forked calibrations against 9.9-14.2 GB/s in fresh processes (docs/cpu.md); the measurements themselves
+    break those pages in their warmup updates and are timed after it."""
     import json
     import subprocess
     import tempfile
     from pathlib import Path
 
-    from batchlab.host import forkcall
     from batchlab.util.lifeline import module_command
     from batchlab.measure.runner import child_env
 
     start = time.perf_counter()
     env = child_env() | ({"OMP_NUM_THREADS": str(args["threads"])} if args.get("threads") else {})
-    d = forkcall.call("batchlab.calibrate.child:into", args, env)
-    if d is None:
-        with tempfile.TemporaryDirectory(prefix="batchlab-calibrate-") as tmp:
-            out = Path(tmp) / "calibration.json"
-            proc = subprocess.run(module_command("batchlab.calibrate.child", json.dumps(args), str(out)),
-                                  env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-            if proc.returncode != 0 or not out.exists():
-                raise RuntimeError(f"calibration process failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-            d = json.loads(out.read_text())
+    with tempfile.TemporaryDirectory(prefix="batchlab-calibrate-") as tmp:
+        out = Path(tmp) / "calibration.json"
+        proc = subprocess.run(module_command("batchlab.calibrate.child", json.dumps(args), str(out)),
+                              env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"calibration process failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        d = json.loads(out.read_text())
     cal = Calibration.from_dict(d)
     cal.seconds = time.perf_counter() - start  # the cost the caller paid: the child's start-up too
     return cal

@@ -1,8 +1,10 @@
 """One function run in a fork of the pre-imported process (host/warm.py), its JSON result read back.
 
 What a measurement gains from the fork (torch and torch._dynamo imported once per batchlab process, not once per
-process: docs/cpu.md) other torch work of a command gains too: the calibration and compare's gradient check run
-this way instead of in a fresh interpreter or in batchlab's own process, which then never imports torch.
+process: docs/cpu.md) other untimed torch work of a command gains too: compare's gradient check runs this way
+instead of in a fresh interpreter or in batchlab's own process, which then never imports torch.  Nothing timed
+per kernel runs here: a fork's first write to a heap page it shares with its parent copies the page (the
+calibration runs in a fresh process for that reason: calibrate/run.py).
 ``call`` returns None where no fork can be had (no ``os.fork``, or the pre-imported process refused): the
 caller runs the function another way.
 """
