@@ -59,9 +59,7 @@ def _holds(t: Trial, plan: Point, budget: int) -> tuple[bool, bool]:
     adds to it (on CUDA the reserved view; on CPU none)."""
     if not t.fits or t.peak_bytes is None:
         return False, False
-    allocated = plan.allocated_bytes or plan.peak_bytes
-    slack = plan.peak_bytes - allocated
-    return t.peak_bytes + slack <= budget, abs(relative_to(allocated, t.peak_bytes) or 0.0) <= TOLERANCE
+    return t.peak_bytes + plan.slack <= budget, abs(relative_to(plan.allocated, t.peak_bytes) or 0.0) <= TOLERANCE
 
 
 def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan_out: str | None = None,
@@ -83,13 +81,15 @@ def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan
             if fits:
                 report.source = f"{p.provenance} (activation-checkpointing plan), confirmed by measurement"
                 if not close:
-                    report.notes.append(f"measured peak {fmt_bytes(t.peak_bytes or 0)} is more than "
-                                        f"{TOLERANCE:.0%} from the plan's {fmt_bytes(p.chosen.peak_bytes)}")
+                    report.notes.append(f"measured peak {fmt_bytes(t.peak_bytes or 0)} [allocator] is more than "
+                                        f"{TOLERANCE:.0%} from the plan's {fmt_bytes(p.chosen.allocated)} "
+                                        f"[{p.provenance}]")
                 break
             report.notes.append(f"plan {p.chosen.ac} measured {t.outcome}"
-                                + (f", peak {fmt_bytes(t.peak_bytes)}" if t.peak_bytes else "")
+                                + (f", peak {fmt_bytes(t.peak_bytes)} [allocator]" if t.peak_bytes else "")
                                 + f" against {fmt_bytes(goal.usable_bytes)}: falling back to the next plan")
-            budget = next_budget(budget, p.chosen.peak_bytes, t.peak_bytes or p.chosen.peak_bytes * 2)
+            measured = t.peak_bytes + p.chosen.slack if t.peak_bytes else p.chosen.peak_bytes * 2
+            budget = next_budget(budget, p.chosen.peak_bytes, measured)  # both in the reserved view
             frontier = p.frontier
             p = plan_ac(goal, budget)
             p.frontier = p.frontier or frontier

@@ -109,9 +109,19 @@ class Point:
     allocated_bytes: int | None = None  # tensor bytes (peak_bytes less the caching allocator's slack on CUDA)
 
     @property
+    def allocated(self) -> int:
+        """Tensor bytes at the predicted peak: what a trial's allocator peak is compared with."""
+        return self.allocated_bytes or self.peak_bytes
+
+    @property
+    def slack(self) -> int:
+        """The caching allocator's predicted bytes beyond the tensors (CUDA's reserved view; 0 on CPU)."""
+        return self.peak_bytes - self.allocated
+
+    @property
     def per_layer(self) -> list[str]:
         pol = ACPolicy.parse(self.ac)
-        return [m.value for m in pol.layer_modes(len(pol.layers) or 0)] if pol.mode is ACMode.PLAN else []
+        return [m.value for m in pol.layer_modes(len(pol.layers))] if pol.mode is ACMode.PLAN else []
 
 
 def point(cfg: RunConfig, kind: str, cals: Calibrations, budget: int | None = None) -> Point:

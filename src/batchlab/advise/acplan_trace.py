@@ -11,7 +11,7 @@ time of recomputing every block, shared over the blocks by their activation byte
 from __future__ import annotations
 
 from batchlab.advise.acmodel import LayerModel
-from batchlab.config import ACMode, ACPolicy, ConfigError, RunConfig
+from batchlab.config import ACMode, ConfigError, RunConfig
 from batchlab.formula import Calibrations
 
 SOLVED = ("peak = max(C + max(every block's kept, each block's backward: the blocks below keep theirs while it is "
@@ -45,13 +45,11 @@ def _inner(kept: list[int], whole: list[int]) -> int:
 
 
 def trace_layer_model(cfg: RunConfig, cals: Calibrations) -> LayerModel:
-    full = traced(cfg.replace(ac="full"), cals)
-    names = [n.name for n in _blocks(full)]
+    full_t = traced(cfg.replace(ac="full"), cals)  # every block recomputed: the plan full*n is this same update
+    names = [n.name for n in _blocks(full_t)]
     if not names:
         raise ConfigError("ac", f"auto needs the model's blocks: {cfg.model_source} names none (models/factory.py)")
-    n = len(names)
-    none_t = traced(cfg.replace(ac=ACPolicy(ACMode.PLAN, layers=(ACMode.NONE,) * n)), cals)
-    full_t = traced(cfg.replace(ac=ACPolicy(ACMode.PLAN, layers=(ACMode.FULL,) * n)), cals)
+    none_t = traced(cfg.replace(ac="none"), cals)
     nodes = {x.name: x.total_bytes for x in none_t.tree.walk()} if none_t.tree is not None else {}
     whole = [nodes.get(name, 0) for name in names]
     kept = [x.total_bytes for x in _blocks(full_t)]

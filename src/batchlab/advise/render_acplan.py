@@ -28,7 +28,8 @@ def acplan_view(out: Console, p: ACPlan) -> None:
     if p.best_preset is not None:
         b = p.best_preset
         out.print(f"best preset within the budget: {b.ac} at micro-batch {b.micro_batch}, "
-                  f"{fmt_seconds(b.update_seconds)} ({(c.update_seconds / b.update_seconds - 1):+.1%} for the plan)")
+                  f"{fmt_seconds(b.update_seconds)} ({p.provenance}; {c.update_seconds / b.update_seconds - 1:+.1%} for "
+                  "the plan)")
     out.print(f"[dim]model solved: {p.model}[/]")
     t = Table(title=f"memory/time frontier at micro-batch {c.micro_batch} ({p.provenance})", title_justify="left",
               box=None, pad_edge=False)
@@ -48,9 +49,8 @@ def acplan_outcome(out: Console, report) -> None:
 
     p, t = report.ac_plan, report.verification
     if t is not None and p.chosen is not None:
-        allocated = p.chosen.allocated_bytes or p.chosen.peak_bytes
-        err = relative_to(allocated, t.peak_bytes) if t.peak_bytes else None
-        slack = p.chosen.peak_bytes - allocated
+        err = relative_to(p.chosen.allocated, t.peak_bytes) if t.peak_bytes else None
+        slack = p.chosen.slack
         out.print(f"measured: {t.outcome}, peak {fmt_bytes(t.peak_bytes) if t.peak_bytes else '-'} allocated "
                   "(allocator)" + (f", plan's prediction {err:+.1%} off" if err is not None else "")
                   + (f", within the budget {fmt_bytes(p.budget_bytes)}" if t.fits and t.peak_bytes
