@@ -63,7 +63,7 @@ def _holds(t: Trial, plan: Point, budget: int) -> tuple[bool, bool]:
 
 
 def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan_out: str | None = None,
-             on_trial: Callable[[Trial], None] | None = None) -> FitReport:
+             on_trial: Callable[[Trial, int], None] | None = None) -> FitReport:
     budget = goal.usable_bytes
     p = plan_ac(goal, budget)
     report = _report(goal, p)
@@ -74,7 +74,7 @@ def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan
         for attempt in range(ATTEMPTS):
             t = base(p.config)
             if on_trial is not None:
-                on_trial(t)
+                on_trial(t, attempt + 1)
             assert p.chosen is not None
             fits, close = _holds(t, p.chosen, goal.usable_bytes)
             report.verification = t

@@ -62,18 +62,6 @@ def loss_fn(logits, y):
     return torch.nn.functional.cross_entropy(logits.float(), y.flatten())
 '''
 
-_CHECKPOINTED = '''\
-class Checkpointed(torch.nn.Module):
-    """Activation checkpointing (recompute in backward): not the training checkpoint saved to disk."""
-
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args, **kwargs):
-        # preserve_rng_state: dropout in the recompute draws the forward's mask (bitwise-equal gradients)
-        return checkpoint(self.block, *args, use_reentrant=False, preserve_rng_state=True,{extra} **kwargs)
-'''
 
 # The selective policies as batchlab's harness runs them (models/ac.py), over aten ops
 _OPS = '''\
@@ -164,7 +152,7 @@ def _imports(cfg: RunConfig) -> list[str]:
     return out + [f"from torch.utils.data import {samplers}"]
 
 
-_PLAN_CHECKPOINTED = '''\
+_CHECKPOINTED = '''\
 class Checkpointed(torch.nn.Module):
     """Activation checkpointing (recompute in backward): not the training checkpoint saved to disk."""
 
@@ -183,7 +171,7 @@ def _plan(cfg: RunConfig) -> list[str]:
     """A per-layer plan: each layer wrapped with its own policy (full: the whole block recomputed)."""
     modes = cfg.ac.layer_modes(cfg.model.layers)
     used = [m for m in _POLICIES if m in modes]
-    out = ([_OPS] if used else []) + [_POLICIES[m][0] for m in used] + [_PLAN_CHECKPOINTED]
+    out = ([_OPS] if used else []) + [_POLICIES[m][0] for m in used] + [_CHECKPOINTED]
     contexts = ", ".join(['"full": None'] + [f'"{m.value}": {_POLICIES[m][1]}' for m in used])
     out += [f"CONTEXTS = {{{contexts}}}  # selective checkpointing policy per plan entry",
             f"PLAN = {[m.value for m in modes]!r}  # {cfg.ac}: one policy per layer, first layer first",
@@ -202,12 +190,12 @@ def _checkpointing(cfg: RunConfig) -> list[str]:
         return _plan(cfg)
     policy, context = _POLICIES.get(mode, ("", None))
     out = [_OPS, policy] if context else []
-    out.append(_CHECKPOINTED.format(extra=f" context_fn={context}," if context else ""))
+    out.append(_CHECKPOINTED)
     which = {ACMode.FULL: "every block recomputed", ACMode.EVERY: f"blocks 0, {cfg.ac.every}, {2 * cfg.ac.every}, ..."
              }.get(mode, "a policy inside every block")
     step = f", {cfg.ac.every}" if mode is ACMode.EVERY else ""
     out += [f"for i in range(0, len(model.layers){step}):  # {cfg.ac}: {which}; the config has {n} layers",
-            "    model.layers[i] = Checkpointed(model.layers[i])"]
+            f"    model.layers[i] = Checkpointed(model.layers[i]{', ' + context if context else ''})"]
     return out
 
 

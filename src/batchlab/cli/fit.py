@@ -79,7 +79,7 @@ def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_
           plot: str | None, verbose: bool = False) -> int:
     """fit --ac auto: plan, prove by a run, print; the exit code."""
     from batchlab.advise import isolated_measure
-    from batchlab.advise.acfit import fit_auto
+    from batchlab.advise.acfit import ATTEMPTS, fit_auto
     from batchlab.advise.render import trial_line
 
     from batchlab.advise.acplan import check_budget
@@ -92,7 +92,7 @@ def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_
 
         header(out, goal)
     measure = isolated_measure(goal.capacity_bytes, timeout)
-    shown = (lambda t: out.print(trial_line(t, 1, 1))) if not as_json else None
+    shown = (lambda t, i: out.print(trial_line(t, i, ATTEMPTS))) if not as_json else None
     report = fit_auto(goal, verify=verify, measure=measure, plan_out=plan_out, on_trial=shown)
     if plot and report.ac_plan is not None and report.ac_plan.frontier:
         from pathlib import Path
@@ -118,6 +118,7 @@ def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_
 
 
 def _local(goal) -> bool:
+    """Whether the device is this machine's own, where fit measures (no torch import to find out)."""
     from batchlab.config import local_device
 
     return goal.base.device_spec.backend is Backend.CPU or goal.base.device == local_device()
@@ -140,10 +141,8 @@ def _fit(goal, verify: bool | None, search: bool, timeout: float | None, as_json
     from batchlab.advise.render import trial_line
     from batchlab.cli.progress import progress
 
-    if verify is None:  # measure where the device is this machine's own (no torch import to find out)
-        from batchlab.config import local_device
-
-        verify = goal.base.device_spec.backend is Backend.CPU or goal.base.device == local_device()
+    if verify is None:
+        verify = _local(goal)
     if search and "micro_batch" in goal.held:
         typer.echo("warning: ignored: --search: the micro-batch is held as given (--micro-batch); it is only "
                    "verified", err=True)
