@@ -87,7 +87,6 @@ class Row:
     mem_before: int | None = None
     fits_before: bool | None = None
     params: int | None = None
-    implied_fraction: float | None = None
     failed: str | None = None
 
     @property
@@ -186,9 +185,6 @@ def evaluate(run: dict, before: dict[str, dict] | None = None) -> Row:
     row.tps_predicted = est.time.tokens_per_second / row.cfg.dp
     row.params = est.params.total
     row.layer_terms = implementation_line(row.cfg)
-    if row.tps_measured:  # the fraction of the formula's peak the measured rate implies
-        peak = row.cfg.device_spec.peak_flops(row.cfg.precision)
-        row.implied_fraction = row.tps_measured * est.flops.model_flops_per_token / peak
     return row
 
 

@@ -23,7 +23,7 @@ class Alternative:
     def line(self) -> str:
         from batchlab.util.units import fmt_bytes
 
-        return f"fits with --impl {self.impl} ({fmt_bytes(self.reserved_bytes)} reserved): {self.why}"
+        return f"fits with --impl {self.impl} ({fmt_bytes(self.reserved_bytes)} reserved) [formula]: {self.why}"
 
 
 def alternatives(cfg: RunConfig, chosen: MemoryEstimate) -> tuple[Alternative, ...]:

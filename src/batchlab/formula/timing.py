@@ -22,6 +22,7 @@ from batchlab.formula.opcost import OpClass, OpCosts, OpCount, TimeBreakdown, de
 from batchlab.config.phase import Phase
 from batchlab.formula.oplist import update_ops
 from batchlab.formula.sharding import collective_seconds, traffic
+from batchlab.util.units import fmt_count
 
 # Nominal per-op costs where nothing was calibrated (seconds).  CPU: eager PyTorch's Python + dispatcher
 # cost per aten op, as `batchlab calibrate` measures it (docs/cpu.md, "Figures behind the code's choices");
@@ -113,7 +114,7 @@ def _nominal(dev: DeviceSpec, frac: Sourced, flop_ratio: float) -> OpCosts:
                        element_seconds={}, dispatch=NOMINAL_DISPATCH[dev.backend], asynchronous=True,
                        whole_call_rate=True,
                        source=f"{named}, achievable fraction {frac.value:.2f} on matmuls ({frac.source}); element-wise "
-                              f"work and the optimizer at {dev.hbm_bytes_per_s / 1e12:.2f} TB/s (batchlab calibrate on "
+                              f"work and the optimizer at {fmt_count(dev.hbm_bytes_per_s, 'B/s')} (batchlab calibrate on "
                               "the card measures each)")
     clock = dev.peak_flops_fp32 / 64  # cores x clock (the entry's peak assumes 64 FLOP/cycle per core)
     elements = {f"{k}:fp32": c / clock for k, c in CPU_CYCLES_PER_ELEMENT.items()}
