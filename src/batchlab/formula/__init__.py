@@ -6,6 +6,8 @@ returns has provenance "formula".
 """
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,8 +41,12 @@ class Estimate:
     assumptions: tuple[str, ...] = field(default_factory=tuple)
     provenance: str = "formula"
     layer_terms: str = ""  # where the per-layer terms came from: "builtin gpt2", "profile (trace of ...)"
-    # where it does not fit: the preset's other implementations (--impl) under which it would
-    alternatives: tuple[Alternative, ...] = ()
+
+    @functools.cached_property
+    def alternatives(self) -> tuple[Alternative, ...]:
+        """Where it does not fit: the preset's other implementations (--impl) under which it would.  Worked out
+        when asked (estimate's output), not in every estimate a search or a sweep makes."""
+        return alternatives(self.config, self.memory)
 
     @property
     def global_batch(self) -> int:
@@ -150,7 +156,7 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
     fl = flops(cfg)
     t = timing(cfg, fl, mem, calibrated_costs(cfg, calibrations))
     return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t),
-                    layer_terms=layer_terms(cfg), alternatives=alternatives(cfg, mem))
+                    layer_terms=layer_terms(cfg))
 
 
 def layer_terms(cfg: RunConfig) -> str:
