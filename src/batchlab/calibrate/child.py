@@ -7,22 +7,17 @@ import json
 import sys
 from pathlib import Path
 
-from batchlab.formula.calibration import SCOPES
 from batchlab.calibrate.run import measure_here
 from batchlab.util.lifeline import guard
-
-
-def _measured(args: dict) -> dict:
-    shapes = tuple(map(tuple, args["shapes"])) if args.get("shapes") else None
-    scope = tuple(args.get("scope", SCOPES))
-    return measure_here(args["torch_device"], args["seconds"], shapes, args.get("threads"), args.get("rounds"),
-                        scope).to_dict()
 
 
 def main(argv: list[str]) -> None:
     guard()  # never outlive the caller
     args, out = json.loads(argv[0]), Path(argv[1])
-    out.write_text(json.dumps(_measured(args)))
+    shapes = tuple(map(tuple, args["shapes"])) if args.get("shapes") else None
+    cal = measure_here(args["torch_device"], args["seconds"], shapes, args.get("threads"), args.get("rounds"),
+                       tuple(args["scope"]))
+    out.write_text(json.dumps(cal.to_dict()))
 
 
 if __name__ == "__main__":

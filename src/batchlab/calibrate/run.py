@@ -66,8 +66,7 @@ def _in_child(args: dict) -> Calibration:
                               env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"calibration process failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-        d = json.loads(out.read_text())
-    cal = Calibration.from_dict(d)
+        cal = Calibration.from_dict(json.loads(out.read_text()))
     cal.seconds = time.perf_counter() - start  # the cost the caller paid: the child's start-up too
     return cal
 

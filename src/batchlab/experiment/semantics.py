@@ -132,29 +132,34 @@ def gradient_check(a: RunConfig, b: RunConfig) -> GradientCheck:
     try:
         if kind is CheckKind.ZERO:  # launches its own ranks
             return _zero_check(a, b)
-        return _forked(kind, a, b) or {CheckKind.SPLIT: _split_check, CheckKind.AC: _ac_check}[kind](a, b)
+        return _forked(kind, a, b) or _CHECKS[kind](a, b)
     except Exception as e:  # noqa: BLE001 — the check is evidence beside the measurement, not a precondition
         return GradientCheck(kind, False, detail=f"not run: {type(e).__name__}: {e}"[:300])
 
 
 def _forked(kind: CheckKind, a: RunConfig, b: RunConfig) -> GradientCheck | None:
     """The check in a fork of the measurements' pre-imported process (host/forkcall.py): this process then
-    never imports torch or torch._dynamo; None where no fork can be had."""
-    from batchlab.host import forkcall
+    never imports torch or torch._dynamo; None where no such process runs already (a GPU compare, an injected
+    measurement: none is started for one check) or no fork can be had."""
+    from batchlab.host import forkcall, warm
     from batchlab.measure.runner import child_env
 
-    d = forkcall.call("batchlab.experiment.semantics:check_into", {"a": a.to_dict(), "b": b.to_dict()}, child_env())
+    if warm.server_pid() is None:
+        return None
+    d = forkcall.call("batchlab.experiment.semantics:check_into",
+                      {"kind": kind.value, "a": a.to_dict(), "b": b.to_dict()}, child_env())
     return None if d is None else GradientCheck(**(d | {"kind": CheckKind(d["kind"])}))
 
 
 def check_into(out, request: dict, parent: int | None = None) -> int:
     """The forked side of ``_forked``: the check's record written to ``out``."""
+    import json
+
     from batchlab.config import config_from_dict
-    from batchlab.host import forkcall
+    from batchlab.util.files import write_atomic
 
     a, b = config_from_dict(request["a"]), config_from_dict(request["b"])
-    kind = check_kind(a, b)
-    forkcall.write(out, {CheckKind.SPLIT: _split_check, CheckKind.AC: _ac_check}[kind](a, b).to_dict())
+    write_atomic(out, json.dumps(_CHECKS[CheckKind(request["kind"])](a, b).to_dict()))
     return 0
 
 
@@ -193,6 +198,9 @@ def _ac_check(a: RunConfig, b: RunConfig) -> GradientCheck:
                          f"ac {policies}: gradients {'bitwise equal' if equal else f'differ (max {abs_d:.2g})'} "
                          f"with dropout {dropout:g} (fp32, micro-batch {mb}, seq {sides[0].seq})",
                          {"micro_batch": mb, "seq": sides[0].seq, "dropout": dropout})
+
+
+_CHECKS = {CheckKind.SPLIT: _split_check, CheckKind.AC: _ac_check}  # the checks run in one process
 
 
 def _zero_check(a: RunConfig, b: RunConfig) -> GradientCheck:

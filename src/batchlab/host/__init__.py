@@ -5,7 +5,8 @@ The rest of batchlab asks the host through these names only (a GPU measurement n
     what the machine is     cpu_name(), cpu_hardware(), gpu_names(), memory_bytes(), cpu_peak_flops(), free_port()
     starting a measuring    measuring_env(env): the environment a measuring process starts with (the allocator
     process                 regime); needs_own_process(): this process lacks the regime (a calibration moves to a
-                            child); warm: the pre-imported process CPU measurements are forked from
+                            child); the module host.warm: the pre-imported process CPU measurements are
+                            forked from
     around timed updates    TimedUpdates: heap pre-touch, speed probe reads, page faults per update;
                             SpeedProbe (the calibration reads it too, for the reference)
     the state beside a      state(env): the allocator regime in one line; warning(): where it cannot be set;
@@ -53,10 +54,6 @@ def __getattr__(name: str):
         from batchlab.host import load
 
         return getattr(load, name)
-    if name == "warm":
-        import importlib
-
-        return importlib.import_module("batchlab.host.warm")
     raise AttributeError(f"module 'batchlab.host' has no attribute {name!r}")
 
 

@@ -51,10 +51,3 @@ def _kill(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def write(out: Path, payload: dict) -> None:
-    """The fork's side: write then rename, so the caller never reads half a result."""
-    part = out.with_suffix(".part")
-    part.write_text(json.dumps(payload))
-    os.replace(part, out)

@@ -235,7 +235,7 @@ def _close() -> None:
 
 
 def server_pid() -> int | None:
-    """The pre-imported process's pid, if one is running (for tests and diagnostics)."""
+    """The pre-imported process's pid, if one is running (tests; the gradient check forks only from a running one)."""
     return _server.proc.pid if _server is not None and _server.alive() else None
 
 
