@@ -233,7 +233,7 @@ class _Steps:
         elif self._timeline_in_memory:
             from batchlab.measure.timeline_update import recorded
 
-            self.timeline, snap = recorded(self.cfg, trainer)
+            self.timeline, snap = recorded(self.cfg, trainer, lambda tracker: rec.use("memory", tracker))
             result = from_snapshot(snap)
         else:
             result = from_snapshot(self._tracked(trainer, rec))

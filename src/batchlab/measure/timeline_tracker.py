@@ -175,11 +175,12 @@ def block_of(label: str) -> str:
 
 def recorded_update(trainer, owner: Callable[[], str], outside: str,
                     tree_owner: Callable[[], str] | None = None, register: Callable | None = None,
-                    observer: Callable | None = None):
+                    observer: Callable | None = None, listen: Callable | None = None):
     """One update of ``trainer`` tracked by the StorageTracker with a recorder listening: (snapshot, recorder).
     ``tree_owner``: the tracker's own owner labels (``--tree``), unchanged by the recording; ``register``:
     called with the tracker before the update (storages no op creates, e.g. a DP engine's buffers);
-    ``observer``: the tracker's (sees every op's arguments and output)."""
+    ``observer``: the tracker's (sees every op's arguments and output); ``listen``: tracker -> the update's
+    listener wrapping it (the harness's phase recorder, so a failure names its phase)."""
     from batchlab.measure.memory import tracker_for
 
     recorder = TimelineRecorder(owner, outside, output_head(trainer.raw_model, trainer.cfg.model.vocab))
@@ -190,7 +191,7 @@ def recorded_update(trainer, owner: Callable[[], str], outside: str,
     recorder.start(tracker)
     try:
         with tracker:
-            trainer.update(listener=tracker)
+            trainer.update(listener=listen(tracker) if listen is not None else tracker)
     finally:
         recorder.finish()
     return tracker.snapshot(), recorder

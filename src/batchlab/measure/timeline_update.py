@@ -1,7 +1,7 @@
 """The timeline of a real update on this machine (``batchlab measure --timeline``, compare records).
 
-One untimed update after a steady-state one (AdamW makes its state lazily).  measure/session.py calls it
-after warmup with ``MeasureOptions(timeline=True)``, so it runs in the measuring process (the isolated
+One untimed update after a steady-state one (AdamW makes its state lazily).  measure/session.py records it
+in its memory update (CPU, MPS) or after warmup (CUDA, a CPU memory budget), so it runs in the measuring process (the isolated
 subprocess with ``--isolate``): on CPU (and MPS) with the live-storage tracker, the same recording as the
 trace, so the two agree op by op; on CUDA from the caching allocator's own history (batchlab.measure.timeline_cuda).
 """
@@ -28,13 +28,14 @@ def record(cfg: RunConfig, device: str | torch.device | None = None, trainer: Tr
     return recorded(cfg, trainer)[0]
 
 
-def recorded(cfg: RunConfig, trainer: Trainer):
+def recorded(cfg: RunConfig, trainer: Trainer, listen=None):
     """(timeline, the live-storage tracker's snapshot) of ``trainer``'s next update on CPU or MPS (after a
-    steady-state one: the caller's); the snapshot is what the memory probe reports (measure/session.py)."""
+    steady-state one: the caller's); the snapshot is what the memory update reports (measure/session.py), whose
+    phase recorder ``listen`` wraps the tracker in (timeline_tracker.recorded_update)."""
     ctx = context(cfg)
     owners = ModuleStack(trainer.raw_model)
     try:
-        snap, recorder = recorded_update(trainer, owners.current, OUTSIDE)
+        snap, recorder = recorded_update(trainer, owners.current, OUTSIDE, listen=listen)
     finally:
         owners.close()
     return recorder.timeline(provenance="allocator", method=f"live storage tracker on {trainer.device.type} "
