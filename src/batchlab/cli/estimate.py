@@ -144,7 +144,7 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
     console.print(_time_table(e, tokens, price, currency, verbose))
     console.print(f"Training checkpoint file on disk: {fmt_bytes(e.training_checkpoint_bytes)} \\[formula] (weights +"
                   " optimizer state; not activation checkpointing)")
-    console.print(escape(device_line(cfg, t.ceiling_source, t.achievable_fraction, t.fraction_source)),
+    console.print(escape(device_line(cfg, t.ceiling_source)),
                   highlight=False)
     if cfg.dp > 1:
         console.print("scope: the communication time is a ring-bandwidth model, not a measurement of your cluster")

@@ -203,7 +203,7 @@ def _render_sources(out: Console, cfg: RunConfig, est, verbose: bool) -> None:
     if est is None:
         return
     t = est.time
-    out.print(escape(device_line(cfg, t.ceiling_source, t.achievable_fraction, t.fraction_source, "formula inputs")),
+    out.print(escape(device_line(cfg, t.ceiling_source, "formula inputs")),
               highlight=False)
     if not verbose:
         out.print("[dim]--verbose: CPU time, allocator and page faults, the formula's assumptions and sources[/]")

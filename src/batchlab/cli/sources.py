@@ -4,31 +4,23 @@ from __future__ import annotations
 
 from batchlab.config import RunConfig
 from batchlab.config.devices import short_sources
+from batchlab.formula.efficiency import achievable_fraction
 from batchlab.util.units import fmt_bytes, fmt_count
 
 
-def fraction_label(source: str) -> str:
-    """formula/efficiency.py's source of an achievable fraction, in two words."""
-    if source.startswith("assumption"):
-        return "assumed"
-    if source.startswith("not found"):
-        return "estimate"
-    return "published runs"
-
-
-def time_model_label(ceiling_source: str, fraction: float, fraction_source: str) -> str:
-    """'calibrated on this device' or 'nominal, 0.42 of peak (published runs)'."""
+def time_model_label(cfg: RunConfig, ceiling_source: str) -> str:
+    """'calibrated on this device' or 'nominal, 0.52 of peak (published H100 runs)'."""
     if ceiling_source.startswith("calibrated"):
         return "calibrated on this device"
-    return f"nominal, {fraction:.2f} of peak ({fraction_label(fraction_source)})"
+    frac = achievable_fraction(cfg)
+    return f"nominal, {frac.value:.2f} of peak ({frac.short})"
 
 
-def device_line(cfg: RunConfig, ceiling_source: str, fraction: float, fraction_source: str,
-                label: str = "sources") -> str:
+def device_line(cfg: RunConfig, ceiling_source: str, label: str = "sources") -> str:
     """One line: the device's capacity and peak with short source names, and the time model's kind."""
     dev = cfg.device_spec
     rates, memory = short_sources(dev)
     capacity = (f"{fmt_bytes(cfg.memory_budget)} --memory-budget" if cfg.memory_budget is not None
                 else f"{fmt_bytes(dev.memory_bytes)} {memory}")
     return (f"{label}: {capacity}, {fmt_count(dev.peak_flops(cfg.precision), 'FLOP/s')} {rates}; "
-            f"time model: {time_model_label(ceiling_source, fraction, fraction_source)}")
+            f"time model: {time_model_label(cfg, ceiling_source)}")

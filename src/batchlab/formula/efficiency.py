@@ -23,6 +23,7 @@ from batchlab.formula.sharding import collective_seconds, gathered_bytes_per_ele
 class Sourced:
     value: float
     source: str
+    short: str = ""  # the source in a few words, for default output ("published A100 runs", "assumed")
 
 
 _DERIVED = ("median of {n} non-held-out runs, derived by benchmarks/published.py --derive under the per-op model "
@@ -42,18 +43,20 @@ _EST = "not found published: estimate = {} value"
 
 # (arch, 16-bit?) -> achievable fraction of the dense peak on large matmuls
 FRACTIONS: dict[tuple[str, bool], Sourced] = {
-    ("ampere", True): Sourced(0.65, _A100),
-    ("hopper", True): Sourced(0.52, _H100),
-    ("blackwell", True): Sourced(0.52, _EST.format("Hopper's") + " (the one B200 run found is MoE: 14%)"),
-    ("cdna2", True): Sourced(0.52, _EST.format("Hopper's")),
-    ("cdna3", True): Sourced(0.52, _EST.format("Hopper's")),
-    ("volta", True): Sourced(0.23, _V100_FP16),
-    ("ada", True): Sourced(0.65, _ADA),
-    ("volta", False): Sourced(0.65, _V100_FP32),
+    ("ampere", True): Sourced(0.65, _A100, "published A100 runs"),
+    ("hopper", True): Sourced(0.52, _H100, "published H100 runs"),
+    ("blackwell", True): Sourced(0.52, _EST.format("Hopper's") + " (the one B200 run found is MoE: 14%)",
+                                  "estimate: Hopper's"),
+    ("cdna2", True): Sourced(0.52, _EST.format("Hopper's"), "estimate: Hopper's"),
+    ("cdna3", True): Sourced(0.52, _EST.format("Hopper's"), "estimate: Hopper's"),
+    ("volta", True): Sourced(0.23, _V100_FP16, "published V100 runs"),
+    ("ada", True): Sourced(0.65, _ADA, "A100's value"),
+    ("volta", False): Sourced(0.65, _V100_FP32, "V100 fp32 runs"),
 }
 # consumer / workstation Ampere cards behave like Ada ones in the evidence we have
 _CONSUMER = ("a10g", "l4", "rtx-3090", "rtx-4090", "rtx-a6000", "l40s")
-DEFAULT = Sourced(0.4, "assumption: no published figure for this device and precision (batchlab's old default)")
+DEFAULT = Sourced(0.4, "assumption: no published figure for this device and precision (batchlab's old default)",
+                  "assumed")
 
 
 def fraction_class(cfg: RunConfig) -> tuple[str, bool] | None:
@@ -70,7 +73,8 @@ def fraction_class(cfg: RunConfig) -> tuple[str, bool] | None:
 def achievable_fraction(cfg: RunConfig) -> Sourced:
     """The user's --achievable-fraction if given, else the derived default for the device and precision."""
     if cfg.assumptions.achievable_fraction is not None:
-        return Sourced(cfg.assumptions.achievable_fraction, "assumption (--achievable-fraction)")
+        return Sourced(cfg.assumptions.achievable_fraction, "assumption (--achievable-fraction)",
+                       "--achievable-fraction")
     key = fraction_class(cfg)
     return DEFAULT if key is None else FRACTIONS.get(key, DEFAULT)
 
