@@ -22,13 +22,16 @@ _TRACES: dict = {}  # cfg -> TraceEstimate: the planner traces the same plans ag
 
 
 def traced(cfg: RunConfig, cals: Calibrations):
+    """The trace of cfg's update; a plan of one policy throughout is traced as that policy (the same wrapping:
+    models/ac.py), so the frontier's ends reuse the presets' traces."""
     from batchlab.trace import estimate as trace
 
-    if cfg not in _TRACES:
+    key = cfg.replace(ac=cfg.ac.simplified())
+    if key not in _TRACES:
         if len(_TRACES) > 256:
             _TRACES.clear()
-        _TRACES[cfg] = trace(cfg, tree=True, calibrations=cals)
-    return _TRACES[cfg]
+        _TRACES[key] = trace(key, tree=True, calibrations=cals)
+    return _TRACES[key]
 
 
 def _blocks(t) -> list:
