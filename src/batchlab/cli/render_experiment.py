@@ -195,7 +195,7 @@ def absolute_short(r: Record) -> str:
     where = "calibration's"
     if speed:
         fa, fb, where = fa * speed["a"], fb * speed["b"], "probed host"
-    return (f"formula A {sec(fa)} vs {sec(t.a)} measured ({fa / t.a - 1:+.0%}), B {sec(fb)} vs {sec(t.b)} "
+    return (f"formula A {sec(fa)} vs {sec(t.a)} wall-clock ({fa / t.a - 1:+.0%}), B {sec(fb)} vs {sec(t.b)} "
             f"({fb / t.b - 1:+.0%}), {where} speed")
 
 
