@@ -22,7 +22,8 @@ def test_flop_counts_keep_a_prefix_up_to_zetta_then_scientific(x, text):
                                            (3.94e15, "FLOP", "3.94 PFLOP"), (499e6, "B", "499 MB"),
                                            (float("inf"), "B/s", "-"), (None, "FLOP", "-")])
 def test_one_si_formatter_for_counts_rates_and_decimal_bytes(x, unit, text):
-    # the time model's line used a second formatter that stopped at tera: 3.94e15 FLOP read "3.94e+03 TFLOP"
+    # hand-written expected strings; the time model's line once had a second formatter that stopped at tera
+    # (3.94e15 FLOP read "3.94e+03 TFLOP"): test_a_placeholder_rate... guards that line itself (no "e+")
     assert fmt_count(x, unit) == text
 
 
