@@ -138,3 +138,14 @@ def pytest_runtest_setup(item):
     if item.module is not _module[0]:  # what the previous modules imported and cached stays for the run too
         _module[0] = item.module
         _freeze()
+
+
+@pytest.fixture
+def uncalibrated(tmp_path, monkeypatch):
+    """An empty calibration cache: the built-in rates price every op.  For tests whose assertion names which
+    plan or preset wins -- a close race that a CPU calibration measured by another test on the run's shared home
+    (its rates differ machine to machine) may decide the other way."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
+    from batchlab.formula.calibration import load_all
+
+    assert load_all() == {}

@@ -192,7 +192,7 @@ def test_compare_takes_plans_in_change_and_in_an_experiment_file(tmp_path):
     assert base.replace(ac=change.b).ac == ACPolicy.parse("plan:none,selective-op,full*2")
 
 
-def test_fit_ac_auto_json_names_the_plan_and_writes_the_file(tmp_path):
+def test_fit_ac_auto_json_names_the_plan_and_writes_the_file(tmp_path, uncalibrated):
     """The JSON contract (formula only here: the real runs are above) and the file --ac plan:FILE takes back."""
     out = tmp_path / "plan.json"
     r = runner.invoke(app, ["fit", "--ac", "auto", "--layers", "8", "--micro-batch", "8", "--memory-budget", "80MiB",
@@ -233,7 +233,7 @@ def test_a_factory_is_planned_from_traces_of_its_own_code():
     assert p.chosen.update_seconds <= min(fitting) * (1 + 1e-9)
 
 
-def test_a_plan_measured_above_the_budget_falls_back_to_the_next_plan(tmp_path):
+def test_a_plan_measured_above_the_budget_falls_back_to_the_next_plan(tmp_path, uncalibrated):
     """A (fake) first measurement above the budget: fit says so and plans again below it, then measures that."""
     from batchlab.advise.acfit import fit_auto
     from batchlab.advise.search import Trial, TrialOutcome
