@@ -218,6 +218,24 @@ def test_compare_takes_plans_in_change_and_in_an_experiment_file(tmp_path):
     assert base.replace(ac=change.b).ac == ACPolicy.parse("plan:none,selective-op,full*2")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_plan_under_fsdp2_fits_by_a_real_run_on_two_ranks(tmp_path, uncalibrated):
+    """ZeRO-3 over 2 gloo ranks: fit plans under FSDP2's walk (gathered blocks, reduce-scatter buffers) and
+    measures the plan for real; the measured allocator peak within the budget and 3% of the plan's."""
+    lo, hi = (estimate(RunConfig(model=preset("tiny", layers=8), micro_batch=8, dp=2, zero=3, ac=ac)).memory.peak_bytes
+              for ac in ("full", "none"))
+    budget = (lo + hi) // 2
+    r = runner.invoke(app, ["fit", "--ac", "auto", "--layers", "8", "--micro-batch", "8", "--dp", "2", "--zero", "3",
+                            "--memory-budget", str(budget), "--margin", "0", "--json",
+                            "--plan-out", str(tmp_path / "plan.json")])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    planned, measured = d["plan"]["predicted_peak_bytes"], d["verification"]["peak_bytes"]
+    assert d["final"]["ac"].startswith("plan:") and {"full", "none"} <= set(d["plan"]["per_layer"])
+    assert measured <= budget and abs(planned - measured) <= 0.03 * measured, (planned, measured)
+
+
 def test_fit_ac_auto_json_names_the_plan_and_writes_the_file(tmp_path, uncalibrated):
     """The JSON contract (formula only here: the real runs are above) and the file --ac plan:FILE takes back."""
     out = tmp_path / "plan.json"
