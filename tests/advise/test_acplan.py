@@ -77,6 +77,18 @@ def _brute(seconds, held, caps, total, kept=None, kept_cap=None):
     return best
 
 
+def _solved_as_brute_force(seconds, held, caps, total, kept, kept_cap):
+    """knapsack.solve's plan: None exactly where no plan fits, else feasible and as cheap as the cheapest."""
+    want = _brute(seconds, held, caps, total, kept, kept_cap)
+    got = knapsack.solve(seconds, held, caps, total, step=1, kept=kept, kept_cap=kept_cap)
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None and sum(seconds[i][j] for i, j in enumerate(got)) == pytest.approx(want)
+        assert knapsack.feasible(got, held, caps, total, kept, kept_cap)
+    return got
+
+
 def test_the_dynamic_program_finds_the_brute_force_optimum():
     rng = random.Random(7)
     for _ in range(200):
@@ -88,13 +100,7 @@ def test_the_dynamic_program_finds_the_brute_force_optimum():
         two = rng.random() < 0.5  # a second total (the forward's, under autocast) on half the instances
         kept = [[rng.randint(0, w) for w in row] for row in held] if two else None
         kept_cap = rng.randint(0, 25) if two else None
-        want = _brute(seconds, held, caps, total, kept, kept_cap)
-        got = knapsack.solve(seconds, held, caps, total, step=1, kept=kept, kept_cap=kept_cap)
-        if want is None:
-            assert got is None
-        else:
-            assert got is not None and sum(seconds[i][j] for i, j in enumerate(got)) == pytest.approx(want)
-            assert knapsack.feasible(got, held, caps, total, kept, kept_cap)
+        _solved_as_brute_force(seconds, held, caps, total, kept, kept_cap)
 
 
 def test_identical_layers_stacked_solver_finds_the_brute_force_optimum():
@@ -113,14 +119,9 @@ def test_identical_layers_stacked_solver_finds_the_brute_force_optimum():
             top = max(range(m), key=lambda j: (held[0][j], j))
             kept = [[rng.randint(0, w) if j == top else w for j, w in enumerate(held[0])]] * n
             kept_cap = rng.randint(0, 30)
-        want = _brute(seconds, held, caps, total, kept, kept_cap)
-        got = knapsack.solve(seconds, held, caps, total, step=1, kept=kept, kept_cap=kept_cap)
-        if want is None:
-            assert got is None
-        else:
-            assert got is not None and sum(seconds[i][j] for i, j in enumerate(got)) == pytest.approx(want)
-            assert knapsack.feasible(got, held, caps, total, kept, kept_cap)
-            assert [held[0][j] for j in got] == sorted(held[0][j] for j in got)  # ascending: a readable plan
+        got = _solved_as_brute_force(seconds, held, caps, total, kept, kept_cap)
+        if got is not None:  # ascending held, bottom first: a readable plan
+            assert [held[0][j] for j in got] == sorted(held[0][j] for j in got)
 
 
 def test_the_planner_over_the_whole_menu_matches_brute_force_by_the_full_estimate():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchlab.config import ACMode, Backend, LossMode, OptimizerKind, Precision, RunConfig
+from batchlab.config import ACMode, Backend, LossMode, OptimizerKind, PositionKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
 from batchlab.formula.allocator import device_memory
@@ -251,7 +251,8 @@ def autocast_cast_params(m) -> tuple[int, int]:
 
 def _largest_param(cfg: RunConfig) -> int:
     m = cfg.model
-    return max(m.vocab * m.hidden, m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden))
+    positions = m.max_positions * m.hidden if m.position is PositionKind.LEARNED else 0  # can outsize the vocab's
+    return max(m.vocab * m.hidden, positions, m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden))
 
 
 def fsdp_shard_bytes(cfg: RunConfig) -> int:
