@@ -57,18 +57,23 @@ CATALOGUED = {"v100-sxm2-16gb": "v100-16gb", "v100-sxm2-32gb": "v100-32gb", "a10
 
 PRECISION = {"fp32": "fp32", "fp16-amp": "fp16-mixed", "bf16-autocast": "bf16-mixed",
              "fsdp-mp-bf16": "bf16-fsdp", "composer-default-bf16": "bf16-mixed",
-             "composer-pure-bf16": "bf16-fsdp", "fp8-float8-linear": "bf16-fsdp"}
+             "composer-pure-bf16": "bf16-fsdp", "fsdp1-pure-bf16": "bf16-fsdp", "fp8-float8-linear": "bf16-fsdp"}
 PRECISION_GAP = {
     "composer-default-bf16": "Composer FSDP1 mixed_precision=DEFAULT (version-dependent param/reduce dtypes) + "
                              "amp_bf16 autocast; modelled as bf16-mixed (autocast: fp32 residual stream)",
     "composer-pure-bf16": "Composer FSDP1 mixed_precision=PURE (bf16 params, bf16 reduce, bf16 buffers); "
                           "modelled as bf16-fsdp (fp32 gradient shard where PURE keeps bf16: 2 B/param/dp high)",
+    "fsdp1-pure-bf16": "FSDP1 MixedPrecision(param_dtype, reduce_dtype, buffer_dtype bf16); modelled as "
+                       "bf16-fsdp (fp32 gradient shard and fp32 reduce where it keeps bf16)",
     "fp8-float8-linear": "torchao Float8Linear (fp8 matmuls, fp8 all-gather) has no precision mode; modelled as "
                          "bf16-fsdp (fp8 matmul time and the fp8 weight copies not modelled)",
 }
 AC = {"none": "none", "full": "full", "selective-op": "selective-op", "megatron-selective": "megatron-selective"}
 LOSS = {"causal-lm-ce": "full", "causal-lm-compiled-ce": "compiled", "causal-lm-fused-ce": "fused", "sequence-classification-ce": "classifier"}
-SHARDING_ZERO = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
+SHARDING_ZERO = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
+SHARDING_GAP = {"hsdp": "FSDP1 HYBRID_SHARD (ZeRO-3 within each node of 8, replicated across nodes) has no flag; "
+                        "modelled as ZeRO-3 over all ranks (its gathers and reduce-scatters span every rank, "
+                        "where HSDP's span a node and add an all-reduce across nodes)"}
 
 
 @dataclass
@@ -124,6 +129,8 @@ def command_for(run: dict, gaps: list[str]) -> list[str]:
     ``gaps`` (mapped to the nearest setting)."""
     if run["precision"] in PRECISION_GAP:
         gaps.append(PRECISION_GAP[run["precision"]])
+    if run["sharding"] in SHARDING_GAP:
+        gaps.append(SHARDING_GAP[run["sharding"]])
     ac = run["ac"]
     if ac.startswith("selective-layer:"):
         ac = "every:" + ac.split(":", 1)[1]  # torchtitan checkpoints blocks with index % K == 0, as every:K
