@@ -62,7 +62,11 @@ def cases() -> list[tuple[str, object, tuple[float, ...], bool]]:
         ("batchlab GPT, 4 layers, fp32, sdpa, seq 4096 (not in the issue; keep attention outputs pays)",
          lambda: RunConfig(model=preset("tiny", layers=4, attention="sdpa", dropout=0.0, max_positions=4096),
                            seq=4096, micro_batch=1), FRACTIONS, True),
+        ("batchlab GPT, 8 layers, fp32, FSDP2 ZeRO-3 over 2 gloo ranks (not in the issue)",
+         lambda: RunConfig(model=preset("tiny", layers=8), seq=128, micro_batch=8, dp=2, zero=3), (0.3, 0.6), True),
         ("HF llama (6 layers, h 64)", lambda: hf("llama"), FRACTIONS[1:], True),
+        ("HF llama (6 layers, h 64), FSDP2 ZeRO-2 over 2 gloo ranks (not in the issue)",
+         lambda: hf("llama").replace(dp=2, zero=2), (0.5,), False),
         ("HF gpt2 (6 layers, h 64)", lambda: hf("gpt2"), FRACTIONS[1:], False),
         ("HF gpt_neox (6 layers, h 64; not in the issue)", lambda: hf("gpt_neox", kv_heads=4), (0.5,), False),
         ("vision factory ViT (2 blocks)", lambda: factory("vit", 2, 32), (0.5,), True),
@@ -90,7 +94,7 @@ def compare(cfg: RunConfig, a: str, b: str) -> str:
     t = json.loads(r.stdout)["metrics"]["update_time"]
     lo, hi = t["band"] or (None, None)
     slower = t["observed"] == "up"
-    return (f"plan/preset {t['ratio']:.3f} [{lo:.3f}, {hi:.3f}]: {t['observed']}"
+    return (f"plan/preset {t['ratio']:.3f} [{lo:.3f}, {hi:.3f}]: {t['observed'] or 'no verdict (noise)'}"
             + (" (plan slower)" if slower else ""))
 
 
