@@ -6,7 +6,9 @@ precision, AC, loss and device flags), parses it with the CLI's own option parsi
 ``config_from_command``: the RunConfig the command builds), calls batchlab.formula.estimate (no torch) and writes
 docs/accuracy/published.md: each run with its command and source, predicted vs measured with
 error = (predicted - measured) / measured, before issue 36 (benchmarks/published_before.toml) and now, the
-mean and worst |error|, and every false OOM verdict.  Memory is matched to what the source measured:
+mean and worst |error|, and every false OOM verdict.  The round-3 hold-outs (``added_for = "round 3"``) also show
+their figures as first recorded after issue 36's changes (benchmarks/published_round3_first.toml, never
+regenerated: the code moves, that column does not).  Memory is matched to what the source measured:
 
   allocated  ->  memory.allocated_bytes   (max_memory_allocated: tensor bytes at the peak)
   reserved   ->  memory.reserved_bytes    (max_memory_reserved: formula/allocator.py's caching-allocator model)
@@ -57,18 +59,23 @@ CATALOGUED = {"v100-sxm2-16gb": "v100-16gb", "v100-sxm2-32gb": "v100-32gb", "a10
 
 PRECISION = {"fp32": "fp32", "fp16-amp": "fp16-mixed", "bf16-autocast": "bf16-mixed",
              "fsdp-mp-bf16": "bf16-fsdp", "composer-default-bf16": "bf16-mixed",
-             "composer-pure-bf16": "bf16-fsdp", "fp8-float8-linear": "bf16-fsdp"}
+             "composer-pure-bf16": "bf16-fsdp", "fsdp1-pure-bf16": "bf16-fsdp", "fp8-float8-linear": "bf16-fsdp"}
 PRECISION_GAP = {
     "composer-default-bf16": "Composer FSDP1 mixed_precision=DEFAULT (version-dependent param/reduce dtypes) + "
                              "amp_bf16 autocast; modelled as bf16-mixed (autocast: fp32 residual stream)",
     "composer-pure-bf16": "Composer FSDP1 mixed_precision=PURE (bf16 params, bf16 reduce, bf16 buffers); "
                           "modelled as bf16-fsdp (fp32 gradient shard where PURE keeps bf16: 2 B/param/dp high)",
+    "fsdp1-pure-bf16": "FSDP1 MixedPrecision(param_dtype, reduce_dtype, buffer_dtype bf16); modelled as "
+                       "bf16-fsdp (fp32 gradient shard and fp32 reduce where it keeps bf16)",
     "fp8-float8-linear": "torchao Float8Linear (fp8 matmuls, fp8 all-gather) has no precision mode; modelled as "
                          "bf16-fsdp (fp8 matmul time and the fp8 weight copies not modelled)",
 }
 AC = {"none": "none", "full": "full", "selective-op": "selective-op", "megatron-selective": "megatron-selective"}
 LOSS = {"causal-lm-ce": "full", "causal-lm-compiled-ce": "compiled", "causal-lm-fused-ce": "fused", "sequence-classification-ce": "classifier"}
-SHARDING_ZERO = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
+SHARDING_ZERO = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
+SHARDING_GAP = {"hsdp": "FSDP1 HYBRID_SHARD (ZeRO-3 within each node of 8, replicated across nodes) has no flag; "
+                        "modelled as ZeRO-3 over all ranks (its gathers and reduce-scatters span every rank, "
+                        "where HSDP's span a node and add an all-reduce across nodes)"}
 
 
 @dataclass
@@ -86,6 +93,8 @@ class Row:
     tps_before: float | None = None  # the formula's figures before issue 36 (published_before.toml)
     mem_before: int | None = None
     fits_before: bool | None = None
+    tps_first: float | None = None  # round-3 hold-outs: as first recorded (published_round3_first.toml)
+    fits_first: bool | None = None
     params: int | None = None
     failed: str | None = None
 
@@ -102,6 +111,10 @@ class Row:
         return relative_to(self.tps_before, self.tps_measured)
 
     @property
+    def tps_error_first(self):
+        return relative_to(self.tps_first, self.tps_measured)
+
+    @property
     def mem_error_before(self):
         return relative_to(self.mem_before, self.mem_measured) if self.mem_measured else None
 
@@ -109,6 +122,17 @@ class Row:
 def load(path: Path) -> dict:
     with path.open("rb") as f:
         return tomllib.load(f)
+
+
+def load_recorded(before: Path, first: Path) -> dict[str, dict]:
+    """Each run's recorded figures by id: before issue 36 (published_before.toml's keys) and, for the round-3
+    hold-outs, their before and first-recorded figures (published_round3_first.toml; before_* read as before)."""
+    out = {r["id"]: dict(r) for r in load(before)["run"]} if before.exists() else {}
+    for r in load(first)["run"] if first.exists() else []:
+        out.setdefault(r["id"], {}).update(tokens_per_s_per_gpu=r["before_tokens_per_s_per_gpu"], fits=r["before_fits"],
+                                           first_tokens_per_s_per_gpu=r["first_tokens_per_s_per_gpu"],
+                                           first_fits=r["first_fits"])
+    return out
 
 
 def device_for(gpu: str) -> str:
@@ -124,6 +148,8 @@ def command_for(run: dict, gaps: list[str]) -> list[str]:
     ``gaps`` (mapped to the nearest setting)."""
     if run["precision"] in PRECISION_GAP:
         gaps.append(PRECISION_GAP[run["precision"]])
+    if run["sharding"] in SHARDING_GAP:
+        gaps.append(SHARDING_GAP[run["sharding"]])
     ac = run["ac"]
     if ac.startswith("selective-layer:"):
         ac = "every:" + ac.split(":", 1)[1]  # torchtitan checkpoints blocks with index % K == 0, as every:K
@@ -171,6 +197,7 @@ def evaluate(run: dict, before: dict[str, dict] | None = None) -> Row:
     old = (before or {}).get(run["id"], {})
     row.tps_before, row.mem_before, row.fits_before = (old.get("tokens_per_s_per_gpu"), old.get("memory_bytes"),
                                                         old.get("fits"))
+    row.tps_first, row.fits_first = old.get("first_tokens_per_s_per_gpu"), old.get("first_fits")
     try:
         row.cfg, row.command = config_for(run, row.gaps)
     except (ValueError, ClickException) as e:  # a ConfigError or a usage error: the run cannot be typed at all
@@ -297,6 +324,18 @@ def table(rows: list[Row]) -> list[str]:
     return out
 
 
+def round3_table(rows: list[Row]) -> list[str]:
+    """The round-3 hold-outs: tokens/s per GPU before issue 36, as first recorded after it, and now."""
+    out = ["| run | GPU × n | tok/s/GPU measured | before | error | first recorded | error | now | error "
+           "| verdict before → first → now |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        out.append(f"| {r.run['id']} | {r.run['gpu']} × {r.run['gpu_count']} | {num(r.tps_measured)} | "
+                   f"{num(r.tps_before)} | {pct(r.tps_error_before)} | {num(r.tps_first)} | {pct(r.tps_error_first)} | "
+                   f"{num(r.tps_predicted)} | {pct(r.tps_error)} | {verdict(r.fits_before)} → {verdict(r.fits_first)} "
+                   f"→ {verdict(r.fits)} |")
+    return out
+
+
 def summary(rows: list[Row], key: str, what: str) -> str:
     errs = [(abs(getattr(r, key)), r.run["id"]) for r in rows if getattr(r, key) is not None]
     if not errs:
@@ -306,10 +345,24 @@ def summary(rows: list[Row], key: str, what: str) -> str:
             f"{statistics.median(e for e, _ in errs):.1%}, worst {worst[0]:.1%} ({worst[1]}), over {len(errs)} runs")
 
 
+def round3(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.run.get("added_for") == "round 3"]
+
+
+def headline(rows: list[Row]) -> list[str]:
+    """The round-3 hold-outs' mean |error| as first recorded (the figure the code cannot move)."""
+    errs = [abs(r.tps_error_first) for r in round3(rows) if r.tps_error_first is not None]
+    if not errs:
+        return []
+    return [f"round-3 hold-outs: mean |error| as first recorded {statistics.fmean(errs):.1%} "
+            f"(tokens/s per GPU, {len(errs)} runs chosen after issue 36's changes and recorded once)", ""]
+
+
 def summaries(rows: list[Row]) -> list[str]:
-    out = []
+    out, r3 = headline(rows), round3(rows)
     subsets = (("all runs", rows), ("all held-out runs (†)", [r for r in rows if r.run.get("holdout")]),
                ("issue 36's hold-outs (added before its changes)", [r for r in rows if r.run.get("added_for") == "issue 36"]),
+               ("round-3 hold-outs (chosen after issue 36's changes, recorded once)", r3),
                ("runs not held out", [r for r in rows if not r.run.get("holdout")]),
                ("without low-confidence runs", [r for r in rows if "confidence" not in r.run]))
     for label, subset in subsets:
@@ -318,6 +371,8 @@ def summaries(rows: list[Row]) -> list[str]:
         out.append(summary(subset, "mem_error_before", "memory before"))
         out.append(summary(subset, "tps_error", "tokens/s per GPU now"))
         out.append(summary(subset, "tps_error_before", "tokens/s per GPU before"))
+        if subset is r3:  # only these runs have figures as first recorded
+            out.append(summary(subset, "tps_error_first", "tokens/s per GPU as first recorded"))
         false_now = [r.run["id"] for r in subset if r.fits is False]
         false_before = [r.run["id"] for r in subset if r.fits_before is False]
         out.append(f"- false OOM verdicts (the run ran): now {len(false_now)}" + (f" ({', '.join(false_now)})" if false_now else "")
@@ -357,9 +412,13 @@ def document(rows: list[Row]) -> str:
              "measured. Error = (predicted - measured) / measured; memory is compared with the kind the source "
              "measured (allocated, reserved, or nvidia-smi's device view). *Before*: the same runs with the code "
              "before issue 36 (benchmarks/published_before.toml; torchtitan's runs then went through an hf:llama "
-             "source). † marks runs held out (chosen before tuning; never tuned against). Formula only: no GPU "
+             "source). † marks runs held out (chosen before tuning; never tuned against). The round-3 hold-outs "
+             "were chosen by a written rule (benchmarks/published_runs.toml) after issue 36's changes, and their "
+             "figures as first recorded are kept (benchmarks/published_round3_first.toml). Formula only: no GPU "
              "is needed to reproduce it.", "",
              "## Summary", "", *summaries(rows), "", "## Runs", "", *table(rows), "",
+             *(["## Round-3 hold-outs: before, as first recorded, now", "", *round3_table(round3(rows)), ""]
+               if round3(rows) else []),
              "## Commands, sources and what the command cannot express", "", *details(rows), ""]
     return "\n".join(lines)
 
@@ -368,6 +427,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=Path, default=HERE / "published_runs.toml")
     p.add_argument("--before", type=Path, default=HERE / "published_before.toml")
+    p.add_argument("--first", type=Path, default=HERE / "published_round3_first.toml",
+                   help="the round-3 hold-outs' figures as first recorded (and before issue 36)")
     p.add_argument("--only", default="", help="comma-separated run ids (prints; the page is not written)")
     p.add_argument("--derive", action="store_true", help="the achievable fractions the runs not held out imply")
     args = p.parse_args(argv)
@@ -375,7 +436,7 @@ def main(argv=None) -> int:
     if args.derive:
         print(derive_document(derive(runs), sum(1 for r in runs if r.get("holdout"))))
         return 0
-    before = {r["id"]: r for r in load(args.before)["run"]} if args.before.exists() else {}
+    before = load_recorded(args.before, args.first)
     if args.only:
         wanted = set(args.only.split(","))
         runs = [r for r in runs if r["id"] in wanted]

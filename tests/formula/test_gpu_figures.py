@@ -93,8 +93,9 @@ def published_module():
 def published_rows():
     published = published_module()
     runs = published.load(published.HERE / "published_runs.toml")["run"]
-    before = {r["id"]: r for r in published.load(published.HERE / "published_before.toml")["run"]}
-    return [published.evaluate(r, before) for r in runs]  # each through the CLI command it prints
+    recorded = published.load_recorded(published.HERE / "published_before.toml",
+                                        published.HERE / "published_round3_first.toml")
+    return [published.evaluate(r, recorded) for r in runs]  # each through the CLI command it prints
 
 
 def test_no_published_run_that_ran_is_predicted_oom_and_errors_stay_within_the_issue_targets():
@@ -113,6 +114,15 @@ def test_no_published_run_that_ran_is_predicted_oom_and_errors_stay_within_the_i
     assert len(timed) >= 40 and mean(timed) <= 0.12
     assert len(issue) >= 8 and mean(issue) <= 0.12
     assert len(held) >= 20 and mean(held) <= mean(held, "tps_error_before")
+
+
+def test_round3_hold_outs_keep_their_figures_as_first_recorded():
+    """The round-3 hold-outs (chosen after issue 36's changes) each have a figure before issue 36 and one as first
+    recorded after it (published_round3_first.toml, never recomputed), from at least two sources."""
+    rows = [r for r in published_rows() if r.run.get("added_for") == "round 3"]
+    assert len(rows) >= 8 and all(r.run.get("holdout") for r in rows)
+    assert len({r.run["source"].split(" @ ")[0] for r in rows}) >= 2
+    assert all(r.tps_before is not None and r.tps_first is not None and r.fits_first for r in rows)
 
 
 def test_derived_fractions_exclude_hold_outs_and_are_the_ones_the_model_reads():
