@@ -151,3 +151,12 @@ def test_plain_fit_reports_its_pick_and_after_oom_warns_it_is_ignored(tmp_path, 
     r = runner.invoke(app, ["fit", "--after-oom", "--micro-batch", "16", "--global-batch", "16", "--memory-budget",
                             "80MiB", "--report", str(tmp_path / "oom")])
     assert "warning: ignored: --report" in r.stderr and not (tmp_path / "oom").exists()
+
+
+def test_a_report_path_that_is_a_file_is_a_one_line_error(tmp_path, uncalibrated):
+    (tmp_path / "taken").write_text("")
+    r = runner.invoke(app, AUTO + ["--no-verify", "--plan-out", str(tmp_path / "plan.json"),
+                                   "--report", str(tmp_path / "taken")])
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: report:"), r.output
+    assert "not a directory" in lines[0] and not (tmp_path / "plan.json").exists()  # checked before planning

@@ -48,6 +48,10 @@ def fit_command(
         fail(f"top: must be >= 1, got {top}")
     held = typed_options() & set(KNOBS) - ({"zero"} if allow_zero else set())
     try:
+        if report and not after_oom:
+            from batchlab.report.fit_document import check_dir
+
+            check_dir(report)
         base = _target(cfg, global_tokens)
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
                     held=frozenset(held))

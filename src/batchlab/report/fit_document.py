@@ -203,15 +203,21 @@ def plain_blocks(r: FitReport, unmeasured: str) -> list[tuple]:
 
 # ------------------------------------------------------------------------------------------ writer
 
+def check_dir(out_dir: str | Path) -> Path:
+    """The report's directory, checked before fit plans or measures anything (it may not exist yet)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("report", f"{out} is not a directory")
+    return out
+
+
 def write_fit_report(r: FitReport, out_dir: str | Path, unmeasured: str = "verification was off") -> list[Path]:
     """fit-report.md (+ its PNG figure) and fit-report.html (self-contained) in ``out_dir``.  ``unmeasured``:
     why nothing was measured, said when ``r`` holds no verification."""
     from batchlab.util.files import write_all
 
     bl, figs = auto_blocks(r, unmeasured) if r.ac_plan is not None else (plain_blocks(r, unmeasured), [])
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError("report", f"{out} is not a directory")
+    out = check_dir(out_dir)
     names = {f.name: f"{STEM}-{f.name}.png" for f in figs}
     md, page = out / f"{STEM}.md", out / f"{STEM}.html"
     files = {out / names[f.name]: f.png for f in figs}
