@@ -97,6 +97,32 @@ def test_the_dynamic_program_finds_the_brute_force_optimum():
             assert knapsack.feasible(got, held, caps, total, kept, kept_cap)
 
 
+def test_identical_layers_stacked_solver_finds_the_brute_force_optimum():
+    """The formula's instances: every layer the same row, and on half of them a second total where only the
+    option that holds most keeps other bytes (autocast's weight copies).  The stacked solver (the most-holding
+    option on top of a prefix-DP plan of the rest) against every plan."""
+    rng = random.Random(11)
+    for _ in range(300):
+        n, m = rng.randint(1, 6), rng.randint(1, 5)
+        seconds = [[rng.choice([0.0, 0.5, 1.0, 1.5, 2.0, 3.0]) for _ in range(m)]] * n
+        held = [[rng.randint(0, 9) for _ in range(m)]] * n
+        caps = [rng.randint(0, 30) for _ in range(n)]
+        total = rng.randint(0, 35)
+        kept = kept_cap = None
+        if rng.random() < 0.5:
+            top = max(range(m), key=lambda j: (held[0][j], j))
+            kept = [[rng.randint(0, w) if j == top else w for j, w in enumerate(held[0])]] * n
+            kept_cap = rng.randint(0, 30)
+        want = _brute(seconds, held, caps, total, kept, kept_cap)
+        got = knapsack.solve(seconds, held, caps, total, step=1, kept=kept, kept_cap=kept_cap)
+        if want is None:
+            assert got is None
+        else:
+            assert got is not None and sum(seconds[i][j] for i, j in enumerate(got)) == pytest.approx(want)
+            assert knapsack.feasible(got, held, caps, total, kept, kept_cap)
+            assert [held[0][j] for j in got] == sorted(held[0][j] for j in got)  # ascending: a readable plan
+
+
 def test_the_planner_over_the_whole_menu_matches_brute_force_by_the_full_estimate():
     """3 layers, every one of the menu's 6**3 plans priced by the formula's full estimate (not the planner's
     model): at each budget the planner's plan is as fast as the fastest plan that fits.  At seq 4096 the
@@ -257,7 +283,11 @@ def test_a_plan_measured_above_the_budget_falls_back_to_the_next_plan(tmp_path, 
     RunConfig(model=preset("tiny", layers=4), seq=128, micro_batch=8),
     # autocast: the forward holds every weight copy, backward only the plain layers' (two totals)
     RunConfig(model=preset("tiny", layers=4, attention="sdpa", dropout=0.0), seq=256, micro_batch=4,
-              precision="bf16-mixed")], ids=["fp32", "bf16-mixed"])
+              precision="bf16-mixed"),
+    # FSDP2: the walk also holds the gathered blocks and the reduce-scatter buffers (formula/fsdp.py)
+    RunConfig(model=preset("tiny", layers=4), seq=128, micro_batch=8, dp=4, zero=3),
+    RunConfig(model=preset("tiny", layers=4, attention="sdpa", dropout=0.0), seq=256, micro_batch=4, dp=2, zero=2,
+              precision="bf16-fsdp")], ids=["fp32", "bf16-mixed", "fsdp-zero3", "fsdp-zero2-bf16"])
 def test_the_planner_finds_the_best_of_every_plan_by_the_formulas_full_estimate(base):
     """Brute force over every per-layer plan of a 4-layer GPT (4-5 policies: 256-625 plans), each judged by the
     formula's full estimate (not the planner's decomposed model): at budgets across the range the planner's plan

@@ -45,9 +45,7 @@ def layer_model(cfg: RunConfig, cals: Calibrations) -> LayerModel:
     ests = {m: estimate(cfg.replace(ac=uniform(m, n)), cals) for m in modes}
     none = ests[ACMode.NONE].memory
     walked = none if none.backward_walk else estimate(_builtin(cfg).replace(ac="none"), cals).memory
-    if not walked.backward_walk:
-        raise ConfigError("ac", "auto models DDP's backward walk (ZeRO 0-1); under FSDP2 (DP > 1, ZeRO >= 2) give "
-                                "a policy or a plan yourself")
+    assert walked.backward_walk, "the built-in terms walk DDP's backward and FSDP's"
     copy = walked.layer_copy_bytes
     kept = {m: e.memory.activations_per_layer_bytes[0] for m, e in ests.items()}
     held = tuple(kept[m] + (copy if m is ACMode.NONE else 0) for m in modes)

@@ -17,10 +17,12 @@ from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_
 
 def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, kept: tuple[int, ...],
                 below_layers: int, activations_total: int, logits_fwd: int, loss_grads: int, head_grad: int,
-                transient: int, opt_tmp: int, sharded_grads: int) -> dict[str, dict[str, int]]:
+                transient: int, opt_tmp: int, sharded_grads: int,
+                walk: list[int] | None = None) -> dict[str, dict[str, int]]:
     """Parts live at each phase's high point.  ``resident``: parameter shards (``parameters``, or ``master``
     under a 16-bit param_dtype), optimizer state and data; the rest as in formula.memory (per-layer kept activations, the in-layer
-    transient of backward, the LM head's weight gradient)."""
+    transient of backward, the LM head's weight gradient).  ``walk`` (if given) receives the tensor bytes as
+    backward starts, then each block's higher point (inside it, or at its reduce-scatter), last block first."""
     units = unit_elements(cfg)
     wg, wr, dp, L, z3 = gathered_bytes_per_element(cfg), reduced_bytes_per_element(cfg), cfg.dp, len(kept), cfg.zero >= 3
     root, block = units[0] * wg, (units[1] if L else 0) * wg
@@ -39,6 +41,8 @@ def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, k
     best = dict(resident, parameters=shards + root + (block if z3 else L * block), gradients=before,
                 activations=activations_total, recompute=0, temporaries=loss_grads)
     kept_below = sum(kept)
+    if walk is not None:
+        walk.append(sum(best.values()))
     for i in reversed(range(L)):
         done = 0 if grads_kept else (L - 1 - i) * block_grad // dp  # new shards of later blocks
         grads = before + head_grad + done
@@ -54,6 +58,8 @@ def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, k
         at_rs = dict(resident, parameters=shards + gathered - (0 if z3 else block),
                      gradients=grads + block_grad + block_grad // dp,
                      activations=below_layers + kept_below, recompute=0, temporaries=block_grad)
+        if walk is not None:
+            walk.append(max(sum(inside.values()), sum(at_rs.values())))
         for p in (inside, at_rs):
             if sum(p.values()) > sum(best.values()):
                 best = p

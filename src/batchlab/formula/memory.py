@@ -136,8 +136,8 @@ class MemoryEstimate:
     at_peak: dict[str, int] = field(default_factory=dict)
     capacity_bytes: int = 0
     provenance: str = "formula"
-    # tensor bytes as backward starts, then at each layer's backward, last layer first (the built-in terms'
-    # walk; empty from a profile)
+    # tensor bytes as backward starts, then at each layer's backward, last layer first (DDP's from the built-in
+    # terms, empty from a profile; FSDP's always)
     backward_walk: tuple[int, ...] = ()
     layer_copy_bytes: int = 0  # autocast's 16-bit weight copies one layer's matmuls keep until its backward
 
@@ -270,7 +270,7 @@ def fsdp_gradient_shard_bytes(cfg: RunConfig) -> int:
 
 
 def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int], logits_fwd: int,
-          loss_grads: int, opt_tmp: int) -> dict[str, dict[str, int]]:
+          loss_grads: int, opt_tmp: int, walk: list[int]) -> dict[str, dict[str, int]]:
     assert plan.per_layer_full is not None, "formula.profile.needed() asks for the full layer's terms under FSDP"
     shards = fsdp_shard_bytes(cfg)
     full_grads = states.gradients * cfg.dp
@@ -280,7 +280,7 @@ def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: di
     resident = dict(weights, parameters=0, master=shards) if _sharded_master(cfg) else dict(weights, parameters=shards,
                                                                                            master=0)
     return fsdp_phases(cfg, resident, plan.per_layer_full, plan.per_layer_kept, below, plan.total, logits_fwd,
-                       loss_grads, head_grad, transient, opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg))
+                       loss_grads, head_grad, transient, opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg), walk)
 
 
 def memory(cfg: RunConfig) -> MemoryEstimate:
@@ -339,7 +339,8 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
                           gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
     }
     if fsdp:
-        phases = _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp)
+        walk = []  # FSDP's walk replaces DDP's
+        phases = _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp, walk)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
@@ -356,4 +357,4 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         allocated_bytes=dm.allocated_bytes, reserved_bytes=dm.reserved_bytes, device_bytes=dm.device_bytes,
         reserved_parts=dm.reserved_parts, device_parts=dm.device_parts, peak_phase=peak_phase,
         phase_peaks=totals, at_peak=at_peak, capacity_bytes=cfg.memory_capacity,
-        backward_walk=() if fsdp else tuple(walk), layer_copy_bytes=layer_copy)
+        backward_walk=tuple(walk), layer_copy_bytes=layer_copy)
