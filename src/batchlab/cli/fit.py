@@ -1,6 +1,7 @@
 """``batchlab fit``: micro-batch, accumulation and activation checkpointing for a fixed global batch."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -30,6 +31,7 @@ def fit_command(
     timeout: Annotated[Optional[float], typer.Option(help="Seconds before one measurement trial is killed (recorded as failed).", rich_help_panel=PANEL)] = None,
     plan_out: Annotated[Optional[str], typer.Option(help="With --ac auto: where to write the plan (JSON; default ./batchlab-ac-plan.json); pass it back as --ac plan:FILE.", rich_help_panel=PANEL)] = None,
     plot: Annotated[Optional[str], typer.Option(help="With --ac auto: write the memory/time frontier as a PNG here.", rich_help_panel=PANEL)] = None,
+    report: Annotated[Optional[str], typer.Option(help="Write fit-report.md and a self-contained fit-report.html into this directory: the target and global batch, the budget, the pick and its measurement; with --ac auto the plan per layer, the best preset, the model solved and the memory/time frontier (table and plot).", rich_help_panel=PANEL)] = None,
     verbose: Verbose = False,
 ):
     """Pick micro-batch, gradient accumulation and activation checkpointing for a target global batch: predict
@@ -46,15 +48,21 @@ def fit_command(
         fail(f"top: must be >= 1, got {top}")
     held = typed_options() & set(KNOBS) - ({"zero"} if allow_zero else set())
     try:
+        if report and not after_oom:
+            from batchlab.report.fit_document import check_dir
+
+            check_dir(report)
         base = _target(cfg, global_tokens)
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
                     held=frozenset(held))
         goal = with_goal_profile(goal, after_oom)  # the layer terms of every policy it evaluates
         if after_oom:
+            if report:
+                typer.echo("warning: ignored: --report: it reports a fit, not --after-oom's advice", err=True)
             raise typer.Exit(_after_oom(goal, as_json))
         check_capacity(goal)
         if ac_auto():
-            raise typer.Exit(_auto(goal, verify, timeout, as_json, plan_out, plot, verbose))
+            raise typer.Exit(_auto(goal, verify, timeout, as_json, plan_out, plot, report, verbose))
         if plan_out or plot:
             typer.echo("warning: ignored: --plan-out/--plot: they go with --ac auto", err=True)
         out = console()
@@ -62,21 +70,23 @@ def fit_command(
             from batchlab.advise.render import header
 
             header(out, goal)
-        report = _fit(goal, verify, search, timeout, as_json)
+        result = _fit(goal, verify, search, timeout, as_json)
+        paths = _write_report(result, report, verify, goal)
     except ConfigError as e:
         fail(str(e))
     if as_json:
-        print_json(report.to_dict())
+        print_json(result.to_dict())
     else:
         from batchlab.advise.render import fit_report
 
-        fit_report(out, report, top, with_header=False, verbose=verbose)
-    if report.exit_code:
-        raise typer.Exit(report.exit_code)
+        fit_report(out, result, top, with_header=False, verbose=verbose)
+    _say_written(paths, as_json)
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
 
 
 def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_out: str | None,
-          plot: str | None, verbose: bool = False) -> int:
+          plot: str | None, report_dir: str | None, verbose: bool = False) -> int:
     """fit --ac auto: plan, prove by a run, print; the exit code."""
     from batchlab.advise import isolated_measure
     from batchlab.advise.acfit import ATTEMPTS, fit_auto
@@ -85,7 +95,6 @@ def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_
     from batchlab.advise.acplan import check_budget
 
     check_budget(goal)
-    verify = _local(goal) if verify is None else verify
     out = console()
     if not as_json:
         from batchlab.advise.render import header
@@ -93,16 +102,18 @@ def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_
         header(out, goal)
     measure = isolated_measure(goal.capacity_bytes, timeout)
     shown = (lambda t, i: out.print(trial_line(t, i, ATTEMPTS))) if not as_json else None
+    given = verify
+    verify = _local(goal) if verify is None else verify
     report = fit_auto(goal, verify=verify, measure=measure, plan_out=plan_out, on_trial=shown)
     if plot and report.ac_plan is not None and report.ac_plan.frontier:
-        from pathlib import Path
+        from batchlab.report.fit_document import frontier_figure
+        from batchlab.util.files import write_all
 
-        from batchlab.report.plots import frontier_png
-
-        Path(plot).write_bytes(frontier_png(report.ac_plan.frontier, report.ac_plan.budget_bytes,
-                                            report.ac_plan.chosen, report.ac_plan.provenance))
+        write_all({Path(plot): frontier_figure(report.ac_plan).png}, "plot")
+    paths = _write_report(report, report_dir, given, goal)
     if as_json:
         print_json(report.to_dict())
+        _say_written(paths, as_json)
         return report.exit_code
     from batchlab.advise.render_acplan import acplan_view, acplan_outcome
 
@@ -114,7 +125,33 @@ def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_
         fit_report(out, report, 3, with_header=False, verbose=True)
     if plot:
         out.print(f"frontier plot: {plot}")
+    _say_written(paths, as_json)
     return report.exit_code
+
+
+def _write_report(result, report_dir: str | None, verify: bool | None, goal) -> list[Path]:
+    """fit --report DIR: the Markdown and HTML report of ``result`` (advise.FitReport); the paths written."""
+    if report_dir is None:
+        return []
+    from batchlab.report.fit_document import write_fit_report
+
+    if verify is False:
+        why = "--no-verify was given"
+    elif result.final is None and result.verification is None:
+        why = "nothing was chosen to measure"
+    else:
+        why = (f"the device {goal.base.device} is not this machine's (fit measures only on a local device; "
+               "--verify to measure anyway)")
+    return write_fit_report(result, report_dir, unmeasured=why)
+
+
+def _say_written(paths: list[Path], as_json: bool) -> None:
+    """Where the report went: on stderr under --json (stdout holds the JSON alone)."""
+    for p in paths:
+        if as_json:
+            typer.echo(f"report: {p}", err=True)
+        else:
+            console().print(f"report: {p}", markup=False, highlight=False)
 
 
 def _local(goal) -> bool:
