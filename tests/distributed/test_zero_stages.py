@@ -170,7 +170,9 @@ def test_the_engine_snippet_runs_as_printed(monkeypatch, zero):
     from batchlab.models.gpt import GPT
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(29700 + zero))
+    from batchlab.host import free_port
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # a fixed port collides with another suite on the machine
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     cfg = TINY.replace(dp=2, zero=zero, accum=2, seq=16, micro_batch=1)

@@ -66,8 +66,10 @@ def timed_rates(fn: Callable[[], Any], work: float, seconds: float, sync: Callab
 
 
 def _samples(fn, work: float, seconds: float, sync, clock, calls: int, min_samples: int,
-             budget=time.perf_counter) -> list[float]:
-    """Rates of ``calls`` calls a sample for ``seconds`` on the ``budget`` clock, at least ``min_samples``."""
+             budget=None) -> list[float]:
+    """Rates of ``calls`` calls a sample for ``seconds`` on the ``budget`` clock (default: wall clock), at
+    least ``min_samples``."""
+    budget = budget or time.perf_counter
     rates: list[float] = []
     end = budget() + seconds
     while budget() < end or len(rates) < min_samples:
