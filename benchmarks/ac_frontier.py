@@ -133,11 +133,27 @@ def run_case(label: str, base: RunConfig, fractions, with_compare: bool, cals) -
         verdict = ""
         if with_compare and k == len(fractions) // 2 and best is not None and best.ac != c.ac:
             verdict = compare(p.config, best.ac, c.ac)
+        tie = "" if better else f" (no plan is faster below {fmt_bytes(least_budget_beating(p, hi, cals))})"
         rows.append([label, fmt_bytes(budget), f"`{c.ac}`", fmt_bytes(c.peak_bytes),
                      f"{fmt_bytes(t.peak_bytes) if t.peak_bytes else t.outcome}" + ("" if ok else " **(fails)**"),
                      f"{err:+.2%}" if err is not None else "-", f"{fmt_seconds(c.update_seconds)}", vs,
-                     ("strictly better" if better else "equal") + (f"; {verdict}" if verdict else "")])
+                     ("strictly better" if better else "equal" + tie) + (f"; {verdict}" if verdict else "")])
     return rows
+
+
+def least_budget_beating(p, hi: int, cals) -> int:
+    """Where the plan ties the best preset: the least budget (to 0.1%) at which the planner's exact optimum is
+    strictly faster than that preset -- what a plan between the presets would need."""
+    from batchlab.advise.acplan import model_at, plan_within
+
+    lm = model_at(p.config.replace(ac="none"), cals)
+    target = p.best_preset.update_seconds * (1 - 1e-9)
+    lo, top = p.budget_bytes, max(hi, p.budget_bytes)
+    while top - lo > max(top // 1000, 1):
+        mid = (lo + top) // 2
+        q = plan_within(lm, mid, cals)
+        lo, top = (lo, mid) if q is not None and q.update_seconds < target else (mid, top)
+    return top
 
 
 def main() -> None:

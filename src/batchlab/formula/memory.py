@@ -322,10 +322,13 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         policies = layer_policies(cfg)
         # the forward's high point: the loss, or a recomputed block's working set (a mix: its largest); the
         # profile measured it above what is live as backward starts, so on 2P layers it includes the cast
-        # cache's copies of the layers that keep none for backward (they grow with depth: counted apart)
+        # cache's copies of the layers that keep none for backward (they grow with depth: counted apart).  A
+        # recomputed block's working set comes while the layers above it have kept nothing yet: in a mix, its
+        # policy's high point is read at its topmost block, less what the layers above that one keep
         traced = 2 * m.matching_profile.period
+        top = {p: max(i for i, q in enumerate(policies) if q == p) for p in set(policies)}
         logits_fwd = max(fitted.forward(p)(b, s) - (traced * fitted.copies_layer if p != "full" and autocast else 0)
-                         for p in set(policies))
+                         - (sum(plan.per_layer_kept[i + 1:]) if p != "full" else 0) for p, i in top.items())
         # the last layer's policy decides what backward's first steps recompute
         loss_grads = fitted.backward(policies[-1])(b, s)
         opt_tmp = fitted.optimizer_temporaries
