@@ -72,7 +72,7 @@ def test_a_preset_that_does_not_fit_names_the_implementation_under_which_it_fits
     estimate says which --impl the run fits under, with that implementation's own reserved figure."""
     default, titan = run("estimate", *LLAMA13B), run("estimate", *LLAMA13B, "--impl", "torchtitan")
     assert default.exit_code == titan.exit_code == 0, default.output + titan.output
-    assert "OUT OF MEMORY" in default.stdout
+    assert "OUT OF MEMORY with --impl hf:" in default.stdout  # the verdict names whose code it is on
     hint = next(line for line in default.stdout.splitlines() if line.startswith("fits with --impl"))
     titan_reserved = next(line for line in titan.stdout.splitlines() if line.startswith("fits: reserved"))
     assert hint.startswith(f"fits with --impl torchtitan ({titan_reserved.split()[2]} GiB reserved)"), hint

@@ -13,7 +13,7 @@ from batchlab.cli.common import (SOURCES_POINTER, Verbose, console as make_conso
                                  with_layer_profile)
 from batchlab.cli.sources import device_line
 from batchlab.formula.calibration import load_all
-from batchlab.config import ACMode, ConfigError, Keep, RunConfig
+from batchlab.config import ACMode, ConfigError, Implementation, Keep, ModelSource, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, implementation_line, unseen_model
 from batchlab.util.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
 
@@ -91,6 +91,8 @@ def _extra_rows(t: Table, parts: dict[str, int], note: str, together: str, verbo
 def _verdict(e: Estimate) -> str:
     m = e.memory
     verdict = "fits" if m.fits else "[bold red]OUT OF MEMORY[/]"
+    if not m.fits and e.config.model_kind is ModelSource.BUILTIN and e.config.model.impl is not Implementation.BATCHLAB:
+        verdict += f" with --impl {e.config.model.impl.value}"  # a verdict on that code's tensors, not the run's
     return (f"[bold]{verdict}[/]: reserved {fmt_bytes(m.reserved_bytes)} vs capacity {fmt_bytes(m.capacity_bytes)} "
             f"per rank, headroom {fmt_bytes(m.headroom_bytes)}  \\[formula]")
 
