@@ -27,6 +27,7 @@ from batchlab.util.units import fmt_bytes
 
 MENU = (ACMode.NONE, ACMode.SELECTIVE_OP, ACMode.MEGATRON, ACMode.SELECTIVE, ACMode.SELECTIVE_ATTN, ACMode.FULL)
 TIGHTEN_TRIES = 4
+BISECTIONS = 16  # after tightening: to 1/65536 of the gap between a fitting and a failing model budget
 
 
 def menu(cfg: RunConfig) -> tuple[ACMode, ...]:
@@ -136,27 +137,41 @@ def point(cfg: RunConfig, kind: str, cals: Calibrations, budget: int | None = No
 
 
 def plan_within(lm: LayerModel, budget: int, cals: Calibrations) -> Point | None:
-    """The model's optimum, checked by the formula's full estimate; the budget tightened by any excess.  The
-    first try allows the discretisation's rounding (a plan that fits to the byte is not lost to it)."""
+    """The model's optimum, checked by the formula's full estimate (on CUDA the reserved view, whose allocator
+    slack the model leaves out): the model's budget tightened by any excess, then bisected between the
+    largest model budget whose plan fitted and the least whose plan did not, for the fastest plan that fits.
+    The first try allows the discretisation's rounding (a plan that fits to the byte is not lost to it)."""
     slack = (lm.layers + 1) * -(-budget // knapsack.UNITS)
-    target = budget + slack
+    target, fitted, failed = budget + slack, None, None
     for _ in range(TIGHTEN_TRIES):
-        ac = solve(lm, target)
-        if ac is None:
-            return None
-        p = point(lm.cfg.replace(ac=ac), "plan", cals, budget)
-        if p.peak_bytes <= budget:
-            return p if target > budget else _faster(p, lm, budget, cals)
+        p = _at(lm, target, budget, cals)
+        if p is None or p.peak_bytes <= budget:
+            fitted = (target, p) if p is not None else None
+            break
+        failed = target
         target -= max(p.peak_bytes - budget, slack, budget // 1000 if target <= budget else 0)
-    return None
+    if fitted is None and failed is None:
+        return None  # nothing fits the model at all
+    lo, best = fitted if fitted is not None else (0, None)
+    hi = failed if failed is not None else lo
+    for _ in range(BISECTIONS if lm.provenance == "formula" else BISECTIONS // 2):
+        if hi - lo <= max(slack, budget // 10**5):
+            break
+        mid = (lo + hi) // 2
+        p = _at(lm, mid, budget, cals)
+        if p is not None and p.peak_bytes > budget:
+            hi = mid
+            continue
+        lo = mid
+        if p is not None and (best is None or p.update_seconds < best.update_seconds):
+            best = p
+    return best
 
 
-def _faster(p: Point, lm: LayerModel, budget: int, cals: Calibrations) -> Point:
-    """After tightening by the excess (which can step past a faster plan that fits): the optimum at the budget
-    itself, where it fits."""
-    ac = solve(lm, budget)
-    q = point(lm.cfg.replace(ac=ac), "plan", cals, budget) if ac is not None else None
-    return q if q is not None and q.peak_bytes <= budget and q.update_seconds < p.update_seconds else p
+def _at(lm: LayerModel, target: int, budget: int, cals: Calibrations) -> Point | None:
+    """The model's optimum within ``target`` as a point of the full estimate (None: nothing fits the model)."""
+    ac = solve(lm, target)
+    return point(lm.cfg.replace(ac=ac), "plan", cals, budget) if ac is not None else None
 
 
 def presets(lm: LayerModel) -> list[ACPolicy]:
@@ -208,11 +223,12 @@ def plan_ac(goal: Goal, budget: int | None = None, frontier_points: int = 6) -> 
     any_model = next(iter(models.values()))
     out = ACPlan(budget, chosen, None, best_preset=best_preset, model=any_model.solved,
                  provenance=any_model.provenance)
-    if chosen is None:
+    if chosen is None and best_preset is None:
         out.notes.append(f"no plan fits {fmt_bytes(budget)} at any micro-batch searched")
         return out
-    if best_preset is not None and best_preset.update_seconds < chosen.update_seconds:
-        out.notes.append(f"preset {best_preset.ac} is faster than the model's optimum by the full estimate: taken")
+    if chosen is None or best_preset is not None and best_preset.update_seconds < chosen.update_seconds:
+        out.notes.append(f"preset {best_preset.ac} is faster than the model's optimum by the full estimate: taken"
+                         if chosen is not None else f"preset {best_preset.ac} fits where no plan of the model did: taken")
         chosen = out.chosen = dataclasses.replace(best_preset, kind="plan", budget_bytes=budget)
     lm = models[chosen.micro_batch]
     out.config = lm.cfg.replace(ac=chosen.ac)

@@ -43,6 +43,8 @@ def solve(seconds: Sequence[Sequence[float]], held: Sequence[Sequence[int]], cap
     total_units = math.floor(total_cap / step)
     second = [[math.ceil(b / step) for b in row] for row in kept] if kept is not None else None
     second_cap = math.floor(kept_cap / step) if kept_cap is not None else None
+    if total_units < 0 or (second_cap is not None and second_cap < 0):
+        return None  # every option holds >= 0 bytes
     if len(set(map(tuple, seconds))) == 1 and len(set(map(tuple, up))) == 1 and (
             second is None or len(set(map(tuple, second))) == 1):
         top = _top_option(up[0], second[0] if second else None)
