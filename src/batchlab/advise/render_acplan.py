@@ -33,7 +33,7 @@ def acplan_view(out: Console, p: ACPlan) -> None:
     out.print(f"[dim]model solved: {p.model}[/]")
     t = Table(title=f"memory/time frontier at micro-batch {c.micro_batch} ({p.provenance})", title_justify="left",
               box=None, pad_edge=False)
-    for col in ("", "kind", "ac", "budget", "peak", "update", "fits"):
+    for col in ("", "kind", "ac", "solved for", "peak", "update", "fits"):
         t.add_column(col)
     rows = sorted(p.frontier, key=lambda q: (q.peak_bytes, q.kind))
     mine = [q for q in rows if (q.ac, q.micro_batch) == (c.ac, c.micro_batch)]
