@@ -21,6 +21,7 @@ from pathlib import Path
 
 from batchlab.host import free_port
 from batchlab.host import warm
+from batchlab.util.lifeline import kill_group
 
 LAUNCHER = "forked from a pre-imported process"
 GRACE_S = 5.0  # after a rank fails: how long its peers get to leave on SIGTERM before SIGKILL
@@ -118,10 +119,7 @@ def _kill(forks: dict[int, warm.Forked]) -> None:
     """No rank outlives the launch: SIGKILL whatever is left, and reap it."""
     for f in forks.values():
         if f.fileno() is not None:
-            try:
-                os.killpg(f.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            kill_group(f.pid)
             try:
                 f.wait(10)
             except Exception:  # noqa: BLE001 - the pre-imported process is gone: nothing left to reap here

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from typing import Sequence
 from batchlab.config import ConfigError, RunConfig, Choice
 from batchlab.distributed import forked
 from batchlab.distributed.failures import diagnose
-from batchlab.util.lifeline import module_command, runs
+from batchlab.util.lifeline import kill_group, module_command, runs
 from batchlab.distributed.merge import SCOPE, merge
 from batchlab.measure.runner import preloaded
 from batchlab.measure.options import MeasureOptions
@@ -98,19 +97,12 @@ def _ours(pid: int, marker: str) -> bool:
     return runs(pid, marker)
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def cleanup(proc: subprocess.Popen, out: Path, marker: str) -> None:
     """SIGKILL every rank this launch started that is still alive, then torchrun's own group."""
     for pid in _pids(out).values():
         if _ours(pid, marker):
-            _kill_group(pid)  # each worker leads its own session (torchrun starts it so)
-    _kill_group(proc.pid)
+            kill_group(pid)  # each worker leads its own session (torchrun starts it so)
+    kill_group(proc.pid)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import tempfile
 from pathlib import Path
 
 from batchlab.host import warm
+from batchlab.util.lifeline import kill_group
 
 OUTPUT_TAIL = 2000  # characters of the fork's output kept for an error message
 
@@ -37,17 +37,10 @@ def call(entry: str, request: dict, env: dict[str, str]) -> dict | None:
             output = proc.stdout.read()  # EOF once the fork (and what it started) has exited
             rc = proc.wait()
         except BaseException:  # Ctrl-C: the fork leads its own session and would not see it
-            _kill(proc.pid)
+            kill_group(proc.pid)
             raise
         finally:
             proc.stdout.close()
         if rc != 0 or not out.exists():
             raise RuntimeError(f"{entry} failed in a forked process (exit {rc}): {output[-OUTPUT_TAIL:]}")
         return json.loads(out.read_text())
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

@@ -24,7 +24,7 @@ from typing import Callable
 from batchlab.config import ConfigError, ModelSource, RunConfig
 from batchlab import host
 from batchlab.host import warm
-from batchlab.util.lifeline import module_command, safe_env
+from batchlab.util.lifeline import kill_group, module_command, safe_env
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, load_measurement
 
@@ -88,11 +88,11 @@ def run_isolated(cfg: RunConfig, options: MeasureOptions,
         try:
             rc = proc.wait(timeout=options.timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc.pid)
             rc = proc.wait()
             timed_out = True
         except BaseException:  # Ctrl-C here: the worker is in its own session and would not see it
-            _kill_group(proc)
+            kill_group(proc.pid)
             proc.wait()
             raise
         watcher.join()
@@ -155,13 +155,6 @@ def _interpret(cfg, options, rc: int | None, out_path: Path, watcher: _OutputWat
                        outcome_detail=detail,
                        environment={"isolated": True, "worker": started, "exit_status": rc,
                                     "output_tail": list(watcher.tail)})
-
-
-def _kill_group(proc) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _signal_name(number: int) -> str:

@@ -74,16 +74,24 @@ def runs(pid: int, marker: str) -> bool:
         return False
 
 
+def kill_group(pgid: int) -> None:
+    """SIGKILL process group ``pgid`` (a child batchlab started in a session of its own), if it is still there."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def abandon(folder: Path | None) -> None:
     """The parent is gone: kill the ranks recorded in ``folder``, remove it, then this process and its group."""
     if folder is not None:
         for pid_file in folder.glob("rank*.pid"):
             try:
                 pid = int(pid_file.read_text())
-                if runs(pid, str(folder)):
-                    os.killpg(pid, signal.SIGKILL)  # each rank leads its own session (torchrun starts it so)
             except (OSError, ValueError):
                 continue
+            if runs(pid, str(folder)):
+                kill_group(pid)  # each rank leads its own session (torchrun starts it so)
         shutil.rmtree(folder, ignore_errors=True)
     if os.getpgrp() == os.getpid():  # a group leader: everything it started goes too
         os.killpg(os.getpid(), signal.SIGKILL)
