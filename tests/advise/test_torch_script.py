@@ -118,7 +118,8 @@ def loss_fn(logits, y):
 
 PLAN = "plan:full,selective-op,megatron-selective,none"  # a per-layer plan as fit --ac auto writes it
 DP2 = [config(dp=2, zero=0), config(dp=2, zero=1, precision="bf16-mixed", ac="full"),
-       config(dp=2, zero=2, ac="selective-op"), config(dp=2, zero=3, precision="bf16-fsdp", ac="every:2")]
+       config(dp=2, zero=2, ac="selective-op"), config(dp=2, zero=3, precision="bf16-fsdp", ac="every:2"),
+       config(dp=2, zero=3, ac=PLAN)]  # fit --ac auto plans under FSDP2 too
 
 
 def dp1_scripts() -> list[str]:
@@ -172,7 +173,7 @@ def test_dp1_scripts_precisions_policies_and_the_users_own_model_run(ran):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_dp2_scripts_run_through_torchrun(ran):
-    """DDP, ZeRO-1, ZeRO-2 and ZeRO-3 at DP = 2 with accumulation 2, in ranks with the environment the launch
+    """DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (and ZeRO-3 with a per-layer plan) at DP = 2 with accumulation 2, in ranks with the environment the launch
     line in the script's own comment gives them (one job runs the four in turn)."""
     for cfg in DP2:
         launch = next(line for line in training_script(cfg).splitlines() if line.startswith("# launch: "))
