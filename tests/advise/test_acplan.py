@@ -267,7 +267,8 @@ def test_on_a_gpu_spec_a_plan_fits_the_reserved_view_wherever_a_preset_does(mode
 
     base = RunConfig(model=preset(model, impl=impl), device=device, precision=precision, seq=seq, micro_batch=mb,
                      dp=dp, zero=zero)
-    lo, hi = (estimate(base.replace(ac=ac)).memory.peak_bytes for ac in (uniform(ACMode.FULL, base.model.layers), "none"))
+    full = uniform(ACMode.FULL, base.model.layers)
+    lo, hi = (estimate(base.replace(ac=ac)).memory.peak_bytes for ac in (full, "none"))
     budget = int(lo + (hi - lo) * f)
     p = plan_ac(Goal(base.replace(memory_budget=budget), margin=0.0, held=frozenset({"micro_batch"})), budget)
     assert p.chosen is not None and p.best_preset is not None, p.notes

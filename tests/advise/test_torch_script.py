@@ -173,8 +173,8 @@ def test_dp1_scripts_precisions_policies_and_the_users_own_model_run(ran):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_dp2_scripts_run_through_torchrun(ran):
-    """DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (and ZeRO-3 with a per-layer plan) at DP = 2 with accumulation 2, in ranks with the environment the launch
-    line in the script's own comment gives them (one job runs the four in turn)."""
+    """DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (and ZeRO-3 with a per-layer plan) at DP = 2 with accumulation 2, in ranks
+    with the environment the launch line in the script's own comment gives them (one job runs the five in turn)."""
     for cfg in DP2:
         launch = next(line for line in training_script(cfg).splitlines() if line.startswith("# launch: "))
         assert launch == "# launch: python -m torch.distributed.run --standalone --nproc-per-node 2 train.py"

@@ -227,8 +227,9 @@ def plan_ac(goal: Goal, budget: int | None = None, frontier_points: int = 6) -> 
         out.notes.append(f"no plan fits {fmt_bytes(budget)} at any micro-batch searched")
         return out
     if chosen is None or best_preset is not None and best_preset.update_seconds < chosen.update_seconds:
-        out.notes.append(f"preset {best_preset.ac} is faster than the model's optimum by the full estimate: taken"
-                         if chosen is not None else f"preset {best_preset.ac} fits where no plan of the model did: taken")
+        why = "is faster than the model's optimum by the full estimate" if chosen is not None else \
+            "fits where no plan of the model did"
+        out.notes.append(f"preset {best_preset.ac} {why}: taken")
         chosen = out.chosen = dataclasses.replace(best_preset, kind="plan", budget_bytes=budget)
     lm = models[chosen.micro_batch]
     out.config = lm.cfg.replace(ac=chosen.ac)
