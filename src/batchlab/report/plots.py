@@ -201,23 +201,37 @@ def _side_text(record: Record, side: str) -> str:
             f"{c['micro_batch'] * c['accum'] * c['dp']}")
 
 
+def _label_apart(ax, labels: list[tuple[str, float, float]], points, scale: float) -> None:
+    """Each (text, x, y) beside its marker; a label whose marker sits within about a label's width (15% of the
+    peak span) and 6% of the time span of the one before is set one line lower (presets of equal time and
+    nearby peaks would print over each other)."""
+    xs = [p.peak_bytes / scale for p in points] or [0.0]
+    ys = [p.update_seconds for p in points] or [0.0]
+    dx, dy = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    drop, last = 0, None
+    for text, x, y in labels:
+        near = last is not None and abs(x - last[0]) < 0.15 * dx and abs(y - last[1]) < 0.06 * dy
+        drop = drop + 1 if near else 0
+        ax.annotate(text, (x, y), fontsize=7, xytext=(3, 3 - 9 * drop), textcoords="offset points")
+        last = (x, y)
+
+
 def frontier_png(points, budget_bytes: int, chosen=None, provenance: str = "formula") -> bytes:
     """fit --ac auto's memory/time frontier: each budget's best plan and the presets on the same axes.
     ``points``: advise.acplan.Point values."""
     fig, ax = _axes("activation checkpointing: memory vs update time", (provenance,))
+    unit, scale = ("GiB", 2**30) if max([budget_bytes, *(p.peak_bytes for p in points)]) >= 4 * 2**30 else ("MiB", 2**20)
     for kind, style in (("plan", dict(marker="o", linestyle="-", color="#4e79a7")),
                         ("preset", dict(marker="s", linestyle="none", color="#e15759"))):
-        pts = sorted((p for p in points if p.kind == kind), key=lambda p: p.peak_bytes)
-        ax.plot([p.peak_bytes / 2**20 for p in pts], [p.update_seconds for p in pts], label=kind + "s", **style)
+        pts = sorted((p for p in points if p.kind == kind), key=lambda p: (p.peak_bytes, p.update_seconds))
+        ax.plot([p.peak_bytes / scale for p in pts], [p.update_seconds for p in pts], label=kind + "s", **style)
         if kind == "preset":
-            for p in pts:
-                ax.annotate(p.ac, (p.peak_bytes / 2**20, p.update_seconds), fontsize=7, xytext=(3, 3),
-                            textcoords="offset points")
+            _label_apart(ax, [(p.ac, p.peak_bytes / scale, p.update_seconds) for p in pts], points, scale)
     if chosen is not None:
-        ax.plot([chosen.peak_bytes / 2**20], [chosen.update_seconds], marker="*", markersize=14, color="#59a14f",
+        ax.plot([chosen.peak_bytes / scale], [chosen.update_seconds], marker="*", markersize=14, color="#59a14f",
                 linestyle="none", label="chosen plan")
-    ax.axvline(budget_bytes / 2**20, color="#bab0ac", linestyle="--", label="budget")
-    ax.set_xlabel("predicted peak (MiB)")
+    ax.axvline(budget_bytes / scale, color="#bab0ac", linestyle="--", label="budget")
+    ax.set_xlabel(f"predicted peak ({unit})")
     ax.set_ylabel("predicted update (s)")
     ax.legend(fontsize=8)
     return _png(fig)
