@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from batchlab.advise.acplan import ACPlan, Point, next_budget, plan_ac
+from batchlab.advise.acmodel import LayerModel
+from batchlab.advise.acplan import ACPlan, Point, layer_models, next_budget, plan_ac
 from batchlab.advise.fit import FitReport, isolated_measure
 from batchlab.advise.plan import FitPlan, Goal, assumptions, candidate
 from batchlab.advise.search import MeasureFn, Trial
@@ -63,9 +64,13 @@ def _holds(t: Trial, plan: Point, budget: int) -> tuple[bool, bool]:
 
 
 def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan_out: str | None = None,
-             on_trial: Callable[[Trial, int], None] | None = None) -> FitReport:
+             on_trial: Callable[[Trial, int], None] | None = None,
+             models: dict[int, LayerModel] | None = None) -> FitReport:
+    """Plan, measure, fall back; ``models``: ``acplan.layer_models(goal)`` where the caller built them (the
+    same models serve every fallback's budget)."""
     budget = goal.usable_bytes
-    p = plan_ac(goal, budget)
+    models = layer_models(goal) if models is None else models
+    p = plan_ac(goal, budget, models=models)
     report = _report(goal, p)
     if p.config is None:
         return report
@@ -91,7 +96,7 @@ def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan
             measured = t.peak_bytes + p.chosen.slack if t.peak_bytes else p.chosen.peak_bytes * 2
             budget = next_budget(budget, p.chosen.peak_bytes, measured)  # both in the reserved view
             frontier = p.frontier
-            p = plan_ac(goal, budget)
+            p = plan_ac(goal, budget, models=models)
             p.frontier = p.frontier or frontier
             if p.config is None:
                 report.final, report.source = None, "measured: no plan fits"

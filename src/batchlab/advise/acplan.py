@@ -15,6 +15,7 @@ Torch-free.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from batchlab.advise import knapsack
@@ -210,12 +211,21 @@ def _fastest(points: list[Point], budget: int) -> Point | None:
     return min(fits, key=lambda p: (round(p.update_seconds, 12), -p.micro_batch)) if fits else None
 
 
-def plan_ac(goal: Goal, budget: int | None = None, frontier_points: int = 6) -> ACPlan:
-    """Jointly over the micro-batches the goal searches (one if held) and per-layer policies."""
+def layer_models(goal: Goal, cals: Calibrations | None = None) -> dict[int, LayerModel]:
+    """The planner's model at each micro-batch the goal searches (one if held): built once per fit, then
+    planned at every budget its fallbacks try."""
+    cals = load_all() if cals is None else cals
+    return {mb: model_at(shaped(goal, mb, ACPolicy(), goal.base.zero), cals) for mb in micro_batches(goal)}
+
+
+def plan_ac(goal: Goal, budget: int | None = None, frontier_points: int = 6,
+            models: dict[int, LayerModel] | None = None) -> ACPlan:
+    """Jointly over the micro-batches the goal searches (one if held) and per-layer policies; ``models``:
+    ``layer_models(goal)`` where the caller has them already."""
     cals = load_all()
     budget = goal.usable_bytes if budget is None else budget
-    models = {mb: model_at(shaped(goal, mb, ACPolicy(), goal.base.zero), cals) for mb in micro_batches(goal)}
-    check_budget(goal, budget, models.values())
+    models = layer_models(goal, cals) if models is None else models
+    check_budget(goal, models.values(), budget)
     plans = [p for lm in models.values() if (p := plan_within(lm, budget, cals)) is not None]
     preset_points = [point(lm.cfg.replace(ac=ac), "preset", cals) for lm in models.values() for ac in presets(lm)]
     best_preset = _fastest(preset_points, budget)
@@ -234,26 +244,23 @@ def plan_ac(goal: Goal, budget: int | None = None, frontier_points: int = 6) -> 
     lm = models[chosen.micro_batch]
     out.config = lm.cfg.replace(ac=chosen.ac)
     same_mb = [p for p in preset_points if p.micro_batch == chosen.micro_batch]
-    out.frontier = frontier(lm, cals, frontier_points) + same_mb
+    ends = {p.ac: p.peak_bytes for p in same_mb}  # every layer recomputed, and none: the presets full and none
+    out.frontier = frontier(lm, cals, frontier_points, ends[str(ACMode.FULL)], ends[str(ACMode.NONE)]) + same_mb
     return out
 
 
-def check_budget(goal: Goal, budget: int | None = None, models=None) -> None:
+def check_budget(goal: Goal, models: Iterable[LayerModel], budget: int | None = None) -> None:
     """A budget below the model states (and the optimizer step) is a user error: no plan can help."""
     budget = goal.usable_bytes if budget is None else budget
-    if models is None:
-        models = [model_at(shaped(goal, min(micro_batches(goal)), ACPolicy(), goal.base.zero), load_all())]
     need = min(lm.optimizer for lm in models)
     if need > budget:
         raise ConfigError("memory_budget", f"{fmt_bytes(budget)} (after the {goal.margin:.0%} margin) is below the "
                                            f"model states and the optimizer step alone ({fmt_bytes(need)}, formula)")
 
 
-def frontier(lm: LayerModel, cals: Calibrations, count: int) -> list[Point]:
-    """Each budget's best plan at this micro-batch, budgets spread from all-full's peak to none's."""
-    n = lm.layers
-    lo = point(lm.cfg.replace(ac=uniform(ACMode.FULL, n)), "plan", cals).peak_bytes
-    hi = point(lm.cfg.replace(ac=uniform(ACMode.NONE, n)), "plan", cals).peak_bytes
+def frontier(lm: LayerModel, cals: Calibrations, count: int, lo: int, hi: int) -> list[Point]:
+    """Each budget's best plan at this micro-batch, budgets spread from ``lo`` (every layer recomputed: the
+    preset full's peak) to ``hi`` (none's)."""
     budgets = sorted({lo + (hi - lo) * k // max(count - 1, 1) for k in range(count)})
     out: dict[str, Point] = {}  # each distinct plan once, at the least budget that gave it
     for p in (plan_within(lm, b, cals) for b in budgets):

@@ -90,11 +90,11 @@ def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_
     """fit --ac auto: plan, prove by a run, print; the exit code."""
     from batchlab.advise import isolated_measure
     from batchlab.advise.acfit import ATTEMPTS, fit_auto
+    from batchlab.advise.acplan import check_budget, layer_models
     from batchlab.advise.render import trial_line
 
-    from batchlab.advise.acplan import check_budget
-
-    check_budget(goal)
+    models = layer_models(goal)
+    check_budget(goal, models.values())  # a bad budget is exit 2 before any output
     out = console()
     if not as_json:
         from batchlab.advise.render import header
@@ -104,7 +104,7 @@ def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_
     shown = (lambda t, i: out.print(trial_line(t, i, ATTEMPTS))) if not as_json else None
     given = verify
     verify = _local(goal) if verify is None else verify
-    report = fit_auto(goal, verify=verify, measure=measure, plan_out=plan_out, on_trial=shown)
+    report = fit_auto(goal, verify=verify, measure=measure, plan_out=plan_out, on_trial=shown, models=models)
     if plot and report.ac_plan is not None and report.ac_plan.frontier:
         from batchlab.report.fit_document import frontier_figure
         from batchlab.util.files import write_all
