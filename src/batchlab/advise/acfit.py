@@ -7,6 +7,7 @@ above the budget is replaced by the plan for the budget less the excess, up to `
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -54,13 +55,22 @@ def _report(goal: Goal, p: ACPlan) -> FitReport:
     return FitReport(fp, final=p.config, source=f"{p.provenance} (activation-checkpointing plan)", ac_plan=p)
 
 
-def _holds(t: Trial, plan: Point, budget: int) -> tuple[bool, bool]:
-    """(fits the budget, within the tolerance of the prediction).  A trial's peak is allocated tensor bytes: it
-    is compared with the plan's allocated bytes, and with the budget after the allocator slack the prediction
-    adds to it (on CUDA the reserved view; on CPU none)."""
-    if not t.fits or t.peak_bytes is None:
-        return False, False
-    return t.peak_bytes + plan.slack <= budget, abs(relative_to(plan.allocated, t.peak_bytes) or 0.0) <= TOLERANCE
+@dataclass(frozen=True)
+class PlanCheck:
+    """A measured trial against a plan.  A trial's peak is allocated tensor bytes: ``error`` compares it with
+    the plan's allocated bytes, and ``fits`` adds the allocator slack the prediction holds (on CUDA the
+    reserved view; on CPU none) before comparing with the budget."""
+
+    error: float | None  # (planned - measured) / measured; None without a measured peak
+    fits: bool  # the trial ran and its peak, slack added, is within the budget
+    close: bool  # |error| <= TOLERANCE
+
+
+def check(t: Trial, planned: int | None, slack: int, budget: int) -> PlanCheck:
+    """``planned``: the plan's predicted allocated bytes (None: no prediction to hold it against)."""
+    err = relative_to(planned, t.peak_bytes) if planned is not None and t.peak_bytes else None
+    fits = t.fits and t.peak_bytes is not None and t.peak_bytes + slack <= budget
+    return PlanCheck(err, fits, err is not None and abs(err) <= TOLERANCE)
 
 
 def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan_out: str | None = None,
@@ -81,11 +91,11 @@ def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan
             if on_trial is not None:
                 on_trial(t, attempt + 1)
             assert p.chosen is not None
-            fits, close = _holds(t, p.chosen, goal.usable_bytes)
+            held = check(t, p.chosen.allocated, p.chosen.slack, goal.usable_bytes)
             report.verification = t
-            if fits:
+            if held.fits:
                 report.source = f"{p.provenance} (activation-checkpointing plan), confirmed by measurement"
-                if not close:
+                if not held.close:
                     report.notes.append(f"measured peak {fmt_bytes(t.peak_bytes or 0)} [allocator] is more than "
                                         f"{TOLERANCE:.0%} from the plan's {fmt_bytes(p.chosen.allocated)} "
                                         f"[{p.provenance}]")

@@ -10,11 +10,11 @@ from batchlab.util.units import fmt_bytes, fmt_seconds
 ROWS = 11  # frontier rows shown (the chosen plan always among them); --json has them all
 
 
-def _row(t: Table, p: Point, chosen: Point | None, budget: int) -> None:
-    mark = "*" if chosen is not None and (p.ac, p.micro_batch) == (chosen.ac, chosen.micro_batch) else ""
-    fits = "yes" if p.peak_bytes <= budget else "no"
-    t.add_row(mark, p.kind, p.ac, fmt_bytes(p.budget_bytes) if p.budget_bytes else "-", fmt_bytes(p.peak_bytes),
-              fmt_seconds(p.update_seconds), fits)
+def frontier_cells(q: Point, chosen: Point | None, budget: int) -> list[str]:
+    """One frontier row: chosen mark, kind, ac, the budget a plan was solved for, peak, update, fits."""
+    mark = "*" if chosen is not None and (q.ac, q.micro_batch) == (chosen.ac, chosen.micro_batch) else ""
+    return [mark, q.kind, q.ac, fmt_bytes(q.budget_bytes) if q.budget_bytes else "-", fmt_bytes(q.peak_bytes),
+            fmt_seconds(q.update_seconds), "yes" if q.peak_bytes <= budget else "no"]
 
 
 def acplan_view(out: Console, p: ACPlan) -> None:
@@ -39,22 +39,21 @@ def acplan_view(out: Console, p: ACPlan) -> None:
     mine = [q for q in rows if (q.ac, q.micro_batch) == (c.ac, c.micro_batch)]
     shown = rows[:ROWS] if mine and mine[0] in rows[:ROWS] else rows[:ROWS - 1] + mine[:1]
     for pt in sorted(shown, key=lambda q: (q.peak_bytes, q.kind)):
-        _row(t, pt, c, p.budget_bytes)
+        t.add_row(*frontier_cells(pt, c, p.budget_bytes))
     out.print(t)
 
 
 def acplan_outcome(out: Console, report) -> None:
     """The measurement that proves the plan (or not), the notes and the chosen configuration (advise.FitReport)."""
-    from batchlab.util.units import relative_to
+    from batchlab.advise.acfit import check
 
     p, t = report.ac_plan, report.verification
     if t is not None and p.chosen is not None:
-        err = relative_to(p.chosen.allocated, t.peak_bytes) if t.peak_bytes else None
         slack = p.chosen.slack
+        held = check(t, p.chosen.allocated, slack, p.budget_bytes)
         out.print(f"measured: {t.outcome}, peak {fmt_bytes(t.peak_bytes) if t.peak_bytes else '-'} allocated "
-                  "(allocator)" + (f", plan's prediction {err:+.1%} off" if err is not None else "")
-                  + (f", within the budget {fmt_bytes(p.budget_bytes)}" if t.fits and t.peak_bytes
-                     and t.peak_bytes + slack <= p.budget_bytes else "")
+                  "(allocator)" + (f", plan's prediction {held.error:+.1%} off" if held.error is not None else "")
+                  + (f", within the budget {fmt_bytes(p.budget_bytes)}" if held.fits else "")
                   + (f" with the predicted allocator slack {fmt_bytes(slack)}" if slack else ""))
     for n in report.notes + p.notes:
         out.print(f"note: {n}", markup=False, highlight=False)

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from batchlab.advise.acfit import TOLERANCE
+from batchlab.advise.acfit import TOLERANCE, check
 from batchlab.advise.fit import FitReport
 from batchlab.advise.plan import Goal, unfit_options
 from batchlab.advise.render import knobs_line
+from batchlab.advise.render_acplan import frontier_cells
 from batchlab.config import ACPolicy, ConfigError, ModelSource
 from batchlab.report.document import to_html, to_markdown
 from batchlab.report.plots import Figure, frontier_png
-from batchlab.util.units import fmt_bytes, fmt_seconds, relative_to
+from batchlab.util.units import fmt_bytes, fmt_seconds
 
 STEM = "fit-report"
-YES = {True: "yes", False: "no"}
 
 
 def frontier_figure(p) -> Figure:
@@ -35,7 +35,7 @@ def frontier_figure(p) -> Figure:
 
 
 def _yes(x: bool | None) -> str:
-    return "-" if x is None else YES[x]
+    return "-" if x is None else "yes" if x else "no"
 
 
 # ------------------------------------------------------------------------------------------ both kinds
@@ -65,11 +65,11 @@ def _verification(r: FitReport, planned: int | None, slack: int, budget: int, pr
     t = r.verification
     if t is None:
         return out + [("p", f"Not measured: {unmeasured}.")]
-    err = relative_to(planned, t.peak_bytes) if planned is not None and t.peak_bytes else None
-    within = t.fits and t.peak_bytes is not None and t.peak_bytes + slack <= budget
+    held = check(t, planned, slack, budget)
+    err = held.error
     rows = [[f"{t.micro_batch} x {t.accum}", t.outcome.value, fmt_bytes(t.peak_bytes), fmt_bytes(planned),
-             f"{err:+.1%}" if err is not None else "-",
-             _yes(abs(err) <= TOLERANCE) if err is not None else "-", _yes(within)]]
+             f"{err:+.1%}" if err is not None else "-", _yes(held.close) if err is not None else "-",
+             _yes(held.fits)]]
     header = ["micro-batch x accum", "outcome", "measured peak (allocator)", f"planned ({provenance})",
               "planned vs measured", f"within {TOLERANCE:.0%}", f"within {fmt_bytes(budget)}"]
     note = [("p", f"The measured peak is allocated tensor bytes; the budget check adds the predicted allocator "
@@ -129,11 +129,7 @@ def _preset_blocks(p) -> list[tuple]:
 
 def _frontier_blocks(p) -> list[tuple]:
     c = p.chosen
-    rows = []
-    for q in sorted(p.frontier, key=lambda q: (q.peak_bytes, q.kind)):
-        mark = "*" if c is not None and (q.ac, q.micro_batch) == (c.ac, c.micro_batch) else ""
-        rows.append([mark, q.kind, q.ac, fmt_bytes(q.budget_bytes) if q.budget_bytes else "-",
-                     fmt_bytes(q.peak_bytes), fmt_seconds(q.update_seconds), YES[q.peak_bytes <= p.budget_bytes]])
+    rows = [frontier_cells(q, c, p.budget_bytes) for q in sorted(p.frontier, key=lambda q: (q.peak_bytes, q.kind))]
     at = f" at micro-batch {c.micro_batch}" if c is not None else ""
     header = ["", "kind", "ac", "solved for budget", f"peak ({p.provenance})", f"update ({p.provenance})",
               f"fits {fmt_bytes(p.budget_bytes)}"]
