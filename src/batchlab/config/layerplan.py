@@ -100,14 +100,17 @@ def parse(body: str, original: str) -> tuple[ACMode, ...]:
     return parse_inline(body)
 
 
+def runs(layers: tuple[ACMode, ...]) -> list[tuple[int, int, ACMode]]:
+    """Consecutive layers under one policy: (first layer, count, policy), first layer first."""
+    out: list[tuple[int, int, ACMode]] = []
+    for i, mode in enumerate(layers):
+        if out and out[-1][2] is mode:
+            out[-1] = (out[-1][0], out[-1][1] + 1, mode)
+        else:
+            out.append((i, 1, mode))
+    return out
+
+
 def compact(layers: tuple[ACMode, ...]) -> str:
     """The inline spelling, runs merged: (NONE, NONE, FULL) -> ``none*2,full``."""
-    out: list[str] = []
-    i = 0
-    while i < len(layers):
-        j = i
-        while j < len(layers) and layers[j] is layers[i]:
-            j += 1
-        out.append(layers[i].value + (f"*{j - i}" if j - i > 1 else ""))
-        i = j
-    return ",".join(out)
+    return ",".join(mode.value + (f"*{n}" if n > 1 else "") for _, n, mode in runs(layers))

@@ -16,6 +16,7 @@ from batchlab.advise.plan import Goal, unfit_options
 from batchlab.advise.render import knobs_line
 from batchlab.advise.render_acplan import frontier_cells
 from batchlab.config import ACPolicy, ConfigError, ModelSource
+from batchlab.config.layerplan import runs
 from batchlab.report.document import to_html, to_markdown
 from batchlab.report.plots import Figure, frontier_png
 from batchlab.util.units import fmt_bytes, fmt_seconds
@@ -85,23 +86,16 @@ def _notes(r: FitReport, extra: list[str] = ()) -> list[tuple]:
 
 # ------------------------------------------------------------------------------------------ --ac auto
 
-def _runs(modes: list[str]) -> list[list[str]]:
+def _runs(modes: tuple) -> list[list[str]]:
     """Consecutive layers under one policy as one row: ["0-1", "none", "2"]."""
-    rows: list[list[str]] = []
-    start = 0
-    for i in range(1, len(modes) + 1):
-        if i == len(modes) or modes[i] != modes[start]:
-            span = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
-            rows.append([span, modes[start], str(i - start)])
-            start = i
-    return rows
+    return [[f"{i}" if n == 1 else f"{i}-{i + n - 1}", mode.value, str(n)] for i, n, mode in runs(modes)]
 
 
 def _plan_blocks(p, layers: int) -> list[tuple]:
     c, how = p.chosen, p.provenance
     if c is None:
         return [("h2", "Activation-checkpointing plan"), ("p", f"No plan fits {fmt_bytes(p.budget_bytes)}.")]
-    modes = [m.value for m in ACPolicy.parse(c.ac).layer_modes(layers)]
+    modes = ACPolicy.parse(c.ac).layer_modes(layers)
     use = f" Written to {p.file}; pass it back as --ac plan:{p.file}." if p.file else ""
     items = [f"predicted peak {fmt_bytes(c.peak_bytes)} [{how}] within the budget {fmt_bytes(p.budget_bytes)}"
              + (f" (allocated tensors {fmt_bytes(c.allocated)} [{how}] + allocator slack {fmt_bytes(c.slack)})"
