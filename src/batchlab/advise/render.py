@@ -14,7 +14,7 @@ from batchlab.advise.search import Trial
 from batchlab.advise.snippets import printable
 from batchlab.advise.states import EIGHT_BIT_ADAM, StatesVerdict, states_verdict
 from batchlab.config import ModelSource, RunConfig
-from batchlab.util.text import SOURCES_POINTER
+from batchlab.util.text import print_assumptions
 from batchlab.util.units import fmt_bytes, fmt_seconds, relative_to
 
 
@@ -233,10 +233,7 @@ def _assumptions(out: Console, items: tuple[str, ...], verbose: bool = True) -> 
     if not verbose:
         out.print(f"[dim]--verbose: the {len(items)} assumptions (device sources, time model, margin, ranking)[/]")
         return
-    out.print("[bold]assumptions[/]")
-    for a in items:
-        out.print(f"- {a}", markup=False, highlight=False)
-    out.print(f"[dim]{SOURCES_POINTER}[/]")
+    print_assumptions(out, items)
 
 
 def after_oom(out: Console, goal: Goal, now: Candidate, items: list[Advice]) -> None:

@@ -13,7 +13,6 @@ import typer
 from batchlab.config import (Assumptions, ConfigError, ModelSource, RunConfig, derive_accum, load_config_toml,
                              model_from_hf_config, parse_bytes, resolve_model)
 from batchlab.formula.profile import attach_cached, missing, needed, profiled_precision
-from batchlab.util.text import SOURCES_POINTER  # noqa: F401  (re-exported for the renderers)
 
 AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), selective (keep every "
            "matmul), selective-op (torchtitan: every other matmul + SDPA), megatron-selective (attention core), "

@@ -9,12 +9,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import (SOURCES_POINTER, Verbose, console as make_console, print_json, with_config,
-                                 with_layer_profile)
+from batchlab.cli.common import Verbose, console as make_console, print_json, with_config, with_layer_profile
 from batchlab.cli.sources import device_line
 from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ConfigError, Implementation, Keep, ModelSource, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, implementation_line, unseen_model
+from batchlab.util.text import print_assumptions
 from batchlab.util.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
 
 PLAIN_ROWS = 60
@@ -151,12 +151,8 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
     if cfg.dp > 1:
         console.print("scope: the communication time is a ring-bandwidth model, not a measurement of your cluster")
     if verbose:
-        console.print("[bold]assumptions[/bold]")
-        for a in e.assumptions:
-            console.print(f"- {escape(a)}", highlight=False)
-        console.print(f"- capacity {fmt_bytes(e.memory.capacity_bytes)}: {escape(cfg.device_spec.memory_source)}",
-                      highlight=False)
-        console.print(f"[dim]{SOURCES_POINTER}[/dim]")
+        print_assumptions(console, [*e.assumptions, f"capacity {fmt_bytes(e.memory.capacity_bytes)}: "
+                                                    f"{cfg.device_spec.memory_source}"])
     else:
         console.print("[dim]--verbose: every memory part, the assumptions (time model, communication, allocator) "
                       "and full sources[/dim]")
@@ -207,10 +203,8 @@ def _render_vary(rows, name: str, keep: Keep, console: Console, verbose: bool = 
                       "warmup and schedule length may need to change too.[/yellow]")
     first = next((r for r in rows if r.possible), None)
     if verbose and first is not None:
-        console.print(f"[bold]assumptions[/bold] (of the first possible row, {name}={first.value})")
-        for a in first.estimate.assumptions:
-            console.print(f"- {escape(a)}", highlight=False)
-        console.print(f"[dim]{SOURCES_POINTER}[/dim]")
+        print_assumptions(console, first.estimate.assumptions,
+                          note=f"(of the first possible row, {name}={first.value})")
 
 
 @app.command(help="Predict memory, FLOPs, update time and tokens/s for one configuration (formula, no torch). "

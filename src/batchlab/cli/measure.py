@@ -13,7 +13,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
-from batchlab.cli.common import (SOURCES_POINTER, Verbose, console, fail, print_json, typed_options, with_config,
+from batchlab.util.text import print_assumptions
+from batchlab.cli.common import (Verbose, console, fail, print_json, typed_options, with_config,
                                   with_goal_profile, with_layer_profile)
 from batchlab.cli.sources import device_line
 from batchlab.config import ConfigError, RunConfig
@@ -208,10 +209,7 @@ def _render_sources(out: Console, cfg: RunConfig, est, verbose: bool) -> None:
     if not verbose:
         out.print("[dim]--verbose: CPU time, allocator and page faults, the formula's assumptions and sources[/]")
         return
-    out.print("[bold]formula assumptions[/]")
-    for a in est.assumptions:
-        out.print(f"- {escape(a)}", highlight=False)
-    out.print(f"[dim]{SOURCES_POINTER}[/]")
+    print_assumptions(out, est.assumptions, "formula assumptions")
 
 
 def _render_details(out: Console, m: Measurement, verbose: bool = False) -> None:

@@ -8,7 +8,7 @@ from batchlab.util.text import for_rich as esc
 from rich.panel import Panel
 from rich.table import Table
 
-from batchlab.cli.common import SOURCES_POINTER
+from batchlab.util.text import SOURCES_POINTER
 from batchlab.experiment.diagnosis import time_model_absolute
 from batchlab.experiment.predict import Direction, Metric
 from batchlab.experiment.record import Check, MetricRecord, Record

@@ -48,3 +48,12 @@ def for_markdown(text: Any) -> str:
 
 # where --verbose output points for the full citations of device figures and calibrations
 SOURCES_POINTER = "sources: batchlab docs, Sources page"
+
+
+def print_assumptions(out: Any, items: Any, title: str = "assumptions", note: str = "") -> None:
+    """--verbose's assumptions on a rich console ``out``: a bold title (and ``note`` after it), each item shown
+    literally, then where their sources are."""
+    out.print(f"[bold]{for_rich(title)}[/]" + (f" {for_rich(note)}" if note else ""))
+    for a in items:
+        out.print(f"- {a}", markup=False, highlight=False)
+    out.print(f"[dim]{SOURCES_POINTER}[/]")
