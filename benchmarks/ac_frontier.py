@@ -133,7 +133,8 @@ def run_case(label: str, base: RunConfig, fractions, with_compare: bool, cals) -
         verdict = ""
         if with_compare and k == len(fractions) // 2 and best is not None and best.ac != c.ac:
             verdict = compare(p.config, best.ac, c.ac)
-        tie = "" if better else f" (no plan is faster below {fmt_bytes(least_budget_beating(p, hi, cals))})"
+        tie = "" if better else (f" (no plan is faster below {fmt_bytes(least_budget_beating(p, hi, cals))} "
+                                 f"[{p.provenance}])")
         rows.append([label, fmt_bytes(budget), f"`{c.ac}`", fmt_bytes(c.peak_bytes),
                      f"{fmt_bytes(t.peak_bytes) if t.peak_bytes else t.outcome}" + ("" if ok else " **(fails)**"),
                      f"{err:+.2%}" if err is not None else "-", f"{fmt_seconds(c.update_seconds)}", vs,
