@@ -332,19 +332,19 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         # the last layer's policy decides what backward's first steps recompute
         loss_grads = fitted.backward(policies[-1])(b, s)
         opt_tmp = fitted.optimizer_temporaries
-    phases = {  # the parts live at each phase's high point
-        "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
-                        gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
-        "backward": (_profiled_backward(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)
-                     if fitted is not None else
-                     _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy, walk)),
-        # autocast's working copies are gone by the optimizer step
-        "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
-                          gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
-    }
-    if fsdp:
-        walk = []  # FSDP's walk replaces DDP's
+    if fsdp:  # FSDP2's phases and its backward walk (formula/fsdp.py); DDP's below are not worked out
         phases = _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp, walk)
+    else:
+        phases = {  # the parts live at each phase's high point
+            "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
+                            gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
+            "backward": (_profiled_backward(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)
+                         if fitted is not None else
+                         _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy, walk)),
+            # autocast's working copies are gone by the optimizer step
+            "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
+                              gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
+        }
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
