@@ -152,12 +152,13 @@ def auto_blocks(r: FitReport, unmeasured: str) -> tuple[list[tuple], list[Figure
 
 def _alternatives(r: FitReport, goal: Goal) -> list[tuple]:
     p, how = r.plan, r.plan.predictor
-    rows = [[("->" if c is p.recommended else ""), f"{c.config.micro_batch} x {c.config.accum} x {c.config.dp}",
-             str(c.config.ac), str(c.config.zero), fmt_bytes(c.peak_bytes), fmt_seconds(c.update_seconds),
-             fmt_seconds(c.time_to_tokens_seconds), "yes"] for c in p.ranked]
-    rows += [["", f"{c.config.micro_batch} x {c.config.accum} x {c.config.dp}", str(c.config.ac),
-              str(c.config.zero), fmt_bytes(c.peak_bytes), fmt_seconds(c.update_seconds),
-              fmt_seconds(c.time_to_tokens_seconds), "no"] for c in unfit_options(p.candidates, p.ranked)]
+    def row(c, fits: bool) -> list[str]:
+        cfg = c.config
+        return ["->" if c is p.recommended else "", f"{cfg.micro_batch} x {cfg.accum} x {cfg.dp}", str(cfg.ac),
+                str(cfg.zero), fmt_bytes(c.peak_bytes), fmt_seconds(c.update_seconds),
+                fmt_seconds(c.time_to_tokens_seconds), _yes(fits)]
+
+    rows = [row(c, True) for c in p.ranked] + [row(c, False) for c in unfit_options(p.candidates, p.ranked)]
     header = ["", "micro x accum x DP", "activation checkpointing", "ZeRO", f"peak ({how})", f"update ({how})",
               f"to {goal.tokens:.3g} {p.counted.value} ({how})", f"fits {fmt_bytes(goal.usable_bytes)}"]
     return [("h2", "Alternatives"),
