@@ -345,13 +345,14 @@ def summary(rows: list[Row], key: str, what: str) -> str:
             f"{statistics.median(e for e, _ in errs):.1%}, worst {worst[0]:.1%} ({worst[1]}), over {len(errs)} runs")
 
 
-def round3(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.run.get("added_for") == "round 3"]
+def added_for(rows: list[Row], tag: str) -> list[Row]:
+    """The runs added for ``tag`` ("issue 36", "round 3")."""
+    return [r for r in rows if r.run.get("added_for") == tag]
 
 
 def headline(rows: list[Row]) -> list[str]:
     """The round-3 hold-outs' mean |error| as first recorded (the figure the code cannot move)."""
-    errs = [abs(r.tps_error_first) for r in round3(rows) if r.tps_error_first is not None]
+    errs = [abs(r.tps_error_first) for r in added_for(rows, "round 3") if r.tps_error_first is not None]
     if not errs:
         return []
     return [f"round-3 hold-outs: mean |error| as first recorded {statistics.fmean(errs):.1%} "
@@ -359,9 +360,9 @@ def headline(rows: list[Row]) -> list[str]:
 
 
 def summaries(rows: list[Row]) -> list[str]:
-    out, r3 = headline(rows), round3(rows)
+    out, r3 = headline(rows), added_for(rows, "round 3")
     subsets = (("all runs", rows), ("all held-out runs (†)", [r for r in rows if r.run.get("holdout")]),
-               ("issue 36's hold-outs (added before its changes)", [r for r in rows if r.run.get("added_for") == "issue 36"]),
+               ("issue 36's hold-outs (added before its changes)", added_for(rows, "issue 36")),
                ("round-3 hold-outs (chosen after issue 36's changes, recorded once)", r3),
                ("runs not held out", [r for r in rows if not r.run.get("holdout")]),
                ("without low-confidence runs", [r for r in rows if "confidence" not in r.run]))
@@ -406,6 +407,7 @@ def details(rows: list[Row]) -> list[str]:
 
 
 def document(rows: list[Row]) -> str:
+    r3 = added_for(rows, "round 3")
     """The page's body (benchmarks/page.py puts the date, machine, torch version and command above it)."""
     lines = ["What `batchlab estimate` predicts for published GPU training runs, typed as a user types them "
              "(each run's command below is parsed by the CLI's own option parsing), beside what the sources "
@@ -417,8 +419,7 @@ def document(rows: list[Row]) -> str:
              "figures as first recorded are kept (benchmarks/published_round3_first.toml). Formula only: no GPU "
              "is needed to reproduce it.", "",
              "## Summary", "", *summaries(rows), "", "## Runs", "", *table(rows), "",
-             *(["## Round-3 hold-outs: before, as first recorded, now", "", *round3_table(round3(rows)), ""]
-               if round3(rows) else []),
+             *(["## Round-3 hold-outs: before, as first recorded, now", "", *round3_table(r3), ""] if r3 else []),
              "## Commands, sources and what the command cannot express", "", *details(rows), ""]
     return "\n".join(lines)
 
