@@ -32,6 +32,9 @@ class Readings:
     allocator: int  # peak bytes, profiler memory events + storages alive before the update
     steps: int  # bytes of the optimizer's 0-dim state (AdamW step counters): MemTracker counts them
     phase: str  # where batchlab's peak is
+    # the most one aten op allocated for itself above what it returned, freed before returning (the allocator
+    # sees it, no tracker does): a CPU's kernels decide it (a bf16 matmul's packing buffers differ by vector unit)
+    scratch: int = 0
 
     @property
     def difference(self) -> float:
@@ -58,6 +61,27 @@ def _profiled_peak(prof) -> int:
         live += e.nbytes()
         peak = max(peak, live)
     return peak
+
+
+def _kernel_scratch(prof) -> int:
+    """The largest transient inside one aten op: the running sum of the allocator's events during the op, at its
+    highest, over where it ended (what the op returned stays live and both trackers count it)."""
+    import bisect
+
+    events = prof.profiler.kineto_results.events()
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    times = [t for t, _ in mem]
+    worst = 0
+    for e in events:
+        if e.name() == "[memory]" or not e.name().startswith("aten::"):
+            continue
+        i, j = bisect.bisect_left(times, e.start_ns()), bisect.bisect_right(times, e.start_ns() + e.duration_ns())
+        live = high = 0
+        for _, nbytes in mem[i:j]:
+            live += nbytes
+            high = max(high, live)
+        worst = max(worst, high - max(live, 0))
+    return worst
 
 
 def _optimizer_steps(trainer) -> int:
@@ -108,4 +132,4 @@ def read_update(trainer) -> Readings:
     tracker.release()
     peak = reference.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     return Readings(batchlab=snap.peak_bytes, memtracker=peak, allocator=held + _profiled_peak(prof), steps=steps,
-                    phase=snap.peak_phase.value)
+                    phase=snap.peak_phase.value, scratch=_kernel_scratch(prof))

@@ -31,12 +31,14 @@ def vision(monkeypatch):
 
 def _check(r, regions: int = 0) -> None:
     """``regions``: checkpointed regions, each holding a copy of the CPU RNG state (5,056 B) that no op returns
-    (torch.utils.checkpoint's preserve_rng_state): the allocator sees them, neither tracker does."""
+    (torch.utils.checkpoint's preserve_rng_state): the allocator sees them, neither tracker does; nor a kernel's
+    own scratch, freed before it returns, whose size the CPU's vector unit decides (``r.scratch``, read from the
+    same profile): the allocator's peak may sit above the trackers' by one such transient at most."""
     # to the byte once AdamW's 0-dim step counters, which MemTracker counts and batchlab leaves out, are set aside
     assert r.batchlab == r.memtracker - r.steps, r
     assert rel(r.batchlab, r.memtracker) <= 0.005
     rng = regions * torch.get_rng_state().nbytes
-    assert 0 <= r.allocator - r.batchlab <= 0.005 * r.batchlab + rng, r
+    assert 0 <= r.allocator - r.batchlab <= r.scratch + rng, r
 
 
 @pytest.mark.parametrize("model_type, fields, extra", [

@@ -19,6 +19,7 @@ from batchlab.calibrate.kernels import CLOCK
 from batchlab.formula.calibration import default_threads, load_cached, save
 from batchlab.config import ConfigError, RunConfig
 from batchlab.formula.opcost import OpCosts
+from batchlab.formula.plausible import FAMILY_RATIO
 from batchlab.formula.timing import dispatch_family
 
 SECONDS = 1.5  # alternated updates of the two models, hundreds each at dispatch-bound sizes
@@ -60,7 +61,24 @@ def measure(cfg: RunConfig, costs: OpCosts, seconds: float = SECONDS) -> dict[st
         n, work = per_kind(ops)[kind], per_kind(ops, costs.work_seconds)[kind]
         return max(per_op[name][kind] * n - work, 0.0) / n
 
-    return {k: beyond_work("model", k) / beyond_work("fp32", k) for k in KINDS}
+    return {k: ratio(beyond_work("model", k), beyond_work("fp32", k), per_op["model"][k], per_op["fp32"][k])
+            for k in KINDS}
+
+
+SEPARABLE = 0.05  # the GPT's fixed cost per op beyond its work, as a share of its whole time per op
+
+
+def ratio(model_beyond: float, gpt_beyond: float, model_per_op: float, gpt_per_op: float) -> float:
+    """The model's fixed cost per op over the GPT's, within plausible.FAMILY_RATIO.  Where this CPU runs the GPT's
+    ops so fast that the work model already prices (nearly) all of their time, the fixed part is not separable
+    from noise (it reads 0 or a few ns, and a ratio over it explodes): the whole times per op are compared
+    instead, both models being dispatch-bound at these sizes."""
+    low, high = FAMILY_RATIO
+    if gpt_beyond > SEPARABLE * gpt_per_op:
+        r = model_beyond / gpt_beyond
+    else:
+        r = model_per_op / gpt_per_op if gpt_per_op > 0 else 1.0
+    return min(max(r, low), high)
 
 
 def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:

@@ -14,7 +14,8 @@ from batchlab.calibrate.dispatch import SAC, DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
                                         _matmul_curves, _memory_curve, _sdpa_curves, monotone)
 from batchlab.calibrate.link import allreduce_times, ring_fit
-from batchlab.formula.calibration import SCOPES, Calibration, _cache_path, default_threads, load_cached, needs, save
+from batchlab.formula.calibration import (SCOPES, Calibration, _cache_path, check, default_threads, load_cached, loaded,
+                                          needs, save)
 from batchlab.config import ConfigError
 from batchlab.host import PROBE_BUNDLE, SpeedProbe
 
@@ -110,7 +111,9 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
         start = time.perf_counter()
         n, trainers = rounds or ROUNDS, dispatch_trainers(device, _precisions(scope))
         probe = SpeedProbe(CLOCK.get()) if device.type == "cpu" else None
+        load = host.LoadSampler(thread=False).start() if device.type == "cpu" else None
         k = _median_rounds([_round(device, shapes, seconds / n, sync, trainers, probe, scope) for _ in range(n)])
+        others = load.stop()["other_cores"] if load is not None else None
         fp32, bf16 = monotone(k["fp32"]), monotone(k["bf16"])
         link, latency = ring_fit(k["link"].get("seconds", {}))  # once, to each size's median over the rounds
         assert fp32, "fp32 matmul failed"
@@ -132,7 +135,8 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
             cores=os.cpu_count() or 1,
             contention=k["contention"], contention_processes=2 if device.type == "cpu" and "ranks" in scope else 0,
             allocator=host.state() if device.type == "cpu" else "", probe_seconds=k["speed"],
-            probe=PROBE_BUNDLE if device.type == "cpu" else "", scope=list(scope))
+            probe=PROBE_BUNDLE if device.type == "cpu" else "", scope=list(scope),
+            other_cores=-1.0 if others is None else round(others, 2))
     finally:
         CLOCK.reset(token)
         torch.set_num_threads(before)
@@ -228,6 +232,7 @@ def _current(cached: Calibration, wanted: frozenset[str] | set[str] = frozenset(
     (calibration.SCOPES) and those it claims; each older kind is measured again."""
     cpu, has = cached.torch_device.startswith("cpu"), set(cached.scope)
     return (wanted <= has and cached.op_costs() is not None  # the per-op model itself
+            and not loaded(cached)  # provisional: measured under others' load (ensure)
             and bool(cached.memory_curve_inplace)  # the step-regime curves (before them: warm loops)
             and "activation/silu:fp32" in cached.element_seconds  # transcendental kernels by name (before: by class)
             # dispatch under selective checkpointing (before: plain)
@@ -245,20 +250,45 @@ def _current(cached: Calibration, wanted: frozenset[str] | set[str] = frozenset(
                                  and ("ranks" not in has or (cached.contention_processes and cached.link == LINK)))))
 
 
+class Rejected(RuntimeError):
+    """A calibration measured twice that failed its checks both times (formula.calibration.check): not cached."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems[:3]))
+
+
 def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float = 10.0,
            scope: tuple[str, ...] = SCOPES) -> tuple[Calibration, bool]:
     """The cached calibration of a local device at ``threads`` that has the ``scope`` parts (calibration.SCOPES),
-    measured and cached first when there is none, only an older kind (``_current``) or one without a part:
-    then every part measured at once (``scope`` and those the cache had), so that figures a prediction
-    compares (fp32 against bf16) come from the same rounds.  (calibration, whether it was measured now)."""
+    measured and cached first when there is none, only an older kind (``_current``), one that fails its checks
+    or one without a part: then every part measured at once (``scope`` and those the cache had), so that figures
+    a prediction compares (fp32 against bf16) come from the same rounds.  (calibration, whether it was measured
+    now).  Raises ``Rejected`` where the fresh measurement fails its checks twice.  One measured twice under
+    other processes' load (calibration.loaded) is cached as provisional: its source says so, and the next
+    ``ensure`` measures again, so the load of one moment does not stay in the predictions."""
     want = default_threads() if threads is None else threads
     cached = load_cached(_device_name(torch_device), want)
     if cached is not None and _current(cached, set(scope)):
         return cached, False
-    kept = set(cached.scope) if cached is not None and _current(cached, set()) else set()
-    cal = measure(torch_device, seconds=seconds, threads=want, scope=tuple(set(scope) | kept))
+    kept = set(cached.scope) if cached is not None and (loaded(cached) or _current(cached, set())) else set()
+    cal = checked(lambda: measure(torch_device, seconds=seconds, threads=want, scope=tuple(set(scope) | kept)))
     save(cal)
     return cal, True
+
+
+def checked(measure_once) -> Calibration:
+    """``measure_once()`` and its checks; measured once more where they fail (a burst of load, a curve cut
+    short by its budget) or where others' load stretched its wall-clock rates, the less loaded kept;
+    ``Rejected`` where the second fails its checks too."""
+    first = measure_once()
+    if not check(first) and not loaded(first):
+        return first
+    second = measure_once()
+    bad = check(second)
+    if bad:
+        raise Rejected(bad)
+    return second if check(first) or second.other_cores <= first.other_cores else first
 
 
 def _device_name(torch_device: str) -> str:
@@ -283,9 +313,16 @@ def auto(device_name: str, threads: int | None, enabled: bool = True, cfgs: tupl
         cached = load_cached("cpu", want)
         return None if cached is not None else (
             f"time model: not calibrated (--no-calibrate): nominal CPU rates at {want} thread(s)")
-    cal, fresh = ensure("cpu", threads=want, scope=tuple(set().union(*map(needs, cfgs))))
+    try:
+        cal, fresh = ensure("cpu", threads=want, scope=tuple(set().union(*map(needs, cfgs))))
+    except Rejected as e:
+        return (f"time model: this CPU's calibration failed its checks twice ({e}); nothing cached, nominal CPU "
+                f"rates at {want} thread(s) price the time")
     lines = [f"time model: calibrated this CPU once at {cal.threads} thread(s) in {cal.seconds:.1f} s and cached "
              f"it ({_cache_path(cal.device, cal.torch_version, cal.threads)}); --no-calibrate skips this"
-             ] if fresh else []
+             ] if fresh and not loaded(cal) else [
+        f"time model: calibrated this CPU at {cal.threads} thread(s) twice while other processes kept "
+        f"{cal.other_cores:.1f} core(s) busy: its rates carry that load; cached as provisional, measured again "
+        "by the next measure or compare"] if fresh else []
     lines += [line for cfg in dict.fromkeys(cfgs) if (line := family.ensure(cfg, want))]
     return "\n".join(lines) or None

@@ -4,12 +4,14 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from batchlab.cli.base import app
 from batchlab.cli.common import console, fail, print_json
 from batchlab.cli.progress import progress
 from batchlab.config import ConfigError
+from batchlab.formula.calibration import loaded
 from batchlab.formula.opcost import link_text
 from batchlab.util.units import fmt_bytes, fmt_count
 
@@ -27,6 +29,7 @@ def calibrate(
     fixed cost per op (forward, backward, plain); cached per device, torch version and thread count.
     Estimates, measure and compare for that device then price their ops with these measured rates."""
     from batchlab import calibrate as cal_mod
+    from batchlab.calibrate.run import Rejected, checked
 
     if not 1 <= seconds <= 600:  # NaN fails this too; under 1 s the shape classes are not all measured
         fail(f"seconds: must be between 1 and 600, got {seconds:g}")
@@ -35,9 +38,11 @@ def calibrate(
     try:
         with progress("calibrate", f"matmul curves, bandwidth, kernels and dispatch on {torch_device}, about "
                                    f"{2.4 * seconds:.0f} s", quiet=as_json):
-            cal = cal_mod.measure(torch_device, seconds=seconds, threads=threads)
+            cal = checked(lambda: cal_mod.measure(torch_device, seconds=seconds, threads=threads))
     except ConfigError as e:
         fail(str(e))
+    except Rejected as e:  # not the user's input: the machine measured nonsense twice
+        fail(f"the calibration failed its checks twice and was not cached: {e}", code=1)
     path = cal_mod.save(cal) if save else None
     if as_json:
         print_json({**cal.to_dict(), "cache_path": str(path) if path else None})
@@ -85,7 +90,11 @@ def calibrate(
     out.print(table)
     out.print("Measured rates are what kernels of each size reach: no achievable fraction is applied on top.")
     if path:
-        out.print(f"cached for device {cal.device!r} at {cal.threads} thread(s): {path}")
+        out.print(f"cached for device {cal.device!r} at {cal.threads} thread(s): {escape(str(path))}")
+    if loaded(cal):
+        out.print(f"[yellow]warning:[/] other processes kept {cal.other_cores:.1f} core(s) busy while it was measured "
+                  "(wall-clock at several threads): every rate carries that load; measure and compare will measure "
+                  "again")
 
 
 def _statistic(cal) -> str:

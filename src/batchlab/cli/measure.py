@@ -21,7 +21,7 @@ from batchlab.config import ConfigError, RunConfig
 from batchlab.distributed.launcher import Launcher
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
-from batchlab.measure.versus import FigureRow, formula_estimate, rows
+from batchlab.measure.versus import FigureRow, broken_time_model, formula_estimate, rows
 from batchlab.util.units import fmt_bytes, fmt_difference, fmt_seconds, fmt_value, plural
 
 
@@ -194,7 +194,7 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
     _render_details(out, m, verbose)
     if note:
         out.print(f"[dim]{escape(note)}[/]")
-    for w in m.warnings:
+    for w in m.warnings + ([broken] if (broken := broken_time_model(figures)) else []):
         out.print(f"[yellow]warning:[/] {escape(w)}")
     _render_sources(out, cfg, est, verbose)
 

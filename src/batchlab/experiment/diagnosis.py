@@ -13,6 +13,7 @@ from typing import Any, Callable
 from batchlab.config import RunConfig
 from batchlab.experiment.protocol import Rounds
 from batchlab.experiment.record import Check
+from batchlab.formula.plausible import ratio_text
 from batchlab.measure.result import NOISY_SPREAD, Measurement
 from batchlab.config.phase import Phase
 
@@ -192,5 +193,8 @@ def time_model_absolute(formula: tuple[float, float], measured: tuple[float, flo
                   f"speed the updates ran at: A {sec(fa * sa)}, B {sec(fb * sb)} ({err(fa * sa, ma):+.0%}, "
                   f"{err(fb * sb, mb):+.0%})")
         worst = max(abs(err(fa * sa, ma)), abs(err(fb * sb, mb)))
+    broken = ratio_text(fa, ma) or ratio_text(fb, mb)
+    if broken:  # the ratios compare measures stand; its predicted times do not
+        found = f"{broken}. {found}"
     return Check("time_model_absolute", "How close is the time model's absolute update time?", found,
                  worst > ABSOLUTE_TOLERANCE)

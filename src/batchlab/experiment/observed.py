@@ -13,7 +13,7 @@ from typing import Any
 from batchlab.config import ACMode, RunConfig, Choice, config_from_dict
 from batchlab import host
 from batchlab.measure.result import Measurement, measurement_from_dict, measurement_to_dict
-from batchlab.measure.versus import formula_estimate, rows
+from batchlab.measure.versus import broken_time_model, formula_estimate, rows
 from batchlab.experiment.record import now
 from batchlab.util.units import fmt_bytes, fmt_seconds, relative_to
 
@@ -148,26 +148,29 @@ class ObservedRecord:
                    notebook_id=d.get("notebook_id"))
 
 
-def _figures(m: Measurement, settings: Settings, cfg: RunConfig | None, predict: bool) -> tuple[tuple[Figure, ...], str]:
+def _figures(m: Measurement, settings: Settings, cfg: RunConfig | None,
+             predict: bool) -> tuple[tuple[Figure, ...], str, str | None]:
+    """(the figures, why there is no prediction, the warning of a broken time model or None)."""
     est, why = formula_estimate(cfg) if (predict and cfg is not None) else (None, "")
     if cfg is None and predict:
         why = "no formula prediction: the configuration did not map to a RunConfig (see unmapped)"
     elif not predict:
         why = "no formula prediction (predict=False)"
-    out = [Figure(r.figure, r.unit, r.measured, r.measured_provenance, r.formula) for r in rows(m, est)]
+    beside = rows(m, est)
+    out = [Figure(r.figure, r.unit, r.measured, r.measured_provenance, r.formula) for r in beside]
     if m.time is not None and m.time.samples and settings.global_batch is not None:
         # samples (sequences) per second over all ranks: the global batch over the median update time
         out.append(Figure("samples/s", "samples/s", settings.global_batch / m.time.update_seconds_median,
                           m.time.provenance))
     for phase, s in sorted((m.time.phase_seconds if m.time is not None else {}).items()):
         out.append(Figure(f"phase {phase} (median)", "seconds", s, m.time.provenance))
-    return tuple(out), why or ""
+    return tuple(out), why or "", broken_time_model(beside)
 
 
 def build(source: Source, settings: Settings, m: Measurement, cfg: RunConfig | None, unmapped: list[str],
           factors: dict[str, Any], predict: bool = True, note: str = "", created_at: str = "") -> ObservedRecord:
-    figures, why = _figures(m, settings, cfg, predict)
-    warnings = list(m.warnings)
+    figures, why, broken = _figures(m, settings, cfg, predict)
+    warnings = list(m.warnings) + ([broken] if broken else [])
     if m.time is not None and m.time.samples and m.time.spread > NOISY_SPREAD:
         warnings.append(f"timing is noisy: IQR/median of the timed updates {m.time.spread:.0%} (> {NOISY_SPREAD:.0%}); "
                         "see the uncontrolled factors")

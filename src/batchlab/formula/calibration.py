@@ -2,15 +2,18 @@
 platformdirs' user cache dir.  Torch-free (the formula's callers read the cache)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from batchlab.config import Precision
 from batchlab.util.files import write_atomic
+from batchlab.formula import plausible
 from batchlab.formula.opcost import OpCosts
 from batchlab.host import PROBE_BUNDLE, cpu_hardware
 
@@ -75,6 +78,10 @@ class Calibration:
     # (calibrate/family.py)
     family_dispatch: dict[str, dict[str, float]] = field(default_factory=dict)
     provenance: str = "calibrated"
+    # CPU: cores other processes kept busy on average while it was measured (/proc/stat less this process tree's
+    # CPU time); -1: not read.  A wall-clock calibration (threads > 1) under such load prices that load into
+    # every rate (``loaded``)
+    other_cores: float = -1.0
     # what was measured beyond fp32 kernels and dispatch (``SCOPES``); compare and measure calibrate only what
     # their configs need (``needs``); a cache written before scopes has them all
     scope: list[str] = field(default_factory=lambda: list(SCOPES))
@@ -86,6 +93,8 @@ class Calibration:
                 f"{self.threads} thread(s), at {self.measured_at}, {self.seconds:.1f} s"
                 + (f", {self.allocator}" if self.allocator else "")
                 + (f", parts measured: fp32{''.join(' + ' + k for k in self.scope)}" if set(self.scope) != set(SCOPES)
+                   else "")
+                + (f", measured while other processes kept {self.other_cores:.1f} core(s) busy" if loaded(self)
                    else ""))
 
     def covers(self, cfg) -> bool:
@@ -184,10 +193,57 @@ def probe_reference(threads: int | None = None) -> float | None:
 
 
 def _read(path: Path) -> Calibration | None:
+    """The calibration in ``path``; None where it is unreadable, from another CPU, or fails its checks (said once
+    on stderr: the caller measures a fresh one and overwrites it, or prices with nominal rates)."""
     try:
         cal = Calibration.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, RecursionError):
         return None
     if cal.torch_device == "cpu" and not cal.hardware.startswith(cpu_hardware()):
         return None
+    bad = check(cal)
+    if bad:
+        _say_ignored(str(path), path.stat().st_mtime_ns if path.exists() else 0, "; ".join(bad[:2]))
+        return None
     return cal
+
+
+SPARE = 0.25  # cores of others' load beyond the spare cores before a wall-clock calibration counts as loaded
+
+
+def loaded(cal: Calibration) -> bool:
+    """Whether ``cal`` timed wall-clock on a CPU (more than one thread: one thread times its own CPU seconds,
+    which others' load does not stretch) while other processes took cores its threads needed."""
+    if not cal.torch_device.startswith("cpu") or cal.threads <= 1 or cal.other_cores < 0:
+        return False
+    return cal.other_cores > max((cal.cores or cal.threads) - cal.threads, 0) + SPARE
+
+
+def check(cal: Calibration) -> list[str]:
+    """What is implausible in ``cal`` against its device's nominal figures and its own curves (formula/plausible.py);
+    [] for a calibration the time model may price with."""
+    from batchlab.config.devices import DEVICES
+
+    try:
+        return plausible.problems(cal, *nominal(cal, DEVICES.get(cal.device)))
+    except (TypeError, AttributeError, ValueError) as e:  # a field of the wrong type in a hand-edited file
+        return [f"malformed: {e}"]
+
+
+def nominal(cal: Calibration, spec) -> tuple[float | None, float | None]:
+    """(fp32 peak for the threads measured, memory bytes/s) of ``cal``'s device from its catalogue ``spec``;
+    None where unknown.  A CPU's peak is all its cores' (host.cpu_peak_flops): ``threads`` of ``cores`` of it;
+    its bandwidth is a nominal guess, not the host's, so only the device-free bounds apply to it."""
+    if spec is None:
+        return None, None
+    if cal.torch_device.startswith("cpu"):
+        cores = cal.cores or os.cpu_count() or 1
+        return spec.peak_flops_fp32 * min(max(cal.threads, 1), cores) / cores, None
+    return spec.peak_flops_fp32, spec.hbm_bytes_per_s
+
+
+@functools.cache
+def _say_ignored(path: str, mtime: int, why: str) -> None:
+    # once per file version and process: load_all is read by every estimate of a sweep
+    print(f"warning: ignored the cached calibration {path}: {why}; it is measured again where needed "
+          "(`batchlab calibrate`), nominal rates meanwhile", file=sys.stderr)

@@ -85,6 +85,17 @@ def rows(m: Measurement, est=None) -> list[FigureRow]:
     return out
 
 
+def broken_time_model(figures: list[FigureRow]) -> str | None:
+    """The warning that the time model is broken where its update time and the measured one differ by more than
+    ``plausible.BROKEN`` either way (a poisoned calibration, not a slow run); None otherwise."""
+    from batchlab.formula.plausible import ratio_text
+
+    row = next((r for r in figures if r.figure == "update time (median)"), None)
+    if row is None or not isinstance(row.formula, float) or not isinstance(row.measured, float):
+        return None
+    return ratio_text(row.formula, row.measured)
+
+
 def probed_speed(m: Measurement) -> float | None:
     """How fast the host ran during ``m``'s timed updates against its calibration at the same thread count
     (host/speed.py: the probe's median read over the calibration's; 1.2: 20% slower); None where either

@@ -1,0 +1,101 @@
+"""Whether a calibration's measured rates can be trusted: each against its device's nominal figures and against
+its own curve.  A calibration measured under load, cut short by its budget or hand-edited can say a CPU does
+4 MFLOP/s; priced with it, every time prediction is off by 10^4 and nothing looks wrong.  Torch-free: the
+cache reader (``calibration._read``) and the measuring side (``calibrate.run``) ask the same question.
+
+The bounds are wide on purpose -- they catch a broken measurement, not a slow machine: a real kernel on a real
+device runs between ``SLOW`` below and ``FAST`` above its nominal figure whatever the host, load or shape.
+"""
+from __future__ import annotations
+
+import math
+
+# Measured over nominal: a matmul on a loaded host with wall-clock timing reaches a few % of the nominal peak at
+# worst (small shapes, 2 threads sharing a core: 1/50 seen on 2-core VMs); 1/500 is no real device.  Above:
+# the CPU's nominal per-cycle figure is read from its flags (AMX, VNNI and SME units it cannot see run faster).
+SLOW = 1 / 500
+FAST = 16.0
+MIN_POINTS = 2  # a curve of one point is one call size: it says nothing of the sizes a model's ops have
+# Per-op fixed cost (s): torch's dispatcher alone takes ~1 µs; 10 ms per op is a stalled process, not a CPU.
+DISPATCH = (1e-7, 1e-2)
+# Element-wise bandwidth (bytes/s) where the device has no nominal figure of its own: 20 MB/s .. 20 TB/s.
+BANDWIDTH = (2e7, 2e13)
+# A model's own dispatch per op over batchlab's GPT's (calibrate/family.py): HF code measured 0.8-6x here.
+FAMILY_RATIO = (0.05, 50.0)
+
+
+def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = None) -> list[str]:
+    """What is implausible in ``cal`` (a formula.calibration.Calibration); [] when every rate passes.
+    ``peak_flops`` / ``bytes_per_s``: the device's nominal fp32 peak for the threads measured and its memory
+    bandwidth (None: unknown, only the device-free bounds apply)."""
+    out: list[str] = []
+    curves = dict(cal.matmul_curve)
+    for key, curve in curves.items():  # the linear layers' curves price most of a step: they need their sizes
+        out += _curve(f"matmul curve {key}", curve, "FLOP/s", rising=True,
+                      points=MIN_POINTS if key in ("fp32", "bf16") else 1)
+    for name, curve in (("bandwidth curve fp32", cal.memory_curve), ("bandwidth curve bf16", cal.memory_curve_bf16),
+                        ("in-place bandwidth curve", cal.memory_curve_inplace)):
+        if curve:  # bandwidth falls from cache to memory: no order asked
+            out += _curve(name, curve, "B/s", rising=False, points=MIN_POINTS if name.endswith("fp32") else 1)
+    if not (_finite(cal.matmul_flops_fp32) and cal.matmul_flops_fp32 > 0):
+        out.append(f"fp32 matmul {cal.matmul_flops_fp32!r} FLOP/s is not a positive number")
+    if peak_flops:  # the curve's best where there is one (a cache from before the per-op model has the ceiling)
+        best = _best(curves["fp32"]) if "fp32" in curves else cal.matmul_flops_fp32
+        if best is not None and not SLOW * peak_flops <= best <= FAST * peak_flops:
+            out.append(f"fp32 matmul {best:.3g} FLOP/s is {best / peak_flops:.2g}x the nominal peak "
+                       f"{peak_flops:.3g} FLOP/s (plausible: {SLOW:g}x to {FAST:g}x)")
+    low, high = (SLOW * bytes_per_s, FAST * bytes_per_s) if bytes_per_s else BANDWIDTH
+    # the strided copy is 0 in a cache from before it was measured (the time model then uses the bandwidth)
+    for name, rate in (("bandwidth", cal.memory_bytes_per_s), ("strided copy", cal.strided_bytes_per_s or None)):
+        if rate is not None and not (_finite(rate) and low <= rate <= high):
+            out.append(f"{name} {rate!r} B/s outside {low:.3g}..{high:.3g} B/s")
+    for what, table in (("dispatch", cal.dispatch_seconds), ("dispatch under autocast", cal.dispatch_seconds_autocast)):
+        for kind, s in table.items():
+            if not (_finite(s) and DISPATCH[0] <= s <= DISPATCH[1]):
+                out.append(f"{what} {kind} {s!r} s per op outside {DISPATCH[0]:g}..{DISPATCH[1]:g} s")
+    out += [f"per-element {k} {s!r} s is not a positive number" for k, s in cal.element_seconds.items()
+            if not (_finite(s) and s > 0)]
+    for family, ratios in cal.family_dispatch.items():
+        out += [f"{family}'s own dispatch {k} x{r!r} outside x{FAMILY_RATIO[0]:g}..x{FAMILY_RATIO[1]:g}"
+                for k, r in ratios.items() if not (_finite(r) and FAMILY_RATIO[0] <= r <= FAMILY_RATIO[1])]
+    return out
+
+
+def _curve(name: str, curve, unit: str, rising: bool, points: int) -> list[str]:
+    """A (size, rate) curve: ``points`` at least, every figure a positive number, sizes ascending; ``rising``: no
+    rate falling with the call size (matmuls: the measurement fits a non-decreasing curve, a fall is a file it
+    did not write)."""
+    pts = [p for p in curve if len(p) == 2]
+    if len(pts) != len(curve) or not all(_finite(x) and x > 0 and _finite(y) and y > 0 for x, y in pts):
+        return [f"{name}: every point must be a positive (size, {unit}) pair"]
+    if len(pts) < points:
+        return [f"{name}: {len(pts)} point(s), at least {points} call sizes needed"]
+    if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
+        return [f"{name}: call sizes not ascending"]
+    if rising and any(b[1] < a[1] * (1 - 1e-9) for a, b in zip(pts, pts[1:])):
+        return [f"{name}: the rate falls as the calls grow (a measured curve is fitted non-decreasing)"]
+    return []
+
+
+def _best(curve) -> float | None:
+    rates = [p[1] for p in curve if len(p) == 2 and _finite(p[1])]
+    return max(rates) if rates else None
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def ratio_text(predicted: float, measured: float) -> str | None:
+    """The line that says the time model, not the run, is broken where a prediction and a measurement of the
+    same run differ by more than ``BROKEN`` either way (None otherwise)."""
+    if not (predicted > 0 and measured > 0):
+        return None
+    r = predicted / measured
+    if 1 / BROKEN <= r <= BROKEN:
+        return None
+    return (f"the time model is broken here, not the run: it predicted {r:.3g}x the measured update time; check "
+            "the calibration (`batchlab calibrate` measures it again) before reading any predicted time")
+
+
+BROKEN = 10.0  # prediction / measurement beyond this either way: no real run is that far off a sound model

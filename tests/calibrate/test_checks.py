@@ -1,0 +1,176 @@
+"""A calibration that cannot poison predictions: each rate checked against the device's nominal figures and its
+own curve, a failing cache ignored with one line and measured again, a failing measurement measured once more
+and never cached, a model's own dispatch ratio that meets no zero, and a prediction 10x off a measurement of
+the same run called a broken time model."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from batchlab.calibrate import family, load_all, load_cached, measure, save
+from batchlab.calibrate import run as run_mod
+from batchlab.cli import app
+from batchlab.config import RunConfig
+from batchlab.config.devices import DEVICES
+from batchlab.formula import estimate
+from batchlab.formula.calibration import _cache_path, check, loaded
+from batchlab.formula.plausible import BROKEN, ratio_text
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def real() -> "Calibration":  # noqa: F821
+    """One real CPU calibration at one thread, two matmul sizes, one short round."""
+    return measure("cpu", seconds=1.0, shapes=((64, 64, 64), (256, 256, 256)), threads=1, rounds=1)
+
+
+def poisoned(cal, **kw):
+    """The cache the issue's user was left with: one point of the fp32 curve, at 4.1 MFLOP/s."""
+    curve = {**cal.matmul_curve, "fp32": [[65536.0, 4.1e6]]}
+    return dataclasses.replace(cal, matmul_curve=curve, matmul_flops_fp32=4.1e6, **kw)
+
+
+def test_a_real_calibration_passes_every_check(real):
+    assert check(real) == []
+    assert not loaded(real) and real.other_cores >= 0  # one thread times CPU seconds: others' load stays out
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda c: poisoned(c), "1 point(s)"),
+    (lambda c: dataclasses.replace(c, matmul_curve={**c.matmul_curve,
+                                                    "fp32": [[1e4, 4.1e6], [1e6, 4.2e6], [1e8, 4.3e6]]}),
+     "the nominal peak"),
+    (lambda c: dataclasses.replace(c, matmul_curve={**c.matmul_curve, "fp32": [[1e4, 5e9], [1e6, 1e9]]}),
+     "the rate falls"),
+    (lambda c: dataclasses.replace(c, dispatch_seconds={**c.dispatch_seconds, "forward": 0.0}), "dispatch forward"),
+    (lambda c: dataclasses.replace(c, memory_bytes_per_s=0.0), "bandwidth"),
+    (lambda c: dataclasses.replace(c, memory_curve=[[1.0, float("nan")], [2.0, 1e9]]), "bandwidth curve fp32"),
+    (lambda c: dataclasses.replace(c, element_seconds={"activation:fp32": -1.0}), "per-element"),
+    (lambda c: dataclasses.replace(c, family_dispatch={"hf:x": {"forward": float("inf")}}), "own dispatch"),
+    (lambda c: dataclasses.replace(c, dispatch_seconds={"forward": "fast"}), "dispatch forward"),
+])
+def test_each_kind_of_damage_is_named(real, damage, said):
+    bad = check(damage(real))
+    assert bad and any(said in line for line in bad), bad
+
+
+def test_the_nominal_range_is_the_devices_own(real):
+    """A GPU's calibration is held to its catalogue peak: an H100 that 'measured' a CPU's rates is refused."""
+    gpu = dataclasses.replace(real, device="h100-sxm", torch_device="cuda:0", hardware="NVIDIA H100")
+    assert any("nominal peak" in line for line in check(gpu))
+    peak = DEVICES["h100-sxm"].peak_flops_fp32
+    scaled = {k: [[x, y * peak / real.matmul_flops_fp32 / 2] for x, y in v] for k, v in real.matmul_curve.items()}
+    fast = dataclasses.replace(gpu, matmul_curve=scaled, matmul_flops_fp32=peak / 2,
+                               memory_bytes_per_s=DEVICES["h100-sxm"].hbm_bytes_per_s / 2,
+                               strided_bytes_per_s=DEVICES["h100-sxm"].hbm_bytes_per_s / 4,
+                               memory_curve=[[x, DEVICES["h100-sxm"].hbm_bytes_per_s / 2] for x, _ in real.memory_curve])
+    assert not any("nominal peak" in line or "bandwidth" in line for line in check(fast)), check(fast)
+
+
+def test_a_poisoned_cache_is_ignored_with_one_line_and_the_estimate_is_the_uncalibrated_one(real, capsys):
+    cfg = RunConfig()
+    save(poisoned(real))
+    assert load_all() == {}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: ignored the cached calibration") and "4.1e+06" in err[0]
+    nominal = estimate(cfg, {}).time.update_seconds
+    assert estimate(cfg, load_all()).time.update_seconds == nominal  # and the warning is not repeated
+    assert capsys.readouterr().err == ""
+    save(real)  # a sound one serves again
+    assert estimate(cfg, load_all()).time.update_seconds != nominal
+
+
+def test_a_poisoned_cache_is_measured_again_and_replaced(real, monkeypatch):
+    calls = []
+    monkeypatch.setattr(run_mod, "measure", lambda *a, **k: calls.append(k) or real)
+    save(poisoned(real))
+    cal, fresh = run_mod.ensure("cpu", threads=1, scope=())
+    assert fresh and cal == real and len(calls) == 1
+    assert load_cached("cpu", 1) == real
+
+
+def test_a_measurement_failing_its_checks_is_measured_once_more_and_never_cached(real, monkeypatch):
+    results = [poisoned(real), real]
+    monkeypatch.setattr(run_mod, "measure", lambda *a, **k: results.pop(0))
+    assert run_mod.ensure("cpu", threads=1, scope=()) == (real, True)  # the outlier measured again
+    assert load_cached("cpu", 1) == real
+
+    _cache_path("cpu", real.torch_version, 1).unlink()
+    monkeypatch.setattr(run_mod, "measure", lambda *a, **k: poisoned(real))
+    with pytest.raises(run_mod.Rejected, match="1 point"):
+        run_mod.ensure("cpu", threads=1, scope=())
+    assert not _cache_path("cpu", real.torch_version, 1).exists()
+    line = run_mod.auto("cpu", threads=1)
+    assert "failed its checks twice" in line and "nominal CPU rates" in line
+    assert not _cache_path("cpu", real.torch_version, 1).exists()
+
+
+def test_the_command_refuses_to_cache_a_calibration_that_fails_twice(real, monkeypatch):
+    monkeypatch.setattr(run_mod, "measure", lambda *a, **k: poisoned(real))
+    import batchlab.calibrate as cal_mod
+
+    monkeypatch.setattr(cal_mod, "measure", lambda *a, **k: poisoned(real), raising=False)
+    result = CliRunner().invoke(app, ["calibrate", "--seconds", "1", "--threads", "1"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "failed its checks twice and was not cached" in result.output
+    assert not list(_cache_path("cpu", real.torch_version, 1).parent.glob("*.json"))
+
+
+def test_a_wall_clock_calibration_under_others_load_is_provisional(real, monkeypatch):
+    """Two threads time wall-clock: others' load stretches every rate.  Measured twice, the less loaded kept,
+    cached as provisional (its source says so) and measured again by the next run that needs it."""
+    two = dict(threads=2, cores=2, hardware=real.hardware.replace("1 threads", "2 threads"))
+    busy = [dataclasses.replace(real, other_cores=1.5, **two), dataclasses.replace(real, other_cores=0.9, **two)]
+    calls = []
+    monkeypatch.setattr(run_mod, "measure", lambda *a, **k: calls.append(k) or busy[len(calls) - 1])
+    cal, fresh = run_mod.ensure("cpu", threads=2, scope=())
+    assert fresh and cal.other_cores == 0.9 and len(calls) == 2
+    assert loaded(cal) and "other processes kept 0.9 core(s) busy" in cal.source
+    quiet = dataclasses.replace(real, other_cores=0.1, **two)
+    monkeypatch.setattr(run_mod, "measure", lambda *a, **k: calls.append(k) or quiet)
+    assert run_mod.ensure("cpu", threads=2, scope=()) == (quiet, True)  # provisional: measured again
+    assert run_mod.ensure("cpu", threads=2, scope=()) == (quiet, False) and len(calls) == 3
+
+
+def test_a_family_ratio_meets_no_zero():
+    """The crash of a CPU whose GPT dispatch is below what the work model prices: beyond-work 0."""
+    assert family.ratio(2e-6, 1e-6, 5e-6, 4e-6) == pytest.approx(2.0)
+    assert family.ratio(2e-6, 0.0, 6e-6, 4e-6) == pytest.approx(1.5)  # whole times per op instead
+    assert family.ratio(2e-6, 1e-9, 6e-6, 4e-6) == pytest.approx(1.5)  # a few ns: not separable from noise
+    assert family.ratio(1.0, 1e-7, 1.0, 2e-6) == 50.0  # clamped to what any model code measured
+    assert family.ratio(0.0, 0.0, 0.0, 0.0) == 1.0  # nothing timed: batchlab's GPT's cost serves
+
+
+def test_a_cached_file_of_the_wrong_shape_is_ignored_not_a_crash(real, capsys):
+    path = save(real)
+    raw = json.loads(path.read_text())
+    for broken in ({**raw, "matmul_curve": {"fp32": "fast"}}, {**raw, "dispatch_seconds": {"forward": None}},
+                   {**raw, "matmul_curve": {"fp32": [[1, 2, 3]]}}):
+        path.write_text(json.dumps(broken))
+        assert load_all() == {}
+    path.write_text("[" * 100000)
+    assert load_all() == {}
+
+
+def test_a_prediction_ten_times_off_the_measurement_is_a_broken_time_model():
+    assert ratio_text(1.0, 1.0) is None and ratio_text(0.5, 1.0) is None and ratio_text(1.0, 5.0) is None
+    assert "broken" in ratio_text(1260.0, 0.1) and "broken" in ratio_text(1.0, BROKEN * 1.01)
+    assert ratio_text(0.0, 1.0) is None  # no prediction: nothing to call broken
+
+
+def test_measure_says_the_time_model_is_broken_when_its_prediction_is_far_off(monkeypatch):
+    """A time model told its kernels reach 1/10^5 of the nominal peak (an assumption the user can set) against a
+    real run of the tiny model."""
+    result = CliRunner().invoke(app, ["measure", "--seq", "32", "--micro-batch", "2", "--steps", "2",
+                                      "--achievable-fraction", "0.00001", "--no-calibrate"])
+    assert result.exit_code == 0, result.output
+    assert "the time model is broken here, not the run" in " ".join(result.output.split())
