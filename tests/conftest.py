@@ -23,6 +23,12 @@ for _k, _v in STEADY_ENV.items():
     os.environ.setdefault(_k, _v)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--host-profile", default=os.environ.get("BATCHLAB_TEST_HOST_PROFILE"),
+                     help="run the suite under another host's calibration (tests/hosts.py: wide-server, old-laptop, "
+                          "cheap-dispatch, poisoned, zeros): seeded into the run's calibration cache")
+
+
 def pytest_configure(config):
     # a calibration cache or notebook on this machine must not change what the tests see; one fresh home for
     # the run, made by the controlling process before pytest-xdist starts its workers (they inherit the
@@ -35,6 +41,12 @@ def pytest_configure(config):
     home = os.environ["BATCHLAB_TEST_HOME"]
     os.environ["XDG_CACHE_HOME"] = os.path.join(home, "cache")
     os.environ["XDG_DATA_HOME"] = os.path.join(home, "data")
+    profile = config.getoption("--host-profile", default=None)
+    if profile and not hasattr(config, "workerinput"):  # once, before the workers start: they share the home
+        sys.path.insert(0, os.path.dirname(__file__))
+        import hosts
+
+        hosts.seed(profile)
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
         return  # pytest-xdist's controller runs no test: torch (~2 s of CPU) stays out of it
     try:
