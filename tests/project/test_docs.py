@@ -69,3 +69,17 @@ def test_the_sources_page_has_a_section_per_catalogue_device():
 
     sections = _generator().device_sections()
     assert all(f"## {name}\n" in sections for name in DEVICES if name != "cpu")
+
+
+def test_the_cli_reference_summarises_each_command_in_a_complete_sentence():
+    """mkdocs-click lists each command with the first line of its short help (or help): a sentence, not a cut."""
+    docs = pytest.importorskip("mkdocs_click._docs")
+    from batchlab.cli import click_command
+
+    text = "\n".join(docs.make_command_docs("batchlab", click_command, depth=1, style="plain",
+                                            list_subcommands=True))
+    summaries = [line for line in text.splitlines() if line.startswith("- *")]
+    assert len(summaries) >= 7, summaries
+    for line in summaries:
+        summary = line.split("*: ", 1)[1]
+        assert summary.endswith(".") and summary.count("(") == summary.count(")"), line
