@@ -145,3 +145,16 @@ def test_chinese_pages_are_marked_lang_zh():
         out = hook.on_post_page(html, Page(page.relative_to(DOCS).as_posix()), {})
         assert '<html lang="zh" class="no-js">' in out, page
     assert hook.on_post_page(html, Page("tutorial.md"), {}) == html
+
+
+@pytest.mark.parametrize("page, prefix", [("tutorial.md", ""), ("zh/tutorial.md", "../"), ("how-to/notebook.md", "../")])
+def test_the_report_is_shown_readable_and_linked_at_full_size(page, prefix):
+    """The whole report (1280 x 2000 px) shrinks to unreadable text in the page's column: the pages show its top
+    (cropped to the content, about as wide as the column) and link the full-size image."""
+    import struct
+
+    text = (DOCS / page).read_text()
+    assert f"({prefix}img/report-top.png)]({prefix}img/report.png)" in text
+    assert not re.search(r"^!\[[^\]]*\]\([./]*img/report\.png\)", text, re.M)  # the whole report is never inlined
+    width, height = struct.unpack(">II", (DOCS / "img" / "report-top.png").read_bytes()[16:24])
+    assert width <= 1000 and height < 1.2 * width  # shown near its own size: the text stays ~13 px high
