@@ -56,21 +56,21 @@ def cases() -> list[tuple[str, object, tuple[float, ...], bool]]:
     return [
         ("batchlab GPT, 8 layers, fp32", lambda: RunConfig(model=preset("tiny", layers=8), seq=128, micro_batch=8),
          FRACTIONS, True),
-        ("batchlab GPT, 6 layers, bf16-mixed, sdpa, seq 256 (not in the issue)",
+        ("batchlab GPT, 6 layers, bf16-mixed, sdpa, seq 256",
          lambda: RunConfig(model=preset("tiny", layers=6, attention="sdpa", dropout=0.0), seq=256, micro_batch=4,
                            precision="bf16-mixed"), (0.3, 0.7), False),
-        ("batchlab GPT, 4 layers, fp32, sdpa, seq 4096 (not in the issue; keep attention outputs pays)",
+        ("batchlab GPT, 4 layers, fp32, sdpa, seq 4096 (keep attention outputs pays)",
          lambda: RunConfig(model=preset("tiny", layers=4, attention="sdpa", dropout=0.0, max_positions=4096),
                            seq=4096, micro_batch=1), FRACTIONS, True),
-        ("batchlab GPT, 8 layers, fp32, FSDP2 ZeRO-3 over 2 gloo ranks (not in the issue)",
+        ("batchlab GPT, 8 layers, fp32, FSDP2 ZeRO-3 over 2 gloo ranks",
          lambda: RunConfig(model=preset("tiny", layers=8), seq=128, micro_batch=8, dp=2, zero=3), (0.3, 0.6), True),
         ("HF llama (6 layers, h 64)", lambda: hf("llama"), FRACTIONS[1:], True),
-        ("HF llama (6 layers, h 64), FSDP2 ZeRO-2 over 2 gloo ranks (not in the issue)",
+        ("HF llama (6 layers, h 64), FSDP2 ZeRO-2 over 2 gloo ranks",
          lambda: hf("llama").replace(dp=2, zero=2), (0.5,), False),
         ("HF gpt2 (6 layers, h 64)", lambda: hf("gpt2"), FRACTIONS[1:], False),
-        ("HF gpt_neox (6 layers, h 64; not in the issue)", lambda: hf("gpt_neox", kv_heads=4), (0.5,), False),
+        ("HF gpt_neox (6 layers, h 64)", lambda: hf("gpt_neox", kv_heads=4), (0.5,), False),
         ("vision factory ViT (2 blocks)", lambda: factory("vit", 2, 32), (0.5,), True),
-        ("vision factory CNN (3 blocks; not in the issue)", lambda: factory("cnn", 3, 32), (0.5,), False),
+        ("vision factory CNN (3 blocks)", lambda: factory("cnn", 3, 32), (0.5,), False),
     ]
 
 

@@ -1,4 +1,4 @@
-"""How fast the calculator answers (issue 2 targets: `batchlab estimate` < 0.5 s from process start,
+"""How fast the calculator answers (targets: `batchlab estimate` < 0.5 s from process start,
 `--vary` over 1,000 values < 1 s).  Run by hand: .venv/bin/python benchmarks/estimate_speed.py"""
 import statistics
 import subprocess
@@ -27,7 +27,7 @@ def main() -> None:
                                                  "--micro-batch", "1", "--device", "h100-sxm", "--json"],
         "batchlab estimate --vary accum=1..1000 --keep accum --json":
             ["estimate", "--vary", f"accum={values}", "--keep", "accum", "--json"],
-        # issue 3 target <= 60 s; the test suite traces 4 of the 32 layers (tests/trace/test_trace.py)
+        # target <= 60 s; the test suite traces 4 of the 32 layers (tests/trace/test_trace.py)
         "batchlab estimate --trace --json (llama-2-7b, seq 4096, ac full, all 32 layers)":
             ["estimate", "--trace", "--model", "llama-2-7b", "--seq", "4096", "--micro-batch", "1", "--ac", "full",
              "--json"],

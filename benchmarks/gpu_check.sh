@@ -58,7 +58,7 @@ for k, v in d['metrics'].items(): print(k, v.get('observed'), v.get('ratio'), v.
 # 5. trace on the GPU's device entry (fake tensors, no GPU memory) beside the formula
 step trace $BL estimate --trace --model llama-2-7b --seq 4096 --micro-batch 1 --precision bf16-mixed --device h200 --ac full \
     --json > "$OUT/trace-llama.json"; tail -c 400 "$OUT/trace-llama.json"
-# 6. fit --ac auto on CUDA (issue 35): the plan in the reserved view, measured; planned vs allocator peak
+# 6. fit --ac auto on CUDA : the plan in the reserved view, measured; planned vs allocator peak
 step ac-plan $BL fit --ac auto --model gpt2 --seq 1024 --micro-batch 8 --precision bf16-mixed --device local \
     --memory-budget 9GiB --margin 0 --plan-out "$OUT/ac-plan.json" --report "$OUT/ac-plan-report" --json \
     > "$OUT/ac-plan.json.out"

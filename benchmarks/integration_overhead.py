@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, Dataset
 
 WARMUP = 2  # BatchlabCallback's default; update WARMUP is the memory update, then WARMUP - 1 more untimed
 FIRST_TIMED = WARMUP + 1  # index of the first update the callback times
-TARGET = 0.02  # issue 17: overhead <= 2% of update time
+TARGET = 0.02  # the target: overhead <= 2% of update time
 HF_HOOKS = ("on_step_begin", "on_pre_optimizer_step", "on_step_end", "_pre_forward", "_post_forward")
 LIGHTNING_HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
 VARIANTS = ("full", "no-memory", "no-factors", "hooks-only")

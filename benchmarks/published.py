@@ -5,10 +5,10 @@ Reads benchmarks/published_runs.toml (each run with its source and quote), build
 precision, AC, loss and device flags), parses it with the CLI's own option parsing (cli/common.py
 ``config_from_command``: the RunConfig the command builds), calls batchlab.formula.estimate (no torch) and writes
 docs/accuracy/published.md: each run with its command and source, predicted vs measured with
-error = (predicted - measured) / measured, before issue 36 (benchmarks/published_before.toml) and now, the
-mean and worst |error|, and every false OOM verdict.  The round-3 hold-outs (``added_for = "round 3"``) also show
-their figures as first recorded after issue 36's changes (benchmarks/published_round3_first.toml, never
-regenerated: the code moves, that column does not).  Memory is matched to what the source measured:
+error = (predicted - measured) / measured, before the throughput revision (benchmarks/published_before.toml) and
+now, the mean and worst |error|, and every false OOM verdict.  The rule-chosen hold-outs (``added_for = "round 3"``)
+also show their figures as first recorded after the throughput revision (benchmarks/published_round3_first.toml,
+never regenerated: the code moves, that column does not).  Memory is matched to what the source measured:
 
   allocated  ->  memory.allocated_bytes   (max_memory_allocated: tensor bytes at the peak)
   reserved   ->  memory.reserved_bytes    (max_memory_reserved: formula/allocator.py's caching-allocator model)
@@ -46,6 +46,9 @@ from batchlab.formula.efficiency import FRACTIONS, fraction_class
 from batchlab.util.units import relative_to
 
 HERE = Path(__file__).resolve().parent
+# the runs file's ``added_for`` tags -> how the page names each set of hold-outs
+LABEL = {"issue 36": "hold-outs added before the throughput revision",
+         "round 3": "rule-chosen hold-outs (chosen by a written rule after the throughput revision, recorded once)"}
 ROOT = HERE.parent
 UNITS = {"GiB": 2**30, "MiB": 2**20, "GB": 10**9, "MB": 10**6, "B": 1}
 
@@ -90,10 +93,10 @@ class Row:
     fits: bool | None = None
     command: str = ""
     layer_terms: str = ""
-    tps_before: float | None = None  # the formula's figures before issue 36 (published_before.toml)
+    tps_before: float | None = None  # the formula's figures before the throughput revision (published_before.toml)
     mem_before: int | None = None
     fits_before: bool | None = None
-    tps_first: float | None = None  # round-3 hold-outs: as first recorded (published_round3_first.toml)
+    tps_first: float | None = None  # rule-chosen hold-outs: as first recorded (published_round3_first.toml)
     fits_first: bool | None = None
     params: int | None = None
     failed: str | None = None
@@ -125,8 +128,8 @@ def load(path: Path) -> dict:
 
 
 def load_recorded(before: Path, first: Path) -> dict[str, dict]:
-    """Each run's recorded figures by id: before issue 36 (published_before.toml's keys) and, for the round-3
-    hold-outs, their before and first-recorded figures (published_round3_first.toml; before_* read as before)."""
+    """Each run's recorded figures by id: before the throughput revision (published_before.toml's keys) and, for
+    the rule-chosen hold-outs, their before and first-recorded figures (published_round3_first.toml; before_* read as before)."""
     out = {r["id"]: dict(r) for r in load(before)["run"]} if before.exists() else {}
     for r in load(first)["run"] if first.exists() else []:
         out.setdefault(r["id"], {}).update(tokens_per_s_per_gpu=r["before_tokens_per_s_per_gpu"], fits=r["before_fits"],
@@ -282,6 +285,7 @@ def derive_document(derived: list[Derived], held_out: int) -> str:
         held = FRACTIONS[k].value if k in FRACTIONS else None
         lines.append(f"| {name(k)} | {len(used)} | {values} | {median:.2f} | {held if held is not None else '-'} |")
     none = sorted({d.key for d in derived if d.key} - set(class_medians(derived)))
+    lines += [""] if none else []  # Markdown needs the blank line between the table and the list
     lines += [f"- {name(k)}: no run gives a fraction; FRACTIONS holds {FRACTIONS[k].value} ({FRACTIONS[k].source})"
               for k in none]
     return "\n".join(lines + [""])
@@ -308,7 +312,7 @@ def mark(run: dict) -> str:
 
 
 def table(rows: list[Row]) -> list[str]:
-    """Memory of the kind the source measured and tokens/s per GPU, before issue 36 and now."""
+    """Memory of the kind the source measured and tokens/s per GPU, before the throughput revision and now."""
     out = ["| run | GPU × n | memory measured (kind) | before | error | now | error | verdict before → now "
            "| tok/s/GPU measured | before | error | now | error |",
            "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
@@ -325,7 +329,8 @@ def table(rows: list[Row]) -> list[str]:
 
 
 def round3_table(rows: list[Row]) -> list[str]:
-    """The round-3 hold-outs: tokens/s per GPU before issue 36, as first recorded after it, and now."""
+    """The rule-chosen hold-outs: tokens/s per GPU before the throughput revision, as first recorded after it, and
+    now."""
     out = ["| run | GPU × n | tok/s/GPU measured | before | error | first recorded | error | now | error "
            "| verdict before → first → now |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -346,28 +351,28 @@ def summary(rows: list[Row], key: str, what: str) -> str:
 
 
 def added_for(rows: list[Row], tag: str) -> list[Row]:
-    """The runs added for ``tag`` ("issue 36", "round 3")."""
+    """The runs added for ``tag``: the runs file's ``added_for`` (its values are the labels of LABEL)."""
     return [r for r in rows if r.run.get("added_for") == tag]
 
 
 def headline(rows: list[Row]) -> list[str]:
-    """The round-3 hold-outs' mean |error| as first recorded (the figure the code cannot move)."""
+    """The rule-chosen hold-outs' mean |error| as first recorded (the figure the code cannot move)."""
     errs = [abs(r.tps_error_first) for r in added_for(rows, "round 3") if r.tps_error_first is not None]
     if not errs:
         return []
-    return [f"round-3 hold-outs: mean |error| as first recorded {statistics.fmean(errs):.1%} "
-            f"(tokens/s per GPU, {len(errs)} runs chosen after issue 36's changes and recorded once)", ""]
+    return [f"rule-chosen hold-outs: mean |error| as first recorded {statistics.fmean(errs):.1%} "
+            f"(tokens/s per GPU, {len(errs)} runs chosen by a written rule after the throughput revision, "
+            "recorded once before any tuning against them)", ""]
 
 
 def summaries(rows: list[Row]) -> list[str]:
     out, r3 = headline(rows), added_for(rows, "round 3")
     subsets = (("all runs", rows), ("all held-out runs (†)", [r for r in rows if r.run.get("holdout")]),
-               ("issue 36's hold-outs (added before its changes)", added_for(rows, "issue 36")),
-               ("round-3 hold-outs (chosen after issue 36's changes, recorded once)", r3),
+               (LABEL["issue 36"], added_for(rows, "issue 36")), (LABEL["round 3"], r3),
                ("runs not held out", [r for r in rows if not r.run.get("holdout")]),
                ("without low-confidence runs", [r for r in rows if "confidence" not in r.run]))
     for label, subset in subsets:
-        out.append(f"{label}:")
+        out += [f"{label}:", ""]  # Markdown needs the blank line before a list
         out.append(summary(subset, "mem_error", "memory now (the kind each source measured)"))
         out.append(summary(subset, "mem_error_before", "memory before"))
         out.append(summary(subset, "tps_error", "tokens/s per GPU now"))
@@ -412,14 +417,15 @@ def document(rows: list[Row]) -> str:
     lines = ["What `batchlab estimate` predicts for published GPU training runs, typed as a user types them "
              "(each run's command below is parsed by the CLI's own option parsing), beside what the sources "
              "measured. Error = (predicted - measured) / measured; memory is compared with the kind the source "
-             "measured (allocated, reserved, or nvidia-smi's device view). *Before*: the same runs with the code "
-             "before issue 36 (benchmarks/published_before.toml; torchtitan's runs then went through an hf:llama "
-             "source). † marks runs held out (chosen before tuning; never tuned against). The round-3 hold-outs "
-             "were chosen by a written rule (benchmarks/published_runs.toml) after issue 36's changes, and their "
+             "measured (allocated, reserved, or nvidia-smi's device view). *Before*: the same runs with the formula "
+             "before its throughput revision (presets by implementation, fused and bandwidth-bound kernels "
+             "priced; benchmarks/published_before.toml; torchtitan's runs then went through an hf:llama source). "
+             "† marks runs held out (chosen before tuning; never tuned against). The rule-chosen hold-outs were "
+             "chosen by a written rule (benchmarks/published_runs.toml) after the throughput revision, and their "
              "figures as first recorded are kept (benchmarks/published_round3_first.toml). Formula only: no GPU "
              "is needed to reproduce it.", "",
              "## Summary", "", *summaries(rows), "", "## Runs", "", *table(rows), "",
-             *(["## Round-3 hold-outs: before, as first recorded, now", "", *round3_table(r3), ""] if r3 else []),
+             *(["## Rule-chosen hold-outs: before, as first recorded, now", "", *round3_table(r3), ""] if r3 else []),
              "## Commands, sources and what the command cannot express", "", *details(rows), ""]
     return "\n".join(lines)
 
@@ -429,7 +435,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=Path, default=HERE / "published_runs.toml")
     p.add_argument("--before", type=Path, default=HERE / "published_before.toml")
     p.add_argument("--first", type=Path, default=HERE / "published_round3_first.toml",
-                   help="the round-3 hold-outs' figures as first recorded (and before issue 36)")
+                   help="the rule-chosen hold-outs' figures as first recorded (and before the throughput revision)")
     p.add_argument("--only", default="", help="comma-separated run ids (prints; the page is not written)")
     p.add_argument("--derive", action="store_true", help="the achievable fractions the runs not held out imply")
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""How close the per-op time model comes to measured update times on this machine (issue 16).
+"""How close the per-op time model comes to measured update times on this machine.
 
 For a grid of one-variable changes A -> B on the built-in GPT and Hugging Face GPT-2 / Llama configs, the
 predicted update-time ratio t(B)/t(A) (formula: the op list derived from the model's terms; trace: the ops
@@ -44,7 +44,7 @@ from batchlab.measure.harness import Trainer
 from dp_pairs import paired_dp
 
 THREADS = 1
-TOLERANCE = 0.15  # issue 16: predicted ratio within 15% of the measured one
+TOLERANCE = 0.15  # the target: predicted ratio within 15% of the measured one
 ABS_TOLERANCE = 0.25
 
 MODELS = {
@@ -291,7 +291,7 @@ def main(argv=None) -> None:
     p.add_argument("--pairs", type=int, default=8, help="paired updates per row")
     p.add_argument("--only", default=None, help="only rows whose model or label contains this text")
     p.add_argument("--unlisted", action="store_true",
-                   help="changes and shapes the issue's grid does not list, instead of the grid")
+                   help="changes and shapes the grid does not list, instead of the grid")
     p.add_argument("--cached", action="store_true", help="use the cached calibration instead of measuring one now")
     p.add_argument("--parts", default=None,
                    help="calibrate only these parts (fp32, or fp32+bf16, fp32+sac, fp32+ranks, ...: formula/calibration.py "

@@ -2,6 +2,7 @@
 
 - reference/files.md: the TOML ``[config]`` table (RunConfig's, ModelSpec's and Assumptions' fields) and the
   experiment file's keys, from ``dataclasses.fields`` and the parsers' own lists of accepted keys;
+- reference/python.md: RunConfig's fields, in a table under its docstring;
 - reference/json.md: the JSON contracts, from the records' dataclasses (Estimate, Measurement, Record, Timeline)
   and one real ``estimate --json`` document of the default configuration (formula only, no torch).
 
@@ -196,8 +197,19 @@ def device_sections() -> str:
     return "\n".join(out)
 
 
+def run_config_fields() -> str:
+    """RunConfig's fields (and those of the policies it holds) as tables, for the Python API page."""
+    from batchlab.config import Assumptions, ModelSpec, RunConfig
+
+    return "\n".join(["*`RunConfig`'s fields, from `dataclasses.fields(RunConfig)` at every build; the meanings are"
+                      " the comments beside each field in the source. `ModelSpec`'s and `Assumptions`' fields are on"
+                      " [config and experiment files](files.md).*", "",
+                      *field_tables(RunConfig, {ModelSpec, Assumptions}, level=4)])
+
+
 PAGES = {"reference/files.md": files_page, "reference/json.md": json_page}
-MARKERS = {"sources.md": ("<!-- devices -->", device_sections)}
+MARKERS = {"sources.md": ("<!-- devices -->", device_sections),
+           "reference/python.md": ("<!-- RunConfig fields -->", run_config_fields)}
 
 
 def on_page_markdown(markdown, page, config, files):

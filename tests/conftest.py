@@ -101,7 +101,8 @@ def _cli_built_once():
     real, built = typer.main.get_command, {}
 
     def get_command(typer_instance):
-        key = id(typer_instance)
+        # a command module imported later (batchlab.cli.load_commands) registers more commands: a new tree
+        key = (id(typer_instance), len(typer_instance.registered_commands), len(typer_instance.registered_groups))
         if key not in built:  # the app is kept beside its command: its id is not reused while cached
             built[key] = (typer_instance, real(typer_instance))
         return built[key][1]

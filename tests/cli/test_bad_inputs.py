@@ -171,6 +171,9 @@ OWN = [
     (["measure", "--nproc", "0", "--dp", "2"], "nproc"), (["measure", "--nproc", "3", "--dp", "2"], "dp"),
     (["measure", "--torch-device", "meta"], "torch_device"), (["measure", "--torch-device", "tpu"], "torch_device"),
     (["measure", "--torch-device", "cuda:x"], "torch_device"),
+    # a torch device given as the card: the error says which flags take it
+    (["measure", "--device", "cuda"], "device: 'cuda' is a torch device"),
+    (["measure", "--device", "cuda"], "--device local"), (["measure", "--device", "cuda:1"], "--torch-device cuda:1"),
     (["measure", "--model", "no_such_module_xyz:build"], "model"), (["measure", "--model", "exits:build"], "model"),
     (["measure", "--model", "exits_on_import:build"], "model"), (["measure", "--model", "raises:build"], "model"),
     (["measure", "--model", "not_callable:build"], "model"), (["measure", "--model", "exits:nothing"], "model"),

@@ -230,3 +230,20 @@ def test_explain_gives_both_readings_of_doubling_accumulation_with_the_users_num
     local = next(s for s in d["sections"] if s["title"].startswith("4."))
     # compare's scope rules: a CPU run says nothing about GPU kernels; loopback gloo nothing about NCCL
     assert any("GPU kernels" in l for l in local["lines"]) and any("NCCL" in l for l in local["lines"])
+
+
+@pytest.mark.parametrize("args", [["--micro-batch", "1", "--accum", "8"], ["--accum", "1"], ["--global-batch", "1"],
+                                  ["--micro-batch", "3", "--accum", "3", "--dp", "3"], ["--dp", "1", "--ac", "full"]])
+def test_explain_says_a_change_that_is_not_possible_in_one_complete_sentence(args):
+    """Edge inputs (micro-batch 1, accum 1, global batch 1, odd sizes): where a change cannot be made at a fixed
+    global batch the line says why and what it would need, and nothing follows it with placeholders."""
+    d = json.loads(run("explain", *args, "--json").stdout)
+    lines = [line for s in d["sections"] for line in s["lines"]]
+    for line in lines:
+        assert not any(p in line for p in (" -;", " - as long", " -.", "peak -", "takes -")), line
+    for line in (l for l in lines if "not possible here" in l):
+        assert line.endswith(".") and "halves" not in line and "doubles" not in line, line
+        assert "needs an even one (now" in line, line  # what the change would need
+    if args[:4] == ["--micro-batch", "1", "--accum", "8"]:
+        (b,) = [l for l in lines if l.lstrip().startswith("(b)")]
+        assert "not possible here" in b and "halving the micro-batch needs an even one (now 1)." in b

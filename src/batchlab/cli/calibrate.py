@@ -16,7 +16,7 @@ from batchlab.formula.opcost import link_text
 from batchlab.util.units import fmt_bytes, fmt_count
 
 
-@app.command("calibrate")
+@app.command("calibrate", short_help="Measure the time model's per-op rates on a local device and cache them.")
 def calibrate(
     torch_device: Annotated[str, typer.Option(help="Local torch device to measure: cpu, cuda, cuda:1, mps.")] = "cpu",
     seconds: Annotated[float, typer.Option(help="About how long to measure (>= 1 s; 10 s gives steady curves).")] = 10.0,

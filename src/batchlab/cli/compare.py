@@ -22,7 +22,7 @@ EXP = "Experiment"
 PROMPTED = (Metric.PEAK_MEMORY, Metric.UPDATE_TIME)
 
 
-@app.command("compare")
+@app.command("compare", short_help="Change one thing, predict its effect, measure both sides interleaved and judge it.")
 @with_config
 def compare(
     cfg: RunConfig,

@@ -207,7 +207,8 @@ def _render_vary(rows, name: str, keep: Keep, console: Console, verbose: bool = 
                           note=f"(of the first possible row, {name}={first.value})")
 
 
-@app.command(help="Predict memory, FLOPs, update time and tokens/s for one configuration (formula, no torch). "
+@app.command(short_help="Predict memory, FLOPs, update time and tokens/s for one configuration (formula, no torch).",
+             help="Predict memory, FLOPs, update time and tokens/s for one configuration (formula, no torch). "
                   + AC_NOTE)
 @with_config
 def estimate(

@@ -13,7 +13,7 @@ from batchlab.config import Backend, ConfigError, ModelSource, RunConfig
 PANEL = "Fit"
 
 
-@app.command("fit")
+@app.command("fit", short_help="Pick micro-batch, accumulation and activation checkpointing for a target global batch.")
 @with_config
 @takes_ac_auto
 def fit_command(

@@ -25,7 +25,7 @@ from batchlab.measure.versus import FigureRow, broken_time_model, formula_estima
 from batchlab.util.units import fmt_bytes, fmt_difference, fmt_seconds, fmt_value, plural
 
 
-@app.command("measure")
+@app.command("measure", short_help="Train the config for real and measure peak memory, update time and tokens/s.")
 @with_config
 def measure(
     cfg: RunConfig,

@@ -5,6 +5,7 @@ Pure Python: ``local`` asks batchlab.host (nvidia-smi), not torch.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 from batchlab import host
@@ -217,6 +218,10 @@ def device(name: str) -> DeviceSpec:
     key = DEVICE_ALIASES.get(typed, typed)
     if key == "local":
         key = local_device()
+    if key not in DEVICES and re.fullmatch(r"(cuda|gpu|mps|xpu|hip|rocm)(:\d+)?", key):
+        raise ConfigError("device", f"{name!r} is a torch device, not a card of the catalogue: use --device local "
+                                    f"(this machine's GPU) or a card name (h100-sxm, a100-80gb, ...), and "
+                                    f"--torch-device {name} to choose where measure and compare run")
     if key not in DEVICES:
         raise ConfigError("device", f"unknown device {name!r}; known: {', '.join(DEVICES)} "
                                     "(or custom:mem=80GB,tflops=400)")

@@ -194,23 +194,23 @@ class RunConfig:
     ``global_batch`` (sequences per optimizer update) = micro_batch x accum x dp, derived, never stored.
     """
 
-    model: ModelSpec = field(default_factory=lambda: preset("tiny"))
+    model: ModelSpec = field(default_factory=lambda: preset("tiny"))  # the architecture (preset(...) builds one)
     # which code trains it: "builtin", "hf:<gpt2|path/config.json>", or "package.module:factory"
     model_source: str = "builtin"
-    seq: int = 128
-    micro_batch: int = 8
-    accum: int = 1
-    dp: int = 1
-    precision: Precision = Precision.FP32
-    optimizer: OptimizerKind = OptimizerKind.ADAMW
-    ac: ACPolicy = field(default_factory=ACPolicy)
-    loss: LossPolicy = field(default_factory=LossPolicy)
+    seq: int = 128  # tokens per sequence
+    micro_batch: int = 8  # sequences in one forward/backward on one rank
+    accum: int = 1  # micro-batches whose gradients are summed before one optimizer step
+    dp: int = 1  # data-parallel ranks (world size)
+    precision: Precision = Precision.FP32  # fp32, bf16-mixed, fp16-mixed, bf16 or bf16-fsdp
+    optimizer: OptimizerKind = OptimizerKind.ADAMW  # adamw, sgd or sgd-momentum
+    ac: ACPolicy = field(default_factory=ACPolicy)  # activation checkpointing (a string such as "full" is parsed)
+    loss: LossPolicy = field(default_factory=LossPolicy)  # the loss path (a string such as "chunked:8" is parsed)
     zero: int = 0  # ZeRO stage over the dp ranks (1: optimizer, 2: +grads, 3: +params; FSDP ~ 3)
-    device: str = "cpu"
+    device: str = "cpu"  # a catalogue card (h100-sxm, ...), local, cpu or custom:mem=...,tflops=...
     memory_budget: int | None = None  # bytes; replaces the device's memory (CPU: a tracked-bytes budget)
-    data: DataKind = DataKind.FIXED
-    seed: int = 0
-    assumptions: Assumptions = field(default_factory=Assumptions)
+    data: DataKind = DataKind.FIXED  # fixed (full-length sequences) or padded (padding is not useful work)
+    seed: int = 0  # the seed of the measured runs' weights and data
+    assumptions: Assumptions = field(default_factory=Assumptions)  # the time model's and allocator's assumptions
 
     def __post_init__(self):
         set_ = object.__setattr__

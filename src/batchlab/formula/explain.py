@@ -43,29 +43,37 @@ def _moves(a: Estimate, b: Estimate | str) -> str:
             f"update {fmt_seconds(a.time.update_seconds)} → {fmt_seconds(b.time.update_seconds)}")
 
 
-def _peak_moves(a: Estimate, b: Estimate | str) -> str:
-    if isinstance(b, str):
-        return "-"
+def _peak_moves(a: Estimate, b: Estimate) -> str:
     d = direction(a.memory.peak_bytes, b.memory.peak_bytes)
     return {"same": "stays about the same", "up": "rises", "down": "falls"}[d]
 
 
-def _time_ratio(a: Estimate, b: Estimate | str) -> str:
-    return "-" if isinstance(b, str) else f"x{b.time.update_seconds / a.time.update_seconds:.2f}"
+def _time_ratio(a: Estimate, b: Estimate) -> str:
+    return f"x{b.time.update_seconds / a.time.update_seconds:.2f}"
+
+
+def _not_possible(reason: str, odd: int, what: str) -> str:
+    """A change that cannot be made, as one sentence: why, and (when ``odd`` is) what it would need."""
+    need = f"; halving the {what} needs an even one (now {odd})" if odd % 2 else ""
+    return f"{reason}{need}."
 
 
 def _batch(cfg: RunConfig, e: Estimate, cal: Calibrations | None) -> Section:
-    mb = cfg.micro_batch
+    mb, k = cfg.micro_batch, cfg.accum
     fixed_global = _changed(cfg, "micro_batch", mb * 2, Keep.GLOBAL_BATCH, cal)
+    fixed_accum = _changed(cfg, "micro_batch", mb * 2, Keep.ACCUM, cal)
     return Section("1. Micro-batch and global batch", (
         cfg.global_batch_text(),
         f"The micro-batch ({mb}) is the sequences in one forward/backward on one rank; its activations "
         f"({fmt_bytes(e.memory.activations_bytes)} kept for backward) grow with it; larger kernels may run "
         "more efficiently. The global batch is what one optimizer update sees.",
-        f"  micro-batch {mb} → {mb * 2} at a fixed global batch (accum re-derived): {_moves(e, fixed_global)}",
+        f"  micro-batch {mb} → {mb * 2} at a fixed global batch (accum re-derived): "
+        + (_not_possible(fixed_global, k, "accum") if isinstance(fixed_global, str)
+           else f"{_moves(e, fixed_global)}."),
         f"  micro-batch {mb} → {mb * 2} at a fixed accum: "
-        f"{_moves(e, _changed(cfg, 'micro_batch', mb * 2, Keep.ACCUM, cal))} — the global batch doubles, so "
-        "the learning rate and schedule may need to change too.",
+        + (f"{fixed_accum}." if isinstance(fixed_accum, str) else
+           f"{_moves(e, fixed_accum)} — the global batch doubles, so the learning rate and schedule may need to "
+           "change too."),
     ))
 
 
@@ -73,17 +81,19 @@ def _accumulation(cfg: RunConfig, e: Estimate, cal: Calibrations | None) -> Sect
     k = cfg.accum
     more_data = _changed(cfg, "accum", k * 2, Keep.ACCUM, cal)
     same_data = _changed(cfg, "accum", k * 2, Keep.GLOBAL_BATCH, cal)
+    a = f"  (a) accum {k} → {k * 2} at a fixed micro-batch {cfg.micro_batch}: "
+    b = f"  (b) accum {k} → {k * 2} at a fixed global batch {cfg.global_batch}: "
     return Section("Gradient accumulation: two readings of \"doubling it\"", (
         "Micro-batches whose gradients are summed before one optimizer step; only one micro-batch's "
         "activations are live at a time.",
-        f"  (a) accum {k} → {k * 2} at a fixed micro-batch {cfg.micro_batch}: {_moves(e, more_data)}. "
-        f"The global batch doubles; the peak {_peak_moves(e, more_data)}; the update takes "
-        f"{_time_ratio(e, more_data)} as long (twice the sequences); the optimizer sees twice the data per step, "
-        "so learning rate, warmup and schedule length (in updates) may need to change.",
-        f"  (b) accum {k} → {k * 2} at a fixed global batch {cfg.global_batch}: {_moves(e, same_data)}. "
-        f"The micro-batch halves, so the peak {_peak_moves(e, same_data)}; the same data takes twice as many "
-        f"forward/backward passes of smaller kernels (more per-op overhead): the update takes "
-        f"{_time_ratio(e, same_data)} as long; the optimizer sees the same global batch.",
+        a + (f"{more_data}." if isinstance(more_data, str) else
+             f"{_moves(e, more_data)}. The global batch doubles; the peak {_peak_moves(e, more_data)}; the update "
+             f"takes {_time_ratio(e, more_data)} as long (twice the sequences); the optimizer sees twice the data "
+             "per step, so learning rate, warmup and schedule length (in updates) may need to change."),
+        b + (_not_possible(same_data, cfg.micro_batch, "micro-batch") if isinstance(same_data, str) else
+             f"{_moves(e, same_data)}. The micro-batch halves, so the peak {_peak_moves(e, same_data)}; the same "
+             "data takes twice as many forward/backward passes of smaller kernels (more per-op overhead): the "
+             f"update takes {_time_ratio(e, same_data)} as long; the optimizer sees the same global batch."),
     ))
 
 
@@ -118,7 +128,7 @@ def _checkpointing(cfg: RunConfig, e: Estimate, cal: Calibrations | None) -> Sec
         full = _changed(cfg, "ac", "full", Keep.GLOBAL_BATCH, cal)
         extra = (f", FLOPs +{full.flops.hardware_flops_per_update / f.hardware_flops_per_update - 1:.0%}"
                  if not isinstance(full, str) else "")
-        lines.append(f"  turning it on (full): {_moves(e, full)}{extra}")
+        lines.append(f"  turning it on (full): {_moves(e, full)}{extra}.")
     lines.append(f"Training checkpoint — a different thing with a similar name: the file written to disk so "
                  f"training can resume after a failure (weights + optimizer state, "
                  f"{fmt_bytes(e.training_checkpoint_bytes)} here). It does not change step memory or speed.")
