@@ -156,7 +156,7 @@ def test_estimate_and_vary_use_the_cached_calibration_of_the_device(tmp_path, mo
     save(Calibration(device="cpu", hardware=f"{cpu_hardware()}, 1 threads", torch_device="cpu",
                      matmul_flops_fp32=rate, matmul_flops_bf16=None, memory_bytes_per_s=3e9, threads=1,
                      measured_at="2025-01-01T00:00:00+00:00", torch_version=torch.__version__,
-                     matmul_curve={"fp32": [[1.0, rate]]}, memory_curve=[[1.0, 3e9]], strided_bytes_per_s=1e9,
+                     matmul_curve={"fp32": [[1.0, rate], [1e12, rate]]}, memory_curve=[[1.0, 3e9], [1e9, 3e9]], strided_bytes_per_s=1e9,
                      dispatch_seconds={"forward": 5e-6, "backward": 5e-6, "plain": 5e-6}))
     one = json.loads(run("estimate", "--device", "cpu", "--json").stdout)["time"]
     assert one["flops_ceiling"] == pytest.approx(rate) and one["ceiling_source"].startswith("calibrated on")

@@ -153,7 +153,8 @@ def _enum_fields(obj) -> dict[str, object]:
         if typing.get_origin(hints[f.name]) is tuple:  # a tuple of enums (a plan's layers): each element
             out.update({f"{f.name}[{i}]": v for i, v in enumerate(getattr(obj, f.name))})
         elif any(isinstance(k, type) and issubclass(k, enum.Enum) for k in kinds):
-            out[f.name] = getattr(obj, f.name)
+            if getattr(obj, f.name) is not None or type(None) not in kinds:  # an optional one left unset: None
+                out[f.name] = getattr(obj, f.name)
     return out
 
 
@@ -163,7 +164,8 @@ def test_enum_fields_hold_enums_when_built_from_strings():
     from batchlab.config import Backend, DeviceSpec, ModelSpec
 
     cfg = RunConfig(model=ModelSpec(mlp="swiglu", norm="rmsnorm", attention="sdpa", position="rope"),
-                    precision="bf16-mixed", optimizer="sgd", data="padded")
+                    precision="bf16-mixed", optimizer="sgd", data="padded", sharding="deepspeed-zero2",
+                    pp_schedule="gpipe")
     built = [cfg, cfg.model, ACPolicy("full"), ACPolicy.parse("plan:full,none*3"), DeviceSpec("x", "cuda", 1, 1.0, 1.0, 1.0, 1.0, 1.0),
              config_from_dict(json.loads(json.dumps(cfg.to_dict())))]
     for obj in built:

@@ -39,6 +39,7 @@ def _model_is_preset(m: ModelSpec) -> bool:
 def config_toml(cfg: RunConfig) -> str:
     """A ``[config]`` table (model as a preset name when it is one, else a ``[config.model]`` table)."""
     d = to_jsonable(cfg)
+    d.pop("parallel")  # derived from the flat degrees written here
     model, assumptions = d.pop("model"), d.pop("assumptions")
     model.pop("profile", None)  # a cache of the model's traced layer terms, found again from the model's config
     if _model_is_preset(cfg.model):

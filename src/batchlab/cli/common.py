@@ -59,8 +59,15 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
                           "classifier (no LM head: a pooled sequence classifier); the last three formula only."),
     "zero": (int, 0, "ZeRO stage 0-3 over the DP ranks: 0 DDP, 1 + ZeroRedundancyOptimizer, 2 FSDP2 "
                      "reshard_after_forward=False, 3 FSDP2 full sharding."),
-    "sharding": (Optional[str], None, "The --zero stage by its engine's name: ddp, zero1, fsdp-grad-op (ZeRO-2) or "
-                                      "fsdp (ZeRO-3)."),
+    "sharding": (Optional[str], None, "The data-parallel engine (sets the --zero stage): ddp, zero1, fsdp-grad-op "
+                                      "(ZeRO-2), fsdp (ZeRO-3), or deepspeed-zero1/2/3 (formula only: DeepSpeed's "
+                                      "own buffers)."),
+    "tp": (int, 1, "Tensor-parallel degree (Megatron's column/row split; divides heads, kv-heads and ffn). World "
+                   "size = dp x tp x pp; tp does not multiply the global batch."),
+    "sequence_parallel": (bool, False, "With --tp: split norms and dropouts along the sequence too."),
+    "pp": (int, 1, "Pipeline-parallel stages (divides the layers); accum = micro-batches per update per pipeline."),
+    "pp_schedule": (str, "1f1b", "Pipeline schedule: gpipe, 1f1b or interleaved-1f1b."),
+    "pp_virtual": (int, 1, "Model chunks per pipeline rank (interleaved-1f1b)."),
     "device": (str, "cpu", "Device: cpu, local (this machine's GPU, else cpu), h100-sxm, h200, a100-40gb, a100-80gb, "
                            "l40s, mi300x, or custom:mem=80GB,tflops=400,..."),
     "memory_budget": (Optional[str], None, "Memory per rank, e.g. 2GiB (replaces the device's; on CPU a tracked-bytes budget)."),
@@ -107,7 +114,8 @@ def _typed_changes(base: RunConfig, given: set[str], o: dict[str, Any]) -> dict[
     if "memory_budget" in changes:
         changes["memory_budget"] = parse_bytes("memory_budget", changes["memory_budget"])
     if "sharding" in given:
-        changes["zero"] = _sharding_stage(o["sharding"], o.get("zero") if "zero" in given else None)
+        changes["sharding"] = o["sharding"]
+        changes["zero"] = o["zero"] if "zero" in given else 0  # the engine's stage; a typed --zero must agree
     if "global_batch" in given:  # the file's micro-batch and DP unless typed
         changes["accum"] = _accum_for(o["global_batch"], changes.get("micro_batch", base.micro_batch),
                                       changes.get("dp", base.dp), changes.get("accum"))
@@ -187,7 +195,7 @@ def with_goal_profile(goal, after_oom: bool = False):
 
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "loss", "zero", "device", "memory_budget",
-             "data", "seed")
+             "data", "seed", "tp", "sequence_parallel", "pp", "pp_schedule", "pp_virtual")
 
 
 def _accum_for(global_batch: int, micro_batch: int, dp: int, accum: int | None) -> int:
@@ -199,15 +207,6 @@ def _accum_for(global_batch: int, micro_batch: int, dp: int, accum: int | None) 
     return derived
 
 
-def _sharding_stage(sharding: str, zero: int | None) -> int:
-    from batchlab.distributed.sharding import parse_sharding
-
-    stage = parse_sharding(sharding)
-    if zero and zero != stage:
-        raise ConfigError("sharding", f"--sharding {sharding} is ZeRO-{stage}, but --zero {zero} was given")
-    return stage
-
-
 def _config_from_flags(**o: Any) -> RunConfig:
     spec, source = _model_from_flags(o)
     mb, accum, gb, dp = o.get("micro_batch"), o.get("accum"), o.get("global_batch"), o.get("dp", 1)
@@ -215,10 +214,9 @@ def _config_from_flags(**o: Any) -> RunConfig:
         mb = 1 if mb is None else mb
         accum = _accum_for(gb, mb, dp, accum)
     budget = o.get("memory_budget")
-    given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "loss", "zero", "device", "data", "seed")
+    given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "loss", "zero", "device", "data", "seed", "tp",
+                               "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "sharding")
              if o.get(k) is not None}
-    if o.get("sharding") is not None:
-        given["zero"] = _sharding_stage(o["sharding"], o.get("zero"))
     default = Assumptions()
     assumptions = Assumptions(achievable_fraction=o.get("achievable_fraction", default.achievable_fraction),
                               comm_overlap=o.get("comm_overlap", default.comm_overlap),

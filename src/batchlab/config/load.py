@@ -17,6 +17,7 @@ from batchlab.config.values import finite_number, parse_bytes, read_file
 def config_from_dict(d: dict[str, Any]) -> RunConfig:
     """Inverse of ``to_dict`` (used by subprocess runners, TOML experiment files and the notebook)."""
     d = dict(d)
+    d.update(_layout(d.pop("parallel", None), d))
     model = d.pop("model", None)
     if isinstance(model, dict):
         model = ModelSpec(**model)
@@ -77,6 +78,20 @@ def parse_field_value(name: str, text: Any) -> Any:
             except ValueError:
                 raise ConfigError(name, f"{text!r} is not {word}") from None
     return text
+
+
+def _layout(table: Any, flat: dict[str, Any]) -> dict[str, Any]:
+    """The fields a ``parallel`` table (what to_jsonable writes beside the flat degrees) gives; the flat fields
+    win where both name one, and must agree."""
+    from batchlab.config.parallel import fields_from_table
+
+    if table is None:
+        return {}
+    out = fields_from_table(table)
+    for k, v in out.items():
+        if k in flat and flat[k] != v and k != "sharding":  # the table's engine is derived where sharding is None
+            raise ConfigError(k, f"{flat[k]!r} here, {v!r} in the parallel table")
+    return {k: v for k, v in out.items() if k not in flat}
 
 
 def model_from_hf_config(path: str | Path, field_name: str = "hf_config", **overrides: Any) -> ModelSpec:
@@ -159,6 +174,7 @@ def config_from_table(table: Any, base: RunConfig | None = None) -> RunConfig:
     assumptions = values.pop("assumptions", None)
     if isinstance(assumptions, dict):
         values.update(assumptions)
+    values.update(_layout(values.pop("parallel", None), values))
     global_batch = values.pop("global_batch", None)
     unknown = [k for k in values if k not in CHANGEABLE_FIELDS and k not in ("model_source",)]
     if unknown:

@@ -15,6 +15,8 @@ from batchlab.config import layerplan
 from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, Counted, DataKind, Implementation, LossMode,
                                      ModelSource, OptimizerKind, Precision)
 from batchlab.config.devices import DeviceSpec, device
+from batchlab.config.engines import ENGINES, PYTORCH_ENGINE, SCHEDULES, Engine, PipelineSchedule, engine
+from batchlab.config.parallel import Layout
 from batchlab.config.model import ModelSpec, default_ffn, preset
 from batchlab.config.values import SEED_MAX, SIZE_MAX, finite_number, parse_bytes, whole_number
 
@@ -206,6 +208,13 @@ class RunConfig:
     ac: ACPolicy = field(default_factory=ACPolicy)  # activation checkpointing (a string such as "full" is parsed)
     loss: LossPolicy = field(default_factory=LossPolicy)  # the loss path (a string such as "chunked:8" is parsed)
     zero: int = 0  # ZeRO stage over the dp ranks (1: optimizer, 2: +grads, 3: +params; FSDP ~ 3)
+    # the data-parallel engine (config/engines.py); None: PyTorch's for the stage (ddp, zero1, fsdp-grad-op, fsdp)
+    sharding: Engine | None = None
+    tp: int = 1  # tensor-parallel degree (Megatron's column / row split of attention and MLP)
+    sequence_parallel: bool = False  # with tp: norms and dropouts split along the sequence (Korthikanti 2022)
+    pp: int = 1  # pipeline-parallel stages
+    pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B  # gpipe, 1f1b or interleaved-1f1b
+    pp_virtual: int = 1  # model chunks per pipeline rank (interleaved-1f1b)
     device: str = "cpu"  # a catalogue card (h100-sxm, ...), local, cpu or custom:mem=...,tflops=...
     memory_budget: int | None = None  # bytes; replaces the device's memory (CPU: a tracked-bytes budget)
     data: DataKind = DataKind.FIXED  # fixed (full-length sequences) or padded (padding is not useful work)
@@ -225,6 +234,7 @@ class RunConfig:
             raise ConfigError("model_source", "must be builtin, hf:NAME_OR_CONFIG or package.module:factory")
         whole_number("zero", self.zero, allow_zero=True)
         whole_number("seed", self.seed, allow_zero=True, maximum=SEED_MAX)
+        self._check_layout()
         if not isinstance(self.device, str):
             raise ConfigError("device", f"must be a device name, got {self.device!r}")
         if self.zero > 3:
@@ -251,7 +261,48 @@ class RunConfig:
             set_(self, "memory_budget", parse_bytes("memory_budget", self.memory_budget))
             whole_number("memory_budget", self.memory_budget)
 
+    def _check_layout(self) -> None:
+        """The parallel degrees against each other and the model (one ConfigError naming the field)."""
+        set_ = object.__setattr__
+        for name in ("tp", "pp", "pp_virtual"):
+            whole_number(name, getattr(self, name), maximum=SIZE_MAX)
+        set_(self, "pp_schedule", PipelineSchedule.parse("pp_schedule", self.pp_schedule))
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError("sequence_parallel", f"must be true or false, got {self.sequence_parallel!r}")
+        if self.sharding is not None:
+            set_(self, "sharding", engine(self.sharding))
+            stage = ENGINES[self.sharding].stage
+            if self.zero not in (0, stage):
+                raise ConfigError("sharding", f"{self.sharding} is ZeRO-{stage}, but zero {self.zero} was given")
+            set_(self, "zero", stage)
+            if PYTORCH_ENGINE[stage] is self.sharding:  # one spelling per config: PyTorch's engines are the stage's
+                set_(self, "sharding", None)
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel", "splits the sequence across tensor-parallel ranks: it needs --tp > 1")
+        if self.pp == 1 and self.pp_virtual > 1:
+            raise ConfigError("pp_virtual", "virtual stages are chunks of a pipeline: they need --pp > 1")
+        if (self.tp > 1 or self.pp > 1) and self.model_kind is ModelSource.FACTORY:
+            raise ConfigError("tp" if self.tp > 1 else "pp", "a factory's model has no layer structure batchlab can "
+                                                            "split: tensor and pipeline parallelism take a preset or hf: model")
+        m = self.model
+        for name, value in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn", m.ffn)):
+            if value % self.tp:
+                raise ConfigError("tp", f"{self.tp} does not divide the model's {name} ({value}): each tensor-parallel "
+                                        f"rank takes an equal share")
+        if m.layers % (self.pp * self.pp_virtual):
+            raise ConfigError("pp", f"{m.layers} layers do not split into pp x pp_virtual = {self.pp} x "
+                                    f"{self.pp_virtual} equal stages")
+        if self.pp > 1:
+            SCHEDULES[self.pp_schedule].check(self.pp, self.accum, self.pp_virtual)
+
     # -- derived
+    @property
+    def parallel(self) -> Layout:
+        """The parallel layout: degrees, engine, schedule and the facts every reader asks (config/parallel.py)."""
+        return Layout(dp=self.dp, engine=self.sharding or PYTORCH_ENGINE[self.zero], tp=self.tp,
+                      sequence_parallel=self.sequence_parallel, pp=self.pp, schedule=self.pp_schedule,
+                      virtual=self.pp_virtual)
+
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.accum * self.dp
@@ -274,8 +325,11 @@ class RunConfig:
         return self.memory_budget if self.memory_budget is not None else self.device_spec.memory_bytes
 
     def global_batch_text(self, counted: Counted = Counted.TOKENS) -> str:
+        """The global-batch line; with tensor or pipeline ranks, the layout too (they do not multiply it)."""
+        layout = self.parallel
         return (f"global batch = micro-batch x accum x DP = {self.micro_batch} x {self.accum} x {self.dp} "
-                f"= {counted.update_text(self.global_batch, self.tokens_per_update)}")
+                f"= {counted.update_text(self.global_batch, self.tokens_per_update)}"
+                + (f"; {layout.text()}" if layout.tp > 1 or layout.pp > 1 else ""))
 
     # -- changing
     def replace(self, **changes: Any) -> "RunConfig":
@@ -342,8 +396,12 @@ def to_jsonable(obj: Any) -> Any:
     """Dataclasses/enums/policies to plain JSON values (the one serialiser for --json and the notebook)."""
     if isinstance(obj, enum.Enum):
         return obj.value
+    if isinstance(obj, Layout):
+        return obj.to_dict()
     if isinstance(obj, (ACPolicy, LossPolicy)):
         return str(obj)
+    if isinstance(obj, RunConfig):  # its fields, and the layout they make (derived: config_from_dict drops it)
+        return {**{f.name: to_jsonable(getattr(obj, f.name)) for f in fields(obj)}, "parallel": obj.parallel.to_dict()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in fields(obj)}
     if isinstance(obj, dict):

@@ -1,0 +1,141 @@
+"""The engine catalogue: one entry per data-parallel engine and per pipeline schedule, owning what it shards,
+keeps and sends -- the pattern of devices.py.  The formula, the measured run, the trace, the scripts ``fit`` prints
+and the settings it writes read an entry; adding an engine is adding an entry (and its tests).
+
+Torch-free.  The parallel layout that picks entries is ``config.parallel.Layout``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchlab.config.choices import Choice, ConfigError
+
+
+class Engine(Choice):
+    """What runs the data-parallel dimension (``--sharding``); the ZeRO stage follows from it."""
+
+    DDP = "ddp"
+    ZERO1 = "zero1"  # DDP + torch.distributed.optim.ZeroRedundancyOptimizer
+    FSDP_GRAD_OP = "fsdp-grad-op"  # FSDP2 fully_shard(reshard_after_forward=False): ZeRO-2
+    FSDP = "fsdp"  # FSDP2 fully_shard(reshard_after_forward=True): ZeRO-3
+    DEEPSPEED_ZERO1 = "deepspeed-zero1"
+    DEEPSPEED_ZERO2 = "deepspeed-zero2"
+    DEEPSPEED_ZERO3 = "deepspeed-zero3"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine's facts (Rajbhandari et al. 2019, ZeRO, sec. 5: stage k shards optimizer state, + gradients,
+    + parameters over the data-parallel ranks)."""
+
+    engine: Engine
+    stage: int  # ZeRO stage it implements
+    api: str  # what runs it, as a user writes it
+    per_micro_batch: str  # what it sends per micro-batch
+    per_update: str  # what it sends per optimizer update
+    measured: bool = True  # batchlab runs it (forked gloo ranks or torchrun); False: formula only
+    reshards_after_forward: bool = False  # parameters gathered again in backward (ZeRO-3)
+    deepspeed: bool = False  # DeepSpeed's own buffers (formula/deepspeed.py) are priced
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        return self.stage >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self.stage >= 3
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2's per-block gather and reduce-scatter (formula/fsdp.py walks its phases)."""
+        return self.engine in (Engine.FSDP_GRAD_OP, Engine.FSDP)
+
+
+_DDP_UPDATE = "one gradient all-reduce (no_sync() on all but the last micro-batch), bucketed, overlapped with backward"
+ENGINES: dict[Engine, EngineSpec] = {s.engine: s for s in (
+    EngineSpec(Engine.DDP, 0, "DistributedDataParallel(gradient_as_bucket_view=True)", "nothing", _DDP_UPDATE),
+    EngineSpec(Engine.ZERO1, 1, "DDP(gradient_as_bucket_view=True) + ZeroRedundancyOptimizer", "nothing",
+               _DDP_UPDATE + "; the shard owners broadcast the updated parameters after the step"),
+    EngineSpec(Engine.FSDP_GRAD_OP, 2, "FSDP2 fully_shard per block + root, reshard_after_forward=False",
+               "all-gather of each block's parameters in forward, reduce-scatter of its gradients in backward",
+               "nothing beyond the micro-batches'"),
+    EngineSpec(Engine.FSDP, 3, "FSDP2 fully_shard per block + root, reshard_after_forward=True",
+               "all-gather of each block's parameters in forward and again in backward, reduce-scatter of its "
+               "gradients", "nothing beyond the micro-batches'", reshards_after_forward=True),
+    # DeepSpeed ZeRO (deepspeed.ai/docs/config-json, "ZeRO optimizations"): its own buffers priced, not run here
+    EngineSpec(Engine.DEEPSPEED_ZERO1, 1, "deepspeed.initialize, zero_optimization.stage=1", "nothing",
+               "gradient all-reduce in reduce_bucket_size buckets; parameter all-gather in allgather_bucket_size",
+               measured=False, deepspeed=True),
+    EngineSpec(Engine.DEEPSPEED_ZERO2, 2, "deepspeed.initialize, zero_optimization.stage=2",
+               "gradient reduce-scatter in reduce_bucket_size buckets (contiguous_gradients)",
+               "parameter all-gather in allgather_bucket_size after the step", measured=False, deepspeed=True),
+    EngineSpec(Engine.DEEPSPEED_ZERO3, 3, "deepspeed.initialize, zero_optimization.stage=3",
+               "parameter all-gather per module (prefetch bucket, live-parameter limit), forward and backward; "
+               "gradient reduce-scatter in reduce_bucket_size buckets", "nothing beyond the micro-batches'",
+               measured=False, reshards_after_forward=True, deepspeed=True),
+)}
+PYTORCH_ENGINE = {0: Engine.DDP, 1: Engine.ZERO1, 2: Engine.FSDP_GRAD_OP, 3: Engine.FSDP}  # --zero N alone
+
+
+def engine(value) -> Engine:
+    """``--sharding`` spelling to its Engine; one ConfigError naming the allowed spellings otherwise."""
+    return Engine.parse("sharding", str(value).strip().lower().replace("_", "-"))
+
+
+class PipelineSchedule(Choice):
+    """How a pipeline runs its micro-batches (torch.distributed.pipelining's schedules)."""
+
+    GPIPE = "gpipe"  # all forwards, then all backwards (Huang et al. 2019)
+    ONE_F_ONE_B = "1f1b"  # one forward, one backward once the pipeline is full (Narayanan et al. 2021, PipeDream-flush)
+    INTERLEAVED = "interleaved-1f1b"  # v model chunks per rank (Narayanan et al. 2021, sec. 2.2)
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    schedule: PipelineSchedule
+    api: str  # torch.distributed.pipelining class
+    virtual: bool  # takes more than one stage per rank
+
+    def in_flight(self, stage: int, p: int, m: int, v: int = 1) -> float:
+        """Micro-batches whose activations stage ``stage`` (0 first) of ``p`` holds at its high point, in units of
+        one micro-batch through the rank's whole share of layers.  GPipe: all m (every forward runs before the
+        first backward).  1F1B: p - stage, at most m (the warm-up forwards before the first backward).  Interleaved
+        with v chunks per rank: Narayanan et al. 2021 sec. 2.2 / Megatron's schedule, (p - stage - 1) * 2 + (v - 1) * p
+        + 1 warm-up chunk-forwards, each 1/v of the rank's layers, at most m * v chunks."""
+        if self.schedule is PipelineSchedule.GPIPE:
+            return float(m)
+        if self.schedule is PipelineSchedule.ONE_F_ONE_B:
+            return float(min(p - stage, m))
+        warmup = min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
+        return warmup / v
+
+    def bubble_fraction(self, p: int, m: int, v: int = 1) -> float:
+        """Idle share of a pipeline's update: (p-1)/(m+p-1) for GPipe and 1F1B; with v chunks per rank the bubble
+        shrinks v-fold, (p-1)/(v·m+p-1) (Narayanan et al. 2021, sec. 2.2: bubble time / ideal = (p-1)/(v·m))."""
+        if p <= 1:
+            return 0.0
+        chunks = v if self.virtual else 1
+        return (p - 1) / (chunks * m + p - 1)
+
+    def check(self, p: int, m: int, v: int) -> None:
+        """The micro-batches and chunks a schedule needs (torch.distributed.pipelining raises on fewer)."""
+        if v > 1 and not self.virtual:
+            raise ConfigError("pp_virtual", f"{self.schedule} runs one stage per rank: --pp-virtual 1, or "
+                                            "--pp-schedule interleaved-1f1b")
+        if p > 1 and self.schedule is not PipelineSchedule.GPIPE and m < p:
+            raise ConfigError("accum", f"{self.schedule} over {p} stages needs at least {p} micro-batches per update "
+                                       f"(accum), got {m}")
+        if p > 1 and self.virtual and m % p:
+            raise ConfigError("accum", f"interleaved-1f1b needs micro-batches per update (accum) divisible by "
+                                       f"--pp {p}, got {m}")
+
+
+SCHEDULES: dict[PipelineSchedule, ScheduleSpec] = {s.schedule: s for s in (
+    ScheduleSpec(PipelineSchedule.GPIPE, "ScheduleGPipe", virtual=False),
+    ScheduleSpec(PipelineSchedule.ONE_F_ONE_B, "Schedule1F1B", virtual=False),
+    ScheduleSpec(PipelineSchedule.INTERLEAVED, "ScheduleInterleaved1F1B", virtual=True),
+)}

@@ -1,0 +1,141 @@
+"""How the world is split: the one parallel-layout value every reader asks (``RunConfig.parallel``).
+
+    world size = dp x tp x pp        global batch = micro-batch x accum x dp   (tensor and pipeline ranks hold
+                                                                            slices of one model replica)
+
+Degrees: data parallel (``dp``, with its engine and ZeRO stage: config/engines.py), tensor parallel (``tp``,
+Megatron's column / row split of attention and MLP, Shoeybi et al. 2019; with sequence parallelism the norms and
+dropouts are split along the sequence too, Korthikanti et al. 2022), pipeline parallel (``pp`` stages of
+consecutive layers, ``virtual`` chunks per rank under an interleaved schedule).  Torch-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchlab.config.engines import ENGINES, SCHEDULES, Engine, EngineSpec, PipelineSchedule, ScheduleSpec
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    engine: Engine = Engine.DDP
+    tp: int = 1
+    sequence_parallel: bool = False
+    pp: int = 1
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    virtual: int = 1  # model chunks per pipeline rank (interleaved schedule)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def engine_spec(self) -> EngineSpec:
+        return ENGINES[self.engine]
+
+    @property
+    def schedule_spec(self) -> ScheduleSpec:
+        return SCHEDULES[self.schedule]
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage over the data-parallel ranks (0 with one rank: nothing to shard over)."""
+        return self.engine_spec.stage if self.dp > 1 else 0
+
+    # what every reader asks, named once: with one data-parallel rank nothing is sharded or reduced
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.dp > 1 and self.engine_spec.shards_optimizer
+
+    @property
+    def shards_gradients(self) -> bool:
+        return self.dp > 1 and self.engine_spec.shards_gradients
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self.dp > 1 and self.engine_spec.shards_parameters
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 runs the data dimension (per-block gather / reduce-scatter phases)."""
+        return self.dp > 1 and self.engine_spec.fsdp
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        return self.dp > 1 and self.engine_spec.reshards_after_forward
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank."""
+        return self.virtual if self.pipelined else 1
+
+    def stage_layers(self, layers: int, stage: int) -> tuple[int, ...]:
+        """The layers pipeline stage ``stage`` (0 first) holds: its ``virtual`` chunks of layers/(pp·virtual),
+        chunk j of rank r being the (j·pp + r)-th slice (Narayanan et al. 2021, sec. 2.2)."""
+        per = layers // (self.pp * self.chunks)
+        return tuple(i for j in range(self.chunks) for i in range((j * self.pp + stage) * per,
+                                                                  (j * self.pp + stage + 1) * per))
+
+    def holds_embedding(self, stage: int) -> bool:
+        return stage == 0
+
+    def holds_head(self, stage: int) -> bool:
+        """The last stage computes the final norm, the LM head and the loss."""
+        return stage == self.pp - 1
+
+    def in_flight(self, stage: int, micro_batches: int) -> float:
+        """Micro-batches of activations stage ``stage`` holds at its high point (engines.ScheduleSpec.in_flight);
+        1 without a pipeline."""
+        if not self.pipelined:
+            return 1.0
+        return self.schedule_spec.in_flight(stage, self.pp, micro_batches, self.chunks)
+
+    def bubble_fraction(self, micro_batches: int) -> float:
+        return self.schedule_spec.bubble_fraction(self.pp, micro_batches, self.chunks)
+
+    def text(self) -> str:
+        """world = DP x TP x PP = ... ranks, with the engine, SP and schedule where they apply."""
+        parts = [f"world = DP x TP x PP = {self.dp} x {self.tp} x {self.pp} = {self.world_size} ranks"]
+        if self.dp > 1:
+            parts.append(f"DP {self.engine.value}")
+        if self.tp > 1:
+            parts.append("TP with sequence parallelism" if self.sequence_parallel else "TP")
+        if self.pp > 1:
+            parts.append(f"PP {self.schedule.value}" + (f", {self.virtual} chunks per rank" if self.virtual > 1 else ""))
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "schedule": self.schedule.value, "virtual": self.virtual,
+                "sequence_parallel": self.sequence_parallel, "world_size": self.world_size,
+                "engine": self.engine.value, "zero": self.stage}
+
+
+# a [config.parallel] table's names (Layout.to_dict, what --json and fit's config files write) -> RunConfig fields
+_TABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "schedule": "pp_schedule", "virtual": "pp_virtual",
+          "sequence_parallel": "sequence_parallel", "engine": "sharding"}
+_DERIVED = ("world_size", "zero")  # the degrees' product; the stage in effect (0 with one data-parallel rank)
+
+
+def fields_from_table(table) -> dict:
+    """RunConfig fields from a ``parallel`` table; its ``world_size`` (derived) must be the degrees' product."""
+    from batchlab.config.choices import ConfigError
+
+    if not isinstance(table, dict):
+        raise ConfigError("parallel", "must be a table of dp, tp, pp, schedule, virtual, sequence_parallel, engine")
+    unknown = [k for k in table if k not in _TABLE and k not in _DERIVED]
+    if unknown:
+        raise ConfigError(f"parallel.{unknown[0]}", f"unknown; known: {', '.join([*_TABLE, *_DERIVED])}")
+    out = {_TABLE[k]: v for k, v in table.items() if k in _TABLE}
+    if "world_size" in table:
+        product = out.get("dp", 1) * out.get("tp", 1) * out.get("pp", 1)
+        if table["world_size"] != product:
+            raise ConfigError("parallel.world_size", f"{table['world_size']} is not dp x tp x pp = {product}")
+    return out
