@@ -142,7 +142,7 @@ def plan_within(lm: LayerModel, budget: int, cals: Calibrations) -> Point | None
     slack the model leaves out): the model's budget tightened by any excess, then bisected between the
     largest model budget whose plan fitted and the least whose plan did not, for the fastest plan that fits.
     The first try allows the discretisation's rounding (a plan that fits to the byte is not lost to it)."""
-    slack = (lm.layers + 1) * -(-budget // knapsack.UNITS)
+    slack = 0 if knapsack.by_counts(lm.seconds, lm.held, lm.kept) else (lm.layers + 1) * -(-budget // knapsack.UNITS)
     target, fitted, failed = budget + slack, None, None
     for _ in range(TIGHTEN_TRIES):
         p = _at(lm, target, budget, cals)
