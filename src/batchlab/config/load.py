@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from batchlab.config import planfile
 from batchlab.config.choices import ConfigError
 from batchlab.config.hf import hf_config_path, is_family, read_hf_config, spec_fields
 from batchlab.config.model import PRESETS, ModelSpec, preset
@@ -182,4 +183,5 @@ def load_config_toml(path: str | Path, base: RunConfig | None = None) -> RunConf
     raw = read_file("config", p, tomllib.loads, "TOML")
     if not isinstance(raw.get("config"), dict):
         raise ConfigError("config", f"{p} has no [config] table")
-    return config_from_table(raw["config"], base)
+    with planfile.relative_to(p.parent):  # ac = "plan:FILE": FILE beside this file
+        return config_from_table(raw["config"], base)
