@@ -85,7 +85,7 @@ def calibrate(
     out.print(table)
     out.print("Measured rates are what kernels of each size reach: no achievable fraction is applied on top.")
     if path:
-        out.print(f"cached for device {cal.device!r} at {cal.threads} thread(s): {path}")
+        out.print(f"cached for device {cal.device!r} at {cal.threads} thread(s): {path}", markup=False, highlight=False)
 
 
 def _statistic(cal) -> str:
