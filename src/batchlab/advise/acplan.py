@@ -23,6 +23,7 @@ from batchlab.advise.acmodel import MODEL_TEXT, LayerModel
 from batchlab.advise.plan import EVERY_K, Goal, micro_batches, shaped
 from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ACPolicy, AttentionImpl, ConfigError, ModelSource, RunConfig
+from batchlab.config.planfile import MAX_LAYERS
 from batchlab.formula import Calibrations, estimate
 from batchlab.util.units import fmt_bytes
 
@@ -214,6 +215,8 @@ def _fastest(points: list[Point], budget: int) -> Point | None:
 def layer_models(goal: Goal, cals: Calibrations | None = None) -> dict[int, LayerModel]:
     """The planner's model at each micro-batch the goal searches (one if held): built once per fit, then
     planned at every budget its fallbacks try."""
+    if goal.base.model.layers > MAX_LAYERS:  # a plan names each layer: the bound every plan form has
+        raise ConfigError("layers", f"--ac auto plans at most {MAX_LAYERS:,} layers, got {goal.base.model.layers:,}")
     cals = load_all() if cals is None else cals
     return {mb: model_at(shaped(goal, mb, ACPolicy(), goal.base.zero), cals) for mb in micro_batches(goal)}
 

@@ -99,6 +99,8 @@ def _from_table(table: dict, layers: int, name: str) -> tuple[ACMode, ...]:
 
 def _from_ac(text: str, layers: int, name: str) -> tuple[ACMode, ...]:
     """A file whose pick was a preset (``ac = "full"``, ``every:2``): that policy over its layers."""
+    if text.strip().lower().startswith("plan:"):
+        raise ConfigError(FIELD, f"{name}: ac {shown(text)} is a plan; give it as per_layer")
     m = re.fullmatch(r"(?:every|selective-layer):([0-9]{1,7})", text.strip().lower())
     if m and int(m.group(1)) >= 1:  # as ACPolicy.layer_modes: the first layer of every K recomputed
         return tuple(ACMode.FULL if i % int(m.group(1)) == 0 else ACMode.NONE for i in range(layers))

@@ -11,7 +11,7 @@ from batchlab.config import planfile
 from batchlab.config.choices import ConfigError
 from batchlab.config.hf import hf_config_path, is_family, read_hf_config, spec_fields
 from batchlab.config.model import PRESETS, ModelSpec, preset
-from batchlab.config.run import CHANGEABLE_FIELDS, RUN_FIELDS, Assumptions, RunConfig
+from batchlab.config.run import CHANGEABLE_FIELDS, RUN_FIELDS, ACPolicy, Assumptions, RunConfig
 from batchlab.config.values import finite_number, parse_bytes, read_file
 
 
@@ -67,6 +67,8 @@ def parse_field_value(name: str, text: Any) -> Any:
         return None
     if name == "memory_budget":
         return parse_bytes(name, text)
+    if name == "ac":  # now, while a plan file's path is taken from the file that names it
+        return ACPolicy.parse(text)
     if base is bool:
         if text.lower() not in _TRUE | _FALSE:
             raise ConfigError(name, f"{text!r} is not true or false")

@@ -80,8 +80,10 @@ def _text(path: Path, name: str) -> str:
     except FileNotFoundError:
         raise ConfigError(FIELD, f"{name} not found{_where(path)} (read as a file because it ends in .json or "
                                  ".toml or has a / in it; an inline plan is plan:POLICY*N,...)") from None
-    except OSError as e:
+    except OSError as e:  # a symlink loop, a name too long, no permission
         raise ConfigError(FIELD, f"{name}: cannot open it: {e.strerror or e}") from None
+    except ValueError:  # a NUL byte in the name
+        raise ConfigError(FIELD, f"{name}: a path cannot hold a NUL character") from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
