@@ -87,15 +87,17 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
     full = act.layer_activations(m, s, b, p, backend, impl).total
     if cfg.assumptions.torch_before(1, 11):
         full += act.legacy_softmax_input_bytes(m, s, b, p, backend)
-    kept = []
-    for mode in cfg.ac.layer_modes(m.layers):
+    modes = cfg.ac.layer_modes(m.layers)
+    per_mode = {}  # alike layers under one policy keep alike bytes: once per policy, not per layer
+    for mode in set(modes):
         if mode is ACMode.FULL:
-            kept.append(act.checkpointed_layer_bytes(m, s, b, p))
+            per_mode[mode] = act.checkpointed_layer_bytes(m, s, b, p)
         elif mode is not ACMode.NONE:
-            kept.append(checkpointing.kept_bytes(mode, m, s, b, p, backend, impl))
+            per_mode[mode] = checkpointing.kept_bytes(mode, m, s, b, p, backend, impl)
         else:
-            kept.append(full)
-    return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
+            per_mode[mode] = full
+    kept = tuple(per_mode[mode] for mode in modes)
+    return ActivationPlan(full, kept, act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
 
 
 def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
