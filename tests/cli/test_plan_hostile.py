@@ -243,9 +243,14 @@ def test_vary_keeps_a_plans_commas(vary, rows):
     assert r.exit_code == 0 and [row["value"] for row in json.loads(r.output)] == rows
 
 
-def test_vary_with_a_bad_plan_row_is_answered():
-    r = run(["estimate", "--vary", "ac=none,plan:full*2,bogus*2"])
-    assert r.exit_code == 0 and "bogus" in r.output  # an impossible row, shown as such
+@pytest.mark.parametrize("vary, shown", [
+    ("ac=none,plan:full*2,bogus*2", "plan:full*2,bogus*2"),
+    ("ac=none,[/x]", "[/x]"),  # rich markup in a value: shown as typed
+    ("ac=none;plan:/tmp/[red]x.json", "plan:/tmp/[red]x.json"),
+])
+def test_vary_with_a_bad_plan_row_is_answered(vary, shown):
+    r = run(["estimate", "--vary", vary])
+    assert r.exit_code == 0 and f"ac={shown}: not possible" in r.output, r.output  # an impossible row
 
 
 def test_compare_change_carries_a_multi_item_plan():

@@ -190,7 +190,7 @@ def _render_vary(rows, name: str, keep: Keep, console: Console, verbose: bool = 
         for col in header:
             tab.add_column(col, justify="right")
         for row in body:
-            tab.add_row(*row[:-1], "[red]no[/red]" if row[-1] == "no" else row[-1])
+            tab.add_row(escape(row[0]), *row[1:-1], "[red]no[/red]" if row[-1] == "no" else row[-1])  # row[0]: as typed
         console.print(tab)
     shown = len(notes) if verbose else MAX_NOTES
     for note in notes[:shown]:
