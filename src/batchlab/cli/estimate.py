@@ -132,8 +132,8 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
            currency: str = "USD", verbose: bool = False) -> None:
     """The estimate on a screen; ``verbose``: every memory part, the assumptions and the full sources."""
     cfg, t = e.config, e.time
-    console.print(f"[bold]{escape(cfg.model.name)}[/bold] ({e.params.total / 1e6:,.1f} M parameters \\[formula]), seq {cfg.seq}, "
-                  f"{cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
+    console.print(f"[bold]{escape(cfg.model.name)}[/bold] ({e.params.total / 1e6:,.1f} M parameters \\[formula]), "
+                  f"seq {cfg.seq}, {cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
     console.print(cfg.global_batch_text())
     console.print(implementation_line(cfg), markup=False, highlight=False)
     if unseen_model(cfg):
