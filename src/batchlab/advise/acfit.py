@@ -15,9 +15,10 @@ from batchlab.advise.acmodel import LayerModel
 from batchlab.advise.acplan import ACPlan, Point, layer_models, next_budget, plan_ac
 from batchlab.advise.fit import FitReport, isolated_measure
 from batchlab.advise.plan import FitPlan, Goal, assumptions, candidate
-from batchlab.advise.search import MeasureFn, Trial
+from batchlab.advise.search import NO_ANSWER, MeasureFn, Trial
 from batchlab.formula.calibration import load_all
 from batchlab.config import ConfigError
+from batchlab.config.layerplan import use
 from batchlab.util.files import write_atomic
 from batchlab.util.units import fmt_bytes, relative_to
 
@@ -29,17 +30,17 @@ DEFAULT_FILE = "batchlab-ac-plan.json"
 def write_plan(p: ACPlan, path: str | Path) -> str:
     c = p.chosen
     assert c is not None and p.config is not None
-    data = {"ac": c.ac, "per_layer": c.per_layer, "layers": p.config.model.layers,
+    layers = p.config.model.layers
+    # one policy per layer whatever was picked (a preset too): the file reads back as --ac plan:FILE
+    per_layer = [m.value for m in p.config.ac.layer_modes(layers)]
+    data = {"ac": c.ac, "per_layer": per_layer, "layers": layers,
             "model": p.config.model.name, "model_source": p.config.model_source, "seq": p.config.seq,
             "micro_batch": c.micro_batch, "accum": p.config.accum, "precision": str(p.config.precision),
             "budget_bytes": p.budget_bytes, "predicted_peak_bytes": c.peak_bytes,
             "predicted_allocated_bytes": c.allocated_bytes,
             "predicted_update_seconds": c.update_seconds, "model_solved": p.model, "provenance": p.provenance,
-            "use": f"--ac plan:{path}"}
-    try:
-        write_atomic(Path(path), json.dumps(data, indent=1) + "\n", "plan")
-    except OSError as e:
-        raise ConfigError("plan_out", f"cannot write {path}: {e}") from None
+            "use": f"--ac {use(path)}"}
+    write_atomic(Path(path), json.dumps(data, indent=1) + "\n", "plan_out")
     return str(path)
 
 
@@ -93,6 +94,10 @@ def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan
             assert p.chosen is not None
             held = check(t, p.chosen.allocated, p.chosen.slack, goal.usable_bytes)
             report.verification = t
+            if t.outcome in NO_ANSWER:  # a timeout or a crash says nothing of the plan's memory
+                report.final, report.source = None, f"measurement {t.outcome}"
+                report.notes.append(f"measuring plan {p.chosen.ac} {t.outcome}: {t.detail}")
+                return report
             if held.fits:
                 report.source = f"{p.provenance} (activation-checkpointing plan), confirmed by measurement"
                 if not held.close:
@@ -117,5 +122,9 @@ def fit_auto(goal: Goal, *, verify: bool, measure: MeasureFn | None = None, plan
         else:
             report.final, report.source = None, f"measured: {ATTEMPTS} plans above the budget"
     if report.final is not None:
-        p.file = write_plan(p, plan_out or DEFAULT_FILE)
+        try:
+            p.file = write_plan(p, plan_out or DEFAULT_FILE)
+        except ConfigError as e:  # the plan and its measurement are still reported; only the file is missing
+            report.notes.append(f"the plan file was not written: {e}" + ("" if plan_out else
+                                                                          "; --plan-out PATH writes it elsewhere"))
     return report

@@ -10,7 +10,8 @@ from batchlab.config import ACMode, RunConfig
 MODEL_TEXT = ("peak = max(forward end + every layer's kept, each layer's backward: the layers below keep theirs "
               "while it is rebuilt whole, optimizer step) in allocated tensor bytes (formula); costs: the per-op "
               "time model's recompute seconds per layer policy; exact by dynamic programming over the budget in "
-              f"1/{knapsack.UNITS} steps, checked by the formula's full estimate of the plan")
+              f"1/{knapsack.UNITS} steps (beyond {knapsack.DP_LAYERS} alike layers: counts per policy in exact "
+              "bytes), checked by the formula's full estimate of the plan")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from batchlab.advise.acmodel import MODEL_TEXT, LayerModel
 from batchlab.advise.plan import EVERY_K, Goal, micro_batches, shaped
 from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ACPolicy, AttentionImpl, ConfigError, ModelSource, RunConfig
+from batchlab.config.planfile import MAX_LAYERS
 from batchlab.formula import Calibrations, estimate
 from batchlab.util.units import fmt_bytes
 
@@ -142,7 +143,7 @@ def plan_within(lm: LayerModel, budget: int, cals: Calibrations) -> Point | None
     slack the model leaves out): the model's budget tightened by any excess, then bisected between the
     largest model budget whose plan fitted and the least whose plan did not, for the fastest plan that fits.
     The first try allows the discretisation's rounding (a plan that fits to the byte is not lost to it)."""
-    slack = (lm.layers + 1) * -(-budget // knapsack.UNITS)
+    slack = 0 if knapsack.by_counts(lm.seconds, lm.held, lm.kept) else (lm.layers + 1) * -(-budget // knapsack.UNITS)
     target, fitted, failed = budget + slack, None, None
     for _ in range(TIGHTEN_TRIES):
         p = _at(lm, target, budget, cals)
@@ -214,6 +215,8 @@ def _fastest(points: list[Point], budget: int) -> Point | None:
 def layer_models(goal: Goal, cals: Calibrations | None = None) -> dict[int, LayerModel]:
     """The planner's model at each micro-batch the goal searches (one if held): built once per fit, then
     planned at every budget its fallbacks try."""
+    if goal.base.model.layers > MAX_LAYERS:  # a plan names each layer: the bound every plan form has
+        raise ConfigError("layers", f"--ac auto plans at most {MAX_LAYERS:,} layers, got {goal.base.model.layers:,}")
     cals = load_all() if cals is None else cals
     return {mb: model_at(shaped(goal, mb, ACPolicy(), goal.base.zero), cals) for mb in micro_batches(goal)}
 

@@ -8,7 +8,7 @@ from typing import Any, Callable
 from batchlab.advise.after_oom import Advice, Remedy, oom_advice, what_would_fit
 from batchlab.advise.plan import Goal, FitPlan, Progress, divisors, plan
 from batchlab.advise.states import StatesVerdict, states_verdict
-from batchlab.advise.search import (MeasureFn, SearchResult, Trial, TrialOutcome, search_largest,
+from batchlab.advise.search import (NO_ANSWER, MeasureFn, SearchResult, Trial, search_largest,
                                     trial_from_measurement)
 from batchlab.config import ModelSource, RunConfig, to_jsonable
 from batchlab.util.units import relative_to
@@ -132,9 +132,9 @@ def fit(goal: Goal, *, verify: bool, search: bool = False, measure: MeasureFn | 
 
     first = measured(rec)
     report.verification = first
-    if first.outcome is TrialOutcome.FAILED:  # not a memory answer: searching would only repeat the failure
-        report.final, report.source = None, "measurement failed"
-        report.notes.append(f"measuring the recommendation failed: {first.detail}")
+    if first.outcome in NO_ANSWER:  # not a memory answer: searching would only repeat the failure
+        report.final, report.source = None, f"measurement {first.outcome}"
+        report.notes.append(f"measuring the recommendation {first.outcome}: {first.detail}")
         return report
     if first.out_of_memory and goal.base.model_kind is not ModelSource.FACTORY:
         report.advice = oom_advice(dataclasses.replace(goal, base=rec))

@@ -8,6 +8,8 @@ rounded up and caps down, so a solution always satisfies the exact constraints (
 discretised ones; ``step=1``: exactly optimal).
 
 Three exact solvers, by the instance's shape:
+- many identical layers (more than ``DP_LAYERS``): a plan as counts per option, in exact bytes, in time
+  linear in the layers (advise/layercounts.py);
 - identical layers (the formula's model): any order of a multiset of options can be replaced by the
   ascending-held one, whose every prefix sum is the least (the k smallest of a multiset sum to at most any k
   of them), with the same totals and cost.  So the option holding most sits on top, c times, above a plan
@@ -24,7 +26,10 @@ from typing import Sequence
 
 import numpy as np
 
+from batchlab.advise import layercounts
+
 UNITS = 1 << 16  # budget resolution: the largest cap in units
+DP_LAYERS = 512  # identical layers beyond this are solved as counts (the program is layers x UNITS)
 _TIE = 1e-15  # costs closer than this are equal (the first option in menu order wins)
 
 
@@ -37,6 +42,9 @@ def solve(seconds: Sequence[Sequence[float]], held: Sequence[Sequence[int]], cap
           kept_cap: int | None = None) -> tuple[int, ...] | None:
     """The option index per layer with the least total cost that meets every constraint; None: none does.
     ``kept``/``kept_cap``: a second total, ``sum(kept) <= kept_cap``."""
+    if by_counts(seconds, held, kept):
+        return layercounts.solve(seconds[0], held[0], kept[0] if kept is not None else None, caps, total_cap,
+                                 kept_cap)
     step = step or step_for(caps, total_cap)
     up = [[math.ceil(b / step) for b in row] for row in held]
     cap_units = [math.floor(c / step) for c in caps]
@@ -54,6 +62,13 @@ def solve(seconds: Sequence[Sequence[float]], held: Sequence[Sequence[int]], cap
     if second is None:
         return _dense(seconds, up, cap_units, total_units)
     return _sparse(seconds, up, second, cap_units + [total_units], second_cap)
+
+
+def by_counts(seconds: Sequence[Sequence[float]], held: Sequence[Sequence[int]],
+              kept: Sequence[Sequence[int]] | None = None) -> bool:
+    """Whether ``solve`` takes the instance as counts per option (exact bytes: no rounding to a grid)."""
+    rows = (seconds, held) if kept is None else (seconds, held, kept)
+    return len(seconds) > DP_LAYERS and all(len(set(map(tuple, r))) == 1 for r in rows)
 
 
 def _top_option(w: Sequence[int], k: Sequence[int] | None) -> int | None:

@@ -25,8 +25,8 @@ def _pct(x: float | None) -> str:
 def header(out: Console, goal: Goal) -> None:
     """What fit plans for: model, target global batch, memory per rank, held and searched knobs."""
     b = goal.base
-    out.print(f"[bold]batchlab fit[/]  {b.model.name} ({b.model_source}), seq {b.seq}, {b.precision}, {b.optimizer}, "
-              f"{b.dp} x {b.device}")
+    out.print(f"[bold]batchlab fit[/]  {escape(b.model.name)} ({escape(b.model_source)}), seq {b.seq}, {b.precision}, "
+              f"{b.optimizer}, {b.dp} x {b.device}")
     if b.model_kind is ModelSource.FACTORY:  # tokens or samples: known once its code is traced
         out.print(f"target: global batch {goal.global_batch} examples over DP {b.dp}: {goal.per_rank} per rank per "
                   "update")

@@ -5,6 +5,8 @@ from rich.console import Console
 from rich.table import Table
 
 from batchlab.advise.acplan import ACPlan, Point
+from batchlab.config.layerplan import use as plan_use
+from batchlab.util.text import for_rich as escape
 from batchlab.util.units import fmt_bytes, fmt_seconds
 
 ROWS = 11  # frontier rows shown (the chosen plan always among them); --json has them all
@@ -20,11 +22,13 @@ def frontier_cells(q: Point, chosen: Point | None, budget: int) -> list[str]:
 def acplan_view(out: Console, p: ACPlan) -> None:
     c = p.chosen
     if c is None:
-        out.print(f"activation-checkpointing plan: none fits {fmt_bytes(p.budget_bytes)}; " + "; ".join(p.notes))
+        out.print(f"activation-checkpointing plan: none fits {fmt_bytes(p.budget_bytes)}; " + "; ".join(p.notes),
+                  markup=False, highlight=False)
         return
     out.print(f"[bold]activation-checkpointing plan[/] (micro-batch {c.micro_batch}): --ac {c.ac}   predicted peak "
               f"{fmt_bytes(c.peak_bytes)} within {fmt_bytes(p.budget_bytes)}, update {fmt_seconds(c.update_seconds)} "
-              f"({p.provenance})" + (f"; written to {p.file} (use --ac plan:{p.file})" if p.file else ""))
+              f"({p.provenance})" + (f"; written to {escape(p.file)} (use --ac {escape(plan_use(p.file))})"
+                                     if p.file else ""))
     if p.best_preset is not None:
         b = p.best_preset
         out.print(f"best preset within the budget: {b.ac} at micro-batch {b.micro_batch}, "

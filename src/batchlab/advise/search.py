@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from batchlab.config import RunConfig, Choice
-from batchlab.measure.result import Measurement, Outcome
+from batchlab.measure.result import TIMED_OUT_DETAIL, Measurement, Outcome
 
 
 class TrialOutcome(Choice):
@@ -24,10 +24,12 @@ class TrialOutcome(Choice):
     OOM_BUDGET = "oom (budget)"
     OOM_KILLED = "oom (killed)"
     FAILED = "failed"
+    TIMED_OUT = "timed out"  # killed at --timeout: says nothing about memory
     OVER_CAPACITY = "over capacity"
 
 
 OUT_OF_MEMORY = {TrialOutcome.OOM, TrialOutcome.OOM_BUDGET, TrialOutcome.OOM_KILLED, TrialOutcome.OVER_CAPACITY}
+NO_ANSWER = {TrialOutcome.FAILED, TrialOutcome.TIMED_OUT}  # the run ended before it could say whether it fits
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,9 @@ def trial_from_measurement(cfg: RunConfig, m: Measurement, capacity_bytes: int) 
     peak = m.memory.peak_bytes if m.memory is not None else None
     phase = m.memory.peak_phase if m.memory is not None else m.oom_phase
     outcome = TrialOutcome(m.outcome.value)
-    if m.outcome is Outcome.FAILED and "SIGKILL" in m.outcome_detail:
+    if m.outcome is Outcome.FAILED and m.outcome_detail.startswith(TIMED_OUT_DETAIL):
+        outcome = TrialOutcome.TIMED_OUT
+    elif m.outcome is Outcome.FAILED and "SIGKILL" in m.outcome_detail:
         outcome = TrialOutcome.OOM_KILLED
     elif m.outcome is Outcome.OK and peak is not None and peak > capacity_bytes:
         outcome = TrialOutcome.OVER_CAPACITY

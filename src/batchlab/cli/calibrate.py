@@ -90,7 +90,7 @@ def calibrate(
     out.print(table)
     out.print("Measured rates are what kernels of each size reach: no achievable fraction is applied on top.")
     if path:
-        out.print(f"cached for device {cal.device!r} at {cal.threads} thread(s): {escape(str(path))}")
+        out.print(f"cached for device {cal.device!r} at {cal.threads} thread(s): {path}", markup=False, highlight=False)
     if loaded(cal):
         out.print(f"[yellow]warning:[/] other processes kept {cal.other_cores:.1f} core(s) busy while it was measured "
                   "(wall-clock at several threads): every rate carries that load; measure and compare will measure "

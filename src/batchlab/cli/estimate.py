@@ -132,8 +132,8 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
            currency: str = "USD", verbose: bool = False) -> None:
     """The estimate on a screen; ``verbose``: every memory part, the assumptions and the full sources."""
     cfg, t = e.config, e.time
-    console.print(f"[bold]{cfg.model.name}[/bold] ({e.params.total / 1e6:,.1f} M parameters \\[formula]), seq {cfg.seq}, "
-                  f"{cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
+    console.print(f"[bold]{escape(cfg.model.name)}[/bold] ({e.params.total / 1e6:,.1f} M parameters \\[formula]), "
+                  f"seq {cfg.seq}, {cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
     console.print(cfg.global_batch_text())
     console.print(implementation_line(cfg), markup=False, highlight=False)
     if unseen_model(cfg):
@@ -190,7 +190,7 @@ def _render_vary(rows, name: str, keep: Keep, console: Console, verbose: bool = 
         for col in header:
             tab.add_column(col, justify="right")
         for row in body:
-            tab.add_row(*row[:-1], "[red]no[/red]" if row[-1] == "no" else row[-1])
+            tab.add_row(escape(row[0]), *row[1:-1], "[red]no[/red]" if row[-1] == "no" else row[-1])  # row[0]: as typed
         console.print(tab)
     shown = len(notes) if verbose else MAX_NOTES
     for note in notes[:shown]:
@@ -213,7 +213,7 @@ def _render_vary(rows, name: str, keep: Keep, console: Console, verbose: bool = 
 @with_config
 def estimate(
     cfg: RunConfig,
-    vary: Annotated[Optional[List[str]], typer.Option(help="FIELD=v1,v2,...: a one-variable table, e.g. micro_batch=1,2,4,8 (once).")] = None,
+    vary: Annotated[Optional[List[str]], typer.Option(help="FIELD=v1,v2,...: a one-variable table, e.g. micro_batch=1,2,4,8 (once). Values are separated by commas or by ';'; a plan:... value keeps its commas up to the next ';' or plan:, e.g. ac='none,plan:full*2,none*2'.")] = None,
     keep: Annotated[Keep, typer.Option(help="global-batch: accum re-derived as micro-batch/DP change; accum: global batch changes.")] = Keep.GLOBAL_BATCH,
     tokens: Annotated[Optional[float], typer.Option(help="Token budget for time-to-budget (and cost).")] = None,
     price: Annotated[Optional[float], typer.Option(help="Price per device-hour (in --currency), for the cost to the token budget.")] = None,

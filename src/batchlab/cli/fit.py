@@ -52,6 +52,9 @@ def fit_command(
             from batchlab.report.fit_document import check_dir
 
             check_dir(report)
+        if plan_out is not None and Path(plan_out).is_dir():  # refused before any planning or measuring
+            raise ConfigError("plan_out", f"{plan_out} is a directory; give a file, e.g. "
+                                          f"{Path(plan_out) / 'plan.json'}")
         base = _target(cfg, global_tokens)
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
                     held=frozenset(held))
@@ -124,7 +127,7 @@ def _auto(goal, verify: bool | None, timeout: float | None, as_json: bool, plan_
 
         fit_report(out, report, 3, with_header=False, verbose=True)
     if plot:
-        out.print(f"frontier plot: {plot}")
+        out.print(f"frontier plot: {plot}", markup=False, highlight=False)
     _say_written(paths, as_json)
     return report.exit_code
 

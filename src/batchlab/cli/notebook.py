@@ -40,9 +40,9 @@ def list_(notebook: NotebookOpt = None, as_json: JsonOpt = False):
         return
     out = console()
     if not rows:
-        out.print(f"no experiments yet in {book.path}")
+        out.print(f"no experiments yet in {book.path}", markup=False, highlight=False)
         return
-    t = Table(show_header=True, header_style="bold", title=str(book.path))
+    t = Table(show_header=True, header_style="bold", title=escape(str(book.path)))
     for col in ("id", "date", "kind", "status", "variable", "observed (memory: allocator; time: wall-clock)"):
         t.add_column(col, overflow="fold")
     for r in rows:

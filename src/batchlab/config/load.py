@@ -7,10 +7,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from batchlab.config import planfile
 from batchlab.config.choices import ConfigError
 from batchlab.config.hf import hf_config_path, is_family, read_hf_config, spec_fields
 from batchlab.config.model import PRESETS, ModelSpec, preset
-from batchlab.config.run import CHANGEABLE_FIELDS, RUN_FIELDS, Assumptions, RunConfig
+from batchlab.config.run import CHANGEABLE_FIELDS, RUN_FIELDS, ACPolicy, Assumptions, RunConfig
 from batchlab.config.values import finite_number, parse_bytes, read_file
 
 
@@ -67,6 +68,8 @@ def parse_field_value(name: str, text: Any) -> Any:
         return None
     if name == "memory_budget":
         return parse_bytes(name, text)
+    if name == "ac":  # now, while a plan file's path is taken from the file that names it
+        return ACPolicy.parse(text)
     if base is bool:
         if text.lower() not in _TRUE | _FALSE:
             raise ConfigError(name, f"{text!r} is not true or false")
@@ -198,4 +201,5 @@ def load_config_toml(path: str | Path, base: RunConfig | None = None) -> RunConf
     raw = read_file("config", p, tomllib.loads, "TOML")
     if not isinstance(raw.get("config"), dict):
         raise ConfigError("config", f"{p} has no [config] table")
-    return config_from_table(raw["config"], base)
+    with planfile.relative_to(p.parent):  # ac = "plan:FILE": FILE beside this file
+        return config_from_table(raw["config"], base)

@@ -42,7 +42,9 @@ class ACPolicy:
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ACMode.parse("ac", self.mode))
-        object.__setattr__(self, "layers", tuple(layerplan.layer_policy(p, "plan") for p in self.layers))
+        object.__setattr__(self, "layers", tuple(
+            p if isinstance(p, ACMode) and p in layerplan.LAYER_POLICIES else layerplan.layer_policy(p, "plan")
+            for p in self.layers))
         if (self.mode is ACMode.PLAN) != bool(self.layers):
             raise ConfigError("ac", "a plan needs its layers' policies (plan:POLICY*N,... or plan:FILE), and only "
                                     "a plan takes them")

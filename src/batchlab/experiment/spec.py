@@ -13,6 +13,8 @@
     [change]                       # exactly one field (more are refused unless allow_confounded = true)
     micro_batch = [1, 2]
 
+A relative plan file (ac = "plan:FILE") is found beside the experiment file.
+
 In TOML, keys after a [table] header belong to that table; the top-level keys above are also accepted
 there (none of them is a config field), so their order in the file does not matter.
 
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from batchlab.config import ConfigError, RunConfig, config_from_table, read_file, whole_number
+from batchlab.config.planfile import relative_to
 from batchlab.config.values import SIZE_MAX
 from batchlab.experiment.change import Change, KeepMode, change_from_values, parse_change
 from batchlab.experiment.predict import Direction, Metric, parse_predictions, predictions_from_mapping
@@ -51,6 +54,11 @@ class ExperimentFile:
 
 def load(path: str | Path, base: RunConfig) -> ExperimentFile:
     p = Path(path)
+    with relative_to(p.parent):  # plan:FILE in [config] or [change]: FILE beside the experiment file
+        return _load(p, base)
+
+
+def _load(p: Path, base: RunConfig) -> ExperimentFile:
     data = read_file("experiment", p, tomllib.loads, "TOML")
     data = _hoist(data)
     unknown = [k for k in data if k not in TOP_LEVEL]

@@ -87,15 +87,17 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
     full = act.layer_activations(m, s, b, p, backend, impl).total
     if cfg.assumptions.torch_before(1, 11):
         full += act.legacy_softmax_input_bytes(m, s, b, p, backend)
-    kept = []
-    for mode in cfg.ac.layer_modes(m.layers):
+    modes = cfg.ac.layer_modes(m.layers)
+    per_mode = {}  # alike layers under one policy keep alike bytes: once per policy, not per layer
+    for mode in set(modes):
         if mode is ACMode.FULL:
-            kept.append(act.checkpointed_layer_bytes(m, s, b, p))
+            per_mode[mode] = act.checkpointed_layer_bytes(m, s, b, p)
         elif mode is not ACMode.NONE:
-            kept.append(checkpointing.kept_bytes(mode, m, s, b, p, backend, impl))
+            per_mode[mode] = checkpointing.kept_bytes(mode, m, s, b, p, backend, impl)
         else:
-            kept.append(full)
-    return ActivationPlan(full, tuple(kept), act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
+            per_mode[mode] = full
+    kept = tuple(per_mode[mode] for mode in modes)
+    return ActivationPlan(full, kept, act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
 
 
 def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
@@ -150,6 +152,9 @@ class MemoryEstimate:
         return self.capacity_bytes - self.peak_bytes
 
 
+_WALKED = ("parameters", "gradients", "activations", "recompute", "temporaries")  # what changes layer by layer
+
+
 def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, resident: dict[str, int],
                    grads_before: int, loss_grads: int, layer_copy: int, walk: list[int] | None = None) -> dict[str, int]:
     """Walk backward layer by layer (last first): kept activations shrink while parameter gradients grow.
@@ -172,17 +177,20 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
     recomputed = {i for i, mode in enumerate(cfg.ac.layer_modes(m.layers)) if mode is not ACMode.NONE}
     copies_below = layer_copy * (m.layers - len(recomputed))  # the LM head's copy is freed by now
+    fixed = sum(v for k, v in resident.items() if k not in _WALKED)  # the same at every layer
+    best_total = sum(best.values())
     for i in reversed(range(m.layers)):
         kept_i = plan.per_layer_kept[i]
-        parts = dict(resident, parameters=resident["parameters"] if not layer_copy else copies_below
+        parts = dict(parameters=resident["parameters"] if not layer_copy else copies_below
                      + (layer_copy if i in recomputed else 0),
                      gradients=grads_before + grads_done, activations=below_layers + kept_below,
                      recompute=plan.per_layer_full - kept_i,  # recompute restores the rest of the layer
                      temporaries=transient)
+        total = fixed + sum(parts.values())  # summed without the resident parts: deep models walk many layers
         if walk is not None:
-            walk.append(sum(parts.values()))
-        if sum(parts.values()) > sum(best.values()):
-            best = parts
+            walk.append(total)
+        if total > best_total:
+            best, best_total = dict(resident, **parts), total
         kept_below -= kept_i
         copies_below -= 0 if i in recomputed else layer_copy
         grads_done += layer_grad if new_grads else 0

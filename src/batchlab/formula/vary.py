@@ -87,11 +87,32 @@ def varied(cfg: RunConfig, name: str, values: list[str]) -> Iterator[RunConfig]:
 MAX_ROWS = 100_000  # a range longer than this is a typo, not a table
 
 
+def split_values(text: str) -> list[str]:
+    """``--vary``'s values: separated by ``;`` anywhere and by ``,`` outside a plan; a ``plan:`` value keeps
+    its commas and runs to the next ``;``, the next item starting ``plan:`` or the end
+    (``ac=none,plan:full*2,none*2`` is two values; ``ac=plan:full*4;none`` too)."""
+    out: list[str] = []
+    for chunk in text.split(";"):
+        plan: list[str] | None = None
+        for part in chunk.split(","):
+            if part.strip().lower().startswith("plan:"):
+                if plan is not None:
+                    out.append(",".join(plan))
+                plan = [part]
+            elif plan is not None:
+                plan.append(part)
+            else:
+                out.append(part)
+        if plan is not None:
+            out.append(",".join(plan))
+    return out
+
+
 def values_of(text: str) -> list[str]:
-    """The values of ``--vary FIELD=TEXT``: comma-separated, a part ``a..b`` standing for the whole numbers
+    """The values of ``--vary FIELD=TEXT`` (``split_values``), a part ``a..b`` standing for the whole numbers
     a, a+1, ..., b (``accum=1..1000``; ``micro_batch=1,2,4..6``)."""
     out: list[str] = []
-    for part in text.split(","):
+    for part in split_values(text):
         lo, dots, hi = part.partition("..")
         if not dots:
             out.append(part)

@@ -22,6 +22,9 @@ class Outcome(Choice):
     FAILED = "failed"  # anything else: exception, kill, timeout; see outcome_detail
 
 
+TIMED_OUT_DETAIL = "timed out"  # how outcome_detail of a run killed at its timeout begins
+
+
 @dataclass(frozen=True)
 class MeasuredMemory:
     peak_bytes: int

@@ -26,7 +26,7 @@ from batchlab import host
 from batchlab.host import warm
 from batchlab.util.lifeline import kill_group, module_command, safe_env
 from batchlab.measure.options import MeasureOptions
-from batchlab.measure.result import Measurement, Outcome, load_measurement
+from batchlab.measure.result import TIMED_OUT_DETAIL, Measurement, Outcome, load_measurement
 
 PROGRESS_PREFIX = "batchlab-progress\t"  # worker -> runner progress lines on stderr: done, total, label
 STDERR_TAIL_LINES = 40
@@ -141,7 +141,7 @@ def _interpret(cfg, options, rc: int | None, out_path: Path, watcher: _OutputWat
         raise ConfigError(err["field"], err["message"])
     where = f"during {watcher.last_label}"
     if timed_out:
-        detail = f"timed out after {options.timeout_s:g} s {where}; the worker was killed"
+        detail = f"{TIMED_OUT_DETAIL} after {options.timeout_s:g} s {where}; the worker was killed"
     elif rc is None:
         detail = f"worker lost {where}: the pre-imported process it was forked from died"
     elif rc < 0:

@@ -16,7 +16,7 @@ from batchlab.advise.plan import Goal, unfit_options
 from batchlab.advise.render import knobs_line
 from batchlab.advise.render_acplan import frontier_cells
 from batchlab.config import ACPolicy, ConfigError, ModelSource
-from batchlab.config.layerplan import runs
+from batchlab.config.layerplan import runs, use as plan_use
 from batchlab.report.document import to_html, to_markdown
 from batchlab.report.plots import Figure, frontier_png
 from batchlab.util.units import fmt_bytes, fmt_seconds
@@ -96,7 +96,7 @@ def _plan_blocks(p, layers: int) -> list[tuple]:
     if c is None:
         return [("h2", "Activation-checkpointing plan"), ("p", f"No plan fits {fmt_bytes(p.budget_bytes)}.")]
     modes = ACPolicy.parse(c.ac).layer_modes(layers)
-    use = f" Written to {p.file}; pass it back as --ac plan:{p.file}." if p.file else ""
+    use = f" Written to {p.file}; pass it back as --ac {plan_use(p.file)}." if p.file else ""
     items = [f"predicted peak {fmt_bytes(c.peak_bytes)} [{how}] within the budget {fmt_bytes(p.budget_bytes)}"
              + (f" (allocated tensors {fmt_bytes(c.allocated)} [{how}] + allocator slack {fmt_bytes(c.slack)})"
                 if c.slack else ""),

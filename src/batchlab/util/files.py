@@ -20,15 +20,16 @@ def write_all(files: dict[Path, str | bytes], field: str = "output") -> list[Pat
     """Every file or none: each is written to a temporary sibling first; only when all are complete are they
     renamed into place (a failure leaves the directory as it was, apart from files replaced before it)."""
     staged: list[tuple[str, Path]] = []
+    target = next(iter(files), Path())
     try:
-        for path, data in files.items():
-            staged.append((_stage(path, data), path))
-        for tmp, path in staged:
-            os.replace(tmp, path)
+        for target, data in files.items():
+            staged.append((_stage(target, data), target))
+        for tmp, target in staged:
+            os.replace(tmp, target)
     except OSError as e:
         _remove(tmp for tmp, _ in staged)
-        where = e.filename or next(iter(files), "")
-        raise ConfigError(field, f"cannot write {where}: {e.strerror or e}") from None
+        # the user's path, not the temporary sibling the error happened on
+        raise ConfigError(field, f"cannot write {target}: {e.strerror or e}") from None
     return [path for _, path in staged]
 
 
