@@ -174,3 +174,18 @@ def test_measure_says_the_time_model_is_broken_when_its_prediction_is_far_off(mo
                                       "--achievable-fraction", "0.00001", "--no-calibrate"])
     assert result.exit_code == 0, result.output
     assert "the time model is broken here, not the run" in " ".join(result.output.split())
+
+
+def test_a_plan_of_selective_layers_needs_what_its_preset_needs(real):
+    """A calibration without selective checkpointing's dispatch prices neither the preset nor a plan that runs it:
+    priced apart, a plan of all selective-op layers undercut the very preset it equals (2x here)."""
+    from batchlab.formula import calibrated_costs
+
+    cfg = RunConfig()
+    fp32_only = dataclasses.replace(real, scope=[])
+    for ac in ("selective-op", "plan:selective-op*4", "plan:none*2,selective*2"):
+        assert calibrated_costs(cfg.replace(ac=ac), {"cpu": fp32_only}) is None, ac
+    assert calibrated_costs(cfg.replace(ac="plan:full*2,none*2"), {"cpu": fp32_only}) is not None
+    preset, plan = (estimate(cfg.replace(ac=ac), {"cpu": real}).time.update_seconds
+                    for ac in ("selective-op", "plan:selective-op*4"))
+    assert plan == pytest.approx(preset, rel=1e-9)

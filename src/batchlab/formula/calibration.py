@@ -26,8 +26,11 @@ SCOPES = ("bf16", "sac", "ranks")
 
 def needs(cfg) -> set[str]:
     """The ``SCOPES`` a prediction for ``cfg`` (a RunConfig) prices its ops with."""
-    return ({"bf16"} if cfg.precision is not Precision.FP32 else set()) | (
-        {"sac"} if cfg.ac.mode.dispatch_mode else set()) | ({"ranks"} if cfg.dp > 1 else set())
+    # any layer under the selective dispatch mode (a plan's too: priced apart from its preset, a plan of all
+    # selective-op layers lost the mode's dispatch and undercut the preset it equals)
+    sac = any(m.dispatch_mode for m in cfg.ac.layer_modes(cfg.model.layers))
+    return ({"bf16"} if cfg.precision is not Precision.FP32 else set()) | ({"sac"} if sac else set()) | (
+        {"ranks"} if cfg.dp > 1 else set())
 
 
 @dataclass
