@@ -6,102 +6,19 @@ from dataclasses import dataclass, field
 import dataclasses
 from batchlab.config import ACMode, LossMode, PositionKind, Precision, RunConfig
 from batchlab.formula import activations as act
-from batchlab.formula import checkpointing
+from batchlab.formula import deepspeed
 from batchlab.formula.allocator import device_memory
 from batchlab.formula.fsdp import fsdp_phases
-from batchlab.formula.loss import LossPath, loss_path
+from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.params import count, norm_params
 from batchlab.formula.profile import layer_policies, terms as profile_terms
-from batchlab.formula.ranks import RankMemory, RankShare, share, shares, tp_kept_bytes
+from batchlab.formula.ranks import RankMemory, RankShare, share, shares
 from batchlab.formula.sharding import unit_elements
 from batchlab.formula.states import ModelStates, fsdp_mixed_states, model_states, optimizer_bytes_per_param
 
 F32 = 4
 __all__ = ["ModelStates", "model_states", "fsdp_mixed_states", "optimizer_bytes_per_param", "memory",
            "MemoryEstimate", "RankMemory"]
-
-
-@dataclass(frozen=True)
-class ActivationPlan:
-    per_layer_full: int | None  # a layer with nothing recomputed (None: a profile that needs it only under FSDP)
-    per_layer_kept: tuple[int, ...]  # what each layer keeps under the policy
-    outside_layers: int  # embedding dropout mask, final norm, log-softmax output
-    others: int = 0  # the other in-flight micro-batches' activations a pipeline stage holds (0 without one)
-
-    @property
-    def total(self) -> int:
-        return sum(self.per_layer_kept) + self.outside_layers + self.others
-
-
-def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> ActivationPlan:
-    """What one micro-batch keeps on ``rank`` (formula/ranks.py; default: the first stage), plus the other
-    micro-batches a pipeline stage holds at its high point."""
-    rank = rank or share(cfg, 0)
-    m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
-    fitted = profile_terms(cfg)
-    if fitted is not None and rank.whole:  # the model's own code, traced and fitted (formula/profile.py)
-        return _profiled_plan(cfg, fitted)
-    backend = cfg.device_spec.backend
-    impl = act.implementation(cfg.model_kind, m)
-    parts = act.layer_activations(m, s, b, p, backend, impl)
-    if cfg.assumptions.torch_before(1, 11):
-        parts = dataclasses.replace(parts, scores=parts.scores + act.legacy_softmax_input_bytes(m, s, b, p, backend))
-    full = parts.total
-    modes = cfg.ac.layer_modes(m.layers)
-    kept = []
-    for mode in (modes[i] for i in rank.layers):
-        if mode is ACMode.FULL:
-            one = act.checkpointed_layer_bytes(m, s, b, p)
-        elif mode is not ACMode.NONE:
-            one = checkpointing.kept_bytes(mode, m, s, b, p, backend, impl)
-        else:
-            one = full
-        kept.append(tp_kept_bytes(mode, parts, one, rank))
-    full_rank = tp_kept_bytes(ACMode.NONE, parts, full, rank)
-    if fitted is not None:  # a profile's per-layer totals, split as the built-in breakdown splits at this shape
-        names = layer_policies(cfg)
-        kept = [round(fitted.layer(names[i])(b, s) * k / max(_one_rank(cfg, modes[i], parts), 1))
-                for i, k in zip(rank.layers, kept)]
-        if fitted.layer_full is not None:
-            full_rank = round(fitted.layer_full(b, s) * full_rank / max(full, 1))
-    mask = act.embedding_mask_bytes(m, s, b, p, backend)
-    outside = ((mask if rank.first else 0) + ((act.outside_layers_bytes(m, s, b, p, backend) - mask) if rank.last
-                                                 else 0)) // rank.in_sp + rank_loss_path(cfg, rank).kept
-    one_micro_batch = sum(kept) + outside
-    return ActivationPlan(full_rank, tuple(kept), outside, round((rank.in_flight - 1) * one_micro_batch))
-
-
-def _one_rank(cfg: RunConfig, mode: ACMode, parts: act.LayerActivations) -> int:
-    """A layer's built-in kept bytes under ``mode`` on one rank (the denominator of a profile's split)."""
-    m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
-    if mode is ACMode.FULL:
-        return act.checkpointed_layer_bytes(m, s, b, p)
-    if mode is ACMode.NONE:
-        return parts.total
-    return checkpointing.kept_bytes(mode, m, s, b, p, cfg.device_spec.backend, act.implementation(cfg.model_kind, m))
-
-
-def rank_loss_path(cfg: RunConfig, rank: RankShare) -> LossPath:
-    """The loss's tensors on ``rank``: on the last stage only, vocabulary-parallel (Megatron's cross entropy over
-    the vocabulary shards: 1/t of the logits per rank)."""
-    lp = loss_path(cfg)
-    if rank.whole:
-        return lp
-    if not rank.last:
-        return LossPath(0, 0, 0)
-    t = rank.tp
-    return LossPath(lp.kept // t, lp.forward_transient // t, lp.backward_transient // t)
-
-
-def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
-    """The plan from a layer profile's fitted terms (``config.profile.Terms``) at cfg's (b, s).  What the layers
-    do not explain is per policy (a checkpointed block keeps its inputs: a mask made once per forward); a mix
-    (every:K) keeps the union, bounded here by the largest."""
-    b, s = cfg.micro_batch, cfg.seq
-    policies = layer_policies(cfg)
-    kept = tuple(t.layer(p)(b, s) for p in policies)
-    full = t.layer_full(b, s) if t.layer_full is not None else None
-    return ActivationPlan(full, kept, max(t.outside(p)(b, s) for p in set(policies)))
 
 
 @dataclass(frozen=True)
@@ -299,6 +216,19 @@ def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: di
                        fsdp_gradient_shard_bytes(cfg, rank), walk, rank)
 
 
+def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """DeepSpeed ZeRO's own buffers (formula/deepspeed.py), each a part of its own in every phase (0 where it
+    is not live): the reduce bucket throughout, stage 3's prefetch in forward and backward, the fp32 gradient
+    partition at the step."""
+    if not deepspeed.priced(cfg):
+        return phases
+    live = {"forward": {**deepspeed.resident_buffers(cfg, rank), **deepspeed.prefetch_buffers(cfg, rank)},
+            "backward": {**deepspeed.resident_buffers(cfg, rank), **deepspeed.prefetch_buffers(cfg, rank)},
+            "optimizer": {**deepspeed.resident_buffers(cfg, rank), **deepspeed.step_buffers(cfg, rank)}}
+    names = {k for parts in live.values() for k in parts}
+    return {ph: dict(parts, **{k: live.get(ph, {}).get(k, 0) for k in sorted(names)}) for ph, parts in phases.items()}
+
+
 def memory(cfg: RunConfig) -> MemoryEstimate:
     """Per rank: every figure is the most loaded pipeline stage's (the only one without a pipeline); ``ranks``
     has each stage's peak and parts."""
@@ -376,6 +306,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
             "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
                               gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
         }
+    phases = _with_deepspeed(cfg, rank, phases)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]

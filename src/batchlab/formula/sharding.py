@@ -93,13 +93,13 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
     if cfg.dp == 1:
         return Traffic((none,) * cfg.accum, none, sync_every_micro_batch)
     n = count(cfg.model).total
-    if cfg.zero <= 1:
+    if not cfg.parallel.shards_gradients:  # DDP (ZeRO-0 / ZeRO-1)
         w = 2 if cfg.precision is Precision.BF16 else 4  # DDP reduces .grad in the weights' dtype
         last = dict(none, all_reduce=n * w)
-        outside = dict(none, broadcast=n * w) if cfg.zero == 1 else none
+        outside = dict(none, broadcast=n * w) if cfg.parallel.stage == 1 else none
         return Traffic((none,) * (cfg.accum - 1) + (last,), outside, sync_every_micro_batch)
     units = sum(unit_elements(cfg))
-    gathers = 2 if cfg.zero >= 3 else 1  # ZeRO-3: forward, and again in backward
+    gathers = 2 if cfg.parallel.reshards_after_forward else 1  # ZeRO-3: forward, and again in backward
     ag = gathers * units * gathered_bytes_per_element(cfg)
     rs = units * reduced_bytes_per_element(cfg)
     micro = tuple(dict(none, all_gather=ag, reduce_scatter=rs if sync_every_micro_batch or i == cfg.accum - 1 else 0)
@@ -110,7 +110,7 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
 def unsharded_gradient_bytes(cfg: RunConfig) -> int:
     """Per rank, what ``set_requires_gradient_sync(False)`` keeps between micro-batches under FSDP2: every
     unit's unsharded gradient (accumulated locally until the last micro-batch reduce-scatters it)."""
-    if cfg.zero < 2 or cfg.accum == 1:
+    if not cfg.parallel.engine_spec.shards_gradients or cfg.accum == 1:
         return 0
     return sum(unit_elements(cfg)) * reduced_bytes_per_element(cfg)
 
