@@ -11,7 +11,8 @@ from batchlab.cli import app
 from batchlab.config import RunConfig, preset
 from batchlab.formula import estimate
 from batchlab.formula.activations import LayerActivations
-from batchlab.formula.ranks import shares, tp_layer_bytes
+from batchlab.formula.deepspeed import prefetch_buffers, resident_buffers, step_buffers
+from batchlab.formula.ranks import share, shares, tp_layer_bytes
 
 LLAMA = dict(model=preset("llama-2-7b"), device="h100", precision="bf16-mixed", micro_batch=1)
 
@@ -116,3 +117,22 @@ def test_estimate_json_reports_the_layout_per_stage_and_the_bubble():
     assert [s["stage"] for s in d["memory"]["ranks"]] == [0, 1]
     assert d["time"]["bubble_fraction"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1) = 1/5
     assert d["time"]["tp_comm_seconds"] > 0 and d["time"]["pp_comm_seconds"] > 0
+
+
+@pytest.mark.parametrize("sharding,parts", [
+    # llama-2-7b, 6,738,415,616 parameters over DP 8: the reduce bucket min(5e8, N) elements x 2 bytes = 1e9 bytes
+    # (two with stage 3's overlap_comm); the fp32 gradient partition 4 x N / 8 = 3,369,207,808 bytes at the step;
+    # stage 3's prefetch 5e7 elements x 2 bytes = 1e8 bytes
+    ("deepspeed-zero1", {"deepspeed reduce bucket": 10**9, "deepspeed fp32 gradient partition": 3_369_207_808}),
+    ("deepspeed-zero3", {"deepspeed reduce bucket": 2 * 10**9, "deepspeed prefetch bucket": 10**8,
+                         "deepspeed fp32 gradient partition": 3_369_207_808}),
+])
+def test_deepspeed_buffers_at_its_config_defaults(sharding, parts):
+    e = estimate(RunConfig(**LLAMA, seq=2048, accum=2, ac="full", dp=8, sharding=sharding))
+    cfg, rank = e.config, share(e.config, 0)
+    assert {**resident_buffers(cfg, rank), **step_buffers(cfg, rank), **prefetch_buffers(cfg, rank)} == parts
+    # each a part of its own at the peak; PyTorch's engine of the same stage has none of them
+    assert {k for k in e.memory.at_peak if k.startswith("deepspeed")} == set(parts)
+    assert sum(e.memory.at_peak.values()) == e.memory.peak_tensor_bytes
+    pytorch = estimate(RunConfig(**LLAMA, seq=2048, accum=2, ac="full", dp=8, zero=int(sharding[-1])))
+    assert not any(k.startswith("deepspeed") for k in pytorch.memory.at_peak)

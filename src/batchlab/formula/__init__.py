@@ -116,8 +116,11 @@ def layout_notes(cfg: RunConfig) -> tuple[str, ...]:
             notes.append("layout: the profile's per-layer totals split per rank in the built-in breakdown's "
                          "proportion at this shape; everything else from the built-in terms")
     if lay.engine_spec.deepspeed and lay.dp > 1:
-        notes.append(f"{lay.engine.value} priced as PyTorch's ZeRO-{lay.engine_spec.stage} engine: DeepSpeed's own "
-                     "buffers (reduce / all-gather buckets, contiguous gradients) are not yet counted")
+        notes.append(f"{lay.engine.value}: model states, phases and collectives priced as PyTorch's "
+                     f"ZeRO-{lay.engine_spec.stage} engine, plus DeepSpeed's own buffers at its config defaults "
+                     "(formula/deepspeed.py: reduce bucket 5e8 elements, fp32 gradient partition at the step"
+                     + (", stage-3 prefetch 5e7 elements" if lay.engine_spec.stage == 3 else "")
+                     + "); DeepSpeed's engine itself is not measured here")
     return tuple(notes)
 
 
