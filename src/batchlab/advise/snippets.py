@@ -79,10 +79,10 @@ def huggingface(cfg: RunConfig) -> dict[str, Any]:
         args["bf16"] = True
     elif cfg.precision is Precision.FP16_MIXED:
         args["fp16"] = True
-    if cfg.zero == 1 and cfg.dp > 1:
+    if cfg.parallel.stage == 1:
         args["deepspeed"] = "ds_config.json"  # the DeepSpeed settings (ZeRO-1 has no FSDP equivalent)
-    elif cfg.zero >= 2 and cfg.dp > 1:
-        args["fsdp"] = "full_shard" if cfg.zero == 3 else "shard_grad_op"
+    elif cfg.parallel.shards_gradients:
+        args["fsdp"] = "full_shard" if cfg.parallel.reshards_after_forward else "shard_grad_op"
     out = {"TrainingArguments": args, "launch": f"{cfg.dp} processes (torchrun --nproc-per-node ...)"}
     if note:
         out["note"] = note
@@ -131,10 +131,10 @@ def torchtitan_toml(cfg: RunConfig) -> str:
 
     torchtitan derives accumulation itself: global_batch_size / (local_batch_size x data-parallel degree)."""
     notes = []
-    shard = cfg.zero >= 1 and cfg.dp > 1
+    shard = cfg.parallel.shards_optimizer
     parallel: dict[str, Any] = {"data_parallel_replicate_degree": 1 if shard else cfg.dp,
                                 "data_parallel_shard_degree": cfg.dp if shard else 1}
-    if shard and cfg.zero < 3:
+    if shard and not cfg.parallel.shards_parameters:
         # reshard_after_forward=False keeps parameters gathered from forward to backward: ZeRO-2's memory
         parallel["fsdp_reshard_after_forward"] = "never"
         notes.append(f"ZeRO-{cfg.zero} has no torchtitan switch; FSDP2 with fsdp_reshard_after_forward = \"never\" "
@@ -193,14 +193,14 @@ def accelerate_yaml(cfg: RunConfig) -> str:
                          "use_cpu": False}
     if cfg.dp == 1:
         d["distributed_type"] = "NO"
-    elif cfg.zero == 0:
+    elif cfg.parallel.stage == 0:
         d["distributed_type"] = "MULTI_GPU"
-    elif cfg.zero == 1:
+    elif cfg.parallel.stage == 1:
         d["distributed_type"] = "DEEPSPEED"
         d["deepspeed_config"] = {"zero_stage": 1, "gradient_accumulation_steps": cfg.accum}
     else:
         d["distributed_type"] = "FSDP"
-        d["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": cfg.zero == 3,
+        d["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": cfg.parallel.reshards_after_forward,
                             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
                             "fsdp_activation_checkpointing": cfg.ac.mode is not ACMode.NONE}

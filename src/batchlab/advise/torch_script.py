@@ -129,7 +129,7 @@ def _strategy(cfg: RunConfig) -> str:
 
 
 def _fsdp(cfg: RunConfig) -> bool:
-    return cfg.dp > 1 and cfg.zero >= 2
+    return cfg.parallel.shards_gradients
 
 
 def _imports(cfg: RunConfig) -> list[str]:
@@ -141,7 +141,7 @@ def _imports(cfg: RunConfig) -> list[str]:
                 "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard"]
     elif cfg.dp > 1:
         out.append("from torch.nn.parallel import DistributedDataParallel as DDP")
-        if cfg.zero == 1:
+        if cfg.parallel.stage == 1:
             out.append("from torch.distributed.optim import ZeroRedundancyOptimizer")
     if cfg.ac.mode in _POLICIES or set(cfg.ac.layer_modes(cfg.model.layers)) & set(_POLICIES):
         out.append("from torch.utils.checkpoint import CheckpointPolicy, checkpoint, "
@@ -229,7 +229,7 @@ def _wrap(cfg: RunConfig) -> list[str]:
         param = _AUTOCAST.get(cfg.precision)
         mp = (f"MixedPrecisionPolicy(param_dtype={param}, reduce_dtype=torch.float32)" if param else
               "MixedPrecisionPolicy()")
-        reshard = cfg.zero == 3
+        reshard = cfg.parallel.reshards_after_forward
         out += ["mesh = init_device_mesh(device.type, (DP,))", f"mp = {mp}",
                 "for block in model.layers:",
                 f"    fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward={reshard})",
@@ -238,7 +238,7 @@ def _wrap(cfg: RunConfig) -> list[str]:
     elif cfg.dp > 1:
         out.append('model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, '
                    "gradient_as_bucket_view=True)")
-        if cfg.zero == 1:
+        if cfg.parallel.stage == 1:
             out.append(f"optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class={cls}, "
                        f"lr={LR}{kw})")
         else:

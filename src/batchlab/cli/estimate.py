@@ -27,9 +27,9 @@ def _collectives_label(cfg, t) -> str:
     names = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce",
              "broadcast": "broadcast"}
     sent = ", ".join(f"{names[k]} {fmt_bytes(v)}" for k, v in t.collective_bytes.items() if v)
-    if cfg.zero >= 2 and cfg.dp > 1:
+    if cfg.parallel.shards_gradients:
         return f"FSDP2 collectives, each micro-batch ({sent})"
-    if cfg.zero == 1 and cfg.dp > 1:  # DDP's gradient all-reduce + ZeroRedundancyOptimizer's broadcasts
+    if cfg.parallel.stage == 1:  # DDP's gradient all-reduce + ZeroRedundancyOptimizer's broadcasts
         return f"ZeRO-1 all-reduce + broadcasts per update ({sent})"
     return f"gradient all-reduce, once per update ({sent or fmt_bytes(t.allreduce_bytes)})"
 
@@ -53,7 +53,8 @@ def _memory_rows(e: Estimate, verbose: bool) -> list[tuple[str, int | None, str 
         ("recompute working set", None, "recompute", "one layer rebuilt during its backward"),
         ("temporaries", None, "temporaries", "activation gradients, logits, optimizer buffers"),
         ("data", m.data_bytes, "data", "token ids of one update"),
-    ]
+    ] + [(k, None, k, "at DeepSpeed's config default (formula/deepspeed.py)") for k in m.at_peak
+         if k.startswith("deepspeed")]
     if verbose:
         return rows
     return [r for r in rows if r[1] or (r[2] is not None and m.at_peak[r[2]])]
@@ -88,6 +89,21 @@ def _extra_rows(t: Table, parts: dict[str, int], note: str, together: str, verbo
                   f"{plural(len(parts), 'part')} (--verbose names them)")
 
 
+def _stage_table(e: Estimate) -> Table:
+    """One row per pipeline stage (its tensor- and data-parallel ranks hold alike)."""
+    m, t = e.memory, e.time
+    tab = Table(title="Per pipeline stage (each of its TP and DP ranks alike)  \\[formula]", header_style="bold")
+    for col in ("stage", "layers", "in-flight micro-batches", "activations", "peak (reserved)", "micro-batch time"):
+        tab.add_column(col, justify="right")
+    for r in m.ranks:
+        secs = t.stage_seconds[r.stage] if r.stage < len(t.stage_seconds) else None
+        mark = "[bold]" if r.peak_bytes == m.peak_bytes else ""
+        tab.add_row(f"{r.stage}", f"{r.layers}", f"{r.in_flight:g}", fmt_bytes(r.activations_bytes),
+                    f"{mark}{fmt_bytes(r.peak_bytes)}{'[/bold]' if mark else ''}",
+                    fmt_seconds(secs) if secs is not None else "")
+    return tab
+
+
 def _verdict(e: Estimate) -> str:
     m = e.memory
     verdict = "fits" if m.fits else "[bold red]OUT OF MEMORY[/]"
@@ -110,6 +126,12 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None, currency
     if cfg.accum > 1 or verbose:
         tab.add_row(f"compute per update (× {cfg.accum} micro-batch{'es' if cfg.accum != 1 else ''})",
                     fmt_seconds(t.compute_seconds))
+    if cfg.tp > 1:
+        tab.add_row(f"tensor-parallel all-reduces (TP {cfg.tp}, not overlapped)", fmt_seconds(t.tp_comm_seconds))
+    if cfg.pp > 1:
+        tab.add_row(f"pipeline sends (PP {cfg.pp}, not overlapped)", fmt_seconds(t.pp_comm_seconds))
+        tab.add_row(f"pipeline bubble ({fmt_percent(t.bubble_fraction)} of the update, {cfg.pp_schedule})",
+                    fmt_seconds(t.bubble_seconds))
     if cfg.dp > 1 or verbose:
         tab.add_row(_collectives_label(cfg, t), fmt_seconds(t.allreduce_seconds))
         tab.add_row("  exposed (not overlapped)", fmt_seconds(t.exposed_comm_seconds))
@@ -117,14 +139,15 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None, currency
     tab.add_row("[bold]update time[/bold]", f"[bold]{fmt_seconds(t.update_seconds)}[/bold]")
     tab.add_row("[bold]useful tokens/s[/bold] (all ranks)", f"[bold]{t.tokens_per_second:,.0f}[/bold]")
     peak = fmt_count(cfg.device_spec.peak_flops(cfg.precision), "FLOP/s")
-    tab.add_row(f"MFU / HFU (FLOPs / update time / peak {peak} × {plural(cfg.dp, 'rank')})",
+    world = cfg.parallel.world_size
+    tab.add_row(f"MFU / HFU (FLOPs / update time / peak {peak} × {plural(world, 'rank')})",
                 f"{fmt_percent(e.mfu)} / {fmt_percent(e.hfu)}")
     if tokens:
         secs = t.time_to_tokens(tokens)
         tab.add_row(f"time to {fmt_amount(tokens, 'tokens')}", fmt_seconds(secs))
         if price is not None:
-            tab.add_row(f"cost at {price:g} {escape(currency)}/device-hour × {plural(cfg.dp, 'device')}",
-                        f"{price * cfg.dp * secs / 3600:,.2f} {escape(currency)}")
+            tab.add_row(f"cost at {price:g} {escape(currency)}/device-hour × {plural(world, 'device')}",
+                        f"{price * world * secs / 3600:,.2f} {escape(currency)}")
     return tab
 
 
@@ -140,6 +163,9 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
         console.print(f"[yellow]warning:[/] {escape(unseen_model(cfg))}: the figures below are for the stand-in "
                       f"shape given by the flags; run --trace for your model's own graph")
     console.print(_memory_table(e, verbose))
+    if cfg.tp * cfg.pp > 1:
+        console.print(f"figures per rank are the most loaded one's: {e.memory.most_loaded}", highlight=False)
+        console.print(_stage_table(e))
     console.print(_verdict(e))
     for alt in e.alternatives:
         console.print(f"[yellow]{escape(alt.line())}[/yellow]", highlight=False)
@@ -148,7 +174,7 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
                   " optimizer state; not activation checkpointing)")
     console.print(escape(device_line(cfg, t.ceiling_source)),
                   highlight=False)
-    if cfg.dp > 1:
+    if cfg.parallel.world_size > 1:
         console.print("scope: the communication time is a ring-bandwidth model, not a measurement of your cluster")
     if verbose:
         print_assumptions(console, [*e.assumptions, f"capacity {fmt_bytes(e.memory.capacity_bytes)}: "

@@ -88,11 +88,11 @@ def formula_lines(m: Measurement) -> list[str]:
     est = memory(cfg)
     parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in est.at_peak.items() if v)
     out = [f"formula per rank at its peak ({est.peak_phase}, {fmt_bytes(est.peak_tensor_bytes)}): {parts}"]
-    if cfg.zero == 1 and cfg.precision.mixed:
+    if cfg.parallel.engine_spec.stage == 1 and cfg.precision.mixed:
         out.append("note: the formula's ZeRO-1 mixed precision is ZeRO's (DeepSpeed's: 16-bit weights and gradients, "
                    "fp32 master sharded); the engine measured here, DDP + ZeroRedundancyOptimizer under autocast, "
                    "keeps fp32 weights and gradients on every rank and shards only the optimizer state")
-    if cfg.zero >= 2 and cfg.accum > 1:
+    if cfg.parallel.engine_spec.shards_gradients and cfg.accum > 1:
         saved = traffic(cfg).per_update["reduce_scatter"] - traffic(cfg, False).per_update["reduce_scatter"]
         full = unsharded_gradient_bytes(cfg)
         kept = f"{fmt_bytes(full)} instead of its {fmt_bytes(full // cfg.dp)} shard: +{fmt_bytes(full - full // cfg.dp)} per rank"

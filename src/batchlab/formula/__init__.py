@@ -19,7 +19,7 @@ from batchlab.formula.flops import FlopsEstimate, flops, utilisation
 from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
                                      optimizer_bytes_per_param)
 from batchlab.formula.params import ParamCount, count
-from batchlab.formula.profile import layer_terms_source
+from batchlab.formula.profile import layer_terms_source, terms as profile_terms
 from batchlab.formula.timing import TimeEstimate, timing
 from batchlab.util.units import fmt_bytes, fmt_count, fmt_seconds
 
@@ -97,7 +97,31 @@ def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
         f"layer terms: {layer_terms(cfg)}",
     ) + ((f"model {cfg.model_source} comes from a factory the calculator cannot see: these figures are for the "
           f"stand-in shape {cfg.model.name} ({cfg.model.layers} layers, hidden {cfg.model.hidden}); use --trace",)
-         if cfg.model_kind is ModelSource.FACTORY else ()) + zero1_engine_note(cfg) + training_loop_notes(cfg)
+         if cfg.model_kind is ModelSource.FACTORY else ()) + zero1_engine_note(cfg) + training_loop_notes(cfg) \
+        + layout_notes(cfg)
+
+
+def layout_notes(cfg: RunConfig) -> tuple[str, ...]:
+    """How a tensor / pipeline layout and a DeepSpeed engine are priced (formula/ranks.py, formula/pipeline.py)."""
+    lay, notes = cfg.parallel, []
+    if lay.tp * lay.pp > 1:
+        notes.append(f"{lay.text()}: memory per rank, one entry per pipeline stage (its TP and DP ranks hold alike); "
+                     "the figures are the most loaded stage's. TP splits attention, MLP and the vocabulary-parallel "
+                     "embedding, head and loss 1/t (norms, position tables, row-parallel biases replicated); "
+                     "activations per Korthikanti et al. 2022 Table 2 (norms and dropout masks split only with "
+                     "sequence parallelism; selective policies split in the whole layer's proportion); a stage keeps "
+                     "its in-flight micro-batches' activations (GPipe all m, 1F1B p - stage); a tied embedding has a "
+                     "copy on the first and the last stage; the received activation buffers are not counted")
+        if profile_terms(cfg) is not None:
+            notes.append("layout: the profile's per-layer totals split per rank in the built-in breakdown's "
+                         "proportion at this shape; everything else from the built-in terms")
+    if lay.engine_spec.deepspeed and lay.dp > 1:
+        notes.append(f"{lay.engine.value}: model states, phases and collectives priced as PyTorch's "
+                     f"ZeRO-{lay.engine_spec.stage} engine, plus DeepSpeed's own buffers at its config defaults "
+                     "(formula/deepspeed.py: reduce bucket 5e8 elements, fp32 gradient partition at the step"
+                     + (", stage-3 prefetch 5e7 elements" if lay.engine_spec.stage == 3 else "")
+                     + "); DeepSpeed's engine itself is not measured here")
+    return tuple(notes)
 
 
 def training_loop_notes(cfg: RunConfig) -> tuple[str, ...]:
@@ -113,18 +137,19 @@ def training_loop_notes(cfg: RunConfig) -> tuple[str, ...]:
 
 def collectives_text(cfg: RunConfig) -> str:
     """What the stage's engine sends (formula.sharding)."""
+    lay = cfg.parallel
     if cfg.dp == 1:
         return "none at DP 1"
-    if cfg.zero >= 2:
-        return (f"FSDP2 (ZeRO-{cfg.zero}) all-gathers{' (forward and backward)' if cfg.zero >= 3 else ''} and "
-                "reduce-scatters of every micro-batch")
+    if lay.shards_gradients:
+        return (f"FSDP2 (ZeRO-{lay.stage}) all-gathers{' (forward and backward)' if lay.reshards_after_forward else ''}"
+                " and reduce-scatters of every micro-batch")
     return "DDP's gradient all-reduce once per update" + (
-        " + ZeroRedundancyOptimizer's parameter broadcasts after the step" if cfg.zero == 1 else "")
+        " + ZeroRedundancyOptimizer's parameter broadcasts after the step" if lay.stage == 1 else "")
 
 
 def zero1_engine_note(cfg: RunConfig) -> tuple[str, ...]:
     """ZeRO-1 is counted as the ZeRO paper (DeepSpeed) does; PyTorch's engine for it differs under autocast."""
-    if cfg.zero != 1 or not cfg.precision.mixed:
+    if cfg.parallel.engine_spec.stage != 1 or not cfg.precision.mixed:
         return ()
     return ("ZeRO-1 counted as ZeRO's paper and DeepSpeed do (16-bit weights and gradients, fp32 master and "
             "optimizer state sharded); PyTorch's DDP + ZeroRedundancyOptimizer under autocast (what batchlab "

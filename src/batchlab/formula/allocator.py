@@ -57,20 +57,24 @@ def _round_up_waste(size: int) -> int:
     return -size % (2 * MiB) if size > LARGE else 0
 
 
-def segment_rounding(cfg: RunConfig, activation_bytes: int) -> int:
+def segment_rounding(cfg: RunConfig, activation_bytes: int, rank=None) -> int:
     """Round-up waste of the large live tensors at the peak: the state tensors of each large weight (weights or
     master, gradients, Adam m and v), and the activations taken as s x b x h slices (the typical saved tensor)."""
     m = cfg.model
-    weights = [m.hidden * m.hidden] * 2 + [m.hidden * m.ffn] * (3 if m.mlp.value == "swiglu" else 2)
-    shard = cfg.dp if cfg.zero >= 1 else 1
-    states = sum(_round_up_waste(4 * w // shard) for w in weights) * 4 * m.layers
+    t, layers = (rank.tp, len(rank.layers)) if rank is not None else (1, m.layers)  # a pipeline stage's TP slice
+    weights = [m.hidden * m.hidden // t] * 2 + [m.hidden * m.ffn // t] * (3 if m.mlp.value == "swiglu" else 2)
+    shard = cfg.dp if cfg.parallel.engine_spec.shards_optimizer else 1
+    states = sum(_round_up_waste(4 * w // shard) for w in weights) * 4 * layers
     slice_ = cfg.seq * cfg.micro_batch * m.hidden * cfg.precision.compute_bytes
     return states + activation_bytes // slice_ * _round_up_waste(slice_)
 
 
 def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_bytes: int,
-                  live_gradients: int = 0) -> DeviceMemory:
-    """``live_gradients``: gradient bytes live at the peak (the formula's breakdown; 0 when unknown)."""
+                  live_gradients: int = 0, rank=None) -> DeviceMemory:
+    """``live_gradients``: gradient bytes live at the peak (the formula's breakdown; 0 when unknown); ``rank``:
+    the pipeline stage's share (formula/ranks.py), whole replica when None."""
+    t = rank.tp if rank is not None else 1
+    holds_loss = rank is None or rank.last
     dev = cfg.device_spec
     if dev.backend is Backend.CPU:  # no caching allocator: the live-tensor tracker's bytes are the figure
         return DeviceMemory(peak_tensor, peak_tensor, peak_tensor, provenance="formula (tensor bytes; CPU)")
@@ -78,22 +82,23 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
         margin = int(peak_tensor * cfg.assumptions.allocator_margin)
         parts = {f"fixed margin {cfg.assumptions.allocator_margin:.0%} (assumption)": margin}
     else:
-        parts = {"2 MiB segment rounding of tensors > 10 MiB": segment_rounding(cfg, activation_bytes)}
+        parts = {"2 MiB segment rounding of tensors > 10 MiB": segment_rounding(cfg, activation_bytes, rank)}
         e = cfg.precision.compute_bytes
-        if cfg.loss.mode is LossMode.FULL and e < 4 and peak_phase == "backward":
+        if cfg.loss.mode is LossMode.FULL and e < 4 and peak_phase == "backward" and holds_loss:
             parts["freed 16-bit logits (too small for the fp32 loss gradients)"] = (
-                cfg.seq * cfg.micro_batch * cfg.model.vocab * e)
-        if cfg.zero >= 3 and cfg.dp > 1:
+                cfg.seq * cfg.micro_batch * cfg.model.vocab // t * e)
+        if cfg.parallel.shards_parameters:
             reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
-            parts["FSDP all-gather / reduce-scatter stream pools"] = count(cfg.model).per_layer * (e + reduce_bytes)
-        if cfg.zero >= 2 and cfg.dp > 1:  # FSDP2 at either stage reduce-scatters through foreach_reduce
-            shards = sum(unit_elements(cfg)) * reduced_bytes_per_element(cfg) // cfg.dp
+            per_layer = rank.per_layer if rank is not None else count(cfg.model).per_layer
+            parts["FSDP all-gather / reduce-scatter stream pools"] = per_layer * (e + reduce_bytes)
+        if cfg.parallel.shards_gradients:  # FSDP2 at either stage reduce-scatters through foreach_reduce
+            shards = sum(unit_elements(cfg, rank)) * reduced_bytes_per_element(cfg) // cfg.dp
             if shards > live_gradients:
                 parts["last update's gradient shards, cached in the reduce-scatter stream's pool"] = (
                     shards - live_gradients)
         parts["cuBLAS workspace"] = cublas_workspace(dev.arch)
     reserved = peak_tensor + sum(parts.values())
     extra = {f"CUDA context and kernels ({dev.context_source})": dev.context_bytes}
-    if cfg.dp > 1:
+    if cfg.parallel.world_size > 1:
         extra["NCCL buffers (estimate: not found published)"] = NCCL_ESTIMATE
     return DeviceMemory(peak_tensor, reserved, reserved + sum(extra.values()), parts, extra)

@@ -107,9 +107,9 @@ def exposed_comm_seconds(cfg: RunConfig, comm: float, compute: float, micro: flo
     if comm <= 0:
         return Sourced(0.0, "no communication")
     bw = bus_bandwidth(cfg).value
-    if cfg.zero >= 2:
+    if cfg.parallel.shards_gradients:
         units = unit_elements(cfg)
-        first = units[0] + (units[-1] if cfg.zero >= 3 and len(units) > 1 else 0)
+        first = units[0] + (units[-1] if cfg.parallel.reshards_after_forward and len(units) > 1 else 0)
         exposed = cfg.accum * collective_seconds("all_gather", first * gathered_bytes_per_element(cfg), cfg.dp, bw)
         return Sourced(min(comm, max(0.0, comm - compute) + exposed),
                        "FSDP2 prefetch: hidden behind forward and backward, the first unit's all-gather of each "

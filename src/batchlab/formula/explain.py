@@ -85,7 +85,7 @@ def _accumulation(cfg: RunConfig, e: Estimate, cal: Calibrations | None) -> Sect
     b = f"  (b) accum {k} → {k * 2} at a fixed global batch {cfg.global_batch}: "
     return Section("Gradient accumulation: two readings of \"doubling it\"", (
         "Micro-batches whose gradients are summed before one optimizer step; only one micro-batch's "
-        "activations are live at a time.",
+        "activations are live at a time." if cfg.pp == 1 else _pipeline_accumulation(cfg, e),
         a + (f"{more_data}." if isinstance(more_data, str) else
              f"{_moves(e, more_data)}. The global batch doubles; the peak {_peak_moves(e, more_data)}; the update "
              f"takes {_time_ratio(e, more_data)} as long (twice the sequences); the optimizer sees twice the data "
@@ -95,6 +95,20 @@ def _accumulation(cfg: RunConfig, e: Estimate, cal: Calibrations | None) -> Sect
              "data takes twice as many forward/backward passes of smaller kernels (more per-op overhead): the "
              f"update takes {_time_ratio(e, same_data)} as long; the optimizer sees the same global batch."),
     ))
+
+
+def _pipeline_accumulation(cfg: RunConfig, e: Estimate) -> str:
+    """What accum means under a pipeline: the micro-batches of one flush, which set the bubble and what a stage
+    holds."""
+    lay, k = cfg.parallel, cfg.accum
+    first = lay.in_flight(0, k)
+    return (f"Under a {lay.pp}-stage pipeline ({lay.schedule.value}) accum = {k} is the micro-batches of one pipeline "
+            f"flush: the pipeline idles (p - 1) micro-batch times at its start and end, a bubble of "
+            f"{lay.bubble_fraction(k):.1%} of the update ((p-1)/(v·m+p-1) = {lay.pp - 1}/({lay.chunks}·{k}+{lay.pp - 1}); "
+            f"{e.time.bubble_seconds * 1e3:,.1f} ms here), smaller the more micro-batches per update; the first "
+            f"stage holds {first:g} micro-batches' activations at its high point "
+            + ("(GPipe: all of them, growing with accum)." if lay.schedule.value == "gpipe" else
+               "(1F1B: at most p, whatever accum)."))
 
 
 def _timings(cfg: RunConfig, e: Estimate) -> Section:
@@ -137,7 +151,7 @@ def _checkpointing(cfg: RunConfig, e: Estimate, cal: Calibrations | None) -> Sec
 
 def _data_parallel(cfg: RunConfig, e: Estimate) -> Section:
     return Section(f"Data parallelism (DP = {cfg.dp})", (
-        f"Each rank holds a model copy (ZeRO-{cfg.zero}) and a share of the batch; gradients are all-reduced "
+        f"Each rank holds a model copy (ZeRO-{cfg.parallel.stage}) and a share of the batch; gradients are all-reduced "
         f"once per update ({fmt_bytes(e.time.allreduce_bytes)}, {fmt_seconds(e.time.allreduce_seconds)} by "
         "the ring model).",
     ))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config import LossMode, RunConfig
+from batchlab.config import ACMode, LossMode, RunConfig
 from batchlab.formula.activations import implementation
 from batchlab.formula.checkpointing import recompute_flops_per_token
 from batchlab.formula.params import count
@@ -49,7 +49,26 @@ def flops(cfg: RunConfig) -> FlopsEstimate:
 
 
 def utilisation(flops_per_update: float, update_seconds: float, cfg: RunConfig) -> float | None:
-    """Fraction of the DP ranks' peak FLOP/s one update used: MFU with model FLOPs, HFU with hardware FLOPs
-    (Chowdhery et al. 2022, appendix B).  Peak: the device's datasheet (or nominal) rate for the precision."""
-    peak = cfg.device_spec.peak_flops(cfg.precision) * cfg.dp
+    """Fraction of all ranks' peak FLOP/s one update used: MFU with model FLOPs, HFU with hardware FLOPs
+    (Chowdhery et al. 2022, appendix B), over world size = DP x TP x PP devices.  Peak: the device's datasheet
+    (or nominal) rate for the precision."""
+    peak = cfg.device_spec.peak_flops(cfg.precision) * cfg.parallel.world_size
     return flops_per_update / (update_seconds * peak) if update_seconds > 0 and peak > 0 else None
+
+
+def stage_flops_per_token(cfg: RunConfig, layers: tuple[int, ...], last: bool) -> float:
+    """Hardware FLOPs per token of one pipeline stage's layers (with their recompute) and, on the last stage, the
+    final norm and LM head: the terms of ``flops`` split by layer, so the stages add up to the whole model's."""
+    m, s = cfg.model, cfg.seq
+    c = count(m)
+    impl = implementation(cfg.model_kind, m)
+    modes = cfg.ac.layer_modes(m.layers)
+
+    def layer(mode: ACMode) -> float:
+        base = 6 * c.per_layer + 12 * m.hidden * s  # PaLM appendix B, one layer's share of 6N + 12·L·h·s
+        if mode is ACMode.FULL:
+            return base + 2 * c.per_layer - 2 * m.hidden * m.ffn + 4 * m.hidden * s
+        return base + (recompute_flops_per_token(mode, m, s, impl) if mode is not ACMode.NONE else 0)
+
+    head = 6 * (compute_params(cfg) - c.non_embedding) + 6 * c.final_norm if last else 0
+    return sum(layer(modes[i]) for i in layers) + head

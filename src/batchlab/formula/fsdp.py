@@ -18,13 +18,15 @@ from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_
 def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, kept: tuple[int, ...],
                 below_layers: int, activations_total: int, logits_fwd: int, loss_grads: int, head_grad: int,
                 transient: int, opt_tmp: int, sharded_grads: int,
-                walk: list[int] | None = None) -> dict[str, dict[str, int]]:
+                walk: list[int] | None = None, rank=None) -> dict[str, dict[str, int]]:
     """Parts live at each phase's high point.  ``resident``: parameter shards (``parameters``, or ``master``
     under a 16-bit param_dtype), optimizer state and data; the rest as in formula.memory (per-layer kept activations, the in-layer
     transient of backward, the LM head's weight gradient).  ``walk`` (if given) receives the tensor bytes as
-    backward starts, then each block's higher point (inside it, or at its reduce-scatter), last block first."""
-    units = unit_elements(cfg)
-    wg, wr, dp, L, z3 = gathered_bytes_per_element(cfg), reduced_bytes_per_element(cfg), cfg.dp, len(kept), cfg.zero >= 3
+    backward starts, then each block's higher point (inside it, or at its reduce-scatter), last block first.
+    ``rank``: a pipeline stage's tensor-parallel slice (formula/ranks.py), whose units FSDP2 shards."""
+    units = unit_elements(cfg, rank)
+    wg, wr, dp, L = gathered_bytes_per_element(cfg), reduced_bytes_per_element(cfg), cfg.dp, len(kept)
+    z3 = cfg.parallel.reshards_after_forward
     root, block = units[0] * wg, (units[1] if L else 0) * wg
     block_grad = (units[1] if L else 0) * wr
     shards = resident["parameters"]  # 0 where the fp32 shards are the master copy (resident["master"])

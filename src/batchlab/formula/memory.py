@@ -3,112 +3,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchlab.config import ACMode, Backend, LossMode, OptimizerKind, PositionKind, Precision, RunConfig
+import dataclasses
+from batchlab.config import ACMode, LossMode, PositionKind, Precision, RunConfig
 from batchlab.formula import activations as act
-from batchlab.formula import checkpointing
+from batchlab.formula import deepspeed
 from batchlab.formula.allocator import device_memory
 from batchlab.formula.fsdp import fsdp_phases
-from batchlab.formula.loss import loss_path
+from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.params import count, norm_params
 from batchlab.formula.profile import layer_policies, terms as profile_terms
+from batchlab.formula.ranks import RankMemory, RankShare, share, shares
 from batchlab.formula.sharding import unit_elements
+from batchlab.formula.states import ModelStates, fsdp_mixed_states, model_states, optimizer_bytes_per_param
 
 F32 = 4
-
-
-@dataclass(frozen=True)
-class ModelStates:
-    """Bytes per rank for weights, gradients and optimizer state (Rajbhandari et al. 2019, ZeRO, sec. 3)."""
-
-    parameters: int  # weights as the forward uses them (bf16 working copies under autocast)
-    master: int  # fp32 weights the optimizer updates (mixed precision only; else 0)
-    gradients: int
-    optimizer: int
-
-
-def optimizer_bytes_per_param(cfg: RunConfig) -> float:
-    if cfg.assumptions.optimizer_bytes_per_param is not None:
-        return cfg.assumptions.optimizer_bytes_per_param
-    state_bytes = 2 if cfg.precision is Precision.BF16 else F32  # state lives in the weights' dtype
-    per_state = {OptimizerKind.ADAMW: 2, OptimizerKind.SGD_MOMENTUM: 1, OptimizerKind.SGD: 0}[cfg.optimizer]
-    return per_state * state_bytes  # AdamW: m and v (Loshchilov & Hutter 2019)
-
-
-def model_states(cfg: RunConfig) -> ModelStates:
-    n = count(cfg.model).total
-    dp, z = cfg.dp, cfg.zero
-    weight_bytes = 2 if cfg.precision is Precision.BF16 else F32
-    shard = lambda stage: dp if z >= stage else 1  # noqa: E731 — ZeRO stage k shards this state over DP
-    opt = int(n * optimizer_bytes_per_param(cfg)) // shard(1)
-    grads = n * weight_bytes // shard(2)
-    if cfg.precision is Precision.BF16_FSDP:
-        return fsdp_mixed_states(cfg)
-    if cfg.precision.mixed and z >= 1:
-        # ZeRO's mixed precision (Rajbhandari et al. 2019, sec. 3.1: 2 + 2 + 12 bytes per parameter): 16-bit
-        # weights and gradients are what the ranks hold; the fp32 master copy is optimizer state, sharded
-        return ModelStates(parameters=2 * n // shard(3), master=F32 * n // shard(1), gradients=2 * n // shard(2),
-                           optimizer=opt)
-    if cfg.precision.mixed:  # autocast keeps fp32 weights and makes 16-bit working copies per forward
-        return ModelStates(parameters=2 * n, master=F32 * n, gradients=grads, optimizer=opt)
-    return ModelStates(parameters=weight_bytes * n // shard(3), master=0, gradients=grads, optimizer=opt)
-
-
-def fsdp_mixed_states(cfg: RunConfig) -> ModelStates:
-    """FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the fp32 parameters are the master
-    copy (sharded at stage >= 3), fp32 gradients and Adam state sharded as the stage says; the bf16 working
-    weights exist only for the blocks being gathered: the current and the prefetched block, and the root
-    group (embedding, final norm, LM head), which FSDP2 does not reshard after forward (_fsdp_api.py docs)."""
-    c, dp, z = count(cfg.model), cfg.dp, cfg.zero
-    shard = lambda stage: dp if z >= stage else 1  # noqa: E731
-    gathered = 2 * (2 * c.per_layer + c.total - c.per_layer * cfg.model.layers) if z >= 3 else 2 * c.total
-    return ModelStates(parameters=gathered, master=F32 * c.total // shard(3 if z >= 3 else 1),
-                       gradients=F32 * c.total // shard(2), optimizer=int(c.total * optimizer_bytes_per_param(cfg))
-                       // shard(1))
-
-
-@dataclass(frozen=True)
-class ActivationPlan:
-    per_layer_full: int | None  # a layer with nothing recomputed (None: a profile that needs it only under FSDP)
-    per_layer_kept: tuple[int, ...]  # what each layer keeps under the policy
-    outside_layers: int  # embedding dropout mask, final norm, log-softmax output
-
-    @property
-    def total(self) -> int:
-        return sum(self.per_layer_kept) + self.outside_layers
-
-
-def activation_plan(cfg: RunConfig) -> ActivationPlan:
-    m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
-    fitted = profile_terms(cfg)
-    if fitted is not None:  # the model's own code, traced and fitted (formula/profile.py)
-        return _profiled_plan(cfg, fitted)
-    backend = cfg.device_spec.backend
-    impl = act.implementation(cfg.model_kind, m)
-    full = act.layer_activations(m, s, b, p, backend, impl).total
-    if cfg.assumptions.torch_before(1, 11):
-        full += act.legacy_softmax_input_bytes(m, s, b, p, backend)
-    modes = cfg.ac.layer_modes(m.layers)
-    per_mode = {}  # alike layers under one policy keep alike bytes: once per policy, not per layer
-    for mode in set(modes):
-        if mode is ACMode.FULL:
-            per_mode[mode] = act.checkpointed_layer_bytes(m, s, b, p)
-        elif mode is not ACMode.NONE:
-            per_mode[mode] = checkpointing.kept_bytes(mode, m, s, b, p, backend, impl)
-        else:
-            per_mode[mode] = full
-    kept = tuple(per_mode[mode] for mode in modes)
-    return ActivationPlan(full, kept, act.outside_layers_bytes(m, s, b, p, backend) + loss_path(cfg).kept)
-
-
-def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
-    """The plan from a layer profile's fitted terms (``config.profile.Terms``) at cfg's (b, s).  What the layers
-    do not explain is per policy (a checkpointed block keeps its inputs: a mask made once per forward); a mix
-    (every:K) keeps the union, bounded here by the largest."""
-    b, s = cfg.micro_batch, cfg.seq
-    policies = layer_policies(cfg)
-    kept = tuple(t.layer(p)(b, s) for p in policies)
-    full = t.layer_full(b, s) if t.layer_full is not None else None
-    return ActivationPlan(full, kept, max(t.outside(p)(b, s) for p in set(policies)))
+__all__ = ["ModelStates", "model_states", "fsdp_mixed_states", "optimizer_bytes_per_param", "memory",
+           "MemoryEstimate", "RankMemory"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +52,10 @@ class MemoryEstimate:
     # terms, empty from a profile; FSDP's always)
     backward_walk: tuple[int, ...] = ()
     layer_copy_bytes: int = 0  # autocast's 16-bit weight copies one layer's matmuls keep until its backward
+    # one entry per pipeline stage (its tensor- and data-parallel ranks hold alike); every figure above is the
+    # most loaded stage's, named by ``most_loaded``
+    ranks: tuple[RankMemory, ...] = ()
+    most_loaded: str = ""
 
     @property
     def fits(self) -> bool:
@@ -156,7 +70,8 @@ _WALKED = ("parameters", "gradients", "activations", "recompute", "temporaries")
 
 
 def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, resident: dict[str, int],
-                   grads_before: int, loss_grads: int, layer_copy: int, walk: list[int] | None = None) -> dict[str, int]:
+                   grads_before: int, loss_grads: int, layer_copy: int, walk: list[int] | None = None,
+                   rank: RankShare | None = None) -> dict[str, int]:
     """Walk backward layer by layer (last first): kept activations shrink while parameter gradients grow.
 
     ``resident``: weights, optimizer state and data (present throughout); under autocast its ``parameters``
@@ -164,22 +79,24 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     by its backward (a recomputed layer casts its own again while it runs).  Returns the parts at the peak;
     ``walk`` (if given) receives the tensor bytes as backward starts, then at each layer's, last layer first.
     """
-    m = cfg.model
-    n = max(count(m).total, 1)
-    layer_grad = count(m).per_layer * states.gradients // n
+    rank = rank or share(cfg, 0)
+    n = max(rank.params, 1)
+    layer_grad = rank.per_layer * states.gradients // n
     # with accumulation (or DDP's gradient buckets) the .grad tensors exist already (in grads_before)
     new_grads = grads_before == 0
-    transient, head_grad, below_layers = _backward_terms(cfg, states.gradients)
+    transient, head_grad, below_layers = _backward_terms(cfg, states.gradients, rank)
+    below_layers += plan.others  # the other in-flight micro-batches wait for their own backward
     best = dict(resident, gradients=grads_before, activations=plan.total, recompute=0, temporaries=loss_grads)
     if walk is not None:
         walk.append(sum(best.values()))
     kept_below = sum(plan.per_layer_kept)
     grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
-    recomputed = {i for i, mode in enumerate(cfg.ac.layer_modes(m.layers)) if mode is not ACMode.NONE}
-    copies_below = layer_copy * (m.layers - len(recomputed))  # the LM head's copy is freed by now
+    modes = cfg.ac.layer_modes(cfg.model.layers)
+    recomputed = {j for j, i in enumerate(rank.layers) if modes[i] is not ACMode.NONE}
+    copies_below = layer_copy * (len(rank.layers) - len(recomputed))  # the LM head's copy is freed by now
     fixed = sum(v for k, v in resident.items() if k not in _WALKED)  # the same at every layer
     best_total = sum(best.values())
-    for i in reversed(range(m.layers)):
+    for i in reversed(range(len(rank.layers))):
         kept_i = plan.per_layer_kept[i]
         parts = dict(parameters=resident["parameters"] if not layer_copy else copies_below
                      + (layer_copy if i in recomputed else 0),
@@ -226,88 +143,130 @@ def _profiled_backward(cfg: RunConfig, plan: ActivationPlan, states: ModelStates
                 activations=plan.total - freed, recompute=0, temporaries=measured)
 
 
-def _backward_terms(cfg: RunConfig, gradient_bytes: int) -> tuple[int, int, int]:
+def _backward_terms(cfg: RunConfig, gradient_bytes: int, rank: RankShare | None = None) -> tuple[int, int, int]:
     """(in-layer transient, the LM head's weight gradient, activations kept below the layers) in backward;
     ``gradient_bytes``: all of the model's gradients as one rank would hold them unsharded."""
     m, s, b = cfg.model, cfg.seq, cfg.micro_batch
+    rank = rank or share(cfg, 0)
+    t = rank.tp  # a tensor-parallel rank's MLP and heads are 1/t of the layer's; the residual stream 1/t with SP
     w = act.Widths.of(cfg.precision, cfg.device_spec.backend)
-    n = max(count(m).total, 1)
+    n = max(rank.params, 1)
     sbh = s * b * m.hidden
     # Inside a layer's backward each node frees what it saved as it creates its input's gradient, so the
     # net transient is about one gradient of the widest intermediate (MLP inner, or the s x s scores),
     # plus the incoming and outgoing residual gradients and the first weight gradient (the MLP's output
     # projection, h x f).
     scores = m.heads * s * s * b * w.softmax if act.materialises_scores(m, cfg.device_spec.backend) else 0
-    transient = max(s * b * m.ffn * w.e, scores) + 2 * sbh * w.res + m.hidden * m.ffn * gradient_bytes // n
+    transient = (max(s * b * m.ffn * w.e // t, scores // t) + 2 * sbh * w.res // rank.in_sp
+                 + m.hidden * m.ffn // t * gradient_bytes // n)
     # the LM head's weight gradient exists from the start of the layers' backward (tied: in autograd's
     # input buffer until the embedding's backward adds its part)
-    head_grad = 0 if cfg.loss.mode is LossMode.CLASSIFIER else m.vocab * m.hidden * gradient_bytes // n
-    below_layers = act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend)  # the rest is freed
+    head = cfg.loss.mode is not LossMode.CLASSIFIER and rank.last
+    head_grad = m.vocab * m.hidden // t * gradient_bytes // n if head else 0
+    mask = act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend) if rank.first else 0
+    below_layers = mask // rank.in_sp  # the rest is freed
     return transient, head_grad, below_layers
 
 
-def autocast_cast_params(m) -> tuple[int, int]:
+def autocast_cast_params(m, rank: RankShare | None = None) -> tuple[int, int]:
     """(whole model, one layer): the parameters autocast copies to 16 bits, the matmuls' weights and biases.
     Lookup tables (an untied token embedding, learned positions) and norm weights are not cast (embedding and
     the norms are not on autocast's lower-precision op list); a tied embedding is cast, as the LM head's weight.
-    Checked against the live storages of a real bf16-mixed step (tests/trace/test_trace.py)."""
+    Checked against the live storages of a real bf16-mixed step (tests/trace/test_trace.py).  ``rank``: those of
+    one pipeline stage's tensor-parallel slice (a pipeline's first stage only looks its table up)."""
     c = count(m)
     norms = 2 * norm_params(m)
-    lookups = c.embedding - (m.vocab * m.hidden if m.tied_embeddings else 0)
-    return c.total - lookups - norms * m.layers - c.final_norm, c.per_layer - norms
+    if rank is None:
+        lookups = c.embedding - (m.vocab * m.hidden if m.tied_embeddings else 0)
+        return c.total - lookups - norms * m.layers - c.final_norm, c.per_layer - norms
+    layer = rank.per_layer - norms
+    tied_table = m.vocab * m.hidden // rank.tp if m.tied_embeddings and rank.stages == 1 else 0
+    return layer * len(rank.layers) + rank.head + tied_table, layer
 
 
-def _largest_param(cfg: RunConfig) -> int:
-    m = cfg.model
-    positions = m.max_positions * m.hidden if m.position is PositionKind.LEARNED else 0  # can outsize the vocab's
-    return max(m.vocab * m.hidden, positions, m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden))
+def _largest_param(cfg: RunConfig, rank: RankShare) -> int:
+    m, t = cfg.model, rank.tp
+    positions = m.max_positions * m.hidden if m.position is PositionKind.LEARNED and rank.first else 0
+    table = m.vocab * m.hidden // t if rank.first or rank.head else 0  # can be outsized by the positions'
+    layer = max(m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden)) // t if rank.layers else 0
+    return max(table, positions, layer)
 
 
-def fsdp_shard_bytes(cfg: RunConfig) -> int:
+def fsdp_shard_bytes(cfg: RunConfig, rank: RankShare | None = None) -> int:
     """FSDP2 keeps fp32 (bf16: 16-bit) parameter shards at ZeRO-2 and 3 alike, and gathers 16-bit working
     copies under mixed precision (MixedPrecisionPolicy): then the fp32 shards are the master copy."""
-    return sum(unit_elements(cfg)) * (2 if cfg.precision is Precision.BF16 else F32) // cfg.dp
+    return sum(unit_elements(cfg, rank)) * (2 if cfg.precision is Precision.BF16 else F32) // cfg.dp
 
 
 def _sharded_master(cfg: RunConfig) -> bool:
     return cfg.precision not in (Precision.FP32, Precision.BF16)
 
 
-def fsdp_gradient_shard_bytes(cfg: RunConfig) -> int:
+def fsdp_gradient_shard_bytes(cfg: RunConfig, rank: RankShare | None = None) -> int:
     """Gradient shards keep the shards' dtype (reduced in fp32 under MixedPrecisionPolicy(reduce_dtype=fp32))."""
-    return fsdp_shard_bytes(cfg)
+    return fsdp_shard_bytes(cfg, rank)
 
 
 def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int], logits_fwd: int,
-          loss_grads: int, opt_tmp: int, walk: list[int]) -> dict[str, dict[str, int]]:
+          loss_grads: int, opt_tmp: int, walk: list[int], rank: RankShare) -> dict[str, dict[str, int]]:
     assert plan.per_layer_full is not None, "formula.profile.needed() asks for the full layer's terms under FSDP"
-    shards = fsdp_shard_bytes(cfg)
+    shards = fsdp_shard_bytes(cfg, rank)
     full_grads = states.gradients * cfg.dp
-    transient, head_grad, below = _backward_terms(cfg, full_grads)
+    transient, head_grad, below = _backward_terms(cfg, full_grads, rank)
     # the fp32 shards are the master copy under a 16-bit param_dtype (FSDP2's "parameters" are then only the
     # gathered 16-bit working copies); in fp32 and bf16 they are the parameters themselves
     resident = dict(weights, parameters=0, master=shards) if _sharded_master(cfg) else dict(weights, parameters=shards,
                                                                                            master=0)
-    return fsdp_phases(cfg, resident, plan.per_layer_full, plan.per_layer_kept, below, plan.total, logits_fwd,
-                       loss_grads, head_grad, transient, opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg), walk)
+    return fsdp_phases(cfg, resident, plan.per_layer_full, plan.per_layer_kept, below + plan.others, plan.total,
+                       logits_fwd, loss_grads, head_grad, transient, opt_tmp // cfg.dp,
+                       fsdp_gradient_shard_bytes(cfg, rank), walk, rank)
+
+
+def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """DeepSpeed ZeRO's own buffers (formula/deepspeed.py), each a part of its own in every phase (0 where it
+    is not live): the reduce bucket throughout, stage 3's prefetch in forward and backward, the fp32 gradient
+    partition at the step."""
+    if not deepspeed.priced(cfg):
+        return phases
+    live = {"forward": {**deepspeed.resident_buffers(cfg, rank), **deepspeed.prefetch_buffers(cfg, rank)},
+            "backward": {**deepspeed.resident_buffers(cfg, rank), **deepspeed.prefetch_buffers(cfg, rank)},
+            "optimizer": {**deepspeed.resident_buffers(cfg, rank), **deepspeed.step_buffers(cfg, rank)}}
+    names = {k for parts in live.values() for k in parts}
+    return {ph: dict(parts, **{k: live.get(ph, {}).get(k, 0) for k in sorted(names)}) for ph, parts in phases.items()}
 
 
 def memory(cfg: RunConfig) -> MemoryEstimate:
+    """Per rank: every figure is the most loaded pipeline stage's (the only one without a pipeline); ``ranks``
+    has each stage's peak and parts."""
+    stages = shares(cfg)
+    per = [_stage_memory(cfg, r) for r in stages]
+    worst = max(range(len(per)), key=lambda i: (per[i].peak_bytes, -i))
+    entries = tuple(RankMemory(stage=r.stage, layers=len(r.layers), in_flight=r.in_flight, peak_bytes=e.peak_bytes,
+                               activations_bytes=e.activations_bytes, parameters=r.params,
+                               parts=dict(e.at_peak, allocator=e.margin_bytes), role=r.describe())
+                    for r, e in zip(stages, per))
+    return dataclasses.replace(per[worst], ranks=entries, most_loaded=stages[worst].describe())
+
+
+def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     m, s, b = cfg.model, cfg.seq, cfg.micro_batch
-    states = model_states(cfg)
-    plan = activation_plan(cfg)
-    n_recomputed = len(cfg.ac.wrapped_layers(m.layers)) + len(cfg.ac.selective_layers(m.layers))
+    states = model_states(cfg, rank)
+    plan = activation_plan(cfg, rank)
+    modes = cfg.ac.layer_modes(m.layers)
+    n_recomputed = sum(1 for i in rank.layers if modes[i] is not ACMode.NONE)
     # autocast's 16-bit weight copies: all of them sit in its cast cache until the forward leaves autocast;
     # in backward only those the matmuls saved remain (recomputed layers cast again, transiently)
     copies_fwd = copies = layer_copy = 0
-    autocast = cfg.precision.mixed and cfg.zero == 0  # under ZeRO the 16-bit weights are resident instead
-    fitted = profile_terms(cfg)
+    # under ZeRO the 16-bit weights are resident instead
+    autocast = cfg.precision.mixed and not cfg.parallel.engine_spec.shards_optimizer
+    # a layout's ranks are priced from the built-in terms (a profile only splits its layers' totals)
+    fitted = profile_terms(cfg) if rank.whole else None
     if autocast and fitted is not None:  # as the model's code keeps them (embeddings and norms are not cast)
         copies_fwd = fitted.copies_layer * m.layers + fitted.copies_outside
         copies = copies_fwd - fitted.copies_layer * n_recomputed
         layer_copy = fitted.copies_layer
     elif autocast:
-        n, per_layer = autocast_cast_params(m)
+        n, per_layer = autocast_cast_params(m, rank)
         copies_fwd = 2 * n
         copies = 2 * (n - per_layer * n_recomputed)
         layer_copy = 2 * per_layer
@@ -316,15 +275,15 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
     buffers = prof.buffers_per_layer * m.layers + prof.buffers_outside if prof is not None and fitted is not None else 0
     weights = dict(parameters=(copies if autocast else states.parameters) + buffers, master=states.master,
                    optimizer=states.optimizer, data=data)
-    fsdp = cfg.dp > 1 and cfg.zero >= 2  # FSDP2 (formula.fsdp); below 2, DDP
+    fsdp = cfg.parallel.shards_gradients  # FSDP2 (formula.fsdp; DeepSpeed's stage 2 and 3 priced alike); else DDP
     # DDP (gradient_as_bucket_view) keeps its gradient buckets between updates, as accumulation keeps .grad,
     # and so does zero_grad(set_to_none=False) (torch.nn.Module.zero_grad: "set to zero" instead of None)
     kept = cfg.accum > 1 or (cfg.dp > 1 and not fsdp) or not cfg.assumptions.zero_grad_set_to_none
     grads_before = states.gradients if kept else 0
-    lp = loss_path(cfg)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
+    lp = rank_loss_path(cfg, rank)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
-    opt_tmp = 2 * _largest_param(cfg) * (2 if cfg.precision is Precision.BF16 else F32)
+    opt_tmp = 2 * _largest_param(cfg, rank) * (2 if cfg.precision is Precision.BF16 else F32)
     walk: list[int] = []
     if fitted is not None:  # measured on the model's own code (formula/profile.py)
         policies = layer_policies(cfg)
@@ -341,27 +300,28 @@ def memory(cfg: RunConfig) -> MemoryEstimate:
         loss_grads = fitted.backward(policies[-1])(b, s)
         opt_tmp = fitted.optimizer_temporaries
     if fsdp:  # FSDP2's phases and its backward walk (formula/fsdp.py); DDP's below are not worked out
-        phases = _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp, walk)
+        phases = _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp, walk, rank)
     else:
         phases = {  # the parts live at each phase's high point
             "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
                             gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
             "backward": (_profiled_backward(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)
                          if fitted is not None else
-                         _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy, walk)),
+                         _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy, walk, rank)),
             # autocast's working copies are gone by the optimizer step
             "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
                               gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
         }
+    phases = _with_deepspeed(cfg, rank, phases)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
     peak_tensor = totals[peak_phase]
-    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total, at_peak["gradients"])
+    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total, at_peak["gradients"], rank)
     return MemoryEstimate(
-        parameters_bytes=(0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg)) if fsdp else states.parameters,
-        master_bytes=(fsdp_shard_bytes(cfg) if _sharded_master(cfg) else 0) if fsdp else states.master,
-        gradients_bytes=fsdp_gradient_shard_bytes(cfg) if fsdp else states.gradients,
+        parameters_bytes=(0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg, rank)) if fsdp else states.parameters,
+        master_bytes=(fsdp_shard_bytes(cfg, rank) if _sharded_master(cfg) else 0) if fsdp else states.master,
+        gradients_bytes=fsdp_gradient_shard_bytes(cfg, rank) if fsdp else states.gradients,
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,
         activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=at_peak["recompute"],
         logits_bytes=lp.kept, temporaries_bytes=at_peak["temporaries"], data_bytes=data,

@@ -102,7 +102,7 @@ def needed(cfg: RunConfig) -> frozenset[str]:
     (DP > 1, ZeRO >= 2) the whole layer's too, which its recompute working set is measured from."""
     if not profiled(cfg):
         return frozenset()
-    return frozenset(layer_policies(cfg)) | ({"full"} if cfg.dp > 1 and cfg.zero >= 2 else set())
+    return frozenset(layer_policies(cfg)) | ({"full"} if cfg.parallel.shards_gradients else set())
 
 
 def _lookup(cfg: RunConfig) -> Terms | None:

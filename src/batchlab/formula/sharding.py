@@ -12,9 +12,13 @@ FSDP2 pads each parameter's first dimension to a multiple of DP.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from batchlab.config import MLPKind, ModelSpec, PositionKind, Precision, RunConfig
 from batchlab.formula.params import count, norm_params
+
+if TYPE_CHECKING:
+    from batchlab.formula.ranks import RankShare
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
@@ -23,29 +27,37 @@ def _padded(dim0: int, rest: int, dp: int) -> int:
     return -(-dim0 // dp) * dp * rest
 
 
-def _block_tensors(m: ModelSpec) -> list[tuple[int, int]]:
-    """(first dim, elements per row) of each parameter of one built-in block (models/gpt.py)."""
+def _block_tensors(m: ModelSpec, t: int = 1) -> list[tuple[int, int]]:
+    """(first dim, elements per row) of each parameter of one built-in block (models/gpt.py) on one of ``t``
+    tensor-parallel ranks: column-parallel matrices (q/k/v, MLP up) and their biases split by rows, row-parallel
+    ones (projections, MLP down) by columns; norms and the row-parallel biases whole (formula/ranks.py)."""
     h, kv, f = m.hidden, m.kv_hidden, m.ffn
     norm = [(h, 1)] * (norm_params(m) // h)
-    mats = [(f, h), (f, h), (h, f)] if m.mlp is MLPKind.SWIGLU else [(f, h), (h, f)]
-    out = norm * 2 + [(h + 2 * kv, h), (h, h)] + mats
+    mats = [(f // t, h), (f // t, h), (h, f // t)] if m.mlp is MLPKind.SWIGLU else [(f // t, h), (h, f // t)]
+    out = norm * 2 + [((h + 2 * kv) // t, h), (h, h // t)] + mats
     if m.bias:
-        out += [(h + 2 * kv, 1), (h, 1), (h, 1)] + ([(f, 1)] * (len(mats) - 1))
+        out += [((h + 2 * kv) // t, 1), (h, 1), (h, 1)] + ([(f // t, 1)] * (len(mats) - 1))
     return out
 
 
-def _root_tensors(m: ModelSpec) -> list[tuple[int, int]]:
-    """Embeddings, final norm and an untied head: the parameters outside the blocks (the root unit)."""
-    out = [(m.vocab, m.hidden)] + ([(m.max_positions, m.hidden)] if m.position is PositionKind.LEARNED else [])
-    out += [(m.hidden, 1)] * (norm_params(m) // m.hidden)
-    return out + ([] if m.tied_embeddings else [(m.vocab, m.hidden)])
+def _root_tensors(m: ModelSpec, rank: "RankShare | None" = None) -> list[tuple[int, int]]:
+    """Embeddings, final norm and an untied head: the parameters outside the blocks (the root unit); on a
+    pipeline stage, those it holds (vocabulary-parallel tables split by rows over TP)."""
+    t, first, last = (rank.tp, rank.first, rank.last) if rank is not None else (1, True, True)
+    tied_copy = rank is not None and rank.stages > 1 and m.tied_embeddings  # the last stage's copy
+    out = [(m.vocab // t, m.hidden)] if first else []
+    out += [(m.max_positions, m.hidden)] if first and m.position is PositionKind.LEARNED else []
+    out += [(m.hidden, 1)] * (norm_params(m) // m.hidden) if last else []
+    return out + ([(m.vocab // t, m.hidden)] if last and (not m.tied_embeddings or tied_copy) else [])
 
 
-def unit_elements(cfg: RunConfig) -> tuple[int, ...]:
-    """Elements of each FSDP2 unit as it is gathered (padded): the root, then one per block."""
+def unit_elements(cfg: RunConfig, rank: "RankShare | None" = None) -> tuple[int, ...]:
+    """Elements of each FSDP2 unit as it is gathered (padded): the root, then one per block; ``rank``: those of
+    one pipeline stage's tensor-parallel slice (formula/ranks.py), else the whole replica's."""
     m, dp = cfg.model, cfg.dp
-    block = sum(_padded(d, r, dp) for d, r in _block_tensors(m))
-    return (sum(_padded(d, r, dp) for d, r in _root_tensors(m)),) + (block,) * m.layers
+    t, layers = (rank.tp, len(rank.layers)) if rank is not None else (1, m.layers)
+    block = sum(_padded(d, r, dp) for d, r in _block_tensors(m, t))
+    return (sum(_padded(d, r, dp) for d, r in _root_tensors(m, rank)),) + (block,) * layers
 
 
 def gathered_bytes_per_element(cfg: RunConfig) -> int:
@@ -81,13 +93,13 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
     if cfg.dp == 1:
         return Traffic((none,) * cfg.accum, none, sync_every_micro_batch)
     n = count(cfg.model).total
-    if cfg.zero <= 1:
+    if not cfg.parallel.shards_gradients:  # DDP (ZeRO-0 / ZeRO-1)
         w = 2 if cfg.precision is Precision.BF16 else 4  # DDP reduces .grad in the weights' dtype
         last = dict(none, all_reduce=n * w)
-        outside = dict(none, broadcast=n * w) if cfg.zero == 1 else none
+        outside = dict(none, broadcast=n * w) if cfg.parallel.stage == 1 else none
         return Traffic((none,) * (cfg.accum - 1) + (last,), outside, sync_every_micro_batch)
     units = sum(unit_elements(cfg))
-    gathers = 2 if cfg.zero >= 3 else 1  # ZeRO-3: forward, and again in backward
+    gathers = 2 if cfg.parallel.reshards_after_forward else 1  # ZeRO-3: forward, and again in backward
     ag = gathers * units * gathered_bytes_per_element(cfg)
     rs = units * reduced_bytes_per_element(cfg)
     micro = tuple(dict(none, all_gather=ag, reduce_scatter=rs if sync_every_micro_batch or i == cfg.accum - 1 else 0)
@@ -98,7 +110,7 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
 def unsharded_gradient_bytes(cfg: RunConfig) -> int:
     """Per rank, what ``set_requires_gradient_sync(False)`` keeps between micro-batches under FSDP2: every
     unit's unsharded gradient (accumulated locally until the last micro-batch reduce-scatters it)."""
-    if cfg.zero < 2 or cfg.accum == 1:
+    if not cfg.parallel.engine_spec.shards_gradients or cfg.accum == 1:
         return 0
     return sum(unit_elements(cfg)) * reduced_bytes_per_element(cfg)
 

@@ -16,11 +16,14 @@ from dataclasses import dataclass, field
 from batchlab.config import Backend, DataKind, DeviceSpec, ModelSource, RunConfig
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate, flops
+from batchlab.formula.params import count
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.memory import MemoryEstimate
 from batchlab.formula.opcost import OpClass, OpCosts, OpCount, TimeBreakdown, describe, link_text, price
 from batchlab.config.phase import Phase
 from batchlab.formula.oplist import update_ops
+from batchlab.formula.pipeline import pipeline_time, text as layout_time_text
+from batchlab.formula.states import heaviest
 from batchlab.formula.sharding import collective_seconds, traffic
 from batchlab.util.units import fmt_count
 
@@ -62,6 +65,12 @@ class TimeEstimate:
     achievable_fraction: float = 0.0  # of the peak, on large matmuls (nominal costs only; 0: measured rates)
     fraction_source: str = ""  # where it comes from (formula/efficiency.py), or why none is applied
     overlap_source: str = ""  # how the engine hides communication
+    # a tensor / pipeline layout (formula/pipeline.py), the slowest stage's rank: 0 without one
+    bubble_fraction: float = 0.0  # idle share of the update ((p-1)/(v·m+p-1))
+    bubble_seconds: float = 0.0
+    tp_comm_seconds: float = 0.0  # tensor-parallel collectives per update, not overlapped
+    pp_comm_seconds: float = 0.0  # pipeline sends per update, not overlapped
+    stage_seconds: tuple[float, ...] = ()  # per micro-batch, each pipeline stage: compute + TP + sends
     provenance: str = "formula"
 
     def time_to_tokens(self, tokens: float) -> float:
@@ -195,7 +204,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     """``calibrated``: the per-op costs ``batchlab calibrate`` measured for cfg's device, else nominal ones."""
     ops = update_ops(cfg)
     costs = costs_for(cfg, calibrated, ops)
-    if cfg.zero >= 1:  # each rank steps only its shard of the optimizer state
+    if cfg.parallel.engine_spec.shards_optimizer:  # each rank steps only its shard of the optimizer state
         ops = tuple(OpCount(o.name, o.phase, o.cost_class, o.flops, o.bytes // cfg.dp, o.elements // cfg.dp,
                             o.low_precision, o.count, o.flops_per_matmul, o.sac_dispatched)
                     if o.phase is Phase.OPTIMIZER else o
@@ -210,6 +219,15 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     # what the stage's engine sends per update: DDP's all-reduce (+ ZeRO-1's broadcasts), FSDP2's all-gathers
     # and reduce-scatters of every micro-batch (formula.sharding); the engine's overlap hides part of it
     sent = traffic(cfg).per_update
+    layout = cfg.parallel.tp * cfg.parallel.pp > 1
+    held = heaviest(cfg).params / max(count(cfg.model).total, 1) if layout else 1.0
+    pipe = pipeline_time(cfg, compute / cfg.accum) if layout else None  # formula/pipeline.py: per stage, then the bubble
+    if pipe is not None:  # the data-parallel group of a stage's TP rank reduces (and steps) its slice only
+        sent = {k: round(v * held) for k, v in sent.items()}
+        compute = cfg.accum * pipe.stages[pipe.slowest].compute_seconds
+        dispatch_compute *= compute / max(sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute")),
+                                          1e-300)
+        rest *= held
     grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
     if local:  # a ring step is one message per rank: 2(n-1) per collective
@@ -222,13 +240,23 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
         hidden = Sourced(comm, "local ranks fill the cores: gloo's copies and sums need them, nothing hidden")
     exposed = hidden.value
     update = t.seconds + exposed
+    extra: dict = {}
+    if pipe is not None:
+        slow = pipe.stages[pipe.slowest]
+        update = pipe.seconds + rest + exposed
+        extra = dict(bubble_fraction=pipe.bubble_fraction, bubble_seconds=pipe.bubble_seconds,
+                     tp_comm_seconds=cfg.accum * slow.tp_comm_seconds, pp_comm_seconds=cfg.accum * slow.pp_comm_seconds,
+                     stage_seconds=tuple(st.seconds for st in pipe.stages))
     matmul_s = t.by_class.get(OpClass.MATMUL.value, 0.0)
     useful = cfg.tokens_per_update * useful_fraction(cfg)
     frac = (Sourced(0.0, "none applied: measured rates are what kernels of each size reach (batchlab calibrate)")
             if calibrated is not None else achievable_fraction(cfg))
+    model = describe(costs, t) + machine_text(cfg, costs)
+    if pipe is not None:
+        model += "; " + layout_time_text(cfg, pipe)
     return TimeEstimate(compute / cfg.accum, compute, grad_bytes, comm, exposed, rest, update, useful / update,
                         dispatch_compute / cfg.accum, t.flops / matmul_s if matmul_s else 0.0, costs.source, bw, t,
-                        describe(costs, t) + machine_text(cfg, costs), sent, frac.value, frac.source, hidden.source)
+                        model, sent, frac.value, frac.source, hidden.source, **extra)
 
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default

@@ -1,0 +1,98 @@
+"""What one rank keeps for backward per micro-batch, layer by layer, and what its pipeline stage's other in-flight
+micro-batches add (no torch): the built-in terms (formula/activations.py, formula/checkpointing.py) or a cached
+profile's, split per tensor-parallel rank as formula/ranks.py says."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from batchlab.config import ACMode, RunConfig
+from batchlab.formula import activations as act
+from batchlab.formula import checkpointing
+from batchlab.formula.loss import LossPath, loss_path
+from batchlab.formula.profile import layer_policies, terms as profile_terms
+from batchlab.formula.ranks import RankShare, share, tp_kept_bytes
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    per_layer_full: int | None  # a layer with nothing recomputed (None: a profile that needs it only under FSDP)
+    per_layer_kept: tuple[int, ...]  # what each layer keeps under the policy
+    outside_layers: int  # embedding dropout mask, final norm, log-softmax output
+    others: int = 0  # the other in-flight micro-batches' activations a pipeline stage holds (0 without one)
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer_kept) + self.outside_layers + self.others
+
+
+def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> ActivationPlan:
+    """What one micro-batch keeps on ``rank`` (formula/ranks.py; default: the first stage), plus the other
+    micro-batches a pipeline stage holds at its high point."""
+    rank = rank or share(cfg, 0)
+    m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
+    fitted = profile_terms(cfg)
+    if fitted is not None and rank.whole:  # the model's own code, traced and fitted (formula/profile.py)
+        return _profiled_plan(cfg, fitted)
+    backend = cfg.device_spec.backend
+    impl = act.implementation(cfg.model_kind, m)
+    parts = act.layer_activations(m, s, b, p, backend, impl)
+    if cfg.assumptions.torch_before(1, 11):
+        parts = dataclasses.replace(parts, scores=parts.scores + act.legacy_softmax_input_bytes(m, s, b, p, backend))
+    full = parts.total
+    modes = cfg.ac.layer_modes(m.layers)
+    per_mode = {}  # alike layers under one policy keep alike bytes: once per policy, not per layer (deep plans)
+    for mode in {modes[i] for i in rank.layers}:
+        if mode is ACMode.FULL:
+            one = act.checkpointed_layer_bytes(m, s, b, p)
+        elif mode is not ACMode.NONE:
+            one = checkpointing.kept_bytes(mode, m, s, b, p, backend, impl)
+        else:
+            one = full
+        per_mode[mode] = tp_kept_bytes(mode, parts, one, rank)
+    kept = [per_mode[modes[i]] for i in rank.layers]
+    full_rank = tp_kept_bytes(ACMode.NONE, parts, full, rank)
+    if fitted is not None:  # a profile's per-layer totals, split as the built-in breakdown splits at this shape
+        names = layer_policies(cfg)
+        kept = [round(fitted.layer(names[i])(b, s) * k / max(_one_rank(cfg, modes[i], parts), 1))
+                for i, k in zip(rank.layers, kept)]
+        if fitted.layer_full is not None:
+            full_rank = round(fitted.layer_full(b, s) * full_rank / max(full, 1))
+    mask = act.embedding_mask_bytes(m, s, b, p, backend)
+    outside = ((mask if rank.first else 0) + ((act.outside_layers_bytes(m, s, b, p, backend) - mask) if rank.last
+                                                 else 0)) // rank.in_sp + rank_loss_path(cfg, rank).kept
+    one_micro_batch = sum(kept) + outside
+    return ActivationPlan(full_rank, tuple(kept), outside, round((rank.in_flight - 1) * one_micro_batch))
+
+
+def _one_rank(cfg: RunConfig, mode: ACMode, parts: act.LayerActivations) -> int:
+    """A layer's built-in kept bytes under ``mode`` on one rank (the denominator of a profile's split)."""
+    m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
+    if mode is ACMode.FULL:
+        return act.checkpointed_layer_bytes(m, s, b, p)
+    if mode is ACMode.NONE:
+        return parts.total
+    return checkpointing.kept_bytes(mode, m, s, b, p, cfg.device_spec.backend, act.implementation(cfg.model_kind, m))
+
+
+def rank_loss_path(cfg: RunConfig, rank: RankShare) -> LossPath:
+    """The loss's tensors on ``rank``: on the last stage only, vocabulary-parallel (Megatron's cross entropy over
+    the vocabulary shards: 1/t of the logits per rank)."""
+    lp = loss_path(cfg)
+    if rank.whole:
+        return lp
+    if not rank.last:
+        return LossPath(0, 0, 0)
+    t = rank.tp
+    return LossPath(lp.kept // t, lp.forward_transient // t, lp.backward_transient // t)
+
+
+def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
+    """The plan from a layer profile's fitted terms (``config.profile.Terms``) at cfg's (b, s).  What the layers
+    do not explain is per policy (a checkpointed block keeps its inputs: a mask made once per forward); a mix
+    (every:K) keeps the union, bounded here by the largest."""
+    b, s = cfg.micro_batch, cfg.seq
+    policies = layer_policies(cfg)
+    kept = tuple(t.layer(p)(b, s) for p in policies)
+    full = t.layer_full(b, s) if t.layer_full is not None else None
+    return ActivationPlan(full, kept, max(t.outside(p)(b, s) for p in set(policies)))

@@ -1,0 +1,58 @@
+"""DeepSpeed ZeRO's own buffers on one rank, beyond the model states its stage shards (no torch).
+
+Defaults of ``zero_optimization`` (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig): reduce_bucket_size and
+allgather_bucket_size 5e8 elements, contiguous_gradients on, overlap_comm on at stage 3 only,
+stage3_prefetch_bucket_size 5e7 elements, stage3_max_live_parameters 1e9 elements.  What each stage allocates
+(runtime/zero/stage_1_and_2.py, stage3.py):
+- the reduce bucket (``ipg`` buffer) gradients are copied into before each reduce: min(reduce_bucket_size, the
+  rank's parameters) elements in the gradients' 16-bit dtype, two of them when overlap_comm double-buffers;
+- the fp32 gradient partition the optimizer steps on: 1/DP of the rank's parameters in fp32, built at the step;
+- stage 3: the parameters fetched ahead of use, up to stage3_prefetch_bucket_size elements in 16 bits, within
+  the stage3_max_live_parameters limit on what is gathered at once.
+The all-gather of the updated parameters after a stage-1/2 step writes into the 16-bit weights themselves
+(allgather_bucket_size only chunks it): no buffer of its own is counted.
+"""
+from __future__ import annotations
+
+from batchlab.config import Precision, RunConfig
+from batchlab.formula.ranks import RankShare
+
+REDUCE_BUCKET_SIZE = 500_000_000  # elements: reduce_bucket_size, pp_int(5e8)
+ALLGATHER_BUCKET_SIZE = 500_000_000  # elements: allgather_bucket_size, pp_int(5e8)
+PREFETCH_BUCKET_SIZE = 50_000_000  # elements: stage3_prefetch_bucket_size, pp_int(5e7)
+MAX_LIVE_PARAMETERS = 1_000_000_000  # elements: stage3_max_live_parameters, pp_int(1e9)
+F32 = 4
+
+
+def priced(cfg: RunConfig) -> bool:
+    """A DeepSpeed engine over more than one data-parallel rank."""
+    lay = cfg.parallel
+    return lay.engine_spec.deepspeed and lay.dp > 1
+
+
+def _grad_bytes(cfg: RunConfig) -> int:
+    return F32 if cfg.precision is Precision.FP32 else 2
+
+
+def resident_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
+    """Buffers held from initialisation through every phase (bytes), by name."""
+    if not priced(cfg):
+        return {}
+    stage = cfg.parallel.engine_spec.stage
+    copies = 2 if stage == 3 else 1  # overlap_comm's double buffer (on by default at stage 3 only)
+    return {"deepspeed reduce bucket": copies * min(REDUCE_BUCKET_SIZE, rank.params) * _grad_bytes(cfg)}
+
+
+def step_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
+    """Buffers of the optimizer step (bytes): the fp32 gradient partition."""
+    if not priced(cfg):
+        return {}
+    return {"deepspeed fp32 gradient partition": F32 * rank.params // cfg.dp}
+
+
+def prefetch_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
+    """Stage 3's parameters fetched ahead of use during forward and backward (bytes)."""
+    if not priced(cfg) or cfg.parallel.engine_spec.stage != 3:
+        return {}
+    ahead = min(PREFETCH_BUCKET_SIZE, MAX_LIVE_PARAMETERS, rank.params)
+    return {"deepspeed prefetch bucket": ahead * (F32 if cfg.precision is Precision.FP32 else 2)}

@@ -1,0 +1,76 @@
+"""Model states per rank: weights, master copy, gradients and optimizer state (no torch).
+
+Rajbhandari et al. 2019 (ZeRO, sec. 3 and 5): stage k shards optimizer state, + gradients, + parameters over the
+data-parallel ranks; what a rank holds before that sharding is its pipeline stage's tensor-parallel slice
+(formula/ranks.py): the whole replica without a layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchlab.config import OptimizerKind, Precision, RunConfig
+from batchlab.formula.ranks import RankShare, shares
+
+F32 = 4
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per rank for weights, gradients and optimizer state (Rajbhandari et al. 2019, ZeRO, sec. 3)."""
+
+    parameters: int  # weights as the forward uses them (bf16 working copies under autocast)
+    master: int  # fp32 weights the optimizer updates (mixed precision only; else 0)
+    gradients: int
+    optimizer: int
+
+
+def optimizer_bytes_per_param(cfg: RunConfig) -> float:
+    if cfg.assumptions.optimizer_bytes_per_param is not None:
+        return cfg.assumptions.optimizer_bytes_per_param
+    state_bytes = 2 if cfg.precision is Precision.BF16 else F32  # state lives in the weights' dtype
+    per_state = {OptimizerKind.ADAMW: 2, OptimizerKind.SGD_MOMENTUM: 1, OptimizerKind.SGD: 0}[cfg.optimizer]
+    return per_state * state_bytes  # AdamW: m and v (Loshchilov & Hutter 2019)
+
+
+def heaviest(cfg: RunConfig) -> RankShare:
+    """The stage whose ranks hold the most parameters (the first, on a tie)."""
+    return max(shares(cfg), key=lambda s: (s.params, -s.stage))
+
+
+def model_states(cfg: RunConfig, rank: RankShare | None = None) -> ModelStates:
+    """``rank``: the pipeline stage's share (formula/ranks.py); default the stage holding the most parameters."""
+    rank = rank or heaviest(cfg)
+    n = rank.params
+    lay = cfg.parallel
+    weight_bytes = 2 if cfg.precision is Precision.BF16 else F32
+    dp = cfg.dp
+    opt = int(n * optimizer_bytes_per_param(cfg)) // (dp if lay.engine_spec.shards_optimizer else 1)
+    grads = n * weight_bytes // (dp if lay.engine_spec.shards_gradients else 1)
+    if cfg.precision is Precision.BF16_FSDP:
+        return fsdp_mixed_states(cfg, rank)
+    shard = lambda on: dp if on else 1  # noqa: E731 — a ZeRO stage that shards this state divides it over DP
+    if cfg.precision.mixed and lay.engine_spec.shards_optimizer:
+        # ZeRO's mixed precision (Rajbhandari et al. 2019, sec. 3.1: 2 + 2 + 12 bytes per parameter): 16-bit
+        # weights and gradients are what the ranks hold; the fp32 master copy is optimizer state, sharded
+        spec = lay.engine_spec
+        return ModelStates(parameters=2 * n // shard(spec.shards_parameters), master=F32 * n // shard(spec.shards_optimizer),
+                           gradients=2 * n // shard(spec.shards_gradients), optimizer=opt)
+    if cfg.precision.mixed:  # autocast keeps fp32 weights and makes 16-bit working copies per forward
+        return ModelStates(parameters=2 * n, master=F32 * n, gradients=grads, optimizer=opt)
+    return ModelStates(parameters=weight_bytes * n // shard(lay.engine_spec.shards_parameters), master=0,
+                       gradients=grads, optimizer=opt)
+
+
+def fsdp_mixed_states(cfg: RunConfig, rank: RankShare | None = None) -> ModelStates:
+    """FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the fp32 parameters are the master
+    copy (sharded at stage >= 3), fp32 gradients and Adam state sharded as the stage says; the bf16 working
+    weights exist only for the blocks being gathered: the current and the prefetched block, and the root
+    group (embedding, final norm, LM head), which FSDP2 does not reshard after forward (_fsdp_api.py docs)."""
+    rank = rank or heaviest(cfg)
+    spec, dp, n = cfg.parallel.engine_spec, cfg.dp, rank.params
+    shard = lambda on: dp if on else 1  # noqa: E731
+    outside = n - rank.per_layer * len(rank.layers)
+    gathered = 2 * (2 * rank.per_layer + outside) if spec.shards_parameters else 2 * n
+    return ModelStates(parameters=gathered, master=F32 * n // shard(spec.shards_optimizer),
+                       gradients=F32 * n // shard(spec.shards_gradients),
+                       optimizer=int(n * optimizer_bytes_per_param(cfg)) // shard(spec.shards_optimizer))

@@ -1,0 +1,138 @@
+"""The formula per rank under tensor and pipeline parallelism, against numbers worked out by hand from the papers'
+formulas (Korthikanti et al. 2022 Table 2; Narayanan et al. 2021's bubble; Megatron's parameter split)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from batchlab.cli import app
+from batchlab.config import RunConfig, preset
+from batchlab.formula import estimate
+from batchlab.formula.activations import LayerActivations
+from batchlab.formula.deepspeed import prefetch_buffers, resident_buffers, step_buffers
+from batchlab.formula.ranks import share, shares, tp_layer_bytes
+
+LLAMA = dict(model=preset("llama-2-7b"), device="h100", precision="bf16-mixed", micro_batch=1)
+
+
+def korthikanti_parts(s: int, b: int, h: int, a: int) -> LayerActivations:
+    """Megatron's layer as the paper lists it (sec. 4.1), in batchlab's parts: norms = both LayerNorm inputs (4sbh)
+    + the QKV and MLP inputs they feed (2sbh each); masks = the two residual dropout masks (sbh each); qkv = Q, K
+    (4sbh) and V (2sbh); scores = softmax output, dropout mask and output (5as²b); attn_out = projection input
+    (2sbh); mlp = GELU input and output (8sbh each).  34sbh + 5as²b in all."""
+    sbh, as2b = s * b * h, a * s * s * b
+    return LayerActivations(norms=8 * sbh, qkv=6 * sbh, scores=5 * as2b, attn_out=2 * sbh, mlp=16 * sbh, masks=2 * sbh)
+
+
+def test_korthikanti_table_2_at_t8_with_and_without_sequence_parallelism():
+    # GPT-3 175B's layer: s 2048, b 1, h 12288, a 96 -> sbh = 25,165,824, as/h = 16
+    parts = korthikanti_parts(2048, 1, 12288, 96)
+    assert parts.total == 2048 * 12288 * (34 + 5 * 16)
+    # no SP: sbh(10 + 24/8 + 5·16/8) = 23 sbh = 578,813,952
+    assert tp_layer_bytes(parts, 8, sp=False) == 578_813_952
+    # SP: sbh(34 + 5·16)/8 = 14.25 sbh = 358,612,992
+    assert tp_layer_bytes(parts, 8, sp=True) == 358_612_992
+
+
+def test_full_recompute_keeps_the_layer_input_split_only_with_sequence_parallelism():
+    # llama-2-7b, seq 1024, bf16-mixed: the layer input is the fp32 residual, 1024 x 4096 x 4 = 16 MiB
+    base = dict(LLAMA, seq=1024, accum=1, ac="full")
+    assert set(estimate(RunConfig(**base, tp=2)).memory.activations_per_layer_bytes) == {16 * 2**20}
+    assert set(estimate(RunConfig(**base, tp=2, sequence_parallel=True)).memory.activations_per_layer_bytes) == {
+        8 * 2**20}
+
+
+@pytest.mark.parametrize("schedule,in_flight,mib", [("1f1b", 4, 128), ("gpipe", 8, 256)])
+def test_first_stage_holds_p_micro_batches_under_1f1b_and_all_m_under_gpipe(schedule, in_flight, mib):
+    # pp 4 over 8 layers (2 a stage), accum 8, full AC: each layer keeps its 16 MiB input (seq 1024, fp32 residual),
+    # 32 MiB a micro-batch on stage 0 (no dropout: no embedding mask); 1F1B holds p = 4 of them, GPipe all 8
+    cfg = RunConfig(**dict(LLAMA, model=preset("llama-2-7b", layers=8)), seq=1024, accum=8, ac="full", pp=4,
+                    pp_schedule=schedule)
+    first = estimate(cfg).memory.ranks[0]
+    assert (first.stage, first.layers, first.in_flight) == (0, 2, in_flight)
+    assert first.activations_bytes == mib * 2**20
+
+
+def test_interleaving_shrinks_the_bubble_v_fold():
+    # p 4, m 8: 1F1B (p-1)/(m+p-1) = 3/11; interleaved with v 2: (p-1)/(v·m+p-1) = 3/19
+    base = dict(LLAMA, model=preset("llama-2-7b", layers=8), seq=1024, accum=8, pp=4)
+    plain = estimate(RunConfig(**base)).time
+    inter = estimate(RunConfig(**base, pp_schedule="interleaved-1f1b", pp_virtual=2)).time
+    assert plain.bubble_fraction == pytest.approx(3 / 11) and inter.bubble_fraction == pytest.approx(3 / 19)
+    # the bubble lasts (p-1) micro-batch times of the slowest stage, (p-1)/v with v chunks
+    assert plain.bubble_seconds == pytest.approx(3 * max(plain.stage_seconds))
+    assert inter.bubble_seconds == pytest.approx(1.5 * max(inter.stage_seconds))
+
+
+def test_parameters_per_stage_add_up_to_the_model_plus_the_tied_copy():
+    untied = estimate(RunConfig(**LLAMA, seq=1024, accum=4, pp=4))
+    assert sum(r.parameters for r in untied.memory.ranks) == untied.params.total
+    # GPT-2 ties its head to the embedding: the last stage holds a second copy, 50257 x 768 = 38,597,376
+    tied = estimate(RunConfig(model=preset("gpt2"), seq=512, micro_batch=1, accum=2, pp=2))
+    assert sum(r.parameters for r in tied.memory.ranks) == tied.params.total + 38_597_376
+
+
+def test_a_tensor_parallel_rank_holds_the_split_matrices_over_t():
+    # llama-2-7b per layer 4h² + 3hf + 2h = 202,383,360; the two RMSNorm weights (2h) stay whole:
+    # (202,383,360 - 8192)/2 + 8192 = 101,195,776; x 32 layers + embedding and head (32000 x 4096 / 2 each)
+    # + final norm 4096 = 3,369,340,928
+    assert estimate(RunConfig(**LLAMA, seq=1024, tp=2)).memory.ranks[0].parameters == 3_369_340_928
+    # GPT-2 layer 12h² + 13h = 7,087,872; TP 2: (12h² + 7h)/2 + 6h (two LayerNorms' weight and bias, the two
+    # row-parallel biases) = 3,538,944 + 2,688 + 4,608 = 3,546,240
+    gpt2 = RunConfig(model=preset("gpt2"), seq=512, micro_batch=1, tp=2)
+    assert shares(gpt2)[0].per_layer == 3_546_240
+
+
+def test_tensor_parallel_all_reduces_per_layer_per_micro_batch():
+    # TP 2 over 32 layers, no recompute: 4 all-reduces of b·s·h = 1 x 1024 x 4096 x 2 bytes = 8 MiB per layer per
+    # micro-batch, ring 2(t-1)/t = 1 x bytes / 450 GB/s (h100 NVLink); 2 micro-batches
+    t = estimate(RunConfig(**LLAMA, seq=1024, accum=2, tp=2)).time
+    assert t.tp_comm_seconds == pytest.approx(2 * 32 * 4 * 8 * 2**20 / 450e9)
+
+
+def test_one_rank_figures_are_one_stage_entry():
+    e = estimate(RunConfig(**LLAMA, seq=1024, accum=2))
+    (only,) = e.memory.ranks
+    assert only.peak_bytes == e.memory.peak_bytes and only.parameters == e.params.total
+    assert sum(only.parts.values()) == only.peak_bytes
+    assert e.time.bubble_fraction == 0 and e.time.tp_comm_seconds == 0 and e.time.pp_comm_seconds == 0
+
+
+def test_every_stage_parts_add_up_and_the_most_loaded_is_named():
+    e = estimate(RunConfig(**LLAMA, seq=4096, accum=8, ac="full", tp=2, pp=2))
+    for r in e.memory.ranks:
+        assert sum(r.parts.values()) == r.peak_bytes
+    assert e.memory.peak_bytes == max(r.peak_bytes for r in e.memory.ranks)
+    assert e.memory.most_loaded.startswith("pipeline stage 0 (first")
+
+
+def test_estimate_json_reports_the_layout_per_stage_and_the_bubble():
+    r = CliRunner().invoke(app, ["estimate", "--model", "llama-2-7b", "--seq", "1024", "--micro-batch", "1",
+                                 "--accum", "4", "--tp", "2", "--pp", "2", "--device", "h100", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["config"]["parallel"]["world_size"] == 4
+    assert [s["stage"] for s in d["memory"]["ranks"]] == [0, 1]
+    assert d["time"]["bubble_fraction"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1) = 1/5
+    assert d["time"]["tp_comm_seconds"] > 0 and d["time"]["pp_comm_seconds"] > 0
+
+
+@pytest.mark.parametrize("sharding,parts", [
+    # llama-2-7b, 6,738,415,616 parameters over DP 8: the reduce bucket min(5e8, N) elements x 2 bytes = 1e9 bytes
+    # (two with stage 3's overlap_comm); the fp32 gradient partition 4 x N / 8 = 3,369,207,808 bytes at the step;
+    # stage 3's prefetch 5e7 elements x 2 bytes = 1e8 bytes
+    ("deepspeed-zero1", {"deepspeed reduce bucket": 10**9, "deepspeed fp32 gradient partition": 3_369_207_808}),
+    ("deepspeed-zero3", {"deepspeed reduce bucket": 2 * 10**9, "deepspeed prefetch bucket": 10**8,
+                         "deepspeed fp32 gradient partition": 3_369_207_808}),
+])
+def test_deepspeed_buffers_at_its_config_defaults(sharding, parts):
+    e = estimate(RunConfig(**LLAMA, seq=2048, accum=2, ac="full", dp=8, sharding=sharding))
+    cfg, rank = e.config, share(e.config, 0)
+    assert {**resident_buffers(cfg, rank), **step_buffers(cfg, rank), **prefetch_buffers(cfg, rank)} == parts
+    # each a part of its own at the peak; PyTorch's engine of the same stage has none of them
+    assert {k for k in e.memory.at_peak if k.startswith("deepspeed")} == set(parts)
+    assert sum(e.memory.at_peak.values()) == e.memory.peak_tensor_bytes
+    pytorch = estimate(RunConfig(**LLAMA, seq=2048, accum=2, ac="full", dp=8, zero=int(sharding[-1])))
+    assert not any(k.startswith("deepspeed") for k in pytorch.memory.at_peak)
