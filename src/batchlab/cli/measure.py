@@ -70,7 +70,7 @@ def measure(
             from batchlab.cli.progress import progress as display
 
             cfg = dp_from_world(cfg, nproc, nnodes, typed_options())
-            with display("measure", f"DP = {cfg.dp} ranks", quiet=as_json or not progress):
+            with display("measure", f"{cfg.parallel.world_size} ranks", quiet=as_json or not progress):
                 m = launch(cfg, opts, nproc, torchrun_args(nnodes, node_rank, rdzv_endpoint), launcher=launcher)
         else:
             m = _run_with_progress(run, cfg, opts, progress and not as_json)
@@ -116,14 +116,19 @@ def dp_from_world(cfg: RunConfig, nproc: Optional[int], nnodes: Optional[int], t
     if nproc is None:
         return cfg
     world = nproc * (nnodes or 1)
-    if cfg.dp == world:
+    if cfg.parallel.world_size == world:
         return cfg
+    per = cfg.tp * cfg.pp  # ranks of one model replica
+    if world % per:
+        raise ConfigError("nproc", f"the world size --nproc x --nnodes = {world} is not a multiple of tp x pp = {per}")
+    dp = world // per
     if "dp" in typed or cfg.dp != 1:  # typed, or set by --config FILE
         raise ConfigError("dp", f"{cfg.dp} contradicts the world size --nproc x --nnodes = {nproc} x {nnodes or 1} "
-                                f"= {world}; omit --dp (it is derived) or make them agree")
+                                f"= {world}" + (f" over tp x pp = {per}" if per > 1 else "")
+                                + "; omit --dp (it is derived) or make them agree")
     if "global_batch" in typed:
-        return cfg.replace(dp=world).with_global_batch(cfg.global_batch)
-    return cfg.replace(dp=world)
+        return cfg.replace(dp=dp).with_global_batch(cfg.global_batch)
+    return cfg.replace(dp=dp)
 
 
 def _timeline(m: Measurement, path: str, as_json: bool) -> None:

@@ -1,0 +1,65 @@
+"""Which tensor / pipeline layouts batchlab measures, and how each rank runs them.  Torch-free: the launcher
+refuses the rest with one ConfigError naming the field before it starts a rank.
+
+Measured: tensor parallelism (with or without sequence parallelism) and pipeline parallelism (GPipe, 1F1B,
+interleaved 1F1B) on the built-in GPT, alone or together, with data parallelism over them as FSDP2 (``--zero 2/3``)
+or as one gradient all-reduce per update (``--zero 0``).  Refused: Hugging Face and factory models (their layers are
+not split here), ZeroRedundancyOptimizer with them, a pipeline with the chunked loss or fp16's loss scaling.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from batchlab.config import ConfigError, Implementation, LossMode, ModelSource, Precision, RunConfig
+
+
+def applies(cfg: RunConfig) -> bool:
+    """Does the config have tensor or pipeline ranks (else the data-parallel engines of engines.py run it)?"""
+    return cfg.parallel.tensor_parallel or cfg.parallel.pipelined
+
+
+def _builtin(cfg: RunConfig) -> bool:
+    return cfg.model_kind is ModelSource.BUILTIN and cfg.model.impl is Implementation.BATCHLAB
+
+
+def check(cfg: RunConfig) -> None:
+    """The layouts measured here; one ConfigError naming the field for the rest."""
+    layout = cfg.parallel
+    if not applies(cfg):
+        return
+    if not _builtin(cfg):
+        field = "tp" if layout.tensor_parallel else "pp"
+        raise ConfigError(field, "measured tensor and pipeline parallelism split the built-in GPT's layers (a preset "
+                                 "with --impl batchlab); for a Hugging Face or factory model use `batchlab estimate`")
+    if layout.pipelined and cfg.loss.mode is not LossMode.FULL:
+        raise ConfigError("loss", "a measured pipeline computes the full loss on its last stage: use --loss full")
+    if layout.sequence_parallel and cfg.loss.mode is not LossMode.FULL:
+        raise ConfigError("loss", "the chunked loss reads the final norm's output, which sequence parallelism leaves "
+                                  "split over the ranks: measure --sequence-parallel with --loss full")
+    if layout.pipelined and cfg.precision is Precision.FP16_MIXED:
+        raise ConfigError("precision", "fp16-mixed's loss scaling is not run through a pipeline schedule here: "
+                                       "measure bf16-mixed, bf16 or fp32")
+    if layout.sequence_parallel and cfg.seq % layout.tp:
+        raise ConfigError("seq", f"{cfg.seq} does not split into {layout.tp} equal sequence-parallel slices")
+    if layout.dp > 1 and layout.engine_spec.shards_optimizer and not layout.fsdp:
+        raise ConfigError("zero", "ZeroRedundancyOptimizer (ZeRO-1) is not combined with tensor or pipeline ranks "
+                                  "here: measure --zero 0 (gradients all-reduced over DP) or --zero 2/3 (FSDP2)")
+
+
+def describe(cfg: RunConfig) -> dict[str, Any]:
+    """The per-rank ``engine`` record (as engines.describe gives it for pure data parallelism)."""
+    layout = cfg.parallel
+    parts = []
+    if layout.tensor_parallel:
+        parts.append("DTensor parallelize_module (Colwise/Rowwise"
+                     + (", SequenceParallel)" if layout.sequence_parallel else ")"))
+    if layout.pipelined:
+        parts.append(f"torch.distributed.pipelining {layout.schedule_spec.api}, {cfg.accum} micro-batches"
+                     + (f", {layout.virtual} stages per rank" if layout.chunks > 1 else ""))
+    if layout.fsdp:
+        parts.append(f"FSDP2 fully_shard on the dp mesh, reshard_after_forward={layout.reshards_after_forward}")
+    elif layout.dp > 1:
+        parts.append("gradients all-reduced over the dp group once per update, after the last backward")
+    return dict(stage=layout.stage, name=layout.engine.value if layout.dp > 1 else "none", engine="; ".join(parts),
+                accumulation="pipeline schedule" if layout.pipelined else "micro-batch loop",
+                sync_every_micro_batch=layout.fsdp)
