@@ -196,7 +196,7 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
             table.add_row(r.figure, _value(r, r.measured), r.measured_provenance,
                           _value(r, r.formula) if r.formula is not None else "-", fmt_difference(r.relative_difference, r.unit, r.measured, r.formula))
         out.print(table)
-    _render_details(out, m, verbose)
+    _render_details(out, m, verbose, est)
     if note:
         out.print(f"[dim]{escape(note)}[/]")
     for w in m.warnings + ([broken] if (broken := broken_time_model(figures)) else []):
@@ -217,7 +217,7 @@ def _render_sources(out: Console, cfg: RunConfig, est, verbose: bool) -> None:
     print_assumptions(out, est.assumptions, "formula assumptions")
 
 
-def _render_details(out: Console, m: Measurement, verbose: bool = False) -> None:
+def _render_details(out: Console, m: Measurement, verbose: bool = False, est=None) -> None:
     t = m.time
     if t is not None and t.samples:
         split = "  ".join(f"{k} {fmt_seconds(v)}" for k, v in t.phase_seconds.items())
@@ -239,6 +239,11 @@ def _render_details(out: Console, m: Measurement, verbose: bool = False) -> None
         how = f"{m.memory.provenance}: {m.memory.method}" if verbose else m.memory.provenance
         out.print(f"memory at the peak ({how}): {parts}")
     from batchlab.cli.render_dp import lines as dp_lines
+    from batchlab.cli.render_dp import rank_lines
+
+    formula_peak = est.memory.peak_tensor_bytes if est is not None else None
+    for line in rank_lines(m, formula_peak):
+        out.print(escape(line), highlight=False)
 
     for line in dp_lines(m, verbose):
         out.print(line)
