@@ -139,3 +139,42 @@ def fields_from_table(table) -> dict:
         if table["world_size"] != product:
             raise ConfigError("parallel.world_size", f"{table['world_size']} is not dp x tp x pp = {product}")
     return out
+
+
+def check_degrees(cfg) -> dict:
+    """The parallel degrees of a RunConfig checked against each other and its model (one ConfigError naming the
+    field); returns the parsed values to set on it (the schedule, the engine, the stage it implies)."""
+    from batchlab.config.choices import ConfigError, ModelSource
+    from batchlab.config.engines import PYTORCH_ENGINE, engine
+    from batchlab.config.values import SIZE_MAX, whole_number
+
+    for name in ("tp", "pp", "pp_virtual"):
+        whole_number(name, getattr(cfg, name), maximum=SIZE_MAX)
+    out: dict = {"pp_schedule": PipelineSchedule.parse("pp_schedule", cfg.pp_schedule)}
+    if not isinstance(cfg.sequence_parallel, bool):
+        raise ConfigError("sequence_parallel", f"must be true or false, got {cfg.sequence_parallel!r}")
+    if cfg.sharding is not None:
+        chosen = engine(cfg.sharding)
+        stage = ENGINES[chosen].stage
+        if cfg.zero not in (0, stage):
+            raise ConfigError("sharding", f"{chosen} is ZeRO-{stage}, but zero {cfg.zero} was given")
+        # one spelling per config: PyTorch's engine for a stage is the stage itself
+        out.update(zero=stage, sharding=None if PYTORCH_ENGINE[stage] is chosen else chosen)
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise ConfigError("sequence_parallel", "splits the sequence across tensor-parallel ranks: it needs --tp > 1")
+    if cfg.pp == 1 and cfg.pp_virtual > 1:
+        raise ConfigError("pp_virtual", "virtual stages are chunks of a pipeline: they need --pp > 1")
+    if (cfg.tp > 1 or cfg.pp > 1) and cfg.model_kind is ModelSource.FACTORY:
+        raise ConfigError("tp" if cfg.tp > 1 else "pp", "a factory's model has no layer structure batchlab can split: "
+                                                        "tensor and pipeline parallelism take a preset or hf: model")
+    m = cfg.model
+    for name, value in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn", m.ffn)):
+        if value % cfg.tp:
+            raise ConfigError("tp", f"{cfg.tp} does not divide the model's {name} ({value}): each tensor-parallel "
+                                    "rank takes an equal share")
+    if m.layers % (cfg.pp * cfg.pp_virtual):
+        raise ConfigError("pp", f"{m.layers} layers do not split into pp x pp_virtual = {cfg.pp} x {cfg.pp_virtual} "
+                                "equal stages")
+    if cfg.pp > 1:
+        SCHEDULES[out["pp_schedule"]].check(cfg.pp, cfg.accum, cfg.pp_virtual)
+    return out

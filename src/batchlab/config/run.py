@@ -15,8 +15,8 @@ from batchlab.config import layerplan
 from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, Counted, DataKind, Implementation, LossMode,
                                      ModelSource, OptimizerKind, Precision)
 from batchlab.config.devices import DeviceSpec, device
-from batchlab.config.engines import ENGINES, PYTORCH_ENGINE, SCHEDULES, Engine, PipelineSchedule, engine
-from batchlab.config.parallel import Layout
+from batchlab.config.engines import PYTORCH_ENGINE, Engine, PipelineSchedule
+from batchlab.config.parallel import Layout, check_degrees
 from batchlab.config.model import ModelSpec, default_ffn, preset
 from batchlab.config.values import SEED_MAX, SIZE_MAX, finite_number, parse_bytes, whole_number
 
@@ -262,38 +262,8 @@ class RunConfig:
             whole_number("memory_budget", self.memory_budget)
 
     def _check_layout(self) -> None:
-        """The parallel degrees against each other and the model (one ConfigError naming the field)."""
-        set_ = object.__setattr__
-        for name in ("tp", "pp", "pp_virtual"):
-            whole_number(name, getattr(self, name), maximum=SIZE_MAX)
-        set_(self, "pp_schedule", PipelineSchedule.parse("pp_schedule", self.pp_schedule))
-        if not isinstance(self.sequence_parallel, bool):
-            raise ConfigError("sequence_parallel", f"must be true or false, got {self.sequence_parallel!r}")
-        if self.sharding is not None:
-            set_(self, "sharding", engine(self.sharding))
-            stage = ENGINES[self.sharding].stage
-            if self.zero not in (0, stage):
-                raise ConfigError("sharding", f"{self.sharding} is ZeRO-{stage}, but zero {self.zero} was given")
-            set_(self, "zero", stage)
-            if PYTORCH_ENGINE[stage] is self.sharding:  # one spelling per config: PyTorch's engines are the stage's
-                set_(self, "sharding", None)
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("sequence_parallel", "splits the sequence across tensor-parallel ranks: it needs --tp > 1")
-        if self.pp == 1 and self.pp_virtual > 1:
-            raise ConfigError("pp_virtual", "virtual stages are chunks of a pipeline: they need --pp > 1")
-        if (self.tp > 1 or self.pp > 1) and self.model_kind is ModelSource.FACTORY:
-            raise ConfigError("tp" if self.tp > 1 else "pp", "a factory's model has no layer structure batchlab can "
-                                                            "split: tensor and pipeline parallelism take a preset or hf: model")
-        m = self.model
-        for name, value in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn", m.ffn)):
-            if value % self.tp:
-                raise ConfigError("tp", f"{self.tp} does not divide the model's {name} ({value}): each tensor-parallel "
-                                        f"rank takes an equal share")
-        if m.layers % (self.pp * self.pp_virtual):
-            raise ConfigError("pp", f"{m.layers} layers do not split into pp x pp_virtual = {self.pp} x "
-                                    f"{self.pp_virtual} equal stages")
-        if self.pp > 1:
-            SCHEDULES[self.pp_schedule].check(self.pp, self.accum, self.pp_virtual)
+        for name, value in check_degrees(self).items():  # the parsed values (enums, the engine)
+            object.__setattr__(self, name, value)
 
     # -- derived
     @property
