@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from batchlab.config import Precision, RunConfig
+from batchlab.config import ModelSource, Precision, RunConfig
 from batchlab.distributed import pipeline, tensor_parallel
 from batchlab.distributed.measurable import applies, check, describe  # noqa: F401 - the worker's entry points
 from batchlab.distributed.mesh import RankMesh
@@ -107,14 +107,15 @@ class PipelineTrainer(ShardedTrainer):
         return result
 
 
-def _fsdp(cfg: RunConfig, mesh: RankMesh, modules: list[nn.Module]) -> None:
+def _fsdp(cfg: RunConfig, mesh: RankMesh, modules: list[nn.Module], blocks: nn.ModuleList) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kw: dict = dict(mesh=mesh.sub("dp"), reshard_after_forward=cfg.parallel.reshards_after_forward)
     if cfg.precision in _HALF:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=_HALF[cfg.precision], reduce_dtype=torch.float32)
     for module in modules:
-        for block in module.blocks:
+        # a stage's blocks, or the whole model's (FSDP2 units: the activation-checkpoint wrapper where there is one)
+        for block in getattr(module, "blocks", blocks):
             fully_shard(block, **kw)
         fully_shard(module, **kw)
 
@@ -126,20 +127,24 @@ def build(cfg: RunConfig, device: torch.device, rank: int) -> tuple[Trainer, Non
     mesh = RankMesh.build(layout, rank, device.type)
     torch.manual_seed(cfg.seed)
     workload = build_workload(cfg)
-    model = workload.model
+    model, blocks = workload.model, workload.blocks
     pp_rank = mesh.coords["pp"]
     mine = pipeline.local_layers(cfg, pp_rank)
+    hf = cfg.model_kind is ModelSource.HF
     if layout.tensor_parallel:
         for i in mine:
-            tensor_parallel.shard_block(model.blocks[i], cfg.model, mesh.sub("tp"), layout.sequence_parallel)
-    wrapped = apply_ac(model.blocks, cfg.ac)
+            if hf:
+                tensor_parallel.shard_hf_layer(blocks[i], mesh.sub("tp"))
+            else:
+                tensor_parallel.shard_block(blocks[i], cfg.model, mesh.sub("tp"), layout.sequence_parallel)
+    wrapped = apply_ac(blocks, cfg.ac)
     stages = pipeline.split(model, cfg, pp_rank) if layout.pipelined else [(0, model)]
-    if layout.tensor_parallel:
+    if layout.tensor_parallel and not hf:
         for _, module in stages:
             tensor_parallel.shard_boundaries(module, layout.sequence_parallel, mesh.sub("tp"))
     modules = [m for _, m in stages]
     root = nn.ModuleList(modules) if layout.pipelined else model
-    wrap = (lambda m: (_fsdp(cfg, mesh, modules), m)[1]) if layout.fsdp else None
+    wrap = (lambda m: (_fsdp(cfg, mesh, modules, blocks), m)[1]) if layout.fsdp else None
     wl = Workload(root, None, workload.make_batch, workload.loss_sum, workload.description, workload.counted)
     tied = model.head.weight if cfg.model.tied_embeddings and layout.pipelined else None
     if layout.pipelined:

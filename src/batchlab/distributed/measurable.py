@@ -3,8 +3,9 @@ refuses the rest with one ConfigError naming the field before it starts a rank.
 
 Measured: tensor parallelism (with or without sequence parallelism) and pipeline parallelism (GPipe, 1F1B,
 interleaved 1F1B) on the built-in GPT, alone or together, with data parallelism over them as FSDP2 (``--zero 2/3``)
-or as one gradient all-reduce per update (``--zero 0``).  Refused: Hugging Face and factory models (their layers are
-not split here), ZeroRedundancyOptimizer with them, a pipeline with the chunked loss or fp16's loss scaling.
+or as one gradient all-reduce per update (``--zero 0``); tensor parallelism alone (no sequence parallelism) on a
+Llama-family Hugging Face model.  Refused: pipelines of Hugging Face models, factory models, ZeroRedundancyOptimizer
+with tensor or pipeline ranks, a pipeline with the chunked loss or fp16's loss scaling, DeepSpeed's engines.
 """
 from __future__ import annotations
 
@@ -31,10 +32,15 @@ def check(cfg: RunConfig) -> None:
                                       f"{layout.engine_spec.stage}, or use `batchlab estimate`")
     if not applies(cfg):
         return
-    if not _builtin(cfg):
-        field = "tp" if layout.tensor_parallel else "pp"
-        raise ConfigError(field, "measured tensor and pipeline parallelism split the built-in GPT's layers (a preset "
-                                 "with --impl batchlab); for a Hugging Face or factory model use `batchlab estimate`")
+    if layout.pipelined and not _builtin(cfg):
+        raise ConfigError("pp", "measured pipeline parallelism cuts the built-in GPT into stages (a preset with --impl "
+                                "batchlab); for a Hugging Face or factory model use `batchlab estimate`")
+    if layout.tensor_parallel and not _builtin(cfg) and cfg.model_kind is not ModelSource.HF:
+        raise ConfigError("tp", "measured tensor parallelism splits the built-in GPT's or a Llama-family Hugging Face "
+                                "model's layers; for other models use `batchlab estimate`")
+    if layout.sequence_parallel and not _builtin(cfg):
+        raise ConfigError("sequence_parallel", "measured sequence parallelism is planned for the built-in GPT only; "
+                                               "measure the Hugging Face model with --tp alone")
     if layout.pipelined and cfg.loss.mode is not LossMode.FULL:
         raise ConfigError("loss", "a measured pipeline computes the full loss on its last stage: use --loss full")
     if layout.sequence_parallel and cfg.loss.mode is not LossMode.FULL:

@@ -11,7 +11,8 @@ the row-wise layers then see the sequence slice too.  The embedding, final norm 
 The built-in GPT fuses q, k and v into one ``qkv`` weight: its rows are reordered before sharding so that rank r's
 contiguous slice is ``[q heads of r; k heads of r; v heads of r]`` (the model reads its local head count from the
 width of that slice).  Hugging Face Llama-family models (separate q/k/v projections) take the same plan under their
-own names, their attention told its local head count.
+own names (their attention infers its local head count from the projection's width); sequence parallelism is
+planned for the built-in GPT only.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from batchlab.config import ModelSpec
+from batchlab.config import ConfigError, ModelSpec
 
 
 def _styles():
@@ -96,6 +97,23 @@ def shard_block(block: nn.Module, spec: ModelSpec, tp_mesh, sp: bool) -> None:
 
     reorder_qkv(block, spec, tp_mesh.size())
     parallelize_module(block, tp_mesh, block_plan(_gpt_names(block), sp))
+
+
+HF_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+HF_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def shard_hf_layer(layer: nn.Module, tp_mesh) -> None:
+    """Shard one Hugging Face Llama-family decoder layer (separate q/k/v, SwiGLU MLP) over ``tp_mesh``: its
+    attention views q/k/v as ``(-1, head_dim)``, so it runs on its local heads as it is."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    names = {n for n, _ in layer.named_modules()}
+    missing = [n for n in HF_COLWISE + HF_ROWWISE if n not in names]
+    if missing:
+        raise ConfigError("tp", f"{type(layer).__name__} has no {missing[0]}: measured tensor parallelism takes the "
+                                "built-in GPT or a Llama-family Hugging Face model (q/k/v/o_proj, gate/up/down_proj)")
+    parallelize_module(layer, tp_mesh, block_plan(dict(colwise=list(HF_COLWISE), rowwise=list(HF_ROWWISE)), False))
 
 
 def shard_boundaries(module: nn.Module, sp: bool, tp_mesh) -> None:
