@@ -29,6 +29,12 @@ CASES = {
     # 4 micro-batches of 4 x 64 tokens, a small vocabulary: the blocks' activations dominate each stage's
     "1f1b-memory": BASE.replace(pp=2, accum=4, micro_batch=4, seq=64, pp_schedule="1f1b", vocab=128),
 }
+# 4 ranks: data parallelism over tensor / pipeline ranks (gradient all-reduce, FSDP2 on the dp sub-mesh)
+CASES_4 = {
+    "tp2xdp2": BASE.replace(tp=2, dp=2),
+    "fsdp2xtp2": BASE.replace(tp=2, dp=2, zero=3),
+    "pp2xdp2": BASE.replace(pp=2, dp=2, accum=2),
+}
 
 
 def _forked_rank(folder: Path, request: dict, parent: int) -> int:
@@ -41,7 +47,7 @@ def _forked_rank(folder: Path, request: dict, parent: int) -> int:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     out = {}
-    for name, cfg in CASES.items():
+    for name, cfg in (CASES if request["world"] == 2 else CASES_4).items():
         trainer, _ = layouts.build(cfg, torch.device("cpu"), rank)
         losses = [trainer.update().loss for _ in range(2)]
         rec = dict(losses=losses, parameter_bytes=engines.shard_bytes(trainer.raw_model))
@@ -53,21 +59,36 @@ def _forked_rank(folder: Path, request: dict, parent: int) -> int:
     os._exit(0)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def _job(tmp_path_factory, world: int) -> list[dict]:
     from batchlab.distributed import forked
     from batchlab.measure.runner import child_env
 
-    out = tmp_path_factory.mktemp("layouts")
-    run = forked.run(2, f"{__name__}:_forked_rank", {}, out, dict(child_env(), OMP_NUM_THREADS="1"), 240)
+    out = tmp_path_factory.mktemp(f"layouts{world}")
+    run = forked.run(world, f"{__name__}:_forked_rank", dict(world=world), out,
+                     dict(child_env(), OMP_NUM_THREADS="1"), 240)
     assert run is not None and not run.timed_out and set(run.codes.values()) == {0}, run and run.log[-3000:]
-    return [json.loads((out / f"result{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((out / f"result{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return _job(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def ranks4(tmp_path_factory):
+    return _job(tmp_path_factory, 4)
 
 
 def _single_losses(cfg: RunConfig) -> list[float]:
+    """Two updates of the unsharded model in one process on the micro-batches all data-parallel ranks drew (the
+    Trainer seeds rank k's data with k)."""
     from batchlab.measure.harness import Trainer
 
-    trainer = Trainer(cfg.replace(tp=1, pp=1, sequence_parallel=False), "cpu")
+    plain = cfg.replace(tp=1, pp=1, sequence_parallel=False, dp=1)
+    sources = [Trainer(plain, "cpu", rank=k) for k in range(cfg.dp)]
+    trainer = Trainer(plain.replace(accum=cfg.accum * cfg.dp), "cpu")
+    trainer.batches = lambda: [b for source in sources for b in source.batches()]
     return [trainer.update().loss for _ in range(2)]
 
 
@@ -80,15 +101,31 @@ def test_a_sharded_or_staged_update_trains_like_one_process(ranks, name):
         assert r[name]["losses"] == pytest.approx(reference, rel=1e-5), (name, r[name]["losses"], reference)
 
 
-def test_tp2_rank_holds_half_the_split_matrices_and_the_replicated_rest(ranks):
+@pytest.mark.parametrize("name", list(CASES_4))
+def test_data_parallel_over_tensor_or_pipeline_ranks_trains_like_one_process(ranks4, name):
+    """Each data-parallel replica's loss is its own micro-batches' mean; their mean is the global batch's, and
+    after the step it still equals one process's on the global batch."""
+    cfg = CASES_4[name]
+    reference = _single_losses(cfg)
+    replicas = [[r[name]["losses"][i] for r in ranks4] for i in range(2)]
+    assert [sum(x) / len(x) for x in replicas] == pytest.approx(reference, rel=1e-5), (name, replicas, reference)
+    if name == "fsdp2xtp2":  # FSDP2 halves what each tensor-parallel rank holds (every dimension 0 is even)
+        assert all(r[name]["parameter_bytes"] == _tp2_bytes() // 2 for r in ranks4)
+
+
+def _tp2_bytes() -> int:
+    """A TP2 rank's parameter bytes, counted by hand from the tiny model's shapes."""
     m = BASE.model
     h, v, f = m.hidden, m.vocab, m.ffn
     per_block = dict(norms=2 * 2 * h, qkv=3 * h * h + 3 * h, proj=h * h + h, up=f * h + f, down=h * f + h)
     total = v * h + m.max_positions * h + m.layers * sum(per_block.values()) + 2 * h  # tied head, final norm
     # column-wise qkv and up: weight and bias split; row-wise proj and down: weight split, bias replicated
     split = m.layers * (3 * h * h + 3 * h + h * h + f * h + f + h * f)
-    for r in ranks:
-        assert r["tp"]["parameter_bytes"] == 4 * (total - split // 2)
+    return 4 * (total - split // 2)
+
+
+def test_tp2_rank_holds_half_the_split_matrices_and_the_replicated_rest(ranks):
+    assert [r["tp"]["parameter_bytes"] for r in ranks] == [_tp2_bytes()] * 2
 
 
 def test_pp2_stages_hold_their_own_layers(ranks):

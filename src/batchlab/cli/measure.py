@@ -37,7 +37,7 @@ def measure(
     torch_device: Annotated[Optional[str], typer.Option(help="Local torch device (cpu, cuda, cuda:1, mps); default: the backend of --device.")] = None,
     memory: Annotated[bool, typer.Option("--memory/--no-memory", help="Take the memory update.")] = True,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr (only on a terminal).")] = True,
-    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this node, each on the config's engine (DDP, ZeRO-1, FSDP2; gloo on CPU, nccl on CUDA); --nproc x --nnodes must equal --dp. Default with --dp > 1: --dp.", rich_help_panel="Data parallel (torchrun)")] = None,
+    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this node, each on the config's engine (DDP, ZeRO-1, FSDP2, with --tp / --pp their tensor and pipeline split; gloo on CPU, nccl on CUDA); --nproc x --nnodes must equal the world size dp x tp x pp (--dp is derived when not given). Default: the world size.", rich_help_panel="Data parallel (torchrun)")] = None,
     launcher: Annotated[Optional[Launcher], typer.Option(help="How the ranks start: fork (one node on CPU: forks of a process that imported torch once; the default there) or torchrun (fresh interpreters, the default for CUDA and several nodes).", rich_help_panel="Data parallel (torchrun)")] = None,
     nnodes: Annotated[Optional[int], typer.Option(help="torchrun --nnodes (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
     node_rank: Annotated[Optional[int], typer.Option(help="torchrun --node-rank.", rich_help_panel="Data parallel (torchrun)")] = None,
