@@ -29,11 +29,13 @@ CASES = {
     # 4 micro-batches of 4 x 64 tokens, a small vocabulary: the blocks' activations dominate each stage's
     "1f1b-memory": BASE.replace(pp=2, accum=4, micro_batch=4, seq=64, pp_schedule="1f1b", vocab=128),
 }
-# 4 ranks: data parallelism over tensor / pipeline ranks (gradient all-reduce, FSDP2 on the dp sub-mesh)
+# 4 ranks: data parallelism over tensor / pipeline ranks (gradient all-reduce, FSDP2 on the dp sub-mesh), and
+# tensor parallelism inside pipeline stages
 CASES_4 = {
     "tp2xdp2": BASE.replace(tp=2, dp=2),
     "fsdp2xtp2": BASE.replace(tp=2, dp=2, zero=3),
     "pp2xdp2": BASE.replace(pp=2, dp=2, accum=2),
+    "tp2xpp2": BASE.replace(tp=2, pp=2, accum=2),
 }
 
 
@@ -49,8 +51,16 @@ def _forked_rank(folder: Path, request: dict, parent: int) -> int:
     out = {}
     for name, cfg in (CASES if request["world"] == 2 else CASES_4).items():
         trainer, _ = layouts.build(cfg, torch.device("cpu"), rank)
-        losses = [trainer.update().loss for _ in range(2)]
-        rec = dict(losses=losses, parameter_bytes=engines.shard_bytes(trainer.raw_model))
+        grad_bytes = []
+
+        class Grads:  # after the last backward: the bytes of this rank's gradient shards
+            def mark(self, phase):
+                if phase == "optimizer":
+                    grad_bytes.append(sum(getattr(p.grad, "_local_tensor", p.grad).nbytes
+                                          for p in trainer.raw_model.parameters() if p.grad is not None))
+
+        losses = [trainer.update(listener=Grads()).loss for _ in range(2)]
+        rec = dict(losses=losses, parameter_bytes=engines.shard_bytes(trainer.raw_model), grad_bytes=grad_bytes)
         if name == "1f1b-memory":
             rec["memory"] = to_jsonable(worker.measure_memory(trainer, None))
         out[name] = rec
@@ -102,13 +112,16 @@ def test_a_sharded_or_staged_update_trains_like_one_process(ranks, name):
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
-def test_data_parallel_over_tensor_or_pipeline_ranks_trains_like_one_process(ranks4, name):
+def test_four_rank_layouts_train_like_one_process(ranks4, name):
     """Each data-parallel replica's loss is its own micro-batches' mean; their mean is the global batch's, and
-    after the step it still equals one process's on the global batch."""
+    after the step it still equals one process's on the global batch (TP2 x PP2: one replica)."""
     cfg = CASES_4[name]
     reference = _single_losses(cfg)
     replicas = [[r[name]["losses"][i] for r in ranks4] for i in range(2)]
     assert [sum(x) / len(x) for x in replicas] == pytest.approx(reference, rel=1e-5), (name, replicas, reference)
+    # every rank keeps its gradients sharded like its parameters (the first stage's vocabulary-split embedding
+    # too, whose backward alone gives a whole gradient)
+    assert all(r[name]["grad_bytes"] == [r[name]["parameter_bytes"]] * 2 for r in ranks4)
     if name == "fsdp2xtp2":  # FSDP2 halves what each tensor-parallel rank holds (every dimension 0 is even)
         assert all(r[name]["parameter_bytes"] == _tp2_bytes() // 2 for r in ranks4)
 
@@ -119,13 +132,17 @@ def _tp2_bytes() -> int:
     h, v, f = m.hidden, m.vocab, m.ffn
     per_block = dict(norms=2 * 2 * h, qkv=3 * h * h + 3 * h, proj=h * h + h, up=f * h + f, down=h * f + h)
     total = v * h + m.max_positions * h + m.layers * sum(per_block.values()) + 2 * h  # tied head, final norm
-    # column-wise qkv and up: weight and bias split; row-wise proj and down: weight split, bias replicated
-    split = m.layers * (3 * h * h + 3 * h + h * h + f * h + f + h * f)
+    # column-wise qkv and up: weight and bias split; row-wise proj and down: weight split, bias replicated; the
+    # tied embedding / head split over the vocabulary; learned positions and norms replicated
+    split = m.layers * (3 * h * h + 3 * h + h * h + f * h + f + h * f) + v * h
     return 4 * (total - split // 2)
 
 
 def test_tp2_rank_holds_half_the_split_matrices_and_the_replicated_rest(ranks):
+    assert BASE.model.tied_embeddings and BASE.model.vocab % 2 == 0
     assert [r["tp"]["parameter_bytes"] for r in ranks] == [_tp2_bytes()] * 2
+    # and the gradients are kept sharded like their parameters (the vocabulary-split embedding's too)
+    assert [r["tp"]["grad_bytes"] for r in ranks] == [[_tp2_bytes()] * 2] * 2
 
 
 def test_pp2_stages_hold_their_own_layers(ranks):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from batchlab.config import ModelSource, Precision, RunConfig
 from batchlab.distributed import pipeline, tensor_parallel
@@ -66,6 +67,9 @@ class PipelineTrainer(ShardedTrainer):
                 m.head.weight for _, m in stages if hasattr(m, "head")]
             self.tied = ends[0] if ends else None
             like = getattr(tied, "_local_tensor", tied)
+            if cfg.parallel.tensor_parallel and not isinstance(tied, DTensor) and tensor_parallel.vocab_parallel(
+                    cfg.model, cfg.tp):  # a stage holding neither end: the vocabulary row shard of this tp rank
+                like = like.chunk(cfg.tp)[self.mesh.coords["tp"]]
             if cfg.parallel.fsdp:
                 like = like.chunk(cfg.dp)[self.mesh.coords["dp"]]
             self.tied_like = like
@@ -141,7 +145,7 @@ def build(cfg: RunConfig, device: torch.device, rank: int) -> tuple[Trainer, Non
     stages = pipeline.split(model, cfg, pp_rank) if layout.pipelined else [(0, model)]
     if layout.tensor_parallel and not hf:
         for _, module in stages:
-            tensor_parallel.shard_boundaries(module, layout.sequence_parallel, mesh.sub("tp"))
+            tensor_parallel.shard_boundaries(module, cfg.model, layout.sequence_parallel, mesh.sub("tp"))
     modules = [m for _, m in stages]
     root = nn.ModuleList(modules) if layout.pipelined else model
     wrap = (lambda m: (_fsdp(cfg, mesh, modules, blocks), m)[1]) if layout.fsdp else None
@@ -152,4 +156,6 @@ def build(cfg: RunConfig, device: torch.device, rank: int) -> tuple[Trainer, Non
     else:
         trainer = ShardedTrainer(cfg, device, workload=wl, mesh=mesh, wrap=wrap)
     trainer.wrapped_layers = [i for i in wrapped if i in mine]
+    if layout.tensor_parallel and not layout.fsdp:  # after the Trainer's .to(device), which swaps DTensor parameters
+        tensor_parallel.keep_gradient_placements(trainer.raw_model)
     return trainer, None

@@ -74,20 +74,32 @@ def _gpt_names(block: nn.Module) -> dict[str, list[str]]:
     return dict(colwise=col, rowwise=["attn.proj", "mlp.down"], norms=["norm1", "norm2"], attention="attn", mlp="mlp")
 
 
-def boundary_plan(module: nn.Module, first_block: str | None, sp: bool) -> dict:
-    """Under sequence parallelism: the replicated embedding's output sliced to this rank's part of the sequence
-    before the first block (no communication), the final norm on the slice, the LM head's input gathered."""
-    if not sp:
-        return {}
-    Replicate, Shard, _, _, SequenceParallel, PrepareModuleInput = _styles()
+def vocab_parallel(spec: ModelSpec, tp: int) -> bool:
+    """Embedding and LM head split over the vocabulary where it divides evenly (else they stay replicated)."""
+    return spec.vocab % tp == 0
+
+
+def boundary_plan(module: nn.Module, first_block: str | None, sp: bool, vocab: bool) -> dict:
+    """The model's (or a stage's) ends.  ``vocab``: the embedding row-wise over the vocabulary (its output
+    all-reduced whole), the LM head column-wise over it (its logits all-gathered whole: no loss parallelism).
+    ``sp``: the embedding's output sliced to this rank's part of the sequence before the first block (no
+    communication), the final norm on the slice, the head's input gathered."""
+    Replicate, Shard, Colwise, Rowwise, SequenceParallel, PrepareModuleInput = _styles()
     plan: dict = {}
-    if hasattr(module, "embed") and first_block is not None:
-        plan[first_block] = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None),
-                                               use_local_output=True)
+    if hasattr(module, "embed"):
+        if vocab:
+            plan["embed"] = Rowwise(input_layouts=Replicate(), output_layouts=Replicate())
+        if sp and first_block is not None:
+            plan[first_block] = PrepareModuleInput(input_layouts=(Replicate(), None),
+                                                   desired_input_layouts=(Shard(1), None), use_local_output=True)
     if hasattr(module, "head"):
-        plan["norm_f"] = SequenceParallel()
-        plan["head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                          use_local_output=True)
+        if sp:
+            plan["norm_f"] = SequenceParallel()
+        if vocab:
+            plan["head"] = Colwise(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+        elif sp:
+            plan["head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                              use_local_output=True)
     return plan
 
 
@@ -116,13 +128,34 @@ def shard_hf_layer(layer: nn.Module, tp_mesh) -> None:
     parallelize_module(layer, tp_mesh, block_plan(dict(colwise=list(HF_COLWISE), rowwise=list(HF_ROWWISE)), False))
 
 
-def shard_boundaries(module: nn.Module, sp: bool, tp_mesh) -> None:
-    """The model's (or a pipeline stage's) ends under sequence parallelism (``boundary_plan``)."""
+def shard_boundaries(module: nn.Module, spec: ModelSpec, sp: bool, tp_mesh) -> None:
+    """The model's (or a pipeline stage's) ends (``boundary_plan``); a tied head re-tied to the sharded embedding
+    (each took its own DTensor parameter; both are the vocabulary's row shard of this rank)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = boundary_plan(module, "blocks.0" if len(module.blocks) else None, sp)
+    plan = boundary_plan(module, "blocks.0" if len(module.blocks) else None, sp, vocab_parallel(spec, tp_mesh.size()))
     if plan:
         parallelize_module(module, tp_mesh, plan)
+    if spec.tied_embeddings and hasattr(module, "embed") and hasattr(module, "head"):
+        module.head.weight = module.embed.weight
+
+
+def keep_gradient_placements(module: nn.Module) -> None:
+    """Every sharded parameter's gradient in the parameter's own placement.  The vocabulary-sharded embedding's
+    backward gives a replicated (whole) weight gradient: without this it would be kept whole on every rank;
+    with it each rank keeps its rows (a local slice, no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    def hook(param):
+        def to_placement(grad):
+            if isinstance(grad, DTensor) and grad.placements != param.placements:
+                return grad.redistribute(param.device_mesh, param.placements)
+            return grad
+        return to_placement
+
+    for p in module.parameters():
+        if isinstance(p, DTensor) and p.requires_grad:
+            p.register_hook(hook(p))
 
 
 # -- gradient norm and data-parallel reduction over sharded parameters
