@@ -56,8 +56,10 @@ def _forked_rank(folder: Path, request: dict, parent: int) -> int:
         class Grads:  # after the last backward: the bytes of this rank's gradient shards
             def mark(self, phase):
                 if phase == "optimizer":
-                    grad_bytes.append(sum(getattr(p.grad, "_local_tensor", p.grad).nbytes
-                                          for p in trainer.raw_model.parameters() if p.grad is not None))
+                    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in trainer.raw_model.parameters()
+                             if p.grad is not None]  # the storages they keep alive: a view keeps all of its base
+                    grad_bytes.append(sum({id(g.untyped_storage()): g.untyped_storage().nbytes()
+                                           for g in grads}.values()))
 
         losses = [trainer.update(listener=Grads()).loss for _ in range(2)]
         rec = dict(losses=losses, parameter_bytes=engines.shard_bytes(trainer.raw_model), grad_bytes=grad_bytes)
