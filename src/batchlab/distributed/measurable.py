@@ -5,7 +5,7 @@ Measured: tensor parallelism (with or without sequence parallelism) and pipeline
 interleaved 1F1B) on the built-in GPT, alone or together, with data parallelism over them as FSDP2 (``--zero 2/3``)
 or as one gradient all-reduce per update (``--zero 0``); tensor parallelism alone (no sequence parallelism) on a
 Llama-family Hugging Face model.  Refused: pipelines of Hugging Face models, factory models, ZeroRedundancyOptimizer
-with tensor or pipeline ranks, a pipeline with the chunked loss or fp16's loss scaling, DeepSpeed's engines.
+with tensor or pipeline ranks, fp16's loss scaling with them, a pipeline with the chunked loss, DeepSpeed's engines.
 """
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def check(cfg: RunConfig) -> None:
     if layout.sequence_parallel and cfg.loss.mode is not LossMode.FULL:
         raise ConfigError("loss", "the chunked loss reads the final norm's output, which sequence parallelism leaves "
                                   "split over the ranks: measure --sequence-parallel with --loss full")
-    if layout.pipelined and cfg.precision is Precision.FP16_MIXED:
-        raise ConfigError("precision", "fp16-mixed's loss scaling is not run through a pipeline schedule here: "
+    if cfg.precision is Precision.FP16_MIXED:  # GradScaler's unscale takes no mix of sharded and plain gradients
+        raise ConfigError("precision", "fp16-mixed's loss scaling is not run over tensor or pipeline ranks here: "
                                        "measure bf16-mixed, bf16 or fp32")
     if layout.sequence_parallel and cfg.seq % layout.tp:
         raise ConfigError("seq", f"{cfg.seq} does not split into {layout.tp} equal sequence-parallel slices")
