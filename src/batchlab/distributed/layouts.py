@@ -103,7 +103,7 @@ class PipelineTrainer(ShardedTrainer):
         self._listener.mark("forward")
         with self._autocast():
             self.schedule.step(*args, **kwargs)
-        total = torch.tensor([float(sum(float(x) for x in losses)) * self._norm])
+        total = torch.tensor([sum(float(x.detach()) for x in losses) * self._norm])
         dist.all_reduce(total, group=self.mesh.group("pp"))  # the last stage's loss, on every stage
         self._listener.mark("optimizer")
         result = self._step(float(total), local_useful)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from batchlab.config import RunConfig
+from batchlab.config import PositionKind, RunConfig
 from batchlab.models.gpt import GPT, rope_tables
 
 
@@ -43,8 +43,8 @@ class Stage(nn.Module):
             if self.pos is not None:
                 x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
             x = self.drop(x)
-        rope = None if self.spec.position.value == "learned" else rope_tables(self.seq, self.spec.head_dim,
-                                                                              device=x.device)
+        rope = None if self.spec.position is PositionKind.LEARNED else rope_tables(self.seq, self.spec.head_dim,
+                                                                                   device=x.device)
         for block in self.blocks:
             x = block(x, rope)
         if hasattr(self, "head"):
@@ -89,8 +89,8 @@ def schedule(cfg: RunConfig, stages: list, loss_fn):
 
 def pipeline_stages(cfg: RunConfig, modules: list[tuple[int, nn.Module]], device: torch.device, group,
                     activation_dtype: torch.dtype):
-    """``PipelineStage`` per (index, module), with the activation shapes given (micro-batch, sequence slice,
-    hidden): no shape inference on meta tensors, which sharded (DTensor) weights do not run."""
+    """``PipelineStage`` per (index, module), with the activation shapes given (micro-batch, this rank's sequence
+    slice under sequence parallelism, hidden; the last stage's logits): no inference pass before the first step."""
     from torch.distributed.pipelining import PipelineStage
 
     count = cfg.parallel.pp * cfg.parallel.chunks
