@@ -66,6 +66,48 @@ def test_world_size_must_be_the_configs_dp():
     assert e.value.field == "nnodes"
 
 
+def test_the_world_is_dp_x_tp_x_pp_and_nproc_derives_dp_over_it():
+    from batchlab.cli.measure import dp_from_world
+
+    cfg = RunConfig(tp=2, pp=2, accum=2)
+    check_world(cfg, 4, 1)
+    with pytest.raises(ConfigError) as e:
+        check_world(cfg, 2, 1)
+    assert e.value.field == "nproc" and "DP x TP x PP = 1 x 2 x 2 = 4 ranks" in str(e.value)
+    assert dp_from_world(cfg, 8, None, frozenset()).dp == 2  # 8 ranks over replicas of tp x pp = 4
+    with pytest.raises(ConfigError) as e:
+        dp_from_world(cfg, 6, None, frozenset())
+    assert e.value.field == "nproc"
+
+
+def test_rank_coordinates_follow_torchs_row_major_mesh():
+    """Rank r of a (pp, dp, tp) mesh sits where init_device_mesh puts it: torch.arange(world).view(pp, dp, tp)."""
+    import torch
+
+    from batchlab.distributed.mesh import coordinates
+
+    layout = RunConfig(dp=2, tp=2, pp=2, accum=2).parallel
+    grid = torch.arange(8).view(2, 2, 2)
+    for r in range(8):
+        c = coordinates(layout, r)
+        assert int(grid[c["pp"], c["dp"], c["tp"]]) == r
+
+
+def test_merge_reports_every_rank_with_its_coordinates_and_the_most_loaded_peak():
+    cfg = RunConfig(tp=2, pp=2, accum=2)
+    ranks = []
+    for r, (pp, tp, peak) in enumerate([(0, 0, 300), (0, 1, 310), (1, 0, 200), (1, 1, 205)]):
+        rec = _rank(r, [1.0 + r / 10, 1.1], [0.0, 0.0], [64, 64], peak)
+        rec.pop("comm")
+        rec.update(coordinates=dict(pp=pp, dp=0, tp=tp), parameter_shard_bytes=100 + pp)
+        ranks.append(rec)
+    m = merge(cfg, ranks)
+    assert [(x.rank, x.pp, x.tp, x.peak_bytes) for x in m.ranks] == [(0, 0, 0, 300), (1, 0, 1, 310), (2, 1, 0, 200),
+                                                                     (3, 1, 1, 205)]
+    assert m.memory.peak_bytes == 310 and m.ranks[3].update_seconds_median == pytest.approx(1.2)
+    assert m.traffic is None  # the formula's collectives are the DP engines'
+
+
 def test_launch_refuses_a_mismatched_world_before_starting_anything():
     from batchlab.distributed import launch
 

@@ -37,7 +37,7 @@ def measure(
     torch_device: Annotated[Optional[str], typer.Option(help="Local torch device (cpu, cuda, cuda:1, mps); default: the backend of --device.")] = None,
     memory: Annotated[bool, typer.Option("--memory/--no-memory", help="Take the memory update.")] = True,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr (only on a terminal).")] = True,
-    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this node, each on the config's engine (DDP, ZeRO-1, FSDP2; gloo on CPU, nccl on CUDA); --nproc x --nnodes must equal --dp. Default with --dp > 1: --dp.", rich_help_panel="Data parallel (torchrun)")] = None,
+    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this node, each on the config's engine (DDP, ZeRO-1, FSDP2, with --tp / --pp their tensor and pipeline split; gloo on CPU, nccl on CUDA); --nproc x --nnodes must equal the world size dp x tp x pp (--dp is derived when not given). Default: the world size.", rich_help_panel="Data parallel (torchrun)")] = None,
     launcher: Annotated[Optional[Launcher], typer.Option(help="How the ranks start: fork (one node on CPU: forks of a process that imported torch once; the default there) or torchrun (fresh interpreters, the default for CUDA and several nodes).", rich_help_panel="Data parallel (torchrun)")] = None,
     nnodes: Annotated[Optional[int], typer.Option(help="torchrun --nnodes (multi-node).", rich_help_panel="Data parallel (torchrun)")] = None,
     node_rank: Annotated[Optional[int], typer.Option(help="torchrun --node-rank.", rich_help_panel="Data parallel (torchrun)")] = None,
@@ -70,7 +70,7 @@ def measure(
             from batchlab.cli.progress import progress as display
 
             cfg = dp_from_world(cfg, nproc, nnodes, typed_options())
-            with display("measure", f"DP = {cfg.dp} ranks", quiet=as_json or not progress):
+            with display("measure", f"{cfg.parallel.world_size} ranks", quiet=as_json or not progress):
                 m = launch(cfg, opts, nproc, torchrun_args(nnodes, node_rank, rdzv_endpoint), launcher=launcher)
         else:
             m = _run_with_progress(run, cfg, opts, progress and not as_json)
@@ -116,14 +116,19 @@ def dp_from_world(cfg: RunConfig, nproc: Optional[int], nnodes: Optional[int], t
     if nproc is None:
         return cfg
     world = nproc * (nnodes or 1)
-    if cfg.dp == world:
+    if cfg.parallel.world_size == world:
         return cfg
+    per = cfg.tp * cfg.pp  # ranks of one model replica
+    if world % per:
+        raise ConfigError("nproc", f"the world size --nproc x --nnodes = {world} is not a multiple of tp x pp = {per}")
+    dp = world // per
     if "dp" in typed or cfg.dp != 1:  # typed, or set by --config FILE
         raise ConfigError("dp", f"{cfg.dp} contradicts the world size --nproc x --nnodes = {nproc} x {nnodes or 1} "
-                                f"= {world}; omit --dp (it is derived) or make them agree")
+                                f"= {world}" + (f" over tp x pp = {per}" if per > 1 else "")
+                                + "; omit --dp (it is derived) or make them agree")
     if "global_batch" in typed:
-        return cfg.replace(dp=world).with_global_batch(cfg.global_batch)
-    return cfg.replace(dp=world)
+        return cfg.replace(dp=dp).with_global_batch(cfg.global_batch)
+    return cfg.replace(dp=dp)
 
 
 def _timeline(m: Measurement, path: str, as_json: bool) -> None:
@@ -191,7 +196,7 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
             table.add_row(r.figure, _value(r, r.measured), r.measured_provenance,
                           _value(r, r.formula) if r.formula is not None else "-", fmt_difference(r.relative_difference, r.unit, r.measured, r.formula))
         out.print(table)
-    _render_details(out, m, verbose)
+    _render_details(out, m, verbose, est)
     if note:
         out.print(f"[dim]{escape(note)}[/]")
     for w in m.warnings + ([broken] if (broken := broken_time_model(figures)) else []):
@@ -212,7 +217,7 @@ def _render_sources(out: Console, cfg: RunConfig, est, verbose: bool) -> None:
     print_assumptions(out, est.assumptions, "formula assumptions")
 
 
-def _render_details(out: Console, m: Measurement, verbose: bool = False) -> None:
+def _render_details(out: Console, m: Measurement, verbose: bool = False, est=None) -> None:
     t = m.time
     if t is not None and t.samples:
         split = "  ".join(f"{k} {fmt_seconds(v)}" for k, v in t.phase_seconds.items())
@@ -234,6 +239,11 @@ def _render_details(out: Console, m: Measurement, verbose: bool = False) -> None
         how = f"{m.memory.provenance}: {m.memory.method}" if verbose else m.memory.provenance
         out.print(f"memory at the peak ({how}): {parts}")
     from batchlab.cli.render_dp import lines as dp_lines
+    from batchlab.cli.render_dp import rank_lines
+
+    formula_peak = est.memory.peak_tensor_bytes if est is not None else None
+    for line in rank_lines(m, formula_peak):
+        out.print(escape(line), highlight=False)
 
     for line in dp_lines(m, verbose):
         out.print(line)

@@ -21,9 +21,31 @@ def memory_lines(m: Measurement) -> list[str]:
     if t is not None and mem.breakdown.get("parameters", 0) > t.parameter_shard_bytes:
         out.append(f"parameters at the peak: {fmt_bytes(t.parameter_shard_bytes)} this rank's shards + "
                    f"{fmt_bytes(mem.breakdown['parameters'] - t.parameter_shard_bytes)} gathered working copies")
-    if t is None or t.engine in ("ddp", "zero1"):
+    if m.environment.get("gradient_as_bucket_view") and (t is None or t.engine in ("ddp", "zero1")):
         out.append("DDP gradient_as_bucket_view is on: gradients are views into the all-reduce buckets "
                    "(one gradient copy less than .grad + bucket)")
+    return out
+
+
+RANK_ROWS = 8  # the text table's rows; --json has every rank
+
+
+def rank_lines(m: Measurement, formula_peak: int | None = None) -> list[str]:
+    """Every rank's own peak (allocator) and median update time (wall-clock) with its dp / tp / pp coordinates,
+    beside the formula's per-rank peak; empty for one rank."""
+    if len(m.ranks) < 2:
+        return []
+    formula = fmt_bytes(formula_peak) if formula_peak is not None else "-"
+    out = [f"{'rank':>4} {'dp':>3} {'tp':>3} {'pp':>3}  {'peak (allocator)':>16}  {'at':<9}  {'update (wall-clock)':>19}"
+           f"  {'formula peak':>12}"]
+    for r in m.ranks[:RANK_ROWS]:
+        peak = fmt_bytes(r.peak_bytes) if r.peak_bytes is not None else "-"
+        time = fmt_seconds(r.update_seconds_median) if r.update_seconds_median is not None else "-"
+        out.append(f"{r.rank:>4} {r.dp:>3} {r.tp:>3} {r.pp:>3}  {peak:>16}  {r.peak_phase or '-':<9}  {time:>19}"
+                   f"  {formula:>12}")
+    if len(m.ranks) > RANK_ROWS:
+        out.append(f"... {len(m.ranks) - RANK_ROWS} more ranks (--json has all)")
+    out.append("peak of the run = the most loaded rank's; update time = each update's slowest rank")
     return out
 
 

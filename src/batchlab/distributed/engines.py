@@ -43,7 +43,7 @@ def _fsdp_wrap(cfg: RunConfig, device: torch.device, world: int, blocks: nn.Modu
         # the mesh holds real rank numbers, also when the trace builds the model on fake tensors
         with unset_fake_temporarily():
             mesh = init_device_mesh(device.type, (world,))
-        kw: dict = dict(mesh=mesh, reshard_after_forward=cfg.zero >= 3)
+        kw: dict = dict(mesh=mesh, reshard_after_forward=cfg.parallel.engine_spec.reshards_after_forward)
         if cfg.precision in _HALF:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=_HALF[cfg.precision], reduce_dtype=torch.float32)
         for block in blocks if blocks is not None else ():
@@ -77,7 +77,8 @@ def build(cfg: RunConfig, device: torch.device, rank: int, world: int, trainer_c
     ``set_requires_gradient_sync(False)`` on all but the last micro-batch."""
     torch.manual_seed(cfg.seed)
     workload = build_workload(cfg)
-    if cfg.zero >= 2:
+    spec = cfg.parallel.engine_spec  # the engine, also where a fake process group traces DP = 1
+    if spec.fsdp:
         wrap = _fsdp_wrap(cfg, device, world, workload.blocks)
         trainer = trainer_cls(cfg, device, workload=workload, rank=rank, world=world,
                               wrap=wrap if sync_every_micro_batch else lambda m: _gradient_sync_off(wrap(m)))
@@ -88,7 +89,7 @@ def build(cfg: RunConfig, device: torch.device, rank: int, world: int, trainer_c
     # grads zeroed in place between updates, so they stay views of the buckets (see Trainer.grads_to_none)
     trainer = trainer_cls(cfg, device, workload=workload, rank=rank, world=world, grads_to_none=False,
                           wrap=lambda m: DDP(m, device_ids=ids, gradient_as_bucket_view=True),
-                          **(dict(optimizer=zero_optimizer) if cfg.zero == 1 else {}))
+                          **(dict(optimizer=zero_optimizer) if spec.shards_optimizer else {}))
     return trainer, comm.register(trainer.model, cuda=device.type == "cuda")
 
 
@@ -144,6 +145,6 @@ def register_storages(tracker, trainer: Trainer, monitor: comm.CommMonitor | Non
 
 
 def describe(cfg: RunConfig, sync_every_micro_batch: bool = True) -> dict:
-    info = engine_info(cfg.zero, sync_every_micro_batch)
+    info = engine_info(cfg.parallel.engine_spec.stage, sync_every_micro_batch)
     return dict(stage=info.stage, name=info.name, engine=info.engine, accumulation=info.accumulation,
                 sync_every_micro_batch=sync_every_micro_batch)

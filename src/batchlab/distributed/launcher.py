@@ -29,6 +29,7 @@ from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import Measurement
 
 DEFAULT_TIMEOUT_S = 600.0
+MAX_LOCAL_RANKS = 64  # a world beyond this on one node is a typo, not a measurement
 _MULTI_NODE_FLAGS = ("--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_addr")
 
 
@@ -173,15 +174,24 @@ def forkable(cfg: RunConfig, opts: MeasureOptions, torchrun_args: Sequence[str])
 def check_world(cfg: RunConfig, nproc: int, nnodes: int) -> None:
     if nproc < 1:
         raise ConfigError("nproc", f"must be >= 1, got {nproc}")
-    if nproc * nnodes != cfg.dp:
-        raise ConfigError("dp", f"{cfg.dp} does not match the world size --nproc x --nnodes = {nproc} x {nnodes} "
-                                f"= {nproc * nnodes}; the config's DP is the number of ranks")
+    world = cfg.parallel.world_size
+    if nproc * nnodes != world:
+        if world == cfg.dp:
+            raise ConfigError("dp", f"{cfg.dp} does not match the world size --nproc x --nnodes = {nproc} x {nnodes} "
+                                    f"= {nproc * nnodes}; the config's DP is the number of ranks")
+        raise ConfigError("nproc", f"--nproc x --nnodes = {nproc} x {nnodes} = {nproc * nnodes} ranks, but the "
+                                   f"layout's {cfg.parallel.text()}")
+    if nnodes == 1 and world > MAX_LOCAL_RANKS:
+        raise ConfigError("nproc", f"{world} ranks on this node: more than the {MAX_LOCAL_RANKS} local processes a "
+                                   "measurement starts (each holds a whole PyTorch); use several nodes or fewer ranks")
 
 
 def check_local(cfg: RunConfig, opts: MeasureOptions, nproc: int) -> None:
     """User errors found before starting anything: an absent device, too few GPUs, a budget too small."""
+    from batchlab.distributed.measurable import check
     from batchlab.measure.runner import backend
 
+    check(cfg)  # tensor / pipeline layouts batchlab does not run
     if backend(cfg, opts) == "cpu" and cfg.memory_budget is None:
         return  # nothing to look up: torch stays out of this process (~2 s), the ranks import it
     from batchlab.measure.device import torch_device
@@ -202,7 +212,7 @@ def check_local(cfg: RunConfig, opts: MeasureOptions, nproc: int) -> None:
 def launch(cfg: RunConfig, opts: MeasureOptions | None = None, nproc: int | None = None,
            torchrun_args: Sequence[str] = (), timeout_s: float | None = None,
            launcher: Launcher | str | None = None) -> Measurement:
-    """Measure ``cfg`` with ``cfg.dp`` ranks on its engine (this node's ``nproc`` of them).  ``launcher``:
+    """Measure ``cfg`` with its layout's dp x tp x pp ranks on its engine (this node's ``nproc`` of them).  ``launcher``:
     None forks them from the pre-imported process where ``forkable`` (torchrun where the fork cannot be had);
     FORK asks for that (a ConfigError where it cannot apply); TORCHRUN for torchrun.
 
@@ -214,7 +224,7 @@ def launch(cfg: RunConfig, opts: MeasureOptions | None = None, nproc: int | None
     if launcher is Launcher.FORK and not forkable(cfg, opts, torchrun_args):
         raise ConfigError("launcher", "fork starts one node's ranks on CPU; several nodes or CUDA need torchrun")
     nnodes = nnodes_of(torchrun_args)
-    nproc = nproc if nproc is not None else cfg.dp // nnodes
+    nproc = nproc if nproc is not None else cfg.parallel.world_size // nnodes
     check_world(cfg, nproc, nnodes)
     check_local(cfg, opts, nproc)
     timeout = timeout_s or opts.timeout_s or DEFAULT_TIMEOUT_S

@@ -14,7 +14,7 @@ from typing import Any
 
 from batchlab.config import RunConfig
 from batchlab.measure.result import (MeasuredComm, MeasuredMemory, MeasuredTime, MeasuredTraffic, Measurement,
-                                     Outcome, memory_from_dict)
+                                     Outcome, RankFigures, memory_from_dict)
 
 SCOPE = ("Data parallelism measured on this machine's ranks and link; loopback gloo on CPU says nothing "
          "about NCCL over NVLink or InfiniBand.")
@@ -96,6 +96,20 @@ def _traffic(cfg: RunConfig, ranks: list[dict[str, Any]]) -> MeasuredTraffic | N
                            predicted_per_micro_batch=list(predicted.per_micro_batch))
 
 
+def _ranks(ranks: list[dict[str, Any]]) -> list[RankFigures]:
+    """Every rank's own peak and median update time, with its coordinates in the layout."""
+    out = []
+    for r in ranks:
+        mem, where = r.get("memory") or {}, r.get("coordinates") or {}
+        out.append(RankFigures(rank=r["rank"], dp=where.get("dp", r["rank"]), tp=where.get("tp", 0),
+                               pp=where.get("pp", 0), peak_bytes=mem.get("peak_bytes"),
+                               peak_phase=mem.get("peak_phase"),
+                               update_seconds_median=statistics.median(r["samples"]) if r.get("samples") else None,
+                               parameter_bytes=r.get("parameter_shard_bytes"),
+                               provenance=mem.get("provenance", "allocator")))
+    return out
+
+
 def _consistency_warnings(ranks: list[dict[str, Any]]) -> list[str]:
     warnings = []
     for r in ranks:
@@ -109,7 +123,9 @@ def _consistency_warnings(ranks: list[dict[str, Any]]) -> list[str]:
 def merge(cfg: RunConfig, ranks: list[dict[str, Any]], environment: dict[str, Any] | None = None) -> Measurement:
     """One Measurement of a DP run from every rank's result (rank order)."""
     ranks = sorted(ranks, key=lambda r: r["rank"])
-    time_, comm, traffic = _time(ranks), _comm(cfg, ranks), _traffic(cfg, ranks)
+    layered = cfg.parallel.tensor_parallel or cfg.parallel.pipelined
+    # the formula's collectives are the data-parallel engines'; tensor / pipeline ranks send others
+    time_, comm, traffic = _time(ranks), _comm(cfg, ranks), None if layered else _traffic(cfg, ranks)
     useful = tps = None
     warnings = _consistency_warnings(ranks)
     if time_ is not None:
@@ -122,9 +138,10 @@ def merge(cfg: RunConfig, ranks: list[dict[str, Any]], environment: dict[str, An
     env.update(environment or {})
     env.update(world_size=len(ranks), backend=ranks[0]["backend"], device=ranks[0]["device"],
                torch=ranks[0]["torch"], threads_per_rank=ranks[0]["threads"],
-               hosts=sorted({r["host"] for r in ranks}), gradient_as_bucket_view=cfg.zero < 2, scope=SCOPE)
+               hosts=sorted({r["host"] for r in ranks}), layout=cfg.parallel.text(), scope=SCOPE,
+               gradient_as_bucket_view=not layered and not cfg.parallel.fsdp)
     if all("page_faults_per_update" in r for r in ranks):  # host pages mapped afresh per update, worst rank
         env["page_faults_per_update"] = max(r["page_faults_per_update"] for r in ranks)
     return Measurement(config=cfg.to_dict(), outcome=Outcome.OK, global_batch=cfg.global_batch,
                        memory=_memory(ranks), time=time_, tokens_per_second=tps, useful_tokens_per_update=useful,
-                       environment=env, warnings=warnings, comm=comm, traffic=traffic)
+                       environment=env, warnings=warnings, comm=comm, traffic=traffic, ranks=_ranks(ranks))

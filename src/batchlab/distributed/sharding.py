@@ -63,7 +63,7 @@ def engine_snippet(cfg) -> str:
     """Runnable PyTorch for ``cfg``'s stage (the engine batchlab measures), with the matching torchtitan,
     accelerate and DeepSpeed settings as comments.  ``model``, ``blocks`` (the repeated layers) and
     ``loader`` are the user's; torchrun sets the process group's environment."""
-    z, accum = cfg.zero, cfg.accum
+    z, accum = cfg.parallel.engine_spec.stage, cfg.accum
     half = {"bf16-mixed": "torch.bfloat16", "fp16-mixed": "torch.float16"}.get(cfg.precision.value)
     head = ["import torch, torch.distributed as dist",
             "dist.init_process_group('nccl' if torch.cuda.is_available() else 'gloo')"]

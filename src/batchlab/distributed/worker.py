@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from batchlab import host
 from batchlab.config import ConfigError, RunConfig, config_from_dict, to_jsonable
-from batchlab.distributed import comm, engines
+from batchlab.distributed import comm, engines, layouts
+from batchlab.distributed.mesh import coordinates
 from batchlab.distributed.traffic import TrafficCounter
 from batchlab.measure.clock import PhaseClock, Listeners, synchronizer, timed
 from batchlab.measure.devmem import CudaMemoryListener, from_snapshot
@@ -164,16 +165,21 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
     """Warm up, measure memory on one update, time ``steps`` more; the per-rank result as plain JSON."""
     cfg, opts = config_from_dict(spec.config), MeasureOptions.from_dict(spec.options)
     rank, world, _ = env_ranks()
-    if cfg.dp != world:
-        raise ConfigError("dp", f"{cfg.dp} does not match the torchrun world size {world}; "
-                                "the config's DP is the number of ranks")
+    layout = cfg.parallel
+    if layout.world_size != world:
+        raise ConfigError("dp", f"the layout's {layout.text()} does not match the torchrun world size {world}")
     device, backend = init(cfg, opts, spec.collective_timeout_s)
-    trainer, monitor = build(cfg, device, rank, world, sync_every_micro_batch=opts.fsdp_sync_every_micro_batch)
+    if layouts.applies(cfg):
+        trainer, monitor = layouts.build(cfg, device, rank)
+    else:
+        trainer, monitor = build(cfg, device, rank, world, sync_every_micro_batch=opts.fsdp_sync_every_micro_batch)
     warmup = max(MIN_WARMUP, opts.warmup)
     for _ in range(warmup):
         _update(trainer, monitor)  # a None listener is the harness's no-op listener
     out = _describe(trainer, backend, warmup)
-    out["engine"] = engines.describe(cfg, opts.fsdp_sync_every_micro_batch)
+    out["engine"] = (layouts.describe(cfg) if layouts.applies(cfg)
+                     else engines.describe(cfg, opts.fsdp_sync_every_micro_batch))
+    out["coordinates"] = coordinates(layout, rank)
     if opts.memory:
         budget = cfg.memory_budget if device.type == "cpu" else None
         traffic = TrafficCounter()

@@ -121,6 +121,12 @@ class Trainer:
         dist.all_reduce(t)
         return int(t.item())
 
+    def reduce_gradients(self) -> None:
+        """Gradient communication the wrapper does not do itself (none here: DDP and FSDP2 reduce in backward)."""
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
+
     def _number(self, t: torch.Tensor) -> float:
         """A scalar tensor's value; the trace overrides this, since fake tensors hold no values."""
         return float(t)
@@ -146,16 +152,22 @@ class Trainer:
             total += self._number(loss.detach()) * norm
             del loss
         listener.mark("optimizer")
+        result = self._step(total, local_useful)
+        listener.mark("end")
+        return result
+
+    def _step(self, total: float, local_useful: int) -> UpdateResult:
+        """After the update's last backward: gradients reduced, unscaled, clipped; optimizer, scaler, scheduler."""
+        self.reduce_gradients()
         self.scaler.unscale_(self.optimizer)
         grad_norm = float("nan")
         if self.clip_norm is not None:
-            grad_norm = self._number(torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.clip_norm))
+            grad_norm = self._number(self.clip_gradients(self.clip_norm))
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=self.grads_to_none)
         self.updates_done += 1
-        listener.mark("end")
         return UpdateResult(loss=total / max(local_useful, 1), useful_tokens=local_useful, grad_norm=grad_norm)
 
     def gradients(self, batches=None) -> dict[str, torch.Tensor]:

@@ -47,6 +47,21 @@ class MeasuredMemory:
 NOISY_SPREAD = 0.10  # IQR / median of update time above which the timing is flagged as noisy
 
 @dataclass(frozen=True)
+class RankFigures:
+    """One rank of a multi-rank run: where it sits (its dp / tp / pp coordinates), its own peak (allocator) and
+    its own median update time (wall-clock)."""
+    rank: int
+    dp: int = 0
+    tp: int = 0
+    pp: int = 0
+    peak_bytes: int | None = None
+    peak_phase: str | None = None
+    update_seconds_median: float | None = None
+    parameter_bytes: int | None = None  # this rank's parameter shards
+    provenance: str = "allocator"
+
+
+@dataclass(frozen=True)
 class MeasuredTime:
     samples: list[float]  # seconds per measured update (warmup excluded)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # median per phase
@@ -160,6 +175,7 @@ class Measurement:
     traffic: MeasuredTraffic | None = None  # DP > 1 only: every collective, counted
     timeline: Timeline | None = None  # MeasureOptions(timeline=True): memory over one untimed update
     counted: Counted = Counted.TOKENS  # what tokens_per_second counts: samples for a per-sample model
+    ranks: list[RankFigures] = field(default_factory=list)  # world > 1: every rank's figures, rank order
 
     @property
     def ok(self) -> bool:
@@ -249,6 +265,7 @@ def measurement_from_dict(d: dict[str, Any]) -> Measurement:
         d["comm"] = MeasuredComm(**_only_fields(MeasuredComm, d["comm"]))
     if d.get("traffic") is not None:
         d["traffic"] = MeasuredTraffic(**_only_fields(MeasuredTraffic, d["traffic"]))
+    d["ranks"] = [RankFigures(**_only_fields(RankFigures, r)) for r in d.get("ranks") or []]
     if d.get("timeline") is not None:
         d["timeline"] = Timeline.from_dict(d["timeline"])
     return Measurement(**d)

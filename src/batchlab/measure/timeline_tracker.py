@@ -209,13 +209,14 @@ def context(cfg) -> dict:
     title = (f"{cfg.model.name} ({cfg.model_source}), seq {cfg.seq}, micro-batch {cfg.micro_batch} x accum "
              f"{cfg.accum} x DP {cfg.dp} = global batch {cfg.global_batch}, ac={cfg.ac}, {cfg.precision}")
     notes, overlaps = [], {}
-    if cfg.dp > 1 and cfg.zero < 2:
+    layout = cfg.parallel
+    if cfg.dp > 1 and not layout.fsdp:
         notes.append(f"rank 0 of a fake process group: the gradient all-reduce (DP = {cfg.dp}) is drawn where DDP "
                      "runs it (overlapped with the last micro-batch's backward, no_sync before); its buckets are "
                      "counted as the gradients kept between updates, its time is not")
         overlaps["gradient all-reduce (not run here)"] = f"backward {cfg.accum}"
     elif cfg.dp > 1:
-        notes.append(f"rank 0 of a fake process group: FSDP2 (ZeRO-{cfg.zero}) gathers and frees as on a real run; "
+        notes.append(f"rank 0 of a fake process group: FSDP2 (ZeRO-{layout.stage}) gathers and frees as on a real run; "
                      "its all-gathers and reduce-scatters run in every forward and backward, not drawn, not timed")
     return {"title": title, "capacity_bytes": cfg.memory_capacity, "formula_phase_peaks": peaks, "notes": notes,
             "overlaps": overlaps}

@@ -60,7 +60,12 @@ class Attention(nn.Module):
         spec = self.spec
         b, s, h = x.shape
         a, g, d = spec.heads, spec.kv_heads, spec.head_dim
-        q, k, v = self.qkv(x).split([h, g * d, g * d], dim=-1)
+        qkv = self.qkv(x)
+        # under tensor parallelism this rank's qkv weight holds whole heads (distributed/tensor_parallel.py orders
+        # its rows so): its local row count says how many, a / t query and g / t kv heads
+        t = (a + 2 * g) * d // qkv.shape[-1]
+        a, g = a // t, g // t
+        q, k, v = qkv.split([a * d, g * d, g * d], dim=-1)
         q = q.view(b, s, a, d).transpose(1, 2)
         k = k.view(b, s, g, d).transpose(1, 2)
         v = v.view(b, s, g, d).transpose(1, 2)
@@ -77,7 +82,7 @@ class Attention(nn.Module):
             mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
             att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
             y = self.attn_drop(att) @ v
-        y = y.transpose(1, 2).reshape(b, s, h)
+        y = y.transpose(1, 2).reshape(b, s, a * d)
         return self.resid_drop(self.proj(y))
 
 

@@ -30,7 +30,7 @@ def measure(cfg: "RunConfig", options: MeasureOptions | None = None,
     options = options or MeasureOptions()
     if distributed.in_torchrun():
         return distributed.measure_in_torchrun(cfg, options)
-    if cfg.dp > 1:
+    if cfg.parallel.world_size > 1:
         return distributed.launch(cfg, options)
     if options.isolate:
         from batchlab.measure.runner import run_isolated

@@ -71,8 +71,8 @@ def trace_device(cfg: RunConfig) -> tuple[torch.device, list[str]]:
 
 def _check_supported(cfg: RunConfig) -> list[str]:
     notes = []
-    if cfg.zero > 0 and cfg.dp == 1:
-        notes.append(f"ZeRO-{cfg.zero} with DP = 1 shards nothing: traced as one unsharded rank")
+    if cfg.parallel.engine_spec.stage > 0 and cfg.dp == 1:
+        notes.append(f"ZeRO-{cfg.parallel.engine_spec.stage} with DP = 1 shards nothing: traced as one unsharded rank")
     if cfg.precision is Precision.FP16_MIXED:
         notes.append("GradScaler left out (it reads values); its state is a few bytes")
     return notes

@@ -44,13 +44,14 @@ def build(cfg: RunConfig, device: torch.device, trainer_cls) -> tuple[object, li
     """Rank 0's trainer on the stage's engine (inside ``fake_world``) and the note saying what was traced."""
     from batchlab.distributed import engines
 
-    if cfg.zero >= 2:
+    spec = cfg.parallel.engine_spec
+    if spec.fsdp:
         trainer, _ = engines.build(cfg, device, 0, cfg.dp, trainer_cls=trainer_cls)
         return trainer, [NOTE_FSDP.format(dp=cfg.dp)]
     torch.manual_seed(cfg.seed)
     from batchlab.models import build_workload
 
-    opt = dict(optimizer=engines.zero_optimizer) if cfg.zero == 1 else {}
+    opt = dict(optimizer=engines.zero_optimizer) if spec.shards_optimizer else {}
     trainer = trainer_cls(cfg, device, workload=build_workload(cfg), rank=0, world=cfg.dp, grads_to_none=False, **opt)
     return trainer, [NOTE_DDP.format(dp=cfg.dp)]
 
