@@ -97,7 +97,8 @@ def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_no
     """Print the trace: figures beside the formula's, the breakdown at the peak, notes, and the tree;
     ``verbose``: the time model's rates and their source too."""
     cfg = trace.config
-    console.print(f"[bold]batchlab estimate --trace[/]  {escape(cfg['model_source'])} ({cfg['model']['name']}): one "
+    traced = trace.traced or f"{cfg['model_source']} ({cfg['model']['name']})"
+    console.print(f"[bold]batchlab estimate --trace[/]  {escape(traced)}: one "
                   f"steady-state update on fake tensors, {trace.traced_device} kernels, traced in "
                   f"{trace.trace_seconds:.1f} s")
     console.print(f"global batch = micro-batch x accum x DP = {cfg['micro_batch']} x {cfg['accum']} x {cfg['dp']} "

@@ -83,3 +83,4 @@ class TraceEstimate:
     provenance: str = "trace"
     timeline: Timeline | None = None  # with timeline=True: memory over the update, op by op
     counted: Counted = Counted.TOKENS  # what one example is: tokens, or samples for a per-sample model
+    traced: str = ""  # the code that ran (the workload's description)

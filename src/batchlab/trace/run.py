@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 
 from batchlab.config import ConfigError, ModelSource, Precision, RunConfig
 from batchlab.formula.allocator import device_memory
+from batchlab.util.units import fmt_bytes
 from batchlab.measure.clock import Listeners
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
@@ -28,6 +29,7 @@ from batchlab.trace.flops import flops_of
 from batchlab.trace.ops import OpRecorder
 from batchlab.trace.patches import eager_branches
 from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
+from batchlab.models import runnable, stand_in_text
 from batchlab.models.owners import OUTSIDE, ModuleStack
 from batchlab.trace.tree import build_tree
 
@@ -67,6 +69,23 @@ def trace_device(cfg: RunConfig) -> tuple[torch.device, list[str]]:
         return torch.device("cpu"), [
             f"traced with CPU kernels: {cfg.device} ({cfg.device_spec.backend.value}) is not available here; the "
             "attention kernel and autocast's op lists (so what is kept for backward) can differ on the real device"]
+
+
+def stand_in_notes(cfg: RunConfig) -> list[str]:
+    """Where the config's implementation is not installed: what was traced instead, and how far the formula's
+    terms of the two codes are apart (one layer, this config's shape)."""
+    text = stand_in_text(cfg)
+    if text is None:
+        return []
+    from batchlab.formula.activations import implementation, layer_activations
+
+    ran = runnable(cfg)
+    backend = cfg.device_spec.backend
+    wanted, traced = (layer_activations(c.model, cfg.seq, cfg.micro_batch, cfg.precision, backend,
+                                        implementation(c.model_kind, c.model)).total for c in (cfg, ran))
+    return [f"{text}; per layer the formula counts {fmt_bytes(wanted)} for {cfg.model.impl.label}, "
+            f"{fmt_bytes(traced)} for the traced code ({(traced - wanted) / wanted:+.1%}): the trace's activations "
+            f"describe the traced code"]
 
 
 def _check_supported(cfg: RunConfig) -> list[str]:
@@ -164,7 +183,9 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
             notes += dp_notes
         else:
             trainer = FakeTrainer(cfg, device)
-        with eager_branches(cfg.model_kind is not ModelSource.BUILTIN):  # built: the model's imports are done
+        notes += stand_in_notes(cfg)
+        # built: the model's imports are done
+        with eager_branches(runnable(cfg).model_kind is not ModelSource.BUILTIN):
             _first_update(trainer)
             snap, recorder, ops = _tracked_update(trainer, tree, timeline)
         flops = flops_of(ops)
@@ -179,7 +200,8 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
         memory=memory, flops=flops, traced_device=device.type, trace_seconds=time.perf_counter() - start,
         tree=build_tree(trainer.raw_model, snap.activations_by_owner) if tree else None,
         notes=notes + device_notes, timeline=_timeline(cfg, recorder, snap, notes) if recorder else None,
-        time=time_ops, time_model=describe(costs, time_ops) + machine_text(cfg, costs), counted=trainer.workload.counted)
+        time=time_ops, time_model=describe(costs, time_ops) + machine_text(cfg, costs), counted=trainer.workload.counted,
+        traced=trainer.workload.description)
 
 
 def _timeline(cfg: RunConfig, recorder, snap, notes: list[str]):
