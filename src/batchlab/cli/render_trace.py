@@ -127,8 +127,21 @@ def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_no
     _warn_formula(rows, console)
     for note in ([formula_note] if formula_note else []) + trace.notes:
         console.print(f"[dim]note: {escape(note)}[/]")
+    _warned(trace.warnings, console, verbose)
     if trace.tree is not None:
         console.print(render_tree(trace.tree))
+
+
+def _warned(warnings: list[str], console: Console, verbose: bool) -> None:
+    """The warnings the traced code raised, kept off the terminal while it ran: one line, or each with --verbose."""
+    if not warnings:
+        return
+    if not verbose:
+        console.print(f"[dim]note: the traced code raised {len(warnings)} distinct warning(s) on fake tensors (first: "
+                      f"{escape(warnings[0][:80])}); --verbose lists them[/]")
+        return
+    for w in warnings:
+        console.print(f"[dim]traced code warned: {escape(w)}[/]")
 
 
 def _warn_formula(rows: list[Comparison], console: Console) -> None:

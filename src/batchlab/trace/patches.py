@@ -1,4 +1,5 @@
-"""Library code that branches on "am I being traced?" made to take the branch a real eager run takes.
+"""Library code that branches on "am I being traced?" made to take the branch a real eager run takes, and the
+one tensor operation fake tensors get wrong at build time (a deep copy).
 
 Applied to every traced model source but batchlab's own GPT (hf:, and factories, which may build
 transformers models) once the model is built, where the process has imported transformers: a model built with
@@ -7,8 +8,10 @@ it has imported it by then, and importing it for one that does not (a vision fac
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import sys
+import warnings
 
 import torch
 
@@ -29,8 +32,15 @@ def eager_branches(needed: bool = True):
     transformers' MoE experts call ``grouped_mm``, whose fake-tensor kernel accepts only bf16 (the CPU
     kernel takes fp32 too); the library's own fallback op keeps the same tensors (input and weights) for
     backward and has a fake kernel, so the trace routes the grouped matmuls there.
+
+    torch's nn.Transformer reads a mask's values to tell whether it is the causal one (then the layers drop it and
+    SDPA runs with is_causal, keeping no mask for backward): a fake mask of the causal mask's shape is taken as
+    causal, which is what a decoder's square tgt_mask is for; the list yielded says when that was assumed.
     """
+    assumed: list[str] = []
     with contextlib.ExitStack() as stack:
+        if needed:
+            _causal_mask_check(stack, assumed)
         if needed and "transformers" in sys.modules:
             masking = _module("transformers.masking_utils")
             if hasattr(masking, "find_packed_sequence_indices"):
@@ -40,7 +50,65 @@ def eager_branches(needed: bool = True):
                 original = moe._can_use_grouped_mm
                 _patch(stack, moe, "_can_use_grouped_mm", lambda input, weight, offs:
                        weight.dtype == torch.bfloat16 and original(input, weight, offs))
+        yield assumed
+
+
+CAUSAL_ASSUMED = ("nn.Transformer's causal-mask check reads the mask's values: a square mask was taken as the causal "
+                  "one (the layers then keep no mask, as in a real run with a causal tgt_mask)")
+
+
+def _causal_mask_check(stack: contextlib.ExitStack, assumed: list[str]) -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.nn.modules import transformer
+
+    original = transformer._detect_is_causal_mask
+
+    def detect(mask, is_causal=None, size=None):
+        if is_causal is None and isinstance(mask, FakeTensor):
+            sz = size if size is not None else mask.size(-2)
+            square = tuple(mask.shape) == (sz, sz)
+            if square and CAUSAL_ASSUMED not in assumed:
+                assumed.append(CAUSAL_ASSUMED)
+            return square
+        return original(mask, is_causal, size)
+
+    _patch(stack, transformer, "_detect_is_causal_mask", detect)
+
+
+@contextlib.contextmanager
+def fake_deepcopy():
+    """``copy.deepcopy`` of a fake tensor stays in its own fake mode.
+
+    torch's Tensor.__deepcopy__ deep-copies the tensor's ``__dict__``, where a fake tensor keeps its FakeTensorMode:
+    the copy lands in a new mode (after a data_ptr warning) and fails the first op that meets the model's other
+    tensors ("Mixing fake modes").
+    Models that build their layers by deep-copying one (nn.TransformerEncoder / Decoder, most ``_get_clones``
+    helpers) do this at build time.  A fake copy needs no storage: a clone in the same mode with the same
+    requires_grad and the caller's attributes (a parameter's ``_is_param``) is what the real copy is.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def deepcopy(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        with self.fake_mode, torch.no_grad():
+            new = self.clone()
+        new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key not in new.__dict__:  # the clone has the mode's own fields already (fake_mode, fake_device)
+                setattr(new, key, copy.deepcopy(value, memo))
+        return new
+
+    own = FakeTensor.__dict__.get("__deepcopy__")  # inherited from Tensor unless torch defines its own
+    FakeTensor.__deepcopy__ = deepcopy
+    try:
         yield
+    finally:
+        if own is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = own
 
 
 def _module(name: str):
@@ -48,3 +116,17 @@ def _module(name: str):
         return importlib.import_module(name)
     except ImportError:
         return None
+
+
+@contextlib.contextmanager
+def caught_warnings():
+    """The warnings raised while tracing, each distinct one once, as a list filled when the block ends: fake
+    tensors trip warnings a real run never shows (a deprecated data_ptr access), so none reaches the terminal."""
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        try:
+            yield found
+        finally:
+            seen = dict.fromkeys(f"{r.category.__name__}: {str(r.message).splitlines()[0]}" for r in records)
+            found.extend(seen)

@@ -27,7 +27,7 @@ from batchlab.formula.timing import costs_for, machine_text, on_host
 from batchlab.trace import sharded
 from batchlab.trace.flops import flops_of
 from batchlab.trace.ops import OpRecorder
-from batchlab.trace.patches import eager_branches
+from batchlab.trace.patches import caught_warnings, eager_branches, fake_deepcopy
 from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
 from batchlab.models import runnable, stand_in_text
 from batchlab.models.owners import OUTSIDE, ModuleStack
@@ -177,7 +177,7 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
     world = sharded.fake_world(cfg.dp) if cfg.dp > 1 else contextlib.nullcontext()
-    with _as_config_errors(cfg), world, fake_mode():
+    with _as_config_errors(cfg), world, fake_mode(), fake_deepcopy(), caught_warnings() as warned:
         if cfg.dp > 1:
             trainer, dp_notes = sharded.build(cfg, device, FakeTrainer)
             notes += dp_notes
@@ -185,9 +185,10 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
             trainer = FakeTrainer(cfg, device)
         notes += stand_in_notes(cfg)
         # built: the model's imports are done
-        with eager_branches(runnable(cfg).model_kind is not ModelSource.BUILTIN):
+        with eager_branches(runnable(cfg).model_kind is not ModelSource.BUILTIN) as assumed:
             _first_update(trainer)
             snap, recorder, ops = _tracked_update(trainer, tree, timeline)
+        notes += assumed
         flops = flops_of(ops)
         if cfg.dp > 1:  # every rank does rank 0's work on its own data
             flops = TraceFlops.of(flops.forward * cfg.dp, flops.backward * cfg.dp, flops.recompute * cfg.dp)
@@ -201,7 +202,7 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
         tree=build_tree(trainer.raw_model, snap.activations_by_owner) if tree else None,
         notes=notes + device_notes, timeline=_timeline(cfg, recorder, snap, notes) if recorder else None,
         time=time_ops, time_model=describe(costs, time_ops) + machine_text(cfg, costs), counted=trainer.workload.counted,
-        traced=trainer.workload.description)
+        traced=trainer.workload.description, warnings=warned)
 
 
 def _timeline(cfg: RunConfig, recorder, snap, notes: list[str]):
