@@ -115,7 +115,8 @@ def _mlp_readers(m: ModelSpec) -> int:
 
 
 def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend,
-                      impl: Impl = Impl.BUILTIN) -> LayerActivations:
+                      impl: Impl = Impl.BUILTIN, kv_cache: bool = False) -> LayerActivations:
+    """``kv_cache``: transformers' training forward builds a DynamicCache (RunConfig.kv_cache)."""
     w = Widths.of(precision, backend)
     h, a, kv, f = m.hidden, m.heads, m.kv_hidden, m.ffn
     sbh = s * b * h
@@ -137,6 +138,11 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
         qkv = 3 * sbh * w.e
     else:  # SDPA takes the views: the whole qkv output stays alive
         qkv = s * b * (h + 2 * kv) * w.e
+    if kv_cache and impl is Impl.HF_GPT2:
+        # DynamicCache.update concatenates k and v into new tensors, which SDPA then keeps, while q's view keeps the
+        # fused c_attn output alive: two more s x kv tensors.  (Llama's cache copies replace the rotated k and the v
+        # projection's output, which nothing else keeps: no change.)
+        qkv += 2 * s * b * kv * w.e
     if gqa and impl not in (Impl.HF_LLAMA, Impl.TT_LLAMA):  # repeat_interleave materialises k and v at full width
         qkv += 2 * sbh * w.e  # (transformers passes enable_gqa to SDPA instead, when there is no mask)
     ass = a * s * s * b

@@ -84,7 +84,7 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
         return _profiled_plan(cfg, fitted)
     backend = cfg.device_spec.backend
     impl = act.implementation(cfg.model_kind, m)
-    full = act.layer_activations(m, s, b, p, backend, impl).total
+    full = act.layer_activations(m, s, b, p, backend, impl, cfg.kv_cache).total
     if cfg.assumptions.torch_before(1, 11):
         full += act.legacy_softmax_input_bytes(m, s, b, p, backend)
     kept = []

@@ -75,7 +75,9 @@ def runnable(cfg: RunConfig) -> RunConfig:
         return cfg
     if STAND_IN.get(cfg.model.impl, cfg.model.impl) is Implementation.HF:
         family = "llama-2-7b" if cfg.model.mlp is MLPKind.SWIGLU else "gpt2"
-        return cfg.replace(model_source="hf:" + family, impl=Implementation.HF)
+        stand_in = cfg.model.impl is not Implementation.HF  # torchtitan's Llama has no KV cache
+        return cfg.replace(model_source="hf:" + family, impl=Implementation.HF,
+                           use_cache=False if stand_in else cfg.model.use_cache)
     return cfg
 
 
