@@ -136,6 +136,8 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
                   f"{cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
     console.print(cfg.global_batch_text())
     console.print(implementation_line(cfg), markup=False, highlight=False)
+    if e.kv_cache is not None:
+        console.print(e.kv_cache.text, markup=False, highlight=False)
     if unseen_model(cfg):
         console.print(f"[yellow]warning:[/] {escape(unseen_model(cfg))}: the figures below are for the stand-in "
                       f"shape given by the flags; run --trace for your model's own graph")

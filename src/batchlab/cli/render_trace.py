@@ -105,6 +105,11 @@ def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_no
                   f"= {trace.counted.update_text(trace.global_batch, trace.tokens_per_update)}")
     console.print(f"activation checkpointing: {cfg['ac']}   precision: {cfg['precision']}   "
                   f"optimizer: {cfg['optimizer']}   seq: {cfg['seq']}")
+    if trace.kv_cache is not None:
+        kv = getattr(formula_est, "kv_cache", None)
+        said = kv is not None and kv.text.startswith(f"KV cache: {'on' if trace.kv_cache else 'off'}")
+        console.print(escape(kv.text if said else f"KV cache: {'on' if trace.kv_cache else 'off'} (the traced model's "
+                             "config.use_cache)"), highlight=False)
     rows = comparisons(trace, formula_est)
     table = Table(show_header=True, header_style="bold")
     for col in ("figure", "trace", "formula", "formula vs trace"):

@@ -1,0 +1,54 @@
+"""transformers' KV cache in the training forward: whether the run builds one and what turning it off changes.
+
+A transformers model whose config has ``use_cache`` on (every family's default) builds a DynamicCache in its
+training forward too, unless a layer is recomputed: transformers then turns the cache off with a warning
+(RunConfig.kv_cache).  The built-in terms count what the cache changes (formula/activations.py); a profiled model's
+own terms were traced with the config's setting, so the other setting's difference is the trace's to give.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchlab.config import RunConfig
+
+
+@dataclass(frozen=True)
+class KVCache:
+    on: bool  # the training forward builds the cache (after the activation-checkpointing rule)
+    use_cache: bool | None  # the model config's setting (None: the config's default, on)
+    off_under_ac: bool  # the config has it on, and a recomputed layer turns it off
+    toggle_bytes: int | None  # activations(other setting) - activations(this one), by the built-in terms; None: unknown
+
+    @property
+    def text(self) -> str:
+        setting = "use_cache=" + ("True" if self.use_cache is not False else "False")
+        default = ", the config's default" if self.use_cache is None else ""
+        if self.off_under_ac:
+            return (f"KV cache: off: the config has {setting}{default}, but transformers turns it off (with a warning) "
+                    "under gradient checkpointing, and so does batchlab under --ac")
+        flag = "--no-use-cache" if self.on else "--use-cache"
+        change = (f"changes activations by {_signed_bytes(self.toggle_bytes)} [formula]" if self.toggle_bytes is not None
+                  else f"changes what is kept (estimate --trace {flag} shows how much)")
+        built = "builds a DynamicCache" if self.on else "builds none"
+        return f"KV cache: {'on' if self.on else 'off'} ({setting}{default}): the training forward {built}; {flag} {change}"
+
+
+def _signed_bytes(n: int) -> str:
+    from batchlab.util.units import fmt_bytes
+
+    return ("+" if n > 0 else "-" if n < 0 else "±") + fmt_bytes(abs(n))
+
+
+def kv_cache(cfg: RunConfig, activations_bytes) -> KVCache | None:
+    """The cache's state for cfg, None where the model's code has no KV cache (batchlab's GPT, torchtitan, nanoGPT,
+    a factory); ``activations_bytes(cfg)``: the formula's activations of a config, for the other setting's change."""
+    from batchlab.config import Implementation
+
+    if cfg.model.impl is not Implementation.HF:
+        return None
+    if cfg.model.kv_cache and not cfg.kv_cache:
+        return KVCache(False, cfg.model.use_cache, True, None)
+    other = cfg.replace(use_cache=not cfg.kv_cache)
+    profiled = cfg.model.matching_profile is not None  # a profile of the other setting is not at hand
+    delta = None if profiled else activations_bytes(other) - activations_bytes(cfg)
+    return KVCache(cfg.kv_cache, cfg.model.use_cache, False, delta)
