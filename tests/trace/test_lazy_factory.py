@@ -73,8 +73,28 @@ def test_warnings_of_the_traced_code_stay_off_the_terminal_and_are_summarised():
     r = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert "Warning" not in r.stderr and "softmax" not in r.stderr
-    assert "raised 2 distinct warning(s)" in r.stdout and "--verbose lists them" in r.stdout
+    assert "2 distinct warning(s) from the traced code kept off the terminal" in r.stdout and "--verbose lists them" in r.stdout
     verbose = runner.invoke(app, [*args, "--verbose"], env={"COLUMNS": "200"})
     assert "the model's own warning" in verbose.stdout and "Implicit dimension choice for softmax" in verbose.stdout
     out = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
     assert len(out["warnings"]) == 2
+
+
+class _Logs(_Warns):
+    def forward(self, tokens):
+        from transformers.utils import logging
+
+        logging.get_logger("transformers.probe").warning("a notice transformers logs")
+        return self.head(self.embed(tokens))
+
+
+def logging_factory(cfg):
+    return _Logs(), synthetic_tokens(VOCAB, cfg.data)
+
+
+def test_transformers_log_lines_during_a_trace_are_kept_with_the_warnings(capfd):
+    pytest.importorskip("transformers")
+    cfg = RunConfig(model=preset("tiny", layers=1), model_source="test_lazy_factory:logging_factory", seq=16)
+    traced = estimate(cfg)
+    assert "a notice transformers logs" not in capfd.readouterr().err
+    assert traced.warnings == ["transformers: a notice transformers logs"]

@@ -142,8 +142,8 @@ def _warned(warnings: list[str], console: Console, verbose: bool) -> None:
     if not warnings:
         return
     if not verbose:
-        console.print(f"[dim]note: the traced code raised {len(warnings)} distinct warning(s) on fake tensors (first: "
-                      f"{escape(warnings[0][:80])}); --verbose lists them[/]")
+        console.print(f"[dim]note: {len(warnings)} distinct warning(s) from the traced code kept off the terminal "
+                      f"(first: {escape(warnings[0][:80])}); --verbose lists them[/]")
         return
     for w in warnings:
         console.print(f"[dim]traced code warned: {escape(w)}[/]")

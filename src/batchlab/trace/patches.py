@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import logging
 import sys
 import warnings
 
@@ -130,3 +131,27 @@ def caught_warnings():
         finally:
             seen = dict.fromkeys(f"{r.category.__name__}: {str(r.message).splitlines()[0]}" for r in records)
             found.extend(seen)
+
+
+@contextlib.contextmanager
+def library_logs(found: list[str]):
+    """transformers' own log lines during the trace (it logs its notices, not Python warnings) appended to ``found``
+    instead of printed; entered once the model is built, so the library is imported when it is used."""
+    if "transformers" not in sys.modules:
+        yield
+        return
+    handlers = logging.getLogger("transformers").handlers
+
+    def keep(record: logging.LogRecord) -> bool:
+        line = f"transformers: {record.getMessage().splitlines()[0]}"
+        if line not in found:
+            found.append(line)
+        return False
+
+    for h in handlers:
+        h.addFilter(keep)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(keep)

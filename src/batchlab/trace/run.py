@@ -27,7 +27,7 @@ from batchlab.formula.timing import costs_for, machine_text, on_host
 from batchlab.trace import sharded
 from batchlab.trace.flops import flops_of
 from batchlab.trace.ops import OpRecorder
-from batchlab.trace.patches import caught_warnings, eager_branches, fake_deepcopy
+from batchlab.trace.patches import caught_warnings, eager_branches, fake_deepcopy, library_logs
 from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
 from batchlab.models import runnable, stand_in_text
 from batchlab.models.owners import OUTSIDE, ModuleStack
@@ -185,7 +185,7 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
             trainer = FakeTrainer(cfg, device)
         notes += stand_in_notes(cfg)
         # built: the model's imports are done
-        with eager_branches(runnable(cfg).model_kind is not ModelSource.BUILTIN) as assumed:
+        with eager_branches(runnable(cfg).model_kind is not ModelSource.BUILTIN) as assumed, library_logs(warned):
             _first_update(trainer)
             snap, recorder, ops = _tracked_update(trainer, tree, timeline)
         notes += assumed
