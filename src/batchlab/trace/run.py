@@ -202,7 +202,7 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
         tree=build_tree(trainer.raw_model, snap.activations_by_owner) if tree else None,
         notes=notes + device_notes, timeline=_timeline(cfg, recorder, snap, notes) if recorder else None,
         time=time_ops, time_model=describe(costs, time_ops) + machine_text(cfg, costs), counted=trainer.workload.counted,
-        traced=trainer.workload.description, warnings=warned, kv_cache=_kv_cache(trainer.raw_model))
+        traced=trainer.workload.description, warnings=warned, kv_cache=None if stand_in_text(cfg) else _kv_cache(trainer.raw_model))
 
 
 def _kv_cache(model) -> bool | None:
