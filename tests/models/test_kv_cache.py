@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from batchlab.cli import app
 from batchlab.cli.common import config_from_command
+from batchlab.config.phase import Phase
 from batchlab.config.load import parse_field_value
 from batchlab.formula import estimate as formula
 from batchlab.measure.harness import Trainer
@@ -47,11 +48,13 @@ def test_a_config_json_with_use_cache_off_is_followed(tmp_path):
 @pytest.mark.parametrize("make", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_cache_on_and_off_against_real_updates(make, precision):
-    real, counted, traced = {}, {}, {}
+    real, counted, traced, forward = {}, {}, {}, {}
     for use_cache in (False, True):
         cfg = make(precision=precision).replace(use_cache=use_cache)
         real[use_cache] = track_update(Trainer(cfg, "cpu"))
-        counted[use_cache] = formula(cfg).memory.activations_bytes
+        est = formula(cfg).memory
+        counted[use_cache] = est.activations_bytes
+        forward[use_cache] = est.phase_peaks["forward"]
         traced[use_cache] = trace(cfg).memory
         assert traced[use_cache].peak_bytes == real[use_cache].peak_bytes
         assert rel(counted[use_cache], real[use_cache].activations_bytes) <= 0.01
@@ -60,15 +63,20 @@ def test_cache_on_and_off_against_real_updates(make, precision):
     real_change = real[True].activations_bytes - real[False].activations_bytes
     assert counted[True] - counted[False] == real_change
     assert (real_change > 0) == (make is hf_gpt2)
+    # until the loss is computed the cache itself is alive: under autocast Llama's holds each layer's fp32 rotated
+    # k (SDPA keeps its 16-bit cast), GPT-2's holds the tensors SDPA keeps
+    real_forward = [real[u].phase_peaks[Phase.FORWARD] for u in (False, True)]
+    assert forward[True] - forward[False] == real_forward[1] - real_forward[0]
+    assert (real_forward[1] - real_forward[0] > real_change) == (make is hf_llama and precision == "bf16-mixed")
 
 
 def test_estimate_trace_and_measure_say_whether_the_cache_is_on():
     runner = CliRunner()
     small = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "32"]
     est = json.loads(runner.invoke(app, ["estimate", *small, "--json"]).stdout)["kv_cache"]
-    assert est["on"] is True and est["toggle_bytes"] < 0 and "--no-use-cache" in est["text"]
+    assert est["on"] is True and est["toggle_activations"] < 0 and est["toggle_peak"] < 0 and "--no-use-cache" in est["text"]
     r = runner.invoke(app, ["estimate", "--trace", *small, "--no-use-cache"], env={"COLUMNS": "200"})
-    assert "KV cache: off (use_cache=False)" in r.stdout and "--use-cache changes activations by +" in r.stdout
+    assert "KV cache: off (use_cache=False)" in r.stdout and "--use-cache changes the peak by +" in r.stdout
     off = runner.invoke(app, ["estimate", *small, "--ac", "full"], env={"COLUMNS": "200"}).stdout
     assert "KV cache: off" in off and "gradient checkpointing" in off
     assert "KV cache" not in runner.invoke(app, ["estimate", "--model", "tiny"]).stdout  # batchlab's GPT has none
