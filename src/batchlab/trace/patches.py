@@ -1,9 +1,11 @@
-"""Library code that branches on "am I being traced?" made to take the branch a real eager run takes, and the
-one tensor operation fake tensors get wrong at build time (a deep copy).
+"""What the trace changes so that the model's code runs on fake tensors as a real eager run does.
 
-Applied to every traced model source but batchlab's own GPT (hf:, and factories, which may build
-transformers models) once the model is built, where the process has imported transformers: a model built with
-it has imported it by then, and importing it for one that does not (a vision factory) cost ~1 s of CPU.
+``eager_branches``: library code that branches on "am I being traced?" or reads tensor values takes the branch a
+real run takes; applied to every traced model source but batchlab's own GPT (hf:, and factories, which may build
+transformers models) once the model is built, where the process has imported transformers: a model built with it
+has imported it by then, and importing it for one that does not (a vision factory) cost ~1 s of CPU.
+``fake_deepcopy``: the one tensor operation fake tensors get wrong at build time.  ``caught_warnings`` and
+``library_logs``: what the traced code warns or logs is kept for the result instead of printed.
 """
 from __future__ import annotations
 
