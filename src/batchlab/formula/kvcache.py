@@ -20,6 +20,7 @@ class KVCache:
     # the other setting's figures less this one's, by the built-in terms (None: a profiled model's, unknown here)
     toggle_activations: int | None
     toggle_peak: int | None
+    profiled_plain_layers: bool = False  # a plan's plain layers counted by a profile traced with the cache on
 
     @property
     def text(self) -> str:
@@ -27,7 +28,10 @@ class KVCache:
         default = ", the config's default" if self.use_cache is None else ""
         if self.off_under_ac:
             return (f"KV cache: off: the config has {setting}{default}, but transformers turns it off (with a warning) "
-                    "under gradient checkpointing, and so does batchlab under --ac")
+                    "under gradient checkpointing, and so does batchlab under --ac" + (
+                        "; the layer profile's plain layers were traced with it on, so this plan's plain layers are "
+                        "counted with it (estimate --trace runs the plan; --no-use-cache profiles them without)"
+                        if self.profiled_plain_layers else ""))
         flag = "--no-use-cache" if self.on else "--use-cache"
         change = (f"changes the peak by {_signed_bytes(self.toggle_peak)}, activations by "
                   f"{_signed_bytes(self.toggle_activations)} [formula]" if self.toggle_peak is not None
@@ -58,12 +62,13 @@ def _signed_bytes(n: int) -> str:
 def kv_cache(cfg: RunConfig, memory) -> KVCache | None:
     """The cache's state for cfg, None where the model's code has no KV cache (batchlab's GPT, torchtitan, nanoGPT,
     a factory); ``memory(cfg)``: the formula's MemoryEstimate of a config, for the other setting's change."""
-    from batchlab.config import Implementation
+    from batchlab.config import ACMode, Implementation
 
     if cfg.model.impl is not Implementation.HF:
         return None
     if cfg.model.kv_cache and not cfg.kv_cache:
-        return KVCache(False, cfg.model.use_cache, True, None, None)
+        plain = ACMode.NONE in cfg.ac.layer_modes(cfg.model.layers)
+        return KVCache(False, cfg.model.use_cache, True, None, None, plain and cfg.model.matching_profile is not None)
     if cfg.model.matching_profile is not None:  # a profile of the other setting is not at hand
         return KVCache(cfg.kv_cache, cfg.model.use_cache, False, None, None)
     this, other = memory(cfg), memory(cfg.replace(use_cache=not cfg.kv_cache))
