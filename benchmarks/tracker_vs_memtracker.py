@@ -59,7 +59,7 @@ VISION = ("cnn", "vit")
 VARIANTS = [("tiny", "full", "fp32"), ("tiny", "selective", "fp32"), ("hf llama", "full", "bf16-mixed"),
             ("hf llama", "selective", "fp32"), ("hf mistral", "selective", "bf16-mixed"), ("hf gpt2", "full", "fp32"),
             ("codegen", "full", "fp32"), ("vit", "full", "fp32")]
-# batchlab builds HF models with use_cache=False; the family's default config trains with a DynamicCache
+# each family with use_cache forced off, then on (batchlab builds with the config's own, on by default)
 CACHE = ("codegen", "hf gpt_neox", "hf falcon", "hf gpt2", "hf llama")
 QUICK = [("tiny", "none", "fp32"), ("codegen", "none", "fp32"), ("cnn", "none", "fp32")]
 
@@ -100,7 +100,7 @@ HEADER = ("family", "AC", "precision", "measure (B)", "estimate --trace (B)", "M
 
 
 def cache_row(name: str) -> tuple[str, ...]:
-    """batchlab's update of ``name`` as built (use_cache=False) and with the config's use_cache set to True."""
+    """batchlab's update of ``name`` with the config's use_cache set to False, then to True."""
     reads = []
     for use_cache in (False, True):
         torch.manual_seed(0)
@@ -161,16 +161,17 @@ command is the benchmark with the flags in its last column.
 
 ## Training with transformers' default `use_cache=True`
 
-batchlab builds a Hugging Face model with `use_cache=False` (`src/batchlab/models/hf.py`); a family's default
-config has `use_cache=True`, and then transformers builds a `DynamicCache` in the training forward too.  Its
+batchlab builds a Hugging Face model with its config's `use_cache` (`src/batchlab/models/hf.py`; off under
+activation checkpointing, as transformers does); a family's default config has `use_cache=True`, and then
+transformers builds a `DynamicCache` in the training forward too.  Its
 `torch.cat` copies each layer's k and v.  Where every view of a fused q/k/v projection's output went through such a
 copy or a rotary embedding (CodeGen, GPT-NeoX, Falcon), the attention kernel saves new tensors and the fused output
 (b·s·3h·4 B per layer in fp32, kept whole while any view of it is saved) is freed: the update keeps less.  Where q
 stays a view of it (GPT-2), the fused output is kept anyway and the copies come on top: it keeps more.  Both
 trackers see the same on either path.  A CodeGen loop outside batchlab's harness, built with the default
 `use_cache=True`, is where a reading 2.8% below batchlab's once came from: the copies, not a storage batchlab
-miscounts.  The same update as above, then with the model's `config.use_cache` set to True (`--cache` runs only
-this table):
+miscounts.  The same update as above with the model's `config.use_cache` set to False, then to True (`--cache` runs
+only this table):
 
 {table(cache, CACHE_HEADER)}
 """

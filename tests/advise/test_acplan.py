@@ -213,7 +213,10 @@ def test_a_plans_forward_high_point_is_read_at_its_recomputed_blocks(ac):
     from batchlab.cli.common import build_config, with_layer_profile
     from batchlab.trace import estimate as trace
 
-    cfg = build_config(model="hf:gpt2", layers=6, hidden=64, heads=4, ffn=256, vocab=256, seq=128, micro_batch=4)
+    # use_cache off: a plan turns transformers' KV cache off (a recomputed layer would write it twice), while the
+    # profile's plain-layer terms are traced with the config's cache (on by default) for runs without AC
+    cfg = build_config(model="hf:gpt2", layers=6, hidden=64, heads=4, ffn=256, vocab=256, seq=128, micro_batch=4,
+                       use_cache=False)
     cfg = with_layer_profile(cfg, [cfg.replace(ac=a) for a in ("full", "selective")]).replace(ac=ac)
     assert estimate(cfg).memory.peak_tensor_bytes == trace(cfg).memory.peak_bytes
 

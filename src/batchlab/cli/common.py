@@ -44,6 +44,8 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "attention": (Optional[str], None, "Override: eager (s x s scores kept) or sdpa (fused, no s^2 term)."),
     "impl": (Optional[str], None, "Whose code a preset's layer terms count: hf (transformers; the llama-* and "
                                   "gpt2* default), torchtitan (its Llama), nanogpt, or batchlab (its own GPT)."),
+    "use_cache": (Optional[bool], None, "transformers' use_cache: its training forward builds a KV cache "
+                                        "(DynamicCache). Default: the model config's (on); off under --ac."),
     "seq": (int, 128, "Sequence length s (tokens per sample)."),
     "micro_batch": (Optional[int], None, "Micro-batch b: sequences per forward/backward on one rank (default 8)."),
     "accum": (Optional[int], None, "Gradient-accumulation steps per optimizer update (default 1)."),
@@ -83,7 +85,7 @@ VERBOSE_HELP = ("Also print what the default view leaves out: the assumptions (t
                 "--json and the report always hold all of it.")
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help=VERBOSE_HELP)]
 MODEL_OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_positions", "mlp", "norm", "dropout",
-                   "attention", "impl")
+                   "attention", "impl", "use_cache")
 
 
 def build_config(given: set[str] | None = None, **o: Any) -> RunConfig:

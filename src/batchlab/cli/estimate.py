@@ -158,7 +158,10 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
     console.print(f"[bold]{escape(cfg.model.name)}[/bold] ({e.params.total / 1e6:,.1f} M parameters \\[formula]), "
                   f"seq {cfg.seq}, {cfg.precision}, {cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
     console.print(cfg.global_batch_text())
-    console.print(implementation_line(cfg), markup=False, highlight=False)
+    kv = f"; KV cache {'on' if e.kv_cache.on else 'off'}" if e.kv_cache is not None else ""
+    console.print(implementation_line(cfg) + kv, markup=False, highlight=False)
+    if e.kv_cache is not None and verbose:  # the line above says on or off
+        console.print(e.kv_cache.text, markup=False, highlight=False)
     if unseen_model(cfg):
         console.print(f"[yellow]warning:[/] {escape(unseen_model(cfg))}: the figures below are for the stand-in "
                       f"shape given by the flags; run --trace for your model's own graph")

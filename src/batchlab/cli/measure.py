@@ -185,6 +185,7 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
               + (f", isolated subprocess ({env.get('worker', 'fresh process')})" if env.get("isolated") else ""))
     out.print(cfg.global_batch_text(m.counted))
     out.print(f"activation checkpointing: {cfg.ac}   precision: {cfg.precision}   data: {cfg.data}")
+    _render_kv_cache(out, env.get("kv_cache"), est)
     style = {"ok": "green", "failed": "red"}.get(m.outcome.value, "yellow")
     out.print(f"outcome: [{style}]{escape(m.outcome.value)}[/]"
               + (f" - {escape(m.outcome_detail)}" if m.outcome_detail else ""))
@@ -202,6 +203,17 @@ def _render(cfg: RunConfig, m: Measurement, figures: list[FigureRow], note: str 
     for w in m.warnings + ([broken] if (broken := broken_time_model(figures)) else []):
         out.print(f"[yellow]warning:[/] {escape(w)}")
     _render_sources(out, cfg, est, verbose)
+
+
+def _render_kv_cache(out: Console, built: bool | None, est) -> None:
+    """The KV cache the measured model really built (its config's use_cache), with the formula's line on the flag
+    that turns it the other way."""
+    if built is None:
+        return
+    text = est.kv_cache.text if est is not None and est.kv_cache is not None else ""
+    same = text.startswith(f"KV cache: {'on' if built else 'off'}")
+    out.print(escape(text if same else f"KV cache: {'on' if built else 'off'} (the model's config.use_cache, as built)"),
+              highlight=False)
 
 
 def _render_sources(out: Console, cfg: RunConfig, est, verbose: bool) -> None:

@@ -97,13 +97,19 @@ def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_no
     """Print the trace: figures beside the formula's, the breakdown at the peak, notes, and the tree;
     ``verbose``: the time model's rates and their source too."""
     cfg = trace.config
-    console.print(f"[bold]batchlab estimate --trace[/]  {escape(cfg['model_source'])} ({escape(cfg['model']['name'])}): one "
+    traced = trace.traced or f"{cfg['model_source']} ({cfg['model']['name']})"
+    console.print(f"[bold]batchlab estimate --trace[/]  {escape(traced)}: one "
                   f"steady-state update on fake tensors, {trace.traced_device} kernels, traced in "
                   f"{trace.trace_seconds:.1f} s")
     console.print(f"global batch = micro-batch x accum x DP = {cfg['micro_batch']} x {cfg['accum']} x {cfg['dp']} "
                   f"= {trace.counted.update_text(trace.global_batch, trace.tokens_per_update)}")
     console.print(f"activation checkpointing: {cfg['ac']}   precision: {cfg['precision']}   "
                   f"optimizer: {cfg['optimizer']}   seq: {cfg['seq']}")
+    if trace.kv_cache is not None:
+        kv = getattr(formula_est, "kv_cache", None)
+        said = kv is not None and kv.text.startswith(f"KV cache: {'on' if trace.kv_cache else 'off'}")
+        console.print(escape(kv.text if said else f"KV cache: {'on' if trace.kv_cache else 'off'} (the traced model's "
+                             "config.use_cache)"), highlight=False)
     rows = comparisons(trace, formula_est)
     table = Table(show_header=True, header_style="bold")
     for col in ("figure", "trace", "formula", "formula vs trace"):
@@ -126,8 +132,21 @@ def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_no
     _warn_formula(rows, console)
     for note in ([formula_note] if formula_note else []) + trace.notes:
         console.print(f"[dim]note: {escape(note)}[/]")
+    _warned(trace.warnings, console, verbose)
     if trace.tree is not None:
         console.print(render_tree(trace.tree))
+
+
+def _warned(warnings: list[str], console: Console, verbose: bool) -> None:
+    """The warnings the traced code raised, kept off the terminal while it ran: one line, or each with --verbose."""
+    if not warnings:
+        return
+    if not verbose:
+        console.print(f"[dim]note: {len(warnings)} distinct warning(s) from the traced code kept off the terminal "
+                      f"(first: {escape(warnings[0][:80])}); --verbose lists them[/]")
+        return
+    for w in warnings:
+        console.print(f"[dim]traced code warned: {escape(w)}[/]")
 
 
 def _warn_formula(rows: list[Comparison], console: Console) -> None:

@@ -148,4 +148,5 @@ def spec_fields(raw: dict[str, Any], source: str = "config.json", field_name: st
         dropout=_dropout(raw), position=position,
         attention="eager" if kind in NO_SDPA or attention == "eager" else "sdpa",
         max_positions=int(values["max_positions"] or 1 << 20), bias=bias, qkv_bias=qkv_bias,
-        sliding_window=int(window) if isinstance(window, int) and window > 0 else None)
+        sliding_window=int(window) if isinstance(window, int) and window > 0 else None,
+        use_cache=raw["use_cache"] if isinstance(raw.get("use_cache"), bool) else None)

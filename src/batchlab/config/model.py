@@ -32,6 +32,9 @@ class ModelSpec:
     family: str = ""  # the Hugging Face model_type it was read from ("": batchlab's own GPT shape)
     sliding_window: int | None = None  # attention window (Mistral): at seq >= window the code path changes
     impl: Implementation = Implementation.BATCHLAB  # whose code the built-in layer terms count (--impl)
+    # transformers' use_cache: its training forward builds a DynamicCache (None: the config's default, on; only
+    # transformers' code has one)
+    use_cache: bool | None = None
     # the model's own code, traced and fitted (trace/profile.py); None: the calculator's built-in terms
     profile: LayerProfile | None = None
 
@@ -62,9 +65,16 @@ class ModelSpec:
         for name in ("tied_embeddings", "bias", "qkv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
+        if self.use_cache is not None and not isinstance(self.use_cache, bool):
+            raise ConfigError("use_cache", f"must be true or false, got {self.use_cache!r}")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout!r}")
         set_(self, "dropout", float(self.dropout))
+
+    @property
+    def kv_cache(self) -> bool:
+        """Whether the model's code builds a KV cache in its forward: transformers' code with use_cache on."""
+        return self.impl is Implementation.HF and self.use_cache is not False
 
     @property
     def head_dim(self) -> int:

@@ -284,6 +284,13 @@ class RunConfig:
         return self.global_batch * self.seq
 
     @property
+    def kv_cache(self) -> bool:
+        """Whether the training forward builds transformers' KV cache: the model config's use_cache, off when a layer
+        is recomputed, as transformers turns it off (with a warning) under gradient checkpointing: a cache written
+        in the recompute would be written twice."""
+        return self.model.kv_cache and self.ac.simplified().mode is ACMode.NONE
+
+    @property
     def model_kind(self) -> ModelSource:
         return ModelSource.of(self.model_source)
 

@@ -16,6 +16,7 @@ from batchlab.config import Backend, ModelSource, RunConfig
 from batchlab.formula.activations import describe_impl, implementation
 from batchlab.formula.alternatives import Alternative, alternatives
 from batchlab.formula.flops import FlopsEstimate, flops, utilisation
+from batchlab.formula.kvcache import KVCache, kv_cache
 from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
                                      optimizer_bytes_per_param)
 from batchlab.formula.params import ParamCount, count
@@ -41,6 +42,7 @@ class Estimate:
     assumptions: tuple[str, ...] = field(default_factory=tuple)
     provenance: str = "formula"
     layer_terms: str = ""  # where the per-layer terms came from: "builtin gpt2", "profile (trace of ...)"
+    kv_cache: KVCache | None = None  # transformers' KV cache in the training forward; None: the code has none
 
     @functools.cached_property
     def alternatives(self) -> tuple[Alternative, ...]:
@@ -73,6 +75,7 @@ class Estimate:
                 "flops": {**to_jsonable(self.flops), "mfu": self.mfu, "hfu": self.hfu},
                 "time": to_jsonable(self.time), "training_checkpoint_bytes": self.training_checkpoint_bytes,
                 "layer_terms": self.layer_terms, "assumptions": list(self.assumptions),
+                "kv_cache": None if self.kv_cache is None else {**to_jsonable(self.kv_cache), "text": self.kv_cache.text},
                 "alternatives": [to_jsonable(a) for a in self.alternatives]}
 
 
@@ -181,7 +184,7 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
     fl = flops(cfg)
     t = timing(cfg, fl, mem, calibrated_costs(cfg, calibrations))
     return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t),
-                    layer_terms=layer_terms(cfg))
+                    layer_terms=layer_terms(cfg), kv_cache=kv_cache(cfg, memory))
 
 
 def layer_terms(cfg: RunConfig) -> str:

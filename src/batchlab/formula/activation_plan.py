@@ -36,7 +36,7 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
         return _profiled_plan(cfg, fitted)
     backend = cfg.device_spec.backend
     impl = act.implementation(cfg.model_kind, m)
-    parts = act.layer_activations(m, s, b, p, backend, impl)
+    parts = act.layer_activations(m, s, b, p, backend, impl, cfg.kv_cache)
     if cfg.assumptions.torch_before(1, 11):
         parts = dataclasses.replace(parts, scores=parts.scores + act.legacy_softmax_input_bytes(m, s, b, p, backend))
     full = parts.total

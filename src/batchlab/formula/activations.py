@@ -56,10 +56,12 @@ def materialises_scores(m: ModelSpec, backend: Backend) -> bool:
     return m.attention is AttentionImpl.EAGER or (m.dropout > 0 and backend is not Backend.CUDA)
 
 
-def _norm_bytes(m: ModelSpec, s: int, b: int, w: Widths, impl: "Impl | None" = None) -> int:
-    """One norm: its input and statistics, plus the output the next matmul saves."""
+def _norm_bytes(m: ModelSpec, s: int, b: int, w: Widths, impl: "Impl | None" = None, readers: int = 1) -> int:
+    """One norm: its input and statistics, plus the output the next matmuls save (``readers`` linears read it)."""
     sbh = s * b * m.hidden
-    cast_out = sbh * w.e  # the following linear's input (a low-precision copy under autocast)
+    # the following linears' input: under autocast each linear casts the fp32 output to its own 16-bit copy
+    # (autocast caches casts of leaf tensors, the weights, only); otherwise they all save the output itself
+    cast_out = sbh * w.e * (readers if w.e != w.res else 1)
     if m.norm is NormKind.RMSNORM and impl is Impl.TT_LLAMA and w.cuda:  # nn.RMSNorm, _fused_rms_norm: input, rstd
         return sbh * w.res + s * b * F32 + cast_out
     if m.norm is NormKind.RMSNORM and impl is Impl.TT_LLAMA:  # nn.RMSNorm's composite: x.float(), rstd, fp32 x * rstd
@@ -102,8 +104,19 @@ def describe_impl(impl: Impl) -> str:
             Impl.NANOGPT: "nanoGPT's GPT (model.py)"}[impl]
 
 
+def _attention_readers(impl: Impl) -> int:
+    """Linears reading the attention norm's output: separate q, k, v projections in both Llamas, fused elsewhere."""
+    return 3 if impl in (Impl.HF_LLAMA, Impl.TT_LLAMA) else 1
+
+
+def _mlp_readers(m: ModelSpec) -> int:
+    """Linears reading the MLP norm's output: SwiGLU's gate and up projections are separate in every implementation."""
+    return 2 if m.mlp is MLPKind.SWIGLU else 1
+
+
 def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend,
-                      impl: Impl = Impl.BUILTIN) -> LayerActivations:
+                      impl: Impl = Impl.BUILTIN, kv_cache: bool = False) -> LayerActivations:
+    """``kv_cache``: transformers' training forward builds a DynamicCache (RunConfig.kv_cache)."""
     w = Widths.of(precision, backend)
     h, a, kv, f = m.hidden, m.heads, m.kv_hidden, m.ffn
     sbh = s * b * h
@@ -125,6 +138,11 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
         qkv = 3 * sbh * w.e
     else:  # SDPA takes the views: the whole qkv output stays alive
         qkv = s * b * (h + 2 * kv) * w.e
+    if kv_cache and impl is Impl.HF_GPT2:
+        # DynamicCache.update concatenates k and v into new tensors, which SDPA then keeps, while q's view keeps the
+        # fused c_attn output alive: two more s x kv tensors.  (Llama's cache copies replace the rotated k and the v
+        # projection's output, which nothing else keeps: no change.)
+        qkv += 2 * s * b * kv * w.e
     if gqa and impl not in (Impl.HF_LLAMA, Impl.TT_LLAMA):  # repeat_interleave materialises k and v at full width
         qkv += 2 * sbh * w.e  # (transformers passes enable_gqa to SDPA instead, when there is no mask)
     ass = a * s * s * b
@@ -149,7 +167,8 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
     else:
         mlp = 2 * s * b * f * w.e  # fc output, gelu output
     masks = 2 * sbh * w.mask if m.dropout > 0 else 0
-    return LayerActivations(norms=2 * _norm_bytes(m, s, b, w, impl), qkv=qkv, scores=sc, attn_out=attn_out,
+    norms = _norm_bytes(m, s, b, w, impl, _attention_readers(impl)) + _norm_bytes(m, s, b, w, impl, _mlp_readers(m))
+    return LayerActivations(norms=norms, qkv=qkv, scores=sc, attn_out=attn_out,
                             mlp=mlp, masks=masks)
 
 

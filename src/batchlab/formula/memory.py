@@ -10,6 +10,7 @@ from batchlab.formula import deepspeed
 from batchlab.formula.allocator import device_memory
 from batchlab.formula.fsdp import fsdp_phases
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
+from batchlab.formula.kvcache import held_in_forward_bytes
 from batchlab.formula.params import count, norm_params
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankMemory, RankShare, share, shares
@@ -282,6 +283,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     grads_before = states.gradients if kept else 0
     lp = rank_loss_path(cfg, rank)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
+    logits_fwd += held_in_forward_bytes(cfg)  # the KV cache lives until the loss is computed
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg, rank) * (2 if cfg.precision is Precision.BF16 else F32)
     walk: list[int] = []

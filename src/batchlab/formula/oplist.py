@@ -139,6 +139,10 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
                 ops.add(_op("mul", BWD, n, 3 * n * e, count=2), _op("neg", BWD, n // 2, n * e),
                         _op("slice_backward", BWD, n, 2 * n * e, count=2), _op("add", BWD, n, 3 * n * e, count=2),
                         _views(BWD, 4))
+    if cfg.kv_cache:  # DynamicCache.update concatenates k and v onto its empty tensors; their gradient: zeros
+        ops.add(_op("cat", ph, t * kv, 2 * t * kv * e, count=2), _views(ph, 2))
+        if backward:
+            ops.add(_op("zeros", BWD, 0, 0, count=2), _views(BWD, 2))
     if m.kv_heads != m.heads:  # repeat_interleave of k and v to full width
         ops.add(_op("clone", ph, t * h, t * (h + kv) * e, count=2, strided=True), _views(ph, 4))
         if backward:

@@ -192,6 +192,8 @@ class _Steps:
         self.progress(0, self.total, "building the model")
         trainer = Trainer(self.cfg, self.device)
         m.environment["model"] = trainer.workload.description
+        use_cache = getattr(getattr(trainer.raw_model, "config", None), "use_cache", None)
+        m.environment["kv_cache"] = use_cache if isinstance(use_cache, bool) else None  # transformers' models only
         m.counted = trainer.workload.counted
         m.environment["parameters"] = sum(p.numel() for p in trainer.raw_model.parameters())
         m.environment["ac_wrapped_layers"] = list(trainer.wrapped_layers)

@@ -52,19 +52,40 @@ def build_workload(cfg: RunConfig) -> Workload:
     """The workload for cfg.model_source (random init, nothing downloaded), with cfg.loss's loss path."""
     from batchlab.models.loss import loss_fn
 
+    stand_in = stand_in_text(cfg)
     cfg = runnable(cfg)
     wl = _source_workload(cfg)
+    if stand_in:
+        wl.description += f"; {stand_in}"
     wl.loss_sum = loss_fn(cfg.loss, cfg.model_kind, wl.loss_sum)
     return wl
+
+
+# The installed code nearest to each implementation that is not installed here (formula/activations.py's terms):
+# transformers' Llama has torchtitan's separate q/k/v and gate/up projections; batchlab's GPT has nanoGPT's fused
+# qkv and fused GELU.
+STAND_IN = {Implementation.TORCHTITAN: Implementation.HF, Implementation.NANOGPT: Implementation.BATCHLAB}
 
 
 def runnable(cfg: RunConfig) -> RunConfig:
     """The config whose code the harness runs: a preset with ``--impl hf`` is built with transformers' class of
     its family (what the calculator counts for it), as ``hf:gpt2`` / ``hf:llama-2-7b`` with its shape; torchtitan
-    and nanoGPT are not installed here, so their shapes run as batchlab's GPT (config_warnings says so)."""
-    if cfg.model_kind is ModelSource.BUILTIN and cfg.model.impl is Implementation.HF:
-        return cfg.replace(model_source="hf:" + ("llama-2-7b" if cfg.model.mlp is MLPKind.SWIGLU else "gpt2"))
+    and nanoGPT are not installed here, so their shapes run as the nearest installed code (``STAND_IN``)."""
+    if cfg.model_kind is not ModelSource.BUILTIN:
+        return cfg
+    if STAND_IN.get(cfg.model.impl, cfg.model.impl) is Implementation.HF:
+        family = "llama-2-7b" if cfg.model.mlp is MLPKind.SWIGLU else "gpt2"
+        stand_in = cfg.model.impl is not Implementation.HF  # torchtitan's Llama has no KV cache
+        return cfg.replace(model_source="hf:" + family, impl=Implementation.HF,
+                           use_cache=False if stand_in else cfg.model.use_cache)
     return cfg
+
+
+def stand_in_text(cfg: RunConfig) -> str | None:
+    """What runs in place of the config's implementation when it is not installed here, else None."""
+    if cfg.model_kind is not ModelSource.BUILTIN or cfg.model.impl not in STAND_IN:
+        return None
+    return f"{cfg.model.impl.label} is not installed here: {STAND_IN[cfg.model.impl].label} runs in its place"
 
 
 def _source_workload(cfg: RunConfig) -> Workload:
@@ -72,10 +93,8 @@ def _source_workload(cfg: RunConfig) -> Workload:
         from batchlab.models.gpt import GPT
 
         model = GPT(cfg.model)
-        stand_in = (f"; {cfg.model.impl.label} is not run here: its shape runs as batchlab's GPT"
-                    if cfg.model.impl is not Implementation.BATCHLAB else "")
         return Workload(model, model.blocks, synthetic_tokens(cfg.model.vocab, cfg.data), _builtin_loss,
-                        f"built-in GPT ({cfg.model.name}{stand_in})")
+                        f"built-in GPT ({cfg.model.name})")
     if cfg.model_kind is ModelSource.HF:
         from batchlab.models.hf import build_hf_workload
 

@@ -94,8 +94,9 @@ def hf_config(cfg: RunConfig):
     else:
         family = _preset_family(cfg.model)
         values = _preset_fields(family, cfg.model)
-    # training: no KV cache; special tokens inside the (possibly shrunk) vocabulary
-    values.update(use_cache=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    # the KV cache as the user's training forward builds it (RunConfig.kv_cache); special tokens inside the
+    # (possibly shrunk) vocabulary
+    values.update(use_cache=cfg.kv_cache, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if any(a.endswith("ForSequenceClassification") for a in values.get("architectures") or ()):
         values["pad_token_id"] = 0  # the classifier finds each row's last token by it (batches > 1 need one)
     try:

@@ -83,3 +83,7 @@ class TraceEstimate:
     provenance: str = "trace"
     timeline: Timeline | None = None  # with timeline=True: memory over the update, op by op
     counted: Counted = Counted.TOKENS  # what one example is: tokens, or samples for a per-sample model
+    traced: str = ""  # the code that ran (the workload's description)
+    kv_cache: bool | None = None  # the traced model's config.use_cache (transformers' models only)
+    # what torch and the model's code warned during the trace, each distinct message once: kept off the terminal
+    warnings: list[str] = field(default_factory=list)

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 
 from batchlab.config import ConfigError, ModelSource, Precision, RunConfig
 from batchlab.formula.allocator import device_memory
+from batchlab.util.units import fmt_bytes
 from batchlab.measure.clock import Listeners
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
@@ -26,8 +27,9 @@ from batchlab.formula.timing import costs_for, machine_text, on_host
 from batchlab.trace import sharded
 from batchlab.trace.flops import flops_of
 from batchlab.trace.ops import OpRecorder
-from batchlab.trace.patches import eager_branches
+from batchlab.trace.patches import caught_warnings, eager_branches, fake_deepcopy, library_logs
 from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
+from batchlab.models import runnable, stand_in_text
 from batchlab.models.owners import OUTSIDE, ModuleStack
 from batchlab.trace.tree import build_tree
 
@@ -67,6 +69,23 @@ def trace_device(cfg: RunConfig) -> tuple[torch.device, list[str]]:
         return torch.device("cpu"), [
             f"traced with CPU kernels: {cfg.device} ({cfg.device_spec.backend.value}) is not available here; the "
             "attention kernel and autocast's op lists (so what is kept for backward) can differ on the real device"]
+
+
+def stand_in_notes(cfg: RunConfig) -> list[str]:
+    """Where the config's implementation is not installed: what was traced instead, and how far the formula's
+    terms of the two codes are apart (one layer, this config's shape)."""
+    text = stand_in_text(cfg)
+    if text is None:
+        return []
+    from batchlab.formula.activations import implementation, layer_activations
+
+    ran = runnable(cfg)
+    backend = cfg.device_spec.backend
+    wanted, traced = (layer_activations(c.model, cfg.seq, cfg.micro_batch, cfg.precision, backend,
+                                        implementation(c.model_kind, c.model)).total for c in (cfg, ran))
+    return [f"{text}; per layer the formula counts {fmt_bytes(wanted)} for {cfg.model.impl.label}, "
+            f"{fmt_bytes(traced)} for the traced code ({(traced - wanted) / wanted:+.1%}): the trace's activations "
+            f"describe the traced code"]
 
 
 def _check_supported(cfg: RunConfig) -> list[str]:
@@ -158,15 +177,18 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
     world = sharded.fake_world(cfg.dp) if cfg.dp > 1 else contextlib.nullcontext()
-    with _as_config_errors(cfg), world, fake_mode():
+    with _as_config_errors(cfg), world, fake_mode(), fake_deepcopy(), caught_warnings() as warned:
         if cfg.dp > 1:
             trainer, dp_notes = sharded.build(cfg, device, FakeTrainer)
             notes += dp_notes
         else:
             trainer = FakeTrainer(cfg, device)
-        with eager_branches(cfg.model_kind is not ModelSource.BUILTIN):  # built: the model's imports are done
+        notes += stand_in_notes(cfg)
+        # built: the model's imports are done
+        with eager_branches(runnable(cfg).model_kind is not ModelSource.BUILTIN) as assumed, library_logs(warned):
             _first_update(trainer)
             snap, recorder, ops = _tracked_update(trainer, tree, timeline)
+        notes += assumed
         flops = flops_of(ops)
         if cfg.dp > 1:  # every rank does rank 0's work on its own data
             flops = TraceFlops.of(flops.forward * cfg.dp, flops.backward * cfg.dp, flops.recompute * cfg.dp)
@@ -179,7 +201,13 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
         memory=memory, flops=flops, traced_device=device.type, trace_seconds=time.perf_counter() - start,
         tree=build_tree(trainer.raw_model, snap.activations_by_owner) if tree else None,
         notes=notes + device_notes, timeline=_timeline(cfg, recorder, snap, notes) if recorder else None,
-        time=time_ops, time_model=describe(costs, time_ops) + machine_text(cfg, costs), counted=trainer.workload.counted)
+        time=time_ops, time_model=describe(costs, time_ops) + machine_text(cfg, costs), counted=trainer.workload.counted,
+        traced=trainer.workload.description, warnings=warned, kv_cache=None if stand_in_text(cfg) else _kv_cache(trainer.raw_model))
+
+
+def _kv_cache(model) -> bool | None:
+    use_cache = getattr(getattr(model, "config", None), "use_cache", None)
+    return use_cache if isinstance(use_cache, bool) else None
 
 
 def _timeline(cfg: RunConfig, recorder, snap, notes: list[str]):
