@@ -53,6 +53,9 @@ def test_a_real_calibration_passes_every_check(real):
      "the rate falls"),
     (lambda c: dataclasses.replace(c, dispatch_seconds={**c.dispatch_seconds, "forward": 0.0}), "dispatch forward"),
     (lambda c: dataclasses.replace(c, memory_bytes_per_s=0.0), "bandwidth"),
+    # a loaded 2-thread calibration here: 20 GB/s, 0.33 GB/s, 5.2 GB/s at 192 KiB, 3 MiB, 48 MiB
+    (lambda c: dataclasses.replace(c, memory_curve=[[196608.0, 2.0e10], [3145728.0, 3.3e8], [50331648.0, 5.2e9]]),
+     "below both neighbouring sizes"),
     (lambda c: dataclasses.replace(c, memory_curve=[[1.0, float("nan")], [2.0, 1e9]]), "bandwidth curve fp32"),
     (lambda c: dataclasses.replace(c, element_seconds={"activation:fp32": -1.0}), "per-element"),
     (lambda c: dataclasses.replace(c, family_dispatch={"hf:x": {"forward": float("inf")}}), "own dispatch"),

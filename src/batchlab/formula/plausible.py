@@ -15,6 +15,7 @@ import math
 # the CPU's nominal per-cycle figure is read from its flags (AMX, VNNI and SME units it cannot see run faster).
 SLOW = 1 / 500
 FAST = 16.0
+OUTLIER = 8.0  # an interior point of a curve this far below both neighbours is a stall, not the kernel
 MIN_POINTS = 2  # a curve of one point is one call size: it says nothing of the sizes a model's ops have
 # Per-op fixed cost (s): torch's dispatcher alone takes ~1 µs; 10 ms per op is a stalled process, not a CPU.
 DISPATCH = (1e-7, 1e-2)
@@ -74,6 +75,9 @@ def _curve(name: str, curve, unit: str, rising: bool, points: int) -> list[str]:
         return [f"{name}: call sizes not ascending"]
     if rising and any(b[1] < a[1] * (1 - 1e-9) for a, b in zip(pts, pts[1:])):
         return [f"{name}: the rate falls as the calls grow (a measured curve is fitted non-decreasing)"]
+    dips = [x for (_, r0), (x, r), (_, r1) in zip(pts, pts[1:], pts[2:]) if r * OUTLIER < min(r0, r1)]
+    if dips:  # a size between two others runs at their rate or between them, never 8x below both
+        return [f"{name}: the rate at {dips[0]:.3g} is over {OUTLIER:g}x below both neighbouring sizes' (a stall)"]
     return []
 
 
