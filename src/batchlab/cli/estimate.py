@@ -11,6 +11,7 @@ from rich.table import Table
 from batchlab.cli.base import app
 from batchlab.cli.common import Verbose, console as make_console, print_json, with_config, with_layer_profile
 from batchlab.cli.sources import device_line
+from batchlab.config import parse_field_value
 from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ConfigError, Implementation, Keep, ModelSource, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, implementation_line, unseen_model
@@ -277,6 +278,7 @@ def estimate(
         if not sep or not values:
             raise ConfigError("vary", "expected FIELD=v1,v2,... or FIELD=a..b, e.g. micro_batch=1,2,4 or accum=1..64")
         field, texts = name.strip().replace("-", "_"), values_of(values)
+        parse_field_value(field, texts[0])  # an unknown field is refused before any cache is read
         cfg = with_layer_profile(cfg, varied(cfg, field, texts))  # every row's policies, precisions, regimes
         rows = vary_rows(cfg, field, texts, keep, load_all())
         if as_json:

@@ -12,6 +12,11 @@ BUSY_SHARE = 0.10  # another process that used this share of one core during the
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _read(path: str) -> str:
+    with open(path) as f:  # closed at once: /proc is read hundreds of times a run (an unclosed file warns at GC)
+        return f.read()
+
+
 def load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -24,7 +29,7 @@ def cpu_mhz() -> float | None:
     values = []
     for path in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/cpufreq/scaling_cur_freq"):
         try:
-            values.append(int(open(path).read()) / 1000)
+            values.append(int(_read(path)) / 1000)
         except (OSError, ValueError):
             pass
     if not values:
@@ -51,7 +56,7 @@ def cpu_times() -> dict[int, Proc]:
     out = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
-            text = open(stat).read()
+            text = _read(stat)
         except OSError:
             continue
         name = text[text.find("(") + 1:text.rfind(")")]
@@ -67,7 +72,7 @@ def cpu_times() -> dict[int, Proc]:
 
 def uptime() -> float | None:
     try:
-        return float(open("/proc/uptime").read().split()[0])
+        return float(_read("/proc/uptime").split()[0])
     except (OSError, ValueError, IndexError):
         return None
 
