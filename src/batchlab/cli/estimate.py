@@ -13,7 +13,7 @@ from batchlab.cli.common import Verbose, console as make_console, print_json, wi
 from batchlab.cli.sources import device_line
 from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ConfigError, Implementation, Keep, ModelSource, RunConfig
-from batchlab.formula import Estimate, estimate as formula_estimate, implementation_line, unseen_model
+from batchlab.formula import Estimate, compiled_note, estimate as formula_estimate, implementation_line, unseen_model
 from batchlab.util.text import print_assumptions
 from batchlab.util.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
 
@@ -231,6 +231,10 @@ def estimate(
                          (keep is Keep.ACCUM and not vary, "--keep applies to --vary")):
         if ignored:
             typer.echo(f"warning: ignored: {why}", err=True)
+    if not (trace or tree or timeline):
+        compiled = [c for c in [cfg, *([cfg.replace(compile=v) for v in _compile_values(vary)])] if compiled_note(c)]
+        if compiled:  # once, whatever the rows
+            typer.echo(f"warning: {compiled_note(compiled[0])}", err=True)
     if trace or tree or timeline:
         if vary:
             raise ConfigError("trace", "--trace traces one configuration; drop --vary")
@@ -266,6 +270,19 @@ def estimate(
         print_json(d)
     else:
         render(e, console, tokens, price, currency, verbose)
+
+
+def _compile_values(vary: list[str] | None) -> list[str]:
+    """The compile values a --vary compile=... names (the others' rows are not compiled)."""
+    from batchlab.formula.vary import values_of
+
+    name, _, values = (vary or [""])[0].partition("=")
+    if name.strip().replace("-", "_") != "compile" or not values:
+        return []
+    try:
+        return [v for v in values_of(values) if str(v).strip().lower() in ("model", "blocks")]
+    except ConfigError:
+        return []
 
 
 @app.command(help="Explain, with your numbers, what each knob moves and why.")

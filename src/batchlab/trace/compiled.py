@@ -110,7 +110,7 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
         compiles = sum(w.compiles for w in watches)
         count, reasons = break_summary({k: v for w in watches for k, v in w.graph_breaks().items()})
     notes = [NOTE.format(mode=cfg.compile.value),
-             f"compiled graphs: {compiles} compilations (forward and backward), {count} graph breaks"
+             f"compiled graphs: {compiles} compilations (dynamo frames and lazily compiled backwards), {count} graph breaks"
              + (f" (first: {'; '.join(reasons)})" if reasons else "")]
     return dataclasses.replace(result, notes=[*notes, *result.notes])
 
