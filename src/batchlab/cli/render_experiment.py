@@ -36,6 +36,8 @@ def header(out: Console, r: Record) -> None:
         out.print(f"  {side.upper()}: {esc(c['global_batch_text'][side])}")
     for w in r.warnings:
         out.print(f"[yellow]warning:[/] {esc(w)}")
+    if not r.formula.available and r.formula.reason:
+        out.print(f"[yellow]{esc(r.formula.reason)}[/]")
     p = r.predictions
     if p.user:
         out.print(f"your prediction ({p.user_source}): " + ", ".join(f"{k.value}={v.value}" for k, v in p.user.items()))
