@@ -69,6 +69,11 @@ def apply_compile(workload, mode: CompileMode, device: torch.device, world: int 
                                      "without .blocks): use --compile model")
     backend, watches = _BACKEND.get()
     if backend == "inductor":
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if any(isinstance(p, FakeTensor) for p in workload.model.parameters()):
+            raise ConfigError("compile", "inductor generates code, which fake tensors cannot run: a trace compiles "
+                                         "through batchlab.trace.estimate (its partition-only backend)")
         check_inductor(device)
     torch._dynamo.reset()  # (it also clears dynamo's compile callbacks: the watch starts after it)
     targets = list(workload.blocks) if mode is CompileMode.BLOCKS else [workload.model]
