@@ -55,3 +55,17 @@ def test_compare_a_compile_change_has_no_formula_prediction_and_says_why():
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["formula"]["available"] is False and WARNING in d["formula"]["reason"]
+
+
+def test_measure_without_a_cpp_compiler_is_one_line_and_exit_2():
+    """Inductor reads CXX: a compiler that is not there is refused before anything is built."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "batchlab", "measure", "--layers", "1", "--seq", "16",
+                        "--micro-batch", "1", "--compile", "blocks", "--steps", "1"],
+                       env={**os.environ, "CXX": "batchlab-no-such-c++"}, capture_output=True, text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: compile: inductor needs a C++ compiler") and "batchlab-no-such-c++" in lines[0]

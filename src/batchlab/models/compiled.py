@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -48,10 +47,13 @@ def check_inductor(device: torch.device) -> None:
 
         get_cpp_compiler()
     except Exception as e:  # noqa: BLE001 - InvalidCxxCompiler, or a torch without the builder
-        cxx = torch._inductor.config.cpp.cxx
+        import torch._inductor.config as inductor_config
+
+        tried = [c for c in inductor_config.cpp.cxx if c] if isinstance(inductor_config.cpp.cxx, (list, tuple)) \
+            else [inductor_config.cpp.cxx]
         raise ConfigError("compile", f"inductor needs a C++ compiler on CPU and found none ({type(e).__name__}; "
-                                     f"looked for {cxx}, {shutil.which('g++') or 'no g++ on PATH'}): install g++ "
-                                     "or set CXX, or measure with --compile none") from None
+                                     f"tried {', '.join(map(str, tried))}): install g++ or set CXX, or measure "
+                                     "with --compile none") from None
 
 
 def apply_compile(workload, mode: CompileMode, device: torch.device, world: int = 1) -> "CompileWatch | None":
