@@ -11,6 +11,11 @@ Order of updates (``w`` = warmup, ``n`` = steps)::
     next n updates      timed: device synchronised around each, per-phase clock
     (CUDA/MPS only)     3 more updates with a synchronising phase clock for the per-phase split
 
+Compiled (``--compile``): updates 1 and 2 are warm-up whatever ``warmup`` says (the first compiles forward and
+backward, the second may recompile), their compilation seconds and the first update's own on the compile line;
+the memory update comes after them and reads the CPU allocator's events (measure/allocmem.py); compilations after
+them are counted and warned about.
+
 Listeners that cost time (tracker, allocator reads, synchronising at phase marks on an asynchronous device)
 never run inside the timed updates.
 """
@@ -219,6 +224,13 @@ class _Steps:
         m.environment["parameters"] = sum(p.numel() for p in trainer.raw_model.parameters())
         m.environment["ac_wrapped_layers"] = list(trainer.wrapped_layers)
         watch = trainer.compiled  # models.compiled.CompileWatch, or None
+        try:
+            self._updates(trainer, rec, m, watch)
+        finally:
+            if watch is not None:
+                watch.stop()
+
+    def _updates(self, trainer, rec: _Recorder, m: Draft, watch) -> None:
         before_memory = 2 if watch is not None else 1  # a compiled run's memory update comes after any recompile
         for i in range(1, before_memory + 1):
             self._warmup(trainer, rec, i, m if watch is not None and i == 1 else None)
