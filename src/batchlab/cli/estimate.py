@@ -291,6 +291,8 @@ def explain(cfg: RunConfig, as_json: bool = False) -> None:
     from batchlab.formula.explain import explain_sections
 
     # with AC none, the checkpointing section's "turning it on (full)" too (formula/explain.py)
+    if compiled_note(cfg) is not None:
+        typer.echo(f"warning: {compiled_note(cfg)}", err=True)
     cfg = with_layer_profile(cfg, [cfg.replace(ac="full")] if cfg.ac.mode is ACMode.NONE else [])
     sections = explain_sections(cfg, load_all(), local_limits(cfg))
     if as_json:
