@@ -41,6 +41,9 @@ def pytest_configure(config):
     home = os.environ["BATCHLAB_TEST_HOME"]
     os.environ["XDG_CACHE_HOME"] = os.path.join(home, "cache")
     os.environ["XDG_DATA_HOME"] = os.path.join(home, "data")
+    # one inductor cache for the run (its workers and the processes they start): a graph compiled once is not
+    # compiled again by the next test or process that builds it
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(home, "inductor"))
     profile = config.getoption("--host-profile", default=None)
     if profile and not hasattr(config, "workerinput"):  # once, before the workers start: they share the home
         sys.path.insert(0, os.path.dirname(__file__))

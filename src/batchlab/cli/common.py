@@ -75,6 +75,9 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "memory_budget": (Optional[str], None, "Memory per rank, e.g. 2GiB (replaces the device's; on CPU a tracked-bytes budget)."),
     "data": (str, "fixed", "fixed (full-length sequences) or padded (variable lengths, padding not counted as useful)."),
     "seed": (int, 0, "Seed for weights and synthetic data."),
+    "compile": (str, "none", "torch.compile: none, model (the whole model) or blocks (each transformer block after "
+                             "AC wrapping, as torchtitan). Measured with inductor; traced by AOTAutograd's min-cut "
+                             "partitioner on fake tensors (estimate --trace); the formula does not model it yet."),
     "achievable_fraction": (Optional[float], None, "Fraction of peak FLOP/s kernels reach (default: the device's "
                                                    "published figure, named in the assumptions)."),
     "comm_overlap": (Optional[float], None, "Fraction of communication hidden behind compute (default: the "
@@ -197,7 +200,7 @@ def with_goal_profile(goal, after_oom: bool = False):
 
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "loss", "zero", "device", "memory_budget",
-             "data", "seed", "tp", "sequence_parallel", "pp", "pp_schedule", "pp_virtual")
+             "data", "seed", "tp", "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "compile")
 
 
 def _accum_for(global_batch: int, micro_batch: int, dp: int, accum: int | None) -> int:
@@ -217,7 +220,7 @@ def _config_from_flags(**o: Any) -> RunConfig:
         accum = _accum_for(gb, mb, dp, accum)
     budget = o.get("memory_budget")
     given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "loss", "zero", "device", "data", "seed", "tp",
-                               "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "sharding")
+                               "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "sharding", "compile")
              if o.get(k) is not None}
     default = Assumptions()
     assumptions = Assumptions(achievable_fraction=o.get("achievable_fraction", default.achievable_fraction),

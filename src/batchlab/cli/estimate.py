@@ -14,7 +14,7 @@ from batchlab.cli.sources import device_line
 from batchlab.config import parse_field_value
 from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ConfigError, Implementation, Keep, ModelSource, RunConfig
-from batchlab.formula import Estimate, estimate as formula_estimate, implementation_line, unseen_model
+from batchlab.formula import Estimate, compiled_note, estimate as formula_estimate, implementation_line, unseen_model
 from batchlab.util.text import print_assumptions
 from batchlab.util.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
 
@@ -261,6 +261,10 @@ def estimate(
                          (keep is Keep.ACCUM and not vary, "--keep applies to --vary")):
         if ignored:
             typer.echo(f"warning: ignored: {why}", err=True)
+    if not (trace or tree or timeline):
+        compiled = [c for c in [cfg, *([cfg.replace(compile=v) for v in _compile_values(vary)])] if compiled_note(c)]
+        if compiled:  # once, whatever the rows
+            typer.echo(f"warning: {compiled_note(compiled[0])}", err=True)
     if trace or tree or timeline:
         if vary:
             raise ConfigError("trace", "--trace traces one configuration; drop --vary")
@@ -299,12 +303,27 @@ def estimate(
         render(e, console, tokens, price, currency, verbose)
 
 
+def _compile_values(vary: list[str] | None) -> list[str]:
+    """The compile values a --vary compile=... names (the others' rows are not compiled)."""
+    from batchlab.formula.vary import values_of
+
+    name, _, values = (vary or [""])[0].partition("=")
+    if name.strip().replace("-", "_") != "compile" or not values:
+        return []
+    try:
+        return [v for v in values_of(values) if str(v).strip().lower() in ("model", "blocks")]
+    except ConfigError:
+        return []
+
+
 @app.command(help="Explain, with your numbers, what each knob moves and why.")
 @with_config
 def explain(cfg: RunConfig, as_json: bool = False) -> None:
     from batchlab.formula.explain import explain_sections
 
     # with AC none, the checkpointing section's "turning it on (full)" too (formula/explain.py)
+    if compiled_note(cfg) is not None:
+        typer.echo(f"warning: {compiled_note(cfg)}", err=True)
     cfg = with_layer_profile(cfg, [cfg.replace(ac="full")] if cfg.ac.mode is ACMode.NONE else [])
     sections = explain_sections(cfg, load_all(), local_limits(cfg))
     if as_json:

@@ -9,6 +9,7 @@ import typer
 from batchlab.cli.base import app
 from batchlab.cli.common import Verbose, console, fail, print_json, takes_ac_auto, with_config, with_goal_profile
 from batchlab.config import Backend, ConfigError, ModelSource, RunConfig
+from batchlab.formula import compiled_note
 
 PANEL = "Fit"
 
@@ -56,6 +57,8 @@ def fit_command(
             raise ConfigError("plan_out", f"{plan_out} is a directory; give a file, e.g. "
                                           f"{Path(plan_out) / 'plan.json'}")
         base = _target(cfg, global_tokens)
+        if (note := compiled_note(cfg)) is not None:  # the planner's figures are the formula's
+            typer.echo(f"warning: {note}; fit plans with them and confirms by measuring the compiled run", err=True)
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
                     held=frozenset(held))
         goal = with_goal_profile(goal, after_oom)  # the layer terms of every policy it evaluates

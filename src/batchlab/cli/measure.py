@@ -20,7 +20,7 @@ from batchlab.cli.sources import device_line
 from batchlab.config import ConfigError, RunConfig
 from batchlab.distributed.launcher import Launcher
 from batchlab.measure.options import MeasureOptions
-from batchlab.measure.result import Measurement, Outcome, measurement_to_dict
+from batchlab.measure.result import Measurement, Outcome, compile_text, measurement_to_dict
 from batchlab.measure.versus import FigureRow, broken_time_model, formula_estimate, rows
 from batchlab.util.units import fmt_bytes, fmt_difference, fmt_seconds, fmt_value, plural
 
@@ -246,9 +246,12 @@ def _render_details(out: Console, m: Measurement, verbose: bool = False, est=Non
         faults = m.environment.get("page_faults_per_update")
         out.print(escape(m.environment["allocator"])
                   + (f"; {faults:,.0f} page faults per timed update" if isinstance(faults, (int, float)) else ""))
+    if (compiled := compile_text(m.environment)) is not None:
+        out.print(escape(compiled), highlight=False)
     if m.memory is not None and m.memory.breakdown:
         parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in m.memory.breakdown.items() if v)
-        how = f"{m.memory.provenance}: {m.memory.method}" if verbose else m.memory.provenance
+        how = (f"{m.memory.provenance}: {m.memory.method}" if verbose or compiled is not None
+               else m.memory.provenance)
         out.print(f"memory at the peak ({how}): {parts}")
     from batchlab.cli.render_dp import lines as dp_lines
     from batchlab.cli.render_dp import rank_lines

@@ -36,6 +36,8 @@ def header(out: Console, r: Record) -> None:
         out.print(f"  {side.upper()}: {esc(c['global_batch_text'][side])}")
     for w in r.warnings:
         out.print(f"[yellow]warning:[/] {esc(w)}")
+    if not r.formula.available and r.formula.reason:
+        out.print(f"[yellow]{esc(r.formula.reason)}[/]")
     p = r.predictions
     if p.user:
         out.print(f"your prediction ({p.user_source}): " + ", ".join(f"{k.value}={v.value}" for k, v in p.user.items()))
@@ -208,6 +210,18 @@ def absolute_check(r: Record) -> Check | None:
     return time_model_absolute((fa, fb), (t.a, t.b), (r.factors or {}).get("host_speed"))
 
 
+def compiled(out: Console, r: Record) -> None:
+    """Each compiled side's compile line, per round (compilation is untimed; a recompilation is a warning)."""
+    from batchlab.measure.result import compile_text
+
+    for rnd in r.rounds or ():
+        for side in "ab":
+            m = rnd.side(side)
+            text = compile_text(m.environment) if m is not None else None
+            if text is not None:
+                out.print(f"{side.upper()}: {esc(text)}", highlight=False)
+
+
 def render(out: Console, r: Record, notebook_path: Path | None = None,
            report_paths: list[Path] | None = None, verbose: bool = False) -> None:
     """The record on a screen; ``verbose``: the protocol, the time model's rates and calibration, every
@@ -224,6 +238,7 @@ def render(out: Console, r: Record, notebook_path: Path | None = None,
         for metric, m in r.metrics.items():
             if m.inconclusive and not r.formula_only:
                 out.print(f"[yellow]{metric.label}:[/] {esc(m.note)}")
+    compiled(out, r)
     time_model(out, r, verbose)
     diagnosis(out, r, verbose)
     semantics(out, r, verbose)

@@ -12,7 +12,8 @@ Pure Python: importing this package never imports torch (the calculator runs whe
 Sizes are bytes, times seconds, rates per second; GiB appears only in display code.
 """
 from batchlab.config.batch import BATCH_FIELDS, apply_change, keep_global_batch
-from batchlab.config.choices import (ACMode, AttentionImpl, Backend, Choice, ConfigError, Counted, DataKind, Implementation,
+from batchlab.config.choices import (ACMode, AttentionImpl, Backend, Choice, CompileMode, ConfigError, Counted, DataKind,
+                                     Implementation,
                                      Keep, LossMode, MLPKind, ModelSource, NormKind, OptimizerKind, PositionKind, Precision)
 from batchlab.config.devices import (DEVICE_ALIASES, DEVICES, GB, GPU_NAMES, T, DeviceSpec, GiB, catalogue_key,
                                      device, local_device)
@@ -25,7 +26,7 @@ from batchlab.config.values import parse_bytes, read_file, whole_number
 
 __all__ = [
     "ACMode", "ACPolicy", "ASSUMPTION_FIELDS", "Assumptions", "AttentionImpl", "BATCH_FIELDS", "Backend",
-    "CHANGEABLE_FIELDS", "Choice", "ConfigError", "Counted", "DEVICES", "DEVICE_ALIASES", "DataKind", "DeviceSpec", "GB", "GPU_NAMES",
+    "CHANGEABLE_FIELDS", "Choice", "CompileMode", "ConfigError", "Counted", "DEVICES", "DEVICE_ALIASES", "DataKind", "DeviceSpec", "GB", "GPU_NAMES",
     "GiB", "HF_FAMILIES", "Implementation", "Keep", "LossMode", "LossPolicy", "MLPKind", "MODEL_FIELDS", "ModelSource", "ModelSpec", "NormKind",
     "OptimizerKind", "PRESETS", "PositionKind", "Precision", "RUN_FIELDS", "RunConfig", "T", "apply_change",
     "catalogue_key", "config_from_dict", "config_from_table", "default_ffn", "derive_accum", "device",

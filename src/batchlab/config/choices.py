@@ -117,6 +117,14 @@ class LossMode(Choice):
     CLASSIFIER = "classifier"
 
 
+class CompileMode(Choice):
+    """What ``torch.compile`` wraps in a measured or traced run (``--compile``)."""
+
+    NONE = "none"  # eager PyTorch
+    MODEL = "model"  # the whole model, one compiled module (torchtune, OLMo-core)
+    BLOCKS = "blocks"  # each transformer block on its own, after AC wrapping (torchtitan)
+
+
 class Backend(Choice):
     CPU = "cpu"
     CUDA = "cuda"  # NVIDIA, and AMD through ROCm's torch.cuda

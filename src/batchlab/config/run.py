@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from batchlab.config import layerplan
-from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, Counted, DataKind, Implementation, LossMode,
+from batchlab.config.choices import (ACMode, AttentionImpl, CompileMode, ConfigError, Counted, DataKind, Implementation, LossMode,
                                      ModelSource, OptimizerKind, Precision)
 from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.engines import PYTORCH_ENGINE, Engine, PipelineSchedule
@@ -221,6 +221,7 @@ class RunConfig:
     memory_budget: int | None = None  # bytes; replaces the device's memory (CPU: a tracked-bytes budget)
     data: DataKind = DataKind.FIXED  # fixed (full-length sequences) or padded (padding is not useful work)
     seed: int = 0  # the seed of the measured runs' weights and data
+    compile: CompileMode = CompileMode.NONE  # torch.compile: none, the whole model, or each block (after AC)
     assumptions: Assumptions = field(default_factory=Assumptions)  # the time model's and allocator's assumptions
 
     def __post_init__(self):
@@ -230,6 +231,7 @@ class RunConfig:
         set_(self, "ac", ACPolicy.parse(self.ac))
         set_(self, "loss", LossPolicy.parse(self.loss))
         set_(self, "data", DataKind.parse("data", self.data))
+        set_(self, "compile", CompileMode.parse("compile", self.compile))
         for name in ("seq", "micro_batch", "accum", "dp"):
             whole_number(name, getattr(self, name), maximum=SIZE_MAX)
         if not isinstance(self.model_source, str) or not self.model_source:

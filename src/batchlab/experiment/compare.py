@@ -101,10 +101,13 @@ def _formula(sides: Sides, token_budget: int, threads: int | None = None
     """The formula's estimate of both sides (for the record) and its prediction per metric; ``threads``: the
     measured processes' intra-op threads (the CPU calibration must be the one taken at that count)."""
     from batchlab.formula.calibration import load_all
-    from batchlab.formula import estimate, unseen_model
+    from batchlab.formula import compiled_note, estimate, unseen_model
 
     if unseen_model(sides.a):  # a factory model: no formula side; the measurement stands alone
         return FormulaRecord(False, reason=f"no formula estimate: {unseen_model(sides.a)}"), None
+    compiled = compiled_note(sides.a) or compiled_note(sides.b)
+    if compiled:  # its figures would be eager PyTorch's on both sides: no prediction rather than a wrong "same"
+        return FormulaRecord(False, reason=f"no formula prediction: {compiled}"), None
     cals = load_all(threads)  # the calibration cache, read here: estimate() is a pure function
     ea, eb = estimate(sides.a, cals), estimate(sides.b, cals)
     pred = formula_prediction(FormulaSide.from_estimate(ea), FormulaSide.from_estimate(eb), token_budget)
@@ -177,7 +180,8 @@ def _timeline_first(measure: MeasureFn | None) -> MeasureFn:
     seen: list[RunConfig] = []
 
     def first_with_timeline(cfg: RunConfig, options: MeasureOptions):
-        first = cfg not in seen
+        # a compiled CPU side has no tracker timeline (inductor's buffers bypass it: measure/session.py)
+        first = cfg not in seen and (cfg.compile.value == "none" or cfg.device_spec.backend.value == "cuda")
         seen.append(cfg)
         return (measure or protocol.default_measure)(cfg, replace(options, timeline=first))
     return first_with_timeline

@@ -97,9 +97,11 @@ def touched(a: RunConfig, b: RunConfig) -> list[Item]:
         Item("sharding (ZeRO stage)", "zero" in changed,
              f"ZeRO-{a.zero} -> ZeRO-{b.zero}: the same update, with states sharded over the DP ranks (each "
              "engine must end with DDP's parameters)" if "zero" in changed else f"ZeRO-{a.zero} on both"),
-        Item("numerics", "precision" in changed,
+        Item("numerics", "precision" in changed or "compile" in changed,
              f"{a.precision} -> {b.precision}: different rounding, gradients are not bitwise comparable"
-             if "precision" in changed else "same precision"),
+             if "precision" in changed else
+             f"compile {a.compile} -> {b.compile}: compiled kernels fuse and reorder floating-point operations, "
+             "gradients agree to rounding, not bitwise" if "compile" in changed else "same precision"),
     ]
 
 

@@ -176,6 +176,14 @@ def unseen_model(cfg: RunConfig) -> str | None:
     return f"the calculator cannot see inside the factory model {cfg.model_source}"
 
 
+def compiled_note(cfg: RunConfig) -> str | None:
+    """Why the formula's figures are not a compiled run's (it models eager PyTorch), else None."""
+    if cfg.compile.value == "none":
+        return None
+    return (f"the formula does not yet model compiled code (--compile {cfg.compile}): its figures are eager "
+            f"PyTorch's; estimate --trace --compile {cfg.compile} traces the compiled graphs' partition")
+
+
 def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estimate:
     """The formula's figures for ``cfg``: a pure function of its arguments.  ``calibrations``: measured
     ceilings by batchlab device name (``calibrate.load_all()``, read by the caller); the time model uses

@@ -18,6 +18,7 @@ from batchlab.config import ConfigError, OptimizerKind, Precision, RunConfig
 from batchlab.measure.device import torch_device
 from batchlab.models import Workload, build_workload
 from batchlab.models.ac import apply_ac
+from batchlab.models.compiled import apply_compile
 
 
 
@@ -81,6 +82,9 @@ class Trainer:
             model = model.to(torch.bfloat16)
         model = model.to(self.device)
         model.train()
+        # torch.compile after AC wrapping (torchtitan's order): the model or each block, in place; the backend's
+        # name, or None (models/compiled.py; the trace's backend only partitions)
+        self.compiled = apply_compile(self.workload, cfg.compile, self.device, world)
         self.raw_model = model
         # wrap: e.g. DDP or FSDP2; receives the model, returns the module to call
         self.model = wrap(model) if wrap is not None else model

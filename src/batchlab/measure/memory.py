@@ -134,6 +134,14 @@ class StorageTracker(TorchDispatchMode):
         # in-place op returning one does not count it as new: AdamW's 0-dim step counters (register_optimizer)
         self._uncounted: dict[int, object] = {}
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # True: torch.compile'd code runs compiled under the tracker (False makes dynamo fall back to eager), and
+        # the tracker sees the compiled artifact's aten ops at run time: every op of the trace's partitioned
+        # graphs (trace/compiled.py); inductor's own buffers bypass the dispatcher, so a measured compiled run
+        # reads the allocator instead (measure/allocmem.py)
+        return True
+
     @property
     def live_bytes(self) -> int:
         """Tracked bytes live now."""

@@ -182,6 +182,19 @@ class Measurement:
         return self.outcome is Outcome.OK
 
 
+def compile_text(environment: dict[str, Any]) -> str | None:
+    """The compile line of a compiled run (session's ``environment["compile"]``), None for an eager one."""
+    c = environment.get("compile")
+    if not c or "compile_seconds" not in c:
+        return None
+    breaks = c.get("graph_breaks", 0)
+    reasons = c.get("graph_break_reasons") or []
+    return (f"compile ({c['mode']}, {c['backend']}): {c['compile_seconds']:.1f} s over {c['compilations']} "
+            f"compilation(s), first update {c['first_update_seconds']:.2f} s besides compiling (wall-clock, excluded "
+            f"from the medians); recompilations during the timed updates: {c.get('recompilations_timed', 0)}; "
+            f"graph breaks: {breaks}" + (f" (first: {'; '.join(reasons)})" if reasons else ""))
+
+
 @dataclass
 class Draft:
     """What a measurement has found so far, filled in while it runs (session, observe); ``build`` makes the

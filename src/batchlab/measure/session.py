@@ -11,6 +11,11 @@ Order of updates (``w`` = warmup, ``n`` = steps)::
     next n updates      timed: device synchronised around each, per-phase clock
     (CUDA/MPS only)     3 more updates with a synchronising phase clock for the per-phase split
 
+Compiled (``--compile``): updates 1 and 2 are warm-up whatever ``warmup`` says (the first compiles forward and
+backward, the second may recompile), their compilation seconds and the first update's own on the compile line;
+the memory update comes after them and reads the CPU allocator's events (measure/allocmem.py); compilations after
+them are counted and warned about.
+
 Listeners that cost time (tracker, allocator reads, synchronising at phase marks on an asynchronous device)
 never run inside the timed updates.
 """
@@ -18,12 +23,13 @@ from __future__ import annotations
 
 import platform
 import statistics
+import time
 from typing import Callable
 
 import torch
 
 from batchlab import host
-from batchlab.config import ConfigError, RunConfig, catalogue_key
+from batchlab.config import CompileMode, ConfigError, RunConfig, catalogue_key
 from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.device import torch_device
 from batchlab.measure.devmem import CudaMemoryListener, from_snapshot
@@ -105,6 +111,7 @@ def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | Non
     if device.type == "cuda" and here != cfg.device:
         m.warnings.append(f"measured on {m.environment['device_name']} ({here or 'not in the catalogue'}), but "
                           f"--device is {cfg.device}: the formula figures beside it are for {cfg.device}")
+    _check_compiled(cfg, opts, device)
     unsteady = host.warning() if device.type == "cpu" else None  # a non-glibc host allocator: said, not set
     if unsteady is not None:
         m.warnings.append(unsteady)
@@ -131,11 +138,29 @@ def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | Non
     return m.build()
 
 
+def _check_compiled(cfg: RunConfig, opts: MeasureOptions, device: torch.device) -> None:
+    """What a compiled CPU run cannot give: the tracked-bytes budget and the tracker's timeline (inductor's buffers
+    never pass the tracker's dispatch mode; its memory is read from the allocator instead)."""
+    if cfg.compile is CompileMode.NONE or device.type == "cuda":
+        return
+    if cfg.memory_budget is not None:
+        raise ConfigError("memory_budget", "a CPU budget is enforced by the live-storage tracker, which cannot see "
+                                           "inside inductor's kernels: measure --compile without --memory-budget")
+    if opts.timeline:
+        raise ConfigError("timeline", "the CPU timeline is recorded by the live-storage tracker, which cannot see "
+                                      "inside inductor's kernels: a compiled run's timeline is future work")
+
+
 def _record_failure(m: Draft, exc: BaseException, rec: _Recorder, budget: bool) -> None:
+    from batchlab.models.compiled import failure_text
+
     kind = classify_oom(exc)
     first_line = (str(exc).strip().splitlines() or [""])[0][:300]
     where = f"in {rec.phase} of the {rec.stage} update" if rec.stage != "setup" else "while building the model"
-    if kind is None:
+    if kind is None and isinstance(exc, torch._dynamo.exc.TorchDynamoException):
+        m.outcome = Outcome.FAILED
+        m.outcome_detail = f"torch.compile failed {where}: {failure_text(exc)[:300]}"
+    elif kind is None:
         m.outcome = Outcome.FAILED
         m.outcome_detail = f"{type(exc).__name__} {where}: {first_line}"
     else:
@@ -154,7 +179,10 @@ class _Steps:
         self.sync = synchronizer(device)
         self.progress = progress or (lambda done, total, label: None)
         self.async_device = device.type != "cpu"
-        self.total = (opts.warmup + (1 if self._memory_update else 0) + (opts.steps if opts.timing else 0)
+        # a compiled run: the first update compiles forward and backward, the second may recompile; both untimed
+        self.compiled = cfg.compile is not CompileMode.NONE
+        self.warmup = max(opts.warmup, 2) if self.compiled else opts.warmup
+        self.total = (self.warmup + (1 if self._memory_update else 0) + (opts.steps if opts.timing else 0)
                       + (PHASE_UPDATES if opts.timing and self.async_device else 0)
                       + (1 if opts.timeline and not self._timeline_in_memory else 0))
         self.done = 0
@@ -197,24 +225,42 @@ class _Steps:
         m.counted = trainer.workload.counted
         m.environment["parameters"] = sum(p.numel() for p in trainer.raw_model.parameters())
         m.environment["ac_wrapped_layers"] = list(trainer.wrapped_layers)
-        self._warmup(trainer, rec, 1)
+        watch = trainer.compiled  # models.compiled.CompileWatch, or None
+        try:
+            self._updates(trainer, rec, m, watch)
+        finally:
+            if watch is not None:
+                watch.stop()
+
+    def _updates(self, trainer, rec: _Recorder, m: Draft, watch) -> None:
+        before_memory = 2 if watch is not None else 1  # a compiled run's memory update comes after any recompile
+        for i in range(1, before_memory + 1):
+            self._warmup(trainer, rec, i, m if watch is not None and i == 1 else None)
+        settled = watch.compiles if watch is not None else 0
         if self._memory_update:
             memory = self._memory(trainer, rec)
             if self.opts.memory:
                 m.memory = memory
-        for i in range(2, self.opts.warmup + 1):
+        for i in range(before_memory + 1, self.warmup + 1):
             self._warmup(trainer, rec, i)
+        if watch is not None:
+            _compiled_warmup(m, watch, settled)
         if self.opts.timeline:
             m.timeline = self.timeline if self._timeline_in_memory else self._timeline(trainer, rec)
         if self.opts.timing:
             self._timing(trainer, rec, m)
+        if watch is not None:
+            _compiled_timed(m, watch)
 
-    def _warmup(self, trainer, rec: _Recorder, i: int) -> None:
-        label = self._start(f"warmup {i}/{self.opts.warmup}")
+    def _warmup(self, trainer, rec: _Recorder, i: int, compiling: Draft | None = None) -> None:
+        label = self._start(f"warmup {i}/{self.warmup}" + (" (compiling)" if compiling is not None else ""))
+        start = time.perf_counter()
         if i == 1 and self._tracked_budget is not None:
             self._tracked(trainer, rec.use(label))  # lazy optimizer state is created here: watch it
         else:
             trainer.update(listener=rec.use(label))
+        if compiling is not None:  # its wall-clock, compilation included (apart later)
+            compiling.environment["compile"] = {"first_update_wall_seconds": time.perf_counter() - start}
         self._tick(label)
 
     def _tracked(self, trainer, rec: _Recorder):
@@ -226,7 +272,13 @@ class _Steps:
 
     def _memory(self, trainer, rec: _Recorder) -> MeasuredMemory:
         rec.use(self._start("memory"))
-        if self.device.type == "cuda":
+        if self.compiled and self.device.type != "cuda":  # inductor's buffers: the allocator's events
+            from batchlab.measure.allocmem import AllocatorProbe
+
+            with AllocatorProbe(trainer) as probe:
+                trainer.update(listener=rec.use("memory", probe))
+            result = probe.result()
+        elif self.device.type == "cuda":
             listener = CudaMemoryListener(self.device)
             listener.begin()
             trainer.update(listener=rec.use("memory", listener))
@@ -279,7 +331,7 @@ class _Steps:
                 trainer.update(listener=rec.use(label, split))
                 _collect(phases, split.seconds)
                 self._tick(label)
-        m.time = MeasuredTime(samples=samples, warmup=self.opts.warmup,
+        m.time = MeasuredTime(samples=samples, warmup=self.warmup,
                               phase_seconds={k: statistics.median(v) for k, v in phases.items()},
                               phase_samples=phases, cpu_seconds=cpu if self.device.type == "cpu" else [],
                               probe_seconds=around.probe_seconds)
@@ -288,6 +340,35 @@ class _Steps:
         m.tokens_per_second = per_update / m.time.update_seconds_median
         if (noisy := m.time.noise_warning()) is not None:
             m.warnings.append(noisy)
+
+
+def _compiled_warmup(m: Draft, watch, settled: int) -> None:
+    """The compile line's figures: compilation seconds and the first update's own (wall-clock, untimed)."""
+    info = m.environment["compile"]
+    info.update(mode=watch.mode, backend=watch.backend, compile_seconds=watch.seconds, compilations=watch.compiles,
+                first_update_seconds=max(info["first_update_wall_seconds"] - watch.seconds, 0.0),
+                recompilations_timed=0, provenance="wall-clock (dynamo's compile "
+                "callbacks; excluded from the medians)")
+    info["recompilations_after_second_update"] = watch.compiles - settled  # the memory update and the rest of the warm-up
+    info["_warm_count"] = watch.compiles
+
+
+def _compiled_timed(m: Draft, watch) -> None:
+    """Recompilations during the timed updates (flagged: their time is in the medians) and graph breaks."""
+    from batchlab.models.compiled import break_summary
+
+    info = m.environment["compile"]
+    during = watch.compiles - info.pop("_warm_count")
+    info["recompilations_timed"] = during
+    info["graph_breaks"], info["graph_break_reasons"] = break_summary(watch.graph_breaks())
+    watch.stop()
+    if during:
+        m.warnings.append(f"torch.compile recompiled {during} time(s) during the timed updates: those updates' "
+                          "times include compiling (a changing shape, a Python value in a guard, or dynamo's "
+                          "cache limit); see the compile line")
+    if info["recompilations_after_second_update"]:
+        m.warnings.append(f"torch.compile recompiled {info['after_first_two']} time(s) after the first two updates "
+                          "(in the memory update or the rest of the warm-up)")
 
 
 def timed_update(trainer, clock: PhaseClock, listener, sync):

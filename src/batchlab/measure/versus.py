@@ -35,12 +35,12 @@ class FigureRow:
 def formula_estimate(cfg: RunConfig):
     """(Estimate or None, why there is none)."""
     from batchlab.formula.calibration import load_all
-    from batchlab.formula import estimate, unseen_model
+    from batchlab.formula import compiled_note, estimate, unseen_model
 
     if unseen_model(cfg):
         return None, f"no formula estimate: {unseen_model(cfg)}"
     try:
-        return estimate(cfg, load_all()), None
+        return estimate(cfg, load_all()), compiled_note(cfg)
     except Exception as e:  # noqa: BLE001 — the comparison is an aid; the measurement stands on its own
         return None, f"no formula estimate: {type(e).__name__}: {e}"
 

@@ -58,9 +58,15 @@ def _context_fn(mode: ACMode):
         return functools.partial(create_selective_checkpoint_contexts, _matmul_policy)
     if mode is ACMode.SELECTIVE_ATTN:
         return functools.partial(create_selective_checkpoint_contexts, _attention_policy)
-    if mode is ACMode.SELECTIVE_OP:  # a fresh counter for every checkpointed call
-        return lambda: create_selective_checkpoint_contexts(functools.partial(_every_other_matmul, defaultdict(int)))
+    if mode is ACMode.SELECTIVE_OP:
+        return _selective_op_contexts
     return None
+
+
+def _selective_op_contexts():
+    """A fresh matmul counter for every checkpointed call; a module-level function, since torch.compile traces
+    a checkpoint whose context_fn is a function or a partial, not a closure made in the compiled frame."""
+    return create_selective_checkpoint_contexts(functools.partial(_every_other_matmul, defaultdict(int)))
 
 
 class Checkpointed(nn.Module):

@@ -15,6 +15,11 @@ __all__ = ["ModuleNode", "TraceEstimate", "TraceFlops", "TraceMemory", "estimate
 
 
 def estimate(cfg, tree: bool = False, timeline: bool = False, calibrations=None) -> TraceEstimate:
-    from batchlab.trace.run import estimate as _estimate
+    from batchlab.config import CompileMode
+
+    if cfg.compile is not CompileMode.NONE:  # the partitioned graphs on fake tensors
+        from batchlab.trace.compiled import estimate as _estimate
+    else:
+        from batchlab.trace.run import estimate as _estimate
 
     return _estimate(cfg, tree=tree, timeline=timeline, calibrations=calibrations)

@@ -291,7 +291,8 @@ def with_profile(cfg: RunConfig, policies: Iterable[str] | None = None) -> RunCo
     todo = cache.missing(cfg, policies)
     if not todo:
         return cfg
-    profile = compute(cfg, base=cfg.model.matching_profile, policies=todo)
+    # the layer terms are eager PyTorch's (the formula's): traced without --compile
+    profile = compute(cfg.replace(compile="none"), base=cfg.model.matching_profile, policies=todo)
     latest = cache.cached(cfg)  # another process may have added policies meanwhile: keep them
     if latest is not None and latest.key == profile.key and latest != cfg.model.matching_profile:
         profile = latest.merged(profile)

@@ -1,0 +1,71 @@
+"""--compile on the command line: validated, in --json and --change, warned about once where only the formula
+answers, traced by estimate --trace (the partition on fake tensors; no inductor here)."""
+import json
+
+from typer.testing import CliRunner
+
+from batchlab.cli import app
+from batchlab.config import CompileMode, RunConfig, config_from_dict, parse_field_value
+
+runner = CliRunner()
+WARNING = "does not yet model compiled code"
+
+
+def run(*args):
+    return runner.invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+def test_compile_is_a_config_field_everywhere():
+    cfg = RunConfig(compile="Blocks")
+    assert cfg.compile is CompileMode.BLOCKS and cfg.to_dict()["compile"] == "blocks"
+    assert config_from_dict(cfg.to_dict()).compile is CompileMode.BLOCKS
+    assert parse_field_value("compile", "model") == "model" and RunConfig().replace(compile="model").compile.value == "model"
+    r = run("estimate", "--compile", "everything")
+    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [
+        "error: compile: 'everything' is not one of: none, model, blocks"]
+
+
+def test_the_formula_says_once_that_it_does_not_model_compiled_code():
+    r = run("estimate", "--compile", "blocks", "--json")
+    assert r.exit_code == 0
+    assert r.stderr.count(WARNING) == 1 and json.loads(r.stdout)["config"]["compile"] == "blocks"
+    r = run("estimate", "--vary", "compile=none,model,blocks")
+    assert r.exit_code == 0 and r.stderr.count(WARNING) == 1
+    assert WARNING not in run("estimate").stderr
+
+
+def test_trace_compile_counts_the_partition_and_says_how():
+    args = ("estimate", "--trace", "--layers", "1", "--seq", "32", "--micro-batch", "2", "--json")
+    r = run(*args, "--compile", "blocks")
+    assert r.exit_code == 0, r.output
+    assert WARNING not in r.stderr
+    compiled, eager = json.loads(r.stdout), json.loads(run(*args).stdout)
+    assert any("min-cut partition" in n and "exact on what the compiled forward saves" in n for n in compiled["notes"])
+    assert any("graph breaks" in n for n in compiled["notes"])
+    # the partition saves fewer bytes than eager autograd keeps (it recomputes cheap ops in backward), and the
+    # model states are the same
+    assert compiled["memory"]["activations_bytes"] < eager["memory"]["activations_bytes"]
+    for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes"):
+        assert compiled["memory"][k] == eager["memory"][k]
+
+
+def test_compare_a_compile_change_has_no_formula_prediction_and_says_why():
+    r = run("compare", "--layers", "1", "--seq", "16", "--micro-batch", "1", "--change", "compile=none:blocks",
+            "--formula-only", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["formula"]["available"] is False and WARNING in d["formula"]["reason"]
+
+
+def test_measure_without_a_cpp_compiler_is_one_line_and_exit_2():
+    """Inductor reads CXX: a compiler that is not there is refused before anything is built."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "batchlab", "measure", "--layers", "1", "--seq", "16",
+                        "--micro-batch", "1", "--compile", "blocks", "--steps", "1"],
+                       env={**os.environ, "CXX": "batchlab-no-such-c++"}, capture_output=True, text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: compile: inductor needs a C++ compiler") and "batchlab-no-such-c++" in lines[0]
