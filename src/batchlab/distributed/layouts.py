@@ -41,6 +41,10 @@ class ShardedTrainer(Trainer):
         dist.all_reduce(t, group=self.mesh.group("dp"))
         return int(t.item())
 
+    def update(self, listener=None, micro_batches=None):
+        with tensor_parallel.loss_context(self.cfg):  # forward and backward of the vocabulary-parallel loss
+            return super().update(listener, micro_batches)
+
     def reduce_gradients(self) -> None:
         if self.cfg.parallel.dp > 1 and not self.cfg.parallel.fsdp:
             tensor_parallel.all_reduce_gradients(self.raw_model.parameters(), self.mesh.group("dp"), self.world)
@@ -101,8 +105,11 @@ class PipelineTrainer(ShardedTrainer):
         kwargs = dict(target=targets, losses=losses) if self.last else {}
         args = (tokens,) if self.first else ()
         self._listener.mark("forward")
-        with self._autocast():
-            self.schedule.step(*args, **kwargs)
+        with self._autocast(), tensor_parallel.loss_context(self.cfg):
+            # return_outputs=False: the losses are what a training step needs; with the default True the last
+            # stage's PipelineStage appends every micro-batch's output (the logits) to ``output_chunks`` and keeps
+            # them all until the step ends (torch/distributed/pipelining/stage.py, forward_one_chunk)
+            self.schedule.step(*args, return_outputs=False, **kwargs)
         total = torch.tensor([sum(float(x.detach()) for x in losses) * self._norm])
         dist.all_reduce(total, group=self.mesh.group("pp"))  # the last stage's loss, on every stage
         self._listener.mark("optimizer")

@@ -27,6 +27,10 @@ _RELABEL = {"all_gather_copy_in": "parameters", "_allgather_base_": "parameters"
             "_reduce_scatter_base_": "gradients"}
 _TO_COPY = torch.ops.aten._to_copy.default
 _DEVICE = torch.ops.prim.device.default
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # a build without torch.distributed
+    _DTENSOR = None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -290,6 +294,11 @@ class StorageTracker(TorchDispatchMode):
             # as FakeTensorMode answers it (fake_tensor._device_handler: the fake device, meta inside a kernel)
             # without dispatching it again; a mode entered before this one does not see it (no tensor work)
             out = args[0].device
+        elif _DTENSOR is not None and _DTENSOR in types:
+            # a DTensor op: handed on to DTensor's own dispatch with this mode still on, so that every local op
+            # it runs is seen (a mode is off while its own handler runs: the storages of a redistribution's
+            # buffers or of loss_parallel's working set would go unseen); its output is one of those
+            return NotImplemented
         else:
             out = func(*args, **kwargs)
         if self.observer is not None:
