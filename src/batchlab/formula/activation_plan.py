@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from batchlab.config import ACMode, RunConfig
+from batchlab.config import ACMode, LossMode, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
-from batchlab.formula.loss import LossPath, loss_path
+from batchlab.formula.loss import LossPath, loss_path, vocab_parallel_path
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankShare, share, tp_kept_bytes
 
@@ -76,14 +76,17 @@ def _one_rank(cfg: RunConfig, mode: ACMode, parts: act.LayerActivations) -> int:
 
 
 def rank_loss_path(cfg: RunConfig, rank: RankShare) -> LossPath:
-    """The loss's tensors on ``rank``: on the last stage only, vocabulary-parallel (Megatron's cross entropy over
-    the vocabulary shards: 1/t of the logits per rank)."""
-    lp = loss_path(cfg)
+    """The loss's tensors on ``rank``: on the last stage only; vocabulary-parallel where tensor parallelism
+    splits the vocabulary (``RunConfig.vocab_parallel``: loss_parallel's tensors, 1/t of the logits per rank),
+    else the whole logits' loss on every tensor-parallel rank."""
     if rank.whole:
-        return lp
+        return loss_path(cfg)
     if not rank.last:
         return LossPath(0, 0, 0)
-    t = rank.tp
+    if cfg.vocab_parallel and cfg.loss.mode is LossMode.FULL:
+        return vocab_parallel_path(cfg, rank.tp)
+    lp = loss_path(cfg)
+    t = rank.tp if cfg.vocab_parallel else 1
     return LossPath(lp.kept // t, lp.forward_transient // t, lp.backward_transient // t)
 
 

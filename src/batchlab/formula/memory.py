@@ -162,7 +162,7 @@ def _backward_terms(cfg: RunConfig, gradient_bytes: int, rank: RankShare | None 
     # the LM head's weight gradient exists from the start of the layers' backward (tied: in autograd's
     # input buffer until the embedding's backward adds its part)
     head = cfg.loss.mode is not LossMode.CLASSIFIER and rank.last
-    head_grad = m.vocab * m.hidden // t * gradient_bytes // n if head else 0
+    head_grad = m.vocab * m.hidden // rank.vocab_split * gradient_bytes // n if head else 0
     mask = act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend) if rank.first else 0
     below_layers = mask // rank.in_sp  # the rest is freed
     return transient, head_grad, below_layers
@@ -180,14 +180,14 @@ def autocast_cast_params(m, rank: RankShare | None = None) -> tuple[int, int]:
         lookups = c.embedding - (m.vocab * m.hidden if m.tied_embeddings else 0)
         return c.total - lookups - norms * m.layers - c.final_norm, c.per_layer - norms
     layer = rank.per_layer - norms
-    tied_table = m.vocab * m.hidden // rank.tp if m.tied_embeddings and rank.stages == 1 else 0
+    tied_table = m.vocab * m.hidden // rank.vocab_split if m.tied_embeddings and rank.stages == 1 else 0
     return layer * len(rank.layers) + rank.head + tied_table, layer
 
 
 def _largest_param(cfg: RunConfig, rank: RankShare) -> int:
     m, t = cfg.model, rank.tp
     positions = m.max_positions * m.hidden if m.position is PositionKind.LEARNED and rank.first else 0
-    table = m.vocab * m.hidden // t if rank.first or rank.head else 0  # can be outsized by the positions'
+    table = m.vocab * m.hidden // rank.vocab_split if rank.first or rank.head else 0  # can be outsized by the positions'
     layer = max(m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden)) // t if rank.layers else 0
     return max(table, positions, layer)
 

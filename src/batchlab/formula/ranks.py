@@ -35,6 +35,7 @@ class RankShare:
     final_norm: int  # 0 off the last stage
     head: int  # LM head (/t), a tied embedding's copy on a pipeline's last stage; 0 off the last stage
     layer_matrices: int  # of ``per_layer``, the TP-split part (the rest is replicated)
+    vocab_split: int = 1  # the divisor of the embedding table, LM head and loss: t where tp splits the vocabulary
 
     @property
     def first(self) -> bool:
@@ -91,13 +92,14 @@ def share(cfg: RunConfig, stage: int) -> RankShare:
     split = c.per_layer - rep
     first, last = lay.holds_embedding(stage), lay.holds_head(stage)
     pos = min(_positions(m), c.embedding)
-    embedding = (c.embedding - pos) // t + pos if first else 0
+    v = t if cfg.vocab_parallel else 1  # RunConfig.vocab_parallel: else the table and head are whole on every rank
+    embedding = (c.embedding - pos) // v + pos if first else 0
     # a tied head is the embedding's table: one copy without a pipeline, a second one on the last stage with one
-    head = (c.head if not m.tied_embeddings or lay.pp == 1 else m.vocab * m.hidden) // t if last else 0
+    head = (c.head if not m.tied_embeddings or lay.pp == 1 else m.vocab * m.hidden) // v if last else 0
     return RankShare(stage=stage, stages=lay.pp, layers=lay.stage_layers(m.layers, stage), tp=t,
                      sequence_parallel=lay.sequence_parallel, in_flight=lay.in_flight(stage, cfg.accum),
                      per_layer=split // t + rep, embedding=embedding, final_norm=c.final_norm if last else 0,
-                     head=head, layer_matrices=split // t)
+                     head=head, layer_matrices=split // t, vocab_split=v)
 
 
 def shares(cfg: RunConfig) -> tuple[RankShare, ...]:
