@@ -164,7 +164,7 @@ def _backward_terms(cfg: RunConfig, gradient_bytes: int, rank: RankShare | None 
     head = cfg.loss.mode is not LossMode.CLASSIFIER and rank.last
     head_grad = m.vocab * m.hidden // rank.vocab_split * gradient_bytes // n if head else 0
     mask = act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend) if rank.first else 0
-    below_layers = mask // rank.in_sp  # the rest is freed
+    below_layers = mask  # the rest is freed; the mask is made before a sequence-parallel split (whole)
     return transient, head_grad, below_layers
 
 
