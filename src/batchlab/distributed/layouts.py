@@ -99,6 +99,7 @@ class PipelineTrainer(ShardedTrainer):
         batches = self.batches()
         tokens = torch.cat([t for t, _ in batches])
         targets = torch.cat([y for _, y in batches])
+        del batches  # the schedule splits the whole batch into micro-batch views: one copy of the data, as a loop's
         local_useful = int((targets != -100).sum())
         self._norm = self._global_useful(local_useful) / self.world
         losses: list = []

@@ -11,6 +11,7 @@ from batchlab.formula.allocator import device_memory
 from batchlab.formula.fsdp import fsdp_phases
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.params import count, norm_params
+from batchlab.formula.pipeline import gradient_send_bytes, stage_output_bytes
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankMemory, RankShare, share, shares
 from batchlab.formula.sharding import unit_elements
@@ -235,6 +236,18 @@ def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str,
     return {ph: dict(parts, **{k: live.get(ph, {}).get(k, 0) for k in sorted(names)}) for ph, parts in phases.items()}
 
 
+def _with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """A pipeline stage's own tensors (formula/pipeline.py), each a part of its own: the in-flight micro-batches'
+    stage outputs its PipelineStage keeps for their backward (forward and backward), the input gradients still in
+    their send (backward)."""
+    if rank.stages == 1:
+        return phases
+    outputs, sends = stage_output_bytes(cfg, rank), gradient_send_bytes(cfg, rank)
+    live = {"forward": (outputs, 0), "backward": (outputs, sends)}
+    return {ph: dict(parts, **dict(zip(("stage outputs", "gradient sends"), live.get(ph, (0, 0)))))
+            for ph, parts in phases.items()}
+
+
 def memory(cfg: RunConfig) -> MemoryEstimate:
     """Per rank: every figure is the most loaded pipeline stage's (the only one without a pipeline); ``ranks``
     has each stage's peak and parts."""
@@ -312,7 +325,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
             "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
                               gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
         }
-    phases = _with_deepspeed(cfg, rank, phases)
+    phases = _with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
