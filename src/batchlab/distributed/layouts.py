@@ -87,6 +87,9 @@ class PipelineTrainer(ShardedTrainer):
             pipeline.marking(st, lambda: self._listener)
         self.schedule = pipeline.schedule(cfg, self.stages, lambda out, tgt: pipeline.token_loss(out, tgt, self._norm))
 
+    def receive_buffers(self) -> list[torch.Tensor]:
+        return pipeline.receive_buffers(self.stages)
+
     def reduce_gradients(self) -> None:
         if self.tied_like is not None:
             grad = self.tied.grad if self.tied is not None else None

@@ -11,7 +11,7 @@ from batchlab.formula.allocator import device_memory
 from batchlab.formula.fsdp import fsdp_phases
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.params import count, norm_params
-from batchlab.formula.pipeline import gradient_send_bytes, stage_output_bytes
+from batchlab.formula.pipeline import gradient_send_bytes, receive_buffer_bytes, stage_output_bytes
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankMemory, RankShare, share, shares
 from batchlab.formula.sharding import unit_elements
@@ -237,15 +237,21 @@ def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str,
 
 
 def _with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """A pipeline stage's own tensors (formula/pipeline.py), each a part of its own: the in-flight micro-batches'
-    stage outputs its PipelineStage keeps for their backward (forward and backward), the input gradients still in
-    their send (backward)."""
+    """A pipeline stage's own tensors (formula/pipeline.py), each a part of its own: its receive buffers (every
+    phase: allocated once), the in-flight micro-batches' stage outputs its PipelineStage keeps for their backward
+    (forward and backward), the input gradients still in their send (backward).  The received activations in use
+    are the buffers: out of the activations' part."""
     if rank.stages == 1:
         return phases
     outputs, sends = stage_output_bytes(cfg, rank), gradient_send_bytes(cfg, rank)
+    buffers, received = receive_buffer_bytes(cfg, rank)
     live = {"forward": (outputs, 0), "backward": (outputs, sends)}
-    return {ph: dict(parts, **dict(zip(("stage outputs", "gradient sends"), live.get(ph, (0, 0)))))
-            for ph, parts in phases.items()}
+    out = {}
+    for ph, parts in phases.items():
+        moved = received if ph in live and parts["activations"] else 0
+        out[ph] = dict(parts, activations=parts["activations"] - moved, **{"receive buffers": buffers},
+                       **dict(zip(("stage outputs", "gradient sends"), live.get(ph, (0, 0)))))
+    return out
 
 
 def memory(cfg: RunConfig) -> MemoryEstimate:
@@ -292,6 +298,9 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     # DDP (gradient_as_bucket_view) keeps its gradient buckets between updates, as accumulation keeps .grad,
     # and so does zero_grad(set_to_none=False) (torch.nn.Module.zero_grad: "set to zero" instead of None)
     kept = cfg.accum > 1 or (cfg.dp > 1 and not fsdp) or not cfg.assumptions.zero_grad_set_to_none
+    if rank.stages > 1:  # a pipeline stage (no DDP buckets): .grad exists at its high point only where a backward
+        # of this update ran before it -- not where that high point is the update's first backward (all in flight)
+        kept = rank.in_flight < cfg.accum or not cfg.assumptions.zero_grad_set_to_none
     grads_before = states.gradients if kept else 0
     lp = rank_loss_path(cfg, rank)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient

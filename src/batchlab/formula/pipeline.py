@@ -43,6 +43,29 @@ def stage_output_bytes(cfg: RunConfig, rank: RankShare) -> int:
     return logits + (chunks - 1) * hidden
 
 
+def _chunk_stages(cfg: RunConfig, rank: RankShare) -> list[int]:
+    """The pipeline stage indices (of pp x chunks) this rank runs: r, r + pp, ... (distributed/pipeline.py)."""
+    lay = cfg.parallel
+    return [j * lay.pp + rank.stage for j in range(lay.chunks)]
+
+
+def receive_buffer_bytes(cfg: RunConfig, rank: RankShare) -> tuple[int, int]:
+    """(resident, in use): a ``PipelineStage`` allocates one receive buffer per micro-batch, once, for the activations
+    from the previous stage (every stage but the first) and for the gradients from the next (every stage but the
+    last), b·s·h each (torch/distributed/pipelining/stage.py, ``_create_act_recv_info`` / ``_create_grad_recv_info``:
+    ``_make_tensor_from_meta``), and keeps them from step to step.  In use: the in-flight micro-batches' received
+    activations are their first layer's input, which the layers' terms count already."""
+    if rank.stages == 1:
+        return 0, 0
+    w = Widths.of(cfg.precision, cfg.device_spec.backend)
+    one = cfg.seq * cfg.micro_batch * cfg.model.hidden * w.res // rank.in_sp
+    count = cfg.parallel.pp * cfg.parallel.chunks
+    mine = _chunk_stages(cfg, rank)
+    buffers = sum((i > 0) + (i < count - 1) for i in mine) * cfg.accum
+    receiving = sum(i > 0 for i in mine) / len(mine)  # the share of this rank's chunk-forwards that received
+    return buffers * one, round(rank.in_flight * cfg.parallel.chunks * receiving) * one
+
+
 def gradient_send_bytes(cfg: RunConfig, rank: RankShare) -> int:
     """The input gradients (b·s·h each) a stage's high-point backward runs beside, still held by their send
     (``ScheduleSpec.gradient_sends_held``)."""
