@@ -154,7 +154,9 @@ def build(cfg: RunConfig, device: torch.device, rank: int) -> tuple[Trainer, Non
                 tensor_parallel.shard_block(blocks[i], cfg.model, mesh.sub("tp"), layout.sequence_parallel)
     wrapped = apply_ac(blocks, cfg.ac)
     stages = pipeline.split(model, cfg, pp_rank) if layout.pipelined else [(0, model)]
-    if layout.tensor_parallel and not hf:
+    if layout.tensor_parallel and hf:
+        tensor_parallel.shard_hf_boundaries(model, cfg.model, mesh.sub("tp"))
+    elif layout.tensor_parallel:
         for _, module in stages:
             tensor_parallel.shard_boundaries(module, cfg.model, layout.sequence_parallel, mesh.sub("tp"))
     modules = [m for _, m in stages]

@@ -145,6 +145,25 @@ def shard_hf_layer(layer: nn.Module, tp_mesh) -> None:
     parallelize_module(layer, tp_mesh, block_plan(dict(colwise=list(HF_COLWISE), rowwise=list(HF_ROWWISE)), False))
 
 
+def shard_hf_boundaries(model: nn.Module, spec: ModelSpec, tp_mesh) -> None:
+    """A Hugging Face causal LM's token embedding and LM head over the vocabulary (``boundary_plan``, as for the
+    built-in GPT) where tp divides it: the logits stay sharded for the model's own loss under ``loss_context``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if not vocab_parallel(spec, tp_mesh.size()):
+        return
+    Replicate, Shard, Colwise, Rowwise, _, _ = _styles()
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    if embed is None or head is None or id(embed) not in names or id(head) not in names:
+        return
+    parallelize_module(model, tp_mesh, {
+        names[id(embed)]: Rowwise(input_layouts=Replicate(), output_layouts=Replicate()),
+        names[id(head)]: Colwise(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)})
+    if spec.tied_embeddings:
+        head.weight = embed.weight
+
+
 def shard_boundaries(module: nn.Module, spec: ModelSpec, sp: bool, tp_mesh) -> None:
     """The model's (or a pipeline stage's) ends (``boundary_plan``); a tied head re-tied to the sharded embedding
     (each took its own DTensor parameter; both are the vocabulary's row shard of this rank)."""
