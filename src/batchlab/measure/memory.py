@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from batchlab.config.phase import Phase
@@ -34,8 +34,19 @@ except ImportError:  # a build without torch.distributed
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what this rank stores); a plain tensor itself."""
-    return getattr(t, "_local_tensor", t)
+    """A DTensor's local shard (what this rank stores); a plain tensor itself; a wrapper subclass's one inner
+    tensor (a functional collective's AsyncCollectiveTensor wraps its result): the wrapper's own storage holds no
+    memory (an invalid python storage that still reports the wrapped size)."""
+    if type(t) is torch.Tensor:
+        return t
+    local = getattr(t, "_local_tensor", None)
+    if local is not None:
+        return local
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        if len(names) == 1:
+            return _local(getattr(t, names[0]))
+    return t
 
 
 # leaves of an op's arguments that hold no tensor (pytree leaves too, so skipping them keeps its order)
