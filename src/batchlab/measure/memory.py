@@ -117,8 +117,9 @@ class StorageTracker(TorchDispatchMode):
     """Use as ``with tracker:`` around one or more updates; call ``mark(phase)`` between phases."""
 
     def __init__(self, budget: int | None = None, owner: Callable[[], str] | None = None,
-                 listener: StorageListener | None = None, observer: Callable | None = None):
+                 listener: StorageListener | None = None, observer: Callable | None = None, fake: bool = True):
         super().__init__()
+        self.fake = fake  # the update runs on fake tensors (the trace): count their storages
         self.listener = listener
         # observer(func, args, kwargs, out) sees each op as it returns, before its storages are counted: the
         # trace's op recorder (trace/ops.py) rides on this mode, as a second mode it cost a Python call and a
@@ -324,6 +325,8 @@ class StorageTracker(TorchDispatchMode):
                 and id(_local(args[0]).untyped_storage()) in self._param_keys):
             category = "parameters"  # autocast's low-precision working copy of a weight
         for t in tensors_in(out):
+            if type(t) is FakeTensor and not self.fake:
+                continue  # DTensor's sharding propagation on fake tensors (no memory) during a real update
             # a mode sees a DTensor op before DTensor does: the storage is the output's local shard
             self._add(_local(t).untyped_storage(), category)
         if relabel:
@@ -351,8 +354,9 @@ def tracker_for(trainer, budget: int | None = None, owner: Callable[[], str] | N
                 listener: StorageListener | None = None, observer: Callable | None = None) -> StorageTracker:
     """A tracker for ``trainer``'s next update: parameters, buffers and optimizer state registered (they
     exist before tracking starts), gradients watched, baseline set.  Call ``close()`` when done."""
-    tracker = StorageTracker(budget=budget, owner=owner, listener=listener, observer=observer)
     params = list(trainer.raw_model.parameters())
+    fake = any(isinstance(p, FakeTensor) for p in params) or not params
+    tracker = StorageTracker(budget=budget, owner=owner, listener=listener, observer=observer, fake=fake)
     tracker.register(params, "parameters")
     tracker.register([b for b in trainer.raw_model.buffers()], "parameters")
     tracker.register_optimizer(trainer.optimizer)
