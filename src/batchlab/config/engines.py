@@ -117,8 +117,9 @@ class ScheduleSpec:
         """Input gradients a stage (0 first: it has none) still holds in their send while its high-point backward
         runs.  1F1B waits for the previous micro-batch's backward sends only after the next backward
         (``Schedule1F1B._step_microbatches``: "Clear previous chunk's backward sends" after ``backward_one_chunk``);
-        the interleaved runtime alike; GPipe waits for them all at the end, but its high point is its first backward,
-        with none sent yet."""
+        GPipe waits for them all at the end, but its high point is its first backward, with none sent yet.  The
+        interleaved runtime (``_PipelineScheduleRuntime``) waits for every send only when the step ends, so it
+        holds more (input gradients, and outputs past their backward) than the one counted here."""
         if stage == 0 or m < 2 or self.schedule is PipelineSchedule.GPIPE:
             return 0
         return 1
