@@ -113,6 +113,17 @@ class ScheduleSpec:
         warmup = min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
         return warmup / v
 
+    def gradient_sends_held(self, stage: int, m: int) -> int:
+        """Input gradients a stage (0 first: it has none) still holds in their send while its high-point backward
+        runs.  1F1B waits for the previous micro-batch's backward sends only after the next backward
+        (``Schedule1F1B._step_microbatches``: "Clear previous chunk's backward sends" after ``backward_one_chunk``);
+        GPipe waits for them all at the end, but its high point is its first backward, with none sent yet.  The
+        interleaved runtime (``_PipelineScheduleRuntime``) waits for every send only when the step ends, so it
+        holds more (input gradients, and outputs past their backward) than the one counted here."""
+        if stage == 0 or m < 2 or self.schedule is PipelineSchedule.GPIPE:
+            return 0
+        return 1
+
     def bubble_fraction(self, p: int, m: int, v: int = 1) -> float:
         """Idle share of a pipeline's update: (p-1)/(m+p-1) for GPipe and 1F1B; with v chunks per rank the bubble
         shrinks v-fold, (p-1)/(v·m+p-1) (Narayanan et al. 2021, sec. 2.2: bubble time / ideal = (p-1)/(v·m))."""

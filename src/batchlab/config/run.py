@@ -278,6 +278,13 @@ class RunConfig:
                       virtual=self.pp_virtual)
 
     @property
+    def vocab_parallel(self) -> bool:
+        """Tensor parallelism splits the token embedding, the LM head and the loss over the vocabulary (Megatron's
+        VocabParallelEmbedding and vocab-parallel cross entropy; torchtitan's loss_parallel): where tp divides
+        the vocabulary.  Else they stay whole on every tensor-parallel rank, the logits and the loss too."""
+        return self.tp > 1 and self.model.vocab % self.tp == 0
+
+    @property
     def global_batch(self) -> int:
         return self.micro_batch * self.accum * self.dp
 

@@ -142,6 +142,8 @@ def register_storages(tracker, trainer: Trainer, monitor: comm.CommMonitor | Non
     # as parameters (working copies) while gathered; their .grad is the unsharded gradient
     tracker.register_resizable(unsharded_buffers(trainer.raw_model), "parameters")
     tracker.watch_gradients(unsharded_params(trainer.raw_model))
+    # a pipeline stage's receive buffers (distributed/pipeline.py), allocated at its first step and reused
+    tracker.register(getattr(trainer, "receive_buffers", list)(), "activations")
 
 
 def describe(cfg: RunConfig, sync_every_micro_batch: bool = True) -> dict:

@@ -41,6 +41,10 @@ class ShardedTrainer(Trainer):
         dist.all_reduce(t, group=self.mesh.group("dp"))
         return int(t.item())
 
+    def update(self, listener=None, micro_batches=None):
+        with tensor_parallel.loss_context(self.cfg):  # forward and backward of the vocabulary-parallel loss
+            return super().update(listener, micro_batches)
+
     def reduce_gradients(self) -> None:
         if self.cfg.parallel.dp > 1 and not self.cfg.parallel.fsdp:
             tensor_parallel.all_reduce_gradients(self.raw_model.parameters(), self.mesh.group("dp"), self.world)
@@ -83,6 +87,9 @@ class PipelineTrainer(ShardedTrainer):
             pipeline.marking(st, lambda: self._listener)
         self.schedule = pipeline.schedule(cfg, self.stages, lambda out, tgt: pipeline.token_loss(out, tgt, self._norm))
 
+    def receive_buffers(self) -> list[torch.Tensor]:
+        return pipeline.receive_buffers(self.stages)
+
     def reduce_gradients(self) -> None:
         if self.tied_like is not None:
             grad = self.tied.grad if self.tied is not None else None
@@ -95,14 +102,18 @@ class PipelineTrainer(ShardedTrainer):
         batches = self.batches()
         tokens = torch.cat([t for t, _ in batches])
         targets = torch.cat([y for _, y in batches])
+        del batches  # the schedule splits the whole batch into micro-batch views: one copy of the data, as a loop's
         local_useful = int((targets != -100).sum())
         self._norm = self._global_useful(local_useful) / self.world
         losses: list = []
         kwargs = dict(target=targets, losses=losses) if self.last else {}
         args = (tokens,) if self.first else ()
         self._listener.mark("forward")
-        with self._autocast():
-            self.schedule.step(*args, **kwargs)
+        with self._autocast(), tensor_parallel.loss_context(self.cfg):
+            # return_outputs=False: the losses are what a training step needs; with the default True the last
+            # stage's PipelineStage appends every micro-batch's output (the logits) to ``output_chunks`` and keeps
+            # them all until the step ends (torch/distributed/pipelining/stage.py, forward_one_chunk)
+            self.schedule.step(*args, return_outputs=False, **kwargs)
         total = torch.tensor([sum(float(x.detach()) for x in losses) * self._norm])
         dist.all_reduce(total, group=self.mesh.group("pp"))  # the last stage's loss, on every stage
         self._listener.mark("optimizer")
@@ -143,7 +154,9 @@ def build(cfg: RunConfig, device: torch.device, rank: int) -> tuple[Trainer, Non
                 tensor_parallel.shard_block(blocks[i], cfg.model, mesh.sub("tp"), layout.sequence_parallel)
     wrapped = apply_ac(blocks, cfg.ac)
     stages = pipeline.split(model, cfg, pp_rank) if layout.pipelined else [(0, model)]
-    if layout.tensor_parallel and not hf:
+    if layout.tensor_parallel and hf:
+        tensor_parallel.shard_hf_boundaries(model, cfg.model, mesh.sub("tp"))
+    elif layout.tensor_parallel:
         for _, module in stages:
             tensor_parallel.shard_boundaries(module, cfg.model, layout.sequence_parallel, mesh.sub("tp"))
     modules = [m for _, m in stages]

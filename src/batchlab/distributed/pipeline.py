@@ -107,6 +107,17 @@ def pipeline_stages(cfg: RunConfig, modules: list[tuple[int, nn.Module]], device
     return out
 
 
+def receive_buffers(stages) -> list[torch.Tensor]:
+    """The buffers each PipelineStage allocates once and receives into at every step: per micro-batch, the
+    activations from the previous stage and the gradients from the next (``_RecvInfo.buffer``; the root input and
+    the last stage's loss have none).  They outlive the update, as parameters do."""
+    out = []
+    for st in stages:
+        for infos in list(st.args_recv_info.values()) + list(st.grad_recv_info.values()):
+            out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None and not i.is_root_arg]
+    return out
+
+
 def token_loss(output: torch.Tensor, target: torch.Tensor, norm: float) -> torch.Tensor:
     """The last stage's loss of one micro-batch: summed token cross-entropy over the update's normaliser."""
     loss = F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1), ignore_index=-100,

@@ -81,7 +81,9 @@ def vocab_parallel(spec: ModelSpec, tp: int) -> bool:
 
 def boundary_plan(module: nn.Module, first_block: str | None, sp: bool, vocab: bool) -> dict:
     """The model's (or a stage's) ends.  ``vocab``: the embedding row-wise over the vocabulary (its output
-    all-reduced whole), the LM head column-wise over it (its logits all-gathered whole: no loss parallelism).
+    all-reduced whole), the LM head column-wise over it with its logits left sharded on the vocabulary (a DTensor,
+    ``Shard(-1)``) for the loss to run under ``loss_parallel()`` (``loss_context``), as torchtitan's
+    ``parallelize_llama`` plans its output layer with loss parallelism on.
     ``sp``: the embedding's output sliced to this rank's part of the sequence before the first block (no
     communication), the final norm on the slice, the head's input gathered."""
     Replicate, Shard, Colwise, Rowwise, SequenceParallel, PrepareModuleInput = _styles()
@@ -96,11 +98,26 @@ def boundary_plan(module: nn.Module, first_block: str | None, sp: bool, vocab: b
         if sp:
             plan["norm_f"] = SequenceParallel()
         if vocab:
-            plan["head"] = Colwise(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+            plan["head"] = Colwise(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
+                                   use_local_output=False)
         elif sp:
             plan["head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                               use_local_output=True)
     return plan
+
+
+def loss_context(cfg):
+    """``loss_parallel()`` where the measured engine splits the LM head over the vocabulary (the built-in GPT, tp
+    dividing the vocabulary): cross-entropy on each rank's vocabulary shard of the logits, its max, sum-exp and
+    target logit all-reduced (torch/distributed/tensor/parallel/loss.py; Megatron's vocab-parallel cross entropy),
+    forward and backward inside it; else nothing (the logits are whole on every rank)."""
+    import contextlib
+
+    if not cfg.vocab_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def shard_block(block: nn.Module, spec: ModelSpec, tp_mesh, sp: bool) -> None:
@@ -126,6 +143,25 @@ def shard_hf_layer(layer: nn.Module, tp_mesh) -> None:
         raise ConfigError("tp", f"{type(layer).__name__} has no {missing[0]}: measured tensor parallelism takes the "
                                 "built-in GPT or a Llama-family Hugging Face model (q/k/v/o_proj, gate/up/down_proj)")
     parallelize_module(layer, tp_mesh, block_plan(dict(colwise=list(HF_COLWISE), rowwise=list(HF_ROWWISE)), False))
+
+
+def shard_hf_boundaries(model: nn.Module, spec: ModelSpec, tp_mesh) -> None:
+    """A Hugging Face causal LM's token embedding and LM head over the vocabulary (``boundary_plan``, as for the
+    built-in GPT) where tp divides it: the logits stay sharded for the model's own loss under ``loss_context``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if not vocab_parallel(spec, tp_mesh.size()):
+        return
+    Replicate, Shard, Colwise, Rowwise, _, _ = _styles()
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    if embed is None or head is None or id(embed) not in names or id(head) not in names:
+        return
+    parallelize_module(model, tp_mesh, {
+        names[id(embed)]: Rowwise(input_layouts=Replicate(), output_layouts=Replicate()),
+        names[id(head)]: Colwise(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)})
+    if spec.tied_embeddings:
+        head.weight = embed.weight
 
 
 def shard_boundaries(module: nn.Module, spec: ModelSpec, sp: bool, tp_mesh) -> None:

@@ -109,12 +109,15 @@ def layout_notes(cfg: RunConfig) -> tuple[str, ...]:
     lay, notes = cfg.parallel, []
     if lay.tp * lay.pp > 1:
         notes.append(f"{lay.text()}: memory per rank, one entry per pipeline stage (its TP and DP ranks hold alike); "
-                     "the figures are the most loaded stage's. TP splits attention, MLP and the vocabulary-parallel "
-                     "embedding, head and loss 1/t (norms, position tables, row-parallel biases replicated); "
-                     "activations per Korthikanti et al. 2022 Table 2 (norms and dropout masks split only with "
-                     "sequence parallelism; selective policies split in the whole layer's proportion); a stage keeps "
-                     "its in-flight micro-batches' activations (GPipe all m, 1F1B p - stage); a tied embedding has a "
-                     "copy on the first and the last stage; the received activation buffers are not counted")
+                     "the figures are the most loaded stage's. TP splits attention, MLP and, where t divides the "
+                     "vocabulary, the embedding, head and loss 1/t (loss_parallel; else whole on every rank; norms, "
+                     "position tables, row-parallel biases replicated); activations per Korthikanti et al. 2022 "
+                     "Table 2 (norms and dropout masks split only with sequence parallelism, whose column-parallel "
+                     "matmuls keep their all-gathered input whole as PyTorch's ColwiseParallel does; selective "
+                     "policies split in the whole layer's proportion); a stage keeps its in-flight micro-batches' "
+                     "activations (GPipe all m, 1F1B p - stage) and outputs, its receive buffers (one per micro-batch "
+                     "each way) and, under 1F1B, an input gradient in its send; a tied embedding has a copy on the "
+                     "first and the last stage")
         if profile_terms(cfg) is not None:
             notes.append("layout: the profile's per-layer totals split per rank in the built-in breakdown's "
                          "proportion at this shape; everything else from the built-in terms")

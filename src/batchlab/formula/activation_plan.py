@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from batchlab.config import ACMode, RunConfig
+from batchlab.config import ACMode, LossMode, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
-from batchlab.formula.loss import LossPath, loss_path
+from batchlab.formula.loss import LossPath, loss_path, vocab_parallel_path
 from batchlab.formula.profile import layer_policies, terms as profile_terms
-from batchlab.formula.ranks import RankShare, share, tp_kept_bytes
+from batchlab.formula.ranks import RankShare, share, sp_gathered_inputs, tp_kept_bytes
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
     if cfg.assumptions.torch_before(1, 11):
         parts = dataclasses.replace(parts, scores=parts.scores + act.legacy_softmax_input_bytes(m, s, b, p, backend))
     full = parts.total
+    norm_output = s * b * m.hidden * act.Widths.of(p, backend).e  # a norm's output: the next matmul's input
+    gathered = sp_gathered_inputs(rank, norm_output, 2)  # a layer's two norms
     modes = cfg.ac.layer_modes(m.layers)
     per_mode = {}  # alike layers under one policy keep alike bytes: once per policy, not per layer (deep plans)
     for mode in {modes[i] for i in rank.layers}:
@@ -49,18 +51,22 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
             one = checkpointing.kept_bytes(mode, m, s, b, p, backend, impl)
         else:
             one = full
-        per_mode[mode] = tp_kept_bytes(mode, parts, one, rank)
+        per_mode[mode] = tp_kept_bytes(mode, parts, one, rank, gathered)
     kept = [per_mode[modes[i]] for i in rank.layers]
-    full_rank = tp_kept_bytes(ACMode.NONE, parts, full, rank)
+    full_rank = tp_kept_bytes(ACMode.NONE, parts, full, rank, gathered)
     if fitted is not None:  # a profile's per-layer totals, split as the built-in breakdown splits at this shape
         names = layer_policies(cfg)
         kept = [round(fitted.layer(names[i])(b, s) * k / max(_one_rank(cfg, modes[i], parts), 1))
                 for i, k in zip(rank.layers, kept)]
         if fitted.layer_full is not None:
             full_rank = round(fitted.layer_full(b, s) * full_rank / max(full, 1))
+    # the embedding's dropout runs before the sequence is split (its mask whole); under SP the final norm's output
+    # is gathered whole for the LM head as a layer's norms' are for their matmuls
     mask = act.embedding_mask_bytes(m, s, b, p, backend)
-    outside = ((mask if rank.first else 0) + ((act.outside_layers_bytes(m, s, b, p, backend) - mask) if rank.last
-                                                 else 0)) // rank.in_sp + rank_loss_path(cfg, rank).kept
+    head_input = sp_gathered_inputs(rank, norm_output, 1)
+    final = act.outside_layers_bytes(m, s, b, p, backend) - mask
+    outside = ((mask if rank.first else 0) + (((final - head_input) // rank.in_sp + head_input) if rank.last else 0)
+               + rank_loss_path(cfg, rank).kept)
     one_micro_batch = sum(kept) + outside
     return ActivationPlan(full_rank, tuple(kept), outside, round((rank.in_flight - 1) * one_micro_batch))
 
@@ -76,14 +82,17 @@ def _one_rank(cfg: RunConfig, mode: ACMode, parts: act.LayerActivations) -> int:
 
 
 def rank_loss_path(cfg: RunConfig, rank: RankShare) -> LossPath:
-    """The loss's tensors on ``rank``: on the last stage only, vocabulary-parallel (Megatron's cross entropy over
-    the vocabulary shards: 1/t of the logits per rank)."""
-    lp = loss_path(cfg)
+    """The loss's tensors on ``rank``: on the last stage only; vocabulary-parallel where tensor parallelism
+    splits the vocabulary (``RunConfig.vocab_parallel``: loss_parallel's tensors, 1/t of the logits per rank),
+    else the whole logits' loss on every tensor-parallel rank."""
     if rank.whole:
-        return lp
+        return loss_path(cfg)
     if not rank.last:
         return LossPath(0, 0, 0)
-    t = rank.tp
+    if cfg.vocab_parallel and cfg.loss.mode is LossMode.FULL:
+        return vocab_parallel_path(cfg, rank.tp)
+    lp = loss_path(cfg)
+    t = rank.tp if cfg.vocab_parallel else 1
     return LossPath(lp.kept // t, lp.forward_transient // t, lp.backward_transient // t)
 
 

@@ -86,7 +86,7 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
         e = cfg.precision.compute_bytes
         if cfg.loss.mode is LossMode.FULL and e < 4 and peak_phase == "backward" and holds_loss:
             parts["freed 16-bit logits (too small for the fp32 loss gradients)"] = (
-                cfg.seq * cfg.micro_batch * cfg.model.vocab // t * e)
+                cfg.seq * cfg.micro_batch * cfg.model.vocab // (rank.vocab_split if rank is not None else 1) * e)
         if cfg.parallel.shards_parameters:
             reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
             per_layer = rank.per_layer if rank is not None else count(cfg.model).per_layer

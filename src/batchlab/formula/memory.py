@@ -12,6 +12,7 @@ from batchlab.formula.fsdp import fsdp_phases
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.kvcache import held_in_forward_bytes
 from batchlab.formula.params import count, norm_params
+from batchlab.formula.pipeline import gradient_send_bytes, receive_buffer_bytes, stage_output_bytes
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankMemory, RankShare, share, shares
 from batchlab.formula.sharding import unit_elements
@@ -163,9 +164,9 @@ def _backward_terms(cfg: RunConfig, gradient_bytes: int, rank: RankShare | None 
     # the LM head's weight gradient exists from the start of the layers' backward (tied: in autograd's
     # input buffer until the embedding's backward adds its part)
     head = cfg.loss.mode is not LossMode.CLASSIFIER and rank.last
-    head_grad = m.vocab * m.hidden // t * gradient_bytes // n if head else 0
+    head_grad = m.vocab * m.hidden // rank.vocab_split * gradient_bytes // n if head else 0
     mask = act.embedding_mask_bytes(m, s, b, cfg.precision, cfg.device_spec.backend) if rank.first else 0
-    below_layers = mask // rank.in_sp  # the rest is freed
+    below_layers = mask  # the rest is freed; the mask is made before a sequence-parallel split (whole)
     return transient, head_grad, below_layers
 
 
@@ -181,14 +182,14 @@ def autocast_cast_params(m, rank: RankShare | None = None) -> tuple[int, int]:
         lookups = c.embedding - (m.vocab * m.hidden if m.tied_embeddings else 0)
         return c.total - lookups - norms * m.layers - c.final_norm, c.per_layer - norms
     layer = rank.per_layer - norms
-    tied_table = m.vocab * m.hidden // rank.tp if m.tied_embeddings and rank.stages == 1 else 0
+    tied_table = m.vocab * m.hidden // rank.vocab_split if m.tied_embeddings and rank.stages == 1 else 0
     return layer * len(rank.layers) + rank.head + tied_table, layer
 
 
 def _largest_param(cfg: RunConfig, rank: RankShare) -> int:
     m, t = cfg.model, rank.tp
     positions = m.max_positions * m.hidden if m.position is PositionKind.LEARNED and rank.first else 0
-    table = m.vocab * m.hidden // t if rank.first or rank.head else 0  # can be outsized by the positions'
+    table = m.vocab * m.hidden // rank.vocab_split if rank.first or rank.head else 0  # can be outsized by the positions'
     layer = max(m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden)) // t if rank.layers else 0
     return max(table, positions, layer)
 
@@ -236,6 +237,24 @@ def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str,
     return {ph: dict(parts, **{k: live.get(ph, {}).get(k, 0) for k in sorted(names)}) for ph, parts in phases.items()}
 
 
+def _with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """A pipeline stage's own tensors (formula/pipeline.py), each a part of its own: its receive buffers (every
+    phase: allocated once), the in-flight micro-batches' stage outputs its PipelineStage keeps for their backward
+    (forward and backward), the input gradients still in their send (backward).  The received activations in use
+    are the buffers: out of the activations' part."""
+    if rank.stages == 1:
+        return phases
+    outputs, sends = stage_output_bytes(cfg, rank), gradient_send_bytes(cfg, rank)
+    buffers, received = receive_buffer_bytes(cfg, rank)
+    live = {"forward": (outputs, 0), "backward": (outputs, sends)}
+    out = {}
+    for ph, parts in phases.items():
+        moved = received if ph in live and parts["activations"] else 0
+        out[ph] = dict(parts, activations=parts["activations"] - moved, **{"receive buffers": buffers},
+                       **dict(zip(("stage outputs", "gradient sends"), live.get(ph, (0, 0)))))
+    return out
+
+
 def memory(cfg: RunConfig) -> MemoryEstimate:
     """Per rank: every figure is the most loaded pipeline stage's (the only one without a pipeline); ``ranks``
     has each stage's peak and parts."""
@@ -280,6 +299,9 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     # DDP (gradient_as_bucket_view) keeps its gradient buckets between updates, as accumulation keeps .grad,
     # and so does zero_grad(set_to_none=False) (torch.nn.Module.zero_grad: "set to zero" instead of None)
     kept = cfg.accum > 1 or (cfg.dp > 1 and not fsdp) or not cfg.assumptions.zero_grad_set_to_none
+    if rank.stages > 1:  # a pipeline stage (no DDP buckets): .grad exists at its high point only where a backward
+        # of this update ran before it -- not where that high point is the update's first backward (all in flight)
+        kept = rank.in_flight < cfg.accum or not cfg.assumptions.zero_grad_set_to_none
     grads_before = states.gradients if kept else 0
     lp = rank_loss_path(cfg, rank)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
@@ -314,7 +336,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
             "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
                               gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
         }
-    phases = _with_deepspeed(cfg, rank, phases)
+    phases = _with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]

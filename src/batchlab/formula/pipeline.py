@@ -17,9 +17,63 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchlab.config import ACMode, RunConfig
+from batchlab.formula.activations import Widths
 from batchlab.formula.flops import stage_flops_per_token
 from batchlab.formula.ranks import RankShare, shares
 from batchlab.formula.sharding import collective_seconds
+
+
+def stage_output_bytes(cfg: RunConfig, rank: RankShare) -> int:
+    """The outputs a pipeline rank's ``PipelineStage`` keeps at its high point: ``forward_one_chunk`` stores each
+    micro-batch's output in ``fwd_cache`` until that micro-batch's ``backward_one_chunk`` (torch/distributed/
+    pipelining/stage.py), so every in-flight chunk-forward keeps one: b·s·h (this rank's sequence slice under SP)
+    from a stage that sends on, the logits (this rank's vocabulary shard) from the last stage -- one in flight on
+    the rank holding it among its interleaved chunks.  0 without a pipeline."""
+    if rank.stages == 1:
+        return 0
+    m, s, b = cfg.model, cfg.seq, cfg.micro_batch
+    w = Widths.of(cfg.precision, cfg.device_spec.backend)
+    hidden = s * b * m.hidden * w.res // rank.in_sp
+    logits = s * b * m.vocab * w.e // rank.vocab_split
+    chunks = round(rank.in_flight * cfg.parallel.chunks)  # chunk-forwards in flight
+    if not rank.last:
+        return chunks * hidden
+    if cfg.parallel.chunks == 1:
+        return chunks * logits
+    return logits + (chunks - 1) * hidden
+
+
+def _chunk_stages(cfg: RunConfig, rank: RankShare) -> list[int]:
+    """The pipeline stage indices (of pp x chunks) this rank runs: r, r + pp, ... (distributed/pipeline.py)."""
+    lay = cfg.parallel
+    return [j * lay.pp + rank.stage for j in range(lay.chunks)]
+
+
+def receive_buffer_bytes(cfg: RunConfig, rank: RankShare) -> tuple[int, int]:
+    """(resident, in use): a ``PipelineStage`` allocates one receive buffer per micro-batch, once, for the activations
+    from the previous stage (every stage but the first) and for the gradients from the next (every stage but the
+    last), b·s·h each (torch/distributed/pipelining/stage.py, ``_create_act_recv_info`` / ``_create_grad_recv_info``:
+    ``_make_tensor_from_meta``), and keeps them from step to step.  In use: the in-flight micro-batches' received
+    activations are their first layer's input, which the layers' terms count already."""
+    if rank.stages == 1:
+        return 0, 0
+    w = Widths.of(cfg.precision, cfg.device_spec.backend)
+    one = cfg.seq * cfg.micro_batch * cfg.model.hidden * w.res // rank.in_sp
+    count = cfg.parallel.pp * cfg.parallel.chunks
+    mine = _chunk_stages(cfg, rank)
+    buffers = sum((i > 0) + (i < count - 1) for i in mine) * cfg.accum
+    receiving = sum(i > 0 for i in mine) / len(mine)  # the share of this rank's chunk-forwards that received
+    return buffers * one, round(rank.in_flight * cfg.parallel.chunks * receiving) * one
+
+
+def gradient_send_bytes(cfg: RunConfig, rank: RankShare) -> int:
+    """The input gradients (b·s·h each) a stage's high-point backward runs beside, still held by their send
+    (``ScheduleSpec.gradient_sends_held``)."""
+    if rank.stages == 1:
+        return 0
+    w = Widths.of(cfg.precision, cfg.device_spec.backend)
+    held = cfg.parallel.schedule_spec.gradient_sends_held(rank.stage, cfg.accum)
+    return held * cfg.seq * cfg.micro_batch * cfg.model.hidden * w.res // rank.in_sp
 
 
 @dataclass(frozen=True)

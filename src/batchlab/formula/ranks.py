@@ -35,6 +35,7 @@ class RankShare:
     final_norm: int  # 0 off the last stage
     head: int  # LM head (/t), a tied embedding's copy on a pipeline's last stage; 0 off the last stage
     layer_matrices: int  # of ``per_layer``, the TP-split part (the rest is replicated)
+    vocab_split: int = 1  # the divisor of the embedding table, LM head and loss: t where tp splits the vocabulary
 
     @property
     def first(self) -> bool:
@@ -91,13 +92,14 @@ def share(cfg: RunConfig, stage: int) -> RankShare:
     split = c.per_layer - rep
     first, last = lay.holds_embedding(stage), lay.holds_head(stage)
     pos = min(_positions(m), c.embedding)
-    embedding = (c.embedding - pos) // t + pos if first else 0
+    v = t if cfg.vocab_parallel else 1  # RunConfig.vocab_parallel: else the table and head are whole on every rank
+    embedding = (c.embedding - pos) // v + pos if first else 0
     # a tied head is the embedding's table: one copy without a pipeline, a second one on the last stage with one
-    head = (c.head if not m.tied_embeddings or lay.pp == 1 else m.vocab * m.hidden) // t if last else 0
+    head = (c.head if not m.tied_embeddings or lay.pp == 1 else m.vocab * m.hidden) // v if last else 0
     return RankShare(stage=stage, stages=lay.pp, layers=lay.stage_layers(m.layers, stage), tp=t,
                      sequence_parallel=lay.sequence_parallel, in_flight=lay.in_flight(stage, cfg.accum),
                      per_layer=split // t + rep, embedding=embedding, final_norm=c.final_norm if last else 0,
-                     head=head, layer_matrices=split // t)
+                     head=head, layer_matrices=split // t, vocab_split=v)
 
 
 def shares(cfg: RunConfig) -> tuple[RankShare, ...]:
@@ -105,17 +107,28 @@ def shares(cfg: RunConfig) -> tuple[RankShare, ...]:
     return tuple(share(cfg, r) for r in range(cfg.parallel.pp))
 
 
-def tp_layer_bytes(parts: LayerActivations, t: int, sp: bool) -> int:
+def tp_layer_bytes(parts: LayerActivations, t: int, sp: bool, gathered: int = 0) -> int:
     """A layer's kept bytes on one of t tensor-parallel ranks (Korthikanti et al. 2022, Table 2:
     sbh(10 + 24/t + 5as/(ht)) without SP, sbh(34 + 5as/h)/t with SP): q/k/v, scores, the attention output and
     the MLP are inside the TP region; the norms (inputs and outputs: the next matmul's input) and the residual
-    dropout masks are split only along the sequence."""
+    dropout masks are split only along the sequence.  ``gathered``: of the norms' bytes, the outputs the next
+    column-parallel matmuls save whole under SP (``sp_gathered_inputs``)."""
     inside = parts.qkv + parts.scores + parts.attn_out + parts.mlp
     outside = parts.norms + parts.masks
-    return inside // t + (outside // t if sp else outside)
+    return inside // t + ((outside - gathered) // t + gathered if sp else outside)
 
 
-def tp_kept_bytes(mode: ACMode, full: LayerActivations, kept: int, share_: RankShare) -> int:
+def sp_gathered_inputs(share_: RankShare, norm_output: int, norms: int) -> int:
+    """With sequence parallelism, what the column-parallel matmuls after ``norms`` norms save: each norm's output
+    (``norm_output`` bytes for the whole sequence) all-gathered over the sequence, whole on every rank.  PyTorch's
+    ``ColwiseParallel`` with ``input_layouts=Shard(1)`` redistributes its input to ``Replicate()`` before
+    ``F.linear``, whose autograd saves that gathered input (torch/distributed/tensor/parallel/style.py,
+    ``_prepare_input_fn``); Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` saves the shard and
+    all-gathers it again in backward (Korthikanti et al. 2022, sec. 4.2.2), which Table 2's /t assumes."""
+    return norms * norm_output if share_.sequence_parallel and share_.tp > 1 else 0
+
+
+def tp_kept_bytes(mode: ACMode, full: LayerActivations, kept: int, share_: RankShare, gathered: int = 0) -> int:
     """What a layer under ``mode`` keeps on this rank, from what it keeps on one rank (``kept``) and its whole
     breakdown (``full``): none as Table 2; full recompute keeps the layer input (split with SP only);
     megatron-selective drops only attention-core tensors (inside the TP region); the other selective policies
@@ -123,7 +136,7 @@ def tp_kept_bytes(mode: ACMode, full: LayerActivations, kept: int, share_: RankS
     t, sp = share_.tp, share_.sequence_parallel
     if t == 1:
         return kept
-    whole = tp_layer_bytes(full, t, sp)
+    whole = tp_layer_bytes(full, t, sp, gathered)
     if mode is ACMode.NONE:
         return whole
     if mode is ACMode.FULL:

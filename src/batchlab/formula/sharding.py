@@ -43,7 +43,7 @@ def _block_tensors(m: ModelSpec, t: int = 1) -> list[tuple[int, int]]:
 def _root_tensors(m: ModelSpec, rank: "RankShare | None" = None) -> list[tuple[int, int]]:
     """Embeddings, final norm and an untied head: the parameters outside the blocks (the root unit); on a
     pipeline stage, those it holds (vocabulary-parallel tables split by rows over TP)."""
-    t, first, last = (rank.tp, rank.first, rank.last) if rank is not None else (1, True, True)
+    t, first, last = (rank.vocab_split, rank.first, rank.last) if rank is not None else (1, True, True)
     tied_copy = rank is not None and rank.stages > 1 and m.tied_embeddings  # the last stage's copy
     out = [(m.vocab // t, m.hidden)] if first else []
     out += [(m.max_positions, m.hidden)] if first and m.position is PositionKind.LEARNED else []

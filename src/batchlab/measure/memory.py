@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from batchlab.config.phase import Phase
@@ -27,11 +27,26 @@ _RELABEL = {"all_gather_copy_in": "parameters", "_allgather_base_": "parameters"
             "_reduce_scatter_base_": "gradients"}
 _TO_COPY = torch.ops.aten._to_copy.default
 _DEVICE = torch.ops.prim.device.default
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # a build without torch.distributed
+    _DTENSOR = None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what this rank stores); a plain tensor itself."""
-    return getattr(t, "_local_tensor", t)
+    """A DTensor's local shard (what this rank stores); a plain tensor itself; a wrapper subclass's one inner
+    tensor (a functional collective's AsyncCollectiveTensor wraps its result): the wrapper's own storage holds no
+    memory (an invalid python storage that still reports the wrapped size)."""
+    if type(t) is torch.Tensor:
+        return t
+    local = getattr(t, "_local_tensor", None)
+    if local is not None:
+        return local
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        if len(names) == 1:
+            return _local(getattr(t, names[0]))
+    return t
 
 
 # leaves of an op's arguments that hold no tensor (pytree leaves too, so skipping them keeps its order)
@@ -102,8 +117,9 @@ class StorageTracker(TorchDispatchMode):
     """Use as ``with tracker:`` around one or more updates; call ``mark(phase)`` between phases."""
 
     def __init__(self, budget: int | None = None, owner: Callable[[], str] | None = None,
-                 listener: StorageListener | None = None, observer: Callable | None = None):
+                 listener: StorageListener | None = None, observer: Callable | None = None, fake: bool = True):
         super().__init__()
+        self.fake = fake  # the update runs on fake tensors (the trace): count their storages
         self.listener = listener
         # observer(func, args, kwargs, out) sees each op as it returns, before its storages are counted: the
         # trace's op recorder (trace/ops.py) rides on this mode, as a second mode it cost a Python call and a
@@ -298,6 +314,11 @@ class StorageTracker(TorchDispatchMode):
             # as FakeTensorMode answers it (fake_tensor._device_handler: the fake device, meta inside a kernel)
             # without dispatching it again; a mode entered before this one does not see it (no tensor work)
             out = args[0].device
+        elif _DTENSOR is not None and _DTENSOR in types:
+            # a DTensor op: handed on to DTensor's own dispatch with this mode still on, so that every local op
+            # it runs is seen (a mode is off while its own handler runs: the storages of a redistribution's
+            # buffers or of loss_parallel's working set would go unseen); its output is one of those
+            return NotImplemented
         else:
             out = func(*args, **kwargs)
         if self.observer is not None:
@@ -312,6 +333,8 @@ class StorageTracker(TorchDispatchMode):
                 and id(_local(args[0]).untyped_storage()) in self._param_keys):
             category = "parameters"  # autocast's low-precision working copy of a weight
         for t in tensors_in(out):
+            if type(t) is FakeTensor and not self.fake:
+                continue  # DTensor's sharding propagation on fake tensors (no memory) during a real update
             # a mode sees a DTensor op before DTensor does: the storage is the output's local shard
             self._add(_local(t).untyped_storage(), category)
         if relabel:
@@ -339,8 +362,9 @@ def tracker_for(trainer, budget: int | None = None, owner: Callable[[], str] | N
                 listener: StorageListener | None = None, observer: Callable | None = None) -> StorageTracker:
     """A tracker for ``trainer``'s next update: parameters, buffers and optimizer state registered (they
     exist before tracking starts), gradients watched, baseline set.  Call ``close()`` when done."""
-    tracker = StorageTracker(budget=budget, owner=owner, listener=listener, observer=observer)
     params = list(trainer.raw_model.parameters())
+    fake = any(isinstance(p, FakeTensor) for p in params) or not params
+    tracker = StorageTracker(budget=budget, owner=owner, listener=listener, observer=observer, fake=fake)
     tracker.register(params, "parameters")
     tracker.register([b for b in trainer.raw_model.buffers()], "parameters")
     tracker.register_optimizer(trainer.optimizer)
