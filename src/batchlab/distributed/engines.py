@@ -93,11 +93,6 @@ def build(cfg: RunConfig, device: torch.device, rank: int, world: int, trainer_c
     return trainer, comm.register(trainer.model, cuda=device.type == "cuda")
 
 
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding this rank's state (ZeroRedundancyOptimizer keeps it in ``.optim``)."""
-    return getattr(optimizer, "optim", optimizer)
-
-
 def fsdp_params(model: nn.Module) -> list:
     """FSDP2's per-parameter records (FSDPParam) of every group in ``model``; [] without FSDP2."""
     from torch.distributed.fsdp import FSDPModule

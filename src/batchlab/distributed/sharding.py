@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SHARDING_NAMES = {"ddp": 0, "zero1": 1, "fsdp-grad-op": 2, "fsdp": 3}
 
 # FSDP2 accumulation, the choice batchlab makes (and why): gradients are reduce-scattered after every
 # micro-batch (set_requires_gradient_sync stays True), so each rank only ever holds its gradient shard
@@ -47,16 +46,6 @@ def engine_info(zero: int, sync_every_micro_batch: bool = True) -> EngineInfo:
     return EngineInfo(zero, "fsdp-grad-op" if zero == 2 else "fsdp",
                       f"FSDP2 fully_shard per block + root, reshard_after_forward={zero == 3}",
                       FSDP_ACCUMULATION if sync_every_micro_batch else FSDP_NO_SYNC)
-
-
-def parse_sharding(text: str) -> int:
-    """``--sharding`` spelling (ddp, zero1, fsdp-grad-op, fsdp) to the ZeRO stage; ConfigError otherwise."""
-    from batchlab.config import ConfigError
-
-    key = str(text).strip().lower().replace("_", "-")
-    if key not in SHARDING_NAMES:
-        raise ConfigError("sharding", f"must be one of {', '.join(SHARDING_NAMES)}, got {text!r}")
-    return SHARDING_NAMES[key]
 
 
 def engine_snippet(cfg) -> str:

@@ -173,7 +173,3 @@ def explain_sections(cfg: RunConfig, calibrations: Calibrations | None = None,
     return out
 
 
-def explain_lines(cfg: RunConfig, calibrations: Calibrations | None = None,
-                  cannot_support: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """The sections as plain lines: each title, then its lines."""
-    return [line for s in explain_sections(cfg, calibrations, cannot_support) for line in (s.title, *s.lines)]

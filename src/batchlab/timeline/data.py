@@ -75,13 +75,6 @@ class Timeline:
     def peak_phase(self) -> PhaseSpan:
         return self.phases[self.phase_of[self.peak_sample]]
 
-    def total_at_op(self, op: int) -> int:
-        """Live bytes just after op ``op`` (the last sample at or before it)."""
-        import bisect
-
-        i = bisect.bisect_right(self.ops, op) - 1
-        return sum(v[max(i, 0)] for v in self.parts.values())
-
     def to_dict(self) -> dict[str, Any]:
         totals = self.totals
         return {

@@ -90,12 +90,6 @@ def _key(func, args, kwargs, out, phase: Phase) -> tuple:
     return name, phase, cost_class, flops, nbytes, elements, low, _flops_per_matmul(name, ins, flops)
 
 
-def op_of(func, args, kwargs, out, phase: Phase) -> OpCount:
-    """One call as an OpCount (count 1)."""
-    *fields, flops_per_matmul = _key(func, args, kwargs, out, phase)
-    return OpCount(*fields, flops_per_matmul=flops_per_matmul)
-
-
 def _flops_per_matmul(name: str, ins: list[torch.Tensor], flops: int) -> int:
     """FLOPs of one independent matmul: a bmm's per batch entry, attention's per (batch, head)."""
     if not flops or not ins:
