@@ -14,7 +14,7 @@ from typing import Any
 
 from batchlab.advise.torch_script import training_script
 from batchlab.config import (ACMode, Assumptions, ConfigError, ModelSpec, Precision, RunConfig,
-                             preset, to_jsonable)
+                             optimizer_spec, preset, to_jsonable)
 
 
 def _toml_value(v: Any) -> str:
@@ -79,6 +79,12 @@ def huggingface(cfg: RunConfig) -> dict[str, Any]:
         args["bf16"] = True
     elif cfg.precision is Precision.FP16_MIXED:
         args["fp16"] = True
+    opt = optimizer_spec(cfg.optimizer)
+    if opt.hf_optim is not None:
+        args["optim"] = opt.hf_optim
+    else:
+        note = f"{note}; " if note else ""
+        note += f"optimizer {cfg.optimizer}: {opt.note}"
     if cfg.zero == 1 and cfg.dp > 1:
         args["deepspeed"] = "ds_config.json"  # the DeepSpeed settings (ZeRO-1 has no FSDP equivalent)
     elif cfg.zero >= 2 and cfg.dp > 1:
@@ -103,8 +109,9 @@ def lightning(cfg: RunConfig) -> dict[str, Any]:
     trainer = {"accumulate_grad_batches": cfg.accum, "devices": devices, "strategy": strategy, "precision": precision}
     if nodes > 1:
         trainer["num_nodes"] = nodes
-    out: dict[str, Any] = {"Trainer": trainer,
-                           "DataLoader": {"batch_size": cfg.micro_batch}}
+    opt = optimizer_spec(cfg.optimizer)
+    out: dict[str, Any] = {"Trainer": trainer, "DataLoader": {"batch_size": cfg.micro_batch},
+                           "configure_optimizers": f"return {opt.torch_class}(self.parameters(){opt.script_kwargs})"}
     if cfg.ac.mode is not ACMode.NONE:
         out["note"] = (f"activation checkpointing {cfg.ac}: no Trainer switch; with FSDP, strategy=FSDPStrategy("
                        "activation_checkpointing_policy={YourBlock}) wraps every block; else wrap the layers in the model")
@@ -114,7 +121,9 @@ def lightning(cfg: RunConfig) -> dict[str, Any]:
 def deepspeed(cfg: RunConfig) -> dict[str, Any]:
     ds: dict[str, Any] = {"train_micro_batch_size_per_gpu": cfg.micro_batch,
                           "gradient_accumulation_steps": cfg.accum, "train_batch_size": cfg.global_batch,
-                          "zero_optimization": {"stage": cfg.zero}}
+                          "zero_optimization": {"stage": cfg.zero},
+                          "optimizer": {"type": optimizer_spec(cfg.optimizer).deepspeed_type,
+                                        "params": dict(optimizer_spec(cfg.optimizer).kwargs)}}
     if cfg.precision is Precision.BF16_MIXED:
         ds["bf16"] = {"enabled": True}
     elif cfg.precision is Precision.FP16_MIXED:
@@ -227,6 +236,8 @@ def call_code(name: str, snippet: dict[str, Any]) -> str:
     lines = [f"{name}("] + [f"    {k}={v!r}," for k, v in kwargs.items()] + [")"]
     if "DataLoader" in snippet:
         lines.append(f"DataLoader(dataset, batch_size={snippet['DataLoader']['batch_size']})  # micro-batch per device")
+    if "configure_optimizers" in snippet:
+        lines.append(f"# LightningModule.configure_optimizers: {snippet['configure_optimizers']}")
     if "launch" in snippet:
         lines.append(f"# launch: {snippet['launch']}")
     if "note" in snippet:

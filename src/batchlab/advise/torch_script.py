@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from batchlab.config import ACMode, OptimizerKind, Precision, RunConfig
+from batchlab.config import ACMode, Precision, RunConfig, optimizer_spec
 
 STAND_IN_BEGIN = "# >>> stand-in model, data and loss: replace with yours (keep model.layers, the list of blocks)"
 STAND_IN_END = "# <<< end of the stand-in"
@@ -214,9 +214,9 @@ def _devices(cfg: RunConfig) -> list[str]:
 
 
 def _optimizer_class(cfg: RunConfig) -> tuple[str, str]:
-    """(class, extra keyword arguments) for cfg.optimizer."""
-    return {OptimizerKind.ADAMW: ("torch.optim.AdamW", ""), OptimizerKind.SGD: ("torch.optim.SGD", ""),
-            OptimizerKind.SGD_MOMENTUM: ("torch.optim.SGD", ", momentum=0.9")}[cfg.optimizer]
+    """(class, extra keyword arguments) for cfg.optimizer, from its catalogue entry."""
+    spec = optimizer_spec(cfg.optimizer)
+    return spec.torch_class, spec.script_kwargs
 
 
 def _wrap(cfg: RunConfig) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Callable, Iterable, NoReturn, Optional
 
 import typer
 
-from batchlab.config import (Assumptions, ConfigError, ModelSource, RunConfig, derive_accum, load_config_toml,
+from batchlab.config import (Assumptions, ConfigError, ModelSource, OptimizerKind, RunConfig, derive_accum, load_config_toml,
                              model_from_hf_config, parse_bytes, resolve_model)
 from batchlab.formula.profile import attach_cached, missing, needed, profiled_precision
 
@@ -51,7 +51,7 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "dp": (int, 1, "Data-parallel world size."),
     "precision": (str, "fp32", "fp32, bf16-mixed (autocast), fp16-mixed, bf16, or bf16-fsdp (FSDP2 "
                                "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); formula only)."),
-    "optimizer": (str, "adamw", "adamw, sgd or sgd-momentum."),
+    "optimizer": (str, "adamw", ", ".join(k.value for k in OptimizerKind) + " (the optimizer catalogue)."),
     "optimizer_bytes": (Optional[float], None, "Optimizer state bytes per parameter (overrides --optimizer's)."),
     "ac": (str, "none", AC_HELP),
     "loss": (str, "full", "Loss path: full (F.cross_entropy on all logits), chunked[:N] (N checkpointed token "

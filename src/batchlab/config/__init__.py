@@ -4,6 +4,7 @@
     values    single-value checks and parsers: whole numbers, sizes, files
     model     ModelSpec (a decoder-only transformer's shape) and the published presets
     devices   the device catalogue (data) and its lookup (aliases, custom:..., local)
+    optimizers  the optimizer catalogue: state, step ops, torch class, framework spellings per optimizer
     run       ACPolicy, Assumptions, RunConfig (frozen, validated) and the serialiser
     batch     the global-batch rules of a one-variable change (keep_global_batch, apply_change)
     load      configs from user text: field values, dicts, TOML tables and files, HF config.json, --model
@@ -13,7 +14,8 @@ Sizes are bytes, times seconds, rates per second; GiB appears only in display co
 """
 from batchlab.config.batch import BATCH_FIELDS, apply_change, keep_global_batch
 from batchlab.config.choices import (ACMode, AttentionImpl, Backend, Choice, ConfigError, Counted, DataKind, Implementation,
-                                     Keep, LossMode, MLPKind, ModelSource, NormKind, OptimizerKind, PositionKind, Precision)
+                                     Keep, LossMode, MLPKind, ModelSource, NormKind, PositionKind, Precision)
+from batchlab.config.optimizers import OPTIMIZERS, OptimizerKind, OptimizerSpec, optimizer_spec
 from batchlab.config.devices import (DEVICE_ALIASES, DEVICES, GB, GPU_NAMES, T, DeviceSpec, GiB, catalogue_key,
                                      device, local_device)
 from batchlab.config.load import (HF_FAMILIES, config_from_dict, config_from_table, load_config_toml,
@@ -27,8 +29,8 @@ __all__ = [
     "ACMode", "ACPolicy", "ASSUMPTION_FIELDS", "Assumptions", "AttentionImpl", "BATCH_FIELDS", "Backend",
     "CHANGEABLE_FIELDS", "Choice", "ConfigError", "Counted", "DEVICES", "DEVICE_ALIASES", "DataKind", "DeviceSpec", "GB", "GPU_NAMES",
     "GiB", "HF_FAMILIES", "Implementation", "Keep", "LossMode", "LossPolicy", "MLPKind", "MODEL_FIELDS", "ModelSource", "ModelSpec", "NormKind",
-    "OptimizerKind", "PRESETS", "PositionKind", "Precision", "RUN_FIELDS", "RunConfig", "T", "apply_change",
+    "OPTIMIZERS", "OptimizerKind", "OptimizerSpec", "PRESETS", "PositionKind", "Precision", "RUN_FIELDS", "RunConfig", "T", "apply_change",
     "catalogue_key", "config_from_dict", "config_from_table", "default_ffn", "derive_accum", "device",
     "keep_global_batch", "load_config_toml", "local_device", "model_from_hf_config", "parse_bytes",
-    "parse_field_value", "preset", "read_file", "resolve_model", "to_jsonable", "trained_with", "whole_number",
+    "optimizer_spec", "parse_field_value", "preset", "read_file", "resolve_model", "to_jsonable", "trained_with", "whole_number",
 ]

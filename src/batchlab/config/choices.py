@@ -54,12 +54,6 @@ class Precision(Choice):
         return self in (Precision.BF16, Precision.BF16_FSDP)
 
 
-class OptimizerKind(Choice):
-    ADAMW = "adamw"
-    SGD = "sgd"  # plain SGD, no state
-    SGD_MOMENTUM = "sgd-momentum"  # one momentum buffer per parameter
-
-
 class MLPKind(Choice):
     GELU = "gelu"  # 2 matrices h->ffn->h (GPT-2, Megatron)
     SWIGLU = "swiglu"  # 3 matrices: gate, up, down (Llama)

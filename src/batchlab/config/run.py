@@ -13,7 +13,8 @@ from typing import Any
 
 from batchlab.config import layerplan
 from batchlab.config.choices import (ACMode, AttentionImpl, ConfigError, Counted, DataKind, Implementation, LossMode,
-                                     ModelSource, OptimizerKind, Precision)
+                                     ModelSource, Precision)
+from batchlab.config.optimizers import OptimizerKind
 from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.engines import PYTORCH_ENGINE, Engine, PipelineSchedule
 from batchlab.config.parallel import Layout, check_degrees
@@ -206,7 +207,7 @@ class RunConfig:
     accum: int = 1  # micro-batches whose gradients are summed before one optimizer step
     dp: int = 1  # data-parallel ranks (world size)
     precision: Precision = Precision.FP32  # fp32, bf16-mixed, fp16-mixed, bf16 or bf16-fsdp
-    optimizer: OptimizerKind = OptimizerKind.ADAMW  # adamw, sgd or sgd-momentum
+    optimizer: OptimizerKind = OptimizerKind.ADAMW  # an entry of config/optimizers.py
     ac: ACPolicy = field(default_factory=ACPolicy)  # activation checkpointing (a string such as "full" is parsed)
     loss: LossPolicy = field(default_factory=LossPolicy)  # the loss path (a string such as "chunked:8" is parsed)
     zero: int = 0  # ZeRO stage over the dp ranks (1: optimizer, 2: +grads, 3: +params; FSDP ~ 3)

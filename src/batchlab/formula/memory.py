@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchlab.config import ACMode, Backend, LossMode, OptimizerKind, PositionKind, Precision, RunConfig
+from batchlab.config import ACMode, Backend, LossMode, PositionKind, Precision, RunConfig, optimizer_spec
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
 from batchlab.formula.allocator import device_memory
 from batchlab.formula.fsdp import fsdp_phases
 from batchlab.formula.loss import loss_path
-from batchlab.formula.params import count, norm_params
+from batchlab.formula.params import count, norm_params, tensor_shapes
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.sharding import unit_elements
 
@@ -29,9 +29,17 @@ class ModelStates:
 def optimizer_bytes_per_param(cfg: RunConfig) -> float:
     if cfg.assumptions.optimizer_bytes_per_param is not None:
         return cfg.assumptions.optimizer_bytes_per_param
+    return optimizer_state_bytes(cfg) / count(cfg.model).total
+
+
+def optimizer_state_bytes(cfg: RunConfig) -> int:
+    """The whole model's optimizer state, unsharded: the catalogue entry's state tensors (config/optimizers.py)
+    over the model's parameter shapes, in the weights' dtype."""
+    if cfg.assumptions.optimizer_bytes_per_param is not None:
+        return int(count(cfg.model).total * cfg.assumptions.optimizer_bytes_per_param)
     state_bytes = 2 if cfg.precision is Precision.BF16 else F32  # state lives in the weights' dtype
-    per_state = {OptimizerKind.ADAMW: 2, OptimizerKind.SGD_MOMENTUM: 1, OptimizerKind.SGD: 0}[cfg.optimizer]
-    return per_state * state_bytes  # AdamW: m and v (Loshchilov & Hutter 2019)
+    spec = optimizer_spec(cfg.optimizer)
+    return state_bytes * sum(spec.state_elements(shape) for shape in tensor_shapes(cfg.model))
 
 
 def model_states(cfg: RunConfig) -> ModelStates:
@@ -39,7 +47,7 @@ def model_states(cfg: RunConfig) -> ModelStates:
     dp, z = cfg.dp, cfg.zero
     weight_bytes = 2 if cfg.precision is Precision.BF16 else F32
     shard = lambda stage: dp if z >= stage else 1  # noqa: E731 — ZeRO stage k shards this state over DP
-    opt = int(n * optimizer_bytes_per_param(cfg)) // shard(1)
+    opt = optimizer_state_bytes(cfg) // shard(1)
     grads = n * weight_bytes // shard(2)
     if cfg.precision is Precision.BF16_FSDP:
         return fsdp_mixed_states(cfg)
@@ -62,8 +70,7 @@ def fsdp_mixed_states(cfg: RunConfig) -> ModelStates:
     shard = lambda stage: dp if z >= stage else 1  # noqa: E731
     gathered = 2 * (2 * c.per_layer + c.total - c.per_layer * cfg.model.layers) if z >= 3 else 2 * c.total
     return ModelStates(parameters=gathered, master=F32 * c.total // shard(3 if z >= 3 else 1),
-                       gradients=F32 * c.total // shard(2), optimizer=int(c.total * optimizer_bytes_per_param(cfg))
-                       // shard(1))
+                       gradients=F32 * c.total // shard(2), optimizer=optimizer_state_bytes(cfg) // shard(1))
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from collections import Counter
 
 from dataclasses import dataclass
 
-from batchlab.config import (ACMode, AttentionImpl, Backend, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind,
-                             Precision, RunConfig)
+from batchlab.config import (ACMode, AttentionImpl, Backend, LossMode, MLPKind, NormKind, PositionKind,
+                             Precision, RunConfig, optimizer_spec)
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.opcost import OpCount, merge, op_class
@@ -286,15 +286,9 @@ def _optimizer_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
             _op("_local_scalar_dense", OPT, 0, 0))
     for size, k in Counter(sizes).items():  # parameters of one size run the same ops: listed once, counted k times
         b = size * F32
-        if cfg.optimizer is OptimizerKind.ADAMW:  # torch.optim.adamw._single_tensor_adamw
-            step = (_op("add_", OPT, 1, 8), _op("_local_scalar_dense", OPT, 0, 0), _op("mul_", OPT, size, 2 * b),
-                    _op("lerp_", OPT, size, 3 * b), _op("mul_", OPT, size, 2 * b), _op("addcmul_", OPT, size, 4 * b),
-                    _op("sqrt", OPT, size, 2 * b), _op("div", OPT, size, 2 * b), _op("add_", OPT, size, 2 * b),
-                    _op("addcdiv_", OPT, size, 4 * b))
-        elif cfg.optimizer is OptimizerKind.SGD_MOMENTUM:
-            step = (_op("mul_", OPT, size, 2 * b), _op("add_", OPT, size, 3 * b), _op("add_", OPT, size, 3 * b))
-        else:
-            step = (_op("add_", OPT, size, 3 * b),)
+        # the catalogue entry's step on one parameter (config/optimizers.py)
+        step = (_op(s.name, OPT, size, s.passes * b) if s.per_element else _op(s.name, OPT, s.elements, s.nbytes)
+                for s in optimizer_spec(cfg.optimizer).step_ops)
         ops.add(*(o.times(k) for o in step))
     return tuple(ops.out)
 
