@@ -69,3 +69,36 @@ def test_every_entry_is_registered_once_and_recognised_from_its_live_class():
     for kind, spec in OPTIMIZERS.items():
         momentum = 0.9 if spec.live_momentum else None
         assert from_live(spec.live_names[0], momentum) is kind
+
+
+def test_adafactor_keeps_row_and_column_statistics_counted_by_hand():
+    """Shazeer & Stern 2018: an (o, i) matrix keeps o + i statistics, a vector its own size.  tiny (GPT-2 style,
+    4 layers, h 128, f 512, vocab 512, 256 positions, biases, tied head) by hand, fp32."""
+    h, f, V, P, L = 128, 512, 512, 256, 4
+    matrices = [(V, h), (P, h)] + [(3 * h, h), (h, h), (f, h), (h, f)] * L
+    vectors = [h, h, 3 * h, h, h, h, f, h] * L + [h, h]  # 2 norms x (w, b), 4 biases per layer; final norm
+    by_hand = 4 * (sum(o + i for o, i in matrices) + sum(vectors))
+    cfg = RunConfig(model=preset("tiny"), optimizer="adafactor")
+    assert estimate(cfg).memory.optimizer_bytes == by_hand == live_state(OptimizerKind.ADAFACTOR, "fp32")[0]
+
+
+def test_measure_runs_adafactor():
+    """``batchlab measure --optimizer adafactor`` runs a real update: its tracker's optimizer category is the
+    formula's state to the byte, its peak the formula's within 1%."""
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from batchlab.cli import app
+
+    prefix = ["measure"] if hasattr(typer.main.get_command(app), "commands") else []
+    r = CliRunner().invoke(app, prefix + ["--seq", "16", "--micro-batch", "2", "--steps", "1", "--warmup", "1",
+                                          "--optimizer", "adafactor", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["outcome"] == "ok", d
+    cfg = RunConfig(model=preset("tiny"), seq=16, micro_batch=2, optimizer="adafactor")
+    est = estimate(cfg).memory
+    assert d["memory"]["breakdown"]["optimizer"] == est.optimizer_bytes, d["memory"]
+    assert d["memory"]["peak_bytes"] == pytest.approx(est.peak_bytes, rel=0.01), (d["memory"], est.peak_bytes)

@@ -18,6 +18,7 @@ class OptimizerKind(Choice):
     ADAMW = "adamw"
     SGD = "sgd"  # plain SGD, no state
     SGD_MOMENTUM = "sgd-momentum"  # one momentum buffer per parameter
+    ADAFACTOR = "adafactor"  # torch.optim.Adafactor (torch >= 2.5): factored second moment, no first moment
 
 
 class StateShape(enum.Enum):
@@ -117,6 +118,18 @@ OPTIMIZERS: dict[OptimizerKind, OptimizerSpec] = {s.kind: s for s in (
                   ("SGD",), live_momentum=True,
                   note="no TrainingArguments optim runs SGD with momentum: pass Trainer(optimizers=(torch.optim.SGD(..., "
                        "momentum=0.9), None))"),
+    # torch.optim._adafactor._single_tensor_adafactor (Shazeer & Stern 2018, beta1 = 0): a matrix keeps its
+    # row_var and col_var, a vector its variance.  Its step, matrix path: the parameter's, the gradient's row and
+    # column norms, the outer product row_var @ col_var (priced as one written pass), its division, clamp and
+    # rsqrt, the multiply by the gradient, the update's norm and the parameter add
+    OptimizerSpec(OptimizerKind.ADAFACTOR, (StateShape.ROWS, StateShape.COLUMNS, StateShape.FULL_IF_VECTOR),
+                  (_scalar("add_", 1, 8), _scalar("_local_scalar_dense"), _pass("linalg_vector_norm", 1),
+                   _pass("linalg_vector_norm", 1), _pass("linalg_vector_norm", 1), _pass("mul", 1), _pass("div_", 2),
+                   _pass("clamp_", 2), _pass("rsqrt_", 2), _pass("mul_", 3), _pass("linalg_vector_norm", 1),
+                   _pass("add_", 3)),
+                  "torch.optim.Adafactor", (("lr", 1e-2),), "", None, "Adafactor", ("Adafactor",),
+                  note="transformers' optim=\"adafactor\" is its own Adafactor, not torch's: pass "
+                       "Trainer(optimizers=(torch.optim.Adafactor(...), None))"),
 )}
 
 
