@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from batchlab.config import ACMode, Precision, RunConfig, optimizer_spec
+from batchlab.config import AC_POLICIES, Applied, Precision, RunConfig, optimizer_spec
 
 STAND_IN_BEGIN = "# >>> stand-in model, data and loss: replace with yours (keep model.layers, the list of blocks)"
 STAND_IN_END = "# <<< end of the stand-in"
@@ -70,40 +70,8 @@ SDPA = {getattr(torch.ops.aten, n).default for n in (  # fused attention kernels
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, n)}
 '''
-_POLICIES = {
-    ACMode.SELECTIVE: ('''\
-def keep_matmuls(ctx, op, *args, **kwargs):  # keep every linear layer's output, recompute the rest
-    return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
-
-''', "lambda: create_selective_checkpoint_contexts(keep_matmuls)"),
-    # torchtitan's selective op AC (torchtitan/distributed/activation_checkpoint.py): SDPA outputs and
-    # matmuls 1, 3, 5, ... kept, counted apart in forward and recompute
-    ACMode.SELECTIVE_OP: ('''\
-def every_other_matmul(counts):
-    def policy(ctx, op, *args, **kwargs):
-        if op in SDPA:
-            return CheckpointPolicy.MUST_SAVE
-        if op not in MATMULS:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        key = "recompute" if ctx.is_recompute else "forward"
-        counts[key] += 1
-        return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
-    return policy
-
-''', 'lambda: create_selective_checkpoint_contexts(every_other_matmul({"forward": 0, "recompute": 0}))'),
-    ACMode.SELECTIVE_ATTN: ('''\
-def keep_attention(ctx, op, *args, **kwargs):  # keep the attention kernel's (eager: softmax's) outputs
-    keep = op in SDPA or op in (torch.ops.aten._softmax.default, torch.ops.aten._safe_softmax.default)
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-''', "lambda: create_selective_checkpoint_contexts(keep_attention)"),
-    # Megatron selective (recompute_modules=[core_attn]): only the fused attention kernel is recomputed
-    ACMode.MEGATRON: ('''\
-def attention_core_only(ctx, op, *args, **kwargs):  # recompute the attention core, keep everything else
-    return CheckpointPolicy.PREFER_RECOMPUTE if op in SDPA else CheckpointPolicy.MUST_SAVE
-
-''', "lambda: create_selective_checkpoint_contexts(attention_core_only, allow_cache_entry_mutation=True)"),
-}
+# the policies the script can print: each catalogue entry's (policy function, context_fn) (config/acpolicies.py)
+_POLICIES = {m: (s.script_policy, s.script_context) for m, s in AC_POLICIES.items() if s.script_context}
 
 
 def _launch(cfg: RunConfig) -> list[str]:
@@ -146,7 +114,7 @@ def _imports(cfg: RunConfig) -> list[str]:
     if cfg.ac.mode in _POLICIES or set(cfg.ac.layer_modes(cfg.model.layers)) & set(_POLICIES):
         out.append("from torch.utils.checkpoint import CheckpointPolicy, checkpoint, "
                    "create_selective_checkpoint_contexts")
-    elif cfg.ac.mode is not ACMode.NONE:
+    elif cfg.ac.recomputes:
         out.append("from torch.utils.checkpoint import checkpoint")
     samplers = "DataLoader, DistributedSampler, TensorDataset" if cfg.dp > 1 else "DataLoader, TensorDataset"
     return out + [f"from torch.utils.data import {samplers}"]
@@ -184,16 +152,19 @@ def _plan(cfg: RunConfig) -> list[str]:
 
 def _checkpointing(cfg: RunConfig) -> list[str]:
     mode, n = cfg.ac.mode, cfg.model.layers
-    if mode is ACMode.NONE:
+    if not cfg.ac.recomputes:
         return ["# activation checkpointing: none"]
-    if mode is ACMode.PLAN:
+    if cfg.ac.layers:
         return _plan(cfg)
     policy, context = _POLICIES.get(mode, ("", None))
     out = [_OPS, policy] if context else []
     out.append(_CHECKPOINTED)
-    which = {ACMode.FULL: "every block recomputed", ACMode.EVERY: f"blocks 0, {cfg.ac.every}, {2 * cfg.ac.every}, ..."
-             }.get(mode, "a policy inside every block")
-    step = f", {cfg.ac.every}" if mode is ACMode.EVERY else ""
+    single = cfg.ac.single
+    if cfg.ac.every_k:
+        which = f"blocks 0, {cfg.ac.every}, {2 * cfg.ac.every}, ..."
+    else:
+        which = "every block recomputed" if single.applied is Applied.WHOLE_BLOCK else "a policy inside every block"
+    step = f", {cfg.ac.every}" if cfg.ac.every_k else ""
     out += [f"for i in range(0, len(model.layers){step}):  # {cfg.ac}: {which}; the config has {n} layers",
             f"    model.layers[i] = Checkpointed(model.layers[i]{', ' + context if context else ''})"]
     return out

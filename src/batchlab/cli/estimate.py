@@ -12,7 +12,7 @@ from batchlab.cli.base import app
 from batchlab.cli.common import Verbose, console as make_console, print_json, with_config, with_layer_profile
 from batchlab.cli.sources import device_line
 from batchlab.formula.calibration import load_all
-from batchlab.config import ACMode, ConfigError, Implementation, Keep, ModelSource, RunConfig
+from batchlab.config import ConfigError, Implementation, Keep, ModelSource, RunConfig
 from batchlab.formula import Estimate, estimate as formula_estimate, implementation_line, unseen_model
 from batchlab.util.text import print_assumptions
 from batchlab.util.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
@@ -274,7 +274,7 @@ def explain(cfg: RunConfig, as_json: bool = False) -> None:
     from batchlab.formula.explain import explain_sections
 
     # with AC none, the checkpointing section's "turning it on (full)" too (formula/explain.py)
-    cfg = with_layer_profile(cfg, [cfg.replace(ac="full")] if cfg.ac.mode is ACMode.NONE else [])
+    cfg = with_layer_profile(cfg, [cfg.replace(ac="full")] if not cfg.ac.recomputes else [])
     sections = explain_sections(cfg, load_all(), local_limits(cfg))
     if as_json:
         print_json({"provenance": "formula", "config": cfg.to_dict(), "sections": [s.to_dict() for s in sections],

@@ -4,6 +4,7 @@
     values    single-value checks and parsers: whole numbers, sizes, files
     model     ModelSpec (a decoder-only transformer's shape) and the published presets
     devices   the device catalogue (data) and its lookup (aliases, custom:..., local)
+    acpolicies  the activation-checkpointing policy catalogue: what each keeps, recomputes, how it is applied and spelt
     optimizers  the optimizer catalogue: state, step ops, torch class, framework spellings per optimizer
     run       ACPolicy, Assumptions, RunConfig (frozen, validated) and the serialiser
     batch     the global-batch rules of a one-variable change (keep_global_batch, apply_change)
@@ -13,7 +14,8 @@ Pure Python: importing this package never imports torch (the calculator runs whe
 Sizes are bytes, times seconds, rates per second; GiB appears only in display code.
 """
 from batchlab.config.batch import BATCH_FIELDS, apply_change, keep_global_batch
-from batchlab.config.choices import (ACMode, AttentionImpl, Backend, Choice, ConfigError, Counted, DataKind, Implementation,
+from batchlab.config.acpolicies import AC_POLICIES, ACMode, ACPolicySpec, Applied
+from batchlab.config.choices import (AttentionImpl, Backend, Choice, ConfigError, Counted, DataKind, Implementation,
                                      Keep, LossMode, MLPKind, ModelSource, NormKind, PositionKind, Precision)
 from batchlab.config.optimizers import OPTIMIZERS, OptimizerKind, OptimizerSpec, optimizer_spec
 from batchlab.config.devices import (DEVICE_ALIASES, DEVICES, GB, GPU_NAMES, T, DeviceSpec, GiB, catalogue_key,
@@ -26,7 +28,7 @@ from batchlab.config.run import (ASSUMPTION_FIELDS, CHANGEABLE_FIELDS, MODEL_FIE
 from batchlab.config.values import parse_bytes, read_file, whole_number
 
 __all__ = [
-    "ACMode", "ACPolicy", "ASSUMPTION_FIELDS", "Assumptions", "AttentionImpl", "BATCH_FIELDS", "Backend",
+    "ACMode", "ACPolicy", "ACPolicySpec", "AC_POLICIES", "Applied", "ASSUMPTION_FIELDS", "Assumptions", "AttentionImpl", "BATCH_FIELDS", "Backend",
     "CHANGEABLE_FIELDS", "Choice", "ConfigError", "Counted", "DEVICES", "DEVICE_ALIASES", "DataKind", "DeviceSpec", "GB", "GPU_NAMES",
     "GiB", "HF_FAMILIES", "Implementation", "Keep", "LossMode", "LossPolicy", "MLPKind", "MODEL_FIELDS", "ModelSource", "ModelSpec", "NormKind",
     "OPTIMIZERS", "OptimizerKind", "OptimizerSpec", "PRESETS", "PositionKind", "Precision", "RUN_FIELDS", "RunConfig", "T", "apply_change",

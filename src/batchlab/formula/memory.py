@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchlab.config import ACMode, Backend, LossMode, PositionKind, Precision, RunConfig, optimizer_spec
+from batchlab.config import Backend, LossMode, PositionKind, Precision, RunConfig, optimizer_spec
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
 from batchlab.formula.allocator import device_memory
@@ -97,9 +97,7 @@ def activation_plan(cfg: RunConfig) -> ActivationPlan:
     modes = cfg.ac.layer_modes(m.layers)
     per_mode = {}  # alike layers under one policy keep alike bytes: once per policy, not per layer
     for mode in set(modes):
-        if mode is ACMode.FULL:
-            per_mode[mode] = act.checkpointed_layer_bytes(m, s, b, p)
-        elif mode is not ACMode.NONE:
+        if mode.spec.recomputes:  # the term its catalogue entry names (config/acpolicies.py)
             per_mode[mode] = checkpointing.kept_bytes(mode, m, s, b, p, backend, impl)
         else:
             per_mode[mode] = full
@@ -182,7 +180,7 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
         walk.append(sum(best.values()))
     kept_below = sum(plan.per_layer_kept)
     grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
-    recomputed = {i for i, mode in enumerate(cfg.ac.layer_modes(m.layers)) if mode is not ACMode.NONE}
+    recomputed = {i for i, mode in enumerate(cfg.ac.layer_modes(m.layers)) if mode.spec.recomputes}
     copies_below = layer_copy * (m.layers - len(recomputed))  # the LM head's copy is freed by now
     fixed = sum(v for k, v in resident.items() if k not in _WALKED)  # the same at every layer
     best_total = sum(best.values())

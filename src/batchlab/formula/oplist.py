@@ -17,7 +17,7 @@ from collections import Counter
 
 from dataclasses import dataclass
 
-from batchlab.config import (ACMode, AttentionImpl, Backend, LossMode, MLPKind, NormKind, PositionKind,
+from batchlab.config import (AttentionImpl, Backend, LossMode, MLPKind, NormKind, PositionKind,
                              Precision, RunConfig, optimizer_spec)
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation
@@ -326,12 +326,15 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     plain = n - sac
     ops.add(*(o.times(plain) for o in merge(block.out) if plain))
     ops.add(*(_sac(o.times(sac)) for o in merge(block.out) if sac))
-    groups = [(ACMode.FULL, len(cfg.ac.wrapped_layers(n)))] + list(kinds.items())
+    # every recomputing policy's layers, whole blocks first
+    groups = sorted(Counter(m for m in cfg.ac.layer_modes(n) if m.spec.recomputes).items(),
+                    key=lambda group: group[0].spec.selective)
     for mode, k in groups:
         if not k:
             continue
         redo = _Ops(ops.w)
-        _recompute(redo, cfg, _CACHED.get(mode, ()))
+        # ops whose outputs a policy serves from its cache in the recompute: its catalogue entry's
+        _recompute(redo, cfg, mode.spec.cached_in_recompute)
         ops.add(*(_sac(o.times(k)) if mode.dispatch_mode else o.times(k) for o in merge(redo.out)))
     _outside(ops, cfg)
     return merge(ops.out)
@@ -341,11 +344,6 @@ def _sac(op: OpCount) -> OpCount:
     """``op`` in a block under selective checkpointing: its forward and recompute run under the policy's
     dispatch mode; backward runs in the autograd engine, outside it."""
     return op.under_sac() if op.phase in (FWD, Phase.RECOMPUTE) else op
-
-
-# ops whose outputs a selective policy serves from its cache in the recompute (models/ac.py)
-_CACHED = {ACMode.SELECTIVE: ("mm", "addmm"), ACMode.SELECTIVE_OP: ("mm", "addmm"), ACMode.MEGATRON: ("mm", "addmm"),
-           ACMode.SELECTIVE_ATTN: ("_scaled_dot_product_flash_attention_for_cpu", "_softmax", "_safe_softmax")}
 
 
 def _recompute(ops: _Ops, cfg: RunConfig, cached: tuple[str, ...]) -> None:

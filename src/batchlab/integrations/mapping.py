@@ -10,8 +10,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from batchlab.config import ACMode, ACPolicy, ConfigError, ModelSpec, OptimizerKind, Precision, RunConfig, \
+from batchlab.config import ACPolicy, ConfigError, ModelSpec, OptimizerKind, Precision, RunConfig, \
     local_device, model_from_hf_config
+from batchlab.config.acpolicies import whole_block
 from batchlab.config.optimizers import from_live
 from batchlab.experiment.observed import Settings
 
@@ -42,7 +43,7 @@ def hf_checkpointing(model) -> bool:
 def _ac(s: Settings) -> ACPolicy:
     if not s.gradient_checkpointing:
         return ACPolicy()
-    return ACPolicy(ACMode.EVERY, s.checkpoint_every) if s.checkpoint_every > 1 else ACPolicy(ACMode.FULL)
+    return ACPolicy.every_kth(s.checkpoint_every) if s.checkpoint_every > 1 else ACPolicy(whole_block())
 
 
 def run_config(s: Settings, hf_config: dict[str, Any] | None = None,
