@@ -29,14 +29,15 @@ class Block(torch.nn.Module):
         super().__init__()
         self.heads = heads
         self.norm1, self.qkv, self.proj = torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.norm2, self.up, self.down = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.norm2 = torch.nn.LayerNorm(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
 
     def forward(self, x):
         b, s, d = x.shape
         qkv = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         a = torch.nn.functional.scaled_dot_product_attention(*qkv.unbind(0), is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+        return x + self.mlp(self.norm2(x))
 
 
 class StandIn(torch.nn.Module):
@@ -72,6 +73,8 @@ SDPA = {getattr(torch.ops.aten, n).default for n in (  # fused attention kernels
 '''
 # the policies the script can print: each catalogue entry's (policy function, context_fn) (config/acpolicies.py)
 _POLICIES = {m: (s.script_policy, s.script_context) for m, s in AC_POLICIES.items() if s.script_context}
+# the policies that checkpoint one submodule of each block: the submodule's name
+_BRANCHES = {m: s.branch for m, s in AC_POLICIES.items() if s.branch}
 
 
 def _launch(cfg: RunConfig) -> list[str]:
@@ -139,14 +142,23 @@ def _plan(cfg: RunConfig) -> list[str]:
     """A per-layer plan: each layer wrapped with its own policy (full: the whole block recomputed)."""
     modes = cfg.ac.layer_modes(cfg.model.layers)
     used = [m for m in _POLICIES if m in modes]
+    branches = {m.value: _BRANCHES[m] for m in _BRANCHES if m in modes}
     out = ([_OPS] if used else []) + [_POLICIES[m][0] for m in used] + [_CHECKPOINTED]
     contexts = ", ".join(['"full": None'] + [f'"{m.value}": {_POLICIES[m][1]}' for m in used])
-    out += [f"CONTEXTS = {{{contexts}}}  # selective checkpointing policy per plan entry",
-            f"PLAN = {[m.value for m in modes]!r}  # {cfg.ac}: one policy per layer, first layer first",
+    out += [f"CONTEXTS = {{{contexts}}}  # selective checkpointing policy per plan entry"]
+    if branches:
+        out.append(f"BRANCHES = {branches!r}  # policies that checkpoint one submodule of the block")
+    out += [f"PLAN = {[m.value for m in modes]!r}  # {cfg.ac}: one policy per layer, first layer first",
             "assert len(PLAN) == len(model.layers), (len(PLAN), len(model.layers))",
-            "for i, policy in enumerate(PLAN):",
-            "    if policy != \"none\":",
-            "        model.layers[i] = Checkpointed(model.layers[i], CONTEXTS[policy])"]
+            "for i, policy in enumerate(PLAN):"]
+    if branches:
+        out += ["    if policy in BRANCHES:",
+                "        setattr(model.layers[i], BRANCHES[policy], Checkpointed(getattr(model.layers[i], "
+                "BRANCHES[policy])))",
+                "    elif policy != \"none\":"]
+    else:
+        out.append("    if policy != \"none\":")
+    out.append("        model.layers[i] = Checkpointed(model.layers[i], CONTEXTS[policy])")
     return out
 
 
@@ -165,6 +177,11 @@ def _checkpointing(cfg: RunConfig) -> list[str]:
     else:
         which = "every block recomputed" if single.applied is Applied.WHOLE_BLOCK else "a policy inside every block"
     step = f", {cfg.ac.every}" if cfg.ac.every_k else ""
+    branch = _BRANCHES.get(mode)
+    if branch:  # the submodule alone under checkpoint
+        which = f"each block's {branch} recomputed"
+        return out + [f"for layer in model.layers:  # {cfg.ac}: {which}; the config has {n} layers",
+                      f"    layer.{branch} = Checkpointed(layer.{branch})"]
     out += [f"for i in range(0, len(model.layers){step}):  # {cfg.ac}: {which}; the config has {n} layers",
             f"    model.layers[i] = Checkpointed(model.layers[i]{', ' + context if context else ''})"]
     return out

@@ -10,6 +10,7 @@ function of formula/checkpointing.py that counts it.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 from batchlab.config.choices import Choice
@@ -34,13 +35,16 @@ class ACMode(Choice):
     @property
     def spec(self) -> "ACPolicySpec":
         """This per-layer policy's catalogue entry (EVERY and PLAN are ACPolicy's compositions of entries)."""
-        return AC_POLICIES[self]
+        try:
+            return self.__dict__["_spec"]  # set once below: asked per layer, per op list, per estimate
+        except KeyError:
+            raise KeyError(self) from None
 
     @property
     def dispatch_mode(self) -> bool:
         """Its policy runs as torch.utils.checkpoint's selective dispatch mode (models/ac.py), which sees every
         op of a wrapped block in forward and in recompute."""
-        return self in AC_POLICIES and self.spec.applied is Applied.SAVE_OPS
+        return "_spec" in self.__dict__ and self.spec.applied is Applied.SAVE_OPS
 
 
 class Applied(enum.Enum):
@@ -150,6 +154,11 @@ def keep_attention(ctx, op, *args, **kwargs):  # keep the attention kernel's (ea
 )}
 
 
+for _mode, _entry in AC_POLICIES.items():
+    _mode.__dict__["_spec"] = _entry
+
+
+@functools.lru_cache(maxsize=None)
 def _only(applied: Applied) -> ACMode:
     (mode,) = (m for m, s in AC_POLICIES.items() if s.applied is applied)
     return mode

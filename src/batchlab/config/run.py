@@ -111,7 +111,8 @@ class ACPolicy:
         if self.mode is ACMode.PLAN:
             return self.layers
         if self.mode is ACMode.EVERY:
-            return tuple(whole_block() if i % self.every == 0 else no_recompute() for i in range(n_layers))
+            full, none = whole_block(), no_recompute()
+            return tuple(full if i % self.every == 0 else none for i in range(n_layers))
         return (self.mode,) * n_layers
 
     def wrapped_layers(self, n_layers: int) -> tuple[int, ...]:

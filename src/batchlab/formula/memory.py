@@ -1,6 +1,8 @@
 """Per-rank memory of one optimizer update: model states, activations, and the peak with its phase."""
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from batchlab.config import Backend, LossMode, PositionKind, Precision, RunConfig, optimizer_spec
@@ -38,8 +40,13 @@ def optimizer_state_bytes(cfg: RunConfig) -> int:
     if cfg.assumptions.optimizer_bytes_per_param is not None:
         return int(count(cfg.model).total * cfg.assumptions.optimizer_bytes_per_param)
     state_bytes = 2 if cfg.precision is Precision.BF16 else F32  # state lives in the weights' dtype
-    spec = optimizer_spec(cfg.optimizer)
-    return state_bytes * sum(spec.state_elements(shape) for shape in tensor_shapes(cfg.model))
+    return state_bytes * _state_elements(cfg.model, cfg.optimizer)
+
+
+@functools.lru_cache(maxsize=64)  # asked by every estimate; a sum over every parameter tensor
+def _state_elements(m, kind) -> int:
+    spec = optimizer_spec(kind)
+    return sum(k * spec.state_elements(shape) for shape, k in Counter(tensor_shapes(m)).items())
 
 
 def model_states(cfg: RunConfig) -> ModelStates:

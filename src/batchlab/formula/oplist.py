@@ -194,12 +194,16 @@ def _gelu_new(ops: _Ops, ph: Phase, n: int, backward: bool) -> None:
                 _views(BWD, 1))
 
 
-def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True) -> None:
-    """One block's forward ops into ``ph`` (forward or recompute), and (``backward``) its backward ops."""
+def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True, only: str = "") -> None:
+    """One block's forward ops into ``ph`` (forward or recompute), and (``backward``) its backward ops; ``only``:
+    the inner ops of that branch alone (its submodule: no norm, dropout or residual add)."""
     m = cfg.model
     t, h, kv, f, w = cfg.micro_batch * cfg.seq, m.hidden, m.kv_hidden, m.ffn, ops.w
     for branch in ("attention", "mlp"):
-        ops.norm(ph, t, h, m.norm, m.bias, backward)
+        if only and branch != only:
+            continue
+        if not only:
+            ops.norm(ph, t, h, m.norm, m.bias, backward)
         if branch == "attention":
             ops.linear(ph, t, h, h + 2 * kv, m.bias, w.autocast, backward)
             _attention(ops, cfg, ph, backward)
@@ -222,6 +226,8 @@ def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True) -> None:
                 if backward:
                     ops.add(_op("gelu_backward", BWD, t * f, 3 * t * f * w.e), _views(BWD, 1))
             ops.linear(ph, t, f, h, m.bias, False, backward)
+        if only:
+            continue
         ops.dropout(ph, t * h, m.dropout, w.e, backward)
         ops.elementwise("add", ph, t * h, w.res, inputs=2)  # the residual add
         if backward:
@@ -334,7 +340,7 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
             continue
         redo = _Ops(ops.w)
         # ops whose outputs a policy serves from its cache in the recompute: its catalogue entry's
-        _recompute(redo, cfg, mode.spec.cached_in_recompute)
+        _recompute(redo, cfg, mode.spec.cached_in_recompute, mode.spec.branch)
         ops.add(*(_sac(o.times(k)) if mode.dispatch_mode else o.times(k) for o in merge(redo.out)))
     _outside(ops, cfg)
     return merge(ops.out)
@@ -346,11 +352,16 @@ def _sac(op: OpCount) -> OpCount:
     return op.under_sac() if op.phase in (FWD, Phase.RECOMPUTE) else op
 
 
-def _recompute(ops: _Ops, cfg: RunConfig, cached: tuple[str, ...]) -> None:
+def _recompute(ops: _Ops, cfg: RunConfig, cached: tuple[str, ...], branch: str = "") -> None:
     """The forward again inside backward (non-reentrant checkpoint); selective checkpointing serves the
-    saved outputs of ``cached`` ops from its cache, so only the rest is re-run."""
+    saved outputs of ``cached`` ops from its cache, so only the rest is re-run; ``branch``: that submodule's
+    ops alone, up to its last matmul, whose output nothing saves."""
     redo = _Ops(ops.w)
-    _layer(redo, cfg, Phase.RECOMPUTE, backward=False)
+    _layer(redo, cfg, Phase.RECOMPUTE, backward=False, only=branch)
+    if branch:
+        last = [i for i, op in enumerate(redo.out) if op.name in ("mm", "addmm")][-1]
+        ops.add(*redo.out[:last], _views(Phase.RECOMPUTE, 4), _views(BWD, 3))  # the branch's saved tensors
+        return
     # early stop: the last residual add and the dropout multiply before it produce nothing backward needs
     last = [i for i, op in enumerate(redo.out) if op.name == "add"][-1:]
     last += [i for i, op in enumerate(redo.out) if op.name == "mul"][-1:] if cfg.model.dropout > 0 else []
