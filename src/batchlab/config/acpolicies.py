@@ -30,6 +30,8 @@ class ACMode(Choice):
     # keep attention outputs: the fused attention kernel's outputs (eager attention: the softmax output) are
     # kept, every matmul and element-wise op is recomputed
     SELECTIVE_ATTN = "selective-attn"
+    # keep every attention-side tensor, recompute the MLP: each block's mlp submodule under checkpoint
+    SELECTIVE_MLP = "selective-mlp"
     PLAN = "plan"  # ACPolicy's per-layer plan (config/layerplan.py), no entry of its own
 
     @property
@@ -149,6 +151,8 @@ def keep_attention(ctx, op, *args, **kwargs):  # keep the attention kernel's (ea
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 ''', script_context="lambda: create_selective_checkpoint_contexts(keep_attention)"),
+    ACPolicySpec(ACMode.SELECTIVE_MLP, "attention kept, the MLP recomputed", Applied.BRANCH, "mlp_recomputed_bytes",
+                 "mlp_flops", branch="mlp", aliases=("mlp",)),
     ACPolicySpec(ACMode.FULL, "the whole block recomputed", Applied.WHOLE_BLOCK, "block_input_bytes", "",
                  profile_term="checkpointed", torchtitan=("full", None), torchtitan_exact=True, in_ladder=True),
 )}

@@ -62,6 +62,17 @@ def megatron_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: 
     return full.total - _lse(m, s, b)
 
 
+def mlp_recomputed_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend, impl: Impl) -> int:
+    """``selective-mlp`` (each block's MLP under checkpoint): the layer as without checkpointing less what only the
+    MLP keeps inside -- its intermediates and its dropout mask (one of the layer's two).  Its input is kept by the
+    checkpoint: under autocast the norm's fp32 output instead of the 16-bit copy each first matmul saved."""
+    full = act.layer_activations(m, s, b, precision, backend, impl)
+    w = act.Widths.of(precision, backend)
+    first = 2 if m.mlp is MLPKind.SWIGLU else 1  # matmuls reading the MLP input (gate and up, or fc)
+    swap = s * b * m.hidden * (w.res - first * w.e) if precision.mixed else 0
+    return full.total - full.mlp - full.masks // 2 + swap
+
+
 def selective_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend, impl: Impl) -> int:
     return act.selective_layer_bytes(m, s, b, precision)
 
@@ -86,6 +97,13 @@ def selective_op_flops(m: ModelSpec, s: int, impl: Impl) -> float:
 def all_matmul_flops(m: ModelSpec, s: int, impl: Impl) -> float:
     """Every matmul (the fused kernel's output is served from the cache)."""
     return sum(2 * weights for _, weights in matmul_outputs(m, impl))
+
+
+def mlp_flops(m: ModelSpec, s: int, impl: Impl) -> float:
+    """The MLP's matmuls but its last: the recompute stops once every saved tensor is rebuilt, and the output
+    projection's output is saved by nothing (as full recompute, formula/flops.py)."""
+    n = 3 if m.mlp is MLPKind.SWIGLU else 2
+    return sum(2 * weights for _, weights in matmul_outputs(m, impl)[-n:-1])
 
 
 def attention_core_flops(m: ModelSpec, s: int, impl: Impl) -> float:
