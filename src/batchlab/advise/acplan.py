@@ -251,6 +251,8 @@ def plan_ac(goal: Goal, budget: int | None = None, frontier_points: int = 6,
     same_mb = [p for p in preset_points if p.micro_batch == chosen.micro_batch]
     ends = {p.ac: p.peak_bytes for p in same_mb}  # every layer recomputed, and none: the presets full and none
     out.frontier = frontier(lm, cals, frontier_points, ends[str(whole_block())], ends[str(NONE)]) + same_mb
+    if all(p.ac != chosen.ac for p in out.frontier):  # the chosen plan is a point of its frontier
+        out.frontier.append(chosen)
     return out
 
 

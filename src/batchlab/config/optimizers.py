@@ -96,6 +96,13 @@ class OptimizerSpec:
         """State elements this optimizer keeps for one parameter of ``shape``."""
         return sum(s.elements(shape) for s in self.states)
 
+    def model_state_elements(self, total: int, shapes: dict[tuple[int, ...], int]) -> int:
+        """State elements of a whole model: ``total`` parameters (a state like the parameter needs only the count,
+        whatever the model's code), ``shapes`` ({shape: tensors}) for the factored ones."""
+        like = sum(1 for s in self.states if s is StateShape.LIKE_PARAM)
+        factored = tuple(s for s in self.states if s is not StateShape.LIKE_PARAM)
+        return like * total + sum(k * s.elements(shape) for shape, k in shapes.items() for s in factored)
+
     def recognises(self, class_name: str, momentum: float | None) -> bool:
         if class_name not in self.live_names:
             return False

@@ -45,8 +45,8 @@ def optimizer_state_bytes(cfg: RunConfig) -> int:
 
 @functools.lru_cache(maxsize=64)  # asked by every estimate; a sum over every parameter tensor
 def _state_elements(m, kind) -> int:
-    spec = optimizer_spec(kind)
-    return sum(k * spec.state_elements(shape) for shape, k in Counter(tensor_shapes(m)).items())
+    # a factored state (Adafactor's) reads the shapes of batchlab's GPT at the model's dimensions
+    return optimizer_spec(kind).model_state_elements(count(m).total, Counter(tensor_shapes(m)))
 
 
 def model_states(cfg: RunConfig) -> ModelStates:
