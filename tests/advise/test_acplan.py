@@ -16,7 +16,7 @@ from batchlab.advise.acplan import uniform
 from batchlab.advise.plan import Goal
 from batchlab.formula.calibration import load_all
 from batchlab.cli import app
-from batchlab.config import ACMode, ACPolicy, RunConfig, preset
+from batchlab.config import AC_POLICIES, ACMode, ACPolicy, RunConfig, preset
 from batchlab.formula import estimate
 
 runner = CliRunner()
@@ -125,7 +125,7 @@ def test_identical_layers_stacked_solver_finds_the_brute_force_optimum():
 
 
 def test_the_planner_over_the_whole_menu_matches_brute_force_by_the_full_estimate():
-    """3 layers, every one of the menu's 6**3 plans priced by the formula's full estimate (not the planner's
+    """3 layers, every one of the menu's 7**3 plans priced by the formula's full estimate (not the planner's
     model): at each budget the planner's plan is as fast as the fastest plan that fits.  At seq 4096 the
     attention core outweighs the rest of a layer's recompute, so keeping attention outputs is in the optimum."""
     from batchlab.advise.acplan import MENU, layer_model, plan_within
@@ -134,7 +134,7 @@ def test_the_planner_over_the_whole_menu_matches_brute_force_by_the_full_estimat
     base = RunConfig(model=preset("tiny", layers=3, dropout=0.0, attention="sdpa", heads=8, max_positions=4096),
                      seq=4096, micro_batch=1)
     lm = layer_model(base, cals)
-    assert set(lm.modes) == set(MENU) and len(MENU) == 6
+    assert set(lm.modes) == set(MENU) == set(AC_POLICIES)
     points = []
     for choice in itertools.product(lm.modes, repeat=3):
         e = estimate(base.replace(ac=ACPolicy(ACMode.PLAN, layers=choice)), cals)
@@ -251,7 +251,7 @@ def test_a_plan_under_fsdp2_fits_by_a_real_run_on_two_ranks(tmp_path, uncalibrat
     assert r.exit_code == 0, r.output
     d = json.loads(r.output[r.output.index("{"):])
     planned, measured = d["plan"]["predicted_peak_bytes"], d["verification"]["peak_bytes"]
-    assert d["final"]["ac"].startswith("plan:") and {"full", "none"} <= set(d["plan"]["per_layer"])
+    assert d["final"]["ac"].startswith("plan:") and len(set(d["plan"]["per_layer"])) >= 2  # a mix of policies
     assert measured <= budget and abs(planned - measured) <= 0.03 * measured, (planned, measured)
 
 

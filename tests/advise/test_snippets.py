@@ -32,7 +32,7 @@ TORCHTITAN = {"training": {"dataset", "dataset_path", "local_batch_size", "globa
               "activation_checkpoint": {"mode", "selective_ac_option"}}
 # https://www.deepspeed.ai/docs/config-json/ (batch size, ZeRO and precision sections)
 DEEPSPEED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-             "zero_optimization", "bf16", "fp16"}
+             "zero_optimization", "bf16", "fp16", "optimizer"}
 
 
 @params

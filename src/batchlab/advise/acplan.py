@@ -23,22 +23,24 @@ from batchlab.advise.acmodel import MODEL_TEXT, LayerModel
 from batchlab.advise.plan import EVERY_K, Goal, micro_batches, shaped
 from batchlab.formula.calibration import load_all
 from batchlab.config import ACMode, ACPolicy, AttentionImpl, ConfigError, ModelSource, RunConfig
+from batchlab.config.acpolicies import layer_policies, no_recompute, whole_block
 from batchlab.config.planfile import MAX_LAYERS
 from batchlab.formula import Calibrations, estimate
 from batchlab.util.units import fmt_bytes
 
-MENU = (ACMode.NONE, ACMode.SELECTIVE_OP, ACMode.MEGATRON, ACMode.SELECTIVE, ACMode.SELECTIVE_ATTN, ACMode.FULL)
+MENU = layer_policies()  # the catalogue's per-layer policies, least recompute first (config/acpolicies.py)
+NONE = no_recompute()  # the reference every policy's bytes and seconds are read against
 TIGHTEN_TRIES = 4
 BISECTIONS = 16  # after tightening: to 1/65536 of the gap between a fitting and a failing model budget
 
 
 def menu(cfg: RunConfig) -> tuple[ACMode, ...]:
-    """The layer policies a plan may use (Megatron's recomputes the fused attention call: SDPA only)."""
-    return tuple(m for m in MENU if m is not ACMode.MEGATRON or cfg.model.attention is AttentionImpl.SDPA)
+    """The layer policies a plan may use (those that recompute the fused attention call: SDPA only)."""
+    return tuple(m for m in MENU if not m.spec.needs_sdpa or cfg.model.attention is AttentionImpl.SDPA)
 
 
 def uniform(mode: ACMode, layers: int) -> ACPolicy:
-    return ACPolicy(ACMode.PLAN, layers=(mode,) * layers)
+    return ACPolicy.of_layers((mode,) * layers)
 
 
 def layer_model(cfg: RunConfig, cals: Calibrations) -> LayerModel:
@@ -46,21 +48,21 @@ def layer_model(cfg: RunConfig, cals: Calibrations) -> LayerModel:
     n = cfg.model.layers
     modes = menu(cfg)
     ests = {m: estimate(cfg.replace(ac=uniform(m, n)), cals) for m in modes}
-    none = ests[ACMode.NONE].memory
+    none = ests[NONE].memory
     walked = none if none.backward_walk else estimate(_builtin(cfg).replace(ac="none"), cals).memory
     assert walked.backward_walk, "the built-in terms walk DDP's backward and FSDP's"
     copy = walked.layer_copy_bytes
     kept = {m: e.memory.activations_per_layer_bytes[0] for m, e in ests.items()}
-    held = tuple(kept[m] + (copy if m is ACMode.NONE else 0) for m in modes)
+    held = tuple(kept[m] + (copy if m is NONE else 0) for m in modes)
     held_none = walked.activations_per_layer_bytes[0] + copy
     start, *layers = walked.backward_walk
     if walked is not none:  # a profile's backward is its high point, with every layer's kept: a total constraint
         start = none.phase_peaks["backward"]
     walk = tuple(w - i * held_none for i, w in enumerate(reversed(layers)))
-    start -= n * (kept[ACMode.NONE] + copy)
+    start -= n * (kept[NONE] + copy)
     # the forward holds every layer's weight copies whatever the plan: its total counts the kept bytes alone
-    forward = none.phase_peaks["forward"] - n * kept[ACMode.NONE]
-    base_seconds = ests[ACMode.NONE].time.update_seconds
+    forward = none.phase_peaks["forward"] - n * kept[NONE]
+    base_seconds = ests[NONE].time.update_seconds
     seconds = tuple((ests[m].time.update_seconds - base_seconds) / n for m in modes)
     opt = none.phase_peaks.get("optimizer", 0)
     # one total constraint where the forward's cannot bind before the backward start's (held >= kept per layer)
@@ -94,7 +96,7 @@ def solve(lm: LayerModel, budget: int) -> ACPolicy | None:
     choice = knapsack.solve(lm.seconds, lm.held, caps, budget - lm.forward, **second)
     if choice is None:
         return None
-    return ACPolicy(ACMode.PLAN, layers=tuple(lm.modes[j] for j in choice))
+    return ACPolicy.of_layers(lm.modes[j] for j in choice)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ class Point:
     @property
     def per_layer(self) -> list[str]:
         pol = ACPolicy.parse(self.ac)
-        return [m.value for m in pol.layer_modes(len(pol.layers))] if pol.mode is ACMode.PLAN else []
+        return [m.value for m in pol.layer_modes(len(pol.layers))] if pol.layers else []
 
 
 def point(cfg: RunConfig, kind: str, cals: Calibrations, budget: int | None = None) -> Point:
@@ -177,7 +179,7 @@ def _at(lm: LayerModel, target: int, budget: int, cals: Calibrations) -> Point |
 
 
 def presets(lm: LayerModel) -> list[ACPolicy]:
-    every = [ACPolicy(ACMode.EVERY, k) for k in EVERY_K if k < lm.layers and k <= lm.cfg.model.layers]
+    every = [ACPolicy.every_kth(k) for k in EVERY_K if k < lm.layers and k <= lm.cfg.model.layers]
     return [ACPolicy(m) for m in lm.modes] + every
 
 
@@ -248,7 +250,9 @@ def plan_ac(goal: Goal, budget: int | None = None, frontier_points: int = 6,
     out.config = lm.cfg.replace(ac=chosen.ac)
     same_mb = [p for p in preset_points if p.micro_batch == chosen.micro_batch]
     ends = {p.ac: p.peak_bytes for p in same_mb}  # every layer recomputed, and none: the presets full and none
-    out.frontier = frontier(lm, cals, frontier_points, ends[str(ACMode.FULL)], ends[str(ACMode.NONE)]) + same_mb
+    out.frontier = frontier(lm, cals, frontier_points, ends[str(whole_block())], ends[str(NONE)]) + same_mb
+    if all(p.ac != chosen.ac for p in out.frontier):  # the chosen plan is a point of its frontier
+        out.frontier.append(chosen)
     return out
 
 

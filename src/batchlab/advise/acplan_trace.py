@@ -11,7 +11,8 @@ time of recomputing every block, shared over the blocks by their activation byte
 from __future__ import annotations
 
 from batchlab.advise.acmodel import LayerModel
-from batchlab.config import ACMode, ConfigError, RunConfig
+from batchlab.config import ConfigError, RunConfig
+from batchlab.config.acpolicies import no_recompute, whole_block
 from batchlab.formula import Calibrations
 
 SOLVED = ("peak = max(C + max(every block's kept, each block's backward: the blocks below keep theirs while it is "
@@ -66,5 +67,5 @@ def trace_layer_model(cfg: RunConfig, cals: Calibrations) -> LayerModel:
     extra = max(full_t.time.seconds - none_t.time.seconds, 0.0)
     total = sum(whole) or 1
     seconds = tuple((0.0, extra * w / total) for w in whole)
-    return LayerModel(cfg, (ACMode.NONE, ACMode.FULL), tuple(zip(whole, kept)), seconds,
+    return LayerModel(cfg, (no_recompute(), whole_block()), tuple(zip(whole, kept)), seconds,
                       tuple(c + w for w in whole), c, opt, SOLVED, "trace")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from batchlab.advise.plan import KNOB_FLAGS, Candidate, Goal, candidate, derived, divisors, policies, recommended
 from batchlab.advise.states import fewest_devices
-from batchlab.config import ACMode, ConfigError, Precision, RunConfig
+from batchlab.config import Applied, ConfigError, Precision, RunConfig
 
 SAME_MATH = "global batch, micro-batch, gradients (recompute is bitwise-equal with the RNG state preserved)"
 
@@ -60,7 +60,7 @@ def _micro_advice(goal: Goal, now: Candidate, mb: int, title: str) -> Advice:
 
 def _checkpointing(goal: Goal, now: Candidate) -> list[Advice]:
     cfg = now.config
-    order = [p for p in policies(cfg.model.layers) if p.mode is not ACMode.NONE]
+    order = [p for p in policies(cfg.model.layers) if p.recomputes]
     out = []
     for p in order:
         if str(p) == str(cfg.ac) or _less_or_equal_recompute(p, cfg):
@@ -71,9 +71,10 @@ def _checkpointing(goal: Goal, now: Candidate) -> list[Advice]:
 
 
 def _less_or_equal_recompute(p, cfg: RunConfig) -> bool:
-    if cfg.ac.simplified().mode is ACMode.FULL:  # a plan of full layers only is full
+    single = cfg.ac.simplified().single
+    if single is not None and single.applied is Applied.WHOLE_BLOCK:  # a plan of full layers only is full
         return True
-    if p.mode is ACMode.EVERY and cfg.ac.mode is ACMode.EVERY:
+    if p.every_k and cfg.ac.every_k:
         return p.every >= cfg.ac.every  # every:K with a larger K wraps fewer layers
     return False
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from batchlab.formula.calibration import load_all
-from batchlab.config import ACMode, ACPolicy, ConfigError, Counted, ModelSource, RunConfig
+from batchlab.config import AC_POLICIES, ACPolicy, ConfigError, Counted, ModelSource, RunConfig
 from batchlab.formula import Calibrations, estimate
 from batchlab.formula.memory import model_states
 from batchlab.util.units import fmt_amount, fmt_bytes
@@ -131,8 +131,8 @@ def divisors(n: int) -> list[int]:
 
 def policies(layers: int) -> list[ACPolicy]:
     """Cheapest recompute first: none, every:K (largest K first), selective, full."""
-    every = [ACPolicy(ACMode.EVERY, k) for k in sorted(EVERY_K, reverse=True) if k < layers]
-    return [ACPolicy()] + every + [ACPolicy(ACMode.SELECTIVE), ACPolicy(ACMode.FULL)]
+    every = [ACPolicy.every_kth(k) for k in sorted(EVERY_K, reverse=True) if k < layers]
+    return [ACPolicy()] + every + [ACPolicy(m) for m, s in AC_POLICIES.items() if s.in_ladder]
 
 
 def goal_policies(goal: Goal) -> list[ACPolicy]:

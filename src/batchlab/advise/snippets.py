@@ -13,8 +13,8 @@ import math
 from typing import Any
 
 from batchlab.advise.torch_script import training_script
-from batchlab.config import (ACMode, Assumptions, ConfigError, ModelSpec, Precision, RunConfig,
-                             preset, to_jsonable)
+from batchlab.config import (Applied, Assumptions, ConfigError, ModelSpec, Precision, RunConfig,
+                             optimizer_spec, preset, to_jsonable)
 
 
 def _toml_value(v: Any) -> str:
@@ -52,17 +52,22 @@ def config_toml(cfg: RunConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _whole_blocks(cfg: RunConfig) -> bool:
+    """Every layer's whole block recomputed (``full``, or a plan of it): what a framework's one switch does."""
+    single = cfg.ac.simplified().single
+    return single is not None and single.applied is Applied.WHOLE_BLOCK
+
+
 def _hf_ac(cfg: RunConfig) -> tuple[bool, str | None]:
-    mode = cfg.ac.mode
-    if mode is ACMode.NONE:
+    if not cfg.ac.recomputes:
         return False, None
-    if mode is ACMode.FULL:
+    if _whole_blocks(cfg):
         return True, None
-    if mode is ACMode.EVERY:
+    if cfg.ac.every_k:
         # transformers 5 modeling_utils: layer_index % every_n_layers == 0, the layers batchlab's every:K wraps
         return True, (f"{cfg.ac}: transformers >= 5 takes activation_checkpointing=True, activation_checkpointing_"
                       f"kwargs={{'every_n_layers': {cfg.ac.every}}}; older versions recompute every layer")
-    what = "a per-layer plan" if mode is ACMode.PLAN else "it"
+    what = "a per-layer plan" if cfg.ac.layers else "it"
     return True, (f"{cfg.ac}: TrainingArguments cannot express {what}: gradient_checkpointing=True recomputes every "
                   "layer (more compute than planned); wrap the chosen layers yourself to match (the PyTorch script "
                   "fit prints does)")
@@ -79,6 +84,12 @@ def huggingface(cfg: RunConfig) -> dict[str, Any]:
         args["bf16"] = True
     elif cfg.precision is Precision.FP16_MIXED:
         args["fp16"] = True
+    opt = optimizer_spec(cfg.optimizer)
+    if opt.hf_optim is not None:
+        args["optim"] = opt.hf_optim
+    else:
+        note = f"{note}; " if note else ""
+        note += f"optimizer {cfg.optimizer}: {opt.note}"
     if cfg.parallel.stage == 1:
         args["deepspeed"] = "ds_config.json"  # the DeepSpeed settings (ZeRO-1 has no FSDP equivalent)
     elif cfg.parallel.shards_gradients:
@@ -103,9 +114,10 @@ def lightning(cfg: RunConfig) -> dict[str, Any]:
     trainer = {"accumulate_grad_batches": cfg.accum, "devices": devices, "strategy": strategy, "precision": precision}
     if nodes > 1:
         trainer["num_nodes"] = nodes
-    out: dict[str, Any] = {"Trainer": trainer,
-                           "DataLoader": {"batch_size": cfg.micro_batch}}
-    if cfg.ac.mode is not ACMode.NONE:
+    opt = optimizer_spec(cfg.optimizer)
+    out: dict[str, Any] = {"Trainer": trainer, "DataLoader": {"batch_size": cfg.micro_batch},
+                           "configure_optimizers": f"return {opt.torch_class}(self.parameters(){opt.script_kwargs})"}
+    if cfg.ac.recomputes:
         out["note"] = (f"activation checkpointing {cfg.ac}: no Trainer switch; with FSDP, strategy=FSDPStrategy("
                        "activation_checkpointing_policy={YourBlock}) wraps every block; else wrap the layers in the model")
     return out
@@ -114,7 +126,9 @@ def lightning(cfg: RunConfig) -> dict[str, Any]:
 def deepspeed(cfg: RunConfig) -> dict[str, Any]:
     ds: dict[str, Any] = {"train_micro_batch_size_per_gpu": cfg.micro_batch,
                           "gradient_accumulation_steps": cfg.accum, "train_batch_size": cfg.global_batch,
-                          "zero_optimization": {"stage": cfg.zero}}
+                          "zero_optimization": {"stage": cfg.zero},
+                          "optimizer": {"type": optimizer_spec(cfg.optimizer).deepspeed_type,
+                                        "params": dict(optimizer_spec(cfg.optimizer).kwargs)}}
     if cfg.precision is Precision.BF16_MIXED:
         ds["bf16"] = {"enabled": True}
     elif cfg.precision is Precision.FP16_MIXED:
@@ -143,23 +157,24 @@ def torchtitan_toml(cfg: RunConfig) -> str:
                  Precision.FP32: "float32"}.get(cfg.precision)
     if precision is None:
         notes.append(f"precision {cfg.precision}: torchtitan's mixed_precision_param is bfloat16 or float32")
-    ac: dict[str, Any] = {"mode": {ACMode.NONE: "none", ACMode.FULL: "full"}.get(cfg.ac.mode, "selective")}
-    if cfg.ac.mode is ACMode.EVERY:
+    single = cfg.ac.single
+    ac: dict[str, Any] = {"mode": single.torchtitan[0] if single is not None else "selective"}
+    if single is not None:  # the catalogue entry's torchtitan setting (config/acpolicies.py)
+        if single.torchtitan[1] is not None:
+            ac["selective_ac_option"] = single.torchtitan[1]
+        if not single.torchtitan_exact:
+            notes.append("selective_ac_option = \"op\" saves matmul and attention outputs by a policy of its own; "
+                         "close to, not the same as, batchlab's selective")
+    elif cfg.ac.every_k:
         ac["selective_ac_option"] = str(cfg.ac.every)
         notes.append(f"torchtitan wraps layers {cfg.ac.every}, {2 * cfg.ac.every}, ... counting from 1; batchlab's "
                      f"every:{cfg.ac.every} wraps 0, {cfg.ac.every}, ...: the same count when {cfg.model.layers} "
                      f"is a multiple of {cfg.ac.every}")
-    elif cfg.ac.mode is ACMode.SELECTIVE_OP:  # batchlab's selective-op is torchtitan's policy
-        ac["selective_ac_option"] = "op"
-    elif cfg.ac.mode is ACMode.PLAN:
+    else:  # a plan
         ac["mode"] = "full"
         notes.append(f"{cfg.ac}: torchtitan's activation_checkpoint applies one mode to every layer and cannot "
                      "express a per-layer plan; mode = \"full\" fits in memory with more recompute (the PyTorch "
                      "script applies the plan)")
-    elif cfg.ac.mode in (ACMode.SELECTIVE, ACMode.MEGATRON, ACMode.SELECTIVE_ATTN):
-        ac["selective_ac_option"] = "op"
-        notes.append("selective_ac_option = \"op\" saves matmul and attention outputs by a policy of its own; "
-                     "close to, not the same as, batchlab's selective")
     training = {"local_batch_size": cfg.micro_batch, "global_batch_size": cfg.global_batch, "seq_len": cfg.seq}
     if precision is not None:
         training["mixed_precision_param"] = precision
@@ -203,11 +218,11 @@ def accelerate_yaml(cfg: RunConfig) -> str:
         d["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": cfg.parallel.reshards_after_forward,
                             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-                            "fsdp_activation_checkpointing": cfg.ac.mode is not ACMode.NONE}
+                            "fsdp_activation_checkpointing": cfg.ac.recomputes}
     lines = [_comment(cfg.global_batch_text()),
              _comment(f"micro-batch {cfg.micro_batch}: your DataLoader's batch_size; accumulation {cfg.accum}: "
                       f"Accelerator(gradient_accumulation_steps={cfg.accum})")]
-    if cfg.ac.mode not in (ACMode.NONE, ACMode.FULL):
+    if cfg.ac.recomputes and not _whole_blocks(cfg):
         lines.append(_comment(f"activation checkpointing {cfg.ac}: accelerate switches it on for every layer only"))
     return "\n".join(lines + _yaml(d)) + "\n"
 
@@ -227,6 +242,8 @@ def call_code(name: str, snippet: dict[str, Any]) -> str:
     lines = [f"{name}("] + [f"    {k}={v!r}," for k, v in kwargs.items()] + [")"]
     if "DataLoader" in snippet:
         lines.append(f"DataLoader(dataset, batch_size={snippet['DataLoader']['batch_size']})  # micro-batch per device")
+    if "configure_optimizers" in snippet:
+        lines.append(f"# LightningModule.configure_optimizers: {snippet['configure_optimizers']}")
     if "launch" in snippet:
         lines.append(f"# launch: {snippet['launch']}")
     if "note" in snippet:

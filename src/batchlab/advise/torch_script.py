@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from batchlab.config import ACMode, OptimizerKind, Precision, RunConfig
+from batchlab.config import AC_POLICIES, Applied, Precision, RunConfig, optimizer_spec
 
 STAND_IN_BEGIN = "# >>> stand-in model, data and loss: replace with yours (keep model.layers, the list of blocks)"
 STAND_IN_END = "# <<< end of the stand-in"
@@ -29,14 +29,15 @@ class Block(torch.nn.Module):
         super().__init__()
         self.heads = heads
         self.norm1, self.qkv, self.proj = torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.norm2, self.up, self.down = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.norm2 = torch.nn.LayerNorm(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
 
     def forward(self, x):
         b, s, d = x.shape
         qkv = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         a = torch.nn.functional.scaled_dot_product_attention(*qkv.unbind(0), is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+        return x + self.mlp(self.norm2(x))
 
 
 class StandIn(torch.nn.Module):
@@ -70,40 +71,10 @@ SDPA = {getattr(torch.ops.aten, n).default for n in (  # fused attention kernels
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, n)}
 '''
-_POLICIES = {
-    ACMode.SELECTIVE: ('''\
-def keep_matmuls(ctx, op, *args, **kwargs):  # keep every linear layer's output, recompute the rest
-    return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
-
-''', "lambda: create_selective_checkpoint_contexts(keep_matmuls)"),
-    # torchtitan's selective op AC (torchtitan/distributed/activation_checkpoint.py): SDPA outputs and
-    # matmuls 1, 3, 5, ... kept, counted apart in forward and recompute
-    ACMode.SELECTIVE_OP: ('''\
-def every_other_matmul(counts):
-    def policy(ctx, op, *args, **kwargs):
-        if op in SDPA:
-            return CheckpointPolicy.MUST_SAVE
-        if op not in MATMULS:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        key = "recompute" if ctx.is_recompute else "forward"
-        counts[key] += 1
-        return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
-    return policy
-
-''', 'lambda: create_selective_checkpoint_contexts(every_other_matmul({"forward": 0, "recompute": 0}))'),
-    ACMode.SELECTIVE_ATTN: ('''\
-def keep_attention(ctx, op, *args, **kwargs):  # keep the attention kernel's (eager: softmax's) outputs
-    keep = op in SDPA or op in (torch.ops.aten._softmax.default, torch.ops.aten._safe_softmax.default)
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-''', "lambda: create_selective_checkpoint_contexts(keep_attention)"),
-    # Megatron selective (recompute_modules=[core_attn]): only the fused attention kernel is recomputed
-    ACMode.MEGATRON: ('''\
-def attention_core_only(ctx, op, *args, **kwargs):  # recompute the attention core, keep everything else
-    return CheckpointPolicy.PREFER_RECOMPUTE if op in SDPA else CheckpointPolicy.MUST_SAVE
-
-''', "lambda: create_selective_checkpoint_contexts(attention_core_only, allow_cache_entry_mutation=True)"),
-}
+# the policies the script can print: each catalogue entry's (policy function, context_fn) (config/acpolicies.py)
+_POLICIES = {m: (s.script_policy, s.script_context) for m, s in AC_POLICIES.items() if s.script_context}
+# the policies that checkpoint one submodule of each block: the submodule's name
+_BRANCHES = {m: s.branch for m, s in AC_POLICIES.items() if s.branch}
 
 
 def _launch(cfg: RunConfig) -> list[str]:
@@ -146,7 +117,7 @@ def _imports(cfg: RunConfig) -> list[str]:
     if cfg.ac.mode in _POLICIES or set(cfg.ac.layer_modes(cfg.model.layers)) & set(_POLICIES):
         out.append("from torch.utils.checkpoint import CheckpointPolicy, checkpoint, "
                    "create_selective_checkpoint_contexts")
-    elif cfg.ac.mode is not ACMode.NONE:
+    elif cfg.ac.recomputes:
         out.append("from torch.utils.checkpoint import checkpoint")
     samplers = "DataLoader, DistributedSampler, TensorDataset" if cfg.dp > 1 else "DataLoader, TensorDataset"
     return out + [f"from torch.utils.data import {samplers}"]
@@ -171,29 +142,46 @@ def _plan(cfg: RunConfig) -> list[str]:
     """A per-layer plan: each layer wrapped with its own policy (full: the whole block recomputed)."""
     modes = cfg.ac.layer_modes(cfg.model.layers)
     used = [m for m in _POLICIES if m in modes]
+    branches = {m.value: _BRANCHES[m] for m in _BRANCHES if m in modes}
     out = ([_OPS] if used else []) + [_POLICIES[m][0] for m in used] + [_CHECKPOINTED]
     contexts = ", ".join(['"full": None'] + [f'"{m.value}": {_POLICIES[m][1]}' for m in used])
-    out += [f"CONTEXTS = {{{contexts}}}  # selective checkpointing policy per plan entry",
-            f"PLAN = {[m.value for m in modes]!r}  # {cfg.ac}: one policy per layer, first layer first",
+    out += [f"CONTEXTS = {{{contexts}}}  # selective checkpointing policy per plan entry"]
+    if branches:
+        out.append(f"BRANCHES = {branches!r}  # policies that checkpoint one submodule of the block")
+    out += [f"PLAN = {[m.value for m in modes]!r}  # {cfg.ac}: one policy per layer, first layer first",
             "assert len(PLAN) == len(model.layers), (len(PLAN), len(model.layers))",
-            "for i, policy in enumerate(PLAN):",
-            "    if policy != \"none\":",
-            "        model.layers[i] = Checkpointed(model.layers[i], CONTEXTS[policy])"]
+            "for i, policy in enumerate(PLAN):"]
+    if branches:
+        out += ["    if policy in BRANCHES:",
+                "        setattr(model.layers[i], BRANCHES[policy], Checkpointed(getattr(model.layers[i], "
+                "BRANCHES[policy])))",
+                "    elif policy != \"none\":"]
+    else:
+        out.append("    if policy != \"none\":")
+    out.append("        model.layers[i] = Checkpointed(model.layers[i], CONTEXTS[policy])")
     return out
 
 
 def _checkpointing(cfg: RunConfig) -> list[str]:
     mode, n = cfg.ac.mode, cfg.model.layers
-    if mode is ACMode.NONE:
+    if not cfg.ac.recomputes:
         return ["# activation checkpointing: none"]
-    if mode is ACMode.PLAN:
+    if cfg.ac.layers:
         return _plan(cfg)
     policy, context = _POLICIES.get(mode, ("", None))
     out = [_OPS, policy] if context else []
     out.append(_CHECKPOINTED)
-    which = {ACMode.FULL: "every block recomputed", ACMode.EVERY: f"blocks 0, {cfg.ac.every}, {2 * cfg.ac.every}, ..."
-             }.get(mode, "a policy inside every block")
-    step = f", {cfg.ac.every}" if mode is ACMode.EVERY else ""
+    single = cfg.ac.single
+    if cfg.ac.every_k:
+        which = f"blocks 0, {cfg.ac.every}, {2 * cfg.ac.every}, ..."
+    else:
+        which = "every block recomputed" if single.applied is Applied.WHOLE_BLOCK else "a policy inside every block"
+    step = f", {cfg.ac.every}" if cfg.ac.every_k else ""
+    branch = _BRANCHES.get(mode)
+    if branch:  # the submodule alone under checkpoint
+        which = f"each block's {branch} recomputed"
+        return out + [f"for layer in model.layers:  # {cfg.ac}: {which}; the config has {n} layers",
+                      f"    layer.{branch} = Checkpointed(layer.{branch})"]
     out += [f"for i in range(0, len(model.layers){step}):  # {cfg.ac}: {which}; the config has {n} layers",
             f"    model.layers[i] = Checkpointed(model.layers[i]{', ' + context if context else ''})"]
     return out
@@ -214,9 +202,9 @@ def _devices(cfg: RunConfig) -> list[str]:
 
 
 def _optimizer_class(cfg: RunConfig) -> tuple[str, str]:
-    """(class, extra keyword arguments) for cfg.optimizer."""
-    return {OptimizerKind.ADAMW: ("torch.optim.AdamW", ""), OptimizerKind.SGD: ("torch.optim.SGD", ""),
-            OptimizerKind.SGD_MOMENTUM: ("torch.optim.SGD", ", momentum=0.9")}[cfg.optimizer]
+    """(class, extra keyword arguments) for cfg.optimizer, from its catalogue entry."""
+    spec = optimizer_spec(cfg.optimizer)
+    return spec.torch_class, spec.script_kwargs
 
 
 def _wrap(cfg: RunConfig) -> list[str]:

@@ -10,13 +10,12 @@ from typing import Annotated, Any, Callable, Iterable, NoReturn, Optional
 
 import typer
 
-from batchlab.config import (Assumptions, ConfigError, ModelSource, RunConfig, derive_accum, load_config_toml,
+from batchlab.config import (AC_POLICIES, Assumptions, ConfigError, ModelSource, OptimizerKind, RunConfig, derive_accum, load_config_toml,
                              model_from_hf_config, parse_bytes, resolve_model)
 from batchlab.formula.profile import attach_cached, missing, needed, profiled_precision
 
-AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), selective (keep every "
-           "matmul), selective-op (torchtitan: every other matmul + SDPA), megatron-selective (attention core), "
-           "selective-attn (keep attention outputs), "
+AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), "
+           + "".join(f"{m} ({s.label}), " for m, s in AC_POLICIES.items() if s.selective) +
            "or a per-layer plan: 'plan:full*2,selective*4,none*2' (POLICY or POLICY*N per run of layers, first layer "
            "first, covering every layer; quote it in a shell) or plan:FILE (.json/.toml with per_layer, as fit "
            "writes it); batchlab fit takes auto: the cheapest plan that fits the memory. "
@@ -53,7 +52,7 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "dp": (int, 1, "Data-parallel world size."),
     "precision": (str, "fp32", "fp32, bf16-mixed (autocast), fp16-mixed, bf16, or bf16-fsdp (FSDP2 "
                                "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); formula only)."),
-    "optimizer": (str, "adamw", "adamw, sgd or sgd-momentum."),
+    "optimizer": (str, "adamw", ", ".join(k.value for k in OptimizerKind) + " (the optimizer catalogue)."),
     "optimizer_bytes": (Optional[float], None, "Optimizer state bytes per parameter (overrides --optimizer's)."),
     "ac": (str, "none", AC_HELP),
     "loss": (str, "full", "Loss path: full (F.cross_entropy on all logits), chunked[:N] (N checkpointed token "

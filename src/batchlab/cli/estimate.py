@@ -13,7 +13,7 @@ from batchlab.cli.common import Verbose, console as make_console, print_json, wi
 from batchlab.cli.sources import device_line
 from batchlab.config import parse_field_value
 from batchlab.formula.calibration import load_all
-from batchlab.config import ACMode, ConfigError, Implementation, Keep, ModelSource, RunConfig
+from batchlab.config import ConfigError, Implementation, Keep, ModelSource, RunConfig
 from batchlab.formula import Estimate, compiled_note, estimate as formula_estimate, implementation_line, unseen_model
 from batchlab.util.text import print_assumptions
 from batchlab.util.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
@@ -324,7 +324,7 @@ def explain(cfg: RunConfig, as_json: bool = False) -> None:
     # with AC none, the checkpointing section's "turning it on (full)" too (formula/explain.py)
     if compiled_note(cfg) is not None:
         typer.echo(f"warning: {compiled_note(cfg)}", err=True)
-    cfg = with_layer_profile(cfg, [cfg.replace(ac="full")] if cfg.ac.mode is ACMode.NONE else [])
+    cfg = with_layer_profile(cfg, [cfg.replace(ac="full")] if not cfg.ac.recomputes else [])
     sections = explain_sections(cfg, load_all(), local_limits(cfg))
     if as_json:
         print_json({"provenance": "formula", "config": cfg.to_dict(), "sections": [s.to_dict() for s in sections],

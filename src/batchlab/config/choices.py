@@ -54,12 +54,6 @@ class Precision(Choice):
         return self in (Precision.BF16, Precision.BF16_FSDP)
 
 
-class OptimizerKind(Choice):
-    ADAMW = "adamw"
-    SGD = "sgd"  # plain SGD, no state
-    SGD_MOMENTUM = "sgd-momentum"  # one momentum buffer per parameter
-
-
 class MLPKind(Choice):
     GELU = "gelu"  # 2 matrices h->ffn->h (GPT-2, Megatron)
     SWIGLU = "swiglu"  # 3 matrices: gate, up, down (Llama)
@@ -79,29 +73,6 @@ class PositionKind(Choice):
     LEARNED = "learned"  # GPT-2 position embedding table
     ROPE = "rope"  # rotary (Llama): no parameters
     ALIBI = "alibi"  # attention biases (BLOOM, Falcon-RW): no parameters
-
-
-class ACMode(Choice):
-    NONE = "none"
-    FULL = "full"
-    EVERY = "every"
-    SELECTIVE = "selective"  # every block keeps every matmul output, recomputes the element-wise ops
-    # torchtitan's selective op AC (torchtitan/distributed/activation_checkpoint.py @ b5bcd76c: "Save all
-    # compute/comm ops, except every second mm/linear"): odd-numbered matmuls and SDPA outputs kept
-    SELECTIVE_OP = "selective-op"
-    # Megatron-LM recompute_granularity=selective, recompute_modules=[core_attn]: only the attention core
-    # (QK^T, softmax, dropout, AV) is recomputed (Korthikanti et al. 2022, sec. 5; 34sbh per layer)
-    MEGATRON = "megatron-selective"
-    # keep attention outputs: the fused attention kernel's outputs (eager attention: the softmax output) are
-    # kept, every matmul and element-wise op is recomputed (issue 35's op-level set "keep attention outputs")
-    SELECTIVE_ATTN = "selective-attn"
-    PLAN = "plan"  # one of the above per layer (config/layerplan.py: plan:full*2,none*6 or plan:FILE)
-
-    @property
-    def dispatch_mode(self) -> bool:
-        """Its policy runs as torch.utils.checkpoint's selective dispatch mode (models/ac.py), which sees every
-        op of a wrapped block in forward and in recompute; Megatron's checkpoints the attention core without one."""
-        return self in (ACMode.SELECTIVE, ACMode.SELECTIVE_OP, ACMode.SELECTIVE_ATTN)
 
 
 class LossMode(Choice):

@@ -20,14 +20,13 @@ import re
 from typing import Any
 
 from batchlab.config import planfile
-from batchlab.config.choices import ACMode, ConfigError
+from batchlab.config.acpolicies import ACMode, aliases, layer_policies, no_recompute, whole_block
+from batchlab.config.choices import ConfigError
 from batchlab.config.planfile import MAX_LAYERS, shown
 
 # what one layer may do: nothing recomputed, the whole block, or one of the selective policies inside it
-LAYER_POLICIES = (ACMode.NONE, ACMode.FULL, ACMode.SELECTIVE, ACMode.SELECTIVE_OP, ACMode.MEGATRON,
-                  ACMode.SELECTIVE_ATTN)
-ALIASES = {"op": "selective-op", "torchtitan-op": "selective-op", "megatron": "megatron-selective",
-           "core-attn": "megatron-selective", "keep-attention": "selective-attn", "attn": "selective-attn"}
+LAYER_POLICIES = layer_policies()  # the catalogue's entries (config/acpolicies.py)
+ALIASES = aliases()
 FIELD = "ac"
 _ITEM = re.compile(r"([a-z][a-z-]*)\s*(?:\*\s*([0-9]+))?")
 INLINE_HELP = "plan:POLICY*N,... (e.g. plan:full*2,none*6) or plan:FILE.json|.toml"
@@ -89,7 +88,7 @@ def parse_file(path_text: str) -> tuple[ACMode, ...]:
 
 
 def _from_table(table: dict, layers: int, name: str) -> tuple[ACMode, ...]:
-    out = [ACMode.NONE] * layers
+    out = [no_recompute()] * layers
     for key, p in table.items():
         if not re.fullmatch(r"[0-9]{1,7}", str(key)) or int(key) >= layers:
             raise ConfigError(FIELD, f"{name} names layer {shown(key)}; the model has layers 0..{layers - 1}")
@@ -103,7 +102,7 @@ def _from_ac(text: str, layers: int, name: str) -> tuple[ACMode, ...]:
         raise ConfigError(FIELD, f"{name}: ac {shown(text)} is a plan; give it as per_layer")
     m = re.fullmatch(r"(?:every|selective-layer):([0-9]{1,7})", text.strip().lower())
     if m and int(m.group(1)) >= 1:  # as ACPolicy.layer_modes: the first layer of every K recomputed
-        return tuple(ACMode.FULL if i % int(m.group(1)) == 0 else ACMode.NONE for i in range(layers))
+        return tuple(whole_block() if i % int(m.group(1)) == 0 else no_recompute() for i in range(layers))
     return (layer_policy(text, f"{name}: ac"),) * layers
 
 

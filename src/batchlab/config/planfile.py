@@ -16,7 +16,8 @@ import stat
 from pathlib import Path
 from typing import Any, Iterator
 
-from batchlab.config.choices import ACMode, ConfigError
+from batchlab.config.acpolicies import ACMode
+from batchlab.config.choices import ConfigError
 
 FIELD = "ac"
 MAX_LAYERS = 100_000  # far above any trained model; bounds every loop over a plan's layers

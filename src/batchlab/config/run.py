@@ -8,12 +8,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from batchlab.config import layerplan
-from batchlab.config.choices import (ACMode, AttentionImpl, CompileMode, ConfigError, Counted, DataKind, Implementation, LossMode,
-                                     ModelSource, OptimizerKind, Precision)
+from batchlab.config.acpolicies import ACMode, ACPolicySpec, Applied, no_recompute, whole_block
+from batchlab.config.choices import (AttentionImpl, CompileMode, ConfigError, Counted, DataKind, Implementation, LossMode,
+                                     ModelSource, Precision)
+from batchlab.config.optimizers import OptimizerKind
 from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.engines import PYTORCH_ENGINE, Engine, PipelineSchedule
 from batchlab.config.parallel import Layout, check_degrees
@@ -25,16 +28,10 @@ from batchlab.config.values import SEED_MAX, SIZE_MAX, finite_number, parse_byte
 class ACPolicy:
     """Activation checkpointing: recompute inside one step to save memory.
 
-    Not the training checkpoint (the file saved to disk for recovery).  Spellings: ``none``, ``full``
-    (every layer), ``every:K`` (every K-th layer, counting from the first; torchtitan's "selective layer",
-    also spelled ``selective-layer:K``), ``selective`` (every layer keeps its matmul outputs and recomputes
-    the cheap element-wise and attention-core ops), ``selective-op`` (torchtitan's per-op policy: keeps every
-    other matmul output and the SDPA outputs), ``megatron-selective`` (Megatron: recomputes only the
-    attention core), ``selective-attn`` (keeps
-    the attention kernel's outputs, recomputes the rest), ``plan:...`` (one of none, full and the selective
-    policies per layer: config/layerplan.py).
-    models/ac.py applies each, formula/checkpointing.py counts what each keeps.
-    """
+    Not the training checkpoint (the file saved to disk for recovery).  Spellings: one per-layer policy of the
+    catalogue (config/acpolicies.py: none, full, selective, ...) for every layer, ``every:K`` (full on every K-th
+    layer, counting from the first; torchtitan's "selective layer", also ``selective-layer:K``) or ``plan:...``
+    (a catalogue policy per layer: config/layerplan.py)."""
 
     mode: ACMode = ACMode.NONE
     every: int = 1
@@ -58,7 +55,7 @@ class ACPolicy:
         if isinstance(value, ACPolicy):
             return value
         text = str(value).strip().lower()
-        text = ALIASES.get(text, text)
+        text = layerplan.ALIASES.get(text, text)
         if text.startswith("plan:"):
             return cls(ACMode.PLAN, layers=layerplan.parse(text[len("plan:"):], str(value)))
         m = re.fullmatch(r"(?:every|selective-layer):(\d+)", text)
@@ -71,14 +68,37 @@ class ACPolicy:
         except ValueError:
             mode = None
         if mode is None or mode is ACMode.PLAN:
-            raise ConfigError("ac", f"{value!r} is not one of: none, full, every:K, selective, selective-op, "
-                                    "megatron-selective, selective-attn, plan:POLICY*N,... or plan:FILE")
+            names = ", ".join(m.value for m in layerplan.LAYER_POLICIES if m is not ACMode.NONE)
+            raise ConfigError("ac", f"{value!r} is not one of: none, every:K, {names}, plan:POLICY*N,... or "
+                                    "plan:FILE")
         return cls(mode)
 
     def __str__(self) -> str:
         if self.mode is ACMode.PLAN:
             return f"plan:{layerplan.compact(self.layers)}"
         return f"every:{self.every}" if self.mode is ACMode.EVERY else self.mode.value
+
+    @classmethod
+    def of_layers(cls, modes) -> "ACPolicy":
+        """A per-layer plan: one policy per layer, first layer first."""
+        return cls(ACMode.PLAN, layers=tuple(modes))
+
+    @classmethod
+    def every_kth(cls, k: int) -> "ACPolicy":
+        """every:K: the whole block recomputed on layers 0, K, 2K, ..."""
+        return cls(ACMode.EVERY, k)
+
+    @property
+    def recomputes(self) -> bool:  # anything but none: some layer may be recomputed in backward
+        return self.mode is not ACMode.NONE
+
+    @property
+    def every_k(self) -> int | None:  # K of every:K, else None
+        return self.every if self.mode is ACMode.EVERY else None
+
+    @property
+    def single(self) -> "ACPolicySpec | None":  # the entry every layer runs when spelt as one (not every:K, a plan)
+        return None if self.mode in (ACMode.EVERY, ACMode.PLAN) else self.mode.spec
 
     def simplified(self) -> "ACPolicy":
         """A plan giving every layer one policy, as that policy (other stacks' settings can express it)."""
@@ -91,27 +111,20 @@ class ACPolicy:
         if self.mode is ACMode.PLAN:
             return self.layers
         if self.mode is ACMode.EVERY:
-            return tuple(ACMode.FULL if i % self.every == 0 else ACMode.NONE for i in range(n_layers))
+            full, none = whole_block(), no_recompute()
+            return tuple(full if i % self.every == 0 else none for i in range(n_layers))
         return (self.mode,) * n_layers
 
     def wrapped_layers(self, n_layers: int) -> tuple[int, ...]:
         """Indices of the layers whose whole block is recomputed in backward."""
-        return tuple(i for i, m in enumerate(self.layer_modes(n_layers)) if m is ACMode.FULL)
+        return tuple(i for i, m in enumerate(self.layer_modes(n_layers)) if m.spec.applied is Applied.WHOLE_BLOCK)
 
     def selective_layers(self, n_layers: int) -> tuple[int, ...]:
-        return tuple(i for i, m in enumerate(self.layer_modes(n_layers)) if m in SELECTIVE_MODES)
+        return tuple(i for i, m in enumerate(self.layer_modes(n_layers)) if m.spec.selective)
 
     def selective_kinds(self, n_layers: int) -> dict[ACMode, int]:
-        """{selective mode: layers under it}."""
-        out: dict[ACMode, int] = {}
-        for m in self.layer_modes(n_layers):
-            if m in SELECTIVE_MODES:
-                out[m] = out.get(m, 0) + 1
-        return out
-
-
-SELECTIVE_MODES = (ACMode.SELECTIVE, ACMode.SELECTIVE_OP, ACMode.MEGATRON, ACMode.SELECTIVE_ATTN)  # a policy inside every block
-ALIASES = layerplan.ALIASES
+        """{selective mode: layers under it}, in the order the layers first use them."""
+        return dict(Counter(m for m in self.layer_modes(n_layers) if m.spec.selective))
 
 
 @dataclass(frozen=True)
@@ -206,7 +219,7 @@ class RunConfig:
     accum: int = 1  # micro-batches whose gradients are summed before one optimizer step
     dp: int = 1  # data-parallel ranks (world size)
     precision: Precision = Precision.FP32  # fp32, bf16-mixed, fp16-mixed, bf16 or bf16-fsdp
-    optimizer: OptimizerKind = OptimizerKind.ADAMW  # adamw, sgd or sgd-momentum
+    optimizer: OptimizerKind = OptimizerKind.ADAMW  # an entry of config/optimizers.py
     ac: ACPolicy = field(default_factory=ACPolicy)  # activation checkpointing (a string such as "full" is parsed)
     loss: LossPolicy = field(default_factory=LossPolicy)  # the loss path (a string such as "chunked:8" is parsed)
     zero: int = 0  # ZeRO stage over the dp ranks (1: optimizer, 2: +grads, 3: +params; FSDP ~ 3)
@@ -254,8 +267,9 @@ class RunConfig:
         if (self.ac.mode is ACMode.PLAN and len(self.ac.layers) != self.model.layers
                 and self.model_kind is not ModelSource.FACTORY):  # a factory's blocks: models/ac.py checks
             raise ConfigError("ac", f"the plan names {len(self.ac.layers)} layers; the model has {self.model.layers}")
-        if ACMode.MEGATRON in self.ac.layer_modes(self.model.layers) and self.model.attention is not AttentionImpl.SDPA:
-            raise ConfigError("ac", "megatron-selective recomputes the fused attention call: it needs "
+        sdpa_only = sorted({m.value for m in self.ac.layer_modes(self.model.layers) if m.spec.needs_sdpa})
+        if sdpa_only and self.model.attention is not AttentionImpl.SDPA:
+            raise ConfigError("ac", f"{sdpa_only[0]} recomputes the fused attention call: it needs "
                                     "--attention sdpa (eager attention has no single attention-core call)")
         if self.ac.mode is ACMode.EVERY and self.ac.every > self.model.layers:
             raise ConfigError("ac", f"every:{self.ac.every} asks for K > layers ({self.model.layers})")

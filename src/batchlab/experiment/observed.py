@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from batchlab.config import ACMode, RunConfig, Choice, config_from_dict
+from batchlab.config import RunConfig, Choice, config_from_dict
 from batchlab import host
 from batchlab.measure.result import Measurement, measurement_from_dict, measurement_to_dict
 from batchlab.measure.versus import broken_time_model, formula_estimate, rows
@@ -189,7 +189,7 @@ def loop_settings(cfg: RunConfig | None, global_batch: int | None, model: str, d
     """A plain loop reports nothing itself: its Settings come from the RunConfig given to observe()."""
     if cfg is not None:
         return Settings(micro_batch=cfg.micro_batch, accum=cfg.accum, world_size=cfg.dp, precision=cfg.precision.value,
-                        gradient_checkpointing=cfg.ac.mode is not ACMode.NONE, seq=cfg.seq,
+                        gradient_checkpointing=cfg.ac.recomputes, seq=cfg.seq,
                         model=f"{model} ({cfg.model.name})", device=device, optimizer=optimizer), []
     why = (f"global batch {global_batch} given without its split" if global_batch is not None else
            "no config given") + ": pass config=RunConfig(...) for micro-batch x accum x DP and the formula's prediction"

@@ -46,7 +46,8 @@ def selective_op_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backe
     return s * b * m.hidden * w.res + s * b * odd * w.e + (_sdpa_saved(m, s, b, w) if fused else 0)
 
 
-def selective_attn_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend) -> int:
+def selective_attn_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend,
+                         impl: Impl | None = None) -> int:
     w = act.Widths.of(precision, backend)
     if act.materialises_scores(m, backend):  # the softmax output, in its own width
         return s * b * m.hidden * w.res + m.heads * s * s * b * w.softmax
@@ -61,24 +62,63 @@ def megatron_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: 
     return full.total - _lse(m, s, b)
 
 
-def kept_bytes(mode: ACMode, m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend,
-               impl: Impl) -> int:
-    """Bytes one block keeps under a selective policy."""
-    if mode is ACMode.SELECTIVE_OP:
-        return selective_op_bytes(m, s, b, precision, backend, impl)
-    if mode is ACMode.SELECTIVE_ATTN:
-        return selective_attn_bytes(m, s, b, precision, backend)
-    if mode is ACMode.MEGATRON:
-        return megatron_bytes(m, s, b, precision, backend, impl)
-    assert mode is ACMode.SELECTIVE, mode
+def mlp_recomputed_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend, impl: Impl) -> int:
+    """``selective-mlp`` (each block's MLP under checkpoint): the layer as without checkpointing less what only the
+    MLP keeps inside -- its intermediates and its dropout mask (one of the layer's two).  Its input is kept by the
+    checkpoint: under autocast the norm's fp32 output instead of the 16-bit copy each first matmul saved."""
+    full = act.layer_activations(m, s, b, precision, backend, impl)
+    w = act.Widths.of(precision, backend)
+    first = 2 if m.mlp is MLPKind.SWIGLU else 1  # matmuls reading the MLP input (gate and up, or fc)
+    swap = s * b * m.hidden * (w.res - first * w.e) if precision.mixed else 0
+    return full.total - full.mlp - full.masks // 2 + swap
+
+
+def selective_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend, impl: Impl) -> int:
     return act.selective_layer_bytes(m, s, b, precision)
 
 
+def block_input_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend, impl: Impl) -> int:
+    """The whole block recomputed: its input alone is kept."""
+    return act.checkpointed_layer_bytes(m, s, b, precision)
+
+
+def kept_bytes(mode: ACMode, m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend,
+               impl: Impl) -> int:
+    """Bytes one block keeps under a policy that recomputes: the function its catalogue entry names
+    (config/acpolicies.py ``kept``)."""
+    return _term(mode.spec.kept)(m, s, b, precision, backend, impl)
+
+
+def selective_op_flops(m: ModelSpec, s: int, impl: Impl) -> float:
+    """The even-numbered matmuls; the attention core is kept."""
+    return sum(2 * weights for i, (_, weights) in enumerate(matmul_outputs(m, impl)) if i % 2 == 1)
+
+
+def all_matmul_flops(m: ModelSpec, s: int, impl: Impl) -> float:
+    """Every matmul (the fused kernel's output is served from the cache)."""
+    return sum(2 * weights for _, weights in matmul_outputs(m, impl))
+
+
+def mlp_flops(m: ModelSpec, s: int, impl: Impl) -> float:
+    """The MLP's matmuls but its last: the recompute stops once every saved tensor is rebuilt, and the output
+    projection's output is saved by nothing (as full recompute, formula/flops.py)."""
+    n = 3 if m.mlp is MLPKind.SWIGLU else 2
+    return sum(2 * weights for _, weights in matmul_outputs(m, impl)[-n:-1])
+
+
+def attention_core_flops(m: ModelSpec, s: int, impl: Impl) -> float:
+    """The attention core: QK^T and AV (PaLM's 12·h·s per layer is 3 x this)."""
+    return 4 * m.hidden * s
+
+
 def recompute_flops_per_token(mode: ACMode, m: ModelSpec, s: int, impl: Impl) -> float:
-    """Forward work a selective policy repeats in backward, per token of one layer."""
-    core = 4 * m.hidden * s  # QK^T and AV (PaLM's 12·h·s per layer is 3 x this)
-    if mode is ACMode.SELECTIVE_OP:  # the even-numbered matmuls; the attention core is kept
-        return sum(2 * weights for i, (_, weights) in enumerate(matmul_outputs(m, impl)) if i % 2 == 1)
-    if mode is ACMode.SELECTIVE_ATTN:  # every matmul (the fused kernel's output is served from the cache)
-        return sum(2 * weights for _, weights in matmul_outputs(m, impl))
-    return core  # selective and megatron-selective recompute the attention core
+    """Forward work a selective policy repeats in backward, per token of one layer: the function its catalogue
+    entry names (``recompute_flops``)."""
+    return _term(mode.spec.recompute_flops)(m, s, impl)
+
+
+def _term(name: str):
+    term = globals().get(name)
+    if not callable(term):
+        raise LookupError(f"formula/checkpointing.py has no term {name!r} (named by config/acpolicies.py)")
+    return term

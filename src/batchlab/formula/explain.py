@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config import ACMode, ConfigError, Keep, RunConfig, apply_change
+from batchlab.config import ConfigError, Keep, RunConfig, apply_change
 from batchlab.formula import Calibrations, Estimate, estimate
 from batchlab.formula.vary import direction
 from batchlab.util.units import fmt_bytes, fmt_seconds
@@ -138,7 +138,7 @@ def _checkpointing(cfg: RunConfig, e: Estimate, cal: Calibrations | None) -> Sec
         "one more forward of the wrapped layers in compute, inside one training step. Recompute now adds "
         f"{f.hardware_flops_per_update / f.model_flops_per_update - 1:.0%} FLOPs.",
     ]
-    if cfg.ac.mode is ACMode.NONE:
+    if not cfg.ac.recomputes:
         full = _changed(cfg, "ac", "full", Keep.GLOBAL_BATCH, cal)
         extra = (f", FLOPs +{full.flops.hardware_flops_per_update / f.hardware_flops_per_update - 1:.0%}"
                  if not isinstance(full, str) else "")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import dataclasses
-from batchlab.config import ACMode, LossMode, PositionKind, Precision, RunConfig
+from batchlab.config import LossMode, PositionKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import deepspeed
 from batchlab.formula.allocator import device_memory
@@ -94,7 +94,7 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     kept_below = sum(plan.per_layer_kept)
     grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
     modes = cfg.ac.layer_modes(cfg.model.layers)
-    recomputed = {j for j, i in enumerate(rank.layers) if modes[i] is not ACMode.NONE}
+    recomputed = {j for j, i in enumerate(rank.layers) if modes[i].spec.recomputes}
     copies_below = layer_copy * (len(rank.layers) - len(recomputed))  # the LM head's copy is freed by now
     fixed = sum(v for k, v in resident.items() if k not in _WALKED)  # the same at every layer
     best_total = sum(best.values())
@@ -273,7 +273,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     states = model_states(cfg, rank)
     plan = activation_plan(cfg, rank)
     modes = cfg.ac.layer_modes(m.layers)
-    n_recomputed = sum(1 for i in rank.layers if modes[i] is not ACMode.NONE)
+    n_recomputed = sum(1 for i in rank.layers if modes[i].spec.recomputes)
     # autocast's 16-bit weight copies: all of them sit in its cast cache until the forward leaves autocast;
     # in backward only those the matmuls saved remain (recomputed layers cast again, transiently)
     copies_fwd = copies = layer_copy = 0

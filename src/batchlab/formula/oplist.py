@@ -17,8 +17,8 @@ from collections import Counter
 
 from dataclasses import dataclass
 
-from batchlab.config import (ACMode, AttentionImpl, Backend, LossMode, MLPKind, NormKind, OptimizerKind, PositionKind,
-                             Precision, RunConfig)
+from batchlab.config import (AttentionImpl, Backend, LossMode, MLPKind, NormKind, PositionKind,
+                             Precision, RunConfig, optimizer_spec)
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.opcost import OpCount, merge, op_class
@@ -198,12 +198,16 @@ def _gelu_new(ops: _Ops, ph: Phase, n: int, backward: bool) -> None:
                 _views(BWD, 1))
 
 
-def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True) -> None:
-    """One block's forward ops into ``ph`` (forward or recompute), and (``backward``) its backward ops."""
+def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True, only: str = "") -> None:
+    """One block's forward ops into ``ph`` (forward or recompute), and (``backward``) its backward ops; ``only``:
+    the inner ops of that branch alone (its submodule: no norm, dropout or residual add)."""
     m = cfg.model
     t, h, kv, f, w = cfg.micro_batch * cfg.seq, m.hidden, m.kv_hidden, m.ffn, ops.w
     for branch in ("attention", "mlp"):
-        ops.norm(ph, t, h, m.norm, m.bias, backward)
+        if only and branch != only:
+            continue
+        if not only:
+            ops.norm(ph, t, h, m.norm, m.bias, backward)
         if branch == "attention":
             ops.linear(ph, t, h, h + 2 * kv, m.bias, w.autocast, backward)
             _attention(ops, cfg, ph, backward)
@@ -226,6 +230,8 @@ def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True) -> None:
                 if backward:
                     ops.add(_op("gelu_backward", BWD, t * f, 3 * t * f * w.e), _views(BWD, 1))
             ops.linear(ph, t, f, h, m.bias, False, backward)
+        if only:
+            continue
         ops.dropout(ph, t * h, m.dropout, w.e, backward)
         ops.elementwise("add", ph, t * h, w.res, inputs=2)  # the residual add
         if backward:
@@ -290,15 +296,9 @@ def _optimizer_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
             _op("_local_scalar_dense", OPT, 0, 0))
     for size, k in Counter(sizes).items():  # parameters of one size run the same ops: listed once, counted k times
         b = size * F32
-        if cfg.optimizer is OptimizerKind.ADAMW:  # torch.optim.adamw._single_tensor_adamw
-            step = (_op("add_", OPT, 1, 8), _op("_local_scalar_dense", OPT, 0, 0), _op("mul_", OPT, size, 2 * b),
-                    _op("lerp_", OPT, size, 3 * b), _op("mul_", OPT, size, 2 * b), _op("addcmul_", OPT, size, 4 * b),
-                    _op("sqrt", OPT, size, 2 * b), _op("div", OPT, size, 2 * b), _op("add_", OPT, size, 2 * b),
-                    _op("addcdiv_", OPT, size, 4 * b))
-        elif cfg.optimizer is OptimizerKind.SGD_MOMENTUM:
-            step = (_op("mul_", OPT, size, 2 * b), _op("add_", OPT, size, 3 * b), _op("add_", OPT, size, 3 * b))
-        else:
-            step = (_op("add_", OPT, size, 3 * b),)
+        # the catalogue entry's step on one parameter (config/optimizers.py)
+        step = (_op(s.name, OPT, size, s.passes * b) if s.per_element else _op(s.name, OPT, s.elements, s.nbytes)
+                for s in optimizer_spec(cfg.optimizer).step_ops)
         ops.add(*(o.times(k) for o in step))
     return tuple(ops.out)
 
@@ -336,12 +336,15 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     plain = n - sac
     ops.add(*(o.times(plain) for o in merge(block.out) if plain))
     ops.add(*(_sac(o.times(sac)) for o in merge(block.out) if sac))
-    groups = [(ACMode.FULL, len(cfg.ac.wrapped_layers(n)))] + list(kinds.items())
+    # every recomputing policy's layers, whole blocks first
+    groups = sorted(Counter(m for m in cfg.ac.layer_modes(n) if m.spec.recomputes).items(),
+                    key=lambda group: group[0].spec.selective)
     for mode, k in groups:
         if not k:
             continue
         redo = _Ops(ops.w)
-        _recompute(redo, cfg, _CACHED.get(mode, ()))
+        # ops whose outputs a policy serves from its cache in the recompute: its catalogue entry's
+        _recompute(redo, cfg, mode.spec.cached_in_recompute, mode.spec.branch)
         ops.add(*(_sac(o.times(k)) if mode.dispatch_mode else o.times(k) for o in merge(redo.out)))
     _outside(ops, cfg)
     return merge(ops.out)
@@ -353,16 +356,16 @@ def _sac(op: OpCount) -> OpCount:
     return op.under_sac() if op.phase in (FWD, Phase.RECOMPUTE) else op
 
 
-# ops whose outputs a selective policy serves from its cache in the recompute (models/ac.py)
-_CACHED = {ACMode.SELECTIVE: ("mm", "addmm"), ACMode.SELECTIVE_OP: ("mm", "addmm"), ACMode.MEGATRON: ("mm", "addmm"),
-           ACMode.SELECTIVE_ATTN: ("_scaled_dot_product_flash_attention_for_cpu", "_softmax", "_safe_softmax")}
-
-
-def _recompute(ops: _Ops, cfg: RunConfig, cached: tuple[str, ...]) -> None:
+def _recompute(ops: _Ops, cfg: RunConfig, cached: tuple[str, ...], branch: str = "") -> None:
     """The forward again inside backward (non-reentrant checkpoint); selective checkpointing serves the
-    saved outputs of ``cached`` ops from its cache, so only the rest is re-run."""
+    saved outputs of ``cached`` ops from its cache, so only the rest is re-run; ``branch``: that submodule's
+    ops alone, up to its last matmul, whose output nothing saves."""
     redo = _Ops(ops.w)
-    _layer(redo, cfg, Phase.RECOMPUTE, backward=False)
+    _layer(redo, cfg, Phase.RECOMPUTE, backward=False, only=branch)
+    if branch:
+        last = [i for i, op in enumerate(redo.out) if op.name in ("mm", "addmm")][-1]
+        ops.add(*redo.out[:last], _views(Phase.RECOMPUTE, 4), _views(BWD, 3))  # the branch's saved tensors
+        return
     # early stop: the last residual add and the dropout multiply before it produce nothing backward needs
     last = [i for i, op in enumerate(redo.out) if op.name == "add"][-1:]
     last += [i for i, op in enumerate(redo.out) if op.name == "mul"][-1:] if cfg.model.dropout > 0 else []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from batchlab.config import MLPKind, ModelSpec, NormKind, PositionKind
@@ -48,18 +49,24 @@ def count(m: ModelSpec) -> ParamCount:
 
 
 @functools.lru_cache(maxsize=64)
-def tensor_sizes(m: ModelSpec) -> tuple[int, ...]:
-    """Elements of each parameter tensor of batchlab's GPT, in the order the optimizer sees them."""
+def tensor_shapes(m: ModelSpec) -> tuple[tuple[int, ...], ...]:
+    """The shape of each parameter tensor of batchlab's GPT, in the order the optimizer sees them."""
     h, kv, f = m.hidden, m.kv_hidden, m.ffn
-    norm = [h, h] if (m.norm is NormKind.LAYERNORM and m.bias) else [h]
+    norm = [(h,), (h,)] if (m.norm is NormKind.LAYERNORM and m.bias) else [(h,)]
 
-    def lin(i: int, o: int) -> list[int]:
-        return [i * o, o] if m.bias else [i * o]
+    def lin(i: int, o: int) -> list[tuple[int, ...]]:  # nn.Linear(i, o): weight (o, i), bias (o,)
+        return [(o, i), (o,)] if m.bias else [(o, i)]
 
     mlp = (lin(h, f) * 2 if m.mlp is MLPKind.SWIGLU else lin(h, f)) + lin(f, h)
     layer = norm + lin(h, h + 2 * kv) + lin(h, h) + norm + mlp
-    sizes = [m.vocab * h] + ([m.max_positions * h] if m.position is PositionKind.LEARNED else [])
-    sizes += layer * m.layers + norm
+    shapes = [(m.vocab, h)] + ([(m.max_positions, h)] if m.position is PositionKind.LEARNED else [])
+    shapes += layer * m.layers + norm
     if not m.tied_embeddings:
-        sizes.append(m.vocab * h)
-    return tuple(sizes)
+        shapes.append((m.vocab, h))
+    return tuple(shapes)
+
+
+@functools.lru_cache(maxsize=64)
+def tensor_sizes(m: ModelSpec) -> tuple[int, ...]:
+    """Elements of each parameter tensor of batchlab's GPT, in the order the optimizer sees them."""
+    return tuple(math.prod(s) for s in tensor_shapes(m))

@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from batchlab.config import ACMode, ModelSource, Precision, RunConfig, to_jsonable
+from batchlab.config import ModelSource, Precision, RunConfig, to_jsonable
 from batchlab.config.hf import hf_config_path
 from batchlab.config.profile import LayerProfile, Terms
 from batchlab.util.files import write_atomic
@@ -21,7 +21,6 @@ PROFILE_VERSION = 17  # bump when what a profile measures changes: old cache ent
 _SAME_BYTES = {Precision.FP16_MIXED: Precision.BF16_MIXED}
 
 
-PROFILED_AC = (ACMode.NONE, ACMode.FULL, ACMode.EVERY, ACMode.SELECTIVE)
 PROFILED_PRECISIONS = (Precision.FP32, Precision.BF16_MIXED, Precision.BF16)  # the trainer's own precisions
 
 
@@ -88,13 +87,13 @@ def attach_cached(cfg: RunConfig) -> RunConfig:
 
 def layer_policies(cfg: RunConfig) -> tuple[str, ...]:
     """Each layer's policy under cfg's AC, as a layer profile names it (``config.profile.MODES``)."""
-    names = {ACMode.NONE: "full", ACMode.FULL: "checkpointed"}
-    return tuple(names.get(m, "selective") for m in cfg.ac.layer_modes(cfg.model.layers))
+    return tuple(m.spec.profile_term or "selective" for m in cfg.ac.layer_modes(cfg.model.layers))
 
 
 def profiled(cfg: RunConfig) -> bool:
     """Profiles measure the layer policies none, full and selective (every:K and plans mix them)."""
-    return all(m in PROFILED_AC for m in cfg.ac.layer_modes(cfg.model.layers))
+    # the policies whose per-layer bytes a profile holds: their catalogue entries name a profile term
+    return all(m.spec.profile_term is not None for m in cfg.ac.layer_modes(cfg.model.layers))
 
 
 def needed(cfg: RunConfig) -> frozenset[str]:

@@ -6,9 +6,12 @@ data-parallel ranks; what a rank holds before that sharding is its pipeline stag
 """
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from dataclasses import dataclass
 
-from batchlab.config import OptimizerKind, Precision, RunConfig
+from batchlab.config import Precision, RunConfig, optimizer_spec
+from batchlab.formula.params import count, tensor_shapes
 from batchlab.formula.ranks import RankShare, shares
 
 F32 = 4
@@ -25,11 +28,25 @@ class ModelStates:
 
 
 def optimizer_bytes_per_param(cfg: RunConfig) -> float:
+    """The whole model's optimizer state per parameter (a rank holds its parameters' share of it)."""
     if cfg.assumptions.optimizer_bytes_per_param is not None:
         return cfg.assumptions.optimizer_bytes_per_param
+    return optimizer_state_bytes(cfg) / count(cfg.model).total
+
+
+def optimizer_state_bytes(cfg: RunConfig) -> int:
+    """The whole model's optimizer state, unsharded: the catalogue entry's state tensors (config/optimizers.py)
+    over the model's parameter shapes, in the weights' dtype."""
+    if cfg.assumptions.optimizer_bytes_per_param is not None:
+        return int(count(cfg.model).total * cfg.assumptions.optimizer_bytes_per_param)
     state_bytes = 2 if cfg.precision is Precision.BF16 else F32  # state lives in the weights' dtype
-    per_state = {OptimizerKind.ADAMW: 2, OptimizerKind.SGD_MOMENTUM: 1, OptimizerKind.SGD: 0}[cfg.optimizer]
-    return per_state * state_bytes  # AdamW: m and v (Loshchilov & Hutter 2019)
+    return state_bytes * _state_elements(cfg.model, cfg.optimizer)
+
+
+@functools.lru_cache(maxsize=64)  # asked by every estimate; a sum over every parameter tensor
+def _state_elements(m, kind) -> int:
+    # a factored state (Adafactor's) reads the shapes of batchlab's GPT at the model's dimensions
+    return optimizer_spec(kind).model_state_elements(count(m).total, Counter(tensor_shapes(m)))
 
 
 def heaviest(cfg: RunConfig) -> RankShare:

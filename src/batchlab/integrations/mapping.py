@@ -10,16 +10,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from batchlab.config import ACMode, ACPolicy, ConfigError, ModelSpec, OptimizerKind, Precision, RunConfig, \
+from batchlab.config import ACPolicy, ConfigError, ModelSpec, OptimizerKind, Precision, RunConfig, \
     local_device, model_from_hf_config
+from batchlab.config.acpolicies import whole_block
+from batchlab.config.optimizers import from_live
 from batchlab.experiment.observed import Settings
 
 # the frameworks' precision names -> batchlab's (Lightning "32-true", HF TrainingArguments bf16/fp16 flags)
 PRECISION = {"fp32": Precision.FP32, "32-true": Precision.FP32, "32": Precision.FP32,
              "bf16-mixed": Precision.BF16_MIXED, "16-mixed": Precision.FP16_MIXED,
              "fp16-mixed": Precision.FP16_MIXED, "bf16-true": Precision.BF16}
-OPTIMIZER = {"AdamW": OptimizerKind.ADAMW, "Adam": OptimizerKind.ADAMW,  # same two moments per parameter
-             "SGD": OptimizerKind.SGD}
 
 
 def model_from_hf_dict(raw: dict[str, Any]) -> ModelSpec:
@@ -43,13 +43,7 @@ def hf_checkpointing(model) -> bool:
 def _ac(s: Settings) -> ACPolicy:
     if not s.gradient_checkpointing:
         return ACPolicy()
-    return ACPolicy(ACMode.EVERY, s.checkpoint_every) if s.checkpoint_every > 1 else ACPolicy(ACMode.FULL)
-
-
-def _optimizer(name: str, momentum: float | None) -> OptimizerKind | None:
-    if name == "SGD" and momentum:
-        return OptimizerKind.SGD_MOMENTUM
-    return OPTIMIZER.get(name)
+    return ACPolicy.every_kth(s.checkpoint_every) if s.checkpoint_every > 1 else ACPolicy(whole_block())
 
 
 def run_config(s: Settings, hf_config: dict[str, Any] | None = None,
@@ -73,7 +67,7 @@ def run_config(s: Settings, hf_config: dict[str, Any] | None = None,
     precision = PRECISION.get(s.precision)
     if precision is None:
         unmapped.append(f"precision {s.precision!r}: no batchlab equivalent; fp32 assumed for the formula")
-    optimizer = _optimizer(s.optimizer, momentum)
+    optimizer = from_live(s.optimizer, momentum)  # the optimizer catalogue recognises it
     if optimizer is None:
         unmapped.append(f"optimizer {s.optimizer or '?'}: no batchlab equivalent; AdamW assumed for the formula")
     if s.gradient_checkpointing is None:

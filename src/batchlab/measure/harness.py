@@ -9,12 +9,13 @@ once per update.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from batchlab.config import ConfigError, OptimizerKind, Precision, RunConfig
+from batchlab.config import ConfigError, Precision, RunConfig, optimizer_spec
 from batchlab.measure.device import torch_device
 from batchlab.models import Workload, build_workload
 from batchlab.models.ac import apply_ac
@@ -37,14 +38,15 @@ def _autocast_dtype(precision: Precision) -> torch.dtype | None:
 
 
 def optimizer_class(cfg: RunConfig) -> tuple[type[torch.optim.Optimizer], dict]:
-    """The optimizer class and its arguments (ZeroRedundancyOptimizer wraps the same ones)."""
-    # foreach=False: the per-parameter loop keeps temporaries to one parameter at a time (what the
-    # calculator assumes); the fused/foreach paths hold a temporary per parameter group.
-    if cfg.optimizer is OptimizerKind.ADAMW:
-        return torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.1, foreach=False)
-    if cfg.optimizer is OptimizerKind.SGD_MOMENTUM:
-        return torch.optim.SGD, dict(lr=1e-3, momentum=0.9, foreach=False)
-    return torch.optim.SGD, dict(lr=1e-3, foreach=False)
+    """The optimizer class and its arguments (ZeroRedundancyOptimizer wraps the same ones), from the catalogue
+    entry (config/optimizers.py)."""
+    spec = optimizer_spec(cfg.optimizer)
+    module, _, name = spec.torch_class.rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None)
+    if cls is None:
+        raise ConfigError("optimizer", f"{cfg.optimizer} needs {spec.torch_class}, which this torch "
+                          f"({torch.__version__}) does not have")
+    return cls, spec.torch_kwargs
 
 
 def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:

@@ -16,70 +16,54 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from batchlab.config import ACMode, ACPolicy, ConfigError
+from batchlab.config import ACMode, ACPolicy, ACPolicySpec, Applied, ConfigError
 
 _aten = torch.ops.aten
-_MATMULS = {_aten.mm.default, _aten.addmm.default}  # a linear layer (with or without bias) on a 2-D view
-# fused attention kernels (CUDA flash / memory-efficient / cuDNN, and the CPU flash kernel)
-_SDPA = {op for op in (getattr(_aten, n, None) for n in (
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")) if op is not None}
-_SDPA = {getattr(op, "default") for op in _SDPA}
-# eager attention's softmax, and SDPA's math path (CPU with dropout), which calls _safe_softmax
-_SOFTMAX = {op.default for op in (getattr(_aten, n, None) for n in ("_softmax", "_safe_softmax")) if op is not None}
 _SAVE, _RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _matmul_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """batchlab ``selective``: keep every linear layer's output, recompute everything else."""
-    return _SAVE if op in _MATMULS else _RECOMPUTE
+@functools.lru_cache(maxsize=None)  # asked for every op the dispatch mode sees
+def _ops(names: tuple[str, ...]) -> frozenset:
+    """The default overloads of the aten ops a catalogue entry names (those this torch has)."""
+    return frozenset(getattr(_aten, n).default for n in names if getattr(_aten, n, None) is not None)
 
 
-def _attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """``selective-attn``: keep the attention kernel's outputs (eager attention and SDPA's math path: the
-    softmax output), recompute every matmul and element-wise op."""
-    return _SAVE if op in _SDPA or op in _SOFTMAX else _RECOMPUTE
-
-
-def _every_other_matmul(counts: defaultdict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """torchtitan ``selective op``: keep the SDPA outputs and matmuls 1, 3, 5, ... of the block (counted
-    separately in forward and recompute, as torchtitan's ``mm_count_key``); recompute the rest."""
-    if op in _SDPA:
+def _policy(spec: ACPolicySpec, counts: defaultdict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """A catalogue entry's selective policy (config/acpolicies.py): its ``saved_ops`` kept; of its
+    ``alternate_ops`` the 1st, 3rd, ... call of the block (counted apart in forward and recompute, as
+    torchtitan's ``mm_count_key``); every other op kept under ``save_others``, else recomputed."""
+    if op in _ops(spec.saved_ops):
         return _SAVE
-    if op not in _MATMULS:
-        return _RECOMPUTE
-    key = "recompute" if ctx.is_recompute else "forward"
-    counts[key] += 1
-    return _SAVE if counts[key] % 2 == 1 else _RECOMPUTE
+    if op in _ops(spec.alternate_ops):
+        key = "recompute" if ctx.is_recompute else "forward"
+        counts[key] += 1
+        return _SAVE if counts[key] % 2 == 1 else _RECOMPUTE
+    return _SAVE if spec.save_others else _RECOMPUTE
 
 
 def _context_fn(mode: ACMode):
-    if mode is ACMode.SELECTIVE:
-        return functools.partial(create_selective_checkpoint_contexts, _matmul_policy)
-    if mode is ACMode.SELECTIVE_ATTN:
-        return functools.partial(create_selective_checkpoint_contexts, _attention_policy)
-    if mode is ACMode.SELECTIVE_OP:
-        return _selective_op_contexts
-    return None
+    if not mode.spec.dispatch_mode:
+        return None
+    return functools.partial(_selective_contexts, mode.spec)
 
 
-def _selective_op_contexts():
-    """A fresh matmul counter for every checkpointed call; a module-level function, since torch.compile traces
-    a checkpoint whose context_fn is a function or a partial, not a closure made in the compiled frame."""
-    return create_selective_checkpoint_contexts(functools.partial(_every_other_matmul, defaultdict(int)))
+def _selective_contexts(spec: ACPolicySpec):
+    """A fresh counter for every checkpointed call; a module-level function under a partial, since torch.compile
+    traces a checkpoint whose context_fn is a function or a partial, not a closure made in the compiled frame."""
+    return create_selective_checkpoint_contexts(functools.partial(_policy, spec, defaultdict(int)))
 
 
 class Checkpointed(nn.Module):
     """Wraps one block; its forward runs under torch.utils.checkpoint (non-reentrant, RNG preserved)."""
 
-    def __init__(self, block: nn.Module, mode: ACMode = ACMode.FULL):
+    def __init__(self, block: nn.Module, mode: ACMode):
         super().__init__()
         self.block = block
         self.mode = mode
 
     @property
     def selective(self) -> bool:
-        return self.mode is not ACMode.FULL
+        return self.mode.spec.selective
 
     def forward(self, *args, **kwargs):
         context_fn = _context_fn(self.mode)
@@ -92,9 +76,6 @@ class _CoreAttentionCheckpointed(Checkpointed):
     """Megatron's selective recompute: inside the block, ``F.scaled_dot_product_attention`` (the attention
     core) runs under a checkpoint, so its own saved output and log-sum-exp (and on the math path the s x s
     scores) are dropped and recomputed; q, k, v are kept.  Needs SDPA attention (RunConfig checks)."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__(block, ACMode.MEGATRON)
 
     def forward(self, *args, **kwargs):
         plain = F.scaled_dot_product_attention
@@ -109,17 +90,43 @@ class _CoreAttentionCheckpointed(Checkpointed):
             F.scaled_dot_product_attention = plain
 
 
+class _BranchCheckpointed(Checkpointed):
+    """One submodule of the block (the entry's ``branch``, e.g. ``mlp``) runs under a checkpoint: the block keeps
+    what it keeps without checkpointing, less what that submodule keeps inside (its input is kept)."""
+
+    def __init__(self, block: nn.Module, mode: ACMode):
+        super().__init__(block, mode)
+        name = mode.spec.branch
+        if not isinstance(getattr(block, name, None), nn.Module):
+            raise ConfigError("ac", f"{mode} recomputes each block's {name!r} submodule; "
+                                    f"{type(block).__name__} has none")
+        sub = getattr(block, name)
+        plain = sub.forward  # the submodule's own forward, under checkpoint; its hooks and names unchanged
+
+        def forward(*a, **kw):
+            return checkpoint(plain, *a, use_reentrant=False, preserve_rng_state=True, **kw)
+
+        sub.forward = forward
+
+    def forward(self, *args, **kwargs):
+        return self.block(*args, **kwargs)
+
+
+_WRAPPERS = {Applied.WHOLE_BLOCK: Checkpointed, Applied.SAVE_OPS: Checkpointed,
+             Applied.ATTENTION_CORE: _CoreAttentionCheckpointed, Applied.BRANCH: _BranchCheckpointed}
+
+
 def apply_ac(blocks: nn.ModuleList, policy: ACPolicy) -> list[int]:
     """Wrap the blocks the policy names (each with its layer's mode: ``ACPolicy.layer_modes``), in place;
     returns the wrapped indices."""
-    if policy.mode is ACMode.PLAN and len(policy.layers) != len(blocks):
+    if policy.layers and len(policy.layers) != len(blocks):  # a plan
         raise ConfigError("ac", f"the plan names {len(policy.layers)} layers; the model has {len(blocks)} blocks")
     done = []
     for i, mode in enumerate(policy.layer_modes(len(blocks))):
-        if mode is ACMode.NONE:
+        if not mode.spec.recomputes:
             continue
         done.append(i)
         if isinstance(blocks[i], Checkpointed):
             continue
-        blocks[i] = _CoreAttentionCheckpointed(blocks[i]) if mode is ACMode.MEGATRON else Checkpointed(blocks[i], mode)
+        blocks[i] = _WRAPPERS[mode.spec.applied](blocks[i], mode)  # as its catalogue entry applies it
     return done

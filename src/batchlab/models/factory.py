@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from batchlab.config import ACMode, ConfigError, Counted, RunConfig
+from batchlab.config import ConfigError, Counted, RunConfig
 from batchlab.models import Workload
 
 
@@ -110,7 +110,7 @@ def _check(wl: Workload, cfg: RunConfig, source: str) -> Counted:
     for name in ("make_batch", "loss_sum"):
         if not callable(getattr(wl, name)):
             raise _fail(source, f"{name} is of type {type(getattr(wl, name)).__name__}, not a callable")
-    if cfg.ac.mode is not ACMode.NONE and wl.blocks is None:
+    if cfg.ac.recomputes and wl.blocks is None:
         raise ConfigError("ac", f"--ac {cfg.ac} needs the model's layers: give the model a `blocks` "
                                 "nn.ModuleList or return a Workload with blocks")
     with torch.device("cpu"):  # a sample batch; on the CPU even when the model is built on the meta device
