@@ -45,12 +45,8 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
     modes = cfg.ac.layer_modes(m.layers)
     per_mode = {}  # alike layers under one policy keep alike bytes: once per policy, not per layer (deep plans)
     for mode in {modes[i] for i in rank.layers}:
-        if mode is ACMode.FULL:
-            one = act.checkpointed_layer_bytes(m, s, b, p)
-        elif mode is not ACMode.NONE:
-            one = checkpointing.kept_bytes(mode, m, s, b, p, backend, impl)
-        else:
-            one = full
+        # what the catalogue entry's term keeps (config/acpolicies.py), or the whole layer
+        one = checkpointing.kept_bytes(mode, m, s, b, p, backend, impl) if mode.spec.recomputes else full
         per_mode[mode] = tp_kept_bytes(mode, parts, one, rank, gathered)
     kept = [per_mode[modes[i]] for i in rank.layers]
     full_rank = tp_kept_bytes(ACMode.NONE, parts, full, rank, gathered)
@@ -74,9 +70,7 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
 def _one_rank(cfg: RunConfig, mode: ACMode, parts: act.LayerActivations) -> int:
     """A layer's built-in kept bytes under ``mode`` on one rank (the denominator of a profile's split)."""
     m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
-    if mode is ACMode.FULL:
-        return act.checkpointed_layer_bytes(m, s, b, p)
-    if mode is ACMode.NONE:
+    if not mode.spec.recomputes:
         return parts.total
     return checkpointing.kept_bytes(mode, m, s, b, p, cfg.device_spec.backend, act.implementation(cfg.model_kind, m))
 

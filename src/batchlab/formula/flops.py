@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config import ACMode, LossMode, RunConfig
+from batchlab.config import ACMode, Applied, LossMode, RunConfig
 from batchlab.formula.activations import implementation
 from batchlab.formula.checkpointing import recompute_flops_per_token
 from batchlab.formula.params import count
@@ -66,9 +66,9 @@ def stage_flops_per_token(cfg: RunConfig, layers: tuple[int, ...], last: bool) -
 
     def layer(mode: ACMode) -> float:
         base = 6 * c.per_layer + 12 * m.hidden * s  # PaLM appendix B, one layer's share of 6N + 12·L·h·s
-        if mode is ACMode.FULL:
+        if mode.spec.applied is Applied.WHOLE_BLOCK:
             return base + 2 * c.per_layer - 2 * m.hidden * m.ffn + 4 * m.hidden * s
-        return base + (recompute_flops_per_token(mode, m, s, impl) if mode is not ACMode.NONE else 0)
+        return base + (recompute_flops_per_token(mode, m, s, impl) if mode.spec.recomputes else 0)
 
     head = 6 * (compute_params(cfg) - c.non_embedding) + 6 * c.final_norm if last else 0
     return sum(layer(modes[i]) for i in layers) + head

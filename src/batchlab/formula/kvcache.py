@@ -62,12 +62,12 @@ def _signed_bytes(n: int) -> str:
 def kv_cache(cfg: RunConfig, memory) -> KVCache | None:
     """The cache's state for cfg, None where the model's code has no KV cache (batchlab's GPT, torchtitan, nanoGPT,
     a factory); ``memory(cfg)``: the formula's MemoryEstimate of a config, for the other setting's change."""
-    from batchlab.config import ACMode, Implementation
+    from batchlab.config import Implementation
 
     if cfg.model.impl is not Implementation.HF:
         return None
     if cfg.model.kv_cache and not cfg.kv_cache:
-        plain = ACMode.NONE in cfg.ac.layer_modes(cfg.model.layers)
+        plain = any(not m.spec.recomputes for m in cfg.ac.layer_modes(cfg.model.layers))
         return KVCache(False, cfg.model.use_cache, True, None, None, plain and cfg.model.matching_profile is not None)
     if cfg.model.matching_profile is not None:  # a profile of the other setting is not at hand
         return KVCache(cfg.kv_cache, cfg.model.use_cache, False, None, None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config import ACMode, RunConfig
+from batchlab.config import Applied, RunConfig
 from batchlab.formula.activations import Widths
 from batchlab.formula.flops import stage_flops_per_token
 from batchlab.formula.ranks import RankShare, shares
@@ -131,7 +131,7 @@ def tp_seconds(cfg: RunConfig, rank: RankShare) -> float:
     if rank.tp == 1:
         return 0.0
     modes = cfg.ac.layer_modes(cfg.model.layers)
-    calls = sum(4 + (2 if modes[i] is ACMode.FULL else 0) for i in rank.layers)
+    calls = sum(4 + (2 if modes[i].spec.applied is Applied.WHOLE_BLOCK else 0) for i in rank.layers)
     return calls * collective_seconds("all_reduce", activation_message_bytes(cfg), rank.tp, tp_link(cfg))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config import ACMode, ModelSpec, PositionKind, RunConfig
+from batchlab.config import ACMode, Applied, ModelSpec, PositionKind, RunConfig
 from batchlab.formula.activations import LayerActivations
 from batchlab.formula.params import count, norm_params
 
@@ -137,11 +137,12 @@ def tp_kept_bytes(mode: ACMode, full: LayerActivations, kept: int, share_: RankS
     if t == 1:
         return kept
     whole = tp_layer_bytes(full, t, sp, gathered)
-    if mode is ACMode.NONE:
+    applied = mode.spec.applied
+    if applied is Applied.NOTHING:
         return whole
-    if mode is ACMode.FULL:
+    if applied is Applied.WHOLE_BLOCK:
         return kept // share_.in_sp
-    if mode is ACMode.MEGATRON:
+    if applied is Applied.ATTENTION_CORE:
         return whole - (full.total - kept) // t
     return round(kept * whole / full.total) if full.total else kept
 
