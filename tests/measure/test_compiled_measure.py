@@ -91,13 +91,15 @@ def test_a_failing_compile_is_a_failed_measurement_named_by_its_cause():
     assert "RuntimeError" in m.outcome_detail
 
 
-def test_no_cpp_compiler_is_one_config_error(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("batchlab-no-such-c++",))
-    with pytest.raises(ConfigError) as e:
-        check_inductor(torch.device("cpu"))
-    assert e.value.field == "compile" and "C++ compiler" in str(e.value)
-    with pytest.raises(ConfigError):  # before any update runs
-        run(RunConfig(**SMALL, compile="blocks"), MeasureOptions(warmup=1, steps=1))
+def test_no_cpp_compiler_is_one_config_error():
+    # inductor's own patch (pytest's monkeypatch deletes the config key on undo: later compiles then fail)
+    with torch._inductor.config.patch({"cpp.cxx": ("batchlab-no-such-c++",)}):
+        with pytest.raises(ConfigError) as e:
+            check_inductor(torch.device("cpu"))
+        assert e.value.field == "compile" and "C++ compiler" in str(e.value)
+        with pytest.raises(ConfigError):  # before any update runs
+            run(RunConfig(**SMALL, compile="blocks"), MeasureOptions(warmup=1, steps=1))
+    assert torch._inductor.config.cpp.cxx != ("batchlab-no-such-c++",)
 
 
 def test_what_a_compiled_cpu_run_cannot_give_is_refused():

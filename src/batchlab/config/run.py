@@ -14,11 +14,12 @@ from typing import Any
 
 from batchlab.config import layerplan
 from batchlab.config.acpolicies import ACMode, ACPolicySpec, Applied, no_recompute, whole_block
-from batchlab.config.choices import (AttentionImpl, CompileMode, ConfigError, Counted, DataKind, Implementation, LossMode,
+from batchlab.config.choices import (AttentionImpl, CompileMode, ConfigError, Counted, DataKind, Implementation,
                                      ModelSource, Precision)
 from batchlab.config.optimizers import OptimizerKind
 from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.engines import PYTORCH_ENGINE, Engine, PipelineSchedule
+from batchlab.config.losspolicy import LossPolicy
 from batchlab.config.parallel import Layout, check_degrees
 from batchlab.config.model import ModelSpec, default_ffn, preset
 from batchlab.config.values import SEED_MAX, SIZE_MAX, finite_number, parse_bytes, whole_number
@@ -125,37 +126,6 @@ class ACPolicy:
     def selective_kinds(self, n_layers: int) -> dict[ACMode, int]:
         """{selective mode: layers under it}, in the order the layers first use them."""
         return dict(Counter(m for m in self.layer_modes(n_layers) if m.spec.selective))
-
-
-@dataclass(frozen=True)
-class LossPolicy:
-    """The loss path: ``full``, ``chunked`` / ``chunked:N`` (N token chunks, default 8 as torchtune's
-    CEWithChunkedOutputLoss), ``fused`` (a fused cross-entropy kernel), ``compiled`` (the full loss under
-    torch.compile) or ``classifier`` (no LM head: a pooled sequence classifier); the last three formula only."""
-
-    mode: LossMode = LossMode.FULL
-    chunks: int = 1
-
-    def __post_init__(self):
-        object.__setattr__(self, "mode", LossMode.parse("loss", self.mode))
-        if self.chunks < 1 or (self.mode is not LossMode.CHUNKED and self.chunks != 1):
-            raise ConfigError("loss", "N in chunked:N must be >= 1, and only chunked takes it")
-
-    @classmethod
-    def parse(cls, value: Any) -> "LossPolicy":
-        if isinstance(value, LossPolicy):
-            return value
-        text = str(value).strip().lower()
-        m = re.fullmatch(r"chunked(?::(\d+))?", text)
-        if m:
-            return cls(LossMode.CHUNKED, int(m.group(1) or 8))
-        try:
-            return cls(LossMode(text))
-        except ValueError:
-            raise ConfigError("loss", f"{value!r} is not one of: full, chunked, chunked:N, fused, compiled, classifier") from None
-
-    def __str__(self) -> str:
-        return f"chunked:{self.chunks}" if self.mode is LossMode.CHUNKED else self.mode.value
 
 
 @dataclass(frozen=True)

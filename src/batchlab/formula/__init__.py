@@ -81,9 +81,11 @@ class Estimate:
 
 def training_checkpoint_bytes(cfg: RunConfig) -> int:
     """Weights (fp32 master under mixed precision) + optimizer state, summed over ranks."""
+    from batchlab.formula.states import optimizer_state_bytes
+
     n = count(cfg.model).total
     weights = 2 if cfg.precision.value == "bf16" else 4
-    return int(n * (weights + optimizer_bytes_per_param(cfg)))
+    return n * weights + optimizer_state_bytes(cfg)
 
 
 def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:

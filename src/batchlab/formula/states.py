@@ -43,6 +43,12 @@ def optimizer_state_bytes(cfg: RunConfig) -> int:
     return state_bytes * _state_elements(cfg.model, cfg.optimizer)
 
 
+def rank_optimizer_bytes(cfg: RunConfig, n: int) -> int:
+    """The optimizer state of ``n`` of the model's parameters (a rank's share), in whole bytes: the whole model's
+    state exactly where ``n`` is all of it (a factored state is not a whole number of bytes per parameter)."""
+    return optimizer_state_bytes(cfg) * n // max(count(cfg.model).total, 1)
+
+
 @functools.lru_cache(maxsize=64)  # asked by every estimate; a sum over every parameter tensor
 def _state_elements(m, kind) -> int:
     # a factored state (Adafactor's) reads the shapes of batchlab's GPT at the model's dimensions
@@ -61,7 +67,7 @@ def model_states(cfg: RunConfig, rank: RankShare | None = None) -> ModelStates:
     lay = cfg.parallel
     weight_bytes = 2 if cfg.precision is Precision.BF16 else F32
     dp = cfg.dp
-    opt = int(n * optimizer_bytes_per_param(cfg)) // (dp if lay.engine_spec.shards_optimizer else 1)
+    opt = rank_optimizer_bytes(cfg, n) // (dp if lay.engine_spec.shards_optimizer else 1)
     grads = n * weight_bytes // (dp if lay.engine_spec.shards_gradients else 1)
     if cfg.precision is Precision.BF16_FSDP:
         return fsdp_mixed_states(cfg, rank)
@@ -90,4 +96,4 @@ def fsdp_mixed_states(cfg: RunConfig, rank: RankShare | None = None) -> ModelSta
     gathered = 2 * (2 * rank.per_layer + outside) if spec.shards_parameters else 2 * n
     return ModelStates(parameters=gathered, master=F32 * n // shard(spec.shards_optimizer),
                        gradients=F32 * n // shard(spec.shards_gradients),
-                       optimizer=int(n * optimizer_bytes_per_param(cfg)) // shard(spec.shards_optimizer))
+                       optimizer=rank_optimizer_bytes(cfg, n) // shard(spec.shards_optimizer))

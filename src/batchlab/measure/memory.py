@@ -363,7 +363,7 @@ def tracker_for(trainer, budget: int | None = None, owner: Callable[[], str] | N
     """A tracker for ``trainer``'s next update: parameters, buffers and optimizer state registered (they
     exist before tracking starts), gradients watched, baseline set.  Call ``close()`` when done."""
     params = list(trainer.raw_model.parameters())
-    fake = any(isinstance(p, FakeTensor) for p in params) or not params
+    fake = any(isinstance(_local(p), FakeTensor) for p in params) or not params  # a DTensor: its shard
     tracker = StorageTracker(budget=budget, owner=owner, listener=listener, observer=observer, fake=fake)
     tracker.register(params, "parameters")
     tracker.register([b for b in trainer.raw_model.buffers()], "parameters")
