@@ -83,6 +83,9 @@ def test_a_poisoned_cache_is_ignored_with_one_line_and_the_estimate_is_the_uncal
     cfg = RunConfig()
     save(poisoned(real))
     assert load_all() == {}
+    estimate(cfg.replace(device="h100-sxm"), load_all())  # another device's estimate: nothing to say
+    assert capsys.readouterr().err == ""
+    assert load_all().get("cpu") is None  # asked for this CPU's: said once
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: ignored the cached calibration") and "4.1e+06" in err[0]
     nominal = estimate(cfg, {}).time.update_seconds

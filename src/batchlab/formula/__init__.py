@@ -220,7 +220,7 @@ def implementation_line(cfg: RunConfig) -> str:
 def calibrated_costs(cfg: RunConfig, calibrations: Calibrations | None) -> "OpCosts | None":
     """The per-op costs measured for cfg's device (``batchlab calibrate``), or None (also where the calibration
     lacks a part cfg's ops are priced with: formula/calibration.py ``needs``)."""
-    cal = (calibrations or {}).get(cfg.device)
+    cal = calibrations.get(cfg.device) if calibrations is not None else None
     return cal.op_costs() if cal is not None and cal.covers(cfg) else None
 
 

@@ -179,13 +179,36 @@ def load_cached(device_name: str, threads: int | None = None) -> Calibration | N
     return load_all(threads).get(device_name)
 
 
-def load_all(threads: int | None = None) -> dict[str, Calibration]:
+class Cached(dict):
+    """``load_all``'s answer: the usable calibrations by device name, and those refused by their checks, said once on
+    stderr when a caller asks for that device (an estimate for an H100 says nothing of a refused CPU file)."""
+
+    def __init__(self, usable: dict[str, Calibration], refused: dict[str, tuple[str, int, str]]):
+        super().__init__(usable)
+        self.refused = refused
+
+    def get(self, device, default=None):
+        if device not in self and device in self.refused:
+            _say_ignored(*self.refused[device])
+        return super().get(device, default)
+
+
+def load_all(threads: int | None = None) -> Cached:
     """Every usable cached calibration, by batchlab device name: what ``formula.estimate`` is given.
-    Where one device has several (torch versions), the newest measurement wins."""
+    Where one device has several (torch versions), the newest measurement wins.  One that fails its checks
+    (``check``) is left out: the caller measures a fresh one and overwrites it, or prices with nominal rates."""
     want = default_threads() if threads is None else threads
-    found = [cal for cal in (_read(p) for p in sorted(cache_dir().glob("*.json"))) if cal is not None]
-    usable = [c for c in found if not c.torch_device.startswith("cpu") or c.threads == want]
-    return {cal.device: cal for cal in sorted(usable, key=lambda c: c.measured_at)}
+    usable, refused = [], {}
+    for path in sorted(cache_dir().glob("*.json")):
+        cal = _read(path)
+        if cal is None or (cal.torch_device.startswith("cpu") and cal.threads != want):
+            continue
+        bad = check(cal)
+        if bad:
+            refused[cal.device] = (str(path), path.stat().st_mtime_ns, "; ".join(bad[:2]))
+        else:
+            usable.append(cal)
+    return Cached({cal.device: cal for cal in sorted(usable, key=lambda c: c.measured_at)}, refused)
 
 
 def probe_reference(threads: int | None = None) -> float | None:
@@ -196,17 +219,12 @@ def probe_reference(threads: int | None = None) -> float | None:
 
 
 def _read(path: Path) -> Calibration | None:
-    """The calibration in ``path``; None where it is unreadable, from another CPU, or fails its checks (said once
-    on stderr: the caller measures a fresh one and overwrites it, or prices with nominal rates)."""
+    """The calibration in ``path``; None where it is unreadable or from another CPU."""
     try:
         cal = Calibration.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, RecursionError):
         return None
     if cal.torch_device == "cpu" and not cal.hardware.startswith(cpu_hardware()):
-        return None
-    bad = check(cal)
-    if bad:
-        _say_ignored(str(path), path.stat().st_mtime_ns if path.exists() else 0, "; ".join(bad[:2]))
         return None
     return cal
 
