@@ -43,13 +43,12 @@ class Readings:
 
 
 def _held(trainer) -> tuple[int, int]:
-    """(bytes of the distinct storages alive before the update, of them the optimizer's 0-dim state's)."""
-    model, opt = trainer.raw_model, getattr(trainer.optimizer, "optim", trainer.optimizer)
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    held = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None),
-            *state]
-    by_address = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
-    return sum(by_address.values()), _optimizer_steps(trainer)
+    """(bytes of the distinct storages alive before the update, of them the optimizer's 0-dim state's): what
+    ``measure --compile`` adds to its allocator events (measure/allocmem.py), with the step counters it leaves out."""
+    from batchlab.measure.allocmem import held_bytes
+
+    steps = _optimizer_steps(trainer)
+    return held_bytes(trainer) + steps, steps
 
 
 def _profiled_peak(prof) -> int:

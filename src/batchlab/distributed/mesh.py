@@ -56,6 +56,3 @@ class RankMesh:
     def group(self, name: str):
         sub = self.sub(name)
         return None if sub is None else sub.get_group()
-
-    def size(self, name: str) -> int:
-        return sizes(self.layout)[name]

@@ -366,8 +366,9 @@ def _compiled_timed(m: Draft, watch) -> None:
         m.warnings.append(f"torch.compile recompiled {during} time(s) during the timed updates: those updates' "
                           "times include compiling (a changing shape, a Python value in a guard, or dynamo's "
                           "cache limit); see the compile line")
-    if info["recompilations_after_second_update"]:
-        m.warnings.append(f"torch.compile recompiled {info['after_first_two']} time(s) after the first two updates "
+    after = info["recompilations_after_second_update"]
+    if after:
+        m.warnings.append(f"torch.compile recompiled {after} time(s) after the first two updates "
                           "(in the memory update or the rest of the warm-up)")
 
 
