@@ -107,3 +107,27 @@ def test_what_a_compiled_cpu_run_cannot_give_is_refused():
         _compiled(RunConfig(**SMALL, compile="blocks", memory_budget=2**30), MeasureOptions(warmup=1, steps=1))
     with pytest.raises(ConfigError, match="compile"):
         _compiled(RunConfig(**SMALL, compile="blocks", dp=2), MeasureOptions(warmup=1, steps=1))
+
+
+def test_recompilations_after_the_first_two_updates_are_a_warning_not_a_crash():
+    """The warm-up's own recompilations (the memory update, the rest of the warm-up) are said, from the count the
+    record keeps; a stub watch stands in for dynamo's callbacks (no compiling here)."""
+    from types import SimpleNamespace
+
+    from batchlab.measure import session
+
+    class Watch(SimpleNamespace):
+        def graph_breaks(self):
+            return {}
+
+        def stop(self):
+            pass
+
+    watch = Watch(mode="blocks", backend="inductor", seconds=3.0, compiles=4)
+    m = SimpleNamespace(environment={"compile": {"first_update_wall_seconds": 5.0}}, warnings=[])
+    session._compiled_warmup(m, watch, settled=2)
+    watch.compiles = 4  # nothing more while timing
+    session._compiled_timed(m, watch)
+    assert m.environment["compile"]["recompilations_timed"] == 0
+    assert m.warnings == ["torch.compile recompiled 2 time(s) after the first two updates (in the memory update "
+                          "or the rest of the warm-up)"]
