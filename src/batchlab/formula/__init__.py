@@ -197,7 +197,7 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
     fl = flops(cfg)
     t = timing(cfg, fl, mem, calibrated_costs(cfg, calibrations))
     return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t),
-                    layer_terms=layer_terms(cfg), kv_cache=kv_cache(cfg, memory))
+                    layer_terms=layer_terms(cfg), kv_cache=kv_cache(cfg, memory, mem))
 
 
 def layer_terms(cfg: RunConfig) -> str:

@@ -43,16 +43,16 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
     norm_output = s * b * m.hidden * act.Widths.of(p, backend).e  # a norm's output: the next matmul's input
     gathered = sp_gathered_inputs(rank, norm_output, 2)  # a layer's two norms
     modes = cfg.ac.layer_modes(m.layers)
-    per_mode = {}  # alike layers under one policy keep alike bytes: once per policy, not per layer (deep plans)
+    one_rank, per_mode = {}, {}  # alike layers under one policy keep alike bytes: once per policy, not per layer
     for mode in {modes[i] for i in rank.layers}:
-        # what the catalogue entry's term keeps (config/acpolicies.py), or the whole layer
-        one = checkpointing.kept_bytes(mode, m, s, b, p, backend, impl) if mode.spec.recomputes else full
-        per_mode[mode] = tp_kept_bytes(mode, parts, one, rank, gathered)
+        # what the catalogue entry's term keeps on one rank (config/acpolicies.py), or the whole layer
+        one_rank[mode] = checkpointing.kept_bytes(mode, m, s, b, p, backend, impl) if mode.spec.recomputes else full
+        per_mode[mode] = tp_kept_bytes(mode, parts, one_rank[mode], rank, gathered)
     kept = [per_mode[modes[i]] for i in rank.layers]
     full_rank = tp_kept_bytes(ACMode.NONE, parts, full, rank, gathered)
     if fitted is not None:  # a profile's per-layer totals, split as the built-in breakdown splits at this shape
         names = layer_policies(cfg)
-        kept = [round(fitted.layer(names[i])(b, s) * k / max(_one_rank(cfg, modes[i], parts), 1))
+        kept = [round(fitted.layer(names[i])(b, s) * k / max(one_rank[modes[i]], 1))
                 for i, k in zip(rank.layers, kept)]
         if fitted.layer_full is not None:
             full_rank = round(fitted.layer_full(b, s) * full_rank / max(full, 1))
@@ -65,14 +65,6 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
                + rank_loss_path(cfg, rank).kept)
     one_micro_batch = sum(kept) + outside
     return ActivationPlan(full_rank, tuple(kept), outside, round((rank.in_flight - 1) * one_micro_batch))
-
-
-def _one_rank(cfg: RunConfig, mode: ACMode, parts: act.LayerActivations) -> int:
-    """A layer's built-in kept bytes under ``mode`` on one rank (the denominator of a profile's split)."""
-    m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
-    if not mode.spec.recomputes:
-        return parts.total
-    return checkpointing.kept_bytes(mode, m, s, b, p, cfg.device_spec.backend, act.implementation(cfg.model_kind, m))
 
 
 def rank_loss_path(cfg: RunConfig, rank: RankShare) -> LossPath:

@@ -18,7 +18,6 @@ from batchlab.config import Precision, RunConfig
 from batchlab.formula.ranks import RankShare
 
 REDUCE_BUCKET_SIZE = 500_000_000  # elements: reduce_bucket_size, pp_int(5e8)
-ALLGATHER_BUCKET_SIZE = 500_000_000  # elements: allgather_bucket_size, pp_int(5e8)
 PREFETCH_BUCKET_SIZE = 50_000_000  # elements: stage3_prefetch_bucket_size, pp_int(5e7)
 MAX_LIVE_PARAMETERS = 1_000_000_000  # elements: stage3_max_live_parameters, pp_int(1e9)
 F32 = 4
@@ -31,6 +30,7 @@ def priced(cfg: RunConfig) -> bool:
 
 
 def _grad_bytes(cfg: RunConfig) -> int:
+    """The engine's working dtype, 16 bits unless the run is fp32: its gradients' and gathered parameters'."""
     return F32 if cfg.precision is Precision.FP32 else 2
 
 
@@ -55,4 +55,4 @@ def prefetch_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
     if not priced(cfg) or cfg.parallel.engine_spec.stage != 3:
         return {}
     ahead = min(PREFETCH_BUCKET_SIZE, MAX_LIVE_PARAMETERS, rank.params)
-    return {"deepspeed prefetch bucket": ahead * (F32 if cfg.precision is Precision.FP32 else 2)}
+    return {"deepspeed prefetch bucket": ahead * _grad_bytes(cfg)}  # the 16-bit (fp32: fp32) parameters

@@ -59,9 +59,10 @@ def _signed_bytes(n: int) -> str:
     return ("+" if n > 0 else "-" if n < 0 else "±") + fmt_bytes(abs(n))
 
 
-def kv_cache(cfg: RunConfig, memory) -> KVCache | None:
+def kv_cache(cfg: RunConfig, memory, this=None) -> KVCache | None:
     """The cache's state for cfg, None where the model's code has no KV cache (batchlab's GPT, torchtitan, nanoGPT,
-    a factory); ``memory(cfg)``: the formula's MemoryEstimate of a config, for the other setting's change."""
+    a factory); ``memory(cfg)``: the formula's MemoryEstimate of a config, for the other setting's change;
+    ``this``: cfg's own MemoryEstimate where the caller has it already (else ``memory(cfg)`` makes it)."""
     from batchlab.config import Implementation
 
     if cfg.model.impl is not Implementation.HF:
@@ -71,6 +72,6 @@ def kv_cache(cfg: RunConfig, memory) -> KVCache | None:
         return KVCache(False, cfg.model.use_cache, True, None, None, plain and cfg.model.matching_profile is not None)
     if cfg.model.matching_profile is not None:  # a profile of the other setting is not at hand
         return KVCache(cfg.kv_cache, cfg.model.use_cache, False, None, None)
-    this, other = memory(cfg), memory(cfg.replace(use_cache=not cfg.kv_cache))
+    this, other = this or memory(cfg), memory(cfg.replace(use_cache=not cfg.kv_cache))
     return KVCache(cfg.kv_cache, cfg.model.use_cache, False, other.activations_bytes - this.activations_bytes,
                    other.peak_tensor_bytes - this.peak_tensor_bytes)

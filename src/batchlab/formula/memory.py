@@ -230,9 +230,9 @@ def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str,
     partition at the step."""
     if not deepspeed.priced(cfg):
         return phases
-    live = {"forward": {**deepspeed.resident_buffers(cfg, rank), **deepspeed.prefetch_buffers(cfg, rank)},
-            "backward": {**deepspeed.resident_buffers(cfg, rank), **deepspeed.prefetch_buffers(cfg, rank)},
-            "optimizer": {**deepspeed.resident_buffers(cfg, rank), **deepspeed.step_buffers(cfg, rank)}}
+    resident = deepspeed.resident_buffers(cfg, rank)
+    walked = {**resident, **deepspeed.prefetch_buffers(cfg, rank)}
+    live = {"forward": walked, "backward": walked, "optimizer": {**resident, **deepspeed.step_buffers(cfg, rank)}}
     names = {k for parts in live.values() for k in parts}
     return {ph: dict(parts, **{k: live.get(ph, {}).get(k, 0) for k in sorted(names)}) for ph, parts in phases.items()}
 

@@ -55,11 +55,6 @@ class RankShare:
         return self.tp == 1 and self.stages == 1
 
     @property
-    def in_tp(self) -> int:
-        """Divisor of the TP-split tensors (1 without tensor parallelism)."""
-        return self.tp
-
-    @property
     def in_sp(self) -> int:
         """Divisor of the norms, dropouts and residual stream: t with sequence parallelism, else 1."""
         return self.tp if self.sequence_parallel else 1

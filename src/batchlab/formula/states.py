@@ -63,25 +63,22 @@ def heaviest(cfg: RunConfig) -> RankShare:
 def model_states(cfg: RunConfig, rank: RankShare | None = None) -> ModelStates:
     """``rank``: the pipeline stage's share (formula/ranks.py); default the stage holding the most parameters."""
     rank = rank or heaviest(cfg)
-    n = rank.params
-    lay = cfg.parallel
-    weight_bytes = 2 if cfg.precision is Precision.BF16 else F32
-    dp = cfg.dp
-    opt = rank_optimizer_bytes(cfg, n) // (dp if lay.engine_spec.shards_optimizer else 1)
-    grads = n * weight_bytes // (dp if lay.engine_spec.shards_gradients else 1)
     if cfg.precision is Precision.BF16_FSDP:
         return fsdp_mixed_states(cfg, rank)
+    n, spec, dp = rank.params, cfg.parallel.engine_spec, cfg.dp
     shard = lambda on: dp if on else 1  # noqa: E731 — a ZeRO stage that shards this state divides it over DP
-    if cfg.precision.mixed and lay.engine_spec.shards_optimizer:
+    weight_bytes = 2 if cfg.precision is Precision.BF16 else F32
+    opt = rank_optimizer_bytes(cfg, n) // shard(spec.shards_optimizer)
+    grads = n * weight_bytes // shard(spec.shards_gradients)
+    if cfg.precision.mixed and spec.shards_optimizer:
         # ZeRO's mixed precision (Rajbhandari et al. 2019, sec. 3.1: 2 + 2 + 12 bytes per parameter): 16-bit
         # weights and gradients are what the ranks hold; the fp32 master copy is optimizer state, sharded
-        spec = lay.engine_spec
         return ModelStates(parameters=2 * n // shard(spec.shards_parameters), master=F32 * n // shard(spec.shards_optimizer),
                            gradients=2 * n // shard(spec.shards_gradients), optimizer=opt)
     if cfg.precision.mixed:  # autocast keeps fp32 weights and makes 16-bit working copies per forward
         return ModelStates(parameters=2 * n, master=F32 * n, gradients=grads, optimizer=opt)
-    return ModelStates(parameters=weight_bytes * n // shard(lay.engine_spec.shards_parameters), master=0,
-                       gradients=grads, optimizer=opt)
+    return ModelStates(parameters=weight_bytes * n // shard(spec.shards_parameters), master=0, gradients=grads,
+                       optimizer=opt)
 
 
 def fsdp_mixed_states(cfg: RunConfig, rank: RankShare | None = None) -> ModelStates:
