@@ -46,6 +46,8 @@ def files(tmp_path_factory) -> Path:
         "cfg_seed_big": f"[config]\nseed = {BIG}\n",
         "cfg_device": "[config]\ndevice = \"custom:mem=80GB,tflops=nan\"\n",
         "cfg_parallel_list_degree": "[config]\nparallel = {dp = [1], tp = 10000000, pp = 10000000, world_size = 1}\n",
+        "cfg_parallel_zero_str": "[config]\nparallel = {zero = \"x\"}\n",
+        "cfg_parallel_zero_big": "[config]\nparallel = {zero = 9}\n",
         "cfg_parallel_str_degree": "[config]\nparallel = {dp = \"x\", tp = 3, world_size = 1}\n",
         "exp_note_int": "note = 5\n[change]\nmicro_batch = [1, 2]\n",
         "exp_note_list": "note = [\"a\"]\n[change]\nmicro_batch = [1, 2]\n",
@@ -129,7 +131,8 @@ CONFIG = [
     (["--config", "{f}/cfg_unknown.toml"], "colour"), (["--config", "{f}/cfg_nan.toml"], "optimizer_bytes"),
     (["--config", "{f}/cfg_inf_budget.toml"], "memory_budget"), (["--config", "{f}/cfg_layers_big.toml"], "layers"),
     (["--config", "{f}/cfg_parallel_list_degree.toml"], "dp"),
-    (["--config", "{f}/cfg_parallel_str_degree.toml"], "dp"), (["--config", "{f}/cfg_seq_str.toml"], "seq"), (["--config", "{f}/cfg_seed_big.toml"], "seed"),
+    (["--config", "{f}/cfg_parallel_str_degree.toml"], "dp"), (["--config", "{f}/cfg_parallel_zero_str.toml"], "parallel.zero"),
+    (["--config", "{f}/cfg_parallel_zero_big.toml"], "parallel.zero"), (["--config", "{f}/cfg_seq_str.toml"], "seq"), (["--config", "{f}/cfg_seed_big.toml"], "seed"),
     (["--config", "{f}/cfg_device.toml"], "device tflops"),
 ]
 # the subset also run through measure, explain and fit (the same parser: a sample shows it is the one used)

@@ -136,6 +136,8 @@ def fields_from_table(table, flat: dict | None = None) -> dict:
     if unknown:
         raise ConfigError(f"parallel.{unknown[0]}", f"unknown; known: {', '.join([*_TABLE, *_DERIVED])}")
     out = {_TABLE[k]: v for k, v in table.items() if k in _TABLE}
+    if "zero" in table:  # derived (the stage in effect), read back as written: still a stage 0-3
+        whole_number("parallel.zero", table["zero"], allow_zero=True, maximum=3)
     if "world_size" in table:
         degrees = {**(flat or {}), **out}
         for k in ("dp", "tp", "pp"):  # whole numbers before they are multiplied (a list times 10**7 is not)
