@@ -45,6 +45,10 @@ def files(tmp_path_factory) -> Path:
         "cfg_not_table": "config = 5\n",
         "cfg_seed_big": f"[config]\nseed = {BIG}\n",
         "cfg_device": "[config]\ndevice = \"custom:mem=80GB,tflops=nan\"\n",
+        "cfg_parallel_list_degree": "[config]\nparallel = {dp = [1], tp = 10000000, pp = 10000000, world_size = 1}\n",
+        "cfg_parallel_zero_str": "[config]\nparallel = {zero = \"x\"}\n",
+        "cfg_parallel_zero_big": "[config]\nparallel = {zero = 9}\n",
+        "cfg_parallel_str_degree": "[config]\nparallel = {dp = \"x\", tp = 3, world_size = 1}\n",
         "exp_note_int": "note = 5\n[change]\nmicro_batch = [1, 2]\n",
         "exp_note_list": "note = [\"a\"]\n[change]\nmicro_batch = [1, 2]\n",
         "exp_confounded_str": "allow_confounded = \"no\"\n[change]\nmicro_batch = [1, 2]\nseq = [64, 128]\n",
@@ -126,7 +130,9 @@ CONFIG = [
     (["--config", "{f}/missing.toml"], "config"), (["--config", "{f}/cfg_broken.toml"], "config"),
     (["--config", "{f}/cfg_unknown.toml"], "colour"), (["--config", "{f}/cfg_nan.toml"], "optimizer_bytes"),
     (["--config", "{f}/cfg_inf_budget.toml"], "memory_budget"), (["--config", "{f}/cfg_layers_big.toml"], "layers"),
-    (["--config", "{f}/cfg_seq_str.toml"], "seq"), (["--config", "{f}/cfg_seed_big.toml"], "seed"),
+    (["--config", "{f}/cfg_parallel_list_degree.toml"], "dp"),
+    (["--config", "{f}/cfg_parallel_str_degree.toml"], "dp"), (["--config", "{f}/cfg_parallel_zero_str.toml"], "parallel.zero"),
+    (["--config", "{f}/cfg_parallel_zero_big.toml"], "parallel.zero"), (["--config", "{f}/cfg_seq_str.toml"], "seq"), (["--config", "{f}/cfg_seed_big.toml"], "seed"),
     (["--config", "{f}/cfg_device.toml"], "device tflops"),
 ]
 # the subset also run through measure, explain and fit (the same parser: a sample shows it is the one used)
@@ -261,3 +267,12 @@ def test_through_the_installed_entry_point(argv, field, tmp_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().startswith("error: ") and len(out.stderr.strip().splitlines()) == 1
     assert field in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_parallel_world_size_counts_a_degree_given_beside_the_table(tmp_path):
+    """world_size in [config.parallel] is checked against dp x tp x pp, a degree given as a flat field included."""
+    from batchlab.config import load_config_toml
+
+    p = tmp_path / "c.toml"
+    p.write_text("[config]\ndp = 2\nparallel = {world_size = 2}\n")
+    assert load_config_toml(p).parallel.world_size == 2

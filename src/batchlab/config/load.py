@@ -90,7 +90,7 @@ def _layout(table: Any, flat: dict[str, Any]) -> dict[str, Any]:
 
     if table is None:
         return {}
-    out = fields_from_table(table)
+    out = fields_from_table(table, flat)
     for k, v in out.items():
         if k in flat and flat[k] != v and k != "sharding":  # the table's engine is derived where sharding is None
             raise ConfigError(k, f"{flat[k]!r} here, {v!r} in the parallel table")

@@ -124,9 +124,11 @@ _TABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "schedule": "pp_schedule", "virtua
 _DERIVED = ("world_size", "zero")  # the degrees' product; the stage in effect (0 with one data-parallel rank)
 
 
-def fields_from_table(table) -> dict:
-    """RunConfig fields from a ``parallel`` table; its ``world_size`` (derived) must be the degrees' product."""
+def fields_from_table(table, flat: dict | None = None) -> dict:
+    """RunConfig fields from a ``parallel`` table; its ``world_size`` (derived) must be the degrees' product, a
+    degree the table leaves out taken from ``flat`` (the fields beside it)."""
     from batchlab.config.choices import ConfigError
+    from batchlab.config.values import SIZE_MAX, whole_number
 
     if not isinstance(table, dict):
         raise ConfigError("parallel", "must be a table of dp, tp, pp, schedule, virtual, sequence_parallel, engine")
@@ -134,8 +136,13 @@ def fields_from_table(table) -> dict:
     if unknown:
         raise ConfigError(f"parallel.{unknown[0]}", f"unknown; known: {', '.join([*_TABLE, *_DERIVED])}")
     out = {_TABLE[k]: v for k, v in table.items() if k in _TABLE}
+    if "zero" in table:  # derived (the stage in effect), read back as written: still a stage 0-3
+        whole_number("parallel.zero", table["zero"], allow_zero=True, maximum=3)
     if "world_size" in table:
-        product = out.get("dp", 1) * out.get("tp", 1) * out.get("pp", 1)
+        degrees = {**(flat or {}), **out}
+        for k in ("dp", "tp", "pp"):  # whole numbers before they are multiplied (a list times 10**7 is not)
+            whole_number(k, degrees.get(k, 1), maximum=SIZE_MAX)
+        product = degrees.get("dp", 1) * degrees.get("tp", 1) * degrees.get("pp", 1)
         if table["world_size"] != product:
             raise ConfigError("parallel.world_size", f"{table['world_size']} is not dp x tp x pp = {product}")
     return out
