@@ -49,6 +49,8 @@ def pytest_configure(config):
         sys.path.insert(0, os.path.dirname(__file__))
         import hosts
 
+        if profile not in hosts.PROFILES:
+            raise pytest.UsageError(f"--host-profile: one of {', '.join(hosts.PROFILES)}, got {profile!r}")
         hosts.seed(profile)
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
         return  # pytest-xdist's controller runs no test: torch (~2 s of CPU) stays out of it

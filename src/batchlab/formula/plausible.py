@@ -29,7 +29,8 @@ def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = N
     """What is implausible in ``cal`` (a formula.calibration.Calibration); [] when every rate passes.
     ``peak_flops`` / ``bytes_per_s``: the device's nominal fp32 peak for the threads measured and its memory
     bandwidth (None: unknown, only the device-free bounds apply)."""
-    out: list[str] = []
+    out: list[str] = [f"{name} {v!r} is not a number" for name, v in (
+        ("threads", cal.threads), ("cores", cal.cores), ("other_cores", cal.other_cores)) if not _finite(v)]
     curves = dict(cal.matmul_curve)
     for key, curve in curves.items():  # the linear layers' curves price most of a step: they need their sizes
         out += _curve(f"matmul curve {key}", curve, "FLOP/s", rising=True,
