@@ -282,13 +282,24 @@ def checked(measure_once) -> Calibration:
     short by its budget) or where others' load stretched its wall-clock rates, the less loaded kept;
     ``Rejected`` where the second fails its checks too."""
     first = measure_once()
-    if not check(first) and not loaded(first):
+    first_bad = check(first)
+    if not first_bad and not loaded(first):
         return first
     second = measure_once()
     bad = check(second)
     if bad:
         raise Rejected(bad)
-    return second if check(first) or second.other_cores <= first.other_cores else first
+    return second if first_bad or second.other_cores <= first.other_cores else first
+
+
+def _calibrated_line(cal: Calibration) -> str:
+    """What a fresh calibration tells the user: where it is cached, or that it is provisional (loaded)."""
+    if loaded(cal):
+        return (f"time model: calibrated this CPU at {cal.threads} thread(s) twice while other processes kept "
+                f"{cal.other_cores:.1f} core(s) busy: its rates carry that load; cached as provisional, measured "
+                "again by the next measure or compare")
+    return (f"time model: calibrated this CPU once at {cal.threads} thread(s) in {cal.seconds:.1f} s and cached it "
+            f"({_cache_path(cal.device, cal.torch_version, cal.threads)}); --no-calibrate skips this")
 
 
 def _device_name(torch_device: str) -> str:
@@ -318,11 +329,6 @@ def auto(device_name: str, threads: int | None, enabled: bool = True, cfgs: tupl
     except Rejected as e:
         return (f"time model: this CPU's calibration failed its checks twice ({e}); nothing cached, nominal CPU "
                 f"rates at {want} thread(s) price the time")
-    lines = [f"time model: calibrated this CPU once at {cal.threads} thread(s) in {cal.seconds:.1f} s and cached "
-             f"it ({_cache_path(cal.device, cal.torch_version, cal.threads)}); --no-calibrate skips this"
-             ] if fresh and not loaded(cal) else [
-        f"time model: calibrated this CPU at {cal.threads} thread(s) twice while other processes kept "
-        f"{cal.other_cores:.1f} core(s) busy: its rates carry that load; cached as provisional, measured again "
-        "by the next measure or compare"] if fresh else []
+    lines = [_calibrated_line(cal)] if fresh else []
     lines += [line for cfg in dict.fromkeys(cfgs) if (line := family.ensure(cfg, want))]
     return "\n".join(lines) or None
