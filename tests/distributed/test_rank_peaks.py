@@ -59,3 +59,20 @@ def test_the_formulas_per_rank_peak_is_within_3_percent_of_the_measured(peaks, n
     for rank, measured in enumerate(p[name] for p in peaks):
         predicted = stages[coordinates(cfg.parallel, rank)["pp"]]
         assert predicted == pytest.approx(measured, rel=0.03), (name, rank, predicted, measured)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_trace_of_each_stages_rank_is_within_3_percent_of_its_measured_peak(peaks, name):
+    """The trace runs the same build on a fake process group, one rank per pipeline stage; its figures are the
+    most loaded stage's."""
+    from batchlab.trace import estimate
+    from batchlab.trace.run import rank_estimate
+    from batchlab.trace.sharded import traced_ranks
+
+    cfg = CASES[name]
+    measured = [p[name] for p in peaks]
+    for rank in traced_ranks(cfg):  # here rank r is stage r (dp = tp = 1)
+        traced = rank_estimate(cfg, rank).memory.peak_bytes
+        assert traced == pytest.approx(measured[rank], rel=0.03), (name, rank, traced, measured[rank])
+    if cfg.pp == 1:
+        assert estimate(cfg).memory.peak_bytes == pytest.approx(max(measured), rel=0.03)

@@ -45,15 +45,23 @@ def comparisons(trace: TraceEstimate, est=None) -> list[Comparison]:
     """The trace's figures beside the formula's (``est`` None: no formula for this model)."""
     m, f = trace.memory, trace.flops
     fm, ff = (est.memory, est.flops) if est is not None else (None, None)
+    par = trace.config.get("parallel", {})
+    ranked = par.get("tp", 1) > 1 or par.get("pp", 1) > 1  # one rank's shard and stage traced: its own work
+    if ranked:  # the formula's FLOPs and time are the world's update, the trace's one rank's
+        ff = None
 
     def of(part, name: str):
         return getattr(part, name) if part is not None else None
 
+    # a pipeline interleaves forwards and backwards: what backward will read is compared where the peak is
+    acts = (Comparison("activations at the peak", "bytes", m.breakdown.get("activations", 0),
+                       fm.at_peak.get("activations") if fm is not None else None) if par.get("pp", 1) > 1 else
+            Comparison("activations (last micro-batch)", "bytes", m.activations_bytes, of(fm, "activations_bytes")))
     return [
         # the trace counts tensor bytes; the formula's peak_bytes adds its allocator margin on top
         Comparison("peak tensor bytes", "bytes", m.peak_bytes, of(fm, "peak_tensor_bytes")),
         Comparison("peak phase", "phase", m.peak_phase, of(fm, "peak_phase")),
-        Comparison("activations (last micro-batch)", "bytes", m.activations_bytes, of(fm, "activations_bytes")),
+        acts,
         # kept between updates: the fp32 master copy under mixed precision, else the weights
         Comparison("weights kept between updates", "bytes", m.parameters_bytes,
                    (fm.master_bytes or fm.parameters_bytes) if fm is not None else None),
@@ -66,7 +74,7 @@ def comparisons(trace: TraceEstimate, est=None) -> list[Comparison]:
         Comparison("hardware FLOPs per update", "FLOP", f.hardware_flops_per_update,
                    of(ff, "hardware_flops_per_update")),
     ] + ([Comparison("update time, per-op model (one rank, no comm)", "seconds", trace.time.seconds,
-                     est.time.ops.seconds if est is not None and est.time.ops is not None else None)]
+                     est.time.ops.seconds if est is not None and est.time.ops is not None and not ranked else None)]
          if trace.time is not None else [])
 
 

@@ -103,7 +103,7 @@ class PipelineTrainer(ShardedTrainer):
         tokens = torch.cat([t for t, _ in batches])
         targets = torch.cat([y for _, y in batches])
         del batches  # the schedule splits the whole batch into micro-batch views: one copy of the data, as a loop's
-        local_useful = int((targets != -100).sum())
+        local_useful = int(self._number((targets != -100).sum()))
         self._norm = self._global_useful(local_useful) / self.world
         losses: list = []
         kwargs = dict(target=targets, losses=losses) if self.last else {}
@@ -114,7 +114,7 @@ class PipelineTrainer(ShardedTrainer):
             # stage's PipelineStage appends every micro-batch's output (the logits) to ``output_chunks`` and keeps
             # them all until the step ends (torch/distributed/pipelining/stage.py, forward_one_chunk)
             self.schedule.step(*args, return_outputs=False, **kwargs)
-        total = torch.tensor([sum(float(x.detach()) for x in losses) * self._norm])
+        total = torch.tensor([sum(self._number(x.detach()) for x in losses) * self._norm])
         dist.all_reduce(total, group=self.mesh.group("pp"))  # the last stage's loss, on every stage
         self._listener.mark("optimizer")
         result = self._step(float(total), local_useful)
@@ -128,15 +128,21 @@ def _fsdp(cfg: RunConfig, mesh: RankMesh, modules: list[nn.Module], blocks: nn.M
     kw: dict = dict(mesh=mesh.sub("dp"), reshard_after_forward=cfg.parallel.reshards_after_forward)
     if cfg.precision in _HALF:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=_HALF[cfg.precision], reduce_dtype=torch.float32)
-    for module in modules:
-        # a stage's blocks, or the whole model's (FSDP2 units: the activation-checkpoint wrapper where there is one)
-        for block in getattr(module, "blocks", blocks):
-            fully_shard(block, **kw)
-        fully_shard(module, **kw)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    # outside a fake-tensor trace's mode (a no-op otherwise): FSDP2 x TP combines the two meshes' rank numbers
+    # in real tensors; the parameters, fake in a trace, stay fake
+    with unset_fake_temporarily():
+        for module in modules:
+            # a stage's blocks, or the whole model's (FSDP2 units: the activation-checkpoint wrapper where there is one)
+            for block in getattr(module, "blocks", blocks):
+                fully_shard(block, **kw)
+            fully_shard(module, **kw)
 
 
-def build(cfg: RunConfig, device: torch.device, rank: int) -> tuple[Trainer, None]:
-    """The Trainer of this rank of a TP / PP layout (no DDP comm monitor: gradient traffic is counted, not timed)."""
+def build(cfg: RunConfig, device: torch.device, rank: int, mixin: type | None = None) -> tuple[Trainer, None]:
+    """The Trainer of this rank of a TP / PP layout (no DDP comm monitor: gradient traffic is counted, not timed).
+    ``mixin``: a class put before the Trainer's own (a trace's: what fake tensors cannot give, their values)."""
     check(cfg)
     layout = cfg.parallel
     mesh = RankMesh.build(layout, rank, device.type)
@@ -164,10 +170,11 @@ def build(cfg: RunConfig, device: torch.device, rank: int) -> tuple[Trainer, Non
     wrap = (lambda m: (_fsdp(cfg, mesh, modules, blocks), m)[1]) if layout.fsdp else None
     wl = Workload(root, None, workload.make_batch, workload.loss_sum, workload.description, workload.counted)
     tied = model.head.weight if cfg.model.tied_embeddings and layout.pipelined else None
-    if layout.pipelined:
-        trainer = PipelineTrainer(cfg, device, workload=wl, mesh=mesh, wrap=wrap, stages=stages, tied=tied)
-    else:
-        trainer = ShardedTrainer(cfg, device, workload=wl, mesh=mesh, wrap=wrap)
+    cls = PipelineTrainer if layout.pipelined else ShardedTrainer
+    if mixin is not None:
+        cls = type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
+    extra = dict(stages=stages, tied=tied) if layout.pipelined else {}
+    trainer = cls(cfg, device, workload=wl, mesh=mesh, wrap=wrap, **extra)
     trainer.wrapped_layers = [i for i in wrapped if i in mine]
     if layout.tensor_parallel and not layout.fsdp:  # after the Trainer's .to(device), which swaps DTensor parameters
         tensor_parallel.keep_gradient_placements(trainer.raw_model)

@@ -230,10 +230,10 @@ def clip_grad_norm(params, max_norm: float, group=None, skip=frozenset()) -> tor
     if group is not None:
         dist.all_reduce(total, group=group)
     norm = total.sqrt()
-    coef = min(1.0, max_norm / (float(norm) + 1e-6))
-    if coef < 1.0:
-        for g in grads:
-            _local(g).mul_(coef)
+    # clamped, not branched on, as torch.nn.utils.clip_grad_norm_ does: no value read (a fake-tensor trace runs it)
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        _local(g).mul_(coef)
     return norm
 
 

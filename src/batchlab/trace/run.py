@@ -52,8 +52,10 @@ class FakeTrainer(Trainer):
         return local * self.world  # every rank of a fake world draws the same number of tokens
 
 
-def fake_mode() -> FakeTensorMode:
-    mode = FakeTensorMode()
+def fake_mode(real_inputs: bool = False) -> FakeTensorMode:
+    """``real_inputs``: real tensors may enter ops (a device mesh's rank numbers, which DeviceMesh builds and
+    combines itself when FSDP2 shards DTensor parameters over a 2-D mesh)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=real_inputs)
     # The converter memoises every fake output through a weak reference, and Module.to() refuses to swap
     # a parameter that has one ("Cannot swap t1 because it has weakref associated with it").  The memo
     # only serves real-to-fake conversions of the same tensor, which the trace does not do.
@@ -130,7 +132,8 @@ def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
     with ``timeline``, also recorded op by op; its ops recorded for the time model either way (by the tracker's
     own dispatch mode: ``observer``): (snapshot, TimelineRecorder or None, ops)."""
     owners = ModuleStack(trainer.raw_model) if tree or timeline else None
-    register = (lambda tracker: sharded.register_storages(tracker, trainer)) if trainer.world > 1 else None
+    register = ((lambda tracker: sharded.register_storages(tracker, trainer))
+                if trainer.world > 1 or sharded.layered(trainer.cfg) else None)
     ops = OpRecorder(trainer.raw_model)
     try:
         if timeline:
@@ -176,9 +179,31 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
     notes = _check_supported(cfg)
     device, device_notes = trace_device(cfg)
     start = time.perf_counter()
-    world = sharded.fake_world(cfg.dp) if cfg.dp > 1 else contextlib.nullcontext()
-    with _as_config_errors(cfg), world, fake_mode(), fake_deepcopy(), caught_warnings() as warned:
-        if cfg.dp > 1:
+    ranks = sharded.traced_ranks(cfg)
+    if len(ranks) > 1:  # a pipeline: each stage's first rank, the most loaded kept (its figures are the run's)
+        traces = [rank_estimate(cfg, r, tree, timeline, calibrations) for r in ranks]
+        worst = max(traces, key=lambda t: t.memory.peak_bytes)
+        worst.notes.append(sharded.stages_note(cfg, ranks, [t.memory.peak_bytes for t in traces], traces.index(worst)))
+        worst.trace_seconds = time.perf_counter() - start
+        return worst
+    return rank_estimate(cfg, ranks[0], tree, timeline, calibrations)
+
+
+def rank_estimate(cfg: RunConfig, rank: int, tree: bool = False, timeline: bool = False,
+                  calibrations=None) -> TraceEstimate:
+    """The trace of one rank (rank 0 without tensor or pipeline parallelism)."""
+    notes = _check_supported(cfg)
+    device, device_notes = trace_device(cfg)
+    start = time.perf_counter()
+    layered = sharded.layered(cfg)
+    world = sharded.fake_world(cfg.parallel.world_size, rank) if cfg.parallel.world_size > 1 else contextlib.nullcontext()
+    sends = sharded.held_sends() if cfg.parallel.pipelined else contextlib.nullcontext()
+    shapes = sharded.untracked_shape_propagation() if cfg.parallel.world_size > 1 else contextlib.nullcontext()
+    with _as_config_errors(cfg), world, sends, shapes, fake_mode(layered), fake_deepcopy(), caught_warnings() as warned:
+        if layered:
+            trainer, dp_notes = sharded.build_layout(cfg, device, rank, FakeTrainer)
+            notes += dp_notes
+        elif cfg.dp > 1:
             trainer, dp_notes = sharded.build(cfg, device, FakeTrainer)
             notes += dp_notes
         else:
@@ -190,9 +215,11 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
             snap, recorder, ops = _tracked_update(trainer, tree, timeline)
         notes += assumed
         flops = flops_of(ops)
-        if cfg.dp > 1:  # every rank does rank 0's work on its own data
+        if cfg.dp > 1 and not layered:  # every rank does rank 0's work on its own data
             flops = TraceFlops.of(flops.forward * cfg.dp, flops.backward * cfg.dp, flops.recompute * cfg.dp)
             notes.append(f"FLOPs: rank 0's, counted, x {cfg.dp} ranks")
+        elif layered:
+            notes.append(f"FLOPs and the per-op time: rank {rank}'s own (its shard and stage), not the world's")
         memory = _memory(cfg, trainer, snap)
     costs = costs_for(cfg, calibrated_costs(cfg, calibrations), ops)
     time_ops = on_host(ops, cfg, costs, provenance="trace")

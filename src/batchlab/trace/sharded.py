@@ -27,13 +27,13 @@ NOTE_FSDP = "traced rank 0 of {dp} on a fake process group: FSDP2 shards, gather
 
 
 @contextlib.contextmanager
-def fake_world(world: int):
-    """A process group of ``world`` ranks in this process whose collectives do nothing (rank 0's view)."""
+def fake_world(world: int, rank: int = 0):
+    """A process group of ``world`` ranks in this process whose collectives do nothing (``rank``'s view)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process; trace a DP config alone")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
@@ -60,3 +60,111 @@ def register_storages(tracker, trainer) -> None:
     from batchlab.distributed import engines
 
     engines.register_storages(tracker, trainer, None)
+
+
+def layered(cfg: RunConfig) -> bool:
+    """Tensor or pipeline ranks: the layout's own trainer (distributed/layouts.py) runs, as measured."""
+    return cfg.parallel.tensor_parallel or cfg.parallel.pipelined
+
+
+def traced_ranks(cfg: RunConfig) -> list[int]:
+    """The ranks a trace runs: the first rank (dp 0, tp 0) of each pipeline stage.  The tensor- and
+    data-parallel peers of a stage hold the same bytes (equal shards of the same layers)."""
+    from batchlab.distributed.mesh import coordinates
+
+    layout = cfg.parallel
+    ranks = [r for r in range(layout.world_size) if coordinates(layout, r)["dp"] == coordinates(layout, r)["tp"] == 0]
+    assert len(ranks) == layout.pp, (ranks, layout.pp)
+    return ranks
+
+
+def build_layout(cfg: RunConfig, device: torch.device, rank: int, fake_cls) -> tuple[object, list[str]]:
+    """Rank ``rank``'s trainer of a TP / PP layout, as the measurement builds it (inside ``fake_world``)."""
+    from batchlab.distributed import layouts
+    from batchlab.distributed.mesh import coordinates
+
+    trainer, _ = layouts.build(cfg, device, rank, mixin=fake_cls)
+    if cfg.parallel.pipelined:
+        _static_shapes(trainer.schedule, trainer.stages)
+    c = coordinates(cfg.parallel, rank)
+    return trainer, [f"traced rank {rank} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']}) of {cfg.parallel.world_size} "
+                     f"on a fake process group: {layouts.describe(cfg)['engine']}, its own shard and stage"]
+
+
+def stages_note(cfg: RunConfig, ranks: list[int], peaks: list[int], worst: int) -> str:
+    from batchlab.util.units import fmt_bytes
+
+    each = ", ".join(f"stage {i} (rank {r}) {fmt_bytes(p)}" for i, (r, p) in enumerate(zip(ranks, peaks)))
+    return f"each pipeline stage traced: {each}; the figures shown are stage {worst}'s, the most loaded"
+
+
+def _static_shapes(schedule, stages) -> None:
+    """The schedule's first step lets the stages vote, by a value sent around the pipeline, whether their
+    shapes are static; a fake world sends no values.  The stages are built with their input and output shapes
+    (distributed/pipeline.py), so the vote's answer is known: static."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def vote(stages_, has_backward, p2p_done=False):
+        for st in stages:
+            st._inference_mode = InferenceMode.STATIC
+
+    if hasattr(schedule, "_warmup_p2p"):  # the vote exists from torch 2.11; older schedules have none to skip
+        schedule._warmup_p2p = vote
+
+
+class _HeldSend:
+    """A send's Work that keeps its tensor until waited on, as a real backend's does (gloo's send work holds the
+    tensor it sends); a fake process group's completes at once and holds nothing."""
+
+    def __init__(self, work, tensor):
+        self.work, self.tensor = work, tensor
+
+    def wait(self, *args, **kwargs):
+        self.tensor = None
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+@contextlib.contextmanager
+def held_sends():
+    """Within: the pipeline schedules' sends hold their tensors until the schedule waits on them."""
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+
+    def batch_p2p(ops, desc=None):
+        works = original(ops, desc)
+        if len(works) != len(ops):  # coalesced (sends and receives mixed): one work for the batch
+            sends = [o.tensor for o in ops if o.op is dist.isend]
+            return [_HeldSend(w, sends) for w in works]
+        return [_HeldSend(w, o.tensor) if o.op is dist.isend else w for w, o in zip(works, ops)]
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
+
+
+@contextlib.contextmanager
+def untracked_shape_propagation():
+    """Within: DTensor's sharding propagator infers an op's global output shape outside the trace's modes.
+    It runs the op on global-shape fake tensors under the fake mode it finds active: in a real run that is a
+    private mode no tracker sees, in a trace the trace's own, so the tracker would count a full-size (unsharded)
+    output per op that exists nowhere (loss_parallel's log-softmax over the whole vocabulary, for one)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self, op_schema):
+        with _disable_current_modes():  # no mode active: the propagator makes a private FakeTensorMode
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
