@@ -13,7 +13,8 @@ import typer
 
 from batchlab.config import (AC_POLICIES, Assumptions, ConfigError, ModelSource, OptimizerKind, RunConfig, derive_accum, load_config_toml,
                              model_from_hf_config, parse_bytes, resolve_model)
-from batchlab.formula.profile import attach_cached, missing, needed, profiled_precision
+from batchlab.cache.profiles import attach_cached
+from batchlab.formula.profile import missing, needed, profiled_precision
 
 AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), "
            + "".join(f"{m} ({s.label}), " for m, s in AC_POLICIES.items() if s.selective) +
