@@ -3,8 +3,9 @@
 Runs under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the environment).  The Trainer
 already runs all but the last micro-batch under ``no_sync()`` and divides the loss by the global
 useful-token count; this module adds DDP (``gradient_as_bucket_view=True``: gradients are views into
-DDP's all-reduce buckets, one gradient copy less), the communication hook, the memory update and timing,
-and returns one JSON-able dict per rank.
+DDP's all-reduce buckets, one gradient copy less) and the communication hook, runs the measured update loop
+(measure/loop.py, the one a one-process measurement runs) with the rank's seams and plan, and returns one
+JSON-able dict per rank.
 """
 from __future__ import annotations
 
@@ -103,7 +104,9 @@ class RankSeams(Seams):
 
     def listening(self, listener):
         listeners = [p for p in (listener, self.monitor, self._counting) if p is not None]
-        return listeners[0] if len(listeners) == 1 else Listeners(*listeners) if listeners else None
+        if len(listeners) > 1:
+            return Listeners(*listeners)
+        return listeners[0] if listeners else None
 
     def tracker(self, trainer: Trainer, budget: int | None):
         tracker = tracker_for(trainer, budget)  # with a budget: a CPU stand-in for a smaller device
@@ -125,8 +128,9 @@ class RankSeams(Seams):
 
 
 def rank_plan(cfg: RunConfig, opts: MeasureOptions, device: torch.device) -> LoopPlan:
-    """All warm-up before the memory update; no phase split on an asynchronous device; a CPU budget enforced in
-    the memory update only."""
+    """A rank's plan: at least ``MIN_WARMUP`` updates, all before the memory update; a CPU budget enforced in the
+    memory update only; no phase split on an asynchronous device yet (merge.py pairs each timed update's phases
+    with its time, as on CPU)."""
     warmup = max(MIN_WARMUP, opts.warmup)
     return LoopPlan(warmup=warmup, settle=warmup, memory=opts.memory, steps=opts.steps if opts.timing else 0,
                     tracked_budget=cfg.memory_budget if device.type == "cpu" else None, budget_in_warmup=False)

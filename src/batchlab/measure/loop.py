@@ -26,6 +26,7 @@ never run inside the timed updates.
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,10 +43,10 @@ Progress = Callable[[int, int, str], None]
 PHASE_UPDATES = 3  # synchronised phase-split updates on asynchronous devices (one process)
 
 
-class MemoryReader:
-    """How the memory update reads memory where the live-storage tracker is not the default."""
+class MemoryReader(enum.Enum):
+    """How the memory update reads memory on CPU/MPS (on CUDA: the allocator's statistics)."""
 
-    TRACKER = "tracker"  # CPU/MPS: every storage created and freed (CUDA: the allocator's statistics)
+    TRACKER = "tracker"  # every storage created and freed
     ALLOCATOR = "allocator"  # compiled CPU: inductor's buffers never pass the tracker, the allocator's events do
     TIMELINE = "timeline"  # the tracker, with the timeline's recorder listening to it (one tracked update, not two)
 
@@ -59,14 +60,14 @@ class LoopPlan:
     phase_split: int = 0  # on an asynchronous device: synchronised phase-split updates after the timed ones
     tracked_budget: int | None = None  # bytes the live-storage tracker enforces (CPU/MPS; the allocator on CUDA)
     budget_in_warmup: bool = True  # the first update is tracked under that budget (lazy optimizer state made there)
-    reader: str = MemoryReader.TRACKER
+    reader: MemoryReader = MemoryReader.TRACKER
     timeline: bool = False  # a memory timeline (recorded by the memory update when ``reader`` is TIMELINE)
     first_note: str = ""  # said beside the first update's label (" (compiling)")
 
     def updates(self, async_device: bool) -> int:
         return (self.warmup + (1 if self.memory else 0) + self.steps
                 + (self.phase_split if self.steps and async_device else 0)
-                + (1 if self.timeline and self.reader != MemoryReader.TIMELINE else 0))
+                + (1 if self.timeline and self.reader is not MemoryReader.TIMELINE else 0))
 
 
 class Recorder:
@@ -166,7 +167,7 @@ class UpdateLoop:
         for i in range(plan.settle + 1, plan.warmup + 1):
             self._warmup(i)
         self.hooks.warmed()
-        if plan.timeline and plan.reader != MemoryReader.TIMELINE:
+        if plan.timeline and plan.reader is not MemoryReader.TIMELINE:
             self.record.timeline = self._timeline()
         if plan.steps:
             self.record.time = self._timing()
@@ -215,13 +216,13 @@ class UpdateLoop:
                 listener.begin()
                 self._update(label, listener)
                 result = listener.result(self.trainer)
-            elif self.plan.reader == MemoryReader.ALLOCATOR:
+            elif self.plan.reader is MemoryReader.ALLOCATOR:
                 from batchlab.measure.allocmem import AllocatorProbe
 
                 with AllocatorProbe(self.trainer) as probe:
                     self._update(label, probe)
                 result = probe.result()
-            elif self.plan.reader == MemoryReader.TIMELINE:
+            elif self.plan.reader is MemoryReader.TIMELINE:
                 from batchlab.measure.timeline_update import recorded
 
                 self.record.timeline, snap = recorded(self.trainer.cfg, self.trainer,

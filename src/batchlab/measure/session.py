@@ -209,7 +209,7 @@ class _Steps:
             m.warnings.append(noisy)
 
 
-def _reader(opts: MeasureOptions, device: torch.device, compiled: bool, tracked_budget: int | None) -> str:
+def _reader(opts: MeasureOptions, device: torch.device, compiled: bool, tracked_budget: int | None) -> MemoryReader:
     if compiled and device.type != "cuda":  # inductor's buffers: the allocator's events
         return MemoryReader.ALLOCATOR
     # the memory update's tracker records the timeline too (the timeline's recorder listens to it,
