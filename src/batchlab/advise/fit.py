@@ -34,7 +34,8 @@ class FitReport:
     def predicted_peak(self, cfg: RunConfig) -> int | None:
         """Predicted peak (formula, or trace for a factory) of an evaluated candidate with cfg's micro-batch, policy and ZeRO stage."""
         for c in self.plan.candidates:
-            if (c.config.micro_batch, str(c.config.ac), c.config.zero) == (cfg.micro_batch, str(cfg.ac), cfg.zero):
+            if (c.config.micro_batch, c.config.tp, c.config.pp, c.config.dp, str(c.config.ac), c.config.zero) == \
+                    (cfg.micro_batch, cfg.tp, cfg.pp, cfg.dp, str(cfg.ac), cfg.zero):
                 return c.peak_bytes
         return None
 
@@ -44,7 +45,7 @@ class FitReport:
             return None
         rec = self.plan.recommended.config
         out: dict[str, Any] = {"policy": str(rec.ac), "zero": rec.zero,
-                               "predicted_limit": self.plan.predicted_limit(rec.ac, rec.zero),
+                               "predicted_limit": self.plan.predicted_limit(rec),
                                "measured_limit": self.search.limit, "trials": self.search.trial_count,
                                "trial_budget": self.search.budget}
         t = self.search.trial(self.search.limit)
@@ -122,6 +123,7 @@ def fit(goal: Goal, *, verify: bool, search: bool = False, measure: MeasureFn | 
     report.final = rec
     if not (verify or search):
         return report
+    goal = goal.at_layout(rec)  # measuring searches the micro-batch of the layout chosen
     base = measure or isolated_measure(goal.capacity_bytes)
 
     def measured(cfg: RunConfig) -> Trial:
@@ -150,7 +152,7 @@ def fit(goal: Goal, *, verify: bool, search: bool = False, measure: MeasureFn | 
             report.final, report.source = None, "measured: the micro-batch held (--micro-batch) does not fit"
             report.notes.append(f"micro-batch {rec.micro_batch} was held as given; measured: {first.outcome}")
         return report
-    s = search_largest(rec, measured, p.predicted_limit(rec.ac, rec.zero), known=[first])
+    s = search_largest(rec, measured, p.predicted_limit(rec), known=[first])
     report.search = s
     _after_search(report, s, goal, rec)
     return report

@@ -24,9 +24,10 @@ EVERY_K = (2, 4, 8)  # every:K policies tried (K < layers)
 MIN_MICRO_TOKENS = 4096
 # Knobs a user may hold fixed (typed on the command line); the others are searched.  Precision is never
 # searched (it changes the numerics), so holding it only names it.
-KNOBS = ("micro_batch", "ac", "zero", "precision")
+KNOBS = ("micro_batch", "ac", "zero", "precision", "tp", "pp")
 Progress = Callable[[int, int, str], None]
-KNOB_FLAGS = {"micro_batch": "--micro-batch", "ac": "--ac", "zero": "--zero", "precision": "--precision"}
+KNOB_FLAGS = {"micro_batch": "--micro-batch", "ac": "--ac", "zero": "--zero", "precision": "--precision",
+              "tp": "--tp", "pp": "--pp"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Goal:
     allow_zero: bool = False  # also try ZeRO stages 0-3 over the DP ranks (DP > 1)
     min_micro_tokens: int = MIN_MICRO_TOKENS
     held: frozenset[str] = frozenset()  # KNOBS kept as base has them (the user gave them explicitly)
+    world: int | None = None  # search the layouts dp x tp x pp of this many devices (None: base's layout only)
 
     def __post_init__(self):
         if not set(self.held) <= set(KNOBS):
@@ -50,6 +52,8 @@ class Goal:
             raise ConfigError("tokens", f"must be > 0, got {self.tokens!r}")
         if self.min_micro_tokens < 1:
             raise ConfigError("min_micro_tokens", f"must be >= 1, got {self.min_micro_tokens}")
+        if self.world is not None:
+            check_world(self)
 
     @property
     def global_batch(self) -> int:
@@ -72,14 +76,22 @@ class Goal:
     def searched(self) -> tuple[str, ...]:
         """The knobs the plan varies (in KNOBS order)."""
         out = [k for k in ("micro_batch", "ac") if k not in self.held]
-        return tuple(out + (["zero"] if len(zero_stages(self)) > 1 else []))
+        out += ["zero"] if len({z for d in {c.dp for c in layouts(self)} for z in zero_stages(self, d)}) > 1 else []
+        return tuple(out + [k for k in ("tp", "pp") if self.world is not None and k not in self.held])
 
     def released(self, base: RunConfig, *knobs: str, allow_zero: bool = False) -> "Goal":
         """This goal for another base config, with ``knobs`` no longer held."""
         return dataclasses.replace(self, base=base, allow_zero=allow_zero, held=self.held - set(knobs))
 
-    def reasonable(self, micro_batch: int) -> bool:
-        return micro_batch * self.base.seq >= self.min_micro_tokens or micro_batch == self.per_rank
+    def reasonable(self, cfg: RunConfig) -> bool:
+        """A micro-batch large enough for efficient kernels, or the whole batch of cfg's data-parallel rank."""
+        return cfg.micro_batch * cfg.seq >= self.min_micro_tokens or cfg.micro_batch == self.global_batch // cfg.dp
+
+    def at_layout(self, cfg: RunConfig) -> "Goal":
+        """This goal with cfg (a candidate of it: same global batch) as the base, its layout no longer searched:
+        what measuring a pick searches over."""
+        assert cfg.global_batch == self.global_batch, (cfg.global_batch, self.global_batch)
+        return self if self.world is None else dataclasses.replace(self, base=cfg, world=None)
 
 
 @dataclass(frozen=True)
@@ -97,8 +109,9 @@ class Candidate:
     counted: Counted = Counted.TOKENS  # what tokens_per_second counts (samples for a per-sample factory)
 
     @property
-    def key(self) -> tuple[str, int]:
-        return str(self.config.ac), self.config.zero
+    def key(self) -> tuple[str, int, int, int, int]:
+        """What a plan's row stands for: the policy, the ZeRO stage and the layout (the micro-batch aside)."""
+        return str(self.config.ac), self.config.zero, self.config.dp, self.config.tp, self.config.pp
 
 
 def candidate(cfg: RunConfig, tokens: float, calibrations: Calibrations | None = None) -> Candidate:
@@ -135,22 +148,63 @@ def policies(layers: int) -> list[ACPolicy]:
     return [ACPolicy()] + every + [ACPolicy(m) for m, s in AC_POLICIES.items() if s.in_ladder]
 
 
+def check_world(goal: Goal) -> None:
+    """--world-size: a whole number the base's own layout can fill (its degrees, where held, divide it)."""
+    from batchlab.config.values import SIZE_MAX, whole_number
+
+    whole_number("world_size", goal.world, maximum=SIZE_MAX)
+    held = (goal.base.tp if "tp" in goal.held else 1) * (goal.base.pp if "pp" in goal.held else 1)
+    if goal.world % held:
+        raise ConfigError("world_size", f"{goal.world} devices do not split into the tp x pp held ({held})")
+    if not layouts(goal):
+        raise ConfigError("world_size", f"no layout dp x tp x pp = {goal.world} keeps the global batch "
+                                        f"{goal.global_batch} (dp must divide it) and splits the model evenly")
+
+
+def layouts(goal: Goal) -> list[RunConfig]:
+    """The layouts searched, each as the base config with its degrees (micro-batch 1): the base's own without
+    --world-size; else every dp x tp x pp = world whose dp divides the global batch, whose tp stays within one
+    node (its collectives run per layer on the intra-node link: Narayanan et al. 2021, arXiv 2104.04473, §3.3)
+    and that the model splits evenly (config/parallel.py check_degrees); degrees typed explicitly are held."""
+    b = goal.base
+    if goal.world is None:
+        return [b]
+    per_node = b.device_spec.gpus_per_node
+    out = []
+    for tp in ([b.tp] if "tp" in goal.held else [d for d in divisors(goal.world) if d <= per_node]):
+        for pp in ([b.pp] if "pp" in goal.held else divisors(goal.world // tp)):
+            dp, rest = divmod(goal.world, tp * pp)
+            if rest == 0 and goal.global_batch % dp == 0:
+                out += derived(b, [dict(dp=dp, tp=tp, pp=pp, micro_batch=1, accum=goal.global_batch // dp,
+                                        sequence_parallel=b.sequence_parallel and tp > 1,
+                                        pp_virtual=b.pp_virtual if pp > 1 else 1)])
+    return out
+
+
 def goal_policies(goal: Goal) -> list[ACPolicy]:
     return [goal.base.ac] if "ac" in goal.held else policies(goal.base.model.layers)
 
 
-def micro_batches(goal: Goal) -> list[int]:
-    return [goal.base.micro_batch] if "micro_batch" in goal.held else divisors(goal.per_rank)
+def micro_batches(goal: Goal, dp: int | None = None) -> list[int]:
+    """The micro-batches searched at data-parallel degree ``dp`` (the base's by default)."""
+    per_rank = goal.global_batch // (goal.base.dp if dp is None else dp)
+    return [goal.base.micro_batch] if "micro_batch" in goal.held else divisors(per_rank)
 
 
-def zero_stages(goal: Goal) -> tuple[int, ...]:
-    if goal.allow_zero and goal.base.dp > 1 and "zero" not in goal.held:
+def zero_stages(goal: Goal, dp: int | None = None) -> tuple[int, ...]:
+    """The ZeRO stages searched at data-parallel degree ``dp`` (the base's by default): one without sharding ranks."""
+    if goal.allow_zero and (goal.base.dp if dp is None else dp) > 1 and "zero" not in goal.held:
         return tuple(range(goal.base.zero, 4))
     return (goal.base.zero,)
 
 
+def shape(goal: Goal, micro_batch: int, ac: ACPolicy, zero: int, layout: RunConfig) -> dict:
+    """The fields that make ``layout`` (one of ``layouts(goal)``) this candidate; accum keeps the global batch."""
+    return dict(micro_batch=micro_batch, accum=goal.global_batch // (layout.dp * micro_batch), ac=ac, zero=zero)
+
+
 def shaped(goal: Goal, micro_batch: int, ac: ACPolicy, zero: int) -> RunConfig:
-    return goal.base.replace(micro_batch=micro_batch, accum=goal.per_rank // micro_batch, ac=ac, zero=zero)
+    return goal.base.replace(**shape(goal, micro_batch, ac, zero, goal.base))
 
 
 def derived(cfg: RunConfig, changes: list[dict]) -> list[RunConfig]:
@@ -167,13 +221,15 @@ def derived(cfg: RunConfig, changes: list[dict]) -> list[RunConfig]:
 def searched_configs(goal: Goal) -> list[RunConfig]:
     """A config of each AC policy and ZeRO stage ``enumerate_candidates`` searches (the micro-batch aside: it
     changes no layer term), for the CLI to have an hf: model's layer profile cover them first."""
-    return derived(goal.base, [dict(ac=ac, zero=z) for z in zero_stages(goal) for ac in goal_policies(goal)])
+    return [c for lay in layouts(goal)
+            for c in derived(lay, [dict(ac=ac, zero=z) for z in zero_stages(goal, lay.dp) for ac in goal_policies(goal)])]
 
 
 def enumerate_candidates(goal: Goal, progress: Progress | None = None) -> list[Candidate]:
     """``progress(done, total, label)``: called before each candidate (a factory's are traced, ~0.2 s each)."""
     cals = load_all()
-    shapes = [shaped(goal, mb, ac, z) for z in zero_stages(goal) for ac in goal_policies(goal) for mb in micro_batches(goal)]
+    shapes = [c for lay in layouts(goal) for z in zero_stages(goal, lay.dp) for ac in goal_policies(goal)
+              for c in derived(lay, [shape(goal, mb, ac, z, lay) for mb in micro_batches(goal, lay.dp)])]
     out = []
     for i, cfg in enumerate(shapes):
         if progress is not None:
@@ -183,7 +239,7 @@ def enumerate_candidates(goal: Goal, progress: Progress | None = None) -> list[C
 
 
 def best_per_option(cands: list[Candidate], limit_bytes: int) -> list[Candidate]:
-    """For each (policy, ZeRO stage): the largest micro-batch whose predicted peak is within ``limit_bytes``."""
+    """For each (policy, ZeRO stage, layout): the largest micro-batch whose predicted peak is within ``limit_bytes``."""
     best: dict[tuple[str, int], Candidate] = {}
     for c in cands:
         if c.peak_bytes <= limit_bytes and (c.key not in best or c.config.micro_batch > best[c.key].config.micro_batch):
@@ -203,7 +259,7 @@ def recommend(ranked: list[Candidate], goal: Goal) -> tuple[Candidate | None, st
     if none does, the cheapest option that fits (the formula's time: least recompute)."""
     if not ranked:
         return None, "nothing fits within the margin"
-    good = [c for c in ranked if goal.reasonable(c.config.micro_batch)]
+    good = [c for c in ranked if goal.reasonable(c.config)]
     if good:
         return good[0], ("fastest predicted time to the token budget among options with a reasonable micro-batch "
                          f"(>= {goal.min_micro_tokens} tokens or the whole per-rank batch)")
@@ -212,7 +268,7 @@ def recommend(ranked: list[Candidate], goal: Goal) -> tuple[Candidate | None, st
 
 
 def unfit_options(cands: tuple[Candidate, ...], ranked: tuple[Candidate, ...]) -> list[Candidate]:
-    """For each (policy, ZeRO stage) with no micro-batch within the margin: its smallest micro-batch."""
+    """For each (policy, ZeRO stage, layout) with no micro-batch within the margin: its smallest micro-batch."""
     have = {c.key for c in ranked}
     out: dict[tuple[str, int], Candidate] = {}
     for c in cands:
@@ -239,21 +295,23 @@ class FitPlan:
     def counted(self) -> Counted:
         return self.candidates[0].counted if self.candidates else Counted.TOKENS
 
-    def predicted_limit(self, ac: ACPolicy, zero: int) -> int | None:
-        """Largest micro-batch the prediction says fits the full capacity (no safety margin)."""
+    def predicted_limit(self, cfg: RunConfig) -> int | None:
+        """Largest micro-batch the prediction says fits the full capacity (no safety margin), at cfg's policy,
+        ZeRO stage and layout."""
+        key = Candidate(cfg, 0, "", 0.0, 0.0, 0.0, 0.0).key
         fits = [c.config.micro_batch for c in self.candidates
-                if str(c.config.ac) == str(ac) and c.config.zero == zero and c.peak_bytes <= self.goal.capacity_bytes]
+                if c.key == key and c.peak_bytes <= self.goal.capacity_bytes]
         return max(fits) if fits else None
 
 
 def parameter_bytes_per_rank(goal: Goal) -> int:
     """Stored weights alone (fp32 master under mixed precision), sharded only where ZeRO-3 may be used; a
     factory's counted in its traced update (the formula knows only its stand-in shape)."""
-    cfg = goal.base.replace(zero=max(zero_stages(goal)))
-    if cfg.model_kind is ModelSource.FACTORY:
+    if goal.base.model_kind is ModelSource.FACTORY:
+        cfg = goal.base.replace(zero=max(zero_stages(goal)))
         return _traced_parameter_bytes(cfg.replace(micro_batch=1, accum=1))
-    states = model_states(cfg)
-    return states.master or states.parameters
+    per_layout = (model_states(lay.replace(zero=max(zero_stages(goal, lay.dp)))) for lay in layouts(goal))
+    return min(s.master or s.parameters for s in per_layout)  # the layout that splits them most
 
 
 @functools.lru_cache(maxsize=4)  # the CLI checks before its header, the plan again
@@ -302,7 +360,7 @@ def states_rule_out(goal: Goal) -> bool:
     (formula/memory.py), and its peak is at least that phase's, where the phases are DDP's (not FSDP2's), the
     terms built in (no layer profile), the allocator margin not negative, and the model not a traced factory."""
     base = goal.base
-    if (base.model_kind is ModelSource.FACTORY or base.model.matching_profile is not None
+    if (goal.world is not None or base.model_kind is ModelSource.FACTORY or base.model.matching_profile is not None
             or (base.assumptions.allocator_margin or 0.0) < 0):
         return False
     for z in zero_stages(goal):

@@ -26,8 +26,12 @@ def header(out: Console, goal: Goal) -> None:
     """What fit plans for: model, target global batch, memory per rank, held and searched knobs."""
     b = goal.base
     out.print(f"[bold]batchlab fit[/]  {escape(b.model.name)} ({escape(b.model_source)}), seq {b.seq}, {b.precision}, "
-              f"{b.optimizer}, {b.dp} x {b.device}")
-    if b.model_kind is ModelSource.FACTORY:  # tokens or samples: known once its code is traced
+              f"{b.optimizer}, {goal.world or b.parallel.world_size} x {b.device}")
+    if goal.world is not None:
+        out.print(f"target: global batch {goal.global_batch} sequences ({b.tokens_per_update:,} tokens per update) "
+                  f"over {goal.world} devices: layouts DP x TP x PP searched (DP divides the global batch; TP and PP "
+                  "do not multiply it)")
+    elif b.model_kind is ModelSource.FACTORY:  # tokens or samples: known once its code is traced
         out.print(f"target: global batch {goal.global_batch} examples over DP {b.dp}: {goal.per_rank} per rank per "
                   "update")
     else:
@@ -43,10 +47,11 @@ def knobs_line(goal: Goal) -> str:
     """Which knobs were held as given and which the plan searches."""
     b = goal.base
     value = {"micro_batch": lambda: f"{b.micro_batch} (accum {b.accum})", "ac": lambda: str(b.ac),
-             "zero": lambda: str(b.zero), "precision": lambda: str(b.precision)}
-    held = [f"{KNOB_FLAGS[k]} {value[k]()}" for k in KNOBS if k in goal.held]
+             "zero": lambda: str(b.zero), "precision": lambda: str(b.precision), "tp": lambda: str(b.tp),
+             "pp": lambda: str(b.pp)}
+    held = [f"{KNOB_FLAGS[k]} {value[k]()}" for k in KNOBS if k in goal.held and (goal.world or k not in ("tp", "pp"))]
     names = {"micro_batch": "micro-batch (accumulation derived)", "ac": "activation checkpointing",
-             "zero": f"ZeRO stage {b.zero}-3"}
+             "zero": f"ZeRO stage {b.zero}-3", "tp": "tensor-parallel degree", "pp": "pipeline stages"}
     searched = [names[k] for k in goal.searched]
     kept = [f"precision {b.precision}" if "precision" not in goal.held else None,
             f"ZeRO-{b.zero}" if "zero" not in goal.held and "zero" not in goal.searched else None]
@@ -103,19 +108,22 @@ def alternatives(report: FitReport, top: int, verbose: bool = True) -> Table:
     rec = p.recommended
     t = Table(title=f"Largest micro-batch per policy within the margin, fastest first \\[{p.predictor}] "
                     f"({len(p.candidates)} configurations evaluated)", header_style="bold")
-    for col in ("", "micro x accum x DP", "act. checkpointing", "ZeRO", "peak", "headroom", "update",
-                f"to {goal.tokens:.3g} {p.counted.value}", "vs chosen"):
+    layout = goal.world is not None
+    for col in ("", "micro x accum x DP") + (("TP x PP",) if layout else ()) + (
+            "act. checkpointing", "ZeRO", "peak", "headroom", "update", f"to {goal.tokens:.3g} {p.counted.value}",
+            "vs chosen"):
         t.add_column(col, justify="left" if col in ("", "act. checkpointing") else "right")
+    shape = lambda cfg: (f"{cfg.micro_batch} x {cfg.accum} x {cfg.dp}",) + ((f"{cfg.tp} x {cfg.pp}",) if layout else ())  # noqa: E731
     for c in p.ranked[:top]:
         cfg = c.config
         mark = "->" if c is rec else ""
-        t.add_row(mark, f"{cfg.micro_batch} x {cfg.accum} x {cfg.dp}", str(cfg.ac), str(cfg.zero),
+        t.add_row(mark, *shape(cfg), str(cfg.ac), str(cfg.zero),
                   fmt_bytes(c.peak_bytes), fmt_bytes(goal.capacity_bytes - c.peak_bytes), fmt_seconds(c.update_seconds),
                   fmt_seconds(c.time_to_tokens_seconds),
                   _pct(c.time_to_tokens_seconds / rec.time_to_tokens_seconds - 1) if rec else "-")
     for c in unfit_options(p.candidates, p.ranked)[:top if verbose else UNFIT_ROWS]:
         cfg = c.config
-        t.add_row("", f"{cfg.micro_batch} x {cfg.accum} x {cfg.dp}", str(cfg.ac), str(cfg.zero),
+        t.add_row("", *shape(cfg), str(cfg.ac), str(cfg.zero),
                   fmt_bytes(c.peak_bytes), fmt_bytes(goal.capacity_bytes - c.peak_bytes), "", "",
                   "over margin", style="dim")
     return t
@@ -218,8 +226,9 @@ def fit_report(out: Console, report: FitReport, top: int, with_header: bool = Tr
     if report.advice:
         out.print(advice_table(report.advice, goal))
     if report.final is not None:
-        out.print(f"[bold green]chosen[/] ({report.source}): {report.final.global_batch_text(p.counted)}, activation "
-                  f"checkpointing {report.final.ac}, ZeRO-{report.final.zero}")
+        f = report.final
+        out.print(f"[bold green]chosen[/] ({report.source}): {f.global_batch_text(p.counted)}, activation "
+                  f"checkpointing {f.ac}, ZeRO-{f.zero}")
         if verbose:
             snippets(out, report.final)
         else:

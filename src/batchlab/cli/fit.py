@@ -15,7 +15,7 @@ from batchlab.formula import compiled_note
 PANEL = "Fit"
 
 
-@app.command("fit", short_help="Pick micro-batch, accumulation and activation checkpointing for a target global batch.")
+@app.command("fit", short_help="Pick micro-batch, accumulation, activation checkpointing (and, with --world-size, the DP x TP x PP layout) for a target global batch.")
 @with_config
 @takes_ac_auto
 def fit_command(
@@ -25,6 +25,7 @@ def fit_command(
     global_tokens: Annotated[Optional[int], typer.Option(help="Target global batch in tokens (instead of --global-batch in sequences); must be a multiple of --seq.", rich_help_panel=PANEL)] = None,
     tokens: Annotated[float, typer.Option(help="Token budget of the training run: options are ranked by predicted time to it.", rich_help_panel=PANEL)] = 1e9,
     margin: Annotated[float, typer.Option(help="Safety margin: fraction of the device memory (or --memory-budget) kept free.", rich_help_panel=PANEL)] = 0.10,
+    world_size: Annotated[Optional[int], typer.Option(help="Search the parallel layout too: every DP x TP x PP of this many devices (TP within one node; DP divides the global batch; --tp/--pp typed are held), with the micro-batch and checkpointing of each.", rich_help_panel=PANEL)] = None,
     allow_zero: Annotated[bool, typer.Option("--allow-zero", help="Also try ZeRO stages from --zero up to 3 over the DP ranks (DP > 1).", rich_help_panel=PANEL)] = False,
     min_micro_tokens: Annotated[int, typer.Option(help="A 'reasonable' micro-batch has at least this many tokens (or is the whole per-rank batch); below it activation checkpointing that allows a larger one is preferred.", rich_help_panel=PANEL)] = 4096,
     verify: Annotated[Optional[bool], typer.Option("--verify/--no-verify", help="Measure the recommendation in a fresh subprocess (default: on when --device is this machine's: cpu, local, or the catalogue entry of the GPU here).", rich_help_panel=PANEL)] = None,
@@ -59,8 +60,10 @@ def fit_command(
         base = _target(cfg, global_tokens, line.typed)
         if (note := compiled_note(cfg)) is not None:  # the planner's figures are the formula's
             typer.echo(f"warning: {note}; fit plans with them and confirms by measuring the compiled run", err=True)
+        if world_size is not None and "dp" in typed_options():
+            raise ConfigError("world_size", "gives the devices and fit derives DP = world / (TP x PP): drop --dp")
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
-                    held=frozenset(held))
+                    held=frozenset(held), world=world_size)
         goal = with_goal_profile(goal, after_oom)  # the layer terms of every policy it evaluates
         if after_oom:
             if report:

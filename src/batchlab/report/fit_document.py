@@ -49,10 +49,12 @@ def _head(r: FitReport, title: str) -> list[tuple]:
               f"ZeRO-{r.final.zero}" if r.final is not None else f"nothing chosen: {r.source}")
     return [("h1", f"batchlab fit: {title}"),
             ("p", f"model {b.model.name} ({b.model_source}), seq {b.seq}, precision {b.precision}, optimizer "
-                  f"{b.optimizer}, {b.dp} x {b.device}."),
+                  f"{b.optimizer}, {goal.world or b.parallel.world_size} x {b.device}."),
             ("h2", "Target and budget"),
-            ("ul", [f"target: global batch {goal.global_batch} {unit} over DP {b.dp} ({goal.per_rank} per rank per "
-                    "update); it never changes: accum = global / (micro-batch x DP)", chosen,
+            ("ul", [(f"target: global batch {goal.global_batch} {unit} over {goal.world} devices, the layout DP x TP x "
+                     "PP searched" if goal.world else f"target: global batch {goal.global_batch} {unit} over DP {b.dp} "
+                     f"({goal.per_rank} per rank per update)") + "; it never changes: accum = global / (micro-batch x DP)",
+                    chosen,
                     f"memory per rank: {fmt_bytes(goal.capacity_bytes)} "
                     + ("(--memory-budget)" if b.memory_budget is not None else f"({b.device})")
                     + f", safety margin {goal.margin:.0%}: planned within {fmt_bytes(goal.usable_bytes)}",
