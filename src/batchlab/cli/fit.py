@@ -60,7 +60,7 @@ def fit_command(
         base = _target(cfg, global_tokens, line.typed)
         if (note := compiled_note(cfg)) is not None:  # the planner's figures are the formula's
             typer.echo(f"warning: {note}; fit plans with them and confirms by measuring the compiled run", err=True)
-        if world_size is not None and "dp" in typed_options():
+        if world_size is not None and "dp" in line.typed:
             raise ConfigError("world_size", "gives the devices and fit derives DP = world / (TP x PP): drop --dp")
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
                     held=frozenset(held), world=world_size)
