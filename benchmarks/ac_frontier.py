@@ -26,7 +26,7 @@ import sys
 from batchlab.advise.acplan import plan_ac, uniform
 from batchlab.advise.fit import isolated_measure
 from batchlab.advise.plan import Goal
-from batchlab.formula.calibration import load_all
+from batchlab.cache.calibrations import load_all
 from batchlab.config import ACMode, RunConfig, preset
 from batchlab.formula import estimate
 from batchlab.util.units import fmt_bytes, fmt_seconds

@@ -25,7 +25,7 @@ from rich.table import Table
 from batchlab.config import RunConfig
 from batchlab.measure.clock import PhaseClock, synchronizer
 from batchlab.measure.harness import Trainer
-from batchlab.measure.session import _Recorder, timed_update
+from batchlab.measure.loop import Recorder, timed_update
 
 
 def bare_block(trainer: Trainer, n: int) -> float:
@@ -36,7 +36,7 @@ def bare_block(trainer: Trainer, n: int) -> float:
 
 
 def timed_block(trainer: Trainer, n: int, sync) -> float:
-    clock, rec = PhaseClock(sync, sync_marks=True), _Recorder()
+    clock, rec = PhaseClock(sync, sync_marks=True), Recorder()
     t0 = time.perf_counter()
     for i in range(n):
         timed_update(trainer, clock, rec.use(f"timed {i}", clock), sync)
@@ -75,7 +75,7 @@ def probe_cost_seconds(n: int = 20000) -> float:
     insensitive to the noise that makes the paired ratio wide on a loaded machine."""
     sync = synchronizer(torch.device("cpu"))
     fake = _MarksOnly()
-    clock, rec = PhaseClock(sync, sync_marks=True), _Recorder()
+    clock, rec = PhaseClock(sync, sync_marks=True), Recorder()
     t0 = time.perf_counter()
     for i in range(n):
         timed_update(fake, clock, rec.use("timed", clock), sync)

@@ -164,6 +164,6 @@ def uncalibrated(tmp_path, monkeypatch):
     plan or preset wins -- a close race that a CPU calibration measured by another test on the run's shared home
     (its rates differ machine to machine) may decide the other way."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
-    from batchlab.formula.calibration import load_all
+    from batchlab.cache.calibrations import load_all
 
     assert load_all() == {}

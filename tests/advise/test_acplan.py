@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from batchlab.advise import knapsack
 from batchlab.advise.acplan import uniform
 from batchlab.advise.plan import Goal
-from batchlab.formula.calibration import load_all
+from batchlab.cache.calibrations import load_all
 from batchlab.cli import app
 from batchlab.config import AC_POLICIES, ACMode, ACPolicy, RunConfig, preset
 from batchlab.formula import estimate

@@ -17,7 +17,8 @@ from batchlab.cli import app
 from batchlab.config import RunConfig
 from batchlab.config.devices import DEVICES
 from batchlab.formula import estimate
-from batchlab.formula.calibration import _cache_path, check, loaded
+from batchlab.cache.calibrations import _cache_path
+from batchlab.formula.calibration import check, loaded
 from batchlab.formula.plausible import BROKEN, ratio_text
 
 

@@ -34,7 +34,7 @@ def test_absolute_times_are_set_beside_the_measured_at_the_probed_speed():
 
 
 def test_compare_reads_the_speed_of_each_side_over_a_current_calibration(monkeypatch):
-    import batchlab.formula.calibration as record
+    import batchlab.cache.calibrations as record
     from batchlab.experiment import compare
     from batchlab.experiment.protocol import Rounds
     from batchlab.measure.result import MeasuredTime, Measurement, Outcome

@@ -16,7 +16,7 @@ LAYERS = [
     ["host"],
     ["config"],
     ["formula", "timeline"],
-    ["models"],
+    ["models", "cache"],
     ["measure"],
     ["distributed"],
     ["run", "trace"],

@@ -108,7 +108,7 @@ def test_a_measured_plan_is_reported_against_its_prediction(tmp_path, uncalibrat
     from batchlab.advise.acfit import fit_auto
     from batchlab.advise.search import Trial, TrialOutcome
     from batchlab.formula import estimate
-    from batchlab.formula.calibration import load_all
+    from batchlab.cache.calibrations import load_all
     from batchlab.report.fit_document import write_fit_report
 
     def measure(cfg):

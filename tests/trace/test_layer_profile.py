@@ -49,7 +49,7 @@ def _model(cfg):
 
 @pytest.mark.slow
 def test_profile_is_cached_and_stale_for_another_shape(profiled):
-    from batchlab.formula.profile import cached
+    from batchlab.cache.profiles import cached
 
     assert cached(profiled) == profiled.model.profile
     wider = profiled.replace(hidden=128)
@@ -68,7 +68,7 @@ def test_a_policy_is_traced_when_first_needed_and_merges_to_the_all_at_once_prof
     from typer.testing import CliRunner
 
     from batchlab.cli import app
-    from batchlab.formula.profile import cached, save
+    from batchlab.cache.profiles import cached, save
     from batchlab.trace import profile as tracing
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # not the fixture's cache entry

@@ -16,7 +16,7 @@ from batchlab.advise.acplan import ACPlan, Point, layer_models, next_budget, pla
 from batchlab.advise.fit import FitReport, isolated_measure
 from batchlab.advise.plan import FitPlan, Goal, assumptions, candidate
 from batchlab.advise.search import NO_ANSWER, MeasureFn, Trial
-from batchlab.formula.calibration import load_all
+from batchlab.cache.calibrations import load_all
 from batchlab.config import ConfigError
 from batchlab.config.layerplan import use
 from batchlab.util.files import write_atomic

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from batchlab.advise import knapsack
 from batchlab.advise.acmodel import MODEL_TEXT, LayerModel
 from batchlab.advise.plan import EVERY_K, Goal, micro_batches, shaped
-from batchlab.formula.calibration import load_all
+from batchlab.cache.calibrations import load_all
 from batchlab.config import ACMode, ACPolicy, AttentionImpl, ConfigError, ModelSource, RunConfig
 from batchlab.config.acpolicies import layer_policies, no_recompute, whole_block
 from batchlab.config.planfile import MAX_LAYERS

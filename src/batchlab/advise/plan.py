@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
-from batchlab.formula.calibration import load_all
+from batchlab.cache.calibrations import load_all
 from batchlab.config import AC_POLICIES, ACPolicy, ConfigError, Counted, ModelSource, RunConfig
 from batchlab.formula import Calibrations, estimate
 from batchlab.formula.memory import model_states

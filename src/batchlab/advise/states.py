@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from batchlab.advise.plan import Candidate, Goal, candidate, divisors, recommended
-from batchlab.formula.calibration import load_all
+from batchlab.cache.calibrations import load_all
 from batchlab.config import ConfigError, RunConfig
 from batchlab.formula import Calibrations
 from batchlab.formula.memory import model_states

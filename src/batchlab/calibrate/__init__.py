@@ -15,15 +15,15 @@ checkpointing's dispatch, local ranks' contention and link are measured when a c
     estimate(cfg, load_all())             # the caller reads the cache; formula.estimate stays a pure function
 
 Importing this package does not import torch (callers of the formula read the cache); measuring does.
-record.py: the record and its cache; kernels.py, dispatch.py: what is timed; family.py: a Hugging Face model's own
+The record is formula/calibration.py, its cache batchlab.cache.calibrations; kernels.py, dispatch.py: what is timed; family.py: a Hugging Face model's own
 dispatch per op, measured once per model code; run.py: measure, ensure, auto.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from batchlab.formula.calibration import (Calibration, cache_dir, default_threads, load_all, load_cached,
-                                      probe_reference, save)
+from batchlab.cache.calibrations import cache_dir, default_threads, load_all, load_cached, probe_reference, save
+from batchlab.formula.calibration import Calibration
 
 # what measures, imported on first use: the calculator's callers read the cache only (``batchlab estimate``)
 _LAZY = {"timed_rates": "batchlab.calibrate.kernels", "auto": "batchlab.calibrate.run",

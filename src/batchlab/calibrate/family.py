@@ -16,7 +16,7 @@ import time
 
 from batchlab.calibrate.dispatch import DISPATCH_GPT, DispatchSampler, counted, per_kind
 from batchlab.calibrate.kernels import CLOCK
-from batchlab.formula.calibration import default_threads, load_cached, save
+from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.config import ConfigError, RunConfig
 from batchlab.formula.opcost import OpCosts
 from batchlab.formula.plausible import FAMILY_RATIO

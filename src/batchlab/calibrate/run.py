@@ -14,8 +14,8 @@ from batchlab.calibrate.dispatch import SAC, DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
                                         _matmul_curves, _memory_curve, _sdpa_curves, monotone)
 from batchlab.calibrate.link import allreduce_times, ring_fit
-from batchlab.formula.calibration import (SCOPES, Calibration, _cache_path, check, default_threads, load_cached, loaded,
-                                          needs, save)
+from batchlab.cache.calibrations import _cache_path, default_threads, load_cached, save
+from batchlab.formula.calibration import SCOPES, Calibration, check, loaded, needs
 from batchlab.config import ConfigError
 from batchlab.host import PROBE_BUNDLE, SpeedProbe
 

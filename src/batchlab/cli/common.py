@@ -6,13 +6,15 @@ import inspect
 import json
 import sys
 import typing
+from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Iterable, NoReturn, Optional
 
 import typer
 
 from batchlab.config import (AC_POLICIES, Assumptions, ConfigError, ModelSource, OptimizerKind, RunConfig, derive_accum, load_config_toml,
                              model_from_hf_config, parse_bytes, resolve_model)
-from batchlab.formula.profile import attach_cached, missing, needed, profiled_precision
+from batchlab.cache.profiles import attach_cached
+from batchlab.formula.profile import missing, needed, profiled_precision
 
 AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selective-layer:K), "
            + "".join(f"{m} ({s.label}), " for m, s in AC_POLICIES.items() if s.selective) +
@@ -231,19 +233,13 @@ def _config_from_flags(**o: Any) -> RunConfig:
                      assumptions=assumptions, **given)
 
 
-_TYPED: set[str] = set()  # the shared config options typed on this command line
+@dataclass(frozen=True)
+class CommandLine:
+    """What a command reads of its own command line besides the config (``with_config`` passes it to a command
+    that has a ``line`` parameter)."""
 
-
-def typed_options() -> frozenset[str]:
-    """Shared config options the user typed (not defaults), for commands whose own options conflict."""
-    return frozenset(_TYPED)
-
-
-_AUTO_AC = [False]  # --ac auto on this command line (fit's planner; the config gets none meanwhile)
-
-
-def ac_auto() -> bool:
-    return _AUTO_AC[0]
+    typed: frozenset[str] = frozenset()  # the shared config options typed (not defaults): held, or conflicting
+    ac_auto: bool = False  # --ac auto (fit's planner; the config gets none meanwhile)
 
 
 def takes_ac_auto(fn: Callable) -> Callable:
@@ -266,13 +262,14 @@ def _auto_ac(fn: Callable, config_kwargs: dict[str, Any], typed: set[str]) -> bo
 def with_config(fn: Callable) -> Callable:
     """Give a typer command every shared config option; it receives ``cfg: RunConfig`` instead.
 
-    The command's own parameters keep their place; ``--json`` is added too and passed as ``as_json``.
+    The command's own parameters keep their place; ``--json`` is added too and passed as ``as_json``; a ``line``
+    parameter receives the command line's ``CommandLine``.
     """
     # resolve string annotations (modules using `from __future__ import annotations`), or typer would see
     # strings and drop each option's help and bounds
     hints = typing.get_type_hints(fn, include_extras=True)
     own = [p.replace(annotation=hints.get(p.name, p.annotation))
-           for p in inspect.signature(fn).parameters.values() if p.name not in ("cfg", "as_json")]
+           for p in inspect.signature(fn).parameters.values() if p.name not in ("cfg", "as_json", "line")]
     shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                 annotation=Annotated[ann, typer.Option(help=help_, rich_help_panel="Configuration")])
               for name, (ann, default, help_) in CONFIG_OPTIONS.items()]
@@ -281,18 +278,20 @@ def with_config(fn: Callable) -> Callable:
 
     ctx_param = inspect.Parameter("batchlab_ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
 
+    wants_line = "line" in inspect.signature(fn).parameters
+
     @functools.wraps(fn)
     def wrapper(**kwargs):
         ctx = kwargs.pop("batchlab_ctx")
         config_kwargs = {k: kwargs.pop(k) for k in CONFIG_OPTIONS}
         typed = _typed_in(ctx)
-        _TYPED.clear()
         try:
-            _AUTO_AC[0] = _auto_ac(fn, config_kwargs, typed)
-            _TYPED.update(typed)
+            line = CommandLine(ac_auto=_auto_ac(fn, config_kwargs, typed), typed=frozenset(typed))
             cfg = build_config(given=typed, **config_kwargs)
             for w in config_warnings(cfg):
                 typer.echo(f"warning: {w}", err=True)
+            if wants_line:
+                kwargs["line"] = line
             return fn(cfg=cfg, as_json=kwargs.pop("as_json"), **kwargs)
         except ConfigError as e:
             fail(str(e))

@@ -12,7 +12,7 @@ from batchlab.cli.base import app
 from batchlab.cli.common import Verbose, console as make_console, print_json, with_config, with_layer_profile
 from batchlab.cli.sources import device_line
 from batchlab.config import parse_field_value
-from batchlab.formula.calibration import load_all
+from batchlab.cache.calibrations import load_all
 from batchlab.config import ConfigError, Implementation, Keep, ModelSource, RunConfig
 from batchlab.formula import Estimate, compiled_note, estimate as formula_estimate, implementation_line, unseen_model
 from batchlab.util.text import print_assumptions

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from batchlab.cli.base import app
-from batchlab.cli.common import Verbose, console, fail, print_json, takes_ac_auto, with_config, with_goal_profile
+from batchlab.cli.common import (CommandLine, Verbose, console, fail, print_json, takes_ac_auto, with_config,
+                                  with_goal_profile)
 from batchlab.config import Backend, ConfigError, ModelSource, RunConfig
 from batchlab.formula import compiled_note
 
@@ -20,6 +21,7 @@ PANEL = "Fit"
 def fit_command(
     cfg: RunConfig,
     as_json: bool,
+    line: CommandLine,
     global_tokens: Annotated[Optional[int], typer.Option(help="Target global batch in tokens (instead of --global-batch in sequences); must be a multiple of --seq.", rich_help_panel=PANEL)] = None,
     tokens: Annotated[float, typer.Option(help="Token budget of the training run: options are ranked by predicted time to it.", rich_help_panel=PANEL)] = 1e9,
     margin: Annotated[float, typer.Option(help="Safety margin: fraction of the device memory (or --memory-budget) kept free.", rich_help_panel=PANEL)] = 0.10,
@@ -44,11 +46,9 @@ def fit_command(
     prove it.  Exit 0 with a choice, 1 when nothing fits (with what would), 2 for bad input."""
     from batchlab.advise import Goal
     from batchlab.advise.plan import KNOBS, check_capacity
-    from batchlab.cli.common import ac_auto, typed_options
-
     if top < 1:
         fail(f"top: must be >= 1, got {top}")
-    held = typed_options() & set(KNOBS) - ({"zero"} if allow_zero else set())
+    held = line.typed & set(KNOBS) - ({"zero"} if allow_zero else set())
     try:
         if report and not after_oom:
             from batchlab.report.fit_document import check_dir
@@ -57,10 +57,10 @@ def fit_command(
         if plan_out is not None and Path(plan_out).is_dir():  # refused before any planning or measuring
             raise ConfigError("plan_out", f"{plan_out} is a directory; give a file, e.g. "
                                           f"{Path(plan_out) / 'plan.json'}")
-        base = _target(cfg, global_tokens)
+        base = _target(cfg, global_tokens, line.typed)
         if (note := compiled_note(cfg)) is not None:  # the planner's figures are the formula's
             typer.echo(f"warning: {note}; fit plans with them and confirms by measuring the compiled run", err=True)
-        if world_size is not None and "dp" in typed_options():
+        if world_size is not None and "dp" in line.typed:
             raise ConfigError("world_size", "gives the devices and fit derives DP = world / (TP x PP): drop --dp")
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
                     held=frozenset(held), world=world_size)
@@ -70,7 +70,7 @@ def fit_command(
                 typer.echo("warning: ignored: --report: it reports a fit, not --after-oom's advice", err=True)
             raise typer.Exit(_after_oom(goal, as_json))
         check_capacity(goal)
-        if ac_auto():
+        if line.ac_auto:
             raise typer.Exit(_auto(goal, verify, timeout, as_json, plan_out, plot, report, verbose))
         if plan_out or plot:
             typer.echo("warning: ignored: --plan-out/--plot: they go with --ac auto", err=True)
@@ -170,12 +170,10 @@ def _local(goal) -> bool:
     return goal.base.device_spec.backend is Backend.CPU or goal.base.device == local_device()
 
 
-def _target(cfg: RunConfig, global_tokens: int | None) -> RunConfig:
+def _target(cfg: RunConfig, global_tokens: int | None, typed: frozenset[str]) -> RunConfig:
     if global_tokens is None:
         return cfg
-    from batchlab.cli.common import typed_options
-
-    if typed_options() & {"global_batch", "accum"}:
+    if typed & {"global_batch", "accum"}:
         raise ConfigError("global_tokens", "give the target once: --global-tokens or --global-batch/--accum")
     if global_tokens <= 0 or global_tokens % cfg.seq:
         raise ConfigError("global_tokens", f"{global_tokens} is not a positive multiple of seq ({cfg.seq})")

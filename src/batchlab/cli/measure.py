@@ -14,7 +14,7 @@ from rich.table import Table
 
 from batchlab.cli.base import app
 from batchlab.util.text import print_assumptions
-from batchlab.cli.common import (Verbose, console, fail, print_json, typed_options, with_config,
+from batchlab.cli.common import (CommandLine, Verbose, console, fail, print_json, with_config,
                                   with_goal_profile, with_layer_profile)
 from batchlab.cli.sources import device_line
 from batchlab.config import ConfigError, RunConfig
@@ -30,6 +30,7 @@ from batchlab.util.units import fmt_bytes, fmt_difference, fmt_seconds, fmt_valu
 def measure(
     cfg: RunConfig,
     as_json: bool,
+    line: CommandLine,
     warmup: Annotated[int, typer.Option(help="Untimed updates first (>= 1: the first update is never timed).")] = 2,
     steps: Annotated[int, typer.Option(help="Timed updates (median, IQR, min/max over them).")] = 5,
     isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help="Run in a fresh subprocess, so a kernel OOM-kill or a crash becomes a recorded failure.")] = False,
@@ -69,7 +70,7 @@ def measure(
 
             from batchlab.cli.progress import progress as display
 
-            cfg = dp_from_world(cfg, nproc, nnodes, typed_options())
+            cfg = dp_from_world(cfg, nproc, nnodes, line.typed)
             with display("measure", f"{cfg.parallel.world_size} ranks", quiet=as_json or not progress):
                 m = launch(cfg, opts, nproc, torchrun_args(nnodes, node_rank, rdzv_endpoint), launcher=launcher)
         else:

@@ -224,7 +224,7 @@ def show(cfg, tree: bool = False, as_json: bool = False, console: Console | None
     from batchlab.measure.versus import formula_estimate
     from batchlab.trace import estimate
 
-    from batchlab.formula.calibration import load_all
+    from batchlab.cache.calibrations import load_all
 
     if timeline:
         from batchlab.timeline.output import check_path, write

@@ -23,7 +23,7 @@ SCOPE = ("Data parallelism measured on this machine's ranks and link; loopback g
 def predicted_allreduce(cfg: RunConfig) -> dict[str, Any]:
     """The calculator's all-reduce for ``cfg`` (time, bytes, link), as MeasuredComm's predicted_* fields."""
     try:
-        from batchlab.formula.calibration import load_all
+        from batchlab.cache.calibrations import load_all
         from batchlab.formula import estimate
 
         t = estimate(cfg, load_all()).time

@@ -3,8 +3,9 @@
 Runs under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the environment).  The Trainer
 already runs all but the last micro-batch under ``no_sync()`` and divides the loss by the global
 useful-token count; this module adds DDP (``gradient_as_bucket_view=True``: gradients are views into
-DDP's all-reduce buckets, one gradient copy less), the communication hook, the memory update and timing,
-and returns one JSON-able dict per rank.
+DDP's all-reduce buckets, one gradient copy less) and the communication hook, runs the measured update loop
+(measure/loop.py, the one a one-process measurement runs) with the rank's seams and plan, and returns one
+JSON-able dict per rank.
 """
 from __future__ import annotations
 
@@ -19,15 +20,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from batchlab import host
 from batchlab.config import ConfigError, RunConfig, config_from_dict, to_jsonable
 from batchlab.distributed import comm, engines, layouts
 from batchlab.distributed.mesh import coordinates
 from batchlab.distributed.traffic import TrafficCounter
-from batchlab.measure.clock import PhaseClock, Listeners, synchronizer, timed
-from batchlab.measure.devmem import CudaMemoryListener, from_snapshot
+from batchlab.measure.clock import Listeners
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
+from batchlab.measure.loop import LoopPlan, Seams, TimedUpdates, UpdateLoop
 from batchlab.measure.memory import tracker_for
 from batchlab.measure.options import MeasureOptions
 from batchlab.measure.result import MeasuredMemory
@@ -87,63 +87,76 @@ def _maybe_fail(rank: int, update: int) -> None:
     raise RuntimeError(f"injected failure in rank {rank} at update {update}")
 
 
-def _update(trainer: Trainer, listener) -> Any:
-    _maybe_fail(trainer.rank, trainer.updates_done)
-    return trainer.update(listener=listener)
-
-
 BUCKET_VIEW_NOTE = "DDP gradient_as_bucket_view=True: gradients are views into the all-reduce buckets"
+
+
+class RankSeams(Seams):
+    """A rank's seams in the update loop (measure/loop.py): the test-only fault injection before each update, the
+    DDP communication monitor listening to every update, the traffic counter to the memory update's, and the
+    engine's storages told to the tracker (distributed/engines.py)."""
+
+    def __init__(self, monitor: comm.CommMonitor | None, traffic: TrafficCounter | None = None):
+        self.monitor, self.traffic, self._counting = monitor, traffic, None
+
+    def update(self, trainer: Trainer, listener) -> Any:
+        _maybe_fail(trainer.rank, trainer.updates_done)
+        return trainer.update(listener=listener)
+
+    def listening(self, listener):
+        listeners = [p for p in (listener, self.monitor, self._counting) if p is not None]
+        if len(listeners) > 1:
+            return Listeners(*listeners)
+        return listeners[0] if listeners else None
+
+    def tracker(self, trainer: Trainer, budget: int | None):
+        tracker = tracker_for(trainer, budget)  # with a budget: a CPU stand-in for a smaller device
+        engines.register_storages(tracker, trainer, self.monitor)
+        tracker.reset()
+        return tracker
+
+    @contextlib.contextmanager
+    def counting(self):
+        if self.traffic is None:
+            yield
+            return
+        with self.traffic:
+            self._counting = self.traffic
+            try:
+                yield
+            finally:
+                self._counting = None
+
+
+def rank_plan(cfg: RunConfig, opts: MeasureOptions, device: torch.device) -> LoopPlan:
+    """A rank's plan: at least ``MIN_WARMUP`` updates, all before the memory update; a CPU budget enforced in the
+    memory update only; no phase split on an asynchronous device yet (merge.py pairs each timed update's phases
+    with its time, as on CPU)."""
+    warmup = max(MIN_WARMUP, opts.warmup)
+    return LoopPlan(warmup=warmup, settle=warmup, memory=opts.memory, steps=opts.steps if opts.timing else 0,
+                    tracked_budget=cfg.memory_budget if device.type == "cpu" else None, budget_in_warmup=False)
 
 
 def measure_memory(trainer: Trainer, monitor: comm.CommMonitor | None, budget: int | None = None,
                    traffic: TrafficCounter | None = None) -> MeasuredMemory:
     """Peak memory of one steady-state update on this rank (allocator stats on CUDA, storage tracker on CPU);
     ``traffic`` counts the same update's collectives."""
-    listeners = [p for p in (monitor, traffic) if p is not None]
-    if trainer.device.type == "cuda":
-        listener = CudaMemoryListener(trainer.device)
-        listener.begin()
-        with traffic or contextlib.nullcontext():
-            _update(trainer, Listeners(listener, *listeners))
-        mem = listener.result(trainer)
-    else:
-        mem = from_snapshot(_track(trainer, monitor, budget, listeners, traffic))
+    plan = LoopPlan(warmup=0, settle=0, tracked_budget=budget, budget_in_warmup=False)
+    mem = UpdateLoop(trainer, plan, RankSeams(monitor, traffic)).memory_update()
+    return _noted(mem, monitor)
+
+
+def _noted(mem: MeasuredMemory, monitor: comm.CommMonitor | None) -> MeasuredMemory:
     return mem if monitor is None else replace(mem, method=f"{mem.method}; {BUCKET_VIEW_NOTE}")
 
 
-def _track(trainer: Trainer, monitor: comm.CommMonitor | None, budget: int | None, listeners, traffic):
-    tracker = tracker_for(trainer, budget)  # with a budget: a CPU stand-in for a smaller device
-    engines.register_storages(tracker, trainer, monitor)
-    tracker.reset()
-    with tracker, traffic or contextlib.nullcontext():
-        _update(trainer, Listeners(tracker, *listeners))
-    return tracker.snapshot()
-
-
-def _timed_updates(trainer: Trainer, monitor: comm.CommMonitor | None, steps: int) -> dict[str, Any]:
-    sync = synchronizer(trainer.device)
-    # CPU: synchronising is free, so the phase split comes from the timed updates themselves
-    clock = PhaseClock(sync, sync_marks=trainer.device.type == "cpu")
-    samples, cpu, tokens, phases = [], [], [], []
-    first = len(monitor.updates) if monitor is not None else 0
-    # as a one-process measurement: heap pre-touched, speed probe on CPU, page faults per update
-    around = host.TimedUpdates(speed_probe=trainer.device.type == "cpu")
-    for _ in range(steps):
-        around.read_probe()
-        clock.start()
-        listener = Listeners(clock, monitor) if monitor is not None else clock
-        with around.counting():
-            result, wall, cpu_s = timed(lambda: _update(trainer, listener), sync)
-        samples.append(wall)
-        cpu.append(cpu_s)
-        tokens.append(result.useful_tokens)
-        phases.append(dict(clock.seconds))
-    out = dict(samples=samples, cpu_seconds=cpu, useful_tokens=tokens, phase_seconds=phases,
-               page_faults_per_update=around.page_faults_per_update(), probe_seconds=around.probe_seconds)
+def _timed(t: TimedUpdates, monitor: comm.CommMonitor | None, accum: int) -> dict[str, Any]:
+    out = dict(samples=t.samples, cpu_seconds=t.cpu_seconds, useful_tokens=t.useful_tokens,
+               phase_seconds=t.phase_seconds, page_faults_per_update=t.page_faults_per_update,
+               probe_seconds=t.probe_seconds)
     if monitor is None:  # FSDP2: collectives counted (traffic), not timed
         return out
-    seen = monitor.updates[first:]
-    last = trainer.cfg.accum - 1
+    seen = monitor.updates[t.first_update:t.first_update + len(t.samples)]  # the monitor saw every update
+    last = accum - 1
     return dict(out, comm=dict(calls=[u.calls for u in seen], rounds=[u.rounds for u in seen],
                           bytes=[u.bytes for u in seen], seconds=[u.seconds() for u in seen],
                           last_micro_batch_only=all(u.micro_batches == {last} for u in seen)))
@@ -173,20 +186,18 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
         trainer, monitor = layouts.build(cfg, device, rank)
     else:
         trainer, monitor = build(cfg, device, rank, world, sync_every_micro_batch=opts.fsdp_sync_every_micro_batch)
-    warmup = max(MIN_WARMUP, opts.warmup)
-    for _ in range(warmup):
-        _update(trainer, monitor)  # a None listener is the harness's no-op listener
-    out = _describe(trainer, backend, warmup)
+    plan = rank_plan(cfg, opts, device)
+    traffic = TrafficCounter() if opts.memory else None
+    done = UpdateLoop(trainer, plan, RankSeams(monitor, traffic)).run()
+    out = _describe(trainer, backend, plan.warmup)
     out["engine"] = (layouts.describe(cfg) if layouts.applies(cfg)
                      else engines.describe(cfg, opts.fsdp_sync_every_micro_batch))
     out["coordinates"] = coordinates(layout, rank)
-    if opts.memory:
-        budget = cfg.memory_budget if device.type == "cpu" else None
-        traffic = TrafficCounter()
-        out["memory"] = to_jsonable(measure_memory(trainer, monitor, budget, traffic))
+    if done.memory is not None:
+        out["memory"] = to_jsonable(_noted(done.memory, monitor))
         out["traffic"] = traffic.summary(cfg.accum)
-    if opts.timing:
-        out.update(_timed_updates(trainer, monitor, opts.steps))
+    if done.time is not None:
+        out.update(_timed(done.time, monitor, cfg.accum))
     return out
 
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from batchlab.formula.calibration import probe_reference
+from batchlab.cache.calibrations import probe_reference
 from batchlab import host
 from batchlab.config import ConfigError, Counted, RunConfig, to_jsonable
 from batchlab.experiment import protocol
@@ -100,7 +100,7 @@ def _formula(sides: Sides, token_budget: int, threads: int | None = None
              ) -> tuple[FormulaRecord, FormulaPrediction | None]:
     """The formula's estimate of both sides (for the record) and its prediction per metric; ``threads``: the
     measured processes' intra-op threads (the CPU calibration must be the one taken at that count)."""
-    from batchlab.formula.calibration import load_all
+    from batchlab.cache.calibrations import load_all
     from batchlab.formula import compiled_note, estimate, unseen_model
 
     if unseen_model(sides.a):  # a factory model: no formula side; the measurement stands alone

@@ -196,7 +196,8 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
     mem = memory(cfg)
     fl = flops(cfg)
     t = timing(cfg, fl, mem, calibrated_costs(cfg, calibrations))
-    return Estimate(cfg, count(cfg.model), mem, fl, t, training_checkpoint_bytes(cfg), assumptions_text(cfg, t),
+    return Estimate(config=cfg, params=count(cfg.model), memory=mem, flops=fl, time=t,
+                    training_checkpoint_bytes=training_checkpoint_bytes(cfg), assumptions=assumptions_text(cfg, t),
                     layer_terms=layer_terms(cfg), kv_cache=kv_cache(cfg, memory, mem))
 
 

@@ -64,7 +64,8 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
     outside = ((mask if rank.first else 0) + (((final - head_input) // rank.in_sp + head_input) if rank.last else 0)
                + rank_loss_path(cfg, rank).kept)
     one_micro_batch = sum(kept) + outside
-    return ActivationPlan(full_rank, tuple(kept), outside, round((rank.in_flight - 1) * one_micro_batch))
+    return ActivationPlan(per_layer_full=full_rank, per_layer_kept=tuple(kept), outside_layers=outside,
+                          others=round((rank.in_flight - 1) * one_micro_batch))
 
 
 def rank_loss_path(cfg: RunConfig, rank: RankShare) -> LossPath:
@@ -74,12 +75,13 @@ def rank_loss_path(cfg: RunConfig, rank: RankShare) -> LossPath:
     if rank.whole:
         return loss_path(cfg)
     if not rank.last:
-        return LossPath(0, 0, 0)
+        return LossPath(kept=0, forward_transient=0, backward_transient=0)
     if cfg.vocab_parallel and cfg.loss.mode is LossMode.FULL:
         return vocab_parallel_path(cfg, rank.tp)
     lp = loss_path(cfg)
     t = rank.tp if cfg.vocab_parallel else 1
-    return LossPath(lp.kept // t, lp.forward_transient // t, lp.backward_transient // t)
+    return LossPath(kept=lp.kept // t, forward_transient=lp.forward_transient // t,
+                    backward_transient=lp.backward_transient // t)
 
 
 def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
@@ -90,4 +92,5 @@ def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:
     policies = layer_policies(cfg)
     kept = tuple(t.layer(p)(b, s) for p in policies)
     full = t.layer_full(b, s) if t.layer_full is not None else None
-    return ActivationPlan(full, kept, max(t.outside(p)(b, s) for p in set(policies)))
+    return ActivationPlan(per_layer_full=full, per_layer_kept=kept,
+                          outside_layers=max(t.outside(p)(b, s) for p in set(policies)))

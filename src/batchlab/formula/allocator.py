@@ -77,7 +77,8 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
     holds_loss = rank is None or rank.last
     dev = cfg.device_spec
     if dev.backend is Backend.CPU:  # no caching allocator: the live-tensor tracker's bytes are the figure
-        return DeviceMemory(peak_tensor, peak_tensor, peak_tensor, provenance="formula (tensor bytes; CPU)")
+        return DeviceMemory(allocated_bytes=peak_tensor, reserved_bytes=peak_tensor, device_bytes=peak_tensor,
+                            provenance="formula (tensor bytes; CPU)")
     if cfg.assumptions.allocator_margin is not None:  # the user's fixed margin replaces the model
         margin = int(peak_tensor * cfg.assumptions.allocator_margin)
         parts = {f"fixed margin {cfg.assumptions.allocator_margin:.0%} (assumption)": margin}
@@ -101,4 +102,5 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
     extra = {f"CUDA context and kernels ({dev.context_source})": dev.context_bytes}
     if cfg.parallel.world_size > 1:
         extra["NCCL buffers (estimate: not found published)"] = NCCL_ESTIMATE
-    return DeviceMemory(peak_tensor, reserved, reserved + sum(extra.values()), parts, extra)
+    return DeviceMemory(allocated_bytes=peak_tensor, reserved_bytes=reserved,
+                        device_bytes=reserved + sum(extra.values()), reserved_parts=parts, device_parts=extra)

@@ -37,7 +37,7 @@ def alternatives(cfg: RunConfig, chosen: MemoryEstimate) -> tuple[Alternative, .
             continue
         other = memory(cfg.replace(impl=impl))
         if other.fits:
-            out.append(Alternative(impl, other.reserved_bytes, _why(impl, chosen, other)))
+            out.append(Alternative(impl=impl, reserved_bytes=other.reserved_bytes, why=_why(impl, chosen, other)))
     return tuple(out)
 
 

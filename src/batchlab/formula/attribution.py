@@ -51,8 +51,8 @@ def _ratio(b: float, a: float) -> float:
 
 def _parts(a: TimeBreakdown, b: TimeBreakdown, comm_a: float, comm_b: float) -> tuple[Part, ...]:
     names = sorted(set(a.by_class) | set(b.by_class))
-    parts = [Part(n, a.by_class.get(n, 0.0), b.by_class.get(n, 0.0)) for n in names]
-    parts.append(Part("communication", comm_a, comm_b))
+    parts = [Part(name=n, seconds_a=a.by_class.get(n, 0.0), seconds_b=b.by_class.get(n, 0.0)) for n in names]
+    parts.append(Part(name="communication", seconds_a=comm_a, seconds_b=comm_b))
     return tuple(sorted((p for p in parts if p.seconds_a or p.seconds_b), key=lambda p: -abs(p.delta)))
 
 
@@ -64,8 +64,10 @@ def attribute(a: TimeEstimate, b: TimeEstimate) -> Attribution | None:
     rf = (ob.flops_by_phase.get("recompute", 0) - oa.flops_by_phase.get("recompute", 0)) / oa.flops if oa.flops else 0.0
     rb = (ob.bytes_by_phase.get("recompute", 0) - oa.bytes_by_phase.get("recompute", 0)) / oa.bytes if oa.bytes else 0.0
     parts = _parts(oa, ob, a.exposed_comm_seconds, b.exposed_comm_seconds)
-    att = Attribution(_ratio(b.update_seconds, a.update_seconds), _ratio(ob.flops, oa.flops), _ratio(ob.bytes, oa.bytes),
-                      _ratio(ob.ops, oa.ops), rf, rb, oa.dispatch_share, ob.dispatch_share, parts, "")
+    att = Attribution(ratio=_ratio(b.update_seconds, a.update_seconds), flops_ratio=_ratio(ob.flops, oa.flops),
+                      bytes_ratio=_ratio(ob.bytes, oa.bytes), ops_ratio=_ratio(ob.ops, oa.ops),
+                      recompute_flops_share=rf, recompute_bytes_share=rb, dispatch_share_a=oa.dispatch_share,
+                      dispatch_share_b=ob.dispatch_share, parts=parts, text="")
     return Attribution(**{**asdict(att), "parts": parts, "text": _text(att, a, b)})
 
 

@@ -1,21 +1,15 @@
-"""The calibration record and its cache: one JSON file per device, torch version and thread count under
-platformdirs' user cache dir.  Torch-free (the formula's callers read the cache)."""
+"""The calibration record and its pure checks.  Torch-free, and no file is read here: the cache (one JSON file per
+device, torch version and thread count) is read and written by batchlab.cache.calibrations, and the formula's
+callers pass what it holds in."""
 from __future__ import annotations
 
-import functools
-import json
 import os
-import re
-import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from batchlab.config import Precision
-from batchlab.util.files import write_atomic
 from batchlab.formula import plausible
 from batchlab.formula.opcost import OpCosts
-from batchlab.host import PROBE_BUNDLE, cpu_hardware
 
 
 # Parts of a calibration beyond the fp32 kernels and dispatch every time prediction uses: 16-bit kernels and
@@ -144,91 +138,6 @@ class Calibration:
         return cls(**{k: v for k, v in raw.items() if k in names})
 
 
-# ------------------------------------------------------------------------------------------ cache
-
-def cache_dir() -> Path:
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("batchlab")) / "calibration"
-
-
-def default_threads() -> int:
-    """The intra-op threads a torch process here starts with (OMP_NUM_THREADS, else the CPU count)."""
-    try:
-        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
-    except ValueError:
-        return os.cpu_count() or 1
-
-
-def _cache_path(device: str, torch_version: str, threads: int) -> Path:
-    name = f"{device}-torch{torch_version}-{threads}threads"
-    return cache_dir() / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".json")
-
-
-def save(cal: Calibration) -> Path:
-    path = _cache_path(cal.device, cal.torch_version, cal.threads)
-    write_atomic(path, json.dumps(cal.to_dict(), indent=2), "calibration")  # two writers at once: no half file
-    return path
-
-
-def load_cached(device_name: str, threads: int | None = None) -> Calibration | None:
-    """The cached calibration for a batchlab device name (``RunConfig.device``) at ``threads`` (default: what
-    a process here starts with), or None.  CPU rates depend on the thread count, so only an entry measured
-    with the same count serves; a CPU entry measured on other hardware (a shared home directory) is ignored.
-    """
-    return load_all(threads).get(device_name)
-
-
-class Cached(dict):
-    """``load_all``'s answer: the usable calibrations by device name, and those refused by their checks, said once on
-    stderr when a caller asks for that device (an estimate for an H100 says nothing of a refused CPU file)."""
-
-    def __init__(self, usable: dict[str, Calibration], refused: dict[str, tuple[str, int, str]]):
-        super().__init__(usable)
-        self.refused = refused
-
-    def get(self, device, default=None):
-        if device not in self and device in self.refused:
-            _say_ignored(*self.refused[device])
-        return super().get(device, default)
-
-
-def load_all(threads: int | None = None) -> Cached:
-    """Every usable cached calibration, by batchlab device name: what ``formula.estimate`` is given.
-    Where one device has several (torch versions), the newest measurement wins.  One that fails its checks
-    (``check``) is left out: the caller measures a fresh one and overwrites it, or prices with nominal rates."""
-    want = default_threads() if threads is None else threads
-    usable, refused = [], {}
-    for path in sorted(cache_dir().glob("*.json")):
-        cal = _read(path)
-        if cal is None or (cal.torch_device.startswith("cpu") and cal.threads != want):
-            continue
-        bad = check(cal)
-        if bad:
-            refused[cal.device] = (str(path), path.stat().st_mtime_ns, "; ".join(bad[:2]))
-        else:
-            usable.append(cal)
-    return Cached({cal.device: cal for cal in sorted(usable, key=lambda c: c.measured_at)}, refused)
-
-
-def probe_reference(threads: int | None = None) -> float | None:
-    """The host speed probe's read in this CPU's cached calibration at ``threads`` (seconds, host/speed.py);
-    None without one, or where it timed another bundle (its reference says nothing about this one)."""
-    cal = load_all(threads).get("cpu")
-    return cal.probe_seconds if cal is not None and cal.probe == PROBE_BUNDLE and cal.probe_seconds else None
-
-
-def _read(path: Path) -> Calibration | None:
-    """The calibration in ``path``; None where it is unreadable or from another CPU."""
-    try:
-        cal = Calibration.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError, RecursionError):
-        return None
-    if cal.torch_device == "cpu" and not cal.hardware.startswith(cpu_hardware()):
-        return None
-    return cal
-
-
 SPARE = 0.25  # cores of others' load beyond the spare cores before a wall-clock calibration counts as loaded
 
 
@@ -261,10 +170,3 @@ def nominal(cal: Calibration, spec) -> tuple[float | None, float | None]:
         cores = cal.cores or os.cpu_count() or 1
         return spec.peak_flops_fp32 * min(max(cal.threads, 1), cores) / cores, None
     return spec.peak_flops_fp32, spec.hbm_bytes_per_s
-
-
-@functools.cache
-def _say_ignored(path: str, mtime: int, why: str) -> None:
-    # once per file version and process: load_all is read by every estimate of a sweep
-    print(f"warning: ignored the cached calibration {path}: {why}; it is measured again where needed "
-          "(`batchlab calibrate`), nominal rates meanwhile", file=sys.stderr)

@@ -43,20 +43,21 @@ _EST = "not found published: estimate = {} value"
 
 # (arch, 16-bit?) -> achievable fraction of the dense peak on large matmuls
 FRACTIONS: dict[tuple[str, bool], Sourced] = {
-    ("ampere", True): Sourced(0.65, _A100, "published A100 runs"),
-    ("hopper", True): Sourced(0.52, _H100, "published H100 runs"),
-    ("blackwell", True): Sourced(0.52, _EST.format("Hopper's") + " (the one B200 run found is MoE: 14%)",
-                                  "estimate: Hopper's"),
-    ("cdna2", True): Sourced(0.52, _EST.format("Hopper's"), "estimate: Hopper's"),
-    ("cdna3", True): Sourced(0.52, _EST.format("Hopper's"), "estimate: Hopper's"),
-    ("volta", True): Sourced(0.23, _V100_FP16, "published V100 runs"),
-    ("ada", True): Sourced(0.65, _ADA, "A100's value"),
-    ("volta", False): Sourced(0.65, _V100_FP32, "V100 fp32 runs"),
+    ("ampere", True): Sourced(value=0.65, source=_A100, short="published A100 runs"),
+    ("hopper", True): Sourced(value=0.52, source=_H100, short="published H100 runs"),
+    ("blackwell", True): Sourced(value=0.52, source=_EST.format("Hopper's") + " (the one B200 run found is MoE: 14%)",
+                                 short="estimate: Hopper's"),
+    ("cdna2", True): Sourced(value=0.52, source=_EST.format("Hopper's"), short="estimate: Hopper's"),
+    ("cdna3", True): Sourced(value=0.52, source=_EST.format("Hopper's"), short="estimate: Hopper's"),
+    ("volta", True): Sourced(value=0.23, source=_V100_FP16, short="published V100 runs"),
+    ("ada", True): Sourced(value=0.65, source=_ADA, short="A100's value"),
+    ("volta", False): Sourced(value=0.65, source=_V100_FP32, short="V100 fp32 runs"),
 }
 # consumer / workstation Ampere cards behave like Ada ones in the evidence we have
 _CONSUMER = ("a10g", "l4", "rtx-3090", "rtx-4090", "rtx-a6000", "l40s")
-DEFAULT = Sourced(0.4, "assumption: no published figure for this device and precision (batchlab's old default)",
-                  "assumed")
+DEFAULT = Sourced(value=0.4,
+                  source="assumption: no published figure for this device and precision (batchlab's old default)",
+                  short="assumed")
 
 
 def fraction_class(cfg: RunConfig) -> tuple[str, bool] | None:
@@ -73,8 +74,8 @@ def fraction_class(cfg: RunConfig) -> tuple[str, bool] | None:
 def achievable_fraction(cfg: RunConfig) -> Sourced:
     """The user's --achievable-fraction if given, else the derived default for the device and precision."""
     if cfg.assumptions.achievable_fraction is not None:
-        return Sourced(cfg.assumptions.achievable_fraction, "assumption (--achievable-fraction)",
-                       "--achievable-fraction")
+        return Sourced(value=cfg.assumptions.achievable_fraction, source="assumption (--achievable-fraction)",
+                       short="--achievable-fraction")
     key = fraction_class(cfg)
     return DEFAULT if key is None else FRACTIONS.get(key, DEFAULT)
 
@@ -85,9 +86,9 @@ def bus_bandwidth(cfg: RunConfig) -> Sourced:
     network bandwidth, capped by the link inside the node."""
     dev = cfg.device_spec
     if cfg.dp <= dev.gpus_per_node:
-        return Sourced(dev.intra_node_bytes_per_s, "link inside the node")
+        return Sourced(value=dev.intra_node_bytes_per_s, source="link inside the node")
     bw = min(dev.intra_node_bytes_per_s, dev.gpus_per_node * dev.inter_node_bytes_per_s)
-    return Sourced(bw, f"{dev.gpus_per_node} NICs per node (one ring per rail), capped by the node's link")
+    return Sourced(value=bw, source=f"{dev.gpus_per_node} NICs per node (one ring per rail), capped by the node's link")
 
 
 def exposed_comm_seconds(cfg: RunConfig, comm: float, compute: float, micro: float, after_step: float = 0.0
@@ -103,19 +104,20 @@ def exposed_comm_seconds(cfg: RunConfig, comm: float, compute: float, micro: flo
     what nothing runs beside, in every micro-batch: the root unit's all-gather (embeddings, head) at the start
     of forward and, ZeRO-3, the last block's again at the start of backward (formula.sharding's unit bytes)."""
     if cfg.assumptions.comm_overlap is not None:
-        return Sourced(comm * (1 - cfg.assumptions.comm_overlap), "assumption (--comm-overlap)")
+        return Sourced(value=comm * (1 - cfg.assumptions.comm_overlap), source="assumption (--comm-overlap)")
     if comm <= 0:
-        return Sourced(0.0, "no communication")
+        return Sourced(value=0.0, source="no communication")
     bw = bus_bandwidth(cfg).value
     if cfg.parallel.shards_gradients:
         units = unit_elements(cfg)
         first = units[0] + (units[-1] if cfg.parallel.reshards_after_forward and len(units) > 1 else 0)
         exposed = cfg.accum * collective_seconds("all_gather", first * gathered_bytes_per_element(cfg), cfg.dp, bw)
-        return Sourced(min(comm, max(0.0, comm - compute) + exposed),
-                       "FSDP2 prefetch: hidden behind forward and backward, the first unit's all-gather of each "
-                       "forward (ZeRO-3: and of each backward) exposed")
+        return Sourced(value=min(comm, max(0.0, comm - compute) + exposed),
+                       source="FSDP2 prefetch: hidden behind forward and backward, the first unit's all-gather of "
+                              "each forward (ZeRO-3: and of each backward) exposed")
     during = comm - after_step
     last_bucket = min(during, 2 * 25 * 2**20 / bw)
     step = "; ZeroRedundancyOptimizer's broadcasts after the step exposed" if after_step else ""
-    return Sourced(max(0.0, during - 2 / 3 * micro) + last_bucket + after_step,
-                   "DDP buckets: hidden behind backward (of the last micro-batch), the last bucket exposed" + step)
+    return Sourced(value=max(0.0, during - 2 / 3 * micro) + last_bucket + after_step,
+                   source="DDP buckets: hidden behind backward (of the last micro-batch), the last bucket exposed"
+                          + step)

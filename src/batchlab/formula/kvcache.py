@@ -69,9 +69,12 @@ def kv_cache(cfg: RunConfig, memory, this=None) -> KVCache | None:
         return None
     if cfg.model.kv_cache and not cfg.kv_cache:
         plain = any(not m.spec.recomputes for m in cfg.ac.layer_modes(cfg.model.layers))
-        return KVCache(False, cfg.model.use_cache, True, None, None, plain and cfg.model.matching_profile is not None)
+        return KVCache(on=False, use_cache=cfg.model.use_cache, off_under_ac=True, toggle_activations=None,
+                       toggle_peak=None, profiled_plain_layers=plain and cfg.model.matching_profile is not None)
     if cfg.model.matching_profile is not None:  # a profile of the other setting is not at hand
-        return KVCache(cfg.kv_cache, cfg.model.use_cache, False, None, None)
+        return KVCache(on=cfg.kv_cache, use_cache=cfg.model.use_cache, off_under_ac=False, toggle_activations=None,
+                       toggle_peak=None)
     this, other = this or memory(cfg), memory(cfg.replace(use_cache=not cfg.kv_cache))
-    return KVCache(cfg.kv_cache, cfg.model.use_cache, False, other.activations_bytes - this.activations_bytes,
-                   other.peak_tensor_bytes - this.peak_tensor_bytes)
+    return KVCache(on=cfg.kv_cache, use_cache=cfg.model.use_cache, off_under_ac=False,
+                   toggle_activations=other.activations_bytes - this.activations_bytes,
+                   toggle_peak=other.peak_tensor_bytes - this.peak_tensor_bytes)

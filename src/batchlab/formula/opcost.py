@@ -123,7 +123,7 @@ class OpCount:
                 "count": self.count, "flops_per_matmul": self.flops_per_matmul, "sac_dispatched": self.sac_dispatched}
 
     def with_count(self, count: int) -> "OpCount":
-        # the constructor directly: dataclasses.replace costs ~5x more, and this runs per op per estimate
+        # the constructor directly, positionally: dataclasses.replace costs ~5x more, and this runs per op per estimate
         return OpCount(self.name, self.phase, self.cost_class, self.flops, self.bytes, self.elements,
                        self.low_precision, count, self.flops_per_matmul, self.sac_dispatched)
 
@@ -350,9 +350,10 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
     phases = {ph.value: w + exposed[ph.value] for ph, w in by_phase.items()}
     classes = {k.value: w for k, w in by_class.items()}
     classes["dispatch"] = sum(exposed.values())
-    return TimeBreakdown(sum(phases.values()), phases, classes, calls, fl, by,
-                         {ph.value: b for ph, b in b_phase.items()}, {ph.value: f for ph, f in f_phase.items()},
-                         costs.source, provenance)
+    return TimeBreakdown(seconds=sum(phases.values()), by_phase=phases, by_class=classes, ops=calls, flops=fl, bytes=by,
+                         bytes_by_phase={ph.value: b for ph, b in b_phase.items()},
+                         flops_by_phase={ph.value: f for ph, f in f_phase.items()}, source=costs.source,
+                         provenance=provenance)
 
 
 UNRESOLVED = 1e15  # bytes/s of a link whose fitted time did not grow with size (latency-bound): no bandwidth

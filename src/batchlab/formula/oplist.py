@@ -46,11 +46,12 @@ class _Widths:
 
 def _op(name: str, phase: Phase, elements: int, nbytes: int, flops: int = 0, low: bool = False,
         count: int = 1, strided: bool = False, flops_per_matmul: int = 0) -> OpCount:
-    return OpCount(name, phase, op_class(name, strided=strided), flops, nbytes, elements, low, count, flops_per_matmul)
+    return OpCount(name=name, phase=phase, cost_class=op_class(name, strided=strided), flops=flops, bytes=nbytes,
+                   elements=elements, low_precision=low, count=count, flops_per_matmul=flops_per_matmul)
 
 
 def _views(phase: Phase, n: int) -> OpCount:
-    return OpCount("view", phase, op_class("view", is_view=True), count=n)
+    return OpCount(name="view", phase=phase, cost_class=op_class("view", is_view=True), count=n)
 
 
 class _Ops:

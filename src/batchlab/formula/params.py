@@ -35,7 +35,8 @@ def norm_params(m: ModelSpec) -> int:
 def count(m: ModelSpec) -> ParamCount:
     p = m.matching_profile
     if p is not None:  # counted from the model's own code (trace/profile.py)
-        return ParamCount(p.embedding, p.per_layer, m.layers, p.final, p.head)
+        return ParamCount(embedding=p.embedding, per_layer=p.per_layer, layers=m.layers, final_norm=p.final,
+                          head=p.head)
     h, kv, f, V = m.hidden, m.kv_hidden, m.ffn, m.vocab
     bias = 1 if m.bias else 0
     qkv_bias = 1 if m.qkv_bias else 0  # Qwen2: biases on q, k and v, none on the output projection
@@ -45,7 +46,7 @@ def count(m: ModelSpec) -> ParamCount:
     per_layer = attn + mlp + 2 * norm_params(m)
     embedding = V * h + (m.max_positions * h if m.position is PositionKind.LEARNED else 0)
     head = 0 if m.tied_embeddings else V * h
-    return ParamCount(embedding, per_layer, m.layers, norm_params(m), head)
+    return ParamCount(embedding=embedding, per_layer=per_layer, layers=m.layers, final_norm=norm_params(m), head=head)
 
 
 @functools.lru_cache(maxsize=64)

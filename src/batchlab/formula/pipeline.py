@@ -151,10 +151,12 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float) -> PipelineTim
     ranks = shares(cfg)
     per = [stage_flops_per_token(cfg, r.layers, r.last) for r in ranks]
     total = sum(per) or 1.0
-    stages = tuple(StageTime(r.stage, compute_per_micro_batch * f / total / r.tp, tp_seconds(cfg, r),
-                             pp_seconds(cfg, r)) for r, f in zip(ranks, per))
+    stages = tuple(StageTime(stage=r.stage, compute_seconds=compute_per_micro_batch * f / total / r.tp,
+                             tp_comm_seconds=tp_seconds(cfg, r), pp_comm_seconds=pp_seconds(cfg, r))
+                   for r, f in zip(ranks, per))
     slowest = max(range(len(stages)), key=lambda i: (stages[i].seconds, -i))
-    return PipelineTime(stages, cfg.accum, cfg.parallel.bubble_fraction(cfg.accum), slowest)
+    return PipelineTime(stages=stages, micro_batches=cfg.accum, bubble_fraction=cfg.parallel.bubble_fraction(cfg.accum),
+                        slowest=slowest)
 
 
 def text(cfg: RunConfig, p: PipelineTime) -> str:

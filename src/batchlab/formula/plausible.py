@@ -1,7 +1,7 @@
 """Whether a calibration's measured rates can be trusted: each against its device's nominal figures and against
 its own curve.  A calibration measured under load, cut short by its budget or hand-edited can say a CPU does
 4 MFLOP/s; priced with it, every time prediction is off by 10^4 and nothing looks wrong.  Torch-free: the
-cache reader (``calibration._read``) and the measuring side (``calibrate.run``) ask the same question.
+cache reader (``cache.calibrations._read``) and the measuring side (``calibrate.run``) ask the same question.
 
 The bounds are wide on purpose -- they catch a broken measurement, not a slow machine: a real kernel on a real
 device runs between ``SLOW`` below and ``FAST`` above its nominal figure whatever the host, load or shape.

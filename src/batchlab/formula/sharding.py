@@ -91,20 +91,22 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
     ``set_requires_gradient_sync(False)`` on all but the last micro-batch."""
     none = dict.fromkeys(KINDS, 0)
     if cfg.dp == 1:
-        return Traffic((none,) * cfg.accum, none, sync_every_micro_batch)
+        return Traffic(per_micro_batch=(none,) * cfg.accum, outside_micro_batches=none,
+                       sync_every_micro_batch=sync_every_micro_batch)
     n = count(cfg.model).total
     if not cfg.parallel.shards_gradients:  # DDP (ZeRO-0 / ZeRO-1)
         w = 2 if cfg.precision is Precision.BF16 else 4  # DDP reduces .grad in the weights' dtype
         last = dict(none, all_reduce=n * w)
         outside = dict(none, broadcast=n * w) if cfg.parallel.stage == 1 else none
-        return Traffic((none,) * (cfg.accum - 1) + (last,), outside, sync_every_micro_batch)
+        return Traffic(per_micro_batch=(none,) * (cfg.accum - 1) + (last,), outside_micro_batches=outside,
+                       sync_every_micro_batch=sync_every_micro_batch)
     units = sum(unit_elements(cfg))
     gathers = 2 if cfg.parallel.reshards_after_forward else 1  # ZeRO-3: forward, and again in backward
     ag = gathers * units * gathered_bytes_per_element(cfg)
     rs = units * reduced_bytes_per_element(cfg)
     micro = tuple(dict(none, all_gather=ag, reduce_scatter=rs if sync_every_micro_batch or i == cfg.accum - 1 else 0)
                   for i in range(cfg.accum))
-    return Traffic(micro, none, sync_every_micro_batch)
+    return Traffic(per_micro_batch=micro, outside_micro_batches=none, sync_every_micro_batch=sync_every_micro_batch)
 
 
 def unsharded_gradient_bytes(cfg: RunConfig) -> int:

@@ -254,9 +254,14 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     model = describe(costs, t) + machine_text(cfg, costs)
     if pipe is not None:
         model += "; " + layout_time_text(cfg, pipe)
-    return TimeEstimate(compute / cfg.accum, compute, grad_bytes, comm, exposed, rest, update, useful / update,
-                        dispatch_compute / cfg.accum, t.flops / matmul_s if matmul_s else 0.0, costs.source, bw, t,
-                        model, sent, frac.value, frac.source, hidden.source, **extra)
+    return TimeEstimate(compute_seconds_per_micro_batch=compute / cfg.accum, compute_seconds=compute,
+                        allreduce_bytes=grad_bytes, allreduce_seconds=comm, exposed_comm_seconds=exposed,
+                        optimizer_seconds=rest, update_seconds=update, tokens_per_second=useful / update,
+                        overhead_seconds_per_micro_batch=dispatch_compute / cfg.accum,
+                        flops_ceiling=t.flops / matmul_s if matmul_s else 0.0, ceiling_source=costs.source,
+                        bandwidth_bytes_per_s=bw, ops=t, model=model, collective_bytes=sent,
+                        achievable_fraction=frac.value, fraction_source=frac.source, overlap_source=hidden.source,
+                        **extra)
 
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default

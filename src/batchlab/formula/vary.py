@@ -137,14 +137,15 @@ def vary(cfg: RunConfig, name: str, values: list[str], keep: Keep = Keep.GLOBAL_
             c = apply_change(cfg, name, parse_field_value(name, text), keep)
         except ConfigError as e:
             if free is None or name not in BATCH_FIELDS:  # the value itself is invalid for this config
-                rows.append(VaryRow(text, None, None, {}, str(e)))
+                rows.append(VaryRow(value=text, config=None, estimate=None, directions={}, why=str(e)))
                 continue
-            rows.append(VaryRow(text, None, None, {}, _why(cfg, name, free),
-                                _fix(cfg, free, unit)))
+            rows.append(VaryRow(value=text, config=None, estimate=None, directions={}, why=_why(cfg, name, free),
+                                fix=_fix(cfg, free, unit)))
             continue
         e = estimate(c, calibrations)
         first = next((r.estimate for r in rows if r.possible), e)
-        rows.append(VaryRow(text, c, e, {label: direction(get(first), get(e)) for label, get in OUTPUTS}))
+        rows.append(VaryRow(value=text, config=c, estimate=e,
+                            directions={label: direction(get(first), get(e)) for label, get in OUTPUTS}))
     if not any(r.possible for r in rows):
         first = rows[0]
         raise ConfigError(name, f"no value is possible: {first.why}" + (f"; {first.fix}" if first.fix else ""))

@@ -23,27 +23,18 @@ from __future__ import annotations
 
 import platform
 import statistics
-import time
-from typing import Callable
 
 import torch
 
 from batchlab import host
 from batchlab.config import CompileMode, ConfigError, RunConfig, catalogue_key
-from batchlab.measure.clock import PhaseClock, synchronizer, timed
 from batchlab.measure.device import torch_device
-from batchlab.measure.devmem import CudaMemoryListener, from_snapshot
-from batchlab.measure.memory import tracker_for
+from batchlab.measure.loop import (PHASE_UPDATES, LoopHooks, LoopPlan, MemoryReader, Progress, Recorder,
+                                   TimedUpdates, UpdateLoop)
 from batchlab.measure.oom_classify import OOMKind, classify_oom
 from batchlab.measure.options import MeasureOptions
-from batchlab.measure.result import Draft, MeasuredMemory, MeasuredTime, Measurement, Outcome
-from batchlab.config.phase import Phase
+from batchlab.measure.result import Draft, MeasuredTime, Measurement, Outcome
 from batchlab.util.units import fmt_bytes
-
-# progress(done, total, label): called before the work starts and after every update
-Progress = Callable[[int, int, str], None]
-PHASE_UPDATES = 3  # synchronised phase-split updates on asynchronous devices
-
 
 
 
@@ -84,22 +75,6 @@ def environment(device: torch.device) -> dict:
             "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "allocator": host.state()}
 
 
-class _Recorder:
-    """Remembers where the run is (stage, phase) for failure reports and forwards marks to the listener in use."""
-
-    def __init__(self):
-        self.stage, self.phase, self.inner = "setup", Phase.SETUP, None
-
-    def use(self, stage: str, inner=None) -> "_Recorder":
-        self.stage, self.phase, self.inner = stage, Phase.DATA, inner
-        return self
-
-    def mark(self, phase: Phase | str) -> None:
-        self.phase = Phase(phase)
-        if self.inner is not None:
-            self.inner.mark(self.phase)
-
-
 def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | None = None) -> Measurement:
     if cfg.dp > 1:
         raise ConfigError("dp", f"one process measures DP = 1; DP = {cfg.dp} needs one process per rank: "
@@ -115,7 +90,7 @@ def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | Non
     unsteady = host.warning() if device.type == "cpu" else None  # a non-glibc host allocator: said, not set
     if unsteady is not None:
         m.warnings.append(unsteady)
-    rec = _Recorder()
+    rec = Recorder()
     steps = _Steps(cfg, opts, device, progress)
     fraction_set = False
     # the budget is what refuses memory: tracked bytes on CPU/MPS, an allocator fraction on CUDA
@@ -151,7 +126,7 @@ def _check_compiled(cfg: RunConfig, opts: MeasureOptions, device: torch.device) 
                                       "inside inductor's kernels: a compiled run's timeline is future work")
 
 
-def _record_failure(m: Draft, exc: BaseException, rec: _Recorder, budget: bool) -> None:
+def _record_failure(m: Draft, exc: BaseException, rec: Recorder, budget: bool) -> None:
     from batchlab.models.compiled import failure_text
 
     kind = classify_oom(exc)
@@ -172,52 +147,29 @@ def _record_failure(m: Draft, exc: BaseException, rec: _Recorder, budget: bool) 
 
 
 class _Steps:
-    """The update sequence of one measurement (see the module docstring)."""
+    """One measurement's plan for the update loop (measure/loop.py), and what it adds: the model's description,
+    a compiled run's compile line, the result's records."""
 
     def __init__(self, cfg: RunConfig, opts: MeasureOptions, device: torch.device, progress: Progress | None):
         self.cfg, self.opts, self.device = cfg, opts, device
-        self.sync = synchronizer(device)
         self.progress = progress or (lambda done, total, label: None)
-        self.async_device = device.type != "cpu"
-        # a compiled run: the first update compiles forward and backward, the second may recompile; both untimed
-        self.compiled = cfg.compile is not CompileMode.NONE
-        self.warmup = max(opts.warmup, 2) if self.compiled else opts.warmup
-        self.total = (self.warmup + (1 if self._memory_update else 0) + (opts.steps if opts.timing else 0)
-                      + (PHASE_UPDATES if opts.timing and self.async_device else 0)
-                      + (1 if opts.timeline and not self._timeline_in_memory else 0))
-        self.done = 0
-        self.timeline = None  # recorded by the memory update (``_timeline_in_memory``)
+        # the budget the live-storage tracker enforces (CPU, MPS); on CUDA the allocator enforces it
+        tracked_budget = cfg.memory_budget if device.type != "cuda" else None
+        compiled = cfg.compile is not CompileMode.NONE
+        self.plan = LoopPlan(
+            # a compiled run: the first update compiles forward and backward, the second may recompile; both
+            # untimed, and the memory update comes after any recompile
+            warmup=max(opts.warmup, 2) if compiled else opts.warmup, settle=2 if compiled else 1,
+            # with a budget on CPU/MPS the tracker must watch the steady-state update even if memory is not reported
+            memory=opts.memory or tracked_budget is not None,
+            steps=opts.steps if opts.timing else 0, phase_split=PHASE_UPDATES,
+            tracked_budget=tracked_budget, reader=_reader(opts, device, compiled, tracked_budget),
+            timeline=opts.timeline, first_note=" (compiling)" if compiled else "")
 
-    @property
-    def _timeline_in_memory(self) -> bool:
-        """The memory update's live-storage tracker records the timeline too (one tracked update, not two):
-        the timeline's recorder listens to the same tracker (measure/timeline_tracker.py), so its figures are the memory
-        probe's.  Not on CUDA (allocator history) nor under a budget (its tracker enforces it)."""
-        return self.opts.timeline and self.opts.memory and self.device.type != "cuda" and self._tracked_budget is None
-
-    @property
-    def _memory_update(self) -> bool:
-        # with a budget on CPU/MPS the tracker must watch the steady-state update even if memory is not reported
-        return self.opts.memory or self._tracked_budget is not None
-
-    @property
-    def _tracked_budget(self) -> int | None:
-        """The budget the live-storage tracker enforces (CPU, MPS); on CUDA the allocator enforces it."""
-        return self.cfg.memory_budget if self.device.type != "cuda" else None
-
-    def _start(self, label: str) -> str:
-        # reported before each update too, so an isolated run that dies says which update it was in
-        self.progress(self.done, self.total, label)
-        return label
-
-    def _tick(self, label: str) -> None:
-        self.done += 1
-        self.progress(self.done, self.total, label)
-
-    def run(self, m: Draft, rec: _Recorder) -> None:
+    def run(self, m: Draft, rec: Recorder) -> None:
         from batchlab.measure.harness import Trainer
 
-        self.progress(0, self.total, "building the model")
+        self.progress(0, self.plan.updates(self.device.type != "cpu"), "building the model")
         trainer = Trainer(self.cfg, self.device)
         m.environment["model"] = trainer.workload.description
         use_cache = getattr(getattr(trainer.raw_model, "config", None), "use_cache", None)
@@ -226,120 +178,65 @@ class _Steps:
         m.environment["parameters"] = sum(p.numel() for p in trainer.raw_model.parameters())
         m.environment["ac_wrapped_layers"] = list(trainer.wrapped_layers)
         watch = trainer.compiled  # models.compiled.CompileWatch, or None
+        hooks = _CompileHooks(m, watch) if watch is not None else None
+        loop = UpdateLoop(trainer, self.plan, progress=self.progress, hooks=hooks, rec=rec)
         try:
-            self._updates(trainer, rec, m, watch)
-        finally:
+            loop.run()
+        finally:  # what was measured before a failure stays in its record
             if watch is not None:
                 watch.stop()
-
-    def _updates(self, trainer, rec: _Recorder, m: Draft, watch) -> None:
-        before_memory = 2 if watch is not None else 1  # a compiled run's memory update comes after any recompile
-        for i in range(1, before_memory + 1):
-            self._warmup(trainer, rec, i, m if watch is not None and i == 1 else None)
-        settled = watch.compiles if watch is not None else 0
-        if self._memory_update:
-            memory = self._memory(trainer, rec)
             if self.opts.memory:
-                m.memory = memory
-        for i in range(before_memory + 1, self.warmup + 1):
-            self._warmup(trainer, rec, i)
-        if watch is not None:
-            _compiled_warmup(m, watch, settled)
-        if self.opts.timeline:
-            m.timeline = self.timeline if self._timeline_in_memory else self._timeline(trainer, rec)
-        if self.opts.timing:
-            self._timing(trainer, rec, m)
-        if watch is not None:
-            _compiled_timed(m, watch)
+                m.memory = loop.record.memory
+            if self.opts.timeline:
+                m.timeline = loop.record.timeline
+            if loop.record.time is not None:
+                self._time(m, loop.record.time, trainer.world)
 
-    def _warmup(self, trainer, rec: _Recorder, i: int, compiling: Draft | None = None) -> None:
-        label = self._start(f"warmup {i}/{self.warmup}" + (" (compiling)" if compiling is not None else ""))
-        start = time.perf_counter()
-        if i == 1 and self._tracked_budget is not None:
-            self._tracked(trainer, rec.use(label))  # lazy optimizer state is created here: watch it
-        else:
-            trainer.update(listener=rec.use(label))
-        if compiling is not None:  # its wall-clock, compilation included (apart later)
-            compiling.environment["compile"] = {"first_update_wall_seconds": time.perf_counter() - start}
-        self._tick(label)
-
-    def _tracked(self, trainer, rec: _Recorder):
-        tracker = tracker_for(trainer, budget=self._tracked_budget)
-        rec.inner = tracker
-        with tracker:
-            trainer.update(listener=rec)
-        return tracker.snapshot()
-
-    def _memory(self, trainer, rec: _Recorder) -> MeasuredMemory:
-        rec.use(self._start("memory"))
-        if self.compiled and self.device.type != "cuda":  # inductor's buffers: the allocator's events
-            from batchlab.measure.allocmem import AllocatorProbe
-
-            with AllocatorProbe(trainer) as probe:
-                trainer.update(listener=rec.use("memory", probe))
-            result = probe.result()
-        elif self.device.type == "cuda":
-            listener = CudaMemoryListener(self.device)
-            listener.begin()
-            trainer.update(listener=rec.use("memory", listener))
-            listener.mark("end")
-            result = listener.result(trainer)
-        elif self._timeline_in_memory:
-            from batchlab.measure.timeline_update import recorded
-
-            self.timeline, snap = recorded(self.cfg, trainer, lambda tracker: rec.use("memory", tracker))
-            result = from_snapshot(snap)
-        else:
-            result = from_snapshot(self._tracked(trainer, rec))
-        self._tick("memory")
-        return result
-
-    def _timeline(self, trainer, rec: _Recorder):
-        """One more untimed update recorded as a memory timeline, in this (possibly isolated) process."""
-        from batchlab.measure.timeline_update import record
-
-        rec.use(self._start("timeline"))
-        timeline = record(self.cfg, trainer=trainer)
-        self._tick("timeline")
-        return timeline
-
-    def _timing(self, trainer, rec: _Recorder, m: Draft) -> None:
-        # CPU: the phase clock's sync is a no-op, so the split comes from the timed updates themselves
-        clock = PhaseClock(self.sync, sync_marks=not self.async_device)
-        samples, cpu, useful = [], [], []
+    def _time(self, m: Draft, t: TimedUpdates, world: int) -> None:
         phases: dict[str, list[float]] = {}
-        # the heap pre-touched; on CPU the speed probe read before each timed update (which of this host's speeds
-        # the update ran at); page faults counted per update
-        around = host.TimedUpdates(speed_probe=not self.async_device)
-        for i in range(self.opts.steps):
-            label = self._start(f"timed {i + 1}/{self.opts.steps}")
-            around.read_probe()
-            with around.counting():
-                result, wall, cpu_s = timed_update(trainer, clock, rec.use(label, clock), self.sync)
-            samples.append(wall)
-            cpu.append(cpu_s)
-            useful.append(result.useful_tokens)
-            if not self.async_device:
-                _collect(phases, clock.seconds)
-            self._tick(label)
-        m.environment["page_faults_per_update"] = around.page_faults_per_update()  # 0 in the steady regime
-        if self.async_device:
-            split = PhaseClock(self.sync, sync_marks=True)
-            for i in range(PHASE_UPDATES):
-                label = self._start(f"phase split {i + 1}/{PHASE_UPDATES}")
-                split.start()
-                trainer.update(listener=rec.use(label, split))
-                _collect(phases, split.seconds)
-                self._tick(label)
-        m.time = MeasuredTime(samples=samples, warmup=self.warmup,
+        for seconds in t.phase_seconds + t.split_seconds:
+            for k, v in seconds.items():
+                phases.setdefault(k, []).append(v)
+        m.environment["page_faults_per_update"] = t.page_faults_per_update  # 0 in the steady regime
+        m.time = MeasuredTime(samples=t.samples, warmup=self.plan.warmup,
                               phase_seconds={k: statistics.median(v) for k, v in phases.items()},
-                              phase_samples=phases, cpu_seconds=cpu if self.device.type == "cpu" else [],
-                              probe_seconds=around.probe_seconds)
-        per_update = statistics.fmean(useful) * trainer.world
+                              phase_samples=phases, cpu_seconds=t.cpu_seconds if self.device.type == "cpu" else [],
+                              probe_seconds=t.probe_seconds)
+        per_update = statistics.fmean(t.useful_tokens) * world
         m.useful_tokens_per_update = round(per_update)
         m.tokens_per_second = per_update / m.time.update_seconds_median
         if (noisy := m.time.noise_warning()) is not None:
             m.warnings.append(noisy)
+
+
+def _reader(opts: MeasureOptions, device: torch.device, compiled: bool, tracked_budget: int | None) -> MemoryReader:
+    if compiled and device.type != "cuda":  # inductor's buffers: the allocator's events
+        return MemoryReader.ALLOCATOR
+    # the memory update's tracker records the timeline too (the timeline's recorder listens to it,
+    # measure/timeline_tracker.py), so its figures are the memory probe's; not on CUDA (allocator history) nor
+    # under a budget (its tracker enforces it)
+    if opts.timeline and opts.memory and device.type != "cuda" and tracked_budget is None:
+        return MemoryReader.TIMELINE
+    return MemoryReader.TRACKER
+
+
+class _CompileHooks(LoopHooks):
+    """A compiled run's compile line, read at the loop's stage boundaries."""
+
+    def __init__(self, m: Draft, watch):
+        self.m, self.watch, self.settled_at = m, watch, 0
+
+    def first_update(self, wall_seconds: float) -> None:  # its wall-clock, compilation included (apart later)
+        self.m.environment["compile"] = {"first_update_wall_seconds": wall_seconds}
+
+    def settled(self) -> None:
+        self.settled_at = self.watch.compiles
+
+    def warmed(self) -> None:
+        _compiled_warmup(self.m, self.watch, self.settled_at)
+
+    def timed(self) -> None:
+        _compiled_timed(self.m, self.watch)
 
 
 def _compiled_warmup(m: Draft, watch, settled: int) -> None:
@@ -370,14 +267,3 @@ def _compiled_timed(m: Draft, watch) -> None:
     if after:
         m.warnings.append(f"torch.compile recompiled {after} time(s) after the first two updates "
                           "(in the memory update or the rest of the warm-up)")
-
-
-def timed_update(trainer, clock: PhaseClock, listener, sync):
-    """One timed update (the benchmark's "timed loop" calls exactly this): (result, wall s, CPU s)."""
-    clock.start()
-    return timed(lambda: trainer.update(listener=listener), sync)
-
-
-def _collect(phases: dict[str, list[float]], seconds: dict[str, float]) -> None:
-    for k, v in seconds.items():
-        phases.setdefault(k, []).append(v)

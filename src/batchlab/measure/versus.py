@@ -34,7 +34,7 @@ class FigureRow:
 
 def formula_estimate(cfg: RunConfig):
     """(Estimate or None, why there is none)."""
-    from batchlab.formula.calibration import load_all
+    from batchlab.cache.calibrations import load_all
     from batchlab.formula import compiled_note, estimate, unseen_model
 
     if unseen_model(cfg):
@@ -100,7 +100,7 @@ def probed_speed(m: Measurement) -> float | None:
     """How fast the host ran during ``m``'s timed updates against its calibration at the same thread count
     (host/speed.py: the probe's median read over the calibration's; 1.2: 20% slower); None where either
     side has no probe, or the calibration timed another bundle."""
-    from batchlab.formula.calibration import probe_reference
+    from batchlab.cache.calibrations import probe_reference
     from batchlab import host
 
     if m.time is None or not m.time.probe_seconds:

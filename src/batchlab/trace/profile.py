@@ -23,7 +23,8 @@ import torch
 
 from batchlab.config import ACPolicy, ModelSource, Precision, RunConfig
 from batchlab.config.profile import MODES, Knots, LayerProfile, Poly, Terms
-from batchlab.formula import profile as cache
+from batchlab.cache import profiles as cache
+from batchlab.formula import profile as calculator
 from batchlab.measure.memory import tracker_for
 from batchlab.trace.lengths import EventLog, Run, at_shapes
 from batchlab.trace.patches import eager_branches
@@ -259,9 +260,9 @@ def compute(cfg: RunConfig, base: LayerProfile | None = None, policies: Iterable
     device, _ = trace_device(cfg)
     period = base.period if base is not None else _period(cfg)
     windowed = cfg.model.sliding_window is not None and cfg.seq >= cfg.model.sliding_window
-    precision = cache.profiled_precision(cfg.precision)
+    precision = calculator.profiled_precision(cfg.precision)
     known = base.lookup(precision.value, cfg.seq) if base is not None else None
-    todo = tuple(m for m in MODES if m in (set(policies) | cache.needed(cfg)) - (known.policies if known else set()))
+    todo = tuple(m for m in MODES if m in (set(policies) | calculator.needed(cfg)) - (known.policies if known else set()))
     if base is not None and not todo:
         return base
     with eager_branches(), fake_mode():
@@ -288,7 +289,7 @@ def with_profile(cfg: RunConfig, policies: Iterable[str] | None = None) -> RunCo
     if cfg.model_kind is not ModelSource.HF:
         return cfg
     cfg = cache.attach_cached(cfg)
-    todo = cache.missing(cfg, policies)
+    todo = calculator.missing(cfg, policies)
     if not todo:
         return cfg
     # the layer terms are eager PyTorch's (the formula's): traced without --compile

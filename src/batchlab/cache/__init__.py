@@ -1,0 +1,2 @@
+"""The machine's caches, read and written as files by the calculator's callers (the calculator is given what
+they hold)."""
