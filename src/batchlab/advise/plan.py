@@ -140,7 +140,19 @@ def goal_policies(goal: Goal) -> list[ACPolicy]:
 
 
 def micro_batches(goal: Goal) -> list[int]:
-    return [goal.base.micro_batch] if "micro_batch" in goal.held else divisors(goal.per_rank)
+    """The micro-batches searched: the divisors of the per-rank batch whose accumulation the pipeline's schedule
+    takes (1F1B over p stages needs at least p micro-batches per update)."""
+    if "micro_batch" in goal.held:
+        return [goal.base.micro_batch]
+    return [mb for mb in divisors(goal.per_rank) if _schedulable(goal.base, goal.per_rank // mb)]
+
+
+def _schedulable(cfg: RunConfig, accum: int) -> bool:
+    try:
+        cfg.parallel.schedule_spec.check(cfg.pp, accum, cfg.pp_virtual)
+    except ConfigError:
+        return False
+    return True
 
 
 def zero_stages(goal: Goal) -> tuple[int, ...]:
