@@ -4,6 +4,9 @@ One script per config: plain single process at DP = 1; DDP at ZeRO-0; DDP + ``Ze
 ZeRO-1; FSDP2 ``fully_shard`` per block at ZeRO-2 (``reshard_after_forward=False``) and ZeRO-3 (``True``).
 Accumulation: DDP's ``no_sync()`` or FSDP2's ``set_requires_gradient_sync`` on all but the last micro-batch.
 Activation checkpointing wraps the blocks ``ACPolicy.wrapped_layers`` names, as batchlab's harness does.
+With tensor or pipeline parallelism (``tp`` / ``pp`` > 1) the mesh, the tensor-parallel plan, the pipeline stages
+and schedule and the data dimension over them come from ``torch_script_parallel.py``; the stand-in's heads are a
+multiple of tp.
 
 The script builds a small stand-in model and random data between two marker lines (``STAND_IN_BEGIN`` /
 ``STAND_IN_END``) so it runs as printed; users replace that part with their own model (keeping
@@ -61,7 +64,7 @@ class StandIn(torch.nn.Module):
         h = self.embed(x)
         for layer in self.layers:
             h = layer(h)
-        return self.head(h)
+        return self.head(h.flatten(0, 1))  # (tokens, vocab)
 
 
 model = StandIn(layers={layers}, heads={heads})  # {heads_why}
@@ -70,7 +73,7 @@ dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
 def loss_fn(logits, y):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    return torch.nn.functional.cross_entropy(logits.float(), y.flatten())
 '''
 
 

@@ -64,7 +64,8 @@ def imports(cfg: RunConfig) -> list[str]:
         styles = "ColwiseParallel, RowwiseParallel, parallelize_module"
         if cfg.sequence_parallel:
             out.append("from torch.distributed.tensor import Replicate, Shard")
-            styles = "ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module"
+            styles = ("ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel, "
+                      "parallelize_module")
         out.append(f"from torch.distributed.tensor.parallel import {styles}")
     return out
 
@@ -98,7 +99,7 @@ def tensor_parallel(cfg: RunConfig) -> list[str]:
         return []
     sp = cfg.sequence_parallel
     rows = "RowwiseParallel(output_layouts=Shard(1))" if sp else "RowwiseParallel()"
-    out = ["# tensor parallelism: each TP rank HEADS / TP whole heads and 1/TP of the MLP; one all-reduce"
+    out = ["# tensor parallelism: each TP rank computes heads / TP whole heads and 1/TP of the MLP; one all-reduce"
            + (" (SP: a reduce-scatter and an all-gather)" if sp else "") + " per row-wise linear in forward and backward",
            "PLAN = {  # the stand-in's module names: yours where you replaced it"]
     if sp:
@@ -112,13 +113,12 @@ def tensor_parallel(cfg: RunConfig) -> list[str]:
             '    parallelize_module(block, mesh["tp"], PLAN)']
     if sp:
         out += ["assert SEQ % TP == 0, (SEQ, TP)  # sequence parallelism: TP equal slices of the sequence",
-                "# the model's ends: the embedding's output cut to this rank's slice before the first block (no",
-                "# communication), the head's input gathered whole; the embedding and head stay whole on every TP rank",
-                'parallelize_module(model, mesh["tp"], {',
-                '    "layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), '
-                'use_local_output=True),',
-                '    "head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), '
-                'use_local_output=True)})']
+                "# the blocks' ends: the first block's input cut to this rank's slice of the sequence (no communication),",
+                "# the last block's output gathered whole for the head; the embedding and head stay whole on every TP rank",
+                'parallelize_module(model.layers[0], mesh["tp"], PrepareModuleInput(input_layouts=(Replicate(),), '
+                'desired_input_layouts=(Shard(1),), use_local_output=True))',
+                'parallelize_module(model.layers[-1], mesh["tp"], PrepareModuleOutput(output_layouts=Shard(1), '
+                'desired_output_layouts=Replicate(), use_local_output=True))']
     else:
         out.append("# the embedding and the head stay whole on every TP rank (equal inputs, equal gradients)")
     return out
@@ -141,7 +141,7 @@ class Stage(torch.nn.Module):
             h = self.embed(h)
         for layer in self.layers:
             h = layer(h)
-        return self.head(h) if self.head is not None else h
+        return self.head(h.flatten(0, 1)) if self.head is not None else h
 '''
 
 
