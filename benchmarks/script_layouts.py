@@ -4,10 +4,11 @@ Every layout's script (the stand-in: 4 layers, width 64, 4 heads, seq 16, micro-
 ``torchrun --standalone`` on gloo (CPU); its reference is the script of the same config with TP = PP = 1 (same seed,
 same stand-in): single process where DP = 1, the DP script (DDP, or FSDP2 at ZeRO-2/3) where DP = 2.  Both are
 sharpened alike (``script_run.sharpened``: SGD at lr 0.5, 8 decimals), so the loss printed after update 1's step
-checks every gradient's size.  Two launches: 2 ranks (the DP = 1 references in rank 0, the TP2 / PP2 layouts, the
-DP2 references) and 4 ranks (the layouts with DP or with both TP and PP).  Writes docs/accuracy/script-layouts.md.
+checks every gradient's size.  One launch per world size: 2 ranks (the DP = 1 references in rank 0, the TP2 / PP2
+layouts, the DP2 references), 4 ranks (the layouts with DP or with both TP and PP) and 8 (DP x TP x PP).
+Writes docs/accuracy/script-layouts.md.
 
-    PYTHONPATH=src python benchmarks/script_layouts.py [--only NAME,...] [--no-page]
+    PYTHONPATH=src python benchmarks/script_layouts.py [--only=KEY,...] [--no-page]
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def config(ac: str = "none", **kw) -> RunConfig:
                      ac=ACPolicy.parse(ac), **kw)
 
 
-# name -> (config, the fp32 tolerance it is held to: relative; bf16 layouts against their bf16 reference)
+# name -> config (fp32 layouts held to FP32_REL, bf16 ones to HALF_REL, each against its own precision's reference)
 LAYOUTS = {
     "TP2": config(tp=2),
     "TP2 + SP": config(tp=2, sequence_parallel=True),
@@ -47,6 +48,9 @@ LAYOUTS = {
     "FSDP2 (ZeRO-3) x TP2": config(tp=2, dp=2, zero=3),
     "PP2 x FSDP2 (ZeRO-2), bf16-fsdp": config(pp=2, dp=2, zero=2, precision="bf16-fsdp"),
     "TP2 + SP x PP2 1F1B": config(tp=2, sequence_parallel=True, pp=2),
+    "FSDP2 (ZeRO-3) x TP2 + SP x PP2 interleaved, full AC": config(dp=2, zero=3, tp=2, sequence_parallel=True, pp=2,
+                                                                  pp_schedule="interleaved-1f1b", pp_virtual=2,
+                                                                  ac="full"),
 }
 FP32_REL = 1e-5  # fp32: the same sums in another order
 HALF_REL = 1e-2  # bf16: 8 significant bits, sums in another order

@@ -309,7 +309,7 @@ def training_script(cfg: RunConfig) -> str:
     layered = parallel.applies(cfg)
     if layered and parallel.unsupported(cfg):
         return f"# {cfg.global_batch_text()}\n# no PyTorch script: {parallel.unsupported(cfg)}\n"
-    heads, _ = parallel.stand_in_shape(cfg)
+    heads = parallel.stand_in_heads(cfg)
     why = ("heads: a multiple of TP (each tensor-parallel rank computes heads / TP whole heads)" if cfg.tp > 1 else
            "a small stand-in")
     head = [f"# {cfg.global_batch_text()}", f"# {parallel.strategy(cfg) if layered else _strategy(cfg)}",
@@ -326,7 +326,9 @@ def training_script(cfg: RunConfig) -> str:
         cls, kw = _optimizer_class(cfg)
         half = _AUTOCAST.get(cfg.precision)
         imports = parallel.imports(cfg) + _ac_imports(cfg) + [f"from torch.utils.data import {_samplers(cfg)}"]
-        parts = [head, imports, [""], consts, [""], body, parallel.devices(cfg), [""], parallel.tensor_parallel(cfg),
-                 _checkpointing(cfg), [""], parallel.pipeline(cfg), parallel.wrap(cfg, half, f"{cls}(PARAMS, lr={LR}{kw})"),
-                 parallel.loader(cfg), [""], parallel.loop(cfg, half, _step(cfg))]
+        tp = parallel.tensor_parallel(cfg) + ([""] if cfg.tp > 1 else [])
+        optimizer = f"{cls}(PARAMS, lr={LR}{kw})"
+        parts = [head, imports, [""], consts, [""], body, parallel.devices(cfg), [""], tp, _checkpointing(cfg), [""],
+                 parallel.pipeline(cfg), parallel.wrap(cfg, half, optimizer), parallel.loader(cfg), [""],
+                 parallel.loop(cfg, half, _step(cfg))]
     return "\n".join(line for part in parts for line in part) + "\n"

@@ -27,13 +27,13 @@ def unsupported(cfg: RunConfig) -> str | None:
     return None
 
 
-def stand_in_shape(cfg: RunConfig) -> tuple[int, int]:
-    """(heads, width) of the stand-in: 4 heads of 16, or the least multiple of 4 that TP divides (each tensor-
-    parallel rank computes heads / TP whole heads); the same stand-in as TP = 1 wherever TP divides 4."""
+def stand_in_heads(cfg: RunConfig) -> int:
+    """The stand-in's heads (of width 16 each): 4, or the least multiple of 4 that TP divides (each tensor-parallel
+    rank computes heads / TP whole heads); the same stand-in as TP = 1 wherever TP divides 4."""
     heads = 4
     while heads % cfg.tp:
         heads += 4
-    return heads, 16 * heads
+    return heads
 
 
 def strategy(cfg: RunConfig) -> str:
