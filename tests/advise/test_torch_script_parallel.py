@@ -56,6 +56,8 @@ def test_the_script_names_the_mesh_the_plan_and_the_schedule():
     assert "TP, PP, VIRTUAL = 2, 1, 1" in tp and "parallelize_module(block, mesh[\"tp\"], PLAN)" in tp
     assert 'fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=True)' in tp
     assert "SequenceParallel" not in tp and "dist.all_reduce" not in tp
+    # DeepSpeed's ZeRO-3 printed as its PyTorch counterpart, as without TP and PP
+    assert 'fully_shard(block, mesh=mesh["dp"]' in training_script(config(tp=2, dp=2, sharding="deepspeed-zero3"))
     assert "if dist.get_world_size() != DP * TP * PP:" in tp
     assert "--nproc-per-node 4 train.py" in tp
     sp = training_script(config(tp=2, sequence_parallel=True))

@@ -15,6 +15,12 @@ from __future__ import annotations
 from batchlab.config import Precision, RunConfig
 
 
+def _fsdp(cfg: RunConfig) -> bool:
+    """FSDP2 on the DP dimension: ZeRO-2/3 (DeepSpeed's stages printed as their PyTorch counterpart, as without TP
+    and PP)."""
+    return cfg.parallel.shards_gradients
+
+
 def applies(cfg: RunConfig) -> bool:
     return cfg.tp > 1 or cfg.pp > 1
 
@@ -46,7 +52,7 @@ def strategy(cfg: RunConfig) -> str:
                      + (f", {layout.virtual} stages per rank" if layout.chunks > 1 else "") + ")")
     if layout.dp > 1:
         parts.append(f"DP {layout.dp} as " + ("FSDP2 fully_shard on the DP sub-mesh, reshard_after_forward="
-                                              f"{layout.reshards_after_forward}" if layout.fsdp else
+                                              f"{layout.reshards_after_forward}" if _fsdp(cfg) else
                                               "one gradient all-reduce over the DP group per update"))
     note = ("; ZeroRedundancyOptimizer takes no DTensor parameters nor pipeline stages: the optimizer state stays "
             "whole (--zero 2 shards it)" if layout.dp > 1 and cfg.zero == 1 else "")
@@ -56,7 +62,7 @@ def strategy(cfg: RunConfig) -> str:
 def imports(cfg: RunConfig) -> list[str]:
     out = ["import gc", "import os", "", "import torch", "import torch.distributed as dist",
            "from torch.distributed.device_mesh import init_device_mesh"]
-    if cfg.parallel.fsdp:
+    if _fsdp(cfg):
         out.append("from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard")
     if cfg.pp > 1:
         out.append(f"from torch.distributed.pipelining import PipelineStage, {cfg.parallel.schedule_spec.api}")
@@ -167,7 +173,7 @@ def wrap(cfg: RunConfig, half: str | None, optimizer: str) -> list[str]:
     if cfg.precision is Precision.BF16:
         out += ["for stage in stages:", "    stage.to(torch.bfloat16)  # pure bf16: weights, gradients, optimizer state"]
     out += ["for stage in stages:", "    stage.to(device)"]
-    if layout.fsdp:
+    if _fsdp(cfg):
         mp = (f"MixedPrecisionPolicy(param_dtype={half}, reduce_dtype=torch.float32)" if half else
               "MixedPrecisionPolicy()")
         out += [f"mp = {mp}",
@@ -187,7 +193,7 @@ def wrap(cfg: RunConfig, half: str | None, optimizer: str) -> list[str]:
                 "FIRST, LAST = 0 in mine, STAGES - 1 in mine"]
     params = "[p for s in stages for p in s.parameters()]"
     out.append(f"optimizer = {optimizer.replace('PARAMS', params)}"
-               + ("  # after fully_shard: sharded state" if layout.fsdp else ""))
+               + ("  # after fully_shard: sharded state" if _fsdp(cfg) else ""))
     return out
 
 
@@ -204,7 +210,7 @@ def loader(cfg: RunConfig) -> list[str]:
 
 def _reduce(cfg: RunConfig, indent: str) -> list[str]:
     """DP without FSDP2: each gradient (this rank's shard of a DTensor's) averaged over the DP group."""
-    if cfg.dp == 1 or cfg.parallel.fsdp:
+    if cfg.dp == 1 or _fsdp(cfg):
         return []
     return [indent + line for line in (
         "with torch.no_grad():  # data parallelism: every gradient averaged over the DP group, once per update",
@@ -220,12 +226,12 @@ def _optimizer_step(cfg: RunConfig, indent: str) -> list[str]:
 
 def loop(cfg: RunConfig, half: str | None, step: list[str]) -> list[str]:
     """The training loop; ``step``: forward and backward of one micro-batch without a pipeline (torch_script's)."""
-    autocast = half and not cfg.parallel.fsdp  # FSDP2's MixedPrecisionPolicy casts instead
+    autocast = half and not _fsdp(cfg)  # FSDP2's MixedPrecisionPolicy casts instead
     printer = "rank == 0" if cfg.pp == 1 else "LAST and dp_rank == 0 and tp_rank == 0"
     if cfg.pp == 1:
         out = ["model = stages[0]", "for step, (x, y) in enumerate(loader):", "    x, y = x.to(device), y.to(device)",
                "    last = (step + 1) % ACCUM == 0  # the last micro-batch of an update"]
-        if cfg.parallel.fsdp:
+        if _fsdp(cfg):
             out += ["    model.set_requires_gradient_sync(last)  # reduce-scatter on the last micro-batch only"]
         out += ["    " + line for line in step] + ["    if last:"] + _reduce(cfg, "        ")
         out += _optimizer_step(cfg, "        ") + [
