@@ -185,10 +185,22 @@ def goal_policies(goal: Goal) -> list[ACPolicy]:
     return [goal.base.ac] if "ac" in goal.held else policies(goal.base.model.layers)
 
 
-def micro_batches(goal: Goal, dp: int | None = None) -> list[int]:
-    """The micro-batches searched at data-parallel degree ``dp`` (the base's by default)."""
-    per_rank = goal.global_batch // (goal.base.dp if dp is None else dp)
-    return [goal.base.micro_batch] if "micro_batch" in goal.held else divisors(per_rank)
+def micro_batches(goal: Goal, layout: RunConfig | None = None) -> list[int]:
+    """The micro-batches searched on ``layout`` (the base's by default): the divisors of its per-rank batch whose
+    accumulation the pipeline's schedule takes (1F1B over p stages needs at least p micro-batches per update)."""
+    cfg = goal.base if layout is None else layout
+    if "micro_batch" in goal.held:
+        return [goal.base.micro_batch]
+    per_rank = goal.global_batch // cfg.dp
+    return [mb for mb in divisors(per_rank) if _schedulable(cfg, per_rank // mb)]
+
+
+def _schedulable(cfg: RunConfig, accum: int) -> bool:
+    try:
+        cfg.parallel.schedule_spec.check(cfg.pp, accum, cfg.pp_virtual)
+    except ConfigError:
+        return False
+    return True
 
 
 def zero_stages(goal: Goal, dp: int | None = None) -> tuple[int, ...]:
@@ -229,7 +241,7 @@ def enumerate_candidates(goal: Goal, progress: Progress | None = None) -> list[C
     """``progress(done, total, label)``: called before each candidate (a factory's are traced, ~0.2 s each)."""
     cals = load_all()
     shapes = [c for lay in layouts(goal) for z in zero_stages(goal, lay.dp) for ac in goal_policies(goal)
-              for c in derived(lay, [shape(goal, mb, ac, z, lay) for mb in micro_batches(goal, lay.dp)])]
+              for c in derived(lay, [shape(goal, mb, ac, z, lay) for mb in micro_batches(goal, lay)])]
     out = []
     for i, cfg in enumerate(shapes):
         if progress is not None:

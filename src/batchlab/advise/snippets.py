@@ -253,7 +253,8 @@ def call_code(name: str, snippet: dict[str, Any]) -> str:
 
 TITLES = (("As a batchlab config (save as fit.toml; then batchlab measure --config fit.toml, or use it as an "
            "experiment file's [config])", "batchlab_toml"),
-          ("PyTorch training script (single process / DDP / ZeroRedundancyOptimizer / FSDP2 as the config needs; "
+          ("PyTorch training script (single process / DDP / ZeroRedundancyOptimizer / FSDP2, tensor and pipeline "
+           "parallelism as the config needs; "
            "runs as printed on a stand-in model: replace the part between the >>> and <<< lines with yours)",
            "pytorch"), ("torchtitan (TOML)", "torchtitan_toml"),
           ("accelerate config (YAML)", "accelerate_yaml"), ("Hugging Face", "huggingface_code"),

@@ -4,6 +4,9 @@ One script per config: plain single process at DP = 1; DDP at ZeRO-0; DDP + ``Ze
 ZeRO-1; FSDP2 ``fully_shard`` per block at ZeRO-2 (``reshard_after_forward=False``) and ZeRO-3 (``True``).
 Accumulation: DDP's ``no_sync()`` or FSDP2's ``set_requires_gradient_sync`` on all but the last micro-batch.
 Activation checkpointing wraps the blocks ``ACPolicy.wrapped_layers`` names, as batchlab's harness does.
+With tensor or pipeline parallelism (``tp`` / ``pp`` > 1) the mesh, the tensor-parallel plan, the pipeline stages
+and schedule and the data dimension over them come from ``torch_script_parallel.py``; the stand-in's heads are a
+multiple of tp.
 
 The script builds a small stand-in model and random data between two marker lines (``STAND_IN_BEGIN`` /
 ``STAND_IN_END``) so it runs as printed; users replace that part with their own model (keeping
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+from batchlab.advise import torch_script_parallel as parallel
 from batchlab.config import AC_POLICIES, Applied, Precision, RunConfig, optimizer_spec
 
 STAND_IN_BEGIN = "# >>> stand-in model, data and loss: replace with yours (keep model.layers, the list of blocks)"
@@ -24,27 +28,36 @@ _AUTOCAST = {Precision.BF16_MIXED: "torch.bfloat16", Precision.FP16_MIXED: "torc
              Precision.BF16_FSDP: "torch.bfloat16"}
 
 _STAND_IN = '''\
-class Block(torch.nn.Module):
-    def __init__(self, d, heads=4):
+class Attention(torch.nn.Module):
+    def __init__(self, d, heads):
         super().__init__()
-        self.heads = heads
-        self.norm1, self.qkv, self.proj = torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.norm2 = torch.nn.LayerNorm(d)
+        self.head_dim = d // heads
+        self.q, self.k, self.v, self.proj = (torch.nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape  # -1: the heads this rank holds (all, or heads / TP under tensor parallelism)
+        q, k, v = (f(x).view(b, s, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(a.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.norm1, self.attn, self.norm2 = torch.nn.LayerNorm(d), Attention(d, heads), torch.nn.LayerNorm(d)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
 
     def forward(self, x):
-        b, s, d = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = torch.nn.functional.scaled_dot_product_attention(*qkv.unbind(0), is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
 
 class StandIn(torch.nn.Module):
-    def __init__(self, layers, vocab=256, d=64):
+    def __init__(self, layers, heads, vocab=256):
         super().__init__()
+        d = 16 * heads
         self.embed = torch.nn.Embedding(vocab, d)
-        self.layers = torch.nn.ModuleList(Block(d) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.head = torch.nn.Linear(d, vocab)
 
     def forward(self, x):
@@ -54,7 +67,7 @@ class StandIn(torch.nn.Module):
         return self.head(h.flatten(0, 1))  # (tokens, vocab)
 
 
-model = StandIn(layers={layers})
+model = StandIn(layers={layers}, heads={heads})  # {heads_why}
 tokens = torch.randint(256, (MICRO_BATCH * ACCUM * DP * UPDATES, SEQ + 1))
 dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
@@ -78,12 +91,13 @@ _BRANCHES = {m: s.branch for m, s in AC_POLICIES.items() if s.branch}
 
 
 def _launch(cfg: RunConfig) -> list[str]:
-    if cfg.dp == 1:
+    world = cfg.parallel.world_size  # dp x tp x pp processes
+    if world == 1:
         return ["# launch: python train.py"]
-    per_node = min(cfg.dp, cfg.device_spec.gpus_per_node)
-    nodes = math.ceil(cfg.dp / per_node)
+    per_node = min(world, cfg.device_spec.gpus_per_node)
+    nodes = math.ceil(world / per_node)
     if nodes == 1:
-        return [f"# launch: python -m torch.distributed.run --standalone --nproc-per-node {cfg.dp} train.py"]
+        return [f"# launch: python -m torch.distributed.run --standalone --nproc-per-node {world} train.py"]
     return [f"# launch on each of {nodes} nodes: python -m torch.distributed.run --nnodes {nodes} "
             f"--nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint HOST:PORT train.py"]
 
@@ -114,13 +128,17 @@ def _imports(cfg: RunConfig) -> list[str]:
         out.append("from torch.nn.parallel import DistributedDataParallel as DDP")
         if cfg.parallel.stage == 1:
             out.append("from torch.distributed.optim import ZeroRedundancyOptimizer")
+    return out + _ac_imports(cfg) + [f"from torch.utils.data import {_samplers(cfg)}"]
+
+
+def _ac_imports(cfg: RunConfig) -> list[str]:
     if cfg.ac.mode in _POLICIES or set(cfg.ac.layer_modes(cfg.model.layers)) & set(_POLICIES):
-        out.append("from torch.utils.checkpoint import CheckpointPolicy, checkpoint, "
-                   "create_selective_checkpoint_contexts")
-    elif cfg.ac.recomputes:
-        out.append("from torch.utils.checkpoint import checkpoint")
-    samplers = "DataLoader, DistributedSampler, TensorDataset" if cfg.dp > 1 else "DataLoader, TensorDataset"
-    return out + [f"from torch.utils.data import {samplers}"]
+        return ["from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts"]
+    return ["from torch.utils.checkpoint import checkpoint"] if cfg.ac.recomputes else []
+
+
+def _samplers(cfg: RunConfig) -> str:
+    return "DataLoader, TensorDataset" if cfg.dp == 1 else "DataLoader, DistributedSampler, TensorDataset"
 
 
 _CHECKPOINTED = '''\
@@ -240,7 +258,8 @@ def _wrap(cfg: RunConfig) -> list[str]:
 
 def _loader(cfg: RunConfig) -> list[str]:
     if cfg.dp == 1:
-        return ["loader = DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=True, drop_last=True)"]
+        return ["loader = DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=True, drop_last=True,",
+                "                    generator=torch.Generator().manual_seed(0))  # a seeded order"]
     return ["sampler = DistributedSampler(dataset, shuffle=True, drop_last=True)  # each rank its own share",
             "sampler.set_epoch(0)  # once per epoch: a new shuffle",
             "loader = DataLoader(dataset, batch_size=MICRO_BATCH, sampler=sampler, drop_last=True)"]
@@ -286,12 +305,30 @@ def _loop(cfg: RunConfig) -> list[str]:
 
 
 def training_script(cfg: RunConfig) -> str:
-    """A complete script for ``cfg`` (DP, ZeRO stage, accumulation, checkpointing, precision, optimizer)."""
-    head = [f"# {cfg.global_batch_text()}", f"# {_strategy(cfg)}", *_launch(cfg)]
+    """A complete script for ``cfg`` (DP, TP, PP, ZeRO stage, accumulation, checkpointing, precision, optimizer)."""
+    layered = parallel.applies(cfg)
+    if layered and parallel.unsupported(cfg):
+        return f"# {cfg.global_batch_text()}\n# no PyTorch script: {parallel.unsupported(cfg)}\n"
+    heads = parallel.stand_in_heads(cfg)
+    why = ("heads: a multiple of TP (each tensor-parallel rank computes heads / TP whole heads)" if cfg.tp > 1 else
+           "a small stand-in")
+    head = [f"# {cfg.global_batch_text()}", f"# {parallel.strategy(cfg) if layered else _strategy(cfg)}",
+            *_launch(cfg)]
     consts = [f"MICRO_BATCH, ACCUM, DP, SEQ = {cfg.micro_batch}, {cfg.accum}, {cfg.dp}, {cfg.seq}",
+              *(parallel.consts(cfg) if layered else []),
               "UPDATES = 2  # optimizer updates the stand-in data lasts",
               "torch.manual_seed(0)  # the same stand-in weights and data on every rank"]
-    body = [STAND_IN_BEGIN, _STAND_IN.format(layers=cfg.model.layers), STAND_IN_END, ""]
-    parts = [head, _imports(cfg), [""], consts, [""], body, _checkpointing(cfg), [""], _devices(cfg), _wrap(cfg),
-             _loader(cfg), [""], _loop(cfg)]
+    body = [STAND_IN_BEGIN, _STAND_IN.format(layers=cfg.model.layers, heads=heads, heads_why=why), STAND_IN_END, ""]
+    if not layered:
+        parts = [head, _imports(cfg), [""], consts, [""], body, _checkpointing(cfg), [""], _devices(cfg),
+                 _wrap(cfg), _loader(cfg), [""], _loop(cfg)]
+    else:  # tensor parallelism on the plain blocks, then checkpointing, then the pipeline cut and the DP dimension
+        cls, kw = _optimizer_class(cfg)
+        half = _AUTOCAST.get(cfg.precision)
+        imports = parallel.imports(cfg) + _ac_imports(cfg) + [f"from torch.utils.data import {_samplers(cfg)}"]
+        tp = parallel.tensor_parallel(cfg) + ([""] if cfg.tp > 1 else [])
+        optimizer = f"{cls}(PARAMS, lr={LR}{kw})"
+        parts = [head, imports, [""], consts, [""], body, parallel.devices(cfg), [""], tp, _checkpointing(cfg), [""],
+                 parallel.pipeline(cfg), parallel.wrap(cfg, half, optimizer), parallel.loader(cfg), [""],
+                 parallel.loop(cfg, half, _step(cfg))]
     return "\n".join(line for part in parts for line in part) + "\n"
