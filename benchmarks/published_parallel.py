@@ -42,14 +42,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FIRST = HERE / "published_parallel_first.toml"
 
-# the runs file's precisions no --precision value expresses -> what the command types and what that leaves out
-PARALLEL_PRECISION_GAP = {
-    **PRECISION_GAP,
-    "megatron-bf16": "Megatron-Core --bf16 (bf16 weights, fp32 main gradients in the DDP buffer, fp32 main "
-                     "params + Adam in the optimizer) has no --precision value; typed as bf16-mixed",
-    "te-fp8": "Transformer Engine FP8 GEMMs on Megatron-Core bf16: fp8 matmul rates and the fp8 weight copies "
-              "not modelled; typed as bf16-mixed",
-}
 # a memory figure whose reading the source does not give is compared with the allocator's reserved bytes, the
 # middle of the three readings (allocated <= reserved <= device)
 KIND = {"allocated": "allocated", "reserved": "reserved", "device": "device", "unstated": "reserved"}
@@ -89,17 +81,44 @@ class ParRow:
         return relative_to(self.rate_first, self.rate_measured)
 
 
-def command_for(run: dict, gaps: list[str]) -> list[str]:
-    """The run's ``cli`` as typed, its ``--device`` the catalogue entry of the run's GPU key; what no flag
-    expresses goes to ``gaps``."""
+def _set(argv: list[str], flag: str, value: str | None) -> None:
+    """Give ``flag`` the value (added if absent); None removes the flag and its value."""
+    if flag in argv:
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    if value is not None:
+        argv += [flag, value]
+
+
+def megatron_code(run: dict) -> bool:
+    """Megatron-LM's model code trains the run (Megatron-LM, Megatron-Core, NeMo, Megatron-DeepSpeed)."""
+    return "Megatron" in run["engine"] or "NeMo" in run["engine"]
+
+
+def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
+    """The run's ``cli``, with the flags the runs file's fields decide typed from them: ``--device`` the catalogue
+    entry of the run's GPU key; ``--attention`` and ``--dropout`` from the run's fields; for Megatron's code ``--impl megatron``, and for Megatron's own engine its
+    ``--sharding`` (megatron, or megatron-distopt for its distributed optimizer) with ``--precision bf16``
+    (Megatron --bf16 trains the bf16 weights).  ``typed=False``: the ``cli`` as first recorded (device only).
+    What no flag expresses goes to ``gaps``."""
     argv = shlex.split(run["cli"])
-    device = device_for(run["gpu"])
-    if "--device" in argv:
-        argv[argv.index("--device") + 1] = device
-    else:
-        argv += ["--device", device]
-    if run["precision"] in PARALLEL_PRECISION_GAP:
-        gaps.append(PARALLEL_PRECISION_GAP[run["precision"]])
+    _set(argv, "--device", device_for(run["gpu"]))
+    if typed:  # the attention path and dropout the run's fields give (flash attention is the fused, sdpa, path)
+        _set(argv, "--attention", "sdpa" if run["attention"] == "flash" else run["attention"])
+        if "dropout" in run["model"]:
+            _set(argv, "--dropout", f"{run['model']['dropout']:g}")
+    if typed and megatron_code(run):
+        _set(argv, "--impl", "megatron")
+        if not run["sharding"].startswith("deepspeed"):
+            _set(argv, "--zero", None)
+            _set(argv, "--sharding", {"zero1": "megatron-distopt", "ddp": "megatron"}[run["sharding"]])
+            if run["precision"] in ("megatron-bf16", "te-fp8"):
+                _set(argv, "--precision", "bf16")
+    if run["precision"] in PRECISION_GAP:
+        gaps.append(PRECISION_GAP[run["precision"]])
+    if run["precision"] == "te-fp8":
+        gaps.append("Transformer Engine FP8 GEMMs (bf16 elsewhere): fp8 matmul rates and the fp8 weight copies not "
+                    "modelled; typed as Megatron's bf16")
     if run.get("ulysses_sp", 1) > 1:
         gaps.append(f"DeepSpeed-Ulysses sequence parallelism {run['ulysses_sp']} (all-to-all over heads, each "
                     "rank holds 1/sp of the sequence outside attention) has no flag; typed as dp "

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import dataclasses
-from batchlab.config import LossMode, PositionKind, Precision, RunConfig
+from batchlab.config import Implementation, LossMode, PositionKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import deepspeed
 from batchlab.formula.allocator import device_memory
@@ -246,6 +246,11 @@ def _with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, 
         return phases
     outputs, sends = stage_output_bytes(cfg, rank), gradient_send_bytes(cfg, rank)
     buffers, received = receive_buffer_bytes(cfg, rank)
+    if cfg.model.impl is Implementation.MEGATRON:
+        # Megatron's schedules receive into a fresh tensor per micro-batch (the chunk's input, which its first layer
+        # keeps: counted in the activations) and free each output's storage once sent (megatron/core/
+        # pipeline_parallel/schedules.py, deallocate_output_tensor)
+        outputs, buffers, received = 0, 0, 0
     live = {"forward": (outputs, 0), "backward": (outputs, sends)}
     out = {}
     for ph, parts in phases.items():
@@ -278,7 +283,9 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     # in backward only those the matmuls saved remain (recomputed layers cast again, transiently)
     copies_fwd = copies = layer_copy = 0
     # under ZeRO the 16-bit weights are resident instead
-    autocast = cfg.precision.mixed and not cfg.parallel.engine_spec.shards_optimizer
+    # (Megatron's engines train the 16-bit weights themselves: no autocast either)
+    spec = cfg.parallel.engine_spec
+    autocast = cfg.precision.mixed and not spec.shards_optimizer and not spec.megatron
     # a layout's ranks are priced from the built-in terms (a profile only splits its layers' totals)
     fitted = profile_terms(cfg) if rank.whole else None
     if autocast and fitted is not None:  # as the model's code keeps them (embeddings and norms are not cast)
@@ -302,6 +309,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     if rank.stages > 1:  # a pipeline stage (no DDP buckets): .grad exists at its high point only where a backward
         # of this update ran before it -- not where that high point is the update's first backward (all in flight)
         kept = rank.in_flight < cfg.accum or not cfg.assumptions.zero_grad_set_to_none
+    # Megatron-Core's DDP allocates its contiguous gradient buffer once and zeroes it each update: always resident
+    kept = kept or cfg.parallel.engine_spec.megatron
     grads_before = states.gradients if kept else 0
     lp = rank_loss_path(cfg, rank)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
