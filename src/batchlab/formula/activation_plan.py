@@ -63,10 +63,24 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
     mask = act.embedding_mask_bytes(m, s, b, p, backend)
     head_input = 0 if regathers else sp_gathered_inputs(rank, norm_output, 1)
     final = act.outside_layers_bytes(m, s, b, p, backend) - mask
-    outside = ((mask if rank.first else 0) + (((final - head_input) // rank.in_sp + head_input) if rank.last else 0)
-               + rank_loss_path(cfg, rank).kept)
+    head = (((final - head_input) // rank.in_sp + head_input) if rank.last else 0) + rank_loss_path(cfg, rank).kept
+    outside = (mask if rank.first else 0) + head
     one_micro_batch = sum(kept) + outside
-    return ActivationPlan(full_rank, tuple(kept), outside, round((rank.in_flight - 1) * one_micro_batch))
+    others = (rank.in_flight - 1) * (one_micro_batch - head) + (head_in_flight(cfg, rank) - 1) * head
+    return ActivationPlan(full_rank, tuple(kept), outside, round(others))
+
+
+def head_in_flight(cfg: RunConfig, rank: RankShare) -> float:
+    """Micro-batches past the final norm and the loss at the last rank's high point.  With v > 1 chunks per rank
+    its warm-up runs chunk after chunk over groups of min(m, p) micro-batches (Narayanan et al. 2021, sec. 2.2;
+    Megatron's and torch.distributed.pipelining's interleaved schedules alike), so of its in-flight chunk-forwards
+    the first (v - 1) groups never reach the last chunk, which holds the loss: max(1, chunks in flight - (v - 1)
+    min(m, p)).  One chunk per rank: every in-flight micro-batch."""
+    v = cfg.parallel.chunks
+    if not rank.last or v == 1:
+        return rank.in_flight
+    group = min(cfg.accum, cfg.parallel.pp)
+    return float(max(1, round(rank.in_flight * v) - (v - 1) * group))
 
 
 def rank_loss_path(cfg: RunConfig, rank: RankShare) -> LossPath:
