@@ -8,7 +8,7 @@ from batchlab.config import Implementation, LossMode, PositionKind, Precision, R
 from batchlab.formula import activations as act
 from batchlab.formula import deepspeed
 from batchlab.formula.allocator import device_memory
-from batchlab.formula.fsdp import fsdp_phases
+from batchlab.formula.fsdp import fsdp_phases, with_pipeline_no_sync
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.kvcache import held_in_forward_bytes
 from batchlab.formula.params import count, norm_params
@@ -333,7 +333,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
         loss_grads = fitted.backward(policies[-1])(b, s)
         opt_tmp = fitted.optimizer_temporaries
     if fsdp:  # FSDP2's phases and its backward walk (formula/fsdp.py); DDP's below are not worked out
-        phases = _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp, walk, rank)
+        phases = with_pipeline_no_sync(cfg, rank, _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp,
+                                                        walk, rank))
     else:
         phases = {  # the parts live at each phase's high point
             "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
