@@ -1,4 +1,4 @@
-"""batchlab's formula beside published tensor / pipeline-parallel and DeepSpeed ZeRO GPU runs, typed as a user types them.
+"""batchlab's formula beside published tensor / pipeline-parallel and DeepSpeed ZeRO GPU runs, typed as users type.
 
 Reads benchmarks/published_parallel.toml (each run with its source, quote and what the source leaves unstated),
 types every run as the ``batchlab estimate`` command its ``cli`` field gives (the device named by the run's GPU
@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,8 +95,8 @@ def megatron_code(run: dict) -> bool:
 
 def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
     """The run's ``cli``, with the flags the runs file's fields decide typed from them: ``--device`` the catalogue
-    entry of the run's GPU key; ``--attention`` and ``--dropout`` from the run's fields; for Megatron's code ``--impl megatron``, and for Megatron's own engine its
-    ``--sharding`` (megatron, or megatron-distopt for its distributed optimizer) with ``--precision bf16``
+    entry of the run's GPU key; ``--attention`` and ``--dropout`` from the run's fields; for Megatron's code
+    ``--impl megatron``, and for Megatron's own engine its ``--sharding`` (megatron, or megatron-distopt for its distributed optimizer) with ``--precision bf16``
     (Megatron --bf16 trains the bf16 weights).  ``typed=False``: the ``cli`` as first recorded (device only).
     What no flag expresses goes to ``gaps``."""
     argv = shlex.split(run["cli"])
@@ -119,10 +117,17 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
     if run["precision"] == "te-fp8":
         gaps.append("Transformer Engine FP8 GEMMs (bf16 elsewhere): fp8 matmul rates and the fp8 weight copies not "
                     "modelled; typed as Megatron's bf16")
-    if run.get("ulysses_sp", 1) > 1:
-        gaps.append(f"DeepSpeed-Ulysses sequence parallelism {run['ulysses_sp']} (all-to-all over heads, each "
-                    "rank holds 1/sp of the sequence outside attention) has no flag; typed as dp "
-                    f"{run['dp']} alone (the other {run['gpu_count'] // run['dp']} GPUs of each replica not modelled)")
+    sp = run.get("ulysses_sp", 1)
+    if sp > 1 and typed:  # no flag: each of dp x sp ranks holds seq/sp tokens of every activation, ZeRO spans them
+        _set(argv, "--dp", str(run["dp"] * sp))
+        _set(argv, "--seq", str(run["seq"] // sp))
+        gaps.append(f"DeepSpeed-Ulysses sequence parallelism {sp} (all-to-all over heads; each rank holds 1/{sp} "
+                    "of the sequence outside attention, and in its fused attention the whole sequence for 1/"
+                    f"{sp} of the heads: the same bytes; ZeRO partitions over data x sequence parallel ranks) has "
+                    f"no flag: typed as --dp {run['dp'] * sp} --seq {run['seq'] // sp} (the attention's s^2 FLOPs "
+                    f"are then {sp}x too few, and the all-to-alls are not priced)")
+    elif sp > 1:
+        gaps.append(f"DeepSpeed-Ulysses sequence parallelism {sp} has no flag: typed as dp {run['dp']} alone")
     chunks = run["pp"] * run.get("pp_virtual", 1)
     layers = run["model"]["layers"]
     if layers % chunks:  # no flag splits the layers unevenly: type the most loaded stage's share on every stage
@@ -339,7 +344,8 @@ def record_first(rows: list[ParRow], ratios: list[Ratio], path: Path) -> None:
     if path.exists():
         raise SystemExit(f"{path} exists: first-recorded figures are never regenerated")
     lines = ["# Each row's figures as first recorded by benchmarks/published_parallel.py --record-first, before any",
-             "# mechanism was fixed against benchmarks/published_parallel.toml (hold-outs included). Never regenerated.", ""]
+             "# mechanism was fixed against benchmarks/published_parallel.toml (hold-outs included). "
+             "Never regenerated.", ""]
     for r in rows:
         lines += ["[[run]]", f'id = "{r.run["id"]}"']
         if r.mem_predicted is not None:
@@ -379,7 +385,8 @@ def main(argv=None) -> int:
             print(f"--only: no run named {args.only!r}", file=sys.stderr)
             return 2
     by_id = {r["id"]: r for r in data["run"]}
-    ratios = [] if args.only else [Ratio(q, ratio_of(by_id, q), first_ratio.get(q["id"])) for q in data.get("ratio", [])]
+    ratios = [] if args.only else [Ratio(q, ratio_of(by_id, q), first_ratio.get(q["id"]))
+                                   for q in data.get("ratio", [])]
     rows = [evaluate(r, first) for r in runs]
     if args.record_first:
         record_first(rows, ratios, args.first)

@@ -230,6 +230,7 @@ def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str,
     partition at the step."""
     if not deepspeed.priced(cfg):
         return phases
+    phases = deepspeed.engine_states(cfg, rank, phases)
     resident = deepspeed.resident_buffers(cfg, rank)
     walked = {**resident, **deepspeed.prefetch_buffers(cfg, rank)}
     live = {"forward": walked, "backward": walked, "optimizer": {**resident, **deepspeed.step_buffers(cfg, rank)}}
