@@ -72,12 +72,13 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
 
 def head_in_flight(cfg: RunConfig, rank: RankShare) -> float:
     """Micro-batches past the final norm and the loss at the last rank's high point.  With v > 1 chunks per rank
-    its warm-up runs chunk after chunk over groups of min(m, p) micro-batches (Narayanan et al. 2021, sec. 2.2;
-    Megatron's and torch.distributed.pipelining's interleaved schedules alike), so of its in-flight chunk-forwards
-    the first (v - 1) groups never reach the last chunk, which holds the loss: max(1, chunks in flight - (v - 1)
-    min(m, p)).  One chunk per rank: every in-flight micro-batch."""
+    Megatron's interleaved warm-up runs chunk after chunk over groups of min(m, p) micro-batches (Narayanan et al.
+    2021, sec. 2.2; megatron/core/pipeline_parallel/schedules.py), so of its in-flight chunk-forwards the first
+    (v - 1) groups never reach the last chunk, which holds the loss: max(1, chunks in flight - (v - 1) min(m, p)).
+    torch.distributed.pipelining's runtime is measured to hold about that much more on its last rank (sends it waits
+    for only when the step ends: docs/accuracy/parallel.md): there every in-flight micro-batch counts one."""
     v = cfg.parallel.chunks
-    if not rank.last or v == 1:
+    if not rank.last or v == 1 or cfg.model.impl is not Implementation.MEGATRON:
         return rank.in_flight
     group = min(cfg.accum, cfg.parallel.pp)
     return float(max(1, round(rank.in_flight * v) - (v - 1) * group))
