@@ -43,7 +43,7 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "attention": (Optional[str], None, "Override: eager (s x s scores kept) or sdpa (fused, no s^2 term)."),
     "impl": (Optional[str], None, "Whose code a preset's layer terms count: hf (transformers; the llama-* and "
                                   "gpt2* default), torchtitan (its Llama), nanogpt, batchlab (its own GPT), or megatron "
-                                  "(Megatron-LM's layer, formula only)."),
+                                  "(Megatron-LM's layer; measured runs use batchlab's GPT in its place)."),
     "use_cache": (Optional[bool], None, "transformers' use_cache: its training forward builds a KV cache "
                                         "(DynamicCache). Default: the model config's (on); off under --ac."),
     "seq": (int, 128, "Sequence length s (tokens per sample)."),
