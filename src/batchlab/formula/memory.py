@@ -335,7 +335,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
         opt_tmp = fitted.optimizer_temporaries
     if fsdp:  # FSDP2's phases and its backward walk (formula/fsdp.py); DDP's below are not worked out
         phases = with_pipeline_no_sync(cfg, rank, _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp,
-                                                        walk, rank))
+                                                        walk, rank),
+                                       0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg, rank))
     else:
         phases = {  # the parts live at each phase's high point
             "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
