@@ -173,7 +173,7 @@ def command_for(run: dict, gaps: list[str]) -> list[str]:
     return argv
 
 
-def _model_gaps(cfg: RunConfig, run: dict) -> list[str]:
+def model_gaps(cfg: RunConfig, run: dict) -> list[str]:
     """Fields of the run's model the command's model does not have (flash attention counts as sdpa)."""
     want = dict(run["model"], attention=run["model"].get("attention", run["attention"]))
     want["attention"] = "sdpa" if want["attention"] == "flash" else want["attention"]
@@ -187,7 +187,7 @@ def config_for(run: dict, gaps: list[str]) -> tuple[RunConfig, str]:
     argv = command_for(run, gaps)
     parse = [str(ROOT / a) if prev == "--config" else a for prev, a in zip([""] + argv, argv)]
     cfg = config_from_command(parse)
-    gaps.extend(_model_gaps(cfg, run))
+    gaps.extend(model_gaps(cfg, run))
     return cfg, "batchlab " + shlex.join(argv)
 
 

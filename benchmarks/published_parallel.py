@@ -34,7 +34,7 @@ from batchlab.cli.common import config_from_command
 from batchlab.config import RunConfig
 from batchlab.formula import estimate, implementation_line
 from batchlab.util.units import relative_to
-from published import PRECISION_GAP, UNITS, _model_gaps, device_for, gib, load, num, pct, summary
+from published import PRECISION_GAP, UNITS, device_for, gib, load, model_gaps, num, pct, summary
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -150,7 +150,7 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
 def config_for(run: dict, gaps: list[str]) -> tuple[RunConfig, str]:
     argv = command_for(run, gaps)
     cfg = config_from_command(argv)
-    gaps.extend(_model_gaps(cfg, run))
+    gaps.extend(model_gaps(cfg, run))
     return cfg, "batchlab " + shlex.join(argv)
 
 
