@@ -302,6 +302,24 @@ def summaries(rows: list[ParRow], ratios: list[Ratio]) -> list[str]:
     return out
 
 
+def _mean(rows: list[ParRow], key: str) -> str:
+    errs = [abs(getattr(r, key)) for r in rows if getattr(r, key) is not None]
+    return "-" if not errs else f"{sum(errs) / len(errs):.1%} ({len(errs)})"
+
+
+def family_table(rows: list[ParRow]) -> list[str]:
+    """Mean |error| (rows) per source family (the id's first word), first recorded and now, hold-outs apart."""
+    out = ["| family | rows | memory first | memory now | throughput first | throughput now |",
+           "|---|---|---:|---:|---:|---:|"]
+    for family in dict.fromkeys(r.run["id"].split("-")[0] for r in rows):
+        for held, label in ((False, "not held out"), (True, "hold-outs †")):
+            sel = [r for r in rows if r.run["id"].split("-")[0] == family and bool(r.run.get("holdout")) == held]
+            if sel:
+                out.append(f"| {family} | {label} | {_mean(sel, 'mem_error_first')} | {_mean(sel, 'mem_error')} | "
+                           f"{_mean(sel, 'rate_error_first')} | {_mean(sel, 'rate_error')} |")
+    return out
+
+
 def details(rows: list[ParRow]) -> list[str]:
     out = []
     for r in rows:
@@ -328,7 +346,11 @@ def document(rows: list[ParRow], ratios: list[Ratio]) -> str:
              "every third row, fixed before any prediction, never tuned against. *First*: each row as first "
              "recorded, before any mechanism was fixed against these rows (benchmarks/published_parallel_first.toml, "
              "never regenerated). Formula only: no GPU is needed to reproduce it.", "",
-             "## Summary", "", *summaries(rows, ratios), "## Runs", "", *table(rows), "",
+             "## Summary", "", *summaries(rows, ratios),
+             "Mean |error| (rows) per source family: mg Megatron-LM's functional tests, tt torchtitan's benchmarks, "
+             "nemo NeMo's performance table, mds Megatron-DeepSpeed (a DeepSpeed issue), belle BELLE (DeepSpeed), "
+             "korthikanti and megatron the Megatron-LM README.", "", *family_table(rows), "",
+             "## Runs", "", *table(rows), "",
              "## Full versus selective recompute (Korthikanti et al. 2022, Table 5)", "",
              "Update time of the paper's baseline (the run's command with `--ac full --no-sequence-parallel`: "
              "tensor parallelism with full recompute) over the run's own command (sequence parallelism + "
