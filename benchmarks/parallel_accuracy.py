@@ -35,6 +35,7 @@ LAYOUTS = {  # name -> the layout's flags (the built-in tiny GPT unless a model 
     "PP2 interleaved (2 chunks)": ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-virtual", "2"],
     "PP2 x DP2": ["--pp", "2", "--dp", "2", "--pp-schedule", "1f1b"],
     "FSDP2 (ZeRO-3) x TP2": ["--tp", "2", "--dp", "2", "--zero", "3"],
+    "PP2 x FSDP2 (ZeRO-3)": ["--pp", "2", "--dp", "2", "--zero", "3", "--pp-schedule", "1f1b"],
     "Llama one process": LLAMA,
     "Llama TP2": LLAMA + ["--tp", "2"],
 }

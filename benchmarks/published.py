@@ -54,7 +54,7 @@ UNITS = {"GiB": 2**30, "MiB": 2**20, "GB": 10**9, "MB": 10**6, "B": 1}
 
 # published GPU key (the runs file's `gpu`, described in gpu_catalogue.toml) -> batchlab's entry (config/devices.py)
 CATALOGUED = {"v100-sxm2-16gb": "v100-16gb", "v100-sxm2-32gb": "v100-32gb", "a10g": "a10g", "l4": "l4",
-              "rtx-3090": "rtx-3090", "rtx-4090": "rtx-4090", "rtx-a6000": "rtx-a6000", "a100-sxm4-40gb": "a100-40gb",
+              "rtx-3090": "rtx-3090", "rtx-4090": "rtx-4090", "titan-rtx": "titan-rtx", "rtx-a6000": "rtx-a6000", "a100-sxm4-40gb": "a100-40gb",
               "a100-sxm4-80gb": "a100-80gb", "a100-pcie-80gb": "a100-pcie-80gb", "h100-sxm-80gb": "h100-sxm",
               "h100-pcie-80gb": "h100-pcie", "h100-nvl-94gb": "h100-nvl", "h100-sxm-96gb": "h100-96gb",
               "h200-sxm-141gb": "h200", "b200": "b200", "mi250x": "mi250x", "mi300x": "mi300x", "mi325x": "mi325x",
@@ -173,7 +173,7 @@ def command_for(run: dict, gaps: list[str]) -> list[str]:
     return argv
 
 
-def _model_gaps(cfg: RunConfig, run: dict) -> list[str]:
+def model_gaps(cfg: RunConfig, run: dict) -> list[str]:
     """Fields of the run's model the command's model does not have (flash attention counts as sdpa)."""
     want = dict(run["model"], attention=run["model"].get("attention", run["attention"]))
     want["attention"] = "sdpa" if want["attention"] == "flash" else want["attention"]
@@ -187,7 +187,7 @@ def config_for(run: dict, gaps: list[str]) -> tuple[RunConfig, str]:
     argv = command_for(run, gaps)
     parse = [str(ROOT / a) if prev == "--config" else a for prev, a in zip([""] + argv, argv)]
     cfg = config_from_command(parse)
-    gaps.extend(_model_gaps(cfg, run))
+    gaps.extend(model_gaps(cfg, run))
     return cfg, "batchlab " + shlex.join(argv)
 
 

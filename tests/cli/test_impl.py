@@ -35,7 +35,8 @@ def test_impl_is_typed_like_any_other_option():
 @pytest.mark.parametrize("args, says", [(["--model", "gpt2", "--impl", "torchtitan"], "SwiGLU"),
                                         (["--model", "llama-2-7b", "--impl", "nanogpt"], "GELU"),
                                         (["--model", "hf:llama", "--impl", "torchtitan"], "transformers"),
-                                        (["--model", "gpt2", "--impl", "megatron"], "hf, torchtitan, nanogpt, batchlab")])
+                                        (["--model", "gpt2", "--impl", "colossal"],
+                                         "hf, torchtitan, nanogpt, batchlab, megatron")])
 def test_an_implementation_that_does_not_fit_the_model_is_a_one_line_error(args, says):
     r = run("estimate", *args)
     assert r.exit_code == 2 and "impl" in r.stderr and says in r.stderr and "Traceback" not in r.output

@@ -44,7 +44,8 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "dropout": (Optional[float], None, "Override: dropout probability (0 = off)."),
     "attention": (Optional[str], None, "Override: eager (s x s scores kept) or sdpa (fused, no s^2 term)."),
     "impl": (Optional[str], None, "Whose code a preset's layer terms count: hf (transformers; the llama-* and "
-                                  "gpt2* default), torchtitan (its Llama), nanogpt, or batchlab (its own GPT)."),
+                                  "gpt2* default), torchtitan (its Llama), nanogpt, batchlab (its own GPT), or megatron "
+                                  "(Megatron-LM's layer; measured runs use batchlab's GPT in its place)."),
     "use_cache": (Optional[bool], None, "transformers' use_cache: its training forward builds a KV cache "
                                         "(DynamicCache). Default: the model config's (on); off under --ac."),
     "seq": (int, 128, "Sequence length s (tokens per sample)."),
@@ -63,8 +64,9 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "zero": (int, 0, "ZeRO stage 0-3 over the DP ranks: 0 DDP, 1 + ZeroRedundancyOptimizer, 2 FSDP2 "
                      "reshard_after_forward=False, 3 FSDP2 full sharding."),
     "sharding": (Optional[str], None, "The data-parallel engine (sets the --zero stage): ddp, zero1, fsdp-grad-op "
-                                      "(ZeRO-2), fsdp (ZeRO-3), or deepspeed-zero1/2/3 (formula only: DeepSpeed's "
-                                      "own buffers)."),
+                                      "(ZeRO-2), fsdp (ZeRO-3), deepspeed-zero1/2/3 (formula only: DeepSpeed's "
+                                      "own buffers), or megatron / megatron-distopt (formula only: Megatron-Core's "
+                                      "fp32 gradient buffer and main params; distopt shards them as ZeRO-1)."),
     "tp": (int, 1, "Tensor-parallel degree (Megatron's column/row split; divides heads, kv-heads and ffn). World "
                    "size = dp x tp x pp; tp does not multiply the global batch."),
     "sequence_parallel": (bool, False, "With --tp: split norms and dropouts along the sequence too."),

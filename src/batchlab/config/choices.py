@@ -140,11 +140,12 @@ class Implementation(Choice):
     TORCHTITAN = "torchtitan"  # torchtitan's Llama (torchtitan/models/llama3/model.py)
     NANOGPT = "nanogpt"  # Karpathy's nanoGPT model.py (GPT-2 shapes)
     BATCHLAB = "batchlab"  # batchlab's own GPT (models/gpt.py)
+    MEGATRON = "megatron"  # Megatron-LM / Megatron-Core's GPT layer (Korthikanti et al. 2022, sec. 4.1)
 
     @property
     def label(self) -> str:
         return {"hf": "transformers' code", "torchtitan": "torchtitan's Llama", "nanogpt": "nanoGPT's model.py",
-                "batchlab": "batchlab's GPT"}[self.value]
+                "batchlab": "batchlab's GPT", "megatron": "Megatron-LM's GPT"}[self.value]
 
 
 class ModelSource(Choice):

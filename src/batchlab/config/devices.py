@@ -99,6 +99,10 @@ _GPUS = (
          "not re-checked here"),
     _gpu("rtx-4090", "ada", 23.64, "torch: 'GPU 0 has a total capacity of 23.64 GiB' (an OOM log naming a 24GB 4090)",
          165.2, 82.6, 1008, 25, 12.5, "165.2 TF bf16 fp32-accumulate (nanochat#60), fp32 82.6, 1008 GB/s (secondary)"),
+    _gpu("titan-rtx", "turing", 23.69, "estimate (not found): as rtx-3090, the 'total capacity' of unnamed 24 GB-card "
+         "OOM messages", 130, 16.3, 672, 12.5, 12.5,
+         "130 TF 'deep learning' fp16 tensor (NVIDIA's launch figure, accumulate not stated), fp32 16.3 TF, "
+         "672 GB/s GDDR6 (secondary: tomshardware, hothardware); PCIe Gen3 x16"),
     _gpu("rtx-a6000", "ampere", 47.54, "torch: 'GPU 0 has a total capacity of 47.54 GiB' (2xA6000 benchmark log)",
          154.85, 38.7, 768, 56, 12.5, "tt-utils (154.85 dense bf16); fp32 38.7 TF and 768 GB/s: datasheet, not "
          "re-checked here"),
@@ -164,7 +168,7 @@ DEVICE_ALIASES = {
 GPU_NAMES = (("H200", "h200"), ("H100 NVL", "h100-nvl"), ("H100 PCIe", "h100-pcie"), ("H100 96GB", "h100-96gb"),
              ("H100", "h100-sxm"), ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"),
              ("A100 80GB PCIe", "a100-pcie-80gb"), ("A100", "a100-80gb"), ("B200", "b200"), ("L40S", "l40s"),
-             ("L4", "l4"), ("A10G", "a10g"), ("RTX A6000", "rtx-a6000"), ("RTX 4090", "rtx-4090"),
+             ("L4", "l4"), ("A10G", "a10g"), ("RTX A6000", "rtx-a6000"), ("TITAN RTX", "titan-rtx"), ("RTX 4090", "rtx-4090"),
              ("RTX 3090", "rtx-3090"), ("V100-SXM2-16GB", "v100-16gb"), ("V100", "v100-32gb"),
              ("MI250X", "mi250x"), ("MI300X", "mi300x"), ("MI325X", "mi325x"))
 
@@ -232,7 +236,7 @@ def device(name: str) -> DeviceSpec:
 # ``memory_source``, shown under --verbose and in JSON).  Peak rates by catalogue entry:
 _RATES_LABEL = {
     "v100-16gb": "NVIDIA blog", "v100-32gb": "NVIDIA blog", "a10g": "estimate", "l4": "secondary sources",
-    "rtx-3090": "GA102 whitepaper", "rtx-4090": "secondary sources", "rtx-a6000": "torchtitan table",
+    "rtx-3090": "GA102 whitepaper", "rtx-4090": "secondary sources", "titan-rtx": "secondary sources", "rtx-a6000": "torchtitan table",
     "a100-40gb": "NVIDIA datasheet", "a100-80gb": "NVIDIA datasheet", "a100-pcie-80gb": "torchtitan table",
     "h100-sxm": "NVIDIA datasheet", "h100-pcie": "torchtitan table", "h100-nvl": "torchtitan table",
     "h100-96gb": "torchtitan benchmarks", "h200": "torchtitan table", "b200": "torchtitan table",

@@ -21,6 +21,8 @@ class Engine(Choice):
     DEEPSPEED_ZERO1 = "deepspeed-zero1"
     DEEPSPEED_ZERO2 = "deepspeed-zero2"
     DEEPSPEED_ZERO3 = "deepspeed-zero3"
+    MEGATRON = "megatron"  # Megatron-Core DistributedDataParallel + its mixed-precision optimizer
+    MEGATRON_DISTOPT = "megatron-distopt"  # + --use-distributed-optimizer (ZeRO-1)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class EngineSpec:
     measured: bool = True  # batchlab runs it (forked gloo ranks or torchrun); False: formula only
     reshards_after_forward: bool = False  # parameters gathered again in backward (ZeRO-3)
     deepspeed: bool = False  # DeepSpeed's own buffers (formula/deepspeed.py) are priced
+    # Megatron-Core: 16-bit model weights (no autocast), a persistent fp32 main-gradient buffer, fp32 main params
+    # and Adam state in the optimizer (formula/states.py megatron_states)
+    megatron: bool = False
 
     @property
     def shards_optimizer(self) -> bool:
@@ -77,6 +82,13 @@ ENGINES: dict[Engine, EngineSpec] = {s.engine: s for s in (
                "parameter all-gather per module (prefetch bucket, live-parameter limit), forward and backward; "
                "gradient reduce-scatter in reduce_bucket_size buckets", "nothing beyond the micro-batches'",
                measured=False, reshards_after_forward=True, deepspeed=True),
+    # Megatron-LM (README, "Distributed Optimizer"; megatron/core/distributed, megatron/core/optimizer)
+    EngineSpec(Engine.MEGATRON, 0, "Megatron-Core DistributedDataParallel + Float16OptimizerWithFloat16Params",
+               "nothing", "gradient all-reduce from the contiguous fp32 gradient buffer, bucketed, overlapped with "
+               "backward (--overlap-grad-reduce)", measured=False, megatron=True),
+    EngineSpec(Engine.MEGATRON_DISTOPT, 1, "Megatron-Core DistributedDataParallel + DistributedOptimizer "
+               "(--use-distributed-optimizer)", "nothing", "gradient reduce-scatter into the fp32 gradient buffer, "
+               "then an all-gather of the updated 16-bit parameters", measured=False, megatron=True),
 )}
 PYTORCH_ENGINE = {0: Engine.DDP, 1: Engine.ZERO1, 2: Engine.FSDP_GRAD_OP, 3: Engine.FSDP}  # --zero N alone
 

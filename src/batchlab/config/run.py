@@ -238,7 +238,8 @@ class RunConfig:
                 and self.model_kind is not ModelSource.FACTORY):  # a factory's blocks: models/ac.py checks
             raise ConfigError("ac", f"the plan names {len(self.ac.layers)} layers; the model has {self.model.layers}")
         sdpa_only = sorted({m.value for m in self.ac.layer_modes(self.model.layers) if m.spec.needs_sdpa})
-        if sdpa_only and self.model.attention is not AttentionImpl.SDPA:
+        # Megatron's layer wraps its unfused attention core in one module too (CoreAttention): it recomputes that
+        if sdpa_only and self.model.attention is not AttentionImpl.SDPA and self.model.impl is not Implementation.MEGATRON:
             raise ConfigError("ac", f"{sdpa_only[0]} recomputes the fused attention call: it needs "
                                     "--attention sdpa (eager attention has no single attention-core call)")
         if self.ac.mode is ACMode.EVERY and self.ac.every > self.model.layers:
@@ -265,8 +266,10 @@ class RunConfig:
     def vocab_parallel(self) -> bool:
         """Tensor parallelism splits the token embedding, the LM head and the loss over the vocabulary (Megatron's
         VocabParallelEmbedding and vocab-parallel cross entropy; torchtitan's loss_parallel): where tp divides
-        the vocabulary.  Else they stay whole on every tensor-parallel rank, the logits and the loss too."""
-        return self.tp > 1 and self.model.vocab % self.tp == 0
+        the vocabulary, or always with Megatron's layer, which pads the vocabulary to a multiple of 128·t
+        (megatron/training/tokenizer/tokenizer.py, ``_vocab_size_with_padding``).  Else they stay whole on every
+        tensor-parallel rank, the logits and the loss too."""
+        return self.tp > 1 and (self.model.vocab % self.tp == 0 or self.model.impl is Implementation.MEGATRON)
 
     @property
     def global_batch(self) -> int:

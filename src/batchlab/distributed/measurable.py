@@ -27,7 +27,8 @@ def check(cfg: RunConfig) -> None:
     """The layouts measured here; one ConfigError naming the field for the rest."""
     layout = cfg.parallel
     if layout.dp > 1 and not layout.engine_spec.measured:
-        raise ConfigError("sharding", f"{layout.engine.value} is priced by the formula only (DeepSpeed is not run "
+        runner = "Megatron-LM" if layout.engine_spec.megatron else "DeepSpeed"
+        raise ConfigError("sharding", f"{layout.engine.value} is priced by the formula only ({runner} is not run "
                                       "here): measure its PyTorch counterpart, --zero "
                                       f"{layout.engine_spec.stage}, or use `batchlab estimate`")
     if not applies(cfg):

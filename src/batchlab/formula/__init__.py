@@ -128,7 +128,12 @@ def layout_notes(cfg: RunConfig) -> tuple[str, ...]:
                      f"ZeRO-{lay.engine_spec.stage} engine, plus DeepSpeed's own buffers at its config defaults "
                      "(formula/deepspeed.py: reduce bucket 5e8 elements, fp32 gradient partition at the step"
                      + (", stage-3 prefetch 5e7 elements" if lay.engine_spec.stage == 3 else "")
-                     + "); DeepSpeed's engine itself is not measured here")
+                     + "); stage 1 and 2 keep the whole 16-bit weights; DeepSpeed's engine itself is not measured here")
+    if lay.engine_spec.megatron:
+        notes.append(f"{lay.engine.value}: Megatron-Core's model states (Megatron-LM README: 16-bit weights, an fp32 "
+                     "gradient buffer resident throughout, fp32 main params and optimizer state"
+                     + (" sharded over DP" if lay.engine_spec.shards_optimizer else "")
+                     + "); collectives priced as PyTorch's; Megatron's engine itself is not measured here")
     return tuple(notes)
 
 

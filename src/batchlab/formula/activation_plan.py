@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from batchlab.config import ACMode, LossMode, RunConfig
+from batchlab.config import ACMode, Implementation, LossMode, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
-from batchlab.formula.loss import LossPath, loss_path, vocab_parallel_path
+from batchlab.formula.loss import LossPath, loss_path, megatron_loss_path, vocab_parallel_path
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankShare, share, sp_gathered_inputs, tp_kept_bytes
 
@@ -41,7 +41,9 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
         parts = dataclasses.replace(parts, scores=parts.scores + act.legacy_softmax_input_bytes(m, s, b, p, backend))
     full = parts.total
     norm_output = s * b * m.hidden * act.Widths.of(p, backend).e  # a norm's output: the next matmul's input
-    gathered = sp_gathered_inputs(rank, norm_output, 2)  # a layer's two norms
+    # Megatron's column-parallel linears save the sequence shard and gather it again in backward
+    regathers = impl is act.Impl.MEGATRON
+    gathered = 0 if regathers else sp_gathered_inputs(rank, norm_output, 2)  # a layer's two norms
     modes = cfg.ac.layer_modes(m.layers)
     one_rank, per_mode = {}, {}  # alike layers under one policy keep alike bytes: once per policy, not per layer
     for mode in {modes[i] for i in rank.layers}:
@@ -59,19 +61,36 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
     # the embedding's dropout runs before the sequence is split (its mask whole); under SP the final norm's output
     # is gathered whole for the LM head as a layer's norms' are for their matmuls
     mask = act.embedding_mask_bytes(m, s, b, p, backend)
-    head_input = sp_gathered_inputs(rank, norm_output, 1)
+    head_input = 0 if regathers else sp_gathered_inputs(rank, norm_output, 1)
     final = act.outside_layers_bytes(m, s, b, p, backend) - mask
-    outside = ((mask if rank.first else 0) + (((final - head_input) // rank.in_sp + head_input) if rank.last else 0)
-               + rank_loss_path(cfg, rank).kept)
+    head = (((final - head_input) // rank.in_sp + head_input) if rank.last else 0) + rank_loss_path(cfg, rank).kept
+    outside = (mask if rank.first else 0) + head
     one_micro_batch = sum(kept) + outside
+    others = (rank.in_flight - 1) * (one_micro_batch - head) + (head_in_flight(cfg, rank) - 1) * head
     return ActivationPlan(per_layer_full=full_rank, per_layer_kept=tuple(kept), outside_layers=outside,
-                          others=round((rank.in_flight - 1) * one_micro_batch))
+                          others=round(others))
+
+
+def head_in_flight(cfg: RunConfig, rank: RankShare) -> float:
+    """Micro-batches past the final norm and the loss at the last rank's high point.  With v > 1 chunks per rank
+    Megatron's interleaved warm-up runs chunk after chunk over groups of min(m, p) micro-batches (Narayanan et al.
+    2021, sec. 2.2; megatron/core/pipeline_parallel/schedules.py), so of its in-flight chunk-forwards the first
+    (v - 1) groups never reach the last chunk, which holds the loss: max(1, chunks in flight - (v - 1) min(m, p)).
+    torch.distributed.pipelining's runtime is measured to hold about that much more on its last rank (sends it waits
+    for only when the step ends: docs/accuracy/parallel.md): there every in-flight micro-batch counts one."""
+    v = cfg.parallel.chunks
+    if not rank.last or v == 1 or cfg.model.impl is not Implementation.MEGATRON:
+        return rank.in_flight
+    group = min(cfg.accum, cfg.parallel.pp)
+    return float(max(1, round(rank.in_flight * v) - (v - 1) * group))
 
 
 def rank_loss_path(cfg: RunConfig, rank: RankShare) -> LossPath:
     """The loss's tensors on ``rank``: on the last stage only; vocabulary-parallel where tensor parallelism
     splits the vocabulary (``RunConfig.vocab_parallel``: loss_parallel's tensors, 1/t of the logits per rank),
-    else the whole logits' loss on every tensor-parallel rank."""
+    else the whole logits' loss on every tensor-parallel rank.  Megatron's layer computes its own."""
+    if rank.last and cfg.model.impl is Implementation.MEGATRON and cfg.loss.mode is LossMode.FULL:
+        return megatron_loss_path(cfg, rank.vocab_split)
     if rank.whole:
         return loss_path(cfg)
     if not rank.last:

@@ -85,6 +85,7 @@ class Impl(Choice):
     HF_LLAMA = "hf-llama"  # separate q, k, v projections
     TT_LLAMA = "torchtitan-llama"  # separate wq, wk, wv; RoPE through fp32 complex views; nn.RMSNorm
     NANOGPT = "nanogpt"  # fused c_attn, SDPA on its views, nn.GELU, a contiguous copy before c_proj
+    MEGATRON = "megatron"  # Megatron-LM's layer: every activation in the weights' 16-bit dtype (no autocast)
 
 
 def implementation(kind: ModelSource, m: ModelSpec) -> Impl:
@@ -94,14 +95,15 @@ def implementation(kind: ModelSource, m: ModelSpec) -> Impl:
         return Impl.BUILTIN
     if kind is ModelSource.HF or m.impl is Implementation.HF:
         return Impl.HF_LLAMA if m.mlp is MLPKind.SWIGLU else Impl.HF_GPT2
-    return {Implementation.TORCHTITAN: Impl.TT_LLAMA, Implementation.NANOGPT: Impl.NANOGPT}.get(m.impl, Impl.BUILTIN)
+    return {Implementation.TORCHTITAN: Impl.TT_LLAMA, Implementation.NANOGPT: Impl.NANOGPT,
+            Implementation.MEGATRON: Impl.MEGATRON}.get(m.impl, Impl.BUILTIN)
 
 
 def describe_impl(impl: Impl) -> str:
     """One phrase naming the code an Impl's terms describe, for estimate's output."""
     return {Impl.BUILTIN: "batchlab's GPT (models/gpt.py)", Impl.HF_GPT2: "transformers' GPT2LMHeadModel",
             Impl.HF_LLAMA: "transformers' LlamaForCausalLM", Impl.TT_LLAMA: "torchtitan's Llama (models/llama3)",
-            Impl.NANOGPT: "nanoGPT's GPT (model.py)"}[impl]
+            Impl.NANOGPT: "nanoGPT's GPT (model.py)", Impl.MEGATRON: "Megatron-LM's GPT layer"}[impl]
 
 
 def _attention_readers(impl: Impl) -> int:
@@ -117,6 +119,8 @@ def _mlp_readers(m: ModelSpec) -> int:
 def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend,
                       impl: Impl = Impl.BUILTIN, kv_cache: bool = False) -> LayerActivations:
     """``kv_cache``: transformers' training forward builds a DynamicCache (RunConfig.kv_cache)."""
+    if impl is Impl.MEGATRON:
+        return megatron_layer(m, s, b, precision, backend)
     w = Widths.of(precision, backend)
     h, a, kv, f = m.hidden, m.heads, m.kv_hidden, m.ffn
     sbh = s * b * h
@@ -170,6 +174,29 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
     norms = _norm_bytes(m, s, b, w, impl, _attention_readers(impl)) + _norm_bytes(m, s, b, w, impl, _mlp_readers(m))
     return LayerActivations(norms=norms, qkv=qkv, scores=sc, attn_out=attn_out,
                             mlp=mlp, masks=masks)
+
+
+def megatron_layer(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend) -> LayerActivations:
+    """Megatron's layer as Korthikanti et al. 2022 (sec. 4.1, Table 2) count it, ``sbh(34 + 5as/h)`` for a GELU MLP
+    of 4h with dropout, generalised to GQA's narrower k/v, SwiGLU (fc1's fused gate+up output and the product)
+    and fused attention (Transformer Engine / flash: no s x s term, a log-sum-exp).  Megatron's --bf16/--fp16
+    train the 16-bit weights themselves: the residual stream and norm inputs are 16-bit too."""
+    e, mask = precision.compute_bytes, 1 if backend is Backend.CUDA else precision.compute_bytes
+    h, a, kv, f = m.hidden, m.heads, m.kv_hidden, m.ffn
+    sbh = s * b * h
+    stats = (2 if m.norm is NormKind.LAYERNORM else 1) * s * b * F32  # mean and rstd (rmsnorm: rstd), fp32
+    norms = 2 * (2 * sbh * e + stats)  # each norm's input and output (the next linear's input)
+    qkv = (sbh + 2 * s * b * kv) * e  # Q, K, V as the attention core reads them
+    if materialises_scores(m, backend):  # unfused: softmax output, its dropout mask and output
+        ass = a * s * s * b
+        scores = ass * e + ((ass * mask + ass * e) if m.dropout > 0 else 0)
+        qkv += 2 * s * b * (h - kv) * e  # k and v expanded to every query head before the matmuls
+        attn_out = sbh * e
+    else:
+        scores, attn_out = 0, sbh * e + a * s * b * F32  # fused attention: its output, the log-sum-exp
+    mlp = (3 if m.mlp is MLPKind.SWIGLU else 2) * s * b * f * e  # fc1 output (SwiGLU: gate and up), activation
+    masks = 2 * sbh * mask if m.dropout > 0 else 0  # the two residual dropout masks
+    return LayerActivations(norms=norms, qkv=qkv, scores=scores, attn_out=attn_out, mlp=mlp, masks=masks)
 
 
 def legacy_softmax_input_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend) -> int:

@@ -78,7 +78,9 @@ def selective_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend:
 
 
 def block_input_bytes(m: ModelSpec, s: int, b: int, precision: Precision, backend: Backend, impl: Impl) -> int:
-    """The whole block recomputed: its input alone is kept."""
+    """The whole block recomputed: its input alone is kept (Megatron's layer: in the 16-bit dtype it trains in)."""
+    if impl is Impl.MEGATRON:
+        return s * b * m.hidden * precision.compute_bytes
     return act.checkpointed_layer_bytes(m, s, b, precision)
 
 

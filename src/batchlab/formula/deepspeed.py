@@ -56,3 +56,23 @@ def prefetch_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
         return {}
     ahead = min(PREFETCH_BUCKET_SIZE, MAX_LIVE_PARAMETERS, rank.params)
     return {"deepspeed prefetch bucket": ahead * _grad_bytes(cfg)}  # the 16-bit (fp32: fp32) parameters
+
+
+def engine_states(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Where DeepSpeed's stage 1 and 2 hold other model states than FSDP2's, whose phases price them
+    (runtime/zero/stage_1_and_2.py): the 16-bit weights stay whole on every rank in every phase (``bit16_groups_flat``;
+    only stage 3 partitions them); stage 2's gradients are a 16-bit partition (``grads_in_partition`` under
+    contiguous_gradients), not an fp32 shard; and the step is FusedAdam's multi-tensor kernel over the flat fp32
+    partition, in place: no per-tensor temporaries (the fp32 gradient partition is ``step_buffers``')."""
+    if not priced(cfg) or cfg.parallel.engine_spec.stage == 3:
+        return phases
+    weights = rank.params * _grad_bytes(cfg)
+    out = {}
+    for ph, parts in phases.items():
+        parts = dict(parts, parameters=max(parts["parameters"], weights))
+        if cfg.parallel.engine_spec.stage == 2 and parts["gradients"]:
+            parts["gradients"] = weights // cfg.dp
+        if ph == "optimizer":
+            parts["temporaries"] = 0
+        out[ph] = parts
+    return out

@@ -69,3 +69,20 @@ def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, k
     phases["optimizer"] = dict(resident, parameters=shards, gradients=sharded_grads, activations=0, recompute=0,
                                temporaries=opt_tmp)
     return phases
+
+
+def with_pipeline_no_sync(cfg: RunConfig, rank, phases: dict[str, dict[str, int]], shards: int
+                          ) -> dict[str, dict[str, int]]:
+    """FSDP2 under a pipeline stage: torch.distributed.pipelining runs every micro-batch's backward with
+    ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)`` and reduce-scatters only after
+    the last one (stage.py, ``backward_maybe_with_nosync``), so from the first backward on the stage's units stay
+    gathered (param_dtype) and its gradients accumulate unsharded, upcast to reduce_dtype (FSDP2's
+    ``to_accumulated_grad_if_needed``).  Forward and backward high points (steady state) hold both whole, beside
+    the resident parameter ``shards`` (what the phases' walk gathers unit by unit is part of the whole)."""
+    if rank is None or rank.stages == 1:
+        return phases
+    elements = sum(unit_elements(cfg, rank))
+    gathered, grads = elements * gathered_bytes_per_element(cfg), elements * reduced_bytes_per_element(cfg)
+    return {ph: (dict(parts, parameters=max(parts["parameters"], shards + gathered),
+                      gradients=max(parts["gradients"], grads))
+                 if ph in ("forward", "backward") else parts) for ph, parts in phases.items()}

@@ -66,3 +66,14 @@ def vocab_parallel_path(cfg: RunConfig, t: int) -> LossPath:
     n = cfg.seq * cfg.micro_batch * cfg.model.vocab // t
     upcast = n * F32 if w.e != F32 else 0
     return LossPath(kept=n * F32, forward_transient=n * w.e + upcast + 2 * n * F32, backward_transient=3 * n * F32)
+
+
+def megatron_loss_path(cfg: RunConfig, t: int) -> LossPath:
+    """Megatron's vocab-parallel cross entropy on one of t ranks (n = N·V/t logits; megatron/core/tensor_parallel/
+    cross_entropy.py): ``.float()`` of the 16-bit logits, then max-subtract, ``exp(out=)`` and the division all in
+    place on that fp32 copy, which it saves as the softmax; backward turns the saved softmax into the gradient in
+    place and casts it to the 16-bit logits' gradient.  Kept: one fp32 shard; beside it in forward the 16-bit
+    logits, in backward their 16-bit gradient."""
+    e = cfg.precision.compute_bytes
+    n = cfg.seq * cfg.micro_batch * cfg.model.vocab // t
+    return LossPath(kept=n * F32, forward_transient=n * e, backward_transient=n * e)

@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import dataclasses
-from batchlab.config import LossMode, PositionKind, Precision, RunConfig
+from batchlab.config import Implementation, LossMode, PositionKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import deepspeed
 from batchlab.formula.allocator import device_memory
-from batchlab.formula.fsdp import fsdp_phases
+from batchlab.formula.fsdp import fsdp_phases, with_pipeline_no_sync
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.kvcache import held_in_forward_bytes
 from batchlab.formula.params import count, norm_params
@@ -230,6 +230,7 @@ def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str,
     partition at the step."""
     if not deepspeed.priced(cfg):
         return phases
+    phases = deepspeed.engine_states(cfg, rank, phases)
     resident = deepspeed.resident_buffers(cfg, rank)
     walked = {**resident, **deepspeed.prefetch_buffers(cfg, rank)}
     live = {"forward": walked, "backward": walked, "optimizer": {**resident, **deepspeed.step_buffers(cfg, rank)}}
@@ -246,6 +247,11 @@ def _with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, 
         return phases
     outputs, sends = stage_output_bytes(cfg, rank), gradient_send_bytes(cfg, rank)
     buffers, received = receive_buffer_bytes(cfg, rank)
+    if cfg.model.impl is Implementation.MEGATRON:
+        # Megatron's schedules receive into a fresh tensor per micro-batch (the chunk's input, which its first layer
+        # keeps: counted in the activations) and free each output's storage once sent (megatron/core/
+        # pipeline_parallel/schedules.py, deallocate_output_tensor)
+        outputs, buffers, received = 0, 0, 0
     live = {"forward": (outputs, 0), "backward": (outputs, sends)}
     out = {}
     for ph, parts in phases.items():
@@ -278,7 +284,9 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     # in backward only those the matmuls saved remain (recomputed layers cast again, transiently)
     copies_fwd = copies = layer_copy = 0
     # under ZeRO the 16-bit weights are resident instead
-    autocast = cfg.precision.mixed and not cfg.parallel.engine_spec.shards_optimizer
+    # (Megatron's engines train the 16-bit weights themselves: no autocast either)
+    spec = cfg.parallel.engine_spec
+    autocast = cfg.precision.mixed and not spec.shards_optimizer and not spec.megatron
     # a layout's ranks are priced from the built-in terms (a profile only splits its layers' totals)
     fitted = profile_terms(cfg) if rank.whole else None
     if autocast and fitted is not None:  # as the model's code keeps them (embeddings and norms are not cast)
@@ -302,6 +310,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     if rank.stages > 1:  # a pipeline stage (no DDP buckets): .grad exists at its high point only where a backward
         # of this update ran before it -- not where that high point is the update's first backward (all in flight)
         kept = rank.in_flight < cfg.accum or not cfg.assumptions.zero_grad_set_to_none
+    # Megatron-Core's DDP allocates its contiguous gradient buffer once and zeroes it each update: always resident
+    kept = kept or cfg.parallel.engine_spec.megatron
     grads_before = states.gradients if kept else 0
     lp = rank_loss_path(cfg, rank)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
@@ -324,7 +334,9 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
         loss_grads = fitted.backward(policies[-1])(b, s)
         opt_tmp = fitted.optimizer_temporaries
     if fsdp:  # FSDP2's phases and its backward walk (formula/fsdp.py); DDP's below are not worked out
-        phases = _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp, walk, rank)
+        phases = with_pipeline_no_sync(cfg, rank, _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp,
+                                                        walk, rank),
+                                       0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg, rank))
     else:
         phases = {  # the parts live at each phase's high point
             "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,

@@ -65,6 +65,8 @@ def model_states(cfg: RunConfig, rank: RankShare | None = None) -> ModelStates:
     rank = rank or heaviest(cfg)
     if cfg.precision is Precision.BF16_FSDP:
         return fsdp_mixed_states(cfg, rank)
+    if cfg.parallel.engine_spec.megatron:
+        return megatron_states(cfg, rank)
     n, spec, dp = rank.params, cfg.parallel.engine_spec, cfg.dp
     shard = lambda on: dp if on else 1  # noqa: E731 — a ZeRO stage that shards this state divides it over DP
     weight_bytes = 2 if cfg.precision is Precision.BF16 else F32
@@ -79,6 +81,25 @@ def model_states(cfg: RunConfig, rank: RankShare | None = None) -> ModelStates:
         return ModelStates(parameters=2 * n, master=F32 * n, gradients=grads, optimizer=opt)
     return ModelStates(parameters=weight_bytes * n // shard(spec.shards_parameters), master=0, gradients=grads,
                        optimizer=opt)
+
+
+def megatron_states(cfg: RunConfig, rank: RankShare | None = None) -> ModelStates:
+    """Megatron-Core's mixed precision (Megatron-LM README, "Distributed Optimizer": bytes per parameter 18 or
+    6 + 12/d for bf16 params with fp32 grads, 20 or 4 + 16/d for fp16 params and grads, 16 or 8 + 8/d in fp32,
+    without or with the distributed optimizer over d data-parallel ranks): the model trains its 16-bit weights;
+    the DDP's contiguous gradient buffer is fp32 under bf16 (--accumulate-allreduce-grads-in-fp32) and 16-bit
+    under fp16, whose fp32 main gradients the optimizer keeps with the fp32 main params and the optimizer state
+    (sharded over DP by the distributed optimizer)."""
+    rank = rank or heaviest(cfg)
+    n, d = rank.params, cfg.dp if cfg.parallel.engine_spec.shards_optimizer else 1
+    state = optimizer_state_bytes(cfg) if cfg.precision is not Precision.BF16 else F32 * _state_elements(
+        cfg.model, cfg.optimizer)  # fp32 whatever the weights' dtype
+    opt = state * n // max(count(cfg.model).total, 1) // d
+    if cfg.precision is Precision.FP32:
+        return ModelStates(parameters=F32 * n, master=0, gradients=F32 * n, optimizer=opt)
+    if cfg.precision is Precision.FP16_MIXED:
+        return ModelStates(parameters=2 * n, master=F32 * n // d, gradients=2 * n + F32 * n // d, optimizer=opt)
+    return ModelStates(parameters=2 * n, master=F32 * n // d, gradients=F32 * n, optimizer=opt)
 
 
 def fsdp_mixed_states(cfg: RunConfig, rank: RankShare | None = None) -> ModelStates:

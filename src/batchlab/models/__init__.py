@@ -63,8 +63,9 @@ def build_workload(cfg: RunConfig) -> Workload:
 
 # The installed code nearest to each implementation that is not installed here (formula/activations.py's terms):
 # transformers' Llama has torchtitan's separate q/k/v and gate/up projections; batchlab's GPT has nanoGPT's fused
-# qkv and fused GELU.
-STAND_IN = {Implementation.TORCHTITAN: Implementation.HF, Implementation.NANOGPT: Implementation.BATCHLAB}
+# qkv and fused GELU, and Megatron's fused qkv and Korthikanti's layer (with its own Python-op extras).
+STAND_IN = {Implementation.TORCHTITAN: Implementation.HF, Implementation.NANOGPT: Implementation.BATCHLAB,
+            Implementation.MEGATRON: Implementation.BATCHLAB}
 
 
 def runnable(cfg: RunConfig) -> RunConfig:

@@ -1,0 +1,422 @@
+"""batchlab's formula beside published tensor / pipeline-parallel and DeepSpeed ZeRO GPU runs, typed as users type.
+
+Reads benchmarks/published_parallel.toml (each run with its source, quote and what the source leaves unstated),
+types every run as the ``batchlab estimate`` command its ``cli`` field gives (the device named by the run's GPU
+key, benchmarks/published.py's catalogue map), parses it with the CLI's own option parsing
+(published.config_for's path: cli/common.py ``config_from_command``), calls batchlab.formula.estimate (no torch)
+and writes docs/accuracy/published-parallel.md: predicted vs measured memory (the kind and the rank the source
+measured: allocated, reserved or device; a source that measured only the last rank is compared with the last
+pipeline stage), tokens/s per GPU (or the iteration rate where that is what was published), the error
+(predicted - measured) / measured, and the mean and worst |error| for all rows, the rows not held out and the
+hold-outs; the DeepSpeed ZeRO rows on their own; and the full-versus-selective recompute time ratios of
+Korthikanti et al. 2022.
+
+Each row's figures as first recorded, before any mechanism was fixed against these rows, are kept in
+benchmarks/published_parallel_first.toml (written once by ``--record-first``, never regenerated: the code
+moves, that column does not).  Hold-outs (every third row, fixed in the runs file before any prediction) are
+never tuned against.
+
+    PYTHONPATH=src python benchmarks/published_parallel.py            # -> docs/accuracy/published-parallel.md
+    PYTHONPATH=src python benchmarks/published_parallel.py --only mg-h100-gpt7b-tp4-dp2   # prints only
+    PYTHONPATH=src python benchmarks/published_parallel.py --record-first   # once: the first-recorded figures
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from click import ClickException
+
+from batchlab.cli.common import config_from_command
+from batchlab.config import RunConfig
+from batchlab.formula import estimate, implementation_line
+from batchlab.util.units import relative_to
+from published import PRECISION_GAP, UNITS, device_for, gib, load, model_gaps, num, pct, summary
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+FIRST = HERE / "published_parallel_first.toml"
+
+# a memory figure whose reading the source does not give is compared with the allocator's reserved bytes, the
+# middle of the three readings (allocated <= reserved <= device)
+KIND = {"allocated": "allocated", "reserved": "reserved", "device": "device", "unstated": "reserved"}
+
+
+@dataclass
+class ParRow:
+    run: dict
+    cfg: RunConfig | None = None
+    command: str = ""
+    gaps: list[str] = field(default_factory=list)
+    mem_measured: int | None = None
+    mem_predicted: int | None = None
+    rate_what: str = "tokens/s per GPU"  # or iterations/s, where that is what the source published
+    rate_measured: float | None = None
+    rate_predicted: float | None = None
+    mem_first: int | None = None
+    rate_first: float | None = None
+    rank: str = ""  # which rank's prediction is compared
+    layer_terms: str = ""
+    failed: str | None = None
+
+    @property
+    def mem_error(self):
+        return relative_to(self.mem_predicted, self.mem_measured)
+
+    @property
+    def rate_error(self):
+        return relative_to(self.rate_predicted, self.rate_measured)
+
+    @property
+    def mem_error_first(self):
+        return relative_to(self.mem_first, self.mem_measured)
+
+    @property
+    def rate_error_first(self):
+        return relative_to(self.rate_first, self.rate_measured)
+
+
+def _set(argv: list[str], flag: str, value: str | None) -> None:
+    """Give ``flag`` the value (added if absent); None removes the flag and its value."""
+    if flag in argv:
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    if value is not None:
+        argv += [flag, value]
+
+
+def megatron_code(run: dict) -> bool:
+    """Megatron-LM's model code trains the run (Megatron-LM, Megatron-Core, NeMo, Megatron-DeepSpeed)."""
+    return "Megatron" in run["engine"] or "NeMo" in run["engine"]
+
+
+def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
+    """The run's ``cli``, with the flags the runs file's fields decide typed from them: ``--device`` the catalogue
+    entry of the run's GPU key; ``--attention`` and ``--dropout`` from the run's fields; for Megatron's code
+    ``--impl megatron``, and for Megatron's own engine its ``--sharding`` (megatron, or megatron-distopt for its
+    distributed optimizer) with ``--precision bf16`` (Megatron --bf16 trains the bf16 weights).  ``typed=False``: the ``cli`` as first recorded (device only).
+    What no flag expresses goes to ``gaps``."""
+    argv = shlex.split(run["cli"])
+    _set(argv, "--device", device_for(run["gpu"]))
+    if typed:  # the attention path and dropout the run's fields give (flash attention is the fused, sdpa, path)
+        _set(argv, "--attention", "sdpa" if run["attention"] == "flash" else run["attention"])
+        if "dropout" in run["model"]:
+            _set(argv, "--dropout", f"{run['model']['dropout']:g}")
+    if typed and megatron_code(run):
+        _set(argv, "--impl", "megatron")
+        if not run["sharding"].startswith("deepspeed"):
+            _set(argv, "--zero", None)
+            _set(argv, "--sharding", {"zero1": "megatron-distopt", "ddp": "megatron"}[run["sharding"]])
+            if run["precision"] in ("megatron-bf16", "te-fp8"):
+                _set(argv, "--precision", "bf16")
+    if run["precision"] in PRECISION_GAP:
+        gaps.append(PRECISION_GAP[run["precision"]])
+    if run["precision"] == "te-fp8":
+        gaps.append("Transformer Engine FP8 GEMMs (bf16 elsewhere): fp8 matmul rates and the fp8 weight copies not "
+                    "modelled; typed as Megatron's bf16")
+    sp = run.get("ulysses_sp", 1)
+    if sp > 1 and typed:  # no flag: each of dp x sp ranks holds seq/sp tokens of every activation, ZeRO spans them
+        _set(argv, "--dp", str(run["dp"] * sp))
+        _set(argv, "--seq", str(run["seq"] // sp))
+        gaps.append(f"DeepSpeed-Ulysses sequence parallelism {sp} (all-to-all over heads; each rank holds 1/{sp} "
+                    "of the sequence outside attention, and in its fused attention the whole sequence for 1/"
+                    f"{sp} of the heads: the same bytes; ZeRO partitions over data x sequence parallel ranks) has "
+                    f"no flag: typed as --dp {run['dp'] * sp} --seq {run['seq'] // sp} (the attention's s^2 FLOPs "
+                    f"are then {sp}x too few, and the all-to-alls are not priced)")
+    elif sp > 1:
+        gaps.append(f"DeepSpeed-Ulysses sequence parallelism {sp} has no flag: typed as dp {run['dp']} alone")
+    chunks = run["pp"] * run.get("pp_virtual", 1)
+    layers = run["model"]["layers"]
+    if layers % chunks:  # no flag splits the layers unevenly: type the most loaded stage's share on every stage
+        even = -(-layers // chunks) * chunks
+        if "--layers" in argv:
+            argv[argv.index("--layers") + 1] = str(even)
+        else:
+            argv += ["--layers", str(even)]
+        gaps.append(f"{layers} layers split unevenly over pp x virtual = {chunks} chunks (at most "
+                    f"{even // chunks} per chunk); no flag splits unevenly: typed as --layers {even}, every chunk "
+                    "holding the most loaded one's layers (the source's memory is the max over ranks; the slowest "
+                    "stage paces the pipeline)")
+    if run.get("async_tp"):
+        gaps.append("torchtitan AsyncTP (TP collectives overlapped with the matmuls) has no flag")
+    if run["sharding"].startswith("deepspeed") and "deepspeed" not in run:
+        gaps.append("DeepSpeed config not published: zero_optimization defaults assumed")
+    return ["estimate", *argv]
+
+
+def config_for(run: dict, gaps: list[str]) -> tuple[RunConfig, str]:
+    argv = command_for(run, gaps)
+    cfg = config_from_command(argv)
+    gaps.extend(model_gaps(cfg, run))
+    return cfg, "batchlab " + shlex.join(argv)
+
+
+def predicted_memory(est, kind: str, last_rank: bool) -> tuple[int, str]:
+    """The formula's figure of the source's kind, for the last pipeline stage when the source read only the last
+    rank (Megatron logs from rank world-1), else the most loaded rank."""
+    m = est.memory
+    whole = {"allocated": m.allocated_bytes, "reserved": m.reserved_bytes, "device": m.device_bytes}[kind]
+    if not last_rank or len(m.ranks) < 2:
+        return whole, "most loaded rank"
+    r = m.ranks[-1]
+    reserved = r.peak_bytes
+    by_kind = {"allocated": reserved - r.parts.get("allocator", 0), "reserved": reserved,
+               "device": reserved + m.device_bytes - m.reserved_bytes}
+    return by_kind[kind], "last pipeline stage"
+
+
+def predict(run: dict, cfg: RunConfig) -> tuple[int | None, float | None, str]:
+    """Memory of the measured kind, the rate the source published, and the rank compared."""
+    est = estimate(cfg)
+    measured = run["measured"]
+    mem, rank = None, ""
+    if "memory_value" in measured:
+        mem, rank = predicted_memory(est, KIND[measured["memory_kind"]], "last" in measured.get("memory_rank", ""))
+    if measured.get("tokens_per_s_per_gpu") is None and "iterations_per_s" in measured:
+        rate = 1 / est.time.update_seconds
+    else:
+        rate = est.time.tokens_per_second / cfg.parallel.world_size
+    return mem, rate, rank
+
+
+def evaluate(run: dict, first: dict[str, dict]) -> ParRow:
+    row = ParRow(run)
+    measured = run["measured"]
+    if "memory_value" in measured:
+        row.mem_measured = int(measured["memory_value"] * UNITS[measured["memory_unit"]])
+    row.rate_measured = measured.get("tokens_per_s_per_gpu")
+    if row.rate_measured is None and "iterations_per_s" in measured:
+        row.rate_what, row.rate_measured = "iterations/s", measured["iterations_per_s"]
+    old = first.get(run["id"], {})
+    row.mem_first, row.rate_first = old.get("memory_bytes"), old.get("rate")
+    try:
+        row.cfg, row.command = config_for(run, row.gaps)
+    except (ValueError, ClickException) as e:  # a ConfigError or a usage error: the run cannot be typed
+        row.failed = str(e)
+        return row
+    row.mem_predicted, row.rate_predicted, row.rank = predict(run, row.cfg)
+    row.layer_terms = implementation_line(row.cfg)
+    return row
+
+
+# ---------------------------------------------------------------- Korthikanti et al. 2022: full vs selective
+
+
+@dataclass
+class Ratio:
+    ratio: dict  # the runs file's [[ratio]] entry
+    predicted: float | None = None
+    first: float | None = None
+
+    @property
+    def measured(self) -> float:
+        return self.ratio["full_s"] / self.ratio["selective_s"]
+
+    @property
+    def error(self):
+        return relative_to(self.predicted, self.measured)
+
+    @property
+    def error_first(self):
+        return relative_to(self.first, self.measured)
+
+    @property
+    def run(self) -> dict:  # summary() reads run["id"]
+        return {"id": self.ratio["id"]}
+
+
+def ratio_of(runs: dict[str, dict], entry: dict) -> float:
+    """Update time of the paper's baseline (the run's command with ``--ac full --no-sequence-parallel``: Megatron's
+    tensor parallelism with full recompute) over the run's own command (sequence parallelism + selective)."""
+    run = runs[entry["run"]]
+    argv = command_for(run, [])
+    base = [a for a in argv if a != "--sequence-parallel"]
+    base[base.index("--ac") + 1] = "full"
+    full = estimate(config_from_command(base + ["--no-sequence-parallel"])).time.update_seconds
+    return full / estimate(config_from_command(argv)).time.update_seconds
+
+
+# ---------------------------------------------------------------- the page
+
+
+def mark(run: dict) -> str:
+    return " †" if run.get("holdout") else ""
+
+
+def table(rows: list[ParRow]) -> list[str]:
+    out = ["| run | GPU × n | layout | memory measured (kind, rank) | first | error | now | error "
+           "| rate measured | first | error | now | error |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        m = r.run["measured"]
+        lay = (f"dp{r.run['dp']} tp{r.run['tp']}{'+sp' if r.run.get('sequence_parallel') else ''} pp{r.run['pp']}"
+               + (f" {r.run['pp_schedule']}" + (f"×{r.run['pp_virtual']}" if r.run['pp_virtual'] > 1 else "")
+                  if r.run["pp"] > 1 else "") + f" {r.run['sharding']}")
+        mem = (f"{gib(r.mem_measured)} GiB ({m['memory_kind']}, {r.rank})" if r.mem_measured else "-")
+        rate = "-" if r.rate_measured is None else (f"{r.rate_measured:.2f} it/s" if r.rate_what == "iterations/s"
+                                                    else f"{num(r.rate_measured)} tok/s")
+        f = (lambda x: "-" if x is None else f"{x:.2f}") if r.rate_what == "iterations/s" else num
+        out.append(f"| {r.run['id']}{mark(r.run)} | {r.run['gpu']} × {r.run['gpu_count']} | {lay} | {mem} | "
+                   f"{gib(r.mem_first) if r.mem_measured else '-'} | {pct(r.mem_error_first)} | "
+                   f"{gib(r.mem_predicted) if r.mem_measured else '-'} | {pct(r.mem_error)} | {rate} | "
+                   f"{f(r.rate_first)} | {pct(r.rate_error_first)} | {f(r.rate_predicted)} | {pct(r.rate_error)} |")
+    return out
+
+
+def ratio_table(ratios: list[Ratio]) -> list[str]:
+    out = ["| configuration | full recompute s | selective s | measured ratio | first | error | now | error |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for q in ratios:
+        first = "-" if q.first is None else f"{q.first:.3f}"
+        out.append(f"| {q.ratio['id']}{mark(q.ratio)} | {q.ratio['full_s']} | {q.ratio['selective_s']} | "
+                   f"{q.measured:.3f} | {first} | {pct(q.error_first)} | {q.predicted:.3f} | {pct(q.error)} |")
+    return out
+
+
+def subsets(rows):
+    return (("all rows", rows), ("rows not held out", [r for r in rows if not r.run.get("holdout")]),
+            ("hold-outs (†)", [r for r in rows if r.run.get("holdout")]))
+
+
+def summaries(rows: list[ParRow], ratios: list[Ratio]) -> list[str]:
+    out = []
+    deepspeed = [r for r in rows if r.run["sharding"].startswith("deepspeed")]
+    groups = (("", rows), ("DeepSpeed ZeRO rows (`--sharding deepspeed-zero*`), ", deepspeed),
+              ("other rows (Megatron, NeMo, torchtitan), ", [r for r in rows if r not in deepspeed]))
+    for prefix, group in groups:
+        for label, subset in subsets(group):
+            out += [f"{prefix}{label}:", ""]  # Markdown needs the blank line before a list
+            out.append(summary(subset, "mem_error", "memory now (the kind and rank each source measured)"))
+            out.append(summary(subset, "mem_error_first", "memory as first recorded"))
+            out.append(summary(subset, "rate_error", "throughput now"))
+            out.append(summary(subset, "rate_error_first", "throughput as first recorded"))
+            out.append("")
+    for label, subset in (("Korthikanti full/selective time ratio, all", ratios),
+                          ("not held out", [q for q in ratios if not q.ratio.get("holdout")]),
+                          ("hold-outs (†)", [q for q in ratios if q.ratio.get("holdout")])):
+        out += [f"{label}:", "", summary(subset, "error", "ratio now"),
+                summary(subset, "error_first", "ratio as first recorded"), ""]
+    return out
+
+
+def _mean(rows: list[ParRow], key: str) -> str:
+    errs = [abs(getattr(r, key)) for r in rows if getattr(r, key) is not None]
+    return "-" if not errs else f"{sum(errs) / len(errs):.1%} ({len(errs)})"
+
+
+def family_table(rows: list[ParRow]) -> list[str]:
+    """Mean |error| (rows) per source family (the id's first word), first recorded and now, hold-outs apart."""
+    out = ["| family | rows | memory first | memory now | throughput first | throughput now |",
+           "|---|---|---:|---:|---:|---:|"]
+    for family in dict.fromkeys(r.run["id"].split("-")[0] for r in rows):
+        for held, label in ((False, "not held out"), (True, "hold-outs †")):
+            sel = [r for r in rows if r.run["id"].split("-")[0] == family and bool(r.run.get("holdout")) == held]
+            if sel:
+                out.append(f"| {family} | {label} | {_mean(sel, 'mem_error_first')} | {_mean(sel, 'mem_error')} | "
+                           f"{_mean(sel, 'rate_error_first')} | {_mean(sel, 'rate_error')} |")
+    return out
+
+
+def details(rows: list[ParRow]) -> list[str]:
+    out = []
+    for r in rows:
+        out.append(f"- **{r.run['id']}**{mark(r.run)}: `{r.command or 'not typed'}`")
+        out.append(f"  - source: {r.run['source']}")
+        if r.layer_terms:
+            out.append(f"  - {r.layer_terms}")
+        for line in r.gaps:
+            out.append(f"  - not expressed: {line}")
+        if r.failed:
+            out.append(f"  - NOT EVALUATED: {r.failed}")
+    return out
+
+
+def document(rows: list[ParRow], ratios: list[Ratio]) -> str:
+    lines = ["What `batchlab estimate` predicts for published runs with tensor, sequence and pipeline parallelism "
+             "and with DeepSpeed ZeRO (benchmarks/published_parallel.toml), typed as a user types them (each "
+             "command below is parsed by the CLI's own option parsing), beside what the sources measured. "
+             "Error = (predicted - measured) / measured. Memory is compared with the kind the source measured "
+             "(allocated, reserved, or nvidia-smi's device view; a figure whose reading the source does not give "
+             "with reserved) and with the rank it measured (Megatron's logs come from the last rank: its last "
+             "pipeline stage). Throughput is tokens/s per GPU (derived from the published iteration time or MFU, "
+             "as each row's source says), or iterations/s where only that was published. † marks hold-outs: "
+             "every third row, fixed before any prediction, never tuned against. *First*: each row as first "
+             "recorded, before any mechanism was fixed against these rows (benchmarks/published_parallel_first.toml, "
+             "never regenerated). Formula only: no GPU is needed to reproduce it.", "",
+             "## Summary", "", *summaries(rows, ratios),
+             "Mean |error| (rows) per source family: mg Megatron-LM's functional tests, tt torchtitan's benchmarks, "
+             "nemo NeMo's performance table, mds Megatron-DeepSpeed (a DeepSpeed issue), belle BELLE (DeepSpeed), "
+             "korthikanti and megatron the Megatron-LM README.", "", *family_table(rows), "",
+             "## Runs", "", *table(rows), "",
+             "## Full versus selective recompute (Korthikanti et al. 2022, Table 5)", "",
+             "Update time of the paper's baseline (the run's command with `--ac full --no-sequence-parallel`: "
+             "tensor parallelism with full recompute) over the run's own command (sequence parallelism + "
+             "`--ac megatron-selective`, the paper's 'present work'). The measured times are the paper's Table 5 as "
+             "recalled when the runs file was collected (its text was not in the stored sources): "
+             "**recalled, not verified against the PDF**.", "", *ratio_table(ratios), "",
+             "## Commands, sources and what the command cannot express", "", *details(rows), ""]
+    return "\n".join(lines)
+
+
+def record_first(rows: list[ParRow], ratios: list[Ratio], path: Path) -> None:
+    """Write each row's first figures once; an existing file is never overwritten."""
+    if path.exists():
+        raise SystemExit(f"{path} exists: first-recorded figures are never regenerated")
+    lines = ["# Each row's figures as first recorded by benchmarks/published_parallel.py --record-first, before any",
+             "# mechanism was fixed against benchmarks/published_parallel.toml (hold-outs included). "
+             "Never regenerated.", ""]
+    for r in rows:
+        lines += ["[[run]]", f'id = "{r.run["id"]}"']
+        if r.mem_predicted is not None:
+            lines.append(f"memory_bytes = {r.mem_predicted}")
+            lines.append(f"memory_error = {r.mem_error:.4f}")
+        if r.rate_predicted is not None:
+            lines.append(f"rate = {r.rate_predicted:.6g}")
+            if r.rate_error is not None:
+                lines.append(f"rate_error = {r.rate_error:.4f}")
+        lines.append("")
+    for q in ratios:
+        lines += ["[[ratio]]", f'id = "{q.ratio["id"]}"', f"ratio = {q.predicted:.6g}", f"error = {q.error:.4f}", ""]
+    path.write_text("\n".join(lines))
+
+
+def load_first(path: Path) -> tuple[dict[str, dict], dict[str, float]]:
+    if not path.exists():
+        return {}, {}
+    data = load(path)
+    return {r["id"]: r for r in data.get("run", [])}, {q["id"]: q["ratio"] for q in data.get("ratio", [])}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=Path, default=HERE / "published_parallel.toml")
+    p.add_argument("--first", type=Path, default=FIRST)
+    p.add_argument("--only", default="", help="comma-separated run ids (prints; the page is not written)")
+    p.add_argument("--record-first", action="store_true", help="write --first once (refuses if it exists)")
+    args = p.parse_args(argv)
+    data = load(args.runs)
+    runs = data["run"]
+    first, first_ratio = ({}, {}) if args.record_first else load_first(args.first)
+    if args.only:
+        wanted = set(args.only.split(","))
+        runs = [r for r in runs if r["id"] in wanted]
+        if not runs:
+            print(f"--only: no run named {args.only!r}", file=sys.stderr)
+            return 2
+    by_id = {r["id"]: r for r in data["run"]}
+    ratios = [] if args.only else [Ratio(q, ratio_of(by_id, q), first_ratio.get(q["id"]))
+                                   for q in data.get("ratio", [])]
+    rows = [evaluate(r, first) for r in runs]
+    if args.record_first:
+        record_first(rows, ratios, args.first)
+    print(document(rows, ratios))
+    return 0
+
+
+if __name__ == "__main__":
+    import page  # benchmarks/page.py: this script's page of the docs
+
+    page.publish(main, "published-parallel", "Predicted vs published tensor / pipeline-parallel and DeepSpeed runs")
