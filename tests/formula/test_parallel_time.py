@@ -85,3 +85,18 @@ def test_interleaving_sends_at_every_chunk_boundary():
     assert [pp_sends(inter, r) for r in shares(inter)] == [3, 3]
     link = Link(1e9, 1e-4, "hand")
     assert pp_seconds(inter, shares(inter)[0], link) == pytest.approx(3 * (1e-4 + 131072e-9))
+
+
+def test_the_compare_verdict_names_the_bubble_and_what_moved_it():
+    # p 4: (p-1)/(m+p-1) = 3/7 = 43% at m 4, 3/11 = 27% at m 8; interleaved, 2 chunks: 3/(2·8+3) = 16%
+    from batchlab.formula.pipeline import bubble_change
+
+    base = dict(seq=64, micro_batch=1, pp=4, model=dataclasses.replace(RunConfig().model, layers=8))
+    m4, m8 = RunConfig(**base, accum=4), RunConfig(**base, accum=8)
+    assert bubble_change(m4, m8) == ("the bubble falls from 43% to 27%: accumulation (micro-batches per flush, "
+                                     "4 -> 8) shrinks it")
+    gpipe = RunConfig(**base, accum=4, pp_schedule="gpipe")
+    assert bubble_change(gpipe, m4).startswith("the bubble stays at 43%: 1F1B and GPipe keep the same bubble")
+    inter = RunConfig(**base, accum=8, pp_schedule="interleaved-1f1b", pp_virtual=2)
+    assert bubble_change(m8, inter) == "the bubble falls from 27% to 16%: 2 chunks per rank divide it by 2"
+    assert bubble_change(RunConfig(**TINY), RunConfig(**dict(TINY, accum=8))) == ""  # no pipeline: no clause

@@ -261,3 +261,30 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
                      f"b·s·h sends each way per micro-batch and chunk boundary over {pp_link(cfg, costs).text()}, "
                      "not overlapped")
     return "; ".join(parts)
+
+
+def bubble_change(a: RunConfig, b: RunConfig) -> str:
+    """A compare verdict's clause on the pipeline bubble, (p-1)/(v·m+p-1) of each side's update (Narayanan et al.
+    2021, sec. 2.2), and what moved it; "" where neither side runs a pipeline."""
+    la, lb = a.parallel, b.parallel
+    if la.pp == 1 and lb.pp == 1:
+        return ""
+    fa, fb = la.bubble_fraction(a.accum), lb.bubble_fraction(b.accum)
+    if round(fa, 3) == round(fb, 3):
+        moved = f"the bubble stays at {fa:.0%}"
+    else:
+        moved = f"the bubble {'falls' if fb < fa else 'grows'} from {fa:.0%} to {fb:.0%}"
+    why = []
+    if la.schedule != lb.schedule and not (la.schedule_spec.virtual or lb.schedule_spec.virtual):
+        why.append("1F1B and GPipe keep the same bubble (1F1B holds fewer micro-batches' activations)")
+    if la.chunks != lb.chunks:
+        more = lb.chunks > la.chunks
+        why.append(f"{max(la.chunks, lb.chunks)} chunks per rank {'divide' if more else 'no longer divide'} it by "
+                   f"{max(la.chunks, lb.chunks) // min(la.chunks, lb.chunks)}")
+    if a.accum != b.accum:
+        why.append(f"accumulation (micro-batches per flush, {a.accum} -> {b.accum}) "
+                   + ("shrinks it" if b.accum > a.accum else "grows it"))
+    if la.pp != lb.pp:
+        why.append(f"{'more' if lb.pp > la.pp else 'fewer'} stages ({la.pp} -> {lb.pp}) "
+                   + ("grow it" if lb.pp > la.pp else "shrink it"))
+    return moved + (": " + ", ".join(why) if why else "")
