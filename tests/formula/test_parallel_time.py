@@ -100,3 +100,13 @@ def test_the_compare_verdict_names_the_bubble_and_what_moved_it():
     inter = RunConfig(**base, accum=8, pp_schedule="interleaved-1f1b", pp_virtual=2)
     assert bubble_change(m8, inter) == "the bubble falls from 27% to 16%: 2 chunks per rank divide it by 2"
     assert bubble_change(RunConfig(**TINY), RunConfig(**dict(TINY, accum=8))) == ""  # no pipeline: no clause
+
+
+def test_explain_says_what_accumulation_means_in_a_pipeline():
+    # p 4, 1F1B, m 4 micro-batches per flush: bubble (p-1)/(m+p-1) = 3/7 = 42.9%
+    from batchlab.formula.explain import explain_sections
+
+    cfg = RunConfig(seq=64, micro_batch=1, accum=4, pp=4, model=dataclasses.replace(RunConfig().model, layers=8))
+    text = " ".join(" ".join(s.lines) for s in explain_sections(cfg))
+    assert "accum = 4 is the micro-batches of one pipeline flush" in text
+    assert "a bubble of 42.9% of the update" in text and "interleaving v chunks per rank divides it by v" in text
