@@ -110,3 +110,18 @@ def test_explain_says_what_accumulation_means_in_a_pipeline():
     text = " ".join(" ".join(s.lines) for s in explain_sections(cfg))
     assert "accum = 4 is the micro-batches of one pipeline flush" in text
     assert "a bubble of 42.9% of the update" in text and "interleaving v chunks per rank divides it by v" in text
+
+
+def test_local_tensor_parallel_ranks_pay_the_calibrated_link_per_message():
+    # a CPU host whose gloo link was calibrated at 1 GB/s + 20 us per message: TP 2's 18 all-reduces per micro-batch
+    # each pay 131,072 B / 1 GB/s and 2 messages; 4 micro-batches.  The 2 ranks are the host's local ranks.
+    from batchlab.formula import flops, memory, timing
+    from batchlab.formula.opcost import OpCosts
+
+    costs = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e10),), strided_bytes_per_s=5e9,
+                    element_seconds={}, dispatch={"forward": 5e-6, "backward": 5e-6, "plain": 5e-6}, threads=1,
+                    cores=2, link_bytes_per_s=1e9, link_latency_s=2e-5)
+    cfg = RunConfig(**TINY, tp=2)
+    t = timing(cfg, flops(cfg), memory(cfg), costs)
+    assert t.tp_comm_seconds == pytest.approx(4 * 18 * (131072e-9 + 2 * 2e-5))
+    assert "2 local rank(s) x 1 thread(s) on 2 cores" in t.model and "20 us per message" in t.model
