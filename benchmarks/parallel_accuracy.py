@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -49,9 +50,17 @@ RATIOS = [  # (from, to, what changes)
 MiB = 2**20
 
 
+# The estimates read no cached calibration: every layout is priced by the same nominal per-op costs.  A cached one
+# may lack the local ranks' part ("ranks": contention and the gloo link) that a layout of several ranks needs, and
+# is then set aside for that layout alone, so one process and its layouts would be priced by different costs; and
+# another process may write one in the middle of a run.
+NO_CALIBRATION = tempfile.mkdtemp(prefix="batchlab-no-calibration-")
+
+
 def _cli(command: str, flags: list[str], extra: list[str]) -> dict:
     args = [sys.executable, "-m", "batchlab", command, *BASE, *flags, *extra, "--json"]
-    out = subprocess.run(args, capture_output=True, text=True)
+    env = dict(os.environ, XDG_CACHE_HOME=NO_CALIBRATION) if command == "estimate" else None
+    out = subprocess.run(args, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(args)}: exit {out.returncode}\n{out.stderr[-2000:]}")
     return json.loads(out.stdout)
@@ -79,16 +88,42 @@ def run(name: str, flags: list[str]) -> dict:
                 formula_seconds=estimate["time"]["update_seconds"])
 
 
+def timed_link() -> tuple[float, float]:
+    """(bytes/s, seconds per message) of gloo's link between two local processes, timed now as ``batchlab
+    calibrate`` times it (calibrate/link.py: all-reduces right after a burst of compute, fitted to the ring model)."""
+    from batchlab.calibrate.link import allreduce_times, ring_fit
+
+    return ring_fit(allreduce_times(6.0).get("seconds", {}))
+
+
+def priced(flags: list[str], link: tuple[float, float] | None) -> float:
+    """The formula's update time with the nominal per-op costs of ``estimate`` and, where ``link`` is given, the
+    local ranks' messages on that link (as a calibration's link prices them: formula/pipeline.py)."""
+    import dataclasses
+
+    from batchlab.cli.common import config_from_command
+    from batchlab.formula import flops, memory, timing
+    from batchlab.formula.oplist import update_ops
+    from batchlab.formula.timing import costs_for
+
+    cfg = config_from_command(["estimate", *BASE, *flags])
+    costs = costs_for(cfg, None, update_ops(cfg))
+    if link is not None:
+        costs = dataclasses.replace(costs, link_bytes_per_s=link[0], link_latency_s=link[1])
+    return timing(cfg, flops(cfg), memory(cfg), costs).update_seconds
+
+
 def _err(predicted: float, measured: float) -> str:
     return f"{(predicted - measured) / measured:+.1%}"
 
 
-def document(results: dict[str, dict]) -> None:
+def document(results: dict[str, dict], link: tuple[float, float] | None = None) -> None:
     print("The tiny model (4 layers, hidden 128, 4 heads, vocabulary 512, tied embeddings) and a 2-layer Llama "
           "(Hugging Face `LlamaForCausalLM`, hidden 128, 4 heads, 2 kv heads, MLP 256, vocabulary 512), micro-batch "
           "4 x sequence 64, 4 micro-batches per update, fp32, AdamW, on forked gloo ranks (CPU, live-storage "
           "tracker: every storage an op makes, a DTensor op's local work included). Formula: `batchlab estimate` "
-          "for the same command, the entry of the rank's pipeline stage in `memory.ranks`. "
+          "for the same command, the entry of the rank's pipeline stage in `memory.ranks`; its times priced by the "
+          "nominal per-op costs for every layout alike (no cached calibration read). "
           "Error = (formula - measured) / measured.\n")
     print("## Peak memory per rank\n")
     print("| layout | rank | dp | tp | pp | measured (MiB) | formula (MiB) | error |")
@@ -111,13 +146,28 @@ def document(results: dict[str, dict]) -> None:
               "ratio. Each layout's time is the lower of two measurements in this run (3 timed updates each after 2 "
               "warmup updates; the second pass in reverse order), on CPU cores other processes share: forked gloo "
               "ranks over loopback, one thread per rank against two threads for one process.\n")
-        print("| change | measured ratio | formula ratio | error |")
-        print("|---|---|---|---|")
+        if link is not None:
+            print(f"Formula: `batchlab estimate`'s nominal costs, whose CPU entry knows no per-message cost of the "
+                  f"link; beside it, the same costs with the local ranks' messages on gloo's link as `batchlab "
+                  f"calibrate` times it, timed in this run between the two passes: {link[0] / 1e9:.2f} GB/s + "
+                  f"{link[1] * 1e6:.0f} us per message (each collective: its ring messages x that + its bytes; each "
+                  "pipeline send: one message). The nominal compute is an idle core's; the link is timed on the loaded "
+                  "machine the layouts ran on, so this column weighs messages against compute as the load does "
+                  "for the messages only.\n")
+        print("| change | measured ratio | formula ratio | error | formula, link timed in this run | error |")
+        print("|---|---|---|---|---|---|")
         for a, b, what in rows:
             m = min(results[b]["seconds"]) / min(results[a]["seconds"])
             f = results[b]["formula_seconds"] / results[a]["formula_seconds"]
-            print(f"| {what} | {m:.2f} | {f:.2f} | {_err(f, m)} |")
+            linked = ""
+            if "linked_seconds" in results[a] and "linked_seconds" in results[b]:
+                g = results[b]["linked_seconds"] / results[a]["linked_seconds"]
+                linked = f" {g:.2f} | {_err(g, m)} |"
+            print(f"| {what} | {m:.2f} | {f:.2f} | {_err(f, m)} |" + (linked or " | |"))
         print(f"\nLoad average at the end of the run: {os.getloadavg()[0]:.1f} (2 cores).\n")
+        print("What these differences are made of, measured (DTensor's host work, the collectives and point-to-point "
+              "ops counted against the formula's catalogue, each schedule's compute, p2p and waits): "
+              "[parallel-time-parts.md](parallel-time-parts.md), written by `benchmarks/parallel_time_parts.py`.\n")
 
 
 def main() -> int:
@@ -132,10 +182,18 @@ def main() -> int:
         print(f"running {name}", file=sys.stderr)
         results[name] = run(name, flags)
     timed = [n for n in LAYOUTS if n in results and any(n in pair[:2] for pair in RATIOS)]
+    print("timing gloo's link", file=sys.stderr)
+    link = timed_link()
+    for name in timed:
+        nominal = priced(LAYOUTS[name], None)
+        if abs(nominal - results[name]["formula_seconds"]) > 1e-6 * nominal:  # the in-process pricing is estimate's
+            raise SystemExit(f"{name}: in-process nominal {nominal} s != batchlab estimate's "
+                             f"{results[name]['formula_seconds']} s")
+        results[name]["linked_seconds"] = priced(LAYOUTS[name], link)
     for name in reversed(timed):  # a second pass, reversed: a slow spell of the shared machine hits both sides
         print(f"timing {name} again", file=sys.stderr)
         results[name]["seconds"].append(_slowest(_measure(LAYOUTS[name])))
-    document(results)
+    document(results, link)
     return 0
 
 

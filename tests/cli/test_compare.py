@@ -183,3 +183,10 @@ def test_a_side_that_fails_to_run_exits_1_with_the_record_saved(tmp_path, monkey
     d = json.loads(r.stdout)
     assert d["rounds"][0]["b"]["outcome"] == "failed" and d["rounds"][1]["b"] is None
     assert Notebook(nb).get(1).status.value == "complete"
+
+
+def test_under_a_pipeline_the_verdict_names_the_bubble(tmp_path):
+    # p 2: (p-1)/(m+p-1) = 1/3 at 2 micro-batches per flush, 1/5 at 4
+    d = formula_only(tmp_path, "--pp", "2", "--global-batch", "8", "--change", "micro_batch=4:2")
+    assert d["verdict"].endswith("; the bubble falls from 33% to 20%: accumulation (micro-batches per flush, "
+                                 "2 -> 4) shrinks it")

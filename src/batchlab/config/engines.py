@@ -162,3 +162,85 @@ SCHEDULES: dict[PipelineSchedule, ScheduleSpec] = {s.schedule: s for s in (
     ScheduleSpec(PipelineSchedule.ONE_F_ONE_B, "Schedule1F1B", virtual=False),
     ScheduleSpec(PipelineSchedule.INTERLEAVED, "ScheduleInterleaved1F1B", virtual=True),
 )}
+
+
+class Sent(Choice):
+    """What one message of a tensor-parallel layout carries."""
+
+    ACTIVATION = "activation"  # b·s·h elements of the activations' dtype: the whole (gathered) sequence
+    NORM = "norm"  # one norm parameter tensor's gradient (h elements)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``count`` collectives of ``kind`` (formula.sharding's ring kinds) in ``phase``, each over ``sent``'s
+    elements counted as nccl-tests sizes them: the whole buffer (all-reduce), the gathered output (all-gather),
+    the unreduced input (reduce-scatter)."""
+
+    kind: str
+    phase: str  # forward | backward
+    count: int
+    sent: Sent = Sent.ACTIVATION
+
+
+@dataclass(frozen=True)
+class TensorParallelSpec:
+    """What a tensor-parallel rank sends per micro-batch, as DTensor's ``parallelize_module`` plan runs it
+    (distributed/tensor_parallel.py; torchtitan's plan).  ``per_layer``: one transformer layer; ``recompute``: a fully
+    recomputed layer's forward again; ``per_norm``: per norm parameter tensor (sequence parallelism runs the norms on
+    DTensors whose replicated weights' gradients come back partial); the model's ends, on the stage holding each:
+    ``embedding`` / ``head`` always, ``embedding_vocab`` / ``head_vocab`` where tp splits the vocabulary."""
+
+    sequence_parallel: bool
+    api: str
+    per_layer: tuple[Collective, ...]
+    recompute: tuple[Collective, ...]
+    embedding: tuple[Collective, ...] = ()
+    embedding_vocab: tuple[Collective, ...] = ()
+    head: tuple[Collective, ...] = ()
+    head_vocab: tuple[Collective, ...] = ()
+    per_norm: tuple[Collective, ...] = ()
+    differs: str = ""  # where the engine sends more than the paper's count
+
+    def ends(self, first: bool, last: bool, vocab_parallel: bool) -> tuple[Collective, ...]:
+        """The collectives of the model's ends that a stage holding the embedding (``first``) and / or the head
+        (``last``) runs per micro-batch."""
+        out: tuple[Collective, ...] = ()
+        if first:
+            out += self.embedding + (self.embedding_vocab if vocab_parallel else ())
+        if last:
+            out += self.head + (self.head_vocab if vocab_parallel else ())
+        return out
+
+
+def _c(kind: str, phase: str, count: int, sent: Sent = Sent.ACTIVATION) -> Collective:
+    return Collective(kind, phase, count, sent)
+
+
+# Shoeybi et al. 2019 sec. 3 (Megatron's f and g): per layer 2 all-reduces of b·s·h in forward, 2 in backward.
+# Korthikanti et al. 2022 sec. 4.2.2: with sequence parallelism each becomes an all-gather + reduce-scatter pair of
+# the same volume: forward 2 all-gathers + 2 reduce-scatters.  DTensor's backward differs: the column-parallel
+# input's gradient comes back partial through ``from_local(Replicate)`` and is all-reduced whole, then sliced, where
+# Megatron reduce-scatters it; the norms' replicated weights are all-reduced every micro-batch, where Megatron
+# all-reduces them once per update.  Counted on a real run (tests/test_parallel_time.py).
+TENSOR_PARALLEL: dict[bool, TensorParallelSpec] = {s.sequence_parallel: s for s in (
+    TensorParallelSpec(False, "parallelize_module: ColwiseParallel / RowwiseParallel",
+                       per_layer=(_c("all_reduce", "forward", 2), _c("all_reduce", "backward", 2)),
+                       recompute=(_c("all_reduce", "forward", 2),),
+                       # the row-parallel embedding's output; the column-parallel head's input gradient
+                       embedding_vocab=(_c("all_reduce", "forward", 1),),
+                       head_vocab=(_c("all_reduce", "backward", 1),)),
+    TensorParallelSpec(True, "parallelize_module: + SequenceParallel norms, Shard(1) between blocks",
+                       per_layer=(_c("all_gather", "forward", 2), _c("reduce_scatter", "forward", 2),
+                                  _c("all_gather", "backward", 2), _c("all_reduce", "backward", 2)),
+                       recompute=(_c("all_gather", "forward", 2), _c("reduce_scatter", "forward", 2)),
+                       # the first block's sequence slice taken locally, its gradient gathered back; the head's
+                       # input gathered (reduce-scattered back where the head is column-parallel)
+                       embedding=(_c("all_gather", "backward", 1),),
+                       embedding_vocab=(_c("all_reduce", "forward", 1),),
+                       head=(_c("all_gather", "forward", 1),),
+                       head_vocab=(_c("reduce_scatter", "backward", 1),),
+                       per_norm=(_c("all_reduce", "backward", 1, Sent.NORM),),
+                       differs="backward all-reduces the attention and MLP inputs' gradients whole (Megatron: "
+                               "reduce-scatter) and the norms' weight gradients every micro-batch"),
+)}

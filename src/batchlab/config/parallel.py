@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config.engines import ENGINES, SCHEDULES, Engine, EngineSpec, PipelineSchedule, ScheduleSpec
+from batchlab.config.engines import (ENGINES, SCHEDULES, TENSOR_PARALLEL, Engine, EngineSpec, PipelineSchedule,
+                                     ScheduleSpec, TensorParallelSpec)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,11 @@ class Layout:
     @property
     def tensor_parallel(self) -> bool:
         return self.tp > 1
+
+    @property
+    def tp_spec(self) -> TensorParallelSpec:
+        """What a tensor-parallel rank sends per micro-batch (with or without sequence parallelism)."""
+        return TENSOR_PARALLEL[self.sequence_parallel]
 
     @property
     def pipelined(self) -> bool:

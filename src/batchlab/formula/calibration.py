@@ -14,7 +14,7 @@ from batchlab.formula.opcost import OpCosts
 
 # Parts of a calibration beyond the fp32 kernels and dispatch every time prediction uses: 16-bit kernels and
 # autocast's dispatch ("bf16": any 16-bit precision), dispatch under selective checkpointing's dispatch mode
-# ("sac"), and on CPU the local ranks' contention and gloo link ("ranks": DP > 1).
+# ("sac"), and on CPU the local ranks' contention and gloo link ("ranks": more than one rank).
 SCOPES = ("bf16", "sac", "ranks")
 
 
@@ -24,7 +24,7 @@ def needs(cfg) -> set[str]:
     # selective-op layers lost the mode's dispatch and undercut the preset it equals)
     sac = any(m.dispatch_mode for m in cfg.ac.layer_modes(cfg.model.layers))
     return ({"bf16"} if cfg.precision is not Precision.FP32 else set()) | ({"sac"} if sac else set()) | (
-        {"ranks"} if cfg.dp > 1 else set())
+        {"ranks"} if cfg.parallel.world_size > 1 else set())
 
 
 @dataclass

@@ -105,10 +105,13 @@ def _pipeline_accumulation(cfg: RunConfig, e: Estimate) -> str:
     return (f"Under a {lay.pp}-stage pipeline ({lay.schedule.value}) accum = {k} is the micro-batches of one pipeline "
             f"flush: the pipeline idles (p - 1) micro-batch times at its start and end, a bubble of "
             f"{lay.bubble_fraction(k):.1%} of the update ((p-1)/(v·m+p-1) = {lay.pp - 1}/({lay.chunks}·{k}+{lay.pp - 1}); "
-            f"{e.time.bubble_seconds * 1e3:,.1f} ms here), smaller the more micro-batches per update; the first "
-            f"stage holds {first:g} micro-batches' activations at its high point "
-            + ("(GPipe: all of them, growing with accum)." if lay.schedule.value == "gpipe" else
-               "(1F1B: at most p, whatever accum)."))
+            f"{e.time.bubble_seconds * 1e3:,.1f} ms here), smaller the more micro-batches per update; GPipe and 1F1B "
+            "leave the same bubble, (p-1)/(m+p-1), and interleaving v chunks per rank divides it by v (Narayanan et "
+            f"al. 2021, arXiv 2104.04473); the first stage holds {first:g} micro-batches' activations at its high "
+            "point " + {"gpipe": "(GPipe: all of them, growing with accum).",
+                        "1f1b": "(1F1B: at most p, whatever accum)."}.get(
+                lay.schedule.value, "(interleaved: its warm-up chunk-forwards, (p-1)·2 + (v-1)·p + 1 on the first "
+                                    "stage, each 1/v of its layers)."))
 
 
 def _timings(cfg: RunConfig, e: Estimate) -> Section:

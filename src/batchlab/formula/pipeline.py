@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config import Applied, RunConfig
+from batchlab.config import Applied, Backend, ModelSpec, NormKind, RunConfig
+from batchlab.config.engines import Sent
 from batchlab.formula.activations import Widths
 from batchlab.formula.flops import stage_flops_per_token
 from batchlab.formula.ranks import RankShare, shares
-from batchlab.formula.sharding import collective_seconds
+from batchlab.formula.opcost import OpCosts
+from batchlab.formula.sharding import collective_seconds, ring_messages
 
 
 def stage_output_bytes(cfg: RunConfig, rank: RankShare) -> int:
@@ -110,66 +112,181 @@ class PipelineTime:
         return self.seconds - self.busy_seconds
 
 
-def tp_link(cfg: RunConfig) -> float:
-    dev = cfg.device_spec
-    return dev.intra_node_bytes_per_s if cfg.tp <= dev.gpus_per_node else dev.inter_node_bytes_per_s
+@dataclass(frozen=True)
+class Link:
+    """A link as a message on it is priced: bytes over its bandwidth plus a fixed cost per message (nccl-tests'
+    alpha-beta model); ``source`` names where the figures come from."""
+
+    bytes_per_s: float
+    latency_s: float
+    source: str
+
+    def collective_seconds(self, kind: str, nbytes: float, n: int) -> float:
+        """One ring collective over ``n`` ranks: its share of the buffer over the link, one latency per message."""
+        return collective_seconds(kind, nbytes, n, self.bytes_per_s) + ring_messages(kind, n) * self.latency_s
+
+    def send_seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+    def text(self) -> str:
+        return f"{self.bytes_per_s / 1e9:g} GB/s + {self.latency_s * 1e6:.0f} us per message ({self.source})"
 
 
-def pp_link(cfg: RunConfig) -> float:
+def local_link(cfg: RunConfig, costs: OpCosts | None) -> Link | None:
+    """CPU ranks all on this host with gloo's link between local processes calibrated (calibrate/link.py)."""
+    if (costs is None or costs.link_bytes_per_s is None or cfg.device_spec.backend is not Backend.CPU
+            or cfg.parallel.world_size < 2):
+        return None
+    return Link(costs.link_bytes_per_s, costs.link_latency_s, "gloo between local processes, calibrated")
+
+
+def tp_link(cfg: RunConfig, costs: OpCosts | None = None) -> Link:
+    local = local_link(cfg, costs)
+    if local is not None:
+        return local
     dev = cfg.device_spec
-    return dev.intra_node_bytes_per_s if cfg.parallel.world_size <= dev.gpus_per_node else dev.inter_node_bytes_per_s
+    if cfg.tp <= dev.gpus_per_node:
+        return Link(dev.intra_node_bytes_per_s, 0.0, f"{dev.name}'s intra-node link, no per-message cost known")
+    return Link(dev.inter_node_bytes_per_s, 0.0, f"{dev.name}'s inter-node link, no per-message cost known")
+
+
+def pp_link(cfg: RunConfig, costs: OpCosts | None = None) -> Link:
+    local = local_link(cfg, costs)
+    if local is not None:
+        return local
+    dev = cfg.device_spec
+    if cfg.parallel.world_size <= dev.gpus_per_node:
+        return Link(dev.intra_node_bytes_per_s, 0.0, f"{dev.name}'s intra-node link, no per-message cost known")
+    return Link(dev.inter_node_bytes_per_s, 0.0, f"{dev.name}'s inter-node link, no per-message cost known")
 
 
 def activation_message_bytes(cfg: RunConfig) -> int:
-    """b·s·h in the activations' dtype: what a TP collective and a pipeline send move per micro-batch."""
+    """b·s·h in the activations' dtype: what a TP collective (the gathered sequence) and a pipeline send move per
+    micro-batch."""
     return cfg.micro_batch * cfg.seq * cfg.model.hidden * cfg.precision.compute_bytes
 
 
-def tp_seconds(cfg: RunConfig, rank: RankShare) -> float:
-    """One micro-batch's TP collectives on ``rank``: 4 all-reduces per layer (2 forward, 2 backward), 2 more per
-    fully recomputed layer."""
+def norm_tensors(m: ModelSpec) -> int:
+    """Parameter tensors of one norm: a weight, and a bias for a LayerNorm with biases."""
+    return 1 if (m.norm is NormKind.RMSNORM or not m.bias) else 2
+
+
+def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tuple[int, int]]:
+    """One micro-batch's tensor-parallel collectives on ``rank``, by (kind, phase): (calls, bytes per call summed),
+    from the catalogue (``config.engines.TENSOR_PARALLEL``): each layer's, a fully recomputed layer's forward again,
+    the norms' gradients, and the model's ends this stage holds."""
     if rank.tp == 1:
-        return 0.0
+        return {}
+    spec = cfg.parallel.tp_spec
     modes = cfg.ac.layer_modes(cfg.model.layers)
-    calls = sum(4 + (2 if modes[i].spec.applied is Applied.WHOLE_BLOCK else 0) for i in rank.layers)
-    return calls * collective_seconds("all_reduce", activation_message_bytes(cfg), rank.tp, tp_link(cfg))
+    norm_bytes = cfg.model.hidden * (4 if cfg.precision.mixed else cfg.precision.compute_bytes)
+    sizes = {Sent.ACTIVATION: activation_message_bytes(cfg), Sent.NORM: norm_bytes}
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def add(items, times: int = 1) -> None:
+        for c in items:
+            calls, nbytes = out.get((c.kind, c.phase), (0, 0))
+            out[(c.kind, c.phase)] = (calls + c.count * times, nbytes + c.count * times * sizes[c.sent])
+
+    for i in rank.layers:
+        add(spec.per_layer)
+        if modes[i].spec.applied is Applied.WHOLE_BLOCK:
+            add(spec.recompute)
+    norms = norm_tensors(cfg.model) * (2 * len(rank.layers) + (1 if rank.last else 0))
+    add(spec.per_norm, norms)
+    add(spec.ends(rank.first, rank.last, cfg.vocab_parallel))
+    return out
 
 
-def pp_seconds(cfg: RunConfig, rank: RankShare) -> float:
+def tp_seconds(cfg: RunConfig, rank: RankShare, link: Link | None = None) -> float:
+    """One micro-batch's TP collectives on ``rank`` (``tp_collectives``), each priced on the link."""
+    link = link or tp_link(cfg)
+    return sum(link.collective_seconds(kind, nbytes / calls, rank.tp) * calls
+               for (kind, _), (calls, nbytes) in tp_collectives(cfg, rank).items())
+
+
+def pp_sends(cfg: RunConfig, rank: RankShare) -> int:
     """One micro-batch's sends from ``rank``: activations to the next stage, gradients to the previous one, at
     every chunk boundary it has (v chunks: v of each, less the pipeline's two ends)."""
     if rank.stages == 1:
-        return 0.0
-    v = cfg.parallel.chunks
-    sends = 2 * v - (1 if rank.first else 0) - (1 if rank.last else 0)
-    return sends * activation_message_bytes(cfg) / pp_link(cfg)
+        return 0
+    return 2 * cfg.parallel.chunks - (1 if rank.first else 0) - (1 if rank.last else 0)
 
 
-def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float) -> PipelineTime:
+def pp_seconds(cfg: RunConfig, rank: RankShare, link: Link | None = None) -> float:
+    """One micro-batch's sends from ``rank`` (b·s·h each, this rank's sequence slice under sequence parallelism),
+    each priced on the link."""
+    link = link or pp_link(cfg)
+    return pp_sends(cfg, rank) * link.send_seconds(activation_message_bytes(cfg) / rank.in_sp)
+
+
+def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts | None = None) -> PipelineTime:
     """``compute_per_micro_batch``: the whole replica's forward + backward (+ recompute) of one micro-batch on one
-    device, as the per-op model priced it."""
+    device, as the per-op model priced it; ``costs``: the per-op costs, whose calibrated link prices local ranks'
+    messages."""
     ranks = shares(cfg)
     per = [stage_flops_per_token(cfg, r.layers, r.last) for r in ranks]
     total = sum(per) or 1.0
+    tp, pp = tp_link(cfg, costs), pp_link(cfg, costs)
     stages = tuple(StageTime(stage=r.stage, compute_seconds=compute_per_micro_batch * f / total / r.tp,
-                             tp_comm_seconds=tp_seconds(cfg, r), pp_comm_seconds=pp_seconds(cfg, r))
+                             tp_comm_seconds=tp_seconds(cfg, r, tp), pp_comm_seconds=pp_seconds(cfg, r, pp))
                    for r, f in zip(ranks, per))
     slowest = max(range(len(stages)), key=lambda i: (stages[i].seconds, -i))
     return PipelineTime(stages=stages, micro_batches=cfg.accum, bubble_fraction=cfg.parallel.bubble_fraction(cfg.accum),
                         slowest=slowest)
 
 
-def text(cfg: RunConfig, p: PipelineTime) -> str:
+def collectives_text(items) -> str:
+    """"forward 2 all_reduce, backward 2 all_reduce": a catalogue entry's collectives, by phase."""
+    phases: dict[str, list[str]] = {}
+    for c in items:
+        phases.setdefault(c.phase, []).append(f"{c.count} {c.kind.replace('_', '-')}")
+    return ", ".join(f"{ph} " + " + ".join(v) for ph, v in phases.items())
+
+
+def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
     """The assumptions line of a layout's time."""
     lay = cfg.parallel
     parts = []
     if lay.tp > 1:
-        parts.append(f"TP {lay.tp}: each rank computes 1/{lay.tp} of its stage's FLOPs; 4 all-reduces of b·s·h per "
-                     "layer per micro-batch (2 forward, 2 backward; +2 per fully recomputed layer"
-                     + ("; as all-gather + reduce-scatter pairs with sequence parallelism" if lay.sequence_parallel else "")
-                     + f") over {tp_link(cfg) / 1e9:g} GB/s, not overlapped")
+        spec = lay.tp_spec
+        parts.append(f"TP {lay.tp}" + (" with sequence parallelism" if lay.sequence_parallel else "")
+                     + f": each rank computes 1/{lay.tp} of its stage's FLOPs; per layer per micro-batch "
+                     f"{collectives_text(spec.per_layer)} of b·s·h"
+                     + (f" (+{collectives_text(spec.recompute)} per fully recomputed layer)" if spec.recompute else "")
+                     + (f", the norms' weight gradients all-reduced every micro-batch" if spec.per_norm else "")
+                     + f", the embedding's and head's at the ends ({spec.api}); each collective over "
+                     f"{tp_link(cfg, costs).text()}, not overlapped")
     if lay.pp > 1:
         parts.append(f"PP {lay.pp} ({lay.schedule.value}): (m + (p-1)/v) x the slowest stage's micro-batch, bubble "
                      f"{p.bubble_fraction:.1%} of the update (m = accum = {cfg.accum}); stage compute split by FLOPs; "
-                     f"b·s·h sends each way per micro-batch over {pp_link(cfg) / 1e9:g} GB/s, not overlapped")
+                     f"b·s·h sends each way per micro-batch and chunk boundary over {pp_link(cfg, costs).text()}, "
+                     "not overlapped")
     return "; ".join(parts)
+
+
+def bubble_change(a: RunConfig, b: RunConfig) -> str:
+    """A compare verdict's clause on the pipeline bubble, (p-1)/(v·m+p-1) of each side's update (Narayanan et al.
+    2021, sec. 2.2), and what moved it; "" where neither side runs a pipeline."""
+    la, lb = a.parallel, b.parallel
+    if la.pp == 1 and lb.pp == 1:
+        return ""
+    fa, fb = la.bubble_fraction(a.accum), lb.bubble_fraction(b.accum)
+    if round(fa, 3) == round(fb, 3):
+        moved = f"the bubble stays at {fa:.0%}"
+    else:
+        moved = f"the bubble {'falls' if fb < fa else 'grows'} from {fa:.0%} to {fb:.0%}"
+    why = []
+    if la.schedule != lb.schedule and not (la.schedule_spec.virtual or lb.schedule_spec.virtual):
+        why.append("1F1B and GPipe keep the same bubble (1F1B holds fewer micro-batches' activations)")
+    if la.chunks != lb.chunks:
+        more = lb.chunks > la.chunks
+        why.append(f"{max(la.chunks, lb.chunks)} chunks per rank {'divide' if more else 'no longer divide'} it by "
+                   f"{max(la.chunks, lb.chunks) // min(la.chunks, lb.chunks)}")
+    if a.accum != b.accum:
+        why.append(f"accumulation (micro-batches per flush, {a.accum} -> {b.accum}) "
+                   + ("shrinks it" if b.accum > a.accum else "grows it"))
+    if la.pp != lb.pp:
+        why.append(f"{'more' if lb.pp > la.pp else 'fewer'} stages ({la.pp} -> {lb.pp}) "
+                   + ("grow it" if lb.pp > la.pp else "shrink it"))
+    return moved + (": " + ", ".join(why) if why else "")

@@ -117,6 +117,14 @@ def unsharded_gradient_bytes(cfg: RunConfig) -> int:
     return sum(unit_elements(cfg)) * reduced_bytes_per_element(cfg)
 
 
+def ring_messages(kind: str, n: int) -> int:
+    """Messages each rank sends in one ring collective over ``n`` ranks: 2(n-1) for an all-reduce (reduce-scatter
+    then all-gather), n-1 for an all-gather, a reduce-scatter or a (pipelined) broadcast; one for a send."""
+    if n <= 1:
+        return 0
+    return {"all_reduce": 2 * (n - 1), "send": 1}.get(kind, n - 1)
+
+
 def collective_seconds(kind: str, nbytes: float, n: int, bus_bytes_per_s: float) -> float:
     """Ring algorithms (nccl-tests PERFORMANCE.md): all-reduce moves 2(n-1)/n of the buffer over the slowest
     link, all-gather and reduce-scatter (n-1)/n, broadcast the buffer once."""

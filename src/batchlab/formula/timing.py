@@ -221,7 +221,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     sent = traffic(cfg).per_update
     layout = cfg.parallel.tp * cfg.parallel.pp > 1
     held = heaviest(cfg).params / max(count(cfg.model).total, 1) if layout else 1.0
-    pipe = pipeline_time(cfg, compute / cfg.accum) if layout else None  # formula/pipeline.py: per stage, then the bubble
+    pipe = pipeline_time(cfg, compute / cfg.accum, costs) if layout else None  # formula/pipeline.py: per stage, then the bubble
     if pipe is not None:  # the data-parallel group of a stage's TP rank reduces (and steps) its slice only
         sent = {k: round(v * held) for k, v in sent.items()}
         compute = cfg.accum * pipe.stages[pipe.slowest].compute_seconds
@@ -253,7 +253,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
             if calibrated is not None else achievable_fraction(cfg))
     model = describe(costs, t) + machine_text(cfg, costs)
     if pipe is not None:
-        model += "; " + layout_time_text(cfg, pipe)
+        model += "; " + layout_time_text(cfg, pipe, costs)
     return TimeEstimate(compute_seconds_per_micro_batch=compute / cfg.accum, compute_seconds=compute,
                         allreduce_bytes=grad_bytes, allreduce_seconds=comm, exposed_comm_seconds=exposed,
                         optimizer_seconds=rest, update_seconds=update, tokens_per_second=useful / update,
@@ -277,7 +277,12 @@ def ddp_buckets(grad_bytes: int) -> int:
 
 def local_link(cfg: RunConfig, costs: OpCosts) -> bool:
     """CPU ranks all on this host, with the link between them calibrated (gloo's all-reduce, calibrate/link.py)."""
-    return cfg.dp > 1 and costs.link_bytes_per_s is not None and cfg.device_spec.backend is Backend.CPU
+    return local_ranks(cfg) > 1 and costs.link_bytes_per_s is not None and cfg.device_spec.backend is Backend.CPU
+
+
+def local_ranks(cfg: RunConfig) -> int:
+    """The ranks a CPU layout runs on this host, each a process: every data-, tensor- and pipeline-parallel rank."""
+    return cfg.parallel.world_size
 
 
 def sharing(cfg: RunConfig, costs: OpCosts) -> float:
@@ -286,20 +291,20 @@ def sharing(cfg: RunConfig, costs: OpCosts) -> float:
     otherwise idle machine: other processes' load is not predicted)."""
     if cfg.device_spec.backend is not Backend.CPU or not (costs.cores and costs.threads):
         return 1.0
-    return max(1.0, cfg.dp * costs.threads / costs.cores)
+    return max(1.0, local_ranks(cfg) * costs.threads / costs.cores)
 
 
 def fills_cores(cfg: RunConfig, costs: OpCosts) -> bool:
     """Local CPU ranks whose threads leave no core idle (R ranks x T threads >= C cores)."""
     return (cfg.device_spec.backend is Backend.CPU and bool(costs.cores and costs.threads)
-            and cfg.dp * costs.threads >= costs.cores)
+            and local_ranks(cfg) * costs.threads >= costs.cores)
 
 
 def contention(cfg: RunConfig, costs: OpCosts) -> dict[str, float]:
     """Per kind (compute | memory | dispatch), how much slower each local rank's ops run while the other ranks
     run theirs at the same moment (they step in lockstep: every update ends in the all-reduce): the calibrated
     slowdown of concurrent processes (shared memory bandwidth and caches), at least 1; {} for one rank."""
-    if cfg.dp < 2 or cfg.device_spec.backend is not Backend.CPU or not costs.contention:
+    if local_ranks(cfg) < 2 or cfg.device_spec.backend is not Backend.CPU or not costs.contention:
         return {}
     return {k: max(1.0, f) for k, f in costs.contention.items()}
 
@@ -307,7 +312,7 @@ def contention(cfg: RunConfig, costs: OpCosts) -> dict[str, float]:
 def skew(cfg: RunConfig, costs: OpCosts) -> float:
     """How much longer the slowest local CPU rank computes than the ranks' mean (0 for one rank): the
     calibrated spread of two ranks over the same matmuls (calibrate/link.py), which every all-reduce waits out."""
-    if cfg.dp < 2 or cfg.device_spec.backend is not Backend.CPU:
+    if local_ranks(cfg) < 2 or cfg.device_spec.backend is not Backend.CPU:
         return 0.0
     return max(0.0, costs.rank_skew)
 
@@ -345,7 +350,7 @@ def machine_text(cfg: RunConfig, costs: OpCosts) -> str:
     """The machine-sharing and link assumptions of a CPU prediction, for the assumptions line."""
     if cfg.device_spec.backend is not Backend.CPU or not costs.cores:
         return ""
-    out = (f"; {cfg.dp} local rank(s) x {costs.threads} thread(s) on {costs.cores} cores, ops x{sharing(cfg, costs):.2f}"
+    out = (f"; {local_ranks(cfg)} local rank(s) x {costs.threads} thread(s) on {costs.cores} cores, ops x{sharing(cfg, costs):.2f}"
            " (an otherwise idle machine assumed)")
     slow = contention(cfg, costs)
     if slow:

@@ -1,0 +1,127 @@
+"""The time terms of tensor and pipeline layouts: what each rank sends per micro-batch, from the catalogue
+(config.engines), priced as a latency per message plus bytes over the link.  References: Shoeybi et al. 2019 and
+Korthikanti et al. 2022 sec. 4.2.2 for the per-layer collectives, and the collectives a real run issued
+(the built-in tiny GPT on 2 gloo ranks, counted by a TorchDispatchMode over one update of 4 micro-batches)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from batchlab.config import RunConfig
+from batchlab.config.engines import TENSOR_PARALLEL
+from batchlab.formula.pipeline import Link, pp_seconds, pp_sends, tp_collectives, tp_seconds
+from batchlab.formula.ranks import shares
+
+TINY = dict(seq=64, micro_batch=4, accum=4)  # the built-in GPT: 4 layers, h 128, vocabulary 512, LayerNorm with biases
+BSH = 4 * 64 * 128 * 4  # b·s·h fp32 bytes: 131,072
+
+
+def _per_layer(sp: bool) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    for c in TENSOR_PARALLEL[sp].per_layer:
+        out[(c.kind, c.phase)] = out.get((c.kind, c.phase), 0) + c.count
+    return out
+
+
+def test_forward_per_layer_is_korthikanti_with_and_without_sequence_parallelism():
+    # Korthikanti et al. 2022 sec. 4.2.2: forward, 2 all-gathers + 2 reduce-scatters with SP where Megatron's
+    # tensor parallelism has 2 all-reduces
+    plain, sp = _per_layer(False), _per_layer(True)
+    assert {k: v for k, v in plain.items() if k[1] == "forward"} == {("all_reduce", "forward"): 2}
+    assert {k: v for k, v in sp.items() if k[1] == "forward"} == {("all_gather", "forward"): 2,
+                                                                    ("reduce_scatter", "forward"): 2}
+    assert plain[("all_reduce", "backward")] == 2
+
+
+def test_a_middle_stage_sends_only_its_layers_collectives():
+    # PP 4 x TP 2 over 8 layers: stage 1 holds layers 2-3, no embedding or head: 2 layers x 4 collectives of b·s·h
+    cfg = RunConfig(**TINY, model=dataclasses.replace(RunConfig().model, layers=8), tp=2, pp=4)
+    middle = shares(cfg)[1]
+    assert tp_collectives(cfg, middle) == {("all_reduce", "forward"): (4, 4 * BSH),
+                                           ("all_reduce", "backward"): (4, 4 * BSH)}
+
+
+def test_the_collectives_a_real_tensor_parallel_run_issued():
+    # counted on 2 gloo ranks, per micro-batch: 18 all-reduces of b·s·h (4 per layer, the vocabulary-parallel
+    # embedding's output, the column-parallel head's input gradient)
+    cfg = RunConfig(**TINY, tp=2)
+    got = tp_collectives(cfg, shares(cfg)[0])
+    assert sum(c for c, _ in got.values()) == 18 and sum(b for _, b in got.values()) == 18 * BSH
+
+
+def test_the_collectives_a_real_sequence_parallel_run_issued():
+    # counted on 2 gloo ranks, per micro-batch: 18 all-gathers and 9 reduce-scatters of b·s·h, 9 all-reduces of
+    # b·s·h, 18 all-reduces of one norm tensor's gradient (h fp32 = 512 bytes: 9 LayerNorms x weight and bias)
+    cfg = RunConfig(**TINY, tp=2, sequence_parallel=True)
+    got = tp_collectives(cfg, shares(cfg)[0])
+    by_kind: dict[str, list[int]] = {}
+    for (kind, _), (calls, nbytes) in got.items():
+        c = by_kind.setdefault(kind, [0, 0])
+        c[0] += calls
+        c[1] += nbytes
+    assert by_kind == {"all_gather": [18, 18 * BSH], "reduce_scatter": [9, 9 * BSH],
+                       "all_reduce": [27, 9 * BSH + 18 * 512]}
+
+
+def test_each_collective_pays_its_ring_messages_and_bytes():
+    link = Link(1e9, 1e-4, "hand")
+    plain = RunConfig(**TINY, tp=2)
+    # 18 all-reduces over 2 ranks: 2(t-1)/t x 131,072 B / 1 GB/s + 2(t-1) = 2 messages of 100 us each
+    assert tp_seconds(plain, shares(plain)[0], link) == pytest.approx(18 * (131072e-9 + 2e-4))
+    sp = RunConfig(**TINY, tp=2, sequence_parallel=True)
+    # all-gather and reduce-scatter: (t-1)/t of the bytes, t-1 = 1 message; the norms' all-reduces of 512 B
+    expected = 27 * (65536e-9 + 1e-4) + 9 * (131072e-9 + 2e-4) + 18 * (512e-9 + 2e-4)
+    assert tp_seconds(sp, shares(sp)[0], link) == pytest.approx(expected)
+
+
+def test_interleaving_sends_at_every_chunk_boundary():
+    # PP 2: 1F1B, each stage one send a micro-batch (stage 0 its output, stage 1 its input gradient); interleaved
+    # with 2 chunks per rank, 4 stages: rank 0 holds stages 0 and 2 (sends 0->1, 2->3 forward, 2->1 back), rank 1
+    # stages 1 and 3 -- counted on a real run: 4 and 12 sends an update of 4 micro-batches from rank 0
+    one = RunConfig(**TINY, pp=2)
+    inter = RunConfig(**TINY, pp=2, pp_schedule="interleaved-1f1b", pp_virtual=2)
+    assert [pp_sends(one, r) for r in shares(one)] == [1, 1]
+    assert [pp_sends(inter, r) for r in shares(inter)] == [3, 3]
+    link = Link(1e9, 1e-4, "hand")
+    assert pp_seconds(inter, shares(inter)[0], link) == pytest.approx(3 * (1e-4 + 131072e-9))
+
+
+def test_the_compare_verdict_names_the_bubble_and_what_moved_it():
+    # p 4: (p-1)/(m+p-1) = 3/7 = 43% at m 4, 3/11 = 27% at m 8; interleaved, 2 chunks: 3/(2·8+3) = 16%
+    from batchlab.formula.pipeline import bubble_change
+
+    base = dict(seq=64, micro_batch=1, pp=4, model=dataclasses.replace(RunConfig().model, layers=8))
+    m4, m8 = RunConfig(**base, accum=4), RunConfig(**base, accum=8)
+    assert bubble_change(m4, m8) == ("the bubble falls from 43% to 27%: accumulation (micro-batches per flush, "
+                                     "4 -> 8) shrinks it")
+    gpipe = RunConfig(**base, accum=4, pp_schedule="gpipe")
+    assert bubble_change(gpipe, m4).startswith("the bubble stays at 43%: 1F1B and GPipe keep the same bubble")
+    inter = RunConfig(**base, accum=8, pp_schedule="interleaved-1f1b", pp_virtual=2)
+    assert bubble_change(m8, inter) == "the bubble falls from 27% to 16%: 2 chunks per rank divide it by 2"
+    assert bubble_change(RunConfig(**TINY), RunConfig(**dict(TINY, accum=8))) == ""  # no pipeline: no clause
+
+
+def test_explain_says_what_accumulation_means_in_a_pipeline():
+    # p 4, 1F1B, m 4 micro-batches per flush: bubble (p-1)/(m+p-1) = 3/7 = 42.9%
+    from batchlab.formula.explain import explain_sections
+
+    cfg = RunConfig(seq=64, micro_batch=1, accum=4, pp=4, model=dataclasses.replace(RunConfig().model, layers=8))
+    text = " ".join(" ".join(s.lines) for s in explain_sections(cfg))
+    assert "accum = 4 is the micro-batches of one pipeline flush" in text
+    assert "a bubble of 42.9% of the update" in text and "interleaving v chunks per rank divides it by v" in text
+
+
+def test_local_tensor_parallel_ranks_pay_the_calibrated_link_per_message():
+    # a CPU host whose gloo link was calibrated at 1 GB/s + 20 us per message: TP 2's 18 all-reduces per micro-batch
+    # each pay 131,072 B / 1 GB/s and 2 messages; 4 micro-batches.  The 2 ranks are the host's local ranks.
+    from batchlab.formula import flops, memory, timing
+    from batchlab.formula.opcost import OpCosts
+
+    costs = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e10),), strided_bytes_per_s=5e9,
+                    element_seconds={}, dispatch={"forward": 5e-6, "backward": 5e-6, "plain": 5e-6}, threads=1,
+                    cores=2, link_bytes_per_s=1e9, link_latency_s=2e-5)
+    cfg = RunConfig(**TINY, tp=2)
+    t = timing(cfg, flops(cfg), memory(cfg), costs)
+    assert t.tp_comm_seconds == pytest.approx(4 * 18 * (131072e-9 + 2 * 2e-5))
+    assert "2 local rank(s) x 1 thread(s) on 2 cores" in t.model and "20 us per message" in t.model
