@@ -38,6 +38,21 @@ def fake_world(world: int, rank: int = 0):
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches each op's output sharding, device mesh included, by value: a mesh of the next fake world
+    equals this one's, so a cached sharding would hand the next trace a mesh whose process groups are gone."""
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for cached in (prop.propagate_op_sharding, prop._propagate_tensor_meta_cached):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ dispatch's own cache
+    if native is not None:
+        native()
 
 
 def build(cfg: RunConfig, device: torch.device, trainer_cls) -> tuple[object, list[str]]:
