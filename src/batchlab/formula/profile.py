@@ -16,7 +16,7 @@ from batchlab.config.hf import hf_config_path
 from batchlab.config.profile import LayerProfile, Terms
 from batchlab.util.files import write_atomic
 
-PROFILE_VERSION = 17  # bump when what a profile measures changes: old cache entries are then ignored
+PROFILE_VERSION = 18  # bump when what a profile measures changes: old cache entries are then ignored
 # fp16 autocast keeps the same tensors as bf16 autocast (2-byte activations, fp32 master weights)
 _SAME_BYTES = {Precision.FP16_MIXED: Precision.BF16_MIXED}
 
