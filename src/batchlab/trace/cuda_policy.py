@@ -16,6 +16,12 @@ choices that decide what a CUDA run keeps for backward follow CUDA while it runs
   CPU falls back to the math path (s x s scores kept).  Where CPU would pick its flash kernel without dropout,
   that kernel runs with the dropout (it keeps the output and log-sum-exp, as CUDA's fused kernels do).
 
+Not followed: what a CUDA kernel itself keeps where it differs from the CPU kernel's fake implementation
+(layer_norm's statistics of a 16-bit input are fp32 on CUDA, s·b·4 bytes a norm; nn.RMSNorm's fused CUDA kernel),
+the fused attention kernel's own layout (memory-efficient attention pads its log-sum-exp), and SDPA with dropout
+under ``enable_gqa`` (CPU's math path runs).  The tensors stay on the CPU device, so the trainer touches no CUDA
+state (RNG, GradScaler, memory statistics).
+
 Everything is registered on entry and removed on exit (``Library._destroy`` restores the kernels it replaced).
 """
 from __future__ import annotations
