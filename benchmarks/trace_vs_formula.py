@@ -63,7 +63,8 @@ def other_row(name: str, layers: int | None, seq: int, micro_batch: int, changes
     model = {k: v for k, v in changes.items() if k not in run}
     cfg = cfg.replace(**model) if model else cfg
     what = ", ".join(f"{k} {v}" for k, v in changes.items() if k not in ("device", "precision"))
-    return _row(cfg, name + (f" ({layers} layers)" if layers else ""), micro=f"b {micro_batch}" + (f", {what}" if what else ""))
+    label = name + (f" ({layers} layers)" if layers else "")
+    return _row(cfg, label, micro=f"b {micro_batch}" + (f", {what}" if what else ""))
 
 
 def _row(cfg: RunConfig, name: str, micro: str | None = None) -> tuple[str, float]:
