@@ -99,6 +99,9 @@ def test_cuda_keeps_a_one_byte_dropout_mask_where_cpu_keeps_the_activation_dtype
     assert saved == (4 - 1) * _dropout_elements(tiny(precision="fp32"))
     assert gpu.traced_device.startswith("cpu (CUDA") and any("CUDA's kernel choices" in n for n in gpu.notes)
     assert not any("CPU kernels" in n for n in gpu.notes)
+    # the trace's kernels are gone once it returns: CPU autocast has no softmax kernel of its own
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::softmax.int", "AutocastCPU")
+    assert not torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda")
 
 
 @pytest.mark.parametrize("kw", [dict(precision="bf16-mixed"),
