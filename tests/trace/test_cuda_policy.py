@@ -118,3 +118,19 @@ def test_a_cuda_config_traced_without_cuda_agrees_with_the_formulas_cuda_terms(k
         cfg = cfg.replace(attention=kw["attention"])
     traced = trace(cfg)
     assert rel(formula(cfg).memory.activations_bytes, traced.memory.activations_bytes) <= 0.05
+
+
+def test_where_cudas_choices_fail_the_trace_runs_cpus_kernels_and_says_so(monkeypatch):
+    import contextlib
+
+    import batchlab.trace.run as run
+
+    @contextlib.contextmanager
+    def failing():
+        raise RuntimeError("no such kernel\nmore")
+        yield
+
+    monkeypatch.setattr(run, "cuda_kernels", failing)
+    t = trace(tiny(precision="bf16-mixed", device="h100-sxm"))
+    assert t.traced_device == "cpu"
+    assert any("CPU kernels" in n and "CUDA's kernel choices failed: no such kernel)" in n for n in t.notes)
