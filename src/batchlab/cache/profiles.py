@@ -13,7 +13,7 @@ from batchlab.config.profile import LayerProfile
 from batchlab.formula.profile import terms
 from batchlab.util.files import write_atomic
 
-PROFILE_VERSION = 17  # bump when what a profile measures changes: old cache entries are then ignored
+PROFILE_VERSION = 18  # bump when what a profile measures changes: old cache entries are then ignored
 
 
 def cache_dir() -> Path:

@@ -27,6 +27,11 @@ class Widths:
     softmax: int  # CUDA autocast runs softmax in fp32; CPU autocast keeps it in the low precision
     cuda: bool = False  # CUDA kernels: rms_norm fused (_fused_rms_norm), layer_norm statistics in fp32
 
+    @property
+    def fp32_list(self) -> int:
+        """Output width of ops on CUDA autocast's fp32 list (softmax, pow, ...): fp32 there, the input's dtype on CPU."""
+        return self.softmax
+
     @classmethod
     def of(cls, precision: Precision, backend: Backend) -> "Widths":
         e = precision.compute_bytes
@@ -152,10 +157,12 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
     ass = a * s * s * b
     if scores:
         sc = ass * w.softmax + s * s  # softmax output, causal mask (bool)
-        if w.softmax != w.e:
-            sc += ass * w.e  # low-precision copy of the fp32 probabilities for the AV matmul
         if m.dropout > 0:
-            sc += ass * w.mask + ass * w.e  # dropout mask, dropped probabilities
+            sc += ass * w.mask  # dropout mask
+        if w.softmax != w.e or m.dropout > 0:
+            # the AV matmul's input: the (dropped) probabilities, as its own low-precision copy when softmax ran in
+            # fp32 (the fp32 dropped tensor itself is not kept: dropout's backward needs only the mask)
+            sc += ass * w.e
         attn_out = sbh * w.e  # projection input
     else:
         sc = 0
@@ -165,9 +172,11 @@ def layer_activations(m: ModelSpec, s: int, b: int, precision: Precision, backen
     if m.mlp is MLPKind.SWIGLU:
         mlp = 4 * s * b * f * w.e  # gate, silu(gate), up, product
     elif impl is Impl.HF_GPT2:
-        # gelu_new = 0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³))) in Python ops keeps x, tanh(..), 0.5·x and
-        # 1 + tanh(..), then its output for c_proj: five s x b x f tensors where a fused GELU keeps two
-        mlp = 5 * s * b * f * w.e
+        # gelu_new = 0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³))) in Python ops keeps x (pow's input), tanh(..), 0.5·x
+        # and 1 + tanh(..), then its output for c_proj: five s x b x f tensors where a fused GELU keeps two.  Under
+        # CUDA autocast pow is on the fp32 list: pow keeps an fp32 copy of x, the fp32 result makes tanh(..) and
+        # 1 + tanh(..) fp32, and c_proj keeps its own low-precision copy of the fp32 product
+        mlp = s * b * f * (3 * w.fp32_list + 2 * w.e)
     else:
         mlp = 2 * s * b * f * w.e  # fc output, gelu output
     masks = 2 * sbh * w.mask if m.dropout > 0 else 0

@@ -145,7 +145,9 @@ def library_logs(found: list[str]):
     handlers = logging.getLogger("transformers").handlers
 
     def keep(record: logging.LogRecord) -> bool:
-        line = f"transformers: {record.getMessage().splitlines()[0]}"
+        if not record.name.startswith("transformers"):  # a handler transformers shares with other loggers (torch's)
+            return True
+        line = f"transformers: {(record.getMessage().splitlines() or [''])[0]}"
         if line not in found:
             found.append(line)
         return False

@@ -28,7 +28,8 @@ from batchlab.formula import profile as calculator
 from batchlab.measure.memory import tracker_for
 from batchlab.trace.lengths import EventLog, Run, at_shapes
 from batchlab.trace.patches import eager_branches
-from batchlab.trace.run import FakeTrainer, fake_mode, trace_device
+from batchlab.trace.cuda_policy import cuda_kernels
+from batchlab.trace.run import FakeTrainer, emulates_cuda, fake_mode, trace_device
 
 # Terms' layer policies -> the --ac mode that applies it to every layer
 AC_OF = {"full": "none", "selective": "selective", "checkpointed": "full"}
@@ -265,13 +266,15 @@ def compute(cfg: RunConfig, base: LayerProfile | None = None, policies: Iterable
     todo = tuple(m for m in MODES if m in (set(policies) | calculator.needed(cfg)) - (known.policies if known else set()))
     if base is not None and not todo:
         return base
-    with eager_branches(), fake_mode():
+    cuda = emulates_cuda(cfg, device)  # a CUDA profile traced here: CUDA's kernel choices (trace/cuda_policy.py)
+    with cuda_kernels() if cuda else contextlib.nullcontext(), eager_branches(), fake_mode():
         params = (dict(embedding=base.embedding, per_layer=base.per_layer, final=base.final, head=base.head,
                        buffers_per_layer=base.buffers_per_layer, buffers_outside=base.buffers_outside)
                   if base is not None else _param_counts(cfg, period, device))
         terms, residual = _terms(cfg, period, precision, windowed, todo, known)
     lengths = sorted({s for _, s in _knots(cfg, False)})
-    source = (f"trace of {period} and {2 * period} blocks at {len(_shapes(cfg, False))} shapes on {device.type}, "
+    kernels = "cpu with CUDA's kernel choices" if cuda else device.type
+    source = (f"trace of {period} and {2 * period} blocks at {len(_shapes(cfg, False))} shapes on {kernels}, "
               f"high points at {len(lengths)} lengths to seq {lengths[-1]}"
               + (f", fit residual {residual} B" if residual else ""))
     log = (f"{precision.value}{' at s >= window' if windowed else ''} {'+'.join(todo)}: "

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensorMode, UnsupportedOperatorException)
 
-from batchlab.config import ConfigError, ModelSource, Precision, RunConfig
+from batchlab.config import Backend, ConfigError, ModelSource, Precision, RunConfig
 from batchlab.formula.allocator import device_memory
 from batchlab.util.units import fmt_bytes
 from batchlab.measure.clock import Listeners
@@ -25,6 +26,7 @@ from batchlab.formula import calibrated_costs
 from batchlab.formula.opcost import describe
 from batchlab.formula.timing import costs_for, machine_text, on_host
 from batchlab.trace import sharded
+from batchlab.trace.cuda_policy import NOTE as CUDA_NOTE, cuda_kernels
 from batchlab.trace.flops import flops_of
 from batchlab.trace.ops import OpRecorder
 from batchlab.trace.patches import caught_warnings, eager_branches, fake_deepcopy, library_logs
@@ -71,6 +73,11 @@ def trace_device(cfg: RunConfig) -> tuple[torch.device, list[str]]:
         return torch.device("cpu"), [
             f"traced with CPU kernels: {cfg.device} ({cfg.device_spec.backend.value}) is not available here; the "
             "attention kernel and autocast's op lists (so what is kept for backward) can differ on the real device"]
+
+
+def emulates_cuda(cfg: RunConfig, device: torch.device) -> bool:
+    """A CUDA config traced on this machine's CPU: the trace takes CUDA's kernel choices (trace/cuda_policy.py)."""
+    return cfg.device_spec.backend is Backend.CUDA and device.type == "cpu"
 
 
 def stand_in_notes(cfg: RunConfig) -> list[str]:
@@ -172,29 +179,21 @@ def _memory(cfg: RunConfig, trainer: Trainer, snap) -> TraceMemory:
         fits=snap.peak_bytes + margin <= cfg.memory_capacity)
 
 
-def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibrations=None) -> TraceEstimate:
-    """Peak memory, activations, per-module tree, FLOPs and the per-op time model's update time (one rank, no
-    communication) of one steady-state update (provenance trace); with ``timeline``, the update's memory
-    timeline too (``.timeline``, batchlab.timeline.data.Timeline); ``calibrations`` as for formula.estimate."""
-    notes = _check_supported(cfg)
-    device, device_notes = trace_device(cfg)
-    start = time.perf_counter()
-    ranks = sharded.traced_ranks(cfg)
-    if len(ranks) > 1:  # a pipeline: each stage's first rank, the most loaded kept (its figures are the run's)
-        traces = [rank_estimate(cfg, r, tree, timeline, calibrations) for r in ranks]
-        worst = max(traces, key=lambda t: t.memory.peak_bytes)
-        worst.notes.append(sharded.stages_note(cfg, ranks, [t.memory.peak_bytes for t in traces], traces.index(worst)))
-        worst.trace_seconds = time.perf_counter() - start
-        return worst
-    return rank_estimate(cfg, ranks[0], tree, timeline, calibrations)
+class _Traced(NamedTuple):
+    trainer: Trainer
+    snap: object  # the tracker's snapshot
+    recorder: object  # TimelineRecorder or None
+    ops: object
+    flops: TraceFlops
+    memory: TraceMemory
+    notes: list[str]
+    warned: list[str]
 
 
-def rank_estimate(cfg: RunConfig, rank: int, tree: bool = False, timeline: bool = False,
-                  calibrations=None) -> TraceEstimate:
-    """The trace of one rank (rank 0 without tensor or pipeline parallelism)."""
-    notes = _check_supported(cfg)
-    device, device_notes = trace_device(cfg)
-    start = time.perf_counter()
+def _trace(cfg: RunConfig, device: torch.device, rank: int, tree: bool, timeline: bool) -> _Traced:
+    """Build rank ``rank``'s trainer on fake tensors (in a fake world of the layout's ranks) and trace its
+    steady-state update."""
+    notes: list[str] = []
     layered = sharded.layered(cfg)
     world = sharded.fake_world(cfg.parallel.world_size, rank) if cfg.parallel.world_size > 1 else contextlib.nullcontext()
     sends = sharded.held_sends() if cfg.parallel.pipelined else contextlib.nullcontext()
@@ -221,15 +220,52 @@ def rank_estimate(cfg: RunConfig, rank: int, tree: bool = False, timeline: bool 
         elif layered:
             notes.append(f"FLOPs and the per-op time: rank {rank}'s own (its shard and stage), not the world's")
         memory = _memory(cfg, trainer, snap)
+    return _Traced(trainer, snap, recorder, ops, flops, memory, notes, warned)
+
+
+def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibrations=None) -> TraceEstimate:
+    """Peak memory, activations, per-module tree, FLOPs and the per-op time model's update time (one rank, no
+    communication) of one steady-state update (provenance trace); with ``timeline``, the update's memory
+    timeline too (``.timeline``, batchlab.timeline.data.Timeline); ``calibrations`` as for formula.estimate.
+    A pipeline: each stage's first rank traced, the most loaded one's figures returned."""
+    start = time.perf_counter()
+    ranks = sharded.traced_ranks(cfg)
+    if len(ranks) > 1:
+        traces = [rank_estimate(cfg, r, tree, timeline, calibrations) for r in ranks]
+        worst = max(traces, key=lambda t: t.memory.peak_bytes)
+        worst.notes.append(sharded.stages_note(cfg, ranks, [t.memory.peak_bytes for t in traces], traces.index(worst)))
+        worst.trace_seconds = time.perf_counter() - start
+        return worst
+    return rank_estimate(cfg, ranks[0], tree, timeline, calibrations)
+
+
+def rank_estimate(cfg: RunConfig, rank: int, tree: bool = False, timeline: bool = False,
+                  calibrations=None) -> TraceEstimate:
+    """The trace of one rank (rank 0 without tensor or pipeline parallelism)."""
+    notes = _check_supported(cfg)
+    device, device_notes = trace_device(cfg)
+    start = time.perf_counter()
+    traced_device = device.type
+    t = None
+    if emulates_cuda(cfg, device):
+        try:
+            with cuda_kernels():
+                t = _trace(cfg, device, rank, tree, timeline)
+            device_notes, traced_device = [CUDA_NOTE], "cpu (CUDA's kernel choices)"
+        except (RuntimeError, NotImplementedError) as e:  # code CUDA's choices route to fails on CPU fake tensors
+            device_notes = [device_notes[0] + f" (CUDA's kernel choices failed: {str(e).splitlines()[0]})"]
+    t = t or _trace(cfg, device, rank, tree, timeline)
+    trainer, snap, memory, flops, ops = t.trainer, t.snap, t.memory, t.flops, t.ops
+    notes += t.notes
     costs = costs_for(cfg, calibrated_costs(cfg, calibrations), ops)
     time_ops = on_host(ops, cfg, costs, provenance="trace")
     return TraceEstimate(
         config=cfg.to_dict(), global_batch=cfg.global_batch, tokens_per_update=cfg.tokens_per_update,
-        memory=memory, flops=flops, traced_device=device.type, trace_seconds=time.perf_counter() - start,
+        memory=memory, flops=flops, traced_device=traced_device, trace_seconds=time.perf_counter() - start,
         tree=build_tree(trainer.raw_model, snap.activations_by_owner) if tree else None,
-        notes=notes + device_notes, timeline=_timeline(cfg, recorder, snap, notes) if recorder else None,
+        notes=notes + device_notes, timeline=_timeline(cfg, t.recorder, snap, notes) if t.recorder else None,
         time=time_ops, time_model=describe(costs, time_ops) + machine_text(cfg, costs), counted=trainer.workload.counted,
-        traced=trainer.workload.description, warnings=warned, kv_cache=None if stand_in_text(cfg) else _kv_cache(trainer.raw_model))
+        traced=trainer.workload.description, warnings=t.warned, kv_cache=None if stand_in_text(cfg) else _kv_cache(trainer.raw_model))
 
 
 def _kv_cache(model) -> bool | None:
