@@ -20,6 +20,8 @@ from batchlab.formula.opcost import breakdown_text
 from batchlab.trace.result import ModuleNode, TraceEstimate
 from batchlab.util.units import fmt_bytes, fmt_count, fmt_difference, fmt_seconds, relative_to
 
+# the formula's parts at the peak a live-storage tracker counts as activations on a pipeline stage
+PIPELINE_ACTIVATIONS = ("activations", "receive buffers", "stage outputs", "gradient sends")
 # |formula error| above this on peak or activations prints a warning
 FORMULA_WARN = 0.10
 
@@ -54,8 +56,10 @@ def comparisons(trace: TraceEstimate, est=None) -> list[Comparison]:
         return getattr(part, name) if part is not None else None
 
     # a pipeline interleaves forwards and backwards: what backward will read is compared where the peak is
+    # (the formula's stage parts, receive buffers and sends, are what the tracker counts as activations)
     acts = (Comparison("activations at the peak", "bytes", m.breakdown.get("activations", 0),
-                       fm.at_peak.get("activations") if fm is not None else None) if par.get("pp", 1) > 1 else
+                       sum(fm.at_peak.get(k, 0) for k in PIPELINE_ACTIVATIONS) if fm is not None else None)
+            if par.get("pp", 1) > 1 else
             Comparison("activations (last micro-batch)", "bytes", m.activations_bytes, of(fm, "activations_bytes")))
     return [
         # the trace counts tensor bytes; the formula's peak_bytes adds its allocator margin on top
