@@ -1,0 +1,158 @@
+"""Derive the formula's per-layer terms for compiled code from AOTAutograd's partition (``formula/compiled.py``).
+
+One block of each family is compiled with the trace's partition-only backend (trace/compiled.py) on fake tensors
+at dimensions that are distinct primes (micro-batch 11, sequence 13, KV heads 17, query heads per KV head 19 or 1,
+head dim 2·23, MLP inner size 2·29), and one forward runs: the partitioner's forward graph lists the tensors it
+saves for backward.  Each saved tensor's element count then factors uniquely into those dimensions, e.g.
+11·17·13·13 is b·a·s² (the attention probabilities), so the bytes it keeps at any shape are that monomial times
+its element size -- read off the partition, nothing fitted.  Views are counted once, with the tensor they view;
+a graph input without the batch dimension (a parameter, a buffer, rotary tables made once per forward) is not
+the layer's.  What is left of a count after the dimensions are divided out is a small integer (3 for a fused
+q, k, v projection); a count with another large prime factor (a generator's state) is a constant.
+
+    PYTHONPATH=src python -m batchlab.trace.compiled_terms    # rewrites formula/compiled_table.py (minutes)
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+
+from batchlab.config import RunConfig, preset
+
+# symbol -> its prime at the derivation shape; d, f carry a factor 2 (RoPE halves the head dim)
+PRIMES = dict(b=11, s=13, k=17, g=19, d=23, f=29)
+SYMBOLS = tuple(PRIMES)
+DOUBLED = ("d", "f")  # their dimension is 2 x their prime
+SMALL = (2, 3, 5, 7)  # what may remain of a count: a constant factor of the layer's code
+
+# family (formula.activations.Impl value) -> (preset, model source) of the code that is traced
+FAMILIES = {"builtin": ("tiny", "builtin"), "hf-gpt2": ("gpt2", "hf:gpt2"), "hf-llama": ("llama-2-7b", "hf:llama-2-7b")}
+POLICIES = ("none", "full", "selective", "selective-op")
+PRECISIONS = {"builtin": ("fp32", "bf16-mixed"), "hf-gpt2": ("fp32", "bf16-mixed"),
+              "hf-llama": ("fp32", "bf16-mixed", "bf16")}  # the Llama's also pure bf16, as torchtune trains it
+VARIANTS = {"builtin": ((False, True), (False, False), (True, False)), "hf-gpt2": ((False, True), (False, False)),
+            "hf-llama": ((False, False), (True, False))}  # (grouped-query attention, dropout)
+
+
+class Uncompiled(RuntimeError):
+    """The block did not compile into a graph (a graph break around the whole block): it runs eagerly."""
+
+
+def derivation_config(family: str, gqa: bool, dropout: bool, policy: str, precision: str) -> RunConfig:
+    base, source = FAMILIES[family]
+    g, k = (PRIMES["g"] if gqa else 1), PRIMES["k"]
+    heads, d = k * g, 2 * PRIMES["d"]
+    spec = preset(base, layers=1, hidden=heads * d, heads=heads, kv_heads=k, ffn=2 * PRIMES["f"], vocab=64,
+                  max_positions=64, dropout=0.1 if dropout else 0.0)
+    return RunConfig(model=spec, model_source=source, seq=PRIMES["s"], micro_batch=PRIMES["b"], ac=policy,
+                     precision=precision, compile="blocks")
+
+
+def _count(v) -> int:
+    n = v.untyped_storage().nbytes() // v.element_size() if v.numel() else 0
+    return int(n.node.hint if isinstance(n, torch.SymInt) else n)
+
+
+def monomial(count: int) -> tuple[Fraction, tuple[int, ...]]:
+    """(coefficient, exponents over SYMBOLS) with count = coefficient x the symbols' dimensions at the derivation
+    shape raised to the exponents; a count with a prime factor above 7 that is no symbol's is a constant."""
+    n, exps = count, []
+    for name in SYMBOLS:
+        e = 0
+        while n and n % PRIMES[name] == 0:
+            n, e = n // PRIMES[name], e + 1
+        exps.append(e)
+    rest = n
+    for p in SMALL:
+        while rest and rest % p == 0:
+            rest //= p
+    if rest > 1:
+        return Fraction(count), (0,) * len(SYMBOLS)
+    halves = sum(e for name, e in zip(SYMBOLS, exps) if name in DOUBLED)
+    return Fraction(n, 2 ** halves), tuple(exps)
+
+
+def _root(node):
+    """The node whose output a chain of views reads (views share their base's storage)."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view \
+            and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def saved_terms(partitions) -> dict[tuple[int, ...], Fraction]:
+    """Bytes the forward graphs save for backward, as exponents -> coefficient (bytes per unit monomial)."""
+    terms: dict[tuple[int, ...], Fraction] = {}
+    for fw, n_outputs in partitions:
+        out = next(x for x in fw.graph.nodes if x.op == "output")
+        seen: set = set()
+        for node in out.args[0][n_outputs:]:
+            root = _root(node) if isinstance(node, torch.fx.Node) else None
+            v = root.meta.get("val") if root is not None else None
+            if not isinstance(v, torch.Tensor) or root in seen:
+                continue
+            seen.add(root)
+            coef, exps = monomial(_count(v))
+            if root.op == "placeholder" and exps[SYMBOLS.index("b")] == 0:
+                continue  # a parameter, a buffer or a table made once per forward: not this layer's
+            terms[exps] = terms.get(exps, Fraction(0)) + coef * v.element_size()
+    return terms
+
+
+def derive(family: str, gqa: bool, dropout: bool, policy: str, precision: str) -> dict[tuple[int, ...], Fraction]:
+    """One block's saved bytes as monomials, from one forward of the partition on fake tensors (seconds)."""
+    from batchlab.models.compiled import using_backend
+    from batchlab.trace.compiled import PARTITIONS, partition_only
+    from batchlab.trace.patches import eager_branches
+    from batchlab.trace.run import FakeTrainer, fake_mode
+
+    cfg = derivation_config(family, gqa, dropout, policy, precision)
+    torch._dynamo.reset()
+    found: list = []
+    PARTITIONS.append(found)
+    try:
+        with using_backend(partition_only), eager_branches(), fake_mode():
+            trainer = FakeTrainer(cfg, torch.device("cpu"))
+            batch = trainer.workload.make_batch(trainer.generator, cfg.micro_batch, cfg.seq, trainer.device)
+            with trainer._autocast():
+                trainer.workload.loss_sum(trainer.model, *batch)
+    finally:
+        PARTITIONS.remove(found)
+    if not found:
+        raise Uncompiled(f"{family} {policy}: no compiled graph was partitioned")
+    return saved_terms(found)
+
+
+def _key(family: str, gqa: bool, dropout: bool, policy: str, precision: str) -> str:
+    return f"{family}|{'gqa' if gqa else 'mha'}|{'dropout' if dropout else 'no-dropout'}|{policy}|{precision}"
+
+
+def write_table(path: Path) -> None:
+    rows = []
+    for family in FAMILIES:
+        for (gqa, dropout), policy, precision in itertools.product(VARIANTS[family], POLICIES, PRECISIONS[family]):
+            key = _key(family, gqa, dropout, policy, precision)
+            print(f"deriving {key}", file=sys.stderr, flush=True)
+            try:
+                terms = derive(family, gqa, dropout, policy, precision)
+            except Uncompiled:  # None: the formula's eager terms describe what runs
+                rows.append(f"    {key!r}: None,")
+                continue
+            items = ", ".join(f"({e!r}, {c.numerator}, {c.denominator})" for e, c in sorted(terms.items()))
+            rows.append(f"    {key!r}: ({items},),")
+    header = ('"""Generated by ``python -m batchlab.trace.compiled_terms`` (torch ' + torch.__version__ + ', CPU '
+              'kernels): per family | attention | dropout | layer policy | precision, the bytes one compiled block '
+              'saves for backward as (exponents over ' + ", ".join(SYMBOLS) + ', numerator, denominator).  Do not '
+              'edit."""\n')
+    path.write_text(header + f"SYMBOLS = {SYMBOLS!r}\nTORCH = {torch.__version__!r}\nTERMS = {{\n" + "\n".join(rows)
+                    + "\n}\n")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        write_table(Path(__file__).resolve().parents[1] / "formula" / "compiled_table.py")
