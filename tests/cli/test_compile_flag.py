@@ -8,7 +8,7 @@ from batchlab.cli import app
 from batchlab.config import CompileMode, RunConfig, config_from_dict, parse_field_value
 
 runner = CliRunner()
-WARNING = "does not yet model compiled code"
+WARNING = "layer terms are eager PyTorch's here"
 
 
 def run(*args):
@@ -25,11 +25,15 @@ def test_compile_is_a_config_field_everywhere():
         "error: compile: 'everything' is not one of: none, model, blocks"]
 
 
-def test_the_formula_says_once_that_it_does_not_model_compiled_code():
+def test_the_formula_says_where_its_compiled_terms_come_from_and_once_where_it_has_none():
     r = run("estimate", "--compile", "blocks", "--json")
-    assert r.exit_code == 0
-    assert r.stderr.count(WARNING) == 1 and json.loads(r.stdout)["config"]["compile"] == "blocks"
-    r = run("estimate", "--vary", "compile=none,model,blocks")
+    assert r.exit_code == 0 and WARNING not in r.stderr
+    assert json.loads(r.stdout)["config"]["compile"] == "blocks"
+    assert "partition" in run("estimate", "--compile", "blocks").stdout  # the layer-terms line names the source
+    # AC policies the compiled terms are not derived for: eager terms, said once whatever the rows
+    r = run("estimate", "--compile", "blocks", "--ac", "megatron-selective", "--json")
+    assert r.exit_code == 0 and r.stderr.count(WARNING) == 1 and "megatron-selective" in r.stderr
+    r = run("estimate", "--ac", "megatron-selective", "--vary", "compile=none,model,blocks")
     assert r.exit_code == 0 and r.stderr.count(WARNING) == 1
     assert WARNING not in run("estimate").stderr
 
@@ -49,10 +53,14 @@ def test_trace_compile_counts_the_partition_and_says_how():
         assert compiled["memory"][k] == eager["memory"][k]
 
 
-def test_compare_a_compile_change_has_no_formula_prediction_and_says_why():
-    r = run("compare", "--layers", "1", "--seq", "16", "--micro-batch", "1", "--change", "compile=none:blocks",
+def test_compare_a_compile_change_predicts_less_memory_where_compiled_terms_exist_and_says_why_elsewhere():
+    r = run("compare", "--layers", "1", "--seq", "64", "--micro-batch", "4", "--change", "compile=none:blocks",
             "--formula-only", "--json")
     assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["formula"]["available"] is True, d["formula"]
+    r = run("compare", "--layers", "1", "--seq", "16", "--micro-batch", "1", "--ac", "megatron-selective",
+            "--change", "compile=none:blocks", "--formula-only", "--json")
     d = json.loads(r.stdout)
     assert d["formula"]["available"] is False and WARNING in d["formula"]["reason"]
 

@@ -32,7 +32,7 @@ def _key(cfg: RunConfig, policy: str) -> str:
     family = _RUNS_AS.get(impl, impl).value
     attention = "gqa" if m.kv_heads != m.heads else "mha"
     dropout = "dropout" if m.dropout > 0 else "no-dropout"
-    return f"{family}|{attention}|{dropout}|{policy}|{cfg.precision.value}"
+    return f"{family}|{attention}|{dropout}|{m.attention.value}|{policy}|{cfg.precision.value}"
 
 
 def _policies(cfg: RunConfig) -> tuple[str, ...] | None:

@@ -10,7 +10,7 @@ a graph input without the batch dimension (a parameter, a buffer, rotary tables 
 the layer's.  What is left of a count after the dimensions are divided out is a small integer (3 for a fused
 q, k, v projection); a count with another large prime factor (a generator's state) is a constant.
 
-    PYTHONPATH=src python -m batchlab.trace.compiled_terms    # rewrites formula/compiled_table.py (minutes)
+    PYTHONPATH=src python -m batchlab.trace.compiled_terms [--missing]   # rewrites formula/compiled_table.py (minutes)
 """
 from __future__ import annotations
 
@@ -35,20 +35,22 @@ FAMILIES = {"builtin": ("tiny", "builtin"), "hf-gpt2": ("gpt2", "hf:gpt2"), "hf-
 POLICIES = ("none", "full", "selective", "selective-op")
 PRECISIONS = {"builtin": ("fp32", "bf16-mixed"), "hf-gpt2": ("fp32", "bf16-mixed"),
               "hf-llama": ("fp32", "bf16-mixed", "bf16")}  # the Llama's also pure bf16, as torchtune trains it
-VARIANTS = {"builtin": ((False, True), (False, False), (True, False)), "hf-gpt2": ((False, True), (False, False)),
-            "hf-llama": ((False, False), (True, False))}  # (grouped-query attention, dropout)
+VARIANTS = {  # (grouped-query attention, dropout, attention)
+    "builtin": tuple((g, d, a) for a in ("eager", "sdpa") for g, d in ((False, True), (False, False), (True, False))),
+    "hf-gpt2": ((False, True, "sdpa"), (False, False, "sdpa")),
+    "hf-llama": ((False, False, "sdpa"), (True, False, "sdpa"))}
 
 
 class Uncompiled(RuntimeError):
     """The block did not compile into a graph (a graph break around the whole block): it runs eagerly."""
 
 
-def derivation_config(family: str, gqa: bool, dropout: bool, policy: str, precision: str) -> RunConfig:
+def derivation_config(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str) -> RunConfig:
     base, source = FAMILIES[family]
     g, k = (PRIMES["g"] if gqa else 1), PRIMES["k"]
     heads, d = k * g, 2 * PRIMES["d"]
     spec = preset(base, layers=1, hidden=heads * d, heads=heads, kv_heads=k, ffn=2 * PRIMES["f"], vocab=64,
-                  max_positions=64, dropout=0.1 if dropout else 0.0)
+                  max_positions=64, dropout=0.1 if dropout else 0.0, attention=attention)
     return RunConfig(model=spec, model_source=source, seq=PRIMES["s"], micro_batch=PRIMES["b"], ac=policy,
                      precision=precision, compile="blocks")
 
@@ -104,14 +106,15 @@ def saved_terms(partitions) -> dict[tuple[int, ...], Fraction]:
     return terms
 
 
-def derive(family: str, gqa: bool, dropout: bool, policy: str, precision: str) -> dict[tuple[int, ...], Fraction]:
+def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str,
+           precision: str) -> dict[tuple[int, ...], Fraction]:
     """One block's saved bytes as monomials, from one forward of the partition on fake tensors (seconds)."""
     from batchlab.models.compiled import using_backend
     from batchlab.trace.compiled import PARTITIONS, partition_only
     from batchlab.trace.patches import eager_branches
     from batchlab.trace.run import FakeTrainer, fake_mode
 
-    cfg = derivation_config(family, gqa, dropout, policy, precision)
+    cfg = derivation_config(family, gqa, dropout, attention, policy, precision)
     torch._dynamo.reset()
     found: list = []
     PARTITIONS.append(found)
@@ -128,23 +131,27 @@ def derive(family: str, gqa: bool, dropout: bool, policy: str, precision: str) -
     return saved_terms(found)
 
 
-def _key(family: str, gqa: bool, dropout: bool, policy: str, precision: str) -> str:
-    return f"{family}|{'gqa' if gqa else 'mha'}|{'dropout' if dropout else 'no-dropout'}|{policy}|{precision}"
+def _key(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str) -> str:
+    return f"{family}|{'gqa' if gqa else 'mha'}|{'dropout' if dropout else 'no-dropout'}|{attention}|{policy}|{precision}"
 
 
-def write_table(path: Path) -> None:
+def write_table(path: Path, keep: dict | None = None) -> None:
+    """Derive every entry (``keep``: entries derived already, by key, with this torch) and write the table."""
     rows = []
     for family in FAMILIES:
-        for (gqa, dropout), policy, precision in itertools.product(VARIANTS[family], POLICIES, PRECISIONS[family]):
-            key = _key(family, gqa, dropout, policy, precision)
-            print(f"deriving {key}", file=sys.stderr, flush=True)
-            try:
-                terms = derive(family, gqa, dropout, policy, precision)
-            except Uncompiled:  # None: the formula's eager terms describe what runs
-                rows.append(f"    {key!r}: None,")
-                continue
-            items = ", ".join(f"({e!r}, {c.numerator}, {c.denominator})" for e, c in sorted(terms.items()))
-            rows.append(f"    {key!r}: ({items},),")
+        for (gqa, dropout, attention), policy, precision in itertools.product(VARIANTS[family], POLICIES,
+                                                                              PRECISIONS[family]):
+            key = _key(family, gqa, dropout, attention, policy, precision)
+            if keep is not None and key in keep:
+                terms = keep[key]
+            else:
+                print(f"deriving {key}", file=sys.stderr, flush=True)
+                try:
+                    found = derive(family, gqa, dropout, attention, policy, precision)
+                    terms = tuple((e, c.numerator, c.denominator) for e, c in sorted(found.items()))
+                except Uncompiled:  # None: the formula's eager terms describe what runs
+                    terms = None
+            rows.append(f"    {key!r}: {terms!r},")
     header = ('"""Generated by ``python -m batchlab.trace.compiled_terms`` (torch ' + torch.__version__ + ', CPU '
               'kernels): per family | attention | dropout | layer policy | precision, the bytes one compiled block '
               'saves for backward as (exponents over ' + ", ".join(SYMBOLS) + ', numerator, denominator).  Do not '
@@ -154,5 +161,9 @@ def write_table(path: Path) -> None:
 
 
 if __name__ == "__main__":
+    from batchlab.formula import compiled_table
+
+    # --missing: derive only the entries the table lacks (same torch), keep the rest
+    kept = compiled_table.TERMS if "--missing" in sys.argv and compiled_table.TORCH == torch.__version__ else None
     with contextlib.suppress(KeyboardInterrupt):
-        write_table(Path(__file__).resolve().parents[1] / "formula" / "compiled_table.py")
+        write_table(Path(__file__).resolve().parents[1] / "formula" / "compiled_table.py", kept)
