@@ -31,9 +31,9 @@ def test_the_formula_says_where_its_compiled_terms_come_from_and_once_where_it_h
     assert json.loads(r.stdout)["config"]["compile"] == "blocks"
     assert "partition" in run("estimate", "--compile", "blocks").stdout  # the layer-terms line names the source
     # AC policies the compiled terms are not derived for: eager terms, said once whatever the rows
-    r = run("estimate", "--compile", "blocks", "--ac", "megatron-selective", "--json")
-    assert r.exit_code == 0 and r.stderr.count(WARNING) == 1 and "megatron-selective" in r.stderr
-    r = run("estimate", "--ac", "megatron-selective", "--vary", "compile=none,model,blocks")
+    r = run("estimate", "--compile", "blocks", "--ac", "selective-attn", "--json")
+    assert r.exit_code == 0 and r.stderr.count(WARNING) == 1 and "selective-attn" in r.stderr
+    r = run("estimate", "--ac", "selective-attn", "--vary", "compile=none,model,blocks")
     assert r.exit_code == 0 and r.stderr.count(WARNING) == 1
     assert WARNING not in run("estimate").stderr
 
@@ -51,6 +51,9 @@ def test_trace_compile_counts_the_partition_and_says_how():
     assert compiled["memory"]["activations_bytes"] < eager["memory"]["activations_bytes"]
     for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes"):
         assert compiled["memory"][k] == eager["memory"][k]
+    # the formula's compiled terms (derived at other dimensions) count what this partition keeps
+    formula = json.loads(run(*args[:1], *args[2:], "--compile", "blocks").stdout)["memory"]["activations_bytes"]
+    assert abs(formula - compiled["memory"]["activations_bytes"]) < 0.01 * compiled["memory"]["activations_bytes"]
 
 
 def test_compare_a_compile_change_predicts_less_memory_where_compiled_terms_exist_and_says_why_elsewhere():
@@ -59,7 +62,8 @@ def test_compare_a_compile_change_predicts_less_memory_where_compiled_terms_exis
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["formula"]["available"] is True, d["formula"]
-    r = run("compare", "--layers", "1", "--seq", "16", "--micro-batch", "1", "--ac", "megatron-selective",
+    assert d["formula"]["prediction"]["peak_memory"]["direction"] == "down"  # the partition saves less than eager
+    r = run("compare", "--layers", "1", "--seq", "16", "--micro-batch", "1", "--ac", "selective-attn",
             "--change", "compile=none:blocks", "--formula-only", "--json")
     d = json.loads(r.stdout)
     assert d["formula"]["available"] is False and WARNING in d["formula"]["reason"]

@@ -1,0 +1,47 @@
+"""Formula terms for compiled code: saved-tensor sizes factored into the model's dimensions (checked by hand), and
+the terms' per-layer bytes at shapes other than the derivation's (checked against the partition itself in
+tests/cli/test_compile_flag.py)."""
+from fractions import Fraction
+
+from batchlab.config import RunConfig, preset
+from batchlab.formula import compiled, estimate
+
+
+def test_a_saved_tensors_element_count_factors_into_the_models_dimensions():
+    from batchlab.trace.compiled_terms import monomial
+
+    b, s, k, g, d2, f2 = 11, 13, 17, 19, 23, 29  # the derivation shape's primes (head dim 46, ffn 58)
+    # attention probabilities (b, heads, s, s) of a grouped-query model: b·k·g·s²
+    assert monomial(b * k * g * s * s) == (Fraction(1), (1, 2, 1, 1, 0, 0))
+    # a fused q, k, v projection's output (b, s, 3h), h = k·46: 3·b·s·k·d (the head dim's 2 is the dimension's own)
+    assert monomial(b * s * 3 * k * 2 * d2) == (Fraction(3), (1, 1, 1, 0, 1, 0))
+    # the MLP's inner activation (b, s, 58) is b·s·f; a layer-norm statistic (b, s, 1) is b·s
+    assert monomial(b * s * 2 * f2) == (Fraction(1), (1, 1, 0, 0, 0, 1))
+    assert monomial(b * s) == (Fraction(1), (1, 1, 0, 0, 0, 0))
+    # the CPU generator's state a checkpoint keeps (5056 bytes = 2^6·79): a constant, whatever the shape
+    assert monomial(5056) == (Fraction(5056), (0,) * 6)
+
+
+def test_compiled_terms_apply_where_derived_and_say_why_elsewhere():
+    cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=4, compile="blocks")
+    assert compiled.applies(cfg) and compiled.missing_note(cfg) is None
+    assert "partition" in estimate(cfg).layer_terms
+    assert not compiled.applies(cfg.replace(compile="none"))
+    note = compiled.missing_note(cfg.replace(ac="selective-attn"))
+    assert note is not None and "selective-attn" in note
+    # a per-layer plan of derived policies is covered: each layer's own term
+    mixed = cfg.replace(ac="plan:full,none")
+    kept, whole = compiled.kept_per_layer(mixed)
+    assert kept == (compiled.layer_bytes(cfg, "full"), whole) and whole == compiled.layer_bytes(cfg, "none")
+
+
+def test_compiled_layers_keep_their_input_under_full_recompute():
+    # a fully recomputed block saves its input (b, s, h); transformers' GPT-2 calls dropout (p = 0 here) inside the
+    # checkpoint, which keeps the CPU generator's state for the recompute
+    import torch
+
+    state = torch.get_rng_state().numel()
+    for src, base, extra in (("builtin", "tiny", 0), ("hf:gpt2", "gpt2", state)):
+        spec = preset(base, layers=2, hidden=96, heads=3, vocab=256, max_positions=256, dropout=0.0)
+        cfg = RunConfig(model=spec, model_source=src, seq=40, micro_batch=3, ac="full", compile="blocks")
+        assert compiled.layer_bytes(cfg, "full") == 40 * 3 * 96 * 4 + extra
