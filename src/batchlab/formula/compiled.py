@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from batchlab.config import CompileMode, ModelSpec, RunConfig
+from batchlab.config import CompileMode, ModelSpec, Precision, RunConfig
 from batchlab.formula.activations import Impl, implementation
 
-# families whose code the harness runs in place of another's (models/__init__.py STAND_IN)
-_RUNS_AS = {Impl.TT_LLAMA: Impl.HF_LLAMA, Impl.NANOGPT: Impl.BUILTIN}
+# families whose code the harness runs in place of another's (models/__init__.py STAND_IN); torchtitan's Llama has
+# a table entry of its own (transformers' code compiled as torchtitan's compiles: trace/compiled_terms.py)
+_RUNS_AS = {Impl.NANOGPT: Impl.BUILTIN}
+# precisions whose blocks save the same bytes as one the table holds: fp16 autocast as bf16 autocast; FSDP2's bf16
+# param_dtype computes every op in bf16 as a pure-bf16 model does (config/choices.py Precision.BF16_FSDP)
+_SAME_BYTES = {Precision.FP16_MIXED: Precision.BF16_MIXED, Precision.BF16_FSDP: Precision.BF16}
 # layer policies the table holds: --ac modes that apply one of them to every layer
 POLICIES = ("none", "full", "selective", "selective-op")
 
@@ -32,7 +36,8 @@ def _key(cfg: RunConfig, policy: str) -> str:
     family = _RUNS_AS.get(impl, impl).value
     attention = "gqa" if m.kv_heads != m.heads else "mha"
     dropout = "dropout" if m.dropout > 0 else "no-dropout"
-    return f"{family}|{attention}|{dropout}|{m.attention.value}|{policy}|{cfg.precision.value}"
+    precision = _SAME_BYTES.get(cfg.precision, cfg.precision).value
+    return f"{family}|{attention}|{dropout}|{m.attention.value}|{policy}|{precision}"
 
 
 def _policies(cfg: RunConfig) -> tuple[str, ...] | None:
@@ -89,7 +94,9 @@ def source(cfg: RunConfig) -> str:
     return (f"formula terms for compiled code (--compile {cfg.compile}): the saved-tensor list of AOTAutograd's "
             f"min-cut partition of one {(ran or impl).value} block (inductor's settings, torch {_table().TORCH}, CPU "
             f"kernels), as monomials in b, s, heads, head dim, ffn (trace/compiled_terms.py)"
-            + (f"; {impl.value} runs as {ran.value} here" if ran else ""))
+            + (f"; {impl.value} runs as {ran.value} here" if ran else "")
+            + ("; torchtitan's Llama is transformers' code here, its checkpointed blocks compiled whole"
+               if impl is Impl.TT_LLAMA else ""))
 
 
 def missing_note(cfg: RunConfig) -> str | None:

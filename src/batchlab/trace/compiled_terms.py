@@ -31,14 +31,20 @@ DOUBLED = ("d", "f")  # their dimension is 2 x their prime
 SMALL = (2, 3, 5, 7)  # what may remain of a count: a constant factor of the layer's code
 
 # family (formula.activations.Impl value) -> (preset, model source) of the code that is traced
-FAMILIES = {"builtin": ("tiny", "builtin"), "hf-gpt2": ("gpt2", "hf:gpt2"), "hf-llama": ("llama-2-7b", "hf:llama-2-7b")}
+FAMILIES = {"builtin": ("tiny", "builtin"), "hf-gpt2": ("gpt2", "hf:gpt2"), "hf-llama": ("llama-2-7b", "hf:llama-2-7b"),
+            # torchtitan's Llama is not installed: transformers' runs in its place (models/__init__.py STAND_IN), with
+            # dynamo told not to replay the checkpoint's side effects -- transformers' forward sets a context variable
+            # inside the checkpoint (a graph break that leaves the block eager), torchtitan's sets none
+            "torchtitan-llama": ("llama-2-7b", "hf:llama-2-7b")}
+NO_REPLAY = ("torchtitan-llama",)
 POLICIES = ("none", "full", "selective", "selective-op")
 PRECISIONS = {"builtin": ("fp32", "bf16-mixed"), "hf-gpt2": ("fp32", "bf16-mixed"),
-              "hf-llama": ("fp32", "bf16-mixed", "bf16")}  # the Llama's also pure bf16, as torchtune trains it
+              "hf-llama": ("fp32", "bf16-mixed", "bf16"), "torchtitan-llama": ("fp32", "bf16-mixed", "bf16")}  # the Llama's also pure bf16, as torchtune trains it
 VARIANTS = {  # (grouped-query attention, dropout, attention)
     "builtin": tuple((g, d, a) for a in ("eager", "sdpa") for g, d in ((False, True), (False, False), (True, False))),
     "hf-gpt2": ((False, True, "sdpa"), (False, False, "sdpa")),
-    "hf-llama": ((False, False, "sdpa"), (True, False, "sdpa"))}
+    "hf-llama": ((False, False, "sdpa"), (True, False, "sdpa")),
+    "torchtitan-llama": ((False, False, "sdpa"), (True, False, "sdpa"))}
 
 
 class Uncompiled(RuntimeError):
@@ -118,8 +124,10 @@ def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str,
     torch._dynamo.reset()
     found: list = []
     PARTITIONS.append(found)
+    replay = contextlib.nullcontext() if family not in NO_REPLAY else \
+        torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
     try:
-        with using_backend(partition_only), eager_branches(), fake_mode():
+        with replay, using_backend(partition_only), eager_branches(), fake_mode():
             trainer = FakeTrainer(cfg, torch.device("cpu"))
             batch = trainer.workload.make_batch(trainer.generator, cfg.micro_batch, cfg.seq, trainer.device)
             with trainer._autocast():
