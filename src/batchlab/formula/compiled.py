@@ -30,10 +30,16 @@ def _table():
     return compiled_table
 
 
+# Hugging Face model types whose code the table's hf-* entries trace ("": a preset's, built as GPT-2 or Llama)
+_HF_TYPES = {Impl.HF_GPT2: ("", "gpt2"), Impl.HF_LLAMA: ("", "llama")}
+
+
 def _key(cfg: RunConfig, policy: str) -> str:
     m = cfg.model
     impl = implementation(cfg.model_kind, m)
     family = _RUNS_AS.get(impl, impl).value
+    if impl in _HF_TYPES and m.family not in _HF_TYPES[impl]:
+        family = m.family  # another architecture's code (mistral, gemma, ...): no entry of its own yet
     attention = "gqa" if m.kv_heads != m.heads else "mha"
     dropout = "dropout" if m.dropout > 0 else "no-dropout"
     precision = _SAME_BYTES.get(cfg.precision, cfg.precision).value
@@ -109,6 +115,6 @@ def missing_note(cfg: RunConfig) -> str | None:
     elif any(p in _table().TERMS and _table().TERMS[p] is None for p in (_key(cfg, n) for n in {*names, "none"})):
         why = "the block does not compile into one graph (a graph break around it: it runs eagerly)"
     else:
-        why = f"no compiled terms for {_key(cfg, names[0]).replace('|', ', ')}"
+        why = f"no compiled terms derived for {_key(cfg, names[0]).replace('|', ', ')}"
     return (f"the formula's layer terms are eager PyTorch's here (--compile {cfg.compile}): {why}; estimate --trace "
             f"--compile {cfg.compile} traces the compiled graphs' partition")
