@@ -32,18 +32,24 @@ MODELS = {  # name -> (preset, overrides, source)
 SHAPES = {"GPT tiny, 2 layers": (128, 4), "hf:gpt2, 2 layers, h 128": (128, 4),
           "hf:llama, 2 layers, h 128, GQA": (96, 4), "factory (GPT), 3 layers, h 96": (80, 6)}
 POLICIES = ("none", "full", "selective-op")
+WHOLE_MODEL = (("GPT tiny, 2 layers", "none"), ("GPT tiny, 2 layers", "full"))  # also measured with --compile model
 
 
-def config(name: str, ac: str):
+def config(name: str, ac: str, mode: str = "blocks"):
     from batchlab.config import RunConfig, preset
 
     base, over, source = MODELS[name]
     seq, mb = SHAPES[name]
-    return RunConfig(model=preset(base, **over), model_source=source, seq=seq, micro_batch=mb, ac=ac, compile="blocks")
+    return RunConfig(model=preset(base, **over), model_source=source, seq=seq, micro_batch=mb, ac=ac, compile=mode)
 
 
-def key(name: str, ac: str) -> str:
-    return f"{name} | {ac}"
+def key(name: str, ac: str, mode: str = "blocks") -> str:
+    return f"{name} | {ac}" + ("" if mode == "blocks" else f" | {mode}")
+
+
+def grid():
+    """(model, AC, compile mode) of every row."""
+    return [(n, ac, "blocks") for n in MODELS for ac in POLICIES] + [(n, ac, "model") for n, ac in WHOLE_MODEL]
 
 
 def measure_all() -> None:
@@ -53,20 +59,19 @@ def measure_all() -> None:
     from batchlab.run import measure
 
     kept = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
-    for name in MODELS:
-        for ac in POLICIES:
-            if key(name, ac) in kept:
-                continue
-            torch._dynamo.reset()
-            print(f"measuring {name}, ac {ac} (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
-            m = measure(config(name, ac), MeasureOptions(warmup=2, steps=1, memory=True, timing=False))
-            if not m.ok:
-                print(f"  {m.outcome.value}: {m.outcome_detail}", file=sys.stderr)
-                continue
-            kept[key(name, ac)] = dict(peak=m.memory.peak_bytes, activations=m.memory.activations_bytes,
-                                       phase=m.memory.peak_phase.value)
-            MEASURED.write_text(json.dumps(kept, indent=1))
-            print(f"  peak {m.memory.peak_bytes:,} ({m.memory.peak_phase.value})", file=sys.stderr, flush=True)
+    for name, ac, mode in grid():
+        if key(name, ac, mode) in kept:
+            continue
+        torch._dynamo.reset()
+        print(f"measuring {name}, ac {ac}, compile {mode} (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+        m = measure(config(name, ac, mode), MeasureOptions(warmup=2, steps=1, memory=True, timing=False))
+        if not m.ok:
+            print(f"  {m.outcome.value}: {m.outcome_detail}", file=sys.stderr)
+            continue
+        kept[key(name, ac, mode)] = dict(peak=m.memory.peak_bytes, activations=m.memory.activations_bytes,
+                                         phase=m.memory.peak_phase.value)
+        MEASURED.write_text(json.dumps(kept, indent=1))
+        print(f"  peak {m.memory.peak_bytes:,} ({m.memory.peak_phase.value})", file=sys.stderr, flush=True)
 
 
 def rows(trace: bool):
@@ -75,21 +80,21 @@ def rows(trace: bool):
 
     kept = json.loads(MEASURED.read_text())
     out = []
-    for name in MODELS:
-        for ac in POLICIES:
-            m = kept.get(key(name, ac))
-            if m is None:
-                continue
-            cfg = with_profile(config(name, ac))
-            est = formula_estimate(cfg).memory
-            row = dict(name=name, ac=ac, shape=SHAPES[name], measured=m["peak"], phase=m["phase"],
-                       terms="compiled" if compiled.applies(cfg) else "eager (the block does not compile whole)",
-                       formula=est.peak_tensor_bytes, formula_phase=est.peak_phase)
-            if trace:
-                from batchlab.trace import estimate as trace_estimate
+    for name, ac, mode in grid():
+        m = kept.get(key(name, ac, mode))
+        if m is None:
+            continue
+        cfg = with_profile(config(name, ac, mode))
+        est = formula_estimate(cfg).memory
+        row = dict(name=name, ac=ac, mode=mode, shape=SHAPES[name], measured=m["peak"], phase=m.get("phase", "-"),
+                   terms="compiled" if compiled.applies(cfg) else
+                   "eager: " + compiled.missing_note(cfg).split(": ", 1)[1].split("; estimate")[0],
+                   formula=est.peak_tensor_bytes, formula_phase=est.peak_phase)
+        if trace:
+            from batchlab.trace import estimate as trace_estimate
 
-                row["trace"] = trace_estimate(cfg).memory.peak_bytes
-            out.append(row)
+            row["trace"] = trace_estimate(cfg).memory.peak_bytes
+        out.append(row)
     return out
 
 
@@ -103,11 +108,12 @@ def page(rs) -> str:
              "block with inductor; measured: the allocator's events, docs/how-to/compile.md). The formula's compiled "
              "terms are derived from AOTAutograd's partition at prime-valued dimensions (formula/compiled.py); none of "
              "these shapes is that one.", "",
-             "| model | seq x micro-batch | AC | measured peak | phase | formula's layer terms | formula | error | trace "
-             "| error |", "|---|---|---|---:|---|---|---:|---:|---:|---:|"]
+             "| model | seq x micro-batch | AC | --compile | measured peak | phase | formula's layer terms | formula | error "
+             "| trace | error |", "|---|---|---|---|---:|---|---|---:|---:|---:|---:|"]
     for r in rs:
         t = r.get("trace")
-        lines.append(f"| {r['name']} | {r['shape'][0]} x {r['shape'][1]} | {r['ac']} | {r['measured']:,} | {r['phase']} | "
+        lines.append(f"| {r['name']} | {r['shape'][0]} x {r['shape'][1]} | {r['ac']} | {r['mode']} | {r['measured']:,} | "
+                     f"{r['phase']} | "
                      f"{r['terms']} | "
                      f"{r['formula']:,} | {err(r['formula'], r['measured']):+.1%} | "
                      + (f"{t:,} | {err(t, r['measured']):+.1%} |" if t is not None else "- | - |"))

@@ -52,3 +52,9 @@ def test_another_architectures_code_gets_no_compiled_terms_of_gpt2_or_llama():
     spec = preset("llama-2-7b", layers=2, hidden=128, heads=4, vocab=256, max_positions=256, family="mistral")
     cfg = RunConfig(model=spec, model_source="hf:llama-2-7b", seq=32, micro_batch=2, compile="blocks")
     assert not compiled.applies(cfg) and "mistral" in compiled.missing_note(cfg)
+
+
+def test_a_whole_model_graph_reads_the_block_terms_only_without_recompute():
+    cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=4, compile="model")
+    assert compiled.applies(cfg)
+    assert not compiled.applies(cfg.replace(ac="full")) and "--compile blocks" in compiled.missing_note(cfg.replace(ac="full"))
