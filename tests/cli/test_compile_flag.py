@@ -56,13 +56,15 @@ def test_trace_compile_counts_the_partition_and_says_how():
     assert abs(formula - compiled["memory"]["activations_bytes"]) < 0.01 * compiled["memory"]["activations_bytes"]
 
 
-def test_compare_a_compile_change_predicts_less_memory_where_compiled_terms_exist_and_says_why_elsewhere():
+def test_compare_a_compile_change_predicts_memory_not_time_and_says_why_where_terms_are_eager():
     r = run("compare", "--layers", "1", "--seq", "64", "--micro-batch", "4", "--change", "compile=none:blocks",
             "--formula-only", "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["formula"]["available"] is True, d["formula"]
     assert d["formula"]["prediction"]["peak_memory"]["direction"] == "down"  # the partition saves less than eager
+    # the time model prices eager ops: no time verdict rather than a wrong "same"
+    assert "update_time" not in d["formula"]["prediction"] and "fused kernels" in d["formula"]["reason"]
     r = run("compare", "--layers", "1", "--seq", "16", "--micro-batch", "1", "--ac", "selective-attn",
             "--change", "compile=none:blocks", "--formula-only", "--json")
     d = json.loads(r.stdout)
