@@ -6,7 +6,7 @@ benchmarks/compiled_measured.json; ``--measure`` (re)measures them, otherwise th
 No shape here is the shape the compiled terms are derived at (formula/compiled.py: prime-valued dimensions).
 
     PYTHONPATH=src .venv/bin/python benchmarks/compiled_accuracy.py --measure   # ~15 min on 2 idle cores
-    PYTHONPATH=src .venv/bin/python benchmarks/compiled_accuracy.py             # the page from the kept figures
+    PYTHONPATH=src .venv/bin/python benchmarks/compiled_accuracy.py --trace     # the page from the kept figures, with the trace
 """
 from __future__ import annotations
 
