@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import statistics
-import sys
 from pathlib import Path
 
 from click import ClickException
@@ -24,7 +23,6 @@ from published import UNITS, Row, gib, load, num, pct  # benchmarks/published.py
 
 from batchlab.cli.common import config_from_command
 from batchlab.formula import compiled_note, estimate, implementation_line
-from batchlab.util.units import relative_to
 
 HERE = Path(__file__).resolve().parent
 RUNS, FIRST = HERE / "published_compiled.toml", HERE / "published_compiled_first.toml"

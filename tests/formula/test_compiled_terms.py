@@ -57,4 +57,5 @@ def test_another_architectures_code_gets_no_compiled_terms_of_gpt2_or_llama():
 def test_a_whole_model_graph_reads_the_block_terms_only_without_recompute():
     cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=4, compile="model")
     assert compiled.applies(cfg)
-    assert not compiled.applies(cfg.replace(ac="full")) and "--compile blocks" in compiled.missing_note(cfg.replace(ac="full"))
+    full = cfg.replace(ac="full")
+    assert not compiled.applies(full) and "--compile blocks" in compiled.missing_note(full)

@@ -38,8 +38,9 @@ FAMILIES = {"builtin": ("tiny", "builtin"), "hf-gpt2": ("gpt2", "hf:gpt2"), "hf-
             "torchtitan-llama": ("llama-2-7b", "hf:llama-2-7b")}
 NO_REPLAY = ("torchtitan-llama",)
 POLICIES = ("none", "full", "selective", "selective-op")
+# the Llamas also in pure bf16, as torchtune trains them
 PRECISIONS = {"builtin": ("fp32", "bf16-mixed"), "hf-gpt2": ("fp32", "bf16-mixed"),
-              "hf-llama": ("fp32", "bf16-mixed", "bf16"), "torchtitan-llama": ("fp32", "bf16-mixed", "bf16")}  # the Llama's also pure bf16, as torchtune trains it
+              "hf-llama": ("fp32", "bf16-mixed", "bf16"), "torchtitan-llama": ("fp32", "bf16-mixed", "bf16")}
 VARIANTS = {  # (grouped-query attention, dropout, attention)
     "builtin": tuple((g, d, a) for a in ("eager", "sdpa") for g, d in ((False, True), (False, False), (True, False))),
     "hf-gpt2": ((False, True, "sdpa"), (False, False, "sdpa")),
@@ -140,7 +141,8 @@ def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str,
 
 
 def _key(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str) -> str:
-    return f"{family}|{'gqa' if gqa else 'mha'}|{'dropout' if dropout else 'no-dropout'}|{attention}|{policy}|{precision}"
+    heads, drop = "gqa" if gqa else "mha", "dropout" if dropout else "no-dropout"
+    return f"{family}|{heads}|{drop}|{attention}|{policy}|{precision}"
 
 
 def write_table(path: Path, keep: dict | None = None) -> None:
