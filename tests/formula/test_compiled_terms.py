@@ -59,3 +59,10 @@ def test_a_whole_model_graph_reads_the_block_terms_only_without_recompute():
     assert compiled.applies(cfg)
     full = cfg.replace(ac="full")
     assert not compiled.applies(full) and "--compile blocks" in compiled.missing_note(full)
+
+
+def test_the_built_in_gpt_with_grouped_query_attention_keeps_eager_terms():
+    # its fused q, k, v width h + 2·kv is a sum of dimensions: no product of them describes it at every shape
+    spec = preset("tiny", layers=2, hidden=160, heads=4, kv_heads=2, attention="sdpa", dropout=0.0)
+    cfg = RunConfig(model=spec, seq=64, micro_batch=2, compile="blocks")
+    assert not compiled.applies(cfg) and "gqa" in compiled.missing_note(cfg)
