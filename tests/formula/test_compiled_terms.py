@@ -8,16 +8,17 @@ from batchlab.formula import compiled, estimate
 
 
 def test_a_saved_tensors_element_count_factors_into_the_models_dimensions():
-    from batchlab.trace.compiled_terms import monomial
+    from batchlab.trace.compiled_terms import GQA_PRIMES, PRIMES, monomial
 
-    b, s, k, g, d2, f2 = 11, 13, 17, 19, 23, 29  # the derivation shape's primes (head dim 46, ffn 58)
+    b, s, k, g, d2, f2 = (GQA_PRIMES[n] for n in ("b", "s", "k", "g", "d", "f"))  # head dim 2·d2, MLP 2·f2
     # attention probabilities (b, heads, s, s) of a grouped-query model: b·k·g·s²
-    assert monomial(b * k * g * s * s) == (Fraction(1), (1, 2, 1, 1, 0, 0))
-    # a fused q, k, v projection's output (b, s, 3h), h = k·46: 3·b·s·k·d (the head dim's 2 is the dimension's own)
+    assert monomial(b * k * g * s * s, GQA_PRIMES) == (Fraction(1), (1, 2, 1, 1, 0, 0))
+    # the MLP's inner activation (b, s, 2·f2) is b·s·f
+    assert monomial(b * s * 2 * f2, GQA_PRIMES) == (Fraction(1), (1, 1, 0, 0, 0, 1))
+    # a fused q, k, v projection's output (b, s, 3h) without grouping, h = k·2·d2: 3·b·s·k·d
+    b, s, k, d2 = (PRIMES[n] for n in ("b", "s", "k", "d"))
     assert monomial(b * s * 3 * k * 2 * d2) == (Fraction(3), (1, 1, 1, 0, 1, 0))
-    # the MLP's inner activation (b, s, 58) is b·s·f; a layer-norm statistic (b, s, 1) is b·s
-    assert monomial(b * s * 2 * f2) == (Fraction(1), (1, 1, 0, 0, 0, 1))
-    assert monomial(b * s) == (Fraction(1), (1, 1, 0, 0, 0, 0))
+    assert monomial(b * s) == (Fraction(1), (1, 1, 0, 0, 0, 0))  # a norm's statistic (b, s, 1)
     # the CPU generator's state a checkpoint keeps (5056 bytes = 2^6·79): a constant, whatever the shape
     assert monomial(5056) == (Fraction(5056), (0,) * 6)
 
@@ -61,8 +62,19 @@ def test_a_whole_model_graph_reads_the_block_terms_only_without_recompute():
     assert not compiled.applies(full) and "--compile blocks" in compiled.missing_note(full)
 
 
-def test_the_built_in_gpt_with_grouped_query_attention_keeps_eager_terms():
-    # its fused q, k, v width h + 2·kv is a sum of dimensions: no product of them describes it at every shape
+def test_the_built_in_gpt_with_grouped_query_attention_keeps_eager_terms_and_says_why():
+    # its fused q, k, v width h + 2·kv is a sum of dimensions: the derivation's check at another shape drops it
     spec = preset("tiny", layers=2, hidden=160, heads=4, kv_heads=2, attention="sdpa", dropout=0.0)
     cfg = RunConfig(model=spec, seq=64, micro_batch=2, compile="blocks")
-    assert not compiled.applies(cfg) and "gqa" in compiled.missing_note(cfg)
+    assert not compiled.applies(cfg) and "not a product of the dimensions" in compiled.missing_note(cfg)
+
+
+def test_a_width_that_is_a_sum_fails_the_check_at_another_shape_and_a_product_passes():
+    from batchlab.trace.compiled_terms import CHECK_K, GQA_PRIMES, evaluate, monomial, primes_of
+
+    b, s, k, g, d2 = (GQA_PRIMES[n] for n in ("b", "s", "k", "g", "d"))
+    at = primes_of(True, CHECK_K)
+    fused = monomial(b * s * k * 2 * d2 * (g + 2), GQA_PRIMES)  # (b, s, h + 2·kv), h + 2·kv = k·d·(g + 2)
+    assert evaluate({fused[1]: fused[0]}, at) != b * s * CHECK_K * 2 * d2 * (g + 2)
+    probs = monomial(b * k * g * s * s, GQA_PRIMES)  # (b, heads, s, s)
+    assert evaluate({probs[1]: probs[0]}, at) == b * CHECK_K * g * s * s

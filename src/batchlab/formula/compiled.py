@@ -61,7 +61,7 @@ def applies(cfg: RunConfig) -> bool:
     if names is None or not _same_partition(cfg, names):
         return False
     terms = _table().TERMS
-    return all(terms.get(_key(cfg, p)) is not None for p in {*names, "none"})
+    return all(isinstance(terms.get(_key(cfg, p)), tuple) for p in {*names, "none"})
 
 
 def _same_partition(cfg: RunConfig, names: tuple[str, ...]) -> bool:
@@ -121,8 +121,8 @@ def missing_note(cfg: RunConfig) -> str | None:
     elif not _same_partition(cfg, names):
         why = ("they are a block's partition (--compile blocks); a whole-model graph recomputing checkpointed "
                "blocks partitions differently")
-    elif any(p in _table().TERMS and _table().TERMS[p] is None for p in (_key(cfg, n) for n in {*names, "none"})):
-        why = "the block does not compile into one graph (a graph break around it: it runs eagerly)"
+    elif (reasons := [r for r in (_table().TERMS.get(_key(cfg, n)) for n in {*names, "none"}) if isinstance(r, str)]):
+        why = reasons[0]  # the derivation's own words (trace/compiled_terms.py)
     else:
         why = f"no compiled terms derived for {_key(cfg, names[0]).replace('|', ', ')}"
     return (f"the formula's layer terms are eager PyTorch's here (--compile {cfg.compile}): {why}; estimate --trace "

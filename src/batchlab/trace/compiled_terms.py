@@ -1,11 +1,12 @@
 """Derive the formula's per-layer terms for compiled code from AOTAutograd's partition (``formula/compiled.py``).
 
 One block of each family is compiled with the trace's partition-only backend (trace/compiled.py) on fake tensors
-at dimensions that are distinct primes (micro-batch 11, sequence 13, KV heads 17, query heads per KV head 19 or 1,
-head dim 2·23, MLP inner size 2·29), and one forward runs: the partitioner's forward graph lists the tensors it
+at dimensions that are distinct primes in a real model's ratios (micro-batch 13, sequence 1021, KV heads 11, query
+heads per KV head 17 or 1, head dim 2·23, MLP inner size 2·709 or 2·12037), and one forward runs: the partitioner's forward graph lists the tensors it
 saves for backward.  Each saved tensor's element count then factors uniquely into those dimensions, e.g.
 11·17·13·13 is b·a·s² (the attention probabilities), so the bytes it keeps at any shape are that monomial times
-its element size -- read off the partition, nothing fitted.  Views are counted once, with the tensor they view;
+its element size -- read off the partition, nothing fitted.  (The partition is a min-cut over sizes: at
+unreal ratios it may save other tensors, hence the real ones.)  Views are counted once, with the tensor they view;
 a graph input without the batch dimension (a parameter, a buffer, rotary tables made once per forward) is not
 the layer's.  What is left of a count after the dimensions are divided out is a small integer (3 for a fused
 q, k, v projection); a count with another large prime factor (a generator's state) is a constant.
@@ -24,8 +25,10 @@ import torch
 
 from batchlab.config import RunConfig, preset
 
-# symbol -> its prime at the derivation shape; d, f carry a factor 2 (RoPE halves the head dim)
-PRIMES = dict(b=11, s=13, k=17, g=19, d=23, f=29)
+# symbol -> its prime at the derivation shape; d, f carry a factor 2 (RoPE halves the head dim).  The partition is
+# a min-cut over tensor sizes, so the shape keeps a real model's ratios: MLP 2.8x hidden, sequence 22x the head dim
+PRIMES = dict(b=13, s=1021, k=11, g=17, d=23, f=709)  # k x d = 506 hidden, MLP 1418
+GQA_PRIMES = dict(PRIMES, f=12037)  # 187 query heads over 11 KV heads: 8602 hidden, MLP 24074
 SYMBOLS = tuple(PRIMES)
 DOUBLED = ("d", "f")  # their dimension is 2 x their prime
 SMALL = (2, 3, 5, 7)  # what may remain of a count: a constant factor of the layer's code
@@ -41,10 +44,8 @@ POLICIES = ("none", "full", "selective", "selective-op")
 # the Llamas also in pure bf16, as torchtune trains them
 PRECISIONS = {"builtin": ("fp32", "bf16-mixed"), "hf-gpt2": ("fp32", "bf16-mixed"),
               "hf-llama": ("fp32", "bf16-mixed", "bf16"), "torchtitan-llama": ("fp32", "bf16-mixed", "bf16")}
-# (grouped-query attention, dropout, attention).  Not the built-in GPT with grouped-query attention: its fused
-# q, k, v projection is h + 2·kv = k·d·(g + 2) wide, a sum, which factoring reads as a constant (21 at g = 19)
-VARIANTS = {
-    "builtin": tuple((False, d, a) for a in ("eager", "sdpa") for d in (True, False)),
+VARIANTS = {  # (grouped-query attention, dropout, attention)
+    "builtin": tuple((g, d, a) for a in ("eager", "sdpa") for g, d in ((False, True), (False, False), (True, False))),
     "hf-gpt2": ((False, True, "sdpa"), (False, False, "sdpa")),
     "hf-llama": ((False, False, "sdpa"), (True, False, "sdpa")),
     "torchtitan-llama": ((False, False, "sdpa"), (True, False, "sdpa"))}
@@ -54,13 +55,25 @@ class Uncompiled(RuntimeError):
     """The block did not compile into a graph (a graph break around the whole block): it runs eagerly."""
 
 
-def derivation_config(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str) -> RunConfig:
+UNCOMPILED = "the block does not compile into one graph (a graph break around it: it runs eagerly)"
+NOT_PRODUCTS = ("what the partition saves is not a product of the dimensions (checked with another number of KV heads: "
+                "a fused q, k, v projection h + 2·kv wide is a sum)")
+CHECK_K = 19  # KV heads of the second derivation that checks an entry (a prime no other symbol uses)
+
+
+def primes_of(gqa: bool, k: int | None = None) -> dict[str, int]:
+    return dict(GQA_PRIMES if gqa else PRIMES, **({"k": k} if k else {}))
+
+
+def derivation_config(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str,
+                      k: int | None = None) -> RunConfig:
     base, source = FAMILIES[family]
-    g, k = (PRIMES["g"] if gqa else 1), PRIMES["k"]
-    heads, d = k * g, 2 * PRIMES["d"]
-    spec = preset(base, layers=1, hidden=heads * d, heads=heads, kv_heads=k, ffn=2 * PRIMES["f"], vocab=64,
-                  max_positions=64, dropout=0.1 if dropout else 0.0, attention=attention)
-    return RunConfig(model=spec, model_source=source, seq=PRIMES["s"], micro_batch=PRIMES["b"], ac=policy,
+    p = primes_of(gqa, k)
+    g, k = (p["g"] if gqa else 1), p["k"]
+    heads, d = k * g, 2 * p["d"]
+    spec = preset(base, layers=1, hidden=heads * d, heads=heads, kv_heads=k, ffn=2 * p["f"], vocab=64,
+                  max_positions=2 * p["s"], dropout=0.1 if dropout else 0.0, attention=attention)
+    return RunConfig(model=spec, model_source=source, seq=p["s"], micro_batch=p["b"], ac=policy,
                      precision=precision, compile="blocks")
 
 
@@ -69,14 +82,14 @@ def _count(v) -> int:
     return int(n.node.hint if isinstance(n, torch.SymInt) else n)
 
 
-def monomial(count: int) -> tuple[Fraction, tuple[int, ...]]:
+def monomial(count: int, primes: dict[str, int] = PRIMES) -> tuple[Fraction, tuple[int, ...]]:
     """(coefficient, exponents over SYMBOLS) with count = coefficient x the symbols' dimensions at the derivation
     shape raised to the exponents; a count with a prime factor above 7 that is no symbol's is a constant."""
     n, exps = count, []
     for name in SYMBOLS:
         e = 0
-        while n and n % PRIMES[name] == 0:
-            n, e = n // PRIMES[name], e + 1
+        while n and n % primes[name] == 0:
+            n, e = n // primes[name], e + 1
         exps.append(e)
     rest = n
     for p in SMALL:
@@ -96,7 +109,7 @@ def _root(node):
     return node
 
 
-def saved_terms(partitions) -> dict[tuple[int, ...], Fraction]:
+def saved_terms(partitions, primes: dict[str, int] = PRIMES) -> dict[tuple[int, ...], Fraction]:
     """Bytes the forward graphs save for backward, as exponents -> coefficient (bytes per unit monomial)."""
     terms: dict[tuple[int, ...], Fraction] = {}
     for fw, n_outputs in partitions:
@@ -108,22 +121,43 @@ def saved_terms(partitions) -> dict[tuple[int, ...], Fraction]:
             if not isinstance(v, torch.Tensor) or root in seen:
                 continue
             seen.add(root)
-            coef, exps = monomial(_count(v))
+            coef, exps = monomial(_count(v), primes)
             if root.op == "placeholder" and exps[SYMBOLS.index("b")] == 0:
                 continue  # a parameter, a buffer or a table made once per forward: not this layer's
             terms[exps] = terms.get(exps, Fraction(0)) + coef * v.element_size()
     return terms
 
 
+def evaluate(terms: dict[tuple[int, ...], Fraction], primes: dict[str, int]) -> Fraction:
+    """The terms' bytes at the shape ``primes`` describes (d and f are twice their primes)."""
+    total = Fraction(0)
+    for exps, coef in terms.items():
+        for name, e in zip(SYMBOLS, exps):
+            coef *= Fraction(primes[name] * (2 if name in DOUBLED else 1)) ** e
+        total += coef
+    return total
+
+
+def checked(family: str, gqa: bool, dropout: bool, attention: str, policy: str,
+            precision: str) -> dict[tuple[int, ...], Fraction] | None:
+    """``derive``'s terms, if they also give the bytes the partition saves with another number of KV heads, else
+    None: a tensor whose width is a sum of dimensions (a fused q, k, v projection with grouped-query attention,
+    h + 2·kv = k·d·(g + 2)) factors into a constant, and the min-cut may choose other tensors at other sizes."""
+    terms = derive(family, gqa, dropout, attention, policy, precision)
+    other = derive(family, gqa, dropout, attention, policy, precision, k=CHECK_K)
+    at = primes_of(gqa, CHECK_K)
+    return terms if evaluate(terms, at) == evaluate(other, at) else None
+
+
 def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str,
-           precision: str) -> dict[tuple[int, ...], Fraction]:
+           precision: str, k: int | None = None) -> dict[tuple[int, ...], Fraction]:
     """One block's saved bytes as monomials, from one forward of the partition on fake tensors (seconds)."""
     from batchlab.models.compiled import using_backend
     from batchlab.trace.compiled import PARTITIONS, partition_only
     from batchlab.trace.patches import eager_branches
     from batchlab.trace.run import FakeTrainer, fake_mode
 
-    cfg = derivation_config(family, gqa, dropout, attention, policy, precision)
+    cfg = derivation_config(family, gqa, dropout, attention, policy, precision, k)
     torch._dynamo.reset()
     found: list = []
     PARTITIONS.append(found)
@@ -139,7 +173,7 @@ def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str,
         PARTITIONS.remove(found)
     if not found:
         raise Uncompiled(f"{family} {policy}: no compiled graph was partitioned")
-    return saved_terms(found)
+    return saved_terms(found, primes_of(gqa, k))
 
 
 def _key(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str) -> str:
@@ -158,16 +192,17 @@ def write_table(path: Path, keep: dict | None = None) -> None:
                 terms = keep[key]
             else:
                 print(f"deriving {key}", file=sys.stderr, flush=True)
-                try:
-                    found = derive(family, gqa, dropout, attention, policy, precision)
-                    terms = tuple((e, c.numerator, c.denominator) for e, c in sorted(found.items()))
-                except Uncompiled:  # None: the formula's eager terms describe what runs
-                    terms = None
+                try:  # a string: why there are no terms (the formula's eager terms are used, and it says why)
+                    found = checked(family, gqa, dropout, attention, policy, precision)
+                    terms = NOT_PRODUCTS if found is None else tuple((e, c.numerator, c.denominator)
+                                                                     for e, c in sorted(found.items()))
+                except Uncompiled:
+                    terms = UNCOMPILED
             rows.append(f"    {key!r}: {terms!r},")
     header = ('"""Generated by ``python -m batchlab.trace.compiled_terms`` (torch ' + torch.__version__ + ', CPU '
-              'kernels): per family | attention | dropout | layer policy | precision, the bytes one compiled block '
-              'saves for backward as (exponents over ' + ", ".join(SYMBOLS) + ', numerator, denominator).  Do not '
-              'edit."""\n')
+              'kernels): per family | heads (mha, gqa) | dropout | attention | layer policy | precision, the bytes one '
+              'compiled block saves for backward as (exponents over ' + ", ".join(SYMBOLS) + ', numerator, '
+              'denominator), or why there are none.  Do not edit."""\n')
     path.write_text(header + f"SYMBOLS = {SYMBOLS!r}\nTORCH = {torch.__version__!r}\nTERMS = {{\n" + "\n".join(rows)
                     + "\n}\n")
 
