@@ -22,10 +22,10 @@ from batchlab.advise import knapsack
 from batchlab.advise.acmodel import MODEL_TEXT, LayerModel
 from batchlab.advise.plan import EVERY_K, Goal, micro_batches, shaped
 from batchlab.cache.calibrations import load_all
-from batchlab.config import ACMode, ACPolicy, AttentionImpl, ConfigError, ModelSource, RunConfig
+from batchlab.config import ACMode, ACPolicy, AttentionImpl, CompileMode, ConfigError, ModelSource, RunConfig
 from batchlab.config.acpolicies import layer_policies, no_recompute, whole_block
 from batchlab.config.planfile import MAX_LAYERS
-from batchlab.formula import Calibrations, estimate
+from batchlab.formula import Calibrations, compiled, estimate
 from batchlab.util.units import fmt_bytes
 
 MENU = layer_policies()  # the catalogue's per-layer policies, least recompute first (config/acpolicies.py)
@@ -35,8 +35,13 @@ BISECTIONS = 16  # after tightening: to 1/65536 of the gap between a fitting and
 
 
 def menu(cfg: RunConfig) -> tuple[ACMode, ...]:
-    """The layer policies a plan may use (those that recompute the fused attention call: SDPA only)."""
-    return tuple(m for m in MENU if not m.spec.needs_sdpa or cfg.model.attention is AttentionImpl.SDPA)
+    """The layer policies a plan may use (those that recompute the fused attention call: SDPA only); compiled,
+    those the formula has compiled terms for (formula/compiled.py), where there are two or more."""
+    modes = tuple(m for m in MENU if not m.spec.needs_sdpa or cfg.model.attention is AttentionImpl.SDPA)
+    if cfg.compile is CompileMode.NONE:
+        return modes
+    covered = tuple(m for m in modes if compiled.applies(cfg.replace(ac=uniform(m, cfg.model.layers))))
+    return covered if len(covered) > 1 else modes
 
 
 def uniform(mode: ACMode, layers: int) -> ACPolicy:

@@ -111,10 +111,14 @@ def _formula(sides: Sides, token_budget: int, threads: int | None = None
     cals = load_all(threads)  # the calibration cache, read here: estimate() is a pure function
     ea, eb = estimate(sides.a, cals), estimate(sides.b, cals)
     pred = formula_prediction(FormulaSide.from_estimate(ea), FormulaSide.from_estimate(eb), token_budget)
+    reason = ""
+    if sides.a.compile is not sides.b.compile:  # the time model prices eager ops: no fused kernels, no time verdict
+        pred = {m: p for m, p in pred.items() if m in (Metric.PEAK_MEMORY, Metric.OOM)}
+        reason = "no formula time prediction: the time model does not see compiled code's fused kernels yet"
     from batchlab.formula.attribution import attribute
 
     att = attribute(ea.time, eb.time)
-    return FormulaRecord(True, a=ea.to_dict(), b=eb.to_dict(),
+    return FormulaRecord(True, reason=reason, a=ea.to_dict(), b=eb.to_dict(),
                          prediction={m.value: to_jsonable(p) for m, p in pred.items()},
                          time_attribution=att.to_dict() if att else None), pred
 

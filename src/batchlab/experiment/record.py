@@ -148,7 +148,8 @@ class FormulaRecord:
         if not self.available:
             return {"available": False, "reason": self.reason, "provenance": "formula"}
         return {"available": True, "provenance": "formula", "a": dict(self.a or {}), "b": dict(self.b or {}),
-                "prediction": dict(self.prediction), "time_attribution": self.time_attribution}
+                "prediction": dict(self.prediction), "time_attribution": self.time_attribution,
+                **({"reason": self.reason} if self.reason else {})}  # why a metric has no prediction
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "FormulaRecord":

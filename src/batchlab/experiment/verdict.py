@@ -133,7 +133,7 @@ def verdicts(rounds: Rounds | None, user: dict[Metric, Direction], formula: dict
     nothing = Observed(note="formula only: nothing measured")
     counted = rounds.counted() if rounds is not None else Counted.TOKENS
     return {metric: metric_record(metric, measured_verdict(metric, rounds, token_budget) if rounds is not None
-                                  else nothing, user.get(metric), formula[metric] if formula is not None else None,
+                                  else nothing, user.get(metric), formula.get(metric) if formula is not None else None,
                                   counted)
             for metric in Metric}
 

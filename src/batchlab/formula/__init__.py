@@ -187,11 +187,10 @@ def unseen_model(cfg: RunConfig) -> str | None:
 
 
 def compiled_note(cfg: RunConfig) -> str | None:
-    """Why the formula's figures are not a compiled run's (it models eager PyTorch), else None."""
-    if cfg.compile.value == "none":
-        return None
-    return (f"the formula does not yet model compiled code (--compile {cfg.compile}): its figures are eager "
-            f"PyTorch's; estimate --trace --compile {cfg.compile} traces the compiled graphs' partition")
+    """Why the formula's figures are not a compiled run's (its layer terms are eager PyTorch's), else None."""
+    from batchlab.formula import compiled
+
+    return compiled.missing_note(cfg)
 
 
 def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estimate:
@@ -209,6 +208,10 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
 def layer_terms(cfg: RunConfig) -> str:
     """Where the activation terms come from: the model's own code (a cached profile) or a built-in count of
     the implementation ``--impl`` names (formula/activations.py)."""
+    from batchlab.formula import compiled
+
+    if compiled.applies(cfg):
+        return compiled.source(cfg)
     impl = implementation(cfg.model_kind, cfg.model)
     return layer_terms_source(cfg, f"count of {describe_impl(impl)}")
 
@@ -218,7 +221,10 @@ def implementation_line(cfg: RunConfig) -> str:
     impl = implementation(cfg.model_kind, cfg.model)
     if cfg.model_kind is ModelSource.FACTORY:
         return f"Layer terms: {describe_impl(impl)}, a stand-in for the factory's model (use --trace)"
-    how = "a trace of its code" if layer_terms(cfg).startswith("profile") else "a count of the tensors it keeps"
+    terms = layer_terms(cfg)
+    how = ("the saved-tensor list of its compiled block's partition (formula terms for compiled code)"
+           if terms.startswith("formula terms for compiled") else
+           "a trace of its code" if terms.startswith("profile") else "a count of the tensors it keeps")
     flag = f" (--impl {cfg.model.impl})" if cfg.model_kind is ModelSource.BUILTIN else ""
     return f"Layer terms: {describe_impl(impl)}{flag}, from {how}"
 

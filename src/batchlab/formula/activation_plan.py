@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from batchlab.config import ACMode, Implementation, LossMode, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
+from batchlab.formula import compiled
 from batchlab.formula.loss import LossPath, loss_path, megatron_loss_path, vocab_parallel_path
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankShare, share, sp_gathered_inputs, tp_kept_bytes
@@ -35,6 +36,10 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
     if fitted is not None and rank.whole:  # the model's own code, traced and fitted (formula/profile.py)
         return _profiled_plan(cfg, fitted)
     backend = cfg.device_spec.backend
+    if rank.whole and compiled.applies(cfg):  # what the compiled blocks' partition saves (formula/compiled.py)
+        kept, full = compiled.kept_per_layer(cfg)
+        outside = act.outside_layers_bytes(m, s, b, p, backend) + rank_loss_path(cfg, rank).kept
+        return ActivationPlan(full, kept, outside)
     impl = act.implementation(cfg.model_kind, m)
     parts = act.layer_activations(m, s, b, p, backend, impl, cfg.kv_cache)
     if cfg.assumptions.torch_before(1, 11):

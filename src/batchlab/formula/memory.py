@@ -13,6 +13,7 @@ from batchlab.formula.activation_plan import ActivationPlan, activation_plan, ra
 from batchlab.formula.kvcache import held_in_forward_bytes
 from batchlab.formula.params import count, norm_params
 from batchlab.formula.pipeline import gradient_send_bytes, receive_buffer_bytes, stage_output_bytes
+from batchlab.formula import compiled
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankMemory, RankShare, share, shares
 from batchlab.formula.sharding import unit_elements
@@ -293,6 +294,9 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
         copies_fwd = fitted.copies_layer * m.layers + fitted.copies_outside
         copies = copies_fwd - fitted.copies_layer * n_recomputed
         layer_copy = fitted.copies_layer
+    elif autocast and rank.whole and compiled.applies(cfg):  # a compiled block's casts are its graph's own tensors:
+        n, per_layer = autocast_cast_params(m, rank)  # those it saves are in its kept terms, the rest die in it
+        copies_fwd = copies = 2 * (n - per_layer * m.layers)
     elif autocast:
         n, per_layer = autocast_cast_params(m, rank)
         copies_fwd = 2 * n

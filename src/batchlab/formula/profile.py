@@ -51,6 +51,10 @@ def terms(cfg: RunConfig) -> Terms | None:
     """The profile's terms for cfg's precision and sequence regime, if cfg's model carries a matching profile
     that has traced every layer policy cfg needs (profiles measure none, full and selective; every:K mixes
     the first two)."""
+    from batchlab.formula import compiled  # the profile traces eager code: compiled layers have terms of their own
+
+    if compiled.applies(cfg):
+        return None
     t, used = _lookup(cfg), needed(cfg)
     return t if t is not None and used and used <= t.policies else None
 

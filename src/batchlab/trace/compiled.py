@@ -97,11 +97,17 @@ def _graph_run(gm, example_inputs):
     return make_boxed_func(run)
 
 
+PARTITIONS: list[list] = []  # while a list is in it, every partition's (forward graph, its user outputs) goes there
+
+
 def _partition(joint, joint_inputs, **kwargs):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     # compiler="inductor": the partitioner's set of ops it may recompute in backward, as inductor's compile_fx
-    return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+    for listener in PARTITIONS:  # formula terms for compiled code read what the forward saves (trace/compiled_terms.py)
+        listener.append((fw, kwargs["num_fwd_outputs"]))
+    return fw, bw
 
 
 _RULES_SET = []

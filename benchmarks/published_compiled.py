@@ -1,0 +1,172 @@
+"""batchlab's formula beside published GPU training runs with torch.compile (and their eager twins).
+
+Reads benchmarks/published_compiled.toml, whose every run carries the full ``batchlab estimate`` flags (``cli``),
+parses them with the CLI's own option parsing, calls batchlab.formula.estimate (no torch) and writes
+docs/accuracy/published-compiled.md: each run's command, memory (the kind its source measured) and tokens/s per GPU
+predicted vs published, and the mean |error| over all runs, the runs not held out and the hold-outs.  Hold-outs
+(``holdout = true``: every third run in file order, fixed before any prediction) are never tuned against.  Each
+run's errors as first computed are kept in benchmarks/published_compiled_first.toml (``--record-first`` wrote it
+once; the page shows them beside today's).
+
+    PYTHONPATH=src python benchmarks/published_compiled.py
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+from pathlib import Path
+
+from click import ClickException
+
+from published import UNITS, Row, gib, load, num, pct  # benchmarks/published.py: the same rows, units and figures
+
+from batchlab.cli.common import config_from_command
+from batchlab.formula import compiled_note, estimate, implementation_line
+
+HERE = Path(__file__).resolve().parent
+RUNS, FIRST = HERE / "published_compiled.toml", HERE / "published_compiled_first.toml"
+GAPS = {  # run fields no flag expresses (the toml's own vocabulary)
+    "optimizer_in_backward": "optimizer step fused into backward (torchtune optimizer_in_bwd): no flag",
+    "activation_offloading": "activation offloading to CPU (torchtune enable_activation_offloading): no flag",
+}
+
+
+def evaluate(run: dict) -> Row:
+    row = Row(run)
+    measured = run["measured"]
+    if "memory_value" in measured:
+        row.mem_measured = int(measured["memory_value"] * UNITS[measured["memory_unit"]])
+    row.tps_measured = measured.get("tokens_per_s_per_gpu")
+    row.gaps += [text for field, text in GAPS.items() if run.get(field)]
+    if run["optimizer"] != "adamw":
+        row.gaps.append(f"optimizer {run['optimizer']}: AdamW's time")
+    argv = ["estimate", *shlex.split(run["cli"])]
+    row.command = "batchlab " + shlex.join(argv)
+    try:
+        row.cfg = config_from_command(argv)
+    except (ValueError, ClickException) as e:
+        row.failed = str(e)
+        return row
+    if (note := compiled_note(row.cfg)) is not None:
+        row.gaps.append(note)
+    est = estimate(row.cfg)
+    kind = measured.get("memory_kind")
+    if kind is not None:
+        row.mem_predicted = {"allocated": est.memory.allocated_bytes, "reserved": est.memory.reserved_bytes,
+                             "device": est.memory.device_bytes}[kind]
+    row.fits = est.memory.fits
+    row.tps_predicted = est.time.tokens_per_second / row.cfg.dp
+    row.layer_terms = implementation_line(row.cfg)
+    return row
+
+
+def first_errors() -> dict[str, dict]:
+    return {r["id"]: r for r in load(FIRST)["run"]} if FIRST.exists() else {}
+
+
+def record_first(rows: list[Row]) -> None:
+    """The errors of every run as first computed, before anything is changed against them (written once)."""
+    if FIRST.exists():
+        raise SystemExit(f"{FIRST.name} exists: the first errors are recorded once")
+    lines = ["# Each run's errors as first computed by benchmarks/published_compiled.py, before any change made against",
+             "# the published figures; written once (--record-first), never regenerated.", ""]
+    for r in rows:
+        lines += ["[[run]]", f"id = {r.run['id']!r}", f"holdout = {str(bool(r.run.get('holdout'))).lower()}"]
+        lines += [f"memory_error = {r.mem_error:.4f}"] if r.mem_error is not None else []
+        lines += [f"tokens_per_s_error = {r.tps_error:.4f}"] if r.tps_error is not None else []
+        lines.append("")
+    FIRST.write_text("\n".join(lines))
+
+
+def mean_abs(values) -> str:
+    v = [abs(x) for x in values if x is not None]
+    return f"{statistics.fmean(v):.1%} over {len(v)} runs" if v else "no runs"
+
+
+def summary(rows: list[Row]) -> list[str]:
+    first = first_errors()
+    subsets = (("all runs", rows), ("runs not held out", [r for r in rows if not r.run.get("holdout")]),
+               ("hold-outs (†)", [r for r in rows if r.run.get("holdout")]))
+    out = ["| runs | memory: mean \\|error\\| | as first computed | tokens/s per GPU: mean \\|error\\| | as first computed |",
+           "|---|---|---|---|---|"]
+    for label, subset in subsets:
+        f = [first.get(r.run["id"], {}) for r in subset]
+        out.append(f"| {label} | {mean_abs(r.mem_error for r in subset)} | "
+                   f"{mean_abs(x.get('memory_error') for x in f)} | {mean_abs(r.tps_error for r in subset)} | "
+                   f"{mean_abs(x.get('tokens_per_s_error') for x in f)} |")
+    return out
+
+
+def table(rows: list[Row]) -> list[str]:
+    first = first_errors()
+    out = ["| run | compile | GPU × n | memory measured (kind) | predicted | error | first | tok/s/GPU measured | "
+           "predicted | error | first |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        kind = r.run["measured"].get("memory_kind")
+        f = first.get(r.run["id"], {})
+        mem = f"{gib(r.mem_measured)} GiB ({kind})" if r.mem_measured else "-"
+        out.append(f"| {r.run['id']}{' †' if r.run.get('holdout') else ''} | {r.run['compile']} | {r.run['gpu']} × "
+                   f"{r.run['gpu_count']} | {mem} | {gib(r.mem_predicted) if r.mem_measured else '-'} | "
+                   f"{pct(r.mem_error)} | {pct(f.get('memory_error'))} | {num(r.tps_measured)} | "
+                   f"{num(r.tps_predicted)} | {pct(r.tps_error)} | {pct(f.get('tokens_per_s_error'))} |")
+    return out
+
+
+def twins(rows: list[Row]) -> list[str]:
+    """Compiled vs eager pairs: the published ratio beside the predicted one."""
+    by_id = {r.run["id"]: r for r in rows}
+    out = ["| compiled run | eager twin | memory ratio published | predicted | tokens/s ratio published | predicted |",
+           "|---|---|---:|---:|---:|---:|"]
+    ratio = lambda a, b: f"{a / b:.3f}" if a and b else "-"  # noqa: E731
+    for r in rows:
+        t = by_id.get(r.run.get("twin", ""))
+        if r.run["compile"] == "none" or t is None or t.run["compile"] != "none":
+            continue
+        out.append(f"| {r.run['id']} | {t.run['id']} | {ratio(r.mem_measured, t.mem_measured)} | "
+                   f"{ratio(r.mem_predicted, t.mem_predicted)} | {ratio(r.tps_measured, t.tps_measured)} | "
+                   f"{ratio(r.tps_predicted, t.tps_predicted)} |")
+    return out
+
+
+def details(rows: list[Row]) -> list[str]:
+    out = []
+    for r in rows:
+        out.append(f"- **{r.run['id']}**{' †' if r.run.get('holdout') else ''}: `{r.command}`")
+        out.append(f"  - source: {r.run['source']}: “{r.run['quote']}”")
+        if r.layer_terms:
+            out.append(f"  - {r.layer_terms}")
+        out += [f"  - not expressed: {g}" for g in r.gaps]
+        if r.failed:
+            out.append(f"  - NOT EVALUATED: {r.failed}")
+    return out
+
+
+def document(rows: list[Row]) -> str:
+    return "\n".join([
+        "What `batchlab estimate` predicts for published GPU training runs with `torch.compile` (and their eager "
+        "twins), typed as a user types them (each command below is parsed by the CLI's own option parsing), beside "
+        "what the sources measured. Error = (predicted - measured) / measured; memory is compared with the kind the "
+        "source measured. † marks the hold-outs: every third run in file order, fixed before any prediction and "
+        "never tuned against. *First*: each run's error as first computed (benchmarks/published_compiled_first.toml). "
+        "Formula only: no GPU is needed to reproduce it.", "",
+        "## Summary", "", *summary(rows), "", "## Runs", "", *table(rows), "",
+        "## Compiled against eager", "", *twins(rows), "",
+        "## Commands, sources and what the command cannot express", "", *details(rows), ""])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--record-first", action="store_true", help="write the first errors (once, before any tuning)")
+    args = p.parse_args(argv)
+    rows = [evaluate(r) for r in load(RUNS)["run"]]
+    if args.record_first:
+        record_first(rows)
+    print(document(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    import page  # benchmarks/page.py
+
+    page.publish(main, "published-compiled", "Predicted vs published GPU runs with torch.compile")

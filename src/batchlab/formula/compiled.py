@@ -1,0 +1,129 @@
+"""The formula's per-layer terms for compiled code (``--compile blocks|model``): what AOTAutograd's partition saves
+for backward, per family, read off the partitioner's saved-tensor list (trace/compiled_terms.py, which writes
+formula/compiled_table.py).  No torch.
+
+Each term is a monomial in b (micro-batch), s (sequence), k (KV heads), g (query heads per KV head), d (head dim)
+and f (MLP inner size), with h = g·k·d; its coefficient is bytes: e.g. for the built-in GPT in fp32 with dropout
+and no AC, ``9·b·k·s²`` (attention probabilities 4 bytes, their dropout mask 1, the dropped probabilities 4) where
+eager PyTorch keeps more.  A fused elementwise chain is saved as nothing: the partition recomputes it in backward.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+from batchlab.config import CompileMode, ModelSpec, Precision, RunConfig
+from batchlab.formula.activations import Impl, implementation
+
+# families whose code the harness runs in place of another's (models/__init__.py STAND_IN); torchtitan's Llama has
+# a table entry of its own (transformers' code compiled as torchtitan's compiles: trace/compiled_terms.py)
+_RUNS_AS = {Impl.NANOGPT: Impl.BUILTIN}
+# precisions whose blocks save the same bytes as one the table holds: fp16 autocast as bf16 autocast; FSDP2's bf16
+# param_dtype computes every op in bf16 as a pure-bf16 model does (config/choices.py Precision.BF16_FSDP)
+_SAME_BYTES = {Precision.FP16_MIXED: Precision.BF16_MIXED, Precision.BF16_FSDP: Precision.BF16}
+# layer policies the table holds: --ac modes that apply one of them to every layer
+POLICIES = ("none", "full", "selective", "selective-op")
+
+
+def _table():
+    from batchlab.formula import compiled_table  # generated; imported only when a compiled config asks
+
+    return compiled_table
+
+
+# Hugging Face model types whose code the table's hf-* entries trace ("": a preset's, built as GPT-2 or Llama)
+_HF_TYPES = {Impl.HF_GPT2: ("", "gpt2"), Impl.HF_LLAMA: ("", "llama")}
+
+
+def _key(cfg: RunConfig, policy: str) -> str:
+    m = cfg.model
+    impl = implementation(cfg.model_kind, m)
+    family = _RUNS_AS.get(impl, impl).value
+    if impl in _HF_TYPES and m.family not in _HF_TYPES[impl]:
+        family = m.family  # another architecture's code (mistral, gemma, ...): no entry of its own yet
+    attention = "gqa" if m.kv_heads != m.heads else "mha"
+    dropout = "dropout" if m.dropout > 0 else "no-dropout"
+    precision = _SAME_BYTES.get(cfg.precision, cfg.precision).value
+    return f"{family}|{attention}|{dropout}|{m.attention.value}|{policy}|{precision}"
+
+
+def _policies(cfg: RunConfig) -> tuple[str, ...] | None:
+    """Each layer's policy as the table names it, or None where a layer's --ac mode is not one of them."""
+    names = tuple(str(mode) for mode in cfg.ac.layer_modes(cfg.model.layers))
+    return names if all(n in POLICIES for n in names) else None
+
+
+def applies(cfg: RunConfig) -> bool:
+    """cfg is compiled and the table holds compiled terms for every layer's policy (and for no AC: the whole
+    layer, which a recomputing layer restores in backward)."""
+    if cfg.compile is CompileMode.NONE:
+        return False
+    names = _policies(cfg)
+    if names is None or not _same_partition(cfg, names):
+        return False
+    terms = _table().TERMS
+    return all(isinstance(terms.get(_key(cfg, p)), tuple) for p in {*names, "none"})
+
+
+def _same_partition(cfg: RunConfig, names: tuple[str, ...]) -> bool:
+    """The terms are one block's partition: a whole-model graph (--compile model) partitions its blocks alike
+    without recompute, not with it (measured on the built-in GPT: AC none +3.5%, full -13%)."""
+    return cfg.compile is CompileMode.BLOCKS or set(names) == {"none"}
+
+
+def dims(m: ModelSpec, s: int, b: int) -> dict[str, Fraction]:
+    """The symbols' values for a model at (b, s)."""
+    k = m.kv_heads
+    d = Fraction(m.hidden, m.heads)
+    return dict(b=Fraction(b), s=Fraction(s), k=Fraction(k), g=Fraction(m.heads, k), d=d, f=Fraction(m.ffn))
+
+
+def layer_bytes(cfg: RunConfig, policy: str, s: int | None = None, b: int | None = None) -> int:
+    """Bytes one compiled block keeps for backward under ``policy`` at (b, s) (default: cfg's): the sum of its
+    saved tensors' monomials."""
+    t = _table()
+    values = dims(cfg.model, cfg.seq if s is None else s, cfg.micro_batch if b is None else b)
+    total = Fraction(0)
+    for exps, num, den in t.TERMS[_key(cfg, policy)]:
+        term = Fraction(num, den)
+        for name, e in zip(t.SYMBOLS, exps):
+            term *= values[name] ** e
+        total += term
+    return round(total)
+
+
+def kept_per_layer(cfg: RunConfig) -> tuple[tuple[int, ...], int]:
+    """(each layer's kept bytes under its policy, a whole layer's: AC none)."""
+    names = _policies(cfg)
+    assert names is not None
+    each = {p: layer_bytes(cfg, p) for p in set(names) | {"none"}}
+    return tuple(each[p] for p in names), each["none"]
+
+
+def source(cfg: RunConfig) -> str:
+    """Where the compiled layer terms come from, for estimate's output."""
+    impl = implementation(cfg.model_kind, cfg.model)
+    ran = _RUNS_AS.get(impl)
+    return (f"formula terms for compiled code (--compile {cfg.compile}): the saved-tensor list of AOTAutograd's "
+            f"min-cut partition of one {(ran or impl).value} block (inductor's settings, torch {_table().TORCH}, CPU "
+            f"kernels), as monomials in b, s, heads, head dim, ffn (trace/compiled_terms.py)"
+            + (f"; {impl.value} runs as {ran.value} here" if ran else "")
+            + ("; torchtitan's Llama is transformers' code here, its checkpointed blocks compiled whole"
+               if impl is Impl.TT_LLAMA else ""))
+
+
+def missing_note(cfg: RunConfig) -> str | None:
+    """Why a compiled config's layer terms are eager PyTorch's, or None where the compiled terms apply."""
+    if cfg.compile is CompileMode.NONE or applies(cfg):
+        return None
+    names = _policies(cfg)
+    if names is None:
+        why = f"compiled terms are derived for AC {', '.join(POLICIES)}, not {cfg.ac}"
+    elif not _same_partition(cfg, names):
+        why = ("they are a block's partition (--compile blocks); a whole-model graph recomputing checkpointed "
+               "blocks partitions differently")
+    elif (reasons := [r for r in (_table().TERMS.get(_key(cfg, n)) for n in {*names, "none"}) if isinstance(r, str)]):
+        why = reasons[0]  # the derivation's own words (trace/compiled_terms.py)
+    else:
+        why = f"no compiled terms derived for {_key(cfg, names[0]).replace('|', ', ')}"
+    return (f"the formula's layer terms are eager PyTorch's here (--compile {cfg.compile}): {why}; estimate --trace "
+            f"--compile {cfg.compile} traces the compiled graphs' partition")

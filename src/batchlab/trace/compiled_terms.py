@@ -1,0 +1,216 @@
+"""Derive the formula's per-layer terms for compiled code from AOTAutograd's partition (``formula/compiled.py``).
+
+One block of each family is compiled with the trace's partition-only backend (trace/compiled.py) on fake tensors
+at dimensions that are distinct primes in a real model's ratios (micro-batch 13, sequence 1021, KV heads 11, query
+heads per KV head 17 or 1, head dim 2·23, MLP inner size 2·709 or 2·12037), and one forward runs: the partitioner's forward graph lists the tensors it
+saves for backward.  Each saved tensor's element count then factors uniquely into those dimensions, e.g.
+11·17·13·13 is b·a·s² (the attention probabilities), so the bytes it keeps at any shape are that monomial times
+its element size -- read off the partition, nothing fitted.  (The partition is a min-cut over sizes: at
+unreal ratios it may save other tensors, hence the real ones.)  Views are counted once, with the tensor they view;
+a graph input without the batch dimension (a parameter, a buffer, rotary tables made once per forward) is not
+the layer's.  What is left of a count after the dimensions are divided out is a small integer (3 for a fused
+q, k, v projection); a count with another large prime factor (a generator's state) is a constant.
+
+    PYTHONPATH=src python -m batchlab.trace.compiled_terms [--missing]   # rewrites formula/compiled_table.py (minutes)
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+
+from batchlab.config import RunConfig, preset
+
+# symbol -> its prime at the derivation shape; d, f carry a factor 2 (RoPE halves the head dim).  The partition is
+# a min-cut over tensor sizes, so the shape keeps a real model's ratios: MLP 2.8x hidden, sequence 22x the head dim
+PRIMES = dict(b=13, s=1021, k=11, g=17, d=23, f=709)  # k x d = 506 hidden, MLP 1418
+GQA_PRIMES = dict(PRIMES, f=12037)  # 187 query heads over 11 KV heads: 8602 hidden, MLP 24074
+SYMBOLS = tuple(PRIMES)
+DOUBLED = ("d", "f")  # their dimension is 2 x their prime
+SMALL = (2, 3, 5, 7)  # what may remain of a count: a constant factor of the layer's code
+
+# family (formula.activations.Impl value) -> (preset, model source) of the code that is traced
+FAMILIES = {"builtin": ("tiny", "builtin"), "hf-gpt2": ("gpt2", "hf:gpt2"), "hf-llama": ("llama-2-7b", "hf:llama-2-7b"),
+            # torchtitan's Llama is not installed: transformers' runs in its place (models/__init__.py STAND_IN), with
+            # dynamo told not to replay the checkpoint's side effects -- transformers' forward sets a context variable
+            # inside the checkpoint (a graph break that leaves the block eager), torchtitan's sets none
+            "torchtitan-llama": ("llama-2-7b", "hf:llama-2-7b")}
+NO_REPLAY = ("torchtitan-llama",)
+POLICIES = ("none", "full", "selective", "selective-op")
+# the Llamas also in pure bf16, as torchtune trains them
+PRECISIONS = {"builtin": ("fp32", "bf16-mixed"), "hf-gpt2": ("fp32", "bf16-mixed"),
+              "hf-llama": ("fp32", "bf16-mixed", "bf16"), "torchtitan-llama": ("fp32", "bf16-mixed", "bf16")}
+VARIANTS = {  # (grouped-query attention, dropout, attention)
+    "builtin": tuple((g, d, a) for a in ("eager", "sdpa") for g, d in ((False, True), (False, False), (True, False))),
+    "hf-gpt2": ((False, True, "sdpa"), (False, False, "sdpa")),
+    "hf-llama": ((False, False, "sdpa"), (True, False, "sdpa")),
+    "torchtitan-llama": ((False, False, "sdpa"), (True, False, "sdpa"))}
+
+
+class Uncompiled(RuntimeError):
+    """The block did not compile into a graph (a graph break around the whole block): it runs eagerly."""
+
+
+UNCOMPILED = "the block does not compile into one graph (a graph break around it: it runs eagerly)"
+NOT_PRODUCTS = ("what the partition saves is not a product of the dimensions (checked with another number of KV heads: "
+                "a fused q, k, v projection h + 2·kv wide is a sum)")
+CHECK_K = 19  # KV heads of the second derivation that checks an entry (a prime no other symbol uses)
+
+
+def primes_of(gqa: bool, k: int | None = None) -> dict[str, int]:
+    return dict(GQA_PRIMES if gqa else PRIMES, **({"k": k} if k else {}))
+
+
+def derivation_config(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str,
+                      k: int | None = None) -> RunConfig:
+    base, source = FAMILIES[family]
+    p = primes_of(gqa, k)
+    g, k = (p["g"] if gqa else 1), p["k"]
+    heads, d = k * g, 2 * p["d"]
+    spec = preset(base, layers=1, hidden=heads * d, heads=heads, kv_heads=k, ffn=2 * p["f"], vocab=64,
+                  max_positions=2 * p["s"], dropout=0.1 if dropout else 0.0, attention=attention)
+    return RunConfig(model=spec, model_source=source, seq=p["s"], micro_batch=p["b"], ac=policy,
+                     precision=precision, compile="blocks")
+
+
+def _count(v) -> int:
+    n = v.untyped_storage().nbytes() // v.element_size() if v.numel() else 0
+    return int(n.node.hint if isinstance(n, torch.SymInt) else n)
+
+
+def monomial(count: int, primes: dict[str, int] = PRIMES) -> tuple[Fraction, tuple[int, ...]]:
+    """(coefficient, exponents over SYMBOLS) with count = coefficient x the symbols' dimensions at the derivation
+    shape raised to the exponents; a count with a prime factor above 7 that is no symbol's is a constant."""
+    n, exps = count, []
+    for name in SYMBOLS:
+        e = 0
+        while n and n % primes[name] == 0:
+            n, e = n // primes[name], e + 1
+        exps.append(e)
+    rest = n
+    for p in SMALL:
+        while rest and rest % p == 0:
+            rest //= p
+    if rest > 1:
+        return Fraction(count), (0,) * len(SYMBOLS)
+    halves = sum(e for name, e in zip(SYMBOLS, exps) if name in DOUBLED)
+    return Fraction(n, 2 ** halves), tuple(exps)
+
+
+def _root(node):
+    """The node whose output a chain of views reads (views share their base's storage)."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view \
+            and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def saved_terms(partitions, primes: dict[str, int] = PRIMES) -> dict[tuple[int, ...], Fraction]:
+    """Bytes the forward graphs save for backward, as exponents -> coefficient (bytes per unit monomial)."""
+    terms: dict[tuple[int, ...], Fraction] = {}
+    for fw, n_outputs in partitions:
+        out = next(x for x in fw.graph.nodes if x.op == "output")
+        seen: set = set()
+        for node in out.args[0][n_outputs:]:
+            root = _root(node) if isinstance(node, torch.fx.Node) else None
+            v = root.meta.get("val") if root is not None else None
+            if not isinstance(v, torch.Tensor) or root in seen:
+                continue
+            seen.add(root)
+            coef, exps = monomial(_count(v), primes)
+            if root.op == "placeholder" and exps[SYMBOLS.index("b")] == 0:
+                continue  # a parameter, a buffer or a table made once per forward: not this layer's
+            terms[exps] = terms.get(exps, Fraction(0)) + coef * v.element_size()
+    return terms
+
+
+def evaluate(terms: dict[tuple[int, ...], Fraction], primes: dict[str, int]) -> Fraction:
+    """The terms' bytes at the shape ``primes`` describes (d and f are twice their primes)."""
+    total = Fraction(0)
+    for exps, coef in terms.items():
+        for name, e in zip(SYMBOLS, exps):
+            coef *= Fraction(primes[name] * (2 if name in DOUBLED else 1)) ** e
+        total += coef
+    return total
+
+
+def checked(family: str, gqa: bool, dropout: bool, attention: str, policy: str,
+            precision: str) -> dict[tuple[int, ...], Fraction] | None:
+    """``derive``'s terms, if they also give the bytes the partition saves with another number of KV heads, else
+    None: a tensor whose width is a sum of dimensions (a fused q, k, v projection with grouped-query attention,
+    h + 2·kv = k·d·(g + 2)) factors into a constant, and the min-cut may choose other tensors at other sizes."""
+    terms = derive(family, gqa, dropout, attention, policy, precision)
+    other = derive(family, gqa, dropout, attention, policy, precision, k=CHECK_K)
+    at = primes_of(gqa, CHECK_K)
+    return terms if evaluate(terms, at) == evaluate(other, at) else None
+
+
+def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str,
+           precision: str, k: int | None = None) -> dict[tuple[int, ...], Fraction]:
+    """One block's saved bytes as monomials, from one forward of the partition on fake tensors (seconds)."""
+    from batchlab.models.compiled import using_backend
+    from batchlab.trace.compiled import PARTITIONS, partition_only
+    from batchlab.trace.patches import eager_branches
+    from batchlab.trace.run import FakeTrainer, fake_mode
+
+    cfg = derivation_config(family, gqa, dropout, attention, policy, precision, k)
+    torch._dynamo.reset()
+    found: list = []
+    PARTITIONS.append(found)
+    replay = contextlib.nullcontext() if family not in NO_REPLAY else \
+        torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    try:
+        with replay, using_backend(partition_only), eager_branches(), fake_mode():
+            trainer = FakeTrainer(cfg, torch.device("cpu"))
+            batch = trainer.workload.make_batch(trainer.generator, cfg.micro_batch, cfg.seq, trainer.device)
+            with trainer._autocast():
+                trainer.workload.loss_sum(trainer.model, *batch)
+    finally:
+        PARTITIONS.remove(found)
+    if not found:
+        raise Uncompiled(f"{family} {policy}: no compiled graph was partitioned")
+    return saved_terms(found, primes_of(gqa, k))
+
+
+def _key(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str) -> str:
+    heads, drop = "gqa" if gqa else "mha", "dropout" if dropout else "no-dropout"
+    return f"{family}|{heads}|{drop}|{attention}|{policy}|{precision}"
+
+
+def write_table(path: Path, keep: dict | None = None) -> None:
+    """Derive every entry (``keep``: entries derived already, by key, with this torch) and write the table."""
+    rows = []
+    for family in FAMILIES:
+        for (gqa, dropout, attention), policy, precision in itertools.product(VARIANTS[family], POLICIES,
+                                                                              PRECISIONS[family]):
+            key = _key(family, gqa, dropout, attention, policy, precision)
+            if keep is not None and key in keep:
+                terms = keep[key]
+            else:
+                print(f"deriving {key}", file=sys.stderr, flush=True)
+                try:  # a string: why there are no terms (the formula's eager terms are used, and it says why)
+                    found = checked(family, gqa, dropout, attention, policy, precision)
+                    terms = NOT_PRODUCTS if found is None else tuple((e, c.numerator, c.denominator)
+                                                                     for e, c in sorted(found.items()))
+                except Uncompiled:
+                    terms = UNCOMPILED
+            rows.append(f"    {key!r}: {terms!r},")
+    header = ('"""Generated by ``python -m batchlab.trace.compiled_terms`` (torch ' + torch.__version__ + ', CPU '
+              'kernels): per family | heads (mha, gqa) | dropout | attention | layer policy | precision, the bytes one '
+              'compiled block saves for backward as (exponents over ' + ", ".join(SYMBOLS) + ', numerator, '
+              'denominator), or why there are none.  Do not edit."""\n')
+    path.write_text(header + f"SYMBOLS = {SYMBOLS!r}\nTORCH = {torch.__version__!r}\nTERMS = {{\n" + "\n".join(rows)
+                    + "\n}\n")
+
+
+if __name__ == "__main__":
+    from batchlab.formula import compiled_table
+
+    # --missing: derive only the entries the table lacks (same torch), keep the rest
+    kept = compiled_table.TERMS if "--missing" in sys.argv and compiled_table.TORCH == torch.__version__ else None
+    with contextlib.suppress(KeyboardInterrupt):
+        write_table(Path(__file__).resolve().parents[1] / "formula" / "compiled_table.py", kept)

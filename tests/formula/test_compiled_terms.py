@@ -1,0 +1,80 @@
+"""Formula terms for compiled code: saved-tensor sizes factored into the model's dimensions (checked by hand), and
+the terms' per-layer bytes at shapes other than the derivation's (checked against the partition itself in
+tests/cli/test_compile_flag.py)."""
+from fractions import Fraction
+
+from batchlab.config import RunConfig, preset
+from batchlab.formula import compiled, estimate
+
+
+def test_a_saved_tensors_element_count_factors_into_the_models_dimensions():
+    from batchlab.trace.compiled_terms import GQA_PRIMES, PRIMES, monomial
+
+    b, s, k, g, d2, f2 = (GQA_PRIMES[n] for n in ("b", "s", "k", "g", "d", "f"))  # head dim 2·d2, MLP 2·f2
+    # attention probabilities (b, heads, s, s) of a grouped-query model: b·k·g·s²
+    assert monomial(b * k * g * s * s, GQA_PRIMES) == (Fraction(1), (1, 2, 1, 1, 0, 0))
+    # the MLP's inner activation (b, s, 2·f2) is b·s·f
+    assert monomial(b * s * 2 * f2, GQA_PRIMES) == (Fraction(1), (1, 1, 0, 0, 0, 1))
+    # a fused q, k, v projection's output (b, s, 3h) without grouping, h = k·2·d2: 3·b·s·k·d
+    b, s, k, d2 = (PRIMES[n] for n in ("b", "s", "k", "d"))
+    assert monomial(b * s * 3 * k * 2 * d2) == (Fraction(3), (1, 1, 1, 0, 1, 0))
+    assert monomial(b * s) == (Fraction(1), (1, 1, 0, 0, 0, 0))  # a norm's statistic (b, s, 1)
+    # the CPU generator's state a checkpoint keeps (5056 bytes = 2^6·79): a constant, whatever the shape
+    assert monomial(5056) == (Fraction(5056), (0,) * 6)
+
+
+def test_compiled_terms_apply_where_derived_and_say_why_elsewhere():
+    cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=4, compile="blocks")
+    assert compiled.applies(cfg) and compiled.missing_note(cfg) is None
+    assert "partition" in estimate(cfg).layer_terms
+    assert not compiled.applies(cfg.replace(compile="none"))
+    note = compiled.missing_note(cfg.replace(ac="selective-attn"))
+    assert note is not None and "selective-attn" in note
+    # a per-layer plan of derived policies is covered: each layer's own term
+    mixed = cfg.replace(ac="plan:full,none")
+    kept, whole = compiled.kept_per_layer(mixed)
+    assert kept == (compiled.layer_bytes(cfg, "full"), whole) and whole == compiled.layer_bytes(cfg, "none")
+
+
+def test_compiled_layers_keep_their_input_under_full_recompute():
+    # a fully recomputed block saves its input (b, s, h); transformers' GPT-2 calls dropout (p = 0 here) inside the
+    # checkpoint, which keeps the CPU generator's state for the recompute
+    import torch
+
+    state = torch.get_rng_state().numel()
+    for src, base, extra in (("builtin", "tiny", 0), ("hf:gpt2", "gpt2", state)):
+        spec = preset(base, layers=2, hidden=96, heads=3, vocab=256, max_positions=256, dropout=0.0)
+        cfg = RunConfig(model=spec, model_source=src, seq=40, micro_batch=3, ac="full", compile="blocks")
+        assert compiled.layer_bytes(cfg, "full") == 40 * 3 * 96 * 4 + extra
+
+
+def test_another_architectures_code_gets_no_compiled_terms_of_gpt2_or_llama():
+    # a Hugging Face config of another model type is built with its own class: the table's entries do not describe it
+    spec = preset("llama-2-7b", layers=2, hidden=128, heads=4, vocab=256, max_positions=256, family="mistral")
+    cfg = RunConfig(model=spec, model_source="hf:llama-2-7b", seq=32, micro_batch=2, compile="blocks")
+    assert not compiled.applies(cfg) and "mistral" in compiled.missing_note(cfg)
+
+
+def test_a_whole_model_graph_reads_the_block_terms_only_without_recompute():
+    cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=4, compile="model")
+    assert compiled.applies(cfg)
+    full = cfg.replace(ac="full")
+    assert not compiled.applies(full) and "--compile blocks" in compiled.missing_note(full)
+
+
+def test_the_built_in_gpt_with_grouped_query_attention_keeps_eager_terms_and_says_why():
+    # its fused q, k, v width h + 2·kv is a sum of dimensions: the derivation's check at another shape drops it
+    spec = preset("tiny", layers=2, hidden=160, heads=4, kv_heads=2, attention="sdpa", dropout=0.0)
+    cfg = RunConfig(model=spec, seq=64, micro_batch=2, compile="blocks")
+    assert not compiled.applies(cfg) and "not a product of the dimensions" in compiled.missing_note(cfg)
+
+
+def test_a_width_that_is_a_sum_fails_the_check_at_another_shape_and_a_product_passes():
+    from batchlab.trace.compiled_terms import CHECK_K, GQA_PRIMES, evaluate, monomial, primes_of
+
+    b, s, k, g, d2 = (GQA_PRIMES[n] for n in ("b", "s", "k", "g", "d"))
+    at = primes_of(True, CHECK_K)
+    fused = monomial(b * s * k * 2 * d2 * (g + 2), GQA_PRIMES)  # (b, s, h + 2·kv), h + 2·kv = k·d·(g + 2)
+    assert evaluate({fused[1]: fused[0]}, at) != b * s * CHECK_K * 2 * d2 * (g + 2)
+    probs = monomial(b * k * g * s * s, GQA_PRIMES)  # (b, heads, s, s)
+    assert evaluate({probs[1]: probs[0]}, at) == b * CHECK_K * g * s * s
