@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from batchlab.advise.acmodel import LayerModel
-from batchlab.advise.acplan import ACPlan, Point, layer_models, next_budget, plan_ac
+from batchlab.advise.acplan import ACPlan, layer_models, next_budget, plan_ac
 from batchlab.advise.fit import FitReport, isolated_measure
 from batchlab.advise.plan import FitPlan, Goal, assumptions, candidate
 from batchlab.advise.search import NO_ANSWER, MeasureFn, Trial

@@ -3,7 +3,7 @@ interleaved, the prediction judged, deviations explained, the whole record kept 
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any, List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 

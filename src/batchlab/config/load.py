@@ -12,7 +12,7 @@ from batchlab.config.choices import ConfigError
 from batchlab.config.hf import hf_config_path, is_family, read_hf_config, spec_fields
 from batchlab.config.model import PRESETS, ModelSpec, preset
 from batchlab.config.run import CHANGEABLE_FIELDS, RUN_FIELDS, ACPolicy, Assumptions, RunConfig
-from batchlab.config.values import finite_number, parse_bytes, read_file
+from batchlab.config.values import parse_bytes, read_file
 
 
 def config_from_dict(d: dict[str, Any]) -> RunConfig:

@@ -89,7 +89,6 @@ def training_checkpoint_bytes(cfg: RunConfig) -> int:
 
 
 def assumptions_text(cfg: RunConfig, t: TimeEstimate) -> tuple[str, ...]:
-    a = cfg.assumptions
     dev = cfg.device_spec
     return (
         f"device {dev.name}: {fmt_bytes(dev.memory_bytes)}, peak {fmt_count(dev.peak_flops(cfg.precision), 'FLOP/s')} "

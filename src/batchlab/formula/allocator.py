@@ -73,7 +73,6 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
                   live_gradients: int = 0, rank=None) -> DeviceMemory:
     """``live_gradients``: gradient bytes live at the peak (the formula's breakdown; 0 when unknown); ``rank``:
     the pipeline stage's share (formula/ranks.py), whole replica when None."""
-    t = rank.tp if rank is not None else 1
     holds_loss = rank is None or rank.last
     dev = cfg.device_spec
     if dev.backend is Backend.CPU:  # no caching allocator: the live-tensor tracker's bytes are the figure

@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from batchlab.config import (AttentionImpl, Backend, LossMode, MLPKind, NormKind, PositionKind,
-                             Precision, RunConfig, optimizer_spec)
+                             RunConfig, optimizer_spec)
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.opcost import OpCount, merge, op_class

@@ -254,7 +254,7 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
                      + f": each rank computes 1/{lay.tp} of its stage's FLOPs; per layer per micro-batch "
                      f"{collectives_text(spec.per_layer)} of b·s·h"
                      + (f" (+{collectives_text(spec.recompute)} per fully recomputed layer)" if spec.recompute else "")
-                     + (f", the norms' weight gradients all-reduced every micro-batch" if spec.per_norm else "")
+                     + (", the norms' weight gradients all-reduced every micro-batch" if spec.per_norm else "")
                      + f", the embedding's and head's at the ends ({spec.api}); each collective over "
                      f"{tp_link(cfg, costs).text()}, not overlapped")
     if lay.pp > 1:

@@ -11,7 +11,6 @@ caller runs the function another way.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
 
