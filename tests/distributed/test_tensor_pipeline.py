@@ -27,8 +27,9 @@ CASES = {
     # a Llama-family Hugging Face model (grouped-query attention: 2 query heads and 1 kv head per rank)
     "hf-tp": RunConfig(model=_LLAMA, model_source=_LLAMA_SOURCE, micro_batch=2, seq=32, tp=2, accum=2),
     # its pipeline: the embedding and layer 0 on one stage, layer 1, the final norm and the head on the other
+    # (each layer inside its activation-checkpointing wrapper)
     "hf-1f1b": RunConfig(model=_LLAMA, model_source=_LLAMA_SOURCE, micro_batch=2, seq=32, pp=2, accum=2,
-                         pp_schedule="1f1b"),
+                         pp_schedule="1f1b", ac="full"),
     # 4 micro-batches of 4 x 64 tokens, a small vocabulary: the blocks' activations dominate each stage's
     "1f1b-memory": BASE.replace(pp=2, accum=4, micro_batch=4, seq=64, pp_schedule="1f1b", vocab=128),
 }

@@ -34,8 +34,9 @@ def check_llama_like(model: nn.Module) -> None:
     missing = [p for p in _PARTS if not hasattr(inner, p)] if inner is not None else ["model"]
     if missing or getattr(model, "lm_head", None) is None:
         raise _refuse(model, f"has no {(missing or ['lm_head'])[0]}")
-    layer = inner.layers[0]
-    absent = [p for p in _LAYER_PARTS if not hasattr(layer, p)]
+    # by name among its modules: an activation-checkpointing wrapper (models/ac.py) holds the layer inside it
+    names = {n.rsplit(".", 1)[-1] for n, _ in inner.layers[0].named_modules()}
+    absent = [p for p in _LAYER_PARTS if p not in names]
     if absent:
         raise _refuse(model, f"layers have no {absent[0]}")
     config = model.config
@@ -69,9 +70,10 @@ class HFStage(nn.Module):
 
     def _causal_mask(self, x: torch.Tensor, position_ids: torch.Tensor):
         kwargs = dict(config=self.config, inputs_embeds=x, attention_mask=None, position_ids=position_ids)
-        for name in ("cache", "past_key_values"):
-            if name in self._mask_takes:
-                kwargs[name] = None
+        # the cache's argument, under its name in this transformers (older ones: past_key_values)
+        cache = next((n for n in ("cache", "past_key_values") if n in self._mask_takes), None)
+        if cache is not None:
+            kwargs[cache] = None
         if "cache_position" in self._mask_takes:
             kwargs["cache_position"] = position_ids[0]
         return self._mask(**kwargs)
