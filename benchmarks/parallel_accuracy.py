@@ -26,6 +26,7 @@ from page import publish  # noqa: E402
 BASE = ["--seq", "64", "--micro-batch", "4", "--accum", "4"]
 LLAMA = ["--model", "hf:llama", "--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--ffn", "256",
          "--vocab", "512"]
+LLAMA_4 = [("4" if prev == "--layers" else a) for prev, a in zip([""] + LLAMA, LLAMA)]
 LAYOUTS = {  # name -> the layout's flags (the built-in tiny GPT unless a model is given)
     "one process": [],
     "TP2": ["--tp", "2"],
@@ -39,6 +40,12 @@ LAYOUTS = {  # name -> the layout's flags (the built-in tiny GPT unless a model 
     "PP2 x FSDP2 (ZeRO-3)": ["--pp", "2", "--dp", "2", "--zero", "3", "--pp-schedule", "1f1b"],
     "Llama one process": LLAMA,
     "Llama TP2": LLAMA + ["--tp", "2"],
+    "Llama PP2 GPipe": LLAMA + ["--pp", "2", "--pp-schedule", "gpipe"],
+    "Llama PP2 1F1B": LLAMA + ["--pp", "2", "--pp-schedule", "1f1b"],
+    # 4 layers: 2 stages per rank of 1 layer each
+    "Llama PP2 interleaved (2 chunks)": LLAMA_4 + ["--pp", "2", "--pp-schedule", "interleaved-1f1b",
+                                                   "--pp-virtual", "2"],
+    "Llama PP2 x DP2": LLAMA + ["--pp", "2", "--dp", "2", "--pp-schedule", "1f1b"],
 }
 RATIOS = [  # (from, to, what changes)
     ("one process", "TP2", "TP1 -> TP2"),
@@ -46,6 +53,7 @@ RATIOS = [  # (from, to, what changes)
     ("PP2 GPipe", "PP2 1F1B", "GPipe -> 1F1B"),
     ("PP2 1F1B", "PP2 interleaved (2 chunks)", "1F1B -> interleaved (2 chunks)"),
     ("Llama one process", "Llama TP2", "Llama TP1 -> TP2"),
+    ("Llama PP2 GPipe", "Llama PP2 1F1B", "Llama GPipe -> 1F1B"),
 ]
 MiB = 2**20
 
@@ -132,7 +140,8 @@ def _err(predicted: float, measured: float) -> str:
 
 def document(results: dict[str, dict], link: tuple[float, float] | None = None) -> None:
     print("The tiny model (4 layers, hidden 128, 4 heads, vocabulary 512, tied embeddings) and a 2-layer Llama "
-          "(Hugging Face `LlamaForCausalLM`, hidden 128, 4 heads, 2 kv heads, MLP 256, vocabulary 512), micro-batch "
+          "(Hugging Face `LlamaForCausalLM`, hidden 128, 4 heads, 2 kv heads, MLP 256, vocabulary 512; 4 layers for its "
+          "interleaved schedule), micro-batch "
           "4 x sequence 64, 4 micro-batches per update, fp32, AdamW, on forked gloo ranks (CPU, live-storage "
           "tracker: every storage an op makes, a DTensor op's local work included). Formula: `batchlab estimate` "
           "for the same command, the entry of the rank's pipeline stage in `memory.ranks`; its times priced by the "

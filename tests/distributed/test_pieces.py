@@ -172,3 +172,29 @@ def test_root_cause_prefers_a_ranks_own_error_and_keeps_oom_an_oom(tmp_path):
     f = diagnose(tmp_path, 1, log)
     assert (f.outcome, f.rank) == (Outcome.OOM, 2)
     assert diagnose(tmp_path, None, log, timeout_s=5).reason.startswith("timeout after 5 s")
+
+
+def test_pipelines_cut_llama_family_hf_models_and_refuse_other_classes_naming_pp():
+    """A Hugging Face LlamaForCausalLM splits into stages holding its own parts; GPT-2 (no rotary embedding, no
+    model.layers) is refused when the rank builds it, one ConfigError naming pp."""
+    from batchlab.config import resolve_model
+    from batchlab.distributed import measurable, pipeline
+    from batchlab.models import build_workload
+
+    def cfg_of(source, **shape):
+        model, source = resolve_model(source, layers=2, hidden=64, heads=2, vocab=128, **shape)
+        return RunConfig(model=model, model_source=source, seq=16, micro_batch=1, pp=2, accum=2)
+
+    llama = cfg_of("hf:llama", kv_heads=1, ffn=128)
+    measurable.check(llama)  # no longer refused before the ranks start
+    model = build_workload(llama).model
+    (first_index, first), = pipeline.split(model, llama, 0)
+    (last_index, last), = pipeline.split(model, llama, 1)
+    assert (first_index, last_index) == (0, 1)
+    assert first.embed is model.model.embed_tokens and not hasattr(first, "head")
+    assert last.head is model.lm_head and last.norm_f is model.model.norm and not hasattr(last, "embed")
+    assert list(first.blocks) == [model.model.layers[0]] and list(last.blocks) == [model.model.layers[1]]
+    gpt2 = cfg_of("hf:gpt2")
+    with pytest.raises(ConfigError) as e:
+        pipeline.split(build_workload(gpt2).model, gpt2, 0)
+    assert e.value.field == "pp" and "\n" not in str(e.value.message)

@@ -26,6 +26,10 @@ CASES = {
     "1f1b": BASE.replace(pp=2, accum=2, pp_schedule="1f1b"),
     # a Llama-family Hugging Face model (grouped-query attention: 2 query heads and 1 kv head per rank)
     "hf-tp": RunConfig(model=_LLAMA, model_source=_LLAMA_SOURCE, micro_batch=2, seq=32, tp=2, accum=2),
+    # its pipeline: the embedding and layer 0 on one stage, layer 1, the final norm and the head on the other
+    # (each layer inside its activation-checkpointing wrapper)
+    "hf-1f1b": RunConfig(model=_LLAMA, model_source=_LLAMA_SOURCE, micro_batch=2, seq=32, pp=2, accum=2,
+                         pp_schedule="1f1b", ac="full"),
     # 4 micro-batches of 4 x 64 tokens, a small vocabulary: the blocks' activations dominate each stage's
     "1f1b-memory": BASE.replace(pp=2, accum=4, micro_batch=4, seq=64, pp_schedule="1f1b", vocab=128),
 }
@@ -104,7 +108,7 @@ def _single_losses(cfg: RunConfig) -> list[float]:
     return [trainer.update().loss for _ in range(2)]
 
 
-@pytest.mark.parametrize("name", ["tp", "tp-sp", "gpipe", "1f1b", "hf-tp"])
+@pytest.mark.parametrize("name", ["tp", "tp-sp", "gpipe", "1f1b", "hf-tp", "hf-1f1b"])
 def test_a_sharded_or_staged_update_trains_like_one_process(ranks, name):
     """The loss of the first update and the loss after one optimizer step (on the next micro-batches) equal the
     unsharded model's: the sharded forward, its gradients, their norm and the step are the same."""

@@ -169,7 +169,8 @@ def build(cfg: RunConfig, device: torch.device, rank: int, mixin: type | None = 
     root = nn.ModuleList(modules) if layout.pipelined else model
     wrap = (lambda m: (_fsdp(cfg, mesh, modules, blocks), m)[1]) if layout.fsdp else None
     wl = Workload(root, None, workload.make_batch, workload.loss_sum, workload.description, workload.counted)
-    tied = model.head.weight if cfg.model.tied_embeddings and layout.pipelined else None
+    tied = model.get_output_embeddings().weight if hf else model.head.weight
+    tied = tied if cfg.model.tied_embeddings and layout.pipelined else None
     cls = PipelineTrainer if layout.pipelined else ShardedTrainer
     if mixin is not None:
         cls = type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})

@@ -3,8 +3,9 @@ refuses the rest with one ConfigError naming the field before it starts a rank.
 
 Measured: tensor parallelism (with or without sequence parallelism) and pipeline parallelism (GPipe, 1F1B,
 interleaved 1F1B) on the built-in GPT, alone or together, with data parallelism over them as FSDP2 (``--zero 2/3``)
-or as one gradient all-reduce per update (``--zero 0``); tensor parallelism alone (no sequence parallelism) on a
-Llama-family Hugging Face model.  Refused: pipelines of Hugging Face models, factory models, ZeroRedundancyOptimizer
+or as one gradient all-reduce per update (``--zero 0``); tensor parallelism (no sequence parallelism) and pipeline
+parallelism on a Llama-family Hugging Face model (other Hugging Face classes are refused when the rank builds the
+model, ``hf_stage.check_llama_like``).  Refused: factory models, ZeroRedundancyOptimizer
 with tensor or pipeline ranks, fp16's loss scaling with them, a pipeline with the chunked loss, DeepSpeed's engines.
 """
 from __future__ import annotations
@@ -33,9 +34,9 @@ def check(cfg: RunConfig) -> None:
                                       f"{layout.engine_spec.stage}, or use `batchlab estimate`")
     if not applies(cfg):
         return
-    if layout.pipelined and not _builtin(cfg):
-        raise ConfigError("pp", "measured pipeline parallelism cuts the built-in GPT into stages (a preset with --impl "
-                                "batchlab); for a Hugging Face or factory model use `batchlab estimate`")
+    if layout.pipelined and not _builtin(cfg) and cfg.model_kind is not ModelSource.HF:
+        raise ConfigError("pp", "measured pipeline parallelism cuts the built-in GPT or a Llama-family Hugging Face "
+                                "model into stages; for a factory model use `batchlab estimate`")
     if layout.tensor_parallel and not _builtin(cfg) and cfg.model_kind is not ModelSource.HF:
         raise ConfigError("tp", "measured tensor parallelism splits the built-in GPT's or a Llama-family Hugging Face "
                                 "model's layers; for other models use `batchlab estimate`")

@@ -1,4 +1,5 @@
-"""Pipeline parallelism on ``torch.distributed.pipelining``: the built-in GPT cut into stages of consecutive blocks.
+"""Pipeline parallelism on ``torch.distributed.pipelining``: the built-in GPT (or a Llama-family Hugging Face causal
+LM, ``hf_stage.py``) cut into stages of consecutive blocks.
 
 Each stage is a module built by hand from the model's own parts (``Stage``): the first holds the embedding, the last
 the final norm and the LM head, every one its blocks (``Layout.stage_layers``).  Under an interleaved schedule a rank
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from batchlab.config import PositionKind, RunConfig
+from batchlab.config import ModelSource, PositionKind, RunConfig
 from batchlab.models.gpt import GPT, rope_tables
 
 
@@ -58,15 +59,23 @@ def stage_indices(cfg: RunConfig, pp_rank: int) -> list[int]:
     return [j * layout.pp + pp_rank for j in range(layout.chunks)]
 
 
-def split(model: GPT, cfg: RunConfig, pp_rank: int) -> list[tuple[int, Stage]]:
-    """(stage index, stage module) of every stage rank ``pp_rank`` holds."""
+def split(model: nn.Module, cfg: RunConfig, pp_rank: int) -> list[tuple[int, nn.Module]]:
+    """(stage index, stage module) of every stage rank ``pp_rank`` holds: ``Stage`` of the built-in GPT, ``HFStage``
+    of a Llama-family Hugging Face model (a ConfigError naming ``pp`` for other classes)."""
     layout = cfg.parallel
+    if cfg.model_kind is ModelSource.HF:
+        from batchlab.distributed.hf_stage import HFStage, check_llama_like
+
+        check_llama_like(model)
+        make = lambda part, first, last: HFStage(model, part, first, last)  # noqa: E731
+    else:
+        make = lambda part, first, last: Stage(model, part, first, last, cfg.seq)  # noqa: E731
     layers = layout.stage_layers(cfg.model.layers, pp_rank)
     per = len(layers) // layout.chunks
     count = layout.pp * layout.chunks
     out = []
     for j, index in enumerate(stage_indices(cfg, pp_rank)):
-        out.append((index, Stage(model, layers[j * per:(j + 1) * per], index == 0, index == count - 1, cfg.seq)))
+        out.append((index, make(layers[j * per:(j + 1) * per], index == 0, index == count - 1)))
     return out
 
 

@@ -69,7 +69,9 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
     head_input = 0 if regathers else sp_gathered_inputs(rank, norm_output, 1)
     final = act.outside_layers_bytes(m, s, b, p, backend) - mask
     head = (((final - head_input) // rank.in_sp + head_input) if rank.last else 0) + rank_loss_path(cfg, rank).kept
-    outside = (mask if rank.first else 0) + head
+    # every stage of the rank computes its own rotary tables for each micro-batch it runs (distributed/hf_stage.py)
+    tables = act.rope_table_bytes(m, s, p, backend, impl) * cfg.parallel.chunks
+    outside = (mask if rank.first else 0) + head + tables
     one_micro_batch = sum(kept) + outside
     others = (rank.in_flight - 1) * (one_micro_batch - head) + (head_in_flight(cfg, rank) - 1) * head
     return ActivationPlan(per_layer_full=full_rank, per_layer_kept=tuple(kept), outside_layers=outside,

@@ -241,6 +241,15 @@ def outside_layers_bytes(m: ModelSpec, s: int, b: int, precision: Precision, bac
     return embedding_mask_bytes(m, s, b, precision, backend) + _norm_bytes(m, s, b, w)
 
 
+def rope_table_bytes(m: ModelSpec, s: int, precision: Precision, backend: Backend, impl: "Impl") -> int:
+    """The rotary tables transformers' Llama makes once per forward of the model (or of a pipeline stage:
+    ``LlamaModel.rotary_emb``), cos and sin of (1, s, head_dim) in the hidden states' dtype, which every layer's
+    rotation (``q * cos``) saves for backward: kept once per forward, whatever the layer count or batch."""
+    if impl is not Impl.HF_LLAMA or m.position is not PositionKind.ROPE:
+        return 0
+    return 2 * s * m.head_dim * Widths.of(precision, backend).res
+
+
 def korthikanti_terms(s: int, b: int, h: int, a: int) -> dict[str, int]:
     """Megatron's layer as the paper counts it (sec. 4.1), 16-bit activations, 1-byte dropout masks."""
     sbh, as2b = s * b * h, a * s * s * b

@@ -295,8 +295,10 @@ def with_profile(cfg: RunConfig, policies: Iterable[str] | None = None) -> RunCo
     todo = calculator.missing(cfg, policies)
     if not todo:
         return cfg
-    # the layer terms are eager PyTorch's (the formula's): traced without --compile
-    profile = compute(cfg.replace(compile="none"), base=cfg.model.matching_profile, policies=todo)
+    # the layer terms are eager PyTorch's (the formula's): traced without --compile; and one process's, as the
+    # profile's key says (the copies of P and 2P layers it traces split into no pipeline; the formula cuts stages)
+    one = cfg.replace(compile="none", pp=1, pp_virtual=1, pp_schedule=RunConfig().pp_schedule)
+    profile = compute(one, base=cfg.model.matching_profile, policies=todo)
     latest = cache.cached(cfg)  # another process may have added policies meanwhile: keep them
     if latest is not None and latest.key == profile.key and latest != cfg.model.matching_profile:
         profile = latest.merged(profile)
