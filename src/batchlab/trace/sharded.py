@@ -128,14 +128,14 @@ def _static_shapes(schedule, stages) -> None:
 
 
 class _HeldSend:
-    """A send's Work that keeps its tensor until waited on, as a real backend's does (gloo's send work holds the
-    tensor it sends); a fake process group's completes at once and holds nothing."""
+    """A send's Work that keeps its tensor for as long as the Work lives, as a real backend's does (gloo's send work
+    holds the tensor it sends, waited on or not, until the schedule drops the work); a fake process group's
+    completes at once and holds nothing."""
 
     def __init__(self, work, tensor):
         self.work, self.tensor = work, tensor
 
     def wait(self, *args, **kwargs):
-        self.tensor = None
         return self.work.wait(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -144,7 +144,7 @@ class _HeldSend:
 
 @contextlib.contextmanager
 def held_sends():
-    """Within: the pipeline schedules' sends hold their tensors until the schedule waits on them."""
+    """Within: the pipeline schedules' sends hold their tensors as long as the schedule holds their works."""
     from torch.distributed.pipelining import schedules
 
     original = schedules._batch_p2p
