@@ -15,5 +15,5 @@ def test_pp2_x_fsdp2_traces_both_stages_in_turn():
     t = estimate(cfg)  # stage 0's rank, then stage 1's (FSDP2 DTensor parameters in both worlds)
     note = next(n for n in t.notes if n.startswith("each pipeline stage traced"))
     assert "stage 0 (rank 0)" in note and "stage 1 (rank 2)" in note
-    # 1F1B: the first stage holds p = 2 micro-batches in flight, the last one; both hold a quarter of the weights
+    # 1F1B: the first stage holds p = 2 micro-batches in flight, the last one (measured: 8.84 MB against 8.48 MB)
     assert "the figures shown are stage 0's" in note
