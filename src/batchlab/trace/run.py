@@ -25,6 +25,7 @@ from batchlab.measure.memory import storage_bytes, tracker_for
 from batchlab.formula import calibrated_costs
 from batchlab.formula.opcost import describe
 from batchlab.formula.timing import costs_for, machine_text, on_host
+from batchlab.distributed.measurable import applies
 from batchlab.trace import sharded
 from batchlab.trace.cuda_policy import NOTE as CUDA_NOTE, cuda_kernels
 from batchlab.trace.flops import flops_of
@@ -140,7 +141,7 @@ def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
     own dispatch mode: ``observer``): (snapshot, TimelineRecorder or None, ops)."""
     owners = ModuleStack(trainer.raw_model) if tree or timeline else None
     register = ((lambda tracker: sharded.register_storages(tracker, trainer))
-                if trainer.world > 1 or sharded.layered(trainer.cfg) else None)
+                if trainer.world > 1 or applies(trainer.cfg) else None)
     ops = OpRecorder(trainer.raw_model)
     try:
         if timeline:
@@ -194,7 +195,7 @@ def _trace(cfg: RunConfig, device: torch.device, rank: int, tree: bool, timeline
     """Build rank ``rank``'s trainer on fake tensors (in a fake world of the layout's ranks) and trace its
     steady-state update."""
     notes: list[str] = []
-    layered = sharded.layered(cfg)
+    layered = applies(cfg)  # tensor or pipeline ranks: the layout's own trainer, as measured
     world = sharded.fake_world(cfg.parallel.world_size, rank) if cfg.parallel.world_size > 1 else contextlib.nullcontext()
     sends = sharded.held_sends() if cfg.parallel.pipelined else contextlib.nullcontext()
     shapes = sharded.untracked_shape_propagation() if cfg.parallel.world_size > 1 else contextlib.nullcontext()

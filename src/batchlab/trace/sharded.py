@@ -77,20 +77,12 @@ def register_storages(tracker, trainer) -> None:
     engines.register_storages(tracker, trainer, None)
 
 
-def layered(cfg: RunConfig) -> bool:
-    """Tensor or pipeline ranks: the layout's own trainer (distributed/layouts.py) runs, as measured."""
-    return cfg.parallel.tensor_parallel or cfg.parallel.pipelined
-
-
 def traced_ranks(cfg: RunConfig) -> list[int]:
-    """The ranks a trace runs: the first rank (dp 0, tp 0) of each pipeline stage.  The tensor- and
-    data-parallel peers of a stage hold the same bytes (equal shards of the same layers)."""
-    from batchlab.distributed.mesh import coordinates
-
+    """The ranks a trace runs: the first rank (dp 0, tp 0) of each pipeline stage, ranks being row-major over
+    (pp, dp, tp) (distributed/mesh.py).  The tensor- and data-parallel peers of a stage hold the same bytes
+    (equal shards of the same layers)."""
     layout = cfg.parallel
-    ranks = [r for r in range(layout.world_size) if coordinates(layout, r)["dp"] == coordinates(layout, r)["tp"] == 0]
-    assert len(ranks) == layout.pp, (ranks, layout.pp)
-    return ranks
+    return [stage * layout.dp * layout.tp for stage in range(layout.pp)]
 
 
 def build_layout(cfg: RunConfig, device: torch.device, rank: int, fake_cls) -> tuple[object, list[str]]:
