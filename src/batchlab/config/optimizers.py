@@ -92,10 +92,6 @@ class OptimizerSpec:
         # calculator assumes); the fused/foreach paths hold a temporary per parameter group.
         return dict(self.kwargs, foreach=False)
 
-    def state_elements(self, shape: tuple[int, ...]) -> int:
-        """State elements this optimizer keeps for one parameter of ``shape``."""
-        return sum(s.elements(shape) for s in self.states)
-
     def model_state_elements(self, total: int, shapes: dict[tuple[int, ...], int]) -> int:
         """State elements of a whole model: ``total`` parameters (a state like the parameter needs only the count,
         whatever the model's code), ``shapes`` ({shape: tensors}) for the factored ones."""

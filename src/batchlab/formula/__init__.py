@@ -17,8 +17,7 @@ from batchlab.formula.activations import describe_impl, implementation
 from batchlab.formula.alternatives import Alternative, alternatives
 from batchlab.formula.flops import FlopsEstimate, flops, utilisation
 from batchlab.formula.kvcache import KVCache, kv_cache
-from batchlab.formula.memory import (MemoryEstimate, memory, model_states,
-                                     optimizer_bytes_per_param)
+from batchlab.formula.memory import MemoryEstimate, memory, model_states
 from batchlab.formula.params import ParamCount, count
 from batchlab.formula.profile import layer_terms_source, terms as profile_terms
 from batchlab.formula.timing import TimeEstimate, timing

@@ -17,10 +17,10 @@ from batchlab.formula import compiled
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankMemory, RankShare, share, shares
 from batchlab.formula.sharding import unit_elements
-from batchlab.formula.states import ModelStates, fsdp_mixed_states, model_states, optimizer_bytes_per_param
+from batchlab.formula.states import ModelStates, fsdp_mixed_states, model_states
 
 F32 = 4
-__all__ = ["ModelStates", "model_states", "fsdp_mixed_states", "optimizer_bytes_per_param", "memory",
+__all__ = ["ModelStates", "model_states", "fsdp_mixed_states", "memory",
            "MemoryEstimate", "RankMemory"]
 
 

@@ -27,26 +27,21 @@ class ModelStates:
     optimizer: int
 
 
-def optimizer_bytes_per_param(cfg: RunConfig) -> float:
-    """The whole model's optimizer state per parameter (a rank holds its parameters' share of it)."""
-    if cfg.assumptions.optimizer_bytes_per_param is not None:
-        return cfg.assumptions.optimizer_bytes_per_param
-    return optimizer_state_bytes(cfg) / count(cfg.model).total
-
-
-def optimizer_state_bytes(cfg: RunConfig) -> int:
+def optimizer_state_bytes(cfg: RunConfig, state_bytes: int | None = None) -> int:
     """The whole model's optimizer state, unsharded: the catalogue entry's state tensors (config/optimizers.py)
-    over the model's parameter shapes, in the weights' dtype."""
+    over the model's parameter shapes, in the weights' dtype (``state_bytes``: another element size), or the
+    user's bytes per parameter (``--optimizer-bytes``) where given."""
     if cfg.assumptions.optimizer_bytes_per_param is not None:
         return int(count(cfg.model).total * cfg.assumptions.optimizer_bytes_per_param)
-    state_bytes = 2 if cfg.precision is Precision.BF16 else F32  # state lives in the weights' dtype
+    if state_bytes is None:
+        state_bytes = 2 if cfg.precision is Precision.BF16 else F32  # state lives in the weights' dtype
     return state_bytes * _state_elements(cfg.model, cfg.optimizer)
 
 
-def rank_optimizer_bytes(cfg: RunConfig, n: int) -> int:
+def rank_optimizer_bytes(cfg: RunConfig, n: int, state_bytes: int | None = None) -> int:
     """The optimizer state of ``n`` of the model's parameters (a rank's share), in whole bytes: the whole model's
     state exactly where ``n`` is all of it (a factored state is not a whole number of bytes per parameter)."""
-    return optimizer_state_bytes(cfg) * n // max(count(cfg.model).total, 1)
+    return optimizer_state_bytes(cfg, state_bytes) * n // max(count(cfg.model).total, 1)
 
 
 @functools.lru_cache(maxsize=64)  # asked by every estimate; a sum over every parameter tensor
@@ -92,9 +87,7 @@ def megatron_states(cfg: RunConfig, rank: RankShare | None = None) -> ModelState
     (sharded over DP by the distributed optimizer)."""
     rank = rank or heaviest(cfg)
     n, d = rank.params, cfg.dp if cfg.parallel.engine_spec.shards_optimizer else 1
-    state = optimizer_state_bytes(cfg) if cfg.precision is not Precision.BF16 else F32 * _state_elements(
-        cfg.model, cfg.optimizer)  # fp32 whatever the weights' dtype
-    opt = state * n // max(count(cfg.model).total, 1) // d
+    opt = rank_optimizer_bytes(cfg, n, F32) // d  # fp32 whatever the weights' dtype
     if cfg.precision is Precision.FP32:
         return ModelStates(parameters=F32 * n, master=0, gradients=F32 * n, optimizer=opt)
     if cfg.precision is Precision.FP16_MIXED:
