@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from batchlab.config import RunConfig
+from batchlab.distributed.measurable import applies
 from batchlab.measure.result import (MeasuredComm, MeasuredMemory, MeasuredTime, MeasuredTraffic, Measurement,
                                      Outcome, RankFigures, memory_from_dict)
 
@@ -123,7 +124,7 @@ def _consistency_warnings(ranks: list[dict[str, Any]]) -> list[str]:
 def merge(cfg: RunConfig, ranks: list[dict[str, Any]], environment: dict[str, Any] | None = None) -> Measurement:
     """One Measurement of a DP run from every rank's result (rank order)."""
     ranks = sorted(ranks, key=lambda r: r["rank"])
-    layered = cfg.parallel.tensor_parallel or cfg.parallel.pipelined
+    layered = applies(cfg)  # tensor / pipeline ranks
     # the formula's collectives are the data-parallel engines'; tensor / pipeline ranks send others
     time_, comm, traffic = _time(ranks), _comm(cfg, ranks), None if layered else _traffic(cfg, ranks)
     useful = tps = None

@@ -277,6 +277,5 @@ class UpdateLoop:
 def timed_update(trainer, clock: PhaseClock, listener, sync, update=None):
     """One timed update (the benchmark's "timed loop" calls exactly this): (result, wall s, CPU s)."""
     clock.start()
-    if update is None:
-        return timed(lambda: trainer.update(listener=listener), sync)
+    update = update or Seams().update
     return timed(lambda: update(trainer, listener), sync)

@@ -224,26 +224,28 @@ class _CompileHooks(LoopHooks):
     """A compiled run's compile line, read at the loop's stage boundaries."""
 
     def __init__(self, m: Draft, watch):
-        self.m, self.watch, self.settled_at = m, watch, 0
+        self.m, self.watch, self.settled_at, self.first_own = m, watch, 0, 0.0
 
-    def first_update(self, wall_seconds: float) -> None:  # its wall-clock, compilation included (apart later)
+    def first_update(self, wall_seconds: float) -> None:  # its wall-clock, compilation included
         self.m.environment["compile"] = {"first_update_wall_seconds": wall_seconds}
+        # its own time: the compilations so far are its own (later updates' recompilations are not)
+        self.first_own = max(wall_seconds - self.watch.seconds, 0.0)
 
     def settled(self) -> None:
         self.settled_at = self.watch.compiles
 
     def warmed(self) -> None:
-        _compiled_warmup(self.m, self.watch, self.settled_at)
+        _compiled_warmup(self.m, self.watch, self.settled_at, self.first_own)
 
     def timed(self) -> None:
         _compiled_timed(self.m, self.watch)
 
 
-def _compiled_warmup(m: Draft, watch, settled: int) -> None:
+def _compiled_warmup(m: Draft, watch, settled: int, first_own: float) -> None:
     """The compile line's figures: compilation seconds and the first update's own (wall-clock, untimed)."""
     info = m.environment["compile"]
     info.update(mode=watch.mode, backend=watch.backend, compile_seconds=watch.seconds, compilations=watch.compiles,
-                first_update_seconds=max(info["first_update_wall_seconds"] - watch.seconds, 0.0),
+                first_update_seconds=first_own,
                 recompilations_timed=0, provenance="wall-clock (dynamo's compile "
                 "callbacks; excluded from the medians)")
     info["recompilations_after_second_update"] = watch.compiles - settled  # the memory update and the rest of the warm-up
