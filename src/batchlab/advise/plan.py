@@ -110,8 +110,12 @@ class Candidate:
 
     @property
     def key(self) -> tuple[str, int, int, int, int]:
-        """What a plan's row stands for: the policy, the ZeRO stage and the layout (the micro-batch aside)."""
-        return str(self.config.ac), self.config.zero, self.config.dp, self.config.tp, self.config.pp
+        return option_key(self.config)
+
+
+def option_key(cfg: RunConfig) -> tuple[str, int, int, int, int]:
+    """What a plan's row stands for: the policy, the ZeRO stage and the layout (the micro-batch aside)."""
+    return str(cfg.ac), cfg.zero, cfg.dp, cfg.tp, cfg.pp
 
 
 def candidate(cfg: RunConfig, tokens: float, calibrations: Calibrations | None = None) -> Candidate:
@@ -310,7 +314,7 @@ class FitPlan:
     def predicted_limit(self, cfg: RunConfig) -> int | None:
         """Largest micro-batch the prediction says fits the full capacity (no safety margin), at cfg's policy,
         ZeRO stage and layout."""
-        key = Candidate(cfg, 0, "", 0.0, 0.0, 0.0, 0.0).key
+        key = option_key(cfg)
         fits = [c.config.micro_batch for c in self.candidates
                 if c.key == key and c.peak_bytes <= self.goal.capacity_bytes]
         return max(fits) if fits else None

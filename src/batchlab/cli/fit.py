@@ -60,6 +60,9 @@ def fit_command(
         base = _target(cfg, global_tokens, line.typed)
         if (note := compiled_note(cfg)) is not None:  # the planner's figures are the formula's
             typer.echo(f"warning: {note}; fit plans with them and confirms by measuring the compiled run", err=True)
+        if world_size is not None and (after_oom or line.ac_auto):
+            raise ConfigError("world_size", "searches layouts for fit's plan; --ac auto and --after-oom plan one "
+                                            "layout: give it with --dp / --tp / --pp instead")
         if world_size is not None and "dp" in line.typed:
             raise ConfigError("world_size", "gives the devices and fit derives DP = world / (TP x PP): drop --dp")
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
