@@ -114,7 +114,8 @@ class PipelineTrainer(ShardedTrainer):
             # stage's PipelineStage appends every micro-batch's output (the logits) to ``output_chunks`` and keeps
             # them all until the step ends (torch/distributed/pipelining/stage.py, forward_one_chunk)
             self.schedule.step(*args, return_outputs=False, **kwargs)
-        total = torch.tensor([sum(self._number(x.detach()) for x in losses) * self._norm])
+        # on the rank's device: NCCL reduces device tensors only
+        total = torch.tensor([sum(self._number(x.detach()) for x in losses) * self._norm], device=self.device)
         dist.all_reduce(total, group=self.mesh.group("pp"))  # the last stage's loss, on every stage
         self._listener.mark("optimizer")
         result = self._step(float(total), local_useful)

@@ -221,7 +221,8 @@ def clip_grad_norm(params, max_norm: float, group=None, skip=frozenset()) -> tor
         sums[key] = sums.get(key, 0) + local
         if placements:
             meshes[key] = g.device_mesh
-    total = torch.zeros((), dtype=torch.float32)
+    # on the gradients' device: NCCL reduces device tensors only, and the local sums live there
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
     for key, value in sums.items():
         value = torch.as_tensor(value, dtype=torch.float32)
         for dim in key[1]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from batchlab.config import CompileMode, ModelSpec, Precision, RunConfig
+from batchlab.config import Backend, CompileMode, ModelSpec, Precision, RunConfig
 from batchlab.formula.activations import Impl, implementation
 
 # families whose code the harness runs in place of another's (models/__init__.py STAND_IN); torchtitan's Llama has
@@ -106,6 +106,8 @@ def source(cfg: RunConfig) -> str:
     return (f"formula terms for compiled code (--compile {cfg.compile}): the saved-tensor list of AOTAutograd's "
             f"min-cut partition of one {(ran or impl).value} block (inductor's settings, torch {_table().TORCH}, CPU "
             f"kernels), as monomials in b, s, heads, head dim, ffn (trace/compiled_terms.py)"
+            + (f"; derived with CPU kernels and CPU autocast, not {cfg.device_spec.backend.value}'s: what its compiled "
+               "block keeps can differ" if cfg.device_spec.backend is not Backend.CPU else "")
             + (f"; {impl.value} runs as {ran.value} here" if ran else "")
             + ("; torchtitan's Llama is transformers' code here, its checkpointed blocks compiled whole"
                if impl is Impl.TT_LLAMA else ""))
