@@ -84,7 +84,9 @@ def test_goal_refuses_a_world_no_layout_fills():
 
 @pytest.mark.parametrize("extra, field", [(["--world-size", "6"], "world_size"),
                                           (["--world-size", "8", "--dp", "2"], "world_size"),
-                                          (["--world-size", "-1"], "world_size")])
+                                          (["--world-size", "-1"], "world_size"),
+                                          (["--world-size", "8", "--ac", "auto"], "world_size"),
+                                          (["--world-size", "8", "--after-oom"], "world_size")])
 def test_cli_bad_world_is_one_line_exit_2(extra, field):
     r = CliRunner().invoke(app, ["fit", "--model", "llama-2-7b", "--seq", "4096", "--global-batch", "64", "--device",
                                  "a100-80gb", "--no-verify", *extra])

@@ -30,6 +30,16 @@ def test_bytes_per_parameter_are_the_megatron_readme_table(precision, plain, dis
     assert _states_per_param(precision, "megatron-distopt", 4) == pytest.approx(dist[0] + dist[1] / 4, abs=1e-6)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16-mixed", "fp32"])
+def test_the_users_optimizer_bytes_replace_megatrons_state(precision):
+    # --optimizer-bytes 2 (8-bit Adam): the state is 2 bytes per parameter of the rank, sharded by distopt over d = 4
+    for sharding, d in (("megatron", 1), ("megatron-distopt", 4)):
+        cfg = RunConfig(model=GPT, seq=128, micro_batch=1, dp=4, sharding=sharding, precision=precision,
+                        device="h100").replace(optimizer_bytes_per_param=2.0)
+        n = share(cfg, 0).params
+        assert model_states(cfg).optimizer == pytest.approx(2 * n / d, rel=1e-6)
+
+
 def test_megatron_layer_is_korthikanti_table_2_plus_the_norm_statistics():
     # s 512, b 2, h 1024, a 16, 16-bit, eager attention with dropout: sbh(34 + 5as/h), and with t = 4 and no SP
     # sbh(10 + 24/t + 5as/(ht)); the paper leaves out LayerNorm's fp32 mean and rstd (2 norms x 2 x s·b x 4 B)

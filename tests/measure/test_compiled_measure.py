@@ -125,7 +125,7 @@ def test_recompilations_after_the_first_two_updates_are_a_warning_not_a_crash():
 
     watch = Watch(mode="blocks", backend="inductor", seconds=3.0, compiles=4)
     m = SimpleNamespace(environment={"compile": {"first_update_wall_seconds": 5.0}}, warnings=[])
-    session._compiled_warmup(m, watch, settled=2)
+    session._compiled_warmup(m, watch, settled=2, first_own=2.0)
     watch.compiles = 4  # nothing more while timing
     session._compiled_timed(m, watch)
     assert m.environment["compile"]["recompilations_timed"] == 0
