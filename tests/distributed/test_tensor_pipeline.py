@@ -203,6 +203,16 @@ def test_measure_reports_every_ranks_peak_and_time_with_its_coordinates():
     assert m.ranks[0].parameter_bytes == m.ranks[1].parameter_bytes != m.ranks[2].parameter_bytes
     assert "rank  dp  tp  pp  peak (allocator)" in res.output
     assert "gradient_as_bucket_view" not in res.output
+    # each row's formula column is its own pipeline stage's peak, not the most loaded stage's
+    from batchlab.cli.common import config_from_command
+    from batchlab.formula import memory
+    from batchlab.util.units import fmt_bytes
+
+    cfg = config_from_command(["measure", "--tp", "2", "--pp", "2", "--accum", "2", "--micro-batch", "2", "--seq", "32"])
+    stages = {r.stage: fmt_bytes(r.peak_bytes - r.parts.get("allocator", 0)) for r in memory(cfg).ranks}
+    rows = {int(line.split()[0]): line.split()[-2:] for line in res.output.splitlines()
+            if line.strip()[:1].isdigit() and len(line.split()) > 8}
+    assert " ".join(rows[0]) == stages[0] and " ".join(rows[2]) == stages[1] != stages[0]
 
 
 @pytest.mark.parametrize("args, field", [

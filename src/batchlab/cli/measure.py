@@ -257,8 +257,10 @@ def _render_details(out: Console, m: Measurement, verbose: bool = False, est=Non
     from batchlab.cli.render_dp import lines as dp_lines
     from batchlab.cli.render_dp import rank_lines
 
-    formula_peak = est.memory.peak_tensor_bytes if est is not None else None
-    for line in rank_lines(m, formula_peak):
+    # each pipeline stage's own tensor peak (the allocator's margin aside: the ranks' column is tensor bytes)
+    formula_peaks = ({r.stage: r.peak_bytes - r.parts.get("allocator", 0) for r in est.memory.ranks}
+                     or {0: est.memory.peak_tensor_bytes}) if est is not None else None
+    for line in rank_lines(m, formula_peaks):
         out.print(escape(line), highlight=False)
 
     for line in dp_lines(m, verbose):

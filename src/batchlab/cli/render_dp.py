@@ -30,17 +30,19 @@ def memory_lines(m: Measurement) -> list[str]:
 RANK_ROWS = 8  # the text table's rows; --json has every rank
 
 
-def rank_lines(m: Measurement, formula_peak: int | None = None) -> list[str]:
+def rank_lines(m: Measurement, formula_peaks: dict[int, int] | None = None) -> list[str]:
     """Every rank's own peak (allocator) and median update time (wall-clock) with its dp / tp / pp coordinates,
-    beside the formula's per-rank peak; empty for one rank."""
+    beside the formula's peak of the rank's pipeline stage (``formula_peaks``: {stage: tensor bytes}); empty for
+    one rank."""
     if len(m.ranks) < 2:
         return []
-    formula = fmt_bytes(formula_peak) if formula_peak is not None else "-"
+    peaks = formula_peaks or {}
     out = [f"{'rank':>4} {'dp':>3} {'tp':>3} {'pp':>3}  {'peak (allocator)':>16}  {'at':<9}  {'update (wall-clock)':>19}"
            f"  {'formula peak':>12}"]
     for r in m.ranks[:RANK_ROWS]:
         peak = fmt_bytes(r.peak_bytes) if r.peak_bytes is not None else "-"
         time = fmt_seconds(r.update_seconds_median) if r.update_seconds_median is not None else "-"
+        formula = fmt_bytes(peaks[r.pp]) if r.pp in peaks else "-"
         out.append(f"{r.rank:>4} {r.dp:>3} {r.tp:>3} {r.pp:>3}  {peak:>16}  {r.peak_phase or '-':<9}  {time:>19}"
                    f"  {formula:>12}")
     if len(m.ranks) > RANK_ROWS:
