@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from batchlab.config import Choice
-from batchlab.config.phase import Phase
+from batchlab.config.phase import Launch, Phase
 from batchlab.formula.memo import cache, lookup
 from batchlab.util.units import fmt_count, fmt_seconds
 
@@ -116,21 +116,22 @@ class OpCount:
     # run inside selective activation checkpointing, whose Python dispatch mode sees every op of the block
     # (torch.utils.checkpoint's caching mode in forward, its cached mode in recompute): dispatched at that cost
     sac_dispatched: bool = False
+    launch: Launch = Launch.EAGER  # who issues it: eager dispatch, a compiled graph's wrapper, or none (fused)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "phase": self.phase.value, "cost_class": self.cost_class.value, "flops": self.flops,
                 "bytes": self.bytes, "elements": self.elements, "low_precision": self.low_precision,
-                "count": self.count, "flops_per_matmul": self.flops_per_matmul, "sac_dispatched": self.sac_dispatched}
+                "count": self.count, "flops_per_matmul": self.flops_per_matmul, "sac_dispatched": self.sac_dispatched, "launch": self.launch.value}
 
     def with_count(self, count: int) -> "OpCount":
         # the constructor directly, positionally: dataclasses.replace costs ~5x more, and this runs per op per estimate
         return OpCount(self.name, self.phase, self.cost_class, self.flops, self.bytes, self.elements,
-                       self.low_precision, count, self.flops_per_matmul, self.sac_dispatched)
+                       self.low_precision, count, self.flops_per_matmul, self.sac_dispatched, self.launch)
 
     def under_sac(self) -> "OpCount":
         """The same calls inside selective activation checkpointing."""
         return OpCount(self.name, self.phase, self.cost_class, self.flops, self.bytes, self.elements,
-                       self.low_precision, self.count, self.flops_per_matmul, True)
+                       self.low_precision, self.count, self.flops_per_matmul, True, self.launch)
 
     def times(self, n: int) -> "OpCount":
         return self.with_count(self.count * n)
@@ -142,7 +143,7 @@ def merge(ops: Iterable[OpCount]) -> tuple[OpCount, ...]:
     counts: dict[tuple, int] = {}
     for op in ops:
         key = (op.name, op.phase, op.cost_class, op.flops, op.bytes, op.elements, op.low_precision, op.flops_per_matmul,
-               op.sac_dispatched)
+               op.sac_dispatched, op.launch)
         if key in first:
             counts[key] += op.count
         else:
@@ -257,9 +258,11 @@ class OpCosts:
         curve = self.memory_low if low_precision and self.memory_low else self.memory
         return interpolate_log(curve, max(nbytes, 1.0))
 
-    def dispatch_seconds(self, phase: Phase, sac_dispatched: bool = False) -> float:
+    def dispatch_seconds(self, phase: Phase, sac_dispatched: bool = False, launch: Launch = Launch.EAGER) -> float:
         """Seconds per op by who dispatches it; under selective checkpointing its own calibrated cost where
-        measured ("forward-sac", "recompute-sac"), else the plain one."""
+        measured ("forward-sac", "recompute-sac"), else the plain one; a compiled graph's kernel a no-grad call's."""
+        if launch is not Launch.EAGER:
+            return self.dispatch["plain"] if launch is Launch.COMPILED else 0.0
         if sac_dispatched and SAC_KIND.get(phase) in self.dispatch:
             return self.dispatch[SAC_KIND[phase]]
         return self.dispatch[DISPATCH_KIND[phase]]
@@ -333,14 +336,14 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
         one = table.get(shape)
         if one is None:
             one = table[shape] = costs.work_seconds(op)
-        d = dispatch.get((ph, op.sac_dispatched))
+        d = dispatch.get((ph, op.sac_dispatched, op.launch))
         if d is None:
-            d = dispatch[ph, op.sac_dispatched] = costs.dispatch_seconds(ph, op.sac_dispatched)
+            d = dispatch[ph, op.sac_dispatched, op.launch] = costs.dispatch_seconds(ph, op.sac_dispatched, op.launch)
         w = n * one
         disp[ph] = disp.get(ph, 0.0) + n * d
         by_phase[ph] = by_phase.get(ph, 0.0) + w
         by_class[op.cost_class] = by_class.get(op.cost_class, 0.0) + w
-        calls += n
+        calls += 0 if op.launch is Launch.FUSED else n
         fl += n * op.flops
         f_phase[ph] = f_phase.get(ph, 0) + n * op.flops
         if op.cost_class is not OpClass.MATMUL and op.cost_class is not OpClass.VIEW:

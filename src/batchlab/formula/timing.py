@@ -206,13 +206,13 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     costs = costs_for(cfg, calibrated, ops)
     if cfg.parallel.engine_spec.shards_optimizer:  # each rank steps only its shard of the optimizer state
         ops = tuple(OpCount(o.name, o.phase, o.cost_class, o.flops, o.bytes // cfg.dp, o.elements // cfg.dp,
-                            o.low_precision, o.count, o.flops_per_matmul, o.sac_dispatched)
+                            o.low_precision, o.count, o.flops_per_matmul, o.sac_dispatched, o.launch)
                     if o.phase is Phase.OPTIMIZER else o
                     for o in ops)
     t = on_host(ops, cfg, costs)
     compute = sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute"))
     rest = t.seconds - compute
-    dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.sac_dispatched) * o.count for o in ops
+    dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.sac_dispatched, o.launch) * o.count for o in ops
                            if o.phase.value in ("forward", "backward", "recompute"))
     local = local_link(cfg, costs)
     bw = costs.link_bytes_per_s if local else bus_bandwidth(cfg).value
