@@ -119,7 +119,11 @@ def page(trace: bool) -> str:
              "each, the compile excluded), the median of the per-round paired ratios and their range; beside it the "
              "ratio the time model predicts (formula: the op list with pointwise chains fused, formula/fusion.py"
              + ("; trace: the partitioned graphs' kernels, trace/compiled.py" if trace else "") + "). Ratios only: "
-             "the host is shared, absolute times are no goal. fp32, one optimizer update of one micro-batch.", "",
+             "the host is shared, absolute times are no goal. fp32, one optimizer update of one micro-batch. The "
+             "time model prices inductor's kernels at eager PyTorch's calibrated rates (per-element rates, the "
+             "bandwidth curve, a no-grad call's dispatch per kernel); a compiled graph's own call (guards, "
+             "AOTAutograd's wrapper) and the random numbers inductor generates inside its kernels for dropout (not "
+             "ATen's bernoulli_) are not modelled.", "",
              "| model | dropout | seq x micro-batch | AC | measured compiled/eager (range) | load | formula | error |"
              + (" trace | error |" if trace else ""),
              "|---|---:|---|---|---:|---:|---:|---:|" + ("---:|---:|" if trace else "")]

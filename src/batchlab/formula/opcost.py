@@ -121,7 +121,8 @@ class OpCount:
     def to_dict(self) -> dict:
         return {"name": self.name, "phase": self.phase.value, "cost_class": self.cost_class.value, "flops": self.flops,
                 "bytes": self.bytes, "elements": self.elements, "low_precision": self.low_precision,
-                "count": self.count, "flops_per_matmul": self.flops_per_matmul, "sac_dispatched": self.sac_dispatched, "launch": self.launch.value}
+                "count": self.count, "flops_per_matmul": self.flops_per_matmul, "sac_dispatched": self.sac_dispatched,
+                "launch": self.launch.value}
 
     def with_count(self, count: int) -> "OpCount":
         # the constructor directly, positionally: dataclasses.replace costs ~5x more, and this runs per op per estimate
