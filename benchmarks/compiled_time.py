@@ -147,7 +147,14 @@ def page(trace: bool) -> str:
             cells.append(f"{v:.3f} | {e:+.1%} |")
         lines.append(f"| {name} | {config(name, ac, shape, 'none').model.dropout:g} | {shape[0]} x {shape[1]} | {ac} | {m['ratio']:.3f} ({m['low']:.3f}-{m['high']:.3f}) "
                      f"| {m['load']:.1f} | " + " ".join(cells))
-    lines.append("")
+    lines += ["", "Without AC the built-in GPT and the factory (its code) measure slower compiled than predicted. A "
+              "profile with inductor's kernel profiling (`torch._inductor.config.cpp.enable_kernel_profile`, one run "
+              "on the loaded host) put most of their compiled blocks' own kernel time in the kernels that fuse the "
+              "attention scores' scale, causal mask, softmax and dropout, which the rule prices at ATen's `_softmax` "
+              "and `bernoulli_` rates per element; inductor draws dropout's random numbers element by element in a "
+              "scalar loop (its generated C++), ATen's `bernoulli_` in bulk. With full AC the compiled "
+              "blocks measure faster than predicted (the compiled backward runs the recompute inside its own graph); "
+              "where the saving beyond the fused chains comes from is not identified yet.", ""]
     for src, e in errs.items():
         if e:
             lines.append(f"- {src}: mean |error| of the ratio {statistics.fmean(e):.1%}, max {max(e):.1%} over {len(e)} "
