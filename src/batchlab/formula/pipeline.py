@@ -220,15 +220,31 @@ def pp_seconds(cfg: RunConfig, rank: RankShare, link: Link | None = None) -> flo
     return pp_sends(cfg, rank) * link.send_seconds(activation_message_bytes(cfg) / rank.in_sp)
 
 
-def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts | None = None) -> PipelineTime:
+def rank_compute_seconds(share: float, tp: int, compute: float,
+                         issued: tuple[tuple[float, float], ...] = ()) -> float:
+    """One micro-batch's compute on one rank of a stage holding ``share`` of the replica's work.  ``issued``: per
+    phase, the replica's (kernel work, host issue time) on an asynchronous device: a tensor-parallel rank runs 1/t
+    of each kernel's work but issues every kernel of its stage (each rank runs the whole layer on its shard:
+    Shoeybi et al. 2019, sec. 3), so the launches do not shrink with t; the host issues ahead of the kernels through
+    the micro-batch (nothing inside it waits for the device), so it takes the longer of its kernels' work and its
+    launches.  Without ``issued`` (a synchronous device): the priced ``compute`` split by share and t."""
+    if not issued:
+        return compute * share / tp
+    return max(sum(work for work, _ in issued) * share / tp, sum(launch for _, launch in issued) * share)
+
+
+def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts | None = None,
+                  issued: tuple[tuple[float, float], ...] = ()) -> PipelineTime:
     """``compute_per_micro_batch``: the whole replica's forward + backward (+ recompute) of one micro-batch on one
-    device, as the per-op model priced it; ``costs``: the per-op costs, whose calibrated link prices local ranks'
-    messages."""
+    device, as the per-op model priced it; ``issued``: the same per phase as (kernel work, host issue time) on an
+    asynchronous device (``rank_compute_seconds``); ``costs``: the per-op costs, whose calibrated link prices local
+    ranks' messages."""
     ranks = shares(cfg)
     per = [stage_flops_per_token(cfg, r.layers, r.last) for r in ranks]
     total = sum(per) or 1.0
     tp, pp = tp_link(cfg, costs), pp_link(cfg, costs)
-    stages = tuple(StageTime(stage=r.stage, compute_seconds=compute_per_micro_batch * f / total / r.tp,
+    stages = tuple(StageTime(stage=r.stage,
+                             compute_seconds=rank_compute_seconds(f / total, r.tp, compute_per_micro_batch, issued),
                              tp_comm_seconds=tp_seconds(cfg, r, tp), pp_comm_seconds=pp_seconds(cfg, r, pp))
                    for r, f in zip(ranks, per))
     slowest = max(range(len(stages)), key=lambda i: (stages[i].seconds, -i))

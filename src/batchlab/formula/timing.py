@@ -221,7 +221,11 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     sent = traffic(cfg).per_update
     layout = cfg.parallel.tp * cfg.parallel.pp > 1
     held = heaviest(cfg).params / max(count(cfg.model).total, 1) if layout else 1.0
-    pipe = pipeline_time(cfg, compute / cfg.accum, costs) if layout else None  # formula/pipeline.py: per stage, then the bubble
+    issued = (tuple((t.work_by_phase[p] / cfg.accum, t.dispatch_by_phase.get(p, 0.0) / cfg.accum)
+                    for p in ("forward", "backward", "recompute") if p in t.work_by_phase)
+              if costs.asynchronous and t.work_by_phase else ())
+    # formula/pipeline.py: per stage, then the bubble
+    pipe = pipeline_time(cfg, compute / cfg.accum, costs, issued) if layout else None
     if pipe is not None:  # the data-parallel group of a stage's TP rank reduces (and steps) its slice only
         sent = {k: round(v * held) for k, v in sent.items()}
         compute = cfg.accum * pipe.stages[pipe.slowest].compute_seconds
