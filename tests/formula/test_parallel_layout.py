@@ -125,11 +125,11 @@ def test_estimate_json_reports_the_layout_per_stage_and_the_bubble():
 
 
 @pytest.mark.parametrize("sharding,parts", [
-    # llama-2-7b, 6,738,415,616 parameters over DP 8: the reduce bucket min(5e8, N) elements x 2 bytes = 1e9 bytes
+    # llama-2-7b, 6,738,415,616 parameters over DP 8: the reduce bucket 5e8 elements x 2 bytes = 1e9 bytes
     # (two with stage 3's overlap_comm); the fp32 gradient partition 4 x N / 8 = 3,369,207,808 bytes at the step;
-    # stage 3's prefetch 5e7 elements x 2 bytes = 1e8 bytes
+    # stage 3's gathered parameters up to stage3_max_live_parameters, 1e9 elements x 2 bytes = 2e9 bytes
     ("deepspeed-zero1", {"deepspeed reduce bucket": 10**9, "deepspeed fp32 gradient partition": 3_369_207_808}),
-    ("deepspeed-zero3", {"deepspeed reduce bucket": 2 * 10**9, "deepspeed prefetch bucket": 10**8,
+    ("deepspeed-zero3", {"deepspeed reduce bucket": 2 * 10**9, "deepspeed live parameters": 2 * 10**9,
                          "deepspeed fp32 gradient partition": 3_369_207_808}),
 ])
 def test_deepspeed_buffers_at_its_config_defaults(sharding, parts):
@@ -141,3 +141,15 @@ def test_deepspeed_buffers_at_its_config_defaults(sharding, parts):
     assert sum(e.memory.at_peak.values()) == e.memory.peak_tensor_bytes
     pytorch = estimate(RunConfig(**LLAMA, seq=2048, accum=2, ac="full", dp=8, zero=int(sharding[-1])))
     assert not any(k.startswith("deepspeed") for k in pytorch.memory.at_peak)
+
+
+def test_deepspeeds_reduce_bucket_is_its_configured_size_even_for_a_small_model():
+    # stage_1_and_2.py backward(): torch.empty(int(self.reduce_bucket_size), dtype=self.dtype): 5e8 elements x 2 bytes
+    # of fp16 = 1e9 bytes, though the built-in GPT has under a million parameters; ZeRO-3 gathers all of them
+    # (under stage3_max_live_parameters): the 16-bit model, 2 bytes each
+    from batchlab.formula.params import count
+
+    cfg = RunConfig(seq=64, micro_batch=2, dp=2, sharding="deepspeed-zero3", precision="fp16-mixed", device="a100-80gb")
+    rank = share(cfg, 0)
+    assert resident_buffers(cfg, rank) == {"deepspeed reduce bucket": 2 * 10**9}
+    assert prefetch_buffers(cfg, rank) == {"deepspeed live parameters": 2 * count(cfg.model).total}
