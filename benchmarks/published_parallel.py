@@ -140,10 +140,12 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
                     f"{even // chunks} per chunk); no flag splits unevenly: typed as --layers {even}, every chunk "
                     "holding the most loaded one's layers (the source's memory is the max over ranks; the slowest "
                     "stage paces the pipeline)")
+    gaps.extend(run.get("not_expressed", ()))  # what the runs file says the command leaves out
     if run.get("async_tp"):
         gaps.append("torchtitan AsyncTP (TP collectives overlapped with the matmuls) has no flag")
     if run["sharding"].startswith("deepspeed") and "deepspeed" not in run:
-        gaps.append("DeepSpeed config not published: zero_optimization defaults assumed")
+        gaps.append(f"DeepSpeed config: {run['deepspeed_config']}" if "deepspeed_config" in run
+                    else "DeepSpeed config not published: zero_optimization defaults assumed")
     return ["estimate", *argv]
 
 
