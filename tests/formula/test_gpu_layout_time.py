@@ -31,3 +31,21 @@ def test_a_matmul_bound_model_divides_its_compute_by_the_tensor_parallel_degree(
     big = RunConfig(model=preset("gpt2", layers=4, hidden=4096, heads=32, max_positions=2048), seq=2048,
                     micro_batch=4, accum=4, pp=2, precision="bf16-mixed", device="h100-sxm")
     assert per_rank(big.replace(tp=4)) == pytest.approx(per_rank(big) / 4, rel=0.1)
+
+
+def test_without_sequence_parallelism_every_tensor_parallel_rank_runs_the_norms_and_dropouts_whole():
+    """Korthikanti et al. 2022 sec. 4.2.2: outside the attention and MLP, a layer's two LayerNorms, dropouts and residual
+    adds are replicated on every TP rank unless sequence parallelism splits them along the sequence."""
+    from batchlab.formula.opcost import price
+    from batchlab.formula.pipeline import replicated_ops
+    from batchlab.formula.timing import nominal_costs
+
+    cfg = RunConfig(model=preset("gpt2", layers=4, hidden=2048, heads=16, max_positions=2048), seq=2048,
+                    micro_batch=2, accum=4, pp=2, tp=4, precision="bf16-mixed", device="a100-80gb")
+    norms = [o for o in replicated_ops(cfg) if o.name == "native_layer_norm"]
+    # by hand: 2 LayerNorms per layer x 4 layers, each over b·s = 4096 rows of h = 2048
+    assert sum(o.count for o in norms) == 8 and {o.elements for o in norms} == {4096 * 2048}
+    whole = sum(price(replicated_ops(cfg), nominal_costs(cfg)).work_by_phase.values())
+    sp = cfg.replace(sequence_parallel=True)
+    # a stage holds half the layers; each rank runs (1 - 1/4) of that work beyond its share
+    assert per_rank(cfg) - per_rank(sp) == pytest.approx(whole / 2 * 3 / 4, rel=0.05)

@@ -152,8 +152,7 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
     fl = 2 * b * a * s * s * d
     g = fl // (a * b)  # one (batch, head)'s matmul: what decides the rate
     if not materialises_scores(m, cfg.device_spec.backend):
-        # fused attention; on CUDA its kernel draws the dropout mask itself (FlashAttention-2, Dao 2023, sec. 3.1:
-        # dropout fused into the kernel), so dropout keeps the fused path there and adds no s x s traffic
+        # fused; on CUDA the kernel draws the dropout mask itself (FlashAttention-2, Dao 2023, sec. 3.1): no s x s bytes
         name = "_scaled_dot_product_flash_attention" + ("" if ops.w.cuda else "_for_cpu")
         ops.add(_op(name, ph, t * h, 4 * t * h * e + a * t * F32, 2 * fl, ops.w.low, flops_per_matmul=2 * g),
                 _views(ph, 2))
