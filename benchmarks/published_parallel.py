@@ -322,6 +322,29 @@ def family_table(rows: list[ParRow]) -> list[str]:
     return out
 
 
+def parts_table(rows: list[ParRow]) -> list[str]:
+    """Where each row's predicted update time goes, beside the update time the source's rate implies: the slowest
+    stage's compute, its tensor-parallel collectives and pipeline sends, the bubble, the data-parallel traffic left
+    exposed, and the optimizer step with the rest; the matmul and launch shares of the replica's priced ops."""
+    out = ["| run | measured s | predicted s | compute | TP comm | PP sends | bubble | DP exposed | step + rest "
+           "| matmul share | launch-bound share |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.failed or r.rate_measured is None:
+            continue
+        t = estimate(r.cfg).time
+        tokens = r.cfg.tokens_per_update
+        measured = (1 / r.rate_measured if r.rate_what == "iterations/s"
+                    else tokens / (r.rate_measured * r.cfg.parallel.world_size))
+        ops = t.ops
+        launch = ops.by_class.get("dispatch", 0.0) / ops.seconds if ops and ops.seconds else 0.0
+        matmul = ops.by_class.get("matmul", 0.0) / ops.seconds if ops and ops.seconds else 0.0
+        cells = [t.compute_seconds, t.tp_comm_seconds, t.pp_comm_seconds, t.bubble_seconds, t.exposed_comm_seconds,
+                 t.optimizer_seconds]
+        out.append(f"| {r.run['id']}{mark(r.run)} | {measured:.3g} | {t.update_seconds:.3g} | "
+                   + " | ".join(f"{c:.3g}" for c in cells) + f" | {matmul:.0%} | {launch:.0%} |")
+    return out
+
+
 def details(rows: list[ParRow]) -> list[str]:
     out = []
     for r in rows:
@@ -353,6 +376,13 @@ def document(rows: list[ParRow], ratios: list[Ratio]) -> str:
              "nemo NeMo's performance table, mds Megatron-DeepSpeed (a DeepSpeed issue), belle BELLE (DeepSpeed), "
              "korthikanti and megatron the Megatron-LM README.", "", *family_table(rows), "",
              "## Runs", "", *table(rows), "",
+             "## Where the predicted update time goes", "",
+             "Seconds per update on the slowest pipeline stage's rank: its compute (forward, backward, recompute of "
+             "all micro-batches; a tensor-parallel rank runs 1/t of each kernel's work but launches every kernel), its "
+             "tensor-parallel collectives and pipeline sends (not overlapped), the bubble, the data-parallel traffic "
+             "the engine leaves exposed, and the optimizer step with the rest. *Measured*: the update time the "
+             "source's rate implies. The shares are of the replica's priced ops: matmuls, and the host's launches "
+             "beyond the kernels' work (GPU kernels are issued ahead of their work).", "", *parts_table(rows), "",
              "## Full versus selective recompute (Korthikanti et al. 2022, Table 5)", "",
              "Update time of the paper's baseline (the run's command with `--ac full --no-sequence-parallel`: "
              "tensor parallelism with full recompute) over the run's own command (sequence parallelism + "
