@@ -168,3 +168,12 @@ def test_deepspeed_zero1_sends_16_bit_gradients_and_weights_and_hides_none_of_it
     assert t.collective_bytes["reduce_scatter"] == t.collective_bytes["all_gather"] == 248_879_616
     assert t.allreduce_seconds == pytest.approx(2 * 0.41480e-3, rel=1e-3)
     assert t.exposed_comm_seconds == pytest.approx(t.allreduce_seconds)
+
+
+def test_deepspeed_zero2_keeps_no_reduce_stream_pool_at_its_default_config():
+    # stage_1_and_2.py average_tensor: with overlap_comm off (its default below stage 3) the reduction runs on the
+    # current stream, so no second stream's pool caches the gradient shards, as FSDP2's foreach_reduce stream does
+    # (its 16-bit gradient partition is smaller than the fp32 shards FSDP2's pool would hold: the case it priced)
+    ds = estimate(RunConfig(**dict(LLAMA, precision="fp16-mixed"), seq=2048, accum=2, dp=8,
+                            sharding="deepspeed-zero2"))
+    assert not [k for k in ds.memory.reserved_parts if "stream" in k]
