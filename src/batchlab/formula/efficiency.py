@@ -107,6 +107,12 @@ def exposed_comm_seconds(cfg: RunConfig, comm: float, compute: float, micro: flo
         return Sourced(value=comm * (1 - cfg.assumptions.comm_overlap), source="assumption (--comm-overlap)")
     if comm <= 0:
         return Sourced(value=0.0, source="no communication")
+    spec = cfg.parallel.engine_spec
+    if spec.deepspeed and spec.stage in (1, 2):
+        # zero_optimization.overlap_comm defaults to false below stage 3 (DeepSpeedZeroConfig): the gradient
+        # reduction runs on the compute stream inside backward, and the weights' all-gather after the step
+        return Sourced(value=comm, source="DeepSpeed ZeRO-1/2 at its default overlap_comm=false: the reduce inside "
+                                          "backward and the all-gather after the step, nothing hidden")
     bw = bus_bandwidth(cfg).value
     if cfg.parallel.shards_gradients:
         units = unit_elements(cfg)

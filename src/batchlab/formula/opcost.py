@@ -288,6 +288,9 @@ class TimeBreakdown:
     bytes: int  # bytes moved by memory-bound and per-element ops
     bytes_by_phase: dict[str, int] = field(default_factory=dict)
     flops_by_phase: dict[str, int] = field(default_factory=dict)
+    # the kernels' work and the host's issue time per phase, before the asynchronous device's max of the two
+    work_by_phase: dict[str, float] = field(default_factory=dict)
+    dispatch_by_phase: dict[str, float] = field(default_factory=dict)
     source: str = ""
     provenance: str = "formula"
 
@@ -352,7 +355,9 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
     classes["dispatch"] = sum(exposed.values())
     return TimeBreakdown(seconds=sum(phases.values()), by_phase=phases, by_class=classes, ops=calls, flops=fl, bytes=by,
                          bytes_by_phase={ph.value: b for ph, b in b_phase.items()},
-                         flops_by_phase={ph.value: f for ph, f in f_phase.items()}, source=costs.source,
+                         flops_by_phase={ph.value: f for ph, f in f_phase.items()},
+                         work_by_phase={ph.value: w for ph, w in by_phase.items()},
+                         dispatch_by_phase={ph.value: d for ph, d in disp.items()}, source=costs.source,
                          provenance=provenance)
 
 

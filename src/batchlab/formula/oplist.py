@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from batchlab.config import (AttentionImpl, Backend, LossMode, MLPKind, NormKind, PositionKind,
                              RunConfig, optimizer_spec)
 from batchlab.formula.memo import cache, lookup
-from batchlab.formula.activations import Impl, implementation
+from batchlab.formula.activations import Impl, implementation, materialises_scores
 from batchlab.formula.opcost import OpCount, merge, op_class
 from batchlab.formula.params import tensor_sizes
 from batchlab.config.phase import Phase
@@ -151,12 +151,14 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
     score = a * s * s * b
     fl = 2 * b * a * s * s * d
     g = fl // (a * b)  # one (batch, head)'s matmul: what decides the rate
-    if m.attention is AttentionImpl.SDPA and not (m.dropout > 0):
-        ops.add(_op("_scaled_dot_product_flash_attention_for_cpu", ph, t * h, 4 * t * h * e + a * t * F32, 2 * fl,
-                    ops.w.low, flops_per_matmul=2 * g), _views(ph, 2))
+    if not materialises_scores(m, cfg.device_spec.backend):
+        # fused; on CUDA the kernel draws the dropout mask itself (FlashAttention-2, Dao 2023, sec. 3.1): no s x s bytes
+        name = "_scaled_dot_product_flash_attention" + ("" if ops.w.cuda else "_for_cpu")
+        ops.add(_op(name, ph, t * h, 4 * t * h * e + a * t * F32, 2 * fl, ops.w.low, flops_per_matmul=2 * g),
+                _views(ph, 2))
         if backward:
-            ops.add(_op("_scaled_dot_product_flash_attention_for_cpu_backward", BWD, 3 * t * h,
-                        8 * t * h * e + a * t * F32, 5 * fl, ops.w.low, flops_per_matmul=2 * g), _views(BWD, 3))
+            ops.add(_op(name + "_backward", BWD, 3 * t * h, 8 * t * h * e + a * t * F32, 5 * fl, ops.w.low,
+                        flops_per_matmul=2 * g), _views(BWD, 3))
     else:  # eager (or SDPA's math path with dropout on CPU): materialised scores
         copies = 3 if b > 1 else 0  # matmul copies expanded q, k, v (a batch of one needs no copy)
         ops.add(_op("clone", ph, t * h, 2 * t * h * e, count=copies, strided=True), _views(ph, 6),

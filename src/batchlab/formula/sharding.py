@@ -94,6 +94,16 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
         return Traffic(per_micro_batch=(none,) * cfg.accum, outside_micro_batches=none,
                        sync_every_micro_batch=sync_every_micro_batch)
     n = count(cfg.model).total
+    spec = cfg.parallel.engine_spec
+    if spec.deepspeed and spec.stage in (1, 2):
+        # DeepSpeed's stage_1_and_2.py: the 16-bit gradients reduced into each rank's partition (stage 2 in every
+        # micro-batch's backward, stage 1 at the accumulation boundary: reduce_gradients), and after the step the
+        # updated 16-bit weights all-gathered into every rank's whole copy (all_gather_dp_groups)
+        w = gathered_bytes_per_element(cfg)
+        rs = dict(none, reduce_scatter=n * w)
+        micro = tuple(rs if spec.stage == 2 or i == cfg.accum - 1 else none for i in range(cfg.accum))
+        return Traffic(per_micro_batch=micro, outside_micro_batches=dict(none, all_gather=n * w),
+                       sync_every_micro_batch=sync_every_micro_batch)
     if not cfg.parallel.shards_gradients:  # DDP (ZeRO-0 / ZeRO-1)
         w = 2 if cfg.precision is Precision.BF16 else 4  # DDP reduces .grad in the weights' dtype
         last = dict(none, all_reduce=n * w)

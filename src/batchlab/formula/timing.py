@@ -22,7 +22,7 @@ from batchlab.formula.memory import MemoryEstimate
 from batchlab.formula.opcost import OpClass, OpCosts, OpCount, TimeBreakdown, describe, link_text, price
 from batchlab.config.phase import Phase
 from batchlab.formula.oplist import update_ops
-from batchlab.formula.pipeline import pipeline_time, text as layout_time_text
+from batchlab.formula.pipeline import pipeline_time, replicated_ops, text as layout_time_text
 from batchlab.formula.states import heaviest
 from batchlab.formula.sharding import collective_seconds, traffic
 from batchlab.util.units import fmt_count
@@ -221,7 +221,14 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     sent = traffic(cfg).per_update
     layout = cfg.parallel.tp * cfg.parallel.pp > 1
     held = heaviest(cfg).params / max(count(cfg.model).total, 1) if layout else 1.0
-    pipe = pipeline_time(cfg, compute / cfg.accum, costs) if layout else None  # formula/pipeline.py: per stage, then the bubble
+    issued = (tuple((t.work_by_phase[p] / cfg.accum, t.dispatch_by_phase.get(p, 0.0) / cfg.accum)
+                    for p in ("forward", "backward", "recompute") if p in t.work_by_phase)
+              if costs.asynchronous and t.work_by_phase else ())
+    # without sequence parallelism each TP rank runs the layers' norms, dropouts and residual adds whole
+    replicated = (sum(price(replicated_ops(cfg), costs).work_by_phase.values())
+                  if layout and cfg.parallel.tp > 1 and not cfg.parallel.sequence_parallel else 0.0)
+    # formula/pipeline.py: per stage, then the bubble
+    pipe = pipeline_time(cfg, compute / cfg.accum, costs, issued, replicated) if layout else None
     if pipe is not None:  # the data-parallel group of a stage's TP rank reduces (and steps) its slice only
         sent = {k: round(v * held) for k, v in sent.items()}
         compute = cfg.accum * pipe.stages[pipe.slowest].compute_seconds
