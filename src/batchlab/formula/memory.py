@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import dataclasses
 from batchlab.config import Implementation, LossMode, PositionKind, Precision, RunConfig
 from batchlab.formula import activations as act
-from batchlab.formula import deepspeed
+from batchlab.formula import deepspeed, fp8
 from batchlab.formula.allocator import device_memory
 from batchlab.formula.fsdp import fsdp_phases, with_pipeline_no_sync
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
@@ -353,6 +353,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
                               gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
         }
     phases = _with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
+    if cache8 := fp8.weight_cache_bytes(cfg, rank.layer_matrices, len(rank.layers)):  # TE's, held all update
+        phases = {ph: dict(parts, **{"fp8 weights": cache8}) for ph, parts in phases.items()}
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
