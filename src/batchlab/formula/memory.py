@@ -299,6 +299,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
         copies_fwd = copies = 2 * (n - per_layer * m.layers)
     elif autocast:
         n, per_layer = autocast_cast_params(m, rank)
+        if fp8.active(cfg):  # a Float8Linear / TE module casts its own weight: no F.linear for autocast to cache
+            n, per_layer = n - per_layer * len(rank.layers), 0
         copies_fwd = 2 * n
         copies = 2 * (n - per_layer * n_recomputed)
         layer_copy = 2 * per_layer
