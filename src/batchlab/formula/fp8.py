@@ -28,8 +28,8 @@ def active(cfg: RunConfig) -> FP8Spec | None:
 
 
 def _op(name: str, phase: Phase, elements: int, nbytes: int, flops: int = 0, count: int = 1) -> OpCount:
-    return OpCount(name=name, phase=phase, cost_class=op_class(name), flops=flops, bytes=nbytes, elements=elements,
-                   low_precision=True, count=count)
+    return OpCount(name=name, phase=phase, cost_class=op_class(name, is_view=name == "view"), flops=flops,
+                   bytes=nbytes, elements=elements, low_precision=True, count=count)
 
 
 def linear_ops(s: FP8Spec, ph: Phase, t: int, i: int, o: int, bias: bool, backward: bool, e: int,
@@ -119,5 +119,5 @@ def block_gather_bytes(cfg: RunConfig, default: int) -> int:
     return FP8 if s is not None and s.fsdp_fp8_all_gather else default
 
 
-__all__ = ["FP8Recipe", "SCALED_MM", "CURVE", "linear_ops", "update_ops", "with_curve", "saved_input_cut",
+__all__ = ["FP8Recipe", "FP8Spec", "SCALED_MM", "CURVE", "linear_ops", "update_ops", "with_curve", "saved_input_cut",
            "weight_cache_bytes", "block_gather_bytes"]
