@@ -112,11 +112,17 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
             _set(argv, "--sharding", {"zero1": "megatron-distopt", "ddp": "megatron"}[run["sharding"]])
             if run["precision"] in ("megatron-bf16", "te-fp8"):
                 _set(argv, "--precision", "bf16")
-    if run["precision"] in PRECISION_GAP:
+    fp8 = "--fp8" in argv and typed  # the run's FP8 recipe typed in its cli (config/fp8.py)
+    if not typed:
+        _set(argv, "--fp8", None)
+    if run["precision"] in PRECISION_GAP and not fp8:
         gaps.append(PRECISION_GAP[run["precision"]])
-    if run["precision"] == "te-fp8":
+    if run["precision"] == "te-fp8" and not fp8:
         gaps.append("Transformer Engine FP8 GEMMs (bf16 elsewhere): fp8 matmul rates and the fp8 weight copies not "
                     "modelled; typed as Megatron's bf16")
+    if fp8 and run["precision"] == "fp8-float8-linear" and run["tp"] > 1:
+        gaps.append("torchao's Float8 tensor parallelism (Float8ColwiseParallel: the sequence-parallel inputs "
+                    "all-gathered in fp8) has no flag: the TP collectives are priced in bf16")
     sp = run.get("ulysses_sp", 1)
     if sp > 1 and typed:  # no flag: each of dp x sp ranks holds seq/sp tokens of every activation, ZeRO spans them
         _set(argv, "--dp", str(run["dp"] * sp))

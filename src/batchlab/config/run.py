@@ -18,6 +18,7 @@ from batchlab.config.choices import (AttentionImpl, CompileMode, ConfigError, Co
                                      ModelSource, Precision)
 from batchlab.config.optimizers import OptimizerKind
 from batchlab.config.devices import DeviceSpec, device
+from batchlab.config.fp8 import FP8Recipe, check as fp8_check
 from batchlab.config.engines import PYTORCH_ENGINE, Engine, PipelineSchedule
 from batchlab.config.losspolicy import LossPolicy
 from batchlab.config.parallel import Layout, check_degrees
@@ -205,6 +206,7 @@ class RunConfig:
     data: DataKind = DataKind.FIXED  # fixed (full-length sequences) or padded (padding is not useful work)
     seed: int = 0  # the seed of the measured runs' weights and data
     compile: CompileMode = CompileMode.NONE  # torch.compile: none, the whole model, or each block (after AC)
+    fp8: FP8Recipe = FP8Recipe.NONE  # the blocks' linear layers as FP8 GEMMs (config/fp8.py; formula only)
     assumptions: Assumptions = field(default_factory=Assumptions)  # the time model's and allocator's assumptions
 
     def __post_init__(self):
@@ -215,6 +217,7 @@ class RunConfig:
         set_(self, "loss", LossPolicy.parse(self.loss))
         set_(self, "data", DataKind.parse("data", self.data))
         set_(self, "compile", CompileMode.parse("compile", self.compile))
+        set_(self, "fp8", FP8Recipe.parse("fp8", self.fp8))
         for name in ("seq", "micro_batch", "accum", "dp"):
             whole_number(name, getattr(self, name), maximum=SIZE_MAX)
         if not isinstance(self.model_source, str) or not self.model_source:
@@ -246,6 +249,7 @@ class RunConfig:
             raise ConfigError("ac", f"every:{self.ac.every} asks for K > layers ({self.model.layers})")
         spec = device(self.device)  # raises on an unknown device
         set_(self, "device", spec.name)
+        fp8_check(self)
         if self.memory_budget is not None:
             set_(self, "memory_budget", parse_bytes("memory_budget", self.memory_budget))
             whole_number("memory_budget", self.memory_budget)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchlab.config import Backend, Precision, RunConfig
-from batchlab.formula.sharding import collective_seconds, gathered_bytes_per_element, unit_elements
+from batchlab.formula.sharding import collective_seconds, gathered_bytes, unit_elements
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,8 @@ def exposed_comm_seconds(cfg: RunConfig, comm: float, compute: float, micro: flo
     bw = bus_bandwidth(cfg).value
     if cfg.parallel.shards_gradients:
         units = unit_elements(cfg)
-        first = units[0] + (units[-1] if cfg.parallel.reshards_after_forward and len(units) > 1 else 0)
-        exposed = cfg.accum * collective_seconds("all_gather", first * gathered_bytes_per_element(cfg), cfg.dp, bw)
+        first = units[:1] + (units[-1:] if cfg.parallel.reshards_after_forward and len(units) > 1 else ())
+        exposed = cfg.accum * collective_seconds("all_gather", gathered_bytes(cfg, first), cfg.dp, bw)
         return Sourced(value=min(comm, max(0.0, comm - compute) + exposed),
                        source="FSDP2 prefetch: hidden behind forward and backward, the first unit's all-gather of "
                               "each forward (ZeRO-3: and of each backward) exposed")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from batchlab.config import MLPKind, ModelSpec, PositionKind, Precision, RunConfig
+from batchlab.formula import fp8
 from batchlab.formula.params import count, norm_params
 
 if TYPE_CHECKING:
@@ -65,6 +66,13 @@ def gathered_bytes_per_element(cfg: RunConfig) -> int:
     return 4 if cfg.precision is Precision.FP32 else 2
 
 
+def gathered_bytes(cfg: RunConfig, units: tuple[int, ...]) -> int:
+    """Bytes FSDP2 gathers of ``units`` (the root first, then blocks): the blocks at FP8's width under an fp8
+    all-gather (formula/fp8.py), the root in param_dtype."""
+    w = gathered_bytes_per_element(cfg)
+    return units[0] * w + sum(units[1:]) * fp8.block_gather_bytes(cfg, w) if units else 0
+
+
 def reduced_bytes_per_element(cfg: RunConfig) -> int:
     """Gradients are reduced in fp32 (reduce_dtype=fp32 under mixed precision), in bf16 for bf16 weights."""
     return 2 if cfg.precision is Precision.BF16 else 4
@@ -112,7 +120,7 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
                        sync_every_micro_batch=sync_every_micro_batch)
     units = sum(unit_elements(cfg))
     gathers = 2 if cfg.parallel.reshards_after_forward else 1  # ZeRO-3: forward, and again in backward
-    ag = gathers * units * gathered_bytes_per_element(cfg)
+    ag = gathers * gathered_bytes(cfg, unit_elements(cfg))
     rs = units * reduced_bytes_per_element(cfg)
     micro = tuple(dict(none, all_gather=ag, reduce_scatter=rs if sync_every_micro_batch or i == cfg.accum - 1 else 0)
                   for i in range(cfg.accum))
