@@ -37,6 +37,8 @@ class ACPolicy:
     mode: ACMode = ACMode.NONE
     every: int = 1
     layers: tuple[ACMode, ...] = ()  # a plan's policy of each layer (mode PLAN only)
+    # budget:F: torch._functorch.config.activation_memory_budget, read by torch.compile's partitioner (mode BUDGET)
+    budget: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ACMode.parse("ac", self.mode))
@@ -50,6 +52,11 @@ class ACPolicy:
             raise ConfigError("ac", f"every:K needs K >= 1, got {self.every}")
         if self.mode is not ACMode.EVERY and self.every != 1:
             raise ConfigError("ac", "K is only meaningful for every:K")
+        if (self.mode is ACMode.BUDGET) != (self.budget is not None):
+            raise ConfigError("ac", "budget needs a fraction (budget:F, e.g. budget:0.5), and only budget takes one")
+        if self.budget is not None and not (isinstance(self.budget, (int, float)) and 0 <= self.budget <= 1):
+            raise ConfigError("ac", f"budget:F needs 0 <= F <= 1 (0: the compiled region recomputed from its "
+                                    f"inputs, 1: the default partition), got {self.budget!r}")
 
     @classmethod
     def parse(cls, value: Any) -> "ACPolicy":
@@ -64,19 +71,24 @@ class ACPolicy:
             return cls(ACMode.EVERY, int(m.group(1)))
         if text == "every":
             raise ConfigError("ac", "every needs a K: every:K, e.g. every:2")
+        if text.startswith("budget:"):
+            fraction = re.fullmatch(r"budget:(\d+(?:\.\d*)?|\.\d+)", text)
+            return cls(ACMode.BUDGET, budget=float(fraction.group(1)) if fraction else text[len("budget:"):])
         try:
             mode = ACMode(text)
         except ValueError:
             mode = None
         if mode is None or mode is ACMode.PLAN:
             names = ", ".join(m.value for m in layerplan.LAYER_POLICIES if m is not ACMode.NONE)
-            raise ConfigError("ac", f"{value!r} is not one of: none, every:K, {names}, plan:POLICY*N,... or "
-                                    "plan:FILE")
+            raise ConfigError("ac", f"{value!r} is not one of: none, every:K, {names}, plan:POLICY*N,..., "
+                                    "plan:FILE or budget:F")
         return cls(mode)
 
     def __str__(self) -> str:
         if self.mode is ACMode.PLAN:
             return f"plan:{layerplan.compact(self.layers)}"
+        if self.mode is ACMode.BUDGET:
+            return f"budget:{self.budget:g}"
         return f"every:{self.every}" if self.mode is ACMode.EVERY else self.mode.value
 
     @classmethod
@@ -90,8 +102,8 @@ class ACPolicy:
         return cls(ACMode.EVERY, k)
 
     @property
-    def recomputes(self) -> bool:  # anything but none: some layer may be recomputed in backward
-        return self.mode is not ACMode.NONE
+    def recomputes(self) -> bool:  # some layer is checkpointed (budget:F's recompute is the partitioner's own)
+        return self.mode not in (ACMode.NONE, ACMode.BUDGET)
 
     @property
     def every_k(self) -> int | None:  # K of every:K, else None
@@ -99,6 +111,8 @@ class ACPolicy:
 
     @property
     def single(self) -> "ACPolicySpec | None":  # the entry every layer runs when spelt as one (not every:K, a plan)
+        if self.mode is ACMode.BUDGET:  # no layer is wrapped: compiled, the partitioner decides
+            return no_recompute().spec
         return None if self.mode in (ACMode.EVERY, ACMode.PLAN) else self.mode.spec
 
     def simplified(self) -> "ACPolicy":
@@ -114,6 +128,8 @@ class ACPolicy:
         if self.mode is ACMode.EVERY:
             full, none = whole_block(), no_recompute()
             return tuple(full if i % self.every == 0 else none for i in range(n_layers))
+        if self.mode is ACMode.BUDGET:  # no checkpoint region: the compiled graph's partition recomputes
+            return (no_recompute(),) * n_layers
         return (self.mode,) * n_layers
 
     def wrapped_layers(self, n_layers: int) -> tuple[int, ...]:
@@ -242,6 +258,9 @@ class RunConfig:
         if sdpa_only and self.model.attention is not AttentionImpl.SDPA and self.model.impl is not Implementation.MEGATRON:
             raise ConfigError("ac", f"{sdpa_only[0]} recomputes the fused attention call: it needs "
                                     "--attention sdpa (eager attention has no single attention-core call)")
+        if self.ac.mode is ACMode.BUDGET and self.compile is CompileMode.NONE:
+            raise ConfigError("ac", f"ac={self.ac} needs --compile model|blocks: the knob is read by torch.compile's "
+                                    "partitioner")
         if self.ac.mode is ACMode.EVERY and self.ac.every > self.model.layers:
             raise ConfigError("ac", f"every:{self.ac.every} asks for K > layers ({self.model.layers})")
         spec = device(self.device)  # raises on an unknown device
