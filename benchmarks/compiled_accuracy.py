@@ -40,6 +40,9 @@ SHAPES = {"GPT tiny, 2 layers": (128, 4), "hf:gpt2, 2 layers, h 128": (128, 4),
           "hf:llama, 2 layers, h 128, GQA": (96, 4), "factory (GPT), 3 layers, h 96": (80, 6)}
 POLICIES = ("none", "full", "selective-op")
 WHOLE_MODEL = (("GPT tiny, 2 layers", "none"), ("GPT tiny, 2 layers", "full"))  # also measured with --compile model
+# torch.compile's activation_memory_budget (--ac budget:F): no checkpoint region, the partitioner's knapsack recomputes
+BUDGETS = ("budget:0", "budget:0.3", "budget:0.6", "budget:1")
+BUDGET_MODELS = ("GPT tiny, 2 layers", "hf:gpt2, 2 layers, h 128")
 
 
 def config(name: str, ac: str, mode: str = "blocks"):
@@ -60,7 +63,8 @@ def key(name: str, ac: str, mode: str = "blocks") -> str:
 def grid():
     """(model, AC, compile mode) of every row."""
     return ([(n, ac, "blocks") for n in MODELS for ac in POLICIES] + [(n, ac, "model") for n, ac in WHOLE_MODEL]
-            + [(n, ac, "blocks") for n in OTHERS for ac in ("none", "selective-op")])
+            + [(n, ac, "blocks") for n in OTHERS for ac in ("none", "selective-op")]
+            + [(n, ac, "blocks") for n in BUDGET_MODELS for ac in BUDGETS] + [(BUDGET_MODELS[0], BUDGETS[1], "model")])
 
 
 def measure_all() -> None:
