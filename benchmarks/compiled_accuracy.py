@@ -132,12 +132,23 @@ def page(rs) -> str:
                      f"{r['terms']} | "
                      f"{r['formula']:,} | {err(r['formula'], r['measured']):+.1%} | "
                      + (f"{t:,} | {err(t, r['measured']):+.1%} |" if t is not None else "- | - |"))
-    errs = [abs(err(r["formula"], r["measured"])) for r in rs]
+    policies = [r for r in rs if not r["ac"].startswith("budget:")]
+    errs = [abs(err(r["formula"], r["measured"])) for r in policies]
     if errs:
-        lines += ["", f"Formula: mean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%} over {len(errs)} configs.",
+        lines += ["", f"Formula: mean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%} over {len(errs)} configs "
+                  "with a checkpointing policy or none.",
                   "", "transformers' Llama does not compile under activation checkpointing here (a graph break: the "
                   "checkpoint's forward mutates a context variable), so its checkpointed blocks run eagerly, and the "
                   "formula uses its eager terms (the derivation finds no partition for them)."]
+    budget = [r for r in rs if r["ac"].startswith("budget:")]
+    if budget:
+        traced = [abs(err(r["trace"], r["measured"])) for r in budget if r.get("trace") is not None]
+        lines += ["", "`budget:F` rows: torch.compile's `activation_memory_budget` (docs/how-to/compile.md). The "
+                  "formula is the knob's line, each block's input plus F of the rest of its default partition's "
+                  "saved bytes, which the partitioner's knapsack keeps within (it picks the tensors by FLOPs): a "
+                  "bound on the saved bytes, not a prediction of the peak"
+                  + (f". Trace: max |error| {max(traced):.1%} over {len(traced)} rows (no checkpoint region: "
+                     "the partition is the solver's own choice)." if traced else ".")]
     return "\n".join(lines) + "\n"
 
 

@@ -27,8 +27,8 @@ def run(*args):
 @pytest.mark.parametrize("args, line", [
     (("--ac", "budget:0.5"), "error: ac: ac=budget:0.5 needs --compile model|blocks: the knob is read by "
                              "torch.compile's partitioner"),
-    (("--ac", "budget:1.5", "--compile", "blocks"), "error: ac: budget:F needs 0 <= F <= 1 (0: the compiled region "
-                                                    "recomputed from its inputs, 1: the default partition), got 1.5"),
+    (("--ac", "budget:1.5", "--compile", "blocks"),
+     "error: ac: budget:F needs 0 <= F <= 1 (0: recompute from the inputs), got 1.5"),
 ])
 def test_refused_in_one_line(args, line):
     r = run("estimate", *args)
@@ -72,3 +72,10 @@ def test_fits_printed_script_runs_as_printed_with_the_knob_set(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "update 1: loss" in done.stdout
+
+
+def test_the_kv_cache_stays_on_no_layer_is_checkpointed():
+    """transformers turns use_cache off under gradient checkpointing only; budget:F wraps no layer."""
+    gpt2 = dict(model=preset("gpt2", layers=2), model_source="hf:gpt2", compile="blocks")
+    assert RunConfig(**gpt2, ac="budget:0.5").kv_cache == RunConfig(**gpt2, ac="none").kv_cache is True
+    assert RunConfig(**gpt2, ac="full").kv_cache is False

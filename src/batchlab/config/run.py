@@ -37,8 +37,7 @@ class ACPolicy:
     mode: ACMode = ACMode.NONE
     every: int = 1
     layers: tuple[ACMode, ...] = ()  # a plan's policy of each layer (mode PLAN only)
-    # budget:F: torch._functorch.config.activation_memory_budget, read by torch.compile's partitioner (mode BUDGET)
-    budget: float | None = None
+    budget: float | None = None  # budget:F: torch.compile's activation_memory_budget (mode BUDGET only)
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ACMode.parse("ac", self.mode))
@@ -55,8 +54,7 @@ class ACPolicy:
         if (self.mode is ACMode.BUDGET) != (self.budget is not None):
             raise ConfigError("ac", "budget needs a fraction (budget:F, e.g. budget:0.5), and only budget takes one")
         if self.budget is not None and not (isinstance(self.budget, (int, float)) and 0 <= self.budget <= 1):
-            raise ConfigError("ac", f"budget:F needs 0 <= F <= 1 (0: the compiled region recomputed from its "
-                                    f"inputs, 1: the default partition), got {self.budget!r}")
+            raise ConfigError("ac", f"budget:F needs 0 <= F <= 1 (0: recompute from the inputs), got {self.budget!r}")
 
     @classmethod
     def parse(cls, value: Any) -> "ACPolicy":
@@ -85,10 +83,8 @@ class ACPolicy:
         return cls(mode)
 
     def __str__(self) -> str:
-        if self.mode is ACMode.PLAN:
-            return f"plan:{layerplan.compact(self.layers)}"
-        if self.mode is ACMode.BUDGET:
-            return f"budget:{self.budget:g}"
+        if self.mode in (ACMode.PLAN, ACMode.BUDGET):
+            return f"plan:{layerplan.compact(self.layers)}" if self.layers else f"budget:{self.budget:g}"
         return f"every:{self.every}" if self.mode is ACMode.EVERY else self.mode.value
 
     @classmethod
@@ -111,9 +107,7 @@ class ACPolicy:
 
     @property
     def single(self) -> "ACPolicySpec | None":  # the entry every layer runs when spelt as one (not every:K, a plan)
-        if self.mode is ACMode.BUDGET:  # no layer is wrapped: compiled, the partitioner decides
-            return no_recompute().spec
-        return None if self.mode in (ACMode.EVERY, ACMode.PLAN) else self.mode.spec
+        return None if self.mode in (ACMode.EVERY, ACMode.PLAN) else self.layer_modes(1)[0].spec
 
     def simplified(self) -> "ACPolicy":
         """A plan giving every layer one policy, as that policy (other stacks' settings can express it)."""
@@ -128,9 +122,7 @@ class ACPolicy:
         if self.mode is ACMode.EVERY:
             full, none = whole_block(), no_recompute()
             return tuple(full if i % self.every == 0 else none for i in range(n_layers))
-        if self.mode is ACMode.BUDGET:  # no checkpoint region: the compiled graph's partition recomputes
-            return (no_recompute(),) * n_layers
-        return (self.mode,) * n_layers
+        return (no_recompute() if self.mode is ACMode.BUDGET else self.mode,) * n_layers  # budget:F wraps none
 
     def wrapped_layers(self, n_layers: int) -> tuple[int, ...]:
         """Indices of the layers whose whole block is recomputed in backward."""
@@ -303,7 +295,7 @@ class RunConfig:
         """Whether the training forward builds transformers' KV cache: the model config's use_cache, off when a layer
         is recomputed, as transformers turns it off (with a warning) under gradient checkpointing: a cache written
         in the recompute would be written twice."""
-        return self.model.kv_cache and self.ac.simplified().mode is ACMode.NONE
+        return self.model.kv_cache and not self.ac.simplified().recomputes
 
     @property
     def model_kind(self) -> ModelSource:
