@@ -79,3 +79,14 @@ def test_the_kv_cache_stays_on_no_layer_is_checkpointed():
     gpt2 = dict(model=preset("gpt2", layers=2), model_source="hf:gpt2", compile="blocks")
     assert RunConfig(**gpt2, ac="budget:0.5").kv_cache == RunConfig(**gpt2, ac="none").kv_cache is True
     assert RunConfig(**gpt2, ac="full").kv_cache is False
+
+
+def test_compare_predicts_memory_only_where_the_recompute_is_the_partitioners():
+    from batchlab.experiment.change import build_sides
+    from batchlab.experiment.compare import _formula
+
+    base = RunConfig(compile="blocks")
+    record, prediction = _formula(build_sides(base, [parse_change("ac=none:budget:0.3", base)]), 10**6)
+    assert record.available and "budget:F" in record.reason
+    assert set(m.value for m in prediction) == {"peak_memory", "oom"}  # memory still predicted
+    assert prediction[next(m for m in prediction if m.value == "peak_memory")]["direction"] == "down"
