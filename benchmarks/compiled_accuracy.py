@@ -1,5 +1,6 @@
 """Compiled runs (``--compile blocks``, inductor, CPU): the formula's compiled terms and the compiled trace against
-measured peaks, for the built-in GPT, two Hugging Face families and a factory, AC none / full / selective-op.
+measured peaks, for the built-in GPT, two Hugging Face families and a factory, AC none / full / selective-op, and
+torch.compile's activation_memory_budget (--ac budget:F) on the built-in GPT and GPT-2.
 
 The measured figures are slow (an inductor compile per config, 30-60 s here) and are kept in
 benchmarks/compiled_measured.json; ``--measure`` (re)measures them, otherwise the page is written from that file.
@@ -142,13 +143,14 @@ def page(rs) -> str:
                   "formula uses its eager terms (the derivation finds no partition for them)."]
     budget = [r for r in rs if r["ac"].startswith("budget:")]
     if budget:
-        traced = [abs(err(r["trace"], r["measured"])) for r in budget if r.get("trace") is not None]
+        traced = [err(r["trace"], r["measured"]) for r in budget if r.get("trace") is not None]
         lines += ["", "`budget:F` rows: torch.compile's `activation_memory_budget` (docs/how-to/compile.md). The "
                   "formula is the knob's line, each block's input plus F of the rest of its default partition's "
                   "saved bytes, which the partitioner's knapsack keeps within (it picks the tensors by FLOPs): a "
                   "bound on the saved bytes, not a prediction of the peak"
-                  + (f". Trace: max |error| {max(traced):.1%} over {len(traced)} rows (no checkpoint region: "
-                     "the partition is the solver's own choice)." if traced else ".")]
+                  + (f". Trace: {min(traced):+.1%} to {max(traced):+.1%} over {len(traced)} rows: what the forward "
+                     "saves is the solver's own choice, exact; what the backward graph recomputes is counted unfused, "
+                     "as a checkpoint's recompute (an upper bound there)." if traced else ".")]
     return "\n".join(lines) + "\n"
 
 
