@@ -90,3 +90,11 @@ def test_compare_predicts_memory_only_where_the_recompute_is_the_partitioners():
     assert record.available and "budget:F" in record.reason
     assert set(m.value for m in prediction) == {"peak_memory", "oom"}  # memory still predicted
     assert prediction[next(m for m in prediction if m.value == "peak_memory")]["direction"] == "down"
+
+
+@pytest.mark.parametrize("sharding", [["--dp", "2"], ["--dp", "2", "--zero", "3"]])
+def test_compiled_ddp_and_fsdp_are_refused_before_a_rank_starts(sharding):
+    r = run("measure", "--compile", "blocks", "--ac", "budget:0.5", *sharding)
+    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [
+        "error: compile: a compiled run is measured and traced in one process for now (DP = 1); compiled DDP/FSDP "
+        "runs are future work"]
