@@ -55,7 +55,8 @@ def test_fits_printed_script_and_torchtitan_set_the_knob():
     cfg = CFG
     script = training_script(cfg)
     ast.parse(script)
-    knob, compiled = script.index("torch._functorch.config.activation_memory_budget = 0.4"), script.index("layer.compile()")
+    knob = script.index("torch._functorch.config.activation_memory_budget = 0.4")
+    compiled = script.index("layer.compile()")
     assert knob < compiled < script.index("for step,") and "checkpoint(" not in script
     assert "model.compile()" in training_script(cfg.replace(compile="model"))
     titan = torchtitan_toml(cfg)

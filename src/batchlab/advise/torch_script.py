@@ -336,8 +336,8 @@ def training_script(cfg: RunConfig) -> str:
               "torch.manual_seed(0)  # the same stand-in weights and data on every rank"]
     body = [STAND_IN_BEGIN, _STAND_IN.format(layers=cfg.model.layers, heads=heads, heads_why=why), STAND_IN_END, ""]
     if not layered:
-        parts = [head, _imports(cfg), [""], consts, [""], body, _checkpointing(cfg), _compiling(cfg), [""], _devices(cfg),
-                 _wrap(cfg), _loader(cfg), [""], _loop(cfg)]
+        parts = [head, _imports(cfg), [""], consts, [""], body, _checkpointing(cfg), _compiling(cfg), [""],
+                 _devices(cfg), _wrap(cfg), _loader(cfg), [""], _loop(cfg)]
     else:  # tensor parallelism on the plain blocks, then checkpointing, then the pipeline cut and the DP dimension
         cls, kw = _optimizer_class(cfg)
         half = _AUTOCAST.get(cfg.precision)

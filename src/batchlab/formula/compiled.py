@@ -110,8 +110,9 @@ def budget_bytes(cfg: RunConfig, default: int) -> int:
     (torch/_functorch/partitioners.py ``choose_saved_values_set``): at 0 the partition saves the graph's inputs,
     at 1 the default min-cut's set, in between a 0-1 knapsack (``_optimize_runtime_with_given_memory``, values:
     each op's FLOPs) keeps (saved − inputs) / (default − inputs) within F.  Which ops it keeps follows their
-    runtimes, so these bytes are the budget's line, an upper bound where the solver's set fits within it; the
-    inputs' parameters are on both sides and cancel, leaving the block's input (formula/checkpointing.py)."""
+    runtimes, so these bytes are the budget's line, an upper bound where the solver's set fits within it.  The
+    parameters are in both ends (backward reads nearly every weight) and are taken as cancelling, which leaves the
+    block's input as the inputs' activation bytes (formula/checkpointing.py)."""
     m = cfg.model
     impl = implementation(cfg.model_kind, m)
     inputs = checkpointing.block_input_bytes(m, cfg.seq, cfg.micro_batch, cfg.precision,
