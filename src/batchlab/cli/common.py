@@ -20,7 +20,8 @@ AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selectiv
            + "".join(f"{m} ({s.label}), " for m, s in AC_POLICIES.items() if s.selective) +
            "or a per-layer plan: 'plan:full*2,selective*4,none*2' (POLICY or POLICY*N per run of layers, first layer "
            "first, covering every layer; quote it in a shell) or plan:FILE (.json/.toml with per_layer, as fit "
-           "writes it); batchlab fit takes auto: the cheapest plan that fits the memory. "
+           "writes it); batchlab fit takes auto: the cheapest plan that fits the memory; with --compile, budget:F "
+           "(torch.compile's activation_memory_budget, 0 <= F <= 1). "
            "Recomputes activations during backward "
            "to save memory inside one step (trades compute for memory). NOT the training checkpoint saved to disk.")
 

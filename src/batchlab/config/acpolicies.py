@@ -33,6 +33,8 @@ class ACMode(Choice):
     # keep every attention-side tensor, recompute the MLP: each block's mlp submodule under checkpoint
     SELECTIVE_MLP = "selective-mlp"
     PLAN = "plan"  # ACPolicy's per-layer plan (config/layerplan.py), no entry of its own
+    # ACPolicy's budget:F: torch.compile's partitioner chooses the recompute (no checkpoint region, no entry)
+    BUDGET = "budget"
 
     @property
     def spec(self) -> "ACPolicySpec":

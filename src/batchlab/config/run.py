@@ -38,6 +38,7 @@ class ACPolicy:
     mode: ACMode = ACMode.NONE
     every: int = 1
     layers: tuple[ACMode, ...] = ()  # a plan's policy of each layer (mode PLAN only)
+    budget: float | None = None  # budget:F: torch.compile's activation_memory_budget (mode BUDGET only)
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ACMode.parse("ac", self.mode))
@@ -51,6 +52,10 @@ class ACPolicy:
             raise ConfigError("ac", f"every:K needs K >= 1, got {self.every}")
         if self.mode is not ACMode.EVERY and self.every != 1:
             raise ConfigError("ac", "K is only meaningful for every:K")
+        if (self.mode is ACMode.BUDGET) != (self.budget is not None):
+            raise ConfigError("ac", "budget needs a fraction (budget:F, e.g. budget:0.5), and only budget takes one")
+        if self.budget is not None and not (isinstance(self.budget, (int, float)) and 0 <= self.budget <= 1):
+            raise ConfigError("ac", f"budget:F needs 0 <= F <= 1 (0: recompute from the inputs), got {self.budget!r}")
 
     @classmethod
     def parse(cls, value: Any) -> "ACPolicy":
@@ -65,19 +70,22 @@ class ACPolicy:
             return cls(ACMode.EVERY, int(m.group(1)))
         if text == "every":
             raise ConfigError("ac", "every needs a K: every:K, e.g. every:2")
+        if text.startswith("budget:"):
+            fraction = re.fullmatch(r"budget:(\d+(?:\.\d*)?|\.\d+)", text)
+            return cls(ACMode.BUDGET, budget=float(fraction.group(1)) if fraction else text[len("budget:"):])
         try:
             mode = ACMode(text)
         except ValueError:
             mode = None
         if mode is None or mode is ACMode.PLAN:
             names = ", ".join(m.value for m in layerplan.LAYER_POLICIES if m is not ACMode.NONE)
-            raise ConfigError("ac", f"{value!r} is not one of: none, every:K, {names}, plan:POLICY*N,... or "
-                                    "plan:FILE")
+            raise ConfigError("ac", f"{value!r} is not one of: none, every:K, {names}, plan:POLICY*N,..., "
+                                    "plan:FILE or budget:F")
         return cls(mode)
 
     def __str__(self) -> str:
-        if self.mode is ACMode.PLAN:
-            return f"plan:{layerplan.compact(self.layers)}"
+        if self.mode in (ACMode.PLAN, ACMode.BUDGET):
+            return f"plan:{layerplan.compact(self.layers)}" if self.layers else f"budget:{self.budget:g}"
         return f"every:{self.every}" if self.mode is ACMode.EVERY else self.mode.value
 
     @classmethod
@@ -91,8 +99,8 @@ class ACPolicy:
         return cls(ACMode.EVERY, k)
 
     @property
-    def recomputes(self) -> bool:  # anything but none: some layer may be recomputed in backward
-        return self.mode is not ACMode.NONE
+    def recomputes(self) -> bool:  # some layer is checkpointed (budget:F's recompute is the partitioner's own)
+        return self.mode not in (ACMode.NONE, ACMode.BUDGET)
 
     @property
     def every_k(self) -> int | None:  # K of every:K, else None
@@ -100,7 +108,7 @@ class ACPolicy:
 
     @property
     def single(self) -> "ACPolicySpec | None":  # the entry every layer runs when spelt as one (not every:K, a plan)
-        return None if self.mode in (ACMode.EVERY, ACMode.PLAN) else self.mode.spec
+        return None if self.mode in (ACMode.EVERY, ACMode.PLAN) else self.layer_modes(1)[0].spec
 
     def simplified(self) -> "ACPolicy":
         """A plan giving every layer one policy, as that policy (other stacks' settings can express it)."""
@@ -115,7 +123,7 @@ class ACPolicy:
         if self.mode is ACMode.EVERY:
             full, none = whole_block(), no_recompute()
             return tuple(full if i % self.every == 0 else none for i in range(n_layers))
-        return (self.mode,) * n_layers
+        return (no_recompute() if self.mode is ACMode.BUDGET else self.mode,) * n_layers  # budget:F wraps none
 
     def wrapped_layers(self, n_layers: int) -> tuple[int, ...]:
         """Indices of the layers whose whole block is recomputed in backward."""
@@ -245,6 +253,9 @@ class RunConfig:
         if sdpa_only and self.model.attention is not AttentionImpl.SDPA and self.model.impl is not Implementation.MEGATRON:
             raise ConfigError("ac", f"{sdpa_only[0]} recomputes the fused attention call: it needs "
                                     "--attention sdpa (eager attention has no single attention-core call)")
+        if self.ac.mode is ACMode.BUDGET and self.compile is CompileMode.NONE:
+            raise ConfigError("ac", f"ac={self.ac} needs --compile model|blocks: the knob is read by torch.compile's "
+                                    "partitioner")
         if self.ac.mode is ACMode.EVERY and self.ac.every > self.model.layers:
             raise ConfigError("ac", f"every:{self.ac.every} asks for K > layers ({self.model.layers})")
         spec = device(self.device)  # raises on an unknown device
@@ -288,7 +299,7 @@ class RunConfig:
         """Whether the training forward builds transformers' KV cache: the model config's use_cache, off when a layer
         is recomputed, as transformers turns it off (with a warning) under gradient checkpointing: a cache written
         in the recompute would be written twice."""
-        return self.model.kv_cache and self.ac.simplified().mode is ACMode.NONE
+        return self.model.kv_cache and not self.ac.simplified().recomputes
 
     @property
     def model_kind(self) -> ModelSource:
