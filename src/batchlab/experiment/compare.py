@@ -114,6 +114,9 @@ def _formula(sides: Sides, token_budget: int, threads: int | None = None
     reason = ""
     if sides.a.compile is not sides.b.compile:  # fused kernels priced by a rule (formula/fusion.py): a margin
         pred, reason = compiled_time_prediction(pred)
+    if sides.a.ac.budget is not None or sides.b.ac.budget is not None:  # the partitioner's recompute is unpriced
+        pred = {m: p for m, p in pred.items() if m in (Metric.PEAK_MEMORY, Metric.OOM)}
+        reason = "no formula time prediction: the time model does not price what budget:F recomputes"
     from batchlab.formula.attribution import attribute
 
     att = attribute(ea.time, eb.time)

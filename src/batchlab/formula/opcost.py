@@ -7,14 +7,12 @@
 - memory-bound ops (element-wise, copies, indexing, reductions, the optimizer's ops): bytes moved at the
   measured bandwidth: an out-of-place op writes a fresh output (a step keeps activations, so the buffer is
   not the one just freed: its writes miss the cache; no page faults in batchlab's steady allocator regime,
-  batchlab.host.regime), an in-place one (``add_``, the
-  optimizer's updates) rewrites memory it read: two calibrated curves;
+  batchlab.host.regime), an in-place one (``add_``, the optimizer's) rewrites memory it read: two curves;
 - per-element ops whose cost is arithmetic, not bytes (transcendental activations, softmax, norms, the
   dropout RNG): elements at a calibrated per-element rate of a representative kernel;
 - views: dispatch only;
 - plus a fixed dispatch cost per op that depends on who issues it: the forward (autograd records a graph
-  node), the autograd engine in backward, or plain no-grad code (optimizer).  On CUDA the fixed part is
-  the kernel launch.
+  node), the autograd engine in backward, plain no-grad code (optimizer) or a compiled graph; on CUDA a launch.
 
 Torch-free: the trace (trace/ops.py) and the calculator (formula/oplist.py) both produce ``OpCount``s by
 aten op name and classify them with ``op_class`` here, so both paths are priced by the same function.
@@ -60,7 +58,8 @@ _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scal
            "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_efficient_attention",
            "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention",
            "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_forward", "_flash_attention_backward",
-           "_efficient_attention_forward", "_efficient_attention_backward", "convolution", "convolution_backward"}
+           "_efficient_attention_forward", "_efficient_attention_backward", "convolution", "convolution_backward",
+           "_scaled_mm"}
 # transcendental: arithmetic per element, not bytes, decides (sqrt, pow, relu vectorise like an add)
 _ACTIVATION = {"gelu", "silu", "tanh", "exp", "log", "sigmoid", "erf", "sin", "cos"}
 _ACTIVATION_GRAD = {"gelu_backward", "silu_backward", "tanh_backward", "sigmoid_backward"}
@@ -119,10 +118,8 @@ class OpCount:
     launch: Launch = Launch.EAGER  # who issues it: eager dispatch, a compiled graph's wrapper, or none (fused)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "phase": self.phase.value, "cost_class": self.cost_class.value, "flops": self.flops,
-                "bytes": self.bytes, "elements": self.elements, "low_precision": self.low_precision,
-                "count": self.count, "flops_per_matmul": self.flops_per_matmul, "sac_dispatched": self.sac_dispatched,
-                "launch": self.launch.value}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v.value if isinstance(v, Choice) else v for k, v in values.items()}
 
     def with_count(self, count: int) -> "OpCount":
         # the constructor directly, positionally: dataclasses.replace costs ~5x more, and this runs per op per estimate
@@ -224,8 +221,8 @@ class OpCosts:
     def work_seconds(self, op: OpCount) -> float:
         """One call's time beyond its dispatch."""
         if op.cost_class is OpClass.MATMUL:
-            kind = ("bmm" if not op.name.startswith("_scaled_dot_product")
-                    else "sdpa-backward" if op.name.endswith("_backward") else "sdpa") if op.flops_per_matmul else ""
+            kind = ("bmm" if not op.name.startswith("_scaled_dot_product") else "sdpa-backward" if op.name.endswith(
+                "_backward") else "sdpa") if op.flops_per_matmul else ("fp8" if op.name == "_scaled_mm" else "")
             if not op.flops:
                 return 0.0
             start = self.matmul_start.get(f"{kind}-{'bf16' if op.low_precision else 'fp32'}")
@@ -292,6 +289,9 @@ class TimeBreakdown:
     bytes: int  # bytes moved by memory-bound and per-element ops
     bytes_by_phase: dict[str, int] = field(default_factory=dict)
     flops_by_phase: dict[str, int] = field(default_factory=dict)
+    # the kernels' work and the host's issue time per phase, before the asynchronous device's max of the two
+    work_by_phase: dict[str, float] = field(default_factory=dict)
+    dispatch_by_phase: dict[str, float] = field(default_factory=dict)
     source: str = ""
     provenance: str = "formula"
 
@@ -356,7 +356,9 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
     classes["dispatch"] = sum(exposed.values())
     return TimeBreakdown(seconds=sum(phases.values()), by_phase=phases, by_class=classes, ops=calls, flops=fl, bytes=by,
                          bytes_by_phase={ph.value: b for ph, b in b_phase.items()},
-                         flops_by_phase={ph.value: f for ph, f in f_phase.items()}, source=costs.source,
+                         flops_by_phase={ph.value: f for ph, f in f_phase.items()},
+                         work_by_phase={ph.value: w for ph, w in by_phase.items()},
+                         dispatch_by_phase={ph.value: d for ph, d in disp.items()}, source=costs.source,
                          provenance=provenance)
 
 
