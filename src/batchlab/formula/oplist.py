@@ -361,12 +361,13 @@ def _sac(op: OpCount) -> OpCount:
 
 def _recompute(ops: _Ops, cfg: RunConfig, cached: tuple[str, ...], branch: str = "") -> None:
     """The forward again inside backward (non-reentrant checkpoint); selective checkpointing serves the saved outputs of
-    ``cached`` ops from its cache, the rest re-run; ``branch``: that submodule's ops alone, up to its last matmul."""
+    ``cached`` ops from its cache, the rest re-run; ``branch`` (and a compiled block, whose partition drops what
+    backward never reads): its ops up to its last matmul, whose output only the residual add takes."""
     redo = _Ops(ops.w)
     _layer(redo, cfg, Phase.RECOMPUTE, backward=False, only=branch)
-    if branch:
+    if branch or cfg.compile is not CompileMode.NONE:
         last = [i for i, op in enumerate(redo.out) if op.name in ("mm", "addmm", fp8.SCALED_MM)][-1]
-        ops.add(*redo.out[:last], _views(Phase.RECOMPUTE, 4), _views(BWD, 3))  # the branch's saved tensors
+        ops.add(*(op for op in redo.out[:last] if op.name not in cached), _views(Phase.RECOMPUTE, 4), _views(BWD, 3))
         return
     # early stop: the last residual add and the dropout multiply before it produce nothing backward needs
     last = [i for i, op in enumerate(redo.out) if op.name == "add"][-1:]
@@ -375,8 +376,7 @@ def _recompute(ops: _Ops, cfg: RunConfig, cached: tuple[str, ...], branch: str =
         if i in last or op.name in cached:
             continue
         ops.add(op)
-    # checkpoint's unpack hooks: a detach per saved tensor in recompute and an alias in backward (counted
-    # on the trace of batchlab's GPT block: 19 and 18)
+    # checkpoint's unpack hooks: a detach per saved tensor in recompute, an alias in backward (GPT block traced: 19, 18)
     ops.add(_views(Phase.RECOMPUTE, 19), _views(BWD, 18))
 
 
