@@ -208,8 +208,9 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     """``calibrated``: the per-op costs ``batchlab calibrate`` measured for cfg's device, else nominal ones."""
     ops = update_ops(cfg)
     # a compiled run's matmuls are eager's kernels, fewer where its partition recomputes less: the FLOP ratio the
-    # nominal fraction is scaled by is the eager op list's, so the FLOPs it drops save time
-    eager = update_ops(cfg.replace(compile=CompileMode.NONE)) if cfg.compile is not CompileMode.NONE else ops
+    # nominal fraction is scaled by is the eager op list's, so the FLOPs it drops save time (budget:F has no eager run)
+    plain = cfg.compile is CompileMode.NONE or cfg.ac.budget is not None
+    eager = ops if plain else update_ops(cfg.replace(compile=CompileMode.NONE))
     costs = costs_for(cfg, calibrated, eager)
     if cfg.parallel.engine_spec.shards_optimizer:  # each rank steps only its shard of the optimizer state
         ops = tuple(OpCount(o.name, o.phase, o.cost_class, o.flops, o.bytes // cfg.dp, o.elements // cfg.dp,
