@@ -196,6 +196,9 @@ class OpCosts:
     # strided-batched, FlashAttention's grid: Dao et al. 2022 sec. 3.1), so the whole call's FLOPs set its rate;
     # False: the CPU kernels' loop over entries, each entry's size sets it (and a start-up per call)
     whole_call_rate: bool = False
+    # seconds of host work each op on a DTensor adds beyond a plain op, by dispatch kind (calibrate/dtensor.py);
+    # empty: unmeasured (formula/dtensor.py's nominal figure)
+    dtensor_seconds: Mapping[str, float] = field(default_factory=dict)
     source: str = "nominal"
 
     def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:

@@ -221,13 +221,16 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     sent = traffic(cfg).per_update
     layout = cfg.parallel.tp * cfg.parallel.pp > 1
     held = heaviest(cfg).params / max(count(cfg.model).total, 1) if layout else 1.0
-    pipe = pipeline_time(cfg, compute / cfg.accum, costs) if layout else None  # formula/pipeline.py: per stage, then the bubble
+    pipe = None
+    if layout:  # formula/pipeline.py: per stage, then the bubble; the dispatch part at the rank's host speed
+        host = sharing(cfg, costs) * (1 + skew(cfg, costs)) * contention(cfg, costs).get("dispatch", 1.0)
+        pipe = pipeline_time(cfg, compute / cfg.accum, costs, min(dispatch_compute * host, compute) / cfg.accum, host)
     if pipe is not None:  # the data-parallel group of a stage's TP rank reduces (and steps) its slice only
         sent = {k: round(v * held) for k, v in sent.items()}
         compute = cfg.accum * pipe.stages[pipe.slowest].compute_seconds
         dispatch_compute *= compute / max(sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute")),
                                           1e-300)
-        rest *= held
+        rest = rest * held + pipe.stages[pipe.slowest].dtensor_update_seconds
     grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
     if local:  # a ring step is one message per rank: 2(n-1) per collective
