@@ -259,11 +259,21 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
     total = sum(per) or 1.0
     tp, pp = tp_link(cfg, costs), pp_link(cfg, costs)
     work = compute_per_micro_batch - dispatch_per_micro_batch
-    stages = tuple(StageTime(stage=r.stage, compute_seconds=(work / r.tp + dispatch_per_micro_batch) * f / total,
-                             tp_comm_seconds=tp_seconds(cfg, r, tp), pp_comm_seconds=pp_seconds(cfg, r, pp),
-                             **dict(zip(("dtensor_seconds", "dtensor_update_seconds"),
-                                        dtensor.host_seconds(cfg, r, costs, host_scale))))
-                   for r, f in zip(ranks, per))
+    hidden = costs is not None and costs.asynchronous
+
+    def stage(r: RankShare, f: float) -> StageTime:
+        if hidden:  # each op costs max(launch, work) already: 1/t of it, or the launches where they bind
+            compute = max(compute_per_micro_batch / r.tp, dispatch_per_micro_batch) * f / total
+        else:
+            compute = (work / r.tp + dispatch_per_micro_batch) * f / total
+        host, _ = dtensor.host_seconds(cfg, r, costs, host_scale)
+        if hidden:  # the host issues ahead of the device: only the host's time beyond the device's shows
+            host = max(0.0, host + dispatch_per_micro_batch * f / total - compute)
+        return StageTime(stage=r.stage, compute_seconds=compute, tp_comm_seconds=tp_seconds(cfg, r, tp),
+                         pp_comm_seconds=pp_seconds(cfg, r, pp), dtensor_seconds=host,
+                         dtensor_update_seconds=dtensor.host_seconds(cfg, r, costs, host_scale)[1])
+
+    stages = tuple(stage(r, f) for r, f in zip(ranks, per))
     slowest = max(range(len(stages)), key=lambda i: (stages[i].seconds, -i))
     return PipelineTime(stages=stages, micro_batches=cfg.accum, bubble_fraction=cfg.parallel.bubble_fraction(cfg.accum),
                         slowest=slowest)

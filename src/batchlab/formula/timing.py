@@ -230,7 +230,9 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
         compute = cfg.accum * pipe.stages[pipe.slowest].compute_seconds
         dispatch_compute *= compute / max(sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute")),
                                           1e-300)
-        rest = rest * held + pipe.stages[pipe.slowest].dtensor_update_seconds
+        rest *= held
+        host = pipe.stages[pipe.slowest].dtensor_update_seconds  # the optimizer's DTensor ops, issued ahead on a GPU
+        rest += max(0.0, host - rest) if costs.asynchronous else host
     grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
     if local:  # a ring step is one message per rank: 2(n-1) per collective
