@@ -15,6 +15,7 @@ before and after: forked ranks share the host's cores with whatever else runs.
 from __future__ import annotations
 
 import os
+import queue
 import statistics
 import sys
 import time
@@ -25,7 +26,9 @@ sys.path.insert(0, str(HERE))
 from page import publish  # noqa: E402
 
 QUICK = "--quick" in sys.argv
-ROUNDS = 2 if QUICK else 5  # paired rounds per A/B pair
+ROUNDS = 2 if QUICK else 5  # paired rounds per A/B pair (--rounds N: more on a machine with time to spare)
+if "--rounds" in sys.argv:
+    ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1])
 WARMUP = 2  # untimed updates of every layout before the rounds
 WORLD = 4
 THREADS = 1
@@ -116,7 +119,17 @@ def measure(model: str) -> dict[tuple[str, str], list[tuple[float, float]]]:
     procs = [ctx.Process(target=rank_main, args=(r, model, port, q)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    ranks = [q.get(timeout=1800) for _ in procs]
+    ranks: list = []
+    while len(ranks) < WORLD:  # a rank that died fails the run at once, not after a long timeout
+        try:
+            ranks.append(q.get(timeout=5))
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                raise RuntimeError(f"rank(s) {dead} of the {model} layouts exited with {procs[dead[0]].exitcode}")
     for p in procs:
         p.join(timeout=60)
     out = {}
@@ -143,6 +156,21 @@ def direction(ratios: list[float], want: float) -> str:
     return "right (same)" if lo <= want <= hi else "WRONG (measured same)"
 
 
+def calibration_line(cal) -> str:
+    """What the formula's figures rest on: when the calibration was measured, under how much other load, and its
+    link and DTensor figures (a link timed under load prices every message at that load)."""
+    from batchlab.cache.calibrations import load_cached
+
+    c = load_cached("cpu", THREADS)
+    if c is None or cal.get("cpu") is None:
+        return "Calibration: none cached at 1 thread; the formula priced with nominal CPU figures."
+    busy = f"{c.other_cores:.1f}" if c.other_cores >= 0 else "unknown"
+    dt = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.dtensor_seconds.items()) or "nominal"
+    return (f"Calibration: measured {c.measured_at} while other processes kept {busy} core(s) busy; gloo link "
+            f"{c.loopback_latency_s * 1e6:.0f} us per message, {c.loopback_bytes_per_s / 1e6:.0f} MB/s; DTensor per op: "
+            f"{dt}. On a quiet machine, calibrate afresh first (`batchlab calibrate --threads 1`).")
+
+
 def _load() -> str:
     one, five, _ = os.getloadavg()
     return f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} CPUs"
@@ -162,6 +190,7 @@ def main() -> int:
     if said:
         print("Calibration: " + said.replace("\n", "; ") + "\n")
     cal = load_all(THREADS)
+    print(calibration_line(cal) + "\n")
     print("| model | change | A | B | measured A / B (ms) | formula A / B (ms) | measured B/A (median) "
           "| spread (min-max) | formula B/A | error | direction |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
