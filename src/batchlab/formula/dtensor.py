@@ -24,9 +24,9 @@ from batchlab.config.optimizers import optimizer_spec
 from batchlab.formula.opcost import OpCosts
 from batchlab.formula.ranks import RankShare
 
-# Seconds each DTensor op adds on the host where nothing was calibrated: DTensor's Python dispatch per op, as
-# `batchlab calibrate`'s DTensor run measures it on an x86 server core (forward ops propagate new shardings;
-# backward and the optimizer's mostly hit DTensor's sharding cache).  Host work, so alike on every backend.
+# Seconds each DTensor op adds on the host where nothing was calibrated: DTensor's Python dispatch per op on a
+# server core, as calibrate/dtensor.py measures it (docs/cpu.md, "Figures behind the code's choices"); forward ops
+# cost more (their shardings are propagated afresh).  Host work, so alike on every backend.
 NOMINAL = {"forward": 75e-6, "backward": 35e-6, "plain": 25e-6}
 
 LINEAR_FORWARD = 4  # t, view, addmm, view (t, view, mm, _unsafe_view without a bias)
