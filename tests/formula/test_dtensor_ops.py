@@ -43,7 +43,9 @@ def _live(cfg: RunConfig, rank: int) -> dict[str, float]:
 @pytest.mark.parametrize("flags, rank", [
     # the head's stage of a pipeline: sequence-parallel norms, the vocabulary-split head and the loss
     (SMALL + "--layers 2 --tp 2 --pp 2 --sequence-parallel", 2),
-    (LLAMA + "--layers 1 --tp 2", 1),  # separate q/k/v, a gated MLP, no biases, its own loss; both ends
+    # separate q/k/v, a gated MLP, no biases, its own loss; both ends; FSDP2 steps every parameter as a DTensor
+    (LLAMA + "--layers 1 --tp 2 --dp 2 --zero 3", 1),
+    (SMALL + "--layers 2 --pp 2 --dp 2 --zero 3", 2),  # FSDP2 without TP: the optimizer's ops alone
 ])
 def test_the_dtensor_ops_of_a_rank_are_those_a_real_update_dispatches(flags, rank):
     cfg = config(flags)

@@ -15,11 +15,12 @@ decomposes them, counted on real runs in tests/formula/test_dtensor_ops.py):
 - the vocabulary-split ends: the embedding lookup and its backward; the loss under ``loss_parallel`` (view,
   log-softmax, detach, nll, the normaliser's div; backward their five, the loss value read); a Hugging Face
   model's loss is its mean multiplied back by the token count (models/hf.py): one more op each way;
-- per update, the optimizer's per-element step ops on each DTensor parameter (config/optimizers.py's loop).
+- per update, the optimizer's per-element step ops on each DTensor parameter (config/optimizers.py's loop); under
+  FSDP2 every parameter is one.
 """
 from __future__ import annotations
 
-from batchlab.config import MLPKind, ModelSource, NormKind, RunConfig
+from batchlab.config import MLPKind, ModelSource, NormKind, PositionKind, RunConfig
 from batchlab.config.optimizers import optimizer_spec
 from batchlab.formula.opcost import OpCosts
 from batchlab.formula.ranks import RankShare
@@ -63,10 +64,27 @@ def dtensor_params(cfg: RunConfig, rank: RankShare) -> int:
     return n
 
 
+def rank_tensors(cfg: RunConfig, rank: RankShare) -> int:
+    """The parameter tensors ``rank`` holds: its layers' linears (and biases) and norms, the embedding (and learned
+    positions) on the first stage, the final norm and an untied head (a tied one's copy off the first stage) on the
+    last."""
+    m = cfg.model
+    per_layer = sharded_linears(cfg) * (2 if m.bias else 1) + 2 * _norm_tensors(cfg)
+    n = per_layer * len(rank.layers)
+    if rank.first:
+        n += 1 + (1 if m.position is PositionKind.LEARNED else 0)
+    if rank.last:
+        n += _norm_tensors(cfg) + (0 if m.tied_embeddings and rank.first else 1)
+    return n
+
+
 def dtensor_ops(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
-    """DTensor ops of ``rank``: "forward" and "backward" per micro-batch, "plain" (the optimizer's) per update."""
+    """DTensor ops of ``rank``: "forward" and "backward" per micro-batch, "plain" (the optimizer's) per update.
+    FSDP2 keeps every parameter as a DTensor sharded over the data-parallel ranks (``fully_shard``): its compute runs
+    on the gathered (plain or TP-sharded) weights, its optimizer step on DTensors, each parameter's."""
+    step = sum(1 for s in optimizer_spec(cfg.optimizer).step_ops if s.per_element)
     if rank.tp == 1:
-        return {}
+        return {"forward": 0, "backward": 0, "plain": step * rank_tensors(cfg, rank)} if cfg.parallel.fsdp else {}
     layers, bias = len(rank.layers), cfg.model.bias
     linears = layers * sharded_linears(cfg)
     fwd = LINEAR_FORWARD * linears
@@ -83,8 +101,8 @@ def dtensor_ops(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
             bwd += LINEAR_BACKWARD + LOSS_BACKWARD + own
         if rank.first and rank.last and cfg.model.tied_embeddings:
             bwd += 1
-    step = sum(1 for s in optimizer_spec(cfg.optimizer).step_ops if s.per_element)
-    return {"forward": fwd, "backward": bwd, "plain": step * dtensor_params(cfg, rank)}
+    stepped = rank_tensors(cfg, rank) if cfg.parallel.fsdp else dtensor_params(cfg, rank)
+    return {"forward": fwd, "backward": bwd, "plain": step * stepped}
 
 
 def seconds_per_op(costs: OpCosts | None) -> tuple[dict[str, float], str]:
