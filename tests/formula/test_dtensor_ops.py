@@ -149,3 +149,23 @@ def test_interleaved_actions_match_the_schedule_torch_builds():
             ir = trainer.schedule.pipeline_order_with_comms[rank]
         counts = _torch_counts(ir)
         assert schedule_actions(cfg, shares(cfg)[rank]) == {k: counts.get(k, 0) for k in KINDS}
+
+
+def test_local_ranks_share_the_cores_for_a_layouts_host_work_too():
+    # 4 local ranks x 1 thread: on 4 cores each runs at its calibrated speed, on 2 cores at half of it -- the
+    # ops' dispatch and DTensor's host work alike (formula/timing.py's sharing, world = DP x TP x PP ranks)
+    import dataclasses
+
+    from batchlab.formula import flops, memory
+    from batchlab.formula.timing import nominal_costs, timing
+
+    cfg = RunConfig(seq=64, micro_batch=4, accum=4, tp=2, dp=2)
+    base = dataclasses.replace(nominal_costs(cfg), threads=1, dtensor_seconds={"forward": 1e-4, "backward": 5e-5,
+                                                                              "plain": 2e-5})
+    alone, shared = (timing(cfg, flops(cfg), memory(cfg), dataclasses.replace(base, cores=c)) for c in (4, 2))
+    micro, _ = host_seconds(cfg, shares(cfg)[0], base)  # DTensor's host work of a micro-batch at full speed
+    assert shared.compute_seconds == pytest.approx(2 * alone.compute_seconds)
+    assert shared.optimizer_seconds == pytest.approx(2 * alone.optimizer_seconds)  # its DTensor ops included
+    assert shared.tp_comm_seconds == pytest.approx(alone.tp_comm_seconds)  # messages do not share the cores
+    grown = shared.update_seconds - shared.exposed_comm_seconds - (alone.update_seconds - alone.exposed_comm_seconds)
+    assert grown == pytest.approx(alone.compute_seconds + alone.optimizer_seconds + cfg.accum * micro)
