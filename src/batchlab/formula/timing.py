@@ -23,8 +23,9 @@ from batchlab.formula.opcost import OpClass, OpCosts, OpCount, TimeBreakdown, de
 from batchlab.config.phase import Phase
 from batchlab.formula.oplist import update_ops
 from batchlab.formula.pipeline import pipeline_time, text as layout_time_text
+from batchlab.formula.ranks import shares
 from batchlab.formula.states import heaviest
-from batchlab.formula.sharding import collective_seconds, traffic
+from batchlab.formula.sharding import collective_seconds, fsdp_collectives, traffic
 from batchlab.util.units import fmt_count
 
 # Nominal per-op costs where nothing was calibrated (seconds).  CPU: eager PyTorch's Python + dispatcher
@@ -235,8 +236,11 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
         rest += max(0.0, host - rest) if costs.asynchronous else host
     grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
-    if local:  # a ring step is one message per rank: 2(n-1) per collective
-        comm += costs.link_latency_s * 2 * (cfg.dp - 1) * (ddp_buckets(grad_bytes) + 1)  # + the token count's
+    if local:  # a ring step is one message per rank: 2(n-1) per all-reduce, n-1 per all-gather / reduce-scatter
+        units = fsdp_collectives(cfg, shares(cfg)[pipe.slowest] if pipe is not None else None)
+        comm += costs.link_latency_s * (cfg.dp - 1) * (sum(units.values()) if units else
+                                                       2 * ddp_buckets(grad_bytes))
+        comm += costs.link_latency_s * 2 * (cfg.dp - 1)  # the token count's all-reduce
     after_step = collective_seconds("broadcast", sent["broadcast"], cfg.dp, bw)
     hidden = exposed_comm_seconds(cfg, comm, compute, compute / cfg.accum, after_step)
     if cfg.assumptions.comm_overlap is None and local and fills_cores(cfg, costs):
