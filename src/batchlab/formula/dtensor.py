@@ -20,14 +20,14 @@ decomposes them, counted on real runs in tests/formula/test_dtensor_ops.py):
 """
 from __future__ import annotations
 
-from batchlab.config import MLPKind, ModelSource, NormKind, PositionKind, RunConfig
+from batchlab.config import Backend, Implementation, MLPKind, ModelSource, NormKind, PositionKind, RunConfig
 from batchlab.config.optimizers import optimizer_spec
 from batchlab.formula.opcost import OpCosts
 from batchlab.formula.ranks import RankShare
 
-# Seconds each DTensor op adds on the host where nothing was calibrated: DTensor's Python dispatch per op on a
+# Seconds each DTensor op adds on a CPU rank where nothing was calibrated: DTensor's Python dispatch per op on a
 # server core, as calibrate/dtensor.py measures it (docs/cpu.md, "Figures behind the code's choices"); forward ops
-# cost more (their shardings are propagated afresh).  Host work, so alike on every backend.
+# cost more (their shardings are propagated afresh).
 NOMINAL = {"forward": 75e-6, "backward": 35e-6, "plain": 25e-6}
 
 LINEAR_FORWARD = 4  # t, view, addmm, view (t, view, mm, _unsafe_view without a bias)
@@ -83,8 +83,9 @@ def dtensor_ops(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
     FSDP2 keeps every parameter as a DTensor sharded over the data-parallel ranks (``fully_shard``): its compute runs
     on the gathered (plain or TP-sharded) weights, its optimizer step on DTensors, each parameter's."""
     step = sum(1 for s in optimizer_spec(cfg.optimizer).step_ops if s.per_element)
-    if rank.tp == 1:
-        return {"forward": 0, "backward": 0, "plain": step * rank_tensors(cfg, rank)} if cfg.parallel.fsdp else {}
+    if rank.tp == 1 or cfg.model.impl is Implementation.MEGATRON:  # Megatron's TP runs its own layers, no DTensor
+        fsdp = cfg.parallel.fsdp and cfg.model.impl is not Implementation.MEGATRON
+        return {"forward": 0, "backward": 0, "plain": step * rank_tensors(cfg, rank)} if fsdp else {}
     layers, bias = len(rank.layers), cfg.model.bias
     linears = layers * sharded_linears(cfg)
     fwd = LINEAR_FORWARD * linears
@@ -105,21 +106,22 @@ def dtensor_ops(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
     return {"forward": fwd, "backward": bwd, "plain": step * stepped}
 
 
-def seconds_per_op(costs: OpCosts | None) -> tuple[dict[str, float], str]:
-    """(seconds each DTensor op adds, by dispatch kind; where the figures come from): host work, so the nominal
-    figure serves every backend alike."""
+def seconds_per_op(costs: OpCosts | None, cpu: bool = True) -> tuple[dict[str, float], str]:
+    """(seconds each DTensor op adds, by dispatch kind; where the figures come from).  The nominal figure is a CPU
+    rank's own host; a GPU's host issues ahead of its kernels and no figure of such a host is known: none there
+    unless calibrated ({})."""
     if costs is not None and costs.dtensor_seconds:
         return {**NOMINAL, **costs.dtensor_seconds}, "calibrated"
-    return dict(NOMINAL), "nominal"
+    return (dict(NOMINAL), "nominal") if cpu else ({}, "not priced: no figure for this device's host")
 
 
 def host_seconds(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, scale: float = 1.0) -> tuple[float, float]:
     """(per micro-batch, per update) seconds of DTensor's host work on ``rank``; ``scale``: how much slower this
     rank's host runs beside the other local ranks (formula/timing.py's sharing and contention)."""
     ops = dtensor_ops(cfg, rank)
-    if not ops:
+    per, _ = seconds_per_op(costs, cfg.device_spec.backend is Backend.CPU)
+    if not ops or not per:
         return 0.0, 0.0
-    per, _ = seconds_per_op(costs)
     micro = ops["forward"] * per["forward"] + ops["backward"] * per["backward"]
     return micro * scale, ops["plain"] * per["plain"] * scale
 
@@ -129,7 +131,9 @@ def text(cfg: RunConfig, rank: RankShare, costs: OpCosts | None) -> str:
     ops = dtensor_ops(cfg, rank)
     if not ops:
         return ""
-    per, source = seconds_per_op(costs)
+    per, source = seconds_per_op(costs, cfg.device_spec.backend is Backend.CPU)
+    if not per:
+        return f"DTensor's host work {source}"
     return (f"DTensor's host work: {ops['forward']} forward + {ops['backward']} backward ops per micro-batch, "
             f"{ops['plain']} optimizer ops per update on DTensors, at {per['forward'] * 1e6:.0f} / "
             f"{per['backward'] * 1e6:.0f} / {per['plain'] * 1e6:.0f} us each ({source}), not divided by TP")

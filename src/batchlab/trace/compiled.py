@@ -8,7 +8,9 @@ So the trace counts exactly the tensors the compiled forward saves for backward 
 intermediates it counts what inductor writes to memory: a pointwise op whose consumers all fuse it in (pointwise
 ops, reductions) runs beneath the tracker, as inductor's fused kernels never write it.  Nodes recomputed in backward
 (activation checkpointing) are all counted: inductor fuses part of a recomputed region, so there the trace is an
-upper bound.  Measured on CPU (torch 2.13, fp32): without AC the peak within 1% of inductor's (to the byte at
+upper bound; under ``--ac budget:F`` (torch.compile's activation_memory_budget, set around each compile by
+models/compiled.py) the partition is the knapsack's own choice, and what its backward graph recomputes is counted
+as a checkpoint's.  Measured on CPU (torch 2.13, fp32): without AC the peak within 1% of inductor's (to the byte at
 seq 128 x 8 on the built-in GPT, and on a 2-layer Hugging Face GPT-2); with full or selective-op AC about a fifth
 above it; the saved activations equal to within a few bytes (a checkpoint's RNG state, 5 KB per block, uncounted).
 """
@@ -19,7 +21,7 @@ from batchlab.config import CompileMode, ConfigError, RunConfig
 NOTE = ("compiled ({mode}): AOTAutograd's min-cut partition of each compiled graph (inductor's decompositions and "
         "partitioner settings), run on fake tensors without code generation: exact on what the compiled forward "
         "saves for backward and on the graphs' outputs; pointwise chains inductor fuses are not counted; "
-        "recomputed (checkpointed) regions are counted unfused, an upper bound there")
+        "recomputed regions (a checkpoint's, budget:F's) are counted unfused, an upper bound there")
 
 
 _VIEWS = ("view.default", "_unsafe_view.default", "permute.default", "expand.default", "t.default", "transpose.int",
@@ -57,8 +59,8 @@ def _fuses_into_consumers(node, outputs, views, reductions) -> bool:
 def fused_away(gm) -> set:
     """The graph's nodes inductor would not write to memory: a pointwise op that is not a graph output (so not
     saved for backward) and whose consumers all fuse it in.  Recomputed nodes (a checkpoint's, tagged by the
-    partitioner) are kept: inductor fuses part of a recomputed region and realises the rest, so counting them
-    all is the trace's upper bound there."""
+    partitioner; under budget:F every forward op of the backward graph) are kept: inductor fuses part of a
+    recomputed region and realises the rest, so counting them all is the trace's upper bound there."""
     import torch
 
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -66,7 +68,8 @@ def fused_away(gm) -> set:
     torch.fx.node.map_arg(out.args, flat.append)
     outputs, views, reductions = set(flat), _aten(_VIEWS), _aten(_REDUCTIONS)
     return {n for n in gm.graph.nodes if _pointwise(n) and n not in outputs and n.users
-            and n.meta.get("recompute") is None and _fuses_into_consumers(n, outputs, views, reductions)}
+            and n.meta.get("recompute") is None and not n.meta.get(BUDGET_RECOMPUTED)
+            and _fuses_into_consumers(n, outputs, views, reductions)}
 
 
 def _graph_run(gm, example_inputs):
@@ -97,14 +100,28 @@ def _graph_run(gm, example_inputs):
     return make_boxed_func(run)
 
 
+BUDGET_RECOMPUTED = "batchlab_budget_recomputed"  # a forward op recomputed in backward under budget:F
 PARTITIONS: list[list] = []  # while a list is in it, every partition's (forward graph, its user outputs) goes there
 
 
+def _recomputed(bw) -> list:
+    """The backward graph's forward ops (recomputed from what the forward saved): nodes no tangent reaches."""
+    reached: set = set()
+    for n in bw.graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in reached for a in n.all_input_nodes):
+            reached.add(n)
+    return [n for n in bw.graph.nodes if n.op == "call_function" and n not in reached]
+
+
 def _partition(joint, joint_inputs, **kwargs):
+    import torch
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     # compiler="inductor": the partitioner's set of ops it may recompute in backward, as inductor's compile_fx
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+    if torch._functorch.config.activation_memory_budget < 1:  # budget:F (ACPolicy): its recompute, as a checkpoint's
+        for n in _recomputed(bw):
+            n.meta[BUDGET_RECOMPUTED] = True
     for listener in PARTITIONS:  # formula terms for compiled code read what the forward saves (trace/compiled_terms.py)
         listener.append((fw, kwargs["num_fwd_outputs"]))
     return fw, bw
