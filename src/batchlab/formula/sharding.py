@@ -127,6 +127,17 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
     return Traffic(per_micro_batch=micro, outside_micro_batches=none, sync_every_micro_batch=sync_every_micro_batch)
 
 
+def fsdp_collectives(cfg: RunConfig, rank: "RankShare | None" = None) -> dict[str, int]:
+    """FSDP2's collectives of one update on one rank (``rank``: a pipeline stage's units, else the replica's): per
+    micro-batch each unit's all-gather in forward (and again in backward under ZeRO-3) and its reduce-scatter, as
+    ``traffic`` sizes them; {} for another engine."""
+    if not cfg.parallel.fsdp:
+        return {}
+    units = len(unit_elements(cfg, rank))
+    gathers = 2 if cfg.parallel.reshards_after_forward else 1
+    return {"all_gather": gathers * units * cfg.accum, "reduce_scatter": units * cfg.accum}
+
+
 def unsharded_gradient_bytes(cfg: RunConfig) -> int:
     """Per rank, what ``set_requires_gradient_sync(False)`` keeps between micro-batches under FSDP2: every
     unit's unsharded gradient (accumulated locally until the last micro-batch reduce-scatters it)."""
