@@ -208,7 +208,10 @@ def _schedulable(cfg: RunConfig, accum: int) -> bool:
 
 
 def zero_stages(goal: Goal, dp: int | None = None) -> tuple[int, ...]:
-    """The ZeRO stages searched at data-parallel degree ``dp`` (the base's by default): one without sharding ranks."""
+    """The ZeRO stages searched at data-parallel degree ``dp`` (the base's by default): one without sharding ranks,
+    and one for an engine other than PyTorch's (Megatron, DeepSpeed): it implements its own stage only."""
+    if goal.base.sharding is not None:
+        return (goal.base.zero,)
     if goal.allow_zero and (goal.base.dp if dp is None else dp) > 1 and "zero" not in goal.held:
         return tuple(range(goal.base.zero, 4))
     return (goal.base.zero,)

@@ -49,6 +49,10 @@ def fit_command(
     if top < 1:
         fail(f"top: must be >= 1, got {top}")
     held = line.typed & set(KNOBS) - ({"zero"} if allow_zero else set())
+    if "sharding" in line.typed:  # the engine typed implements one ZeRO stage: it holds it
+        held |= {"zero"}
+        if allow_zero:
+            typer.echo(f"warning: ignored: --allow-zero: --sharding {cfg.parallel.engine} runs ZeRO-{cfg.zero} only", err=True)
     try:
         if report and not after_oom:
             from batchlab.report.fit_document import check_dir
