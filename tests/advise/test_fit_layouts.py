@@ -103,6 +103,37 @@ def test_cli_json_names_the_layout_of_the_pick():
     assert par["world_size"] == 8 and par["dp"] * par["tp"] * par["pp"] == 8
 
 
+LLAMA_64 = ["fit", "--model", "llama-2-7b", "--seq", "4096", "--global-batch", "64", "--device", "a100-80gb",
+            "--precision", "bf16-mixed", "--no-verify", "--json"]
+
+
+@pytest.mark.parametrize("asked, expected", [
+    # by hand: dp x tp x pp = 4 with tp > 1 (sequence parallelism splits over TP ranks), all dividing 32 heads,
+    # 32 layers and batch 64
+    (["--sequence-parallel"], {(2, 2, 1, True, 1), (1, 4, 1, True, 1), (1, 2, 2, True, 1)}),
+    # pp > 1 (2 chunks per rank: 32 layers split into pp x 2 stages)
+    (["--pp-virtual", "2", "--pp-schedule", "interleaved-1f1b"],
+     {(2, 1, 2, False, 2), (1, 2, 2, False, 2), (1, 1, 4, False, 2)}),
+])
+def test_world_size_searches_only_the_layouts_that_take_what_was_asked(asked, expected):
+    r = CliRunner().invoke(app, [*LLAMA_64, "--world-size", "4", *asked])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    got = {(a["config"]["dp"], a["config"]["tp"], a["config"]["pp"], a["config"]["sequence_parallel"],
+            a["config"]["pp_virtual"]) for a in d["alternatives"]}
+    assert got == expected
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--world-size", "4", "--pp-virtual", "2"], "pp_virtual: 1f1b runs one stage per rank"),
+    (["--world-size", "4", "--pp-virtual", "0", "--pp-schedule", "interleaved-1f1b"], "pp_virtual: must be > 0"),
+    (["--world-size", "1", "--sequence-parallel"], "world_size: no layout"),
+])
+def test_world_size_refuses_what_no_layout_can_take_in_one_line(extra, says):
+    r = CliRunner().invoke(app, [*LLAMA_64, *extra])
+    assert r.exit_code == 2 and says in r.stderr and "Traceback" not in r.output, r.output
+
+
 @pytest.mark.distributed
 def test_cli_verifies_a_tensor_parallel_pick_by_measuring_it():
     # tiny: 4 heads; TP 2 held over a world of 2: the pick is measured on two forked gloo ranks

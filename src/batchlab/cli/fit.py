@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from batchlab.cli.base import app
-from batchlab.cli.common import (CommandLine, Verbose, console, fail, print_json, takes_ac_auto, with_config,
-                                  with_goal_profile)
+from batchlab.cli.common import (CommandLine, Verbose, console, fail, print_json, searches_layouts, takes_ac_auto,
+                                  with_config, with_goal_profile)
 from batchlab.config import Backend, ConfigError, ModelSource, RunConfig
 from batchlab.formula import compiled_note
 
@@ -18,6 +18,7 @@ PANEL = "Fit"
 @app.command("fit", short_help="Pick micro-batch, accumulation, activation checkpointing (and, with --world-size, the DP x TP x PP layout) for a target global batch.")
 @with_config
 @takes_ac_auto
+@searches_layouts
 def fit_command(
     cfg: RunConfig,
     as_json: bool,
@@ -70,7 +71,8 @@ def fit_command(
         if world_size is not None and "dp" in line.typed:
             raise ConfigError("world_size", "gives the devices and fit derives DP = world / (TP x PP): drop --dp")
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
-                    held=frozenset(held), world=world_size)
+                    held=frozenset(held), world=world_size, sequence_parallel=line.sequence_parallel,
+                    pp_virtual=line.pp_virtual)
         goal = with_goal_profile(goal, after_oom)  # the layer terms of every policy it evaluates
         if after_oom:
             if report:
