@@ -298,18 +298,22 @@ def test_fits_plan_file_is_printed_literally_and_reads_back(tmp_path, name):
     assert f"ac={chosen}" in back.output or f"ac={ACPolicy.parse(chosen)}" in back.output
 
 
-@pytest.mark.parametrize("ac", ["full", "every:2", "selective-attn"])
-def test_a_preset_pick_is_written_per_layer_and_reads_back(tmp_path, ac):
-    """A preset beats every plan: the file names each layer's policy (it once held per_layer = [])."""
+@pytest.mark.parametrize("ac, by_hand", [("full", ["full"] * 4), ("every:2", ["full", "none", "full", "none"]),
+                                         ("selective-attn", ["selective-attn"] * 4)])
+def test_a_preset_pick_is_written_per_layer_and_reads_back(tmp_path, ac, by_hand):
+    """A preset beats every plan: the file and the plan's JSON (fit --ac auto --json) both name each layer's
+    policy of the tiny preset's 4 (they once held per_layer = [])."""
     from batchlab.advise.acfit import write_plan
-    from batchlab.advise.acplan import ACPlan, Point
+    from batchlab.advise.acplan import ACPlan, Point, point
     from batchlab.config import RunConfig
 
     cfg = RunConfig(ac=ac)
     chosen = Point(ac, cfg.micro_batch, 10**6, 1.0, "plan", 2 * 10**6)
     path = tmp_path / "plan.json"
-    write_plan(ACPlan(2 * 10**6, chosen, cfg), path)
-    assert json.loads(path.read_text())["per_layer"] == [m.value for m in cfg.ac.layer_modes(4)]
+    plan = ACPlan(2 * 10**6, chosen, cfg, frontier=[point(cfg, "preset", {})])
+    write_plan(plan, path)
+    assert json.loads(path.read_text())["per_layer"] == by_hand
+    assert plan.to_dict()["per_layer"] == by_hand and plan.to_dict()["frontier"][0]["per_layer"] == by_hand
     r = run(["estimate", "--ac", f"plan:{path}"])
     assert r.exit_code == 0 and f"ac={ACPolicy(ACMode.PLAN, layers=cfg.ac.layer_modes(4))}" in r.output
 
