@@ -22,6 +22,7 @@ from batchlab.config import Precision, RunConfig
 from batchlab.distributed import comm
 from batchlab.distributed.sharding import engine_info
 from batchlab.measure.harness import Trainer, optimizer_class
+from batchlab.measure.shards import local_shards
 from batchlab.models import build_workload
 
 _HALF = {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}
@@ -114,11 +115,6 @@ def unsharded_buffers(model: nn.Module) -> list[torch.Tensor]:
 def unsharded_params(model: nn.Module) -> list[torch.Tensor]:
     """The parameters autograd sees while a group is gathered (their .grad is the unsharded gradient)."""
     return [fp._unsharded_param for fp in fsdp_params(model) if hasattr(fp, "_unsharded_param")]
-
-
-def local_shards(tensors) -> list[torch.Tensor]:
-    """This rank's part of each tensor: a DTensor's local shard, a plain tensor itself."""
-    return [getattr(t, "_local_tensor", t) for t in tensors]
 
 
 def shard_bytes(model: nn.Module) -> int:

@@ -19,6 +19,7 @@ from batchlab.distributed import pipeline, tensor_parallel
 from batchlab.distributed.measurable import applies, check, describe  # noqa: F401 - the worker's entry points
 from batchlab.distributed.mesh import RankMesh
 from batchlab.measure.harness import Trainer, _NoListener
+from batchlab.measure.shards import local_shard
 from batchlab.models import Workload, build_workload
 from batchlab.models.ac import apply_ac
 
@@ -70,7 +71,7 @@ class PipelineTrainer(ShardedTrainer):
             ends = [m.embed.weight for _, m in stages if hasattr(m, "embed")] + [
                 m.head.weight for _, m in stages if hasattr(m, "head")]
             self.tied = ends[0] if ends else None
-            like = getattr(tied, "_local_tensor", tied)
+            like = local_shard(tied)
             if cfg.parallel.tensor_parallel and not isinstance(tied, DTensor) and tensor_parallel.vocab_parallel(
                     cfg.model, cfg.tp):  # a stage holding neither end: the vocabulary row shard of this tp rank
                 like = like.chunk(cfg.tp)[self.mesh.coords["tp"]]
