@@ -47,15 +47,26 @@ def test_the_pick_is_the_fastest_fitting_candidate_of_all_layouts_and_keeps_the_
     p = plan(goal)
     assert {c.config.parallel.world_size for c in p.candidates} == {8}
     assert {c.config.global_batch for c in p.candidates} == {64}
-    # brute force through the public calculator: every layout, policy and micro-batch the candidates cover
+    # brute force through the public calculator, enumerated here, not from the planner's list: every dp x tp x pp
+    # of 8 devices (tp within the 8-GPU node), every micro-batch dividing the rank's batch, every policy of the
+    # ladder (none, every K-th layer for K < 32 layers, selective, full); a config the calculator refuses (1F1B
+    # over p stages with fewer than p micro-batches) is no candidate
     fitting = []
-    for c in p.candidates:
-        e = estimate(c.config)
-        assert e.memory.peak_bytes == c.peak_bytes
-        if e.memory.peak_bytes <= goal.usable_bytes:
-            fitting.append((e.time.update_seconds, c.config))
+    for dp, tp, pp in itertools.product((1, 2, 4, 8), repeat=3):
+        if dp * tp * pp != 8:
+            continue
+        per_rank = 64 // dp
+        for mb, ac in itertools.product([d for d in range(1, per_rank + 1) if per_rank % d == 0],
+                                        ("none", "every:8", "every:4", "every:2", "selective", "full")):
+            try:
+                cfg = llama(dp=dp, tp=tp, pp=pp, micro_batch=mb, accum=per_rank // mb, ac=ac)
+            except ConfigError:
+                continue
+            e = estimate(cfg)
+            if e.memory.peak_bytes <= goal.usable_bytes:
+                fitting.append(e.time.update_seconds)
     assert p.recommended is not None
-    assert p.recommended.update_seconds == pytest.approx(min(t for t, _ in fitting), rel=1e-9)
+    assert p.recommended.update_seconds == pytest.approx(min(fitting), rel=1e-9)
     # layouts compete (DP 8 alone cannot hold 16 bytes per parameter of 7B in 80 GB)
     assert {(c.config.tp, c.config.pp) for c in p.ranked} >= {(2, 1), (4, 1), (2, 2)}
     assert (1, 1) not in {(c.config.tp, c.config.pp) for c in p.ranked}
