@@ -241,3 +241,13 @@ def test_a_dtensors_local_shard_is_read_in_one_place():
     spelled = sorted(str(p.relative_to(SRC)) for p in (SRC / "batchlab").rglob("*.py")
                      if '"_local_tensor"' in p.read_text())
     assert spelled == ["batchlab/measure/shards.py"]
+
+
+def test_fsdp2_wraps_its_units_in_one_place():
+    """The measured engines (ZeRO-2/3) and the TP / PP layouts' data dimension shard with one function
+    (distributed/engines.py fsdp_units): one place for the units, the resharding and the mixed-precision policy."""
+    import re
+
+    calls = [(str(p.relative_to(SRC)), n) for p in (SRC / "batchlab").rglob("*.py")
+             if (n := len(re.findall(r"^\s*fully_shard\(", p.read_text(), re.M)))]  # statements, not printed text
+    assert calls == [("batchlab/distributed/engines.py", 1)]
