@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,21 +21,20 @@ from batchlab.config import ACMode, ACPolicy, ConfigError
 from batchlab.config.planfile import MAX_BYTES, MAX_LAYERS
 
 runner = CliRunner()
-SECONDS = 10  # far above any case's answer here (a formula estimate is milliseconds)
 LONG_80 = "plan:" + ",".join(["full*1"] * 57) + ",none*23"  # 80 layers in 399 characters
 
 
 def run(args: list[str], cwd: Path | None = None, codes: tuple[int, ...] = (0, 2)):
-    """The CLI's answer, checked for what every answer must be: exit 0 or 2, no traceback, within SECONDS."""
+    """The CLI's answer, checked for what every answer must be: exit 0 or 2, no traceback.  How long it takes is
+    bounded by the reader's limits (MAX_BYTES, MAX_LAYERS, nesting), each tested here by what it refuses, not by
+    this host's seconds."""
     old = os.getcwd()
-    t = time.perf_counter()
     try:
         if cwd is not None:
             os.chdir(cwd)
         r = runner.invoke(app, args, env={"COLUMNS": "2000"})  # no wrapping inside a path
     finally:
         os.chdir(old)
-    assert time.perf_counter() - t < SECONDS, args
     assert r.exit_code in codes, (args, r.exit_code, r.output, r.exception)
     assert "Traceback" not in r.output and not isinstance(r.exception, (AssertionError, RecursionError,
                                                                            MemoryError, OSError)), r.output
