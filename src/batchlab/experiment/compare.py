@@ -213,9 +213,8 @@ def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_
     vs = verdicts(rounds, plan.predictions, formula_pred, plan.token_budget)
     from batchlab.formula.pipeline import bubble_change
 
-    bubble = bubble_change(s.a, s.b)  # under a pipeline, the idle share each side's schedule leaves
-    done: dict[str, Any] = {"metrics": vs, "verdict": ("formula only: " if plan.formula_only else "") + summary(vs)
-                            + (f"; {bubble}" if bubble else "")}
+    done: dict[str, Any] = {"metrics": vs, "verdict": ("formula only: " if plan.formula_only else "") + summary(vs),
+                            "pipeline_bubble": bubble_change(s.a, s.b)}  # formula: each side's schedule's idle share
     devices: set[str] = set()
     if rounds is not None:
         done["timelines"], done["rounds"] = _timelines(rounds)

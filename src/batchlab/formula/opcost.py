@@ -185,8 +185,7 @@ class OpCosts:
     # per-op dispatch under autocast (mixed precision: every forward op passes its dispatch key), by kind;
     # empty: unmeasured (``dispatch`` serves)
     dispatch_autocast: Mapping[str, float] = field(default_factory=dict)
-    # a model's own dispatch per op over the calibrated GPT's, by kind, keyed by timing.dispatch_family; empty:
-    # none measured (the calibrated GPT's figures serve every model)
+    # a model's own dispatch per op over the calibrated GPT's, by kind, keyed by timing.dispatch_family ({}: none)
     family_dispatch: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     # (FLOPs per call, FLOPs per fp32 byte its operands and output move) of the shapes the linear-layer curve was
     # timed on, ascending; empty: unknown (nominal figures, an older cache)
@@ -195,6 +194,7 @@ class OpCosts:
     # strided-batched, FlashAttention's grid: Dao et al. 2022 sec. 3.1), so the whole call's FLOPs set its rate;
     # False: the CPU kernels' loop over entries, each entry's size sets it (and a start-up per call)
     whole_call_rate: bool = False
+    dtensor_seconds: Mapping[str, float] = field(default_factory=dict)  # a DTensor op's extra host s, by kind; {}: none
     source: str = "nominal"
 
     def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:

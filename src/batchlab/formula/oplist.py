@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from batchlab.config import (AttentionImpl, Backend, CompileMode, LossMode, MLPKind, NormKind, PositionKind,
+from batchlab.config import (Backend, CompileMode, LossMode, MLPKind, NormKind, PositionKind,
                              RunConfig, optimizer_spec)
 from batchlab.formula import fp8
 from batchlab.formula.fusion import fuse
