@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from batchlab.config import Backend, DataKind, DeviceSpec, ModelSource, RunConfig
+from batchlab.config import Backend, CompileMode, DataKind, DeviceSpec, ModelSource, RunConfig
 from batchlab.formula import fp8
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate, flops
@@ -208,16 +208,20 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
            ) -> TimeEstimate:
     """``calibrated``: the per-op costs ``batchlab calibrate`` measured for cfg's device, else nominal ones."""
     ops = update_ops(cfg)
-    costs = costs_for(cfg, calibrated, ops)
+    # a compiled run's matmuls are eager's kernels, fewer where its partition recomputes less: the FLOP ratio the
+    # nominal fraction is scaled by is the eager op list's, so the FLOPs it drops save time (budget:F has no eager run)
+    plain = cfg.compile is CompileMode.NONE or cfg.ac.budget is not None
+    eager = ops if plain else update_ops(cfg.replace(compile=CompileMode.NONE))
+    costs = costs_for(cfg, calibrated, eager)
     if cfg.parallel.engine_spec.shards_optimizer:  # each rank steps only its shard of the optimizer state
         ops = tuple(OpCount(o.name, o.phase, o.cost_class, o.flops, o.bytes // cfg.dp, o.elements // cfg.dp,
-                            o.low_precision, o.count, o.flops_per_matmul, o.sac_dispatched)
+                            o.low_precision, o.count, o.flops_per_matmul, o.sac_dispatched, o.launch)
                     if o.phase is Phase.OPTIMIZER else o
                     for o in ops)
     t = on_host(ops, cfg, costs)
     compute = sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute"))
     rest = t.seconds - compute
-    dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.sac_dispatched) * o.count for o in ops
+    dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.sac_dispatched, o.launch) * o.count for o in ops
                            if o.phase.value in ("forward", "backward", "recompute"))
     local = local_link(cfg, costs)
     bw = costs.link_bytes_per_s if local else bus_bandwidth(cfg).value
