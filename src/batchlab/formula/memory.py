@@ -8,6 +8,7 @@ from batchlab.config import Implementation, LossMode, PositionKind, Precision, R
 from batchlab.formula import activations as act
 from batchlab.formula import deepspeed
 from batchlab.formula.allocator import device_memory
+from batchlab.formula import fsdp_pipeline
 from batchlab.formula.fsdp import fsdp_phases, with_pipeline_no_sync
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.kvcache import held_in_forward_bytes
@@ -210,19 +211,33 @@ def fsdp_gradient_shard_bytes(cfg: RunConfig, rank: RankShare | None = None) -> 
     return fsdp_shard_bytes(cfg, rank)
 
 
+def _fsdp_resident(cfg: RunConfig, weights: dict[str, int], shards: int) -> dict[str, int]:
+    """The fp32 shards are the master copy under a 16-bit param_dtype (FSDP2's "parameters" are then only the
+    gathered 16-bit working copies); in fp32 and bf16 they are the parameters themselves."""
+    return dict(weights, parameters=0, master=shards) if _sharded_master(cfg) else dict(weights, parameters=shards,
+                                                                                       master=0)
+
+
 def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int], logits_fwd: int,
           loss_grads: int, opt_tmp: int, walk: list[int], rank: RankShare) -> dict[str, dict[str, int]]:
     assert plan.per_layer_full is not None, "formula.profile.needed() asks for the full layer's terms under FSDP"
-    shards = fsdp_shard_bytes(cfg, rank)
-    full_grads = states.gradients * cfg.dp
-    transient, head_grad, below = _backward_terms(cfg, full_grads, rank)
-    # the fp32 shards are the master copy under a 16-bit param_dtype (FSDP2's "parameters" are then only the
-    # gathered 16-bit working copies); in fp32 and bf16 they are the parameters themselves
-    resident = dict(weights, parameters=0, master=shards) if _sharded_master(cfg) else dict(weights, parameters=shards,
-                                                                                           master=0)
+    transient, head_grad, below = _backward_terms(cfg, states.gradients * cfg.dp, rank)
+    resident = _fsdp_resident(cfg, weights, fsdp_shard_bytes(cfg, rank))
     return fsdp_phases(cfg, resident, plan.per_layer_full, plan.per_layer_kept, below + plan.others, plan.total,
                        logits_fwd, loss_grads, head_grad, transient, opt_tmp // cfg.dp,
                        fsdp_gradient_shard_bytes(cfg, rank), walk, rank)
+
+
+def _fsdp_pipelined(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int],
+                    logits_fwd: int, loss_grads: int, opt_tmp: int, walk: list[int], rank: RankShare
+                    ) -> dict[str, dict[str, int]]:
+    """FSDP2 inside a pipeline stage (formula/fsdp_pipeline.py), each point with the pipeline's own tensors."""
+    transient, head_grad, below = _backward_terms(cfg, states.gradients * cfg.dp, rank)
+    return fsdp_pipeline.phases(
+        cfg, rank, _fsdp_resident(cfg, weights, fsdp_shard_bytes(cfg, rank)), plan.per_layer_kept,
+        plan.per_layer_full, plan.total - plan.others, below, logits_fwd, loss_grads, head_grad, transient,
+        opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg, rank),
+        lambda held, ph, parts: _with_pipeline(cfg, dataclasses.replace(rank, in_flight=held), {ph: parts})[ph], walk)
 
 
 def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
@@ -337,7 +352,9 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
         # the last layer's policy decides what backward's first steps recompute
         loss_grads = fitted.backward(policies[-1])(b, s)
         opt_tmp = fitted.optimizer_temporaries
-    if fsdp:  # FSDP2's phases and its backward walk (formula/fsdp.py); DDP's below are not worked out
+    if fsdp_pipeline.walked(cfg):  # the pipeline's own tensors priced per step: not added again below
+        phases = _fsdp_pipelined(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp, walk, rank)
+    elif fsdp:  # FSDP2's phases and its backward walk (formula/fsdp.py); DDP's below are not worked out
         phases = with_pipeline_no_sync(cfg, rank, _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp,
                                                         walk, rank),
                                        0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg, rank))
@@ -352,7 +369,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
             "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
                               gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
         }
-    phases = _with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
+    if not fsdp_pipeline.walked(cfg):
+        phases = _with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
