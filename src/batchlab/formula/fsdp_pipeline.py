@@ -11,47 +11,18 @@ torch.distributed.pipelining runs every micro-batch's backward with ``set_reshar
 - the first backward of an update creates the unsharded gradients block by block (none exist before it with
   ``zero_grad(set_to_none=True)``); every later one accumulates into all of them (upcast to reduce_dtype).
 Which of these meet the most in-flight micro-batches depends on the schedule's order of forwards and backwards
-(``stage_steps``): the first backward holds every warm-up micro-batch but only the gradients made so far; later
+(formula/stage_steps.py): the first backward holds every warm-up micro-batch but only the gradients made so far; later
 ones hold every gradient but, once the forwards run out, fewer micro-batches.  Each is priced; the caller takes
 the highest with the pipeline's own tensors for that many micro-batches.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 from batchlab.config import RunConfig
-from batchlab.config.engines import PipelineSchedule
 from batchlab.formula.activations import Widths
+from batchlab.formula.stage_steps import stage_steps
 from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_per_element, unit_elements
-
-
-@dataclass(frozen=True)
-class Step:
-    """One forward or backward of a stage's schedule and the state it meets."""
-
-    backward: bool
-    held: int  # micro-batches whose activations the stage holds during it (this one included)
-    after_backward: bool  # a backward of this update ran before it: the unsharded gradients all exist
-    after_forward: bool  # the step before it was a forward (ZeRO-3's units were resharded by it)
-
-
-def stage_steps(schedule: PipelineSchedule, stage: int, p: int, m: int) -> tuple[Step, ...]:
-    """A stage's forwards and backwards in the order torch.distributed.pipelining runs them: GPipe all m forwards,
-    then all m backwards; 1F1B (``Schedule1F1B._step_microbatches``) min(p - stage, m) warm-up forwards, then
-    a backward and a forward in turn while forwards remain, then the remaining backwards."""
-    if schedule is PipelineSchedule.GPIPE:
-        order = "F" * m + "B" * m
-    else:
-        warmup = min(p - stage, m)
-        order = "F" * warmup + "BF" * (m - warmup) + "B" * warmup
-    steps, forwards, backwards, previous = [], 0, 0, ""
-    for kind in order:
-        forwards += kind == "F"
-        steps.append(Step(kind == "B", forwards - backwards, backwards > 0, previous == "F"))
-        backwards += kind == "B"
-        previous = kind
-    return tuple(steps)
 
 
 def walked(cfg: RunConfig) -> bool:

@@ -4,16 +4,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import dataclasses
-from batchlab.config import Implementation, LossMode, PositionKind, Precision, RunConfig
+from batchlab.config import LossMode, PositionKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import deepspeed
 from batchlab.formula.allocator import device_memory
-from batchlab.formula import fsdp_pipeline
+from batchlab.formula import fsdp_pipeline, stage_steps
+from batchlab.formula.stage_steps import with_pipeline
 from batchlab.formula.fsdp import fsdp_phases, with_pipeline_no_sync
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.kvcache import held_in_forward_bytes
 from batchlab.formula.params import count, norm_params
-from batchlab.formula.pipeline import gradient_send_bytes, receive_buffer_bytes, stage_output_bytes
 from batchlab.formula import compiled
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankMemory, RankShare, share, shares
@@ -94,7 +94,10 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     if walk is not None:
         walk.append(sum(best.values()))
     kept_below = sum(plan.per_layer_kept)
-    grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
+    # the head's gradient is a fresh tensor where .grad exists only while a tied embedding's part is to come (autograd
+    # adds the two in its input buffer); an untied head's, as a pipeline's last stage's copy, goes into .grad at once
+    tied_here = cfg.model.tied_embeddings and rank.first and rank.last
+    grads_done = head_grad if new_grads or tied_here else 0
     modes = cfg.ac.layer_modes(cfg.model.layers)
     recomputed = {j for j, i in enumerate(rank.layers) if modes[i].spec.recomputes}
     copies_below = layer_copy * (len(rank.layers) - len(recomputed))  # the LM head's copy is freed by now
@@ -228,6 +231,12 @@ def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: di
                        fsdp_gradient_shard_bytes(cfg, rank), walk, rank)
 
 
+def _dresser(cfg: RunConfig, rank: RankShare):
+    """``dress(held, phase, parts)``: the pipeline's own tensors for ``held`` micro-batches in flight."""
+    return lambda held, ph, parts: with_pipeline(cfg, dataclasses.replace(rank, in_flight=held),
+                                                  _with_deepspeed(cfg, rank, {ph: parts}))[ph]
+
+
 def _fsdp_pipelined(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int],
                     logits_fwd: int, loss_grads: int, opt_tmp: int, walk: list[int], rank: RankShare
                     ) -> dict[str, dict[str, int]]:
@@ -237,7 +246,7 @@ def _fsdp_pipelined(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, w
         cfg, rank, _fsdp_resident(cfg, weights, fsdp_shard_bytes(cfg, rank)), plan.per_layer_kept,
         plan.per_layer_full, plan.total - plan.others, below, logits_fwd, loss_grads, head_grad, transient,
         opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg, rank),
-        lambda held, ph, parts: _with_pipeline(cfg, dataclasses.replace(rank, in_flight=held), {ph: parts})[ph], walk)
+        _dresser(cfg, rank), walk)
 
 
 def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
@@ -252,29 +261,6 @@ def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str,
     live = {"forward": walked, "backward": walked, "optimizer": {**resident, **deepspeed.step_buffers(cfg, rank)}}
     names = {k for parts in live.values() for k in parts}
     return {ph: dict(parts, **{k: live.get(ph, {}).get(k, 0) for k in sorted(names)}) for ph, parts in phases.items()}
-
-
-def _with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """A pipeline stage's own tensors (formula/pipeline.py), each a part of its own: its receive buffers (every
-    phase: allocated once), the in-flight micro-batches' stage outputs its PipelineStage keeps for their backward
-    (forward and backward), the input gradients still in their send (backward).  The received activations in use
-    are the buffers: out of the activations' part."""
-    if rank.stages == 1:
-        return phases
-    outputs, sends = stage_output_bytes(cfg, rank), gradient_send_bytes(cfg, rank)
-    buffers, received = receive_buffer_bytes(cfg, rank)
-    if cfg.model.impl is Implementation.MEGATRON:
-        # Megatron's schedules receive into a fresh tensor per micro-batch (the chunk's input, which its first layer
-        # keeps: counted in the activations) and free each output's storage once sent (megatron/core/
-        # pipeline_parallel/schedules.py, deallocate_output_tensor)
-        outputs, buffers, received = 0, 0, 0
-    live = {"forward": (outputs, 0), "backward": (outputs, sends)}
-    out = {}
-    for ph, parts in phases.items():
-        moved = received if ph in live and parts["activations"] else 0
-        out[ph] = dict(parts, activations=parts["activations"] - moved, **{"receive buffers": buffers},
-                       **dict(zip(("stage outputs", "gradient sends"), live.get(ph, (0, 0)))))
-    return out
 
 
 def memory(cfg: RunConfig) -> MemoryEstimate:
@@ -338,6 +324,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg, rank) * (2 if cfg.precision is Precision.BF16 else F32)
     walk: list[int] = []
+    dress = _dresser(cfg, rank)
     if fitted is not None:  # measured on the model's own code (formula/profile.py)
         policies = layer_policies(cfg)
         # the forward's high point: the loss, or a recomputed block's working set (a mix: its largest); the
@@ -359,18 +346,27 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
                                                         walk, rank),
                                        0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg, rank))
     else:
-        phases = {  # the parts live at each phase's high point
-            "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
-                            gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
-            "backward": (_profiled_backward(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)
-                         if fitted is not None else
-                         _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy, walk, rank)),
-            # autocast's working copies are gone by the optimizer step
-            "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
-                              gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
-        }
-    if not fsdp_pipeline.walked(cfg):
-        phases = _with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
+        def ddp(others: int, grads: int, walk_: list[int] | None) -> dict[str, dict[str, int]]:
+            plan_ = dataclasses.replace(plan, others=others)
+            return {  # the parts live at each phase's high point
+                "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
+                                gradients=grads, activations=plan_.total, recompute=0, temporaries=logits_fwd),
+                "backward": (_profiled_backward(cfg, plan_, states, weights, grads, loss_grads, layer_copy)
+                             if fitted is not None else
+                             _backward_peak(cfg, plan_, states, weights, grads, loss_grads, layer_copy, walk_, rank)),
+                # autocast's working copies are gone by the optimizer step
+                "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
+                                  gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
+            }
+        phases = ddp(plan.others, grads_before, walk)
+        if stage_steps.ordered(cfg):  # each distinct step of the stage's schedule (formula/stage_steps.py)
+            one, always = plan.total - plan.others, not cfg.assumptions.zero_grad_set_to_none or spec.megatron
+            at = lambda st: ((st.held - 1) * one, states.gradients if st.after_backward or always else 0)  # noqa: E731
+            phases, top = stage_steps.highest(cfg, rank, lambda st: ddp(*at(st), None), dress)
+            walk.clear()
+            ddp(*at(top), walk)
+    if not (fsdp_pipeline.walked(cfg) or (stage_steps.ordered(cfg) and not fsdp)):  # those are dressed per step
+        phases = with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
