@@ -224,8 +224,11 @@ def document(results: dict[str, dict], link: tuple[float, float] | None = None) 
 def document_unlisted(results: dict[str, dict]) -> None:
     print(f"{UNLISTED_HEADING}\n")
     print("Layouts, models and shapes none of the rows above use (each at its own shape: seq / micro-batch / accum "
-          "in the shape column), measured, estimated and traced as above. The formula was corrected where these rows "
-          "found it off (FSDP2 inside a pipeline stage: formula/fsdp_pipeline.py); no constant was fitted to them.\n")
+          "in the shape column), measured, estimated and traced as above. Where these rows found the formula off, its "
+          "mechanism was corrected against the trace, no constant fitted: each pipeline stage is priced at every "
+          "distinct step of its schedule (formula/stage_steps.py: a later backward with every gradient can top the "
+          "first one with every warm-up micro-batch), FSDP2 inside a stage as torch.distributed.pipelining runs it "
+          "(formula/fsdp_pipeline.py: gradients unsharded and accumulated, units regathered after each forward).\n")
     print("| layout | shape | rank | dp | tp | pp | measured (MiB) | formula (MiB) | error | trace (MiB) | error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     worst = {"formula": 0.0, "trace": 0.0}
