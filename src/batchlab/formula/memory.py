@@ -313,7 +313,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     # and so does zero_grad(set_to_none=False) (torch.nn.Module.zero_grad: "set to zero" instead of None)
     kept = cfg.accum > 1 or (cfg.dp > 1 and not fsdp) or not cfg.assumptions.zero_grad_set_to_none
     if rank.stages > 1:  # a pipeline stage (no DDP buckets): .grad exists at its high point only where a backward
-        # of this update ran before it -- not where that high point is the update's first backward (all in flight)
+        # of this update ran before it -- not where that high point is the update's first backward (all in flight);
+        # GPipe and 1F1B price each step apart below (formula/stage_steps.py), the interleaved runtime this one
         kept = rank.in_flight < cfg.accum or not cfg.assumptions.zero_grad_set_to_none
     # Megatron-Core's DDP allocates its contiguous gradient buffer once and zeroes it each update: always resident
     kept = kept or cfg.parallel.engine_spec.megatron
