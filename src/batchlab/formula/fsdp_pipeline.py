@@ -21,7 +21,7 @@ from typing import Callable
 
 from batchlab.config import RunConfig
 from batchlab.formula.activations import Widths
-from batchlab.formula.stage_steps import stage_steps
+from batchlab.formula.stage_steps import distinct
 from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_per_element, unit_elements
 
 
@@ -49,12 +49,12 @@ def phases(cfg: RunConfig, rank, resident: dict[str, int], kept: tuple[int, ...]
     out: dict[str, dict[str, int]] = {}
     highest = (-1, [])
     for held, ph, points in found:
-        for parts in points:
-            parts = dress(held, ph, parts)
-            if ph not in out or sum(parts.values()) > sum(out[ph].values()):
-                out[ph] = parts
-                if ph == "backward" and len(points) > 1:
-                    highest = (sum(parts.values()), points)
+        # what dress adds depends on held and the phase alone: the step's highest point stays its highest
+        parts = dress(held, ph, max(points, key=lambda p: sum(p.values())))
+        if ph not in out or sum(parts.values()) > sum(out[ph].values()):
+            out[ph] = parts
+            if ph == "backward" and len(points) > 1:
+                highest = (sum(parts.values()), points)
     if walk is not None and highest[1]:
         start, *inner = [sum(p.values()) for p in highest[1]]
         per_block = len(inner) // max(len(kept), 1)  # a block's points: its copy-out (regathered) and its inside
@@ -73,13 +73,8 @@ def _candidates(cfg: RunConfig, rank, resident: dict[str, int], kept: tuple[int,
     root, block, block_grad = units[0] * wg, (units[1] if L else 0) * wg, (units[1] if L else 0) * wr
     shards, whole, whole_grads = resident["parameters"], sum(units) * wg, sum(units) * wr
     out: list[tuple[int, str, list[dict[str, int]]]] = []
-    seen: set = set()
-    for step in stage_steps(cfg.parallel.schedule, rank.stage, rank.stages, cfg.accum):
+    for step in distinct(cfg.parallel.schedule, rank.stage, rank.stages, cfg.accum, z3):
         regather = step.backward and step.after_forward and z3
-        key = (step.backward, step.after_backward, regather, step.held)
-        if key in seen:
-            continue
-        seen.add(key)
         grads = before + (whole_grads if step.after_backward else 0)
         others = (step.held - 1) * one_micro_batch
         if not step.backward:

@@ -347,25 +347,26 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
                                                         walk, rank),
                                        0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg, rank))
     else:
-        def ddp(others: int, grads: int, walk_: list[int] | None) -> dict[str, dict[str, int]]:
+        def ddp(others: int, grads: int, walk_: list[int] | None, only=("forward", "backward", "optimizer")):
             plan_ = dataclasses.replace(plan, others=others)
-            return {  # the parts live at each phase's high point
-                "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
-                                gradients=grads, activations=plan_.total, recompute=0, temporaries=logits_fwd),
-                "backward": (_profiled_backward(cfg, plan_, states, weights, grads, loss_grads, layer_copy)
-                             if fitted is not None else
-                             _backward_peak(cfg, plan_, states, weights, grads, loss_grads, layer_copy, walk_, rank)),
+            make = {  # the parts live at each phase's high point
+                "forward": lambda: dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
+                                        gradients=grads, activations=plan_.total, recompute=0, temporaries=logits_fwd),
+                "backward": lambda: (
+                    _profiled_backward(cfg, plan_, states, weights, grads, loss_grads, layer_copy) if fitted is not None
+                    else _backward_peak(cfg, plan_, states, weights, grads, loss_grads, layer_copy, walk_, rank)),
                 # autocast's working copies are gone by the optimizer step
-                "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
-                                  gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
+                "optimizer": lambda: dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
+                                          gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
             }
-        phases = ddp(plan.others, grads_before, walk)
+            return {ph: make[ph]() for ph in only}
         if stage_steps.ordered(cfg):  # each distinct step of the stage's schedule (formula/stage_steps.py)
             one, always = plan.total - plan.others, not cfg.assumptions.zero_grad_set_to_none or spec.megatron
             at = lambda st: ((st.held - 1) * one, states.gradients if st.after_backward or always else 0)  # noqa: E731
-            phases, top = stage_steps.highest(cfg, rank, lambda st: ddp(*at(st), None), dress)
-            walk.clear()
-            ddp(*at(top), walk)
+            phases, top = stage_steps.highest(cfg, rank, lambda st, ph: ddp(*at(st), None, (ph,))[ph], dress)
+            ddp(*at(top), walk, ("backward",))
+        else:
+            phases = ddp(plan.others, grads_before, walk)
     if not (fsdp_pipeline.walked(cfg) or (stage_steps.ordered(cfg) and not fsdp)):  # those are dressed per step
         phases = with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
     totals = {k: sum(v.values()) for k, v in phases.items()}

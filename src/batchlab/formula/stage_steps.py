@@ -8,6 +8,7 @@ priced; the highest of each phase is the stage's.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,30 +48,40 @@ def stage_steps(schedule: PipelineSchedule, stage: int, p: int, m: int) -> tuple
     return tuple(steps)
 
 
+@functools.lru_cache(maxsize=256)
+def distinct(schedule: PipelineSchedule, stage: int, p: int, m: int, by_forward: bool = False) -> tuple[Step, ...]:
+    """Of the stage's steps alike but for their held micro-batches (and, ``by_forward``, for whether a forward came
+    just before), the one holding the most: every part a step's point adds grows with what it holds.  A handful,
+    however many micro-batches."""
+    top: dict = {}
+    for step in stage_steps(schedule, stage, p, m):
+        key = (step.backward, step.after_backward, by_forward and step.backward and step.after_forward)
+        if key not in top or step.held > top[key].held:
+            top[key] = step
+    return tuple(top.values())
+
+
 def ordered(cfg: RunConfig) -> bool:
     """A pipeline whose stage order ``stage_steps`` gives (one chunk per rank; the interleaved runtime is priced
     at its in-flight count alone)."""
     return cfg.parallel.pipelined and cfg.parallel.chunks == 1
 
 
-def highest(cfg: RunConfig, rank, price: Callable[[Step], dict[str, Parts]],
+def highest(cfg: RunConfig, rank, price: Callable[[Step, str], Parts],
             dress: Callable[[int, str, Parts], Parts]) -> tuple[dict[str, Parts], Step]:
-    """Each phase's highest point over the stage's distinct steps: ``price(step)`` gives the phases as that step
-    meets them (its forward's or its backward's is read), ``dress(held, phase, parts)`` adds the pipeline's own
-    tensors for ``held`` micro-batches in flight.  Returns them and the step of the highest backward."""
+    """Each phase's highest point over the stage's distinct steps: ``price(step, phase)`` gives the parts of that
+    phase as the step meets it (a forward step's forward, a backward step's backward); ``dress(held, phase,
+    parts)`` adds the pipeline's own tensors for ``held`` micro-batches in flight.  Returns them and the step of
+    the highest backward."""
     out: dict[str, Parts] = {}
     top: Step | None = None
-    seen: set = set()
-    for step in stage_steps(cfg.parallel.schedule, rank.stage, rank.stages, cfg.accum):
-        if (step.backward, step.held, step.after_backward) in seen:
-            continue
-        seen.add((step.backward, step.held, step.after_backward))
-        phases = price(step)
+    for step in distinct(cfg.parallel.schedule, rank.stage, rank.stages, cfg.accum):
         ph = "backward" if step.backward else "forward"
-        parts = dress(step.held, ph, phases[ph])
+        parts = dress(step.held, ph, price(step, ph))
         if ph not in out or sum(parts.values()) > sum(out[ph].values()):
             out[ph], top = parts, (step if step.backward else top)
-        out.setdefault("optimizer", dress(0, "optimizer", phases["optimizer"]))
+        if "optimizer" not in out:
+            out["optimizer"] = dress(0, "optimizer", price(step, "optimizer"))
     assert top is not None, "every schedule has a backward"
     return out, top
 
