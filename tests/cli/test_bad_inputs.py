@@ -206,8 +206,23 @@ OWN = [
     (["notebook", "import", "{f}/broken.json", "--notebook", "{f}/nb.sqlite"], "file"),
     (["notebook", "import", "{f}/fallback.json", "--notebook", "{f}/nb.sqlite"], "damaged"),
 ]
+# the tensor and pipeline layouts issue 41 lists as bad, each on estimate, compare, measure and fit
+LLAMA_TP = ["--model", "hf:llama", "--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "1", "--ffn",
+            "256", "--vocab", "512"]
+LAYOUT = [
+    (["--tp", "3"], "tp"),  # heads 4
+    (LLAMA_TP + ["--tp", "2"], "tp"),  # kv heads 1
+    (["--pp", "3"], "pp"), (["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-virtual", "3"], "pp"),  # 4 layers
+    (["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-virtual", "2", "--accum", "1"], "accum"),
+    (["--pp", "4", "--pp-schedule", "1f1b", "--accum", "3"], "accum"),
+]
+WORLD = [(["measure", "--tp", "2", "--pp", "2", "--accum", "2", "--nproc", "6"], "nproc"),
+         (["measure", "--tp", "2", "--nproc", "4", "--dp", "4"], "dp"),
+         (["fit", "--tp", "2", "--pp", "2", "--world-size", "6", "--global-batch", "8"], "world_size")]
 CASES = ([(["estimate", *a], f) for a, f in CONFIG] + [(COMPARE + a, f) for a, f in CONFIG]
-         + [([cmd, *a], f) for cmd in ("measure", "explain", "fit") for a, f in SAMPLE] + OWN)
+         + [([cmd, *a], f) for cmd in ("measure", "explain", "fit") for a, f in SAMPLE] + OWN
+         + [([cmd, *a], f) for cmd in ("estimate", "measure", "fit") for a, f in LAYOUT]
+         + [(COMPARE + a + ["--change", "micro_batch=1:2"], f) for a, f in LAYOUT] + WORLD)
 
 
 def test_the_suite_is_large_enough():

@@ -4,15 +4,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import dataclasses
-from batchlab.config import Implementation, LossMode, PositionKind, Precision, RunConfig
+from batchlab.config import LossMode, PositionKind, Precision, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import deepspeed, fp8
 from batchlab.formula.allocator import device_memory
+from batchlab.formula import fsdp_pipeline, stage_steps
+from batchlab.formula.stage_steps import with_pipeline
 from batchlab.formula.fsdp import fsdp_phases, with_pipeline_no_sync
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.kvcache import held_in_forward_bytes
 from batchlab.formula.params import count, norm_params
-from batchlab.formula.pipeline import gradient_send_bytes, receive_buffer_bytes, stage_output_bytes
 from batchlab.formula import compiled
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankMemory, RankShare, share, shares
@@ -93,7 +94,10 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     if walk is not None:
         walk.append(sum(best.values()))
     kept_below = sum(plan.per_layer_kept)
-    grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
+    # the head's gradient is a fresh tensor where .grad exists only while a tied embedding's part is to come (autograd
+    # adds the two in its input buffer); an untied head's, as a pipeline's last stage's copy, goes into .grad at once
+    tied_here = cfg.model.tied_embeddings and rank.first and rank.last
+    grads_done = head_grad if new_grads or tied_here else 0
     modes = cfg.ac.layer_modes(cfg.model.layers)
     recomputed = {j for j, i in enumerate(rank.layers) if modes[i].spec.recomputes}
     copies_below = layer_copy * (len(rank.layers) - len(recomputed))  # the LM head's copy is freed by now
@@ -210,19 +214,39 @@ def fsdp_gradient_shard_bytes(cfg: RunConfig, rank: RankShare | None = None) -> 
     return fsdp_shard_bytes(cfg, rank)
 
 
+def _fsdp_resident(cfg: RunConfig, weights: dict[str, int], shards: int) -> dict[str, int]:
+    """The fp32 shards are the master copy under a 16-bit param_dtype (FSDP2's "parameters" are then only the
+    gathered 16-bit working copies); in fp32 and bf16 they are the parameters themselves."""
+    return dict(weights, parameters=0, master=shards) if _sharded_master(cfg) else dict(weights, parameters=shards,
+                                                                                       master=0)
+
+
 def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int], logits_fwd: int,
           loss_grads: int, opt_tmp: int, walk: list[int], rank: RankShare) -> dict[str, dict[str, int]]:
     assert plan.per_layer_full is not None, "formula.profile.needed() asks for the full layer's terms under FSDP"
-    shards = fsdp_shard_bytes(cfg, rank)
-    full_grads = states.gradients * cfg.dp
-    transient, head_grad, below = _backward_terms(cfg, full_grads, rank)
-    # the fp32 shards are the master copy under a 16-bit param_dtype (FSDP2's "parameters" are then only the
-    # gathered 16-bit working copies); in fp32 and bf16 they are the parameters themselves
-    resident = dict(weights, parameters=0, master=shards) if _sharded_master(cfg) else dict(weights, parameters=shards,
-                                                                                           master=0)
+    transient, head_grad, below = _backward_terms(cfg, states.gradients * cfg.dp, rank)
+    resident = _fsdp_resident(cfg, weights, fsdp_shard_bytes(cfg, rank))
     return fsdp_phases(cfg, resident, plan.per_layer_full, plan.per_layer_kept, below + plan.others, plan.total,
                        logits_fwd, loss_grads, head_grad, transient, opt_tmp // cfg.dp,
                        fsdp_gradient_shard_bytes(cfg, rank), walk, rank)
+
+
+def _dresser(cfg: RunConfig, rank: RankShare):
+    """``dress(held, phase, parts)``: the pipeline's own tensors for ``held`` micro-batches in flight."""
+    return lambda held, ph, parts: with_pipeline(cfg, dataclasses.replace(rank, in_flight=held),
+                                                  _with_deepspeed(cfg, rank, {ph: parts}))[ph]
+
+
+def _fsdp_pipelined(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int],
+                    logits_fwd: int, loss_grads: int, opt_tmp: int, walk: list[int], rank: RankShare
+                    ) -> dict[str, dict[str, int]]:
+    """FSDP2 inside a pipeline stage (formula/fsdp_pipeline.py), each point with the pipeline's own tensors."""
+    transient, head_grad, below = _backward_terms(cfg, states.gradients * cfg.dp, rank)
+    return fsdp_pipeline.phases(
+        cfg, rank, _fsdp_resident(cfg, weights, fsdp_shard_bytes(cfg, rank)), plan.per_layer_kept,
+        plan.per_layer_full, plan.total - plan.others, below, logits_fwd, loss_grads, head_grad, transient,
+        opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg, rank),
+        _dresser(cfg, rank), walk)
 
 
 def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
@@ -237,29 +261,6 @@ def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str,
     live = {"forward": walked, "backward": walked, "optimizer": {**resident, **deepspeed.step_buffers(cfg, rank)}}
     names = {k for parts in live.values() for k in parts}
     return {ph: dict(parts, **{k: live.get(ph, {}).get(k, 0) for k in sorted(names)}) for ph, parts in phases.items()}
-
-
-def _with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """A pipeline stage's own tensors (formula/pipeline.py), each a part of its own: its receive buffers (every
-    phase: allocated once), the in-flight micro-batches' stage outputs its PipelineStage keeps for their backward
-    (forward and backward), the input gradients still in their send (backward).  The received activations in use
-    are the buffers: out of the activations' part."""
-    if rank.stages == 1:
-        return phases
-    outputs, sends = stage_output_bytes(cfg, rank), gradient_send_bytes(cfg, rank)
-    buffers, received = receive_buffer_bytes(cfg, rank)
-    if cfg.model.impl is Implementation.MEGATRON:
-        # Megatron's schedules receive into a fresh tensor per micro-batch (the chunk's input, which its first layer
-        # keeps: counted in the activations) and free each output's storage once sent (megatron/core/
-        # pipeline_parallel/schedules.py, deallocate_output_tensor)
-        outputs, buffers, received = 0, 0, 0
-    live = {"forward": (outputs, 0), "backward": (outputs, sends)}
-    out = {}
-    for ph, parts in phases.items():
-        moved = received if ph in live and parts["activations"] else 0
-        out[ph] = dict(parts, activations=parts["activations"] - moved, **{"receive buffers": buffers},
-                       **dict(zip(("stage outputs", "gradient sends"), live.get(ph, (0, 0)))))
-    return out
 
 
 def memory(cfg: RunConfig) -> MemoryEstimate:
@@ -314,7 +315,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     # and so does zero_grad(set_to_none=False) (torch.nn.Module.zero_grad: "set to zero" instead of None)
     kept = cfg.accum > 1 or (cfg.dp > 1 and not fsdp) or not cfg.assumptions.zero_grad_set_to_none
     if rank.stages > 1:  # a pipeline stage (no DDP buckets): .grad exists at its high point only where a backward
-        # of this update ran before it -- not where that high point is the update's first backward (all in flight)
+        # of this update ran before it -- not where that high point is the update's first backward (all in flight);
+        # GPipe and 1F1B price each step apart below (formula/stage_steps.py), the interleaved runtime this one
         kept = rank.in_flight < cfg.accum or not cfg.assumptions.zero_grad_set_to_none
     # Megatron-Core's DDP allocates its contiguous gradient buffer once and zeroes it each update: always resident
     kept = kept or cfg.parallel.engine_spec.megatron
@@ -325,6 +327,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
     opt_tmp = 2 * _largest_param(cfg, rank) * (2 if cfg.precision is Precision.BF16 else F32)
     walk: list[int] = []
+    dress = _dresser(cfg, rank)
     if fitted is not None:  # measured on the model's own code (formula/profile.py)
         policies = layer_policies(cfg)
         # the forward's high point: the loss, or a recomputed block's working set (a mix: its largest); the
@@ -339,22 +342,35 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
         # the last layer's policy decides what backward's first steps recompute
         loss_grads = fitted.backward(policies[-1])(b, s)
         opt_tmp = fitted.optimizer_temporaries
-    if fsdp:  # FSDP2's phases and its backward walk (formula/fsdp.py); DDP's below are not worked out
+    if fsdp_pipeline.walked(cfg):  # the pipeline's own tensors priced per step: not added again below
+        phases = _fsdp_pipelined(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp, walk, rank)
+    elif fsdp:  # FSDP2's phases and its backward walk (formula/fsdp.py); DDP's below are not worked out
         phases = with_pipeline_no_sync(cfg, rank, _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp,
                                                         walk, rank),
                                        0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg, rank))
     else:
-        phases = {  # the parts live at each phase's high point
-            "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
-                            gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
-            "backward": (_profiled_backward(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)
-                         if fitted is not None else
-                         _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy, walk, rank)),
-            # autocast's working copies are gone by the optimizer step
-            "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
-                              gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
-        }
-    phases = _with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
+        def ddp(others: int, grads: int, walk_: list[int] | None, only=("forward", "backward", "optimizer")):
+            plan_ = dataclasses.replace(plan, others=others)
+            make = {  # the parts live at each phase's high point
+                "forward": lambda: dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
+                                        gradients=grads, activations=plan_.total, recompute=0, temporaries=logits_fwd),
+                "backward": lambda: (
+                    _profiled_backward(cfg, plan_, states, weights, grads, loss_grads, layer_copy) if fitted is not None
+                    else _backward_peak(cfg, plan_, states, weights, grads, loss_grads, layer_copy, walk_, rank)),
+                # autocast's working copies are gone by the optimizer step
+                "optimizer": lambda: dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
+                                          gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
+            }
+            return {ph: make[ph]() for ph in only}
+        if stage_steps.ordered(cfg):  # each distinct step of the stage's schedule (formula/stage_steps.py)
+            one, always = plan.total - plan.others, not cfg.assumptions.zero_grad_set_to_none or spec.megatron
+            at = lambda st: ((st.held - 1) * one, states.gradients if st.after_backward or always else 0)  # noqa: E731
+            phases, top = stage_steps.highest(cfg, rank, lambda st, ph: ddp(*at(st), None, (ph,))[ph], dress)
+            ddp(*at(top), walk, ("backward",))
+        else:
+            phases = ddp(plan.others, grads_before, walk)
+    if not (fsdp_pipeline.walked(cfg) or (stage_steps.ordered(cfg) and not fsdp)):  # those are dressed per step
+        phases = with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
     if cache8 := fp8.weight_cache_bytes(cfg, rank.layer_matrices, len(rank.layers)):  # TE's, held all update
         phases = {ph: dict(parts, **{"fp8 weights": cache8}) for ph, parts in phases.items()}
     totals = {k: sum(v.values()) for k, v in phases.items()}
