@@ -161,6 +161,23 @@ def priced(flags: list[str], link: tuple[float, float] | None) -> float:
     return timing(cfg, flops(cfg), memory(cfg), costs).update_seconds
 
 
+def _rank_table(results: dict, with_shape: bool) -> None:
+    """Every rank's measured, formula and trace peaks, and the largest error of each over the table."""
+    shape_head, shape_rule = ("shape | ", "---|") if with_shape else ("", "")
+    print(f"| layout | {shape_head}rank | dp | tp | pp | measured (MiB) | formula (MiB) | error | trace (MiB) | error |")
+    print(f"|---|{shape_rule}---|---|---|---|---|---|---|---|---|")
+    worst = {"formula": 0.0, "trace": 0.0}
+    for res in results.values():
+        shape = f" {'/'.join(res['base'][1::2])} |" if with_shape else ""
+        for r in res["rows"]:
+            for k in worst:
+                worst[k] = max(worst[k], abs(r[k] - r["measured"]) / r["measured"])
+            print(f"| {res['name']} |{shape} {r['rank']} | {r['dp']} | {r['tp']} | {r['pp']} "
+                  f"| {r['measured'] / MiB:.2f} | {r['formula'] / MiB:.2f} | {_err(r['formula'], r['measured'])} "
+                  f"| {r['trace'] / MiB:.2f} | {_err(r['trace'], r['measured'])} |")
+    print(f"\nLargest error over every rank: formula {worst['formula']:.1%}, trace {worst['trace']:.1%}.\n")
+
+
 def _err(predicted: float, measured: float) -> str:
     return f"{(predicted - measured) / measured:+.1%}"
 
@@ -176,17 +193,7 @@ def document(results: dict[str, dict], link: tuple[float, float] | None = None) 
           "--trace`'s run of the stage's first rank on a fake process group (the measurement's own build of that "
           "rank: its shard and stage, on fake tensors). Error = (predicted - measured) / measured.\n")
     print("## Peak memory per rank\n")
-    print("| layout | rank | dp | tp | pp | measured (MiB) | formula (MiB) | error | trace (MiB) | error |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    worst = {"formula": 0.0, "trace": 0.0}
-    for res in results.values():
-        for r in res["rows"]:
-            for k in worst:
-                worst[k] = max(worst[k], abs(r[k] - r["measured"]) / r["measured"])
-            print(f"| {res['name']} | {r['rank']} | {r['dp']} | {r['tp']} | {r['pp']} | {r['measured'] / MiB:.2f} "
-                  f"| {r['formula'] / MiB:.2f} | {_err(r['formula'], r['measured'])} | {r['trace'] / MiB:.2f} "
-                  f"| {_err(r['trace'], r['measured'])} |")
-    print(f"\nLargest error over every rank: formula {worst['formula']:.1%}, trace {worst['trace']:.1%}.\n")
+    _rank_table(results, with_shape=False)
     print("Commands (with `--seq 64 --micro-batch 4 --accum 4`):\n")
     for res in results.values():
         print(f"- {res['name']}: `batchlab measure {' '.join(res['flags'])}`".replace("measure  ", "measure "))
@@ -216,7 +223,7 @@ def document(results: dict[str, dict], link: tuple[float, float] | None = None) 
                 g = results[b]["linked_seconds"] / results[a]["linked_seconds"]
                 linked = f" {g:.2f} | {_err(g, m)} |"
             print(f"| {what} | {m:.2f} | {f:.2f} | {_err(f, m)} |" + (linked or " | |"))
-        print(f"\nLoad average at the end of the run: {os.getloadavg()[0]:.1f} (2 cores).\n")
+        print(f"\nLoad average at the end of the run: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores).\n")
         print("What these differences are made of, measured (DTensor's host work, the collectives and point-to-point "
               "ops counted against the formula's catalogue, each schedule's compute, p2p and waits): "
               "[parallel-time-parts.md](parallel-time-parts.md), written by `benchmarks/parallel_time_parts.py`.\n")
@@ -230,18 +237,7 @@ def document_unlisted(results: dict[str, dict]) -> None:
           "distinct step of its schedule (formula/stage_steps.py: a later backward with every gradient can top the "
           "first one with every warm-up micro-batch), FSDP2 inside a stage as torch.distributed.pipelining runs it "
           "(formula/fsdp_pipeline.py: gradients unsharded and accumulated, units regathered after each forward).\n")
-    print("| layout | shape | rank | dp | tp | pp | measured (MiB) | formula (MiB) | error | trace (MiB) | error |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    worst = {"formula": 0.0, "trace": 0.0}
-    for res in results.values():
-        shape = "/".join(res["base"][1::2])
-        for r in res["rows"]:
-            for k in worst:
-                worst[k] = max(worst[k], abs(r[k] - r["measured"]) / r["measured"])
-            print(f"| {res['name']} | {shape} | {r['rank']} | {r['dp']} | {r['tp']} | {r['pp']} "
-                  f"| {r['measured'] / MiB:.2f} | {r['formula'] / MiB:.2f} | {_err(r['formula'], r['measured'])} "
-                  f"| {r['trace'] / MiB:.2f} | {_err(r['trace'], r['measured'])} |")
-    print(f"\nLargest error over every rank: formula {worst['formula']:.1%}, trace {worst['trace']:.1%}.\n")
+    _rank_table(results, with_shape=True)
     print("Llama TP2 + SP is not on the table: `batchlab measure` refuses it (sequence parallelism is measured on "
           "the built-in GPT only), in one line naming `sequence_parallel`; its formula and trace have no run to "
           "be checked against.\n")

@@ -250,7 +250,7 @@ def main() -> int:
     print("The built-in tiny GPT (4 layers, hidden 128, 4 heads, vocabulary 512), micro-batch 4 x sequence 64, "
           f"4 micro-batches per update, fp32; every comparison alternates its layouts' updates in processes that "
           f"hold them all ({PAIRS} updates each after 2 warmup updates), one thread per process. Load average "
-          f"{load0:.1f} at the start (2 cores).\n")
+          f"{load0:.1f} at the start ({os.cpu_count()} cores).\n")
 
     print("## 1. DTensor's host work, no messages (1-rank mesh, one process)\n")
     ctx = mp.get_context("fork")
@@ -310,7 +310,7 @@ def main() -> int:
     print(f"\nPaired ratios (slowest rank): 1F1B / GPipe {_paired(g, o):.2f}, interleaved / 1F1B {_paired(o, i):.2f}. "
           "Compute: the stages' forward_one_chunk / backward_one_chunk; the rest: the schedule's own host work, "
           "the loss, the data and the optimizer step.\n")
-    print(f"Load average at the end: {os.getloadavg()[0]:.1f} (2 cores).\n")
+    print(f"Load average at the end: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores).\n")
     return 0
 
 
