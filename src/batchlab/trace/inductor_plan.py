@@ -33,7 +33,7 @@ class _NoKernels:
 def _alloc(device: str):
     import torch
 
-    # through the dispatcher (the wrapper's C++ allocator bypasses it): the fake mode makes it fake, the tracker counts it
+    # through the dispatcher (the wrapper's C++ allocator bypasses it): fake mode makes it fake, the tracker counts it
     return lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
@@ -84,7 +84,8 @@ def kernels_not_built():
     import torch._inductor.config as inductor_config
     from torch._inductor.graph import GraphLowering
 
-    with inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
+    # one thread: no kernel is built, so no compile workers are started
+    with inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False, compile_threads=1), \
             functorch_config.patch(enable_autograd_cache=False):
         real = GraphLowering._compile_to_module_lines
         GraphLowering._compile_to_module_lines = _load
