@@ -54,7 +54,8 @@ def _load(graph, wrapper_code):
         setattr(mod, f"empty_strided_{device}", _alloc(device))
     # a view, as the wrapper's C++ helper makes it, but dispatched (fake tensors have no data pointer)
     mod.reinterpret_tensor = lambda t, size, stride, offset: t.as_strided(size, stride, offset)
-    for k, v in {**graph.constants, **graph.torchbind_constants}.items():
+    for k, v in {**graph.constants, **graph.torchbind_constants,
+                 **getattr(graph, "opaque_value_type_classes", {})}.items():  # the attributes inductor's loader sets
         setattr(mod, k, v)
     mod.call = _real_inputs_allowed(mod.call)
     return mod
