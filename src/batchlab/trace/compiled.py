@@ -109,9 +109,13 @@ def _partition(joint, joint_inputs, **kwargs):
 
     # compiler="inductor": the partitioner's set of ops it may recompute in backward, as inductor's compile_fx
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+    _partitioned(fw, bw, kwargs)
+    return fw, bw
+
+
+def _partitioned(fw, bw, kwargs) -> None:
     for listener in PARTITIONS:  # formula terms for compiled code read what the forward saves (trace/compiled_terms.py)
         listener.append((fw, kwargs["num_fwd_outputs"]))
-    return fw, bw
 
 
 _RULES_SET = []
@@ -218,7 +222,7 @@ def _estimate(cfg: RunConfig, why: str | None, kwargs: dict):
 
     if why is None:
         try:
-            result, counted = _traced(cfg, inductor, kernels_not_built(), **kwargs)
+            result, counted = _traced(cfg, inductor, kernels_not_built(_partitioned), **kwargs)
             notes = [PLAN_NOTE.format(mode=cfg.compile.value), counted]
             return dataclasses.replace(result, notes=[*notes, *result.notes])
         except Exception as e:  # noqa: BLE001 - any failure of inductor's plan falls back (and says why)

@@ -77,23 +77,35 @@ def _real_inputs_allowed(call):
 
 
 @contextlib.contextmanager
-def kernels_not_built():
+def kernels_not_built(on_partition=None):
     """Within: inductor compiles as usual up to its wrapper's source, which loads with no-op kernels (``_load``).
     Its graph caches are off, so nothing compiled here is stored or served to a real compile later (backward
-    graphs compile lazily, at the first backward: keep the whole traced update inside)."""
+    graphs compile lazily, at the first backward: keep the whole traced update inside).  ``on_partition(fw, bw,
+    kwargs)`` sees each partition inductor's min-cut partitioner makes (after inductor's joint-graph passes)."""
     import torch._functorch.config as functorch_config
+    import torch._inductor.compile_fx as compile_fx
     import torch._inductor.config as inductor_config
     from torch._inductor.graph import GraphLowering
+
+    partitioner = compile_fx.min_cut_rematerialization_partition
+
+    def partition(joint, joint_inputs, **kwargs):
+        fw, bw = partitioner(joint, joint_inputs, **kwargs)
+        if on_partition is not None:
+            on_partition(fw, bw, kwargs)
+        return fw, bw
 
     # one thread: no kernel is built, so no compile workers are started
     with inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False, compile_threads=1), \
             functorch_config.patch(enable_autograd_cache=False):
         real = GraphLowering._compile_to_module_lines
         GraphLowering._compile_to_module_lines = _load
+        compile_fx.min_cut_rematerialization_partition = partition
         try:
             yield
         finally:
             GraphLowering._compile_to_module_lines = real
+            compile_fx.min_cut_rematerialization_partition = partitioner
 
 
 def inductor(gm, example_inputs):
