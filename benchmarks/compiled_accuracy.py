@@ -1,5 +1,6 @@
 """Compiled runs (``--compile blocks``, inductor, CPU): the formula's compiled terms and the compiled trace against
-measured peaks, for the built-in GPT, two Hugging Face families and a factory, AC none / full / selective-op.
+measured peaks, for the built-in GPT, two Hugging Face families and a factory, AC none / full / selective-op, and
+torch.compile's activation_memory_budget (--ac budget:F) on the built-in GPT and GPT-2.
 
 The measured figures are slow (an inductor compile per config, 30-60 s here) and are kept in
 benchmarks/compiled_measured.json; ``--measure`` (re)measures them, otherwise the page is written from that file.
@@ -48,6 +49,9 @@ SHAPES = {"GPT tiny, 2 layers": (128, 4), "hf:gpt2, 2 layers, h 128": (128, 4),
           "hf:llama, 2 layers, h 128, GQA": (96, 4), "factory (GPT), 3 layers, h 96": (80, 6)}
 POLICIES = ("none", "full", "selective-op")
 WHOLE_MODEL = (("GPT tiny, 2 layers", "none"), ("GPT tiny, 2 layers", "full"))  # also measured with --compile model
+# torch.compile's activation_memory_budget (--ac budget:F): no checkpoint region, the partitioner's knapsack recomputes
+BUDGETS = ("budget:0", "budget:0.3", "budget:0.6", "budget:1")
+BUDGET_MODELS = ("GPT tiny, 2 layers", "hf:gpt2, 2 layers, h 128")
 
 
 def config(name: str, ac: str, mode: str = "blocks"):
@@ -69,7 +73,8 @@ def grid():
     """(model, AC, compile mode) of every row."""
     return ([(n, ac, "blocks") for n in MODELS for ac in POLICIES] + [(n, ac, "model") for n, ac in WHOLE_MODEL]
             + [(n, ac, "blocks") for n in OTHERS for ac in ("none", "selective-op")]
-            + [(n, ac, "blocks") for n in UNLISTED for ac in ("full", "selective-op")])
+            + [(n, ac, "blocks") for n in UNLISTED for ac in ("full", "selective-op")]
+            + [(n, ac, "blocks") for n in BUDGET_MODELS for ac in BUDGETS] + [(BUDGET_MODELS[0], BUDGETS[1], "model")])
 
 
 def measure_all() -> None:
@@ -139,7 +144,8 @@ def page(rs) -> str:
                      f"{r['terms']} | "
                      f"{r['formula']:,} | {err(r['formula'], r['measured']):+.1%} | "
                      + (f"{t:,} | {err(t, r['measured']):+.1%} |" if t is not None else "- | - |"))
-    errs = [abs(err(r["formula"], r["measured"])) for r in rs]
+    policies = [r for r in rs if not r["ac"].startswith("budget:")]
+    errs = [abs(err(r["formula"], r["measured"])) for r in policies]
     traced = [(r, abs(err(r["trace"], r["measured"]))) for r in rs if r.get("trace") is not None]
     if traced:
         unlisted = [e for r, e in traced if r["name"] in UNLISTED]
@@ -152,10 +158,21 @@ def page(rs) -> str:
                   "(Llama's graph break) keeps the CPU generator's state for its recompute (5,056 B per block), which "
                   "the eager trace does not count."]
     if errs:
-        lines += ["", f"Formula: mean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%} over {len(errs)} configs.",
+        lines += ["", f"Formula: mean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%} over {len(errs)} configs "
+                  "with a checkpointing policy or none.",
                   "", "transformers' Llama does not compile under activation checkpointing here (a graph break: the "
                   "checkpoint's forward mutates a context variable), so its checkpointed blocks run eagerly, and the "
                   "formula uses its eager terms (the derivation finds no partition for them)."]
+    budget = [r for r in rs if r["ac"].startswith("budget:")]
+    if budget:
+        traced = [err(r["trace"], r["measured"]) for r in budget if r.get("trace") is not None]
+        lines += ["", "`budget:F` rows: torch.compile's `activation_memory_budget` (docs/how-to/compile.md). The "
+                  "formula is the knob's line, each block's input plus F of the rest of its default partition's "
+                  "saved bytes, which the partitioner's knapsack keeps within (it picks the tensors by FLOPs): a "
+                  "bound on the saved bytes, not a prediction of the peak"
+                  + (f". Trace: {min(traced):+.1%} to {max(traced):+.1%} over {len(traced)} rows: what the forward "
+                     "saves is the solver's own choice, and inductor's plan fuses what the backward recomputes as it "
+                     "fuses a checkpoint's." if traced else ".")]
     return "\n".join(lines) + "\n"
 
 

@@ -149,7 +149,7 @@ def command_for(run: dict, gaps: list[str]) -> list[str]:
     """``batchlab estimate ...`` as a user types it for the run: the runs file's model part (``cli``), then the
     shape, parallelism, precision, AC, loss and device flags from its fields; what no flag expresses goes to
     ``gaps`` (mapped to the nearest setting)."""
-    if run["precision"] in PRECISION_GAP:
+    if run["precision"] in PRECISION_GAP and not run.get("fp8"):
         gaps.append(PRECISION_GAP[run["precision"]])
     if run["sharding"] in SHARDING_GAP:
         gaps.append(SHARDING_GAP[run["sharding"]])
@@ -170,6 +170,8 @@ def command_for(run: dict, gaps: list[str]) -> list[str]:
             "--device", device_for(run["gpu"])]
     if state is not None:
         argv += ["--optimizer-bytes", str(state)]
+    if run.get("fp8"):  # the recipe (config/fp8.py) the run's Float8 converter names
+        argv += ["--fp8", run["fp8"]]
     return argv
 
 

@@ -62,3 +62,20 @@ def test_torchtitans_rms_norm_is_one_kernel_each_way_on_a_gpu():
     assert not [o for o in hf if o.name.startswith("_fused_rms_norm")]
     assert sum(o.bytes * o.count for o in micro_batch_ops(tt) if o.cost_class.value != "matmul") < \
         sum(o.bytes * o.count for o in hf if o.cost_class.value != "matmul")
+
+
+def test_attention_dropout_stays_in_the_fused_kernel_on_a_gpu():
+    """FlashAttention draws its dropout mask inside the kernel (Dao 2023, FlashAttention-2, sec. 3.1), and CUDA SDPA
+    takes dropout_p on its flash path: no s x s tensor is written; on CPU dropout sends SDPA to the math path."""
+    from batchlab.formula.oplist import micro_batch_ops
+
+    cfg = RunConfig(model=preset("gpt2", layers=2, attention="sdpa", dropout=0.1), seq=1024, micro_batch=2,
+                    precision="bf16-mixed", device="a100-80gb")
+    ops = micro_batch_ops(cfg)
+    fused = [o for o in ops if o.name == "_scaled_dot_product_flash_attention"]
+    # by hand: QK^T and PV, 2 x 2·b·s²·h FLOPs = 4 x 2 x 1024² x 768 = 6,442,450,944 per layer, 2 layers
+    assert sum(o.flops * o.count for o in fused) == 2 * 6_442_450_944
+    score_elements = 12 * 1024 * 1024 * 2  # a·s·s·b
+    assert not [o for o in ops if o.elements == score_elements]
+    cpu = micro_batch_ops(cfg.replace(device="cpu"))
+    assert [o for o in cpu if o.elements == score_elements and o.name == "_softmax"]

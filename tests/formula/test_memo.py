@@ -54,7 +54,7 @@ CHANGES = {
     "precision": dict(precision="bf16-mixed"), "optimizer": dict(optimizer="sgd"), "ac": dict(ac="full"),
     "loss": dict(loss="chunked:4"), "zero": dict(dp=2, zero=1), "device": dict(device="h100-sxm"),
     "memory_budget": dict(memory_budget=2**20), "data": dict(data="padded"), "seed": dict(seed=3),
-    "compile": dict(compile="blocks"),
+    "compile": dict(compile="blocks"), "fp8": dict(device="h100-sxm", precision="bf16-mixed", fp8="te"),
     "assumptions": dict(op_overhead_seconds=1e-5), "sharding": dict(dp=2, sharding="deepspeed-zero2"),
     "tp": dict(tp=2), "sequence_parallel": dict(tp=2, sequence_parallel=True), "pp": dict(pp=2),
     "pp_schedule": dict(pp=2, pp_schedule="gpipe"), "pp_virtual": dict(pp=2, pp_schedule="interleaved-1f1b", pp_virtual=2),

@@ -125,11 +125,11 @@ def test_estimate_json_reports_the_layout_per_stage_and_the_bubble():
 
 
 @pytest.mark.parametrize("sharding,parts", [
-    # llama-2-7b, 6,738,415,616 parameters over DP 8: the reduce bucket min(5e8, N) elements x 2 bytes = 1e9 bytes
+    # llama-2-7b, 6,738,415,616 parameters over DP 8: the reduce bucket 5e8 elements x 2 bytes = 1e9 bytes
     # (two with stage 3's overlap_comm); the fp32 gradient partition 4 x N / 8 = 3,369,207,808 bytes at the step;
-    # stage 3's prefetch 5e7 elements x 2 bytes = 1e8 bytes
+    # stage 3's gathered parameters up to stage3_max_live_parameters, 1e9 elements x 2 bytes = 2e9 bytes
     ("deepspeed-zero1", {"deepspeed reduce bucket": 10**9, "deepspeed fp32 gradient partition": 3_369_207_808}),
-    ("deepspeed-zero3", {"deepspeed reduce bucket": 2 * 10**9, "deepspeed prefetch bucket": 10**8,
+    ("deepspeed-zero3", {"deepspeed reduce bucket": 2 * 10**9, "deepspeed live parameters": 2 * 10**9,
                          "deepspeed fp32 gradient partition": 3_369_207_808}),
 ])
 def test_deepspeed_buffers_at_its_config_defaults(sharding, parts):
@@ -141,3 +141,39 @@ def test_deepspeed_buffers_at_its_config_defaults(sharding, parts):
     assert sum(e.memory.at_peak.values()) == e.memory.peak_tensor_bytes
     pytorch = estimate(RunConfig(**LLAMA, seq=2048, accum=2, ac="full", dp=8, zero=int(sharding[-1])))
     assert not any(k.startswith("deepspeed") for k in pytorch.memory.at_peak)
+
+
+def test_deepspeeds_reduce_bucket_is_its_configured_size_even_for_a_small_model():
+    # stage_1_and_2.py backward(): torch.empty(int(self.reduce_bucket_size), dtype=self.dtype): 5e8 elements x 2 bytes
+    # of fp16 = 1e9 bytes, though the built-in GPT has under a million parameters; ZeRO-3 gathers all of them
+    # (under stage3_max_live_parameters): the 16-bit model, 2 bytes each
+    from batchlab.formula.params import count
+
+    cfg = RunConfig(seq=64, micro_batch=2, dp=2, sharding="deepspeed-zero3", precision="fp16-mixed", device="a100-80gb")
+    rank = share(cfg, 0)
+    assert resident_buffers(cfg, rank) == {"deepspeed reduce bucket": 2 * 10**9}
+    assert prefetch_buffers(cfg, rank) == {"deepspeed live parameters": 2 * count(cfg.model).total}
+
+
+def test_deepspeed_zero1_sends_16_bit_gradients_and_weights_and_hides_none_of_it():
+    # GPT-2 124,439,808 parameters (Hugging Face num_parameters()), fp16 under DeepSpeed, DP 2 on A100s' NVLink
+    # (300 GB/s each way, the A100 datasheet): a reduce-scatter of the 16-bit gradients at the accumulation boundary
+    # and an all-gather of the 16-bit weights after the step, each (n-1)/n x 248,879,616 B / 300 GB/s = 0.41480 ms
+    # (nccl-tests PERFORMANCE.md); overlap_comm is off by default below stage 3, so nothing is hidden
+    from batchlab.config import preset
+
+    cfg = RunConfig(model=preset("gpt2"), seq=1024, micro_batch=4, accum=2, dp=2, sharding="deepspeed-zero1",
+                    precision="fp16-mixed", device="a100-80gb")
+    t = estimate(cfg).time
+    assert t.collective_bytes["reduce_scatter"] == t.collective_bytes["all_gather"] == 248_879_616
+    assert t.allreduce_seconds == pytest.approx(2 * 0.41480e-3, rel=1e-3)
+    assert t.exposed_comm_seconds == pytest.approx(t.allreduce_seconds)
+
+
+def test_deepspeed_zero2_keeps_no_reduce_stream_pool_at_its_default_config():
+    # stage_1_and_2.py average_tensor: with overlap_comm off (its default below stage 3) the reduction runs on the
+    # current stream, so no second stream's pool caches the gradient shards, as FSDP2's foreach_reduce stream does
+    # (its 16-bit gradient partition is smaller than the fp32 shards FSDP2's pool would hold: the case it priced)
+    ds = estimate(RunConfig(**dict(LLAMA, precision="fp16-mixed"), seq=2048, accum=2, dp=8,
+                            sharding="deepspeed-zero2"))
+    assert not [k for k in ds.memory.reserved_parts if "stream" in k]

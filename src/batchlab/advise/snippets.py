@@ -159,7 +159,11 @@ def torchtitan_toml(cfg: RunConfig) -> str:
         notes.append(f"precision {cfg.precision}: torchtitan's mixed_precision_param is bfloat16 or float32")
     single = cfg.ac.single
     ac: dict[str, Any] = {"mode": single.torchtitan[0] if single is not None else "selective"}
-    if single is not None:  # the catalogue entry's torchtitan setting (config/acpolicies.py)
+    if cfg.ac.budget is not None:  # torchtitan sets torch._functorch.config.activation_memory_budget from it
+        ac = {"mode": "memory_budget", "memory_budget": cfg.ac.budget}
+        notes.append("mode = \"memory_budget\" needs the model compiled: [compile] enable = true, components = "
+                     "[\"model\"]")
+    elif single is not None:  # the catalogue entry's torchtitan setting (config/acpolicies.py)
         if single.torchtitan[1] is not None:
             ac["selective_ac_option"] = single.torchtitan[1]
         if not single.torchtitan_exact:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from batchlab.advise import torch_script_parallel as parallel
-from batchlab.config import AC_POLICIES, Applied, Precision, RunConfig, optimizer_spec
+from batchlab.config import AC_POLICIES, Applied, CompileMode, Precision, RunConfig, optimizer_spec
 
 STAND_IN_BEGIN = "# >>> stand-in model, data and loss: replace with yours (keep model.layers, the list of blocks)"
 STAND_IN_END = "# <<< end of the stand-in"
@@ -128,6 +128,8 @@ def _imports(cfg: RunConfig) -> list[str]:
         out.append("from torch.nn.parallel import DistributedDataParallel as DDP")
         if cfg.parallel.stage == 1:
             out.append("from torch.distributed.optim import ZeroRedundancyOptimizer")
+    if cfg.ac.budget is not None:  # torch.compile's partitioner settings: imported on their own
+        out.append("import torch._functorch.config")
     return out + _ac_imports(cfg) + [f"from torch.utils.data import {_samplers(cfg)}"]
 
 
@@ -203,6 +205,20 @@ def _checkpointing(cfg: RunConfig) -> list[str]:
     out += [f"for i in range(0, len(model.layers){step}):  # {cfg.ac}: {which}; the config has {n} layers",
             f"    model.layers[i] = Checkpointed(model.layers[i]{', ' + context if context else ''})"]
     return out
+
+
+def _compiling(cfg: RunConfig) -> list[str]:
+    """torch.compile as --compile names it (after checkpointing, as torchtitan orders them), and budget:F's knob:
+    torch.compile's partitioner reads it when each graph compiles (at its first call)."""
+    if cfg.compile is CompileMode.NONE:
+        return []
+    out = [""]
+    if cfg.ac.budget is not None:
+        out += [f"# {cfg.ac}: of what each compiled graph saves beyond its inputs, at most this fraction is kept",
+                f"torch._functorch.config.activation_memory_budget = {cfg.ac.budget:g}"]
+    if cfg.compile is CompileMode.BLOCKS:
+        return out + ["for layer in model.layers:  # --compile blocks: each block on its own", "    layer.compile()"]
+    return out + ["model.compile()  # --compile model: the whole model, one compiled module"]
 
 
 def _devices(cfg: RunConfig) -> list[str]:
@@ -320,8 +336,8 @@ def training_script(cfg: RunConfig) -> str:
               "torch.manual_seed(0)  # the same stand-in weights and data on every rank"]
     body = [STAND_IN_BEGIN, _STAND_IN.format(layers=cfg.model.layers, heads=heads, heads_why=why), STAND_IN_END, ""]
     if not layered:
-        parts = [head, _imports(cfg), [""], consts, [""], body, _checkpointing(cfg), [""], _devices(cfg),
-                 _wrap(cfg), _loader(cfg), [""], _loop(cfg)]
+        parts = [head, _imports(cfg), [""], consts, [""], body, _checkpointing(cfg), _compiling(cfg), [""],
+                 _devices(cfg), _wrap(cfg), _loader(cfg), [""], _loop(cfg)]
     else:  # tensor parallelism on the plain blocks, then checkpointing, then the pipeline cut and the DP dimension
         cls, kw = _optimizer_class(cfg)
         half = _AUTOCAST.get(cfg.precision)

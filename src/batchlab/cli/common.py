@@ -20,7 +20,8 @@ AC_HELP = ("Activation checkpointing: none, full, every:K (= torchtitan selectiv
            + "".join(f"{m} ({s.label}), " for m, s in AC_POLICIES.items() if s.selective) +
            "or a per-layer plan: 'plan:full*2,selective*4,none*2' (POLICY or POLICY*N per run of layers, first layer "
            "first, covering every layer; quote it in a shell) or plan:FILE (.json/.toml with per_layer, as fit "
-           "writes it); batchlab fit takes auto: the cheapest plan that fits the memory. "
+           "writes it); batchlab fit takes auto: the cheapest plan that fits the memory; with --compile, budget:F "
+           "(torch.compile's activation_memory_budget, 0 <= F <= 1). "
            "Recomputes activations during backward "
            "to save memory inside one step (trades compute for memory). NOT the training checkpoint saved to disk.")
 
@@ -81,6 +82,9 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "compile": (str, "none", "torch.compile: none, model (the whole model) or blocks (each transformer block after "
                              "AC wrapping, as torchtitan). Measured with inductor; traced by AOTAutograd's min-cut "
                              "partitioner on fake tensors (estimate --trace); the formula does not model it yet."),
+    "fp8": (str, "none", "FP8 GEMMs in the blocks' linear layers (formula only; a device with FP8 tensor cores): "
+                         "none, tensorwise, tensorwise-allgather (FSDP2's fp8 all-gather) or rowwise (torchao "
+                         "Float8Linear), te (Transformer Engine)."),
     "achievable_fraction": (Optional[float], None, "Fraction of peak FLOP/s kernels reach (default: the device's "
                                                    "published figure, named in the assumptions)."),
     "comm_overlap": (Optional[float], None, "Fraction of communication hidden behind compute (default: the "
@@ -203,7 +207,7 @@ def with_goal_profile(goal, after_oom: bool = False):
 
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "loss", "zero", "device", "memory_budget",
-             "data", "seed", "tp", "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "compile")
+             "data", "seed", "tp", "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "compile", "fp8")
 
 
 def _accum_for(global_batch: int, micro_batch: int, dp: int, accum: int | None) -> int:
@@ -223,7 +227,7 @@ def _config_from_flags(**o: Any) -> RunConfig:
         accum = _accum_for(gb, mb, dp, accum)
     budget = o.get("memory_budget")
     given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "loss", "zero", "device", "data", "seed", "tp",
-                               "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "sharding", "compile")
+                               "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "sharding", "compile", "fp8")
              if o.get(k) is not None}
     default = Assumptions()
     assumptions = Assumptions(achievable_fraction=o.get("achievable_fraction", default.achievable_fraction),

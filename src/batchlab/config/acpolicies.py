@@ -33,6 +33,8 @@ class ACMode(Choice):
     # keep every attention-side tensor, recompute the MLP: each block's mlp submodule under checkpoint
     SELECTIVE_MLP = "selective-mlp"
     PLAN = "plan"  # ACPolicy's per-layer plan (config/layerplan.py), no entry of its own
+    # ACPolicy's budget:F: torch.compile's partitioner chooses the recompute (no checkpoint region, no entry)
+    BUDGET = "budget"
 
     @property
     def spec(self) -> "ACPolicySpec":
@@ -63,6 +65,9 @@ class Applied(enum.Enum):
 SDPA_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
 MATMULS = ("mm", "addmm")  # a linear layer (with or without bias) on a 2-D view
+# torchtitan's SAC save list names the FP8 GEMM beside mm (torchtitan/distributed/activation_checkpoint.py,
+# _save_list: torch.ops.aten._scaled_mm.default): --fp8's GEMMs are served from the cache alike
+CACHED_MATMULS = MATMULS + ("_scaled_mm",)
 SOFTMAX = ("_softmax", "_safe_softmax")  # eager attention's, and SDPA's math path (CPU with dropout)
 
 
@@ -110,7 +115,7 @@ AC_POLICIES: dict[ACMode, ACPolicySpec] = {s.mode: s for s in (
                  torchtitan=("none", None), torchtitan_exact=True),
     ACPolicySpec(ACMode.SELECTIVE_OP, "torchtitan op: SDPA outputs and matmuls 1, 3, 5, ... kept",
                  Applied.SAVE_OPS, "selective_op_bytes", "selective_op_flops", saved_ops=SDPA_KERNELS,
-                 alternate_ops=MATMULS, cached_in_recompute=MATMULS, torchtitan_exact=True,
+                 alternate_ops=MATMULS, cached_in_recompute=CACHED_MATMULS, torchtitan_exact=True,
                  aliases=("op", "torchtitan-op"),
                  script_policy='''\
 def every_other_matmul(counts):
@@ -126,7 +131,7 @@ def every_other_matmul(counts):
 
 ''', script_context='lambda: create_selective_checkpoint_contexts(every_other_matmul({"forward": 0, "recompute": 0}))'),
     ACPolicySpec(ACMode.MEGATRON, "Megatron core_attn: the attention core recomputed", Applied.ATTENTION_CORE,
-                 "megatron_bytes", "attention_core_flops", cached_in_recompute=MATMULS, needs_sdpa=True,
+                 "megatron_bytes", "attention_core_flops", cached_in_recompute=CACHED_MATMULS, needs_sdpa=True,
                  aliases=("megatron", "core-attn"),
                  # the printed script's equivalent: a selective policy recomputing the fused kernel only
                  script_policy='''\
@@ -135,7 +140,7 @@ def attention_core_only(ctx, op, *args, **kwargs):  # recompute the attention co
 
 ''', script_context="lambda: create_selective_checkpoint_contexts(attention_core_only, allow_cache_entry_mutation=True)"),
     ACPolicySpec(ACMode.SELECTIVE, "every matmul output kept", Applied.SAVE_OPS, "selective_bytes",
-                 "attention_core_flops", saved_ops=MATMULS, in_ladder=True, cached_in_recompute=MATMULS, profile_term="selective",
+                 "attention_core_flops", saved_ops=MATMULS, in_ladder=True, cached_in_recompute=CACHED_MATMULS, profile_term="selective",
                  script_policy='''\
 def keep_matmuls(ctx, op, *args, **kwargs):  # keep every linear layer's output, recompute the rest
     return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE

@@ -4,6 +4,7 @@ Pure Python: ``local`` asks batchlab.host (nvidia-smi), not torch.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -37,11 +38,13 @@ class DeviceSpec:
     context_bytes: int = 0
     context_source: str = ""
     arch: str = ""  # volta, ampere, ada, hopper, blackwell, cdna2, cdna3, cpu: picks the cuBLAS workspace
+    peak_flops_fp8: float = 0.0  # FLOP/s, dense FP8 tensor cores; 0: the card has none (--fp8 refused)
+    fp8_source: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "backend", Backend.parse("backend", self.backend))
 
-    def peak_flops(self, precision: Precision) -> float:
+    def peak_flops(self, precision: Precision) -> float:  # the 16-bit or fp32 rate (FP8: peak_flops_fp8)
         return self.peak_flops_fp32 if precision is Precision.FP32 else self.peak_flops_bf16
 
 
@@ -138,6 +141,23 @@ _GPUS = (
          91.6, 864, 32, 25, "tt-utils (362 TF), 91.6 TF fp32, 864 GB/s (secondary)"),
 )
 
+# Dense FP8 peaks (no 2:4 sparsity; full quotes in benchmarks/gpu_catalogue.toml).  Where no figure for the card
+# was found, the architecture's own ratio: FP8 tensor cores do twice the 16-bit dense rate on Hopper, Ada, CDNA3
+# and Blackwell (H100 SXM 1978.9 vs 989.4 TF, klockwood-h100; B200 4.5 vs 2.25 PF, pytorch/ao#4002).
+_DOUBLE = "not found for this card: 2 x its dense bf16 peak, the FP8/bf16 ratio of its architecture's datasheets"
+_FP8 = {
+    "h100-sxm": (1978.9, "klockwood-h100 (NVIDIA H100 datasheet): 'FP8 | 1978.9 | 3957.8'"),
+    "h200": (1978.9, "klockwood-h100: the H100's die ('FP8 | 1978.9 | 3957.8')"),
+    "h100-96gb": (1978.9, "as h100-sxm (an upper bound, as its bf16 peak)"),
+    "h100-pcie": (2 * 756, _DOUBLE), "h100-nvl": (2 * 835, _DOUBLE),
+    "b200": (4500, "pytorch/ao#4002 roofline_utils.py: 'fp8_peak_tops': 4.5e15"),
+    "l4": (242.5, "half of the 485 TF sparse figure (secondary: grokipedia NVIDIA_L4_vs_L40S)"),
+    "l40s": (2 * 362, _DOUBLE), "rtx-4090": (2 * 165.2, _DOUBLE + " (fp32 accumulate, as its bf16 entry)"),
+    "mi300x": (2 * 1307.4, _DOUBLE), "mi325x": (2614.9, "awesomeagents.ai MI325X table (secondary)"),
+}
+_GPUS = tuple(dataclasses.replace(g, peak_flops_fp8=_FP8[g.name][0] * T, fp8_source=_FP8[g.name][1])
+              if g.name in _FP8 else g for g in _GPUS)
+
 
 def _cpu() -> DeviceSpec:
     """This machine's CPU: its memory (host.memory_bytes()); its nominal peak read from the host, cores x clock
@@ -195,8 +215,8 @@ CUSTOM_FP32_ASSUMED = "custom; fp32 rate not given, assumed tflops/8 (give fp32_
 
 
 def _custom_device(text: str) -> DeviceSpec:
-    """``custom:mem=80GB,tflops=400,fp32_tflops=50,hbm=2e12,link=300e9,net=25e9,backend=cuda``."""
-    known = {"mem", "tflops", "fp32_tflops", "hbm", "link", "net", "backend"}
+    """``custom:mem=80GB,tflops=400,fp32_tflops=50,fp8_tflops=800,hbm=2e12,link=300e9,net=25e9,backend=cuda``."""
+    known = {"mem", "tflops", "fp32_tflops", "fp8_tflops", "hbm", "link", "net", "backend"}
     values: dict[str, str] = {}
     for part in filter(None, text.split(":", 1)[1].split(",")):
         k, _, v = part.partition("=")
@@ -206,12 +226,13 @@ def _custom_device(text: str) -> DeviceSpec:
     if "mem" not in values or "tflops" not in values:
         raise ConfigError("device", "custom device needs at least mem= and tflops=, e.g. custom:mem=80GB,tflops=400")
     rate = {k: finite_number(f"device {k}", values[k], positive=True, maximum=1e30)
-            for k in ("tflops", "fp32_tflops", "hbm", "link", "net") if k in values}  # one check: finite, > 0
+            for k in ("tflops", "fp32_tflops", "fp8_tflops", "hbm", "link", "net") if k in values}  # one check: finite, > 0
     tf = rate["tflops"] * T
     return DeviceSpec(text, Backend.parse("device", values.get("backend", "cuda")),
                       parse_bytes("device mem", values["mem"]), tf, rate.get("fp32_tflops", rate["tflops"] / 8) * T,
                       rate.get("hbm", 1e12), rate.get("link", 100e9), rate.get("net", 25e9),
-                      source="custom" if "fp32_tflops" in values else CUSTOM_FP32_ASSUMED)
+                      source="custom" if "fp32_tflops" in values else CUSTOM_FP32_ASSUMED,
+                      peak_flops_fp8=rate.get("fp8_tflops", 0.0) * T, fp8_source="custom" if "fp8_tflops" in values else "")
 
 
 @functools.lru_cache(maxsize=64)

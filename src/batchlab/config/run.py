@@ -13,16 +13,18 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from batchlab.config import layerplan
+from batchlab.config.assumptions import Assumptions
 from batchlab.config.acpolicies import ACMode, ACPolicySpec, Applied, no_recompute, whole_block
 from batchlab.config.choices import (AttentionImpl, CompileMode, ConfigError, Counted, DataKind, Implementation,
                                      ModelSource, Precision)
 from batchlab.config.optimizers import OptimizerKind
 from batchlab.config.devices import DeviceSpec, device
+from batchlab.config.fp8 import FP8Recipe, check as fp8_check
 from batchlab.config.engines import PYTORCH_ENGINE, Engine, PipelineSchedule
 from batchlab.config.losspolicy import LossPolicy
 from batchlab.config.parallel import Layout, check_degrees
 from batchlab.config.model import ModelSpec, default_ffn, preset
-from batchlab.config.values import SEED_MAX, SIZE_MAX, finite_number, parse_bytes, whole_number
+from batchlab.config.values import SEED_MAX, SIZE_MAX, parse_bytes, whole_number
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class ACPolicy:
     mode: ACMode = ACMode.NONE
     every: int = 1
     layers: tuple[ACMode, ...] = ()  # a plan's policy of each layer (mode PLAN only)
+    budget: float | None = None  # budget:F: torch.compile's activation_memory_budget (mode BUDGET only)
 
     def __post_init__(self):
         object.__setattr__(self, "mode", ACMode.parse("ac", self.mode))
@@ -50,6 +53,10 @@ class ACPolicy:
             raise ConfigError("ac", f"every:K needs K >= 1, got {self.every}")
         if self.mode is not ACMode.EVERY and self.every != 1:
             raise ConfigError("ac", "K is only meaningful for every:K")
+        if (self.mode is ACMode.BUDGET) != (self.budget is not None):
+            raise ConfigError("ac", "budget needs a fraction (budget:F, e.g. budget:0.5), and only budget takes one")
+        if self.budget is not None and not (isinstance(self.budget, (int, float)) and 0 <= self.budget <= 1):
+            raise ConfigError("ac", f"budget:F needs 0 <= F <= 1 (0: recompute from the inputs), got {self.budget!r}")
 
     @classmethod
     def parse(cls, value: Any) -> "ACPolicy":
@@ -64,19 +71,22 @@ class ACPolicy:
             return cls(ACMode.EVERY, int(m.group(1)))
         if text == "every":
             raise ConfigError("ac", "every needs a K: every:K, e.g. every:2")
+        if text.startswith("budget:"):
+            fraction = re.fullmatch(r"budget:(\d+(?:\.\d*)?|\.\d+)", text)
+            return cls(ACMode.BUDGET, budget=float(fraction.group(1)) if fraction else text[len("budget:"):])
         try:
             mode = ACMode(text)
         except ValueError:
             mode = None
         if mode is None or mode is ACMode.PLAN:
             names = ", ".join(m.value for m in layerplan.LAYER_POLICIES if m is not ACMode.NONE)
-            raise ConfigError("ac", f"{value!r} is not one of: none, every:K, {names}, plan:POLICY*N,... or "
-                                    "plan:FILE")
+            raise ConfigError("ac", f"{value!r} is not one of: none, every:K, {names}, plan:POLICY*N,..., "
+                                    "plan:FILE or budget:F")
         return cls(mode)
 
     def __str__(self) -> str:
-        if self.mode is ACMode.PLAN:
-            return f"plan:{layerplan.compact(self.layers)}"
+        if self.mode in (ACMode.PLAN, ACMode.BUDGET):
+            return f"plan:{layerplan.compact(self.layers)}" if self.layers else f"budget:{self.budget:g}"
         return f"every:{self.every}" if self.mode is ACMode.EVERY else self.mode.value
 
     @classmethod
@@ -90,8 +100,8 @@ class ACPolicy:
         return cls(ACMode.EVERY, k)
 
     @property
-    def recomputes(self) -> bool:  # anything but none: some layer may be recomputed in backward
-        return self.mode is not ACMode.NONE
+    def recomputes(self) -> bool:  # some layer is checkpointed (budget:F's recompute is the partitioner's own)
+        return self.mode not in (ACMode.NONE, ACMode.BUDGET)
 
     @property
     def every_k(self) -> int | None:  # K of every:K, else None
@@ -99,7 +109,7 @@ class ACPolicy:
 
     @property
     def single(self) -> "ACPolicySpec | None":  # the entry every layer runs when spelt as one (not every:K, a plan)
-        return None if self.mode in (ACMode.EVERY, ACMode.PLAN) else self.mode.spec
+        return None if self.mode in (ACMode.EVERY, ACMode.PLAN) else self.layer_modes(1)[0].spec
 
     def simplified(self) -> "ACPolicy":
         """A plan giving every layer one policy, as that policy (other stacks' settings can express it)."""
@@ -114,7 +124,7 @@ class ACPolicy:
         if self.mode is ACMode.EVERY:
             full, none = whole_block(), no_recompute()
             return tuple(full if i % self.every == 0 else none for i in range(n_layers))
-        return (self.mode,) * n_layers
+        return (no_recompute() if self.mode is ACMode.BUDGET else self.mode,) * n_layers  # budget:F wraps none
 
     def wrapped_layers(self, n_layers: int) -> tuple[int, ...]:
         """Indices of the layers whose whole block is recomputed in backward."""
@@ -126,48 +136,6 @@ class ACPolicy:
     def selective_kinds(self, n_layers: int) -> dict[ACMode, int]:
         """{selective mode: layers under it}, in the order the layers first use them."""
         return dict(Counter(m for m in self.layer_modes(n_layers) if m.spec.selective))
-
-
-@dataclass(frozen=True)
-class Assumptions:
-    """The calculator's stated assumptions (printed with every estimate)."""
-
-    # of peak FLOP/s reached by real kernels (HFU-like); None: the device's published default (formula/efficiency.py)
-    achievable_fraction: float | None = None
-    comm_overlap: float | None = None  # fraction of communication hidden; None: the engine's overlap model
-    # a fixed caching-allocator slack on top of tensor bytes; None: formula/allocator.py's model of it
-    allocator_margin: float | None = None
-    optimizer_bytes_per_param: float | None = None  # overrides the optimizer's own state size
-    op_overhead_seconds: float | None = None  # fixed cost per op (dispatch/launch); None: the backend's default
-    # False: the loop zeroes .grad in place (zero_grad(set_to_none=False): PyTorch < 2.0's default, and what
-    # Hugging Face's Trainer called then), so last update's gradients are live through forward
-    zero_grad_set_to_none: bool = True
-    # "MAJOR.MINOR" of the PyTorch the run used, where older autograd formulas kept more; None: a current one
-    torch_version: str | None = None
-
-    def torch_before(self, major: int, minor: int) -> bool:
-        """The run's PyTorch is older than MAJOR.MINOR (False when no version is given: a current one)."""
-        if self.torch_version is None:
-            return False
-        have = tuple(int(x) for x in str(self.torch_version).split("."))
-        return have < (major, minor)
-
-    def __post_init__(self):
-        for name, lo, hi in (("achievable_fraction", 0.0, 1.0), ("comm_overlap", 0.0, 1.0),
-                             ("allocator_margin", 0.0, 1.0)):
-            v = getattr(self, name)
-            if v is None:
-                continue
-            if not isinstance(v, (int, float)) or not (lo <= v <= hi) or (name == "achievable_fraction" and v == 0):
-                raise ConfigError(name, f"must be a fraction in ({lo}, {hi}], got {v!r}")
-        if self.optimizer_bytes_per_param is not None:
-            finite_number("optimizer_bytes_per_param", self.optimizer_bytes_per_param, minimum=0, maximum=1e6)
-        if self.torch_version is not None and not re.fullmatch(r"\d+\.\d+", str(self.torch_version)):
-            raise ConfigError("torch_version", f"must be MAJOR.MINOR such as 1.10, got {self.torch_version!r}")
-        if not isinstance(self.zero_grad_set_to_none, bool):
-            raise ConfigError("zero_grad_set_to_none", f"must be true or false, got {self.zero_grad_set_to_none!r}")
-        if self.op_overhead_seconds is not None and not (0 <= self.op_overhead_seconds < 1):
-            raise ConfigError("op_overhead_seconds", "must be seconds in [0, 1)")
 
 
 # Fields users may name in --change / --vary / replace(); model fields route into ModelSpec.
@@ -205,6 +173,7 @@ class RunConfig:
     data: DataKind = DataKind.FIXED  # fixed (full-length sequences) or padded (padding is not useful work)
     seed: int = 0  # the seed of the measured runs' weights and data
     compile: CompileMode = CompileMode.NONE  # torch.compile: none, the whole model, or each block (after AC)
+    fp8: FP8Recipe = FP8Recipe.NONE  # the blocks' linear layers as FP8 GEMMs (config/fp8.py; formula only)
     assumptions: Assumptions = field(default_factory=Assumptions)  # the time model's and allocator's assumptions
 
     def __post_init__(self):
@@ -215,6 +184,7 @@ class RunConfig:
         set_(self, "loss", LossPolicy.parse(self.loss))
         set_(self, "data", DataKind.parse("data", self.data))
         set_(self, "compile", CompileMode.parse("compile", self.compile))
+        set_(self, "fp8", FP8Recipe.parse("fp8", self.fp8))
         for name in ("seq", "micro_batch", "accum", "dp"):
             whole_number(name, getattr(self, name), maximum=SIZE_MAX)
         if not isinstance(self.model_source, str) or not self.model_source:
@@ -242,10 +212,14 @@ class RunConfig:
         if sdpa_only and self.model.attention is not AttentionImpl.SDPA and self.model.impl is not Implementation.MEGATRON:
             raise ConfigError("ac", f"{sdpa_only[0]} recomputes the fused attention call: it needs "
                                     "--attention sdpa (eager attention has no single attention-core call)")
+        if self.ac.mode is ACMode.BUDGET and self.compile is CompileMode.NONE:
+            raise ConfigError("ac", f"ac={self.ac} needs --compile model|blocks: the knob is read by torch.compile's "
+                                    "partitioner")
         if self.ac.mode is ACMode.EVERY and self.ac.every > self.model.layers:
             raise ConfigError("ac", f"every:{self.ac.every} asks for K > layers ({self.model.layers})")
         spec = device(self.device)  # raises on an unknown device
         set_(self, "device", spec.name)
+        fp8_check(self)
         if self.memory_budget is not None:
             set_(self, "memory_budget", parse_bytes("memory_budget", self.memory_budget))
             whole_number("memory_budget", self.memory_budget)
@@ -284,7 +258,7 @@ class RunConfig:
         """Whether the training forward builds transformers' KV cache: the model config's use_cache, off when a layer
         is recomputed, as transformers turns it off (with a warning) under gradient checkpointing: a cache written
         in the recompute would be written twice."""
-        return self.model.kv_cache and self.ac.simplified().mode is ACMode.NONE
+        return self.model.kv_cache and not self.ac.simplified().recomputes
 
     @property
     def model_kind(self) -> ModelSource:

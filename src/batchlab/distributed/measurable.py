@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchlab.config import ConfigError, Implementation, LossMode, ModelSource, Precision, RunConfig
+from batchlab.config import CompileMode, ConfigError, Implementation, LossMode, ModelSource, Precision, RunConfig
 
 
 def applies(cfg: RunConfig) -> bool:
@@ -32,6 +32,9 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError("sharding", f"{layout.engine.value} is priced by the formula only ({runner} is not run "
                                       "here): measure its PyTorch counterpart, --zero "
                                       f"{layout.engine_spec.stage}, or use `batchlab estimate`")
+    if cfg.compile is not CompileMode.NONE and layout.world_size > 1:  # models/compiled.py refuses it in a rank too
+        raise ConfigError("compile", "a compiled run is measured and traced in one process for now (DP = 1); "
+                                     "compiled DDP/FSDP runs are future work")
     if not applies(cfg):
         return
     if layout.pipelined and not _builtin(cfg) and cfg.model_kind is not ModelSource.HF:

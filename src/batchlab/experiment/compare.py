@@ -115,6 +115,9 @@ def _formula(sides: Sides, token_budget: int, threads: int | None = None
     if sides.a.compile is not sides.b.compile:  # the time model prices eager ops: no fused kernels, no time verdict
         pred = {m: p for m, p in pred.items() if m in (Metric.PEAK_MEMORY, Metric.OOM)}
         reason = "no formula time prediction: the time model does not see compiled code's fused kernels yet"
+    elif sides.a.ac.budget is not None or sides.b.ac.budget is not None:  # the partitioner's recompute is unpriced
+        pred = {m: p for m, p in pred.items() if m in (Metric.PEAK_MEMORY, Metric.OOM)}
+        reason = "no formula time prediction: the time model does not price what budget:F recomputes"
     from batchlab.formula.attribution import attribute
 
     att = attribute(ea.time, eb.time)

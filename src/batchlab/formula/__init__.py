@@ -125,7 +125,8 @@ def layout_notes(cfg: RunConfig) -> tuple[str, ...]:
         notes.append(f"{lay.engine.value}: model states, phases and collectives priced as PyTorch's "
                      f"ZeRO-{lay.engine_spec.stage} engine, plus DeepSpeed's own buffers at its config defaults "
                      "(formula/deepspeed.py: reduce bucket 5e8 elements, fp32 gradient partition at the step"
-                     + (", stage-3 prefetch 5e7 elements" if lay.engine_spec.stage == 3 else "")
+                     + (", stage 3 up to 1e9 gathered parameters (stage3_max_live_parameters)" if lay.engine_spec.stage == 3
+                        else "")
                      + "); stage 1 and 2 keep the whole 16-bit weights; DeepSpeed's engine itself is not measured here")
     if lay.engine_spec.megatron:
         notes.append(f"{lay.engine.value}: Megatron-Core's model states (Megatron-LM README: 16-bit weights, an fp32 "

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from batchlab.config import ACMode, Implementation, LossMode, RunConfig
+from batchlab.config import ACMode, Applied, Implementation, LossMode, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
-from batchlab.formula import compiled
+from batchlab.formula import compiled, fp8
 from batchlab.formula.loss import LossPath, loss_path, megatron_loss_path, vocab_parallel_path
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankShare, share, sp_gathered_inputs, tp_kept_bytes
@@ -57,6 +57,11 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
         per_mode[mode] = tp_kept_bytes(mode, parts, one_rank[mode], rank, gathered)
     kept = [per_mode[modes[i]] for i in rank.layers]
     full_rank = tp_kept_bytes(ACMode.NONE, parts, full, rank, gathered)
+    cut = fp8.saved_input_cut(cfg, act.Widths.of(p, backend).e, rank.in_sp, rank.tp, gathered > 0)
+    if cut:  # TE keeps its linear layers' inputs in fp8, in every layer that keeps them (formula/fp8.py)
+        keeps = (Applied.NOTHING, Applied.ATTENTION_CORE)
+        kept = [k - cut if modes[i].spec.applied in keeps else k for i, k in zip(rank.layers, kept)]
+        full_rank -= cut
     if fitted is not None:  # a profile's per-layer totals, split as the built-in breakdown splits at this shape
         names = layer_policies(cfg)
         kept = [round(fitted.layer(names[i])(b, s) * k / max(one_rank[modes[i]], 1))

@@ -91,7 +91,10 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
             reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
             per_layer = rank.per_layer if rank is not None else count(cfg.model).per_layer
             parts["FSDP all-gather / reduce-scatter stream pools"] = per_layer * (e + reduce_bytes)
-        if cfg.parallel.shards_gradients:  # FSDP2 at either stage reduce-scatters through foreach_reduce
+        spec = cfg.parallel.engine_spec
+        # FSDP2 at either stage reduce-scatters through foreach_reduce on its own stream; DeepSpeed ZeRO-2 at its
+        # default overlap_comm=false reduces on the compute stream (stage_1_and_2.py average_tensor): no pool of its own
+        if cfg.parallel.shards_gradients and not (spec.deepspeed and spec.stage < 3):
             shards = sum(unit_elements(cfg, rank)) * reduced_bytes_per_element(cfg) // cfg.dp
             if shards > live_gradients:
                 parts["last update's gradient shards, cached in the reduce-scatter stream's pool"] = (

@@ -12,6 +12,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from batchlab.config import Backend, CompileMode, ModelSpec, Precision, RunConfig
+from batchlab.formula import checkpointing
 from batchlab.formula.activations import Impl, implementation
 
 # families whose code the harness runs in place of another's (models/__init__.py STAND_IN); torchtitan's Llama has
@@ -66,7 +67,10 @@ def applies(cfg: RunConfig) -> bool:
 
 def _same_partition(cfg: RunConfig, names: tuple[str, ...]) -> bool:
     """The terms are one block's partition: a whole-model graph (--compile model) partitions its blocks alike
-    without recompute, not with it (measured on the built-in GPT: AC none +3.5%, full -13%)."""
+    without recompute, not with it (measured on the built-in GPT: AC none +3.5%, full -13%); under budget:F its
+    knapsack weighs every block's tensors together, and at 0 it recomputes the whole model from its inputs."""
+    if cfg.ac.budget is not None:
+        return cfg.compile is CompileMode.BLOCKS
     return cfg.compile is CompileMode.BLOCKS or set(names) == {"none"}
 
 
@@ -96,7 +100,24 @@ def kept_per_layer(cfg: RunConfig) -> tuple[tuple[int, ...], int]:
     names = _policies(cfg)
     assert names is not None
     each = {p: layer_bytes(cfg, p) for p in set(names) | {"none"}}
+    if cfg.ac.budget is not None:
+        return (budget_bytes(cfg, each["none"]),) * cfg.model.layers, each["none"]
     return tuple(each[p] for p in names), each["none"]
+
+
+def budget_bytes(cfg: RunConfig, default: int) -> int:
+    """What one block keeps under budget:F, F·(default − inputs) above its inputs.  The knob's definition
+    (torch/_functorch/partitioners.py ``choose_saved_values_set``): at 0 the partition saves the graph's inputs,
+    at 1 the default min-cut's set, in between a 0-1 knapsack (``_optimize_runtime_with_given_memory``, values:
+    each op's FLOPs) keeps (saved − inputs) / (default − inputs) within F.  Which ops it keeps follows their
+    runtimes, so these bytes are the budget's line, an upper bound where the solver's set fits within it.  The
+    parameters are in both ends (backward reads nearly every weight) and are taken as cancelling, which leaves the
+    block's input as the inputs' activation bytes (formula/checkpointing.py)."""
+    m = cfg.model
+    impl = implementation(cfg.model_kind, m)
+    inputs = checkpointing.block_input_bytes(m, cfg.seq, cfg.micro_batch, cfg.precision,
+                                             cfg.device_spec.backend, impl)
+    return round(inputs + Fraction(cfg.ac.budget) * (default - inputs))
 
 
 def source(cfg: RunConfig) -> str:
@@ -109,6 +130,9 @@ def source(cfg: RunConfig) -> str:
             + (f"; derived with CPU kernels and CPU autocast, not {cfg.device_spec.backend.value}'s: what its compiled "
                "block keeps can differ" if cfg.device_spec.backend is not Backend.CPU else "")
             + (f"; {impl.value} runs as {ran.value} here" if ran else "")
+            + (f"; ac={cfg.ac}: each block keeps its input plus {cfg.ac.budget:g} of the rest of that partition's "
+               "saved bytes, the knob's bound (torch's knapsack picks the tensors by FLOPs)"
+               if cfg.ac.budget is not None else "")
             + ("; torchtitan's Llama is transformers' code here, its checkpointed blocks compiled whole"
                if impl is Impl.TT_LLAMA else ""))
 
@@ -122,7 +146,8 @@ def missing_note(cfg: RunConfig) -> str | None:
         why = f"compiled terms are derived for AC {', '.join(POLICIES)}, not {cfg.ac}"
     elif not _same_partition(cfg, names):
         why = ("they are a block's partition (--compile blocks); a whole-model graph recomputing checkpointed "
-               "blocks partitions differently")
+               "blocks partitions differently" if cfg.ac.budget is None else "they are a block's partition "
+               f"(--compile blocks); under ac={cfg.ac} a whole-model graph's knapsack weighs all blocks together")
     elif (reasons := [r for r in (_table().TERMS.get(_key(cfg, n)) for n in {*names, "none"}) if isinstance(r, str)]):
         why = reasons[0]  # the derivation's own words (trace/compiled_terms.py)
     else:

@@ -4,11 +4,15 @@ Defaults of ``zero_optimization`` (deepspeed/runtime/zero/config.py, DeepSpeedZe
 allgather_bucket_size 5e8 elements, contiguous_gradients on, overlap_comm on at stage 3 only,
 stage3_prefetch_bucket_size 5e7 elements, stage3_max_live_parameters 1e9 elements.  What each stage allocates
 (runtime/zero/stage_1_and_2.py, stage3.py):
-- the reduce bucket (``ipg`` buffer) gradients are copied into before each reduce: min(reduce_bucket_size, the
-  rank's parameters) elements in the gradients' 16-bit dtype, two of them when overlap_comm double-buffers;
+- the reduce bucket (``ipg`` buffer) gradients are copied into before each reduce: reduce_bucket_size elements in
+  the gradients' 16-bit dtype whatever the model's size (stage_1_and_2.py ``backward``: ``torch.empty(int(
+  self.reduce_bucket_size), ...)``), two of them when overlap_comm double-buffers;
 - the fp32 gradient partition the optimizer steps on: 1/DP of the rank's parameters in fp32, built at the step;
-- stage 3: the parameters fetched ahead of use, up to stage3_prefetch_bucket_size elements in 16 bits, within
-  the stage3_max_live_parameters limit on what is gathered at once.
+- stage 3: the gathered parameters.  A parameter is not released while it will be used again within
+  stage3_max_reuse_distance (1e9) parameters, and up to stage3_max_live_parameters (1e9) stay gathered (DeepSpeed's
+  config docs: "the maximum number of parameters resident per GPU before releasing"); the layers nearest the
+  forward/backward turn (and with recompute, the forward's again) fall within that distance, so the default keeps up
+  to that limit gathered in 16 bits, the prefetch (stage3_prefetch_bucket_size 5e7) inside it.
 The all-gather of the updated parameters after a stage-1/2 step writes into the 16-bit weights themselves
 (allgather_bucket_size only chunks it): no buffer of its own is counted.
 """
@@ -40,7 +44,7 @@ def resident_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
         return {}
     stage = cfg.parallel.engine_spec.stage
     copies = 2 if stage == 3 else 1  # overlap_comm's double buffer (on by default at stage 3 only)
-    return {"deepspeed reduce bucket": copies * min(REDUCE_BUCKET_SIZE, rank.params) * _grad_bytes(cfg)}
+    return {"deepspeed reduce bucket": copies * REDUCE_BUCKET_SIZE * _grad_bytes(cfg)}
 
 
 def step_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
@@ -51,11 +55,12 @@ def step_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
 
 
 def prefetch_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
-    """Stage 3's parameters fetched ahead of use during forward and backward (bytes)."""
+    """Stage 3's gathered parameters during forward and backward (bytes): up to stage3_max_live_parameters of the
+    rank's parameters, the prefetch bucket among them (the module docstring)."""
     if not priced(cfg) or cfg.parallel.engine_spec.stage != 3:
         return {}
-    ahead = min(PREFETCH_BUCKET_SIZE, MAX_LIVE_PARAMETERS, rank.params)
-    return {"deepspeed prefetch bucket": ahead * _grad_bytes(cfg)}  # the 16-bit (fp32: fp32) parameters
+    live = min(max(PREFETCH_BUCKET_SIZE, MAX_LIVE_PARAMETERS), rank.params)
+    return {"deepspeed live parameters": live * _grad_bytes(cfg)}  # the 16-bit (fp32: fp32) parameters
 
 
 def engine_states(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:

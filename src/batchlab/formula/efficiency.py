@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchlab.config import Backend, Precision, RunConfig
-from batchlab.formula.sharding import collective_seconds, gathered_bytes_per_element, unit_elements
+from batchlab.formula.sharding import collective_seconds, gathered_bytes, unit_elements
 
 
 @dataclass(frozen=True)
@@ -107,11 +107,17 @@ def exposed_comm_seconds(cfg: RunConfig, comm: float, compute: float, micro: flo
         return Sourced(value=comm * (1 - cfg.assumptions.comm_overlap), source="assumption (--comm-overlap)")
     if comm <= 0:
         return Sourced(value=0.0, source="no communication")
+    spec = cfg.parallel.engine_spec
+    if spec.deepspeed and spec.stage in (1, 2):
+        # zero_optimization.overlap_comm defaults to false below stage 3 (DeepSpeedZeroConfig): the gradient
+        # reduction runs on the compute stream inside backward, and the weights' all-gather after the step
+        return Sourced(value=comm, source="DeepSpeed ZeRO-1/2 at its default overlap_comm=false: the reduce inside "
+                                          "backward and the all-gather after the step, nothing hidden")
     bw = bus_bandwidth(cfg).value
     if cfg.parallel.shards_gradients:
         units = unit_elements(cfg)
-        first = units[0] + (units[-1] if cfg.parallel.reshards_after_forward and len(units) > 1 else 0)
-        exposed = cfg.accum * collective_seconds("all_gather", first * gathered_bytes_per_element(cfg), cfg.dp, bw)
+        first = units[:1] + (units[-1:] if cfg.parallel.reshards_after_forward and len(units) > 1 else ())
+        exposed = cfg.accum * collective_seconds("all_gather", gathered_bytes(cfg, first), cfg.dp, bw)
         return Sourced(value=min(comm, max(0.0, comm - compute) + exposed),
                        source="FSDP2 prefetch: hidden behind forward and backward, the first unit's all-gather of "
                               "each forward (ZeRO-3: and of each backward) exposed")

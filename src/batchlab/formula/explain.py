@@ -141,6 +141,10 @@ def _checkpointing(cfg: RunConfig, e: Estimate, cal: Calibrations | None) -> Sec
         "one more forward of the wrapped layers in compute, inside one training step. Recompute now adds "
         f"{f.hardware_flops_per_update / f.model_flops_per_update - 1:.0%} FLOPs.",
     ]
+    if cfg.ac.budget is not None:
+        lines.append(f"  {cfg.ac}: no layer is wrapped; torch.compile's partitioner recomputes within each compiled "
+                     f"graph, keeping at most {cfg.ac.budget:g} of what it would save beyond the graph's inputs; the "
+                     "FLOPs above do not count that recompute.")
     if not cfg.ac.recomputes:
         full = _changed(cfg, "ac", "full", Keep.GLOBAL_BATCH, cal)
         extra = (f", FLOPs +{full.flops.hardware_flops_per_update / f.hardware_flops_per_update - 1:.0%}"

@@ -12,7 +12,9 @@ Each point's parts add up; the peak is the largest point.
 from __future__ import annotations
 
 from batchlab.config import RunConfig
-from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_per_element, unit_elements
+from batchlab.formula import fp8
+from batchlab.formula.sharding import (gathered_bytes, gathered_bytes_per_element, reduced_bytes_per_element,
+                                       unit_elements)
 
 
 def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, kept: tuple[int, ...],
@@ -27,7 +29,7 @@ def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, k
     units = unit_elements(cfg, rank)
     wg, wr, dp, L = gathered_bytes_per_element(cfg), reduced_bytes_per_element(cfg), cfg.dp, len(kept)
     z3 = cfg.parallel.reshards_after_forward
-    root, block = units[0] * wg, (units[1] if L else 0) * wg
+    root, block = units[0] * wg, (units[1] if L else 0) * fp8.block_gather_bytes(cfg, wg)
     block_grad = (units[1] if L else 0) * wr
     shards = resident["parameters"]  # 0 where the fp32 shards are the master copy (resident["master"])
     # shards of earlier micro-batches' gradients (or of the last update's, zeroed in place: set_to_none=False)
@@ -82,7 +84,7 @@ def with_pipeline_no_sync(cfg: RunConfig, rank, phases: dict[str, dict[str, int]
     if rank is None or rank.stages == 1:
         return phases
     elements = sum(unit_elements(cfg, rank))
-    gathered, grads = elements * gathered_bytes_per_element(cfg), elements * reduced_bytes_per_element(cfg)
+    gathered, grads = gathered_bytes(cfg, unit_elements(cfg, rank)), elements * reduced_bytes_per_element(cfg)
     return {ph: (dict(parts, parameters=max(parts["parameters"], shards + gathered),
                       gradients=max(parts["gradients"], grads))
                  if ph in ("forward", "backward") else parts) for ph, parts in phases.items()}

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import dataclasses
 from batchlab.config import Implementation, LossMode, PositionKind, Precision, RunConfig
 from batchlab.formula import activations as act
-from batchlab.formula import deepspeed
+from batchlab.formula import deepspeed, fp8
 from batchlab.formula.allocator import device_memory
 from batchlab.formula.fsdp import fsdp_phases, with_pipeline_no_sync
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
@@ -299,6 +299,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
         copies_fwd = copies = 2 * (n - per_layer * m.layers)
     elif autocast:
         n, per_layer = autocast_cast_params(m, rank)
+        if fp8.active(cfg):  # a Float8Linear / TE module casts its own weight: no F.linear for autocast to cache
+            n, per_layer = n - per_layer * len(rank.layers), 0
         copies_fwd = 2 * n
         copies = 2 * (n - per_layer * n_recomputed)
         layer_copy = 2 * per_layer
@@ -353,6 +355,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
                               gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
         }
     phases = _with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
+    if cache8 := fp8.weight_cache_bytes(cfg, rank.layer_matrices, len(rank.layers)):  # TE's, held all update
+        phases = {ph: dict(parts, **{"fp8 weights": cache8}) for ph, parts in phases.items()}
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]

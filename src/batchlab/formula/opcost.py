@@ -60,7 +60,8 @@ _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scal
            "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_efficient_attention",
            "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention",
            "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_forward", "_flash_attention_backward",
-           "_efficient_attention_forward", "_efficient_attention_backward", "convolution", "convolution_backward"}
+           "_efficient_attention_forward", "_efficient_attention_backward", "convolution", "convolution_backward",
+           "_scaled_mm"}
 # transcendental: arithmetic per element, not bytes, decides (sqrt, pow, relu vectorise like an add)
 _ACTIVATION = {"gelu", "silu", "tanh", "exp", "log", "sigmoid", "erf", "sin", "cos"}
 _ACTIVATION_GRAD = {"gelu_backward", "silu_backward", "tanh_backward", "sigmoid_backward"}
@@ -222,8 +223,8 @@ class OpCosts:
     def work_seconds(self, op: OpCount) -> float:
         """One call's time beyond its dispatch."""
         if op.cost_class is OpClass.MATMUL:
-            kind = ("bmm" if not op.name.startswith("_scaled_dot_product")
-                    else "sdpa-backward" if op.name.endswith("_backward") else "sdpa") if op.flops_per_matmul else ""
+            kind = ("bmm" if not op.name.startswith("_scaled_dot_product") else "sdpa-backward" if op.name.endswith(
+                "_backward") else "sdpa") if op.flops_per_matmul else ("fp8" if op.name == "_scaled_mm" else "")
             if not op.flops:
                 return 0.0
             start = self.matmul_start.get(f"{kind}-{'bf16' if op.low_precision else 'fp32'}")
@@ -288,6 +289,9 @@ class TimeBreakdown:
     bytes: int  # bytes moved by memory-bound and per-element ops
     bytes_by_phase: dict[str, int] = field(default_factory=dict)
     flops_by_phase: dict[str, int] = field(default_factory=dict)
+    # the kernels' work and the host's issue time per phase, before the asynchronous device's max of the two
+    work_by_phase: dict[str, float] = field(default_factory=dict)
+    dispatch_by_phase: dict[str, float] = field(default_factory=dict)
     source: str = ""
     provenance: str = "formula"
 
@@ -352,7 +356,9 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
     classes["dispatch"] = sum(exposed.values())
     return TimeBreakdown(seconds=sum(phases.values()), by_phase=phases, by_class=classes, ops=calls, flops=fl, bytes=by,
                          bytes_by_phase={ph.value: b for ph, b in b_phase.items()},
-                         flops_by_phase={ph.value: f for ph, f in f_phase.items()}, source=costs.source,
+                         flops_by_phase={ph.value: f for ph, f in f_phase.items()},
+                         work_by_phase={ph.value: w for ph, w in by_phase.items()},
+                         dispatch_by_phase={ph.value: d for ph, d in disp.items()}, source=costs.source,
                          provenance=provenance)
 
 

@@ -1,26 +1,24 @@
 """The op list of one update derived from the model's terms, without torch: the calculator's side of the
 per-op time model (formula/opcost.py), the same aten ops the trace records (trace/ops.py) for batchlab's GPT.
 
-Each construct of the layer code (models/gpt.py) is written down once with the aten ops PyTorch 2.13 runs
-for it, forward and backward, as read from the trace of that code: a biased ``nn.Linear`` on a 3-D input is
-``view, t, addmm, view`` forward and ``view, t, mm, t, mm, t, sum, view, detach, t, detach, view`` backward
-(AccumulateGrad detaches), dropout is ``empty_like, bernoulli_, div_, mul`` forward and one ``mul`` backward,
-and so on.  FLOPs are the matmuls' 2·m·n·k; bytes the tensors read and written; elements the output's.
-tests/formula/test_time_model.py checks counts, FLOPs and bytes against the trace of the real code.
-
-Symbols: T = b·s tokens per micro-batch, h hidden, kv key/value width, f MLP inner size, a heads, d head
-size, V vocabulary, E = a·s·s·b attention-score elements.
+Each construct of the layer code (models/gpt.py) is written down once with the aten ops PyTorch 2.13 runs for it,
+forward and backward, as read from the trace of that code: a biased ``nn.Linear`` on a 3-D input is ``view, t, addmm,
+view`` forward and ``view, t, mm, t, mm, t, sum, view, detach, t, detach, view`` backward (AccumulateGrad detaches),
+dropout is ``empty_like, bernoulli_, div_, mul`` forward and one ``mul`` backward, and so on.  FLOPs are the
+matmuls' 2·m·n·k; bytes the tensors read and written; elements the output's.  tests/formula/test_time_model.py
+checks counts, FLOPs and bytes against the trace of the real code.  Symbols: T = b·s tokens per micro-batch,
+h hidden, kv key/value width, f MLP inner size, a heads, d head size, V vocabulary, E = a·s·s·b score elements.
 """
 from __future__ import annotations
 
 from collections import Counter
-
 from dataclasses import dataclass
 
 from batchlab.config import (AttentionImpl, Backend, LossMode, MLPKind, NormKind, PositionKind,
                              RunConfig, optimizer_spec)
+from batchlab.formula import fp8
 from batchlab.formula.memo import cache, lookup
-from batchlab.formula.activations import Impl, implementation
+from batchlab.formula.activations import Impl, implementation, materialises_scores
 from batchlab.formula.opcost import OpCount, merge, op_class
 from batchlab.formula.params import tensor_sizes
 from batchlab.config.phase import Phase
@@ -38,6 +36,8 @@ class _Widths:
     autocast: bool
     fused_rms: bool = False  # torch.rms_norm on CUDA: one _fused_rms_norm kernel each way (torchtitan's nn.RMSNorm)
     cuda: bool = False  # CUDA kernels (F.dropout is one native_dropout kernel there)
+    fp8: "fp8.FP8Spec | None" = None  # the blocks' linear layers as FP8 GEMMs (formula/fp8.py), their weights' shards 1/dp8
+    dp8: int = 1
 
     @property
     def low(self) -> bool:
@@ -64,9 +64,11 @@ class _Ops:
     def add(self, *ops: OpCount) -> None:
         self.out.extend(op for op in ops if op.count)
 
-    def linear(self, ph: Phase, t: int, i: int, o: int, bias: bool, cast_input: bool, backward: bool = True) -> None:
+    def linear(self, ph: Phase, t: int, i: int, o: int, bias: bool, cast_input: bool, backward: bool = True, block=True):
         """nn.Linear on a (b, s, i) input: addmm (mm + _unsafe_view without a bias); backward: two mms."""
         w, e = self.w, self.w.e
+        if block and w.fp8 is not None:
+            return self.add(*fp8.linear_ops(w.fp8, ph, t, i, o, bias, backward, e, w.dp8))
         fl = 2 * t * i * o
         if w.autocast:  # autocast copies the fp32 weight (and bias, and an fp32 input) to 16 bits
             self.add(_op("_to_copy", ph, i * o, i * o * (F32 + e), low=True),
@@ -148,15 +150,16 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
         ops.add(_op("clone", ph, t * h, t * (h + kv) * e, count=2, strided=True), _views(ph, 4))
         if backward:
             ops.add(_op("sum", BWD, t * kv, t * (h + kv) * e, count=2), _views(BWD, 2))
-    score = a * s * s * b
-    fl = 2 * b * a * s * s * d
+    score, fl = a * s * s * b, 2 * b * a * s * s * d
     g = fl // (a * b)  # one (batch, head)'s matmul: what decides the rate
-    if m.attention is AttentionImpl.SDPA and not (m.dropout > 0):
-        ops.add(_op("_scaled_dot_product_flash_attention_for_cpu", ph, t * h, 4 * t * h * e + a * t * F32, 2 * fl,
-                    ops.w.low, flops_per_matmul=2 * g), _views(ph, 2))
+    if not materialises_scores(m, cfg.device_spec.backend):
+        # fused; on CUDA the kernel draws the dropout mask itself (FlashAttention-2, Dao 2023, sec. 3.1): no s x s bytes
+        name = "_scaled_dot_product_flash_attention" + ("" if ops.w.cuda else "_for_cpu")
+        ops.add(_op(name, ph, t * h, 4 * t * h * e + a * t * F32, 2 * fl, ops.w.low, flops_per_matmul=2 * g),
+                _views(ph, 2))
         if backward:
-            ops.add(_op("_scaled_dot_product_flash_attention_for_cpu_backward", BWD, 3 * t * h,
-                        8 * t * h * e + a * t * F32, 5 * fl, ops.w.low, flops_per_matmul=2 * g), _views(BWD, 3))
+            ops.add(_op(name + "_backward", BWD, 3 * t * h, 8 * t * h * e + a * t * F32, 5 * fl, ops.w.low,
+                        flops_per_matmul=2 * g), _views(BWD, 3))
     else:  # eager (or SDPA's math path with dropout on CPU): materialised scores
         copies = 3 if b > 1 else 0  # matmul copies expanded q, k, v (a batch of one needs no copy)
         ops.add(_op("clone", ph, t * h, 2 * t * h * e, count=copies, strided=True), _views(ph, 6),
@@ -186,9 +189,9 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
 
 def _gelu_new(ops: _Ops, ph: Phase, n: int, backward: bool) -> None:
     """Hugging Face's NewGELUActivation, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), written in Python ops
-    (transformers/activations.py), as its trace runs them: forward ``mul pow mul add mul tanh add mul`` (the
-    tanh output detached for its backward), backward two products' gradients, ``tanh_backward``, the chain
-    back through the scalars and ``pow(x, 2)``, and the three paths into x summed."""
+    (transformers/activations.py), as its trace runs them: forward ``mul pow mul add mul tanh add mul`` (the tanh output
+    detached for its backward), backward two products' gradients, ``tanh_backward``, the chain back through the
+    scalars and ``pow(x, 2)``, and the three paths into x summed."""
     e = ops.w.e
     unary, binary = 2 * n * e, 3 * n * e  # bytes: a tensor (and a scalar) in, one out; two tensors in
     ops.add(_op("mul", ph, n, unary, count=3), _op("pow", ph, n, unary), _op("add", ph, n, binary),
@@ -261,7 +264,7 @@ def _outside(ops: _Ops, cfg: RunConfig) -> None:
     ops.norm(FWD, t, h, m.norm, m.bias)
     if cfg.loss.mode is LossMode.CLASSIFIER:  # a pooled b x labels classifier: no vocabulary-sized work
         return
-    ops.linear(FWD, t, h, V, False, w.autocast)
+    ops.linear(FWD, t, h, V, False, w.autocast, block=False)
     if m.tied_embeddings:  # the head's and the embedding's gradients summed into one tensor
         ops.add(_op("add", BWD, V * h, 3 * V * h * w.res))
     if w.autocast:  # logits.float()
@@ -277,20 +280,19 @@ _OPTIMIZER, _MICRO, _UPDATE = cache(), cache(), cache()
 
 def _micro_key(cfg: RunConfig) -> tuple:
     """Every field micro_batch_ops reads (model_kind derives from model_source; the backend picks CUDA's kernels)."""
-    return cfg.model, cfg.model_source, cfg.seq, cfg.micro_batch, cfg.precision, cfg.ac, cfg.loss, cfg.device_spec.backend
+    return (cfg.model, cfg.model_source, cfg.seq, cfg.micro_batch, cfg.precision, cfg.ac, cfg.loss,
+            cfg.device_spec.backend, cfg.fp8, cfg.dp)
 
 
 def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
-    """clip_grad_norm_ (foreach norm and scale), the per-parameter optimizer loop (foreach=False), zero_grad:
-    a function of the model and the optimizer alone."""
+    """clip_grad_norm_ (foreach norm and scale), the per-parameter optimizer loop (foreach=False), zero_grad: a function of the model and the optimizer alone."""
     ops.add(*lookup(_OPTIMIZER, (cfg.model, cfg.optimizer), lambda: _optimizer_ops(cfg)))
 
 
 def _optimizer_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = _Ops(_widths(cfg))
     sizes = tensor_sizes(cfg.model)
-    p = len(sizes)
-    n = sum(sizes)
+    p, n = len(sizes), sum(sizes)
     ops.add(_op("_foreach_norm", OPT, p, n * F32), _op("stack", OPT, p, 2 * p * F32),
             _op("linalg_vector_norm", OPT, 1, p * F32), _op("add", OPT, 1, 8), _op("reciprocal", OPT, 1, 8),
             _op("mul", OPT, 1, 8), _op("clamp", OPT, 1, 8), _op("_foreach_mul_", OPT, 0, 2 * n * F32),
@@ -305,8 +307,7 @@ def _optimizer_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
 
 
 def _data(ops: _Ops, cfg: RunConfig) -> None:
-    b, s = cfg.micro_batch, cfg.seq
-    n = b * (s + 1)
+    b, s, n = cfg.micro_batch, cfg.seq, cfg.micro_batch * (cfg.seq + 1)
     ops.add(_op("randint", DATA, n, n * 8, count=cfg.accum), _op("clone", DATA, b * s, 2 * b * s * 8, count=2 * cfg.accum, strided=b > 1),
             _op("ne", DATA, b * s, b * s * 9, count=cfg.accum), _op("sum", DATA, 1, b * s, count=cfg.accum),
             _op("_local_scalar_dense", DATA, 0, 0, count=cfg.accum), _views(DATA, 2 * cfg.accum))
@@ -316,8 +317,9 @@ def _widths(cfg: RunConfig) -> _Widths:
     e = cfg.precision.compute_bytes
     # torchtitan's nn.RMSNorm reaches ATen's fused kernel on CUDA (2024: a Triton "fused_rmsnorm"); HF's is Python ops
     fused = cfg.device_spec.backend is Backend.CUDA and implementation(cfg.model_kind, cfg.model) is Impl.TT_LLAMA
-    return _Widths(e=e, res=2 if cfg.precision.low_precision_residual else 4, autocast=cfg.precision.mixed,
-              fused_rms=fused, cuda=cfg.device_spec.backend is Backend.CUDA)
+    s8 = fp8.active(cfg)
+    return _Widths(e=e, res=2 if cfg.precision.low_precision_residual else 4, autocast=cfg.precision.mixed, fused_rms=fused,
+                   cuda=cfg.device_spec.backend is Backend.CUDA, fp8=s8, dp8=cfg.dp if s8 and s8.fsdp_fp8_all_gather else 1)
 
 
 def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
@@ -352,19 +354,18 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
 
 
 def _sac(op: OpCount) -> OpCount:
-    """``op`` in a block under selective checkpointing: its forward and recompute run under the policy's
-    dispatch mode; backward runs in the autograd engine, outside it."""
+    """``op`` in a block under selective checkpointing: its forward and recompute run under the policy's dispatch mode;
+    backward runs in the autograd engine, outside it."""
     return op.under_sac() if op.phase in (FWD, Phase.RECOMPUTE) else op
 
 
 def _recompute(ops: _Ops, cfg: RunConfig, cached: tuple[str, ...], branch: str = "") -> None:
-    """The forward again inside backward (non-reentrant checkpoint); selective checkpointing serves the
-    saved outputs of ``cached`` ops from its cache, so only the rest is re-run; ``branch``: that submodule's
-    ops alone, up to its last matmul, whose output nothing saves."""
+    """The forward again inside backward (non-reentrant checkpoint); selective checkpointing serves the saved outputs of
+    ``cached`` ops from its cache, the rest re-run; ``branch``: that submodule's ops alone, up to its last matmul."""
     redo = _Ops(ops.w)
     _layer(redo, cfg, Phase.RECOMPUTE, backward=False, only=branch)
     if branch:
-        last = [i for i, op in enumerate(redo.out) if op.name in ("mm", "addmm")][-1]
+        last = [i for i, op in enumerate(redo.out) if op.name in ("mm", "addmm", fp8.SCALED_MM)][-1]
         ops.add(*redo.out[:last], _views(Phase.RECOMPUTE, 4), _views(BWD, 3))  # the branch's saved tensors
         return
     # early stop: the last residual add and the dropout multiply before it produce nothing backward needs
@@ -395,4 +396,5 @@ def _update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
                                        for n, k in Counter(sizes).items()))
     _data(ops, cfg)
     _optimizer(ops, cfg)
+    ops.add(*fp8.update_ops(cfg))
     return merge(ops.out)

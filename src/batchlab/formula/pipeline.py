@@ -21,7 +21,9 @@ from batchlab.config.engines import Sent
 from batchlab.formula.activations import Widths
 from batchlab.formula.flops import stage_flops_per_token
 from batchlab.formula.ranks import RankShare, shares
-from batchlab.formula.opcost import OpCosts
+from batchlab.config.phase import Phase
+from batchlab.formula.opcost import OpCosts, OpCount, merge
+from batchlab.formula.oplist import _Ops, _widths
 from batchlab.formula.sharding import collective_seconds, ring_messages
 
 
@@ -198,6 +200,22 @@ def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tup
     return out
 
 
+def replicated_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
+    """One micro-batch's ops outside the layers' tensor-parallel regions (each layer's two norms, residual dropouts
+    and adds, backward, and a whole-block recompute's forward again): without sequence parallelism every
+    tensor-parallel rank runs them on the whole b·s·h (Korthikanti et al. 2022, sec. 4.2.2)."""
+    ops, m, t = _Ops(_widths(cfg)), cfg.model, cfg.micro_batch * cfg.seq  # oplist's own op writer
+    redo = sum(mode.spec.applied is Applied.WHOLE_BLOCK for mode in cfg.ac.layer_modes(m.layers))
+    for ph, layers, backward in ((Phase.FORWARD, m.layers, True), (Phase.RECOMPUTE, redo, False)):
+        block = _Ops(ops.w)
+        for _ in ("attention", "mlp"):
+            block.norm(ph, t, m.hidden, m.norm, m.bias, backward)
+            block.dropout(ph, t * m.hidden, m.dropout, ops.w.e, backward)
+            block.elementwise("add", ph, t * m.hidden, ops.w.res, inputs=2, count=2 if backward else 1)
+        ops.add(*(o.times(layers) for o in merge(block.out) if layers))
+    return merge(ops.out)
+
+
 def tp_seconds(cfg: RunConfig, rank: RankShare, link: Link | None = None) -> float:
     """One micro-batch's TP collectives on ``rank`` (``tp_collectives``), each priced on the link."""
     link = link or tp_link(cfg)
@@ -220,15 +238,35 @@ def pp_seconds(cfg: RunConfig, rank: RankShare, link: Link | None = None) -> flo
     return pp_sends(cfg, rank) * link.send_seconds(activation_message_bytes(cfg) / rank.in_sp)
 
 
-def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts | None = None) -> PipelineTime:
+def rank_compute_seconds(share: float, tp: int, compute: float,
+                         issued: tuple[tuple[float, float], ...] = (), replicated: float = 0.0) -> float:
+    """One micro-batch's compute on one rank of a stage holding ``share`` of the replica's work.  ``issued``: per
+    phase, the replica's (kernel work, host issue time) on an asynchronous device: a tensor-parallel rank runs 1/t
+    of each kernel's work but issues every kernel of its stage (each rank runs the whole layer on its shard:
+    Shoeybi et al. 2019, sec. 3), so the launches do not shrink with t; the host issues ahead of the kernels through
+    the micro-batch (nothing inside it waits for the device), so it takes the longer of its kernels' work and its
+    launches.  Without ``issued`` (a synchronous device): the priced ``compute`` split by share and t.
+    ``replicated``: the work of this stage's layers that every TP rank runs whole (``replicated_ops``): the rest of
+    it beyond its 1/t in ``compute``."""
+    again = replicated * (1 - 1 / tp)
+    if not issued:
+        return compute * share / tp + again
+    return max(sum(work for work, _ in issued) * share / tp + again, sum(launch for _, launch in issued) * share)
+
+
+def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts | None = None,
+                  issued: tuple[tuple[float, float], ...] = (), replicated: float = 0.0) -> PipelineTime:
     """``compute_per_micro_batch``: the whole replica's forward + backward (+ recompute) of one micro-batch on one
-    device, as the per-op model priced it; ``costs``: the per-op costs, whose calibrated link prices local ranks'
-    messages."""
+    device, as the per-op model priced it; ``issued``: the same per phase as (kernel work, host issue time) on an
+    asynchronous device, and ``replicated`` the work every TP rank runs whole (``rank_compute_seconds``); ``costs``:
+    the per-op costs, whose calibrated link prices local ranks' messages."""
     ranks = shares(cfg)
     per = [stage_flops_per_token(cfg, r.layers, r.last) for r in ranks]
     total = sum(per) or 1.0
     tp, pp = tp_link(cfg, costs), pp_link(cfg, costs)
-    stages = tuple(StageTime(stage=r.stage, compute_seconds=compute_per_micro_batch * f / total / r.tp,
+    stages = tuple(StageTime(stage=r.stage,
+                             compute_seconds=rank_compute_seconds(f / total, r.tp, compute_per_micro_batch, issued,
+                                                                  replicated * len(r.layers) / cfg.model.layers),
                              tp_comm_seconds=tp_seconds(cfg, r, tp), pp_comm_seconds=pp_seconds(cfg, r, pp))
                    for r, f in zip(ranks, per))
     slowest = max(range(len(stages)), key=lambda i: (stages[i].seconds, -i))

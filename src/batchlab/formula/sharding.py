@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from batchlab.config import MLPKind, ModelSpec, PositionKind, Precision, RunConfig
+from batchlab.formula import fp8
 from batchlab.formula.params import count, norm_params
 
 if TYPE_CHECKING:
@@ -65,6 +66,13 @@ def gathered_bytes_per_element(cfg: RunConfig) -> int:
     return 4 if cfg.precision is Precision.FP32 else 2
 
 
+def gathered_bytes(cfg: RunConfig, units: tuple[int, ...]) -> int:
+    """Bytes FSDP2 gathers of ``units`` (the root first, then blocks): the blocks at FP8's width under an fp8
+    all-gather (formula/fp8.py), the root in param_dtype."""
+    w = gathered_bytes_per_element(cfg)
+    return units[0] * w + sum(units[1:]) * fp8.block_gather_bytes(cfg, w) if units else 0
+
+
 def reduced_bytes_per_element(cfg: RunConfig) -> int:
     """Gradients are reduced in fp32 (reduce_dtype=fp32 under mixed precision), in bf16 for bf16 weights."""
     return 2 if cfg.precision is Precision.BF16 else 4
@@ -94,6 +102,16 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
         return Traffic(per_micro_batch=(none,) * cfg.accum, outside_micro_batches=none,
                        sync_every_micro_batch=sync_every_micro_batch)
     n = count(cfg.model).total
+    spec = cfg.parallel.engine_spec
+    if spec.deepspeed and spec.stage in (1, 2):
+        # DeepSpeed's stage_1_and_2.py: the 16-bit gradients reduced into each rank's partition (stage 2 in every
+        # micro-batch's backward, stage 1 at the accumulation boundary: reduce_gradients), and after the step the
+        # updated 16-bit weights all-gathered into every rank's whole copy (all_gather_dp_groups)
+        w = gathered_bytes_per_element(cfg)
+        rs = dict(none, reduce_scatter=n * w)
+        micro = tuple(rs if spec.stage == 2 or i == cfg.accum - 1 else none for i in range(cfg.accum))
+        return Traffic(per_micro_batch=micro, outside_micro_batches=dict(none, all_gather=n * w),
+                       sync_every_micro_batch=sync_every_micro_batch)
     if not cfg.parallel.shards_gradients:  # DDP (ZeRO-0 / ZeRO-1)
         w = 2 if cfg.precision is Precision.BF16 else 4  # DDP reduces .grad in the weights' dtype
         last = dict(none, all_reduce=n * w)
@@ -102,7 +120,7 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
                        sync_every_micro_batch=sync_every_micro_batch)
     units = sum(unit_elements(cfg))
     gathers = 2 if cfg.parallel.reshards_after_forward else 1  # ZeRO-3: forward, and again in backward
-    ag = gathers * units * gathered_bytes_per_element(cfg)
+    ag = gathers * gathered_bytes(cfg, unit_elements(cfg))
     rs = units * reduced_bytes_per_element(cfg)
     micro = tuple(dict(none, all_gather=ag, reduce_scatter=rs if sync_every_micro_batch or i == cfg.accum - 1 else 0)
                   for i in range(cfg.accum))

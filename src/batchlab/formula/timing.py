@@ -14,6 +14,7 @@ import functools
 from dataclasses import dataclass, field
 
 from batchlab.config import Backend, DataKind, DeviceSpec, ModelSource, RunConfig
+from batchlab.formula import fp8
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.params import count
@@ -22,7 +23,7 @@ from batchlab.formula.memory import MemoryEstimate
 from batchlab.formula.opcost import OpClass, OpCosts, OpCount, TimeBreakdown, describe, link_text, price
 from batchlab.config.phase import Phase
 from batchlab.formula.oplist import update_ops
-from batchlab.formula.pipeline import pipeline_time, text as layout_time_text
+from batchlab.formula.pipeline import pipeline_time, replicated_ops, text as layout_time_text
 from batchlab.formula.states import heaviest
 from batchlab.formula.sharding import collective_seconds, traffic
 from batchlab.util.units import fmt_count
@@ -100,20 +101,22 @@ def nominal_costs(cfg: RunConfig, flop_ratio: float = 1.0) -> OpCosts:
     reach the achievable fraction of the peak for the device and precision (formula/efficiency.py).
     ``flop_ratio``: the op list's matmul FLOPs over formula/flops.py's hardware FLOPs, the count a GPU's
     end-to-end fraction was derived against (FlopCounterMode counts attention's backward as five matmuls)."""
-    dev, frac = cfg.device_spec, achievable_fraction(cfg)
-    return lookup(_NOMINAL, (dev, frac, flop_ratio), lambda: _nominal(dev, frac, flop_ratio))
+    dev, frac, fp8_on = cfg.device_spec, achievable_fraction(cfg), fp8.active(cfg) is not None
+    return lookup(_NOMINAL, (dev, frac, flop_ratio, fp8_on), lambda: _nominal(dev, frac, flop_ratio, fp8_on))
 
 
 _NOMINAL = cache(limit=256)  # one OpCosts per (device, fraction, FLOP ratio): its per-op work is remembered
 
 
-def _nominal(dev: DeviceSpec, frac: Sourced, flop_ratio: float) -> OpCosts:
+def _nominal(dev: DeviceSpec, frac: Sourced, flop_ratio: float, fp8_on: bool = False) -> OpCosts:
     named = dev.source if dev.source.startswith("nominal") else f"nominal: {dev.source} figures of {dev.name}"
     start = MATMUL_START[dev.backend]
     end_to_end = dev.backend is not Backend.CPU
     scale = frac.value * (flop_ratio if end_to_end else 1.0)
     curves = {"fp32": matmul_curve(dev.peak_flops_fp32 * scale, start),
               "bf16": matmul_curve(dev.peak_flops_bf16 * scale, start)}
+    if fp8_on:  # FP8 GEMMs reach the same fraction of the card's FP8 peak (formula/fp8.py)
+        curves[fp8.CURVE] = matmul_curve(dev.peak_flops_fp8 * scale, start)
     if end_to_end:
         # matmuls at the published fraction; element-wise kernels, copies and the optimizer step are
         # bandwidth-bound on a GPU (roofline, Williams et al. 2009): their bytes over the datasheet HBM rate (a
@@ -143,6 +146,7 @@ def costs_for(cfg: RunConfig, calibrated: OpCosts | None, ops: tuple[OpCount, ..
         own = costs.family_dispatch.get(dispatch_family(cfg) or "") if costs.family_dispatch else None
         if own:
             costs = own_dispatch(costs, own, cfg.model_source)
+        costs = fp8.with_curve(costs, cfg)  # a calibration has no FP8 curve: its bf16 one at the peaks' ratio
         if cfg.precision.mixed and costs.dispatch_autocast:  # what autocast did not measure (SAC's) stays
             costs = dataclasses.replace(costs, dispatch={**costs.dispatch, **costs.dispatch_autocast},
                                         source=costs.source + "; dispatch as measured under autocast")
@@ -221,7 +225,14 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     sent = traffic(cfg).per_update
     layout = cfg.parallel.tp * cfg.parallel.pp > 1
     held = heaviest(cfg).params / max(count(cfg.model).total, 1) if layout else 1.0
-    pipe = pipeline_time(cfg, compute / cfg.accum, costs) if layout else None  # formula/pipeline.py: per stage, then the bubble
+    issued = (tuple((t.work_by_phase[p] / cfg.accum, t.dispatch_by_phase.get(p, 0.0) / cfg.accum)
+                    for p in ("forward", "backward", "recompute") if p in t.work_by_phase)
+              if costs.asynchronous and t.work_by_phase else ())
+    # without sequence parallelism each TP rank runs the layers' norms, dropouts and residual adds whole
+    replicated = (sum(price(replicated_ops(cfg), costs).work_by_phase.values())
+                  if layout and cfg.parallel.tp > 1 and not cfg.parallel.sequence_parallel else 0.0)
+    # formula/pipeline.py: per stage, then the bubble
+    pipe = pipeline_time(cfg, compute / cfg.accum, costs, issued, replicated) if layout else None
     if pipe is not None:  # the data-parallel group of a stage's TP rank reduces (and steps) its slice only
         sent = {k: round(v * held) for k, v in sent.items()}
         compute = cfg.accum * pipe.stages[pipe.slowest].compute_seconds

@@ -86,7 +86,7 @@ class Trainer:
         model.train()
         # torch.compile after AC wrapping (torchtitan's order): the model or each block, in place; the backend's
         # name, or None (models/compiled.py; the trace's backend only partitions)
-        self.compiled = apply_compile(self.workload, cfg.compile, self.device, world)
+        self.compiled = apply_compile(self.workload, cfg.compile, self.device, world, cfg.ac.budget)
         self.raw_model = model
         # wrap: e.g. DDP or FSDP2; receives the model, returns the module to call
         self.model = wrap(model) if wrap is not None else model

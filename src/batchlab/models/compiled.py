@@ -56,11 +56,31 @@ def check_inductor(device: torch.device) -> None:
                                      "with --compile none") from None
 
 
-def apply_compile(workload, mode: CompileMode, device: torch.device, world: int = 1) -> "CompileWatch | None":
+def budgeted(backend, budget: float | None):
+    """``backend`` compiling each frame under ``torch._functorch.config.activation_memory_budget = budget``
+    (ACPolicy budget:F): AOTAutograd partitions the joint graph while the backend compiles the frame, so the knob
+    set around that call is the one the partitioner reads, recompilations included."""
+    if budget is None:
+        return backend
+    # "inductor": what torch.compile(backend="inductor") itself builds at the default mode
+    inner = torch._TorchCompileInductorWrapper(None, None, None) if backend == "inductor" else backend
+
+    def compile_with_budget(gm, example_inputs, **kwargs):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return inner(gm, example_inputs, **kwargs)
+
+    compile_with_budget.__name__ = backend_name(backend)
+    compile_with_budget.compiler_name = getattr(inner, "compiler_name", backend_name(backend))
+    return compile_with_budget
+
+
+def apply_compile(workload, mode: CompileMode, device: torch.device, world: int = 1,
+                  budget: float | None = None) -> "CompileWatch | None":
     """Compile ``workload``'s model (``model``) or each of its blocks (``blocks``) in place, after AC wrapping (a
-    block's Checkpointed wrapper is what gets compiled, so the checkpoint is traced with it); returns the started
-    CompileWatch (``.backend`` names the backend), None for ``none``.  Dynamo's caches are reset first (one
-    compiled model per process: a test process builds many)."""
+    block's Checkpointed wrapper is what gets compiled, so the checkpoint is traced with it), with the partitioner's
+    memory budget where one is given (``budgeted``); returns the started CompileWatch (``.backend`` names the
+    backend), None for ``none``.  Dynamo's caches are reset first (one compiled model per process: a test process
+    builds many)."""
     if mode is CompileMode.NONE:
         return None
     if world > 1:
@@ -80,8 +100,9 @@ def apply_compile(workload, mode: CompileMode, device: torch.device, world: int 
         check_inductor(device)
     torch._dynamo.reset()  # (it also clears dynamo's compile callbacks: the watch starts after it)
     targets = list(workload.blocks) if mode is CompileMode.BLOCKS else [workload.model]
+    compiler = budgeted(backend, budget)
     for module in targets:
-        module.compile(backend=backend)  # in place: names, parameters and the module tree unchanged
+        module.compile(backend=compiler)  # in place: names, parameters and the module tree unchanged
     watch = CompileWatch(backend=backend_name(backend), mode=mode.value).start()
     if watches is not None:
         watches.append(watch)

@@ -26,7 +26,10 @@ def measure(cfg: "RunConfig", options: MeasureOptions | None = None,
     raises ConfigError for user errors (a device that is absent, a budget that cannot hold the parameters,
     a factory that does not import, ...)."""
     from batchlab import distributed
+    from batchlab.config import ConfigError
 
+    if cfg.fp8.value != "none":  # no CPU has FP8 tensor cores, and the harness wraps no Float8Linear / TE module
+        raise ConfigError("fp8", f"{cfg.fp8} is formula only (batchlab estimate); measure the run without --fp8")
     options = options or MeasureOptions()
     if distributed.in_torchrun():
         return distributed.measure_in_torchrun(cfg, options)

@@ -3,10 +3,14 @@ with inductor itself, whose generated wrapper loads with no-op kernels (trace/in
 that wrapper on fake tensors under the live-storage tracker, so the trace counts the buffers inductor plans,
 allocates, reuses and frees, in its order, recomputed (checkpointed) regions fused as inductor fuses them.
 
+Under ``--ac budget:F`` (torch.compile's activation_memory_budget, set around each compile by models/compiled.py)
+inductor partitions with the knapsack's choice, and its plan fuses what the backward recomputes as any region.
+
 Where inductor cannot plan here (a CUDA config: this machine lowers for CPU only; a lowering that fails) the
 fallback is the partition-only backend: AOTAutograd with inductor's decompositions and its min-cut partitioner,
 each graph run node by node on fake tensors; exact on what the forward saves and the graphs' outputs, pointwise
-chains inductor fuses left uncounted, recomputed regions counted unfused (an upper bound there).
+chains inductor fuses left uncounted, recomputed regions (a checkpoint's, budget:F's) counted unfused (an upper
+bound there).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ PLAN_NOTE = ("compiled ({mode}): inductor's own compile (AOTAutograd's min-cut p
 NOTE = ("compiled ({mode}): AOTAutograd's min-cut partition of each compiled graph (inductor's decompositions and "
         "partitioner settings), run on fake tensors without code generation: exact on what the compiled forward "
         "saves for backward and on the graphs' outputs; pointwise chains inductor fuses are not counted; "
-        "recomputed (checkpointed) regions are counted unfused, an upper bound there")
+        "recomputed regions (a checkpoint's, budget:F's) are counted unfused, an upper bound there")
 
 
 _VIEWS = ("view.default", "_unsafe_view.default", "permute.default", "expand.default", "t.default", "transpose.int",
@@ -61,8 +65,8 @@ def _fuses_into_consumers(node, outputs, views, reductions) -> bool:
 def fused_away(gm) -> set:
     """The graph's nodes inductor would not write to memory: a pointwise op that is not a graph output (so not
     saved for backward) and whose consumers all fuse it in.  Recomputed nodes (a checkpoint's, tagged by the
-    partitioner) are kept: inductor fuses part of a recomputed region and realises the rest, so counting them
-    all is the trace's upper bound there."""
+    partitioner; under budget:F every forward op of the backward graph) are kept: inductor fuses part of a
+    recomputed region and realises the rest, so counting them all is the trace's upper bound there."""
     import torch
 
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -70,7 +74,8 @@ def fused_away(gm) -> set:
     torch.fx.node.map_arg(out.args, flat.append)
     outputs, views, reductions = set(flat), _aten(_VIEWS), _aten(_REDUCTIONS)
     return {n for n in gm.graph.nodes if _pointwise(n) and n not in outputs and n.users
-            and n.meta.get("recompute") is None and _fuses_into_consumers(n, outputs, views, reductions)}
+            and n.meta.get("recompute") is None and not n.meta.get(BUDGET_RECOMPUTED)
+            and _fuses_into_consumers(n, outputs, views, reductions)}
 
 
 def _graph_run(gm, example_inputs):
@@ -101,14 +106,28 @@ def _graph_run(gm, example_inputs):
     return make_boxed_func(run)
 
 
+BUDGET_RECOMPUTED = "batchlab_budget_recomputed"  # a forward op recomputed in backward under budget:F
 PARTITIONS: list[list] = []  # while a list is in it, every partition's (forward graph, its user outputs) goes there
 
 
+def _recomputed(bw) -> list:
+    """The backward graph's forward ops (recomputed from what the forward saved): nodes no tangent reaches."""
+    reached: set = set()
+    for n in bw.graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in reached for a in n.all_input_nodes):
+            reached.add(n)
+    return [n for n in bw.graph.nodes if n.op == "call_function" and n not in reached]
+
+
 def _partition(joint, joint_inputs, **kwargs):
+    import torch
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     # compiler="inductor": the partitioner's set of ops it may recompute in backward, as inductor's compile_fx
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+    if torch._functorch.config.activation_memory_budget < 1:  # budget:F (ACPolicy): its recompute, as a checkpoint's
+        for n in _recomputed(bw):
+            n.meta[BUDGET_RECOMPUTED] = True
     _partitioned(fw, bw, kwargs)
     return fw, bw
 

@@ -229,6 +229,8 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
     communication) of one steady-state update (provenance trace); with ``timeline``, the update's memory
     timeline too (``.timeline``, batchlab.timeline.data.Timeline); ``calibrations`` as for formula.estimate.
     A pipeline: each stage's first rank traced, the most loaded one's figures returned."""
+    if cfg.fp8.value != "none":  # the traced code is the model's own 16-bit code: no Float8Linear / TE module in it
+        raise ConfigError("fp8", f"{cfg.fp8} is priced by the formula only: drop --trace (or --fp8)")
     start = time.perf_counter()
     ranks = sharded.traced_ranks(cfg)
     if len(ranks) > 1:
