@@ -1,8 +1,9 @@
 """--ac budget:F (torch._functorch.config.activation_memory_budget) in the compiled trace and the formula: the
 trace (inductor's own compile, no kernel built) saves what inductor's partition step (its joint-graph passes, the
-min-cut partitioner) saves when torch.compile runs it under ``torch._functorch.config.patch(activation_memory_budget=F)``
-directly (the built-in GPT's block, real tensors); the formula's per-layer bytes against that partition.  No C++
-built: partitions and a kernel-less lowering only (seconds each)."""
+min-cut partitioner) saves when torch.compile runs it under
+``torch._functorch.config.patch(activation_memory_budget=F)`` directly (the built-in GPT's block, real tensors);
+the formula's per-layer bytes against that partition.  No C++ built: partitions and a kernel-less lowering only
+(seconds each)."""
 from __future__ import annotations
 
 import functools
