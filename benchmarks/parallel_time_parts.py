@@ -268,7 +268,8 @@ def main() -> int:
         prev = n
     print("\nOn one rank DTensor skips every collective: the difference is DTensor's own dispatch (sharding "
           "propagation, wrapping and unwrapping, redistributions that move nothing) and the plan's autograd "
-          "functions. The formula does not price it.\n")
+          "functions. The formula prices it per op on a DTensor (formula/dtensor.py: a rank's DTensor ops counted by "
+          "mechanism, at the host cost per op the calibration measures on a 1-rank mesh, calibrate/dtensor.py).\n")
 
     print("## 2. Tensor-parallel messages (2 ranks)\n")
     layouts = {"TP2": "--tp 2", "TP2 + SP": "--tp 2 --sequence-parallel"}

@@ -198,7 +198,8 @@ def test_a_plan_on_a_hugging_face_llama_fits_by_a_real_run(tmp_path):
     pytest.importorskip("transformers")
     from batchlab.cli.common import build_config, with_layer_profile
 
-    cfg = build_config(model="hf:llama", layers=6, hidden=64, heads=4, ffn=256, vocab=256, seq=128, micro_batch=4,
+    # 4 layers: the plan still mixes policies; fewer layers shorten the real update, not the layer profile
+    cfg = build_config(model="hf:llama", layers=4, hidden=64, heads=4, ffn=256, vocab=256, seq=128, micro_batch=4,
                        kv_heads=None, dp=1)
     _real_run_case(with_layer_profile(cfg, [cfg.replace(ac=a) for a in ("full", "selective")]), tmp_path)
 
@@ -340,17 +341,19 @@ def test_a_plan_measured_above_the_budget_falls_back_to_the_next_plan(tmp_path, 
     assert str(report.final.ac) == seen[1][0] and any("falling back" in n for n in report.notes)
 
 
+# three layers: a first, a middle and a last block (the ends hold the embedding and the head) and every order of
+# recomputed and plain blocks between them; a fourth only multiplies the plans by the menu's size (6-7 policies)
 @pytest.mark.parametrize("base", [
-    RunConfig(model=preset("tiny", layers=4), seq=128, micro_batch=8),
+    RunConfig(model=preset("tiny", layers=3), seq=128, micro_batch=8),
     # autocast: the forward holds every weight copy, backward only the plain layers' (two totals)
-    RunConfig(model=preset("tiny", layers=4, attention="sdpa", dropout=0.0), seq=256, micro_batch=4,
+    RunConfig(model=preset("tiny", layers=3, attention="sdpa", dropout=0.0), seq=256, micro_batch=4,
               precision="bf16-mixed"),
     # FSDP2: the walk also holds the gathered blocks and the reduce-scatter buffers (formula/fsdp.py)
-    RunConfig(model=preset("tiny", layers=4), seq=128, micro_batch=8, dp=4, zero=3),
-    RunConfig(model=preset("tiny", layers=4, attention="sdpa", dropout=0.0), seq=256, micro_batch=4, dp=2, zero=2,
+    RunConfig(model=preset("tiny", layers=3), seq=128, micro_batch=8, dp=4, zero=3),
+    RunConfig(model=preset("tiny", layers=3, attention="sdpa", dropout=0.0), seq=256, micro_batch=4, dp=2, zero=2,
               precision="bf16-fsdp")], ids=["fp32", "bf16-mixed", "fsdp-zero3", "fsdp-zero2-bf16"])
 def test_the_planner_finds_the_best_of_every_plan_by_the_formulas_full_estimate(base):
-    """Brute force over every per-layer plan of a 4-layer GPT (4-5 policies: 256-625 plans), each judged by the
+    """Brute force over every per-layer plan of a 3-layer GPT (6-7 policies: 216-343 plans), each judged by the
     formula's full estimate (not the planner's decomposed model): at budgets across the range the planner's plan
     fits and is as fast as the fastest plan that fits; its model's peak is the full estimate's, plan by plan."""
     from batchlab.advise.acplan import layer_model, plan_within

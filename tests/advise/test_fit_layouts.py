@@ -47,15 +47,26 @@ def test_the_pick_is_the_fastest_fitting_candidate_of_all_layouts_and_keeps_the_
     p = plan(goal)
     assert {c.config.parallel.world_size for c in p.candidates} == {8}
     assert {c.config.global_batch for c in p.candidates} == {64}
-    # brute force through the public calculator: every layout, policy and micro-batch the candidates cover
+    # brute force through the public calculator, enumerated here, not from the planner's list: every dp x tp x pp
+    # of 8 devices (tp within the 8-GPU node), every micro-batch dividing the rank's batch, every policy of the
+    # ladder (none, every K-th layer for K < 32 layers, selective, full); a config the calculator refuses (1F1B
+    # over p stages with fewer than p micro-batches) is no candidate
     fitting = []
-    for c in p.candidates:
-        e = estimate(c.config)
-        assert e.memory.peak_bytes == c.peak_bytes
-        if e.memory.peak_bytes <= goal.usable_bytes:
-            fitting.append((e.time.update_seconds, c.config))
+    for dp, tp, pp in itertools.product((1, 2, 4, 8), repeat=3):
+        if dp * tp * pp != 8:
+            continue
+        per_rank = 64 // dp
+        for mb, ac in itertools.product([d for d in range(1, per_rank + 1) if per_rank % d == 0],
+                                        ("none", "every:8", "every:4", "every:2", "selective", "full")):
+            try:
+                cfg = llama(dp=dp, tp=tp, pp=pp, micro_batch=mb, accum=per_rank // mb, ac=ac)
+            except ConfigError:
+                continue
+            e = estimate(cfg)
+            if e.memory.peak_bytes <= goal.usable_bytes:
+                fitting.append(e.time.update_seconds)
     assert p.recommended is not None
-    assert p.recommended.update_seconds == pytest.approx(min(t for t, _ in fitting), rel=1e-9)
+    assert p.recommended.update_seconds == pytest.approx(min(fitting), rel=1e-9)
     # layouts compete (DP 8 alone cannot hold 16 bytes per parameter of 7B in 80 GB)
     assert {(c.config.tp, c.config.pp) for c in p.ranked} >= {(2, 1), (4, 1), (2, 2)}
     assert (1, 1) not in {(c.config.tp, c.config.pp) for c in p.ranked}
@@ -70,7 +81,7 @@ def test_a_model_too_big_for_one_device_is_split_by_tensor_or_pipeline_paralleli
     assert p.recommended is not None
     pick = p.recommended.config
     assert pick.tp * pick.pp > 1 and pick.parallel.world_size == 8 and pick.global_batch == 32
-    assert estimate(pick).memory.peak_bytes <= 40 * 10**9 * 0.9
+    assert estimate(pick).memory.peak_bytes <= 40 * 2**30 * 0.9  # an A100-40GB's 40 GiB, less the 10% margin
 
 
 def test_goal_refuses_a_world_no_layout_fills():
@@ -101,6 +112,37 @@ def test_cli_json_names_the_layout_of_the_pick():
     d = json.loads(r.output)
     par = d["final"]["parallel"] if "parallel" in d["final"] else d["final"]["config"]["parallel"]
     assert par["world_size"] == 8 and par["dp"] * par["tp"] * par["pp"] == 8
+
+
+LLAMA_64 = ["fit", "--model", "llama-2-7b", "--seq", "4096", "--global-batch", "64", "--device", "a100-80gb",
+            "--precision", "bf16-mixed", "--no-verify", "--json"]
+
+
+@pytest.mark.parametrize("asked, expected", [
+    # by hand: dp x tp x pp = 4 with tp > 1 (sequence parallelism splits over TP ranks), all dividing 32 heads,
+    # 32 layers and batch 64
+    (["--sequence-parallel"], {(2, 2, 1, True, 1), (1, 4, 1, True, 1), (1, 2, 2, True, 1)}),
+    # pp > 1 (2 chunks per rank: 32 layers split into pp x 2 stages)
+    (["--pp-virtual", "2", "--pp-schedule", "interleaved-1f1b"],
+     {(2, 1, 2, False, 2), (1, 2, 2, False, 2), (1, 1, 4, False, 2)}),
+])
+def test_world_size_searches_only_the_layouts_that_take_what_was_asked(asked, expected):
+    r = CliRunner().invoke(app, [*LLAMA_64, "--world-size", "4", *asked])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    got = {(a["config"]["dp"], a["config"]["tp"], a["config"]["pp"], a["config"]["sequence_parallel"],
+            a["config"]["pp_virtual"]) for a in d["alternatives"]}
+    assert got == expected
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--world-size", "4", "--pp-virtual", "2"], "pp_virtual: 1f1b runs one stage per rank"),
+    (["--world-size", "4", "--pp-virtual", "0", "--pp-schedule", "interleaved-1f1b"], "pp_virtual: must be > 0"),
+    (["--world-size", "1", "--sequence-parallel"], "world_size: no layout"),
+])
+def test_world_size_refuses_what_no_layout_can_take_in_one_line(extra, says):
+    r = CliRunner().invoke(app, [*LLAMA_64, *extra])
+    assert r.exit_code == 2 and says in r.stderr and "Traceback" not in r.output, r.output
 
 
 @pytest.mark.distributed

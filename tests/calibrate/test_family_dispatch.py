@@ -111,6 +111,18 @@ def test_ensure_measures_once_caches_with_the_calibration_and_says_so(monkeypatc
     assert family.ensure(RunConfig(), threads=1) is None and len(calls) == 1  # batchlab's GPT: nothing to measure
 
 
+@pytest.mark.parametrize("measured", [{"forward": 1e7, "backward": 1.1}, {"forward": 1.8, "backward": 0.001}])
+def test_an_implausible_fresh_ratio_is_flagged_and_not_cached(monkeypatch, measured):
+    """A ratio no model code has (x0.05..x50) is what a stalled run measures: the plausibility check names it
+    and nothing is cached (a clamped x50 would have been cached and priced, the check never firing)."""
+    monkeypatch.setattr(family, "measure", lambda cfg, costs, seconds=family.SECONDS: measured)
+    save(calibration())
+    line = family.ensure(GPT2, threads=1)
+    kind = "forward" if measured["forward"] > 50 else "backward"
+    assert "measured implausible" in line and f"own dispatch {kind} x{measured[kind]!r} outside x0.05..x50" in line
+    assert "batchlab's GPT's serves" in line and load_cached("cpu", 1).family_dispatch == {}
+
+
 def test_a_model_whose_code_refuses_the_small_shape_is_priced_with_batchlabs_gpt_and_said(monkeypatch):
     def refuse(cfg, costs, seconds=family.SECONDS):
         raise ValueError("head_dim must be even")

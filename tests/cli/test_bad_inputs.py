@@ -237,13 +237,25 @@ def test_a_bad_input_is_one_line_naming_the_field(case, files, monkeypatch, tmp_
     assert not book.exists() or _rows(book) == 0  # bad input leaves nothing in the notebook
 
 
-@pytest.mark.parametrize("value, field", [("micro_batch=1,nan", "micro_batch"), (f"layers=1,{BIG}", "layers"),
+@pytest.mark.parametrize("value, field", [("micro_batch=1,0", "micro_batch"), (f"layers=1,{BIG}", "layers"),
                                           ("optimizer_bytes_per_param=1,inf", "optimizer_bytes")])
-def test_a_bad_value_in_a_vary_table_is_its_row_marked_not_possible(value, field):
-    """--vary keeps every row (first-hour's design): a bad value is that row's "not possible", naming the field."""
+def test_a_value_the_config_refuses_in_a_vary_table_is_its_row_marked_not_possible(value, field):
+    """--vary keeps every row (first-hour's design): a value of the field's type that this config cannot take is
+    that row's "not possible", naming the field."""
     res = CliRunner().invoke(app, ["estimate", "--vary", value], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and res.exception is None and "Traceback" not in res.output
     assert f"not possible: {field}" in res.output, res.output
+
+
+@pytest.mark.parametrize("value, bad", [("micro_batch=abc,2", "abc"), ("micro_batch=2,abc", "abc"),
+                                        ("micro_batch=1,nan,4", "nan")])
+def test_a_value_not_of_the_fields_type_in_a_vary_table_is_a_user_error_wherever_it_stands(value, bad):
+    """'abc' is no whole number whatever the config: one line naming the field, exit 2, before any row is
+    computed, first value or not."""
+    res = CliRunner().invoke(app, ["estimate", "--vary", value])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert res.stderr.strip().splitlines() == [f"error: micro_batch: {bad!r} is not a whole number"]
+    assert res.stdout == ""
 
 
 def _rows(path: Path) -> int:

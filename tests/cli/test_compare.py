@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 import batchlab.cli.compare as compare_cli
 from batchlab.cli import app
 from batchlab.experiment.notebook import Notebook
+from batchlab.experiment.record import Record
 from fake_measure import FakeMeasure
 
 SMALL = ["--seq", "16", "--layers", "2", "--global-batch", "4"]
@@ -185,8 +186,20 @@ def test_a_side_that_fails_to_run_exits_1_with_the_record_saved(tmp_path, monkey
     assert Notebook(nb).get(1).status.value == "complete"
 
 
-def test_under_a_pipeline_the_verdict_names_the_bubble(tmp_path):
+BUBBLE = "the bubble falls from 33% to 20%: accumulation (micro-batches per flush, 2 -> 4) shrinks it"
+
+
+def test_under_a_pipeline_the_record_names_the_bubble_in_a_field_of_its_own_labelled_formula(tmp_path):
     # p 2: (p-1)/(m+p-1) = 1/3 at 2 micro-batches per flush, 1/5 at 4
-    d = formula_only(tmp_path, "--pp", "2", "--global-batch", "8", "--change", "micro_batch=4:2")
-    assert d["verdict"].endswith("; the bubble falls from 33% to 20%: accumulation (micro-batches per flush, "
-                                 "2 -> 4) shrinks it")
+    args = ("--pp", "2", "--global-batch", "8", "--change", "micro_batch=4:2")
+    d = formula_only(tmp_path, *args)
+    assert d["pipeline_bubble"] == {"text": BUBBLE, "provenance": "formula"}
+    assert "bubble" not in d["verdict"]  # the verdict is the metrics' alone
+    shown = CliRunner().invoke(app, ["compare", *SMALL, *args, "--formula-only", "--predict", "none", "--notebook",
+                                     str(tmp_path / "nb2.sqlite")], env={"COLUMNS": "300"})
+    assert f"pipeline [formula]: {BUBBLE}" in shown.stdout, shown.stdout
+    # a record stored with the clause inside its verdict text reads back with it in the field
+    old = dict(d, verdict=d["verdict"] + "; " + BUBBLE)
+    del old["pipeline_bubble"]
+    back = Record.from_dict(old)
+    assert back.pipeline_bubble == BUBBLE and back.verdict == d["verdict"]

@@ -235,6 +235,20 @@ def test_allow_zero_searches_from_the_typed_stage():
     assert "zero" in held["held"] and {a["config"]["zero"] for a in held["alternatives"]} == {1}
 
 
+
+@pytest.mark.parametrize("engine, stage", [("megatron", 0), ("megatron-distopt", 1), ("deepspeed-zero2", 2),
+                                           ("ddp", 0)])
+def test_a_typed_engine_holds_its_stage_under_allow_zero(engine, stage):
+    # Megatron's DDP is ZeRO-0 and its distributed optimizer ZeRO-1 (Megatron-LM README); DeepSpeed's stage is its
+    # name: --allow-zero may not move them to another stage
+    r = invoke(*TINY, "--dp", "2", "--sharding", engine, "--allow-zero", "--no-verify", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert "zero" in d["held"] and "zero" not in d["searched"]
+    assert {(a["config"]["zero"], a["config"]["sharding"]) for a in d["alternatives"]} == {
+        (stage, None if engine == "ddp" else engine)}
+    assert f"ignored: --allow-zero: --sharding {engine} runs ZeRO-{stage} only" in r.stderr
+
 # -- after an OOM, model states alone over the device (issue 11, item 7) ------------------------------------------
 
 LLAMA_A100 = ["--model", "llama-2-7b", "--device", "a100-80gb", "--after-oom"]

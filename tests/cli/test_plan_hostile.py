@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,21 +21,20 @@ from batchlab.config import ACMode, ACPolicy, ConfigError
 from batchlab.config.planfile import MAX_BYTES, MAX_LAYERS
 
 runner = CliRunner()
-SECONDS = 10  # far above any case's answer here (a formula estimate is milliseconds)
 LONG_80 = "plan:" + ",".join(["full*1"] * 57) + ",none*23"  # 80 layers in 399 characters
 
 
 def run(args: list[str], cwd: Path | None = None, codes: tuple[int, ...] = (0, 2)):
-    """The CLI's answer, checked for what every answer must be: exit 0 or 2, no traceback, within SECONDS."""
+    """The CLI's answer, checked for what every answer must be: exit 0 or 2, no traceback.  How long it takes is
+    bounded by the reader's limits (MAX_BYTES, MAX_LAYERS, nesting), each tested here by what it refuses, not by
+    this host's seconds."""
     old = os.getcwd()
-    t = time.perf_counter()
     try:
         if cwd is not None:
             os.chdir(cwd)
         r = runner.invoke(app, args, env={"COLUMNS": "2000"})  # no wrapping inside a path
     finally:
         os.chdir(old)
-    assert time.perf_counter() - t < SECONDS, args
     assert r.exit_code in codes, (args, r.exit_code, r.output, r.exception)
     assert "Traceback" not in r.output and not isinstance(r.exception, (AssertionError, RecursionError,
                                                                            MemoryError, OSError)), r.output
@@ -249,8 +247,11 @@ def test_vary_keeps_a_plans_commas(vary, rows):
     ("ac=none;plan:/tmp/[red]x.json", "plan:/tmp/[red]x.json"),
 ])
 def test_vary_with_a_bad_plan_row_is_answered(vary, shown):
+    # no policy whatever the config: a user error, as --ac would be, before any row (shown as typed)
     r = run(["estimate", "--vary", vary])
-    assert r.exit_code == 0 and f"ac={shown}: not possible" in r.output, r.output  # an impossible row
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ac: "), r.output
+    assert shown.removeprefix("plan:").split(",")[-1].split("*")[0] in lines[0]
 
 
 def test_compare_change_carries_a_multi_item_plan():
@@ -298,18 +299,22 @@ def test_fits_plan_file_is_printed_literally_and_reads_back(tmp_path, name):
     assert f"ac={chosen}" in back.output or f"ac={ACPolicy.parse(chosen)}" in back.output
 
 
-@pytest.mark.parametrize("ac", ["full", "every:2", "selective-attn"])
-def test_a_preset_pick_is_written_per_layer_and_reads_back(tmp_path, ac):
-    """A preset beats every plan: the file names each layer's policy (it once held per_layer = [])."""
+@pytest.mark.parametrize("ac, by_hand", [("full", ["full"] * 4), ("every:2", ["full", "none", "full", "none"]),
+                                         ("selective-attn", ["selective-attn"] * 4)])
+def test_a_preset_pick_is_written_per_layer_and_reads_back(tmp_path, ac, by_hand):
+    """A preset beats every plan: the file and the plan's JSON (fit --ac auto --json) both name each layer's
+    policy of the tiny preset's 4 (they once held per_layer = [])."""
     from batchlab.advise.acfit import write_plan
-    from batchlab.advise.acplan import ACPlan, Point
+    from batchlab.advise.acplan import ACPlan, Point, point
     from batchlab.config import RunConfig
 
     cfg = RunConfig(ac=ac)
     chosen = Point(ac, cfg.micro_batch, 10**6, 1.0, "plan", 2 * 10**6)
     path = tmp_path / "plan.json"
-    write_plan(ACPlan(2 * 10**6, chosen, cfg), path)
-    assert json.loads(path.read_text())["per_layer"] == [m.value for m in cfg.ac.layer_modes(4)]
+    plan = ACPlan(2 * 10**6, chosen, cfg, frontier=[point(cfg, "preset", {})])
+    write_plan(plan, path)
+    assert json.loads(path.read_text())["per_layer"] == by_hand
+    assert plan.to_dict()["per_layer"] == by_hand and plan.to_dict()["frontier"][0]["per_layer"] == by_hand
     r = run(["estimate", "--ac", f"plan:{path}"])
     assert r.exit_code == 0 and f"ac={ACPolicy(ACMode.PLAN, layers=cfg.ac.layer_modes(4))}" in r.output
 

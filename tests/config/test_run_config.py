@@ -1,4 +1,6 @@
 import json
+import os
+import re
 
 import pytest
 
@@ -194,3 +196,22 @@ def test_config_error_keeps_field_and_message_apart():
 
     again = pickle.loads(pickle.dumps(e.value))  # crosses process boundaries intact
     assert (again.field, again.message, str(again)) == (e.value.field, e.value.message, str(e.value))
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda p: os.mkfifo(p), "not a regular file"),  # read as before, the fifo would be waited on for ever
+    (lambda p: p.mkdir(), "is a directory"),
+    (lambda p: os.truncate(p.open("wb").name, (64 << 20) + 1), "larger than 64 MiB"),  # sparse: no 64 MiB written
+    (lambda p: p.write_bytes(b"seq = 1\n\xff\n"), "not UTF-8 text (byte 8)"),
+])
+def test_config_and_experiment_files_are_read_with_the_plan_files_guards(tmp_path, make, says):
+    """--config, --experiment, --hf-config and notebook import read a file as a plan file is read (one reader,
+    config/values.py read_text): a fifo, a folder, an outsized or binary file is one ConfigError naming the field."""
+    import tomllib
+
+    from batchlab.config.values import read_file
+
+    path = tmp_path / "run.toml"
+    make(path)
+    with pytest.raises(ConfigError, match=f"^config: .*{re.escape(says)}"):
+        read_file("config", path, tomllib.loads, "TOML")

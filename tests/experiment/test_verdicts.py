@@ -223,3 +223,17 @@ def test_side_medians_against_paired_ratios_in_opposite_directions_is_inconclusi
     # consistent sides: no noise note
     fake = FakeMeasure((p.sides.a, p.sides.b), times=((1.0, 1.2), (2.0, 3.0), (1.5, 1.95)))
     assert not run(p, measure=fake, verify=False).metrics[Metric.UPDATE_TIME].inconclusive
+
+
+def test_a_compile_change_keeps_its_time_direction_only_beyond_the_margin():
+    from batchlab.experiment.predict import COMPILED_TIME_MARGIN, Metric, compiled_time_prediction
+
+    def pred(ratio):
+        return {Metric.PEAK_MEMORY: {"ratio": 0.9, "direction": "down"},
+                Metric.UPDATE_TIME: {"ratio": ratio, "direction": "down" if ratio < 1 else "up"},
+                Metric.TOKENS_PER_SECOND: {"ratio": 1 / ratio, "direction": "up" if ratio < 1 else "down"}}
+
+    kept, reason = compiled_time_prediction(pred(1 - 2 * COMPILED_TIME_MARGIN))
+    assert Metric.UPDATE_TIME in kept and Metric.TOKENS_PER_SECOND in kept and not reason
+    kept, reason = compiled_time_prediction(pred(1 - COMPILED_TIME_MARGIN / 2))
+    assert set(kept) == {Metric.PEAK_MEMORY} and "fusion rule" in reason

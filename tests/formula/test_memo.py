@@ -94,6 +94,7 @@ def test_a_changed_costs_field_is_never_served_the_base_costs_work():
                    strided_bytes_per_s=base.strided_bytes_per_s / 3,
                    element_seconds={k: 2 * v for k, v in base.element_seconds.items()},
                    dispatch={k: 2 * v for k, v in base.dispatch.items()},
+                   dtensor_seconds={"forward": 1e-4},
                    dispatch_autocast={k: 3 * v for k, v in base.dispatch.items()}, memory_low=((1.0, 1e9),),
                    memory_inplace=((1.0, 2e9),), matmul_start={"bmm-fp32": ((1e3, 1e-5),), "sdpa-fp32": ((1e3, 1e-5),)},
                    asynchronous=True, link_bytes_per_s=1e9, link_latency_s=1e-5, threads=2, cores=2,

@@ -233,3 +233,21 @@ def test_the_architecture_page_draws_the_imports_between_packages():
     for mod, targets in import_graph(SRC, "batchlab").items():
         actual[package_of(mod)] |= {package_of(t) for t in targets} - {package_of(mod)}
     assert drawn == actual
+
+
+def test_a_dtensors_local_shard_is_read_in_one_place():
+    """DTensor's private ``_local_tensor`` is spelled in measure/shards.py alone (its local_shard): a torch that
+    renames it breaks one helper, not every module that counts or reduces a rank's own part."""
+    spelled = sorted(str(p.relative_to(SRC)) for p in (SRC / "batchlab").rglob("*.py")
+                     if '"_local_tensor"' in p.read_text())
+    assert spelled == ["batchlab/measure/shards.py"]
+
+
+def test_fsdp2_wraps_its_units_in_one_place():
+    """The measured engines (ZeRO-2/3) and the TP / PP layouts' data dimension shard with one function
+    (distributed/engines.py fsdp_units): one place for the units, the resharding and the mixed-precision policy."""
+    import re
+
+    calls = [(str(p.relative_to(SRC)), n) for p in (SRC / "batchlab").rglob("*.py")
+             if (n := len(re.findall(r"^\s*fully_shard\(", p.read_text(), re.M)))]  # statements, not printed text
+    assert calls == [("batchlab/distributed/engines.py", 1)]

@@ -56,3 +56,21 @@ def test_ac_full_traced_peak_is_inductors_own_plan():
     assert traced.memory.peak_phase == m.memory.peak_phase == "backward"
     assert traced.memory.peak_bytes == pytest.approx(m.memory.peak_bytes, rel=0.03)
     assert traced.memory.activations_bytes < 0.5 * _trace("none").memory.activations_bytes
+
+
+def test_a_chain_inductor_fuses_is_one_kernel_that_moves_its_inputs_and_output_once():
+    """By hand: out = 2 sum(relu(x @ w) * g) with x 16x8, w 8x32, g 16x32 fp32.  relu and the product fuse into the
+    sum's loop (neither is written); the kernel reads the matmul's output and g (512 elements each) and writes one
+    number: (512 + 512 + 1) x 4 bytes.  The matmul is an extern call with its own bytes."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from batchlab.config.phase import Launch
+    from batchlab.trace.compiled import launches
+
+    gm = make_fx(lambda x, w, g: (torch.mm(x, w).relu() * g).sum() * 2)(torch.randn(16, 8), torch.randn(8, 32),
+                                                                           torch.randn(16, 32))
+    by_name = {n.name: issued for n, issued in launches(gm).items()}
+    assert by_name["relu"] == (Launch.FUSED, 0) and by_name["mul"] == (Launch.FUSED, 0)
+    assert by_name["sum_1"] == (Launch.COMPILED, (512 + 512 + 1) * 4)
+    assert by_name["mm"] == (Launch.COMPILED, None)

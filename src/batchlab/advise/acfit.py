@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from batchlab.advise.acmodel import LayerModel
-from batchlab.advise.acplan import ACPlan, layer_models, next_budget, plan_ac
+from batchlab.advise.acplan import ACPlan, layer_models, next_budget, per_layer_of, plan_ac
 from batchlab.advise.fit import FitReport, isolated_measure
 from batchlab.advise.plan import FitPlan, Goal, assumptions, candidate
 from batchlab.advise.search import NO_ANSWER, MeasureFn, Trial
@@ -32,8 +32,7 @@ def write_plan(p: ACPlan, path: str | Path) -> str:
     assert c is not None and p.config is not None
     layers = p.config.model.layers
     # one policy per layer whatever was picked (a preset too): the file reads back as --ac plan:FILE
-    per_layer = [m.value for m in p.config.ac.layer_modes(layers)]
-    data = {"ac": c.ac, "per_layer": per_layer, "layers": layers,
+    data = {"ac": c.ac, "per_layer": per_layer_of(p.config), "layers": layers,
             "model": p.config.model.name, "model_source": p.config.model_source, "seq": p.config.seq,
             "micro_batch": c.micro_batch, "accum": p.config.accum, "precision": str(p.config.precision),
             "budget_bytes": p.budget_bytes, "predicted_peak_bytes": c.peak_bytes,

@@ -115,6 +115,7 @@ class Point:
     kind: str  # "plan" (with the budget it was solved for) or "preset"
     budget_bytes: int | None = None
     allocated_bytes: int | None = None  # tensor bytes (peak_bytes less the caching allocator's slack on CUDA)
+    layers: int | None = None  # the model's: a preset (full, every:2) names no layer count of its own
 
     @property
     def allocated(self) -> int:
@@ -128,8 +129,15 @@ class Point:
 
     @property
     def per_layer(self) -> list[str]:
+        """One policy per layer, a preset's too: what the plan file fit writes holds (advise/acfit.py)."""
         pol = ACPolicy.parse(self.ac)
-        return [m.value for m in pol.layer_modes(len(pol.layers))] if pol.layers else []
+        layers = self.layers or len(pol.layers)
+        return [m.value for m in pol.layer_modes(layers)] if layers else []
+
+
+def per_layer_of(cfg: RunConfig) -> list[str]:
+    """cfg's policy per layer, a preset's too: the plan file fit writes and the plan's JSON both hold it."""
+    return [m.value for m in cfg.ac.layer_modes(cfg.model.layers)]
 
 
 def point(cfg: RunConfig, kind: str, cals: Calibrations, budget: int | None = None) -> Point:
@@ -139,10 +147,10 @@ def point(cfg: RunConfig, kind: str, cals: Calibrations, budget: int | None = No
 
         t = traced(cfg, cals)
         return Point(str(cfg.ac), cfg.micro_batch, t.memory.peak_bytes + t.memory.margin_bytes, t.time.seconds, kind,
-                     budget, t.memory.peak_bytes)
+                     budget, t.memory.peak_bytes, cfg.model.layers)
     e = estimate(cfg, cals)
     return Point(str(cfg.ac), cfg.micro_batch, e.memory.peak_bytes, e.time.update_seconds, kind, budget,
-                 e.memory.allocated_bytes)
+                 e.memory.allocated_bytes, cfg.model.layers)
 
 
 def plan_within(lm: LayerModel, budget: int, cals: Calibrations) -> Point | None:
@@ -206,7 +214,8 @@ class ACPlan:
         from batchlab.config import to_jsonable
 
         c = self.chosen
-        return {"per_layer": c.per_layer if c else None, "ac": c.ac if c else None,
+        per_layer = per_layer_of(self.config) if self.config is not None and c else (c.per_layer if c else None)
+        return {"per_layer": per_layer, "ac": c.ac if c else None,
                 "predicted_peak_bytes": c.peak_bytes if c else None,
                 "predicted_update_seconds": c.update_seconds if c else None, "budget_bytes": self.budget_bytes,
                 "micro_batch": c.micro_batch if c else None, "best_preset": to_jsonable(self.best_preset),

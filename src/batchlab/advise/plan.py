@@ -10,9 +10,10 @@ import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
+from batchlab.advise.candidate import Candidate, candidate, option_key, traced_candidate  # noqa: F401 (the plan's)
 from batchlab.cache.calibrations import load_all
 from batchlab.config import AC_POLICIES, ACPolicy, ConfigError, Counted, ModelSource, RunConfig
-from batchlab.formula import Calibrations, estimate
+from batchlab.formula import estimate
 from batchlab.formula.memory import model_states
 from batchlab.util.units import fmt_amount, fmt_bytes
 
@@ -42,6 +43,9 @@ class Goal:
     min_micro_tokens: int = MIN_MICRO_TOKENS
     held: frozenset[str] = frozenset()  # KNOBS kept as base has them (the user gave them explicitly)
     world: int | None = None  # search the layouts dp x tp x pp of this many devices (None: base's layout only)
+    # asked of every layout searched (--world-size): the base, one device, cannot take them itself
+    sequence_parallel: bool = False
+    pp_virtual: int = 1
 
     def __post_init__(self):
         if not set(self.held) <= set(KNOBS):
@@ -54,6 +58,9 @@ class Goal:
             raise ConfigError("min_micro_tokens", f"must be >= 1, got {self.min_micro_tokens}")
         if self.world is not None:
             check_world(self)
+        elif self.sequence_parallel or self.pp_virtual != 1:
+            raise ConfigError("sequence_parallel" if self.sequence_parallel else "pp_virtual",
+                              "asked of the layouts --world-size searches; without it, set it on the config")
 
     @property
     def global_batch(self) -> int:
@@ -94,53 +101,6 @@ class Goal:
         return self if self.world is None else dataclasses.replace(self, base=cfg, world=None)
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration and its formula figures (provenance ``formula``)."""
-
-    config: RunConfig
-    peak_bytes: int
-    peak_phase: str
-    update_seconds: float
-    tokens_per_second: float
-    time_to_tokens_seconds: float
-    hardware_flops_per_update: float
-    provenance: str = "formula"  # or "trace": a factory's own code on fake tensors
-    counted: Counted = Counted.TOKENS  # what tokens_per_second counts (samples for a per-sample factory)
-
-    @property
-    def key(self) -> tuple[str, int, int, int, int]:
-        return option_key(self.config)
-
-
-def option_key(cfg: RunConfig) -> tuple[str, int, int, int, int]:
-    """What a plan's row stands for: the policy, the ZeRO stage and the layout (the micro-batch aside)."""
-    return str(cfg.ac), cfg.zero, cfg.dp, cfg.tp, cfg.pp
-
-
-def candidate(cfg: RunConfig, tokens: float, calibrations: Calibrations | None = None) -> Candidate:
-    """``calibrations``: the cached ceilings (``calibrate.load_all()``), read here when not given.  A factory
-    model is traced (the formula cannot see inside its code); every other model gets the formula."""
-    cals = load_all() if calibrations is None else calibrations
-    if cfg.model_kind is ModelSource.FACTORY:
-        return traced_candidate(cfg, tokens, cals)
-    est = estimate(cfg, cals)
-    return Candidate(cfg, est.memory.peak_bytes, est.memory.peak_phase, est.time.update_seconds,
-                     est.time.tokens_per_second, est.time.time_to_tokens(tokens),
-                     est.flops.hardware_flops_per_update)
-
-
-def traced_candidate(cfg: RunConfig, tokens: float, calibrations: Calibrations) -> Candidate:
-    """One steady-state update of the factory's code on fake tensors: its peak, and the per-op time model over
-    the ops it ran (one rank, no communication).  ``tokens``: the budget, in what the model counts."""
-    from batchlab.trace import estimate as trace  # torch and the user's module: a factory needs both anyway
-
-    t = trace(cfg, calibrations=calibrations)
-    per_second = t.tokens_per_update / t.time.seconds
-    return Candidate(cfg, t.memory.peak_bytes, t.memory.peak_phase, t.time.seconds, per_second, tokens / per_second,
-                     t.flops.hardware_flops_per_update, provenance="trace", counted=t.counted)
-
-
 def divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
@@ -157,12 +117,16 @@ def check_world(goal: Goal) -> None:
     from batchlab.config.values import SIZE_MAX, whole_number
 
     whole_number("world_size", goal.world, maximum=SIZE_MAX)
+    whole_number("pp_virtual", goal.pp_virtual, maximum=SIZE_MAX)
+    goal.base.parallel.schedule_spec.check(1, 1, goal.pp_virtual)  # chunks per rank need an interleaved schedule
     held = (goal.base.tp if "tp" in goal.held else 1) * (goal.base.pp if "pp" in goal.held else 1)
     if goal.world % held:
         raise ConfigError("world_size", f"{goal.world} devices do not split into the tp x pp held ({held})")
     if not layouts(goal):
+        asked = "".join([", has tp > 1 (sequence parallelism)"] * goal.sequence_parallel
+                        + [f", has pp > 1 ({goal.pp_virtual} virtual stages)"] * (goal.pp_virtual > 1))
         raise ConfigError("world_size", f"no layout dp x tp x pp = {goal.world} keeps the global batch "
-                                        f"{goal.global_batch} (dp must divide it) and splits the model evenly")
+                                        f"{goal.global_batch} (dp must divide it){asked} and splits the model evenly")
 
 
 def layouts(goal: Goal) -> list[RunConfig]:
@@ -174,14 +138,15 @@ def layouts(goal: Goal) -> list[RunConfig]:
     if goal.world is None:
         return [b]
     per_node = b.device_spec.gpus_per_node
+    sp, v = goal.sequence_parallel or b.sequence_parallel, max(goal.pp_virtual, b.pp_virtual)
     out = []
     for tp in ([b.tp] if "tp" in goal.held else [d for d in divisors(goal.world) if d <= per_node]):
         for pp in ([b.pp] if "pp" in goal.held else divisors(goal.world // tp)):
             dp, rest = divmod(goal.world, tp * pp)
-            if rest == 0 and goal.global_batch % dp == 0:
+            # sequence parallelism splits over TP ranks, virtual stages are chunks of a pipeline: only such layouts
+            if rest == 0 and goal.global_batch % dp == 0 and (tp > 1 or not sp) and (pp > 1 or v == 1):
                 out += derived(b, [dict(dp=dp, tp=tp, pp=pp, micro_batch=1, accum=goal.global_batch // dp,
-                                        sequence_parallel=b.sequence_parallel and tp > 1,
-                                        pp_virtual=b.pp_virtual if pp > 1 else 1)])
+                                        sequence_parallel=sp, pp_virtual=v)])
     return out
 
 
@@ -208,7 +173,10 @@ def _schedulable(cfg: RunConfig, accum: int) -> bool:
 
 
 def zero_stages(goal: Goal, dp: int | None = None) -> tuple[int, ...]:
-    """The ZeRO stages searched at data-parallel degree ``dp`` (the base's by default): one without sharding ranks."""
+    """The ZeRO stages searched at data-parallel degree ``dp`` (the base's by default): one without sharding ranks,
+    and one for an engine other than PyTorch's (Megatron, DeepSpeed): it implements its own stage only."""
+    if goal.base.sharding is not None:
+        return (goal.base.zero,)
     if goal.allow_zero and (goal.base.dp if dp is None else dp) > 1 and "zero" not in goal.held:
         return tuple(range(goal.base.zero, 4))
     return (goal.base.zero,)

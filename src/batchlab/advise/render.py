@@ -30,7 +30,8 @@ def header(out: Console, goal: Goal) -> None:
     if goal.world is not None:
         out.print(f"target: global batch {goal.global_batch} sequences ({b.tokens_per_update:,} tokens per update) "
                   f"over {goal.world} devices: layouts DP x TP x PP searched (DP divides the global batch; TP and PP "
-                  "do not multiply it)")
+                  "do not multiply it)" + "; only TP > 1 (sequence parallelism)" * goal.sequence_parallel
+                  + f"; only PP > 1 ({goal.pp_virtual} virtual stages per rank)" * (goal.pp_virtual > 1))
     elif b.model_kind is ModelSource.FACTORY:  # tokens or samples: known once its code is traced
         out.print(f"target: global batch {goal.global_batch} examples over DP {b.dp}: {goal.per_rank} per rank per "
                   "update")

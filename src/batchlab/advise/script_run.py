@@ -1,8 +1,8 @@
 """Run printed training scripts as a user would: one ``torchrun --standalone`` launch, the scripts in turn.
 
-One launch of ``nproc`` ranks runs a small driver (torch only; batchlab is not on its path) that, in rank 0 first,
-runs the single-process reference scripts with torchrun's variables taken away (as ``python train.py`` runs them),
-then in every rank each distributed script as ``__main__``.  Each distributed script after the first rendezvouses
+One launch of ``nproc`` ranks runs a small driver (torch only; batchlab is not on its path) that first runs the
+single-process reference scripts, shared out between the ranks, with torchrun's variables taken away (as
+``python train.py`` runs them), then in every rank each distributed script as ``__main__``.  Each distributed script after the first rendezvouses
 on a store of its own, served by rank 0 on torchrun's port + i: a re-made default group on torchrun's store reads
 the first group's keys.  Every rank's output goes to its own file, each script's part headed ``== name``; the
 ``update N: loss X`` lines are read from whichever rank printed them (a pipeline's last stage).
@@ -32,12 +32,11 @@ req = json.load(open(sys.argv[1]))
 rank = os.environ["RANK"]
 fd = os.open(os.path.join(req["folder"], "out%s.txt" % rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
 os.dup2(fd, 1)
-if rank == "0":
-    saved = {k: os.environ.pop(k) for k in req["torchrun_vars"] if k in os.environ}
-    for name, path in req["references"]:
-        print("== " + name, flush=True)
-        runpy.run_path(path, run_name="__main__")
-    os.environ.update(saved)
+saved = {k: os.environ.pop(k) for k in req["torchrun_vars"] if k in os.environ}
+for name, path in req["references"][int(rank)::int(saved["WORLD_SIZE"])]:  # shared out: the ranks run theirs at once
+    print("== " + name, flush=True)
+    runpy.run_path(path, run_name="__main__")
+os.environ.update(saved)
 first = int(os.environ["MASTER_PORT"])
 for i, (name, path) in enumerate(req["scripts"]):
     if i:  # a store of its own, served by rank 0
@@ -90,8 +89,8 @@ def update_losses(text: str) -> dict[str, list[float]]:
 
 def run_scripts(folder: Path, nproc: int, scripts: dict[str, str], references: dict[str, str] | None = None,
                 timeout: float = 600) -> ScriptRun:
-    """Write ``scripts`` (name -> text; run by all ``nproc`` ranks) and ``references`` (name -> text; rank 0
-    alone, before them, without torchrun's variables) under ``folder`` and run them in one torchrun launch."""
+    """Write ``scripts`` (name -> text; run by all ``nproc`` ranks) and ``references`` (name -> text; each by one
+    rank, before them, without torchrun's variables) under ``folder`` and run them in one torchrun launch."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, text in {**(references or {}), **scripts}.items():

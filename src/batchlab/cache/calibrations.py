@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from batchlab.formula.calibration import Calibration, check
+from batchlab.formula.calibration import Calibration, check, loaded
 from batchlab.host import PROBE_BUNDLE, cpu_hardware
 from batchlab.util.files import write_atomic
 
@@ -45,21 +45,25 @@ def load_cached(device_name: str, threads: int | None = None) -> Calibration | N
     a process here starts with), or None.  CPU rates depend on the thread count, so only an entry measured
     with the same count serves; a CPU entry measured on other hardware (a shared home directory) is ignored.
     """
-    return load_all(threads).get(device_name)
+    return load_all(threads).get(device_name, say_loaded=False)  # its callers decide whether to measure again
 
 
 class Cached(dict):
     """``load_all``'s answer: the usable calibrations by device name, and those refused by their checks, said once on
-    stderr when a caller asks for that device (an estimate for an H100 says nothing of a refused CPU file)."""
+    stderr when a caller asks for that device (an estimate for an H100 says nothing of a refused CPU file); one
+    measured under load is used, and said once too (``formula.calibration.loaded``)."""
 
     def __init__(self, usable: dict[str, Calibration], refused: dict[str, tuple[str, int, str]]):
         super().__init__(usable)
         self.refused = refused
 
-    def get(self, device, default=None):
+    def get(self, device, default=None, say_loaded: bool = True):
         if device not in self and device in self.refused:
             _say_ignored(*self.refused[device])
-        return super().get(device, default)
+        cal = super().get(device, default)
+        if say_loaded and isinstance(cal, Calibration) and loaded(cal):
+            _say_loaded(device, cal.measured_at, cal.other_cores)
+        return cal
 
 
 def load_all(threads: int | None = None) -> Cached:
@@ -103,3 +107,11 @@ def _say_ignored(path: str, mtime: int, why: str) -> None:
     # once per file version and process: load_all is read by every estimate of a sweep
     print(f"warning: ignored the cached calibration {path}: {why}; it is measured again where needed "
           "(`batchlab calibrate`), nominal rates meanwhile", file=sys.stderr)
+
+
+@functools.cache
+def _say_loaded(device: str, measured_at: str, other_cores: float) -> None:
+    # once per calibration and process: its every rate holds the load, so every time prediction made with it does
+    print(f"warning: the cached calibration of {device} was measured at {measured_at} while other processes kept "
+          f"{other_cores:.1f} core(s) busy: its time predictions carry that load; run `batchlab calibrate` on a "
+          "quieter machine to measure it again", file=sys.stderr)

@@ -19,7 +19,7 @@ from batchlab.calibrate.kernels import CLOCK
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.config import ConfigError, RunConfig
 from batchlab.formula.opcost import OpCosts
-from batchlab.formula.plausible import FAMILY_RATIO
+from batchlab.formula.plausible import family_problems
 from batchlab.formula.timing import dispatch_family
 
 SECONDS = 1.5  # alternated updates of the two models, hundreds each at dispatch-bound sizes
@@ -69,16 +69,14 @@ SEPARABLE = 0.05  # the GPT's fixed cost per op beyond its work, as a share of i
 
 
 def ratio(model_beyond: float, gpt_beyond: float, model_per_op: float, gpt_per_op: float) -> float:
-    """The model's fixed cost per op over the GPT's, within plausible.FAMILY_RATIO.  Where this CPU runs the GPT's
-    ops so fast that the work model already prices (nearly) all of their time, the fixed part is not separable
-    from noise (it reads 0 or a few ns, and a ratio over it explodes): the whole times per op are compared
-    instead, both models being dispatch-bound at these sizes."""
-    low, high = FAMILY_RATIO
+    """The model's fixed cost per op over the GPT's, as measured: nothing clamped (a figure outside
+    plausible.FAMILY_RATIO is refused by ``ensure``, not bent into it).  Where this CPU runs the GPT's ops so
+    fast that the work model already prices (nearly) all of their time, the fixed part is not separable from
+    noise (it reads 0 or a few ns, and a ratio over it explodes): the whole times per op are compared instead,
+    both models being dispatch-bound at these sizes."""
     if gpt_beyond > SEPARABLE * gpt_per_op:
-        r = model_beyond / gpt_beyond
-    else:
-        r = model_per_op / gpt_per_op if gpt_per_op > 0 else 1.0
-    return min(max(r, low), high)
+        return model_beyond / gpt_beyond
+    return model_per_op / gpt_per_op if gpt_per_op > 0 else 1.0
 
 
 def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
@@ -98,6 +96,9 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
         return f"time model: {cfg.model_source}'s own dispatch per op not measured ({e}); batchlab's GPT's serves"
     finally:
         torch.set_num_threads(before)
+    if bad := family_problems(key, ratios):  # a stall or a broken run: priced, every prediction would follow it
+        return (f"time model: {cfg.model_source}'s own dispatch per op measured implausible ({bad[0]}); not cached, "
+                "batchlab's GPT's serves")
     cal.family_dispatch[key] = ratios
     save(cal)
     said = ", ".join(f"{k} x{r:.2f}" for k, r in ratios.items())  # in the order measured: forward, backward

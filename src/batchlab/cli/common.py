@@ -246,12 +246,31 @@ class CommandLine:
 
     typed: frozenset[str] = frozenset()  # the shared config options typed (not defaults): held, or conflicting
     ac_auto: bool = False  # --ac auto (fit's planner; the config gets none meanwhile)
+    # fit --world-size: asked of the layouts searched, not of the one-device base config
+    sequence_parallel: bool = False
+    pp_virtual: int = 1
 
 
 def takes_ac_auto(fn: Callable) -> Callable:
     """Mark a command (below ``with_config``) as accepting ``--ac auto``."""
     fn.takes_ac_auto = True
     return fn
+
+
+def searches_layouts(fn: Callable) -> Callable:
+    """Mark a command (below ``with_config``) whose ``--world-size`` searches layouts: --sequence-parallel and
+    --pp-virtual then go to its ``line``, not to the base config (one device: no TP or PP ranks to split over)."""
+    fn.searches_layouts = True
+    return fn
+
+
+def _layout_asks(fn: Callable, kwargs: dict[str, Any], config_kwargs: dict[str, Any], typed: set[str]) -> dict:
+    if not getattr(fn, "searches_layouts", False) or kwargs.get("world_size") is None:
+        return {}
+    asks = {k: config_kwargs[k] for k in ("sequence_parallel", "pp_virtual") if k in typed}
+    config_kwargs.update({k: CONFIG_OPTIONS[k][1] for k in asks})
+    typed -= set(asks)
+    return asks
 
 
 def _auto_ac(fn: Callable, config_kwargs: dict[str, Any], typed: set[str]) -> bool:
@@ -292,7 +311,8 @@ def with_config(fn: Callable) -> Callable:
         config_kwargs = {k: kwargs.pop(k) for k in CONFIG_OPTIONS}
         typed = _typed_in(ctx)
         try:
-            line = CommandLine(ac_auto=_auto_ac(fn, config_kwargs, typed), typed=frozenset(typed))
+            asks = _layout_asks(fn, kwargs, config_kwargs, typed)
+            line = CommandLine(ac_auto=_auto_ac(fn, config_kwargs, typed), typed=frozenset(typed), **asks)
             cfg = build_config(given=typed, **config_kwargs)
             for w in config_warnings(cfg):
                 typer.echo(f"warning: {w}", err=True)

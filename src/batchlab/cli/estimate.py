@@ -283,7 +283,8 @@ def estimate(
         if not sep or not values:
             raise ConfigError("vary", "expected FIELD=v1,v2,... or FIELD=a..b, e.g. micro_batch=1,2,4 or accum=1..64")
         field, texts = name.strip().replace("-", "_"), values_of(values)
-        parse_field_value(field, texts[0])  # an unknown field is refused before any cache is read
+        for text in texts:  # an unknown field or a value its type refuses: a user error before any cache is read
+            parse_field_value(field, text)
         cfg = with_layer_profile(cfg, varied(cfg, field, texts))  # every row's policies, precisions, regimes
         rows = vary_rows(cfg, field, texts, keep, load_all())
         if as_json:

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from batchlab.cli.base import app
-from batchlab.cli.common import (CommandLine, Verbose, console, fail, print_json, takes_ac_auto, with_config,
-                                  with_goal_profile)
+from batchlab.cli.common import (CommandLine, Verbose, console, fail, print_json, searches_layouts, takes_ac_auto,
+                                  with_config, with_goal_profile)
 from batchlab.config import Backend, ConfigError, ModelSource, RunConfig
 from batchlab.formula import compiled_note
 
@@ -18,6 +18,7 @@ PANEL = "Fit"
 @app.command("fit", short_help="Pick micro-batch, accumulation, activation checkpointing (and, with --world-size, the DP x TP x PP layout) for a target global batch.")
 @with_config
 @takes_ac_auto
+@searches_layouts
 def fit_command(
     cfg: RunConfig,
     as_json: bool,
@@ -25,8 +26,8 @@ def fit_command(
     global_tokens: Annotated[Optional[int], typer.Option(help="Target global batch in tokens (instead of --global-batch in sequences); must be a multiple of --seq.", rich_help_panel=PANEL)] = None,
     tokens: Annotated[float, typer.Option(help="Token budget of the training run: options are ranked by predicted time to it.", rich_help_panel=PANEL)] = 1e9,
     margin: Annotated[float, typer.Option(help="Safety margin: fraction of the device memory (or --memory-budget) kept free.", rich_help_panel=PANEL)] = 0.10,
-    world_size: Annotated[Optional[int], typer.Option(help="Search the parallel layout too: every DP x TP x PP of this many devices (TP within one node; DP divides the global batch; --tp/--pp typed are held), with the micro-batch and checkpointing of each.", rich_help_panel=PANEL)] = None,
-    allow_zero: Annotated[bool, typer.Option("--allow-zero", help="Also try ZeRO stages from --zero up to 3 over the DP ranks (DP > 1).", rich_help_panel=PANEL)] = False,
+    world_size: Annotated[Optional[int], typer.Option(help="Search the parallel layout too: every DP x TP x PP of this many devices (TP within one node; DP divides the global batch; --tp/--pp typed are held; --sequence-parallel: only TP > 1; --pp-virtual N: only PP > 1), with the micro-batch and checkpointing of each.", rich_help_panel=PANEL)] = None,
+    allow_zero: Annotated[bool, typer.Option("--allow-zero", help="Also try ZeRO stages from --zero up to 3 over the DP ranks (DP > 1); an engine typed with --sharding holds its own stage.", rich_help_panel=PANEL)] = False,
     min_micro_tokens: Annotated[int, typer.Option(help="A 'reasonable' micro-batch has at least this many tokens (or is the whole per-rank batch); below it activation checkpointing that allows a larger one is preferred.", rich_help_panel=PANEL)] = 4096,
     verify: Annotated[Optional[bool], typer.Option("--verify/--no-verify", help="Measure the recommendation in a fresh subprocess (default: on when --device is this machine's: cpu, local, or the catalogue entry of the GPU here).", rich_help_panel=PANEL)] = None,
     search: Annotated[bool, typer.Option("--search", help="Find the largest micro-batch that fits by measurement (seeded by the formula, at most ceil(log2(max)) + 2 isolated trials).", rich_help_panel=PANEL)] = False,
@@ -49,6 +50,10 @@ def fit_command(
     if top < 1:
         fail(f"top: must be >= 1, got {top}")
     held = line.typed & set(KNOBS) - ({"zero"} if allow_zero else set())
+    if "sharding" in line.typed:  # the engine typed implements one ZeRO stage: it holds it
+        held |= {"zero"}
+        if allow_zero:
+            typer.echo(f"warning: ignored: --allow-zero: --sharding {cfg.parallel.engine} runs ZeRO-{cfg.zero} only", err=True)
     try:
         if report and not after_oom:
             from batchlab.report.fit_document import check_dir
@@ -66,7 +71,8 @@ def fit_command(
         if world_size is not None and "dp" in line.typed:
             raise ConfigError("world_size", "gives the devices and fit derives DP = world / (TP x PP): drop --dp")
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
-                    held=frozenset(held), world=world_size)
+                    held=frozenset(held), world=world_size, sequence_parallel=line.sequence_parallel,
+                    pp_virtual=line.pp_virtual)
         goal = with_goal_profile(goal, after_oom)  # the layer terms of every policy it evaluates
         if after_oom:
             if report:

@@ -231,9 +231,8 @@ def render(out: Console, r: Record, notebook_path: Path | None = None,
         out.print("[yellow]no verdict: the experiment did not finish[/]")
     else:
         out.print(verdict_table(r))
-        _, bubble, why = (r.verdict or "").partition("; the bubble ")
-        if bubble:  # a pipeline on either side (formula.pipeline.bubble_change)
-            out.print(f"pipeline: the bubble {esc(why)}", highlight=False)
+        if r.pipeline_bubble:  # a pipeline on either side
+            out.print(f"pipeline [formula]: {r.pipeline_bubble}", markup=False, highlight=False)
         if not r.formula_only and verbose:
             out.print(f"[dim]band: {esc(r.protocol.band_method)}[/]")
             if r.protocol.allocator:

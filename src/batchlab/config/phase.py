@@ -28,3 +28,13 @@ class Phase(Choice):
 
 
 UPDATE_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
+
+
+class Launch(Choice):
+    """Who issues an op, which decides its fixed cost in the time model (formula/opcost.py)."""
+
+    EAGER = "eager"  # eager PyTorch: the dispatcher (and autograd) per op, priced by the phase it runs in
+    # a kernel of a compiled graph: one call from inductor's generated wrapper, no autograd node per op (a
+    # no-grad aten call's cost, the calibrated "plain" dispatch)
+    COMPILED = "compiled"
+    FUSED = "fused"  # folded into another op's kernel by the compiler: no call of its own

@@ -10,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
-import os
 import re
-import stat
 from pathlib import Path
 from typing import Any, Iterator
 
 from batchlab.config.acpolicies import ACMode
 from batchlab.config.choices import ConfigError
+from batchlab.config.values import read_text
 
 FIELD = "ac"
 MAX_LAYERS = 100_000  # far above any trained model; bounds every loop over a plan's layers
@@ -75,44 +74,10 @@ def _path(path_text: str, name: str) -> Path:
 
 
 def _text(path: Path, name: str) -> str:
-    """The file's text: a regular file, read without blocking (a fifo or a device is refused, not waited on)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise ConfigError(FIELD, f"{name} not found{_where(path)} (read as a file because it ends in .json or "
-                                 ".toml or has a / in it; an inline plan is plan:POLICY*N,...)") from None
-    except OSError as e:  # a symlink loop, a name too long, no permission
-        raise ConfigError(FIELD, f"{name}: cannot open it: {e.strerror or e}") from None
-    except ValueError:  # a NUL byte in the name
-        raise ConfigError(FIELD, f"{name}: a path cannot hold a NUL character") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, fifo or socket)"
-            raise ConfigError(FIELD, f"{name} is {kind}; give a .json or .toml file")
-        data = _read_at_most(fd, MAX_BYTES + 1)
-    except OSError as e:
-        raise ConfigError(FIELD, f"{name}: cannot read it: {e.strerror or e}") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_BYTES:
-        raise ConfigError(FIELD, f"{name} is larger than {MAX_BYTES >> 20} MiB; a plan file of "
-                                 f"{MAX_LAYERS:,} layers is smaller")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(FIELD, f"{name} is not UTF-8 text (byte {e.start})") from None
-
-
-def _read_at_most(fd: int, limit: int) -> bytes:
-    chunks, got = [], 0
-    while got < limit:
-        chunk = os.read(fd, min(1 << 20, limit - got))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+    return read_text(FIELD, path, name, MAX_BYTES,
+                     missing=f"{name} not found{_where(path)} (read as a file because it ends in .json or .toml or has "
+                             "a / in it; an inline plan is plan:POLICY*N,...)",
+                     too_large=f"a plan file of {MAX_LAYERS:,} layers is smaller", give="a .json or .toml file")
 
 
 def _where(path: Path) -> str:

@@ -79,13 +79,56 @@ def parse_bytes(field_name: str, text: Any) -> int:
     return size
 
 
-def read_file(field_name: str, path: str | Path, parse: Callable[[str], T], kind: str) -> T:
-    """``parse(text of path)``; a missing, unreadable or malformed file is a ConfigError on ``field_name``.
-    ``kind`` names the format for the message (JSON, TOML); JSON and TOML decode errors are ValueErrors."""
-    p = Path(path)
+FILE_MAX_BYTES = 64 << 20  # a config, an experiment, a config.json or a notebook export is far smaller
+
+
+def read_text(field_name: str, path: Path, name: str, limit: int = FILE_MAX_BYTES, missing: str | None = None,
+              too_large: str = "", give: str = "a file") -> str:
+    """The text of ``path`` (``name`` in messages): a regular file, opened without blocking (a fifo or a device is
+    refused, not waited on), of at most ``limit`` bytes, UTF-8; anything else one ConfigError on ``field_name``.
+    ``missing``: the whole message for a file that is not there; ``too_large`` and ``give`` end the others."""
+    import os
+    import stat
+
     try:
-        return parse(p.read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise ConfigError(field_name, f"no such file: {p}") from None
-    except (OSError, ValueError) as e:  # UnicodeDecodeError, JSONDecodeError, TOMLDecodeError
-        raise ConfigError(field_name, f"cannot read {p} as {kind}: {e}") from None
+        raise ConfigError(field_name, missing or f"no such file: {name}") from None
+    except OSError as e:  # a symlink loop, a name too long, no permission
+        raise ConfigError(field_name, f"{name}: cannot open it: {e.strerror or e}") from None
+    except ValueError:  # a NUL byte in the name
+        raise ConfigError(field_name, f"{name}: a path cannot hold a NUL character") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, fifo or socket)"
+            raise ConfigError(field_name, f"{name} is {kind}; give {give}")
+        chunks, got = [], 0
+        while got <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError as e:
+        raise ConfigError(field_name, f"{name}: cannot read it: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if got > limit:
+        raise ConfigError(field_name, f"{name} is larger than {limit >> 20} MiB" + (f"; {too_large}" if too_large else ""))
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(field_name, f"{name} is not UTF-8 text (byte {e.start})") from None
+
+
+def read_file(field_name: str, path: str | Path, parse: Callable[[str], T], kind: str) -> T:
+    """``parse(text of path)`` (``read_text``: a regular UTF-8 file within ``FILE_MAX_BYTES``); a missing,
+    unreadable or malformed file is a ConfigError on ``field_name``.  ``kind`` names the format for the
+    message (JSON, TOML); JSON and TOML decode errors are ValueErrors."""
+    p = Path(path)
+    text = read_text(field_name, p, str(p), give=f"{kind} in a regular file")
+    try:
+        return parse(text)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, TOMLDecodeError, too many digits or levels
+        raise ConfigError(field_name, f"cannot read {p} as {kind}: {str(e).splitlines()[0][:200]}") from None

@@ -22,6 +22,7 @@ from batchlab.config import Precision, RunConfig
 from batchlab.distributed import comm
 from batchlab.distributed.sharding import engine_info
 from batchlab.measure.harness import Trainer, optimizer_class
+from batchlab.measure.shards import local_shards
 from batchlab.models import build_workload
 
 _HALF = {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}
@@ -34,21 +35,29 @@ def zero_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
     return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, **kwargs)
 
 
+def fsdp_units(cfg: RunConfig, mesh, units, reshard: bool) -> None:
+    """FSDP2 ``fully_shard`` on each unit in turn over ``mesh`` (each block, then the root that holds them):
+    ``reshard`` after forward (ZeRO-3), and under mixed precision 16-bit parameters in compute with the gradients
+    reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw: dict = dict(mesh=mesh, reshard_after_forward=reshard)
+    if cfg.precision in _HALF:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=_HALF[cfg.precision], reduce_dtype=torch.float32)
+    for unit in units:
+        fully_shard(unit, **kw)
+
+
 def _fsdp_wrap(cfg: RunConfig, device: torch.device, world: int, blocks: nn.ModuleList | None):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     def wrap(model: nn.Module) -> nn.Module:
         # the mesh holds real rank numbers, also when the trace builds the model on fake tensors
         with unset_fake_temporarily():
             mesh = init_device_mesh(device.type, (world,))
-        kw: dict = dict(mesh=mesh, reshard_after_forward=cfg.parallel.engine_spec.reshards_after_forward)
-        if cfg.precision in _HALF:
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=_HALF[cfg.precision], reduce_dtype=torch.float32)
-        for block in blocks if blocks is not None else ():
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
+        fsdp_units(cfg, mesh, [*(blocks if blocks is not None else ()), model],
+                   cfg.parallel.engine_spec.reshards_after_forward)
         return model
 
     return wrap
@@ -114,11 +123,6 @@ def unsharded_buffers(model: nn.Module) -> list[torch.Tensor]:
 def unsharded_params(model: nn.Module) -> list[torch.Tensor]:
     """The parameters autograd sees while a group is gathered (their .grad is the unsharded gradient)."""
     return [fp._unsharded_param for fp in fsdp_params(model) if hasattr(fp, "_unsharded_param")]
-
-
-def local_shards(tensors) -> list[torch.Tensor]:
-    """This rank's part of each tensor: a DTensor's local shard, a plain tensor itself."""
-    return [getattr(t, "_local_tensor", t) for t in tensors]
 
 
 def shard_bytes(model: nn.Module) -> int:

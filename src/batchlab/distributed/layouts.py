@@ -16,13 +16,13 @@ from torch.distributed.tensor import DTensor
 
 from batchlab.config import ModelSource, Precision, RunConfig
 from batchlab.distributed import pipeline, tensor_parallel
+from batchlab.distributed.engines import fsdp_units
 from batchlab.distributed.measurable import applies, check, describe  # noqa: F401 - the worker's entry points
 from batchlab.distributed.mesh import RankMesh
 from batchlab.measure.harness import Trainer, _NoListener
+from batchlab.measure.shards import local_shard
 from batchlab.models import Workload, build_workload
 from batchlab.models.ac import apply_ac
-
-_HALF = {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}
 
 
 class ShardedTrainer(Trainer):
@@ -70,7 +70,7 @@ class PipelineTrainer(ShardedTrainer):
             ends = [m.embed.weight for _, m in stages if hasattr(m, "embed")] + [
                 m.head.weight for _, m in stages if hasattr(m, "head")]
             self.tied = ends[0] if ends else None
-            like = getattr(tied, "_local_tensor", tied)
+            like = local_shard(tied)
             if cfg.parallel.tensor_parallel and not isinstance(tied, DTensor) and tensor_parallel.vocab_parallel(
                     cfg.model, cfg.tp):  # a stage holding neither end: the vocabulary row shard of this tp rank
                 like = like.chunk(cfg.tp)[self.mesh.coords["tp"]]
@@ -124,11 +124,6 @@ class PipelineTrainer(ShardedTrainer):
 
 
 def _fsdp(cfg: RunConfig, mesh: RankMesh, modules: list[nn.Module], blocks: nn.ModuleList) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    kw: dict = dict(mesh=mesh.sub("dp"), reshard_after_forward=cfg.parallel.reshards_after_forward)
-    if cfg.precision in _HALF:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=_HALF[cfg.precision], reduce_dtype=torch.float32)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     # outside a fake-tensor trace's mode (a no-op otherwise): FSDP2 x TP combines the two meshes' rank numbers
@@ -136,9 +131,8 @@ def _fsdp(cfg: RunConfig, mesh: RankMesh, modules: list[nn.Module], blocks: nn.M
     with unset_fake_temporarily():
         for module in modules:
             # a stage's blocks, or the whole model's (FSDP2 units: the activation-checkpoint wrapper where there is one)
-            for block in getattr(module, "blocks", blocks):
-                fully_shard(block, **kw)
-            fully_shard(module, **kw)
+            fsdp_units(cfg, mesh.sub("dp"), [*getattr(module, "blocks", blocks), module],
+                       cfg.parallel.reshards_after_forward)
 
 
 def build(cfg: RunConfig, device: torch.device, rank: int, mixin: type | None = None) -> tuple[Trainer, None]:

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from batchlab.config import ModelSource, PositionKind, RunConfig
+from batchlab.measure.shards import local_shard
 from batchlab.models.gpt import GPT, rope_tables
 
 
@@ -151,5 +152,5 @@ def marking(stage, listener_of):
 def sum_tied(grad: torch.Tensor | None, like: torch.Tensor, group) -> None:
     """Sum the tied embedding / head gradient over the pipeline group, in place (zeros from stages holding
     neither end: ``like`` gives their shape)."""
-    local = getattr(grad, "_local_tensor", grad) if grad is not None else torch.zeros_like(like)
+    local = local_shard(grad) if grad is not None else torch.zeros_like(like)
     dist.all_reduce(local, group=group)

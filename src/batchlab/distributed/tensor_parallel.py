@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from batchlab.config import ConfigError, ModelSpec
+from batchlab.measure.shards import local_shard
 
 
 def _styles():
@@ -197,8 +198,6 @@ def keep_gradient_placements(module: nn.Module) -> None:
 # -- gradient norm and data-parallel reduction over sharded parameters
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return getattr(t, "_local_tensor", t)
 
 
 @torch.no_grad()
@@ -217,7 +216,7 @@ def clip_grad_norm(params, max_norm: float, group=None, skip=frozenset()) -> tor
         placements = getattr(g, "placements", ())
         dims = tuple(i for i, pl in enumerate(placements) if pl.is_shard())
         key = (id(g.device_mesh), dims) if placements else (None, ())
-        local = _local(g).detach().float().pow(2).sum()
+        local = local_shard(g).detach().float().pow(2).sum()
         sums[key] = sums.get(key, 0) + local
         if placements:
             meshes[key] = g.device_mesh
@@ -234,7 +233,7 @@ def clip_grad_norm(params, max_norm: float, group=None, skip=frozenset()) -> tor
     # clamped, not branched on, as torch.nn.utils.clip_grad_norm_ does: no value read (a fake-tensor trace runs it)
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in grads:
-        _local(g).mul_(coef)
+        local_shard(g).mul_(coef)
     return norm
 
 
@@ -244,6 +243,6 @@ def all_reduce_gradients(params, group, size: int) -> None:
     once per update, after the last micro-batch's backward."""
     for p in params:
         if p.grad is not None:
-            g = _local(p.grad)
+            g = local_shard(p.grad)
             dist.all_reduce(g, group=group)
             g.div_(size)

@@ -21,7 +21,7 @@ from batchlab.experiment.diagnosis import Context, diagnose, time_model_checks
 from batchlab.experiment.notebook import LeftIncomplete, Notebook
 from batchlab.experiment.record import (Diagnosis, FormulaRecord, Kind, Predictions, Protocol, Record, Round, now,
                                         Status)
-from batchlab.experiment.predict import Direction, FormulaSide, Metric, formula_prediction
+from batchlab.experiment.predict import Direction, FormulaSide, Metric, compiled_time_prediction, formula_prediction
 from batchlab.experiment.protocol import MeasureFn, Progress, Rounds, check_rounds, interleave, prestart, threads_env
 from batchlab.experiment.scope import scope
 from batchlab.experiment.semantics import semantics
@@ -112,10 +112,9 @@ def _formula(sides: Sides, token_budget: int, threads: int | None = None
     ea, eb = estimate(sides.a, cals), estimate(sides.b, cals)
     pred = formula_prediction(FormulaSide.from_estimate(ea), FormulaSide.from_estimate(eb), token_budget)
     reason = ""
-    if sides.a.compile is not sides.b.compile:  # the time model prices eager ops: no fused kernels, no time verdict
-        pred = {m: p for m, p in pred.items() if m in (Metric.PEAK_MEMORY, Metric.OOM)}
-        reason = "no formula time prediction: the time model does not see compiled code's fused kernels yet"
-    elif sides.a.ac.budget is not None or sides.b.ac.budget is not None:  # the partitioner's recompute is unpriced
+    if sides.a.compile is not sides.b.compile:  # fused kernels priced by a rule (formula/fusion.py): a margin
+        pred, reason = compiled_time_prediction(pred)
+    if sides.a.ac.budget is not None or sides.b.ac.budget is not None:  # the partitioner's recompute is unpriced
         pred = {m: p for m, p in pred.items() if m in (Metric.PEAK_MEMORY, Metric.OOM)}
         reason = "no formula time prediction: the time model does not price what budget:F recomputes"
     from batchlab.formula.attribution import attribute
@@ -214,9 +213,8 @@ def finish(record: Record, plan: ExperimentPlan, rounds: Rounds | None, formula_
     vs = verdicts(rounds, plan.predictions, formula_pred, plan.token_budget)
     from batchlab.formula.pipeline import bubble_change
 
-    bubble = bubble_change(s.a, s.b)  # under a pipeline, the idle share each side's schedule leaves
-    done: dict[str, Any] = {"metrics": vs, "verdict": ("formula only: " if plan.formula_only else "") + summary(vs)
-                            + (f"; {bubble}" if bubble else "")}
+    done: dict[str, Any] = {"metrics": vs, "verdict": ("formula only: " if plan.formula_only else "") + summary(vs),
+                            "pipeline_bubble": bubble_change(s.a, s.b)}  # formula: each side's schedule's idle share
     devices: set[str] = set()
     if rounds is not None:
         done["timelines"], done["rounds"] = _timelines(rounds)

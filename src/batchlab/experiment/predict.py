@@ -101,6 +101,25 @@ def predictions_from_mapping(d: dict[str, Any]) -> dict[Metric, Direction]:
 FORMULA_SAME_TOLERANCE = SAME_TOLERANCE
 
 
+# A compile change's time is priced by a fusion rule on the op list (formula/fusion.py), not by the kernels
+# inductor writes; a predicted difference inside this margin is within the rule's own error and the spread of
+# timed CPU updates, so the formula gives no time direction for it.
+COMPILED_TIME_MARGIN = 0.10
+TIME_METRICS = ("update_time", "tokens_per_second", "time_to_budget")
+
+
+def compiled_time_prediction(pred: dict) -> tuple[dict, str]:
+    """A compile change's formula prediction: its time metrics kept where the predicted update time moves by more
+    than COMPILED_TIME_MARGIN, else dropped, with the reason."""
+    ratio = (pred.get(Metric.UPDATE_TIME) or {}).get("ratio")
+    if ratio is not None and abs(ratio - 1.0) > COMPILED_TIME_MARGIN:
+        return pred, ""
+    kept = {m: p for m, p in pred.items() if m.value not in TIME_METRICS}
+    shown = f"x{ratio:.2f}" if ratio is not None else "none"
+    return kept, (f"no formula time prediction: the compiled update time it predicts ({shown}) is within "
+                  f"{COMPILED_TIME_MARGIN:.0%} of eager's, inside the fusion rule's own error")
+
+
 def direction_of(ratio: float | None, tolerance: float) -> Direction | None:
     if ratio is None or ratio != ratio:
         return None

@@ -268,6 +268,9 @@ class Record:
     scope: tuple[str, ...] = ()
     notebook_id: int | None = None
     verdict: str | None = None
+    # formula (never measured): the idle share each side's pipeline schedule leaves and what moved it
+    # (formula.pipeline.bubble_change); "" where neither side runs a pipeline
+    pipeline_bubble: str = ""
     rounds: tuple[Round, ...] | None = None  # None: nothing measured (formula only, or not finished)
     factors: Mapping[str, Any] | None = None
     wall_seconds: float | None = None
@@ -300,6 +303,8 @@ class Record:
                     "wall_seconds": self.wall_seconds, "finished_at": self.finished_at,
                     "status": self.status.value if self.status is not None else None,
                     "interrupted": self.interrupted,
+                    "pipeline_bubble": {"text": self.pipeline_bubble, "provenance": "formula"}
+                    if self.pipeline_bubble else None,
                     "timelines": {s: t.to_dict() for s, t in self.timelines.items()} or None}
         out.update({k: v for k, v in optional.items() if v is not None})
         return out
@@ -311,6 +316,10 @@ class Record:
             raise ConfigError("notebook", f"experiment record schema {schema!r} is not one this batchlab reads "
                                           f"(1 to {SCHEMA_VERSION}); upgrade batchlab to read it")
         rounds = d.get("rounds")
+        verdict, bubble = d.get("verdict"), (d.get("pipeline_bubble") or {}).get("text", "")
+        if verdict and not bubble and "; the bubble " in verdict:  # stored before the clause had a field of its own
+            verdict, _, rest = verdict.partition("; the bubble ")
+            bubble = "the bubble " + rest
         return cls(
             kind=Kind(d["kind"]), created_at=d.get("created_at", ""), config=_frozen(d["config"]),
             change=_frozen(d["change"]), keep_mode=KeepMode(d["keep_mode"]),
@@ -320,7 +329,8 @@ class Record:
             note=d.get("note") or "", warnings=tuple(d.get("warnings") or ()),
             metrics=_frozen({Metric(k): MetricRecord.from_dict(v) for k, v in (d.get("metrics") or {}).items()}),
             diagnosis=Diagnosis.from_dict(d.get("diagnosis")), semantics=_frozen(d.get("semantics")),
-            scope=tuple(d.get("scope") or ()), notebook_id=d.get("notebook_id"), verdict=d.get("verdict"),
+            scope=tuple(d.get("scope") or ()), notebook_id=d.get("notebook_id"), verdict=verdict,
+            pipeline_bubble=bubble,
             rounds=tuple(Round.from_dict(r) for r in rounds) if rounds is not None else None,
             factors=d.get("factors"), wall_seconds=d.get("wall_seconds"), finished_at=d.get("finished_at"),
             status=Status(d["status"]) if d.get("status") else None, interrupted=d.get("interrupted"),

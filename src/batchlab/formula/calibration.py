@@ -74,6 +74,9 @@ class Calibration:
     # formula.timing.dispatch_family; measured once per model code the first time measure / compare meets it
     # (calibrate/family.py)
     family_dispatch: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the host time each op on a DTensor adds (sharding propagation, wrapping), by dispatch kind; measured once the
+    # first time measure / compare meets a tensor-parallel config (calibrate/dtensor.py); {}: not measured
+    dtensor_seconds: dict[str, float] = field(default_factory=dict)
     provenance: str = "calibrated"
     # CPU: cores other processes kept busy on average while it was measured (/proc/stat less this process tree's
     # CPU time); -1: not read.  A wall-clock calibration (threads > 1) under such load prices that load into
@@ -123,6 +126,7 @@ class Calibration:
                        threads=self.threads, cores=self.cores, contention=dict(self.contention),
                        contention_processes=self.contention_processes, rank_skew=self.rank_skew,
                        family_dispatch={k: dict(v) for k, v in self.family_dispatch.items()},
+                       dtensor_seconds=dict(self.dtensor_seconds),
                        matmul_intensity=tuple(sorted((2 * m * k * n, 2 * m * k * n / (4 * (m * k + k * n + m * n)))
                                                      for m, k, n in self.matmul_shapes)),
                        source=self.source)

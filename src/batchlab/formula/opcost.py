@@ -7,14 +7,12 @@
 - memory-bound ops (element-wise, copies, indexing, reductions, the optimizer's ops): bytes moved at the
   measured bandwidth: an out-of-place op writes a fresh output (a step keeps activations, so the buffer is
   not the one just freed: its writes miss the cache; no page faults in batchlab's steady allocator regime,
-  batchlab.host.regime), an in-place one (``add_``, the
-  optimizer's updates) rewrites memory it read: two calibrated curves;
+  batchlab.host.regime), an in-place one (``add_``, the optimizer's) rewrites memory it read: two curves;
 - per-element ops whose cost is arithmetic, not bytes (transcendental activations, softmax, norms, the
   dropout RNG): elements at a calibrated per-element rate of a representative kernel;
 - views: dispatch only;
 - plus a fixed dispatch cost per op that depends on who issues it: the forward (autograd records a graph
-  node), the autograd engine in backward, or plain no-grad code (optimizer).  On CUDA the fixed part is
-  the kernel launch.
+  node), the autograd engine in backward, plain no-grad code (optimizer) or a compiled graph; on CUDA a launch.
 
 Torch-free: the trace (trace/ops.py) and the calculator (formula/oplist.py) both produce ``OpCount``s by
 aten op name and classify them with ``op_class`` here, so both paths are priced by the same function.
@@ -28,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from batchlab.config import Choice
-from batchlab.config.phase import Phase
+from batchlab.config.phase import Launch, Phase
 from batchlab.formula.memo import cache, lookup
 from batchlab.util.units import fmt_count, fmt_seconds
 
@@ -117,21 +115,21 @@ class OpCount:
     # run inside selective activation checkpointing, whose Python dispatch mode sees every op of the block
     # (torch.utils.checkpoint's caching mode in forward, its cached mode in recompute): dispatched at that cost
     sac_dispatched: bool = False
+    launch: Launch = Launch.EAGER  # who issues it: eager dispatch, a compiled graph's wrapper, or none (fused)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "phase": self.phase.value, "cost_class": self.cost_class.value, "flops": self.flops,
-                "bytes": self.bytes, "elements": self.elements, "low_precision": self.low_precision,
-                "count": self.count, "flops_per_matmul": self.flops_per_matmul, "sac_dispatched": self.sac_dispatched}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v.value if isinstance(v, Choice) else v for k, v in values.items()}
 
     def with_count(self, count: int) -> "OpCount":
         # the constructor directly, positionally: dataclasses.replace costs ~5x more, and this runs per op per estimate
         return OpCount(self.name, self.phase, self.cost_class, self.flops, self.bytes, self.elements,
-                       self.low_precision, count, self.flops_per_matmul, self.sac_dispatched)
+                       self.low_precision, count, self.flops_per_matmul, self.sac_dispatched, self.launch)
 
     def under_sac(self) -> "OpCount":
         """The same calls inside selective activation checkpointing."""
         return OpCount(self.name, self.phase, self.cost_class, self.flops, self.bytes, self.elements,
-                       self.low_precision, self.count, self.flops_per_matmul, True)
+                       self.low_precision, self.count, self.flops_per_matmul, True, self.launch)
 
     def times(self, n: int) -> "OpCount":
         return self.with_count(self.count * n)
@@ -143,7 +141,7 @@ def merge(ops: Iterable[OpCount]) -> tuple[OpCount, ...]:
     counts: dict[tuple, int] = {}
     for op in ops:
         key = (op.name, op.phase, op.cost_class, op.flops, op.bytes, op.elements, op.low_precision, op.flops_per_matmul,
-               op.sac_dispatched)
+               op.sac_dispatched, op.launch)
         if key in first:
             counts[key] += op.count
         else:
@@ -187,8 +185,7 @@ class OpCosts:
     # per-op dispatch under autocast (mixed precision: every forward op passes its dispatch key), by kind;
     # empty: unmeasured (``dispatch`` serves)
     dispatch_autocast: Mapping[str, float] = field(default_factory=dict)
-    # a model's own dispatch per op over the calibrated GPT's, by kind, keyed by timing.dispatch_family; empty:
-    # none measured (the calibrated GPT's figures serve every model)
+    # a model's own dispatch per op over the calibrated GPT's, by kind, keyed by timing.dispatch_family ({}: none)
     family_dispatch: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     # (FLOPs per call, FLOPs per fp32 byte its operands and output move) of the shapes the linear-layer curve was
     # timed on, ascending; empty: unknown (nominal figures, an older cache)
@@ -197,6 +194,7 @@ class OpCosts:
     # strided-batched, FlashAttention's grid: Dao et al. 2022 sec. 3.1), so the whole call's FLOPs set its rate;
     # False: the CPU kernels' loop over entries, each entry's size sets it (and a start-up per call)
     whole_call_rate: bool = False
+    dtensor_seconds: Mapping[str, float] = field(default_factory=dict)  # a DTensor op's extra host s, by kind; {}: none
     source: str = "nominal"
 
     def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:
@@ -258,9 +256,11 @@ class OpCosts:
         curve = self.memory_low if low_precision and self.memory_low else self.memory
         return interpolate_log(curve, max(nbytes, 1.0))
 
-    def dispatch_seconds(self, phase: Phase, sac_dispatched: bool = False) -> float:
+    def dispatch_seconds(self, phase: Phase, sac_dispatched: bool = False, launch: Launch = Launch.EAGER) -> float:
         """Seconds per op by who dispatches it; under selective checkpointing its own calibrated cost where
-        measured ("forward-sac", "recompute-sac"), else the plain one."""
+        measured ("forward-sac", "recompute-sac"), else the plain one; a compiled graph's kernel a no-grad call's."""
+        if launch is not Launch.EAGER:
+            return self.dispatch["plain"] if launch is Launch.COMPILED else 0.0
         if sac_dispatched and SAC_KIND.get(phase) in self.dispatch:
             return self.dispatch[SAC_KIND[phase]]
         return self.dispatch[DISPATCH_KIND[phase]]
@@ -337,14 +337,14 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
         one = table.get(shape)
         if one is None:
             one = table[shape] = costs.work_seconds(op)
-        d = dispatch.get((ph, op.sac_dispatched))
+        d = dispatch.get((ph, op.sac_dispatched, op.launch))
         if d is None:
-            d = dispatch[ph, op.sac_dispatched] = costs.dispatch_seconds(ph, op.sac_dispatched)
+            d = dispatch[ph, op.sac_dispatched, op.launch] = costs.dispatch_seconds(ph, op.sac_dispatched, op.launch)
         w = n * one
         disp[ph] = disp.get(ph, 0.0) + n * d
         by_phase[ph] = by_phase.get(ph, 0.0) + w
         by_class[op.cost_class] = by_class.get(op.cost_class, 0.0) + w
-        calls += n
+        calls += 0 if op.launch is Launch.FUSED else n
         fl += n * op.flops
         f_phase[ph] = f_phase.get(ph, 0) + n * op.flops
         if op.cost_class is not OpClass.MATMUL and op.cost_class is not OpClass.VIEW:

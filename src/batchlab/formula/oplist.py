@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from batchlab.config import (AttentionImpl, Backend, LossMode, MLPKind, NormKind, PositionKind,
+from batchlab.config import (Backend, CompileMode, LossMode, MLPKind, NormKind, PositionKind,
                              RunConfig, optimizer_spec)
 from batchlab.formula import fp8
+from batchlab.formula.fusion import fuse
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation, materialises_scores
 from batchlab.formula.opcost import OpCount, merge, op_class
@@ -188,10 +189,9 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
 
 
 def _gelu_new(ops: _Ops, ph: Phase, n: int, backward: bool) -> None:
-    """Hugging Face's NewGELUActivation, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), written in Python ops
-    (transformers/activations.py), as its trace runs them: forward ``mul pow mul add mul tanh add mul`` (the tanh output
-    detached for its backward), backward two products' gradients, ``tanh_backward``, the chain back through the
-    scalars and ``pow(x, 2)``, and the three paths into x summed."""
+    """Hugging Face's NewGELUActivation, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), in Python ops
+    (transformers/activations.py) as traced: forward ``mul pow mul add mul tanh add mul``; backward two products'
+    gradients, ``tanh_backward``, the chain back through the scalars and ``pow(x, 2)``, three paths summed."""
     e = ops.w.e
     unary, binary = 2 * n * e, 3 * n * e  # bytes: a tensor (and a scalar) in, one out; two tensors in
     ops.add(_op("mul", ph, n, unary, count=3), _op("pow", ph, n, unary), _op("add", ph, n, binary),
@@ -281,7 +281,7 @@ _OPTIMIZER, _MICRO, _UPDATE = cache(), cache(), cache()
 def _micro_key(cfg: RunConfig) -> tuple:
     """Every field micro_batch_ops reads (model_kind derives from model_source; the backend picks CUDA's kernels)."""
     return (cfg.model, cfg.model_source, cfg.seq, cfg.micro_batch, cfg.precision, cfg.ac, cfg.loss,
-            cfg.device_spec.backend, cfg.fp8, cfg.dp)
+            cfg.device_spec.backend, cfg.fp8, cfg.dp, cfg.compile)
 
 
 def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
@@ -329,27 +329,27 @@ def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
 
 def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = _Ops(_widths(cfg))
-    n = cfg.model.layers
-    kinds = cfg.ac.selective_kinds(n)
-    # selective policies run under checkpoint's Python dispatch mode (models/ac.py); Megatron's wraps a core only
-    sac = sum(k for mode, k in kinds.items() if mode.dispatch_mode)
+    n, compiled = cfg.model.layers, cfg.compile is not CompileMode.NONE
+    # a compiled region: pointwise chains fused into one kernel each, recompute included (formula/fusion.py)
+    region = (lambda out: merge(fuse(out, ops.w.e))) if compiled else merge
+    # selective policies run under checkpoint's Python dispatch mode (models/ac.py) unless compiled into a graph
+    sac = 0 if compiled else sum(k for mode, k in cfg.ac.selective_kinds(n).items() if mode.dispatch_mode)
     # every block runs the same ops: list one, and one recompute, then count them per block
     block = _Ops(ops.w)
     _layer(block, cfg, FWD)
-    plain = n - sac
-    ops.add(*(o.times(plain) for o in merge(block.out) if plain))
-    ops.add(*(_sac(o.times(sac)) for o in merge(block.out) if sac))
+    ops.add(*(o.times(n - sac) for o in region(block.out) if n - sac))
+    ops.add(*(_sac(o.times(sac)) for o in region(block.out) if sac))
     # every recomputing policy's layers, whole blocks first
     groups = sorted(Counter(m for m in cfg.ac.layer_modes(n) if m.spec.recomputes).items(),
                     key=lambda group: group[0].spec.selective)
-    for mode, k in groups:
-        if not k:
-            continue
+    for mode, k in ((mode, k) for mode, k in groups if k):
         redo = _Ops(ops.w)
         # ops whose outputs a policy serves from its cache in the recompute: its catalogue entry's
         _recompute(redo, cfg, mode.spec.cached_in_recompute, mode.spec.branch)
-        ops.add(*(_sac(o.times(k)) if mode.dispatch_mode else o.times(k) for o in merge(redo.out)))
-    _outside(ops, cfg)
+        ops.add(*(_sac(o.times(k)) if mode.dispatch_mode and not compiled else o.times(k) for o in region(redo.out)))
+    rest = _Ops(ops.w)
+    _outside(rest, cfg)  # compiled with the blocks only when the whole model is
+    ops.add(*(region(rest.out) if cfg.compile is CompileMode.MODEL else rest.out))
     return merge(ops.out)
 
 
@@ -361,12 +361,13 @@ def _sac(op: OpCount) -> OpCount:
 
 def _recompute(ops: _Ops, cfg: RunConfig, cached: tuple[str, ...], branch: str = "") -> None:
     """The forward again inside backward (non-reentrant checkpoint); selective checkpointing serves the saved outputs of
-    ``cached`` ops from its cache, the rest re-run; ``branch``: that submodule's ops alone, up to its last matmul."""
+    ``cached`` ops from its cache, the rest re-run; ``branch`` (and a compiled block, whose partition drops what
+    backward never reads): its ops up to its last matmul, whose output only the residual add takes."""
     redo = _Ops(ops.w)
     _layer(redo, cfg, Phase.RECOMPUTE, backward=False, only=branch)
-    if branch:
+    if branch or cfg.compile is not CompileMode.NONE:
         last = [i for i, op in enumerate(redo.out) if op.name in ("mm", "addmm", fp8.SCALED_MM)][-1]
-        ops.add(*redo.out[:last], _views(Phase.RECOMPUTE, 4), _views(BWD, 3))  # the branch's saved tensors
+        ops.add(*(op for op in redo.out[:last] if op.name not in cached), _views(Phase.RECOMPUTE, 4), _views(BWD, 3))
         return
     # early stop: the last residual add and the dropout multiply before it produce nothing backward needs
     last = [i for i, op in enumerate(redo.out) if op.name == "add"][-1:]
@@ -375,8 +376,7 @@ def _recompute(ops: _Ops, cfg: RunConfig, cached: tuple[str, ...], branch: str =
         if i in last or op.name in cached:
             continue
         ops.add(op)
-    # checkpoint's unpack hooks: a detach per saved tensor in recompute and an alias in backward (counted
-    # on the trace of batchlab's GPT block: 19 and 18)
+    # checkpoint's unpack hooks: a detach per saved tensor in recompute, an alias in backward (GPT block traced: 19, 18)
     ops.add(_views(Phase.RECOMPUTE, 19), _views(BWD, 18))
 
 

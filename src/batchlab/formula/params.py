@@ -44,9 +44,18 @@ def count(m: ModelSpec) -> ParamCount:
     n_mats = 3 if m.mlp is MLPKind.SWIGLU else 2
     mlp = n_mats * h * f + bias * ((n_mats - 1) * f + h)
     per_layer = attn + mlp + 2 * norm_params(m)
-    embedding = V * h + (m.max_positions * h if m.position is PositionKind.LEARNED else 0)
+    embedding = V * h + position_params(m)
     head = 0 if m.tied_embeddings else V * h
     return ParamCount(embedding=embedding, per_layer=per_layer, layers=m.layers, final_norm=norm_params(m), head=head)
+
+
+def position_table(m: ModelSpec) -> list[tuple[int, int]]:
+    """The learned position embedding's shape (GPT-2's wpe: one row per position), [] for rotary or none."""
+    return [(m.max_positions, m.hidden)] if m.position is PositionKind.LEARNED else []
+
+
+def position_params(m: ModelSpec) -> int:
+    return sum(rows * cols for rows, cols in position_table(m))
 
 
 @functools.lru_cache(maxsize=64)
@@ -60,7 +69,7 @@ def tensor_shapes(m: ModelSpec) -> tuple[tuple[int, ...], ...]:
 
     mlp = (lin(h, f) * 2 if m.mlp is MLPKind.SWIGLU else lin(h, f)) + lin(f, h)
     layer = norm + lin(h, h + 2 * kv) + lin(h, h) + norm + mlp
-    shapes = [(m.vocab, h)] + ([(m.max_positions, h)] if m.position is PositionKind.LEARNED else [])
+    shapes = [(m.vocab, h), *position_table(m)]
     shapes += layer * m.layers + norm
     if not m.tied_embeddings:
         shapes.append((m.vocab, h))

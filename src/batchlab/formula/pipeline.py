@@ -1,7 +1,8 @@
 """Time of a tensor- and pipeline-parallel update, per rank (no torch).
 
 - Compute: each stage runs its layers' share of the replica's priced ops (split by hardware FLOPs,
-  ``flops.stage_flops_per_token``), each tensor-parallel rank 1/t of it.
+  ``flops.stage_flops_per_token``), each tensor-parallel rank 1/t of their work but every op's dispatch (each rank
+  issues the whole op list on its shards), plus DTensor's host work per op on a DTensor (formula/dtensor.py).
 - Tensor parallelism (Shoeybi et al. 2019, Megatron's f and g operators): per layer and micro-batch 2 all-reduces of
   the b·s·h activations in forward and 2 in backward (+2 where a fully recomputed layer runs forward again); with
   sequence parallelism each becomes an all-gather + reduce-scatter pair of the same volume (Korthikanti et al. 2022,
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from batchlab.config import Applied, Backend, ModelSpec, NormKind, RunConfig
 from batchlab.config.engines import Sent
+from batchlab.formula import dtensor
 from batchlab.formula.activations import Widths
 from batchlab.formula.flops import stage_flops_per_token
 from batchlab.formula.ranks import RankShare, shares
@@ -86,10 +88,12 @@ class StageTime:
     compute_seconds: float  # one micro-batch's forward + backward (+ recompute) on one rank of the stage
     tp_comm_seconds: float  # its tensor-parallel collectives
     pp_comm_seconds: float  # its point-to-point sends
+    dtensor_seconds: float = 0.0  # DTensor's host work on its forward and backward ops
+    dtensor_update_seconds: float = 0.0  # DTensor's host work on the optimizer's ops, once per update
 
     @property
     def seconds(self) -> float:
-        return self.compute_seconds + self.tp_comm_seconds + self.pp_comm_seconds
+        return self.compute_seconds + self.tp_comm_seconds + self.pp_comm_seconds + self.dtensor_seconds
 
 
 @dataclass(frozen=True)
@@ -223,52 +227,86 @@ def tp_seconds(cfg: RunConfig, rank: RankShare, link: Link | None = None) -> flo
                for (kind, _), (calls, nbytes) in tp_collectives(cfg, rank).items())
 
 
+def schedule_actions(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
+    """One update's actions of ``rank``'s schedule, by kind as torch.distributed.pipelining's schedule IR names
+    them (``_ComputationType``): per micro-batch, a forward "F" and a backward "B" of each of its chunk-stages;
+    "SEND_F" of the activations from every chunk-stage but the pipeline's last, "RECV_F" into every one but the
+    first, "SEND_B" / "RECV_B" of their gradients the other way.  GPipe, 1F1B and interleaved 1F1B order them
+    differently, with the same counts (Huang et al. 2019; Narayanan et al. 2021 sec. 2.2); v chunks per rank
+    multiply the boundaries a rank sits on.  {} without a pipeline."""
+    if rank.stages == 1:
+        return {}
+    m, last = cfg.accum, cfg.parallel.pp * cfg.parallel.chunks - 1
+    mine = _chunk_stages(cfg, rank)
+    inner, outer = sum(i > 0 for i in mine), sum(i < last for i in mine)
+    return {"F": m * len(mine), "B": m * len(mine), "SEND_F": m * outer, "RECV_F": m * inner,
+            "SEND_B": m * inner, "RECV_B": m * outer}
+
+
 def pp_sends(cfg: RunConfig, rank: RankShare) -> int:
     """One micro-batch's sends from ``rank``: activations to the next stage, gradients to the previous one, at
     every chunk boundary it has (v chunks: v of each, less the pipeline's two ends)."""
-    if rank.stages == 1:
-        return 0
-    return 2 * cfg.parallel.chunks - (1 if rank.first else 0) - (1 if rank.last else 0)
+    acts = schedule_actions(cfg, rank)
+    return (acts["SEND_F"] + acts["SEND_B"]) // cfg.accum if acts else 0
+
+
+def pp_receives(cfg: RunConfig, rank: RankShare) -> int:
+    """One micro-batch's receives posted by ``rank``: as many as its sends (a chunk-stage that sends its
+    activations on receives their gradient back)."""
+    acts = schedule_actions(cfg, rank)
+    return (acts["RECV_F"] + acts["RECV_B"]) // cfg.accum if acts else 0
 
 
 def pp_seconds(cfg: RunConfig, rank: RankShare, link: Link | None = None) -> float:
-    """One micro-batch's sends from ``rank`` (b·s·h each, this rank's sequence slice under sequence parallelism),
-    each priced on the link."""
+    """One micro-batch's point-to-point actions on ``rank``, each one message on the link: its sends with their
+    bytes (b·s·h each, this rank's sequence slice under sequence parallelism), its receives posted (the per-message
+    cost: a receive is its own request on gloo, ``batch_isend_irecv`` issuing one per op)."""
     link = link or pp_link(cfg)
-    return pp_sends(cfg, rank) * link.send_seconds(activation_message_bytes(cfg) / rank.in_sp)
+    return (pp_sends(cfg, rank) * link.send_seconds(activation_message_bytes(cfg) / rank.in_sp)
+            + pp_receives(cfg, rank) * link.latency_s)
 
 
 def rank_compute_seconds(share: float, tp: int, compute: float,
-                         issued: tuple[tuple[float, float], ...] = (), replicated: float = 0.0) -> float:
+                         issued: tuple[tuple[float, float], ...] = (), replicated: float = 0.0,
+                         dispatch: float = 0.0) -> float:
     """One micro-batch's compute on one rank of a stage holding ``share`` of the replica's work.  ``issued``: per
     phase, the replica's (kernel work, host issue time) on an asynchronous device: a tensor-parallel rank runs 1/t
     of each kernel's work but issues every kernel of its stage (each rank runs the whole layer on its shard:
     Shoeybi et al. 2019, sec. 3), so the launches do not shrink with t; the host issues ahead of the kernels through
     the micro-batch (nothing inside it waits for the device), so it takes the longer of its kernels' work and its
-    launches.  Without ``issued`` (a synchronous device): the priced ``compute`` split by share and t.
+    launches.  Without ``issued`` (a synchronous device, a CPU): the priced ``compute`` split by share, its work by t
+    too, not the ``dispatch`` part of it (each op's fixed cost: every TP rank dispatches every op on its shard).
     ``replicated``: the work of this stage's layers that every TP rank runs whole (``replicated_ops``): the rest of
     it beyond its 1/t in ``compute``."""
     again = replicated * (1 - 1 / tp)
     if not issued:
-        return compute * share / tp + again
+        return ((compute - dispatch) / tp + dispatch) * share + again
     return max(sum(work for work, _ in issued) * share / tp + again, sum(launch for _, launch in issued) * share)
 
 
 def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts | None = None,
-                  issued: tuple[tuple[float, float], ...] = (), replicated: float = 0.0) -> PipelineTime:
+                  issued: tuple[tuple[float, float], ...] = (), replicated: float = 0.0,
+                  dispatch_per_micro_batch: float = 0.0, host_scale: float = 1.0) -> PipelineTime:
     """``compute_per_micro_batch``: the whole replica's forward + backward (+ recompute) of one micro-batch on one
     device, as the per-op model priced it; ``issued``: the same per phase as (kernel work, host issue time) on an
-    asynchronous device, and ``replicated`` the work every TP rank runs whole (``rank_compute_seconds``); ``costs``:
-    the per-op costs, whose calibrated link prices local ranks' messages."""
+    asynchronous device, and ``replicated`` the work every TP rank runs whole, ``dispatch_per_micro_batch`` the
+    fixed cost per op of ``compute`` on a synchronous one (``rank_compute_seconds``); ``costs``: the per-op costs,
+    whose calibrated link prices local ranks' messages; ``host_scale``: how much slower a rank's host work runs beside
+    the other local ranks (formula/timing.py)."""
     ranks = shares(cfg)
     per = [stage_flops_per_token(cfg, r.layers, r.last) for r in ranks]
     total = sum(per) or 1.0
     tp, pp = tp_link(cfg, costs), pp_link(cfg, costs)
-    stages = tuple(StageTime(stage=r.stage,
-                             compute_seconds=rank_compute_seconds(f / total, r.tp, compute_per_micro_batch, issued,
-                                                                  replicated * len(r.layers) / cfg.model.layers),
-                             tp_comm_seconds=tp_seconds(cfg, r, tp), pp_comm_seconds=pp_seconds(cfg, r, pp))
-                   for r, f in zip(ranks, per))
+    def stage(r: RankShare, f: float) -> StageTime:
+        compute = rank_compute_seconds(f / total, r.tp, compute_per_micro_batch, issued,
+                                       replicated * len(r.layers) / cfg.model.layers, dispatch_per_micro_batch)
+        host, update = dtensor.host_seconds(cfg, r, costs, host_scale)
+        if issued:  # the host issues ahead of the device: DTensor's host work shows only beyond the kernels' time
+            host = max(0.0, host + sum(launch for _, launch in issued) * f / total - compute)
+        return StageTime(stage=r.stage, compute_seconds=compute, tp_comm_seconds=tp_seconds(cfg, r, tp),
+                         pp_comm_seconds=pp_seconds(cfg, r, pp), dtensor_seconds=host, dtensor_update_seconds=update)
+
+    stages = tuple(stage(r, f) for r, f in zip(ranks, per))
     slowest = max(range(len(stages)), key=lambda i: (stages[i].seconds, -i))
     return PipelineTime(stages=stages, micro_batches=cfg.accum, bubble_fraction=cfg.parallel.bubble_fraction(cfg.accum),
                         slowest=slowest)
@@ -294,12 +332,13 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
                      + (f" (+{collectives_text(spec.recompute)} per fully recomputed layer)" if spec.recompute else "")
                      + (", the norms' weight gradients all-reduced every micro-batch" if spec.per_norm else "")
                      + f", the embedding's and head's at the ends ({spec.api}); each collective over "
-                     f"{tp_link(cfg, costs).text()}, not overlapped")
+                     f"{tp_link(cfg, costs).text()}, not overlapped; each rank dispatches every op; "
+                     + dtensor.text(cfg, shares(cfg)[p.slowest], costs))
     if lay.pp > 1:
         parts.append(f"PP {lay.pp} ({lay.schedule.value}): (m + (p-1)/v) x the slowest stage's micro-batch, bubble "
                      f"{p.bubble_fraction:.1%} of the update (m = accum = {cfg.accum}); stage compute split by FLOPs; "
                      f"b·s·h sends each way per micro-batch and chunk boundary over {pp_link(cfg, costs).text()}, "
-                     "not overlapped")
+                     "each receive one more message, not overlapped")
     return "; ".join(parts)
 
 

@@ -58,9 +58,14 @@ def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = N
     out += [f"per-element {k} {s!r} s is not a positive number" for k, s in cal.element_seconds.items()
             if not (_finite(s) and s > 0)]
     for family, ratios in cal.family_dispatch.items():
-        out += [f"{family}'s own dispatch {k} x{r!r} outside x{FAMILY_RATIO[0]:g}..x{FAMILY_RATIO[1]:g}"
-                for k, r in ratios.items() if not (_finite(r) and FAMILY_RATIO[0] <= r <= FAMILY_RATIO[1])]
+        out += family_problems(family, ratios)
     return out
+
+
+def family_problems(family: str, ratios: dict) -> list[str]:
+    """A model's own dispatch per op over batchlab's GPT's (calibrate/family.py) outside ``FAMILY_RATIO``."""
+    return [f"{family}'s own dispatch {k} x{r!r} outside x{FAMILY_RATIO[0]:g}..x{FAMILY_RATIO[1]:g}"
+            for k, r in ratios.items() if not (_finite(r) and FAMILY_RATIO[0] <= r <= FAMILY_RATIO[1])]
 
 
 def _curve(name: str, curve, unit: str, rising: bool, points: int) -> list[str]:

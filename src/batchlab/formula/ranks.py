@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config import ACMode, Applied, ModelSpec, PositionKind, RunConfig
+from batchlab.config import ACMode, Applied, ModelSpec, RunConfig
 from batchlab.formula.activations import LayerActivations
-from batchlab.formula.params import count, norm_params
+from batchlab.formula.params import count, norm_params, position_params
 
 
 @dataclass(frozen=True)
@@ -76,17 +76,13 @@ def replicated_per_layer(m: ModelSpec) -> int:
     return 2 * norm_params(m) + (2 * m.hidden if m.bias else 0)
 
 
-def _positions(m: ModelSpec) -> int:
-    return m.max_positions * m.hidden if m.position is PositionKind.LEARNED else 0
-
-
 def share(cfg: RunConfig, stage: int) -> RankShare:
     lay, m, c = cfg.parallel, cfg.model, count(cfg.model)
     t = lay.tp
     rep = min(replicated_per_layer(m), c.per_layer)
     split = c.per_layer - rep
     first, last = lay.holds_embedding(stage), lay.holds_head(stage)
-    pos = min(_positions(m), c.embedding)
+    pos = min(position_params(m), c.embedding)
     v = t if cfg.vocab_parallel else 1  # RunConfig.vocab_parallel: else the table and head are whole on every rank
     embedding = (c.embedding - pos) // v + pos if first else 0
     # a tied head is the embedding's table: one copy without a pipeline, a second one on the last stage with one

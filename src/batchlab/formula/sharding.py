@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from batchlab.config import MLPKind, ModelSpec, PositionKind, Precision, RunConfig
+from batchlab.config import MLPKind, ModelSpec, Precision, RunConfig
 from batchlab.formula import fp8
-from batchlab.formula.params import count, norm_params
+from batchlab.formula.params import count, norm_params, position_table
 
 if TYPE_CHECKING:
     from batchlab.formula.ranks import RankShare
@@ -47,7 +47,7 @@ def _root_tensors(m: ModelSpec, rank: "RankShare | None" = None) -> list[tuple[i
     t, first, last = (rank.vocab_split, rank.first, rank.last) if rank is not None else (1, True, True)
     tied_copy = rank is not None and rank.stages > 1 and m.tied_embeddings  # the last stage's copy
     out = [(m.vocab // t, m.hidden)] if first else []
-    out += [(m.max_positions, m.hidden)] if first and m.position is PositionKind.LEARNED else []
+    out += position_table(m) if first else []
     out += [(m.hidden, 1)] * (norm_params(m) // m.hidden) if last else []
     return out + ([(m.vocab // t, m.hidden)] if last and (not m.tied_embeddings or tied_copy) else [])
 
@@ -125,6 +125,17 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
     micro = tuple(dict(none, all_gather=ag, reduce_scatter=rs if sync_every_micro_batch or i == cfg.accum - 1 else 0)
                   for i in range(cfg.accum))
     return Traffic(per_micro_batch=micro, outside_micro_batches=none, sync_every_micro_batch=sync_every_micro_batch)
+
+
+def fsdp_collectives(cfg: RunConfig, rank: "RankShare | None" = None) -> dict[str, int]:
+    """FSDP2's collectives of one update on one rank (``rank``: a pipeline stage's units, else the replica's): per
+    micro-batch each unit's all-gather in forward (and again in backward under ZeRO-3) and its reduce-scatter, as
+    ``traffic`` sizes them; {} for another engine."""
+    if not cfg.parallel.fsdp:
+        return {}
+    units = len(unit_elements(cfg, rank))
+    gathers = 2 if cfg.parallel.reshards_after_forward else 1
+    return {"all_gather": gathers * units * cfg.accum, "reduce_scatter": units * cfg.accum}
 
 
 def unsharded_gradient_bytes(cfg: RunConfig) -> int:

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from batchlab.config import Backend, DataKind, DeviceSpec, ModelSource, RunConfig
+from batchlab.config import Backend, CompileMode, DataKind, DeviceSpec, ModelSource, RunConfig
 from batchlab.formula import fp8
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate, flops
@@ -24,8 +24,9 @@ from batchlab.formula.opcost import OpClass, OpCosts, OpCount, TimeBreakdown, de
 from batchlab.config.phase import Phase
 from batchlab.formula.oplist import update_ops
 from batchlab.formula.pipeline import pipeline_time, replicated_ops, text as layout_time_text
+from batchlab.formula.ranks import shares
 from batchlab.formula.states import heaviest
-from batchlab.formula.sharding import collective_seconds, traffic
+from batchlab.formula.sharding import collective_seconds, fsdp_collectives, traffic
 from batchlab.util.units import fmt_count
 
 # Nominal per-op costs where nothing was calibrated (seconds).  CPU: eager PyTorch's Python + dispatcher
@@ -207,16 +208,20 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
            ) -> TimeEstimate:
     """``calibrated``: the per-op costs ``batchlab calibrate`` measured for cfg's device, else nominal ones."""
     ops = update_ops(cfg)
-    costs = costs_for(cfg, calibrated, ops)
+    # a compiled run's matmuls are eager's kernels, fewer where its partition recomputes less: the FLOP ratio the
+    # nominal fraction is scaled by is the eager op list's, so the FLOPs it drops save time (budget:F has no eager run)
+    plain = cfg.compile is CompileMode.NONE or cfg.ac.budget is not None
+    eager = ops if plain else update_ops(cfg.replace(compile=CompileMode.NONE))
+    costs = costs_for(cfg, calibrated, eager)
     if cfg.parallel.engine_spec.shards_optimizer:  # each rank steps only its shard of the optimizer state
         ops = tuple(OpCount(o.name, o.phase, o.cost_class, o.flops, o.bytes // cfg.dp, o.elements // cfg.dp,
-                            o.low_precision, o.count, o.flops_per_matmul, o.sac_dispatched)
+                            o.low_precision, o.count, o.flops_per_matmul, o.sac_dispatched, o.launch)
                     if o.phase is Phase.OPTIMIZER else o
                     for o in ops)
     t = on_host(ops, cfg, costs)
     compute = sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute"))
     rest = t.seconds - compute
-    dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.sac_dispatched) * o.count for o in ops
+    dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.sac_dispatched, o.launch) * o.count for o in ops
                            if o.phase.value in ("forward", "backward", "recompute"))
     local = local_link(cfg, costs)
     bw = costs.link_bytes_per_s if local else bus_bandwidth(cfg).value
@@ -229,20 +234,28 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
                     for p in ("forward", "backward", "recompute") if p in t.work_by_phase)
               if costs.asynchronous and t.work_by_phase else ())
     # without sequence parallelism each TP rank runs the layers' norms, dropouts and residual adds whole
-    replicated = (sum(price(replicated_ops(cfg), costs).work_by_phase.values())
+    replicated = (sum(on_host(replicated_ops(cfg), cfg, costs).work_by_phase.values())
                   if layout and cfg.parallel.tp > 1 and not cfg.parallel.sequence_parallel else 0.0)
-    # formula/pipeline.py: per stage, then the bubble
-    pipe = pipeline_time(cfg, compute / cfg.accum, costs, issued, replicated) if layout else None
+    pipe = None
+    if layout:  # formula/pipeline.py: per stage, then the bubble; the dispatch part at the rank's host speed
+        host = sharing(cfg, costs) * (1 + skew(cfg, costs)) * contention(cfg, costs).get("dispatch", 1.0)
+        pipe = pipeline_time(cfg, compute / cfg.accum, costs, issued, replicated,
+                             min(dispatch_compute * host, compute) / cfg.accum, host)
     if pipe is not None:  # the data-parallel group of a stage's TP rank reduces (and steps) its slice only
         sent = {k: round(v * held) for k, v in sent.items()}
         compute = cfg.accum * pipe.stages[pipe.slowest].compute_seconds
         dispatch_compute *= compute / max(sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute")),
                                           1e-300)
         rest *= held
+        host = pipe.stages[pipe.slowest].dtensor_update_seconds  # the optimizer's DTensor ops, issued ahead on a GPU
+        rest += max(0.0, host - rest) if costs.asynchronous else host
     grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
-    if local:  # a ring step is one message per rank: 2(n-1) per collective
-        comm += costs.link_latency_s * 2 * (cfg.dp - 1) * (ddp_buckets(grad_bytes) + 1)  # + the token count's
+    if local:  # a ring step is one message per rank: 2(n-1) per all-reduce, n-1 per all-gather / reduce-scatter
+        units = fsdp_collectives(cfg, shares(cfg)[pipe.slowest] if pipe is not None else None)
+        comm += costs.link_latency_s * (cfg.dp - 1) * (sum(units.values()) if units else
+                                                       2 * ddp_buckets(grad_bytes))
+        comm += costs.link_latency_s * 2 * (cfg.dp - 1)  # the token count's all-reduce
     after_step = collective_seconds("broadcast", sent["broadcast"], cfg.dp, bw)
     hidden = exposed_comm_seconds(cfg, comm, compute, compute / cfg.accum, after_step)
     if cfg.assumptions.comm_overlap is None and local and fills_cores(cfg, costs):
@@ -354,7 +367,9 @@ def on_host(ops, cfg: RunConfig, costs: OpCosts, provenance: str = "formula") ->
     if k == 1.0:
         return t
     return dataclasses.replace(t, seconds=t.seconds * k, by_phase={p: s * k for p, s in t.by_phase.items()},
-                               by_class={c: s * k for c, s in t.by_class.items()})
+                               by_class={c: s * k for c, s in t.by_class.items()},
+                               work_by_phase={p: s * k for p, s in t.work_by_phase.items()},
+                               dispatch_by_phase={p: s * k for p, s in t.dispatch_by_phase.items()})
 
 
 def machine_text(cfg: RunConfig, costs: OpCosts) -> str:

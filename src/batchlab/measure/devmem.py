@@ -8,6 +8,7 @@ import torch
 from batchlab.measure.memory import MemorySnapshot, storage_bytes
 from batchlab.config.phase import Phase
 from batchlab.measure.result import MeasuredMemory
+from batchlab.measure.shards import local_shards
 
 
 class CudaMemoryListener:
@@ -62,9 +63,8 @@ def model_state_bytes(trainer) -> dict[str, int]:
     model = trainer.raw_model
     optimizer = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeroRedundancyOptimizer: this rank's
     opt = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    local = lambda ts: [getattr(t, "_local_tensor", t) for t in ts]  # noqa: E731 - DTensor: this rank's shard
-    return {"parameters": storage_bytes(local(list(model.parameters()) + list(model.buffers()))),
-            "optimizer": storage_bytes(local(opt))}
+    return {"parameters": storage_bytes(local_shards(list(model.parameters()) + list(model.buffers()))),
+            "optimizer": storage_bytes(local_shards(opt))}
 
 
 def from_snapshot(snap: MemorySnapshot) -> MeasuredMemory:

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from batchlab.config.phase import Phase
+from batchlab.measure.shards import local_shard
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "data")
 _CREATED_AS = {Phase.DATA: "data", Phase.FORWARD: "activations", Phase.BACKWARD: "temporaries",
@@ -39,8 +40,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     memory (an invalid python storage that still reports the wrapped size)."""
     if type(t) is torch.Tensor:
         return t
-    local = getattr(t, "_local_tensor", None)
-    if local is not None:
+    local = local_shard(t)
+    if local is not t:
         return local
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()

@@ -111,12 +111,16 @@ def _verdict_blocks(r: Record) -> list[tuple]:
                      f_ratio, m.provenance])
     if r.formula_only:
         header = ["metric", "A (formula)", "B (formula)", "B/A", "formula says", "you", "how obtained"]
-        return [("h2", "Formula derivation (not an observation)"), ("table", header, rows)]
+        return [("h2", "Formula derivation (not an observation)"), ("table", header, rows)] + _bubble_blocks(r)
     header = ["metric", "A (median)", "B (median)", "B/A (paired median)", "band", "observed", "you", "formula",
               "formula B/A", "how obtained"]
     noise = [f"{metric.label}: {m.note}" for metric, m in r.metrics.items() if m.inconclusive]
     return [("h2", "Verdict"), ("table", header, rows), ("p", f"Band: {r.protocol.band_method}.")] + \
-        ([("ul", noise)] if noise else [])
+        ([("ul", noise)] if noise else []) + _bubble_blocks(r)
+
+
+def _bubble_blocks(r: Record) -> list[tuple]:
+    return [("p", f"Pipeline (formula): {r.pipeline_bubble}.")] if r.pipeline_bubble else []
 
 
 def _diagnosis_blocks(r: Record) -> list[tuple]:

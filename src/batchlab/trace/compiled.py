@@ -62,11 +62,12 @@ def _fuses_into_consumers(node, outputs, views, reductions) -> bool:
     return True
 
 
-def fused_away(gm) -> set:
+def fused_away(gm, keep_recomputed: bool = True) -> set:
     """The graph's nodes inductor would not write to memory: a pointwise op that is not a graph output (so not
     saved for backward) and whose consumers all fuse it in.  Recomputed nodes (a checkpoint's, tagged by the
-    partitioner; under budget:F every forward op of the backward graph) are kept: inductor fuses part of a
-    recomputed region and realises the rest, so counting them all is the trace's upper bound there."""
+    partitioner; under budget:F every forward op of the backward graph) are kept (``keep_recomputed``): inductor
+    fuses part of a recomputed region and realises the rest, so counting them all is the trace's upper bound on
+    memory there; the time model fuses them."""
     import torch
 
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -74,24 +75,77 @@ def fused_away(gm) -> set:
     torch.fx.node.map_arg(out.args, flat.append)
     outputs, views, reductions = set(flat), _aten(_VIEWS), _aten(_REDUCTIONS)
     return {n for n in gm.graph.nodes if _pointwise(n) and n not in outputs and n.users
-            and n.meta.get("recompute") is None and not n.meta.get(BUDGET_RECOMPUTED)
+            and (not keep_recomputed or (n.meta.get("recompute") is None and not n.meta.get(BUDGET_RECOMPUTED)))
             and _fuses_into_consumers(n, outputs, views, reductions)}
+
+
+def chain_bytes(node, fused: set) -> int:
+    """Bytes the kernel ending at ``node`` moves: its output, and each tensor entering the chain of fused-away
+    nodes that feeds it, once (a pointwise chain's kernel reads its inputs and writes its output once)."""
+    import torch
+
+    from batchlab.trace.ops import footprint
+
+    seen, inputs = set(), []
+
+    def visit(n):
+        for a in n.all_input_nodes:
+            if a in seen:
+                continue
+            seen.add(a)
+            if a in fused:
+                visit(a)
+            else:
+                inputs.append(a)
+
+    visit(node)
+    vals = [a.meta.get("val") for a in inputs] + [node.meta.get("val")]
+    return sum(footprint(v) for v in vals if isinstance(v, torch.Tensor))
+
+
+def launches(gm) -> dict:
+    """Per node the trace runs: who issues it and the bytes of its kernel (None: the op's own).  A view is free,
+    a pointwise op or reduction is the kernel of the chain fused into it, anything else an extern call; a
+    recomputed node inductor fuses (run for the memory count) has no launch of its own."""
+    from batchlab.config.phase import Launch
+
+    views, reductions = _aten(_VIEWS), _aten(_REDUCTIONS)
+    fused, out = fused_away(gm, keep_recomputed=False), {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n in fused:
+            out[n] = (Launch.FUSED, 0)
+        elif n.target in views:
+            out[n] = (Launch.FUSED, None)
+        elif _pointwise(n) or n.target in reductions:
+            out[n] = (Launch.COMPILED, chain_bytes(n, fused))
+        else:
+            out[n] = (Launch.COMPILED, None)
+    return out
 
 
 def _graph_run(gm, example_inputs):
     """The graph run node by node (each value freed at its last use); a node inductor fuses away runs beneath
-    every dispatch mode, so the live-storage tracker never counts its output."""
+    every dispatch mode, so the live-storage tracker never counts its output; the others are recorded for the
+    time model as inductor's kernels (``launches``)."""
     import torch
     from functorch.compile import make_boxed_func
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._python_dispatch import _disable_current_modes
 
+    from batchlab.trace.ops import kernel
+
     fused = fused_away(gm)
+    issued = launches(gm)
 
     class _Run(torch.fx.Interpreter):
         def run_node(self, n):
             if n in fused:  # a fake tensor's op still runs under its own fake mode
                 with _disable_current_modes():
+                    return super().run_node(n)
+            if n in issued:
+                with kernel(*issued[n]):
                     return super().run_node(n)
             return super().run_node(n)
 

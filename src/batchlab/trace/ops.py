@@ -8,6 +8,8 @@ into seconds.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import NamedTuple
 
@@ -17,13 +19,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from batchlab.formula.opcost import OpClass, OpCount, op_class
-from batchlab.config.phase import Phase
+from batchlab.config.phase import Launch, Phase
 from batchlab.measure.memory import tensors_in
 from batchlab.models.ac import Checkpointed
 from batchlab.trace.flops import register_cpu_attention_flops, update_under
 from batchlab.models.owners import HookSet
 
 _LOW = (torch.bfloat16, torch.float16)
+# (launch, bytes or None) of the op a compiled graph is running now: set by its interpreter (trace/compiled.py),
+# where a node is one kernel of inductor's, the bytes of the fused chain it ends; None: eager
+_KERNEL: contextvars.ContextVar = contextvars.ContextVar("batchlab_kernel", default=None)
+
+
+@contextlib.contextmanager
+def kernel(launch: Launch, nbytes: int | None = None):
+    """Ops recorded within are issued by ``launch``, moving ``nbytes`` where given (a fused chain's)."""
+    token = _KERNEL.set((launch, nbytes))
+    try:
+        yield
+    finally:
+        _KERNEL.reset(token)
 
 
 def footprint(t: torch.Tensor) -> int:
@@ -152,13 +167,17 @@ class OpRecorder(TorchDispatchMode, HookSet):
     def record(self, func, args, kwargs, out) -> None:
         """Count one op that returned ``out`` (a StorageTracker's ``observer``, or this mode's own)."""
         if _overload(func).aten:  # not prim::device and other metadata queries fake tensors dispatch
-            key = (*_key(func, args, kwargs, out, self.current()), self._in_sac > 0)
+            fields = _key(func, args, kwargs, out, self.current())
+            launch, nbytes = _KERNEL.get() or (Launch.EAGER, None)
+            if nbytes is not None and fields[2] is not OpClass.VIEW:
+                fields = (*fields[:4], nbytes, *fields[5:])
+            key = (*fields, self._in_sac > 0 and launch is Launch.EAGER, launch)
             self._counts[key] = self._counts.get(key, 0) + 1
 
     def result(self) -> tuple[OpCount, ...]:
         """The calls, identical ones merged (``formula.opcost.merge``'s order and counts)."""
-        return tuple(OpCount(*fields, count=n, flops_per_matmul=flops_per_matmul, sac_dispatched=sac)
-                     for (*fields, flops_per_matmul, sac), n in self._counts.items())
+        return tuple(OpCount(*fields, count=n, flops_per_matmul=flops_per_matmul, sac_dispatched=sac, launch=launch)
+                     for (*fields, flops_per_matmul, sac, launch), n in self._counts.items())
 
 
 def record_update(trainer) -> tuple[OpCount, ...]:

@@ -22,6 +22,7 @@ from batchlab.measure.clock import Listeners
 from batchlab.measure.device import torch_device
 from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import storage_bytes, tracker_for
+from batchlab.measure.shards import local_shard, local_shards
 from batchlab.formula import calibrated_costs
 from batchlab.formula.opcost import describe
 from batchlab.formula.timing import costs_for, machine_text, on_host
@@ -109,12 +110,12 @@ def _check_supported(cfg: RunConfig) -> list[str]:
 
 def _model_state_bytes(trainer: Trainer) -> tuple[int, int, int]:
     trained = {id(p): p for p in trainer.raw_model.parameters() if p.requires_grad}.values()
-    params = [getattr(p, "_local_tensor", p) for p in trainer.raw_model.parameters()]  # this rank's shards
+    params = local_shards(trainer.raw_model.parameters())  # this rank's shards
     optimizer = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeroRedundancyOptimizer: its shard
-    state = [getattr(v, "_local_tensor", v) for s in optimizer.state.values() for v in s.values()
-             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    state = local_shards(v for s in optimizer.state.values() for v in s.values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0)
     # .grad has the parameter's (shard's) shape and dtype
-    grads = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in trained)
+    grads = sum(local_shard(p).numel() * p.element_size() for p in trained)
     return storage_bytes(params), grads, storage_bytes(state)
 
 

@@ -1,0 +1,221 @@
+"""Predicted against measured update-time ratios of tensor / pipeline / schedule changes, on 4 forked gloo ranks.
+
+Each model's layouts are all built in the same 4 rank processes (one thread each), which run their updates
+paired and interleaved: for every A/B pair, rounds of A B (B A on odd rounds), each update started on a barrier and
+timed on every rank; an update's time is its slowest rank's, a round's ratio B/A.  Reported: the median of the
+rounds' ratios and their spread (min-max), against the formula's ratio (``batchlab estimate`` for each side with
+this CPU's cached calibration, the one compare prices with; calibrated first where missing).  Every pair keeps the
+world at 4 ranks and the global batch fixed (fewer data-parallel ranks: more micro-batches per update), so that both
+sides of a pair share the same processes.  The load average and the CPUs this process may run on are printed
+before and after: forked ranks share the host's cores with whatever else runs.
+
+    PYTHONPATH=src python benchmarks/parallel_time_ratios.py      # writes docs/accuracy/parallel-time-ratios.md
+    PYTHONPATH=src python benchmarks/parallel_time_ratios.py --quick   # 2 rounds, GPT only, prints only
+"""
+from __future__ import annotations
+
+import os
+import queue
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from page import publish  # noqa: E402
+
+QUICK = "--quick" in sys.argv
+ROUNDS = 2 if QUICK else 5  # paired rounds per A/B pair (--rounds N: more on a machine with time to spare)
+if "--rounds" in sys.argv:
+    ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1])
+WARMUP = 2  # untimed updates of every layout before the rounds
+WORLD = 4
+THREADS = 1
+BASE = "--seq 64 --micro-batch 4"
+GPT = ""
+LLAMA = "--model hf:llama --layers 2 --hidden 128 --heads 4 --kv-heads 2 --ffn 256 --vocab 512"
+# name -> flags at a world of 4 ranks and a global batch of 4 x 16 = 64 sequences
+LAYOUTS = {
+    "DP4": "--dp 4 --accum 4",
+    "TP2 x DP2": "--tp 2 --dp 2 --accum 8",
+    "TP2 x DP2 + SP": "--tp 2 --dp 2 --accum 8 --sequence-parallel",
+    "FSDP2 x TP2": "--tp 2 --dp 2 --accum 8 --zero 3",
+    "PP2 x DP2 GPipe": "--pp 2 --dp 2 --accum 8 --pp-schedule gpipe",
+    "PP2 x DP2 1F1B": "--pp 2 --dp 2 --accum 8 --pp-schedule 1f1b",
+    "PP2 x DP2 interleaved (2 chunks)": "--pp 2 --dp 2 --accum 8 --pp-schedule interleaved-1f1b --pp-virtual 2",
+}
+PAIRS = {  # model -> [(A, B, what changes)]
+    "GPT": [("DP4", "TP2 x DP2", "tp 1 -> 2"),
+            ("TP2 x DP2", "TP2 x DP2 + SP", "+ sequence parallelism"),
+            ("TP2 x DP2", "FSDP2 x TP2", "DDP -> FSDP2 (ZeRO-3) beside TP2"),
+            ("DP4", "PP2 x DP2 1F1B", "pp 1 -> 2"),
+            ("PP2 x DP2 GPipe", "PP2 x DP2 1F1B", "GPipe -> 1F1B"),
+            ("PP2 x DP2 1F1B", "PP2 x DP2 interleaved (2 chunks)", "1F1B -> interleaved (2 chunks)")],
+    "Llama": [("DP4", "TP2 x DP2", "tp 1 -> 2"),
+              ("PP2 x DP2 GPipe", "PP2 x DP2 1F1B", "GPipe -> 1F1B"),
+              ("DP4", "PP2 x DP2 1F1B", "pp 1 -> 2")],
+}
+MODELS = {"GPT": GPT, "Llama": LLAMA}
+if QUICK:
+    PAIRS = {"GPT": PAIRS["GPT"]}
+
+
+def config(model: str, layout: str):
+    from batchlab.cli.common import config_from_command
+
+    return config_from_command(["estimate", *f"{BASE} {MODELS[model]} {LAYOUTS[layout]}".split()])
+
+
+def _used(model: str) -> list[str]:
+    return list(dict.fromkeys(n for a, b, _ in PAIRS[model] for n in (a, b)))
+
+
+def rank_main(rank: int, model: str, port: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from batchlab.distributed import engines, layouts
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(THREADS)
+    dist.init_process_group("gloo")
+    cpu = torch.device("cpu")
+    trainers = {}
+    for name in _used(model):
+        cfg = config(model, name)
+        trainers[name] = (layouts.build(cfg, cpu, rank)[0] if layouts.applies(cfg)
+                          else engines.build(cfg, cpu, rank, WORLD)[0])
+    for tr in trainers.values():
+        for _ in range(WARMUP):
+            tr.update()
+    walls: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for a, b, _ in PAIRS[model]:
+        rows = []
+        for k in range(ROUNDS):
+            got = {}
+            for name in ((a, b) if k % 2 == 0 else (b, a)):
+                dist.barrier()
+                t = time.perf_counter()
+                trainers[name].update()
+                got[name] = time.perf_counter() - t
+            rows.append((got[a], got[b]))
+        walls[(a, b)] = rows
+    queue.put((rank, walls))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(model: str) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """Per pair, each round's (A, B) update time of the slowest rank."""
+    import torch.multiprocessing as mp
+
+    from batchlab.host import free_port
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, model, port, q)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    ranks: list = []
+    while len(ranks) < WORLD:  # a rank that died fails the run at once, not after a long timeout
+        try:
+            ranks.append(q.get(timeout=5))
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                raise RuntimeError(f"rank(s) {dead} of the {model} layouts exited with {procs[dead[0]].exitcode}")
+    for p in procs:
+        p.join(timeout=60)
+    out = {}
+    for pair in ranks[0][1]:
+        per_rank = [r[1][pair] for r in ranks]
+        out[pair] = [(max(x[i][0] for x in per_rank), max(x[i][1] for x in per_rank)) for i in range(ROUNDS)]
+    return out
+
+
+def predicted(model: str, cal) -> dict[str, float]:
+    from batchlab.formula import estimate
+
+    return {name: estimate(config(model, name), cal).time.update_seconds for name in _used(model)}
+
+
+def direction(ratios: list[float], want: float) -> str:
+    """"right" where the formula's ratio moves the way the rounds did: up (every round above 1), down (every round
+    below 1), or, where the rounds straddle 1, a formula ratio inside their spread."""
+    lo, hi = min(ratios), max(ratios)
+    if lo > 1:
+        return "right" if want > 1 else "WRONG"
+    if hi < 1:
+        return "right" if want < 1 else "WRONG"
+    return "right (same)" if lo <= want <= hi else "WRONG (measured same)"
+
+
+def calibration_line(cal) -> str:
+    """What the formula's figures rest on: when the calibration was measured, under how much other load, and its
+    link and DTensor figures (a link timed under load prices every message at that load)."""
+    from batchlab.cache.calibrations import load_cached
+
+    c = load_cached("cpu", THREADS)
+    if c is None or cal.get("cpu") is None:
+        return "Calibration: none cached at 1 thread; the formula priced with nominal CPU figures."
+    busy = f"{c.other_cores:.1f}" if c.other_cores >= 0 else "unknown"
+    dt = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.dtensor_seconds.items()) or "nominal"
+    return (f"Calibration: measured {c.measured_at} while other processes kept {busy} core(s) busy; gloo link "
+            f"{c.loopback_latency_s * 1e6:.0f} us per message, {c.loopback_bytes_per_s / 1e6:.0f} MB/s; DTensor per op: "
+            f"{dt}. On a quiet machine, calibrate afresh first (`batchlab calibrate --threads 1`).")
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} CPUs"
+
+
+def main() -> int:
+    from batchlab.calibrate import auto, load_all
+
+    cpus = sorted(os.sched_getaffinity(0))
+    print(f"Built-in tiny GPT (4 layers, hidden 128, vocabulary 512) and a 2-layer Hugging Face Llama (hidden 128, "
+          f"4 heads, 2 kv heads, MLP 256, vocabulary 512), micro-batch 4 x sequence 64, fp32, AdamW; every layout on "
+          f"{WORLD} forked gloo ranks of {THREADS} thread each, a global batch of 64 sequences. {ROUNDS} paired rounds "
+          f"per pair (A B, then B A), {WARMUP} warmup updates of every layout first; an update's time is its slowest "
+          f"rank's.\n")
+    print(f"Before: {_load()}; this process may run on CPUs {cpus}.\n")
+    said = auto("cpu", THREADS, cfgs=tuple(config(m, n) for m in PAIRS for n in _used(m)))
+    if said:
+        print("Calibration: " + said.replace("\n", "; ") + "\n")
+    cal = load_all(THREADS)
+    print(calibration_line(cal) + "\n")
+    print("| model | change | A | B | measured A / B (ms) | formula A / B (ms) | measured B/A (median) "
+          "| spread (min-max) | formula B/A | error | direction |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    errors = []
+    for model in PAIRS:
+        walls = measure(model)
+        formula = predicted(model, cal)
+        for a, b, what in PAIRS[model]:
+            ratios = [y / x for x, y in walls[(a, b)]]
+            got, want = statistics.median(ratios), formula[b] / formula[a]
+            err = (want - got) / got
+            errors.append(abs(err))
+            ms = [statistics.median(x[i] for x in walls[(a, b)]) * 1e3 for i in (0, 1)]
+            print(f"| {model} | {what} | {a} | {b} | {ms[0]:.0f} / {ms[1]:.0f} | {formula[a] * 1e3:.0f} / "
+                  f"{formula[b] * 1e3:.0f} | {got:.2f} | {min(ratios):.2f}-{max(ratios):.2f} | {want:.2f} | "
+                  f"{err:+.0%} | {direction(ratios, want)} |")
+    print(f"\nMedian absolute error {statistics.median(errors):.0%}; within 15%: "
+          f"{sum(e <= 0.15 for e in errors)} of {len(errors)}. Direction: up or down where every round agrees, "
+          "else \"same\" (the formula's ratio inside the rounds' spread).\n")
+    print(f"After: {_load()}.\n")
+    print("Formula: `batchlab estimate` of each side with this CPU's cached calibration at 1 thread (local ranks "
+          "sharing the cores, gloo's link, DTensor's host cost per op as calibrated). Error = (formula - measured) / "
+          "measured. Rerun on a quiet machine: other processes' load stretches every side, the 4-rank layouts most.\n")
+    return 0
+
+
+if __name__ == "__main__":
+    publish(main, "parallel-time-ratios", "Tensor / pipeline time ratios: predicted against measured on 4 gloo ranks")

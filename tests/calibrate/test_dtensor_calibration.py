@@ -1,0 +1,66 @@
+"""DTensor's host cost per op (calibrate/dtensor.py): measured on this CPU against the plain GPT, cached with the
+calibration the first time a tensor-parallel config is met, and what the time model prices DTensor ops with."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchlab.calibrate import Calibration, dtensor, load_cached, save
+from batchlab.calibrate import run as run_mod
+from batchlab.config import RunConfig
+from batchlab.formula.dtensor import NOMINAL, seconds_per_op
+from batchlab.formula.opcost import OpCosts
+from batchlab.host import cpu_hardware
+
+TP2 = RunConfig(seq=16, micro_batch=1, tp=2)
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+
+def calibration() -> Calibration:
+    return Calibration(device="cpu", hardware=f"{cpu_hardware()}, 1 threads", torch_device="cpu",
+                       matmul_flops_fp32=1e10, matmul_flops_bf16=None, memory_bytes_per_s=1e9, matmul_size={},
+                       copy_bytes=1, threads=1, measured_at="2026-01-01T00:00:00+00:00",
+                       torch_version=torch.__version__, seconds=1.0)
+
+
+def test_the_sharded_dispatch_gpt_runs_dtensor_ops_in_every_phase_and_the_measure_prices_each():
+    from batchlab.calibrate.dispatch import DISPATCH_GPT
+
+    with dtensor.one_rank_mesh() as mesh:
+        trainer = dtensor.sharded_trainer(DISPATCH_GPT, mesh)
+        trainer.update()
+        calls = dtensor.dtensor_calls(trainer)
+    # 2 blocks x 4 sharded linears with biases: forward 4 ops each; backward 10 each + 16 parameters' accumulation;
+    # AdamW's 8 per-element ops on each of the 16 (formula/dtensor.py, counted by hand)
+    assert calls == {"forward": 32, "backward": 96, "plain": 128}
+    figures = dtensor.measure(seconds=0.3)
+    assert set(figures) == {"forward", "backward", "plain"} and all(v > 0 for v in figures.values())
+
+
+def test_ensure_measures_once_for_a_tp_config_and_the_time_model_prices_with_it(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dtensor, "measure", lambda seconds=dtensor.SECONDS: calls.append(1) or
+                        {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5})
+    assert dtensor.ensure((TP2,), threads=1) is None  # no calibration cached
+    save(calibration())
+    assert dtensor.ensure((RunConfig(),), threads=1) is None and not calls  # no tensor parallelism: nothing
+    assert "DTensor's host cost per op once (forward 90 us" in dtensor.ensure((RunConfig(), TP2), threads=1)
+    assert dtensor.ensure((TP2,), threads=1) is None and len(calls) == 1  # cached
+    cached = load_cached("cpu", 1)
+    assert cached.dtensor_seconds == {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5}
+    costs = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e9),), strided_bytes_per_s=1e9,
+                    element_seconds={}, dispatch={}, dtensor_seconds=cached.dtensor_seconds)
+    assert seconds_per_op(costs) == ({"forward": 9e-5, "backward": 4e-5, "plain": 3e-5}, "calibrated")
+    assert seconds_per_op(None) == (NOMINAL, "nominal")
+
+
+def test_auto_asks_for_dtensor_figures(monkeypatch):
+    seen = []
+    monkeypatch.setattr(run_mod, "ensure", lambda device, threads=None, scope=(): (None, False))
+    monkeypatch.setattr(dtensor, "ensure", lambda cfgs, threads=None: seen.append(cfgs) or "measured")
+    assert run_mod.auto("cpu", threads=1, cfgs=(RunConfig(), TP2)) == "measured"
+    assert seen == [(RunConfig(), TP2)]

@@ -1,0 +1,50 @@
+"""FSDP2's collectives per update (formula/sharding.py ``fsdp_collectives``), each a message on a local link
+(formula/timing.py): counted against the c10d ops a real FSDP2 update issues (rank 0 on a fake process group, real
+tiny tensors, distributed/traffic.py's counter)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from batchlab.config import RunConfig
+from batchlab.formula.sharding import fsdp_collectives
+
+SMALL = "--seq 16 --micro-batch 2 --accum 2 --hidden 32 --heads 4 --vocab 64 --dp 2 "
+
+
+def config(flags: str) -> RunConfig:
+    from batchlab.cli.common import config_from_command
+
+    return config_from_command(["estimate", *flags.split()])
+
+
+@pytest.mark.parametrize("flags", [SMALL + "--layers 3 --zero 3", SMALL + "--layers 2 --zero 2 --accum 3"])
+def test_fsdp2s_collectives_are_those_a_real_update_issues(flags):
+    from batchlab.distributed import engines
+    from batchlab.distributed.traffic import TrafficCounter
+    from batchlab.trace.sharded import fake_world
+
+    cfg = config(flags)
+    with fake_world(cfg.dp, 0):
+        trainer, _ = engines.build(cfg, torch.device("cpu"), 0, cfg.dp)
+        trainer.update()
+        counter = TrafficCounter()
+        with counter:
+            trainer.update(listener=counter)
+    calls = counter.summary(cfg.accum)["calls_per_update"]
+    assert fsdp_collectives(cfg) == {k: v for k, v in calls.items() if v}
+
+
+def test_each_fsdp_collective_pays_its_messages_on_a_local_link():
+    # ZeRO-3, 4 blocks + the root, 4 micro-batches: 5 x (2 all-gathers + 1 reduce-scatter) x 4 = 60 collectives of
+    # n - 1 = 1 message each over 2 ranks, + the token count's all-reduce (2 messages); at 1 ms a message
+    from batchlab.formula import flops, memory
+    from batchlab.formula.timing import nominal_costs, timing
+
+    cfg = RunConfig(seq=64, micro_batch=4, accum=4, dp=2, zero=3)
+    assert sum(fsdp_collectives(cfg).values()) == 60
+    base = dataclasses.replace(nominal_costs(cfg), link_bytes_per_s=1e9, threads=1, cores=2)
+    slow, fast = (timing(cfg, flops(cfg), memory(cfg), dataclasses.replace(base, link_latency_s=s)) for s in (1e-3, 0.0))
+    assert slow.allreduce_seconds - fast.allreduce_seconds == pytest.approx(62e-3)

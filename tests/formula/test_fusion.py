@@ -1,0 +1,116 @@
+"""Compiled op lists: pointwise chains fused into one kernel (formula/fusion.py), checked against hand counts of the
+bytes a fused kernel moves, FlopCounterMode on a real update (fusion leaves the matmuls' FLOPs alone), and the
+launches a compiled graph issues.  No timed assertions."""
+from __future__ import annotations
+
+import pytest
+from torch.utils.flop_counter import FlopCounterMode
+
+from batchlab.config import RunConfig, preset
+from batchlab.config.phase import Launch, Phase
+from batchlab.formula import estimate
+from batchlab.formula.fusion import KERNEL, fuse
+from batchlab.formula.opcost import OpClass, OpCosts, OpCount, op_class, price
+from batchlab.formula.oplist import update_ops
+
+FWD = Phase.FORWARD
+N = 1000  # elements of each activation in the hand-built graphs
+
+
+def op(name: str, nbytes: int, elements: int = N, flops: int = 0, phase: Phase = FWD) -> OpCount:
+    return OpCount(name, phase, op_class(name), flops=flops, bytes=nbytes, elements=elements)
+
+
+def test_a_fused_chain_moves_its_inputs_and_output_once_by_hand():
+    # y = x @ W; z = gelu(y); o = z * g (g another fp32 activation); x2 = o @ W2
+    # eager: gelu reads y, writes z (8N bytes); mul reads z and g, writes o (12N): 20N
+    # fused: one kernel reads y and g, writes o: 3 tensors of N fp32 elements = 12N; z never touches memory
+    view = OpCount("view", FWD, OpClass.VIEW)
+    chain = [op("mm", 0, flops=10**6), op("gelu", 8 * N), view, op("mul", 12 * N), op("mm", 0, flops=10**6)]
+    out = fuse(chain, width=4)
+    kernels = [o for o in out if o.name == KERNEL]
+    assert len(kernels) == 1 and kernels[0].bytes == 12 * N and kernels[0].launch is Launch.COMPILED
+    # the members remain, without a launch or bytes of their own: gelu's arithmetic is still there
+    members = {o.name: o for o in out if o.launch is Launch.FUSED and o.cost_class is not OpClass.VIEW}
+    assert set(members) == {"gelu", "mul"} and all(m.bytes == 0 for m in members.values())
+    assert members["gelu"].elements == N
+    # the matmuls are untouched, issued by the compiled graph's wrapper
+    mms = [o for o in out if o.name == "mm"]
+    assert [o.flops for o in mms] == [10**6, 10**6] and all(o.launch is Launch.COMPILED for o in mms)
+
+
+def test_a_reduction_ends_the_chain_and_a_matmul_splits_it():
+    # add (residual, 12N) -> layer norm (reads N, writes N + 2 statistics per row) | mm | add 12N alone
+    ln = op("native_layer_norm", 8 * N + 16)
+    out = fuse([op("add", 12 * N), ln, op("mul", 12 * N), op("mm", 0, flops=1), op("add", 12 * N)], width=4)
+    kernels = [o for o in out if o.name == KERNEL]
+    # add + norm: the norm reads the sum from registers: inputs a, b (8N) + the norm's output (4N) + its statistics
+    assert kernels[0].bytes == 12 * N + 8 * N + 16 - 2 * 4 * N
+    # the mul after the norm opens a chain of its own (one op: itself), as does the add after the matmul
+    singles = [o for o in out if o.name in ("mul", "add") and o.launch is Launch.COMPILED]
+    assert [o.bytes for o in singles] == [12 * N, 12 * N]
+
+
+def test_phases_keep_their_own_chains():
+    ops = [op("gelu", 8 * N), op("gelu_backward", 12 * N, phase=Phase.BACKWARD), op("mul", 12 * N)]
+    out = fuse(ops, width=4)
+    fwd = [o for o in out if o.phase is FWD and o.name == KERNEL]
+    assert len(fwd) == 1 and fwd[0].bytes == 8 * N + 12 * N - 2 * 4 * N
+    assert [o.name for o in out if o.phase is Phase.BACKWARD] == ["gelu_backward"]  # alone: not a kernel of two
+
+
+def test_launches_are_priced_by_who_issues_them():
+    costs = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e10),), strided_bytes_per_s=5e9,
+                    element_seconds={}, dispatch={"forward": 7e-6, "backward": 5e-6, "plain": 2e-6}, source="toy")
+    eager = OpCount("add", FWD, OpClass.MEMORY, bytes=0)
+    compiled = OpCount("add", FWD, OpClass.MEMORY, bytes=0, launch=Launch.COMPILED)
+    fused = OpCount("add", FWD, OpClass.MEMORY, bytes=0, launch=Launch.FUSED)
+    assert price([eager], costs).seconds == pytest.approx(7e-6)
+    assert price([compiled], costs).seconds == pytest.approx(2e-6)  # a no-grad call from the graph's wrapper
+    t = price([fused], costs)
+    assert t.seconds == 0 and t.ops == 0
+
+
+def test_compiled_op_list_keeps_flop_counter_flops():
+    # FlopCounterMode over one real (eager) update: what the matmuls compute does not change when pointwise
+    # chains are fused, so the compiled op list's FLOPs are the same count
+    cfg = RunConfig(model=preset("tiny", layers=2, dropout=0.0), seq=32, micro_batch=2)
+    from batchlab.measure.harness import Trainer
+
+    trainer = Trainer(cfg)
+    with FlopCounterMode(display=False) as counter:
+        trainer.gradients(trainer.batches())
+    compiled = update_ops(cfg.replace(compile="blocks"))
+    counted = sum(o.flops * o.count for o in compiled if o.phase in (FWD, Phase.BACKWARD, Phase.RECOMPUTE))
+    assert counted == pytest.approx(counter.get_total_flops(), rel=0.02)
+    assert counted == sum(o.flops * o.count for o in update_ops(cfg) if o.phase is not Phase.OPTIMIZER)
+
+
+def test_compiled_blocks_issue_fewer_launches_and_move_fewer_bytes():
+    cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=2)
+    eager, compiled = estimate(cfg).time.ops, estimate(cfg.replace(compile="blocks")).time.ops
+    assert compiled.ops < eager.ops and compiled.bytes < eager.bytes
+    assert compiled.flops == eager.flops
+    # outside the blocks (embeddings, head, loss, optimizer) nothing changes under --compile blocks
+    outside = [o for o in update_ops(cfg.replace(compile="blocks")) if o.phase is Phase.OPTIMIZER]
+    assert all(o.launch is Launch.EAGER for o in outside)
+
+
+def test_recompute_under_full_ac_is_compiled_too():
+    cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=2, ac="full", compile="blocks")
+    redo = [o for o in update_ops(cfg) if o.phase is Phase.RECOMPUTE]
+    assert redo and all(o.launch is not Launch.EAGER for o in redo)
+    assert any(o.name == KERNEL for o in redo)
+
+
+
+def test_compiled_full_ac_recomputes_all_but_each_blocks_last_matmul_by_hand():
+    # the partition drops from the recompute what backward never reads: the MLP's down-projection (its output only
+    # enters the residual add).  By hand, tiny GPT, 2 blocks, h 128, seq 128, micro-batch 8 (T = 1024 tokens):
+    # forward matmuls per block 2T·h·(3h + h + 4h + 4h) + 2·(2·b·s²·h) (scores and their product with v);
+    # less the down-projection 2T·4h·h.  The compiled trace of the same config recomputes these FLOPs too
+    # (benchmarks/compiled_time.py's trace column reads them from the partitioned backward graph).
+    t, h, s, b = 1024, 128, 128, 8
+    per_block = 2 * t * h * 12 * h + 2 * (2 * b * s * s * h) - 2 * t * 4 * h * h
+    cfg = RunConfig(model=preset("tiny", layers=2), seq=s, micro_batch=b, ac="full", compile="blocks")
+    assert sum(o.flops * o.count for o in update_ops(cfg) if o.phase is Phase.RECOMPUTE) == 2 * per_block
