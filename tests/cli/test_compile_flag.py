@@ -1,5 +1,5 @@
 """--compile on the command line: validated, in --json and --change, warned about once where only the formula
-answers, traced by estimate --trace (the partition on fake tensors; no inductor here)."""
+answers, traced by estimate --trace (inductor's wrapper on fake tensors, no kernel built)."""
 import json
 
 from typer.testing import CliRunner
@@ -47,6 +47,10 @@ def test_trace_compile_counts_the_partition_and_says_how():
     compiled, eager = json.loads(r.stdout), json.loads(run(*args).stdout)
     assert any("min-cut partition" in n and "exact on what the compiled forward saves" in n for n in compiled["notes"])
     assert any("graph breaks" in n for n in compiled["notes"])
+    assert any("inductor's own compile" in n for n in compiled["notes"])
+    # a CUDA config: inductor would lower with Triton there, so the partition-only count, and the note says why
+    cuda = json.loads(run(*args, "--compile", "blocks", "--device", "h100-sxm").stdout)["notes"]
+    assert any("min-cut partition" in n and "inductor lowers for CPU only here" in n for n in cuda)
     # the partition saves fewer bytes than eager autograd keeps (it recomputes cheap ops in backward), and the
     # model states are the same
     assert compiled["memory"]["activations_bytes"] < eager["memory"]["activations_bytes"]

@@ -1,7 +1,9 @@
 """--ac budget:F (torch._functorch.config.activation_memory_budget) in the compiled trace and the formula: the
-trace's partition-only backend saves what AOTAutograd's min-cut partitioner saves when torch.compile runs it under
+trace (inductor's own compile, no kernel built) saves what inductor's partition step (its joint-graph passes, the
+min-cut partitioner) saves when torch.compile runs it under
 ``torch._functorch.config.patch(activation_memory_budget=F)`` directly (the built-in GPT's block, real tensors);
-the formula's per-layer bytes against that partition.  No inductor: partitions only (a second or two each)."""
+the formula's per-layer bytes against that partition.  No C++ built: partitions and a kernel-less lowering only
+(seconds each)."""
 from __future__ import annotations
 
 import functools
@@ -44,17 +46,19 @@ def _traced(budget: float):
 
 @functools.lru_cache(maxsize=None)  # one partition per budget for the file
 def _torch_partition(budget: float):
-    """torch.compile of one block with AOTAutograd and the min-cut partitioner as inductor calls it, the knob set
-    with torch._functorch.config.patch: what it saves."""
+    """torch.compile of one block with AOTAutograd and inductor's partition step (its joint-graph passes and the
+    min-cut partitioner, as inductor's compile calls them), the knob set with torch._functorch.config.patch: what
+    it saves."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.compile_fx import partition_fn as inductor_partition
     from torch._inductor.decomposition import select_decomp_table
 
     found: list = []
 
     def partition(joint, inputs, **kwargs):
-        fw, bw = min_cut_rematerialization_partition(joint, inputs, compiler="inductor", **kwargs)
+        # inductor's own partition step: its joint-graph passes, then the min-cut partitioner (compiler="inductor")
+        fw, bw = inductor_partition(joint, inputs, **kwargs)
         found.append((fw, kwargs["num_fwd_outputs"]))
         return fw, bw
 

@@ -1,7 +1,8 @@
 """estimate --trace --compile against measure --compile (inductor, real tensors, the CPU allocator's events): the
-built-in GPT tiny, one layer, fp32.  The trace runs AOTAutograd's min-cut partition without code generation on
-fake tensors, pointwise chains inductor fuses left uncounted; the measurement runs inductor's C++ kernels.  Two inductor compiles (about a minute each on a
-loaded 2-core host; the run shares one inductor cache, tests/conftest.py)."""
+built-in GPT tiny, one layer, fp32.  The trace compiles with inductor too but builds no kernel: its generated
+wrapper runs on fake tensors under the live-storage tracker; the measurement runs inductor's C++ kernels.  Two
+inductor compiles with C++ (about a minute each on a loaded 2-core host; the run shares one inductor cache,
+tests/conftest.py), two traces (each traced once for the file)."""
 from __future__ import annotations
 
 import pytest
@@ -16,11 +17,19 @@ pytestmark = pytest.mark.slow
 CFG = dict(model=preset("tiny", layers=1), seq=64, micro_batch=4, compile="blocks")
 
 
+_TRACES: dict = {}
+
+
+def _trace(ac: str):
+    if ac not in _TRACES:
+        _TRACES[ac] = trace(RunConfig(**CFG, ac=ac))
+    return _TRACES[ac]
+
+
 def _both(ac: str):
-    cfg = RunConfig(**CFG, ac=ac)
-    measured = run(cfg, MeasureOptions(warmup=2, steps=2))
+    measured = run(RunConfig(**CFG, ac=ac), MeasureOptions(warmup=2, steps=2))
     assert measured.ok, measured.outcome_detail
-    return trace(cfg), measured
+    return _trace(ac), measured
 
 
 def test_ac_none_traced_peak_and_activations_match_inductor():
@@ -30,22 +39,23 @@ def test_ac_none_traced_peak_and_activations_match_inductor():
     assert traced.memory.peak_bytes == pytest.approx(m.memory.peak_bytes, rel=0.03)
     # what the compiled forward saves for backward: the partition's saved tensors
     assert traced.memory.activations_bytes == pytest.approx(m.memory.activations_bytes, rel=0.01)
-    assert any("min-cut partition" in n for n in traced.notes)
+    assert any("min-cut partition" in n and "inductor's own compile" in n for n in traced.notes)
     # the compile line apart: the timed samples are --steps, compiling happened in the untimed updates only
     c = m.environment["compile"]
     assert len(m.time.samples) == 2 and c["compilations"] >= 1 and c["recompilations_timed"] == 0
     assert c["compile_seconds"] > max(m.time.samples)
 
 
-def test_ac_full_saved_activations_exact_and_the_recomputed_block_an_upper_bound():
-    """Full AC: the forward saves each block's input only, the same bytes in the trace's partition as in inductor's.
-    The peak is in the backward of the recomputed block, whose nodes the trace counts unfused (inductor fuses part
-    of them): above the measurement, by about a fifth here."""
+def test_ac_full_traced_peak_is_inductors_own_plan():
+    """Full AC: the forward saves each block's input only, the same bytes in the trace as in inductor's run.  The
+    peak is in the backward of the recomputed block, which inductor fuses and plans (buffers reused in place,
+    freed early); the trace runs that plan, so it lands on the measured peak (counting the recomputed nodes
+    unfused, as the partition-only fallback does, put it about a fifth above)."""
     traced, m = _both("full")
     assert traced.memory.activations_bytes == pytest.approx(m.memory.activations_bytes, rel=0.001)
     assert traced.memory.peak_phase == m.memory.peak_phase == "backward"
-    assert m.memory.peak_bytes <= traced.memory.peak_bytes <= 1.25 * m.memory.peak_bytes
-    assert traced.memory.activations_bytes < 0.5 * trace(RunConfig(**CFG, ac="none")).memory.activations_bytes
+    assert traced.memory.peak_bytes == pytest.approx(m.memory.peak_bytes, rel=0.03)
+    assert traced.memory.activations_bytes < 0.5 * _trace("none").memory.activations_bytes
 
 
 def test_a_chain_inductor_fuses_is_one_kernel_that_moves_its_inputs_and_output_once():

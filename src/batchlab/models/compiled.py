@@ -95,7 +95,8 @@ def apply_compile(workload, mode: CompileMode, device: torch.device, world: int 
 
         if any(isinstance(p, FakeTensor) for p in workload.model.parameters()):
             raise ConfigError("compile", "inductor generates code, which fake tensors cannot run: a trace compiles "
-                                         "through batchlab.trace.estimate (its partition-only backend)")
+                                         "through batchlab.trace.estimate (inductor with no kernel built, "
+                                         "trace/inductor_plan.py)")
         check_inductor(device)
     torch._dynamo.reset()  # (it also clears dynamo's compile callbacks: the watch starts after it)
     targets = list(workload.blocks) if mode is CompileMode.BLOCKS else [workload.model]

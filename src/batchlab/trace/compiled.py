@@ -1,23 +1,29 @@
-"""The trace of a compiled run (``estimate --trace --compile model|blocks``): the harness compiles what the config
-names with a backend that runs AOTAutograd with inductor's decompositions and its min-cut rematerialisation
-partitioner (inductor's choice of what the forward saves for backward) and returns the partitioned forward and
-backward graphs without generating code; the update then runs those graphs on fake tensors under the same
-live-storage tracker, node by node.
+"""The trace of a compiled run (``estimate --trace --compile model|blocks``).  On a CPU config the model compiles
+with inductor itself, whose generated wrapper loads with no-op kernels (trace/inductor_plan.py): the update runs
+that wrapper on fake tensors under the live-storage tracker, so the trace counts the buffers inductor plans,
+allocates, reuses and frees, in its order, recomputed (checkpointed) regions fused as inductor fuses them.
 
-So the trace counts exactly the tensors the compiled forward saves for backward and every graph's outputs.  Of the
-intermediates it counts what inductor writes to memory: a pointwise op whose consumers all fuse it in (pointwise
-ops, reductions) runs beneath the tracker, as inductor's fused kernels never write it.  Nodes recomputed in backward
-(activation checkpointing) are all counted: inductor fuses part of a recomputed region, so there the trace is an
-upper bound; under ``--ac budget:F`` (torch.compile's activation_memory_budget, set around each compile by
-models/compiled.py) the partition is the knapsack's own choice, and what its backward graph recomputes is counted
-as a checkpoint's.  Measured on CPU (torch 2.13, fp32): without AC the peak within 1% of inductor's (to the byte at
-seq 128 x 8 on the built-in GPT, and on a 2-layer Hugging Face GPT-2); with full or selective-op AC about a fifth
-above it; the saved activations equal to within a few bytes (a checkpoint's RNG state, 5 KB per block, uncounted).
+Under ``--ac budget:F`` (torch.compile's activation_memory_budget, set around each compile by models/compiled.py)
+inductor partitions with the knapsack's choice, and its plan fuses what the backward recomputes as any region.
+
+Where inductor cannot plan here (a CUDA config: this machine lowers for CPU only; a lowering that fails) the
+fallback is the partition-only backend: AOTAutograd with inductor's decompositions and its min-cut partitioner,
+each graph run node by node on fake tensors; exact on what the forward saves and the graphs' outputs, pointwise
+chains inductor fuses left uncounted, recomputed regions (a checkpoint's, budget:F's) counted unfused (an upper
+bound there).
 """
 from __future__ import annotations
 
-from batchlab.config import CompileMode, ConfigError, RunConfig
+import contextvars
 
+from batchlab.config import Backend, CompileMode, ConfigError, RunConfig
+from batchlab.config.phase import Phase
+
+PLAN_NOTE = ("compiled ({mode}): inductor's own compile (AOTAutograd's min-cut partition, post-grad passes, "
+             "lowering, scheduler and fusion), its wrapper run on fake tensors with no kernel built: exact on what the "
+             "compiled forward saves for backward and on every buffer the wrapper allocates, reuses and frees, "
+             "recomputed (checkpointed) regions fused as inductor fuses them; the time model prices the ops the wrapper "
+             "dispatches (matmuls, fallbacks), not its fused kernels")
 NOTE = ("compiled ({mode}): AOTAutograd's min-cut partition of each compiled graph (inductor's decompositions and "
         "partitioner settings), run on fake tensors without code generation: exact on what the compiled forward "
         "saves for backward and on the graphs' outputs; pointwise chains inductor fuses are not counted; "
@@ -176,12 +182,19 @@ def _partition(joint, joint_inputs, **kwargs):
     if torch._functorch.config.activation_memory_budget < 1:  # budget:F (ACPolicy): its recompute, as a checkpoint's
         for n in _recomputed(bw):
             n.meta[BUDGET_RECOMPUTED] = True
-    for listener in PARTITIONS:  # formula terms for compiled code read what the forward saves (trace/compiled_terms.py)
-        listener.append((fw, kwargs["num_fwd_outputs"]))
+    _partitioned(fw, bw, kwargs)
     return fw, bw
 
 
+def _partitioned(fw, bw, kwargs) -> None:
+    for listener in PARTITIONS:  # formula terms for compiled code read what the forward saves (trace/compiled_terms.py)
+        listener.append((fw, kwargs["num_fwd_outputs"]))
+
+
 _RULES_SET = []
+# the CPU generator's state a checkpoint saves is device memory only where the device is the CPU (CUDA's state is
+# a host tensor): estimate sets it per config
+RNG_STATE_COUNTED = contextvars.ContextVar("batchlab_rng_state_counted", default=False)
 
 
 def _tracker_rules() -> None:
@@ -202,6 +215,8 @@ def _tracker_rules() -> None:
     @run_and_save_rng_state.py_impl(StorageTracker)
     def _save(mode, op, *args, **kwargs):
         state = torch.get_rng_state()  # the CPU generator's (fake tensors' rule returns it too)
+        if RNG_STATE_COUNTED.get():  # made outside the dispatcher: the tracker is told (kept for the recompute)
+            mode.register([state], "activations" if mode.phase is Phase.FORWARD else "temporaries")
         with mode:
             return state, op(*args, **kwargs)
 
@@ -231,28 +246,61 @@ def partition_only(gm, example_inputs):
                                  partition_fn=_partition, decompositions=select_decomp_table())
 
 
-def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibrations=None):
-    """trace.run.estimate with the model compiled by ``partition_only``: the graph breaks and graphs counted, the
-    compiled trace's note added."""
-    import dataclasses
-
+def _traced(cfg: RunConfig, backend, within, **kwargs):
+    """trace.run.estimate with the model compiled by ``backend`` inside ``within``; its compile-count note."""
     import torch
 
     from batchlab.models.compiled import break_summary, failure_text, using_backend
     from batchlab.trace.run import estimate as traced
 
-    assert cfg.compile is not CompileMode.NONE
-    _tracker_rules()
-    with using_backend(partition_only) as watches:
+    with within, using_backend(backend) as watches:
         try:
-            result = traced(cfg, tree=tree, timeline=timeline, calibrations=calibrations)
+            result = traced(cfg, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:  # the model's own code did not compile
             raise ConfigError("compile", f"{cfg.model_source} ({cfg.model.name}) did not compile for the trace: "
                                          f"{failure_text(e)}") from None
         compiles = sum(w.compiles for w in watches)
         count, reasons = break_summary({k: v for w in watches for k, v in w.graph_breaks().items()})
-    notes = [NOTE.format(mode=cfg.compile.value),
-             f"compiled graphs: {compiles} compilations (dynamo frames and lazily compiled backwards), {count} graph breaks"
-             + (f" (first: {'; '.join(reasons)})" if reasons else "")]
-    return dataclasses.replace(result, notes=[*notes, *result.notes])
+    return result, (f"compiled graphs: {compiles} compilations (dynamo frames and lazily compiled backwards), "
+                    f"{count} graph breaks" + (f" (first: {'; '.join(reasons)})" if reasons else ""))
 
+
+def no_plan_reason(cfg: RunConfig) -> str | None:
+    """Why inductor's own plan is not used for ``cfg`` (None: it is)."""
+    if cfg.device_spec.backend is not Backend.CPU:
+        return (f"inductor lowers for CPU only here ({cfg.device} would lower with Triton on its GPU, fusing and "
+                "planning differently)")
+    return None
+
+
+def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibrations=None):
+    """trace.run.estimate with the model compiled by inductor (``inductor_plan``), or where it cannot plan by
+    ``partition_only``: the graph breaks and graphs counted, the compiled trace's note added."""
+    assert cfg.compile is not CompileMode.NONE
+    _tracker_rules()
+    kwargs = dict(tree=tree, timeline=timeline, calibrations=calibrations)
+    why = no_plan_reason(cfg)
+    token = RNG_STATE_COUNTED.set(cfg.device_spec.backend is Backend.CPU)
+    try:
+        return _estimate(cfg, why, kwargs)
+    finally:
+        RNG_STATE_COUNTED.reset(token)
+
+
+def _estimate(cfg: RunConfig, why: str | None, kwargs: dict):
+    import contextlib
+    import dataclasses
+
+    from batchlab.trace.inductor_plan import inductor, kernels_not_built
+
+    if why is None:
+        try:
+            result, counted = _traced(cfg, inductor, kernels_not_built(_partitioned), **kwargs)
+            notes = [PLAN_NOTE.format(mode=cfg.compile.value), counted]
+            return dataclasses.replace(result, notes=[*notes, *result.notes])
+        except Exception as e:  # noqa: BLE001 - any failure of inductor's plan falls back (and says why)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            why = f"inductor's plan failed here ({type(e).__name__}: {first[:200]})"
+    result, counted = _traced(cfg, partition_only, contextlib.nullcontext(), **kwargs)
+    notes = [NOTE.format(mode=cfg.compile.value) + f"; not inductor's own plan: {why}", counted]
+    return dataclasses.replace(result, notes=[*notes, *result.notes])
