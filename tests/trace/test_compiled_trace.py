@@ -6,11 +6,15 @@ tests/conftest.py), two traces (each traced once for the file)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from batchlab.config import RunConfig, preset
+from batchlab.config.phase import Launch
 from batchlab.measure import MeasureOptions
 from batchlab.run import measure as run
 from batchlab.trace import estimate as trace
+from batchlab.trace.inductor_plan import inductor, kernels_not_built
+from batchlab.trace.ops import OpRecorder
 
 pytestmark = pytest.mark.slow
 # backward holds the peak here (activations ~45% of it): seq 64 x micro-batch 4
@@ -74,3 +78,20 @@ def test_a_chain_inductor_fuses_is_one_kernel_that_moves_its_inputs_and_output_o
     assert by_name["relu"] == (Launch.FUSED, 0) and by_name["mul"] == (Launch.FUSED, 0)
     assert by_name["sum_1"] == (Launch.COMPILED, (512 + 512 + 1) * 4)
     assert by_name["mm"] == (Launch.COMPILED, None)
+
+# the time side of inductor's plan: each kernel its generated wrapper calls is one compiled launch moving its
+# buffers once (trace/inductor_plan.py); in this file, whose traces have already loaded inductor
+def test_a_fused_pointwise_chain_is_one_kernel_reading_its_input_and_writing_its_output_once():
+    def chain(x):
+        return torch.relu(x * 2 + 1) - 3  # four pointwise ops: inductor fuses them into one kernel
+
+    x = torch.randn(1000)
+    rec = OpRecorder()
+    with kernels_not_built(), torch.no_grad():
+        compiled = inductor(torch.fx.symbolic_trace(chain), [x])  # the wrapper loads with its kernels stubbed
+        with rec:
+            compiled(x)
+    kernels = [op for op in rec.result() if op.name == "inductor_kernel"]
+    assert len(kernels) == 1 and kernels[0].count == 1 and kernels[0].launch is Launch.COMPILED
+    assert kernels[0].bytes == 2 * 1000 * 4  # 1,000 fp32 read, 1,000 written; no intermediate buffer
+    assert not [op for op in rec.result() if op.name in ("mul", "add", "relu", "sub")]  # none ran eagerly

@@ -23,7 +23,7 @@ PLAN_NOTE = ("compiled ({mode}): inductor's own compile (AOTAutograd's min-cut p
              "lowering, scheduler and fusion), its wrapper run on fake tensors with no kernel built: exact on what the "
              "compiled forward saves for backward and on every buffer the wrapper allocates, reuses and frees, "
              "recomputed (checkpointed) regions fused as inductor fuses them; the time model prices the ops the wrapper "
-             "dispatches (matmuls, fallbacks), not its fused kernels")
+             "dispatches (matmuls, fallbacks) and each generated kernel it calls as one launch moving its buffers once")
 NOTE = ("compiled ({mode}): AOTAutograd's min-cut partition of each compiled graph (inductor's decompositions and "
         "partitioner settings), run on fake tensors without code generation: exact on what the compiled forward "
         "saves for backward and on the graphs' outputs; pointwise chains inductor fuses are not counted; "

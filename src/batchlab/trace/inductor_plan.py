@@ -18,16 +18,30 @@ FILE = "<batchlab: inductor's wrapper, kernels not built>"
 
 
 class _NoKernels:
-    """Stands in for inductor's AsyncCompile while a wrapper loads: every kernel it would build is a no-op (the
-    trace runs on fake tensors, so a kernel has nothing to compute and its buffers are already allocated)."""
+    """Stands in for inductor's AsyncCompile while a wrapper loads: every kernel it would build computes nothing
+    (the trace runs on fake tensors and its buffers are already allocated) but is recorded, once per call, as one
+    compiled kernel moving its arguments' bytes (trace/ops.py ``inductor_kernel``): a fused chain reads its
+    inputs and writes its outputs once."""
 
     def __getattr__(self, name):
         def build(*args, **kwargs):
-            return lambda *a, **k: None
+            return _ran
         return build
 
     def wait(self, scope) -> None:
         pass
+
+
+def _ran(*args, **kwargs) -> None:
+    from batchlab.trace.ops import inductor_kernel
+
+    inductor_kernel([a for a in (*args, *kwargs.values()) if _is_tensor(a)])
+
+
+def _is_tensor(a) -> bool:
+    import torch
+
+    return isinstance(a, torch.Tensor)
 
 
 def _alloc(device: str):

@@ -41,6 +41,24 @@ def kernel(launch: Launch, nbytes: int | None = None):
         _KERNEL.reset(token)
 
 
+@torch.library.custom_op("batchlab::inductor_kernel", mutates_args=())
+def _inductor_kernel_op(buffers: list[torch.Tensor]) -> None:
+    """One of inductor's generated kernels as the trace sees it (trace/inductor_plan.py): no data, no storage;
+    the op recorder counts its arguments' bytes once."""
+
+
+@_inductor_kernel_op.register_fake
+def _(buffers):
+    return None
+
+
+def inductor_kernel(buffers: list[torch.Tensor]) -> None:
+    """Record one compiled kernel that reads and writes ``buffers`` (a wrapper's C++ kernel call, not built)."""
+    if buffers:
+        with kernel(Launch.COMPILED):
+            torch.ops.batchlab.inductor_kernel(buffers)
+
+
 def footprint(t: torch.Tensor) -> int:
     """Bytes a kernel touches for ``t``: its elements, a stride-0 (broadcast) dimension counted once."""
     n = 1
@@ -65,7 +83,9 @@ class _Overload(NamedTuple):
     @classmethod
     def of(cls, func) -> "_Overload":
         name = func.overloadpacket.__name__
-        return cls(name, func.namespace == "aten", func.is_view, func._schema.is_mutable, func.overloadpacket,
+        # batchlab::inductor_kernel (a compiled kernel of the trace's, inductor_plan.py) is counted as aten's are
+        return cls(name, func.namespace in ("aten", "batchlab"), func.is_view, func._schema.is_mutable,
+                   func.overloadpacket,
                    op_class(name, is_view=func.is_view), op_class(name, is_view=func.is_view, strided=True))
 
 
