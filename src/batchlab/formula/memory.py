@@ -13,7 +13,7 @@ from batchlab.formula.activation_plan import ActivationPlan, activation_plan, ra
 from batchlab.formula.kvcache import held_in_forward_bytes
 from batchlab.formula.params import count, norm_params
 from batchlab.formula.pipeline import gradient_send_bytes, receive_buffer_bytes, stage_output_bytes
-from batchlab.formula import compiled
+from batchlab.formula import compiled, inbackward, offload
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankMemory, RankShare, share, shares
 from batchlab.formula.sharding import unit_elements
@@ -74,7 +74,7 @@ _WALKED = ("parameters", "gradients", "activations", "recompute", "temporaries")
 
 def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, resident: dict[str, int],
                    grads_before: int, loss_grads: int, layer_copy: int, walk: list[int] | None = None,
-                   rank: RankShare | None = None) -> dict[str, int]:
+                   rank: RankShare | None = None, stepping: int = 0) -> dict[str, int]:
     """Walk backward layer by layer (last first): kept activations shrink while parameter gradients grow.
 
     ``resident``: weights, optimizer state and data (present throughout); under autocast its ``parameters``
@@ -88,6 +88,7 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     # with accumulation (or DDP's gradient buckets) the .grad tensors exist already (in grads_before)
     new_grads = grads_before == 0
     transient, head_grad, below_layers = _backward_terms(cfg, states.gradients, rank)
+    transient += stepping  # a step fused into backward: its gradient and temporaries, once layers run
     below_layers += plan.others  # the other in-flight micro-batches wait for their own backward
     best = dict(resident, gradients=grads_before, activations=plan.total, recompute=0, temporaries=loss_grads)
     if walk is not None:
@@ -318,7 +319,9 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
         kept = rank.in_flight < cfg.accum or not cfg.assumptions.zero_grad_set_to_none
     # Megatron-Core's DDP allocates its contiguous gradient buffer once and zeroes it each update: always resident
     kept = kept or cfg.parallel.engine_spec.megatron
-    grads_before = states.gradients if kept else 0
+    grads_before = states.gradients if kept and not cfg.optimizer_in_backward else 0
+    walked = inbackward.walk_states(cfg, states)  # the fused step frees each gradient as it is made
+    in_flight = inbackward.in_flight_gradient(cfg, states, rank.params, _largest_param(cfg, rank))
     lp = rank_loss_path(cfg, rank)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
     logits_fwd += held_in_forward_bytes(cfg)  # the KV cache lives until the loss is computed
@@ -347,14 +350,16 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
         phases = {  # the parts live at each phase's high point
             "forward": dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
                             gradients=grads_before, activations=plan.total, recompute=0, temporaries=logits_fwd),
-            "backward": (_profiled_backward(cfg, plan, states, weights, grads_before, loss_grads, layer_copy)
+            "backward": (_profiled_backward(cfg, plan, walked, weights, grads_before, loss_grads, layer_copy)
                          if fitted is not None else
-                         _backward_peak(cfg, plan, states, weights, grads_before, loss_grads, layer_copy, walk, rank)),
+                         _backward_peak(cfg, plan, walked, weights, grads_before, loss_grads, layer_copy, walk, rank,
+                                        inbackward.stepping_bytes(cfg, in_flight, opt_tmp))),
             # autocast's working copies are gone by the optimizer step
             "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
                               gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
         }
     phases = _with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
+    phases = offload.phases(cfg, inbackward.phases(cfg, phases, in_flight, opt_tmp, walked=fitted is None), plan)
     if cache8 := fp8.weight_cache_bytes(cfg, rank.layer_matrices, len(rank.layers)):  # TE's, held all update
         phases = {ph: dict(parts, **{"fp8 weights": cache8}) for ph, parts in phases.items()}
     totals = {k: sum(v.values()) for k, v in phases.items()}
@@ -365,7 +370,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     return MemoryEstimate(
         parameters_bytes=(0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg, rank)) if fsdp else states.parameters,
         master_bytes=(fsdp_shard_bytes(cfg, rank) if _sharded_master(cfg) else 0) if fsdp else states.master,
-        gradients_bytes=fsdp_gradient_shard_bytes(cfg, rank) if fsdp else states.gradients,
+        gradients_bytes=(fsdp_gradient_shard_bytes(cfg, rank) if fsdp else
+                         in_flight if cfg.optimizer_in_backward else states.gradients),
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,
         activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=at_peak["recompute"],
         logits_bytes=lp.kept, temporaries_bytes=at_peak["temporaries"], data_bytes=data,
