@@ -42,6 +42,7 @@ def evaluate(run: dict) -> Row:
     row.tps_measured = measured.get("tokens_per_s_per_gpu")
     flags = shlex.split(run["cli"])
     row.gaps += [text for field, (flag, text) in GAPS.items() if run.get(field) and flag not in flags]
+    row.gaps += run.get("not_typed", [])  # what the source does not give, so no flag can say it
     if run["optimizer"] != "adamw" and run["optimizer"] not in flags:
         row.gaps.append(f"optimizer {run['optimizer']}: not typed (AdamW's time)")
     argv = ["estimate", *shlex.split(run["cli"])]
