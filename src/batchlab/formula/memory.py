@@ -74,7 +74,7 @@ _WALKED = ("parameters", "gradients", "activations", "recompute", "temporaries")
 
 def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, resident: dict[str, int],
                    grads_before: int, loss_grads: int, layer_copy: int, walk: list[int] | None = None,
-                   rank: RankShare | None = None, stepping: int = 0) -> dict[str, int]:
+                   rank: RankShare | None = None, stepping: int = 0, on_device: int | None = None) -> dict[str, int]:
     """Walk backward layer by layer (last first): kept activations shrink while parameter gradients grow.
 
     ``resident``: weights, optimizer state and data (present throughout); under autocast its ``parameters``
@@ -90,10 +90,13 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     transient, head_grad, below_layers = _backward_terms(cfg, states.gradients, rank)
     transient += stepping  # a step fused into backward: its gradient and temporaries, once layers run
     below_layers += plan.others  # the other in-flight micro-batches wait for their own backward
-    best = dict(resident, gradients=grads_before, activations=plan.total, recompute=0, temporaries=loss_grads)
+    kept_below = sum(plan.per_layer_kept)
+    # offloaded activations (formula/offload.py): at most ``on_device`` of the layers' kept bytes are back
+    cap = (lambda kept: kept) if on_device is None else (lambda kept: min(kept, on_device))  # noqa: E731
+    best = dict(resident, gradients=grads_before, activations=plan.total - kept_below + cap(kept_below), recompute=0,
+                temporaries=loss_grads)
     if walk is not None:
         walk.append(sum(best.values()))
-    kept_below = sum(plan.per_layer_kept)
     grads_done = head_grad  # a fresh tensor even when .grad exists (added at the end)
     modes = cfg.ac.layer_modes(cfg.model.layers)
     recomputed = {j for j, i in enumerate(rank.layers) if modes[i].spec.recomputes}
@@ -104,7 +107,7 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
         kept_i = plan.per_layer_kept[i]
         parts = dict(parameters=resident["parameters"] if not layer_copy else copies_below
                      + (layer_copy if i in recomputed else 0),
-                     gradients=grads_before + grads_done, activations=below_layers + kept_below,
+                     gradients=grads_before + grads_done, activations=below_layers + cap(kept_below),
                      recompute=plan.per_layer_full - kept_i,  # recompute restores the rest of the layer
                      temporaries=transient)
         total = fixed + sum(parts.values())  # summed without the resident parts: deep models walk many layers
@@ -353,13 +356,15 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
             "backward": (_profiled_backward(cfg, plan, walked, weights, grads_before, loss_grads, layer_copy)
                          if fitted is not None else
                          _backward_peak(cfg, plan, walked, weights, grads_before, loss_grads, layer_copy, walk, rank,
-                                        inbackward.stepping_bytes(cfg, in_flight, opt_tmp))),
+                                        inbackward.stepping_bytes(cfg, in_flight, opt_tmp),
+                                        offload.backward_on_device(cfg, plan))),
             # autocast's working copies are gone by the optimizer step
             "optimizer": dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
                               gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
         }
     phases = _with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
-    phases = offload.phases(cfg, inbackward.phases(cfg, phases, in_flight, opt_tmp, walked=fitted is None), plan)
+    phases = offload.phases(cfg, inbackward.phases(cfg, phases, in_flight, opt_tmp, walked=fitted is None), plan,
+                            walked=fitted is None)
     if cache8 := fp8.weight_cache_bytes(cfg, rank.layer_matrices, len(rank.layers)):  # TE's, held all update
         phases = {ph: dict(parts, **{"fp8 weights": cache8}) for ph, parts in phases.items()}
     totals = {k: sum(v.values()) for k, v in phases.items()}

@@ -38,13 +38,21 @@ def offloaded_bytes(cfg: RunConfig, plan: ActivationPlan) -> int:
     return sum(plan.per_layer_kept) if cfg.offload_activations else 0
 
 
-def phases(cfg: RunConfig, phases: dict[str, dict[str, int]], plan: ActivationPlan) -> dict[str, dict[str, int]]:
-    """The layers' kept activations leave the device: forward keeps the stash, backward the nodes in use."""
+def backward_on_device(cfg: RunConfig, plan: ActivationPlan) -> int | None:
+    """The most of the layers' kept bytes back on the device during backward (None: nothing offloaded)."""
+    return BACKWARD_NODES * largest_saved(cfg, plan) if cfg.offload_activations else None
+
+
+def phases(cfg: RunConfig, phases: dict[str, dict[str, int]], plan: ActivationPlan,
+           walked: bool = True) -> dict[str, dict[str, int]]:
+    """The layers' kept activations leave the device: forward keeps the stash; backward (``walked``: placed by
+    the backward walk layer by layer, else capped at its high point) the nodes in use."""
     if not cfg.offload_activations:
         return phases
     layers = sum(plan.per_layer_kept)
-    big = largest_saved(cfg, plan)
-    on_device = {"forward": min(layers, FORWARD_STASH * big), "backward": min(layers, BACKWARD_NODES * big)}
+    on_device = {"forward": min(layers, FORWARD_STASH * largest_saved(cfg, plan))}
+    if not walked:
+        on_device["backward"] = min(layers, backward_on_device(cfg, plan))
     out = dict(phases)
     for ph, keep in on_device.items():
         parts = phases[ph]
