@@ -130,6 +130,8 @@ def _imports(cfg: RunConfig) -> list[str]:
             out.append("from torch.distributed.optim import ZeroRedundancyOptimizer")
     if cfg.ac.budget is not None:  # torch.compile's partitioner settings: imported on their own
         out.append("import torch._functorch.config")
+    if package := optimizer_spec(cfg.optimizer).package:  # the optimizer's class is named by its module path
+        out.append(f"import {package}.optim")
     return out + _ac_imports(cfg) + [f"from torch.utils.data import {_samplers(cfg)}"]
 
 
