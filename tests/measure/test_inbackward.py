@@ -53,8 +53,16 @@ def test_measured_peak_is_the_traces_and_near_the_formulas():
     (["--accum", "2", "--optimizer-in-backward"], "optimizer_in_backward"),
     (["--dp", "2", "--optimizer-in-backward"], "optimizer_in_backward"),
     (["--offload-activations"], "offload_activations"),  # device cpu: nothing to offload to
+    (["--offload-activations", "--device", "a100-80gb", "--trace"], "offload_activations"),  # formula only
 ])
 def test_refusals_are_one_line_exit_2(args, field):
     r = CliRunner().invoke(app, ["estimate", *SHAPE, *args])
+    assert r.exit_code == 2, r.output
+    assert field in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_measure_refuses_offloading_on_a_gpu_device_too():
+    """No saved-tensor hooks move activations in the harness: a measurement would silently keep them."""
+    r = CliRunner().invoke(app, ["measure", *SHAPE, "--device", "a100-80gb", "--offload-activations"])
     assert r.exit_code == 2, r.output
     assert field in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
