@@ -65,4 +65,4 @@ def test_measure_refuses_offloading_on_a_gpu_device_too():
     """No saved-tensor hooks move activations in the harness: a measurement would silently keep them."""
     r = CliRunner().invoke(app, ["measure", *SHAPE, "--device", "a100-80gb", "--offload-activations"])
     assert r.exit_code == 2, r.output
-    assert field in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    assert "offload_activations" in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
