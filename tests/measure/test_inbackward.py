@@ -3,8 +3,6 @@
 peak is what the trace and the formula say; the techniques that cannot run are refused in one line."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -30,23 +28,21 @@ def test_the_fused_step_trains_the_weights_plain_adamw_trains_and_frees_every_gr
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _cli(*args: str) -> dict:
-    r = CliRunner().invoke(app, list(args))
-    assert r.exit_code == 0, r.output
-    return json.loads(r.stdout)
-
-
 def test_measured_peak_is_the_traces_and_near_the_formulas():
-    """A live CPU update: the peak moves from the optimizer step into backward and drops; the trace (the same
-    hooks on fake tensors) gives it to the byte, the formula within 2%."""
-    on = _cli("measure", *SHAPE, "--steps", "1", "--warmup", "1", "--optimizer-in-backward", "--json")["memory"]
-    traced = _cli("estimate", *SHAPE, "--optimizer-in-backward", "--trace", "--json")["memory"]
+    """A live CPU update (the live-storage tracker, in this process): the peak moves from the optimizer step into
+    backward and drops; the trace (the same hooks on fake tensors) gives it to the byte, the formula within 2%."""
+    from batchlab import trace
+    from batchlab.measure.harness import Trainer
+    from batchlab.measure.memory import track_update
+
     cfg = RunConfig(model=preset("tiny"), seq=16, micro_batch=2)
-    plain, fused = estimate(cfg).memory, estimate(cfg.replace(optimizer_in_backward=True)).memory
-    assert plain.peak_phase == "optimizer" and on["peak_phase"] == fused.peak_phase == "backward"
-    assert traced["peak_bytes"] == on["peak_bytes"]
-    assert fused.peak_tensor_bytes == pytest.approx(on["peak_bytes"], rel=0.02)
-    assert on["peak_bytes"] < plain.peak_tensor_bytes  # no gradient set at the step
+    fused_cfg = cfg.replace(optimizer_in_backward=True)
+    on = track_update(Trainer(fused_cfg, "cpu"))
+    plain, fused = estimate(cfg).memory, estimate(fused_cfg).memory
+    assert plain.peak_phase == "optimizer" and on.peak_phase == fused.peak_phase == "backward"
+    assert trace.estimate(fused_cfg).memory.peak_bytes == on.peak_bytes
+    assert fused.peak_tensor_bytes == pytest.approx(on.peak_bytes, rel=0.02)
+    assert on.peak_bytes < plain.peak_tensor_bytes  # no gradient set at the step
 
 
 @pytest.mark.parametrize("args, field", [
