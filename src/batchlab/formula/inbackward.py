@@ -29,17 +29,13 @@ def stepping_bytes(cfg: RunConfig, in_flight: int, step_temporaries: int) -> int
     return in_flight + step_temporaries if cfg.optimizer_in_backward else 0
 
 
-def phases(cfg: RunConfig, phases: dict[str, dict[str, int]], in_flight: int, step_temporaries: int,
-           walked: bool = True) -> dict[str, dict[str, int]]:
+def phases(cfg: RunConfig, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """The phases' parts with the step moved into backward: forward holds no gradient, the optimizer phase
-    neither; ``walked``: the backward walk placed the stepping bytes layer by layer, else (a profiled
-    backward) they are added at its high point."""
+    neither.  Backward: the walk places the stepping bytes layer by layer (stepping_bytes); a profiled backward
+    is left as traced, its excess already holding the traced top layers' gradients, more than one in flight."""
     if not cfg.optimizer_in_backward:
         return phases
     out = dict(phases)
     out["forward"] = dict(phases["forward"], gradients=0)
-    if not walked:
-        bwd = phases["backward"]
-        out["backward"] = dict(bwd, gradients=in_flight, temporaries=bwd.get("temporaries", 0) + step_temporaries)
     out["optimizer"] = dict(phases["optimizer"], gradients=0, temporaries=0)
     return out

@@ -363,8 +363,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
                               gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
         }
     phases = _with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
-    phases = offload.phases(cfg, inbackward.phases(cfg, phases, in_flight, opt_tmp, walked=fitted is None), plan,
-                            walked=fitted is None)
+    phases = offload.phases(cfg, inbackward.phases(cfg, phases), plan, walked=fitted is None)
     if cache8 := fp8.weight_cache_bytes(cfg, rank.layer_matrices, len(rank.layers)):  # TE's, held all update
         phases = {ph: dict(parts, **{"fp8 weights": cache8}) for ph, parts in phases.items()}
     totals = {k: sum(v.values()) for k, v in phases.items()}
