@@ -26,9 +26,11 @@ from batchlab.formula import compiled_note, estimate, implementation_line
 
 HERE = Path(__file__).resolve().parent
 RUNS, FIRST = HERE / "published_compiled.toml", HERE / "published_compiled_first.toml"
-GAPS = {  # run fields no flag expresses (the toml's own vocabulary)
-    "optimizer_in_backward": "optimizer step fused into backward (torchtune optimizer_in_bwd): no flag",
-    "activation_offloading": "activation offloading to CPU (torchtune enable_activation_offloading): no flag",
+GAPS = {  # run fields (the toml's own vocabulary), the flag that expresses each, and the gap where a row lacks it
+    "optimizer_in_backward": ("--optimizer-in-backward",
+                              "optimizer step fused into backward (torchtune optimizer_in_bwd): not typed"),
+    "activation_offloading": ("--offload-activations",
+                              "activation offloading to CPU (torchtune enable_activation_offloading): not typed"),
 }
 
 
@@ -38,9 +40,11 @@ def evaluate(run: dict) -> Row:
     if "memory_value" in measured:
         row.mem_measured = int(measured["memory_value"] * UNITS[measured["memory_unit"]])
     row.tps_measured = measured.get("tokens_per_s_per_gpu")
-    row.gaps += [text for field, text in GAPS.items() if run.get(field)]
-    if run["optimizer"] != "adamw":
-        row.gaps.append(f"optimizer {run['optimizer']}: AdamW's time")
+    flags = shlex.split(run["cli"])
+    row.gaps += [text for field, (flag, text) in GAPS.items() if run.get(field) and flag not in flags]
+    row.gaps += run.get("not_typed", [])  # what the source does not give, so no flag can say it
+    if run["optimizer"] != "adamw" and run["optimizer"] not in flags:
+        row.gaps.append(f"optimizer {run['optimizer']}: not typed (AdamW's time)")
     argv = ["estimate", *shlex.split(run["cli"])]
     row.command = "batchlab " + shlex.join(argv)
     try:

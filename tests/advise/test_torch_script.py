@@ -227,3 +227,23 @@ def test_a_plan_script_wraps_each_layer_with_its_policy_and_runs(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert updates_printed(r.stdout) == [1, 2], r.stdout
     assert "wrapped [True, True, True, False] [True, False, False, False]" in r.stdout, r.stdout
+
+
+def test_an_optimizer_in_backward_script_steps_in_the_hooks_and_runs(tmp_path):
+    """--optimizer-in-backward's script runs as printed (a fresh interpreter): one optimizer per parameter, stepped
+    in its post-accumulate-grad hook, so no gradient is left after backward and the weights moved."""
+    import subprocess
+
+    script = training_script(config(accum=1).replace(optimizer_in_backward=True))
+    assert "register_post_accumulate_grad_hook(step_in_backward)" in script and "optimizer.step()" not in script
+    probe = script.replace("for step, (x, y) in enumerate(loader):",
+                           "before = [p.detach().clone() for p in model.parameters()]\n"
+                           "for step, (x, y) in enumerate(loader):")
+    probe += ("\nprint('grads left', sum(p.grad is not None for p in model.parameters()))"
+              "\nprint('moved', all(not torch.equal(a, p) for a, p in zip(before, model.parameters())))\n")
+    path = write(tmp_path, "train_inbwd.py", probe)
+    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert updates_printed(r.stdout) == [1, 2], r.stdout
+    assert "grads left 0" in r.stdout and "moved True" in r.stdout, r.stdout

@@ -165,6 +165,8 @@ def micro_batches(goal: Goal, layout: RunConfig | None = None) -> list[int]:
 
 
 def _schedulable(cfg: RunConfig, accum: int) -> bool:
+    if cfg.optimizer_in_backward and accum > 1:  # nothing to accumulate into (config/memtech.py)
+        return False
     try:
         cfg.parallel.schedule_spec.check(cfg.pp, accum, cfg.pp_virtual)
     except ConfigError:

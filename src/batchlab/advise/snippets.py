@@ -90,6 +90,9 @@ def huggingface(cfg: RunConfig) -> dict[str, Any]:
     else:
         note = f"{note}; " if note else ""
         note += f"optimizer {cfg.optimizer}: {opt.note}"
+    if cfg.optimizer_in_backward:  # transformers' Trainer steps once per update, after backward
+        note = (f"{note}; " if note else "") + ("no TrainingArguments steps the optimizer in backward: register "
+                                               "post-accumulate-grad hooks as the printed PyTorch script does")
     if cfg.parallel.stage == 1:
         args["deepspeed"] = "ds_config.json"  # the DeepSpeed settings (ZeRO-1 has no FSDP equivalent)
     elif cfg.parallel.shards_gradients:

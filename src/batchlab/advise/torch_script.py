@@ -130,6 +130,8 @@ def _imports(cfg: RunConfig) -> list[str]:
             out.append("from torch.distributed.optim import ZeroRedundancyOptimizer")
     if cfg.ac.budget is not None:  # torch.compile's partitioner settings: imported on their own
         out.append("import torch._functorch.config")
+    if package := optimizer_spec(cfg.optimizer).package:  # the optimizer's class is named by its module path
+        out.append(f"import {package}.optim")
     return out + _ac_imports(cfg) + [f"from torch.utils.data import {_samplers(cfg)}"]
 
 
@@ -265,6 +267,12 @@ def _wrap(cfg: RunConfig) -> list[str]:
                        f"lr={LR}{kw})")
         else:
             out.append(f"optimizer = {cls}(model.parameters(), lr={LR}{kw})")
+    elif cfg.optimizer_in_backward:  # torchtune optimizer_in_bwd (training/memory.py register_optim_in_bwd_hooks)
+        out += ["# the optimizer step fused into backward: one optimizer per parameter, stepped as soon as its",
+                "# gradient is accumulated, which is then freed (no moment holds every gradient)",
+                f"optimizers = {{p: {cls}([p], lr={LR}{kw}) for p in model.parameters()}}", "",
+                "def step_in_backward(p):", "    optimizers[p].step()", "    optimizers[p].zero_grad(set_to_none=True)", "",
+                "for p in model.parameters():", "    p.register_post_accumulate_grad_hook(step_in_backward)"]
     else:
         out.append(f"optimizer = {cls}(model.parameters(), lr={LR}{kw})")
     if cfg.precision is Precision.FP16_MIXED:
@@ -306,12 +314,14 @@ def _loop(cfg: RunConfig) -> list[str]:
     else:
         out += ["    " + line for line in step]
     out.append("    if last:")
-    if cfg.precision is Precision.FP16_MIXED:
+    if cfg.optimizer_in_backward:
+        out.append("        # every parameter stepped during backward")
+    elif cfg.precision is Precision.FP16_MIXED:
         out += ["        scaler.step(optimizer)", "        scaler.update()"]
     else:
         out.append("        optimizer.step()")
-    out += ["        optimizer.zero_grad(set_to_none=True)",
-            "        if rank == 0:",
+    out += ["        optimizer.zero_grad(set_to_none=True)"] if not cfg.optimizer_in_backward else []
+    out += ["        if rank == 0:",
             '            print(f"update {(step + 1) // ACCUM}: loss {loss.item() * ACCUM:.4f}", flush=True)']
     if cfg.dp > 1:
         # the DDP reducer and ZeroRedundancyOptimizer hold gloo work: freed while the group lives, or a rank can

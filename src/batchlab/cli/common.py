@@ -85,6 +85,10 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "fp8": (str, "none", "FP8 GEMMs in the blocks' linear layers (formula only; a device with FP8 tensor cores): "
                          "none, tensorwise, tensorwise-allgather (FSDP2's fp8 all-gather) or rowwise (torchao "
                          "Float8Linear), te (Transformer Engine)."),
+    "optimizer_in_backward": (bool, False, "Step each parameter in its post-accumulate-grad hook and free its "
+                                           "gradient at once (torchtune optimizer_in_bwd): needs --accum 1, one rank."),
+    "offload_activations": (bool, False, "Saved activations to host memory in forward, back in backward on a side "
+                                         "stream (torchtune enable_activation_offloading; formula only, GPU devices)."),
     "achievable_fraction": (Optional[float], None, "Fraction of peak FLOP/s kernels reach (default: the device's "
                                                    "published figure, named in the assumptions)."),
     "comm_overlap": (Optional[float], None, "Fraction of communication hidden behind compute (default: the "
@@ -207,7 +211,8 @@ def with_goal_profile(goal, after_oom: bool = False):
 
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "loss", "zero", "device", "memory_budget",
-             "data", "seed", "tp", "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "compile", "fp8")
+             "data", "seed", "tp", "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "compile", "fp8",
+             "optimizer_in_backward", "offload_activations")
 
 
 def _accum_for(global_batch: int, micro_batch: int, dp: int, accum: int | None) -> int:
@@ -227,7 +232,8 @@ def _config_from_flags(**o: Any) -> RunConfig:
         accum = _accum_for(gb, mb, dp, accum)
     budget = o.get("memory_budget")
     given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "loss", "zero", "device", "data", "seed", "tp",
-                               "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "sharding", "compile", "fp8")
+                               "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "sharding", "compile", "fp8",
+                               "optimizer_in_backward", "offload_activations")
              if o.get(k) is not None}
     default = Assumptions()
     assumptions = Assumptions(achievable_fraction=o.get("achievable_fraction", default.achievable_fraction),

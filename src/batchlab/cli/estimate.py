@@ -158,7 +158,8 @@ def render(e: Estimate, console: Console, tokens: float | None = None, price: fl
     cfg, t = e.config, e.time
     console.print(f"[bold]{escape(cfg.model.name)}[/bold] ({e.params.total / 1e6:,.1f} M parameters \\[formula]), "
                   f"seq {cfg.seq}, {cfg.precision}{'' if cfg.fp8.value == 'none' else f' + fp8 {cfg.fp8}'}, "
-                  f"{cfg.optimizer}, ac={cfg.ac}, ZeRO-{cfg.zero}, device {cfg.device}")
+                  f"{cfg.optimizer}{' (stepped in backward)' if cfg.optimizer_in_backward else ''}, ac={cfg.ac}"
+                  f"{', activations offloaded' if cfg.offload_activations else ''}, ZeRO-{cfg.zero}, device {cfg.device}")
     console.print(cfg.global_batch_text())
     kv = f"; KV cache {'on' if e.kv_cache.on else 'off'}" if e.kv_cache is not None else ""
     console.print(implementation_line(cfg) + kv, markup=False, highlight=False)

@@ -19,6 +19,8 @@ class OptimizerKind(Choice):
     SGD = "sgd"  # plain SGD, no state
     SGD_MOMENTUM = "sgd-momentum"  # one momentum buffer per parameter
     ADAFACTOR = "adafactor"  # torch.optim.Adafactor (torch >= 2.5): factored second moment, no first moment
+    ADAMW8BIT = "adamw8bit"  # bitsandbytes AdamW8bit: 8-bit blockwise-quantized m and v (formula only here)
+    ADAMW8BIT_PAGED = "adamw8bit-paged"  # bitsandbytes PagedAdamW8bit: the same states in CUDA unified memory
 
 
 class StateShape(enum.Enum):
@@ -70,6 +72,30 @@ def _scalar(name: str, elements: int = 0, nbytes: int = 0) -> StepOp:
 
 
 @dataclass(frozen=True)
+class Blockwise8bit:
+    """bitsandbytes' 8-bit blockwise states (Dettmers et al. 2022, 8-bit Optimizers via Block-wise Quantization):
+    per parameter tensor, ``states`` uint8 tensors like it plus one fp32 absmax per ``block`` elements each; a
+    tensor under ``min_8bit`` elements keeps fp32 states.  ``paged_min``: with paging, the states of a tensor of at
+    least that many elements live in CUDA unified memory (cudaMallocManaged), outside PyTorch's caching
+    allocator, so the device's allocated / active bytes never count them; None: not paged."""
+
+    states: int = 2
+    # bitsandbytes/optim/optimizer.py Optimizer2State.init_state: blocks = ceil(n / 2048), min_8bit_size=4096
+    block: int = 2048
+    min_8bit: int = 4096
+    # bitsandbytes/optim/optimizer.py Optimizer8bit.get_state_buffer: paged only where p.numel() >= 1e5
+    paged_min: int | None = None
+
+    def device_bytes(self, n: int) -> int:
+        """State bytes of an ``n``-element tensor that the device's allocator holds."""
+        if n < self.min_8bit:
+            return self.states * 4 * n
+        absmax = self.states * 4 * -(-n // self.block)  # the per-block scales stay on the device
+        paged = self.paged_min is not None and n >= self.paged_min
+        return absmax + (0 if paged else self.states * n)
+
+
+@dataclass(frozen=True)
 class OptimizerSpec:
     """One optimizer's facts.  State tensors live in the weights' dtype (fp32; bf16 under pure bf16), each
     parameter also holds a 0-dim fp32 ``step`` where the optimizer counts steps (not counted: a few bytes)."""
@@ -85,16 +111,20 @@ class OptimizerSpec:
     live_names: tuple[str, ...]  # torch class names a live optimizer is recognised by (integrations/mapping.py)
     live_momentum: bool | None = None  # recognised only with (True) / without (False) momentum; None: either
     note: str = ""
+    blockwise: Blockwise8bit | None = None  # 8-bit quantized states (bitsandbytes); None: states in the weights' dtype
+    package: str = ""  # the package the class comes from, where not torch (a measurement without it is refused)
 
     @property
     def torch_kwargs(self) -> dict:
         # foreach=False: the per-parameter loop keeps temporaries to one parameter at a time (what the
         # calculator assumes); the fused/foreach paths hold a temporary per parameter group.
-        return dict(self.kwargs, foreach=False)
+        return dict(self.kwargs) if self.package else dict(self.kwargs, foreach=False)  # bitsandbytes: no foreach
 
     def model_state_elements(self, total: int, shapes: dict[tuple[int, ...], int]) -> int:
         """State elements of a whole model: ``total`` parameters (a state like the parameter needs only the count,
         whatever the model's code), ``shapes`` ({shape: tensors}) for the factored ones."""
+        if self.blockwise is not None:
+            raise ValueError("a quantized state is counted in bytes: blockwise.device_bytes per tensor")
         like = sum(1 for s in self.states if s is StateShape.LIKE_PARAM)
         factored = tuple(s for s in self.states if s is not StateShape.LIKE_PARAM)
         return like * total + sum(k * s.elements(shape) for shape, k in shapes.items() for s in factored)
@@ -133,6 +163,18 @@ OPTIMIZERS: dict[OptimizerKind, OptimizerSpec] = {s.kind: s for s in (
                   "torch.optim.Adafactor", (("lr", 1e-2),), "", None, "Adafactor", ("Adafactor",),
                   note="transformers' optim=\"adafactor\" is its own Adafactor, not torch's: pass "
                        "Trainer(optimizers=(torch.optim.Adafactor(...), None))"),
+    # bitsandbytes' fused kernel (optimizer_update_8bit_blockwise): one pass reads the gradient and the weights,
+    # writes the weights, reads and writes both 8-bit states (about one 16-bit pass)
+    OptimizerSpec(OptimizerKind.ADAMW8BIT, (StateShape.LIKE_PARAM, StateShape.LIKE_PARAM),
+                  (_pass("optimizer_update_8bit_blockwise", 4),),
+                  "bitsandbytes.optim.AdamW8bit", (("lr", 1e-4), ("weight_decay", 0.1)), "", "adamw_bnb_8bit",
+                  "AdamW", ("AdamW8bit",), blockwise=Blockwise8bit(), package="bitsandbytes"),
+    OptimizerSpec(OptimizerKind.ADAMW8BIT_PAGED, (StateShape.LIKE_PARAM, StateShape.LIKE_PARAM),
+                  (_pass("optimizer_update_8bit_blockwise", 4),),
+                  "bitsandbytes.optim.PagedAdamW8bit", (("lr", 1e-4), ("weight_decay", 0.1)), "", "paged_adamw_8bit",
+                  "AdamW", ("PagedAdamW8bit",), blockwise=Blockwise8bit(paged_min=100_000), package="bitsandbytes",
+                  note="paged states live in CUDA unified memory: the driver pages them to host memory under "
+                       "pressure; PyTorch's allocated and reserved bytes never include them"),
 )}
 
 

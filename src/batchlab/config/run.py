@@ -20,6 +20,7 @@ from batchlab.config.choices import (AttentionImpl, CompileMode, ConfigError, Co
 from batchlab.config.optimizers import OptimizerKind
 from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.fp8 import FP8Recipe, check as fp8_check
+from batchlab.config.memtech import check as memtech_check
 from batchlab.config.engines import PYTORCH_ENGINE, Engine, PipelineSchedule
 from batchlab.config.losspolicy import LossPolicy
 from batchlab.config.parallel import Layout, check_degrees
@@ -174,6 +175,8 @@ class RunConfig:
     seed: int = 0  # the seed of the measured runs' weights and data
     compile: CompileMode = CompileMode.NONE  # torch.compile: none, the whole model, or each block (after AC)
     fp8: FP8Recipe = FP8Recipe.NONE  # the blocks' linear layers as FP8 GEMMs (config/fp8.py; formula only)
+    optimizer_in_backward: bool = False  # each parameter steps in its post-accumulate-grad hook (config/memtech.py)
+    offload_activations: bool = False  # saved activations to host memory in forward, back in backward (GPU only)
     assumptions: Assumptions = field(default_factory=Assumptions)  # the time model's and allocator's assumptions
 
     def __post_init__(self):
@@ -220,6 +223,7 @@ class RunConfig:
         spec = device(self.device)  # raises on an unknown device
         set_(self, "device", spec.name)
         fp8_check(self)
+        memtech_check(self)
         if self.memory_budget is not None:
             set_(self, "memory_budget", parse_bytes("memory_budget", self.memory_budget))
             whole_number("memory_budget", self.memory_budget)

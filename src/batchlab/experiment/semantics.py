@@ -82,7 +82,10 @@ def touched(a: RunConfig, b: RunConfig) -> list[Item]:
              + ("; " if split_moves and fp16 else "")
              + ("fp16 needs dynamic loss scaling (GradScaler), unscaled before clipping" if fp16 else "")
              or "unchanged"),
-        Item("gradient clipping", split_moves or fp16,
+        Item("gradient clipping", split_moves or fp16 or "optimizer_in_backward" in changed,
+             "the side with optimizer_in_backward steps each parameter as its gradient is made: nothing holds every "
+             "gradient, so it does not clip (torchtune refuses clip_grad_norm with optimizer_in_bwd)"
+             if "optimizer_in_backward" in changed else
              "clipping runs once per update on the accumulated (and all-reduced) gradient, never per "
              "micro-batch" if split_moves or fp16 else "unchanged: clipped once per update"),
         Item("scheduler step count", gb_moves or tokens_move,

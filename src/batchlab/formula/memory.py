@@ -1,20 +1,17 @@
 """Per-rank memory of one optimizer update: model states, activations, and the peak with its phase."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-import dataclasses
 from batchlab.config import LossMode, PositionKind, Precision, RunConfig
-from batchlab.formula import activations as act
-from batchlab.formula import deepspeed, fp8
+from batchlab.formula import activations as act, compiled, deepspeed, fp8, fsdp_pipeline, inbackward, offload, stage_steps
 from batchlab.formula.allocator import device_memory
-from batchlab.formula import fsdp_pipeline, stage_steps
 from batchlab.formula.stage_steps import with_pipeline
 from batchlab.formula.fsdp import fsdp_phases, with_pipeline_no_sync
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.kvcache import held_in_forward_bytes
 from batchlab.formula.params import count, norm_params
-from batchlab.formula import compiled
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankMemory, RankShare, share, shares
 from batchlab.formula.sharding import unit_elements
@@ -75,7 +72,7 @@ _WALKED = ("parameters", "gradients", "activations", "recompute", "temporaries")
 
 def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, resident: dict[str, int],
                    grads_before: int, loss_grads: int, layer_copy: int, walk: list[int] | None = None,
-                   rank: RankShare | None = None) -> dict[str, int]:
+                   rank: RankShare | None = None, stepping: int = 0, on_device: int | None = None) -> dict[str, int]:
     """Walk backward layer by layer (last first): kept activations shrink while parameter gradients grow.
 
     ``resident``: weights, optimizer state and data (present throughout); under autocast its ``parameters``
@@ -89,11 +86,15 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     # with accumulation (or DDP's gradient buckets) the .grad tensors exist already (in grads_before)
     new_grads = grads_before == 0
     transient, head_grad, below_layers = _backward_terms(cfg, states.gradients, rank)
+    transient += stepping  # a step fused into backward: its gradient and temporaries, once layers run
     below_layers += plan.others  # the other in-flight micro-batches wait for their own backward
-    best = dict(resident, gradients=grads_before, activations=plan.total, recompute=0, temporaries=loss_grads)
+    kept_below = sum(plan.per_layer_kept)
+    # offloaded activations (formula/offload.py): at most ``on_device`` of the layers' kept bytes are back
+    cap = (lambda kept: kept) if on_device is None else (lambda kept: min(kept, on_device))  # noqa: E731
+    best = dict(resident, gradients=grads_before, activations=plan.total - kept_below + cap(kept_below), recompute=0,
+                temporaries=loss_grads)
     if walk is not None:
         walk.append(sum(best.values()))
-    kept_below = sum(plan.per_layer_kept)
     # the head's gradient is a fresh tensor where .grad exists only while a tied embedding's part is to come (autograd
     # adds the two in its input buffer); an untied head's, as a pipeline's last stage's copy, goes into .grad at once
     tied_here = cfg.model.tied_embeddings and rank.first and rank.last
@@ -107,7 +108,7 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
         kept_i = plan.per_layer_kept[i]
         parts = dict(parameters=resident["parameters"] if not layer_copy else copies_below
                      + (layer_copy if i in recomputed else 0),
-                     gradients=grads_before + grads_done, activations=below_layers + kept_below,
+                     gradients=grads_before + grads_done, activations=below_layers + cap(kept_below),
                      recompute=plan.per_layer_full - kept_i,  # recompute restores the rest of the layer
                      temporaries=transient)
         total = fixed + sum(parts.values())  # summed without the resident parts: deep models walk many layers
@@ -320,12 +321,15 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
         kept = rank.in_flight < cfg.accum or not cfg.assumptions.zero_grad_set_to_none
     # Megatron-Core's DDP allocates its contiguous gradient buffer once and zeroes it each update: always resident
     kept = kept or cfg.parallel.engine_spec.megatron
-    grads_before = states.gradients if kept else 0
+    grads_before = states.gradients if kept and not cfg.optimizer_in_backward else 0
+    walked = inbackward.walk_states(cfg, states)  # the fused step frees each gradient as it is made
+    largest = _largest_param(cfg, rank)
+    in_flight = inbackward.in_flight_gradient(cfg, states, rank.params, largest)
     lp = rank_loss_path(cfg, rank)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
     logits_fwd += held_in_forward_bytes(cfg)  # the KV cache lives until the loss is computed
     # AdamW (foreach=False) works one parameter at a time: a couple of temporaries of the largest tensor
-    opt_tmp = 2 * _largest_param(cfg, rank) * (2 if cfg.precision is Precision.BF16 else F32)
+    opt_tmp = 2 * largest * (2 if cfg.precision is Precision.BF16 else F32)
     walk: list[int] = []
     dress = _dresser(cfg, rank)
     if fitted is not None:  # measured on the model's own code (formula/profile.py)
@@ -355,8 +359,10 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
                 "forward": lambda: dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
                                         gradients=grads, activations=plan_.total, recompute=0, temporaries=logits_fwd),
                 "backward": lambda: (
-                    _profiled_backward(cfg, plan_, states, weights, grads, loss_grads, layer_copy) if fitted is not None
-                    else _backward_peak(cfg, plan_, states, weights, grads, loss_grads, layer_copy, walk_, rank)),
+                    _profiled_backward(cfg, plan_, walked, weights, grads, loss_grads, layer_copy) if fitted is not None
+                    else _backward_peak(cfg, plan_, walked, weights, grads, loss_grads, layer_copy, walk_, rank,
+                                        inbackward.stepping_bytes(cfg, in_flight, opt_tmp),
+                                        offload.backward_on_device(cfg, plan_))),
                 # autocast's working copies are gone by the optimizer step
                 "optimizer": lambda: dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
                                           gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
@@ -371,6 +377,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
             phases = ddp(plan.others, grads_before, walk)
     if not (fsdp_pipeline.walked(cfg) or (stage_steps.ordered(cfg) and not fsdp)):  # those are dressed per step
         phases = with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
+    phases = offload.phases(cfg, inbackward.phases(cfg, phases), plan, walked=fitted is None)
     if cache8 := fp8.weight_cache_bytes(cfg, rank.layer_matrices, len(rank.layers)):  # TE's, held all update
         phases = {ph: dict(parts, **{"fp8 weights": cache8}) for ph, parts in phases.items()}
     totals = {k: sum(v.values()) for k, v in phases.items()}
@@ -381,7 +388,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     return MemoryEstimate(
         parameters_bytes=(0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg, rank)) if fsdp else states.parameters,
         master_bytes=(fsdp_shard_bytes(cfg, rank) if _sharded_master(cfg) else 0) if fsdp else states.master,
-        gradients_bytes=fsdp_gradient_shard_bytes(cfg, rank) if fsdp else states.gradients,
+        gradients_bytes=(fsdp_gradient_shard_bytes(cfg, rank) if fsdp else
+                         in_flight if cfg.optimizer_in_backward else states.gradients),
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,
         activations_per_layer_bytes=plan.per_layer_kept, recompute_working_bytes=at_peak["recompute"],
         logits_bytes=lp.kept, temporaries_bytes=at_peak["temporaries"], data_bytes=data,

@@ -7,6 +7,7 @@ data-parallel ranks; what a rank holds before that sharding is its pipeline stag
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ def optimizer_state_bytes(cfg: RunConfig, state_bytes: int | None = None) -> int
     user's bytes per parameter (``--optimizer-bytes``) where given."""
     if cfg.assumptions.optimizer_bytes_per_param is not None:
         return int(count(cfg.model).total * cfg.assumptions.optimizer_bytes_per_param)
+    if optimizer_spec(cfg.optimizer).blockwise is not None:  # 8-bit states: their own element sizes
+        return _quantized_bytes(cfg.model, cfg.optimizer)
     if state_bytes is None:
         state_bytes = 2 if cfg.precision is Precision.BF16 else F32  # state lives in the weights' dtype
     return state_bytes * _state_elements(cfg.model, cfg.optimizer)
@@ -48,6 +51,12 @@ def rank_optimizer_bytes(cfg: RunConfig, n: int, state_bytes: int | None = None)
 def _state_elements(m, kind) -> int:
     # a factored state (Adafactor's) reads the shapes of batchlab's GPT at the model's dimensions
     return optimizer_spec(kind).model_state_elements(count(m).total, Counter(tensor_shapes(m)))
+
+
+@functools.lru_cache(maxsize=64)
+def _quantized_bytes(m, kind) -> int:
+    q = optimizer_spec(kind).blockwise
+    return sum(k * q.device_bytes(math.prod(shape)) for shape, k in Counter(tensor_shapes(m)).items())
 
 
 def heaviest(cfg: RunConfig) -> RankShare:

@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass, field
 
 from batchlab.config import Backend, CompileMode, DataKind, DeviceSpec, ModelSource, RunConfig
-from batchlab.formula import fp8
+from batchlab.formula import fp8, offload
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.params import count
@@ -74,6 +74,7 @@ class TimeEstimate:
     pp_comm_seconds: float = 0.0  # pipeline sends per update, not overlapped
     stage_seconds: tuple[float, ...] = ()  # per micro-batch, each pipeline stage: compute + TP + sends
     provenance: str = "formula"
+    offload_seconds: float = 0.0  # activation copies to the host and back not hidden behind compute
 
     def time_to_tokens(self, tokens: float) -> float:
         return tokens / self.tokens_per_second
@@ -219,7 +220,9 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
                     if o.phase is Phase.OPTIMIZER else o
                     for o in ops)
     t = on_host(ops, cfg, costs)
-    compute = sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute"))
+    # the fused step (formula/inbackward.py) runs inside backward: its time moves there, the total stays
+    stepped = ("forward", "backward", "recompute") + (("optimizer",) if cfg.optimizer_in_backward else ())
+    compute = sum(t.by_phase.get(p, 0.0) for p in stepped)
     rest = t.seconds - compute
     dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.sac_dispatched, o.launch) * o.count for o in ops
                            if o.phase.value in ("forward", "backward", "recompute"))
@@ -263,11 +266,12 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
         # takes alone (docs/cpu.md)
         hidden = Sourced(comm, "local ranks fill the cores: gloo's copies and sums need them, nothing hidden")
     exposed = hidden.value
-    update = t.seconds + exposed
+    offloaded = offload.exposed_seconds(cfg, compute)  # host copies beyond what the side stream hides
+    update = t.seconds + exposed + offloaded
     extra: dict = {}
     if pipe is not None:
         slow = pipe.stages[pipe.slowest]
-        update = pipe.seconds + rest + exposed
+        update = pipe.seconds + rest + exposed + offloaded
         extra = dict(bubble_fraction=pipe.bubble_fraction, bubble_seconds=pipe.bubble_seconds,
                      tp_comm_seconds=cfg.accum * slow.tp_comm_seconds, pp_comm_seconds=cfg.accum * slow.pp_comm_seconds,
                      stage_seconds=tuple(st.seconds for st in pipe.stages))
@@ -280,7 +284,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
         model += "; " + layout_time_text(cfg, pipe, costs)
     return TimeEstimate(compute_seconds_per_micro_batch=compute / cfg.accum, compute_seconds=compute,
                         allreduce_bytes=grad_bytes, allreduce_seconds=comm, exposed_comm_seconds=exposed,
-                        optimizer_seconds=rest, update_seconds=update, tokens_per_second=useful / update,
+                        optimizer_seconds=rest, update_seconds=update, offload_seconds=offloaded, tokens_per_second=useful / update,
                         overhead_seconds_per_micro_batch=dispatch_compute / cfg.accum,
                         flops_ceiling=t.flops / matmul_s if matmul_s else 0.0, ceiling_source=costs.source,
                         bandwidth_bytes_per_s=bw, ops=t, model=model, collective_bytes=sent,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,6 +43,9 @@ def optimizer_class(cfg: RunConfig) -> tuple[type[torch.optim.Optimizer], dict]:
     entry (config/optimizers.py)."""
     spec = optimizer_spec(cfg.optimizer)
     module, _, name = spec.torch_class.rpartition(".")
+    if spec.package and importlib.util.find_spec(spec.package) is None:
+        raise ConfigError("optimizer", f"{cfg.optimizer} needs {spec.torch_class} ({spec.package} is not installed "
+                                       "here): measure another optimizer, or estimate this one by formula")
     cls = getattr(importlib.import_module(module), name, None)
     if cls is None:
         raise ConfigError("optimizer", f"{cfg.optimizer} needs {spec.torch_class}, which this torch "
@@ -51,6 +55,10 @@ def optimizer_class(cfg: RunConfig) -> tuple[type[torch.optim.Optimizer], dict]:
 
 def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
     cls, kwargs = optimizer_class(cfg)
+    if cfg.optimizer_in_backward:  # each parameter steps in its post-accumulate-grad hook (torchtune)
+        from batchlab.measure.inbackward import StepInBackward
+
+        return StepInBackward(cls, kwargs, params)
     return cls(list(params), **kwargs)
 
 
@@ -94,7 +102,8 @@ class Trainer:
         self.optimizer = optimizer(cfg, model.parameters())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / 100))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision is Precision.FP16_MIXED)
-        self.clip_norm = clip_norm
+        # torchtune refuses clip_grad_norm with optimizer_in_bwd: no moment holds every gradient to clip
+        self.clip_norm = None if cfg.optimizer_in_backward else clip_norm
         # False under DDP(gradient_as_bucket_view=True): zeroing in place keeps .grad a view of the bucket;
         # set to None, the no_sync micro-batches accumulate into fresh tensors (a second gradient copy)
         self.grads_to_none = grads_to_none

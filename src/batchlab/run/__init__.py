@@ -30,6 +30,9 @@ def measure(cfg: "RunConfig", options: MeasureOptions | None = None,
 
     if cfg.fp8.value != "none":  # no CPU has FP8 tensor cores, and the harness wraps no Float8Linear / TE module
         raise ConfigError("fp8", f"{cfg.fp8} is formula only (batchlab estimate); measure the run without --fp8")
+    if cfg.offload_activations:  # the harness installs no saved-tensor hooks that move activations to the host
+        raise ConfigError("offload_activations", "is formula only (batchlab estimate); measure the run without "
+                                                 "--offload-activations")
     options = options or MeasureOptions()
     if distributed.in_torchrun():
         return distributed.measure_in_torchrun(cfg, options)

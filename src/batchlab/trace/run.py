@@ -232,6 +232,9 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
     A pipeline: each stage's first rank traced, the most loaded one's figures returned."""
     if cfg.fp8.value != "none":  # the traced code is the model's own 16-bit code: no Float8Linear / TE module in it
         raise ConfigError("fp8", f"{cfg.fp8} is priced by the formula only: drop --trace (or --fp8)")
+    if cfg.offload_activations:  # fake tensors have no host copy to move: the stash and streams are the formula's
+        raise ConfigError("offload_activations", "is priced by the formula only: drop --trace (or "
+                                                 "--offload-activations)")
     start = time.perf_counter()
     ranks = sharded.traced_ranks(cfg)
     if len(ranks) > 1:
