@@ -395,21 +395,22 @@ def summaries(rows: list[Row]) -> list[str]:
     return out
 
 
+def detail_lines(r, marked: str, source: str, extra: list[str] = ()) -> list[str]:
+    """One run's entry under "Commands": its command, source, layer terms, what the command cannot express,
+    ``extra`` lines, and why it was not evaluated (any of this script's rows, or the parallel and compiled pages')."""
+    out = [f"- **{r.run['id']}**{marked}: `{r.command or 'not typed'}`", f"  - source: {source}"]
+    out += [f"  - {r.layer_terms}"] if r.layer_terms else []
+    out += [f"  - not expressed: {g}" for g in r.gaps] + list(extra)
+    return out + ([f"  - NOT EVALUATED: {r.failed}"] if r.failed else [])
+
+
 def details(rows: list[Row]) -> list[str]:
     out = []
     for r in rows:
-        out.append(f"- **{r.run['id']}**{mark(r.run)}: `{r.command or 'not typed'}`")
-        out.append(f"  - source: {r.run['source']}")
-        if r.layer_terms:
-            out.append(f"  - {r.layer_terms}")
-        for line in r.gaps:
-            out.append(f"  - not expressed: {line}")
         published = r.run["measured"].get("published_params")
-        if published and r.params:
-            out.append(f"  - parameters: formula {r.params:,} vs published {published:,} "
-                       f"({pct(relative_to(r.params, published))})")
-        if r.failed:
-            out.append(f"  - NOT EVALUATED: {r.failed}")
+        extra = ([f"  - parameters: formula {r.params:,} vs published {published:,} "
+                  f"({pct(relative_to(r.params, published))})"] if published and r.params else [])
+        out += detail_lines(r, mark(r.run), r.run["source"], extra)
     return out
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from click import ClickException
 
-from published import UNITS, Row, gib, load, num, pct  # benchmarks/published.py: the same rows, units and figures
+from published import UNITS, Row, detail_lines, gib, load, num, pct  # benchmarks/published.py: the same rows, units and figures
 
 from batchlab.cli.common import config_from_command
 from batchlab.formula import compiled_note, estimate, implementation_line
@@ -134,16 +134,8 @@ def twins(rows: list[Row]) -> list[str]:
 
 
 def details(rows: list[Row]) -> list[str]:
-    out = []
-    for r in rows:
-        out.append(f"- **{r.run['id']}**{' †' if r.run.get('holdout') else ''}: `{r.command}`")
-        out.append(f"  - source: {r.run['source']}: “{r.run['quote']}”")
-        if r.layer_terms:
-            out.append(f"  - {r.layer_terms}")
-        out += [f"  - not expressed: {g}" for g in r.gaps]
-        if r.failed:
-            out.append(f"  - NOT EVALUATED: {r.failed}")
-    return out
+    return [line for r in rows
+            for line in detail_lines(r, " †" if r.run.get("holdout") else "", f"{r.run['source']}: “{r.run['quote']}”")]
 
 
 def document(rows: list[Row]) -> str:

@@ -34,7 +34,7 @@ from batchlab.cli.common import config_from_command
 from batchlab.config import RunConfig
 from batchlab.formula import estimate, implementation_line
 from batchlab.util.units import relative_to
-from published import PRECISION_GAP, UNITS, device_for, gib, load, model_gaps, num, pct, summary
+from published import PRECISION_GAP, UNITS, detail_lines, device_for, gib, load, model_gaps, num, pct, summary
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -352,17 +352,7 @@ def parts_table(rows: list[ParRow]) -> list[str]:
 
 
 def details(rows: list[ParRow]) -> list[str]:
-    out = []
-    for r in rows:
-        out.append(f"- **{r.run['id']}**{mark(r.run)}: `{r.command or 'not typed'}`")
-        out.append(f"  - source: {r.run['source']}")
-        if r.layer_terms:
-            out.append(f"  - {r.layer_terms}")
-        for line in r.gaps:
-            out.append(f"  - not expressed: {line}")
-        if r.failed:
-            out.append(f"  - NOT EVALUATED: {r.failed}")
-    return out
+    return [line for r in rows for line in detail_lines(r, mark(r.run), r.run["source"])]
 
 
 def document(rows: list[ParRow], ratios: list[Ratio]) -> str:
