@@ -72,6 +72,8 @@ def test_a_real_calibration_passes_every_check(real):
     (lambda c: dataclasses.replace(c, element_seconds={"activation:fp32": -1.0}), "per-element"),
     (lambda c: dataclasses.replace(c, family_dispatch={"hf:x": {"forward": float("inf")}}), "own dispatch"),
     (lambda c: dataclasses.replace(c, dispatch_seconds={"forward": "fast"}), "dispatch forward"),
+    (lambda c: dataclasses.replace(c, dtensor_seconds={"forward": "[red]x"}), "DTensor forward"),
+    (lambda c: dataclasses.replace(c, dtensor_seconds={"backward": -1.0}), "DTensor backward"),
     (lambda c: dataclasses.replace(c, other_cores="busy"), "other_cores"),
 ])
 def test_each_kind_of_damage_is_named(real, damage, said):

@@ -64,3 +64,14 @@ def test_auto_asks_for_dtensor_figures(monkeypatch):
     monkeypatch.setattr(dtensor, "ensure", lambda cfgs, threads=None: seen.append(cfgs) or "measured")
     assert run_mod.auto("cpu", threads=1, cfgs=(RunConfig(), TP2)) == "measured"
     assert seen == [(RunConfig(), TP2)]
+
+
+@pytest.mark.parametrize("reading", [{"forward": -2e-6, "backward": 4e-5, "plain": 3e-5}, {}])
+def test_a_reading_at_or_below_zero_or_none_is_not_cached(monkeypatch, reading):
+    """A stall of the plain side (the sharded update's extra time negative) or a plan that dispatched nothing:
+    said, not cached (every later estimate would price DTensor with it), and measured again next time."""
+    monkeypatch.setattr(dtensor, "measure", lambda seconds=dtensor.SECONDS: dict(reading))
+    save(calibration())
+    said = dtensor.ensure((TP2,), threads=1)
+    assert "implausible" in said and "not cached" in said
+    assert not load_cached("cpu", 1).dtensor_seconds

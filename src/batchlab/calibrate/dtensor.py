@@ -18,6 +18,7 @@ from batchlab.calibrate.dispatch import DISPATCH_GPT, DispatchSampler, per_kind
 from batchlab.calibrate.kernels import CLOCK
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.config import RunConfig
+from batchlab.formula.plausible import dtensor_problems
 
 SECONDS = 1.5  # alternated updates of the plain and the sharded GPT, hundreds each at dispatch-bound sizes
 KINDS = ("forward", "backward", "plain")
@@ -129,7 +130,7 @@ def measure(seconds: float = SECONDS) -> dict[str, float]:
     for kind in KINDS:
         if extra_calls.get(kind):
             spent = per_op["sharded"][kind] * calls["sharded"][kind] - per_op["fp32"][kind] * calls["plain"][kind]
-            out[kind] = max(spent, 0.0) / extra_calls[kind]
+            out[kind] = spent / extra_calls[kind]  # not clamped: a reading at or below 0 is refused by ensure
     return out
 
 
@@ -151,6 +152,9 @@ def ensure(cfgs: tuple[RunConfig, ...], threads: int | None = None) -> str | Non
         return f"time model: DTensor's host cost per op not measured ({e}); a nominal figure prices it"
     finally:
         torch.set_num_threads(before)
+    if not figures or (bad := dtensor_problems(figures)):  # a stall or a broken run: every estimate would follow it
+        why = bad[0] if figures else "no DTensor op was dispatched"
+        return f"time model: DTensor's host cost per op measured implausible ({why}); not cached, a nominal figure prices it"
     cal.dtensor_seconds = figures
     save(cal)
     said = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in figures.items())

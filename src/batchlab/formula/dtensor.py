@@ -20,9 +20,10 @@ decomposes them, counted on real runs in tests/formula/test_dtensor_ops.py):
 """
 from __future__ import annotations
 
-from batchlab.config import Backend, Implementation, MLPKind, ModelSource, NormKind, PositionKind, RunConfig
+from batchlab.config import Backend, Implementation, MLPKind, ModelSource, PositionKind, RunConfig
 from batchlab.config.optimizers import optimizer_spec
 from batchlab.formula.opcost import OpCosts
+from batchlab.formula.params import norm_tensors
 from batchlab.formula.ranks import RankShare
 
 # Seconds each DTensor op adds on a CPU rank where nothing was calibrated: DTensor's Python dispatch per op on a
@@ -44,10 +45,6 @@ def sharded_linears(cfg: RunConfig) -> int:
     return qkv + 1 + (3 if cfg.model.mlp is MLPKind.SWIGLU else 2)
 
 
-def _norm_tensors(cfg: RunConfig) -> int:
-    """A norm's parameter tensors: its weight, and a bias for a LayerNorm with biases (as formula/pipeline.py)."""
-    return 1 if (cfg.model.norm is NormKind.RMSNORM or not cfg.model.bias) else 2
-
 
 def dtensor_params(cfg: RunConfig, rank: RankShare) -> int:
     """The DTensor parameters ``rank`` holds: the sharded linears' weights (and biases), the sequence-parallel norms',
@@ -57,7 +54,7 @@ def dtensor_params(cfg: RunConfig, rank: RankShare) -> int:
     layers = len(rank.layers)
     n = layers * sharded_linears(cfg) * (2 if cfg.model.bias else 1)
     if cfg.sequence_parallel:
-        n += _norm_tensors(cfg) * (2 * layers + (1 if rank.last else 0))
+        n += norm_tensors(cfg.model) * (2 * layers + (1 if rank.last else 0))
     if cfg.vocab_parallel:
         ends = (1 if rank.first else 0) + (1 if rank.last else 0)
         n += 1 if ends == 2 and cfg.model.tied_embeddings else ends
@@ -69,12 +66,12 @@ def rank_tensors(cfg: RunConfig, rank: RankShare) -> int:
     positions) on the first stage, the final norm and an untied head (a tied one's copy off the first stage) on the
     last."""
     m = cfg.model
-    per_layer = sharded_linears(cfg) * (2 if m.bias else 1) + 2 * _norm_tensors(cfg)
+    per_layer = sharded_linears(cfg) * (2 if m.bias else 1) + 2 * norm_tensors(cfg.model)
     n = per_layer * len(rank.layers)
     if rank.first:
         n += 1 + (1 if m.position is PositionKind.LEARNED else 0)
     if rank.last:
-        n += _norm_tensors(cfg) + (0 if m.tied_embeddings and rank.first else 1)
+        n += norm_tensors(cfg.model) + (0 if m.tied_embeddings and rank.first else 1)
     return n
 
 

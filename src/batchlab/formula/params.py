@@ -26,9 +26,13 @@ class ParamCount:
         return self.per_layer * self.layers + self.final_norm
 
 
+def norm_tensors(m: ModelSpec) -> int:
+    """Parameter tensors of one norm: a weight, and a bias for a LayerNorm with biases."""
+    return 1 if (m.norm is NormKind.RMSNORM or not m.bias) else 2
+
+
 def norm_params(m: ModelSpec) -> int:
-    h = m.hidden
-    return h if (m.norm is NormKind.RMSNORM or not m.bias) else 2 * h
+    return m.hidden * norm_tensors(m)
 
 
 @functools.lru_cache(maxsize=256)  # ModelSpec is frozen; --vary calls this thousands of times

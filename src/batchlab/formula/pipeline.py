@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config import Applied, Backend, ModelSpec, NormKind, RunConfig
+from batchlab.config import Applied, Backend, RunConfig
 from batchlab.config.engines import Sent
 from batchlab.formula import dtensor
 from batchlab.formula.activations import Widths
 from batchlab.formula.flops import stage_flops_per_token
+from batchlab.formula.params import norm_tensors
 from batchlab.formula.ranks import RankShare, shares
 from batchlab.config.phase import Phase
 from batchlab.formula.opcost import OpCosts, OpCount, merge
@@ -170,11 +171,6 @@ def activation_message_bytes(cfg: RunConfig) -> int:
     """b·s·h in the activations' dtype: what a TP collective (the gathered sequence) and a pipeline send move per
     micro-batch."""
     return cfg.micro_batch * cfg.seq * cfg.model.hidden * cfg.precision.compute_bytes
-
-
-def norm_tensors(m: ModelSpec) -> int:
-    """Parameter tensors of one norm: a weight, and a bias for a LayerNorm with biases."""
-    return 1 if (m.norm is NormKind.RMSNORM or not m.bias) else 2
 
 
 def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tuple[int, int]]:

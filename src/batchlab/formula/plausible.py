@@ -59,7 +59,13 @@ def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = N
             if not (_finite(s) and s > 0)]
     for family, ratios in cal.family_dispatch.items():
         out += family_problems(family, ratios)
-    return out
+    return out + dtensor_problems(cal.dtensor_seconds)
+
+
+def dtensor_problems(seconds: dict) -> list[str]:
+    """DTensor's host cost per op (calibrate/dtensor.py): a positive per-op time in dispatch's range, per kind."""
+    return [f"DTensor {k} {s!r} s per op outside {DISPATCH[0]:g}..{DISPATCH[1]:g} s" for k, s in seconds.items()
+            if not (_finite(s) and DISPATCH[0] <= s <= DISPATCH[1])]
 
 
 def family_problems(family: str, ratios: dict) -> list[str]:
