@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from batchlab.advise.after_oom import Advice, Remedy, oom_advice, what_would_fit
+from batchlab.advise.candidate import option_key
 from batchlab.advise.plan import Goal, FitPlan, Progress, divisors, plan
 from batchlab.advise.states import StatesVerdict, states_verdict
 from batchlab.advise.search import (NO_ANSWER, MeasureFn, SearchResult, Trial, search_largest,
@@ -34,8 +35,7 @@ class FitReport:
     def predicted_peak(self, cfg: RunConfig) -> int | None:
         """Predicted peak (formula, or trace for a factory) of an evaluated candidate with cfg's micro-batch, policy and ZeRO stage."""
         for c in self.plan.candidates:
-            if (c.config.micro_batch, c.config.tp, c.config.pp, c.config.dp, str(c.config.ac), c.config.zero) == \
-                    (cfg.micro_batch, cfg.tp, cfg.pp, cfg.dp, str(cfg.ac), cfg.zero):
+            if c.key == option_key(cfg) and c.config.micro_batch == cfg.micro_batch:
                 return c.peak_bytes
         return None
 

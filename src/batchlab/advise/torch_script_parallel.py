@@ -12,6 +12,8 @@ Torch-free (this module only writes text); ``torch_script.py`` assembles the scr
 """
 from __future__ import annotations
 
+import math
+
 from batchlab.config import Precision, RunConfig
 
 
@@ -36,10 +38,7 @@ def unsupported(cfg: RunConfig) -> str | None:
 def stand_in_heads(cfg: RunConfig) -> int:
     """The stand-in's heads (of width 16 each): 4, or the least multiple of 4 that TP divides (each tensor-parallel
     rank computes heads / TP whole heads); the same stand-in as TP = 1 wherever TP divides 4."""
-    heads = 4
-    while heads % cfg.tp:
-        heads += 4
-    return heads
+    return math.lcm(4, cfg.tp)
 
 
 def strategy(cfg: RunConfig) -> str:

@@ -22,7 +22,6 @@ from batchlab.config import Precision, RunConfig
 from batchlab.formula.ranks import RankShare
 
 REDUCE_BUCKET_SIZE = 500_000_000  # elements: reduce_bucket_size, pp_int(5e8)
-PREFETCH_BUCKET_SIZE = 50_000_000  # elements: stage3_prefetch_bucket_size, pp_int(5e7)
 MAX_LIVE_PARAMETERS = 1_000_000_000  # elements: stage3_max_live_parameters, pp_int(1e9)
 F32 = 4
 
@@ -59,8 +58,8 @@ def prefetch_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
     rank's parameters, the prefetch bucket among them (the module docstring)."""
     if not priced(cfg) or cfg.parallel.engine_spec.stage != 3:
         return {}
-    live = min(max(PREFETCH_BUCKET_SIZE, MAX_LIVE_PARAMETERS), rank.params)
-    return {"deepspeed live parameters": live * _grad_bytes(cfg)}  # the 16-bit (fp32: fp32) parameters
+    # the 16-bit (fp32: fp32) parameters; the prefetch bucket (stage3_prefetch_bucket_size, 5e7) lies within the limit
+    return {"deepspeed live parameters": min(MAX_LIVE_PARAMETERS, rank.params) * _grad_bytes(cfg)}
 
 
 def engine_states(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:

@@ -84,8 +84,9 @@ def with_pipeline_no_sync(cfg: RunConfig, rank, phases: dict[str, dict[str, int]
     the resident parameter ``shards`` (what the phases' walk gathers unit by unit is part of the whole)."""
     if rank is None or rank.stages == 1:
         return phases
-    elements = sum(unit_elements(cfg, rank))
-    gathered, grads = gathered_bytes(cfg, unit_elements(cfg, rank)), elements * reduced_bytes_per_element(cfg)
+    units = unit_elements(cfg, rank)
+    elements = sum(units)
+    gathered, grads = gathered_bytes(cfg, units), elements * reduced_bytes_per_element(cfg)
     return {ph: (dict(parts, parameters=max(parts["parameters"], shards + gathered),
                       gradients=max(parts["gradients"], grads))
                  if ph in ("forward", "backward") else parts) for ph, parts in phases.items()}

@@ -21,13 +21,13 @@ from typing import Callable
 
 from batchlab.config import RunConfig
 from batchlab.formula.activations import Widths
-from batchlab.formula.stage_steps import distinct
+from batchlab.formula.stage_steps import distinct, ordered
 from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_per_element, unit_elements
 
 
 def walked(cfg: RunConfig) -> bool:
     """The schedules ``stage_steps`` orders (one chunk per rank); the interleaved runtime is priced as before."""
-    return cfg.parallel.pipelined and cfg.parallel.chunks == 1 and cfg.parallel.fsdp
+    return ordered(cfg) and cfg.parallel.fsdp
 
 
 def phases(cfg: RunConfig, rank, resident: dict[str, int], kept: tuple[int, ...], per_layer_full: int,

@@ -25,7 +25,9 @@ from batchlab.formula.opcost import OpClass, OpCount
 POINTWISE = frozenset({OpClass.MEMORY, OpClass.STRIDED, OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD,
                        OpClass.MASKED, OpClass.RANDOM})
 REDUCING = frozenset({OpClass.NORM, OpClass.SOFTMAX, OpClass.LOSS})
-REDUCTION_NAMES = frozenset({"sum", "mean", "amax", "amin", "var_mean", "linalg_vector_norm"})
+# reductions inductor fuses a chain into (and ends it with); trace/compiled.py reads the same list
+REDUCTION_NAMES = frozenset({"sum", "mean", "amax", "amin", "var_mean", "linalg_vector_norm", "max", "prod", "any",
+                             "all"})
 KERNEL = "fused"  # the name a chain's kernel goes by in the op list
 
 

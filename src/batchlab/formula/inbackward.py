@@ -19,7 +19,7 @@ def walk_states(cfg: RunConfig, states: ModelStates) -> ModelStates:
     return dataclasses.replace(states, gradients=0) if cfg.optimizer_in_backward else states
 
 
-def in_flight_gradient(cfg: RunConfig, states: ModelStates, params: int, largest: int) -> int:
+def in_flight_gradient(states: ModelStates, params: int, largest: int) -> int:
     """Bytes of the one gradient alive at a time: the largest parameter's (``largest`` elements of ``params``)."""
     return largest * states.gradients // max(params, 1)
 

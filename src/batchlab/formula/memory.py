@@ -324,7 +324,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     grads_before = states.gradients if kept and not cfg.optimizer_in_backward else 0
     walked = inbackward.walk_states(cfg, states)  # the fused step frees each gradient as it is made
     largest = _largest_param(cfg, rank)
-    in_flight = inbackward.in_flight_gradient(cfg, states, rank.params, largest)
+    in_flight = inbackward.in_flight_gradient(states, rank.params, largest)
     lp = rank_loss_path(cfg, rank)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient
     logits_fwd += held_in_forward_bytes(cfg)  # the KV cache lives until the loss is computed

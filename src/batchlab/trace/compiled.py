@@ -32,8 +32,16 @@ NOTE = ("compiled ({mode}): AOTAutograd's min-cut partition of each compiled gra
 
 _VIEWS = ("view.default", "_unsafe_view.default", "permute.default", "expand.default", "t.default", "transpose.int",
           "unsqueeze.default", "squeeze.dim", "squeeze.dims", "slice.Tensor", "select.int", "alias.default")
-_REDUCTIONS = ("sum.dim_IntList", "sum.default", "amax.default", "amin.default", "mean.dim", "var_mean.correction",
-               "max.dim", "prod.dim_int", "any.dim", "all.dim")
+
+
+def _reductions() -> set:
+    """Every overload of the reductions the formula's fusion rule names (formula/fusion.py REDUCTION_NAMES)."""
+    import torch
+
+    from batchlab.formula.fusion import REDUCTION_NAMES
+
+    packets = [getattr(torch.ops.aten, n) for n in REDUCTION_NAMES if hasattr(torch.ops.aten, n)]
+    return {getattr(p, o) for p in packets for o in p.overloads()}
 
 
 def _aten(names):
@@ -73,7 +81,7 @@ def fused_away(gm, keep_recomputed: bool = True) -> set:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     flat: list = []
     torch.fx.node.map_arg(out.args, flat.append)
-    outputs, views, reductions = set(flat), _aten(_VIEWS), _aten(_REDUCTIONS)
+    outputs, views, reductions = set(flat), _aten(_VIEWS), _reductions()
     return {n for n in gm.graph.nodes if _pointwise(n) and n not in outputs and n.users
             and (not keep_recomputed or (n.meta.get("recompute") is None and not n.meta.get(BUDGET_RECOMPUTED)))
             and _fuses_into_consumers(n, outputs, views, reductions)}
@@ -109,7 +117,7 @@ def launches(gm) -> dict:
     recomputed node inductor fuses (run for the memory count) has no launch of its own."""
     from batchlab.config.phase import Launch
 
-    views, reductions = _aten(_VIEWS), _aten(_REDUCTIONS)
+    views, reductions = _aten(_VIEWS), _reductions()
     fused, out = fused_away(gm, keep_recomputed=False), {}
     for n in gm.graph.nodes:
         if n.op != "call_function":
