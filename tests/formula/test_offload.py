@@ -27,3 +27,17 @@ def test_a_model_shallower_than_the_stash_saves_nothing_in_forward():
                     precision="bf16", device="a100-80gb")
     plain, off = estimate(cfg).memory, estimate(cfg.replace(offload_activations=True)).memory
     assert off.phase_peaks["forward"] == plain.phase_peaks["forward"]
+
+
+def test_the_estimate_shows_the_copy_time_and_the_link_it_assumed():
+    """The copies' exposed time is on screen with its link: Hopper's PCIe Gen5 x16, 32 GT/s x 16 lanes x 128/130
+    = 63.0 GB/s per direction (PCI-SIG), named as assumed; an FP8 run's sources line names the FP8 peak's source."""
+    from typer.testing import CliRunner
+
+    from batchlab.cli import app
+
+    out = CliRunner().invoke(app, ["estimate", "--model", "gpt2", "--device", "h100-sxm", "--precision",
+                                   "bf16-mixed", "--seq", "1024", "--micro-batch", "16", "--offload-activations",
+                                   "--fp8", "tensorwise"], env={"COLUMNS": "250"}).output
+    assert "activation offload copies, not hidden (PCIe Gen5 x16 assumed for the hopper architecture, 63.0 GB/s" in out
+    assert "FP8 GEMMs 1.98 PFLOP/s klockwood-h100" in out

@@ -136,6 +136,10 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None, currency
     if cfg.dp > 1 or verbose:
         tab.add_row(_collectives_label(cfg, t), fmt_seconds(t.allreduce_seconds))
         tab.add_row("  exposed (not overlapped)", fmt_seconds(t.exposed_comm_seconds))
+    if cfg.offload_activations:
+        from batchlab.formula.offload import host_link_text
+
+        tab.add_row(f"activation offload copies, not hidden ({host_link_text(cfg)})", fmt_seconds(t.offload_seconds))
     tab.add_row("optimizer step", fmt_seconds(t.optimizer_seconds))
     tab.add_row("[bold]update time[/bold]", f"[bold]{fmt_seconds(t.update_seconds)}[/bold]")
     tab.add_row("[bold]useful tokens/s[/bold] (all ranks)", f"[bold]{t.tokens_per_second:,.0f}[/bold]")

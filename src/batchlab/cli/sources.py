@@ -22,5 +22,7 @@ def device_line(cfg: RunConfig, ceiling_source: str, label: str = "sources") -> 
     rates, memory = short_sources(dev)
     capacity = (f"{fmt_bytes(cfg.memory_budget)} --memory-budget" if cfg.memory_budget is not None
                 else f"{fmt_bytes(dev.memory_bytes)} {memory}")
-    return (f"{label}: {capacity}, {fmt_count(dev.peak_flops(cfg.precision), 'FLOP/s')} {rates}; "
+    fp8 = (f", FP8 GEMMs {fmt_count(dev.peak_flops_fp8, 'FLOP/s')} {(dev.fp8_source or 'unsourced').split(':')[0]}"
+           if cfg.fp8.value != "none" else "")  # --fp8: the linear layers' rate (formula/fp8.py)
+    return (f"{label}: {capacity}, {fmt_count(dev.peak_flops(cfg.precision), 'FLOP/s')} {rates}{fp8}; "
             f"time model: {time_model_label(cfg, ceiling_source)}")

@@ -21,8 +21,18 @@ _PCIE_GEN = {"volta": 3, "turing": 3, "ampere": 4, "ada": 4, "cdna2": 4, "hopper
 
 
 def host_link_bytes_per_s(cfg: RunConfig) -> float:
-    gen = _PCIE_GEN.get(cfg.device_spec.arch, 4)
-    return 16 * 2 ** (gen - 3) * 8e9 / 8 * 128 / 130
+    return 16 * 2 ** (_gen(cfg) - 3) * 8e9 / 8 * 128 / 130
+
+
+def _gen(cfg: RunConfig) -> int:
+    return _PCIE_GEN.get(cfg.device_spec.arch, 4)
+
+
+def host_link_text(cfg: RunConfig) -> str:
+    """Where the copies' rate comes from: a PCIe generation assumed from the device's architecture."""
+    arch = cfg.device_spec.arch or "unknown"
+    return (f"PCIe Gen{_gen(cfg)} x16 assumed for the {arch} architecture, "
+            f"{host_link_bytes_per_s(cfg) / 1e9:.1f} GB/s per direction")
 
 
 def largest_saved(cfg: RunConfig, plan: ActivationPlan) -> int:
