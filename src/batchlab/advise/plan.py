@@ -129,14 +129,15 @@ def check_world(goal: Goal) -> None:
                                         f"{goal.global_batch} (dp must divide it){asked} and splits the model evenly")
 
 
-def layouts(goal: Goal) -> list[RunConfig]:
+@functools.lru_cache(maxsize=16)  # a Goal is frozen; fit asks for its layouts from five places
+def layouts(goal: Goal) -> tuple[RunConfig, ...]:
     """The layouts searched, each as the base config with its degrees (micro-batch 1): the base's own without
     --world-size; else every dp x tp x pp = world whose dp divides the global batch, whose tp stays within one
     node (its collectives run per layer on the intra-node link: Narayanan et al. 2021, arXiv 2104.04473, §3.3)
     and that the model splits evenly (config/parallel.py check_degrees); degrees typed explicitly are held."""
     b = goal.base
     if goal.world is None:
-        return [b]
+        return (b,)
     per_node = b.device_spec.gpus_per_node
     sp, v = goal.sequence_parallel or b.sequence_parallel, max(goal.pp_virtual, b.pp_virtual)
     out = []
@@ -147,7 +148,7 @@ def layouts(goal: Goal) -> list[RunConfig]:
             if rest == 0 and goal.global_batch % dp == 0 and (tp > 1 or not sp) and (pp > 1 or v == 1):
                 out += derived(b, [dict(dp=dp, tp=tp, pp=pp, micro_batch=1, accum=goal.global_batch // dp,
                                         sequence_parallel=sp, pp_virtual=v)])
-    return out
+    return tuple(out)
 
 
 def goal_policies(goal: Goal) -> list[ACPolicy]:

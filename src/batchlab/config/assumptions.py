@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from batchlab.config.choices import ConfigError
-from batchlab.config.values import finite_number
+from batchlab.config.values import finite_number, flag
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,6 @@ class Assumptions:
             finite_number("optimizer_bytes_per_param", self.optimizer_bytes_per_param, minimum=0, maximum=1e6)
         if self.torch_version is not None and not re.fullmatch(r"\d+\.\d+", str(self.torch_version)):
             raise ConfigError("torch_version", f"must be MAJOR.MINOR such as 1.10, got {self.torch_version!r}")
-        if not isinstance(self.zero_grad_set_to_none, bool):
-            raise ConfigError("zero_grad_set_to_none", f"must be true or false, got {self.zero_grad_set_to_none!r}")
+        flag("zero_grad_set_to_none", self.zero_grad_set_to_none)
         if self.op_overhead_seconds is not None and not (0 <= self.op_overhead_seconds < 1):
             raise ConfigError("op_overhead_seconds", "must be seconds in [0, 1)")

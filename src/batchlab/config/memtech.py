@@ -4,12 +4,12 @@ where each cannot run, one ConfigError naming its field."""
 from __future__ import annotations
 
 from batchlab.config.choices import Backend, ConfigError, Precision
+from batchlab.config.values import flag
 
 
 def check(cfg) -> None:
     for name in ("optimizer_in_backward", "offload_activations"):
-        if not isinstance(getattr(cfg, name), bool):
-            raise ConfigError(name, f"must be true or false, got {getattr(cfg, name)!r}")
+        flag(name, getattr(cfg, name))
     if cfg.optimizer_in_backward:
         if cfg.accum > 1:
             # torchtune recipes/full_finetune_single_device.py: "Gradient accumulation is not supported with

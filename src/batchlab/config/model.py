@@ -6,7 +6,7 @@ from typing import Any
 
 from batchlab.config.choices import AttentionImpl, ConfigError, Implementation, MLPKind, NormKind, PositionKind
 from batchlab.config.profile import LayerProfile
-from batchlab.config.values import SIZE_MAX, whole_number
+from batchlab.config.values import SIZE_MAX, flag, whole_number
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,9 @@ class ModelSpec:
         if self.profile is not None:
             set_(self, "profile", LayerProfile.from_dict(self.profile))
         for name in ("tied_embeddings", "bias", "qkv_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
-        if self.use_cache is not None and not isinstance(self.use_cache, bool):
-            raise ConfigError("use_cache", f"must be true or false, got {self.use_cache!r}")
+            flag(name, getattr(self, name))
+        if self.use_cache is not None:
+            flag("use_cache", self.use_cache)
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout!r}")
         set_(self, "dropout", float(self.dropout))

@@ -159,13 +159,12 @@ def check_degrees(cfg) -> dict:
     field); returns the parsed values to set on it (the schedule, the engine, the stage it implies)."""
     from batchlab.config.choices import ConfigError, ModelSource
     from batchlab.config.engines import PYTORCH_ENGINE, engine
-    from batchlab.config.values import SIZE_MAX, whole_number
+    from batchlab.config.values import SIZE_MAX, flag, whole_number
 
     for name in ("tp", "pp", "pp_virtual"):
         whole_number(name, getattr(cfg, name), maximum=SIZE_MAX)
     out: dict = {"pp_schedule": PipelineSchedule.parse("pp_schedule", cfg.pp_schedule)}
-    if not isinstance(cfg.sequence_parallel, bool):
-        raise ConfigError("sequence_parallel", f"must be true or false, got {cfg.sequence_parallel!r}")
+    flag("sequence_parallel", cfg.sequence_parallel)
     if cfg.sharding is not None:
         chosen = engine(cfg.sharding)
         stage = ENGINES[chosen].stage

@@ -15,6 +15,12 @@ SEED_MAX = 2**64 - 1  # torch.manual_seed accepts [−2^63, 2^64)
 SIZE_MAX = 10**7  # model dimensions and batch counts: far above any real model, and loops over layers stay short
 
 
+def flag(name: str, value: Any) -> None:
+    """True or false, else ConfigError naming the field (a TOML string "yes" is not a flag)."""
+    if not isinstance(value, bool):
+        raise ConfigError(name, f"must be true or false, got {value!r}")
+
+
 def whole_number(name: str, value: Any, *, allow_zero: bool = False, maximum: int = INT64_MAX) -> None:
     """A whole number > 0 (or >= 0 with ``allow_zero``) and <= ``maximum``, else ConfigError naming the field."""
     if isinstance(value, bool) or not isinstance(value, int):
