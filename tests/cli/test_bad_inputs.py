@@ -273,6 +273,14 @@ def test_a_value_not_of_the_fields_type_in_a_vary_table_is_a_user_error_wherever
     assert res.stdout == ""
 
 
+def test_a_value_outside_a_closed_set_in_a_vary_table_is_a_user_error_too():
+    res = CliRunner().invoke(app, ["estimate", "--vary", "precision=bf16-mixed,[red]x"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert res.stderr.strip().splitlines() == [
+        "error: precision: '[red]x' is not one of: fp32, bf16-mixed, fp16-mixed, bf16, bf16-fsdp"]
+    assert res.stdout == ""
+
+
 def _rows(path: Path) -> int:
     import sqlite3
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from batchlab.config import planfile
-from batchlab.config.choices import ConfigError
+from batchlab.config.choices import Choice, ConfigError
 from batchlab.config.hf import hf_config_path, is_family, read_hf_config, spec_fields
 from batchlab.config.model import PRESETS, ModelSpec, preset
 from batchlab.config.run import CHANGEABLE_FIELDS, RUN_FIELDS, ACPolicy, Assumptions, RunConfig
@@ -70,6 +70,8 @@ def parse_field_value(name: str, text: Any) -> Any:
         return parse_bytes(name, text)
     if name == "ac":  # now, while a plan file's path is taken from the file that names it
         return ACPolicy.parse(text)
+    if isinstance(base, type) and issubclass(base, Choice):  # a closed set: a value outside it is a user error
+        return base.parse(name, text)
     if base is bool:
         if text.lower() not in _TRUE | _FALSE:
             raise ConfigError(name, f"{text!r} is not true or false")
