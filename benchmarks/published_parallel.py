@@ -12,13 +12,13 @@ hold-outs; the DeepSpeed ZeRO rows on their own; and the full-versus-selective r
 Korthikanti et al. 2022.
 
 Each row's figures as first recorded, before any mechanism was fixed against these rows, are kept in
-benchmarks/published_parallel_first.toml (written once by ``--record-first``, never regenerated: the code
-moves, that column does not).  Hold-outs (every third row, fixed in the runs file before any prediction) are
+benchmarks/published_parallel_first.toml (``--record-first`` appends the rows it does not hold yet and never
+rewrites one: the code moves, that column does not).  Hold-outs (every third row, fixed in the runs file before any prediction) are
 never tuned against.
 
     PYTHONPATH=src python benchmarks/published_parallel.py            # -> docs/accuracy/published-parallel.md
     PYTHONPATH=src python benchmarks/published_parallel.py --only mg-h100-gpt7b-tp4-dp2   # prints only
-    PYTHONPATH=src python benchmarks/published_parallel.py --record-first   # once: the first-recorded figures
+    PYTHONPATH=src python benchmarks/published_parallel.py --record-first   # new rows' first figures, appended
 """
 from __future__ import annotations
 
@@ -394,12 +394,17 @@ def document(rows: list[ParRow], ratios: list[Ratio]) -> str:
 
 
 def record_first(rows: list[ParRow], ratios: list[Ratio], path: Path) -> None:
-    """Write each row's first figures once; an existing file is never overwritten."""
-    if path.exists():
-        raise SystemExit(f"{path} exists: first-recorded figures are never regenerated")
-    lines = ["# Each row's figures as first recorded by benchmarks/published_parallel.py --record-first, before any",
-             "# mechanism was fixed against benchmarks/published_parallel.toml (hold-outs included). "
-             "Never regenerated.", ""]
+    """Write each row's first figures once: a row (or ratio) already in ``path`` keeps its figures, rows added to
+    the runs file since are appended (their first figures are recorded when they are first predicted)."""
+    had_runs, had_ratios = load_first(path)
+    rows = [r for r in rows if r.run["id"] not in had_runs]
+    ratios = [q for q in ratios if q.ratio["id"] not in had_ratios]
+    if not rows and not ratios:
+        raise SystemExit(f"{path}: every row has its first figures already; they are never regenerated")
+    lines = [""] if path.exists() else [
+        "# Each row's figures as first recorded by benchmarks/published_parallel.py --record-first, before any",
+        "# mechanism was fixed against benchmarks/published_parallel.toml (hold-outs included). Never regenerated;",
+        "# rows added to the runs file later are appended when first predicted.", ""]
     for r in rows:
         lines += ["[[run]]", f'id = "{r.run["id"]}"']
         if r.mem_predicted is not None:
@@ -412,7 +417,9 @@ def record_first(rows: list[ParRow], ratios: list[Ratio], path: Path) -> None:
         lines.append("")
     for q in ratios:
         lines += ["[[ratio]]", f'id = "{q.ratio["id"]}"', f"ratio = {q.predicted:.6g}", f"error = {q.error:.4f}", ""]
-    path.write_text("\n".join(lines))
+    with path.open("a") as out:
+        out.write("\n".join(lines))
+    print(f"{path}: first figures of {len(rows)} run(s) and {len(ratios)} ratio(s) appended", file=sys.stderr)
 
 
 def load_first(path: Path) -> tuple[dict[str, dict], dict[str, float]]:
@@ -427,7 +434,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=Path, default=HERE / "published_parallel.toml")
     p.add_argument("--first", type=Path, default=FIRST)
     p.add_argument("--only", default="", help="comma-separated run ids (prints; the page is not written)")
-    p.add_argument("--record-first", action="store_true", help="write --first once (refuses if it exists)")
+    p.add_argument("--record-first", action="store_true",
+                   help="append to --first the rows it does not hold yet (never rewrites a recorded row)")
     args = p.parse_args(argv)
     data = load(args.runs)
     runs = data["run"]
