@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from batchlab.config import (Backend, CompileMode, LossMode, MLPKind, NormKind, PositionKind,
                              RunConfig, optimizer_spec)
-from batchlab.formula import fp8
+from batchlab.formula import fp8, megatron_kernels
 from batchlab.formula.fusion import fuse
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.activations import Impl, implementation, materialises_scores
@@ -36,6 +36,7 @@ class _Widths:
     res: int  # residual stream and norms (fp32 under autocast)
     autocast: bool
     fused_rms: bool = False  # torch.rms_norm on CUDA: one _fused_rms_norm kernel each way (torchtitan's nn.RMSNorm)
+    megatron: bool = False  # Megatron-LM's fused RoPE and SwiGLU kernels on CUDA (formula/megatron_kernels.py)
     cuda: bool = False  # CUDA kernels (F.dropout is one native_dropout kernel there)
     fp8: "fp8.FP8Spec | None" = None  # the blocks' linear layers as FP8 GEMMs (formula/fp8.py), their weights' shards 1/dp8
     dp8: int = 1
@@ -134,7 +135,9 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
     ops.add(_views(ph, 7))  # split, three views, three transposes
     if backward:
         ops.add(_op("cat", BWD, t * (h + 2 * kv), 2 * t * (h + 2 * kv) * e), _views(BWD, 4))
-    if m.position is PositionKind.ROPE:  # rotate-half on q and k: neg, cat, two muls and an add each
+    if m.position is PositionKind.ROPE and ops.w.megatron:
+        ops.add(*(k for width in (h, kv) for k in megatron_kernels.rope(ph, t * width, e, backward)))
+    elif m.position is PositionKind.ROPE:  # rotate-half on q and k: neg, cat, two muls and an add each
         for width in (h, kv):
             n = t * width
             ops.add(_op("neg", ph, n // 2, n * e), _op("cat", ph, n, 2 * n * e), _op("mul", ph, n, 3 * n * e, count=2),
@@ -147,14 +150,14 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
         ops.add(_op("cat", ph, t * kv, 2 * t * kv * e, count=2), _views(ph, 2))
         if backward:
             ops.add(_op("zeros", BWD, 0, 0, count=2), _views(BWD, 2))
-    if m.kv_heads != m.heads:  # repeat_interleave of k and v to full width
+    fused = not materialises_scores(m, cfg.device_spec.backend)
+    if m.kv_heads != m.heads and not (fused and ops.w.megatron):  # repeat_interleave of k and v to full width
         ops.add(_op("clone", ph, t * h, t * (h + kv) * e, count=2, strided=True), _views(ph, 4))
         if backward:
             ops.add(_op("sum", BWD, t * kv, t * (h + kv) * e, count=2), _views(BWD, 2))
     score, fl = a * s * s * b, 2 * b * a * s * s * d
     g = fl // (a * b)  # one (batch, head)'s matmul: what decides the rate
-    if not materialises_scores(m, cfg.device_spec.backend):
-        # fused; on CUDA the kernel draws the dropout mask itself (FlashAttention-2, Dao 2023, sec. 3.1): no s x s bytes
+    if fused:  # on CUDA the kernel draws the dropout mask itself (FlashAttention-2, Dao 2023, sec. 3.1): no s x s bytes
         name = "_scaled_dot_product_flash_attention" + ("" if ops.w.cuda else "_for_cpu")
         ops.add(_op(name, ph, t * h, 4 * t * h * e + a * t * F32, 2 * fl, ops.w.low, flops_per_matmul=2 * g),
                 _views(ph, 2))
@@ -216,6 +219,10 @@ def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True, only: st
             ops.linear(ph, t, h, h + 2 * kv, m.bias, w.autocast, backward)
             _attention(ops, cfg, ph, backward)
             ops.linear(ph, t, h, h, m.bias, False, backward)
+        elif m.mlp is MLPKind.SWIGLU and w.megatron:  # one fc1 of gate and up, one fused kernel
+            ops.linear(ph, t, h, 2 * f, m.bias, w.autocast, backward)
+            ops.add(*megatron_kernels.swiglu(ph, t, f, w.e, backward))
+            ops.linear(ph, t, f, h, m.bias, False, backward)
         elif m.mlp is MLPKind.SWIGLU:
             ops.linear(ph, t, h, f, m.bias, w.autocast, backward)
             ops.linear(ph, t, h, f, m.bias, False, backward)
@@ -315,11 +322,12 @@ def _data(ops: _Ops, cfg: RunConfig) -> None:
 
 def _widths(cfg: RunConfig) -> _Widths:
     e = cfg.precision.compute_bytes
-    # torchtitan's nn.RMSNorm reaches ATen's fused kernel on CUDA (2024: a Triton "fused_rmsnorm"); HF's is Python ops
-    fused = cfg.device_spec.backend is Backend.CUDA and implementation(cfg.model_kind, cfg.model) is Impl.TT_LLAMA
+    # on CUDA torchtitan's nn.RMSNorm reaches ATen's fused kernel, Megatron's is TE's or Apex's; HF's is Python ops
+    cuda, impl = cfg.device_spec.backend is Backend.CUDA, implementation(cfg.model_kind, cfg.model)
+    fused = cuda and impl in (Impl.TT_LLAMA, Impl.MEGATRON)
     s8 = fp8.active(cfg)
     return _Widths(e=e, res=2 if cfg.precision.low_precision_residual else 4, autocast=cfg.precision.mixed, fused_rms=fused,
-                   cuda=cfg.device_spec.backend is Backend.CUDA, fp8=s8, dp8=cfg.dp if s8 and s8.fsdp_fp8_all_gather else 1)
+                   cuda=cuda, megatron=cuda and impl is Impl.MEGATRON, fp8=s8, dp8=cfg.dp if s8 and s8.fsdp_fp8_all_gather else 1)
 
 
 def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
