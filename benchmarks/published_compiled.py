@@ -8,8 +8,8 @@ source omits an input the prediction needs (``not_typed``) is typed at the setti
 (``bound = "upper"``: the command's run needs at least the memory and reaches at least the tokens/s of the real one);
 it is no point and stays out of the means: the page checks its bound instead.  Hold-outs
 (``holdout = true``: every third run in file order, fixed before any prediction) are never tuned against.  Each
-run's errors as first computed are kept in benchmarks/published_compiled_first.toml (``--record-first`` wrote it
-once; the page shows them beside today's).
+run's errors as first computed are kept in benchmarks/published_compiled_first.toml (``--record-first`` appends
+each new run's once; the page shows them beside today's).
 
     PYTHONPATH=src python benchmarks/published_compiled.py
 """
@@ -81,7 +81,7 @@ def evaluate(run: dict) -> Row:
         row.mem_predicted = {"allocated": est.memory.allocated_bytes, "reserved": est.memory.reserved_bytes,
                              "device": est.memory.device_bytes}[kind]
     row.fits = est.memory.fits
-    row.tps_predicted = est.time.tokens_per_second / row.cfg.dp
+    row.tps_predicted = est.time.tokens_per_second / row.cfg.parallel.world_size  # per GPU: TP and PP ranks too
     row.layer_terms = implementation_line(row.cfg)
     return row
 
@@ -91,17 +91,22 @@ def first_errors() -> dict[str, dict]:
 
 
 def record_first(rows: list[Row]) -> None:
-    """The errors of every run as first computed, before anything is changed against them (written once)."""
-    if FIRST.exists():
-        raise SystemExit(f"{FIRST.name} exists: the first errors are recorded once")
-    lines = ["# Each run's errors as first computed by benchmarks/published_compiled.py, before any change made against",
-             "# the published figures; written once (--record-first), never regenerated.", ""]
-    for r in rows:
+    """The errors of every run not yet recorded, as first computed, before anything is changed against them:
+    appended once per run, a recorded run never rewritten."""
+    known = first_errors()
+    new = [r for r in rows if r.run["id"] not in known]
+    if not new:
+        raise SystemExit(f"{FIRST.name}: every run's first errors are recorded already (they are recorded once)")
+    lines = [""] if FIRST.exists() else [
+        "# Each run's errors as first computed by benchmarks/published_compiled.py, before any change made against",
+        "# the published figures; appended once per run (--record-first), never regenerated.", ""]
+    for r in new:
         lines += ["[[run]]", f"id = {r.run['id']!r}", f"holdout = {str(bool(r.run.get('holdout'))).lower()}"]
         lines += [f"memory_error = {r.mem_error:.4f}"] if r.mem_error is not None else []
         lines += [f"tokens_per_s_error = {r.tps_error:.4f}"] if r.tps_error is not None else []
         lines.append("")
-    FIRST.write_text("\n".join(lines))
+    with FIRST.open("a") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def mean_abs(values) -> str:
@@ -194,7 +199,8 @@ def document(rows: list[Row]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--record-first", action="store_true", help="write the first errors (once, before any tuning)")
+    p.add_argument("--record-first", action="store_true",
+                   help="append the first errors of runs not yet recorded (once per run, before any tuning)")
     args = p.parse_args(argv)
     rows = [evaluate(r) for r in load(RUNS)["run"]]
     if args.record_first:
