@@ -129,6 +129,21 @@ def summary(rows: list[Row]) -> list[str]:
     return out
 
 
+def by_card(rows: list[Row]) -> list[str]:
+    """Per published GPU, over the runs that are points: the mean signed error beside the mean |error|, so a
+    bias the card shares across engines and models shows as one sign."""
+    signed = lambda v: f"{statistics.fmean(v):+.1%}" if v else "-"  # noqa: E731
+    out = ["| GPU | runs | memory: mean error | mean \\|error\\| | tokens/s: mean error | mean \\|error\\| |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for gpu in dict.fromkeys(r.run["gpu"] for r in points(rows)):
+        subset = [r for r in points(rows) if r.run["gpu"] == gpu]
+        mem = [r.mem_error for r in subset if r.mem_error is not None]
+        tps = [r.tps_error for r in subset if r.tps_error is not None]
+        out.append(f"| {gpu} | {len(subset)} | {signed(mem)} | {mean_abs(mem).split(' over')[0]} | {signed(tps)} | "
+                   f"{mean_abs(tps).split(' over')[0]} |")
+    return out
+
+
 def table(rows: list[Row]) -> list[str]:
     first = first_errors()
     out = ["| run | compile | GPU × n | memory measured (kind) | predicted | error | first | tok/s/GPU measured | "
@@ -191,7 +206,8 @@ def document(rows: list[Row]) -> str:
         "never tuned against. *First*: each run's error as first computed (benchmarks/published_compiled_first.toml). "
         "A run whose source omits an input the prediction needs is typed at the setting that bounds it: it is listed "
         "under *Bounds*, checked there, and left out of the means. Formula only: no GPU is needed to reproduce it.", "",
-        "## Summary", "", *summary(rows), "", "## Runs", "", *table(rows), "",
+        "## Summary", "", *summary(rows), "", "By the GPU the source ran on (all runs that are points):", "",
+        *by_card(rows), "", "## Runs", "", *table(rows), "",
         "## Bounds", "", *(bounds(rows) or ["No run is a bound."]), "",
         "## Compiled against eager", "", *twins(rows), "",
         "## Commands, sources and what the command cannot express", "", *details(rows), ""])
