@@ -36,3 +36,11 @@ def test_a_pure_bf16_step_takes_half_the_time_of_an_fp32_master_copys_on_a_gpu()
     cfgs = [RunConfig(model=spec, device="a100-80gb", precision=p) for p in ("bf16", "bf16-mixed")]
     steps = [timing(c, flops(c), memory(c)).optimizer_seconds for c in cfgs]
     assert steps[0] == pytest.approx(steps[1] / 2, rel=0.02)
+
+
+def test_megatron_core_steps_its_fp32_main_params_under_bf16_weights():
+    # Megatron-LM README, "Distributed Optimizer": bf16 weights train beside fp32 main params, fp32 gradients and
+    # fp32 Adam state, and the optimizer steps the fp32 copies: the same bytes as an fp32 run's step
+    steps = [_step_bytes(update_ops(RunConfig(seq=32, micro_batch=2, dp=2, sharding="megatron", precision=p)))
+             for p in ("bf16", "fp32")]
+    assert steps[0] == steps[1]

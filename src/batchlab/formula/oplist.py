@@ -286,14 +286,15 @@ def _micro_key(cfg: RunConfig) -> tuple:
 
 def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
     """clip_grad_norm_ (foreach norm and scale), the per-parameter optimizer loop (foreach=False), zero_grad: a function of the model, the optimizer and the weights' dtype alone."""
-    ops.add(*lookup(_OPTIMIZER, (cfg.model, cfg.optimizer, cfg.precision is Precision.BF16), lambda: _optimizer_ops(cfg)))
+    # the step's weights, gradients and state: bf16 under pure bf16, fp32 where Megatron-Core / DeepSpeed step fp32 copies
+    w = 2 if cfg.precision is Precision.BF16 and not (cfg.parallel.engine_spec.megatron or cfg.parallel.engine_spec.deepspeed) else F32
+    ops.add(*lookup(_OPTIMIZER, (cfg.model, cfg.optimizer, w), lambda: _optimizer_ops(cfg, w)))
 
 
-def _optimizer_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
+def _optimizer_ops(cfg: RunConfig, w: int) -> tuple[OpCount, ...]:
     ops = _Ops(_widths(cfg))
     sizes = tensor_sizes(cfg.model)
-    # the step reads and writes weights, gradients and state in the weights' dtype: bf16 under pure bf16
-    p, n, w = len(sizes), sum(sizes), 2 if cfg.precision is Precision.BF16 else F32
+    p, n = len(sizes), sum(sizes)
     ops.add(_op("_foreach_norm", OPT, p, n * w), _op("stack", OPT, p, 2 * p * F32),
             _op("linalg_vector_norm", OPT, 1, p * F32), _op("add", OPT, 1, 8), _op("reciprocal", OPT, 1, 8),
             _op("mul", OPT, 1, 8), _op("clamp", OPT, 1, 8), _op("_foreach_mul_", OPT, 0, 2 * n * w),
