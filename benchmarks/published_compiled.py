@@ -64,6 +64,7 @@ def evaluate(run: dict) -> Row:
     flags = shlex.split(run["cli"])
     row.gaps += [text for field, (flag, text) in GAPS.items() if run.get(field) and flag not in flags]
     row.gaps += run.get("not_typed", [])  # what the source does not give, so no flag can say it
+    row.gaps += run.get("not_expressed", [])  # what the source gives but no flag can say (the row stays a point)
     if run["optimizer"] != "adamw" and run["optimizer"] not in flags:
         row.gaps.append(f"optimizer {run['optimizer']}: not typed (AdamW's time)")
     argv = ["estimate", *shlex.split(run["cli"])]
