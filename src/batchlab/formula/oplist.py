@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from batchlab.config import (Backend, CompileMode, LossMode, MLPKind, NormKind, PositionKind,
+from batchlab.config import (Backend, CompileMode, LossMode, MLPKind, NormKind, PositionKind, Precision,
                              RunConfig, optimizer_spec)
 from batchlab.formula import fp8, megatron_kernels
 from batchlab.formula.fusion import fuse
@@ -292,20 +292,22 @@ def _micro_key(cfg: RunConfig) -> tuple:
 
 
 def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
-    """clip_grad_norm_ (foreach norm and scale), the per-parameter optimizer loop (foreach=False), zero_grad: a function of the model and the optimizer alone."""
-    ops.add(*lookup(_OPTIMIZER, (cfg.model, cfg.optimizer), lambda: _optimizer_ops(cfg)))
+    """clip_grad_norm_ (foreach norm and scale), the per-parameter optimizer loop (foreach=False), zero_grad: a function of the model, the optimizer and the weights' dtype alone."""
+    # the step's weights, gradients and state: bf16 under pure bf16, fp32 where Megatron-Core / DeepSpeed step fp32 copies
+    w = 2 if cfg.precision is Precision.BF16 and not (cfg.parallel.engine_spec.megatron or cfg.parallel.engine_spec.deepspeed) else F32
+    ops.add(*lookup(_OPTIMIZER, (cfg.model, cfg.optimizer, w), lambda: _optimizer_ops(cfg, w)))
 
 
-def _optimizer_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
+def _optimizer_ops(cfg: RunConfig, w: int) -> tuple[OpCount, ...]:
     ops = _Ops(_widths(cfg))
     sizes = tensor_sizes(cfg.model)
     p, n = len(sizes), sum(sizes)
-    ops.add(_op("_foreach_norm", OPT, p, n * F32), _op("stack", OPT, p, 2 * p * F32),
+    ops.add(_op("_foreach_norm", OPT, p, n * w), _op("stack", OPT, p, 2 * p * F32),
             _op("linalg_vector_norm", OPT, 1, p * F32), _op("add", OPT, 1, 8), _op("reciprocal", OPT, 1, 8),
-            _op("mul", OPT, 1, 8), _op("clamp", OPT, 1, 8), _op("_foreach_mul_", OPT, 0, 2 * n * F32),
+            _op("mul", OPT, 1, 8), _op("clamp", OPT, 1, 8), _op("_foreach_mul_", OPT, 0, 2 * n * w),
             _op("_local_scalar_dense", OPT, 0, 0))
     for size, k in Counter(sizes).items():  # parameters of one size run the same ops: listed once, counted k times
-        b = size * F32
+        b = size * w
         # the catalogue entry's step on one parameter (config/optimizers.py)
         step = (_op(s.name, OPT, size, s.passes * b) if s.per_element else _op(s.name, OPT, s.elements, s.nbytes)
                 for s in optimizer_spec(cfg.optimizer).step_ops)
