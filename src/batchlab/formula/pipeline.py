@@ -175,14 +175,15 @@ def activation_message_bytes(cfg: RunConfig) -> int:
 
 def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tuple[int, int]]:
     """One micro-batch's tensor-parallel collectives on ``rank``, by (kind, phase): (calls, bytes per call summed),
-    from the catalogue (``config.engines.TENSOR_PARALLEL``): each layer's, a fully recomputed layer's forward again,
-    the norms' gradients, and the model's ends this stage holds."""
+    from the catalogue (``config.engines.TENSOR_PARALLEL``): each layer's and its column-parallel linears', a fully
+    recomputed layer's forward again, the norms' gradients, and the model's ends this stage holds."""
     if rank.tp == 1:
         return {}
     spec = cfg.parallel.tp_spec
     modes = cfg.ac.layer_modes(cfg.model.layers)
     norm_bytes = cfg.model.hidden * (4 if cfg.precision.mixed else cfg.precision.compute_bytes)
-    sizes = {Sent.ACTIVATION: activation_message_bytes(cfg), Sent.NORM: norm_bytes}
+    sizes = {Sent.ACTIVATION: activation_message_bytes(cfg), Sent.NORM: norm_bytes,
+             Sent.TOKENS: cfg.micro_batch * cfg.seq * 4}
     out: dict[tuple[str, str], tuple[int, int]] = {}
 
     def add(items, times: int = 1) -> None:
@@ -192,6 +193,7 @@ def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tup
 
     for i in rank.layers:
         add(spec.per_layer)
+        add(spec.per_column, dtensor.column_linears(cfg))
         if modes[i].spec.applied is Applied.WHOLE_BLOCK:
             add(spec.recompute)
     norms = norm_tensors(cfg.model) * (2 * len(rank.layers) + (1 if rank.last else 0))
@@ -324,7 +326,7 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
         spec = lay.tp_spec
         parts.append(f"TP {lay.tp}" + (" with sequence parallelism" if lay.sequence_parallel else "")
                      + f": each rank computes 1/{lay.tp} of its stage's FLOPs; per layer per micro-batch "
-                     f"{collectives_text(spec.per_layer)} of b·s·h"
+                     f"{collectives_text(spec.per_layer + spec.per_column * dtensor.column_linears(cfg))} of b·s·h"
                      + (f" (+{collectives_text(spec.recompute)} per fully recomputed layer)" if spec.recompute else "")
                      + (", the norms' weight gradients all-reduced every micro-batch" if spec.per_norm else "")
                      + f", the embedding's and head's at the ends ({spec.api}); each collective over "
