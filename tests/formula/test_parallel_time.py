@@ -188,3 +188,50 @@ def test_local_tensor_parallel_ranks_pay_the_calibrated_link_per_message():
     t = timing(cfg, flops(cfg), memory(cfg), costs)
     assert t.tp_comm_seconds == pytest.approx(4 * (18 * (131072e-9 + 2 * 2e-5) + 3 * (1024e-9 + 2 * 2e-5)))
     assert "2 local rank(s) x 1 thread(s) on 2 cores" in t.model and "20 us per message" in t.model
+
+
+def test_ranks_that_time_share_the_cores_fill_each_others_bubble():
+    # a stage's micro-batch: 10 ms of compute at the shared speed + 1 ms of messages.  p 2, m 8 (bubble 1/9):
+    # alone, (m + p - 1) x 11 = 99 ms; 2 ranks a core: the critical path at a core's whole speed, 9 x (5 + 1) = 54 ms,
+    # is shorter than m busy micro-batches, 8 x 11 = 88 ms, which the update then takes
+    from batchlab.formula.pipeline import PipelineTime, StageTime
+
+    stage = StageTime(stage=0, compute_seconds=8e-3, tp_comm_seconds=0.5e-3, pp_comm_seconds=0.5e-3,
+                      dtensor_seconds=2e-3)
+    one = PipelineTime(stages=(stage,), micro_batches=8, bubble_fraction=1 / 9, slowest=0)
+    assert one.seconds == pytest.approx(99e-3)
+    assert dataclasses.replace(one, time_shared=2.0).seconds == pytest.approx(88e-3)
+    # p 4, m 2 (bubble 3/5): the path, 5 x 6 = 30 ms, is the longer
+    few = PipelineTime(stages=(stage,), micro_batches=2, bubble_fraction=3 / 5, slowest=0, time_shared=2.0)
+    assert few.seconds == pytest.approx(30e-3)
+
+
+@pytest.mark.parametrize("flags, rank, tensors", [
+    # TP2 x DP2, the GPT: a layer's 4 linears and 2 LayerNorms with biases (12) x 2, the embedding, the positions,
+    # the final LayerNorm's 2 (the head tied)
+    (SMALL + "--layers 2 --dp 2", 0, 2 * 12 + 4),
+    # PP2 x DP2, Llama's last stage: its layer's 7 linears and 2 RMSNorms, the final norm, the untied head
+    (SMALL + "--layers 2 --dp 2 --tp 1 --pp 2 --model hf:llama --kv-heads 2 --ffn 64", 2, 9 + 2),
+])
+def test_a_layouts_data_parallel_all_reduces_are_one_per_parameter_tensor(flags, rank, tensors):
+    # counted on a real update (rank ``rank`` of a fake world, distributed/traffic.py's counter): all-reduces over
+    # the data-parallel group after the last backward, one-element ones (token count, norms) apart
+    import torch
+
+    from batchlab.distributed import layouts
+    from batchlab.distributed.traffic import TrafficCounter
+    from batchlab.formula.pipeline import gradient_reductions
+    from batchlab.trace.sharded import _static_shapes, fake_world
+
+    cfg = config(flags)
+    with fake_world(cfg.parallel.world_size, rank):
+        trainer, _ = layouts.build(cfg, torch.device("cpu"), rank)
+        if cfg.parallel.pipelined:
+            _static_shapes(trainer.schedule, trainer.stages)
+        trainer.update()
+        counter = TrafficCounter()
+        with counter:
+            trainer.update(listener=counter)
+    live = sum(c.kind == "all_reduce" and c.phase == "optimizer" for c in counter.calls)
+    stage = rank // (cfg.parallel.dp * cfg.parallel.tp)
+    assert gradient_reductions(cfg, shares(cfg)[stage]) == live == tensors

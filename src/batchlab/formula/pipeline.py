@@ -103,6 +103,7 @@ class PipelineTime:
     micro_batches: int  # per update per pipeline: accum
     bubble_fraction: float
     slowest: int  # the stage that sets the pace
+    time_shared: float = 1.0  # local CPU ranks' threads over the cores (formula/timing.py ``sharing``), at least 1
 
     @property
     def busy_seconds(self) -> float:
@@ -111,8 +112,13 @@ class PipelineTime:
 
     @property
     def seconds(self) -> float:
-        """Busy time over the non-bubble share: (m + p - 1) x slowest stage for GPipe / 1F1B."""
-        return self.busy_seconds / (1 - self.bubble_fraction)
+        """Busy time over the non-bubble share: (m + p - 1) x slowest stage for GPipe / 1F1B.  Where local CPU ranks
+        time-share the cores, a rank idle in the bubble leaves its core to the others, which then run faster: the
+        flush takes the longer of its critical path at a core's whole speed and m micro-batches at the shared speed
+        (processor sharing; with no more threads than cores, the first)."""
+        s = self.stages[self.slowest]
+        alone = (s.compute_seconds + s.dtensor_seconds) / self.time_shared + s.tp_comm_seconds + s.pp_comm_seconds
+        return max(self.busy_seconds, self.micro_batches * alone / (1 - self.bubble_fraction))
 
     @property
     def bubble_seconds(self) -> float:
@@ -202,6 +208,13 @@ def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tup
     return out
 
 
+def gradient_reductions(cfg: RunConfig, rank: RankShare) -> int:
+    """All-reduces over the data-parallel group per update on ``rank`` of a layout without FSDP2: DDP takes neither
+    DTensor parameters nor pipeline stages, so the measured layouts average each parameter tensor's gradient (shard)
+    on its own after the last backward (distributed/layouts.py), no buckets."""
+    return dtensor.rank_tensors(cfg, rank) if cfg.parallel.dp > 1 and not cfg.parallel.fsdp else 0
+
+
 def replicated_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     """One micro-batch's ops outside the layers' tensor-parallel regions (each layer's two norms, residual dropouts
     and adds, backward, and a whole-block recompute's forward again): without sequence parallelism every
@@ -284,13 +297,14 @@ def rank_compute_seconds(share: float, tp: int, compute: float,
 
 def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts | None = None,
                   issued: tuple[tuple[float, float], ...] = (), replicated: float = 0.0,
-                  dispatch_per_micro_batch: float = 0.0, host_scale: float = 1.0) -> PipelineTime:
+                  dispatch_per_micro_batch: float = 0.0, host_scale: float = 1.0, time_shared: float = 1.0
+                  ) -> PipelineTime:
     """``compute_per_micro_batch``: the whole replica's forward + backward (+ recompute) of one micro-batch on one
     device, as the per-op model priced it; ``issued``: the same per phase as (kernel work, host issue time) on an
     asynchronous device, and ``replicated`` the work every TP rank runs whole, ``dispatch_per_micro_batch`` the
     fixed cost per op of ``compute`` on a synchronous one (``rank_compute_seconds``); ``costs``: the per-op costs,
     whose calibrated link prices local ranks' messages; ``host_scale``: how much slower a rank's host work runs beside
-    the other local ranks (formula/timing.py)."""
+    the other local ranks (formula/timing.py), ``time_shared`` the part of it that is the cores' time-sharing."""
     ranks = shares(cfg)
     per = [stage_flops_per_token(cfg, r.layers, r.last) for r in ranks]
     total = sum(per) or 1.0
@@ -307,7 +321,7 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
     stages = tuple(stage(r, f) for r, f in zip(ranks, per))
     slowest = max(range(len(stages)), key=lambda i: (stages[i].seconds, -i))
     return PipelineTime(stages=stages, micro_batches=cfg.accum, bubble_fraction=cfg.parallel.bubble_fraction(cfg.accum),
-                        slowest=slowest)
+                        slowest=slowest, time_shared=max(1.0, time_shared))
 
 
 def collectives_text(items) -> str:
