@@ -208,8 +208,9 @@ def main() -> int:
 
     cpus = sorted(os.sched_getaffinity(0))
     print(f"Built-in tiny GPT (4 layers, hidden 128, vocabulary 512) and a 2-layer Hugging Face Llama (hidden 128, "
-          f"4 heads, 2 kv heads, MLP 256, vocabulary 512), micro-batch 4 x sequence 64, fp32, AdamW; every layout on "
-          f"{WORLD} forked gloo ranks of {THREADS} thread each, a global batch of 64 sequences. {ROUNDS} paired rounds "
+          f"4 heads, 2 kv heads, MLP 256, vocabulary 512), micro-batch 4 x sequence 64 (the \"s128\" rows: micro-batch "
+          f"2 x sequence 128), fp32, AdamW; every layout on {WORLD} forked gloo ranks of {THREADS} thread each, a "
+          f"global batch of 16 micro-batches (the \"m 4\" pipelines: 8). {ROUNDS} paired rounds "
           f"per pair (A B, then B A), {WARMUP} warmup updates of every layout first; an update's time is its slowest "
           f"rank's.\n")
     print(f"Before: {_load()}; this process may run on CPUs {cpus}.\n")

@@ -350,7 +350,13 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
         parts.append(f"PP {lay.pp} ({lay.schedule.value}): (m + (p-1)/v) x the slowest stage's micro-batch, bubble "
                      f"{p.bubble_fraction:.1%} of the update (m = accum = {cfg.accum}); stage compute split by FLOPs; "
                      f"b·s·h sends each way per micro-batch and chunk boundary over {pp_link(cfg, costs).text()}, "
-                     "each receive one more message, not overlapped")
+                     "each receive one more message, not overlapped"
+                     + (f"; the local ranks time-share the cores (x{p.time_shared:.2f}): a rank idle in the bubble "
+                        f"leaves its core to the others, {p.bubble_seconds * 1e3:.1f} ms of it left"
+                        if p.time_shared > 1 else ""))
+    if reductions := gradient_reductions(cfg, shares(cfg)[p.slowest]):
+        parts.append(f"data-parallel reduction: one all-reduce per parameter tensor, {reductions} on this rank "
+                     "(no DDP buckets over DTensors or pipeline stages)")
     return "; ".join(parts)
 
 
