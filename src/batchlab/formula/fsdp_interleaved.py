@@ -45,20 +45,17 @@ class Terms:
     shard: int  # its gradient shards' bytes once reduced
 
 
-def active(actions: tuple[tuple[int, bool], ...], v: int, window: int = 3) -> list[set[int]]:
-    """Per action, the chunks ``_add_unshard_reshard`` has gathered by then (the next ``window`` distinct chunks
-    still to run, each kept until it drops out of them)."""
-    on: set[int] = set()
+def active(actions: tuple[tuple[int, bool], ...], window: int = 3) -> list[set[int]]:
+    """Per action, the chunks ``_add_unshard_reshard`` keeps gathered then: the next ``window`` distinct chunks
+    still to run (it unshards those it lacks and reshards the others)."""
     out = []
     for i in range(len(actions)):
-        upcoming: list[int] = []
+        upcoming: set[int] = set()
         for c, _ in actions[i:]:
-            if c not in upcoming:
-                upcoming.append(c)
+            upcoming.add(c)
             if len(upcoming) == window:
                 break
-        on = (on & set(upcoming)) | set(upcoming)
-        out.append(set(on))
+        out.append(upcoming)
     return out
 
 
@@ -78,7 +75,7 @@ def phases(cfg: RunConfig, rank, resident: Parts, opt_tmp: int, grad_shards: int
     residual = cfg.seq * cfg.micro_batch * cfg.model.hidden * w.res // rank.in_sp
     shards = resident["parameters"]
     actions = interleaved.rank_actions(p, v, m, rank.stage)
-    fetched = active(actions, v)
+    fetched = active(actions)
     gathered, reduced, backwards = [False] * v, [False] * v, [0] * v
     out: dict[str, Parts] = {}
 

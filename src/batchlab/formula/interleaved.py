@@ -63,13 +63,12 @@ class ChunkStep:
     made: tuple[bool, ...]  # per chunk, a backward of this update ran on it before: its gradients exist
     sent: int  # outputs sent on (each kept by its send to the step's end), this one's included
     sends: int  # input gradients sent back before this step (kept by their sends)
-    after_forward: bool  # the chunk's previous step was a forward
 
 
 def steps(p: int, v: int, m: int, rank: int) -> tuple[ChunkStep, ...]:
     """Every step of ``rank``'s update, and its end."""
     last = p * v - 1
-    held, made, ran = [0] * v, [False] * v, [None] * v
+    held, made = [0] * v, [False] * v
     sent = sends = 0
     out = []
     for c, backward in rank_actions(p, v, m, rank):
@@ -77,13 +76,12 @@ def steps(p: int, v: int, m: int, rank: int) -> tuple[ChunkStep, ...]:
         if not backward:
             held[c] += 1
             sent += stage < last
-        out.append(ChunkStep(c, backward, tuple(held), tuple(made), sent, sends, ran[c] is False))
+        out.append(ChunkStep(c, backward, tuple(held), tuple(made), sent, sends))
         if backward:
             held[c] -= 1
             made[c] = True
             sends += stage > 0
-        ran[c] = backward
-    out.append(ChunkStep(None, True, tuple(held), tuple(made), sent, sends, False))
+    out.append(ChunkStep(None, True, tuple(held), tuple(made), sent, sends))
     return tuple(out)
 
 
@@ -145,31 +143,33 @@ def dressed(cfg: RunConfig, rank: RankShare, step: ChunkStep | None, parts: Part
 
 
 def highest(cfg: RunConfig, rank: RankShare, price: Callable[[Chunk | None, int, int, str], Parts],
-            dress: Callable[[ChunkStep | None, str, Parts], Parts]) -> tuple[dict[str, Parts], tuple]:
+            dress: Callable[[ChunkStep | None, str, Parts], Parts]) -> tuple[dict[str, Parts], tuple[Chunk, int, int]]:
     """Each phase's highest point over the rank's steps: ``price(chunk, others, gradients, phase)`` gives the
     parts of ``chunk``'s forward or backward with ``others`` bytes of activations held besides its micro-batch
     and ``gradients`` bytes of gradients before it (``chunk`` None: the optimizer's, or the step's end);
     ``dress(step, phase, parts)`` adds the pipeline's own tensors.  Returns them and the (chunk, others,
-    gradients) of the highest backward."""
+    gradients) of the highest chunk backward."""
     parts_of = chunks(cfg, rank)
     one = [c.plan.total for c in parts_of]
     grads = [c.states.gradients for c in parts_of]
     always = not cfg.assumptions.zero_grad_set_to_none
     out: dict[str, Parts] = {}
-    top: tuple = ()
+    top, top_bytes = None, -1
     for st in steps(cfg.parallel.pp, cfg.parallel.chunks, cfg.accum, rank.stage):
-        held = sum(h * o for h, o in zip(st.held, one))
-        before = sum(g for g, made in zip(grads, st.made) if made or always)
         if st.chunk is None:  # every backward done: the sends still held, no activation left
             parts = dress(st, "backward", dict(price(None, 0, sum(grads), "optimizer"), temporaries=0))
-            ph, args = "backward", None
+            ph = "backward"
         else:
+            held = sum(h * o for h, o in zip(st.held, one))
+            before = sum(g for g, made in zip(grads, st.made) if made or always)
             ch = dataclasses.replace(parts_of[st.chunk], fresh=not (st.made[st.chunk] or always))
             ph = "backward" if st.backward else "forward"
             args = (ch, held - one[st.chunk], before)
             parts = dress(st, ph, price(*args, ph))
+            if st.backward and sum(parts.values()) > top_bytes:
+                top, top_bytes = args, sum(parts.values())
         if ph not in out or sum(parts.values()) > sum(out[ph].values()):
             out[ph] = parts
-            top = args if ph == "backward" else top
     out["optimizer"] = dress(None, "optimizer", price(None, 0, sum(grads), "optimizer"))
-    return out, top or None
+    assert top is not None, "every schedule has a backward"
+    return out, top

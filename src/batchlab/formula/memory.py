@@ -372,7 +372,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
             ddp(*at(top), walk, ("backward",))
         elif interleaved.ordered(cfg):  # each step of the interleaved schedule, its chunk (ch) priced as a stage
             phases, top = interleaved.highest(cfg, rank, lambda ch, o, g, ph: ddp(o, g, None, (ph,), ch)[ph], dress)
-            _ = top and ddp(top[1], top[2], walk, ("backward",), top[0])
+            ddp(top[1], top[2], walk, ("backward",), top[0])
         else:
             phases = ddp(plan.others, grads_before, walk)
     if not ((stage_steps.ordered(cfg) or interleaved.ordered(cfg)) and (cfg.parallel.fsdp or not fsdp)):  # per step
