@@ -9,6 +9,8 @@ backwards taking the chunks from the last down.  Its runtime (``_PipelineSchedul
 for its sends only when the step ends: every output a chunk sent on and every input gradient it sent back stays
 alive to the end of the update, beside the activations of the micro-batches each chunk holds and the gradients of
 the chunks that ran a backward already.  Each step is priced as its own chunk's forward or backward over that state.
+Under autocast the step runs inside one autocast region: every chunk's 16-bit weight copies stay in its cast cache to
+the step's end, none freed by a layer's backward.
 """
 from __future__ import annotations
 

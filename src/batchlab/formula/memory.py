@@ -357,7 +357,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
                                         gradients=grads, activations=plan_.total, recompute=0, temporaries=fwd),
                 "backward": lambda: (
                     _profiled_backward(cfg, plan_, walked, weights, grads, loss_grads, layer_copy) if fitted is not None
-                    else _backward_peak(cfg, plan_, wk, weights, grads, bwd, layer_copy, walk_, r_,
+                    else _backward_peak(cfg, plan_, wk, weights, grads, bwd, 0 if ch else layer_copy, walk_, r_,
                                         inbackward.stepping_bytes(cfg, in_flight, opt_tmp),
                                         offload.backward_on_device(cfg, plan_), ch and ch.fresh)),
                 # autocast's working copies are gone by the optimizer step
