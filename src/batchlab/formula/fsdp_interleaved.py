@@ -140,10 +140,13 @@ def phases(cfg: RunConfig, rank, resident: Parts, opt_tmp: int, grad_shards: int
             kept_below -= t.kept[k]
         keep("backward", st, points)
         gathered[c], backwards[c] = True, backwards[c] + 1
-        if backwards[c] == m:  # REDUCE_GRAD: each unit's flat fp32 input and output shard beside the gradients
-            keep("backward", st, [dict(resident, parameters=shards + bg_params + whole[c], recompute=0,
-                                       gradients=grads + (0 if st.made[c] else whole_grads[c]) + block_grad
-                                       + block_grad // cfg.dp, activations=others, temporaries=0)])
+        if backwards[c] == m:  # REDUCE_GRAD: unit by unit, the root first, resharded, then reduce-scattered from
+            # a flat input in reduce_dtype into its output shard, its unsharded gradients freed after
+            all_grads = grads + (0 if st.made[c] else whole_grads[c])
+            keep("backward", st, [dict(resident, parameters=shards + bg_params + whole[c] - sum(t.units[:i + 1]) * wg,
+                                       gradients=all_grads - sum(t.units[:i]) * wr + u * wr + u * wr // cfg.dp,
+                                       activations=others, recompute=0, temporaries=0)
+                                  for i, u in enumerate(t.units)])
             gathered[c], reduced[c] = False, True
     keep("optimizer", None, [dict(resident, gradients=grad_shards, activations=0, recompute=0, temporaries=opt_tmp)])
     return out
