@@ -21,6 +21,7 @@ from typing import Callable
 
 from batchlab.config import Implementation, RunConfig
 from batchlab.config.engines import PipelineSchedule
+from batchlab.formula import deepspeed
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.activations import Widths
 from batchlab.formula.inbackward import walk_states
@@ -125,23 +126,29 @@ def _hidden(cfg: RunConfig, rank: RankShare) -> int:
     return cfg.seq * cfg.micro_batch * cfg.model.hidden * w.res // rank.in_sp
 
 
-def dressed(cfg: RunConfig, rank: RankShare, step: ChunkStep | None, parts: Parts) -> Parts:
-    """The pipeline's own tensors at ``step`` (formula/pipeline.py's, counted step by step): the receive buffers
-    (resident), the outputs sent on and the input gradients sent back (kept by their sends), the last stage's
-    logits of its in-flight micro-batches (kept in ``fwd_cache`` to their backward); the received activations in
-    use are buffers, out of the activations' part.  ``step`` None: the optimizer's, buffers alone."""
-    hidden, v, p = _hidden(cfg, rank), cfg.parallel.chunks, cfg.parallel.pp
+def dresser(cfg: RunConfig, rank: RankShare) -> Callable[[ChunkStep | None, str, Parts], Parts]:
+    """``dress(step, phase, parts)``: DeepSpeed's buffers (formula/deepspeed.py) and the pipeline's own tensors at
+    ``step`` (formula/pipeline.py's, counted step by step): the receive buffers (resident), the outputs sent on and
+    the input gradients sent back (kept by their sends), the last stage's logits of its in-flight micro-batches
+    (kept in ``fwd_cache`` to their backward); the received activations in use are buffers, out of the activations'
+    part.  ``step`` None: the optimizer's, buffers alone."""
+    hidden, p = _hidden(cfg, rank), cfg.parallel.pp
     buffers = receive_buffer_bytes(cfg, rank)[0]
-    if step is None:
-        return dict(parts, **{"receive buffers": buffers, "stage outputs": 0, "gradient sends": 0})
-    received = sum(h for c, h in enumerate(step.held) if c * p + rank.stage > 0) * hidden
-    logits = 0
-    if rank.last:
-        w = Widths.of(cfg.precision, cfg.device_spec.backend)
-        logits = step.held[-1] * cfg.seq * cfg.micro_batch * cfg.model.vocab * w.e // rank.vocab_split
-    return dict(parts, activations=max(0, parts["activations"] - received), **{
-        "receive buffers": buffers, "stage outputs": step.sent * hidden + logits,
-        "gradient sends": step.sends * hidden})
+    receiving = [c * p + rank.stage > 0 for c in range(cfg.parallel.chunks)]
+    w = Widths.of(cfg.precision, cfg.device_spec.backend)
+    logits = cfg.seq * cfg.micro_batch * cfg.model.vocab * w.e // rank.vocab_split if rank.last else 0
+    engine = deepspeed.priced(cfg)
+
+    def dress(step: ChunkStep | None, ph: str, parts: Parts) -> Parts:
+        parts = deepspeed.dressed(cfg, rank, {ph: parts})[ph] if engine else parts
+        if step is None:
+            return dict(parts, **{"receive buffers": buffers, "stage outputs": 0, "gradient sends": 0})
+        received = sum(h for h, r in zip(step.held, receiving) if r) * hidden
+        return dict(parts, activations=max(0, parts["activations"] - received), **{
+            "receive buffers": buffers, "stage outputs": step.sent * hidden + step.held[-1] * logits,
+            "gradient sends": step.sends * hidden})
+
+    return dress
 
 
 def highest(cfg: RunConfig, rank: RankShare, price: Callable[[Chunk | None, int, int, str], Parts],
@@ -157,6 +164,9 @@ def highest(cfg: RunConfig, rank: RankShare, price: Callable[[Chunk | None, int,
     always = not cfg.assumptions.zero_grad_set_to_none
     out: dict[str, Parts] = {}
     top, top_bytes = None, -1
+    # what the other chunks hold adds alike to every point of a step: each chunk's forward and backward (making its
+    # gradients or not) is priced once, alone
+    priced: dict[tuple, Parts] = {}
     for st in steps(cfg.parallel.pp, cfg.parallel.chunks, cfg.accum, rank.stage):
         if st.chunk is None:  # every backward done: the sends still held, no activation left
             parts = dress(st, "backward", dict(price(None, 0, sum(grads), "optimizer"), temporaries=0))
@@ -164,14 +174,19 @@ def highest(cfg: RunConfig, rank: RankShare, price: Callable[[Chunk | None, int,
         else:
             held = sum(h * o for h, o in zip(st.held, one))
             before = sum(g for g, made in zip(grads, st.made) if made or always)
-            ch = dataclasses.replace(parts_of[st.chunk], fresh=not (st.made[st.chunk] or always))
+            fresh = not (st.made[st.chunk] or always)
             ph = "backward" if st.backward else "forward"
-            args = (ch, held - one[st.chunk], before)
-            parts = dress(st, ph, price(*args, ph))
+            key = (st.chunk, ph, fresh)
+            if key not in priced:
+                priced[key] = price(dataclasses.replace(parts_of[st.chunk], fresh=fresh), 0, 0, ph)
+            alone, others = priced[key], held - one[st.chunk]
+            parts = dress(st, ph, dict(alone, activations=alone["activations"] + others,
+                                       gradients=alone["gradients"] + before))
             if st.backward and sum(parts.values()) > top_bytes:
-                top, top_bytes = args, sum(parts.values())
+                top, top_bytes = (st.chunk, fresh, others, before), sum(parts.values())
         if ph not in out or sum(parts.values()) > sum(out[ph].values()):
             out[ph] = parts
     out["optimizer"] = dress(None, "optimizer", price(None, 0, sum(grads), "optimizer"))
     assert top is not None, "every schedule has a backward"
-    return out, top
+    c, fresh, others, before = top
+    return out, (dataclasses.replace(parts_of[c], fresh=fresh), others, before)

@@ -238,7 +238,7 @@ def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: di
 def _dresser(cfg: RunConfig, rank: RankShare):
     """``dress(held, phase, parts)``: the pipeline's own tensors for ``held`` micro-batches in flight (or step)."""
     if interleaved.ordered(cfg):
-        return lambda st, ph, parts: interleaved.dressed(cfg, rank, st, deepspeed.dressed(cfg, rank, {ph: parts})[ph])
+        return interleaved.dresser(cfg, rank)
     return lambda held, ph, parts: with_pipeline(cfg, dataclasses.replace(rank, in_flight=held),
                                                   deepspeed.dressed(cfg, rank, {ph: parts}))[ph]
 
