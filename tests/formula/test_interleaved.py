@@ -51,6 +51,9 @@ TRACED = [
      (12_682_240, 11_370_496, 11_370_496, 11_141_140)),
     (dict(seq=32, micro_batch=2, accum=4, pp=2, pp_virtual=2, dp=2, zero=3), (11_963_136, 10_094_100)),
     (dict(seq=32, micro_batch=2, accum=4, pp=2, pp_virtual=2, dp=2, zero=2), (11_531_008, 9_760_276)),
+    (dict(seq=32, micro_batch=2, accum=4, pp=2, pp_virtual=3, layers=6, dp=2, zero=2), (16_080_384, 14_309_652)),
+    # 4 chunks: more than the schedule's window of 3 gathered chunks
+    (dict(seq=32, micro_batch=2, accum=4, pp=2, pp_virtual=4, layers=8, dp=2, zero=3), (20_268_800, 18_203_144)),
 ]
 
 

@@ -26,6 +26,7 @@ Parts = dict[str, int]
 
 
 def walked(cfg: RunConfig) -> bool:
+    """FSDP2 on the data dimension of an interleaved pipeline (``interleaved.ordered``)."""
     return interleaved.ordered(cfg) and cfg.parallel.fsdp
 
 
