@@ -130,8 +130,8 @@ class ScheduleSpec:
         runs.  1F1B waits for the previous micro-batch's backward sends only after the next backward
         (``Schedule1F1B._step_microbatches``: "Clear previous chunk's backward sends" after ``backward_one_chunk``);
         GPipe waits for them all at the end, but its high point is its first backward, with none sent yet.  The
-        interleaved runtime (``_PipelineScheduleRuntime``) waits for every send only when the step ends, so it
-        holds more (input gradients, and outputs past their backward) than the one counted here."""
+        interleaved runtime (``_PipelineScheduleRuntime``) waits for every send only when the step ends: counted
+        step by step (formula/interleaved.py), not here."""
         if stage == 0 or m < 2 or self.schedule is PipelineSchedule.GPIPE:
             return 0
         return 1
