@@ -29,7 +29,18 @@ MODELS = {  # name -> (preset, overrides, source)
     "GPT tiny, 2 layers, no dropout": ("tiny", dict(layers=2, dropout=0.0), "builtin"),
     "hf:gpt2, 2 layers, h 128": ("gpt2", dict(layers=2, hidden=128, heads=4, vocab=1024, max_positions=256), "hf:gpt2"),
     "factory (GPT), 3 layers, h 96": ("tiny", dict(layers=3, hidden=96, heads=3, vocab=384), "compiled_factory:gpt"),
+    "hf:gpt2, 2 layers, h 128, dropout": ("gpt2", dict(layers=2, hidden=128, heads=4, vocab=1024, max_positions=256,
+                                                       dropout=0.1), "hf:gpt2"),
+    "hf:llama, 2 layers, h 128": ("llama-2-7b", dict(layers=2, hidden=128, heads=4, ffn=352, vocab=1024,
+                                                     max_positions=256), "hf:llama"),
 }
+# the grid's four models at both shapes and policies, then cases added later (another shape or model): each with
+# its first predicted error recorded before any change that followed (FIRST), every third a hold-out (never tuned on)
+EXTRA = (("hf:gpt2, 2 layers, h 128, dropout", "none", (64, 2)), ("hf:gpt2, 2 layers, h 128, dropout", "none", (128, 4)),
+         ("hf:llama, 2 layers, h 128", "none", (64, 2)), ("GPT tiny, 2 layers", "none", (256, 2)),
+         ("hf:gpt2, 2 layers, h 128, dropout", "full", (64, 2)), ("hf:llama, 2 layers, h 128", "full", (128, 4)))
+HOLD_OUT = frozenset(EXTRA[2::3])
+FIRST = HERE / "compiled_time_first.json"  # the added cases' first predictions and errors
 SHAPES = ((64, 2), (128, 8))  # (seq, micro-batch): a dispatch-bound one and a larger one
 POLICIES = ("none", "full")
 ROUNDS, WARMUP = 8, 3
@@ -47,8 +58,11 @@ def key(name: str, ac: str, shape: tuple[int, int]) -> str:
     return f"{name} | {ac} | {shape[0]} x {shape[1]}"
 
 
+GRID_MODELS = tuple(MODELS)[:4]
+
+
 def grid():
-    return [(n, ac, s) for n in MODELS for ac in POLICIES for s in SHAPES]
+    return [(n, ac, s) for n in GRID_MODELS for ac in POLICIES for s in SHAPES] + list(EXTRA)
 
 
 def _timed(trainer) -> float:
@@ -93,6 +107,16 @@ def measure_all() -> None:
         MEASURED.write_text(json.dumps(kept, indent=1))
         print(f"  compiled/eager {kept[k]['ratio']:.3f} ({kept[k]['low']:.3f}-{kept[k]['high']:.3f})",
               file=sys.stderr, flush=True)
+
+
+def record_first() -> None:
+    """The added cases' predictions by today's code, kept as their first (before any change made after them)."""
+    first = json.loads(FIRST.read_text()) if FIRST.exists() else {}
+    for name, ac, shape in EXTRA:
+        k = key(name, ac, shape)
+        if k not in first:
+            first[k] = dict(predicted(name, ac, shape, trace=True), hold_out=(name, ac, shape) in HOLD_OUT)
+            FIRST.write_text(json.dumps(first, indent=1))
 
 
 def predicted(name: str, ac: str, shape: tuple[int, int], trace: bool) -> dict:
@@ -168,7 +192,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--measure", action="store_true", help="measure the cases missing from the kept figures")
     p.add_argument("--trace", action="store_true", help="also the trace's predicted ratio (a few seconds per case)")
+    p.add_argument("--first", action="store_true", help="keep the added cases' predictions not kept yet as their first")
     args = p.parse_args(argv)
+    if args.first:
+        record_first()
     if args.measure:
         measure_all()
     print(page(args.trace))
