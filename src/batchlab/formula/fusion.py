@@ -13,8 +13,9 @@ The members stay in the list, with no launch and no bytes of their own, so a tra
 number inside the kernel (calibrate/compiled_rng.py); matmuls and fused attention are unchanged but issued by the
 compiled graph's wrapper (``Launch.COMPILED``), views cost nothing.  A reduction (a norm, softmax, a sum) takes
 the chain before it into its loop and ends it.  The rule reads op kinds only (formula/opcost.py ``OpClass``): it
-applies to the formula's op list (formula/oplist.py) and to any recorded one alike.  Inner outputs a chain also saves for
-backward are written as well in the real kernel: the rule counts them once, as read by the next member only.
+applies to the formula's op list (formula/oplist.py) and to any recorded one alike.  Inner outputs a chain also
+saves for backward are written as well in the real kernel: the rule counts them once, as read by the next member
+only.
 """
 from __future__ import annotations
 
