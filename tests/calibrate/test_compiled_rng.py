@@ -4,32 +4,20 @@ compiled block draws (tests/formula/test_fusion.py, tests/trace/test_compiled_tr
 from __future__ import annotations
 
 import pytest
-import torch
 
-from batchlab.calibrate import Calibration, compiled_rng, load_cached, save
+from batchlab.calibrate import compiled_rng, load_cached, save
 from batchlab.config import RunConfig, preset
-from batchlab.host import cpu_hardware
+
+from hosts import stub_calibration
 
 DROPOUT = RunConfig(model=preset("tiny", layers=1), seq=16, micro_batch=1, compile="blocks")
-
-
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-
-
-def calibration() -> Calibration:
-    return Calibration(device="cpu", hardware=f"{cpu_hardware()}, 1 threads", torch_device="cpu",
-                       matmul_flops_fp32=1e10, matmul_flops_bf16=None, memory_bytes_per_s=1e9, matmul_size={},
-                       copy_bytes=1, threads=1, measured_at="2026-01-01T00:00:00+00:00",
-                       torch_version=torch.__version__, seconds=1.0, element_seconds={"random:fp32": 6e-9})
 
 
 def test_ensure_times_the_rng_once_for_a_compiled_dropout_model_and_caches_its_rate(monkeypatch):
     calls = []
     monkeypatch.setattr(compiled_rng, "measure", lambda seconds=compiled_rng.SECONDS: calls.append(1) or 2.5)
     assert compiled_rng.ensure(DROPOUT, threads=1) is None and not calls  # no calibration: nothing to scale
-    save(calibration())
+    save(stub_calibration(element_seconds={"random:fp32": 6e-9}))
     for eager_or_no_dropout in (DROPOUT.replace(compile="none"), DROPOUT.replace(model=preset("tiny", layers=1,
                                                                                                dropout=0.0))):
         assert compiled_rng.ensure(eager_or_no_dropout, threads=1) is None and not calls
@@ -40,7 +28,7 @@ def test_ensure_times_the_rng_once_for_a_compiled_dropout_model_and_caches_its_r
 
 
 def test_a_failed_or_senseless_timing_caches_nothing(monkeypatch):
-    save(calibration())
+    save(stub_calibration(element_seconds={"random:fp32": 6e-9}))
 
     def no_compiler(seconds=compiled_rng.SECONDS):
         raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
