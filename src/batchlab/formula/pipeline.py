@@ -26,7 +26,7 @@ from batchlab.formula.params import norm_tensors
 from batchlab.formula.ranks import RankShare, shares
 from batchlab.config.phase import Phase
 from batchlab.formula.opcost import OpCosts, OpCount, merge
-from batchlab.formula.oplist import _Ops, _widths
+from batchlab.formula.opbuild import OpList, widths
 from batchlab.formula.sharding import collective_seconds, ring_messages
 
 
@@ -219,10 +219,10 @@ def replicated_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     """One micro-batch's ops outside the layers' tensor-parallel regions (each layer's two norms, residual dropouts
     and adds, backward, and a whole-block recompute's forward again): without sequence parallelism every
     tensor-parallel rank runs them on the whole b·s·h (Korthikanti et al. 2022, sec. 4.2.2)."""
-    ops, m, t = _Ops(_widths(cfg)), cfg.model, cfg.micro_batch * cfg.seq  # oplist's own op writer
+    ops, m, t = OpList(widths(cfg)), cfg.model, cfg.micro_batch * cfg.seq  # oplist's own op writer
     redo = sum(mode.spec.applied is Applied.WHOLE_BLOCK for mode in cfg.ac.layer_modes(m.layers))
     for ph, layers, backward in ((Phase.FORWARD, m.layers, True), (Phase.RECOMPUTE, redo, False)):
-        block = _Ops(ops.w)
+        block = OpList(ops.w)
         for _ in ("attention", "mlp"):
             block.norm(ph, t, m.hidden, m.norm, m.bias, backward)
             block.dropout(ph, t * m.hidden, m.dropout, ops.w.e, backward)
