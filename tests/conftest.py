@@ -17,6 +17,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every subprocess a
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# inductor builds its C++ kernels in the compiling process: a pool of compile workers (each importing torch) would
+# only contend for the cores the two pytest-xdist workers already use
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # pytest-xdist's workers (started after this) run in batchlab's allocator regime, as its measuring processes do,
 # so a calibration in a test needs no child process of its own; tests of the regime build their environments
 for _k, _v in STEADY_ENV.items():
@@ -143,6 +146,20 @@ def _freeze():
 
     gc.collect()
     gc.freeze()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The files with the most ``slow`` tests first, then by their number of tests (pytest-xdist's own order, which
+    --no-loadscope-reorder in pyproject.toml hands over to this): pytest-xdist gives each worker whole files in
+    this order, so a file of a few long tests (inductor's compiles, torchrun launches) no longer starts last and
+    leaves one core idle while it runs.  Within a file the order is kept."""
+    slow, count, first = {}, {}, {}
+    for i, item in enumerate(items):
+        f = item.nodeid.split("::")[0]
+        first.setdefault(f, i)
+        count[f] = count.get(f, 0) + 1
+        slow[f] = slow.get(f, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: (lambda f: (-slow[f], -count[f], first[f]))(item.nodeid.split("::")[0]))
 
 
 def pytest_collection_finish(session):
