@@ -17,9 +17,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every subprocess a
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 os.environ.setdefault("MKL_NUM_THREADS", "1")
-# inductor builds its C++ kernels in the compiling process: a pool of compile workers (each importing torch) would
-# only contend for the cores the two pytest-xdist workers already use
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # pytest-xdist's workers (started after this) run in batchlab's allocator regime, as its measuring processes do,
 # so a calibration in a test needs no child process of its own; tests of the regime build their environments
 for _k, _v in STEADY_ENV.items():
