@@ -3,7 +3,7 @@
 Every layout's script (the stand-in: 4 layers, width 64, 4 heads, seq 16, micro-batch 2, accumulation 2) runs through
 ``torchrun --standalone`` on gloo (CPU); its reference is the script of the same config with TP = PP = 1 (same seed,
 same stand-in): single process where DP = 1, the DP script (DDP, or FSDP2 at ZeRO-2/3) where DP = 2.  Both are
-sharpened alike (``script_run.sharpened``: SGD at lr 0.5, 8 decimals), so the loss printed after update 1's step
+sharpened alike (``tests/script_run.py`` ``sharpened``: SGD at lr 0.5, 8 decimals), so the loss printed after update 1's step
 checks every gradient's size.  One launch per world size: 2 ranks (the DP = 1 references in rank 0, the TP2 / PP2
 layouts, the DP2 references), 4 ranks (the layouts with DP or with both TP and PP) and 8 (DP x TP x PP).
 Writes docs/accuracy/script-layouts.md.
@@ -18,13 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent / "tests"), str(HERE)]  # script_run (a test helper), page
 
 from page import publish  # noqa: E402
 
-from batchlab.advise.script_run import run_scripts, sharpened  # noqa: E402
 from batchlab.advise.torch_script import training_script  # noqa: E402
 from batchlab.config import ACPolicy, RunConfig, preset  # noqa: E402
+from script_run import run_scripts, sharpened  # noqa: E402
 
 PLAN = "plan:full,selective-op,megatron-selective,none"
 

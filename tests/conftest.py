@@ -145,6 +145,20 @@ def _freeze():
     gc.freeze()
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The files with the most ``slow`` tests first, then by their number of tests (pytest-xdist's own order, which
+    --no-loadscope-reorder in pyproject.toml hands over to this): pytest-xdist gives each worker whole files in
+    this order, so a file of a few long tests (inductor's compiles, torchrun launches) no longer starts last and
+    leaves one core idle while it runs.  Within a file the order is kept."""
+    slow, count, first = {}, {}, {}
+    for i, item in enumerate(items):
+        f = item.nodeid.split("::")[0]
+        first.setdefault(f, i)
+        count[f] = count.get(f, 0) + 1
+        slow[f] = slow.get(f, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: (lambda f: (-slow[f], -count[f], first[f]))(item.nodeid.split("::")[0]))
+
+
 def pytest_collection_finish(session):
     _freeze()  # the imports and the collection
 

@@ -15,6 +15,7 @@ import pytest
 from batchlab.advise.snippets import all_snippets
 from batchlab.advise.torch_script import STAND_IN_BEGIN, STAND_IN_END, training_script
 from batchlab.config import ACPolicy, RunConfig, preset
+from script_run import run_in_turn
 
 pytest.importorskip("torch")
 
@@ -212,38 +213,44 @@ def test_multi_node_launch_line():
     assert "--nnodes 2 --nproc-per-node 8" in training_script(cfg)
 
 
-def test_a_plan_script_wraps_each_layer_with_its_policy_and_runs(tmp_path):
-    """The script of a per-layer plan runs as printed (a fresh interpreter, torch only) and wraps exactly the
-    layers the plan names, each with its own selective policy."""
-    import subprocess
-
+def _plan_probe() -> str:
     script = training_script(config(ac=PLAN))
     assert "PLAN = ['full', 'selective-op', 'megatron-selective', 'none']" in script
-    probe = script + "\nprint('wrapped', [type(b).__name__ == 'Checkpointed' for b in model.layers], " \
-                     "[getattr(b, 'context_fn', 0) is None for b in model.layers])\n"
-    path = write(tmp_path, "train_plan.py", probe)
-    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert updates_printed(r.stdout) == [1, 2], r.stdout
-    assert "wrapped [True, True, True, False] [True, False, False, False]" in r.stdout, r.stdout
+    return script + "\nprint('wrapped', [type(b).__name__ == 'Checkpointed' for b in model.layers], " \
+                    "[getattr(b, 'context_fn', 0) is None for b in model.layers])\n"
 
 
-def test_an_optimizer_in_backward_script_steps_in_the_hooks_and_runs(tmp_path):
-    """--optimizer-in-backward's script runs as printed (a fresh interpreter): one optimizer per parameter, stepped
-    in its post-accumulate-grad hook, so no gradient is left after backward and the weights moved."""
-    import subprocess
-
+def _in_backward_probe() -> str:
     script = training_script(config(accum=1).replace(optimizer_in_backward=True))
     assert "register_post_accumulate_grad_hook(step_in_backward)" in script and "optimizer.step()" not in script
     probe = script.replace("for step, (x, y) in enumerate(loader):",
                            "before = [p.detach().clone() for p in model.parameters()]\n"
                            "for step, (x, y) in enumerate(loader):")
-    probe += ("\nprint('grads left', sum(p.grad is not None for p in model.parameters()))"
-              "\nprint('moved', all(not torch.equal(a, p) for a, p in zip(before, model.parameters())))\n")
-    path = write(tmp_path, "train_inbwd.py", probe)
-    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return probe + ("\nprint('grads left', sum(p.grad is not None for p in model.parameters()))"
+                    "\nprint('moved', all(not torch.equal(a, p) for a, p in zip(before, model.parameters())))\n")
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """The two probed scripts below run as printed in one fresh interpreter (torch only, imported once for both):
+    (the process, each script's output by name)."""
+    return run_in_turn(tmp_path_factory.mktemp("fresh"), {"train_plan": _plan_probe(),
+                                                          "train_inbwd": _in_backward_probe()})
+
+
+def test_a_plan_script_wraps_each_layer_with_its_policy_and_runs(fresh):
+    """The script of a per-layer plan runs as printed (a fresh interpreter, torch only) and wraps exactly the
+    layers the plan names, each with its own selective policy."""
+    r, out = fresh
     assert r.returncode == 0, r.stderr[-2000:]
-    assert updates_printed(r.stdout) == [1, 2], r.stdout
-    assert "grads left 0" in r.stdout and "moved True" in r.stdout, r.stdout
+    assert updates_printed(out["train_plan"]) == [1, 2], r.stdout
+    assert "wrapped [True, True, True, False] [True, False, False, False]" in out["train_plan"], r.stdout
+
+
+def test_an_optimizer_in_backward_script_steps_in_the_hooks_and_runs(fresh):
+    """--optimizer-in-backward's script runs as printed (a fresh interpreter): one optimizer per parameter, stepped
+    in its post-accumulate-grad hook, so no gradient is left after backward and the weights moved."""
+    r, out = fresh
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert updates_printed(out["train_inbwd"]) == [1, 2], r.stdout
+    assert "grads left 0" in out["train_inbwd"] and "moved True" in out["train_inbwd"], r.stdout

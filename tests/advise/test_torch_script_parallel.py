@@ -11,10 +11,10 @@ import math
 
 import pytest
 
-from batchlab.advise.script_run import run_scripts, sharpened
 from batchlab.advise import load_config_toml
 from batchlab.advise.torch_script import training_script
 from batchlab.config import ACPolicy, RunConfig, preset
+from script_run import run_scripts, sharpened
 
 PLAN = "plan:full,selective-op,megatron-selective,none"
 

@@ -232,3 +232,19 @@ def test_a_plan_of_selective_layers_needs_what_its_preset_needs(real):
     preset, plan = (estimate(cfg.replace(ac=ac), {"cpu": real}).time.update_seconds
                     for ac in ("selective-op", "plan:selective-op*4"))
     assert plan == pytest.approx(preset, rel=1e-9)
+
+
+def test_the_cache_of_one_device_is_read_from_its_own_files_only(real, monkeypatch):
+    from batchlab.cache import calibrations
+
+    save(real)
+    other = save(dataclasses.replace(real, device="h100-sxm", torch_device="cuda:0"))
+    read = []
+    original = calibrations._read
+    monkeypatch.setattr(calibrations, "_read", lambda path: read.append(path.name) or original(path))
+    assert load_cached("cpu", 1) == real
+    assert read == [_cache_path("cpu", real.torch_version, 1).name]
+    load_cached("h100-sxm", 1)  # (a CPU's rates fail an H100's checks: read, then refused)
+    assert read[-1] == other.name
+    assert load_cached("h100", 1) is None  # a device whose name begins another's reads nothing of it
+    assert len(read) == 2

@@ -63,3 +63,21 @@ def test_progress_on_a_terminal_counts(monkeypatch):
     with progress("compare", "side A", total=6) as bar:
         bar(3, 6, "round 2 of 3")
         assert bar._bar.tasks[0].completed == 3 and bar._bar.tasks[0].description == "round 2 of 3"
+
+
+def test_fit_over_layouts_counts_trials_of_the_layout_measured(fake_measure, monkeypatch):
+    """fit --world-size measures the pick's layout: its bar's 'at most N' is the search's own budget for that layout
+    (sequences per rank over the pick's DP degree), not the base config's (DP 1)."""
+    reports = []
+    real = advise.fit
+    monkeypatch.setattr(advise, "fit", lambda *a, **k: reports.append(real(*a, **k)) or reports[-1])
+    r = CliRunner().invoke(app, ["fit", "--model", "llama-2-7b", "--seq", "4096", "--global-batch", "64", "--device",
+                                 "a100-80gb", "--precision", "bf16-mixed", "--world-size", "8", "--search"],
+                           env=TERMINAL)
+    assert r.exit_code == 0, r.output
+    report = reports[0]
+    assert report.final.dp > 1  # a layout whose DP differs from the base's
+    budget = report.search.budget
+    assert f"trial 1/{budget}: micro-batch" in r.stderr and f"of at most {budget}" in r.stderr
+    # the base's budget, by hand: 64 sequences on its one rank, ceil(log2 64) + 2
+    assert budget != 8 and "of at most 8" not in r.stderr

@@ -3,9 +3,6 @@ against real CPU steps: what the formula says a layer keeps is what the step kee
 other selective policies hold, the gradients are plain training's, the printed script runs it and the planner
 picks it."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -111,13 +108,14 @@ def test_fit_auto_writes_a_plan_with_it(tmp_path):
 
 def test_the_printed_script_runs_it(tmp_path):
     from batchlab.advise.torch_script import training_script
+    from script_run import run_in_turn
 
-    for ac in ("selective-mlp", "plan:selective-mlp,full,none,selective-op"):
+    scripts = {}
+    for i, ac in enumerate(("selective-mlp", "plan:selective-mlp,full,none,selective-op")):
         script = training_script(RunConfig(model=preset("tiny", layers=4), seq=16, micro_batch=2, accum=1, ac=ac))
-        probe = script + "\nprint('mlp', [type(b.mlp).__name__ if hasattr(b, 'mlp') else '-' for b in model.layers])\n"
-        path = tmp_path / "train.py"
-        path.write_text(probe)
-        r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert "Checkpointed" in r.stdout.splitlines()[-1], r.stdout
+        scripts[f"train{i}"] = script + ("\nprint('mlp', [type(b.mlp).__name__ if hasattr(b, 'mlp') else '-' "
+                                         "for b in model.layers])\n")
+    r, out = run_in_turn(tmp_path, scripts)  # as printed, in one fresh interpreter (torch imported once)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in scripts:
+        assert "Checkpointed" in out[name].splitlines()[-1], r.stdout

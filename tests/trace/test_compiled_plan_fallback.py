@@ -1,10 +1,31 @@
 """estimate --trace --compile where inductor cannot plan: the partition-only trace answers, and its note says why
-(a lowering that fails; a CUDA config is tests/cli/test_compile_flag.py's)."""
+(a lowering that fails; a CUDA config is tests/cli/test_compile_flag.py's); a model whose own code does not compile
+is refused once, not compiled again by the fallback."""
 from __future__ import annotations
 
-from batchlab.config import RunConfig, preset
+import pytest
+
+from batchlab.config import ConfigError, RunConfig, preset
 from batchlab.trace import estimate as trace
 from batchlab.trace import inductor_plan
+
+BROKEN = '''
+import torch
+import torch.nn as nn
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, tokens):
+        return self.out(self.emb(tokens) @ torch.ones(3, 3))  # 8 features against 3 rows
+
+
+def broken():
+    return Broken(), "tokens:16"
+'''
 
 
 def test_a_failing_lowering_falls_back_to_the_partition_and_says_why(monkeypatch):
@@ -18,3 +39,17 @@ def test_a_failing_lowering_falls_back_to_the_partition_and_says_why(monkeypatch
     assert "min-cut partition" in note and "not inductor's own plan" in note and "no lowering for this op" in note
     # the partition's count of what the forward saves under full AC: the block's input, b x s x h fp32, and more
     assert traced.memory.activations_bytes >= 2 * 16 * 128 * 4
+
+
+def test_a_model_whose_code_does_not_compile_is_traced_once_and_refused(tmp_path, monkeypatch):
+    import batchlab.trace.run as traced_update
+
+    (tmp_path / "broken_model.py").write_text(BROKEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    attempts = []
+    real = traced_update.estimate
+    monkeypatch.setattr(traced_update, "estimate", lambda *a, **k: attempts.append(a) or real(*a, **k))
+    with pytest.raises(ConfigError) as e:
+        trace(RunConfig(model_source="broken_model:broken", seq=8, micro_batch=2, compile="model"))
+    assert e.value.field == "compile" and "did not compile for the trace" in str(e.value)
+    assert len(attempts) == 1  # the partition-only backend would compile the same code to the same error

@@ -29,9 +29,12 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def _file_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
 def _cache_path(device: str, torch_version: str, threads: int) -> Path:
-    name = f"{device}-torch{torch_version}-{threads}threads"
-    return cache_dir() / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".json")
+    return cache_dir() / (_file_name(f"{device}-torch{torch_version}-{threads}threads") + ".json")
 
 
 def save(cal: Calibration) -> Path:
@@ -45,7 +48,9 @@ def load_cached(device_name: str, threads: int | None = None) -> Calibration | N
     a process here starts with), or None.  CPU rates depend on the thread count, so only an entry measured
     with the same count serves; a CPU entry measured on other hardware (a shared home directory) is ignored.
     """
-    return load_all(threads).get(device_name, say_loaded=False)  # its callers decide whether to measure again
+    # only that device's files (any torch version): the other devices' are neither read nor parsed
+    files = cache_dir().glob(f"{_file_name(device_name)}-torch*.json")
+    return _load(files, threads).get(device_name, say_loaded=False)  # its callers decide whether to measure again
 
 
 class Cached(dict):
@@ -70,9 +75,13 @@ def load_all(threads: int | None = None) -> Cached:
     """Every usable cached calibration, by batchlab device name: what ``formula.estimate`` is given.
     Where one device has several (torch versions), the newest measurement wins.  One that fails its checks
     (``check``) is left out: the caller measures a fresh one and overwrites it, or prices with nominal rates."""
+    return _load(cache_dir().glob("*.json"), threads)
+
+
+def _load(files, threads: int | None) -> Cached:
     want = default_threads() if threads is None else threads
     usable, refused = [], {}
-    for path in sorted(cache_dir().glob("*.json")):
+    for path in sorted(files):
         cal = _read(path)
         if cal is None or (cal.torch_device.startswith("cpu") and cal.threads != want):
             continue

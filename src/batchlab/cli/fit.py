@@ -206,13 +206,17 @@ def _fit(goal, verify: bool | None, search: bool, timeout: float | None, as_json
         with progress("fit", "tracing", quiet=as_json) as bar:
             shown = (lambda done, total, label: bar(done, total, f"tracing {label}")) if bar is not None else None
             return fit(goal, verify=False, progress=shown)
-    budget = 1 if "micro_batch" in goal.held else max_trials(goal.per_rank)
+    held = "micro_batch" in goal.held
+    budget = 1 if held else max_trials(goal.per_rank)
     isolated = isolated_measure(goal.capacity_bytes, timeout)
     with progress("fit", "measuring", total=budget, quiet=as_json) as bar:
         count = [0]
 
         def measure(cfg):
+            nonlocal budget
             count[0] += 1
+            if not held:  # the search's budget is the measured layout's: with --world-size the pick's DP, not the base's
+                budget = max_trials(cfg.global_batch // cfg.dp)
             if bar is not None:
                 bar(count[0] - 1, budget, f"trial {count[0]} of at most {budget}: micro-batch {cfg.micro_batch} x "
                                           f"accum {cfg.accum}, {cfg.ac}")

@@ -254,8 +254,9 @@ def partition_only(gm, example_inputs):
                                  partition_fn=_partition, decompositions=select_decomp_table())
 
 
-def _traced(cfg: RunConfig, backend, within, **kwargs):
-    """trace.run.estimate with the model compiled by ``backend`` inside ``within``; its compile-count note."""
+def _traced(cfg: RunConfig, backend, within, falls_back: bool = False, **kwargs):
+    """trace.run.estimate with the model compiled by ``backend`` inside ``within``; its compile-count note.
+    ``falls_back``: the backend's own failure is raised as it is (the caller traces again with another backend)."""
     import torch
 
     from batchlab.models.compiled import break_summary, failure_text, using_backend
@@ -265,6 +266,8 @@ def _traced(cfg: RunConfig, backend, within, **kwargs):
         try:
             result = traced(cfg, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:  # the model's own code did not compile
+            if falls_back and isinstance(e, torch._dynamo.exc.BackendCompilerFailed):
+                raise
             raise ConfigError("compile", f"{cfg.model_source} ({cfg.model.name}) did not compile for the trace: "
                                          f"{failure_text(e)}") from None
         compiles = sum(w.compiles for w in watches)
@@ -299,16 +302,18 @@ def _estimate(cfg: RunConfig, why: str | None, kwargs: dict):
     import contextlib
     import dataclasses
 
+    from batchlab.models.compiled import failure_text
     from batchlab.trace.inductor_plan import inductor, kernels_not_built
 
     if why is None:
         try:
-            result, counted = _traced(cfg, inductor, kernels_not_built(_partitioned), **kwargs)
+            result, counted = _traced(cfg, inductor, kernels_not_built(_partitioned), falls_back=True, **kwargs)
             notes = [PLAN_NOTE.format(mode=cfg.compile.value), counted]
             return dataclasses.replace(result, notes=[*notes, *result.notes])
+        except ConfigError:  # the model's own code or the config: another backend would compile it to the same end
+            raise
         except Exception as e:  # noqa: BLE001 - any failure of inductor's plan falls back (and says why)
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            why = f"inductor's plan failed here ({type(e).__name__}: {first[:200]})"
+            why = f"inductor's plan failed here ({failure_text(e)[:240]})"
     result, counted = _traced(cfg, partition_only, contextlib.nullcontext(), **kwargs)
     notes = [NOTE.format(mode=cfg.compile.value) + f"; not inductor's own plan: {why}", counted]
     return dataclasses.replace(result, notes=[*notes, *result.notes])

@@ -122,3 +122,37 @@ def run_scripts(folder: Path, nproc: int, scripts: dict[str, str], references: d
             for name, values in update_losses(path.read_text()).items():
                 losses.setdefault(name, values)
     return ScriptRun(code, losses, log)
+
+
+_IN_TURN = '''\
+import runpy, sys
+
+for name, path in zip(sys.argv[1::2], sys.argv[2::2]):
+    print("== " + name, flush=True)
+    runpy.run_path(path, run_name="__main__")
+    sys.stdout.flush()
+'''
+
+
+def run_in_turn(folder: Path, scripts: dict[str, str], timeout: float = 240) -> tuple[subprocess.CompletedProcess,
+                                                                                        dict[str, str]]:
+    """Write ``scripts`` (name -> text) under ``folder`` and run them as ``__main__`` in turn in one fresh
+    interpreter (torch imported once for all: a ``python train.py`` each would import it again); (the process, each
+    script's stdout by name).  A script that raises ends the process: the ones after it print nothing."""
+    folder.mkdir(parents=True, exist_ok=True)
+    argv = []
+    for name, text in scripts.items():
+        (folder / f"{name}.py").write_text(text)
+        argv += [name, str(folder / f"{name}.py")]
+    (folder / "in_turn.py").write_text(_IN_TURN)
+    done = subprocess.run([sys.executable, str(folder / "in_turn.py"), *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=folder, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out: dict[str, str] = {}
+    name = None
+    for line in done.stdout.splitlines(keepends=True):
+        if line.startswith("== ") and line[3:].strip() in scripts:
+            name = line[3:].strip()
+            out[name] = ""
+        elif name is not None:
+            out[name] += line
+    return done, out
