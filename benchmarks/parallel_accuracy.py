@@ -3,9 +3,8 @@
 Each layout is run by ``batchlab measure ... --json`` (every rank's live-storage peak and median update time) and
 ``batchlab estimate ... --json`` for the same command (``memory.ranks``: one entry per pipeline stage, which every
 tensor- and data-parallel rank of the stage shares).  The page lists, rank by rank, the measured peak, the formula's
-peak for that rank's stage and the error; then the ratios of update times between layouts of the same run (a change
-of tensor degree or of pipeline schedule), measured against the formula's.  On CPU the absolute times say nothing
-about a GPU: only ratios measured within one run of this script are shown.
+peak for that rank's stage and the error.  Update-time ratios between layouts are benchmarks/parallel_time_ratios.py's
+(paired, interleaved rounds priced with this CPU's calibration), not this script's.
 
     python benchmarks/parallel_accuracy.py            # writes docs/accuracy/parallel.md
     python benchmarks/parallel_accuracy.py --only TP2 --no-page
@@ -92,14 +91,6 @@ UNLISTED = {  # name -> (shape, the layout's flags): layouts, models and shapes 
                                                       "--pp-virtual", "3"]),
 }
 UNLISTED_HEADING = "## Unlisted layouts and shapes"
-RATIOS = [  # (from, to, what changes)
-    ("one process", "TP2", "TP1 -> TP2"),
-    ("TP2", "TP2 + SP", "TP2 -> TP2 + sequence parallelism"),
-    ("PP2 GPipe", "PP2 1F1B", "GPipe -> 1F1B"),
-    ("PP2 1F1B", "PP2 interleaved (2 chunks)", "1F1B -> interleaved (2 chunks)"),
-    ("Llama one process", "Llama TP2", "Llama TP1 -> TP2"),
-    ("Llama PP2 GPipe", "Llama PP2 1F1B", "Llama GPipe -> 1F1B"),
-]
 MiB = 2**20
 
 
@@ -154,31 +145,6 @@ def run(name: str, flags: list[str], base: list[str] = BASE) -> dict:
                 formula_seconds=estimate["time"]["update_seconds"])
 
 
-def timed_link() -> tuple[float, float]:
-    """(bytes/s, seconds per message) of gloo's link between two local processes, timed now as ``batchlab
-    calibrate`` times it (calibrate/link.py: all-reduces right after a burst of compute, fitted to the ring model)."""
-    from batchlab.calibrate.link import allreduce_times, ring_fit
-
-    return ring_fit(allreduce_times(6.0).get("seconds", {}))
-
-
-def priced(flags: list[str], link: tuple[float, float] | None) -> float:
-    """The formula's update time with the nominal per-op costs of ``estimate`` and, where ``link`` is given, the
-    local ranks' messages on that link (as a calibration's link prices them: formula/pipeline.py)."""
-    import dataclasses
-
-    from batchlab.cli.common import config_from_command
-    from batchlab.formula import flops, memory, timing
-    from batchlab.formula.oplist import update_ops
-    from batchlab.formula.timing import costs_for
-
-    cfg = config_from_command(["estimate", *BASE, *flags])
-    costs = costs_for(cfg, None, update_ops(cfg))
-    if link is not None:
-        costs = dataclasses.replace(costs, link_bytes_per_s=link[0], link_latency_s=link[1])
-    return timing(cfg, flops(cfg), memory(cfg), costs).update_seconds
-
-
 def _rank_table(results: dict, with_shape: bool) -> None:
     """Every rank's measured, formula and trace peaks, and the largest error of each over the table."""
     shape_head, shape_rule = ("shape | ", "---|") if with_shape else ("", "")
@@ -200,14 +166,13 @@ def _err(predicted: float, measured: float) -> str:
     return f"{(predicted - measured) / measured:+.1%}"
 
 
-def document(results: dict[str, dict], link: tuple[float, float] | None = None) -> None:
+def document(results: dict[str, dict]) -> None:
     print("The tiny model (4 layers, hidden 128, 4 heads, vocabulary 512, tied embeddings) and a 2-layer Llama "
           "(Hugging Face `LlamaForCausalLM`, hidden 128, 4 heads, 2 kv heads, MLP 256, vocabulary 512; 4 layers for its "
           "interleaved schedule), micro-batch "
           "4 x sequence 64, 4 micro-batches per update, fp32, AdamW, on forked gloo ranks (CPU, live-storage "
           "tracker: every storage an op makes, a DTensor op's local work included). Formula: `batchlab estimate` "
-          "for the same command, the entry of the rank's pipeline stage in `memory.ranks`; its times priced by the "
-          "nominal per-op costs for every layout alike (no cached calibration read). Trace: `batchlab estimate "
+          "for the same command, the entry of the rank's pipeline stage in `memory.ranks`. Trace: `batchlab estimate "
           "--trace`'s run of the stage's first rank on a fake process group (the measurement's own build of that "
           "rank: its shard and stage, on fake tensors). Error = (predicted - measured) / measured.\n")
     print("## Peak memory per rank\n")
@@ -216,35 +181,9 @@ def document(results: dict[str, dict], link: tuple[float, float] | None = None) 
     for res in results.values():
         print(f"- {res['name']}: `batchlab measure {' '.join(res['flags'])}`".replace("measure  ", "measure "))
     print()
-    rows = [(a, b, what) for a, b, what in RATIOS if a in results and b in results]
-    if rows:
-        print("## Update-time ratios\n")
-        print("The slowest rank's median update time of the second layout over the first's, against the formula's "
-              "ratio. Each layout's time is the lower of two measurements in this run (3 timed updates each after 2 "
-              "warmup updates; the second pass in reverse order), on CPU cores other processes share: forked gloo "
-              "ranks over loopback, one thread per rank against two threads for one process.\n")
-        if link is not None:
-            print(f"Formula: `batchlab estimate`'s nominal costs, whose CPU entry knows no per-message cost of the "
-                  f"link; beside it, the same costs with the local ranks' messages on gloo's link as `batchlab "
-                  f"calibrate` times it, timed in this run between the two passes: {link[0] / 1e9:.2f} GB/s + "
-                  f"{link[1] * 1e6:.0f} us per message (each collective: its ring messages x that + its bytes; each "
-                  "pipeline send: one message). The nominal compute is an idle core's; the link is timed on the loaded "
-                  "machine the layouts ran on, so this column weighs messages against compute as the load does "
-                  "for the messages only.\n")
-        print("| change | measured ratio | formula ratio | error | formula, link timed in this run | error |")
-        print("|---|---|---|---|---|---|")
-        for a, b, what in rows:
-            m = min(results[b]["seconds"]) / min(results[a]["seconds"])
-            f = results[b]["formula_seconds"] / results[a]["formula_seconds"]
-            linked = ""
-            if "linked_seconds" in results[a] and "linked_seconds" in results[b]:
-                g = results[b]["linked_seconds"] / results[a]["linked_seconds"]
-                linked = f" {g:.2f} | {_err(g, m)} |"
-            print(f"| {what} | {m:.2f} | {f:.2f} | {_err(f, m)} |" + (linked or " | |"))
-        print(f"\nLoad average at the end of the run: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores).\n")
-        print("What these differences are made of, measured (DTensor's host work, the collectives and point-to-point "
-              "ops counted against the formula's catalogue, each schedule's compute, p2p and waits): "
-              "[parallel-time-parts.md](parallel-time-parts.md), written by `benchmarks/parallel_time_parts.py`.\n")
+    print("Update-time ratios between these layouts, paired and priced with this CPU's calibration: "
+          "[parallel-time-ratios.md](parallel-time-ratios.md), written by `benchmarks/parallel_time_ratios.py`; what "
+          "the differences are made of: [parallel-time-parts.md](parallel-time-parts.md).\n")
 
 
 def document_unlisted(results: dict[str, dict]) -> None:
@@ -295,19 +234,7 @@ def main() -> int:
                 continue
             print(f"running {name}", file=sys.stderr)
             results[name] = run(name, flags)
-        timed = [n for n in LAYOUTS if n in results and any(n in pair[:2] for pair in RATIOS)]
-        print("timing gloo's link", file=sys.stderr)
-        link = timed_link()
-        for name in timed:
-            nominal = priced(LAYOUTS[name], None)
-            if abs(nominal - results[name]["formula_seconds"]) > 1e-6 * nominal:  # the in-process pricing is estimate's
-                raise SystemExit(f"{name}: in-process nominal {nominal} s != batchlab estimate's "
-                                 f"{results[name]['formula_seconds']} s")
-            results[name]["linked_seconds"] = priced(LAYOUTS[name], link)
-        for name in reversed(timed):  # a second pass, reversed: a slow spell of the shared machine hits both sides
-            print(f"timing {name} again", file=sys.stderr)
-            results[name]["seconds"].append(_slowest(_measure(LAYOUTS[name])))
-        document(results, link)
+        document(results)
     if group == "listed":
         print(_kept(group), end="")
     else:
