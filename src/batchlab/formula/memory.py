@@ -74,7 +74,6 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
                    grads_before: int, loss_grads: int, layer_copy: int, walk: list[int] | None = None,
                    rank: RankShare | None = None, stepping: int = 0, on_device: int | None = None) -> dict[str, int]:
     """Walk backward layer by layer (last first): kept activations shrink while parameter gradients grow.
-
     ``resident``: weights, optimizer state and data (present throughout); under autocast its ``parameters``
     are the 16-bit weight copies the matmuls saved, ``layer_copy`` of them per layer: each layer's are freed
     by its backward (a recomputed layer casts its own again while it runs).  Returns the parts at the peak;
@@ -87,6 +86,7 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     new_grads = grads_before == 0
     transient, head_grad, below_layers = _backward_terms(cfg, states.gradients, rank)
     transient += stepping  # a step fused into backward: its gradient and temporaries, once layers run
+    working = plan.per_layer_working  # a compiled block's backward at its high point (formula/compiled.py)
     below_layers += plan.others  # the other in-flight micro-batches wait for their own backward
     kept_below = sum(plan.per_layer_kept)
     # offloaded activations (formula/offload.py): at most ``on_device`` of the layers' kept bytes are back
@@ -109,8 +109,8 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
         parts = dict(parameters=resident["parameters"] if not layer_copy else copies_below
                      + (layer_copy if i in recomputed else 0),
                      gradients=grads_before + grads_done, activations=below_layers + cap(kept_below),
-                     recompute=plan.per_layer_full - kept_i,  # recompute restores the rest of the layer
-                     temporaries=transient)
+                     recompute=plan.per_layer_full - kept_i if working is None else 0,  # restores the rest
+                     temporaries=transient if working is None else working[i] - kept_i + stepping)
         total = fixed + sum(parts.values())  # summed without the resident parts: deep models walk many layers
         if walk is not None:
             walk.append(total)
