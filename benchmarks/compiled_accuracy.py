@@ -4,10 +4,13 @@ torch.compile's activation_memory_budget (--ac budget:F) on the built-in GPT and
 
 The measured figures are slow (an inductor compile per config, 30-60 s here) and are kept in
 benchmarks/compiled_measured.json; ``--measure`` (re)measures them, otherwise the page is written from that file.
+The trace's figures (an inductor compile without kernels per config) are kept alike in
+benchmarks/compiled_traced.json; ``--trace`` retraces them (rerun it where the trace's code changed).
 No shape here is the shape the compiled terms are derived at (formula/compiled.py: prime-valued dimensions).
 
     PYTHONPATH=src .venv/bin/python benchmarks/compiled_accuracy.py --measure   # ~15 min on 2 idle cores
-    PYTHONPATH=src .venv/bin/python benchmarks/compiled_accuracy.py --trace     # the page from the kept figures, with the trace
+    PYTHONPATH=src .venv/bin/python benchmarks/compiled_accuracy.py --trace     # the page, the trace's figures retraced
+    PYTHONPATH=src .venv/bin/python benchmarks/compiled_accuracy.py             # the page from the kept figures (seconds)
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "configs"))  # the factory module
 MEASURED = HERE / "compiled_measured.json"
+TRACED = HERE / "compiled_traced.json"
 PAGE = HERE.parent / "docs" / "accuracy" / "compiled.md"
 
 MODELS = {  # name -> (preset, overrides, source)
@@ -104,6 +108,7 @@ def rows(trace: bool):
     from batchlab.trace.profile import with_profile
 
     kept = json.loads(MEASURED.read_text())
+    traces = json.loads(TRACED.read_text()) if TRACED.exists() else {}
     out = []
     for name, ac, mode in grid():
         m = kept.get(key(name, ac, mode))
@@ -118,9 +123,12 @@ def rows(trace: bool):
         if trace:
             from batchlab.trace import estimate as trace_estimate
 
-            row["trace"] = trace_estimate(cfg).memory.peak_bytes
+            row["trace"] = traces[key(name, ac, mode)] = trace_estimate(cfg).memory.peak_bytes
+            TRACED.write_text(json.dumps(traces, indent=1))
             print(f"  {key(name, ac, mode)}: trace {row['trace']:,}, measured {m['peak']:,} "
                   f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+        elif key(name, ac, mode) in traces:
+            row["trace"] = traces[key(name, ac, mode)]
         out.append(row)
     return out
 

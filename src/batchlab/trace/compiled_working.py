@@ -27,6 +27,8 @@ import torch
 from batchlab.trace import compiled_terms as ct
 
 Terms = dict  # exponents -> coefficient (bytes per unit monomial)
+UNPAIRED = ("the backward's high points are no sums of monomials in the dimensions (checked at two values of g and "
+            "with another number of KV heads): the eager working set is used")
 
 
 class _Window:
@@ -196,7 +198,7 @@ def write_table(path: Path, keep: dict | None = None, only: str | None = None) -
             print(f"deriving {key}", file=sys.stderr, flush=True)
             try:
                 found = checked(family, gqa, dropout, attention, policy, precision)
-                entries[key] = ct.NOT_PRODUCTS if found is None else _entry(found)
+                entries[key] = UNPAIRED if found is None else _entry(found)
             except ct.Uncompiled:
                 entries[key] = ct.UNCOMPILED
             _write(path, entries)
