@@ -120,7 +120,8 @@ def _factored(count: int, primes: dict[str, int]) -> tuple[int, tuple[int, ...]]
 def linear_in_g(count: int, other: int, primes: dict[str, int], others: dict[str, int]) -> dict | None:
     """One tensor's size at two values of g (``primes``, ``others``; all else equal) as monomials: what is left
     once the symbols are divided out is α·g + β (α = 0: a product), e.g. a fused q, k, v projection's
-    b·s·k·d·(g + 2), or its weight's 16-bit copy, k²·d²·g·(g + 2).  None where the two counts are no such pair."""
+    b·s·k·d·(g + 2), or its weight's 16-bit copy, k²·d²·g·(g + 2).  None where the two counts are no such
+    pair."""
     rest, exps = _factored(count, primes)
     rest2, exps2 = _factored(other, others)
     if exps != exps2 or primes["g"] == others["g"]:
