@@ -111,9 +111,11 @@ def working_per_layer(cfg: RunConfig) -> tuple[int, ...] | None:
     gradient, and every buffer inductor's plan allocates in it: recomputed activations, activation and weight
     gradients): the largest of its derived high points at cfg's shape (trace/compiled_working.py), or None where a
     layer's policy has none derived.  They are one block's graph: a whole-model graph returns every weight gradient
-    at its end, and under budget:F the knapsack's choice is not the policy's (None for both)."""
+    at its end, and under budget:F the knapsack's choice is not the policy's (None for both).  They are inductor's
+    CPU plan: on a GPU, Triton's kernels fuse and reuse buffers otherwise (None until derived there)."""
     names = _policies(cfg)
-    if names is None or cfg.ac.budget is not None or cfg.compile is not CompileMode.BLOCKS or not applies(cfg):
+    if names is None or cfg.ac.budget is not None or cfg.compile is not CompileMode.BLOCKS or not applies(cfg) \
+            or cfg.device_spec.backend is not Backend.CPU:
         return None
     try:
         highs = _working_table().HIGHS
