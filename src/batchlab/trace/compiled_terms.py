@@ -9,7 +9,9 @@ its element size -- read off the partition, nothing fitted.  (The partition is a
 unreal ratios it may save other tensors, hence the real ones.)  Views are counted once, with the tensor they view;
 a graph input without the batch dimension (a parameter, a buffer, rotary tables made once per forward) is not
 the layer's.  What is left of a count after the dimensions are divided out is a small integer (3 for a fused
-q, k, v projection); a count with another large prime factor (a generator's state) is a constant.
+q, k, v projection); a count with another large prime factor (a generator's state) is a constant.  A grouped-query
+block is derived twice more, at 19 query heads per KV head: a width that is a sum of dimensions (the fused q, k, v
+projection's h + 2·kv = k·d·(g + 2)) is linear in g, and its two sizes give its two monomials (``combined``).
 
     PYTHONPATH=src python -m batchlab.trace.compiled_terms [--missing]   # rewrites formula/compiled_table.py (minutes)
 """
@@ -58,8 +60,6 @@ class Uncompiled(RuntimeError):
 UNCOMPILED = "the block does not compile into one graph (a graph break around it: it runs eagerly)"
 NOT_PRODUCTS = ("what the partition saves is not a sum of monomials in the dimensions (checked with another number "
                 "of KV heads)")
-OLD_NOT_PRODUCTS = ("what the partition saves is not a product of the dimensions (checked with another number of KV "
-                    "heads: a fused q, k, v projection h + 2·kv wide is a sum)")
 CHECK_K = 19  # KV heads of the second derivation that checks an entry (a prime no other symbol uses)
 # query heads per KV head of a grouped-query block's second derivation: a width that is a sum of dimensions (a fused
 # q, k, v projection, h + 2·kv = k·d·(g + 2)) is linear in g, and two values of g give its two terms
@@ -189,12 +189,8 @@ def saved_sizes(partitions, primes: dict[str, int] = PRIMES) -> list[tuple[int, 
     return sizes
 
 
-def saved_terms(partitions, primes: dict[str, int] = PRIMES) -> dict[tuple[int, ...], Fraction]:
-    """Bytes the forward graphs save for backward, as exponents -> coefficient (bytes per unit monomial)."""
-    return product_terms(saved_sizes(partitions, primes), primes)
-
-
 def product_terms(sizes: list[tuple[int, int]], primes: dict[str, int]) -> dict[tuple[int, ...], Fraction]:
+    """(count, bytes per element) of each tensor as exponents -> coefficient (bytes per unit monomial)."""
     terms: dict[tuple[int, ...], Fraction] = {}
     for n, width in sizes:
         coef, exps = monomial(n, primes)
