@@ -10,7 +10,7 @@ unreal ratios it may save other tensors, hence the real ones.)  Views are counte
 a graph input without the batch dimension (a parameter, a buffer, rotary tables made once per forward) is not
 the layer's.  What is left of a count after the dimensions are divided out is a small integer (3 for a fused
 q, k, v projection); a count with another large prime factor (a generator's state) is a constant.  A grouped-query
-block is derived twice more, at 19 query heads per KV head: a width that is a sum of dimensions (the fused q, k, v
+block is derived once more, at 19 query heads per KV head: a width that is a sum of dimensions (the fused q, k, v
 projection's h + 2·kv = k·d·(g + 2)) is linear in g, and its two sizes give its two monomials (``combined``).
 
     PYTHONPATH=src python -m batchlab.trace.compiled_terms [--missing]   # rewrites formula/compiled_table.py (minutes)
