@@ -72,6 +72,24 @@ UNLISTED = {  # name -> (shape, the layout's flags): layouts, models and shapes 
                                    LLAMA + ["--pp", "2", "--dp", "2", "--zero", "3", "--pp-schedule", "1f1b"]),
     "PP2 GPipe x DP2": (["--seq", "32", "--micro-batch", "3", "--accum", "3"],
                         ["--pp", "2", "--dp", "2", "--pp-schedule", "gpipe"]),
+    "PP2 interleaved (2 chunks) x FSDP2 (ZeRO-3)": (["--seq", "32", "--micro-batch", "2", "--accum", "4"],
+                                                    ["--pp", "2", "--dp", "2", "--zero", "3", "--pp-schedule",
+                                                     "interleaved-1f1b", "--pp-virtual", "2"]),
+    "PP2 interleaved (2 chunks) x FSDP2 (ZeRO-2)": (["--seq", "32", "--micro-batch", "2", "--accum", "4"],
+                                                    ["--pp", "2", "--dp", "2", "--zero", "2", "--pp-schedule",
+                                                     "interleaved-1f1b", "--pp-virtual", "2"]),
+    "PP4 interleaved (2 chunks), 8 layers": (["--seq", "32", "--micro-batch", "2", "--accum", "4"],
+                                             ["--layers", "8", "--pp", "4", "--pp-schedule", "interleaved-1f1b",
+                                              "--pp-virtual", "2"]),
+    "Llama PP2 interleaved (2 chunks) x FSDP2 (ZeRO-3)": (["--seq", "32", "--micro-batch", "2", "--accum", "4"],
+                                                          LLAMA_4 + ["--pp", "2", "--dp", "2", "--zero", "3",
+                                                                     "--pp-schedule", "interleaved-1f1b",
+                                                                     "--pp-virtual", "2"]),
+    "Llama PP2 interleaved (3 chunks), 6 layers": (["--seq", "32", "--micro-batch", "2", "--accum", "4"],
+                                                   [("6" if prev == "--layers" else a)
+                                                    for prev, a in zip([""] + LLAMA, LLAMA)]
+                                                   + ["--pp", "2", "--pp-schedule", "interleaved-1f1b",
+                                                      "--pp-virtual", "3"]),
 }
 UNLISTED_HEADING = "## Unlisted layouts and shapes"
 RATIOS = [  # (from, to, what changes)
@@ -236,7 +254,10 @@ def document_unlisted(results: dict[str, dict]) -> None:
           "mechanism was corrected against the trace, no constant fitted: each pipeline stage is priced at every "
           "distinct step of its schedule (formula/stage_steps.py: a later backward with every gradient can top the "
           "first one with every warm-up micro-batch), FSDP2 inside a stage as torch.distributed.pipelining runs it "
-          "(formula/fsdp_pipeline.py: gradients unsharded and accumulated, units regathered after each forward).\n")
+          "(formula/fsdp_pipeline.py: gradients unsharded and accumulated, units regathered after each forward), and the "
+          "interleaved schedule chunk by chunk in torch's own order (formula/interleaved.py, fsdp_interleaved.py: "
+          "the other chunks' micro-batches, gradients and gathered units, and the sends its runtime keeps to the "
+          "step's end).\n")
     _rank_table(results, with_shape=True)
     print("Llama TP2 + SP is not on the table: `batchlab measure` refuses it (sequence parallelism is measured on "
           "the built-in GPT only), in one line naming `sequence_parallel`; its formula and trace have no run to "

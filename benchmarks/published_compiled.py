@@ -3,10 +3,13 @@
 Reads benchmarks/published_compiled.toml, whose every run carries the full ``batchlab estimate`` flags (``cli``),
 parses them with the CLI's own option parsing, calls batchlab.formula.estimate (no torch) and writes
 docs/accuracy/published-compiled.md: each run's command, memory (the kind its source measured) and tokens/s per GPU
-predicted vs published, and the mean |error| over all runs, the runs not held out and the hold-outs.  Hold-outs
+predicted vs published, and the mean |error| over all runs, the runs not held out and the hold-outs.  A run whose
+source omits an input the prediction needs (``not_typed``) is typed at the setting that bounds it and says which way
+(``bound = "upper"``: the command's run needs at least the memory and reaches at least the tokens/s of the real one);
+it is no point and stays out of the means: the page checks its bound instead.  Hold-outs
 (``holdout = true``: every third run in file order, fixed before any prediction) are never tuned against.  Each
-run's errors as first computed are kept in benchmarks/published_compiled_first.toml (``--record-first`` wrote it
-once; the page shows them beside today's).
+run's errors as first computed are kept in benchmarks/published_compiled_first.toml (``--record-first`` appends
+each new run's once; the page shows them beside today's).
 
     PYTHONPATH=src python benchmarks/published_compiled.py
 """
@@ -25,6 +28,9 @@ from batchlab.cli.common import config_from_command
 from batchlab.formula import compiled_note, estimate, implementation_line
 
 HERE = Path(__file__).resolve().parent
+# a row's ``bound``: which way its command's prediction bounds the published run -> the check it must pass
+BOUNDS = {"upper": ("predicted >= measured", lambda predicted, measured: predicted >= measured),
+          "lower": ("predicted <= measured", lambda predicted, measured: predicted <= measured)}
 RUNS, FIRST = HERE / "published_compiled.toml", HERE / "published_compiled_first.toml"
 GAPS = {  # run fields (the toml's own vocabulary), the flag that expresses each, and the gap where a row lacks it
     "optimizer_in_backward": ("--optimizer-in-backward",
@@ -32,6 +38,21 @@ GAPS = {  # run fields (the toml's own vocabulary), the flag that expresses each
     "activation_offloading": ("--offload-activations",
                               "activation offloading to CPU (torchtune enable_activation_offloading): not typed"),
 }
+
+
+def bound_of(run: dict) -> str | None:
+    """"upper" / "lower" for a run its source does not pin down (``not_typed``), None for a point."""
+    if not run.get("not_typed"):
+        return None
+    if run.get("bound") not in BOUNDS:
+        raise SystemExit(f"run {run['id']}: not_typed needs bound = one of {', '.join(BOUNDS)} "
+                         f"(got {run.get('bound')!r})")
+    return run["bound"]
+
+
+def points(rows: list[Row]) -> list[Row]:
+    """The runs whose command types every input the prediction needs: the ones the means are over."""
+    return [r for r in rows if bound_of(r.run) is None]
 
 
 def evaluate(run: dict) -> Row:
@@ -43,6 +64,7 @@ def evaluate(run: dict) -> Row:
     flags = shlex.split(run["cli"])
     row.gaps += [text for field, (flag, text) in GAPS.items() if run.get(field) and flag not in flags]
     row.gaps += run.get("not_typed", [])  # what the source does not give, so no flag can say it
+    row.gaps += run.get("not_expressed", [])  # what the source gives but no flag can say (the row stays a point)
     if run["optimizer"] != "adamw" and run["optimizer"] not in flags:
         row.gaps.append(f"optimizer {run['optimizer']}: not typed (AdamW's time)")
     argv = ["estimate", *shlex.split(run["cli"])]
@@ -60,7 +82,7 @@ def evaluate(run: dict) -> Row:
         row.mem_predicted = {"allocated": est.memory.allocated_bytes, "reserved": est.memory.reserved_bytes,
                              "device": est.memory.device_bytes}[kind]
     row.fits = est.memory.fits
-    row.tps_predicted = est.time.tokens_per_second / row.cfg.dp
+    row.tps_predicted = est.time.tokens_per_second / row.cfg.parallel.world_size  # per GPU: TP and PP ranks too
     row.layer_terms = implementation_line(row.cfg)
     return row
 
@@ -70,17 +92,22 @@ def first_errors() -> dict[str, dict]:
 
 
 def record_first(rows: list[Row]) -> None:
-    """The errors of every run as first computed, before anything is changed against them (written once)."""
-    if FIRST.exists():
-        raise SystemExit(f"{FIRST.name} exists: the first errors are recorded once")
-    lines = ["# Each run's errors as first computed by benchmarks/published_compiled.py, before any change made against",
-             "# the published figures; written once (--record-first), never regenerated.", ""]
-    for r in rows:
+    """The errors of every run not yet recorded, as first computed, before anything is changed against them:
+    appended once per run, a recorded run never rewritten."""
+    known = first_errors()
+    new = [r for r in rows if r.run["id"] not in known]
+    if not new:
+        raise SystemExit(f"{FIRST.name}: every run's first errors are recorded already (they are recorded once)")
+    lines = [""] if FIRST.exists() else [
+        "# Each run's errors as first computed by benchmarks/published_compiled.py, before any change made against",
+        "# the published figures; appended once per run (--record-first), never regenerated.", ""]
+    for r in new:
         lines += ["[[run]]", f"id = {r.run['id']!r}", f"holdout = {str(bool(r.run.get('holdout'))).lower()}"]
         lines += [f"memory_error = {r.mem_error:.4f}"] if r.mem_error is not None else []
         lines += [f"tokens_per_s_error = {r.tps_error:.4f}"] if r.tps_error is not None else []
         lines.append("")
-    FIRST.write_text("\n".join(lines))
+    with FIRST.open("a") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def mean_abs(values) -> str:
@@ -90,6 +117,7 @@ def mean_abs(values) -> str:
 
 def summary(rows: list[Row]) -> list[str]:
     first = first_errors()
+    rows = points(rows)
     subsets = (("all runs", rows), ("runs not held out", [r for r in rows if not r.run.get("holdout")]),
                ("hold-outs (†)", [r for r in rows if r.run.get("holdout")]))
     out = ["| runs | memory: mean \\|error\\| | as first computed | tokens/s per GPU: mean \\|error\\| | as first computed |",
@@ -102,6 +130,21 @@ def summary(rows: list[Row]) -> list[str]:
     return out
 
 
+def by_card(rows: list[Row]) -> list[str]:
+    """Per published GPU, over the runs that are points: the mean signed error beside the mean |error|, so a
+    bias the card shares across engines and models shows as one sign."""
+    signed = lambda v: f"{statistics.fmean(v):+.1%}" if v else "-"  # noqa: E731
+    out = ["| GPU | runs | memory: mean error | mean \\|error\\| | tokens/s: mean error | mean \\|error\\| |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for gpu in dict.fromkeys(r.run["gpu"] for r in points(rows)):
+        subset = [r for r in points(rows) if r.run["gpu"] == gpu]
+        mem = [r.mem_error for r in subset if r.mem_error is not None]
+        tps = [r.tps_error for r in subset if r.tps_error is not None]
+        out.append(f"| {gpu} | {len(subset)} | {signed(mem)} | {mean_abs(mem).split(' over')[0]} | {signed(tps)} | "
+                   f"{mean_abs(tps).split(' over')[0]} |")
+    return out
+
+
 def table(rows: list[Row]) -> list[str]:
     first = first_errors()
     out = ["| run | compile | GPU × n | memory measured (kind) | predicted | error | first | tok/s/GPU measured | "
@@ -110,11 +153,28 @@ def table(rows: list[Row]) -> list[str]:
         kind = r.run["measured"].get("memory_kind")
         f = first.get(r.run["id"], {})
         mem = f"{gib(r.mem_measured)} GiB ({kind})" if r.mem_measured else "-"
-        out.append(f"| {r.run['id']}{' †' if r.run.get('holdout') else ''} | {r.run['compile']} | {r.run['gpu']} × "
+        mark = (" †" if r.run.get("holdout") else "") + (" (bound)" if bound_of(r.run) else "")
+        out.append(f"| {r.run['id']}{mark} | {r.run['compile']} | {r.run['gpu']} × "
                    f"{r.run['gpu_count']} | {mem} | {gib(r.mem_predicted) if r.mem_measured else '-'} | "
                    f"{pct(r.mem_error)} | {pct(f.get('memory_error'))} | {num(r.tps_measured)} | "
                    f"{num(r.tps_predicted)} | {pct(r.tps_error)} | {pct(f.get('tokens_per_s_error'))} |")
     return out
+
+
+def bounds(rows: list[Row]) -> list[str]:
+    """Each bound's check, memory and tokens/s, with what the source left out."""
+    out = ["| run | bound | memory measured | predicted | holds | tok/s/GPU measured | predicted | holds |",
+           "|---|---|---:|---:|---|---:|---:|---|"]
+    held = lambda check, p, m: "-" if p is None or m is None else ("yes" if check(p, m) else "**no**")  # noqa: E731
+    for r in rows:
+        if (bound := bound_of(r.run)) is None:
+            continue
+        text, check = BOUNDS[bound]
+        out.append(f"| {r.run['id']}{' †' if r.run.get('holdout') else ''} | {text} | {gib(r.mem_measured)} GiB | "
+                   f"{gib(r.mem_predicted)} | {held(check, r.mem_predicted, r.mem_measured)} | {num(r.tps_measured)} | "
+                   f"{num(r.tps_predicted)} | {held(check, r.tps_predicted, r.tps_measured)} |")
+    reasons = [f"- {r.run['id']}: {'; '.join(r.run['not_typed'])}" for r in rows if bound_of(r.run)]
+    return out + ["", "Why each is a bound (what its source does not give):", "", *reasons] if reasons else []
 
 
 def twins(rows: list[Row]) -> list[str]:
@@ -145,15 +205,19 @@ def document(rows: list[Row]) -> str:
         "what the sources measured. Error = (predicted - measured) / measured; memory is compared with the kind the "
         "source measured. † marks the hold-outs: every third run in file order, fixed before any prediction and "
         "never tuned against. *First*: each run's error as first computed (benchmarks/published_compiled_first.toml). "
-        "Formula only: no GPU is needed to reproduce it.", "",
-        "## Summary", "", *summary(rows), "", "## Runs", "", *table(rows), "",
+        "A run whose source omits an input the prediction needs is typed at the setting that bounds it: it is listed "
+        "under *Bounds*, checked there, and left out of the means. Formula only: no GPU is needed to reproduce it.", "",
+        "## Summary", "", *summary(rows), "", "By the GPU the source ran on (all runs that are points):", "",
+        *by_card(rows), "", "## Runs", "", *table(rows), "",
+        "## Bounds", "", *(bounds(rows) or ["No run is a bound."]), "",
         "## Compiled against eager", "", *twins(rows), "",
         "## Commands, sources and what the command cannot express", "", *details(rows), ""])
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--record-first", action="store_true", help="write the first errors (once, before any tuning)")
+    p.add_argument("--record-first", action="store_true",
+                   help="append the first errors of runs not yet recorded (once per run, before any tuning)")
     args = p.parse_args(argv)
     rows = [evaluate(r) for r in load(RUNS)["run"]]
     if args.record_first:

@@ -12,13 +12,13 @@ hold-outs; the DeepSpeed ZeRO rows on their own; and the full-versus-selective r
 Korthikanti et al. 2022.
 
 Each row's figures as first recorded, before any mechanism was fixed against these rows, are kept in
-benchmarks/published_parallel_first.toml (written once by ``--record-first``, never regenerated: the code
-moves, that column does not).  Hold-outs (every third row, fixed in the runs file before any prediction) are
+benchmarks/published_parallel_first.toml (``--record-first`` appends the rows it does not hold yet and never
+rewrites one: the code moves, that column does not).  Hold-outs (every third row, fixed in the runs file before any prediction) are
 never tuned against.
 
     PYTHONPATH=src python benchmarks/published_parallel.py            # -> docs/accuracy/published-parallel.md
     PYTHONPATH=src python benchmarks/published_parallel.py --only mg-h100-gpt7b-tp4-dp2   # prints only
-    PYTHONPATH=src python benchmarks/published_parallel.py --record-first   # once: the first-recorded figures
+    PYTHONPATH=src python benchmarks/published_parallel.py --record-first   # new rows' first figures, appended
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from click import ClickException
 
 from batchlab.cli.common import config_from_command
 from batchlab.config import RunConfig
-from batchlab.formula import estimate, implementation_line
+from batchlab.formula import estimate, fp8, implementation_line
+from batchlab.formula.flops import flops
 from batchlab.util.units import relative_to
 from published import PRECISION_GAP, UNITS, detail_lines, device_for, gib, load, model_gaps, num, pct, summary
 
@@ -61,6 +62,13 @@ class ParRow:
     rank: str = ""  # which rank's prediction is compared
     layer_terms: str = ""
     failed: str | None = None
+    peak_share: float | None = None  # the least share of the card's peak the published rate needs (``least_share``)
+
+    @property
+    def impossible(self) -> bool:
+        """The published rate needs more than the card's peak under the typed shape: the source's model, sequence or
+        timing differs from what the row types, so neither of its figures tests the formula."""
+        return self.peak_share is not None and self.peak_share > 1.0
 
     @property
     def mem_error(self):
@@ -207,7 +215,24 @@ def evaluate(run: dict, first: dict[str, dict]) -> ParRow:
         return row
     row.mem_predicted, row.rate_predicted, row.rank = predict(run, row.cfg)
     row.layer_terms = implementation_line(row.cfg)
+    row.peak_share = least_share(run, row.cfg)
     return row
+
+
+def least_share(run: dict, cfg: RunConfig) -> float | None:
+    """The least share of one card's dense peak (FP8's where the run's GEMMs are FP8) that the published tokens/s
+    per GPU needs: its hardware FLOPs per token at the run's own sequence length (recompute included, PaLM's
+    12·L·h·s attention term halved: a causal kernel skips the masked half, the fewest FLOPs any kernel does) times the
+    rate.  None where the source published no tokens/s."""
+    rate = run["measured"].get("tokens_per_s_per_gpu")
+    if rate is None:
+        return None
+    true = cfg.replace(seq=run["seq"]) if run["seq"] != cfg.seq else cfg  # a typed stand-in (Ulysses) keeps its seq
+    f, m = flops(true), true.model
+    per_token = f.hardware_flops_per_update / true.tokens_per_update - 6 * m.layers * m.hidden * true.seq
+    dev = cfg.device_spec
+    peak = dev.peak_flops_fp8 if fp8.active(cfg) is not None else dev.peak_flops(cfg.precision)
+    return per_token * rate / peak if peak else None
 
 
 # ---------------------------------------------------------------- Korthikanti et al. 2022: full vs selective
@@ -301,6 +326,10 @@ def summaries(rows: list[ParRow], ratios: list[Ratio]) -> list[str]:
             out.append(summary(subset, "mem_error_first", "memory as first recorded"))
             out.append(summary(subset, "rate_error", "throughput now"))
             out.append(summary(subset, "rate_error_first", "throughput as first recorded"))
+            possible = [r for r in subset if not r.impossible]
+            if len(possible) < len(subset):
+                out.append(summary(possible, "mem_error", "memory now, rows whose rate the card can reach"))
+                out.append(summary(possible, "rate_error", "throughput now, rows whose rate the card can reach"))
             out.append("")
     for label, subset in (("Korthikanti full/selective time ratio, all", ratios),
                           ("not held out", [q for q in ratios if not q.ratio.get("holdout")]),
@@ -333,7 +362,8 @@ def parts_table(rows: list[ParRow]) -> list[str]:
     stage's compute, its tensor-parallel collectives and pipeline sends, the bubble, the data-parallel traffic left
     exposed, and the optimizer step with the rest; the matmul and launch shares of the replica's priced ops."""
     out = ["| run | measured s | predicted s | compute | TP comm | PP sends | bubble | DP exposed | step + rest "
-           "| matmul share | launch-bound share |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| matmul share | launch-bound share | published rate's least share of peak |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.failed or r.rate_measured is None:
             continue
@@ -346,8 +376,9 @@ def parts_table(rows: list[ParRow]) -> list[str]:
         matmul = ops.by_class.get("matmul", 0.0) / ops.seconds if ops and ops.seconds else 0.0
         cells = [t.compute_seconds, t.tp_comm_seconds, t.pp_comm_seconds, t.bubble_seconds, t.exposed_comm_seconds,
                  t.optimizer_seconds]
+        least = "-" if r.peak_share is None else f"{r.peak_share:.0%}" + (" (above the peak)" if r.impossible else "")
         out.append(f"| {r.run['id']}{mark(r.run)} | {measured:.3g} | {t.update_seconds:.3g} | "
-                   + " | ".join(f"{c:.3g}" for c in cells) + f" | {matmul:.0%} | {launch:.0%} |")
+                   + " | ".join(f"{c:.3g}" for c in cells) + f" | {matmul:.0%} | {launch:.0%} | {least} |")
     return out
 
 
@@ -378,7 +409,12 @@ def document(rows: list[ParRow], ratios: list[Ratio]) -> str:
              "tensor-parallel collectives and pipeline sends (not overlapped), the bubble, the data-parallel traffic "
              "the engine leaves exposed, and the optimizer step with the rest. *Measured*: the update time the "
              "source's rate implies. The shares are of the replica's priced ops: matmuls, and the host's launches "
-             "beyond the kernels' work (GPU kernels are issued ahead of their work).", "", *parts_table(rows), "",
+             "beyond the kernels' work (GPU kernels are issued ahead of their work). *Least share of peak*: the "
+             "published tokens/s per GPU times the fewest hardware FLOPs per token the typed shape needs at the "
+             "run's own sequence length (recompute included, the causal half of attention skipped), over the card's "
+             "dense peak (FP8's for FP8 GEMMs): above 100% no kernel could reach the published rate, so the source's "
+             "model, sequence or timing is not what the row types and neither of its figures tests the formula; the "
+             "summary gives the rows the card can reach apart.", "", *parts_table(rows), "",
              "## Full versus selective recompute (Korthikanti et al. 2022, Table 5)", "",
              "Update time of the paper's baseline (the run's command with `--ac full --no-sequence-parallel`: "
              "tensor parallelism with full recompute) over the run's own command (sequence parallelism + "
@@ -394,12 +430,17 @@ def document(rows: list[ParRow], ratios: list[Ratio]) -> str:
 
 
 def record_first(rows: list[ParRow], ratios: list[Ratio], path: Path) -> None:
-    """Write each row's first figures once; an existing file is never overwritten."""
-    if path.exists():
-        raise SystemExit(f"{path} exists: first-recorded figures are never regenerated")
-    lines = ["# Each row's figures as first recorded by benchmarks/published_parallel.py --record-first, before any",
-             "# mechanism was fixed against benchmarks/published_parallel.toml (hold-outs included). "
-             "Never regenerated.", ""]
+    """Write each row's first figures once: a row (or ratio) already in ``path`` keeps its figures, rows added to
+    the runs file since are appended (their first figures are recorded when they are first predicted)."""
+    had_runs, had_ratios = load_first(path)
+    rows = [r for r in rows if r.run["id"] not in had_runs]
+    ratios = [q for q in ratios if q.ratio["id"] not in had_ratios]
+    if not rows and not ratios:
+        raise SystemExit(f"{path}: every row has its first figures already; they are never regenerated")
+    lines = [""] if path.exists() else [
+        "# Each row's figures as first recorded by benchmarks/published_parallel.py --record-first, before any",
+        "# mechanism was fixed against benchmarks/published_parallel.toml (hold-outs included). Never regenerated;",
+        "# rows added to the runs file later are appended when first predicted.", ""]
     for r in rows:
         lines += ["[[run]]", f'id = "{r.run["id"]}"']
         if r.mem_predicted is not None:
@@ -412,7 +453,9 @@ def record_first(rows: list[ParRow], ratios: list[Ratio], path: Path) -> None:
         lines.append("")
     for q in ratios:
         lines += ["[[ratio]]", f'id = "{q.ratio["id"]}"', f"ratio = {q.predicted:.6g}", f"error = {q.error:.4f}", ""]
-    path.write_text("\n".join(lines))
+    with path.open("a") as out:
+        out.write("\n".join(lines))
+    print(f"{path}: first figures of {len(rows)} run(s) and {len(ratios)} ratio(s) appended", file=sys.stderr)
 
 
 def load_first(path: Path) -> tuple[dict[str, dict], dict[str, float]]:
@@ -427,7 +470,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=Path, default=HERE / "published_parallel.toml")
     p.add_argument("--first", type=Path, default=FIRST)
     p.add_argument("--only", default="", help="comma-separated run ids (prints; the page is not written)")
-    p.add_argument("--record-first", action="store_true", help="write --first once (refuses if it exists)")
+    p.add_argument("--record-first", action="store_true",
+                   help="append to --first the rows it does not hold yet (never rewrites a recorded row)")
     args = p.parse_args(argv)
     data = load(args.runs)
     runs = data["run"]

@@ -54,3 +54,15 @@ def seed(name: str) -> None:
     from batchlab.calibrate import measure, save
 
     save(PROFILES[name](measure("cpu", seconds=1.0, threads=1, rounds=1)))
+
+
+def stub_calibration(**extra):
+    """A cached CPU calibration of this host with round figures, for tests of what is measured once and cached
+    beside it."""
+    import torch
+    from batchlab.calibrate import Calibration
+    from batchlab.host import cpu_hardware
+    return Calibration(device="cpu", hardware=f"{cpu_hardware()}, 1 threads", torch_device="cpu",
+                       matmul_flops_fp32=1e10, matmul_flops_bf16=None, memory_bytes_per_s=1e9, matmul_size={},
+                       copy_bytes=1, threads=1, measured_at="2026-01-01T00:00:00+00:00",
+                       torch_version=torch.__version__, seconds=1.0, **extra)

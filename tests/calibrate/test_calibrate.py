@@ -20,12 +20,6 @@ from batchlab.host import cpu_hardware
 from batchlab.host.speed import BUNDLE
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # platformdirs' user cache dir on Linux
-    return tmp_path
-
-
 R = 5e10  # FLOP/s of a flat matmul curve
 AUTOCAST = {"forward": 9e-6, "backward": 7e-6, "plain": 3e-6}  # s per op under autocast
 

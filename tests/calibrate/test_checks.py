@@ -22,12 +22,6 @@ from batchlab.formula.calibration import check, loaded
 from batchlab.formula.plausible import BROKEN, ratio_text
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    return tmp_path
-
-
 @pytest.fixture(scope="module")
 def real() -> "Calibration":  # noqa: F821
     """One real CPU calibration at one thread, two matmul sizes, one short round."""

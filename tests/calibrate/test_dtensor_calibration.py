@@ -3,28 +3,16 @@ calibration the first time a tensor-parallel config is met, and what the time mo
 from __future__ import annotations
 
 import pytest
-import torch
 
-from batchlab.calibrate import Calibration, dtensor, load_cached, save
+from batchlab.calibrate import dtensor, load_cached, save
 from batchlab.calibrate import run as run_mod
 from batchlab.config import RunConfig
 from batchlab.formula.dtensor import NOMINAL, seconds_per_op
 from batchlab.formula.opcost import OpCosts
-from batchlab.host import cpu_hardware
+
+from hosts import stub_calibration
 
 TP2 = RunConfig(seq=16, micro_batch=1, tp=2)
-
-
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-
-
-def calibration() -> Calibration:
-    return Calibration(device="cpu", hardware=f"{cpu_hardware()}, 1 threads", torch_device="cpu",
-                       matmul_flops_fp32=1e10, matmul_flops_bf16=None, memory_bytes_per_s=1e9, matmul_size={},
-                       copy_bytes=1, threads=1, measured_at="2026-01-01T00:00:00+00:00",
-                       torch_version=torch.__version__, seconds=1.0)
 
 
 def test_the_sharded_dispatch_gpt_runs_dtensor_ops_in_every_phase_and_the_measure_prices_each():
@@ -46,7 +34,7 @@ def test_ensure_measures_once_for_a_tp_config_and_the_time_model_prices_with_it(
     monkeypatch.setattr(dtensor, "measure", lambda seconds=dtensor.SECONDS: calls.append(1) or
                         {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5})
     assert dtensor.ensure((TP2,), threads=1) is None  # no calibration cached
-    save(calibration())
+    save(stub_calibration())
     assert dtensor.ensure((RunConfig(),), threads=1) is None and not calls  # no tensor parallelism: nothing
     assert "DTensor's host cost per op once (forward 90 us" in dtensor.ensure((RunConfig(), TP2), threads=1)
     assert dtensor.ensure((TP2,), threads=1) is None and len(calls) == 1  # cached
@@ -71,7 +59,7 @@ def test_a_reading_at_or_below_zero_or_none_is_not_cached(monkeypatch, reading):
     """A stall of the plain side (the sharded update's extra time negative) or a plan that dispatched nothing:
     said, not cached (every later estimate would price DTensor with it), and measured again next time."""
     monkeypatch.setattr(dtensor, "measure", lambda seconds=dtensor.SECONDS: dict(reading))
-    save(calibration())
+    save(stub_calibration())
     said = dtensor.ensure((TP2,), threads=1)
     assert "implausible" in said and "not cached" in said
     assert not load_cached("cpu", 1).dtensor_seconds

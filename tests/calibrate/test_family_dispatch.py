@@ -8,23 +8,19 @@ import time
 import pytest
 import torch
 
-from batchlab.calibrate import Calibration, family, load_cached, save
+from batchlab.calibrate import family, load_cached, save
 from batchlab.calibrate import run as run_mod
 from batchlab.config import RunConfig, preset
 from batchlab.formula.opcost import OpCosts
 from batchlab.config.phase import Phase
 from batchlab.formula.timing import costs_for, dispatch_family
-from batchlab.host import cpu_hardware
+
+from hosts import stub_calibration
 
 GPT2 = RunConfig(model=preset("gpt2", layers=2, hidden=64, heads=4, vocab=256, max_positions=64),
                  model_source="hf:gpt2", seq=32, micro_batch=1)
 DISPATCH = {"forward": 5e-6, "backward": 4e-6, "plain": 3e-6, "forward-sac": 4e-5, "recompute-sac": 3e-5}
 AUTOCAST = {"forward": 9e-6, "backward": 7e-6, "plain": 3e-6}
-
-
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
 
 
 def costs(**kw) -> OpCosts:
@@ -91,19 +87,12 @@ def test_hf_gpt2s_forward_costs_more_per_op_than_batchlabs_gpt_as_a_direct_timin
     assert ratios["forward"] == pytest.approx(per_op[1] / per_op[0], rel=0.4)
 
 
-def calibration() -> Calibration:
-    return Calibration(device="cpu", hardware=f"{cpu_hardware()}, 1 threads", torch_device="cpu",
-                       matmul_flops_fp32=1e10, matmul_flops_bf16=None, memory_bytes_per_s=1e9, matmul_size={},
-                       copy_bytes=1, threads=1, measured_at="2026-01-01T00:00:00+00:00",
-                       torch_version=torch.__version__, seconds=1.0)
-
-
 def test_ensure_measures_once_caches_with_the_calibration_and_says_so(monkeypatch):
     calls = []
     monkeypatch.setattr(family, "measure", lambda cfg, costs, seconds=family.SECONDS: calls.append(cfg) or
                         {"forward": 1.8, "backward": 1.1})
     assert family.ensure(GPT2, threads=1) is None  # no calibration cached: nothing to scale
-    save(calibration())
+    save(stub_calibration())
     line = family.ensure(GPT2, threads=1)
     assert "hf:gpt2's own dispatch per op" in line and "forward x1.80, backward x1.10" in line
     assert load_cached("cpu", 1).family_dispatch == {dispatch_family(GPT2): {"forward": 1.8, "backward": 1.1}}
@@ -116,7 +105,7 @@ def test_an_implausible_fresh_ratio_is_flagged_and_not_cached(monkeypatch, measu
     """A ratio no model code has (x0.05..x50) is what a stalled run measures: the plausibility check names it
     and nothing is cached (a clamped x50 would have been cached and priced, the check never firing)."""
     monkeypatch.setattr(family, "measure", lambda cfg, costs, seconds=family.SECONDS: measured)
-    save(calibration())
+    save(stub_calibration())
     line = family.ensure(GPT2, threads=1)
     kind = "forward" if measured["forward"] > 50 else "backward"
     assert "measured implausible" in line and f"own dispatch {kind} x{measured[kind]!r} outside x0.05..x50" in line
@@ -128,7 +117,7 @@ def test_a_model_whose_code_refuses_the_small_shape_is_priced_with_batchlabs_gpt
         raise ValueError("head_dim must be even")
 
     monkeypatch.setattr(family, "measure", refuse)
-    save(calibration())
+    save(stub_calibration())
     line = family.ensure(GPT2, threads=1)
     assert "not measured (head_dim must be even); batchlab's GPT's serves" in line
     assert load_cached("cpu", 1).family_dispatch == {}

@@ -114,3 +114,28 @@ def test_compiled_full_ac_recomputes_all_but_each_blocks_last_matmul_by_hand():
     per_block = 2 * t * h * 12 * h + 2 * (2 * b * s * s * h) - 2 * t * 4 * h * h
     cfg = RunConfig(model=preset("tiny", layers=2), seq=s, micro_batch=b, ac="full", compile="blocks")
     assert sum(o.flops * o.count for o in update_ops(cfg) if o.phase is Phase.RECOMPUTE) == 2 * per_block
+
+
+def test_compiled_dropout_draws_its_numbers_inside_the_blocks_kernels_by_hand():
+    # tiny GPT, 2 blocks, h 128, 4 heads, seq 64, micro-batch 2: each block drops its attention probabilities
+    # (b·a·s² = 2·4·64·64) and two residual branches (b·s·h = 2·64·128 each); compiled, inductor draws those numbers
+    # inside the fused kernels (prims.inductor_random: no launch, no bytes of its own), while the embeddings'
+    # dropout, outside the compiled blocks, stays ATen's bernoulli_
+    cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=2, compile="blocks")
+    drawn = [o for o in update_ops(cfg) if o.cost_class is OpClass.RANDOM and o.phase is FWD]
+    inside = [o for o in drawn if o.name == "inductor_random"]
+    assert all(o.launch is Launch.FUSED and o.bytes == 0 for o in inside)
+    assert sum(o.elements * o.count for o in inside) == 2 * (2 * 4 * 64 * 64 + 2 * 2 * 64 * 128)
+    assert [(o.name, o.elements * o.count, o.launch) for o in drawn if o not in inside] == [
+        ("bernoulli_", 2 * 64 * 128, Launch.EAGER)]
+
+
+def test_inductors_rng_is_priced_at_its_own_rate_where_measured():
+    # calibrate/compiled_rng.py caches the in-kernel RNG as "random/inductor_random:fp32"; without it, bernoulli_'s
+    costs = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e10),), strided_bytes_per_s=5e9,
+                    element_seconds={"random:fp32": 5e-9}, dispatch={"forward": 0.0, "backward": 0.0, "plain": 0.0})
+    drawn = OpCount("inductor_random", FWD, op_class("inductor_random"), elements=N, launch=Launch.FUSED)
+    assert price([drawn], costs).seconds == pytest.approx(N * 5e-9)
+    measured = OpCosts(**{**costs.__dict__, "element_seconds": {"random:fp32": 5e-9,
+                                                                "random/inductor_random:fp32": 12e-9}})
+    assert price([drawn], measured).seconds == pytest.approx(N * 12e-9)

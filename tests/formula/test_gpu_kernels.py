@@ -79,3 +79,28 @@ def test_attention_dropout_stays_in_the_fused_kernel_on_a_gpu():
     assert not [o for o in ops if o.elements == score_elements]
     cpu = micro_batch_ops(cfg.replace(device="cpu"))
     assert [o for o in cpu if o.elements == score_elements and o.name == "_softmax"]
+
+
+def test_megatrons_rope_swiglu_and_norms_are_its_fused_kernels_on_a_gpu():
+    """Megatron-LM fuses RoPE and SwiGLU unless told not to (megatron/training/arguments.py: --no-rope-fusion and
+    --no-bias-swiglu-fusion are store_false) and runs fused norms; its flash attention takes grouped k/v as they are.
+    A 4-layer Llama shape with GQA, b=2, s=1024 (T = 2048 tokens), h=4096, kv width 1024, f=11008, bf16."""
+    from batchlab.formula.oplist import micro_batch_ops
+
+    cfg = RunConfig(model=preset("llama-2-7b", layers=4, kv_heads=8, impl="megatron", attention="sdpa", dropout=0.0),
+                    seq=1024, micro_batch=2, precision="bf16", device="h100-sxm")
+    ops = micro_batch_ops(cfg)
+    names = {o.name for o in ops}
+    assert not names & {"silu", "neg", "pow", "rsqrt", "clone"}  # no rotate-half, composite norm or k/v repeat
+    count = lambda name: sum(o.count for o in ops if o.name == name)  # noqa: E731
+    assert count("fused_rope") == 2 * 4 and count("fused_rope_backward") == 2 * 4  # q and k, every layer
+    assert count("_fused_rms_norm") == 2 * 4 + 1
+    # by hand, bytes of one layer's SwiGLU kernel: forward reads gate and up (2 x 2048 x 11008) and writes their
+    # product (2048 x 11008), 2 bytes each = 135,266,304 B; backward reads the product's gradient and both inputs,
+    # writes both gradients: 5 x 2048 x 11008 x 2 = 225,443,840 B
+    assert sum(o.bytes * o.count for o in ops if o.name == "fused_swiglu") == 4 * 135_266_304
+    assert sum(o.bytes * o.count for o in ops if o.name == "fused_swiglu_backward") == 4 * 225_443_840
+    # the same matmul FLOPs as the unfused layer: one fc1 of 2f outputs is the gate and up projections together
+    flops = lambda c: sum(o.flops * o.count for o in micro_batch_ops(c) if o.cost_class.value == "matmul")  # noqa: E731
+    assert flops(cfg) == flops(cfg.replace(model=preset("llama-2-7b", layers=4, kv_heads=8, impl="hf",
+                                                        attention="sdpa", dropout=0.0)))

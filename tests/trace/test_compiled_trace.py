@@ -95,3 +95,28 @@ def test_a_fused_pointwise_chain_is_one_kernel_reading_its_input_and_writing_its
     assert len(kernels) == 1 and kernels[0].count == 1 and kernels[0].launch is Launch.COMPILED
     assert kernels[0].bytes == 2 * 1000 * 4  # 1,000 fp32 read, 1,000 written; no intermediate buffer
     assert not [op for op in rec.result() if op.name in ("mul", "add", "relu", "sub")]  # none ran eagerly
+
+
+def test_a_compiled_dropout_draws_one_number_per_element_inside_the_kernel_and_is_priced_per_element():
+    """Inductor lowers dropout's mask to prims.inductor_random, drawn inside the fused kernel (its C++ calls
+    normalized_rand_cpu once per element), and exp to a vectorised call in the same kernel: the trace records each
+    as per-element arithmetic of its 800 elements with no launch and no bytes of its own; the kernel still moves
+    the input and output once (800 fp32 each) and its seed."""
+    import torch.nn.functional as F
+
+    def drop(x):
+        return F.dropout(x, 0.1, training=True).exp()
+
+    x = torch.randn(8, 100)
+    rec = OpRecorder()
+    with kernels_not_built(), torch.no_grad():
+        compiled = inductor(torch.fx.symbolic_trace(drop), [x])
+        with rec:
+            compiled(x)
+    inside = {op.name: op for op in rec.result() if op.launch is Launch.FUSED}
+    assert set(inside) == {"inductor_random", "exp"}
+    assert all(op.elements == 800 and op.bytes == 0 and op.count == 1 for op in inside.values())
+    kernels = [op for op in rec.result() if op.name == "inductor_kernel"]
+    assert len(kernels) == 1 and kernels[0].bytes == 2 * 800 * 4 + 8  # one int64 seed
+    assert not [op for op in rec.result() if op.name in ("bernoulli_", "native_dropout", "exp")
+                and op.launch is Launch.EAGER]

@@ -8,7 +8,7 @@ import statistics
 import time
 
 from batchlab import host
-from batchlab.calibrate import dtensor, family
+from batchlab.calibrate import compiled_rng, dtensor, family
 from batchlab.calibrate.concurrency import KINDS, Contention
 from batchlab.calibrate.dispatch import SAC, DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
@@ -315,8 +315,9 @@ def _device_name(torch_device: str) -> str:
 def auto(device_name: str, threads: int | None, enabled: bool = True, cfgs: tuple = ()) -> str | None:
     """``measure`` / ``compare`` on this CPU: calibrate once (cached) so their time predictions use measured
     rates, the parts ``cfgs`` need (record.needs: a fp32 single-process compare times no 16-bit kernel and no
-    local ranks), and measure once the own dispatch per op of each Hugging Face model among ``cfgs`` (family.py) and,
-    for a tensor-parallel one, DTensor's host cost per op (dtensor.py).
+    local ranks), and measure once the own dispatch per op of each Hugging Face model among ``cfgs`` (family.py),
+    for a tensor-parallel one, DTensor's host cost per op (dtensor.py), and for a compiled one with dropout
+    inductor's in-kernel RNG (compiled_rng.py).
     Returns the lines to show the user (None when the cache served, nothing to say)."""
     if device_name != "cpu":
         return None  # GPUs: `batchlab calibrate --torch-device cuda`; the catalogue's figures otherwise
@@ -332,5 +333,7 @@ def auto(device_name: str, threads: int | None, enabled: bool = True, cfgs: tupl
                 f"rates at {want} thread(s) price the time")
     lines = [_calibrated_line(cal)] if fresh else []
     lines += [line for cfg in dict.fromkeys(cfgs) if (line := family.ensure(cfg, want))]
+    drawn = next((cfg for cfg in cfgs if compiled_rng.wanted(cfg)), None)  # one rate serves every model
+    lines += [line for line in (compiled_rng.ensure(drawn, want) if drawn else None,) if line]
     lines += [line for line in (dtensor.ensure(cfgs, want),) if line]
     return "\n".join(lines) or None

@@ -131,7 +131,8 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None, currency
         tab.add_row(f"tensor-parallel all-reduces (TP {cfg.tp}, not overlapped)", fmt_seconds(t.tp_comm_seconds))
     if cfg.pp > 1:
         tab.add_row(f"pipeline sends (PP {cfg.pp}, not overlapped)", fmt_seconds(t.pp_comm_seconds))
-        tab.add_row(f"pipeline bubble ({fmt_percent(t.bubble_fraction)} of the update, {cfg.pp_schedule})",
+        filled = ", the other local ranks use its cores" if t.bubble_fraction and not t.bubble_seconds else ""
+        tab.add_row(f"pipeline bubble ({fmt_percent(t.bubble_fraction)} of the update, {cfg.pp_schedule}{filled})",
                     fmt_seconds(t.bubble_seconds))
     if cfg.dp > 1 or verbose:
         tab.add_row(_collectives_label(cfg, t), fmt_seconds(t.allreduce_seconds))

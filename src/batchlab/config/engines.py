@@ -130,8 +130,8 @@ class ScheduleSpec:
         runs.  1F1B waits for the previous micro-batch's backward sends only after the next backward
         (``Schedule1F1B._step_microbatches``: "Clear previous chunk's backward sends" after ``backward_one_chunk``);
         GPipe waits for them all at the end, but its high point is its first backward, with none sent yet.  The
-        interleaved runtime (``_PipelineScheduleRuntime``) waits for every send only when the step ends, so it
-        holds more (input gradients, and outputs past their backward) than the one counted here."""
+        interleaved runtime (``_PipelineScheduleRuntime``) waits for every send only when the step ends: counted
+        step by step (formula/interleaved.py), not here."""
         if stage == 0 or m < 2 or self.schedule is PipelineSchedule.GPIPE:
             return 0
         return 1
@@ -169,6 +169,7 @@ class Sent(Choice):
 
     ACTIVATION = "activation"  # b·s·h elements of the activations' dtype: the whole (gathered) sequence
     NORM = "norm"  # one norm parameter tensor's gradient (h elements)
+    TOKENS = "tokens"  # one fp32 figure per token (b·s elements): the vocabulary-parallel loss's reductions
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,9 @@ class Collective:
 class TensorParallelSpec:
     """What a tensor-parallel rank sends per micro-batch, as DTensor's ``parallelize_module`` plan runs it
     (distributed/tensor_parallel.py; torchtitan's plan).  ``per_layer``: one transformer layer; ``recompute``: a fully
-    recomputed layer's forward again; ``per_norm``: per norm parameter tensor (sequence parallelism runs the norms on
+    recomputed layer's forward again; ``per_column``: per column-parallel linear of a layer (each ``ColwiseParallel``
+    takes its input through its own ``from_local(Replicate)``, whose backward all-reduces that input's partial
+    gradient); ``per_norm``: per norm parameter tensor (sequence parallelism runs the norms on
     DTensors whose replicated weights' gradients come back partial); the model's ends, on the stage holding each:
     ``embedding`` / ``head`` always, ``embedding_vocab`` / ``head_vocab`` where tp splits the vocabulary."""
 
@@ -195,6 +198,7 @@ class TensorParallelSpec:
     api: str
     per_layer: tuple[Collective, ...]
     recompute: tuple[Collective, ...]
+    per_column: tuple[Collective, ...] = ()
     embedding: tuple[Collective, ...] = ()
     embedding_vocab: tuple[Collective, ...] = ()
     head: tuple[Collective, ...] = ()
@@ -219,28 +223,34 @@ def _c(kind: str, phase: str, count: int, sent: Sent = Sent.ACTIVATION) -> Colle
 
 # Shoeybi et al. 2019 sec. 3 (Megatron's f and g): per layer 2 all-reduces of b·s·h in forward, 2 in backward.
 # Korthikanti et al. 2022 sec. 4.2.2: with sequence parallelism each becomes an all-gather + reduce-scatter pair of
-# the same volume: forward 2 all-gathers + 2 reduce-scatters.  DTensor's backward differs: the column-parallel
-# input's gradient comes back partial through ``from_local(Replicate)`` and is all-reduced whole, then sliced, where
-# Megatron reduce-scatters it; the norms' replicated weights are all-reduced every micro-batch, where Megatron
-# all-reduces them once per update.  Counted on a real run (tests/test_parallel_time.py).
+# the same volume: forward 2 all-gathers + 2 reduce-scatters.  DTensor's backward differs: each column-parallel
+# linear's input gradient comes back partial through its own ``from_local(Replicate)`` and is all-reduced whole
+# (then sliced with sequence parallelism), one per such linear (separate q/k/v and a gated MLP: 5 a layer) where
+# Megatron's f reduces once per block (2); the norms' replicated weights are all-reduced every micro-batch, where
+# Megatron all-reduces them once per update; ``loss_parallel`` all-reduces each token's max, sum of exponentials
+# and target logit.  Counted on real runs (tests/formula/test_parallel_time.py).
+LOSS_PARALLEL = (Collective("all_reduce", "forward", 3, Sent.TOKENS),)
 TENSOR_PARALLEL: dict[bool, TensorParallelSpec] = {s.sequence_parallel: s for s in (
     TensorParallelSpec(False, "parallelize_module: ColwiseParallel / RowwiseParallel",
-                       per_layer=(_c("all_reduce", "forward", 2), _c("all_reduce", "backward", 2)),
+                       per_layer=(_c("all_reduce", "forward", 2),),
                        recompute=(_c("all_reduce", "forward", 2),),
-                       # the row-parallel embedding's output; the column-parallel head's input gradient
+                       per_column=(_c("all_reduce", "backward", 1),),
+                       # the row-parallel embedding's output; the column-parallel head's input gradient, the loss
                        embedding_vocab=(_c("all_reduce", "forward", 1),),
-                       head_vocab=(_c("all_reduce", "backward", 1),)),
+                       head_vocab=(_c("all_reduce", "backward", 1),) + LOSS_PARALLEL,
+                       differs="backward all-reduces each column-parallel linear's input gradient"),
     TensorParallelSpec(True, "parallelize_module: + SequenceParallel norms, Shard(1) between blocks",
                        per_layer=(_c("all_gather", "forward", 2), _c("reduce_scatter", "forward", 2),
-                                  _c("all_gather", "backward", 2), _c("all_reduce", "backward", 2)),
+                                  _c("all_gather", "backward", 2)),
                        recompute=(_c("all_gather", "forward", 2), _c("reduce_scatter", "forward", 2)),
+                       per_column=(_c("all_reduce", "backward", 1),),
                        # the first block's sequence slice taken locally, its gradient gathered back; the head's
-                       # input gathered (reduce-scattered back where the head is column-parallel)
+                       # input gathered (reduce-scattered back where the head is column-parallel), the loss
                        embedding=(_c("all_gather", "backward", 1),),
                        embedding_vocab=(_c("all_reduce", "forward", 1),),
                        head=(_c("all_gather", "forward", 1),),
-                       head_vocab=(_c("reduce_scatter", "backward", 1),),
+                       head_vocab=(_c("reduce_scatter", "backward", 1),) + LOSS_PARALLEL,
                        per_norm=(_c("all_reduce", "backward", 1, Sent.NORM),),
-                       differs="backward all-reduces the attention and MLP inputs' gradients whole (Megatron: "
-                               "reduce-scatter) and the norms' weight gradients every micro-batch"),
+                       differs="backward all-reduces each column-parallel linear's input gradient whole (Megatron: "
+                               "one reduce-scatter per block) and the norms' weight gradients every micro-batch"),
 )}

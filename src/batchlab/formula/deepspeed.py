@@ -80,3 +80,17 @@ def engine_states(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, i
             parts["temporaries"] = 0
         out[ph] = parts
     return out
+
+
+def dressed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """DeepSpeed ZeRO's own buffers, each a part of its own in every phase (0 where it
+    is not live): the reduce bucket throughout, stage 3's prefetch in forward and backward, the fp32 gradient
+    partition at the step."""
+    if not priced(cfg):
+        return phases
+    phases = engine_states(cfg, rank, phases)
+    resident = resident_buffers(cfg, rank)
+    walked = {**resident, **prefetch_buffers(cfg, rank)}
+    live = {"forward": walked, "backward": walked, "optimizer": {**resident, **step_buffers(cfg, rank)}}
+    names = {k for parts in live.values() for k in parts}
+    return {ph: dict(parts, **{k: live.get(ph, {}).get(k, 0) for k in sorted(names)}) for ph, parts in phases.items()}

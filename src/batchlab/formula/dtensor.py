@@ -45,6 +45,12 @@ def sharded_linears(cfg: RunConfig) -> int:
     return qkv + 1 + (3 if cfg.model.mlp is MLPKind.SWIGLU else 2)
 
 
+def column_linears(cfg: RunConfig) -> int:
+    """Column-parallel linears per layer, each a backward all-reduce of its input's gradient under DTensor
+    (config.engines.TensorParallelSpec.per_column): all but the two row-parallel ones (attention's output, the MLP's
+    down); Megatron's own layers reduce once per block (its f operator), 2 a layer."""
+    return 2 if cfg.model.impl is Implementation.MEGATRON else sharded_linears(cfg) - 2
+
 
 def dtensor_params(cfg: RunConfig, rank: RankShare) -> int:
     """The DTensor parameters ``rank`` holds: the sharded linears' weights (and biases), the sequence-parallel norms',

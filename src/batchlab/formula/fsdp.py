@@ -75,7 +75,7 @@ def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, k
 
 def with_pipeline_no_sync(cfg: RunConfig, rank, phases: dict[str, dict[str, int]], shards: int
                           ) -> dict[str, dict[str, int]]:
-    """FSDP2 under an interleaved pipeline stage (GPipe's and 1F1B's are priced step by step: formula/fsdp_pipeline.py):
+    """FSDP2 under a pipeline stage no schedule prices step by step (formula/fsdp_pipeline.py, fsdp_interleaved.py):
     torch.distributed.pipelining runs every micro-batch's backward with
     ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)`` and reduce-scatters only after
     the last one (stage.py, ``backward_maybe_with_nosync``), so from the first backward on the stage's units stay

@@ -26,7 +26,7 @@ from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_
 
 
 def walked(cfg: RunConfig) -> bool:
-    """The schedules ``stage_steps`` orders (one chunk per rank); the interleaved runtime is priced as before."""
+    """The schedules ``stage_steps`` orders (one chunk per rank; several: formula/fsdp_interleaved.py)."""
     return ordered(cfg) and cfg.parallel.fsdp
 
 

@@ -9,11 +9,13 @@ by one member, read by the next):
     bytes(kernel) = Σ bytes(op) − 2 · Σ_{inner outputs} elements · width
 
 The members stay in the list, with no launch and no bytes of their own, so a transcendental member's arithmetic
-(gelu, softmax, a norm) is still paid; matmuls and fused attention are unchanged but issued by the compiled
-graph's wrapper (``Launch.COMPILED``), views cost nothing.  A reduction (a norm, softmax, a sum) takes the chain
-before it into its loop and ends it.  The rule reads op kinds only (formula/opcost.py ``OpClass``): it applies to
-the formula's op list (formula/oplist.py) and to any recorded one alike.  Inner outputs a chain also saves for
-backward are written as well in the real kernel: the rule counts them once, as read by the next member only.
+(gelu, softmax, a norm) is still paid, a random member's at the rate of inductor's in-kernel RNG, which draws each
+number inside the kernel (calibrate/compiled_rng.py); matmuls and fused attention are unchanged but issued by the
+compiled graph's wrapper (``Launch.COMPILED``), views cost nothing.  A reduction (a norm, softmax, a sum) takes
+the chain before it into its loop and ends it.  The rule reads op kinds only (formula/opcost.py ``OpClass``): it
+applies to the formula's op list (formula/oplist.py) and to any recorded one alike.  Inner outputs a chain also
+saves for backward are written as well in the real kernel: the rule counts them once, as read by the next member
+only.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ REDUCING = frozenset({OpClass.NORM, OpClass.SOFTMAX, OpClass.LOSS})
 REDUCTION_NAMES = frozenset({"sum", "mean", "amax", "amin", "var_mean", "linalg_vector_norm", "max", "prod", "any",
                              "all"})
 KERNEL = "fused"  # the name a chain's kernel goes by in the op list
+RNG = "inductor_random"  # the prim inductor lowers random ops to (torch/_inductor/inductor_prims.py)
 
 
 def _reduces(op: OpCount) -> bool:
@@ -39,6 +42,13 @@ def launched(op: OpCount, launch: Launch) -> OpCount:
     """``op`` issued by ``launch`` (a compiled graph runs no selective-checkpointing dispatch mode per op)."""
     return OpCount(op.name, op.phase, op.cost_class, op.flops, op.bytes, op.elements, op.low_precision, op.count,
                    op.flops_per_matmul, False, launch)
+
+
+def _drawn_in_kernel(op: OpCount) -> OpCount:
+    """A random op as inductor runs it: each number drawn inside the fused kernel (``prims.inductor_random``, one
+    Philox engine per element on CPU: calibrate/compiled_rng.py), priced at that RNG's own per-element rate."""
+    return OpCount(RNG, op.phase, op.cost_class, op.flops, op.bytes, op.elements, op.low_precision, op.count,
+                   op.flops_per_matmul, op.sac_dispatched, op.launch)
 
 
 def _kernel(chain: list[OpCount], width: int) -> list[OpCount]:
@@ -70,6 +80,8 @@ def fuse(ops: Iterable[OpCount], width: int) -> list[OpCount]:
             out.extend(_kernel(chain, width))
 
     for op in ops:
+        if op.cost_class is OpClass.RANDOM:
+            op = _drawn_in_kernel(op)
         if op.cost_class is OpClass.VIEW:
             out.append(launched(op, Launch.FUSED))
         elif op.cost_class in POINTWISE or _reduces(op):

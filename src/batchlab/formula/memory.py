@@ -5,7 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from batchlab.config import LossMode, PositionKind, Precision, RunConfig
-from batchlab.formula import activations as act, compiled, deepspeed, fp8, fsdp_pipeline, inbackward, offload, stage_steps
+from batchlab.formula import (activations as act, compiled, deepspeed, fp8, fsdp_interleaved, fsdp_pipeline,
+                              inbackward, interleaved, offload, stage_steps)
 from batchlab.formula.allocator import device_memory
 from batchlab.formula.stage_steps import with_pipeline
 from batchlab.formula.fsdp import fsdp_phases, with_pipeline_no_sync
@@ -72,17 +73,19 @@ _WALKED = ("parameters", "gradients", "activations", "recompute", "temporaries")
 
 def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, resident: dict[str, int],
                    grads_before: int, loss_grads: int, layer_copy: int, walk: list[int] | None = None,
-                   rank: RankShare | None = None, stepping: int = 0, on_device: int | None = None) -> dict[str, int]:
+                   rank: RankShare | None = None, stepping: int = 0, on_device: int | None = None,
+                   fresh: bool | None = None) -> dict[str, int]:
     """Walk backward layer by layer (last first): kept activations shrink while parameter gradients grow.
     ``resident``: weights, optimizer state and data (present throughout); under autocast its ``parameters``
     are the 16-bit weight copies the matmuls saved, ``layer_copy`` of them per layer: each layer's are freed
     by its backward (a recomputed layer casts its own again while it runs).  Returns the parts at the peak;
-    ``walk`` (if given) receives the tensor bytes as backward starts, then at each layer's, last layer first."""
+    ``walk`` (if given) receives the tensor bytes as backward starts, then at each layer's, last layer first.
+    ``fresh``: this backward makes ``rank``'s gradients (default: where none exist before it)."""
     rank = rank or share(cfg, 0)
     n = max(rank.params, 1)
     layer_grad = rank.per_layer * states.gradients // n
     # with accumulation (or DDP's gradient buckets) the .grad tensors exist already (in grads_before)
-    new_grads = grads_before == 0
+    new_grads = grads_before == 0 if fresh is None else fresh
     transient, head_grad, below_layers = _backward_terms(cfg, states.gradients, rank)
     transient += stepping  # a step fused into backward: its gradient and temporaries, once layers run
     working, below_layers = plan.per_layer_working, below_layers + plan.others  # others: in-flight micro-batches
@@ -231,9 +234,11 @@ def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: di
 
 
 def _dresser(cfg: RunConfig, rank: RankShare):
-    """``dress(held, phase, parts)``: the pipeline's own tensors for ``held`` micro-batches in flight."""
+    """``dress(held, phase, parts)``: the pipeline's own tensors for ``held`` micro-batches in flight (or step)."""
+    if interleaved.ordered(cfg):
+        return interleaved.dresser(cfg, rank)
     return lambda held, ph, parts: with_pipeline(cfg, dataclasses.replace(rank, in_flight=held),
-                                                  _with_deepspeed(cfg, rank, {ph: parts}))[ph]
+                                                  deepspeed.dressed(cfg, rank, {ph: parts}))[ph]
 
 
 def _fsdp_pipelined(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int],
@@ -246,20 +251,6 @@ def _fsdp_pipelined(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, w
         plan.per_layer_full, plan.total - plan.others, below, logits_fwd, loss_grads, head_grad, transient,
         opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg, rank),
         _dresser(cfg, rank), walk)
-
-
-def _with_deepspeed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """DeepSpeed ZeRO's own buffers (formula/deepspeed.py), each a part of its own in every phase (0 where it
-    is not live): the reduce bucket throughout, stage 3's prefetch in forward and backward, the fp32 gradient
-    partition at the step."""
-    if not deepspeed.priced(cfg):
-        return phases
-    phases = deepspeed.engine_states(cfg, rank, phases)
-    resident = deepspeed.resident_buffers(cfg, rank)
-    walked = {**resident, **deepspeed.prefetch_buffers(cfg, rank)}
-    live = {"forward": walked, "backward": walked, "optimizer": {**resident, **deepspeed.step_buffers(cfg, rank)}}
-    names = {k for parts in live.values() for k in parts}
-    return {ph: dict(parts, **{k: live.get(ph, {}).get(k, 0) for k in sorted(names)}) for ph, parts in phases.items()}
 
 
 def memory(cfg: RunConfig) -> MemoryEstimate:
@@ -348,21 +339,27 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
         opt_tmp = fitted.optimizer_temporaries
     if fsdp_pipeline.walked(cfg):  # the pipeline's own tensors priced per step: not added again below
         phases = _fsdp_pipelined(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp, walk, rank)
+    elif fsdp_interleaved.walked(cfg):  # and per chunk and step (formula/fsdp_interleaved.py)
+        phases = fsdp_interleaved.phases(cfg, rank, _fsdp_resident(cfg, weights, fsdp_shard_bytes(cfg, rank)),
+                                         opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg, rank), dress, lambda c: (
+                                             *_backward_terms(cfg, c.states.gradients * cfg.dp, c.share),
+                                             fsdp_gradient_shard_bytes(interleaved.flat(cfg), c.share)))
     elif fsdp:  # FSDP2's phases and its backward walk (formula/fsdp.py); DDP's below are not worked out
         phases = with_pipeline_no_sync(cfg, rank, _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp,
                                                         walk, rank),
                                        0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg, rank))
     else:
-        def ddp(others: int, grads: int, walk_: list[int] | None, only=("forward", "backward", "optimizer")):
-            plan_ = dataclasses.replace(plan, others=others)
+        def ddp(others: int, grads: int, walk_: list[int] | None, only=("forward", "backward", "optimizer"), ch=None):
+            r_, pl, wk, fwd, bwd = (rank, plan, walked, logits_fwd, loss_grads) if ch is None else ch.terms(cfg)
+            plan_ = dataclasses.replace(pl, others=others)
             make = {  # the parts live at each phase's high point
                 "forward": lambda: dict(weights, parameters=(copies_fwd if autocast else states.parameters) + buffers,
-                                        gradients=grads, activations=plan_.total, recompute=0, temporaries=logits_fwd),
+                                        gradients=grads, activations=plan_.total, recompute=0, temporaries=fwd),
                 "backward": lambda: (
                     _profiled_backward(cfg, plan_, walked, weights, grads, loss_grads, layer_copy) if fitted is not None
-                    else _backward_peak(cfg, plan_, walked, weights, grads, loss_grads, layer_copy, walk_, rank,
+                    else _backward_peak(cfg, plan_, wk, weights, grads, bwd, 0 if ch else layer_copy, walk_, r_,
                                         inbackward.stepping_bytes(cfg, in_flight, opt_tmp),
-                                        offload.backward_on_device(cfg, plan_))),
+                                        offload.backward_on_device(cfg, plan_), ch and ch.fresh)),
                 # autocast's working copies are gone by the optimizer step
                 "optimizer": lambda: dict(weights, parameters=(0 if autocast else states.parameters) + buffers,
                                           gradients=states.gradients, activations=0, recompute=0, temporaries=opt_tmp),
@@ -373,10 +370,13 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
             at = lambda st: ((st.held - 1) * one, states.gradients if st.after_backward or always else 0)  # noqa: E731
             phases, top = stage_steps.highest(cfg, rank, lambda st, ph: ddp(*at(st), None, (ph,))[ph], dress)
             ddp(*at(top), walk, ("backward",))
+        elif interleaved.ordered(cfg):  # each step of the interleaved schedule, its chunk (ch) priced as a stage
+            phases, top = interleaved.highest(cfg, rank, lambda ch, o, g, ph: ddp(o, g, None, (ph,), ch)[ph], dress)
+            ddp(top[1], top[2], walk, ("backward",), top[0])
         else:
             phases = ddp(plan.others, grads_before, walk)
-    if not (fsdp_pipeline.walked(cfg) or (stage_steps.ordered(cfg) and not fsdp)):  # those are dressed per step
-        phases = with_pipeline(cfg, rank, _with_deepspeed(cfg, rank, phases))
+    if not ((stage_steps.ordered(cfg) or interleaved.ordered(cfg)) and (cfg.parallel.fsdp or not fsdp)):  # per step
+        phases = with_pipeline(cfg, rank, deepspeed.dressed(cfg, rank, phases))
     phases = offload.phases(cfg, inbackward.phases(cfg, phases), plan, walked=fitted is None)
     if cache8 := fp8.weight_cache_bytes(cfg, rank.layer_matrices, len(rank.layers)):  # TE's, held all update
         phases = {ph: dict(parts, **{"fp8 weights": cache8}) for ph, parts in phases.items()}

@@ -12,129 +12,29 @@ h hidden, kv key/value width, f MLP inner size, a heads, d head size, V vocabula
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
-from batchlab.config import (Backend, CompileMode, LossMode, MLPKind, NormKind, PositionKind,
-                             RunConfig, optimizer_spec)
-from batchlab.formula import fp8
+from batchlab.config import (CompileMode, LossMode, MLPKind, PositionKind, Precision, RunConfig,
+                             optimizer_spec)
+from batchlab.formula import fp8, megatron_kernels
 from batchlab.formula.fusion import fuse
 from batchlab.formula.memo import cache, lookup
+from batchlab.formula.opbuild import (BWD, DATA, F32, FWD, OPT, OpList, op as _op, views as _views,
+                                        widths as _widths)
 from batchlab.formula.activations import Impl, implementation, materialises_scores
-from batchlab.formula.opcost import OpCount, merge, op_class
+from batchlab.formula.opcost import OpCount, merge
 from batchlab.formula.params import tensor_sizes
 from batchlab.config.phase import Phase
 
-F32 = 4
-FWD, BWD, OPT, DATA = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.DATA
 
-
-@dataclass(frozen=True)
-class _Widths:
-    """Element widths (bytes) and whether matmuls run in 16 bits."""
-
-    e: int  # matmul operands / outputs
-    res: int  # residual stream and norms (fp32 under autocast)
-    autocast: bool
-    fused_rms: bool = False  # torch.rms_norm on CUDA: one _fused_rms_norm kernel each way (torchtitan's nn.RMSNorm)
-    cuda: bool = False  # CUDA kernels (F.dropout is one native_dropout kernel there)
-    fp8: "fp8.FP8Spec | None" = None  # the blocks' linear layers as FP8 GEMMs (formula/fp8.py), their weights' shards 1/dp8
-    dp8: int = 1
-
-    @property
-    def low(self) -> bool:
-        return self.e == 2
-
-
-def _op(name: str, phase: Phase, elements: int, nbytes: int, flops: int = 0, low: bool = False,
-        count: int = 1, strided: bool = False, flops_per_matmul: int = 0) -> OpCount:
-    return OpCount(name=name, phase=phase, cost_class=op_class(name, strided=strided), flops=flops, bytes=nbytes,
-                   elements=elements, low_precision=low, count=count, flops_per_matmul=flops_per_matmul)
-
-
-def _views(phase: Phase, n: int) -> OpCount:
-    return OpCount(name="view", phase=phase, cost_class=op_class("view", is_view=True), count=n)
-
-
-class _Ops:
-    """Collects OpCounts; ``phase`` is where forward ops go (forward, or recompute)."""
-
-    def __init__(self, w: _Widths):
-        self.w = w
-        self.out: list[OpCount] = []
-
-    def add(self, *ops: OpCount) -> None:
-        self.out.extend(op for op in ops if op.count)
-
-    def linear(self, ph: Phase, t: int, i: int, o: int, bias: bool, cast_input: bool, backward: bool = True, block=True):
-        """nn.Linear on a (b, s, i) input: addmm (mm + _unsafe_view without a bias); backward: two mms."""
-        w, e = self.w, self.w.e
-        if block and w.fp8 is not None:
-            return self.add(*fp8.linear_ops(w.fp8, ph, t, i, o, bias, backward, e, w.dp8))
-        fl = 2 * t * i * o
-        if w.autocast:  # autocast copies the fp32 weight (and bias, and an fp32 input) to 16 bits
-            self.add(_op("_to_copy", ph, i * o, i * o * (F32 + e), low=True),
-                     _op("_to_copy", ph, o, o * (F32 + e), low=True, count=int(bias)),
-                     _op("_to_copy", ph, t * i, t * i * (F32 + e), low=True, count=int(cast_input)))
-        name = "addmm" if bias else "mm"
-        self.add(_op(name, ph, t * o, (t * i + i * o + t * o + (o if bias else 0)) * e, fl, w.low),
-                 _views(ph, 3 if bias else 2), _op("_unsafe_view", ph, t * o, 0, count=int(not bias)))
-        if not backward:
-            return
-        self.add(_op("mm", BWD, t * i, (t * o + i * o + t * i) * e, fl, w.low),
-                 _op("mm", BWD, i * o, (t * o + t * i + i * o) * e, fl, w.low),
-                 _op("sum", BWD, o, (t * o + o) * e, low=w.low, count=int(bias)),
-                 _views(BWD, 7 if bias else 6))
-        if w.autocast:  # the gradients of the copies, back to fp32
-            self.add(_op("_to_copy", BWD, i * o, i * o * (F32 + e)),
-                     _op("_to_copy", BWD, o, o * (F32 + e), count=int(bias)),
-                     _op("_to_copy", BWD, t * i, t * i * (F32 + e), count=int(cast_input)))
-
-    def norm(self, ph: Phase, t: int, h: int, kind: NormKind, bias: bool, backward: bool = True) -> None:
-        r = self.w.res
-        if kind is NormKind.LAYERNORM:
-            self.add(_op("native_layer_norm", ph, t * h, 2 * t * h * r + 2 * h * r + 2 * t * F32))
-            if backward:
-                self.add(_op("native_layer_norm_backward", BWD, t * h, 3 * t * h * r + 2 * t * F32 + 2 * h * r))
-            return
-        if self.w.fused_rms:  # reads x and the weight, writes y and rstd; backward reads dy, x, rstd, writes dx, dw
-            self.add(_op("_fused_rms_norm", ph, t * h, 2 * t * h * r + h * r + t * F32))
-            if backward:
-                self.add(_op("_fused_rms_norm_backward", BWD, t * h, 3 * t * h * r + t * F32 + 2 * h * r))
-            return
-        # F.rms_norm on CPU is composite: pow, mean, add, rsqrt, mul, mul (weight)
-        self.add(_op("pow", ph, t * h, 2 * t * h * r), _op("mean", ph, t, t * h * r + t * F32),
-                 _op("add", ph, t, 2 * t * F32), _op("rsqrt", ph, t, 2 * t * F32),
-                 _op("mul", ph, t * h, 2 * t * h * r + t * F32, count=2), _views(ph, 3))
-        if backward:
-            self.add(_op("mul", BWD, t * h, 3 * t * h * r, count=6), _op("sum", BWD, h, t * h * r),
-                     _op("sum", BWD, t, t * h * r), _op("mul", BWD, t, 3 * t * F32, count=2),
-                     _op("div", BWD, t * h, 3 * t * h * r), _op("pow", BWD, t * h, 2 * t * h * r, count=2),
-                     _op("add", BWD, t * h, 3 * t * h * r, count=2), _views(BWD, 2))
-
-    def dropout(self, ph: Phase, n: int, p: float, width: int, backward: bool = True) -> None:
-        if p <= 0:
-            return
-        if self.w.cuda:  # native_dropout: reads x, writes the output and a bool mask; backward: one masked scale
-            self.add(_op("native_dropout", ph, n, n * (2 * width + 1)))
-            if backward:
-                self.add(_op("native_dropout_backward", BWD, n, n * (2 * width + 1)))
-            return
-        self.add(_op("empty_like", ph, n, 0), _op("bernoulli_", ph, n, 2 * n * width), _op("div_", ph, n, 2 * n * width),
-                 _op("mul", ph, n, 3 * n * width))
-        if backward:
-            self.add(_op("mul", BWD, n, 3 * n * width))
-
-    def elementwise(self, name: str, ph: Phase, n: int, width: int, inputs: int = 1, count: int = 1) -> None:
-        self.add(_op(name, ph, n, (inputs + 1) * n * width, count=count))
-
-
-def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
+def _attention(ops: OpList, cfg: RunConfig, ph: Phase, backward: bool) -> None:
     m, s, b = cfg.model, cfg.seq, cfg.micro_batch
     t, h, kv, a, d, e = b * s, m.hidden, m.kv_hidden, m.heads, m.head_dim, ops.w.e
     ops.add(_views(ph, 7))  # split, three views, three transposes
     if backward:
         ops.add(_op("cat", BWD, t * (h + 2 * kv), 2 * t * (h + 2 * kv) * e), _views(BWD, 4))
-    if m.position is PositionKind.ROPE:  # rotate-half on q and k: neg, cat, two muls and an add each
+    if m.position is PositionKind.ROPE and ops.w.megatron:
+        ops.add(*(k for width in (h, kv) for k in megatron_kernels.rope(ph, t * width, e, backward)))
+    elif m.position is PositionKind.ROPE:  # rotate-half on q and k: neg, cat, two muls and an add each
         for width in (h, kv):
             n = t * width
             ops.add(_op("neg", ph, n // 2, n * e), _op("cat", ph, n, 2 * n * e), _op("mul", ph, n, 3 * n * e, count=2),
@@ -147,14 +47,14 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
         ops.add(_op("cat", ph, t * kv, 2 * t * kv * e, count=2), _views(ph, 2))
         if backward:
             ops.add(_op("zeros", BWD, 0, 0, count=2), _views(BWD, 2))
-    if m.kv_heads != m.heads:  # repeat_interleave of k and v to full width
+    fused = not materialises_scores(m, cfg.device_spec.backend)
+    if m.kv_heads != m.heads and not (fused and ops.w.megatron):  # repeat_interleave of k and v to full width
         ops.add(_op("clone", ph, t * h, t * (h + kv) * e, count=2, strided=True), _views(ph, 4))
         if backward:
             ops.add(_op("sum", BWD, t * kv, t * (h + kv) * e, count=2), _views(BWD, 2))
     score, fl = a * s * s * b, 2 * b * a * s * s * d
     g = fl // (a * b)  # one (batch, head)'s matmul: what decides the rate
-    if not materialises_scores(m, cfg.device_spec.backend):
-        # fused; on CUDA the kernel draws the dropout mask itself (FlashAttention-2, Dao 2023, sec. 3.1): no s x s bytes
+    if fused:  # on CUDA the kernel draws the dropout mask itself (FlashAttention-2, Dao 2023, sec. 3.1): no s x s bytes
         name = "_scaled_dot_product_flash_attention" + ("" if ops.w.cuda else "_for_cpu")
         ops.add(_op(name, ph, t * h, 4 * t * h * e + a * t * F32, 2 * fl, ops.w.low, flops_per_matmul=2 * g),
                 _views(ph, 2))
@@ -188,7 +88,7 @@ def _attention(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool) -> None:
                     _views(BWD, 2))
 
 
-def _gelu_new(ops: _Ops, ph: Phase, n: int, backward: bool) -> None:
+def _gelu_new(ops: OpList, ph: Phase, n: int, backward: bool) -> None:
     """Hugging Face's NewGELUActivation, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), in Python ops
     (transformers/activations.py) as traced: forward ``mul pow mul add mul tanh add mul``; backward two products'
     gradients, ``tanh_backward``, the chain back through the scalars and ``pow(x, 2)``, three paths summed."""
@@ -202,7 +102,7 @@ def _gelu_new(ops: _Ops, ph: Phase, n: int, backward: bool) -> None:
                 _views(BWD, 1))
 
 
-def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True, only: str = "") -> None:
+def _layer(ops: OpList, cfg: RunConfig, ph: Phase, backward: bool = True, only: str = "") -> None:
     """One block's forward ops into ``ph`` (forward or recompute), and (``backward``) its backward ops; ``only``:
     the inner ops of that branch alone (its submodule: no norm, dropout or residual add)."""
     m = cfg.model
@@ -216,6 +116,10 @@ def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True, only: st
             ops.linear(ph, t, h, h + 2 * kv, m.bias, w.autocast, backward)
             _attention(ops, cfg, ph, backward)
             ops.linear(ph, t, h, h, m.bias, False, backward)
+        elif m.mlp is MLPKind.SWIGLU and w.megatron:  # one fc1 of gate and up, one fused kernel
+            ops.linear(ph, t, h, 2 * f, m.bias, w.autocast, backward)
+            ops.add(*megatron_kernels.swiglu(ph, t, f, w.e, backward))
+            ops.linear(ph, t, f, h, m.bias, False, backward)
         elif m.mlp is MLPKind.SWIGLU:
             ops.linear(ph, t, h, f, m.bias, w.autocast, backward)
             ops.linear(ph, t, h, f, m.bias, False, backward)
@@ -244,7 +148,7 @@ def _layer(ops: _Ops, cfg: RunConfig, ph: Phase, backward: bool = True, only: st
                 ops.add(_op("_to_copy", BWD, t * h, t * h * (F32 + w.e), low=True))
 
 
-def _outside(ops: _Ops, cfg: RunConfig) -> None:
+def _outside(ops: OpList, cfg: RunConfig) -> None:
     """Embeddings, final norm, LM head and the fp32 cross-entropy (models/gpt.py GPT.forward)."""
     m, w = cfg.model, ops.w
     t, h, V = cfg.micro_batch * cfg.seq, m.hidden, m.vocab
@@ -284,21 +188,23 @@ def _micro_key(cfg: RunConfig) -> tuple:
             cfg.device_spec.backend, cfg.fp8, cfg.dp, cfg.compile)
 
 
-def _optimizer(ops: _Ops, cfg: RunConfig) -> None:
-    """clip_grad_norm_ (foreach norm and scale), the per-parameter optimizer loop (foreach=False), zero_grad: a function of the model and the optimizer alone."""
-    ops.add(*lookup(_OPTIMIZER, (cfg.model, cfg.optimizer), lambda: _optimizer_ops(cfg)))
+def _optimizer(ops: OpList, cfg: RunConfig) -> None:
+    """clip_grad_norm_ (foreach norm and scale), the per-parameter optimizer loop (foreach=False), zero_grad: a function of the model, the optimizer and the weights' dtype alone."""
+    # the step's weights, gradients and state: bf16 under pure bf16, fp32 where Megatron-Core / DeepSpeed step fp32 copies
+    w = 2 if cfg.precision is Precision.BF16 and not (cfg.parallel.engine_spec.megatron or cfg.parallel.engine_spec.deepspeed) else F32
+    ops.add(*lookup(_OPTIMIZER, (cfg.model, cfg.optimizer, w), lambda: _optimizer_ops(cfg, w)))
 
 
-def _optimizer_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
-    ops = _Ops(_widths(cfg))
+def _optimizer_ops(cfg: RunConfig, w: int) -> tuple[OpCount, ...]:
+    ops = OpList(_widths(cfg))
     sizes = tensor_sizes(cfg.model)
     p, n = len(sizes), sum(sizes)
-    ops.add(_op("_foreach_norm", OPT, p, n * F32), _op("stack", OPT, p, 2 * p * F32),
+    ops.add(_op("_foreach_norm", OPT, p, n * w), _op("stack", OPT, p, 2 * p * F32),
             _op("linalg_vector_norm", OPT, 1, p * F32), _op("add", OPT, 1, 8), _op("reciprocal", OPT, 1, 8),
-            _op("mul", OPT, 1, 8), _op("clamp", OPT, 1, 8), _op("_foreach_mul_", OPT, 0, 2 * n * F32),
+            _op("mul", OPT, 1, 8), _op("clamp", OPT, 1, 8), _op("_foreach_mul_", OPT, 0, 2 * n * w),
             _op("_local_scalar_dense", OPT, 0, 0))
     for size, k in Counter(sizes).items():  # parameters of one size run the same ops: listed once, counted k times
-        b = size * F32
+        b = size * w
         # the catalogue entry's step on one parameter (config/optimizers.py)
         step = (_op(s.name, OPT, size, s.passes * b) if s.per_element else _op(s.name, OPT, s.elements, s.nbytes)
                 for s in optimizer_spec(cfg.optimizer).step_ops)
@@ -306,20 +212,11 @@ def _optimizer_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     return tuple(ops.out)
 
 
-def _data(ops: _Ops, cfg: RunConfig) -> None:
+def _data(ops: OpList, cfg: RunConfig) -> None:
     b, s, n = cfg.micro_batch, cfg.seq, cfg.micro_batch * (cfg.seq + 1)
     ops.add(_op("randint", DATA, n, n * 8, count=cfg.accum), _op("clone", DATA, b * s, 2 * b * s * 8, count=2 * cfg.accum, strided=b > 1),
             _op("ne", DATA, b * s, b * s * 9, count=cfg.accum), _op("sum", DATA, 1, b * s, count=cfg.accum),
             _op("_local_scalar_dense", DATA, 0, 0, count=cfg.accum), _views(DATA, 2 * cfg.accum))
-
-
-def _widths(cfg: RunConfig) -> _Widths:
-    e = cfg.precision.compute_bytes
-    # torchtitan's nn.RMSNorm reaches ATen's fused kernel on CUDA (2024: a Triton "fused_rmsnorm"); HF's is Python ops
-    fused = cfg.device_spec.backend is Backend.CUDA and implementation(cfg.model_kind, cfg.model) is Impl.TT_LLAMA
-    s8 = fp8.active(cfg)
-    return _Widths(e=e, res=2 if cfg.precision.low_precision_residual else 4, autocast=cfg.precision.mixed, fused_rms=fused,
-                   cuda=cfg.device_spec.backend is Backend.CUDA, fp8=s8, dp8=cfg.dp if s8 and s8.fsdp_fp8_all_gather else 1)
 
 
 def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
@@ -328,14 +225,14 @@ def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
 
 
 def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
-    ops = _Ops(_widths(cfg))
+    ops = OpList(_widths(cfg))
     n, compiled = cfg.model.layers, cfg.compile is not CompileMode.NONE
     # a compiled region: pointwise chains fused into one kernel each, recompute included (formula/fusion.py)
     region = (lambda out: merge(fuse(out, ops.w.e))) if compiled else merge
     # selective policies run under checkpoint's Python dispatch mode (models/ac.py) unless compiled into a graph
     sac = 0 if compiled else sum(k for mode, k in cfg.ac.selective_kinds(n).items() if mode.dispatch_mode)
     # every block runs the same ops: list one, and one recompute, then count them per block
-    block = _Ops(ops.w)
+    block = OpList(ops.w)
     _layer(block, cfg, FWD)
     ops.add(*(o.times(n - sac) for o in region(block.out) if n - sac))
     ops.add(*(_sac(o.times(sac)) for o in region(block.out) if sac))
@@ -343,11 +240,11 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     groups = sorted(Counter(m for m in cfg.ac.layer_modes(n) if m.spec.recomputes).items(),
                     key=lambda group: group[0].spec.selective)
     for mode, k in ((mode, k) for mode, k in groups if k):
-        redo = _Ops(ops.w)
+        redo = OpList(ops.w)
         # ops whose outputs a policy serves from its cache in the recompute: its catalogue entry's
         _recompute(redo, cfg, mode.spec.cached_in_recompute, mode.spec.branch)
         ops.add(*(_sac(o.times(k)) if mode.dispatch_mode and not compiled else o.times(k) for o in region(redo.out)))
-    rest = _Ops(ops.w)
+    rest = OpList(ops.w)
     _outside(rest, cfg)  # compiled with the blocks only when the whole model is
     ops.add(*(region(rest.out) if cfg.compile is CompileMode.MODEL else rest.out))
     return merge(ops.out)
@@ -359,11 +256,11 @@ def _sac(op: OpCount) -> OpCount:
     return op.under_sac() if op.phase in (FWD, Phase.RECOMPUTE) else op
 
 
-def _recompute(ops: _Ops, cfg: RunConfig, cached: tuple[str, ...], branch: str = "") -> None:
+def _recompute(ops: OpList, cfg: RunConfig, cached: tuple[str, ...], branch: str = "") -> None:
     """The forward again inside backward (non-reentrant checkpoint); selective checkpointing serves the saved outputs of
     ``cached`` ops from its cache, the rest re-run; ``branch`` (and a compiled block, whose partition drops what
     backward never reads): its ops up to its last matmul, whose output only the residual add takes."""
-    redo = _Ops(ops.w)
+    redo = OpList(ops.w)
     _layer(redo, cfg, Phase.RECOMPUTE, backward=False, only=branch)
     if branch or cfg.compile is not CompileMode.NONE:
         last = [i for i, op in enumerate(redo.out) if op.name in ("mm", "addmm", fp8.SCALED_MM)][-1]
@@ -387,7 +284,7 @@ def update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
 
 def _update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     per_micro = micro_batch_ops(cfg)
-    ops = _Ops(_widths(cfg))
+    ops = OpList(_widths(cfg))
     ops.add(*(o.times(cfg.accum) for o in per_micro))
     # AccumulateGrad: the first micro-batch's gradient is kept (a detach per parameter), later ones are
     # added into it

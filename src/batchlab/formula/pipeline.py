@@ -26,7 +26,7 @@ from batchlab.formula.params import norm_tensors
 from batchlab.formula.ranks import RankShare, shares
 from batchlab.config.phase import Phase
 from batchlab.formula.opcost import OpCosts, OpCount, merge
-from batchlab.formula.oplist import _Ops, _widths
+from batchlab.formula.opbuild import OpList, widths
 from batchlab.formula.sharding import collective_seconds, ring_messages
 
 
@@ -103,6 +103,7 @@ class PipelineTime:
     micro_batches: int  # per update per pipeline: accum
     bubble_fraction: float
     slowest: int  # the stage that sets the pace
+    time_shared: float = 1.0  # local CPU ranks' threads over the cores (formula/timing.py ``sharing``), at least 1
 
     @property
     def busy_seconds(self) -> float:
@@ -111,8 +112,13 @@ class PipelineTime:
 
     @property
     def seconds(self) -> float:
-        """Busy time over the non-bubble share: (m + p - 1) x slowest stage for GPipe / 1F1B."""
-        return self.busy_seconds / (1 - self.bubble_fraction)
+        """Busy time over the non-bubble share: (m + p - 1) x slowest stage for GPipe / 1F1B.  Where local CPU ranks
+        time-share the cores, a rank idle in the bubble leaves its core to the others, which then run faster: the
+        flush takes the longer of its critical path at a core's whole speed and m micro-batches at the shared speed
+        (processor sharing; with no more threads than cores, the first)."""
+        s = self.stages[self.slowest]
+        alone = (s.compute_seconds + s.dtensor_seconds) / self.time_shared + s.tp_comm_seconds + s.pp_comm_seconds
+        return max(self.busy_seconds, self.micro_batches * alone / (1 - self.bubble_fraction))
 
     @property
     def bubble_seconds(self) -> float:
@@ -175,14 +181,15 @@ def activation_message_bytes(cfg: RunConfig) -> int:
 
 def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tuple[int, int]]:
     """One micro-batch's tensor-parallel collectives on ``rank``, by (kind, phase): (calls, bytes per call summed),
-    from the catalogue (``config.engines.TENSOR_PARALLEL``): each layer's, a fully recomputed layer's forward again,
-    the norms' gradients, and the model's ends this stage holds."""
+    from the catalogue (``config.engines.TENSOR_PARALLEL``): each layer's and its column-parallel linears', a fully
+    recomputed layer's forward again, the norms' gradients, and the model's ends this stage holds."""
     if rank.tp == 1:
         return {}
     spec = cfg.parallel.tp_spec
     modes = cfg.ac.layer_modes(cfg.model.layers)
     norm_bytes = cfg.model.hidden * (4 if cfg.precision.mixed else cfg.precision.compute_bytes)
-    sizes = {Sent.ACTIVATION: activation_message_bytes(cfg), Sent.NORM: norm_bytes}
+    sizes = {Sent.ACTIVATION: activation_message_bytes(cfg), Sent.NORM: norm_bytes,
+             Sent.TOKENS: cfg.micro_batch * cfg.seq * 4}
     out: dict[tuple[str, str], tuple[int, int]] = {}
 
     def add(items, times: int = 1) -> None:
@@ -192,6 +199,7 @@ def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tup
 
     for i in rank.layers:
         add(spec.per_layer)
+        add(spec.per_column, dtensor.column_linears(cfg))
         if modes[i].spec.applied is Applied.WHOLE_BLOCK:
             add(spec.recompute)
     norms = norm_tensors(cfg.model) * (2 * len(rank.layers) + (1 if rank.last else 0))
@@ -200,14 +208,21 @@ def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tup
     return out
 
 
+def gradient_reductions(cfg: RunConfig, rank: RankShare) -> int:
+    """All-reduces over the data-parallel group per update on ``rank`` of a layout without FSDP2: DDP takes neither
+    DTensor parameters nor pipeline stages, so the measured layouts average each parameter tensor's gradient (shard)
+    on its own after the last backward (distributed/layouts.py), no buckets."""
+    return dtensor.rank_tensors(cfg, rank) if cfg.parallel.dp > 1 and not cfg.parallel.fsdp else 0
+
+
 def replicated_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     """One micro-batch's ops outside the layers' tensor-parallel regions (each layer's two norms, residual dropouts
     and adds, backward, and a whole-block recompute's forward again): without sequence parallelism every
     tensor-parallel rank runs them on the whole b·s·h (Korthikanti et al. 2022, sec. 4.2.2)."""
-    ops, m, t = _Ops(_widths(cfg)), cfg.model, cfg.micro_batch * cfg.seq  # oplist's own op writer
+    ops, m, t = OpList(widths(cfg)), cfg.model, cfg.micro_batch * cfg.seq  # oplist's own op writer
     redo = sum(mode.spec.applied is Applied.WHOLE_BLOCK for mode in cfg.ac.layer_modes(m.layers))
     for ph, layers, backward in ((Phase.FORWARD, m.layers, True), (Phase.RECOMPUTE, redo, False)):
-        block = _Ops(ops.w)
+        block = OpList(ops.w)
         for _ in ("attention", "mlp"):
             block.norm(ph, t, m.hidden, m.norm, m.bias, backward)
             block.dropout(ph, t * m.hidden, m.dropout, ops.w.e, backward)
@@ -282,13 +297,14 @@ def rank_compute_seconds(share: float, tp: int, compute: float,
 
 def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts | None = None,
                   issued: tuple[tuple[float, float], ...] = (), replicated: float = 0.0,
-                  dispatch_per_micro_batch: float = 0.0, host_scale: float = 1.0) -> PipelineTime:
+                  dispatch_per_micro_batch: float = 0.0, host_scale: float = 1.0, time_shared: float = 1.0
+                  ) -> PipelineTime:
     """``compute_per_micro_batch``: the whole replica's forward + backward (+ recompute) of one micro-batch on one
     device, as the per-op model priced it; ``issued``: the same per phase as (kernel work, host issue time) on an
     asynchronous device, and ``replicated`` the work every TP rank runs whole, ``dispatch_per_micro_batch`` the
     fixed cost per op of ``compute`` on a synchronous one (``rank_compute_seconds``); ``costs``: the per-op costs,
     whose calibrated link prices local ranks' messages; ``host_scale``: how much slower a rank's host work runs beside
-    the other local ranks (formula/timing.py)."""
+    the other local ranks (formula/timing.py), ``time_shared`` the part of it that is the cores' time-sharing."""
     ranks = shares(cfg)
     per = [stage_flops_per_token(cfg, r.layers, r.last) for r in ranks]
     total = sum(per) or 1.0
@@ -305,7 +321,7 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
     stages = tuple(stage(r, f) for r, f in zip(ranks, per))
     slowest = max(range(len(stages)), key=lambda i: (stages[i].seconds, -i))
     return PipelineTime(stages=stages, micro_batches=cfg.accum, bubble_fraction=cfg.parallel.bubble_fraction(cfg.accum),
-                        slowest=slowest)
+                        slowest=slowest, time_shared=max(1.0, time_shared))
 
 
 def collectives_text(items) -> str:
@@ -324,7 +340,7 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
         spec = lay.tp_spec
         parts.append(f"TP {lay.tp}" + (" with sequence parallelism" if lay.sequence_parallel else "")
                      + f": each rank computes 1/{lay.tp} of its stage's FLOPs; per layer per micro-batch "
-                     f"{collectives_text(spec.per_layer)} of b·s·h"
+                     f"{collectives_text(spec.per_layer + spec.per_column * dtensor.column_linears(cfg))} of b·s·h"
                      + (f" (+{collectives_text(spec.recompute)} per fully recomputed layer)" if spec.recompute else "")
                      + (", the norms' weight gradients all-reduced every micro-batch" if spec.per_norm else "")
                      + f", the embedding's and head's at the ends ({spec.api}); each collective over "
@@ -334,7 +350,13 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
         parts.append(f"PP {lay.pp} ({lay.schedule.value}): (m + (p-1)/v) x the slowest stage's micro-batch, bubble "
                      f"{p.bubble_fraction:.1%} of the update (m = accum = {cfg.accum}); stage compute split by FLOPs; "
                      f"b·s·h sends each way per micro-batch and chunk boundary over {pp_link(cfg, costs).text()}, "
-                     "each receive one more message, not overlapped")
+                     "each receive one more message, not overlapped"
+                     + (f"; the local ranks time-share the cores (x{p.time_shared:.2f}): a rank idle in the bubble "
+                        f"leaves its core to the others, {p.bubble_seconds * 1e3:.1f} ms of it left"
+                        if p.time_shared > 1 else ""))
+    if reductions := gradient_reductions(cfg, shares(cfg)[p.slowest]):
+        parts.append(f"data-parallel reduction: one all-reduce per parameter tensor, {reductions} on this rank "
+                     "(no DDP buckets over DTensors or pipeline stages)")
     return "; ".join(parts)
 
 

@@ -62,8 +62,7 @@ def distinct(schedule: PipelineSchedule, stage: int, p: int, m: int, by_forward:
 
 
 def ordered(cfg: RunConfig) -> bool:
-    """A pipeline whose stage order ``stage_steps`` gives (one chunk per rank; the interleaved runtime is priced
-    at its in-flight count alone)."""
+    """A pipeline whose stage order ``stage_steps`` gives (one chunk per rank; several: formula/interleaved.py)."""
     return cfg.parallel.pipelined and cfg.parallel.chunks == 1
 
 

@@ -23,7 +23,7 @@ from batchlab.formula.memory import MemoryEstimate
 from batchlab.formula.opcost import OpClass, OpCosts, OpCount, TimeBreakdown, describe, link_text, price
 from batchlab.config.phase import Phase
 from batchlab.formula.oplist import update_ops
-from batchlab.formula.pipeline import pipeline_time, replicated_ops, text as layout_time_text
+from batchlab.formula.pipeline import gradient_reductions, pipeline_time, replicated_ops, text as layout_time_text
 from batchlab.formula.ranks import shares
 from batchlab.formula.states import heaviest
 from batchlab.formula.sharding import collective_seconds, fsdp_collectives, traffic
@@ -243,7 +243,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     if layout:  # formula/pipeline.py: per stage, then the bubble; the dispatch part at the rank's host speed
         host = sharing(cfg, costs) * (1 + skew(cfg, costs)) * contention(cfg, costs).get("dispatch", 1.0)
         pipe = pipeline_time(cfg, compute / cfg.accum, costs, issued, replicated,
-                             min(dispatch_compute * host, compute) / cfg.accum, host)
+                             min(dispatch_compute * host, compute) / cfg.accum, host, sharing(cfg, costs))
     if pipe is not None:  # the data-parallel group of a stage's TP rank reduces (and steps) its slice only
         sent = {k: round(v * held) for k, v in sent.items()}
         compute = cfg.accum * pipe.stages[pipe.slowest].compute_seconds
@@ -256,8 +256,9 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
     if local:  # a ring step is one message per rank: 2(n-1) per all-reduce, n-1 per all-gather / reduce-scatter
         units = fsdp_collectives(cfg, shares(cfg)[pipe.slowest] if pipe is not None else None)
+        reductions = gradient_reductions(cfg, shares(cfg)[pipe.slowest]) if pipe is not None else 0
         comm += costs.link_latency_s * (cfg.dp - 1) * (sum(units.values()) if units else
-                                                       2 * ddp_buckets(grad_bytes))
+                                                       2 * (reductions or ddp_buckets(grad_bytes)))
         comm += costs.link_latency_s * 2 * (cfg.dp - 1)  # the token count's all-reduce
     after_step = collective_seconds("broadcast", sent["broadcast"], cfg.dp, bw)
     hidden = exposed_comm_seconds(cfg, comm, compute, compute / cfg.accum, after_step)

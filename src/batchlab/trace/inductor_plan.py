@@ -8,11 +8,18 @@ the ops it leaves to ATen (matmuls into planned buffers, fallbacks), a dead buff
 (``buf5 = buf3; del buf3  # reuse``: one storage), each ``del`` at the point inductor frees, the saved tensors
 released as the backward goes (``args.clear()``).  Fused regions, recomputed ones included, write only what
 inductor realises.  Lowering is for the device the fake tensors are on: CPU here.
+
+For time, each kernel call is one launch moving its buffers once, and the per-element arithmetic its loops do
+beyond moving them is read off the graph inductor lowered (``in_kernels``): each transcendental op and each random
+draw (``prims.inductor_random``: dropout's numbers, made inside the kernel) with its output's elements, priced at
+its op's calibrated per-element rate.
 """
 from __future__ import annotations
 
 import contextlib
 import types
+
+from batchlab.formula.opcost import OpClass, op_class
 
 FILE = "<batchlab: inductor's wrapper, kernels not built>"
 # watchers told as each wrapper call starts (``start(args)``) and ends (``end()``): the compiled backward's working
@@ -74,8 +81,43 @@ def _load(graph, wrapper_code):
     for k, v in {**graph.constants, **graph.torchbind_constants,
                  **getattr(graph, "opaque_value_type_classes", {})}.items():  # the attributes inductor's loader sets
         setattr(mod, k, v)
-    mod.call = _real_inputs_allowed(mod.call)
+    mod.call = _arithmetic_counted(_real_inputs_allowed(mod.call), in_kernels(graph.graph))
     return mod
+
+
+# what a generated kernel spends per element beyond moving its buffers: transcendental functions (SLEEF's
+# vectorised exp, tanh, erf as ATen's kernels call them) and the RNG drawn inside the kernel (calibrate/compiled_rng.py)
+ARITHMETIC = frozenset({OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD, OpClass.RANDOM})
+
+
+def in_kernels(graph) -> tuple[tuple[str, int, bool], ...]:
+    """(op name, elements, 16-bit) of each node of a graph inductor lowers whose per-element arithmetic its
+    kernels compute (``ARITHMETIC``; not one it leaves to ATen, whose call the trace records as it runs)."""
+    import torch
+    from torch._inductor.lowering import fallbacks
+
+    out = []
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target in fallbacks:
+            continue
+        name = target.overloadpacket.__name__
+        val = node.meta.get("val")
+        if op_class(name) in ARITHMETIC and isinstance(val, torch.Tensor):
+            out.append((name, int(val.numel()), val.dtype in (torch.bfloat16, torch.float16)))
+    return tuple(out)
+
+
+def _arithmetic_counted(call, arithmetic):
+    """``call`` recording its kernels' per-element arithmetic once per run (trace/ops.py ``fused_arithmetic``)."""
+    from batchlab.trace.ops import fused_arithmetic
+
+    def run(args):
+        for name, elements, low in arithmetic:
+            fused_arithmetic(name, elements, low)
+        return call(args)
+
+    return run
 
 
 def _real_inputs_allowed(call):

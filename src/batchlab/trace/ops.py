@@ -59,6 +59,23 @@ def inductor_kernel(buffers: list[torch.Tensor]) -> None:
             torch.ops.batchlab.inductor_kernel(buffers)
 
 
+@torch.library.custom_op("batchlab::fused_arithmetic", mutates_args=())
+def _fused_arithmetic_op(name: str, elements: int, low: bool) -> None:
+    """The per-element arithmetic of one op inside a compiled kernel (trace/inductor_plan.py): no data; the op
+    recorder counts ``elements`` of op ``name`` (its class's per-element rate), no bytes (the kernel's own)."""
+
+
+@_fused_arithmetic_op.register_fake
+def _(name, elements, low):
+    return None
+
+
+def fused_arithmetic(name: str, elements: int, low: bool) -> None:
+    """Record the arithmetic of ``elements`` of aten op ``name`` done inside a compiled kernel: no launch, no bytes."""
+    with kernel(Launch.FUSED, 0):
+        torch.ops.batchlab.fused_arithmetic(name, elements, low)
+
+
 def footprint(t: torch.Tensor) -> int:
     """Bytes a kernel touches for ``t``: its elements, a stride-0 (broadcast) dimension counted once."""
     n = 1
@@ -104,6 +121,9 @@ def _key(func, args, kwargs, out, phase: Phase) -> tuple:
     FLOPs per matmul)."""
     op = _overload(func)
     name = op.name
+    if name == "fused_arithmetic":  # (name, elements, low) of an op inside a compiled kernel: its arithmetic only
+        inner, elements, low = args
+        return inner, phase, op_class(inner), 0, 0, elements, low, 0
     outs, ins = tensors_in(out), tensors_in((args, kwargs))
     cost_class = op.cost_class
     if cost_class is not op.strided and ins and not ins[-1].is_contiguous():

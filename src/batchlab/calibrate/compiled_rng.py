@@ -1,0 +1,77 @@
+"""The random numbers a compiled dropout draws inside inductor's CPU kernels, priced per element.
+
+Eager dropout draws its mask with ATen's ``bernoulli_`` (the calibration's "random" kernel), in bulk.  Under
+torch.compile, inductor lowers every random op to ``prims.inductor_random`` and generates each number inside the
+fused kernel that consumes it: the C++ backend calls ``normalized_rand_cpu(seed, offset)`` once per element, which
+builds a Philox4x32-10 engine at that offset and keeps one of its four words (torch/csrc/inductor/cpp_prefix.h;
+Salmon et al. 2011 for Philox), a scalar loop even inside a vectorised kernel (codegen/cpp.py ``codegen_rand``).
+Its cost per element is that of no ATen kernel, so the first time measure or compare meets a compiled model with
+dropout on this CPU, a compiled ``rand_like`` of the per-element kernels' size is timed (one small inductor compile,
+then ~1 s in turns with ``bernoulli_``) and its cost per element over ``bernoulli_``'s, times the calibration's
+``bernoulli_`` rate, cached with the CPU's calibration under ``KEY``; the time model prices each
+``inductor_random`` element at it (formula/opcost.py ``element_rate_seconds``), and at the "random" class's rate
+(ATen's ``bernoulli_``) where it is not measured yet.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from batchlab.cache.calibrations import default_threads, load_cached, save
+from batchlab.config import CompileMode, RunConfig
+
+NAME = "inductor_random"  # the prim inductor lowers random ops to, as the op lists name it
+KEY = f"random/{NAME}:fp32"  # its element_seconds entry (formula/opcost.py element_rate_seconds's key)
+SECONDS = 1.0
+
+
+def wanted(cfg: RunConfig) -> bool:
+    """``cfg`` runs dropout inside inductor's CPU kernels."""
+    return cfg.compile is not CompileMode.NONE and cfg.model.dropout > 0 and cfg.device == "cpu"
+
+
+def measure(seconds: float = SECONDS) -> float:
+    """Inductor's in-kernel RNG over ATen's ``bernoulli_`` per element, on this CPU at the current intra-op
+    threads: a compiled ``rand_like`` and the calibration's own ``bernoulli_`` kernel over the per-element kernels'
+    operand (calibrate/kernels.py ``ELEMENTS``), timed in turns so the host's speed of the moment falls on both;
+    the compiled kernel writes 4 bytes per number, far below what its arithmetic costs."""
+    import torch
+
+    from batchlab.calibrate.kernels import CLOCK, ELEMENTS, alternated, keeping
+
+    x = torch.rand(ELEMENTS // 128, 128)
+    draw = torch.compile(torch.rand_like, backend="inductor", dynamic=False, fullgraph=True)
+    draw(x)  # the compile, outside the timed turns
+    token = CLOCK.set(time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
+    try:
+        rates = alternated({NAME: (keeping(lambda: draw(x)), ELEMENTS),
+                            "bernoulli_": (lambda: x.bernoulli_(0.9), ELEMENTS)}, seconds, lambda: None)
+    finally:
+        CLOCK.reset(token)
+    return rates["bernoulli_"] / rates[NAME]
+
+
+def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
+    """For a compiled model with dropout on this CPU whose calibration (at ``threads``) lacks ``KEY``: measure it
+    and cache it with the calibration.  Returns the line to show the user (None: nothing to say)."""
+    cal = load_cached("cpu", default_threads() if threads is None else threads) if wanted(cfg) else None
+    eager = cal.element_seconds.get("random:fp32") if cal is not None else None
+    if cal is None or KEY in cal.element_seconds or not eager:
+        return None
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(cal.threads)
+    try:
+        ratio = measure()
+    except Exception as e:  # noqa: BLE001 - inductor or its C++ compiler unusable here: the eager rate serves
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        return f"time model: inductor's in-kernel RNG not timed ({first}); ATen's bernoulli_ rate serves"
+    finally:
+        torch.set_num_threads(before)
+    if not (math.isfinite(ratio) and ratio > 0):
+        return f"time model: inductor's in-kernel RNG timed at {ratio} x ATen's bernoulli_ per element; not cached"
+    cal.element_seconds[KEY] = ratio * eager  # the calibration's bernoulli_ rate, scaled by the paired ratio
+    save(cal)
+    return (f"time model: timed inductor's in-kernel RNG once against ATen's bernoulli_ (x{ratio:.2f} per element, "
+            f"{ratio * eager * 1e9:.1f} ns) and cached it with the calibration")

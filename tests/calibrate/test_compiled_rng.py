@@ -1,0 +1,40 @@
+"""Inductor's in-kernel RNG (calibrate/compiled_rng.py): timed once against bernoulli_ where a compiled model with
+dropout is measured on this CPU, cached with the calibration as a per-element rate, and priced for the numbers a
+compiled block draws (tests/formula/test_fusion.py, tests/trace/test_compiled_trace.py)."""
+from __future__ import annotations
+
+import pytest
+
+from batchlab.calibrate import compiled_rng, load_cached, save
+from batchlab.config import RunConfig, preset
+
+from hosts import stub_calibration
+
+DROPOUT = RunConfig(model=preset("tiny", layers=1), seq=16, micro_batch=1, compile="blocks")
+
+
+def test_ensure_times_the_rng_once_for_a_compiled_dropout_model_and_caches_its_rate(monkeypatch):
+    calls = []
+    monkeypatch.setattr(compiled_rng, "measure", lambda seconds=compiled_rng.SECONDS: calls.append(1) or 2.5)
+    assert compiled_rng.ensure(DROPOUT, threads=1) is None and not calls  # no calibration: nothing to scale
+    save(stub_calibration(element_seconds={"random:fp32": 6e-9}))
+    for eager_or_no_dropout in (DROPOUT.replace(compile="none"), DROPOUT.replace(model=preset("tiny", layers=1,
+                                                                                               dropout=0.0))):
+        assert compiled_rng.ensure(eager_or_no_dropout, threads=1) is None and not calls
+    line = compiled_rng.ensure(DROPOUT, threads=1)
+    assert "x2.50 per element" in line and "15.0 ns" in line  # 2.5 x bernoulli_'s 6 ns
+    assert load_cached("cpu", 1).element_seconds[compiled_rng.KEY] == pytest.approx(15e-9)
+    assert compiled_rng.ensure(DROPOUT, threads=1) is None and len(calls) == 1  # cached: timed once
+
+
+def test_a_failed_or_senseless_timing_caches_nothing(monkeypatch):
+    save(stub_calibration(element_seconds={"random:fp32": 6e-9}))
+
+    def no_compiler(seconds=compiled_rng.SECONDS):
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
+    monkeypatch.setattr(compiled_rng, "measure", no_compiler)
+    assert "not timed (InvalidCxxCompiler" in compiled_rng.ensure(DROPOUT, threads=1)
+    monkeypatch.setattr(compiled_rng, "measure", lambda seconds=compiled_rng.SECONDS: float("nan"))
+    assert "not cached" in compiled_rng.ensure(DROPOUT, threads=1)
+    assert compiled_rng.KEY not in load_cached("cpu", 1).element_seconds
