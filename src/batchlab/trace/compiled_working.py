@@ -12,7 +12,8 @@ live storages' sizes factor into monomials as the saved tensors' do, so each hig
 formula takes the largest at its own shape (the schedule is the graph's, not the shape's; the min-cut's choice is
 checked at another number of KV heads, as the saved terms are).
 
-    PYTHONPATH=src python -m batchlab.trace.compiled_working [--missing]   # rewrites formula/compiled_working_table.py
+    PYTHONPATH=src python -m batchlab.trace.compiled_working [--missing] [--only=KEY,...]
+    # rewrites formula/compiled_working_table.py (an inductor compile per derivation: about an hour for all)
 """
 from __future__ import annotations
 
