@@ -21,6 +21,9 @@ class ActivationPlan:
     per_layer_kept: tuple[int, ...]  # what each layer keeps under the policy
     outside_layers: int  # embedding dropout mask, final norm, log-softmax output
     others: int = 0  # the other in-flight micro-batches' activations a pipeline stage holds (0 without one)
+    # each layer's compiled backward at its high point, its kept bytes included (formula/compiled.py); None: the
+    # eager working set (the rest of the layer restored, and the in-layer gradients)
+    per_layer_working: tuple[int, ...] | None = None
 
     @property
     def total(self) -> int:
@@ -39,7 +42,7 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
     if rank.whole and compiled.applies(cfg):  # what the compiled blocks' partition saves (formula/compiled.py)
         kept, full = compiled.kept_per_layer(cfg)
         outside = act.outside_layers_bytes(m, s, b, p, backend) + rank_loss_path(cfg, rank).kept
-        return ActivationPlan(full, kept, outside)
+        return ActivationPlan(full, kept, outside, per_layer_working=compiled.working_per_layer(cfg))
     impl = act.implementation(cfg.model_kind, m)
     parts = act.layer_activations(m, s, b, p, backend, impl, cfg.kv_cache)
     if cfg.assumptions.torch_before(1, 11):

@@ -6,6 +6,8 @@ Each term is a monomial in b (micro-batch), s (sequence), k (KV heads), g (query
 and f (MLP inner size), with h = g·k·d; its coefficient is bytes: e.g. for the built-in GPT in fp32 with dropout
 and no AC, ``9·b·k·s²`` (attention probabilities 4 bytes, their dropout mask 1, the dropped probabilities 4) where
 eager PyTorch keeps more.  A fused elementwise chain is saved as nothing: the partition recomputes it in backward.
+A block's backward is read the same way, off inductor's plan of it (trace/compiled_working.py, which writes
+formula/compiled_working_table.py): the storages its backward holds at each high point, as monomials.
 """
 from __future__ import annotations
 
@@ -84,15 +86,8 @@ def dims(m: ModelSpec, s: int, b: int) -> dict[str, Fraction]:
 def layer_bytes(cfg: RunConfig, policy: str, s: int | None = None, b: int | None = None) -> int:
     """Bytes one compiled block keeps for backward under ``policy`` at (b, s) (default: cfg's): the sum of its
     saved tensors' monomials."""
-    t = _table()
     values = dims(cfg.model, cfg.seq if s is None else s, cfg.micro_batch if b is None else b)
-    total = Fraction(0)
-    for exps, num, den in t.TERMS[_key(cfg, policy)]:
-        term = Fraction(num, den)
-        for name, e in zip(t.SYMBOLS, exps):
-            term *= values[name] ** e
-        total += term
-    return round(total)
+    return round(_evaluate(_table().TERMS[_key(cfg, policy)], values))
 
 
 def kept_per_layer(cfg: RunConfig) -> tuple[tuple[int, ...], int]:
@@ -103,6 +98,46 @@ def kept_per_layer(cfg: RunConfig) -> tuple[tuple[int, ...], int]:
     if cfg.ac.budget is not None:
         return (budget_bytes(cfg, each["none"]),) * cfg.model.layers, each["none"]
     return tuple(each[p] for p in names), each["none"]
+
+
+def _working_table():
+    from batchlab.formula import compiled_working_table  # generated; imported only when a compiled config asks
+
+    return compiled_working_table
+
+
+def working_per_layer(cfg: RunConfig) -> tuple[int, ...] | None:
+    """Each layer's compiled backward at its high point (what it is called with, its saved tensors and incoming
+    gradient, and every buffer inductor's plan allocates in it: recomputed activations, activation and weight
+    gradients): the largest of its derived high points at cfg's shape (trace/compiled_working.py), or None where a
+    layer's policy has none derived.  They are one block's graph: a whole-model graph returns every weight gradient
+    at its end, and under budget:F the knapsack's choice is not the policy's (None for both).  They are inductor's
+    CPU plan: on a GPU, Triton's kernels fuse and reuse buffers otherwise (None until derived there)."""
+    names = _policies(cfg)
+    if names is None or cfg.ac.budget is not None or cfg.compile is not CompileMode.BLOCKS or not applies(cfg) \
+            or cfg.device_spec.backend is not Backend.CPU:
+        return None
+    try:
+        highs = _working_table().HIGHS
+    except ImportError:
+        return None
+    found = {p: highs.get(_key(cfg, p)) for p in set(names)}
+    if not all(isinstance(h, tuple) for h in found.values()):
+        return None
+    values = dims(cfg.model, cfg.seq, cfg.micro_batch)
+    each = {p: max(round(_evaluate(h, values)) for h in found[p]) for p in found}
+    return tuple(each[p] for p in names)
+
+
+def _evaluate(terms, values: dict[str, Fraction]) -> Fraction:
+    """A sum of monomials, each (exponents over the table's SYMBOLS, numerator, denominator), at ``values``."""
+    total = Fraction(0)
+    for exps, num, den in terms:
+        term = Fraction(num, den)
+        for name, e in zip(_table().SYMBOLS, exps):
+            term *= values[name] ** e
+        total += term
+    return total
 
 
 def budget_bytes(cfg: RunConfig, default: int) -> int:
@@ -127,6 +162,8 @@ def source(cfg: RunConfig) -> str:
     return (f"formula terms for compiled code (--compile {cfg.compile}): the saved-tensor list of AOTAutograd's "
             f"min-cut partition of one {(ran or impl).value} block (inductor's settings, torch {_table().TORCH}, CPU "
             f"kernels), as monomials in b, s, heads, head dim, ffn (trace/compiled_terms.py)"
+            + ("; each block's backward at its high point from inductor's plan of it (trace/compiled_working.py)"
+               if working_per_layer(cfg) is not None else "")
             + (f"; derived with CPU kernels and CPU autocast, not {cfg.device_spec.backend.value}'s: what its compiled "
                "block keeps can differ" if cfg.device_spec.backend is not Backend.CPU else "")
             + (f"; {impl.value} runs as {ran.value} here" if ran else "")

@@ -76,13 +76,11 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
                    rank: RankShare | None = None, stepping: int = 0, on_device: int | None = None,
                    fresh: bool | None = None) -> dict[str, int]:
     """Walk backward layer by layer (last first): kept activations shrink while parameter gradients grow.
-
     ``resident``: weights, optimizer state and data (present throughout); under autocast its ``parameters``
     are the 16-bit weight copies the matmuls saved, ``layer_copy`` of them per layer: each layer's are freed
     by its backward (a recomputed layer casts its own again while it runs).  Returns the parts at the peak;
     ``walk`` (if given) receives the tensor bytes as backward starts, then at each layer's, last layer first.
-    ``fresh``: this backward makes ``rank``'s gradients (default: where none exist before it).
-    """
+    ``fresh``: this backward makes ``rank``'s gradients (default: where none exist before it)."""
     rank = rank or share(cfg, 0)
     n = max(rank.params, 1)
     layer_grad = rank.per_layer * states.gradients // n
@@ -90,7 +88,7 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     new_grads = grads_before == 0 if fresh is None else fresh
     transient, head_grad, below_layers = _backward_terms(cfg, states.gradients, rank)
     transient += stepping  # a step fused into backward: its gradient and temporaries, once layers run
-    below_layers += plan.others  # the other in-flight micro-batches wait for their own backward
+    working, below_layers = plan.per_layer_working, below_layers + plan.others  # others: in-flight micro-batches
     kept_below = sum(plan.per_layer_kept)
     # offloaded activations (formula/offload.py): at most ``on_device`` of the layers' kept bytes are back
     cap = (lambda kept: kept) if on_device is None else (lambda kept: min(kept, on_device))  # noqa: E731
@@ -112,8 +110,8 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
         parts = dict(parameters=resident["parameters"] if not layer_copy else copies_below
                      + (layer_copy if i in recomputed else 0),
                      gradients=grads_before + grads_done, activations=below_layers + cap(kept_below),
-                     recompute=plan.per_layer_full - kept_i,  # recompute restores the rest of the layer
-                     temporaries=transient)
+                     recompute=plan.per_layer_full - kept_i if working is None else 0,  # restores the rest
+                     temporaries=transient if working is None else working[i] - kept_i + stepping)
         total = fixed + sum(parts.values())  # summed without the resident parts: deep models walk many layers
         if walk is not None:
             walk.append(total)
@@ -290,6 +288,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     elif autocast and rank.whole and compiled.applies(cfg):  # a compiled block's casts are its graph's own tensors:
         n, per_layer = autocast_cast_params(m, rank)  # those it saves are in its kept terms, the rest die in it
         copies_fwd = copies = 2 * (n - per_layer * m.layers)
+        if plan.per_layer_working is not None:  # the LM head's copy: freed by its backward, before the layers'
+            plan = dataclasses.replace(plan, per_layer_working=tuple(w - copies for w in plan.per_layer_working))
     elif autocast:
         n, per_layer = autocast_cast_params(m, rank)
         if fp8.active(cfg):  # a Float8Linear / TE module casts its own weight: no F.linear for autocast to cache

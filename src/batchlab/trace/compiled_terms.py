@@ -9,7 +9,9 @@ its element size -- read off the partition, nothing fitted.  (The partition is a
 unreal ratios it may save other tensors, hence the real ones.)  Views are counted once, with the tensor they view;
 a graph input without the batch dimension (a parameter, a buffer, rotary tables made once per forward) is not
 the layer's.  What is left of a count after the dimensions are divided out is a small integer (3 for a fused
-q, k, v projection); a count with another large prime factor (a generator's state) is a constant.
+q, k, v projection); a count with another large prime factor (a generator's state) is a constant.  A grouped-query
+block is derived once more, at 19 query heads per KV head: a width that is a sum of dimensions (the fused q, k, v
+projection's h + 2·kv = k·d·(g + 2)) is linear in g, and its two sizes give its two monomials (``combined``).
 
     PYTHONPATH=src python -m batchlab.trace.compiled_terms [--missing]   # rewrites formula/compiled_table.py (minutes)
 """
@@ -56,19 +58,22 @@ class Uncompiled(RuntimeError):
 
 
 UNCOMPILED = "the block does not compile into one graph (a graph break around it: it runs eagerly)"
-NOT_PRODUCTS = ("what the partition saves is not a product of the dimensions (checked with another number of KV heads: "
-                "a fused q, k, v projection h + 2·kv wide is a sum)")
+NOT_PRODUCTS = ("what the partition saves is not a sum of monomials in the dimensions (checked with another number "
+                "of KV heads)")
 CHECK_K = 19  # KV heads of the second derivation that checks an entry (a prime no other symbol uses)
+# query heads per KV head of a grouped-query block's second derivation: a width that is a sum of dimensions (a fused
+# q, k, v projection, h + 2·kv = k·d·(g + 2)) is linear in g, and two values of g give its two terms
+SECOND_G = 19
 
 
-def primes_of(gqa: bool, k: int | None = None) -> dict[str, int]:
-    return dict(GQA_PRIMES if gqa else PRIMES, **({"k": k} if k else {}))
+def primes_of(gqa: bool, k: int | None = None, g: int | None = None) -> dict[str, int]:
+    return dict(GQA_PRIMES if gqa else PRIMES, **({"k": k} if k else {}), **({"g": g} if g else {}))
 
 
 def derivation_config(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str,
-                      k: int | None = None) -> RunConfig:
+                      k: int | None = None, g: int | None = None) -> RunConfig:
     base, source = FAMILIES[family]
-    p = primes_of(gqa, k)
+    p = primes_of(gqa, k, g)
     g, k = (p["g"] if gqa else 1), p["k"]
     heads, d = k * g, 2 * p["d"]
     spec = preset(base, layers=1, hidden=heads * d, heads=heads, kv_heads=k, ffn=2 * p["f"], vocab=64,
@@ -101,6 +106,61 @@ def monomial(count: int, primes: dict[str, int] = PRIMES) -> tuple[Fraction, tup
     return Fraction(n, 2 ** halves), tuple(exps)
 
 
+def _factored(count: int, primes: dict[str, int]) -> tuple[int, tuple[int, ...]]:
+    """(what is left, exponents over SYMBOLS) with every symbol divided out of count."""
+    n, exps = count, []
+    for name in SYMBOLS:
+        e = 0
+        while n and n % primes[name] == 0:
+            n, e = n // primes[name], e + 1
+        exps.append(e)
+    return n, tuple(exps)
+
+
+def linear_in_g(count: int, other: int, primes: dict[str, int], others: dict[str, int]) -> dict | None:
+    """One tensor's size at two values of g (``primes``, ``others``; all else equal) as monomials: what is left
+    once the symbols are divided out is α·g + β (α = 0: a product), e.g. a fused q, k, v projection's
+    b·s·k·d·(g + 2), or its weight's 16-bit copy, k²·d²·g·(g + 2).  None where the two counts are no such
+    pair."""
+    rest, exps = _factored(count, primes)
+    rest2, exps2 = _factored(other, others)
+    if exps != exps2 or primes["g"] == others["g"]:
+        return None
+    alpha = Fraction(rest - rest2, primes["g"] - others["g"])
+    beta = rest - alpha * primes["g"]
+    if alpha < 0 or beta < 0:
+        return None
+    halves = 2 ** sum(e for name, e in zip(SYMBOLS, exps) if name in DOUBLED)
+    with_g = tuple(e + (name == "g") for name, e in zip(SYMBOLS, exps))
+    return {k: c / halves for k, c in ((exps, beta), (with_g, alpha)) if c}
+
+
+def combined(sizes: list[tuple[int, int]], others: list[tuple[int, int]], primes: dict[str, int],
+             at: dict[str, int]) -> dict[tuple[int, ...], Fraction] | None:
+    """Terms from two derivations' (count, bytes per element) lists at two values of g; None where they do not pair
+    up.  Tensors pair within their kind (bytes per element, and the symbols other than g they hold) in order of
+    size: the order they are made in can differ (the weight gradients' buffers), their order in g does not."""
+    def kinds(items, p):
+        out: dict = {}
+        for n, w in items:
+            exps = _factored(n, p)[1]
+            out.setdefault((w, tuple(0 if name == "g" else e for name, e in zip(SYMBOLS, exps))), []).append(n)
+        return {k: sorted(v) for k, v in out.items()}
+
+    mine, theirs = kinds(sizes, primes), kinds(others, at)
+    if mine.keys() != theirs.keys() or any(len(v) != len(theirs[k]) for k, v in mine.items()):
+        return None
+    terms: dict[tuple[int, ...], Fraction] = {}
+    for (w, _), counts in mine.items():
+        for n, n2 in zip(counts, theirs[(w, _)]):
+            found = linear_in_g(n, n2, primes, at)
+            if found is None:
+                return None
+            for e, c in found.items():
+                terms[e] = terms.get(e, Fraction(0)) + c * w
+    return terms
+
+
 def _root(node):
     """The node whose output a chain of views reads (views share their base's storage)."""
     while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view \
@@ -109,9 +169,10 @@ def _root(node):
     return node
 
 
-def saved_terms(partitions, primes: dict[str, int] = PRIMES) -> dict[tuple[int, ...], Fraction]:
-    """Bytes the forward graphs save for backward, as exponents -> coefficient (bytes per unit monomial)."""
-    terms: dict[tuple[int, ...], Fraction] = {}
+def saved_sizes(partitions, primes: dict[str, int] = PRIMES) -> list[tuple[int, int]]:
+    """(element count, bytes per element) of each tensor the forward graphs save for backward, in order; a graph
+    input without the batch dimension (a parameter, a buffer, a table made once per forward) is not the layer's."""
+    sizes = []
     for fw, n_outputs in partitions:
         out = next(x for x in fw.graph.nodes if x.op == "output")
         seen: set = set()
@@ -121,10 +182,19 @@ def saved_terms(partitions, primes: dict[str, int] = PRIMES) -> dict[tuple[int, 
             if not isinstance(v, torch.Tensor) or root in seen:
                 continue
             seen.add(root)
-            coef, exps = monomial(_count(v), primes)
-            if root.op == "placeholder" and exps[SYMBOLS.index("b")] == 0:
+            n = _count(v)
+            if root.op == "placeholder" and n % primes["b"]:
                 continue  # a parameter, a buffer or a table made once per forward: not this layer's
-            terms[exps] = terms.get(exps, Fraction(0)) + coef * v.element_size()
+            sizes.append((n, v.element_size()))
+    return sizes
+
+
+def product_terms(sizes: list[tuple[int, int]], primes: dict[str, int]) -> dict[tuple[int, ...], Fraction]:
+    """(count, bytes per element) of each tensor as exponents -> coefficient (bytes per unit monomial)."""
+    terms: dict[tuple[int, ...], Fraction] = {}
+    for n, width in sizes:
+        coef, exps = monomial(n, primes)
+        terms[exps] = terms.get(exps, Fraction(0)) + coef * width
     return terms
 
 
@@ -140,24 +210,31 @@ def evaluate(terms: dict[tuple[int, ...], Fraction], primes: dict[str, int]) -> 
 
 def checked(family: str, gqa: bool, dropout: bool, attention: str, policy: str,
             precision: str) -> dict[tuple[int, ...], Fraction] | None:
-    """``derive``'s terms, if they also give the bytes the partition saves with another number of KV heads, else
-    None: a tensor whose width is a sum of dimensions (a fused q, k, v projection with grouped-query attention,
-    h + 2·kv = k·d·(g + 2)) factors into a constant, and the min-cut may choose other tensors at other sizes."""
-    terms = derive(family, gqa, dropout, attention, policy, precision)
+    """The saved bytes as monomials (a grouped-query block derived at two values of g, ``combined``), if they also
+    give the bytes the partition saves with another number of KV heads, else None: the min-cut may choose other
+    tensors at other sizes, and a width no monomials describe fails there."""
+    at = primes_of(gqa)
+    sizes = derive(family, gqa, dropout, attention, policy, precision)
+    if gqa:
+        terms = combined(sizes, derive(family, gqa, dropout, attention, policy, precision, g=SECOND_G), at,
+                         primes_of(gqa, g=SECOND_G))
+    else:
+        terms = product_terms(sizes, at)
     other = derive(family, gqa, dropout, attention, policy, precision, k=CHECK_K)
-    at = primes_of(gqa, CHECK_K)
-    return terms if evaluate(terms, at) == evaluate(other, at) else None
+    ok = terms is not None and evaluate(terms, primes_of(gqa, CHECK_K)) == sum(n * w for n, w in other)
+    return terms if ok else None
 
 
 def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str,
-           precision: str, k: int | None = None) -> dict[tuple[int, ...], Fraction]:
-    """One block's saved bytes as monomials, from one forward of the partition on fake tensors (seconds)."""
+           precision: str, k: int | None = None, g: int | None = None) -> list[tuple[int, int]]:
+    """One block's saved tensors, (count, bytes per element) in order, from one forward of the partition on fake
+    tensors (seconds)."""
     from batchlab.models.compiled import using_backend
     from batchlab.trace.compiled import PARTITIONS, partition_only
     from batchlab.trace.patches import eager_branches
     from batchlab.trace.run import FakeTrainer, fake_mode
 
-    cfg = derivation_config(family, gqa, dropout, attention, policy, precision, k)
+    cfg = derivation_config(family, gqa, dropout, attention, policy, precision, k, g)
     torch._dynamo.reset()
     found: list = []
     PARTITIONS.append(found)
@@ -173,7 +250,7 @@ def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str,
         PARTITIONS.remove(found)
     if not found:
         raise Uncompiled(f"{family} {policy}: no compiled graph was partitioned")
-    return saved_terms(found, primes_of(gqa, k))
+    return saved_sizes(found, primes_of(gqa, k, g))
 
 
 def _key(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str) -> str:

@@ -22,6 +22,9 @@ import types
 from batchlab.formula.opcost import OpClass, op_class
 
 FILE = "<batchlab: inductor's wrapper, kernels not built>"
+# watchers told as each wrapper call starts (``start(args)``) and ends (``end()``): the compiled backward's working
+# set is derived by following one call (trace/compiled_working.py)
+CALLS: list = []
 
 
 class _NoKernels:
@@ -127,7 +130,13 @@ def _real_inputs_allowed(call):
         mode = next((a.fake_mode for a in args if isinstance(a, FakeTensor)), None)
         if mode is not None:
             mode.allow_non_fake_inputs = True
-        return call(args)
+        for w in CALLS:
+            w.start(args)
+        try:
+            return call(args)
+        finally:
+            for w in CALLS:
+                w.end()
 
     return run
 
