@@ -219,9 +219,9 @@ if __name__ == "__main__":
     target = Path(__file__).resolve().parents[1] / "formula" / "compiled_working_table.py"
     kept = None
     if "--missing" in sys.argv and target.exists():
-        from batchlab.formula import compiled_working_table as t
+        from batchlab.formula import compiled_working_table as table
 
-        kept = t.HIGHS if getattr(t, "TORCH", None) == torch.__version__ else None
+        kept = table.HIGHS if getattr(table, "TORCH", None) == torch.__version__ else None
     only = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")), None)
     with contextlib.suppress(KeyboardInterrupt):
         write_table(target, kept, only)
