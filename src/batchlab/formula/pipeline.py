@@ -142,13 +142,10 @@ class Link:
         return self.latency_s + nbytes / self.bytes_per_s
 
     def time_shared(self, factor: float) -> Link:
-        """The link as ranks that time-share the cores meet it: gloo's per-message cost and copies are the two
-        ranks' own CPU work (wake-up, syscalls, memcpy), calibrated with a core each, so they stretch as the
-        ranks' compute does (processor sharing: ``factor`` runnable threads per core)."""
-        if factor <= 1.0:
-            return self
-        return Link(self.bytes_per_s / factor, self.latency_s * factor,
-                    f"{self.source}, x{factor:g} with the local ranks time-sharing the cores")
+        """The link as ranks time-sharing the cores (``factor`` threads a core) meet it: gloo's per-message cost and
+        copies are the ranks' own CPU work (wake-ups, syscalls, memcpy), calibrated with a core each."""
+        return self if factor <= 1.0 else Link(self.bytes_per_s / factor, self.latency_s * factor,
+                                               f"{self.source}, x{factor:g} with the local ranks time-sharing the cores")
 
     def text(self) -> str:
         return f"{self.bytes_per_s / 1e9:g} GB/s + {self.latency_s * 1e6:.0f} us per message ({self.source})"
