@@ -190,9 +190,25 @@ def test_local_tensor_parallel_ranks_pay_the_calibrated_link_per_message():
     assert "2 local rank(s) x 1 thread(s) on 2 cores" in t.model and "20 us per message" in t.model
 
 
+def test_ranks_that_time_share_the_cores_pay_each_message_at_the_shared_speed():
+    # the same host (2 cores, 1 GB/s + 20 us per message calibrated with a core per rank), now TP2 x DP2: 4 ranks of
+    # 1 thread, 2 a core, so each rank's part of a message (wake-up, syscalls, copies) takes twice as long: per
+    # micro-batch 18 all-reduces of 131,072 B at 0.5 GB/s + 2 messages of 40 us, the loss's 3 of 1,024 B
+    from batchlab.formula import flops, memory, timing
+    from batchlab.formula.opcost import OpCosts
+
+    costs = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e10),), strided_bytes_per_s=5e9,
+                    element_seconds={}, dispatch={"forward": 5e-6, "backward": 5e-6, "plain": 5e-6}, threads=1,
+                    cores=2, link_bytes_per_s=1e9, link_latency_s=2e-5)
+    cfg = RunConfig(**TINY, tp=2, dp=2)
+    t = timing(cfg, flops(cfg), memory(cfg), costs)
+    assert t.tp_comm_seconds == pytest.approx(4 * (18 * (2 * 131072e-9 + 2 * 4e-5) + 3 * (2 * 1024e-9 + 2 * 4e-5)))
+    assert "40 us per message" in t.model and "x2 with the local ranks time-sharing the cores" in t.model
+
+
 def test_ranks_that_time_share_the_cores_fill_each_others_bubble():
-    # a stage's micro-batch: 10 ms of compute at the shared speed + 1 ms of messages.  p 2, m 8 (bubble 1/9):
-    # alone, (m + p - 1) x 11 = 99 ms; 2 ranks a core: the critical path at a core's whole speed, 9 x (5 + 1) = 54 ms,
+    # a stage's micro-batch: 10 ms of compute + 1 ms of messages, both at the shared speed.  p 2, m 8 (bubble 1/9):
+    # alone, (m + p - 1) x 11 = 99 ms; 2 ranks a core: the critical path at a core's whole speed, 9 x 5.5 = 49.5 ms,
     # is shorter than m busy micro-batches, 8 x 11 = 88 ms, which the update then takes
     from batchlab.formula.pipeline import PipelineTime, StageTime
 
@@ -201,9 +217,9 @@ def test_ranks_that_time_share_the_cores_fill_each_others_bubble():
     one = PipelineTime(stages=(stage,), micro_batches=8, bubble_fraction=1 / 9, slowest=0)
     assert one.seconds == pytest.approx(99e-3)
     assert dataclasses.replace(one, time_shared=2.0).seconds == pytest.approx(88e-3)
-    # p 4, m 2 (bubble 3/5): the path, 5 x 6 = 30 ms, is the longer
+    # p 4, m 2 (bubble 3/5): the path, 5 x 5.5 = 27.5 ms, is the longer
     few = PipelineTime(stages=(stage,), micro_batches=2, bubble_fraction=3 / 5, slowest=0, time_shared=2.0)
-    assert few.seconds == pytest.approx(30e-3)
+    assert few.seconds == pytest.approx(27.5e-3)
 
 
 @pytest.mark.parametrize("flags, rank, tensors", [

@@ -117,7 +117,7 @@ class PipelineTime:
         flush takes the longer of its critical path at a core's whole speed and m micro-batches at the shared speed
         (processor sharing; with no more threads than cores, the first)."""
         s = self.stages[self.slowest]
-        alone = (s.compute_seconds + s.dtensor_seconds) / self.time_shared + s.tp_comm_seconds + s.pp_comm_seconds
+        alone = (s.compute_seconds + s.dtensor_seconds + s.tp_comm_seconds + s.pp_comm_seconds) / self.time_shared
         return max(self.busy_seconds, self.micro_batches * alone / (1 - self.bubble_fraction))
 
     @property
@@ -140,6 +140,12 @@ class Link:
 
     def send_seconds(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
+
+    def time_shared(self, factor: float) -> Link:
+        """The link as ranks time-sharing the cores (``factor`` threads a core) meet it: gloo's per-message cost and
+        copies are the ranks' own CPU work (wake-ups, syscalls, memcpy), calibrated with a core each."""
+        return self if factor <= 1.0 else Link(self.bytes_per_s / factor, self.latency_s * factor,
+                                               f"{self.source}, x{factor:g} with the local ranks time-sharing the cores")
 
     def text(self) -> str:
         return f"{self.bytes_per_s / 1e9:g} GB/s + {self.latency_s * 1e6:.0f} us per message ({self.source})"
@@ -171,6 +177,12 @@ def pp_link(cfg: RunConfig, costs: OpCosts | None = None) -> Link:
     if cfg.parallel.world_size <= dev.gpus_per_node:
         return Link(dev.intra_node_bytes_per_s, 0.0, f"{dev.name}'s intra-node link, no per-message cost known")
     return Link(dev.inter_node_bytes_per_s, 0.0, f"{dev.name}'s inter-node link, no per-message cost known")
+
+
+def shared_links(cfg: RunConfig, costs: OpCosts | None, time_shared: float) -> tuple[Link, Link]:
+    """(TP link, PP link) as the ranks meet them mid-update: a local link stretched by the cores' time-sharing."""
+    shared = max(1.0, time_shared) if local_link(cfg, costs) is not None else 1.0
+    return tp_link(cfg, costs).time_shared(shared), pp_link(cfg, costs).time_shared(shared)
 
 
 def activation_message_bytes(cfg: RunConfig) -> int:
@@ -308,7 +320,7 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
     ranks = shares(cfg)
     per = [stage_flops_per_token(cfg, r.layers, r.last) for r in ranks]
     total = sum(per) or 1.0
-    tp, pp = tp_link(cfg, costs), pp_link(cfg, costs)
+    tp, pp = shared_links(cfg, costs, time_shared)
     def stage(r: RankShare, f: float) -> StageTime:
         compute = rank_compute_seconds(f / total, r.tp, compute_per_micro_batch, issued,
                                        replicated * len(r.layers) / cfg.model.layers, dispatch_per_micro_batch)
@@ -334,8 +346,8 @@ def collectives_text(items) -> str:
 
 def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
     """The assumptions line of a layout's time."""
-    lay = cfg.parallel
-    parts = []
+    lay, parts = cfg.parallel, []
+    tp, pp = shared_links(cfg, costs, p.time_shared)
     if lay.tp > 1:
         spec = lay.tp_spec
         parts.append(f"TP {lay.tp}" + (" with sequence parallelism" if lay.sequence_parallel else "")
@@ -344,12 +356,12 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
                      + (f" (+{collectives_text(spec.recompute)} per fully recomputed layer)" if spec.recompute else "")
                      + (", the norms' weight gradients all-reduced every micro-batch" if spec.per_norm else "")
                      + f", the embedding's and head's at the ends ({spec.api}); each collective over "
-                     f"{tp_link(cfg, costs).text()}, not overlapped; each rank dispatches every op; "
+                     f"{tp.text()}, not overlapped; each rank dispatches every op; "
                      + dtensor.text(cfg, shares(cfg)[p.slowest], costs))
     if lay.pp > 1:
         parts.append(f"PP {lay.pp} ({lay.schedule.value}): (m + (p-1)/v) x the slowest stage's micro-batch, bubble "
                      f"{p.bubble_fraction:.1%} of the update (m = accum = {cfg.accum}); stage compute split by FLOPs; "
-                     f"b·s·h sends each way per micro-batch and chunk boundary over {pp_link(cfg, costs).text()}, "
+                     f"b·s·h sends each way per micro-batch and chunk boundary over {pp.text()}, "
                      "each receive one more message, not overlapped"
                      + (f"; the local ranks time-share the cores (x{p.time_shared:.2f}): a rank idle in the bubble "
                         f"leaves its core to the others, {p.bubble_seconds * 1e3:.1f} ms of it left"
