@@ -68,11 +68,25 @@ def test_another_architectures_code_gets_no_compiled_terms_of_gpt2_or_llama():
     assert not compiled.applies(cfg) and "mistral" in compiled.missing_note(cfg)
 
 
-def test_a_whole_model_graph_reads_the_block_terms_only_without_recompute():
+def test_a_whole_model_graph_reads_the_block_terms_under_recompute_but_not_under_a_budget():
     cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=4, compile="model")
     assert compiled.applies(cfg)
     full = cfg.replace(ac="full")
-    assert not compiled.applies(full) and "--compile blocks" in compiled.missing_note(full)
+    assert compiled.applies(full) and compiled.working_per_layer(full) is not None
+    budget = cfg.replace(ac="budget:0.3")
+    assert not compiled.applies(budget) and "knapsack" in compiled.missing_note(budget)
+
+
+def test_a_whole_model_graph_partitions_its_own_loss_as_a_compiled_one():
+    """The built-in GPT computes its loss in forward, so --compile model traces it into the graph: the partition
+    keeps the logits and two fp32 statistics per token (64 x 4 tokens, vocab 512, fp32: by hand)."""
+    from batchlab.formula.loss import loss_path
+
+    cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=4, compile="model")
+    assert loss_path(cfg).kept == 64 * 4 * 512 * 4 + 2 * 64 * 4 * 4
+    assert loss_path(cfg.replace(compile="blocks")).kept == 64 * 4 * 512 * 4  # eager: the fp32 log-softmax
+    # a tied head's gradient waits for the graph's end: its inputs, logits' gradient and final norm output, held
+    assert compiled.held_to_the_end(cfg.replace(ac="full")) == 64 * 4 * 512 * 4 + 64 * 4 * 128 * 4
 
 
 def test_a_width_that_is_a_sum_of_dimensions_is_linear_in_g_from_two_derivations():
@@ -145,3 +159,18 @@ def test_compiled_blocks_backward_lands_on_measured_peaks_under_recompute():
         assert compiled.working_per_layer(cfg) is not None
         peak = measured[f"{name} | {ac}"]["peak"]
         assert estimate(cfg).memory.peak_tensor_bytes == pytest.approx(peak, rel=0.01), (name, ac)
+
+
+def test_a_whole_model_graph_lands_near_measured_peaks_and_its_budget_stays_a_bound():
+    """--compile model against real inductor runs (benchmarks/compiled_measured.json): the block's compiled terms,
+    the loss in the graph, the tied head's gradient deferred; under budget:F the eager terms bound the peak."""
+    import json
+    from pathlib import Path
+
+    measured = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "compiled_measured.json").read_text())
+    cfg = RunConfig(model=preset("tiny", layers=2), seq=128, micro_batch=4, compile="model")
+    for ac, tol in (("none", 0.02), ("full", 0.05)):
+        peak = measured[f"GPT tiny, 2 layers | {ac} | model"]["peak"]
+        assert abs(estimate(cfg.replace(ac=ac)).memory.peak_tensor_bytes / peak - 1) < tol, ac
+    peak = measured["GPT tiny, 2 layers | budget:0.3 | model"]["peak"]
+    assert estimate(cfg.replace(ac="budget:0.3")).memory.peak_tensor_bytes >= peak

@@ -15,6 +15,7 @@ from batchlab.config import parse_field_value
 from batchlab.cache.calibrations import load_all
 from batchlab.config import ConfigError, Implementation, Keep, ModelSource, RunConfig
 from batchlab.formula import Estimate, compiled_note, estimate as formula_estimate, implementation_line, unseen_model
+from batchlab.formula.loss import in_graph
 from batchlab.util.text import print_assumptions
 from batchlab.util.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
 
@@ -51,7 +52,8 @@ def _memory_rows(e: Estimate, verbose: bool) -> list[tuple[str, int | None, str 
         ("optimizer state", m.optimizer_bytes, "optimizer", str(cfg.optimizer)),
         ("activations", m.activations_bytes, "activations",
          f"{len(layers)} layers, {fmt_bytes(max(layers))} max per layer, ac={cfg.ac}"),
-        ("  of which logits/loss", m.logits_bytes, None, f"kept by the loss (--loss {cfg.loss})"),
+        ("  of which logits/loss", m.logits_bytes, None, f"kept by the loss (--loss {cfg.loss}"
+         + (", in the model's compiled graph)" if in_graph(cfg) else ")")),
         ("recompute working set", None, "recompute", "one layer rebuilt during its backward"),
         ("temporaries", None, "temporaries", "activation gradients, logits, optimizer buffers"),
         ("data", m.data_bytes, "data", "token ids of one update"),

@@ -68,12 +68,13 @@ def applies(cfg: RunConfig) -> bool:
 
 
 def _same_partition(cfg: RunConfig, names: tuple[str, ...]) -> bool:
-    """The terms are one block's partition: a whole-model graph (--compile model) partitions its blocks alike
-    without recompute, not with it (measured on the built-in GPT: AC none +3.5%, full -13%); under budget:F its
-    knapsack weighs every block's tensors together, and at 0 it recomputes the whole model from its inputs."""
+    """The terms are one block's partition.  A whole-model graph (--compile model) partitions each block alike: a
+    checkpointed block's forward saves its input, and the backward graph recomputes it fused with its gradient
+    kernels, as a block's own graph does (traced on the built-in GPT).  Under budget:F its knapsack weighs every
+    block's tensors together, and at 0 it recomputes the whole model from its inputs: not one block's choice."""
     if cfg.ac.budget is not None:
         return cfg.compile is CompileMode.BLOCKS
-    return cfg.compile is CompileMode.BLOCKS or set(names) == {"none"}
+    return True
 
 
 def dims(m: ModelSpec, s: int, b: int) -> dict[str, Fraction]:
@@ -110,11 +111,12 @@ def working_per_layer(cfg: RunConfig) -> tuple[int, ...] | None:
     """Each layer's compiled backward at its high point (what it is called with, its saved tensors and incoming
     gradient, and every buffer inductor's plan allocates in it: recomputed activations, activation and weight
     gradients): the largest of its derived high points at cfg's shape (trace/compiled_working.py), or None where a
-    layer's policy has none derived.  They are one block's graph: a whole-model graph returns every weight gradient
-    at its end, and under budget:F the knapsack's choice is not the policy's (None for both).  They are inductor's
-    CPU plan: on a GPU, Triton's kernels fuse and reuse buffers otherwise (None until derived there)."""
+    layer's policy has none derived.  A whole-model graph runs each block's backward as the block's graph does, and
+    holds the head's inputs beside it (``held_to_the_end``, added by formula/memory.py); under budget:F the knapsack's
+    choice is not the policy's (None).  They are inductor's CPU plan: on a GPU, Triton's kernels fuse and reuse
+    buffers otherwise (None until derived there)."""
     names = _policies(cfg)
-    if names is None or cfg.ac.budget is not None or cfg.compile is not CompileMode.BLOCKS or not applies(cfg) \
+    if names is None or cfg.ac.budget is not None or not applies(cfg) \
             or cfg.device_spec.backend is not Backend.CPU:
         return None
     try:
@@ -127,6 +129,27 @@ def working_per_layer(cfg: RunConfig) -> tuple[int, ...] | None:
     values = dims(cfg.model, cfg.seq, cfg.micro_batch)
     each = {p: max(round(_evaluate(h, values)) for h in found[p]) for p in found}
     return tuple(each[p] for p in names)
+
+
+def defers_head_gradient(cfg: RunConfig) -> bool:
+    """A whole-model graph with its loss inside computes the LM head's weight gradient at its end, with the other
+    graph outputs (traced on the built-in GPT and GPT-2, tied heads, where the embedding's part is added there):
+    until then it does not exist, and the head's inputs stay held."""
+    from batchlab.formula.loss import in_graph
+
+    return in_graph(cfg)
+
+
+def held_to_the_end(cfg: RunConfig) -> int:
+    """What a whole-model graph holds through its blocks' backward for the deferred head gradient
+    (``defers_head_gradient``): the logits' gradient and the final norm's output, the matmul's two inputs."""
+    if not defers_head_gradient(cfg):
+        return 0
+    from batchlab.formula.activations import Widths
+    from batchlab.formula.loss import loss_path
+
+    w = Widths.of(cfg.precision, cfg.device_spec.backend)
+    return loss_path(cfg).backward_transient + cfg.seq * cfg.micro_batch * cfg.model.hidden * w.e
 
 
 def _evaluate(terms, values: dict[str, Fraction]) -> Fraction:
@@ -182,9 +205,8 @@ def missing_note(cfg: RunConfig) -> str | None:
     if names is None:
         why = f"compiled terms are derived for AC {', '.join(POLICIES)}, not {cfg.ac}"
     elif not _same_partition(cfg, names):
-        why = ("they are a block's partition (--compile blocks); a whole-model graph recomputing checkpointed "
-               "blocks partitions differently" if cfg.ac.budget is None else "they are a block's partition "
-               f"(--compile blocks); under ac={cfg.ac} a whole-model graph's knapsack weighs all blocks together")
+        why = (f"they are a block's partition (--compile blocks); under ac={cfg.ac} a whole-model graph's knapsack "
+               "weighs all blocks together")
     elif (reasons := [r for r in (_table().TERMS.get(_key(cfg, n)) for n in {*names, "none"}) if isinstance(r, str)]):
         why = reasons[0]  # the derivation's own words (trace/compiled_terms.py)
     else:

@@ -11,7 +11,9 @@ logits and the log-sum-exp, and writes the logits' gradient in their place.  Cla
 ``*ForSequenceClassification``): no LM head; a pooled b x labels output whose loss keeps nothing of note.
 Compiled (``torch.compile`` of the full loss, as torchtitan does with --training.compile since 2025): the
 min-cut partitioner AOTAutograd gives inductor saves the 16-bit logits and two per-row fp32 statistics and
-recomputes the rest in one fused backward kernel (checked with the aot_eager_decomp_partition backend).
+recomputes the rest in one fused backward kernel (checked with the aot_eager_decomp_partition backend).  A
+whole-model graph (``--compile model``) of a model whose forward computes its own loss (batchlab's GPT, transformers'
+``labels=``) holds the loss in the same graph, so its full loss is partitioned as a compiled one (``in_graph``).
 
 Symbols: N = s·b tokens, V vocabulary, e the activation element size.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config import LossMode, RunConfig
+from batchlab.config import CompileMode, LossMode, ModelSource, RunConfig
 from batchlab.formula.activations import Widths
 
 F32 = 4
@@ -36,7 +38,7 @@ def loss_path(cfg: RunConfig) -> LossPath:
     w = Widths.of(cfg.precision, cfg.device_spec.backend)
     nv = cfg.seq * cfg.micro_batch * cfg.model.vocab
     upcast = nv * F32 if w.e != F32 else 0  # .float() of 16-bit logits; a no-op in fp32
-    mode = cfg.loss.mode
+    mode = LossMode.COMPILED if in_graph(cfg) else cfg.loss.mode
     if mode is LossMode.CLASSIFIER:  # b x labels logits: nothing of the vocabulary's size
         return LossPath(kept=0, forward_transient=0, backward_transient=0)
     if mode is LossMode.COMPILED:  # 16-bit logits + amax and log-sum-exp per row; the 16-bit gradient beside them
@@ -53,6 +55,14 @@ def loss_path(cfg: RunConfig) -> LossPath:
     if cfg.assumptions.torch_before(1, 11):  # log_softmax keeps its fp32 input too (pytorch#64000, fixed in 1.11)
         return LossPath(kept=2 * nv * F32, forward_transient=nv * w.e if upcast else 0, backward_transient=2 * nv * F32)
     return LossPath(kept=nv * F32, forward_transient=nv * w.e + upcast, backward_transient=2 * nv * F32)
+
+
+def in_graph(cfg: RunConfig) -> bool:
+    """The full loss is traced into the model's compiled graph: --compile model, and the model's own forward computes
+    it (models/loss.py ``loss_fn``: a factory's loss_sum may call anything).  Only for a tied LM head so far: the
+    traced untied Llama holds the logits' gradient twice at backward's start, as the eager count has it."""
+    return (cfg.compile is CompileMode.MODEL and cfg.loss.mode is LossMode.FULL
+            and cfg.model_kind is not ModelSource.FACTORY and cfg.model.tied_embeddings)
 
 
 def vocab_parallel_path(cfg: RunConfig, t: int) -> LossPath:

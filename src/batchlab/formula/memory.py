@@ -97,9 +97,11 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
     if walk is not None:
         walk.append(sum(best.values()))
     # the head's gradient is a fresh tensor where .grad exists only while a tied embedding's part is to come (autograd
-    # adds the two in its input buffer); an untied head's, as a pipeline's last stage's copy, goes into .grad at once
+    # adds the two in its input buffer); an untied head's, as a pipeline's last stage's copy, goes into .grad at once;
+    # a whole-model graph makes it at its end, holding its inputs till then (formula/compiled.py)
     tied_here = cfg.model.tied_embeddings and rank.first and rank.last
-    grads_done = head_grad if new_grads or tied_here else 0
+    held = compiled.held_to_the_end(cfg) if rank.whole else 0
+    grads_done = head_grad if (new_grads or tied_here) and not compiled.defers_head_gradient(cfg) else 0
     modes = cfg.ac.layer_modes(cfg.model.layers)
     recomputed = {j for j, i in enumerate(rank.layers) if modes[i].spec.recomputes}
     copies_below = layer_copy * (len(rank.layers) - len(recomputed))  # the LM head's copy is freed by now
@@ -111,7 +113,7 @@ def _backward_peak(cfg: RunConfig, plan: ActivationPlan, states: ModelStates, re
                      + (layer_copy if i in recomputed else 0),
                      gradients=grads_before + grads_done, activations=below_layers + cap(kept_below),
                      recompute=plan.per_layer_full - kept_i if working is None else 0,  # restores the rest
-                     temporaries=transient if working is None else working[i] - kept_i + stepping)
+                     temporaries=held + (transient if working is None else working[i] - kept_i + stepping))
         total = fixed + sum(parts.values())  # summed without the resident parts: deep models walk many layers
         if walk is not None:
             walk.append(total)
