@@ -118,10 +118,17 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
         outside = dict(none, broadcast=n * w) if cfg.parallel.stage == 1 else none
         return Traffic(per_micro_batch=(none,) * (cfg.accum - 1) + (last,), outside_micro_batches=outside,
                        sync_every_micro_batch=sync_every_micro_batch)
-    units = sum(unit_elements(cfg))
-    gathers = 2 if cfg.parallel.reshards_after_forward else 1  # ZeRO-3: forward, and again in backward
-    ag = gathers * gathered_bytes(cfg, unit_elements(cfg))
-    rs = units * reduced_bytes_per_element(cfg)
+    units, z3 = sum(unit_elements(cfg)), cfg.parallel.reshards_after_forward
+    g, rs = gathered_bytes(cfg, unit_elements(cfg)), units * reduced_bytes_per_element(cfg)
+    if cfg.parallel.pipelined:
+        # torch.distributed.pipelining (PyTorch 2.13, counted on a real update): ZeRO-3 gathers in every forward
+        # and once more in the update's first backward (no reshard after backward), ZeRO-2 once per update; one
+        # reduce-scatter once every backward is done (perform_reduce_grad)
+        first, later = (2 * g, g) if z3 else (g, 0)
+        micro = tuple(dict(none, all_gather=first if i == 0 else later, reduce_scatter=rs if i == cfg.accum - 1 else 0)
+                      for i in range(cfg.accum))
+        return Traffic(per_micro_batch=micro, outside_micro_batches=none, sync_every_micro_batch=False)
+    ag = (2 if z3 else 1) * g  # ZeRO-3: forward, and again in backward
     micro = tuple(dict(none, all_gather=ag, reduce_scatter=rs if sync_every_micro_batch or i == cfg.accum - 1 else 0)
                   for i in range(cfg.accum))
     return Traffic(per_micro_batch=micro, outside_micro_batches=none, sync_every_micro_batch=sync_every_micro_batch)
@@ -129,13 +136,15 @@ def traffic(cfg: RunConfig, sync_every_micro_batch: bool = True) -> Traffic:
 
 def fsdp_collectives(cfg: RunConfig, rank: "RankShare | None" = None) -> dict[str, int]:
     """FSDP2's collectives of one update on one rank (``rank``: a pipeline stage's units, else the replica's): per
-    micro-batch each unit's all-gather in forward (and again in backward under ZeRO-3) and its reduce-scatter, as
-    ``traffic`` sizes them; {} for another engine."""
+    micro-batch each unit's all-gather in forward (and again in backward under ZeRO-3) and its reduce-scatter, or
+    a pipeline stage's, as ``traffic`` sizes them; {} for another engine."""
     if not cfg.parallel.fsdp:
         return {}
-    units = len(unit_elements(cfg, rank))
-    gathers = 2 if cfg.parallel.reshards_after_forward else 1
-    return {"all_gather": gathers * units * cfg.accum, "reduce_scatter": units * cfg.accum}
+    units = sum(n > 0 for n in unit_elements(cfg, rank))  # a middle stage's root holds nothing: no collective
+    z3, m = cfg.parallel.reshards_after_forward, cfg.accum
+    if cfg.parallel.pipelined:  # as ``traffic`` counts a pipeline stage's
+        return {"all_gather": (m + 1 if z3 else 1) * units, "reduce_scatter": units}
+    return {"all_gather": (2 if z3 else 1) * units * m, "reduce_scatter": units * m}
 
 
 def unsharded_gradient_bytes(cfg: RunConfig) -> int:
