@@ -18,7 +18,7 @@ saves for backward are written as well in the real kernel: the rule counts them 
 only.
 
 A forward that keeps its dropout masks for backward (its block not recomputed) stores each as a bool buffer, which
-inductor's CPU kernels write through a vector-mask-to-bool conversion costing about as much per element as the draw
+inductor's C++ (CPU) kernels write through a vector-mask-to-bool conversion costing about as much per element as the draw
 itself (calibrate/compiled_rng.py times it): ``MASK``, one per drawn element.  A recomputed block's forward keeps
 no mask and its backward draws the numbers again inside the kernels that use them, storing none.
 """

@@ -228,7 +228,10 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = OpList(_widths(cfg))
     n, compiled = cfg.model.layers, cfg.compile is not CompileMode.NONE
     # a compiled region: pointwise chains fused into one kernel each, recompute included (formula/fusion.py)
-    region = (lambda out, keeps=True: merge(fuse(out, ops.w.e, keeps))) if compiled else (lambda out, keeps=True: merge(out))
+    def region(out, keeps=True):
+        # only inductor's C++ kernels store a bool from a vector mask at a cost of its own (formula/fusion.py)
+        return merge(fuse(out, ops.w.e, keeps and not ops.w.cuda)) if compiled else merge(out)
+
     # selective policies run under checkpoint's Python dispatch mode (models/ac.py) unless compiled into a graph
     sac = 0 if compiled else sum(k for mode, k in cfg.ac.selective_kinds(n).items() if mode.dispatch_mode)
     # a compiled block recomputed whole keeps no dropout mask in its forward (formula/fusion.py)

@@ -109,8 +109,8 @@ def in_kernels(graph) -> tuple[tuple[str, int, bool], ...]:
 
 
 def _bool_outputs(graph, fallbacks) -> tuple[tuple[str, int, bool], ...]:
-    """A bool tensor a graph returns (a forward's dropout mask kept for backward), stored by a generated kernel
-    from its vector mask at a per-element cost of its own (calibrate/compiled_rng.py ``MASK``)."""
+    """A bool tensor a CPU graph returns (a forward's dropout mask kept for backward), stored by a generated C++
+    kernel from its vector mask at a per-element cost of its own (calibrate/compiled_rng.py ``MASK``)."""
     import torch
     from torch.utils._pytree import tree_leaves
 
@@ -123,7 +123,7 @@ def _bool_outputs(graph, fallbacks) -> tuple[tuple[str, int, bool], ...]:
         for arg in tree_leaves(node.args):
             val = getattr(arg, "meta", {}).get("val")
             if (getattr(arg, "op", "") == "call_function" and arg.target not in fallbacks
-                    and isinstance(val, torch.Tensor) and val.dtype is torch.bool):
+                    and isinstance(val, torch.Tensor) and val.dtype is torch.bool and val.device.type == "cpu"):
                 out.append((MASK, int(val.numel()), False))
     return tuple(out)
 
