@@ -171,11 +171,12 @@ def rng_rate_line() -> str:
     compiled_rng.ensure(config("GPT tiny, 2 layers", "none", SHAPES[0], "blocks"), threads)
     cal = load_cached("cpu", threads)
     rates = cal.element_seconds if cal is not None else {}
-    rng, eager = rates.get(compiled_rng.KEY), rates.get("random:fp32")
-    if not (rng and eager):
-        return "inductor's in-kernel RNG not timed here: priced at ATen's bernoulli_ rate"
+    rng, mask, eager = rates.get(compiled_rng.KEY), rates.get(compiled_rng.MASK_KEY), rates.get("random:fp32")
+    if not (rng and mask and eager):
+        return "inductor's in-kernel RNG and mask store not timed here: priced at ATen's bernoulli_ rate"
     return (f"inductor's in-kernel RNG {rng * 1e9:.1f} ns per element, x{rng / eager:.2f} ATen's bernoulli_ "
-            f"({eager * 1e9:.1f} ns) in the calibration")
+            f"({eager * 1e9:.1f} ns) in the calibration, its bool mask store {mask * 1e9:.1f} ns, "
+            f"x{mask / eager:.2f}")
 
 
 def page(trace: bool) -> str:
@@ -194,7 +195,9 @@ def page(trace: bool) -> str:
              "the host is shared, absolute times are no goal. fp32, one optimizer update of one micro-batch. The "
              "time model prices inductor's kernels at eager PyTorch's calibrated rates (per-element rates, the "
              "bandwidth curve, a no-grad call's dispatch per kernel) and dropout's numbers, which inductor draws "
-             "inside its kernels (one Philox engine per element in a scalar loop), at that RNG's own rate "
+             "inside its kernels (one Philox engine per element in a scalar loop), at that RNG's own rate, and the "
+             "bool store of each mask a compiled forward keeps for backward (none under full AC: the backward "
+             "draws again) at its own rate "
              f"(calibrate/compiled_rng.py; here: {rng_rate_line()}); a compiled graph's own call (guards, "
              "AOTAutograd's wrapper) is not modelled. The factory builds batchlab's GPT from the flags' shape, so "
              "the formula's stand-in for it (what `estimate` prints for a factory, with its warning) is its model. "
@@ -240,25 +243,28 @@ def page(trace: bool) -> str:
 
 FINDINGS = (
     "What the cases show. Dropout: inductor draws each of dropout's numbers inside the fused kernel that uses it "
-    "(`normalized_rand_cpu`: a Philox4x32-10 engine built per element, in a scalar loop even inside a vectorised "
-    "kernel), timed at about twice ATen's bulk `bernoulli_` per element in a compiled `rand_like`; eager's dropout "
-    "draws in bulk. Phase CPU times (four trainers, eager and compiled, AC none and full, in one process, allocator "
-    "regime, 16 interleaved rounds, load 12; GPT tiny with dropout, 128 x 8): with AC none the compiled forward took "
-    "59.9 ms against eager's 38.7 (+55%), where the model now says +34% (-3% before the RNG was priced). So the "
-    "no-AC dropout rows are still predicted too fast: the RNG inside the model's fused kernels costs more than in "
-    "the `rand_like` it is timed on, or other per-element work there is unpriced. The case whose direction was "
-    "wrong before (GPT tiny with dropout, 64 x 2, AC none) measured 1.14 with inductor's RNG and 1.02 with "
-    "`torch._inductor.config.fallback_random` (ATen's RNG; wall clock outside the allocator regime, one process "
-    "each): the RNG is most of its slowdown. Full AC: compiled blocks gain more than predicted, with and without "
-    "dropout (the dropout rows matched before only because the unpriced RNG offset it). With dropout the compiled "
-    "forward under full AC took 39.9 ms, as eager's 38.6, against 59.9 under AC none, although both compiled "
-    "forward graphs draw the same numbers (three `inductor_random` per block): not explained. Without dropout "
-    "(128 x 8, outside the regime) the compiled forward under full AC took 14% less than under none (it returns no "
-    "saved activations; inductor reuses its dead buffers in place) and the compiled recompute 55% of the compiled "
-    "forward where the op list prices 70% (it runs inside the backward's graph, fused with its consumers): neither "
-    "is priced yet. hf:llama under full AC does not compile: dynamo breaks the graph at checkpoint's higher-order "
-    "op (\"HOP: Unsafe side effect\") and its blocks run eager; the trace sees the break and predicts 1.0, the "
-    "formula cannot.")
+    "(`normalized_rand_cpu`: a Philox4x32-10 engine built per element, in a 16-lane scalar loop inside a kernel "
+    "that stays vectorised: the generated C++ of a GPT block's dropout kernel and of the `rand_like` the rate is "
+    "timed on are alike), timed at about twice ATen's bulk `bernoulli_` per element; eager's dropout draws in bulk. "
+    "With AC none the compiled forward also keeps each mask for backward as a bool buffer, stored from the kernel's "
+    "vector mask: in paired A/B runs of compiled kernels (one process, load 4.8) a kernel storing a bool output cost "
+    "11 ns per element, as much as the draw, against 0.5 for one storing floats and for eager's `gt`, and a dropout "
+    "kernel storing its mask 1.8 x one that does not. That store is priced at its own timed rate (compiled_rng.py, "
+    "formula/fusion.py): it was the unexplained gap between the compiled forward under AC none (59.9 ms in the "
+    "phase times, GPT tiny with dropout, 128 x 8) and under full AC (39.9 ms: inductor's full-AC forward returns no "
+    "mask and its backward draws every number again, inside the kernels that use them, the last dropout's too), "
+    "and the no-AC dropout rows' under-prediction (formula -18% to -24% before, now -2% to -11%). The case whose "
+    "direction was wrong before (GPT tiny with dropout, 64 x 2, AC none) measured 1.14 with inductor's RNG and 1.02 "
+    "with `torch._inductor.config.fallback_random` (ATen's RNG; wall clock outside the allocator regime, one process "
+    "each). Full AC: compiled blocks still gain more than predicted, with and without dropout (+8% to +20%; the "
+    "dropout rows a few points more since the backward's redraw of each block's last mask is priced). Without "
+    "dropout (128 x 8, outside the regime) the compiled forward under full AC took 14% less than under none (it "
+    "returns no saved activations; inductor reuses its dead buffers in place) and the compiled recompute 55% of the "
+    "compiled forward where the op list prices 70% (it runs inside the backward's graph, fused with its consumers): "
+    "neither is priced yet, and the trace, which sees inductor's own kernels and buffers, misses by as much, so the "
+    "gap is in the rates its kernels run at, not in their count. hf:llama under full AC does not compile: dynamo "
+    "breaks the graph at checkpoint's higher-order op (\"HOP: Unsafe side effect\") and its blocks run eager; the "
+    "trace sees the break and predicts 1.0, the formula cannot.")
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,7 @@ DROPOUT = RunConfig(model=preset("tiny", layers=1), seq=16, micro_batch=1, compi
 def test_ensure_times_the_rng_once_for_a_compiled_dropout_model_and_caches_its_rate(monkeypatch):
     calls = []
     monkeypatch.setattr(compiled_rng, "measure", lambda seconds=compiled_rng.SECONDS: calls.append(1) or 2.5)
+    monkeypatch.setattr(compiled_rng, "measure_mask", lambda seconds=compiled_rng.SECONDS: calls.append(2) or 1.5)
     assert compiled_rng.ensure(DROPOUT, threads=1) is None and not calls  # no calibration: nothing to scale
     save(stub_calibration(element_seconds={"random:fp32": 6e-9}))
     for eager_or_no_dropout in (DROPOUT.replace(compile="none"), DROPOUT.replace(model=preset("tiny", layers=1,
@@ -23,8 +24,19 @@ def test_ensure_times_the_rng_once_for_a_compiled_dropout_model_and_caches_its_r
         assert compiled_rng.ensure(eager_or_no_dropout, threads=1) is None and not calls
     line = compiled_rng.ensure(DROPOUT, threads=1)
     assert "x2.50 per element" in line and "15.0 ns" in line  # 2.5 x bernoulli_'s 6 ns
-    assert load_cached("cpu", 1).element_seconds[compiled_rng.KEY] == pytest.approx(15e-9)
-    assert compiled_rng.ensure(DROPOUT, threads=1) is None and len(calls) == 1  # cached: timed once
+    assert "bool mask store" in line and "x1.50 per element" in line and "9.0 ns" in line
+    rates = load_cached("cpu", 1).element_seconds
+    assert rates[compiled_rng.KEY] == pytest.approx(15e-9) and rates[compiled_rng.MASK_KEY] == pytest.approx(9e-9)
+    assert compiled_rng.ensure(DROPOUT, threads=1) is None and calls == [1, 2]  # cached: timed once
+
+
+def test_a_calibration_with_the_rng_alone_times_the_mask_store_alone(monkeypatch):
+    calls = []
+    monkeypatch.setattr(compiled_rng, "measure", lambda seconds=compiled_rng.SECONDS: calls.append(1) or 2.5)
+    monkeypatch.setattr(compiled_rng, "measure_mask", lambda seconds=compiled_rng.SECONDS: calls.append(2) or 1.5)
+    save(stub_calibration(element_seconds={"random:fp32": 6e-9, compiled_rng.KEY: 14e-9}))
+    assert "bool mask store" in compiled_rng.ensure(DROPOUT, threads=1) and calls == [2]
+    assert load_cached("cpu", 1).element_seconds[compiled_rng.KEY] == pytest.approx(14e-9)
 
 
 def test_a_failed_or_senseless_timing_caches_nothing(monkeypatch):
@@ -34,7 +46,9 @@ def test_a_failed_or_senseless_timing_caches_nothing(monkeypatch):
         raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
 
     monkeypatch.setattr(compiled_rng, "measure", no_compiler)
+    monkeypatch.setattr(compiled_rng, "measure_mask", no_compiler)
     assert "not timed (InvalidCxxCompiler" in compiled_rng.ensure(DROPOUT, threads=1)
     monkeypatch.setattr(compiled_rng, "measure", lambda seconds=compiled_rng.SECONDS: float("nan"))
+    monkeypatch.setattr(compiled_rng, "measure_mask", lambda seconds=compiled_rng.SECONDS: float("nan"))
     assert "not cached" in compiled_rng.ensure(DROPOUT, threads=1)
-    assert compiled_rng.KEY not in load_cached("cpu", 1).element_seconds
+    assert not {compiled_rng.KEY, compiled_rng.MASK_KEY} & set(load_cached("cpu", 1).element_seconds)

@@ -122,7 +122,8 @@ def test_compiled_dropout_draws_its_numbers_inside_the_blocks_kernels_by_hand():
     # inside the fused kernels (prims.inductor_random: no launch, no bytes of its own), while the embeddings'
     # dropout, outside the compiled blocks, stays ATen's bernoulli_
     cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=2, compile="blocks")
-    drawn = [o for o in update_ops(cfg) if o.cost_class is OpClass.RANDOM and o.phase is FWD]
+    drawn = [o for o in update_ops(cfg) if o.cost_class is OpClass.RANDOM and o.phase is FWD
+             and o.name != "inductor_mask_store"]
     inside = [o for o in drawn if o.name == "inductor_random"]
     assert all(o.launch is Launch.FUSED and o.bytes == 0 for o in inside)
     assert sum(o.elements * o.count for o in inside) == 2 * (2 * 4 * 64 * 64 + 2 * 2 * 64 * 128)
@@ -139,3 +140,20 @@ def test_inductors_rng_is_priced_at_its_own_rate_where_measured():
     measured = OpCosts(**{**costs.__dict__, "element_seconds": {"random:fp32": 5e-9,
                                                                 "random/inductor_random:fp32": 12e-9}})
     assert price([drawn], measured).seconds == pytest.approx(N * 12e-9)
+
+
+def test_a_forward_keeping_its_masks_stores_them_as_bool_and_a_recomputed_one_stores_none():
+    # the same tiny GPT as above: compiled with AC none, its forward keeps every mask it draws for backward (a bool
+    # per drawn element, stored inside the kernel: calibrate/compiled_rng.py); recomputed whole (AC full), inductor's
+    # forward returns no mask and the backward draws every number again, the last dropout's too (past the block's
+    # last matmul, inside its backward kernel: its generated code has no bool buffer at all)
+    drawn = 2 * (2 * 4 * 64 * 64 + 2 * 2 * 64 * 128)
+    kept = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=2, compile="blocks")
+    masks = [o for o in update_ops(kept) if o.name == "inductor_mask_store"]
+    assert all(o.phase is FWD and o.launch is Launch.FUSED and o.cost_class is OpClass.RANDOM for o in masks)
+    assert sum(o.elements * o.count for o in masks) == drawn and sum(o.bytes * o.count for o in masks) == drawn
+    full = kept.replace(ac="full")
+    assert not [o for o in update_ops(full) if o.name == "inductor_mask_store"]
+    again = [o for o in update_ops(full) if o.name == "inductor_random" and o.phase is Phase.RECOMPUTE]
+    assert sum(o.elements * o.count for o in again) == drawn
+    assert not [o for o in update_ops(kept.replace(compile="none")) if o.name == "inductor_mask_store"]

@@ -120,3 +120,27 @@ def test_a_compiled_dropout_draws_one_number_per_element_inside_the_kernel_and_i
     assert len(kernels) == 1 and kernels[0].bytes == 2 * 800 * 4 + 8  # one int64 seed
     assert not [op for op in rec.result() if op.name in ("bernoulli_", "native_dropout", "exp")
                 and op.launch is Launch.EAGER]
+
+
+def test_a_mask_the_graph_returns_is_stored_as_bool_inside_the_kernel_and_priced_per_element():
+    """A forward keeping a dropout-like mask for backward returns it as a bool buffer that its fused kernel stores
+    (formula/fusion.py MASK): the trace records that store per element, 800 of them; a graph returning only the
+    masked values stores no mask."""
+    def kept(x):
+        mask = torch.rand_like(x) > 0.1
+        return x * mask, mask
+
+    def dropped(x):
+        return x * (torch.rand_like(x) > 0.1)
+
+    x = torch.randn(8, 100)
+    stored = {}
+    for fn in (kept, dropped):
+        rec = OpRecorder()
+        with kernels_not_built(), torch.no_grad():
+            compiled = inductor(torch.fx.symbolic_trace(fn), [x])
+            with rec:
+                compiled(x)
+        stored[fn.__name__] = [(op.elements, op.bytes, op.launch) for op in rec.result()
+                               if op.name == "inductor_mask_store"]
+    assert stored == {"kept": [(800, 0, Launch.FUSED)], "dropped": []}

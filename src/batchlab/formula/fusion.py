@@ -16,12 +16,17 @@ the chain before it into its loop and ends it.  The rule reads op kinds only (fo
 applies to the formula's op list (formula/oplist.py) and to any recorded one alike.  Inner outputs a chain also
 saves for backward are written as well in the real kernel: the rule counts them once, as read by the next member
 only.
+
+A forward that keeps its dropout masks for backward (its block not recomputed) stores each as a bool buffer, which
+inductor's C++ (CPU) kernels write through a vector-mask-to-bool conversion costing about as much per element as the draw
+itself (calibrate/compiled_rng.py times it): ``MASK``, one per drawn element.  A recomputed block's forward keeps
+no mask and its backward draws the numbers again inside the kernels that use them, storing none.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from batchlab.config.phase import Launch
+from batchlab.config.phase import Launch, Phase
 from batchlab.formula.opcost import OpClass, OpCount
 
 POINTWISE = frozenset({OpClass.MEMORY, OpClass.STRIDED, OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD,
@@ -32,6 +37,7 @@ REDUCTION_NAMES = frozenset({"sum", "mean", "amax", "amin", "var_mean", "linalg_
                              "all"})
 KERNEL = "fused"  # the name a chain's kernel goes by in the op list
 RNG = "inductor_random"  # the prim inductor lowers random ops to (torch/_inductor/inductor_prims.py)
+MASK = "inductor_mask_store"  # a kept dropout mask's bool store inside a compiled kernel (calibrate/compiled_rng.py)
 
 
 def _reduces(op: OpCount) -> bool:
@@ -51,6 +57,12 @@ def _drawn_in_kernel(op: OpCount) -> OpCount:
                    op.flops_per_matmul, op.sac_dispatched, op.launch)
 
 
+def _mask_stored(op: OpCount) -> OpCount:
+    """The bool mask a forward's random op keeps for backward, stored inside its kernel: one byte per element."""
+    return OpCount(MASK, op.phase, OpClass.RANDOM, 0, op.elements, op.elements, op.low_precision, op.count, 0,
+                   False, Launch.FUSED)
+
+
 def _kernel(chain: list[OpCount], width: int) -> list[OpCount]:
     """One chain's kernel (``count`` times when every member repeats alike) and its members, launch-free."""
     calls = sum(op.count for op in chain)
@@ -67,10 +79,11 @@ def _kernel(chain: list[OpCount], width: int) -> list[OpCount]:
     return [kernel, *members]
 
 
-def fuse(ops: Iterable[OpCount], width: int) -> list[OpCount]:
+def fuse(ops: Iterable[OpCount], width: int, keeps_masks: bool = True) -> list[OpCount]:
     """``ops`` (one region's, in the order they run; any phases mixed) as a compiled graph runs them: per phase,
     pointwise chains fused into one kernel each (``width``: bytes of an inner output's element), matmuls and
-    other ops issued by the graph's wrapper, views free."""
+    other ops issued by the graph's wrapper, views free; ``keeps_masks``: the forward keeps its dropout masks for
+    backward (its block is not recomputed)."""
     out: list[OpCount] = []
     chains: dict = {}  # phase -> the open chain
 
@@ -82,6 +95,8 @@ def fuse(ops: Iterable[OpCount], width: int) -> list[OpCount]:
     for op in ops:
         if op.cost_class is OpClass.RANDOM:
             op = _drawn_in_kernel(op)
+            if keeps_masks and op.phase is Phase.FORWARD:
+                out.append(_mask_stored(op))
         if op.cost_class is OpClass.VIEW:
             out.append(launched(op, Launch.FUSED))
         elif op.cost_class in POINTWISE or _reduces(op):

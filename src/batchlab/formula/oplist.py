@@ -21,7 +21,7 @@ from batchlab.formula.memo import cache, lookup
 from batchlab.formula.opbuild import (BWD, DATA, F32, FWD, OPT, OpList, op as _op, views as _views,
                                         widths as _widths)
 from batchlab.formula.activations import Impl, implementation, materialises_scores
-from batchlab.formula.opcost import OpCount, merge
+from batchlab.formula.opcost import OpClass, OpCount, merge
 from batchlab.formula.params import tensor_sizes
 from batchlab.config.phase import Phase
 
@@ -228,13 +228,19 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = OpList(_widths(cfg))
     n, compiled = cfg.model.layers, cfg.compile is not CompileMode.NONE
     # a compiled region: pointwise chains fused into one kernel each, recompute included (formula/fusion.py)
-    region = (lambda out: merge(fuse(out, ops.w.e))) if compiled else merge
+    def region(out, keeps=True):
+        # only inductor's C++ kernels store a bool from a vector mask at a cost of its own (formula/fusion.py)
+        return merge(fuse(out, ops.w.e, keeps and not ops.w.cuda)) if compiled else merge(out)
+
     # selective policies run under checkpoint's Python dispatch mode (models/ac.py) unless compiled into a graph
     sac = 0 if compiled else sum(k for mode, k in cfg.ac.selective_kinds(n).items() if mode.dispatch_mode)
+    # a compiled block recomputed whole keeps no dropout mask in its forward (formula/fusion.py)
+    whole = sum(1 for m in cfg.ac.layer_modes(n) if m.spec.recomputes and not m.spec.selective) if compiled else 0
     # every block runs the same ops: list one, and one recompute, then count them per block
     block = OpList(ops.w)
     _layer(block, cfg, FWD)
-    ops.add(*(o.times(n - sac) for o in region(block.out) if n - sac))
+    ops.add(*(o.times(n - sac - whole) for o in region(block.out) if n - sac - whole))
+    ops.add(*(o.times(whole) for o in region(block.out, False) if whole))
     ops.add(*(_sac(o.times(sac)) for o in region(block.out) if sac))
     # every recomputing policy's layers, whole blocks first
     groups = sorted(Counter(m for m in cfg.ac.layer_modes(n) if m.spec.recomputes).items(),
@@ -264,7 +270,10 @@ def _recompute(ops: OpList, cfg: RunConfig, cached: tuple[str, ...], branch: str
     _layer(redo, cfg, Phase.RECOMPUTE, backward=False, only=branch)
     if branch or cfg.compile is not CompileMode.NONE:
         last = [i for i, op in enumerate(redo.out) if op.name in ("mm", "addmm", fp8.SCALED_MM)][-1]
-        ops.add(*(op for op in redo.out[:last] if op.name not in cached), _views(Phase.RECOMPUTE, 4), _views(BWD, 3))
+        # a compiled backward draws the numbers of a dropout past that matmul again, inside the kernel using them
+        redrawn = (op for op in redo.out[last:] if op.cost_class is OpClass.RANDOM and not branch)
+        ops.add(*(op for op in redo.out[:last] if op.name not in cached), *redrawn, _views(Phase.RECOMPUTE, 4),
+                _views(BWD, 3))
         return
     # early stop: the last residual add and the dropout multiply before it produce nothing backward needs
     last = [i for i, op in enumerate(redo.out) if op.name == "add"][-1:]

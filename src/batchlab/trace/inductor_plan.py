@@ -105,6 +105,26 @@ def in_kernels(graph) -> tuple[tuple[str, int, bool], ...]:
         val = node.meta.get("val")
         if op_class(name) in ARITHMETIC and isinstance(val, torch.Tensor):
             out.append((name, int(val.numel()), val.dtype in (torch.bfloat16, torch.float16)))
+    return tuple(out) + _bool_outputs(graph, fallbacks)
+
+
+def _bool_outputs(graph, fallbacks) -> tuple[tuple[str, int, bool], ...]:
+    """A bool tensor a CPU graph returns (a forward's dropout mask kept for backward), stored by a generated C++
+    kernel from its vector mask at a per-element cost of its own (calibrate/compiled_rng.py ``MASK``)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from batchlab.formula.fusion import MASK
+
+    out = []
+    for node in graph.nodes:
+        if node.op != "output":
+            continue
+        for arg in tree_leaves(node.args):
+            val = getattr(arg, "meta", {}).get("val")
+            if (getattr(arg, "op", "") == "call_function" and arg.target not in fallbacks
+                    and isinstance(val, torch.Tensor) and val.dtype is torch.bool and val.device.type == "cpu"):
+                out.append((MASK, int(val.numel()), False))
     return tuple(out)
 
 
