@@ -11,10 +11,15 @@ Each point's parts add up; the peak is the largest point.
 """
 from __future__ import annotations
 
-from batchlab.config import RunConfig
+from typing import TYPE_CHECKING
+
+from batchlab.config import Precision, RunConfig
 from batchlab.formula import fp8
 from batchlab.formula.sharding import (gathered_bytes, gathered_bytes_per_element, reduced_bytes_per_element,
                                        unit_elements)
+
+if TYPE_CHECKING:
+    from batchlab.formula.ranks import RankShare
 
 
 def fsdp_phases(cfg: RunConfig, resident: dict[str, int], per_layer_full: int, kept: tuple[int, ...],
@@ -90,3 +95,25 @@ def with_pipeline_no_sync(cfg: RunConfig, rank, phases: dict[str, dict[str, int]
     return {ph: (dict(parts, parameters=max(parts["parameters"], shards + gathered),
                       gradients=max(parts["gradients"], grads))
                  if ph in ("forward", "backward") else parts) for ph, parts in phases.items()}
+
+
+def fsdp_shard_bytes(cfg: RunConfig, rank: "RankShare | None" = None) -> int:
+    """FSDP2 keeps fp32 (bf16: 16-bit) parameter shards at ZeRO-2 and 3 alike, and gathers 16-bit working
+    copies under mixed precision (MixedPrecisionPolicy): then the fp32 shards are the master copy."""
+    return sum(unit_elements(cfg, rank)) * (2 if cfg.precision is Precision.BF16 else 4) // cfg.dp
+
+
+def sharded_master(cfg: RunConfig) -> bool:
+    return cfg.precision not in (Precision.FP32, Precision.BF16)
+
+
+def fsdp_gradient_shard_bytes(cfg: RunConfig, rank: "RankShare | None" = None) -> int:
+    """Gradient shards keep the shards' dtype (reduced in fp32 under MixedPrecisionPolicy(reduce_dtype=fp32))."""
+    return fsdp_shard_bytes(cfg, rank)
+
+
+def fsdp_resident(cfg: RunConfig, weights: dict[str, int], shards: int) -> dict[str, int]:
+    """The fp32 shards are the master copy under a 16-bit param_dtype (FSDP2's "parameters" are then only the
+    gathered 16-bit working copies); in fp32 and bf16 they are the parameters themselves."""
+    return dict(weights, parameters=0, master=shards) if sharded_master(cfg) else dict(weights, parameters=shards,
+                                                                                       master=0)

@@ -9,13 +9,13 @@ from batchlab.formula import (activations as act, compiled, deepspeed, fp8, fsdp
                               inbackward, interleaved, offload, stage_steps)
 from batchlab.formula.allocator import device_memory
 from batchlab.formula.stage_steps import with_pipeline
-from batchlab.formula.fsdp import fsdp_phases, with_pipeline_no_sync
+from batchlab.formula.fsdp import (fsdp_gradient_shard_bytes, fsdp_phases, fsdp_resident, fsdp_shard_bytes,
+                                   sharded_master, with_pipeline_no_sync)
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.kvcache import held_in_forward_bytes
 from batchlab.formula.params import count, norm_params
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankMemory, RankShare, share, shares
-from batchlab.formula.sharding import unit_elements
 from batchlab.formula.states import ModelStates, fsdp_mixed_states, model_states
 
 F32 = 4
@@ -203,33 +203,11 @@ def _largest_param(cfg: RunConfig, rank: RankShare) -> int:
     return max(table, positions, layer)
 
 
-def fsdp_shard_bytes(cfg: RunConfig, rank: RankShare | None = None) -> int:
-    """FSDP2 keeps fp32 (bf16: 16-bit) parameter shards at ZeRO-2 and 3 alike, and gathers 16-bit working
-    copies under mixed precision (MixedPrecisionPolicy): then the fp32 shards are the master copy."""
-    return sum(unit_elements(cfg, rank)) * (2 if cfg.precision is Precision.BF16 else F32) // cfg.dp
-
-
-def _sharded_master(cfg: RunConfig) -> bool:
-    return cfg.precision not in (Precision.FP32, Precision.BF16)
-
-
-def fsdp_gradient_shard_bytes(cfg: RunConfig, rank: RankShare | None = None) -> int:
-    """Gradient shards keep the shards' dtype (reduced in fp32 under MixedPrecisionPolicy(reduce_dtype=fp32))."""
-    return fsdp_shard_bytes(cfg, rank)
-
-
-def _fsdp_resident(cfg: RunConfig, weights: dict[str, int], shards: int) -> dict[str, int]:
-    """The fp32 shards are the master copy under a 16-bit param_dtype (FSDP2's "parameters" are then only the
-    gathered 16-bit working copies); in fp32 and bf16 they are the parameters themselves."""
-    return dict(weights, parameters=0, master=shards) if _sharded_master(cfg) else dict(weights, parameters=shards,
-                                                                                       master=0)
-
-
 def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int], logits_fwd: int,
           loss_grads: int, opt_tmp: int, walk: list[int], rank: RankShare) -> dict[str, dict[str, int]]:
     assert plan.per_layer_full is not None, "formula.profile.needed() asks for the full layer's terms under FSDP"
     transient, head_grad, below = _backward_terms(cfg, states.gradients * cfg.dp, rank)
-    resident = _fsdp_resident(cfg, weights, fsdp_shard_bytes(cfg, rank))
+    resident = fsdp_resident(cfg, weights, fsdp_shard_bytes(cfg, rank))
     return fsdp_phases(cfg, resident, plan.per_layer_full, plan.per_layer_kept, below + plan.others, plan.total,
                        logits_fwd, loss_grads, head_grad, transient, opt_tmp // cfg.dp,
                        fsdp_gradient_shard_bytes(cfg, rank), walk, rank)
@@ -249,7 +227,7 @@ def _fsdp_pipelined(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, w
     """FSDP2 inside a pipeline stage (formula/fsdp_pipeline.py), each point with the pipeline's own tensors."""
     transient, head_grad, below = _backward_terms(cfg, states.gradients * cfg.dp, rank)
     return fsdp_pipeline.phases(
-        cfg, rank, _fsdp_resident(cfg, weights, fsdp_shard_bytes(cfg, rank)), plan.per_layer_kept,
+        cfg, rank, fsdp_resident(cfg, weights, fsdp_shard_bytes(cfg, rank)), plan.per_layer_kept,
         plan.per_layer_full, plan.total - plan.others, below, logits_fwd, loss_grads, head_grad, transient,
         opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg, rank),
         _dresser(cfg, rank), walk)
@@ -342,14 +320,14 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     if fsdp_pipeline.walked(cfg):  # the pipeline's own tensors priced per step: not added again below
         phases = _fsdp_pipelined(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp, walk, rank)
     elif fsdp_interleaved.walked(cfg):  # and per chunk and step (formula/fsdp_interleaved.py)
-        phases = fsdp_interleaved.phases(cfg, rank, _fsdp_resident(cfg, weights, fsdp_shard_bytes(cfg, rank)),
+        phases = fsdp_interleaved.phases(cfg, rank, fsdp_resident(cfg, weights, fsdp_shard_bytes(cfg, rank)),
                                          opt_tmp // cfg.dp, fsdp_gradient_shard_bytes(cfg, rank), dress, lambda c: (
                                              *_backward_terms(cfg, c.states.gradients * cfg.dp, c.share),
                                              fsdp_gradient_shard_bytes(interleaved.flat(cfg), c.share)))
     elif fsdp:  # FSDP2's phases and its backward walk (formula/fsdp.py); DDP's below are not worked out
         phases = with_pipeline_no_sync(cfg, rank, _fsdp(cfg, states, plan, weights, logits_fwd, loss_grads, opt_tmp,
                                                         walk, rank),
-                                       0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg, rank))
+                                       0 if sharded_master(cfg) else fsdp_shard_bytes(cfg, rank))
     else:
         def ddp(others: int, grads: int, walk_: list[int] | None, only=("forward", "backward", "optimizer"), ch=None):
             r_, pl, wk, fwd, bwd = (rank, plan, walked, logits_fwd, loss_grads) if ch is None else ch.terms(cfg)
@@ -388,8 +366,8 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     peak_tensor = totals[peak_phase]
     dm = device_memory(cfg, peak_tensor, peak_phase, plan.total, at_peak["gradients"], rank)
     return MemoryEstimate(
-        parameters_bytes=(0 if _sharded_master(cfg) else fsdp_shard_bytes(cfg, rank)) if fsdp else states.parameters,
-        master_bytes=(fsdp_shard_bytes(cfg, rank) if _sharded_master(cfg) else 0) if fsdp else states.master,
+        parameters_bytes=(0 if sharded_master(cfg) else fsdp_shard_bytes(cfg, rank)) if fsdp else states.parameters,
+        master_bytes=(fsdp_shard_bytes(cfg, rank) if sharded_master(cfg) else 0) if fsdp else states.master,
         gradients_bytes=(fsdp_gradient_shard_bytes(cfg, rank) if fsdp else
                          in_flight if cfg.optimizer_in_backward else states.gradients),
         optimizer_bytes=states.optimizer, activations_bytes=plan.total,

@@ -71,8 +71,7 @@ _MASKED = {"masked_fill", "masked_fill_", "where"}
 _NORM = {"native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
          "rms_norm"}
 _RANDOM = {"bernoulli", "bernoulli_", "native_dropout", "uniform_", "normal_", "random_", "randint", "rand",
-           "randn", "exponential_", "inductor_random", "inductor_randint",
-           "inductor_mask_store"}
+           "randn", "exponential_", "inductor_random", "inductor_randint", "inductor_mask_store"}
 
 
 # no data moved: reshapes that return a new tensor header, uninitialised allocations, scalar reads,
