@@ -30,8 +30,7 @@ def _collectives_label(cfg, t) -> str:
              "broadcast": "broadcast"}
     sent = ", ".join(f"{names[k]} {fmt_bytes(v)}" for k, v in t.collective_bytes.items() if v)
     if cfg.parallel.shards_gradients:
-        when = "one reduce-scatter at the flush" if cfg.parallel.pipelined else "sent each micro-batch"
-        return f"FSDP2 collectives per update, {when} ({sent})"
+        return f"FSDP2 collectives per update{', one reduce-scatter' if cfg.parallel.pipelined else ''} ({sent})"
     if cfg.parallel.stage == 1:  # DDP's gradient all-reduce + ZeroRedundancyOptimizer's broadcasts
         return f"ZeRO-1 all-reduce + broadcasts per update ({sent})"
     return f"gradient all-reduce, once per update ({sent or fmt_bytes(t.allreduce_bytes)})"
