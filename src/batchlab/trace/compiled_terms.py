@@ -90,12 +90,7 @@ def _count(v) -> int:
 def monomial(count: int, primes: dict[str, int] = PRIMES) -> tuple[Fraction, tuple[int, ...]]:
     """(coefficient, exponents over SYMBOLS) with count = coefficient x the symbols' dimensions at the derivation
     shape raised to the exponents; a count with a prime factor above 7 that is no symbol's is a constant."""
-    n, exps = count, []
-    for name in SYMBOLS:
-        e = 0
-        while n and n % primes[name] == 0:
-            n, e = n // primes[name], e + 1
-        exps.append(e)
+    n, exps = _factored(count, primes)
     rest = n
     for p in SMALL:
         while rest and rest % p == 0:
