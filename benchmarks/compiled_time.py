@@ -13,6 +13,7 @@ benchmarks/compiled_time_measured.json; ``--measure`` (re)measures the cases mis
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -86,6 +87,7 @@ def measure_case(name: str, ac: str, shape: tuple[int, int]) -> dict:
     from batchlab.host import regime
     from batchlab.measure.harness import Trainer
 
+    torch.set_num_threads(1)  # thread_time counts this thread alone: every kernel must run in it
     eager = Trainer(config(name, ac, shape, "none"), "cpu")
     compiled = Trainer(config(name, ac, shape, "blocks"), "cpu")  # resets dynamo: one compiled model at a time
     t0 = time.perf_counter()
@@ -144,12 +146,17 @@ def record_first() -> None:
             FIRST.write_text(json.dumps(first, indent=1))
 
 
-def predicted(name: str, ac: str, shape: tuple[int, int], trace: bool) -> dict:
+@functools.cache
+def _calibrations(threads: int):
     from batchlab.cache.calibrations import load_all
+
+    return load_all(threads)
+
+
+def predicted(name: str, ac: str, shape: tuple[int, int], trace: bool) -> dict:
     from batchlab.formula import estimate, unseen_model
 
-    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-    cals = load_all(threads)
+    cals = _calibrations(int(os.environ.get("OMP_NUM_THREADS", "1")))
     a, b = config(name, ac, shape, "none"), config(name, ac, shape, "blocks")
     out = {}
     if not unseen_model(a) or name in STAND_IN_EXACT:
@@ -201,7 +208,7 @@ def page(trace: bool) -> str:
              f"(calibrate/compiled_rng.py; here: {rng_rate_line()}); a compiled graph's own call (guards, "
              "AOTAutograd's wrapper) is not modelled. The factory builds batchlab's GPT from the flags' shape, so "
              "the formula's stand-in for it (what `estimate` prints for a factory, with its warning) is its model. "
-             "Rows below the first 16 were added later: their first predicted error (before any change made after "
+             f"Rows below the first {len(grid()) - len(EXTRA)} were added later: their first predicted error (before any change made after "
              "they were added) is kept beside today's; † marks a hold-out, never looked at while changing the model.",
              "",
              "| model | dropout | seq x micro-batch | AC | measured compiled/eager (range) | load | "
@@ -253,11 +260,12 @@ FINDINGS = (
     "formula/fusion.py): it was the unexplained gap between the compiled forward under AC none (59.9 ms in the "
     "phase times, GPT tiny with dropout, 128 x 8) and under full AC (39.9 ms: inductor's full-AC forward returns no "
     "mask and its backward draws every number again, inside the kernels that use them, the last dropout's too), "
-    "and the no-AC dropout rows' under-prediction (formula -18% to -24% before, now -2% to -11%). The case whose "
+    "and most of the no-AC dropout rows' under-prediction (formula -18% to -24% before it was priced). The case whose "
     "direction was wrong before (GPT tiny with dropout, 64 x 2, AC none) measured 1.14 with inductor's RNG and 1.02 "
     "with `torch._inductor.config.fallback_random` (ATen's RNG; wall clock outside the allocator regime, one process "
-    "each). Full AC: compiled blocks still gain more than predicted, with and without dropout (+8% to +20%; the "
-    "dropout rows a few points more since the backward's redraw of each block's last mask is priced). Without "
+    "each). Full AC: compiled blocks still gain more than predicted, with and without dropout (the table's "
+    "full-AC rows; the dropout rows a few points more since the backward's redraw of each block's last mask is "
+    "priced). Without "
     "dropout (128 x 8, outside the regime) the compiled forward under full AC took 14% less than under none (it "
     "returns no saved activations; inductor reuses its dead buffers in place) and the compiled recompute 55% of the "
     "compiled forward where the op list prices 70% (it runs inside the backward's graph, fused with its consumers): "

@@ -24,6 +24,7 @@ change is ever tuned against.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import queue
 import statistics
@@ -35,10 +36,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from page import publish  # noqa: E402
 
-QUICK = "--quick" in sys.argv
-ROUNDS = 2 if QUICK else 5  # paired rounds per A/B pair (--rounds N: more on a machine with time to spare)
-if "--rounds" in sys.argv:
-    ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1])
 WARMUP = 2  # untimed updates of every layout before the rounds
 WORLD = 4
 THREADS = 1
@@ -86,13 +83,39 @@ FIRST_ERROR = {  # (model, change) -> the row's first error: its first run (load
     ("Llama s128", "GPipe -> 1F1B, m 4"): "+33%",
     ("Llama s128", "pp 1 -> 2 (GPipe)"): "+21%",
 }
-if QUICK:
-    PAIRS = {"GPT": PAIRS["GPT"]}
-if "--only" in sys.argv:
-    PAIRS = {m: PAIRS[m] for m in sys.argv[sys.argv.index("--only") + 1].split(",")}
-if "--pairs" in sys.argv:  # only the changes named (a smoke run of a few rows)
-    keep = sys.argv[sys.argv.index("--pairs") + 1].split(";")
-    PAIRS = {m: [p for p in ps if p[2] in keep] for m, ps in PAIRS.items() if any(p[2] in keep for p in ps)}
+
+
+def _options(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Tensor / pipeline time ratios on 4 gloo ranks (writes the page)")
+    p.add_argument("--quick", action="store_true", help="2 rounds, GPT only, prints only")
+    p.add_argument("--rounds", type=int, help="paired rounds per A/B pair (default 5)")
+    p.add_argument("--only", help=f"models, comma-separated: {', '.join(PAIRS)}")
+    p.add_argument("--pairs", help="only the changes named, ';'-separated (a smoke run of a few rows)")
+    p.add_argument("--no-page", action="store_true", help="print, do not write the page")
+    a = p.parse_args(argv)
+    if a.rounds is not None and not 1 <= a.rounds <= 1000:
+        p.error(f"--rounds: 1 to 1000, got {a.rounds}")
+    if a.only and (unknown := set(a.only.split(",")) - set(PAIRS)):
+        p.error(f"--only: {', '.join(sorted(unknown))} is none of {', '.join(PAIRS)}")
+    return a
+
+
+def _selected(a: argparse.Namespace) -> dict:
+    pairs = {"GPT": PAIRS["GPT"]} if a.quick else dict(PAIRS)
+    if a.only:
+        pairs = {m: pairs[m] for m in a.only.split(",") if m in pairs}
+    if a.pairs:
+        keep = a.pairs.split(";")
+        pairs = {m: [p for p in ps if p[2] in keep] for m, ps in pairs.items() if any(p[2] in keep for p in ps)}
+    if not pairs:
+        raise SystemExit("--pairs / --only: no pair selected; the changes: "
+                         + "; ".join(sorted({p[2] for ps in PAIRS.values() for p in ps})))
+    return pairs
+
+
+OPTIONS = _options(sys.argv[1:] if __name__ == "__main__" else [])
+ROUNDS = OPTIONS.rounds or (2 if OPTIONS.quick else 5)  # paired rounds per A/B pair
+PAIRS = _selected(OPTIONS)
 
 
 def config(model: str, layout: str):

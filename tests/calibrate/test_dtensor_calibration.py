@@ -2,6 +2,8 @@
 calibration the first time a tensor-parallel config is met, and what the time model prices DTensor ops with."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from batchlab.calibrate import dtensor, load_cached, save
@@ -26,7 +28,8 @@ def test_the_sharded_dispatch_gpt_runs_dtensor_ops_in_every_phase_and_the_measur
     # AdamW's 8 per-element ops on each of the 16 (formula/dtensor.py, counted by hand)
     assert calls == {"forward": 32, "backward": 96, "plain": 128}
     figures = dtensor.measure(seconds=0.3)
-    assert set(figures) == {"forward", "backward", "plain"} and all(v > 0 for v in figures.values())
+    # each figure is a difference of two timings: a stall can make one <= 0 (ensure refuses it, tested below)
+    assert set(figures) == {"forward", "backward", "plain"} and all(math.isfinite(v) for v in figures.values())
 
 
 def test_ensure_measures_once_for_a_tp_config_and_the_time_model_prices_with_it(monkeypatch):
