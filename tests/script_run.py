@@ -17,10 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-_DRIVER = '''\
-import json, os, runpy, sys
-
-
+_GUARD = '''\
 class NoBatchlab:  # the printed scripts are self-contained: an import of batchlab fails the run
     def find_spec(self, name, path=None, target=None):
         if name == "batchlab" or name.startswith("batchlab."):
@@ -28,7 +25,13 @@ class NoBatchlab:  # the printed scripts are self-contained: an import of batchl
 
 
 sys.meta_path.insert(0, NoBatchlab())
-req = json.load(open(sys.argv[1]))
+'''
+
+_DRIVER = '''\
+import json, os, runpy, sys
+
+
+''' + _GUARD + '''req = json.load(open(sys.argv[1]))
 rank = os.environ["RANK"]
 fd = os.open(os.path.join(req["folder"], "out%s.txt" % rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
 os.dup2(fd, 1)
@@ -75,15 +78,27 @@ def sharpened(script: str, lr: float = 0.5) -> str:
     return out.replace(":.4f}", ":.8f}")
 
 
+def sections(text: str) -> dict[str, str]:
+    """``== name`` sections of a driver's output -> each one's text."""
+    out: dict[str, str] = {}
+    name = None
+    for line in text.splitlines(keepends=True):
+        if line.startswith("== "):
+            name = line[3:].strip()
+            out[name] = ""
+        elif name is not None:
+            out[name] += line
+    return out
+
+
 def update_losses(text: str) -> dict[str, list[float]]:
     """``== name`` sections of one rank's output -> the losses of their ``update N: loss X`` lines."""
     out: dict[str, list[float]] = {}
-    name = None
-    for line in text.splitlines():
-        if line.startswith("== "):
-            name = line[3:].strip()
-        elif name is not None and line.startswith("update ") and ": loss " in line:
-            out.setdefault(name, []).append(float(line.rsplit(" ", 1)[1]))
+    for name, body in sections(text).items():
+        losses = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                  if line.startswith("update ") and ": loss " in line]
+        if losses:
+            out[name] = losses
     return out
 
 
@@ -127,6 +142,8 @@ def run_scripts(folder: Path, nproc: int, scripts: dict[str, str], references: d
 _IN_TURN = '''\
 import runpy, sys
 
+
+''' + _GUARD + '''
 for name, path in zip(sys.argv[1::2], sys.argv[2::2]):
     print("== " + name, flush=True)
     runpy.run_path(path, run_name="__main__")
@@ -137,8 +154,8 @@ for name, path in zip(sys.argv[1::2], sys.argv[2::2]):
 def run_in_turn(folder: Path, scripts: dict[str, str], timeout: float = 240) -> tuple[subprocess.CompletedProcess,
                                                                                         dict[str, str]]:
     """Write ``scripts`` (name -> text) under ``folder`` and run them as ``__main__`` in turn in one fresh
-    interpreter (torch imported once for all: a ``python train.py`` each would import it again); (the process, each
-    script's stdout by name).  A script that raises ends the process: the ones after it print nothing."""
+    interpreter (torch imported once for all: a ``python train.py`` each would import it again), batchlab not
+    importable, as ``run_scripts``'s driver; (the process, each script's stdout by name).  A script that raises ends the process: the ones after it print nothing."""
     folder.mkdir(parents=True, exist_ok=True)
     argv = []
     for name, text in scripts.items():
@@ -147,12 +164,4 @@ def run_in_turn(folder: Path, scripts: dict[str, str], timeout: float = 240) -> 
     (folder / "in_turn.py").write_text(_IN_TURN)
     done = subprocess.run([sys.executable, str(folder / "in_turn.py"), *argv], capture_output=True, text=True,
                           timeout=timeout, cwd=folder, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    out: dict[str, str] = {}
-    name = None
-    for line in done.stdout.splitlines(keepends=True):
-        if line.startswith("== ") and line[3:].strip() in scripts:
-            name = line[3:].strip()
-            out[name] = ""
-        elif name is not None:
-            out[name] += line
-    return done, out
+    return done, sections(done.stdout)

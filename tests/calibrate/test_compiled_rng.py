@@ -52,3 +52,19 @@ def test_a_failed_or_senseless_timing_caches_nothing(monkeypatch):
     monkeypatch.setattr(compiled_rng, "measure_mask", lambda seconds=compiled_rng.SECONDS: float("nan"))
     assert "not cached" in compiled_rng.ensure(DROPOUT, threads=1)
     assert not {compiled_rng.KEY, compiled_rng.MASK_KEY} & set(load_cached("cpu", 1).element_seconds)
+
+
+def test_an_in_kernel_rate_a_thousand_times_the_bulk_draw_is_neither_cached_nor_read(monkeypatch):
+    from batchlab.formula.plausible import problems
+
+    save(stub_calibration(element_seconds={"random:fp32": 6e-9}))
+    monkeypatch.setattr(compiled_rng, "measure", lambda seconds=compiled_rng.SECONDS: 1000.0)
+    monkeypatch.setattr(compiled_rng, "measure_mask", lambda seconds=compiled_rng.SECONDS: 2.0)
+    assert "timed at 1e+03 x ATen's bernoulli_" in compiled_rng.ensure(DROPOUT, threads=1)
+    cached = load_cached("cpu", 1)
+    assert compiled_rng.KEY not in cached.element_seconds and cached.element_seconds[compiled_rng.MASK_KEY] == 12e-9
+    # a cache edited (or written by an older batchlab) to the same 1000x is flagged where calibrations are read
+    cached.element_seconds[compiled_rng.KEY] = 6e-6
+    assert any(compiled_rng.KEY in p and "x1e+03" in p for p in problems(cached))
+    cached.element_seconds[compiled_rng.KEY] = 12e-9
+    assert not any(compiled_rng.KEY in p for p in problems(cached))

@@ -24,6 +24,7 @@ import time
 
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.config import CompileMode, RunConfig
+from batchlab.formula.plausible import IN_KERNEL_RATIO
 
 NAME = "inductor_random"  # the prim inductor lowers random ops to, as the op lists name it
 KEY = f"random/{NAME}:fp32"  # its element_seconds entry (formula/opcost.py element_rate_seconds's key)
@@ -95,8 +96,10 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
                 lines.append(f"time model: {what} not timed ({first}); ATen's bernoulli_ rate serves")
                 continue
-            if not (math.isfinite(ratio) and ratio > 0):
-                lines.append(f"time model: {what} timed at {ratio} x ATen's bernoulli_ per element; not cached")
+            low, high = IN_KERNEL_RATIO
+            if not (math.isfinite(ratio) and low <= ratio <= high):
+                lines.append(f"time model: {what} timed at {ratio:.3g} x ATen's bernoulli_ per element (plausible: "
+                             f"x{low:g}..x{high:g}); not cached, ATen's rate serves")
                 continue
             cal.element_seconds[k] = ratio * eager  # the calibration's bernoulli_ rate, scaled by the paired ratio
             lines.append(f"time model: timed {what} once against ATen's bernoulli_ (x{ratio:.2f} per element, "

@@ -23,6 +23,9 @@ DISPATCH = (1e-7, 1e-2)
 BANDWIDTH = (2e7, 2e13)
 # A model's own dispatch per op over batchlab's GPT's (calibrate/family.py): HF code measured 0.8-6x here.
 FAMILY_RATIO = (0.05, 50.0)
+# A compiled kernel's in-kernel draw or mask store per element over ATen's bulk bernoulli_ (``random/<op>:<dtype>``
+# over ``random:<dtype>``, calibrate/compiled_rng.py): a Philox engine per element, 1.4-2.3x measured here.
+IN_KERNEL_RATIO = (0.1, 100.0)
 
 
 def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = None) -> list[str]:
@@ -57,9 +60,22 @@ def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = N
                 out.append(f"{what} {kind} {s!r} s per op outside {DISPATCH[0]:g}..{DISPATCH[1]:g} s")
     out += [f"per-element {k} {s!r} s is not a positive number" for k, s in cal.element_seconds.items()
             if not (_finite(s) and s > 0)]
+    out += in_kernel_problems(cal.element_seconds)
     for family, ratios in cal.family_dispatch.items():
         out += family_problems(family, ratios)
     return out + dtensor_problems(cal.dtensor_seconds)
+
+
+def in_kernel_problems(element_seconds: dict) -> list[str]:
+    """Each ``random/<op>:<dtype>`` rate against ATen's ``random:<dtype>`` outside ``IN_KERNEL_RATIO``."""
+    out = []
+    for k, s in element_seconds.items():
+        eager = element_seconds.get("random:" + k.rsplit(":", 1)[-1]) if k.startswith("random/") else None
+        if eager and _finite(s) and _finite(eager) and eager > 0 and not (
+                IN_KERNEL_RATIO[0] <= s / eager <= IN_KERNEL_RATIO[1]):
+            out.append(f"per-element {k} x{s / eager:.3g} ATen's bernoulli_ outside "
+                       f"x{IN_KERNEL_RATIO[0]:g}..x{IN_KERNEL_RATIO[1]:g}")
+    return out
 
 
 def dtensor_problems(seconds: dict) -> list[str]:
