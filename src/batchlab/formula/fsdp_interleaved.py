@@ -49,15 +49,14 @@ class Terms:
 def active(actions: tuple[tuple[int, bool], ...], window: int = 3) -> list[set[int]]:
     """Per action, the chunks ``_add_unshard_reshard`` keeps gathered then: the next ``window`` distinct chunks
     still to run (it unshards those it lacks and reshards the others)."""
-    out = []
-    for i in range(len(actions)):
-        upcoming: set[int] = set()
-        for c, _ in actions[i:]:
-            upcoming.add(c)
-            if len(upcoming) == window:
-                break
-        out.append(upcoming)
-    return out
+    out: list[set[int]] = []
+    ahead: list[int] = []  # the chunks still to run, by their next action (one backward pass: linear in actions)
+    for c, _ in reversed(actions):
+        if c in ahead:
+            ahead.remove(c)
+        ahead.insert(0, c)
+        out.append(set(ahead[:window]))
+    return out[::-1]
 
 
 def phases(cfg: RunConfig, rank, resident: Parts, opt_tmp: int, grad_shards: int,
