@@ -29,6 +29,9 @@ def _collectives_label(cfg, t) -> str:
     names = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce",
              "broadcast": "broadcast"}
     sent = ", ".join(f"{names[k]} {fmt_bytes(v)}" for k, v in t.collective_bytes.items() if v)
+    spec = cfg.parallel.engine_spec
+    if spec.deepspeed:
+        return f"DeepSpeed ZeRO-{spec.stage} collectives per update ({sent})"
     if cfg.parallel.shards_gradients:
         return f"FSDP2 collectives per update{', one reduce-scatter' if cfg.parallel.pipelined else ''} ({sent})"
     if cfg.parallel.stage == 1:  # DDP's gradient all-reduce + ZeroRedundancyOptimizer's broadcasts

@@ -152,16 +152,25 @@ def collectives_text(cfg: RunConfig) -> str:
     lay = cfg.parallel
     if cfg.dp == 1:
         return "none at DP 1"
+    if lay.engine_spec.deepspeed and lay.stage in (1, 2):
+        return (f"DeepSpeed ZeRO-{lay.stage}: gradients reduce-scattered "
+                f"{'in every micro-batch' if lay.stage == 2 else 'at the accumulation boundary'}, the updated "
+                "16-bit weights all-gathered after the step")
+    if lay.shards_gradients and lay.pipelined:  # torch.distributed.pipelining (formula.sharding.traffic)
+        return (f"FSDP2 (ZeRO-{lay.stage}) all-gathers{' in every forward and the first backward' if lay.reshards_after_forward else ' once'}"
+                ", one reduce-scatter per update after the last backward")
     if lay.shards_gradients:
-        return (f"FSDP2 (ZeRO-{lay.stage}) all-gathers{' (forward and backward)' if lay.reshards_after_forward else ''}"
-                " and reduce-scatters of every micro-batch")
+        return (f"{'DeepSpeed' if lay.engine_spec.deepspeed else 'FSDP2'} (ZeRO-{lay.stage}) all-gathers"
+                f"{' (forward and backward)' if lay.reshards_after_forward else ''} and reduce-scatters of every "
+                "micro-batch")
     return "DDP's gradient all-reduce once per update" + (
         " + ZeroRedundancyOptimizer's parameter broadcasts after the step" if lay.stage == 1 else "")
 
 
 def zero1_engine_note(cfg: RunConfig) -> tuple[str, ...]:
     """ZeRO-1 is counted as the ZeRO paper (DeepSpeed) does; PyTorch's engine for it differs under autocast."""
-    if cfg.parallel.engine_spec.stage != 1 or not cfg.precision.mixed:
+    spec = cfg.parallel.engine_spec
+    if spec.stage != 1 or spec.deepspeed or not cfg.precision.mixed:  # DeepSpeed's ZeRO-1 is the count itself
         return ()
     return ("ZeRO-1 counted as ZeRO's paper and DeepSpeed do (16-bit weights and gradients, fp32 master and "
             "optimizer state sharded); PyTorch's DDP + ZeroRedundancyOptimizer under autocast (what batchlab "
