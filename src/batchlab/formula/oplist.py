@@ -239,9 +239,10 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     # every block runs the same ops: list one, and one recompute, then count them per block
     block = OpList(ops.w)
     _layer(block, cfg, FWD)
-    ops.add(*(o.times(n - sac - whole) for o in region(block.out) if n - sac - whole))
-    ops.add(*(o.times(whole) for o in region(block.out, False) if whole))
-    ops.add(*(_sac(o.times(sac)) for o in region(block.out) if sac))
+    kept = region(block.out)
+    ops.add(*(o.times(n - sac - whole) for o in kept if n - sac - whole))
+    ops.add(*(o.times(whole) for o in (region(block.out, False) if whole else ())))
+    ops.add(*(_sac(o.times(sac)) for o in kept if sac))
     # every recomputing policy's layers, whole blocks first
     groups = sorted(Counter(m for m in cfg.ac.layer_modes(n) if m.spec.recomputes).items(),
                     key=lambda group: group[0].spec.selective)
