@@ -191,7 +191,8 @@ def source(cfg: RunConfig) -> str:
                "block keeps can differ" if cfg.device_spec.backend is not Backend.CPU else "")
             + (f"; {impl.value} runs as {ran.value} here" if ran else "")
             + (f"; ac={cfg.ac}: each block keeps its input plus {cfg.ac.budget:g} of the rest of that partition's "
-               "saved bytes, the knob's line on what is saved, not a bound on the peak (torch's knapsack picks the tensors by FLOPs)"
+               "saved bytes, the knob's line on what is saved, not a bound on the peak (torch's knapsack picks the "
+               "tensors by FLOPs)"
                if cfg.ac.budget is not None else "")
             + ("; torchtitan's Llama is transformers' code here, its checkpointed blocks compiled whole"
                if impl is Impl.TT_LLAMA else ""))
