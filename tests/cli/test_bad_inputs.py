@@ -37,6 +37,7 @@ def files(tmp_path_factory) -> Path:
     (d / "hf_family.json").write_text(json.dumps({"model_type": "t5"}))
     for name, text in {
         "cfg_nan": "[config]\noptimizer_bytes_per_param = nan\n",
+        "cfg_overhead_text": "[config]\nop_overhead_seconds = \"x\"\n",
         "cfg_inf_budget": "[config]\nmemory_budget = 1e999\n",
         "cfg_unknown": "[config]\ncolour = 1\n",
         "cfg_broken": "[config\n",
@@ -129,6 +130,7 @@ CONFIG = [
     (["--hf-config", "{f}/hf_lacks.json"], "hf_config"), (["--hf-config", "{f}/hf_family.json"], "hf_config"),
     (["--config", "{f}/missing.toml"], "config"), (["--config", "{f}/cfg_broken.toml"], "config"),
     (["--config", "{f}/cfg_unknown.toml"], "colour"), (["--config", "{f}/cfg_nan.toml"], "optimizer_bytes"),
+    (["--config", "{f}/cfg_overhead_text.toml"], "op_overhead_seconds"),
     (["--config", "{f}/cfg_inf_budget.toml"], "memory_budget"), (["--config", "{f}/cfg_layers_big.toml"], "layers"),
     (["--config", "{f}/cfg_parallel_list_degree.toml"], "dp"),
     (["--config", "{f}/cfg_parallel_str_degree.toml"], "dp"), (["--config", "{f}/cfg_parallel_zero_str.toml"], "parallel.zero"),

@@ -96,7 +96,7 @@ def _load(files, threads: int | None) -> Cached:
 def probe_reference(threads: int | None = None) -> float | None:
     """The host speed probe's read in this CPU's cached calibration at ``threads`` (seconds, host/speed.py);
     None without one, or where it timed another bundle (its reference says nothing about this one)."""
-    cal = load_all(threads).get("cpu")
+    cal = load_cached("cpu", threads)
     return cal.probe_seconds if cal is not None and cal.probe == PROBE_BUNDLE and cal.probe_seconds else None
 
 

@@ -46,5 +46,6 @@ class Assumptions:
         if self.torch_version is not None and not re.fullmatch(r"\d+\.\d+", str(self.torch_version)):
             raise ConfigError("torch_version", f"must be MAJOR.MINOR such as 1.10, got {self.torch_version!r}")
         flag("zero_grad_set_to_none", self.zero_grad_set_to_none)
-        if self.op_overhead_seconds is not None and not (0 <= self.op_overhead_seconds < 1):
-            raise ConfigError("op_overhead_seconds", "must be seconds in [0, 1)")
+        if self.op_overhead_seconds is not None and not (
+                0 <= finite_number("op_overhead_seconds", self.op_overhead_seconds, minimum=0) < 1):
+            raise ConfigError("op_overhead_seconds", f"must be seconds in [0, 1), got {self.op_overhead_seconds!r}")
