@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from batchlab.config import Applied, Backend, RunConfig
@@ -116,8 +117,7 @@ class PipelineTime:
         time-share the cores, a rank idle in the bubble leaves its core to the others, which then run faster: the
         flush takes the longer of its critical path at a core's whole speed and m micro-batches at the shared speed
         (processor sharing; with no more threads than cores, the first)."""
-        s = self.stages[self.slowest]
-        alone = (s.compute_seconds + s.dtensor_seconds + s.tp_comm_seconds + s.pp_comm_seconds) / self.time_shared
+        alone = self.stages[self.slowest].seconds / self.time_shared
         return max(self.busy_seconds, self.micro_batches * alone / (1 - self.bubble_fraction))
 
     @property
@@ -338,10 +338,11 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
 
 def collectives_text(items) -> str:
     """"forward 2 all_reduce, backward 2 all_reduce": a catalogue entry's collectives, by phase."""
-    phases: dict[str, list[str]] = {}
-    for c in items:
-        phases.setdefault(c.phase, []).append(f"{c.count} {c.kind.replace('_', '-')}")
-    return ", ".join(f"{ph} " + " + ".join(v) for ph, v in phases.items())
+    phases: dict[str, Counter] = {}
+    for c in items:  # the same kind in a phase counted once: a layer's and its column linears' all-reduces add
+        phases.setdefault(c.phase, Counter())[c.kind] += c.count
+    return ", ".join(f"{ph} " + " + ".join(f"{n} {k.replace('_', '-')}" for k, n in v.items())
+                     for ph, v in phases.items())
 
 
 def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
