@@ -19,7 +19,7 @@ from typing import Callable
 
 from batchlab.config import RunConfig
 from batchlab.formula import interleaved
-from batchlab.formula.activations import Widths
+from batchlab.formula.ranks import residual_bytes
 from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_per_element, unit_elements
 
 Parts = dict[str, int]
@@ -71,8 +71,7 @@ def phases(cfg: RunConfig, rank, resident: Parts, opt_tmp: int, grad_shards: int
     zeroed = not cfg.assumptions.zero_grad_set_to_none  # the shards exist, zeroed, from the update's start
     whole = [sum(t.units) * wg for t in terms]
     whole_grads = [sum(t.units) * wr for t in terms]
-    w = Widths.of(cfg.precision, cfg.device_spec.backend)
-    residual = cfg.seq * cfg.micro_batch * cfg.model.hidden * w.res // rank.in_sp
+    residual = residual_bytes(cfg, rank)
     shards = resident["parameters"]
     actions = interleaved.rank_actions(p, v, m, rank.stage)
     fetched = active(actions)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Callable
 
 from batchlab.config import RunConfig
-from batchlab.formula.activations import Widths
 from batchlab.formula.stage_steps import distinct, ordered
+from batchlab.formula.ranks import residual_bytes
 from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_per_element, unit_elements
 
 
@@ -39,8 +39,7 @@ def phases(cfg: RunConfig, rank, resident: dict[str, int], kept: tuple[int, ...]
     backward; the other terms as formula.fsdp's.  ``dress(held, phase, parts)`` adds the pipeline's own tensors for
     ``held`` micro-batches in flight (formula.memory).  ``walk`` (if given) receives the tensor bytes as the
     highest backward starts, then at each block's higher point, last block first."""
-    w = Widths.of(cfg.precision, cfg.device_spec.backend)
-    residual = cfg.seq * cfg.micro_batch * cfg.model.hidden * w.res // rank.in_sp  # passed between blocks
+    residual = residual_bytes(cfg, rank)  # passed between blocks
     before = 0 if cfg.assumptions.zero_grad_set_to_none else grad_shards  # zeroed shards, or none
     found = _candidates(cfg, rank, resident, kept, per_layer_full, one_micro_batch, below, logits_fwd, loss_grads,
                         head_grad, transient, residual, before)

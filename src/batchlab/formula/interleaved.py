@@ -27,7 +27,7 @@ from batchlab.formula.activations import Widths
 from batchlab.formula.inbackward import walk_states
 from batchlab.formula.kvcache import held_in_forward_bytes
 from batchlab.formula.pipeline import receive_buffer_bytes
-from batchlab.formula.ranks import RankShare, share
+from batchlab.formula.ranks import RankShare, residual_bytes, share
 from batchlab.formula.states import ModelStates, model_states
 
 Parts = dict[str, int]
@@ -121,18 +121,13 @@ def chunks(cfg: RunConfig, rank: RankShare) -> tuple[Chunk, ...]:
     return tuple(out)
 
 
-def _hidden(cfg: RunConfig, rank: RankShare) -> int:
-    w = Widths.of(cfg.precision, cfg.device_spec.backend)
-    return cfg.seq * cfg.micro_batch * cfg.model.hidden * w.res // rank.in_sp
-
-
 def dresser(cfg: RunConfig, rank: RankShare) -> Callable[[ChunkStep | None, str, Parts], Parts]:
     """``dress(step, phase, parts)``: DeepSpeed's buffers (formula/deepspeed.py) and the pipeline's own tensors at
     ``step`` (formula/pipeline.py's, counted step by step): the receive buffers (resident), the outputs sent on and
     the input gradients sent back (kept by their sends), the last stage's logits of its in-flight micro-batches
     (kept in ``fwd_cache`` to their backward); the received activations in use are buffers, out of the activations'
     part.  ``step`` None: the optimizer's, buffers alone."""
-    hidden, p = _hidden(cfg, rank), cfg.parallel.pp
+    hidden, p = residual_bytes(cfg, rank), cfg.parallel.pp
     buffers = receive_buffer_bytes(cfg, rank)[0]
     receiving = [c * p + rank.stage > 0 for c in range(cfg.parallel.chunks)]
     w = Widths.of(cfg.precision, cfg.device_spec.backend)

@@ -24,7 +24,7 @@ from batchlab.formula import dtensor
 from batchlab.formula.activations import Widths
 from batchlab.formula.flops import stage_flops_per_token
 from batchlab.formula.params import norm_tensors
-from batchlab.formula.ranks import RankShare, shares
+from batchlab.formula.ranks import RankShare, residual_bytes, shares
 from batchlab.config.phase import Phase
 from batchlab.formula.opcost import OpCosts, OpCount, merge
 from batchlab.formula.opbuild import OpList, widths
@@ -65,8 +65,7 @@ def receive_buffer_bytes(cfg: RunConfig, rank: RankShare) -> tuple[int, int]:
     activations are their first layer's input, which the layers' terms count already."""
     if rank.stages == 1:
         return 0, 0
-    w = Widths.of(cfg.precision, cfg.device_spec.backend)
-    one = cfg.seq * cfg.micro_batch * cfg.model.hidden * w.res // rank.in_sp
+    one = residual_bytes(cfg, rank)
     count = cfg.parallel.pp * cfg.parallel.chunks
     mine = _chunk_stages(cfg, rank)
     buffers = sum((i > 0) + (i < count - 1) for i in mine) * cfg.accum
@@ -79,9 +78,7 @@ def gradient_send_bytes(cfg: RunConfig, rank: RankShare) -> int:
     (``ScheduleSpec.gradient_sends_held``)."""
     if rank.stages == 1:
         return 0
-    w = Widths.of(cfg.precision, cfg.device_spec.backend)
-    held = cfg.parallel.schedule_spec.gradient_sends_held(rank.stage, cfg.accum)
-    return held * cfg.seq * cfg.micro_batch * cfg.model.hidden * w.res // rank.in_sp
+    return cfg.parallel.schedule_spec.gradient_sends_held(rank.stage, cfg.accum) * residual_bytes(cfg, rank)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchlab.config import ACMode, Applied, ModelSpec, RunConfig
-from batchlab.formula.activations import LayerActivations
+from batchlab.formula.activations import LayerActivations, Widths
 from batchlab.formula.params import count, norm_params, position_params
 
 
@@ -152,3 +152,9 @@ class RankMemory:
     parts: dict[str, int]
     role: str  # what the stage holds, in words
     provenance: str = "formula"
+
+
+def residual_bytes(cfg: RunConfig, rank: RankShare) -> int:
+    """One micro-batch's residual stream on ``rank``: b·s·h at the residual's width, 1/t of it under SP."""
+    w = Widths.of(cfg.precision, cfg.device_spec.backend)
+    return cfg.seq * cfg.micro_batch * cfg.model.hidden * w.res // rank.in_sp
