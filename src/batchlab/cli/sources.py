@@ -2,6 +2,7 @@
 issue numbers, derivations) stay in the assumptions, shown under --verbose and kept in --json and the report."""
 from __future__ import annotations
 
+from batchlab.config.fp8 import FP8Recipe
 from batchlab.config import RunConfig
 from batchlab.config.devices import short_sources
 from batchlab.formula.efficiency import achievable_fraction
@@ -23,6 +24,6 @@ def device_line(cfg: RunConfig, ceiling_source: str, label: str = "sources") -> 
     capacity = (f"{fmt_bytes(cfg.memory_budget)} --memory-budget" if cfg.memory_budget is not None
                 else f"{fmt_bytes(dev.memory_bytes)} {memory}")
     fp8 = (f", FP8 GEMMs {fmt_count(dev.peak_flops_fp8, 'FLOP/s')} {(dev.fp8_source or 'unsourced').split(':')[0]}"
-           if cfg.fp8.value != "none" else "")  # --fp8: the linear layers' rate (formula/fp8.py)
+           if cfg.fp8 is not FP8Recipe.NONE else "")  # --fp8: the linear layers' rate (formula/fp8.py)
     return (f"{label}: {capacity}, {fmt_count(dev.peak_flops(cfg.precision), 'FLOP/s')} {rates}{fp8}; "
             f"time model: {time_model_label(cfg, ceiling_source)}")

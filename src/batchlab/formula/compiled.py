@@ -61,13 +61,13 @@ def applies(cfg: RunConfig) -> bool:
     if cfg.compile is CompileMode.NONE:
         return False
     names = _policies(cfg)
-    if names is None or not _same_partition(cfg, names):
+    if names is None or not _same_partition(cfg):
         return False
     terms = _table().TERMS
     return all(isinstance(terms.get(_key(cfg, p)), tuple) for p in {*names, "none"})
 
 
-def _same_partition(cfg: RunConfig, names: tuple[str, ...]) -> bool:
+def _same_partition(cfg: RunConfig) -> bool:
     """The terms are one block's partition.  A whole-model graph (--compile model) partitions each block alike: a
     checkpointed block's forward saves its input, and the backward graph recomputes it fused with its gradient
     kernels, as a block's own graph does (traced on the built-in GPT).  Under budget:F its knapsack weighs every
@@ -205,7 +205,7 @@ def missing_note(cfg: RunConfig) -> str | None:
     names = _policies(cfg)
     if names is None:
         why = f"compiled terms are derived for AC {', '.join(POLICIES)}, not {cfg.ac}"
-    elif not _same_partition(cfg, names):
+    elif not _same_partition(cfg):
         why = (f"they are a block's partition (--compile blocks); under ac={cfg.ac} a whole-model graph's knapsack "
                "weighs all blocks together")
     elif (reasons := [r for r in (_table().TERMS.get(_key(cfg, n)) for n in {*names, "none"}) if isinstance(r, str)]):

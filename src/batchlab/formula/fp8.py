@@ -79,7 +79,7 @@ def update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     return ()
 
 
-def with_curve(costs: OpCosts, cfg: RunConfig, scale: float | None = None) -> OpCosts:
+def with_curve(costs: OpCosts, cfg: RunConfig) -> OpCosts:
     """``costs`` with the FP8 GEMM curve: the bf16 linear-layer curve at the device's FP8/bf16 peak ratio (the same
     achieved fraction of a faster peak), where the costs have none of their own."""
     if active(cfg) is None or CURVE in costs.matmul:

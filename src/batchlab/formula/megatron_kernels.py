@@ -11,28 +11,25 @@ as they are: nothing repeats them to every query head.  Bytes are what each kern
 from __future__ import annotations
 
 from batchlab.config.phase import Phase
-from batchlab.formula.opcost import OpCount, op_class
+from batchlab.formula.opbuild import op
+from batchlab.formula.opcost import OpCount
 
 BWD = Phase.BACKWARD
-
-
-def _kernel(name: str, phase: Phase, elements: int, nbytes: int) -> OpCount:
-    return OpCount(name=name, phase=phase, cost_class=op_class(name), bytes=nbytes, elements=elements)
 
 
 def rope(phase: Phase, n: int, width: int, backward: bool) -> list[OpCount]:
     """Rotary embedding of one tensor of ``n`` elements: reads it (and the small frequency table), writes the
     rotated copy; backward the same on its gradient."""
-    out = [_kernel("fused_rope", phase, n, 2 * n * width)]
+    out = [op("fused_rope", phase, n, 2 * n * width)]
     if backward:
-        out.append(_kernel("fused_rope_backward", BWD, n, 2 * n * width))
+        out.append(op("fused_rope_backward", BWD, n, 2 * n * width))
     return out
 
 
 def swiglu(phase: Phase, t: int, f: int, width: int, backward: bool) -> list[OpCount]:
     """silu(gate) * up over fc1's (t, 2f) output: reads 2·t·f, writes t·f; backward reads the output's gradient and
     the saved input, writes the input's gradient (2·t·f)."""
-    out = [_kernel("fused_swiglu", phase, t * f, 3 * t * f * width)]
+    out = [op("fused_swiglu", phase, t * f, 3 * t * f * width)]
     if backward:
-        out.append(_kernel("fused_swiglu_backward", BWD, 2 * t * f, 5 * t * f * width))
+        out.append(op("fused_swiglu_backward", BWD, 2 * t * f, 5 * t * f * width))
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING
 
+from batchlab.config.fp8 import FP8Recipe
 from batchlab.measure.options import MeasureOptions
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ def measure(cfg: "RunConfig", options: MeasureOptions | None = None,
     from batchlab import distributed
     from batchlab.config import ConfigError
 
-    if cfg.fp8.value != "none":  # no CPU has FP8 tensor cores, and the harness wraps no Float8Linear / TE module
+    if cfg.fp8 is not FP8Recipe.NONE:  # no CPU has FP8 tensor cores, and the harness wraps no Float8Linear / TE module
         raise ConfigError("fp8", f"{cfg.fp8} is formula only (batchlab estimate); measure the run without --fp8")
     if cfg.offload_activations:  # the harness installs no saved-tensor hooks that move activations to the host
         raise ConfigError("offload_activations", "is formula only (batchlab estimate); measure the run without "

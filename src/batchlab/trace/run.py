@@ -15,6 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensorMode, UnsupportedOperatorException)
 
+from batchlab.config.fp8 import FP8Recipe
 from batchlab.config import Backend, ConfigError, ModelSource, Precision, RunConfig
 from batchlab.formula.allocator import device_memory
 from batchlab.util.units import fmt_bytes
@@ -230,7 +231,7 @@ def estimate(cfg: RunConfig, tree: bool = False, timeline: bool = False, calibra
     communication) of one steady-state update (provenance trace); with ``timeline``, the update's memory
     timeline too (``.timeline``, batchlab.timeline.data.Timeline); ``calibrations`` as for formula.estimate.
     A pipeline: each stage's first rank traced, the most loaded one's figures returned."""
-    if cfg.fp8.value != "none":  # the traced code is the model's own 16-bit code: no Float8Linear / TE module in it
+    if cfg.fp8 is not FP8Recipe.NONE:  # the traced code is the model's own 16-bit code: no Float8Linear / TE module in it
         raise ConfigError("fp8", f"{cfg.fp8} is priced by the formula only: drop --trace (or --fp8)")
     if cfg.offload_activations:  # fake tensors have no host copy to move: the stash and streams are the formula's
         raise ConfigError("offload_activations", "is priced by the formula only: drop --trace (or "
