@@ -62,3 +62,15 @@ def test_measure_refuses_offloading_on_a_gpu_device_too():
     r = CliRunner().invoke(app, ["measure", *SHAPE, "--device", "a100-80gb", "--offload-activations"])
     assert r.exit_code == 2, r.output
     assert "offload_activations" in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_a_global_batch_without_a_micro_batch_is_one_micro_batch_per_rank_when_the_step_runs_in_backward():
+    # accum 1 is the only accumulation the fused step allows: 16 sequences are one micro-batch of 16
+    r = CliRunner().invoke(app, ["estimate", "--global-batch", "16", "--optimizer-in-backward", "--json"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    c = json.loads(r.stdout)["config"]
+    assert (c["micro_batch"], c["accum"]) == (16, 1)
+    r = CliRunner().invoke(app, ["estimate", "--global-batch", "16", "--accum", "2", "--optimizer-in-backward"])
+    assert r.exit_code == 2 and "optimizer_in_backward" in r.output  # an accumulation typed is still refused

@@ -228,7 +228,8 @@ def _config_from_flags(**o: Any) -> RunConfig:
     spec, source = _model_from_flags(o)
     mb, accum, gb, dp = o.get("micro_batch"), o.get("accum"), o.get("global_batch"), o.get("dp", 1)
     if gb is not None:
-        mb = 1 if mb is None else mb
+        if mb is None:  # the optimizer stepping in backward accumulates nothing: the rank's batch is one micro-batch
+            mb = max(1, gb // dp) if o.get("optimizer_in_backward") and accum is None else 1
         accum = _accum_for(gb, mb, dp, accum)
     budget = o.get("memory_budget")
     given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "loss", "zero", "device", "data", "seed", "tp",
