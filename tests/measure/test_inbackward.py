@@ -72,5 +72,5 @@ def test_a_global_batch_without_a_micro_batch_is_one_micro_batch_per_rank_when_t
 
     c = json.loads(r.stdout)["config"]
     assert (c["micro_batch"], c["accum"]) == (16, 1)
-    r = CliRunner().invoke(app, ["estimate", "--global-batch", "16", "--accum", "2", "--optimizer-in-backward"])
-    assert r.exit_code == 2 and "optimizer_in_backward" in r.output  # an accumulation typed is still refused
+    r = CliRunner().invoke(app, ["estimate", "--global-batch", "16", "--micro-batch", "8", "--optimizer-in-backward"])
+    assert r.exit_code == 2 and "optimizer_in_backward" in r.output  # a micro-batch typed that needs accumulation is still refused
