@@ -115,7 +115,9 @@ def seconds_per_op(costs: OpCosts | None, cpu: bool = True) -> tuple[dict[str, f
     unless calibrated ({})."""
     if costs is not None and costs.dtensor_seconds:
         return {**NOMINAL, **costs.dtensor_seconds}, "calibrated"
-    return (dict(NOMINAL), "nominal") if cpu else ({}, "not priced: no figure for this device's host")
+    return ((dict(NOMINAL), "nominal: one server CPU's own calibration (docs/cpu.md), not this host's; a first "
+             "tensor-parallel measure or compare times this host's") if cpu
+            else ({}, "not priced: no figure for this device's host"))
 
 
 def host_seconds(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, scale: float = 1.0) -> tuple[float, float]:
