@@ -46,7 +46,7 @@ def test_compare_reads_the_speed_of_each_side_over_a_current_calibration(monkeyp
 
     class Cal:
         probe_seconds, probe = 5e-3, BUNDLE
-    monkeypatch.setattr(record, "load_all", lambda threads=None: {"cpu": Cal()})
+    monkeypatch.setattr(record, "load_cached", lambda device, threads=None: Cal() if device == "cpu" else None)
     speed = compare.side_speeds(rounds, 1)
     assert (speed["a"], speed["b"]) == (pytest.approx(1.2), pytest.approx(0.8)) and speed["reference_seconds"] == 5e-3
     Cal.probe = "another bundle"  # a reference timed on another bundle says nothing about this one
