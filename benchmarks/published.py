@@ -100,6 +100,7 @@ class Row:
     fits_first: bool | None = None
     params: int | None = None
     failed: str | None = None
+    tps_low: float | None = None  # a card whose peak is known only as a range: the rate at its low end
 
     @property
     def mem_error(self):
@@ -107,6 +108,11 @@ class Row:
 
     @property
     def tps_error(self):
+        return range_error(self.tps_predicted, self.tps_low, self.tps_measured)
+
+    @property
+    def tps_error_high(self):
+        """At the card's catalogue peak alone (the high end where the peak is known only as a range)."""
         return relative_to(self.tps_predicted, self.tps_measured)
 
     @property
@@ -215,6 +221,8 @@ def evaluate(run: dict, before: dict[str, dict] | None = None) -> Row:
                              "device": est.memory.device_bytes}[kind]
     row.fits = est.memory.fits
     row.tps_predicted = est.time.tokens_per_second / row.cfg.dp
+    if est.low_peak_time is not None:
+        row.tps_low = est.low_peak_time.tokens_per_second / row.cfg.dp
     row.params = est.params.total
     row.layer_terms = implementation_line(row.cfg)
     return row
@@ -305,6 +313,20 @@ def num(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
 
+def range_error(high: float | None, low: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured; where the card's peak is known only as a range (``low``: the rate at its
+    low end), 0 inside [low, high] and the nearest end's error outside: no point inside the range is better
+    founded than another."""
+    if low is None or high is None or measured is None:
+        return relative_to(high, measured)
+    return 0.0 if low <= measured <= high else relative_to(high if measured > high else low, measured)
+
+
+def rate_text(high: float | None, low: float | None) -> str:
+    """A predicted rate, or its range where the card's peak is known only as one."""
+    return num(high) if low is None or high is None else f"{num(low)}-{num(high)}"
+
+
 def verdict(fits: bool | None) -> str:
     return "-" if fits is None else ("fits" if fits else "**OOM (false)**")
 
@@ -326,7 +348,7 @@ def table(rows: list[Row]) -> list[str]:
         out.append(f"| {r.run['id']}{mark(r.run)} | {r.run['gpu']} × {r.run['gpu_count']} | {mem} | {before} | "
                    f"{pct(r.mem_error_before)} | {now} | {pct(r.mem_error) if r.mem_measured else '-'} | "
                    f"{verdict(r.fits_before)} → {verdict(r.fits)} | {num(r.tps_measured)} | {num(r.tps_before)} | "
-                   f"{pct(r.tps_error_before)} | {num(r.tps_predicted)} | {pct(r.tps_error)} |")
+                   f"{pct(r.tps_error_before)} | {rate_text(r.tps_predicted, r.tps_low)} | {pct(r.tps_error)} |")
     return out
 
 
@@ -338,7 +360,7 @@ def round3_table(rows: list[Row]) -> list[str]:
     for r in rows:
         out.append(f"| {r.run['id']} | {r.run['gpu']} × {r.run['gpu_count']} | {num(r.tps_measured)} | "
                    f"{num(r.tps_before)} | {pct(r.tps_error_before)} | {num(r.tps_first)} | {pct(r.tps_error_first)} | "
-                   f"{num(r.tps_predicted)} | {pct(r.tps_error)} | {verdict(r.fits_before)} → {verdict(r.fits_first)} "
+                   f"{rate_text(r.tps_predicted, r.tps_low)} | {pct(r.tps_error)} | {verdict(r.fits_before)} → {verdict(r.fits_first)} "
                    f"→ {verdict(r.fits)} |")
     return out
 
@@ -378,6 +400,8 @@ def summaries(rows: list[Row]) -> list[str]:
         out.append(summary(subset, "mem_error", "memory now (the kind each source measured)"))
         out.append(summary(subset, "mem_error_before", "memory before"))
         out.append(summary(subset, "tps_error", "tokens/s per GPU now"))
+        if any(r.tps_low is not None for r in subset):
+            out.append(summary(subset, "tps_error_high", "tokens/s per GPU now, at the catalogue's peak only"))
         out.append(summary(subset, "tps_error_before", "tokens/s per GPU before"))
         if subset is r3:  # only these runs have figures as first recorded
             out.append(summary(subset, "tps_error_first", "tokens/s per GPU as first recorded"))
@@ -395,11 +419,22 @@ def summaries(rows: list[Row]) -> list[str]:
     return out
 
 
+def range_line(cfg: RunConfig | None, low: float | None, high: float | None) -> list[str]:
+    """A run on a card whose peak a source gives only as a range: what the predicted rate spans, and how its error
+    is counted."""
+    if cfg is None or low is None:
+        return []
+    return [f"  - peak known only as a range: predicted {num(low)} at {cfg.device_spec.peak_low}'s peak to "
+            f"{num(high)} at {cfg.device}'s; error 0 inside the range, else from its nearest end"]
+
+
 def detail_lines(r, marked: str, source: str, extra: list[str] = ()) -> list[str]:
     """One run's entry under "Commands": its command, source, layer terms, what the command cannot express,
     ``extra`` lines, and why it was not evaluated (any of this script's rows, or the parallel and compiled pages')."""
     out = [f"- **{r.run['id']}**{marked}: `{r.command or 'not typed'}`", f"  - source: {source}"]
     out += [f"  - {r.layer_terms}"] if r.layer_terms else []
+    out += range_line(getattr(r, "cfg", None), getattr(r, "tps_low", getattr(r, "rate_low", None)),
+                      getattr(r, "tps_predicted", getattr(r, "rate_predicted", None)))
     out += [f"  - not expressed: {g}" for g in r.gaps] + list(extra)
     return out + ([f"  - NOT EVALUATED: {r.failed}"] if r.failed else [])
 

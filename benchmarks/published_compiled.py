@@ -22,7 +22,7 @@ from pathlib import Path
 
 from click import ClickException
 
-from published import UNITS, Row, detail_lines, gib, load, num, pct  # benchmarks/published.py: the same rows, units and figures
+from published import UNITS, Row, detail_lines, gib, load, num, pct, rate_text  # benchmarks/published.py: the same rows, units and figures
 
 from batchlab.cli.common import config_from_command
 from batchlab.formula import compiled_note, estimate, implementation_line
@@ -83,6 +83,8 @@ def evaluate(run: dict) -> Row:
                              "device": est.memory.device_bytes}[kind]
     row.fits = est.memory.fits
     row.tps_predicted = est.time.tokens_per_second / row.cfg.parallel.world_size  # per GPU: TP and PP ranks too
+    if est.low_peak_time is not None:  # the card's peak is known only as a range
+        row.tps_low = est.low_peak_time.tokens_per_second / row.cfg.parallel.world_size
     row.layer_terms = implementation_line(row.cfg)
     return row
 
@@ -127,6 +129,10 @@ def summary(rows: list[Row]) -> list[str]:
         out.append(f"| {label} | {mean_abs(r.mem_error for r in subset)} | "
                    f"{mean_abs(x.get('memory_error') for x in f)} | {mean_abs(r.tps_error for r in subset)} | "
                    f"{mean_abs(x.get('tokens_per_s_error') for x in f)} |")
+    out += ["", "Where a card's peak is known only as a range (the H100 96GB of torchtitan's benchmarks: 'between SXM "
+            "and NVL, and we don't know its exact value'), the prediction is the range between the two peaks and its "
+            "error 0 inside it, else from its nearest end. At the catalogue's (SXM) peak alone, tokens/s per GPU: "
+            + "; ".join(f"{label} {mean_abs(r.tps_error_high for r in subset)}" for label, subset in subsets) + "."]
     return out
 
 
@@ -157,7 +163,7 @@ def table(rows: list[Row]) -> list[str]:
         out.append(f"| {r.run['id']}{mark} | {r.run['compile']} | {r.run['gpu']} × "
                    f"{r.run['gpu_count']} | {mem} | {gib(r.mem_predicted) if r.mem_measured else '-'} | "
                    f"{pct(r.mem_error)} | {pct(f.get('memory_error'))} | {num(r.tps_measured)} | "
-                   f"{num(r.tps_predicted)} | {pct(r.tps_error)} | {pct(f.get('tokens_per_s_error'))} |")
+                   f"{rate_text(r.tps_predicted, r.tps_low)} | {pct(r.tps_error)} | {pct(f.get('tokens_per_s_error'))} |")
     return out
 
 

@@ -14,6 +14,7 @@ from batchlab.cli.sources import device_line
 from batchlab.config import parse_field_value
 from batchlab.cache.calibrations import load_all
 from batchlab.config import ConfigError, Implementation, Keep, ModelSource, RunConfig
+from batchlab.config.devices import device
 from batchlab.formula import Estimate, compiled_note, estimate as formula_estimate, implementation_line, unseen_model
 from batchlab.formula.loss import in_graph
 from batchlab.util.text import print_assumptions
@@ -149,6 +150,11 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None, currency
     tab.add_row("optimizer step", fmt_seconds(t.optimizer_seconds))
     tab.add_row("[bold]update time[/bold]", f"[bold]{fmt_seconds(t.update_seconds)}[/bold]")
     tab.add_row("[bold]useful tokens/s[/bold] (all ranks)", f"[bold]{t.tokens_per_second:,.0f}[/bold]")
+    if e.low_peak_time is not None:
+        low = cfg.device_spec.peak_low
+        tab.add_row(f"  at the low end of the card's peak range ({fmt_count(device(low).peak_flops(cfg.precision), 'FLOP/s')}"
+                    f", {low})",
+                    f"{e.low_peak_time.tokens_per_second:,.0f}")
     peak = fmt_count(cfg.device_spec.peak_flops(cfg.precision), "FLOP/s")
     world = cfg.parallel.world_size
     tab.add_row(f"MFU / HFU (FLOPs / update time / peak {peak} × {plural(world, 'rank')})",
@@ -309,7 +315,7 @@ def estimate(
         if tokens:
             d["time"]["time_to_tokens_seconds"] = e.time.time_to_tokens(tokens)
             if price is not None:
-                d["time"]["cost_to_tokens"] = price * cfg.dp * e.time.time_to_tokens(tokens) / 3600
+                d["time"]["cost_to_tokens"] = price * cfg.parallel.world_size * e.time.time_to_tokens(tokens) / 3600
                 d["time"]["cost_currency"] = currency
         print_json(d)
     else:

@@ -42,6 +42,8 @@ class Estimate:
     provenance: str = "formula"
     layer_terms: str = ""  # where the per-layer terms came from: "builtin gpt2", "profile (trace of ...)"
     kv_cache: KVCache | None = None  # transformers' KV cache in the training forward; None: the code has none
+    # a card whose peak is known only as a range (DeviceSpec.peak_low): the time at the range's low end
+    low_peak_time: TimeEstimate | None = None
 
     @functools.cached_property
     def alternatives(self) -> tuple[Alternative, ...]:
@@ -72,7 +74,10 @@ class Estimate:
                 "global_batch": self.global_batch, "tokens_per_update": self.config.tokens_per_update,
                 "parameters": self.params.total, "memory": mem,
                 "flops": {**to_jsonable(self.flops), "mfu": self.mfu, "hfu": self.hfu},
-                "time": to_jsonable(self.time), "training_checkpoint_bytes": self.training_checkpoint_bytes,
+                "time": to_jsonable(self.time),
+                "time_at_low_peak": None if self.low_peak_time is None else {
+                    "device": self.config.device_spec.peak_low, **to_jsonable(self.low_peak_time)},
+                "training_checkpoint_bytes": self.training_checkpoint_bytes,
                 "layer_terms": self.layer_terms, "assumptions": list(self.assumptions),
                 "kv_cache": None if self.kv_cache is None else {**to_jsonable(self.kv_cache), "text": self.kv_cache.text},
                 "alternatives": [to_jsonable(a) for a in self.alternatives]}
@@ -207,10 +212,19 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
     the entry for ``cfg.device`` where there is one, else the device's datasheet figures."""
     mem = memory(cfg)
     fl = flops(cfg)
-    t = timing(cfg, fl, mem, calibrated_costs(cfg, calibrations))
+    costs = calibrated_costs(cfg, calibrations)
+    t = timing(cfg, fl, mem, costs)
     return Estimate(config=cfg, params=count(cfg.model), memory=mem, flops=fl, time=t,
                     training_checkpoint_bytes=training_checkpoint_bytes(cfg), assumptions=assumptions_text(cfg, t),
-                    layer_terms=layer_terms(cfg), kv_cache=kv_cache(cfg, memory, mem))
+                    layer_terms=layer_terms(cfg), kv_cache=kv_cache(cfg, memory, mem),
+                    low_peak_time=low_peak_time(cfg, fl, mem) if costs is None else None)
+
+
+def low_peak_time(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate) -> TimeEstimate | None:
+    """The update's time on the low end of a card whose source gives its peak only as a range (the catalogue's
+    figures are the high end), else None.  A calibrated card has measured rates: no range."""
+    low = cfg.device_spec.peak_low
+    return timing(cfg.replace(device=low), fl, mem, None) if low else None
 
 
 def layer_terms(cfg: RunConfig) -> str:
