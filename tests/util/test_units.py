@@ -94,3 +94,10 @@ def test_fit_capacity_lines_pick_a_readable_unit():
     goal = Goal(RunConfig(memory_budget=40 * 2**20))
     text = " ".join(assumptions(goal, ()))
     assert "of 40.00 MiB per rank" in text and "0.0391 GiB" not in text
+
+
+def test_the_json_cost_pays_for_every_device_of_the_layout():
+    """dp x tp x pp devices are rented, not dp: price x devices x hours, by hand from the JSON's own time."""
+    d = json.loads(run("estimate", "--tokens", "1e9", "--price", "3", "--dp", "2", "--tp", "2", "--json").stdout)
+    t = d["time"]
+    assert t["cost_to_tokens"] == pytest.approx(3 * 4 * t["time_to_tokens_seconds"] / 3600)
