@@ -128,6 +128,45 @@ class Row:
         return relative_to(self.mem_before, self.mem_measured) if self.mem_measured else None
 
 
+# a row's ``bound``: which way its command's prediction bounds the published figure -> the check it must pass
+BOUNDS = {"upper": ("predicted >= measured", lambda predicted, measured: predicted >= measured),
+          "lower": ("predicted <= measured", lambda predicted, measured: predicted <= measured)}
+NO_BOUND = "none"  # the figure bounds nothing: the row is listed, checked against nothing, kept out of the means
+FIGURES = ("memory", "rate")  # a row's figures, each of which may bound its own way
+
+
+def bound_of(run: dict, figure: str | None = None) -> str | None:
+    """How a run its source does not pin down (``not_typed``) bounds the published ``figure``: "upper", "lower" or
+    "none"; None for a point.  ``bound`` is one direction for every figure, or one per figure
+    (``{memory = "upper", rate = "lower"}``: the longest possible sequence over-counts the memory and under-counts
+    the rate).  Without ``figure``: the run's one direction, "mixed" where its figures differ."""
+    if not run.get("not_typed"):
+        return None
+    given = run.get("bound")
+    per = given if isinstance(given, dict) else {f: given for f in FIGURES}
+    allowed = (*BOUNDS, NO_BOUND)
+    if set(per) != set(FIGURES) or any(v not in allowed for v in per.values()):
+        raise SystemExit(f"run {run['id']}: not_typed needs bound = one of {', '.join(allowed)}, or a table "
+                         f"giving each of {', '.join(FIGURES)} one (got {given!r})")
+    if figure is not None:
+        return per[figure]
+    return per[FIGURES[0]] if len(set(per.values())) == 1 else "mixed"
+
+
+def bound_cells(run: dict, figure: str, predicted, measured) -> tuple[str, str]:
+    """The check a bound ``figure`` must pass and whether it holds ("yes", "**no**", "-" where nothing is checked)."""
+    bound = bound_of(run, figure)
+    if bound not in BOUNDS:
+        return "-", "-"
+    text, check = BOUNDS[bound]
+    return text, "-" if predicted is None or measured is None else ("yes" if check(predicted, measured) else "**no**")
+
+
+def points(rows: list) -> list:
+    """The rows whose command types every input the prediction needs: the ones the means are over."""
+    return [r for r in rows if bound_of(r.run) is None]
+
+
 def load(path: Path) -> dict:
     with path.open("rb") as f:
         return tomllib.load(f)

@@ -22,15 +22,13 @@ from pathlib import Path
 
 from click import ClickException
 
-from published import UNITS, Row, detail_lines, gib, load, num, pct, rate_text  # benchmarks/published.py: the same rows, units and figures
+from published import (UNITS, Row, bound_cells, bound_of, detail_lines, gib, load, num, pct, points,
+                       rate_text)  # benchmarks/published.py: the same rows, units and figures
 
 from batchlab.cli.common import config_from_command
 from batchlab.formula import compiled_note, estimate, implementation_line
 
 HERE = Path(__file__).resolve().parent
-# a row's ``bound``: which way its command's prediction bounds the published run -> the check it must pass
-BOUNDS = {"upper": ("predicted >= measured", lambda predicted, measured: predicted >= measured),
-          "lower": ("predicted <= measured", lambda predicted, measured: predicted <= measured)}
 RUNS, FIRST = HERE / "published_compiled.toml", HERE / "published_compiled_first.toml"
 GAPS = {  # run fields (the toml's own vocabulary), the flag that expresses each, and the gap where a row lacks it
     "optimizer_in_backward": ("--optimizer-in-backward",
@@ -38,21 +36,6 @@ GAPS = {  # run fields (the toml's own vocabulary), the flag that expresses each
     "activation_offloading": ("--offload-activations",
                               "activation offloading to CPU (torchtune enable_activation_offloading): not typed"),
 }
-
-
-def bound_of(run: dict) -> str | None:
-    """"upper" / "lower" for a run its source does not pin down (``not_typed``), None for a point."""
-    if not run.get("not_typed"):
-        return None
-    if run.get("bound") not in BOUNDS:
-        raise SystemExit(f"run {run['id']}: not_typed needs bound = one of {', '.join(BOUNDS)} "
-                         f"(got {run.get('bound')!r})")
-    return run["bound"]
-
-
-def points(rows: list[Row]) -> list[Row]:
-    """The runs whose command types every input the prediction needs: the ones the means are over."""
-    return [r for r in rows if bound_of(r.run) is None]
 
 
 def evaluate(run: dict) -> Row:
@@ -169,16 +152,16 @@ def table(rows: list[Row]) -> list[str]:
 
 def bounds(rows: list[Row]) -> list[str]:
     """Each bound's check, memory and tokens/s, with what the source left out."""
-    out = ["| run | bound | memory measured | predicted | holds | tok/s/GPU measured | predicted | holds |",
-           "|---|---|---:|---:|---|---:|---:|---|"]
-    held = lambda check, p, m: "-" if p is None or m is None else ("yes" if check(p, m) else "**no**")  # noqa: E731
+    out = ["| run | memory: check | measured | predicted | holds | tok/s/GPU: check | measured | predicted | holds |",
+           "|---|---|---:|---:|---|---|---:|---:|---|"]
     for r in rows:
-        if (bound := bound_of(r.run)) is None:
+        if bound_of(r.run) is None:
             continue
-        text, check = BOUNDS[bound]
-        out.append(f"| {r.run['id']}{' †' if r.run.get('holdout') else ''} | {text} | {gib(r.mem_measured)} GiB | "
-                   f"{gib(r.mem_predicted)} | {held(check, r.mem_predicted, r.mem_measured)} | {num(r.tps_measured)} | "
-                   f"{num(r.tps_predicted)} | {held(check, r.tps_predicted, r.tps_measured)} |")
+        mem_check, mem_held = bound_cells(r.run, "memory", r.mem_predicted, r.mem_measured)
+        tps_check, tps_held = bound_cells(r.run, "rate", r.tps_predicted, r.tps_measured)
+        out.append(f"| {r.run['id']}{' †' if r.run.get('holdout') else ''} | {mem_check} | {gib(r.mem_measured)} GiB | "
+                   f"{gib(r.mem_predicted)} | {mem_held} | {tps_check} | {num(r.tps_measured)} | "
+                   f"{num(r.tps_predicted)} | {tps_held} |")
     reasons = [f"- {r.run['id']}: {'; '.join(r.run['not_typed'])}" for r in rows if bound_of(r.run)]
     return out + ["", "Why each is a bound (what its source does not give):", "", *reasons] if reasons else []
 
