@@ -11,6 +11,12 @@ pipeline stage), tokens/s per GPU (or the iteration rate where that is what was 
 hold-outs; the DeepSpeed ZeRO rows on their own; and the full-versus-selective recompute time ratios of
 Korthikanti et al. 2022.
 
+A row whose source omits an input the prediction needs (``not_typed``) is no point: it says how each figure of
+its command bounds the published one (``bound``: "upper", "lower", or "none" where it bounds nothing; one for both
+figures or one each, benchmarks/published.py ``bound_of``), is checked as that bound under *Bounds* and stays out
+of the means.  A row retyped since its first figures (``retyped``: the command it had and why) shows its figures
+under the old command beside today's.
+
 Each row's figures as first recorded, before any mechanism was fixed against these rows, are kept in
 benchmarks/published_parallel_first.toml (``--record-first`` appends the rows it does not hold yet and never
 rewrites one: the code moves, that column does not).  Hold-outs (every third row, fixed in the runs file before any prediction) are
@@ -35,7 +41,8 @@ from batchlab.config import RunConfig
 from batchlab.formula import estimate, fp8, implementation_line
 from batchlab.formula.flops import flops
 from batchlab.util.units import relative_to
-from published import PRECISION_GAP, UNITS, detail_lines, device_for, gib, load, model_gaps, num, pct, summary
+from published import (NO_BOUND, PRECISION_GAP, UNITS, bound_cells, bound_of, detail_lines, device_for, gib, load,
+                       model_gaps, num, pct, points, summary)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -279,6 +286,12 @@ def mark(run: dict) -> str:
     return " †" if run.get("holdout") else ""
 
 
+def bound_mark(run: dict) -> str:
+    """The runs table's note for a row that is no point (``bound_of``)."""
+    bound = bound_of(run)
+    return "" if bound is None else " (bound)" if bound != NO_BOUND else " (no point)"
+
+
 def table(rows: list[ParRow]) -> list[str]:
     out = ["| run | GPU × n | layout | memory measured (kind, rank) | first | error | now | error "
            "| rate measured | first | error | now | error |",
@@ -292,7 +305,8 @@ def table(rows: list[ParRow]) -> list[str]:
         rate = "-" if r.rate_measured is None else (f"{r.rate_measured:.2f} it/s" if r.rate_what == "iterations/s"
                                                     else f"{num(r.rate_measured)} tok/s")
         f = (lambda x: "-" if x is None else f"{x:.2f}") if r.rate_what == "iterations/s" else num
-        out.append(f"| {r.run['id']}{mark(r.run)} | {r.run['gpu']} × {r.run['gpu_count']} | {lay} | {mem} | "
+        out.append(f"| {r.run['id']}{mark(r.run)}{bound_mark(r.run)} | {r.run['gpu']} × {r.run['gpu_count']} | "
+                   f"{lay} | {mem} | "
                    f"{gib(r.mem_first) if r.mem_measured else '-'} | {pct(r.mem_error_first)} | "
                    f"{gib(r.mem_predicted) if r.mem_measured else '-'} | {pct(r.mem_error)} | {rate} | "
                    f"{f(r.rate_first)} | {pct(r.rate_error_first)} | {f(r.rate_predicted)} | {pct(r.rate_error)} |")
@@ -315,7 +329,7 @@ def subsets(rows):
 
 
 def summaries(rows: list[ParRow], ratios: list[Ratio]) -> list[str]:
-    out = []
+    out, rows = [], points(rows)
     deepspeed = [r for r in rows if r.run["sharding"].startswith("deepspeed")]
     groups = (("", rows), ("DeepSpeed ZeRO rows (`--sharding deepspeed-zero*`), ", deepspeed),
               ("other rows (Megatron, NeMo, torchtitan), ", [r for r in rows if r not in deepspeed]))
@@ -348,6 +362,7 @@ def family_table(rows: list[ParRow]) -> list[str]:
     """Mean |error| (rows) per source family (the id's first word), first recorded and now, hold-outs apart."""
     out = ["| family | rows | memory first | memory now | throughput first | throughput now |",
            "|---|---|---:|---:|---:|---:|"]
+    rows = points(rows)
     for family in dict.fromkeys(r.run["id"].split("-")[0] for r in rows):
         for held, label in ((False, "not held out"), (True, "hold-outs †")):
             sel = [r for r in rows if r.run["id"].split("-")[0] == family and bool(r.run.get("holdout")) == held]
@@ -382,11 +397,64 @@ def parts_table(rows: list[ParRow]) -> list[str]:
     return out
 
 
+def rate_cell(r: ParRow, x: float | None) -> str:
+    return ("-" if x is None else f"{x:.2f}") if r.rate_what == "iterations/s" else num(x)
+
+
+def bounds(rows: list[ParRow]) -> list[str]:
+    """Each row that is no point: the check each of its figures must pass and whether it holds, then why."""
+    out = ["| run | memory: check | measured | predicted | holds | rate: check | measured | predicted | holds |",
+           "|---|---|---:|---:|---|---|---:|---:|---|"]
+    held: dict[str, list[str]] = {"memory": [], "rate": []}
+    for r in rows:
+        if bound_of(r.run) is None:
+            continue
+        mem_check, mem_held = bound_cells(r.run, "memory", r.mem_predicted, r.mem_measured)
+        rate_check, rate_held = bound_cells(r.run, "rate", r.rate_predicted, r.rate_measured)
+        held["memory"].append(mem_held)
+        held["rate"].append(rate_held)
+        unit = " it/s" if r.rate_what == "iterations/s" else " tok/s"
+        out.append(f"| {r.run['id']}{mark(r.run)} | {mem_check} | {gib(r.mem_measured)} GiB | {gib(r.mem_predicted)} | "
+                   f"{mem_held} | {rate_check} | {rate_cell(r, r.rate_measured)}{unit} | "
+                   f"{rate_cell(r, r.rate_predicted)} | {rate_held} |")
+    if len(out) == 2:
+        return ["No row is a bound."]
+    tally = "; ".join(f"{figure} {v.count('yes')} of {len(v) - v.count('-')}" for figure, v in held.items())
+    reasons = [f"- {r.run['id']}{mark(r.run)}: {'; '.join(r.run['not_typed'])}" for r in rows if bound_of(r.run)]
+    return [f"Bounds that hold: {tally} (a figure that bounds nothing is not counted).", "", *out, "",
+            "What each row's source does not give:", "", *reasons]
+
+
+def retypes(rows: list[ParRow], first: dict[str, dict]) -> list[str]:
+    """Rows retyped since their first figures: the old command's figures (as a point) beside today's."""
+    out = ["| run | what changed | memory measured GiB | before | error | now | error or check "
+           "| rate measured | before | error | now | error or check |",
+           "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+
+    def now(r: ParRow, figure: str, predicted, measured, error) -> str:
+        if bound_of(r.run) is None:
+            return pct(error)
+        check, held = bound_cells(r.run, figure, predicted, measured)
+        return "no point" if check == "-" else f"{check}: {held}"
+
+    for r in rows:
+        if "retyped" not in r.run:
+            continue
+        old_run = {k: v for k, v in r.run.items() if k not in ("not_typed", "bound", "retyped")}
+        old = evaluate(dict(old_run, cli=r.run["retyped"].get("cli", r.run["cli"])), first)  # no cli: the same command
+        out.append(f"| {r.run['id']}{mark(r.run)} | {r.run['retyped']['why']} | {gib(r.mem_measured)} | "
+                   f"{gib(old.mem_predicted)} | {pct(old.mem_error)} | {gib(r.mem_predicted)} | "
+                   f"{now(r, 'memory', r.mem_predicted, r.mem_measured, r.mem_error)} | "
+                   f"{rate_cell(r, r.rate_measured)} | {rate_cell(r, old.rate_predicted)} | {pct(old.rate_error)} | "
+                   f"{rate_cell(r, r.rate_predicted)} | {now(r, 'rate', r.rate_predicted, r.rate_measured, r.rate_error)} |")
+    return out if len(out) > 2 else ["No row was retyped."]
+
+
 def details(rows: list[ParRow]) -> list[str]:
     return [line for r in rows for line in detail_lines(r, mark(r.run), r.run["source"])]
 
 
-def document(rows: list[ParRow], ratios: list[Ratio]) -> str:
+def document(rows: list[ParRow], ratios: list[Ratio], first: dict[str, dict] | None = None) -> str:
     lines = ["What `batchlab estimate` predicts for published runs with tensor, sequence and pipeline parallelism "
              "and with DeepSpeed ZeRO (benchmarks/published_parallel.toml), typed as a user types them (each "
              "command below is parsed by the CLI's own option parsing), beside what the sources measured. "
@@ -397,12 +465,19 @@ def document(rows: list[ParRow], ratios: list[Ratio]) -> str:
              "as each row's source says), or iterations/s where only that was published. † marks hold-outs: "
              "every third row, fixed before any prediction, never tuned against. *First*: each row as first "
              "recorded, before any mechanism was fixed against these rows (benchmarks/published_parallel_first.toml, "
-             "never regenerated). Formula only: no GPU is needed to reproduce it.", "",
+             "never regenerated). A row whose source omits an input the prediction needs is no point: it is checked "
+             "under *Bounds* as the bound its command gives (or as none) and left out of every mean. Formula only: "
+             "no GPU is needed to reproduce it.", "",
              "## Summary", "", *summaries(rows, ratios),
              "Mean |error| (rows) per source family: mg Megatron-LM's functional tests, tt torchtitan's benchmarks, "
              "nemo NeMo's performance table, mds Megatron-DeepSpeed (a DeepSpeed issue), belle BELLE (DeepSpeed), "
              "korthikanti and megatron the Megatron-LM README.", "", *family_table(rows), "",
              "## Runs", "", *table(rows), "",
+             "## Bounds", "", *bounds(rows), "",
+             "## Retyped rows", "",
+             "Rows whose command changed since their first figures: the figures the old command gives today (as a "
+             "point: its error) beside the new command's (its error, or the check it passes as a bound).", "",
+             *retypes(rows, first or {}), "",
              "## Where the predicted update time goes", "",
              "Seconds per update on the slowest pipeline stage's rank: its compute (forward, backward, recompute of "
              "all micro-batches; a tensor-parallel rank runs 1/t of each kernel's work but launches every kernel), its "
@@ -488,7 +563,7 @@ def main(argv=None) -> int:
     rows = [evaluate(r, first) for r in runs]
     if args.record_first:
         record_first(rows, ratios, args.first)
-    print(document(rows, ratios))
+    print(document(rows, ratios, first))
     return 0
 
 
