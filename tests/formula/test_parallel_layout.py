@@ -128,11 +128,13 @@ def test_estimate_json_reports_the_layout_per_stage_and_the_bubble():
 
 @pytest.mark.parametrize("sharding,parts", [
     # llama-2-7b, 6,738,415,616 parameters over DP 8: the reduce bucket 5e8 elements x 2 bytes = 1e9 bytes
-    # (two with stage 3's overlap_comm); the fp32 gradient partition 4 x N / 8 = 3,369,207,808 bytes at the step;
+    # (two with stage 3's overlap_comm); the fp32 gradient partition 4 x N / 8 = 3,369,207,808 bytes at the step
+    # (stage 3: its one sub-group under sub_group_size 1e9, cast from a 16-bit flat copy, 2 x N / 8 bytes);
     # stage 3's gathered parameters up to stage3_max_live_parameters, 1e9 elements x 2 bytes = 2e9 bytes
     ("deepspeed-zero1", {"deepspeed reduce bucket": 10**9, "deepspeed fp32 gradient partition": 3_369_207_808}),
     ("deepspeed-zero3", {"deepspeed reduce bucket": 2 * 10**9, "deepspeed live parameters": 2 * 10**9,
-                         "deepspeed fp32 gradient partition": 3_369_207_808}),
+                         "deepspeed fp32 gradient partition": 3_369_207_808,
+                         "deepspeed 16-bit gradient flatten": 1_684_603_904}),
 ])
 def test_deepspeed_buffers_at_its_config_defaults(sharding, parts):
     e = estimate(RunConfig(**LLAMA, seq=2048, accum=2, ac="full", dp=8, sharding=sharding))

@@ -132,7 +132,9 @@ def layout_notes(cfg: RunConfig) -> tuple[str, ...]:
                      "(formula/deepspeed.py: reduce bucket 5e8 elements, fp32 gradient partition at the step"
                      + (", stage 3 up to 1e9 gathered parameters (stage3_max_live_parameters)" if lay.engine_spec.stage == 3
                         else "")
-                     + "); stage 1 and 2 keep the whole 16-bit weights; DeepSpeed's engine itself is not measured here")
+                     + "); stage 1 and 2 keep the whole 16-bit weights, stage 3 16-bit weight and gradient "
+                     "partitions beside the fp32 master and the fp32 gradients of one 1e9-element sub-group at the "
+                     "step; DeepSpeed's engine itself is not measured here")
     if lay.engine_spec.megatron:
         notes.append(f"{lay.engine.value}: Megatron-Core's model states (Megatron-LM README: 16-bit weights, an fp32 "
                      "gradient buffer resident throughout, fp32 main params and optimizer state"

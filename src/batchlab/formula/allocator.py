@@ -93,8 +93,10 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
             parts["FSDP all-gather / reduce-scatter stream pools"] = per_layer * (e + reduce_bytes)
         spec = cfg.parallel.engine_spec
         # FSDP2 at either stage reduce-scatters through foreach_reduce on its own stream; DeepSpeed ZeRO-2 at its
-        # default overlap_comm=false reduces on the compute stream (stage_1_and_2.py average_tensor): no pool of its own
-        if cfg.parallel.shards_gradients and not (spec.deepspeed and spec.stage < 3):
+        # default overlap_comm=false reduces on the compute stream (stage_1_and_2.py average_tensor), and ZeRO-3
+        # reduces into a gradient partition allocated once at init (stage3.py grad_partitions_flat_buffer): no
+        # pool of shards of its own
+        if cfg.parallel.shards_gradients and not spec.deepspeed:
             shards = sum(unit_elements(cfg, rank)) * reduced_bytes_per_element(cfg) // cfg.dp
             if shards > live_gradients:
                 parts["last update's gradient shards, cached in the reduce-scatter stream's pool"] = (

@@ -8,6 +8,8 @@ stage3_prefetch_bucket_size 5e7 elements, stage3_max_live_parameters 1e9 element
   the gradients' 16-bit dtype whatever the model's size (stage_1_and_2.py ``backward``: ``torch.empty(int(
   self.reduce_bucket_size), ...)``), two of them when overlap_comm double-buffers;
 - the fp32 gradient partition the optimizer steps on: 1/DP of the rank's parameters in fp32, built at the step;
+  stage 3 builds it one sub-group (sub_group_size, 1e9 elements) at a time and frees it after that sub-group's
+  step (stage3.py ``_prepare_fp32_grad_for_sub_group`` / ``_release_sub_group``);
 - stage 3: the gathered parameters.  A parameter is not released while it will be used again within
   stage3_max_reuse_distance (1e9) parameters, and up to stage3_max_live_parameters (1e9) stay gathered (DeepSpeed's
   config docs: "the maximum number of parameters resident per GPU before releasing"); the layers nearest the
@@ -22,6 +24,7 @@ from batchlab.config import Precision, RunConfig
 from batchlab.formula.ranks import RankShare
 
 REDUCE_BUCKET_SIZE = 500_000_000  # elements: reduce_bucket_size, pp_int(5e8)
+SUB_GROUP_SIZE = 1_000_000_000  # elements: sub_group_size, pp_int(1e9)
 MAX_LIVE_PARAMETERS = 1_000_000_000  # elements: stage3_max_live_parameters, pp_int(1e9)
 F32 = 4
 
@@ -47,10 +50,18 @@ def resident_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
 
 
 def step_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
-    """Buffers of the optimizer step (bytes): the fp32 gradient partition."""
+    """Buffers of the optimizer step (bytes): the fp32 gradient partition; at stage 3 one sub-group's, cast from a
+    flat copy of its 16-bit gradients (``flatten(averaged_gradients[i]).to(fp32)``: both live as the cast runs;
+    in fp32 the cast is the copy itself)."""
     if not priced(cfg):
         return {}
-    return {"deepspeed fp32 gradient partition": F32 * rank.params // cfg.dp}
+    partition = rank.params // cfg.dp
+    if cfg.parallel.engine_spec.stage != 3:
+        return {"deepspeed fp32 gradient partition": F32 * partition}
+    # a sub-group closes at the first parameter that reaches sub_group_size (``_create_fp16_sub_groups``)
+    sub = min(SUB_GROUP_SIZE, partition)
+    flat = _grad_bytes(cfg) if _grad_bytes(cfg) != F32 else 0
+    return {"deepspeed fp32 gradient partition": F32 * sub, "deepspeed 16-bit gradient flatten": flat * sub}
 
 
 def prefetch_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
@@ -67,15 +78,38 @@ def engine_states(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, i
     (runtime/zero/stage_1_and_2.py): the 16-bit weights stay whole on every rank in every phase (``bit16_groups_flat``;
     only stage 3 partitions them); stage 2's gradients are a 16-bit partition (``grads_in_partition`` under
     contiguous_gradients), not an fp32 shard; and the step is FusedAdam's multi-tensor kernel over the flat fp32
-    partition, in place: no per-tensor temporaries (the fp32 gradient partition is ``step_buffers``')."""
-    if not priced(cfg) or cfg.parallel.engine_spec.stage == 3:
+    partition, in place: no per-tensor temporaries (the fp32 gradient partition is ``step_buffers``').  Stage 3
+    keeps, beside the fp32 master partition, the 16-bit partition of the weights (``fp16_partitioned_groups_flat``)
+    and a contiguous 16-bit gradient partition allocated at init and held through every phase
+    (``grad_partitions_flat_buffer``, gradient_accumulation_dtype: the model's dtype), where FSDP2 keeps fp32
+    gradient shards; its step is FusedAdam's over each flat fp32 sub-group, in place."""
+    if not priced(cfg):
         return phases
+    if cfg.parallel.engine_spec.stage == 3:
+        return _stage3_states(cfg, rank, phases)
     weights = rank.params * _grad_bytes(cfg)
     out = {}
     for ph, parts in phases.items():
         parts = dict(parts, parameters=max(parts["parameters"], weights))
         if cfg.parallel.engine_spec.stage == 2 and parts["gradients"]:
             parts["gradients"] = weights // cfg.dp
+        if ph == "optimizer":
+            parts["temporaries"] = 0
+        out[ph] = parts
+    return out
+
+
+def _stage3_states(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Stage 3's model states per phase (``engine_states``): the 16-bit weight partition beside the fp32 master
+    (under fp32 the master is that partition itself: stage3.py ``_create_fp32_partitions``), the 16-bit gradient
+    partition throughout, no step temporaries."""
+    partition16 = rank.params * _grad_bytes(cfg) // cfg.dp
+    mixed = cfg.precision is not Precision.FP32 and any(parts.get("master") for parts in phases.values())
+    out = {}
+    for ph, parts in phases.items():
+        parts = dict(parts, gradients=partition16)
+        if mixed:
+            parts["parameters"] = parts["parameters"] + partition16
         if ph == "optimizer":
             parts["temporaries"] = 0
         out[ph] = parts
