@@ -471,7 +471,7 @@ def document(rows: list[ParRow], ratios: list[Ratio], first: dict[str, dict] | N
              "## Summary", "", *summaries(rows, ratios),
              "Mean |error| (rows) per source family: mg Megatron-LM's functional tests, tt torchtitan's benchmarks, "
              "nemo NeMo's performance table, qwen Qwen's fine-tuning profile (DeepSpeed ZeRO-3), korthikanti and "
-             "megatron the Megatron-LM README (rows that are points; the Megatron-DeepSpeed, BELLE and GLM-4 rows are "
+             "megatron the Megatron-LM README (rows that are points; the Megatron-DeepSpeed, BELLE, GLM-4 and ms-swift rows are "
              "under *Bounds*).", "", *family_table(rows), "",
              "## Runs", "", *table(rows), "",
              "## Bounds", "", *bounds(rows), "",
