@@ -413,7 +413,7 @@ def bounds(rows: list[ParRow]) -> list[str]:
         rate_check, rate_held = bound_cells(r.run, "rate", r.rate_predicted, r.rate_measured)
         held["memory"].append(mem_held)
         held["rate"].append(rate_held)
-        unit = " it/s" if r.rate_what == "iterations/s" else " tok/s"
+        unit = "" if r.rate_measured is None else " it/s" if r.rate_what == "iterations/s" else " tok/s"
         out.append(f"| {r.run['id']}{mark(r.run)} | {mem_check} | {gib(r.mem_measured)} GiB | {gib(r.mem_predicted)} | "
                    f"{mem_held} | {rate_check} | {rate_cell(r, r.rate_measured)}{unit} | "
                    f"{rate_cell(r, r.rate_predicted)} | {rate_held} |")
