@@ -73,3 +73,14 @@ def test_the_layout_says_it_and_json_carries_it():
     lay = _cfg().parallel
     assert "its collectives overlapped with the GEMMs" in lay.text()
     assert lay.to_dict()["tp_overlap"] == "async"
+
+
+def test_fit_asks_the_overlap_of_every_layout_it_searches():
+    from batchlab.advise.plan import Goal, layouts
+    from batchlab.config import ConfigError
+
+    base = RunConfig(seq=64, micro_batch=1, accum=8, device="h100-sxm")
+    got = layouts(Goal(base, world=4, sequence_parallel=True, tp_overlap="async"))
+    assert got and all(c.tp > 1 and c.parallel.tp_overlap.value == "async" for c in got)
+    with pytest.raises(ConfigError, match="tp_overlap"):
+        Goal(base, world=4, tp_overlap="async")  # no sequence parallelism to overlap

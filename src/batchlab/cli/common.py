@@ -259,6 +259,7 @@ class CommandLine:
     # fit --world-size: asked of the layouts searched, not of the one-device base config
     sequence_parallel: bool = False
     pp_virtual: int = 1
+    tp_overlap: str = "none"
 
 
 def takes_ac_auto(fn: Callable) -> Callable:
@@ -277,7 +278,7 @@ def searches_layouts(fn: Callable) -> Callable:
 def _layout_asks(fn: Callable, kwargs: dict[str, Any], config_kwargs: dict[str, Any], typed: set[str]) -> dict:
     if not getattr(fn, "searches_layouts", False) or kwargs.get("world_size") is None:
         return {}
-    asks = {k: config_kwargs[k] for k in ("sequence_parallel", "pp_virtual") if k in typed}
+    asks = {k: config_kwargs[k] for k in ("sequence_parallel", "pp_virtual", "tp_overlap") if k in typed}
     config_kwargs.update({k: CONFIG_OPTIONS[k][1] for k in asks})
     typed -= set(asks)
     return asks
