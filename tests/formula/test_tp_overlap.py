@@ -16,7 +16,6 @@ from batchlab.formula.pipeline import Link
 
 # one layer of the built-in GPT (h 128, ffn 512, fused qkv, biases), fp32, b·s = 4 x 64 = 256 tokens, tp 2
 ONE = dict(seq=64, micro_batch=4, accum=1, tp=2, sequence_parallel=True, tp_overlap="async", device="h100-sxm")
-BSH = 256 * 128 * 4  # one collective's buffer, fp32: 131,072 B
 FLAT = OpCosts(matmul={"fp32": ((1.0, 1e12), (1e15, 1e12))}, memory=((1.0, 1e30),), strided_bytes_per_s=1e30,
                element_seconds={}, dispatch={})  # every GEMM at 1 TFLOP/s, nothing else costs
 LINK = Link(1e10, 0.0, "hand")  # 10 GB/s, no per-message cost
@@ -35,15 +34,15 @@ def test_one_layer_exposes_what_its_gemm_chunks_cannot_hide():
     #   backward proj AG 6.5536 - 4.194304 = 2.359296;  qkv AR 13.1072 - 12.582912 = 0.524288;  fc2 AG, fc1 AR 0
     comm = 4 * 6.5536 + 2 * 6.5536 + 2 * 13.1072
     exposed = 0.262144 + 4.456448 + 2.359296 + 0.524288
-    assert tp_hidden_seconds(_cfg(), (0,), LINK, FLAT, BSH) == pytest.approx((comm - exposed) * 1e-6)
+    assert tp_hidden_seconds(_cfg(), (0,), LINK, FLAT) == pytest.approx((comm - exposed) * 1e-6)
     # a fully recomputed layer runs its forward pairs again: 6.291456 + 2.097152 + 6.5536 + 6.5536 more hidden
-    assert tp_hidden_seconds(_cfg(ac="full"), (0,), LINK, FLAT, BSH) == pytest.approx(
+    assert tp_hidden_seconds(_cfg(ac="full"), (0,), LINK, FLAT) == pytest.approx(
         (comm - exposed + 21.495808) * 1e-6)
 
 
 def test_nothing_is_hidden_without_the_overlap_or_off_cuda():
-    assert tp_hidden_seconds(_cfg(tp_overlap="none"), (0,), LINK, FLAT, BSH) == 0.0
-    assert tp_hidden_seconds(_cfg(device="cpu"), (0,), LINK, FLAT, BSH) == 0.0  # async TP needs CUDA
+    assert tp_hidden_seconds(_cfg(tp_overlap="none"), (0,), LINK, FLAT) == 0.0
+    assert tp_hidden_seconds(_cfg(device="cpu"), (0,), LINK, FLAT) == 0.0  # async TP needs CUDA
 
 
 def test_pipeline_sends_hide_behind_a_chunk_forward_where_the_schedule_overlaps():

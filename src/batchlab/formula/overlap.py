@@ -28,7 +28,7 @@
 """
 from __future__ import annotations
 
-from batchlab.config import Backend, MLPKind, RunConfig
+from batchlab.config import Backend, Implementation, MLPKind, RunConfig
 from batchlab.config.acpolicies import Applied
 from batchlab.config.engines import TPOverlap
 from batchlab.config.phase import Phase
@@ -37,6 +37,12 @@ from batchlab.formula.opbuild import OpList, widths
 from batchlab.formula.opcost import OpCosts
 
 BLOCKS = ("attention", "mlp")
+
+
+def activation_message_bytes(cfg: RunConfig) -> int:
+    """b·s·h in the activations' dtype: what a TP collective (the gathered sequence) and a pipeline send move per
+    micro-batch."""
+    return cfg.micro_batch * cfg.seq * cfg.model.hidden * cfg.precision.compute_bytes
 
 
 def tp_overlapped(cfg: RunConfig) -> bool:
@@ -83,13 +89,13 @@ def _column_reductions(cfg: RunConfig, per_column: int) -> dict[str, int]:
     return {"attention": per_column - mlp, "mlp": mlp}
 
 
-def tp_hidden_seconds(cfg: RunConfig, layers: tuple[int, ...], link, costs: OpCosts | None, nbytes: int) -> float:
+def tp_hidden_seconds(cfg: RunConfig, layers: tuple[int, ...], link, costs: OpCosts | None) -> float:
     """One micro-batch's TP collective time the GEMMs hide on a rank running ``layers`` (0 without the overlap):
-    per (collective, GEMM) pair, min(T_comm, (t-1)/t x T_gemm); ``nbytes``: one collective's b·s·h buffer, ``link``
-    the TP link (formula/pipeline.py's ``Link``)."""
+    per (collective, GEMM) pair, min(T_comm, (t-1)/t x T_gemm), each collective over one b·s·h buffer on ``link``
+    (the TP link, formula/pipeline.py's ``Link``)."""
     if not tp_overlapped(cfg) or costs is None or not layers:
         return 0.0
-    t = cfg.parallel.tp
+    t, nbytes = cfg.parallel.tp, activation_message_bytes(cfg)
     gemm = gemm_seconds(cfg, costs)
     per_column = sum(c.count for c in cfg.parallel.tp_spec.per_column) * dtensor.column_linears(cfg)
     columns = _column_reductions(cfg, per_column)
@@ -137,7 +143,12 @@ def text(cfg: RunConfig, local: bool) -> str:
         parts.append("TP collectives in the critical path" + (
             " (--tp-overlap async ignored: torch's async TP needs CUDA symmetric memory)"
             if lay.tp_overlap is TPOverlap.ASYNC else ""))
-    if lay.pipelined:
-        parts.append(f"{lay.schedule.value} posts its sends asynchronously: each hides behind one chunk's forward"
-                     if sends_overlapped(cfg) and not local else "PP sends not overlapped")
+    if lay.pipelined and sends_overlapped(cfg) and not local:
+        who = ("Megatron's interleaved schedule overlaps its sends (overlap_p2p_comm, on by default)"
+               if cfg.model.impl is Implementation.MEGATRON and lay.schedule_spec.virtual
+               else f"torch's {lay.schedule_spec.api} posts its sends asynchronously")
+        parts.append(f"{who}: each hides behind one chunk's forward")
+    elif lay.pipelined:
+        parts.append("PP sends not overlapped" + (" (Megatron overlaps them only in the interleaved schedule)"
+                                                  if cfg.model.impl is Implementation.MEGATRON else ""))
     return "; ".join(parts)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from batchlab.config import Applied, Backend, RunConfig
 from batchlab.config.engines import Sent
 from batchlab.formula import dtensor, overlap
+from batchlab.formula.overlap import activation_message_bytes
 from batchlab.formula.activations import Widths
 from batchlab.formula.flops import stage_flops_per_token
 from batchlab.formula.params import norm_tensors
@@ -182,12 +183,6 @@ def shared_links(cfg: RunConfig, costs: OpCosts | None, time_shared: float) -> t
     return tp_link(cfg, costs).time_shared(shared), pp_link(cfg, costs).time_shared(shared)
 
 
-def activation_message_bytes(cfg: RunConfig) -> int:
-    """b·s·h in the activations' dtype: what a TP collective (the gathered sequence) and a pipeline send move per
-    micro-batch."""
-    return cfg.micro_batch * cfg.seq * cfg.model.hidden * cfg.precision.compute_bytes
-
-
 def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tuple[int, int]]:
     """One micro-batch's tensor-parallel collectives on ``rank``, by (kind, phase): (calls, bytes per call summed),
     from the catalogue (``config.engines.TENSOR_PARALLEL``): each layer's and its column-parallel linears', a fully
@@ -327,8 +322,7 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
         host, update = dtensor.host_seconds(cfg, r, costs, host_scale)
         if issued:  # the host issues ahead of the device: DTensor's host work shows only beyond the kernels' time
             host = max(0.0, host + sum(launch for _, launch in issued) * f / total - compute)
-        exposed_tp = tp_seconds(cfg, r, tp) - overlap.tp_hidden_seconds(cfg, r.layers, tp, costs,
-                                                                        activation_message_bytes(cfg))
+        exposed_tp = tp_seconds(cfg, r, tp) - overlap.tp_hidden_seconds(cfg, r.layers, tp, costs)
         sends = pp_seconds(cfg, r, pp, compute * forward / cfg.parallel.chunks if local_link(cfg, costs) is None else None)
         return StageTime(stage=r.stage, compute_seconds=compute, tp_comm_seconds=exposed_tp, pp_comm_seconds=sends,
                          dtensor_seconds=host, dtensor_update_seconds=update)
