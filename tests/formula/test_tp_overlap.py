@@ -22,7 +22,7 @@ LINK = Link(1e10, 0.0, "hand")  # 10 GB/s, no per-message cost
 
 
 def _cfg(**kw) -> RunConfig:
-    return RunConfig(**{**ONE, **kw}, model=dataclasses.replace(RunConfig().model, layers=1))
+    return RunConfig(**{**ONE, "model": dataclasses.replace(RunConfig().model, layers=1), **kw})
 
 
 def test_one_layer_exposes_what_its_gemm_chunks_cannot_hide():
@@ -31,13 +31,17 @@ def test_one_layer_exposes_what_its_gemm_chunks_cannot_hide():
     # 10 GB/s: 1/2 x 13.1072 = 6.5536 us; the column inputs' gradient all-reduce 13.1072 us.  Exposed per pair,
     # max(0, comm - 1/2 x gemm):
     #   forward  qkv  AG 6.5536 - 6.291456 = 0.262144;  proj RS 6.5536 - 2.097152 = 4.456448;  fc1 AG, fc2 RS 0
-    #   backward proj AG 6.5536 - 4.194304 = 2.359296;  qkv AR 13.1072 - 12.582912 = 0.524288;  fc2 AG, fc1 AR 0
+    #   backward proj AG 6.5536 - 4.194304 = 2.359296;  fc2 AG 0;  under Megatron's layer (Transformer Engine
+    #   overlaps its column-input gradient reduction) qkv AR 13.1072 - 12.582912 = 0.524288, fc1 AR 0; under DTensor
+    #   both all-reduces stay whole (torch's async TP decomposes only all-gathers and reduce-scatters)
     comm = 4 * 6.5536 + 2 * 6.5536 + 2 * 13.1072
-    exposed = 0.262144 + 4.456448 + 2.359296 + 0.524288
-    assert tp_hidden_seconds(_cfg(), (0,), LINK, FLAT) == pytest.approx((comm - exposed) * 1e-6)
+    exposed = 0.262144 + 4.456448 + 2.359296
+    megatron = _cfg(model=dataclasses.replace(RunConfig().model, layers=1, impl="megatron"))
+    assert tp_hidden_seconds(megatron, (0,), LINK, FLAT) == pytest.approx((comm - exposed - 0.524288) * 1e-6)
+    assert tp_hidden_seconds(_cfg(), (0,), LINK, FLAT) == pytest.approx((comm - exposed - 2 * 13.1072) * 1e-6)
     # a fully recomputed layer runs its forward pairs again: 6.291456 + 2.097152 + 6.5536 + 6.5536 more hidden
     assert tp_hidden_seconds(_cfg(ac="full"), (0,), LINK, FLAT) == pytest.approx(
-        (comm - exposed + 21.495808) * 1e-6)
+        (comm - exposed - 2 * 13.1072 + 21.495808) * 1e-6)
 
 
 def test_nothing_is_hidden_without_the_overlap_or_off_cuda():

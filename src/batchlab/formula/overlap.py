@@ -13,8 +13,8 @@
   (the transfers run back to back; each GEMM chunk waits for its own; whichever chain is longer sets the end).
   Pairs, per layer and block (attention, MLP): forward, the input all-gather with the column-parallel GEMMs and the
   output reduce-scatter with the row-parallel one; backward, the output gradient's all-gather with the row-parallel
-  GEMM's backward and the column-parallel inputs' gradient reductions with the column GEMMs' backward; a fully
-  recomputed layer's forward again as forward.  The norms' and the model ends' collectives stay exposed, and the
+  GEMM's backward and, under Megatron's layer, the column-parallel inputs' gradient reductions with the column GEMMs'
+  backward (DTensor's all-reduces there are not decomposed); a fully recomputed layer's forward again as forward.  The norms' and the model ends' collectives stay exposed, and the
   GEMM is taken at its own speed (the copies' share of the card's bandwidth is not priced).  Torch's async TP needs
   CUDA symmetric memory: on other devices nothing is hidden.
 - Pipeline sends: torch.distributed.pipelining's GPipe fires each send and waits for them all after the last forward
@@ -108,8 +108,12 @@ def tp_hidden_seconds(cfg: RunConfig, layers: tuple[int, ...], link, costs: OpCo
         return sum(hide("all_gather", 1, b, "column", Phase.FORWARD) + hide("reduce_scatter", 1, b, "row", Phase.FORWARD)
                    for b in BLOCKS)
 
+    # the column inputs' gradient reductions: Megatron's are reduce-scatters that Transformer Engine overlaps with the
+    # weight-gradient GEMM (userbuffers' bulk wgrad); DTensor's are all-reduces, which torch's micro-pipeline TP pass
+    # (torch/_inductor/fx_passes/micro_pipeline_tp.py: all_gather -> mm, mm -> reduce_scatter) leaves whole
+    te = cfg.model.impl is Implementation.MEGATRON
     backward = sum(hide("all_gather", 1, b, "row", Phase.BACKWARD)
-                   + hide("all_reduce", columns[b], b, "column", Phase.BACKWARD) for b in BLOCKS)
+                   + (hide("all_reduce", columns[b], b, "column", Phase.BACKWARD) if te else 0.0) for b in BLOCKS)
     modes = cfg.ac.layer_modes(cfg.model.layers)
     redone = sum(modes[i].spec.applied is Applied.WHOLE_BLOCK for i in layers)
     return len(layers) * (forward() + backward) + redone * forward()
