@@ -87,3 +87,15 @@ def test_fit_asks_the_overlap_of_every_layout_it_searches():
     assert got and all(c.tp > 1 and c.parallel.tp_overlap.value == "async" for c in got)
     with pytest.raises(ConfigError, match="tp_overlap"):
         Goal(base, world=4, tp_overlap="async")  # no sequence parallelism to overlap
+
+
+def test_a_config_file_takes_it_flat_or_in_its_parallel_table(tmp_path):
+    from batchlab.config.load import load_config_toml
+
+    flat = tmp_path / "flat.toml"
+    flat.write_text('[config]\nseq = 64\ndevice = "h100-sxm"\ntp = 2\nsequence_parallel = true\ntp_overlap = "async"\n')
+    table = tmp_path / "table.toml"
+    table.write_text('[config]\nseq = 64\ndevice = "h100-sxm"\n[config.parallel]\ntp = 2\nsequence_parallel = true\n'
+                     'tp_overlap = "async"\n')
+    assert load_config_toml(flat).parallel.tp_overlap.value == "async"
+    assert load_config_toml(table).parallel.to_dict()["tp_overlap"] == "async"
