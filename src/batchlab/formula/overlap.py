@@ -14,9 +14,9 @@
   Pairs, per layer and block (attention, MLP): forward, the input all-gather with the column-parallel GEMMs and the
   output reduce-scatter with the row-parallel one; backward, the output gradient's all-gather with the row-parallel
   GEMM's backward and, under Megatron's layer, the column-parallel inputs' gradient reductions with the column GEMMs'
-  backward (DTensor's all-reduces there are not decomposed); a fully recomputed layer's forward again as forward.  The norms' and the model ends' collectives stay exposed, and the
-  GEMM is taken at its own speed (the copies' share of the card's bandwidth is not priced).  Torch's async TP needs
-  CUDA symmetric memory: on other devices nothing is hidden.
+  backward (DTensor's all-reduces there are not decomposed); a fully recomputed layer's forward again as forward.
+  The norms' and the model ends' collectives stay exposed, and the GEMM is taken at its own speed (the copies' share
+  of the card's bandwidth is not priced).  Torch's async TP needs CUDA symmetric memory: elsewhere nothing is hidden.
 - Pipeline sends: torch.distributed.pipelining's GPipe fires each send and waits for them all after the last forward
   (backward); its interleaved runtime (``_PipelineScheduleRuntime``) posts every receive as early as it may and waits
   for the sends only when the step ends; Megatron's interleaved schedule overlaps them by default
