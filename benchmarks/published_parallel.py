@@ -47,6 +47,7 @@ from published import (NO_BOUND, PRECISION_GAP, UNITS, bound_cells, bound_of, de
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FIRST = HERE / "published_parallel_first.toml"
+BEFORE_OVERLAP = HERE / "published_parallel_overlap_before.toml"  # each row's rate before formula/overlap.py
 
 # a memory figure whose reading the source does not give is compared with the allocator's reserved bytes, the
 # middle of the three readings (allocated <= reserved <= device)
@@ -162,8 +163,8 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
                     "holding the most loaded one's layers (the source's memory is the max over ranks; the slowest "
                     "stage paces the pipeline)")
     gaps.extend(run.get("not_expressed", ()))  # what the runs file says the command leaves out
-    if run.get("async_tp"):
-        gaps.append("torchtitan AsyncTP (TP collectives overlapped with the matmuls) has no flag")
+    if typed and (run.get("async_tp") or run.get("tp_overlap") == "async"):  # AsyncTP, NeMo's tp_comm_overlap
+        _set(argv, "--tp-overlap", "async")
     if run["sharding"].startswith("deepspeed") and "deepspeed" not in run:
         gaps.append(f"DeepSpeed config: {run['deepspeed_config']}" if "deepspeed_config" in run
                     else "DeepSpeed config not published: zero_optimization defaults assumed")
@@ -332,7 +333,7 @@ def summaries(rows: list[ParRow], ratios: list[Ratio]) -> list[str]:
     out, rows = [], points(rows)
     deepspeed = [r for r in rows if r.run["sharding"].startswith("deepspeed")]
     groups = (("", rows), ("DeepSpeed ZeRO rows (`--sharding deepspeed-zero*`), ", deepspeed),
-              ("other rows (Megatron, NeMo, torchtitan), ", [r for r in rows if r not in deepspeed]))
+              ("other rows (Megatron, NeMo, Megatron-Bridge, torchtitan), ", [r for r in rows if r not in deepspeed]))
     for prefix, group in groups:
         for label, subset in subsets(group):
             out += [f"{prefix}{label}:", ""]  # Markdown needs the blank line before a list
@@ -450,6 +451,40 @@ def retypes(rows: list[ParRow], first: dict[str, dict]) -> list[str]:
     return out if len(out) > 2 else ["No row was retyped."]
 
 
+def overlap_section(rows: list[ParRow]) -> list[str]:
+    """The rows whose predicted rate moved when the formula learned what the runs overlap (``--tp-overlap async``
+    typed where the source sets it; pipeline sends hidden where the schedule's runtime posts them asynchronously):
+    each row's error before (benchmarks/published_parallel_overlap_before.toml, written once) and after."""
+    before = {r["id"]: r["rate"] for r in load(BEFORE_OVERLAP).get("run", [])} if BEFORE_OVERLAP.exists() else {}
+    out = ["Rows whose predicted rate moved (by more than 0.1%) when the command learned `--tp-overlap async` "
+           "(typed where the source sets TP communication overlap: NeMo's `tp_comm_overlap=True`, torchtitan's "
+           "AsyncTP) and the formula the pipeline sends a schedule's runtime overlaps (Megatron's interleaved "
+           "`overlap_p2p_comm`, torch's GPipe and interleaved runtime; formula/overlap.py). *Before*: the same "
+           "command's prediction just before (without the flag), from benchmarks/published_parallel_overlap_before"
+           ".toml; the *first* column of the runs table stays as first recorded.", "",
+           "| run | what moved it | rate measured | before | error | after | error |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        old = before.get(r.run["id"])
+        if old is None or r.rate_predicted is None or abs(r.rate_predicted / old - 1) <= 1e-3:
+            continue
+        why = ["retyped: --tp-overlap async"] if "--tp-overlap" in r.command else []
+        if r.cfg.parallel.pipelined and r.cfg.parallel.schedule_spec.overlaps_sends:
+            why.append(f"{r.cfg.parallel.schedule.value} sends overlapped")
+        f = (lambda x: f"{x:.2f}") if r.rate_what == "iterations/s" else num
+        out.append(f"| {r.run['id']}{mark(r.run)} | {'; '.join(why) or 'formula'} | {f(r.rate_measured)} | {f(old)} | "
+                   f"{pct(relative_to(old, r.rate_measured))} | {f(r.rate_predicted)} | {pct(r.rate_error)} |")
+    pairs = [(a, b) for a in rows for b in rows if a.run["cli"] == b.run["cli"] and a.rate_predicted and b.rate_predicted
+             and "--tp-overlap" not in a.command and "--tp-overlap" in b.command]
+    if pairs:  # the same run measured with and without the overlap: the gain itself, apart from the rest of the time
+        out += ["", "The same run measured without and with the overlap (the source's own pair, everything else equal): "
+                "the measured gain beside the predicted one.", "",
+                "| without | with | measured with / without | predicted with / without |", "|---|---|---:|---:|"]
+        out += [f"| {a.run['id']} | {b.run['id']} | {b.rate_measured / a.rate_measured:.3f} | "
+                f"{b.rate_predicted / a.rate_predicted:.3f} |" for a, b in pairs]
+    return out
+
+
 def details(rows: list[ParRow]) -> list[str]:
     return [line for r in rows for line in detail_lines(r, mark(r.run), r.run["source"])]
 
@@ -470,20 +505,22 @@ def document(rows: list[ParRow], ratios: list[Ratio], first: dict[str, dict] | N
              "no GPU is needed to reproduce it.", "",
              "## Summary", "", *summaries(rows, ratios),
              "Mean |error| (rows) per source family: mg Megatron-LM's functional tests, tt torchtitan's benchmarks, "
-             "nemo NeMo's performance table, qwen Qwen's fine-tuning profile and swift ms-swift's example scripts "
-             "(DeepSpeed ZeRO-3), korthikanti and megatron the Megatron-LM README (rows that are points; the "
-             "Megatron-DeepSpeed, BELLE and GLM-4 rows and four of the ms-swift ones are under *Bounds*).", "",
-             *family_table(rows), "",
+             "nemo NeMo's performance table, mb Megatron-Bridge's performance summary, qwen Qwen's fine-tuning "
+             "profile and swift ms-swift's example scripts (DeepSpeed ZeRO-3), korthikanti and megatron the "
+             "Megatron-LM README (rows that are points; the Megatron-DeepSpeed, BELLE and GLM-4 rows and four of the "
+             "ms-swift ones are under *Bounds*).", "", *family_table(rows), "",
              "## Runs", "", *table(rows), "",
              "## Bounds", "", *bounds(rows), "",
              "## Retyped rows", "",
              "Rows whose command changed since their first figures: the figures the old command gives today (as a "
              "point: its error) beside the new command's (its error, or the check it passes as a bound).", "",
              *retypes(rows, first or {}), "",
+             "## Communication the runs overlap: rows it moved", "", *overlap_section(rows), "",
              "## Where the predicted update time goes", "",
              "Seconds per update on the slowest pipeline stage's rank: its compute (forward, backward, recompute of "
              "all micro-batches; a tensor-parallel rank runs 1/t of each kernel's work but launches every kernel), its "
-             "tensor-parallel collectives and pipeline sends (not overlapped), the bubble, the data-parallel traffic "
+             "tensor-parallel collectives and pipeline sends (what the GEMMs and the schedule leave exposed: "
+             "formula/overlap.py), the bubble, the data-parallel traffic "
              "the engine leaves exposed, and the optimizer step with the rest. *Measured*: the update time the "
              "source's rate implies. The shares are of the replica's priced ops: matmuls, and the host's launches "
              "beyond the kernels' work (GPU kernels are issued ahead of their work). *Least share of peak*: the "

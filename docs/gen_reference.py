@@ -188,6 +188,9 @@ def device_sections() -> str:
                 f"| capacity | {d.memory_bytes / 2**30:.2f} GiB |"]
         if getattr(d, "peak_flops_bf16", None):
             out.append(f"| peak | {d.peak_flops_bf16 / 1e12:g} TFLOP/s bf16, {d.peak_flops_fp32 / 1e12:g} fp32 |")
+        if getattr(d, "peak_low", ""):
+            out.append(f"| peak known only as a range | down to {d.peak_low}'s: estimate prices both ends and shows "
+                       "the low end's tokens/s (`--json`: `time_at_low_peak`) |")
         for label, attr in (("capacity source", "memory_source"), ("figures source", "source"),
                             ("context source", "context_source")):
             text = getattr(d, attr, "")

@@ -108,6 +108,20 @@ def test_merge_reports_every_rank_with_its_coordinates_and_the_most_loaded_peak(
     assert m.traffic is None  # the formula's collectives are the DP engines'
 
 
+def test_merge_says_a_tp_overlap_it_did_not_run():
+    # --tp-overlap is formula only: the measured ranks run DTensor's collectives in the critical path
+    cfg = RunConfig(tp=2, sequence_parallel=True, tp_overlap="async")
+    ranks = []
+    for r in range(2):
+        rec = _rank(r, [1.0], [0.0], [64], 100)
+        rec.pop("comm")
+        rec.update(coordinates=dict(pp=0, dp=0, tp=r))
+        ranks.append(rec)
+    assert any(w.startswith("--tp-overlap async ignored") for w in merge(cfg, ranks).warnings)
+    plain = RunConfig(tp=2, sequence_parallel=True)
+    assert not any("tp-overlap" in w for w in merge(plain, ranks).warnings)
+
+
 def test_launch_refuses_a_mismatched_world_before_starting_anything():
     from batchlab.distributed import launch
 

@@ -13,6 +13,7 @@ from typing import Callable
 from batchlab.advise.candidate import Candidate, candidate, option_key, traced_candidate  # noqa: F401 (the plan's)
 from batchlab.cache.calibrations import load_all
 from batchlab.config import AC_POLICIES, ACPolicy, ConfigError, Counted, ModelSource, RunConfig
+from batchlab.config.engines import TPOverlap
 from batchlab.formula import estimate
 from batchlab.formula.memory import model_states
 from batchlab.util.units import fmt_amount, fmt_bytes
@@ -46,6 +47,7 @@ class Goal:
     # asked of every layout searched (--world-size): the base, one device, cannot take them itself
     sequence_parallel: bool = False
     pp_virtual: int = 1
+    tp_overlap: str = "none"  # config.engines.TPOverlap's spelling: needs sequence_parallel (on the goal or the base)
 
     def __post_init__(self):
         if not set(self.held) <= set(KNOBS):
@@ -58,8 +60,9 @@ class Goal:
             raise ConfigError("min_micro_tokens", f"must be >= 1, got {self.min_micro_tokens}")
         if self.world is not None:
             check_world(self)
-        elif self.sequence_parallel or self.pp_virtual != 1:
-            raise ConfigError("sequence_parallel" if self.sequence_parallel else "pp_virtual",
+        elif self.sequence_parallel or self.pp_virtual != 1 or self.tp_overlap != "none":
+            raise ConfigError("sequence_parallel" if self.sequence_parallel else
+                              "pp_virtual" if self.pp_virtual != 1 else "tp_overlap",
                               "asked of the layouts --world-size searches; without it, set it on the config")
 
     @property
@@ -119,6 +122,10 @@ def check_world(goal: Goal) -> None:
     whole_number("world_size", goal.world, maximum=SIZE_MAX)
     whole_number("pp_virtual", goal.pp_virtual, maximum=SIZE_MAX)
     goal.base.parallel.schedule_spec.check(1, 1, goal.pp_virtual)  # chunks per rank need an interleaved schedule
+    if (TPOverlap.parse("tp_overlap", goal.tp_overlap) is not TPOverlap.NONE
+            and not (goal.sequence_parallel or goal.base.sequence_parallel)):
+        raise ConfigError("tp_overlap", f"{goal.tp_overlap} overlaps the sequence-parallel collectives: it needs "
+                                        "--sequence-parallel, or --tp-overlap none")
     held = (goal.base.tp if "tp" in goal.held else 1) * (goal.base.pp if "pp" in goal.held else 1)
     if goal.world % held:
         raise ConfigError("world_size", f"{goal.world} devices do not split into the tp x pp held ({held})")
@@ -140,6 +147,7 @@ def layouts(goal: Goal) -> tuple[RunConfig, ...]:
         return (b,)
     per_node = b.device_spec.gpus_per_node
     sp, v = goal.sequence_parallel or b.sequence_parallel, max(goal.pp_virtual, b.pp_virtual)
+    overlap = b.tp_overlap if goal.tp_overlap == "none" else goal.tp_overlap
     out = []
     for tp in ([b.tp] if "tp" in goal.held else [d for d in divisors(goal.world) if d <= per_node]):
         for pp in ([b.pp] if "pp" in goal.held else divisors(goal.world // tp)):
@@ -147,7 +155,7 @@ def layouts(goal: Goal) -> tuple[RunConfig, ...]:
             # sequence parallelism splits over TP ranks, virtual stages are chunks of a pipeline: only such layouts
             if rest == 0 and goal.global_batch % dp == 0 and (tp > 1 or not sp) and (pp > 1 or v == 1):
                 out += derived(b, [dict(dp=dp, tp=tp, pp=pp, micro_batch=1, accum=goal.global_batch // dp,
-                                        sequence_parallel=sp, pp_virtual=v)])
+                                        sequence_parallel=sp, pp_virtual=v, tp_overlap=overlap)])
     return tuple(out)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from batchlab.config import Precision, RunConfig
+from batchlab.config.engines import TPOverlap
 
 
 def _fsdp(cfg: RunConfig) -> bool:
@@ -55,6 +56,9 @@ def strategy(cfg: RunConfig) -> str:
                                               "one gradient all-reduce over the DP group per update"))
     note = ("; ZeroRedundancyOptimizer takes no DTensor parameters nor pipeline stages: the optimizer state stays "
             "whole (--zero 2 shards it)" if layout.dp > 1 and cfg.zero == 1 else "")
+    if layout.tp_overlap is not TPOverlap.NONE:  # the script runs eagerly: async TP is inductor's pass on CUDA
+        note += ("; the TP collectives run plain here: --tp-overlap async is torch.compile's micro-pipeline TP on CUDA "
+                 "(torch._inductor.config._micro_pipeline_tp = True, symmetric memory enabled for the TP group)")
     return "; ".join(parts) + note
 
 

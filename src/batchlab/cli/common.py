@@ -71,6 +71,9 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "tp": (int, 1, "Tensor-parallel degree (Megatron's column/row split; divides heads, kv-heads and ffn). World "
                    "size = dp x tp x pp; tp does not multiply the global batch."),
     "sequence_parallel": (bool, False, "With --tp: split norms and dropouts along the sequence too."),
+    "tp_overlap": (str, "none", "With --sequence-parallel: none, or async (each all-gather / reduce-scatter decomposed "
+                                "and overlapped with its GEMM: torchtitan's AsyncTP, NeMo's tp_comm_overlap; formula "
+                                "only)."),
     "pp": (int, 1, "Pipeline-parallel stages (divides the layers); accum = micro-batches per update per pipeline."),
     "pp_schedule": (str, "1f1b", "Pipeline schedule: gpipe, 1f1b or interleaved-1f1b."),
     "pp_virtual": (int, 1, "Model chunks per pipeline rank (interleaved-1f1b)."),
@@ -211,7 +214,7 @@ def with_goal_profile(goal, after_oom: bool = False):
 
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "loss", "zero", "device", "memory_budget",
-             "data", "seed", "tp", "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "compile", "fp8",
+             "data", "seed", "tp", "sequence_parallel", "tp_overlap", "pp", "pp_schedule", "pp_virtual", "compile", "fp8",
              "optimizer_in_backward", "offload_activations")
 
 
@@ -233,7 +236,7 @@ def _config_from_flags(**o: Any) -> RunConfig:
         accum = _accum_for(gb, mb, dp, accum)
     budget = o.get("memory_budget")
     given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "loss", "zero", "device", "data", "seed", "tp",
-                               "sequence_parallel", "pp", "pp_schedule", "pp_virtual", "sharding", "compile", "fp8",
+                               "sequence_parallel", "tp_overlap", "pp", "pp_schedule", "pp_virtual", "sharding", "compile", "fp8",
                                "optimizer_in_backward", "offload_activations")
              if o.get(k) is not None}
     default = Assumptions()
@@ -256,6 +259,7 @@ class CommandLine:
     # fit --world-size: asked of the layouts searched, not of the one-device base config
     sequence_parallel: bool = False
     pp_virtual: int = 1
+    tp_overlap: str = "none"
 
 
 def takes_ac_auto(fn: Callable) -> Callable:
@@ -274,7 +278,7 @@ def searches_layouts(fn: Callable) -> Callable:
 def _layout_asks(fn: Callable, kwargs: dict[str, Any], config_kwargs: dict[str, Any], typed: set[str]) -> dict:
     if not getattr(fn, "searches_layouts", False) or kwargs.get("world_size") is None:
         return {}
-    asks = {k: config_kwargs[k] for k in ("sequence_parallel", "pp_virtual") if k in typed}
+    asks = {k: config_kwargs[k] for k in ("sequence_parallel", "pp_virtual", "tp_overlap") if k in typed}
     config_kwargs.update({k: CONFIG_OPTIONS[k][1] for k in asks})
     typed -= set(asks)
     return asks

@@ -72,7 +72,7 @@ def fit_command(
             raise ConfigError("world_size", "gives the devices and fit derives DP = world / (TP x PP): drop --dp")
         goal = Goal(base, tokens=tokens, margin=margin, allow_zero=allow_zero, min_micro_tokens=min_micro_tokens,
                     held=frozenset(held), world=world_size, sequence_parallel=line.sequence_parallel,
-                    pp_virtual=line.pp_virtual)
+                    pp_virtual=line.pp_virtual, tp_overlap=line.tp_overlap)
         goal = with_goal_profile(goal, after_oom)  # the layer terms of every policy it evaluates
         if after_oom:
             if report:

@@ -111,6 +111,9 @@ class ScheduleSpec:
     schedule: PipelineSchedule
     api: str  # torch.distributed.pipelining class
     virtual: bool  # takes more than one stage per rank
+    # its runtime posts sends asynchronously and computes beside them (formula/overlap.py): torch's GPipe and
+    # interleaved runtime, Megatron's interleaved schedule (overlap_p2p_comm); torch's 1F1B waits before computing
+    overlaps_sends: bool = False
 
     def in_flight(self, stage: int, p: int, m: int, v: int = 1) -> float:
         """Micro-batches whose activations stage ``stage`` (0 first) of ``p`` holds at its high point, in units of
@@ -158,10 +161,21 @@ class ScheduleSpec:
 
 
 SCHEDULES: dict[PipelineSchedule, ScheduleSpec] = {s.schedule: s for s in (
-    ScheduleSpec(PipelineSchedule.GPIPE, "ScheduleGPipe", virtual=False),
+    ScheduleSpec(PipelineSchedule.GPIPE, "ScheduleGPipe", virtual=False, overlaps_sends=True),
     ScheduleSpec(PipelineSchedule.ONE_F_ONE_B, "Schedule1F1B", virtual=False),
-    ScheduleSpec(PipelineSchedule.INTERLEAVED, "ScheduleInterleaved1F1B", virtual=True),
+    ScheduleSpec(PipelineSchedule.INTERLEAVED, "ScheduleInterleaved1F1B", virtual=True, overlaps_sends=True),
 )}
+
+
+class TPOverlap(Choice):
+    """Whether a sequence-parallel layer's collectives are decomposed and overlapped with the GEMMs they feed or
+    follow (``--tp-overlap``): the all-gather of a column-parallel GEMM's input and the reduce-scatter of a
+    row-parallel GEMM's output, chunk by chunk (Wang et al. 2023, "Overlap communication with dependent computation
+    via decomposition"): torchtitan's AsyncTP (torch's symmetric-memory fused all-gather / reduce-scatter matmuls),
+    Megatron-Core / Transformer Engine's userbuffers (NeMo's ``tp_comm_overlap=True``).  Formula only."""
+
+    NONE = "none"  # every collective in the critical path (Megatron's f and g, DTensor's redistributions)
+    ASYNC = "async"  # decomposed and overlapped with its paired GEMM
 
 
 class Sent(Choice):

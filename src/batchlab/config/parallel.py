@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchlab.config.engines import (ENGINES, SCHEDULES, TENSOR_PARALLEL, Engine, EngineSpec, PipelineSchedule,
-                                     ScheduleSpec, TensorParallelSpec)
+                                     ScheduleSpec, TensorParallelSpec, TPOverlap)
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Layout:
     pp: int = 1
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     virtual: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    tp_overlap: TPOverlap = TPOverlap.NONE  # sequence-parallel collectives overlapped with their GEMMs
 
     @property
     def world_size(self) -> int:
@@ -113,20 +114,22 @@ class Layout:
         if self.dp > 1:
             parts.append(f"DP {self.engine.value}")
         if self.tp > 1:
-            parts.append("TP with sequence parallelism" if self.sequence_parallel else "TP")
+            parts.append(("TP with sequence parallelism" if self.sequence_parallel else "TP")
+                         + (", its collectives overlapped with the GEMMs" if self.tp_overlap is TPOverlap.ASYNC else ""))
         if self.pp > 1:
             parts.append(f"PP {self.schedule.value}" + (f", {self.virtual} chunks per rank" if self.virtual > 1 else ""))
         return "; ".join(parts)
 
     def to_dict(self) -> dict:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "schedule": self.schedule.value, "virtual": self.virtual,
-                "sequence_parallel": self.sequence_parallel, "world_size": self.world_size,
+                "sequence_parallel": self.sequence_parallel, "tp_overlap": self.tp_overlap.value,
+                "world_size": self.world_size,
                 "engine": self.engine.value, "zero": self.stage}
 
 
 # a [config.parallel] table's names (Layout.to_dict, what --json and fit's config files write) -> RunConfig fields
 _TABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "schedule": "pp_schedule", "virtual": "pp_virtual",
-          "sequence_parallel": "sequence_parallel", "engine": "sharding"}
+          "sequence_parallel": "sequence_parallel", "tp_overlap": "tp_overlap", "engine": "sharding"}
 _DERIVED = ("world_size", "zero")  # the degrees' product; the stage in effect (0 with one data-parallel rank)
 
 
@@ -137,7 +140,8 @@ def fields_from_table(table, flat: dict | None = None) -> dict:
     from batchlab.config.values import SIZE_MAX, whole_number
 
     if not isinstance(table, dict):
-        raise ConfigError("parallel", "must be a table of dp, tp, pp, schedule, virtual, sequence_parallel, engine")
+        raise ConfigError("parallel", "must be a table of dp, tp, pp, schedule, virtual, sequence_parallel, "
+                                      "tp_overlap, engine")
     unknown = [k for k in table if k not in _TABLE and k not in _DERIVED]
     if unknown:
         raise ConfigError(f"parallel.{unknown[0]}", f"unknown; known: {', '.join([*_TABLE, *_DERIVED])}")
@@ -163,7 +167,8 @@ def check_degrees(cfg) -> dict:
 
     for name in ("tp", "pp", "pp_virtual"):
         whole_number(name, getattr(cfg, name), maximum=SIZE_MAX)
-    out: dict = {"pp_schedule": PipelineSchedule.parse("pp_schedule", cfg.pp_schedule)}
+    out: dict = {"pp_schedule": PipelineSchedule.parse("pp_schedule", cfg.pp_schedule),
+                 "tp_overlap": TPOverlap.parse("tp_overlap", cfg.tp_overlap)}
     flag("sequence_parallel", cfg.sequence_parallel)
     if cfg.sharding is not None:
         chosen = engine(cfg.sharding)
@@ -174,6 +179,10 @@ def check_degrees(cfg) -> dict:
         out.update(zero=stage, sharding=None if PYTORCH_ENGINE[stage] is chosen else chosen)
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ConfigError("sequence_parallel", "splits the sequence across tensor-parallel ranks: it needs --tp > 1")
+    if out["tp_overlap"] is not TPOverlap.NONE and not cfg.sequence_parallel:
+        # AsyncTP and userbuffers decompose the sequence-parallel all-gather / reduce-scatter; Megatron asserts it
+        raise ConfigError("tp_overlap", f"{out['tp_overlap']} overlaps the sequence-parallel all-gathers and "
+                                        "reduce-scatters: it needs --tp > 1 --sequence-parallel, or --tp-overlap none")
     if cfg.pp == 1 and cfg.pp_virtual > 1:
         raise ConfigError("pp_virtual", "virtual stages are chunks of a pipeline: they need --pp > 1")
     if (cfg.tp > 1 or cfg.pp > 1) and cfg.model_kind is ModelSource.FACTORY:

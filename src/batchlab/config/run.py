@@ -21,7 +21,7 @@ from batchlab.config.optimizers import OptimizerKind
 from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.fp8 import FP8Recipe, check as fp8_check
 from batchlab.config.memtech import check as memtech_check
-from batchlab.config.engines import PYTORCH_ENGINE, Engine, PipelineSchedule
+from batchlab.config.engines import PYTORCH_ENGINE, Engine, PipelineSchedule, TPOverlap
 from batchlab.config.losspolicy import LossPolicy
 from batchlab.config.parallel import Layout, check_degrees
 from batchlab.config.model import ModelSpec, default_ffn, preset
@@ -166,6 +166,7 @@ class RunConfig:
     sharding: Engine | None = None
     tp: int = 1  # tensor-parallel degree (Megatron's column / row split of attention and MLP)
     sequence_parallel: bool = False  # with tp: norms and dropouts split along the sequence (Korthikanti 2022)
+    tp_overlap: TPOverlap = TPOverlap.NONE  # with sp: collectives overlapped with their GEMMs (AsyncTP, userbuffers)
     pp: int = 1  # pipeline-parallel stages
     pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B  # gpipe, 1f1b or interleaved-1f1b
     pp_virtual: int = 1  # model chunks per pipeline rank (interleaved-1f1b)
@@ -237,8 +238,8 @@ class RunConfig:
     def parallel(self) -> Layout:
         """The parallel layout: degrees, engine, schedule and the facts every reader asks (config/parallel.py)."""
         return Layout(dp=self.dp, engine=self.sharding or PYTORCH_ENGINE[self.zero], tp=self.tp,
-                      sequence_parallel=self.sequence_parallel, pp=self.pp, schedule=self.pp_schedule,
-                      virtual=self.pp_virtual)
+                      sequence_parallel=self.sequence_parallel, tp_overlap=self.tp_overlap, pp=self.pp,
+                      schedule=self.pp_schedule, virtual=self.pp_virtual)
 
     @property
     def vocab_parallel(self) -> bool:

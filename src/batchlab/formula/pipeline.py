@@ -7,11 +7,11 @@
   the b·s·h activations in forward and 2 in backward (+2 where a fully recomputed layer runs forward again); with
   sequence parallelism each becomes an all-gather + reduce-scatter pair of the same volume (Korthikanti et al. 2022,
   sec. 4.2.2).  Ring cost 2(t-1)/t x bytes / link for an all-reduce, on the node's link (NVLink) while t fits a
-  node; not overlapped with compute (Megatron runs them in the critical path).
+  node; in the critical path (Megatron's f and g), unless ``--tp-overlap async`` pairs them with GEMMs (overlap.py).
 - Pipeline: (m + p - 1) x the slowest stage's micro-batch time for GPipe and 1F1B; with v chunks per rank the
   bubble shrinks v-fold (Narayanan et al. 2021, sec. 2.2: bubble fraction (p-1)/(v·m+p-1), ``Layout.bubble_fraction``).
   Point-to-point: each micro-batch sends b·s·h activations forward and their gradient back across every chunk
-  boundary, on the inter-node link when the world spans nodes; not overlapped.
+  boundary, on the inter-node link when the world spans nodes; what a schedule's runtime hides: overlap.py.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from batchlab.config import Applied, Backend, RunConfig
 from batchlab.config.engines import Sent
-from batchlab.formula import dtensor
+from batchlab.formula import dtensor, overlap
+from batchlab.formula.overlap import activation_message_bytes
 from batchlab.formula.activations import Widths
 from batchlab.formula.flops import stage_flops_per_token
 from batchlab.formula.params import norm_tensors
@@ -182,12 +183,6 @@ def shared_links(cfg: RunConfig, costs: OpCosts | None, time_shared: float) -> t
     return tp_link(cfg, costs).time_shared(shared), pp_link(cfg, costs).time_shared(shared)
 
 
-def activation_message_bytes(cfg: RunConfig) -> int:
-    """b·s·h in the activations' dtype: what a TP collective (the gathered sequence) and a pipeline send move per
-    micro-batch."""
-    return cfg.micro_batch * cfg.seq * cfg.model.hidden * cfg.precision.compute_bytes
-
-
 def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tuple[int, int]]:
     """One micro-batch's tensor-parallel collectives on ``rank``, by (kind, phase): (calls, bytes per call summed),
     from the catalogue (``config.engines.TENSOR_PARALLEL``): each layer's and its column-parallel linears', a fully
@@ -277,13 +272,14 @@ def pp_receives(cfg: RunConfig, rank: RankShare) -> int:
     return (acts["RECV_F"] + acts["RECV_B"]) // cfg.accum if acts else 0
 
 
-def pp_seconds(cfg: RunConfig, rank: RankShare, link: Link | None = None) -> float:
+def pp_seconds(cfg: RunConfig, rank: RankShare, link: Link | None = None, chunk_forward: float | None = None) -> float:
     """One micro-batch's point-to-point actions on ``rank``, each one message on the link: its sends with their
     bytes (b·s·h each, this rank's sequence slice under sequence parallelism), its receives posted (the per-message
-    cost: a receive is its own request on gloo, ``batch_isend_irecv`` issuing one per op)."""
+    cost: a receive is its own request on gloo, ``batch_isend_irecv`` issuing one per op); with ``chunk_forward``
+    (one chunk's forward on the rank), less what the schedule hides (overlap.py)."""
     link = link or pp_link(cfg)
-    return (pp_sends(cfg, rank) * link.send_seconds(activation_message_bytes(cfg) / rank.in_sp)
-            + pp_receives(cfg, rank) * link.latency_s)
+    send, receives = link.send_seconds(activation_message_bytes(cfg) / rank.in_sp), pp_receives(cfg, rank) * link.latency_s
+    return overlap.pp_exposed_seconds(cfg, pp_sends(cfg, rank), send, receives, chunk_forward)
 
 
 def rank_compute_seconds(share: float, tp: int, compute: float,
@@ -318,14 +314,18 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
     per = [stage_flops_per_token(cfg, r.layers, r.last) for r in ranks]
     total = sum(per) or 1.0
     tp, pp = shared_links(cfg, costs, time_shared)
+    # forward's share of a micro-batch's compute: as priced per phase, else a third (2 FLOPs per MAC, backward 4)
+    forward = issued[0][0] / (sum(w for w, _ in issued) or 1.0) if issued else 1 / 3
     def stage(r: RankShare, f: float) -> StageTime:
         compute = rank_compute_seconds(f / total, r.tp, compute_per_micro_batch, issued,
                                        replicated * len(r.layers) / cfg.model.layers, dispatch_per_micro_batch)
         host, update = dtensor.host_seconds(cfg, r, costs, host_scale)
         if issued:  # the host issues ahead of the device: DTensor's host work shows only beyond the kernels' time
             host = max(0.0, host + sum(launch for _, launch in issued) * f / total - compute)
-        return StageTime(stage=r.stage, compute_seconds=compute, tp_comm_seconds=tp_seconds(cfg, r, tp),
-                         pp_comm_seconds=pp_seconds(cfg, r, pp), dtensor_seconds=host, dtensor_update_seconds=update)
+        exposed_tp = tp_seconds(cfg, r, tp) - overlap.tp_hidden_seconds(cfg, r.layers, tp, costs)
+        sends = pp_seconds(cfg, r, pp, compute * forward / cfg.parallel.chunks if local_link(cfg, costs) is None else None)
+        return StageTime(stage=r.stage, compute_seconds=compute, tp_comm_seconds=exposed_tp, pp_comm_seconds=sends,
+                         dtensor_seconds=host, dtensor_update_seconds=update)
 
     stages = tuple(stage(r, f) for r, f in zip(ranks, per))
     slowest = max(range(len(stages)), key=lambda i: (stages[i].seconds, -i))
@@ -354,16 +354,18 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
                      + (f" (+{collectives_text(spec.recompute)} per fully recomputed layer)" if spec.recompute else "")
                      + (", the norms' weight gradients all-reduced every micro-batch" if spec.per_norm else "")
                      + f", the embedding's and head's at the ends ({spec.api}); each collective over "
-                     f"{tp.text()}, not overlapped; each rank dispatches every op; "
+                     f"{tp.text()}; each rank dispatches every op; "
                      + dtensor.text(cfg, shares(cfg)[p.slowest], costs))
     if lay.pp > 1:
         parts.append(f"PP {lay.pp} ({lay.schedule.value}): (m + (p-1)/v) x the slowest stage's micro-batch, bubble "
                      f"{p.bubble_fraction:.1%} of the update (m = accum = {cfg.accum}); stage compute split by FLOPs; "
                      f"b·s·h sends each way per micro-batch and chunk boundary over {pp.text()}, "
-                     "each receive one more message, not overlapped"
+                     "each receive one more message"
                      + (f"; the local ranks time-share the cores (x{p.time_shared:.2f}): a rank idle in the bubble "
                         f"leaves its core to the others, {p.bubble_seconds * 1e3:.1f} ms of it left"
                         if p.time_shared > 1 else ""))
+    if hides := overlap.text(cfg, local_link(cfg, costs) is not None):
+        parts.append(hides)
     if reductions := gradient_reductions(cfg, shares(cfg)[p.slowest]):
         parts.append(f"data-parallel reduction: one all-reduce per parameter tensor, {reductions} on this rank "
                      "(no DDP buckets over DTensors or pipeline stages)")
