@@ -132,6 +132,7 @@ class Row:
 BOUNDS = {"upper": ("predicted >= measured", lambda predicted, measured: predicted >= measured),
           "lower": ("predicted <= measured", lambda predicted, measured: predicted <= measured)}
 NO_BOUND = "none"  # the figure bounds nothing: the row is listed, checked against nothing, kept out of the means
+POINT = "point"  # in a per-figure ``bound``: this figure is typed in full (the row's gap leaves it alone)
 FIGURES = ("memory", "rate")  # a row's figures, each of which may bound its own way
 
 
@@ -139,17 +140,18 @@ def bound_of(run: dict, figure: str | None = None) -> str | None:
     """How a run its source does not pin down (``not_typed``) bounds the published ``figure``: "upper", "lower" or
     "none"; None for a point.  ``bound`` is one direction for every figure, or one per figure
     (``{memory = "upper", rate = "lower"}``: the longest possible sequence over-counts the memory and under-counts
-    the rate).  Without ``figure``: the run's one direction, "mixed" where its figures differ."""
+    the rate; ``{memory = "point", rate = "upper"}``: what the source leaves out moves only the rate).  Without
+    ``figure``: the run's one direction, "mixed" where its figures differ."""
     if not run.get("not_typed"):
         return None
     given = run.get("bound")
     per = given if isinstance(given, dict) else {f: given for f in FIGURES}
-    allowed = (*BOUNDS, NO_BOUND)
-    if set(per) != set(FIGURES) or any(v not in allowed for v in per.values()):
-        raise SystemExit(f"run {run['id']}: not_typed needs bound = one of {', '.join(allowed)}, or a table "
-                         f"giving each of {', '.join(FIGURES)} one (got {given!r})")
+    allowed = (*BOUNDS, NO_BOUND) + ((POINT,) if isinstance(given, dict) else ())
+    if set(per) != set(FIGURES) or any(v not in allowed for v in per.values()) or set(per.values()) == {POINT}:
+        raise SystemExit(f"run {run['id']}: not_typed needs bound = one of {', '.join((*BOUNDS, NO_BOUND))}, or a "
+                         f"table giving each of {', '.join(FIGURES)} one (or {POINT}, not all) (got {given!r})")
     if figure is not None:
-        return per[figure]
+        return None if per[figure] == POINT else per[figure]
     return per[FIGURES[0]] if len(set(per.values())) == 1 else "mixed"
 
 
@@ -162,9 +164,10 @@ def bound_cells(run: dict, figure: str, predicted, measured) -> tuple[str, str]:
     return text, "-" if predicted is None or measured is None else ("yes" if check(predicted, measured) else "**no**")
 
 
-def points(rows: list) -> list:
-    """The rows whose command types every input the prediction needs: the ones the means are over."""
-    return [r for r in rows if bound_of(r.run) is None]
+def points(rows: list, figure: str | None = None) -> list:
+    """The rows whose command types every input the prediction of ``figure`` needs (every figure: None): the ones
+    the means are over."""
+    return [r for r in rows if bound_of(r.run, figure) is None]
 
 
 def load(path: Path) -> dict:

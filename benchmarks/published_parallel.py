@@ -42,7 +42,7 @@ from batchlab.formula import estimate, fp8, implementation_line
 from batchlab.formula.flops import flops
 from batchlab.util.units import relative_to
 from published import (NO_BOUND, PRECISION_GAP, UNITS, bound_cells, bound_of, detail_lines, device_for, gib, load,
-                       model_gaps, num, pct, points, summary)
+                       model_gaps, num, pct, points, range_error, rate_text, summary)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -67,6 +67,7 @@ class ParRow:
     rate_predicted: float | None = None
     mem_first: int | None = None
     rate_first: float | None = None
+    rate_low: float | None = None  # a card whose peak is known only as a range: the rate at its low end
     rank: str = ""  # which rank's prediction is compared
     layer_terms: str = ""
     failed: str | None = None
@@ -84,6 +85,11 @@ class ParRow:
 
     @property
     def rate_error(self):
+        return range_error(self.rate_predicted, self.rate_low, self.rate_measured)
+
+    @property
+    def rate_error_high(self):
+        """At the card's catalogue peak alone (the high end where the peak is known only as a range)."""
         return relative_to(self.rate_predicted, self.rate_measured)
 
     @property
@@ -192,18 +198,18 @@ def predicted_memory(est, kind: str, last_rank: bool) -> tuple[int, str]:
     return by_kind[kind], "last pipeline stage"
 
 
-def predict(run: dict, cfg: RunConfig) -> tuple[int | None, float | None, str]:
-    """Memory of the measured kind, the rate the source published, and the rank compared."""
+def predict(run: dict, cfg: RunConfig) -> tuple[int | None, float | None, str, float | None]:
+    """Memory of the measured kind, the rate the source published, the rank compared, and the rate at the low end
+    of the card's peak where its source gives the peak only as a range (else None)."""
     est = estimate(cfg)
     measured = run["measured"]
     mem, rank = None, ""
     if "memory_value" in measured:
         mem, rank = predicted_memory(est, KIND[measured["memory_kind"]], "last" in measured.get("memory_rank", ""))
-    if measured.get("tokens_per_s_per_gpu") is None and "iterations_per_s" in measured:
-        rate = 1 / est.time.update_seconds
-    else:
-        rate = est.time.tokens_per_second / cfg.parallel.world_size
-    return mem, rate, rank
+    its = measured.get("tokens_per_s_per_gpu") is None and "iterations_per_s" in measured
+    rate_of = (lambda t: 1 / t.update_seconds) if its else (lambda t: t.tokens_per_second / cfg.parallel.world_size)
+    low = None if est.low_peak_time is None else rate_of(est.low_peak_time)
+    return mem, rate_of(est.time), rank, low
 
 
 def evaluate(run: dict, first: dict[str, dict]) -> ParRow:
@@ -221,7 +227,7 @@ def evaluate(run: dict, first: dict[str, dict]) -> ParRow:
     except (ValueError, ClickException) as e:  # a ConfigError or a usage error: the run cannot be typed
         row.failed = str(e)
         return row
-    row.mem_predicted, row.rate_predicted, row.rank = predict(run, row.cfg)
+    row.mem_predicted, row.rate_predicted, row.rank, row.rate_low = predict(run, row.cfg)
     row.layer_terms = implementation_line(row.cfg)
     row.peak_share = least_share(run, row.cfg)
     return row
@@ -310,7 +316,9 @@ def table(rows: list[ParRow]) -> list[str]:
                    f"{lay} | {mem} | "
                    f"{gib(r.mem_first) if r.mem_measured else '-'} | {pct(r.mem_error_first)} | "
                    f"{gib(r.mem_predicted) if r.mem_measured else '-'} | {pct(r.mem_error)} | {rate} | "
-                   f"{f(r.rate_first)} | {pct(r.rate_error_first)} | {f(r.rate_predicted)} | {pct(r.rate_error)} |")
+                   f"{f(r.rate_first)} | {pct(r.rate_error_first)} | "
+                   f"{f(r.rate_predicted) if r.rate_low is None else rate_text(r.rate_predicted, r.rate_low)} | "
+                   f"{pct(r.rate_error)} |")
     return out
 
 
@@ -330,21 +338,25 @@ def subsets(rows):
 
 
 def summaries(rows: list[ParRow], ratios: list[Ratio]) -> list[str]:
-    out, rows = [], points(rows)
+    out = []
     deepspeed = [r for r in rows if r.run["sharding"].startswith("deepspeed")]
     groups = (("", rows), ("DeepSpeed ZeRO rows (`--sharding deepspeed-zero*`), ", deepspeed),
               ("other rows (Megatron, NeMo, Megatron-Bridge, torchtitan), ", [r for r in rows if r not in deepspeed]))
     for prefix, group in groups:
         for label, subset in subsets(group):
+            mem, rate = points(subset, "memory"), points(subset, "rate")  # each figure's means over its points
             out += [f"{prefix}{label}:", ""]  # Markdown needs the blank line before a list
-            out.append(summary(subset, "mem_error", "memory now (the kind and rank each source measured)"))
-            out.append(summary(subset, "mem_error_first", "memory as first recorded"))
-            out.append(summary(subset, "rate_error", "throughput now"))
-            out.append(summary(subset, "rate_error_first", "throughput as first recorded"))
-            possible = [r for r in subset if not r.impossible]
-            if len(possible) < len(subset):
-                out.append(summary(possible, "mem_error", "memory now, rows whose rate the card can reach"))
-                out.append(summary(possible, "rate_error", "throughput now, rows whose rate the card can reach"))
+            out.append(summary(mem, "mem_error", "memory now (the kind and rank each source measured)"))
+            out.append(summary(mem, "mem_error_first", "memory as first recorded"))
+            out.append(summary(rate, "rate_error", "throughput now"))
+            if any(r.rate_low is not None for r in rate):
+                out.append(summary(rate, "rate_error_high", "throughput now, at the catalogue's peak only"))
+            out.append(summary(rate, "rate_error_first", "throughput as first recorded"))
+            if any(r.impossible for r in mem + rate):
+                out.append(summary([r for r in mem if not r.impossible], "mem_error",
+                                   "memory now, rows whose rate the card can reach"))
+                out.append(summary([r for r in rate if not r.impossible], "rate_error",
+                                   "throughput now, rows whose rate the card can reach"))
             out.append("")
     for label, subset in (("Korthikanti full/selective time ratio, all", ratios),
                           ("not held out", [q for q in ratios if not q.ratio.get("holdout")]),
@@ -363,13 +375,15 @@ def family_table(rows: list[ParRow]) -> list[str]:
     """Mean |error| (rows) per source family (the id's first word), first recorded and now, hold-outs apart."""
     out = ["| family | rows | memory first | memory now | throughput first | throughput now |",
            "|---|---|---:|---:|---:|---:|"]
-    rows = points(rows)
-    for family in dict.fromkeys(r.run["id"].split("-")[0] for r in rows):
+    mem, rate = points(rows, "memory"), points(rows, "rate")
+    for family in dict.fromkeys(r.run["id"].split("-")[0] for r in mem + rate):
         for held, label in ((False, "not held out"), (True, "hold-outs †")):
-            sel = [r for r in rows if r.run["id"].split("-")[0] == family and bool(r.run.get("holdout")) == held]
-            if sel:
-                out.append(f"| {family} | {label} | {_mean(sel, 'mem_error_first')} | {_mean(sel, 'mem_error')} | "
-                           f"{_mean(sel, 'rate_error_first')} | {_mean(sel, 'rate_error')} |")
+            pick = lambda rs: [r for r in rs if r.run["id"].split("-")[0] == family  # noqa: E731
+                               and bool(r.run.get("holdout")) == held]
+            m, t = pick(mem), pick(rate)
+            if m or t:
+                out.append(f"| {family} | {label} | {_mean(m, 'mem_error_first')} | {_mean(m, 'mem_error')} | "
+                           f"{_mean(t, 'rate_error_first')} | {_mean(t, 'rate_error')} |")
     return out
 
 
@@ -501,8 +515,12 @@ def document(rows: list[ParRow], ratios: list[Ratio], first: dict[str, dict] | N
              "every third row, fixed before any prediction, never tuned against. *First*: each row as first "
              "recorded, before any mechanism was fixed against these rows (benchmarks/published_parallel_first.toml, "
              "never regenerated). A row whose source omits an input the prediction needs is no point: it is checked "
-             "under *Bounds* as the bound its command gives (or as none) and left out of every mean. Formula only: "
-             "no GPU is needed to reproduce it.", "",
+             "under *Bounds* as the bound its command gives (or as none) and left out of every mean; where what it "
+             "omits moves one figure only (the Megatron functional tests' per-iteration logging moves their rate, "
+             "not their memory), the other figure stays a point. Where a card's peak is known only as a range "
+             "(torchtitan's H100 96GB: 'between SXM and NVL, and we don't know its exact value'), the predicted "
+             "rate is that range and its error 0 inside it, else from its nearest end; the summary also gives the "
+             "error at the catalogue's peak alone. Formula only: no GPU is needed to reproduce it.", "",
              "## Summary", "", *summaries(rows, ratios),
              "Mean |error| (rows) per source family: mg Megatron-LM's functional tests, tt torchtitan's benchmarks, "
              "nemo NeMo's performance table, mb Megatron-Bridge's performance summary, qwen Qwen's fine-tuning "

@@ -65,3 +65,16 @@ def test_a_bound_names_each_figure_or_fails_loudly():
         published.bound_of({"id": "r", "not_typed": ["x"], "bound": {"memory": "upper"}})
     assert published.bound_of({"id": "r", "not_typed": ["x"], "bound": {"memory": "upper", "rate": "lower"}}) == "mixed"
     assert published.bound_of({"id": "r", "not_typed": ["x"], "bound": "lower"}, "rate") == "lower"
+
+
+def test_a_gap_that_moves_one_figure_leaves_the_other_a_point(script):
+    """The Megatron functional tests log every iteration: their rate is bounded, their memory still a point."""
+    probe = script.evaluate(_run("probe", 1.0, 1.0), {})
+    mem, rate = probe.mem_predicted / 2**30, probe.rate_predicted
+    row = script.evaluate(_run("half", mem / 1.2, rate / 3, not_typed=["per-iteration logging"],
+                               bound={"memory": "point", "rate": "upper"}), {})
+    text = script.document([row], [])
+    summary = text.split("## Summary")[1].split("## Runs")[0]
+    assert "memory now (the kind and rank each source measured): mean |error| 20.0%" in summary  # a point
+    assert "- throughput now: no runs" in summary  # the rate is a bound: in no mean
+    assert "Bounds that hold: memory 0 of 0; rate 1 of 1" in text.split("## Bounds")[1]
