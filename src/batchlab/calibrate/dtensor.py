@@ -7,13 +7,15 @@ where ops are dispatch-bound (docs/accuracy/parallel-time-parts.md).  So the fir
 tensor-parallel config, the calibration's dispatch-bound GPT (``dispatch.DISPATCH_GPT``) runs plain and with its
 blocks under the TP plan on a 1-rank mesh (no message is sent) in alternated updates for ~1.5 s; each phase's
 extra time over the DTensor ops it dispatched is cached with the CPU's calibration
-(``Calibration.dtensor_seconds``) and ``formula.dtensor`` prices the rank's DTensor ops with it.
+(``Calibration.dtensor_seconds``) and ``formula.dtensor`` prices the rank's DTensor ops with it; so is the host work
+each DTensor collective adds, measured between two forked ranks (``dtensor_collective.py``, key "collective").
 """
 from __future__ import annotations
 
 import contextlib
 import time
 
+from batchlab.calibrate import dtensor_collective
 from batchlab.calibrate.dispatch import DISPATCH_GPT, DispatchSampler, per_kind
 from batchlab.calibrate.kernels import CLOCK
 from batchlab.cache.calibrations import default_threads, load_cached, save
@@ -135,19 +137,24 @@ def measure(seconds: float = SECONDS) -> dict[str, float]:
 
 
 def ensure(cfgs: tuple[RunConfig, ...], threads: int | None = None) -> str | None:
-    """Where one of ``cfgs`` runs tensor parallelism on this CPU and its calibration (at ``threads``) has no DTensor
-    figures yet: measure them and cache them with it.  Returns the line to show the user (None: nothing to say)."""
+    """Where one of ``cfgs`` runs tensor parallelism on this CPU and its calibration (at ``threads``) lacks DTensor
+    figures (per op, or per collective: dtensor_collective.py): measure the missing ones and cache them with it.
+    Returns the line to show the user (None: nothing to say)."""
     if not any(c.parallel.tp > 1 and c.device == "cpu" for c in cfgs):
         return None
     cal = load_cached("cpu", default_threads() if threads is None else threads)
-    if cal is None or cal.dtensor_seconds:
+    if cal is None or (cal.dtensor_seconds and "collective" in cal.dtensor_seconds):
         return None
     import torch
 
+    figures = dict(cal.dtensor_seconds)
     before = torch.get_num_threads()
     torch.set_num_threads(cal.threads)
     try:
-        figures = measure()
+        if not figures:
+            figures = measure()
+        if figures and not dtensor_problems(figures):
+            figures["collective"] = dtensor_collective.measure()
     except (RuntimeError, ValueError, TypeError) as e:  # a process group of the caller's own, a torch without DTensor
         return f"time model: DTensor's host cost per op not measured ({e}); a nominal figure prices it"
     finally:

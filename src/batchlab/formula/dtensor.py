@@ -16,7 +16,10 @@ decomposes them, counted on real runs in tests/formula/test_dtensor_ops.py):
   log-softmax, detach, nll, the normaliser's div; backward their five, the loss value read); a Hugging Face
   model's loss is its mean multiplied back by the token count (models/hf.py): one more op each way;
 - per update, the optimizer's per-element step ops on each DTensor parameter (config/optimizers.py's loop); under
-  FSDP2 every parameter is one.
+  FSDP2 every parameter is one;
+- each tensor-parallel collective (formula/pipeline.py's ``tp_collectives``) is a DTensor redistribution: its
+  planning, the functional collective's clone, autograd wrapper and wait, in Python on the rank's main thread
+  beside what the link prices (calibrate/dtensor_collective.py).
 """
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ from batchlab.formula.ranks import RankShare
 
 # Seconds each DTensor op adds on a CPU rank where nothing was calibrated: DTensor's Python dispatch per op on a
 # server core, as calibrate/dtensor.py measures it (docs/cpu.md, "Figures behind the code's choices"); forward ops
-# cost more (their shardings are propagated afresh).
-NOMINAL = {"forward": 75e-6, "backward": 35e-6, "plain": 25e-6}
+# cost more (their shardings are propagated afresh).  "collective": a redistribution's host work over a plain
+# gloo all-reduce's, as calibrate/dtensor_collective.py measures it on the same kind of core.
+NOMINAL = {"forward": 75e-6, "backward": 35e-6, "plain": 25e-6, "collective": 450e-6}
 
 LINEAR_FORWARD = 4  # t, view, addmm, view (t, view, mm, _unsafe_view without a bias)
 LINEAR_BACKWARD = 8  # 2 mm, 4 t, 2 view
@@ -120,18 +124,27 @@ def seconds_per_op(costs: OpCosts | None, cpu: bool = True) -> tuple[dict[str, f
             else ({}, "not priced: no figure for this device's host"))
 
 
-def host_seconds(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, scale: float = 1.0) -> tuple[float, float]:
+def redistributions(cfg: RunConfig, rank: RankShare, collectives: int) -> int:
+    """Of a micro-batch's ``collectives`` tensor-parallel collectives on ``rank``, those DTensor issues (all of
+    them under PyTorch's plan; none where Megatron's own layers run TP)."""
+    return collectives if rank.tp > 1 and cfg.model.impl is not Implementation.MEGATRON else 0
+
+
+def host_seconds(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, scale: float = 1.0,
+                 collectives: int = 0) -> tuple[float, float]:
     """(per micro-batch, per update) seconds of DTensor's host work on ``rank``; ``scale``: how much slower this
-    rank's host runs beside the other local ranks (formula/timing.py's sharing and contention)."""
+    rank's host runs beside the other local ranks (formula/timing.py's sharing and contention); ``collectives``:
+    the micro-batch's tensor-parallel collectives, each a redistribution's host work."""
     ops = dtensor_ops(cfg, rank)
     per, _ = seconds_per_op(costs, cfg.device_spec.backend is Backend.CPU)
     if not ops or not per:
         return 0.0, 0.0
-    micro = ops["forward"] * per["forward"] + ops["backward"] * per["backward"]
+    micro = (ops["forward"] * per["forward"] + ops["backward"] * per["backward"]
+             + redistributions(cfg, rank, collectives) * per.get("collective", 0.0))
     return micro * scale, ops["plain"] * per["plain"] * scale
 
 
-def text(cfg: RunConfig, rank: RankShare, costs: OpCosts | None) -> str:
+def text(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, collectives: int = 0) -> str:
     """The assumptions line's clause on DTensor's host work."""
     ops = dtensor_ops(cfg, rank)
     if not ops:
@@ -141,5 +154,7 @@ def text(cfg: RunConfig, rank: RankShare, costs: OpCosts | None) -> str:
         return f"DTensor's host work {source}"
     return (f"DTensor's host work: {ops['forward']} forward + {ops['backward']} backward ops per micro-batch, "
             f"{ops['plain']} optimizer ops per update on DTensors, at {per['forward'] * 1e6:.0f} / "
-            f"{per['backward'] * 1e6:.0f} / {per['plain'] * 1e6:.0f} us each ({source}), not divided by TP")
+            f"{per['backward'] * 1e6:.0f} / {per['plain'] * 1e6:.0f} us each ({source}), not divided by TP"
+            + (f"; {n} redistributions per micro-batch at {per['collective'] * 1e6:.0f} us of host work each"
+               if (n := redistributions(cfg, rank, collectives)) and per.get("collective") else ""))
 
