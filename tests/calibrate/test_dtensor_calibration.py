@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from batchlab.calibrate import dtensor, dtensor_collective, load_cached, save
+from batchlab.calibrate import dtensor, dtensor_collective, fsdp_host, load_cached, save
 from batchlab.calibrate import run as run_mod
 from batchlab.config import RunConfig
 from batchlab.formula.dtensor import NOMINAL, seconds_per_op
@@ -46,8 +46,9 @@ def test_ensure_measures_once_for_a_tp_config_and_the_time_model_prices_with_it(
     assert cached.dtensor_seconds == {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5, "collective": 4e-4}
     costs = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e9),), strided_bytes_per_s=1e9,
                     element_seconds={}, dispatch={}, dtensor_seconds=cached.dtensor_seconds)
-    assert seconds_per_op(costs) == ({"forward": 9e-5, "backward": 4e-5, "plain": 3e-5, "collective": 4e-4},
-                                     "calibrated")
+    # what was not measured (FSDP2's figures: no FSDP2 config met yet) stays nominal
+    assert seconds_per_op(costs) == ({**NOMINAL, "forward": 9e-5, "backward": 4e-5, "plain": 3e-5,
+                                      "collective": 4e-4}, "calibrated")
     assert seconds_per_op(None)[0] == NOMINAL and seconds_per_op(None)[1].startswith("nominal: one server CPU")
 
 
@@ -61,6 +62,18 @@ def test_a_cache_with_per_op_figures_only_gets_the_collectives_measured(monkeypa
     assert "collective 500 us" in dtensor.ensure((TP2,), threads=1)
     assert load_cached("cpu", 1).dtensor_seconds == {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5,
                                                      "collective": 5e-4}
+
+
+def test_an_fsdp2_config_gets_fsdp2s_host_work_measured_and_a_plain_one_nothing(monkeypatch):
+    monkeypatch.setattr(dtensor, "measure", lambda seconds=dtensor.SECONDS: {"forward": 9e-5, "backward": 4e-5,
+                                                                             "plain": 3e-5})
+    monkeypatch.setattr(dtensor_collective, "measure", lambda samples=0: pytest.fail("no TP: no redistribution"))
+    monkeypatch.setattr(fsdp_host, "measure", lambda updates=0: {"fsdp": 1.2e-3, "fsdp-tp": 1e-3})
+    save(stub_calibration())
+    assert dtensor.ensure((RunConfig(dp=2),), threads=1) is None  # DDP: nothing to measure
+    assert "fsdp 1200 us" in dtensor.ensure((RunConfig(dp=2, zero=3),), threads=1)
+    assert load_cached("cpu", 1).dtensor_seconds == {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5,
+                                                     "fsdp": 1.2e-3, "fsdp-tp": 1e-3}
 
 
 def test_auto_asks_for_dtensor_figures(monkeypatch):
