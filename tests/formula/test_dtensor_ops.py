@@ -165,7 +165,7 @@ def test_local_ranks_share_the_cores_for_a_layouts_host_work_too():
     base = dataclasses.replace(nominal_costs(cfg), threads=1, dtensor_seconds={"forward": 1e-4, "backward": 5e-5,
                                                                               "plain": 2e-5})
     alone, shared = (timing(cfg, flops(cfg), memory(cfg), dataclasses.replace(base, cores=c)) for c in (4, 2))
-    micro, _ = host_seconds(cfg, shares(cfg)[0], base, collectives=21)  # a micro-batch's, at full speed
+    micro, _ = host_seconds(cfg, shares(cfg)[0], base, collectives={("all_reduce", ""): (21, 0)})
     assert shared.compute_seconds == pytest.approx(2 * alone.compute_seconds)
     assert shared.optimizer_seconds == pytest.approx(2 * alone.optimizer_seconds)  # its DTensor ops included
     assert shared.tp_comm_seconds == pytest.approx(alone.tp_comm_seconds)  # messages do not share the cores

@@ -262,7 +262,6 @@ def test_every_functional_collective_of_a_real_sequence_parallel_update_is_price
 
     from batchlab.distributed import layouts
     from batchlab.formula.dtensor import redistributions
-    from batchlab.formula.pipeline import tp_calls
     from batchlab.trace.sharded import fake_world
 
     cfg = config(SMALL + "--layers 2 --sequence-parallel")
@@ -273,4 +272,4 @@ def test_every_functional_collective_of_a_real_sequence_parallel_update_is_price
     kinds = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
     issued = sum(e.name in {f"_c10d_functional::{k}" for k in kinds} for e in prof.events())
     rank = shares(cfg)[0]
-    assert issued == cfg.accum * redistributions(cfg, rank, tp_calls(cfg, rank))
+    assert issued == cfg.accum * redistributions(cfg, rank, tp_collectives(cfg, rank))

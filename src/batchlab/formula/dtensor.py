@@ -129,14 +129,15 @@ def seconds_per_op(costs: OpCosts | None, cpu: bool = True) -> tuple[dict[str, f
             else ({}, "not priced: no figure for this device's host"))
 
 
-def redistributions(cfg: RunConfig, rank: RankShare, collectives: int) -> int:
-    """Of a micro-batch's ``collectives`` tensor-parallel collectives on ``rank``, those DTensor issues (all of
-    them under PyTorch's plan; none where Megatron's own layers run TP)."""
-    return collectives if rank.tp > 1 and cfg.model.impl is not Implementation.MEGATRON else 0
+def redistributions(cfg: RunConfig, rank: RankShare, collectives: dict | None) -> int:
+    """Of a micro-batch's tensor-parallel ``collectives`` on ``rank`` ({(kind, phase): (calls, bytes)}, formula/
+    pipeline.py's ``tp_collectives``), the calls DTensor issues: all under PyTorch's plan, none under Megatron's."""
+    mine = rank.tp > 1 and cfg.model.impl is not Implementation.MEGATRON
+    return sum(calls for calls, _ in (collectives or {}).values()) if mine else 0
 
 
 def host_seconds(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, scale: float = 1.0,
-                 collectives: int = 0) -> tuple[float, float]:
+                 collectives: dict | None = None) -> tuple[float, float]:
     """(per micro-batch, per update) seconds of DTensor's host work on ``rank``; ``scale``: how much slower this
     rank's host runs beside the other local ranks (formula/timing.py's sharing and contention); ``collectives``:
     the micro-batch's tensor-parallel collectives, each a redistribution's host work."""
@@ -171,7 +172,7 @@ def fsdp_text(collectives: int, seconds: float) -> str:
             f"{seconds * 1e3:.1f} ms at this rank's host speed") if seconds else ""
 
 
-def text(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, collectives: int = 0) -> str:
+def text(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, collectives: dict | None = None) -> str:
     """The assumptions line's clause on DTensor's host work."""
     ops = dtensor_ops(cfg, rank)
     if not ops:

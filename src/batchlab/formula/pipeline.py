@@ -240,11 +240,6 @@ def replicated_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     return merge(ops.out)
 
 
-def tp_calls(cfg: RunConfig, rank: RankShare) -> int:
-    """One micro-batch's tensor-parallel collectives on ``rank``, of every kind."""
-    return sum(calls for calls, _ in tp_collectives(cfg, rank).values())
-
-
 def tp_seconds(cfg: RunConfig, rank: RankShare, link: Link | None = None) -> float:
     """One micro-batch's TP collectives on ``rank`` (``tp_collectives``), each priced on the link."""
     link = link or tp_link(cfg)
@@ -326,7 +321,7 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
     def stage(r: RankShare, f: float) -> StageTime:
         compute = rank_compute_seconds(f / total, r.tp, compute_per_micro_batch, issued,
                                        replicated * len(r.layers) / cfg.model.layers, dispatch_per_micro_batch)
-        host, update = dtensor.host_seconds(cfg, r, costs, host_scale, tp_calls(cfg, r))
+        host, update = dtensor.host_seconds(cfg, r, costs, host_scale, tp_collectives(cfg, r))
         if issued:  # the host issues ahead of the device: DTensor's host work shows only beyond the kernels' time
             host = max(0.0, host + sum(launch for _, launch in issued) * f / total - compute)
         return StageTime(stage=r.stage, compute_seconds=compute, tp_comm_seconds=tp_seconds(cfg, r, tp),
@@ -360,7 +355,7 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
                      + (", the norms' weight gradients all-reduced every micro-batch" if spec.per_norm else "")
                      + f", the embedding's and head's at the ends ({spec.api}); each collective over "
                      f"{tp.text()}, not overlapped; each rank dispatches every op; "
-                     + dtensor.text(cfg, shares(cfg)[p.slowest], costs, tp_calls(cfg, shares(cfg)[p.slowest])))
+                     + dtensor.text(cfg, shares(cfg)[p.slowest], costs, tp_collectives(cfg, shares(cfg)[p.slowest])))
     if lay.pp > 1:
         parts.append(f"PP {lay.pp} ({lay.schedule.value}): (m + (p-1)/v) x the slowest stage's micro-batch, bubble "
                      f"{p.bubble_fraction:.1%} of the update (m = accum = {cfg.accum}); stage compute split by FLOPs; "
