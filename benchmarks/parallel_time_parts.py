@@ -157,7 +157,6 @@ def messages_rank(rank: int, layouts: dict[str, str], queue, port: int) -> None:
     _init(rank, port)
     kinds = {"_c10d_functional::all_reduce": "all_reduce", "_c10d_functional::all_gather_into_tensor": "all_gather",
              "_c10d_functional::reduce_scatter_tensor": "reduce_scatter"}
-    size = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2}
 
     def collectives(trainer) -> dict[str, tuple[int, int]]:
         """Every functional collective of one update, by kind (calls, bytes), as the profiler records them at the
@@ -168,7 +167,7 @@ def messages_rank(rank: int, layouts: dict[str, str], queue, port: int) -> None:
         seen = defaultdict(lambda: [0, 0])
         for e in prof.events():
             if (kind := kinds.get(e.name)) and e.input_shapes:
-                nbytes = math.prod(e.input_shapes[0]) * size.get(e.input_types[0], 4)
+                nbytes = math.prod(e.input_shapes[0]) * 4  # fp32 throughout
                 # as nccl-tests size them: the gathered output of an all-gather, the input otherwise
                 seen[kind][0] += 1
                 seen[kind][1] += nbytes * (2 if kind == "all_gather" else 1)
