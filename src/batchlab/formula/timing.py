@@ -252,7 +252,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
         host = pipe.stages[pipe.slowest].dtensor_update_seconds  # the optimizer's DTensor ops, issued ahead on a GPU
         rest += max(0.0, host - rest) if costs.asynchronous else host
     gathers = sum(fsdp_collectives(cfg, shares(cfg)[pipe.slowest] if pipe is not None else None).values())
-    rest += (fsdp_host := dtensor.fsdp_host_seconds(cfg, gathers, costs, speed))  # its hooks and copies
+    fsdp_host = dtensor.fsdp_host_seconds(cfg, gathers, costs, speed)  # its hooks and copies, in every micro-batch
     grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
     if local:  # a ring step is one message per rank: 2(n-1) per all-reduce, n-1 per all-gather / reduce-scatter
@@ -273,7 +273,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     extra: dict = {}
     if pipe is not None:
         slow = pipe.stages[pipe.slowest]
-        update = pipe.seconds + rest + exposed + offloaded
+        update = pipe.seconds + rest + exposed + offloaded + fsdp_host
         extra = dict(bubble_fraction=pipe.bubble_fraction, bubble_seconds=pipe.bubble_seconds,
                      tp_comm_seconds=cfg.accum * slow.tp_comm_seconds, pp_comm_seconds=cfg.accum * slow.pp_comm_seconds,
                      stage_seconds=tuple(st.seconds for st in pipe.stages))
@@ -285,6 +285,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     if pipe is not None:
         model += "; " + layout_time_text(cfg, pipe, costs)
     model += dtensor.fsdp_text(gathers, fsdp_host)
+    compute += fsdp_host  # host work inside forward and backward, shown with them
     return TimeEstimate(compute_seconds_per_micro_batch=compute / cfg.accum, compute_seconds=compute,
                         allreduce_bytes=grad_bytes, allreduce_seconds=comm, exposed_comm_seconds=exposed,
                         optimizer_seconds=rest, update_seconds=update, offload_seconds=offloaded, tokens_per_second=useful / update,
