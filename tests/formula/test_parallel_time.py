@@ -264,7 +264,7 @@ def test_every_functional_collective_of_a_real_sequence_parallel_update_is_price
     from batchlab.formula.dtensor import redistributions
     from batchlab.trace.sharded import fake_world
 
-    cfg = config(SMALL + "--layers 2 --sequence-parallel")
+    cfg = config(SMALL + "--layers 1 --accum 1 --sequence-parallel")
     with fake_world(cfg.parallel.world_size, 0):
         trainer, _ = layouts.build(cfg, torch.device("cpu"), 0)
         with profile() as prof:
