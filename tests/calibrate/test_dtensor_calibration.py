@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from batchlab.calibrate import dtensor, load_cached, save
+from batchlab.calibrate import dtensor, dtensor_collective, fsdp_host, load_cached, save
 from batchlab.calibrate import run as run_mod
 from batchlab.config import RunConfig
 from batchlab.formula.dtensor import NOMINAL, seconds_per_op
@@ -36,17 +36,44 @@ def test_ensure_measures_once_for_a_tp_config_and_the_time_model_prices_with_it(
     calls = []
     monkeypatch.setattr(dtensor, "measure", lambda seconds=dtensor.SECONDS: calls.append(1) or
                         {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5})
+    monkeypatch.setattr(dtensor_collective, "measure", lambda samples=0: calls.append(2) or 4e-4)
     assert dtensor.ensure((TP2,), threads=1) is None  # no calibration cached
     save(stub_calibration())
     assert dtensor.ensure((RunConfig(),), threads=1) is None and not calls  # no tensor parallelism: nothing
     assert "DTensor's host cost per op once (forward 90 us" in dtensor.ensure((RunConfig(), TP2), threads=1)
-    assert dtensor.ensure((TP2,), threads=1) is None and len(calls) == 1  # cached
+    assert dtensor.ensure((TP2,), threads=1) is None and calls == [1, 2]  # cached
     cached = load_cached("cpu", 1)
-    assert cached.dtensor_seconds == {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5}
+    assert cached.dtensor_seconds == {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5, "collective": 4e-4}
     costs = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e9),), strided_bytes_per_s=1e9,
                     element_seconds={}, dispatch={}, dtensor_seconds=cached.dtensor_seconds)
-    assert seconds_per_op(costs) == ({"forward": 9e-5, "backward": 4e-5, "plain": 3e-5}, "calibrated")
+    # what was not measured (FSDP2's figures: no FSDP2 config met yet) stays nominal
+    assert seconds_per_op(costs) == ({**NOMINAL, "forward": 9e-5, "backward": 4e-5, "plain": 3e-5,
+                                      "collective": 4e-4}, "calibrated")
     assert seconds_per_op(None)[0] == NOMINAL and seconds_per_op(None)[1].startswith("nominal: one server CPU")
+
+
+def test_a_cache_with_per_op_figures_only_gets_the_collectives_measured(monkeypatch):
+    """A calibration cached before the per-collective figure existed: only that one is measured, the rest kept."""
+    import dataclasses
+
+    monkeypatch.setattr(dtensor, "measure", lambda seconds=dtensor.SECONDS: pytest.fail("per-op measured again"))
+    monkeypatch.setattr(dtensor_collective, "measure", lambda samples=0: 5e-4)
+    save(dataclasses.replace(stub_calibration(), dtensor_seconds={"forward": 9e-5, "backward": 4e-5, "plain": 3e-5}))
+    assert "collective 500 us" in dtensor.ensure((TP2,), threads=1)
+    assert load_cached("cpu", 1).dtensor_seconds == {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5,
+                                                     "collective": 5e-4}
+
+
+def test_an_fsdp2_config_gets_fsdp2s_host_work_measured_and_a_plain_one_nothing(monkeypatch):
+    monkeypatch.setattr(dtensor, "measure", lambda seconds=dtensor.SECONDS: {"forward": 9e-5, "backward": 4e-5,
+                                                                             "plain": 3e-5})
+    monkeypatch.setattr(dtensor_collective, "measure", lambda samples=0: pytest.fail("no TP: no redistribution"))
+    monkeypatch.setattr(fsdp_host, "measure", lambda updates=0: {"fsdp": 1.2e-3, "fsdp-tp": 1e-3})
+    save(stub_calibration())
+    assert dtensor.ensure((RunConfig(dp=2),), threads=1) is None  # DDP: nothing to measure
+    assert "fsdp 1200 us" in dtensor.ensure((RunConfig(dp=2, zero=3),), threads=1)
+    assert load_cached("cpu", 1).dtensor_seconds == {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5,
+                                                     "fsdp": 1.2e-3, "fsdp-tp": 1e-3}
 
 
 def test_auto_asks_for_dtensor_figures(monkeypatch):
@@ -62,6 +89,7 @@ def test_a_reading_at_or_below_zero_or_none_is_not_cached(monkeypatch, reading):
     """A stall of the plain side (the sharded update's extra time negative) or a plan that dispatched nothing:
     said, not cached (every later estimate would price DTensor with it), and measured again next time."""
     monkeypatch.setattr(dtensor, "measure", lambda seconds=dtensor.SECONDS: dict(reading))
+    monkeypatch.setattr(dtensor_collective, "measure", lambda samples=0: 4e-4)
     save(stub_calibration())
     said = dtensor.ensure((TP2,), threads=1)
     assert "implausible" in said and "not cached" in said

@@ -48,3 +48,29 @@ def test_each_fsdp_collective_pays_its_messages_on_a_local_link():
     base = dataclasses.replace(nominal_costs(cfg), link_bytes_per_s=1e9, threads=1, cores=2)
     slow, fast = (timing(cfg, flops(cfg), memory(cfg), dataclasses.replace(base, link_latency_s=s)) for s in (1e-3, 0.0))
     assert slow.allreduce_seconds - fast.allreduce_seconds == pytest.approx(62e-3)
+
+
+def test_fsdp2_beside_tp_pays_its_host_work_once_per_collective_a_real_update_issues():
+    # FSDP2 x TP2 on rank 0 of a fake world of 4: FSDP2's all-gathers and reduce-scatters of one real update (TP
+    # without sequence parallelism sends all-reduces only), each priced at the calibrated host work per collective
+    # on a 2-D mesh (calibrate/fsdp_host.py), at full host speed (a core per rank)
+    from batchlab.distributed import layouts
+    from batchlab.distributed.traffic import TrafficCounter
+    from batchlab.formula import flops, memory
+    from batchlab.formula.timing import nominal_costs, timing
+    from batchlab.trace.sharded import fake_world
+
+    cfg = config(SMALL + "--layers 2 --zero 3 --tp 2")
+    with fake_world(cfg.parallel.world_size, 0):
+        trainer, _ = layouts.build(cfg, torch.device("cpu"), 0)
+        trainer.update()
+        counter = TrafficCounter()
+        with counter:
+            trainer.update(listener=counter)
+    calls = counter.summary(cfg.accum)["calls_per_update"]
+    issued = calls.get("all_gather", 0) + calls.get("reduce_scatter", 0)
+    base = dataclasses.replace(nominal_costs(cfg), threads=1, cores=4, rank_skew=0.0, contention={})
+    priced, free = (timing(cfg, flops(cfg), memory(cfg), dataclasses.replace(
+        base, dtensor_seconds={"fsdp": 5e-3, "fsdp-tp": s})) for s in (1e-3, 0.0))
+    assert issued == 3 * 3 * cfg.accum  # 2 blocks + the root, 2 all-gathers (ZeRO-3) and a reduce-scatter each
+    assert priced.update_seconds - free.update_seconds == pytest.approx(issued * 1e-3)

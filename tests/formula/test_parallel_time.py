@@ -251,3 +251,25 @@ def test_a_layouts_data_parallel_all_reduces_are_one_per_parameter_tensor(flags,
     live = sum(c.kind == "all_reduce" and c.phase == "optimizer" for c in counter.calls)
     stage = rank // (cfg.parallel.dp * cfg.parallel.tp)
     assert gradient_reductions(cfg, shares(cfg)[stage]) == live == tensors
+
+
+def test_every_functional_collective_of_a_real_sequence_parallel_update_is_priced_as_a_redistribution():
+    # DTensor issues each TP collective as a functional collective (its redistributions, loss_parallel's, the
+    # norms' gradients'): those of one real update on rank 0, as the profiler records them at the dispatcher
+    # (the ones DTensor issues inside its own dispatch included), are the redistributions formula/dtensor.py prices
+    import torch
+    from torch.profiler import profile
+
+    from batchlab.distributed import layouts
+    from batchlab.formula.dtensor import redistributions
+    from batchlab.trace.sharded import fake_world
+
+    cfg = config(SMALL + "--layers 1 --accum 1 --sequence-parallel")
+    with fake_world(cfg.parallel.world_size, 0):
+        trainer, _ = layouts.build(cfg, torch.device("cpu"), 0)
+        with profile() as prof:
+            trainer.update()
+    kinds = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+    issued = sum(e.name in {f"_c10d_functional::{k}" for k in kinds} for e in prof.events())
+    rank = shares(cfg)[0]
+    assert issued == cfg.accum * redistributions(cfg, rank, tp_collectives(cfg, rank))

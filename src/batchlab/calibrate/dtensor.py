@@ -7,13 +7,16 @@ where ops are dispatch-bound (docs/accuracy/parallel-time-parts.md).  So the fir
 tensor-parallel config, the calibration's dispatch-bound GPT (``dispatch.DISPATCH_GPT``) runs plain and with its
 blocks under the TP plan on a 1-rank mesh (no message is sent) in alternated updates for ~1.5 s; each phase's
 extra time over the DTensor ops it dispatched is cached with the CPU's calibration
-(``Calibration.dtensor_seconds``) and ``formula.dtensor`` prices the rank's DTensor ops with it.
+(``Calibration.dtensor_seconds``) and ``formula.dtensor`` prices the rank's DTensor ops with it; so is the host work
+each DTensor collective adds, measured between two forked ranks (``dtensor_collective.py``, key "collective"), and
+for an FSDP2 config FSDP2's host work per collective (``fsdp_host.py``, keys "fsdp" and "fsdp-tp").
 """
 from __future__ import annotations
 
 import contextlib
 import time
 
+from batchlab.calibrate import dtensor_collective, fsdp_host
 from batchlab.calibrate.dispatch import DISPATCH_GPT, DispatchSampler, per_kind
 from batchlab.calibrate.kernels import CLOCK
 from batchlab.cache.calibrations import default_threads, load_cached, save
@@ -134,20 +137,44 @@ def measure(seconds: float = SECONDS) -> dict[str, float]:
     return out
 
 
+PER_OP, COLLECTIVE, FSDP = ("forward", "backward", "plain"), ("collective",), ("fsdp", "fsdp-tp")
+
+
+def needed(cfgs: tuple[RunConfig, ...]) -> set[str]:
+    """The figures ``cfgs`` are priced with on a CPU: DTensor's per op and per collective under tensor parallelism,
+    FSDP2's host work per collective (and its optimizer's DTensor ops) under FSDP2."""
+    out: set[str] = set()
+    for c in cfgs:
+        if c.device == "cpu" and c.parallel.tp > 1:
+            out.update(PER_OP + COLLECTIVE)
+        if c.device == "cpu" and c.parallel.fsdp:
+            out.update(PER_OP + FSDP)
+    return out
+
+
 def ensure(cfgs: tuple[RunConfig, ...], threads: int | None = None) -> str | None:
-    """Where one of ``cfgs`` runs tensor parallelism on this CPU and its calibration (at ``threads``) has no DTensor
-    figures yet: measure them and cache them with it.  Returns the line to show the user (None: nothing to say)."""
-    if not any(c.parallel.tp > 1 and c.device == "cpu" for c in cfgs):
+    """Where ``cfgs`` run tensor parallelism or FSDP2 on this CPU and its calibration (at ``threads``) lacks a
+    figure they are priced with (``needed``): measure the missing ones and cache them with it.  Returns the line to
+    show the user (None: nothing to say)."""
+    want = needed(cfgs)
+    if not want:
         return None
     cal = load_cached("cpu", default_threads() if threads is None else threads)
-    if cal is None or cal.dtensor_seconds:
+    if cal is None or not (missing := want - set(cal.dtensor_seconds)):
         return None
     import torch
 
+    figures = dict(cal.dtensor_seconds)
     before = torch.get_num_threads()
     torch.set_num_threads(cal.threads)
     try:
-        figures = measure()
+        if missing & set(PER_OP):
+            figures.update(measure())
+        if figures and not dtensor_problems(figures):
+            if "collective" in missing:
+                figures["collective"] = dtensor_collective.measure()
+            if missing & set(FSDP):
+                figures.update(fsdp_host.measure())
     except (RuntimeError, ValueError, TypeError) as e:  # a process group of the caller's own, a torch without DTensor
         return f"time model: DTensor's host cost per op not measured ({e}); a nominal figure prices it"
     finally:
@@ -157,5 +184,5 @@ def ensure(cfgs: tuple[RunConfig, ...], threads: int | None = None) -> str | Non
         return f"time model: DTensor's host cost per op measured implausible ({why}); not cached, a nominal figure prices it"
     cal.dtensor_seconds = figures
     save(cal)
-    said = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in figures.items())
+    said = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in figures.items() if k in missing)
     return f"time model: measured DTensor's host cost per op once ({said}) and cached it with the calibration"

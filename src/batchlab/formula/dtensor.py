@@ -16,7 +16,13 @@ decomposes them, counted on real runs in tests/formula/test_dtensor_ops.py):
   log-softmax, detach, nll, the normaliser's div; backward their five, the loss value read); a Hugging Face
   model's loss is its mean multiplied back by the token count (models/hf.py): one more op each way;
 - per update, the optimizer's per-element step ops on each DTensor parameter (config/optimizers.py's loop); under
-  FSDP2 every parameter is one.
+  FSDP2 every parameter is one;
+- each tensor-parallel collective (formula/pipeline.py's ``tp_collectives``) is a DTensor redistribution: its
+  planning, the functional collective's clone, autograd wrapper and wait, in Python on the rank's main thread
+  beside what the link prices (calibrate/dtensor_collective.py);
+- under FSDP2, each of its all-gathers and reduce-scatters (formula/sharding.py's ``fsdp_collectives``) comes with
+  its hooks, copy-in and copy-out and the swap of sharded and unsharded DTensor parameters, on the main thread
+  (calibrate/fsdp_host.py: on a 1-D mesh, and on a 2-D one beside tensor parallelism).
 """
 from __future__ import annotations
 
@@ -28,8 +34,11 @@ from batchlab.formula.ranks import RankShare
 
 # Seconds each DTensor op adds on a CPU rank where nothing was calibrated: DTensor's Python dispatch per op on a
 # server core, as calibrate/dtensor.py measures it (docs/cpu.md, "Figures behind the code's choices"); forward ops
-# cost more (their shardings are propagated afresh).
-NOMINAL = {"forward": 75e-6, "backward": 35e-6, "plain": 25e-6}
+# cost more (their shardings are propagated afresh).  "collective": a redistribution's host work over a plain
+# gloo all-reduce's, as calibrate/dtensor_collective.py measures it on the same kind of core; "fsdp" / "fsdp-tp":
+# FSDP2's host work per collective on a 1-D mesh / beside TP on a 2-D one, as calibrate/fsdp_host.py measures it.
+NOMINAL = {"forward": 75e-6, "backward": 35e-6, "plain": 25e-6, "collective": 450e-6, "fsdp": 1.2e-3,
+           "fsdp-tp": 1.0e-3}
 
 LINEAR_FORWARD = 4  # t, view, addmm, view (t, view, mm, _unsafe_view without a bias)
 LINEAR_BACKWARD = 8  # 2 mm, 4 t, 2 view
@@ -120,18 +129,50 @@ def seconds_per_op(costs: OpCosts | None, cpu: bool = True) -> tuple[dict[str, f
             else ({}, "not priced: no figure for this device's host"))
 
 
-def host_seconds(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, scale: float = 1.0) -> tuple[float, float]:
+def redistributions(cfg: RunConfig, rank: RankShare, collectives: dict | None) -> int:
+    """Of a micro-batch's tensor-parallel ``collectives`` on ``rank`` ({(kind, phase): (calls, bytes)}, formula/
+    pipeline.py's ``tp_collectives``), the calls DTensor issues: all under PyTorch's plan, none under Megatron's."""
+    mine = rank.tp > 1 and cfg.model.impl is not Implementation.MEGATRON
+    return sum(calls for calls, _ in (collectives or {}).values()) if mine else 0
+
+
+def host_seconds(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, scale: float = 1.0,
+                 collectives: dict | None = None) -> tuple[float, float]:
     """(per micro-batch, per update) seconds of DTensor's host work on ``rank``; ``scale``: how much slower this
-    rank's host runs beside the other local ranks (formula/timing.py's sharing and contention)."""
+    rank's host runs beside the other local ranks (formula/timing.py's sharing and contention); ``collectives``:
+    the micro-batch's tensor-parallel collectives, each a redistribution's host work."""
     ops = dtensor_ops(cfg, rank)
     per, _ = seconds_per_op(costs, cfg.device_spec.backend is Backend.CPU)
     if not ops or not per:
         return 0.0, 0.0
-    micro = ops["forward"] * per["forward"] + ops["backward"] * per["backward"]
+    micro = (ops["forward"] * per["forward"] + ops["backward"] * per["backward"]
+             + redistributions(cfg, rank, collectives) * per.get("collective", 0.0))
     return micro * scale, ops["plain"] * per["plain"] * scale
 
 
-def text(cfg: RunConfig, rank: RankShare, costs: OpCosts | None) -> str:
+def fsdp_key(cfg: RunConfig) -> str:
+    """The figure FSDP2's host work is priced with: beside tensor parallelism its parameters are sharded on a 2-D
+    mesh."""
+    return "fsdp-tp" if cfg.parallel.tp > 1 else "fsdp"
+
+
+def fsdp_host_seconds(cfg: RunConfig, collectives: int, costs: OpCosts | None, scale: float = 1.0) -> float:
+    """Seconds of FSDP2's host work per update on a rank that issues ``collectives`` FSDP2 all-gathers and
+    reduce-scatters per update (0 without FSDP2, or where no figure prices a device's host); ``scale`` as in
+    ``host_seconds``."""
+    if not cfg.parallel.fsdp or not collectives:
+        return 0.0
+    per, _ = seconds_per_op(costs, cfg.device_spec.backend is Backend.CPU)
+    return collectives * per.get(fsdp_key(cfg), 0.0) * scale
+
+
+def fsdp_text(collectives: int, seconds: float) -> str:
+    """The assumptions line's clause on FSDP2's host work ("" where none is priced)."""
+    return (f"; FSDP2's host work (hooks, copy-in and copy-out) around its {collectives} collectives per update: "
+            f"{seconds * 1e3:.1f} ms at this rank's host speed") if seconds else ""
+
+
+def text(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, collectives: dict | None = None) -> str:
     """The assumptions line's clause on DTensor's host work."""
     ops = dtensor_ops(cfg, rank)
     if not ops:
@@ -141,5 +182,7 @@ def text(cfg: RunConfig, rank: RankShare, costs: OpCosts | None) -> str:
         return f"DTensor's host work {source}"
     return (f"DTensor's host work: {ops['forward']} forward + {ops['backward']} backward ops per micro-batch, "
             f"{ops['plain']} optimizer ops per update on DTensors, at {per['forward'] * 1e6:.0f} / "
-            f"{per['backward'] * 1e6:.0f} / {per['plain'] * 1e6:.0f} us each ({source}), not divided by TP")
+            f"{per['backward'] * 1e6:.0f} / {per['plain'] * 1e6:.0f} us each ({source}), not divided by TP"
+            + (f"; {n} redistributions per micro-batch at {per['collective'] * 1e6:.0f} us of host work each"
+               if (n := redistributions(cfg, rank, collectives)) and per.get("collective") else ""))
 

@@ -319,7 +319,7 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
     def stage(r: RankShare, f: float) -> StageTime:
         compute = rank_compute_seconds(f / total, r.tp, compute_per_micro_batch, issued,
                                        replicated * len(r.layers) / cfg.model.layers, dispatch_per_micro_batch)
-        host, update = dtensor.host_seconds(cfg, r, costs, host_scale)
+        host, update = dtensor.host_seconds(cfg, r, costs, host_scale, tp_collectives(cfg, r))
         if issued:  # the host issues ahead of the device: DTensor's host work shows only beyond the kernels' time
             host = max(0.0, host + sum(launch for _, launch in issued) * f / total - compute)
         exposed_tp = tp_seconds(cfg, r, tp) - overlap.tp_hidden_seconds(cfg, r.layers, tp, costs)
@@ -355,7 +355,7 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
                      + (", the norms' weight gradients all-reduced every micro-batch" if spec.per_norm else "")
                      + f", the embedding's and head's at the ends ({spec.api}); each collective over "
                      f"{tp.text()}; each rank dispatches every op; "
-                     + dtensor.text(cfg, shares(cfg)[p.slowest], costs))
+                     + dtensor.text(cfg, shares(cfg)[p.slowest], costs, tp_collectives(cfg, shares(cfg)[p.slowest])))
     if lay.pp > 1:
         parts.append(f"PP {lay.pp} ({lay.schedule.value}): (m + (p-1)/v) x the slowest stage's micro-batch, bubble "
                      f"{p.bubble_fraction:.1%} of the update (m = accum = {cfg.accum}); stage compute split by FLOPs; "

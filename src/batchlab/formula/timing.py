@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass, field
 
 from batchlab.config import Backend, CompileMode, DataKind, DeviceSpec, ModelSource, RunConfig
-from batchlab.formula import fp8, offload
+from batchlab.formula import dtensor, fp8, offload
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.params import count
@@ -239,11 +239,10 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     # without sequence parallelism each TP rank runs the layers' norms, dropouts and residual adds whole
     replicated = (sum(on_host(replicated_ops(cfg), cfg, costs).work_by_phase.values())
                   if layout and cfg.parallel.tp > 1 and not cfg.parallel.sequence_parallel else 0.0)
-    pipe = None
+    pipe, speed = None, sharing(cfg, costs) * (1 + skew(cfg, costs)) * contention(cfg, costs).get("dispatch", 1.0)
     if layout:  # formula/pipeline.py: per stage, then the bubble; the dispatch part at the rank's host speed
-        host = sharing(cfg, costs) * (1 + skew(cfg, costs)) * contention(cfg, costs).get("dispatch", 1.0)
         pipe = pipeline_time(cfg, compute / cfg.accum, costs, issued, replicated,
-                             min(dispatch_compute * host, compute) / cfg.accum, host, sharing(cfg, costs))
+                             min(dispatch_compute * speed, compute) / cfg.accum, speed, sharing(cfg, costs))
     if pipe is not None:  # the data-parallel group of a stage's TP rank reduces (and steps) its slice only
         sent = {k: round(v * held) for k, v in sent.items()}
         compute = cfg.accum * pipe.stages[pipe.slowest].compute_seconds
@@ -252,6 +251,8 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
         rest *= held
         host = pipe.stages[pipe.slowest].dtensor_update_seconds  # the optimizer's DTensor ops, issued ahead on a GPU
         rest += max(0.0, host - rest) if costs.asynchronous else host
+    gathers = sum(fsdp_collectives(cfg, shares(cfg)[pipe.slowest] if pipe is not None else None).values())
+    fsdp_host = dtensor.fsdp_host_seconds(cfg, gathers, costs, speed)  # its hooks and copies, in every micro-batch
     grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
     if local:  # a ring step is one message per rank: 2(n-1) per all-reduce, n-1 per all-gather / reduce-scatter
@@ -268,11 +269,11 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
         hidden = Sourced(comm, "local ranks fill the cores: gloo's copies and sums need them, nothing hidden")
     exposed = hidden.value
     offloaded = offload.exposed_seconds(cfg, compute)  # host copies beyond what the side stream hides
-    update = t.seconds + exposed + offloaded
+    update = t.seconds + exposed + offloaded + fsdp_host
     extra: dict = {}
     if pipe is not None:
         slow = pipe.stages[pipe.slowest]
-        update = pipe.seconds + rest + exposed + offloaded
+        update = pipe.seconds + rest + exposed + offloaded + fsdp_host
         extra = dict(bubble_fraction=pipe.bubble_fraction, bubble_seconds=pipe.bubble_seconds,
                      tp_comm_seconds=cfg.accum * slow.tp_comm_seconds, pp_comm_seconds=cfg.accum * slow.pp_comm_seconds,
                      stage_seconds=tuple(st.seconds for st in pipe.stages))
@@ -283,6 +284,8 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     model = describe(costs, t) + machine_text(cfg, costs)
     if pipe is not None:
         model += "; " + layout_time_text(cfg, pipe, costs)
+    model += dtensor.fsdp_text(gathers, fsdp_host)
+    compute += fsdp_host  # host work inside forward and backward, shown with them
     return TimeEstimate(compute_seconds_per_micro_batch=compute / cfg.accum, compute_seconds=compute,
                         allreduce_bytes=grad_bytes, allreduce_seconds=comm, exposed_comm_seconds=exposed,
                         optimizer_seconds=rest, update_seconds=update, offload_seconds=offloaded, tokens_per_second=useful / update,

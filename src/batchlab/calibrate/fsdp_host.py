@@ -1,0 +1,123 @@
+"""FSDP2's host work per collective, measured on this machine between two forked processes.
+
+Around each all-gather and reduce-scatter FSDP2 runs Python on the rank's main thread: its pre-/post-forward and
+pre-/post-backward hooks, the all-gather's copy-in and copy-out into the unsharded parameters, the reduce-scatter's
+copy-in and the division of the gradient shard, the swap between sharded and unsharded DTensor parameters (on a 2-D
+mesh beside tensor parallelism, parameters sharded on both).  The link (calibrate/link.py) prices the message, not
+this.  Here two ranks alternate updates of the calibration's dispatch-bound GPT without FSDP2 and with it
+(``fully_shard`` per block and on the root, resharded after forward, over the two ranks), each beside the plain
+model and beside the tensor-parallel plan on a size-1 TP dimension of a (2, 1) mesh; the figure is the main thread's
+extra CPU time over the FSDP2 collectives the update issued (counted).  CPU time: waiting for the peer costs none.
+Torch is imported inside the functions.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import statistics
+import time
+
+from batchlab.host import free_port
+
+UPDATES = 20  # alternated updates of each of the four trainers per rank
+WARMUP = 3
+TIMEOUT_S = 90
+KEYS = {"fsdp": ("plain", "fsdp"), "fsdp-tp": ("tp", "tp+fsdp")}  # figure -> (without FSDP2, with it)
+
+
+def _trainers(mesh):
+    import torch
+
+    from batchlab.calibrate.dispatch import DISPATCH_GPT
+    from batchlab.distributed import tensor_parallel as tp
+    from batchlab.distributed.engines import fsdp_units
+    from batchlab.measure.harness import Trainer
+    from batchlab.models import build_workload
+
+    cfg = DISPATCH_GPT
+
+    class Sharded(Trainer):
+        def clip_gradients(self, max_norm: float):  # on the local shards, as the layouts do (distributed/layouts.py)
+            return tp.clip_grad_norm(self.raw_model.parameters(), max_norm)
+
+    def make(plan: bool, fsdp: bool):
+        torch.manual_seed(cfg.seed)
+        wl = build_workload(cfg)
+        if plan:
+            for block in wl.model.blocks:
+                tp.shard_block(block, cfg.model, mesh["tp"], False)
+        wrap = (lambda m: (fsdp_units(cfg, mesh["dp"], [*m.blocks, m], True), m)[1]) if fsdp else None
+        return (Sharded if plan or fsdp else Trainer)(cfg, torch.device("cpu"), workload=wl, wrap=wrap)
+
+    return {"plain": make(False, False), "fsdp": make(False, True), "tp": make(True, False),
+            "tp+fsdp": make(True, True)}
+
+
+def _collectives(trainer) -> int:
+    """FSDP2's all-gathers and reduce-scatters in one update (c10d ops it issues outside DTensor's dispatch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._opname
+            if func.namespace == "c10d" and ("allgather" in name or "reduce_scatter" in name):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting() as c:
+        trainer.update()
+    return c.n
+
+
+def _rank(rank: int, port: int, updates: int, results) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from batchlab.trace.sharded import _forget_meshes as forget_meshes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        trainers = _trainers(init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")))
+        counts = {name: _collectives(tr) for name, tr in trainers.items()}
+        spent: dict[str, list[float]] = {name: [] for name in trainers}
+        names = list(trainers)
+        for i in range(WARMUP + updates):
+            for name in (names if i % 2 == 0 else names[::-1]):
+                t = time.thread_time()
+                trainers[name].update()
+                if i >= WARMUP:
+                    spent[name].append(time.thread_time() - t)
+        med = {name: statistics.median(v) for name, v in spent.items()}
+        results.put((rank, {key: (med[b] - med[a]) / counts[b] for key, (a, b) in KEYS.items() if counts[b]}))
+    finally:
+        dist.destroy_process_group()
+        forget_meshes()
+
+
+def measure(updates: int = UPDATES) -> dict[str, float]:
+    """{"fsdp": s, "fsdp-tp": s}: main-thread CPU seconds per FSDP2 collective, on a 1-D data-parallel mesh and on
+    a 2-D one beside the tensor-parallel plan (the two ranks' mean); RuntimeError where two ranks cannot run here."""
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    port, results = free_port(), ctx.Queue()
+    ranks = [ctx.Process(target=_rank, args=(r, port, updates, results), daemon=True) for r in range(2)]
+    for p in ranks:
+        p.start()
+    try:
+        got = [figures for _, figures in (results.get(timeout=TIMEOUT_S) for _ in ranks)]
+        return {key: statistics.fmean(g[key] for g in got) for key in got[0] if all(key in g for g in got)}
+    except queue.Empty:
+        codes = [p.exitcode for p in ranks]
+        raise RuntimeError(f"two local ranks gave no FSDP2 host-work timing (exit codes {codes})") from None
+    finally:
+        for p in ranks:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
