@@ -189,6 +189,11 @@ def test_a_full_ac_recomputes_last_chain_is_fused_into_its_gradients_kernel_by_h
     assert gelu and all(o.cost_class is OpClass.MEMORY for o in gelu)  # its arithmetic is the gradient's
     into = [o for o in redo if o.name == KERNEL and o.launch is Launch.FUSED]
     assert sum(o.bytes * o.count for o in into) == 2 * 65_536 * 4
+    # with dropout, the block's last dropout (past the down-projection) is drawn again in that backward too: the
+    # written output is still the gelu's
+    dropped = [o for o in update_ops(cfg.replace(model=preset("tiny", layers=2))) if o.phase is Phase.RECOMPUTE
+               and o.name == KERNEL and o.launch is Launch.FUSED]
+    assert sum(o.bytes * o.count for o in dropped) == 2 * 65_536 * 4
 
 
 def test_a_fused_ops_arithmetic_is_priced_at_inductors_in_kernel_rate_where_timed_else_atens():

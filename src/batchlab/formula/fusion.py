@@ -115,8 +115,9 @@ def _into_backward(chain: list[OpCount], width: int) -> list[OpCount]:
     """A recompute's last chain, after its last matmul, as inductor's backward graph runs it: fused into the
     kernel of its gradient, which reads the same input (a GPT block's gelu and gelu_backward both read fc1's
     output): no launch, its input read there already, its output written once (the weight gradient's matmul
-    reads it), a transcendental evaluated once for both (the gradient's member prices it); random draws stay."""
-    last = chain[-1]
+    reads it), a transcendental evaluated once for both (the gradient's member prices it); random draws stay (a
+    dropout past the block's last matmul, drawn again there: its output is not the one written)."""
+    last = ([op for op in chain if op.cost_class is not OpClass.RANDOM] or chain)[-1]
     out = [OpCount(KERNEL, last.phase, OpClass.MEMORY, 0, last.elements * width * last.count, last.elements,
                    last.low_precision, 1, 0, False, Launch.FUSED)]
     for op in chain:
