@@ -20,8 +20,8 @@ under ``MASK_KEY`` (formula/fusion.py ``MASK``).
 The other per-element work a generated kernel does is timed alike, for any compiled model on this CPU: a
 transcendental op (tanh, exp, erf, sigmoid, log; a softmax's passes over a row) is at::vec's vectorised function
 inside the fused loop, not ATen's kernel of that op (whose CPU path can be another library's, at another cost
-per element), and a bool tensor a kernel reads (a mask the forward saved for
-backward) is widened into a vector mask element by element (``VecMask<float,1>::from(bool*)``, a scalar loop).
+per element), and a bool tensor a kernel reads (a mask the forward saved for backward) is widened into a vector
+mask element by element (``VecMask<float,1>::from(bool*)``, a scalar loop).
 Each is a compiled ``op(x)`` (``where(m, x, 0)``) less a compiled ``x * 2`` that moves the same bytes, timed in
 turns with ``bernoulli_`` and cached under ``activation/inductor_<op>`` (``softmax/inductor_softmax``,
 ``masked/inductor_mask_load``); where not timed, ATen's kernel of the op serves (formula/inkernel.py).
@@ -74,7 +74,7 @@ def measure_mask(seconds: float = SECONDS) -> float:
 
 
 def measure_in_kernel(seconds: float = SECONDS) -> dict[str, float]:
-    """Per ``ARITHMETIC_KEYS`` / ``MASK_LOAD_KEY`` key, that work inside a compiled kernel over ATen's
+    """Per ``ARITHMETIC_KEYS`` / ``SOFTMAX_KEY`` / ``MASK_LOAD_KEY`` key, that work inside a compiled kernel over ATen's
     ``bernoulli_`` per element: each compiled op's time less a compiled ``x * 2``'s (the same bytes moved, no
     arithmetic to speak of), all timed in one set of turns."""
     import torch
