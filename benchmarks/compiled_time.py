@@ -181,9 +181,15 @@ def rng_rate_line() -> str:
     rng, mask, eager = rates.get(compiled_rng.KEY), rates.get(compiled_rng.MASK_KEY), rates.get("random:fp32")
     if not (rng and mask and eager):
         return "inductor's in-kernel RNG and mask store not timed here: priced at ATen's bernoulli_ rate"
+    inside = {k: rates[k] for k in (*compiled_rng.ARITHMETIC_KEYS, compiled_rng.SOFTMAX_KEY,
+                                    compiled_rng.MASK_LOAD_KEY) if k in rates}
+    aten = {k: rates.get(k.replace("inductor_", "").replace("masked/mask_load", "masked")) for k in inside}
     return (f"inductor's in-kernel RNG {rng * 1e9:.1f} ns per element, x{rng / eager:.2f} ATen's bernoulli_ "
             f"({eager * 1e9:.1f} ns) in the calibration, its bool mask store {mask * 1e9:.1f} ns, "
-            f"x{mask / eager:.2f}")
+            f"x{mask / eager:.2f}; in-kernel arithmetic per element (ATen's kernel of the op beside it): "
+            + (", ".join(f"{k.split('/')[1].split(':')[0].removeprefix('inductor_')} {v * 1e9:.2f} ns"
+                         + (f" ({aten[k] * 1e9:.2f})" if aten[k] else "") for k, v in inside.items())
+               or "not timed, ATen's rates serve"))
 
 
 def page(trace: bool) -> str:
@@ -198,10 +204,14 @@ def page(trace: bool) -> str:
              "ratio the time model predicts (formula: the op list with pointwise chains fused, formula/fusion.py"
              + ("; trace: each kernel inductor's generated wrapper calls, one launch moving its buffers once, plus "
                 "the per-element arithmetic of the transcendental ops and random draws inductor lowered into its "
-                "kernels, trace/inductor_plan.py" if trace else "") + "). Ratios only: "
+                "kernels and the bool reads of each mask a graph saved, trace/inductor_plan.py" if trace else "")
+             + "). Ratios only: "
              "the host is shared, absolute times are no goal. fp32, one optimizer update of one micro-batch. The "
-             "time model prices inductor's kernels at eager PyTorch's calibrated rates (per-element rates, the "
-             "bandwidth curve, a no-grad call's dispatch per kernel) and dropout's numbers, which inductor draws "
+             "time model prices inductor's kernels' bytes at eager PyTorch's calibrated rates (the bandwidth "
+             "curve, a no-grad call's dispatch per kernel), their transcendental ops (tanh, exp, a softmax's passes) "
+             "at at::vec's in-kernel rates, each bool a kernel reads back from a mask its graph saved (a causal mask "
+             "under AC none; under full AC the loop makes it from its indices) at its own rate, and dropout's "
+             "numbers, which inductor draws "
              "inside its kernels (one Philox engine per element in a scalar loop), at that RNG's own rate, and the "
              "bool store of each mask a compiled forward keeps for backward (none under full AC: the backward "
              "draws again) at its own rate "
@@ -263,14 +273,25 @@ FINDINGS = (
     "and most of the no-AC dropout rows' under-prediction (formula -18% to -24% before it was priced). The case whose "
     "direction was wrong before (GPT tiny with dropout, 64 x 2, AC none) measured 1.14 with inductor's RNG and 1.02 "
     "with `torch._inductor.config.fallback_random` (ATen's RNG; wall clock outside the allocator regime, one process "
-    "each). Full AC: compiled blocks still gain more than predicted, with and without dropout (the table's "
-    "full-AC rows; the dropout rows a few points more since the backward's redraw of each block's last mask is "
-    "priced). Without "
-    "dropout (128 x 8, outside the regime) the compiled forward under full AC took 14% less than under none (it "
-    "returns no saved activations; inductor reuses its dead buffers in place) and the compiled recompute 55% of the "
-    "compiled forward where the op list prices 70% (it runs inside the backward's graph, fused with its consumers): "
-    "neither is priced yet, and the trace, which sees inductor's own kernels and buffers, misses by as much, so the "
-    "gap is in the rates its kernels run at, not in their count. hf:llama under full AC does not compile: dynamo "
+    "each). Full AC, read off inductor's generated code for a GPT block (no dropout, 128 x 8) and each kernel's "
+    "thread time (one process, compiled none and full apart): the forward under full AC took 2.2 ms less than under "
+    "none, and that is one kernel: under none the forward saves the causal mask for backward, so its softmax kernel "
+    "reads it back as bool in its max and exp passes (`VecMask<float,1>::from(bool*)`, a scalar loop per 16 "
+    "lanes: 1.77 against 0.69 ms a call) and the backward's once more (0.66 against 0.30 ms); under full AC nothing "
+    "is saved and every pass computes the mask from its loop indices. Pricing masked_fill at ATen's rate missed it "
+    "both ways. The recompute: the partition recomputes all but the down-projection (as the op list does); the "
+    "recomputed gelu is fused into the gelu-backward kernel (one kernel reading fc1's output, one tanh for both, "
+    "writing the gelu output the weight gradient reads); the other recomputed chains stay kernels of their own "
+    "between the matmuls, as in the forward. The rates: at::vec's tanh inside a kernel cost about half ATen's "
+    "tanh kernel per element on this host, its exp a fraction of ATen's; both were priced at ATen's (and the "
+    "formula priced the recomputed gelu as a kernel of its own). Counted and "
+    "priced now (formula/fusion.py, trace/inductor_plan.py, rates timed by compiled_rng.py); the trace also no longer "
+    "prices the wrapper's buffer allocations and `reinterpret_tensor` views as dispatched ops. Left: at 64 x 2 the "
+    "full-AC rows' error is mostly eager's side of the ratio: in-process phase times (GPT tiny, no dropout) had "
+    "eager full over eager none at 1.37-1.38 where the trace prices 1.24 (eager's forward under checkpoint took "
+    "0.3-0.7 ms more than without it, which nothing prices), while compiled full over compiled none came to about "
+    "1.13 against the trace's 1.09; small compiled kernels also ran at 0.2-0.5 of their priced time (a call into a "
+    "generated kernel costs less than a no-grad dispatch; a buffer just written is read from cache). hf:llama under full AC does not compile: dynamo "
     "breaks the graph at checkpoint's higher-order op (\"HOP: Unsafe side effect\") and its blocks run eager; the "
     "trace sees the break and predicts 1.0, the formula cannot.")
 

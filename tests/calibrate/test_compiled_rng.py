@@ -11,6 +11,17 @@ from batchlab.config import RunConfig, preset
 from hosts import stub_calibration
 
 DROPOUT = RunConfig(model=preset("tiny", layers=1), seq=16, micro_batch=1, compile="blocks")
+# the in-kernel arithmetic and bool-load rates over bernoulli_ (stubbed: timing them compiles six kernels)
+IN_KERNEL = {**{k: 0.25 for k in compiled_rng.ARITHMETIC_KEYS}, compiled_rng.SOFTMAX_KEY: 0.1,
+             compiled_rng.MASK_LOAD_KEY: 0.125}
+
+
+@pytest.fixture(autouse=True)
+def _in_kernel_stubbed(monkeypatch):
+    calls = []
+    monkeypatch.setattr(compiled_rng, "measure_in_kernel",
+                        lambda seconds=compiled_rng.SECONDS: calls.append(1) or IN_KERNEL)
+    return calls
 
 
 def test_ensure_times_the_rng_once_for_a_compiled_dropout_model_and_caches_its_rate(monkeypatch):
@@ -18,7 +29,7 @@ def test_ensure_times_the_rng_once_for_a_compiled_dropout_model_and_caches_its_r
     monkeypatch.setattr(compiled_rng, "measure", lambda seconds=compiled_rng.SECONDS: calls.append(1) or 2.5)
     monkeypatch.setattr(compiled_rng, "measure_mask", lambda seconds=compiled_rng.SECONDS: calls.append(2) or 1.5)
     assert compiled_rng.ensure(DROPOUT, threads=1) is None and not calls  # no calibration: nothing to scale
-    save(stub_calibration(element_seconds={"random:fp32": 6e-9}))
+    save(stub_calibration(element_seconds={"random:fp32": 6e-9, **{k: 1e-9 for k in IN_KERNEL}}))
     for eager_or_no_dropout in (DROPOUT.replace(compile="none"), DROPOUT.replace(model=preset("tiny", layers=1,
                                                                                                dropout=0.0))):
         assert compiled_rng.ensure(eager_or_no_dropout, threads=1) is None and not calls
@@ -34,7 +45,8 @@ def test_a_calibration_with_the_rng_alone_times_the_mask_store_alone(monkeypatch
     calls = []
     monkeypatch.setattr(compiled_rng, "measure", lambda seconds=compiled_rng.SECONDS: calls.append(1) or 2.5)
     monkeypatch.setattr(compiled_rng, "measure_mask", lambda seconds=compiled_rng.SECONDS: calls.append(2) or 1.5)
-    save(stub_calibration(element_seconds={"random:fp32": 6e-9, compiled_rng.KEY: 14e-9}))
+    save(stub_calibration(element_seconds={"random:fp32": 6e-9, compiled_rng.KEY: 14e-9,
+                                           **{k: 1e-9 for k in IN_KERNEL}}))
     assert "bool mask store" in compiled_rng.ensure(DROPOUT, threads=1) and calls == [2]
     assert load_cached("cpu", 1).element_seconds[compiled_rng.KEY] == pytest.approx(14e-9)
 
@@ -68,3 +80,17 @@ def test_an_in_kernel_rate_a_thousand_times_the_bulk_draw_is_neither_cached_nor_
     assert any(compiled_rng.KEY in p and "x1e+03" in p for p in problems(cached))
     cached.element_seconds[compiled_rng.KEY] = 12e-9
     assert not any(compiled_rng.KEY in p for p in problems(cached))
+
+
+def test_any_compiled_model_times_inductors_in_kernel_arithmetic_once_and_an_eager_one_none(_in_kernel_stubbed):
+    # no dropout: the RNG's rates are not wanted, the in-kernel tanh, exp, ..., softmax and bool-load rates are
+    plain = DROPOUT.replace(model=preset("tiny", layers=1, dropout=0.0))
+    save(stub_calibration(element_seconds={"random:fp32": 8e-9}))
+    assert compiled_rng.ensure(plain.replace(compile="none"), threads=1) is None and not _in_kernel_stubbed
+    line = compiled_rng.ensure(plain, threads=1)
+    assert "in-kernel arithmetic" in line and "tanh 2.00 ns" in line and "mask_load 1.00 ns" in line  # x 8 ns
+    rates = load_cached("cpu", 1).element_seconds
+    assert rates["activation/inductor_tanh:fp32"] == pytest.approx(2e-9)
+    assert rates[compiled_rng.SOFTMAX_KEY] == pytest.approx(0.8e-9)
+    assert compiled_rng.KEY not in rates and compiled_rng.MASK_KEY not in rates
+    assert compiled_rng.ensure(plain, threads=1) is None and _in_kernel_stubbed == [1]  # cached: timed once

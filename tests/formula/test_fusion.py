@@ -32,8 +32,8 @@ def test_a_fused_chain_moves_its_inputs_and_output_once_by_hand():
     assert len(kernels) == 1 and kernels[0].bytes == 12 * N and kernels[0].launch is Launch.COMPILED
     # the members remain, without a launch or bytes of their own: gelu's arithmetic is still there
     members = {o.name: o for o in out if o.launch is Launch.FUSED and o.cost_class is not OpClass.VIEW}
-    assert set(members) == {"gelu", "mul"} and all(m.bytes == 0 for m in members.values())
-    assert members["gelu"].elements == N
+    assert set(members) == {"inductor_gelu", "mul"} and all(m.bytes == 0 for m in members.values())
+    assert members["inductor_gelu"].elements == N  # gelu as inductor's loop computes it
     # the matmuls are untouched, issued by the compiled graph's wrapper
     mms = [o for o in out if o.name == "mm"]
     assert [o.flops for o in mms] == [10**6, 10**6] and all(o.launch is Launch.COMPILED for o in mms)
@@ -56,7 +56,7 @@ def test_phases_keep_their_own_chains():
     out = fuse(ops, width=4)
     fwd = [o for o in out if o.phase is FWD and o.name == KERNEL]
     assert len(fwd) == 1 and fwd[0].bytes == 8 * N + 12 * N - 2 * 4 * N
-    assert [o.name for o in out if o.phase is Phase.BACKWARD] == ["gelu_backward"]  # alone: not a kernel of two
+    assert [o.name for o in out if o.phase is Phase.BACKWARD] == ["inductor_gelu_backward"]  # alone: its own kernel
 
 
 def test_launches_are_priced_by_who_issues_them():
@@ -157,3 +157,54 @@ def test_a_forward_keeping_its_masks_stores_them_as_bool_and_a_recomputed_one_st
     again = [o for o in update_ops(full) if o.name == "inductor_random" and o.phase is Phase.RECOMPUTE]
     assert sum(o.elements * o.count for o in again) == drawn
     assert not [o for o in update_ops(kept.replace(compile="none")) if o.name == "inductor_mask_store"]
+
+
+def _in_update(cfg, name: str, phase: Phase) -> int:
+    return sum(o.elements * o.count for o in update_ops(cfg) if o.name == name and o.phase is phase)
+
+
+def test_a_kept_causal_mask_is_read_back_per_element_and_a_recomputed_one_is_made_from_indices_by_hand():
+    # tiny GPT without dropout, 2 blocks, 4 heads, seq 64, micro-batch 2: each block's scores are b·a·s² = 32,768.
+    # Inductor's plan of the block (tests/trace/test_compiled_trace.py, on its own causal softmax): with AC none the
+    # forward saves the causal mask and its softmax kernel reads it back as bool in its max and exp passes (2 per
+    # score), the backward once; under full AC no pass reads one: the mask comes from the loop's indices
+    scores = 2 * 4 * 64 * 64
+    kept = RunConfig(model=preset("tiny", layers=2, dropout=0.0), seq=64, micro_batch=2, compile="blocks")
+    assert _in_update(kept, "inductor_mask_load", FWD) == 2 * 2 * scores
+    assert _in_update(kept, "inductor_mask_load", Phase.BACKWARD) == 2 * scores
+    full = kept.replace(ac="full")
+    assert not [o for o in update_ops(full) if o.name == "inductor_mask_load" or o.cost_class is OpClass.MASKED]
+    # eager PyTorch runs masked_fill itself, in every phase
+    assert _in_update(full.replace(compile="none"), "masked_fill", Phase.RECOMPUTE) == 2 * scores
+
+
+def test_a_full_ac_recomputes_last_chain_is_fused_into_its_gradients_kernel_by_hand():
+    # the recompute of each block ends with fc1's gelu (b·s·4h = 2·64·512 = 65,536 outputs), whose output the
+    # backward reads for the down-projection's weight gradient; inductor's backward computes it inside the
+    # gelu-and-gelu_backward kernel (one tanh for both, its output written once: 65,536 x 4 bytes), no launch
+    cfg = RunConfig(model=preset("tiny", layers=2, dropout=0.0), seq=64, micro_batch=2, ac="full", compile="blocks")
+    redo = [o for o in update_ops(cfg) if o.phase is Phase.RECOMPUTE]
+    assert not [o for o in redo if "gelu" in o.name and o.launch is not Launch.FUSED]
+    gelu = [o for o in redo if o.name == "inductor_gelu"]
+    assert gelu and all(o.cost_class is OpClass.MEMORY for o in gelu)  # its arithmetic is the gradient's
+    into = [o for o in redo if o.name == KERNEL and o.launch is Launch.FUSED]
+    assert sum(o.bytes * o.count for o in into) == 2 * 65_536 * 4
+    # with dropout, the block's last dropout (past the down-projection) is drawn again in that backward too: the
+    # written output is still the gelu's
+    dropped = [o for o in update_ops(cfg.replace(model=preset("tiny", layers=2))) if o.phase is Phase.RECOMPUTE
+               and o.name == KERNEL and o.launch is Launch.FUSED]
+    assert sum(o.bytes * o.count for o in dropped) == 2 * 65_536 * 4
+
+
+def test_a_fused_ops_arithmetic_is_priced_at_inductors_in_kernel_rate_where_timed_else_atens():
+    costs = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e10),), strided_bytes_per_s=5e9,
+                    element_seconds={"activation:fp32": 2e-9, "activation/tanh:fp32": 3.5e-9},
+                    dispatch={"forward": 0.0, "backward": 0.0, "plain": 0.0})
+    tanh = [o for o in fuse([op("mm", 0, flops=10), op("tanh", 8 * N), op("mm", 0, flops=10)], 4)
+            if o.name == "inductor_tanh"]
+    assert len(tanh) == 1 and tanh[0].launch is Launch.COMPILED
+    # a lone tanh is its own kernel: the slower of its bytes at 1e10 B/s (0.8 ns per element) and its arithmetic
+    assert price(tanh, costs).seconds == pytest.approx(N * 3.5e-9)  # ATen's tanh where not timed
+    timed = OpCosts(**{**costs.__dict__, "element_seconds": {**costs.element_seconds,
+                                                             "activation/inductor_tanh:fp32": 1.5e-9}})
+    assert price(tanh, timed).seconds == pytest.approx(N * 1.5e-9)

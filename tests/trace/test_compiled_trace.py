@@ -10,6 +10,7 @@ import torch
 
 from batchlab.config import RunConfig, preset
 from batchlab.config.phase import Launch
+from batchlab.formula.opcost import OpClass
 from batchlab.measure import MeasureOptions
 from batchlab.run import measure as run
 from batchlab.trace import estimate as trace
@@ -99,7 +100,7 @@ def test_a_fused_pointwise_chain_is_one_kernel_reading_its_input_and_writing_its
 
 def test_a_compiled_dropout_draws_one_number_per_element_inside_the_kernel_and_is_priced_per_element():
     """Inductor lowers dropout's mask to prims.inductor_random, drawn inside the fused kernel (its C++ calls
-    normalized_rand_cpu once per element), and exp to a vectorised call in the same kernel: the trace records each
+    normalized_rand_cpu once per element), and exp to at::vec's exp in the same kernel: the trace records each
     as per-element arithmetic of its 800 elements with no launch and no bytes of its own; the kernel still moves
     the input and output once (800 fp32 each) and its seed."""
     import torch.nn.functional as F
@@ -113,8 +114,9 @@ def test_a_compiled_dropout_draws_one_number_per_element_inside_the_kernel_and_i
         compiled = inductor(torch.fx.symbolic_trace(drop), [x])
         with rec:
             compiled(x)
-    inside = {op.name: op for op in rec.result() if op.launch is Launch.FUSED}
-    assert set(inside) == {"inductor_random", "exp"}
+    # inside the kernel: per-element work (the wrapper's allocations are free helpers too, of the view class)
+    inside = {op.name: op for op in rec.result() if op.launch is Launch.FUSED and op.cost_class is not OpClass.VIEW}
+    assert set(inside) == {"inductor_random", "inductor_exp"}  # exp as at::vec computes it inside the loop
     assert all(op.elements == 800 and op.bytes == 0 and op.count == 1 for op in inside.values())
     kernels = [op for op in rec.result() if op.name == "inductor_kernel"]
     assert len(kernels) == 1 and kernels[0].bytes == 2 * 800 * 4 + 8  # one int64 seed
@@ -144,3 +146,50 @@ def test_a_mask_the_graph_returns_is_stored_as_bool_inside_the_kernel_and_priced
         stored[fn.__name__] = [(op.elements, op.bytes, op.launch) for op in rec.result()
                                if op.name == "inductor_mask_store"]
     assert stored == {"kept": [(800, 0, Launch.FUSED)], "dropped": []}
+
+
+def _fused(fn, *args) -> list:
+    """(name, elements) of the per-element work the trace records inside the kernels inductor plans for ``fn``."""
+    rec = OpRecorder()
+    with kernels_not_built(), torch.no_grad():
+        compiled = inductor(torch.fx.symbolic_trace(fn), list(args))
+        with rec:
+            compiled(*args)
+    return sorted((op.name, op.elements) for op in rec.result()
+                  if op.launch is Launch.FUSED and op.cost_class is not OpClass.VIEW)
+
+
+def test_a_bool_mask_a_kernel_reads_is_widened_per_element_and_one_made_from_indices_is_not():
+    """A causal softmax as a GPT block's attention does it, 8 rows of 100 x 100 scores.  With the mask a graph
+    input (what a backward gets when the forward saved it, AC none), inductor's kernel reads it back as bool in
+    both of the softmax's passes over each row (max, then exp), since it inlines the where into each: 2 x 80,000
+    bools widened into vector masks (its generated C++: ``VecMask<float,1>::from(in_ptr0 + ...)`` in two loops).
+    With the mask made in the graph from ones_like().triu() and not returned (the forward and recompute under full
+    AC), the loops compute it from their indices and read no bool.  The exp of x - max(x) is the softmax's."""
+    scores = torch.randn(8, 100, 100)
+
+    def given(x, m):
+        return torch.softmax(x.masked_fill(m, float("-inf")), -1)
+
+    def made(x):
+        m = torch.ones_like(x[0], dtype=torch.bool).triu(1)  # from x: traced, not a constant of the graph
+        return torch.softmax(x.masked_fill(m, float("-inf")), -1)
+
+    mask = torch.ones(100, 100, dtype=torch.bool).triu(1)
+    assert _fused(given, scores, mask) == [("inductor_mask_load", 2 * 80_000), ("inductor_softmax", 80_000)]
+    assert _fused(made, scores) == [("inductor_softmax", 80_000)]
+
+
+def test_the_wrappers_allocations_and_views_are_recorded_without_a_dispatch():
+    """Inductor's wrapper allocates its buffers and reinterprets them with C++ helpers (``empty_strided_cpu``,
+    ``reinterpret_tensor``), no dispatcher call: the trace records them (fake mode and the tracker need them) as
+    free; the ATen calls the wrapper does make (its extern matmuls) are no-grad calls, a compiled graph's."""
+    rec = OpRecorder()
+    with kernels_not_built(), torch.no_grad():
+        compiled = inductor(torch.fx.symbolic_trace(lambda x, w: torch.relu(x @ w) * 2), [torch.randn(8, 4),
+                                                                                            torch.randn(4, 6)])
+        with rec:
+            compiled(torch.randn(8, 4), torch.randn(4, 6))
+    ops = rec.result()
+    assert [op.launch for op in ops if op.name == "empty_strided"] == [Launch.FUSED]
+    assert [op.launch for op in ops if op.name == "mm"] == [Launch.COMPILED]

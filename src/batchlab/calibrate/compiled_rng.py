@@ -16,6 +16,15 @@ A compiled forward that keeps a dropout mask for backward stores it as bool from
 (``VecMask<float,1>::store`` into a ``bool*``), which costs per element about what the draw does and no ATen kernel
 resembles it: a compiled ``x > c`` with a bool output is timed the same way, in turns with ``bernoulli_``, and cached
 under ``MASK_KEY`` (formula/fusion.py ``MASK``).
+
+The other per-element work a generated kernel does is timed alike, for any compiled model on this CPU: a
+transcendental op (tanh, exp, erf, sigmoid, log; a softmax's passes over a row) is at::vec's vectorised function
+inside the fused loop, not ATen's kernel of that op (whose CPU path can be another library's, at another cost
+per element), and a bool tensor a kernel reads (a mask the forward saved for backward) is widened into a vector
+mask element by element (``VecMask<float,1>::from(bool*)``, a scalar loop).
+Each is a compiled ``op(x)`` (``where(m, x, 0)``) less a compiled ``x * 2`` that moves the same bytes, timed in
+turns with ``bernoulli_`` and cached under ``activation/inductor_<op>`` (``softmax/inductor_softmax``,
+``masked/inductor_mask_load``); where not timed, ATen's kernel of the op serves (formula/inkernel.py).
 """
 from __future__ import annotations
 
@@ -24,18 +33,31 @@ import time
 
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.config import CompileMode, RunConfig
+from batchlab.formula.fusion import MASK_LOAD
+from batchlab.formula.inkernel import in_kernel
 from batchlab.formula.plausible import IN_KERNEL_RATIO
 
 NAME = "inductor_random"  # the prim inductor lowers random ops to, as the op lists name it
 KEY = f"random/{NAME}:fp32"  # its element_seconds entry (formula/opcost.py element_rate_seconds's key)
 MASK = "inductor_mask_store"  # a kept mask's bool store inside a compiled kernel (formula/fusion.py MASK)
 MASK_KEY = f"random/{MASK}:fp32"
+MASK_LOAD_KEY = f"masked/{MASK_LOAD}:fp32"
+# transcendental ops inductor computes inside its kernels (formula/opcost.py _ACTIVATION's, as ATen names them)
+ARITHMETIC = ("tanh", "exp", "erf", "sigmoid", "log")
+ARITHMETIC_KEYS = {f"activation/{in_kernel(op)}:fp32": op for op in ARITHMETIC}
+# a softmax inside a kernel: its passes over each row (max, exp and sum, divide) fused with what feeds it
+SOFTMAX_KEY = f"softmax/{in_kernel('softmax')}:fp32"
 SECONDS = 1.0
 
 
 def wanted(cfg: RunConfig) -> bool:
     """``cfg`` runs dropout inside inductor's CPU kernels."""
-    return cfg.compile is not CompileMode.NONE and cfg.model.dropout > 0 and cfg.device == "cpu"
+    return compiled_on_cpu(cfg) and cfg.model.dropout > 0
+
+
+def compiled_on_cpu(cfg: RunConfig) -> bool:
+    """``cfg`` runs inductor's CPU kernels."""
+    return cfg.compile is not CompileMode.NONE and cfg.device == "cpu"
 
 
 def measure(seconds: float = SECONDS) -> float:
@@ -49,6 +71,36 @@ def measure_mask(seconds: float = SECONDS) -> float:
     """A compiled kernel's bool store over ATen's ``bernoulli_`` per element: ``x > 0.5`` into a bool buffer, the
     comparison itself far cheaper than the store (``_timed``)."""
     return _timed(MASK, lambda x: x > 0.5, seconds)
+
+
+def measure_in_kernel(seconds: float = SECONDS) -> dict[str, float]:
+    """Per ``ARITHMETIC_KEYS`` / ``SOFTMAX_KEY`` / ``MASK_LOAD_KEY`` key, that work inside a compiled kernel over ATen's
+    ``bernoulli_`` per element: each compiled op's time less a compiled ``x * 2``'s (the same bytes moved, no
+    arithmetic to speak of), all timed in one set of turns."""
+    import torch
+
+    from batchlab.calibrate.kernels import CLOCK, ELEMENTS, alternated, keeping
+
+    x = torch.rand(ELEMENTS // 128, 128)
+    # a causal mask's pattern (runs of one value along each row): the widening is a scalar loop per element whose
+    # branches a random mask mispredicts, several times slower per element (not priced here)
+    mask = torch.ones(128, 128, dtype=torch.bool).triu(1).repeat(ELEMENTS // 128 // 128, 1)
+    fns = {"copy": lambda t: t * 2.0, **{k: getattr(torch, op) for k, op in ARITHMETIC_KEYS.items()},
+           SOFTMAX_KEY: lambda t: torch.softmax(t, -1), MASK_LOAD_KEY: lambda t: torch.where(mask, t, 0.0)}
+    kernels = {}
+    for k, fn in fns.items():
+        run = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
+        run(x)  # the compile, outside the timed turns
+        kernels[k] = (keeping(lambda run=run: run(x)), ELEMENTS)
+    token = CLOCK.set(time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
+    try:
+        rates = alternated({**kernels, "bernoulli_": (lambda: x.bernoulli_(0.9), ELEMENTS)}, seconds, lambda: None)
+    finally:
+        CLOCK.reset(token)
+    base = rates["bernoulli_"] / rates["copy"]
+    # an op no slower than the copy within the timing's spread (exp, vectorised, often is) keeps a floor of 1% of
+    # the copy's time: a calibrated rate is positive
+    return {k: max(rates["bernoulli_"] / rates[k] - base, base / 100) for k in fns if k != "copy"}
 
 
 def _timed(name: str, fn, seconds: float) -> float:
@@ -73,20 +125,21 @@ def _timed(name: str, fn, seconds: float) -> float:
 
 
 def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
-    """For a compiled model with dropout on this CPU whose calibration (at ``threads``) lacks ``KEY`` or
-    ``MASK_KEY``: measure them and cache them with the calibration.  Returns the line to show the user (None:
-    nothing to say)."""
-    cal = load_cached("cpu", default_threads() if threads is None else threads) if wanted(cfg) else None
+    """For a compiled model on this CPU whose calibration (at ``threads``) lacks the in-kernel rates it runs at
+    (``KEY`` and ``MASK_KEY`` with dropout; ``ARITHMETIC_KEYS``, ``SOFTMAX_KEY``, ``MASK_LOAD_KEY`` for any):
+    measure them and cache them with the calibration.  Returns the line to show the user (None: nothing to say)."""
+    cal = load_cached("cpu", default_threads() if threads is None else threads) if compiled_on_cpu(cfg) else None
     eager = cal.element_seconds.get("random:fp32") if cal is not None else None
-    timers = {KEY: ("inductor's in-kernel RNG", measure), MASK_KEY: ("inductor's bool mask store", measure_mask)}
+    timers = {KEY: ("inductor's in-kernel RNG", measure), MASK_KEY: ("inductor's bool mask store", measure_mask)} \
+        if wanted(cfg) else {}
+    lines = _ensure_in_kernel(cal, eager)
     missing = [k for k in timers if cal is not None and k not in cal.element_seconds]
     if cal is None or not missing or not eager:
-        return None
+        return "\n".join(lines) or None
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(cal.threads)
-    lines = []
     try:
         for k in missing:
             what, timer = timers[k]
@@ -109,3 +162,28 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
     if any(k in cal.element_seconds for k in missing):
         save(cal)
     return "\n".join(lines)
+
+
+def _ensure_in_kernel(cal, eager: float | None) -> list[str]:
+    """``measure_in_kernel``'s rates cached with ``cal`` where it lacks any of them; the lines saying so."""
+    keys = (*ARITHMETIC_KEYS, SOFTMAX_KEY, MASK_LOAD_KEY)
+    if cal is None or not eager or all(k in cal.element_seconds for k in keys):
+        return []
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(cal.threads)
+    try:
+        ratios = measure_in_kernel()
+    except Exception as e:  # noqa: BLE001 - inductor or its C++ compiler unusable here: ATen's rates serve
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        return [f"time model: inductor's in-kernel arithmetic not timed ({first}); ATen's kernels' rates serve"]
+    finally:
+        torch.set_num_threads(before)
+    low, high = 0.0, IN_KERNEL_RATIO[1]
+    kept = {k: r * eager for k, r in ratios.items() if math.isfinite(r) and low <= r <= high}
+    cal.element_seconds.update(kept)
+    save(cal)
+    return ["time model: timed inductor's in-kernel arithmetic once against ATen's bernoulli_ and cached it with "
+            "the calibration (" + ", ".join(f"{k.split('/')[1].split(':')[0].removeprefix('inductor_')} "
+                                            f"{v * 1e9:.2f} ns" for k, v in kept.items()) + " per element)"]

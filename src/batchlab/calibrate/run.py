@@ -333,7 +333,9 @@ def auto(device_name: str, threads: int | None, enabled: bool = True, cfgs: tupl
                 f"rates at {want} thread(s) price the time")
     lines = [_calibrated_line(cal)] if fresh else []
     lines += [line for cfg in dict.fromkeys(cfgs) if (line := family.ensure(cfg, want))]
-    drawn = next((cfg for cfg in cfgs if compiled_rng.wanted(cfg)), None)  # one rate serves every model
+    # one rate serves every model: a model with dropout times the RNG's too
+    drawn = next((cfg for cfg in cfgs if compiled_rng.wanted(cfg)), None) or next(
+        (cfg for cfg in cfgs if compiled_rng.compiled_on_cpu(cfg)), None)
     lines += [line for line in (compiled_rng.ensure(drawn, want) if drawn else None,) if line]
     lines += [line for line in (dtensor.ensure(cfgs, want),) if line]
     return "\n".join(lines) or None

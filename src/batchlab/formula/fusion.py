@@ -21,12 +21,19 @@ A forward that keeps its dropout masks for backward (its block not recomputed) s
 inductor's C++ (CPU) kernels write through a vector-mask-to-bool conversion costing about as much per element as the draw
 itself (calibrate/compiled_rng.py times it): ``MASK``, one per drawn element.  A recomputed block's forward keeps
 no mask and its backward draws the numbers again inside the kernels that use them, storing none.
+
+A member's arithmetic is priced as inductor's loop computes it (``_member``): at::vec's tanh, exp or a softmax's
+passes at their timed in-kernel rates, not ATen's kernels of those ops (calibrate/compiled_rng.py); a masked fill is a
+blend whose cost is its mask: a kept block reads the bool mask it saved for backward per element (``MASK_LOAD``),
+a recomputed block computes a causal mask from the loop's indices (what the softmax kernels of a GPT block do under AC
+none and full in inductor's generated code).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from batchlab.config.phase import Launch, Phase
+from batchlab.formula.inkernel import in_kernel
 from batchlab.formula.opcost import OpClass, OpCount
 
 POINTWISE = frozenset({OpClass.MEMORY, OpClass.STRIDED, OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD,
@@ -38,6 +45,7 @@ REDUCTION_NAMES = frozenset({"sum", "mean", "amax", "amin", "var_mean", "linalg_
 KERNEL = "fused"  # the name a chain's kernel goes by in the op list
 RNG = "inductor_random"  # the prim inductor lowers random ops to (torch/_inductor/inductor_prims.py)
 MASK = "inductor_mask_store"  # a kept dropout mask's bool store inside a compiled kernel (calibrate/compiled_rng.py)
+MASK_LOAD = "inductor_mask_load"  # a kept bool mask read back inside a compiled kernel (calibrate/compiled_rng.py)
 
 
 def _reduces(op: OpCount) -> bool:
@@ -63,34 +71,76 @@ def _mask_stored(op: OpCount) -> OpCount:
                    False, Launch.FUSED)
 
 
-def _kernel(chain: list[OpCount], width: int) -> list[OpCount]:
+def _member(op: OpCount, chain: list[OpCount], kept: bool) -> OpCount:
+    """``op``'s per-element work inside the chain's kernel, launch-free: an activation's or a softmax's arithmetic
+    as inductor's loop computes it (``inductor_tanh``, ``inductor_softmax``: at::vec's functions, timed by
+    calibrate/compiled_rng.py; ATen's rate of the op where not timed); a softmax's backward none beyond its bytes
+    (a multiply and a row sum); a masked fill a blend, whose mask is read back as bool per element where the block
+    keeps it for backward (``kept``: its forward and backward; twice under a softmax, whose max and exp passes both
+    recompute the fill) and is made from indices inside the loop where the block is recomputed."""
+    name, cost_class, elements = op.name, op.cost_class, op.elements
+    if cost_class in (OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD):
+        name = in_kernel(name)
+    elif cost_class is OpClass.SOFTMAX and name in ("_softmax", "softmax"):
+        name = in_kernel("softmax")
+    elif cost_class is OpClass.SOFTMAX and name == "_softmax_backward_data":
+        cost_class = OpClass.MEMORY
+    elif cost_class is OpClass.MASKED and kept and op.phase in (Phase.FORWARD, Phase.BACKWARD):
+        name = MASK_LOAD
+        elements *= 2 if chain[-1].name in ("_softmax", "softmax") else 1
+    elif cost_class is OpClass.MASKED:
+        cost_class = OpClass.MEMORY
+    return OpCount(name, op.phase, cost_class, 0, 0, elements, op.low_precision, op.count, op.flops_per_matmul,
+                   False, Launch.FUSED)
+
+
+def _kernel(chain: list[OpCount], width: int, kept: bool = True) -> list[OpCount]:
     """One chain's kernel (``count`` times when every member repeats alike) and its members, launch-free."""
     calls = sum(op.count for op in chain)
     moved = sum(op.bytes * op.count for op in chain)
     last = chain[-1]
     inner = sum(op.elements * op.count for op in chain) - last.elements  # every call's output but the chain's last
     fused = max(moved - 2 * width * inner, max(op.bytes for op in chain), 0)
-    members = [OpCount(op.name, op.phase, op.cost_class, 0, 0, op.elements, op.low_precision, op.count,
-                       op.flops_per_matmul, False, Launch.FUSED) for op in chain]
-    if calls == 1:  # one op alone: itself, issued by the compiled graph
-        return [launched(chain[0], Launch.COMPILED)]
+    members = [_member(op, chain, kept) for op in chain]
+    if calls == 1:  # one op alone: itself, issued by the compiled graph, its arithmetic as inductor's loop does it
+        op, own = chain[0], members[0]
+        return [OpCount(own.name, op.phase, own.cost_class, op.flops, op.bytes, own.elements, op.low_precision,
+                        op.count, op.flops_per_matmul, False, Launch.COMPILED)]
     kernel = OpCount(KERNEL, last.phase, OpClass.MEMORY, 0, fused, max(op.elements for op in chain),
                      any(op.low_precision for op in chain), 1, 0, False, Launch.COMPILED)
     return [kernel, *members]
 
 
-def fuse(ops: Iterable[OpCount], width: int, keeps_masks: bool = True) -> list[OpCount]:
+def _into_backward(chain: list[OpCount], width: int) -> list[OpCount]:
+    """A recompute's last chain, after its last matmul, as inductor's backward graph runs it: fused into the
+    kernel of its gradient, which reads the same input (a GPT block's gelu and gelu_backward both read fc1's
+    output): no launch, its input read there already, its output written once (the weight gradient's matmul
+    reads it), a transcendental evaluated once for both (the gradient's member prices it); random draws stay (a
+    dropout past the block's last matmul, drawn again there: its output is not the one written)."""
+    last = ([op for op in chain if op.cost_class is not OpClass.RANDOM] or chain)[-1]
+    out = [OpCount(KERNEL, last.phase, OpClass.MEMORY, 0, last.elements * width * last.count, last.elements,
+                   last.low_precision, 1, 0, False, Launch.FUSED)]
+    for op in chain:
+        member = _member(op, chain, False)
+        shared = op.cost_class in (OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD)
+        out.append(OpCount(member.name, member.phase, OpClass.MEMORY if shared else member.cost_class, 0, 0,
+                           member.elements, member.low_precision, member.count, 0, False, Launch.FUSED))
+    return out
+
+
+def fuse(ops: Iterable[OpCount], width: int, keeps_masks: bool = True, into_backward: bool = False) -> list[OpCount]:
     """``ops`` (one region's, in the order they run; any phases mixed) as a compiled graph runs them: per phase,
     pointwise chains fused into one kernel each (``width``: bytes of an inner output's element), matmuls and
     other ops issued by the graph's wrapper, views free; ``keeps_masks``: the forward keeps its dropout masks for
-    backward (its block is not recomputed)."""
+    backward (its block is not recomputed); ``into_backward``: the region is a recompute whose last chain fuses
+    into its gradient's backward kernel (``_into_backward``)."""
     out: list[OpCount] = []
     chains: dict = {}  # phase -> the open chain
 
     def close(phase) -> None:
         chain = chains.pop(phase, None)
         if chain:
-            out.extend(_kernel(chain, width))
+            out.extend(_kernel(chain, width, keeps_masks))
 
     for op in ops:
         if op.cost_class is OpClass.RANDOM:
@@ -107,5 +157,7 @@ def fuse(ops: Iterable[OpCount], width: int, keeps_masks: bool = True) -> list[O
             close(op.phase)
             out.append(launched(op, Launch.COMPILED))
     for phase in list(chains):
+        if into_backward and phase is Phase.RECOMPUTE:
+            out.extend(_into_backward(chains.pop(phase), width))
         close(phase)
     return out

@@ -9,8 +9,7 @@
   not the one just freed: its writes miss the cache; no page faults in batchlab's steady allocator regime,
   batchlab.host.regime), an in-place one (``add_``, the optimizer's) rewrites memory it read: two curves;
 - per-element ops whose cost is arithmetic, not bytes (transcendental activations, softmax, norms, the
-  dropout RNG): elements at a calibrated per-element rate of a representative kernel;
-- views: dispatch only;
+  dropout RNG): elements at a calibrated per-element rate of a representative kernel; views: dispatch only;
 - plus a fixed dispatch cost per op that depends on who issues it: the forward (autograd records a graph
   node), the autograd engine in backward, plain no-grad code (optimizer) or a compiled graph; on CUDA a launch.
 
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 
 from batchlab.config import Choice
 from batchlab.config.phase import Launch, Phase
+from batchlab.formula.inkernel import aten_name, rate_keys
 from batchlab.formula.memo import cache, lookup
 from batchlab.util.units import fmt_count, fmt_seconds
 
@@ -67,7 +67,7 @@ _COPIES = {"clone", "copy_", "_to_copy", "contiguous"}
 _SOFTMAX = {"_softmax", "_softmax_backward_data", "softmax", "_safe_softmax", "nll_loss_forward",
             "nll_loss_backward"}
 _LOSS = {"_log_softmax", "_log_softmax_backward_data", "log_softmax"}
-_MASKED = {"masked_fill", "masked_fill_", "where"}
+_MASKED = {"masked_fill", "masked_fill_", "where", "inductor_mask_load"}
 _NORM = {"native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
          "rms_norm"}
 _RANDOM = {"bernoulli", "bernoulli_", "native_dropout", "uniform_", "normal_", "random_", "randint", "rand",
@@ -84,6 +84,7 @@ _NO_DATA = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty",
 def op_class(name: str, is_view: bool = False, strided: bool = False) -> OpClass:
     """The class of an aten op by its overload packet name (``addmm``, ``native_layer_norm``, ...);
     ``strided``: its input is a non-contiguous view (a copy of it gathers)."""
+    name = aten_name(name)  # an op inside an inductor kernel: its ATen op's class
     if is_view or name in _NO_DATA:
         return OpClass.VIEW
     if strided and name in _COPIES:
@@ -210,13 +211,10 @@ class OpCosts:
 
     def element_rate_seconds(self, cost_class: OpClass, low_precision: bool, name: str = "") -> float:
         """Seconds per element: the op's own kernel where calibrated by name (``activation/silu:bf16``), else
-        its class's representative kernel, in its precision where calibrated, else fp32's."""
-        tag = "bf16" if low_precision else "fp32"
+        its class's representative kernel, in its precision where calibrated, else fp32's (formula/inkernel.py)."""
         e = self.element_seconds
-        for key in (f"{cost_class.value}/{name}:{tag}", f"{cost_class.value}/{name}:fp32", f"{cost_class.value}:{tag}"):
-            if key in e:
-                return e[key]
-        return e.get(f"{cost_class.value}:fp32", 0.0)
+        keys = rate_keys(cost_class.value, name, "bf16" if low_precision else "fp32")
+        return next((e[key] for key in keys if key in e), 0.0)
 
     def work_seconds(self, op: OpCount) -> float:
         """One call's time beyond its dispatch."""

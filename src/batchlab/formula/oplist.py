@@ -228,9 +228,9 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = OpList(_widths(cfg))
     n, compiled = cfg.model.layers, cfg.compile is not CompileMode.NONE
     # a compiled region: pointwise chains fused into one kernel each, recompute included (formula/fusion.py)
-    def region(out, keeps=True):
+    def region(out, keeps=True, recompute=False):
         # only inductor's C++ kernels store a bool from a vector mask at a cost of its own (formula/fusion.py)
-        return merge(fuse(out, ops.w.e, keeps and not ops.w.cuda)) if compiled else merge(out)
+        return merge(fuse(out, ops.w.e, keeps and not ops.w.cuda, recompute)) if compiled else merge(out)
 
     # selective policies run under checkpoint's Python dispatch mode (models/ac.py) unless compiled into a graph
     sac = 0 if compiled else sum(k for mode, k in cfg.ac.selective_kinds(n).items() if mode.dispatch_mode)
@@ -250,7 +250,8 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
         redo = OpList(ops.w)
         # ops whose outputs a policy serves from its cache in the recompute: its catalogue entry's
         _recompute(redo, cfg, mode.spec.cached_in_recompute, mode.spec.branch)
-        ops.add(*(_sac(o.times(k)) if mode.dispatch_mode and not compiled else o.times(k) for o in region(redo.out)))
+        ops.add(*(_sac(o.times(k)) if mode.dispatch_mode and not compiled else o.times(k)
+                  for o in region(redo.out, recompute=not mode.spec.branch)))
     rest = OpList(ops.w)
     _outside(rest, cfg)  # compiled with the blocks only when the whole model is
     ops.add(*(region(rest.out) if cfg.compile is CompileMode.MODEL else rest.out))

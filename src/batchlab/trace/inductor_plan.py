@@ -9,16 +9,23 @@ the ops it leaves to ATen (matmuls into planned buffers, fallbacks), a dead buff
 released as the backward goes (``args.clear()``).  Fused regions, recomputed ones included, write only what
 inductor realises.  Lowering is for the device the fake tensors are on: CPU here.
 
-For time, each kernel call is one launch moving its buffers once, and the per-element arithmetic its loops do
+For time, each kernel call is one launch moving its buffers once (the ATen calls the wrapper makes, its extern
+matmuls, are no-grad calls; its allocations and ``reinterpret_tensor`` views are C++ helpers with no dispatch
+of their own), and the per-element arithmetic its loops do
 beyond moving them is read off the graph inductor lowered (``in_kernels``): each transcendental op and each random
 draw (``prims.inductor_random``: dropout's numbers, made inside the kernel) with its output's elements, priced at
-its op's calibrated per-element rate.
+the rate that op runs at inside a generated kernel (at::vec's function, not ATen's kernel of the op; a softmax's
+passes over a row as one), and each element a kernel reads of a realised bool tensor (a mask the forward saved
+for backward, read back in either graph), which it widens into a vector mask element by element: a mask a graph
+makes from indices and does not save (a causal mask under full AC) is computed inside the loop instead, for
+nothing (calibrate/compiled_rng.py times each rate).
 """
 from __future__ import annotations
 
 import contextlib
 import types
 
+from batchlab.formula.inkernel import in_kernel
 from batchlab.formula.opcost import OpClass, op_class
 
 FILE = "<batchlab: inductor's wrapper, kernels not built>"
@@ -54,11 +61,24 @@ def _is_tensor(a) -> bool:
     return isinstance(a, torch.Tensor)
 
 
+def _helper(fn):
+    """``fn`` standing in for one of the wrapper's C++ helpers (its allocator, ``reinterpret_tensor``): dispatched
+    here so fake mode and the tracker see it, recorded without a dispatch's cost (the real helper has none)."""
+    from batchlab.config.phase import Launch
+    from batchlab.trace.ops import kernel
+
+    def run(*args):
+        with kernel(Launch.FUSED, 0):
+            return fn(*args)
+
+    return run
+
+
 def _alloc(device: str):
     import torch
 
     # through the dispatcher (the wrapper's C++ allocator bypasses it): fake mode makes it fake, the tracker counts it
-    return lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device=device)
+    return _helper(lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device=device))
 
 
 def _load(graph, wrapper_code):
@@ -77,7 +97,7 @@ def _load(graph, wrapper_code):
     for device in ("cpu", "cuda", "xpu", "mtia"):
         setattr(mod, f"empty_strided_{device}", _alloc(device))
     # a view, as the wrapper's C++ helper makes it, but dispatched (fake tensors have no data pointer)
-    mod.reinterpret_tensor = lambda t, size, stride, offset: t.as_strided(size, stride, offset)
+    mod.reinterpret_tensor = _helper(lambda t, size, stride, offset: t.as_strided(size, stride, offset))
     for k, v in {**graph.constants, **graph.torchbind_constants,
                  **getattr(graph, "opaque_value_type_classes", {})}.items():  # the attributes inductor's loader sets
         setattr(mod, k, v)
@@ -85,27 +105,75 @@ def _load(graph, wrapper_code):
     return mod
 
 
-# what a generated kernel spends per element beyond moving its buffers: transcendental functions (SLEEF's
-# vectorised exp, tanh, erf as ATen's kernels call them) and the RNG drawn inside the kernel (calibrate/compiled_rng.py)
+# what a generated kernel spends per element beyond moving its buffers: transcendental functions (at::vec's
+# vectorised exp, tanh, erf inside the loop) and the RNG drawn inside the kernel (calibrate/compiled_rng.py)
 ARITHMETIC = frozenset({OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD, OpClass.RANDOM})
+
+
+def _lowered(node, fallbacks) -> bool:
+    """``node`` is an aten op inductor generates code for (not one it leaves to ATen)."""
+    import torch
+
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+        and node.target not in fallbacks
 
 
 def in_kernels(graph) -> tuple[tuple[str, int, bool], ...]:
     """(op name, elements, 16-bit) of each node of a graph inductor lowers whose per-element arithmetic its
-    kernels compute (``ARITHMETIC``; not one it leaves to ATen, whose call the trace records as it runs)."""
+    kernels compute (``ARITHMETIC``, named as inside a kernel: ``inductor_tanh``; an ``exp`` of ``x - amax(x)``
+    as the softmax it is; not one it leaves to ATen, whose call the trace records as it runs), and the bool
+    reads of ``_mask_loads``."""
     import torch
     from torch._inductor.lowering import fallbacks
 
     out = []
     for node in graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target in fallbacks:
+        if not _lowered(node, fallbacks):
             continue
-        name = target.overloadpacket.__name__
+        name = node.target.overloadpacket.__name__
         val = node.meta.get("val")
         if op_class(name) in ARITHMETIC and isinstance(val, torch.Tensor):
-            out.append((name, int(val.numel()), val.dtype in (torch.bfloat16, torch.float16)))
-    return tuple(out) + _bool_outputs(graph, fallbacks)
+            own = name if op_class(name) is OpClass.RANDOM else in_kernel("softmax" if _softmax(node) else name)
+            out.append((own, int(val.numel()), val.dtype in (torch.bfloat16, torch.float16)))
+    return tuple(out) + _bool_outputs(graph, fallbacks) + _mask_loads(graph, fallbacks)
+
+
+def _softmax(node) -> bool:
+    """``node`` is the ``exp(x - amax(x))`` of a decomposed softmax (or log-softmax)."""
+    import torch
+
+    aten = torch.ops.aten
+    sub = node.args[0] if node.target is aten.exp.default and node.args else None
+    if getattr(sub, "target", None) is not aten.sub.Tensor or len(sub.args) < 2:
+        return False
+    return getattr(sub.args[1], "target", None) in (aten.amax.default, aten.max.dim)
+
+
+def _mask_loads(graph, fallbacks) -> tuple[tuple[str, int, bool], ...]:
+    """Each realised CPU bool tensor (a graph input, or an output: a mask kept for backward) that a generated
+    kernel reads: per lowered consumer, its elements times the loops it is inlined into (its own users: a
+    softmax's max and exp passes each recompute a ``where`` that feeds both), one bool widened into a vector mask
+    each (formula/fusion.py ``MASK_LOAD``).  A mask the graph computes and does not realise is made from indices
+    inside the loop and is not counted; nor is one a graph stores and uses over its own shape (the consumer fuses
+    with the store and takes the value from it): only a broadcast use runs in a loop of its own, reading it back."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from batchlab.formula.fusion import MASK_LOAD
+
+    outputs = {a for n in graph.nodes if n.op == "output" for a in tree_leaves(n.args)}
+    out = []
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.dtype is torch.bool and val.device.type == "cpu"
+                and (node.op == "placeholder" or node in outputs)):
+            continue
+        for user in node.users:
+            used = user.meta.get("val")
+            if _lowered(user, fallbacks) and isinstance(used, torch.Tensor) and used.dtype is not torch.bool \
+                    and (node.op == "placeholder" or used.numel() > val.numel()):
+                out.append((MASK_LOAD, int(used.numel()) * max(1, len(user.users)), False))
+    return tuple(out)
 
 
 def _bool_outputs(graph, fallbacks) -> tuple[tuple[str, int, bool], ...]:
@@ -145,6 +213,9 @@ def _real_inputs_allowed(call):
     torch.get_rng_state()), which the recompute in the backward reads: the trace's fake mode takes it."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    from batchlab.config.phase import Launch
+    from batchlab.trace.ops import kernel
+
     def run(args):
         # no reference to an input kept here: the wrapper frees its inputs as it goes (args.clear(), del)
         mode = next((a.fake_mode for a in args if isinstance(a, FakeTensor)), None)
@@ -153,7 +224,8 @@ def _real_inputs_allowed(call):
         for w in CALLS:
             w.start(args)
         try:
-            return call(args)
+            with kernel(Launch.COMPILED):  # the ATen calls it makes (extern matmuls) are no-grad calls
+                return call(args)
         finally:
             for w in CALLS:
                 w.end()

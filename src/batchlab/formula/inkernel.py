@@ -1,0 +1,29 @@
+"""What an op is called when inductor's generated code computes it inside a fused kernel: ``inductor_tanh`` is
+at::vec's tanh in a loop, not ATen's tanh kernel, and is priced at its own timed rate (calibrate/compiled_rng.py),
+ATen's kernel's rate of the op where that is not timed (formula/opcost.py)."""
+from __future__ import annotations
+
+IN_KERNEL = "inductor_"
+
+
+def in_kernel(name: str) -> str:
+    """The name ``name``'s arithmetic goes by inside an inductor kernel."""
+    return IN_KERNEL + name
+
+
+# what inductor does in a kernel that no ATen op does (its RNG, a bool mask's store and load): named as themselves
+OWN = frozenset({"inductor_random", "inductor_randint", "inductor_mask_store", "inductor_mask_load"})
+
+
+def aten_name(name: str) -> str:
+    """The ATen op whose class an in-kernel op has (``tanh`` for ``inductor_tanh``)."""
+    return name if name in OWN else name.removeprefix(IN_KERNEL)
+
+
+def rate_keys(cost_class: str, name: str, tag: str) -> tuple[str, ...]:
+    """The calibration's per-element keys an op's rate is read from, first found first: its own (in-kernel where
+    it is), ATen's kernel of the same op, its class's representative kernel; each in the op's precision, then
+    fp32's."""
+    aten = aten_name(name)
+    return (f"{cost_class}/{name}:{tag}", f"{cost_class}/{name}:fp32", f"{cost_class}/{aten}:{tag}",
+            f"{cost_class}/{aten}:fp32", f"{cost_class}:{tag}", f"{cost_class}:fp32")
