@@ -39,7 +39,12 @@ MODELS = {  # name -> (preset, overrides, source)
 # its first predicted error recorded before any change that followed (FIRST), every third a hold-out (never tuned on)
 EXTRA = (("hf:gpt2, 2 layers, h 128, dropout", "none", (64, 2)), ("hf:gpt2, 2 layers, h 128, dropout", "none", (128, 4)),
          ("hf:llama, 2 layers, h 128", "none", (64, 2)), ("GPT tiny, 2 layers", "none", (256, 2)),
-         ("hf:gpt2, 2 layers, h 128, dropout", "full", (64, 2)), ("hf:llama, 2 layers, h 128", "full", (128, 4)))
+         ("hf:gpt2, 2 layers, h 128, dropout", "full", (64, 2)), ("hf:llama, 2 layers, h 128", "full", (128, 4)),
+         # selective-op, the issue's third policy (added with the rule above: the 3rd and 6th of these held out)
+         ("GPT tiny, 2 layers", "selective-op", (64, 2)), ("GPT tiny, 2 layers", "selective-op", (128, 8)),
+         ("hf:gpt2, 2 layers, h 128", "selective-op", (128, 8)), ("hf:llama, 2 layers, h 128", "selective-op", (64, 2)),
+         ("factory (GPT), 3 layers, h 96", "selective-op", (128, 8)),
+         ("GPT tiny, 2 layers, no dropout", "selective-op", (64, 2)))
 HOLD_OUT = frozenset(EXTRA[2::3])
 FIRST = HERE / "compiled_time_first.json"  # the added cases' first predictions and errors
 # factories whose model is the formula's stand-in for them (batchlab's GPT of the flags' shape: compiled_factory.py),
