@@ -32,7 +32,7 @@ def test_estimate_shows_the_range_and_json_carries_it():
 
     args = ["estimate", "--model", "llama-3-8b", "--seq", "4096", "--micro-batch", "1", "--device", "h100-96gb",
             "--precision", "bf16"]
-    out = CliRunner().invoke(app, args, terminal_width=200)
+    out = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert out.exit_code == 0 and "low end of the card's peak range (835 TFLOP/s, h100-96gb-low)" in out.output
     d = json.loads(CliRunner().invoke(app, [*args, "--json"]).output)
     assert d["time_at_low_peak"]["device"] == "h100-96gb-low"
