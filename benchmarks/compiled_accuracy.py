@@ -70,6 +70,25 @@ WHOLE_UNLISTED = {  # "name | ac" -> (preset, overrides, source, seq, micro-batc
     "GPT, 3 layers, h 192, 6 heads": ("tiny", dict(layers=3, hidden=192, heads=6, vocab=640), "builtin", 96, 3, "fp32"),
     "hf:gpt2, 3 layers, h 64": ("gpt2", dict(layers=3, hidden=64, heads=2, vocab=768, max_positions=256), "hf:gpt2",
                                 112, 2, "fp32"),
+    # added with the whole-model working set (trace/compiled_model_working.py), traced before it was written
+    "GPT, 3 layers, h 96, 3 heads, V 600": ("tiny", dict(layers=3, hidden=96, heads=3, vocab=600), "builtin", 64, 2,
+                                            "fp32"),
+    "GPT, 4 layers, h 64, 2 heads, no dropout": ("tiny", dict(layers=4, hidden=64, heads=2, vocab=448, dropout=0.0),
+                                                 "builtin", 80, 2, "fp32"),
+    "GPT, 2 layers, h 112, GQA 4/2, SDPA, no dropout": ("tiny", dict(layers=2, hidden=112, heads=4, kv_heads=2, vocab=500,
+                                                                     attention="sdpa", dropout=0.0), "builtin", 72, 3,
+                                                        "fp32"),
+    "hf:gpt2, 3 layers, h 96": ("gpt2", dict(layers=3, hidden=96, heads=3, vocab=640, max_positions=256), "hf:gpt2",
+                                96, 3, "fp32"),
+    "hf:gpt2, 2 layers, h 64": ("gpt2", dict(layers=2, hidden=64, heads=2, vocab=700, max_positions=256), "hf:gpt2",
+                                160, 2, "fp32"),
+    "hf:llama, 3 layers, h 96, GQA": ("llama-2-7b", dict(layers=3, hidden=96, heads=4, kv_heads=2, ffn=256, vocab=900,
+                                                         max_positions=256), "hf:llama-2-7b", 64, 3, "fp32"),
+    "GPT, 3 layers, h 128, 4 heads": ("tiny", dict(layers=3, hidden=128, heads=4, vocab=512), "builtin", 64, 4, "fp32"),
+    "GPT, 2 layers, h 96, untied head": ("tiny", dict(layers=2, hidden=96, heads=3, vocab=540, tied_embeddings=False),
+                                         "builtin", 64, 3, "fp32"),
+    "hf:gpt2, 4 layers, h 64": ("gpt2", dict(layers=4, hidden=64, heads=2, vocab=512, max_positions=256), "hf:gpt2",
+                                80, 2, "fp32"),
 }
 
 
