@@ -246,10 +246,22 @@ def whole_model_unlisted() -> list[str]:
               f"{max(map(abs, errs)):.1%} over {len(errs)} configs. A whole-model graph holds its loss (batchlab's GPT and "
               "transformers' models compute it in forward): partitioned as a compiled loss, and the tied LM head's "
               "weight gradient made at the graph's end, its inputs (the logits' gradient, the final norm's output) "
-              "held through the blocks' backward (formula/compiled.py). What it still misses under full AC (about "
-              "-7% on two-layer models): buffers inductor realises across block boundaries in one graph (the "
-              "recomputed fused q/k/v projection and its gradient, the embedding's mask), which no block's plan has."]
+              "held through the blocks' backward (formula/compiled.py). Where a whole-model entry is derived "
+              "(formula/compiled_model_working_table.py; entries: " + ", ".join(_whole_entries()) + "), each layer's "
+              "stretch of the one backward graph is read off inductor's plan of a whole model, which holds what no "
+              "block's plan has (the next block's recompute started early, the embedding's and causal masks, the "
+              "head's tensors), in each topological order inductor's reordering for peak memory chooses among, and "
+              "the formula takes the order inductor keeps at the row's shape (trace/compiled_model_working.py); "
+              "elsewhere (grouped-query attention, Llama, entries not derived) each block's own plan."]
     return lines
+
+
+def _whole_entries() -> list[str]:
+    try:
+        from batchlab.formula import compiled_model_working_table as table
+    except ImportError:
+        return ["none"]
+    return [k.replace("|", " ") for k, v in table.HIGHS.items() if isinstance(v, dict)] or ["none"]
 
 
 def main() -> None:
