@@ -178,7 +178,8 @@ def _whole_model_working(cfg: RunConfig) -> tuple[int, ...] | None:
     """Each layer's stretch at its high point in the topological order inductor keeps at cfg's shape: its
     reordering for peak memory tries a few orders and keeps the one whose peak, with the graph's real sizes, is
     lowest (torch/_inductor/memory.py ``reorder_for_peak_memory``), so the order whose walk peaks lowest here (each
-    layer's stretch, the layers below keeping theirs, the layers above holding their gradients) is taken."""
+    layer's stretch, the layers below keeping theirs, the layers above holding their gradients) is taken, among the
+    orders whose derivation passed its check (the table says why for the others)."""
     from batchlab.formula.params import count
 
     orders = whole_model_highs(cfg)
@@ -197,7 +198,7 @@ def _whole_model_working(cfg: RunConfig) -> tuple[int, ...] | None:
     def peak(ws: tuple[int, ...]) -> int:
         return max(w + i * kept + (m.layers - 1 - i) * grad for i, w in enumerate(ws))
 
-    return min((working(s) for s in orders.values()), key=peak)
+    return min((working(s) for s in orders.values() if isinstance(s, dict)), key=peak)
 
 
 def defers_head_gradient(cfg: RunConfig) -> bool:

@@ -244,14 +244,13 @@ def _entry(regions: dict[str, list[dict]]) -> dict:
 
 def ordered(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str,
             tied: bool) -> dict | str:
-    """Each order's entry, or why there is none (an order whose stretches fail the check)."""
+    """Each order's entry, or why it has none (its stretches fail the check: the formula then chooses among the
+    others); why there is no entry where no order passes."""
     out = {}
     for order in ORDERS:
         found = checked(family, gqa, dropout, attention, policy, precision, tied, order)
-        if found is None:
-            return UNCHECKED
-        out[order] = _entry(found)
-    return out
+        out[order] = UNCHECKED if found is None else _entry(found)
+    return out if any(isinstance(v, dict) for v in out.values()) else UNCHECKED
 
 
 def write_table(path: Path, keep: dict | None = None, only: str | None = None) -> None:
