@@ -252,7 +252,8 @@ def whole_model_unlisted() -> list[str]:
               "block's plan has (the next block's recompute started early, the embedding's and causal masks, the "
               "head's tensors), in each topological order inductor's reordering for peak memory chooses among, and "
               "the formula takes the order inductor keeps at the row's shape (trace/compiled_model_working.py); "
-              "elsewhere (grouped-query attention, Llama, entries not derived) each block's own plan."]
+              "elsewhere each block's own plan: grouped-query attention (its fused q, k, v width is not derived here), "
+              "transformers' GPT-2 (its whole model compiles into several graphs), entries not derived."]
     return lines
 
 

@@ -43,6 +43,8 @@ VOCAB = 1031  # a prime no other symbol uses
 # layers' 13 would read as b; two and three layers' 7 and 10 are small factors: constants)
 LAYERS = 5
 _LAYER = re.compile(r"(?:^|\.)(?:h|blocks|layers|layer)\.(\d+)\.")
+UNCOMPILED = ("the whole model does not compile into one graph (graph breaks: several backward graphs): each block's "
+              "own plan is used")
 UNCHECKED = ("the whole-model graph's high points per layer are not the same with another number of KV heads: each "
              "block's own plan is used")
 
@@ -272,7 +274,7 @@ def write_table(path: Path, keep: dict | None = None, only: str | None = None) -
             try:
                 entries[name] = ordered(family, gqa, dropout, attention, policy, precision, tied)
             except ct.Uncompiled:
-                entries[name] = ct.UNCOMPILED
+                entries[name] = UNCOMPILED
             _write(path, entries)
     _write(path, entries)
 
