@@ -70,6 +70,25 @@ WHOLE_UNLISTED = {  # "name | ac" -> (preset, overrides, source, seq, micro-batc
     "GPT, 3 layers, h 192, 6 heads": ("tiny", dict(layers=3, hidden=192, heads=6, vocab=640), "builtin", 96, 3, "fp32"),
     "hf:gpt2, 3 layers, h 64": ("gpt2", dict(layers=3, hidden=64, heads=2, vocab=768, max_positions=256), "hf:gpt2",
                                 112, 2, "fp32"),
+    # added with the whole-model working set (trace/compiled_model_working.py), traced before it was written
+    "GPT, 3 layers, h 96, 3 heads, V 600": ("tiny", dict(layers=3, hidden=96, heads=3, vocab=600), "builtin", 64, 2,
+                                            "fp32"),
+    "GPT, 4 layers, h 64, 2 heads, no dropout": ("tiny", dict(layers=4, hidden=64, heads=2, vocab=448, dropout=0.0),
+                                                 "builtin", 80, 2, "fp32"),
+    "GPT, 2 layers, h 112, GQA 4/2, SDPA, no dropout": ("tiny", dict(layers=2, hidden=112, heads=4, kv_heads=2, vocab=500,
+                                                                     attention="sdpa", dropout=0.0), "builtin", 72, 3,
+                                                        "fp32"),
+    "hf:gpt2, 3 layers, h 96": ("gpt2", dict(layers=3, hidden=96, heads=3, vocab=640, max_positions=256), "hf:gpt2",
+                                96, 3, "fp32"),
+    "hf:gpt2, 2 layers, h 64": ("gpt2", dict(layers=2, hidden=64, heads=2, vocab=700, max_positions=256), "hf:gpt2",
+                                160, 2, "fp32"),
+    "hf:llama, 3 layers, h 96, GQA": ("llama-2-7b", dict(layers=3, hidden=96, heads=4, kv_heads=2, ffn=256, vocab=900,
+                                                         max_positions=256), "hf:llama-2-7b", 64, 3, "fp32"),
+    "GPT, 3 layers, h 128, 4 heads": ("tiny", dict(layers=3, hidden=128, heads=4, vocab=512), "builtin", 64, 4, "fp32"),
+    "GPT, 2 layers, h 96, untied head": ("tiny", dict(layers=2, hidden=96, heads=3, vocab=540, tied_embeddings=False),
+                                         "builtin", 64, 3, "fp32"),
+    "hf:gpt2, 4 layers, h 64": ("gpt2", dict(layers=4, hidden=64, heads=2, vocab=512, max_positions=256), "hf:gpt2",
+                                80, 2, "fp32"),
 }
 
 
@@ -227,10 +246,23 @@ def whole_model_unlisted() -> list[str]:
               f"{max(map(abs, errs)):.1%} over {len(errs)} configs. A whole-model graph holds its loss (batchlab's GPT and "
               "transformers' models compute it in forward): partitioned as a compiled loss, and the tied LM head's "
               "weight gradient made at the graph's end, its inputs (the logits' gradient, the final norm's output) "
-              "held through the blocks' backward (formula/compiled.py). What it still misses under full AC (about "
-              "-7% on two-layer models): buffers inductor realises across block boundaries in one graph (the "
-              "recomputed fused q/k/v projection and its gradient, the embedding's mask), which no block's plan has."]
+              "held through the blocks' backward (formula/compiled.py). Where a whole-model entry is derived "
+              "(formula/compiled_model_working_table.py; entries: " + ", ".join(_whole_entries()) + "), each layer's "
+              "stretch of the one backward graph is read off inductor's plan of a whole model, which holds what no "
+              "block's plan has (the next block's recompute started early, the embedding's and causal masks, the "
+              "head's tensors), in each topological order inductor's reordering for peak memory chooses among, and "
+              "the formula takes the order inductor keeps at the row's shape (trace/compiled_model_working.py); "
+              "elsewhere each block's own plan: grouped-query attention (its fused q, k, v width is not derived here), "
+              "transformers' GPT-2 (its whole model compiles into several graphs), entries not derived."]
     return lines
+
+
+def _whole_entries() -> list[str]:
+    try:
+        from batchlab.formula import compiled_model_working_table as table
+    except ImportError:
+        return ["none"]
+    return [k.replace("|", " ") for k, v in table.HIGHS.items() if isinstance(v, dict)] or ["none"]
 
 
 def main() -> None:

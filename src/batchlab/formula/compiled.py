@@ -7,7 +7,9 @@ and f (MLP inner size), with h = g·k·d; its coefficient is bytes: e.g. for the
 and no AC, ``9·b·k·s²`` (attention probabilities 4 bytes, their dropout mask 1, the dropped probabilities 4) where
 eager PyTorch keeps more.  A fused elementwise chain is saved as nothing: the partition recomputes it in backward.
 A block's backward is read the same way, off inductor's plan of it (trace/compiled_working.py, which writes
-formula/compiled_working_table.py): the storages its backward holds at each high point, as monomials.
+formula/compiled_working_table.py): the storages its backward holds at each high point, as monomials.  A
+whole-model graph's backward is read off inductor's plan of a whole model (trace/compiled_model_working.py, which
+writes formula/compiled_model_working_table.py), layer by layer, with v (the vocabulary) among the symbols.
 """
 from __future__ import annotations
 
@@ -86,9 +88,13 @@ def dims(m: ModelSpec, s: int, b: int) -> dict[str, Fraction]:
 
 def layer_bytes(cfg: RunConfig, policy: str, s: int | None = None, b: int | None = None) -> int:
     """Bytes one compiled block keeps for backward under ``policy`` at (b, s) (default: cfg's): the sum of its
-    saved tensors' monomials."""
+    saved tensors' monomials.  In a whole-model graph whose working set is derived (``whole_model_highs``) the
+    constant term, a block graph's generator state, is not the block's: that graph holds one seeds buffer."""
     values = dims(cfg.model, cfg.seq if s is None else s, cfg.micro_batch if b is None else b)
-    return round(_evaluate(_table().TERMS[_key(cfg, policy)], values))
+    terms = _table().TERMS[_key(cfg, policy)]
+    if whole_model_highs(cfg) is not None:
+        terms = tuple(t for t in terms if any(t[0]))
+    return round(_evaluate(terms, values))
 
 
 def kept_per_layer(cfg: RunConfig) -> tuple[tuple[int, ...], int]:
@@ -119,6 +125,9 @@ def working_per_layer(cfg: RunConfig) -> tuple[int, ...] | None:
     if names is None or cfg.ac.budget is not None or not applies(cfg) \
             or cfg.device_spec.backend is not Backend.CPU:
         return None
+    whole = _whole_model_working(cfg)
+    if whole is not None:
+        return whole
     try:
         highs = _working_table().HIGHS
     except ImportError:
@@ -131,19 +140,82 @@ def working_per_layer(cfg: RunConfig) -> tuple[int, ...] | None:
     return tuple(each[p] for p in names)
 
 
+def _model_table():
+    from batchlab.formula import compiled_model_working_table  # generated; imported only when a compiled config asks
+
+    return compiled_model_working_table
+
+
+def whole_model_highs(cfg: RunConfig) -> dict | None:
+    """The high points of a whole-model graph's backward per topological order and stretch (``stretch``), read
+    off inductor's plan of a whole model (trace/compiled_model_working.py), or None: not --compile model, a layer
+    policy mix or budget:F (derived with one policy in every layer), one layer (its stretch is the graph's whole
+    backward, the embedding's and the head's together), a GPU (inductor's CPU plan), or no entry derived.  Each
+    holds what that layer's stretch holds beyond the walk's own parts: its working set, the next layer's recompute
+    inductor starts in it, the head's tensors and gradient, the graph-level masks."""
+    names = _policies(cfg)
+    if cfg.compile is not CompileMode.MODEL or names is None or len(set(names)) != 1 or cfg.ac.budget is not None \
+            or cfg.model.layers < 2 or cfg.device_spec.backend is not Backend.CPU:
+        return None
+    try:
+        found = _model_table().HIGHS.get(_key(cfg, names[0]) + ("|tied" if cfg.model.tied_embeddings else "|untied"))
+    except ImportError:
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def stretch(layer: int, layers: int) -> str:
+    """Which derived stretch of a whole-model backward a layer's is: in a model of three layers or more, by its
+    place from the bottom, the lowest three each their own (the partition and inductor's schedule treat them
+    apart: what their recompute starts early, what their forward saves) and every layer above alike (derived with
+    five and three layers); a two-layer model's two stretches are their own (derived with two)."""
+    if layers == 2:
+        return f"2:{layer}"
+    return str(layer) if layer < 3 else "3+"
+
+
+def _whole_model_working(cfg: RunConfig) -> tuple[int, ...] | None:
+    """Each layer's stretch at its high point in the topological order inductor keeps at cfg's shape: its
+    reordering for peak memory tries a few orders and keeps the one whose peak, with the graph's real sizes, is
+    lowest (torch/_inductor/memory.py ``reorder_for_peak_memory``), so the order whose walk peaks lowest here (each
+    layer's stretch, the layers below keeping theirs, the layers above holding their gradients) is taken, among the
+    orders whose derivation passed its check (the table says why for the others)."""
+    from batchlab.formula.params import count
+
+    orders = whole_model_highs(cfg)
+    if orders is None:
+        return None
+    m = cfg.model
+    values = dict(dims(m, cfg.seq, cfg.micro_batch), v=Fraction(m.vocab))
+    symbols = _model_table().SYMBOLS
+    kept = layer_bytes(cfg, _policies(cfg)[0])
+    grad = count(m).per_layer * (2 if cfg.precision is Precision.BF16 else 4)
+
+    def working(stretches) -> tuple[int, ...]:
+        each = {name: max(round(_evaluate(h, values, symbols)) for h in hs) for name, hs in stretches.items()}
+        return tuple(each[stretch(i, m.layers)] for i in range(m.layers))
+
+    def peak(ws: tuple[int, ...]) -> int:
+        return max(w + i * kept + (m.layers - 1 - i) * grad for i, w in enumerate(ws))
+
+    return min((working(s) for s in orders.values() if isinstance(s, dict)), key=peak)
+
+
 def defers_head_gradient(cfg: RunConfig) -> bool:
     """A whole-model graph with its loss inside computes the LM head's weight gradient at its end, with the other
     graph outputs (traced on the built-in GPT and GPT-2, tied heads, where the embedding's part is added there):
-    until then it does not exist, and the head's inputs stay held."""
+    until then it does not exist, and the head's inputs stay held.  Where the whole graph's working set is derived
+    (``whole_model_highs``) the head's gradient is in it, wherever inductor makes it."""
     from batchlab.formula.loss import in_graph
 
-    return in_graph(cfg)
+    return in_graph(cfg) or whole_model_highs(cfg) is not None
 
 
 def held_to_the_end(cfg: RunConfig) -> int:
     """What a whole-model graph holds through its blocks' backward for the deferred head gradient
-    (``defers_head_gradient``): the logits' gradient and the final norm's output, the matmul's two inputs."""
-    if not defers_head_gradient(cfg):
+    (``defers_head_gradient``): the logits' gradient and the final norm's output, the matmul's two inputs (in the
+    derived whole-model working set where there is one)."""
+    if not defers_head_gradient(cfg) or whole_model_highs(cfg) is not None:
         return 0
     from batchlab.formula.activations import Widths
     from batchlab.formula.loss import loss_path
@@ -152,12 +224,13 @@ def held_to_the_end(cfg: RunConfig) -> int:
     return loss_path(cfg).backward_transient + cfg.seq * cfg.micro_batch * cfg.model.hidden * w.e
 
 
-def _evaluate(terms, values: dict[str, Fraction]) -> Fraction:
-    """A sum of monomials, each (exponents over the table's SYMBOLS, numerator, denominator), at ``values``."""
+def _evaluate(terms, values: dict[str, Fraction], symbols: tuple[str, ...] | None = None) -> Fraction:
+    """A sum of monomials, each (exponents over ``symbols``, default the table's SYMBOLS, numerator, denominator), at
+    ``values``."""
     total = Fraction(0)
     for exps, num, den in terms:
         term = Fraction(num, den)
-        for name, e in zip(_table().SYMBOLS, exps):
+        for name, e in zip(symbols or _table().SYMBOLS, exps):
             term *= values[name] ** e
         total += term
     return total
@@ -185,7 +258,9 @@ def source(cfg: RunConfig) -> str:
     return (f"formula terms for compiled code (--compile {cfg.compile}): the saved-tensor list of AOTAutograd's "
             f"min-cut partition of one {(ran or impl).value} block (inductor's settings, torch {_table().TORCH}, CPU "
             f"kernels), as monomials in b, s, heads, head dim, ffn (trace/compiled_terms.py)"
-            + ("; each block's backward at its high point from inductor's plan of it (trace/compiled_working.py)"
+            + ("; each layer's stretch of the whole-model backward at its high points from inductor's plan of a whole "
+               "model (trace/compiled_model_working.py)" if whole_model_highs(cfg) is not None else
+               "; each block's backward at its high point from inductor's plan of it (trace/compiled_working.py)"
                if working_per_layer(cfg) is not None else "")
             + (f"; derived with CPU kernels and CPU autocast, not {cfg.device_spec.backend.value}'s: what its compiled "
                "block keeps can differ" if cfg.device_spec.backend is not Backend.CPU else "")
