@@ -208,3 +208,26 @@ def test_a_fused_ops_arithmetic_is_priced_at_inductors_in_kernel_rate_where_time
     timed = OpCosts(**{**costs.__dict__, "element_seconds": {**costs.element_seconds,
                                                              "activation/inductor_tanh:fp32": 1.5e-9}})
     assert price(tanh, timed).seconds == pytest.approx(N * 1.5e-9)
+
+
+def test_a_selective_policy_that_redraws_every_dropout_keeps_no_mask_and_a_branch_policy_keeps_them_all():
+    # selective-op caches only matmul outputs (its catalogue entry): its recompute redraws every dropout, so, as under
+    # full AC, inductor's forward returns no mask (the trace of the same block, inductor's own plan, prices its forward
+    # as full AC's); selective-mlp recomputes the MLP branch up to its last matmul, the dropouts outside it stay kept
+    drawn = 2 * (2 * 4 * 64 * 64 + 2 * 2 * 64 * 128)
+    sel = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=2, compile="blocks", ac="selective-op")
+    assert not [o for o in update_ops(sel) if o.name == "inductor_mask_store"]
+    assert _in_update(sel, "inductor_random", Phase.RECOMPUTE) == drawn
+    assert _in_update(sel.replace(ac="selective-mlp"), "inductor_mask_store", FWD) == drawn
+
+
+def test_blocks_dynamo_does_not_compile_run_their_ops_eagerly():
+    # transformers' Llama block under checkpoint breaks dynamo's graph (the compiled table's entry, derived by tracing
+    # it: "does not compile into one graph"): its ops are eager PyTorch's, the same list as without --compile
+    from batchlab.formula.compiled import runs_eager
+
+    llama = RunConfig(model=preset("llama-2-7b", layers=2, hidden=128, heads=4, ffn=352, vocab=1024, max_positions=256),
+                      model_source="hf:llama", seq=64, micro_batch=2, ac="full", compile="blocks")
+    assert runs_eager(llama) and not runs_eager(llama.replace(ac="none"))
+    assert update_ops(llama) == update_ops(llama.replace(compile="none"))
+    assert not runs_eager(RunConfig(model=preset("tiny", layers=2), ac="full", compile="blocks"))

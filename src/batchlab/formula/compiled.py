@@ -57,6 +57,18 @@ def _policies(cfg: RunConfig) -> tuple[str, ...] | None:
     return names if all(n in POLICIES for n in names) else None
 
 
+UNCOMPILED = "the block does not compile into one graph (a graph break around it: it runs eagerly)"
+
+
+def runs_eager(cfg: RunConfig) -> bool:
+    """cfg's blocks do not compile: the derivation of its table entries met a graph break around the block (dynamo
+    refused its checkpointed code), so inductor never sees it and its ops run as eager ones."""
+    if cfg.compile is CompileMode.NONE or (names := _policies(cfg)) is None:
+        return False
+    terms = _table().TERMS
+    return any(terms.get(_key(cfg, p)) == UNCOMPILED for p in set(names))
+
+
 def applies(cfg: RunConfig) -> bool:
     """cfg is compiled and the table holds compiled terms for every layer's policy (and for no AC: the whole
     layer, which a recomputing layer restores in backward)."""

@@ -15,7 +15,7 @@ from collections import Counter
 
 from batchlab.config import (CompileMode, LossMode, MLPKind, PositionKind, Precision, RunConfig,
                              optimizer_spec)
-from batchlab.formula import fp8, megatron_kernels
+from batchlab.formula import compiled as compiled_blocks, fp8, megatron_kernels
 from batchlab.formula.fusion import fuse
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.opbuild import (BWD, DATA, F32, FWD, OPT, OpList, op as _op, views as _views,
@@ -226,7 +226,8 @@ def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
 
 def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = OpList(_widths(cfg))
-    n, compiled = cfg.model.layers, cfg.compile is not CompileMode.NONE
+    # blocks dynamo does not compile (a graph break around the checkpointed block) run their ops eagerly
+    n, compiled = cfg.model.layers, cfg.compile is not CompileMode.NONE and not compiled_blocks.runs_eager(cfg)
     # a compiled region: pointwise chains fused into one kernel each, recompute included (formula/fusion.py)
     def region(out, keeps=True, recompute=False):
         # only inductor's C++ kernels store a bool from a vector mask at a cost of its own (formula/fusion.py)
@@ -234,8 +235,9 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
 
     # selective policies run under checkpoint's Python dispatch mode (models/ac.py) unless compiled into a graph
     sac = 0 if compiled else sum(k for mode, k in cfg.ac.selective_kinds(n).items() if mode.dispatch_mode)
-    # a compiled block recomputed whole keeps no dropout mask in its forward (formula/fusion.py)
-    whole = sum(1 for m in cfg.ac.layer_modes(n) if m.spec.recomputes and not m.spec.selective) if compiled else 0
+    # a compiled block whose recompute redraws every dropout (recomputed whole, or by a selective policy caching only
+    # matmuls: no branch) keeps no dropout mask in its forward (formula/fusion.py)
+    whole = sum(1 for m in cfg.ac.layer_modes(n) if m.spec.recomputes and not m.spec.branch) if compiled else 0
     # every block runs the same ops: list one, and one recompute, then count them per block
     block = OpList(ops.w)
     _layer(block, cfg, FWD)
@@ -270,7 +272,7 @@ def _recompute(ops: OpList, cfg: RunConfig, cached: tuple[str, ...], branch: str
     backward never reads): its ops up to its last matmul, whose output only the residual add takes."""
     redo = OpList(ops.w)
     _layer(redo, cfg, Phase.RECOMPUTE, backward=False, only=branch)
-    if branch or cfg.compile is not CompileMode.NONE:
+    if branch or (cfg.compile is not CompileMode.NONE and not compiled_blocks.runs_eager(cfg)):
         last = [i for i, op in enumerate(redo.out) if op.name in ("mm", "addmm", fp8.SCALED_MM)][-1]
         # a compiled backward draws the numbers of a dropout past that matmul again, inside the kernel using them
         redrawn = (op for op in redo.out[last:] if op.cost_class is OpClass.RANDOM and not branch)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from batchlab.config import RunConfig, preset
+from batchlab.formula import compiled
 
 # symbol -> its prime at the derivation shape; d, f carry a factor 2 (RoPE halves the head dim).  The partition is
 # a min-cut over tensor sizes, so the shape keeps a real model's ratios: MLP 2.8x hidden, sequence 22x the head dim
@@ -57,7 +58,7 @@ class Uncompiled(RuntimeError):
     """The block did not compile into a graph (a graph break around the whole block): it runs eagerly."""
 
 
-UNCOMPILED = "the block does not compile into one graph (a graph break around it: it runs eagerly)"
+UNCOMPILED = compiled.UNCOMPILED  # the table's entry for a block dynamo does not compile
 NOT_PRODUCTS = ("what the partition saves is not a sum of monomials in the dimensions (checked with another number "
                 "of KV heads)")
 CHECK_K = 19  # KV heads of the second derivation that checks an entry (a prime no other symbol uses)
