@@ -296,9 +296,13 @@ FINDINGS = (
     "eager full over eager none at 1.37-1.38 where the trace prices 1.24 (eager's forward under checkpoint took "
     "0.3-0.7 ms more than without it, which nothing prices), while compiled full over compiled none came to about "
     "1.13 against the trace's 1.09; small compiled kernels also ran at 0.2-0.5 of their priced time (a call into a "
-    "generated kernel costs less than a no-grad dispatch; a buffer just written is read from cache). hf:llama under full AC does not compile: dynamo "
-    "breaks the graph at checkpoint's higher-order op (\"HOP: Unsafe side effect\") and its blocks run eager; the "
-    "trace sees the break and predicts 1.0, the formula cannot.")
+    "generated kernel costs less than a no-grad dispatch; a buffer just written is read from cache). hf:llama "
+    "under full AC or selective-op does not compile: dynamo breaks the graph at checkpoint's higher-order op "
+    "(\"HOP: Unsafe side effect\") and its blocks run eager; the trace sees the break, and the formula reads it "
+    "from the compiled table, whose entry for that block and policy the derivation found uncompiled. Selective-op "
+    "caches only matmul outputs, so its recompute redraws every dropout: as under full AC, the compiled forward keeps "
+    "no mask (the formula priced the masks' stores, and its two selective-op rows with dropout at 128 x 8 came out "
+    "compiled-slower, +27%, before it was counted).")
 
 
 def main(argv=None) -> int:
