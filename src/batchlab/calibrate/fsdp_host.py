@@ -12,12 +12,10 @@ Torch is imported inside the functions.
 """
 from __future__ import annotations
 
-import multiprocessing
-import queue
 import statistics
 import time
 
-from batchlab.host import free_port
+from batchlab.calibrate.dtensor_collective import two_ranks
 
 UPDATES = 20  # alternated updates of each of the four trainers per rank
 WARMUP = 3
@@ -104,20 +102,5 @@ def _rank(rank: int, port: int, updates: int, results) -> None:
 def measure(updates: int = UPDATES) -> dict[str, float]:
     """{"fsdp": s, "fsdp-tp": s}: main-thread CPU seconds per FSDP2 collective, on a 1-D data-parallel mesh and on
     a 2-D one beside the tensor-parallel plan (the two ranks' mean); RuntimeError where two ranks cannot run here."""
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    ctx = multiprocessing.get_context(method)
-    port, results = free_port(), ctx.Queue()
-    ranks = [ctx.Process(target=_rank, args=(r, port, updates, results), daemon=True) for r in range(2)]
-    for p in ranks:
-        p.start()
-    try:
-        got = [figures for _, figures in (results.get(timeout=TIMEOUT_S) for _ in ranks)]
-        return {key: statistics.fmean(g[key] for g in got) for key in got[0] if all(key in g for g in got)}
-    except queue.Empty:
-        codes = [p.exitcode for p in ranks]
-        raise RuntimeError(f"two local ranks gave no FSDP2 host-work timing (exit codes {codes})") from None
-    finally:
-        for p in ranks:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+    got = two_ranks(_rank, updates, "FSDP2 host-work timing", TIMEOUT_S)
+    return {key: statistics.fmean(g[key] for g in got) for key in got[0] if all(key in g for g in got)}
