@@ -112,3 +112,13 @@ def test_a_changed_costs_field_is_never_served_the_base_costs_work():
         price(ops, base)
         assert price(ops, changed) == reference, name
         assert price(ops, dataclasses.replace(changed)) == reference, name  # an equal copy: the same figures
+
+
+def test_the_engine_that_steps_fp32_copies_is_never_served_a_bf16_step():
+    """Under pure bf16, FSDP2 steps bf16 weights and DeepSpeed fp32 copies: the same micro-batch ops, another step."""
+    fsdp = RunConfig(seq=32, micro_batch=2, precision="bf16", dp=2, zero=2)
+    deepspeed = fsdp.replace(sharding="deepspeed-zero2")
+    with uncached():
+        alone = update_ops(deepspeed)
+    update_ops(fsdp)  # the FSDP2 update in the cache first
+    assert update_ops(deepspeed) == alone

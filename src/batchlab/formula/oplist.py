@@ -188,10 +188,16 @@ def _micro_key(cfg: RunConfig) -> tuple:
             cfg.device_spec.backend, cfg.fp8, cfg.dp, cfg.compile)
 
 
+def _step_width(cfg: RunConfig) -> int:
+    """Bytes per element of the step's weights, gradients and state: bf16 under pure bf16, fp32 where Megatron-Core /
+    DeepSpeed step fp32 copies."""
+    engine = cfg.parallel.engine_spec
+    return 2 if cfg.precision is Precision.BF16 and not (engine.megatron or engine.deepspeed) else F32
+
+
 def _optimizer(ops: OpList, cfg: RunConfig) -> None:
     """clip_grad_norm_ (foreach norm and scale), the per-parameter optimizer loop (foreach=False), zero_grad: a function of the model, the optimizer and the weights' dtype alone."""
-    # the step's weights, gradients and state: bf16 under pure bf16, fp32 where Megatron-Core / DeepSpeed step fp32 copies
-    w = 2 if cfg.precision is Precision.BF16 and not (cfg.parallel.engine_spec.megatron or cfg.parallel.engine_spec.deepspeed) else F32
+    w = _step_width(cfg)
     ops.add(*lookup(_OPTIMIZER, (cfg.model, cfg.optimizer, w), lambda: _optimizer_ops(cfg, w)))
 
 
@@ -292,7 +298,7 @@ def _recompute(ops: OpList, cfg: RunConfig, cached: tuple[str, ...], branch: str
 
 def update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     """Every op of one optimizer update on one rank: accum micro-batches, then the optimizer."""
-    return lookup(_UPDATE, (_micro_key(cfg), cfg.accum, cfg.optimizer), lambda: _update_ops(cfg))
+    return lookup(_UPDATE, (_micro_key(cfg), cfg.accum, cfg.optimizer, _step_width(cfg)), lambda: _update_ops(cfg))
 
 
 def _update_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
