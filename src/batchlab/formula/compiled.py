@@ -69,6 +69,11 @@ def runs_eager(cfg: RunConfig) -> bool:
     return any(terms.get(_key(cfg, p)) == UNCOMPILED for p in set(names))
 
 
+def runs_compiled(cfg: RunConfig) -> bool:
+    """cfg's blocks run as inductor's graphs: compiled, and not broken around by dynamo (``runs_eager``)."""
+    return cfg.compile is not CompileMode.NONE and not runs_eager(cfg)
+
+
 def applies(cfg: RunConfig) -> bool:
     """cfg is compiled and the table holds compiled terms for every layer's policy (and for no AC: the whole
     layer, which a recomputing layer restores in backward)."""

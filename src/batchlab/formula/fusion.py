@@ -132,7 +132,8 @@ def fuse(ops: Iterable[OpCount], width: int, keeps_masks: bool = True, into_back
     """``ops`` (one region's, in the order they run; any phases mixed) as a compiled graph runs them: per phase,
     pointwise chains fused into one kernel each (``width``: bytes of an inner output's element), matmuls and
     other ops issued by the graph's wrapper, views free; ``keeps_masks``: the forward keeps its dropout masks for
-    backward (its block is not recomputed); ``into_backward``: the region is a recompute whose last chain fuses
+    backward (its block is not recomputed) and its C++ kernels store and read them back as bool at their timed
+    rates (the op list passes False for a GPU's kernels, whose bool traffic is not priced); ``into_backward``: the region is a recompute whose last chain fuses
     into its gradient's backward kernel (``_into_backward``)."""
     out: list[OpCount] = []
     chains: dict = {}  # phase -> the open chain

@@ -233,10 +233,11 @@ def micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
 def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
     ops = OpList(_widths(cfg))
     # blocks dynamo does not compile (a graph break around the checkpointed block) run their ops eagerly
-    n, compiled = cfg.model.layers, cfg.compile is not CompileMode.NONE and not compiled_blocks.runs_eager(cfg)
+    n, compiled = cfg.model.layers, compiled_blocks.runs_compiled(cfg)
     # a compiled region: pointwise chains fused into one kernel each, recompute included (formula/fusion.py)
     def region(out, keeps=True, recompute=False):
-        # only inductor's C++ kernels store a bool from a vector mask at a cost of its own (formula/fusion.py)
+        # the kept masks' bool stores and reads are priced at inductor's C++ (CPU) kernels' own rates; a GPU's
+        # Triton kernels are priced as if they kept none (their bool traffic is not timed anywhere)
         return merge(fuse(out, ops.w.e, keeps and not ops.w.cuda, recompute)) if compiled else merge(out)
 
     # selective policies run under checkpoint's Python dispatch mode (models/ac.py) unless compiled into a graph
@@ -278,7 +279,7 @@ def _recompute(ops: OpList, cfg: RunConfig, cached: tuple[str, ...], branch: str
     backward never reads): its ops up to its last matmul, whose output only the residual add takes."""
     redo = OpList(ops.w)
     _layer(redo, cfg, Phase.RECOMPUTE, backward=False, only=branch)
-    if branch or (cfg.compile is not CompileMode.NONE and not compiled_blocks.runs_eager(cfg)):
+    if branch or compiled_blocks.runs_compiled(cfg):
         last = [i for i, op in enumerate(redo.out) if op.name in ("mm", "addmm", fp8.SCALED_MM)][-1]
         # a compiled backward draws the numbers of a dropout past that matmul again, inside the kernel using them
         redrawn = (op for op in redo.out[last:] if op.cost_class is OpClass.RANDOM and not branch)
