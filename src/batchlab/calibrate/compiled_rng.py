@@ -33,13 +33,11 @@ import time
 
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.config import CompileMode, RunConfig
-from batchlab.formula.fusion import MASK_LOAD
-from batchlab.formula.inkernel import in_kernel
+from batchlab.formula.inkernel import MASK_LOAD, MASK_STORE, RNG, in_kernel
 from batchlab.formula.plausible import IN_KERNEL_RATIO
 
-NAME = "inductor_random"  # the prim inductor lowers random ops to, as the op lists name it
+NAME, MASK = RNG, MASK_STORE  # as the op lists name them (formula/inkernel.py)
 KEY = f"random/{NAME}:fp32"  # its element_seconds entry (formula/opcost.py element_rate_seconds's key)
-MASK = "inductor_mask_store"  # a kept mask's bool store inside a compiled kernel (formula/fusion.py MASK)
 MASK_KEY = f"random/{MASK}:fp32"
 MASK_LOAD_KEY = f"masked/{MASK_LOAD}:fp32"
 # transcendental ops inductor computes inside its kernels (formula/opcost.py _ACTIVATION's, as ATen names them)

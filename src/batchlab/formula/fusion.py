@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from batchlab.config.phase import Launch, Phase
-from batchlab.formula.inkernel import in_kernel
+from batchlab.formula.inkernel import MASK_LOAD, MASK_STORE, RNG, in_kernel
 from batchlab.formula.opcost import OpClass, OpCount
 
 POINTWISE = frozenset({OpClass.MEMORY, OpClass.STRIDED, OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD,
@@ -43,9 +43,7 @@ REDUCING = frozenset({OpClass.NORM, OpClass.SOFTMAX, OpClass.LOSS})
 REDUCTION_NAMES = frozenset({"sum", "mean", "amax", "amin", "var_mean", "linalg_vector_norm", "max", "prod", "any",
                              "all"})
 KERNEL = "fused"  # the name a chain's kernel goes by in the op list
-RNG = "inductor_random"  # the prim inductor lowers random ops to (torch/_inductor/inductor_prims.py)
-MASK = "inductor_mask_store"  # a kept dropout mask's bool store inside a compiled kernel (calibrate/compiled_rng.py)
-MASK_LOAD = "inductor_mask_load"  # a kept bool mask read back inside a compiled kernel (calibrate/compiled_rng.py)
+MASK = MASK_STORE  # timed by calibrate/compiled_rng.py, as RNG and MASK_LOAD are
 
 
 def _reduces(op: OpCount) -> bool:

@@ -11,8 +11,11 @@ def in_kernel(name: str) -> str:
     return IN_KERNEL + name
 
 
-# what inductor does in a kernel that no ATen op does (its RNG, a bool mask's store and load): named as themselves
-OWN = frozenset({"inductor_random", "inductor_randint", "inductor_mask_store", "inductor_mask_load"})
+# what inductor does in a kernel that no ATen op does, named as themselves in the op lists and the calibration
+RNG = "inductor_random"  # the prim inductor lowers random ops to (torch/_inductor/inductor_prims.py)
+MASK_STORE = "inductor_mask_store"  # a kept dropout mask's bool store inside a compiled kernel
+MASK_LOAD = "inductor_mask_load"  # a kept bool mask read back inside a compiled kernel
+OWN = frozenset({RNG, "inductor_randint", MASK_STORE, MASK_LOAD})
 
 
 def aten_name(name: str) -> str:
