@@ -15,7 +15,7 @@ from batchlab.config import parse_field_value
 from batchlab.cache.calibrations import load_all
 from batchlab.config import ConfigError, Implementation, Keep, ModelSource, RunConfig
 from batchlab.config.devices import device
-from batchlab.formula import Estimate, compiled_note, estimate as formula_estimate, implementation_line, unseen_model
+from batchlab.formula import Estimate, compiled_note, estimate as formula_estimate, implementation_line, overlap, unseen_model
 from batchlab.formula.loss import in_graph
 from batchlab.util.text import print_assumptions
 from batchlab.util.units import SAME_TOLERANCE, fmt_amount, fmt_bytes, fmt_count, fmt_percent, fmt_seconds, plural
@@ -134,9 +134,12 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None, currency
         tab.add_row(f"compute per update (× {cfg.accum} micro-batch{'es' if cfg.accum != 1 else ''})",
                     fmt_seconds(t.compute_seconds))
     if cfg.tp > 1:
-        tab.add_row(f"tensor-parallel all-reduces (TP {cfg.tp}, not overlapped)", fmt_seconds(t.tp_comm_seconds))
+        kinds = "all-gathers, reduce-scatters and all-reduces" if cfg.sequence_parallel else "all-reduces"
+        hidden = "the part the GEMMs do not hide" if overlap.tp_overlapped(cfg) else "not overlapped"
+        tab.add_row(f"tensor-parallel {kinds} (TP {cfg.tp}, {hidden})", fmt_seconds(t.tp_comm_seconds))
     if cfg.pp > 1:
-        tab.add_row(f"pipeline sends (PP {cfg.pp}, not overlapped)", fmt_seconds(t.pp_comm_seconds))
+        hidden = "the part compute does not hide" if overlap.sends_overlapped(cfg) else "not overlapped"
+        tab.add_row(f"pipeline sends (PP {cfg.pp}, {hidden})", fmt_seconds(t.pp_comm_seconds))
         filled = ", the other local ranks use its cores" if t.bubble_fraction and not t.bubble_seconds else ""
         tab.add_row(f"pipeline bubble ({fmt_percent(t.bubble_fraction)} of the update, {cfg.pp_schedule}{filled})",
                     fmt_seconds(t.bubble_seconds))
@@ -152,7 +155,8 @@ def _time_table(e: Estimate, tokens: float | None, price: float | None, currency
     tab.add_row("[bold]useful tokens/s[/bold] (all ranks)", f"[bold]{t.tokens_per_second:,.0f}[/bold]")
     if e.low_peak_time is not None:
         low = cfg.device_spec.peak_low
-        tab.add_row(f"  at the low end of the card's peak range ({fmt_count(device(low).peak_flops(cfg.precision), 'FLOP/s')}"
+        peak = device(low).peak_flops_fp8 if cfg.fp8.value != "none" else device(low).peak_flops(cfg.precision)
+        tab.add_row(f"  at the low end of the card's peak range ({fmt_count(peak, 'FLOP/s')}"
                     f", {low})",
                     f"{e.low_peak_time.tokens_per_second:,.0f}")
     peak = fmt_count(cfg.device_spec.peak_flops(cfg.precision), "FLOP/s")

@@ -70,8 +70,8 @@ class TimeEstimate:
     # a tensor / pipeline layout (formula/pipeline.py), the slowest stage's rank: 0 without one
     bubble_fraction: float = 0.0  # idle share of the update ((p-1)/(v·m+p-1))
     bubble_seconds: float = 0.0
-    tp_comm_seconds: float = 0.0  # tensor-parallel collectives per update, not overlapped
-    pp_comm_seconds: float = 0.0  # pipeline sends per update, not overlapped
+    tp_comm_seconds: float = 0.0  # tensor-parallel collectives per update, what no GEMM hides (formula/overlap.py)
+    pp_comm_seconds: float = 0.0  # pipeline sends per update, what no compute hides (formula/overlap.py)
     stage_seconds: tuple[float, ...] = ()  # per micro-batch, each pipeline stage: compute + TP + sends
     provenance: str = "formula"
     offload_seconds: float = 0.0  # activation copies to the host and back not hidden behind compute
