@@ -122,10 +122,7 @@ def check_world(goal: Goal) -> None:
     whole_number("world_size", goal.world, maximum=SIZE_MAX)
     whole_number("pp_virtual", goal.pp_virtual, maximum=SIZE_MAX)
     goal.base.parallel.schedule_spec.check(1, 1, goal.pp_virtual)  # chunks per rank need an interleaved schedule
-    if (TPOverlap.parse("tp_overlap", goal.tp_overlap) is not TPOverlap.NONE
-            and not (goal.sequence_parallel or goal.base.sequence_parallel)):
-        raise ConfigError("tp_overlap", f"{goal.tp_overlap} overlaps the sequence-parallel collectives: it needs "
-                                        "--sequence-parallel, or --tp-overlap none")
+    TPOverlap.parse("tp_overlap", goal.tp_overlap).check(goal.sequence_parallel or goal.base.sequence_parallel)
     held = (goal.base.tp if "tp" in goal.held else 1) * (goal.base.pp if "pp" in goal.held else 1)
     if goal.world % held:
         raise ConfigError("world_size", f"{goal.world} devices do not split into the tp x pp held ({held})")

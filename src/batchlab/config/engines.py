@@ -177,6 +177,13 @@ class TPOverlap(Choice):
     NONE = "none"  # every collective in the critical path (Megatron's f and g, DTensor's redistributions)
     ASYNC = "async"  # decomposed and overlapped with its paired GEMM
 
+    def check(self, sequence_parallel: bool) -> None:
+        """AsyncTP and userbuffers decompose the sequence-parallel all-gathers and reduce-scatters (Megatron asserts
+        it): overlap without sequence parallelism is a user error."""
+        if self is not TPOverlap.NONE and not sequence_parallel:
+            raise ConfigError("tp_overlap", f"{self} overlaps the sequence-parallel all-gathers and reduce-scatters: "
+                                            "it needs --tp > 1 --sequence-parallel, or --tp-overlap none")
+
 
 class Sent(Choice):
     """What one message of a tensor-parallel layout carries."""

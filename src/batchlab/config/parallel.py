@@ -115,7 +115,8 @@ class Layout:
             parts.append(f"DP {self.engine.value}")
         if self.tp > 1:
             parts.append(("TP with sequence parallelism" if self.sequence_parallel else "TP")
-                         + (", its collectives overlapped with the GEMMs" if self.tp_overlap is TPOverlap.ASYNC else ""))
+                         + (", its collectives overlapped with the GEMMs (--tp-overlap async, on CUDA devices)"
+                            if self.tp_overlap is TPOverlap.ASYNC else ""))
         if self.pp > 1:
             parts.append(f"PP {self.schedule.value}" + (f", {self.virtual} chunks per rank" if self.virtual > 1 else ""))
         return "; ".join(parts)
@@ -179,10 +180,7 @@ def check_degrees(cfg) -> dict:
         out.update(zero=stage, sharding=None if PYTORCH_ENGINE[stage] is chosen else chosen)
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ConfigError("sequence_parallel", "splits the sequence across tensor-parallel ranks: it needs --tp > 1")
-    if out["tp_overlap"] is not TPOverlap.NONE and not cfg.sequence_parallel:
-        # AsyncTP and userbuffers decompose the sequence-parallel all-gather / reduce-scatter; Megatron asserts it
-        raise ConfigError("tp_overlap", f"{out['tp_overlap']} overlaps the sequence-parallel all-gathers and "
-                                        "reduce-scatters: it needs --tp > 1 --sequence-parallel, or --tp-overlap none")
+    out["tp_overlap"].check(cfg.sequence_parallel)
     if cfg.pp == 1 and cfg.pp_virtual > 1:
         raise ConfigError("pp_virtual", "virtual stages are chunks of a pipeline: they need --pp > 1")
     if (cfg.tp > 1 or cfg.pp > 1) and cfg.model_kind is ModelSource.FACTORY:
