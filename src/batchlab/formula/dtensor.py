@@ -32,8 +32,8 @@ from batchlab.formula.opcost import OpCosts
 from batchlab.formula.params import norm_tensors
 from batchlab.formula.ranks import RankShare
 
-# Seconds each DTensor op adds on a CPU rank where nothing was calibrated: DTensor's Python dispatch per op on a
-# server core, as calibrate/dtensor.py measures it (docs/cpu.md, "Figures behind the code's choices"); forward ops
+# Seconds each DTensor op adds on a CPU rank where nothing was calibrated: DTensor's Python dispatch per op on one
+# server CPU (docs/cpu.md names it: another CPU's differ), as calibrate/dtensor.py measures it (docs/cpu.md, "Figures behind the code's choices"); forward ops
 # cost more (their shardings are propagated afresh).  "collective": a redistribution's host work over a plain
 # gloo all-reduce's, as calibrate/dtensor_collective.py measures it on the same kind of core; "fsdp" / "fsdp-tp":
 # FSDP2's host work per collective on a 1-D mesh / beside TP on a 2-D one, as calibrate/fsdp_host.py measures it.
@@ -123,7 +123,9 @@ def seconds_per_op(costs: OpCosts | None, cpu: bool = True) -> tuple[dict[str, f
     rank's own host; a GPU's host issues ahead of its kernels and no figure of such a host is known: none there
     unless calibrated ({})."""
     if costs is not None and costs.dtensor_seconds:
-        return {**NOMINAL, **costs.dtensor_seconds}, "calibrated"
+        missing = [k for k in NOMINAL if k not in costs.dtensor_seconds]
+        return {**NOMINAL, **costs.dtensor_seconds}, "calibrated" + (
+            f"; {', '.join(missing)}: nominal, one server CPU's own calibration (docs/cpu.md)" if missing else "")
     return ((dict(NOMINAL), "nominal: one server CPU's own calibration (docs/cpu.md), not this host's; a first "
              "tensor-parallel measure or compare times this host's") if cpu
             else ({}, "not priced: no figure for this device's host"))
@@ -166,10 +168,14 @@ def fsdp_host_seconds(cfg: RunConfig, collectives: int, costs: OpCosts | None, s
     return collectives * per.get(fsdp_key(cfg), 0.0) * scale
 
 
-def fsdp_text(collectives: int, seconds: float) -> str:
-    """The assumptions line's clause on FSDP2's host work ("" where none is priced)."""
-    return (f"; FSDP2's host work (hooks, copy-in and copy-out) around its {collectives} collectives per update: "
-            f"{seconds * 1e3:.1f} ms at this rank's host speed") if seconds else ""
+def fsdp_text(cfg: RunConfig, collectives: int, seconds: float, costs: OpCosts | None) -> str:
+    """The assumptions line's clause on FSDP2's host work, with where its per-collective figure comes from ("" where
+    none is priced)."""
+    if not seconds:
+        return ""
+    per, source = seconds_per_op(costs, cfg.device_spec.backend is Backend.CPU)
+    return (f"; FSDP2's host work (hooks, copy-in and copy-out) around its {collectives} collectives per update, "
+            f"{per[fsdp_key(cfg)] * 1e6:.0f} us each ({source}): {seconds * 1e3:.1f} ms at this rank's host speed")
 
 
 def text(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, collectives: dict | None = None) -> str:

@@ -284,7 +284,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     model = describe(costs, t) + machine_text(cfg, costs)
     if pipe is not None:
         model += "; " + layout_time_text(cfg, pipe, costs)
-    model += dtensor.fsdp_text(gathers, fsdp_host)
+    model += dtensor.fsdp_text(cfg, gathers, fsdp_host, costs)
     compute += fsdp_host  # host work inside forward and backward, shown with them
     return TimeEstimate(compute_seconds_per_micro_batch=compute / cfg.accum, compute_seconds=compute,
                         allreduce_bytes=grad_bytes, allreduce_seconds=comm, exposed_comm_seconds=exposed,
