@@ -171,3 +171,18 @@ def test_local_ranks_share_the_cores_for_a_layouts_host_work_too():
     assert shared.tp_comm_seconds == pytest.approx(alone.tp_comm_seconds)  # messages do not share the cores
     grown = shared.update_seconds - shared.exposed_comm_seconds - (alone.update_seconds - alone.exposed_comm_seconds)
     assert grown == pytest.approx(alone.compute_seconds + alone.optimizer_seconds + cfg.accum * micro)
+
+
+def test_a_calibration_older_than_a_figure_labels_that_figure_nominal():
+    """A cache holding the per-op figures but not the redistribution's: the per-op clause says calibrated, the
+    redistribution's says whose CPU its nominal figure was measured on."""
+    from batchlab.formula import dtensor
+    from batchlab.formula.pipeline import tp_collectives
+    from batchlab.formula.timing import nominal_costs
+
+    cfg = RunConfig(seq=32, micro_batch=2, tp=2)
+    old = dataclasses.replace(nominal_costs(cfg), dtensor_seconds={"forward": 8e-5, "backward": 4e-5, "plain": 3e-5})
+    rank = shares(cfg)[0]
+    line = dtensor.text(cfg, rank, old, tp_collectives(cfg, rank))
+    assert "at 80 / 40 / 30 us each (calibrated)" in line
+    assert "450 us of host work each (nominal: one server CPU's own calibration" in line

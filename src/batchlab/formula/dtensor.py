@@ -123,12 +123,17 @@ def seconds_per_op(costs: OpCosts | None, cpu: bool = True) -> tuple[dict[str, f
     rank's own host; a GPU's host issues ahead of its kernels and no figure of such a host is known: none there
     unless calibrated ({})."""
     if costs is not None and costs.dtensor_seconds:
-        missing = [k for k in NOMINAL if k not in costs.dtensor_seconds]
-        return {**NOMINAL, **costs.dtensor_seconds}, "calibrated" + (
-            f"; {', '.join(missing)}: nominal, one server CPU's own calibration (docs/cpu.md)" if missing else "")
+        return {**NOMINAL, **costs.dtensor_seconds}, "calibrated"
     return ((dict(NOMINAL), "nominal: one server CPU's own calibration (docs/cpu.md), not this host's; a first "
              "tensor-parallel measure or compare times this host's") if cpu
             else ({}, "not priced: no figure for this device's host"))
+
+
+def source_of(costs: OpCosts | None, keys: tuple[str, ...], cpu: bool = True) -> str:
+    """Where the figures of ``keys`` come from: this host's calibration where it holds every one, else the nominal
+    figures' source (a calibration made before a figure was added holds the others only)."""
+    calibrated = costs is not None and all(k in costs.dtensor_seconds for k in keys)
+    return "calibrated" if calibrated else seconds_per_op(None, cpu)[1]
 
 
 def redistributions(cfg: RunConfig, rank: RankShare, collectives: dict | None) -> int:
@@ -173,7 +178,8 @@ def fsdp_text(cfg: RunConfig, collectives: int, seconds: float, costs: OpCosts |
     none is priced)."""
     if not seconds:
         return ""
-    per, source = seconds_per_op(costs, cfg.device_spec.backend is Backend.CPU)
+    cpu = cfg.device_spec.backend is Backend.CPU
+    per, source = seconds_per_op(costs, cpu)[0], source_of(costs, (fsdp_key(cfg),), cpu)
     return (f"; FSDP2's host work (hooks, copy-in and copy-out) around its {collectives} collectives per update, "
             f"{per[fsdp_key(cfg)] * 1e6:.0f} us each ({source}): {seconds * 1e3:.1f} ms at this rank's host speed")
 
@@ -183,12 +189,15 @@ def text(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, collectives: di
     ops = dtensor_ops(cfg, rank)
     if not ops:
         return ""
-    per, source = seconds_per_op(costs, cfg.device_spec.backend is Backend.CPU)
+    cpu = cfg.device_spec.backend is Backend.CPU
+    per, source = seconds_per_op(costs, cpu)
     if not per:
         return f"DTensor's host work {source}"
     return (f"DTensor's host work: {ops['forward']} forward + {ops['backward']} backward ops per micro-batch, "
             f"{ops['plain']} optimizer ops per update on DTensors, at {per['forward'] * 1e6:.0f} / "
-            f"{per['backward'] * 1e6:.0f} / {per['plain'] * 1e6:.0f} us each ({source}), not divided by TP"
-            + (f"; {n} redistributions per micro-batch at {per['collective'] * 1e6:.0f} us of host work each"
+            f"{per['backward'] * 1e6:.0f} / {per['plain'] * 1e6:.0f} us each "
+            f"({source_of(costs, ('forward', 'backward', 'plain'), cpu)}), not divided by TP"
+            + (f"; {n} redistributions per micro-batch at {per['collective'] * 1e6:.0f} us of host work each "
+               f"({source_of(costs, ('collective',), cpu)})"
                if (n := redistributions(cfg, rank, collectives)) and per.get("collective") else ""))
 
