@@ -52,6 +52,21 @@ def test_ensure_measures_once_for_a_tp_config_and_the_time_model_prices_with_it(
     assert seconds_per_op(None)[0] == NOMINAL and seconds_per_op(None)[1].startswith("nominal: one server CPU")
 
 
+def test_a_failed_two_rank_step_keeps_the_per_op_figures_it_measured_before(monkeypatch):
+    """Two ranks that cannot run here (a caller's own process group, a timeout) lose none of the per-op figures
+    measured before them: those are cached and not measured again; the redistribution's stays nominal, said so."""
+    def no_ranks(samples=0):
+        raise RuntimeError("two local ranks gave no DTensor collective timing")
+
+    monkeypatch.setattr(dtensor, "measure", lambda seconds=dtensor.SECONDS: {"forward": 9e-5, "backward": 4e-5,
+                                                                              "plain": 3e-5})
+    monkeypatch.setattr(dtensor_collective, "measure", no_ranks)
+    save(stub_calibration())
+    said = dtensor.ensure((TP2,), threads=1)
+    assert "(collective) not measured (two local ranks" in said and "measured and cached: forward 90 us" in said
+    assert load_cached("cpu", 1).dtensor_seconds == {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5}
+
+
 def test_a_cache_with_per_op_figures_only_gets_the_collectives_measured(monkeypatch):
     """A calibration cached before the per-collective figure existed: only that one is measured, the rest kept."""
     import dataclasses

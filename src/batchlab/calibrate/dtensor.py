@@ -164,25 +164,31 @@ def ensure(cfgs: tuple[RunConfig, ...], threads: int | None = None) -> str | Non
         return None
     import torch
 
-    figures = dict(cal.dtensor_seconds)
+    figures, failed = dict(cal.dtensor_seconds), ""
     before = torch.get_num_threads()
     torch.set_num_threads(cal.threads)
     try:
-        if missing & set(PER_OP):
-            figures.update(measure())
-        if figures and not dtensor_problems(figures):
-            if "collective" in missing:
-                figures["collective"] = dtensor_collective.measure()
-            if missing & set(FSDP):
-                figures.update(fsdp_host.measure())
+        steps = ((set(PER_OP), measure), ({"collective"}, lambda: {"collective": dtensor_collective.measure()}),
+                 (set(FSDP), fsdp_host.measure))
+        for keys, timed in steps:  # each kept once plausible: a later step's failure loses none before it
+            if not missing & keys:
+                continue
+            figures.update(timed())
+            if not figures or (bad := dtensor_problems(figures)):  # a stall or a broken run: estimates follow it
+                failed = f"measured implausible ({bad[0] if figures else 'no DTensor op was dispatched'}), not cached"
+                figures = {k: v for k, v in figures.items() if k not in keys or k in cal.dtensor_seconds}
+                break
     except (RuntimeError, ValueError, TypeError) as e:  # a process group of the caller's own, a torch without DTensor
-        return f"time model: DTensor's host cost per op not measured ({e}); a nominal figure prices it"
+        failed = f"not measured ({e})"
     finally:
         torch.set_num_threads(before)
-    if not figures or (bad := dtensor_problems(figures)):  # a stall or a broken run: every estimate would follow it
-        why = bad[0] if figures else "no DTensor op was dispatched"
-        return f"time model: DTensor's host cost per op measured implausible ({why}); not cached, a nominal figure prices it"
-    cal.dtensor_seconds = figures
-    save(cal)
-    said = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in figures.items() if k in missing)
+    timed = {k: v for k, v in figures.items() if k in missing}
+    if timed:
+        cal.dtensor_seconds = figures
+        save(cal)
+    said = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in timed.items())
+    if failed:
+        left = ", ".join(sorted(missing - set(timed)))
+        return (f"time model: DTensor's host cost ({left}) {failed}; a nominal figure prices it"
+                + (f" (measured and cached: {said})" if said else ""))
     return f"time model: measured DTensor's host cost per op once ({said}) and cached it with the calibration"
