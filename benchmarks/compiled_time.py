@@ -124,8 +124,8 @@ def in_regime() -> None:
     process starts again with it where it lacks it."""
     from batchlab.host import regime
 
-    if regime.missing():
-        os.execve(sys.executable, [sys.executable, *sys.argv], regime.steady_env(dict(os.environ)))
+    if (note := regime.restart_in_regime()) is not None:
+        print(note, file=sys.stderr)
 
 
 def measure_all() -> None:

@@ -295,9 +295,7 @@ def in_regime() -> None:
     inherit it)."""
     from batchlab.host import regime
 
-    if regime.missing():
-        os.execve(sys.executable, [sys.executable, *sys.argv], regime.steady_env(dict(os.environ)))
-    if (note := regime.warning()) is not None:
+    if (note := regime.restart_in_regime()) is not None:
         print(note, file=sys.stderr)
 
 

@@ -278,9 +278,7 @@ def in_regime() -> None:
     """Run this script in the allocator regime batchlab's measuring processes use (batchlab.host.regime: freed
     memory kept, no page faults per update after warmup): the in-process trainers below are measured here, so
     the process starts again with the regime's environment where it lacks it (glibc reads it at start)."""
-    if regime.missing():
-        os.execve(sys.executable, [sys.executable, *sys.argv], regime.steady_env(dict(os.environ)))
-    if (note := regime.warning()) is not None:
+    if (note := regime.restart_in_regime()) is not None:
         log(note)
 
 

@@ -165,3 +165,19 @@ def test_pretouch_leaves_heap_growth_nothing_to_fault_in_and_touches_only_a_proc
         assert run("0") == (0, pytest.approx(pages, rel=0.1))  # the reference: each page faulted in once
     else:  # glibc defaults (the user's process): nothing touched; the block is a fresh mapping faulted in
         assert touched == 0 and faults == pytest.approx(pages, rel=0.1)
+
+
+@pytest.mark.parametrize("value", ["1", "abc"])
+def test_a_script_whose_own_malloc_values_keep_the_regime_out_starts_once_and_says_so(value):
+    """A benchmark script restarts itself into the regime; where the user's own MALLOC_* (kept, never overridden)
+    keep it out, a restart cannot help: it runs once, saying so, instead of starting again and again."""
+    code = ("import os, sys\n"
+            "n = int(os.environ.get('STARTS', '0'))\n"
+            "os.environ['STARTS'] = str(n + 1)\n"
+            "assert n < 3, 'restarted again and again'\n"
+            "from batchlab.host import regime\n"
+            "print(n, regime.restart_in_regime())\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"MALLOC_TRIM_THRESHOLD_": value}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("0 measured without the steady allocator regime")

@@ -23,6 +23,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 from pathlib import Path
 
 # glibc's environment names of the mallopt parameters (the trailing underscore is glibc's spelling)
@@ -85,6 +86,19 @@ def missing() -> bool:
     """glibc, but this process started without the regime: a process started with ``steady_env`` would have it
     (under another allocator no child would)."""
     return allocator() == "glibc" and not in_effect()
+
+
+def restart_in_regime() -> str | None:
+    """Start this script again in the steady regime where it lacks it and a start with ``steady_env`` would have it
+    (glibc reads it at start; children inherit it); returns what to tell the user where it cannot be had: another
+    allocator, or the user's own MALLOC_* values below the steady ones (theirs are kept, never overridden, so a
+    restart would not help: it is not tried again and again)."""
+    env = steady_env(dict(os.environ))
+    if missing() and in_effect(env):
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if missing():
+        return f"measured without the steady allocator regime: {describe(env)} (this environment's MALLOC_* values)"
+    return warning()
 
 
 def describe(env: dict[str, str] | None = None) -> str:
