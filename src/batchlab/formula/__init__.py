@@ -21,7 +21,7 @@ from batchlab.formula.memory import MemoryEstimate, memory, model_states
 from batchlab.formula.params import ParamCount, count
 from batchlab.formula.profile import layer_terms_source, terms as profile_terms
 from batchlab.formula.timing import TimeEstimate, timing
-from batchlab.util.units import fmt_bytes, fmt_count, fmt_seconds
+from batchlab.util.units import fmt_bytes, fmt_count
 
 if TYPE_CHECKING:
     from batchlab.formula.calibration import Calibration
@@ -42,8 +42,16 @@ class Estimate:
     provenance: str = "formula"
     layer_terms: str = ""  # where the per-layer terms came from: "builtin gpt2", "profile (trace of ...)"
     kv_cache: KVCache | None = None  # transformers' KV cache in the training forward; None: the code has none
-    # a card whose peak is known only as a range (DeviceSpec.peak_low): the time at the range's low end
-    low_peak_time: TimeEstimate | None = None
+    calibrated: bool = False  # the time model priced with this host's measured rates (no datasheet peak)
+
+    @functools.cached_property
+    def low_peak_time(self) -> TimeEstimate | None:
+        """A card whose source gives its peak only as a range (DeviceSpec.peak_low; the catalogue's figures are the
+        high end): the update's time at the low end, worked out when asked (estimate's output, --json), not in
+        every estimate a search makes.  None for a known peak, and where measured rates priced the run."""
+        low = self.config.device_spec.peak_low
+        return None if self.calibrated or not low else timing(self.config.replace(device=low), self.flops,
+                                                                self.memory, None)
 
     @functools.cached_property
     def alternatives(self) -> tuple[Alternative, ...]:
@@ -219,14 +227,7 @@ def estimate(cfg: RunConfig, calibrations: Calibrations | None = None) -> Estima
     return Estimate(config=cfg, params=count(cfg.model), memory=mem, flops=fl, time=t,
                     training_checkpoint_bytes=training_checkpoint_bytes(cfg), assumptions=assumptions_text(cfg, t),
                     layer_terms=layer_terms(cfg), kv_cache=kv_cache(cfg, memory, mem),
-                    low_peak_time=low_peak_time(cfg, fl, mem) if costs is None else None)
-
-
-def low_peak_time(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate) -> TimeEstimate | None:
-    """The update's time on the low end of a card whose source gives its peak only as a range (the catalogue's
-    figures are the high end), else None.  A calibrated card has measured rates: no range."""
-    low = cfg.device_spec.peak_low
-    return timing(cfg.replace(device=low), fl, mem, None) if low else None
+                    calibrated=costs is not None)
 
 
 def layer_terms(cfg: RunConfig) -> str:
