@@ -173,22 +173,33 @@ def predicted(name: str, ac: str, shape: tuple[int, int], trace: bool) -> dict:
     return out
 
 
-def rng_rate_line() -> str:
-    """Inductor's in-kernel RNG timed once against bernoulli_ where the calibration lacks it (as measure and compare
-    do: calibrate/compiled_rng.py), and what the calibration holds."""
-    from batchlab.cache.calibrations import load_cached
+def ensure_rates() -> None:
+    """Inductor's in-kernel rates timed once where the calibration lacks them, as measure and compare do
+    (calibrate/compiled_rng.py)."""
     from batchlab.calibrate import compiled_rng
 
-    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-    compiled_rng.ensure(config("GPT tiny, 2 layers", "none", SHAPES[0], "blocks"), threads)
-    cal = load_cached("cpu", threads)
+    compiled_rng.ensure(config("GPT tiny, 2 layers", "none", SHAPES[0], "blocks"),
+                        int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+def rng_rate_line() -> str:
+    """What the calibration holds of inductor's in-kernel rates (``ensure_rates`` timed them where it lacked them)."""
+    from batchlab.cache.calibrations import load_cached
+    from batchlab.calibrate import compiled_rng
+    from batchlab.formula.inkernel import rate_keys
+
+    cal = load_cached("cpu", int(os.environ.get("OMP_NUM_THREADS", "1")))
     rates = cal.element_seconds if cal is not None else {}
     rng, mask, eager = rates.get(compiled_rng.KEY), rates.get(compiled_rng.MASK_KEY), rates.get("random:fp32")
     if not (rng and mask and eager):
         return "inductor's in-kernel RNG and mask store not timed here: priced at ATen's bernoulli_ rate"
     inside = {k: rates[k] for k in (*compiled_rng.ARITHMETIC_KEYS, compiled_rng.SOFTMAX_KEY,
                                     compiled_rng.MASK_LOAD_KEY) if k in rates}
-    aten = {k: rates.get(k.replace("inductor_", "").replace("masked/mask_load", "masked")) for k in inside}
+    def aten(key: str) -> float | None:  # the rate ATen's kernel of the op is priced at (formula/inkernel.py)
+        cls, name = key.split(":")[0].split("/")
+        return next((rates[k] for k in rate_keys(cls, name, "fp32") if k != key and k in rates), None)
+
+    aten = {k: aten(k) for k in inside}
     return (f"inductor's in-kernel RNG {rng * 1e9:.1f} ns per element, x{rng / eager:.2f} ATen's bernoulli_ "
             f"({eager * 1e9:.1f} ns) in the calibration, its bool mask store {mask * 1e9:.1f} ns, "
             f"x{mask / eager:.2f}; in-kernel arithmetic per element (ATen's kernel of the op beside it): "
@@ -311,6 +322,7 @@ def main(argv=None) -> int:
     p.add_argument("--trace", action="store_true", help="also the trace's predicted ratio (a few seconds per case)")
     p.add_argument("--first", action="store_true", help="keep the added cases' predictions not kept yet as their first")
     args = p.parse_args(argv)
+    ensure_rates()  # before anything predicts (_calibrations keeps what it first reads)
     if args.first:
         record_first()
     if args.measure:
