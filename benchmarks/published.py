@@ -142,7 +142,12 @@ def bound_of(run: dict, figure: str | None = None) -> str | None:
     (``{memory = "upper", rate = "lower"}``: the longest possible sequence over-counts the memory and under-counts
     the rate; ``{memory = "point", rate = "upper"}``: what the source leaves out moves only the rate).  Without
     ``figure``: the run's one direction, "mixed" where its figures differ."""
-    if not run.get("not_typed"):
+    gap = run.get("not_typed")
+    if gap is not None and not (isinstance(gap, list) and all(isinstance(g, str) for g in gap)):
+        raise SystemExit(f"run {run['id']}: not_typed is a list of what the source leaves out (got {gap!r})")
+    if not gap:
+        if "bound" in run:
+            raise SystemExit(f"run {run['id']}: a bound needs not_typed, the inputs the source leaves out")
         return None
     given = run.get("bound")
     per = given if isinstance(given, dict) else {f: given for f in FIGURES}

@@ -78,3 +78,10 @@ def test_a_gap_that_moves_one_figure_leaves_the_other_a_point(script):
     assert "memory now (the kind and rank each source measured): mean |error| 20.0%" in summary  # a point
     assert "- throughput now: no runs" in summary  # the rate is a bound: in no mean
     assert "Bounds that hold: memory 0 of 0; rate 1 of 1" in text.split("## Bounds")[1]
+
+
+def test_a_bound_without_its_gap_or_a_gap_that_is_not_a_list_fails_loudly(script):
+    with pytest.raises(SystemExit, match="a bound needs not_typed"):
+        script.document([script.evaluate(_run("b", 1.0, 1.0, bound="upper"), {})], [])
+    with pytest.raises(SystemExit, match="not_typed is a list"):
+        script.document([script.evaluate(_run("s", 1.0, 1.0, not_typed="the length", bound="upper"), {})], [])
