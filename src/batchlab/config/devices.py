@@ -128,9 +128,6 @@ _GPUS = (
     _gpu("h100-96gb", "hopper", 94.99, "torch: 'CUDA capacity: NVIDIA H100 with 94.99GiB memory' (torchtitan#1625)",
          989, 66.9, 2400, 450, 50, "torchtitan benchmarks/llama3_h100_202412 (2.4 TB/s, 400 Gb/s per GPU); bf16 "
          "peak is an upper bound (between SXM and NVL, 'we don't know its exact value')"),
-    _gpu("h100-96gb-low", "hopper", 94.99, "torch: as h100-96gb (torchtitan#1625)", 835, 60, 2400, 450, 50,
-         "h100-96gb at the low end of its peak range: NVL's 835 TF (tt-utils), the lower bound of torchtitan's "
-         "'between SXM and NVL'; its memory, HBM and links as h100-96gb"),
     _gpu("h200", "hopper", 139.80, "torch: 'GPU 0 has a total capacity of 139.80 GiB' (H200 OOM messages)", 989,
          66.9, 4800, 450, 50, "tt-utils (989 TF); 4.8 TB/s and NVLink 450 GB/s per direction (secondary)"),
     _gpu("b200", "blackwell", 178.35, "cudaGetDeviceProperties 'Total Global Memory: 178.35 GB' [GiB] "
@@ -155,7 +152,6 @@ _FP8 = {
     "h100-sxm": (1978.9, "klockwood-h100 (NVIDIA H100 datasheet): 'FP8 | 1978.9 | 3957.8'"),
     "h200": (1978.9, "klockwood-h100: the H100's die ('FP8 | 1978.9 | 3957.8')"),
     "h100-96gb": (1978.9, "as h100-sxm (an upper bound, as its bf16 peak)"),
-    "h100-96gb-low": (2 * 835, "as h100-nvl (the lower bound, as its bf16 peak)"),
     "h100-pcie": (2 * 756, _DOUBLE), "h100-nvl": (2 * 835, _DOUBLE),
     "b200": (4500, "pytorch/ao#4002 roofline_utils.py: 'fp8_peak_tops': 4.5e15"),
     "l4": (242.5, "half of the 485 TF sparse figure (secondary: grokipedia NVIDIA_L4_vs_L40S)"),
@@ -164,9 +160,22 @@ _FP8 = {
 }
 _GPUS = tuple(dataclasses.replace(g, peak_flops_fp8=_FP8[g.name][0] * T, fp8_source=_FP8[g.name][1])
               if g.name in _FP8 else g for g in _GPUS)
-# cards whose peak a source gives only as a range -> the entry at its low end
-_PEAK_LOW = {"h100-96gb": "h100-96gb-low"}
-_GPUS = tuple(dataclasses.replace(g, peak_low=_PEAK_LOW[g.name]) if g.name in _PEAK_LOW else g for g in _GPUS)
+# cards whose peak a source gives only as a range: (the card, the card whose peaks are its low end, the entry made
+# for that end: the card's memory, HBM and links at the other's peaks)
+_PEAK_RANGES = (("h100-96gb", "h100-nvl", "h100-96gb-low"),)
+
+
+def _low_end(card: DeviceSpec, low: DeviceSpec, name: str) -> DeviceSpec:
+    return dataclasses.replace(card, name=name, peak_low="", peak_flops_bf16=low.peak_flops_bf16,
+                               peak_flops_fp32=low.peak_flops_fp32, peak_flops_fp8=low.peak_flops_fp8,
+                               fp8_source=low.fp8_source,
+                               source=f"{card.name} at the low end of its peak range: {low.name}'s peak rates")
+
+
+_GPUS = tuple(dataclasses.replace(g, peak_low=next((n for c, _, n in _PEAK_RANGES if c == g.name), ""))
+              for g in _GPUS)
+_BY_NAME = {g.name: g for g in _GPUS}
+_GPUS += tuple(_low_end(_BY_NAME[card], _BY_NAME[low], name) for card, low, name in _PEAK_RANGES)
 
 
 def _cpu() -> DeviceSpec:
@@ -270,7 +279,7 @@ _RATES_LABEL = {
     "rtx-3090": "GA102 whitepaper", "rtx-4090": "secondary sources", "titan-rtx": "secondary sources", "rtx-a6000": "torchtitan table",
     "a100-40gb": "NVIDIA datasheet", "a100-80gb": "NVIDIA datasheet", "a100-pcie-80gb": "torchtitan table",
     "h100-sxm": "NVIDIA datasheet", "h100-pcie": "torchtitan table", "h100-nvl": "torchtitan table",
-    "h100-96gb": "torchtitan benchmarks", "h100-96gb-low": "torchtitan benchmarks", "h200": "torchtitan table", "b200": "torchtitan table",
+    "h100-96gb": "torchtitan benchmarks", "h100-96gb-low": "torchtitan table", "h200": "torchtitan table", "b200": "torchtitan table",
     "mi250x": "torchtitan table", "mi300x": "torchtitan table", "mi325x": "secondary sources",
     "l40s": "torchtitan table",
 }
