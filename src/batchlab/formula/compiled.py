@@ -197,7 +197,8 @@ def _whole_model_working(cfg: RunConfig) -> tuple[int, ...] | None:
     lowest (torch/_inductor/memory.py ``reorder_for_peak_memory``), so the order whose walk peaks lowest here (each
     layer's stretch, the layers below keeping theirs, the layers above holding their gradients) is taken, among the
     orders whose derivation passed its check (the table says why for the others)."""
-    from batchlab.formula.params import count
+    from batchlab.formula.ranks import share
+    from batchlab.formula.states import model_states
 
     orders = whole_model_highs(cfg)
     if orders is None:
@@ -206,7 +207,8 @@ def _whole_model_working(cfg: RunConfig) -> tuple[int, ...] | None:
     values = dict(dims(m, cfg.seq, cfg.micro_batch), v=Fraction(m.vocab))
     symbols = _model_table().SYMBOLS
     kept = layer_bytes(cfg, _policies(cfg)[0])
-    grad = count(m).per_layer * (2 if cfg.precision is Precision.BF16 else 4)
+    rank = share(cfg, 0)  # a layer's gradient as the memory walk this imitates counts it (formula/memory.py)
+    grad = rank.per_layer * model_states(cfg, rank).gradients // max(rank.params, 1)
 
     def working(stretches) -> tuple[int, ...]:
         each = {name: max(round(_evaluate(h, values, symbols)) for h in hs) for name, hs in stretches.items()}
