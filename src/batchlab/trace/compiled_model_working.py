@@ -139,33 +139,12 @@ def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str, p
     """Each layer's high points in the whole-model backward scheduled in ``order`` as Terms (exponents over SYMBOLS
     -> bytes), with what the formula's walk adds itself taken out."""
     from batchlab.formula import activations as act, compiled_table
-    from batchlab.measure.memory import StorageTracker
-    from batchlab.models.compiled import using_backend
-    from batchlab.trace import inductor_plan
-    from batchlab.trace.compiled import _tracker_rules
-    from batchlab.trace.patches import eager_branches
-    from batchlab.trace.run import FakeTrainer, fake_mode
 
     cfg = derivation_config(family, gqa, dropout, attention, policy, precision, tied, layers, k)
     primes = ct.primes_of(gqa, k)
-    torch._dynamo.reset()
-    _tracker_rules()
-    with _order(order), inductor_plan.kernels_not_built(), using_backend(inductor_plan.inductor), eager_branches(), \
-            fake_mode():
-        trainer = FakeTrainer(cfg, torch.device("cpu"))
-        batch = trainer.workload.make_batch(trainer.generator, cfg.micro_batch, cfg.seq, trainer.device)
-        window = _Stretches({id(t.untyped_storage()) for t in batch if isinstance(t, torch.Tensor)})
-        inductor_plan.CALLS.append(window)
-        try:
-            tracker = StorageTracker(listener=window)
-            window.tracker = tracker
-            tracker.register(trainer.model.parameters(), "parameters")
-            with tracker:
-                with trainer._autocast():
-                    loss = trainer.workload.loss_sum(trainer.model, *batch)
-                loss.backward()
-        finally:
-            inductor_plan.CALLS.remove(window)
+    batch_storages = lambda batch: _Stretches({id(t.untyped_storage()) for t in batch  # noqa: E731
+                                               if isinstance(t, torch.Tensor)})
+    with cw.planned_update(cfg, family, batch_storages, _order(order)) as (trainer, window):
         layer_of = {}
         for name, p in trainer.model.named_parameters():
             found = _LAYER.search(name)

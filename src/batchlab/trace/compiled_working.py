@@ -115,10 +115,11 @@ def pruned(highs: list[Terms]) -> list[Terms]:
     return out
 
 
-def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str,
-           k: int | None = None, g: int | None = None) -> list[list[int]]:
-    """The block's backward high points, each the sizes (bytes) of the storages it holds in the order they were
-    made, from one inductor-planned update on fake tensors."""
+@contextlib.contextmanager
+def planned_update(cfg, family: str, window_of, order=contextlib.nullcontext()):
+    """One update of ``cfg`` on fake tensors, compiled by inductor with no kernel built, its storages followed by
+    the window ``window_of(batch)`` makes (inductor_plan.CALLS); yields (trainer, window) after backward, still on
+    fake tensors.  ``order``: a patch of inductor's scheduling (trace/compiled_model_working.py)."""
     from batchlab.measure.memory import StorageTracker
     from batchlab.models.compiled import using_backend
     from batchlab.trace import inductor_plan
@@ -126,18 +127,18 @@ def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str, p
     from batchlab.trace.patches import eager_branches
     from batchlab.trace.run import FakeTrainer, fake_mode
 
-    cfg = ct.derivation_config(family, gqa, dropout, attention, policy, precision, k, g)
     torch._dynamo.reset()
     _tracker_rules()
-    window = _Window()
+    # dynamo breaks the graph around a checkpointed block whose forward mutates state, unless told not to replay it
     replay = contextlib.nullcontext() if family not in ct.NO_REPLAY else \
         torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
-    inductor_plan.CALLS.append(window)
-    try:
-        with replay, inductor_plan.kernels_not_built(), using_backend(inductor_plan.inductor), eager_branches(), \
-                fake_mode():
-            trainer = FakeTrainer(cfg, torch.device("cpu"))
-            batch = trainer.workload.make_batch(trainer.generator, cfg.micro_batch, cfg.seq, trainer.device)
+    with order, replay, inductor_plan.kernels_not_built(), using_backend(inductor_plan.inductor), eager_branches(), \
+            fake_mode():
+        trainer = FakeTrainer(cfg, torch.device("cpu"))
+        batch = trainer.workload.make_batch(trainer.generator, cfg.micro_batch, cfg.seq, trainer.device)
+        window = window_of(batch)
+        inductor_plan.CALLS.append(window)
+        try:
             tracker = StorageTracker(listener=window)
             window.tracker = tracker
             tracker.register(trainer.model.parameters(), "parameters")
@@ -145,8 +146,18 @@ def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str, p
                 with trainer._autocast():
                     loss = trainer.workload.loss_sum(trainer.model, *batch)
                 loss.backward()
-    finally:
-        inductor_plan.CALLS.remove(window)
+        finally:
+            inductor_plan.CALLS.remove(window)
+        yield trainer, window
+
+
+def derive(family: str, gqa: bool, dropout: bool, attention: str, policy: str, precision: str,
+           k: int | None = None, g: int | None = None) -> list[list[int]]:
+    """The block's backward high points, each the sizes (bytes) of the storages it holds in the order they were
+    made, from one inductor-planned update on fake tensors."""
+    cfg = ct.derivation_config(family, gqa, dropout, attention, policy, precision, k, g)
+    with planned_update(cfg, family, lambda batch: _Window()) as (_, window):
+        pass
     if window.calls != 1:
         raise ct.Uncompiled(f"{family} {policy}: {window.calls} compiled backward calls, not one block's")
     return window.highs
