@@ -94,3 +94,16 @@ def test_any_compiled_model_times_inductors_in_kernel_arithmetic_once_and_an_eag
     assert rates[compiled_rng.SOFTMAX_KEY] == pytest.approx(0.8e-9)
     assert compiled_rng.KEY not in rates and compiled_rng.MASK_KEY not in rates
     assert compiled_rng.ensure(plain, threads=1) is None and _in_kernel_stubbed == [1]  # cached: timed once
+
+
+def test_an_in_kernel_rate_a_hundredfold_from_atens_kernel_of_the_op_is_implausible():
+    """A cached in-kernel tanh checked against ATen's tanh (its fallback): a stalled or zero timing is refused, a
+    vectorised in-loop rate well below ATen's kernel is not."""
+    from batchlab.formula.plausible import in_kernel_problems
+
+    rates = {"activation/tanh:fp32": 2.5e-9, "random:fp32": 6e-9}
+    assert not in_kernel_problems({**rates, "activation/inductor_tanh:fp32": 1.5e-9})
+    assert not in_kernel_problems({**rates, "activation/inductor_tanh:fp32": 0.1e-9})
+    (bad,) = in_kernel_problems({**rates, "activation/inductor_tanh:fp32": 1e-14})
+    assert "activation/inductor_tanh:fp32" in bad and "ATen's activation/tanh:fp32" in bad
+    assert in_kernel_problems({**rates, "random/inductor_random:fp32": 1e-12})  # the RNG's own band, as before

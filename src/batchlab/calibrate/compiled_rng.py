@@ -34,7 +34,7 @@ import time
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.config import CompileMode, RunConfig
 from batchlab.formula.inkernel import MASK_LOAD, MASK_STORE, RNG, in_kernel
-from batchlab.formula.plausible import IN_KERNEL_RATIO
+from batchlab.formula.plausible import IN_KERNEL_RATIO, in_kernel_problems
 
 NAME, MASK = RNG, MASK_STORE  # as the op lists name them (formula/inkernel.py)
 KEY = f"random/{NAME}:fp32"  # its element_seconds entry (formula/opcost.py element_rate_seconds's key)
@@ -178,8 +178,10 @@ def _ensure_in_kernel(cal, eager: float | None) -> list[str]:
         return [f"time model: inductor's in-kernel arithmetic not timed ({first}); ATen's kernels' rates serve"]
     finally:
         torch.set_num_threads(before)
-    low, high = 0.0, IN_KERNEL_RATIO[1]
-    kept = {k: r * eager for k, r in ratios.items() if math.isfinite(r) and low <= r <= high}
+    # each kept where plausible against ATen's rate of the same op (formula/plausible.py): a broken timing serves
+    # nothing, ATen's rate prices the op instead
+    kept = {k: r * eager for k, r in ratios.items() if math.isfinite(r) and r > 0
+            and not in_kernel_problems({**cal.element_seconds, k: r * eager})}
     cal.element_seconds.update(kept)
     save(cal)
     return ["time model: timed inductor's in-kernel arithmetic once against ATen's bernoulli_ and cached it with "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from batchlab.formula.inkernel import IN_KERNEL, rate_keys
+
 # Measured over nominal: a matmul on a loaded host with wall-clock timing reaches a few % of the nominal peak at
 # worst (small shapes, 2 threads sharing a core: 1/50 seen on 2-core VMs); 1/500 is no real device.  Above:
 # the CPU's nominal per-cycle figure is read from its flags (AMX, VNNI and SME units it cannot see run faster).
@@ -26,6 +28,9 @@ FAMILY_RATIO = (0.05, 50.0)
 # A compiled kernel's in-kernel draw or mask store per element over ATen's bulk bernoulli_ (``random/<op>:<dtype>``
 # over ``random:<dtype>``, calibrate/compiled_rng.py): a Philox engine per element, 1.4-2.3x measured here.
 IN_KERNEL_RATIO = (0.1, 100.0)
+# Inductor's in-kernel arithmetic (``<class>/inductor_<op>:<dtype>``) over ATen's kernel of the same op: vectorised
+# inside the fused loop with no launch of its own it can run far below it; a hundredfold either way is a broken timing.
+IN_KERNEL_ARITHMETIC_RATIO = (0.01, 100.0)
 
 
 def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = None) -> list[str]:
@@ -67,14 +72,23 @@ def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = N
 
 
 def in_kernel_problems(element_seconds: dict) -> list[str]:
-    """Each ``random/<op>:<dtype>`` rate against ATen's ``random:<dtype>`` outside ``IN_KERNEL_RATIO``."""
+    """Each ``random/<op>:<dtype>`` rate against ATen's ``random:<dtype>`` outside ``IN_KERNEL_RATIO``, and each
+    other in-kernel rate against ATen's rate of the same op (formula/inkernel.py's fallback) outside
+    ``IN_KERNEL_ARITHMETIC_RATIO``."""
     out = []
     for k, s in element_seconds.items():
-        eager = element_seconds.get("random:" + k.rsplit(":", 1)[-1]) if k.startswith("random/") else None
-        if eager and _finite(s) and _finite(eager) and eager > 0 and not (
-                IN_KERNEL_RATIO[0] <= s / eager <= IN_KERNEL_RATIO[1]):
-            out.append(f"per-element {k} x{s / eager:.3g} ATen's bernoulli_ outside "
-                       f"x{IN_KERNEL_RATIO[0]:g}..x{IN_KERNEL_RATIO[1]:g}")
+        op, _, tag = k.rpartition(":")
+        cls, _, name = op.partition("/")
+        if k.startswith("random/"):
+            ref, band, what = "random:" + tag, IN_KERNEL_RATIO, "ATen's bernoulli_"
+        elif name.startswith(IN_KERNEL):
+            ref = next((x for x in rate_keys(cls, name, tag) if x.split(":")[0] != op and x in element_seconds), None)
+            band, what = IN_KERNEL_ARITHMETIC_RATIO, f"ATen's {ref}"
+        else:
+            continue
+        eager = element_seconds.get(ref)
+        if eager and _finite(s) and _finite(eager) and eager > 0 and not band[0] <= s / eager <= band[1]:
+            out.append(f"per-element {k} x{s / eager:.3g} {what} outside x{band[0]:g}..x{band[1]:g}")
     return out
 
 
