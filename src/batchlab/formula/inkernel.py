@@ -23,6 +23,15 @@ def aten_name(name: str) -> str:
     return name if name in OWN else name.removeprefix(IN_KERNEL)
 
 
+def text(element_seconds: dict) -> str:
+    """The assumptions line's clause on a compiled CPU model's in-kernel rates: timed here, or ATen's serving."""
+    timed = sorted(k.split(":")[0].split("/")[1].removeprefix(IN_KERNEL) for k in element_seconds
+                   if k.split(":")[0].partition("/")[2].startswith(IN_KERNEL))
+    if not timed:
+        return "; inductor's in-kernel rates not timed here: ATen's kernels' rates price its fused ops"
+    return f"; inductor's in-kernel rates timed on this CPU ({', '.join(timed)}), ATen's for the others"
+
+
 def rate_keys(cost_class: str, name: str, tag: str) -> tuple[str, ...]:
     """The calibration's per-element keys an op's rate is read from, first found first: its own (in-kernel where
     it is), ATen's kernel of the same op, its class's representative kernel; each in the op's precision, then

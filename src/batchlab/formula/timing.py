@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass, field
 
 from batchlab.config import Backend, CompileMode, DataKind, DeviceSpec, ModelSource, RunConfig
-from batchlab.formula import dtensor, fp8, offload
+from batchlab.formula import dtensor, fp8, inkernel, offload
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.params import count
@@ -397,4 +397,4 @@ def machine_text(cfg: RunConfig, costs: OpCosts) -> str:
         out += (f"; all-reduce as gloo's between local ranks right after compute was calibrated: "
                 f"{link_text(costs.link_bytes_per_s)} + {costs.link_latency_s * 1e6:.0f} us per message in the "
                 "ring model")
-    return out
+    return out + (inkernel.text(costs.element_seconds) if cfg.compile is not CompileMode.NONE else "")
