@@ -82,11 +82,11 @@ def gemm_seconds(cfg: RunConfig, costs: OpCosts) -> dict[tuple[str, str, Phase],
     return out
 
 
-def _column_reductions(cfg: RunConfig, per_column: int) -> dict[str, int]:
-    """The column-parallel inputs' gradient reductions per layer (``dtensor.column_linears``), by block: the MLP's
-    one or two up-projections, attention's the rest."""
-    mlp = 2 if cfg.model.mlp is MLPKind.SWIGLU and not widths(cfg).megatron and per_column > 2 else 1
-    return {"attention": per_column - mlp, "mlp": mlp}
+def _column_reductions(per_column: int) -> dict[str, int]:
+    """The column-parallel inputs' gradient reductions per layer (``dtensor.column_linears``) under Megatron's layer,
+    the one whose reductions are paired (its SwiGLU's gate and up are one fused linear): the MLP's one, attention's
+    the rest."""
+    return {"attention": per_column - 1, "mlp": 1}
 
 
 def tp_hidden_seconds(cfg: RunConfig, layers: tuple[int, ...], link, costs: OpCosts | None) -> float:
@@ -98,7 +98,7 @@ def tp_hidden_seconds(cfg: RunConfig, layers: tuple[int, ...], link, costs: OpCo
     t, nbytes = cfg.parallel.tp, activation_message_bytes(cfg)
     gemm = gemm_seconds(cfg, costs)
     per_column = sum(c.count for c in cfg.parallel.tp_spec.per_column) * dtensor.column_linears(cfg)
-    columns = _column_reductions(cfg, per_column)
+    columns = _column_reductions(per_column)
 
     def hide(kind: str, calls: int, block: str, side: str, ph: Phase) -> float:
         comm = link.collective_seconds(kind, nbytes, t) * calls

@@ -251,12 +251,12 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
         rest *= held
         host = pipe.stages[pipe.slowest].dtensor_update_seconds  # the optimizer's DTensor ops, issued ahead on a GPU
         rest += max(0.0, host - rest) if costs.asynchronous else host
-    gathers = sum(fsdp_collectives(cfg, shares(cfg)[pipe.slowest] if pipe is not None else None).values())
+    units = fsdp_collectives(cfg, shares(cfg)[pipe.slowest] if pipe is not None else None)
+    gathers = sum(units.values())
     fsdp_host = dtensor.fsdp_host_seconds(cfg, gathers, costs, speed)  # its hooks and copies, in every micro-batch
     grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
     if local:  # a ring step is one message per rank: 2(n-1) per all-reduce, n-1 per all-gather / reduce-scatter
-        units = fsdp_collectives(cfg, shares(cfg)[pipe.slowest] if pipe is not None else None)
         reductions = gradient_reductions(cfg, shares(cfg)[pipe.slowest]) if pipe is not None else 0
         comm += costs.link_latency_s * (cfg.dp - 1) * (sum(units.values()) if units else
                                                        2 * (reductions or ddp_buckets(grad_bytes)))
