@@ -275,7 +275,8 @@ def page(trace: bool) -> str:
 
 
 FINDINGS = (
-    "What the cases show. Dropout: inductor draws each of dropout's numbers inside the fused kernel that uses it "
+    "What the cases show (the timings in this paragraph were read on the 2-core AMD EPYC host, torch 2.13, that "
+    "first wrote this page, and are not rerun with it: the table above is this run's). Dropout: inductor draws each of dropout's numbers inside the fused kernel that uses it "
     "(`normalized_rand_cpu`: a Philox4x32-10 engine built per element, in a 16-lane scalar loop inside a kernel "
     "that stays vectorised: the generated C++ of a GPT block's dropout kernel and of the `rand_like` the rate is "
     "timed on are alike), timed at about twice ATen's bulk `bernoulli_` per element; eager's dropout draws in bulk. "

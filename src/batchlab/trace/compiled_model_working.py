@@ -250,7 +250,7 @@ def write_table(path: Path, keep: dict | None = None, only: str | None = None) -
             block = compiled_table.TERMS.get(ct._key(family, gqa, dropout, attention, policy, precision))
             if not isinstance(block, tuple) or name in entries:
                 continue
-            if only is not None and not any(o == name for o in only.split(",")):
+            if only is not None and not any(o in name for o in only.split(",")):
                 continue
             print(f"deriving {name}", file=sys.stderr, flush=True)
             try:
