@@ -169,6 +169,31 @@ def bound_cells(run: dict, figure: str, predicted, measured) -> tuple[str, str]:
     return text, "-" if predicted is None or measured is None else ("yes" if check(predicted, measured) else "**no**")
 
 
+def bounds_table(rows: list, rate_of, rate_cell, rate_label: str) -> list[str]:
+    """The page's *Bounds* section: each row that is no point, the check each of its figures must pass and whether
+    it holds, a tally, then what each one's source does not give.  ``rate_of(row)``: its (predicted, measured)
+    rate; ``rate_cell(row, value, measured)``: a rate as the page writes it (the measured one with its unit)."""
+    out = [f"| run | memory: check | measured | predicted | holds | {rate_label}: check | measured | predicted | holds |",
+           "|---|---|---:|---:|---|---|---:|---:|---|"]
+    held: dict[str, list[str]] = {"memory": [], "rate": []}
+    bound = [r for r in rows if bound_of(r.run) is not None]
+    for r in bound:
+        predicted, measured = rate_of(r)
+        mem_check, mem_held = bound_cells(r.run, "memory", r.mem_predicted, r.mem_measured)
+        rate_check, rate_held = bound_cells(r.run, "rate", predicted, measured)
+        held["memory"].append(mem_held)
+        held["rate"].append(rate_held)
+        out.append(f"| {r.run['id']}{' †' if r.run.get('holdout') else ''} | {mem_check} | {gib(r.mem_measured)} GiB | "
+                   f"{gib(r.mem_predicted)} | {mem_held} | {rate_check} | {rate_cell(r, measured, True)} | "
+                   f"{rate_cell(r, predicted, False)} | {rate_held} |")
+    if not bound:
+        return ["No row is a bound."]
+    tally = "; ".join(f"{figure} {v.count('yes')} of {len(v) - v.count('-')}" for figure, v in held.items())
+    reasons = [f"- {r.run['id']}{' †' if r.run.get('holdout') else ''}: {'; '.join(r.run['not_typed'])}" for r in bound]
+    return [f"Bounds that hold: {tally} (a figure that bounds nothing is not counted).", "", *out, "",
+            "What each row's source does not give:", "", *reasons]
+
+
 def points(rows: list, figure: str | None = None) -> list:
     """The rows whose command types every input the prediction of ``figure`` needs (every figure: None): the ones
     the means are over."""

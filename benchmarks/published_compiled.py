@@ -22,7 +22,7 @@ from pathlib import Path
 
 from click import ClickException
 
-from published import (UNITS, Row, bound_cells, bound_of, detail_lines, gib, load, num, pct, points,
+from published import (UNITS, Row, bound_of, bounds_table, detail_lines, gib, load, num, pct, points,
                        rate_text)  # benchmarks/published.py: the same rows, units and figures
 
 from batchlab.cli.common import config_from_command
@@ -152,18 +152,7 @@ def table(rows: list[Row]) -> list[str]:
 
 def bounds(rows: list[Row]) -> list[str]:
     """Each bound's check, memory and tokens/s, with what the source left out."""
-    out = ["| run | memory: check | measured | predicted | holds | tok/s/GPU: check | measured | predicted | holds |",
-           "|---|---|---:|---:|---|---|---:|---:|---|"]
-    for r in rows:
-        if bound_of(r.run) is None:
-            continue
-        mem_check, mem_held = bound_cells(r.run, "memory", r.mem_predicted, r.mem_measured)
-        tps_check, tps_held = bound_cells(r.run, "rate", r.tps_predicted, r.tps_measured)
-        out.append(f"| {r.run['id']}{' †' if r.run.get('holdout') else ''} | {mem_check} | {gib(r.mem_measured)} GiB | "
-                   f"{gib(r.mem_predicted)} | {mem_held} | {tps_check} | {num(r.tps_measured)} | "
-                   f"{num(r.tps_predicted)} | {tps_held} |")
-    reasons = [f"- {r.run['id']}: {'; '.join(r.run['not_typed'])}" for r in rows if bound_of(r.run)]
-    return out + ["", "Why each is a bound (what its source does not give):", "", *reasons] if reasons else []
+    return bounds_table(rows, lambda r: (r.tps_predicted, r.tps_measured), lambda r, x, measured: num(x), "tok/s/GPU")
 
 
 def twins(rows: list[Row]) -> list[str]:
@@ -198,7 +187,7 @@ def document(rows: list[Row]) -> str:
         "under *Bounds*, checked there, and left out of the means. Formula only: no GPU is needed to reproduce it.", "",
         "## Summary", "", *summary(rows), "", "By the GPU the source ran on (all runs that are points):", "",
         *by_card(rows), "", "## Runs", "", *table(rows), "",
-        "## Bounds", "", *(bounds(rows) or ["No run is a bound."]), "",
+        "## Bounds", "", *bounds(rows), "",
         "## Compiled against eager", "", *twins(rows), "",
         "## Commands, sources and what the command cannot express", "", *details(rows), ""])
 

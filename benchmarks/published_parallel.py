@@ -41,7 +41,7 @@ from batchlab.config import RunConfig
 from batchlab.formula import estimate, fp8, implementation_line
 from batchlab.formula.flops import flops
 from batchlab.util.units import relative_to
-from published import (NO_BOUND, PRECISION_GAP, UNITS, bound_cells, bound_of, detail_lines, device_for, gib, load,
+from published import (NO_BOUND, PRECISION_GAP, UNITS, bound_cells, bound_of, bounds_table, detail_lines, device_for, gib, load,
                        model_gaps, num, pct, points, range_error, rate_text, summary)
 
 HERE = Path(__file__).resolve().parent
@@ -418,26 +418,11 @@ def rate_cell(r: ParRow, x: float | None) -> str:
 
 def bounds(rows: list[ParRow]) -> list[str]:
     """Each row that is no point: the check each of its figures must pass and whether it holds, then why."""
-    out = ["| run | memory: check | measured | predicted | holds | rate: check | measured | predicted | holds |",
-           "|---|---|---:|---:|---|---|---:|---:|---|"]
-    held: dict[str, list[str]] = {"memory": [], "rate": []}
-    for r in rows:
-        if bound_of(r.run) is None:
-            continue
-        mem_check, mem_held = bound_cells(r.run, "memory", r.mem_predicted, r.mem_measured)
-        rate_check, rate_held = bound_cells(r.run, "rate", r.rate_predicted, r.rate_measured)
-        held["memory"].append(mem_held)
-        held["rate"].append(rate_held)
-        unit = "" if r.rate_measured is None else " it/s" if r.rate_what == "iterations/s" else " tok/s"
-        out.append(f"| {r.run['id']}{mark(r.run)} | {mem_check} | {gib(r.mem_measured)} GiB | {gib(r.mem_predicted)} | "
-                   f"{mem_held} | {rate_check} | {rate_cell(r, r.rate_measured)}{unit} | "
-                   f"{rate_cell(r, r.rate_predicted)} | {rate_held} |")
-    if len(out) == 2:
-        return ["No row is a bound."]
-    tally = "; ".join(f"{figure} {v.count('yes')} of {len(v) - v.count('-')}" for figure, v in held.items())
-    reasons = [f"- {r.run['id']}{mark(r.run)}: {'; '.join(r.run['not_typed'])}" for r in rows if bound_of(r.run)]
-    return [f"Bounds that hold: {tally} (a figure that bounds nothing is not counted).", "", *out, "",
-            "What each row's source does not give:", "", *reasons]
+    def cell(r: ParRow, x: float | None, measured: bool) -> str:
+        unit = "" if x is None or not measured else " it/s" if r.rate_what == "iterations/s" else " tok/s"
+        return rate_cell(r, x) + unit
+
+    return bounds_table(rows, lambda r: (r.rate_predicted, r.rate_measured), cell, "rate")
 
 
 def retypes(rows: list[ParRow], first: dict[str, dict]) -> list[str]:
