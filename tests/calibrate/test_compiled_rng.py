@@ -60,6 +60,7 @@ def test_a_failed_or_senseless_timing_caches_nothing(monkeypatch):
     monkeypatch.setattr(compiled_rng, "measure", no_compiler)
     monkeypatch.setattr(compiled_rng, "measure_mask", no_compiler)
     assert "not timed (InvalidCxxCompiler" in compiled_rng.ensure(DROPOUT, threads=1)
+    save(stub_calibration(element_seconds={"random:fp32": 6e-9}))  # a fresh calibration: timed again
     monkeypatch.setattr(compiled_rng, "measure", lambda seconds=compiled_rng.SECONDS: float("nan"))
     monkeypatch.setattr(compiled_rng, "measure_mask", lambda seconds=compiled_rng.SECONDS: float("nan"))
     assert "not cached" in compiled_rng.ensure(DROPOUT, threads=1)
@@ -107,3 +108,27 @@ def test_an_in_kernel_rate_a_hundredfold_from_atens_kernel_of_the_op_is_implausi
     (bad,) = in_kernel_problems({**rates, "activation/inductor_tanh:fp32": 1e-14})
     assert "activation/inductor_tanh:fp32" in bad and "ATen's activation/tanh:fp32" in bad
     assert in_kernel_problems({**rates, "random/inductor_random:fp32": 1e-12})  # the RNG's own band, as before
+
+
+def test_a_failed_timing_is_remembered_and_not_retried_until_the_next_calibration(monkeypatch, _in_kernel_stubbed):
+    """Each compiled measure on a host where inductor cannot time a rate would otherwise compile and fail again."""
+    calls = []
+
+    def no_compiler(seconds=compiled_rng.SECONDS):
+        calls.append(1)
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
+    monkeypatch.setattr(compiled_rng, "measure", no_compiler)
+    monkeypatch.setattr(compiled_rng, "measure_mask", no_compiler)
+    monkeypatch.setattr(compiled_rng, "measure_in_kernel", no_compiler)
+    save(stub_calibration(element_seconds={"random:fp32": 6e-9}))
+    line = compiled_rng.ensure(DROPOUT, threads=1)
+    assert "in-kernel arithmetic not timed (InvalidCxxCompiler" in line and "bool mask store not timed" in line
+    assert len(calls) == 3
+    cached = load_cached("cpu", 1)
+    assert cached.untimed[compiled_rng.KEY].startswith("InvalidCxxCompiler")
+    assert compiled_rng.SOFTMAX_KEY in cached.untimed and compiled_rng.KEY not in cached.element_seconds
+    assert compiled_rng.ensure(DROPOUT, threads=1) is None and len(calls) == 3  # remembered: not tried again
+    save(stub_calibration(element_seconds={"random:fp32": 6e-9}))  # a fresh calibration tries again
+    compiled_rng.ensure(DROPOUT, threads=1)
+    assert len(calls) == 6

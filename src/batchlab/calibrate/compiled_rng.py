@@ -131,7 +131,7 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
     timers = {KEY: ("inductor's in-kernel RNG", measure), MASK_KEY: ("inductor's bool mask store", measure_mask)} \
         if wanted(cfg) else {}
     lines = _ensure_in_kernel(cal, eager)
-    missing = [k for k in timers if cal is not None and k not in cal.element_seconds]
+    missing = [k for k in timers if cal is not None and k not in cal.element_seconds and k not in cal.untimed]
     if cal is None or not missing or not eager:
         return "\n".join(lines) or None
     import torch
@@ -145,27 +145,30 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
                 ratio = timer()
             except Exception as e:  # noqa: BLE001 - inductor or its C++ compiler unusable here: the eager rate serves
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-                lines.append(f"time model: {what} not timed ({first}); ATen's bernoulli_ rate serves")
+                cal.untimed[k] = first
+                lines.append(f"time model: {what} not timed ({first}); ATen's bernoulli_ rate serves until the "
+                             "next `batchlab calibrate`")
                 continue
             low, high = IN_KERNEL_RATIO
             if not (math.isfinite(ratio) and low <= ratio <= high):
+                cal.untimed[k] = f"timed at {ratio:.3g} x ATen's bernoulli_ per element"
                 lines.append(f"time model: {what} timed at {ratio:.3g} x ATen's bernoulli_ per element (plausible: "
-                             f"x{low:g}..x{high:g}); not cached, ATen's rate serves")
+                             f"x{low:g}..x{high:g}); not cached, ATen's rate serves until the next `batchlab "
+                             "calibrate`")
                 continue
             cal.element_seconds[k] = ratio * eager  # the calibration's bernoulli_ rate, scaled by the paired ratio
             lines.append(f"time model: timed {what} once against ATen's bernoulli_ (x{ratio:.2f} per element, "
                          f"{ratio * eager * 1e9:.1f} ns) and cached it with the calibration")
     finally:
         torch.set_num_threads(before)
-    if any(k in cal.element_seconds for k in missing):
-        save(cal)
+    save(cal)  # the rates timed, and the failures, so neither is timed again
     return "\n".join(lines)
 
 
 def _ensure_in_kernel(cal, eager: float | None) -> list[str]:
     """``measure_in_kernel``'s rates cached with ``cal`` where it lacks any of them; the lines saying so."""
     keys = (*ARITHMETIC_KEYS, SOFTMAX_KEY, MASK_LOAD_KEY)
-    if cal is None or not eager or all(k in cal.element_seconds for k in keys):
+    if cal is None or not eager or all(k in cal.element_seconds or k in cal.untimed for k in keys):
         return []
     import torch
 
@@ -175,7 +178,10 @@ def _ensure_in_kernel(cal, eager: float | None) -> list[str]:
         ratios = measure_in_kernel()
     except Exception as e:  # noqa: BLE001 - inductor or its C++ compiler unusable here: ATen's rates serve
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        return [f"time model: inductor's in-kernel arithmetic not timed ({first}); ATen's kernels' rates serve"]
+        cal.untimed.update({k: first for k in keys if k not in cal.element_seconds})
+        save(cal)
+        return [f"time model: inductor's in-kernel arithmetic not timed ({first}); ATen's kernels' rates serve "
+                "until the next `batchlab calibrate`"]
     finally:
         torch.set_num_threads(before)
     # each kept where plausible against ATen's rate of the same op (formula/plausible.py): a broken timing serves
@@ -183,6 +189,7 @@ def _ensure_in_kernel(cal, eager: float | None) -> list[str]:
     kept = {k: r * eager for k, r in ratios.items() if math.isfinite(r) and r > 0
             and not in_kernel_problems({**cal.element_seconds, k: r * eager})}
     cal.element_seconds.update(kept)
+    cal.untimed.update({k: "implausible against ATen's rate of the op" for k in ratios if k not in kept})
     save(cal)
     return ["time model: timed inductor's in-kernel arithmetic once against ATen's bernoulli_ and cached it with "
             "the calibration (" + ", ".join(f"{k.split('/')[1].split(':')[0].removeprefix('inductor_')} "

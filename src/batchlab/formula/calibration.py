@@ -77,6 +77,9 @@ class Calibration:
     # the host time each op on a DTensor adds (sharding propagation, wrapping), by dispatch kind; measured once the
     # first time measure / compare meets a tensor-parallel config (calibrate/dtensor.py); {}: not measured
     dtensor_seconds: dict[str, float] = field(default_factory=dict)
+    # rates measured lazily (calibrate/compiled_rng.py) whose timing failed or gave nonsense here, key -> why: not
+    # timed again until the next full calibration, the fallback rate serves meanwhile
+    untimed: dict[str, str] = field(default_factory=dict)
     provenance: str = "calibrated"
     # CPU: cores other processes kept busy on average while it was measured (/proc/stat less this process tree's
     # CPU time); -1: not read.  A wall-clock calibration (threads > 1) under such load prices that load into
