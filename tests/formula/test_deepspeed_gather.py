@@ -69,3 +69,15 @@ def test_settings_need_a_deepspeed_engine():
         RunConfig(model=M, seq=8, dp=2, zero=3, deepspeed="hf-auto")
     assert str(RunConfig(model=M, seq=8, dp=2, sharding="deepspeed-zero3", deepspeed="hf-auto").deepspeed) == (
         "reduce_bucket_size=auto,stage3_prefetch_bucket_size=auto,stage3_param_persistence_threshold=auto")
+
+
+def test_overlap_comm_double_buffers_the_reduce_bucket_at_stages_1_and_2_only():
+    # ms-swift's zero2.json: reduce_bucket_size 2e8 with overlap_comm (stage_1_and_2.py backward: buf_0, and buf_1
+    # under overlap_comm): 2 x 2e8 x 2 bytes; stage 3 allocates its one ipg buffer whatever overlap_comm says
+    from batchlab.formula.deepspeed import resident_buffers
+    from batchlab.formula.ranks import share
+
+    for sharding, copies in (("deepspeed-zero2", 2), ("deepspeed-zero3", 1)):
+        cfg = RunConfig(model=M, seq=8, dp=2, sharding=sharding, precision="bf16-mixed",
+                        deepspeed="reduce_bucket_size=2e8,overlap_comm=true")
+        assert resident_buffers(cfg, share(cfg, 0)) == {"deepspeed reduce bucket": copies * 2 * 10**8 * 2}

@@ -30,9 +30,15 @@ class DeepSpeedSettings:
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
     sub_group_size: int = 1_000_000_000
+    # None: DeepSpeed's default (on at stage 3, off at stages 1 and 2); stages 1-2 double their reduce bucket with it
+    overlap_comm: bool | None = None
 
     def __post_init__(self):
+        if self.overlap_comm not in (None, True, False):
+            raise ConfigError("deepspeed", f"overlap_comm must be true or false, got {self.overlap_comm!r}")
         for f in fields(self):
+            if f.name == "overlap_comm":
+                continue
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or (v < 0 and not (v == AUTO and f.name in _AUTO_FILL)):
                 raise ConfigError("deepspeed", f"{f.name} must be a whole number of elements >= 0"
@@ -64,12 +70,16 @@ class DeepSpeedSettings:
 
     def __str__(self) -> str:
         default = DeepSpeedSettings()
-        given = [f"{f.name}={'auto' if getattr(self, f.name) == AUTO else getattr(self, f.name)}"
+        given = [f"{f.name}={'auto' if getattr(self, f.name) == AUTO else str(getattr(self, f.name)).lower()}"
                  for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
         return ",".join(given) or "default"
 
 
-def _elements(key: str, text: str) -> int:
+def _elements(key: str, text: str) -> int | bool:
+    if key == "overlap_comm":
+        if text.lower() not in ("true", "false"):
+            raise ConfigError("deepspeed", f"overlap_comm={text!r}: expected true or false")
+        return text.lower() == "true"
     if text.lower() == "auto":
         if key not in _AUTO_FILL:
             raise ConfigError("deepspeed", f"{key}=auto: only {', '.join(_AUTO_FILL)} take auto")

@@ -55,9 +55,11 @@ def resident_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
     if not priced(cfg):
         return {}
     # stage 3 allocates one flat ipg buffer at init (stage3.py ``_setup_for_real_optimizer``: ``torch.empty(
-    # self.reduce_bucket_size)`` under contiguous_gradients); stages 1 and 2 one, unless overlap_comm (off by
-    # default there) double-buffers it
-    return {"deepspeed reduce bucket": _settings(cfg).reduce_bucket_size * _grad_bytes(cfg)}
+    # self.reduce_bucket_size)`` under contiguous_gradients); stages 1 and 2 one in ``backward``, and a second
+    # under overlap_comm ("double buffers to avoid data access conflict"; off by default there)
+    ds = _settings(cfg)
+    copies = 2 if cfg.parallel.engine_spec.stage != 3 and ds.overlap_comm else 1
+    return {"deepspeed reduce bucket": copies * ds.reduce_bucket_size * _grad_bytes(cfg)}
 
 
 def step_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
