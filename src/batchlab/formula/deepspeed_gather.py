@@ -20,6 +20,7 @@ config sets).  Figures are elements; the caller prices them in the engine's 16-b
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from batchlab.config import MLPKind, ModelSpec, PositionKind
@@ -62,6 +63,7 @@ def trace(m: ModelSpec, layers: int, recompute: bool) -> list[str]:
     return fwd + bwd + ["embed"]
 
 
+@functools.lru_cache(maxsize=256)  # ModelSpec and the settings are frozen; --vary and fit ask again and again
 def gathered(m: ModelSpec, layers: int, recompute: bool, ds: DeepSpeedSettings) -> Gathered:
     """Replay the coordinator's fetch, prefetch and release over the trace (the module docstring)."""
     ds = ds.resolved(m.hidden)
