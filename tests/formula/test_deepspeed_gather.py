@@ -81,3 +81,12 @@ def test_overlap_comm_double_buffers_the_reduce_bucket_at_stages_1_and_2_only():
         cfg = RunConfig(model=M, seq=8, dp=2, sharding=sharding, precision="bf16-mixed",
                         deepspeed="reduce_bucket_size=2e8,overlap_comm=true")
         assert resident_buffers(cfg, share(cfg, 0)) == {"deepspeed reduce bucket": copies * 2 * 10**8 * 2}
+
+
+def test_the_printed_ds_config_carries_the_typed_sizes():
+    from batchlab.advise.snippets import deepspeed as ds_config
+
+    cfg = RunConfig(model=M, seq=8, dp=2, sharding="deepspeed-zero2", deepspeed="hf-auto,overlap_comm=true")
+    assert ds_config(cfg)["zero_optimization"] == {
+        "stage": 2, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "overlap_comm": True}

@@ -68,11 +68,14 @@ class DeepSpeedSettings:
         """Every ``auto`` filled as Hugging Face's Trainer fills it for a model of this hidden size."""
         return replace(self, **{k: int(c * hidden ** p) for k, (c, p) in _AUTO_FILL.items() if getattr(self, k) == AUTO})
 
-    def __str__(self) -> str:
+    def typed(self) -> dict[str, int | bool | str]:
+        """The ds_config entries that differ from DeepSpeed's defaults, in its spelling (``auto`` kept)."""
         default = DeepSpeedSettings()
-        given = [f"{f.name}={'auto' if getattr(self, f.name) == AUTO else str(getattr(self, f.name)).lower()}"
-                 for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
-        return ",".join(given) or "default"
+        return {f.name: "auto" if getattr(self, f.name) == AUTO and f.name in _AUTO_FILL else getattr(self, f.name)
+                for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={str(v).lower()}" for k, v in self.typed().items()) or "default"
 
 
 def _elements(key: str, text: str) -> int | bool:
