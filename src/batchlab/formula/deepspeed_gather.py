@@ -112,6 +112,6 @@ def gathered(m: ModelSpec, layers: int, recompute: bool, ds: DeepSpeedSettings) 
         if k == loss_step:
             at_loss = sum(size[n] for n in live)
     c = count(m)  # the norms' weights and the biases: under any threshold a config sets, never partitioned
-    small = layers * (c.per_layer - sum(e for n, e in size.items() if n.startswith("0."))) + c.final_norm
+    small = layers * max(0, c.per_layer - sum(e for n, e in size.items() if n.startswith("0."))) + c.final_norm
     persistent = sum(size[n] for n in persist) + small
     return Gathered(at_loss=at_loss + persistent, backward=backward + persistent, persistent=persistent)
