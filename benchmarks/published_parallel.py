@@ -171,7 +171,7 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
     gaps.extend(run.get("not_expressed", ()))  # what the runs file says the command leaves out
     if typed and (run.get("async_tp") or run.get("tp_overlap") == "async"):  # AsyncTP, NeMo's tp_comm_overlap
         _set(argv, "--tp-overlap", "async")
-    if run["sharding"].startswith("deepspeed") and "deepspeed" not in run:
+    if run["sharding"].startswith("deepspeed") and "deepspeed" not in run and "--deepspeed" not in argv:
         gaps.append(f"DeepSpeed config: {run['deepspeed_config']}" if "deepspeed_config" in run
                     else "DeepSpeed config not published: zero_optimization defaults assumed")
     return ["estimate", *argv]

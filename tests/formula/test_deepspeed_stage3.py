@@ -45,11 +45,22 @@ def test_stage3_keeps_16_bit_weight_and_gradient_partitions_beside_the_fp32_mast
     out = deepspeed.engine_states(cfg, share(cfg, 0), fsdp)
     assert out["optimizer"] == {"parameters": N, "master": 2 * N, "gradients": N, "optimizer": 4 * N,
                                 "temporaries": 0, "activations": 0}
-    # the gradient partition is allocated at init: live in the first forward too; gathered copies stay as priced
-    assert out["forward"]["gradients"] == N and out["forward"]["parameters"] == 5 + N
+    # the gradient partition is allocated at init: live in the first forward too; FSDP2's gathered units (the 5
+    # bytes) give way to DeepSpeed's own gathered parameters (deepspeed live parameters): the partition alone stays
+    assert out["forward"]["gradients"] == N and out["forward"]["parameters"] == N
     assert out["forward"]["temporaries"] == 7
     # fp32: the master is the partition itself (_create_fp32_partitions reuses it), gradients fp32
     cfg = _cfg(precision="fp32")
     fp32 = {"optimizer": dict(fsdp["optimizer"], parameters=4 * N // 2, master=0)}
     out = deepspeed.engine_states(cfg, share(cfg, 0), fp32)["optimizer"]
     assert out["parameters"] == 4 * N // 2 and out["gradients"] == 4 * N // 2 and out["temporaries"] == 0
+
+
+def test_deepspeed_mixed_precision_runs_the_cast_module_without_autocast():
+    # engine.py _configure_distributed_model casts the module (module.bfloat16()) and accelerate turns native AMP
+    # off under DeepSpeed: a fully recomputed block keeps its input in bf16 (s x b x h x 2 bytes), where autocast
+    # keeps the fp32 residual stream (x 4) under PyTorch's own engines
+    from batchlab.formula.activation_plan import activation_plan
+    ds, fsdp = _cfg(), _cfg(sharding=None, zero=3)
+    assert activation_plan(ds).per_layer_kept[0] == 256 * 4096 * 2
+    assert activation_plan(fsdp).per_layer_kept[0] == 256 * 4096 * 4

@@ -61,6 +61,7 @@ CHANGES = {
     "pp_schedule": dict(pp=2, pp_schedule="gpipe"), "pp_virtual": dict(pp=2, pp_schedule="interleaved-1f1b", pp_virtual=2),
     "optimizer_in_backward": dict(accum=1, optimizer_in_backward=True),
     "offload_activations": dict(device="h100-sxm", offload_activations=True),
+    "deepspeed": dict(dp=2, sharding="deepspeed-zero3", deepspeed="hf-auto"),
 }
 MODEL_CHANGES = dict(layers=3, hidden=64, heads=8, kv_heads=2, ffn=256, mlp="swiglu", vocab=300,
                      tied_embeddings=False, norm="rmsnorm", dropout=0.1, attention="sdpa", position="rope",

@@ -129,7 +129,7 @@ def lightning(cfg: RunConfig) -> dict[str, Any]:
 def deepspeed(cfg: RunConfig) -> dict[str, Any]:
     ds: dict[str, Any] = {"train_micro_batch_size_per_gpu": cfg.micro_batch,
                           "gradient_accumulation_steps": cfg.accum, "train_batch_size": cfg.global_batch,
-                          "zero_optimization": {"stage": cfg.zero},
+                          "zero_optimization": {"stage": cfg.zero, **cfg.deepspeed.typed()},
                           "optimizer": {"type": optimizer_spec(cfg.optimizer).deepspeed_type,
                                         "params": dict(optimizer_spec(cfg.optimizer).kwargs)}}
     if cfg.precision is Precision.BF16_MIXED:

@@ -60,8 +60,9 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "optimizer_bytes": (Optional[float], None, "Optimizer state bytes per parameter (overrides --optimizer's)."),
     "ac": (str, "none", AC_HELP),
     "loss": (str, "full", "Loss path: full (F.cross_entropy on all logits), chunked[:N] (N checkpointed token "
-                          "chunks, default 8), fused (a fused kernel), compiled (the full loss under torch.compile) or "
-                          "classifier (no LM head: a pooled sequence classifier); the last three formula only."),
+                          "chunks, default 8), fused (a fused cross-entropy kernel), fused-linear (LM head + loss in one chunked "
+                          "kernel, Liger's), compiled (the full loss under torch.compile) or classifier (no LM head: a "
+                          "pooled sequence classifier); the last four formula only."),
     "zero": (int, 0, "ZeRO stage 0-3 over the DP ranks: 0 DDP, 1 + ZeroRedundancyOptimizer, 2 FSDP2 "
                      "reshard_after_forward=False, 3 FSDP2 full sharding."),
     "sharding": (Optional[str], None, "The data-parallel engine (sets the --zero stage): ddp, zero1, fsdp-grad-op "
@@ -92,6 +93,9 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
                                            "gradient at once (torchtune optimizer_in_bwd): needs --accum 1, one rank."),
     "offload_activations": (bool, False, "Saved activations to host memory in forward, back in backward on a side "
                                          "stream (torchtune enable_activation_offloading; formula only, GPU devices)."),
+    "deepspeed": (Optional[str], None, "With --sharding deepspeed-zero*: the ds_config's zero_optimization sizes as "
+                                       "KEY=VALUE,... (elements, or auto as HF's Trainer fills it); hf-auto: the "
+                                       "bucket sizes and persistence threshold at auto."),
     "achievable_fraction": (Optional[float], None, "Fraction of peak FLOP/s kernels reach (default: the device's "
                                                    "published figure, named in the assumptions)."),
     "comm_overlap": (Optional[float], None, "Fraction of communication hidden behind compute (default: the "
@@ -215,7 +219,7 @@ def with_goal_profile(goal, after_oom: bool = False):
 
 RUN_FLAGS = ("seq", "micro_batch", "accum", "dp", "precision", "optimizer", "ac", "loss", "zero", "device", "memory_budget",
              "data", "seed", "tp", "sequence_parallel", "tp_overlap", "pp", "pp_schedule", "pp_virtual", "compile", "fp8",
-             "optimizer_in_backward", "offload_activations")
+             "optimizer_in_backward", "offload_activations", "deepspeed")
 
 
 def _accum_for(global_batch: int, micro_batch: int, dp: int, accum: int | None) -> int:
@@ -237,7 +241,7 @@ def _config_from_flags(**o: Any) -> RunConfig:
     budget = o.get("memory_budget")
     given = {k: o[k] for k in ("seq", "precision", "optimizer", "ac", "loss", "zero", "device", "data", "seed", "tp",
                                "sequence_parallel", "tp_overlap", "pp", "pp_schedule", "pp_virtual", "sharding", "compile", "fp8",
-                               "optimizer_in_backward", "offload_activations")
+                               "optimizer_in_backward", "offload_activations", "deepspeed")
              if o.get(k) is not None}
     default = Assumptions()
     assumptions = Assumptions(achievable_fraction=o.get("achievable_fraction", default.achievable_fraction),

@@ -60,8 +60,8 @@ def _memory_rows(e: Estimate, verbose: bool) -> list[tuple[str, int | None, str 
         ("recompute working set", None, "recompute", "one layer rebuilt during its backward"),
         ("temporaries", None, "temporaries", "activation gradients, logits, optimizer buffers"),
         ("data", m.data_bytes, "data", "token ids of one update"),
-    ] + [(k, None, k, "at DeepSpeed's config default (formula/deepspeed.py)") for k in m.at_peak
-         if k.startswith("deepspeed")]
+    ] + [(k, None, k, f"at {'DeepSpeed' if str(cfg.deepspeed) == 'default' else 'the --deepspeed'} sizes "
+                      "(formula/deepspeed.py)") for k in m.at_peak if k.startswith("deepspeed")]
     if verbose:
         return rows
     return [r for r in rows if r[1] or (r[2] is not None and m.at_peak[r[2]])]

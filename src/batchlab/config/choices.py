@@ -80,7 +80,9 @@ class LossMode(Choice):
 
     FULL = "full"  # F.cross_entropy(logits.float()) on all tokens at once: fp32 copy and log-softmax kept
     CHUNKED = "chunked"  # over N token chunks, each checkpointed: one chunk's fp32 logits live at a time
-    FUSED = "fused"  # a fused kernel (flash-attn / Liger): 16-bit logits and log-sum-exp, no fp32 copies
+    FUSED = "fused"  # a fused cross-entropy kernel (flash-attn): 16-bit logits and log-sum-exp, no fp32 copies
+    # the LM head's matmul fused with the loss (Liger's LigerFusedLinearCrossEntropy): logits only a chunk at a time
+    FUSED_LINEAR = "fused-linear"
     # torch.compile'd F.cross_entropy(logits.float()): the min-cut partitioner keeps the 16-bit logits and two
     # per-row fp32 statistics, and backward writes the 16-bit gradient in one fused kernel
     COMPILED = "compiled"

@@ -11,8 +11,9 @@ from batchlab.config.choices import ConfigError, LossMode
 @dataclass(frozen=True)
 class LossPolicy:
     """The loss path: ``full``, ``chunked`` / ``chunked:N`` (N token chunks, default 8 as torchtune's
-    CEWithChunkedOutputLoss), ``fused`` (a fused cross-entropy kernel), ``compiled`` (the full loss under
-    torch.compile) or ``classifier`` (no LM head: a pooled sequence classifier); the last three formula only."""
+    CEWithChunkedOutputLoss), ``fused`` (a fused cross-entropy kernel), ``fused-linear`` (the LM head and the loss in one chunked
+    kernel, Liger's), ``compiled`` (the full loss under torch.compile) or ``classifier`` (no LM head: a pooled
+    sequence classifier); the last four formula only."""
 
     mode: LossMode = LossMode.FULL
     chunks: int = 1
@@ -33,7 +34,7 @@ class LossPolicy:
         try:
             return cls(LossMode(text))
         except ValueError:
-            raise ConfigError("loss", f"{value!r} is not one of: full, chunked, chunked:N, fused, compiled, classifier") from None
+            raise ConfigError("loss", f"{value!r} is not one of: full, chunked, chunked:N, fused, fused-linear, compiled, classifier") from None
 
     def __str__(self) -> str:
         return f"chunked:{self.chunks}" if self.mode is LossMode.CHUNKED else self.mode.value

@@ -22,6 +22,7 @@ from batchlab.config.devices import DeviceSpec, device
 from batchlab.config.fp8 import FP8Recipe, check as fp8_check
 from batchlab.config.memtech import check as memtech_check
 from batchlab.config.engines import PYTORCH_ENGINE, Engine, PipelineSchedule, TPOverlap
+from batchlab.config.deepspeed import DeepSpeedSettings
 from batchlab.config.losspolicy import LossPolicy
 from batchlab.config.parallel import Layout, check_degrees
 from batchlab.config.model import ModelSpec, default_ffn, preset
@@ -178,6 +179,8 @@ class RunConfig:
     fp8: FP8Recipe = FP8Recipe.NONE  # the blocks' linear layers as FP8 GEMMs (config/fp8.py; formula only)
     optimizer_in_backward: bool = False  # each parameter steps in its post-accumulate-grad hook (config/memtech.py)
     offload_activations: bool = False  # saved activations to host memory in forward, back in backward (GPU only)
+    # a DeepSpeed engine's zero_optimization sizes (config/deepspeed.py; a string such as "hf-auto" is parsed)
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
     assumptions: Assumptions = field(default_factory=Assumptions)  # the time model's and allocator's assumptions
 
     def __post_init__(self):
@@ -186,6 +189,7 @@ class RunConfig:
         set_(self, "optimizer", OptimizerKind.parse("optimizer", self.optimizer))
         set_(self, "ac", ACPolicy.parse(self.ac))
         set_(self, "loss", LossPolicy.parse(self.loss))
+        set_(self, "deepspeed", DeepSpeedSettings.parse(self.deepspeed))
         set_(self, "data", DataKind.parse("data", self.data))
         set_(self, "compile", CompileMode.parse("compile", self.compile))
         set_(self, "fp8", FP8Recipe.parse("fp8", self.fp8))
@@ -225,6 +229,9 @@ class RunConfig:
         set_(self, "device", spec.name)
         fp8_check(self)
         memtech_check(self)
+        if self.deepspeed != DeepSpeedSettings() and not self.parallel.engine_spec.deepspeed:
+            raise ConfigError("deepspeed", "sets DeepSpeed's zero_optimization sizes: it needs --sharding "
+                                           "deepspeed-zero1|deepspeed-zero2|deepspeed-zero3")
         if self.memory_budget is not None:
             set_(self, "memory_budget", parse_bytes("memory_budget", self.memory_budget))
             whole_number("memory_budget", self.memory_budget)
@@ -352,7 +359,7 @@ def to_jsonable(obj: Any) -> Any:
         return obj.value
     if isinstance(obj, Layout):
         return obj.to_dict()
-    if isinstance(obj, (ACPolicy, LossPolicy)):
+    if isinstance(obj, (ACPolicy, LossPolicy, DeepSpeedSettings)):
         return str(obj)
     if isinstance(obj, RunConfig):  # its fields, and the layout they make (derived: config_from_dict drops it)
         return {**{f.name: to_jsonable(getattr(obj, f.name)) for f in fields(obj)}, "parallel": obj.parallel.to_dict()}

@@ -10,6 +10,7 @@ from batchlab.config import ACMode, Applied, Implementation, LossMode, RunConfig
 from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
 from batchlab.formula import compiled, fp8
+from batchlab.formula.deepspeed import activation_precision
 from batchlab.formula.loss import LossPath, loss_path, megatron_loss_path, vocab_parallel_path
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankShare, share, sp_gathered_inputs, tp_kept_bytes
@@ -34,7 +35,7 @@ def activation_plan(cfg: RunConfig, rank: RankShare | None = None) -> Activation
     """What one micro-batch keeps on ``rank`` (formula/ranks.py; default: the first stage), plus the other
     micro-batches a pipeline stage holds at its high point."""
     rank = rank or share(cfg, 0)
-    m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, cfg.precision
+    m, s, b, p = cfg.model, cfg.seq, cfg.micro_batch, activation_precision(cfg)
     fitted = profile_terms(cfg)
     if fitted is not None and rank.whole:  # the model's own code, traced and fitted (formula/profile.py)
         return _profiled_plan(cfg, fitted)

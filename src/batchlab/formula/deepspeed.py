@@ -10,22 +10,21 @@ stage3_prefetch_bucket_size 5e7 elements, stage3_max_live_parameters 1e9 element
 - the fp32 gradient partition the optimizer steps on: 1/DP of the rank's parameters in fp32, built at the step;
   stage 3 builds it one sub-group (sub_group_size, 1e9 elements) at a time and frees it after that sub-group's
   step (stage3.py ``_prepare_fp32_grad_for_sub_group`` / ``_release_sub_group``);
-- stage 3: the gathered parameters.  A parameter is not released while it will be used again within
-  stage3_max_reuse_distance (1e9) parameters, and up to stage3_max_live_parameters (1e9) stay gathered (DeepSpeed's
-  config docs: "the maximum number of parameters resident per GPU before releasing"); the layers nearest the
-  forward/backward turn (and with recompute, the forward's again) fall within that distance, so the default keeps up
-  to that limit gathered in 16 bits, the prefetch (stage3_prefetch_bucket_size 5e7) inside it.
+- stage 3: the gathered parameters, replayed over the module trace (formula/deepspeed_gather.py): each step's
+  prefetch adds up to stage3_prefetch_bucket_size more while fewer than stage3_max_live_parameters are gathered,
+  so the prefetch runs ahead until that limit, and a module fetched on demand comes on top of it.  They replace
+  FSDP2's gathered units, which the phases this module dresses price (only the 16-bit partition stays resident).
+The sizes are the run's ``--deepspeed`` settings (config/deepspeed.py), DeepSpeed's defaults where not typed.
 The all-gather of the updated parameters after a stage-1/2 step writes into the 16-bit weights themselves
 (allgather_bucket_size only chunks it): no buffer of its own is counted.
 """
 from __future__ import annotations
 
 from batchlab.config import Precision, RunConfig
+from batchlab.config.deepspeed import DeepSpeedSettings
+from batchlab.formula.deepspeed_gather import gathered
 from batchlab.formula.ranks import RankShare
 
-REDUCE_BUCKET_SIZE = 500_000_000  # elements: reduce_bucket_size, pp_int(5e8)
-SUB_GROUP_SIZE = 1_000_000_000  # elements: sub_group_size, pp_int(1e9)
-MAX_LIVE_PARAMETERS = 1_000_000_000  # elements: stage3_max_live_parameters, pp_int(1e9)
 F32 = 4
 
 
@@ -33,6 +32,17 @@ def priced(cfg: RunConfig) -> bool:
     """A DeepSpeed engine over more than one data-parallel rank."""
     lay = cfg.parallel
     return lay.engine_spec.deepspeed and lay.dp > 1
+
+
+def activation_precision(cfg: RunConfig) -> Precision:
+    """The precision a DeepSpeed run's activations are made in: its fp16 / bf16 modes cast the module itself to 16
+    bits (runtime/engine.py ``_configure_distributed_model``: ``module.half()`` / ``module.bfloat16()``) and run it
+    without autocast (accelerate enables native AMP only outside DeepSpeed), so a mixed run's residual stream, norm
+    inputs and saved tensors are 16-bit as a pure-bf16 model's are; the fp32 master and Adam state stay in the
+    optimizer (``engine_states``).  Every other engine: the run's precision."""
+    if cfg.parallel.engine_spec.deepspeed and cfg.precision.mixed:
+        return Precision.BF16
+    return cfg.precision
 
 
 def _grad_bytes(cfg: RunConfig) -> int:
@@ -44,9 +54,12 @@ def resident_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
     """Buffers held from initialisation through every phase (bytes), by name."""
     if not priced(cfg):
         return {}
-    stage = cfg.parallel.engine_spec.stage
-    copies = 2 if stage == 3 else 1  # overlap_comm's double buffer (on by default at stage 3 only)
-    return {"deepspeed reduce bucket": copies * REDUCE_BUCKET_SIZE * _grad_bytes(cfg)}
+    # stage 3 allocates one flat ipg buffer at init (stage3.py ``_setup_for_real_optimizer``: ``torch.empty(
+    # self.reduce_bucket_size)`` under contiguous_gradients); stages 1 and 2 one in ``backward``, and a second
+    # under overlap_comm ("double buffers to avoid data access conflict"; off by default there)
+    ds = _settings(cfg)
+    copies = 2 if cfg.parallel.engine_spec.stage != 3 and ds.overlap_comm else 1
+    return {"deepspeed reduce bucket": copies * ds.reduce_bucket_size * _grad_bytes(cfg)}
 
 
 def step_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
@@ -59,18 +72,25 @@ def step_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
     if cfg.parallel.engine_spec.stage != 3:
         return {"deepspeed fp32 gradient partition": F32 * partition}
     # a sub-group closes at the first parameter that reaches sub_group_size (``_create_fp16_sub_groups``)
-    sub = min(SUB_GROUP_SIZE, partition)
+    sub = min(_settings(cfg).sub_group_size, partition)
     flat = _grad_bytes(cfg) if _grad_bytes(cfg) != F32 else 0
     return {"deepspeed fp32 gradient partition": F32 * sub, "deepspeed 16-bit gradient flatten": flat * sub}
 
 
-def prefetch_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
-    """Stage 3's gathered parameters during forward and backward (bytes): up to stage3_max_live_parameters of the
-    rank's parameters, the prefetch bucket among them (the module docstring)."""
+def _settings(cfg: RunConfig) -> DeepSpeedSettings:
+    return cfg.deepspeed.resolved(cfg.model.hidden)
+
+
+def prefetch_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, dict[str, int]]:
+    """Stage 3's gathered parameters by phase (bytes): at the loss in forward, their most in backward (the module
+    docstring); none at the step."""
     if not priced(cfg) or cfg.parallel.engine_spec.stage != 3:
         return {}
-    # the 16-bit (fp32: fp32) parameters; the prefetch bucket (stage3_prefetch_bucket_size, 5e7) lies within the limit
-    return {"deepspeed live parameters": min(MAX_LIVE_PARAMETERS, rank.params) * _grad_bytes(cfg)}
+    recompute = any(mode.spec.recomputes for mode in cfg.ac.layer_modes(cfg.model.layers))
+    g = gathered(cfg.model, len(rank.layers), recompute, cfg.deepspeed)
+    e = _grad_bytes(cfg)
+    return {"forward": {"deepspeed live parameters": g.at_loss * e},
+            "backward": {"deepspeed live parameters": g.backward * e}}
 
 
 def engine_states(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
@@ -102,14 +122,12 @@ def engine_states(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, i
 def _stage3_states(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """Stage 3's model states per phase (``engine_states``): the 16-bit weight partition beside the fp32 master
     (under fp32 the master is that partition itself: stage3.py ``_create_fp32_partitions``), the 16-bit gradient
-    partition throughout, no step temporaries."""
+    partition throughout, no step temporaries.  The gathered parameters are ``prefetch_buffers``', not FSDP2's
+    units: the parameters part is the partition alone."""
     partition16 = rank.params * _grad_bytes(cfg) // cfg.dp
-    mixed = cfg.precision is not Precision.FP32 and any(parts.get("master") for parts in phases.values())
     out = {}
     for ph, parts in phases.items():
-        parts = dict(parts, gradients=partition16)
-        if mixed:
-            parts["parameters"] = parts["parameters"] + partition16
+        parts = dict(parts, gradients=partition16, parameters=partition16)
         if ph == "optimizer":
             parts["temporaries"] = 0
         out[ph] = parts
@@ -124,7 +142,8 @@ def dressed(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) 
         return phases
     phases = engine_states(cfg, rank, phases)
     resident = resident_buffers(cfg, rank)
-    walked = {**resident, **prefetch_buffers(cfg, rank)}
-    live = {"forward": walked, "backward": walked, "optimizer": {**resident, **step_buffers(cfg, rank)}}
+    walked = prefetch_buffers(cfg, rank)
+    live = {"forward": {**resident, **walked.get("forward", {})}, "backward": {**resident, **walked.get("backward", {})},
+            "optimizer": {**resident, **step_buffers(cfg, rank)}}
     names = {k for parts in live.values() for k in parts}
     return {ph: dict(parts, **{k: live.get(ph, {}).get(k, 0) for k in sorted(names)}) for ph, parts in phases.items()}

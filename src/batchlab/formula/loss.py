@@ -7,7 +7,9 @@ reference).  In backward: the log-softmax gradient (fp32) and the logits' gradie
 ``.float()``'s backward).  Chunked (torchtune CEWithChunkedOutputLoss: "only upcasting one chunk at a time";
 here each chunk is also checkpointed, models/loss.py) keeps none of it: one chunk's logits live at a time,
 rebuilt in backward.  Fused (flash-attn ``CrossEntropyLoss``, as llm-foundry's MPT uses): saves the 16-bit
-logits and the log-sum-exp, and writes the logits' gradient in their place.  Classifier (Hugging Face
+logits and the log-sum-exp, and writes the logits' gradient in their place.  Fused-linear (Liger's
+``LigerFusedLinearCrossEntropy``): the LM head's matmul inside the loss, both gradients made in forward a token
+chunk at a time, the logits never whole (``fused_linear_path``).  Classifier (Hugging Face
 ``*ForSequenceClassification``): no LM head; a pooled b x labels output whose loss keeps nothing of note.
 Compiled (``torch.compile`` of the full loss, as torchtitan does with --training.compile since 2025): the
 min-cut partitioner AOTAutograd gives inductor saves the 16-bit logits and two per-row fp32 statistics and
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 from batchlab.config import CompileMode, LossMode, ModelSource, RunConfig
 from batchlab.formula.activations import Widths
+from batchlab.formula.deepspeed import activation_precision
 
 F32 = 4
 
@@ -35,7 +38,7 @@ class LossPath:
 
 
 def loss_path(cfg: RunConfig) -> LossPath:
-    w = Widths.of(cfg.precision, cfg.device_spec.backend)
+    w = Widths.of(activation_precision(cfg), cfg.device_spec.backend)
     nv = cfg.seq * cfg.micro_batch * cfg.model.vocab
     upcast = nv * F32 if w.e != F32 else 0  # .float() of 16-bit logits; a no-op in fp32
     mode = LossMode.COMPILED if in_graph(cfg) else cfg.loss.mode
@@ -47,6 +50,8 @@ def loss_path(cfg: RunConfig) -> LossPath:
     if mode is LossMode.FUSED:
         lse = cfg.seq * cfg.micro_batch * F32
         return LossPath(kept=nv * w.e + lse, forward_transient=0, backward_transient=0)
+    if mode is LossMode.FUSED_LINEAR:
+        return fused_linear_path(cfg)
     if mode is LossMode.CHUNKED:  # one chunk: its logits, the fp32 copy, the log-softmax; then their gradients
         chunk = -(-nv // cfg.loss.chunks)
         c_upcast = chunk * F32 if w.e != F32 else 0
@@ -55,6 +60,23 @@ def loss_path(cfg: RunConfig) -> LossPath:
     if cfg.assumptions.torch_before(1, 11):  # log_softmax keeps its fp32 input too (pytorch#64000, fixed in 1.11)
         return LossPath(kept=2 * nv * F32, forward_transient=nv * w.e if upcast else 0, backward_transient=2 * nv * F32)
     return LossPath(kept=nv * F32, forward_transient=nv * w.e + upcast, backward_transient=2 * nv * F32)
+
+
+def fused_linear_path(cfg: RunConfig) -> LossPath:
+    """Liger's fused linear cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py,
+    ``fused_linear_cross_entropy_forward``).  Its forward allocates ``grad_input = zeros_like(_input)`` (N x h, the
+    head input's dtype), ``grad_weight = zeros_like(weight)`` (V x h, the weight's dtype: fp32 under autocast, 16-bit
+    where DeepSpeed holds the module in 16 bits) and an fp32 per-token ``loss_1d``, and saves the two gradients for
+    backward, which only scales them in place (``element_mul_kernel``; nothing when the incoming gradient is 1).
+    Between, one chunk of logits at a time: chunk = next_pow2(ceil(N / ceil(V / h))) tokens (about N x h
+    elements), the cross-entropy kernel writing their gradient in place.  At backward's start ``grad_weight`` becomes
+    the LM head's weight gradient, which the backward walk already counts (formula/memory.py): kept until then."""
+    m, n = cfg.model, cfg.seq * cfg.micro_batch
+    w = Widths.of(activation_precision(cfg), cfg.device_spec.backend)
+    chunk = min(n, 1 << (-(-n // -(-m.vocab // m.hidden)) - 1).bit_length())
+    weight = F32 if cfg.precision.mixed and not cfg.parallel.engine_spec.deepspeed else w.e
+    return LossPath(kept=n * m.hidden * w.e + m.vocab * m.hidden * weight + n * F32,
+                    forward_transient=chunk * m.vocab * w.e, backward_transient=0)
 
 
 def in_graph(cfg: RunConfig) -> bool:

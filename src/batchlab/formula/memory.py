@@ -160,7 +160,7 @@ def _backward_terms(cfg: RunConfig, gradient_bytes: int, rank: RankShare | None 
     m, s, b = cfg.model, cfg.seq, cfg.micro_batch
     rank = rank or share(cfg, 0)
     t = rank.tp  # a tensor-parallel rank's MLP and heads are 1/t of the layer's; the residual stream 1/t with SP
-    w = act.Widths.of(cfg.precision, cfg.device_spec.backend)
+    w = act.Widths.of(deepspeed.activation_precision(cfg), cfg.device_spec.backend)
     n = max(rank.params, 1)
     sbh = s * b * m.hidden
     # Inside a layer's backward each node frees what it saved as it creates its input's gradient, so the

@@ -49,8 +49,8 @@ def loss_fn(policy: LossPolicy, kind: ModelSource, full):
     if policy.mode is LossMode.CLASSIFIER:
         raise ConfigError("loss", "classifier (a pooled sequence classifier, no LM head) is formula-only; "
                                   "measure with full or chunked")
-    if policy.mode is LossMode.FUSED:
-        raise ConfigError("loss", "fused is formula-only (it needs flash-attn or Liger kernels); measure with "
+    if policy.mode in (LossMode.FUSED, LossMode.FUSED_LINEAR):
+        raise ConfigError("loss", f"{policy} is formula-only (it needs flash-attn or Liger kernels); measure with "
                                   "chunked or full")
     if kind is ModelSource.FACTORY:
         raise ConfigError("loss", f"{policy} needs the model's features and LM head: the built-in or a Hugging "
