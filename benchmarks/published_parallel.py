@@ -117,8 +117,8 @@ def megatron_code(run: dict) -> bool:
 
 def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
     """The run's ``cli``, with the flags the runs file's fields decide typed from them: ``--device`` the catalogue
-    entry of the run's GPU key; ``--attention`` and ``--dropout`` from the run's fields; for Megatron's code
-    ``--impl megatron``, and for Megatron's own engine its ``--sharding`` (megatron, or megatron-distopt for its
+    entry of the run's GPU key; ``--attention``, ``--dropout`` and a fused ``--loss`` from the run's fields; for
+    Megatron's code ``--impl megatron``, and for Megatron's own engine its ``--sharding`` (megatron, or megatron-distopt for its
     distributed optimizer) with ``--precision bf16`` (Megatron --bf16 trains the bf16 weights).  ``typed=False``: the ``cli`` as first recorded (device only).
     What no flag expresses goes to ``gaps``."""
     argv = shlex.split(run["cli"])
@@ -127,6 +127,8 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
         _set(argv, "--attention", "sdpa" if run["attention"] == "flash" else run["attention"])
         if "dropout" in run["model"]:
             _set(argv, "--dropout", f"{run['model']['dropout']:g}")
+        if run.get("loss") == "causal-lm-fused-ce":  # Megatron's --cross-entropy-loss-fusion, Liger's fused loss
+            _set(argv, "--loss", "fused")
     if typed and megatron_code(run):
         _set(argv, "--impl", "megatron")
         if not run["sharding"].startswith("deepspeed"):

@@ -11,7 +11,8 @@ from batchlab.config.choices import ConfigError, LossMode
 @dataclass(frozen=True)
 class LossPolicy:
     """The loss path: ``full``, ``chunked`` / ``chunked:N`` (N token chunks, default 8 as torchtune's
-    CEWithChunkedOutputLoss), ``fused`` (a fused cross-entropy kernel), ``compiled`` (the full loss under
+    CEWithChunkedOutputLoss), ``fused`` (a fused cross-entropy kernel; with --impl megatron Megatron's
+    --cross-entropy-loss-fusion), ``compiled`` (the full loss under
     torch.compile) or ``classifier`` (no LM head: a pooled sequence classifier); the last three formula only."""
 
     mode: LossMode = LossMode.FULL
