@@ -136,6 +136,10 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
             _set(argv, "--sharding", {"zero1": "megatron-distopt", "ddp": "megatron"}[run["sharding"]])
             if run["precision"] in ("megatron-bf16", "te-fp8"):
                 _set(argv, "--precision", "bf16")
+    if typed and "torchtitan" in run["engine"] and run["pp"] > 1 and run["sharding"] == "fsdp":
+        # torchtitan's apply_fsdp under a pipeline: reshard_after_forward=False ("to avoid per-microbatch
+        # all-gathers", torchtitan/parallelisms/parallelize_llama.py @ 9dec370): FSDP2 at ZeRO-2
+        _set(argv, "--zero", "2")
     fp8 = "--fp8" in argv and typed  # the run's FP8 recipe typed in its cli (config/fp8.py)
     if not typed:
         _set(argv, "--fp8", None)
