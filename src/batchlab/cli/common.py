@@ -60,7 +60,8 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "optimizer_bytes": (Optional[float], None, "Optimizer state bytes per parameter (overrides --optimizer's)."),
     "ac": (str, "none", AC_HELP),
     "loss": (str, "full", "Loss path: full (F.cross_entropy on all logits), chunked[:N] (N checkpointed token "
-                          "chunks, default 8), fused (a fused kernel), compiled (the full loss under torch.compile) or "
+                          "chunks, default 8), fused (a fused kernel; Megatron's --cross-entropy-loss-fusion under "
+                          "--impl megatron), compiled (the full loss under torch.compile) or "
                           "classifier (no LM head: a pooled sequence classifier); the last three formula only."),
     "zero": (int, 0, "ZeRO stage 0-3 over the DP ranks: 0 DDP, 1 + ZeroRedundancyOptimizer, 2 FSDP2 "
                      "reshard_after_forward=False, 3 FSDP2 full sharding."),
