@@ -119,7 +119,8 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
     """The run's ``cli``, with the flags the runs file's fields decide typed from them: ``--device`` the catalogue
     entry of the run's GPU key; ``--attention``, ``--dropout`` and a fused ``--loss`` from the run's fields; for
     Megatron's code ``--impl megatron``, and for Megatron's own engine its ``--sharding`` (megatron, or megatron-distopt for its
-    distributed optimizer) with ``--precision bf16`` (Megatron --bf16 trains the bf16 weights).  ``typed=False``: the ``cli`` as first recorded (device only).
+    distributed optimizer) with ``--precision bf16`` (Megatron --bf16 trains the bf16 weights); torchtitan's FSDP
+    under a pipeline as ``--zero 2``.  ``typed=False``: the ``cli`` as first recorded (device only).
     What no flag expresses goes to ``gaps``."""
     argv = shlex.split(run["cli"])
     _set(argv, "--device", device_for(run["gpu"]))
