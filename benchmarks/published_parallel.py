@@ -117,9 +117,10 @@ def megatron_code(run: dict) -> bool:
 
 def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
     """The run's ``cli``, with the flags the runs file's fields decide typed from them: ``--device`` the catalogue
-    entry of the run's GPU key; ``--attention`` and ``--dropout`` from the run's fields; for Megatron's code
-    ``--impl megatron``, and for Megatron's own engine its ``--sharding`` (megatron, or megatron-distopt for its
-    distributed optimizer) with ``--precision bf16`` (Megatron --bf16 trains the bf16 weights).  ``typed=False``: the ``cli`` as first recorded (device only).
+    entry of the run's GPU key; ``--attention``, ``--dropout`` and a fused ``--loss`` from the run's fields; for
+    Megatron's code ``--impl megatron``, and for Megatron's own engine its ``--sharding`` (megatron, or megatron-distopt for its
+    distributed optimizer) with ``--precision bf16`` (Megatron --bf16 trains the bf16 weights); torchtitan's FSDP
+    under a pipeline as ``--zero 2``.  ``typed=False``: the ``cli`` as first recorded (device only).
     What no flag expresses goes to ``gaps``."""
     argv = shlex.split(run["cli"])
     _set(argv, "--device", device_for(run["gpu"]))
@@ -127,6 +128,8 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
         _set(argv, "--attention", "sdpa" if run["attention"] == "flash" else run["attention"])
         if "dropout" in run["model"]:
             _set(argv, "--dropout", f"{run['model']['dropout']:g}")
+        if run.get("loss") == "causal-lm-fused-ce":  # Megatron's --cross-entropy-loss-fusion, Liger's fused loss
+            _set(argv, "--loss", "fused")
     if typed and megatron_code(run):
         _set(argv, "--impl", "megatron")
         if not run["sharding"].startswith("deepspeed"):
@@ -134,6 +137,10 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
             _set(argv, "--sharding", {"zero1": "megatron-distopt", "ddp": "megatron"}[run["sharding"]])
             if run["precision"] in ("megatron-bf16", "te-fp8"):
                 _set(argv, "--precision", "bf16")
+    if typed and "torchtitan" in run["engine"] and run["pp"] > 1 and run["sharding"] == "fsdp":
+        # torchtitan's apply_fsdp under a pipeline: reshard_after_forward=False ("to avoid per-microbatch
+        # all-gathers", torchtitan/parallelisms/parallelize_llama.py @ 9dec370): FSDP2 at ZeRO-2
+        _set(argv, "--zero", "2")
     fp8 = "--fp8" in argv and typed  # the run's FP8 recipe typed in its cli (config/fp8.py)
     if not typed:
         _set(argv, "--fp8", None)

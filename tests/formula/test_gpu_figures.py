@@ -218,6 +218,20 @@ def test_published_bert_on_a_v100_within_5_percent():
     assert row.mem_measured == 14949 * MiB and abs(row.mem_error) <= 0.05
 
 
+def test_fsdp_zero2_keeps_only_the_reduce_scatter_pool():
+    """Without resharding after forward (ZeRO-2) FSDP2's gathered blocks stay live (parameters), so its all-gather
+    stream caches nothing free; the reduce-scatter input (a block's gradients in fp32, foreach_reduce on its own
+    stream) still does.  By hand: a Llama-3-8B block is 2 x 4096 x 4096 + 2 x 4096 x 1024 + 3 x 4096 x 14336
+    + 2 x 4096 = 218,112,000 parameters."""
+    cfg = RunConfig(model=preset("llama-3-8b"), seq=8192, micro_batch=2, precision="bf16-fsdp", dp=8,
+                    device="h100-96gb", ac="selective-op")
+    block = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    pools = lambda z: {k: v for k, v in estimate(cfg.replace(zero=z)).memory.reserved_parts.items()  # noqa: E731
+                       if "stream pool" in k}
+    assert pools(2) == {"FSDP reduce-scatter stream pool": block * 4}
+    assert pools(3) == {"FSDP all-gather / reduce-scatter stream pools": block * (2 + 4)}
+
+
 def test_fsdp_gradient_shards_stay_in_the_reduce_scatter_pool():
     """FSDP2's gradient shards are views of a reduce-scatter output allocated on the reduce-scatter stream: by
     hand, fp32 x all gathered elements / DP is reserved at a peak where no shard is live yet, none when the

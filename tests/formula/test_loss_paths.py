@@ -104,3 +104,57 @@ def test_compiled_loss_keeps_what_inductors_partitioner_saves():
     assert loss_path(cfg).kept == kept - labels_and_scalar
     _, eager = saved_bytes(ce, pred, labels)
     assert eager - labels_and_scalar == b * s * v * 4  # eager: the fp32 log-softmax
+
+
+def _megatron_calculate_gradients(softmax, grad_output, target_mask, masked_target_1d):
+    """megatron/core/fusions/fused_cross_entropy.py ``calculate_gradients`` as its operands reach it (Megatron-LM
+    @ d98e8a64, VocabParallelCrossEntropy's two static steps inlined)."""
+    grad_2d = softmax.view(-1, softmax.size()[-1])
+    arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
+    softmax_update = 1.0 - target_mask.view(-1).float()
+    grad_2d[arange_1d, masked_target_1d] -= softmax_update
+    softmax.mul_(grad_output.unsqueeze(dim=-1))
+    return softmax.to(torch.bfloat16)
+
+
+def test_megatron_fused_cross_entropy_copies_the_saved_softmax_in_backward():
+    """Megatron's --cross-entropy-loss-fusion runs its steps under torch.compile (megatron/core/jit.py): the
+    backward's scatter into the saved fp32 softmax comes out of AOTAutograd's functionalisation as an
+    out-of-place index_put, a new tensor of the softmax's size while the saved one is still live.  The formula's
+    Megatron loss under --loss fused holds that second fp32 shard; the unfused path scatters in place."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from batchlab.cli.common import config_from_command
+    from batchlab.formula.activation_plan import rank_loss_path
+    from batchlab.formula.ranks import shares
+
+    graphs = []
+
+    def grab(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    s, b, v = 8, 2, 64
+    softmax = torch.rand(s, b, v)
+    with torch.no_grad():  # as in the autograd Function's backward
+        torch.compile(_megatron_calculate_gradients, backend=aot_autograd(fw_compiler=grab))(
+            softmax, torch.rand(s, b), torch.zeros(s, b, dtype=torch.bool), torch.randint(0, v, (s * b,)))
+    scatters = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "index_put" in str(n.target)]
+    assert [str(n.target) for n in scatters] == ["aten.index_put.default"]  # out of place: a new tensor
+    assert scatters[0].meta["val"].numel() == softmax.numel()
+
+    # Megatron-LM's functional test gpt3_mcore_te_tp2_pp2_cross_entropy_loss_fusion: its last stage's loss
+    argv = ("estimate --model gpt2 --layers 12 --hidden 512 --heads 8 --ffn 2048 --vocab 50257 --seq 1024 "
+            "--micro-batch 4 --accum 4 --dp 2 --tp 2 --pp 2 --pp-schedule 1f1b --ac none --device h100-sxm "
+            "--attention sdpa --impl megatron --sharding megatron --precision bf16").split()
+    shard = 4 * 1024 * 50257 // 2  # logits of 4 x 1024 tokens over half the vocabulary (two tensor-parallel ranks)
+    fp32_shard, bf16_shard = shard * 4, shard * 2
+    fused_cfg, full_cfg = config_from_command(argv + ["--loss", "fused"]), config_from_command(argv)
+    fused = rank_loss_path(fused_cfg, shares(fused_cfg)[-1])
+    full = rank_loss_path(full_cfg, shares(full_cfg)[-1])
+    assert (fused.kept, fused.backward_transient) == (fp32_shard, fp32_shard + bf16_shard)
+    assert (full.kept, full.backward_transient) == (fp32_shard, bf16_shard)
+    lasts = [estimate(c).memory.ranks[-1] for c in (fused_cfg, full_cfg)]
+    allocated = [r.peak_bytes - r.parts["allocator"] for r in lasts]
+    assert allocated[0] - allocated[1] == fp32_shard  # the last stage's peak is its loss's backward

@@ -188,3 +188,16 @@ def test_deepspeed_zero2_keeps_no_reduce_stream_pool_at_its_default_config():
     ds = estimate(RunConfig(**dict(LLAMA, precision="fp16-mixed"), seq=2048, accum=2, dp=8,
                             sharding="deepspeed-zero2"))
     assert not [k for k in ds.memory.reserved_parts if "stream" in k]
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_pipelined_fsdp_holds_fp8_gathered_blocks_at_one_byte(schedule, virtual):
+    """torchao's fp8 all-gather (enable_fsdp_float8_all_gather): fsdp_post_all_gather wraps the gathered fp8 bytes
+    as the unsharded weight, so a pipeline stage that keeps its blocks gathered (reshard_after_forward=False, as
+    torchtitan shards under a pipeline) holds them at 1 byte per element, as the unpipelined walk does.  By hand:
+    16 Llama-3-8B blocks per stage of 218,112,000 parameters each, 2 bytes in bf16, 1 in fp8."""
+    cfg = RunConfig(model=preset("llama-3-8b"), seq=4096, micro_batch=1, accum=4, dp=2, zero=2, pp=2,
+                    pp_schedule=schedule, pp_virtual=virtual, precision="bf16-fsdp", device="h100-sxm", ac="full")
+    bf16 = estimate(cfg.replace(fp8="tensorwise")).memory.ranks
+    fp8 = estimate(cfg.replace(fp8="tensorwise-allgather")).memory.ranks
+    assert [a.parts["parameters"] - b.parts["parameters"] for a, b in zip(bf16, fp8)] == [16 * 218_112_000] * 2

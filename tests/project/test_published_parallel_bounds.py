@@ -85,3 +85,18 @@ def test_a_bound_without_its_gap_or_a_gap_that_is_not_a_list_fails_loudly(script
         script.document([script.evaluate(_run("b", 1.0, 1.0, bound="upper"), {})], [])
     with pytest.raises(SystemExit, match="not_typed is a list"):
         script.document([script.evaluate(_run("s", 1.0, 1.0, not_typed="the length", bound="upper"), {})], [])
+
+
+def test_the_runs_fields_type_what_their_trainer_ran(script):
+    """torchtitan shards with reshard_after_forward=False under a pipeline (parallelize_llama.apply_fsdp @ 9dec370:
+    FSDP2 at ZeRO-2), with it elsewhere; a run whose loss is a fused cross entropy gets --loss fused."""
+    base = dict(engine="torchtitan FSDP2", sharding="fsdp", loss="causal-lm-ce")
+    cli = "--model tiny --seq 64 --micro-batch 2 --accum 2 --dp 2 --zero 3 --pp 2 --precision bf16-fsdp"
+    piped = script.command_for(_run("pp", 1.0, 1.0, **dict(base, cli=cli, pp=2)), [])
+    flat = script.command_for(_run("flat", 1.0, 1.0, **dict(base, cli=cli.replace("--pp 2", "--pp 1"))), [])
+    assert piped[piped.index("--zero") + 1] == "2" and flat[flat.index("--zero") + 1] == "3"
+    assert "--zero 3" in " ".join(script.command_for(_run("first", 1.0, 1.0, **dict(base, cli=cli, pp=2)), [],
+                                                     typed=False))
+    fused = script.command_for(_run("fused", 1.0, 1.0, loss="causal-lm-fused-ce"), [])
+    assert fused[fused.index("--loss") + 1] == "fused"
+    assert "--loss" not in script.command_for(_run("plain", 1.0, 1.0, loss="causal-lm-ce"), [])

@@ -60,9 +60,10 @@ CONFIG_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "optimizer_bytes": (Optional[float], None, "Optimizer state bytes per parameter (overrides --optimizer's)."),
     "ac": (str, "none", AC_HELP),
     "loss": (str, "full", "Loss path: full (F.cross_entropy on all logits), chunked[:N] (N checkpointed token "
-                          "chunks, default 8), fused (a fused cross-entropy kernel), fused-linear (LM head + loss in one chunked "
-                          "kernel, Liger's), compiled (the full loss under torch.compile) or classifier (no LM head: a "
-                          "pooled sequence classifier); the last four formula only."),
+                          "chunks, default 8), fused (a fused cross-entropy kernel; Megatron's --cross-entropy-loss-fusion "
+                          "under --impl megatron), fused-linear (LM head + loss in one chunked kernel, Liger's), compiled "
+                          "(the full loss under torch.compile) or classifier (no LM head: a pooled sequence classifier); "
+                          "the last four formula only."),
     "zero": (int, 0, "ZeRO stage 0-3 over the DP ranks: 0 DDP, 1 + ZeroRedundancyOptimizer, 2 FSDP2 "
                      "reshard_after_forward=False, 3 FSDP2 full sharding."),
     "sharding": (Optional[str], None, "The data-parallel engine (sets the --zero stage): ddp, zero1, fsdp-grad-op "

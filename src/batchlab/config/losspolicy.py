@@ -11,9 +11,10 @@ from batchlab.config.choices import ConfigError, LossMode
 @dataclass(frozen=True)
 class LossPolicy:
     """The loss path: ``full``, ``chunked`` / ``chunked:N`` (N token chunks, default 8 as torchtune's
-    CEWithChunkedOutputLoss), ``fused`` (a fused cross-entropy kernel), ``fused-linear`` (the LM head and the loss in one chunked
-    kernel, Liger's), ``compiled`` (the full loss under torch.compile) or ``classifier`` (no LM head: a pooled
-    sequence classifier); the last four formula only."""
+    CEWithChunkedOutputLoss), ``fused`` (a fused cross-entropy kernel; with --impl megatron Megatron's
+    --cross-entropy-loss-fusion), ``fused-linear`` (the LM head and the loss in one chunked kernel, Liger's),
+    ``compiled`` (the full loss under torch.compile) or ``classifier`` (no LM head: a pooled sequence classifier);
+    the last four formula only."""
 
     mode: LossMode = LossMode.FULL
     chunks: int = 1

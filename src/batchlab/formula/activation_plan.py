@@ -104,8 +104,8 @@ def head_in_flight(cfg: RunConfig, rank: RankShare) -> float:
 def rank_loss_path(cfg: RunConfig, rank: RankShare) -> LossPath:
     """The loss's tensors on ``rank``: on the last stage only; vocabulary-parallel where tensor parallelism
     splits the vocabulary (``RunConfig.vocab_parallel``: loss_parallel's tensors, 1/t of the logits per rank),
-    else the whole logits' loss on every tensor-parallel rank.  Megatron's layer computes its own."""
-    if rank.last and cfg.model.impl is Implementation.MEGATRON and cfg.loss.mode is LossMode.FULL:
+    else the whole logits' loss on every tensor-parallel rank.  Megatron's layer computes its own, fused or not."""
+    if rank.last and cfg.model.impl is Implementation.MEGATRON and cfg.loss.mode in (LossMode.FULL, LossMode.FUSED):
         return megatron_loss_path(cfg, rank.vocab_split)
     if rank.whole:
         return loss_path(cfg)

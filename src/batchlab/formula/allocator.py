@@ -11,7 +11,9 @@ a block freed on one stream is reused only on that stream.  What follows from th
   ``del pred``), and the fp32 gradients the loss's backward allocates next are twice their size, so their
   segment stays reserved but empty at the loss-backward peak;
 - stream pools: FSDP's all-gather and reduce-scatter run on their own streams, whose cached blocks (one
-  block's 16-bit parameters, one block's gradients in the reduce dtype) the compute stream cannot reuse;
+  block's 16-bit parameters, one block's gradients in the reduce dtype) the compute stream cannot reuse; without
+  resharding after forward (ZeRO-2) the gathered blocks stay live, but the reduce-scatter's input still comes
+  from its stream's pool, reserved beside the compute stream's segments whenever the reductions run;
   FSDP2 allocates the reduce-scatter *output*, of which every gradient shard is a view, on that stream too
   (torch/distributed/_composable/fsdp/_fsdp_collectives.py foreach_reduce: ``with
   device_handle.stream(reduce_scatter_stream): reduce_output = reduce_scatter_input.new_empty(...)``), so once
@@ -91,6 +93,10 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
             reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
             per_layer = rank.per_layer if rank is not None else count(cfg.model).per_layer
             parts["FSDP all-gather / reduce-scatter stream pools"] = per_layer * (e + reduce_bytes)
+        elif cfg.parallel.fsdp:  # gathered blocks stay live (reshard_after_forward=False); the reductions still run
+            reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
+            per_layer = rank.per_layer if rank is not None else count(cfg.model).per_layer
+            parts["FSDP reduce-scatter stream pool"] = per_layer * reduce_bytes
         spec = cfg.parallel.engine_spec
         # FSDP2 at either stage reduce-scatters through foreach_reduce on its own stream; DeepSpeed ZeRO-2 at its
         # default overlap_comm=false reduces on the compute stream (stage_1_and_2.py average_tensor), and ZeRO-3

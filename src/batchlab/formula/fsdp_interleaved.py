@@ -20,7 +20,9 @@ from typing import Callable
 from batchlab.config import RunConfig
 from batchlab.formula import interleaved
 from batchlab.formula.ranks import residual_bytes
-from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_per_element, unit_elements
+from batchlab.formula import fp8
+from batchlab.formula.sharding import (gathered_bytes, gathered_bytes_per_element, reduced_bytes_per_element,
+                                       unit_elements)
 
 Parts = dict[str, int]
 
@@ -69,7 +71,7 @@ def phases(cfg: RunConfig, rank, resident: Parts, opt_tmp: int, grad_shards: int
     wg, wr = gathered_bytes_per_element(cfg), reduced_bytes_per_element(cfg)
     z3 = cfg.parallel.reshards_after_forward
     zeroed = not cfg.assumptions.zero_grad_set_to_none  # the shards exist, zeroed, from the update's start
-    whole = [sum(t.units) * wg for t in terms]
+    whole = [gathered_bytes(cfg, t.units) for t in terms]  # the blocks at fp8's width under an fp8 all-gather
     whole_grads = [sum(t.units) * wr for t in terms]
     residual = residual_bytes(cfg, rank)
     shards = resident["parameters"]
@@ -103,7 +105,7 @@ def phases(cfg: RunConfig, rank, resident: Parts, opt_tmp: int, grad_shards: int
         others = held - t.one
         grads = bg_grads + grads_of(c, st.made[c])
         base = dict(resident, gradients=grads, recompute=0)
-        root, block = t.units[0] * wg, (t.units[1] if len(t.units) > 1 else 0) * wg
+        root, block = t.units[0] * wg, (t.units[1] if len(t.units) > 1 else 0) * fp8.block_gather_bytes(cfg, wg)
         L = len(t.kept)
         if not st.backward:
             # a unit gathered here keeps its all-gather output beside its parameters until the forward ends
@@ -142,9 +144,9 @@ def phases(cfg: RunConfig, rank, resident: Parts, opt_tmp: int, grad_shards: int
         if backwards[c] == m:  # REDUCE_GRAD: unit by unit, the root first, resharded, then reduce-scattered from
             # a flat input in reduce_dtype into its output shard, its unsharded gradients freed after
             all_grads = grads + (0 if st.made[c] else whole_grads[c])
-            keep("backward", st, [dict(resident, parameters=shards + bg_params + whole[c] - sum(t.units[:i + 1]) * wg,
-                                       gradients=all_grads - sum(t.units[:i]) * wr + u * wr + u * wr // cfg.dp,
-                                       activations=others, recompute=0, temporaries=0)
+            keep("backward", st, [dict(resident, gradients=all_grads - sum(t.units[:i]) * wr + u * wr + u * wr // cfg.dp,
+                                       activations=others, recompute=0, temporaries=0,
+                                       parameters=shards + bg_params + whole[c] - gathered_bytes(cfg, t.units[:i + 1]))
                                   for i, u in enumerate(t.units)])
             gathered[c], reduced[c] = False, True
     keep("optimizer", None, [dict(resident, gradients=grad_shards, activations=0, recompute=0, temporaries=opt_tmp)])

@@ -22,7 +22,9 @@ from typing import Callable
 from batchlab.config import RunConfig
 from batchlab.formula.stage_steps import distinct, ordered
 from batchlab.formula.ranks import residual_bytes
-from batchlab.formula.sharding import gathered_bytes_per_element, reduced_bytes_per_element, unit_elements
+from batchlab.formula import fp8
+from batchlab.formula.sharding import (gathered_bytes, gathered_bytes_per_element, reduced_bytes_per_element,
+                                       unit_elements)
 
 
 def walked(cfg: RunConfig) -> bool:
@@ -69,8 +71,10 @@ def _candidates(cfg: RunConfig, rank, resident: dict[str, int], kept: tuple[int,
     units = unit_elements(cfg, rank)
     wg, wr, L = gathered_bytes_per_element(cfg), reduced_bytes_per_element(cfg), len(kept)
     z3 = cfg.parallel.reshards_after_forward
-    root, block, block_grad = units[0] * wg, (units[1] if L else 0) * wg, (units[1] if L else 0) * wr
-    shards, whole, whole_grads = resident["parameters"], sum(units) * wg, sum(units) * wr
+    # the blocks as gathered (fp8 under an fp8 all-gather, as formula/fsdp.py), the root in param_dtype
+    block_width = fp8.block_gather_bytes(cfg, wg)
+    root, block, block_grad = units[0] * wg, (units[1] if L else 0) * block_width, (units[1] if L else 0) * wr
+    shards, whole, whole_grads = resident["parameters"], gathered_bytes(cfg, units), sum(units) * wr
     out: list[tuple[int, str, list[dict[str, int]]]] = []
     for step in distinct(cfg.parallel.schedule, rank.stage, rank.stages, cfg.accum, z3):
         regather = step.backward and step.after_forward and z3

@@ -105,7 +105,14 @@ def megatron_loss_path(cfg: RunConfig, t: int) -> LossPath:
     cross_entropy.py): ``.float()`` of the 16-bit logits, then max-subtract, ``exp(out=)`` and the division all in
     place on that fp32 copy, which it saves as the softmax; backward turns the saved softmax into the gradient in
     place and casts it to the 16-bit logits' gradient.  Kept: one fp32 shard; beside it in forward the 16-bit
-    logits, in backward their 16-bit gradient."""
+    logits, in backward their 16-bit gradient.
+
+    ``--loss fused`` is Megatron's ``--cross-entropy-loss-fusion`` (megatron/core/fusions/fused_cross_entropy.py,
+    the native implementation): the same steps, each under ``jit_fuser``, which is ``torch.compile`` from torch 2.2
+    (megatron/core/jit.py).  Compiled, the backward's scatter into the saved softmax (``grad_2d[arange,
+    target] -= ...``) is functionalised into an out-of-place ``index_put``: a second fp32 shard beside the saved
+    one while the 16-bit gradient is written."""
     e = cfg.precision.compute_bytes
     n = cfg.seq * cfg.micro_batch * cfg.model.vocab // t
-    return LossPath(kept=n * F32, forward_transient=n * e, backward_transient=n * e)
+    scatter_copy = n * F32 if cfg.loss.mode is LossMode.FUSED else 0
+    return LossPath(kept=n * F32, forward_transient=n * e, backward_transient=n * e + scatter_copy)
