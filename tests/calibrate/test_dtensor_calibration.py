@@ -83,12 +83,12 @@ def test_an_fsdp2_config_gets_fsdp2s_host_work_measured_and_a_plain_one_nothing(
     monkeypatch.setattr(dtensor, "measure", lambda seconds=dtensor.SECONDS: {"forward": 9e-5, "backward": 4e-5,
                                                                              "plain": 3e-5})
     monkeypatch.setattr(dtensor_collective, "measure", lambda samples=0: pytest.fail("no TP: no redistribution"))
-    monkeypatch.setattr(fsdp_host, "measure", lambda updates=0: {"fsdp": 1.2e-3, "fsdp-tp": 1e-3})
+    monkeypatch.setattr(fsdp_host, "measure", lambda updates=0: {"fsdp-hooks": 1.2e-3, "fsdp-tp-hooks": 1e-3})
     save(stub_calibration())
     assert dtensor.ensure((RunConfig(dp=2),), threads=1) is None  # DDP: nothing to measure
-    assert "fsdp 1200 us" in dtensor.ensure((RunConfig(dp=2, zero=3),), threads=1)
+    assert "fsdp-hooks 1200 us" in dtensor.ensure((RunConfig(dp=2, zero=3),), threads=1)
     assert load_cached("cpu", 1).dtensor_seconds == {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5,
-                                                     "fsdp": 1.2e-3, "fsdp-tp": 1e-3}
+                                                     "fsdp-hooks": 1.2e-3, "fsdp-tp-hooks": 1e-3}
 
 
 def test_auto_asks_for_dtensor_figures(monkeypatch):
