@@ -109,3 +109,20 @@ def test_a_reading_at_or_below_zero_or_none_is_not_cached(monkeypatch, reading):
     said = dtensor.ensure((TP2,), threads=1)
     assert "implausible" in said and "not cached" in said
     assert not load_cached("cpu", 1).dtensor_seconds
+
+
+def test_fsdp2s_host_work_is_timed_without_the_optimizer_step():
+    # the step's ops on DTensor parameters are priced per op (formula/dtensor.py "plain"): the per-collective figure
+    # leaves the step's CPU time out, else FSDP2 beside TP or PP paid them twice
+    import types
+
+    import torch
+
+    model = torch.nn.Linear(64, 64)
+    trainer = types.SimpleNamespace(optimizer=torch.optim.AdamW(model.parameters(), foreach=False))
+    spent = fsdp_host._timed_step(trainer)
+    before = model.weight.detach().clone()
+    model(torch.randn(8, 64)).sum().backward()
+    assert spent == [0.0]
+    trainer.optimizer.step()
+    assert spent[0] > 0 and not torch.equal(model.weight, before)  # timed, and the step still ran
