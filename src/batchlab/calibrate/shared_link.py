@@ -8,10 +8,10 @@ its share of a core, but while it waits for its peer -- to arrive from its compu
 the core, so the per-message cost does not stretch by the whole time-sharing factor.  Here two ranks with a core
 each time the link calibration's all-reduce (``link.BURST_S`` of CPU work on each, then the all-reduce) of a small
 and a large message, in wall-clock and in the process's CPU time (every thread of it); the figures, the two ranks'
-mean: the CPU share of the small message's time (the per-message cost) and of the large one's beyond it (the
-bytes).  CPU time is what other processes' load does not stretch.  Cached with the CPU's calibration
-(``Calibration.link_cpu_seconds``) the first time measure or compare meets a layout whose local ranks time-share the
-cores; formula/links.py stretches only that share of the link by the sharing.  Torch is imported inside the
+mean: the CPU seconds of one message (the small all-reduce's less its bytes', over its 2 messages) and of one byte
+(the large one's beyond the small one's).  CPU time is what other processes' load does not stretch.  Cached with
+the CPU's calibration (``Calibration.link_cpu_seconds``) the first time measure or compare meets a layout whose
+local ranks time-share the cores; formula/links.py stretches only that part of the link by the sharing.  Torch is imported inside the
 functions.
 """
 from __future__ import annotations
