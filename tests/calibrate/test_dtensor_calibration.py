@@ -83,12 +83,12 @@ def test_an_fsdp2_config_gets_fsdp2s_host_work_measured_and_a_plain_one_nothing(
     monkeypatch.setattr(dtensor, "measure", lambda seconds=dtensor.SECONDS: {"forward": 9e-5, "backward": 4e-5,
                                                                              "plain": 3e-5})
     monkeypatch.setattr(dtensor_collective, "measure", lambda samples=0: pytest.fail("no TP: no redistribution"))
-    monkeypatch.setattr(fsdp_host, "measure", lambda updates=0: {"fsdp": 1.2e-3, "fsdp-tp": 1e-3})
+    monkeypatch.setattr(fsdp_host, "measure", lambda updates=0: {"fsdp-hooks": 1.2e-3, "fsdp-tp-hooks": 1e-3})
     save(stub_calibration())
     assert dtensor.ensure((RunConfig(dp=2),), threads=1) is None  # DDP: nothing to measure
-    assert "fsdp 1200 us" in dtensor.ensure((RunConfig(dp=2, zero=3),), threads=1)
+    assert "fsdp-hooks 1200 us" in dtensor.ensure((RunConfig(dp=2, zero=3),), threads=1)
     assert load_cached("cpu", 1).dtensor_seconds == {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5,
-                                                     "fsdp": 1.2e-3, "fsdp-tp": 1e-3}
+                                                     "fsdp-hooks": 1.2e-3, "fsdp-tp-hooks": 1e-3}
 
 
 def test_auto_asks_for_dtensor_figures(monkeypatch):
@@ -109,3 +109,20 @@ def test_a_reading_at_or_below_zero_or_none_is_not_cached(monkeypatch, reading):
     said = dtensor.ensure((TP2,), threads=1)
     assert "implausible" in said and "not cached" in said
     assert not load_cached("cpu", 1).dtensor_seconds
+
+
+def test_fsdp2s_host_work_is_timed_without_the_optimizer_step():
+    # the step's ops on DTensor parameters are priced per op (formula/dtensor.py "plain"): the per-collective figure
+    # leaves the step's CPU time out, else FSDP2 beside TP or PP paid them twice
+    import types
+
+    import torch
+
+    model = torch.nn.Linear(64, 64)
+    trainer = types.SimpleNamespace(optimizer=torch.optim.AdamW(model.parameters(), foreach=False))
+    spent = fsdp_host._timed_step(trainer)
+    before = model.weight.detach().clone()
+    model(torch.randn(8, 64)).sum().backward()
+    assert spent == [0.0]
+    trainer.optimizer.step()
+    assert spent[0] > 0 and not torch.equal(model.weight, before)  # timed, and the step still ran

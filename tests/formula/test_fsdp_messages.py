@@ -71,6 +71,22 @@ def test_fsdp2_beside_tp_pays_its_host_work_once_per_collective_a_real_update_is
     issued = calls.get("all_gather", 0) + calls.get("reduce_scatter", 0)
     base = dataclasses.replace(nominal_costs(cfg), threads=1, cores=4, rank_skew=0.0, contention={})
     priced, free = (timing(cfg, flops(cfg), memory(cfg), dataclasses.replace(
-        base, dtensor_seconds={"fsdp": 5e-3, "fsdp-tp": s})) for s in (1e-3, 0.0))
+        base, dtensor_seconds={"fsdp-hooks": 5e-3, "fsdp-tp-hooks": s})) for s in (1e-3, 0.0))
     assert issued == 3 * 3 * cfg.accum  # 2 blocks + the root, 2 all-gathers (ZeRO-3) and a reduce-scatter each
     assert priced.update_seconds - free.update_seconds == pytest.approx(issued * 1e-3)
+
+
+def test_fsdp2_without_a_layout_pays_its_optimizers_dtensor_ops_once_per_parameter():
+    # FSDP2 keeps every parameter a DTensor: AdamW's 8 per-element ops on each (counted by hand on a real step,
+    # tests/formula/test_dtensor_ops.py) at DTensor's host cost per op; calibrate/fsdp_host.py leaves the step out
+    # of its per-collective figure, so nothing else pays them
+    from batchlab.formula import flops, memory
+    from batchlab.formula.timing import nominal_costs, timing
+    from batchlab.models import build_workload
+
+    cfg = RunConfig(seq=64, micro_batch=4, accum=4, dp=2, zero=3)
+    tensors = sum(1 for _ in build_workload(cfg).model.parameters())
+    base = dataclasses.replace(nominal_costs(cfg), threads=1, cores=2, rank_skew=0.0, contention={})
+    priced, free = (timing(cfg, flops(cfg), memory(cfg), dataclasses.replace(
+        base, dtensor_seconds={"plain": s, "fsdp-hooks": 1e-3})) for s in (1e-5, 0.0))
+    assert priced.update_seconds - free.update_seconds == pytest.approx(tensors * 8 * 1e-5)

@@ -9,7 +9,7 @@ blocks under the TP plan on a 1-rank mesh (no message is sent) in alternated upd
 extra time over the DTensor ops it dispatched is cached with the CPU's calibration
 (``Calibration.dtensor_seconds``) and ``formula.dtensor`` prices the rank's DTensor ops with it; so is the host work
 each DTensor collective adds, measured between two forked ranks (``dtensor_collective.py``, key "collective"), and
-for an FSDP2 config FSDP2's host work per collective (``fsdp_host.py``, keys "fsdp" and "fsdp-tp").
+for an FSDP2 config FSDP2's host work per collective (``fsdp_host.py``, keys "fsdp-hooks" and "fsdp-tp-hooks").
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def measure(seconds: float = SECONDS) -> dict[str, float]:
     return out
 
 
-PER_OP, COLLECTIVE, FSDP = ("forward", "backward", "plain"), ("collective",), ("fsdp", "fsdp-tp")
+PER_OP, COLLECTIVE, FSDP = ("forward", "backward", "plain"), ("collective",), ("fsdp-hooks", "fsdp-tp-hooks")
 
 
 def needed(cfgs: tuple[RunConfig, ...]) -> set[str]:

@@ -7,7 +7,9 @@ mesh beside tensor parallelism, parameters sharded on both).  The link (calibrat
 this.  Here two ranks alternate updates of the calibration's dispatch-bound GPT without FSDP2 and with it
 (``fully_shard`` per block and on the root, resharded after forward, over the two ranks), each beside the plain
 model and beside the tensor-parallel plan on a size-1 TP dimension of a (2, 1) mesh; the figure is the main thread's
-extra CPU time over the FSDP2 collectives the update issued (counted).  CPU time: waiting for the peer costs none.
+extra CPU time over the FSDP2 collectives the update issued (counted), the optimizer's step left out: its ops on the
+DTensor parameters are priced per op (formula/dtensor.py), and counted here too they were paid twice.  CPU time:
+waiting for the peer costs none.
 Torch is imported inside the functions.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from batchlab.calibrate.dtensor_collective import two_ranks
 UPDATES = 20  # alternated updates of each of the four trainers per rank
 WARMUP = 3
 TIMEOUT_S = 90
-KEYS = {"fsdp": ("plain", "fsdp"), "fsdp-tp": ("tp", "tp+fsdp")}  # figure -> (without FSDP2, with it)
+KEYS = {"fsdp-hooks": ("plain", "fsdp"), "fsdp-tp-hooks": ("tp", "tp+fsdp")}  # figure -> (without FSDP2, with it)
 
 
 def _trainers(mesh):
@@ -69,6 +71,21 @@ def _collectives(trainer) -> int:
     return c.n
 
 
+def _timed_step(trainer) -> list[float]:
+    """A one-item list that sums the main thread's CPU seconds in ``trainer``'s optimizer steps from now on."""
+    spent, step = [0.0], trainer.optimizer.step
+
+    def timed(*args, **kwargs):
+        t = time.thread_time()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            spent[0] += time.thread_time() - t
+
+    trainer.optimizer.step = timed
+    return spent
+
+
 def _rank(rank: int, port: int, updates: int, results) -> None:
     import datetime
 
@@ -84,14 +101,15 @@ def _rank(rank: int, port: int, updates: int, results) -> None:
     try:
         trainers = _trainers(init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")))
         counts = {name: _collectives(tr) for name, tr in trainers.items()}
+        stepping = {name: _timed_step(tr) for name, tr in trainers.items()}
         spent: dict[str, list[float]] = {name: [] for name in trainers}
         names = list(trainers)
         for i in range(WARMUP + updates):
             for name in (names if i % 2 == 0 else names[::-1]):
-                t = time.thread_time()
+                t, stepped = time.thread_time(), stepping[name][0]
                 trainers[name].update()
-                if i >= WARMUP:
-                    spent[name].append(time.thread_time() - t)
+                if i >= WARMUP:  # the optimizer's step left out: its DTensor ops are priced per op (formula/dtensor.py)
+                    spent[name].append(time.thread_time() - t - (stepping[name][0] - stepped))
         med = {name: statistics.median(v) for name, v in spent.items()}
         results.put((rank, {key: (med[b] - med[a]) / counts[b] for key, (a, b) in KEYS.items() if counts[b]}))
     finally:
@@ -100,7 +118,8 @@ def _rank(rank: int, port: int, updates: int, results) -> None:
 
 
 def measure(updates: int = UPDATES) -> dict[str, float]:
-    """{"fsdp": s, "fsdp-tp": s}: main-thread CPU seconds per FSDP2 collective, on a 1-D data-parallel mesh and on
-    a 2-D one beside the tensor-parallel plan (the two ranks' mean); RuntimeError where two ranks cannot run here."""
+    """{"fsdp-hooks": s, "fsdp-tp-hooks": s}: main-thread CPU seconds per FSDP2 collective, on a 1-D data-parallel
+    mesh and on a 2-D one beside the tensor-parallel plan (the two ranks' mean), the optimizer's step left out;
+    RuntimeError where two ranks cannot run here."""
     got = two_ranks(_rank, updates, "FSDP2 host-work timing", TIMEOUT_S)
     return {key: statistics.fmean(g[key] for g in got) for key in got[0] if all(key in g for g in got)}

@@ -62,6 +62,9 @@ class Calibration:
     # CPU: how much longer the slower of two local ranks computes than their mean between all-reduces (0.035:
     # 3.5%; calibrate/link.py); 0: unmeasured
     rank_skew: float = 0.0
+    # CPU: the ranks' own CPU seconds in that link, per message ("message") and per byte ("byte"): the part that
+    # stretches where local ranks time-share the cores (calibrate/shared_link.py); {}: not measured
+    link_cpu_seconds: dict[str, float] = field(default_factory=dict)
     cores: int = 0  # CPU cores of the machine measured (local ranks x threads beyond it share them)
     # CPU: a process's slowdown while ``contention_processes`` run the same kernels at once, by kind
     # (compute | memory | dispatch; calibrate/concurrency.py); 0 processes: not measured (an older cache)
@@ -128,6 +131,7 @@ class Calibration:
                        link_bytes_per_s=self.loopback_bytes_per_s or None, link_latency_s=self.loopback_latency_s,
                        threads=self.threads, cores=self.cores, contention=dict(self.contention),
                        contention_processes=self.contention_processes, rank_skew=self.rank_skew,
+                       link_cpu_seconds=dict(self.link_cpu_seconds),
                        family_dispatch={k: dict(v) for k, v in self.family_dispatch.items()},
                        dtensor_seconds=dict(self.dtensor_seconds),
                        matmul_intensity=tuple(sorted((2 * m * k * n, 2 * m * k * n / (4 * (m * k + k * n + m * n)))

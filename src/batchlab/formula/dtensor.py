@@ -22,7 +22,8 @@ decomposes them, counted on real runs in tests/formula/test_dtensor_ops.py):
   beside what the link prices (calibrate/dtensor_collective.py);
 - under FSDP2, each of its all-gathers and reduce-scatters (formula/sharding.py's ``fsdp_collectives``) comes with
   its hooks, copy-in and copy-out and the swap of sharded and unsharded DTensor parameters, on the main thread
-  (calibrate/fsdp_host.py: on a 1-D mesh, and on a 2-D one beside tensor parallelism).
+  (calibrate/fsdp_host.py: on a 1-D mesh, and on a 2-D one beside tensor parallelism), its optimizer's ops on the
+  DTensor parameters priced per op as above, with or without tensor or pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ from batchlab.formula.ranks import RankShare
 # Seconds each DTensor op adds on a CPU rank where nothing was calibrated: DTensor's Python dispatch per op on one
 # server CPU (docs/cpu.md names it: another CPU's differ), as calibrate/dtensor.py measures it (docs/cpu.md, "Figures behind the code's choices"); forward ops
 # cost more (their shardings are propagated afresh).  "collective": a redistribution's host work over a plain
-# gloo all-reduce's, as calibrate/dtensor_collective.py measures it on the same kind of core; "fsdp" / "fsdp-tp":
-# FSDP2's host work per collective on a 1-D mesh / beside TP on a 2-D one, as calibrate/fsdp_host.py measures it.
-NOMINAL = {"forward": 75e-6, "backward": 35e-6, "plain": 25e-6, "collective": 450e-6, "fsdp": 1.2e-3,
-           "fsdp-tp": 1.0e-3}
+# gloo all-reduce's, as calibrate/dtensor_collective.py measures it on the same kind of core; "fsdp-hooks" /
+# "fsdp-tp-hooks": FSDP2's host work per collective on a 1-D mesh / beside TP on a 2-D one, its optimizer step
+# left out (priced per op as "plain"), as calibrate/fsdp_host.py measures it (docs/cpu.md).
+NOMINAL = {"forward": 75e-6, "backward": 35e-6, "plain": 25e-6, "collective": 450e-6, "fsdp-hooks": 0.7e-3,
+           "fsdp-tp-hooks": 0.7e-3}
 
 LINEAR_FORWARD = 4  # t, view, addmm, view (t, view, mm, _unsafe_view without a bias)
 LINEAR_BACKWARD = 8  # 2 mm, 4 t, 2 view
@@ -160,7 +162,7 @@ def host_seconds(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, scale: 
 def fsdp_key(cfg: RunConfig) -> str:
     """The figure FSDP2's host work is priced with: beside tensor parallelism its parameters are sharded on a 2-D
     mesh."""
-    return "fsdp-tp" if cfg.parallel.tp > 1 else "fsdp"
+    return "fsdp-tp-hooks" if cfg.parallel.tp > 1 else "fsdp-hooks"
 
 
 def fsdp_host_seconds(cfg: RunConfig, collectives: int, costs: OpCosts | None, scale: float = 1.0) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from batchlab.config import Applied, Backend, RunConfig
+from batchlab.config import Applied, RunConfig
 from batchlab.config.engines import Sent
 from batchlab.formula import dtensor, overlap
 from batchlab.formula.overlap import activation_message_bytes
@@ -29,7 +29,7 @@ from batchlab.formula.ranks import RankShare, residual_bytes, shares
 from batchlab.config.phase import Phase
 from batchlab.formula.opcost import OpCosts, OpCount, merge
 from batchlab.formula.opbuild import OpList, widths
-from batchlab.formula.sharding import collective_seconds, ring_messages
+from batchlab.formula.links import Link, local_link, pp_link, shared_links, tp_link  # noqa: F401 -- Link: re-exported
 
 
 def stage_output_bytes(cfg: RunConfig, rank: RankShare) -> int:
@@ -121,66 +121,6 @@ class PipelineTime:
     @property
     def bubble_seconds(self) -> float:
         return self.seconds - self.busy_seconds
-
-
-@dataclass(frozen=True)
-class Link:
-    """A link as a message on it is priced: bytes over its bandwidth plus a fixed cost per message (nccl-tests'
-    alpha-beta model); ``source`` names where the figures come from."""
-
-    bytes_per_s: float
-    latency_s: float
-    source: str
-
-    def collective_seconds(self, kind: str, nbytes: float, n: int) -> float:
-        """One ring collective over ``n`` ranks: its share of the buffer over the link, one latency per message."""
-        return collective_seconds(kind, nbytes, n, self.bytes_per_s) + ring_messages(kind, n) * self.latency_s
-
-    def send_seconds(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bytes_per_s
-
-    def time_shared(self, factor: float) -> Link:
-        """The link as ranks time-sharing the cores (``factor`` threads a core) meet it: gloo's per-message cost and
-        copies are the ranks' own CPU work (wake-ups, syscalls, memcpy), calibrated with a core each."""
-        return self if factor <= 1.0 else Link(self.bytes_per_s / factor, self.latency_s * factor,
-                                               f"{self.source}, x{factor:g} with the local ranks time-sharing the cores")
-
-    def text(self) -> str:
-        return f"{self.bytes_per_s / 1e9:g} GB/s + {self.latency_s * 1e6:.0f} us per message ({self.source})"
-
-
-def local_link(cfg: RunConfig, costs: OpCosts | None) -> Link | None:
-    """CPU ranks all on this host with gloo's link between local processes calibrated (calibrate/link.py)."""
-    if (costs is None or costs.link_bytes_per_s is None or cfg.device_spec.backend is not Backend.CPU
-            or cfg.parallel.world_size < 2):
-        return None
-    return Link(costs.link_bytes_per_s, costs.link_latency_s, "gloo between local processes, calibrated")
-
-
-def tp_link(cfg: RunConfig, costs: OpCosts | None = None) -> Link:
-    local = local_link(cfg, costs)
-    if local is not None:
-        return local
-    dev = cfg.device_spec
-    if cfg.tp <= dev.gpus_per_node:
-        return Link(dev.intra_node_bytes_per_s, 0.0, f"{dev.name}'s intra-node link, no per-message cost known")
-    return Link(dev.inter_node_bytes_per_s, 0.0, f"{dev.name}'s inter-node link, no per-message cost known")
-
-
-def pp_link(cfg: RunConfig, costs: OpCosts | None = None) -> Link:
-    local = local_link(cfg, costs)
-    if local is not None:
-        return local
-    dev = cfg.device_spec
-    if cfg.parallel.world_size <= dev.gpus_per_node:
-        return Link(dev.intra_node_bytes_per_s, 0.0, f"{dev.name}'s intra-node link, no per-message cost known")
-    return Link(dev.inter_node_bytes_per_s, 0.0, f"{dev.name}'s inter-node link, no per-message cost known")
-
-
-def shared_links(cfg: RunConfig, costs: OpCosts | None, time_shared: float) -> tuple[Link, Link]:
-    """(TP link, PP link) as the ranks meet them mid-update: a local link stretched by the cores' time-sharing."""
-    shared = max(1.0, time_shared) if local_link(cfg, costs) is not None else 1.0
-    return tp_link(cfg, costs).time_shared(shared), pp_link(cfg, costs).time_shared(shared)
 
 
 def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tuple[int, int]]:

@@ -17,6 +17,7 @@ from batchlab.config import Backend, CompileMode, DataKind, DeviceSpec, ModelSou
 from batchlab.formula import dtensor, fp8, inkernel, offload
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate, flops
+from batchlab.formula.links import dp_link
 from batchlab.formula.params import count
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.memory import MemoryEstimate
@@ -226,8 +227,8 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     rest = t.seconds - compute
     dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.sac_dispatched, o.launch) * o.count for o in ops
                            if o.phase.value in ("forward", "backward", "recompute"))
-    local = local_link(cfg, costs)
-    bw = costs.link_bytes_per_s if local else bus_bandwidth(cfg).value
+    local, link = local_link(cfg, costs), dp_link(cfg, costs, sharing(cfg, costs))  # TP's and PP's link too
+    bw = link.bytes_per_s if local and link else bus_bandwidth(cfg).value
     # what the stage's engine sends per update: DDP's all-reduce (+ ZeRO-1's broadcasts), FSDP2's all-gathers
     # and reduce-scatters of every micro-batch (formula.sharding); the engine's overlap hides part of it
     sent = traffic(cfg).per_update
@@ -243,14 +244,15 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     if layout:  # formula/pipeline.py: per stage, then the bubble; the dispatch part at the rank's host speed
         pipe = pipeline_time(cfg, compute / cfg.accum, costs, issued, replicated,
                              min(dispatch_compute * speed, compute) / cfg.accum, speed, sharing(cfg, costs))
+    host = 0.0  # the optimizer's ops on DTensor parameters (formula/dtensor.py), issued ahead on a GPU
     if pipe is not None:  # the data-parallel group of a stage's TP rank reduces (and steps) its slice only
         sent = {k: round(v * held) for k, v in sent.items()}
         compute = cfg.accum * pipe.stages[pipe.slowest].compute_seconds
-        dispatch_compute *= compute / max(sum(t.by_phase.get(p, 0.0) for p in ("forward", "backward", "recompute")),
-                                          1e-300)
-        rest *= held
-        host = pipe.stages[pipe.slowest].dtensor_update_seconds  # the optimizer's DTensor ops, issued ahead on a GPU
-        rest += max(0.0, host - rest) if costs.asynchronous else host
+        dispatch_compute *= compute / max(sum(t.by_phase.get(p, 0.0) for p in stepped[:3]), 1e-300)
+        rest, host = rest * held, pipe.stages[pipe.slowest].dtensor_update_seconds
+    elif cfg.parallel.fsdp:  # FSDP2 steps every parameter as a DTensor
+        host = dtensor.host_seconds(cfg, shares(cfg)[0], costs, speed)[1]
+    rest += (added := max(0.0, host - rest) if costs.asynchronous else host)
     units = fsdp_collectives(cfg, shares(cfg)[pipe.slowest] if pipe is not None else None)
     gathers = sum(units.values())
     fsdp_host = dtensor.fsdp_host_seconds(cfg, gathers, costs, speed)  # its hooks and copies, in every micro-batch
@@ -258,9 +260,9 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
     if local:  # a ring step is one message per rank: 2(n-1) per all-reduce, n-1 per all-gather / reduce-scatter
         reductions = gradient_reductions(cfg, shares(cfg)[pipe.slowest]) if pipe is not None else 0
-        comm += costs.link_latency_s * (cfg.dp - 1) * (sum(units.values()) if units else
-                                                       2 * (reductions or ddp_buckets(grad_bytes)))
-        comm += costs.link_latency_s * 2 * (cfg.dp - 1)  # the token count's all-reduce
+        comm += link.latency_s * (cfg.dp - 1) * (sum(units.values()) if units else
+                                                 2 * (reductions or ddp_buckets(grad_bytes)))
+        comm += link.latency_s * 2 * (cfg.dp - 1)  # the token count's all-reduce
     after_step = collective_seconds("broadcast", sent["broadcast"], cfg.dp, bw)
     hidden = exposed_comm_seconds(cfg, comm, compute, compute / cfg.accum, after_step)
     if cfg.assumptions.comm_overlap is None and local and fills_cores(cfg, costs):
@@ -269,7 +271,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
         hidden = Sourced(comm, "local ranks fill the cores: gloo's copies and sums need them, nothing hidden")
     exposed = hidden.value
     offloaded = offload.exposed_seconds(cfg, compute)  # host copies beyond what the side stream hides
-    update = t.seconds + exposed + offloaded + fsdp_host
+    update = t.seconds + exposed + offloaded + fsdp_host + added
     extra: dict = {}
     if pipe is not None:
         slow = pipe.stages[pipe.slowest]
@@ -393,8 +395,6 @@ def machine_text(cfg: RunConfig, costs: OpCosts) -> str:
     spread = skew(cfg, costs)
     if spread:
         out += f"; the slowest rank computes {spread:.1%} longer than the ranks' mean (calibrated)"
-    if local_link(cfg, costs):
-        out += (f"; all-reduce as gloo's between local ranks right after compute was calibrated: "
-                f"{link_text(costs.link_bytes_per_s)} + {costs.link_latency_s * 1e6:.0f} us per message in the "
-                "ring model")
+    if (link := dp_link(cfg, costs, sharing(cfg, costs))) is not None and local_link(cfg, costs):
+        out += f"; all-reduce: {link_text(link.bytes_per_s)} + {link.latency_s * 1e6:.0f} us a message ({link.source})"
     return out + (inkernel.text(costs.element_seconds) if cfg.compile is not CompileMode.NONE else "")

@@ -1,0 +1,94 @@
+"""The links a layout's messages cross, as each message on them is priced (no torch): the device entry's links, or
+on a CPU host gloo's link between local processes as calibrated, and that link as ranks time-sharing the cores meet
+it.  Data-, tensor- and pipeline-parallel messages of a CPU layout are priced on the same one."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from batchlab.config import Backend, RunConfig
+from batchlab.formula.opcost import OpCosts
+from batchlab.formula.sharding import collective_seconds, ring_messages
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link as a message on it is priced: bytes over its bandwidth plus a fixed cost per message (nccl-tests'
+    alpha-beta model); ``source`` names where the figures come from."""
+
+    bytes_per_s: float
+    latency_s: float
+    source: str
+
+    def collective_seconds(self, kind: str, nbytes: float, n: int) -> float:
+        """One ring collective over ``n`` ranks: its share of the buffer over the link, one latency per message."""
+        return collective_seconds(kind, nbytes, n, self.bytes_per_s) + ring_messages(kind, n) * self.latency_s
+
+    def send_seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+    def time_shared(self, factor: float, cpu: Mapping[str, float] | None = None) -> Link:
+        """The link as ranks time-sharing the cores (``factor`` threads a core) meet it, calibrated with a core
+        each.  A message's time is the ranks' own CPU work (wake-ups, syscalls, copies), which runs at 1/factor of
+        a core, and waiting for the peer, during which the other ranks use the core (processor sharing): only the
+        CPU part stretches, ``cpu`` seconds of it per message ("message") and per byte ("byte") as
+        calibrate/shared_link.py measures them (at most the link's own figure); unmeasured, all of it."""
+        if factor <= 1.0:
+            return self
+        message, byte = (self.latency_s, 1 / self.bytes_per_s) if not cpu else (
+            min(cpu.get("message", self.latency_s), self.latency_s), min(cpu.get("byte", 0.0), 1 / self.bytes_per_s))
+        how = (f"its CPU part ({message * 1e6:.0f} us a message, {byte * 1e9:.2f} ns a byte, calibrated)"
+               if cpu else "all of it")
+        return Link(1 / (1 / self.bytes_per_s + byte * (factor - 1)), self.latency_s + message * (factor - 1),
+                    f"{self.source}; {how} x{factor:g} with the local ranks time-sharing the cores")
+
+    def text(self) -> str:
+        return f"{self.bytes_per_s / 1e9:g} GB/s + {self.latency_s * 1e6:.0f} us per message ({self.source})"
+
+
+def local_link(cfg: RunConfig, costs: OpCosts | None) -> Link | None:
+    """CPU ranks all on this host with gloo's link between local processes calibrated (calibrate/link.py)."""
+    if (costs is None or costs.link_bytes_per_s is None or cfg.device_spec.backend is not Backend.CPU
+            or cfg.parallel.world_size < 2):
+        return None
+    return Link(costs.link_bytes_per_s, costs.link_latency_s,
+                "gloo's all-reduce between local processes right after compute, calibrated")
+
+
+def tp_link(cfg: RunConfig, costs: OpCosts | None = None) -> Link:
+    local = local_link(cfg, costs)
+    if local is not None:
+        return local
+    dev = cfg.device_spec
+    if cfg.tp <= dev.gpus_per_node:
+        return Link(dev.intra_node_bytes_per_s, 0.0, f"{dev.name}'s intra-node link, no per-message cost known")
+    return Link(dev.inter_node_bytes_per_s, 0.0, f"{dev.name}'s inter-node link, no per-message cost known")
+
+
+def pp_link(cfg: RunConfig, costs: OpCosts | None = None) -> Link:
+    local = local_link(cfg, costs)
+    if local is not None:
+        return local
+    dev = cfg.device_spec
+    if cfg.parallel.world_size <= dev.gpus_per_node:
+        return Link(dev.intra_node_bytes_per_s, 0.0, f"{dev.name}'s intra-node link, no per-message cost known")
+    return Link(dev.inter_node_bytes_per_s, 0.0, f"{dev.name}'s inter-node link, no per-message cost known")
+
+
+def shared(cfg: RunConfig, costs: OpCosts | None, link: Link, time_shared: float) -> Link:
+    """``link`` as the ranks meet it mid-update: a local link stretched by the cores' time-sharing."""
+    if local_link(cfg, costs) is None or costs is None:
+        return link
+    return link.time_shared(max(1.0, time_shared), costs.link_cpu_seconds or None)
+
+
+def shared_links(cfg: RunConfig, costs: OpCosts | None, time_shared: float) -> tuple[Link, Link]:
+    """(TP link, PP link) as the ranks meet them mid-update (``shared``)."""
+    return shared(cfg, costs, tp_link(cfg, costs), time_shared), shared(cfg, costs, pp_link(cfg, costs), time_shared)
+
+
+def dp_link(cfg: RunConfig, costs: OpCosts | None, time_shared: float) -> Link | None:
+    """The local link the data-parallel ring of CPU ranks crosses, as they meet it (``shared``); None off a CPU
+    host's calibrated link (the device entry's bus bandwidth prices it: formula/timing.py)."""
+    local = local_link(cfg, costs)
+    return None if local is None else shared(cfg, costs, local, time_shared)
