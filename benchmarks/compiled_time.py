@@ -194,7 +194,7 @@ def rng_rate_line() -> str:
     if not (rng and mask and eager):
         return "inductor's in-kernel RNG and mask store not timed here: priced at ATen's bernoulli_ rate"
     inside = {k: rates[k] for k in (*compiled_rng.ARITHMETIC_KEYS, compiled_rng.SOFTMAX_KEY,
-                                    compiled_rng.MASK_LOAD_KEY) if k in rates}
+                                    compiled_rng.MASK_LOAD_KEY, compiled_rng.MASK_LOAD_RANDOM_KEY) if k in rates}
     def aten(key: str) -> float | None:  # the rate ATen's kernel of the op is priced at (formula/inkernel.py)
         cls, name = key.split(":")[0].split("/")
         return next((rates[k] for k in rate_keys(cls, name, "fp32") if k != key and k in rates), None)

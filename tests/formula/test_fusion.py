@@ -178,6 +178,20 @@ def test_a_kept_causal_mask_is_read_back_per_element_and_a_recomputed_one_is_mad
     assert _in_update(full.replace(compile="none"), "masked_fill", Phase.RECOMPUTE) == 2 * scores
 
 
+def test_a_kept_dropout_mask_is_read_back_by_the_backward_at_the_random_rate_by_hand():
+    # tiny GPT, 2 blocks, 4 heads, seq 64, micro-batch 2, dropout 0.1, AC none: each block keeps its attention
+    # dropout's mask (b·a·s² = 32,768 draws) and its two residual dropouts' (b·s·h = 16,384 each); the backward
+    # reads each back as bool, the attention one twice (inductor's softmax-gradient kernel recomputes the dropout's
+    # backward in its row-sum pass and its pointwise pass: tests/trace/test_compiled_trace.py reads its plan);
+    # recomputed whole (AC full), nothing is kept and nothing read
+    kept = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=2, compile="blocks")
+    assert _in_update(kept, "inductor_mask_load_random", Phase.BACKWARD) == 2 * (2 * 32_768 + 2 * 16_384)
+    assert not _in_update(kept, "inductor_mask_load_random", FWD)
+    assert not _in_update(kept.replace(ac="full"), "inductor_mask_load_random", Phase.BACKWARD)
+    assert not _in_update(kept.replace(model=preset("tiny", layers=2, dropout=0.0)), "inductor_mask_load_random",
+                          Phase.BACKWARD)
+
+
 def test_a_full_ac_recomputes_last_chain_is_fused_into_its_gradients_kernel_by_hand():
     # the recompute of each block ends with fc1's gelu (b·s·4h = 2·64·512 = 65,536 outputs), whose output the
     # backward reads for the down-projection's weight gradient; inductor's backward computes it inside the

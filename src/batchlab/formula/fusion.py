@@ -19,8 +19,11 @@ only.
 
 A forward that keeps its dropout masks for backward (its block not recomputed) stores each as a bool buffer, which
 inductor's C++ (CPU) kernels write through a vector-mask-to-bool conversion costing about as much per element as the draw
-itself (calibrate/compiled_rng.py times it): ``MASK``, one per drawn element.  A recomputed block's forward keeps
-no mask and its backward draws the numbers again inside the kernels that use them, storing none.
+itself (calibrate/compiled_rng.py times it): ``MASK``, one per drawn element.  Its backward reads each back
+(``MASK_LOAD_RANDOM``: a draw per element, widened with no runs for a branch predictor to follow), twice for a
+dropout on a softmax's output, whose gradient's row sum and pointwise pass both recompute the dropout's backward.
+A recomputed block's forward keeps no mask and its backward draws the numbers again inside the kernels that use
+them, storing and reading none.
 
 A member's arithmetic is priced as inductor's loop computes it (``_member``): at::vec's tanh, exp or a softmax's
 passes at their timed in-kernel rates, not ATen's kernels of those ops (calibrate/compiled_rng.py); a masked fill is a
@@ -33,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from batchlab.config.phase import Launch, Phase
-from batchlab.formula.inkernel import MASK_LOAD, MASK_STORE, RNG, in_kernel
+from batchlab.formula.inkernel import MASK_LOAD, MASK_LOAD_RANDOM, MASK_STORE, RNG, in_kernel
 from batchlab.formula.opcost import OpClass, OpCount
 
 POINTWISE = frozenset({OpClass.MEMORY, OpClass.STRIDED, OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD,
@@ -67,6 +70,14 @@ def _mask_stored(op: OpCount) -> OpCount:
     """The bool mask a forward's random op keeps for backward, stored inside its kernel: one byte per element."""
     return OpCount(MASK, op.phase, OpClass.RANDOM, 0, op.elements, op.elements, op.low_precision, op.count, 0,
                    False, Launch.FUSED)
+
+
+def _mask_read(op: OpCount, after: OpCount | None) -> OpCount:
+    """The backward's bool reads of the mask a forward's random op kept: once per element, twice where the op
+    follows a softmax (its gradient's two passes over a row each recompute the dropout's backward)."""
+    reads = 2 if after is not None and after.cost_class is OpClass.SOFTMAX else 1
+    return OpCount(MASK_LOAD_RANDOM, Phase.BACKWARD, OpClass.MASKED, 0, 0, op.elements * reads, op.low_precision,
+                   op.count, 0, False, Launch.FUSED)
 
 
 def _member(op: OpCount, chain: list[OpCount], kept: bool) -> OpCount:
@@ -135,6 +146,7 @@ def fuse(ops: Iterable[OpCount], width: int, keeps_masks: bool = True, into_back
     into its gradient's backward kernel (``_into_backward``)."""
     out: list[OpCount] = []
     chains: dict = {}  # phase -> the open chain
+    last: dict = {}  # phase -> the op before
 
     def close(phase) -> None:
         chain = chains.pop(phase, None)
@@ -145,7 +157,9 @@ def fuse(ops: Iterable[OpCount], width: int, keeps_masks: bool = True, into_back
         if op.cost_class is OpClass.RANDOM:
             op = _drawn_in_kernel(op)
             if keeps_masks and op.phase is Phase.FORWARD:
-                out.append(_mask_stored(op))
+                out.extend((_mask_stored(op), _mask_read(op, last.get(op.phase))))
+        if op.cost_class is not OpClass.VIEW:  # (dropout's empty_like before its draw)
+            last[op.phase] = op
         if op.cost_class is OpClass.VIEW:
             out.append(launched(op, Launch.FUSED))
         elif op.cost_class in POINTWISE or _reduces(op):
