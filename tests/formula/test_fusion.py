@@ -224,6 +224,19 @@ def test_a_fused_ops_arithmetic_is_priced_at_inductors_in_kernel_rate_where_time
     assert price(tanh, timed).seconds == pytest.approx(N * 1.5e-9)
 
 
+def test_a_norm_inside_a_compiled_kernel_costs_its_bytes_not_atens_per_element_rate():
+    # inductor computes a layer norm's mean and variance in its own vectorised loop (one Welford pass), fused with
+    # the chain before it: a GPT block's lone layer norm kernel took its bytes' time, about two thirds of ATen's
+    # native_layer_norm on the same rows in the same process (docs/accuracy/compiled-time.md); priced by its bytes
+    costs = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e10),), strided_bytes_per_s=5e9,
+                    element_seconds={"norm:fp32": 5e-9}, dispatch={"forward": 0.0, "backward": 0.0, "plain": 0.0})
+    alone = fuse([op("mm", 0, flops=10), op("native_layer_norm", 8 * N), op("mm", 0, flops=10)], 4)
+    assert price([o for o in alone if o.name == "native_layer_norm"], costs).seconds == pytest.approx(8 * N / 1e10)
+    chained = fuse([op("add", 12 * N), op("native_layer_norm", 8 * N)], 4)
+    assert price(chained, costs).seconds == pytest.approx((12 + 8 - 2 * 4) * N / 1e10)  # the chain's bytes once
+    assert price([op("native_layer_norm", 8 * N)], costs).seconds == pytest.approx(N * 5e-9)  # eager: ATen's rate
+
+
 def test_a_selective_policy_that_redraws_every_dropout_keeps_no_mask_and_a_branch_policy_keeps_them_all():
     # selective-op caches only matmul outputs (its catalogue entry): its recompute redraws every dropout, so, as under
     # full AC, inductor's forward returns no mask (the trace of the same block, inductor's own plan, prices its forward

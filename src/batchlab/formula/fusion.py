@@ -9,7 +9,7 @@ by one member, read by the next):
     bytes(kernel) = Σ bytes(op) − 2 · Σ_{inner outputs} elements · width
 
 The members stay in the list, with no launch and no bytes of their own, so a transcendental member's arithmetic
-(gelu, softmax, a norm) is still paid, a random member's at the rate of inductor's in-kernel RNG, which draws each
+(gelu, a softmax) is still paid, a random member's at the rate of inductor's in-kernel RNG, which draws each
 number inside the kernel (calibrate/compiled_rng.py); matmuls and fused attention are unchanged but issued by the
 compiled graph's wrapper (``Launch.COMPILED``), views cost nothing.  A reduction (a norm, softmax, a sum) takes
 the chain before it into its loop and ends it.  The rule reads op kinds only (formula/opcost.py ``OpClass``): it
@@ -83,16 +83,17 @@ def _mask_read(op: OpCount, after: OpCount | None) -> OpCount:
 def _member(op: OpCount, chain: list[OpCount], kept: bool) -> OpCount:
     """``op``'s per-element work inside the chain's kernel, launch-free: an activation's or a softmax's arithmetic
     as inductor's loop computes it (``inductor_tanh``, ``inductor_softmax``: at::vec's functions, timed by
-    calibrate/compiled_rng.py; ATen's rate of the op where not timed); a softmax's backward none beyond its bytes
-    (a multiply and a row sum); a masked fill a blend, whose mask is read back as bool per element where the block
-    keeps it for backward (``kept``: its forward and backward; twice under a softmax, whose max and exp passes both
-    recompute the fill) and is made from indices inside the loop where the block is recomputed."""
+    calibrate/compiled_rng.py; ATen's rate of the op where not timed); a softmax's backward and a norm (forward
+    or backward: a mean and a variance per row, inductor's vectorised Welford loop) none beyond their bytes; a
+    masked fill a blend, whose mask is read back as bool per element where the block keeps it for backward
+    (``kept``: its forward and backward; twice under a softmax, whose max and exp passes both recompute the fill)
+    and is made from indices inside the loop where the block is recomputed."""
     name, cost_class, elements = op.name, op.cost_class, op.elements
     if cost_class in (OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD):
         name = in_kernel(name)
     elif cost_class is OpClass.SOFTMAX and name in ("_softmax", "softmax"):
         name = in_kernel("softmax")
-    elif cost_class is OpClass.SOFTMAX and name == "_softmax_backward_data":
+    elif (cost_class is OpClass.SOFTMAX and name == "_softmax_backward_data") or cost_class is OpClass.NORM:
         cost_class = OpClass.MEMORY
     elif cost_class is OpClass.MASKED and kept and op.phase in (Phase.FORWARD, Phase.BACKWARD):
         name = MASK_LOAD
