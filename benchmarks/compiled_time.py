@@ -194,7 +194,7 @@ def rng_rate_line() -> str:
     if not (rng and mask and eager):
         return "inductor's in-kernel RNG and mask store not timed here: priced at ATen's bernoulli_ rate"
     inside = {k: rates[k] for k in (*compiled_rng.ARITHMETIC_KEYS, compiled_rng.SOFTMAX_KEY,
-                                    compiled_rng.MASK_LOAD_KEY) if k in rates}
+                                    compiled_rng.MASK_LOAD_KEY, compiled_rng.MASK_LOAD_RANDOM_KEY) if k in rates}
     def aten(key: str) -> float | None:  # the rate ATen's kernel of the op is priced at (formula/inkernel.py)
         cls, name = key.split(":")[0].split("/")
         return next((rates[k] for k in rate_keys(cls, name, "fp32") if k != key and k in rates), None)
@@ -226,7 +226,8 @@ def page(trace: bool) -> str:
              "time model prices inductor's kernels' bytes at eager PyTorch's calibrated rates (the bandwidth "
              "curve, a no-grad call's dispatch per kernel), their transcendental ops (tanh, exp, a softmax's passes) "
              "at at::vec's in-kernel rates, each bool a kernel reads back from a mask its graph saved (a causal mask "
-             "under AC none; under full AC the loop makes it from its indices) at its own rate, and dropout's "
+             "under AC none; under full AC the loop makes it from its indices) at its own rate (a dropout mask's, a draw "
+             "per element, at a random mask's), and dropout's "
              "numbers, which inductor draws "
              "inside its kernels (one Philox engine per element in a scalar loop), at that RNG's own rate, and the "
              "bool store of each mask a compiled forward keeps for backward (none under full AC: the backward "
@@ -314,7 +315,38 @@ FINDINGS = (
     "from the compiled table, whose entry for that block and policy the derivation found uncompiled. Selective-op "
     "caches only matmul outputs, so its recompute redraws every dropout: as under full AC, the compiled forward keeps "
     "no mask (the formula priced the masks' stores, and its two selective-op rows with dropout at 128 x 8 came out "
-    "compiled-slower, +27%, before it was counted).")
+    "compiled-slower, +27%, before it was counted).\n\n"
+    "Each kernel timed (GPT tiny with and without dropout, 128 x 8, AC none and full; one process per model, the four "
+    "trainers' updates interleaved for 6 rounds, each generated kernel and extern call of the compiled graphs and "
+    "each eager op timed by the thread's CPU time; load 2.8-3.7; not rerun with this page). The compiled graphs' "
+    "matmuls (`extern_kernels.mm/addmm/bmm` into planned buffers) took the same time per shape as eager's calls of "
+    "that shape, 19 shapes; the trace had counted the `out=` buffer each is written into as read and written, "
+    "40-70% more bytes per call, priced beyond the calibrated shape's: 3 ms of the trace's compiled none and 4.5 ms "
+    "of its compiled full (a written-only keyword argument is now moved once, trace/ops.py). A dropout mask kept "
+    "for backward (AC none) is read back as bool by the backward's kernels (the attention one twice, in the softmax "
+    "gradient's row sum and its pointwise pass): its widening costs about twice a causal mask's per element (a draw "
+    "per element, no runs for the branches: 1.07 against 0.53 ns beyond a copy, paired, flat or in a row sum), "
+    "and the formula did not count those reads; they are priced now at their own timed rate. Inductor's lone "
+    "layer-norm kernel ran at its bytes' time (62 us a call against eager's native_layer_norm at 93 on the same rows), "
+    "where the formula priced a norm inside a compiled kernel at ATen's per-element rate (127): now at its bytes, "
+    "as the trace prices it. What is left, the "
+    "kernels' sums against the trace's prices (with dropout): compiled none, forward C++ kernels 35.7 ms measured "
+    "against 32.5 priced, backward 8.8 against 5.9, matmuls 33.0 against 35.8; compiled full, forward 19.2 against "
+    "19.5, backward 21.2 against 22.4, matmuls 40.3 against 44.5. The full-AC kernels, whose time is inductor's RNG, "
+    "are priced right; AC none's under-priced kernels are the ones carrying masks: the softmax kernels reading the "
+    "causal mask (the forward's max and exp passes 1.42 ms a call against 0.6 priced, the backward's recompute of "
+    "the softmax 0.98 against 0.4): a causal mask read inside a softmax's row loop cost 1.4 times the flat loop "
+    "the calibration times it in (0.74 against 0.53 ns beyond a copy, paired), and 0.9-1.35 ns in the real "
+    "kernels; and the residual dropouts' kernels storing their masks, 20.7 ns per element against 18.9 priced. "
+    "The matmul curve prices these shapes about 9% high in eager and compiled runs alike (a full-AC update carries "
+    "40% more matmul time than AC none's). Outside the kernels (the wrapper, guards, AOTAutograd, eager's "
+    "embedding, loss and optimizer) the update took 13.7-14.4 ms against 10.4-10.5 priced under both policies: "
+    "a compiled graph's own call is not modelled. In these processes compiled full over compiled none came to "
+    "1.02-1.03 with dropout (trace 1.13) and 1.11 without (trace 1.16), and eager full over eager none to 1.32 "
+    "against the 1.40 the trace prices. The four GPT tiny cases at 128 x 8 measured again by this script (load 5, "
+    "not kept): with dropout, AC none 1.310 (1.272-1.346) and full 0.962 (0.924-1.076); without, none 0.962 "
+    "(0.948-1.031) and full 0.837 (0.812-0.864): the full-AC ratios 6-8% above the kept ones, within 1-5% of "
+    "today's formula and trace.")
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ from hosts import stub_calibration
 DROPOUT = RunConfig(model=preset("tiny", layers=1), seq=16, micro_batch=1, compile="blocks")
 # the in-kernel arithmetic and bool-load rates over bernoulli_ (stubbed: timing them compiles six kernels)
 IN_KERNEL = {**{k: 0.25 for k in compiled_rng.ARITHMETIC_KEYS}, compiled_rng.SOFTMAX_KEY: 0.1,
-             compiled_rng.MASK_LOAD_KEY: 0.125}
+             compiled_rng.MASK_LOAD_KEY: 0.125, compiled_rng.MASK_LOAD_RANDOM_KEY: 0.25}
 
 
 @pytest.fixture(autouse=True)
@@ -132,3 +132,15 @@ def test_a_failed_timing_is_remembered_and_not_retried_until_the_next_calibratio
     save(stub_calibration(element_seconds={"random:fp32": 6e-9}))  # a fresh calibration tries again
     compiled_rng.ensure(DROPOUT, threads=1)
     assert len(calls) == 6
+
+
+def test_a_calibration_lacking_the_random_mask_rate_adds_it_and_keeps_the_rates_it_has(_in_kernel_stubbed):
+    """A cache written before the dropout mask's own read rate existed: the next compiled measure times it; the
+    rates already cached (which earlier figures were priced with) stay as they were."""
+    plain = DROPOUT.replace(model=preset("tiny", layers=1, dropout=0.0))
+    older = {k: 3e-9 for k in IN_KERNEL if k != compiled_rng.MASK_LOAD_RANDOM_KEY}
+    save(stub_calibration(element_seconds={"random:fp32": 8e-9, **older}))
+    assert "mask_load_random 2.00 ns" in compiled_rng.ensure(plain, threads=1)  # 0.25 x 8 ns
+    rates = load_cached("cpu", 1).element_seconds
+    assert rates[compiled_rng.MASK_LOAD_RANDOM_KEY] == pytest.approx(2e-9)
+    assert all(rates[k] == 3e-9 for k in older)

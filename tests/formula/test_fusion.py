@@ -178,6 +178,20 @@ def test_a_kept_causal_mask_is_read_back_per_element_and_a_recomputed_one_is_mad
     assert _in_update(full.replace(compile="none"), "masked_fill", Phase.RECOMPUTE) == 2 * scores
 
 
+def test_a_kept_dropout_mask_is_read_back_by_the_backward_at_the_random_rate_by_hand():
+    # tiny GPT, 2 blocks, 4 heads, seq 64, micro-batch 2, dropout 0.1, AC none: each block keeps its attention
+    # dropout's mask (b·a·s² = 32,768 draws) and its two residual dropouts' (b·s·h = 16,384 each); the backward
+    # reads each back as bool, the attention one twice (inductor's softmax-gradient kernel recomputes the dropout's
+    # backward in its row-sum pass and its pointwise pass: tests/trace/test_compiled_trace.py reads its plan);
+    # recomputed whole (AC full), nothing is kept and nothing read
+    kept = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=2, compile="blocks")
+    assert _in_update(kept, "inductor_mask_load_random", Phase.BACKWARD) == 2 * (2 * 32_768 + 2 * 16_384)
+    assert not _in_update(kept, "inductor_mask_load_random", FWD)
+    assert not _in_update(kept.replace(ac="full"), "inductor_mask_load_random", Phase.BACKWARD)
+    assert not _in_update(kept.replace(model=preset("tiny", layers=2, dropout=0.0)), "inductor_mask_load_random",
+                          Phase.BACKWARD)
+
+
 def test_a_full_ac_recomputes_last_chain_is_fused_into_its_gradients_kernel_by_hand():
     # the recompute of each block ends with fc1's gelu (b·s·4h = 2·64·512 = 65,536 outputs), whose output the
     # backward reads for the down-projection's weight gradient; inductor's backward computes it inside the
@@ -208,6 +222,19 @@ def test_a_fused_ops_arithmetic_is_priced_at_inductors_in_kernel_rate_where_time
     timed = OpCosts(**{**costs.__dict__, "element_seconds": {**costs.element_seconds,
                                                              "activation/inductor_tanh:fp32": 1.5e-9}})
     assert price(tanh, timed).seconds == pytest.approx(N * 1.5e-9)
+
+
+def test_a_norm_inside_a_compiled_kernel_costs_its_bytes_not_atens_per_element_rate():
+    # inductor computes a layer norm's mean and variance in its own vectorised loop (one Welford pass), fused with
+    # the chain before it: a GPT block's lone layer norm kernel took its bytes' time, about two thirds of ATen's
+    # native_layer_norm on the same rows in the same process (docs/accuracy/compiled-time.md); priced by its bytes
+    costs = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e10),), strided_bytes_per_s=5e9,
+                    element_seconds={"norm:fp32": 5e-9}, dispatch={"forward": 0.0, "backward": 0.0, "plain": 0.0})
+    alone = fuse([op("mm", 0, flops=10), op("native_layer_norm", 8 * N), op("mm", 0, flops=10)], 4)
+    assert price([o for o in alone if o.name == "native_layer_norm"], costs).seconds == pytest.approx(8 * N / 1e10)
+    chained = fuse([op("add", 12 * N), op("native_layer_norm", 8 * N)], 4)
+    assert price(chained, costs).seconds == pytest.approx((12 + 8 - 2 * 4) * N / 1e10)  # the chain's bytes once
+    assert price([op("native_layer_norm", 8 * N)], costs).seconds == pytest.approx(N * 5e-9)  # eager: ATen's rate
 
 
 def test_a_selective_policy_that_redraws_every_dropout_keeps_no_mask_and_a_branch_policy_keeps_them_all():

@@ -54,6 +54,19 @@ def test_one_linear_layer_by_hand():
     assert sum(o.flops * o.count for o in rec.result() if o.phase is Phase.BACKWARD) == 2 * 48
 
 
+def test_out_variant_moves_its_output_once_by_hand():
+    """Inductor's wrapper calls its extern matmuls into planned buffers (``mm(a, b, out=buf)``): the buffer is
+    written, not read, so the call moves what the functional ``mm`` moves; an in-place op still reads and writes."""
+    a, b, buf = torch.randn(5, 4), torch.randn(4, 3), torch.empty(5, 3)
+    with OpRecorder() as rec:
+        rec.mark("forward")
+        torch.mm(a, b, out=buf)
+        buf.add_(1.0)
+    ops = {o.name: o for o in rec.result()}
+    assert ops["mm"].bytes == (5 * 4 + 4 * 3 + 5 * 3) * 4  # a, b read; buf written once (fp32)
+    assert ops["add_"].bytes == 2 * 5 * 3 * 4  # buf read and written
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(ac="full"), dict(ac="selective"), dict(attention="sdpa", dropout=0.0)])
 def test_recorded_flops_per_phase_match_flop_counter_mode(kw):
     cfg = RunConfig(seq=32, micro_batch=2).replace(**kw)

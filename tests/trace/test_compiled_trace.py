@@ -180,6 +180,20 @@ def test_a_bool_mask_a_kernel_reads_is_widened_per_element_and_one_made_from_ind
     assert _fused(made, scores) == [("inductor_softmax", 80_000)]
 
 
+def test_a_mask_as_large_as_its_loop_is_read_at_the_random_rate_and_a_broadcast_one_at_the_structured():
+    """A dropout's kept mask (one draw per element, read back by the backward's multiply) is as large as the loop
+    that reads it: its bool widening follows no runs (calibrate/compiled_rng.py times it on a drawn mask); a mask
+    broadcast over the loop (a causal one, 100 x 100 over 8 rows of scores) is structure."""
+    x, drawn = torch.randn(8, 100), torch.rand(8, 100) > 0.1
+
+    def dropout_backward(g, m):
+        return g * m * (1 / 0.9)
+
+    assert _fused(dropout_backward, x, drawn) == [("inductor_mask_load_random", 800)]
+    scores, causal = torch.randn(8, 100, 100), torch.ones(100, 100, dtype=torch.bool).triu(1)
+    assert _fused(lambda s, m: s.masked_fill(m, 0.0) * 2.0, scores, causal) == [("inductor_mask_load", 80_000)]
+
+
 def test_the_wrappers_allocations_and_views_are_recorded_without_a_dispatch():
     """Inductor's wrapper allocates its buffers and reinterprets them with C++ helpers (``empty_strided_cpu``,
     ``reinterpret_tensor``), no dispatcher call: the trace records them (fake mode and the tracker need them) as

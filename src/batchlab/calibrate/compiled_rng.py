@@ -21,10 +21,13 @@ The other per-element work a generated kernel does is timed alike, for any compi
 transcendental op (tanh, exp, erf, sigmoid, log; a softmax's passes over a row) is at::vec's vectorised function
 inside the fused loop, not ATen's kernel of that op (whose CPU path can be another library's, at another cost
 per element), and a bool tensor a kernel reads (a mask the forward saved for backward) is widened into a vector
-mask element by element (``VecMask<float,1>::from(bool*)``, a scalar loop).
+mask element by element (``VecMask<float,1>::from(bool*)``, a scalar loop whose branches follow the mask's values:
+a causal mask's runs along each row are predicted, a dropout mask's draws are not, about twice the time per
+element where both were first timed).
 Each is a compiled ``op(x)`` (``where(m, x, 0)``) less a compiled ``x * 2`` that moves the same bytes, timed in
 turns with ``bernoulli_`` and cached under ``activation/inductor_<op>`` (``softmax/inductor_softmax``,
-``masked/inductor_mask_load``); where not timed, ATen's kernel of the op serves (formula/inkernel.py).
+``masked/inductor_mask_load``, a random mask's ``masked/inductor_mask_load_random``); where not timed, ATen's
+kernel of the op serves (formula/inkernel.py).
 """
 from __future__ import annotations
 
@@ -33,13 +36,14 @@ import time
 
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.config import CompileMode, RunConfig
-from batchlab.formula.inkernel import MASK_LOAD, MASK_STORE, RNG, in_kernel
+from batchlab.formula.inkernel import MASK_LOAD, MASK_LOAD_RANDOM, MASK_STORE, RNG, in_kernel
 from batchlab.formula.plausible import IN_KERNEL_RATIO, in_kernel_problems
 
 NAME, MASK = RNG, MASK_STORE  # as the op lists name them (formula/inkernel.py)
 KEY = f"random/{NAME}:fp32"  # its element_seconds entry (formula/opcost.py element_rate_seconds's key)
 MASK_KEY = f"random/{MASK}:fp32"
 MASK_LOAD_KEY = f"masked/{MASK_LOAD}:fp32"
+MASK_LOAD_RANDOM_KEY = f"masked/{MASK_LOAD_RANDOM}:fp32"
 # transcendental ops inductor computes inside its kernels (formula/opcost.py _ACTIVATION's, as ATen names them)
 ARITHMETIC = ("tanh", "exp", "erf", "sigmoid", "log")
 ARITHMETIC_KEYS = {f"activation/{in_kernel(op)}:fp32": op for op in ARITHMETIC}
@@ -72,7 +76,7 @@ def measure_mask(seconds: float = SECONDS) -> float:
 
 
 def measure_in_kernel(seconds: float = SECONDS) -> dict[str, float]:
-    """Per ``ARITHMETIC_KEYS`` / ``SOFTMAX_KEY`` / ``MASK_LOAD_KEY`` key, that work inside a compiled kernel over ATen's
+    """Per ``ARITHMETIC_KEYS`` / ``SOFTMAX_KEY`` / ``MASK_LOAD_KEY`` / ``MASK_LOAD_RANDOM_KEY`` key, that work inside a compiled kernel over ATen's
     ``bernoulli_`` per element: each compiled op's time less a compiled ``x * 2``'s (the same bytes moved, no
     arithmetic to speak of), all timed in one set of turns."""
     import torch
@@ -83,8 +87,11 @@ def measure_in_kernel(seconds: float = SECONDS) -> dict[str, float]:
     # a causal mask's pattern (runs of one value along each row): the widening is a scalar loop per element whose
     # branches a random mask mispredicts, several times slower per element (not priced here)
     mask = torch.ones(128, 128, dtype=torch.bool).triu(1).repeat(ELEMENTS // 128 // 128, 1)
+    # a dropout's mask: one draw per element, kept with dropout's usual probability
+    drawn = torch.rand(ELEMENTS // 128, 128) > 0.1
     fns = {"copy": lambda t: t * 2.0, **{k: getattr(torch, op) for k, op in ARITHMETIC_KEYS.items()},
-           SOFTMAX_KEY: lambda t: torch.softmax(t, -1), MASK_LOAD_KEY: lambda t: torch.where(mask, t, 0.0)}
+           SOFTMAX_KEY: lambda t: torch.softmax(t, -1), MASK_LOAD_KEY: lambda t: torch.where(mask, t, 0.0),
+           MASK_LOAD_RANDOM_KEY: lambda t: torch.where(drawn, t, 0.0)}
     kernels = {}
     for k, fn in fns.items():
         run = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
@@ -124,7 +131,8 @@ def _timed(name: str, fn, seconds: float) -> float:
 
 def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
     """For a compiled model on this CPU whose calibration (at ``threads``) lacks the in-kernel rates it runs at
-    (``KEY`` and ``MASK_KEY`` with dropout; ``ARITHMETIC_KEYS``, ``SOFTMAX_KEY``, ``MASK_LOAD_KEY`` for any):
+    (``KEY`` and ``MASK_KEY`` with dropout; ``ARITHMETIC_KEYS``, ``SOFTMAX_KEY``, ``MASK_LOAD_KEY``,
+    ``MASK_LOAD_RANDOM_KEY`` for any):
     measure them and cache them with the calibration.  Returns the line to show the user (None: nothing to say)."""
     cal = load_cached("cpu", default_threads() if threads is None else threads) if compiled_on_cpu(cfg) else None
     eager = cal.element_seconds.get("random:fp32") if cal is not None else None
@@ -167,7 +175,7 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
 
 def _ensure_in_kernel(cal, eager: float | None) -> list[str]:
     """``measure_in_kernel``'s rates cached with ``cal`` where it lacks any of them; the lines saying so."""
-    keys = (*ARITHMETIC_KEYS, SOFTMAX_KEY, MASK_LOAD_KEY)
+    keys = (*ARITHMETIC_KEYS, SOFTMAX_KEY, MASK_LOAD_KEY, MASK_LOAD_RANDOM_KEY)
     if cal is None or not eager or all(k in cal.element_seconds or k in cal.untimed for k in keys):
         return []
     import torch
@@ -186,6 +194,8 @@ def _ensure_in_kernel(cal, eager: float | None) -> list[str]:
         torch.set_num_threads(before)
     # each kept where plausible against ATen's rate of the same op (formula/plausible.py): a broken timing serves
     # nothing, ATen's rate prices the op instead
+    # the rates cached already stay (other figures were priced with them): the missing ones are added
+    ratios = {k: r for k, r in ratios.items() if k not in cal.element_seconds}
     kept = {k: r * eager for k, r in ratios.items() if math.isfinite(r) and r > 0
             and not in_kernel_problems({**cal.element_seconds, k: r * eager})}
     cal.element_seconds.update(kept)

@@ -9,7 +9,7 @@ by one member, read by the next):
     bytes(kernel) = Σ bytes(op) − 2 · Σ_{inner outputs} elements · width
 
 The members stay in the list, with no launch and no bytes of their own, so a transcendental member's arithmetic
-(gelu, softmax, a norm) is still paid, a random member's at the rate of inductor's in-kernel RNG, which draws each
+(gelu, a softmax) is still paid, a random member's at the rate of inductor's in-kernel RNG, which draws each
 number inside the kernel (calibrate/compiled_rng.py); matmuls and fused attention are unchanged but issued by the
 compiled graph's wrapper (``Launch.COMPILED``), views cost nothing.  A reduction (a norm, softmax, a sum) takes
 the chain before it into its loop and ends it.  The rule reads op kinds only (formula/opcost.py ``OpClass``): it
@@ -19,8 +19,11 @@ only.
 
 A forward that keeps its dropout masks for backward (its block not recomputed) stores each as a bool buffer, which
 inductor's C++ (CPU) kernels write through a vector-mask-to-bool conversion costing about as much per element as the draw
-itself (calibrate/compiled_rng.py times it): ``MASK``, one per drawn element.  A recomputed block's forward keeps
-no mask and its backward draws the numbers again inside the kernels that use them, storing none.
+itself (calibrate/compiled_rng.py times it): ``MASK``, one per drawn element.  Its backward reads each back
+(``MASK_LOAD_RANDOM``: a draw per element, widened with no runs for a branch predictor to follow), twice for a
+dropout on a softmax's output, whose gradient's row sum and pointwise pass both recompute the dropout's backward.
+A recomputed block's forward keeps no mask and its backward draws the numbers again inside the kernels that use
+them, storing and reading none.
 
 A member's arithmetic is priced as inductor's loop computes it (``_member``): at::vec's tanh, exp or a softmax's
 passes at their timed in-kernel rates, not ATen's kernels of those ops (calibrate/compiled_rng.py); a masked fill is a
@@ -33,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from batchlab.config.phase import Launch, Phase
-from batchlab.formula.inkernel import MASK_LOAD, MASK_STORE, RNG, in_kernel
+from batchlab.formula.inkernel import MASK_LOAD, MASK_LOAD_RANDOM, MASK_STORE, RNG, in_kernel
 from batchlab.formula.opcost import OpClass, OpCount
 
 POINTWISE = frozenset({OpClass.MEMORY, OpClass.STRIDED, OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD,
@@ -69,19 +72,28 @@ def _mask_stored(op: OpCount) -> OpCount:
                    False, Launch.FUSED)
 
 
+def _mask_read(op: OpCount, after: OpCount | None) -> OpCount:
+    """The backward's bool reads of the mask a forward's random op kept: once per element, twice where the op
+    follows a softmax (its gradient's two passes over a row each recompute the dropout's backward)."""
+    reads = 2 if after is not None and after.cost_class is OpClass.SOFTMAX else 1
+    return OpCount(MASK_LOAD_RANDOM, Phase.BACKWARD, OpClass.MASKED, 0, 0, op.elements * reads, op.low_precision,
+                   op.count, 0, False, Launch.FUSED)
+
+
 def _member(op: OpCount, chain: list[OpCount], kept: bool) -> OpCount:
     """``op``'s per-element work inside the chain's kernel, launch-free: an activation's or a softmax's arithmetic
     as inductor's loop computes it (``inductor_tanh``, ``inductor_softmax``: at::vec's functions, timed by
-    calibrate/compiled_rng.py; ATen's rate of the op where not timed); a softmax's backward none beyond its bytes
-    (a multiply and a row sum); a masked fill a blend, whose mask is read back as bool per element where the block
-    keeps it for backward (``kept``: its forward and backward; twice under a softmax, whose max and exp passes both
-    recompute the fill) and is made from indices inside the loop where the block is recomputed."""
+    calibrate/compiled_rng.py; ATen's rate of the op where not timed); a softmax's backward and a norm (forward
+    or backward: a mean and a variance per row, inductor's vectorised Welford loop) none beyond their bytes; a
+    masked fill a blend, whose mask is read back as bool per element where the block keeps it for backward
+    (``kept``: its forward and backward; twice under a softmax, whose max and exp passes both recompute the fill)
+    and is made from indices inside the loop where the block is recomputed."""
     name, cost_class, elements = op.name, op.cost_class, op.elements
     if cost_class in (OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD):
         name = in_kernel(name)
     elif cost_class is OpClass.SOFTMAX and name in ("_softmax", "softmax"):
         name = in_kernel("softmax")
-    elif cost_class is OpClass.SOFTMAX and name == "_softmax_backward_data":
+    elif (cost_class is OpClass.SOFTMAX and name == "_softmax_backward_data") or cost_class is OpClass.NORM:
         cost_class = OpClass.MEMORY
     elif cost_class is OpClass.MASKED and kept and op.phase in (Phase.FORWARD, Phase.BACKWARD):
         name = MASK_LOAD
@@ -135,6 +147,7 @@ def fuse(ops: Iterable[OpCount], width: int, keeps_masks: bool = True, into_back
     into its gradient's backward kernel (``_into_backward``)."""
     out: list[OpCount] = []
     chains: dict = {}  # phase -> the open chain
+    last: dict = {}  # phase -> the op before
 
     def close(phase) -> None:
         chain = chains.pop(phase, None)
@@ -145,7 +158,9 @@ def fuse(ops: Iterable[OpCount], width: int, keeps_masks: bool = True, into_back
         if op.cost_class is OpClass.RANDOM:
             op = _drawn_in_kernel(op)
             if keeps_masks and op.phase is Phase.FORWARD:
-                out.append(_mask_stored(op))
+                out.extend((_mask_stored(op), _mask_read(op, last.get(op.phase))))
+        if op.cost_class is not OpClass.VIEW:  # (dropout's empty_like before its draw)
+            last[op.phase] = op
         if op.cost_class is OpClass.VIEW:
             out.append(launched(op, Launch.FUSED))
         elif op.cost_class in POINTWISE or _reduces(op):

@@ -14,8 +14,10 @@ def in_kernel(name: str) -> str:
 # what inductor does in a kernel that no ATen op does, named as themselves in the op lists and the calibration
 RNG = "inductor_random"  # the prim inductor lowers random ops to (torch/_inductor/inductor_prims.py)
 MASK_STORE = "inductor_mask_store"  # a kept dropout mask's bool store inside a compiled kernel
-MASK_LOAD = "inductor_mask_load"  # a kept bool mask read back inside a compiled kernel
-OWN = frozenset({RNG, "inductor_randint", MASK_STORE, MASK_LOAD})
+MASK_LOAD = "inductor_mask_load"  # a kept bool mask read back inside a compiled kernel: structure (runs along a row)
+# one holding a value per element of the loop reading it (a dropout's draw): no runs, each widening branch a guess
+MASK_LOAD_RANDOM = "inductor_mask_load_random"
+OWN = frozenset({RNG, "inductor_randint", MASK_STORE, MASK_LOAD, MASK_LOAD_RANDOM})
 
 
 def aten_name(name: str) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from batchlab.config import Choice
 from batchlab.config.phase import Launch, Phase
-from batchlab.formula.inkernel import MASK_LOAD, MASK_STORE, RNG, aten_name, rate_keys
+from batchlab.formula.inkernel import MASK_LOAD, MASK_LOAD_RANDOM, MASK_STORE, RNG, aten_name, rate_keys
 from batchlab.formula.memo import cache, lookup
 from batchlab.util.units import fmt_count, fmt_seconds
 
@@ -67,7 +67,7 @@ _COPIES = {"clone", "copy_", "_to_copy", "contiguous"}
 _SOFTMAX = {"_softmax", "_softmax_backward_data", "softmax", "_safe_softmax", "nll_loss_forward",
             "nll_loss_backward"}
 _LOSS = {"_log_softmax", "_log_softmax_backward_data", "log_softmax"}
-_MASKED = {"masked_fill", "masked_fill_", "where", MASK_LOAD}
+_MASKED = {"masked_fill", "masked_fill_", "where", MASK_LOAD, MASK_LOAD_RANDOM}
 _NORM = {"native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
          "rms_norm"}
 _RANDOM = {"bernoulli", "bernoulli_", "native_dropout", "uniform_", "normal_", "random_", "randint", "rand",

@@ -155,11 +155,14 @@ def _mask_loads(graph, fallbacks) -> tuple[tuple[str, int, bool], ...]:
     softmax's max and exp passes each recompute a ``where`` that feeds both), one bool widened into a vector mask
     each (formula/fusion.py ``MASK_LOAD``).  A mask the graph computes and does not realise is made from indices
     inside the loop and is not counted; nor is one a graph stores and uses over its own shape (the consumer fuses
-    with the store and takes the value from it): only a broadcast use runs in a loop of its own, reading it back."""
+    with the store and takes the value from it): only a broadcast use runs in a loop of its own, reading it back.
+    A mask as large as the loop reading it holds one value per element (a dropout's draw kept for backward), whose
+    widening no branch predictor follows (``MASK_LOAD_RANDOM``); a smaller one broadcast over the loop is structure
+    (a causal mask: runs along each row, ``MASK_LOAD``)."""
     import torch
     from torch.utils._pytree import tree_leaves
 
-    from batchlab.formula.fusion import MASK_LOAD
+    from batchlab.formula.fusion import MASK_LOAD, MASK_LOAD_RANDOM
 
     outputs = {a for n in graph.nodes if n.op == "output" for a in tree_leaves(n.args)}
     out = []
@@ -172,7 +175,9 @@ def _mask_loads(graph, fallbacks) -> tuple[tuple[str, int, bool], ...]:
             used = user.meta.get("val")
             if _lowered(user, fallbacks) and isinstance(used, torch.Tensor) and used.dtype is not torch.bool \
                     and (node.op == "placeholder" or used.numel() > val.numel()):
-                out.append((MASK_LOAD, int(used.numel()) * max(1, len(user.users)), False))
+                # as many elements as the loop reading it: a value per element (a dropout's draw), no runs
+                own = MASK_LOAD_RANDOM if val.numel() >= used.numel() else MASK_LOAD
+                out.append((own, int(used.numel()) * max(1, len(user.users)), False))
     return tuple(out)
 
 

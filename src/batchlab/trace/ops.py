@@ -96,14 +96,19 @@ class _Overload(NamedTuple):
     packet: object
     cost_class: OpClass  # with a contiguous last input
     strided: OpClass  # with a non-contiguous one (a copy of a view gathers: STRIDED where op_class says so)
+    # keyword-only arguments the op writes without reading (``out=``: the buffer an extern kernel of inductor's
+    # wrapper writes into), moved once, as its output
+    written: frozenset = frozenset()
 
     @classmethod
     def of(cls, func) -> "_Overload":
         name = func.overloadpacket.__name__
         # batchlab::inductor_kernel (a compiled kernel of the trace's, inductor_plan.py) is counted as aten's are
+        written = frozenset(a.name for a in func._schema.arguments
+                            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
         return cls(name, func.namespace in ("aten", "batchlab"), func.is_view, func._schema.is_mutable,
                    func.overloadpacket,
-                   op_class(name, is_view=func.is_view), op_class(name, is_view=func.is_view, strided=True))
+                   op_class(name, is_view=func.is_view), op_class(name, is_view=func.is_view, strided=True), written)
 
 
 _OVERLOADS: dict = {}
@@ -124,7 +129,8 @@ def _key(func, args, kwargs, out, phase: Phase) -> tuple:
     if name == "fused_arithmetic":  # (name, elements, low) of an op inside a compiled kernel: its arithmetic only
         inner, elements, low = args
         return inner, phase, op_class(inner), 0, 0, elements, low, 0
-    outs, ins = tensors_in(out), tensors_in((args, kwargs))
+    read = {k: v for k, v in kwargs.items() if k not in op.written} if op.written else kwargs
+    outs, ins = tensors_in(out), tensors_in((args, read))
     cost_class = op.cost_class
     if cost_class is not op.strided and ins and not ins[-1].is_contiguous():
         cost_class = op.strided
