@@ -90,3 +90,18 @@ def test_the_printed_ds_config_carries_the_typed_sizes():
     assert ds_config(cfg)["zero_optimization"] == {
         "stage": 2, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
         "stage3_param_persistence_threshold": "auto", "overlap_comm": True}
+
+
+def test_only_the_layers_a_plan_recomputes_fetch_their_weights_again_before_their_backward():
+    # every:2 over two layers recomputes layer 0 alone (ACPolicy every:K: layers 0, K, 2K, ...)
+    from dataclasses import replace
+
+    from batchlab.formula.deepspeed_gather import trace
+
+    two = replace(M, layers=2)
+    order = trace(two, 2, (True, False))
+    backward = order[order.index("head", 1):]
+    assert sum(n.startswith("0.") for n in backward) == 2 * sum(n.startswith("1.") for n in backward)
+    assert trace(two, 2, True).count("1.q") == 3 and trace(two, 2, (True, False)).count("1.q") == 2
+    cfg = RunConfig(model=two, seq=8, dp=2, sharding="deepspeed-zero3", ac="every:2")
+    assert [m.spec.recomputes for m in cfg.ac.layer_modes(2)] == [True, False]

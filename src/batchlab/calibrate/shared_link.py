@@ -22,6 +22,7 @@ import time
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.calibrate.dtensor_collective import two_ranks
 from batchlab.calibrate.link import BURST_S
+from batchlab.formula.plausible import link_cpu_problems
 
 SIZES = (2**14, 4 * 2**20)  # bytes all-reduced: the per-message cost, and one with the bytes dominant
 SAMPLES = 25  # timed all-reduces per size and rank
@@ -80,23 +81,37 @@ def measure(samples: int = SAMPLES) -> dict[str, float]:
 
 
 def wanted(cfgs: tuple, cores: int, threads: int) -> bool:
-    """Whether a config among ``cfgs`` runs local CPU ranks whose threads outnumber the ``cores``."""
-    return any(c.device == "cpu" and c.parallel.world_size > 1 and c.parallel.world_size * threads > cores
-               for c in cfgs)
+    """Whether a config among ``cfgs`` runs local CPU ranks whose threads outnumber the ``cores`` (unknown cores:
+    formula/timing.py ``sharing`` stretches nothing, so nothing is wanted)."""
+    return bool(cores) and any(c.device == "cpu" and c.parallel.world_size > 1
+                               and c.parallel.world_size * threads > cores for c in cfgs)
+
+
+KEY = "link_cpu"  # its ``Calibration.untimed`` entry where the measurement failed or gave nonsense
 
 
 def ensure(cfgs: tuple, threads: int | None = None) -> str | None:
     """Where ``cfgs`` run local ranks time-sharing this CPU's cores and its calibration (at ``threads``) lacks the
-    link's CPU share: measure it (a few seconds) and cache it with the calibration.  The line to show, or None."""
+    link's CPU share: measure it (a few seconds) and cache it with the calibration, or, where it cannot be measured
+    or is implausible, remember that until the next calibration.  The line to show, or None."""
     cal = load_cached("cpu", default_threads() if threads is None else threads)
-    if cal is None or cal.link_cpu_seconds or not cal.loopback_bytes_per_s or not wanted(cfgs, cal.cores, cal.threads):
+    if (cal is None or cal.link_cpu_seconds or KEY in cal.untimed or not cal.loopback_bytes_per_s
+            or not wanted(cfgs, cal.cores, cal.threads)):
         return None
     try:
         figures = measure()
     except RuntimeError as e:
-        return f"time model: gloo's link CPU part not measured ({e}); every message stretched by the sharing"
-    cal.link_cpu_seconds = {k: figures[k] for k in ("message", "byte")}
+        bad = f"not measured ({e})"
+    else:
+        cpu = {k: figures[k] for k in ("message", "byte")}
+        bad = "; ".join(link_cpu_problems(cpu, cal.loopback_latency_s, cal.loopback_bytes_per_s))
+    if bad:
+        cal.untimed[KEY] = bad
+        save(cal)
+        return (f"time model: gloo's link CPU part {bad}; every message stretched by the sharing until the next "
+                "`batchlab calibrate`")
+    cal.link_cpu_seconds = cpu
     save(cal)
     return (f"time model: measured once how much of gloo's link is the ranks' own CPU work "
-            f"({figures['message'] * 1e6:.0f} us a message, {figures['byte'] * 1e9:.2f} ns a byte): only that "
+            f"({cpu['message'] * 1e6:.0f} us a message, {cpu['byte'] * 1e9:.2f} ns a byte): only that "
             "stretches where ranks time-share the cores; cached with the calibration")

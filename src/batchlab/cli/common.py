@@ -367,11 +367,12 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     from batchlab.config.devices import CUSTOM_FP32_ASSUMED
     from batchlab.util.units import fmt_count
 
-    spec = cfg.device_spec
+    spec, lay = cfg.device_spec, cfg.parallel
+    out = [f"ignored: {w}" for w in cfg.deepspeed.ignored(lay.engine_spec.stage, lay.dp)]
     if spec.source == CUSTOM_FP32_ASSUMED and cfg.precision is Precision.FP32:
-        return [f"--device {cfg.device}: no fp32_tflops= given; fp32 training assumed at tflops/8 = "
-                f"{fmt_count(spec.peak_flops_fp32, 'FLOP/s')} (add fp32_tflops=N to the device to set it)"]
-    return []
+        out.append(f"--device {cfg.device}: no fp32_tflops= given; fp32 training assumed at tflops/8 = "
+                   f"{fmt_count(spec.peak_flops_fp32, 'FLOP/s')} (add fp32_tflops=N to the device to set it)")
+    return out
 
 
 def console():

@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from batchlab.config.choices import ConfigError
+from batchlab.config.values import finite_number
 
 AUTO = -1  # "auto": filled from the model's hidden size (``resolved``)
+MAX_ELEMENTS = 10**13  # a size beyond every model's parameter count (10 trillion elements): a typo, not a setting
 # the keys Hugging Face's integration fills when set to "auto", as multiples of h^2 (or h)
 _AUTO_FILL = {"reduce_bucket_size": (1.0, 2), "stage3_prefetch_bucket_size": (0.9, 2),
               "stage3_param_persistence_threshold": (10.0, 1)}
@@ -40,9 +42,11 @@ class DeepSpeedSettings:
             if f.name == "overlap_comm":
                 continue
             v = getattr(self, f.name)
-            if not isinstance(v, int) or isinstance(v, bool) or (v < 0 and not (v == AUTO and f.name in _AUTO_FILL)):
-                raise ConfigError("deepspeed", f"{f.name} must be a whole number of elements >= 0"
-                                               f"{' or auto' if f.name in _AUTO_FILL else ''}, got {v!r}")
+            if (not isinstance(v, int) or isinstance(v, bool) or v > MAX_ELEMENTS
+                    or (v < 0 and not (v == AUTO and f.name in _AUTO_FILL))):
+                raise ConfigError("deepspeed", f"{f.name} must be a whole number of elements from 0 to "
+                                               f"{MAX_ELEMENTS:.0e}{' or auto' if f.name in _AUTO_FILL else ''}, "
+                                               f"got {v!r}")
 
     @classmethod
     def parse(cls, value) -> "DeepSpeedSettings":
@@ -74,6 +78,14 @@ class DeepSpeedSettings:
         return {f.name: "auto" if getattr(self, f.name) == AUTO and f.name in _AUTO_FILL else getattr(self, f.name)
                 for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
 
+    def ignored(self, stage: int, dp: int) -> list[str]:
+        """The typed sizes a DeepSpeed ZeRO-``stage`` engine over ``dp`` ranks never reads, with why."""
+        typed = self.typed()
+        if typed and dp < 2:
+            return [f"--deepspeed {self}: one data-parallel rank shards nothing, DeepSpeed's buffers are not priced"]
+        unread = [k for k in typed if stage < 3 and (k.startswith("stage3_") or k == "sub_group_size")]
+        return [f"--deepspeed {', '.join(unread)}: stage 3's settings, unread at ZeRO-{stage}"] if unread else []
+
     def __str__(self) -> str:
         return ",".join(f"{k}={str(v).lower()}" for k, v in self.typed().items()) or "default"
 
@@ -88,9 +100,10 @@ def _elements(key: str, text: str) -> int | bool:
             raise ConfigError("deepspeed", f"{key}=auto: only {', '.join(_AUTO_FILL)} take auto")
         return AUTO
     try:
-        number = float(text)
-    except ValueError:
-        raise ConfigError("deepspeed", f"{key}={text!r}: expected a number of elements (5e8) or auto") from None
-    if number < 0 or number != int(number):
-        raise ConfigError("deepspeed", f"{key}={text!r}: expected a whole number of elements >= 0")
+        number = finite_number(key, text, minimum=0, maximum=MAX_ELEMENTS)
+    except ConfigError:
+        raise ConfigError("deepspeed", f"{key}={text!r}: expected a whole number of elements from 0 to "
+                                       f"{MAX_ELEMENTS:.0e} (5e8) or auto") from None
+    if number != int(number):
+        raise ConfigError("deepspeed", f"{key}={text!r}: expected a whole number of elements")
     return int(number)

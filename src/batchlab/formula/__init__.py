@@ -135,14 +135,19 @@ def layout_notes(cfg: RunConfig) -> tuple[str, ...]:
             notes.append("layout: the profile's per-layer totals split per rank in the built-in breakdown's "
                          "proportion at this shape; everything else from the built-in terms")
     if lay.engine_spec.deepspeed and lay.dp > 1:
+        ds, stage = cfg.deepspeed.resolved(cfg.model.hidden), lay.engine_spec.stage
         notes.append(f"{lay.engine.value}: model states, phases and collectives priced as PyTorch's "
-                     f"ZeRO-{lay.engine_spec.stage} engine, plus DeepSpeed's own buffers at its config defaults "
-                     "(formula/deepspeed.py: reduce bucket 5e8 elements, fp32 gradient partition at the step"
-                     + (", stage 3 up to 1e9 gathered parameters (stage3_max_live_parameters)" if lay.engine_spec.stage == 3
-                        else "")
+                     f"ZeRO-{stage} engine, plus DeepSpeed's own buffers at "
+                     + ("its config defaults" if not cfg.deepspeed.typed() else "the --deepspeed sizes")
+                     + f" (formula/deepspeed.py: reduce bucket {ds.reduce_bucket_size:.3g} elements, fp32 gradient "
+                     "partition at the step"
+                     + (f"; stage 3's gathered parameters replayed over the module trace, prefetch "
+                        f"{ds.stage3_prefetch_bucket_size:.3g}, persistence threshold "
+                        f"{ds.stage3_param_persistence_threshold:.3g}, up to {ds.stage3_max_live_parameters:.3g} "
+                        "live (formula/deepspeed_gather.py)" if stage == 3 else "")
                      + "); stage 1 and 2 keep the whole 16-bit weights, stage 3 16-bit weight and gradient "
-                     "partitions beside the fp32 master and the fp32 gradients of one 1e9-element sub-group at the "
-                     "step; DeepSpeed's engine itself is not measured here")
+                     f"partitions beside the fp32 master and the fp32 gradients of one {ds.sub_group_size:.3g}-element "
+                     "sub-group at the step; DeepSpeed's engine itself is not measured here")
     if lay.engine_spec.megatron:
         notes.append(f"{lay.engine.value}: Megatron-Core's model states (Megatron-LM README: 16-bit weights, an fp32 "
                      "gradient buffer resident throughout, fp32 main params and optimizer state"

@@ -86,7 +86,8 @@ def prefetch_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, dict[str, int
     docstring); none at the step."""
     if not priced(cfg) or cfg.parallel.engine_spec.stage != 3:
         return {}
-    recompute = any(mode.spec.recomputes for mode in cfg.ac.layer_modes(cfg.model.layers))
+    modes = cfg.ac.layer_modes(cfg.model.layers)  # every:K and per-layer plans recompute some layers only
+    recompute = tuple(modes[i].spec.recomputes for i in rank.layers)
     g = gathered(cfg.model, len(rank.layers), recompute, cfg.deepspeed)
     e = _grad_bytes(cfg)
     return {"forward": {"deepspeed live parameters": g.at_loss * e},

@@ -51,20 +51,22 @@ def modules(m: ModelSpec, layers: int) -> tuple[list[tuple[str, int]], list[str]
     return list(sizes.items()), [n for n, _ in mats]
 
 
-def trace(m: ModelSpec, layers: int, recompute: bool) -> list[str]:
-    """The modules in the order ZeRO-3 fetches them over one forward and backward."""
+def trace(m: ModelSpec, layers: int, recompute: bool | tuple[bool, ...]) -> list[str]:
+    """The modules in the order ZeRO-3 fetches them over one forward and backward; ``recompute``: whether each layer
+    (or every layer) runs its forward again before its backward."""
     _, mats = modules(m, layers)
+    again = (recompute,) * layers if isinstance(recompute, bool) else recompute
     head = "embed" if m.tied_embeddings else "head"
     fwd = ["embed"] + [f"{i}.{n}" for i in range(layers) for n in mats] + [head]
     bwd = [head]
     for i in reversed(range(layers)):
-        bwd += [f"{i}.{n}" for n in mats] if recompute else []
+        bwd += [f"{i}.{n}" for n in mats] if again[i] else []
         bwd += [f"{i}.{n}" for n in reversed(mats)]
     return fwd + bwd + ["embed"]
 
 
 @functools.lru_cache(maxsize=256)  # ModelSpec and the settings are frozen; --vary and fit ask again and again
-def gathered(m: ModelSpec, layers: int, recompute: bool, ds: DeepSpeedSettings) -> Gathered:
+def gathered(m: ModelSpec, layers: int, recompute: bool | tuple[bool, ...], ds: DeepSpeedSettings) -> Gathered:
     """Replay the coordinator's fetch, prefetch and release over the trace (the module docstring)."""
     ds = ds.resolved(m.hidden)
     size = dict(modules(m, layers)[0])

@@ -195,6 +195,9 @@ def text(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, collectives: di
     per, source = seconds_per_op(costs, cpu)
     if not per:
         return f"DTensor's host work {source}"
+    if not (ops["forward"] or ops["backward"]):  # FSDP2 alone: its optimizer steps DTensors, its compute does not
+        return (f"DTensor's host work: {ops['plain']} optimizer ops per update on FSDP2's DTensor parameters, at "
+                f"{per['plain'] * 1e6:.0f} us each ({source_of(costs, ('plain',), cpu)})")
     return (f"DTensor's host work: {ops['forward']} forward + {ops['backward']} backward ops per micro-batch, "
             f"{ops['plain']} optimizer ops per update on DTensors, at {per['forward'] * 1e6:.0f} / "
             f"{per['backward'] * 1e6:.0f} / {per['plain'] * 1e6:.0f} us each "

@@ -68,7 +68,28 @@ def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = N
     out += in_kernel_problems(cal.element_seconds)
     for family, ratios in cal.family_dispatch.items():
         out += family_problems(family, ratios)
+    out += link_cpu_problems(cal.link_cpu_seconds, cal.loopback_latency_s, cal.loopback_bytes_per_s)
     return out + dtensor_problems(cal.dtensor_seconds)
+
+
+LINK_CPU_OVER = 1.5  # the link's CPU part (calibrate/shared_link.py) is timed in another run than the link itself
+
+
+def link_cpu_problems(cpu: dict, latency_s: float, bytes_per_s: float) -> list[str]:
+    """gloo's link CPU part per message and per byte (calibrate/shared_link.py): a number from 0 to the link's own
+    figure (its whole per-message cost, its seconds per byte), give or take ``LINK_CPU_OVER`` between two runs."""
+    out = []
+    for k, whole in (("message", latency_s), ("byte", 1 / bytes_per_s if _finite(bytes_per_s) and bytes_per_s
+                                                 else None)):
+        if k not in cpu:
+            continue
+        v = cpu[k]
+        if not (_finite(v) and v >= 0):
+            out.append(f"link CPU part per {k} {v!r} s is not a number from 0")
+        elif _finite(whole) and whole and v > LINK_CPU_OVER * whole:
+            out.append(f"link CPU part per {k} {v:.3g} s is x{v / whole:.3g} the link's own {whole:.3g} s "
+                       f"(plausible: up to x{LINK_CPU_OVER:g})")
+    return out
 
 
 def in_kernel_problems(element_seconds: dict) -> list[str]:
@@ -92,10 +113,21 @@ def in_kernel_problems(element_seconds: dict) -> list[str]:
     return out
 
 
+# FSDP2's host work per collective (calibrate/fsdp_host.py: its hooks' copy-in, copy-out and bookkeeping, tens of
+# ops a collective): at least 100 ops of DISPATCH's floor, at most a tenth of a second
+FSDP_HOST = (1e-5, 0.1)
+
+
 def dtensor_problems(seconds: dict) -> list[str]:
-    """DTensor's host cost per op (calibrate/dtensor.py): a positive per-op time in dispatch's range, per kind."""
-    return [f"DTensor {k} {s!r} s per op outside {DISPATCH[0]:g}..{DISPATCH[1]:g} s" for k, s in seconds.items()
-            if not (_finite(s) and DISPATCH[0] <= s <= DISPATCH[1])]
+    """DTensor's host cost per op (calibrate/dtensor.py): a positive per-op time in dispatch's range, per kind;
+    FSDP2's per collective ("fsdp-*" keys) in ``FSDP_HOST``."""
+    out = []
+    for k, s in seconds.items():
+        low, high = FSDP_HOST if k.startswith("fsdp") else DISPATCH
+        if not (_finite(s) and low <= s <= high):
+            out.append(f"DTensor {k} {s!r} s per {'collective' if k.startswith('fsdp') else 'op'} outside "
+                       f"{low:g}..{high:g} s")
+    return out
 
 
 def family_problems(family: str, ratios: dict) -> list[str]:

@@ -227,8 +227,9 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     rest = t.seconds - compute
     dispatch_compute = sum(costs.dispatch_seconds(o.phase, o.sac_dispatched, o.launch) * o.count for o in ops
                            if o.phase.value in ("forward", "backward", "recompute"))
-    local, link = local_link(cfg, costs), dp_link(cfg, costs, sharing(cfg, costs))  # TP's and PP's link too
-    bw = link.bytes_per_s if local and link else bus_bandwidth(cfg).value
+    link = dp_link(cfg, costs, sharing(cfg, costs))  # TP's and PP's link too; None off a CPU host's local link
+    local = link is not None
+    bw = link.bytes_per_s if local else bus_bandwidth(cfg).value
     # what the stage's engine sends per update: DDP's all-reduce (+ ZeRO-1's broadcasts), FSDP2's all-gathers
     # and reduce-scatters of every micro-batch (formula.sharding); the engine's overlap hides part of it
     sent = traffic(cfg).per_update
@@ -286,6 +287,8 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     model = describe(costs, t) + machine_text(cfg, costs)
     if pipe is not None:
         model += "; " + layout_time_text(cfg, pipe, costs)
+    elif host:
+        model += "; " + dtensor.text(cfg, shares(cfg)[0], costs)
     model += dtensor.fsdp_text(cfg, gathers, fsdp_host, costs)
     compute += fsdp_host  # host work inside forward and backward, shown with them
     return TimeEstimate(compute_seconds_per_micro_batch=compute / cfg.accum, compute_seconds=compute,
@@ -307,11 +310,6 @@ def ddp_buckets(grad_bytes: int) -> int:
     the harness also all-reduces the update's token count once (``Trainer._global_useful``)."""
     rest = max(0, grad_bytes - DDP_FIRST_BUCKET_BYTES)
     return (1 if grad_bytes else 0) + -(-rest // DDP_BUCKET_BYTES)
-
-
-def local_link(cfg: RunConfig, costs: OpCosts) -> bool:
-    """CPU ranks all on this host, with the link between them calibrated (gloo's all-reduce, calibrate/link.py)."""
-    return local_ranks(cfg) > 1 and costs.link_bytes_per_s is not None and cfg.device_spec.backend is Backend.CPU
 
 
 def local_ranks(cfg: RunConfig) -> int:
@@ -395,6 +393,6 @@ def machine_text(cfg: RunConfig, costs: OpCosts) -> str:
     spread = skew(cfg, costs)
     if spread:
         out += f"; the slowest rank computes {spread:.1%} longer than the ranks' mean (calibrated)"
-    if (link := dp_link(cfg, costs, sharing(cfg, costs))) is not None and local_link(cfg, costs):
+    if (link := dp_link(cfg, costs, sharing(cfg, costs))) is not None:
         out += f"; all-reduce: {link_text(link.bytes_per_s)} + {link.latency_s * 1e6:.0f} us a message ({link.source})"
     return out + (inkernel.text(costs.element_seconds) if cfg.compile is not CompileMode.NONE else "")
