@@ -89,14 +89,13 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
         if cfg.loss.mode is LossMode.FULL and e < 4 and peak_phase == "backward" and holds_loss:
             parts["freed 16-bit logits (too small for the fp32 loss gradients)"] = (
                 cfg.seq * cfg.micro_batch * cfg.model.vocab // (rank.vocab_split if rank is not None else 1) * e)
-        if cfg.parallel.shards_parameters:
+        if cfg.parallel.shards_parameters or cfg.parallel.fsdp:
             reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
             per_layer = rank.per_layer if rank is not None else count(cfg.model).per_layer
-            parts["FSDP all-gather / reduce-scatter stream pools"] = per_layer * (e + reduce_bytes)
-        elif cfg.parallel.fsdp:  # gathered blocks stay live (reshard_after_forward=False); the reductions still run
-            reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
-            per_layer = rank.per_layer if rank is not None else count(cfg.model).per_layer
-            parts["FSDP reduce-scatter stream pool"] = per_layer * reduce_bytes
+            if cfg.parallel.shards_parameters:
+                parts["FSDP all-gather / reduce-scatter stream pools"] = per_layer * (e + reduce_bytes)
+            else:  # gathered blocks stay live (reshard_after_forward=False); the reductions still run
+                parts["FSDP reduce-scatter stream pool"] = per_layer * reduce_bytes
         spec = cfg.parallel.engine_spec
         # FSDP2 at either stage reduce-scatters through foreach_reduce on its own stream; DeepSpeed ZeRO-2 at its
         # default overlap_comm=false reduces on the compute stream (stage_1_and_2.py average_tensor), and ZeRO-3
