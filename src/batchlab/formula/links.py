@@ -19,9 +19,18 @@ class Link:
     bytes_per_s: float
     latency_s: float
     source: str
+    # gloo has no reduce-scatter of its own: ProcessGroupGloo::reduce_scatter_tensor_coalesced clones the input,
+    # all-reduces the whole clone and copies this rank's chunk out (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp)
+    reduce_scatter_all_reduces: bool = False
+
+    def runs_as(self, kind: str) -> str:
+        """The collective the link's backend runs for ``kind``."""
+        return "all_reduce" if kind == "reduce_scatter" and self.reduce_scatter_all_reduces else kind
 
     def collective_seconds(self, kind: str, nbytes: float, n: int) -> float:
-        """One ring collective over ``n`` ranks: its share of the buffer over the link, one latency per message."""
+        """One ring collective over ``n`` ranks (as the backend runs it, ``runs_as``): its share of the buffer over
+        the link, one latency per message."""
+        kind = self.runs_as(kind)
         return collective_seconds(kind, nbytes, n, self.bytes_per_s) + ring_messages(kind, n) * self.latency_s
 
     def send_seconds(self, nbytes: float) -> float:
@@ -40,7 +49,8 @@ class Link:
         how = (f"its CPU part ({message * 1e6:.0f} us a message, {byte * 1e9:.2f} ns a byte, calibrated)"
                if cpu else "all of it")
         return Link(1 / (1 / self.bytes_per_s + byte * (factor - 1)), self.latency_s + message * (factor - 1),
-                    f"{self.source}; {how} x{factor:g} with the local ranks time-sharing the cores")
+                    f"{self.source}; {how} x{factor:g} with the local ranks time-sharing the cores",
+                    self.reduce_scatter_all_reduces)
 
     def text(self) -> str:
         return f"{self.bytes_per_s / 1e9:g} GB/s + {self.latency_s * 1e6:.0f} us per message ({self.source})"
@@ -52,7 +62,8 @@ def local_link(cfg: RunConfig, costs: OpCosts | None) -> Link | None:
             or cfg.parallel.world_size < 2):
         return None
     return Link(costs.link_bytes_per_s, costs.link_latency_s,
-                "gloo's all-reduce between local processes right after compute, calibrated")
+                "gloo's all-reduce between local processes right after compute, calibrated; a reduce-scatter runs "
+                "as an all-reduce of its whole input", reduce_scatter_all_reduces=True)
 
 
 def tp_link(cfg: RunConfig, costs: OpCosts | None = None) -> Link:

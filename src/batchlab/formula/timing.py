@@ -27,7 +27,7 @@ from batchlab.formula.oplist import update_ops
 from batchlab.formula.pipeline import gradient_reductions, pipeline_time, replicated_ops, text as layout_time_text
 from batchlab.formula.ranks import shares
 from batchlab.formula.states import heaviest
-from batchlab.formula.sharding import collective_seconds, fsdp_collectives, traffic
+from batchlab.formula.sharding import collective_seconds, fsdp_collectives, ring_messages, traffic
 from batchlab.util.units import fmt_count
 
 # Nominal per-op costs where nothing was calibrated (seconds).  CPU: eager PyTorch's Python + dispatcher
@@ -258,11 +258,12 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     gathers = sum(units.values())
     fsdp_host = dtensor.fsdp_host_seconds(cfg, gathers, costs, speed)  # its hooks and copies, in every micro-batch
     grad_bytes = sent["all_reduce"] + sent["reduce_scatter"]
-    comm = sum(collective_seconds(kind, nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
+    ran = link.runs_as if local else (lambda kind: kind)  # gloo runs a reduce-scatter as an all-reduce
+    comm = sum(collective_seconds(ran(kind), nbytes, cfg.dp, bw) for kind, nbytes in sent.items())
     if local:  # a ring step is one message per rank: 2(n-1) per all-reduce, n-1 per all-gather / reduce-scatter
         reductions = gradient_reductions(cfg, shares(cfg)[pipe.slowest]) if pipe is not None else 0
-        comm += link.latency_s * (cfg.dp - 1) * (sum(units.values()) if units else
-                                                 2 * (reductions or ddp_buckets(grad_bytes)))
+        comm += link.latency_s * (sum(calls * ring_messages(ran(kind), cfg.dp) for kind, calls in units.items())
+                                  if units else 2 * (cfg.dp - 1) * (reductions or ddp_buckets(grad_bytes)))
         comm += link.latency_s * 2 * (cfg.dp - 1)  # the token count's all-reduce
     after_step = collective_seconds("broadcast", sent["broadcast"], cfg.dp, bw)
     hidden = exposed_comm_seconds(cfg, comm, compute, compute / cfg.accum, after_step)
