@@ -59,6 +59,38 @@ def test_a_storage_made_where_a_freed_one_was_is_told_apart():
     w.freed(1)  # the rise ends: its high point holds the first storage at id 1
     w.added(1, 40, "gradients")
     w.op_done(None, ())
-    w.end()
+    w.finish()
     assert w.tops == [[(1, 100)], [(2, 40)]]
     assert w.serial[1] == 2
+
+
+def test_several_backward_graphs_are_one_sequence_with_the_later_graphs_saved_tensors_held(monkeypatch):
+    """A model that compiles into two graphs (the model's, then the loss's) runs the loss graph's backward first,
+    while the model graph's saved tensors wait for their own: counted by hand, the sequence's high points are the
+    loss backward's (its saved logits, their gradient, and the model's saved tensors beside them) and then the
+    model backward's, never reset between the two calls; a generator state no forward made is added as its graph
+    is called, a parameter never."""
+    import torch
+
+    from batchlab.trace.compiled_model_working import _Stretches
+
+    class Tracker:  # what the forwards left alive: id -> (bytes, category)
+        _live = {10: (1000, "parameters"), 1: (300, "activations"), 2: (500, "activations"), 3: (8, "activations")}
+
+    monkeypatch.setattr(torch._C, "_current_graph_task_id", lambda: 1)  # inside a backward
+    w = _Stretches(skip=set())
+    w.tracker = Tracker()
+    w.start([])  # the loss graph's backward: model graph's saved (1: 300) and the loss's (2: 500) and the loss (3)
+    w.added(4, 500, "temporaries")  # the logits' gradient
+    w.op_done(None, ())
+    w.freed(2)  # the loss graph frees its logits: high point 300 + 500 + 8 + 500
+    w.end()
+    state = torch.empty(7, dtype=torch.uint8)  # the model graph's generator state: no forward made it
+    w.start([state])
+    w.added(5, 300, "gradients")  # a weight gradient, the logits' gradient still held
+    w.op_done(None, ())
+    w.freed(4)
+    w.end()
+    w.finish()
+    assert [sum(n for _, n in top) for top in w.tops] == [1308, 1115]
+    assert w.calls == 2
