@@ -38,6 +38,19 @@ def test_a_whole_model_graph_under_full_recompute_lands_on_inductors_plan_of_unl
         assert estimate(cfg).memory.peak_tensor_bytes == pytest.approx(traced[row]["trace"], rel=0.05), row
 
 
+def test_transformers_gpt2_read_as_its_two_graphs_lands_on_inductors_plan_of_unlisted_models():
+    """transformers' GPT-2 compiles into the model's graph and the loss's: read as that sequence of backward graphs,
+    against inductor's plan of models no derivation used (benchmarks/compiled_model_traced.json, rows that are not
+    hold-outs): full recompute and selective-op, three layers, other widths and vocabularies."""
+    traced = json.loads((BENCH / "compiled_model_traced.json").read_text())
+    rows = {"hf:gpt2, 3 layers, h 96 | full": (dict(layers=3, hidden=96, heads=3, vocab=640), 96, 3),
+            "hf:gpt2, 3 layers, h 64 | selective-op": (dict(layers=3, hidden=64, heads=2, vocab=768), 112, 2)}
+    for row, (over, seq, mb) in rows.items():
+        cfg = _derived(RunConfig(model=preset("gpt2", max_positions=256, **over), model_source="hf:gpt2", seq=seq,
+                                 micro_batch=mb, compile="model", ac=row.split(" | ")[1]))
+        assert estimate(cfg).memory.peak_tensor_bytes == pytest.approx(traced[row]["trace"], rel=0.05), row
+
+
 def test_each_layer_reads_the_stretch_of_its_place_from_the_bottom():
     from batchlab.formula.compiled import stretch
 
