@@ -59,6 +59,22 @@ def test_each_layer_reads_the_stretch_of_its_place_from_the_bottom():
     assert [stretch(i, 6) for i in range(6)] == ["0", "1", "2", "3+", "3+", "3+"]
 
 
+def test_a_shallow_model_reads_its_own_layer_counts_stretches_where_an_entry_has_them(monkeypatch):
+    """A three-layer model whose entry holds stretches derived with three layers reads those ("3:0" .. "3:2"), one
+    without them the stretches of its place from the bottom: counted by hand from a table of constants."""
+    from batchlab.formula import compiled
+
+    one = lambda n: (((0, 0, 0, 0, 0, 0, 0), n, 1),)  # noqa: E731 - a high point of n bytes at every shape
+    merged = {"0": (one(10),), "1": (one(20),), "2": (one(30),), "3+": (one(40),), "2:0": (one(1),), "2:1": (one(2),)}
+    own = dict(merged, **{"3:0": (one(11),), "3:1": (one(21),), "3:2": (one(31),), "4:0": (one(0),),
+                          "4:1": (one(0),), "4:2": (one(0),), "4:3": (one(0),)})
+    cfg = RunConfig(model=preset("tiny", layers=3), seq=64, micro_batch=2, compile="model", ac="full")
+    monkeypatch.setattr(compiled, "layer_bytes", lambda cfg, policy: 0)
+    for orders, want in (({"baseline": merged}, (10, 20, 30)), ({"baseline": own, "bound": ("baseline",)}, (11, 21, 31))):
+        monkeypatch.setattr(compiled, "whole_model_highs", lambda cfg, orders=orders: orders)
+        assert compiled._whole_model_working(cfg) == want
+
+
 def test_a_storage_made_where_a_freed_one_was_is_told_apart():
     """The derivation names each storage by a serial of its own: a freed storage's id can be the next one's, and a
     high point that held the first must not count it as the second (a layer's weight gradient, say)."""

@@ -189,8 +189,19 @@ def stretch(layer: int, layers: int) -> str:
     apart: what their recompute starts early, what their forward saves) and every layer above alike (derived with
     five and three layers); a two-layer model's two stretches are their own (derived with two)."""
     if layers == 2:
-        return f"2:{layer}"
+        return own_stretch(layer, layers)
     return str(layer) if layer < 3 else "3+"
+
+
+# models whose every layer's stretch is derived with that many layers where an entry has them (``own_stretch``)
+OWN_LAYERS = (2, 3, 4)
+
+
+def own_stretch(layer: int, layers: int) -> str:
+    """A layer's stretch in a model of ``layers`` derived with that many layers: a shallow model's layers are each
+    near its top and its bottom at once (the head's tensors, the embedding's, the next layer's recompute), which a
+    deeper model's stretch of the same place from the bottom does not hold alike."""
+    return f"{layers}:{layer}"
 
 
 def _whole_model_working(cfg: RunConfig) -> tuple[int, ...] | None:
@@ -214,7 +225,8 @@ def _whole_model_working(cfg: RunConfig) -> tuple[int, ...] | None:
 
     def working(stretches) -> tuple[int, ...]:
         each = {name: max(round(_evaluate(h, values, symbols)) for h in hs) for name, hs in stretches.items()}
-        return tuple(each[stretch(i, m.layers)] for i in range(m.layers))
+        own = all(own_stretch(i, m.layers) in each for i in range(m.layers))
+        return tuple(each[own_stretch(i, m.layers) if own else stretch(i, m.layers)] for i in range(m.layers))
 
     def peak(ws: tuple[int, ...]) -> int:
         return max(w + i * kept + (m.layers - 1 - i) * grad for i, w in enumerate(ws))

@@ -17,7 +17,8 @@ layers below (the block table's terms but a block graph's generator state: the w
 and the embedding's mask are what the walk adds itself, so they are taken out; the rest (this layer's kept tensors
 and its working set, the next layer's recompute, the head's tensors and its gradient, the graph-level masks)
 factors into monomials, per storage.  Derived with five, three and two layers (the lowest three layers' stretches
-each their own, the rest alike; a two-layer graph's its own); checked with another number of KV heads (where
+each their own, the rest alike), and with two, three and four: a model of so few layers has every layer's stretch of
+its own (formula/compiled.py ``own_stretch``); checked with another number of KV heads (where
 inductor's schedule moves with it, both schedules' high points are kept: a bound).  Inductor
 reorders each graph for peak memory, choosing among a few topological orders by their peak at the real sizes, so
 each order is derived and the formula chooses as inductor would at its shape.
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from batchlab.formula.compiled import stretch
+from batchlab.formula.compiled import OWN_LAYERS, own_stretch, stretch
 from batchlab.trace import compiled_terms as ct
 from batchlab.trace import compiled_working as cw
 
@@ -234,12 +235,15 @@ def checked(family: str, gqa: bool, dropout: bool, attention: str, policy: str, 
     at_k = ct.primes_of(gqa, ct.CHECK_K)
     regions: dict[str, list[dict]] = {}
     found = {}
-    for layers in (LAYERS, 3, 2):
+    for layers in (LAYERS, *reversed(OWN_LAYERS)):
         # a layer whose stretch rises to no high point of its own (its gradients made while the one above still
         # holds more) adds none
         found[layers] = derive(family, gqa, dropout, attention, policy, precision, tied, layers, order=order)
         for layer, highs in found[layers].items():
-            regions.setdefault(stretch(layer, layers), []).extend(highs)
+            if layers in (LAYERS, 3, 2):
+                regions.setdefault(stretch(layer, layers), []).extend(highs)
+            if layers in OWN_LAYERS:
+                regions.setdefault(own_stretch(layer, layers), []).extend(highs)
     other = derive(family, gqa, dropout, attention, policy, precision, tied, LAYERS, k=ct.CHECK_K, order=order)
     if sorted(other) != sorted(found[LAYERS]):
         print(f"  {order}: high points in other layers with k {ct.CHECK_K}: {sorted(other)} {sorted(found[LAYERS])}",
@@ -250,7 +254,8 @@ def checked(family: str, gqa: bool, dropout: bool, attention: str, policy: str, 
         print(f"  {order}: not the same with k {ct.CHECK_K}: both kept (a bound)", file=sys.stderr, flush=True)
         for layer, highs in other.items():
             regions[stretch(layer, LAYERS)].extend(highs)
-    if {stretch(i, n) for n in (LAYERS, 3, 2) for i in range(n)} - regions.keys():
+    if {stretch(i, n) for n in (LAYERS, 3, 2) for i in range(n)} - regions.keys() \
+            or {own_stretch(i, n) for n in OWN_LAYERS for i in range(n)} - regions.keys():
         print(f"  {order}: a stretch with no high point", file=sys.stderr, flush=True)
         return None
     return {name: cw.pruned(highs) for name, highs in regions.items()}, bound
