@@ -38,12 +38,41 @@ def test_a_whole_model_graph_under_full_recompute_lands_on_inductors_plan_of_unl
         assert estimate(cfg).memory.peak_tensor_bytes == pytest.approx(traced[row]["trace"], rel=0.05), row
 
 
+def test_transformers_gpt2_read_as_its_two_graphs_lands_on_inductors_plan_of_unlisted_models():
+    """transformers' GPT-2 compiles into the model's graph and the loss's: read as that sequence of backward graphs,
+    against inductor's plan of models no derivation used (benchmarks/compiled_model_traced.json, rows that are not
+    hold-outs): full recompute and selective-op, three layers, other widths and vocabularies."""
+    traced = json.loads((BENCH / "compiled_model_traced.json").read_text())
+    rows = {"hf:gpt2, 3 layers, h 96 | full": (dict(layers=3, hidden=96, heads=3, vocab=640), 96, 3),
+            "hf:gpt2, 3 layers, h 64 | selective-op": (dict(layers=3, hidden=64, heads=2, vocab=768), 112, 2)}
+    for row, (over, seq, mb) in rows.items():
+        cfg = _derived(RunConfig(model=preset("gpt2", max_positions=256, **over), model_source="hf:gpt2", seq=seq,
+                                 micro_batch=mb, compile="model", ac=row.split(" | ")[1]))
+        assert estimate(cfg).memory.peak_tensor_bytes == pytest.approx(traced[row]["trace"], rel=0.05), row
+
+
 def test_each_layer_reads_the_stretch_of_its_place_from_the_bottom():
     from batchlab.formula.compiled import stretch
 
     assert [stretch(i, 2) for i in range(2)] == ["2:0", "2:1"]  # a two-layer graph's own
     assert [stretch(i, 3) for i in range(3)] == ["0", "1", "2"]
     assert [stretch(i, 6) for i in range(6)] == ["0", "1", "2", "3+", "3+", "3+"]
+
+
+def test_a_shallow_model_reads_its_own_layer_counts_stretches_where_an_entry_has_them(monkeypatch):
+    """A three-layer model whose entry holds stretches derived with three layers reads those ("3:0" .. "3:2"), one
+    without them the stretches of its place from the bottom: counted by hand from a table of constants."""
+    from batchlab.formula import compiled
+
+    one = lambda n: (((0, 0, 0, 0, 0, 0, 0), n, 1),)  # noqa: E731 - a high point of n bytes at every shape
+    merged = {"0": (one(10),), "1": (one(20),), "2": (one(30),), "3+": (one(40),), "2:0": (one(1),), "2:1": (one(2),)}
+    own = dict(merged, **{"3:0": (one(11),), "3:1": (one(21),), "3:2": (one(31),), "4:0": (one(0),),
+                          "4:1": (one(0),), "4:2": (one(0),), "4:3": (one(0),)})
+    cfg = RunConfig(model=preset("tiny", layers=3), seq=64, micro_batch=2, compile="model", ac="full")
+    monkeypatch.setattr(compiled, "layer_bytes", lambda cfg, policy: 0)
+    for orders, want in (({"baseline": merged}, (10, 20, 30)), ({"baseline": own, "bound": ("baseline",)}, (11, 21, 31))):
+        monkeypatch.setattr(compiled, "whole_model_highs", lambda cfg, orders=orders: orders)
+        assert compiled._whole_model_working(cfg) == want
 
 
 def test_a_storage_made_where_a_freed_one_was_is_told_apart():
@@ -59,6 +88,38 @@ def test_a_storage_made_where_a_freed_one_was_is_told_apart():
     w.freed(1)  # the rise ends: its high point holds the first storage at id 1
     w.added(1, 40, "gradients")
     w.op_done(None, ())
-    w.end()
+    w.finish()
     assert w.tops == [[(1, 100)], [(2, 40)]]
     assert w.serial[1] == 2
+
+
+def test_several_backward_graphs_are_one_sequence_with_the_later_graphs_saved_tensors_held(monkeypatch):
+    """A model that compiles into two graphs (the model's, then the loss's) runs the loss graph's backward first,
+    while the model graph's saved tensors wait for their own: counted by hand, the sequence's high points are the
+    loss backward's (its saved logits, their gradient, and the model's saved tensors beside them) and then the
+    model backward's, never reset between the two calls; a generator state no forward made is added as its graph
+    is called, a parameter never."""
+    import torch
+
+    from batchlab.trace.compiled_model_working import _Stretches
+
+    class Tracker:  # what the forwards left alive: id -> (bytes, category)
+        _live = {10: (1000, "parameters"), 1: (300, "activations"), 2: (500, "activations"), 3: (8, "activations")}
+
+    monkeypatch.setattr(torch._C, "_current_graph_task_id", lambda: 1)  # inside a backward
+    w = _Stretches(skip=set())
+    w.tracker = Tracker()
+    w.start([])  # the loss graph's backward: model graph's saved (1: 300) and the loss's (2: 500) and the loss (3)
+    w.added(4, 500, "temporaries")  # the logits' gradient
+    w.op_done(None, ())
+    w.freed(2)  # the loss graph frees its logits: high point 300 + 500 + 8 + 500
+    w.end()
+    state = torch.empty(7, dtype=torch.uint8)  # the model graph's generator state: no forward made it
+    w.start([state])
+    w.added(5, 300, "gradients")  # a weight gradient, the logits' gradient still held
+    w.op_done(None, ())
+    w.freed(4)
+    w.end()
+    w.finish()
+    assert [sum(n for _, n in top) for top in w.tops] == [1308, 1115]
+    assert w.calls == 2

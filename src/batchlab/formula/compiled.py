@@ -169,7 +169,9 @@ def whole_model_highs(cfg: RunConfig) -> dict | None:
     policy mix or budget:F (derived with one policy in every layer), one layer (its stretch is the graph's whole
     backward, the embedding's and the head's together), a GPU (inductor's CPU plan), or no entry derived.  Each
     holds what that layer's stretch holds beyond the walk's own parts: its working set, the next layer's recompute
-    inductor starts in it, the head's tensors and gradient, the graph-level masks."""
+    inductor starts in it, the head's tensors and gradient, the graph-level masks; in a model that compiles into
+    several graphs (the model's, then the loss's) the whole sequence of their backward graphs.  Under ``"bound"``,
+    the orders whose stretches keep two schedules' high points (inductor's moved with the width)."""
     names = _policies(cfg)
     if cfg.compile is not CompileMode.MODEL or names is None or len(set(names)) != 1 or cfg.ac.budget is not None \
             or cfg.model.layers < 2 or cfg.device_spec.backend is not Backend.CPU:
@@ -187,8 +189,19 @@ def stretch(layer: int, layers: int) -> str:
     apart: what their recompute starts early, what their forward saves) and every layer above alike (derived with
     five and three layers); a two-layer model's two stretches are their own (derived with two)."""
     if layers == 2:
-        return f"2:{layer}"
+        return own_stretch(layer, layers)
     return str(layer) if layer < 3 else "3+"
+
+
+# models whose every layer's stretch is derived with that many layers where an entry has them (``own_stretch``)
+OWN_LAYERS = (2, 3, 4)
+
+
+def own_stretch(layer: int, layers: int) -> str:
+    """A layer's stretch in a model of ``layers`` derived with that many layers: a shallow model's layers are each
+    near its top and its bottom at once (the head's tensors, the embedding's, the next layer's recompute), which a
+    deeper model's stretch of the same place from the bottom does not hold alike."""
+    return f"{layers}:{layer}"
 
 
 def _whole_model_working(cfg: RunConfig) -> tuple[int, ...] | None:
@@ -212,7 +225,8 @@ def _whole_model_working(cfg: RunConfig) -> tuple[int, ...] | None:
 
     def working(stretches) -> tuple[int, ...]:
         each = {name: max(round(_evaluate(h, values, symbols)) for h in hs) for name, hs in stretches.items()}
-        return tuple(each[stretch(i, m.layers)] for i in range(m.layers))
+        own = all(own_stretch(i, m.layers) in each for i in range(m.layers))
+        return tuple(each[own_stretch(i, m.layers) if own else stretch(i, m.layers)] for i in range(m.layers))
 
     def peak(ws: tuple[int, ...]) -> int:
         return max(w + i * kept + (m.layers - 1 - i) * grad for i, w in enumerate(ws))
@@ -278,7 +292,10 @@ def source(cfg: RunConfig) -> str:
             f"min-cut partition of one {(ran or impl).value} block (inductor's settings, torch {_table().TORCH}, CPU "
             f"kernels), as monomials in b, s, heads, head dim, ffn (trace/compiled_terms.py)"
             + ("; each layer's stretch of the whole-model backward at its high points from inductor's plan of a whole "
-               "model (trace/compiled_model_working.py)" if whole_model_highs(cfg) is not None else
+               "model (trace/compiled_model_working.py)" + ("; inductor's schedule moved with the derivation's width, "
+                                                           "so it is the larger schedule's, a bound"
+                                                           if "bound" in whole_model_highs(cfg) else "")
+               if whole_model_highs(cfg) is not None else
                "; each block's backward at its high point from inductor's plan of it (trace/compiled_working.py)"
                if working_per_layer(cfg) is not None else "")
             + (f"; derived with CPU kernels and CPU autocast, not {cfg.device_spec.backend.value}'s: what its compiled "
