@@ -20,6 +20,7 @@ from batchlab.host import free_port
 SIZES = (2**14, 2**20, 4 * 2**20)  # bytes all-reduced: a message's fixed cost, up to about a small model's bucket
 WARMUP = 3  # all-reduces per size before timing (the ring's connections are made on first use)
 MAX_SAMPLES = 200
+MIN_SAMPLES = 25  # per size: a median of fewer wanders by half between calibrations of a quiet VM (wake-ups, steal)
 TIMEOUT_S = 30
 BURST_S = 0.015  # seconds of matmuls each rank runs before each timed all-reduce (a step's compute)
 
@@ -49,7 +50,7 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results,
             for _ in range(WARMUP):
                 dist.all_reduce(x)
             each = (time.perf_counter() - t) / WARMUP + burst_s
-            count = torch.tensor([min(MAX_SAMPLES, max(5, int(seconds / len(sizes) / max(2 * each, 1e-6))))])
+            count = torch.tensor([min(MAX_SAMPLES, max(MIN_SAMPLES, int(seconds / len(sizes) / max(2 * each, 1e-6))))])
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
             samples: list[float] = []
             for _ in range(int(count)):
@@ -100,14 +101,21 @@ def allreduce_timed(sizes: tuple[int, ...], seconds: float) -> dict:
                 p.kill()
 
 
-def allreduce_times(seconds: float) -> dict:
-    """``allreduce_timed`` at ``SIZES``; {} with a warning where they cannot be timed here (local ranks are
-    then priced over the device entry's link)."""
+LAUNCHES = 5  # pairs of ranks forked in turn: how the OS places a pair and its gloo threads holds for the pair's life
+
+
+def allreduce_times(seconds: float, launches: int = LAUNCHES) -> dict:
+    """``allreduce_timed`` at ``SIZES`` over ``launches`` pairs of ranks, per size the median of the pairs' figures
+    (on a quiet 2-core VM one pair's median of a 16 KiB all-reduce ranged 0.5-2.6 ms from one pair to the next,
+    each steady within its life); {} with a warning where they cannot be timed here (local ranks are then priced
+    over the device entry's link)."""
     try:
-        return allreduce_timed(SIZES, seconds)
+        runs = [allreduce_timed(SIZES, seconds / launches) for _ in range(launches)]
     except RuntimeError as e:
         warnings.warn(f"calibrate: {e}; DP on this CPU is priced over the device entry's link", stacklevel=2)
         return {}
+    return {"seconds": {n: statistics.median(r["seconds"][n] for r in runs) for n in SIZES},
+            "skew": statistics.median(r["skew"] for r in runs)}
 
 
 def ring_fit(times: dict[int, float]) -> tuple[float, float]:
