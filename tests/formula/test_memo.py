@@ -103,7 +103,7 @@ def test_a_changed_costs_field_is_never_served_the_base_costs_work():
                    memory_inplace=((1.0, 2e9),), matmul_start={"bmm-fp32": ((1e3, 1e-5),), "sdpa-fp32": ((1e3, 1e-5),)},
                    asynchronous=True, link_bytes_per_s=1e9, link_latency_s=1e-5, threads=2, cores=2,
                    contention={"compute": 1.5}, contention_processes=2, rank_skew=0.05,
-                   link_cpu_seconds={"message": 1e-5, "byte": 1e-10},
+                   link_cpu_seconds={"message": 1e-5, "byte": 1e-10}, link_warm_latency_s=2e-6,
                    family_dispatch={"hf:gpt2": {"forward": 2.0}}, matmul_intensity=((1e6, 50.0), (1e9, 200.0)), whole_call_rate=True,
                    source="changed")
     assert set(changes) == {f.name for f in dataclasses.fields(OpCosts)}

@@ -70,3 +70,15 @@ def test_gloo_runs_a_reduce_scatter_as_an_all_reduce_of_its_whole_input():
     assert gloo.time_shared(2.0).collective_seconds("reduce_scatter", 1e6, 2) > 2e-3  # stretched, still an all-reduce
     nvlink = Link(1e9, 1e-4, "a device's link")
     assert nvlink.collective_seconds("reduce_scatter", 1e6, 2) == pytest.approx(0.5e-3 + 1e-4)
+
+
+def test_a_message_soon_after_the_last_meets_the_back_to_back_cost():
+    # calibrated: 1 ms a message after 15 ms of compute (COLD_GAP_S), 0.2 ms back to back; 3 ms after the last
+    # message: 0.2 + 0.8 x 3/15 = 0.36 ms; 15 ms or more: 1 ms; no back-to-back figure: as calibrated
+    from batchlab.formula.links import COLD_GAP_S, Link
+
+    cold = Link(1e9, 1e-3, "gloo")
+    assert cold.after_gap(2e-4, 0.0).latency_s == pytest.approx(2e-4)
+    assert cold.after_gap(2e-4, 3e-3).latency_s == pytest.approx(3.6e-4)
+    assert cold.after_gap(2e-4, COLD_GAP_S * 2).latency_s == pytest.approx(1e-3)
+    assert cold.after_gap(0.0, 0.0) is cold and cold.after_gap(2e-4, 0.0).bytes_per_s == 1e9

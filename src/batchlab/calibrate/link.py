@@ -14,6 +14,7 @@ import statistics
 import time
 import warnings
 
+from batchlab.formula.links import COLD_GAP_S
 from batchlab.formula.opcost import UNRESOLVED
 from batchlab.host import free_port
 
@@ -22,7 +23,7 @@ WARMUP = 3  # all-reduces per size before timing (the ring's connections are mad
 MAX_SAMPLES = 200
 MIN_SAMPLES = 25  # per size: a median of fewer wanders by half between calibrations of a quiet VM (wake-ups, steal)
 TIMEOUT_S = 30
-BURST_S = 0.015  # seconds of matmuls each rank runs before each timed all-reduce (a step's compute)
+BURST_S = COLD_GAP_S  # seconds of matmuls each rank runs before each timed all-reduce (a step's compute)
 
 
 def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results,
@@ -63,6 +64,15 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results,
                 dist.all_reduce(x)
                 samples.append(time.perf_counter() - t)
             out[nbytes] = statistics.median(samples)
+        # the smallest size again, back to back: gloo's and the peer's threads awake, as between collectives a
+        # few small ops apart (formula/links.py ``after_gap``)
+        x, warm = torch.ones(sizes[0] // 4), []
+        dist.barrier()
+        for _ in range(MIN_SAMPLES):
+            t = time.perf_counter()
+            dist.all_reduce(x)
+            warm.append(time.perf_counter() - t)
+        out["warm"] = statistics.median(warm)
         results.put((rank, out, bursts))
     finally:
         dist.destroy_process_group()
@@ -88,8 +98,8 @@ def allreduce_timed(sizes: tuple[int, ...], seconds: float) -> dict:
         got = sorted(results.get(timeout=TIMEOUT_S + 10 * seconds) for _ in ranks)
         (_, first, b0), (_, second, b1) = got
         skew = [max(x, y) / ((x + y) / 2) - 1 for x, y in zip(b0, b1) if x + y > 0]
-        return {"seconds": {n: (first[n] + second[n]) / 2 for n in first},
-                "skew": statistics.median(skew) if skew else 0.0}
+        return {"seconds": {n: (first[n] + second[n]) / 2 for n in first if n != "warm"},
+                "skew": statistics.median(skew) if skew else 0.0, "warm": (first["warm"] + second["warm"]) / 2}
     except queue.Empty:
         codes = [p.exitcode for p in ranks]
         raise RuntimeError(f"gloo's all-reduce between two local processes gave no result (exit codes {codes})") \
@@ -115,7 +125,15 @@ def allreduce_times(seconds: float, launches: int = LAUNCHES) -> dict:
         warnings.warn(f"calibrate: {e}; DP on this CPU is priced over the device entry's link", stacklevel=2)
         return {}
     return {"seconds": {n: statistics.median(r["seconds"][n] for r in runs) for n in SIZES},
-            "skew": statistics.median(r["skew"] for r in runs)}
+            "skew": statistics.median(r["skew"] for r in runs), "warm": statistics.median(r["warm"] for r in runs)}
+
+
+def warm_latency(warm_seconds: float | None, bytes_per_s: float) -> float:
+    """Seconds per message of a back-to-back all-reduce of ``SIZES[0]`` bytes between 2 ranks (2 messages), its
+    bytes over the fitted bandwidth taken off; 0 where unmeasured."""
+    if not warm_seconds or not bytes_per_s:
+        return 0.0
+    return max(0.0, (warm_seconds - SIZES[0] / bytes_per_s) / 2)
 
 
 def ring_fit(times: dict[int, float]) -> tuple[float, float]:

@@ -13,7 +13,7 @@ from batchlab.calibrate.concurrency import KINDS, Contention
 from batchlab.calibrate.dispatch import SAC, DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
                                         _matmul_curves, _memory_curve, _sdpa_curves, monotone)
-from batchlab.calibrate.link import allreduce_times, ring_fit
+from batchlab.calibrate.link import allreduce_times, ring_fit, warm_latency
 from batchlab.cache.calibrations import _cache_path, default_threads, load_cached, save
 from batchlab.formula.calibration import SCOPES, Calibration, check, loaded, needs
 from batchlab.config import ConfigError
@@ -131,6 +131,7 @@ def measure_here(torch_device: str = "cpu", seconds: float = 10.0,
             strided_bytes_per_s=k["strided"], element_seconds=k["elements"], dispatch_seconds=k["dispatch"]["fp32"],
             dispatch_seconds_autocast=k["dispatch"].get("bf16-mixed", {}),
             loopback_bytes_per_s=link, loopback_latency_s=latency, link=LINK if device.type == "cpu" else "",
+            loopback_warm_latency_s=min(latency, warm_latency(k["link"].get("warm"), link)),
             rank_skew=k["link"].get("skew", 0.0),
             cores=os.cpu_count() or 1,
             contention=k["contention"], contention_processes=2 if device.type == "cpu" and "ranks" in scope else 0,

@@ -59,6 +59,7 @@ class Calibration:
     loopback_bytes_per_s: float = 0.0
     loopback_latency_s: float = 0.0
     link: str = ""  # what those figures were measured on ("": a TCP echo over loopback, before gloo's all-reduce)
+    loopback_warm_latency_s: float = 0.0  # the same per message back to back, both ranks' threads awake; 0: unmeasured
     # CPU: how much longer the slower of two local ranks computes than their mean between all-reduces (0.035:
     # 3.5%; calibrate/link.py); 0: unmeasured
     rank_skew: float = 0.0
@@ -129,6 +130,7 @@ class Calibration:
                        dispatch_autocast=dict(self.dispatch_seconds_autocast),
                        asynchronous=not self.torch_device.startswith("cpu"),
                        link_bytes_per_s=self.loopback_bytes_per_s or None, link_latency_s=self.loopback_latency_s,
+                       link_warm_latency_s=self.loopback_warm_latency_s,
                        threads=self.threads, cores=self.cores, contention=dict(self.contention),
                        contention_processes=self.contention_processes, rank_skew=self.rank_skew,
                        link_cpu_seconds=dict(self.link_cpu_seconds),

@@ -11,6 +11,9 @@ from batchlab.formula.opcost import OpCosts
 from batchlab.formula.sharding import collective_seconds, ring_messages
 
 
+COLD_GAP_S = 0.015  # the compute before each all-reduce the link calibration times (calibrate/link.py BURST_S)
+
+
 @dataclass(frozen=True)
 class Link:
     """A link as a message on it is priced: bytes over its bandwidth plus a fixed cost per message (nccl-tests'
@@ -50,6 +53,17 @@ class Link:
                if cpu else "all of it")
         return Link(1 / (1 / self.bytes_per_s + byte * (factor - 1)), self.latency_s + message * (factor - 1),
                     f"{self.source}; {how} x{factor:g} with the local ranks time-sharing the cores",
+                    self.reduce_scatter_all_reduces)
+
+    def after_gap(self, warm_latency_s: float, gap_s: float) -> Link:
+        """The link as a message meets it ``gap_s`` after the previous one: the calibrated per-message cost holds
+        after a step's compute (``COLD_GAP_S``: gloo's threads asleep, the peer arriving apart), back to back it is
+        ``warm_latency_s``; between, in proportion to the gap (0 warm: as calibrated)."""
+        if not warm_latency_s or warm_latency_s >= self.latency_s:
+            return self
+        latency = warm_latency_s + (self.latency_s - warm_latency_s) * min(1.0, max(0.0, gap_s) / COLD_GAP_S)
+        return Link(self.bytes_per_s, latency, f"{self.source}; {latency * 1e6:.0f} us a message "
+                    f"{gap_s * 1e3:.2g} ms after the last ({warm_latency_s * 1e6:.0f} us back to back, calibrated)",
                     self.reduce_scatter_all_reduces)
 
     def text(self) -> str:

@@ -175,7 +175,8 @@ class OpCosts:
     matmul_start: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     asynchronous: bool = False  # GPU: the host issues ahead of the kernels, so an op costs max(launch, work)
     link_bytes_per_s: float | None = None  # CPU: measured loopback between local ranks (gloo); None: the device's
-    link_latency_s: float = 0.0  # per message on that link
+    link_latency_s: float = 0.0  # per message on that link, after a step's compute (0: none); back to back:
+    link_warm_latency_s: float = 0.0
     threads: int = 0  # CPU: intra-op threads the rates were measured at (0: unknown)
     cores: int = 0  # CPU: cores of the calibrated machine (0: unknown)
     # CPU: a process's time per op while ``contention_processes`` run alike at once, over alone, by kind
@@ -303,7 +304,7 @@ class TimeBreakdown:
 _WORK = cache(limit=64)  # what decides work_seconds -> {op shape: one call's work seconds}
 WORK_LIMIT = 50_000  # op shapes remembered per costs
 # OpCosts fields work_seconds never reads (a calibration loaded per estimate differs in none of the others)
-_NOT_WORK = {"dispatch", "dispatch_autocast", "family_dispatch", "asynchronous", "link_bytes_per_s", "link_latency_s", "threads", "cores", "contention",
+_NOT_WORK = {"dispatch", "dispatch_autocast", "family_dispatch", "asynchronous", "link_bytes_per_s", "link_latency_s", "link_warm_latency_s", "threads", "cores", "contention",
              "contention_processes", "rank_skew", "link_cpu_seconds", "source"}
 
 

@@ -29,7 +29,7 @@ from batchlab.formula.ranks import RankShare, residual_bytes, shares
 from batchlab.config.phase import Phase
 from batchlab.formula.opcost import OpCosts, OpCount, merge
 from batchlab.formula.opbuild import OpList, widths
-from batchlab.formula.links import Link, local_link, pp_link, shared_links, tp_link  # noqa: F401 -- Link: re-exported
+from batchlab.formula.links import Link, local_link, pp_link, shared, shared_links, tp_link
 
 
 def stage_output_bytes(cfg: RunConfig, rank: RankShare) -> int:
@@ -253,7 +253,7 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
     ranks = shares(cfg)
     per = [stage_flops_per_token(cfg, r.layers, r.last) for r in ranks]
     total = sum(per) or 1.0
-    tp, pp = shared_links(cfg, costs, time_shared)
+    pp = shared_links(cfg, costs, time_shared)[1]
     # forward's share of a micro-batch's compute: as priced per phase, else a third (2 FLOPs per MAC, backward 4)
     forward = issued[0][0] / (sum(w for w, _ in issued) or 1.0) if issued else 1 / 3
     def stage(r: RankShare, f: float) -> StageTime:
@@ -262,7 +262,8 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
         host, update = dtensor.host_seconds(cfg, r, costs, host_scale, tp_collectives(cfg, r))
         if issued:  # the host issues ahead of the device: DTensor's host work shows only beyond the kernels' time
             host = max(0.0, host + sum(launch for _, launch in issued) * f / total - compute)
-        exposed_tp = tp_seconds(cfg, r, tp) - overlap.tp_hidden_seconds(cfg, r.layers, tp, costs)
+        tp_r = tp_at_gap(cfg, r, costs, compute, time_shared)
+        exposed_tp = tp_seconds(cfg, r, tp_r) - overlap.tp_hidden_seconds(cfg, r.layers, tp_r, costs)
         sends = pp_seconds(cfg, r, pp, compute * forward / cfg.parallel.chunks if local_link(cfg, costs) is None else None)
         return StageTime(stage=r.stage, compute_seconds=compute, tp_comm_seconds=exposed_tp, pp_comm_seconds=sends,
                          dtensor_seconds=host, dtensor_update_seconds=update)
@@ -271,6 +272,17 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
     slowest = max(range(len(stages)), key=lambda i: (stages[i].seconds, -i))
     return PipelineTime(stages=stages, micro_batches=cfg.accum, bubble_fraction=cfg.parallel.bubble_fraction(cfg.accum),
                         slowest=slowest, time_shared=max(1.0, time_shared))
+
+
+def tp_at_gap(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, compute: float, time_shared: float) -> Link:
+    """The TP link as ``rank``'s collectives meet it: on a local CPU link, each message ``compute`` (its micro-batch)
+    over its collectives after the last (``Link.after_gap``: a layer's few small ops between two keep gloo's
+    threads awake), then stretched by the cores' time-sharing (``shared``)."""
+    link = tp_link(cfg, costs)
+    if costs is not None and local_link(cfg, costs) is not None:
+        calls = sum(n for n, _ in tp_collectives(cfg, rank).values())
+        link = link.after_gap(costs.link_warm_latency_s, compute / max(calls, 1))
+    return shared(cfg, costs, link, time_shared)
 
 
 def collectives_text(items) -> str:
@@ -285,7 +297,9 @@ def collectives_text(items) -> str:
 def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
     """The assumptions line of a layout's time."""
     lay, parts = cfg.parallel, []
-    tp, pp = shared_links(cfg, costs, p.time_shared)
+    pp = shared_links(cfg, costs, p.time_shared)[1]
+    slow = shares(cfg)[p.slowest]
+    tp = tp_at_gap(cfg, slow, costs, p.stages[p.slowest].compute_seconds, p.time_shared)
     if lay.tp > 1:
         spec = lay.tp_spec
         parts.append(f"TP {lay.tp}" + (" with sequence parallelism" if lay.sequence_parallel else "")
