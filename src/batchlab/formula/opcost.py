@@ -175,8 +175,8 @@ class OpCosts:
     matmul_start: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     asynchronous: bool = False  # GPU: the host issues ahead of the kernels, so an op costs max(launch, work)
     link_bytes_per_s: float | None = None  # CPU: measured loopback between local ranks (gloo); None: the device's
-    link_latency_s: float = 0.0  # per message on that link, after a step's compute (0: none); back to back:
-    link_warm_latency_s: float = 0.0
+    link_latency_s: float = 0.0  # per message on that link, after a step's compute
+    link_warm_latency_s: float = 0.0  # per message back to back (formula/links.py ``after_gap``); 0: unmeasured
     threads: int = 0  # CPU: intra-op threads the rates were measured at (0: unknown)
     cores: int = 0  # CPU: cores of the calibrated machine (0: unknown)
     # CPU: a process's time per op while ``contention_processes`` run alike at once, over alone, by kind
@@ -186,8 +186,7 @@ class OpCosts:
     rank_skew: float = 0.0  # CPU: the slower local rank's compute over the ranks' mean, less 1 (0: unmeasured)
     # CPU: the ranks' own CPU seconds in the link per "message" and "byte" (calibrate/shared_link.py); {}: unmeasured
     link_cpu_seconds: Mapping[str, float] = field(default_factory=dict)
-    # per-op dispatch under autocast (mixed precision: every forward op passes its dispatch key), by kind;
-    # empty: unmeasured (``dispatch`` serves)
+    # per-op dispatch under autocast (every forward op passes its dispatch key), by kind; {}: ``dispatch`` serves
     dispatch_autocast: Mapping[str, float] = field(default_factory=dict)
     # a model's own dispatch per op over the calibrated GPT's, by kind, keyed by timing.dispatch_family ({}: none)
     family_dispatch: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
