@@ -82,3 +82,15 @@ def test_a_message_soon_after_the_last_meets_the_back_to_back_cost():
     assert cold.after_gap(2e-4, 3e-3).latency_s == pytest.approx(3.6e-4)
     assert cold.after_gap(2e-4, COLD_GAP_S * 2).latency_s == pytest.approx(1e-3)
     assert cold.after_gap(0.0, 0.0) is cold and cold.after_gap(2e-4, 0.0).bytes_per_s == 1e9
+
+
+def test_a_back_to_back_link_figure_beyond_the_after_compute_one_is_refused():
+    # a cache edited (or a stalled timing) to a back-to-back cost above the after-compute one, negative or not a
+    # number: the calibration is refused where calibrations are read, as its other rates are
+    from batchlab.formula.plausible import problems
+    from hosts import stub_calibration
+
+    cal = dataclasses.replace(stub_calibration(), loopback_bytes_per_s=1e9, loopback_latency_s=1e-3)
+    assert not [p for p in problems(dataclasses.replace(cal, loopback_warm_latency_s=2e-4)) if "back-to-back" in p]
+    for wild in (5e-3, -1.0, "x"):
+        assert any("back-to-back" in p for p in problems(dataclasses.replace(cal, loopback_warm_latency_s=wild)))

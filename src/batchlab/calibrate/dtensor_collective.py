@@ -19,6 +19,7 @@ import queue
 import statistics
 import time
 
+from batchlab.calibrate.link import join
 from batchlab.host import free_port
 
 NBYTES = 2**14  # small: the fixed host work, not the copy of the buffer
@@ -29,8 +30,6 @@ BURST = 8  # 64x64 matmuls before each call: the rank comes from compute, as a l
 
 
 def _rank(rank: int, port: int, samples: int, results) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -38,9 +37,7 @@ def _rank(rank: int, port: int, samples: int, results) -> None:
 
     from batchlab.trace.sharded import _forget_meshes as forget_meshes
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    join(rank, port, TIMEOUT_S)
     try:
         mesh = init_device_mesh("cpu", (2,))
         x, a = torch.ones(NBYTES // 4), torch.randn(64, 64)

@@ -18,6 +18,7 @@ import statistics
 import time
 
 from batchlab.calibrate.dtensor_collective import two_ranks
+from batchlab.calibrate.link import join
 
 UPDATES = 20  # alternated updates of each of the four trainers per rank
 WARMUP = 3
@@ -87,17 +88,12 @@ def _timed_step(trainer) -> list[float]:
 
 
 def _rank(rank: int, port: int, updates: int, results) -> None:
-    import datetime
-
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from batchlab.trace.sharded import _forget_meshes as forget_meshes
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    join(rank, port, TIMEOUT_S)
     try:
         trainers = _trainers(init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")))
         counts = {name: _collectives(tr) for name, tr in trainers.items()}

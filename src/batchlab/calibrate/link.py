@@ -26,8 +26,8 @@ TIMEOUT_S = 30
 BURST_S = COLD_GAP_S  # seconds of matmuls each rank runs before each timed all-reduce (a step's compute)
 
 
-def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results,
-          burst_s: float = BURST_S) -> None:
+def join(rank: int, port: int, timeout_s: float) -> None:
+    """Join a gloo group of 2 ranks on this host, at one intra-op thread."""
     import datetime
 
     import torch
@@ -35,15 +35,32 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results,
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def burst(burst_s: float = BURST_S, clock=time.perf_counter):
+    """(a 128 x 128 matrix, how many of its matmuls take ``burst_s`` on ``clock``): both ranks of the group then
+    compute the same number between all-reduces, the smaller count agreed."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.randn(128, 128)
+    t = clock()
+    for _ in range(20):
+        a @ a
+    matmuls = torch.tensor([int(burst_s / max((clock() - t) / 20, 1e-7))])
+    dist.all_reduce(matmuls, op=dist.ReduceOp.MIN)
+    return a, int(matmuls)
+
+
+def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results,
+          burst_s: float = BURST_S) -> None:
+    import torch
+    import torch.distributed as dist
+
+    join(rank, port, TIMEOUT_S)
     try:
-        a = torch.randn(128, 128)
-        t = time.perf_counter()
-        for _ in range(20):
-            a @ a
-        # both ranks compute the same number of matmuls between all-reduces: the smaller count agreed
-        matmuls = torch.tensor([int(burst_s / max((time.perf_counter() - t) / 20, 1e-7))])
-        dist.all_reduce(matmuls, op=dist.ReduceOp.MIN)
+        a, matmuls = burst(burst_s)
         out, bursts = {}, []
         for nbytes in sizes:
             x = torch.ones(nbytes // 4)

@@ -21,7 +21,7 @@ import time
 
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.calibrate.dtensor_collective import two_ranks
-from batchlab.calibrate.link import BURST_S
+from batchlab.calibrate.link import burst, join
 from batchlab.formula.plausible import link_cpu_problems
 
 SIZES = (2**14, 4 * 2**20)  # bytes all-reduced: the per-message cost, and one with the bytes dominant
@@ -31,21 +31,12 @@ TIMEOUT_S = 60
 
 
 def _rank(rank: int, port: int, samples: int, results) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    join(rank, port, TIMEOUT_S)
     try:
-        a = torch.randn(128, 128)
-        t = time.thread_time()
-        for _ in range(20):
-            a @ a
-        matmuls = torch.tensor([int(BURST_S / max((time.thread_time() - t) / 20, 1e-7))])
-        dist.all_reduce(matmuls, op=dist.ReduceOp.MIN)  # both ranks the same work between all-reduces
+        a, matmuls = burst(clock=time.thread_time)  # the link calibration's step of compute
         out = {}
         for n in SIZES:
             x, wall, cpu = torch.ones(n // 4), [], []

@@ -80,36 +80,31 @@ def local_link(cfg: RunConfig, costs: OpCosts | None) -> Link | None:
                 "as an all-reduce of its whole input", reduce_scatter_all_reduces=True)
 
 
-def tp_link(cfg: RunConfig, costs: OpCosts | None = None) -> Link:
+def _device_link(cfg: RunConfig, costs: OpCosts | None, ranks: int) -> Link:
+    """The calibrated local link, else the device entry's link for a group of ``ranks``: intra-node while they fit
+    one node."""
     local = local_link(cfg, costs)
     if local is not None:
         return local
     dev = cfg.device_spec
-    if cfg.tp <= dev.gpus_per_node:
+    if ranks <= dev.gpus_per_node:
         return Link(dev.intra_node_bytes_per_s, 0.0, f"{dev.name}'s intra-node link, no per-message cost known")
     return Link(dev.inter_node_bytes_per_s, 0.0, f"{dev.name}'s inter-node link, no per-message cost known")
+
+
+def tp_link(cfg: RunConfig, costs: OpCosts | None = None) -> Link:
+    return _device_link(cfg, costs, cfg.tp)
 
 
 def pp_link(cfg: RunConfig, costs: OpCosts | None = None) -> Link:
-    local = local_link(cfg, costs)
-    if local is not None:
-        return local
-    dev = cfg.device_spec
-    if cfg.parallel.world_size <= dev.gpus_per_node:
-        return Link(dev.intra_node_bytes_per_s, 0.0, f"{dev.name}'s intra-node link, no per-message cost known")
-    return Link(dev.inter_node_bytes_per_s, 0.0, f"{dev.name}'s inter-node link, no per-message cost known")
+    return _device_link(cfg, costs, cfg.parallel.world_size)  # a stage boundary may cross nodes
 
 
 def shared(cfg: RunConfig, costs: OpCosts | None, link: Link, time_shared: float) -> Link:
     """``link`` as the ranks meet it mid-update: a local link stretched by the cores' time-sharing."""
-    if local_link(cfg, costs) is None or costs is None:
+    if local_link(cfg, costs) is None:
         return link
     return link.time_shared(max(1.0, time_shared), costs.link_cpu_seconds or None)
-
-
-def shared_links(cfg: RunConfig, costs: OpCosts | None, time_shared: float) -> tuple[Link, Link]:
-    """(TP link, PP link) as the ranks meet them mid-update (``shared``)."""
-    return shared(cfg, costs, tp_link(cfg, costs), time_shared), shared(cfg, costs, pp_link(cfg, costs), time_shared)
 
 
 def dp_link(cfg: RunConfig, costs: OpCosts | None, time_shared: float) -> Link | None:

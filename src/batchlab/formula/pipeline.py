@@ -29,7 +29,7 @@ from batchlab.formula.ranks import RankShare, residual_bytes, shares
 from batchlab.config.phase import Phase
 from batchlab.formula.opcost import OpCosts, OpCount, merge
 from batchlab.formula.opbuild import OpList, widths
-from batchlab.formula.links import Link, local_link, pp_link, shared, shared_links, tp_link
+from batchlab.formula.links import Link, local_link, pp_link, shared, tp_link
 
 
 def stage_output_bytes(cfg: RunConfig, rank: RankShare) -> int:
@@ -253,7 +253,7 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
     ranks = shares(cfg)
     per = [stage_flops_per_token(cfg, r.layers, r.last) for r in ranks]
     total = sum(per) or 1.0
-    pp = shared_links(cfg, costs, time_shared)[1]
+    pp = shared(cfg, costs, pp_link(cfg, costs), time_shared)
     # forward's share of a micro-batch's compute: as priced per phase, else a third (2 FLOPs per MAC, backward 4)
     forward = issued[0][0] / (sum(w for w, _ in issued) or 1.0) if issued else 1 / 3
     def stage(r: RankShare, f: float) -> StageTime:
@@ -297,7 +297,7 @@ def collectives_text(items) -> str:
 def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
     """The assumptions line of a layout's time."""
     lay, parts = cfg.parallel, []
-    pp = shared_links(cfg, costs, p.time_shared)[1]
+    pp = shared(cfg, costs, pp_link(cfg, costs), p.time_shared)
     slow = shares(cfg)[p.slowest]
     tp = tp_at_gap(cfg, slow, costs, p.stages[p.slowest].compute_seconds, p.time_shared)
     if lay.tp > 1:
@@ -309,7 +309,7 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
                      + (", the norms' weight gradients all-reduced every micro-batch" if spec.per_norm else "")
                      + f", the embedding's and head's at the ends ({spec.api}); each collective over "
                      f"{tp.text()}; each rank dispatches every op; "
-                     + dtensor.text(cfg, shares(cfg)[p.slowest], costs, tp_collectives(cfg, shares(cfg)[p.slowest])))
+                     + dtensor.text(cfg, slow, costs, tp_collectives(cfg, slow)))
     if lay.pp > 1:
         parts.append(f"PP {lay.pp} ({lay.schedule.value}): (m + (p-1)/v) x the slowest stage's micro-batch, bubble "
                      f"{p.bubble_fraction:.1%} of the update (m = accum = {cfg.accum}); stage compute split by FLOPs; "
@@ -320,7 +320,7 @@ def text(cfg: RunConfig, p: PipelineTime, costs: OpCosts | None = None) -> str:
                         if p.time_shared > 1 else ""))
     if hides := overlap.text(cfg, local_link(cfg, costs) is not None):
         parts.append(hides)
-    if reductions := gradient_reductions(cfg, shares(cfg)[p.slowest]):
+    if reductions := gradient_reductions(cfg, slow):
         parts.append(f"data-parallel reduction: one all-reduce per parameter tensor, {reductions} on this rank "
                      "(no DDP buckets over DTensors or pipeline stages)")
     return "; ".join(parts)
