@@ -144,3 +144,4 @@ def test_a_calibration_lacking_the_random_mask_rate_adds_it_and_keeps_the_rates_
     rates = load_cached("cpu", 1).element_seconds
     assert rates[compiled_rng.MASK_LOAD_RANDOM_KEY] == pytest.approx(2e-9)
     assert all(rates[k] == 3e-9 for k in older)
+

@@ -135,3 +135,13 @@ def test_several_backward_graphs_are_one_sequence_with_the_later_graphs_saved_te
     w.finish()
     assert [sum(n for _, n in top) for top in w.tops] == [1308, 1115]
     assert w.calls == 2
+
+
+def test_only_an_order_kept_for_its_bound_is_called_a_bound():
+    """The provenance line says "a bound" where the order the formula keeps at the row's shape is one whose stretches
+    keep two schedules' high points, not wherever the entry has such an order."""
+    cfg = _derived(RunConfig(model=preset("gpt2", layers=2, hidden=128, heads=4, vocab=1024, max_positions=256,
+                                          dropout=0.0), model_source="hf:gpt2", seq=128, micro_batch=4,
+                             compile="model", ac="full"))
+    # at this shape the formula keeps inductor's baseline order; the entry's bound orders are the others
+    assert "bound" in compiled.whole_model_highs(cfg) and "a bound" not in compiled.source(cfg)

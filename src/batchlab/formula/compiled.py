@@ -208,6 +208,11 @@ def own_stretch(layer: int, layers: int) -> str:
 
 
 def _whole_model_working(cfg: RunConfig) -> tuple[int, ...] | None:
+    chosen = _whole_model_order(cfg)
+    return None if chosen is None else chosen[1]
+
+
+def _whole_model_order(cfg: RunConfig) -> tuple[str, tuple[int, ...]] | None:
     """Each layer's stretch at its high point in the topological order inductor keeps at cfg's shape: its
     reordering for peak memory tries a few orders and keeps the one whose peak, with the graph's real sizes, is
     lowest (torch/_inductor/memory.py ``reorder_for_peak_memory``), so the order whose walk peaks lowest here (each
@@ -234,7 +239,7 @@ def _whole_model_working(cfg: RunConfig) -> tuple[int, ...] | None:
     def peak(ws: tuple[int, ...]) -> int:
         return max(w + i * kept + (m.layers - 1 - i) * grad for i, w in enumerate(ws))
 
-    return min((working(s) for s in orders.values() if isinstance(s, dict)), key=peak)
+    return min(((name, working(s)) for name, s in orders.items() if isinstance(s, dict)), key=lambda o: peak(o[1]))
 
 
 def defers_head_gradient(cfg: RunConfig) -> bool:
@@ -287,6 +292,13 @@ def budget_bytes(cfg: RunConfig, default: int) -> int:
     return round(inputs + Fraction(cfg.ac.budget) * (default - inputs))
 
 
+def _bound(cfg: RunConfig) -> bool:
+    """The order the formula keeps at cfg's shape is one whose stretches keep two schedules' high points (an entry's
+    ``"bound"`` orders, trace/compiled_model_working.py ``checked``)."""
+    chosen = _whole_model_order(cfg)
+    return chosen is not None and chosen[0] in (whole_model_highs(cfg) or {}).get("bound", ())
+
+
 def source(cfg: RunConfig) -> str:
     """Where the compiled layer terms come from, for estimate's output."""
     impl = implementation(cfg.model_kind, cfg.model)
@@ -297,7 +309,7 @@ def source(cfg: RunConfig) -> str:
             + ("; each layer's stretch of the whole-model backward at its high points from inductor's plan of a whole "
                "model (trace/compiled_model_working.py)" + ("; inductor's schedule moved with the derivation's width, "
                                                            "so it is the larger schedule's, a bound"
-                                                           if "bound" in whole_model_highs(cfg) else "")
+                                                           if _bound(cfg) else "")
                if whole_model_highs(cfg) is not None else
                "; each block's backward at its high point from inductor's plan of it (trace/compiled_working.py)"
                if working_per_layer(cfg) is not None else "")

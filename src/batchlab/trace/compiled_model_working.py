@@ -17,8 +17,8 @@ layers below (the block table's terms but a block graph's generator state: the w
 and the embedding's mask are what the walk adds itself, so they are taken out; the rest (this layer's kept tensors
 and its working set, the next layer's recompute, the head's tensors and its gradient, the graph-level masks)
 factors into monomials, per storage.  Derived with five, three and two layers (the lowest three layers' stretches
-each their own, the rest alike), and with two, three and four: a model of so few layers has every layer's stretch of
-its own (formula/compiled.py ``own_stretch``); checked with another number of KV heads (where
+each their own, the rest alike), whose three- and two-layer derivations also give those models every layer's stretch
+of its own (formula/compiled.py ``own_stretch``, ``OWN_LAYERS``); checked with another number of KV heads (where
 inductor's schedule moves with it, both schedules' high points are kept: a bound).  Inductor
 reorders each graph for peak memory, choosing among a few topological orders by their peak at the real sizes, so
 each order is derived and the formula chooses as inductor would at its shape.
@@ -46,6 +46,7 @@ VOCAB = 1031  # a prime no other symbol uses
 # derived with five layers: the dropout seeds buffer (3 per layer + 1) then holds 16, no symbol's prime (four
 # layers' 13 would read as b; two and three layers' 7 and 10 are small factors: constants)
 LAYERS = 5
+MERGED = (LAYERS, 3, 2)  # the layer counts whose stretches merge by place from the bottom (formula/compiled.py stretch)
 _LAYER = re.compile(r"(?:^|\.)(?:h|blocks|layers|layer)\.(\d+)\.")
 UNCOMPILED = ("no compiled backward graph of the whole model makes the layers' weight gradients (the blocks run "
               "eagerly): each block's own plan is used")
@@ -246,12 +247,12 @@ def checked(family: str, gqa: bool, dropout: bool, attention: str, policy: str, 
     at_k = ct.primes_of(gqa, ct.CHECK_K)
     regions: dict[str, list[dict]] = {}
     found = {}
-    for layers in (LAYERS, *reversed(OWN_LAYERS)):
+    for layers in sorted({*MERGED, *OWN_LAYERS}, reverse=True):
         # a layer whose stretch rises to no high point of its own (its gradients made while the one above still
         # holds more) adds none
         found[layers] = derive(family, gqa, dropout, attention, policy, precision, tied, layers, order=order)
         for layer, highs in found[layers].items():
-            if layers in (LAYERS, 3, 2):
+            if layers in MERGED:
                 regions.setdefault(stretch(layer, layers), []).extend(highs)
             if layers in OWN_LAYERS:
                 regions.setdefault(own_stretch(layer, layers), []).extend(highs)
@@ -264,7 +265,7 @@ def checked(family: str, gqa: bool, dropout: bool, attention: str, policy: str, 
         print(f"  {order}: not the same with k {ct.CHECK_K}: both kept (a bound)", file=sys.stderr, flush=True)
         for layer, highs in other.items():
             regions[stretch(layer, LAYERS)].extend(highs)
-    if {stretch(i, n) for n in (LAYERS, 3, 2) for i in range(n)} - regions.keys():
+    if {stretch(i, n) for n in MERGED for i in range(n)} - regions.keys():
         print(f"  {order}: a stretch with no high point", file=sys.stderr, flush=True)
         return None
     for n in OWN_LAYERS:  # a layer count with a layer of no high point of its own reads the merged stretches
