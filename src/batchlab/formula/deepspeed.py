@@ -41,7 +41,7 @@ def activation_precision(cfg: RunConfig) -> Precision:
     inputs and saved tensors are 16-bit as a pure-bf16 model's are; the fp32 master and Adam state stay in the
     optimizer (``engine_states``).  Every other engine: the run's precision."""
     if cfg.parallel.engine_spec.deepspeed and cfg.precision.mixed:
-        return Precision.BF16
+        return Precision.BF16  # fp16-mixed too: the same 2-byte widths (no pure-fp16 precision is named)
     return cfg.precision
 
 

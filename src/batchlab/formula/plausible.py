@@ -69,8 +69,8 @@ def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = N
     for family, ratios in cal.family_dispatch.items():
         out += family_problems(family, ratios)
     out += link_cpu_problems(cal.link_cpu_seconds, cal.loopback_latency_s, cal.loopback_bytes_per_s)
-    warm = cal.loopback_warm_latency_s  # back to back: no more than after a step's compute (formula/links.py)
-    if warm and not (_finite(warm) and 0 <= warm <= (cal.loopback_latency_s if _finite(cal.loopback_latency_s) else 0)):
+    warm, cold = cal.loopback_warm_latency_s, cal.loopback_latency_s  # back to back: no more than after compute
+    if warm and not (_finite(warm) and _finite(cold) and 0 <= warm <= cold):
         out.append(f"link back-to-back latency {warm!r} s is not a number from 0 to the after-compute one "
                    f"({cal.loopback_latency_s!r} s)")
     return out + dtensor_problems(cal.dtensor_seconds)
