@@ -65,6 +65,10 @@ def test_a_failed_two_rank_step_keeps_the_per_op_figures_it_measured_before(monk
     said = dtensor.ensure((TP2,), threads=1)
     assert "(collective) not measured (two local ranks" in said and "measured and cached: forward 90 us" in said
     assert load_cached("cpu", 1).dtensor_seconds == {"forward": 9e-5, "backward": 4e-5, "plain": 3e-5}
+    # remembered: the next measure of a TP config does not fork the two ranks again until the next calibration
+    assert dtensor.ensure((TP2,), threads=1) is None
+    save(stub_calibration())
+    assert "not measured" in dtensor.ensure((TP2,), threads=1)
 
 
 def test_a_cache_with_per_op_figures_only_gets_the_collectives_measured(monkeypatch):

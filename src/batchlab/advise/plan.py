@@ -47,9 +47,10 @@ class Goal:
     # asked of every layout searched (--world-size): the base, one device, cannot take them itself
     sequence_parallel: bool = False
     pp_virtual: int = 1
-    tp_overlap: str = "none"  # config.engines.TPOverlap's spelling: needs sequence_parallel (on the goal or the base)
+    tp_overlap: TPOverlap = TPOverlap.NONE  # needs sequence_parallel (on the goal or the base); a spelling is parsed
 
     def __post_init__(self):
+        object.__setattr__(self, "tp_overlap", TPOverlap.parse("tp_overlap", self.tp_overlap))
         if not set(self.held) <= set(KNOBS):
             raise ConfigError("held", f"{sorted(set(self.held) - set(KNOBS))} not among {', '.join(KNOBS)}")
         if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 1.0):
@@ -60,7 +61,7 @@ class Goal:
             raise ConfigError("min_micro_tokens", f"must be >= 1, got {self.min_micro_tokens}")
         if self.world is not None:
             check_world(self)
-        elif self.sequence_parallel or self.pp_virtual != 1 or self.tp_overlap != "none":
+        elif self.sequence_parallel or self.pp_virtual != 1 or self.tp_overlap is not TPOverlap.NONE:
             raise ConfigError("sequence_parallel" if self.sequence_parallel else
                               "pp_virtual" if self.pp_virtual != 1 else "tp_overlap",
                               "asked of the layouts --world-size searches; without it, set it on the config")
@@ -122,7 +123,7 @@ def check_world(goal: Goal) -> None:
     whole_number("world_size", goal.world, maximum=SIZE_MAX)
     whole_number("pp_virtual", goal.pp_virtual, maximum=SIZE_MAX)
     goal.base.parallel.schedule_spec.check(1, 1, goal.pp_virtual)  # chunks per rank need an interleaved schedule
-    TPOverlap.parse("tp_overlap", goal.tp_overlap).check(goal.sequence_parallel or goal.base.sequence_parallel)
+    goal.tp_overlap.check(goal.sequence_parallel or goal.base.sequence_parallel)
     held = (goal.base.tp if "tp" in goal.held else 1) * (goal.base.pp if "pp" in goal.held else 1)
     if goal.world % held:
         raise ConfigError("world_size", f"{goal.world} devices do not split into the tp x pp held ({held})")
@@ -144,7 +145,7 @@ def layouts(goal: Goal) -> tuple[RunConfig, ...]:
         return (b,)
     per_node = b.device_spec.gpus_per_node
     sp, v = goal.sequence_parallel or b.sequence_parallel, max(goal.pp_virtual, b.pp_virtual)
-    overlap = b.tp_overlap if goal.tp_overlap == "none" else goal.tp_overlap
+    overlap = b.tp_overlap if goal.tp_overlap is TPOverlap.NONE else goal.tp_overlap
     out = []
     for tp in ([b.tp] if "tp" in goal.held else [d for d in divisors(goal.world) if d <= per_node]):
         for pp in ([b.pp] if "pp" in goal.held else divisors(goal.world // tp)):

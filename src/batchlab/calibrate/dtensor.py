@@ -152,6 +152,9 @@ def needed(cfgs: tuple[RunConfig, ...]) -> set[str]:
     return out
 
 
+UNTIMED = "dtensor/"  # this module's keys in ``Calibration.untimed``
+
+
 def ensure(cfgs: tuple[RunConfig, ...], threads: int | None = None) -> str | None:
     """Where ``cfgs`` run tensor parallelism or FSDP2 on this CPU and its calibration (at ``threads``) lacks a
     figure they are priced with (``needed``): measure the missing ones and cache them with it.  Returns the line to
@@ -160,7 +163,8 @@ def ensure(cfgs: tuple[RunConfig, ...], threads: int | None = None) -> str | Non
     if not want:
         return None
     cal = load_cached("cpu", default_threads() if threads is None else threads)
-    if cal is None or not (missing := want - set(cal.dtensor_seconds)):
+    # a figure whose timing failed here is not timed again until the next calibration (``Calibration.untimed``)
+    if cal is None or not (missing := want - set(cal.dtensor_seconds) - {k[len(UNTIMED):] for k in cal.untimed}):
         return None
     import torch
 
@@ -183,12 +187,16 @@ def ensure(cfgs: tuple[RunConfig, ...], threads: int | None = None) -> str | Non
     finally:
         torch.set_num_threads(before)
     timed = {k: v for k, v in figures.items() if k in missing}
-    if timed:
-        cal.dtensor_seconds = figures
+    cal.dtensor_seconds = figures
+    if failed or missing - set(timed):  # an FSDP2 run that counted no collective gives no figure either
+        failed = failed or "not measured (the timed run gave no figure)"
+        cal.untimed.update({UNTIMED + k: failed for k in missing - set(timed)})
+    if timed or failed:
         save(cal)
     said = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in timed.items())
     if failed:
         left = ", ".join(sorted(missing - set(timed)))
-        return (f"time model: DTensor's host cost ({left}) {failed}; a nominal figure prices it"
+        return (f"time model: DTensor's host cost ({left}) {failed}; a nominal figure prices it until the next "
+                "`batchlab calibrate`"
                 + (f" (measured and cached: {said})" if said else ""))
     return f"time model: measured DTensor's host cost per op once ({said}) and cached it with the calibration"

@@ -140,7 +140,7 @@ def text(cfg: RunConfig, local: bool) -> str:
     """The assumptions clause on what the layout hides of its TP collectives and PP sends (``local``: CPU ranks on
     this host); "" without TP or PP."""
     lay, parts = cfg.parallel, []
-    if lay.tp > 1 and tp_overlapped(cfg):
+    if tp_overlapped(cfg):  # TP > 1 with sequence parallelism
         parts.append(f"TP collectives decomposed and overlapped with their GEMMs (--tp-overlap async): per pair "
                      f"max(0, T_comm - (t-1)/t x T_gemm) exposed, t = {lay.tp}; the norms' and ends' exposed")
     elif lay.tp > 1:

@@ -263,7 +263,7 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
         if issued:  # the host issues ahead of the device: DTensor's host work shows only beyond the kernels' time
             host = max(0.0, host + sum(launch for _, launch in issued) * f / total - compute)
         tp_r = tp_at_gap(cfg, r, costs, compute, time_shared)
-        exposed_tp = tp_seconds(cfg, r, tp_r) - overlap.tp_hidden_seconds(cfg, r.layers, tp_r, costs)
+        exposed_tp = max(0.0, tp_seconds(cfg, r, tp_r) - overlap.tp_hidden_seconds(cfg, r.layers, tp_r, costs))
         sends = pp_seconds(cfg, r, pp, compute * forward / cfg.parallel.chunks if local_link(cfg, costs) is None else None)
         return StageTime(stage=r.stage, compute_seconds=compute, tp_comm_seconds=exposed_tp, pp_comm_seconds=sends,
                          dtensor_seconds=host, dtensor_update_seconds=update)
