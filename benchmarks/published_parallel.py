@@ -29,6 +29,7 @@ never tuned against.
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -318,7 +319,7 @@ def table(rows: list[ParRow]) -> list[str]:
         mem = (f"{gib(r.mem_measured)} GiB ({m['memory_kind']}, {r.rank})" if r.mem_measured else "-")
         rate = "-" if r.rate_measured is None else (f"{r.rate_measured:.2f} it/s" if r.rate_what == "iterations/s"
                                                     else f"{num(r.rate_measured)} tok/s")
-        f = (lambda x: "-" if x is None else f"{x:.2f}") if r.rate_what == "iterations/s" else num
+        f = functools.partial(rate_cell, r)
         out.append(f"| {r.run['id']}{mark(r.run)}{bound_mark(r.run)} | {r.run['gpu']} × {r.run['gpu_count']} | "
                    f"{lay} | {mem} | "
                    f"{gib(r.mem_first) if r.mem_measured else '-'} | {pct(r.mem_error_first)} | "
@@ -472,14 +473,14 @@ def overlap_section(rows: list[ParRow]) -> list[str]:
            "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         old = before.get(r.run["id"])
-        if old is None or r.rate_predicted is None or abs(r.rate_predicted / old - 1) <= 1e-3:
+        if not old or r.rate_predicted is None or abs(r.rate_predicted / old - 1) <= 1e-3:
             continue
         why = ["retyped: --tp-overlap async"] if "--tp-overlap" in r.command else []
         if r.cfg.parallel.pipelined and r.cfg.parallel.schedule_spec.overlaps_sends:
             why.append(f"{r.cfg.parallel.schedule.value} sends overlapped")
-        f = (lambda x: f"{x:.2f}") if r.rate_what == "iterations/s" else num
-        out.append(f"| {r.run['id']}{mark(r.run)} | {'; '.join(why) or 'formula'} | {f(r.rate_measured)} | {f(old)} | "
-                   f"{pct(relative_to(old, r.rate_measured))} | {f(r.rate_predicted)} | {pct(r.rate_error)} |")
+        out.append(f"| {r.run['id']}{mark(r.run)} | {'; '.join(why) or 'formula'} | {rate_cell(r, r.rate_measured)} | "
+                   f"{rate_cell(r, old)} | {pct(relative_to(old, r.rate_measured))} | {rate_cell(r, r.rate_predicted)} | "
+                   f"{pct(r.rate_error)} |")
     pairs = [(a, b) for a in rows for b in rows if a.run["cli"] == b.run["cli"] and a.rate_predicted and b.rate_predicted
              and "--tp-overlap" not in a.command and "--tp-overlap" in b.command]
     if pairs:  # the same run measured with and without the overlap: the gain itself, apart from the rest of the time
