@@ -14,13 +14,10 @@ the functions.
 """
 from __future__ import annotations
 
-import multiprocessing
-import queue
 import statistics
 import time
 
-from batchlab.calibrate.link import join
-from batchlab.host import free_port
+from batchlab.calibrate.link import join, two_ranks
 
 NBYTES = 2**14  # small: the fixed host work, not the copy of the buffer
 SAMPLES = 100  # alternated pairs of calls per rank
@@ -67,25 +64,4 @@ def _rank(rank: int, port: int, samples: int, results) -> None:
 def measure(samples: int = SAMPLES) -> float:
     """Seconds of main-thread CPU a DTensor collective adds over a plain gloo all-reduce of the same tensor (the
     mean of the two ranks' differences of medians); RuntimeError where two ranks cannot run here."""
-    return statistics.fmean(two_ranks(_rank, samples, "DTensor collective timing"))
-
-
-def two_ranks(target, arg, what: str, timeout_s: float = TIMEOUT_S) -> list:
-    """What two forked local ranks of ``target(rank, port, arg, results)`` put on their queue, rank order unknown;
-    RuntimeError naming ``what`` where they give nothing in ``timeout_s`` (none is left running)."""
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    ctx = multiprocessing.get_context(method)
-    port, results = free_port(), ctx.Queue()
-    ranks = [ctx.Process(target=target, args=(r, port, arg, results), daemon=True) for r in range(2)]
-    for p in ranks:
-        p.start()
-    try:
-        return [got for _, got in (results.get(timeout=timeout_s) for _ in ranks)]
-    except queue.Empty:
-        codes = [p.exitcode for p in ranks]
-        raise RuntimeError(f"two local ranks gave no {what} (exit codes {codes})") from None
-    finally:
-        for p in ranks:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+    return statistics.fmean(two_ranks(_rank, samples, "DTensor collective timing", TIMEOUT_S))

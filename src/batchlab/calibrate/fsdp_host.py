@@ -17,8 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from batchlab.calibrate.dtensor_collective import two_ranks
-from batchlab.calibrate.link import join
+from batchlab.calibrate.link import join, two_ranks
 
 UPDATES = 20  # alternated updates of each of the four trainers per rank
 WARMUP = 3

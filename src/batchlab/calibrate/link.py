@@ -53,8 +53,8 @@ def burst(burst_s: float = BURST_S, clock=time.perf_counter):
     return a, int(matmuls)
 
 
-def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results,
-          burst_s: float = BURST_S) -> None:
+def _rank(rank: int, port: int, arg: tuple[tuple[int, ...], float], results, burst_s: float = BURST_S) -> None:
+    sizes, seconds = arg
     import torch
     import torch.distributed as dist
 
@@ -90,7 +90,7 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], seconds: float, results,
             dist.all_reduce(x)
             warm.append(time.perf_counter() - t)
         out["warm"] = statistics.median(warm)
-        results.put((rank, out, bursts))
+        results.put((rank, (out, bursts)))
     finally:
         dist.destroy_process_group()
 
@@ -101,26 +101,30 @@ def allreduce_timed(sizes: tuple[int, ...], seconds: float) -> dict:
     rank waits on its peer, which is the cost; RuntimeError where they cannot run it); skew, the median over
     the samples of how much longer the slower rank took over the same matmuls than the two ranks' mean
     (0.035: 3.5%), which a DP update waits for between its all-reduces."""
+    # each rank's median: the later rank's is the all-reduce alone, the earlier one's adds the wait for it
+    (first, b0), (second, b1) = two_ranks(_rank, (sizes, seconds), "result of gloo's all-reduce",
+                                          TIMEOUT_S + 10 * seconds)
+    skew = [max(x, y) / ((x + y) / 2) - 1 for x, y in zip(b0, b1) if x + y > 0]
+    return {"seconds": {n: (first[n] + second[n]) / 2 for n in first if n != "warm"},
+            "skew": statistics.median(skew) if skew else 0.0, "warm": (first["warm"] + second["warm"]) / 2}
+
+
+def two_ranks(target, arg, what: str, timeout_s: float) -> list:
+    """What two forked local ranks of ``target(rank, port, arg, results)`` put on their queue, rank order unknown;
+    RuntimeError naming ``what`` where they give nothing in ``timeout_s`` (none is left running)."""
     # fork: no interpreter start-up per rank; a parent's OpenMP pool is no hazard, as the ranks run no parallel
     # region (one intra-op thread each: gloo, a fill and the matmuls; checked with the parent at 2 threads)
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
-    port = free_port()
-    results = ctx.Queue()
-    ranks = [ctx.Process(target=_rank, args=(r, port, sizes, seconds, results), daemon=True) for r in range(2)]
+    port, results = free_port(), ctx.Queue()
+    ranks = [ctx.Process(target=target, args=(r, port, arg, results), daemon=True) for r in range(2)]
     for p in ranks:
         p.start()
     try:
-        # each rank's median: the later rank's is the all-reduce alone, the earlier one's adds the wait for it
-        got = sorted(results.get(timeout=TIMEOUT_S + 10 * seconds) for _ in ranks)
-        (_, first, b0), (_, second, b1) = got
-        skew = [max(x, y) / ((x + y) / 2) - 1 for x, y in zip(b0, b1) if x + y > 0]
-        return {"seconds": {n: (first[n] + second[n]) / 2 for n in first if n != "warm"},
-                "skew": statistics.median(skew) if skew else 0.0, "warm": (first["warm"] + second["warm"]) / 2}
+        return [got for _, got in (results.get(timeout=timeout_s) for _ in ranks)]
     except queue.Empty:
         codes = [p.exitcode for p in ranks]
-        raise RuntimeError(f"gloo's all-reduce between two local processes gave no result (exit codes {codes})") \
-            from None
+        raise RuntimeError(f"two local ranks gave no {what} (exit codes {codes})") from None
     finally:
         for p in ranks:
             p.join(timeout=5)

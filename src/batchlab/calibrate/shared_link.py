@@ -20,8 +20,7 @@ import statistics
 import time
 
 from batchlab.cache.calibrations import default_threads, load_cached, save
-from batchlab.calibrate.dtensor_collective import two_ranks
-from batchlab.calibrate.link import burst, join
+from batchlab.calibrate.link import burst, join, two_ranks
 from batchlab.formula.plausible import link_cpu_problems
 
 SIZES = (2**14, 4 * 2**20)  # bytes all-reduced: the per-message cost, and one with the bytes dominant
