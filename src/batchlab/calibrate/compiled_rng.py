@@ -15,7 +15,7 @@ then ~1 s in turns with ``bernoulli_``) and its cost per element over ``bernoull
 A compiled forward that keeps a dropout mask for backward stores it as bool from the kernel's vector mask
 (``VecMask<float,1>::store`` into a ``bool*``), which costs per element about what the draw does and no ATen kernel
 resembles it: a compiled ``x > c`` with a bool output is timed the same way, in turns with ``bernoulli_``, and cached
-under ``MASK_KEY`` (formula/fusion.py ``MASK``).
+under ``MASK_KEY`` (formula/inkernel.py ``MASK_STORE``).
 
 The other per-element work a generated kernel does is timed alike, for any compiled model on this CPU: a
 transcendental op (tanh, exp, erf, sigmoid, log; a softmax's passes over a row) is at::vec's vectorised function

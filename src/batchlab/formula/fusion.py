@@ -19,7 +19,7 @@ only.
 
 A forward that keeps its dropout masks for backward (its block not recomputed) stores each as a bool buffer, which
 inductor's C++ (CPU) kernels write through a vector-mask-to-bool conversion costing about as much per element as the draw
-itself (calibrate/compiled_rng.py times it): ``MASK``, one per drawn element.  Its backward reads each back
+itself (calibrate/compiled_rng.py times it): ``MASK_STORE``, one per drawn element.  Its backward reads each back
 (``MASK_LOAD_RANDOM``: a draw per element, widened with no runs for a branch predictor to follow), twice for a
 dropout on a softmax's output, whose gradient's row sum and pointwise pass both recompute the dropout's backward.
 A recomputed block's forward keeps no mask and its backward draws the numbers again inside the kernels that use
@@ -46,7 +46,6 @@ REDUCING = frozenset({OpClass.NORM, OpClass.SOFTMAX, OpClass.LOSS})
 REDUCTION_NAMES = frozenset({"sum", "mean", "amax", "amin", "var_mean", "linalg_vector_norm", "max", "prod", "any",
                              "all"})
 KERNEL = "fused"  # the name a chain's kernel goes by in the op list
-MASK = MASK_STORE  # timed by calibrate/compiled_rng.py, as RNG and MASK_LOAD are
 
 
 def _reduces(op: OpCount) -> bool:
@@ -68,14 +67,19 @@ def _drawn_in_kernel(op: OpCount) -> OpCount:
 
 def _mask_stored(op: OpCount) -> OpCount:
     """The bool mask a forward's random op keeps for backward, stored inside its kernel: one byte per element."""
-    return OpCount(MASK, op.phase, OpClass.RANDOM, 0, op.elements, op.elements, op.low_precision, op.count, 0,
+    return OpCount(MASK_STORE, op.phase, OpClass.RANDOM, 0, op.elements, op.elements, op.low_precision, op.count, 0,
                    False, Launch.FUSED)
+
+
+def _is_softmax(op: OpCount) -> bool:
+    """A softmax's forward (its backward, ``_softmax_backward_data``, is of the same class)."""
+    return op.cost_class is OpClass.SOFTMAX and op.name in ("_softmax", "softmax")
 
 
 def _mask_read(op: OpCount, after: OpCount | None) -> OpCount:
     """The backward's bool reads of the mask a forward's random op kept: once per element, twice where the op
     follows a softmax (its gradient's two passes over a row each recompute the dropout's backward)."""
-    reads = 2 if after is not None and after.cost_class is OpClass.SOFTMAX else 1
+    reads = 2 if after is not None and _is_softmax(after) else 1
     return OpCount(MASK_LOAD_RANDOM, Phase.BACKWARD, OpClass.MASKED, 0, 0, op.elements * reads, op.low_precision,
                    op.count, 0, False, Launch.FUSED)
 
@@ -91,13 +95,13 @@ def _member(op: OpCount, chain: list[OpCount], kept: bool) -> OpCount:
     name, cost_class, elements = op.name, op.cost_class, op.elements
     if cost_class in (OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD):
         name = in_kernel(name)
-    elif cost_class is OpClass.SOFTMAX and name in ("_softmax", "softmax"):
+    elif _is_softmax(op):
         name = in_kernel("softmax")
     elif (cost_class is OpClass.SOFTMAX and name == "_softmax_backward_data") or cost_class is OpClass.NORM:
         cost_class = OpClass.MEMORY
     elif cost_class is OpClass.MASKED and kept and op.phase in (Phase.FORWARD, Phase.BACKWARD):
         name = MASK_LOAD
-        elements *= 2 if chain[-1].name in ("_softmax", "softmax") else 1
+        elements *= 2 if _is_softmax(chain[-1]) else 1
     elif cost_class is OpClass.MASKED:
         cost_class = OpClass.MEMORY
     return OpCount(name, op.phase, cost_class, 0, 0, elements, op.low_precision, op.count, op.flops_per_matmul,

@@ -162,7 +162,7 @@ def _mask_loads(graph, fallbacks) -> tuple[tuple[str, int, bool], ...]:
     import torch
     from torch.utils._pytree import tree_leaves
 
-    from batchlab.formula.fusion import MASK_LOAD, MASK_LOAD_RANDOM
+    from batchlab.formula.inkernel import MASK_LOAD, MASK_LOAD_RANDOM
 
     outputs = {a for n in graph.nodes if n.op == "output" for a in tree_leaves(n.args)}
     out = []
@@ -187,7 +187,7 @@ def _bool_outputs(graph, fallbacks) -> tuple[tuple[str, int, bool], ...]:
     import torch
     from torch.utils._pytree import tree_leaves
 
-    from batchlab.formula.fusion import MASK
+    from batchlab.formula.inkernel import MASK_STORE as MASK
 
     out = []
     for node in graph.nodes:
