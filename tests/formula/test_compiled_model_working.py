@@ -13,8 +13,9 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _derived(cfg: RunConfig) -> RunConfig:
-    if compiled.whole_model_highs(cfg) is None:
-        pytest.skip("no whole-model stretches derived for this entry")
+    # the entries these tests check are generated ones (formula/compiled_model_working_table.py): one lost in a
+    # regeneration fails here rather than skipping the checks
+    assert compiled.whole_model_highs(cfg) is not None, "no whole-model stretches derived for this entry"
     return cfg
 
 

@@ -115,7 +115,8 @@ class Layout:
             parts.append(f"DP {self.engine.value}")
         if self.tp > 1:
             parts.append(("TP with sequence parallelism" if self.sequence_parallel else "TP")
-                         + (", its collectives overlapped with the GEMMs (--tp-overlap async, on CUDA devices)"
+                         + (", --tp-overlap async asked (its collectives overlapped with the GEMMs on CUDA devices; "
+                            "elsewhere in the critical path)"
                             if self.tp_overlap is TPOverlap.ASYNC else ""))
         if self.pp > 1:
             parts.append(f"PP {self.schedule.value}" + (f", {self.virtual} chunks per rank" if self.virtual > 1 else ""))
