@@ -81,7 +81,7 @@ def measure_in_kernel(seconds: float = SECONDS) -> dict[str, float]:
     arithmetic to speak of), all timed in one set of turns."""
     import torch
 
-    from batchlab.calibrate.kernels import CLOCK, ELEMENTS, alternated, keeping
+    from batchlab.calibrate.kernels import ELEMENTS
 
     x = torch.rand(ELEMENTS // 128, 128)
     # a causal mask's pattern (runs of one value along each row): the widening is a scalar loop per element whose
@@ -92,16 +92,7 @@ def measure_in_kernel(seconds: float = SECONDS) -> dict[str, float]:
     fns = {"copy": lambda t: t * 2.0, **{k: getattr(torch, op) for k, op in ARITHMETIC_KEYS.items()},
            SOFTMAX_KEY: lambda t: torch.softmax(t, -1), MASK_LOAD_KEY: lambda t: torch.where(mask, t, 0.0),
            MASK_LOAD_RANDOM_KEY: lambda t: torch.where(drawn, t, 0.0)}
-    kernels = {}
-    for k, fn in fns.items():
-        run = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
-        run(x)  # the compile, outside the timed turns
-        kernels[k] = (keeping(lambda run=run: run(x)), ELEMENTS)
-    token = CLOCK.set(time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
-    try:
-        rates = alternated({**kernels, "bernoulli_": _bernoulli(x)}, seconds, lambda: None)
-    finally:
-        CLOCK.reset(token)
+    rates = _rates(x, fns, seconds)
     base = rates["bernoulli_"] / rates["copy"]
     # an op no slower than the copy within the timing's spread (exp, vectorised, often is) keeps a floor of 1% of
     # the copy's time: a calibrated rate is positive
@@ -118,24 +109,34 @@ def _bernoulli(x):
 
 
 def _timed(name: str, fn, seconds: float) -> float:
-    """Compiled ``fn`` over ATen's ``bernoulli_`` per element, on this CPU at the current intra-op threads: ``fn``
-    compiled by inductor and the calibration's own ``bernoulli_`` kernel over the per-element kernels' operand
-    (calibrate/kernels.py ``ELEMENTS``), timed in turns so the host's speed of the moment falls on both; the
-    compiled kernel moves at most 8 bytes per element, far below what its per-element work costs."""
+    """Compiled ``fn`` over ATen's ``bernoulli_`` per element, on this CPU at the current intra-op threads (``_rates``):
+    the compiled kernel moves at most 8 bytes per element, far below what its per-element work costs."""
+    import torch
+
+    from batchlab.calibrate.kernels import ELEMENTS
+
+    rates = _rates(torch.rand(ELEMENTS // 128, 128), {name: fn}, seconds)
+    return rates["bernoulli_"] / rates[name]
+
+
+def _rates(x, fns: dict, seconds: float) -> dict[str, float]:
+    """Each of ``fns`` compiled by inductor over ``x`` (the per-element kernels' operand, calibrate/kernels.py
+    ``ELEMENTS``) and the calibration's own ``bernoulli_`` kernel, timed in turns so the host's speed of the moment
+    falls on all (elements per second, by name; the compiles outside the timed turns)."""
     import torch
 
     from batchlab.calibrate.kernels import CLOCK, ELEMENTS, alternated, keeping
 
-    x = torch.rand(ELEMENTS // 128, 128)
-    draw = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
-    draw(x)  # the compile, outside the timed turns
+    kernels = {}
+    for k, fn in fns.items():
+        run = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
+        run(x)  # the compile
+        kernels[k] = (keeping(lambda run=run: run(x)), ELEMENTS)
     token = CLOCK.set(time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
     try:
-        rates = alternated({name: (keeping(lambda: draw(x)), ELEMENTS),
-                            "bernoulli_": _bernoulli(x)}, seconds, lambda: None)
+        return alternated({**kernels, "bernoulli_": _bernoulli(x)}, seconds, lambda: None)
     finally:
         CLOCK.reset(token)
-    return rates["bernoulli_"] / rates[name]
 
 
 def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
