@@ -62,7 +62,7 @@ def loss_path(cfg: RunConfig) -> LossPath:
     return LossPath(kept=nv * F32, forward_transient=nv * w.e + upcast, backward_transient=2 * nv * F32)
 
 
-def fused_linear_path(cfg: RunConfig) -> LossPath:
+def fused_linear_path(cfg: RunConfig, t: int = 1) -> LossPath:
     """Liger's fused linear cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py,
     ``fused_linear_cross_entropy_forward``).  Its forward allocates ``grad_input = zeros_like(_input)`` (N x h, the
     head input's dtype), ``grad_weight = zeros_like(weight)`` (V x h, the weight's dtype: fp32 under autocast, 16-bit
@@ -70,13 +70,18 @@ def fused_linear_path(cfg: RunConfig) -> LossPath:
     backward, which only scales them in place (``element_mul_kernel``; nothing when the incoming gradient is 1).
     Between, one chunk of logits at a time: chunk = next_pow2(ceil(N / ceil(V / h))) tokens (about N x h
     elements), the cross-entropy kernel writing their gradient in place.  At backward's start ``grad_weight`` becomes
-    the LM head's weight gradient, which the backward walk already counts (formula/memory.py): kept until then."""
+    the LM head's weight gradient, which the backward walk already counts (formula/memory.py): kept until then.
+
+    On one of t ranks holding 1/t of the vocabulary the kernel runs over that shard (V/t rows of the head): the
+    vocabulary-sized tensors (``grad_weight``, a chunk's logits, and the chunk length it derives from V) are the
+    shard's; ``grad_input`` and ``loss_1d`` span every token whatever the split."""
     m, n = cfg.model, cfg.seq * cfg.micro_batch
+    v = m.vocab // t
     w = Widths.of(activation_precision(cfg), cfg.device_spec.backend)
-    chunk = min(n, 1 << (-(-n // -(-m.vocab // m.hidden)) - 1).bit_length())
+    chunk = min(n, 1 << (-(-n // -(-v // m.hidden)) - 1).bit_length())
     weight = F32 if cfg.precision.mixed and not cfg.parallel.engine_spec.deepspeed else w.e
-    return LossPath(kept=n * m.hidden * w.e + m.vocab * m.hidden * weight + n * F32,
-                    forward_transient=chunk * m.vocab * w.e, backward_transient=0)
+    return LossPath(kept=n * m.hidden * w.e + v * m.hidden * weight + n * F32,
+                    forward_transient=chunk * v * w.e, backward_transient=0)
 
 
 def in_graph(cfg: RunConfig) -> bool:
