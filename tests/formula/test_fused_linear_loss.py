@@ -92,3 +92,11 @@ def test_fused_linear_under_vocabulary_parallelism_splits_only_the_vocabulary_si
     assert lp.forward_transient == 64 * 500 * 2
     assert abs(lp.kept - after) <= 0.02 * after
     assert abs(lp.kept + lp.forward_transient - peak) <= 0.05 * peak
+
+
+def test_a_fused_loss_keeps_its_per_token_log_sum_exp_whole_under_vocabulary_parallelism():
+    # --loss fused on one of 2 vocabulary shards: 512 tokens x 500 logits x 2 bytes, and the fp32 log-sum-exp of
+    # every token (512 x 4), which the shards all-reduce and each keeps whole
+    model = ModelSpec(name="t", layers=1, hidden=H, heads=2, ffn=4 * H, vocab=V, max_positions=N)
+    cfg = RunConfig(model=model, seq=N, micro_batch=1, precision="bf16", loss="fused", tp=2)
+    assert rank_loss_path(cfg, share(cfg, 0)).kept == 512 * 500 * 2 + 512 * 4

@@ -11,7 +11,7 @@ from batchlab.formula import activations as act
 from batchlab.formula import checkpointing
 from batchlab.formula import compiled, fp8
 from batchlab.formula.deepspeed import activation_precision
-from batchlab.formula.loss import LossPath, fused_linear_path, loss_path, megatron_loss_path, vocab_parallel_path
+from batchlab.formula.loss import LossPath, loss_path, megatron_loss_path, vocab_parallel_path
 from batchlab.formula.profile import layer_policies, terms as profile_terms
 from batchlab.formula.ranks import RankShare, share, sp_gathered_inputs, tp_kept_bytes
 
@@ -113,12 +113,7 @@ def rank_loss_path(cfg: RunConfig, rank: RankShare) -> LossPath:
         return LossPath(kept=0, forward_transient=0, backward_transient=0)
     if cfg.vocab_parallel and cfg.loss.mode is LossMode.FULL:
         return vocab_parallel_path(cfg, rank.tp)
-    if cfg.loss.mode is LossMode.FUSED_LINEAR:  # only its vocabulary-sized tensors split
-        return fused_linear_path(cfg, rank.vocab_split)
-    lp = loss_path(cfg)
-    t = rank.tp if cfg.vocab_parallel else 1
-    return LossPath(kept=lp.kept // t, forward_transient=lp.forward_transient // t,
-                    backward_transient=lp.backward_transient // t)
+    return loss_path(cfg, rank.vocab_split)  # only its vocabulary-sized tensors split
 
 
 def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:

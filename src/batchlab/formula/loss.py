@@ -37,9 +37,11 @@ class LossPath:
     backward_transient: int  # gradients alive at the start of backward, on top of ``kept``
 
 
-def loss_path(cfg: RunConfig) -> LossPath:
+def loss_path(cfg: RunConfig, t: int = 1) -> LossPath:
+    """The loss's tensors; ``t``: the ranks its vocabulary is split over (RankShare.vocab_split), which divides the
+    vocabulary-sized tensors (N·V/t logits on a rank) and leaves the per-token ones whole."""
     w = Widths.of(activation_precision(cfg), cfg.device_spec.backend)
-    nv = cfg.seq * cfg.micro_batch * cfg.model.vocab
+    nv = cfg.seq * cfg.micro_batch * cfg.model.vocab // t
     upcast = nv * F32 if w.e != F32 else 0  # .float() of 16-bit logits; a no-op in fp32
     mode = LossMode.COMPILED if in_graph(cfg) else cfg.loss.mode
     if mode is LossMode.CLASSIFIER:  # b x labels logits: nothing of the vocabulary's size
@@ -51,7 +53,7 @@ def loss_path(cfg: RunConfig) -> LossPath:
         lse = cfg.seq * cfg.micro_batch * F32
         return LossPath(kept=nv * w.e + lse, forward_transient=0, backward_transient=0)
     if mode is LossMode.FUSED_LINEAR:
-        return fused_linear_path(cfg)
+        return fused_linear_path(cfg, t)
     if mode is LossMode.CHUNKED:  # one chunk: its logits, the fp32 copy, the log-softmax; then their gradients
         chunk = -(-nv // cfg.loss.chunks)
         c_upcast = chunk * F32 if w.e != F32 else 0
