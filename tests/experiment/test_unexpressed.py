@@ -63,3 +63,12 @@ def test_measurement_warns_of_each_field_it_ran_past():
     cfg = SP.replace(tp_overlap="async", comm_overlap=0.5)
     said = unexpressed.warnings(cfg)
     assert [w.split(":")[1].strip() for w in said] == ["tp_overlap", "comm_overlap"]
+
+
+def test_an_implementation_not_installed_here_is_its_stand_in_when_measured():
+    # Megatron's and nanoGPT's layers run as batchlab's GPT: two names of one measured run
+    with pytest.raises(ConfigError) as e:
+        _plan("impl=batchlab:megatron", RunConfig())
+    assert e.value.field == "impl" and "batchlab's GPT runs in its place" in e.value.message
+    assert _plan("impl=batchlab:hf", RunConfig()).sides.b.model.impl.value == "hf"  # transformers' GPT-2 runs
+    _plan("impl=batchlab:megatron", RunConfig(), formula_only=True)

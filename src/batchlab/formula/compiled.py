@@ -19,7 +19,7 @@ from batchlab.config import Backend, CompileMode, ModelSpec, Precision, RunConfi
 from batchlab.formula import checkpointing
 from batchlab.formula.activations import Impl, implementation
 
-# families whose code the harness runs in place of another's (models/__init__.py STAND_IN); torchtitan's Llama has
+# families whose code the harness runs in place of another's (config/standin.py STAND_IN); torchtitan's Llama has
 # a table entry of its own (transformers' code compiled as torchtitan's compiles: trace/compiled_terms.py)
 _RUNS_AS = {Impl.NANOGPT: Impl.BUILTIN}
 # precisions whose blocks save the same bytes as one the table holds: fp16 autocast as bf16 autocast; FSDP2's bf16

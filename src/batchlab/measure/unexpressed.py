@@ -4,8 +4,9 @@ anything runs (its measured verdict would judge the formula's difference against
 
 Run past: ``--tp-overlap`` (the measured ranks run DTensor's plain collectives, on every device), the formula's
 stated assumptions (the measured run observes its own figures), DeepSpeed's ``zero_optimization`` sizes (no
-DeepSpeed engine runs here), and the catalogue card of ``--device`` beyond its backend (the run takes the local
-device of that backend, or ``--torch-device``).  Refused outright elsewhere (run.measure, distributed.measurable):
+DeepSpeed engine runs here), the catalogue card of ``--device`` beyond its backend (the run takes the local device
+of that backend, or ``--torch-device``), and an implementation not installed here beyond the code that runs in its
+place (config/standin.py).  Refused outright elsewhere (run.measure, distributed.measurable):
 what the harness cannot run at all (FP8 GEMMs, activation offload, DeepSpeed's and Megatron's engines).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 from batchlab.config import ASSUMPTION_FIELDS, Assumptions, RunConfig
 from batchlab.config.deepspeed import DeepSpeedSettings
 from batchlab.config.engines import TPOverlap
+from batchlab.config.standin import runs_as, stand_in_text
 
 _DEFAULT_ASSUMPTIONS = Assumptions()
 
@@ -42,9 +44,9 @@ def warnings(cfg: RunConfig) -> list[str]:
 
 
 def _as_run(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with what a measured run ignores put back to the defaults."""
+    """``cfg`` as the code that measures it runs: with what a measured run ignores put back to the defaults."""
     names = ignored(cfg)
-    out = cfg.replace(**{n: getattr(_DEFAULT_ASSUMPTIONS, n) for n in names if n in ASSUMPTION_FIELDS})
+    out = runs_as(cfg).replace(**{n: getattr(_DEFAULT_ASSUMPTIONS, n) for n in names if n in ASSUMPTION_FIELDS})
     if "tp_overlap" in names:
         out = out.replace(tp_overlap=TPOverlap.NONE)
     return dataclasses.replace(out, deepspeed=DeepSpeedSettings())
@@ -57,6 +59,9 @@ def same_run(a: RunConfig, b: RunConfig, torch_device: str | None = None) -> tup
     if not diff:
         return None
     why = {**ignored(b), **ignored(a)}
+    stand_in = stand_in_text(a) or stand_in_text(b)
+    if stand_in:
+        why["impl"] = stand_in
     if a.device != b.device:
         local = {torch_device or c.device_spec.backend.value for c in (a, b)}
         if len(local) > 1:
