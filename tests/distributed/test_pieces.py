@@ -117,9 +117,9 @@ def test_merge_says_a_tp_overlap_it_did_not_run():
         rec.pop("comm")
         rec.update(coordinates=dict(pp=0, dp=0, tp=r))
         ranks.append(rec)
-    assert any(w.startswith("--tp-overlap async ignored") for w in merge(cfg, ranks).warnings)
+    assert any(w.startswith("ignored: tp_overlap: async") for w in merge(cfg, ranks).warnings)
     plain = RunConfig(tp=2, sequence_parallel=True)
-    assert not any("tp-overlap" in w for w in merge(plain, ranks).warnings)
+    assert not any("tp_overlap" in w for w in merge(plain, ranks).warnings)
 
 
 def test_launch_refuses_a_mismatched_world_before_starting_anything():

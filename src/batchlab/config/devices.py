@@ -174,8 +174,6 @@ def _low_end(card: DeviceSpec, low: DeviceSpec, name: str) -> DeviceSpec:
 
 _GPUS = tuple(dataclasses.replace(g, peak_low=next((n for c, _, n in _PEAK_RANGES if c == g.name), ""))
               for g in _GPUS)
-_BY_NAME = {g.name: g for g in _GPUS}
-_GPUS += tuple(_low_end(_BY_NAME[card], _BY_NAME[low], name) for card, low, name in _PEAK_RANGES)
 
 
 def _cpu() -> DeviceSpec:
@@ -191,7 +189,9 @@ def _cpu() -> DeviceSpec:
                       "nominal 16 GiB (this machine's memory could not be read)", arch="cpu")
 
 
-DEVICES: dict[str, DeviceSpec] = {d.name: d for d in _GPUS} | {"cpu": _cpu()}
+DEVICES: dict[str, DeviceSpec] = {d.name: d for d in _GPUS}
+DEVICES |= {name: _low_end(DEVICES[card], DEVICES[low], name) for card, low, name in _PEAK_RANGES}
+DEVICES["cpu"] = _cpu()
 # the names users type -> catalogue entry
 DEVICE_ALIASES = {
     "h100": "h100-sxm", "h100-80gb": "h100-sxm", "h100-sxm5": "h100-sxm", "h100-sxm-80gb": "h100-sxm",

@@ -203,6 +203,9 @@ class Collective:
     phase: str  # forward | backward
     count: int
     sent: Sent = Sent.ACTIVATION
+    # the GEMMs of each block (attention, MLP) it feeds or follows, "column" | "row" ("": none): per block, one of a
+    # layer's ``count`` (``per_column``: one per column linear of the block)
+    paired: str = ""
 
 
 @dataclass(frozen=True)
@@ -238,8 +241,8 @@ class TensorParallelSpec:
         return out
 
 
-def _c(kind: str, phase: str, count: int, sent: Sent = Sent.ACTIVATION) -> Collective:
-    return Collective(kind, phase, count, sent)
+def _c(kind: str, phase: str, count: int, sent: Sent = Sent.ACTIVATION, paired: str = "") -> Collective:
+    return Collective(kind, phase, count, sent, paired)
 
 
 # Shoeybi et al. 2019 sec. 3 (Megatron's f and g): per layer 2 all-reduces of b·s·h in forward, 2 in backward.
@@ -253,18 +256,22 @@ def _c(kind: str, phase: str, count: int, sent: Sent = Sent.ACTIVATION) -> Colle
 LOSS_PARALLEL = (Collective("all_reduce", "forward", 3, Sent.TOKENS),)
 TENSOR_PARALLEL: dict[bool, TensorParallelSpec] = {s.sequence_parallel: s for s in (
     TensorParallelSpec(False, "parallelize_module: ColwiseParallel / RowwiseParallel",
-                       per_layer=(_c("all_reduce", "forward", 2),),
-                       recompute=(_c("all_reduce", "forward", 2),),
-                       per_column=(_c("all_reduce", "backward", 1),),
+                       per_layer=(_c("all_reduce", "forward", 2, paired="row"),),
+                       recompute=(_c("all_reduce", "forward", 2, paired="row"),),
+                       per_column=(_c("all_reduce", "backward", 1, paired="column"),),
                        # the row-parallel embedding's output; the column-parallel head's input gradient, the loss
                        embedding_vocab=(_c("all_reduce", "forward", 1),),
                        head_vocab=(_c("all_reduce", "backward", 1),) + LOSS_PARALLEL,
                        differs="backward all-reduces each column-parallel linear's input gradient"),
     TensorParallelSpec(True, "parallelize_module: + SequenceParallel norms, Shard(1) between blocks",
-                       per_layer=(_c("all_gather", "forward", 2), _c("reduce_scatter", "forward", 2),
-                                  _c("all_gather", "backward", 2)),
-                       recompute=(_c("all_gather", "forward", 2), _c("reduce_scatter", "forward", 2)),
-                       per_column=(_c("all_reduce", "backward", 1),),
+                       # the input gathered for the column GEMMs, the row GEMM's output reduce-scattered; backward
+                       # the output gradient gathered for the row GEMM's, the column inputs' gradients reduced
+                       per_layer=(_c("all_gather", "forward", 2, paired="column"),
+                                  _c("reduce_scatter", "forward", 2, paired="row"),
+                                  _c("all_gather", "backward", 2, paired="row")),
+                       recompute=(_c("all_gather", "forward", 2, paired="column"),
+                                  _c("reduce_scatter", "forward", 2, paired="row")),
+                       per_column=(_c("all_reduce", "backward", 1, paired="column"),),
                        # the first block's sequence slice taken locally, its gradient gathered back; the head's
                        # input gathered (reduce-scattered back where the head is column-parallel), the loss
                        embedding=(_c("all_gather", "backward", 1),),

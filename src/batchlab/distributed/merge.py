@@ -13,8 +13,8 @@ from dataclasses import replace
 from typing import Any
 
 from batchlab.config import RunConfig
-from batchlab.config.engines import TPOverlap
 from batchlab.distributed.measurable import applies
+from batchlab.measure import unexpressed
 from batchlab.measure.result import (MeasuredComm, MeasuredMemory, MeasuredTime, MeasuredTraffic, Measurement,
                                      Outcome, RankFigures, memory_from_dict)
 
@@ -130,9 +130,7 @@ def merge(cfg: RunConfig, ranks: list[dict[str, Any]], environment: dict[str, An
     time_, comm, traffic = _time(ranks), _comm(cfg, ranks), None if layered else _traffic(cfg, ranks)
     useful = tps = None
     warnings = _consistency_warnings(ranks)
-    if cfg.parallel.tp_overlap is not TPOverlap.NONE:  # formula only: the ranks run DTensor's plain collectives
-        warnings.append(f"--tp-overlap {cfg.parallel.tp_overlap} ignored: the measured ranks run each TP collective "
-                        "in the critical path (torch's async TP needs CUDA symmetric memory under torch.compile)")
+    warnings += unexpressed.warnings(cfg)
     if time_ is not None:
         # as measure.session does it: mean useful tokens per update (all ranks) / median update time
         per_update = statistics.fmean(sum(r["useful_tokens"][i] for r in ranks) for i in range(len(time_.samples)))

@@ -26,6 +26,7 @@ from batchlab.experiment.protocol import MeasureFn, Progress, Rounds, check_roun
 from batchlab.experiment.scope import scope
 from batchlab.experiment.semantics import semantics
 from batchlab.experiment.verdict import BAND_METHOD, contradictions, summary, verdicts
+from batchlab.measure import unexpressed
 from batchlab.measure.options import MeasureOptions
 from batchlab.timeline.data import Timeline, compact
 
@@ -56,6 +57,8 @@ def make_plan(base: RunConfig, changes: list[Change], keep: KeepMode | str = Kee
               note: str = "", torch_device: str | None = None, threads: int | str | None = "auto") -> ExperimentPlan:
     """Validate everything (raises ConfigError naming the field) before anything is run or written."""
     sides = build_sides(base, changes, KeepMode.parse("keep", keep), allow_confounded)
+    if not formula_only:
+        sides = _measurable(sides, torch_device)
     check_rounds(rounds)
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget <= 0:
         raise ConfigError("token_budget", f"must be a whole number of tokens > 0, got {token_budget!r}")
@@ -64,6 +67,19 @@ def make_plan(base: RunConfig, changes: list[Change], keep: KeepMode | str = Kee
     predictions = dict(predictions or {})
     source = prediction_source or ("flag" if predictions else "none")
     return ExperimentPlan(sides, predictions, source, rounds, options, token_budget, formula_only, note or "", threads)
+
+
+def _measurable(sides: Sides, torch_device: str | None) -> Sides:
+    """Refuses two sides a measurement cannot tell apart (one line naming the field); a change the measured runs
+    run past beside one they express is said in the record's warnings."""
+    same = unexpressed.same_run(sides.a, sides.b, torch_device)
+    if same is not None:
+        field, why = same
+        raise ConfigError(field, f"{why}; both sides would be one measured run: compare it with --formula-only, or "
+                                 "change a field the measured run expresses")
+    past = {**unexpressed.ignored(sides.b), **unexpressed.ignored(sides.a)}
+    said = tuple(f"{n} changes only the formula's side: {past[n]}" for n in sides.a.diff(sides.b) if n in past)
+    return replace(sides, warnings=sides.warnings + said) if said else sides
 
 
 def _threads(threads: int | str | None, sides: Sides, torch_device: str | None) -> int | None:
@@ -83,6 +99,10 @@ def preflight(plan: ExperimentPlan) -> None:
     if plan.formula_only:
         return
     for cfg in (plan.sides.a, plan.sides.b):
+        if cfg.parallel.world_size > 1:  # layouts and engines no rank runs
+            from batchlab.distributed.measurable import check
+
+            check(cfg)
         if cfg.device_spec.backend.value == "cpu" and cfg.memory_budget is None and plan.options.torch_device is None:
             continue
         from batchlab.measure.device import torch_device

@@ -113,10 +113,7 @@ def rank_loss_path(cfg: RunConfig, rank: RankShare) -> LossPath:
         return LossPath(kept=0, forward_transient=0, backward_transient=0)
     if cfg.vocab_parallel and cfg.loss.mode is LossMode.FULL:
         return vocab_parallel_path(cfg, rank.tp)
-    lp = loss_path(cfg)
-    t = rank.tp if cfg.vocab_parallel else 1
-    return LossPath(kept=lp.kept // t, forward_transient=lp.forward_transient // t,
-                    backward_transient=lp.backward_transient // t)
+    return loss_path(cfg, rank.vocab_split)  # only its vocabulary-sized tensors split
 
 
 def _profiled_plan(cfg: RunConfig, t) -> ActivationPlan:

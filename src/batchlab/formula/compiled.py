@@ -19,7 +19,7 @@ from batchlab.config import Backend, CompileMode, ModelSpec, Precision, RunConfi
 from batchlab.formula import checkpointing
 from batchlab.formula.activations import Impl, implementation
 
-# families whose code the harness runs in place of another's (models/__init__.py STAND_IN); torchtitan's Llama has
+# families whose code the harness runs in place of another's (config/standin.py STAND_IN); torchtitan's Llama has
 # a table entry of its own (transformers' code compiled as torchtitan's compiles: trace/compiled_terms.py)
 _RUNS_AS = {Impl.NANOGPT: Impl.BUILTIN}
 # precisions whose blocks save the same bytes as one the table holds: fp16 autocast as bf16 autocast; FSDP2's bf16
@@ -103,6 +103,13 @@ def dims(m: ModelSpec, s: int, b: int) -> dict[str, Fraction]:
     return dict(b=Fraction(b), s=Fraction(s), k=Fraction(k), g=Fraction(m.heads, k), d=d, f=Fraction(m.ffn))
 
 
+def scales(exponents: tuple[int, ...]) -> bool:
+    """Whether a term of a compiled block's saved tensors is the block's own: one with a symbol in it.  The constant
+    term is a block graph's generator state (a seed per dropout site), which a whole-model graph replaces by its one
+    seeds buffer: the seed-term rule, for the formula and the trace alike."""
+    return any(exponents)
+
+
 def layer_bytes(cfg: RunConfig, policy: str, s: int | None = None, b: int | None = None) -> int:
     """Bytes one compiled block keeps for backward under ``policy`` at (b, s) (default: cfg's): the sum of its
     saved tensors' monomials.  In a whole-model graph whose working set is derived (``whole_model_highs``) the
@@ -110,7 +117,7 @@ def layer_bytes(cfg: RunConfig, policy: str, s: int | None = None, b: int | None
     values = dims(cfg.model, cfg.seq if s is None else s, cfg.micro_batch if b is None else b)
     terms = _table().TERMS[_key(cfg, policy)]
     if whole_model_highs(cfg) is not None:
-        terms = tuple(t for t in terms if any(t[0]))
+        terms = tuple(t for t in terms if scales(t[0]))
     return round(_evaluate(terms, values))
 
 

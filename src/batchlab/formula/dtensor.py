@@ -52,15 +52,26 @@ LOSS_BACKWARD = 8  # ones_like, div, nll_loss_backward, _log_softmax_backward_da
 def sharded_linears(cfg: RunConfig) -> int:
     """Linears per layer under the plan: attention's q/k/v (fused in the built-in GPT) and output projection, the
     MLP's up (and gate) and down."""
-    qkv = 3 if cfg.model_kind is ModelSource.HF else 1
-    return qkv + 1 + (3 if cfg.model.mlp is MLPKind.SWIGLU else 2)
+    return _qkv_linears(cfg) + 1 + (3 if cfg.model.mlp is MLPKind.SWIGLU else 2)
+
+
+def _qkv_linears(cfg: RunConfig) -> int:
+    return 3 if cfg.model_kind is ModelSource.HF else 1
+
+
+def column_linears_by_block(cfg: RunConfig) -> dict[str, int]:
+    """Column-parallel linears of a layer's attention and MLP blocks, each a backward all-reduce of its input's
+    gradient under DTensor (config.engines.TensorParallelSpec.per_column): all but the two row-parallel ones
+    (attention's output, the MLP's down): q/k/v (fused in the built-in GPT), the MLP's up (and gate); Megatron's own
+    layers reduce once per block (its f operator)."""
+    if cfg.model.impl is Implementation.MEGATRON:
+        return {"attention": 1, "mlp": 1}
+    return {"attention": _qkv_linears(cfg), "mlp": 2 if cfg.model.mlp is MLPKind.SWIGLU else 1}
 
 
 def column_linears(cfg: RunConfig) -> int:
-    """Column-parallel linears per layer, each a backward all-reduce of its input's gradient under DTensor
-    (config.engines.TensorParallelSpec.per_column): all but the two row-parallel ones (attention's output, the MLP's
-    down); Megatron's own layers reduce once per block (its f operator), 2 a layer."""
-    return 2 if cfg.model.impl is Implementation.MEGATRON else sharded_linears(cfg) - 2
+    """Column-parallel linears per layer (``column_linears_by_block``'s sum)."""
+    return sum(column_linears_by_block(cfg).values())
 
 
 def dtensor_params(cfg: RunConfig, rank: RankShare) -> int:

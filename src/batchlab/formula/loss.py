@@ -37,9 +37,11 @@ class LossPath:
     backward_transient: int  # gradients alive at the start of backward, on top of ``kept``
 
 
-def loss_path(cfg: RunConfig) -> LossPath:
+def loss_path(cfg: RunConfig, t: int = 1) -> LossPath:
+    """The loss's tensors; ``t``: the ranks its vocabulary is split over (RankShare.vocab_split), which divides the
+    vocabulary-sized tensors (N·V/t logits on a rank) and leaves the per-token ones whole."""
     w = Widths.of(activation_precision(cfg), cfg.device_spec.backend)
-    nv = cfg.seq * cfg.micro_batch * cfg.model.vocab
+    nv = cfg.seq * cfg.micro_batch * cfg.model.vocab // t
     upcast = nv * F32 if w.e != F32 else 0  # .float() of 16-bit logits; a no-op in fp32
     mode = LossMode.COMPILED if in_graph(cfg) else cfg.loss.mode
     if mode is LossMode.CLASSIFIER:  # b x labels logits: nothing of the vocabulary's size
@@ -51,7 +53,7 @@ def loss_path(cfg: RunConfig) -> LossPath:
         lse = cfg.seq * cfg.micro_batch * F32
         return LossPath(kept=nv * w.e + lse, forward_transient=0, backward_transient=0)
     if mode is LossMode.FUSED_LINEAR:
-        return fused_linear_path(cfg)
+        return fused_linear_path(cfg, t)
     if mode is LossMode.CHUNKED:  # one chunk: its logits, the fp32 copy, the log-softmax; then their gradients
         chunk = -(-nv // cfg.loss.chunks)
         c_upcast = chunk * F32 if w.e != F32 else 0
@@ -62,7 +64,7 @@ def loss_path(cfg: RunConfig) -> LossPath:
     return LossPath(kept=nv * F32, forward_transient=nv * w.e + upcast, backward_transient=2 * nv * F32)
 
 
-def fused_linear_path(cfg: RunConfig) -> LossPath:
+def fused_linear_path(cfg: RunConfig, t: int = 1) -> LossPath:
     """Liger's fused linear cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py,
     ``fused_linear_cross_entropy_forward``).  Its forward allocates ``grad_input = zeros_like(_input)`` (N x h, the
     head input's dtype), ``grad_weight = zeros_like(weight)`` (V x h, the weight's dtype: fp32 under autocast, 16-bit
@@ -70,13 +72,18 @@ def fused_linear_path(cfg: RunConfig) -> LossPath:
     backward, which only scales them in place (``element_mul_kernel``; nothing when the incoming gradient is 1).
     Between, one chunk of logits at a time: chunk = next_pow2(ceil(N / ceil(V / h))) tokens (about N x h
     elements), the cross-entropy kernel writing their gradient in place.  At backward's start ``grad_weight`` becomes
-    the LM head's weight gradient, which the backward walk already counts (formula/memory.py): kept until then."""
+    the LM head's weight gradient, which the backward walk already counts (formula/memory.py): kept until then.
+
+    On one of t ranks holding 1/t of the vocabulary the kernel runs over that shard (V/t rows of the head): the
+    vocabulary-sized tensors (``grad_weight``, a chunk's logits, and the chunk length it derives from V) are the
+    shard's; ``grad_input`` and ``loss_1d`` span every token whatever the split."""
     m, n = cfg.model, cfg.seq * cfg.micro_batch
+    v = m.vocab // t
     w = Widths.of(activation_precision(cfg), cfg.device_spec.backend)
-    chunk = min(n, 1 << (-(-n // -(-m.vocab // m.hidden)) - 1).bit_length())
+    chunk = min(n, 1 << (-(-n // -(-v // m.hidden)) - 1).bit_length())
     weight = F32 if cfg.precision.mixed and not cfg.parallel.engine_spec.deepspeed else w.e
-    return LossPath(kept=n * m.hidden * w.e + m.vocab * m.hidden * weight + n * F32,
-                    forward_transient=chunk * m.vocab * w.e, backward_transient=0)
+    return LossPath(kept=n * m.hidden * w.e + v * m.hidden * weight + n * F32,
+                    forward_transient=chunk * v * w.e, backward_transient=0)
 
 
 def in_graph(cfg: RunConfig) -> bool:

@@ -8,6 +8,7 @@ from batchlab.config import Backend, NormKind, RunConfig
 from batchlab.config.phase import Phase
 from batchlab.formula import fp8
 from batchlab.formula.activations import Impl, implementation
+from batchlab.formula.deepspeed import activation_precision
 from batchlab.formula.opcost import OpCount, op_class
 
 F32 = 4
@@ -116,10 +117,12 @@ class OpList:
 
 
 def widths(cfg: RunConfig) -> OpWidths:
-    e = cfg.precision.compute_bytes
+    """The widths of the ops that run: a DeepSpeed 16-bit module runs without autocast (no per-op weight casts)."""
+    precision = activation_precision(cfg)
+    e = precision.compute_bytes
     # on CUDA torchtitan's nn.RMSNorm reaches ATen's fused kernel, Megatron's is TE's or Apex's; HF's is Python ops
     cuda, impl = cfg.device_spec.backend is Backend.CUDA, implementation(cfg.model_kind, cfg.model)
     fused = cuda and impl in (Impl.TT_LLAMA, Impl.MEGATRON)
     s8 = fp8.active(cfg)
-    return OpWidths(e=e, res=2 if cfg.precision.low_precision_residual else 4, autocast=cfg.precision.mixed, fused_rms=fused,
+    return OpWidths(e=e, res=2 if precision.low_precision_residual else 4, autocast=precision.mixed, fused_rms=fused,
                    cuda=cuda, megatron=cuda and impl is Impl.MEGATRON, fp8=s8, dp8=cfg.dp if s8 and s8.fsdp_fp8_all_gather else 1)

@@ -21,6 +21,7 @@ from batchlab.formula.memo import cache, lookup
 from batchlab.formula.opbuild import (BWD, DATA, F32, FWD, OPT, OpList, op as _op, views as _views,
                                         widths as _widths)
 from batchlab.formula.activations import Impl, implementation, materialises_scores
+from batchlab.formula.deepspeed import activation_precision
 from batchlab.formula.opcost import OpClass, OpCount, merge
 from batchlab.formula.params import tensor_sizes
 from batchlab.config.phase import Phase
@@ -184,7 +185,7 @@ _OPTIMIZER, _MICRO, _UPDATE = cache(), cache(), cache()
 
 def _micro_key(cfg: RunConfig) -> tuple:
     """Every field micro_batch_ops reads (model_kind derives from model_source; the backend picks CUDA's kernels)."""
-    return (cfg.model, cfg.model_source, cfg.seq, cfg.micro_batch, cfg.precision, cfg.ac, cfg.loss,
+    return (cfg.model, cfg.model_source, cfg.seq, cfg.micro_batch, cfg.precision, activation_precision(cfg), cfg.ac, cfg.loss,
             cfg.device_spec.backend, cfg.fp8, cfg.dp, cfg.compile)
 
 

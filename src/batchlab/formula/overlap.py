@@ -82,41 +82,40 @@ def gemm_seconds(cfg: RunConfig, costs: OpCosts) -> dict[tuple[str, str, Phase],
     return out
 
 
-def _column_reductions(per_column: int) -> dict[str, int]:
-    """The column-parallel inputs' gradient reductions per layer (``dtensor.column_linears``) under Megatron's layer,
-    the one whose reductions are paired (its SwiGLU's gate and up are one fused linear): the MLP's one, attention's
-    the rest."""
-    return {"attention": per_column - 1, "mlp": 1}
+def _decomposed(cfg: RunConfig, kind: str) -> bool:
+    """Whether the overlap decomposes a paired collective of ``kind``: all-gathers and reduce-scatters always; the
+    column inputs' gradient reductions only under Megatron's layer, whose reduce-scatters Transformer Engine overlaps
+    with the weight-gradient GEMM (userbuffers' bulk wgrad); DTensor's are all-reduces, which torch's micro-pipeline
+    TP pass (torch/_inductor/fx_passes/micro_pipeline_tp.py: all_gather -> mm, mm -> reduce_scatter) leaves whole."""
+    return kind != "all_reduce" or cfg.model.impl is Implementation.MEGATRON
 
 
 def tp_hidden_seconds(cfg: RunConfig, layers: tuple[int, ...], link, costs: OpCosts | None) -> float:
     """One micro-batch's TP collective time the GEMMs hide on a rank running ``layers`` (0 without the overlap):
     per (collective, GEMM) pair, min(T_comm, (t-1)/t x T_gemm), each collective over one b·s·h buffer on ``link``
-    (the TP link, formula/pipeline.py's ``Link``)."""
+    (the TP link, formula/pipeline.py's ``Link``).  The pairs are the layout catalogue's (``Collective.paired``:
+    per layer one per block, the column inputs' reductions one per column linear, ``dtensor.column_linears_by_block``),
+    a fully recomputed layer's forward ones again; the unpaired (norms, the model's ends) stay exposed."""
     if not tp_overlapped(cfg) or costs is None or not layers:
         return 0.0
-    t, nbytes = cfg.parallel.tp, activation_message_bytes(cfg)
-    gemm = gemm_seconds(cfg, costs)
-    per_column = sum(c.count for c in cfg.parallel.tp_spec.per_column) * dtensor.column_linears(cfg)
-    columns = _column_reductions(per_column)
+    t, nbytes, spec = cfg.parallel.tp, activation_message_bytes(cfg), cfg.parallel.tp_spec
+    gemm, columns = gemm_seconds(cfg, costs), dtensor.column_linears_by_block(cfg)
 
-    def hide(kind: str, calls: int, block: str, side: str, ph: Phase) -> float:
-        comm = link.collective_seconds(kind, nbytes, t) * calls
-        return min(comm, (t - 1) / t * gemm[(block, side, ph)])
+    def hidden(collectives, per_column: bool = False) -> float:
+        out = 0.0
+        for c in collectives:
+            if not c.paired or not _decomposed(cfg, c.kind):
+                continue
+            for block in BLOCKS:
+                calls = c.count * columns[block] if per_column else c.count // len(BLOCKS)
+                comm = link.collective_seconds(c.kind, nbytes, t) * calls
+                out += min(comm, (t - 1) / t * gemm[(block, c.paired, Phase(c.phase))])
+        return out
 
-    def forward() -> float:  # the input gathered for the column GEMMs, the row GEMM's output reduce-scattered
-        return sum(hide("all_gather", 1, b, "column", Phase.FORWARD) + hide("reduce_scatter", 1, b, "row", Phase.FORWARD)
-                   for b in BLOCKS)
-
-    # the column inputs' gradient reductions: Megatron's are reduce-scatters that Transformer Engine overlaps with the
-    # weight-gradient GEMM (userbuffers' bulk wgrad); DTensor's are all-reduces, which torch's micro-pipeline TP pass
-    # (torch/_inductor/fx_passes/micro_pipeline_tp.py: all_gather -> mm, mm -> reduce_scatter) leaves whole
-    te = cfg.model.impl is Implementation.MEGATRON
-    backward = sum(hide("all_gather", 1, b, "row", Phase.BACKWARD)
-                   + (hide("all_reduce", columns[b], b, "column", Phase.BACKWARD) if te else 0.0) for b in BLOCKS)
     modes = cfg.ac.layer_modes(cfg.model.layers)
     redone = sum(modes[i].spec.applied is Applied.WHOLE_BLOCK for i in layers)
-    return len(layers) * (forward() + backward) + redone * forward()
+    return len(layers) * (hidden(spec.per_layer) + hidden(spec.per_column, per_column=True)) + redone * hidden(
+        spec.recompute)
 
 
 def sends_overlapped(cfg: RunConfig) -> bool:

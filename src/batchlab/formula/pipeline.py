@@ -23,6 +23,7 @@ from batchlab.config.engines import Sent
 from batchlab.formula import dtensor, overlap
 from batchlab.formula.overlap import activation_message_bytes
 from batchlab.formula.activations import Widths
+from batchlab.formula.deepspeed import activation_precision
 from batchlab.formula.flops import stage_flops_per_token
 from batchlab.formula.params import norm_tensors
 from batchlab.formula.ranks import RankShare, residual_bytes, shares
@@ -41,7 +42,7 @@ def stage_output_bytes(cfg: RunConfig, rank: RankShare) -> int:
     if rank.stages == 1:
         return 0
     m, s, b = cfg.model, cfg.seq, cfg.micro_batch
-    w = Widths.of(cfg.precision, cfg.device_spec.backend)
+    w = Widths.of(activation_precision(cfg), cfg.device_spec.backend)
     hidden = s * b * m.hidden * w.res // rank.in_sp
     logits = s * b * m.vocab * w.e // rank.vocab_split
     chunks = round(rank.in_flight * cfg.parallel.chunks)  # chunk-forwards in flight
@@ -131,7 +132,8 @@ def tp_collectives(cfg: RunConfig, rank: RankShare) -> dict[tuple[str, str], tup
         return {}
     spec = cfg.parallel.tp_spec
     modes = cfg.ac.layer_modes(cfg.model.layers)
-    norm_bytes = cfg.model.hidden * (4 if cfg.precision.mixed else cfg.precision.compute_bytes)
+    w = widths(cfg)  # a norm's gradient: fp32 under autocast, else the module's width (DeepSpeed's 16 bits)
+    norm_bytes = cfg.model.hidden * (4 if w.autocast else w.e)
     sizes = {Sent.ACTIVATION: activation_message_bytes(cfg), Sent.NORM: norm_bytes,
              Sent.TOKENS: cfg.micro_batch * cfg.seq * 4}
     out: dict[tuple[str, str], tuple[int, int]] = {}

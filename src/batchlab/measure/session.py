@@ -28,6 +28,7 @@ import torch
 
 from batchlab import host
 from batchlab.config import CompileMode, ConfigError, RunConfig, catalogue_key
+from batchlab.measure import unexpressed
 from batchlab.measure.device import torch_device
 from batchlab.measure.loop import (PHASE_UPDATES, LoopHooks, LoopPlan, MemoryReader, Progress, Recorder,
                                    TimedUpdates, UpdateLoop)
@@ -87,6 +88,7 @@ def run_inprocess(cfg: RunConfig, opts: MeasureOptions, progress: Progress | Non
         m.warnings.append(f"measured on {m.environment['device_name']} ({here or 'not in the catalogue'}), but "
                           f"--device is {cfg.device}: the formula figures beside it are for {cfg.device}")
     _check_compiled(cfg, opts, device)
+    m.warnings.extend(unexpressed.warnings(cfg))
     unsteady = host.warning() if device.type == "cpu" else None  # a non-glibc host allocator: said, not set
     if unsteady is not None:
         m.warnings.append(unsteady)

@@ -10,7 +10,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from batchlab.config import Counted, DataKind, Implementation, MLPKind, ModelSource, RunConfig
+from batchlab.config import Counted, DataKind, ModelSource, RunConfig
+from batchlab.config.standin import runnable, stand_in_text  # noqa: F401 - the trace's too
 
 # make_batch(generator, micro_batch, seq, device) -> (tokens, targets); targets use -100 for padding.
 BatchMaker = Callable[[torch.Generator, int, int, torch.device], tuple[torch.Tensor, torch.Tensor]]
@@ -59,34 +60,6 @@ def build_workload(cfg: RunConfig) -> Workload:
         wl.description += f"; {stand_in}"
     wl.loss_sum = loss_fn(cfg.loss, cfg.model_kind, wl.loss_sum)
     return wl
-
-
-# The installed code nearest to each implementation that is not installed here (formula/activations.py's terms):
-# transformers' Llama has torchtitan's separate q/k/v and gate/up projections; batchlab's GPT has nanoGPT's fused
-# qkv and fused GELU, and Megatron's fused qkv and Korthikanti's layer (with its own Python-op extras).
-STAND_IN = {Implementation.TORCHTITAN: Implementation.HF, Implementation.NANOGPT: Implementation.BATCHLAB,
-            Implementation.MEGATRON: Implementation.BATCHLAB}
-
-
-def runnable(cfg: RunConfig) -> RunConfig:
-    """The config whose code the harness runs: a preset with ``--impl hf`` is built with transformers' class of
-    its family (what the calculator counts for it), as ``hf:gpt2`` / ``hf:llama-2-7b`` with its shape; torchtitan
-    and nanoGPT are not installed here, so their shapes run as the nearest installed code (``STAND_IN``)."""
-    if cfg.model_kind is not ModelSource.BUILTIN:
-        return cfg
-    if STAND_IN.get(cfg.model.impl, cfg.model.impl) is Implementation.HF:
-        family = "llama-2-7b" if cfg.model.mlp is MLPKind.SWIGLU else "gpt2"
-        stand_in = cfg.model.impl is not Implementation.HF  # torchtitan's Llama has no KV cache
-        return cfg.replace(model_source="hf:" + family, impl=Implementation.HF,
-                           use_cache=False if stand_in else cfg.model.use_cache)
-    return cfg
-
-
-def stand_in_text(cfg: RunConfig) -> str | None:
-    """What runs in place of the config's implementation when it is not installed here, else None."""
-    if cfg.model_kind is not ModelSource.BUILTIN or cfg.model.impl not in STAND_IN:
-        return None
-    return f"{cfg.model.impl.label} is not installed here: {STAND_IN[cfg.model.impl].label} runs in its place"
 
 
 def _source_workload(cfg: RunConfig) -> Workload:

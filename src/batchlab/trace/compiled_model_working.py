@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from batchlab.formula.compiled import OWN_LAYERS, own_stretch, stretch
+from batchlab.formula.compiled import OWN_LAYERS, own_stretch, scales, stretch
 from batchlab.trace import compiled_terms as ct
 from batchlab.trace import compiled_working as cw
 
@@ -199,7 +199,7 @@ def derived(family: str, gqa: bool, dropout: bool, attention: str, policy: str, 
     # what the walk keeps per layer below (formula/compiled.py ``kept_per_layer``): the block's saved terms but a
     # block graph's generator state, which a whole-model graph replaces by its one seeds buffer (a constant here)
     kept = {(*e, 0): Fraction(n, d) for e, n, d in compiled_table.TERMS[ct._key(family, gqa, dropout, attention,
-                                                                                 policy, precision)] if any(e)}
+                                                                                 policy, precision)] if scales(e)}
     m = cfg.model
     mask = act.embedding_mask_bytes(m, cfg.seq, cfg.micro_batch, cfg.precision, cfg.device_spec.backend)
     out: dict[int, list[dict]] = {}
@@ -227,7 +227,7 @@ def evaluate(terms: dict, primes: dict[str, int]) -> Fraction:
 
 def _scaling(terms: dict) -> dict:
     """The terms without the constant (generator seeds: one per dropout site, so their count follows the layers)."""
-    return {e: c for e, c in terms.items() if any(e)}
+    return {e: c for e, c in terms.items() if scales(e)}
 
 
 def _highest(highs: list[dict], primes: dict[str, int]) -> Fraction:

@@ -38,7 +38,7 @@ SMALL = (2, 3, 5, 7)  # what may remain of a count: a constant factor of the lay
 
 # family (formula.activations.Impl value) -> (preset, model source) of the code that is traced
 FAMILIES = {"builtin": ("tiny", "builtin"), "hf-gpt2": ("gpt2", "hf:gpt2"), "hf-llama": ("llama-2-7b", "hf:llama-2-7b"),
-            # torchtitan's Llama is not installed: transformers' runs in its place (models/__init__.py STAND_IN), with
+            # torchtitan's Llama is not installed: transformers' runs in its place (config/standin.py STAND_IN), with
             # dynamo told not to replay the checkpoint's side effects -- transformers' forward sets a context variable
             # inside the checkpoint (a graph break that leaves the block eager), torchtitan's sets none
             "torchtitan-llama": ("llama-2-7b", "hf:llama-2-7b")}
