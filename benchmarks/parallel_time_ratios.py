@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from page import publish  # noqa: E402
 
+DEFAULT_ROUNDS = 9  # paired rounds per A/B pair (ROUNDS below says why)
 WARMUP = 2  # untimed updates of every layout before the rounds
 WORLD = 4
 THREADS = 1
@@ -88,7 +89,7 @@ FIRST_ERROR = {  # (model, change) -> the row's first error: its first run (load
 def _options(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Tensor / pipeline time ratios on 4 gloo ranks (writes the page)")
     p.add_argument("--quick", action="store_true", help="2 rounds, GPT only, prints only")
-    p.add_argument("--rounds", type=int, help="paired rounds per A/B pair (default 9)")
+    p.add_argument("--rounds", type=int, help=f"paired rounds per A/B pair (default {DEFAULT_ROUNDS})")
     p.add_argument("--only", help=f"models, comma-separated: {', '.join(PAIRS)}")
     p.add_argument("--pairs", help="only the changes named, ';'-separated (a smoke run of a few rows)")
     p.add_argument("--no-page", action="store_true", help="print, do not write the page")
@@ -116,8 +117,8 @@ def _selected(a: argparse.Namespace) -> dict:
 OPTIONS = _options(sys.argv[1:] if __name__ == "__main__" else [])
 # paired rounds per A/B pair: 4 ranks time-sharing 2 cores spread a pair's per-round ratios by a third, and a
 # median of 5 rounds moved between runs by more than the 15% the issue allows; 9 keeps the median's own spread
-# well inside it at about twice the run time
-ROUNDS = OPTIONS.rounds or (2 if OPTIONS.quick else 9)
+# well inside it at about twice the run time (on a host with a core per rank, more rounds only cost time)
+ROUNDS = OPTIONS.rounds or (2 if OPTIONS.quick else DEFAULT_ROUNDS)
 PAIRS = _selected(OPTIONS)
 
 

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from batchlab.cli import app
-from batchlab.config import ConfigError, RunConfig
+from batchlab.config import ConfigError, RunConfig, preset
 from batchlab.experiment.change import parse_change
 from batchlab.experiment.compare import make_plan
 from batchlab.measure import unexpressed
@@ -27,6 +27,9 @@ def _plan(text: str, base: RunConfig = SP, **kw):
     ("zero_grad_set_to_none=true:false", RunConfig(), "zero_grad_set_to_none"),
     ("deepspeed=hf-auto:reduce_bucket_size=1e6", RunConfig(sharding="deepspeed-zero2", zero=2), "deepspeed"),
     ("device=h100-sxm:a100-sxm4-80gb", RunConfig(), "device"),  # one local CUDA device measures both
+    # fields the stand-in resets: torchtitan's Llama runs as transformers' (no KV cache either way)
+    ("use_cache=true:false", RunConfig(model=preset("llama-2-7b", impl="torchtitan", layers=2, hidden=64,
+                                                            heads=2, vocab=128), seq=16), "use_cache"),
 ])
 def test_compare_refuses_two_sides_that_are_one_measured_run(text, base, field):
     with pytest.raises(ConfigError) as e:
@@ -45,6 +48,8 @@ def test_a_torch_device_measures_both_catalogue_cards_on_one_device():
 def test_an_unexpressed_change_beside_an_expressed_one_is_said():
     p = _plan("tp_overlap=none:async;micro_batch=2:1", allow_confounded=True)
     assert any(w.startswith("tp_overlap changes only the formula's side") for w in p.sides.warnings)
+    p = _plan("device=h100-sxm:a100-sxm4-80gb;micro_batch=1:2", RunConfig(), allow_confounded=True)
+    assert any(w.startswith("device changes only the formula's side") for w in p.sides.warnings)
     assert _plan("micro_batch=2:1").sides.warnings == ()
 
 

@@ -43,15 +43,7 @@ def test_fused_linear_keeps_both_gradients_and_one_chunk_of_logits():
     x = torch.randn(N, H, dtype=torch.bfloat16)
     weight = torch.randn(V, H, dtype=torch.bfloat16) * 0.02
     target = torch.randint(0, V, (N,))
-    tracker = StorageTracker(fake=False)
-    tracker.register([x, weight, target], "parameters")
-    tracker.reset()
-    with tracker:
-        kept = _liger_forward(x, weight, target)  # what its autograd Function saves for backward
-        after = tracker.live_bytes - tracker.snapshot().baseline_bytes
-    peak = tracker.snapshot().peak_bytes - tracker.snapshot().baseline_bytes
-    tracker.close()
-    del kept
+    after, peak = _tracked(x, weight, target)  # what its autograd Function saves for backward, and its peak
     model = ModelSpec(name="t", layers=1, hidden=H, heads=1, ffn=4 * H, vocab=V, max_positions=N)
     lp = loss_path(RunConfig(model=model, seq=N, micro_batch=1, precision="bf16", loss="fused-linear"))
     # kept: grad_input 512 x 64 x 2 + grad_weight 1000 x 64 x 2 + loss_1d 512 x 4 = 195,584 bytes; peak: one

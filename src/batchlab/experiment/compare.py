@@ -77,7 +77,7 @@ def _measurable(sides: Sides, torch_device: str | None) -> Sides:
         field, why = same
         raise ConfigError(field, f"{why}; both sides would be one measured run: compare it with --formula-only, or "
                                  "change a field the measured run expresses")
-    past = {**unexpressed.ignored(sides.b), **unexpressed.ignored(sides.a)}
+    past = unexpressed.reasons(sides.a, sides.b, torch_device)
     said = tuple(f"{n} changes only the formula's side: {past[n]}" for n in sides.a.diff(sides.b) if n in past)
     return replace(sides, warnings=sides.warnings + said) if said else sides
 
@@ -99,10 +99,11 @@ def preflight(plan: ExperimentPlan) -> None:
     if plan.formula_only:
         return
     for cfg in (plan.sides.a, plan.sides.b):
-        if cfg.parallel.world_size > 1:  # layouts and engines no rank runs
-            from batchlab.distributed.measurable import check
+        if cfg.parallel.world_size > 1:  # layouts and engines no rank runs, the devices the ranks need
+            from batchlab.distributed.launcher import check_local
 
-            check(cfg)
+            check_local(cfg, plan.options, cfg.parallel.world_size)
+            continue
         if cfg.device_spec.backend.value == "cpu" and cfg.memory_budget is None and plan.options.torch_device is None:
             continue
         from batchlab.measure.device import torch_device

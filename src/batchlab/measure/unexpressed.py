@@ -12,6 +12,7 @@ what the harness cannot run at all (FP8 GEMMs, activation offload, DeepSpeed's a
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from batchlab.config import ASSUMPTION_FIELDS, Assumptions, RunConfig
 from batchlab.config.deepspeed import DeepSpeedSettings
@@ -44,31 +45,41 @@ def warnings(cfg: RunConfig) -> list[str]:
 
 
 def _as_run(cfg: RunConfig) -> RunConfig:
-    """``cfg`` as the code that measures it runs: with what a measured run ignores put back to the defaults."""
-    names = ignored(cfg)
-    out = runs_as(cfg).replace(**{n: getattr(_DEFAULT_ASSUMPTIONS, n) for n in names if n in ASSUMPTION_FIELDS})
-    if "tp_overlap" in names:
-        out = out.replace(tp_overlap=TPOverlap.NONE)
-    return dataclasses.replace(out, deepspeed=DeepSpeedSettings())
+    """``cfg`` as the code that measures it runs: what a measured run ignores put back to the defaults."""
+    return dataclasses.replace(runs_as(cfg), assumptions=_DEFAULT_ASSUMPTIONS, deepspeed=DeepSpeedSettings(),
+                               tp_overlap=TPOverlap.NONE)
 
 
-def same_run(a: RunConfig, b: RunConfig, torch_device: str | None = None) -> tuple[str, str] | None:
-    """Where ``a`` and ``b`` differ only in what a measured run does not express: (the first such field, why);
-    else None.  ``torch_device``: the local device both sides are measured on, where one is given."""
-    diff = a.diff(b)
-    if not diff:
-        return None
+_LOCAL = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")  # a --torch-device worth naming before torch has checked it
+
+
+def reasons(a: RunConfig, b: RunConfig, torch_device: str | None = None) -> dict[str, str]:
+    """Why each field of the pair that a measured run expresses no differently differs only on the formula's side:
+    the fields either side runs past, an implementation that runs as another's stand-in, and two catalogue cards
+    measured on one local device (``torch_device``: the one both sides are measured on, where given)."""
     why = {**ignored(b), **ignored(a)}
     stand_in = stand_in_text(a) or stand_in_text(b)
     if stand_in:
         why["impl"] = stand_in
     if a.device != b.device:
         local = {torch_device or c.device_spec.backend.value for c in (a, b)}
-        if len(local) > 1:
-            return None
-        why["device"] = (f"both sides are measured on this machine's {local.pop()} (a device's name sets the "
-                         "formula's card, not the hardware a measurement runs on)")
-    if set(diff) - {"device"} and _as_run(a).diff(_as_run(b)).keys() - {"device"}:
+        if len(local) == 1 and _LOCAL.fullmatch(dev := local.pop()):
+            why["device"] = (f"both sides are measured on this machine's {dev} (a device's name sets the "
+                             "formula's card, not the hardware a measurement runs on)")
+    return why
+
+
+def same_run(a: RunConfig, b: RunConfig, torch_device: str | None = None) -> tuple[str, str] | None:
+    """Where ``a`` and ``b`` differ only in what a measured run does not express: (the first such field, why);
+    else None."""
+    diff = a.diff(b)
+    if not diff:
         return None
-    field = next(n for n in diff if n in why)
-    return field, why[field]
+    why = reasons(a, b, torch_device)
+    if a.device != b.device and "device" not in why:
+        return None
+    if _as_run(a).diff(_as_run(b)).keys() - {"device"}:
+        return None
+    field = next((n for n in diff if n in why), next(iter(diff)))
+    run = _as_run(a)
+    return field, why.get(field, f"both sides run {run.model.impl.label} ({run.model_source}; config/standin.py)")
