@@ -32,23 +32,40 @@ from batchlab.formula.opbuild import OpList, widths
 from batchlab.formula.links import Link, local_link, pp_link, shared, tp_link
 
 
+def keeps_outputs(cfg: RunConfig) -> bool:
+    """The last stage keeps every micro-batch's output to the step's end: ``forward_one_chunk`` appends it to
+    ``output_chunks`` for ``_merge_outputs`` (torch/distributed/pipelining/stage.py), which only
+    ``step(..., return_outputs=False)`` skips -- an argument torch 2.10 added (pytorch PR 165822; torchtitan passes
+    it since PR 1922, 'Update PP to release memory earlier').  A run on an older torch keeps them; a current one is
+    taken to pass it, as batchlab's own scripts do."""
+    return cfg.assumptions.torch_before(2, 10)
+
+
+def logits_bytes(cfg: RunConfig, rank: RankShare) -> int:
+    """One micro-batch's output of the last stage: the logits, this rank's vocabulary shard."""
+    return cfg.seq * cfg.micro_batch * cfg.model.vocab * Widths.of(cfg.precision, cfg.device_spec.backend).e \
+        // rank.vocab_split
+
+
 def stage_output_bytes(cfg: RunConfig, rank: RankShare) -> int:
     """The outputs a pipeline rank's ``PipelineStage`` keeps at its high point: ``forward_one_chunk`` stores each
     micro-batch's output in ``fwd_cache`` until that micro-batch's ``backward_one_chunk`` (torch/distributed/
     pipelining/stage.py), so every in-flight chunk-forward keeps one: b·s·h (this rank's sequence slice under SP)
     from a stage that sends on, the logits (this rank's vocabulary shard) from the last stage -- one in flight on
-    the rank holding it among its interleaved chunks.  0 without a pipeline."""
+    the rank holding it among its interleaved chunks.  Where the last stage keeps every output (``keeps_outputs``),
+    its highest step of each kind is its last (the same state, more outputs): all m of them.  0 without a
+    pipeline."""
     if rank.stages == 1:
         return 0
     m, s, b = cfg.model, cfg.seq, cfg.micro_batch
     w = Widths.of(cfg.precision, cfg.device_spec.backend)
     hidden = s * b * m.hidden * w.res // rank.in_sp
-    logits = s * b * m.vocab * w.e // rank.vocab_split
+    logits = logits_bytes(cfg, rank)
     chunks = round(rank.in_flight * cfg.parallel.chunks)  # chunk-forwards in flight
     if not rank.last:
         return chunks * hidden
     if cfg.parallel.chunks == 1:
-        return chunks * logits
+        return (cfg.accum if keeps_outputs(cfg) else chunks) * logits
     return logits + (chunks - 1) * hidden
 
 
