@@ -1,6 +1,7 @@
-"""The last pipeline stage's outputs (formula/pipeline.py ``keeps_outputs``): kept to the step's end by a torch
-whose ``schedule.step`` cannot drop them (before 2.10), only the in-flight ones otherwise; checked by hand and
-against a live ``PipelineStage``."""
+"""What torch.distributed.pipelining's runtime leaves on a stage: the last stage's outputs (formula/pipeline.py
+``keeps_outputs``), kept to the step's end by a torch whose ``schedule.step`` cannot drop them (before 2.10), only
+the in-flight ones otherwise, checked by hand and against a live ``PipelineStage``; and FSDP2's gradient-shard pool,
+empty while the stage's micro-batches run (formula/allocator.py ``gradient_shards_live``)."""
 from __future__ import annotations
 
 import pytest
@@ -62,3 +63,16 @@ def test_a_live_stage_keeps_each_output_unless_told_not_to(one_rank_group):
     assert sum(o.untyped_storage().nbytes() for o in stage.output_chunks) == 4 * 2 * 16 * 4
     schedule.step(x, target=y, losses=[], return_outputs=False)
     assert stage.output_chunks == []
+
+
+def test_the_last_updates_gradient_shards_stay_reserved_while_the_micro_batches_run():
+    """FSDP2 (ZeRO-2) under a 2-stage 1F1B pipeline on a GPU: no reduce-scatter runs before the update's last
+    backward, so every peak inside the micro-batches leaves the whole of the last update's gradient shards (freed by
+    zero_grad into the reduce-scatter stream's pool) reserved and empty; without a pipeline this update's shards
+    refill that pool as each block's backward reduce-scatters."""
+    part = "last update's gradient shards, cached in the reduce-scatter stream's pool"
+    for pp in (2, 1):
+        cfg = RunConfig(model=preset("tiny"), seq=256, micro_batch=4, accum=2, pp=pp, pp_schedule="1f1b", dp=2, zero=2, precision="bf16-fsdp", device="h100-sxm")
+        mem = estimate(cfg).memory
+        assert mem.at_peak["activations"] > 0
+        assert mem.reserved_parts.get(part, 0) == (mem.gradients_bytes if pp > 1 else 0)
