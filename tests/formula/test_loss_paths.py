@@ -191,20 +191,19 @@ def test_loss_parallel_holds_three_fp32_shards_beside_the_logits_in_forward(tmp_
     try:
         mesh = init_device_mesh("cpu", (1,))
         weight = distribute_tensor(torch.randn(32, v).bfloat16(), mesh, [Shard(1)]).requires_grad_()
-        logits = DTensor.from_local(torch.randn(b, s, 32).bfloat16(), mesh, [Replicate()]) @ weight
         labels = torch.randint(0, v, (b * s,))
-        out = {}
+        out = {"logits": DTensor.from_local(torch.randn(b, s, 32).bfloat16(), mesh, [Replicate()]) @ weight}
 
         def forward():
             with loss_parallel():
-                out["loss"] = F.cross_entropy(logits.flatten(0, 1).float(), labels)
+                out["loss"] = F.cross_entropy(out["logits"].flatten(0, 1).float(), labels)
 
         def backward():
             with loss_parallel():
                 out["loss"].backward()
 
         fwd, kept = _peaks(forward)
-        del logits
+        del out["logits"]  # torchtitan's ``del pred`` before backward
         bwd, _ = _peaks(backward)
     finally:
         dist.destroy_process_group()
