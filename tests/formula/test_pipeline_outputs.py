@@ -78,3 +78,18 @@ def test_the_last_updates_gradient_shards_stay_reserved_while_the_micro_batches_
         mem = estimate(cfg).memory
         assert mem.at_peak["activations"] > 0
         assert mem.reserved_parts.get(part, 0) == (mem.gradients_bytes if pp > 1 else 0)
+
+
+def test_before_torch_2_8_every_stage_keeps_its_outputs_to_the_steps_end():
+    """pytorch PR 153383 (torch 2.8) stopped the other stages appending to ``output_chunks``.  1F1B, 2 stages, 8
+    micro-batches: stage 0 holds 2 in flight, but by its last steady backward it has sent on 8 outputs of
+    32 x 2 tokens x hidden in fp32 (CPU), which an older torch keeps."""
+    hidden = 32 * 2 * preset("tiny").hidden * 4
+
+    def first_stage(version):
+        cfg = RunConfig(model=preset("tiny"), seq=32, micro_batch=2, accum=8, pp=2, pp_schedule="1f1b",
+                        assumptions=Assumptions(torch_version=version))
+        return estimate(cfg).memory.ranks[0].parts
+
+    assert first_stage("2.7")["stage outputs"] == 8 * hidden
+    assert first_stage("2.8")["stage outputs"] == first_stage(None)["stage outputs"] == 2 * hidden

@@ -128,18 +128,21 @@ def dresser(cfg: RunConfig, rank: RankShare) -> Callable[[ChunkStep | None, str,
     the input gradients sent back (kept by their sends), the last stage's logits of its in-flight micro-batches
     (kept in ``fwd_cache`` to their backward; of every forward run so far where ``output_chunks`` keeps them,
     formula/pipeline.py ``keeps_outputs``); the received activations in use are buffers, out of the activations'
-    part.  ``step`` None: the optimizer's, buffers alone."""
+    part.  ``step`` None: the optimizer's, buffers and the outputs ``output_chunks`` keeps."""
     hidden, p = residual_bytes(cfg, rank), cfg.parallel.pp
     buffers = receive_buffer_bytes(cfg, rank)[0]
     receiving = [c * p + rank.stage > 0 for c in range(cfg.parallel.chunks)]
     logits = logits_bytes(cfg, rank) if rank.last else 0
     kept = keeps_outputs(cfg)
+    # output_chunks is cleared when the next step starts: what it keeps lives through the optimizer step
+    end = steps(p, cfg.parallel.chunks, cfg.accum, rank.stage)[-1]
+    stepping = end.sent * hidden * keeps_outputs(cfg, last=False) + end.done[-1] * logits * kept
     engine = deepspeed.priced(cfg)
 
     def dress(step: ChunkStep | None, ph: str, parts: Parts) -> Parts:
         parts = deepspeed.dressed(cfg, rank, {ph: parts})[ph] if engine else parts
         if step is None:
-            return dict(parts, **{"receive buffers": buffers, "stage outputs": 0, "gradient sends": 0})
+            return dict(parts, **{"receive buffers": buffers, "stage outputs": stepping, "gradient sends": 0})
         received = sum(h for h, r in zip(step.held, receiving) if r) * hidden
         return dict(parts, activations=max(0, parts["activations"] - received), **{
             "receive buffers": buffers,

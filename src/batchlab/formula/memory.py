@@ -214,11 +214,12 @@ def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: di
 
 
 def _dresser(cfg: RunConfig, rank: RankShare):
-    """``dress(held, phase, parts)``: the pipeline's own tensors for ``held`` micro-batches in flight (or step)."""
+    """``dress(held, phase, parts, done)``: the pipeline's own tensors for ``held`` micro-batches in flight after
+    ``done`` forwards (or step)."""
     if interleaved.ordered(cfg):
         return interleaved.dresser(cfg, rank)
-    return lambda held, ph, parts: with_pipeline(cfg, dataclasses.replace(rank, in_flight=held),
-                                                  deepspeed.dressed(cfg, rank, {ph: parts}))[ph]
+    return lambda held, ph, parts, done=None: with_pipeline(cfg, dataclasses.replace(rank, in_flight=held),
+                                                             deepspeed.dressed(cfg, rank, {ph: parts}), done)[ph]
 
 
 def _fsdp_pipelined(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int],
