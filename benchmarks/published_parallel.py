@@ -187,7 +187,7 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
 
 def config_for(run: dict, gaps: list[str]) -> tuple[RunConfig, str]:
     argv = command_for(run, gaps)
-    cfg = config_from_command(argv)
+    cfg = config_from_command([str(ROOT / a) if prev == "--config" else a for prev, a in zip([""] + argv, argv)])
     gaps.extend(model_gaps(cfg, run))
     return cfg, "batchlab " + shlex.join(argv)
 

@@ -158,3 +158,56 @@ def test_megatron_fused_cross_entropy_copies_the_saved_softmax_in_backward():
     lasts = [estimate(c).memory.ranks[-1] for c in (fused_cfg, full_cfg)]
     allocated = [r.peak_bytes - r.parts["allocator"] for r in lasts]
     assert allocated[0] - allocated[1] == fp32_shard  # the last stage's peak is its loss's backward
+
+
+def _peaks(run) -> tuple[int, int]:
+    """(highest bytes above the start, bytes left at the end) of the CPU allocations ``run`` makes, from the
+    profiler's allocation timeline (it sees DTensor's local ops, which a dispatch mode above DTensor does not)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action, MemoryProfile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as p:
+        run()
+    now = top = 0
+    for _, action, _, size in MemoryProfile(p.profiler.kineto_results).timeline:
+        now += size if action is Action.CREATE else -size if action is Action.DESTROY else 0
+        top = max(top, now)
+    return top, now
+
+
+def test_loss_parallel_holds_three_fp32_shards_beside_the_logits_in_forward(tmp_path):
+    """torch's loss_parallel on a one-rank mesh, bf16 logits: forward's high point is their fp32 copy, ``shifted``
+    and one of ``exp(shifted)`` / the kept output (exp dies in its sum first); backward's three fp32 shards beside
+    the kept one -- vocab_parallel_path's figures."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from batchlab.formula.loss import vocab_parallel_path
+
+    b, s, v = 2, 64, 4096
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = distribute_tensor(torch.randn(32, v).bfloat16(), mesh, [Shard(1)]).requires_grad_()
+        labels = torch.randint(0, v, (b * s,))
+        out = {"logits": DTensor.from_local(torch.randn(b, s, 32).bfloat16(), mesh, [Replicate()]) @ weight}
+
+        def forward():
+            with loss_parallel():
+                out["loss"] = F.cross_entropy(out["logits"].flatten(0, 1).float(), labels)
+
+        def backward():
+            with loss_parallel():
+                out["loss"].backward()
+
+        fwd, kept = _peaks(forward)
+        del out["logits"]  # torchtitan's ``del pred`` before backward
+        bwd, _ = _peaks(backward)
+    finally:
+        dist.destroy_process_group()
+    path = vocab_parallel_path(RunConfig(model=preset("tiny", vocab=v), seq=s, micro_batch=b, precision="bf16"), 1)
+    n, tol = b * s * v, b * s * v * 4 // 100  # the targets, masks and per-row statistics beside the shards
+    assert abs(kept - path.kept) <= tol and abs(fwd + n * 2 - (path.kept + path.forward_transient)) <= tol
+    assert abs(bwd - path.backward_transient) <= tol

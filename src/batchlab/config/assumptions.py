@@ -23,7 +23,8 @@ class Assumptions:
     # False: the loop zeroes .grad in place (zero_grad(set_to_none=False): PyTorch < 2.0's default, and what
     # Hugging Face's Trainer called then), so last update's gradients are live through forward
     zero_grad_set_to_none: bool = True
-    # "MAJOR.MINOR" of the PyTorch the run used, where older autograd formulas kept more; None: a current one
+    # "MAJOR.MINOR" of the PyTorch the run used, where older autograd formulas or pipeline schedules kept more;
+    # None: a current one
     torch_version: str | None = None
 
     def torch_before(self, major: int, minor: int) -> bool:

@@ -71,9 +71,20 @@ def segment_rounding(cfg: RunConfig, activation_bytes: int, rank=None) -> int:
     return states + activation_bytes // slice_ * _round_up_waste(slice_)
 
 
+def gradient_shards_live(rank, parts: dict[str, int]) -> int:
+    """Of a point's live tensors (``parts``), the gradient bytes that are reduce-scatter outputs.  Under a pipeline
+    every backward runs with ``set_requires_gradient_sync(False)`` and FSDP2 reduce-scatters once, after the update's
+    last backward (torch/distributed/pipelining/stage.py, ``backward_maybe_with_nosync`` then ``perform_reduce_grad``):
+    at a point still holding activations (a micro-batch's forward or backward) the gradients are unsharded
+    accumulations on the compute stream, and no shard of this update exists yet."""
+    if rank is not None and rank.stages > 1 and parts.get("activations", 0) > 0:
+        return 0
+    return parts.get("gradients", 0)
+
+
 def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_bytes: int,
                   live_gradients: int = 0, rank=None) -> DeviceMemory:
-    """``live_gradients``: gradient bytes live at the peak (the formula's breakdown; 0 when unknown); ``rank``:
+    """``live_gradients``: gradient shard bytes live at the peak (``gradient_shards_live``; 0 when unknown); ``rank``:
     the pipeline stage's share (formula/ranks.py), whole replica when None."""
     holds_loss = rank is None or rank.last
     dev = cfg.device_spec

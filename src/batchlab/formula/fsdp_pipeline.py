@@ -34,24 +34,24 @@ def walked(cfg: RunConfig) -> bool:
 
 def phases(cfg: RunConfig, rank, resident: dict[str, int], kept: tuple[int, ...], per_layer_full: int,
            one_micro_batch: int, below: int, logits_fwd: int, loss_grads: int, head_grad: int, transient: int,
-           opt_tmp: int, grad_shards: int, dress: Callable[[int, str, dict[str, int]], dict[str, int]],
+           opt_tmp: int, grad_shards: int, dress: Callable[[int, str, dict[str, int], int], dict[str, int]],
            walk: list[int] | None = None) -> dict[str, dict[str, int]]:
     """The parts at each phase's highest point; ``resident``: shards, optimizer state and data; ``one_micro_batch``:
     one micro-batch's kept activations on the stage, ``below`` of them held under the layers while they run
-    backward; the other terms as formula.fsdp's.  ``dress(held, phase, parts)`` adds the pipeline's own tensors for
-    ``held`` micro-batches in flight (formula.memory).  ``walk`` (if given) receives the tensor bytes as the
-    highest backward starts, then at each block's higher point, last block first."""
+    backward; the other terms as formula.fsdp's.  ``dress(held, phase, parts, done)`` adds the pipeline's own
+    tensors for ``held`` micro-batches in flight after ``done`` forwards (formula.memory).  ``walk`` (if given)
+    receives the tensor bytes as the highest backward starts, then at each block's higher point, last block first."""
     residual = residual_bytes(cfg, rank)  # passed between blocks
     before = 0 if cfg.assumptions.zero_grad_set_to_none else grad_shards  # zeroed shards, or none
     found = _candidates(cfg, rank, resident, kept, per_layer_full, one_micro_batch, below, logits_fwd, loss_grads,
                         head_grad, transient, residual, before)
     found.append((0, "optimizer", [dict(resident, gradients=grad_shards, activations=0, recompute=0,
-                                        temporaries=opt_tmp)]))
+                                        temporaries=opt_tmp)], cfg.accum))
     out: dict[str, dict[str, int]] = {}
     highest = (-1, [])
-    for held, ph, points in found:
-        # what dress adds depends on held and the phase alone: the step's highest point stays its highest
-        parts = dress(held, ph, max(points, key=lambda p: sum(p.values())))
+    for held, ph, points, done in found:
+        # what dress adds depends on held, done and the phase alone: the step's highest point stays its highest
+        parts = dress(held, ph, max(points, key=lambda p: sum(p.values())), done)
         if ph not in out or sum(parts.values()) > sum(out[ph].values()):
             out[ph] = parts
             if ph == "backward" and len(points) > 1:
@@ -65,9 +65,9 @@ def phases(cfg: RunConfig, rank, resident: dict[str, int], kept: tuple[int, ...]
 
 def _candidates(cfg: RunConfig, rank, resident: dict[str, int], kept: tuple[int, ...], per_layer_full: int,
                 one_micro_batch: int, below: int, logits_fwd: int, loss_grads: int, head_grad: int, transient: int,
-                residual: int, before: int) -> list[tuple[int, str, list[dict[str, int]]]]:
-    """(micro-batches held, phase, its points) for every distinct step of the stage's update, and the gradients'
-    final reduce-scatter."""
+                residual: int, before: int) -> list[tuple[int, str, list[dict[str, int]], int]]:
+    """(micro-batches held, phase, its points, forwards done) for every distinct step of the stage's update, and
+    the gradients' final reduce-scatter."""
     units = unit_elements(cfg, rank)
     wg, wr, L = gathered_bytes_per_element(cfg), reduced_bytes_per_element(cfg), len(kept)
     z3 = cfg.parallel.reshards_after_forward
@@ -75,7 +75,7 @@ def _candidates(cfg: RunConfig, rank, resident: dict[str, int], kept: tuple[int,
     block_width = fp8.block_gather_bytes(cfg, wg)
     root, block, block_grad = units[0] * wg, (units[1] if L else 0) * block_width, (units[1] if L else 0) * wr
     shards, whole, whole_grads = resident["parameters"], gathered_bytes(cfg, units), sum(units) * wr
-    out: list[tuple[int, str, list[dict[str, int]]]] = []
+    out: list[tuple[int, str, list[dict[str, int]], int]] = []
     for step in distinct(cfg.parallel.schedule, rank.stage, rank.stages, cfg.accum, z3):
         regather = step.backward and step.after_forward and z3
         grads = before + (whole_grads if step.after_backward else 0)
@@ -90,7 +90,7 @@ def _candidates(cfg: RunConfig, rank, resident: dict[str, int], kept: tuple[int,
             if rank.last:
                 points.append(dict(resident, parameters=shards + (0 if z3 else whole), gradients=grads,
                                    activations=others + one_micro_batch, recompute=0, temporaries=logits_fwd))
-            out.append((step.held, "forward", points))
+            out.append((step.held, "forward", points, step.done))
             continue
         fresh = not step.after_backward  # its gradients are made block by block
 
@@ -111,8 +111,8 @@ def _candidates(cfg: RunConfig, rank, resident: dict[str, int], kept: tuple[int,
                                activations=below + others + kept_below, recompute=per_layer_full - kept[i],
                                temporaries=transient))
             kept_below -= kept[i]
-        out.append((step.held, "backward", points))
+        out.append((step.held, "backward", points, step.done))
     # perform_reduce_grad: every activation freed, each unit's flat fp32 input and output shard beside the gradients
     out.append((0, "backward", [dict(resident, parameters=shards + whole, gradients=before + whole_grads + block_grad
-                                     + block_grad // cfg.dp, activations=0, recompute=0, temporaries=0)]))
+                                     + block_grad // cfg.dp, activations=0, recompute=0, temporaries=0)], cfg.accum))
     return out

@@ -23,10 +23,9 @@ from batchlab.config import Implementation, RunConfig
 from batchlab.config.engines import PipelineSchedule
 from batchlab.formula import deepspeed
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
-from batchlab.formula.activations import Widths
 from batchlab.formula.inbackward import walk_states
 from batchlab.formula.kvcache import held_in_forward_bytes
-from batchlab.formula.pipeline import receive_buffer_bytes
+from batchlab.formula.pipeline import keeps_outputs, logits_bytes, receive_buffer_bytes
 from batchlab.formula.ranks import RankShare, residual_bytes, share
 from batchlab.formula.states import ModelStates, model_states
 
@@ -66,25 +65,27 @@ class ChunkStep:
     made: tuple[bool, ...]  # per chunk, a backward of this update ran on it before: its gradients exist
     sent: int  # outputs sent on (each kept by its send to the step's end), this one's included
     sends: int  # input gradients sent back before this step (kept by their sends)
+    done: tuple[int, ...] = ()  # per chunk, forwards run so far in this update (this one included)
 
 
 def steps(p: int, v: int, m: int, rank: int) -> tuple[ChunkStep, ...]:
     """Every step of ``rank``'s update, and its end."""
     last = p * v - 1
-    held, made = [0] * v, [False] * v
+    held, made, done = [0] * v, [False] * v, [0] * v
     sent = sends = 0
     out = []
     for c, backward in rank_actions(p, v, m, rank):
         stage = c * p + rank
         if not backward:
             held[c] += 1
+            done[c] += 1
             sent += stage < last
-        out.append(ChunkStep(c, backward, tuple(held), tuple(made), sent, sends))
+        out.append(ChunkStep(c, backward, tuple(held), tuple(made), sent, sends, tuple(done)))
         if backward:
             held[c] -= 1
             made[c] = True
             sends += stage > 0
-    out.append(ChunkStep(None, True, tuple(held), tuple(made), sent, sends))
+    out.append(ChunkStep(None, True, tuple(held), tuple(made), sent, sends, tuple(done)))
     return tuple(out)
 
 
@@ -125,22 +126,27 @@ def dresser(cfg: RunConfig, rank: RankShare) -> Callable[[ChunkStep | None, str,
     """``dress(step, phase, parts)``: DeepSpeed's buffers (formula/deepspeed.py) and the pipeline's own tensors at
     ``step`` (formula/pipeline.py's, counted step by step): the receive buffers (resident), the outputs sent on and
     the input gradients sent back (kept by their sends), the last stage's logits of its in-flight micro-batches
-    (kept in ``fwd_cache`` to their backward); the received activations in use are buffers, out of the activations'
-    part.  ``step`` None: the optimizer's, buffers alone."""
+    (kept in ``fwd_cache`` to their backward; of every forward run so far where ``output_chunks`` keeps them,
+    formula/pipeline.py ``keeps_outputs``); the received activations in use are buffers, out of the activations'
+    part.  ``step`` None: the optimizer's, buffers and the outputs ``output_chunks`` keeps."""
     hidden, p = residual_bytes(cfg, rank), cfg.parallel.pp
     buffers = receive_buffer_bytes(cfg, rank)[0]
     receiving = [c * p + rank.stage > 0 for c in range(cfg.parallel.chunks)]
-    w = Widths.of(cfg.precision, cfg.device_spec.backend)
-    logits = cfg.seq * cfg.micro_batch * cfg.model.vocab * w.e // rank.vocab_split if rank.last else 0
+    logits = logits_bytes(cfg, rank) if rank.last else 0
+    kept = keeps_outputs(cfg)
+    # output_chunks is cleared when the next step starts: what it keeps lives through the optimizer step
+    end = steps(p, cfg.parallel.chunks, cfg.accum, rank.stage)[-1]
+    stepping = end.sent * hidden * keeps_outputs(cfg, last=False) + end.done[-1] * logits * kept
     engine = deepspeed.priced(cfg)
 
     def dress(step: ChunkStep | None, ph: str, parts: Parts) -> Parts:
         parts = deepspeed.dressed(cfg, rank, {ph: parts})[ph] if engine else parts
         if step is None:
-            return dict(parts, **{"receive buffers": buffers, "stage outputs": 0, "gradient sends": 0})
+            return dict(parts, **{"receive buffers": buffers, "stage outputs": stepping, "gradient sends": 0})
         received = sum(h for h, r in zip(step.held, receiving) if r) * hidden
         return dict(parts, activations=max(0, parts["activations"] - received), **{
-            "receive buffers": buffers, "stage outputs": step.sent * hidden + step.held[-1] * logits,
+            "receive buffers": buffers,
+            "stage outputs": step.sent * hidden + (step.done[-1] if kept else step.held[-1]) * logits,
             "gradient sends": step.sends * hidden})
 
     return dress

@@ -98,13 +98,14 @@ def vocab_parallel_path(cfg: RunConfig, t: int) -> LossPath:
     """The loss on one of t ranks holding 1/t of the vocabulary (the logits' shard, n = N·V/t elements), as
     PyTorch's ``loss_parallel()`` computes it (torch/distributed/tensor/parallel/loss.py; Megatron's
     vocab-parallel cross entropy alike): ``_log_softmax`` keeps its fp32 output (shifted - logsumexp, the max and
-    the sum-exp all-reduced), built from ``shifted = x - max`` and ``exp(shifted)`` beside the logits (and their
-    fp32 copy from ``.float()`` of 16-bit logits); backward, ``_nll_loss_and_log_softmax_backward`` writes the
-    log-softmax's gradient in one go from ``zeros_like(x)`` and ``exp(x)``: three fp32 shards at its high point."""
+    the sum-exp all-reduced), built from ``shifted = x - max`` beside the logits (and their fp32 copy from
+    ``.float()`` of 16-bit logits); ``exp(shifted)`` dies inside its ``torch.sum`` before the output is made, so
+    one more fp32 shard at a time; backward, ``_nll_loss_and_log_softmax_backward`` writes the log-softmax's
+    gradient in one go from ``zeros_like(x)`` and ``exp(x)``: three fp32 shards at its high point."""
     w = Widths.of(cfg.precision, cfg.device_spec.backend)
     n = cfg.seq * cfg.micro_batch * cfg.model.vocab // t
     upcast = n * F32 if w.e != F32 else 0
-    return LossPath(kept=n * F32, forward_transient=n * w.e + upcast + 2 * n * F32, backward_transient=3 * n * F32)
+    return LossPath(kept=n * F32, forward_transient=n * w.e + upcast + n * F32, backward_transient=3 * n * F32)
 
 
 def megatron_loss_path(cfg: RunConfig, t: int) -> LossPath:

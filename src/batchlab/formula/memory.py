@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from batchlab.config import LossMode, PositionKind, Precision, RunConfig
 from batchlab.formula import (activations as act, compiled, deepspeed, fp8, fsdp_interleaved, fsdp_pipeline,
                               inbackward, interleaved, offload, stage_steps)
-from batchlab.formula.allocator import device_memory
+from batchlab.formula.allocator import device_memory, gradient_shards_live
 from batchlab.formula.stage_steps import with_pipeline
 from batchlab.formula.fsdp import (fsdp_gradient_shard_bytes, fsdp_phases, fsdp_resident, fsdp_shard_bytes,
                                    sharded_master, with_pipeline_no_sync)
@@ -214,11 +214,12 @@ def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: di
 
 
 def _dresser(cfg: RunConfig, rank: RankShare):
-    """``dress(held, phase, parts)``: the pipeline's own tensors for ``held`` micro-batches in flight (or step)."""
+    """``dress(held, phase, parts, done)``: the pipeline's own tensors for ``held`` micro-batches in flight after
+    ``done`` forwards (or step)."""
     if interleaved.ordered(cfg):
         return interleaved.dresser(cfg, rank)
-    return lambda held, ph, parts: with_pipeline(cfg, dataclasses.replace(rank, in_flight=held),
-                                                  deepspeed.dressed(cfg, rank, {ph: parts}))[ph]
+    return lambda held, ph, parts, done=None: with_pipeline(cfg, dataclasses.replace(rank, in_flight=held),
+                                                             deepspeed.dressed(cfg, rank, {ph: parts}), done)[ph]
 
 
 def _fsdp_pipelined(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int],
@@ -364,7 +365,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
     peak_tensor = totals[peak_phase]
-    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total, at_peak["gradients"], rank)
+    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total, gradient_shards_live(rank, at_peak), rank)
     return MemoryEstimate(
         parameters_bytes=(0 if sharded_master(cfg) else fsdp_shard_bytes(cfg, rank)) if fsdp else states.parameters,
         master_bytes=(fsdp_shard_bytes(cfg, rank) if sharded_master(cfg) else 0) if fsdp else states.master,

@@ -33,19 +33,39 @@ from batchlab.formula.opbuild import OpList, widths
 from batchlab.formula.links import Link, local_link, pp_link, shared, tp_link
 
 
-def stage_output_bytes(cfg: RunConfig, rank: RankShare) -> int:
+def keeps_outputs(cfg: RunConfig, last: bool = True) -> bool:
+    """A stage keeps every micro-batch's output to the step's end: ``forward_one_chunk`` appends it to
+    ``output_chunks`` for ``_merge_outputs`` (torch/distributed/pipelining/stage.py).  Every stage did before torch 2.8
+    (pytorch PR 153383: 'output_chunks is only used for last stage'); the last stage still does unless
+    ``step(..., return_outputs=False)``, an argument torch 2.10 added (pytorch PR 165822; torchtitan passes it since
+    its PR 1922, 'Update PP to release memory earlier').  A run on an older torch keeps them; a current one is taken
+    to pass it, as batchlab's own scripts do."""
+    return cfg.assumptions.torch_before(2, 10) if last else cfg.assumptions.torch_before(2, 8)
+
+
+def logits_bytes(cfg: RunConfig, rank: RankShare) -> int:
+    """One micro-batch's output of the last stage: the logits, this rank's vocabulary shard."""
+    return cfg.seq * cfg.micro_batch * cfg.model.vocab * Widths.of(cfg.precision, cfg.device_spec.backend).e \
+        // rank.vocab_split
+
+
+def stage_output_bytes(cfg: RunConfig, rank: RankShare, done: int | None = None) -> int:
     """The outputs a pipeline rank's ``PipelineStage`` keeps at its high point: ``forward_one_chunk`` stores each
     micro-batch's output in ``fwd_cache`` until that micro-batch's ``backward_one_chunk`` (torch/distributed/
     pipelining/stage.py), so every in-flight chunk-forward keeps one: b·s·h (this rank's sequence slice under SP)
     from a stage that sends on, the logits (this rank's vocabulary shard) from the last stage -- one in flight on
-    the rank holding it among its interleaved chunks.  0 without a pipeline."""
+    the rank holding it among its interleaved chunks.  Where a one-chunk stage keeps every output
+    (``keeps_outputs``): one per forward ``done`` so far (the step's; None: all m, the last step's).  0 without a
+    pipeline."""
     if rank.stages == 1:
         return 0
     m, s, b = cfg.model, cfg.seq, cfg.micro_batch
     w = Widths.of(activation_precision(cfg), cfg.device_spec.backend)
     hidden = s * b * m.hidden * w.res // rank.in_sp
-    logits = s * b * m.vocab * w.e // rank.vocab_split
+    logits = logits_bytes(cfg, rank)
     chunks = round(rank.in_flight * cfg.parallel.chunks)  # chunk-forwards in flight
+    if cfg.parallel.chunks == 1 and keeps_outputs(cfg, rank.last):
+        chunks = max(chunks, cfg.accum if done is None else done)
     if not rank.last:
         return chunks * hidden
     if cfg.parallel.chunks == 1:

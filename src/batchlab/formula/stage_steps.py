@@ -14,7 +14,7 @@ from typing import Callable
 
 from batchlab.config import Implementation, RunConfig
 from batchlab.config.engines import PipelineSchedule
-from batchlab.formula.pipeline import gradient_send_bytes, receive_buffer_bytes, stage_output_bytes
+from batchlab.formula.pipeline import gradient_send_bytes, keeps_outputs, receive_buffer_bytes, stage_output_bytes
 from batchlab.formula.ranks import RankShare
 
 Parts = dict[str, int]
@@ -28,6 +28,7 @@ class Step:
     held: int  # micro-batches whose activations the stage holds during it (this one included)
     after_backward: bool  # a backward of this update ran before it: the gradients exist
     after_forward: bool  # the step before it was a forward
+    done: int = 0  # forwards run so far in this update (this one included)
 
 
 def stage_steps(schedule: PipelineSchedule, stage: int, p: int, m: int) -> tuple[Step, ...]:
@@ -42,7 +43,7 @@ def stage_steps(schedule: PipelineSchedule, stage: int, p: int, m: int) -> tuple
     steps, forwards, backwards, previous = [], 0, 0, ""
     for kind in order:
         forwards += kind == "F"
-        steps.append(Step(kind == "B", forwards - backwards, backwards > 0, previous == "F"))
+        steps.append(Step(kind == "B", forwards - backwards, backwards > 0, previous == "F", forwards))
         backwards += kind == "B"
         previous = kind
     return tuple(steps)
@@ -51,12 +52,13 @@ def stage_steps(schedule: PipelineSchedule, stage: int, p: int, m: int) -> tuple
 @functools.lru_cache(maxsize=256)
 def distinct(schedule: PipelineSchedule, stage: int, p: int, m: int, by_forward: bool = False) -> tuple[Step, ...]:
     """Of the stage's steps alike but for their held micro-batches (and, ``by_forward``, for whether a forward came
-    just before), the one holding the most: every part a step's point adds grows with what it holds.  A handful,
-    however many micro-batches."""
+    just before), the one holding the most, the latest of those (the most forwards done: outputs a stage may keep,
+    formula/pipeline.py ``keeps_outputs``): every part a step's point adds grows with them.  A handful, however
+    many micro-batches."""
     top: dict = {}
     for step in stage_steps(schedule, stage, p, m):
         key = (step.backward, step.after_backward, by_forward and step.backward and step.after_forward)
-        if key not in top or step.held > top[key].held:
+        if key not in top or (step.held, step.done) > (top[key].held, top[key].done):
             top[key] = step
     return tuple(top.values())
 
@@ -67,32 +69,34 @@ def ordered(cfg: RunConfig) -> bool:
 
 
 def highest(cfg: RunConfig, rank, price: Callable[[Step, str], Parts],
-            dress: Callable[[int, str, Parts], Parts]) -> tuple[dict[str, Parts], Step]:
+            dress: Callable[[int, str, Parts, int], Parts]) -> tuple[dict[str, Parts], Step]:
     """Each phase's highest point over the stage's distinct steps: ``price(step, phase)`` gives the parts of that
     phase as the step meets it (a forward step's forward, a backward step's backward); ``dress(held, phase,
-    parts)`` adds the pipeline's own tensors for ``held`` micro-batches in flight.  Returns them and the step of
-    the highest backward."""
+    parts, done)`` adds the pipeline's own tensors for ``held`` micro-batches in flight after ``done`` forwards.
+    Returns them and the step of the highest backward."""
     out: dict[str, Parts] = {}
     top: Step | None = None
     for step in distinct(cfg.parallel.schedule, rank.stage, rank.stages, cfg.accum):
         ph = "backward" if step.backward else "forward"
-        parts = dress(step.held, ph, price(step, ph))
+        parts = dress(step.held, ph, price(step, ph), step.done)
         if ph not in out or sum(parts.values()) > sum(out[ph].values()):
             out[ph], top = parts, (step if step.backward else top)
         if "optimizer" not in out:
-            out["optimizer"] = dress(0, "optimizer", price(step, "optimizer"))
+            out["optimizer"] = dress(0, "optimizer", price(step, "optimizer"), cfg.accum)
     assert top is not None, "every schedule has a backward"
     return out, top
 
 
-def with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+def with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, int]], done: int | None = None
+                  ) -> dict[str, dict[str, int]]:
     """A pipeline stage's own tensors (formula/pipeline.py), each a part of its own: its receive buffers (every
     phase: allocated once), the in-flight micro-batches' stage outputs its PipelineStage keeps for their backward
-    (forward and backward), the input gradients still in their send (backward).  The received activations in use
-    are the buffers: out of the activations' part."""
+    (forward and backward; where it keeps them all, those of the ``done`` forwards, through the optimizer step
+    too: ``output_chunks`` is cleared when the next step starts), the input gradients still in their send
+    (backward).  The received activations in use are the buffers: out of the activations' part."""
     if rank.stages == 1:
         return phases
-    outputs, sends = stage_output_bytes(cfg, rank), gradient_send_bytes(cfg, rank)
+    outputs, sends = stage_output_bytes(cfg, rank, done), gradient_send_bytes(cfg, rank)
     buffers, received = receive_buffer_bytes(cfg, rank)
     if cfg.model.impl is Implementation.MEGATRON:
         # Megatron's schedules receive into a fresh tensor per micro-batch (the chunk's input, which its first layer
@@ -100,6 +104,8 @@ def with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, i
         # pipeline_parallel/schedules.py, deallocate_output_tensor)
         outputs, buffers, received = 0, 0, 0
     live = {"forward": (outputs, 0), "backward": (outputs, sends)}
+    if cfg.parallel.chunks == 1 and keeps_outputs(cfg, rank.last):
+        live["optimizer"] = (outputs, 0)
     out = {}
     for ph, parts in phases.items():
         moved = received if ph in live and parts["activations"] else 0
