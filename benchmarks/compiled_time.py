@@ -174,12 +174,13 @@ def predicted(name: str, ac: str, shape: tuple[int, int], trace: bool) -> dict:
 
 
 def ensure_rates() -> None:
-    """Inductor's in-kernel rates timed once where the calibration lacks them, as measure and compare do
-    (calibrate/compiled_rng.py)."""
-    from batchlab.calibrate import compiled_rng
+    """Inductor's in-kernel rates, a compiled graph's and a checkpoint region's own call timed once where the
+    calibration lacks them, as measure and compare do (calibrate/compiled_rng.py, calibrate/calls.py)."""
+    from batchlab.calibrate import calls, compiled_rng
 
-    compiled_rng.ensure(config("GPT tiny, 2 layers", "none", SHAPES[0], "blocks"),
-                        int(os.environ.get("OMP_NUM_THREADS", "1")))
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    compiled_rng.ensure(config("GPT tiny, 2 layers", "none", SHAPES[0], "blocks"), threads)
+    calls.ensure(config("GPT tiny, 2 layers", "full", SHAPES[0], "blocks"), threads)
 
 
 def rng_rate_line() -> str:
