@@ -416,11 +416,17 @@ def test_auto_calibrates_once_and_says_so_then_stays_quiet(measured, calibrated)
     assert ensure("cpu", threads=1, scope=())[1] is False and len(measured) == 1
 
 
-def test_a_run_calibrates_the_parts_its_configs_need_and_a_wider_one_measures_every_part_again(measured):
+def test_a_run_calibrates_the_parts_its_configs_need_and_a_wider_one_measures_every_part_again(measured,
+                                                                                              monkeypatch):
+    from batchlab.calibrate import calls
+
     fp32 = RunConfig()  # fp32, no selective checkpointing, DP 1: 16-bit kernels and local ranks unused
     auto("cpu", threads=1, cfgs=(fp32, fp32.replace(micro_batch=2)))
     assert [c["scope"] for c in measured] == [set()]
-    assert auto("cpu", threads=1, cfgs=(fp32.replace(ac="full"),)) is None and len(measured) == 1  # served
+    # served: a checkpoint region's own call timed beside it, once (calibrate/calls.py; stubbed here)
+    monkeypatch.setattr(calls, "measure_checkpoint", lambda: dict.fromkeys(calls.CHECKPOINT, 5e-5))
+    assert "checkpoint region" in auto("cpu", threads=1, cfgs=(fp32.replace(ac="full"),)) and len(measured) == 1
+    assert auto("cpu", threads=1, cfgs=(fp32.replace(ac="full"),)) is None and len(measured) == 1
     auto("cpu", threads=1, cfgs=(fp32, fp32.replace(precision="bf16-mixed")))
     auto("cpu", threads=1, cfgs=(fp32.replace(dp=2),))  # with what the cache had: fp32 and bf16 from one window
     auto("cpu", threads=1, cfgs=(fp32.replace(ac="selective"),))

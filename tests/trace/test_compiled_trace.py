@@ -96,6 +96,9 @@ def test_a_fused_pointwise_chain_is_one_kernel_reading_its_input_and_writing_its
     assert len(kernels) == 1 and kernels[0].count == 1 and kernels[0].launch is Launch.COMPILED
     assert kernels[0].bytes == 2 * 1000 * 4  # 1,000 fp32 read, 1,000 written; no intermediate buffer
     assert not [op for op in rec.result() if op.name in ("mul", "add", "relu", "sub")]  # none ran eagerly
+    # one run of one graph: its own call once, no data (calibrate/calls.py prices it)
+    graph = [op for op in rec.result() if op.launch is Launch.GRAPH]
+    assert [(op.name, op.count, op.bytes) for op in graph] == [("compiled_graph", 1, 0)]
 
 
 def test_a_compiled_dropout_draws_one_number_per_element_inside_the_kernel_and_is_priced_per_element():

@@ -72,7 +72,10 @@ def calibrate(
     for key, s in cal.element_seconds.items():
         table.add_row(f"per element: {key}", f"{s * 1e9:.2f} ns", "representative kernel")
     for kind, s in cal.dispatch_seconds.items():
-        table.add_row(f"per op: {kind}", f"{s * 1e6:.1f} µs", "updates of a dispatch-bound 2-layer GPT")
+        own = kind.startswith(("graph-", "checkpoint-"))  # a region's own call (calibrate/calls.py), not an op's
+        table.add_row(f"per {'call' if own else 'op'}: {kind}", f"{s * 1e6:.1f} µs",
+                      "a tiny graph or checkpointed chain against eager" if own else
+                      "updates of a dispatch-bound 2-layer GPT")
     for kind, s in cal.dispatch_seconds_autocast.items():
         table.add_row(f"per op under autocast: {kind}", f"{s * 1e6:.1f} µs", "the same in bf16-mixed (mixed precisions)")
     for kind, f in cal.contention.items():

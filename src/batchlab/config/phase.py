@@ -38,3 +38,13 @@ class Launch(Choice):
     # no-grad aten call's cost, the calibrated "plain" dispatch)
     COMPILED = "compiled"
     FUSED = "fused"  # folded into another op's kernel by the compiler: no call of its own
+    # a compiled graph's own call around its kernels (guards, AOTAutograd's runtime wrapper and autograd node):
+    # one per graph run, forward or backward, at its own timed cost (calibrate/calls.py)
+    GRAPH = "graph"
+    # a non-reentrant checkpoint's own work per region (RNG state stashed and restored, hooks installed, the
+    # recompute's entry): one per checkpointed region in forward and in recompute (calibrate/calls.py)
+    CHECKPOINT = "checkpoint"
+
+
+# the op names a graph's and a checkpoint region's own calls go by in op lists (no data; formula/opcost.py)
+GRAPH_CALL, REGION_CALL = "compiled_graph", "checkpoint_region"

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from batchlab.config import Choice
-from batchlab.config.phase import Launch, Phase
+from batchlab.config.phase import GRAPH_CALL, REGION_CALL, Launch, Phase
 from batchlab.formula.inkernel import MASK_LOAD, MASK_LOAD_RANDOM, MASK_STORE, RNG, aten_name, rate_keys
 from batchlab.formula.memo import cache, lookup
 from batchlab.util.units import fmt_count, fmt_seconds
@@ -73,11 +73,11 @@ _NORM = {"native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "
 _RANDOM = {"bernoulli", "bernoulli_", "native_dropout", "uniform_", "normal_", "random_", "randint", "rand",
            "randn", "exponential_", RNG, "inductor_randint", MASK_STORE}
 
-
 # no data moved: reshapes that return a new tensor header, uninitialised allocations, scalar reads,
-# profiler markers
+# profiler markers, a compiled graph's or a checkpoint region's own call
 _NO_DATA = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
-            "alias", "lift_fresh", "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit"}
+            "alias", "lift_fresh", "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit",
+            GRAPH_CALL, REGION_CALL}
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of a few hundred op names, called per op per estimate
@@ -155,10 +155,9 @@ class OpCosts:
     """The calibrated parameters of the model (from ``batchlab calibrate``, or nominal device figures).
 
     ``matmul``: per precision ("fp32", "bf16") the measured (FLOPs per call, FLOP/s) points of the shape
-    classes, ascending; ``element_seconds``: per class and precision, the
-    seconds per output element of its representative kernel; ``memory``: bandwidth of an element-wise op by
-    the bytes one call moves (small calls stay in cache); ``dispatch``: seconds per op by kind.
-    """
+    classes, ascending; ``element_seconds``: per class and precision, the seconds per output element of its
+    representative kernel; ``memory``: bandwidth of an element-wise op by the bytes one call moves (small calls
+    stay in cache); ``dispatch``: seconds per op by kind (and per graph or checkpoint region: ``Launch``)."""
 
     matmul: Mapping[str, tuple[tuple[float, float], ...]]
     memory: tuple[tuple[float, float], ...]  # (bytes moved per call, bytes/s), ascending
@@ -259,8 +258,9 @@ class OpCosts:
     def dispatch_seconds(self, phase: Phase, sac_dispatched: bool = False, launch: Launch = Launch.EAGER) -> float:
         """Seconds per op by who dispatches it; under selective checkpointing its own calibrated cost where
         measured ("forward-sac", "recompute-sac"), else the plain one; a compiled graph's kernel a no-grad call's."""
-        if launch is not Launch.EAGER:
-            return self.dispatch["plain"] if launch is Launch.COMPILED else 0.0
+        if launch is not Launch.EAGER:  # a graph's or checkpointed region's own call: its kind ("graph-forward")
+            return self.dispatch["plain"] if launch is Launch.COMPILED else 0.0 if launch is Launch.FUSED \
+                else self.dispatch.get(f"{launch.value}-{phase.value}", 0.0)
         if sac_dispatched and SAC_KIND.get(phase) in self.dispatch:
             return self.dispatch[SAC_KIND[phase]]
         return self.dispatch[DISPATCH_KIND[phase]]
@@ -344,7 +344,7 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
         disp[ph] = disp.get(ph, 0.0) + n * d
         by_phase[ph] = by_phase.get(ph, 0.0) + w
         by_class[op.cost_class] = by_class.get(op.cost_class, 0.0) + w
-        calls += 0 if op.launch is Launch.FUSED else n
+        calls += n if op.launch in (Launch.EAGER, Launch.COMPILED) else 0  # a region's own call is no op
         fl += n * op.flops
         f_phase[ph] = f_phase.get(ph, 0) + n * op.flops
         if op.cost_class is not OpClass.MATMUL and op.cost_class is not OpClass.VIEW:

@@ -219,7 +219,7 @@ def _real_inputs_allowed(call):
     from torch._subclasses.fake_tensor import FakeTensor
 
     from batchlab.config.phase import Launch
-    from batchlab.trace.ops import kernel
+    from batchlab.trace.ops import graph_call, kernel
 
     def run(args):
         # no reference to an input kept here: the wrapper frees its inputs as it goes (args.clear(), del)
@@ -228,6 +228,7 @@ def _real_inputs_allowed(call):
             mode.allow_non_fake_inputs = True
         for w in CALLS:
             w.start(args)
+        graph_call()  # the graph's own call around its kernels, once per run
         try:
             with kernel(Launch.COMPILED):  # the ATen calls it makes (extern matmuls) are no-grad calls
                 return call(args)

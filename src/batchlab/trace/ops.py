@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from batchlab.formula.opcost import OpClass, OpCount, op_class
+from batchlab.formula.opcost import GRAPH_CALL, REGION_CALL, OpClass, OpCount, op_class
 from batchlab.config.phase import Launch, Phase
 from batchlab.measure.memory import tensors_in
 from batchlab.models.ac import Checkpointed
@@ -74,6 +74,19 @@ def fused_arithmetic(name: str, elements: int, low: bool) -> None:
     """Record the arithmetic of ``elements`` of aten op ``name`` done inside a compiled kernel: no launch, no bytes."""
     with kernel(Launch.FUSED, 0):
         torch.ops.batchlab.fused_arithmetic(name, elements, low)
+
+
+def graph_call() -> None:
+    """Record one run of a compiled graph's own call (guards, AOTAutograd's wrapper or its backward node): no data,
+    its timed cost per call (formula/opcost.py ``GRAPH_CALL``, calibrate/calls.py)."""
+    with kernel(Launch.GRAPH, 0):
+        torch.ops.batchlab.fused_arithmetic(GRAPH_CALL, 0, False)
+
+
+def checkpoint_region() -> None:
+    """Record one eager checkpointed region's own call (formula/opcost.py ``REGION_CALL``, calibrate/calls.py)."""
+    with kernel(Launch.CHECKPOINT, 0):
+        torch.ops.batchlab.fused_arithmetic(REGION_CALL, 0, False)
 
 
 def footprint(t: torch.Tensor) -> int:
@@ -190,6 +203,8 @@ class OpRecorder(TorchDispatchMode, HookSet):
     def _enter(self, module, args, sac: bool = False) -> None:
         self._in_block += 1
         self._in_sac += sac
+        if not sac and not torch.compiler.is_compiling():  # a compiled block's checkpoint is part of its graph
+            checkpoint_region()  # in forward, and again as the recompute starts (current() tells them apart)
 
     def _leave(self, module, args, output, sac: bool = False) -> None:
         self._in_block -= 1

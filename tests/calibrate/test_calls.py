@@ -1,0 +1,85 @@
+"""A compiled graph's and an eager checkpoint region's own call (calibrate/calls.py): counted once per run of a
+graph or region in the op lists (formula and trace alike), priced at the kinds timed once per CPU and cached with
+the calibration (the timing itself, which compiles, is stubbed here)."""
+from __future__ import annotations
+
+import pytest
+
+from batchlab.calibrate import calls, load_cached, save
+from batchlab.config import RunConfig, preset
+from batchlab.config.phase import GRAPH_CALL, REGION_CALL, Launch, Phase
+from batchlab.formula.opcost import OpCosts, price
+from batchlab.formula.oplist import update_ops
+from batchlab.measure.harness import Trainer
+from batchlab.trace.ops import record_update
+
+from hosts import stub_calibration
+
+CFG = RunConfig(model=preset("tiny", layers=3), seq=16, micro_batch=1)
+FLAT = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e10),), strided_bytes_per_s=5e9,
+               element_seconds={}, dispatch={"forward": 1e-5, "backward": 1e-5, "plain": 1e-5}, source="toy")
+OWN = {"graph-forward": 4e-5, "graph-backward": 5e-5, "checkpoint-forward": 2e-5, "checkpoint-recompute": 1e-4}
+
+
+def _calls(ops, name: str) -> dict[Phase, int]:
+    out: dict[Phase, int] = {}
+    for op in ops:
+        if op.name == name:
+            out[op.phase] = out.get(op.phase, 0) + op.count
+    return out
+
+
+def test_each_compiled_block_is_one_graph_run_forward_and_backward():
+    # by hand: --compile blocks runs one graph per block, forward and backward; --compile model one in all
+    assert _calls(update_ops(CFG.replace(compile="blocks")), GRAPH_CALL) == {Phase.FORWARD: 3, Phase.BACKWARD: 3}
+    assert _calls(update_ops(CFG.replace(compile="model")), GRAPH_CALL) == {Phase.FORWARD: 1, Phase.BACKWARD: 1}
+    assert _calls(update_ops(CFG), GRAPH_CALL) == {}
+    # priced at the timed kinds: 3 x (40 + 50) us more than with none timed, and not counted as ops
+    ops = update_ops(CFG.replace(compile="blocks"))
+    timed = price(ops, OpCosts(**{**FLAT.__dict__, "dispatch": {**FLAT.dispatch, **OWN}}))
+    assert timed.seconds - price(ops, FLAT).seconds == pytest.approx(3 * (4e-5 + 5e-5))
+    assert timed.ops == price(ops, FLAT).ops == sum(o.count for o in ops if o.launch in (Launch.EAGER,
+                                                                                         Launch.COMPILED))
+
+
+def test_each_eager_checkpointed_block_is_one_region_in_forward_and_in_recompute():
+    full = CFG.replace(ac="full")
+    assert _calls(update_ops(full), REGION_CALL) == {Phase.FORWARD: 3, Phase.RECOMPUTE: 3}
+    # the real update, recorded (its checkpointed blocks' hooks): the same regions
+    assert _calls(record_update(Trainer(full)), REGION_CALL) == {Phase.FORWARD: 3, Phase.RECOMPUTE: 3}
+    # a selective policy's dispatch mode prices its regions per op (calibrate/dispatch.py); a compiled block's
+    # checkpoint is part of its graph; no AC has none
+    for other in (CFG.replace(ac="selective-op"), full.replace(compile="blocks"), CFG):
+        assert _calls(update_ops(other), REGION_CALL) == {}
+    ops = update_ops(full)
+    timed = price(ops, OpCosts(**{**FLAT.__dict__, "dispatch": {**FLAT.dispatch, **OWN}}))
+    assert timed.seconds - price(ops, FLAT).seconds == pytest.approx(3 * (2e-5 + 1e-4))
+
+
+def test_ensure_times_what_the_config_runs_once_and_caches_it(monkeypatch):
+    timed = []
+    monkeypatch.setattr(calls, "measure_graph", lambda dispatch: timed.append("graph") or
+                        {k: v for k, v in OWN.items() if k in calls.GRAPH})
+    monkeypatch.setattr(calls, "measure_checkpoint", lambda: timed.append("checkpoint") or
+                        {k: v for k, v in OWN.items() if k in calls.CHECKPOINT})
+    compiled = CFG.replace(compile="blocks")
+    assert calls.ensure(compiled, threads=1) is None and not timed  # no calibration: nothing to take off
+    save(stub_calibration(dispatch_seconds={"forward": 6e-6, "backward": 4e-6, "plain": 5e-6}))
+    assert calls.ensure(CFG, threads=1) is None and not timed  # eager, no AC: neither runs
+    assert "compiled graph" in calls.ensure(compiled, threads=1) and timed == ["graph"]
+    assert "checkpoint region" in calls.ensure(CFG.replace(ac="full"), threads=1)
+    assert calls.ensure(compiled.replace(ac="full"), threads=1) is None and timed == ["graph", "checkpoint"]
+    assert {k: load_cached("cpu", 1).dispatch_seconds[k] for k in OWN} == OWN
+
+
+@pytest.mark.parametrize("timer", [lambda dispatch: {"graph-forward": float("nan"), "graph-backward": 1e-5},
+                                   lambda dispatch: {"graph-forward": -2e-5, "graph-backward": 1e-5},
+                                   lambda dispatch: (_ for _ in ()).throw(RuntimeError("InvalidCxxCompiler"))])
+def test_a_failed_or_senseless_timing_is_remembered_and_prices_nothing(monkeypatch, timer):
+    monkeypatch.setattr(calls, "measure_graph", timer)
+    save(stub_calibration(dispatch_seconds={"forward": 6e-6, "backward": 4e-6, "plain": 5e-6}))
+    assert "not timed" in calls.ensure(CFG.replace(compile="blocks"), threads=1)
+    cal = load_cached("cpu", 1)
+    assert set(calls.GRAPH) <= set(cal.untimed) and not set(calls.GRAPH) & set(cal.dispatch_seconds)
+    monkeypatch.setattr(calls, "measure_graph", lambda dispatch: pytest.fail("timed again"))
+    assert calls.ensure(CFG.replace(compile="blocks"), threads=1) is None
