@@ -365,7 +365,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
     peak_tensor = totals[peak_phase]
-    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total, gradient_shards_live(rank, at_peak), rank)
+    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total, gradient_shards_live(cfg, rank, at_peak), rank)
     return MemoryEstimate(
         parameters_bytes=(0 if sharded_master(cfg) else fsdp_shard_bytes(cfg, rank)) if fsdp else states.parameters,
         master_bytes=(fsdp_shard_bytes(cfg, rank) if sharded_master(cfg) else 0) if fsdp else states.master,
