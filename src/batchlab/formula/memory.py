@@ -215,11 +215,11 @@ def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: di
 
 def _dresser(cfg: RunConfig, rank: RankShare):
     """``dress(held, phase, parts, done)``: the pipeline's own tensors for ``held`` micro-batches in flight after
-    ``done`` forwards (or step)."""
+    ``done`` forwards (interleaved: ``dress(step, phase, parts)``, formula/interleaved.py)."""
     if interleaved.ordered(cfg):
         return interleaved.dresser(cfg, rank)
-    return lambda held, ph, parts, done=None: with_pipeline(cfg, dataclasses.replace(rank, in_flight=held),
-                                                             deepspeed.dressed(cfg, rank, {ph: parts}), done)[ph]
+    return lambda held, ph, parts, done: with_pipeline(cfg, dataclasses.replace(rank, in_flight=held),
+                                                        deepspeed.dressed(cfg, rank, {ph: parts}), done)[ph]
 
 
 def _fsdp_pipelined(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int],
