@@ -106,3 +106,18 @@ def test_before_torch_2_8_every_stage_keeps_its_outputs_to_the_steps_end():
 
     assert first_stage("2.7")["stage outputs"] == 8 * hidden
     assert first_stage("2.8")["stage outputs"] == first_stage(None)["stage outputs"] == 2 * hidden
+
+
+def test_the_estimate_says_which_stages_keep_their_outputs():
+    """The notes name the rule the count used: every stage before 2.8, the last before 2.10, and on a current torch
+    that a plain ``step()`` would still keep the last stage's; nothing without a pipeline."""
+    from batchlab.formula import training_loop_notes
+
+    def notes(version, pp=2):
+        return " ".join(training_loop_notes(RunConfig(model=preset("tiny"), pp=pp, accum=4,
+                                                      assumptions=Assumptions(torch_version=version))))
+
+    assert "every stage of the pipeline keeps" in notes("2.7")
+    assert "the last stage of the pipeline keeps" in notes("2.9")
+    assert "return_outputs=False" in notes(None) and "keeps all" in notes("2.10")
+    assert notes(None, pp=1) == ""
