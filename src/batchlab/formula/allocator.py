@@ -87,9 +87,10 @@ def gradient_shards_live(cfg: RunConfig, rank, parts: dict[str, int]) -> int:
 
     Limit: a torch before pytorch PR 165106 ('[PP] move FSDP reduce scatters to end of step', opened after torch
     2.9's branch cut; older stages call ``set_requires_gradient_sync(last_backward)``) reduce-scatters inside the
-    last micro-batch's backward, block by block, refilling the pool there; this rule keeps the pool empty at that backward too, whatever
-    ``torch_version`` says: a high point at the update's last backward on such a torch is counted too high by up to
-    one update's shards."""
+    last micro-batch's backward (an interleaved chunk's: its own last), block by block, refilling the pool as
+    it goes; this rule keeps the pool empty there too, whatever ``torch_version`` says: a high point inside that
+    backward past its first block's reduction is counted too high by up to one update's shards (at its start, the
+    loss's gradient, none exists yet either way)."""
     if rank is not None and rank.stages > 1 and parts.get("activations", 0) > 0:
         if cfg.assumptions.zero_grad_set_to_none:
             return 0
