@@ -262,13 +262,19 @@ def model_gaps(cfg: RunConfig, run: dict) -> list[str]:
             for k, v in got.items() if getattr(v, "value", v) != want[k]]
 
 
-def config_for(run: dict, gaps: list[str]) -> tuple[RunConfig, str]:
-    """The RunConfig the run's command builds through the CLI's own option parsing, and the command."""
-    argv = command_for(run, gaps)
+def typed_config(argv: list[str], run: dict, gaps: list[str]) -> tuple[RunConfig, str]:
+    """The RunConfig ``argv`` builds through the CLI's own option parsing (a ``--config`` path read from the
+    repository root, as the page's commands are run), with the model fields it misses added to ``gaps``, and the
+    command."""
     parse = [str(ROOT / a) if prev == "--config" else a for prev, a in zip([""] + argv, argv)]
     cfg = config_from_command(parse)
     gaps.extend(model_gaps(cfg, run))
     return cfg, "batchlab " + shlex.join(argv)
+
+
+def config_for(run: dict, gaps: list[str]) -> tuple[RunConfig, str]:
+    """The RunConfig the run's command builds, and the command."""
+    return typed_config(command_for(run, gaps), run, gaps)
 
 
 def evaluate(run: dict, before: dict[str, dict] | None = None) -> Row:

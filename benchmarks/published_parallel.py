@@ -3,7 +3,7 @@
 Reads benchmarks/published_parallel.toml (each run with its source, quote and what the source leaves unstated),
 types every run as the ``batchlab estimate`` command its ``cli`` field gives (the device named by the run's GPU
 key, benchmarks/published.py's catalogue map), parses it with the CLI's own option parsing
-(published.config_for's path: cli/common.py ``config_from_command``), calls batchlab.formula.estimate (no torch)
+(published.typed_config: cli/common.py ``config_from_command``), calls batchlab.formula.estimate (no torch)
 and writes docs/accuracy/published-parallel.md: predicted vs measured memory (the kind and the rank the source
 measured: allocated, reserved or device; a source that measured only the last rank is compared with the last
 pipeline stage), tokens/s per GPU (or the iteration rate where that is what was published), the error
@@ -43,10 +43,9 @@ from batchlab.formula import estimate, fp8, implementation_line
 from batchlab.formula.flops import flops
 from batchlab.util.units import relative_to
 from published import (NO_BOUND, PRECISION_GAP, UNITS, bound_cells, bound_of, bounds_table, detail_lines, device_for, gib, load,
-                       model_gaps, num, pct, points, range_error, rate_text, summary)
+                       num, pct, points, range_error, rate_text, summary, typed_config)
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 FIRST = HERE / "published_parallel_first.toml"
 BEFORE_OVERLAP = HERE / "published_parallel_overlap_before.toml"  # each row's rate before formula/overlap.py
 
@@ -186,10 +185,7 @@ def command_for(run: dict, gaps: list[str], typed: bool = True) -> list[str]:
 
 
 def config_for(run: dict, gaps: list[str]) -> tuple[RunConfig, str]:
-    argv = command_for(run, gaps)
-    cfg = config_from_command([str(ROOT / a) if prev == "--config" else a for prev, a in zip([""] + argv, argv)])
-    gaps.extend(model_gaps(cfg, run))
-    return cfg, "batchlab " + shlex.join(argv)
+    return typed_config(command_for(run, gaps), run, gaps)
 
 
 def predicted_memory(est, kind: str, last_rank: bool) -> tuple[int, str]:

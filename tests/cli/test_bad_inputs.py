@@ -43,6 +43,7 @@ def files(tmp_path_factory) -> Path:
         "cfg_broken": "[config\n",
         "cfg_layers_big": f"[config]\nlayers = {BIG}\n",
         "cfg_seq_str": "[config]\nseq = \"128\"\n",
+        "cfg_torch_float": "[config]\ntorch_version = 2.10\n",
         "cfg_not_table": "config = 5\n",
         "cfg_seed_big": f"[config]\nseed = {BIG}\n",
         "cfg_device": "[config]\ndevice = \"custom:mem=80GB,tflops=nan\"\n",
@@ -136,6 +137,7 @@ CONFIG = [
     (["--config", "{f}/cfg_parallel_str_degree.toml"], "dp"), (["--config", "{f}/cfg_parallel_zero_str.toml"], "parallel.zero"),
     (["--config", "{f}/cfg_parallel_zero_big.toml"], "parallel.zero"), (["--config", "{f}/cfg_seq_str.toml"], "seq"), (["--config", "{f}/cfg_seed_big.toml"], "seed"),
     (["--config", "{f}/cfg_device.toml"], "device tflops"),
+    (["--config", "{f}/cfg_torch_float.toml"], 'torch_version: quote it, e.g. "2.10"'),
 ]
 # the subset also run through measure, explain and fit (the same parser: a sample shows it is the one used)
 SAMPLE = [CONFIG[i] for i in (1, 11, 17, 20, 28, 33, 39, 41, 44, 55, 57, 61, 64, 70, 74, 75, 81, 88)]

@@ -66,18 +66,31 @@ def test_a_live_stage_keeps_each_output_unless_told_not_to(one_rank_group):
     assert stage.output_chunks == []
 
 
+def _stage0_shard_bytes() -> int:
+    """Stage 0 of tiny over 2 stages (embedding, learned positions, 2 blocks) by hand: its FSDP2 gradient shard on
+    one of 2 ranks, reduced in fp32."""
+    h, f, v, pos = 128, 512, 512, 256
+    block = 2 * 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)  # 2 norms, qkv, proj, fc1, fc2
+    return (v * h + pos * h + 2 * block) // 2 * 4  # 989,696
+
+
 def test_the_last_updates_gradient_shards_stay_reserved_while_the_micro_batches_run():
     """FSDP2 (ZeRO-2) under a 2-stage 1F1B pipeline on a GPU: no reduce-scatter runs before the update's last
     backward, so every peak inside the micro-batches leaves the whole of the last update's gradient shards (freed by
     zero_grad into the reduce-scatter stream's pool) reserved and empty; without a pipeline this update's shards
-    refill that pool as each block's backward reduce-scatters."""
+    refill that pool as each block's backward reduce-scatters.  With ``zero_grad(set_to_none=False)`` the shards
+    stay live, zeroed in place, in the pool's blocks: counted once, as gradients, and the pool adds nothing."""
     part = "last update's gradient shards, cached in the reduce-scatter stream's pool"
-    for pp in (2, 1):
+    for pp, to_none, pooled, live in ((2, True, _stage0_shard_bytes(), 0), (1, True, 0, None),
+                                      (2, False, 0, _stage0_shard_bytes())):
         cfg = RunConfig(model=preset("tiny"), seq=256, micro_batch=4, accum=2, pp=pp, pp_schedule="1f1b", dp=2,
-                        zero=2, precision="bf16-fsdp", device="h100-sxm")
+                        zero=2, precision="bf16-fsdp", device="h100-sxm",
+                        assumptions=Assumptions(zero_grad_set_to_none=to_none))
         mem = estimate(cfg).memory
         assert mem.at_peak["activations"] > 0
-        assert mem.reserved_parts.get(part, 0) == (mem.gradients_bytes if pp > 1 else 0)
+        assert mem.reserved_parts.get(part, 0) == pooled
+        if live is not None:  # stage 0's first backward: none of this update's gradients made yet
+            assert mem.most_loaded.startswith("pipeline stage 0") and mem.at_peak["gradients"] == live
 
 
 def test_before_torch_2_8_every_stage_keeps_its_outputs_to_the_steps_end():
@@ -93,3 +106,18 @@ def test_before_torch_2_8_every_stage_keeps_its_outputs_to_the_steps_end():
 
     assert first_stage("2.7")["stage outputs"] == 8 * hidden
     assert first_stage("2.8")["stage outputs"] == first_stage(None)["stage outputs"] == 2 * hidden
+
+
+def test_the_estimate_says_which_stages_keep_their_outputs():
+    """The notes name the rule the count used: every stage before 2.8, the last before 2.10, and on a current torch
+    that a plain ``step()`` would still keep the last stage's; nothing without a pipeline."""
+    from batchlab.formula import training_loop_notes
+
+    def notes(version, pp=2):
+        return " ".join(training_loop_notes(RunConfig(model=preset("tiny"), pp=pp, accum=4,
+                                                      assumptions=Assumptions(torch_version=version))))
+
+    assert "every stage of the pipeline keeps" in notes("2.7")
+    assert "the last stage of the pipeline keeps" in notes("2.9")
+    assert "return_outputs=False" in notes(None) and "keeps all" in notes("2.10")
+    assert notes(None, pp=1) == ""

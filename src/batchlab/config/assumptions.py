@@ -31,7 +31,7 @@ class Assumptions:
         """The run's PyTorch is older than MAJOR.MINOR (False when no version is given: a current one)."""
         if self.torch_version is None:
             return False
-        have = tuple(int(x) for x in str(self.torch_version).split("."))
+        have = tuple(int(x) for x in self.torch_version.split("."))
         return have < (major, minor)
 
     def __post_init__(self):
@@ -44,7 +44,9 @@ class Assumptions:
                 raise ConfigError(name, f"must be a fraction in ({lo}, {hi}], got {v!r}")
         if self.optimizer_bytes_per_param is not None:
             finite_number("optimizer_bytes_per_param", self.optimizer_bytes_per_param, minimum=0, maximum=1e6)
-        if self.torch_version is not None and not re.fullmatch(r"\d+\.\d+", str(self.torch_version)):
+        if self.torch_version is not None and not isinstance(self.torch_version, str):  # TOML reads 2.10 as 2.1
+            raise ConfigError("torch_version", f'quote it, e.g. "2.10" (got {self.torch_version!r}, not a string)')
+        if self.torch_version is not None and not re.fullmatch(r"\d+\.\d+", self.torch_version):
             raise ConfigError("torch_version", f"must be MAJOR.MINOR such as 1.10, got {self.torch_version!r}")
         flag("zero_grad_set_to_none", self.zero_grad_set_to_none)
         if self.op_overhead_seconds is not None and not (

@@ -12,13 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from batchlab.config import Backend, ModelSource, RunConfig
+from batchlab.config import Backend, Implementation, ModelSource, RunConfig
 from batchlab.formula.activations import describe_impl, implementation
 from batchlab.formula.alternatives import Alternative, alternatives
 from batchlab.formula.flops import FlopsEstimate, flops, utilisation
 from batchlab.formula.kvcache import KVCache, kv_cache
 from batchlab.formula.memory import MemoryEstimate, memory, model_states
 from batchlab.formula.params import ParamCount, count
+from batchlab.formula.pipeline import keeps_outputs
 from batchlab.formula.profile import layer_terms_source, terms as profile_terms
 from batchlab.formula.timing import TimeEstimate, timing
 from batchlab.util.units import fmt_bytes, fmt_count
@@ -164,6 +165,16 @@ def training_loop_notes(cfg: RunConfig) -> tuple[str, ...]:
                      "(pytorch#64000, fixed in 1.11)")
     if not a.zero_grad_set_to_none:
         notes.append("zero_grad(set_to_none=False): gradients are zeroed in place and stay live through forward")
+    lay = cfg.parallel
+    if lay.pipelined and not (cfg.model.impl is Implementation.MEGATRON or lay.engine_spec.megatron):
+        if keeps_outputs(cfg, last=True):
+            which = "every stage" if keeps_outputs(cfg, last=False) else "the last stage"
+            notes.append(f"PyTorch {a.torch_version}: {which} of the pipeline keeps every micro-batch's output to the "
+                         "step's end (output_chunks; only the last stage from 2.8, pytorch PR 153383; none with "
+                         "step(return_outputs=False) from 2.10)")
+        else:
+            notes.append("pipeline: the last stage's outputs counted as step(..., return_outputs=False) leaves them "
+                         "(torch >= 2.10); a plain step() keeps all of them to the step's end")
     return tuple(notes)
 
 

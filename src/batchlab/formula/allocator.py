@@ -71,14 +71,30 @@ def segment_rounding(cfg: RunConfig, activation_bytes: int, rank=None) -> int:
     return states + activation_bytes // slice_ * _round_up_waste(slice_)
 
 
-def gradient_shards_live(rank, parts: dict[str, int]) -> int:
+def pooled_shard_bytes(cfg: RunConfig, rank=None) -> int:
+    """One update's gradient shards on a rank (reduce-scatter outputs, in the reduce dtype): what the reduce-scatter
+    stream's pool holds once they are made."""
+    return sum(unit_elements(cfg, rank)) * reduced_bytes_per_element(cfg) // cfg.dp
+
+
+def gradient_shards_live(cfg: RunConfig, rank, parts: dict[str, int]) -> int:
     """Of a point's live tensors (``parts``), the gradient bytes that are reduce-scatter outputs.  Under a pipeline
     every backward runs with ``set_requires_gradient_sync(False)`` and FSDP2 reduce-scatters once, after the update's
     last backward (torch/distributed/pipelining/stage.py, ``backward_maybe_with_nosync`` then ``perform_reduce_grad``):
     at a point still holding activations (a micro-batch's forward or backward) the gradients are unsharded
-    accumulations on the compute stream, and no shard of this update exists yet."""
+    accumulations on the compute stream and no shard of this update exists yet; only last update's shards, zeroed
+    in place by ``zero_grad(set_to_none=False)``, may still fill the pool's blocks.
+
+    Limit: a torch before pytorch PR 165106 ('[PP] move FSDP reduce scatters to end of step', opened after torch
+    2.9's branch cut; older stages call ``set_requires_gradient_sync(last_backward)``) reduce-scatters inside the
+    last micro-batch's backward (an interleaved chunk's: its own last), block by block, refilling the pool as
+    it goes; this rule keeps the pool empty there too, whatever ``torch_version`` says: a high point inside that
+    backward past its first block's reduction is counted too high by up to one update's shards (at its start, the
+    loss's gradient, none exists yet either way)."""
     if rank is not None and rank.stages > 1 and parts.get("activations", 0) > 0:
-        return 0
+        if cfg.assumptions.zero_grad_set_to_none:
+            return 0
+        return min(parts.get("gradients", 0), pooled_shard_bytes(cfg, rank))
     return parts.get("gradients", 0)
 
 
@@ -113,7 +129,7 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
         # reduces into a gradient partition allocated once at init (stage3.py grad_partitions_flat_buffer): no
         # pool of shards of its own
         if cfg.parallel.shards_gradients and not spec.deepspeed:
-            shards = sum(unit_elements(cfg, rank)) * reduced_bytes_per_element(cfg) // cfg.dp
+            shards = pooled_shard_bytes(cfg, rank)
             if shards > live_gradients:
                 parts["last update's gradient shards, cached in the reduce-scatter stream's pool"] = (
                     shards - live_gradients)

@@ -62,7 +62,7 @@ def active(actions: tuple[tuple[int, bool], ...], window: int = 3) -> list[set[i
 
 
 def phases(cfg: RunConfig, rank, resident: Parts, opt_tmp: int, grad_shards: int,
-           dress: Callable[[interleaved.ChunkStep | None, str, Parts], Parts], chunk: Callable) -> dict[str, Parts]:
+           dress: Callable[[interleaved.ChunkStep, str, Parts], Parts], chunk: Callable) -> dict[str, Parts]:
     """The parts at each phase's highest point over the rank's steps; ``resident``: the rank's shards, optimizer
     state and data; ``dress(step, phase, parts)`` adds the pipeline's own tensors (formula/interleaved.py);
     ``chunk(c)``: a chunk's (in-block transient, head gradient, kept below, gradient shards' bytes)."""
@@ -90,7 +90,8 @@ def phases(cfg: RunConfig, rank, resident: Parts, opt_tmp: int, grad_shards: int
             return terms[c].shard
         return whole_grads[c] if made else (terms[c].shard if zeroed else 0)
 
-    for i, st in enumerate(interleaved.steps(p, v, m, rank.stage)):
+    order = interleaved.steps(p, v, m, rank.stage)
+    for i, st in enumerate(order):
         if st.chunk is None:
             break
         c, t = st.chunk, terms[st.chunk]
@@ -149,7 +150,7 @@ def phases(cfg: RunConfig, rank, resident: Parts, opt_tmp: int, grad_shards: int
                                        parameters=shards + bg_params + whole[c] - gathered_bytes(cfg, t.units[:i + 1]))
                                   for i, u in enumerate(t.units)])
             gathered[c], reduced[c] = False, True
-    keep("optimizer", None, [dict(resident, gradients=grad_shards, activations=0, recompute=0, temporaries=opt_tmp)])
+    keep("optimizer", order[-1], [dict(resident, gradients=grad_shards, activations=0, recompute=0, temporaries=opt_tmp)])
     return out
 
 

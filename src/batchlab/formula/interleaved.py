@@ -25,7 +25,7 @@ from batchlab.formula import deepspeed
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.inbackward import walk_states
 from batchlab.formula.kvcache import held_in_forward_bytes
-from batchlab.formula.pipeline import keeps_outputs, logits_bytes, receive_buffer_bytes
+from batchlab.formula.pipeline import logits_bytes, outputs_held, receive_buffer_bytes
 from batchlab.formula.ranks import RankShare, residual_bytes, share
 from batchlab.formula.states import ModelStates, model_states
 
@@ -65,7 +65,7 @@ class ChunkStep:
     made: tuple[bool, ...]  # per chunk, a backward of this update ran on it before: its gradients exist
     sent: int  # outputs sent on (each kept by its send to the step's end), this one's included
     sends: int  # input gradients sent back before this step (kept by their sends)
-    done: tuple[int, ...] = ()  # per chunk, forwards run so far in this update (this one included)
+    done: tuple[int, ...]  # per chunk, forwards run so far in this update (this one included)
 
 
 def steps(p: int, v: int, m: int, rank: int) -> tuple[ChunkStep, ...]:
@@ -122,38 +122,36 @@ def chunks(cfg: RunConfig, rank: RankShare) -> tuple[Chunk, ...]:
     return tuple(out)
 
 
-def dresser(cfg: RunConfig, rank: RankShare) -> Callable[[ChunkStep | None, str, Parts], Parts]:
+def dresser(cfg: RunConfig, rank: RankShare) -> Callable[[ChunkStep, str, Parts], Parts]:
     """``dress(step, phase, parts)``: DeepSpeed's buffers (formula/deepspeed.py) and the pipeline's own tensors at
     ``step`` (formula/pipeline.py's, counted step by step): the receive buffers (resident), the outputs sent on and
     the input gradients sent back (kept by their sends), the last stage's logits of its in-flight micro-batches
     (kept in ``fwd_cache`` to their backward; of every forward run so far where ``output_chunks`` keeps them,
-    formula/pipeline.py ``keeps_outputs``); the received activations in use are buffers, out of the activations'
-    part.  ``step`` None: the optimizer's, buffers and the outputs ``output_chunks`` keeps."""
+    formula/pipeline.py ``outputs_held``); the received activations in use are buffers, out of the activations'
+    part.  At the optimizer ``step`` is the update's end (``steps``' last): the buffers and the outputs
+    ``output_chunks`` keeps (cleared when the next step starts), the sends done."""
     hidden, p = residual_bytes(cfg, rank), cfg.parallel.pp
     buffers = receive_buffer_bytes(cfg, rank)[0]
     receiving = [c * p + rank.stage > 0 for c in range(cfg.parallel.chunks)]
     logits = logits_bytes(cfg, rank) if rank.last else 0
-    kept = keeps_outputs(cfg)
-    # output_chunks is cleared when the next step starts: what it keeps lives through the optimizer step
-    end = steps(p, cfg.parallel.chunks, cfg.accum, rank.stage)[-1]
-    stepping = end.sent * hidden * keeps_outputs(cfg, last=False) + end.done[-1] * logits * kept
     engine = deepspeed.priced(cfg)
 
-    def dress(step: ChunkStep | None, ph: str, parts: Parts) -> Parts:
+    def dress(step: ChunkStep, ph: str, parts: Parts) -> Parts:
         parts = deepspeed.dressed(cfg, rank, {ph: parts})[ph] if engine else parts
-        if step is None:
-            return dict(parts, **{"receive buffers": buffers, "stage outputs": stepping, "gradient sends": 0})
+        if ph == "optimizer":
+            return dict(parts, **{"receive buffers": buffers, "gradient sends": 0, "stage outputs": outputs_held(
+                cfg, False, 0, step.sent) * hidden + outputs_held(cfg, True, 0, step.done[-1]) * logits})
         received = sum(h for h, r in zip(step.held, receiving) if r) * hidden
         return dict(parts, activations=max(0, parts["activations"] - received), **{
             "receive buffers": buffers,
-            "stage outputs": step.sent * hidden + (step.done[-1] if kept else step.held[-1]) * logits,
+            "stage outputs": step.sent * hidden + outputs_held(cfg, True, step.held[-1], step.done[-1]) * logits,
             "gradient sends": step.sends * hidden})
 
     return dress
 
 
 def highest(cfg: RunConfig, rank: RankShare, price: Callable[[Chunk | None, int, int, str], Parts],
-            dress: Callable[[ChunkStep | None, str, Parts], Parts]) -> tuple[dict[str, Parts], tuple[Chunk, int, int]]:
+            dress: Callable[[ChunkStep, str, Parts], Parts]) -> tuple[dict[str, Parts], tuple[Chunk, int, int]]:
     """Each phase's highest point over the rank's steps: ``price(chunk, others, gradients, phase)`` gives the
     parts of ``chunk``'s forward or backward with ``others`` bytes of activations held besides its micro-batch
     and ``gradients`` bytes of gradients before it (``chunk`` None: the optimizer's, or the step's end);
@@ -168,7 +166,8 @@ def highest(cfg: RunConfig, rank: RankShare, price: Callable[[Chunk | None, int,
     # what the other chunks hold adds alike to every point of a step: each chunk's forward and backward (making its
     # gradients or not) is priced once, alone
     priced: dict[tuple, Parts] = {}
-    for st in steps(cfg.parallel.pp, cfg.parallel.chunks, cfg.accum, rank.stage):
+    order = steps(cfg.parallel.pp, cfg.parallel.chunks, cfg.accum, rank.stage)
+    for st in order:
         if st.chunk is None:  # every backward done: the sends still held, no activation left
             parts = dress(st, "backward", dict(price(None, 0, sum(grads), "optimizer"), temporaries=0))
             ph = "backward"
@@ -187,7 +186,7 @@ def highest(cfg: RunConfig, rank: RankShare, price: Callable[[Chunk | None, int,
                 top, top_bytes = (st.chunk, fresh, others, before), sum(parts.values())
         if ph not in out or sum(parts.values()) > sum(out[ph].values()):
             out[ph] = parts
-    out["optimizer"] = dress(None, "optimizer", price(None, 0, sum(grads), "optimizer"))
+    out["optimizer"] = dress(order[-1], "optimizer", price(None, 0, sum(grads), "optimizer"))
     assert top is not None, "every schedule has a backward"
     c, fresh, others, before = top
     return out, (dataclasses.replace(parts_of[c], fresh=fresh), others, before)

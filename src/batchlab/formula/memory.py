@@ -215,11 +215,11 @@ def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: di
 
 def _dresser(cfg: RunConfig, rank: RankShare):
     """``dress(held, phase, parts, done)``: the pipeline's own tensors for ``held`` micro-batches in flight after
-    ``done`` forwards (or step)."""
+    ``done`` forwards (interleaved: ``dress(step, phase, parts)``, formula/interleaved.py)."""
     if interleaved.ordered(cfg):
         return interleaved.dresser(cfg, rank)
-    return lambda held, ph, parts, done=None: with_pipeline(cfg, dataclasses.replace(rank, in_flight=held),
-                                                             deepspeed.dressed(cfg, rank, {ph: parts}), done)[ph]
+    return lambda held, ph, parts, done: with_pipeline(cfg, dataclasses.replace(rank, in_flight=held),
+                                                        deepspeed.dressed(cfg, rank, {ph: parts}), done)[ph]
 
 
 def _fsdp_pipelined(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int],
@@ -365,7 +365,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     peak_phase = max(totals, key=totals.get)
     at_peak = phases[peak_phase]
     peak_tensor = totals[peak_phase]
-    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total, gradient_shards_live(rank, at_peak), rank)
+    dm = device_memory(cfg, peak_tensor, peak_phase, plan.total, gradient_shards_live(cfg, rank, at_peak), rank)
     return MemoryEstimate(
         parameters_bytes=(0 if sharded_master(cfg) else fsdp_shard_bytes(cfg, rank)) if fsdp else states.parameters,
         master_bytes=(fsdp_shard_bytes(cfg, rank) if sharded_master(cfg) else 0) if fsdp else states.master,

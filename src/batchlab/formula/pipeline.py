@@ -33,14 +33,23 @@ from batchlab.formula.opbuild import OpList, widths
 from batchlab.formula.links import Link, local_link, pp_link, shared, tp_link
 
 
-def keeps_outputs(cfg: RunConfig, last: bool = True) -> bool:
-    """A stage keeps every micro-batch's output to the step's end: ``forward_one_chunk`` appends it to
-    ``output_chunks`` for ``_merge_outputs`` (torch/distributed/pipelining/stage.py).  Every stage did before torch 2.8
-    (pytorch PR 153383: 'output_chunks is only used for last stage'); the last stage still does unless
-    ``step(..., return_outputs=False)``, an argument torch 2.10 added (pytorch PR 165822; torchtitan passes it since
-    its PR 1922, 'Update PP to release memory earlier').  A run on an older torch keeps them; a current one is taken
-    to pass it, as batchlab's own scripts do."""
+def keeps_outputs(cfg: RunConfig, last: bool) -> bool:
+    """A stage (``last``: the pipeline's last) keeps every micro-batch's output to the step's end:
+    ``forward_one_chunk`` appends it to ``output_chunks`` for ``_merge_outputs`` (torch/distributed/pipelining/
+    stage.py).  Every stage did before torch 2.8 (pytorch PR 153383: 'output_chunks is only used for last stage');
+    the last stage still does unless the script calls ``step(..., return_outputs=False)``, an argument torch 2.10
+    added (pytorch PR 165822; torchtitan passes it since its PR 1922, 'Update PP to release memory earlier').
+    The version stands in for the call: on torch >= 2.10 a script calling ``step()`` plainly still keeps the last
+    stage's outputs (``return_outputs`` defaults True), which this rule does not count; batchlab's own pipeline
+    passes False (distributed/layouts.py)."""
     return cfg.assumptions.torch_before(2, 10) if last else cfg.assumptions.torch_before(2, 8)
+
+
+def outputs_held(cfg: RunConfig, last: bool, in_flight: int, done: int) -> int:
+    """The outputs a stage (an interleaved rank's chunk; ``last``: the pipeline's last) holds after ``done``
+    forwards of the step: those of its ``in_flight`` micro-batches (``fwd_cache``, to their backward), or every one
+    where ``output_chunks`` keeps them (``keeps_outputs``)."""
+    return max(in_flight, done) if keeps_outputs(cfg, last) else in_flight
 
 
 def logits_bytes(cfg: RunConfig, rank: RankShare) -> int:
@@ -55,8 +64,8 @@ def stage_output_bytes(cfg: RunConfig, rank: RankShare, done: int | None = None)
     pipelining/stage.py), so every in-flight chunk-forward keeps one: b·s·h (this rank's sequence slice under SP)
     from a stage that sends on, the logits (this rank's vocabulary shard) from the last stage -- one in flight on
     the rank holding it among its interleaved chunks.  Where a one-chunk stage keeps every output
-    (``keeps_outputs``): one per forward ``done`` so far (the step's; None: all m, the last step's).  0 without a
-    pipeline."""
+    (``outputs_held``): one per forward ``done`` so far (the step's; None: all m, the last step's).  0 without a
+    pipeline or with none in flight on interleaved chunks."""
     if rank.stages == 1:
         return 0
     m, s, b = cfg.model, cfg.seq, cfg.micro_batch
@@ -64,13 +73,13 @@ def stage_output_bytes(cfg: RunConfig, rank: RankShare, done: int | None = None)
     hidden = s * b * m.hidden * w.res // rank.in_sp
     logits = logits_bytes(cfg, rank)
     chunks = round(rank.in_flight * cfg.parallel.chunks)  # chunk-forwards in flight
-    if cfg.parallel.chunks == 1 and keeps_outputs(cfg, rank.last):
-        chunks = max(chunks, cfg.accum if done is None else done)
+    if cfg.parallel.chunks == 1:
+        chunks = outputs_held(cfg, rank.last, chunks, cfg.accum if done is None else done)
     if not rank.last:
         return chunks * hidden
     if cfg.parallel.chunks == 1:
         return chunks * logits
-    return logits + (chunks - 1) * hidden
+    return logits + (chunks - 1) * hidden if chunks else 0
 
 
 def _chunk_stages(cfg: RunConfig, rank: RankShare) -> list[int]:

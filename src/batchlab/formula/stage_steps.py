@@ -8,13 +8,14 @@ priced; the highest of each phase is the stage's.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
 
 from batchlab.config import Implementation, RunConfig
 from batchlab.config.engines import PipelineSchedule
-from batchlab.formula.pipeline import gradient_send_bytes, keeps_outputs, receive_buffer_bytes, stage_output_bytes
+from batchlab.formula.pipeline import gradient_send_bytes, receive_buffer_bytes, stage_output_bytes
 from batchlab.formula.ranks import RankShare
 
 Parts = dict[str, int]
@@ -28,7 +29,7 @@ class Step:
     held: int  # micro-batches whose activations the stage holds during it (this one included)
     after_backward: bool  # a backward of this update ran before it: the gradients exist
     after_forward: bool  # the step before it was a forward
-    done: int = 0  # forwards run so far in this update (this one included)
+    done: int  # forwards run so far in this update (this one included)
 
 
 def stage_steps(schedule: PipelineSchedule, stage: int, p: int, m: int) -> tuple[Step, ...]:
@@ -53,7 +54,7 @@ def stage_steps(schedule: PipelineSchedule, stage: int, p: int, m: int) -> tuple
 def distinct(schedule: PipelineSchedule, stage: int, p: int, m: int, by_forward: bool = False) -> tuple[Step, ...]:
     """Of the stage's steps alike but for their held micro-batches (and, ``by_forward``, for whether a forward came
     just before), the one holding the most, the latest of those (the most forwards done: outputs a stage may keep,
-    formula/pipeline.py ``keeps_outputs``): every part a step's point adds grows with them.  A handful, however
+    formula/pipeline.py ``outputs_held``): every part a step's point adds grows with them.  A handful, however
     many micro-batches."""
     top: dict = {}
     for step in stage_steps(schedule, stage, p, m):
@@ -97,15 +98,14 @@ def with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, i
     if rank.stages == 1:
         return phases
     outputs, sends = stage_output_bytes(cfg, rank, done), gradient_send_bytes(cfg, rank)
+    stepping = stage_output_bytes(cfg, dataclasses.replace(rank, in_flight=0), done)  # none in flight: kept ones
     buffers, received = receive_buffer_bytes(cfg, rank)
     if cfg.model.impl is Implementation.MEGATRON:
         # Megatron's schedules receive into a fresh tensor per micro-batch (the chunk's input, which its first layer
         # keeps: counted in the activations) and free each output's storage once sent (megatron/core/
         # pipeline_parallel/schedules.py, deallocate_output_tensor)
-        outputs, buffers, received = 0, 0, 0
-    live = {"forward": (outputs, 0), "backward": (outputs, sends)}
-    if cfg.parallel.chunks == 1 and keeps_outputs(cfg, rank.last):
-        live["optimizer"] = (outputs, 0)
+        outputs, stepping, buffers, received = 0, 0, 0, 0
+    live = {"forward": (outputs, 0), "backward": (outputs, sends), "optimizer": (stepping, 0)}
     out = {}
     for ph, parts in phases.items():
         moved = received if ph in live and parts["activations"] else 0
