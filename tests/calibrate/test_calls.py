@@ -8,7 +8,7 @@ import pytest
 from batchlab.calibrate import calls, load_cached, save
 from batchlab.config import RunConfig, preset
 from batchlab.config.phase import GRAPH_CALL, REGION_CALL, Phase
-from batchlab.formula.opcost import OpCosts, price
+from batchlab.formula.opcost import OpCosts, describe, price
 from batchlab.formula.oplist import update_ops
 from batchlab.measure.harness import Trainer
 from batchlab.trace.ops import record_update
@@ -81,6 +81,8 @@ def test_ensure_times_what_the_config_runs_once_and_caches_it(monkeypatch):
     assert "compiled graph" in calls.ensure(compiled, threads=1) and timed == ["graph"]
     assert "checkpoint region" in calls.ensure(CFG.replace(ac="full"), threads=1)
     assert calls.ensure(compiled.replace(ac="full"), threads=1) is None and timed == ["graph", "checkpoint"]
+    # who pays is the op list's answer: a compiled block's checkpoint is part of its graph, no region of its own
+    assert calls.wanted(compiled.replace(ac="full")) == calls.GRAPH
     assert {k: load_cached("cpu", 1).dispatch_seconds[k] for k in OWN} == OWN
 
 
@@ -95,3 +97,14 @@ def test_a_failed_or_senseless_timing_is_remembered_and_prices_nothing(monkeypat
     assert set(calls.GRAPH) <= set(cal.untimed) and not set(calls.GRAPH) & set(cal.dispatch_seconds)
     monkeypatch.setattr(calls, "measure_graph", lambda dispatch: pytest.fail("timed again"))
     assert calls.ensure(CFG.replace(compile="blocks"), threads=1) is None
+
+
+def test_an_own_call_without_its_timed_kind_is_said_to_be_priced_at_zero():
+    ops = update_ops(CFG.replace(compile="blocks", ac="full"))
+    said = describe(FLAT, price(ops, FLAT))
+    assert "priced at 0" in said and "graph-forward not in the calibration" in said and "checkpoint-" not in said
+    untimed = OpCosts(**{**FLAT.__dict__, "untimed": {"graph-backward": "InvalidCxxCompiler"}})
+    assert "graph-backward not timed: InvalidCxxCompiler" in describe(untimed, price(ops, untimed))
+    timed = OpCosts(**{**FLAT.__dict__, "dispatch": {**FLAT.dispatch, **OWN}})
+    assert "priced at 0" not in describe(timed, price(ops, timed))
+    assert "priced at 0" not in describe(FLAT, price(update_ops(CFG), FLAT))  # eager, no AC: nothing to price

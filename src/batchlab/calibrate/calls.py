@@ -30,7 +30,8 @@ import time
 
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.config import RunConfig
-from batchlab.calibrate.compiled_rng import compiled_on_cpu
+from batchlab.config.phase import Launch
+from batchlab.formula.oplist import update_ops
 
 GRAPH = ("graph-forward", "graph-backward")
 CHECKPOINT = ("checkpoint-forward", "checkpoint-recompute")
@@ -114,12 +115,13 @@ def problems(timed: dict[str, float]) -> list[str]:
 
 
 def wanted(cfg: RunConfig) -> tuple[str, ...]:
-    """The kinds ``cfg`` runs on this CPU: a compiled graph's call where compiled, a checkpoint region's where a
-    layer is recomputed by plain non-reentrant checkpointing (not a selective policy's dispatch mode)."""
+    """The kinds ``cfg`` pays on this CPU, as the formula's op list prices them: its graph's and region's own
+    calls (``Launch.GRAPH``, ``Launch.CHECKPOINT``; formula/oplist.py decides who runs which)."""
     if cfg.device != "cpu":
-        return ()
-    plain = any(m.spec.recomputes and not m.dispatch_mode for m in cfg.ac.layer_modes(cfg.model.layers))
-    return (GRAPH if compiled_on_cpu(cfg) else ()) + (CHECKPOINT if plain else ())
+        return ()  # a GPU's: `batchlab calibrate --torch-device cuda` (the estimate says what is priced at 0)
+    paid = {f"{op.launch.value}-{op.phase.value}" for op in update_ops(cfg)
+            if op.launch in (Launch.GRAPH, Launch.CHECKPOINT)}
+    return tuple(k for k in (*GRAPH, *CHECKPOINT) if k in paid)
 
 
 def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:

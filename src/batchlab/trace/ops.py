@@ -18,8 +18,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from batchlab.formula.opcost import GRAPH_CALL, REGION_CALL, OpClass, OpCount, op_class
-from batchlab.config.phase import Launch, Phase
+from batchlab.formula.opcost import OpClass, OpCount, op_class
+from batchlab.config.phase import GRAPH_CALL, REGION_CALL, Launch, Phase
 from batchlab.measure.memory import tensors_in
 from batchlab.models import ac
 from batchlab.trace.flops import register_cpu_attention_flops, update_under
