@@ -375,30 +375,6 @@ def link_text(bytes_per_s: float) -> str:
     return "no bandwidth resolved (latency-bound)" if bytes_per_s >= UNRESOLVED else fmt_count(bytes_per_s, "B/s")
 
 
-def _rates(points, unit: str) -> str:
-    """The range of a rate curve ('2 GFLOP/s-29.1 TFLOP/s', one figure when flat)."""
-    lo, hi = (fmt_count(f(r for _, r in points), unit) for f in (min, max))
-    return lo if lo == hi else f"{lo}-{hi}"
-
-
-def describe(costs: OpCosts, t: TimeBreakdown) -> str:
-    """The time model's assumptions in one line: which rates, from where, and what they made of this update."""
-    mm = "; ".join(f"{k} {_rates(pts, 'FLOP/s')}" for k, pts in costs.matmul.items())
-    bw = "at " + _rates(costs.memory, "B/s")
-    if costs.memory_inplace:
-        bw += f" into fresh outputs, {_rates(costs.memory_inplace, 'B/s')} in place"
-    disp = "/".join(f"{costs.dispatch[k] * 1e6:.1f}" for k in ("forward", "backward", "plain"))
-    if costs.matmul_intensity:
-        mm += f", a linear layer's bytes beyond its calibrated shape's at {fmt_count(costs.memory[-1][1], 'B/s')}"
-    own = ", ".join(f"{k} " + (f"not timed: {costs.untimed[k]}" if k in costs.untimed else "not in the calibration")
-                    for k in t.unpriced)
-    return (f"time model: per-op sum over {t.ops:,} ops per update ({fmt_count(t.flops, 'FLOP')} in matmuls at "
-            f"{mm} by call size; {fmt_count(t.bytes, 'B')} moved by memory-bound ops {bw}; dispatch {disp} µs per "
-            f"forward/backward/plain op, {t.dispatch_share:.0%} of the ops' time"
-            f"{'; launches overlap kernels' if costs.asynchronous else ''}); source: {costs.source}"
-            + (f"; priced at 0: a compiled graph's or checkpoint region's own call ({own})" if own else ""))
-
-
 def breakdown_text(t: TimeBreakdown) -> str:
     """``update time 151.0 ms [trace, per-op model]: forward 80.2 ms, ...; by op class: matmul 40%, ...``."""
     ms = fmt_seconds
