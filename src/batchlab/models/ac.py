@@ -53,8 +53,10 @@ def _selective_contexts(spec: ACPolicySpec):
     return create_selective_checkpoint_contexts(functools.partial(_policy, spec, defaultdict(int)))
 
 
-# (enter, leave) pairs told each time a checkpointed function starts and ends, in forward and in its recompute
-# (trace/ops.py: the region's own call and which ops are recomputed); a compiled graph's checkpoint is not told
+# (enter, leave) pairs told each time a checkpointed branch or attention core starts and ends, in forward and in its
+# recompute (trace/ops.py: the region's own call and which ops are recomputed); a compiled graph's is not told.  A
+# whole block's checkpoint is seen by its block's hooks instead (``Checkpointed.block``), which also run where dynamo
+# broke the graph around the checkpoint and ran it eagerly (a decision taken while tracing could not see that)
 _LISTENERS: list[tuple] = []
 
 
@@ -71,8 +73,7 @@ class _Listening:
 
 
 def listen(enter, leave) -> _Listening:
-    """Call ``enter(mode)`` / ``leave(mode)`` around every eager run of a checkpointed function, wherever a
-    policy enters ``checkpoint`` (a whole block, one branch, the attention core)."""
+    """Call ``enter(mode)`` / ``leave(mode)`` around every eager run of a checkpointed branch or attention core."""
     return _Listening((enter, leave))
 
 
@@ -81,6 +82,10 @@ def _checkpoint(fn, mode: ACMode, *args, **kwargs):
     same mask as the forward did), the listeners told around each of its runs."""
     if _LISTENERS and not torch.compiler.is_compiling():
         fn = functools.partial(_told, fn, mode)
+    return _checkpointed(fn, mode, *args, **kwargs)
+
+
+def _checkpointed(fn, mode: ACMode, *args, **kwargs):
     context_fn = _context_fn(mode)
     extra = {"context_fn": context_fn} if context_fn else {}
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
@@ -110,7 +115,7 @@ class Checkpointed(nn.Module):
         return self.mode.spec.selective
 
     def forward(self, *args, **kwargs):
-        return _checkpoint(self.block, self.mode, *args, **kwargs)
+        return _checkpointed(self.block, self.mode, *args, **kwargs)
 
 
 class _CoreAttentionCheckpointed(Checkpointed):

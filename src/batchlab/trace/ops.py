@@ -191,7 +191,13 @@ class OpRecorder(TorchDispatchMode, HookSet):
         self._in_sac = 0  # inside a block under selective checkpointing's dispatch mode (OpCount.sac_dispatched)
         # identical calls counted as they come (OpCount's fields but the count -> calls), in order of first call
         self._counts: dict[tuple, int] = {}
-        # told where each policy enters its checkpoint (a whole block, one branch, the attention core), eager only
+        # a whole block's checkpoint seen by its block's hooks (also where dynamo ran it eagerly past a graph break);
+        # a branch's or the attention core's where the policy enters it (models/ac.py ``listen``)
+        for m in (model.modules() if model is not None else ()):
+            if type(m) is ac.Checkpointed:
+                self._handles.append(m.block.register_forward_pre_hook(lambda mod, args, m=m: self._enter(m.mode)))
+                self._handles.append(m.block.register_forward_hook(lambda mod, args, out, m=m: self._leave(m.mode),
+                                                                   always_call=True))
         self._handles.append(ac.listen(self._enter, self._leave))
         _RECORDERS.add(self)
         register_cpu_attention_flops()
@@ -203,7 +209,9 @@ class OpRecorder(TorchDispatchMode, HookSet):
     def _enter(self, mode) -> None:
         self._in_block += 1
         self._in_sac += mode.dispatch_mode
-        if not mode.dispatch_mode:  # a selective policy's dispatch mode is priced per op (calibrate/dispatch.py)
+        # a selective policy's dispatch mode is priced per op (calibrate/dispatch.py); a compiled block's checkpoint
+        # is part of its graph
+        if not mode.dispatch_mode and not torch.compiler.is_compiling():
             self.own_call(REGION_CALL, Launch.CHECKPOINT)  # in forward, and as the recompute starts (current())
 
     def _leave(self, mode) -> None:
