@@ -7,8 +7,9 @@ import pytest
 
 from batchlab.calibrate import calls, load_cached, save
 from batchlab.config import RunConfig, preset
-from batchlab.config.phase import GRAPH_CALL, REGION_CALL, Launch, Phase
+from batchlab.config.phase import GRAPH_CALL, REGION_CALL, Phase
 from batchlab.formula.opcost import OpCosts, price
+from batchlab.formula.opdescribe import describe
 from batchlab.formula.oplist import update_ops
 from batchlab.measure.harness import Trainer
 from batchlab.trace.ops import record_update
@@ -34,26 +35,38 @@ def test_each_compiled_block_is_one_graph_run_forward_and_backward():
     assert _calls(update_ops(CFG.replace(compile="blocks")), GRAPH_CALL) == {Phase.FORWARD: 3, Phase.BACKWARD: 3}
     assert _calls(update_ops(CFG.replace(compile="model")), GRAPH_CALL) == {Phase.FORWARD: 1, Phase.BACKWARD: 1}
     assert _calls(update_ops(CFG), GRAPH_CALL) == {}
-    # priced at the timed kinds: 3 x (40 + 50) us more than with none timed, and not counted as ops
+    # priced at the timed kinds: by hand 3 graphs x (40 + 50) us = 270 us more than with none timed; no op counted
     ops = update_ops(CFG.replace(compile="blocks"))
     timed = price(ops, OpCosts(**{**FLAT.__dict__, "dispatch": {**FLAT.dispatch, **OWN}}))
-    assert timed.seconds - price(ops, FLAT).seconds == pytest.approx(3 * (4e-5 + 5e-5))
-    assert timed.ops == price(ops, FLAT).ops == sum(o.count for o in ops if o.launch in (Launch.EAGER,
-                                                                                         Launch.COMPILED))
+    assert timed.seconds - price(ops, FLAT).seconds == pytest.approx(270e-6)
+    assert timed.ops == price(ops, FLAT).ops == price([o for o in ops if o.name != GRAPH_CALL], FLAT).ops
 
 
-def test_each_eager_checkpointed_block_is_one_region_in_forward_and_in_recompute():
-    full = CFG.replace(ac="full")
-    assert _calls(update_ops(full), REGION_CALL) == {Phase.FORWARD: 3, Phase.RECOMPUTE: 3}
-    # the real update, recorded (its checkpointed blocks' hooks): the same regions
-    assert _calls(record_update(Trainer(full)), REGION_CALL) == {Phase.FORWARD: 3, Phase.RECOMPUTE: 3}
+# every policy that recomputes by plain non-reentrant checkpointing, wherever it enters checkpoint (the whole
+# block, the MLP branch, the attention core): 3 layers, by hand 3 regions each way; every:2 wraps layers 0 and 2
+RECOMPUTING = {"full": 3, "every:2": 2, "selective-mlp": 3, "megatron-selective": 3}
+
+
+@pytest.mark.parametrize("ac", list(RECOMPUTING))
+def test_each_eager_checkpointed_region_is_one_call_in_forward_and_in_recompute(ac):
+    cfg = CFG.replace(ac=ac, attention="sdpa")
+    k = RECOMPUTING[ac]
+    assert _calls(update_ops(cfg), REGION_CALL) == {Phase.FORWARD: k, Phase.RECOMPUTE: k}
+    # the real update, recorded where each policy enters its checkpoint: the same regions
+    assert _calls(record_update(Trainer(cfg)), REGION_CALL) == {Phase.FORWARD: k, Phase.RECOMPUTE: k}
+
+
+def test_no_region_call_without_plain_checkpointing_and_each_priced_at_its_kinds():
     # a selective policy's dispatch mode prices its regions per op (calibrate/dispatch.py); a compiled block's
     # checkpoint is part of its graph; no AC has none
+    full = CFG.replace(ac="full")
     for other in (CFG.replace(ac="selective-op"), full.replace(compile="blocks"), CFG):
         assert _calls(update_ops(other), REGION_CALL) == {}
+    assert _calls(record_update(Trainer(CFG.replace(ac="selective-op"))), REGION_CALL) == {}
     ops = update_ops(full)
     timed = price(ops, OpCosts(**{**FLAT.__dict__, "dispatch": {**FLAT.dispatch, **OWN}}))
-    assert timed.seconds - price(ops, FLAT).seconds == pytest.approx(3 * (2e-5 + 1e-4))
+    # by hand: 3 regions x (20 + 100) us = 360 us
+    assert timed.seconds - price(ops, FLAT).seconds == pytest.approx(360e-6)
 
 
 def test_ensure_times_what_the_config_runs_once_and_caches_it(monkeypatch):
@@ -66,9 +79,12 @@ def test_ensure_times_what_the_config_runs_once_and_caches_it(monkeypatch):
     assert calls.ensure(compiled, threads=1) is None and not timed  # no calibration: nothing to take off
     save(stub_calibration(dispatch_seconds={"forward": 6e-6, "backward": 4e-6, "plain": 5e-6}))
     assert calls.ensure(CFG, threads=1) is None and not timed  # eager, no AC: neither runs
-    assert "compiled graph" in calls.ensure(compiled, threads=1) and timed == ["graph"]
+    assert "compiled graph" in calls.ensure(compiled, threads=1) and timed == ["graph"] * calls.ROUNDS
     assert "checkpoint region" in calls.ensure(CFG.replace(ac="full"), threads=1)
-    assert calls.ensure(compiled.replace(ac="full"), threads=1) is None and timed == ["graph", "checkpoint"]
+    assert calls.ensure(compiled.replace(ac="full"), threads=1) is None
+    assert timed == ["graph"] * calls.ROUNDS + ["checkpoint"] * calls.ROUNDS
+    # who pays is the op list's answer: a compiled block's checkpoint is part of its graph, no region of its own
+    assert calls.wanted(compiled.replace(ac="full")) == calls.GRAPH
     assert {k: load_cached("cpu", 1).dispatch_seconds[k] for k in OWN} == OWN
 
 
@@ -83,3 +99,28 @@ def test_a_failed_or_senseless_timing_is_remembered_and_prices_nothing(monkeypat
     assert set(calls.GRAPH) <= set(cal.untimed) and not set(calls.GRAPH) & set(cal.dispatch_seconds)
     monkeypatch.setattr(calls, "measure_graph", lambda dispatch: pytest.fail("timed again"))
     assert calls.ensure(CFG.replace(compile="blocks"), threads=1) is None
+
+
+def test_an_own_call_without_its_timed_kind_is_said_to_be_priced_at_zero():
+    ops = update_ops(CFG.replace(compile="blocks", ac="full"))
+    said = describe(FLAT, price(ops, FLAT))
+    assert "priced at 0" in said and "graph-forward not in the calibration" in said and "checkpoint-" not in said
+    untimed = OpCosts(**{**FLAT.__dict__, "untimed": {"graph-backward": "InvalidCxxCompiler"}})
+    assert "graph-backward not timed: InvalidCxxCompiler" in describe(untimed, price(ops, untimed))
+    timed = OpCosts(**{**FLAT.__dict__, "dispatch": {**FLAT.dispatch, **OWN}})
+    assert "priced at 0" not in describe(timed, price(ops, timed))
+    assert "priced at 0" not in describe(FLAT, price(update_ops(CFG), FLAT))  # eager, no AC: nothing to price
+
+
+def test_each_figure_is_the_median_of_its_rounds_a_burst_in_one_not_taken(monkeypatch):
+    runs = iter([4e-5, 9e-3, 5e-5])  # the second round hit by a burst of load
+
+    def timer(dispatch):
+        v = next(runs)
+        return {"graph-forward": v, "graph-backward": 2 * v}
+
+    monkeypatch.setattr(calls, "measure_graph", timer)
+    save(stub_calibration(dispatch_seconds={"forward": 6e-6, "backward": 4e-6, "plain": 5e-6}))
+    assert "median of 3" in calls.ensure(CFG.replace(compile="blocks"), threads=1)
+    cached = load_cached("cpu", 1).dispatch_seconds
+    assert (cached["graph-forward"], cached["graph-backward"]) == (5e-5, 1e-4)

@@ -105,7 +105,7 @@ def test_a_changed_costs_field_is_never_served_the_base_costs_work():
                    contention={"compute": 1.5}, contention_processes=2, rank_skew=0.05,
                    link_cpu_seconds={"message": 1e-5, "byte": 1e-10}, link_warm_latency_s=2e-6,
                    family_dispatch={"hf:gpt2": {"forward": 2.0}}, matmul_intensity=((1e6, 50.0), (1e9, 200.0)), whole_call_rate=True,
-                   source="changed")
+                   untimed={"graph-forward": "no C++ compiler"}, source="changed")
     assert set(changes) == {f.name for f in dataclasses.fields(OpCosts)}
     for name, value in changes.items():
         changed = dataclasses.replace(base, **{name: value})

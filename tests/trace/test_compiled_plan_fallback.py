@@ -53,3 +53,26 @@ def test_a_model_whose_code_does_not_compile_is_traced_once_and_refused(tmp_path
         trace(RunConfig(model_source="broken_model:broken", seq=8, micro_batch=2, compile="model"))
     assert e.value.field == "compile" and "did not compile for the trace" in str(e.value)
     assert len(attempts) == 1  # the partition-only backend would compile the same code to the same error
+
+
+def test_the_partition_only_graphs_record_their_own_call_once_per_run_forward_and_backward():
+    """The fallback's graphs run uncompiled (trace/compiled.py ``_graph_run``) but are still one compiled graph
+    each: by hand, one forward run and one backward run of x -> sum(2x), one own call each, no data, no op."""
+    import torch
+
+    from batchlab.config.phase import GRAPH_CALL, Launch, Phase
+    from batchlab.trace.compiled import partition_only
+    from batchlab.trace.ops import OpRecorder
+
+    x = torch.randn(8, requires_grad=True)
+    double = partition_only(torch.fx.symbolic_trace(lambda x: ((x * 2).sum(),)), [x])  # as dynamo would hand it
+    double(x)[0].backward()  # the backward compiled outside the record
+    rec = OpRecorder()
+    with rec:
+        rec.mark("forward")
+        (loss,) = double(x)
+        rec.mark("backward")
+        loss.backward()
+    rec.close()
+    graph = {op.phase: (op.name, op.count, op.bytes, op.flops) for op in rec.result() if op.launch is Launch.GRAPH}
+    assert graph == {Phase.FORWARD: (GRAPH_CALL, 1, 0, 0), Phase.BACKWARD: (GRAPH_CALL, 1, 0, 0)}

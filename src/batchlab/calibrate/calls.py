@@ -21,37 +21,42 @@ alias they issue.  Timed on chains of k sigmoids (each saves its output) checkpo
 the extra time is linear in k, and its value at k = 0 is the region's own cost, forward (``checkpoint-forward``)
 and recompute (``checkpoint-recompute``).  A selective policy's dispatch mode is timed with it in its per-op
 dispatch (calibrate/dispatch.py), and a checkpoint inside a compiled graph is part of the graph: neither pays these.
-Each ``Launch.GRAPH`` / ``Launch.CHECKPOINT`` op is priced at its kind (formula/opcost.py; 0 where untimed).
+Each figure is the median of ``ROUNDS`` such timings, taken as calibrate/oneoff.py says.  Each ``Launch.GRAPH`` /
+``Launch.CHECKPOINT`` op is priced at its kind (formula/opcost.py; 0 where untimed, and the estimate says so).
 """
 from __future__ import annotations
 
-import math
-import time
+import statistics
 
+from batchlab import host
 from batchlab.cache.calibrations import default_threads, load_cached, save
+from batchlab.calibrate.oneoff import at_threads, thread_clock, why
 from batchlab.config import RunConfig
-from batchlab.calibrate.compiled_rng import compiled_on_cpu
+from batchlab.config.phase import Launch
+from batchlab.formula.calibration import SPARE
+from batchlab.formula.oplist import update_ops
+from batchlab.formula.plausible import dispatch_problems
 
 GRAPH = ("graph-forward", "graph-backward")
 CHECKPOINT = ("checkpoint-forward", "checkpoint-recompute")
 SECONDS = 1.0
-# one region call in seconds: above a no-grad dispatch's floor, below a whole small update
-PLAUSIBLE = (1e-7, 1e-3)
+ROUNDS = 3  # each figure the median of this many timings, a burst of the host's load in one not taken
 CHAINS = (1, 4)  # saved tensors of the two checkpointed chains
 
 
 def _times(turns: dict, seconds: float) -> dict[str, float]:
     """Seconds per call of each of ``turns`` (name -> function), timed in turns on this thread's clock."""
-    import torch
+    from batchlab.calibrate.kernels import alternated
 
-    from batchlab.calibrate.kernels import CLOCK, alternated
-
-    token = CLOCK.set(time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
-    try:
+    with thread_clock():
         return {k: 1.0 / rate for k, rate in alternated({k: (fn, 1) for k, fn in turns.items()}, seconds,
                                                          lambda: None).items()}
-    finally:
-        CLOCK.reset(token)
+
+
+def _median(timer, rounds: int = ROUNDS) -> dict[str, float]:
+    """Each figure of ``timer()`` as the median of ``rounds`` timings."""
+    runs = [timer() for _ in range(rounds)]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def measure_graph(dispatch: dict[str, float], seconds: float = SECONDS) -> dict[str, float]:
@@ -107,19 +112,18 @@ def measure_checkpoint(seconds: float = SECONDS) -> dict[str, float]:
 
 
 def problems(timed: dict[str, float]) -> list[str]:
-    """What makes ``timed`` unusable: a cost that is not a number within ``PLAUSIBLE``."""
-    low, high = PLAUSIBLE
-    return [f"{k} {s!r} s per call outside {low:g}..{high:g} s" for k, s in timed.items()
-            if not (math.isfinite(s) and low <= s <= high)]
+    """What makes ``timed`` unusable: a cost per call outside dispatch's plausible range (formula/plausible.py)."""
+    return dispatch_problems("own call", timed)
 
 
 def wanted(cfg: RunConfig) -> tuple[str, ...]:
-    """The kinds ``cfg`` runs on this CPU: a compiled graph's call where compiled, a checkpoint region's where a
-    layer is recomputed by plain non-reentrant checkpointing (not a selective policy's dispatch mode)."""
+    """The kinds ``cfg`` pays on this CPU, as the formula's op list prices them: its graph's and region's own
+    calls (``Launch.GRAPH``, ``Launch.CHECKPOINT``; formula/oplist.py decides who runs which)."""
     if cfg.device != "cpu":
-        return ()
-    plain = any(m.spec.recomputes and not m.dispatch_mode for m in cfg.ac.layer_modes(cfg.model.layers))
-    return (GRAPH if compiled_on_cpu(cfg) else ()) + (CHECKPOINT if plain else ())
+        return ()  # a GPU's: `batchlab calibrate --torch-device cuda` (the estimate says what is priced at 0)
+    paid = {f"{op.launch.value}-{op.phase.value}" for op in update_ops(cfg)
+            if op.launch in (Launch.GRAPH, Launch.CHECKPOINT)}
+    return tuple(k for k in (*GRAPH, *CHECKPOINT) if k in paid)
 
 
 def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
@@ -133,29 +137,31 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
     timers = {GRAPH: ("a compiled graph's own call", lambda: measure_graph(cal.dispatch_seconds)),
               CHECKPOINT: ("a checkpoint region's own call", measure_checkpoint)}
     lines = []
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(cal.threads)
-    try:
+    with at_threads(cal.threads):
         for group, (what, timer) in timers.items():
             if not set(group) & set(kinds) or all(k in cal.dispatch_seconds or k in cal.untimed for k in group):
                 continue
+            load = host.LoadSampler(thread=False).start()
             try:
-                timed = timer()
+                timed = _median(timer)
                 wrong = problems(timed)
             except Exception as e:  # noqa: BLE001 - inductor or its C++ compiler unusable here: not priced
-                wrong = [(str(e).strip().splitlines() or [type(e).__name__])[0][:160]]
+                wrong = [why(e)]
+            others = load.stop()["other_cores"]
+            busy = f", while other processes kept {others:.1f} core(s) busy" if others else ""
             if wrong:
                 cal.untimed.update({k: wrong[0] for k in group})
                 lines.append(f"time model: {what} not timed ({wrong[0]}); not priced until the next "
                              "`batchlab calibrate`")
                 continue
+            # wall-clock timings (several threads) stretched by others' load stay out of the cache, as calibrate's
+            if cal.threads > 1 and others is not None and others > max(cal.cores - cal.threads, 0) + SPARE:
+                lines.append(f"time model: {what} timed{busy}: not cached, timed again next time")
+                continue
             cal.dispatch_seconds.update(timed)
             lines.append(f"time model: timed {what} once and cached it with the calibration ("
-                         + ", ".join(f"{k.split('-')[1]} {s * 1e6:.0f} µs" for k, s in timed.items()) + ")")
-    finally:
-        torch.set_num_threads(before)
+                         + ", ".join(f"{k.split('-')[1]} {s * 1e6:.0f} µs" for k, s in timed.items())
+                         + f"; median of {ROUNDS}{busy})")
     if lines:
         save(cal)
     return "\n".join(lines) or None

@@ -32,9 +32,9 @@ kernel of the op serves (formula/inkernel.py).
 from __future__ import annotations
 
 import math
-import time
 
 from batchlab.cache.calibrations import default_threads, load_cached, save
+from batchlab.calibrate.oneoff import at_threads, thread_clock, why
 from batchlab.config import CompileMode, RunConfig
 from batchlab.formula.inkernel import MASK_LOAD, MASK_LOAD_RANDOM, MASK_STORE, RNG, in_kernel
 from batchlab.formula.plausible import IN_KERNEL_RATIO, in_kernel_problems
@@ -125,18 +125,15 @@ def _rates(x, fns: dict, seconds: float) -> dict[str, float]:
     falls on all (elements per second, by name; the compiles outside the timed turns)."""
     import torch
 
-    from batchlab.calibrate.kernels import CLOCK, ELEMENTS, alternated, keeping
+    from batchlab.calibrate.kernels import ELEMENTS, alternated, keeping
 
     kernels = {}
     for k, fn in fns.items():
         run = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
         run(x)  # the compile
         kernels[k] = (keeping(lambda run=run: run(x)), ELEMENTS)
-    token = CLOCK.set(time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
-    try:
+    with thread_clock():
         return alternated({**kernels, "bernoulli_": _bernoulli(x)}, seconds, lambda: None)
-    finally:
-        CLOCK.reset(token)
 
 
 def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
@@ -152,17 +149,13 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
     missing = [k for k in timers if cal is not None and k not in cal.element_seconds and k not in cal.untimed]
     if cal is None or not missing or not eager:
         return "\n".join(lines) or None
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(cal.threads)
-    try:
+    with at_threads(cal.threads):
         for k in missing:
             what, timer = timers[k]
             try:
                 ratio = timer()
             except Exception as e:  # noqa: BLE001 - inductor or its C++ compiler unusable here: the eager rate serves
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+                first = why(e)
                 cal.untimed[k] = first
                 lines.append(f"time model: {what} not timed ({first}); ATen's bernoulli_ rate serves until the "
                              "next `batchlab calibrate`")
@@ -177,8 +170,6 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
             cal.element_seconds[k] = ratio * eager  # the calibration's bernoulli_ rate, scaled by the paired ratio
             lines.append(f"time model: timed {what} once against ATen's bernoulli_ (x{ratio:.2f} per element, "
                          f"{ratio * eager * 1e9:.1f} ns) and cached it with the calibration")
-    finally:
-        torch.set_num_threads(before)
     save(cal)  # the rates timed, and the failures, so neither is timed again
     return "\n".join(lines)
 
@@ -188,20 +179,15 @@ def _ensure_in_kernel(cal, eager: float | None) -> list[str]:
     keys = (*ARITHMETIC_KEYS, SOFTMAX_KEY, MASK_LOAD_KEY, MASK_LOAD_RANDOM_KEY)
     if cal is None or not eager or all(k in cal.element_seconds or k in cal.untimed for k in keys):
         return []
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(cal.threads)
     try:
-        ratios = measure_in_kernel()
+        with at_threads(cal.threads):
+            ratios = measure_in_kernel()
     except Exception as e:  # noqa: BLE001 - inductor or its C++ compiler unusable here: ATen's rates serve
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        first = why(e)
         cal.untimed.update({k: first for k in keys if k not in cal.element_seconds})
         save(cal)
         return [f"time model: inductor's in-kernel arithmetic not timed ({first}); ATen's kernels' rates serve "
                 "until the next `batchlab calibrate`"]
-    finally:
-        torch.set_num_threads(before)
     # each kept where plausible against ATen's rate of the same op (formula/plausible.py): a broken timing serves
     # nothing, ATen's rate prices the op instead
     # the rates cached already stay (other figures were priced with them): the missing ones are added

@@ -14,11 +14,10 @@ for an FSDP2 config FSDP2's host work per collective (``fsdp_host.py``, keys "fs
 from __future__ import annotations
 
 import contextlib
-import time
 
 from batchlab.calibrate import dtensor_collective, fsdp_host
 from batchlab.calibrate.dispatch import DISPATCH_GPT, DispatchSampler, per_kind
-from batchlab.calibrate.kernels import CLOCK
+from batchlab.calibrate.oneoff import at_threads, thread_clock
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.config import RunConfig
 from batchlab.formula.plausible import dtensor_problems
@@ -114,20 +113,16 @@ def measure(seconds: float = SECONDS) -> dict[str, float]:
     from batchlab.measure.harness import Trainer
     from batchlab.trace.ops import record_update
 
-    token = CLOCK.set(time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
-    try:
-        with one_rank_mesh() as mesh:
-            plain = Trainer(DISPATCH_GPT, torch.device("cpu"))
-            sharded = sharded_trainer(DISPATCH_GPT, mesh)
-            for tr in (plain, sharded):
-                tr.update()
-            calls = {"plain": per_kind(record_update(plain)), "sharded": per_kind(record_update(sharded))}
-            extra_calls = dtensor_calls(sharded)
-            sampler = DispatchSampler({"fp32": (plain, calls["plain"]), "sharded": (sharded, calls["sharded"])},
-                                      lambda: None)
-            sampler.run(seconds, at_least=20)
-    finally:
-        CLOCK.reset(token)
+    with thread_clock(), one_rank_mesh() as mesh:
+        plain = Trainer(DISPATCH_GPT, torch.device("cpu"))
+        sharded = sharded_trainer(DISPATCH_GPT, mesh)
+        for tr in (plain, sharded):
+            tr.update()
+        calls = {"plain": per_kind(record_update(plain)), "sharded": per_kind(record_update(sharded))}
+        extra_calls = dtensor_calls(sharded)
+        sampler = DispatchSampler({"fp32": (plain, calls["plain"]), "sharded": (sharded, calls["sharded"])},
+                                  lambda: None)
+        sampler.run(seconds, at_least=20)
     per_op = sampler.seconds()
     out = {}
     for kind in KINDS:
@@ -166,26 +161,22 @@ def ensure(cfgs: tuple[RunConfig, ...], threads: int | None = None) -> str | Non
     # a figure whose timing failed here is not timed again until the next calibration (``Calibration.untimed``)
     if cal is None or not (missing := want - set(cal.dtensor_seconds) - {k[len(UNTIMED):] for k in cal.untimed}):
         return None
-    import torch
-
     figures, failed = dict(cal.dtensor_seconds), ""
-    before = torch.get_num_threads()
-    torch.set_num_threads(cal.threads)
     try:
-        steps = ((set(PER_OP), measure), ({"collective"}, lambda: {"collective": dtensor_collective.measure()}),
-                 (set(FSDP), fsdp_host.measure))
-        for keys, timed in steps:  # each kept once plausible: a later step's failure loses none before it
-            if not missing & keys:
-                continue
-            figures.update(timed())
-            if not figures or (bad := dtensor_problems(figures)):  # a stall or a broken run: estimates follow it
-                failed = f"measured implausible ({bad[0] if figures else 'no DTensor op was dispatched'}), not cached"
-                figures = {k: v for k, v in figures.items() if k not in keys or k in cal.dtensor_seconds}
-                break
+        with at_threads(cal.threads):
+            steps = ((set(PER_OP), measure), ({"collective"}, lambda: {"collective": dtensor_collective.measure()}),
+                     (set(FSDP), fsdp_host.measure))
+            for keys, timed in steps:  # each kept once plausible: a later step's failure loses none before it
+                if not missing & keys:
+                    continue
+                figures.update(timed())
+                if not figures or (bad := dtensor_problems(figures)):  # a stall or a broken run: estimates follow it
+                    failed = (f"measured implausible ({bad[0] if figures else 'no DTensor op was dispatched'}), "
+                              "not cached")
+                    figures = {k: v for k, v in figures.items() if k not in keys or k in cal.dtensor_seconds}
+                    break
     except (RuntimeError, ValueError, TypeError) as e:  # a process group of the caller's own, a torch without DTensor
         failed = f"not measured ({e})"
-    finally:
-        torch.set_num_threads(before)
     timed = {k: v for k, v in figures.items() if k in missing}
     cal.dtensor_seconds = figures
     if failed or missing - set(timed):  # an FSDP2 run that counted no collective gives no figure either

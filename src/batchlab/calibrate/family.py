@@ -12,10 +12,9 @@ with it (``formula.timing.own_dispatch``).  A ratio of alternated updates: the h
 from __future__ import annotations
 
 import dataclasses
-import time
 
 from batchlab.calibrate.dispatch import DISPATCH_GPT, DispatchSampler, counted, per_kind
-from batchlab.calibrate.kernels import CLOCK
+from batchlab.calibrate.oneoff import at_threads, thread_clock
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.config import ConfigError, RunConfig
 from batchlab.formula.opcost import OpCosts
@@ -46,14 +45,11 @@ def measure(cfg: RunConfig, costs: OpCosts, seconds: float = SECONDS) -> dict[st
     import torch
 
     cpu = torch.device("cpu")
-    token = CLOCK.set(time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
-    try:
+    with thread_clock():
         runs = {"fp32": counted(DISPATCH_GPT, cpu), "model": counted(dispatch_bound(cfg), cpu)}
         sampler = DispatchSampler({name: (trainer, per_kind(ops)) for name, (trainer, ops) in runs.items()},
                                   lambda: None)
         sampler.run(seconds, at_least=20)
-    finally:
-        CLOCK.reset(token)
     per_op = sampler.seconds()
 
     def beyond_work(name: str, kind: str) -> float:
@@ -86,16 +82,11 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
     cal = load_cached("cpu", default_threads() if threads is None else threads) if key and cfg.device == "cpu" else None
     if cal is None or key in cal.family_dispatch:
         return None
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(cal.threads)
     try:
-        ratios = measure(cfg, cal.op_costs() or _nominal(cfg))
+        with at_threads(cal.threads):
+            ratios = measure(cfg, cal.op_costs() or _nominal(cfg))
     except (ConfigError, RuntimeError, ValueError, TypeError) as e:  # a shape the model's code refuses
         return f"time model: {cfg.model_source}'s own dispatch per op not measured ({e}); batchlab's GPT's serves"
-    finally:
-        torch.set_num_threads(before)
     if bad := family_problems(key, ratios):  # a stall or a broken run: priced, every prediction would follow it
         return (f"time model: {cfg.model_source}'s own dispatch per op measured implausible ({bad[0]}); not cached, "
                 "batchlab's GPT's serves")

@@ -135,7 +135,7 @@ class Calibration:
                        contention_processes=self.contention_processes, rank_skew=self.rank_skew,
                        link_cpu_seconds=dict(self.link_cpu_seconds),
                        family_dispatch={k: dict(v) for k, v in self.family_dispatch.items()},
-                       dtensor_seconds=dict(self.dtensor_seconds),
+                       dtensor_seconds=dict(self.dtensor_seconds), untimed=dict(self.untimed),
                        matmul_intensity=tuple(sorted((2 * m * k * n, 2 * m * k * n / (4 * (m * k + k * n + m * n)))
                                                      for m, k, n in self.matmul_shapes)),
                        source=self.source)

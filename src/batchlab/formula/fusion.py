@@ -37,7 +37,7 @@ from collections.abc import Iterable
 
 from batchlab.config.phase import Launch, Phase
 from batchlab.formula.inkernel import MASK_LOAD, MASK_LOAD_RANDOM, MASK_STORE, RNG, in_kernel
-from batchlab.formula.opcost import GRAPH_CALL, OpClass, OpCount
+from batchlab.formula.opcost import OpClass, OpCount
 
 POINTWISE = frozenset({OpClass.MEMORY, OpClass.STRIDED, OpClass.ACTIVATION, OpClass.ACTIVATION_GRAD,
                        OpClass.MASKED, OpClass.RANDOM})
@@ -46,14 +46,6 @@ REDUCING = frozenset({OpClass.NORM, OpClass.SOFTMAX, OpClass.LOSS})
 REDUCTION_NAMES = frozenset({"sum", "mean", "amax", "amin", "var_mean", "linalg_vector_norm", "max", "prod", "any",
                              "all"})
 KERNEL = "fused"  # the name a chain's kernel goes by in the op list
-
-
-def graph_calls(graphs: int) -> list[OpCount]:
-    """``graphs`` compiled graphs' own calls, one forward and one backward run each (guards and AOTAutograd's
-    runtime wrapper in forward, its autograd node in backward), priced at their timed costs
-    (calibrate/calls.py)."""
-    return [OpCount(GRAPH_CALL, phase, OpClass.VIEW, 0, 0, 0, False, graphs, 0, False, Launch.GRAPH)
-            for phase in (Phase.FORWARD, Phase.BACKWARD)] if graphs else []
 
 
 def _reduces(op: OpCount) -> bool:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchlab.config import Backend, NormKind, RunConfig
-from batchlab.config.phase import Phase
+from batchlab.config.phase import GRAPH_CALL, REGION_CALL, Launch, Phase
 from batchlab.formula import fp8
 from batchlab.formula.activations import Impl, implementation
 from batchlab.formula.deepspeed import activation_precision
-from batchlab.formula.opcost import OpCount, op_class
+from batchlab.formula.opcost import OpClass, OpCount, op_class
 
 F32 = 4
 FWD, BWD, OPT, DATA = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.DATA
@@ -126,3 +126,12 @@ def widths(cfg: RunConfig) -> OpWidths:
     s8 = fp8.active(cfg)
     return OpWidths(e=e, res=2 if precision.low_precision_residual else 4, autocast=precision.mixed, fused_rms=fused,
                    cuda=cuda, megatron=cuda and impl is Impl.MEGATRON, fp8=s8, dp8=cfg.dp if s8 and s8.fsdp_fp8_all_gather else 1)
+
+
+def own_calls(launch: Launch, count: int) -> tuple[OpCount, ...]:
+    """``count`` runs of a compiled graph's (``Launch.GRAPH``: forward and backward) or an eager checkpoint
+    region's (``Launch.CHECKPOINT``: forward and recompute) own call: no data, no op, priced at its timed kind
+    (calibrate/calls.py)."""
+    name, second = (GRAPH_CALL, BWD) if launch is Launch.GRAPH else (REGION_CALL, Phase.RECOMPUTE)
+    return tuple(OpCount(name, phase, OpClass.VIEW, 0, 0, 0, False, count, 0, False, launch)
+                 for phase in (FWD, second)) if count else ()

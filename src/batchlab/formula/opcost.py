@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from batchlab.config import Choice
-from batchlab.config.phase import GRAPH_CALL, REGION_CALL, Launch, Phase
+from batchlab.config.phase import Launch, Phase
 from batchlab.formula.inkernel import MASK_LOAD, MASK_LOAD_RANDOM, MASK_STORE, RNG, aten_name, rate_keys
 from batchlab.formula.memo import cache, lookup
 from batchlab.util.units import fmt_count, fmt_seconds
@@ -74,10 +74,9 @@ _RANDOM = {"bernoulli", "bernoulli_", "native_dropout", "uniform_", "normal_", "
            "randn", "exponential_", RNG, "inductor_randint", MASK_STORE}
 
 # no data moved: reshapes that return a new tensor header, uninitialised allocations, scalar reads,
-# profiler markers, a compiled graph's or a checkpoint region's own call
+# profiler markers
 _NO_DATA = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
-            "alias", "lift_fresh", "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit",
-            GRAPH_CALL, REGION_CALL}
+            "alias", "lift_fresh", "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit"}
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of a few hundred op names, called per op per estimate
@@ -197,6 +196,7 @@ class OpCosts:
     # False: the CPU kernels' loop over entries, each entry's size sets it (and a start-up per call)
     whole_call_rate: bool = False
     dtensor_seconds: Mapping[str, float] = field(default_factory=dict)  # a DTensor op's extra host s, by kind; {}: none
+    untimed: Mapping[str, str] = field(default_factory=dict)  # why a kind was not timed here (a graph's own call)
     source: str = "nominal"
 
     def matmul_rate(self, flops: float, low_precision: bool, kind: str = "") -> float:
@@ -294,17 +294,20 @@ class TimeBreakdown:
     dispatch_by_phase: dict[str, float] = field(default_factory=dict)
     source: str = ""
     provenance: str = "formula"
+    # a graph's or region's own call whose kind ("graph-forward") the costs lack: priced at 0, said in ``describe``
+    unpriced: tuple[str, ...] = ()
 
     @property
     def dispatch_share(self) -> float:
         return self.by_class.get("dispatch", 0.0) / self.seconds if self.seconds else 0.0
 
 
+_OWN = (Launch.GRAPH, Launch.CHECKPOINT)  # a graph's or a region's own call: priced by its kind alone
 _WORK = cache(limit=64)  # what decides work_seconds -> {op shape: one call's work seconds}
 WORK_LIMIT = 50_000  # op shapes remembered per costs
 # OpCosts fields work_seconds never reads (a calibration loaded per estimate differs in none of the others)
 _NOT_WORK = {"dispatch", "dispatch_autocast", "family_dispatch", "asynchronous", "link_bytes_per_s", "link_latency_s", "link_warm_latency_s", "threads", "cores", "contention",
-             "contention_processes", "rank_skew", "link_cpu_seconds", "source"}
+             "contention_processes", "rank_skew", "link_cpu_seconds", "source", "untimed"}
 
 
 def _frozen(v):
@@ -329,7 +332,7 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
     by_class: dict[OpClass, float] = {}
     b_phase: dict[Phase, int] = {}
     f_phase: dict[Phase, int] = {}
-    table, dispatch = _work_table(costs), {}
+    table, dispatch, unpriced = _work_table(costs), {}, {}
     calls = fl = by = 0
     for op in ops:
         ph, n = op.phase, op.count
@@ -340,6 +343,8 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
         d = dispatch.get((ph, op.sac_dispatched, op.launch))
         if d is None:
             d = dispatch[ph, op.sac_dispatched, op.launch] = costs.dispatch_seconds(ph, op.sac_dispatched, op.launch)
+            if op.launch in _OWN and (kind := f"{op.launch.value}-{ph.value}") not in costs.dispatch:
+                unpriced[kind] = None
         w = n * one
         disp[ph] = disp.get(ph, 0.0) + n * d
         by_phase[ph] = by_phase.get(ph, 0.0) + w
@@ -359,7 +364,7 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
                          flops_by_phase={ph.value: f for ph, f in f_phase.items()},
                          work_by_phase={ph.value: w for ph, w in by_phase.items()},
                          dispatch_by_phase={ph.value: d for ph, d in disp.items()}, source=costs.source,
-                         provenance=provenance)
+                         provenance=provenance, unpriced=tuple(unpriced))
 
 
 UNRESOLVED = 1e15  # bytes/s of a link whose fitted time did not grow with size (latency-bound): no bandwidth
@@ -368,27 +373,6 @@ UNRESOLVED = 1e15  # bytes/s of a link whose fitted time did not grow with size 
 def link_text(bytes_per_s: float) -> str:
     """A link's bandwidth, or why there is none to show (a placeholder is never printed as a quantity)."""
     return "no bandwidth resolved (latency-bound)" if bytes_per_s >= UNRESOLVED else fmt_count(bytes_per_s, "B/s")
-
-
-def _rates(points, unit: str) -> str:
-    """The range of a rate curve ('2 GFLOP/s-29.1 TFLOP/s', one figure when flat)."""
-    lo, hi = (fmt_count(f(r for _, r in points), unit) for f in (min, max))
-    return lo if lo == hi else f"{lo}-{hi}"
-
-
-def describe(costs: OpCosts, t: TimeBreakdown) -> str:
-    """The time model's assumptions in one line: which rates, from where, and what they made of this update."""
-    mm = "; ".join(f"{k} {_rates(pts, 'FLOP/s')}" for k, pts in costs.matmul.items())
-    bw = "at " + _rates(costs.memory, "B/s")
-    if costs.memory_inplace:
-        bw += f" into fresh outputs, {_rates(costs.memory_inplace, 'B/s')} in place"
-    disp = "/".join(f"{costs.dispatch[k] * 1e6:.1f}" for k in ("forward", "backward", "plain"))
-    if costs.matmul_intensity:
-        mm += f", a linear layer's bytes beyond its calibrated shape's at {fmt_count(costs.memory[-1][1], 'B/s')}"
-    return (f"time model: per-op sum over {t.ops:,} ops per update ({fmt_count(t.flops, 'FLOP')} in matmuls at "
-            f"{mm} by call size; {fmt_count(t.bytes, 'B')} moved by memory-bound ops {bw}; dispatch {disp} µs per "
-            f"forward/backward/plain op, {t.dispatch_share:.0%} of the ops' time"
-            f"{'; launches overlap kernels' if costs.asynchronous else ''}); source: {costs.source}")
 
 
 def breakdown_text(t: TimeBreakdown) -> str:

@@ -16,13 +16,13 @@ from collections import Counter
 from batchlab.config import (CompileMode, LossMode, MLPKind, PositionKind, Precision, RunConfig,
                              optimizer_spec)
 from batchlab.formula import compiled as compiled_blocks, fp8, megatron_kernels
-from batchlab.formula.fusion import fuse, graph_calls
+from batchlab.formula.fusion import fuse
 from batchlab.formula.memo import cache, lookup
-from batchlab.formula.opbuild import (BWD, DATA, F32, FWD, OPT, OpList, op as _op, views as _views,
+from batchlab.formula.opbuild import (BWD, DATA, F32, FWD, OPT, OpList, op as _op, own_calls, views as _views,
                                         widths as _widths)
 from batchlab.formula.activations import Impl, implementation, materialises_scores
 from batchlab.formula.deepspeed import activation_precision
-from batchlab.formula.opcost import REGION_CALL, OpClass, OpCount, merge
+from batchlab.formula.opcost import OpClass, OpCount, merge
 from batchlab.formula.params import tensor_sizes
 from batchlab.config.phase import Launch, Phase
 
@@ -263,20 +263,13 @@ def _micro_batch_ops(cfg: RunConfig) -> tuple[OpCount, ...]:
         ops.add(*(_sac(o.times(k)) if mode.dispatch_mode and not compiled else o.times(k)
                   for o in region(redo.out, recompute=not mode.spec.branch)))
         if not compiled and not mode.dispatch_mode:  # (a dispatch mode's per-op cost includes its regions')
-            ops.add(*_checkpoint_regions(k))
+            ops.add(*own_calls(Launch.CHECKPOINT, k))  # every saved tensor's hooks: the views _recompute lists
     rest = OpList(ops.w)
     _outside(rest, cfg)  # compiled with the blocks only when the whole model is
     ops.add(*(region(rest.out) if cfg.compile is CompileMode.MODEL else rest.out))
     # each compiled graph's own call: the whole model's one, or one per block
-    ops.add(*graph_calls((1 if cfg.compile is CompileMode.MODEL else n) if compiled else 0))
+    ops.add(*own_calls(Launch.GRAPH, (1 if cfg.compile is CompileMode.MODEL else n) if compiled else 0))
     return merge(ops.out)
-
-
-def _checkpoint_regions(k: int) -> tuple[OpCount, ...]:
-    """``k`` regions' own calls under eager non-reentrant checkpointing, in forward and in the recompute
-    (calibrate/calls.py times each; every saved tensor's hooks are the views ``_recompute`` lists)."""
-    return tuple(OpCount(REGION_CALL, phase, OpClass.VIEW, 0, 0, 0, False, k, 0, False, Launch.CHECKPOINT)
-                 for phase in (FWD, Phase.RECOMPUTE))
 
 
 def _sac(op: OpCount) -> OpCount:

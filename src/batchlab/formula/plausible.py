@@ -60,9 +60,7 @@ def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = N
         if rate is not None and not (_finite(rate) and low <= rate <= high):
             out.append(f"{name} {rate!r} B/s outside {low:.3g}..{high:.3g} B/s")
     for what, table in (("dispatch", cal.dispatch_seconds), ("dispatch under autocast", cal.dispatch_seconds_autocast)):
-        for kind, s in table.items():
-            if not (_finite(s) and DISPATCH[0] <= s <= DISPATCH[1]):
-                out.append(f"{what} {kind} {s!r} s per op outside {DISPATCH[0]:g}..{DISPATCH[1]:g} s")
+        out += dispatch_problems(what, table)
     out += [f"per-element {k} {s!r} s is not a positive number" for k, s in cal.element_seconds.items()
             if not (_finite(s) and s > 0)]
     out += in_kernel_problems(cal.element_seconds)
@@ -77,6 +75,13 @@ def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = N
 
 
 LINK_CPU_OVER = 1.5  # the link's CPU part (calibrate/shared_link.py) is timed in another run than the link itself
+
+
+def dispatch_problems(what: str, table: dict) -> list[str]:
+    """Per kind, a cost per call that is not a number in ``DISPATCH``'s range (an op's dispatch, or a compiled
+    graph's or checkpoint region's own call, calibrate/calls.py)."""
+    return [f"{what} {kind} {s!r} s per call outside {DISPATCH[0]:g}..{DISPATCH[1]:g} s" for kind, s in table.items()
+            if not (_finite(s) and DISPATCH[0] <= s <= DISPATCH[1])]
 
 
 def link_cpu_problems(cpu: dict, latency_s: float, bytes_per_s: float) -> list[str]:

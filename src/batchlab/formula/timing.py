@@ -14,14 +14,14 @@ import functools
 from dataclasses import dataclass, field
 
 from batchlab.config import Backend, CompileMode, DataKind, DeviceSpec, ModelSource, RunConfig
-from batchlab.formula import dtensor, fp8, inkernel, offload
+from batchlab.formula import dtensor, fp8, inkernel, offload, opdescribe
 from batchlab.formula.efficiency import Sourced, achievable_fraction, bus_bandwidth, exposed_comm_seconds
 from batchlab.formula.flops import FlopsEstimate, flops
 from batchlab.formula.links import dp_link
 from batchlab.formula.params import count
 from batchlab.formula.memo import cache, lookup
 from batchlab.formula.memory import MemoryEstimate
-from batchlab.formula.opcost import OpClass, OpCosts, OpCount, TimeBreakdown, describe, link_text, price
+from batchlab.formula.opcost import OpClass, OpCosts, OpCount, TimeBreakdown, link_text, price
 from batchlab.config.phase import Phase
 from batchlab.formula.opbuild import widths
 from batchlab.formula.oplist import update_ops
@@ -286,7 +286,7 @@ def timing(cfg: RunConfig, fl: FlopsEstimate, mem: MemoryEstimate, calibrated: O
     useful = cfg.tokens_per_update * useful_fraction(cfg)
     frac = (Sourced(0.0, "none applied: measured rates are what kernels of each size reach (batchlab calibrate)")
             if calibrated is not None else achievable_fraction(cfg))
-    model = describe(costs, t) + machine_text(cfg, costs)
+    model = opdescribe.describe(costs, t) + machine_text(cfg, costs)
     if pipe is not None:
         model += "; " + layout_time_text(cfg, pipe, costs)
     elif host:

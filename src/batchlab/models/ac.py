@@ -53,6 +53,55 @@ def _selective_contexts(spec: ACPolicySpec):
     return create_selective_checkpoint_contexts(functools.partial(_policy, spec, defaultdict(int)))
 
 
+# (enter, leave) pairs told each time a checkpointed branch or attention core starts and ends, in forward and in its
+# recompute (trace/ops.py: the region's own call and which ops are recomputed); a compiled graph's is not told.  A
+# whole block's checkpoint is seen by its block's hooks instead (``Checkpointed.block``), which also run where dynamo
+# broke the graph around the checkpoint and ran it eagerly (a decision taken while tracing could not see that)
+_LISTENERS: list[tuple] = []
+
+
+class _Listening:
+    """The handle of one ``listen``: ``remove()`` as a hook's."""
+
+    def __init__(self, pair: tuple):
+        self.pair = pair
+        _LISTENERS.append(pair)
+
+    def remove(self) -> None:
+        if self.pair in _LISTENERS:
+            _LISTENERS.remove(self.pair)
+
+
+def listen(enter, leave) -> _Listening:
+    """Call ``enter(mode)`` / ``leave(mode)`` around every eager run of a checkpointed branch or attention core."""
+    return _Listening((enter, leave))
+
+
+def _checkpoint(fn, mode: ACMode, *args, **kwargs):
+    """``fn`` under a non-reentrant checkpoint (``preserve_rng_state=True``: dropout in the recompute draws the
+    same mask as the forward did), the listeners told around each of its runs."""
+    if _LISTENERS and not torch.compiler.is_compiling():
+        fn = functools.partial(_told, fn, mode)
+    return _checkpointed(fn, mode, *args, **kwargs)
+
+
+def _checkpointed(fn, mode: ACMode, *args, **kwargs):
+    context_fn = _context_fn(mode)
+    extra = {"context_fn": context_fn} if context_fn else {}
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+
+def _told(fn, mode: ACMode, *args, **kwargs):
+    pairs = tuple(_LISTENERS)
+    for enter, _ in pairs:
+        enter(mode)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for _, leave in pairs:
+            leave(mode)
+
+
 class Checkpointed(nn.Module):
     """Wraps one block; its forward runs under torch.utils.checkpoint (non-reentrant, RNG preserved)."""
 
@@ -66,10 +115,7 @@ class Checkpointed(nn.Module):
         return self.mode.spec.selective
 
     def forward(self, *args, **kwargs):
-        context_fn = _context_fn(self.mode)
-        extra = {"context_fn": context_fn} if context_fn else {}
-        # preserve_rng_state=True: dropout in the recompute draws the same mask as the forward did.
-        return checkpoint(self.block, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        return _checkpointed(self.block, self.mode, *args, **kwargs)
 
 
 class _CoreAttentionCheckpointed(Checkpointed):
@@ -79,9 +125,7 @@ class _CoreAttentionCheckpointed(Checkpointed):
 
     def forward(self, *args, **kwargs):
         plain = F.scaled_dot_product_attention
-
-        def core(*a, **kw):
-            return checkpoint(plain, *a, use_reentrant=False, preserve_rng_state=True, **kw)
+        core = functools.partial(_checkpoint, plain, self.mode)
 
         F.scaled_dot_product_attention = core  # the model code looks it up at call time (ours and transformers')
         try:
@@ -101,12 +145,8 @@ class _BranchCheckpointed(Checkpointed):
             raise ConfigError("ac", f"{mode} recomputes each block's {name!r} submodule; "
                                     f"{type(block).__name__} has none")
         sub = getattr(block, name)
-        plain = sub.forward  # the submodule's own forward, under checkpoint; its hooks and names unchanged
-
-        def forward(*a, **kw):
-            return checkpoint(plain, *a, use_reentrant=False, preserve_rng_state=True, **kw)
-
-        sub.forward = forward
+        # the submodule's own forward, under checkpoint; its hooks and names unchanged
+        sub.forward = functools.partial(_checkpoint, sub.forward, mode)
 
     def forward(self, *args, **kwargs):
         return self.block(*args, **kwargs)

@@ -142,7 +142,7 @@ def _graph_run(gm, example_inputs):
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from batchlab.trace.ops import kernel
+    from batchlab.trace.ops import graph_call, kernel
 
     fused = fused_away(gm)
     issued = launches(gm)
@@ -163,6 +163,7 @@ def _graph_run(gm, example_inputs):
         fake = next((a for a in args if isinstance(a, FakeTensor)), None)
         if fake is not None:
             fake.fake_mode.allow_non_fake_inputs = True
+        graph_call()  # the graph's own call around its kernels, once per run (forward or backward graph)
         return _Run(gm).run(*args)  # a fresh interpreter: nothing of this call is held after it
 
     return make_boxed_func(run)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -18,10 +18,10 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from batchlab.formula.opcost import GRAPH_CALL, REGION_CALL, OpClass, OpCount, op_class
-from batchlab.config.phase import Launch, Phase
+from batchlab.formula.opcost import OpClass, OpCount, op_class
+from batchlab.config.phase import GRAPH_CALL, REGION_CALL, Launch, Phase
 from batchlab.measure.memory import tensors_in
-from batchlab.models.ac import Checkpointed
+from batchlab.models import ac
 from batchlab.trace.flops import register_cpu_attention_flops, update_under
 from batchlab.models.owners import HookSet
 
@@ -76,17 +76,16 @@ def fused_arithmetic(name: str, elements: int, low: bool) -> None:
         torch.ops.batchlab.fused_arithmetic(name, elements, low)
 
 
+# the recorders alive now (OpRecorder: from its creation to its close or its end), told of each compiled graph's run
+_RECORDERS: weakref.WeakSet = weakref.WeakSet()
+
+
 def graph_call() -> None:
-    """Record one run of a compiled graph's own call (guards, AOTAutograd's wrapper or its backward node): no data,
-    its timed cost per call (formula/opcost.py ``GRAPH_CALL``, calibrate/calls.py)."""
-    with kernel(Launch.GRAPH, 0):
-        torch.ops.batchlab.fused_arithmetic(GRAPH_CALL, 0, False)
-
-
-def checkpoint_region() -> None:
-    """Record one eager checkpointed region's own call (formula/opcost.py ``REGION_CALL``, calibrate/calls.py)."""
-    with kernel(Launch.CHECKPOINT, 0):
-        torch.ops.batchlab.fused_arithmetic(REGION_CALL, 0, False)
+    """Record one run of a compiled graph's own call (guards, AOTAutograd's wrapper or its backward node) with
+    every live recorder: no data, no op of the update's (nothing dispatched: the timeline, FLOP counters and the
+    live-storage tracker never see it), its timed cost per call (calibrate/calls.py)."""
+    for rec in _RECORDERS:
+        rec.own_call(GRAPH_CALL, Launch.GRAPH)
 
 
 def footprint(t: torch.Tensor) -> int:
@@ -192,23 +191,37 @@ class OpRecorder(TorchDispatchMode, HookSet):
         self._in_sac = 0  # inside a block under selective checkpointing's dispatch mode (OpCount.sac_dispatched)
         # identical calls counted as they come (OpCount's fields but the count -> calls), in order of first call
         self._counts: dict[tuple, int] = {}
+        # a whole block's checkpoint seen by its block's hooks (also where dynamo ran it eagerly past a graph break);
+        # a branch's or the attention core's where the policy enters it (models/ac.py ``listen``)
         for m in (model.modules() if model is not None else ()):
-            if isinstance(m, Checkpointed):
-                sac = m.mode.dispatch_mode
-                self._handles.append(m.block.register_forward_pre_hook(functools.partial(self._enter, sac=sac)))
-                self._handles.append(m.block.register_forward_hook(functools.partial(self._leave, sac=sac),
+            if type(m) is ac.Checkpointed:
+                self._handles.append(m.block.register_forward_pre_hook(lambda mod, args, m=m: self._enter(m.mode)))
+                self._handles.append(m.block.register_forward_hook(lambda mod, args, out, m=m: self._leave(m.mode),
                                                                    always_call=True))
+        self._handles.append(ac.listen(self._enter, self._leave))
+        _RECORDERS.add(self)
         register_cpu_attention_flops()
 
-    def _enter(self, module, args, sac: bool = False) -> None:
-        self._in_block += 1
-        self._in_sac += sac
-        if not sac and not torch.compiler.is_compiling():  # a compiled block's checkpoint is part of its graph
-            checkpoint_region()  # in forward, and again as the recompute starts (current() tells them apart)
+    def close(self) -> None:
+        _RECORDERS.discard(self)
+        super().close()
 
-    def _leave(self, module, args, output, sac: bool = False) -> None:
+    def _enter(self, mode) -> None:
+        self._in_block += 1
+        self._in_sac += mode.dispatch_mode
+        # a selective policy's dispatch mode is priced per op (calibrate/dispatch.py); a compiled block's checkpoint
+        # is part of its graph
+        if not mode.dispatch_mode and not torch.compiler.is_compiling():
+            self.own_call(REGION_CALL, Launch.CHECKPOINT)  # in forward, and as the recompute starts (current())
+
+    def _leave(self, mode) -> None:
         self._in_block -= 1
-        self._in_sac -= sac
+        self._in_sac -= mode.dispatch_mode
+
+    def own_call(self, name: str, launch: Launch) -> None:
+        """Count one run of a graph's or a region's own call: priced by ``launch``'s timed kind, no data, no op."""
+        key = (name, self.current(), OpClass.VIEW, 0, 0, 0, False, 0, False, launch)
+        self._counts[key] = self._counts.get(key, 0) + 1
 
     def mark(self, phase: str) -> None:
         if phase != "end":

@@ -25,7 +25,7 @@ from batchlab.measure.harness import Trainer
 from batchlab.measure.memory import storage_bytes, tracker_for
 from batchlab.measure.shards import local_shard, local_shards
 from batchlab.formula import calibrated_costs
-from batchlab.formula.opcost import describe
+from batchlab.formula.opdescribe import describe
 from batchlab.formula.timing import costs_for, machine_text, on_host
 from batchlab.distributed.measurable import applies
 from batchlab.trace import sharded

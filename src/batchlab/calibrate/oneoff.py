@@ -1,0 +1,41 @@
+"""How a figure timed once per CPU outside ``batchlab calibrate`` is taken (calibrate/family.py, dtensor.py,
+compiled_rng.py, calls.py): at the calibration's intra-op threads, on this thread's CPU clock where one thread
+runs (other processes' load does not enter a sample), and a failure kept as one line in ``Calibration.untimed``
+so it is not tried again until the next calibration."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+from batchlab.calibrate.kernels import CLOCK
+
+
+@contextlib.contextmanager
+def thread_clock():
+    """``CLOCK`` within: this thread's CPU seconds at one intra-op thread, wall seconds at several (a multi-thread
+    kernel's other threads' work is not this thread's)."""
+    import torch
+
+    token = CLOCK.set(time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
+    try:
+        yield
+    finally:
+        CLOCK.reset(token)
+
+
+@contextlib.contextmanager
+def at_threads(threads: int):
+    """torch's intra-op threads set to the calibration's ``threads`` within, restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def why(e: BaseException) -> str:
+    """A failed timing as one line for ``Calibration.untimed`` (inductor's C++ compiler missing, ...)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
