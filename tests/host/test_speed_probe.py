@@ -30,7 +30,10 @@ def test_absolute_times_are_set_beside_the_measured_at_the_probed_speed():
     # the probe took 1.5x its calibration time before A's updates: at that speed A is 300 ms, exact
     probed = time_model_absolute((0.2, 0.1), (0.3, 0.1), {"a": 1.5, "b": 1.0})
     assert not probed.flagged and "A 300.0 ms, B 100.0 ms (+0%, +0%)" in probed.found
-    assert time_model_absolute((0.2, 0.1), (0.3, 0.1), {"a": 1.5, "b": 0.7}).flagged  # B now 30% short
+    # the probe bounds how far the host moved: B exact at the calibration's speed and 30% short at the probed one
+    # is no miss; A 33% short at the calibration's speed and 40% short at a probe that says the host ran faster is
+    assert not time_model_absolute((0.2, 0.1), (0.3, 0.1), {"a": 1.5, "b": 0.7}).flagged
+    assert time_model_absolute((0.2, 0.1), (0.3, 0.1), {"a": 0.9, "b": 1.0}).flagged
 
 
 def test_compare_reads_the_speed_of_each_side_over_a_current_calibration(monkeypatch):
