@@ -39,6 +39,12 @@ def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = N
     bandwidth (None: unknown, only the device-free bounds apply)."""
     out: list[str] = [f"{name} {v!r} is not a number" for name, v in (
         ("threads", cal.threads), ("cores", cal.cores), ("other_cores", cal.other_cores)) if not _finite(v)]
+    out += [f"{name} {v!r} is not a table of names" for name, v in (
+        ("untimed", cal.untimed), ("link_cpu_seconds", cal.link_cpu_seconds), ("dtensor_seconds", cal.dtensor_seconds),
+        ("dispatch_seconds", cal.dispatch_seconds), ("element_seconds", cal.element_seconds))
+        if not (isinstance(v, dict) and all(isinstance(k, str) for k in v))]
+    if out:  # the checks below read these fields
+        return out
     curves = dict(cal.matmul_curve)
     for key, curve in curves.items():  # the linear layers' curves price most of a step: they need their sizes
         out += _curve(f"matmul curve {key}", curve, "FLOP/s", rising=True,
