@@ -34,6 +34,8 @@ def test_absolute_times_are_set_beside_the_measured_at_the_probed_speed():
     # is no miss; A 33% short at the calibration's speed and 40% short at a probe that says the host ran faster is
     assert not time_model_absolute((0.2, 0.1), (0.3, 0.1), {"a": 1.5, "b": 0.7}).flagged
     assert time_model_absolute((0.2, 0.1), (0.3, 0.1), {"a": 0.9, "b": 1.0}).flagged
+    # 300 ms measured between 200 (calibration) and 400 (a probe at x2): -33% and +33% at the ends, no miss
+    assert not time_model_absolute((0.2, 0.1), (0.3, 0.1), {"a": 2.0, "b": 1.0}).flagged
 
 
 def test_compare_reads_the_speed_of_each_side_over_a_current_calibration(monkeypatch):
