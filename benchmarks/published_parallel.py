@@ -37,7 +37,6 @@ from pathlib import Path
 
 from click import ClickException
 
-from batchlab.cli.common import config_from_command
 from batchlab.config import RunConfig
 from batchlab.formula import estimate, fp8, implementation_line
 from batchlab.formula.flops import flops
@@ -286,8 +285,8 @@ def ratio_of(runs: dict[str, dict], entry: dict) -> float:
     argv = command_for(run, [])
     base = [a for a in argv if a != "--sequence-parallel"]
     base[base.index("--ac") + 1] = "full"
-    full = estimate(config_from_command(base + ["--no-sequence-parallel"])).time.update_seconds
-    return full / estimate(config_from_command(argv)).time.update_seconds
+    full = estimate(typed_config(base + ["--no-sequence-parallel"], run, [])[0]).time.update_seconds
+    return full / estimate(typed_config(argv, run, [])[0]).time.update_seconds
 
 
 # ---------------------------------------------------------------- the page

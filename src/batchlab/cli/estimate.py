@@ -60,7 +60,7 @@ def _memory_rows(e: Estimate, verbose: bool) -> list[tuple[str, int | None, str 
         ("recompute working set", None, "recompute", "one layer rebuilt during its backward"),
         ("temporaries", None, "temporaries", "activation gradients, logits, optimizer buffers"),
         ("data", m.data_bytes, "data", "token ids of one update"),
-    ] + [(k, None, k, f"at {'DeepSpeed' if str(cfg.deepspeed) == 'default' else 'the --deepspeed'} sizes "
+    ] + [(k, None, k, f"at {'the --deepspeed' if cfg.deepspeed.typed() else 'DeepSpeed'} sizes "
                       "(formula/deepspeed.py)") for k in m.at_peak if k.startswith("deepspeed")]
     if verbose:
         return rows
