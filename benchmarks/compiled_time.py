@@ -53,6 +53,7 @@ STAND_IN_EXACT = frozenset({"factory (GPT), 3 layers, h 96"})
 SHAPES = ((64, 2), (128, 8))  # (seq, micro-batch): a dispatch-bound one and a larger one
 POLICIES = ("none", "full")
 ROUNDS, WARMUP = 8, 3
+THREADS = int(os.environ.get("OMP_NUM_THREADS", "1"))  # the intra-op threads measured and priced at (1 unless set)
 
 
 def config(name: str, ac: str, shape: tuple[int, int], mode: str):
@@ -161,7 +162,7 @@ def _calibrations(threads: int):
 def predicted(name: str, ac: str, shape: tuple[int, int], trace: bool) -> dict:
     from batchlab.formula import estimate, unseen_model
 
-    cals = _calibrations(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cals = _calibrations(THREADS)
     a, b = config(name, ac, shape, "none"), config(name, ac, shape, "blocks")
     out = {}
     if not unseen_model(a) or name in STAND_IN_EXACT:
@@ -178,20 +179,25 @@ def ensure_rates() -> None:
     calibration lacks them, as measure and compare do (calibrate/compiled_rng.py, calibrate/calls.py)."""
     from batchlab.calibrate import calls, compiled_rng
 
-    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-    compiled_rng.ensure(config("GPT tiny, 2 layers", "none", SHAPES[0], "blocks"), threads)
+    compiled_rng.ensure(config("GPT tiny, 2 layers", "none", SHAPES[0], "blocks"), THREADS)
     # both sides the page compares: a compiled block's graph call, an eager checkpointed block's region call
     for mode in ("blocks", "none"):
-        calls.ensure(config("GPT tiny, 2 layers", "full", SHAPES[0], mode), threads)
+        calls.ensure(config("GPT tiny, 2 layers", "full", SHAPES[0], mode), THREADS)
+
+
+def _cpu_calibration():
+    """The CPU calibration the page prices with, as ``ensure_rates`` left it."""
+    from batchlab.cache.calibrations import load_cached
+
+    return load_cached("cpu", THREADS)
 
 
 def rng_rate_line() -> str:
     """What the calibration holds of inductor's in-kernel rates (``ensure_rates`` timed them where it lacked them)."""
-    from batchlab.cache.calibrations import load_cached
     from batchlab.calibrate import compiled_rng
     from batchlab.formula.inkernel import rate_keys
 
-    cal = load_cached("cpu", int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cal = _cpu_calibration()
     rates = cal.element_seconds if cal is not None else {}
     rng, mask, eager = rates.get(compiled_rng.KEY), rates.get(compiled_rng.MASK_KEY), rates.get("random:fp32")
     if not (rng and mask and eager):
@@ -213,10 +219,9 @@ def rng_rate_line() -> str:
 
 def calls_line() -> str:
     """What the calibration holds of a compiled graph's and a checkpoint region's own call (calibrate/calls.py)."""
-    from batchlab.cache.calibrations import load_cached
     from batchlab.calibrate import calls
 
-    cal = load_cached("cpu", int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cal = _cpu_calibration()
     own = {k: cal.dispatch_seconds[k] for k in (*calls.GRAPH, *calls.CHECKPOINT)
            if cal is not None and k in cal.dispatch_seconds}
     return ", ".join(f"{k} {s * 1e6:.0f} us" for k, s in own.items()) or "not timed, not priced"

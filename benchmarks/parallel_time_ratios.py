@@ -36,9 +36,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from page import publish  # noqa: E402
 
-DEFAULT_ROUNDS = 9  # paired rounds per A/B pair (ROUNDS below says why)
 WARMUP = 2  # untimed updates of every layout before the rounds
 WORLD = 4
+# paired rounds per A/B pair: ranks time-sharing cores spread a pair's per-round ratios by a third, and a median of
+# 5 rounds moved between runs by more than the 15% the issue allows; 9 keeps the median's own spread well inside it
+# at about twice the run time.  With a core per rank 5 serve.
+DEFAULT_ROUNDS = 9 if (os.cpu_count() or 1) < WORLD else 5
 THREADS = 1
 BASE = "--seq 64 --micro-batch 4"
 GPT = ""
@@ -115,9 +118,6 @@ def _selected(a: argparse.Namespace) -> dict:
 
 
 OPTIONS = _options(sys.argv[1:] if __name__ == "__main__" else [])
-# paired rounds per A/B pair: 4 ranks time-sharing 2 cores spread a pair's per-round ratios by a third, and a
-# median of 5 rounds moved between runs by more than the 15% the issue allows; 9 keeps the median's own spread
-# well inside it at about twice the run time (on a host with a core per rank, more rounds only cost time)
 ROUNDS = OPTIONS.rounds or (2 if OPTIONS.quick else DEFAULT_ROUNDS)
 PAIRS = _selected(OPTIONS)
 
