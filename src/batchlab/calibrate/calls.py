@@ -33,7 +33,7 @@ from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.calibrate.oneoff import at_threads, thread_clock, why
 from batchlab.config import RunConfig
 from batchlab.config.phase import Launch
-from batchlab.formula.calibration import SPARE
+from batchlab.formula.calibration import loaded_by
 from batchlab.formula.oplist import update_ops
 from batchlab.formula.plausible import dispatch_problems
 
@@ -54,7 +54,7 @@ def _times(turns: dict, seconds: float) -> dict[str, float]:
 
 
 def _median(timer, rounds: int = ROUNDS) -> dict[str, float]:
-    """Each figure of ``timer()`` as the median of ``rounds`` timings."""
+    """Each figure of ``timer()`` as the median of ``rounds`` timings (a repeated compile is inductor's cache hit)."""
     runs = [timer() for _ in range(rounds)]
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
@@ -143,20 +143,21 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
                 continue
             load = host.LoadSampler(thread=False).start()
             try:
-                timed = _median(timer)
-                wrong = problems(timed)
+                timed, wrong = _median(timer), []
             except Exception as e:  # noqa: BLE001 - inductor or its C++ compiler unusable here: not priced
-                wrong = [why(e)]
+                timed, wrong = {}, [why(e)]
             others = load.stop()["other_cores"]
             busy = f", while other processes kept {others:.1f} core(s) busy" if others else ""
+            # wall-clock timings (several threads) stretched by others' load stay out of the cache, as calibrate's;
+            # a difference of differences under load says nothing about this CPU either way: not marked untimed
+            if not wrong and loaded_by(others, cal.cores, cal.threads):
+                lines.append(f"time model: {what} timed{busy}: not cached, timed again next time")
+                continue
+            wrong = wrong or problems(timed)
             if wrong:
                 cal.untimed.update({k: wrong[0] for k in group})
                 lines.append(f"time model: {what} not timed ({wrong[0]}); not priced until the next "
                              "`batchlab calibrate`")
-                continue
-            # wall-clock timings (several threads) stretched by others' load stay out of the cache, as calibrate's
-            if cal.threads > 1 and others is not None and others > max(cal.cores - cal.threads, 0) + SPARE:
-                lines.append(f"time model: {what} timed{busy}: not cached, timed again next time")
                 continue
             cal.dispatch_seconds.update(timed)
             lines.append(f"time model: timed {what} once and cached it with the calibration ("

@@ -157,9 +157,15 @@ SPARE = 0.25  # cores of others' load beyond the spare cores before a wall-clock
 def loaded(cal: Calibration) -> bool:
     """Whether ``cal`` timed wall-clock on a CPU (more than one thread: one thread times its own CPU seconds,
     which others' load does not stretch) while other processes took cores its threads needed."""
-    if not cal.torch_device.startswith("cpu") or cal.threads <= 1 or cal.other_cores < 0:
+    return cal.torch_device.startswith("cpu") and loaded_by(cal.other_cores, cal.cores, cal.threads)
+
+
+def loaded_by(other_cores: float | None, cores: int, threads: int) -> bool:
+    """Whether a wall-clock timing at ``threads`` of ``cores`` was stretched by ``other_cores`` of others' load
+    (one thread times its own CPU seconds: never)."""
+    if threads <= 1 or other_cores is None or other_cores < 0:
         return False
-    return cal.other_cores > max((cal.cores or cal.threads) - cal.threads, 0) + SPARE
+    return other_cores > max((cores or threads) - threads, 0) + SPARE
 
 
 def check(cal: Calibration) -> list[str]:
