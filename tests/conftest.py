@@ -173,6 +173,14 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """A calibration cache of the test's own, for tests that save stub calibrations (tests/hosts.py
+    ``stub_calibration``): on the run's shared home a stub would price another test's plan, in this worker or in
+    the other, with made-up rates."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "private-cache"))
+
+
+@pytest.fixture
 def uncalibrated(tmp_path, monkeypatch):
     """An empty calibration cache: the built-in rates price every op.  For tests whose assertion names which
     plan or preset wins -- a close race that a CPU calibration measured by another test on the run's shared home

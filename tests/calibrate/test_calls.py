@@ -16,6 +16,8 @@ from batchlab.trace.ops import record_update
 
 from hosts import stub_calibration
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # its stub calibrations stay its own
+
 CFG = RunConfig(model=preset("tiny", layers=3), seq=16, micro_batch=1)
 FLAT = OpCosts(matmul={"fp32": ((1.0, 1e10),)}, memory=((1.0, 1e10),), strided_bytes_per_s=5e9,
                element_seconds={}, dispatch={"forward": 1e-5, "backward": 1e-5, "plain": 1e-5}, source="toy")

@@ -10,6 +10,8 @@ from batchlab.config import RunConfig, preset
 
 from hosts import stub_calibration
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # its stub calibrations stay its own
+
 DROPOUT = RunConfig(model=preset("tiny", layers=1), seq=16, micro_batch=1, compile="blocks")
 # the in-kernel arithmetic and bool-load rates over bernoulli_ (stubbed: timing them compiles six kernels)
 IN_KERNEL = {**{k: 0.25 for k in compiled_rng.ARITHMETIC_KEYS}, compiled_rng.SOFTMAX_KEY: 0.1,

@@ -14,6 +14,8 @@ from batchlab.formula.opcost import OpCosts
 
 from hosts import stub_calibration
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # its stub calibrations stay its own
+
 TP2 = RunConfig(seq=16, micro_batch=1, tp=2)
 
 

@@ -17,6 +17,8 @@ from batchlab.formula.timing import costs_for, dispatch_family
 
 from hosts import stub_calibration
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # its stub calibrations stay its own
+
 GPT2 = RunConfig(model=preset("gpt2", layers=2, hidden=64, heads=4, vocab=256, max_positions=64),
                  model_source="hf:gpt2", seq=32, micro_batch=1)
 DISPATCH = {"forward": 5e-6, "backward": 4e-6, "plain": 3e-6, "forward-sac": 4e-5, "recompute-sac": 3e-5}

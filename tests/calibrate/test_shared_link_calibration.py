@@ -12,6 +12,8 @@ from batchlab.config import RunConfig
 
 from hosts import stub_calibration
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # its stub calibrations stay its own
+
 
 def test_a_layout_whose_ranks_outnumber_the_cores_gets_the_links_cpu_part_measured_once(monkeypatch):
     measured = []
