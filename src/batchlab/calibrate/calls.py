@@ -32,13 +32,13 @@ from batchlab import host
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.calibrate.oneoff import at_threads, thread_clock, why
 from batchlab.config import RunConfig
-from batchlab.config.phase import Launch
+from batchlab.config.phase import Launch, Phase, own_kind
 from batchlab.formula.calibration import loaded_by
 from batchlab.formula.oplist import update_ops
 from batchlab.formula.plausible import dispatch_problems
 
-GRAPH = ("graph-forward", "graph-backward")
-CHECKPOINT = ("checkpoint-forward", "checkpoint-recompute")
+GRAPH = (own_kind(Launch.GRAPH, Phase.FORWARD), own_kind(Launch.GRAPH, Phase.BACKWARD))
+CHECKPOINT = (own_kind(Launch.CHECKPOINT, Phase.FORWARD), own_kind(Launch.CHECKPOINT, Phase.RECOMPUTE))
 SECONDS = 1.0
 ROUNDS = 3  # each figure the median of this many timings, a burst of the host's load in one not taken
 CHAINS = (1, 4)  # saved tensors of the two checkpointed chains
@@ -121,7 +121,7 @@ def wanted(cfg: RunConfig) -> tuple[str, ...]:
     calls (``Launch.GRAPH``, ``Launch.CHECKPOINT``; formula/oplist.py decides who runs which)."""
     if cfg.device != "cpu":
         return ()  # a GPU's: `batchlab calibrate --torch-device cuda` (the estimate says what is priced at 0)
-    paid = {f"{op.launch.value}-{op.phase.value}" for op in update_ops(cfg)
+    paid = {own_kind(op.launch, op.phase) for op in update_ops(cfg)
             if op.launch in (Launch.GRAPH, Launch.CHECKPOINT)}
     return tuple(k for k in (*GRAPH, *CHECKPOINT) if k in paid)
 

@@ -48,3 +48,9 @@ class Launch(Choice):
 
 # the op names a graph's and a checkpoint region's own calls go by in op lists (no data; formula/opcost.py)
 GRAPH_CALL, REGION_CALL = "compiled_graph", "checkpoint_region"
+
+
+def own_kind(launch: Launch, phase: Phase) -> str:
+    """The calibration's dispatch kind of a graph's or checkpoint region's own call in ``phase``
+    ("graph-forward", "checkpoint-recompute"; calibrate/calls.py times them)."""
+    return f"{launch.value}-{phase.value}"

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from batchlab.config import Backend, Implementation, ModelSource, RunConfig
 from batchlab.formula.activations import describe_impl, implementation
 from batchlab.formula.alternatives import Alternative, alternatives
+from batchlab.formula.deepspeed import settings as deepspeed_settings
 from batchlab.formula.flops import FlopsEstimate, flops, utilisation
 from batchlab.formula.kvcache import KVCache, kv_cache
 from batchlab.formula.memory import MemoryEstimate, memory, model_states
@@ -136,7 +137,7 @@ def layout_notes(cfg: RunConfig) -> tuple[str, ...]:
             notes.append("layout: the profile's per-layer totals split per rank in the built-in breakdown's "
                          "proportion at this shape; everything else from the built-in terms")
     if lay.engine_spec.deepspeed and lay.dp > 1:
-        ds, stage = cfg.deepspeed.resolved(cfg.model.hidden), lay.engine_spec.stage
+        ds, stage = deepspeed_settings(cfg), lay.engine_spec.stage
         notes.append(f"{lay.engine.value}: model states, phases and collectives priced as PyTorch's "
                      f"ZeRO-{stage} engine, plus DeepSpeed's own buffers at "
                      + ("its config defaults" if not cfg.deepspeed.typed() else "the --deepspeed sizes")

@@ -57,7 +57,7 @@ def resident_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
     # stage 3 allocates one flat ipg buffer at init (stage3.py ``_setup_for_real_optimizer``: ``torch.empty(
     # self.reduce_bucket_size)`` under contiguous_gradients); stages 1 and 2 one in ``backward``, and a second
     # under overlap_comm ("double buffers to avoid data access conflict"; off by default there)
-    ds = _settings(cfg)
+    ds = settings(cfg)
     copies = 2 if cfg.parallel.engine_spec.stage != 3 and ds.overlap_comm else 1
     return {"deepspeed reduce bucket": copies * ds.reduce_bucket_size * _grad_bytes(cfg)}
 
@@ -72,12 +72,13 @@ def step_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
     if cfg.parallel.engine_spec.stage != 3:
         return {"deepspeed fp32 gradient partition": F32 * partition}
     # a sub-group closes at the first parameter that reaches sub_group_size (``_create_fp16_sub_groups``)
-    sub = min(_settings(cfg).sub_group_size, partition)
+    sub = min(settings(cfg).sub_group_size, partition)
     flat = _grad_bytes(cfg) if _grad_bytes(cfg) != F32 else 0
     return {"deepspeed fp32 gradient partition": F32 * sub, "deepspeed 16-bit gradient flatten": flat * sub}
 
 
-def _settings(cfg: RunConfig) -> DeepSpeedSettings:
+def settings(cfg: RunConfig) -> DeepSpeedSettings:
+    """The ds_config sizes priced: the typed ones with ``auto`` filled as the HF Trainer fills it."""
     return cfg.deepspeed.resolved(cfg.model.hidden)
 
 

@@ -81,7 +81,7 @@ def fused_linear_path(cfg: RunConfig, t: int = 1) -> LossPath:
     v = m.vocab // t
     w = Widths.of(activation_precision(cfg), cfg.device_spec.backend)
     chunk = min(n, 1 << (-(-n // -(-v // m.hidden)) - 1).bit_length())
-    weight = F32 if cfg.precision.mixed and not cfg.parallel.engine_spec.deepspeed else w.e
+    weight = F32 if activation_precision(cfg).mixed else w.e  # autocast keeps fp32 weights
     return LossPath(kept=n * m.hidden * w.e + v * m.hidden * weight + n * F32,
                     forward_transient=chunk * v * w.e, backward_transient=0)
 

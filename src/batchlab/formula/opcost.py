@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from batchlab.config import Choice
-from batchlab.config.phase import Launch, Phase
+from batchlab.config.phase import Launch, Phase, own_kind
 from batchlab.formula.inkernel import MASK_LOAD, MASK_LOAD_RANDOM, MASK_STORE, RNG, aten_name, rate_keys
 from batchlab.formula.memo import cache, lookup
 from batchlab.util.units import fmt_count, fmt_seconds
@@ -260,7 +260,7 @@ class OpCosts:
         measured ("forward-sac", "recompute-sac"), else the plain one; a compiled graph's kernel a no-grad call's."""
         if launch is not Launch.EAGER:  # a graph's or checkpointed region's own call: its kind ("graph-forward")
             return self.dispatch["plain"] if launch is Launch.COMPILED else 0.0 if launch is Launch.FUSED \
-                else self.dispatch.get(f"{launch.value}-{phase.value}", 0.0)
+                else self.dispatch.get(own_kind(launch, phase), 0.0)
         if sac_dispatched and SAC_KIND.get(phase) in self.dispatch:
             return self.dispatch[SAC_KIND[phase]]
         return self.dispatch[DISPATCH_KIND[phase]]
@@ -343,7 +343,7 @@ def price(ops: Iterable[OpCount], costs: OpCosts, provenance: str = "formula") -
         d = dispatch.get((ph, op.sac_dispatched, op.launch))
         if d is None:
             d = dispatch[ph, op.sac_dispatched, op.launch] = costs.dispatch_seconds(ph, op.sac_dispatched, op.launch)
-            if op.launch in _OWN and (kind := f"{op.launch.value}-{ph.value}") not in costs.dispatch:
+            if op.launch in _OWN and (kind := own_kind(op.launch, ph)) not in costs.dispatch:
                 unpriced[kind] = None
         w = n * one
         disp[ph] = disp.get(ph, 0.0) + n * d

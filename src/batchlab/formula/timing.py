@@ -23,7 +23,7 @@ from batchlab.formula.memo import cache, lookup
 from batchlab.formula.memory import MemoryEstimate
 from batchlab.formula.opcost import OpClass, OpCosts, OpCount, TimeBreakdown, link_text, price
 from batchlab.config.phase import Phase
-from batchlab.formula.opbuild import widths
+from batchlab.formula.deepspeed import activation_precision
 from batchlab.formula.oplist import update_ops
 from batchlab.formula.pipeline import gradient_reductions, pipeline_time, replicated_ops, text as layout_time_text
 from batchlab.formula.ranks import shares
@@ -151,7 +151,7 @@ def costs_for(cfg: RunConfig, calibrated: OpCosts | None, ops: tuple[OpCount, ..
         if own:
             costs = own_dispatch(costs, own, cfg.model_source)
         costs = fp8.with_curve(costs, cfg)  # a calibration has no FP8 curve: its bf16 one at the peaks' ratio
-        if widths(cfg).autocast and costs.dispatch_autocast:  # what autocast did not measure (SAC's) stays
+        if activation_precision(cfg).mixed and costs.dispatch_autocast:  # what autocast did not measure (SAC's) stays
             costs = dataclasses.replace(costs, dispatch={**costs.dispatch, **costs.dispatch_autocast},
                                         source=costs.source + "; dispatch as measured under autocast")
     else:

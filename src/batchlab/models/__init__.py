@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 from batchlab.config import Counted, DataKind, ModelSource, RunConfig
-from batchlab.config.standin import runnable, stand_in_text  # noqa: F401 - the trace's too
+from batchlab.config.standin import runnable, stand_in_text
+
 
 # make_batch(generator, micro_batch, seq, device) -> (tokens, targets); targets use -100 for padding.
 BatchMaker = Callable[[torch.Generator, int, int, torch.device], tuple[torch.Tensor, torch.Tensor]]

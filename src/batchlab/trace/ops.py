@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -76,8 +75,9 @@ def fused_arithmetic(name: str, elements: int, low: bool) -> None:
         torch.ops.batchlab.fused_arithmetic(name, elements, low)
 
 
-# the recorders alive now (OpRecorder: from its creation to its close or its end), told of each compiled graph's run
-_RECORDERS: weakref.WeakSet = weakref.WeakSet()
+# the recorders open now (OpRecorder: from its creation to its close, which every user's ``finally`` reaches), told
+# of each compiled graph's run
+_RECORDERS: set = set()
 
 
 def graph_call() -> None:

@@ -34,7 +34,7 @@ from batchlab.trace.flops import flops_of
 from batchlab.trace.ops import OpRecorder
 from batchlab.trace.patches import caught_warnings, eager_branches, fake_deepcopy, library_logs
 from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
-from batchlab.models import runnable, stand_in_text
+from batchlab.config.standin import runnable, stand_in_text
 from batchlab.models.owners import OUTSIDE, ModuleStack
 from batchlab.trace.tree import build_tree
 
