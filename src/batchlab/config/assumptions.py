@@ -45,7 +45,8 @@ class Assumptions:
         if self.optimizer_bytes_per_param is not None:
             finite_number("optimizer_bytes_per_param", self.optimizer_bytes_per_param, minimum=0, maximum=1e6)
         if self.torch_version is not None and not isinstance(self.torch_version, str):  # TOML reads 2.10 as 2.1
-            raise ConfigError("torch_version", f'quote it, e.g. "2.10" (got {self.torch_version!r}, not a string)')
+            quote = 'quote it, e.g. "2.10"' if isinstance(self.torch_version, float) else 'a string MAJOR.MINOR, e.g. "2.10"'
+            raise ConfigError("torch_version", f"{quote} (got {self.torch_version!r}, not a string)")
         if self.torch_version is not None and not re.fullmatch(r"\d+\.\d+", self.torch_version):
             raise ConfigError("torch_version", f"must be MAJOR.MINOR such as 1.10, got {self.torch_version!r}")
         flag("zero_grad_set_to_none", self.zero_grad_set_to_none)

@@ -54,6 +54,9 @@ class DeepSpeedSettings:
             return value
         if value is None or str(value).strip() in ("", "default"):
             return cls()
+        if not isinstance(value, str):  # a TOML table or list: the flag's one string is what is read
+            raise ConfigError("deepspeed", f"a string: hf-auto or KEY=VALUE,... (e.g. \"reduce_bucket_size=5e8\"), "
+                                           f"got {type(value).__name__} {value!r}")
         out, names = cls(), {f.name for f in fields(cls)}
         for item in str(value).split(","):
             item = item.strip()
