@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from batchlab.config import Backend, Implementation, ModelSource, RunConfig
+from batchlab.config import Backend, ModelSource, RunConfig
 from batchlab.formula.activations import describe_impl, implementation
 from batchlab.formula.alternatives import Alternative, alternatives
 from batchlab.formula.deepspeed import settings as deepspeed_settings
@@ -20,7 +20,7 @@ from batchlab.formula.flops import FlopsEstimate, flops, utilisation
 from batchlab.formula.kvcache import KVCache, kv_cache
 from batchlab.formula.memory import MemoryEstimate, memory, model_states
 from batchlab.formula.params import ParamCount, count
-from batchlab.formula.pipeline import keeps_outputs
+from batchlab.formula.pipeline import keeps_outputs, megatron_runtime
 from batchlab.formula.profile import layer_terms_source, terms as profile_terms
 from batchlab.formula.timing import TimeEstimate, timing
 from batchlab.util.units import fmt_bytes, fmt_count
@@ -167,7 +167,7 @@ def training_loop_notes(cfg: RunConfig) -> tuple[str, ...]:
     if not a.zero_grad_set_to_none:
         notes.append("zero_grad(set_to_none=False): gradients are zeroed in place and stay live through forward")
     lay = cfg.parallel
-    if lay.pipelined and not (cfg.model.impl is Implementation.MEGATRON or lay.engine_spec.megatron):
+    if lay.pipelined and not megatron_runtime(cfg):
         if keeps_outputs(cfg, last=True):
             which = "every stage" if keeps_outputs(cfg, last=False) else "the last stage"
             notes.append(f"PyTorch {a.torch_version}: {which} of the pipeline keeps every micro-batch's output to the "

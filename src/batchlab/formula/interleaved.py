@@ -19,13 +19,13 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from batchlab.config import Implementation, RunConfig
+from batchlab.config import RunConfig
 from batchlab.config.engines import PipelineSchedule
 from batchlab.formula import deepspeed
 from batchlab.formula.activation_plan import ActivationPlan, activation_plan, rank_loss_path
 from batchlab.formula.inbackward import walk_states
 from batchlab.formula.kvcache import held_in_forward_bytes
-from batchlab.formula.pipeline import logits_bytes, outputs_held, receive_buffer_bytes
+from batchlab.formula.pipeline import logits_bytes, megatron_runtime, outputs_held, receive_buffer_bytes
 from batchlab.formula.ranks import RankShare, residual_bytes, share
 from batchlab.formula.states import ModelStates, model_states
 
@@ -35,8 +35,7 @@ Parts = dict[str, int]
 def ordered(cfg: RunConfig) -> bool:
     """A pipeline of more than one chunk per rank run by torch.distributed.pipelining (Megatron's own runtime frees
     each output once sent and keeps no send: priced at its in-flight count, formula/activation_plan.py)."""
-    megatron = cfg.model.impl is Implementation.MEGATRON or cfg.parallel.engine_spec.megatron
-    return cfg.parallel.pipelined and cfg.parallel.chunks > 1 and not megatron
+    return cfg.parallel.pipelined and cfg.parallel.chunks > 1 and not megatron_runtime(cfg)
 
 
 @functools.lru_cache(maxsize=256)

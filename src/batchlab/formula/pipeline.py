@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from batchlab.config import Applied, RunConfig
+from batchlab.config import Applied, Implementation, RunConfig
 from batchlab.config.engines import Sent
 from batchlab.formula import dtensor, overlap
 from batchlab.formula.overlap import activation_message_bytes
@@ -31,6 +31,13 @@ from batchlab.config.phase import Phase
 from batchlab.formula.opcost import OpCosts, OpCount, merge
 from batchlab.formula.opbuild import OpList, widths
 from batchlab.formula.links import Link, local_link, pp_link, shared, tp_link
+
+
+def megatron_runtime(cfg: RunConfig) -> bool:
+    """Whether Megatron's own pipeline runtime runs the stages (its layers, or its engine): it receives into a fresh
+    tensor per micro-batch and frees each output once sent (megatron/core/pipeline_parallel/schedules.py
+    ``deallocate_output_tensor``), where torch.distributed.pipelining keeps buffers and outputs."""
+    return cfg.model.impl is Implementation.MEGATRON or cfg.parallel.engine_spec.megatron
 
 
 def keeps_outputs(cfg: RunConfig, last: bool) -> bool:

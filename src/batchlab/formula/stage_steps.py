@@ -13,9 +13,9 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from batchlab.config import Implementation, RunConfig
+from batchlab.config import RunConfig
 from batchlab.config.engines import PipelineSchedule
-from batchlab.formula.pipeline import gradient_send_bytes, receive_buffer_bytes, stage_output_bytes
+from batchlab.formula.pipeline import gradient_send_bytes, megatron_runtime, receive_buffer_bytes, stage_output_bytes
 from batchlab.formula.ranks import RankShare
 
 Parts = dict[str, int]
@@ -100,10 +100,7 @@ def with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, i
     outputs, sends = stage_output_bytes(cfg, rank, done), gradient_send_bytes(cfg, rank)
     stepping = stage_output_bytes(cfg, dataclasses.replace(rank, in_flight=0), done)  # none in flight: kept ones
     buffers, received = receive_buffer_bytes(cfg, rank)
-    if cfg.model.impl is Implementation.MEGATRON:
-        # Megatron's schedules receive into a fresh tensor per micro-batch (the chunk's input, which its first layer
-        # keeps: counted in the activations) and free each output's storage once sent (megatron/core/
-        # pipeline_parallel/schedules.py, deallocate_output_tensor)
+    if megatron_runtime(cfg):  # the chunk's fresh input is kept by its first layer: counted in the activations
         outputs, stepping, buffers, received = 0, 0, 0, 0
     live = {"forward": (outputs, 0), "backward": (outputs, sends), "optimizer": (stepping, 0)}
     out = {}
