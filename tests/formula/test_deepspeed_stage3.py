@@ -64,3 +64,13 @@ def test_deepspeed_mixed_precision_runs_the_cast_module_without_autocast():
     ds, fsdp = _cfg(), _cfg(sharding=None, zero=3)
     assert activation_plan(ds).per_layer_kept[0] == 256 * 4096 * 2
     assert activation_plan(fsdp).per_layer_kept[0] == 256 * 4096 * 4
+
+
+def test_a_sub_group_holds_at_least_one_parameters_partition():
+    # sub_group_size typed at 1e6: _create_fp16_sub_groups closes a sub-group at the first parameter that reaches it,
+    # so the embedding's partition (32,000 x 4,096 / 2 = 65,536,000 elements) is one sub-group on its own
+    from batchlab.config.deepspeed import DeepSpeedSettings
+
+    cfg = _cfg(deepspeed=DeepSpeedSettings(sub_group_size=10**6))
+    assert deepspeed.step_buffers(cfg, share(cfg, 0)) == {"deepspeed fp32 gradient partition": 4 * 65_536_000,
+                                                          "deepspeed 16-bit gradient flatten": 2 * 65_536_000}

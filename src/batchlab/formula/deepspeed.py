@@ -23,6 +23,7 @@ from __future__ import annotations
 from batchlab.config import Precision, RunConfig
 from batchlab.config.deepspeed import DeepSpeedSettings
 from batchlab.formula.deepspeed_gather import gathered
+from batchlab.formula.params import tensor_sizes
 from batchlab.formula.ranks import RankShare
 
 F32 = 4
@@ -71,8 +72,10 @@ def step_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
     partition = rank.params // cfg.dp
     if cfg.parallel.engine_spec.stage != 3:
         return {"deepspeed fp32 gradient partition": F32 * partition}
-    # a sub-group closes at the first parameter that reaches sub_group_size (``_create_fp16_sub_groups``)
-    sub = min(settings(cfg).sub_group_size, partition)
+    # a sub-group closes at the first parameter that reaches sub_group_size (``_create_fp16_sub_groups``): never
+    # smaller than one parameter's partition, however small the size typed
+    largest = max(tensor_sizes(cfg.model)) // cfg.dp
+    sub = min(max(settings(cfg).sub_group_size, largest), partition)
     flat = _grad_bytes(cfg) if _grad_bytes(cfg) != F32 else 0
     return {"deepspeed fp32 gradient partition": F32 * sub, "deepspeed 16-bit gradient flatten": flat * sub}
 
