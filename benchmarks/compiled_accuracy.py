@@ -273,7 +273,7 @@ def whole_model_unlisted() -> list[str]:
               "transformers' GPT-2 compiles into two graphs, the model's and the loss's: their backward graphs are "
               "read in turn, the model graph's saved tensors held through the loss graph's backward. Where inductor's "
               "schedule moved with the number of KV heads the entry keeps both schedules' high points (a bound, "
-              "marked so). Elsewhere each block's own plan: grouped-query attention (its fused q, k, v width is not "
+              "marked so; a row is priced as a bound only where inductor keeps such an order at its shape). Elsewhere each block's own plan: grouped-query attention (its fused q, k, v width is not "
               "derived here), entries not derived. Seen before a change: the two four-layer GPT-2 hold-outs (h 64, "
               "and h 64 V 1000) had been read when four-layer models were moved to the deeper models' stretches, "
               "which was decided on the h 80 rows (a shape no row had); the three hold-outs after those rows were "
@@ -286,7 +286,7 @@ def _whole_entries() -> list[str]:
         from batchlab.formula import compiled_model_working_table as table
     except ImportError:
         return ["none"]
-    return [k.replace("|", " ") + (" (a bound)" if "bound" in v else "") for k, v in table.HIGHS.items()
+    return [k.replace("|", " ") + (" (an order kept as a bound)" if "bound" in v else "") for k, v in table.HIGHS.items()
             if isinstance(v, dict)] or ["none"]
 
 

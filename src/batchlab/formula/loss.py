@@ -122,5 +122,6 @@ def megatron_loss_path(cfg: RunConfig, t: int) -> LossPath:
     one while the 16-bit gradient is written."""
     e = cfg.precision.compute_bytes
     n = cfg.seq * cfg.micro_batch * cfg.model.vocab // t
-    scatter_copy = n * F32 if cfg.loss.mode is LossMode.FUSED else 0
+    # torch.jit.script before torch 2.2 (megatron/core/jit.py): no functionalised copy
+    scatter_copy = n * F32 if cfg.loss.mode is LossMode.FUSED and not cfg.assumptions.torch_before(2, 2) else 0
     return LossPath(kept=n * F32, forward_transient=n * e, backward_transient=n * e + scatter_copy)
