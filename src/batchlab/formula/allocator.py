@@ -25,6 +25,14 @@ a block freed on one stream is reused only on that stream.  What follows from th
 - cuBLAS workspaces (PyTorch #120925: 32 MiB on Hopper and later, 4 MiB on Ampere with >= 24 GB, else 1 MiB),
   one per stream that runs matmuls; allocated through the caching allocator, so inside reserved.
 
+Not modelled: ``record_stream`` on collectives issued with async_op=True (ProcessGroupNCCL unless
+TORCH_NCCL_AVOID_RECORD_STREAMS=1, the default only in later torch: torchtitan PR 1088) keeps a freed block
+until the NCCL stream passes it, which "couples the caching allocator's memory reuse with GPU kernel timing"
+(torchtitan docs/composability.md); no config field fixes how far the CPU runs ahead.  torchtitan sets the variable
+(init_distributed), and then the work's stash is cleared at ``wait()`` (WorkNCCL::synchronizeStream), so its runs
+are not affected.  Expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) only lower reserved below
+this model: a free tail of a stream's segment grows in place.
+
 The device view adds what lives outside the allocator: the CUDA context and kernels (config/devices.py) and
 NCCL's buffers (not found published: estimate 0.5 GiB per process with DP > 1; measure with gpu_check.sh).
 """
