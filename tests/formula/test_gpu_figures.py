@@ -218,18 +218,57 @@ def test_published_bert_on_a_v100_within_5_percent():
     assert row.mem_measured == 14949 * MiB and abs(row.mem_error) <= 0.05
 
 
-def test_fsdp_zero2_keeps_only_the_reduce_scatter_pool():
-    """Without resharding after forward (ZeRO-2) FSDP2's gathered blocks stay live (parameters), so its all-gather
-    stream caches nothing free; the reduce-scatter input (a block's gradients in fp32, foreach_reduce on its own
-    stream) still does.  By hand: a Llama-3-8B block is 2 x 4096 x 4096 + 2 x 4096 x 1024 + 3 x 4096 x 14336
-    + 2 x 4096 = 218,112,000 parameters."""
+def test_fsdp_pools_hold_one_gathered_block_at_either_stage():
+    """FSDP2 gathers each block into one flat buffer and copies it out into the block's parameters, so with or without
+    resharding after forward (ZeRO-3 / ZeRO-2) its copy-in stream caches one block in the gathered dtype (1 byte
+    under fp8 all-gather), beside the reduce-scatter input (a block's gradients in fp32).  By hand: a Llama-3-8B
+    block is 2 x 4096 x 4096 + 2 x 4096 x 1024 + 3 x 4096 x 14336 + 2 x 4096 = 218,112,000 parameters."""
     cfg = RunConfig(model=preset("llama-3-8b"), seq=8192, micro_batch=2, precision="bf16-fsdp", dp=8,
                     device="h100-96gb", ac="selective-op")
     block = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
-    pools = lambda z: {k: v for k, v in estimate(cfg.replace(zero=z)).memory.reserved_parts.items()  # noqa: E731
+    pools = lambda c: {k: v for k, v in estimate(c).memory.reserved_parts.items()  # noqa: E731
                        if "stream pool" in k}
-    assert pools(2) == {"FSDP reduce-scatter stream pool": block * 4}
-    assert pools(3) == {"FSDP all-gather / reduce-scatter stream pools": block * (2 + 4)}
+    for zero in (2, 3):
+        assert pools(cfg.replace(zero=zero)) == {"FSDP all-gather / reduce-scatter stream pools": block * (2 + 4)}
+        fp8 = cfg.replace(zero=zero, fp8="tensorwise-allgather")
+        assert pools(fp8) == {"FSDP all-gather / reduce-scatter stream pools": block * (1 + 4)}
+
+
+def test_fsdp2_keeps_its_gathered_blocks_apart_from_the_flat_all_gather_buffer():
+    """The live side of the pool rule, on FSDP2 itself (a fake 2-rank group, CPU): under reshard_after_forward=False
+    each block's flat all-gather output holds the whole block (numel by hand), and the unsharded parameters that
+    stay live after forward are separate storages (copies), so the flat buffer is free to be cached."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    gather, flat = group_module.foreach_all_gather, []
+
+    def spy(*args, **kwargs):
+        result = gather(*args, **kwargs)
+        if result is not None:
+            flat.append(result.all_gather_output)
+        return result
+    try:
+        group_module.foreach_all_gather = spy
+        mesh = init_device_mesh("cpu", (2,))
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+        for block in model:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        model(torch.randn(4, 16))
+        assert [f.numel() for f in flat] == [16 * 32 + 32, 32 * 8 + 8]
+        buffers = {f.untyped_storage().data_ptr() for f in flat}
+        for block in model:
+            for p in block._get_fsdp_state()._fsdp_param_group.fsdp_params:
+                assert p.unsharded_param.untyped_storage().data_ptr() not in buffers
+    finally:
+        group_module.foreach_all_gather = gather
+        dist.destroy_process_group()
 
 
 def test_fsdp_gradient_shards_stay_in_the_reduce_scatter_pool():

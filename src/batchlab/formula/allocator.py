@@ -11,9 +11,12 @@ a block freed on one stream is reused only on that stream.  What follows from th
   ``del pred``), and the fp32 gradients the loss's backward allocates next are twice their size, so their
   segment stays reserved but empty at the loss-backward peak;
 - stream pools: FSDP's all-gather and reduce-scatter run on their own streams, whose cached blocks (one
-  block's 16-bit parameters, one block's gradients in the reduce dtype) the compute stream cannot reuse; without
-  resharding after forward (ZeRO-2) the gathered blocks stay live, but the reduce-scatter's input still comes
-  from its stream's pool, reserved beside the compute stream's segments whenever the reductions run;
+  block's gathered parameters, one block's gradients in the reduce dtype) the compute stream cannot reuse; FSDP2
+  gathers into one flat buffer allocated on its copy-in stream (torch/distributed/_composable/fsdp/
+  _fsdp_collectives.py foreach_all_gather: ``with ...stream(all_gather_copy_in_stream): all_gather_output =
+  torch.empty(...)``) and copies it out into the block's own parameters (foreach_all_gather_copy_out), so with or
+  without resharding after forward (ZeRO-3 or ZeRO-2) that pool caches one block in the gathered dtype (1 byte
+  under fp8 all-gather) beside the reduce-scatter's;
   FSDP2 allocates the reduce-scatter *output*, of which every gradient shard is a view, on that stream too
   (torch/distributed/_composable/fsdp/_fsdp_collectives.py foreach_reduce: ``with
   device_handle.stream(reduce_scatter_stream): reduce_output = reduce_scatter_input.new_empty(...)``), so once
@@ -21,6 +24,14 @@ a block freed on one stream is reused only on that stream.  What follows from th
   where this update's shards are not yet all live, the rest of that pool is reserved and empty;
 - cuBLAS workspaces (PyTorch #120925: 32 MiB on Hopper and later, 4 MiB on Ampere with >= 24 GB, else 1 MiB),
   one per stream that runs matmuls; allocated through the caching allocator, so inside reserved.
+
+Not modelled: ``record_stream`` on collectives issued with async_op=True (ProcessGroupNCCL unless
+TORCH_NCCL_AVOID_RECORD_STREAMS=1, the default only in later torch: torchtitan PR 1088) keeps a freed block
+until the NCCL stream passes it, which "couples the caching allocator's memory reuse with GPU kernel timing"
+(torchtitan docs/composability.md); no config field fixes how far the CPU runs ahead.  torchtitan sets the variable
+(init_distributed), and then the work's stash is cleared at ``wait()`` (WorkNCCL::synchronizeStream), so its runs
+are not affected.  Expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) only lower reserved below
+this model: a free tail of a stream's segment grows in place.
 
 The device view adds what lives outside the allocator: the CUDA context and kernels (config/devices.py) and
 NCCL's buffers (not found published: estimate 0.5 GiB per process with DP > 1; measure with gpu_check.sh).
@@ -30,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from batchlab.config import Backend, LossMode, Precision, RunConfig
+from batchlab.formula import fp8
 from batchlab.formula.params import count
 from batchlab.formula.sharding import reduced_bytes_per_element, unit_elements
 
@@ -119,10 +131,10 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
         if cfg.parallel.shards_parameters or cfg.parallel.fsdp:
             reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
             per_layer = rank.per_layer if rank is not None else count(cfg.model).per_layer
-            if cfg.parallel.shards_parameters:
-                parts["FSDP all-gather / reduce-scatter stream pools"] = per_layer * (e + reduce_bytes)
-            else:  # gathered blocks stay live (reshard_after_forward=False); the reductions still run
-                parts["FSDP reduce-scatter stream pool"] = per_layer * reduce_bytes
+            # the flat all-gather output lives on the copy-in stream at either stage: the gathered blocks that stay
+            # live under reshard_after_forward=False are its copies (_fsdp_collectives.py foreach_all_gather_copy_out)
+            parts["FSDP all-gather / reduce-scatter stream pools"] = per_layer * (
+                fp8.block_gather_bytes(cfg, e) + reduce_bytes)
         spec = cfg.parallel.engine_spec
         # FSDP2 at either stage reduce-scatters through foreach_reduce on its own stream; DeepSpeed ZeRO-2 at its
         # default overlap_comm=false reduces on the compute stream (stage_1_and_2.py average_tensor), and ZeRO-3
