@@ -8,7 +8,8 @@ or two, and its wall pays the mean of them.  Gloo's per-call time between local 
 mean 1.6 ms and one call in ten over 4 ms; after about 1 ms of compute the median 0.8 ms, the mean 1.2 ms.  Here
 two ranks with a core each run, per gap, chains of all-reduces of ``CHAIN_BYTES`` with ``gap`` seconds of matmuls
 before each; a chain's figure is the mean call time (its tail included), the two ranks' mean; per gap the median
-over the chains (a chain that other processes' load stretched whole does not move it).  Cached with the CPU's
+over the chains of a few pairs forked in turn (a chain that other processes' load stretched whole, or a pair the OS
+placed badly, does not move it).  Cached with the CPU's
 calibration (``Calibration.link_chain_seconds``) the first time measure or compare meets a tensor-parallel CPU
 layout; formula/links.py ``Link.in_chain`` prices each TP collective from it at the micro-batch's gap.  Torch is
 imported inside the functions.
@@ -25,7 +26,8 @@ from batchlab.formula.plausible import link_chain_problems
 
 GAPS = (0.0, 0.5e-3, 2e-3, 8e-3)  # seconds of compute before each all-reduce: back to back up to a wide layer
 CALLS = 30  # all-reduces per chain: enough for the tail to show in its mean
-CHAINS = 5  # per gap; the median over them
+CHAINS = 4  # per gap and pair of ranks
+LAUNCHES = 4  # pairs forked in turn: how the OS places a pair and its gloo threads holds for the pair's life
 WARMUP = 5
 TIMEOUT_S = 90
 
@@ -59,11 +61,15 @@ def _rank(rank: int, port: int, arg: tuple[tuple[float, ...], int], results) -> 
         dist.destroy_process_group()
 
 
-def measure(gaps: tuple[float, ...] = GAPS, chains: int = CHAINS) -> dict[float, float]:
+def measure(gaps: tuple[float, ...] = GAPS, chains: int = CHAINS, launches: int = LAUNCHES) -> dict[float, float]:
     """{gap seconds: seconds of one all-reduce of ``CHAIN_BYTES`` between two local ranks, as a chain of them
     ``gap`` apart pays it}; RuntimeError where two ranks cannot run here."""
-    got = two_ranks(_rank, (gaps, chains), "chained all-reduce timing", TIMEOUT_S)
-    return {g: statistics.median((x + y) / 2 for x, y in zip(got[0][g], got[1][g])) for g in gaps}
+    means: dict[float, list[float]] = {g: [] for g in gaps}
+    for _ in range(launches):
+        got = two_ranks(_rank, (gaps, chains), "chained all-reduce timing", TIMEOUT_S)
+        for g in gaps:
+            means[g] += [(x + y) / 2 for x, y in zip(got[0][g], got[1][g])]
+    return {g: statistics.median(v) for g, v in means.items()}
 
 
 def wanted(cfgs: tuple) -> bool:
