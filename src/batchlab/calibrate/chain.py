@@ -3,13 +3,12 @@ many, each a short compute gap after the last, priced by the chain's mean.
 
 The link calibration (link.py) takes the median of single all-reduces, each after a barrier and a step's compute:
 right for a data-parallel update's few gradient all-reduces, but a TP micro-batch runs a collective every layer
-or two, and its wall pays the mean of them.  Gloo's per-call time between local processes has a heavy tail
-(a thread wake-up that misses its core, the peer's): back to back on a quiet 2-core VM the median was 0.55 ms, the
-mean 1.6 ms and one call in ten over 4 ms; after about 1 ms of compute the median 0.8 ms, the mean 1.2 ms.  Here
-two ranks with a core each run, per gap, chains of all-reduces of ``CHAIN_BYTES`` with ``gap`` seconds of matmuls
-before each; a chain's figure is the mean call time (its tail included), the two ranks' mean; per gap the median
-over the chains of a few pairs forked in turn (a chain that other processes' load stretched whole, or a pair the OS
-placed badly, does not move it).  Cached with the CPU's
+or two, and its wall pays the mean of them.  Gloo's per-call time between local processes has a heavy tail (a
+thread wake-up that misses its core, the peer's), so the mean is well above the median (docs/cpu.md, "Figures
+behind the code's choices").  Here two ranks with a core each run, per gap, chains of all-reduces of
+``CHAIN_BYTES`` with ``gap`` seconds of matmuls before each; a chain's figure is the mean call time (its tail
+included), the two ranks' mean; per gap the median over the chains of a few pairs forked in turn (a chain that
+other processes' load stretched whole, or a pair the OS placed badly, does not move it).  Cached with the CPU's
 calibration (``Calibration.link_chain_seconds``) the first time measure or compare meets a tensor-parallel CPU
 layout; formula/links.py ``Link.in_chain`` prices each TP collective from it at the micro-batch's gap.  Torch is
 imported inside the functions.
@@ -27,7 +26,7 @@ from batchlab.formula.plausible import link_chain_problems
 GAPS = (0.0, 0.5e-3, 2e-3, 8e-3)  # seconds of compute before each all-reduce: back to back up to a wide layer
 CALLS = 30  # all-reduces per chain: enough for the tail to show in its mean
 CHAINS = 4  # per gap and pair of ranks
-LAUNCHES = 4  # pairs forked in turn: how the OS places a pair and its gloo threads holds for the pair's life
+LAUNCHES = 4  # pairs forked in turn: how the OS places a pair and its gloo threads holds for its life
 WARMUP = 5
 TIMEOUT_S = 90
 
