@@ -289,7 +289,8 @@ def main() -> int:
           "\n")
     print(f"After: {_load()}.\n")
     print("Formula: `batchlab estimate` of each side with this CPU's cached calibration at 1 thread (local ranks "
-          "sharing the cores, gloo's link, DTensor's host cost per op as calibrated). Error = (formula - measured) / "
+          "sharing the cores, gloo's link, its tensor-parallel collectives as a chain of them pays each, DTensor's host "
+          "cost per op as calibrated). Error = (formula - measured) / "
           "measured. Rerun on a quiet machine: other processes' load stretches every side, the 4-rank layouts most.\n")
     return 0
 

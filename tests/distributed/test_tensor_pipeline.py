@@ -43,8 +43,13 @@ CASES_4 = {
 }
 
 
+FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+              "reduce_scatter_tensor": "reduce_scatter"}  # torch's functional collectives, as the formula names them
+
+
 def _forked_rank(folder: Path, request: dict, parent: int) -> int:
     import torch
+    import torch.profiler
     import torch.distributed as dist
 
     from batchlab.config import to_jsonable
@@ -65,8 +70,12 @@ def _forked_rank(folder: Path, request: dict, parent: int) -> int:
                     grad_bytes.append(sum({id(g.untyped_storage()): g.untyped_storage().nbytes()
                                            for g in grads}.values()))
 
-        losses = [trainer.update(listener=Grads()).loss for _ in range(2)]
-        rec = dict(losses=losses, parameter_bytes=engines.shard_bytes(trainer.raw_model), grad_bytes=grad_bytes)
+        losses = [trainer.update(listener=Grads()).loss]
+        with torch.profiler.profile() as prof:  # the functional collectives the second update issues, as run
+            losses.append(trainer.update(listener=Grads()).loss)
+        issued = {k: sum(e.name == f"_c10d_functional::{k}" for e in prof.events()) for k in FUNCTIONAL}
+        rec = dict(losses=losses, parameter_bytes=engines.shard_bytes(trainer.raw_model), grad_bytes=grad_bytes,
+                   issued=issued)
         if name == "1f1b-memory":
             rec["memory"] = to_jsonable(worker.measure_memory(trainer, None))
         out[name] = rec
@@ -130,6 +139,23 @@ def test_four_rank_layouts_train_like_one_process(ranks4, name):
     assert all(r[name]["grad_bytes"] == [r[name]["parameter_bytes"]] * 2 for r in ranks4)
     if name == "fsdp2xtp2":  # FSDP2 halves what each tensor-parallel rank holds (every dimension 0 is even)
         assert all(r[name]["parameter_bytes"] == _tp2_bytes() // 2 for r in ranks4)
+
+
+@pytest.mark.parametrize("name", ["tp", "tp-sp", "hf-tp"])
+def test_the_tensor_parallel_collectives_a_real_update_issues_are_the_formulas(ranks, name):
+    """Every functional collective each rank's update issued on real gloo ranks (DTensor's redistributions,
+    loss_parallel's, the norms' gradients; separate q/k/v and a gated MLP in the Llama), by kind: the formula's
+    count per micro-batch (formula/pipeline.py ``tp_collectives``) times the micro-batches."""
+    from batchlab.formula.pipeline import tp_collectives
+    from batchlab.formula.ranks import shares
+
+    cfg = CASES[name]
+    want: dict[str, int] = {}
+    for (kind, _), (calls, _) in tp_collectives(cfg, shares(cfg)[0]).items():
+        want[kind] = want.get(kind, 0) + calls * cfg.accum
+    for r in ranks:
+        issued = {FUNCTIONAL[k]: n for k, n in r[name]["issued"].items() if n}
+        assert issued == want, (name, issued, want)
 
 
 def _tp2_bytes() -> int:

@@ -104,6 +104,7 @@ def test_a_changed_costs_field_is_never_served_the_base_costs_work():
                    asynchronous=True, link_bytes_per_s=1e9, link_latency_s=1e-5, threads=2, cores=2,
                    contention={"compute": 1.5}, contention_processes=2, rank_skew=0.05,
                    link_cpu_seconds={"message": 1e-5, "byte": 1e-10}, link_warm_latency_s=2e-6,
+                   link_chain_seconds={"0": 1e-3},
                    family_dispatch={"hf:gpt2": {"forward": 2.0}}, matmul_intensity=((1e6, 50.0), (1e9, 200.0)), whole_call_rate=True,
                    untimed={"graph-forward": "no C++ compiler"}, source="changed")
     assert set(changes) == {f.name for f in dataclasses.fields(OpCosts)}

@@ -8,7 +8,7 @@ import statistics
 import time
 
 from batchlab import host
-from batchlab.calibrate import calls, compiled_rng, dtensor, family, shared_link
+from batchlab.calibrate import calls, chain, compiled_rng, dtensor, family, shared_link
 from batchlab.calibrate.concurrency import KINDS, Contention
 from batchlab.calibrate.dispatch import SAC, DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
@@ -317,9 +317,9 @@ def auto(device_name: str, threads: int | None, enabled: bool = True, cfgs: tupl
     """``measure`` / ``compare`` on this CPU: calibrate once (cached) so their time predictions use measured
     rates, the parts ``cfgs`` need (record.needs: a fp32 single-process compare times no 16-bit kernel and no
     local ranks), and measure once the own dispatch per op of each Hugging Face model among ``cfgs`` (family.py),
-    for a tensor-parallel one, DTensor's host cost per op (dtensor.py), for ranks time-sharing the cores the CPU
-    share of gloo's link (shared_link.py), and for a compiled one with dropout inductor's in-kernel RNG
-    (compiled_rng.py); a compiled graph's and a checkpoint region's own call where one runs them (calls.py).
+    for a tensor-parallel one, DTensor's host cost per op (dtensor.py) and gloo's all-reduce as a chain of them pays it
+    (chain.py), for ranks time-sharing the cores the CPU share of gloo's link (shared_link.py), and for a compiled
+    one with dropout inductor's in-kernel RNG (compiled_rng.py); a compiled graph's and a checkpoint region's own call where one runs them (calls.py).
     Returns the lines to show the user (None when the cache served, nothing to say)."""
     if device_name != "cpu":
         return None  # GPUs: `batchlab calibrate --torch-device cuda`; the catalogue's figures otherwise
@@ -340,5 +340,6 @@ def auto(device_name: str, threads: int | None, enabled: bool = True, cfgs: tupl
         (cfg for cfg in cfgs if compiled_rng.compiled_on_cpu(cfg)), None)
     lines += [line for line in (compiled_rng.ensure(drawn, want) if drawn else None,) if line]
     lines += [line for cfg in dict.fromkeys(cfgs) if (line := calls.ensure(cfg, want))]
-    lines += [line for line in (dtensor.ensure(cfgs, want), shared_link.ensure(cfgs, want)) if line]
+    lines += [line for line in (dtensor.ensure(cfgs, want), shared_link.ensure(cfgs, want), chain.ensure(cfgs, want))
+              if line]
     return "\n".join(lines) or None

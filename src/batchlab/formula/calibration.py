@@ -66,6 +66,9 @@ class Calibration:
     # CPU: the ranks' own CPU seconds in that link, per message ("message") and per byte ("byte"): the part that
     # stretches where local ranks time-share the cores (calibrate/shared_link.py); {}: not measured
     link_cpu_seconds: dict[str, float] = field(default_factory=dict)
+    # CPU: one all-reduce's seconds as a chain of them pays it, by the compute gap before each ({"0.002": s};
+    # calibrate/chain.py); {}: not measured
+    link_chain_seconds: dict[str, float] = field(default_factory=dict)
     cores: int = 0  # CPU cores of the machine measured (local ranks x threads beyond it share them)
     # CPU: a process's slowdown while ``contention_processes`` run the same kernels at once, by kind
     # (compute | memory | dispatch; calibrate/concurrency.py); 0 processes: not measured (an older cache)
@@ -133,7 +136,7 @@ class Calibration:
                        link_warm_latency_s=self.loopback_warm_latency_s,
                        threads=self.threads, cores=self.cores, contention=dict(self.contention),
                        contention_processes=self.contention_processes, rank_skew=self.rank_skew,
-                       link_cpu_seconds=dict(self.link_cpu_seconds),
+                       link_cpu_seconds=dict(self.link_cpu_seconds), link_chain_seconds=dict(self.link_chain_seconds),
                        family_dispatch={k: dict(v) for k, v in self.family_dispatch.items()},
                        dtensor_seconds=dict(self.dtensor_seconds), untimed=dict(self.untimed),
                        matmul_intensity=tuple(sorted((2 * m * k * n, 2 * m * k * n / (4 * (m * k + k * n + m * n)))

@@ -12,6 +12,7 @@ from batchlab.formula.sharding import collective_seconds, ring_messages
 
 
 COLD_GAP_S = 0.015  # the compute before each all-reduce the link calibration times (calibrate/link.py BURST_S)
+CHAIN_BYTES = 2**14  # the all-reduce calibrate/chain.py chains: small, its per-message cost
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,27 @@ class Link:
         latency = warm_latency_s + (self.latency_s - warm_latency_s) * min(1.0, max(0.0, gap_s) / COLD_GAP_S)
         return Link(self.bytes_per_s, latency, f"{self.source}; {latency * 1e6:.0f} us a message "
                     f"{gap_s * 1e3:.2g} ms after the last ({warm_latency_s * 1e6:.0f} us back to back, calibrated)",
+                    self.reduce_scatter_all_reduces)
+
+    def in_chain(self, chain: Mapping[str, float], gap_s: float) -> Link:
+        """The link as a chain of collectives ``gap_s`` apart pays each (calibrate/chain.py: the mean of chained
+        all-reduces of ``CHAIN_BYTES`` between 2 ranks at a few gaps, ``{gap: s}``, its heavy tail included):
+        per message, the figure at ``gap_s`` (linear between the measured gaps, the nearest beyond them) less its
+        bytes, over its 2 messages; as ``after_gap`` where nothing was measured."""
+        points = sorted((float(g), s) for g, s in chain.items())
+        if not points:
+            return self
+        gap = min(max(gap_s, points[0][0]), points[-1][0])
+        for (g0, s0), (g1, s1) in zip(points, points[1:]):
+            if gap <= g1:
+                seconds = s0 + (s1 - s0) * ((gap - g0) / (g1 - g0) if g1 > g0 else 1.0)
+                break
+        else:
+            seconds = points[-1][1]
+        latency = max(0.0, seconds - CHAIN_BYTES / self.bytes_per_s) / 2
+        return Link(self.bytes_per_s, latency, f"gloo's all-reduce between local processes as a chain of them pays "
+                    f"it: {latency * 1e6:.0f} us a message {gap_s * 1e3:.2g} ms after the last (the mean of chained "
+                    "calls, calibrated); a reduce-scatter runs as an all-reduce of its whole input",
                     self.reduce_scatter_all_reduces)
 
     def text(self) -> str:

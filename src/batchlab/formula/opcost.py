@@ -184,6 +184,8 @@ class OpCosts:
     rank_skew: float = 0.0  # CPU: the slower local rank's compute over the ranks' mean, less 1 (0: unmeasured)
     # CPU: the ranks' own CPU seconds in the link per "message" and "byte" (calibrate/shared_link.py); {}: unmeasured
     link_cpu_seconds: Mapping[str, float] = field(default_factory=dict)
+    # CPU: one all-reduce's seconds in a chain of them by the gap before each (calibrate/chain.py); {}: unmeasured
+    link_chain_seconds: Mapping[str, float] = field(default_factory=dict)
     # per-op dispatch under autocast (every forward op passes its dispatch key), by kind; {}: ``dispatch`` serves
     dispatch_autocast: Mapping[str, float] = field(default_factory=dict)
     # a model's own dispatch per op over the calibrated GPT's, by kind, keyed by timing.dispatch_family ({}: none)
@@ -307,7 +309,7 @@ _WORK = cache(limit=64)  # what decides work_seconds -> {op shape: one call's wo
 WORK_LIMIT = 50_000  # op shapes remembered per costs
 # OpCosts fields work_seconds never reads (a calibration loaded per estimate differs in none of the others)
 _NOT_WORK = {"dispatch", "dispatch_autocast", "family_dispatch", "asynchronous", "link_bytes_per_s", "link_latency_s", "link_warm_latency_s", "threads", "cores", "contention",
-             "contention_processes", "rank_skew", "link_cpu_seconds", "source", "untimed"}
+             "contention_processes", "rank_skew", "link_cpu_seconds", "link_chain_seconds", "source", "untimed"}
 
 
 def _frozen(v):

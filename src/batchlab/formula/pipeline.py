@@ -314,12 +314,13 @@ def pipeline_time(cfg: RunConfig, compute_per_micro_batch: float, costs: OpCosts
 
 def tp_at_gap(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, compute: float, time_shared: float) -> Link:
     """The TP link as ``rank``'s collectives meet it: on a local CPU link, each message ``compute`` (its micro-batch)
-    over its collectives after the last (``Link.after_gap``: a layer's few small ops between two keep gloo's
-    threads awake), then stretched by the cores' time-sharing (``shared``)."""
+    over its collectives after the last, as a chain of all-reduces that far apart pays each (``Link.in_chain``; where
+    unmeasured ``Link.after_gap``), then stretched by the cores' time-sharing (``shared``)."""
     link = tp_link(cfg, costs)
     if costs is not None and local_link(cfg, costs) is not None:
-        calls = sum(n for n, _ in tp_collectives(cfg, rank).values())
-        link = link.after_gap(costs.link_warm_latency_s, compute / max(calls, 1))
+        gap = compute / max(sum(n for n, _ in tp_collectives(cfg, rank).values()), 1)
+        link = (link.in_chain(costs.link_chain_seconds, gap) if costs.link_chain_seconds
+                else link.after_gap(costs.link_warm_latency_s, gap))
     return shared(cfg, costs, link, time_shared)
 
 

@@ -40,7 +40,8 @@ def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = N
     out: list[str] = [f"{name} {v!r} is not a number" for name, v in (
         ("threads", cal.threads), ("cores", cal.cores), ("other_cores", cal.other_cores)) if not _finite(v)]
     out += [f"{name} {v!r} is not a table of names" for name, v in (
-        ("untimed", cal.untimed), ("link_cpu_seconds", cal.link_cpu_seconds), ("dtensor_seconds", cal.dtensor_seconds),
+        ("untimed", cal.untimed), ("link_cpu_seconds", cal.link_cpu_seconds),
+        ("link_chain_seconds", cal.link_chain_seconds), ("dtensor_seconds", cal.dtensor_seconds),
         ("dispatch_seconds", cal.dispatch_seconds), ("element_seconds", cal.element_seconds))
         if not (isinstance(v, dict) and all(isinstance(k, str) for k in v))]
     if out:  # the checks below read these fields
@@ -73,6 +74,7 @@ def problems(cal, peak_flops: float | None = None, bytes_per_s: float | None = N
     for family, ratios in cal.family_dispatch.items():
         out += family_problems(family, ratios)
     out += link_cpu_problems(cal.link_cpu_seconds, cal.loopback_latency_s, cal.loopback_bytes_per_s)
+    out += link_chain_problems(cal.link_chain_seconds, cal.loopback_warm_latency_s)
     warm, cold = cal.loopback_warm_latency_s, cal.loopback_latency_s  # back to back: no more than after compute
     if warm and not (_finite(warm) and _finite(cold) and 0 <= warm <= cold):
         out.append(f"link back-to-back latency {warm!r} s is not a number from 0 to the after-compute one "
@@ -88,6 +90,27 @@ def dispatch_problems(what: str, table: dict) -> list[str]:
     graph's or checkpoint region's own call, calibrate/calls.py)."""
     return [f"{what} {kind} {s!r} s per call outside {DISPATCH[0]:g}..{DISPATCH[1]:g} s" for kind, s in table.items()
             if not (_finite(s) and DISPATCH[0] <= s <= DISPATCH[1])]
+
+
+CHAIN_SECONDS = 20e-3  # a chained all-reduce's mean beyond this is a stall, not the link
+
+
+def link_chain_problems(chain: dict, warm_latency_s: float) -> list[str]:
+    """The chained all-reduce's figures (calibrate/chain.py): gaps that are numbers from 0, each figure a positive
+    number up to ``CHAIN_SECONDS`` and, a mean over a tail, no less than half the link's back-to-back median of 2
+    messages (timed in another run)."""
+    out = []
+    for g, s in chain.items():
+        try:
+            gap = float(g)
+        except ValueError:
+            gap = float("nan")
+        if not (_finite(gap) and gap >= 0):
+            out.append(f"chained all-reduce gap {g!r} is not a number of seconds from 0")
+        elif not (_finite(s) and (warm_latency_s or 0.0) <= s <= CHAIN_SECONDS and s > 0):
+            out.append(f"chained all-reduce {s!r} s after {g} s outside {warm_latency_s or 0.0:g}.."
+                       f"{CHAIN_SECONDS:g} s")
+    return out
 
 
 def link_cpu_problems(cpu: dict, latency_s: float, bytes_per_s: float) -> list[str]:
