@@ -11,14 +11,20 @@ adjacent free blocks of a segment merge; nothing is returned to the device.  One
 
     PYTHONPATH=src python benchmarks/allocator_replay.py --batch 4 --steps 3 --zero-grad in-place
     # BERT-large, b 4, s 512, fp32, AdamW, zeroed gradients kept: per update (allocated, reserved) GiB
+
+With ``--command``, a batchlab config's own trace instead (``batchlab estimate --trace`` on a CUDA device replays it
+the same way, trace/replay.py: FSDP2's streams as pools, the first update replayed too): its tensor peak, the
+replay's reserved and what sits cached and empty at the peak, beside the formula's allocator model.
+
+    PYTHONPATH=src python benchmarks/allocator_replay.py --command "--model llama-3-70b --impl batchlab ..."
 """
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
-MiB = 2**20
-SMALL, LARGE_ALLOC, SMALL_SEGMENT, LARGE_SEGMENT, ROUND_LARGE = MiB, 10 * MiB, 2 * MiB, 20 * MiB, 2 * MiB
+from batchlab.trace.replay import CachingAllocator
 
 
 class Events:
@@ -38,56 +44,6 @@ class Events:
 
     def op_done(self, func, args):
         pass
-
-
-class CachingAllocator:
-    """The block rules above; ``allocated`` and ``reserved`` with their peaks."""
-
-    def __init__(self):
-        self.segments: dict[str, list[list[list]]] = {"small": [], "large": []}  # blocks: [size, key|None]
-        self.where: dict[int, tuple[list, int]] = {}
-        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
-
-    def malloc(self, key: int, nbytes: int) -> None:
-        size = max(512, -(-nbytes // 512) * 512)
-        pool = "small" if size <= SMALL else "large"
-        best = None
-        for seg in self.segments[pool]:
-            for i, (bsize, owner) in enumerate(seg):
-                if owner is None and bsize >= size and (best is None or bsize < best[0][best[1]][0]):
-                    best = (seg, i)
-        if best is None:
-            seg_size = (SMALL_SEGMENT if pool == "small" else LARGE_SEGMENT if size < LARGE_ALLOC
-                        else -(-size // ROUND_LARGE) * ROUND_LARGE)
-            seg = [[seg_size, None]]
-            self.segments[pool].append(seg)
-            self.reserved += seg_size
-            best = (seg, 0)
-        seg, i = best
-        rest = seg[i][0] - size
-        if rest > (512 if pool == "small" else SMALL):
-            seg[i:i + 1] = [[size, key], [rest, None]]
-        else:
-            seg[i][1], size = key, seg[i][0]
-        self.where[key] = (seg, size)
-        self.allocated += size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
-
-    def free(self, key: int) -> None:
-        if key not in self.where:
-            return
-        seg, size = self.where.pop(key)
-        self.allocated -= size
-        merged: list[list] = []
-        for block in seg:
-            if block[1] == key:
-                block[1] = None
-            if merged and merged[-1][1] is None and block[1] is None:
-                merged[-1][0] += block[0]
-            else:
-                merged.append(block)
-        seg[:] = merged
 
 
 def record(layers: int, batch: int, seq: int, steps: int, set_to_none: bool) -> tuple[list, list[int]]:
@@ -125,8 +81,33 @@ def record(layers: int, batch: int, seq: int, steps: int, set_to_none: bool) -> 
     return events.log, ends
 
 
+def replay_config(command: str, published: str | None = None) -> None:
+    """The trace of ``batchlab estimate COMMAND`` with its replay, beside the formula's allocator model (and a
+    published measurement of the run the command stands in for, as text)."""
+    from batchlab.cli.common import config_from_command
+    from batchlab.formula import estimate as formula
+    from batchlab.trace import estimate as trace
+
+    GiB = 2**30
+    cfg = config_from_command(["estimate", *shlex.split(command)])
+    t, f = trace(cfg), formula(cfg).memory
+    m = t.memory
+    print(f"`batchlab estimate {command}`\n")
+    print("| | trace + replay | formula |\n|---|---|---|")
+    print(f"| allocated (tensor bytes at the peak) | {m.peak_bytes / GiB:.2f} GiB | {f.peak_tensor_bytes / GiB:.2f} GiB |")
+    print(f"| reserved - allocated | {m.margin_bytes / GiB:.2f} GiB ({m.margin_source}) | "
+          f"{f.margin_bytes / GiB:.2f} GiB (formula/allocator.py) |")
+    print(f"| reserved | {(m.peak_bytes + m.margin_bytes) / GiB:.2f} GiB | {f.peak_bytes / GiB:.2f} GiB |\n")
+    print(*[f"- {n}" for n in t.notes if n.startswith("reserved:")], sep="\n")
+    print(f"- traced in {t.trace_seconds:.0f} s")
+    if published:
+        print(f"- published: {published}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--command", help="a batchlab estimate command's flags: replay that config's trace instead")
+    p.add_argument("--published", help="with --command: the measured figure of the run it stands in for (text)")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
@@ -134,6 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("--zero-grad", choices=("none", "in-place"), default="in-place",
                    help="zero_grad(set_to_none=True) or False (PyTorch 1.x's default, the 2022 HF Trainer)")
     a = p.parse_args(argv)
+    if a.command:
+        replay_config(a.command, a.published)
+        return 0
     log, ends = record(a.layers, a.batch, a.seq, a.steps, a.zero_grad == "none")
     alloc = CachingAllocator()
     print(f"BERT ({a.layers} layers) fp32, micro-batch {a.batch}, seq {a.seq}, zero_grad {a.zero_grad}: "
@@ -149,4 +133,4 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     import page  # benchmarks/page.py: this script's page of the docs
 
-    page.publish(main, "allocator_replay", "The caching allocator replayed on a BERT step", fence=True)
+    page.publish(main, "allocator_replay", "The caching allocator replayed on a trace", fence="--command" not in sys.argv)

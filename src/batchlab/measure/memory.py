@@ -181,7 +181,7 @@ class StorageTracker(TorchDispatchMode):
             self._add(st, category)
             self._resizable[id(st)] = st
 
-    def _resync(self) -> None:
+    def resync(self) -> None:
         for key, st in self._resizable.items():
             n = st.nbytes()
             entry = self._live.get(key)
@@ -325,7 +325,7 @@ class StorageTracker(TorchDispatchMode):
         if self.observer is not None:
             self.observer(func, args, kwargs, out)
         if self._resizable:
-            self._resync()
+            self.resync()
         relabel = self._relabels.get(func, False)
         if relabel is False:  # per overload: ``namespace`` splits the schema name on every read
             relabel = self._relabels[func] = _RELABEL.get(func._opname) if func.namespace in ("fsdp", "c10d") else None

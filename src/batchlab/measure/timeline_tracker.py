@@ -173,18 +173,43 @@ def block_of(label: str) -> str:
     return m.group(1) if m else label
 
 
+class _Both:
+    """Two storage listeners as one."""
+
+    def __init__(self, first, second):
+        self.pair = (first, second)
+
+    def added(self, key, nbytes, category):
+        for x in self.pair:
+            x.added(key, nbytes, category)
+
+    def freed(self, key):
+        for x in self.pair:
+            x.freed(key)
+
+    def relabelled(self, key, category):
+        for x in self.pair:
+            x.relabelled(key, category)
+
+    def op_done(self, func, args):
+        for x in self.pair:
+            x.op_done(func, args)
+
+
 def recorded_update(trainer, owner: Callable[[], str], outside: str,
                     tree_owner: Callable[[], str] | None = None, register: Callable | None = None,
-                    observer: Callable | None = None, listen: Callable | None = None):
+                    observer: Callable | None = None, listen: Callable | None = None, also=None):
     """One update of ``trainer`` tracked by the StorageTracker with a recorder listening: (snapshot, recorder).
     ``tree_owner``: the tracker's own owner labels (``--tree``), unchanged by the recording; ``register``:
     called with the tracker before the update (storages no op creates, e.g. a DP engine's buffers);
     ``observer``: the tracker's (sees every op's arguments and output); ``listen``: tracker -> the update's
-    listener wrapping it (the harness's phase recorder, so a failure names its phase)."""
+    listener wrapping it (the harness's phase recorder, so a failure names its phase); ``also``: a second storage
+    listener (the trace's allocator replay)."""
     from batchlab.measure.memory import tracker_for
 
     recorder = TimelineRecorder(owner, outside, output_head(trainer.raw_model, trainer.cfg.model.vocab))
-    tracker = tracker_for(trainer, owner=tree_owner, listener=recorder, observer=observer)
+    tracker = tracker_for(trainer, owner=tree_owner, listener=recorder if also is None else _Both(recorder, also),
+                          observer=observer)
     if register is not None:
         register(tracker)
         tracker.reset()

@@ -25,10 +25,11 @@ class TraceMemory:
     optimizer_bytes: int
     breakdown: dict[str, int]  # category -> bytes live at the peak; sums to peak_bytes
     phase_peaks: dict[str, int]  # highest live tensor bytes seen in each phase
-    margin_bytes: int  # reserved - allocated by the formula's allocator model (formula/allocator.py), not traced
+    margin_bytes: int  # reserved - allocated: on CUDA the trace replayed through the caching allocator (trace/replay.py)
     capacity_bytes: int
     fits: bool  # peak_bytes + margin_bytes <= capacity_bytes
     provenance: str = "trace"
+    margin_source: str = "formula"  # "replay" (trace/replay.py), "formula" (formula/allocator.py) or "none" (CPU)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 
 from batchlab.config.fp8 import FP8Recipe
 from batchlab.config import Backend, ConfigError, ModelSource, Precision, RunConfig
-from batchlab.formula.allocator import device_memory
+from batchlab.formula.allocator import cublas_workspace, device_memory
 from batchlab.util.units import fmt_bytes
 from batchlab.measure.clock import Listeners
 from batchlab.measure.device import torch_device
@@ -33,6 +33,7 @@ from batchlab.trace.cuda_policy import NOTE as CUDA_NOTE, cuda_kernels
 from batchlab.trace.flops import flops_of
 from batchlab.trace.ops import OpRecorder
 from batchlab.trace.patches import caught_warnings, eager_branches, fake_deepcopy, library_logs
+from batchlab.trace.replay import replay_note, replays, streams
 from batchlab.trace.result import TraceEstimate, TraceFlops, TraceMemory
 from batchlab.config.standin import runnable, stand_in_text
 from batchlab.models.owners import OUTSIDE, ModuleStack
@@ -130,20 +131,38 @@ def _as_config_errors(cfg: RunConfig):
                                    "or measure it") from None
 
 
-def _first_update(trainer: Trainer) -> None:
+def _first_update(trainer: Trainer, replay=None):
     """An update of one micro-batch before the tracked one: what it leaves (AdamW's state, .grad kept as DDP's
     buckets, lazily built engine state) is per parameter, not per micro-batch, and fake tensors cost per op,
-    so the config's accum micro-batches would cost accum times as much for the same steady state."""
-    trainer.update(micro_batches=1)
+    so the config's accum micro-batches would cost accum times as much for the same steady state.  With
+    ``replay``, tracked for it alone: the segments the tracked update finds cached are this update's.  Returns
+    that tracker (its finalizers report frees to the replay until ``release``), or None."""
+    if replay is None:
+        trainer.update(micro_batches=1)
+        return None
+    tracker = tracker_for(trainer, listener=replay)
+    with contextlib.ExitStack() as stack:
+        if trainer.world > 1 or applies(trainer.cfg):
+            sharded.register_storages(tracker, trainer)
+            stack.enter_context(sharded.observed_resizes(tracker))
+        with tracker:
+            trainer.update(micro_batches=1, listener=tracker)
+    return tracker
 
 
-def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
+def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False, replay=None):
     """One update tracked by the CPU measurement's StorageTracker; with ``tree``, storages labelled by module;
-    with ``timeline``, also recorded op by op; its ops recorded for the time model either way (by the tracker's
-    own dispatch mode: ``observer``): (snapshot, TimelineRecorder or None, ops)."""
+    with ``timeline``, also recorded op by op; with ``replay`` (trace/replay.py AllocatorReplay), its storage
+    events replayed through the caching allocator; its ops recorded for the time model either way (by the
+    tracker's own dispatch mode: ``observer``): (snapshot, TimelineRecorder or None, ops)."""
     owners = ModuleStack(trainer.raw_model) if tree or timeline else None
-    register = ((lambda tracker: sharded.register_storages(tracker, trainer))
-                if trainer.world > 1 or applies(trainer.cfg) else None)
+    resizes = contextlib.ExitStack()
+    register = None
+    if trainer.world > 1 or applies(trainer.cfg):
+        def register(tracker):
+            sharded.register_storages(tracker, trainer)
+            if replay is not None:  # each FSDP2 resize in its place among the allocations the replay orders
+                resizes.enter_context(sharded.observed_resizes(tracker))
     ops = OpRecorder(trainer.raw_model)
     try:
         if timeline:
@@ -153,11 +172,11 @@ def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
             trainer.update = lambda listener=None: update(listener=Listeners(listener, ops) if listener is not None else ops)
             try:
                 snap, rec = recorded_update(trainer, owners.current, OUTSIDE, owners.current if tree else None,
-                                            register, observer=ops.record)
+                                            register, observer=ops.record, also=replay)
             finally:
                 del trainer.update
             return snap, rec, ops.result()
-        tracker = tracker_for(trainer, owner=owners.current if owners else None, observer=ops.record)
+        tracker = tracker_for(trainer, owner=owners.current if owners else None, listener=replay, observer=ops.record)
         if register is not None:
             register(tracker)
             tracker.reset()
@@ -165,21 +184,27 @@ def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False):
             trainer.update(listener=Listeners(tracker, ops))
         return tracker.snapshot(), None, ops.result()
     finally:
+        resizes.close()
         ops.close()
         if owners:
             owners.close()
 
 
-def _memory(cfg: RunConfig, trainer: Trainer, snap) -> TraceMemory:
+def _memory(cfg: RunConfig, trainer: Trainer, snap, replay=None) -> TraceMemory:
     params, grads, optimizer = _model_state_bytes(trainer)
-    # the traced tensor bytes through the formula's caching-allocator model (none on CPU)
-    margin = device_memory(cfg, snap.peak_bytes, snap.peak_phase, snap.activations_bytes,
-                           snap.breakdown.get("gradients", 0)).reserved_bytes - snap.peak_bytes
+    if replay is not None:  # the traced storage events through the caching allocator's own rules
+        reserved = replay.result().peak_reserved_bytes + cublas_workspace(cfg.device_spec.arch)
+        # a tracker peak above the replay's reserved is the tracker's own count (a fake collective's output)
+        margin, source = max(reserved - snap.peak_bytes, 0), "replay"
+    else:  # the traced tensor bytes through the formula's caching-allocator model (none on CPU)
+        margin = device_memory(cfg, snap.peak_bytes, snap.peak_phase, snap.activations_bytes,
+                               snap.breakdown.get("gradients", 0)).reserved_bytes - snap.peak_bytes
+        source = "none" if cfg.device_spec.backend is Backend.CPU else "formula"
     return TraceMemory(
         peak_bytes=snap.peak_bytes, peak_phase=snap.peak_phase, activations_bytes=snap.activations_bytes,
         parameters_bytes=params, gradients_bytes=grads, optimizer_bytes=optimizer, breakdown=snap.breakdown,
         phase_peaks=snap.phase_peaks, margin_bytes=margin, capacity_bytes=cfg.memory_capacity,
-        fits=snap.peak_bytes + margin <= cfg.memory_capacity)
+        fits=snap.peak_bytes + margin <= cfg.memory_capacity, margin_source=source)
 
 
 class _Traced(NamedTuple):
@@ -212,9 +237,13 @@ def _trace(cfg: RunConfig, device: torch.device, rank: int, tree: bool, timeline
             trainer = FakeTrainer(cfg, device)
         notes += stand_in_notes(cfg)
         # built: the model's imports are done
-        with eager_branches(runnable(cfg).model_kind is not ModelSource.BUILTIN) as assumed, library_logs(warned):
-            _first_update(trainer)
-            snap, recorder, ops = _tracked_update(trainer, tree, timeline)
+        replay = replays(cfg)
+        with (eager_branches(runnable(cfg).model_kind is not ModelSource.BUILTIN) as assumed, library_logs(warned),
+              streams(device.type) if replay is not None else contextlib.nullcontext()):
+            first = _first_update(trainer, replay)
+            snap, recorder, ops = _tracked_update(trainer, tree, timeline, replay)
+            if first is not None:
+                first.release()
         notes += assumed
         flops = flops_of(ops)
         if cfg.dp > 1 and not layered:  # every rank does rank 0's work on its own data
@@ -222,7 +251,9 @@ def _trace(cfg: RunConfig, device: torch.device, rank: int, tree: bool, timeline
             notes.append(f"FLOPs: rank 0's, counted, x {cfg.dp} ranks")
         elif layered:
             notes.append(f"FLOPs and the per-op time: rank {rank}'s own (its shard and stage), not the world's")
-        memory = _memory(cfg, trainer, snap)
+        memory = _memory(cfg, trainer, snap, replay)
+        if replay is not None:
+            notes.append(replay_note(replay.result()))
     return _Traced(trainer, snap, recorder, ops, flops, memory, notes, warned)
 
 

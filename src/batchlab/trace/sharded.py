@@ -175,3 +175,27 @@ def untracked_shape_propagation():
         yield
     finally:
         ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+@contextlib.contextmanager
+def observed_resizes(tracker):
+    """Within: FSDP2's storage resizes (``alloc_storage`` / ``free_storage``: gathering a block's parameters into
+    storages it grows, freeing them by shrinking to 0) reach the tracker as they happen, storages made during the
+    update included.  Registered storages are otherwise re-read only after an op, and the caching-allocator replay
+    needs each free before the allocation that may reuse its block."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    originals = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def observed(resize):
+        def wrapped(tensor):
+            tracker.register_resizable([tensor], "parameters")  # a storage already registered is kept as it is
+            resize(tensor)
+            tracker.resync()
+        return wrapped
+
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = (observed(f) for f in originals)
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage = originals
