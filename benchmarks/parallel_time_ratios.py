@@ -235,8 +235,11 @@ def calibration_line(cal) -> str:
         return "Calibration: none cached at 1 thread; the formula priced with nominal CPU figures."
     busy = f"{c.other_cores:.1f}" if c.other_cores >= 0 else "unknown"
     dt = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.dtensor_seconds.items()) or "nominal"
+    chain = (", ".join(f"{s * 1e3:.2f} ms after {float(g) * 1e3:g} ms" for g, s in c.link_chain_seconds.items())
+             or c.untimed.get("link_chain", "not measured: priced from the link's medians"))
     return (f"Calibration: measured {c.measured_at} while other processes kept {busy} core(s) busy; gloo link "
-            f"{c.loopback_latency_s * 1e6:.0f} us per message, {c.loopback_bytes_per_s / 1e6:.0f} MB/s; DTensor per op: "
+            f"{c.loopback_latency_s * 1e6:.0f} us per message, {c.loopback_bytes_per_s / 1e6:.0f} MB/s; gloo's "
+            f"all-reduce as a chain of them pays it (tensor-parallel collectives): {chain}; DTensor per op: "
             f"{dt}. On a quiet machine, calibrate afresh first (`batchlab calibrate --threads 1`).")
 
 
@@ -289,7 +292,7 @@ def main() -> int:
           "\n")
     print(f"After: {_load()}.\n")
     print("Formula: `batchlab estimate` of each side with this CPU's cached calibration at 1 thread (local ranks "
-          "sharing the cores, gloo's link, its tensor-parallel collectives as a chain of them pays each, DTensor's host "
+          "sharing the cores, gloo's link, its tensor-parallel collectives as a chain of them pays each where measured (above), DTensor's host "
           "cost per op as calibrated). Error = (formula - measured) / "
           "measured. Rerun on a quiet machine: other processes' load stretches every side, the 4-rank layouts most.\n")
     return 0

@@ -12,7 +12,15 @@ from batchlab.formula.plausible import link_chain_problems, problems
 
 from hosts import stub_calibration
 
-pytestmark = pytest.mark.usefixtures("private_cache")  # its stub calibrations stay its own
+pytestmark = pytest.mark.usefixtures("private_cache", "quiet")  # its stub calibrations stay its own
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    """This machine's own load (other test workers) out of the tests: the load rule is asked, not sampled."""
+    from batchlab.formula import calibration
+
+    monkeypatch.setattr(calibration, "loaded_by", lambda other, cores, threads: False)
 
 CURVE = {0.0: 1.9e-3, 0.5e-3: 1.7e-3, 2e-3: 1.8e-3, 8e-3: 3e-3}
 
@@ -30,6 +38,21 @@ def test_a_tensor_parallel_layout_gets_the_chain_measured_once(monkeypatch):
     assert "1.70 ms after 0.5 ms" in chain.ensure((RunConfig(tp=2),), threads=1)
     assert chain.ensure((RunConfig(tp=2, dp=2),), threads=1) is None and measured == [1]  # cached
     assert load_cached("cpu", 1).link_chain_seconds == {"0": 1.9e-3, "0.0005": 1.7e-3, "0.002": 1.8e-3, "0.008": 3e-3}
+
+
+def test_a_chain_timed_under_others_load_is_not_cached_and_timed_again(monkeypatch):
+    from batchlab.formula import calibration
+
+    asked = []
+    monkeypatch.setattr(calibration, "loaded_by", lambda other, cores, threads: asked.append(threads) or True)
+    monkeypatch.setattr(chain, "measure", lambda: dict(CURVE))
+    save(_cal())
+    assert "not cached, timed again next time" in chain.ensure((RunConfig(tp=2),), threads=1)
+    assert asked[-1] == 2  # the timing asked as two ranks' wall clock, whatever the calibration's threads
+    cal = load_cached("cpu", 1)
+    assert not cal.link_chain_seconds and "link_chain" not in cal.untimed
+    monkeypatch.setattr(calibration, "loaded_by", lambda other, cores, threads: False)
+    assert "1.70 ms after 0.5 ms" in chain.ensure((RunConfig(tp=2),), threads=1)
 
 
 def test_a_failed_or_implausible_chain_is_remembered_and_never_priced(monkeypatch):

@@ -17,15 +17,19 @@ CHAIN = {"0": 2e-3, "0.002": 4e-3, "0.008": 3e-3}  # seconds of one chained all-
 def test_a_chained_collective_pays_the_chains_mean_at_its_gap():
     link = Link(1e9, 1e-3, "gloo")  # 1 ns a byte; the chain's figure holds CHAIN_BYTES = 16,384 B over it
     # 1 ms after the last: halfway from 2 to 4 ms = 3 ms, less 16,384 ns of bytes, over 2 messages
-    assert link.in_chain(CHAIN, 1e-3).latency_s == pytest.approx((3e-3 - CHAIN_BYTES * 1e-9) / 2)
-    assert link.in_chain(CHAIN, 5e-3).latency_s == pytest.approx((3.5e-3 - CHAIN_BYTES * 1e-9) / 2)
+    assert link.in_chain(CHAIN, 0.0, 1e-3).latency_s == pytest.approx((3e-3 - CHAIN_BYTES * 1e-9) / 2)
+    assert link.in_chain(CHAIN, 0.0, 5e-3).latency_s == pytest.approx((3.5e-3 - CHAIN_BYTES * 1e-9) / 2)
     # beyond the measured gaps: the nearest figure, never extrapolated
-    assert link.in_chain(CHAIN, 0.1).latency_s == pytest.approx((3e-3 - CHAIN_BYTES * 1e-9) / 2)
-    assert link.in_chain({"0.001": 2e-3}, 0.0).latency_s == pytest.approx((2e-3 - CHAIN_BYTES * 1e-9) / 2)
+    assert link.in_chain(CHAIN, 0.0, 0.1).latency_s == pytest.approx((3e-3 - CHAIN_BYTES * 1e-9) / 2)
+    assert link.in_chain({"0.001": 4e-3}, 0.0, 0.0).latency_s == pytest.approx((4e-3 - CHAIN_BYTES * 1e-9) / 2)
     # bandwidth and gloo's reduce-scatter kept; nothing measured: the link as it was
-    chained = Link(1e9, 1e-3, "gloo", reduce_scatter_all_reduces=True).in_chain(CHAIN, 1e-3)
+    chained = Link(1e9, 1e-3, "gloo", reduce_scatter_all_reduces=True).in_chain(CHAIN, 0.0, 1e-3)
     assert chained.bytes_per_s == 1e9 and chained.reduce_scatter_all_reduces
-    assert link.in_chain({}, 1e-3) is link
+    assert link.in_chain({}, 0.0, 1e-3) is link  # after_gap with nothing warm measured: the link as calibrated
+    # nothing measured: the single calls' price after the gap (2e-4 back to back, 1e-3 after 15 ms: 1 ms is 1/15
+    # of the way); a chain figure below that price: that price (a mean over a tail is no less than the median)
+    assert link.in_chain({}, 2e-4, 1e-3).latency_s == pytest.approx(2e-4 + 8e-4 / 15)
+    assert link.in_chain({"0": 1e-4}, 2e-4, 1e-3).latency_s == pytest.approx(2e-4 + 8e-4 / 15)
 
 
 def _costs(**extra):

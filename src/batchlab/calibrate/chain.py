@@ -20,6 +20,7 @@ import time
 
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.calibrate.link import BURST_S, burst, join, two_ranks
+from batchlab.calibrate.oneoff import two_rank_figure
 from batchlab.formula.links import CHAIN_BYTES
 from batchlab.formula.plausible import link_chain_problems
 
@@ -83,21 +84,19 @@ def ensure(cfgs: tuple, threads: int | None = None) -> str | None:
     the chained all-reduce's figures: measure them (a few seconds) and cache them with the calibration, or, where
     they cannot be measured or are implausible, remember that until the next calibration.  The line to show, or
     None."""
-    cal = load_cached("cpu", default_threads() if threads is None else threads)
-    if (cal is None or cal.link_chain_seconds or KEY in cal.untimed or not cal.loopback_bytes_per_s
-            or not wanted(cfgs)):
+    if not wanted(cfgs):
         return None
-    try:
-        curve = {f"{g:g}": s for g, s in measure().items()}
-    except RuntimeError as e:
-        bad = f"not measured ({e})"
-    else:
-        bad = "; ".join(link_chain_problems(curve, cal.loopback_warm_latency_s))
+    cal = load_cached("cpu", default_threads() if threads is None else threads)
+    if cal is None or cal.link_chain_seconds or KEY in cal.untimed or not cal.loopback_bytes_per_s:
+        return None
+    curve, bad = two_rank_figure(cal, KEY, lambda: {f"{g:g}": s for g, s in measure().items()},
+                                 lambda c: link_chain_problems(c, cal.loopback_warm_latency_s))
     if bad:
-        cal.untimed[KEY] = bad
-        save(cal)
         return (f"time model: gloo's chained all-reduce {bad}; TP collectives priced from the link's medians until "
                 "the next `batchlab calibrate`")
+    if curve is None:
+        return ("time model: gloo's chained all-reduce timed while other processes kept the cores busy: not cached, "
+                "timed again next time; TP collectives priced from the link's medians meanwhile")
     cal.link_chain_seconds = curve
     save(cal)
     return ("time model: measured once gloo's all-reduce as a chain of them pays it (the mean, its tail included: "

@@ -21,6 +21,7 @@ import time
 
 from batchlab.cache.calibrations import default_threads, load_cached, save
 from batchlab.calibrate.link import burst, join, two_ranks
+from batchlab.calibrate.oneoff import two_rank_figure
 from batchlab.formula.plausible import link_cpu_problems
 
 SIZES = (2**14, 4 * 2**20)  # bytes all-reduced: the per-message cost, and one with the bytes dominant
@@ -88,16 +89,10 @@ def ensure(cfgs: tuple, threads: int | None = None) -> str | None:
     if (cal is None or cal.link_cpu_seconds or KEY in cal.untimed or not cal.loopback_bytes_per_s
             or not wanted(cfgs, cal.cores, cal.threads)):
         return None
-    try:
-        figures = measure()
-    except RuntimeError as e:
-        bad = f"not measured ({e})"
-    else:
-        cpu = {k: figures[k] for k in ("message", "byte")}
-        bad = "; ".join(link_cpu_problems(cpu, cal.loopback_latency_s, cal.loopback_bytes_per_s))
+    cpu, bad = two_rank_figure(cal, KEY, lambda: {k: v for k, v in measure().items() if k in ("message", "byte")},
+                               lambda c: link_cpu_problems(c, cal.loopback_latency_s, cal.loopback_bytes_per_s),
+                               wall_clock=False)
     if bad:
-        cal.untimed[KEY] = bad
-        save(cal)
         return (f"time model: gloo's link CPU part {bad}; every message stretched by the sharing until the next "
                 "`batchlab calibrate`")
     cal.link_cpu_seconds = cpu

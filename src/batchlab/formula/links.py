@@ -67,14 +67,16 @@ class Link:
                     f"{gap_s * 1e3:.2g} ms after the last ({warm_latency_s * 1e6:.0f} us back to back, calibrated)",
                     self.reduce_scatter_all_reduces)
 
-    def in_chain(self, chain: Mapping[str, float], gap_s: float) -> Link:
+    def in_chain(self, chain: Mapping[str, float], warm_latency_s: float, gap_s: float) -> Link:
         """The link as a chain of collectives ``gap_s`` apart pays each (calibrate/chain.py: the mean of chained
         all-reduces of ``CHAIN_BYTES`` between 2 ranks at a few gaps, ``{gap: s}``, its heavy tail included):
         per message, the figure at ``gap_s`` (linear between the measured gaps, the nearest beyond them) less its
-        bytes, over its 2 messages; as ``after_gap`` where nothing was measured."""
+        bytes, over its 2 messages, and never below ``after_gap``'s price from the medians of single calls (a
+        mean over a tail is no less than the median); ``after_gap`` where nothing was measured."""
+        single = self.after_gap(warm_latency_s, gap_s)
         points = sorted((float(g), s) for g, s in chain.items())
         if not points:
-            return self
+            return single
         gap = min(max(gap_s, points[0][0]), points[-1][0])
         for (g0, s0), (g1, s1) in zip(points, points[1:]):
             if gap <= g1:
@@ -83,9 +85,10 @@ class Link:
         else:
             seconds = points[-1][1]
         latency = max(0.0, seconds - CHAIN_BYTES / self.bytes_per_s) / 2
-        return Link(self.bytes_per_s, latency, f"gloo's all-reduce between local processes as a chain of them pays "
-                    f"it: {latency * 1e6:.0f} us a message {gap_s * 1e3:.2g} ms after the last (the mean of chained "
-                    "calls, calibrated); a reduce-scatter runs as an all-reduce of its whole input",
+        if latency <= single.latency_s:
+            return single
+        return Link(self.bytes_per_s, latency, f"{self.source}; as a chain of them pays it: {latency * 1e6:.0f} us "
+                    f"a message {gap_s * 1e3:.2g} ms after the last (the mean of chained calls, calibrated)",
                     self.reduce_scatter_all_reduces)
 
     def text(self) -> str:

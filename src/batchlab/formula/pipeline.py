@@ -319,8 +319,7 @@ def tp_at_gap(cfg: RunConfig, rank: RankShare, costs: OpCosts | None, compute: f
     link = tp_link(cfg, costs)
     if costs is not None and local_link(cfg, costs) is not None:
         gap = compute / max(sum(n for n, _ in tp_collectives(cfg, rank).values()), 1)
-        link = (link.in_chain(costs.link_chain_seconds, gap) if costs.link_chain_seconds
-                else link.after_gap(costs.link_warm_latency_s, gap))
+        link = link.in_chain(costs.link_chain_seconds or {}, costs.link_warm_latency_s, gap)
     return shared(cfg, costs, link, time_shared)
 
 
