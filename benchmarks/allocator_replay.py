@@ -6,7 +6,7 @@ block rounding, segment sizes and best-fit splitting alone (no GPU needed)?  The
 whose listener records every storage created and freed, in order; the replay then applies the rules of
 pytorch c10/cuda/CUDACachingAllocator.cpp: sizes round up to 512 B; requests <= 1 MiB come from 2 MiB
 segments, 1-10 MiB from 20 MiB segments, larger ones get their own segment rounded up to 2 MiB; the smallest
-free block that fits is used and split when more than 512 B (small pool) or 1 MiB (large pool) would remain;
+free block that fits is used and split when at least 512 B (small pool) or more than 1 MiB (large pool) would remain;
 adjacent free blocks of a segment merge; nothing is returned to the device.  One stream (no FSDP pools).
 
     PYTHONPATH=src python benchmarks/allocator_replay.py --batch 4 --steps 3 --zero-grad in-place
@@ -116,7 +116,13 @@ def main(argv=None) -> int:
                    help="zero_grad(set_to_none=True) or False (PyTorch 1.x's default, the 2022 HF Trainer)")
     a = p.parse_args(argv)
     if a.command:
-        replay_config(a.command, a.published)
+        from batchlab.config import ConfigError
+
+        try:
+            replay_config(a.command, a.published)
+        except (ValueError, ConfigError) as e:  # shlex's unclosed quote, a flag the CLI refuses
+            print(f"--command: {e}", file=sys.stderr)
+            return 2
         return 0
     log, ends = record(a.layers, a.batch, a.seq, a.steps, a.zero_grad == "none")
     alloc = CachingAllocator()
@@ -133,4 +139,7 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     import page  # benchmarks/page.py: this script's page of the docs
 
-    page.publish(main, "allocator_replay", "The caching allocator replayed on a trace", fence="--command" not in sys.argv)
+    if "--command" in sys.argv:
+        page.publish(main, "allocator_replay", "The caching allocator replayed on a trace", fence=False)
+    else:  # the BERT sequence: its own page, never over the traced config's
+        page.publish(main, "allocator_replay_bert", "The caching allocator replayed on BERT's step", fence=True)

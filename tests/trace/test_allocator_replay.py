@@ -129,3 +129,25 @@ def test_a_trace_on_a_cuda_device_takes_its_reserved_view_from_the_replay(device
         assert any(n.startswith("reserved: the traced update's storages replayed") for n in t.notes)
     else:
         assert m.margin_bytes == 0
+
+
+def test_a_small_block_is_split_when_exactly_512_bytes_would_remain():
+    # CUDACachingAllocator.cpp should_split: the small pool splits when remaining >= kMinBlockSize (512 B)
+    a = CachingAllocator()
+    a.malloc("A", MiB)  # a 2 MiB small segment: 1 MiB used, 1 MiB left
+    a.malloc("B", MiB - 512)  # 512 B left in it: split off
+    a.malloc("C", 512)  # exactly that remainder: no new segment
+    assert a.reserved == 2 * MiB and a.allocated == 2 * MiB
+
+
+def test_withdrawing_a_malloc_gives_back_only_a_segment_made_for_it():
+    a = CachingAllocator()
+    a.malloc("A", 100 * MiB)
+    a.free("A")  # 100 MiB cached
+    peaks = (a.peak_allocated, a.peak_reserved)
+    a.malloc("B", 100 * MiB)  # reuses the cached segment
+    a.withdraw("B", peaks)
+    assert a.reserved == 100 * MiB and a.allocated == 0  # the cached segment stays reserved
+    a.malloc("C", 200 * MiB)  # a new segment made for it
+    a.withdraw("C", (a.peak_allocated, 100 * MiB))
+    assert a.reserved == 100 * MiB

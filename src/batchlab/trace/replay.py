@@ -12,7 +12,7 @@ applies the rules of pytorch c10/cuda/CUDACachingAllocator.cpp to each creation 
   10 MiB (``kMinLargeAlloc``) from 20 MiB segments (``kLargeBuffer``), larger ones get a segment of their own
   rounded up to 2 MiB (``kRoundLarge``) (get_allocation_size);
 - the smallest cached free block of the same pool and stream that fits is used (get_free_block: the pools are
-  ordered by stream, size, address), split when more than 512 B (small pool) or 1 MiB (large pool) would remain
+  ordered by stream, size, address), split when at least 512 B (small pool) or more than 1 MiB (large pool) would remain
   (should_split); a freed block merges with free neighbours of its segment (free_block, try_merge_blocks);
 - a block is reused only on the stream that allocated it (BlockComparatorSize compares the stream first): FSDP2's
   all-gather copy-in and reduce-scatter streams keep pools of their own, told apart by the ``stream(...)`` context
@@ -78,6 +78,7 @@ class CachingAllocator:
         self._addresses = itertools.count(0, 1 << 40)  # every segment its own address range
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
         self.out_of_memory = False  # a segment did not fit even after the cache was released
+        self._fresh = None
 
     def malloc(self, key, nbytes: int, stream: str = COMPUTE) -> None:
         if nbytes <= 0:  # a zero-byte storage takes no block (the allocator returns a null pointer)
@@ -85,10 +86,11 @@ class CachingAllocator:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
         block = self._best_fit(small, stream, size)
+        self._fresh = key if block is None else None  # the latest malloc made its segment (``withdraw``)
         if block is None:
             block = self._segment(small, stream, segment_size(size))
         remaining = block.size - size
-        if remaining > (MIN_BLOCK if small else SMALL_SIZE):  # should_split
+        if (remaining >= MIN_BLOCK) if small else (remaining > SMALL_SIZE):  # should_split
             rest = _Block(remaining, block.addr + size, stream, small)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
@@ -127,7 +129,8 @@ class CachingAllocator:
         if block is None:  # a zero-byte storage: no block
             return
         self.free(key)
-        if block.prev is None and block.next is None and self._blocks.get(block.sort_key()) is block:
+        if (self._fresh == key and block.prev is None and block.next is None
+                and self._blocks.get(block.sort_key()) is block):  # only a segment made for it: a cached one stays
             self._uncache(block)
             self.reserved -= block.size
         self.peak_allocated, self.peak_reserved = peaks
