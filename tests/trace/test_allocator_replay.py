@@ -151,3 +151,15 @@ def test_withdrawing_a_malloc_gives_back_only_a_segment_made_for_it():
     a.malloc("C", 200 * MiB)  # a new segment made for it
     a.withdraw("C", (a.peak_allocated, 100 * MiB))
     assert a.reserved == 100 * MiB
+
+
+def test_fsdp2s_side_pools_are_named_after_its_streams():
+    # FSDP2 allocates the all-gather output on its copy-in stream and the reduce-scatter's buffers on its own
+    # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): each a pool of its own in the replay
+    from batchlab.config import RunConfig
+    from batchlab.config.model import preset
+    from batchlab.trace import estimate
+
+    t = estimate(RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=2, device="h100-80gb", dp=2, zero=3))
+    note = next(n for n in t.notes if n.startswith("reserved: the traced update's storages replayed"))
+    assert "all gather copy in stream" in note and "reduce scatter stream" in note and "side stream" not in note

@@ -268,6 +268,19 @@ def replay_note(r: ReplayResult) -> str:
             + ("; the device's capacity was reached even with the cache released" if r.out_of_memory else ""))
 
 
+def _stream_name(s) -> str | None:
+    """The attribute that holds stream ``s`` on its owner (FSDP2's comm context: ``all_gather_copy_in_stream``,
+    ``reduce_scatter_stream``, ...), as the notes name its pool; None where no object names it so."""
+    import gc
+
+    for owner in gc.get_referrers(s):  # an instance's attributes (its own dict in Python 3.11+), or that dict
+        table = owner if isinstance(owner, dict) else getattr(owner, "__dict__", None)
+        for key, value in (table.items() if isinstance(table, dict) else ()):
+            if value is s and isinstance(key, str) and key.endswith("stream"):
+                return key.replace("_", " ")
+    return None
+
+
 @contextlib.contextmanager
 def streams(device_type: str):
     """Within: ``torch.<device>.stream(s)`` (FSDP2's ``device_handle.stream``) makes storages created inside
@@ -281,7 +294,9 @@ def streams(device_type: str):
     @contextlib.contextmanager
     def stream(s):
         side = s is not None and s != module.current_stream()
-        token = _STREAM.set(names.setdefault(id(s), f"side stream {len(names) + 1}") if side else COMPUTE)
+        if side and id(s) not in names:
+            names[id(s)] = _stream_name(s) or f"side stream {len(names) + 1}"
+        token = _STREAM.set(names[id(s)] if side else COMPUTE)
         try:
             with original(s):
                 yield
