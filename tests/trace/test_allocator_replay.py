@@ -163,3 +163,26 @@ def test_fsdp2s_side_pools_are_named_after_its_streams():
     t = estimate(RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=2, device="h100-80gb", dp=2, zero=3))
     note = next(n for n in t.notes if n.startswith("reserved: the traced update's storages replayed"))
     assert "all gather copy in stream" in note and "reduce scatter stream" in note and "side stream" not in note
+
+
+def test_the_replay_changes_only_the_reserved_view():
+    """The same TP+SP x FSDP2 trace with the replay and without it (a fixed margin turns it off): every tensor figure
+    identical, the margin the replay's reserved plus the cuBLAS workspace beyond the tensor peak."""
+    import dataclasses
+
+    from batchlab.config import RunConfig
+    from batchlab.config.model import preset
+    from batchlab.formula.allocator import cublas_workspace
+    from batchlab.trace import estimate
+
+    cfg = RunConfig(model=preset("tiny", layers=2), seq=64, micro_batch=2, device="h100-80gb", dp=2, tp=2,
+                    sequence_parallel=True, zero=3)
+    on = estimate(cfg)
+    off = estimate(cfg.replace(assumptions=dataclasses.replace(cfg.assumptions, allocator_margin=0.1)))
+    assert on.memory.margin_source == "replay" and off.memory.margin_source == "formula"
+    for field in ("peak_bytes", "peak_phase", "activations_bytes", "breakdown", "phase_peaks"):
+        assert getattr(on.memory, field) == getattr(off.memory, field), field
+    note = next(n for n in on.notes if n.startswith("reserved: the traced update's storages replayed"))
+    reserved = float(note.split("peak reserved ")[1].split(" MiB")[0]) * MiB
+    workspace = cublas_workspace(cfg.device_spec.arch)
+    assert on.memory.margin_bytes == pytest.approx(reserved + workspace - on.memory.peak_bytes, abs=0.01 * MiB)
