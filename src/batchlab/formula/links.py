@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from batchlab.config import Backend, RunConfig
-from batchlab.formula.opcost import OpCosts
+from batchlab.formula.opcost import OpCosts, interpolate
 from batchlab.formula.sharding import collective_seconds, ring_messages
 
 
@@ -74,17 +74,10 @@ class Link:
         bytes, over its 2 messages, and never below ``after_gap``'s price from the medians of single calls (a
         mean over a tail is no less than the median); ``after_gap`` where nothing was measured."""
         single = self.after_gap(warm_latency_s, gap_s)
-        points = sorted((float(g), s) for g, s in chain.items())
+        points = tuple(sorted((float(g), s) for g, s in chain.items()))
         if not points:
             return single
-        gap = min(max(gap_s, points[0][0]), points[-1][0])
-        for (g0, s0), (g1, s1) in zip(points, points[1:]):
-            if gap <= g1:
-                seconds = s0 + (s1 - s0) * ((gap - g0) / (g1 - g0) if g1 > g0 else 1.0)
-                break
-        else:
-            seconds = points[-1][1]
-        latency = max(0.0, seconds - CHAIN_BYTES / self.bytes_per_s) / 2
+        latency = max(0.0, interpolate(points, gap_s) - CHAIN_BYTES / self.bytes_per_s) / 2
         if latency <= single.latency_s:
             return single
         return Link(self.bytes_per_s, latency, f"{self.source}; as a chain of them pays it: {latency * 1e6:.0f} us "

@@ -268,15 +268,20 @@ class OpCosts:
         return self.dispatch[DISPATCH_KIND[phase]]
 
 
-def interpolate_log(points: tuple[tuple[float, float], ...], x: float) -> float:
-    """y at x, linear in log(x) between sorted (x, y) points; the end values beyond the ends."""
+def interpolate(points: tuple[tuple[float, float], ...], x: float, scale=lambda v: v) -> float:
+    """y at x, linear in scale(x) between sorted (x, y) points; the end values beyond the ends."""
     if x <= points[0][0]:
         return points[0][1]
     for (x0, y0), (x1, y1) in zip(points, points[1:]):
         if x <= x1:
-            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) if x1 > x0 else 1.0
+            w = (scale(x) - scale(x0)) / (scale(x1) - scale(x0)) if x1 > x0 else 1.0
             return y0 + w * (y1 - y0)
     return points[-1][1]
+
+
+def interpolate_log(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """y at x, linear in log(x) between sorted (x, y) points; the end values beyond the ends."""
+    return interpolate(points, x, math.log)
 
 
 @dataclass(frozen=True)
