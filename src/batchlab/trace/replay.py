@@ -181,7 +181,6 @@ class CachingAllocator:
 
 @dataclass(frozen=True)
 class ReplayResult:
-    peak_allocated_bytes: int  # max_memory_allocated as the allocator counts it (blocks, rounded)
     peak_reserved_bytes: int  # max_memory_reserved
     free_at_peak: dict  # stream -> bytes cached and free when allocated reached its peak
     out_of_memory: bool
@@ -243,7 +242,7 @@ class AllocatorReplay:
 
     def result(self) -> ReplayResult:
         a = self.allocator
-        return ReplayResult(peak_allocated_bytes=a.peak_allocated, peak_reserved_bytes=a.peak_reserved,
+        return ReplayResult(peak_reserved_bytes=a.peak_reserved,
                             free_at_peak=dict(self._free_at_peak), out_of_memory=a.out_of_memory)
 
 
