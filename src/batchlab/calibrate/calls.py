@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import statistics
 
-from batchlab import host
 from batchlab.cache.calibrations import default_threads, load_cached, save
-from batchlab.calibrate.oneoff import at_threads, thread_clock, why
+from batchlab.calibrate.oneoff import at_threads, thread_clock, timed_once
 from batchlab.config import RunConfig
 from batchlab.config.phase import Launch, Phase, own_kind
-from batchlab.formula.calibration import loaded_by
 from batchlab.formula.oplist import update_ops
 from batchlab.formula.plausible import dispatch_problems
 
@@ -132,32 +130,29 @@ def ensure(cfg: RunConfig, threads: int | None = None) -> str | None:
     Returns the line to show the user (None: nothing to say)."""
     kinds = wanted(cfg)
     cal = load_cached("cpu", default_threads() if threads is None else threads) if kinds else None
-    if cal is None or not all(k in cal.dispatch_seconds for k in ("forward", "backward", "plain")):
+    if cal is None:
         return None
+    # a graph's own call is what it adds to the eager ops' dispatch: timed only beside the calibrated dispatch
+    dispatched = all(k in cal.dispatch_seconds for k in ("forward", "backward", "plain"))
     timers = {GRAPH: ("a compiled graph's own call", lambda: measure_graph(cal.dispatch_seconds)),
               CHECKPOINT: ("a checkpoint region's own call", measure_checkpoint)}
     lines = []
     with at_threads(cal.threads):
         for group, (what, timer) in timers.items():
-            if not set(group) & set(kinds) or all(k in cal.dispatch_seconds or k in cal.untimed for k in group):
+            if (not set(group) & set(kinds) or all(k in cal.dispatch_seconds or k in cal.untimed for k in group)
+                    or (group is GRAPH and not dispatched)):
                 continue
-            load = host.LoadSampler(thread=False).start()
-            try:
-                timed, wrong = _median(timer), []
-            except Exception as e:  # noqa: BLE001 - inductor or its C++ compiler unusable here: not priced
-                timed, wrong = {}, [why(e)]
-            others = load.stop()["other_cores"]
+            # inductor or its C++ compiler unusable here: not priced; a wall-clock timing (several threads)
+            # stretched by others' load stays out of the cache, as calibrate's, and is not marked untimed either
+            timed, wrong, others = timed_once(cal, group, lambda: _median(timer), problems, cal.threads,
+                                              errors=(Exception,))
             busy = f", while other processes kept {others:.1f} core(s) busy" if others else ""
-            # wall-clock timings (several threads) stretched by others' load stay out of the cache, as calibrate's;
-            # a difference of differences under load says nothing about this CPU either way: not marked untimed
-            if not wrong and loaded_by(others, cal.cores, cal.threads):
-                lines.append(f"time model: {what} timed{busy}: not cached, timed again next time")
-                continue
-            wrong = wrong or problems(timed)
             if wrong:
-                cal.untimed.update({k: wrong[0] for k in group})
-                lines.append(f"time model: {what} not timed ({wrong[0]}); not priced until the next "
+                lines.append(f"time model: {what} not timed ({wrong}); not priced until the next "
                              "`batchlab calibrate`")
+                continue
+            if timed is None:
+                lines.append(f"time model: {what} timed{busy}: not cached, timed again next time")
                 continue
             cal.dispatch_seconds.update(timed)
             lines.append(f"time model: timed {what} once and cached it with the calibration ("

@@ -41,28 +41,41 @@ def why(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
-def two_rank_figure(cal, key: str, measure, problems, wall_clock: bool = True) -> tuple[object | None, str]:
-    """A figure two local ranks time over gloo (calibrate/shared_link.py, chain.py), taken once
-    for ``cal``: (figure, "") to cache; (None, why) where it failed or ``problems(figure)`` found it implausible,
-    kept in ``cal.untimed[key]`` (saved) so it is not tried again until the next calibration; (None, "") where a
-    ``wall_clock`` figure was timed while other processes kept the cores busy (two ranks' wall time stretched: not
-    cached, timed again next time; a CPU-time figure is not stretched by them)."""
+def timed_once(cal, keys: tuple[str, ...], measure, problems, threads: int | None,
+               errors: tuple[type[BaseException], ...] = (RuntimeError,), failed: str = "{}") -> tuple:
+    """A figure timed once for ``cal`` outside ``batchlab calibrate`` (calls.py, chain.py, shared_link.py):
+    (figure, "", others) to cache; (None, why, others) where ``measure`` raised one of ``errors`` (said as
+    ``failed`` formats it) or ``problems(figure)`` found it implausible, kept in ``cal.untimed`` under each of
+    ``keys`` (the caller saves) so it is not tried again until the next calibration; (None, "", others) where a
+    wall-clock figure at ``threads`` threads was stretched by other processes' load (``formula.calibration.
+    loaded_by``: not cached, timed again next time; None: a CPU-time figure, which their load does not stretch).
+    ``others``: the cores other processes kept busy meanwhile."""
     from batchlab import host
-    from batchlab.cache.calibrations import save
     from batchlab.formula.calibration import loaded_by
 
     load = host.LoadSampler(thread=False).start()
     try:
         figure = measure()
-    except RuntimeError as e:
-        load.stop()
-        bad = f"not measured ({e})"
+    except errors as e:
+        others, bad = load.stop()["other_cores"], failed.format(why(e))
     else:
-        if wall_clock and loaded_by(load.stop()["other_cores"], cal.cores, 2):
-            return None, ""
+        others = load.stop()["other_cores"]
+        if threads and loaded_by(others, cal.cores, threads):
+            return None, "", others
         bad = "; ".join(problems(figure))
         if not bad:
-            return figure, ""
-    cal.untimed[key] = bad
-    save(cal)
-    return None, bad
+            return figure, "", others
+    cal.untimed.update(dict.fromkeys(keys, bad))
+    return None, bad, others
+
+
+def two_rank_figure(cal, key: str, measure, problems, wall_clock: bool = True) -> tuple[object | None, str]:
+    """``timed_once`` of a figure two local ranks time over gloo (calibrate/shared_link.py, chain.py), its wall
+    clock two processes' (``wall_clock``; else CPU time); a failure or an implausible figure saved at once."""
+    from batchlab.cache.calibrations import save
+
+    figure, bad, _ = timed_once(cal, (key,), measure, problems, 2 if wall_clock else None,
+                                failed="not measured ({})")
+    if bad:
+        save(cal)
+    return figure, bad
