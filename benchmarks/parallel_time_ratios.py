@@ -41,7 +41,7 @@ WORLD = 4
 # paired rounds per A/B pair: ranks time-sharing cores spread a pair's per-round ratios by a third, and a median of
 # 5 rounds moved between runs by more than the 15% the issue allows; 9 keeps the median's own spread well inside it
 # at about twice the run time.  With a core per rank 5 serve.
-DEFAULT_ROUNDS = 9 if (os.cpu_count() or 1) < WORLD else 5
+DEFAULT_ROUNDS = 9 if len(os.sched_getaffinity(0)) < WORLD else 5  # the cores this process may use, not the host's
 THREADS = 1
 BASE = "--seq 64 --micro-batch 4"
 GPT = ""
@@ -235,8 +235,10 @@ def calibration_line(cal) -> str:
         return "Calibration: none cached at 1 thread; the formula priced with nominal CPU figures."
     busy = f"{c.other_cores:.1f}" if c.other_cores >= 0 else "unknown"
     dt = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.dtensor_seconds.items()) or "nominal"
-    chain = (", ".join(f"{s * 1e3:.2f} ms after {float(g) * 1e3:g} ms" for g, s in c.link_chain_seconds.items())
-             or c.untimed.get("link_chain", "not measured: priced from the link's medians"))
+    from batchlab.calibrate import chain as chained
+
+    chain = (chained.text(c.link_chain_seconds)
+             or c.untimed.get(chained.KEY, "not measured: priced from the link's medians"))
     return (f"Calibration: measured {c.measured_at} while other processes kept {busy} core(s) busy; gloo link "
             f"{c.loopback_latency_s * 1e6:.0f} us per message, {c.loopback_bytes_per_s / 1e6:.0f} MB/s; gloo's "
             f"all-reduce as a chain of them pays it (tensor-parallel collectives): {chain}; DTensor per op: "

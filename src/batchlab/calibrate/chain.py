@@ -100,5 +100,9 @@ def ensure(cfgs: tuple, threads: int | None = None) -> str | None:
     cal.link_chain_seconds = curve
     save(cal)
     return ("time model: measured once gloo's all-reduce as a chain of them pays it (the mean, its tail included: "
-            + ", ".join(f"{s * 1e3:.2f} ms after {float(g) * 1e3:g} ms" for g, s in curve.items())
-            + "); tensor-parallel collectives are priced from it; cached with the calibration")
+            f"{text(curve)}); tensor-parallel collectives are priced from it; cached with the calibration")
+
+
+def text(curve: dict[str, float]) -> str:
+    """The chained all-reduce's figures, gap by gap ("" where none)."""
+    return ", ".join(f"{s * 1e3:.2f} ms after {float(g) * 1e3:g} ms" for g, s in curve.items())

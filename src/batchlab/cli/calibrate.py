@@ -28,6 +28,7 @@ def calibrate(
     fixed cost per op (forward, backward, plain); cached per device, torch version and thread count.
     Estimates, measure and compare for that device then price their ops with these measured rates."""
     from batchlab import calibrate as cal_mod
+    from batchlab.calibrate import calls
     from batchlab.calibrate.run import Rejected, checked
 
     if not 1 <= seconds <= 600:  # NaN fails this too; under 1 s the shape classes are not all measured
@@ -72,7 +73,7 @@ def calibrate(
     for key, s in cal.element_seconds.items():
         table.add_row(f"per element: {key}", f"{s * 1e9:.2f} ns", "representative kernel")
     for kind, s in cal.dispatch_seconds.items():
-        own = kind.startswith(("graph-", "checkpoint-"))  # a region's own call (calibrate/calls.py), not an op's
+        own = kind in (*calls.GRAPH, *calls.CHECKPOINT)  # a region's own call (calibrate/calls.py), not an op's
         table.add_row(f"per {'call' if own else 'op'}: {kind}", f"{s * 1e6:.1f} µs",
                       "a tiny graph or checkpointed chain against eager" if own else
                       "updates of a dispatch-bound 2-layer GPT")
