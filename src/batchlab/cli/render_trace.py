@@ -133,7 +133,9 @@ def render_trace(trace: TraceEstimate, formula_est, console: Console, formula_no
     parts = "  ".join(f"{k} {fmt_bytes(v)}" for k, v in m.breakdown.items() if v)
     console.print(f"at the peak ({m.peak_phase}, trace): {parts}")
     verdict = "fits" if m.fits else "does NOT fit"
-    source = {"replay": "the trace replayed through the caching allocator"}.get(m.margin_source, "assumption")
+    source = {"replay": "allocator: the trace replayed through the caching allocator",
+              "formula": "formula/allocator.py's caching-allocator model",
+              "none": "CPU: no caching allocator"}.get(m.margin_source, "assumption")
     console.print(f"{verdict}: peak {fmt_bytes(m.peak_bytes)} + allocator margin {fmt_bytes(m.margin_bytes)} "
                   f"({source}) vs {fmt_bytes(m.capacity_bytes)} on {cfg['device']}")
     if trace.time is not None:

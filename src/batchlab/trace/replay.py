@@ -248,22 +248,24 @@ class AllocatorReplay:
 
 def replays(cfg) -> AllocatorReplay | None:
     """The replay a trace of ``cfg`` runs: on a CUDA device (NVIDIA, and AMD's ROCm through the same allocator) unless
-    the user fixed the allocator's margin; its capacity what PyTorch can allocate beside the CUDA context."""
+    the user fixed the allocator's margin; its capacity the one the trace's fit is judged against (reserved beside
+    ``memory_capacity``, as the formula judges it), so a note never says the capacity was reached beside "fits"."""
     from batchlab.config import Backend
 
-    dev = cfg.device_spec
-    if dev.backend is not Backend.CUDA or cfg.assumptions.allocator_margin is not None:
+    if cfg.device_spec.backend is not Backend.CUDA or cfg.assumptions.allocator_margin is not None:
         return None
-    return AllocatorReplay(cfg.memory_capacity - dev.context_bytes)
+    return AllocatorReplay(cfg.memory_capacity)
 
 
-def replay_note(r: ReplayResult) -> str:
+def replay_note(r: ReplayResult, workspace: int) -> str:
+    """The trace's note on its reserved view: the replay's peak, what sat cached and empty, and the ``workspace``
+    (the cuBLAS workspace, formula/allocator.py) added to it."""
     from batchlab.util.units import fmt_bytes
 
     empty = ", ".join(f"{fmt_bytes(v)} on {k}" for k, v in sorted(r.free_at_peak.items()) if v >= MiB)
     return (f"reserved: the traced update's storages replayed through CUDACachingAllocator's block rules "
             f"(trace/replay.py): peak reserved {fmt_bytes(r.peak_reserved_bytes)} (cached and empty at the peak of "
-            f"allocated: {empty or 'none'}) + the cuBLAS workspace"
+            f"allocated: {empty or 'none'}) + the cuBLAS workspace ({fmt_bytes(workspace)}, PyTorch #120925)"
             + ("; the device's capacity was reached even with the cache released" if r.out_of_memory else ""))
 
 

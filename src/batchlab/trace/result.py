@@ -29,7 +29,8 @@ class TraceMemory:
     capacity_bytes: int
     fits: bool  # peak_bytes + margin_bytes <= capacity_bytes
     provenance: str = "trace"
-    margin_source: str = "formula"  # "replay" (trace/replay.py), "formula" (formula/allocator.py) or "none" (CPU)
+    margin_source: str = "formula"  # "replay" (trace/replay.py), "formula" (formula/allocator.py), "assumption" (the
+    # user's fixed allocator_margin) or "none" (CPU)
 
 
 @dataclass

@@ -199,7 +199,8 @@ def _memory(cfg: RunConfig, trainer: Trainer, snap, replay=None) -> TraceMemory:
     else:  # the traced tensor bytes through the formula's caching-allocator model (none on CPU)
         margin = device_memory(cfg, snap.peak_bytes, snap.peak_phase, snap.activations_bytes,
                                snap.breakdown.get("gradients", 0)).reserved_bytes - snap.peak_bytes
-        source = "none" if cfg.device_spec.backend is Backend.CPU else "formula"
+        source = ("none" if cfg.device_spec.backend is Backend.CPU
+                  else "assumption" if cfg.assumptions.allocator_margin is not None else "formula")
     return TraceMemory(
         peak_bytes=snap.peak_bytes, peak_phase=snap.peak_phase, activations_bytes=snap.activations_bytes,
         parameters_bytes=params, gradients_bytes=grads, optimizer_bytes=optimizer, breakdown=snap.breakdown,
@@ -253,7 +254,7 @@ def _trace(cfg: RunConfig, device: torch.device, rank: int, tree: bool, timeline
             notes.append(f"FLOPs and the per-op time: rank {rank}'s own (its shard and stage), not the world's")
         memory = _memory(cfg, trainer, snap, replay)
         if replay is not None:
-            notes.append(replay_note(replay.result()))
+            notes.append(replay_note(replay.result(), cublas_workspace(cfg.device_spec.arch)))
     return _Traced(trainer, snap, recorder, ops, flops, memory, notes, warned)
 
 
