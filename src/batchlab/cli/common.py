@@ -355,9 +355,14 @@ def config_from_command(argv: Iterable[str]) -> RunConfig:
 
     from batchlab.cli import load_commands
 
+    import typer.exceptions
+
     name, *args = list(argv)
     command = typer.main.get_command(load_commands([name])).commands[name]
-    ctx = command.make_context(name, args)
+    try:
+        ctx = command.make_context(name, args)
+    except typer.exceptions.TyperException as e:  # an option the command has not, a value it refuses
+        raise ConfigError(name, e.format_message()) from None
     return build_config(given=_typed_in(ctx), **{k: ctx.params[k] for k in CONFIG_OPTIONS})
 
 

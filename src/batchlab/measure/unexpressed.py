@@ -78,8 +78,8 @@ def same_run(a: RunConfig, b: RunConfig, torch_device: str | None = None) -> tup
     why = reasons(a, b, torch_device)
     if a.device != b.device and "device" not in why:
         return None
-    if _as_run(a).diff(_as_run(b)).keys() - {"device"}:
+    run = _as_run(a)
+    if run.diff(_as_run(b)).keys() - {"device"}:
         return None
     field = next((n for n in diff if n in why), next(iter(diff)))
-    run = _as_run(a)
     return field, why.get(field, f"both sides run {run.model.impl.label} ({run.model_source}; config/standin.py)")
