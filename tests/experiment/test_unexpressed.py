@@ -77,3 +77,10 @@ def test_an_implementation_not_installed_here_is_its_stand_in_when_measured():
     assert e.value.field == "impl" and "batchlab's GPT runs in its place" in e.value.message
     assert _plan("impl=batchlab:hf", RunConfig()).sides.b.model.impl.value == "hf"  # transformers' GPT-2 runs
     _plan("impl=batchlab:megatron", RunConfig(), formula_only=True)
+
+
+def test_a_stand_in_beside_other_measured_code_is_no_formula_only_change():
+    # megatron runs as batchlab's GPT, hf as transformers' GPT-2: the measured code changes, so no "formula only"
+    gpt = RunConfig()
+    assert "impl" in unexpressed.reasons(gpt, gpt.replace(impl="megatron"))
+    assert "impl" not in unexpressed.reasons(gpt.replace(impl="hf"), gpt.replace(impl="megatron"))

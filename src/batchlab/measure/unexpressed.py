@@ -59,7 +59,8 @@ def reasons(a: RunConfig, b: RunConfig, torch_device: str | None = None) -> dict
     measured on one local device (``torch_device``: the one both sides are measured on, where given)."""
     why = {**ignored(b), **ignored(a)}
     stand_in = stand_in_text(a) or stand_in_text(b)
-    if stand_in:
+    ra, rb = runs_as(a), runs_as(b)
+    if stand_in and ra.model == rb.model and ra.model_source == rb.model_source:  # else the measured code changes
         why["impl"] = stand_in
     if a.device != b.device:
         local = {torch_device or c.device_spec.backend.value for c in (a, b)}
