@@ -74,3 +74,11 @@ def test_a_sub_group_holds_at_least_one_parameters_partition():
     cfg = _cfg(deepspeed=DeepSpeedSettings(sub_group_size=10**6))
     assert deepspeed.step_buffers(cfg, share(cfg, 0)) == {"deepspeed fp32 gradient partition": 4 * 65_536_000,
                                                           "deepspeed 16-bit gradient flatten": 2 * 65_536_000}
+
+
+def test_a_sub_groups_floor_is_this_ranks_largest_parameter():
+    # under TP 2 the embedding holds 32,000 / 2 rows on each rank: 16,000 x 4,096 / 2 DP ranks = 32,768,000 elements
+    from batchlab.config.deepspeed import DeepSpeedSettings
+
+    cfg = _cfg(deepspeed=DeepSpeedSettings(sub_group_size=10**6), tp=2)
+    assert deepspeed.step_buffers(cfg, share(cfg, 0))["deepspeed fp32 gradient partition"] == 4 * 32_768_000

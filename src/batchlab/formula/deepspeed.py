@@ -23,8 +23,7 @@ from __future__ import annotations
 from batchlab.config import Precision, RunConfig
 from batchlab.config.deepspeed import DeepSpeedSettings
 from batchlab.formula.deepspeed_gather import gathered
-from batchlab.formula.params import tensor_sizes
-from batchlab.formula.ranks import RankShare
+from batchlab.formula.ranks import RankShare, largest_param
 
 F32 = 4
 
@@ -74,7 +73,7 @@ def step_buffers(cfg: RunConfig, rank: RankShare) -> dict[str, int]:
         return {"deepspeed fp32 gradient partition": F32 * partition}
     # a sub-group closes at the first parameter that reaches sub_group_size (``_create_fp16_sub_groups``): never
     # smaller than one parameter's partition, however small the size typed
-    largest = max(tensor_sizes(cfg.model)) // cfg.dp
+    largest = largest_param(cfg, rank) // cfg.dp  # this rank's: a later stage holds no embedding
     sub = min(max(settings(cfg).sub_group_size, largest), partition)
     flat = _grad_bytes(cfg) if _grad_bytes(cfg) != F32 else 0
     return {"deepspeed fp32 gradient partition": F32 * sub, "deepspeed 16-bit gradient flatten": flat * sub}

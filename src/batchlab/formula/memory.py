@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from batchlab.config import LossMode, PositionKind, Precision, RunConfig
+from batchlab.config import LossMode, Precision, RunConfig
 from batchlab.formula import (activations as act, compiled, deepspeed, fp8, fsdp_interleaved, fsdp_pipeline,
                               inbackward, interleaved, offload, stage_steps)
 from batchlab.formula.allocator import device_memory, gradient_shards_live
@@ -15,7 +15,7 @@ from batchlab.formula.activation_plan import ActivationPlan, activation_plan, ra
 from batchlab.formula.kvcache import held_in_forward_bytes
 from batchlab.formula.params import count, norm_params
 from batchlab.formula.profile import layer_policies, terms as profile_terms
-from batchlab.formula.ranks import RankMemory, RankShare, share, shares
+from batchlab.formula.ranks import RankMemory, RankShare, largest_param, share, shares
 from batchlab.formula.states import ModelStates, fsdp_mixed_states, model_states
 
 F32 = 4
@@ -195,14 +195,6 @@ def autocast_cast_params(m, rank: RankShare | None = None) -> tuple[int, int]:
     return layer * len(rank.layers) + rank.head + tied_table, layer
 
 
-def _largest_param(cfg: RunConfig, rank: RankShare) -> int:
-    m, t = cfg.model, rank.tp
-    positions = m.max_positions * m.hidden if m.position is PositionKind.LEARNED and rank.first else 0
-    table = m.vocab * m.hidden // rank.vocab_split if rank.first or rank.head else 0  # can be outsized by the positions'
-    layer = max(m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden)) // t if rank.layers else 0
-    return max(table, positions, layer)
-
-
 def _fsdp(cfg: RunConfig, states: ModelStates, plan: ActivationPlan, weights: dict[str, int], logits_fwd: int,
           loss_grads: int, opt_tmp: int, walk: list[int], rank: RankShare) -> dict[str, dict[str, int]]:
     assert plan.per_layer_full is not None, "formula.profile.needed() asks for the full layer's terms under FSDP"
@@ -295,7 +287,7 @@ def _stage_memory(cfg: RunConfig, rank: RankShare) -> MemoryEstimate:
     kept = kept or cfg.parallel.engine_spec.megatron
     grads_before = states.gradients if kept and not cfg.optimizer_in_backward else 0
     walked = inbackward.walk_states(cfg, states)  # the fused step frees each gradient as it is made
-    largest = _largest_param(cfg, rank)
+    largest = largest_param(cfg, rank)
     in_flight = inbackward.in_flight_gradient(states, rank.params, largest)
     lp = rank_loss_path(cfg, rank)  # logits, their fp32 copy, log-softmax and its gradients, per loss path
     logits_fwd, loss_grads = lp.forward_transient, lp.backward_transient

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab.config import ACMode, Applied, ModelSpec, RunConfig
+from batchlab.config import ACMode, Applied, ModelSpec, PositionKind, RunConfig
 from batchlab.formula.activations import LayerActivations, Widths
 from batchlab.formula.params import count, norm_params, position_params
 
@@ -158,3 +158,14 @@ def residual_bytes(cfg: RunConfig, rank: RankShare) -> int:
     """One micro-batch's residual stream on ``rank``: b·s·h at the residual's width, 1/t of it under SP."""
     w = Widths.of(cfg.precision, cfg.device_spec.backend)
     return cfg.seq * cfg.micro_batch * cfg.model.hidden * w.res // rank.in_sp
+
+
+def largest_param(cfg: RunConfig, rank: RankShare) -> int:
+    """Elements of the largest parameter tensor on ``rank``: the embedding table (its vocabulary shard) or learned
+    positions on the first stage, the table or head on the last, a layer's widest matrix (1/t of it) where it
+    holds layers."""
+    m, t = cfg.model, rank.tp
+    positions = m.max_positions * m.hidden if m.position is PositionKind.LEARNED and rank.first else 0
+    table = m.vocab * m.hidden // rank.vocab_split if rank.first or rank.head else 0  # can be outsized by the positions'
+    layer = max(m.hidden * m.ffn, m.hidden * (m.hidden + 2 * m.kv_hidden)) // t if rank.layers else 0
+    return max(table, positions, layer)
