@@ -247,3 +247,15 @@ def test_explain_says_a_change_that_is_not_possible_in_one_complete_sentence(arg
     if args[:4] == ["--micro-batch", "1", "--accum", "8"]:
         (b,) = [l for l in lines if l.lstrip().startswith("(b)")]
         assert "not possible here" in b and "halving the micro-batch needs an even one (now 1)." in b
+
+
+def test_the_memory_tables_live_column_adds_up_to_allocated_under_a_pipeline():
+    # a pipeline stage's own parts (its kept outputs, receive buffers, gradient sends) have rows of their own
+    from batchlab.cli.estimate import _memory_rows
+    from batchlab.config.model import preset
+    from batchlab.formula import estimate
+
+    e = estimate(RunConfig(model=preset("gpt2"), pp=2, accum=8, device="a100-80gb"))
+    rows = _memory_rows(e, verbose=False)
+    assert {"stage outputs", "receive buffers"} <= {r[0] for r in rows}
+    assert sum(e.memory.at_peak[part] for _, _, part, _ in rows if part) == e.memory.allocated_bytes

@@ -40,6 +40,13 @@ def _collectives_label(cfg, t) -> str:
     return f"gradient all-reduce, once per update ({sent or fmt_bytes(t.allreduce_bytes)})"
 
 
+PIPELINE_NOTES = {  # a pipeline stage's own parts (formula/pipeline.py, stage_steps.py, interleaved.py)
+    "stage outputs": "outputs its PipelineStage keeps for their backward (formula/pipeline.py keeps_outputs)",
+    "receive buffers": "one per micro-batch each way (formula/pipeline.py)",
+    "gradient sends": "input gradients held in their send (formula/pipeline.py)",
+}
+
+
 def _memory_rows(e: Estimate, verbose: bool) -> list[tuple[str, int | None, str | None, str]]:
     """(label, size, part live at the peak or None, note); by default rows that are zero throughout are left
     out and notes kept short."""
@@ -60,8 +67,12 @@ def _memory_rows(e: Estimate, verbose: bool) -> list[tuple[str, int | None, str 
         ("recompute working set", None, "recompute", "one layer rebuilt during its backward"),
         ("temporaries", None, "temporaries", "activation gradients, logits, optimizer buffers"),
         ("data", m.data_bytes, "data", "token ids of one update"),
-    ] + [(k, None, k, f"at {'the --deepspeed' if cfg.deepspeed.typed() else 'DeepSpeed'} sizes "
-                      "(formula/deepspeed.py)") for k in m.at_peak if k.startswith("deepspeed")]
+    ]
+    shown = {r[2] for r in rows if r[2]}
+    ds = f"at {'the --deepspeed' if cfg.deepspeed.typed() else 'DeepSpeed'} sizes (formula/deepspeed.py)"
+    # every other part live at some phase gets its row, so the column adds up to allocated
+    rows += [(k, None, k, ds if k.startswith("deepspeed") else PIPELINE_NOTES.get(k, "formula/memory.py"))
+             for k in m.at_peak if k not in shown]
     if verbose:
         return rows
     return [r for r in rows if r[1] or (r[2] is not None and m.at_peak[r[2]])]
