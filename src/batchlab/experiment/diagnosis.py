@@ -200,8 +200,12 @@ def time_model_absolute(formula: tuple[float, float], measured: tuple[float, flo
         sa, sb = speed["a"], speed["b"]
         found += (f"; the host speed probe took x{sa:.2f} (A) and x{sb:.2f} (B) its calibration time, so at the "
                   f"probed speed: A {sec(fa * sa)}, B {sec(fb * sb)} ({err(fa * sa, ma):+.0%}, "
-                  f"{err(fb * sb, mb):+.0%}); the speed the updates ran at lies between")
+                  f"{err(fb * sb, mb):+.0%}); the speed the updates ran at is taken to lie between (the probe "
+                  "runs beside them, not during)")
         worst = max(_outside(fa, fa * sa, ma, err), _outside(fb, fb * sb, mb, err))
+        if max(sa, 1 / sa, sb, 1 / sb) > 1 + ABSOLUTE_TOLERANCE:  # the band is wider than the check's tolerance
+            found += (f"; the host moved by more than the check's own {ABSOLUTE_TOLERANCE:.0%}, so a time inside "
+                      "that band says little of the time model (recalibrate on a quiet machine)")
     broken = ratio_text(fa, ma) or ratio_text(fb, mb)
     if broken:  # the ratios compare measures stand; its predicted times do not
         found = f"{broken}. {found}"
