@@ -98,14 +98,15 @@ def with_pipeline(cfg: RunConfig, rank: RankShare, phases: dict[str, dict[str, i
     if rank.stages == 1:
         return phases
     outputs, sends = stage_output_bytes(cfg, rank, done), gradient_send_bytes(cfg, rank)
-    stepping = stage_output_bytes(cfg, dataclasses.replace(rank, in_flight=0), done)  # none in flight: kept ones
+    stepping = (stage_output_bytes(cfg, dataclasses.replace(rank, in_flight=0), done)  # none in flight: kept ones
+                if "optimizer" in phases else 0)
     buffers, received = receive_buffer_bytes(cfg, rank)
     if megatron_runtime(cfg):  # the chunk's fresh input is kept by its first layer: counted in the activations
         outputs, stepping, buffers, received = 0, 0, 0, 0
     live = {"forward": (outputs, 0), "backward": (outputs, sends), "optimizer": (stepping, 0)}
     out = {}
     for ph, parts in phases.items():
-        moved = received if ph in live and parts["activations"] else 0
+        moved = received if ph in ("forward", "backward") and parts["activations"] else 0  # micro-batch phases
         out[ph] = dict(parts, activations=parts["activations"] - moved, **{"receive buffers": buffers},
                        **dict(zip(("stage outputs", "gradient sends"), live.get(ph, (0, 0)))))
     return out
