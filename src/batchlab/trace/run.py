@@ -141,13 +141,27 @@ def _first_update(trainer: Trainer, replay=None):
         trainer.update(micro_batches=1)
         return None
     tracker = tracker_for(trainer, listener=replay)
-    with contextlib.ExitStack() as stack:
-        if trainer.world > 1 or applies(trainer.cfg):
-            sharded.register_storages(tracker, trainer)
-            stack.enter_context(sharded.observed_resizes(tracker))
+    with contextlib.ExitStack() as resizes:
+        register = _registrar(trainer, replay, resizes)
+        if register is not None:
+            register(tracker)
         with tracker:
             trainer.update(micro_batches=1, listener=tracker)
     return tracker
+
+
+def _registrar(trainer: Trainer, replay, resizes: contextlib.ExitStack):
+    """How a tracker of ``trainer``'s update learns the storages sharded or compiled engines hold outside ops
+    (None where there are none): registered up front, and with ``replay`` each FSDP2 resize reported in its
+    place among the allocations the replay orders (entered on ``resizes``)."""
+    if not (trainer.world > 1 or applies(trainer.cfg)):
+        return None
+
+    def register(tracker):
+        sharded.register_storages(tracker, trainer)
+        if replay is not None:
+            resizes.enter_context(sharded.observed_resizes(tracker))
+    return register
 
 
 def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False, replay=None):
@@ -157,12 +171,7 @@ def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False, replay
     tracker's own dispatch mode: ``observer``): (snapshot, TimelineRecorder or None, ops)."""
     owners = ModuleStack(trainer.raw_model) if tree or timeline else None
     resizes = contextlib.ExitStack()
-    register = None
-    if trainer.world > 1 or applies(trainer.cfg):
-        def register(tracker):
-            sharded.register_storages(tracker, trainer)
-            if replay is not None:  # each FSDP2 resize in its place among the allocations the replay orders
-                resizes.enter_context(sharded.observed_resizes(tracker))
+    register = _registrar(trainer, replay, resizes)
     ops = OpRecorder(trainer.raw_model)
     try:
         if timeline:
