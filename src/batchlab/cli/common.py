@@ -355,8 +355,6 @@ def config_from_command(argv: Iterable[str]) -> RunConfig:
 
     from batchlab.cli import load_commands
 
-    import typer.exceptions
-
     name, *args = list(argv)
     command = typer.main.get_command(load_commands([name])).commands[name]
     try:
@@ -386,9 +384,7 @@ def console():
 
     from rich.console import Console
 
-    if sys.stdout.isatty() or "COLUMNS" in os.environ:
-        return Console()
-    return Console(width=120)
+    return Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=120)
 
 
 def print_json(obj: Any) -> None:
