@@ -3,8 +3,14 @@
 Each model's layouts are all built in the same 4 rank processes (one thread each), which run their updates
 paired and interleaved: for every A/B pair, rounds of A B (B A on odd rounds), each update started on a barrier and
 timed on every rank; an update's time is its slowest rank's, a round's ratio B/A.  Reported: the median of the
-rounds' ratios and their spread (min-max), against the formula's ratio (``batchlab estimate`` for each side with
-this CPU's cached calibration, the one compare prices with; calibrated first where missing).  Every pair keeps the
+rounds' ratios and their spread (min-max), against the formula's ratio (``batchlab estimate`` for each side).
+The page brackets each model's rounds with calibrations (``--calibration bracket``): one measured before the first
+model and one after each, every part compare measures (the kernels, gloo's link, its chained all-reduce, DTensor's
+host cost), and prices a model's rows with the two either side of its rounds.  On a shared VM the link and the
+compute rates drift over minutes (by tens of percent between calibrations taken tens of minutes apart: docs/cpu.md,
+"Figures behind the code's choices"): a calibration taken before the run prices every row at another moment's machine, and the two
+sides' figures say how far the machine itself moved while the rows ran.  ``--calibration cached`` prices with
+this CPU's cached calibration, as compare does.  Every pair keeps the
 world at 4 ranks and the global batch fixed (fewer data-parallel ranks: more micro-batches per update), so that both
 sides of a pair share the same processes.  The load average and the CPUs this process may run on are printed
 before and after: forked ranks share the host's cores with whatever else runs.  The script runs in the allocator
@@ -96,6 +102,10 @@ def _options(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--only", help=f"models, comma-separated: {', '.join(PAIRS)}")
     p.add_argument("--pairs", help="only the changes named, ';'-separated (a smoke run of a few rows)")
     p.add_argument("--no-page", action="store_true", help="print, do not write the page")
+    p.add_argument("--calibration", choices=("bracket", "cached"),
+                   help="bracket (the page's default): calibrate afresh before the first model and after each, and "
+                        "price a model's rows with the calibrations either side of its rounds; cached: this CPU's "
+                        "cached calibration, as compare prices (the default with --quick)")
     a = p.parse_args(argv)
     if a.rounds is not None and not 1 <= a.rounds <= 1000:
         p.error(f"--rounds: 1 to 1000, got {a.rounds}")
@@ -119,6 +129,8 @@ def _selected(a: argparse.Namespace) -> dict:
 
 OPTIONS = _options(sys.argv[1:] if __name__ == "__main__" else [])
 ROUNDS = OPTIONS.rounds or (2 if OPTIONS.quick else DEFAULT_ROUNDS)
+BRACKET = (OPTIONS.calibration or ("cached" if OPTIONS.quick else "bracket")) == "bracket"
+SECONDS = 10.0  # each fresh calibration's budget: `batchlab calibrate`'s default
 PAIRS = _selected(OPTIONS)
 
 
@@ -235,14 +247,42 @@ def calibration_line(cal) -> str:
         return "Calibration: none cached at 1 thread; the formula priced with nominal CPU figures."
     busy = f"{c.other_cores:.1f}" if c.other_cores >= 0 else "unknown"
     dt = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.dtensor_seconds.items()) or "nominal"
-    from batchlab.calibrate import chain as chained
-
-    chain = (chained.text(c.link_chain_seconds)
-             or c.untimed.get(chained.KEY, "not measured: priced from the link's medians"))
     return (f"Calibration: measured {c.measured_at} while other processes kept {busy} core(s) busy; gloo link "
             f"{c.loopback_latency_s * 1e6:.0f} us per message, {c.loopback_bytes_per_s / 1e6:.0f} MB/s; gloo's "
-            f"all-reduce as a chain of them pays it (tensor-parallel collectives): {chain}; DTensor per op: "
+            f"all-reduce as a chain of them pays it (tensor-parallel collectives): {_chain(c)}; DTensor per op: "
             f"{dt}. On a quiet machine, calibrate afresh first (`batchlab calibrate --threads 1`).")
+
+
+def _chain(c) -> str:
+    from batchlab.calibrate import chain as chained
+
+    return chained.text(c.link_chain_seconds) or c.untimed.get(chained.KEY, "not measured: priced from the link's medians")
+
+
+def fresh(cfgs: tuple):
+    """A calibration of this CPU at ``THREADS`` measured now, every part ``cfgs`` price with (what `batchlab
+    calibrate --threads 1` and then compare's first run measure), cached as compare would cache it; the page's
+    calibrations as ``load_all`` gives them, and what was said."""
+    from batchlab.calibrate import auto, load_all, save
+    from batchlab.calibrate.run import checked, measure as calibrate
+    from batchlab.formula.calibration import needs
+
+    scope = tuple(set().union(*map(needs, cfgs)))
+    save(checked(lambda: calibrate("cpu", seconds=SECONDS, threads=THREADS, scope=scope)))
+    said = auto("cpu", THREADS, cfgs=cfgs)  # the parts measured on first use: DTensor, the chain, the link's CPU share
+    return load_all(THREADS), said
+
+
+def calibration_row(name: str, cal) -> str:
+    """One calibration's figures that move a ratio: fp32 matmul peak, link, chained all-reduce, DTensor."""
+    c = cal.get("cpu")
+    if c is None:
+        return f"| {name} | none: nominal CPU figures | | | | | |"
+    busy = f"{c.other_cores:.1f}" if c.other_cores >= 0 else "unknown"
+    dt = " / ".join(f"{c.dtensor_seconds[k] * 1e6:.0f}" for k in ("forward", "backward", "collective")
+                    if k in c.dtensor_seconds) or "nominal"
+    return (f"| {name} | {c.measured_at[11:19]} | {busy} | {c.matmul_flops_fp32 / 1e9:.1f} | "
+            f"{c.loopback_latency_s * 1e6:.0f} us, {c.loopback_bytes_per_s / 1e6:.0f} MB/s | {_chain(c)} | {dt} |")
 
 
 def _load() -> str:
@@ -250,9 +290,37 @@ def _load() -> str:
     return f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} CPUs"
 
 
-def main() -> int:
+def _calibrations(cfgs: tuple) -> tuple[list, list[str]]:
+    """The calibrations the rows are priced with: (``load_all`` answers, what measuring them said).  Bracketed:
+    one measured now; the loop adds one after each model.  Cached: this CPU's, measured first where missing."""
     from batchlab.calibrate import auto, load_all
 
+    if BRACKET:
+        cal, said = fresh(cfgs)
+        return [cal], [said] if said else []
+    said = auto("cpu", THREADS, cfgs=cfgs)
+    return [load_all(THREADS)], [said] if said else []
+
+
+def _row(model: str, pair: tuple[str, str, str], walls, faults, sides: list[dict[str, float]]) -> tuple[str, float]:
+    """One pair's table row and its error: the formula's ratio is the geometric mean of its ratio under each
+    calibration in ``sides`` (before and after the model's rounds where bracketed)."""
+    a, b, what = pair
+    ratios = [y / x for x, y in walls[(a, b)]]
+    each = [f[b] / f[a] for f in sides]
+    got, want = statistics.median(ratios), statistics.geometric_mean(each)
+    err = (want - got) / got
+    ms = [statistics.median(x[i] for x in walls[(a, b)]) * 1e3 for i in (0, 1)]
+    fa, fb = (statistics.geometric_mean(f[n] for f in sides) * 1e3 for n in (a, b))
+    mark = " †" if (model, what) in HOLDOUT else ""
+    moved = f" | {each[0]:.2f} / {each[-1]:.2f} ({each[-1] / each[0] - 1:+.0%})" if BRACKET else ""
+    return (f"| {model} | {what}{mark} | {a} | {b} | {ms[0]:.0f} / {ms[1]:.0f} | {fa:.0f} / {fb:.0f} | {got:.2f} | "
+            f"{min(ratios):.2f}-{max(ratios):.2f} | {want:.2f}{moved} | {err:+.0%} | "
+            f"{FIRST_ERROR.get((model, what), '')} | {direction(ratios, want)} | "
+            f"{faults[(a, b)][0]:,.0f} / {faults[(a, b)][1]:,.0f} |"), err
+
+
+def main() -> int:
     cpus = sorted(os.sched_getaffinity(0))
     print(f"Built-in tiny GPT (4 layers, hidden 128, vocabulary 512) and a 2-layer Hugging Face Llama (hidden 128, "
           f"4 heads, 2 kv heads, MLP 256, vocabulary 512), micro-batch 4 x sequence 64 (the \"s128\" rows: micro-batch "
@@ -261,29 +329,39 @@ def main() -> int:
           f"per pair (A B, then B A), {WARMUP} warmup updates of every layout first; an update's time is its slowest "
           f"rank's.\n")
     print(f"Before: {_load()}; this process may run on CPUs {cpus}.\n")
-    said = auto("cpu", THREADS, cfgs=tuple(config(m, n) for m in PAIRS for n in _used(m)))
-    if said:
-        print("Calibration: " + said.replace("\n", "; ") + "\n")
-    cal = load_all(THREADS)
-    print(calibration_line(cal) + "\n")
-    print("| model | change | A | B | measured A / B (ms) | formula A / B (ms) | measured B/A (median) "
-          "| spread (min-max) | formula B/A | error | first error | direction | page faults A / B |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    errors, held = [], []
+    cfgs = tuple(config(m, n) for m in PAIRS for n in _used(m))
+    cals, said = _calibrations(cfgs)
+    rows, errors, held = [], [], []
     for model in PAIRS:
+        print(f"measuring {model} ...", file=sys.stderr, flush=True)
         walls, faults = measure(model)
-        formula = predicted(model, cal)
-        for a, b, what in PAIRS[model]:
-            ratios = [y / x for x, y in walls[(a, b)]]
-            got, want = statistics.median(ratios), formula[b] / formula[a]
-            err = (want - got) / got
-            (held if (model, what) in HOLDOUT else errors).append(abs(err))
-            ms = [statistics.median(x[i] for x in walls[(a, b)]) * 1e3 for i in (0, 1)]
-            mark = " †" if (model, what) in HOLDOUT else ""
-            print(f"| {model} | {what}{mark} | {a} | {b} | {ms[0]:.0f} / {ms[1]:.0f} | {formula[a] * 1e3:.0f} / "
-                  f"{formula[b] * 1e3:.0f} | {got:.2f} | {min(ratios):.2f}-{max(ratios):.2f} | {want:.2f} | "
-                  f"{err:+.0%} | {FIRST_ERROR.get((model, what), '')} | {direction(ratios, want)} | "
-                  f"{faults[(a, b)][0]:,.0f} / {faults[(a, b)][1]:,.0f} |")
+        if BRACKET:
+            cal, line = fresh(cfgs)
+            cals.append(cal)
+            said += [line] if line else []
+        sides = [predicted(model, c) for c in (cals[-2:] if BRACKET else cals)]
+        for pair in PAIRS[model]:
+            row, err = _row(model, pair, walls, faults, sides)
+            rows.append(row)
+            (held if (model, pair[2]) in HOLDOUT else errors).append(abs(err))
+    if said:
+        print("Calibration: " + "; ".join(said).replace("\n", "; ") + "\n")
+    if BRACKET:
+        print("Calibrations, each `batchlab calibrate --threads 1` with what compare then measures for these layouts "
+              "(taken before the first model's rounds and after each model's):\n")
+        print("| calibration | taken (UTC) | other processes' load (cores) | fp32 matmul peak (GFLOP/s) | gloo link "
+              "| gloo's all-reduce as a chain pays it | DTensor per op, forward / backward / collective (us) |")
+        print("|---|---|---|---|---|---|---|")
+        for i, c in enumerate(cals):
+            print(calibration_row("before " + list(PAIRS)[0] if i == 0 else "after " + list(PAIRS)[i - 1], c))
+        print()
+    else:
+        print(calibration_line(cals[0]) + "\n")
+    both = " | formula B/A before / after (moved)" if BRACKET else ""
+    print("| model | change | A | B | measured A / B (ms) | formula A / B (ms) | measured B/A (median) "
+          f"| spread (min-max) | formula B/A{both} | error | first error | direction | page faults A / B |")
+    print("|---" * (14 if BRACKET else 13) + "|")
+    print("\n".join(rows))
     print(f"\nMedian absolute error {statistics.median(errors):.0%}; within 15%: "
           f"{sum(e <= 0.15 for e in errors)} of {len(errors)}"
           + (f"; hold-outs (†): {sum(e <= 0.15 for e in held)} of {len(held)} within 15%" if held else "")
@@ -293,10 +371,14 @@ def main() -> int:
           "regime keeps them near 0)."
           "\n")
     print(f"After: {_load()}.\n")
-    print("Formula: `batchlab estimate` of each side with this CPU's cached calibration at 1 thread (local ranks "
-          "sharing the cores, gloo's link, its tensor-parallel collectives as a chain of them pays each where measured (above), DTensor's host "
-          "cost per op as calibrated). Error = (formula - measured) / "
-          "measured. Rerun on a quiet machine: other processes' load stretches every side, the 4-rank layouts most.\n")
+    how = ("calibrations measured in this run either side of the model's rounds (the formula's ratio: the geometric "
+           "mean of its ratio under each; *moved*: how far the machine's own figures moved it between them, which "
+           "no prediction made before the rounds can know)" if BRACKET else
+           "this CPU's cached calibration (the one compare prices with)")
+    print(f"Formula: `batchlab estimate` of each side at 1 thread with {how}: local ranks sharing the cores, gloo's "
+          "link, its tensor-parallel collectives as a chain of them pays each where measured, DTensor's host cost per "
+          "op as calibrated. Error = (formula - measured) / measured. Rerun on a quiet machine: other processes' load "
+          "stretches every side, the 4-rank layouts most.\n")
     return 0
 
 
