@@ -107,6 +107,31 @@ def test_a_poisoned_cache_is_ignored_with_one_line_and_the_estimate_is_the_uncal
     assert estimate(cfg, load_all()).time.update_seconds != nominal
 
 
+def test_one_implausible_part_is_left_out_and_measured_again_the_rest_serves(real, monkeypatch, capsys):
+    """A cache edited (or left by an older batchlab) with a wild part measured on first use -- a chained all-reduce
+    of half a second, a negative DTensor cost -- keeps the rest of the calibration: refusing it priced every
+    estimate at nominal rates.  The part is said once and measured again by the next TP measure or compare."""
+    from batchlab.calibrate import chain
+    from batchlab.formula import calibration
+
+    monkeypatch.setattr(calibration, "loaded_by", lambda other, cores, threads: False)  # other workers' load
+    tp = RunConfig(tp=2, dp=2, accum=2)
+    save(dataclasses.replace(real, dtensor_seconds={"forward": 7e-5}))
+    kept = estimate(tp, load_all()).time.update_seconds
+    save(dataclasses.replace(real, link_chain_seconds={"0": 0.5, "0.002": 1.8e-3},
+                             dtensor_seconds={"forward": 7e-5, "backward": -1.0}))
+    capsys.readouterr()
+    cal = load_all().get("cpu")
+    assert cal is not None and cal.link_chain_seconds == {} and cal.dtensor_seconds == {"forward": 7e-5}
+    assert estimate(tp, load_all()).time.update_seconds == kept != estimate(tp, {}).time.update_seconds
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "left out implausible parts" in err[0] and "chained all-reduce 0.5" in err[0], err
+    curve = {0.0: 4 * real.loopback_latency_s, 2e-3: 5 * real.loopback_latency_s}
+    monkeypatch.setattr(chain, "measure", lambda: dict(curve))
+    assert "measured once" in chain.ensure((tp,), threads=1)
+    assert load_cached("cpu", 1).link_chain_seconds == {"0": curve[0.0], "0.002": curve[2e-3]}
+
+
 def test_a_poisoned_cache_is_measured_again_and_replaced(real, monkeypatch):
     calls = []
     monkeypatch.setattr(run_mod, "measure", lambda *a, **k: calls.append(k) or real)

@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from batchlab.formula.calibration import Calibration, check, loaded
+from batchlab.formula.calibration import Calibration, check, drop_implausible_parts, loaded
 from batchlab.host import PROBE_BUNDLE, cpu_hardware
 from batchlab.util.files import write_atomic
 
@@ -85,6 +85,8 @@ def _load(files, threads: int | None) -> Cached:
         cal = _read(path)
         if cal is None or (cal.torch_device.startswith("cpu") and cal.threads != want):
             continue
+        if dropped := drop_implausible_parts(cal):
+            _say_dropped(str(path), path.stat().st_mtime_ns, "; ".join(dropped[:2]))
         bad = check(cal)
         if bad:
             refused[cal.device] = (str(path), path.stat().st_mtime_ns, "; ".join(bad[:2]))
@@ -116,6 +118,12 @@ def _say_ignored(path: str, mtime: int, why: str) -> None:
     # once per file version and process: load_all is read by every estimate of a sweep
     print(f"warning: ignored the cached calibration {path}: {why}; it is measured again where needed "
           "(`batchlab calibrate`), nominal rates meanwhile", file=sys.stderr)
+
+
+@functools.cache
+def _say_dropped(path: str, mtime: int, why: str) -> None:
+    print(f"warning: left out implausible parts of the cached calibration {path}: {why}; they are measured again by "
+          "the next measure or compare, the time model prices without them meanwhile", file=sys.stderr)
 
 
 @functools.cache

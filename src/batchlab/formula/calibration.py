@@ -182,6 +182,26 @@ def check(cal: Calibration) -> list[str]:
         return [f"malformed: {e}"]
 
 
+def drop_implausible_parts(cal: Calibration) -> list[str]:
+    """Clear from ``cal`` the parts measured on first use (calibrate/chain.py, shared_link.py, dtensor.py,
+    family.py) whose figures are implausible, and say which: the next measure or compare meets them missing and
+    measures them again, where refusing the whole calibration for one of them priced every estimate at nominal
+    rates.  A malformed table is left for ``check`` to name."""
+    out: list[str] = []
+    try:
+        if bad := plausible.link_chain_problems(cal.link_chain_seconds, cal.loopback_warm_latency_s):
+            cal.link_chain_seconds, out = {}, out + bad
+        if bad := plausible.link_cpu_problems(cal.link_cpu_seconds, cal.loopback_latency_s, cal.loopback_bytes_per_s):
+            cal.link_cpu_seconds, out = {}, out + bad
+        for k in [k for k in cal.dtensor_seconds if plausible.dtensor_problems({k: cal.dtensor_seconds[k]})]:
+            out += plausible.dtensor_problems({k: cal.dtensor_seconds.pop(k)})
+        for f in [f for f in cal.family_dispatch if plausible.family_problems(f, cal.family_dispatch[f])]:
+            out += plausible.family_problems(f, cal.family_dispatch.pop(f))
+    except (TypeError, AttributeError, ValueError):
+        return out
+    return out
+
+
 def nominal(cal: Calibration, spec) -> tuple[float | None, float | None]:
     """(fp32 peak for the threads measured, memory bytes/s) of ``cal``'s device from its catalogue ``spec``;
     None where unknown.  A CPU's peak is all its cores' (host.cpu_peak_flops): ``threads`` of ``cores`` of it;
