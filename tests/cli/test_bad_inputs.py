@@ -315,3 +315,14 @@ def test_a_parallel_world_size_counts_a_degree_given_beside_the_table(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text("[config]\ndp = 2\nparallel = {world_size = 2}\n")
     assert load_config_toml(p).parallel.world_size == 2
+
+
+def test_a_compare_the_measurement_would_refuse_is_refused_before_any_calibration(monkeypatch, tmp_path):
+    """A budget that cannot hold the model: exit 2 at once, not after calibrating this CPU for tens of seconds."""
+    from batchlab import calibrate
+
+    calls = []
+    monkeypatch.setattr(calibrate, "auto", lambda *a, **k: calls.append(a))
+    res = CliRunner().invoke(app, ["compare", "--change", "micro_batch=1:2", "--memory-budget", "1KiB", "--predict",
+                                   "none", "--notebook", str(tmp_path / "nb.sqlite")])
+    assert res.exit_code == 2 and "memory_budget" in res.stderr and calls == [], (res.output, calls)

@@ -138,9 +138,11 @@ def _ask() -> dict[Metric, Direction]:
 
 def _calibrate(plan, enabled: bool, as_json: bool) -> None:
     from batchlab.calibrate import auto
+    from batchlab.experiment.compare import preflight
 
     if plan.formula_only:  # nothing measured: the cached calibration is used if there is one
         return
+    preflight(plan)  # a user error the measurement would meet is said before a calibration's tens of seconds
     line = auto(plan.sides.a.device, threads=plan.threads, enabled=enabled, cfgs=(plan.sides.a, plan.sides.b))
     if line and not as_json:
         typer.echo(line, err=True)
