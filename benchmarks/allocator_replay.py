@@ -99,6 +99,8 @@ def replay_config(command: str, published: str | None = None) -> None:
           f"{f.margin_bytes / GiB:.2f} GiB (formula/allocator.py) |")
     print(f"| reserved | {(m.peak_bytes + m.margin_bytes) / GiB:.2f} GiB | {f.peak_bytes / GiB:.2f} GiB |\n")
     print(*[f"- {n}" for n in t.notes if n.startswith("reserved:")], sep="\n")
+    print("- formula's reserved - allocated, by mechanism (formula/allocator.py): " + "; ".join(
+        f"{k} {v / GiB:.2f} GiB" for k, v in f.reserved_parts.items() if v))
     print(f"- traced in {t.trace_seconds:.0f} s")
     if published:
         print(f"- published: {published}")

@@ -22,6 +22,21 @@ a block freed on one stream is reused only on that stream.  What follows from th
   device_handle.stream(reduce_scatter_stream): reduce_output = reduce_scatter_input.new_empty(...)``), so once
   zero_grad frees the shards their blocks stay in the reduce-scatter pool through the next forward: at a peak
   where this update's shards are not yet all live, the rest of that pool is reserved and empty;
+- full-sequence blocks under sequence parallelism (DTensor's plan: distributed/tensor_parallel.py, torchtitan's
+  parallelize_llama): between blocks a TP rank holds 1/t of the sequence, but inside a block it makes tensors of the
+  whole sequence (s x b x h in the compute dtype) on the compute stream and frees them there: the all-gathered
+  inputs of attention and of the MLP (PrepareModuleInput Shard(1) -> Replicate: funcol all_gather_into_tensor
+  gathers on dim 0, then torch._utils._maybe_view_chunk_cat copies its chunks to dim 1, a view only at micro-batch
+  1), a row-parallel GEMM's partial output and its chunk-cat copy for the dim-1 reduce-scatter
+  (_functional_collectives.reduce_scatter_single, _chunk_or_narrow_cat), a column-parallel GEMM's partial input
+  gradient and its all-reduced copy (ColwiseParallel's ``from_local(Replicate)`` backward; funcol all_reduce is out
+  of place).  A fully recomputed block's backward holds four at once: the recomputed forward saved both gathered
+  inputs (the column GEMMs' weight gradients read them), beside the row-parallel output gradient's all-gather
+  output and its dim-1 copy, or a column GEMM's partial input gradient and its all-reduced copy.  Segments are
+  never returned during training, so the compute pool keeps four such blocks from one update to the next; at the
+  loss's backward the loss's fp32 tensors (s x b x V/t x 4 B) are larger than each and only the LM head's gathered
+  input (saved for its weight gradient) is live in one of them: three are reserved and empty.  Checked against the
+  allocator replay of a trace, tests/trace/test_sequence_parallel_blocks.py;
 - cuBLAS workspaces (PyTorch #120925: 32 MiB on Hopper and later, 4 MiB on Ampere with >= 24 GB, else 1 MiB),
   one per stream that runs matmuls; allocated through the caching allocator, so inside reserved.
 
@@ -40,7 +55,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchlab.config import Backend, LossMode, Precision, RunConfig
+from batchlab.config import Backend, Implementation, LossMode, Precision, RunConfig
+from batchlab.config.acpolicies import ACMode
 from batchlab.formula import fp8
 from batchlab.formula.params import count
 from batchlab.formula.sharding import reduced_bytes_per_element, unit_elements
@@ -110,6 +126,27 @@ def gradient_shards_live(cfg: RunConfig, rank, parts: dict[str, int]) -> int:
     return parts.get("gradients", 0)
 
 
+def sequence_parallel_blocks(cfg: RunConfig, rank=None) -> int:
+    """Bytes of the full-sequence blocks a TP rank with sequence parallelism holds empty at the loss's backward
+    (module docstring): four s x b x h blocks left in the pool by a fully recomputed block's backward, less the LM
+    head's gathered input live in one.  0 where no layer of the rank is fully recomputed (its gathered inputs are
+    then kept activations, allocated), or where the loss's fp32 rows (V/t x 4 B) are no wider than a block's
+    (h x e): the loss's tensors would fit in them."""
+    p = cfg.parallel
+    # Megatron-Core gathers into its global memory buffer, allocated once (megatron/core/tensor_parallel/layers.py
+    # get_global_memory_buffer().get_tensor): no funcol outputs freed into the pool
+    if not (p.sequence_parallel and p.tp > 1) or p.engine_spec.megatron or cfg.model.impl is Implementation.MEGATRON:
+        return 0
+    m, e = cfg.model, cfg.precision.compute_bytes
+    layers = rank.layers if rank is not None else range(m.layers)
+    modes = cfg.ac.layer_modes(m.layers)
+    if not any(modes[i] is ACMode.FULL for i in layers):
+        return 0
+    if m.vocab // (rank.vocab_split if rank is not None else 1) * 4 <= m.hidden * e:
+        return 0
+    return (4 - 1) * cfg.seq * cfg.micro_batch * m.hidden * e  # four in the pool, the head's input live
+
+
 def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_bytes: int,
                   live_gradients: int = 0, rank=None) -> DeviceMemory:
     """``live_gradients``: gradient shard bytes live at the peak (``gradient_shards_live``; 0 when unknown); ``rank``:
@@ -125,9 +162,13 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
     else:
         parts = {"2 MiB segment rounding of tensors > 10 MiB": segment_rounding(cfg, activation_bytes, rank)}
         e = cfg.precision.compute_bytes
-        if cfg.loss.mode is LossMode.FULL and e < 4 and peak_phase == "backward" and holds_loss:
+        at_loss = cfg.loss.mode is LossMode.FULL and peak_phase == "backward" and holds_loss
+        if at_loss and e < 4:
             parts["freed 16-bit logits (too small for the fp32 loss gradients)"] = (
                 cfg.seq * cfg.micro_batch * cfg.model.vocab // (rank.vocab_split if rank is not None else 1) * e)
+        if at_loss and (blocks := sequence_parallel_blocks(cfg, rank)):
+            parts["sequence-parallel full-sequence blocks (a recomputed block's gathered inputs and "
+                  "gradients), too small for the loss's"] = blocks
         if cfg.parallel.shards_parameters or cfg.parallel.fsdp:
             reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
             per_layer = rank.per_layer if rank is not None else count(cfg.model).per_layer

@@ -172,11 +172,15 @@ class CachingAllocator:
 
     def cached_free(self) -> dict[str, int]:
         """Bytes of cached free blocks, by stream."""
-        out: dict[str, int] = {}
+        return {stream: sum(sizes) for stream, sizes in self.cached_blocks().items()}
+
+    def cached_blocks(self) -> dict[str, tuple[int, ...]]:
+        """The sizes of the cached free blocks, by stream, largest first."""
+        out: dict[str, list[int]] = {}
         for pool in self._free.values():
             for stream, size, _ in pool:
-                out[stream] = out.get(stream, 0) + size
-        return out
+                out.setdefault(stream, []).append(size)
+        return {stream: tuple(sorted(sizes, reverse=True)) for stream, sizes in out.items()}
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,7 @@ class ReplayResult:
     peak_reserved_bytes: int  # max_memory_reserved
     free_at_peak: dict  # stream -> bytes cached and free when allocated reached its peak
     out_of_memory: bool
+    blocks_at_peak: dict = None  # stream -> the sizes of those free blocks, largest first
 
 
 class AllocatorReplay:
@@ -199,7 +204,7 @@ class AllocatorReplay:
         self._refs: dict[int, int] = {}  # block -> keys using it
         self._blocks = itertools.count()
         self._new: list[tuple] = []  # (key, peaks before, free at the peak before) created by the op now running
-        self._free_at_peak: dict[str, int] = {}
+        self._free_at_peak: dict[str, tuple[int, ...]] = {}  # stream -> free block sizes at the peak of allocated
 
     def added(self, key: int, nbytes: int, category: str) -> None:
         if key in self._block:  # a storage the replay saw made, registered again by the next update's tracker
@@ -211,7 +216,7 @@ class AllocatorReplay:
         a.malloc(block, nbytes, _STREAM.get())
         self._new.append((key, peaks, free_at_peak))
         if a.peak_allocated > peaks[0]:
-            self._free_at_peak = a.cached_free()
+            self._free_at_peak = a.cached_blocks()
 
     def freed(self, key: int) -> None:
         block = self._block.pop(key, None)
@@ -243,7 +248,8 @@ class AllocatorReplay:
     def result(self) -> ReplayResult:
         a = self.allocator
         return ReplayResult(peak_reserved_bytes=a.peak_reserved,
-                            free_at_peak=dict(self._free_at_peak), out_of_memory=a.out_of_memory)
+                            free_at_peak={k: sum(v) for k, v in self._free_at_peak.items()},
+                            out_of_memory=a.out_of_memory, blocks_at_peak=dict(self._free_at_peak))
 
 
 def replays(cfg) -> AllocatorReplay | None:
@@ -262,7 +268,12 @@ def replay_note(r: ReplayResult, workspace: int) -> str:
     (the cuBLAS workspace, formula/allocator.py) added to it."""
     from batchlab.util.units import fmt_bytes
 
-    empty = ", ".join(f"{fmt_bytes(v)} on {k}" for k, v in sorted(r.free_at_peak.items()) if v >= MiB)
+    def largest(stream: str) -> str:  # its largest blocks: the sizes of the tensors that were freed there
+        sizes = [s for s in (r.blocks_at_peak or {}).get(stream, ()) if s >= MiB]
+        shown = ", ".join(fmt_bytes(s) for s in sizes[:6]) + (", ..." if len(sizes) > 6 else "")
+        return f" (blocks {shown})" if len(sizes) > 1 else ""
+
+    empty = ", ".join(f"{fmt_bytes(v)} on {k}{largest(k)}" for k, v in sorted(r.free_at_peak.items()) if v >= MiB)
     return (f"reserved: the traced update's storages replayed through CUDACachingAllocator's block rules "
             f"(trace/replay.py): peak reserved {fmt_bytes(r.peak_reserved_bytes)} (cached and empty at the peak of "
             f"allocated: {empty or 'none'}) + the cuBLAS workspace ({fmt_bytes(workspace)}, PyTorch #120925)"
