@@ -118,6 +118,28 @@ def _cli_built_once():
         yield
 
 
+@pytest.fixture(scope="session")
+def real_calibration():
+    """``real_calibration() -> Calibration``: a fresh copy of one real CPU calibration at one thread (matmuls of
+    128 and 256 cubed, one short round) measured once for the run: calibrate/test_calibrate.py and test_checks.py
+    assert different things about it, and each measuring its own cost a second calibration (12-25 s on a loaded
+    2-core run).  The first worker to ask measures it under a lock in the run's home; the other reads it."""
+    import fcntl
+    import pickle
+    from pathlib import Path
+
+    from batchlab.calibrate import measure
+
+    path = Path(os.environ["BATCHLAB_TEST_HOME"]) / "real-calibration.pickle"
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not path.exists():
+            cal = measure("cpu", seconds=1.0, shapes=((128, 128, 128), (256, 256, 256)), threads=1, rounds=1)
+            path.write_bytes(pickle.dumps(cal))
+        data = path.read_bytes()
+    return lambda: pickle.loads(data)  # a copy per module: a test may change the one it is given
+
+
 SHADOWS = ("statistics", "json", "random", "typing_extensions")  # stdlib / dependency names a project may shadow
 
 

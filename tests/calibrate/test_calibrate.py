@@ -116,10 +116,10 @@ SIDE = 256  # the matmul the real calibration times (and the benchmark check com
 
 
 @pytest.fixture(scope="module")
-def calibrated() -> Calibration:
-    """One real CPU calibration at one thread, shared by the module: one round (~3 s; merging rounds is tested
-    by hand below)."""
-    return measure("cpu", seconds=1.0, shapes=((SIDE // 2, SIDE // 2, SIDE // 2), (SIDE, SIDE, SIDE)), threads=1, rounds=1)
+def calibrated(real_calibration) -> Calibration:
+    """One real CPU calibration at one thread, matmuls of SIDE / 2 and SIDE cubed: one round (~3 s; merging rounds
+    is tested by hand below), measured once for the run (tests/conftest.py, test_checks.py asserts on it too)."""
+    return real_calibration()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from batchlab.calibrate import family, load_all, load_cached, measure, save
+from batchlab.calibrate import Calibration, family, load_all, load_cached, save
 from batchlab.calibrate import run as run_mod
 from batchlab.cli import app
 from batchlab.config import RunConfig
@@ -23,9 +23,9 @@ from batchlab.formula.plausible import BROKEN, ratio_text
 
 
 @pytest.fixture(scope="module")
-def real() -> "Calibration":  # noqa: F821
-    """One real CPU calibration at one thread, two matmul sizes, one short round."""
-    return measure("cpu", seconds=1.0, shapes=((64, 64, 64), (256, 256, 256)), threads=1, rounds=1)
+def real(real_calibration) -> Calibration:
+    """One real CPU calibration at one thread, two matmul sizes, one short round (the run's, tests/conftest.py)."""
+    return real_calibration()
 
 
 def poisoned(cal, **kw):

@@ -274,20 +274,43 @@ def test_formula_counts_hugging_face_layers_from_their_own_tensors(source, toler
     assert abs(estimate(cfg).memory.activations_bytes - measured) < abs(builtin - measured)
 
 
-@pytest.mark.parametrize("argv", [
+NO_TORCH = [
     ["estimate", "--model", "llama-2-7b", "--seq", "4096", "--micro-batch", "1", "--device", "h100", "--json"],
     ["estimate", "--vary", "micro_batch=1,2,4", "--global-batch", "8"],
     ["explain"],
     ["fit", "--model", "llama-2-7b", "--seq", "4096", "--global-batch", "512", "--dp", "8", "--device", "h100-sxm",
      "--precision", "bf16-mixed", "--zero", "1", "--json"],
-])
-def test_the_calculator_commands_run_where_torch_cannot_be_imported(argv):
+]
+_END = "=== batchlab exited "  # each command's end in the shared process's output, its exit code after it
+
+
+@pytest.fixture(scope="module")
+def without_torch() -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each of NO_TORCH, run in turn as ``batchlab ...`` would run it in one
+    interpreter where torch cannot be imported (one interpreter's start for the four)."""
     code = ("import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
-            f"sys.argv = ['batchlab'] + {argv!r}\n"
-            "from batchlab.cli import main\nmain()")
+            "from batchlab.cli import main\n"
+            f"for argv in {NO_TORCH!r}:\n"
+            "    sys.argv = ['batchlab'] + argv\n"
+            "    try:\n        main()\n        rc = 0\n"
+            "    except SystemExit as e:\n        rc = e.code if isinstance(e.code, int) else (e.code is not None)\n"
+            f"    for f in (sys.stdout, sys.stderr):\n        print('\\n{_END}%d' % rc, file=f, flush=True)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "global" in out.stdout
+    (first, *rest), (first_err, *rest_err) = out.stdout.split(_END), out.stderr.split(_END)
+    assert len(rest) == len(rest_err) == len(NO_TORCH), out.stderr[-2000:]
+    # each part after the first: the previous command's exit code, then the next command's output
+    codes = [int(part.split("\n", 1)[0]) for part in rest]
+    outs = [first] + [part.split("\n", 1)[1] for part in rest[:-1]]
+    errs = [first_err] + [part.split("\n", 1)[1] for part in rest_err[:-1]]
+    return list(zip(codes, outs, errs))
+
+
+@pytest.mark.parametrize("i", range(len(NO_TORCH)), ids=[f"argv{i}" for i in range(len(NO_TORCH))])
+def test_the_calculator_commands_run_where_torch_cannot_be_imported(without_torch, i):
+    returncode, stdout, stderr = without_torch[i]
+    assert returncode == 0, (NO_TORCH[i], stderr[-2000:])
+    assert "global" in stdout
 
 
 @pytest.mark.slow

@@ -1,4 +1,6 @@
 """The loss path: what F.cross_entropy keeps in each precision, and the chunked loss, against real CPU steps."""
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,8 @@ def test_cross_entropy_keeps_an_fp32_log_softmax_whatever_the_logits_dtype(dtype
     assert loss_path(cfg).kept == 64 * 4 * 8192 * 4
 
 
+# one real step per configuration for the module: tests asserting different things about the same step share it
+@functools.lru_cache(maxsize=None)
 def measured(cfg):
     from batchlab.measure.harness import Trainer
     from batchlab.measure.memory import track_update

@@ -2,6 +2,7 @@
 against real CPU steps: what the formula says a layer keeps is what the step keeps, its peak is within what the
 other selective policies hold, the gradients are plain training's, the printed script runs it and the planner
 picks it."""
+import functools
 import json
 
 import pytest
@@ -16,6 +17,9 @@ MODELS = {"gpt": dict(dropout=0.0, attention="sdpa"), "gpt-dropout": dict(),
           "llama": dict(dropout=0.0, attention="sdpa", mlp="swiglu", norm="rmsnorm", position="rope", kv_heads=2)}
 
 
+# one real step per configuration for the module: several tests assert different things about the same step's
+# live tensors (a step's bytes are the same each time it runs)
+@functools.lru_cache(maxsize=None)
 def measured_activations(cfg):
     from batchlab.measure.harness import Trainer
     from batchlab.measure.memory import track_update

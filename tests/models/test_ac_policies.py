@@ -1,5 +1,7 @@
 """The checkpoint policies users run (torchtitan selective op, selective layer = every:K, Megatron selective)
 against the live tensors of a real CPU step: what the formula says each keeps is what the step keeps."""
+import functools
+
 import pytest
 import torch
 
@@ -13,6 +15,9 @@ MODELS = {"gpt": dict(dropout=0.0, attention="sdpa"),
           "llama": dict(dropout=0.0, attention="sdpa", mlp="swiglu", norm="rmsnorm", position="rope", kv_heads=2)}
 
 
+# one real step per configuration for the module: several tests assert different things about the same step's
+# live tensors (a step's bytes are the same each time it runs)
+@functools.lru_cache(maxsize=None)
 def measured_activations(cfg):
     from batchlab.measure.harness import Trainer
     from batchlab.measure.memory import track_update
