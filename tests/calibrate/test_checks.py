@@ -132,6 +132,35 @@ def test_one_implausible_part_is_left_out_and_measured_again_the_rest_serves(rea
     assert load_cached("cpu", 1).link_chain_seconds == {"0": curve[0.0], "0.002": curve[2e-3]}
 
 
+def test_two_processes_needing_a_calibration_at_once_measure_it_once(real, monkeypatch):
+    """The second waits for the first's calibration and takes it, rather than measuring beside it (each under the
+    other's load) or twice.  Two threads open the lock file apart, so flock holds between them as between
+    processes."""
+    import threading
+    import time
+
+    calls = []
+
+    def slow(*a, **k):
+        calls.append(k)
+        time.sleep(0.5)  # long enough for the other thread to arrive while this one measures
+        return real
+
+    from batchlab.formula import calibration
+
+    monkeypatch.setattr(calibration, "loaded_by", lambda other, cores, threads: False)  # other workers' load
+    monkeypatch.setattr(run_mod, "measure", slow)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(run_mod.ensure("cpu", threads=1, scope=())))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and sorted(fresh for _, fresh in got) == [False, True]
+    assert all(cal == real for cal, _ in got)
+
+
 def test_a_poisoned_cache_is_measured_again_and_replaced(real, monkeypatch):
     calls = []
     monkeypatch.setattr(run_mod, "measure", lambda *a, **k: calls.append(k) or real)

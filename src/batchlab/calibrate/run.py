@@ -14,9 +14,10 @@ from batchlab.calibrate.dispatch import SAC, DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
                                         _matmul_curves, _memory_curve, _sdpa_curves, monotone)
 from batchlab.calibrate.link import allreduce_times, ring_fit, warm_latency
-from batchlab.cache.calibrations import _cache_path, default_threads, load_cached, save
+from batchlab.cache.calibrations import _cache_path, cache_dir, default_threads, load_cached, save
 from batchlab.formula.calibration import SCOPES, Calibration, check, loaded, needs
 from batchlab.config import ConfigError
+from batchlab.util.files import held_lock
 from batchlab.host import PROBE_BUNDLE, SpeedProbe
 
 
@@ -268,13 +269,19 @@ def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float
     now).  Raises ``Rejected`` where the fresh measurement fails its checks twice.  One measured twice under
     other processes' load (calibration.loaded) is cached as provisional: its source says so, and the next
     ``ensure`` measures again, so the load of one moment does not stay in the predictions."""
-    want = default_threads() if threads is None else threads
-    cached = load_cached(_device_name(torch_device), want)
+    want, name = default_threads() if threads is None else threads, _device_name(torch_device)
+    cached = load_cached(name, want)
     if cached is not None and _current(cached, set(scope)):
         return cached, False
-    kept = set(cached.scope) if cached is not None and (loaded(cached) or _current(cached, set())) else set()
-    cal = checked(lambda: measure(torch_device, seconds=seconds, threads=want, scope=tuple(set(scope) | kept)))
-    save(cal)
+    # one process measures at a time: two compares started together measured side by side, each under the other's
+    # load (both provisional), or twice over
+    with held_lock(cache_dir() / f".{name}-{want}threads.lock"):
+        cached = load_cached(name, want)  # measured by another process while this one waited
+        if cached is not None and _current(cached, set(scope)):
+            return cached, False
+        kept = set(cached.scope) if cached is not None and (loaded(cached) or _current(cached, set())) else set()
+        cal = checked(lambda: measure(torch_device, seconds=seconds, threads=want, scope=tuple(set(scope) | kept)))
+        save(cal)
     return cal, True
 
 

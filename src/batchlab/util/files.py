@@ -3,10 +3,11 @@ then ``os.replace`` (atomic on POSIX); on any error the temporary file is remove
 names the file and the reason (read-only directory, full disk).  Pure Python."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from batchlab.util.errors import ConfigError
 
@@ -54,3 +55,20 @@ def _remove(paths: Iterable[str]) -> None:
             os.unlink(p)
         except OSError:
             pass
+
+
+@contextlib.contextmanager
+def held_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created) while the block runs: one process at a time.  Where the
+    platform has no ``fcntl`` (Windows) or the folder cannot be written, the block runs unlocked."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
