@@ -69,7 +69,9 @@ def test_fsdp2_x_tp_with_sequence_parallelism_matches_the_replay(monkeypatch, fl
 
 def test_the_last_pipeline_stage_keeps_them_under_1f1b(monkeypatch):
     """PP2 (1F1B) x TP8+SP: only the stage holding the loss has the term.  The replay of that stage keeps more than
-    the formula's logits and blocks on its compute stream (its other micro-batches' loss tensors, not modelled): the
+    the formula's logits and blocks on its compute stream (its other micro-batches' loss tensors, not modelled: a
+    small tensor of the next micro-batch takes the freed logits' block, best fit, so the next logits split an fp32
+    loss segment and the loss makes another, six 2 GiB fp32 segments after four micro-batches at 4 layers): the
     formula stays below the replay, within half of it."""
     from batchlab.formula.memory import _stage_memory
     from batchlab.formula.ranks import shares
