@@ -22,20 +22,25 @@ a block freed on one stream is reused only on that stream.  What follows from th
   device_handle.stream(reduce_scatter_stream): reduce_output = reduce_scatter_input.new_empty(...)``), so once
   zero_grad frees the shards their blocks stay in the reduce-scatter pool through the next forward: at a peak
   where this update's shards are not yet all live, the rest of that pool is reserved and empty;
-- full-sequence blocks under sequence parallelism (DTensor's plan: distributed/tensor_parallel.py, torchtitan's
-  parallelize_llama): between blocks a TP rank holds 1/t of the sequence, but inside a block it makes tensors of the
-  whole sequence (s x b x h in the compute dtype) on the compute stream and frees them there: the all-gathered
-  inputs of attention and of the MLP (PrepareModuleInput Shard(1) -> Replicate: funcol all_gather_into_tensor
-  gathers on dim 0, then torch._utils._maybe_view_chunk_cat copies its chunks to dim 1, a view only at micro-batch
-  1), a row-parallel GEMM's partial output and its chunk-cat copy for the dim-1 reduce-scatter
-  (_functional_collectives.reduce_scatter_single, _chunk_or_narrow_cat), a column-parallel GEMM's partial input
-  gradient and its all-reduced copy (ColwiseParallel's ``from_local(Replicate)`` backward; funcol all_reduce is out
-  of place).  A fully recomputed block's backward holds four at once: the recomputed forward saved both gathered
-  inputs (the column GEMMs' weight gradients read them), beside the row-parallel output gradient's all-gather
-  output and its dim-1 copy, or a column GEMM's partial input gradient and its all-reduced copy.  Segments are
-  never returned during training, so the compute pool keeps four such blocks from one update to the next; at the
-  loss's backward the loss's fp32 tensors (s x b x V/t x 4 B) are larger than each and only the LM head's gathered
-  input (saved for its weight gradient) is live in one of them: three are reserved and empty.  Checked against the
+- full-sequence blocks under tensor parallelism (DTensor's plan: distributed/tensor_parallel.py, torchtitan's
+  parallelize_llama): with sequence parallelism a TP rank holds 1/t of the sequence between blocks, but inside a
+  block it makes tensors of the whole sequence (s x b x h in the compute dtype) on the compute stream and frees them
+  there: the all-gathered inputs of attention and of the MLP (PrepareModuleInput Shard(1) -> Replicate: funcol
+  all_gather_into_tensor gathers on dim 0, then torch._utils._maybe_view_chunk_cat copies its chunks to dim 1, a
+  view only at micro-batch 1), a row-parallel GEMM's partial output and its chunk-cat copy for the dim-1
+  reduce-scatter (_functional_collectives.reduce_scatter_single, _chunk_or_narrow_cat), a column-parallel GEMM's
+  partial input gradient and its all-reduced copy (ColwiseParallel's ``from_local(Replicate)`` backward; funcol
+  all_reduce is out of place).  A fully recomputed block's backward holds four at once: the recomputed forward saved
+  both gathered inputs (the column GEMMs' weight gradients read them), beside the row-parallel output gradient's
+  all-gather output and its dim-1 copy, or a column GEMM's partial input gradient and its all-reduced copy.  Without
+  sequence parallelism (ColwiseParallel's input and RowwiseParallel's output Replicate) the same four are whole-
+  sequence already: the recomputed norms' outputs the column GEMMs saved, and a column GEMM's partial input gradient
+  and its all-reduced copy (the row-parallel output's all-reduce, partial and copy, in the recomputed forward).
+  Segments are never returned during training, so the compute pool keeps four such blocks from one update to the
+  next; at the loss's backward the loss's fp32 tensors (s x b x V/t x 4 B) are larger than each and only the LM
+  head's input (saved for its weight gradient) is live in one of them: three are reserved and empty.  Without
+  sequence parallelism the forward's kept block inputs are whole-sequence too and may take some of them first (best
+  fit of an exact size): the replay keeps one to three empty there, the formula counts three.  Checked against the
   allocator replay of a trace, tests/trace/test_sequence_parallel_blocks.py;
 - cuBLAS workspaces (PyTorch #120925: 32 MiB on Hopper and later, 4 MiB on Ampere with >= 24 GB, else 1 MiB),
   one per stream that runs matmuls; allocated through the caching allocator, so inside reserved.
@@ -126,16 +131,16 @@ def gradient_shards_live(cfg: RunConfig, rank, parts: dict[str, int]) -> int:
     return parts.get("gradients", 0)
 
 
-def sequence_parallel_blocks(cfg: RunConfig, rank=None) -> int:
-    """Bytes of the full-sequence blocks a TP rank with sequence parallelism holds empty at the loss's backward
-    (module docstring): four s x b x h blocks left in the pool by a fully recomputed block's backward, less the LM
-    head's gathered input live in one.  0 where no layer of the rank is fully recomputed (its gathered inputs are
-    then kept activations, allocated), or where the loss's fp32 rows (V/t x 4 B) are no wider than a block's
-    (h x e): the loss's tensors would fit in them."""
+def tensor_parallel_blocks(cfg: RunConfig, rank=None) -> int:
+    """Bytes of the full-sequence blocks a DTensor TP rank, with or without sequence parallelism, holds empty at the
+    loss's backward (module docstring): four s x b x h blocks left in the pool by a fully recomputed block's
+    backward, less the LM head's input live in one.  0 where no layer of the rank is fully recomputed (its full-
+    sequence inputs are then kept activations, allocated), or where the loss's fp32 rows (V/t x 4 B) are no wider
+    than a block's (h x e): the loss's tensors would fit in them."""
     p = cfg.parallel
     # Megatron-Core gathers into its global memory buffer, allocated once (megatron/core/tensor_parallel/layers.py
     # get_global_memory_buffer().get_tensor): no funcol outputs freed into the pool
-    if not (p.sequence_parallel and p.tp > 1) or p.engine_spec.megatron or cfg.model.impl is Implementation.MEGATRON:
+    if p.tp < 2 or p.engine_spec.megatron or cfg.model.impl is Implementation.MEGATRON:
         return 0
     m, e = cfg.model, cfg.precision.compute_bytes
     layers = rank.layers if rank is not None else range(m.layers)
@@ -166,9 +171,9 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
         if at_loss and e < 4:
             parts["freed 16-bit logits (too small for the fp32 loss gradients)"] = (
                 cfg.seq * cfg.micro_batch * cfg.model.vocab // (rank.vocab_split if rank is not None else 1) * e)
-        if at_loss and (blocks := sequence_parallel_blocks(cfg, rank)):
-            parts["sequence-parallel full-sequence blocks (a recomputed block's gathered inputs and "
-                  "gradients), too small for the loss's"] = blocks
+        if at_loss and (blocks := tensor_parallel_blocks(cfg, rank)):
+            parts["tensor-parallel full-sequence blocks (a recomputed block's column-parallel inputs and "
+                  "input gradients), too small for the loss's"] = blocks
         if cfg.parallel.shards_parameters or cfg.parallel.fsdp:
             reduce_bytes = 4 if cfg.precision is Precision.BF16_FSDP else e
             per_layer = rank.per_layer if rank is not None else count(cfg.model).per_layer

@@ -24,7 +24,10 @@ Fake tensors differ from the real run in one place the replay corrects: a fake `
 returns a new storage, a real one its input (the collective's output), so its output is the input's block.
 
 Not replayed: record_stream (formula/allocator.py: torchtitan avoids it), expandable segments, the cuBLAS workspace
-(no op creates it; added by the caller), and what CUDA kernels allocate that the CPU kernels traced do not.
+(no op creates it; added by the caller), and what CUDA kernels allocate that the CPU kernels traced do not.  The
+reverse is replayed as traced: CPU's rms_norm is the composite (x.float(), pow, mul: fp32 whole-sequence copies)
+where CUDA's is one _fused_rms_norm kernel (trace/cuda_policy.py), so a torch.rms_norm model's replay holds blocks
+a CUDA run does not make (three 4 GiB fp32 ones at Llama 3 70B's widths under TP without sequence parallelism).
 """
 from __future__ import annotations
 
