@@ -302,9 +302,11 @@ def _calibrations(cfgs: tuple) -> tuple[list, list[str]]:
     return [load_all(THREADS)], [said] if said else []
 
 
-def _row(model: str, pair: tuple[str, str, str], walls, faults, sides: list[dict[str, float]]) -> tuple[str, float]:
-    """One pair's table row and its error: the formula's ratio is the geometric mean of its ratio under each
-    calibration in ``sides`` (before and after the model's rounds where bracketed)."""
+def _row(model: str, pair: tuple[str, str, str], walls, faults,
+         sides: list[dict[str, float]]) -> tuple[str, float, float]:
+    """One pair's table row, its error and the error under the first calibration alone: the formula's ratio is the
+    geometric mean of its ratio under each calibration in ``sides`` (before and after the model's rounds where
+    bracketed)."""
     a, b, what = pair
     ratios = [y / x for x, y in walls[(a, b)]]
     each = [f[b] / f[a] for f in sides]
@@ -317,7 +319,7 @@ def _row(model: str, pair: tuple[str, str, str], walls, faults, sides: list[dict
     return (f"| {model} | {what}{mark} | {a} | {b} | {ms[0]:.0f} / {ms[1]:.0f} | {fa:.0f} / {fb:.0f} | {got:.2f} | "
             f"{min(ratios):.2f}-{max(ratios):.2f} | {want:.2f}{moved} | {err:+.0%} | "
             f"{FIRST_ERROR.get((model, what), '')} | {direction(ratios, want)} | "
-            f"{faults[(a, b)][0]:,.0f} / {faults[(a, b)][1]:,.0f} |"), err
+            f"{faults[(a, b)][0]:,.0f} / {faults[(a, b)][1]:,.0f} |"), err, (each[0] - got) / got
 
 
 def main() -> int:
@@ -331,7 +333,7 @@ def main() -> int:
     print(f"Before: {_load()}; this process may run on CPUs {cpus}.\n")
     cfgs = tuple(config(m, n) for m in PAIRS for n in _used(m))
     cals, said = _calibrations(cfgs)
-    rows, errors, held = [], [], []
+    rows, errors, held, first = [], [], [], []
     for model in PAIRS:
         print(f"measuring {model} ...", file=sys.stderr, flush=True)
         walls, faults = measure(model)
@@ -341,8 +343,9 @@ def main() -> int:
             said += [line] if line else []
         sides = [predicted(model, c) for c in (cals[-2:] if BRACKET else cals)]
         for pair in PAIRS[model]:
-            row, err = _row(model, pair, walls, faults, sides)
+            row, err, before = _row(model, pair, walls, faults, sides)
             rows.append(row)
+            first.append((abs(before), (model, pair[2]) in HOLDOUT))
             (held if (model, pair[2]) in HOLDOUT else errors).append(abs(err))
     if said:
         print("Calibration: " + "; ".join(said).replace("\n", "; ") + "\n")
@@ -365,6 +368,10 @@ def main() -> int:
     print(f"\nMedian absolute error {statistics.median(errors):.0%}; within 15%: "
           f"{sum(e <= 0.15 for e in errors)} of {len(errors)}"
           + (f"; hold-outs (†): {sum(e <= 0.15 for e in held)} of {len(held)} within 15%" if held else "")
+          + (f"; priced with the calibration taken before the rounds alone (a prediction made before any of them "
+             f"ran): {sum(e <= 0.15 for e, h in first if not h)} of {sum(not h for _, h in first)}, hold-outs "
+             f"{sum(e <= 0.15 for e, h in first if h)} of {sum(h for _, h in first)}, worst {max(e for e, _ in first):.0%}"
+             if BRACKET else "")
           + ". Direction: up or down where every round agrees, else \"same\" (the formula's ratio inside the rounds' "
           "spread). First error: a row added later, as its first run had it (before any change made with it in view). "
           "Page faults: the minor page faults of one update (median of the rounds, the rank with the most; the allocator "
