@@ -119,7 +119,18 @@ def test_megatron_layouts_hold_no_such_blocks():
     from batchlab.formula.allocator import tensor_parallel_blocks
 
     for sp in ("--sequence-parallel", ""):
-        flags = f"--seq 8192 --micro-batch 1 --dp 2 --tp 8 {sp} --zero 1"
-        for impl, blocks in (("megatron", 0), ("batchlab", 3 * 8192 * 8192 * 2)):
+        flags = f"--seq 8192 --micro-batch 2 --dp 2 --tp 8 {sp} --zero 1"
+        for impl, blocks in (("megatron", 0), ("batchlab", 3 * 8192 * 2 * 8192 * 2)):
             cfg = config_from_command(["estimate", *shlex.split(f"{BASE} {flags} --impl {impl}")])
             assert tensor_parallel_blocks(cfg) == blocks, (impl, sp)
+
+
+@pytest.mark.parametrize("flags", [
+    "--seq 8192 --micro-batch 1 --dp 2 --tp 8 --sequence-parallel --zero 3",  # chunk-cat copies are views
+    "--seq 8192 --micro-batch 16 --dp 2 --tp 8 --sequence-parallel --zero 3 --ac none",  # nothing recomputed
+])
+def test_where_the_replay_keeps_at_most_one_such_block_none_is_counted(monkeypatch, flags):
+    """The two cases the term leaves out: the replay does not hold the recomputed backward's four there."""
+    cfg, f, t, replays = _traced(monkeypatch, flags)
+    assert _term(f) == 0
+    assert list(replays[0].result().blocks_at_peak["compute"]).count(_full_sequence(cfg)) <= 1

@@ -38,7 +38,8 @@ a block freed on one stream is reused only on that stream.  What follows from th
   and its all-reduced copy (the row-parallel output's all-reduce, partial and copy, in the recomputed forward).
   Segments are never returned during training, so the compute pool keeps four such blocks from one update to the
   next; at the loss's backward the loss's fp32 tensors (s x b x V/t x 4 B) are larger than each and only the LM
-  head's input (saved for its weight gradient) is live in one of them: three are reserved and empty.  Without
+  head's input (saved for its weight gradient) is live in one of them: three are reserved and empty (not at
+  micro-batch 1 with sequence parallelism, where the chunk-cat copies are views: ``tensor_parallel_blocks``).  Without
   sequence parallelism the forward's kept block inputs are whole-sequence too and may take some of them first (best
   fit of an exact size): the replay keeps one to three empty there, the formula counts three.  Checked against the
   allocator replay of a trace, tests/trace/test_sequence_parallel_blocks.py;
@@ -134,9 +135,15 @@ def gradient_shards_live(cfg: RunConfig, rank, parts: dict[str, int]) -> int:
 def tensor_parallel_blocks(cfg: RunConfig, rank=None) -> int:
     """Bytes of the full-sequence blocks a DTensor TP rank, with or without sequence parallelism, holds empty at the
     loss's backward (module docstring): four s x b x h blocks left in the pool by a fully recomputed block's
-    backward, less the LM head's input live in one.  0 where no layer of the rank is fully recomputed (its full-
-    sequence inputs are then kept activations, allocated), or where the loss's fp32 rows (V/t x 4 B) are no wider
-    than a block's (h x e): the loss's tensors would fit in them."""
+    backward, less the LM head's input live in one.  0 where the loss's fp32 rows (V/t x 4 B) are no wider than a
+    block's (h x e): the loss's tensors would fit in them.  Also 0 where the replay does not show the four:
+
+    - no layer of the rank fully recomputed (the replay keeps about one s x b x h block there, not counted);
+    - sequence parallelism at micro-batch 1, where the chunk-cat copies are views of the collectives' outputs (the
+      replay keeps at most one block, not counted).
+
+    Checked on eager 16-bit traces only: Float8's gathers (fp8 bytes) and inductor's own buffer planning under
+    ``--compile`` are not, and the term is kept for them as the same tensors are made there."""
     p = cfg.parallel
     # Megatron-Core gathers into its global memory buffer, allocated once (megatron/core/tensor_parallel/layers.py
     # get_global_memory_buffer().get_tensor): no funcol outputs freed into the pool
@@ -145,7 +152,7 @@ def tensor_parallel_blocks(cfg: RunConfig, rank=None) -> int:
     m, e = cfg.model, cfg.precision.compute_bytes
     layers = rank.layers if rank is not None else range(m.layers)
     modes = cfg.ac.layer_modes(m.layers)
-    if not any(modes[i] is ACMode.FULL for i in layers):
+    if not any(modes[i] is ACMode.FULL for i in layers) or (p.sequence_parallel and cfg.micro_batch == 1):
         return 0
     if m.vocab // (rank.vocab_split if rank is not None else 1) * 4 <= m.hidden * e:
         return 0
