@@ -273,9 +273,7 @@ def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float
     cached = load_cached(name, want)
     if cached is not None and _current(cached, set(scope)):
         return cached, False
-    # one process measures at a time: two compares started together measured side by side, each under the other's
-    # load (both provisional), or twice over
-    with held_lock(cache_dir() / f".{name}-{want}threads.lock"):
+    with measuring(name, want):
         cached = load_cached(name, want)  # measured by another process while this one waited
         if cached is not None and _current(cached, set(scope)):
             return cached, False
@@ -283,6 +281,19 @@ def ensure(torch_device: str = "cpu", threads: int | None = None, seconds: float
         cal = checked(lambda: measure(torch_device, seconds=seconds, threads=want, scope=tuple(set(scope) | kept)))
         save(cal)
     return cal, True
+
+
+def measuring(device_name: str, threads: int):
+    """Held while one process measures a device's calibration at ``threads`` and caches it: two compares started
+    together measured side by side, each under the other's load (both provisional), or twice over, and the last to
+    save dropped the parts the other had just cached."""
+    return held_lock(cache_dir() / f".{device_name}-{threads}threads.lock",
+                     f"waiting for another batchlab process calibrating {device_name} at {threads} thread(s)")
+
+
+def measuring_device(torch_device: str, threads: int | None):
+    """``measuring`` for a local torch device (``batchlab calibrate``)."""
+    return measuring(_device_name(torch_device), default_threads() if threads is None else threads)
 
 
 def checked(measure_once) -> Calibration:
@@ -335,6 +346,11 @@ def auto(device_name: str, threads: int | None, enabled: bool = True, cfgs: tupl
         cached = load_cached("cpu", want)
         return None if cached is not None else (
             f"time model: not calibrated (--no-calibrate): nominal CPU rates at {want} thread(s)")
+    with measuring("cpu", want):  # the parts measured on first use too: each loads, adds to and saves the file
+        return _auto(want, cfgs)
+
+
+def _auto(want: int, cfgs: tuple) -> str | None:
     try:
         cal, fresh = ensure("cpu", threads=want, scope=tuple(set().union(*map(needs, cfgs))))
     except Rejected as e:

@@ -29,21 +29,22 @@ def calibrate(
     Estimates, measure and compare for that device then price their ops with these measured rates."""
     from batchlab import calibrate as cal_mod
     from batchlab.calibrate import calls
-    from batchlab.calibrate.run import Rejected, checked
+    from batchlab.calibrate.run import Rejected, checked, measuring_device
 
     if not 1 <= seconds <= 600:  # NaN fails this too; under 1 s the shape classes are not all measured
         fail(f"seconds: must be between 1 and 600, got {seconds:g}")
     if threads is not None and threads < 1:
         fail(f"threads: must be >= 1, got {threads}")
     try:
-        with progress("calibrate", f"matmul curves, bandwidth, kernels and dispatch on {torch_device}, about "
-                                   f"{2.4 * seconds:.0f} s", quiet=as_json):
+        with measuring_device(torch_device, threads), progress(
+                "calibrate", f"matmul curves, bandwidth, kernels and dispatch on {torch_device}, about "
+                             f"{2.4 * seconds:.0f} s", quiet=as_json):
             cal = checked(lambda: cal_mod.measure(torch_device, seconds=seconds, threads=threads))
+            path = cal_mod.save(cal) if save else None
     except ConfigError as e:
         fail(str(e))
     except Rejected as e:  # not the user's input: the machine measured nonsense twice
         fail(f"the calibration failed its checks twice and was not cached: {e}", code=1)
-    path = cal_mod.save(cal) if save else None
     if as_json:
         print_json({**cal.to_dict(), "cache_path": str(path) if path else None})
         return

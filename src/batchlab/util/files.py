@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -57,10 +59,25 @@ def _remove(paths: Iterable[str]) -> None:
             pass
 
 
+# locks held, by path and thread: a nested ``held_lock`` of one in the same thread is already held (another thread
+# waits, as another process does)
+_HELD: dict[tuple[Path, int], int] = {}
+
+
 @contextlib.contextmanager
-def held_lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``path`` (created) while the block runs: one process at a time.  Where the
-    platform has no ``fcntl`` (Windows) or the folder cannot be written, the block runs unlocked."""
+def held_lock(path: Path, waiting: str = "") -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created) while the block runs: one process (or thread) at a time;
+    reentrant within a thread.  ``waiting`` is said on stderr where another process holds it.  Where the platform has no
+    ``fcntl`` (Windows) or the file system refuses the lock (a read-only folder, ENOLCK on some network homes), the
+    block runs unlocked."""
+    key = (Path(path).resolve(), threading.get_ident())
+    if key in _HELD:
+        _HELD[key] += 1
+        try:
+            yield
+        finally:
+            _HELD[key] -= 1
+        return
     try:
         import fcntl
 
@@ -70,5 +87,18 @@ def held_lock(path: Path) -> Iterator[None]:
         yield
         return
     with f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
-        yield
+        try:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if waiting:
+                    print(waiting, file=sys.stderr, flush=True)
+                fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        except OSError:
+            yield
+            return
+        _HELD[key] = 1
+        try:
+            yield
+        finally:
+            del _HELD[key]
