@@ -323,6 +323,8 @@ def _row(model: str, pair: tuple[str, str, str], walls, faults,
 
 
 def main() -> int:
+    from batchlab.calibrate.run import Rejected
+
     cpus = sorted(os.sched_getaffinity(0))
     print(f"Built-in tiny GPT (4 layers, hidden 128, vocabulary 512) and a 2-layer Hugging Face Llama (hidden 128, "
           f"4 heads, 2 kv heads, MLP 256, vocabulary 512), micro-batch 4 x sequence 64 (the \"s128\" rows: micro-batch "
@@ -338,7 +340,10 @@ def main() -> int:
         print(f"measuring {model} ...", file=sys.stderr, flush=True)
         walls, faults = measure(model)
         if BRACKET:
-            cal, line = fresh(cfgs)
+            try:
+                cal, line = fresh(cfgs)
+            except Rejected as e:  # the rounds are kept: the model is priced with the calibration before them alone
+                cal, line = cals[-1], f"the calibration after {model} failed its checks twice ({e}): not used"
             cals.append(cal)
             said += [line] if line else []
         sides = [predicted(model, c) for c in (cals[-2:] if BRACKET else cals)]
@@ -370,7 +375,7 @@ def main() -> int:
           + (f"; hold-outs (†): {sum(e <= 0.15 for e in held)} of {len(held)} within 15%" if held else "")
           + (f"; priced with the calibration taken before the rounds alone (a prediction made before any of them "
              f"ran): {sum(e <= 0.15 for e, h in first if not h)} of {sum(not h for _, h in first)}, hold-outs "
-             f"{sum(e <= 0.15 for e, h in first if h)} of {sum(h for _, h in first)}, worst {max(e for e, _ in first):.0%}"
+             f"{sum(e <= 0.15 for e, h in first if h)} of {sum(h for _, h in first)}, worst of them all {max(e for e, _ in first):.0%}"
              if BRACKET else "")
           + ". Direction: up or down where every round agrees, else \"same\" (the formula's ratio inside the rounds' "
           "spread). First error: a row added later, as its first run had it (before any change made with it in view). "

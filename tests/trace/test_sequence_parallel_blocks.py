@@ -5,9 +5,9 @@ one block leaves in the pool does not grow with depth), one rank of each layout.
 Tolerance: the formula's reserved - allocated within 20% of the replay's on tensor-parallel layouts with sequence
 parallelism.  What remains (the replay higher) is the last block's sequence-sharded transients (its norms' fp32
 copies, residual sums) and FSDP2's unsharded parameters freed on the compute stream, which the formula does not
-count; without the new term the formula is 45-65% low on the same layouts.  Without sequence parallelism, within
-30%: the forward's kept block inputs are whole-sequence there and take one or two of the blocks in some layouts
-(the replay keeps one to three empty; the formula counts three).
+count; each test also checks that the formula without the term is further from the replay.  Without sequence
+parallelism, within 30%: the forward's kept block inputs are whole-sequence there and take one or two of the
+blocks in some layouts (the replay keeps one to three empty; the formula counts three).
 
 The layouts without sequence parallelism are traced with LayerNorm: the trace runs CPU kernels, and CPU's rms_norm is
 the composite (x.float(), pow, mean, rsqrt, mul: whole-sequence fp32 copies, three 4 GiB blocks at these widths

@@ -184,9 +184,9 @@ def check(cal: Calibration) -> list[str]:
 
 def drop_implausible_parts(cal: Calibration) -> list[str]:
     """Clear from ``cal`` the parts measured on first use (calibrate/chain.py, shared_link.py, dtensor.py,
-    family.py) whose figures are implausible, and say which: the next measure or compare meets them missing and
-    measures them again, where refusing the whole calibration for one of them priced every estimate at nominal
-    rates.  A malformed table is left for ``check`` to name."""
+    family.py) whose figures are implausible, and say which: the rest of the calibration still prices, and the next
+    measure or compare meets those parts missing and measures them again.  A malformed table is left for ``check``
+    to name."""
     out: list[str] = []
     try:
         if bad := plausible.link_chain_problems(cal.link_chain_seconds, cal.loopback_warm_latency_s):
