@@ -122,15 +122,19 @@ def _cli_built_once():
 def real_calibration():
     """``real_calibration() -> Calibration``: a fresh copy of one real CPU calibration at one thread (matmuls of
     128 and 256 cubed, one short round) measured once for the run: calibrate/test_calibrate.py and test_checks.py
-    assert different things about it, and each measuring its own cost a second calibration (12-25 s on a loaded
-    2-core run).  The first worker to ask measures it under a lock in the run's home; the other reads it."""
+    assert different things about it, and each measuring its own would time the same matmuls twice.  The first
+    worker to ask measures it under a lock in the run's home; the other reads it.  The file is named for the run
+    (pytest-xdist's id, which its workers share, or one of this session's own without xdist): a home the caller
+    supplies outlives the run, and a later run must measure its own, not read this one's."""
     import fcntl
     import pickle
+    import uuid
     from pathlib import Path
 
     from batchlab.calibrate import measure
 
-    path = Path(os.environ["BATCHLAB_TEST_HOME"]) / "real-calibration.pickle"
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex  # a session fixture: one per process
+    path = Path(os.environ["BATCHLAB_TEST_HOME"]) / f"real-calibration-{run}.pickle"
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not path.exists():

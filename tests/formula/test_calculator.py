@@ -281,29 +281,24 @@ NO_TORCH = [
     ["fit", "--model", "llama-2-7b", "--seq", "4096", "--global-batch", "512", "--dp", "8", "--device", "h100-sxm",
      "--precision", "bf16-mixed", "--zero", "1", "--json"],
 ]
-_END = "=== batchlab exited "  # each command's end in the shared process's output, its exit code after it
 
 
 @pytest.fixture(scope="module")
 def without_torch() -> list[tuple[int, str, str]]:
-    """(exit code, stdout, stderr) of each of NO_TORCH, run in turn as ``batchlab ...`` would run it in one
-    interpreter where torch cannot be imported (one interpreter's start for the four)."""
-    code = ("import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
-            "from batchlab.cli import main\n"
-            f"for argv in {NO_TORCH!r}:\n"
-            "    sys.argv = ['batchlab'] + argv\n"
-            "    try:\n        main()\n        rc = 0\n"
-            "    except SystemExit as e:\n        rc = e.code if isinstance(e.code, int) else (e.code is not None)\n"
-            f"    for f in (sys.stdout, sys.stderr):\n        print('\\n{_END}%d' % rc, file=f, flush=True)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    (first, *rest), (first_err, *rest_err) = out.stdout.split(_END), out.stderr.split(_END)
-    assert len(rest) == len(rest_err) == len(NO_TORCH), out.stderr[-2000:]
-    # each part after the first: the previous command's exit code, then the next command's output
-    codes = [int(part.split("\n", 1)[0]) for part in rest]
-    outs = [first] + [part.split("\n", 1)[1] for part in rest[:-1]]
-    errs = [first_err] + [part.split("\n", 1)[1] for part in rest_err[:-1]]
-    return list(zip(codes, outs, errs))
+    """(exit code, stdout, stderr) of each of NO_TORCH, run as ``batchlab ...`` would run it, each in its own
+    interpreter where torch cannot be imported: a command cannot pass on what an earlier one imported, and one
+    crash fails only its own test; the four start at once, so their interpreter starts overlap."""
+    procs = [subprocess.Popen([sys.executable, "-c",
+                               "import sys; sys.modules['torch'] = None\n"  # any `import torch` raises ImportError
+                               f"sys.argv = ['batchlab'] + {argv!r}\n"
+                               "from batchlab.cli import main\nmain()"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for argv in NO_TORCH]
+    results = []
+    for proc in procs:  # each child has its own pipes: draining one after another blocks none of them for good
+        stdout, stderr = proc.communicate()
+        results.append((proc.returncode, stdout, stderr))
+    return results
 
 
 @pytest.mark.parametrize("i", range(len(NO_TORCH)), ids=[f"argv{i}" for i in range(len(NO_TORCH))])

@@ -179,8 +179,8 @@ def test_layer_check_finds_upward_same_layer_and_unlisted_imports(tmp_path):
 
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
-    """batchlab's own import graph, parsed once for the module's three tests that read it (each parse of every
-    module's ast: 3-4 s of a loaded 2-core run); read, never changed."""
+    """batchlab's own import graph, parsed once for the module's three tests that read it (a parse reads every
+    module's ast, the same work for each); read, never changed."""
     return import_graph(SRC, "batchlab")
 
 

@@ -115,6 +115,20 @@ def test_a_fake_wait_tensor_output_is_its_input_block():
     assert r.allocator.allocated == 0
 
 
+def test_the_free_blocks_at_the_peak_of_allocated_largest_first():
+    r = AllocatorReplay()
+    r.added(1, 30 * MiB, "activations")  # a 30 MiB segment of its own (a multiple of 2 MiB)
+    r.added(2, 50 * MiB, "activations")
+    r.added(3, 512, "activations")  # a 2 MiB small segment: 2 MiB - 512 B left free in it
+    r.freed(1)
+    r.added(4, 60 * MiB, "activations")  # the 30 MiB block is too small: a new segment, allocated at its peak
+    r.freed(4)
+    r.added(5, 10 * MiB, "activations")  # below the peak: the record stays the one taken at the 60 MiB malloc
+    result = r.result()
+    assert result.blocks_at_peak == {"compute": (30 * MiB, 2 * MiB - 512)}  # the large pool's, then the small's
+    assert result.free_at_peak == {"compute": 32 * MiB - 512}
+
+
 @pytest.mark.parametrize("device, replayed", [("h100-80gb", True), ("cpu", False)])
 def test_a_trace_on_a_cuda_device_takes_its_reserved_view_from_the_replay(device, replayed):
     from batchlab.config import RunConfig
