@@ -193,9 +193,13 @@ def _largest_first(sizes: dict[str, list[int]]) -> dict[str, tuple[int, ...]]:
 @dataclass(frozen=True)
 class ReplayResult:
     peak_reserved_bytes: int  # max_memory_reserved
-    free_at_peak: dict  # stream -> bytes cached and free when allocated reached its peak
     out_of_memory: bool
-    blocks_at_peak: dict = None  # stream -> the sizes of those free blocks, largest first
+    blocks_at_peak: dict  # stream -> sizes of the blocks cached and free when allocated reached its peak, largest first
+
+    @property
+    def free_at_peak(self) -> dict[str, int]:
+        """Stream -> bytes cached and free at the peak of allocated."""
+        return {k: sum(v) for k, v in self.blocks_at_peak.items()}
 
 
 class AllocatorReplay:
@@ -256,9 +260,8 @@ class AllocatorReplay:
 
     def result(self) -> ReplayResult:
         a = self.allocator
-        return ReplayResult(peak_reserved_bytes=a.peak_reserved,
-                            free_at_peak={k: sum(v) for k, v in self._free_at_peak.items()},
-                            out_of_memory=a.out_of_memory, blocks_at_peak=_largest_first(self._free_at_peak))
+        return ReplayResult(peak_reserved_bytes=a.peak_reserved, out_of_memory=a.out_of_memory,
+                            blocks_at_peak=_largest_first(self._free_at_peak))
 
 
 def replays(cfg) -> AllocatorReplay | None:
@@ -278,7 +281,7 @@ def replay_note(r: ReplayResult, workspace: int) -> str:
     from batchlab.util.units import fmt_bytes
 
     def largest(stream: str) -> str:  # its largest blocks: the sizes of the tensors that were freed there
-        sizes = [s for s in (r.blocks_at_peak or {}).get(stream, ()) if s >= MiB]
+        sizes = [s for s in r.blocks_at_peak.get(stream, ()) if s >= MiB]
         shown = ", ".join(fmt_bytes(s) for s in sizes[:6]) + (", ..." if len(sizes) > 6 else "")
         return f" (blocks {shown})" if len(sizes) > 1 else ""
 
