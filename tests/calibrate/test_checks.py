@@ -305,3 +305,10 @@ def test_the_cache_of_one_device_is_read_from_its_own_files_only(real, monkeypat
     assert read[-1] == other.name
     assert load_cached("h100", 1) is None  # a device whose name begins another's reads nothing of it
     assert len(read) == 2
+
+
+def test_a_device_name_with_path_or_markup_characters_locks_a_file_in_the_cache_folder_itself():
+    from batchlab.cache.calibrations import cache_dir, lock_path
+
+    path = lock_path("../NVIDIA A100/80GB [red]x", 2)
+    assert path.parent == cache_dir() and "/" not in path.name and path.name.endswith("-2threads.lock")

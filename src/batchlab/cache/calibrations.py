@@ -37,6 +37,12 @@ def _cache_path(device: str, torch_version: str, threads: int) -> Path:
     return cache_dir() / (_file_name(f"{device}-torch{torch_version}-{threads}threads") + ".json")
 
 
+def lock_path(device: str, threads: int) -> Path:
+    """The file one process locks while it measures ``device``'s calibration at ``threads`` (calibrate/run.py
+    ``measuring``); a dot-file, never read as a calibration."""
+    return cache_dir() / ("." + _file_name(f"{device}-{threads}threads") + ".lock")
+
+
 def save(cal: Calibration) -> Path:
     path = _cache_path(cal.device, cal.torch_version, cal.threads)
     write_atomic(path, json.dumps(cal.to_dict(), indent=2), "calibration")  # two writers at once: no half file

@@ -14,7 +14,7 @@ from batchlab.calibrate.dispatch import SAC, DispatchSampler, dispatch_trainers
 from batchlab.calibrate.kernels import (CLOCK, GPU_MATMUL_SHAPES, MATMUL_SHAPES, _bmm_curves, _element_seconds,
                                         _matmul_curves, _memory_curve, _sdpa_curves, monotone)
 from batchlab.calibrate.link import allreduce_times, ring_fit, warm_latency
-from batchlab.cache.calibrations import _cache_path, cache_dir, default_threads, load_cached, save
+from batchlab.cache.calibrations import _cache_path, default_threads, load_cached, lock_path, save
 from batchlab.formula.calibration import SCOPES, Calibration, check, loaded, needs
 from batchlab.config import ConfigError
 from batchlab.util.files import held_lock
@@ -287,7 +287,7 @@ def measuring(device_name: str, threads: int):
     """Held while one process measures a device's calibration at ``threads`` and caches it: two compares started
     together measured side by side, each under the other's load (both provisional), or twice over, and the last to
     save dropped the parts the other had just cached."""
-    return held_lock(cache_dir() / f".{device_name}-{threads}threads.lock",
+    return held_lock(lock_path(device_name, threads),
                      f"waiting for another batchlab process calibrating {device_name} at {threads} thread(s)")
 
 
