@@ -237,22 +237,6 @@ def direction(ratios: list[float], want: float) -> str:
     return "right (same)" if lo <= want <= hi else "WRONG (measured same)"
 
 
-def calibration_line(cal) -> str:
-    """What the formula's figures rest on: when the calibration was measured, under how much other load, and its
-    link and DTensor figures (a link timed under load prices every message at that load)."""
-    from batchlab.cache.calibrations import load_cached
-
-    c = load_cached("cpu", THREADS)
-    if c is None or cal.get("cpu") is None:
-        return "Calibration: none cached at 1 thread; the formula priced with nominal CPU figures."
-    busy = f"{c.other_cores:.1f}" if c.other_cores >= 0 else "unknown"
-    dt = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.dtensor_seconds.items()) or "nominal"
-    return (f"Calibration: measured {c.measured_at} while other processes kept {busy} core(s) busy; gloo link "
-            f"{c.loopback_latency_s * 1e6:.0f} us per message, {c.loopback_bytes_per_s / 1e6:.0f} MB/s; gloo's "
-            f"all-reduce as a chain of them pays it (tensor-parallel collectives): {_chain(c)}; DTensor per op: "
-            f"{dt}. On a quiet machine, calibrate afresh first (`batchlab calibrate --threads 1`).")
-
-
 def _chain(c) -> str:
     from batchlab.calibrate import chain as chained
 
@@ -354,17 +338,16 @@ def main() -> int:
             (held if (model, pair[2]) in HOLDOUT else errors).append(abs(err))
     if said:
         print("Calibration: " + "; ".join(said).replace("\n", "; ") + "\n")
-    if BRACKET:
-        print("Calibrations, each `batchlab calibrate --threads 1` with what compare then measures for these layouts "
-              "(taken before the first model's rounds and after each model's):\n")
-        print("| calibration | taken (UTC) | other processes' load (cores) | fp32 matmul peak (GFLOP/s) | gloo link "
-              "| gloo's all-reduce as a chain pays it | DTensor per op, forward / backward / collective (us) |")
-        print("|---|---|---|---|---|---|---|")
-        for i, c in enumerate(cals):
-            print(calibration_row("before " + list(PAIRS)[0] if i == 0 else "after " + list(PAIRS)[i - 1], c))
-        print()
-    else:
-        print(calibration_line(cals[0]) + "\n")
+    print("Calibrations, each `batchlab calibrate --threads 1` with what compare then measures for these layouts "
+          + ("(taken before the first model's rounds and after each model's):\n" if BRACKET else
+             "(this CPU's cached one, as compare prices; on a quiet machine, calibrate afresh first):\n"))
+    print("| calibration | taken (UTC) | other processes' load (cores) | fp32 matmul peak (GFLOP/s) | gloo link "
+          "| gloo's all-reduce as a chain pays it | DTensor per op, forward / backward / collective (us) |")
+    print("|---|---|---|---|---|---|---|")
+    for i, c in enumerate(cals):
+        print(calibration_row("cached" if not BRACKET else "before " + list(PAIRS)[0] if i == 0
+                              else "after " + list(PAIRS)[i - 1], c))
+    print()
     both = " | formula B/A before / after (moved)" if BRACKET else ""
     print("| model | change | A | B | measured A / B (ms) | formula A / B (ms) | measured B/A (median) "
           f"| spread (min-max) | formula B/A{both} | error | first error | direction | page faults A / B |")
