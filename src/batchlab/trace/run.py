@@ -199,10 +199,11 @@ def _tracked_update(trainer: Trainer, tree: bool, timeline: bool = False, replay
             owners.close()
 
 
-def _memory(cfg: RunConfig, trainer: Trainer, snap, replay=None) -> TraceMemory:
+def _memory(cfg: RunConfig, trainer: Trainer, snap, replayed=None) -> TraceMemory:
+    """``replayed``: the update's ReplayResult (trace/replay.py), None where no replay ran."""
     params, grads, optimizer = _model_state_bytes(trainer)
-    if replay is not None:  # the traced storage events through the caching allocator's own rules
-        reserved = replay.result().peak_reserved_bytes + cublas_workspace(cfg.device_spec.arch)
+    if replayed is not None:  # the traced storage events through the caching allocator's own rules
+        reserved = replayed.peak_reserved_bytes + cublas_workspace(cfg.device_spec.arch)
         # a tracker peak above the replay's reserved is the tracker's own count (a fake collective's output)
         margin, source = max(reserved - snap.peak_bytes, 0), "replay"
     else:  # the traced tensor bytes through the formula's caching-allocator model (none on CPU)
@@ -261,9 +262,10 @@ def _trace(cfg: RunConfig, device: torch.device, rank: int, tree: bool, timeline
             notes.append(f"FLOPs: rank 0's, counted, x {cfg.dp} ranks")
         elif layered:
             notes.append(f"FLOPs and the per-op time: rank {rank}'s own (its shard and stage), not the world's")
-        memory = _memory(cfg, trainer, snap, replay)
-        if replay is not None:
-            notes.append(replay_note(replay.result(), cublas_workspace(cfg.device_spec.arch)))
+        replayed = replay.result() if replay is not None else None  # its blocks sorted once
+        memory = _memory(cfg, trainer, snap, replayed)
+        if replayed is not None:
+            notes.append(replay_note(replayed, cublas_workspace(cfg.device_spec.arch)))
     return _Traced(trainer, snap, recorder, ops, flops, memory, notes, warned)
 
 
