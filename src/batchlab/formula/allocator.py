@@ -132,6 +132,11 @@ def gradient_shards_live(cfg: RunConfig, rank, parts: dict[str, int]) -> int:
     return parts.get("gradients", 0)
 
 
+def vocab_shard(cfg: RunConfig, rank=None) -> int:
+    """The logits' width on ``rank``: the vocabulary, 1/t of it under loss parallelism (whole replica: all of it)."""
+    return cfg.model.vocab // (rank.vocab_split if rank is not None else 1)
+
+
 def tensor_parallel_blocks(cfg: RunConfig, rank=None) -> int:
     """Bytes of the full-sequence blocks a DTensor TP rank, with or without sequence parallelism, holds empty at the
     loss's backward (module docstring): four s x b x h blocks left in the pool by a fully recomputed block's
@@ -154,7 +159,7 @@ def tensor_parallel_blocks(cfg: RunConfig, rank=None) -> int:
     modes = cfg.ac.layer_modes(m.layers)
     if not any(modes[i] is ACMode.FULL for i in layers) or (p.sequence_parallel and cfg.micro_batch == 1):
         return 0
-    if m.vocab // (rank.vocab_split if rank is not None else 1) * 4 <= m.hidden * e:
+    if vocab_shard(cfg, rank) * 4 <= m.hidden * e:
         return 0
     return (4 - 1) * cfg.seq * cfg.micro_batch * m.hidden * e  # four in the pool, the head's input live
 
@@ -177,7 +182,7 @@ def device_memory(cfg: RunConfig, peak_tensor: int, peak_phase: str, activation_
         at_loss = cfg.loss.mode is LossMode.FULL and peak_phase == "backward" and holds_loss
         if at_loss and e < 4:
             parts["freed 16-bit logits (too small for the fp32 loss gradients)"] = (
-                cfg.seq * cfg.micro_batch * cfg.model.vocab // (rank.vocab_split if rank is not None else 1) * e)
+                cfg.seq * cfg.micro_batch * vocab_shard(cfg, rank) * e)
         if at_loss and (blocks := tensor_parallel_blocks(cfg, rank)):
             parts["tensor-parallel full-sequence blocks (a recomputed block's column-parallel inputs and "
                   "input gradients), too small for the loss's"] = blocks
